@@ -1,0 +1,3 @@
+from perfx.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,196 @@
+"""numpy float64 references: the truth every kernel test, `perfx selftest` and the tuner compare against.
+
+Everything here is plain, unoptimised and in float64, written to be read next to the maths. Shapes use
+the kernels' names: N output features, K input features, M tokens, G the quantization group size,
+H query heads, Hkv key/value heads, D head_dim, T positions in the cache.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def f64(a) -> np.ndarray:
+    return np.asarray(a, dtype=np.float64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalisation and activations
+
+
+def rmsnorm(x, gamma, eps: float = 1e-5) -> np.ndarray:
+    """y = x / sqrt(mean(x²) + eps) · γ, over the last axis."""
+    x = f64(x)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * f64(gamma)
+
+
+def rmsnorm_residual(x, residual, gamma, eps: float = 1e-5) -> tuple[np.ndarray, np.ndarray]:
+    """h = x + residual (the new residual stream) and y = rmsnorm(h)·γ."""
+    h = f64(x) + f64(residual)
+    return h, rmsnorm(h, gamma, eps)
+
+
+def silu(x) -> np.ndarray:
+    x = f64(x)
+    return x / (1.0 + np.exp(-x))
+
+
+def swiglu(gate, up) -> np.ndarray:
+    """SiLU(gate)·up, the Llama MLP's activation."""
+    return silu(gate) * f64(up)
+
+
+def softmax(x, axis: int = -1) -> np.ndarray:
+    x = f64(x)
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4-bit weights and matrix products
+
+
+def dequantize_q4(codes, scales, offsets, group: int) -> np.ndarray:
+    """W (N, K) from the device form: w = s·q + m, one (s, m) per group of G along K.
+
+    codes (N, K) in [0, 15]; scales and offsets (N, K/G).
+    """
+    codes = f64(codes)
+    n, k = codes.shape
+    s = np.repeat(f64(scales), group, axis=1)[:, :k]
+    m = np.repeat(f64(offsets), group, axis=1)[:, :k]
+    return s * codes + m
+
+
+def gemv(w, x, bias=None) -> np.ndarray:
+    """y (N) = W (N, K) · x (K) (+ bias)."""
+    y = f64(w) @ f64(x)
+    return y if bias is None else y + f64(bias)
+
+
+def gemm(x, w, bias=None) -> np.ndarray:
+    """Y (M, N) = X (M, K) · Wᵀ, W (N, K) (+ bias)."""
+    y = f64(x) @ f64(w).T
+    return y if bias is None else y + f64(bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE and attention
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> np.ndarray:
+    """Inverse frequencies θ^(−2i/D), i < D/2, with Llama-3's ``rope_scaling`` (type "llama3") applied.
+
+    Llama 3.1's scaling (transformers ``_compute_llama3_parameters``): wavelengths longer than
+    original_max_position_embeddings / low_freq_factor are divided by ``factor``, shorter than
+    … / high_freq_factor kept, and those between interpolated smoothly.
+    """
+    inv = 1.0 / (float(theta) ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if not scaling:
+        return inv
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return inv
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+    factor = float(scaling["factor"])
+    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+    original = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * np.pi / inv
+    smooth = (original / wavelen - low) / (high - low)
+    scaled = np.where(wavelen > original / low, inv / factor, inv)
+    between = (wavelen <= original / low) & (wavelen >= original / high)
+    return np.where(between, (1 - smooth) * inv / factor + smooth * inv, scaled)
+
+
+def rope_tables(positions, head_dim: int, theta: float, scaling: dict | None = None):
+    """cos and sin, each (len(positions), D/2): the table the kernels read."""
+    angles = np.outer(f64(positions), rope_inv_freq(head_dim, theta, scaling))
+    return np.cos(angles), np.sin(angles)
+
+
+def rope(x, positions, theta: float, scaling: dict | None = None) -> np.ndarray:
+    """Rotate-half RoPE (Hugging Face ``rotate_half``) on x (..., M, heads, D) at positions (M).
+
+    Pairs are (i, i + D/2): out[i] = x[i]·cos − x[i+D/2]·sin, out[i+D/2] = x[i+D/2]·cos + x[i]·sin.
+    llama.cpp's converter permutes the rows of Wq and Wk so that its interleaved RoPE (pairs
+    (2i, 2i+1)) gives the same result; perfx undoes that permutation when loading a GGUF
+    (``unpermute_qk``) and uses the rotate-half convention everywhere.
+    """
+    x = f64(x)
+    d = x.shape[-1]
+    cos, sin = rope_tables(positions, d, theta, scaling)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def permute_qk(w, n_heads: int) -> np.ndarray:
+    """llama.cpp's ``convert_hf_to_gguf`` permutation of Wq/Wk rows (HF order -> GGUF order)."""
+    w = np.asarray(w)
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_qk(w, n_heads: int) -> np.ndarray:
+    """Inverse of ``permute_qk``: GGUF row order back to Hugging Face's rotate-half order."""
+    w = np.asarray(w)
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def attention(q, k, v, q_positions, causal: bool = True) -> np.ndarray:
+    """softmax(q·Kᵀ/√D)·V with GQA.
+
+    q (M, H, D) at absolute positions q_positions (M); k, v (T, Hkv, D) for positions 0..T−1.
+    Query head h reads key/value head h // (H / Hkv). With ``causal``, query at position p sees
+    positions 0..p. Returns (M, H, D).
+    """
+    q, k, v = f64(q), f64(k), f64(v)
+    m, h, d = q.shape
+    t, hkv, _ = k.shape
+    group = h // hkv
+    kh = np.repeat(k, group, axis=1)  # (T, H, D)
+    vh = np.repeat(v, group, axis=1)
+    scores = np.einsum("mhd,thd->hmt", q, kh) / np.sqrt(d)
+    if causal:
+        visible = np.arange(t)[None, :] <= np.asarray(q_positions)[:, None]  # (M, T)
+        scores = np.where(visible[None], scores, -np.inf)
+    return np.einsum("hmt,thd->mhd", softmax(scores, axis=-1), vh)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling helpers (host side, on logits)
+
+
+def apply_repetition_penalty(logits, previous_ids, penalty: float) -> np.ndarray:
+    """CTRL-style penalty as in Hugging Face: positive logits divided, negative multiplied."""
+    logits = f64(logits).copy()
+    if penalty == 1.0 or len(previous_ids) == 0:
+        return logits
+    ids = np.unique(np.asarray(previous_ids, dtype=np.int64))
+    picked = logits[ids]
+    logits[ids] = np.where(picked > 0, picked / penalty, picked * penalty)
+    return logits
+
+
+def sampling_probs(logits, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                   min_p: float = 0.0) -> np.ndarray:
+    """The distribution sampled from: temperature, then top-k, top-p (nucleus) and min-p filters."""
+    logits = f64(logits) / max(float(temperature), 1e-8)
+    probs = softmax(logits)
+    keep = np.ones_like(probs, dtype=bool)
+    order = np.argsort(-probs, kind="stable")
+    if top_k and top_k < len(probs):
+        keep[order[top_k:]] = False
+    if top_p < 1.0:
+        cumulative = np.cumsum(probs[order])
+        # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
+        cut = int(np.searchsorted(cumulative, top_p, side="left")) + 1
+        keep[order[cut:]] = False
+    if min_p > 0.0:
+        keep &= probs >= min_p * probs.max()
+    probs = np.where(keep, probs, 0.0)
+    return probs / probs.sum()

@@ -1,0 +1,494 @@
+"""The device runtime: the one module that talks to OpenCL.
+
+Choosing a device (``PERFX_DEVICE`` or ``--device``), reading its capabilities, capping them with
+phone limits (``PERFX_LIMITS``), building kernel files with ``-D`` defines (built programs and
+``Kernel`` objects are kept), turning OpenCL errors into messages that name the constant, and
+counting the device memory perfx allocates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import threading
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyopencl as cl
+import pyopencl.array as cla
+
+from perfx.errors import PerfxError
+from perfx.resources import kernel_path
+
+# ----------------------------------------------------------------------------------------------
+# Errors
+
+
+def cl_error_name(code: int) -> str:
+    """``-46`` -> ``CL_INVALID_KERNEL_NAME``."""
+    try:
+        return "CL_" + cl.status_code.to_string(code)
+    except Exception:  # an extension's code pyopencl does not know
+        return f"CL_ERROR_{code}"
+
+
+class OpenCLError(PerfxError):
+    """An OpenCL call failed; the message names the error constant."""
+
+    def __init__(self, what: str, code: int, detail: str = ""):
+        self.code = code
+        self.name = cl_error_name(code)
+        super().__init__(f"OpenCL error {code}: {self.name} in {what}" + (f"\n{detail}" if detail else ""))
+
+
+class BuildError(PerfxError):
+    """A kernel file failed to build on this driver; carries the file, the defines and the log."""
+
+    def __init__(self, file: str, defines: dict, log: str, device_name: str):
+        self.file, self.defines, self.log = file, dict(defines), log
+        flags = " ".join(_define_flags(defines)) or "(no defines)"
+        super().__init__(
+            f"kernels/{file} failed to build on {device_name} with {flags}.\n"
+            f"Build log:\n{log.strip()}\n"
+            "If this is a tuned parameter set, run `perfx selftest` and report the log; "
+            "perfx falls back to the defaults when a tuned kernel does not build."
+        )
+
+
+def raise_as_perfx(what: str, error: cl.Error):
+    code = getattr(error, "code", 0)
+    if code in (-4, -5, -6, -61):  # MEM_OBJECT_ALLOCATION_FAILURE, OUT_OF_RESOURCES, OUT_OF_HOST_MEMORY, INVALID_BUFFER_SIZE
+        raise OpenCLError(what, code, "The device ran out of memory: use a smaller --ctx, a smaller model, "
+                          "or free other GPU work.") from error
+    raise OpenCLError(what, code) from error
+
+
+# ----------------------------------------------------------------------------------------------
+# Phone limits
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps on what perfx believes the device allows; ``None`` leaves the device's own value."""
+
+    name: str = "device"
+    image2d_max_width: int | None = None
+    image2d_max_height: int | None = None
+    max_alloc: int | None = None
+    local_mem: int | None = None
+    max_work_group: int | None = None
+
+    FIELDS = ("image2d_max_width", "image2d_max_height", "max_alloc", "local_mem", "max_work_group")
+
+
+# Adreno 740 (Snapdragon 8 Gen 2), from device dumps and llama.cpp's Adreno backend notes.
+LIMIT_PRESETS = {
+    "adreno740": Limits("adreno740", 16384, 16384, 1 << 30, 32 << 10, 1024),
+    # Some QCS parts cap a single allocation at 256 MiB.
+    "adreno-qcs": Limits("adreno-qcs", 16384, 16384, 256 << 20, 32 << 10, 1024),
+}
+
+
+def parse_limits(value: str | None) -> Limits:
+    """``PERFX_LIMITS``: a preset name or a path to a JSON object with any of ``Limits.FIELDS``."""
+    if not value:
+        return Limits()
+    if value.lower() in LIMIT_PRESETS:
+        return LIMIT_PRESETS[value.lower()]
+    path = Path(value)
+    if not path.is_file():
+        raise PerfxError(f"PERFX_LIMITS={value!r} is neither a preset ({', '.join(LIMIT_PRESETS)}) "
+                         "nor a JSON file. Unset it, name a preset, or give the path of a JSON object "
+                         f"with keys {', '.join(Limits.FIELDS)}.")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise PerfxError(f"PERFX_LIMITS file {path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise PerfxError(f"PERFX_LIMITS file {path} must hold a JSON object, not {type(data).__name__}")
+    unknown = set(data) - set(Limits.FIELDS) - {"name"}
+    if unknown:
+        raise PerfxError(f"PERFX_LIMITS file {path}: unknown keys {sorted(unknown)}; "
+                         f"allowed: {', '.join(Limits.FIELDS)}")
+    for key in Limits.FIELDS:
+        if key in data and (not isinstance(data[key], int) or isinstance(data[key], bool) or data[key] <= 0):
+            raise PerfxError(f"PERFX_LIMITS file {path}: {key} must be a positive integer, got {data[key]!r}")
+    return Limits(name=str(data.get("name", path.stem)), **{k: data[k] for k in Limits.FIELDS if k in data})
+
+
+# ----------------------------------------------------------------------------------------------
+# Capabilities
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    platform: str
+    name: str
+    vendor: str
+    vendor_key: str           # normalised: qualcomm, nvidia, amd, intel, arm, pocl, ...
+    device_type: str          # GPU, CPU, ACCELERATOR
+    opencl_c_version: str
+    driver_version: str
+    adreno_model: int | None  # 740 from "OpenCL C 3.0 Adreno(TM) 740"
+    architecture: str         # "adreno-7xx", else vendor_key plus device name
+    compute_units: int
+    global_mem: int
+    fp16: bool
+    subgroups: bool
+    qcom_extensions: tuple[str, ...]
+    image_support: bool
+    image2d_max_width: int
+    image2d_max_height: int
+    image2d_from_buffer: bool
+    image_pitch_alignment: int  # in pixels; 0 where the device does not say
+    local_mem: int
+    max_alloc: int
+    max_work_group: int
+    extensions: tuple[str, ...]
+    limits: str                # which Limits capped the values above
+
+    def has(self, extension: str) -> bool:
+        return extension in self.extensions
+
+
+_ADRENO = re.compile(r"Adreno\s*\(TM\)\s*(\d{3,4})", re.IGNORECASE)
+
+
+def parse_adreno_model(*texts: str) -> int | None:
+    """Adreno's device name is a generic "QUALCOMM Adreno(TM)"; the model number is in the OpenCL C version."""
+    for text in texts:
+        match = _ADRENO.search(text or "")
+        if match:
+            return int(match.group(1))
+    return None
+
+
+def _vendor_key(vendor: str, platform: str) -> str:
+    text = f"{vendor} {platform}".lower()
+    for key in ("qualcomm", "nvidia", "intel", "arm", "apple", "oclgrind"):
+        if key in text:
+            return key
+    if "advanced micro devices" in text or "amd" in text.split():
+        return "amd"
+    if "portable computing language" in text or "pocl" in text:
+        return "pocl"
+    return re.sub(r"[^a-z0-9]+", "-", vendor.lower()).strip("-") or "unknown"
+
+
+def _device_int(device: cl.Device, name: str, code: int | None = None) -> int:
+    try:
+        return int(getattr(device, name))
+    except Exception:
+        if code is None:
+            return 0
+        try:
+            return int(device.get_info(code))
+        except Exception:
+            return 0
+
+
+def capabilities(device: cl.Device, limits: Limits = Limits()) -> Capabilities:
+    extensions = tuple(sorted(device.extensions.split()))
+    platform = device.platform.name.strip()
+    vendor = device.vendor.strip()
+    key = _vendor_key(vendor, platform)
+    model = parse_adreno_model(device.opencl_c_version, device.name, device.version)
+    if model is not None:
+        key = "qualcomm"
+        architecture = f"adreno-{str(model)[0]}xx"
+    else:
+        architecture = f"{key}-" + re.sub(r"[^a-z0-9]+", "-", device.name.lower()).strip("-")
+
+    def capped(value: int, cap: int | None) -> int:
+        return min(value, cap) if cap else value
+
+    image = bool(device.image_support)
+    return Capabilities(
+        platform=platform, name=device.name.strip(), vendor=vendor, vendor_key=key,
+        device_type=cl.device_type.to_string(device.type).split(" ")[0],
+        opencl_c_version=device.opencl_c_version.strip(), driver_version=device.driver_version.strip(),
+        adreno_model=model, architecture=architecture,
+        compute_units=device.max_compute_units, global_mem=device.global_mem_size,
+        fp16="cl_khr_fp16" in extensions,
+        subgroups="cl_khr_subgroups" in extensions or "cl_intel_subgroups" in extensions,
+        qcom_extensions=tuple(e for e in extensions if e.startswith("cl_qcom_")),
+        image_support=image,
+        image2d_max_width=capped(device.image2d_max_width, limits.image2d_max_width) if image else 0,
+        image2d_max_height=capped(device.image2d_max_height, limits.image2d_max_height) if image else 0,
+        image2d_from_buffer="cl_khr_image2d_from_buffer" in extensions,
+        image_pitch_alignment=_device_int(device, "image_pitch_alignment", 0x104A),
+        local_mem=capped(device.local_mem_size, limits.local_mem),
+        max_alloc=capped(device.max_mem_alloc_size, limits.max_alloc),
+        max_work_group=capped(device.max_work_group_size, limits.max_work_group),
+        extensions=extensions, limits=limits.name,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Choosing a device
+
+
+NO_PLATFORM_HELP = (
+    "No OpenCL platform found. On a PC or in CI, install the dev extra, which brings PoCL, an OpenCL "
+    "CPU driver: pip install -e \".[dev]\". On a Snapdragon phone (Termux): pkg install ocl-icd "
+    "opencl-vendor-driver clinfo, then export LD_LIBRARY_PATH=/vendor/lib64:$PREFIX/lib and check "
+    "that `clinfo` lists \"QUALCOMM Snapdragon(TM)\"."
+)
+
+
+@dataclass(frozen=True)
+class DeviceEntry:
+    platform_index: int
+    device_index: int
+    platform: str
+    name: str
+    device_type: str
+    simulator: bool
+    device: cl.Device
+
+    @property
+    def label(self) -> str:
+        return f"{self.platform_index}:{self.device_index} {self.platform} / {self.name} ({self.device_type})"
+
+
+def list_devices() -> list[DeviceEntry]:
+    try:
+        platforms = cl.get_platforms()
+    except cl.Error as e:
+        raise PerfxError(NO_PLATFORM_HELP) from e
+    entries = []
+    for p, platform in enumerate(platforms):
+        try:
+            devices = platform.get_devices()
+        except cl.Error:  # a platform with no devices (e.g. a GPU ICD with the GPU absent)
+            continue
+        for d, device in enumerate(devices):
+            entries.append(DeviceEntry(
+                p, d, platform.name.strip(), device.name.strip(),
+                cl.device_type.to_string(device.type).split(" ")[0],
+                "oclgrind" in platform.name.lower() or "oclgrind" in device.name.lower(), device))
+    if not entries:
+        raise PerfxError(NO_PLATFORM_HELP)
+    return entries
+
+
+def choose_device(selector: str | None = None) -> tuple[DeviceEntry, str]:
+    """Pick a device: the selector (or ``PERFX_DEVICE``), else the first GPU, else the first CPU.
+
+    The selector is ``P:D`` (platform and device indices as `perfx info` lists them) or a
+    case-insensitive substring of "platform / device name". A simulator (Oclgrind) is chosen only
+    when the selector names it. Returns the entry and the reason, for `perfx info`.
+    """
+    entries = list_devices()
+    source = "--device"
+    if selector is None:
+        selector, source = os.environ.get("PERFX_DEVICE") or None, "PERFX_DEVICE"
+    if selector:
+        match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", selector)
+        if match:
+            p, d = int(match.group(1)), int(match.group(2))
+            found = [e for e in entries if (e.platform_index, e.device_index) == (p, d)]
+        else:
+            needle = selector.strip().lower()
+            found = [e for e in entries if needle in f"{e.platform} / {e.name}".lower()]
+        if not found:
+            listing = "\n  ".join(e.label for e in entries)
+            raise PerfxError(f"{source}={selector!r} matches no OpenCL device. Devices here:\n  {listing}\n"
+                             "Give P:D indices or part of a platform or device name.")
+        return found[0], f"{source}={selector!r}"
+    real = [e for e in entries if not e.simulator]
+    for kind in ("GPU", "CPU"):
+        for entry in real:
+            if entry.device_type == kind:
+                return entry, f"first {kind} (set PERFX_DEVICE to choose another)"
+    if real:
+        return real[0], "first device (set PERFX_DEVICE to choose another)"
+    raise PerfxError("Only a simulator (Oclgrind) is installed; name it with PERFX_DEVICE=oclgrind to use it, "
+                     "or install a real driver. " + NO_PLATFORM_HELP)
+
+
+# ----------------------------------------------------------------------------------------------
+# The device
+
+
+class _CountedBuffer(cl.Buffer):
+    """A Buffer that can carry a weakref finalizer (pyopencl's own cannot), for memory accounting."""
+
+
+class _CountedImage(cl.Image):
+    pass
+
+
+def _define_flags(defines: dict) -> list[str]:
+    flags = []
+    for name in sorted(defines):
+        value = defines[name]
+        if isinstance(value, bool):
+            value = int(value)
+        flags.append(f"-D{name}={value}")
+    return flags
+
+
+class Device:
+    """One OpenCL device with its context, a profiling queue, built kernels and memory accounting."""
+
+    def __init__(self, selector: str | None = None, limits: Limits | None = None):
+        self.entry, self.reason = choose_device(selector)
+        self.cl_device = self.entry.device
+        self.limits = limits if limits is not None else parse_limits(os.environ.get("PERFX_LIMITS"))
+        self.caps = capabilities(self.cl_device, self.limits)
+        try:
+            self.context = cl.Context([self.cl_device])
+            self.queue = cl.CommandQueue(self.context, properties=cl.command_queue_properties.PROFILING_ENABLE)
+        except cl.Error as e:
+            raise_as_perfx(f"creating a context on {self.caps.name}", e)
+        self._programs: dict[tuple, cl.Program] = {}
+        self._kernels: dict[tuple, cl.Kernel] = {}
+        self._lock = threading.Lock()
+        self.allocated_bytes = 0
+        self.peak_allocated_bytes = 0
+
+    def __repr__(self) -> str:
+        return f"<perfx.Device {self.caps.platform} / {self.caps.name}, limits={self.caps.limits}>"
+
+    @property
+    def fingerprint(self) -> dict:
+        """What identifies this device and driver in the tuning database."""
+        c = self.caps
+        return {"platform": c.platform, "device": c.name, "opencl_c_version": c.opencl_c_version,
+                "driver_version": c.driver_version}
+
+    # -- building ------------------------------------------------------------------------------
+
+    def build(self, file: str, defines: dict | None = None) -> cl.Program:
+        """Build ``kernels/<file>`` with ``-DNAME=value`` per define; built programs are kept."""
+        defines = dict(defines or {})
+        key = (file, tuple(sorted(defines.items())))
+        program = self._programs.get(key)
+        if program is not None:
+            return program
+        path = kernel_path(file)
+        options = _define_flags(defines) + ["-I", str(path.parent)]
+        program = cl.Program(self.context, path.read_text())
+        try:
+            program.build(options=options, devices=[self.cl_device])
+        except cl.Error as e:
+            raise BuildError(file, defines, str(e), self.caps.name) from e
+        self._programs[key] = program
+        return program
+
+    def kernel(self, file: str, name: str, defines: dict | None = None) -> cl.Kernel:
+        """A ``Kernel`` object, created once per (file, defines, name): each ``program.name`` makes a new one."""
+        key = (file, tuple(sorted((defines or {}).items())), name)
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            program = self.build(file, defines)
+            try:
+                kernel = cl.Kernel(program, name)
+            except cl.Error as e:
+                raise_as_perfx(f"creating kernel {name!r} from kernels/{file}", e)
+            self._kernels[key] = kernel
+        return kernel
+
+    def launch(self, kernel: cl.Kernel, global_size, local_size, *args, wait_for=None) -> cl.Event:
+        try:
+            if args:
+                kernel.set_args(*args)
+            return cl.enqueue_nd_range_kernel(self.queue, kernel, tuple(global_size),
+                                              tuple(local_size) if local_size else None, wait_for=wait_for)
+        except cl.Error as e:
+            raise_as_perfx(f"launching {kernel.function_name} global={tuple(global_size)} "
+                           f"local={tuple(local_size) if local_size else None}", e)
+
+    # -- memory --------------------------------------------------------------------------------
+
+    def _account(self, obj, nbytes: int):
+        with self._lock:
+            self.allocated_bytes += nbytes
+            self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+        weakref.finalize(obj, self._release, nbytes)
+        return obj
+
+    def _release(self, nbytes: int):
+        with self._lock:
+            self.allocated_bytes -= nbytes
+
+    def _check_alloc(self, nbytes: int, what: str):
+        if nbytes > self.caps.max_alloc:
+            raise PerfxError(f"{what} needs one allocation of {nbytes / 2**20:.1f} MiB, more than this device "
+                             f"allows ({self.caps.max_alloc / 2**20:.0f} MiB, limits: {self.caps.limits}). "
+                             "The caller must split it; if you see this from a perfx command, please report it.")
+
+    def alloc(self, nbytes: int, hostbuf: np.ndarray | None = None, what: str = "a buffer") -> cl.Buffer:
+        """A counted device buffer; ``hostbuf`` is copied in."""
+        nbytes = max(int(nbytes), 1)
+        self._check_alloc(nbytes, what)
+        flags = cl.mem_flags.READ_WRITE
+        if hostbuf is not None:
+            flags |= cl.mem_flags.COPY_HOST_PTR
+            hostbuf = np.ascontiguousarray(hostbuf)
+        try:
+            buffer = _CountedBuffer(self.context, flags, size=nbytes, hostbuf=hostbuf)
+        except cl.Error as e:
+            raise_as_perfx(f"allocating {nbytes} bytes for {what}", e)
+        return self._account(buffer, nbytes)
+
+    def _allocator(self, nbytes: int) -> cl.Buffer:
+        return self.alloc(nbytes)
+
+    def empty(self, shape, dtype) -> cla.Array:
+        return cla.empty(self.queue, shape, np.dtype(dtype), allocator=self._allocator)
+
+    def upload(self, array: np.ndarray) -> cla.Array:
+        array = np.ascontiguousarray(array)
+        out = self.empty(array.shape, array.dtype)
+        out.set(array)
+        return out
+
+    def poisoned(self, shape, dtype) -> cla.Array:
+        """An output buffer filled with NaN (or 0xFF.. for integers) so unwritten elements show in tests."""
+        dtype = np.dtype(dtype)
+        fill = np.full(shape, np.nan, dtype) if dtype.kind == "f" else np.full(shape, -1, dtype)
+        return self.upload(fill)
+
+    def image_rgba_u32(self, texels: np.ndarray, what: str = "an image") -> cl.Image:
+        """A read-only image2d of RGBA/UINT32 texels from a (height, width, 4) uint32 array."""
+        texels = np.ascontiguousarray(texels, dtype=np.uint32)
+        height, width, channels = texels.shape
+        if channels != 4:
+            raise ValueError("image_rgba_u32 takes (height, width, 4) uint32 texels")
+        c = self.caps
+        if not c.image_support:
+            raise PerfxError(f"{c.name} has no image support; use the buffer read path")
+        if width > c.image2d_max_width or height > c.image2d_max_height:
+            raise PerfxError(f"{what} of {width}x{height} texels exceeds the image2d limit "
+                             f"{c.image2d_max_width}x{c.image2d_max_height} (limits: {c.limits}); split it")
+        self._check_alloc(texels.nbytes, what)
+        fmt = cl.ImageFormat(cl.channel_order.RGBA, cl.channel_type.UNSIGNED_INT32)
+        try:
+            image = _CountedImage(self.context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, fmt,
+                             shape=(width, height), hostbuf=texels)
+        except cl.Error as e:
+            raise_as_perfx(f"creating {what} of {width}x{height} texels", e)
+        return self._account(image, texels.nbytes)
+
+
+_default_device: Device | None = None
+
+
+def get_device(selector: str | None = None) -> Device:
+    """The process-wide device (chosen once); a selector other than the first builds a new one."""
+    global _default_device
+    if selector is not None:
+        return Device(selector)
+    if _default_device is None:
+        _default_device = Device()
+    return _default_device
+
+
+def capabilities_dict(caps: Capabilities) -> dict:
+    return dataclasses.asdict(caps)

@@ -1,0 +1,87 @@
+"""One timing module for `perfx bench`, the tuner and the pytest-benchmark suite.
+
+Kernels are timed with profiling events (device time, not Python time): warm-up launches, then
+repeated launches, the median reported with every sample kept. Where a case holds several copies of
+its inputs, they are rotated between launches so that caches do not flatter the figure.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from perfx.runtime import Device
+
+
+@dataclass
+class Timing:
+    median_s: float
+    samples: list[float] = field(default_factory=list)
+
+    @property
+    def spread(self) -> float:
+        """(max − min) / median of the samples: how much to trust the median."""
+        if len(self.samples) < 2 or self.median_s <= 0:
+            return 0.0
+        return (max(self.samples) - min(self.samples)) / self.median_s
+
+    def as_dict(self) -> dict:
+        return {"median_s": self.median_s, "spread": self.spread, "samples_s": self.samples}
+
+
+def event_span(events) -> float:
+    """Seconds from the start of the first event to the end of the last."""
+    events = list(events)
+    for event in events:
+        event.wait()
+    return (events[-1].profile.end - events[0].profile.start) * 1e-9
+
+
+def time_launches(launch: Callable[[], list], warmup: int = 2, repeat: int = 10,
+                  rotate: Callable[[], None] | None = None, max_seconds: float | None = None) -> Timing:
+    """Median device time of ``launch()`` (which enqueues and returns its events).
+
+    ``max_seconds`` cuts the repeats short once that much wall time has passed (the tuner uses it to
+    stop timing a candidate that is clearly slower than the best so far); at least one sample is taken.
+    """
+    for _ in range(warmup):
+        event_span(launch())
+    samples = []
+    started = time.perf_counter()
+    for _ in range(repeat):
+        if rotate is not None:
+            rotate()
+        samples.append(event_span(launch()))
+        if max_seconds is not None and time.perf_counter() - started > max_seconds:
+            break
+    return Timing(statistics.median(samples), samples)
+
+
+def copy_bandwidth(device: Device, nbytes: int = 64 << 20, copies: int = 2, repeat: int = 10) -> tuple[float, Timing]:
+    """The device's copy bandwidth in GB/s (bytes read + written), measured with our copy kernel.
+
+    ``copies`` source/destination pairs are rotated so a large cache (the H200's 50 MB L2) does not
+    serve the reads.
+    """
+    nbytes = min(nbytes, device.caps.max_alloc) // 32 * 32
+    vw = 8 if device.caps.vendor_key == "pocl" else 4
+    kernel = device.kernel("copy.cl", "copy_vectors", {"VWC": vw})
+    n = nbytes // (4 * vw)
+    rng = np.random.default_rng(0)
+    pairs = [(device.upload(rng.standard_normal(nbytes // 4, dtype=np.float32)), device.empty(nbytes // 4, np.float32))
+             for _ in range(copies)]
+    state = {"i": 0}
+    units = device.caps.compute_units
+    global_size = min(n, units * 2048) // 64 * 64 or 64
+
+    def launch():
+        src, dst = pairs[state["i"] % copies]
+        state["i"] += 1
+        return [device.launch(kernel, (global_size,), (64,), np.int32(n), src.data, dst.data)]
+
+    timing = time_launches(launch, warmup=2, repeat=repeat)
+    return 2 * nbytes / timing.median_s / 1e9, timing

@@ -179,6 +179,15 @@ def _vendor_key(vendor: str, platform: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", vendor.lower()).strip("-") or "unknown"
 
 
+def device_type_name(device: cl.Device) -> str:
+    # pyopencl's to_string renders CPU (2) as "ALL | CPU": read the bits ourselves.
+    for bit, name in ((cl.device_type.GPU, "GPU"), (cl.device_type.CPU, "CPU"),
+                      (cl.device_type.ACCELERATOR, "ACCELERATOR")):
+        if device.type & bit:
+            return name
+    return "OTHER"
+
+
 def _device_int(device: cl.Device, name: str, code: int | None = None) -> int:
     try:
         return int(getattr(device, name))
@@ -209,7 +218,7 @@ def capabilities(device: cl.Device, limits: Limits = Limits()) -> Capabilities:
     image = bool(device.image_support)
     return Capabilities(
         platform=platform, name=device.name.strip(), vendor=vendor, vendor_key=key,
-        device_type=cl.device_type.to_string(device.type).split(" ")[0],
+        device_type=device_type_name(device),
         opencl_c_version=device.opencl_c_version.strip(), driver_version=device.driver_version.strip(),
         adreno_model=model, architecture=architecture,
         compute_units=device.max_compute_units, global_mem=device.global_mem_size,
@@ -269,7 +278,7 @@ def list_devices() -> list[DeviceEntry]:
         for d, device in enumerate(devices):
             entries.append(DeviceEntry(
                 p, d, platform.name.strip(), device.name.strip(),
-                cl.device_type.to_string(device.type).split(" ")[0],
+                device_type_name(device),
                 "oclgrind" in platform.name.lower() or "oclgrind" in device.name.lower(), device))
     if not entries:
         raise PerfxError(NO_PLATFORM_HELP)

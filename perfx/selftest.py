@@ -1,0 +1,115 @@
+"""`perfx selftest`: every kernel family checked on the user's own device against the float64 references.
+
+This is how a user with a Snapdragon phone learns that perfx's kernels compute the right thing on
+*their* driver: each spec's test shapes, at the defaults and (without ``--quick``) at every parameter
+set the tuner may choose on this device, fresh random inputs, outputs poisoned first.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from perfx.errors import PerfxError
+from perfx.progress import Progress, format_table
+from perfx.runtime import Device
+from perfx.tuning import Spec, specs
+
+
+@dataclass
+class Check:
+    kernel: str
+    params: dict
+    shape: str
+    error: float
+    tolerance: float
+    passed: bool
+    failure: str = ""   # build or launch failure, when it did not run
+
+
+def plan(all_specs: dict[str, Spec], device: Device, quick: bool) -> list[tuple[Spec, dict, dict]]:
+    jobs = []
+    for spec in all_specs.values():
+        shapes = spec.test_shapes[:1] if quick else spec.test_shapes
+        for shape in shapes:
+            candidates = [spec.defaults()] if quick else spec.candidates(shape, device.caps)
+            if spec.defaults() not in candidates and spec.why_invalid(spec.defaults(), shape, device.caps) is None:
+                candidates.insert(0, spec.defaults())
+            jobs.extend((spec, shape, params) for params in candidates)
+    return jobs
+
+
+def run_checks(device: Device, all_specs: dict[str, Spec], quick: bool = False, seed: int = 0,
+               progress: Progress | None = None) -> list[Check]:
+    jobs = plan(all_specs, device, quick)
+    progress = progress or Progress(len(jobs), "selftest")
+    checks, cases = [], {}
+    rng = np.random.default_rng(seed)
+    for spec, shape, params in jobs:
+        key = (spec.family, spec.describe(shape))
+        try:
+            if key not in cases:
+                cases[key] = spec.make_case(device, shape, rng)
+            errors = cases[key].errors(params)
+            error = max(errors.values()) if errors else 0.0
+            checks.append(Check(spec.family, params, key[1], error, spec.tolerance, bool(error <= spec.tolerance)))
+        except PerfxError as e:  # a build or launch failure on this driver: report it, go on
+            checks.append(Check(spec.family, params, key[1], float("inf"), spec.tolerance, False,
+                                str(e).splitlines()[0]))
+        progress.update(note=spec.family)
+    progress.close()
+    return checks
+
+
+def checks_table(checks: list[Check]) -> str:
+    rows = [("kernel", "parameters", "shape", "max rel err", "tolerance", "result")]
+    for c in checks:
+        params = " ".join(f"{k}={v}" for k, v in c.params.items())
+        result = "pass" if c.passed else ("FAIL: " + c.failure if c.failure else "FAIL")
+        rows.append((c.kernel, params, c.shape, f"{c.error:.2e}", f"{c.tolerance:.0e}", result))
+    return format_table(rows)
+
+
+def summary_table(checks: list[Check], all_specs: dict[str, Spec]) -> str:
+    rows = [("kernel", "checks", "failed", "worst passing err", "tolerance")]
+    for family, spec in all_specs.items():
+        mine = [c for c in checks if c.kernel == family]
+        worst = max((c.error for c in mine if c.passed), default=0.0)
+        rows.append((family, len(mine), sum(not c.passed for c in mine), f"{worst:.2e}", f"{spec.tolerance:.0e}"))
+    return format_table(rows)
+
+
+def main(args) -> int:
+    device = Device(args.device)
+    all_specs = specs()
+    if args.kernels:
+        wanted = [k.strip() for k in args.kernels.split(",") if k.strip()]
+        unknown = [k for k in wanted if k not in all_specs]
+        if unknown:
+            raise PerfxError(f"unknown kernel famil{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
+                             f"known: {', '.join(all_specs)}")
+        all_specs = {k: all_specs[k] for k in wanted}
+    if not all_specs:
+        raise PerfxError("no kernel families found in perfx.tuning: the installation is incomplete; reinstall perfx")
+    started = time.perf_counter()
+    print(f"perfx selftest on {device.caps.platform} / {device.caps.name} (limits: {device.caps.limits})",
+          file=sys.stderr)
+    checks = run_checks(device, all_specs, quick=args.quick, progress=Progress(
+        len(plan(all_specs, device, args.quick)), "selftest", enabled=None if not args.json else False))
+    failed = [c for c in checks if not c.passed]
+    if args.json:
+        print(json.dumps({"device": device.fingerprint, "limits": device.caps.limits, "quick": args.quick,
+                          "passed": len(checks) - len(failed), "failed": len(failed),
+                          "checks": [asdict(c) for c in checks]}, indent=1, default=float))
+    else:
+        shown = checks if args.verbose else [c for c in checks if not c.passed]
+        if shown:
+            print(checks_table(shown))
+        print(summary_table(checks, all_specs))
+        print(f"{len(checks) - len(failed)} passed, {len(failed)} failed "
+              f"({time.perf_counter() - started:.1f}s)")
+    return 1 if failed else 0

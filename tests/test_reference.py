@@ -1,0 +1,108 @@
+"""The float64 references against plain loops on small inputs: the truth must be right too."""
+
+import math
+
+import numpy as np
+import pytest
+
+from perfx import reference as ref
+
+
+def test_rmsnorm_residual_matches_a_loop(rng):
+    x, r, g = rng.standard_normal(7), rng.standard_normal(7), rng.standard_normal(7)
+    h, y = ref.rmsnorm_residual(x, r, g, eps=1e-5)
+    hh = [x[i] + r[i] for i in range(7)]
+    rms = math.sqrt(sum(v * v for v in hh) / 7 + 1e-5)
+    np.testing.assert_allclose(h, hh, rtol=1e-15)
+    np.testing.assert_allclose(y, [hh[i] / rms * g[i] for i in range(7)], rtol=1e-13)
+
+
+def test_gemv_and_gemm_match_loops(rng):
+    w, x, b = rng.standard_normal((5, 3)), rng.standard_normal((4, 3)), rng.standard_normal(5)
+    loop = [[sum(x[m, k] * w[n, k] for k in range(3)) + b[n] for n in range(5)] for m in range(4)]
+    np.testing.assert_allclose(ref.gemm(x, w, b), loop, rtol=1e-13)
+    np.testing.assert_allclose(ref.gemv(w, x[1], b), loop[1], rtol=1e-13)
+
+
+def test_swiglu_softmax_silu(rng):
+    g, u = rng.standard_normal(6), rng.standard_normal(6)
+    np.testing.assert_allclose(ref.swiglu(g, u), [g[i] / (1 + math.exp(-g[i])) * u[i] for i in range(6)], rtol=1e-13)
+    s = ref.softmax(g)
+    total = sum(math.exp(v) for v in g)
+    np.testing.assert_allclose(s, [math.exp(v) / total for v in g], rtol=1e-13)
+
+
+def test_rope_rotate_half_matches_a_loop(rng):
+    m, heads, d, theta = 3, 2, 8, 10000.0
+    x = rng.standard_normal((m, heads, d))
+    positions = [0, 5, 17]
+    out = ref.rope(x, positions, theta)
+    for i, p in enumerate(positions):
+        for h in range(heads):
+            for j in range(d // 2):
+                angle = p * theta ** (-2 * j / d)
+                a, b = x[i, h, j], x[i, h, j + d // 2]
+                assert out[i, h, j] == pytest.approx(a * math.cos(angle) - b * math.sin(angle), rel=1e-12, abs=1e-14)
+                assert out[i, h, j + d // 2] == pytest.approx(b * math.cos(angle) + a * math.sin(angle), rel=1e-12,
+                                                              abs=1e-14)
+
+
+def test_gguf_permutation_turns_interleaved_rope_into_rotate_half(rng):
+    # llama.cpp applies RoPE to pairs (2i, 2i+1) on GGUF-permuted Wq rows; perfx un-permutes and uses
+    # rotate-half pairs (i, i + D/2). Both must give the same rotated q up to the row order.
+    heads, d, k = 2, 8, 5
+    w = rng.standard_normal((heads * d, k))
+    x = rng.standard_normal(k)
+    q_hf = (w @ x).reshape(1, heads, d)
+    q_gguf = (ref.permute_qk(w, heads) @ x).reshape(heads, d)
+    np.testing.assert_array_equal(ref.unpermute_qk(ref.permute_qk(w, heads), heads), w)
+    pos, theta = 7, 10000.0
+    rotated = ref.rope(q_hf, [pos], theta)[0]
+    inter = np.empty_like(q_gguf)
+    for i in range(d // 2):
+        angle = pos * theta ** (-2 * i / d)
+        a, b = q_gguf[:, 2 * i], q_gguf[:, 2 * i + 1]
+        inter[:, 2 * i] = a * math.cos(angle) - b * math.sin(angle)
+        inter[:, 2 * i + 1] = b * math.cos(angle) + a * math.sin(angle)
+    np.testing.assert_allclose(ref.unpermute_qk(inter.reshape(heads * d, 1), heads).reshape(heads, d), rotated,
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_llama3_rope_scaling_keeps_high_and_scales_low_frequencies():
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    plain, scaled = ref.rope_inv_freq(128, 500000.0), ref.rope_inv_freq(128, 500000.0, scaling)
+    assert scaled[0] == plain[0]                       # short wavelength: kept
+    assert scaled[-1] == pytest.approx(plain[-1] / 8)  # long wavelength: divided by factor
+    assert np.all(scaled <= plain)
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
+        ref.rope_inv_freq(64, 1e4, {"type": "yarn", "factor": 2})
+
+
+@pytest.mark.parametrize("h, hkv", [(4, 4), (6, 2), (8, 2)])
+def test_attention_matches_a_loop_with_gqa_and_causality(rng, h, hkv):
+    m, t, d = 3, 5, 4
+    q, k, v = rng.standard_normal((m, h, d)), rng.standard_normal((t, hkv, d)), rng.standard_normal((t, hkv, d))
+    positions = [2, 3, 4]
+    out = ref.attention(q, k, v, positions)
+    for i, p in enumerate(positions):
+        for head in range(h):
+            kv = head // (h // hkv)
+            scores = [sum(q[i, head, c] * k[j, kv, c] for c in range(d)) / math.sqrt(d) for j in range(p + 1)]
+            top = max(scores)
+            weights = [math.exp(s - top) for s in scores]
+            total = sum(weights)
+            want = [sum(weights[j] * v[j, kv, c] for j in range(p + 1)) / total for c in range(d)]
+            np.testing.assert_allclose(out[i, head], want, rtol=1e-12)
+
+
+def test_sampling_filters():
+    logits = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05]))
+    assert np.count_nonzero(ref.sampling_probs(logits, top_k=2)) == 2
+    p = ref.sampling_probs(logits, top_p=0.6)   # 0.5 alone < 0.6: the token crossing it is kept
+    assert np.count_nonzero(p) == 2 and p[0] == pytest.approx(0.5 / 0.7)
+    assert np.count_nonzero(ref.sampling_probs(logits, min_p=0.25)) == 3  # ≥ 0.125
+    cold = ref.sampling_probs(logits, temperature=0.01)
+    assert cold[0] == pytest.approx(1.0)
+    penalised = ref.apply_repetition_penalty(np.array([2.0, -2.0, 1.0]), [0, 1], 2.0)
+    np.testing.assert_allclose(penalised, [1.0, -4.0, 1.0])

@@ -1,0 +1,223 @@
+"""Generation: sampling, stops and streaming over a model's ``prefill`` / ``decode_one``.
+
+Like gpt-fast's ``generate.py``: the loop knows nothing about kernels; the REPL and `perfx generate`
+only pass a callback that receives each piece of text as it is decoded.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import numpy as np
+
+from perfx import reference
+from perfx.errors import PerfxError
+
+
+class Model(Protocol):
+    max_positions: int
+    weight_bytes: int
+
+    def prefill(self, tokens: list[int], start_pos: int) -> None: ...
+    def decode_one(self, token: int, pos: int) -> None: ...
+    def logits(self) -> np.ndarray: ...
+    def argmax(self) -> int: ...
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 0.7
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise PerfxError(f"--temperature must be ≥ 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise PerfxError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise PerfxError(f"--top-k must be ≥ 0 (0 = off), got {self.top_k}")
+        if not 0 <= self.min_p < 1:
+            raise PerfxError(f"--min-p must be in [0, 1), got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise PerfxError(f"--repetition-penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 and self.repetition_penalty == 1.0
+
+
+class Sampler:
+    """Picks the next token: greedy on the device (4 bytes read back), else on host logits."""
+
+    def __init__(self, config: SamplingConfig):
+        self.config = config
+        self.rng = np.random.default_rng(config.seed)
+
+    def __call__(self, model: Model, history: list[int]) -> int:
+        c = self.config
+        if c.greedy:
+            return model.argmax()
+        logits = reference.apply_repetition_penalty(model.logits(), history[-256:], c.repetition_penalty)
+        if c.temperature == 0:
+            return int(np.argmax(logits))
+        probs = reference.sampling_probs(logits, c.temperature, c.top_k, c.top_p, c.min_p)
+        return int(self.rng.choice(len(probs), p=probs))
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float = 0.0          # prompt in -> first token out
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    host_s_per_token: float = 0.0  # Python/host time per decode step (sampling, detokenizing, enqueueing)
+    weight_bytes: int = 0
+    stop_reason: str = ""
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        steps = max(self.generated_tokens - 1, 0)  # the first token comes from the prefill
+        return steps / self.decode_s if self.decode_s and steps else 0.0
+
+    @property
+    def decode_gb_s(self) -> float:
+        """Achieved bandwidth: model bytes read per token × decode tok/s."""
+        return self.weight_bytes * self.decode_tok_s / 1e9
+
+    def as_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+                "ttft_s": self.ttft_s, "prefill_tok_s": self.prefill_tok_s, "decode_tok_s": self.decode_tok_s,
+                "decode_gb_s": self.decode_gb_s, "host_ms_per_token": 1e3 * self.host_s_per_token,
+                "stop_reason": self.stop_reason}
+
+    def line(self) -> str:
+        return (f"{self.generated_tokens} tokens, TTFT {1e3 * self.ttft_s:.0f} ms, prefill {self.prefill_tok_s:.1f} tok/s, "
+                f"decode {self.decode_tok_s:.1f} tok/s ({self.decode_gb_s:.2f} GB/s)")
+
+
+@dataclass
+class Result:
+    text: str
+    ids: list[int]
+    stats: Stats
+    end_pos: int = 0             # the next free position in the KV cache
+    interrupted: bool = False
+
+
+class StopMatcher:
+    """Holds back text that might be the start of a stop string, so a stop never reaches the stream."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, stopped)."""
+        self.pending += text
+        for stop in self.stops:
+            at = self.pending.find(stop)
+            if at >= 0:
+                out, self.pending = self.pending[:at], ""
+                return out, True
+        hold = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(stop[:n]):
+                    hold = max(hold, n)
+                    break
+        out = self.pending[: len(self.pending) - hold]
+        self.pending = self.pending[len(out):]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 256,
+             sampling: SamplingConfig | None = None, start_pos: int = 0, stop_strings: list[str] | None = None,
+             on_text: Callable[[str], None] | None = None, history: list[int] | None = None) -> Result:
+    """Prefill ``prompt_ids`` at ``start_pos`` (the cache before it is reused), then decode until an EOS id,
+    a stop string, ``max_tokens`` or the end of the context. ``on_text`` receives each piece of text.
+
+    A KeyboardInterrupt stops the reply and returns what was made (``interrupted``); the cache stays
+    consistent: every returned id has been fed through the model except the last, whose position is
+    ``end_pos`` − 1 ... exactly like any other stop.
+    """
+    sampling = sampling or SamplingConfig()
+    sampler = Sampler(sampling)
+    if not prompt_ids:
+        raise PerfxError("the prompt is empty: nothing to continue from (give some text, or use the chat template)")
+    end = start_pos + len(prompt_ids)
+    if end >= model.max_positions:
+        raise PerfxError(f"the prompt needs {end} positions with what came before, but the context holds "
+                         f"{model.max_positions}: shorten it or raise --ctx")
+    stats = Stats(prompt_tokens=len(prompt_ids), weight_bytes=model.weight_bytes)
+    stops = StopMatcher(stop_strings or [])
+    decoder = tokenizer.stream_decoder() if tokenizer is not None else None
+    eos = set(tokenizer.eos_ids) if tokenizer is not None else set()
+    seen = list(history or []) + list(prompt_ids)
+    ids: list[int] = []
+    text_parts: list[str] = []
+    pos = end
+    interrupted = False
+
+    def emit(piece: str):
+        if piece:
+            text_parts.append(piece)
+            if on_text:
+                on_text(piece)
+
+    started = time.perf_counter()
+    device_time = 0.0
+    try:
+        model.prefill(list(prompt_ids), start_pos)
+        token = sampler(model, seen)
+        stats.prefill_s = stats.ttft_s = time.perf_counter() - started
+        decode_started = time.perf_counter()
+        while True:
+            if token in eos:
+                stats.stop_reason = "eos"
+                break
+            ids.append(token)
+            seen.append(token)
+            if decoder is not None:
+                piece, stopped = stops.feed(decoder.add(token))
+                emit(piece)
+                if stopped:
+                    stats.stop_reason = "stop string"
+                    break
+            if len(ids) >= max_tokens:
+                stats.stop_reason = "max tokens"
+                break
+            if pos >= model.max_positions:
+                stats.stop_reason = "context full"
+                break
+            step = time.perf_counter()
+            model.decode_one(token, pos)
+            pos += 1
+            token = sampler(model, seen)
+            device_time += time.perf_counter() - step
+        stats.decode_s = time.perf_counter() - decode_started
+    except KeyboardInterrupt:
+        interrupted = True
+        stats.stop_reason = "interrupted"
+        stats.decode_s = time.perf_counter() - started - stats.prefill_s
+    if decoder is not None:
+        piece, _ = stops.feed(decoder.flush())
+        emit(piece + stops.flush() if stats.stop_reason != "stop string" else piece)
+    stats.generated_tokens = len(ids)
+    steps = max(len(ids) - 1, 1)
+    stats.host_s_per_token = max(stats.decode_s - device_time, 0.0) / steps
+    return Result("".join(text_parts), ids, stats, end_pos=pos, interrupted=interrupted)

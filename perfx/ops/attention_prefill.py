@@ -1,0 +1,120 @@
+"""Prefill attention: RoPE on q and k, k and v appended to the KV cache, causal GQA attention over the prompt.
+
+Two launches of ``kernels/attention_prefill.cl`` on the in-order queue: ``kv_append`` (rotate k, store k and
+v as fp16 at positions p0..p0+m−1) and ``attention_prefill`` (rotate q, flash-attention over positions
+0..p0+m−1 with K/V tiles in local memory). p0 > 0 continues a chat: positions < p0 are read from the cache.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from perfx.errors import PerfxError
+from perfx.ops.kv_cache import KVCache, RopeTable
+from perfx.runtime import Device
+
+SOURCE = "attention_prefill.cl"
+
+
+def _buffer(x):
+    """The cl.Buffer behind a pyopencl Array, or the buffer itself."""
+    return getattr(x, "data", x)
+
+
+class AttentionPrefill:
+    """Causal RoPE + KV append + attention for ``m`` prompt tokens of one layer.
+
+    ``params``: the tuning parameters (``tuning/attention_prefill.py``: WGS, BK, VW); None → the spec's
+    defaults, or the first parameter set this device allows where the defaults do not fit it.
+    """
+
+    def __init__(self, device: Device, n_heads: int, n_kv_heads: int, head_dim: int,
+                 params: dict | None = None):
+        from perfx.tuning.attention_prefill import SPEC
+
+        if n_heads <= 0 or n_kv_heads <= 0 or n_heads % n_kv_heads:
+            raise PerfxError(f"attention_prefill: {n_heads} query heads cannot share {n_kv_heads} kv heads "
+                             "(the query heads must be a positive multiple of the kv heads)")
+        if head_dim <= 0 or head_dim % 8:
+            raise PerfxError(f"attention_prefill: head_dim {head_dim} is not supported; "
+                             "it must be a multiple of 8")
+        self.device = device
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.group = n_heads // n_kv_heads
+        shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "m": 1, "p0": 0}
+        if params is None:
+            params = SPEC.defaults()
+            if SPEC.why_invalid(params, shape, device.caps) is not None:
+                allowed = SPEC.candidates(shape, device.caps)
+                if not allowed:
+                    raise PerfxError(f"attention_prefill: no parameter set fits head_dim {head_dim} on "
+                                     f"{device.caps.name} (local memory {device.caps.local_mem} bytes, "
+                                     f"work-group {device.caps.max_work_group})")
+                params = allowed[0]
+        else:
+            params = {**SPEC.defaults(), **params}
+            why = SPEC.why_invalid(params, shape, device.caps)
+            if why is not None:
+                raise PerfxError(f"attention_prefill: parameters {params} do not fit head_dim {head_dim} on "
+                                 f"{device.caps.name}: {why}")
+        self.params = params
+        defines = {"HEAD_DIM": head_dim, **params}
+        self.append_kernel = device.kernel(SOURCE, "kv_append", defines)
+        self.attention_kernel = device.kernel(SOURCE, "attention_prefill", defines)
+        self.wgs = int(params["WGS"])
+        self.scale = np.float32(1.0 / np.sqrt(head_dim))
+
+    def _check(self, qkv, out, cache: KVCache, rope: RopeTable, layer: int, p0: int, m: int):
+        h, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        if m <= 0 or p0 < 0:
+            raise PerfxError(f"attention_prefill: needs m ≥ 1 tokens at p0 ≥ 0, got m={m}, p0={p0}")
+        if p0 + m > cache.max_positions:
+            raise PerfxError(f"attention_prefill: the prompt is longer than the context: positions "
+                             f"{p0}..{p0 + m - 1} need {p0 + m} cache positions, the KV cache holds "
+                             f"{cache.max_positions} ({p0 + m - cache.max_positions} too many); "
+                             "use a larger --ctx or a shorter prompt")
+        if (cache.n_kv_heads, cache.head_dim) != (hkv, d):
+            raise PerfxError(f"attention_prefill: KV cache of {cache.n_kv_heads} kv heads × {cache.head_dim} "
+                             f"does not match this layer's {hkv} × {d}")
+        if not 0 <= layer < cache.n_layers:
+            raise PerfxError(f"attention_prefill: layer {layer} is outside the KV cache's "
+                             f"{cache.n_layers} layers")
+        if rope.head_dim != d or rope.max_positions < p0 + m:
+            raise PerfxError(f"attention_prefill: RoPE table ({rope.max_positions} positions × head_dim "
+                             f"{rope.head_dim}) does not cover positions < {p0 + m} at head_dim {d}")
+        if cache.n_layers * hkv * cache.max_positions * d >= 2**31:
+            raise PerfxError("attention_prefill: the KV cache has 2^31 elements or more, beyond the kernel's "
+                             "int indexing; use a smaller --ctx")
+        for name, array, width in (("qkv", qkv, (h + 2 * hkv) * d), ("out", out, h * d)):
+            shape = getattr(array, "shape", None)
+            if shape is not None and (len(shape) != 2 or shape[0] < m or shape[1] != width
+                                      or array.dtype != np.float32):
+                raise PerfxError(f"attention_prefill: {name} must be float32 (≥ {m}, {width}), got "
+                                 f"{getattr(array, 'dtype', '?')} {tuple(shape)}")
+
+    def enqueue(self, qkv, out, cache: KVCache, rope: RopeTable, layer: int, p0: int, m: int) -> list:
+        """Enqueue both launches; returns [append event, attention event] (for timing)."""
+        self._check(qkv, out, cache, rope, layer, p0, m)
+        h, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        offset = np.int32(cache.layer_offset(layer))
+        qkv_b = _buffer(qkv)
+        append = self.device.launch(
+            self.append_kernel, (d // 8, hkv, m), None,
+            np.int32(p0), np.int32(h), np.int32(hkv), np.int32(cache.max_positions), offset,
+            qkv_b, rope.cos, rope.sin, cache.keys, cache.values)
+        rows = m * self.group
+        attention = self.device.launch(
+            self.attention_kernel, (-(-rows // self.wgs) * self.wgs, hkv), (self.wgs, 1),
+            np.int32(m), np.int32(p0), np.int32(self.group), np.int32(h), np.int32(hkv),
+            np.int32(cache.max_positions), offset, self.scale,
+            qkv_b, rope.cos, rope.sin, cache.keys, cache.values, _buffer(out))
+        return [append, attention]
+
+    def __call__(self, qkv, out, cache: KVCache, rope: RopeTable, layer: int, p0: int, m: int):
+        """out (m, H·D) = causal attention of the m tokens of ``qkv`` (m, (H + 2·Hkv)·D) at p0..p0+m−1.
+
+        Rotates q and k, appends k and v to ``cache`` at ``layer``, positions p0..p0+m−1 (positions < p0
+        must already be there), and returns the attention's cl.Event (the append runs before it on the
+        in-order queue). ``qkv`` and ``out`` are pyopencl Arrays or cl.Buffers.
+        """
+        return self.enqueue(qkv, out, cache, rope, layer, p0, m)[-1]

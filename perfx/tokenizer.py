@@ -1,0 +1,656 @@
+"""Tokenizers for Llama-family models: encoding, decoding, chat templates, streaming detokenization.
+
+Sources: a Hugging Face model directory (tokenizer.json through `tokenizers`, or tokenizer.model through
+`sentencepiece`) or the tokenizer embedded in a GGUF file, rebuilt so that it gives llama.cpp's ids.
+
+Decoding is done here, not by the backends: every id maps to its bytes once, at load time, so
+`decode()` and the streaming decoder are the same computation and agree exactly, and a UTF-8
+character split across tokens is never emitted in halves.
+"""
+
+from __future__ import annotations
+
+import codecs
+import enum
+import functools
+import json
+import re
+import struct
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import gguf
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import sentencepiece
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+
+from perfx.errors import PerfxError
+
+
+class TokenType(enum.IntEnum):
+    """Token kinds, numbered as in GGUF's tokenizer.ggml.token_type and SentencePiece's ModelProto."""
+
+    NORMAL = 1
+    UNKNOWN = 2
+    CONTROL = 3
+    USER_DEFINED = 4
+    UNUSED = 5
+    BYTE = 6
+
+
+# Token kinds that llama.cpp splits out of the text before encoding when special tokens are parsed.
+_PARSED_FROM_TEXT = (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN)
+
+# Tokens that end a turn in common chat formats. llama.cpp treats these as end-of-generation
+# whenever they exist as special tokens, whatever the eos id says (llama-vocab.cpp, special_eog_ids).
+_END_OF_TURN_TOKENS = frozenset({
+    "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<|end_of_text|>",
+    "<end_of_turn>", "<EOT>", "<|return|>",
+})
+
+# Used when a model has no chat template of its own.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Pre-tokenizer regexes of llama.cpp (src/llama-vocab.cpp, llm_tokenizer_bpe), applied in turn, each
+# splitting the pieces left by the one before; text between matches stays a piece of its own.
+_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_DEFAULT_BPE_REGEXES = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_REGEX, r"\p{N}+", r"[0-9][0-9][0-9]")
+
+# tokenizer.ggml.pre → (regexes, ignore_merges, add_bos default), grouped as llama.cpp groups them.
+_BPE_PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool, bool]] = {}
+for _names, _spec in [
+    (("default",), (_DEFAULT_BPE_REGEXES, False, False)),
+    (("gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4"), ((_GPT2_REGEX,), False, False)),
+    (("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
+     ((r"\p{N}", _GPT2_REGEX), False, False)),
+    (("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"), ((_LLAMA3_REGEX,), True, True)),
+    (("dbrx", "smaug-bpe"), ((_LLAMA3_REGEX,), False, False)),
+    (("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"), ((_QWEN2_REGEX,), False, False)),
+]:
+    for _name in _names:
+        _BPE_PRE_TOKENIZERS[_name] = _spec
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_SPACE_MARKER = "\u2581"  # SentencePiece's "▁", which stands for a space inside pieces
+
+
+def _gpt2_byte_to_char() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (openai/gpt-2, encoder.py)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    mapping = {byte: chr(byte) for byte in printable}
+    extra = 0
+    for byte in range(256):
+        if byte not in mapping:
+            mapping[byte] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+_BYTE_OF_CHAR = {char: byte for byte, char in _gpt2_byte_to_char().items()}
+
+
+def _token_bytes(token: str, kind: int, byte_level: bool) -> bytes:
+    """The bytes one token stands for when decoded."""
+    if kind in (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN):
+        return token.encode("utf-8")
+    if byte_level:
+        try:
+            return bytes(_BYTE_OF_CHAR[char] for char in token)
+        except KeyError:  # not byte-level text: a hand-added token stored as plain text
+            return token.encode("utf-8")
+    if kind == TokenType.BYTE and (match := _BYTE_PIECE.fullmatch(token)):
+        return bytes([int(match[1], 16)])
+    return token.replace(_SPACE_MARKER, " ").encode("utf-8")
+
+
+class Tokenizer:
+    """Text ↔ token ids for one model, with its chat template and stop tokens.
+
+    Build one with `from_hf_dir` or `from_gguf`. `bos_id` may be None; `eos_ids` holds every id that
+    ends generation; `add_bos_token` says whether the model expects a BOS at the start of a prompt.
+    """
+
+    def __init__(self, *, encoder: Callable[[str, bool], list[int]], tokens: list[str], types: list[int],
+                 byte_level: bool, strip_leading_space: bool, bos_id: int | None, eos_ids: Iterable[int],
+                 add_bos_token: bool, chat_template: str | None, bos_token: str = "", eos_token: str = ""):
+        self._encoder = encoder
+        self._token_bytes = [_token_bytes(token, kind, byte_level) for token, kind in zip(tokens, types)]
+        self._tokens = tokens
+        # SentencePiece puts a space before the first word ("▁Hello"); decoding takes it off again.
+        self._strip_leading_space = strip_leading_space
+        self.bos_id = bos_id
+        self.eos_ids = frozenset(eos_ids)
+        self.add_bos_token = add_bos_token
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._token_bytes)
+
+    def token_text(self, token_id: int) -> str:
+        """The vocabulary entry of one id, as stored (byte-level or "▁" forms included)."""
+        self._check_ids([token_id])
+        return self._tokens[token_id]
+
+    def encode(self, text: str, add_bos: bool = False, parse_special: bool = True) -> list[int]:
+        """Token ids of text.
+
+        With parse_special, special tokens written in the text ("<|im_start|>") become their ids.
+        With add_bos, a BOS is put first unless the ids already start with one: llama.cpp strips a
+        chat template's leading BOS text before adding its own, and this has the same effect.
+        """
+        ids = self._encoder(text, parse_special)
+        if add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ids. Special tokens are written out; bytes that form no valid UTF-8 become U+FFFD."""
+        ids = list(ids)
+        self._check_ids(ids)
+        text = b"".join(self._token_bytes[i] for i in ids).decode("utf-8", errors="replace")
+        return text[1:] if self._strip_leading_space and text.startswith(" ") else text
+
+    def stream_decoder(self) -> StreamDecoder:
+        """A decoder that takes ids one at a time (see StreamDecoder)."""
+        return StreamDecoder(self)
+
+    def stream(self, ids: Iterable[int]) -> Iterator[str]:
+        """Yield text pieces as ids arrive; their concatenation equals decode(ids)."""
+        decoder = StreamDecoder(self)
+        for token_id in ids:
+            if piece := decoder.add(token_id):
+                yield piece
+        if piece := decoder.flush():
+            yield piece
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **template_kwargs: Any) -> str:
+        """The prompt text for a conversation, rendered with the model's Jinja chat template.
+
+        Rendering follows Hugging Face (sandboxed Jinja, trim_blocks and lstrip_blocks, with
+        raise_exception, tojson, strftime_now, bos_token and eos_token available to the template).
+        A model without a template gets ChatML (CHATML_TEMPLATE). The result may start with the BOS
+        text; encode(..., add_bos=True) then does not add a second BOS.
+        """
+        try:
+            return self._compiled_chat_template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token, eos_token=self.eos_token, **template_kwargs)
+        except jinja2.TemplateError as error:
+            raise PerfxError(f"The chat template could not render this conversation: {error}") from error
+
+    @functools.cached_property
+    def _compiled_chat_template(self) -> jinja2.Template:
+        def raise_exception(message: str):
+            raise jinja2.TemplateError(message)
+
+        def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                              sort_keys=sort_keys)
+
+        environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        environment.filters["tojson"] = tojson
+        environment.globals["raise_exception"] = raise_exception
+        environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            return environment.from_string(self.chat_template or CHATML_TEMPLATE)
+        except jinja2.TemplateSyntaxError as error:
+            raise PerfxError(f"The model's chat template is not valid Jinja (line {error.lineno}: "
+                             f"{error.message}); pass a model with a working template.") from error
+
+    def _check_ids(self, ids: list[int]) -> None:
+        if ids and (min(ids) < 0 or max(ids) >= len(self._token_bytes)):
+            bad = next(i for i in ids if not 0 <= i < len(self._token_bytes))
+            raise PerfxError(f"Token id {bad} is outside this tokenizer's vocabulary "
+                             f"(0 to {len(self._token_bytes) - 1}); were the ids made by another model?")
+
+    # -- constructors ---------------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        """Load the tokenizer of a Hugging Face model directory.
+
+        Reads tokenizer.json (through `tokenizers`) or else tokenizer.model (through `sentencepiece`),
+        plus tokenizer_config.json (chat template, BOS/EOS tokens, add_bos_token) and
+        generation_config.json / config.json (eos_token_id).
+        """
+        directory = Path(path)
+        if not directory.is_dir():
+            raise PerfxError(f"{directory} is not a directory; pass a Hugging Face model directory.")
+        config = _read_json(directory / "tokenizer_config.json")
+        if (directory / "tokenizer.json").is_file():
+            build = _hf_tokenizers_parts
+        elif (directory / "tokenizer.model").is_file():
+            build = _hf_sentencepiece_parts
+        else:
+            raise PerfxError(
+                f"No tokenizer found in {directory}: looked for tokenizer.json (Hugging Face tokenizers) "
+                f"and tokenizer.model (SentencePiece). Copy the model's tokenizer files into it.")
+        parts = build(directory, config)
+        tokens = parts["tokens"]
+        vocab = {token: i for i, token in enumerate(tokens) if token}
+        model_config = _read_json(directory / "config.json")
+
+        bos_token = _token_content(config.get("bos_token"))
+        eos_token = _token_content(config.get("eos_token"))
+        if bos_token:
+            bos_id = vocab.get(bos_token)
+        else:
+            declared = _ids_in_range(model_config.get("bos_token_id", parts["bos_id"]), len(tokens))
+            bos_id = declared[0] if declared else None
+        eos_ids = set(_ids_in_range(parts["eos_id"], len(tokens)))
+        for source in (_read_json(directory / "generation_config.json"), model_config):
+            eos_ids.update(_ids_in_range(source.get("eos_token_id"), len(tokens)))
+        if eos_token in vocab:
+            eos_ids.add(vocab[eos_token])
+        eos_ids.update(_end_of_turn_ids(tokens, parts["types"]))
+        add_bos = config.get("add_bos_token")
+        return cls(
+            encoder=parts["encoder"], tokens=tokens, types=parts["types"],
+            byte_level=parts["byte_level"], strip_leading_space=parts["strip_leading_space"],
+            bos_id=bos_id, eos_ids=eos_ids,
+            add_bos_token=parts["add_bos_token"] if add_bos is None else bool(add_bos),
+            chat_template=_hf_chat_template(directory, config),
+            bos_token=bos_token or (tokens[bos_id] if bos_id is not None else ""),
+            eos_token=eos_token or (tokens[parts["eos_id"]] if parts["eos_id"] is not None else ""))
+
+    @classmethod
+    def from_gguf(cls, reader_or_path: Any) -> Tokenizer:
+        """Load the tokenizer embedded in a GGUF file (a path or an open gguf.GGUFReader).
+
+        tokenizer.ggml.model "llama" is SentencePiece (rebuilt as a SentencePiece BPE model from the
+        tokens, scores and types); "gpt2" is byte-level BPE (rebuilt with `tokenizers`, with
+        llama.cpp's pre-tokenizer for tokenizer.ggml.pre). Both encode as llama.cpp does: special
+        tokens are split out of the text first, and for SentencePiece each stretch of text after a
+        special token starts with the prefix space. Whether a prompt gets a BOS follows
+        tokenizer.ggml.add_bos_token when present, else llama.cpp's default for the tokenizer kind
+        (the default model, SmolLM2, says false: its ChatML template starts every turn itself).
+        """
+        if isinstance(reader_or_path, gguf.GGUFReader):
+            reader = reader_or_path
+            name = str(getattr(reader.data, "filename", None) or "GGUF file")
+        else:
+            name = str(reader_or_path)
+            try:
+                reader = gguf.GGUFReader(reader_or_path)
+            except (OSError, ValueError) as error:
+                raise PerfxError(f"Could not read {name} as a GGUF file: {error}") from error
+
+        def value(key: str, default: Any = None) -> Any:
+            return _gguf_value(reader, key, default)
+
+        model = value("tokenizer.ggml.model")
+        tokens = value("tokenizer.ggml.tokens")
+        if model is None or tokens is None:
+            raise PerfxError(f"{name} has no embedded tokenizer (tokenizer.ggml.model/tokens missing); "
+                             f"pass a model directory with tokenizer files instead.")
+        types = value("tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens)
+        if model == "llama":
+            scores = value("tokenizer.ggml.scores")
+            if scores is None:
+                raise PerfxError(f"{name}: SentencePiece tokenizer without tokenizer.ggml.scores.")
+            add_space_prefix = bool(value("tokenizer.ggml.add_space_prefix", True))
+            types = _with_one_unknown(types, value("tokenizer.ggml.unknown_token_id", 0))
+            encoder = _SentencePieceEncoder(
+                _sentencepiece_from_vocab(tokens, scores, types, add_space_prefix, name),
+                _special_tokens(tokens, types, _PARSED_FROM_TEXT))
+            byte_level, strip_leading_space, add_bos_default = False, add_space_prefix, True
+        elif model == "gpt2":
+            pre = value("tokenizer.ggml.pre", "default")
+            merges = value("tokenizer.ggml.merges")
+            if merges is None:
+                raise PerfxError(f"{name}: BPE tokenizer without tokenizer.ggml.merges.")
+            encoder, add_bos_default = _byte_level_bpe(tokens, types, merges, pre, name)
+            byte_level, strip_leading_space = True, False
+        else:
+            raise PerfxError(f"{name} uses tokenizer model {model!r}, which perfx does not support: it reads "
+                             f"'llama' (SentencePiece) and 'gpt2' (byte-level BPE) tokenizers.")
+
+        bos_ids = _ids_in_range(value("tokenizer.ggml.bos_token_id"), len(tokens))
+        eos_id = _ids_in_range(value("tokenizer.ggml.eos_token_id"), len(tokens))
+        eos_ids = set(eos_id)
+        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+            eos_ids.update(_ids_in_range(value(key), len(tokens)))
+        eos_ids.update(_end_of_turn_ids(tokens, types))
+        return cls(
+            encoder=encoder, tokens=tokens, types=types, byte_level=byte_level,
+            strip_leading_space=strip_leading_space, bos_id=bos_ids[0] if bos_ids else None,
+            eos_ids=eos_ids, add_bos_token=bool(value("tokenizer.ggml.add_bos_token", add_bos_default)),
+            chat_template=value("tokenizer.chat_template"),
+            bos_token=tokens[bos_ids[0]] if bos_ids else "",
+            eos_token=tokens[eos_id[0]] if eos_id else "")
+
+
+class StreamDecoder:
+    """Turns ids, added one at a time, into text pieces for printing as generation goes.
+
+    A piece never ends in the middle of a UTF-8 character: incomplete bytes wait for the next
+    token. Call flush() at the end; the pieces then concatenate to exactly Tokenizer.decode(ids).
+    Like decode(), a SentencePiece model's first piece loses its prefix space ("▁Hello" → "Hello"),
+    so a reply streamed after a chat prompt starts with its first word, as in Hugging Face's streamer.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._at_start = True
+
+    def add(self, token_id: int) -> str:
+        """Text completed by this token ("" while a character is still incomplete)."""
+        self._tokenizer._check_ids([token_id])
+        return self._emit(self._utf8.decode(self._tokenizer._token_bytes[token_id]))
+
+    def flush(self) -> str:
+        """Whatever is still held back (incomplete bytes come out as U+FFFD)."""
+        return self._emit(self._utf8.decode(b"", final=True))
+
+    def _emit(self, text: str) -> str:
+        if self._at_start and text:
+            self._at_start = False
+            if self._tokenizer._strip_leading_space and text.startswith(" "):
+                return text[1:]
+        return text
+
+
+# -- encoders ------------------------------------------------------------------------------------------
+
+class _TokenizersEncoder:
+    """Encoding through a `tokenizers.Tokenizer`, which splits out added/special tokens itself."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def __call__(self, text: str, parse_special: bool) -> list[int]:
+        self.backend.encode_special_tokens = not parse_special
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+
+class _SentencePieceEncoder:
+    """Encoding through SentencePiece, with special tokens split out of the text first.
+
+    Each stretch of text is encoded on its own, so each gets SentencePiece's prefix space, as each
+    text fragment after a special token does in llama.cpp (llama_tokenize_impl, SPM branch).
+    """
+
+    def __init__(self, processor, special_tokens: dict[str, int]):
+        self.processor = processor
+        self.special_tokens = special_tokens
+        alternatives = sorted(special_tokens, key=len, reverse=True)  # longest match wins
+        self.pattern = re.compile("|".join(map(re.escape, alternatives))) if alternatives else None
+
+    def __call__(self, text: str, parse_special: bool) -> list[int]:
+        if not parse_special or self.pattern is None:
+            return self.processor.encode(text)
+        ids: list[int] = []
+        start = 0
+        for match in self.pattern.finditer(text):
+            if match.start() > start:
+                ids += self.processor.encode(text[start:match.start()])
+            ids.append(self.special_tokens[match.group()])
+            start = match.end()
+        if start < len(text):
+            ids += self.processor.encode(text[start:])
+        return ids
+
+
+def _ids_in_range(value: Any, size: int) -> list[int]:
+    """Token ids from a config value (an int, a list of ints or null) that exist in the vocabulary."""
+    values = value if isinstance(value, list) else [value]
+    return [i for i in values if isinstance(i, int) and 0 <= i < size]
+
+
+def _special_tokens(tokens: list[str], types: list[int], kinds: tuple[int, ...]) -> dict[str, int]:
+    return {token: i for i, (token, kind) in enumerate(zip(tokens, types)) if kind in kinds and token}
+
+
+def _end_of_turn_ids(tokens: list[str], types: list[int]) -> set[int]:
+    special = (TokenType.CONTROL, TokenType.USER_DEFINED)
+    return {i for i, (token, kind) in enumerate(zip(tokens, types))
+            if kind in special and token in _END_OF_TURN_TOKENS}
+
+
+# -- GGUF ----------------------------------------------------------------------------------------------
+
+def _gguf_value(reader, key: str, default: Any = None) -> Any:
+    """A metadata value as plain Python (str, int, float, bool or list), or default when absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    if field.types[0] == gguf.GGUFValueType.ARRAY:
+        if field.types[-1] == gguf.GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+        return [item for i in field.data for item in field.parts[i].tolist()]
+    if field.types[0] == gguf.GGUFValueType.STRING:
+        return bytes(field.parts[-1]).decode("utf-8", errors="replace")
+    return field.parts[-1].tolist()[0]
+
+
+def _with_one_unknown(types: list[int], unknown_id: int) -> list[int]:
+    """SentencePiece refuses a vocabulary without an unknown piece; mark the declared one if needed."""
+    if TokenType.UNKNOWN in types or not 0 <= unknown_id < len(types):
+        return types
+    types = list(types)
+    types[unknown_id] = TokenType.UNKNOWN
+    return types
+
+
+def _sentencepiece_from_vocab(tokens: list[str], scores: list[float], types: list[int],
+                              add_space_prefix: bool, name: str):
+    """A SentencePiece processor for a GGUF vocabulary, with llama.cpp's tokenizer behaviour."""
+    proto = _sentencepiece_model_proto(tokens, scores, types, add_space_prefix)
+    try:
+        return sentencepiece.SentencePieceProcessor(model_proto=proto)
+    except RuntimeError as error:
+        raise PerfxError(f"{name}: its SentencePiece vocabulary could not be loaded ({error}).") from error
+
+
+def _sentencepiece_model_proto(tokens: list[str], scores: list[float], types: list[int],
+                               add_space_prefix: bool) -> bytes:
+    """Serialize a SentencePiece ModelProto (sentencepiece_model.proto) by hand.
+
+    Written out directly because sentencepiece's own pb2 module needs the protobuf package, which is
+    not otherwise a dependency. Model type BPE: pieces merge in score order, which is llama.cpp's
+    SPM algorithm. The "identity" normalizer with whitespace kept matches llama.cpp, which does not
+    normalize; a GGUF does not carry the original normalization rules anyway.
+    """
+    def varint(value: int) -> bytes:
+        out = bytearray()
+        while value > 0x7F:
+            out.append(value & 0x7F | 0x80)
+            value >>= 7
+        out.append(value)
+        return bytes(out)
+
+    def field_varint(number: int, value: int) -> bytes:
+        return varint(number << 3) + varint(value)
+
+    def field_bytes(number: int, value: bytes) -> bytes:
+        return varint(number << 3 | 2) + varint(len(value)) + value
+
+    def field_float(number: int, value: float) -> bytes:
+        return varint(number << 3 | 5) + struct.pack("<f", value)
+
+    out = bytearray()
+    for token, score, kind in zip(tokens, scores, types):
+        # ModelProto.pieces = 1: SentencePiece {piece = 1, score = 2, type = 3}
+        out += field_bytes(1, field_bytes(1, token.encode("utf-8")) + field_float(2, score)
+                           + field_varint(3, int(kind)))
+    byte_fallback = TokenType.BYTE in types
+    # ModelProto.trainer_spec = 2: TrainerSpec {model_type = 3 (BPE = 2), byte_fallback = 35}
+    out += field_bytes(2, field_varint(3, 2) + field_varint(35, int(byte_fallback)))
+    # ModelProto.normalizer_spec = 3: NormalizerSpec {name = 1, add_dummy_prefix = 3,
+    # remove_extra_whitespaces = 4, escape_whitespaces = 5}
+    out += field_bytes(3, field_bytes(1, b"identity") + field_varint(3, int(add_space_prefix))
+                       + field_varint(4, 0) + field_varint(5, 1))
+    return bytes(out)
+
+
+def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre: str, name: str):
+    """A `tokenizers` byte-level BPE with llama.cpp's pre-tokenizer for `pre`; returns (encoder, add_bos)."""
+    if pre not in _BPE_PRE_TOKENIZERS:
+        known = ", ".join(sorted(_BPE_PRE_TOKENIZERS))
+        raise PerfxError(f"{name} uses BPE pre-tokenizer {pre!r}, which perfx does not know; "
+                         f"known ones: {known}.")
+    regexes, ignore_merges, add_bos = _BPE_PRE_TOKENIZERS[pre]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    options = {"ignore_merges": True} if ignore_merges else {}
+    try:
+        backend = tokenizers.Tokenizer(models.BPE(vocab, pairs, **options))
+    except Exception as error:  # tokenizers raises plain Exception for inconsistent vocab/merges
+        raise PerfxError(f"{name}: its BPE vocabulary and merges do not fit together ({error}).") from error
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in regexes]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()  # unused by perfx; keeps a saved tokenizer.json complete
+    specials = _special_tokens(tokens, types, (TokenType.CONTROL, TokenType.UNKNOWN))
+    user_defined = _special_tokens(tokens, types, (TokenType.USER_DEFINED,))
+    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
+    backend.add_tokens([AddedToken(token, special=False, normalized=False) for token in user_defined])
+    return _TokenizersEncoder(backend), add_bos
+
+
+# -- Hugging Face directories --------------------------------------------------------------------------
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise PerfxError(f"Could not read {path} as JSON ({error}); "
+                         f"is the model download complete?") from error
+
+
+def _token_content(entry: Any) -> str:
+    """A special token from tokenizer_config.json: a string or an {"content": ...} object."""
+    if isinstance(entry, dict):
+        return entry.get("content", "")
+    return entry or ""
+
+
+def _hf_chat_template(directory: Path, config: dict) -> str | None:
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {entry.get("name"): entry.get("template") for entry in template}
+        template = named.get("default") or next(iter(named.values()), None)
+    if template:
+        return template
+    if (directory / "chat_template.jinja").is_file():
+        return (directory / "chat_template.jinja").read_text(encoding="utf-8")
+    return _read_json(directory / "chat_template.json").get("chat_template")
+
+
+def _hf_tokenizers_parts(directory: Path, config: dict) -> dict:
+    path = directory / "tokenizer.json"
+    try:
+        backend = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as error:  # tokenizers raises plain Exception on a bad file
+        raise PerfxError(f"Could not load {path} ({error}); is the model download complete?") from error
+    spec = _read_json(path)
+    byte_level, strip_leading_space = _hf_decoding_style(spec.get("decoder"), path)
+    byte_fallback = bool((spec.get("model") or {}).get("byte_fallback"))
+
+    vocab = backend.get_vocab(with_added_tokens=True)
+    tokens = [""] * (max(vocab.values()) + 1)
+    types = [TokenType.UNUSED] * len(tokens)  # ids missing from the vocabulary decode to nothing
+    for token, i in vocab.items():
+        tokens[i] = token
+        types[i] = TokenType.BYTE if byte_fallback and _BYTE_PIECE.fullmatch(token) else TokenType.NORMAL
+    for i, added in backend.get_added_tokens_decoder().items():
+        types[i] = TokenType.CONTROL if added.special else TokenType.USER_DEFINED
+
+    bos_token = _token_content(config.get("bos_token"))
+    return dict(encoder=_TokenizersEncoder(backend), tokens=tokens, types=types, byte_level=byte_level,
+                strip_leading_space=strip_leading_space, bos_id=None, eos_id=None,
+                add_bos_token=_post_processor_adds(spec.get("post_processor"), bos_token))
+
+
+def _hf_decoding_style(decoder: dict | None, path: Path) -> tuple[bool, bool]:
+    """(byte_level, strip_leading_space) from tokenizer.json's decoder."""
+    decoder = decoder or {}
+    steps = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
+    kinds = {step.get("type") for step in steps}
+    if "ByteLevel" in kinds:
+        return True, False
+    if "Metaspace" in kinds:
+        step = next(step for step in steps if step.get("type") == "Metaspace")
+        prepends = step.get("prepend_scheme", "always" if step.get("add_prefix_space", True) else "never")
+        return False, prepends != "never"
+    if any(step.get("type") == "Replace" and (step.get("pattern") or {}).get("String") == _SPACE_MARKER
+           for step in steps):
+        strips = any(step.get("type") == "Strip" and step.get("start", 0) > 0 for step in steps)
+        return False, strips
+    raise PerfxError(f"{path}: decoder {sorted(k for k in kinds if k)} is not supported; perfx decodes "
+                     f"byte-level BPE and SentencePiece-style (\u2581) tokenizers.")
+
+
+def _post_processor_adds(post_processor: dict | None, bos_token: str) -> bool:
+    """Whether tokenizer.json's post-processor puts bos_token before a single sequence."""
+    post_processor = post_processor or {}
+    steps = (post_processor.get("processors", []) if post_processor.get("type") == "Sequence"
+             else [post_processor])
+    for step in steps:
+        if step.get("type") == "TemplateProcessing" and step.get("single"):
+            first = step["single"][0]
+            return bool(bos_token) and first.get("SpecialToken", {}).get("id") == bos_token
+    return False
+
+
+def _hf_sentencepiece_parts(directory: Path, config: dict) -> dict:
+    path = directory / "tokenizer.model"
+    try:
+        processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
+    except (OSError, RuntimeError) as error:
+        raise PerfxError(f"Could not load {path} as a SentencePiece model ({error}).") from error
+    tokens = [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
+    types = [_sentencepiece_piece_type(processor, i) for i in range(len(tokens))]
+    # Tokens added on top of the SentencePiece model (ids past its end), from tokenizer_config.json.
+    for key, entry in sorted(config.get("added_tokens_decoder", {}).items(), key=lambda item: int(item[0])):
+        i = int(key)
+        if i >= len(tokens):
+            tokens += [""] * (i + 1 - len(tokens))
+            types += [TokenType.UNUSED] * (i + 1 - len(types))
+            tokens[i] = _token_content(entry)
+            types[i] = TokenType.CONTROL if entry.get("special", True) else TokenType.USER_DEFINED
+    specials = _special_tokens(tokens, types, _PARSED_FROM_TEXT)
+    return dict(encoder=_SentencePieceEncoder(processor, specials), tokens=tokens, types=types,
+                byte_level=False, strip_leading_space=processor.normalize("x").startswith(_SPACE_MARKER),
+                bos_id=_non_negative(processor.bos_id()), eos_id=_non_negative(processor.eos_id()),
+                # Llama's slow tokenizer adds BOS unless tokenizer_config.json says otherwise.
+                add_bos_token=True)
+
+
+def _sentencepiece_piece_type(processor, i: int) -> TokenType:
+    # The Python API cannot tell user-defined pieces from normal ones; both decode the same way.
+    if processor.is_control(i):
+        return TokenType.CONTROL
+    if processor.is_unknown(i):
+        return TokenType.UNKNOWN
+    if processor.is_byte(i):
+        return TokenType.BYTE
+    if processor.is_unused(i):
+        return TokenType.UNUSED
+    return TokenType.NORMAL
+
+
+def _non_negative(value: int) -> int | None:
+    return value if value >= 0 else None

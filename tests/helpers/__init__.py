@@ -1,0 +1,1 @@
+"""Reusable builders for tests: tiny tokenizers and models made on the fly."""

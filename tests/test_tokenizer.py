@@ -1,0 +1,288 @@
+"""Tokenizer tests: llama.cpp's ids for the default model, round trips, streaming, chat templates,
+and SentencePiece tokenizers from a Hugging Face directory and from GGUF metadata."""
+
+import json
+import random
+
+import gguf
+import pytest
+import sentencepiece
+
+from perfx.default_model import default_model_path
+from perfx.errors import PerfxError
+from perfx.tokenizer import CHATML_TEMPLATE, Tokenizer
+from helpers.tiny_tokenizer import train_tiny_spm, write_tokenizer_only_gguf
+
+# llama.cpp's ids for SmolLM2-135M-Instruct.Q4_1.gguf (special tokens parsed, no BOS).
+DEFAULT_MODEL_VECTORS = {
+    "Hello world! 12345 costs $6.78": [19556, 905, 17, 216, 33, 34, 35, 36, 37, 3499, 1885, 38, 30, 39, 40],
+    "naïve café — 😀 übermäßig":
+        [3546, 46494, 37366, 1841, 40303, 218, 5549, 137, 593, 93, 9023, 34878, 324],
+    "  two spaces\n\nnew\tlines": [216, 827, 5600, 198, 198, 2241, 197, 5110],
+    "<|im_start|>user\nHi<|im_end|>\n": [1, 4093, 198, 26843, 2, 198],
+}
+
+ROUND_TRIP_TEXTS = [
+    "",
+    " ",
+    "Hello, world.",
+    "   leading and trailing spaces   ",
+    "tabs\tand\r\nwindows newlines\n\n\n",
+    "naïve café — 😀 übermäßig",
+    "日本語のテキストと中文",
+    "👨‍👩‍👧‍👦 family, 🏳️‍🌈 flag, skin tone 👍🏽",
+    "combining e\u0301 and a\u0308, zero-width\u200bspace, BOM \ufeff, NUL \x00, DEL \x7f",
+    "private use \ue000, replacement \ufffd, max \U0010ffff",
+    "x = {'a': [1, 2.5e-3]}; // code <b>tags</b> & entities &amp;",
+    "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n",
+]
+
+SPM_TEXTS = [
+    "hello world",
+    "kato rimu senla doquizor.",
+    "  two  spaces and trailing ",
+    "Café naïve déjà vu 😀 日本",
+    "line\nbreak\ttab",
+    "0123 456.78 $%&",
+]
+
+
+@pytest.fixture(scope="module")
+def default_tokenizer():
+    # The default model is a hard requirement: no skip if it cannot be fetched.
+    return Tokenizer.from_gguf(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def tiny_spm_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny_spm")
+    train_tiny_spm(directory)
+    return directory
+
+
+# -- the default model (byte-level BPE from GGUF) ---------------------------------------------------
+
+@pytest.mark.parametrize("text", list(DEFAULT_MODEL_VECTORS))
+def test_default_model_matches_llama_cpp_ids(default_tokenizer, text):
+    assert default_tokenizer.encode(text) == DEFAULT_MODEL_VECTORS[text]
+
+
+def test_default_model_special_ids(default_tokenizer):
+    assert default_tokenizer.vocab_size == 49152
+    assert default_tokenizer.bos_id == 1
+    assert {2, 0} <= default_tokenizer.eos_ids  # <|im_end|> and <|endoftext|>
+    # The GGUF says add_bos_token = false; its ChatML template opens every turn with <|im_start|>.
+    assert default_tokenizer.add_bos_token is False
+
+
+def test_add_bos_is_not_doubled(default_tokenizer):
+    assert default_tokenizer.encode("Hi", add_bos=True) == [1, 26843]
+    assert default_tokenizer.encode("<|im_start|>user", add_bos=True) == [1, 4093]
+
+
+def test_special_tokens_stay_text_without_parse_special(default_tokenizer):
+    text = "<|im_start|>user"
+    ids = default_tokenizer.encode(text, parse_special=False)
+    assert 1 not in ids
+    assert default_tokenizer.decode(ids) == text
+
+
+@pytest.mark.parametrize("text", ROUND_TRIP_TEXTS)
+def test_default_model_round_trip(default_tokenizer, text):
+    assert default_tokenizer.decode(default_tokenizer.encode(text)) == text
+
+
+@pytest.mark.parametrize("text", list(DEFAULT_MODEL_VECTORS) + ROUND_TRIP_TEXTS)
+def test_stream_matches_decode_and_never_splits_a_character(default_tokenizer, text):
+    ids = default_tokenizer.encode(text)
+    decoder = default_tokenizer.stream_decoder()
+    pieces = [decoder.add(token_id) for token_id in ids] + [decoder.flush()]
+    assert "".join(pieces) == default_tokenizer.decode(ids) == text
+    if "\ufffd" not in text:
+        assert not any("\ufffd" in piece for piece in pieces)
+
+
+def test_stream_holds_bytes_until_the_character_is_complete(default_tokenizer):
+    ids = default_tokenizer.encode("😀")
+    assert len(ids) > 1, "the emoji should span several byte-level tokens"
+    decoder = default_tokenizer.stream_decoder()
+    pieces = [decoder.add(token_id) for token_id in ids]
+    assert pieces[:-1] == [""] * (len(ids) - 1)
+    assert pieces[-1] == "😀"
+
+
+def test_stream_matches_decode_on_random_ids(default_tokenizer):
+    rng = random.Random(1234)
+    single_bytes = [i for i in range(default_tokenizer.vocab_size)
+                    if len(default_tokenizer.token_text(i)) == 1]
+    for _ in range(300):
+        pool = single_bytes if rng.random() < 0.5 else range(default_tokenizer.vocab_size)
+        ids = [rng.choice(pool) for _ in range(rng.randint(0, 24))]
+        assert "".join(default_tokenizer.stream(ids)) == default_tokenizer.decode(ids)
+
+
+def test_default_model_chat_template(default_tokenizer):
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    assert default_tokenizer.apply_chat_template(messages) == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert default_tokenizer.apply_chat_template(messages, add_generation_prompt=False) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+    )
+
+
+def test_decode_rejects_ids_outside_the_vocabulary(default_tokenizer):
+    with pytest.raises(PerfxError, match="49152"):
+        default_tokenizer.decode([5, 49152])
+    with pytest.raises(PerfxError, match="-1"):
+        default_tokenizer.decode([-1])
+
+
+def test_hf_tokenizer_json_gives_the_same_ids(default_tokenizer, tmp_path):
+    # A tokenizer.json saved from the GGUF-built tokenizer, as a Hugging Face directory would hold it.
+    default_tokenizer._encoder.backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+        "chat_template": default_tokenizer.chat_template,
+    }))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    tokenizer = Tokenizer.from_hf_dir(tmp_path)
+    for text, ids in DEFAULT_MODEL_VECTORS.items():
+        assert tokenizer.encode(text) == ids
+        assert tokenizer.decode(ids) == text
+    assert tokenizer.bos_id == 1 and 2 in tokenizer.eos_ids and not tokenizer.add_bos_token
+    messages = [{"role": "user", "content": "Hi"}]
+    assert tokenizer.apply_chat_template(messages) == default_tokenizer.apply_chat_template(messages)
+
+
+# -- SentencePiece: Hugging Face directory and GGUF ---------------------------------------------------
+
+def test_spm_hf_dir_round_trip(tiny_spm_dir):
+    tokenizer = Tokenizer.from_hf_dir(tiny_spm_dir)
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(tiny_spm_dir / "tokenizer.model"))
+    assert tokenizer.vocab_size == processor.get_piece_size()
+    assert tokenizer.bos_id == processor.bos_id() and processor.eos_id() in tokenizer.eos_ids
+    for text in SPM_TEXTS + ROUND_TRIP_TEXTS[:7]:
+        ids = tokenizer.encode(text)
+        assert ids == processor.encode(text)
+        assert tokenizer.decode(ids) == text
+        assert "".join(tokenizer.stream(ids)) == text
+
+
+def test_spm_gguf_matches_sentencepiece(tiny_spm_dir, tmp_path):
+    model_path = tiny_spm_dir / "tokenizer.model"
+    tokenizer = Tokenizer.from_gguf(write_tokenizer_only_gguf(tmp_path / "tiny.gguf", model_path))
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(model_path))
+    for text in SPM_TEXTS:
+        assert tokenizer.encode(text) == processor.encode(text), text
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert tokenizer.add_bos_token is True
+    assert tokenizer.encode("hello", add_bos=True)[0] == processor.bos_id()
+
+
+def test_spm_gguf_parses_special_tokens_like_llama_cpp(tiny_spm_dir, tmp_path):
+    model_path = tiny_spm_dir / "tokenizer.model"
+    tokenizer = Tokenizer.from_gguf(write_tokenizer_only_gguf(tmp_path / "tiny.gguf", model_path))
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(model_path))
+    start, end = processor.piece_to_id("<|im_start|>"), processor.piece_to_id("<|im_end|>")
+    # llama.cpp encodes the text between special tokens on its own, each with the prefix space.
+    assert tokenizer.encode("<|im_start|>user hi<|im_end|>") == (
+        [start] + processor.encode("user hi") + [end])
+    assert tokenizer.encode("<s>hi", add_bos=True) == [processor.bos_id()] + processor.encode("hi")
+    assert end in tokenizer.eos_ids
+
+
+def test_spm_style_tokenizer_json(tmp_path):
+    # A Llama-2-style tokenizer.json: "▁" for spaces, byte fallback, one leading space stripped on decode.
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, normalizers
+
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581"] + letters
+    merges = [("\u2581", "t"), ("h", "e"), ("\u2581t", "he")]
+    pieces += ["\u2581t", "he", "\u2581the"]
+    backend = Backend(models.BPE({p: i for i, p in enumerate(pieces)}, merges, unk_token="<unk>",
+                                 byte_fallback=True, fuse_unk=True))
+    backend.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    backend.add_special_tokens(["<s>", "</s>"])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                                "add_bos_token": True}))
+    tokenizer = Tokenizer.from_hf_dir(tmp_path)
+    assert tokenizer.encode("the") == [pieces.index("\u2581the")]
+    assert tokenizer.encode("the", add_bos=True) == [1, pieces.index("\u2581the")]
+    assert tokenizer.bos_id == 1 and tokenizer.eos_ids == {2} and tokenizer.add_bos_token
+    for text in ["the theme", "  spaced  out ", "café — 😀"]:
+        ids = tokenizer.encode(text)
+        assert tokenizer.decode(ids) == text == backend.decode(ids)
+        assert "".join(tokenizer.stream(ids)) == text
+
+
+# -- chat templates ------------------------------------------------------------------------------------
+
+def test_chatml_fallback_without_template(tiny_spm_dir):
+    tokenizer = Tokenizer.from_hf_dir(tiny_spm_dir)
+    assert tokenizer.chat_template is None
+    messages = [{"role": "user", "content": "Hi"}]
+    assert tokenizer.apply_chat_template(messages) == (
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert tokenizer.apply_chat_template(messages, add_generation_prompt=False).endswith("<|im_end|>\n")
+    assert "<|im_start|>" in CHATML_TEMPLATE
+
+
+def test_template_gets_hf_helpers_and_its_errors_become_perfx_errors(tiny_spm_dir, tmp_path):
+    (tmp_path / "tokenizer.model").write_bytes((tiny_spm_dir / "tokenizer.model").read_bytes())
+    template = (
+        "{{ bos_token }}{% for m in messages %}"
+        "{% if m['role'] not in ['user', 'assistant'] %}{{ raise_exception('roles must be user/assistant') }}"
+        "{% endif %}{{ m['content'] | tojson }}{{ eos_token }}\n"
+        "{% endfor %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": template, "bos_token": "<s>", "eos_token": "</s>"}))
+    tokenizer = Tokenizer.from_hf_dir(tmp_path)
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "é"}]) == '<s>"é"</s>\n'
+    with pytest.raises(PerfxError, match="roles must be user/assistant"):
+        tokenizer.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+# -- errors --------------------------------------------------------------------------------------------
+
+def test_unknown_gguf_tokenizer_model_is_named(tmp_path):
+    path = tmp_path / "bert.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("bert")
+    writer.add_token_list(["[PAD]", "[UNK]", "hello"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(PerfxError, match="'bert'"):
+        Tokenizer.from_gguf(path)
+
+
+def test_unknown_bpe_pre_tokenizer_is_named(tmp_path):
+    path = tmp_path / "bpe.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("no-such-pre")
+    writer.add_token_list(["a", "b", "ab"])
+    writer.add_token_merges(["a b"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(PerfxError, match="no-such-pre"):
+        Tokenizer.from_gguf(path)
+
+
+def test_directory_without_tokenizer_lists_what_was_looked_for(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(PerfxError, match="tokenizer.json.*tokenizer.model"):
+        Tokenizer.from_hf_dir(tmp_path)

@@ -1,0 +1,130 @@
+"""Tuning spec of ``attention_prefill``: causal RoPE + KV append + flash attention over a prompt.
+
+Shape keys: n_heads, n_kv_heads, head_dim, m (prompt tokens), p0 (first position; positions < p0 are
+already in the cache). Cases run at layer 1 of a two-layer cache, so the layer offset is exercised.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from perfx import reference
+from perfx.tuning.spec import Case, Spec
+
+THETA = 10000.0
+LAYERS, LAYER = 2, 1
+
+
+def causal_keys(shape) -> int:
+    """Σ over the m queries of the positions each one sees: query at p0+t sees p0+t+1 keys."""
+    m, p0 = shape["m"], shape["p0"]
+    return m * p0 + m * (m + 1) // 2
+
+
+def flops(shape) -> int:
+    # q·k and p·v: 2·D each per (query head, visible key); RoPE and softmax are lower order.
+    return 4 * shape["head_dim"] * shape["n_heads"] * causal_keys(shape)
+
+
+def bytes_moved(shape) -> int:
+    h, hkv, d, m, p0 = (shape[k] for k in ("n_heads", "n_kv_heads", "head_dim", "m", "p0"))
+    qkv = 4 * m * (h + 2 * hkv) * d
+    appended = 2 * 2 * m * hkv * d          # k and v written as fp16
+    cache_read = 2 * 2 * (p0 + m) * hkv * d  # every K/V row read at least once
+    return qkv + appended + cache_read + 4 * m * h * d
+
+
+def local_memory(params, shape) -> int:
+    return 2 * params["BK"] * shape["head_dim"] * 4  # K and V tiles, float
+
+
+def make_case(device, shape, rng) -> Case:
+    from perfx.ops.attention_prefill import AttentionPrefill
+    from perfx.ops.kv_cache import KVCache, RopeTable
+    import pyopencl as cl
+
+    h, hkv, d, m, p0 = (shape[k] for k in ("n_heads", "n_kv_heads", "head_dim", "m", "p0"))
+    max_positions = p0 + m + 3  # a few rows past the prompt, which must stay untouched
+    qkv = rng.standard_normal((m, (h + 2 * hkv) * d)).astype(np.float32)
+    # The whole cache on the host: random fp16 in every row before p0 (earlier turns) and in the other
+    # layer, NaN from p0 on (rows the append must write, or that must stay unread).
+    host_cache = []
+    for _ in range(2):
+        block = rng.standard_normal((LAYERS, hkv, max_positions, d)).astype(np.float16)
+        block[LAYER, :, p0:] = np.nan
+        host_cache.append(block)
+    cache = KVCache.allocate(device, LAYERS, hkv, max_positions, d)
+    rope = RopeTable.upload(device, d, max_positions, THETA)
+    qkv_dev = device.upload(qkv)
+    out = device.poisoned((m, h * d), np.float32)
+
+    # Expected, float64: RoPE on q and k; k and v as the cache stores them (fp16), so the tolerance
+    # covers fp32 arithmetic and not fp16 storage.
+    positions = np.arange(p0, p0 + m)
+    q = reference.rope(qkv[:, : h * d].reshape(m, h, d), positions, THETA)
+    k = reference.rope(qkv[:, h * d: (h + hkv) * d].reshape(m, hkv, d), positions, THETA)
+    k16 = k.astype(np.float16).astype(np.float64)
+    v16 = qkv[:, (h + hkv) * d:].reshape(m, hkv, d).astype(np.float16).astype(np.float64)
+    keys = np.concatenate([host_cache[0][LAYER, :, :p0].transpose(1, 0, 2).astype(np.float64), k16])
+    values = np.concatenate([host_cache[1][LAYER, :, :p0].transpose(1, 0, 2).astype(np.float64), v16])
+    expected = {
+        "out": reference.attention(q, keys, values, positions).reshape(m, h * d),
+        "keys": k16,
+        "values": v16,
+    }
+    ops = {}
+
+    def op(params):
+        key = tuple(sorted(params.items()))
+        if key not in ops:
+            ops[key] = AttentionPrefill(device, h, hkv, d, params)
+        return ops[key]
+
+    def launch(params):
+        return op(params).enqueue(qkv_dev, out, cache, rope, LAYER, p0, m)
+
+    def run(params):
+        for buffer, host in zip((cache.keys, cache.values), host_cache):
+            cl.enqueue_copy(device.queue, buffer, host)
+        out.fill(np.float32(np.nan))
+        for event in launch(params):
+            event.wait()
+        k_dev, v_dev = cache.read(device, LAYER, p0 + m)
+        return {"out": out.get(), "keys": k_dev[p0:], "values": v_dev[p0:]}
+
+    case = Case(expected=expected, run=run, launch=launch)
+    case.qkv, case.cache, case.host_cache = qkv, cache, host_cache  # for tests that look past the outputs
+    return case
+
+
+SPEC = Spec(
+    family="attention_prefill",
+    source="attention_prefill.cl",
+    space={
+        "WGS": (32, 16, 64),   # query rows (token, head of the GQA group) per work-group
+        "BK": (16, 32, 64),    # key positions per local-memory K/V tile
+        "VW": (8, 4),          # vector width along head_dim
+    },
+    restrictions=(
+        lambda p, s: s["head_dim"] % (2 * p["VW"]) == 0,  # each half of a head row is whole vectors
+    ),
+    work_group_size=lambda p: p["WGS"],
+    local_memory=local_memory,
+    make_case=make_case,
+    tolerance=1e-3,
+    tolerance_why=(
+        "keys: the kernel rotates in fp32 and the reference in float64 before both round to fp16, so an "
+        "element near a rounding boundary may land one fp16 ulp apart (≤ 2^-10 of its value, ≤ 9.8e-4 of "
+        "the max; measured ≤ 4e-4, in ~1 element of 7000); values are rounded identically (exact). out is "
+        "compared with attention over the fp16 K/V the reference rounds, so it carries fp32 arithmetic "
+        "(~2e-7 measured on the small shapes) plus those key flips through q·k/√D (≤ 3.5e-5 measured at "
+        "m = 300): 1e-3 leaves a margin of 30× and still catches a causal mask off by one (> 1e-2)."
+    ),
+    test_shapes=(
+        {"n_heads": 6, "n_kv_heads": 2, "head_dim": 64, "m": 7, "p0": 5},
+        {"n_heads": 4, "n_kv_heads": 1, "head_dim": 128, "m": 33, "p0": 0},
+    ),
+    bytes_moved=bytes_moved,
+    flops=flops,
+    describe=lambda s: (f"H={s['n_heads']} Hkv={s['n_kv_heads']} D={s['head_dim']} m={s['m']} p0={s['p0']}"),
+)

@@ -194,3 +194,94 @@ def sampling_probs(logits, temperature: float = 1.0, top_k: int = 0, top_p: floa
         keep &= probs >= min_p * probs.max()
     probs = np.where(keep, probs, 0.0)
     return probs / probs.sum()
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole model: a float64 Llama forward over a perfx.loader.ModelSource (the end-to-end truth)
+
+
+class ReferenceCache:
+    """Keys and values seen so far, per layer: (T, Hkv, D) float64 each, positions 0..T−1."""
+
+    def __init__(self, n_layers: int):
+        self.keys: list[np.ndarray | None] = [None] * n_layers
+        self.values: list[np.ndarray | None] = [None] * n_layers
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[0]
+
+    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self.keys[layer] is not None:
+            k, v = np.concatenate([self.keys[layer], k]), np.concatenate([self.values[layer], v])
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
+def linear(x, w, bias=None, rows_per_chunk: int = 8192) -> np.ndarray:
+    """Y (M, N) = X (M, K) · Wᵀ (+ bias) for W an ndarray or a Q4Matrix.
+
+    W is widened to float64 a block of rows at a time: a float64 copy of a whole 7B lm_head is 1 GB.
+    """
+    x = f64(x)
+    n = w.shape[0]
+    y = np.empty((x.shape[0], n))
+    for start in range(0, n, rows_per_chunk):
+        stop = min(start + rows_per_chunk, n)
+        block = w.rows(start, stop).dequantize() if hasattr(w, "dequantize") else f64(w[start:stop])
+        y[:, start:stop] = x @ block.T
+    return y if bias is None else y + f64(bias)
+
+
+def embed(embedding, tokens) -> np.ndarray:
+    """Rows of the embedding table (an fp16 ndarray or a Q4Matrix) for each token."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    if hasattr(embedding, "dequantize"):
+        return np.stack([embedding.rows(t, t + 1).dequantize()[0] for t in tokens])
+    return f64(embedding[tokens])
+
+
+def llama_forward(source, tokens, start_pos: int = 0, cache: ReferenceCache | None = None):
+    """Logits (M, V) float64 for M tokens at positions start_pos.., and the updated cache.
+
+    ``source`` is a perfx.loader.ModelSource (weights read layer by layer, dequantized to float64);
+    ``cache`` holds positions 0..start_pos−1 (None: a new one, start_pos must then be 0).
+    The maths of Hugging Face's LlamaForCausalLM / Qwen2ForCausalLM, without sliding windows.
+    """
+    c = source.config
+    tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    m, h, hkv, d = len(tokens), c.n_heads, c.n_kv_heads, c.head_dim
+    q_dim, kv_dim = h * d, hkv * d
+    cache = ReferenceCache(c.n_layers) if cache is None else cache
+    if cache.length != start_pos:
+        raise ValueError(f"cache holds {cache.length} positions but start_pos is {start_pos}")
+    positions = np.arange(start_pos, start_pos + m)
+
+    embedding = source.embedding()
+    x = embed(embedding, tokens)  # (M, hidden) residual stream
+    for i in range(c.n_layers):
+        w = source.layer(i)
+        # attention rmsnorm
+        xb = rmsnorm(x, w.attn_norm, c.rms_eps)
+        # q, k, v for these positions from the fused projection
+        qkv = linear(xb, w.qkv, w.qkv_bias)
+        q = qkv[:, :q_dim].reshape(m, h, d)
+        k = qkv[:, q_dim:q_dim + kv_dim].reshape(m, hkv, d)
+        v = qkv[:, q_dim + kv_dim:].reshape(m, hkv, d)
+        # rotate q and k by their positions (rotate-half RoPE)
+        q = rope(q, positions, c.rope_theta, c.rope_scaling)
+        k = rope(k, positions, c.rope_theta, c.rope_scaling)
+        # append k, v to the cache; causal GQA attention over everything cached
+        keys, values = cache.append(i, k, v)
+        att = attention(q, keys, values, positions).reshape(m, q_dim)
+        # output projection, residual back into x
+        x = x + linear(att, w.o)
+        # ffn rmsnorm, SwiGLU MLP (gate rows first, then up), residual
+        xb = rmsnorm(x, w.ffn_norm, c.rms_eps)
+        gate_up = linear(xb, w.gate_up)
+        n_inter = c.intermediate_size
+        x = x + linear(swiglu(gate_up[:, :n_inter], gate_up[:, n_inter:]), w.down)
+    # final rmsnorm and the classifier (the embedding itself when tied)
+    x = rmsnorm(x, source.final_norm(), c.rms_eps)
+    head = source.lm_head()
+    return linear(x, embedding if head is None else head), cache

@@ -1,0 +1,111 @@
+"""Synthetic models: real Llama shapes with random 4-bit weights, for benchmarks and tests without downloads.
+
+``open_model("synthetic:llama-2-7b")`` (group 128, as the usual AWQ checkpoints), ``"synthetic:smollm2-135m"``
+(group 32, as its Q4_0/Q4_1 GGUFs) and ``"synthetic:tiny"``. The weights are generated lazily from a
+seed. Generating a 7B layer takes about a second, so models whose layers are large reuse one random
+layer for every layer: benchmarks only need the bytes and the shapes, not distinct weights. The text
+such a model produces is noise; there is no tokenizer (feed token ids).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from perfx.config import ModelConfig
+from perfx.errors import PerfxError
+from perfx.formats import Q4Matrix
+from perfx.loader import LayerWeights, ModelSource
+
+SYNTHETIC_MODELS = {
+    # name: (config, group size)
+    "llama-2-7b": (ModelConfig(
+        architecture="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, n_layers=32,
+        n_heads=32, n_kv_heads=32, head_dim=128, rms_eps=1e-5, rope_theta=10000.0, max_positions=4096,
+        tie_embeddings=False), 128),
+    "smollm2-135m": (ModelConfig(
+        architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, n_layers=30,
+        n_heads=9, n_kv_heads=3, head_dim=64, rms_eps=1e-5, rope_theta=100000.0, max_positions=8192,
+        tie_embeddings=True), 32),
+    "tiny": (ModelConfig(
+        architecture="llama", vocab_size=512, hidden_size=192, intermediate_size=384, n_layers=2,
+        n_heads=3, n_kv_heads=1, head_dim=64, rms_eps=1e-5, rope_theta=10000.0, max_positions=256,
+        tie_embeddings=False), 64),
+}
+# Above this many weights per layer, one random layer stands in for all of them.
+DISTINCT_LAYER_LIMIT = 8_000_000
+
+
+def open_synthetic(name: str, seed: int = 0) -> SyntheticSource:
+    """``"synthetic:<model>"`` -> its SyntheticSource; unknown names list the known ones."""
+    key = name.split(":", 1)[1] if name.startswith("synthetic:") else name
+    if key not in SYNTHETIC_MODELS:
+        raise PerfxError(f"unknown synthetic model {name!r}; known: "
+                         f"{', '.join('synthetic:' + k for k in SYNTHETIC_MODELS)}")
+    config, group = SYNTHETIC_MODELS[key]
+    return SyntheticSource(key, config, group, seed)
+
+
+class SyntheticSource(ModelSource):
+    """Random int4 linear layers (scales ~ 0.02/8, offsets ≈ −8·s), unit norms, fp16 tables of std 0.02."""
+
+    format = "synthetic"
+
+    def __init__(self, name: str, config: ModelConfig, group: int, seed: int = 0):
+        super().__init__(config)
+        self.name, self.group, self.seed = name, group, seed
+        c = config
+        per_layer = c.hidden_size * (c.qkv_dim + c.q_dim + 3 * c.intermediate_size)
+        self.distinct_layers = per_layer <= DISTINCT_LAYER_LIMIT
+        self._shared_layer: LayerWeights | None = None
+
+    def _rng(self, *stream: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, *stream])
+
+    def _random_q4(self, rng: np.random.Generator, n: int, k: int) -> Q4Matrix:
+        # rng.bytes & 0xF is several times faster than rng.integers for hundreds of millions of codes
+        codes = (np.frombuffer(rng.bytes(n * k), dtype=np.uint8) & 0x0F).reshape(n, k)
+        scales = (rng.uniform(0.5, 1.5, size=(n, k // self.group)) * 0.02 / 8).astype(np.float16)
+        offsets = (-8 * scales.astype(np.float32) * rng.uniform(0.9, 1.1, size=scales.shape)).astype(np.float16)
+        return Q4Matrix(codes, scales, offsets, self.group)
+
+    def _make_layer(self, i: int) -> LayerWeights:
+        c, rng = self.config, self._rng(1, i)
+        hidden = c.hidden_size
+        return LayerWeights(
+            attn_norm=np.ones(hidden, np.float32), qkv=self._random_q4(rng, c.qkv_dim, hidden), qkv_bias=None,
+            o=self._random_q4(rng, hidden, c.q_dim), ffn_norm=np.ones(hidden, np.float32),
+            gate_up=self._random_q4(rng, 2 * c.intermediate_size, hidden),
+            down=self._random_q4(rng, hidden, c.intermediate_size))
+
+    def layer(self, i: int) -> LayerWeights:
+        if not 0 <= i < self.config.n_layers:
+            raise PerfxError(f"layer {i} does not exist: the model has {self.config.n_layers} layers")
+        if self.distinct_layers:
+            return self._make_layer(i)
+        if self._shared_layer is None:
+            self._shared_layer = self._make_layer(0)
+        return self._shared_layer
+
+    def _random_table(self, stream: int) -> np.ndarray:
+        c = self.config
+        rng = self._rng(stream)
+        # random bytes through a 256-entry fp16 table (uniform, std 0.02): standard_normal and fp16
+        # arithmetic in numpy take seconds for 7B's 131M entries
+        values = (np.arange(-128, 128) * (0.02 / 73.9)).astype(np.float16)
+        noise = np.frombuffer(rng.bytes(c.vocab_size * c.hidden_size), dtype=np.uint8)
+        return values[noise].reshape(c.vocab_size, c.hidden_size)
+
+    def embedding(self) -> np.ndarray:
+        return self._random_table(2)
+
+    def lm_head(self) -> np.ndarray | None:
+        # fp16 like the lm_head of AWQ checkpoints (AutoAWQ leaves it unquantized)
+        return None if self.config.tie_embeddings else self._random_table(3)
+
+    def final_norm(self) -> np.ndarray:
+        return np.ones(self.config.hidden_size, np.float32)
+
+    def describe(self) -> dict:
+        return {"format": "synthetic", "path": f"synthetic:{self.name}", "files": [], "file_size": 0,
+                "quantization": f"random int4, group {self.group}", "architecture": self.config.architecture,
+                "notes": [] if self.distinct_layers else ["one random layer is reused for every layer"]}

@@ -1,0 +1,373 @@
+"""Tiny random Llama-family models written to disk in every format perfx reads, for loader and end-to-end tests.
+
+A ``TinyModel`` is a config plus float32 weights under Hugging Face names, in Hugging Face (rotate-half) row
+order. The writers turn it into an fp16/bf16 safetensors directory (optionally sharded), an AWQ GEMM or GEMV
+checkpoint, or a GGUF with Q4_0/Q4_1/Q8_0/F16/F32 tensors, each with the tiny SentencePiece tokenizer and a
+ChatML template. The GGUF writer quantizes blocks itself (ggml's reference quantizers, ggml-quants.c) and
+returns the weights the file really holds, so the same model can be written again as fp16 safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import save_file
+
+from helpers.tiny_tokenizer import train_tiny_spm, write_tokenizer_to_gguf
+from perfx.formats import to_awq_gemm, to_awq_gemv
+from perfx.reference import permute_qk, unpermute_qk
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Shapes the kernels accept: head_dim 64, K multiples of 64, intermediate a multiple of the groups.
+SHAPES = {
+    # GQA 3: hidden 192 (not a multiple of 128: quantize-on-load falls back to group 64 there)
+    "gqa3": dict(architecture="llama", hidden_size=192, intermediate_size=384, n_heads=3, n_kv_heads=1),
+    # GQA 1 (multi-head), tied embeddings
+    "gqa1": dict(architecture="llama", hidden_size=128, intermediate_size=256, n_heads=2, n_kv_heads=2,
+                 tie_embeddings=True),
+    # Qwen2: biases on q, k, v; GQA 2
+    "qwen2": dict(architecture="qwen2", hidden_size=128, intermediate_size=256, n_heads=2, n_kv_heads=1,
+                  qkv_bias=True),
+}
+
+LINEAR_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+@dataclass
+class TinyModel:
+    config: dict                      # Hugging Face config.json contents
+    weights: dict[str, np.ndarray]    # Hugging Face tensor name -> float32 array
+    tokenizer_model: Path             # the SentencePiece tokenizer.model
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def n_layers(self) -> int:
+        return self.config["num_hidden_layers"]
+
+
+def tiny_tokenizer(directory: Path) -> Path:
+    """Train the tiny SentencePiece model once into directory (reused when already there)."""
+    path = Path(directory) / "tokenizer.model"
+    return path if path.is_file() else train_tiny_spm(directory)
+
+
+def make_tiny_model(kind: str, tokenizer_model: Path, rng: np.random.Generator, n_layers: int = 2) -> TinyModel:
+    """Random weights of a ``SHAPES[kind]`` model, scaled like a trained one (activations stay O(1))."""
+    import sentencepiece
+
+    shape = dict(SHAPES[kind])
+    vocab = sentencepiece.SentencePieceProcessor(model_file=str(tokenizer_model)).get_piece_size()
+    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+    heads, kv_heads, head_dim = shape["n_heads"], shape["n_kv_heads"], 64
+    config = {
+        "architectures": ["Qwen2ForCausalLM" if shape["architecture"] == "qwen2" else "LlamaForCausalLM"],
+        "model_type": shape["architecture"], "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": n_layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "max_position_embeddings": 256, "tie_word_embeddings": shape.get("tie_embeddings", False),
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float16",
+    }
+
+    def matrix(n, k):
+        return (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+
+    def norm(n):
+        return (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    w = {"model.embed_tokens.weight": rng.standard_normal((vocab, hidden)).astype(np.float32),
+         "model.norm.weight": norm(hidden)}
+    if not config["tie_word_embeddings"]:
+        w["lm_head.weight"] = matrix(vocab, hidden)
+    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = norm(hidden)
+        w[p + "post_attention_layernorm.weight"] = norm(hidden)
+        for module, (n, k) in zip(LINEAR_MODULES, [(q_dim, hidden), (kv_dim, hidden), (kv_dim, hidden),
+                                                    (hidden, q_dim), (inter, hidden), (inter, hidden),
+                                                    (hidden, inter)]):
+            w[p + module + ".weight"] = matrix(n, k)
+        if shape.get("qkv_bias"):
+            for module, n in (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)):
+                w[p + f"self_attn.{module}.bias"] = (0.1 * rng.standard_normal(n)).astype(np.float32)
+    return TinyModel(config, w, Path(tokenizer_model))
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face directories
+
+
+def _write_tokenizer_files(directory: Path, model: TinyModel):
+    shutil.copy(model.tokenizer_model, directory / "tokenizer.model")
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
+        "add_eos_token": False, "chat_template": CHAT_TEMPLATE, "tokenizer_class": "LlamaTokenizer"}))
+    (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+
+
+def save_safetensors_raw(path: Path, tensors: dict[str, tuple[str, tuple, bytes]]):
+    """Write safetensors by hand (8-byte header size, JSON header, data): numpy cannot hold bf16."""
+    header, offset, blobs = {}, 0, []
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+        blobs.append(data)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    Path(path).write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def to_bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns, round to nearest even (as torch does)."""
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def write_hf(directory: Path, model: TinyModel, weights: dict[str, np.ndarray] | None = None,
+             dtype: str = "F16", shards: int = 1, config_overrides: dict | None = None,
+             drop: tuple[str, ...] = ()) -> Path:
+    """An fp16 (or "BF16", "F32") Hugging Face directory; ``shards`` > 1 writes an index and several files.
+
+    ``weights`` replaces the model's own (e.g. the weights a GGUF really holds); ``drop`` leaves tensors out.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = dict(model.config, torch_dtype={"F16": "float16", "BF16": "bfloat16", "F32": "float32"}[dtype])
+    config.update(config_overrides or {})
+    (directory / "config.json").write_text(json.dumps(config))
+    _write_tokenizer_files(directory, model)
+    weights = {k: v for k, v in (weights or model.weights).items() if k not in drop}
+    names = list(weights)
+    groups = [names[i::shards] for i in range(shards)]
+    files = ["model.safetensors"] if shards == 1 else [f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+                                                       for i in range(shards)]
+    for file, group in zip(files, groups):
+        if dtype == "BF16":
+            save_safetensors_raw(directory / file, {
+                n: ("BF16", weights[n].shape, to_bf16_bits(weights[n]).tobytes()) for n in group})
+        else:
+            np_dtype = np.float16 if dtype == "F16" else np.float32
+            save_file({n: np.ascontiguousarray(weights[n], dtype=np_dtype) for n in group},
+                      str(directory / file))
+    if shards > 1:
+        weight_map = {n: file for file, group in zip(files, groups) for n in group}
+        index = {"metadata": {}, "weight_map": weight_map}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    return directory
+
+
+def write_awq(directory: Path, model: TinyModel, rng: np.random.Generator, group: int = 64,
+              version: str = "gemm", not_convert: tuple[str, ...] = (),
+              quantization_overrides: dict | None = None):
+    """An AutoAWQ checkpoint with random codes, integer zeros and fp16 scales for every linear layer.
+
+    Modules whose name contains one of ``not_convert`` stay fp16 (listed in modules_to_not_convert), as does
+    lm_head. Returns (directory, parts): parts[module] = (codes (N, K) uint8, zeros (N, K/G), scales (N, K/G)
+    fp16) for the quantized modules, in Hugging Face row order.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    quantization = {"quant_method": "awq", "w_bit": 4, "q_group_size": group, "zero_point": True,
+                    "version": version, "modules_to_not_convert": list(not_convert) or None}
+    quantization.update(quantization_overrides or {})
+    config = dict(model.config, quantization_config=quantization)
+    (directory / "config.json").write_text(json.dumps(config))
+    _write_tokenizer_files(directory, model)
+    tensors, parts = {}, {}
+    pack = to_awq_gemm if version == "gemm" else to_awq_gemv
+    for name, w in model.weights.items():
+        module = name.rsplit(".", 1)[0]
+        quantized = (name.endswith(".weight") and any(module.endswith(m) for m in LINEAR_MODULES)
+                     and not any(skip in module for skip in not_convert))
+        if not quantized:
+            tensors[name] = w.astype(np.float16)
+            continue
+        n, k = w.shape
+        codes = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
+        zeros = rng.integers(0, 16, size=(n, k // group), dtype=np.uint8)
+        scales = (rng.uniform(0.5, 1.5, size=(n, k // group)) / (8 * np.sqrt(k))).astype(np.float16)
+        qweight, qzeros, packed_scales = pack(codes, zeros, scales)
+        tensors[module + ".qweight"], tensors[module + ".qzeros"] = qweight, qzeros
+        tensors[module + ".scales"] = packed_scales
+        parts[module] = (codes, zeros, scales)
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory, parts
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF (block layouts of ggml-common.h; quantizers after ggml-quants.c's quantize_row_*_ref)
+
+
+def quantize_q4_0(w: np.ndarray):
+    """Q4_0 blocks of W (N, K): returns (raw (N, K/32·18) uint8, codes (N, K) uint8, d (N, K/32) fp16)."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // 32, 32).astype(np.float32)
+    at = np.abs(blocks).argmax(axis=2)
+    extreme = np.take_along_axis(blocks, at[..., None], axis=2)[..., 0]   # signed value of largest |x|
+    d = extreme / -8
+    inv = np.where(d != 0, 1 / np.where(d != 0, d, 1), 0)
+    codes = np.minimum(15, (blocks * inv[..., None] + 8.5).astype(np.int8)).astype(np.uint8)
+    d16 = d.astype(np.float16)
+    raw = np.concatenate([d16[..., None].view(np.uint8), _pack_nibbles(codes)], axis=2)
+    return raw.reshape(n, -1), codes.reshape(n, k), d16
+
+
+def quantize_q4_1(w: np.ndarray):
+    """Q4_1 blocks: returns (raw (N, K/32·20) uint8, codes (N, K), d (N, K/32) fp16, m (N, K/32) fp16)."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // 32, 32).astype(np.float32)
+    low, high = blocks.min(axis=2), blocks.max(axis=2)
+    d = (high - low) / 15
+    inv = np.where(d != 0, 1 / np.where(d != 0, d, 1), 0)
+    codes = np.minimum(15, ((blocks - low[..., None]) * inv[..., None] + 0.5).astype(np.int8)).astype(np.uint8)
+    d16, m16 = d.astype(np.float16), low.astype(np.float16)
+    raw = np.concatenate([d16[..., None].view(np.uint8), m16[..., None].view(np.uint8), _pack_nibbles(codes)],
+                         axis=2)
+    return raw.reshape(n, -1), codes.reshape(n, k), d16, m16
+
+
+def quantize_q8_0(w: np.ndarray):
+    """Q8_0 blocks: returns (raw (N, K/32·34) uint8, q (N, K) int8, d (N, K/32) fp16)."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // 32, 32).astype(np.float32)
+    d = np.abs(blocks).max(axis=2) / 127
+    inv = np.where(d != 0, 1 / np.where(d != 0, d, 1), 0)
+    q = np.rint(blocks * inv[..., None]).astype(np.int8)
+    d16 = d.astype(np.float16)
+    raw = np.concatenate([d16[..., None].view(np.uint8), q.view(np.uint8)], axis=2)
+    return raw.reshape(n, -1), q.reshape(n, k), d16
+
+
+def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """ggml's nibble order: byte j holds weight j (low nibble) and weight j + 16 (high nibble)."""
+    return (codes[..., :16] | (codes[..., 16:] << 4)).astype(np.uint8)
+
+
+GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"}
+
+# Per-layer tensor types, chosen so every type, and a Q4/fp16 mix inside the fused qkv and gate_up, occur.
+DEFAULT_GGUF_TYPES = [
+    {"q": "Q4_0", "k": "Q4_0", "v": "Q4_0", "o": "Q4_1", "gate": "Q4_1", "up": "Q4_1", "down": "Q4_0"},
+    {"q": "F16", "k": "Q4_1", "v": "Q4_1", "o": "Q8_0", "gate": "Q8_0", "up": "Q4_0", "down": "F32"},
+]
+SHORT = {"self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v", "self_attn.o_proj": "o",
+         "mlp.gate_proj": "gate", "mlp.up_proj": "up", "mlp.down_proj": "down"}
+
+
+@dataclass
+class GGUFWritten:
+    path: Path
+    weights: dict[str, np.ndarray]        # HF name -> the float64 weights the file holds, HF row order
+    q4: dict[str, tuple]                  # HF name -> (codes, scales fp16, offsets fp16) in HF row order
+    types: dict[str, str]                 # HF name -> GGUF type written
+
+
+def write_gguf(path: Path, model: TinyModel, layer_types=None, embedding_type: str = "Q8_0",
+               output_type: str = "F16", raw_override: dict | None = None,
+               tokenizer: bool = True) -> GGUFWritten:
+    """A GGUF of ``model`` as llama.cpp's converter writes it (Q/K rows permuted for llama; biases F32).
+
+    ``raw_override`` maps a GGUF tensor name to (raw uint8 array, GGMLQuantizationType) written as is (for
+    unsupported-type tests).
+    """
+    c = model.config
+    arch = c["model_type"]
+    layer_types = layer_types or DEFAULT_GGUF_TYPES
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("perfx tiny test model")
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(c["hidden_size"])
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count(c["num_attention_heads"])
+    writer.add_head_count_kv(c["num_key_value_heads"])
+    writer.add_rope_freq_base(c["rope_theta"])
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    writer.add_rope_dimension_count(c["head_dim"])
+    writer.add_vocab_size(c["vocab_size"])
+    if tokenizer:
+        write_tokenizer_to_gguf(writer, model.tokenizer_model)
+        writer.add_chat_template(CHAT_TEMPLATE)
+
+    written = GGUFWritten(Path(path), {}, {}, {})
+    raw_override = raw_override or {}
+
+    def add(gguf_name: str, hf_name: str, kind: str, permute_heads: int | None = None):
+        w = model.weights[hf_name]
+        if permute_heads:      # llama.cpp's convert_hf_to_gguf permutes Wq/Wk (and their biases)
+            w = permute_qk(w, permute_heads)
+        if gguf_name in raw_override:
+            raw, qtype = raw_override[gguf_name]
+            writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
+            written.types[hf_name] = qtype.name
+            return
+        written.types[hf_name] = kind
+        q4 = None
+        if kind == "Q4_0":
+            raw, codes, d = quantize_q4_0(w)
+            scales = d
+            offsets = (-8 * d.astype(np.float32)).astype(np.float16)
+            held = np.repeat(d.astype(np.float64), 32, axis=1) * (codes.astype(np.float64) - 8)
+            q4 = (codes, scales, offsets)
+            writer.add_tensor(gguf_name, raw, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+        elif kind == "Q4_1":
+            raw, codes, d, m = quantize_q4_1(w)
+            held = (np.repeat(d.astype(np.float64), 32, axis=1) * codes
+                    + np.repeat(m.astype(np.float64), 32, axis=1))
+            q4 = (codes, d, m)
+            writer.add_tensor(gguf_name, raw, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+        elif kind == "Q8_0":
+            raw, q, d = quantize_q8_0(w)
+            held = np.repeat(d.astype(np.float64), 32, axis=1) * q
+            writer.add_tensor(gguf_name, raw, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        elif kind == "F16":
+            held = w.astype(np.float16).astype(np.float64)
+            writer.add_tensor(gguf_name, w.astype(np.float16))
+        else:
+            held = w.astype(np.float32).astype(np.float64)
+            writer.add_tensor(gguf_name, w.astype(np.float32))
+        if permute_heads:      # back to HF order: what the loader must give
+            held = unpermute_qk(held, permute_heads)
+            if q4 is not None:
+                q4 = tuple(unpermute_qk(a, permute_heads) for a in q4)
+        written.weights[hf_name] = held
+        if q4 is not None:
+            written.q4[hf_name] = q4
+
+    add("token_embd.weight", "model.embed_tokens.weight", embedding_type)
+    add("output_norm.weight", "model.norm.weight", "F32")
+    if "lm_head.weight" in model.weights:
+        add("output.weight", "lm_head.weight", output_type)
+    heads = {"self_attn.q_proj": c["num_attention_heads"], "self_attn.k_proj": c["num_key_value_heads"]}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        types = layer_types[i % len(layer_types)]
+        add(f"blk.{i}.attn_norm.weight", p + "input_layernorm.weight", "F32")
+        add(f"blk.{i}.ffn_norm.weight", p + "post_attention_layernorm.weight", "F32")
+        for module, short in GGUF_NAMES.items():
+            permute = heads.get(module) if arch == "llama" else None
+            add(f"blk.{i}.{short}.weight", p + module + ".weight", types[SHORT[module]], permute)
+            if p + module + ".bias" in model.weights:
+                add(f"blk.{i}.{short}.bias", p + module + ".bias", "F32", permute)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return written

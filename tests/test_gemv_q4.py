@@ -1,0 +1,123 @@
+"""gemv_q4: every test shape at the defaults and at every candidate, image splits, fused QKV, gate-up, errors."""
+
+import numpy as np
+import pytest
+
+from perfx import reference
+from perfx.errors import PerfxError
+from perfx.formats import Q4Matrix
+from perfx.ops.gemv_q4 import GemvQ4
+from perfx.ops.q4_weight import Q4DeviceWeight
+from perfx.runtime import Device, Limits
+from perfx.tuning.gemv_q4 import SPEC
+from perfx.tuning.spec import relative_error
+
+
+def _check(case, params, what):
+    errors = case.errors(params)
+    assert errors["y"] <= SPEC.tolerance, f"{what} {params}: relative error {errors['y']:.3g} > {SPEC.tolerance}"
+
+
+@pytest.mark.parametrize("shape", SPEC.test_shapes, ids=[SPEC.describe(s) for s in SPEC.test_shapes])
+def test_every_candidate(device, rng, shape):
+    case = SPEC.make_case(device, shape, rng)
+    _check(case, SPEC.defaults(), SPEC.describe(shape))
+    candidates = SPEC.candidates(shape, device.caps)
+    assert len(candidates) >= 8
+    for params in candidates:
+        _check(case, params, SPEC.describe(shape))
+
+
+def test_shapes_cover_the_contract():
+    shapes = SPEC.test_shapes
+    assert {s["group"] for s in shapes} == {32, 64, 128}
+    assert any(s["n"] % 8 and s["k"] % (64 * s["group"]) for s in shapes), "an off-grid shape"
+    assert any(s.get("bias") and s.get("parts") for s in shapes), "a fused QKV with bias"
+    assert any(s.get("epilogue") == "silu_mul" for s in shapes), "a gate-up shape"
+
+
+def test_detects_wrong_answers(device, rng):
+    """The check can fail: a poisoned (unwritten) output and a reference without offsets both exceed it."""
+    shape = SPEC.test_shapes[2]
+    case = SPEC.make_case(device, shape, rng)
+    assert relative_error(np.full(shape["n"], np.nan), case.expected["y"]) == np.inf
+    y = case.run(SPEC.defaults())["y"]
+    wrong = y.copy()
+    wrong[-1] += 0.0025 * 3  # one code off by one, against an x of ~3
+    assert relative_error(wrong, case.expected["y"]) > SPEC.tolerance
+
+
+def _random_weight(device, rng, n, k, group, bias=False, read_paths=("image2d", "buffer")):
+    q4 = Q4Matrix.random(n, k, group, rng)
+    b = rng.standard_normal(n).astype(np.float32) if bias else None
+    return q4, b, Q4DeviceWeight.upload(device, q4, b, read_paths=read_paths)
+
+
+@pytest.fixture(scope="module")
+def small_image_device():
+    return Device(limits=Limits(name="test", image2d_max_height=256))
+
+
+@pytest.mark.parametrize("params", [{"LANES": 1, "ROWS": 4}, {"LANES": 4, "ROWS": 2}, {"LANES": 16, "ROWS": 1}])
+def test_image_split(small_image_device, rng, params):
+    """N = 1000 over four images of 256 rows; gate-up pairs whose gate and up rows sit in different images."""
+    device = small_image_device
+    q4, bias, weight = _random_weight(device, rng, 1000, 576, 64, bias=True, read_paths=("image2d",))
+    assert weight.image_rows == [(0, 256), (256, 512), (512, 768), (768, 1000)]
+    x = rng.standard_normal(576).astype(np.float32)
+    xd = device.upload(x)
+    full = reference.gemv(q4.dequantize(), x, bias)
+    gemv = GemvQ4(device, {**params, "READ": "image2d"})
+
+    y = device.poisoned(1000, np.float32)
+    assert len(gemv.events(weight, xd, y)) == 4
+    gemv(weight, xd, y).wait()
+    assert relative_error(y.get(), full) <= SPEC.tolerance
+
+    y = device.poisoned(500, np.float32)
+    events = gemv.events(weight, xd, y, "silu_mul")
+    assert len(events) > 2  # gate rows 0..499 over images 0-1, up rows 500..999 over images 1-3
+    events[-1].wait()
+    assert relative_error(y.get(), reference.swiglu(full[:500], full[500:])) <= SPEC.tolerance
+
+
+def test_fused_qkv_slices_match_separate_products(device, rng):
+    """The attention kernel reads q, k, v at offsets of the fused output: each slice is its own product."""
+    parts = [Q4Matrix.random(n, 576, 32, rng) for n in (576, 192, 192)]
+    bias = rng.standard_normal(960).astype(np.float32)
+    weight = Q4DeviceWeight.upload(device, Q4Matrix.concat(parts), bias)
+    x = rng.standard_normal(576).astype(np.float32)
+    y = device.poisoned(960, np.float32)
+    GemvQ4(device)(weight, device.upload(x), y.data).wait()
+    out, start = y.get(), 0
+    for part in parts:
+        stop = start + part.shape[0]
+        want = reference.gemv(part.dequantize(), x, bias[start:stop])
+        assert relative_error(out[start:stop], want) <= SPEC.tolerance
+        start = stop
+
+
+def test_errors(device, rng):
+    _, _, buffer_only = _random_weight(device, rng, 10, 64, 32, read_paths=("buffer",))
+    _, _, image_only = _random_weight(device, rng, 10, 64, 32, read_paths=("image2d",))
+    x, y = device.upload(rng.standard_normal(64).astype(np.float32)), device.empty(10, np.float32)
+    with pytest.raises(PerfxError, match="without the 'image2d' read path"):
+        GemvQ4(device, {"READ": "image2d"})(buffer_only, x, y)
+    with pytest.raises(PerfxError, match="without the 'buffer' read path"):
+        GemvQ4(device, {"READ": "buffer"})(image_only, x, y)
+    gemv = GemvQ4(device)
+    with pytest.raises(PerfxError, match="odd"):
+        _, _, odd = _random_weight(device, rng, 9, 64, 32)
+        gemv(odd, x, y, "silu_mul")
+    with pytest.raises(PerfxError, match="epilogue"):
+        gemv(buffer_only, x, y, "gelu")
+    with pytest.raises(PerfxError, match="x holds 128 bytes"):
+        gemv(buffer_only, device.empty(32, np.float32), y)
+    with pytest.raises(PerfxError, match="y holds"):
+        gemv(buffer_only, x, device.empty(9, np.float32))
+    with pytest.raises(PerfxError, match="must be a cl.Buffer"):
+        gemv(buffer_only, np.zeros(64, np.float32), y)
+    with pytest.raises(PerfxError, match="unknown parameter"):
+        GemvQ4(device, {"WPT": 2})
+    with pytest.raises(PerfxError, match="READ="):
+        GemvQ4(device, {"READ": "texture"})

@@ -1,0 +1,278 @@
+// Decode attention for one new token at position p of one layer (Llama family: rotate-half RoPE,
+// grouped-query attention), flash-decoding style, in two launches on the in-order queue:
+//   attention_partial:  q' = rope(q, p), k' = rope(k, p);  keys[layer][g][p] = half(k'),
+//                       values[layer][g][p] = half(v);  per (query head h, partition j of PART positions):
+//                       m_j = max_t s_t,  l_j = Σ_t e^(s_t − m_j),  o_j = Σ_t e^(s_t − m_j)·V[t],
+//                       s_t = q'_h·K[t] / √D over the positions t ≤ p of partition j
+//   attention_combine:  out[h] = Σ_j e^(m_j − M)·o_j / Σ_j e^(m_j − M)·l_j,
+//                       M a running max over the partitions (online softmax)
+// When p < PART there is one partition and attention_partial writes out[h] = o_0 / l_0 itself: one launch.
+// Shapes: qkv float [q (H·D) | k (Hkv·D) | v (Hkv·D)] from element qkv_offset (the fused QKV GEMV);
+// out (H·D) float; keys / values half [layer][kv_head][pos][D] (perfx/ops/kv_cache.py), positions < p
+// already there; cos / sin (max_positions, D/2) float. Rotate-half pairs are (i, i + D/2):
+// x'[i] = x[i]·cos − x[i+D/2]·sin, x'[i+D/2] = x[i+D/2]·cos + x[i]·sin (perfx/reference.py rope).
+// Query head h reads kv head h / GQA, GQA = H/Hkv. D = HEAD_DIM (even, a multiple of VW) and GQA are
+// build defines from the model; partials are [H][max_parts] (m, l) and [H][max_parts][D] (o), float.
+//
+// Flash-decoding (Dao, Haziza, Massa, Sizov 2023; vLLM's paged attention v2): a long context is split
+// over (kv head, partition) work-groups so it does not run on Hkv work-groups only. One work-group serves
+// the GQA query heads that share its kv head, so each K/V element is read once. Work-groups of one launch
+// cannot wait for each other, so none reads row p from the cache: the one work-group per kv head whose
+// partition holds p (the last) writes the new k', v to the cache and uses them from local memory, rounded
+// to fp16 as the cache holds them (later tokens read the same values). fp32 arithmetic throughout.
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 64  // D, from the model (set by the wrapper, not tuned)
+#endif
+
+#ifndef GQA
+#define GQA 1  // query heads per kv head, H / Hkv (set by the wrapper, not tuned)
+#endif
+
+#ifndef PART
+#define PART 128  // positions per partition: one work-group each per kv head
+#endif
+
+#ifndef WGS
+#define WGS 64  // work-items per attention_partial work-group (a power of two)
+#endif
+
+#ifndef VW
+#define VW 8  // halfs per K/V load (vload_half4 / vload_half8) and floats per vector along D
+#endif
+
+#if VW == 8
+typedef float8 floatV;
+#define LOADV vload8
+#define STOREV vstore8
+#define LOADHV vload_half8
+#define HSUM(x) hsum4((x).lo + (x).hi)
+#else
+typedef float4 floatV;
+#define LOADV vload4
+#define STOREV vstore4
+#define LOADHV vload_half4
+#define HSUM(x) hsum4(x)
+#endif
+
+#define HALF_D (HEAD_DIM / 2)
+#define LANES (HEAD_DIM / VW)     // vectors per K/V row
+#define ROWS (WGS / LANES)        // V rows accumulated side by side (the spec keeps WGS ≥ LANES)
+#define MAXF(a, b) ((a) > (b) ? (a) : (b))
+// One local buffer for the scores (GQA × PART) and later for the ROWS partial V sums (ROWS × GQA × D).
+#define WORK MAXF(GQA * PART, ROWS * GQA * HEAD_DIM)
+
+inline float hsum4(const float4 x)
+{
+    return (x.s0 + x.s1) + (x.s2 + x.s3);
+}
+
+// global (WGS, Hkv, ceil((p+1)/PART)), local (WGS, 1, 1): work-group (g, j) = kv head g, partition j.
+__kernel __attribute__((reqd_work_group_size(WGS, 1, 1)))
+void attention_partial(__global const float* restrict qkv, const int qkv_offset,
+                       __global const float* restrict cos_table, __global const float* restrict sin_table,
+                       __global half* restrict keys, __global half* restrict values,
+                       const int layer_offset, const int max_positions, const int pos, const int max_parts,
+                       __global float* restrict part_max, __global float* restrict part_sum,
+                       __global float* restrict part_out, __global float* restrict out)
+{
+    const int lid = get_local_id(0);
+    const int g = get_group_id(1);
+    const int part = get_group_id(2);
+    const int n_parts = get_num_groups(2);
+    const int n_kv_heads = get_num_groups(1);
+    const int first = part * PART;
+    const int count = min(PART, pos + 1 - first);  // ≥ 1: the wrapper launches ceil((p+1)/PART) partitions
+    const bool holds_pos = part == n_parts - 1;   // this partition's last position is p
+
+    __local float q[GQA * HEAD_DIM];       // rotated, times 1/√D
+    __local ushort fresh_bits[2 * HEAD_DIM];  // k' then v as fp16 ("__local half x[]" needs cl_khr_fp16)
+    __local float work[WORK];
+    __local float red[GQA * WGS];
+    __local float stats[2 * GQA];          // the partition's max and sum per head
+    __local half* fresh = (__local half*)fresh_bits;
+
+    // RoPE on this kv head's GQA query heads (every partition needs them; GQA·D elements is cheap).
+    const __global float* cos_p = cos_table + pos * HALF_D;
+    const __global float* sin_p = sin_table + pos * HALF_D;
+    const float scale = 1.0f / sqrt((float)HEAD_DIM);
+    const __global float* q_in = qkv + qkv_offset + g * GQA * HEAD_DIM;
+    for (int e = lid; e < GQA * HALF_D; e += WGS) {
+        const int h = e / HALF_D, i = e % HALF_D;
+        const float x = q_in[h * HEAD_DIM + i], y = q_in[h * HEAD_DIM + i + HALF_D];
+        const float c = cos_p[i], s = sin_p[i];
+        q[h * HEAD_DIM + i] = (x * c - y * s) * scale;
+        q[h * HEAD_DIM + i + HALF_D] = (y * c + x * s) * scale;
+    }
+    const size_t head_base = (size_t)layer_offset + (size_t)g * max_positions * HEAD_DIM;
+    if (holds_pos) {
+        // The only writer of row p for kv head g: RoPE on k, append k' and v, keep them in local memory.
+        const __global float* k_in = qkv + qkv_offset + (n_kv_heads * GQA + g) * HEAD_DIM;
+        const __global float* v_in = k_in + n_kv_heads * HEAD_DIM;
+        const size_t row = head_base + (size_t)pos * HEAD_DIM;
+        for (int i = lid; i < HALF_D; i += WGS) {
+            const float x = k_in[i], y = k_in[i + HALF_D];
+            const float c = cos_p[i], s = sin_p[i];
+            const float lo = x * c - y * s, hi = y * c + x * s;
+            vstore_half(lo, i, fresh);
+            vstore_half(hi, i + HALF_D, fresh);
+            vstore_half(lo, row + i, keys);
+            vstore_half(hi, row + i + HALF_D, keys);
+        }
+        for (int i = lid; i < HEAD_DIM; i += WGS) {
+            const float v = v_in[i];
+            vstore_half(v, HEAD_DIM + i, fresh);
+            vstore_half(v, row + i, values);
+        }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+
+    // Scores: one position per work-item at a time, all GQA heads from one read of the key row.
+    const __global half* k_part = keys + head_base + (size_t)first * HEAD_DIM;
+    float run_max[GQA];
+    for (int h = 0; h < GQA; ++h) {
+        run_max[h] = -INFINITY;
+    }
+    for (int t = lid; t < count; t += WGS) {
+        floatV acc[GQA];
+        for (int h = 0; h < GQA; ++h) {
+            acc[h] = (floatV)0.0f;
+        }
+        if (holds_pos && t == count - 1) {
+            for (int c = 0; c < LANES; ++c) {
+                const floatV k = LOADHV(c, fresh);
+                for (int h = 0; h < GQA; ++h) {
+                    acc[h] += LOADV(c, q + h * HEAD_DIM) * k;
+                }
+            }
+        } else {
+            const __global half* k_row = k_part + (size_t)t * HEAD_DIM;
+            for (int c = 0; c < LANES; ++c) {
+                const floatV k = LOADHV(c, k_row);
+                for (int h = 0; h < GQA; ++h) {
+                    acc[h] += LOADV(c, q + h * HEAD_DIM) * k;
+                }
+            }
+        }
+        for (int h = 0; h < GQA; ++h) {
+            const float s = HSUM(acc[h]);
+            work[h * PART + t] = s;
+            run_max[h] = fmax(run_max[h], s);
+        }
+    }
+
+    // The partition's max per head: one tree over WGS for all heads at once.
+    for (int h = 0; h < GQA; ++h) {
+        red[h * WGS + lid] = run_max[h];
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int stride = WGS / 2; stride > 0; stride >>= 1) {
+        if (lid < stride) {
+            for (int h = 0; h < GQA; ++h) {
+                red[h * WGS + lid] = fmax(red[h * WGS + lid], red[h * WGS + lid + stride]);
+            }
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    if (lid < GQA) {
+        stats[lid] = red[lid * WGS];
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+
+    // Weights e^(s − m) in place of the scores (each work-item its own positions), and their sum.
+    float run_sum[GQA];
+    for (int h = 0; h < GQA; ++h) {
+        run_sum[h] = 0.0f;
+    }
+    for (int t = lid; t < count; t += WGS) {
+        for (int h = 0; h < GQA; ++h) {
+            const float w = exp(work[h * PART + t] - stats[h]);
+            work[h * PART + t] = w;
+            run_sum[h] += w;
+        }
+    }
+    for (int h = 0; h < GQA; ++h) {
+        red[h * WGS + lid] = run_sum[h];
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int stride = WGS / 2; stride > 0; stride >>= 1) {
+        if (lid < stride) {
+            for (int h = 0; h < GQA; ++h) {
+                red[h * WGS + lid] += red[h * WGS + lid + stride];
+            }
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    if (lid < GQA) {
+        stats[GQA + lid] = red[lid * WGS];
+    }
+
+    // o = Σ_t w_t·V[t]: LANES work-items cover one V row, ROWS rows side by side.
+    const int lane = lid % LANES, row = lid / LANES;
+    floatV o[GQA];
+    for (int h = 0; h < GQA; ++h) {
+        o[h] = (floatV)0.0f;
+    }
+    if (row < ROWS) {
+        const __global half* v_part = values + head_base + (size_t)first * HEAD_DIM;
+        for (int t = row; t < count; t += ROWS) {
+            floatV v;
+            if (holds_pos && t == count - 1) {
+                v = LOADHV(lane, fresh + HEAD_DIM);
+            } else {
+                v = LOADHV(lane, v_part + (size_t)t * HEAD_DIM);
+            }
+            for (int h = 0; h < GQA; ++h) {
+                o[h] += work[h * PART + t] * v;
+            }
+        }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);  // the weights are read: work now takes the ROWS partial sums
+    if (row < ROWS) {
+        for (int h = 0; h < GQA; ++h) {
+            STOREV(o[h], lane, work + (row * GQA + h) * HEAD_DIM);
+        }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+
+    for (int e = lid; e < GQA * HEAD_DIM; e += WGS) {
+        float sum = 0.0f;
+        for (int r = 0; r < ROWS; ++r) {
+            sum += work[r * GQA * HEAD_DIM + e];
+        }
+        const int h = e / HEAD_DIM;
+        const int query_head = g * GQA + h;
+        if (n_parts == 1) {
+            out[query_head * HEAD_DIM + e % HEAD_DIM] = sum / stats[GQA + h];
+        } else {
+            part_out[((size_t)query_head * max_parts + part) * HEAD_DIM + e % HEAD_DIM] = sum;
+        }
+    }
+    if (n_parts > 1 && lid < GQA) {
+        const int at = (g * GQA + lid) * max_parts + part;
+        part_max[at] = stats[lid];
+        part_sum[at] = stats[GQA + lid];
+    }
+}
+
+// global (D/VW, H), local (D/VW, 1): one work-group per query head, VW elements of out per work-item.
+__kernel __attribute__((reqd_work_group_size(LANES, 1, 1)))
+void attention_combine(const int n_parts, const int max_parts,
+                       __global const float* restrict part_max, __global const float* restrict part_sum,
+                       __global const float* restrict part_out, __global float* restrict out)
+{
+    const int lane = get_local_id(0);
+    const int h = get_group_id(1);
+    float m = -INFINITY, l = 0.0f;
+    floatV o = (floatV)0.0f;
+    for (int j = 0; j < n_parts; ++j) {
+        const int at = h * max_parts + j;
+        const float m_j = part_max[at];
+        const float m_new = fmax(m, m_j);
+        const float keep = exp(m - m_new), take = exp(m_j - m_new);  // exp(−inf) = 0 on the first step
+        l = l * keep + part_sum[at] * take;
+        o = o * keep + LOADV(lane, part_out + (size_t)at * HEAD_DIM) * take;
+        m = m_new;
+    }
+    STOREV(o / l, lane, out + h * HEAD_DIM);
+}

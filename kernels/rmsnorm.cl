@@ -1,0 +1,120 @@
+// RMSNorm over M rows of K floats (row m at m·K); γ (K) float; fp32 throughout.
+//
+//   rmsnorm_residual:  h = x + r, written back into r (the new residual stream);
+//                      y = h / sqrt(mean(h²) + eps) · γ
+//   rmsnorm:           y = x / sqrt(mean(x²) + eps) · γ
+//
+// Shape contract: any M >= 1, any K >= 1 (a VW-wide main part, then a scalar tail of K mod VW).
+// Launch: one work-group per row, global = M · WGS, local = WGS. y must not alias x or r.
+//
+// One pass over the inputs: each work-item keeps VW partial sums of squares over its own columns,
+// the work-group adds them in a local-memory tree, and the second sweep reads back only what this
+// same work-item just wrote (r) or read (x): from cache, and visible to it without a barrier.
+
+#ifndef WGS
+#define WGS 128  // work-items per row (a power of two)
+#endif
+#ifndef VW
+#define VW 4  // floats per load: 1, 4 or 8
+#endif
+
+#if VW == 8
+typedef float8 floatVW;
+#define LOADV(i, p) vload8(i, p)
+#define STOREV(v, i, p) vstore8(v, i, p)
+#define HSUM(v) ((v).s0 + (v).s1 + (v).s2 + (v).s3 + (v).s4 + (v).s5 + (v).s6 + (v).s7)
+#elif VW == 4
+typedef float4 floatVW;
+#define LOADV(i, p) vload4(i, p)
+#define STOREV(v, i, p) vstore4(v, i, p)
+#define HSUM(v) ((v).s0 + (v).s1 + (v).s2 + (v).s3)
+#elif VW == 1
+typedef float floatVW;
+#define LOADV(i, p) ((p)[i])
+#define STOREV(v, i, p) ((p)[i] = (v))
+#define HSUM(v) (v)
+#else
+#error "VW must be 1, 4 or 8"
+#endif
+
+// The sum of every work-item's value, returned to all of them.
+float work_group_total(const float value, __local float* scratch)
+{
+    const int lid = get_local_id(0);
+    scratch[lid] = value;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int stride = WGS / 2; stride > 0; stride >>= 1) {
+        if (lid < stride) {
+            scratch[lid] += scratch[lid + stride];
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    return scratch[0];
+}
+
+// y = h · inv · γ over one row, h read from src (written or read earlier by this work-item).
+void scale_row(const int k, const float inv, __global const float* src, __global const float* restrict gamma,
+               __global float* restrict y)
+{
+    const int lid = get_local_id(0);
+    const int chunks = k / VW;
+    for (int c = lid; c < chunks; c += WGS) {
+        STOREV(LOADV(c, src) * inv * LOADV(c, gamma), c, y);
+    }
+    for (int i = chunks * VW + lid; i < k; i += WGS) {
+        y[i] = src[i] * inv * gamma[i];
+    }
+}
+
+__kernel __attribute__((reqd_work_group_size(WGS, 1, 1)))
+void rmsnorm_residual(const int k, const float eps, __global const float* restrict x,
+                      __global float* restrict r, __global const float* restrict gamma,
+                      __global float* restrict y)
+{
+    __local float scratch[WGS];
+    const size_t base = (size_t)get_group_id(0) * k;
+    x += base;
+    r += base;
+    y += base;
+
+    const int lid = get_local_id(0);
+    const int chunks = k / VW;
+    floatVW squares = (floatVW)(0.0f);
+    for (int c = lid; c < chunks; c += WGS) {
+        const floatVW h = LOADV(c, x) + LOADV(c, r);
+        STOREV(h, c, r);
+        squares = fma(h, h, squares);
+    }
+    float total = HSUM(squares);
+    for (int i = chunks * VW + lid; i < k; i += WGS) {
+        const float h = x[i] + r[i];
+        r[i] = h;
+        total = fma(h, h, total);
+    }
+    const float inv = 1.0f / sqrt(work_group_total(total, scratch) / (float)k + eps);
+    scale_row(k, inv, r, gamma, y);
+}
+
+__kernel __attribute__((reqd_work_group_size(WGS, 1, 1)))
+void rmsnorm(const int k, const float eps, __global const float* restrict x,
+             __global const float* restrict gamma, __global float* restrict y)
+{
+    __local float scratch[WGS];
+    const size_t base = (size_t)get_group_id(0) * k;
+    x += base;
+    y += base;
+
+    const int lid = get_local_id(0);
+    const int chunks = k / VW;
+    floatVW squares = (floatVW)(0.0f);
+    for (int c = lid; c < chunks; c += WGS) {
+        const floatVW v = LOADV(c, x);
+        squares = fma(v, v, squares);
+    }
+    float total = HSUM(squares);
+    for (int i = chunks * VW + lid; i < k; i += WGS) {
+        total = fma(x[i], x[i], total);
+    }
+    const float inv = 1.0f / sqrt(work_group_total(total, scratch) / (float)k + eps);
+    scale_row(k, inv, x, gamma, y);
+}

@@ -1,0 +1,149 @@
+"""Decode attention: RoPE on q and k, k and v appended to the KV cache, GQA attention for one new token.
+
+Flash-decoding with ``kernels/attention_decode.cl``: ``attention_partial`` (one work-group per kv head and
+partition of PART positions: RoPE, the append by the partition that holds the new position, partial
+softmax and weighted V) then ``attention_combine`` (online-softmax merge of the partitions). A context of
+at most PART positions is one partition and needs the first launch only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from perfx.errors import PerfxError
+from perfx.ops.kv_cache import KVCache, RopeTable
+from perfx.runtime import Device
+
+SOURCE = "attention_decode.cl"
+# head_dim: even and whole vectors of 8 (both VW values); 64 and 128 are the tested Llama sizes.
+SUPPORTED_HEAD_DIMS = tuple(range(32, 257, 8))
+
+
+def _buffer(x):
+    """The cl.Buffer behind a pyopencl Array, or the buffer itself."""
+    return getattr(x, "data", x)
+
+
+def _elements(x) -> int | None:
+    """float32 elements a pyopencl Array or cl.Buffer holds (None where it cannot tell)."""
+    if hasattr(x, "dtype") and hasattr(x, "size"):
+        return int(x.size) if x.dtype == np.float32 else None
+    size = getattr(x, "size", None)
+    return int(size) // 4 if size is not None else None
+
+
+class AttentionDecode:
+    """RoPE + KV-cache append + attention of one token at position ``pos`` for one layer.
+
+    ``params``: the tuning parameters (``tuning/attention_decode.py``: PART, WGS, VW); None → the spec's
+    defaults. Parameters this device or shape cannot run (local memory, work-group size) fall back to
+    the first parameter set that fits (``fallback`` says why). Partial buffers for contexts of up to
+    ``max_positions`` are allocated here, once.
+    """
+
+    def __init__(self, device: Device, n_heads: int, n_kv_heads: int, head_dim: int, max_positions: int,
+                 params: dict | None = None):
+        from perfx.tuning.attention_decode import SPEC
+
+        if n_heads <= 0 or n_kv_heads <= 0 or n_heads % n_kv_heads:
+            raise PerfxError(f"attention_decode: {n_heads} query heads cannot share {n_kv_heads} kv heads "
+                             "(the query heads must be a positive multiple of the kv heads)")
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            raise PerfxError(f"attention_decode: head_dim {head_dim} is not supported; supported: multiples "
+                             f"of 8 from {SUPPORTED_HEAD_DIMS[0]} to {SUPPORTED_HEAD_DIMS[-1]} "
+                             f"({', '.join(map(str, SUPPORTED_HEAD_DIMS))})")
+        if max_positions <= 0:
+            raise PerfxError(f"attention_decode: max_positions must be positive, got {max_positions}")
+        self.device = device
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.max_positions = max_positions
+        shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "positions": max_positions}
+        params = {**SPEC.defaults(), **(params or {})}
+        self.fallback = SPEC.why_invalid(params, shape, device.caps)
+        if self.fallback is not None:
+            allowed = SPEC.candidates(shape, device.caps)
+            if not allowed:
+                raise PerfxError(f"attention_decode: no parameter set fits {n_heads}/{n_kv_heads} heads of "
+                                 f"head_dim {head_dim} on {device.caps.name} (local memory "
+                                 f"{device.caps.local_mem} bytes, work-group {device.caps.max_work_group})")
+            params = allowed[0]
+        self.params = params
+        defines = {"HEAD_DIM": head_dim, "GQA": n_heads // n_kv_heads, **params}
+        self.partial_kernel = device.kernel(SOURCE, "attention_partial", defines)
+        self.combine_kernel = device.kernel(SOURCE, "attention_combine", defines)
+        self.part = int(params["PART"])
+        self.wgs = int(params["WGS"])
+        self.lanes = head_dim // int(params["VW"])
+        self.max_parts = -(-max_positions // self.part)
+        stats = 4 * n_heads * self.max_parts
+        self.part_max = device.alloc(stats, what="attention_decode partial maxima")
+        self.part_sum = device.alloc(stats, what="attention_decode partial sums")
+        self.part_out = device.alloc(stats * head_dim, what="attention_decode partial outputs")
+        self.qkv_size = (n_heads + 2 * n_kv_heads) * head_dim
+        self.last_events: list = []
+
+    def partitions(self, pos: int) -> int:
+        """Work-groups per kv head for the token at ``pos`` (1 → no combine launch)."""
+        return pos // self.part + 1
+
+    def _check(self, qkv, out, cache: KVCache, rope: RopeTable, layer: int, pos: int, qkv_offset: int):
+        d = self.head_dim
+        if pos < 0:
+            raise PerfxError(f"attention_decode: position {pos} is negative")
+        if pos >= cache.max_positions:
+            raise PerfxError(f"attention_decode: context full: position {pos} does not fit the KV cache of "
+                             f"{cache.max_positions} positions; start a new chat or use a larger --ctx")
+        if pos >= self.max_positions:
+            raise PerfxError(f"attention_decode: context full: position {pos} is beyond the "
+                             f"{self.max_positions} positions this AttentionDecode was made for; "
+                             "make it with max_positions ≥ the cache's")
+        if (cache.n_kv_heads, cache.head_dim) != (self.n_kv_heads, d):
+            raise PerfxError(f"attention_decode: KV cache of {cache.n_kv_heads} kv heads × {cache.head_dim} "
+                             f"does not match this layer's {self.n_kv_heads} × {d}")
+        if not 0 <= layer < cache.n_layers:
+            raise PerfxError(f"attention_decode: layer {layer} is outside the KV cache's "
+                             f"{cache.n_layers} layers")
+        if rope.head_dim != d or pos >= rope.max_positions:
+            raise PerfxError(f"attention_decode: RoPE table ({rope.max_positions} positions × head_dim "
+                             f"{rope.head_dim}) does not cover position {pos} at head_dim {d}")
+        if cache.n_layers * self.n_kv_heads * cache.max_positions * d >= 2**31:
+            raise PerfxError("attention_decode: the KV cache has 2^31 elements or more, beyond the kernel's "
+                             "int offsets; use a smaller --ctx")
+        have = _elements(qkv)
+        if qkv_offset < 0 or (have is not None and have < qkv_offset + self.qkv_size):
+            raise PerfxError(f"attention_decode: qkv must hold float32 [q | k | v] of {self.qkv_size} "
+                             f"elements from offset {qkv_offset}; it holds {have}")
+        have = _elements(out)
+        if have is not None and have < self.n_heads * d:
+            raise PerfxError(f"attention_decode: out must hold {self.n_heads * d} float32 elements, "
+                             f"it holds {have}")
+
+    def enqueue(self, qkv, out, cache: KVCache, rope: RopeTable, layer: int, pos: int,
+                qkv_offset: int = 0) -> list:
+        """Enqueue the launches; returns their events ([partial] or [partial, combine]), for timing."""
+        self._check(qkv, out, cache, rope, layer, pos, qkv_offset)
+        n_parts = self.partitions(pos)
+        out_b = _buffer(out)
+        partial = self.device.launch(
+            self.partial_kernel, (self.wgs, self.n_kv_heads, n_parts), (self.wgs, 1, 1),
+            _buffer(qkv), np.int32(qkv_offset), rope.cos, rope.sin, cache.keys, cache.values,
+            np.int32(cache.layer_offset(layer)), np.int32(cache.max_positions), np.int32(pos),
+            np.int32(self.max_parts), self.part_max, self.part_sum, self.part_out, out_b)
+        if n_parts == 1:
+            self.last_events = [partial]
+        else:
+            combine = self.device.launch(
+                self.combine_kernel, (self.lanes, self.n_heads), (self.lanes, 1),
+                np.int32(n_parts), np.int32(self.max_parts), self.part_max, self.part_sum, self.part_out, out_b)
+            self.last_events = [partial, combine]
+        return self.last_events
+
+    def __call__(self, qkv, out, cache: KVCache, rope: RopeTable, layer: int, pos: int, qkv_offset: int = 0):
+        """out (H·D) = attention of the token at ``pos`` over positions 0..pos of ``layer``.
+
+        ``qkv`` holds float32 [q (H·D) | k (Hkv·D) | v (Hkv·D)] from element ``qkv_offset``. Rotates q and k
+        (``rope``), appends k and v to ``cache`` at (layer, pos) (positions < pos must be there already)
+        and returns the last launch's cl.Event (``last_events`` holds them all). ``qkv`` and ``out`` are
+        pyopencl Arrays or cl.Buffers.
+        """
+        return self.enqueue(qkv, out, cache, rope, layer, pos, qkv_offset)[-1]

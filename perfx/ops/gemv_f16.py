@@ -1,0 +1,107 @@
+"""gemv_f16: y = W·x with W fp16 on the device (the lm_head, also when tied to the token embeddings).
+
+The weight is held as row blocks, each one buffer within the device's largest allocation (a 152k × 4096
+vocabulary is 1.2 GB of fp16, beyond the 1 GiB or 256 MiB an Adreno allows at once); the wrapper
+launches once per block, writing y at the block's row offset. The embedding gather reads the same
+blocks, so tied embeddings exist once on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyopencl.array as cla
+
+from perfx.errors import PerfxError
+from perfx.formats import row_splits
+from perfx.runtime import Device
+from perfx.tuning.gemv_f16 import SPEC
+from perfx.tuning.spec import Spec
+
+
+def resolve_params(spec: Spec, params: dict | None, caps) -> dict:
+    """The spec's defaults overridden by ``params``; a PerfxError when the set may not run on this device."""
+    resolved = {**spec.defaults(), **(params or {})}
+    outside = {name: value for name, value in resolved.items() if value not in spec.space.get(name, (value,))}
+    reason = f"values outside the tuning space {outside}" if outside else spec.why_invalid(resolved, {}, caps)
+    if reason is not None:
+        raise PerfxError(f"{spec.family}: parameters {resolved} cannot run on {caps.name}: {reason}")
+    return resolved
+
+
+def device_buffer(array, nbytes: int, what: str):
+    """The cl.Buffer behind ``array`` (a cl.Buffer or a pyopencl Array), checked to hold ``nbytes``."""
+    if isinstance(array, cla.Array):
+        if array.offset:
+            raise PerfxError(f"{what}: an Array view at an offset is not supported; pass a whole buffer")
+        buffer, size = array.base_data, array.nbytes
+    else:
+        buffer, size = array, array.size
+    if size < nbytes:
+        raise PerfxError(f"{what} holds {size} bytes where {nbytes} are needed")
+    return buffer
+
+
+@dataclass
+class F16DeviceWeight:
+    n: int
+    k: int
+    blocks: list = field(default_factory=list)                      # cl.Buffer of half (rows, K) per block
+    block_rows: list[tuple[int, int]] = field(default_factory=list)  # [start, stop) of each block
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.n * self.k
+
+    @classmethod
+    def upload(cls, device: Device, w: np.ndarray, max_block_bytes: int | None = None,
+               what: str = "weight") -> F16DeviceWeight:
+        """Upload W (N, K) float16/float32 as fp16 row blocks of at most ``max_block_bytes`` (default and
+        ceiling: the device's largest allocation)."""
+        w = np.asarray(w)
+        if w.ndim != 2 or w.dtype not in (np.float16, np.float32):
+            raise PerfxError(f"{what}: expected a (N, K) float16 or float32 matrix, got {w.dtype} {w.shape}")
+        n, k = w.shape
+        if n == 0 or k == 0:
+            raise PerfxError(f"{what}: empty matrix {w.shape}")
+        limit = device.caps.max_alloc
+        if max_block_bytes is not None:
+            limit = min(limit, max_block_bytes)
+        max_rows = limit // (2 * k)
+        if max_rows == 0:
+            raise PerfxError(f"{what}: one row of K = {k} halves ({2 * k} bytes) exceeds the largest "
+                             f"allocation allowed here ({limit} bytes, limits: {device.caps.limits})")
+        weight = cls(n, k)
+        for start, stop in row_splits(n, max_rows):
+            # Converted block by block so a 1.2 GB table never needs a second host copy.
+            with np.errstate(over="ignore"):  # checked just below, with the rows named
+                block = np.ascontiguousarray(w[start:stop], dtype=np.float16)
+            if w.dtype == np.float32 and not np.all(np.isfinite(block)):
+                raise PerfxError(f"{what}: rows {start}:{stop} hold values beyond fp16's range (±65504)")
+            weight.blocks.append(device.alloc(block.nbytes, block, what=f"{what} rows {start}:{stop}"))
+            weight.block_rows.append((start, stop))
+        return weight
+
+
+class GemvF16:
+    """y (N) = W (N, K) · x (K), W an ``F16DeviceWeight``; x and y float32 device buffers."""
+
+    def __init__(self, device: Device, params: dict | None = None):
+        self.device = device
+        self.params = resolve_params(SPEC, params, device.caps)
+        self.kernel = device.kernel(SPEC.source, "gemv_f16", self.params)
+        self.wgs = self.params["WGS"]
+        self.rows_per_group = self.params["WGS"] // self.params["LANES"]
+
+    def __call__(self, weight: F16DeviceWeight, x, y) -> list:
+        """Enqueue y = W·x; returns one event per row block, in order (the last one finishes last)."""
+        x = device_buffer(x, 4 * weight.k, "gemv_f16 x")
+        y = device_buffer(y, 4 * weight.n, "gemv_f16 y")
+        events = []
+        for block, (start, stop) in zip(weight.blocks, weight.block_rows):
+            groups = -(-(stop - start) // self.rows_per_group)
+            events.append(self.device.launch(self.kernel, (groups * self.wgs,), (self.wgs,),
+                                             np.int32(stop - start), np.int32(weight.k), block, x, y,
+                                             np.int32(start)))
+        return events

@@ -1,0 +1,47 @@
+"""RMSNorm with the residual add fused in: one work-group per row, one pass over the inputs.
+
+``residual``: h = x + r written back into r (the new residual stream), y = rmsnorm(h)·γ — the
+normalisation before each attention and MLP block. ``plain``: y = rmsnorm(x)·γ — the final norm.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from perfx.errors import PerfxError
+from perfx.ops.gemv_f16 import device_buffer, resolve_params
+from perfx.runtime import Device
+from perfx.tuning.rmsnorm import SPEC
+
+
+class RMSNorm:
+    """Fused residual + RMSNorm over ``rows`` rows of ``dim`` floats; γ float32 (dim)."""
+
+    def __init__(self, device: Device, params: dict | None = None):
+        self.device = device
+        self.params = resolve_params(SPEC, params, device.caps)
+        self.wgs = self.params["WGS"]
+        self.residual_kernel = device.kernel(SPEC.source, "rmsnorm_residual", self.params)
+        self.plain_kernel = device.kernel(SPEC.source, "rmsnorm", self.params)
+
+    def _check(self, rows: int, dim: int):
+        if rows < 1 or dim < 1:
+            raise PerfxError(f"rmsnorm: rows = {rows} and dim = {dim} must both be at least 1")
+
+    def residual(self, x, r, gamma, y, rows: int, dim: int, eps: float):
+        """r ← x + r, y = rmsnorm(r)·γ: (rows, dim) float32, y not aliasing x or r. Returns the event."""
+        self._check(rows, dim)
+        nbytes = 4 * rows * dim
+        args = (device_buffer(x, nbytes, "rmsnorm x"), device_buffer(r, nbytes, "rmsnorm residual"),
+                device_buffer(gamma, 4 * dim, "rmsnorm gamma"), device_buffer(y, nbytes, "rmsnorm y"))
+        return self.device.launch(self.residual_kernel, (rows * self.wgs,), (self.wgs,),
+                                  np.int32(dim), np.float32(eps), *args)
+
+    def plain(self, x, gamma, y, rows: int, dim: int, eps: float):
+        """y = rmsnorm(x)·γ, (rows, dim) float32; y must not alias x. Returns the event."""
+        self._check(rows, dim)
+        nbytes = 4 * rows * dim
+        args = (device_buffer(x, nbytes, "rmsnorm x"), device_buffer(gamma, 4 * dim, "rmsnorm gamma"),
+                device_buffer(y, nbytes, "rmsnorm y"))
+        return self.device.launch(self.plain_kernel, (rows * self.wgs,), (self.wgs,),
+                                  np.int32(dim), np.float32(eps), *args)

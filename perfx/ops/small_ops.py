@@ -1,0 +1,108 @@
+"""The small operations of a forward pass: embedding gathers (fp16 and int4 tables), argmax on the
+device (greedy decoding reads back one int, not a 152k-float logits vector) and SwiGLU for the
+unfused MLP path."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from perfx.errors import PerfxError
+from perfx.ops.gemv_f16 import F16DeviceWeight, device_buffer, resolve_params
+from perfx.ops.q4_weight import Q4DeviceWeight
+from perfx.runtime import Device
+from perfx.tuning.small_ops import ARGMAX, EMBEDDING_F16, EMBEDDING_Q4, SWIGLU
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+class Embedding:
+    """out (rows, K) float32 = table[ids], ids an int32 device buffer; an id outside [0, N) gives NaN."""
+
+    def __init__(self, device: Device, params: dict | None = None):
+        params = params or {}
+        self.device = device
+        f16 = resolve_params(EMBEDDING_F16, {k: v for k, v in params.items() if k in EMBEDDING_F16.space},
+                             device.caps)
+        q4 = resolve_params(EMBEDDING_Q4, {k: v for k, v in params.items() if k in EMBEDDING_Q4.space},
+                            device.caps)
+        unknown = set(params) - set(f16) - set(q4)
+        if unknown:
+            raise PerfxError(f"embedding: unknown parameters {sorted(unknown)}; "
+                             f"known: {sorted({**f16, **q4})}")
+        self.params = {**f16, **q4}
+        self.f16_kernel = device.kernel(EMBEDDING_F16.source, "embedding_f16", f16)
+        self.q4_kernel = device.kernel(EMBEDDING_Q4.source, "embedding_q4", q4)
+
+    def f16(self, table: F16DeviceWeight, ids, out, rows: int) -> list:
+        """Gather from an fp16 table (possibly split in row blocks): one event per block, in order."""
+        if rows < 1:
+            raise PerfxError(f"embedding: rows = {rows} must be at least 1")
+        ids = device_buffer(ids, 4 * rows, "embedding ids")
+        out = device_buffer(out, 4 * rows * table.k, "embedding out")
+        wgs, vw = self.params["WGS1"], self.params["VW1"]
+        global_size = (_round_up(-(-table.k // vw), wgs), rows)
+        return [self.device.launch(self.f16_kernel, global_size, (wgs, 1), np.int32(table.k),
+                                   np.int32(table.n), np.int32(start), np.int32(stop), ids, block, out)
+                for block, (start, stop) in zip(table.blocks, table.block_rows)]
+
+    def q4(self, table: Q4DeviceWeight, ids, out, rows: int):
+        """Gather and dequantize (w = s·q + m) from an int4 table loaded with the 'buffer' read path."""
+        if rows < 1:
+            raise PerfxError(f"embedding: rows = {rows} must be at least 1")
+        if table.buffer is None:
+            raise PerfxError("embedding_q4 reads the codes buffer: upload the table with read_paths "
+                             "including 'buffer'")
+        ids = device_buffer(ids, 4 * rows, "embedding ids")
+        out = device_buffer(out, 4 * rows * table.k, "embedding out")
+        wgs = self.params["WGS2"]
+        return self.device.launch(self.q4_kernel, (_round_up(table.k // 32, wgs), rows), (wgs, 1),
+                                  np.int32(table.k), np.int32(table.n), np.int32(table.group), ids,
+                                  table.buffer, table.scale_offset, out)
+
+
+class Argmax:
+    """The index of the largest of x (n floats) into an int32 device buffer; ties to the lowest index."""
+
+    def __init__(self, device: Device, params: dict | None = None):
+        self.device = device
+        self.params = resolve_params(ARGMAX, params, device.caps)
+        self.wgs, self.groups = self.params["WGS3"], self.params["GROUPS3"]
+        self.partial_kernel = device.kernel(ARGMAX.source, "argmax_partial", self.params)
+        self.final_kernel = device.kernel(ARGMAX.source, "argmax_final", self.params)
+        # One (value, index) pair per stage-1 work-group, whatever n: allocated once, here.
+        self.partial_values = device.alloc(4 * self.groups, what="argmax partial values")
+        self.partial_indices = device.alloc(4 * self.groups, what="argmax partial indices")
+
+    def __call__(self, x, n: int, out_index) -> list:
+        """Enqueue both stages; returns their two events (the second finishes last)."""
+        if not 1 <= n < 2**31:
+            raise PerfxError(f"argmax: n = {n} must be between 1 and 2³¹ − 1")
+        x = device_buffer(x, 4 * n, "argmax x")
+        out_index = device_buffer(out_index, 4, "argmax out_index")
+        partial = self.device.launch(self.partial_kernel, (self.groups * self.wgs,), (self.wgs,), np.int32(n),
+                                     x, self.partial_values, self.partial_indices)
+        final = self.device.launch(self.final_kernel, (self.wgs,), (self.wgs,), self.partial_values,
+                                   self.partial_indices, out_index)
+        return [partial, final]
+
+
+class SwiGLU:
+    """out = SiLU(gate)·up over ``count`` floats (M rows of the intermediate size, flat)."""
+
+    def __init__(self, device: Device, params: dict | None = None):
+        self.device = device
+        self.params = resolve_params(SWIGLU, params, device.caps)
+        self.kernel = device.kernel(SWIGLU.source, "swiglu", self.params)
+
+    def __call__(self, gate, up, out, count: int):
+        """Enqueue out = SiLU(gate)·up; out may alias gate or up. Returns the event."""
+        if count < 1:
+            raise PerfxError(f"swiglu: count = {count} must be at least 1")
+        nbytes = 4 * count
+        args = (device_buffer(gate, nbytes, "swiglu gate"), device_buffer(up, nbytes, "swiglu up"),
+                device_buffer(out, nbytes, "swiglu out"))
+        wgs = self.params["WGS4"]
+        return self.device.launch(self.kernel, (_round_up(-(-count // self.params["VW4"]), wgs),), (wgs,),
+                                  np.int32(count), *args)

@@ -1,0 +1,63 @@
+"""rmsnorm (fused residual + RMSNorm, and plain): every test shape at the defaults and every candidate,
+and the error paths."""
+
+import numpy as np
+import pytest
+
+from perfx import reference
+from perfx.errors import PerfxError
+from perfx.ops.rmsnorm import RMSNorm
+from perfx.tuning import relative_error
+from perfx.tuning.rmsnorm import EPS, SPEC
+
+
+def parameter_sets(spec, shape, caps):
+    sets = spec.candidates(shape, caps)
+    return sets if spec.defaults() in sets else [spec.defaults()] + sets
+
+
+@pytest.mark.parametrize("shape", SPEC.test_shapes, ids=SPEC.describe)
+def test_every_parameter_set_matches_reference(device, rng, shape):
+    case = SPEC.make_case(device, shape, rng)
+    failures = []
+    for params in parameter_sets(SPEC, shape, device.caps):
+        for name, error in case.errors(params).items():
+            if not error <= SPEC.tolerance:
+                failures.append(f"{params} {name}: {error:.2e}")
+    assert not failures, f"tolerance {SPEC.tolerance:.0e} exceeded:\n" + "\n".join(failures)
+
+
+def test_eps_and_residual_matter(device, rng):
+    # Small activations, so eps changes y well beyond the tolerance: a kernel ignoring eps would fail.
+    rows, dim, eps = 2, 300, 1e-2
+    x = rng.standard_normal((rows, dim)).astype(np.float32) * 0.05
+    r = rng.standard_normal((rows, dim)).astype(np.float32) * 0.05
+    gamma = rng.uniform(0.5, 1.5, dim).astype(np.float32)
+    r_d, y = device.upload(r), device.poisoned((rows, dim), np.float32)
+    RMSNorm(device).residual(device.upload(x), r_d, device.upload(gamma), y, rows, dim, eps).wait()
+    h, want = reference.rmsnorm_residual(x, r, gamma, eps)
+    assert relative_error(r_d.get(), h) <= SPEC.tolerance
+    assert relative_error(y.get(), want) <= SPEC.tolerance
+    assert relative_error(y.get(), reference.rmsnorm_residual(x, r, gamma, EPS)[1]) > SPEC.tolerance
+    assert relative_error(y.get(), reference.rmsnorm(x, gamma, eps)) > SPEC.tolerance
+
+
+def test_poisoned_output_is_detected(device, rng):
+    case = SPEC.make_case(device, SPEC.test_shapes[1], rng)
+    y = case.run(SPEC.defaults())["y"]
+    y[1, 5] = np.nan
+    assert relative_error(y, case.expected["y"]) == float("inf")
+
+
+def test_errors(device):
+    norm = RMSNorm(device)
+    x, y = device.empty((2, 64), np.float32), device.empty((2, 64), np.float32)
+    gamma = device.empty(64, np.float32)
+    with pytest.raises(PerfxError, match="rows = 0"):
+        norm.plain(x, gamma, y, 0, 64, 1e-5)
+    with pytest.raises(PerfxError, match="gamma holds 256 bytes where 512"):
+        norm.plain(x, gamma, y, 1, 128, 1e-5)
+    with pytest.raises(PerfxError, match="residual holds"):
+        norm.residual(x, device.empty(64, np.float32), gamma, y, 2, 64, 1e-5)
+    with pytest.raises(PerfxError, match="outside the tuning space"):
+        RMSNorm(device, {"WGS": 96})

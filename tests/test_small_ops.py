@@ -1,0 +1,127 @@
+"""Small ops (embedding_f16, embedding_q4, argmax, swiglu): every test shape at the defaults and every
+candidate, the edge behaviours (bad ids, NaN, ties, split tables, in-place) and the error paths."""
+
+import numpy as np
+import pytest
+
+from perfx import reference
+from perfx.errors import PerfxError
+from perfx.formats import Q4Matrix
+from perfx.ops.gemv_f16 import F16DeviceWeight
+from perfx.ops.q4_weight import Q4DeviceWeight
+from perfx.ops.small_ops import Argmax, Embedding, SwiGLU
+from perfx.runtime import Device, Limits
+from perfx.tuning import relative_error
+from perfx.tuning.small_ops import SPECS
+
+
+def parameter_sets(spec, shape, caps):
+    sets = spec.candidates(shape, caps)
+    return sets if spec.defaults() in sets else [spec.defaults()] + sets
+
+
+ALL_SHAPES = [(spec, shape) for spec in SPECS for shape in spec.test_shapes]
+
+
+@pytest.mark.parametrize("spec, shape", ALL_SHAPES,
+                         ids=[f"{s.family}-{s.describe(shape)}" for s, shape in ALL_SHAPES])
+def test_every_parameter_set_matches_reference(device, rng, spec, shape):
+    case = spec.make_case(device, shape, rng)
+    failures = []
+    for params in parameter_sets(spec, shape, device.caps):
+        for name, error in case.errors(params).items():
+            if not error <= spec.tolerance:
+                failures.append(f"{params} {name}: {error:.2e}")
+    assert not failures, f"{spec.family}: tolerance {spec.tolerance:.0e} exceeded:\n" + "\n".join(failures)
+
+
+def test_embedding_f16_split_table_and_bad_ids(rng):
+    small = Device(limits=Limits(name="test", max_alloc=16 << 10))  # 100 halves a row: 81 rows a block
+    w = rng.standard_normal((300, 100)).astype(np.float16)
+    table = F16DeviceWeight.upload(small, w)
+    assert len(table.blocks) == 4
+    ids = np.array([299, 0, 80, 81, 162, -1, 300, 150], np.int32)
+    out = small.poisoned((len(ids), 100), np.float32)
+    events = Embedding(small).f16(table, small.upload(ids), out, len(ids))
+    events[-1].wait()
+    got = out.get()
+    good = [0, 1, 2, 3, 4, 7]
+    np.testing.assert_array_equal(got[good], w[ids[good]].astype(np.float32))
+    assert np.isnan(got[[5, 6]]).all()  # out-of-range ids give NaN rows, not another row
+
+
+def test_embedding_q4_bad_ids_and_read_path(device, rng):
+    q4 = Q4Matrix.random(10, 64, 32, rng)
+    ids = device.upload(np.array([3, 10, -2], np.int32))
+    out = device.poisoned((3, 64), np.float32)
+    embed = Embedding(device)
+    embed.q4(Q4DeviceWeight.upload(device, q4, read_paths=("buffer",)), ids, out, 3).wait()
+    got = out.get()
+    assert relative_error(got[0], q4.dequantize()[3]) <= 1e-6
+    assert np.isnan(got[1:]).all()
+    if device.caps.image_support:
+        images_only = Q4DeviceWeight.upload(device, q4, read_paths=("image2d",))
+        with pytest.raises(PerfxError, match="read_paths including 'buffer'"):
+            embed.q4(images_only, ids, out, 3)
+
+
+@pytest.mark.parametrize("values, expected", [
+    ([1.0, np.nan, 3.0, np.nan], 1),                   # numpy: the first NaN
+    ([-np.inf] * 5, 0),                                # all −inf: the first
+    ([2.0] * 1001, 0),                                 # all equal: the first
+    ([0.0, -0.0, 0.0], 0),                             # −0 == 0: a tie
+])
+def test_argmax_edge_values(device, values, expected):
+    x = np.array(values, np.float32)
+    assert np.argmax(x) == expected
+    out = device.poisoned(1, np.int32)
+    Argmax(device)(device.upload(x), len(x), out)[-1].wait()
+    assert out.get()[0] == expected
+
+
+def test_argmax_ties_across_work_groups_and_no_allocation(device, rng):
+    argmax = Argmax(device, {"GROUPS3": 16, "WGS3": 64, "VW3": 4})
+    out = device.empty(1, np.int32)
+    x = rng.standard_normal(50000).astype(np.float32)
+    x[[49999, 40000, 1234, 1233]] = 9.0  # the same maximum in several work-groups' shares
+    x_d = device.upload(x)
+    argmax(x_d, len(x), out)[-1].wait()
+    before = device.allocated_bytes
+    for n in (50000, 1234, 1):
+        argmax(x_d, n, out)[-1].wait()
+        assert out.get()[0] == np.argmax(x[:n])
+    assert device.allocated_bytes == before
+
+
+def test_swiglu_in_place(device, rng):
+    gate = rng.standard_normal(1001).astype(np.float32) * 4
+    up = rng.standard_normal(1001).astype(np.float32)
+    gate_d = device.upload(gate)
+    SwiGLU(device)(gate_d, device.upload(up), gate_d, 1001).wait()
+    assert relative_error(gate_d.get(), reference.swiglu(gate, up)) <= 1e-5
+
+
+def test_wrong_answers_are_detected(device, rng):
+    spec = SPECS[3]  # swiglu
+    case = spec.make_case(device, spec.test_shapes[0], rng)
+    out = case.run(spec.defaults())["out"]
+    assert relative_error(out, case.expected["out"] * 1.001) > spec.tolerance
+    out[-1] = np.nan
+    assert relative_error(out, case.expected["out"]) == float("inf")
+
+
+def test_errors(device):
+    x, out = device.empty(100, np.float32), device.empty(1, np.int32)
+    with pytest.raises(PerfxError, match="n = 0"):
+        Argmax(device)(x, 0, out)
+    with pytest.raises(PerfxError, match="argmax x holds 400 bytes where 404"):
+        Argmax(device)(x, 101, out)
+    with pytest.raises(PerfxError, match="swiglu up holds"):
+        SwiGLU(device)(x, device.empty(10, np.float32), x, 100)
+    table = F16DeviceWeight.upload(device, np.ones((4, 64), np.float16))
+    with pytest.raises(PerfxError, match="embedding out holds"):
+        Embedding(device).f16(table, device.upload(np.zeros(2, np.int32)), x, 2)
+    with pytest.raises(PerfxError, match="unknown parameter"):
+        Embedding(device, {"WGS9": 64})
+    with pytest.raises(PerfxError, match="outside the tuning space"):
+        SwiGLU(device, {"VW4": 2})

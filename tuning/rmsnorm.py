@@ -1,0 +1,92 @@
+"""Tuning spec of rmsnorm: h = x + r (written back into r), y = rmsnorm(h)·γ; or plain y = rmsnorm(x)·γ.
+
+Shape: m rows, k columns, residual (True: the fused residual entry point, False: plain).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from perfx import reference
+from perfx.tuning.spec import Case, Spec
+
+EPS = 1e-5
+COPIES = 3  # input copies cycled by Case.rotate: a row of 4096 floats would otherwise stay in cache
+
+
+def make_case(device, shape, rng) -> Case:
+    from perfx.ops.rmsnorm import RMSNorm
+
+    m, k, residual = shape["m"], shape["k"], shape["residual"]
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    r = rng.standard_normal((m, k), dtype=np.float32) * 3
+    gamma = rng.uniform(0.5, 1.5, k).astype(np.float32)
+    inputs = [(device.upload(x), device.upload(r), device.upload(gamma)) for _ in range(COPIES)]
+    y = device.empty((m, k), np.float32)
+    poison = np.full((m, k), np.nan, np.float32)
+    wrappers, state = {}, {"copy": 0}
+    if residual:
+        h, want = reference.rmsnorm_residual(x, r, gamma, EPS)
+        expected = {"h": h, "y": want}
+    else:
+        expected = {"y": reference.rmsnorm(x, gamma, EPS)}
+
+    def wrapper(params):
+        key = tuple(sorted(params.items()))
+        if key not in wrappers:
+            wrappers[key] = RMSNorm(device, params)
+        return wrappers[key]
+
+    def launch(params):
+        xd, rd, gd = inputs[state["copy"]]
+        if residual:
+            return [wrapper(params).residual(xd, rd, gd, y, m, k, EPS)]
+        return [wrapper(params).plain(xd, gd, y, m, k, EPS)]
+
+    def run(params):
+        y.set(poison)
+        inputs[state["copy"]][1].set(r)  # the residual is updated in place: restore it first
+        for event in launch(params):
+            event.wait()
+        out = {"y": y.get()}
+        if residual:
+            out["h"] = inputs[state["copy"]][1].get()
+        return out
+
+    def rotate():
+        state["copy"] = (state["copy"] + 1) % COPIES
+
+    return Case(expected=expected, run=run, launch=launch, rotate=rotate)
+
+
+def _bytes(shape) -> int:
+    m, k = shape["m"], shape["k"]
+    # residual: read x and r, write r and y; plain: read x, write y. γ once.
+    return 4 * m * k * (4 if shape["residual"] else 2) + 4 * k
+
+
+SPEC = Spec(
+    family="rmsnorm",
+    source="rmsnorm.cl",
+    space={
+        "WGS": (128, 64, 256, 32),
+        "VW": (4, 8, 1),
+    },
+    make_case=make_case,
+    tolerance=1e-5,
+    tolerance_why=("fp32 against float64: h = x + r is one rounding (2⁻²⁴); the sum of squares runs in "
+                   "WGS·VW partial sums then a tree, its error stays near log2(K)·2⁻²⁴; sqrt and the "
+                   "division add a few ulp: ~1e-6 relative at worst, 1e-5 leaves a margin while a wrong eps, "
+                   "a missed column or a row normalised by another row's scale is far above it"),
+    test_shapes=(
+        {"m": 1, "k": 4096, "residual": True},
+        {"m": 3, "k": 1000, "residual": True},   # prefill rows, K off every vector and work-group multiple
+        {"m": 2, "k": 576, "residual": False},
+        {"m": 2, "k": 7, "residual": True},      # K below one vector: tail only, most work-items idle
+    ),
+    bytes_moved=_bytes,
+    flops=lambda s: 4 * s["m"] * s["k"],
+    restrictions=(lambda p, s: p["WGS"] & (p["WGS"] - 1) == 0,),  # the local-memory tree halves WGS
+    work_group_size=lambda p: p["WGS"],
+    local_memory=lambda p, s: 4 * p["WGS"],
+)

@@ -1,0 +1,191 @@
+"""Tuning specs of the small operations (kernels/small_ops.cl): embedding_f16, embedding_q4, argmax, swiglu.
+
+Shapes: embedding_f16 n (table rows), k, m (ids gathered), optional block_bytes (forces the table's
+split into row blocks); embedding_q4 n, k, group, m; argmax n; swiglu count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from perfx import reference
+from perfx.formats import Q4Matrix
+from perfx.tuning.spec import Case, Spec
+
+
+def _power_of_two(value: int) -> bool:
+    return value & (value - 1) == 0
+
+
+def _cached(factory):
+    """One wrapper per parameter set, made on first use."""
+    made = {}
+
+    def get(params):
+        key = tuple(sorted(params.items()))
+        if key not in made:
+            made[key] = factory(params)
+        return made[key]
+    return get
+
+
+def _ids(rng, n: int, m: int) -> np.ndarray:
+    # Random rows, always including the first and the last (the edges of the first and last block).
+    ids = rng.integers(0, n, m).astype(np.int32)
+    ids[0], ids[-1] = n - 1, 0
+    return ids
+
+
+def _gather_case(device, wrapper, table, ids, k, expected) -> Case:
+    m = len(ids)
+    ids_d = device.upload(ids)
+    out = device.empty((m, k), np.float32)
+    poison = np.full((m, k), np.nan, np.float32)
+
+    def launch(params):
+        events = wrapper(params)(table, ids_d, out, m)
+        return events if isinstance(events, list) else [events]
+
+    def run(params):
+        out.set(poison)
+        for event in launch(params):
+            event.wait()
+        return {"out": out.get()}
+
+    return Case(expected={"out": expected}, run=run, launch=launch)
+
+
+def make_embedding_f16_case(device, shape, rng) -> Case:
+    from perfx.ops.gemv_f16 import F16DeviceWeight
+    from perfx.ops.small_ops import Embedding
+
+    n, k, m = shape["n"], shape["k"], shape["m"]
+    w = rng.standard_normal((n, k), dtype=np.float32).astype(np.float16)
+    ids = _ids(rng, n, m)
+    table = F16DeviceWeight.upload(device, w, shape.get("block_bytes"))
+    embed = _cached(lambda params: Embedding(device, params).f16)
+    return _gather_case(device, embed, table, ids, k, reference.f64(w[ids]))
+
+
+def make_embedding_q4_case(device, shape, rng) -> Case:
+    from perfx.ops.q4_weight import Q4DeviceWeight
+    from perfx.ops.small_ops import Embedding
+
+    n, k, m = shape["n"], shape["k"], shape["m"]
+    q4 = Q4Matrix.random(n, k, shape["group"], rng)
+    ids = _ids(rng, n, m)
+    table = Q4DeviceWeight.upload(device, q4, read_paths=("buffer",))
+    embed = _cached(lambda params: Embedding(device, params).q4)
+    return _gather_case(device, embed, table, ids, k, q4.dequantize()[ids])
+
+
+def make_argmax_case(device, shape, rng) -> Case:
+    from perfx.ops.small_ops import Argmax
+
+    n = shape["n"]
+    x = rng.standard_normal(n, dtype=np.float32)
+    if n > 1:
+        # A tie for the maximum: numpy (and the kernel) must return the lower index.
+        i, j = np.sort(rng.choice(n, 2, replace=False))
+        x[i] = x[j] = x.max() + 1
+    x_d = device.upload(x)
+    index = device.empty(1, np.int32)
+    argmax = _cached(lambda params: Argmax(device, params))
+
+    def launch(params):
+        return argmax(params)(x_d, n, index)
+
+    def run(params):
+        index.set(np.full(1, -1, np.int32))
+        for event in launch(params):
+            event.wait()
+        return {"index": index.get().astype(np.float64)}
+
+    return Case(expected={"index": np.array([np.argmax(x)], np.float64)}, run=run, launch=launch)
+
+
+def make_swiglu_case(device, shape, rng) -> Case:
+    from perfx.ops.small_ops import SwiGLU
+
+    count = shape["count"]
+    gate = rng.standard_normal(count, dtype=np.float32) * 4  # both of SiLU's tails
+    up = rng.standard_normal(count, dtype=np.float32)
+    gate_d, up_d, out = device.upload(gate), device.upload(up), device.empty(count, np.float32)
+    poison = np.full(count, np.nan, np.float32)
+    swiglu = _cached(lambda params: SwiGLU(device, params))
+
+    def launch(params):
+        return [swiglu(params)(gate_d, up_d, out, count)]
+
+    def run(params):
+        out.set(poison)
+        for event in launch(params):
+            event.wait()
+        return {"out": out.get()}
+
+    return Case(expected={"out": reference.swiglu(gate, up)}, run=run, launch=launch)
+
+
+EMBEDDING_F16 = Spec(
+    family="embedding_f16",
+    source="small_ops.cl",
+    space={"VW1": (8, 4), "WGS1": (64, 128, 32)},
+    make_case=make_embedding_f16_case,
+    tolerance=0.0,
+    tolerance_why="a copy: every fp16 value is exact in fp32",
+    test_shapes=(
+        {"n": 1000, "k": 576, "m": 6, "block_bytes": 300 * 576 * 2},  # table split over 4 buffers
+        {"n": 50, "k": 1003, "m": 3},                                # K mod 8 = 3: a short last chunk
+        {"n": 20, "k": 4096, "m": 1},
+    ),
+    bytes_moved=lambda s: s["m"] * s["k"] * (2 + 4) + 4 * s["m"],
+    work_group_size=lambda p: p["WGS1"],
+)
+
+EMBEDDING_Q4 = Spec(
+    family="embedding_q4",
+    source="small_ops.cl",
+    space={"WGS2": (64, 32, 128)},
+    make_case=make_embedding_q4_case,
+    tolerance=1e-6,
+    tolerance_why=("w = s·q + m with s and m fp16 and q < 16: s·q is exact in fp32 and the fma rounds once "
+                   "(2⁻²⁴ of |w|); one wrong nibble or group is ≥ s, about 1/15 of the row's range"),
+    test_shapes=(
+        {"n": 300, "k": 4160, "group": 64, "m": 4},  # 130 texels a row: not a multiple of the work-group
+        {"n": 40, "k": 576, "group": 32, "m": 3},
+        {"n": 17, "k": 256, "group": 128, "m": 2},
+    ),
+    bytes_moved=lambda s: s["m"] * (s["k"] // 2 + 4 * (s["k"] // s["group"]) + 4 * s["k"] + 4),
+    flops=lambda s: 2 * s["m"] * s["k"],
+    work_group_size=lambda p: p["WGS2"],
+)
+
+ARGMAX = Spec(
+    family="argmax",
+    source="small_ops.cl",
+    space={"WGS3": (128, 64, 256), "GROUPS3": (64, 16, 256), "VW3": (4, 1)},
+    make_case=make_argmax_case,
+    tolerance=0.0,
+    tolerance_why="an index: exactly numpy.argmax's (ties to the lowest index) or wrong",
+    test_shapes=({"n": 152064}, {"n": 32001}, {"n": 1003}, {"n": 5}),
+    bytes_moved=lambda s: 4 * s["n"],
+    restrictions=(lambda p, s: _power_of_two(p["WGS3"]),),  # the local-memory tree halves WGS3
+    work_group_size=lambda p: p["WGS3"],
+    local_memory=lambda p, s: 8 * p["WGS3"],
+)
+
+SWIGLU = Spec(
+    family="swiglu",
+    source="small_ops.cl",
+    space={"VW4": (4, 8, 1), "WGS4": (64, 128, 256)},
+    make_case=make_swiglu_case,
+    tolerance=1e-5,
+    tolerance_why=("fp32 exp (OpenCL allows 3 ulp), one division and one product against float64: a few "
+                   "2⁻²⁴ of each element; an element skipped or a wrong activation is far above 1e-5"),
+    test_shapes=({"count": 3 * 1536}, {"count": 11008 + 5}, {"count": 7}),
+    bytes_moved=lambda s: 12 * s["count"],
+    flops=lambda s: 4 * s["count"],
+    work_group_size=lambda p: p["WGS4"],
+)
+
+SPECS = [EMBEDDING_F16, EMBEDDING_Q4, ARGMAX, SWIGLU]

@@ -50,6 +50,67 @@ def cmd_selftest(args) -> int:
     return selftest.main(args)
 
 
+def log(text: str):
+    print(text, file=sys.stderr, flush=True)
+
+
+def add_model_options(parser, ctx: bool = True):
+    parser.add_argument("--model", default="default",
+                        help="a Hugging Face directory (AWQ or fp16 safetensors), a .gguf file, synthetic:<name>, "
+                             "or 'default' (SmolLM2-135M-Instruct Q4_1, fetched once into the cache)")
+    parser.add_argument("--device", help=DEVICE_HELP)
+    if ctx:
+        parser.add_argument("--ctx", type=int, help="KV cache positions (default: min(model limit, 4096))")
+    parser.add_argument("--quantize", choices=["q4"], help="quantize fp16 weights to 4 bits on load (round to "
+                                                           "nearest, group 128): a quick try of an fp16 checkpoint")
+
+
+def add_sampling_options(parser, temperature: float = 0.7):
+    parser.add_argument("--temperature", type=float, default=temperature, help="0 = greedy (default %(default)s)")
+    parser.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens; 0 = off")
+    parser.add_argument("--top-p", type=float, default=0.95, help="nucleus: keep the smallest set with this mass")
+    parser.add_argument("--min-p", type=float, default=0.05, help="drop tokens below min-p × the top probability")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="1.0 = off")
+    parser.add_argument("--seed", type=int, help="same seed, same text")
+    parser.add_argument("--max-tokens", type=int, default=256, help="stop after this many new tokens")
+
+
+def sampling_config(args):
+    from perfx.generate import SamplingConfig
+    return SamplingConfig(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty, args.seed)
+
+
+def cmd_generate(args) -> int:
+    from perfx.generate import generate
+    from perfx.model import load_model
+
+    sampling = sampling_config(args)
+    if args.max_tokens < 1:
+        raise PerfxError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    model, source = load_model(args.model, args.device, args.ctx, args.quantize, log=log if not args.quiet else None)
+    tokenizer = source.tokenizer
+    if tokenizer is None:
+        raise PerfxError(f"{args.model} has no tokenizer: `perfx generate` needs one (synthetic models are for "
+                         "`perfx bench`)")
+    if args.raw:
+        prompt_ids = tokenizer.encode(args.prompt, add_bos=True)
+    else:
+        prompt_ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]),
+                                      add_bos=True)
+    stream = None if args.json else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+    result = generate(model, tokenizer, prompt_ids, args.max_tokens, sampling, stop_strings=args.stop,
+                      on_text=stream)
+    if args.json:
+        print(json.dumps({"text": result.text, "prompt_ids": prompt_ids, "ids": result.ids,
+                          "stats": result.stats.as_dict(), "load": model.load_report}, indent=1))
+    else:
+        sys.stdout.write("\n")
+        if not args.quiet:
+            log(f"perfx: {result.stats.line()}, host {1e3 * result.stats.host_s_per_token:.2f} ms/token, "
+                f"stopped by {result.stats.stop_reason}")
+    return 130 if result.interrupted else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="perfx",
@@ -75,6 +136,21 @@ def build_parser() -> argparse.ArgumentParser:
     test.add_argument("--json", action="store_true", help="machine-readable output")
     test.add_argument("-v", "--verbose", action="store_true", help="show every check, not only failures")
     test.set_defaults(func=cmd_selftest)
+
+    gen = sub.add_parser("generate", help="continue or answer one prompt, streaming the text to stdout",
+                         description="Generate text for one prompt. The prompt goes through the model's chat "
+                                     "template unless --raw. Only the text goes to stdout; progress and speed "
+                                     "go to stderr. Example: perfx generate --temperature 0 \"How many legs "
+                                     "does a spider have?\"")
+    gen.add_argument("prompt", help="the prompt text")
+    add_model_options(gen)
+    add_sampling_options(gen)
+    gen.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="stop when this text appears (repeatable); it is not printed")
+    gen.add_argument("--json", action="store_true", help="print text, token ids and stats as JSON")
+    gen.add_argument("-q", "--quiet", action="store_true", help="no progress or stats on stderr")
+    gen.set_defaults(func=cmd_generate)
     return parser
 
 

@@ -18,7 +18,8 @@ from perfx.errors import PerfxError
 
 class Model(Protocol):
     max_positions: int
-    weight_bytes: int
+    weight_bytes: int      # bytes one decode step reads
+    host_seconds: float    # host time spent enqueueing so far
 
     def prefill(self, tokens: list[int], start_pos: int) -> None: ...
     def decode_one(self, token: int, pos: int) -> None: ...
@@ -151,9 +152,9 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
     """Prefill ``prompt_ids`` at ``start_pos`` (the cache before it is reused), then decode until an EOS id,
     a stop string, ``max_tokens`` or the end of the context. ``on_text`` receives each piece of text.
 
-    A KeyboardInterrupt stops the reply and returns what was made (``interrupted``); the cache stays
-    consistent: every returned id has been fed through the model except the last, whose position is
-    ``end_pos`` − 1 ... exactly like any other stop.
+    ``Result.end_pos`` is the number of cache positions filled: the prompt and every generated id but the
+    last (which was sampled and not yet fed), as after any stop. A KeyboardInterrupt stops the reply and
+    returns what was made with ``interrupted`` set; ``end_pos`` is consistent then too.
     """
     sampling = sampling or SamplingConfig()
     sampler = Sampler(sampling)
@@ -170,7 +171,7 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
     seen = list(history or []) + list(prompt_ids)
     ids: list[int] = []
     text_parts: list[str] = []
-    pos = end
+    pos = start_pos          # positions filled so far; the prompt's count once its prefill has finished
     interrupted = False
 
     def emit(piece: str):
@@ -180,12 +181,14 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
                 on_text(piece)
 
     started = time.perf_counter()
-    device_time = 0.0
+    host_before = None
     try:
         model.prefill(list(prompt_ids), start_pos)
+        pos = end
         token = sampler(model, seen)
         stats.prefill_s = stats.ttft_s = time.perf_counter() - started
         decode_started = time.perf_counter()
+        host_before = model.host_seconds
         while True:
             if token in eos:
                 stats.stop_reason = "eos"
@@ -204,20 +207,18 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
             if pos >= model.max_positions:
                 stats.stop_reason = "context full"
                 break
-            step = time.perf_counter()
             model.decode_one(token, pos)
             pos += 1
             token = sampler(model, seen)
-            device_time += time.perf_counter() - step
         stats.decode_s = time.perf_counter() - decode_started
     except KeyboardInterrupt:
         interrupted = True
         stats.stop_reason = "interrupted"
         stats.decode_s = time.perf_counter() - started - stats.prefill_s
-    if decoder is not None:
+    if decoder is not None and stats.stop_reason != "stop string":
         piece, _ = stops.feed(decoder.flush())
-        emit(piece + stops.flush() if stats.stop_reason != "stop string" else piece)
+        emit(piece + stops.flush())
     stats.generated_tokens = len(ids)
-    steps = max(len(ids) - 1, 1)
-    stats.host_s_per_token = max(stats.decode_s - device_time, 0.0) / steps
+    if host_before is not None:
+        stats.host_s_per_token = (model.host_seconds - host_before) / max(len(ids) - 1, 1)
     return Result("".join(text_parts), ids, stats, end_pos=pos, interrupted=interrupted)

@@ -1,0 +1,328 @@
+"""The Llama forward on the device: thin Python over perfx's kernels, read top to bottom like llama2.c.
+
+``Llama.load(source, device, ctx)`` uploads the weights once, layer by layer (the host holds one layer
+at a time), in the layouts the kernels read; QKV and gate-up were fused by the loader. ``prefill`` runs
+the GEMM path over a prompt (logits for the last position only); ``decode_one`` runs the GEMV path for
+one token. Kernel arguments that never change are bound at load; per token only the token id and the
+position travel to the device.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pyopencl as cl
+
+from perfx.config import ModelConfig
+from perfx.errors import PerfxError
+from perfx.formats import Q4Matrix
+from perfx.ops.attention_decode import AttentionDecode
+from perfx.ops.attention_prefill import AttentionPrefill
+from perfx.ops.gemm_q4 import GemmQ4
+from perfx.ops.gemv_f16 import F16DeviceWeight, GemvF16
+from perfx.ops.gemv_q4 import GemvQ4
+from perfx.ops.kv_cache import KVCache, RopeTable
+from perfx.ops.q4_weight import Q4DeviceWeight
+from perfx.ops.rmsnorm import RMSNorm
+from perfx.ops.small_ops import Argmax, Embedding, SwiGLU
+from perfx.progress import Progress
+from perfx.runtime import Device
+from perfx.tuning.database import lookup
+
+DEFAULT_CTX = 4096
+PREFILL_CHUNK = 256  # prompt tokens per prefill pass: bounds the activation buffers
+
+
+@dataclass
+class DeviceLayer:
+    attn_norm: object          # float32 (hidden)
+    qkv: object                # Q4DeviceWeight | F16DeviceWeight, (q_dim + 2·kv_dim, hidden), bias inside (Q4)
+    o: object                  # (hidden, q_dim)
+    ffn_norm: object           # float32 (hidden)
+    gate_up: object            # (2·intermediate, hidden): gate rows, then up rows
+    down: object               # (hidden, intermediate)
+
+
+class Llama:
+    """A Llama-family model resident on one device, with its KV cache and run state."""
+
+    def __init__(self, config: ModelConfig, device: Device, max_positions: int):
+        self.config, self.device, self.max_positions = config, device, max_positions
+        self.layers: list[DeviceLayer] = []
+        self.weight_bytes = 0           # bytes one decode step reads (every weight once)
+        self.host_seconds = 0.0         # time spent enqueueing (host work), summed over calls
+        self.load_report: dict = {}
+
+    # -- loading ----------------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, source, device: Device, ctx: int | None = None, progress: bool | None = None) -> Llama:
+        """Upload ``source`` (a ``perfx.loader.ModelSource``) to ``device`` with a KV cache of ``ctx`` positions."""
+        c = source.config
+        limit = c.max_positions or DEFAULT_CTX
+        ctx = min(limit, DEFAULT_CTX) if ctx is None else int(ctx)
+        if ctx < 2:
+            raise PerfxError(f"--ctx must be at least 2, got {ctx}")
+        if ctx > limit:
+            raise PerfxError(f"--ctx {ctx} exceeds the model's context length {limit}")
+        model = cls(c, device, ctx)
+        started = time.perf_counter()
+        bar = Progress(c.n_layers + 3, "loading", enabled=progress)
+        first = source.layer(0)
+        model._choose_kernels(group=getattr(first.qkv, "group", 0))
+        bar.update(note="kernels")
+        embedding = source.embedding()
+        model.embedding = model._upload(embedding, "token embedding", gather=True)
+        bar.update(note="embedding")
+        for i in range(c.n_layers):
+            w = first if i == 0 else source.layer(i)
+            if w.qkv_bias is not None and not isinstance(w.qkv, Q4Matrix):
+                raise PerfxError("an fp16 QKV projection with a bias (Qwen2) runs only quantized: pass --quantize q4")
+            model.layers.append(DeviceLayer(
+                attn_norm=model._vector(w.attn_norm), qkv=model._upload(w.qkv, f"layer {i} qkv", bias=w.qkv_bias),
+                o=model._upload(w.o, f"layer {i} o"), ffn_norm=model._vector(w.ffn_norm),
+                gate_up=model._upload(w.gate_up, f"layer {i} gate_up"), down=model._upload(w.down, f"layer {i} down")))
+            model.weight_bytes += sum(x.nbytes for x in (w.qkv, w.o, w.gate_up, w.down)) + 8 * c.hidden_size
+            del w
+            bar.update(note=f"layer {i}")
+        first = None
+        model.final_norm = model._vector(source.final_norm())
+        head = source.lm_head()
+        model.lm_head = model.embedding if head is None else model._upload(head, "lm_head")
+        model.weight_bytes += (embedding if head is None else head).nbytes + 4 * c.hidden_size
+        del embedding, head
+        model._allocate_state()
+        bar.update(note="run state")
+        bar.close()
+        device.queue.finish()
+        model.load_report = {
+            "load_s": time.perf_counter() - started, "device_bytes": device.allocated_bytes,
+            "weight_bytes": model.weight_bytes, "kv_cache_bytes": model.cache.nbytes,
+            "host_peak_bytes": host_peak_bytes(), "ctx": ctx,
+        }
+        return model
+
+    def _choose_kernels(self, group: int):
+        """Kernel objects with the tuned parameters for this model's shapes (database, else defaults)."""
+        c, d = self.config, self.device
+        self.tuned: dict[str, object] = {}
+
+        def params(family, label, **shape):
+            choice = lookup(d, family, shape)
+            self.tuned[f"{family} ({label})"] = choice
+            return choice.params
+
+        h, i = c.hidden_size, c.intermediate_size
+        self.gemv = {}
+        for name, n, k, epilogue in (("qkv", c.qkv_dim, h, "none"), ("o", h, c.q_dim, "none"),
+                                     ("gate_up", 2 * i, h, "silu_mul"), ("down", h, i, "none"),
+                                     ("lm_head", c.vocab_size, h, "none")):
+            bias = name == "qkv" and bool(c.qkv_bias)
+            self.gemv[name] = GemvQ4(d, params("gemv_q4", name, n=n, k=k, group=group or 32, epilogue=epilogue,
+                                               bias=bias))
+        # The tall-skinny kernel tuned at the 5–16 bucket, the tiled one at 65–256: the QKV shape stands in.
+        self.gemm = GemmQ4(d, params("gemm_q4_skinny", "prefill", m=16, n=c.qkv_dim, k=h, group=group or 32),
+                           params("gemm_q4_tiled", "prefill", m=256, n=c.qkv_dim, k=h, group=group or 32))
+        self.gemv_f16 = GemvF16(d, params("gemv_f16", "lm_head", n=c.vocab_size, k=h))
+        self.rmsnorm = RMSNorm(d, params("rmsnorm", "norms", m=1, k=h, residual=True))
+        self.embed = Embedding(d)
+        self.argmax_op = Argmax(d)
+        self.swiglu = SwiGLU(d)
+        self.attn_decode = AttentionDecode(
+            d, c.n_heads, c.n_kv_heads, c.head_dim, self.max_positions,
+            params("attention_decode", "decode", n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
+                   positions=self.max_positions))
+        self.attn_prefill = AttentionPrefill(
+            d, c.n_heads, c.n_kv_heads, c.head_dim,
+            params("attention_prefill", "prefill", n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
+                   m=min(128, self.max_positions), p0=0))
+        # Upload each int4 weight for the read path its decode GEMV reads (the GEMM adapts to what is there).
+        self.read_paths = tuple(sorted({op.read for op in self.gemv.values()}))
+
+    def _vector(self, v: np.ndarray):
+        v = np.ascontiguousarray(v, dtype=np.float32)
+        return self.device.alloc(v.nbytes, v, what="norm weight")
+
+    def _upload(self, w, what: str, bias=None, gather: bool = False):
+        if isinstance(w, Q4Matrix):
+            # The embedding gather reads the codes buffer; a tied lm_head also needs the GEMV's path.
+            paths = set(self.read_paths) if not gather else {"buffer"} | (
+                set(self.read_paths) if self.config.tie_embeddings else set())
+            return Q4DeviceWeight.upload(self.device, w, bias, read_paths=tuple(sorted(paths)), what=what)
+        return F16DeviceWeight.upload(self.device, w, what=what)
+
+    def _allocate_state(self):
+        """The run state, preallocated once (llama2.c's RunState), for decode and for a prefill chunk."""
+        c, d = self.config, self.device
+        m = min(PREFILL_CHUNK, self.max_positions)
+        f32 = np.float32
+        self.chunk = m
+        self.x = d.empty((m, c.hidden_size), f32)            # the residual stream
+        self.xb = d.empty((m, c.hidden_size), f32)           # normed activations
+        self.qkv = d.empty((m, c.qkv_dim), f32)
+        self.att = d.empty((m, c.q_dim), f32)                # attention output, before o
+        self.proj = d.empty((m, c.hidden_size), f32)         # o or down output, added into the residual
+        self.hb = d.empty((m, 2 * c.intermediate_size), f32)  # SiLU(gate)·up (and gate|up for the fp16 path)
+        self.logits_buf = d.empty(c.vocab_size, f32)
+        self.ids = d.empty(m, np.int32)
+        widest = max(c.hidden_size, c.q_dim, c.qkv_dim, 2 * c.intermediate_size)
+        self.row_in, self.row_out = d.empty(widest, f32), d.empty(widest, f32)   # fp16 slow path scratch
+        self.row_up, self.row_act = d.empty(c.intermediate_size, f32), d.empty(c.intermediate_size, f32)
+        self.best = d.empty(1, np.int32)
+        self.cache = KVCache.allocate(d, c.n_layers, c.n_kv_heads, self.max_positions, c.head_dim)
+        self.rope = RopeTable.upload(d, c.head_dim, self.max_positions, c.rope_theta, c.rope_scaling)
+
+    # -- the forward ------------------------------------------------------------------------------
+
+    def _linear(self, name: str, weight, x, y, m: int, decode: bool):
+        """y = x·Wᵀ for m rows: the int4 GEMV (decode) or GEMM (prefill), or the fp16 GEMV for fp16 weights.
+
+        ``name`` is the matrix's role (qkv, o, gate_up, down): gate_up carries the SiLU·mul epilogue.
+        """
+        epilogue = "silu_mul" if name == "gate_up" else "none"
+        if isinstance(weight, Q4DeviceWeight):
+            if decode:
+                return self.gemv[name](weight, x, y, epilogue)
+            if epilogue == "none" and weight.bias is not None:
+                epilogue = "bias"
+            return self.gemm(weight, x, y, m, epilogue)
+        return self._linear_f16(weight, x, y, m, epilogue)
+
+    def _linear_f16(self, weight: F16DeviceWeight, x, y, m: int, epilogue: str):
+        """fp16 weights (unquantized checkpoints): the fp16 GEMV row by row, through scratch rows.
+
+        The slow path: a checkpoint loaded with --quantize q4 runs the int4 kernels instead.
+        """
+        queue = self.device.queue
+        k, n = weight.k, weight.n
+        cols = n // 2 if epilogue == "silu_mul" else n
+        event = None
+        for r in range(m):
+            cl.enqueue_copy(queue, self.row_in.data, x.data, src_offset=4 * r * k, byte_count=4 * k)
+            event = self.gemv_f16(weight, self.row_in, self.row_out)[-1]
+            result = self.row_out
+            if epilogue == "silu_mul":
+                cl.enqueue_copy(queue, self.row_up.data, self.row_out.data, src_offset=4 * cols, byte_count=4 * cols)
+                event = self.swiglu(self.row_out, self.row_up, self.row_act, cols)
+                result = self.row_act
+            cl.enqueue_copy(queue, y.data, result.data, dst_offset=4 * r * cols, byte_count=4 * cols)
+        return event
+
+    def _layers(self, m: int, pos: int, decode: bool):
+        """Every decoder layer over m rows at positions pos..pos+m−1; leaves the last residual add pending."""
+        c = self.config
+        for layer, w in enumerate(self.layers):
+            # attention rmsnorm; from layer 1 on, the previous layer's down output joins the residual here
+            if layer == 0:
+                self.rmsnorm.plain(self.x, w.attn_norm, self.xb, m, c.hidden_size, c.rms_eps)
+            else:
+                self.rmsnorm.residual(self.proj, self.x, w.attn_norm, self.xb, m, c.hidden_size, c.rms_eps)
+            # qkv for these positions, then RoPE + KV append + attention
+            self._linear("qkv", w.qkv, self.xb, self.qkv, m, decode)
+            if decode:
+                self.attn_decode(self.qkv, self.att, self.cache, self.rope, layer, pos)
+            else:
+                self.attn_prefill(self.qkv, self.att, self.cache, self.rope, layer, pos, m)
+            self._linear("o", w.o, self.att, self.proj, m, decode)
+            # ffn rmsnorm, with the attention output added into the residual
+            self.rmsnorm.residual(self.proj, self.x, w.ffn_norm, self.xb, m, c.hidden_size, c.rms_eps)
+            # SwiGLU MLP: gate-up with SiLU·mul fused, then down
+            self._linear("gate_up", w.gate_up, self.xb, self.hb, m, decode)
+            self._linear("down", w.down, self.hb, self.proj, m, decode)
+
+    def _head(self, row: int):
+        """Final residual add + rmsnorm and the lm_head, for one row (the last position) only."""
+        c, queue = self.config, self.device.queue
+        if row:
+            nbytes = 4 * c.hidden_size
+            for buffer in (self.proj, self.x):
+                cl.enqueue_copy(queue, buffer.data, buffer.data, src_offset=row * nbytes, dst_offset=0,
+                                byte_count=nbytes)
+        self.rmsnorm.residual(self.proj, self.x, self.final_norm, self.xb, 1, c.hidden_size, c.rms_eps)
+        if isinstance(self.lm_head, Q4DeviceWeight):
+            self.gemv["lm_head"](self.lm_head, self.xb, self.logits_buf)
+        else:
+            self.gemv_f16(self.lm_head, self.xb, self.logits_buf)
+
+    def _embed(self, m: int):
+        if isinstance(self.embedding, Q4DeviceWeight):
+            self.embed.q4(self.embedding, self.ids, self.x, m)
+        else:
+            self.embed.f16(self.embedding, self.ids, self.x, m)
+
+    def prefill(self, tokens: list[int], start_pos: int) -> None:
+        """Run the prompt at positions start_pos.. (the cache before start_pos is reused); logits of the last."""
+        if not tokens:
+            raise PerfxError("prefill needs at least one token")
+        end = start_pos + len(tokens)
+        if end > self.max_positions:
+            raise PerfxError(f"the prompt needs positions up to {end}, but the context holds {self.max_positions} "
+                             f"(over by {end - self.max_positions}): shorten it or raise --ctx")
+        self._check_ids(tokens)
+        for first in range(0, len(tokens), self.chunk):
+            part = tokens[first:first + self.chunk]
+            started = time.perf_counter()
+            self.ids[: len(part)].set(np.asarray(part, np.int32))
+            self._embed(len(part))
+            self._layers(len(part), start_pos + first, decode=len(part) == 1)
+            self.host_seconds += time.perf_counter() - started
+        started = time.perf_counter()
+        self._head(len(part) - 1)
+        self.host_seconds += time.perf_counter() - started
+
+    def decode_one(self, token: int, pos: int) -> None:
+        """Feed one token at ``pos``; leaves its logits on the device."""
+        if pos >= self.max_positions:
+            raise PerfxError(f"context full: position {pos} of {self.max_positions}; raise --ctx")
+        started = time.perf_counter()
+        self._check_ids([token])
+        self.ids[:1].set(np.asarray([token], np.int32))
+        self._embed(1)
+        self._layers(1, pos, decode=True)
+        self._head(0)
+        self.host_seconds += time.perf_counter() - started
+
+    def logits(self) -> np.ndarray:
+        return self.logits_buf.get()
+
+    def argmax(self) -> int:
+        self.argmax_op(self.logits_buf, self.config.vocab_size, self.best)
+        return int(self.best.get()[0])
+
+    def _check_ids(self, tokens):
+        v = self.config.vocab_size
+        bad = [t for t in tokens if not 0 <= int(t) < v]
+        if bad:
+            raise PerfxError(f"token id(s) {bad[:5]} outside the vocabulary of {v}")
+
+
+def host_peak_bytes() -> int:
+    """Peak resident memory of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def load_model(name: str | None = None, device: Device | str | None = None, ctx: int | None = None,
+               quantize: str | None = None, progress: bool | None = None, log=None):
+    """Resolve ``name`` ("default", a path, "synthetic:<name>"), open it and load it on the device.
+
+    Returns (model, source). ``log`` receives one-line progress notes (the CLI passes stderr's print).
+    """
+    from perfx.default_model import resolve_model
+    from perfx.loader import open_model
+
+    log = log or (lambda text: None)
+    device = device if isinstance(device, Device) else Device(device)
+    path = resolve_model(name)
+    log(f"perfx: model {path} on {device.caps.name} ({device.caps.platform}, limits: {device.caps.limits})")
+    source = open_model(path, quantize=quantize)
+    model = Llama.load(source, device, ctx=ctx, progress=progress)
+    r = model.load_report
+    log(f"perfx: loaded in {r['load_s']:.1f}s: {r['weight_bytes'] / 2**20:.0f} MiB of weights, "
+        f"{r['device_bytes'] / 2**20:.0f} MiB on the device (KV cache {r['kv_cache_bytes'] / 2**20:.0f} MiB "
+        f"for {r['ctx']} positions), host peak {r['host_peak_bytes'] / 2**20:.0f} MiB")
+    return model, source

@@ -1,0 +1,188 @@
+"""The device forward end to end: tiny models in every format against the float64 reference forward,
+prefill = token by token, cache continuation = recomputation, seeds, errors, and the default model.
+
+Tolerance on logits: 2e-3 of max|logits|. The device keeps K/V in fp16 (relative rounding 2⁻¹¹ ≈ 5e-4
+per element) and accumulates in fp32; through two layers of attention and MLP that gives ~1e-4–1e-3 of
+the logit range, while a wrong weight, position or head mapping moves logits by O(1) of their range.
+"""
+
+import numpy as np
+import pytest
+
+from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_awq, write_gguf, write_hf
+from perfx import reference
+from perfx.errors import PerfxError
+from perfx.generate import SamplingConfig, generate
+from perfx.loader import open_model
+from perfx.model import Llama, load_model
+from perfx.tuning.spec import relative_error
+
+TOLERANCE = 2e-3
+
+
+@pytest.fixture(scope="module")
+def spm(tmp_path_factory):
+    return tiny_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def tiny_paths(spm, tmp_path_factory):
+    """One tiny model per format (and per architecture variant)."""
+    root = tmp_path_factory.mktemp("models")
+    rng = np.random.default_rng(11)
+    gqa3 = make_tiny_model("gqa3", spm, rng)
+    gqa1 = make_tiny_model("gqa1", spm, rng)
+    qwen2 = make_tiny_model("qwen2", spm, rng)
+    return {
+        "gguf-gqa3": write_gguf(root / "gqa3.gguf", gqa3).path,
+        "gguf-gqa1-tied": write_gguf(root / "gqa1.gguf", gqa1).path,
+        "awq-gemm-gqa3": write_awq(root / "awq-gemm", gqa3, rng, group=64)[0],
+        "awq-gemv-qwen2": write_awq(root / "awq-gemv", qwen2, rng, group=64, version="gemv")[0],
+        "hf-fp16-gqa3": write_hf(root / "hf-fp16", gqa3),
+        "hf-fp16-q4-qwen2": write_hf(root / "hf-qwen2", qwen2),
+    }
+
+
+def load(path, device, ctx=64, quantize=None):
+    source = open_model(path, quantize=quantize)
+    return Llama.load(source, device, ctx=ctx, progress=False), source
+
+
+@pytest.mark.parametrize("name", ["gguf-gqa3", "gguf-gqa1-tied", "awq-gemm-gqa3", "awq-gemv-qwen2", "hf-fp16-gqa3",
+                                  "hf-fp16-q4-qwen2"])
+def test_prefill_and_decode_match_the_reference_forward(tiny_paths, device, rng, name):
+    quantize = "q4" if name == "hf-fp16-q4-qwen2" else None
+    model, source = load(tiny_paths[name], device, quantize=quantize)
+    v = source.config.vocab_size
+    prompt = [int(t) for t in rng.integers(3, v, 9)]
+    want, cache = reference.llama_forward(source, prompt)
+    model.prefill(prompt, 0)
+    assert relative_error(model.logits(), want[-1]) <= TOLERANCE
+    # two decode steps continue the same cache
+    pos = len(prompt)
+    for token in (int(rng.integers(3, v)), int(rng.integers(3, v))):
+        want, cache = reference.llama_forward(source, [token], start_pos=pos, cache=cache)
+        model.decode_one(token, pos)
+        pos += 1
+        got = model.logits()
+        assert relative_error(got, want[-1]) <= TOLERANCE
+        assert model.argmax() == int(np.argmax(got))
+
+
+def test_prefill_equals_token_by_token_and_continuation_equals_recomputation(tiny_paths, device, rng):
+    model, source = load(tiny_paths["gguf-gqa3"], device)
+    tokens = [int(t) for t in rng.integers(3, source.config.vocab_size, 12)]
+    model.prefill(tokens, 0)
+    whole = model.logits()
+    for pos, token in enumerate(tokens):
+        model.decode_one(token, pos)
+    assert relative_error(model.logits(), whole) <= TOLERANCE
+    # continue a cache: prefill the first 7, then the last 5 at position 7 (what a chat turn does)
+    model.prefill(tokens[:7], 0)
+    model.prefill(tokens[7:], 7)
+    assert relative_error(model.logits(), whole) <= TOLERANCE
+
+
+def test_long_prompts_run_in_chunks(tiny_paths, device, rng, monkeypatch):
+    import perfx.model as model_module
+    monkeypatch.setattr(model_module, "PREFILL_CHUNK", 8)
+    model, source = load(tiny_paths["gguf-gqa1-tied"], device)
+    assert model.chunk == 8
+    tokens = [int(t) for t in rng.integers(3, source.config.vocab_size, 21)]
+    want, _ = reference.llama_forward(source, tokens)
+    model.prefill(tokens, 0)
+    assert relative_error(model.logits(), want[-1]) <= TOLERANCE
+
+
+def test_same_seed_same_text_and_greedy_is_deterministic(tiny_paths, device):
+    model, source = load(tiny_paths["gguf-gqa3"], device)
+    tok = source.tokenizer
+    prompt = tok.encode("hello world", add_bos=True)
+
+    def run(seed, temperature=0.9):
+        return generate(model, tok, prompt, 12, SamplingConfig(temperature=temperature, top_k=0, top_p=1.0,
+                                                                min_p=0.0, seed=seed)).ids
+
+    assert run(7) == run(7)
+    assert run(0, temperature=0) == run(1, temperature=0)
+    different = {tuple(run(seed)) for seed in range(4)}
+    assert len(different) > 1  # sampling does sample: random weights give a flat distribution
+
+
+def test_generate_streams_pieces_that_join_to_the_text(tiny_paths, device):
+    model, source = load(tiny_paths["gguf-gqa3"], device)
+    pieces = []
+    prompt = source.tokenizer.encode("abc", add_bos=True)
+    result = generate(model, source.tokenizer, prompt, 10, SamplingConfig(temperature=0), on_text=pieces.append)
+    assert "".join(pieces) == result.text == source.tokenizer.decode(result.ids)
+    # every id but the last was fed back (the last was sampled after the final decode), unless EOS ended it
+    fed = len(result.ids) if result.stats.stop_reason == "eos" else len(result.ids) - 1
+    assert result.end_pos == len(prompt) + fed
+
+
+def test_stop_strings_end_the_reply_and_are_not_printed(tiny_paths, device):
+    model, source = load(tiny_paths["gguf-gqa3"], device)
+    tok = source.tokenizer
+    prompt = tok.encode("the", add_bos=True)
+    free = generate(model, tok, prompt, 16, SamplingConfig(temperature=0))
+    assert len(free.text) > 4
+    stop = free.text[2:4]
+    stopped = generate(model, tok, prompt, 16, SamplingConfig(temperature=0), stop_strings=[stop])
+    assert stopped.stats.stop_reason == "stop string"
+    assert stopped.text == free.text[:free.text.index(stop)]
+
+
+def test_prompt_longer_than_the_context_is_a_clear_error(tiny_paths, device):
+    model, source = load(tiny_paths["gguf-gqa3"], device, ctx=16)
+    with pytest.raises(PerfxError, match=r"context holds 16: shorten it or raise --ctx"):
+        generate(model, source.tokenizer, list(range(3, 30)), 4)
+    with pytest.raises(PerfxError, match=r"context holds 16 \(over by 4\)"):
+        model.prefill(list(range(3, 23)), 0)
+    with pytest.raises(PerfxError, match="the prompt is empty"):
+        generate(model, source.tokenizer, [], 4)
+    with pytest.raises(PerfxError, match=r"outside the vocabulary"):
+        model.prefill([source.config.vocab_size + 5], 0)
+    with pytest.raises(PerfxError, match="exceeds the model's context length"):
+        load(tiny_paths["gguf-gqa3"], device, ctx=10**7)
+
+
+def test_generation_stops_at_the_end_of_the_context(tiny_paths, device):
+    model, source = load(tiny_paths["gguf-gqa3"], device, ctx=12)
+    result = generate(model, None, [5, 6, 7], 100, SamplingConfig(temperature=0))
+    assert result.stats.stop_reason == "context full" and result.end_pos == 12
+
+
+def test_sampling_options_are_checked():
+    with pytest.raises(PerfxError, match="--temperature must be ≥ 0"):
+        SamplingConfig(temperature=-1)
+    with pytest.raises(PerfxError, match=r"--top-p must be in \(0, 1\]"):
+        SamplingConfig(top_p=0)
+
+
+def test_phone_limits_split_the_lm_head(tiny_paths, device):
+    # A 4 KiB allocation limit splits the fp16 lm_head and embedding into row blocks; answers stay the same.
+    from perfx.runtime import Device, Limits
+    small = Device(limits=Limits(name="tiny-phone", max_alloc=64 << 10))
+    model, source = load(tiny_paths["gguf-gqa1-tied"], small, ctx=32)
+    assert len(model.lm_head.blocks) > 1
+    want, _ = reference.llama_forward(source, [5, 9, 11])
+    model.prefill([5, 9, 11], 0)
+    assert relative_error(model.logits(), want[-1]) <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_default_model_answers_coherently_and_matches_the_reference(device):
+    """Greedy reply of the default model: its first 16 tokens equal the float64 reference's."""
+    model, source = load_model("default", device, ctx=256, progress=False)
+    tok = source.tokenizer
+    prompt = tok.encode("The capital of France is", add_bos=True)
+    result = generate(model, tok, prompt, 16, SamplingConfig(temperature=0))
+    assert result.text.startswith(" Paris")
+    logits, cache = reference.llama_forward(source, prompt)
+    want, pos = [], len(prompt)
+    for _ in range(16):
+        token = int(np.argmax(logits[-1]))
+        want.append(token)
+        logits, cache = reference.llama_forward(source, [token], start_pos=pos, cache=cache)
+        pos += 1
+    assert result.ids[:16] == want

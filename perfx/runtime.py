@@ -479,8 +479,9 @@ class Device:
         self._check_alloc(texels.nbytes, what)
         fmt = cl.ImageFormat(cl.channel_order.RGBA, cl.channel_type.UNSIGNED_INT32)
         try:
+            # _through_create_image: what pyopencl's create_image passes (our subclass can carry a finalizer)
             image = _CountedImage(self.context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, fmt,
-                             shape=(width, height), hostbuf=texels)
+                                  shape=(width, height), hostbuf=texels, _through_create_image=True)
         except cl.Error as e:
             raise_as_perfx(f"creating {what} of {width}x{height} texels", e)
         return self._account(image, texels.nbytes)

@@ -1,0 +1,88 @@
+"""The command line as a user runs it: info, selftest (passing, and failing on a broken kernel), generate."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from perfx import cli, selftest
+from perfx.tuning import specs
+
+
+def run_cli(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_info_json_names_a_device(capsys):
+    code, out, _ = run_cli(capsys, "info", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["chosen"]["name"] and data["capabilities"]["max_alloc"] > 0
+    assert data["chosen"]["reason"]
+
+
+def test_info_as_a_module_prints_the_choice():
+    out = subprocess.run([sys.executable, "-m", "perfx", "info"], capture_output=True, text=True, check=True).stdout
+    assert "perfx uses" in out and "limits in force" in out
+
+
+def test_unknown_device_is_one_clear_line(capsys, monkeypatch):
+    monkeypatch.setenv("PERFX_DEVICE", "no-such-device")
+    code, _, err = run_cli(capsys, "info")
+    assert code == 2 and err.startswith("perfx: error: PERFX_DEVICE='no-such-device' matches no OpenCL device")
+
+
+def test_selftest_quick_passes_on_this_device(capsys):
+    code, out, _ = run_cli(capsys, "selftest", "--quick", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["failed"] == 0 and data["passed"] >= len(specs())
+
+
+def test_selftest_exits_1_when_a_kernel_is_broken(capsys, monkeypatch):
+    good = specs()["rmsnorm"]
+
+    def broken_case(device, shape, rng):
+        case = good.make_case(device, shape, rng)
+        run = case.run
+
+        def wrong(params):  # as if the kernel dropped its last element
+            outputs = run(params)
+            return {k: np.concatenate([v.ravel()[:-1], [0.0]]).reshape(v.shape) * 1.01 for k, v in outputs.items()}
+
+        return dataclasses.replace(case, run=wrong)
+
+    monkeypatch.setattr(selftest, "specs", lambda: {"rmsnorm": dataclasses.replace(good, make_case=broken_case)})
+    code, out, _ = run_cli(capsys, "selftest", "--quick")
+    assert code == 1
+    assert "FAIL" in out and "rmsnorm" in out and "0 passed, 1 failed" in out
+
+
+def test_selftest_unknown_family(capsys):
+    code, _, err = run_cli(capsys, "selftest", "--kernels", "nope")
+    assert code == 2 and "unknown kernel family nope" in err
+
+
+@pytest.mark.slow
+def test_generate_answers_the_spider_question_and_continues_paris(capsys):
+    code, out, err = run_cli(capsys, "generate", "--temperature", "0", "How many legs does a spider have?")
+    assert code == 0 and ("eight" in out.lower() or "8" in out)
+    assert "tok/s" in err and "tok/s" not in out  # stats to stderr only
+    code, out, _ = run_cli(capsys, "generate", "--raw", "--temperature", "0", "--max-tokens", "3", "--json",
+                           "The capital of France is")
+    data = json.loads(out)
+    assert code == 0 and data["text"].startswith(" Paris") and len(data["ids"]) == 3
+    assert data["stats"]["decode_tok_s"] > 0 and data["stats"]["ttft_s"] > 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "-1"], "--temperature must be ≥ 0"),
+    (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+    (["--model", "/no/such/model.gguf"], "Model not found: /no/such/model.gguf"),
+])
+def test_generate_bad_flags_are_one_clear_line(capsys, flags, message):
+    code, out, err = run_cli(capsys, "generate", "hi", *flags)
+    assert code == 2 and message in err and out == ""

@@ -1,0 +1,101 @@
+"""The Oclgrind tier: every kernel family under a simulator that checks each access (issue 8, item 1).
+
+Each family of ``perfx.tuning.specs()`` runs at tiny shapes (tests/oclgrind_runner.py) at its defaults and at
+SAMPLES parameter sets drawn with a fixed seed from what the tuner may choose on the simulator, with
+Oclgrind's out-of-bounds, data-race, uninitialised-value and API checks on. Any report fails the test, and
+the outputs must still match the float64 references within the spec's tolerance. A new family joins by
+having a spec. Each check is one subprocess, so each report belongs to one family and parameter set.
+
+Without Oclgrind the tier is skipped (apt-get install oclgrind); PERFX_REQUIRE_OCLGRIND=1 (CI) makes that
+a failure instead.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import oclgrind_runner as runner
+from perfx.tuning import specs
+
+RUNNER = Path(runner.__file__).resolve()
+ROOT = RUNNER.parent.parent
+ICD = runner.find_icd()
+TIMEOUT_S = 240  # one check; the slowest takes ~10 s on two cores
+
+if ICD is None and os.environ.get("PERFX_REQUIRE_OCLGRIND") == "1":
+    raise RuntimeError(f"PERFX_REQUIRE_OCLGRIND=1 but {runner.INSTALL_HELP}")
+pytestmark = pytest.mark.skipif(ICD is None, reason=runner.INSTALL_HELP)
+
+
+def oclgrind(*args: str) -> tuple[dict, str]:
+    """Run the runner under Oclgrind; (its JSON result, its stderr). Fails the test if it did not finish."""
+    done = subprocess.run([sys.executable, str(RUNNER), *args], env=runner.oclgrind_env(ICD), cwd=ROOT,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    if done.returncode != 0:
+        pytest.fail(f"oclgrind_runner {' '.join(args)} exited with {done.returncode}; "
+                    f"stderr (end):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def assert_no_reports(stderr: str, what: str, image_reads: bool = False):
+    before, after = runner.split_at_ready(stderr)
+    found = runner.reports(before) + runner.reports(after, image_reads)
+    assert not found, f"Oclgrind reported {len(found)} problem(s) in {what}:\n\n" + "\n\n".join(found[:6])
+
+
+CHECKS = [(family, which) for family in specs()
+          for which in ["default"] + [str(i + 1) for i in range(runner.SAMPLES)]]
+
+
+@pytest.mark.parametrize("family, which", CHECKS, ids=[f"{f}-{w if w == 'default' else 'sample' + w}"
+                                                       for f, w in CHECKS])
+def test_family_under_oclgrind(family, which):
+    result, stderr = oclgrind(family, which)
+    if "skipped" in result:
+        pytest.skip(result["skipped"])
+    assert_no_reports(stderr, f"{family} with {result['params']}", result["image_reads"])
+    ran = [r for r in result["results"] if "errors" in r]
+    assert ran, f"{family} {result['params']}: no tiny shape fits: {result['results']}"
+    for r in ran:
+        for name, error in r["errors"].items():
+            assert error <= result["tolerance"], (
+                f"{family} {r['describe']} with {result['params']}: {name} relative error {error:.3g} "
+                f"> tolerance {result['tolerance']:.3g} under Oclgrind")
+
+
+def test_opening_the_device_reports_nothing():
+    result, stderr = oclgrind("--device")
+    assert result == {"device": "ready"}
+    assert_no_reports(stderr, "opening the device (perfx.runtime.Device)")
+
+
+@pytest.mark.parametrize("kind, first_line", [
+    ("oob", "Invalid write of size 4 at global memory"),
+    ("race", "data race at local memory"),
+    ("uninit", "uninitialized value"),
+    ("api", "OpenCL runtime error detected"),
+])
+def test_a_wrong_kernel_is_reported(kind, first_line):
+    # The tier could pass by seeing nothing: each check must catch a kernel written to trip it.
+    _, stderr = oclgrind("--bad", kind)
+    _, after = runner.split_at_ready(stderr)
+    found = runner.reports(after)
+    assert any(first_line.lower() in report.lower() for report in found), stderr[-3000:]
+
+
+def test_what_the_report_filter_lets_through():
+    probe = ("Oclgrind - OpenCL runtime error detected\n\tFunction: clGetDeviceInfo\n"
+             "\tError:    CL_INVALID_VALUE\n\tFor argument 'param_name'\n")
+    other = probe.replace("clGetDeviceInfo", "clSetKernelArg").replace("'param_name'", "'arg_size'")
+    uninit = "Uninitialized value written to global memory address 0x6000000000000\n\tKernel: gemv_q4\n"
+    oob = "Invalid read of size 16 at global memory address 0x1000000000010\n\tKernel: gemv_q4\n"
+    assert runner.reports("\n" + probe + "\n") == []
+    assert len(runner.reports("\n" + probe + "\n\n" + other + "\n")) == 1
+    assert len(runner.reports(f"\n{uninit}\n{oob}")) == 2
+    assert runner.reports(f"\n{uninit}\n{oob}", image_reads=True) == [oob.strip()]
+    assert runner.reads_images({"READ": "image2d"}) and runner.reads_images({"READ": 1})
+    assert not runner.reads_images({"READ": 0}) and not runner.reads_images({"WGS": 64})

@@ -15,9 +15,12 @@ DEVICE_HELP = ("OpenCL device: P:D indices from `perfx info`, or part of a platf
 def cmd_info(args) -> int:
     from perfx.runtime import Device, capabilities_dict, list_devices
 
+    from perfx.tuning.database import entries_in_force
+
     entries = list_devices()
     device = Device(args.device)
     caps = capabilities_dict(device.caps)
+    tuned = entries_in_force(device)
     if args.json:
         print(json.dumps({
             "devices": [{"index": f"{e.platform_index}:{e.device_index}", "platform": e.platform, "name": e.name,
@@ -25,7 +28,8 @@ def cmd_info(args) -> int:
             "chosen": {"index": f"{device.entry.platform_index}:{device.entry.device_index}",
                        "name": device.caps.name, "reason": device.reason},
             "capabilities": caps,
-        }, indent=1))
+            "tuning": tuned,
+        }, indent=1, default=str))
         return 0
     print("OpenCL devices:")
     for e in entries:
@@ -42,7 +46,33 @@ def cmd_info(args) -> int:
         elif isinstance(value, int) and not isinstance(value, bool) and value >= 1 << 20:
             value = f"{value} ({value / 2**20:.0f} MiB)"
         print(f"  {key:22} {value}")
+    print("\ntuned parameters in force (device → architecture → vendor → built-in defaults):")
+    if not tuned:
+        print("  none: every kernel runs its built-in defaults (run `perfx tune`)")
+    for entry in tuned:
+        params = " ".join(f"{k}={v}" for k, v in entry["params"].items())
+        note = f"  [{entry['note']}]" if entry.get("note") else ""
+        print(f"  {entry['family']:18} {entry['shape_text']:40} {params}  ({entry['level']}: "
+              f"{entry['file']}){note}")
+    from perfx.ops.gemm_q4 import DEFAULT_CROSSOVER
+    print(f"\nprefill GEMM: the tall-skinny kernel up to M = {DEFAULT_CROSSOVER}, the tiled kernel above "
+          "(`perfx tune --kernels gemm_q4` measures the crossover on this device)")
     return 0
+
+
+def cmd_tune(args) -> int:
+    from perfx import tune
+    return tune.main(args)
+
+
+def cmd_bench(args) -> int:
+    from perfx import bench
+    return bench.main(args)
+
+
+def cmd_chat(args) -> int:
+    from perfx import chat
+    return chat.main(args)
 
 
 def cmd_selftest(args) -> int:
@@ -160,6 +190,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print text, token ids and stats as JSON")
     gen.add_argument("-q", "--quiet", action="store_true", help="no progress or stats on stderr")
     gen.set_defaults(func=cmd_generate)
+
+    from perfx import bench, tune
+    tune_parser = sub.add_parser(
+        "tune", help="find each kernel's fastest verified parameters on this device, for a model's shapes",
+        description="Autotune every kernel family at the shapes a model runs (decode GEMV at M = 1, prefill "
+                    "GEMM per M bucket). Every candidate is checked against the float64 reference before it is "
+                    "timed; results are written as they come, so an interrupted sweep resumes. perfx uses the "
+                    "results from then on (see `perfx info`).")
+    tune.add_arguments(tune_parser)
+    tune_parser.set_defaults(func=cmd_tune)
+    bench_parser = sub.add_parser(
+        "bench", help="the device's ceilings and each kernel at a model's shapes, with tuned parameters",
+        description="Measure copy bandwidth and peak FLOP/s, then each kernel family at the model's shapes with "
+                    "the parameters perfx would use, as time, GB/s or GFLOP/s and percent of the ceiling.")
+    bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(func=cmd_bench)
     return parser
 
 

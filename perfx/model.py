@@ -31,7 +31,9 @@ from perfx.ops.rmsnorm import RMSNorm
 from perfx.ops.small_ops import Argmax, Embedding, SwiGLU
 from perfx.progress import Progress
 from perfx.runtime import Device
-from perfx.tuning.database import lookup
+from perfx.tuning import specs
+from perfx.tuning.database import bucket_representative, lookup, m_bucket
+from perfx.tuning.problems import model_problems
 
 DEFAULT_CTX = 4096
 PREFILL_CHUNK = 256  # prompt tokens per prefill pass: bounds the activation buffers
@@ -73,7 +75,7 @@ class Llama:
         started = time.perf_counter()
         bar = Progress(c.n_layers + 3, "loading", enabled=progress)
         first = source.layer(0)
-        model._choose_kernels(group=getattr(first.qkv, "group", 0))
+        model._choose_kernels(group=getattr(first.qkv, "group", None))
         bar.update(note="kernels")
         embedding = source.embedding()
         model.embedding = model._upload(embedding, "token embedding", gather=True)
@@ -106,42 +108,76 @@ class Llama:
         }
         return model
 
-    def _choose_kernels(self, group: int):
-        """Kernel objects with the tuned parameters for this model's shapes (database, else defaults)."""
+    def _choose_kernels(self, group: int | None):
+        """Kernel objects with the tuned parameters for this model's shapes (database, else defaults).
+
+        The shapes are exactly those `perfx tune` measures for this model (``tuning/problems.py``), so a
+        tuned entry is found whenever one exists; prefill kernels are chosen per M bucket on first use.
+        """
         c, d = self.config, self.device
         self.tuned: dict[str, object] = {}
+        problems, _ = model_problems(c, specs(), group)
+        self._problems = problems
+        decode = {(p.family, label): p.shape for p in problems for label in p.label.split("+")
+                  if p.family not in ("gemm_q4_skinny", "gemm_q4_tiled", "attention_prefill")}
 
-        def params(family, label, **shape):
-            choice = lookup(d, family, shape)
-            self.tuned[f"{family} ({label})"] = choice
-            return choice.params
+        def shape_of(family, label, **fallback):
+            return decode.get((family, label), fallback)
 
-        h, i = c.hidden_size, c.intermediate_size
         self.gemv = {}
-        for name, n, k, epilogue in (("qkv", c.qkv_dim, h, "none"), ("o", h, c.q_dim, "none"),
-                                     ("gate_up", 2 * i, h, "silu_mul"), ("down", h, i, "none"),
-                                     ("lm_head", c.vocab_size, h, "none")):
-            bias = name == "qkv" and bool(c.qkv_bias)
-            self.gemv[name] = GemvQ4(d, params("gemv_q4", name, n=n, k=k, group=group or 32, epilogue=epilogue,
-                                               bias=bias))
-        # The tall-skinny kernel tuned at the 5–16 bucket, the tiled one at 65–256: the QKV shape stands in.
-        self.gemm = GemmQ4(d, params("gemm_q4_skinny", "prefill", m=16, n=c.qkv_dim, k=h, group=group or 32),
-                           params("gemm_q4_tiled", "prefill", m=256, n=c.qkv_dim, k=h, group=group or 32))
-        self.gemv_f16 = GemvF16(d, params("gemv_f16", "lm_head", n=c.vocab_size, k=h))
-        self.rmsnorm = RMSNorm(d, params("rmsnorm", "norms", m=1, k=h, residual=True))
-        self.embed = Embedding(d)
-        self.argmax_op = Argmax(d)
-        self.swiglu = SwiGLU(d)
-        self.attn_decode = AttentionDecode(
-            d, c.n_heads, c.n_kv_heads, c.head_dim, self.max_positions,
-            params("attention_decode", "decode", n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
-                   positions=self.max_positions))
-        self.attn_prefill = AttentionPrefill(
-            d, c.n_heads, c.n_kv_heads, c.head_dim,
-            params("attention_prefill", "prefill", n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
-                   m=min(128, self.max_positions), p0=0))
+        for name in ("qkv", "o", "gate_up", "down", "lm_head"):
+            shape = shape_of("gemv_q4", name, n=1, k=c.hidden_size, group=group or 32, epilogue="none", bias=False)
+            self.gemv[name] = GemvQ4(d, self._params("gemv_q4", shape, name))
+        self.gemv_f16 = GemvF16(d, self._params("gemv_f16", shape_of("gemv_f16", "lm_head", n=c.vocab_size,
+                                                                      k=c.hidden_size), "lm_head"))
+        self.rmsnorm = RMSNorm(d, self._params("rmsnorm", {"m": 1, "k": c.hidden_size, "residual": True}, "norm"))
+        self.embed = Embedding(d, self._params("embedding_f16", {"n": c.vocab_size, "k": c.hidden_size, "m": 1},
+                                               "embedding"))
+        self.argmax_op = Argmax(d, self._params("argmax", {"n": c.vocab_size}, "greedy sampling"))
+        self.swiglu = SwiGLU(d, self._params("swiglu", {"count": c.intermediate_size}, "swiglu"))
+        attention = {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim}
+        self.attn_decode = AttentionDecode(d, c.n_heads, c.n_kv_heads, c.head_dim, self.max_positions,
+                                           self._params("attention_decode",
+                                                        {**attention, "positions": self.max_positions}, "decode"))
+        self._prefill_ops: dict[int, tuple] = {}
         # Upload each int4 weight for the read path its decode GEMV reads (the GEMM adapts to what is there).
         self.read_paths = tuple(sorted({op.read for op in self.gemv.values()}))
+
+    def _params(self, family: str, shape: dict, label: str) -> dict:
+        choice = lookup(self.device, family, shape)
+        self.tuned[f"{family} ({label})"] = choice
+        return choice.params
+
+    def _prefill_kernels(self, m: int) -> tuple[dict, AttentionPrefill]:
+        """The GEMM per matrix and the prefill attention tuned for m's bucket (built once per bucket)."""
+        bucket = m_bucket(m)
+        if bucket not in self._prefill_ops:
+            rep = bucket_representative(bucket)
+            shapes = {(p.family, label): p.shape for p in self._problems for label in p.label.split("+")
+                      if p.shape.get("m") == rep}
+            gemms = {}
+            for name in ("qkv", "o", "gate_up", "down"):
+                skinny = shapes.get(("gemm_q4_skinny", name))
+                tiled = shapes.get(("gemm_q4_tiled", name))
+                if skinny is None or tiled is None:   # an fp16 matrix: no GEMM
+                    continue
+                a = lookup(self.device, "gemm_q4_skinny", skinny)
+                b = lookup(self.device, "gemm_q4_tiled", tiled)
+                self.tuned[f"gemm_q4_skinny ({name}, M≈{rep})"] = a
+                self.tuned[f"gemm_q4_tiled ({name}, M≈{rep})"] = b
+                # The faster of the two where both were measured on this device, else the default crossover.
+                crossover = None
+                if a.time_s and b.time_s:
+                    crossover = 1 << 30 if a.time_s <= b.time_s else 0
+                gemms[name] = GemmQ4(self.device, a.params, b.params, crossover)
+            c = self.config
+            shape = shapes.get(("attention_prefill", "attention"),
+                               {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "m": rep,
+                                "p0": 0})
+            attention = AttentionPrefill(self.device, c.n_heads, c.n_kv_heads, c.head_dim,
+                                         self._params("attention_prefill", shape, f"prefill, M≈{rep}"))
+            self._prefill_ops[bucket] = (gemms, attention)
+        return self._prefill_ops[bucket]
 
     def _vector(self, v: np.ndarray):
         v = np.ascontiguousarray(v, dtype=np.float32)
@@ -189,7 +225,7 @@ class Llama:
                 return self.gemv[name](weight, x, y, epilogue)
             if epilogue == "none" and weight.bias is not None:
                 epilogue = "bias"
-            return self.gemm(weight, x, y, m, epilogue)
+            return self._prefill_kernels(m)[0][name](weight, x, y, m, epilogue)
         return self._linear_f16(weight, x, y, m, epilogue)
 
     def _linear_f16(self, weight: F16DeviceWeight, x, y, m: int, epilogue: str):
@@ -226,7 +262,7 @@ class Llama:
             if decode:
                 self.attn_decode(self.qkv, self.att, self.cache, self.rope, layer, pos)
             else:
-                self.attn_prefill(self.qkv, self.att, self.cache, self.rope, layer, pos, m)
+                self._prefill_kernels(m)[1](self.qkv, self.att, self.cache, self.rope, layer, pos, m)
             self._linear("o", w.o, self.att, self.proj, m, decode)
             # ffn rmsnorm, with the attention output added into the residual
             self.rmsnorm.residual(self.proj, self.x, w.ffn_norm, self.xb, m, c.hidden_size, c.rms_eps)

@@ -186,3 +186,32 @@ def test_default_model_answers_coherently_and_matches_the_reference(device):
         logits, cache = reference.llama_forward(source, [token], start_pos=pos, cache=cache)
         pos += 1
     assert result.ids[:16] == want
+
+
+def test_the_model_runs_the_tuned_parameters(tiny_paths, device, tmp_path, monkeypatch, rng):
+    """A database entry that forces a non-default gemv_q4 choice for this device is what the model uses."""
+    from perfx.tuning import specs
+    from perfx.tuning.database import default_database
+    from perfx.tuning.problems import model_problems
+
+    monkeypatch.setenv("PERFX_CACHE", str(tmp_path))
+    source = open_model(tiny_paths["gguf-gqa3"])
+    spec = specs()["gemv_q4"]
+    problems, _ = model_problems(source.config, specs(), 32)
+    qkv = next(p for p in problems if p.family == "gemv_q4" and "qkv" in p.label.split("+"))
+    forced = {**spec.defaults(), "LANES": 4, "ROWS": 2}
+    assert forced != spec.defaults()
+    db = default_database()
+    record = db.tuning_record(device, spec, qkv.shape)
+    record.update(params=forced, complete=True, time_s=1e-5)
+    db.save_record(device, record)
+
+    model = Llama.load(source, device, ctx=32, progress=False)
+    assert model.gemv["qkv"].params == forced
+    assert model.tuned["gemv_q4 (qkv)"].source == "device"
+    assert model.gemv["o"].params != forced or model.tuned["gemv_q4 (o)"].source != "device"
+    # and the answer is still right with it
+    want, _ = reference.llama_forward(source, [4, 8, 15])
+    model.prefill([4, 8], 0)
+    model.decode_one(15, 2)
+    assert relative_error(model.logits(), want[-1]) <= TOLERANCE

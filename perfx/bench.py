@@ -1,0 +1,152 @@
+"""`perfx bench`: the device's ceilings, then each kernel at a model's shapes with its tuned parameters.
+
+Ceilings: copy bandwidth (``perfx.timing.copy_bandwidth``) and peak fp32 arithmetic
+(``kernels/peak_flops.cl``: chains of multiply-adds on float4/8/16, the best width reported). Each
+kernel is checked against the reference once, then timed with the same timing module as the tuner
+and the pytest-benchmark suite, and reported against the ceiling that bounds it (roofline: memory
+below the ridge point flops/byte = peak / bandwidth, compute above).
+
+``--e2e`` hands over to ``perfx.bench_e2e.run(device, model_name, args) -> dict`` where that module
+exists (prefill/decode tok/s, TTFT, host time per token, memory).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import sys
+
+import numpy as np
+
+from perfx.errors import PerfxError
+from perfx.tune import DEVICE_HELP, model_jobs, select_families
+
+PEAK_WIDTHS = (4, 8, 16)
+E2E_MODULE = "perfx.bench_e2e"
+
+
+def add_arguments(parser):
+    parser.add_argument("--model", default="default",
+                        help="model whose shapes to measure: 'default', a .gguf file or model directory, or "
+                             "synthetic:llama-2-7b / synthetic:smollm2-135m (default: default)")
+    parser.add_argument("--kernels", help="comma-separated kernel families or prefixes (default: all)")
+    parser.add_argument("--max-m", type=int, default=None,
+                        help="measure the prefill (GEMM, attention) path only up to this prompt length")
+    parser.add_argument("--e2e", action="store_true",
+                        help="also end-to-end figures: prefill/decode tok/s, TTFT, host time per token, memory")
+    parser.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    parser.add_argument("--device", help=DEVICE_HELP)
+
+
+def peak_flops(device, widths=PEAK_WIDTHS, iters: int = 256, min_seconds: float = 0.005) -> tuple[float, dict]:
+    """The device's peak fp32 GFLOP/s (best over vector widths), and the figure of each width."""
+    from perfx.timing import time_launches
+
+    per_width = {}
+    most = 1 << 22
+    out = device.empty(most, np.float32)
+    a, b = np.float32(1 - 2 ** -10), np.float32(2 ** -10)
+    for vw in widths:
+        kernel = device.kernel("peak_flops.cl", "peak_mad", {"VW": vw, "ITERS": iters})
+        n = 1 << 12
+        while True:  # grow the launch until it is long enough to time well
+            timing = time_launches(lambda: [device.launch(kernel, (n,), None, out.data, a, b)], warmup=1, repeat=5)
+            if timing.median_s >= min_seconds or n >= most:
+                break
+            n = min(most, n * max(2, int(min_seconds / max(timing.median_s, 1e-7)) // 2 * 2 or 2))
+        per_width[vw] = 2 * 8 * vw * iters * n / timing.median_s / 1e9
+    return max(per_width.values()), per_width
+
+
+def ceilings(device) -> dict:
+    from perfx.timing import copy_bandwidth
+
+    copy_gbps, timing = copy_bandwidth(device)
+    peak, per_width = peak_flops(device)
+    return {"copy_gb_per_s": copy_gbps, "copy_spread": timing.spread, "peak_gflop_per_s": peak,
+            "peak_by_vector_width": {f"float{k}": v for k, v in per_width.items()}}
+
+
+def bench_problem(device, spec, problem, ceiling: dict, rng) -> dict:
+    """One kernel at one shape with the parameters the database chooses: check, time, rate."""
+    from perfx.timing import time_launches
+    from perfx.tuning.database import lookup
+
+    shape = problem.shape
+    choice = lookup(device, spec.family, shape)
+    row = {"family": spec.family, "label": problem.label, "shape": shape, "description": spec.describe(shape),
+           "params": choice.params, "source": choice.source, "detail": choice.detail}
+    try:
+        case = spec.make_case(device, shape, rng)
+        errors = case.errors(choice.params)
+        worst = max(errors.values()) if errors else 0.0
+        row["error"], row["verified"] = worst, bool(worst <= spec.tolerance)
+        probe = time_launches(lambda: case.launch(choice.params), warmup=1, repeat=1)
+        repeat = 3 if probe.median_s > 0.2 else 10
+        timing = time_launches(lambda: case.launch(choice.params), warmup=1, repeat=repeat, rotate=case.rotate)
+    except PerfxError as e:
+        row["failure"] = str(e).splitlines()[0]
+        return row
+    flops, nbytes = int(spec.flops(shape)), int(spec.bytes_moved(shape))
+    gbps, gflops = nbytes / timing.median_s / 1e9, flops / timing.median_s / 1e9
+    ridge = ceiling["peak_gflop_per_s"] / ceiling["copy_gb_per_s"]
+    bound = "compute" if flops and flops / nbytes > ridge else "memory"
+    row.update(time_s=timing.median_s, spread=timing.spread, samples_s=timing.samples, bytes_moved=nbytes,
+               flops=flops, gb_per_s=gbps, gflop_per_s=gflops, bound=bound,
+               percent_of_ceiling=100 * (gflops / ceiling["peak_gflop_per_s"] if bound == "compute"
+                                         else gbps / ceiling["copy_gb_per_s"]))
+    return row
+
+
+def run_e2e(device, model_name: str, args) -> dict:
+    """The end-to-end hook: ``perfx.bench_e2e.run`` where it exists."""
+    if importlib.util.find_spec(E2E_MODULE) is None:
+        return {"skipped": f"{E2E_MODULE} is not in this build of perfx yet: no end-to-end figures"}
+    return importlib.import_module(E2E_MODULE).run(device, model_name, args)
+
+
+def main(args) -> int:
+    from perfx.progress import Progress, format_table
+    from perfx.runtime import Device
+
+    device = Device(args.device)
+    families = select_families(args.kernels)
+    problems, notes = model_jobs(args, families)
+    print(f"perfx bench on {device.caps.platform} / {device.caps.name} (limits: {device.caps.limits}), "
+          f"{len(problems)} kernel shapes of {args.model}", file=sys.stderr)
+    for note in notes:
+        print(f"  note: {note}", file=sys.stderr)
+    ceiling = ceilings(device)
+    rng = np.random.default_rng(0)
+    rows = []
+    with Progress(len(problems), "bench", enabled=None if not args.json else False) as progress:
+        for problem in problems:
+            rows.append(bench_problem(device, families[problem.family], problem, ceiling, rng))
+            progress.update(note=f"{problem.family} {rows[-1]['description']}")
+    e2e = run_e2e(device, args.model, args) if args.e2e else None
+    failed = [r for r in rows if r.get("failure") or not r.get("verified", False)]
+
+    if args.json:
+        print(json.dumps({"device": device.fingerprint, "architecture": device.caps.architecture,
+                          "model": args.model, "ceilings": ceiling, "kernels": rows, "notes": notes,
+                          "e2e": e2e}, indent=1, default=float))
+        return 1 if failed else 0
+    widths = ", ".join(f"{k} {v:.1f}" for k, v in ceiling["peak_by_vector_width"].items())
+    print(f"ceilings: copy {ceiling['copy_gb_per_s']:.2f} GB/s (read + write); "
+          f"peak fp32 {ceiling['peak_gflop_per_s']:.1f} GFLOP/s ({widths})")
+    table = [("kernel", "use", "shape", "parameters", "from", "time", "GB/s", "GFLOP/s", "% ceiling", "check")]
+    for r in rows:
+        params = " ".join(f"{k}={v}" for k, v in r["params"].items())
+        if "failure" in r:
+            table.append((r["family"], r["label"], r["description"], params, r["source"], "-", "-", "-", "-",
+                          "FAIL: " + r["failure"][:60]))
+            continue
+        table.append((r["family"], r["label"], r["description"], params, r["source"], f"{r['time_s'] * 1e6:.1f} us",
+                      f"{r['gb_per_s']:.2f}", f"{r['gflop_per_s']:.2f}" if r["flops"] else "-",
+                      f"{r['percent_of_ceiling']:.0f}% {'peak' if r['bound'] == 'compute' else 'copy'}",
+                      "ok" if r["verified"] else f"WRONG {r['error']:.1e}"))
+    print(format_table(table))
+    if e2e is not None:
+        print("end to end: " + ", ".join(f"{k}: {v}" for k, v in e2e.items()))
+    return 1 if failed else 0

@@ -1,0 +1,179 @@
+"""`perfx tune`: tune the kernels a model runs on this device, and keep the results.
+
+Every (family, shape) of the model (GEMM shapes at one M per bucket) is swept by
+``perfx.tuning.tuner``: verified candidates only, timed with profiling events, each result written to
+the tuning database as it comes. Run it again to resume or extend an interrupted or budget-cut sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from perfx.errors import PerfxError
+
+DEFAULT_BUDGET = 600.0
+DEVICE_HELP = ("OpenCL device: P:D indices from `perfx info`, or part of a platform/device name "
+               "(default: $PERFX_DEVICE, else the first GPU, else the first CPU)")
+
+
+def add_arguments(parser):
+    parser.add_argument("--model", default=None,
+                        help="model whose shapes to tune: 'default', a .gguf file or model directory, or "
+                             "synthetic:llama-2-7b / synthetic:smollm2-135m (default: default)")
+    parser.add_argument("--kernels", help="comma-separated kernel families, a prefix names a group "
+                                          "(gemm_q4 = gemm_q4_skinny,gemm_q4_tiled; default: all)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds for the whole sweep, shared among the problems (default: 600)")
+    parser.add_argument("--max-m", type=int, default=None,
+                        help="tune the prefill (GEMM, attention) path only up to this prompt length")
+    parser.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    parser.add_argument("--plot", metavar="DIR", help="write PNG plots there (needs matplotlib: perfx[plot])")
+    parser.add_argument("--export", metavar="FILE", help="write this device's tuning results to FILE")
+    parser.add_argument("--import", dest="import_file", metavar="FILE",
+                        help="merge a file written by --export into your tuning database. With only "
+                             "--import and/or --export (no --model, --kernels, --budget), nothing is tuned")
+    parser.add_argument("--device", help=DEVICE_HELP)
+
+
+def select_families(kernels: str | None) -> dict:
+    """The specs named by ``--kernels`` (exact names, or a prefix such as gemm_q4 or attention)."""
+    from perfx.tuning import specs
+
+    all_specs = specs()
+    if not all_specs:
+        raise PerfxError("no kernel families found in perfx.tuning: the installation is incomplete; reinstall perfx")
+    if not kernels:
+        return all_specs
+    chosen = {}
+    for name in (k.strip() for k in kernels.split(",") if k.strip()):
+        matched = [f for f in all_specs if f == name or f.startswith(name + "_")]
+        if not matched:
+            raise PerfxError(f"unknown kernel family {name!r}; known: {', '.join(all_specs)}")
+        chosen.update({f: all_specs[f] for f in matched})
+    return chosen
+
+
+def model_jobs(args, families: dict) -> tuple[list, list[str]]:
+    from perfx.tuning.problems import model_problems, model_shapes
+
+    config, group = model_shapes(args.model)
+    problems, notes = model_problems(config, families, group)
+    max_m = getattr(args, "max_m", None)
+    if max_m is not None:
+        problems = [p for p in problems if p.shape.get("m", 1) <= max_m]
+    return problems, notes
+
+
+def _explicitly_tuning(args) -> bool:
+    named = (args.model, args.kernels, args.budget, args.max_m)
+    return any(value is not None for value in named) or not (args.import_file or args.export)
+
+
+def _rate_cells(result, copy_gbps: float) -> tuple[str, str]:
+    gbps, gflops = result.rate()
+    if gbps is None:
+        return "-", "-"
+    compute_bound = result.flops and result.flops / max(result.bytes_moved, 1) > 8
+    if compute_bound:
+        return f"{gflops:.1f} GFLOP/s", "-"
+    return f"{gbps:.2f} GB/s", f"{100 * gbps / copy_gbps:.0f}%" if copy_gbps else "-"
+
+
+def summary_rows(results, copy_gbps: float) -> list[tuple]:
+    rows = [("kernel", "use", "shape", "best parameters", "time", "rate", "% copy bw", "vs default",
+             "tried", "rejected", "spread", "done")]
+    for r in results:
+        rate, pct = _rate_cells(r, copy_gbps)
+        best = r.best
+        rows.append((
+            r.family, r.label, r.description,
+            " ".join(f"{k}={v}" for k, v in best.params.items()) if best else (r.note or "none valid"),
+            f"{best.time_s * 1e6:.1f} us" if best else "-", rate, pct,
+            f"{r.speedup:.2f}x" if r.speedup else "-", len(r.outcomes),
+            sum(o.status not in ("ok", "slow") for o in r.outcomes),
+            f"{100 * best.spread:.0f}%" if best and best.spread is not None else "-",
+            "yes" if r.complete else "partial"))
+    return rows
+
+
+def crossover_lines(results) -> list[str]:
+    """Per prefill matrix, which GEMM kernel is faster at each M bucket."""
+    times: dict[tuple, dict] = {}
+    for r in results:
+        if r.family in ("gemm_q4_skinny", "gemm_q4_tiled") and r.best:
+            times.setdefault((r.label, r.shape["m"]), {})[r.family] = r.best.time_s
+    lines = []
+    for label in sorted({label for label, _ in times}):
+        cells = []
+        for m in sorted(m for lab, m in times if lab == label):
+            t = times[label, m]
+            if len(t) == 2:
+                cells.append(f"M={m}: {'skinny' if t['gemm_q4_skinny'] <= t['gemm_q4_tiled'] else 'tiled'}")
+        if cells:
+            lines.append(f"  {label}: " + ", ".join(cells))
+    return lines
+
+
+def main(args) -> int:
+    from perfx.progress import Progress, format_table
+    from perfx.runtime import Device
+    from perfx.timing import copy_bandwidth
+    from perfx.tuning.database import Database
+    from perfx.tuning.tuner import Tuner
+
+    device = Device(args.device)
+    database = Database()
+    say = (lambda text: print(text, file=sys.stderr)) if args.json else print
+    if args.import_file:
+        target, count = database.import_file(args.import_file)
+        say(f"imported {count} tuning records from {args.import_file} into {target}")
+    if not _explicitly_tuning(args):
+        if args.export:
+            count = database.export(device, args.export)
+            say(f"exported {count} tuning records of {device.caps.name} to {args.export}")
+        return 0
+
+    args.model = args.model or "default"
+    args.budget = DEFAULT_BUDGET if args.budget is None else args.budget
+    families = select_families(args.kernels)
+    problems, notes = model_jobs(args, families)
+    if not problems:
+        raise PerfxError("nothing to tune: " + ("; ".join(notes) or "the model has no shapes for these families"))
+    print(f"perfx tune on {device.caps.platform} / {device.caps.name}: {len(problems)} problems of "
+          f"{args.model}, budget {args.budget:.0f}s, results in {database.device_path(device.fingerprint)}",
+          file=sys.stderr)
+    for note in notes:
+        print(f"  note: {note}", file=sys.stderr)
+    copy_gbps, _ = copy_bandwidth(device)
+    progress = Progress(len(problems), "tune", enabled=None if not args.json else False)
+    tuner = Tuner(device, database, budget_s=args.budget, progress=progress)
+    try:
+        results = tuner.tune([(families[p.family], p.shape, p.label) for p in problems])
+    except KeyboardInterrupt:
+        progress.close()
+        print("perfx tune: interrupted; every finished candidate is saved, run the same command to resume",
+              file=sys.stderr)
+        return 130
+    progress.close()
+
+    if args.json:
+        print(json.dumps({"device": device.fingerprint, "architecture": device.caps.architecture,
+                          "model": args.model, "budget_s": args.budget, "copy_gb_per_s": copy_gbps,
+                          "database": str(database.device_path(device.fingerprint)), "notes": notes,
+                          "problems": [r.as_dict() for r in results]}, indent=1))
+    else:
+        print(format_table(summary_rows(results, copy_gbps)))
+        print(f"copy bandwidth {copy_gbps:.1f} GB/s; rate is GB/s for memory-bound kernels, GFLOP/s where "
+              "a kernel does more than 8 flops per byte")
+        lines = crossover_lines(results)
+        if lines:
+            print("prefill GEMM, faster kernel per M bucket:\n" + "\n".join(lines))
+    if args.plot:
+        from perfx import plots
+        written = plots.write_tuning_plots(results, args.plot, copy_gbps)
+        say(f"wrote {len(written)} plots to {args.plot}")
+    if args.export:
+        count = database.export(device, args.export)
+        say(f"exported {count} tuning records of {device.caps.name} to {args.export}")
+    return 0

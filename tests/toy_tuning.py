@@ -1,0 +1,78 @@
+"""A toy kernel family for the tuner's and database's tests: y = 2·x, with planted bad candidates.
+
+MODE = "wrong" computes a wrong answer and MODE = "broken" does not compile, so the tests can check
+that the tuner never chooses either. The kernel (tests/data/toy.cl) is built through pyopencl on the
+device's context, since Device.build only reads kernels/. ``calls`` counts runs and launches per
+parameter set; ``interrupt_at`` raises KeyboardInterrupt at that run (a user's Ctrl-C mid-sweep).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyopencl as cl
+
+from perfx.runtime import BuildError
+from perfx.tuning.spec import Case, Spec
+
+SOURCE = (Path(__file__).parent / "data" / "toy.cl").read_text()
+MODES = {"good": 0, "wrong": 1, "broken": 2}
+
+
+class Toy:
+    def __init__(self):
+        self.runs: dict[tuple, int] = {}
+        self.launches: dict[tuple, int] = {}
+        self.interrupt_at: int | None = None
+        self.built: dict[tuple, cl.Kernel] = {}
+
+    def kernel(self, device, params):
+        key = tuple(sorted(params.items()))
+        if key not in self.built:
+            defines = {"WGS": params["WGS"], "MODE": MODES[params["MODE"]]}
+            program = cl.Program(device.context, SOURCE)
+            try:
+                program.build(options=[f"-D{k}={v}" for k, v in defines.items()], devices=[device.cl_device])
+            except cl.Error as e:
+                raise BuildError("toy.cl", defines, str(e), device.caps.name) from e
+            self.built[key] = cl.Kernel(program, "toy_scale")
+        return self.built[key]
+
+    def make_case(self, device, shape, rng) -> Case:
+        n = shape["n"]
+        x = device.upload(rng.standard_normal(n).astype(np.float32) + 0.5)
+        y = device.poisoned(n, np.float32)
+
+        def launch(params):
+            key = tuple(sorted(params.items()))
+            self.launches[key] = self.launches.get(key, 0) + 1
+            wgs = params["WGS"]
+            return [device.launch(self.kernel(device, params), (-(-n // wgs) * wgs,), (wgs,), np.int32(n),
+                                  x.data, y.data)]
+
+        def run(params):
+            key = tuple(sorted(params.items()))
+            self.runs[key] = self.runs.get(key, 0) + 1
+            if self.interrupt_at is not None and sum(self.runs.values()) >= self.interrupt_at:
+                raise KeyboardInterrupt
+            y.fill(np.float32(np.nan))
+            for event in launch(params):
+                event.wait()
+            return {"y": y.get()}
+
+        return Case(expected={"y": 2.0 * x.get().astype(np.float64)}, run=run, launch=launch)
+
+    def spec(self, space=None, family="toy") -> Spec:
+        return Spec(
+            family=family,
+            source="copy.cl",  # any file of kernels/: its hash pins the records; the toy's own is built here
+            space=space or {"WGS": (16, 32, 64), "MODE": ("good", "wrong", "broken")},
+            make_case=self.make_case,
+            tolerance=1e-6,
+            tolerance_why="y = 2·x is exact in fp32; the wrong mode is off by 1e-3",
+            test_shapes=({"n": 1000},),
+            bytes_moved=lambda s: 8 * s["n"],
+            flops=lambda s: s["n"],
+            work_group_size=lambda p: p["WGS"],
+        )

@@ -191,7 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-q", "--quiet", action="store_true", help="no progress or stats on stderr")
     gen.set_defaults(func=cmd_generate)
 
-    from perfx import bench, tune
+    from perfx import bench, chat, tune
+    chat_parser = sub.add_parser(
+        "chat", help="a streaming, multi-turn chat REPL that continues on the KV cache",
+        description="Chat with a model. Replies stream as they are made; each turn prefills only its own "
+                    "tokens. Commands: /help /reset /system TEXT /stats /save FILE /quit. Ctrl-C stops a reply; "
+                    "Ctrl-C at the prompt or Ctrl-D exits. With piped stdin, one turn per line.")
+    chat.add_arguments(chat_parser)
+    chat_parser.set_defaults(func=cmd_chat)
     tune_parser = sub.add_parser(
         "tune", help="find each kernel's fastest verified parameters on this device, for a model's shapes",
         description="Autotune every kernel family at the shapes a model runs (decode GEMV at M = 1, prefill "

@@ -211,6 +211,9 @@ class Llama:
         self.best = d.empty(1, np.int32)
         self.cache = KVCache.allocate(d, c.n_layers, c.n_kv_heads, self.max_positions, c.head_dim)
         self.rope = RopeTable.upload(d, c.head_dim, self.max_positions, c.rope_theta, c.rope_scaling)
+        self._token_host = np.zeros(1, np.int32)
+        self._token_upload = None
+        self._decode_plan = self._record_decode_plan()
 
     # -- the forward ------------------------------------------------------------------------------
 
@@ -233,23 +236,23 @@ class Llama:
 
         The slow path: a checkpoint loaded with --quantize q4 runs the int4 kernels instead.
         """
-        queue = self.device.queue
-        k, n = weight.k, weight.n
+        d, k, n = self.device, weight.k, weight.n
         cols = n // 2 if epilogue == "silu_mul" else n
-        event = None
         for r in range(m):
-            cl.enqueue_copy(queue, self.row_in.data, x.data, src_offset=4 * r * k, byte_count=4 * k)
-            event = self.gemv_f16(weight, self.row_in, self.row_out)[-1]
+            d.copy(self.row_in, x, 4 * k, src_offset=4 * r * k)
+            self.gemv_f16(weight, self.row_in, self.row_out)
             result = self.row_out
             if epilogue == "silu_mul":
-                cl.enqueue_copy(queue, self.row_up.data, self.row_out.data, src_offset=4 * cols, byte_count=4 * cols)
-                event = self.swiglu(self.row_out, self.row_up, self.row_act, cols)
+                d.copy(self.row_up, self.row_out, 4 * cols, src_offset=4 * cols)
+                self.swiglu(self.row_out, self.row_up, self.row_act, cols)
                 result = self.row_act
-            cl.enqueue_copy(queue, y.data, result.data, dst_offset=4 * r * cols, byte_count=4 * cols)
-        return event
+            d.copy(y, result, 4 * cols, dst_offset=4 * r * cols)
 
-    def _layers(self, m: int, pos: int, decode: bool):
-        """Every decoder layer over m rows at positions pos..pos+m−1; leaves the last residual add pending."""
+    def _layers(self, m: int, pos: int, decode: bool, attention=None):
+        """Every decoder layer over m rows at positions pos..pos+m−1; leaves the last residual add pending.
+
+        ``attention(layer)``, when given, replaces the decode attention launch (the decode plan records it).
+        """
         c = self.config
         for layer, w in enumerate(self.layers):
             # attention rmsnorm; from layer 1 on, the previous layer's down output joins the residual here
@@ -259,7 +262,9 @@ class Llama:
                 self.rmsnorm.residual(self.proj, self.x, w.attn_norm, self.xb, m, c.hidden_size, c.rms_eps)
             # qkv for these positions, then RoPE + KV append + attention
             self._linear("qkv", w.qkv, self.xb, self.qkv, m, decode)
-            if decode:
+            if attention is not None:
+                attention(layer)
+            elif decode:
                 self.attn_decode(self.qkv, self.att, self.cache, self.rope, layer, pos)
             else:
                 self._prefill_kernels(m)[1](self.qkv, self.att, self.cache, self.rope, layer, pos, m)
@@ -272,12 +277,11 @@ class Llama:
 
     def _head(self, row: int):
         """Final residual add + rmsnorm and the lm_head, for one row (the last position) only."""
-        c, queue = self.config, self.device.queue
+        c = self.config
         if row:
             nbytes = 4 * c.hidden_size
             for buffer in (self.proj, self.x):
-                cl.enqueue_copy(queue, buffer.data, buffer.data, src_offset=row * nbytes, dst_offset=0,
-                                byte_count=nbytes)
+                self.device.copy(buffer, buffer, nbytes, src_offset=row * nbytes)
         self.rmsnorm.residual(self.proj, self.x, self.final_norm, self.xb, 1, c.hidden_size, c.rms_eps)
         if isinstance(self.lm_head, Q4DeviceWeight):
             self.gemv["lm_head"](self.lm_head, self.xb, self.logits_buf)
@@ -310,16 +314,42 @@ class Llama:
         self._head(len(part) - 1)
         self.host_seconds += time.perf_counter() - started
 
+    def _record_decode_plan(self) -> list:
+        """One decode step recorded once: launches with their arguments bound (``BoundLaunch``), and the
+        layer index where the attention runs live (its launch depends on the position)."""
+        plan: list = []
+        with self.device.record() as launches:
+            def attention(layer: int):
+                plan.extend(launches)
+                launches.clear()
+                plan.append(layer)
+
+            self._embed(1)
+            self._layers(1, 0, decode=True, attention=attention)
+            self._head(0)
+            plan.extend(launches)
+        return plan
+
     def decode_one(self, token: int, pos: int) -> None:
-        """Feed one token at ``pos``; leaves its logits on the device."""
+        """Feed one token at ``pos``; leaves its logits on the device.
+
+        Per token the host uploads the token id (4 bytes, without waiting) and replays the recorded plan;
+        only the attention launches take the position as an argument.
+        """
         if pos >= self.max_positions:
             raise PerfxError(f"context full: position {pos} of {self.max_positions}; raise --ctx")
-        started = time.perf_counter()
         self._check_ids([token])
-        self.ids[:1].set(np.asarray([token], np.int32))
-        self._embed(1)
-        self._layers(1, pos, decode=True)
-        self._head(0)
+        if self._token_upload is not None:
+            self._token_upload.wait()  # the host array below is read when the copy runs (device time)
+        started = time.perf_counter()
+        self._token_host[0] = token
+        queue = self.device.queue
+        self._token_upload = cl.enqueue_copy(queue, self.ids.data, self._token_host, is_blocking=False)
+        for step in self._decode_plan:
+            if type(step) is int:
+                self.attn_decode(self.qkv, self.att, self.cache, self.rope, step, pos)
+            else:
+                step.enqueue(queue)
         self.host_seconds += time.perf_counter() - started
 
     def logits(self) -> np.ndarray:

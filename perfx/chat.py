@@ -1,0 +1,275 @@
+"""`perfx chat`: a streaming, multi-turn chat REPL on the KV cache.
+
+The conversation continues on the cache: each turn renders the chat template for the whole conversation,
+encodes it, and prefills only what the cache does not already hold (the longest common prefix of the new
+ids and the ids in the cache is kept). On a terminal: a prompt with readline editing and history, a dim
+stats line after each reply, Ctrl-C stopping a reply. With piped stdin: one turn per line, replies on
+stdout, nothing else there, so scripts and tests can drive it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from perfx.errors import PerfxError
+
+HELP = """commands:
+  /help           this list
+  /reset          start a new conversation (the system prompt stays)
+  /system TEXT    set the system prompt (it applies from the next turn); /system alone shows it
+  /stats          device, model, context used, TTFT, prefill and decode speed, memory
+  /save FILE      write the conversation as JSON
+  /quit           leave (Ctrl-D or Ctrl-C at the prompt too)
+Ctrl-C during a reply stops it; the partial reply stays in the conversation.
+A line starting with // is sent as text with one / removed."""
+
+
+def add_arguments(parser):
+    """The options of `perfx chat`: model, sampling, --system."""
+    from perfx.cli import add_model_options, add_sampling_options
+
+    add_model_options(parser)
+    add_sampling_options(parser)
+    parser.add_argument("--system", metavar="TEXT",
+                        help="system prompt (default: the model's chat template decides)")
+
+
+def main(args) -> int:
+    """Run the chat REPL until /quit, Ctrl-D or Ctrl-C at the prompt (exit status 0).
+
+    Raises PerfxError for bad option values or a model that cannot be loaded (the CLI prints it and exits 2).
+    """
+    from perfx.cli import log, sampling_config
+    from perfx.model import load_model
+
+    sampling = sampling_config(args)
+    if args.max_tokens < 1:
+        raise PerfxError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    interactive = sys.stdin.isatty()
+    model, source = load_model(args.model, args.device, args.ctx, args.quantize, log=log)
+    if source.tokenizer is None:
+        raise PerfxError(f"{args.model} has no tokenizer: `perfx chat` needs one (synthetic models are for "
+                         "`perfx bench`)")
+    chat = Chat(model, source, sampling, args.max_tokens, args.system, interactive)
+    return chat.loop()
+
+
+class Chat:
+    """One conversation: the messages, the ids in the KV cache, and the stats of every reply."""
+
+    def __init__(self, model, source, sampling, max_tokens: int, system: str | None, interactive: bool):
+        self.model, self.source, self.tokenizer = model, source, source.tokenizer
+        self.sampling, self.max_tokens, self.system = sampling, max_tokens, system
+        self.interactive = interactive
+        self.colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+        self.messages: list[dict] = []   # user and assistant turns; the system prompt is kept apart
+        self.cached: list[int] = []      # ids whose keys and values are in the cache, positions 0..n-1
+        self.replies = []                # Stats of every reply this session (kept across /reset)
+        described = source.describe()
+        self.model_path = str(described.get("path", "?"))
+        self.model_name = Path(self.model_path).name
+        self.model_title = described.get("name") or self.model_name
+
+    # -- the loop -----------------------------------------------------------------------------------
+
+    def loop(self) -> int:
+        if self.interactive:
+            try:
+                import readline  # noqa: F401  (importing it gives input() line editing and history)
+            except ImportError:
+                pass
+            self.note(f"perfx chat: {self.model_name} on {self.model.device.caps.name}, context "
+                      f"{self.model.max_positions} positions. /help for commands, Ctrl-D to leave.", dim=True)
+        while True:
+            try:
+                line = input("> " if self.interactive else "")
+            except EOFError:
+                if self.interactive:
+                    sys.stdout.write("\n")
+                return 0
+            except KeyboardInterrupt:
+                sys.stdout.write("\n")
+                return 0
+            line = line.strip()
+            try:
+                if line.startswith("/") and not line.startswith("//"):
+                    if self.command(line) == "quit":
+                        return 0
+                elif line:
+                    self.turn(line[1:] if line.startswith("//") else line)
+            except KeyboardInterrupt:
+                # Ctrl-C in a command or in the bookkeeping after a reply: `cached` is cut back before the
+                # cache is written and set after, so it still describes the cache; the session goes on.
+                sys.stdout.write("\n")
+
+    def note(self, text: str, dim: bool = False):
+        """One line on stderr, so it never mixes into replies: notices, errors, the per-reply stats."""
+        sys.stdout.flush()
+        dim = dim and self.colour and sys.stderr.isatty()
+        sys.stderr.write(f"\x1b[2m{text}\x1b[0m\n" if dim else text + "\n")
+        sys.stderr.flush()
+
+    # -- one turn -----------------------------------------------------------------------------------
+
+    def render(self, messages: list[dict]) -> list[int]:
+        system = [{"role": "system", "content": self.system}] if self.system is not None else []
+        text = self.tokenizer.apply_chat_template(system + messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_bos=self.tokenizer.add_bos_token)
+
+    def fit(self, ids: list[int]) -> list[int] | None:
+        """Drop the oldest turns until the prompt plus a reply fits the context; None if the new message
+        alone does not fit. A context smaller than twice --max-tokens keeps half of itself for the reply."""
+        ctx = self.model.max_positions
+        reserve = min(self.max_tokens, ctx // 2)
+        dropped = 0
+        while len(ids) + reserve > ctx and len(self.messages) > 1:
+            # A turn is a user message and the reply after it (a reply may be missing after an error).
+            del self.messages[0]
+            dropped += 1
+            if len(self.messages) > 1 and self.messages[0]["role"] == "assistant":
+                del self.messages[0]
+            ids = self.render(self.messages)
+        if dropped:
+            self.note(f"perfx: context full ({ctx} positions): dropped the oldest {dropped} turn"
+                      f"{'s' if dropped > 1 else ''} and re-prefilled the rest")
+        if len(ids) >= ctx:
+            return None
+        return ids
+
+    def turn(self, text: str):
+        from perfx.generate import generate
+
+        self.messages.append({"role": "user", "content": text})
+        try:
+            ids = self.fit(self.render(self.messages))
+            if ids is None:
+                self.messages.pop()
+                self.note(f"perfx: error: this message does not fit the context of "
+                          f"{self.model.max_positions} positions with the system prompt: shorten it "
+                          "or raise --ctx")
+                return
+            keep = common_prefix(self.cached, ids)
+            keep = min(keep, len(ids) - 1)  # at least one id to prefill: its logits give the first token
+            # The cache past `keep` is about to be overwritten: forget it first, so that an interrupt
+            # anywhere below leaves `cached` true.
+            del self.cached[keep:]
+            result = generate(self.model, self.tokenizer, ids[keep:], self.max_tokens, self.sampling,
+                              start_pos=keep, on_text=self.stream, history=ids[:keep])
+        except KeyboardInterrupt:
+            # Outside generate's own handling (template, encoding): the turn did not happen.
+            self.messages.pop()
+            sys.stdout.write("\n")
+            self.note("perfx: interrupted")
+            return
+        except PerfxError as error:
+            self.messages.pop()
+            sys.stdout.write("\n")
+            self.note(f"perfx: error: {error}")
+            return
+        # The last sampled id was never fed, so the cache holds the first end_pos of prompt + reply.
+        self.cached = (ids + result.ids)[:result.end_pos]
+        # Stored exactly as generated (a partial reply too): the template closes the turn next time.
+        self.messages.append({"role": "assistant", "content": result.text})
+        self.replies.append(result.stats)
+        sys.stdout.write("\n" if self.interactive else "\n\n")
+        sys.stdout.flush()
+        reason = result.stats.stop_reason
+        self.note(result.stats.line() + ("" if reason in ("eos", "") else f", stopped: {reason}"), dim=True)
+
+    def stream(self, piece: str):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    # -- commands -----------------------------------------------------------------------------------
+
+    def command(self, line: str) -> str | None:
+        name, _, rest = line.partition(" ")
+        rest = rest.strip()
+        if name in ("/quit", "/exit"):
+            return "quit"
+        if name == "/help":
+            print(HELP)
+        elif name == "/reset":
+            self.messages.clear()
+            # The system prompt's ids stay in the cache for the next turn; the rest is forgotten.
+            del self.cached[common_prefix(self.cached, self.render([])):]
+            print("new conversation")
+        elif name == "/system":
+            if rest:
+                self.system = rest
+                print("system prompt set; it applies from the next turn")
+            else:
+                print(f"system prompt: {self.system}" if self.system is not None
+                      else "no system prompt of our own (the model's chat template decides)")
+        elif name == "/stats":
+            print(self.stats_text())
+        elif name == "/save":
+            if not rest:
+                self.note("perfx: error: /save needs a file name: /save FILE")
+            else:
+                self.save(Path(rest).expanduser())
+        else:
+            self.note(f"perfx: unknown command {name}; /help lists the commands")
+        sys.stdout.flush()
+        return None
+
+    def stats_text(self) -> str:
+        caps, report, replies = self.model.device.caps, self.model.load_report, self.replies
+        mib = 2 ** 20
+        rows = [("device", f"{caps.name} ({caps.platform})"),
+                ("model", f"{self.model_title} ({self.model_path})"),
+                ("context", f"{len(self.cached)} / {self.model.max_positions} positions used, "
+                            f"{len(self.messages)} messages")]
+        if replies:
+            last = replies[-1]
+            prompt_tokens = sum(s.prompt_tokens for s in replies)
+            prefill_s = sum(s.prefill_s for s in replies)
+            steps = sum(max(s.generated_tokens - 1, 0) for s in replies)
+            decode_s = sum(s.decode_s for s in replies if s.generated_tokens > 1)
+            mean_decode = steps / decode_s if decode_s else 0.0
+            rows += [
+                ("replies", f"{len(replies)}, {sum(s.generated_tokens for s in replies)} tokens"),
+                ("TTFT", f"last {1e3 * last.ttft_s:.0f} ms, mean "
+                         f"{1e3 * sum(s.ttft_s for s in replies) / len(replies):.0f} ms"),
+                ("prefill", f"last {last.prefill_tok_s:.1f} tok/s ({last.prompt_tokens} tokens), mean "
+                            f"{prompt_tokens / prefill_s if prefill_s else 0.0:.1f} tok/s"),
+                ("decode", f"last {last.decode_tok_s:.1f} tok/s, mean {mean_decode:.1f} tok/s"),
+                ("bandwidth", f"last {last.decode_gb_s:.2f} GB/s, mean "
+                              f"{self.model.weight_bytes * mean_decode / 1e9:.2f} GB/s "
+                              f"({self.model.weight_bytes / mib:.0f} MiB read per token)"),
+            ]
+        else:
+            rows.append(("replies", "none yet"))
+        from perfx.model import host_peak_bytes
+        rows.append(("memory", f"{report.get('device_bytes', 0) / mib:.0f} MiB on the device (weights "
+                               f"{report.get('weight_bytes', 0) / mib:.0f} MiB, KV cache "
+                               f"{report.get('kv_cache_bytes', 0) / mib:.0f} MiB), host peak "
+                               f"{host_peak_bytes() / mib:.0f} MiB"))
+        return "\n".join(f"  {key:10} {value}" for key, value in rows)
+
+    def save(self, path: Path):
+        system = [{"role": "system", "content": self.system}] if self.system is not None else []
+        document = {
+            "model": self.model_path, "system": self.system, "messages": system + self.messages,
+            "sampling": vars(self.sampling), "max_tokens": self.max_tokens,
+            "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "stats": [s.as_dict() for s in self.replies],
+        }
+        try:
+            path.write_text(json.dumps(document, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        except OSError as error:
+            self.note(f"perfx: error: could not write {path}: {error.strerror or error}")
+            return
+        print(f"saved {len(self.messages)} messages to {path}")
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two id lists."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

@@ -1,0 +1,185 @@
+"""The prefill-path int4 GEMM: Y (M, N) = X (M, K) · Wᵀ with a fused epilogue, for M tokens.
+
+Two kernels of one family: ``gemm_q4_skinny`` (small M, memory-bound: each weight read once, all M
+rows' sums in registers) and ``gemm_q4_tiled`` (large M, compute-bound: local-memory and register
+tiles). ``GemmQ4`` picks one by M against a crossover; ``choose(m)`` says which.
+
+Epilogues: "none"; "bias" (+ the weight's bias per output column, e.g. Qwen's QKV); "silu_mul"
+(gate-up: W has 2·I rows, gate then up, and Y (M, I) = SiLU(X·Wgᵀ)·(X·Wuᵀ)).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from perfx.errors import PerfxError
+from perfx.ops.q4_weight import Q4DeviceWeight
+from perfx.runtime import Device
+
+EPILOGUES = {"none": 0, "bias": 1, "silu_mul": 2}
+KINDS = ("skinny", "tiled")
+# Largest M for the tall-skinny kernel when no tuned crossover is given: at M ≈ 32 its register
+# passes cost about what the tiled kernel's tile overheads do (see benchmarks/bench_gemm_q4.py,
+# which prints the measured crossover for this device).
+DEFAULT_CROSSOVER = 32
+
+_FILES = {"skinny": "gemm_q4_skinny.cl", "tiled": "gemm_q4_tiled.cl"}
+_GROUP_SHIFT = {32: 0, 64: 1, 128: 2}
+
+
+def _buffer(a):
+    """A cl.Buffer from a cl.Buffer or a pyopencl Array."""
+    return getattr(a, "data", a)
+
+
+class GemmQ4:
+    """Y = X · Wᵀ (+ epilogue) for an int4 ``Q4DeviceWeight``, by the tall-skinny or the tiled kernel."""
+
+    def __init__(self, device: Device, skinny_params=None, tiled_params=None, crossover: int | None = None):
+        from perfx.tuning.gemm_q4 import SKINNY, TILED  # the specs hold the defaults and the rules
+
+        self.device = device
+        self.specs = {"skinny": SKINNY, "tiled": TILED}
+        self.params = {"skinny": {**SKINNY.defaults(), **(skinny_params or {})},
+                       "tiled": {**TILED.defaults(), **(tiled_params or {})}}
+        if not device.caps.image_support:  # same maths from the buffer; weights there have no images either
+            for params in self.params.values():
+                params["READ"] = 0
+        # Parameters per (kernel, epilogue): the gate-up epilogue holds two weight tiles, so a tuned set
+        # may not fit the device's local memory there; that epilogue then runs the defaults.
+        self._params = {}
+        for kind, spec in self.specs.items():
+            for epilogue in EPILOGUES:
+                reason = spec.why_invalid(self.params[kind], {"epilogue": epilogue}, device.caps)
+                if reason is not None and epilogue == "none":
+                    raise PerfxError(f"{spec.family} parameters {self.params[kind]} cannot run on "
+                                     f"{device.caps.name}: {reason}")
+                if reason is not None and spec.why_invalid(spec.defaults(), {"epilogue": epilogue}, device.caps):
+                    self._params[kind, epilogue] = reason  # not even the defaults fit: an error at call time
+                else:
+                    self._params[kind, epilogue] = spec.defaults() if reason else self.params[kind]
+        self.crossover = DEFAULT_CROSSOVER if crossover is None else int(crossover)
+        if self.crossover < 0:
+            raise PerfxError(f"gemm_q4 crossover must be ≥ 0 (the largest M for the tall-skinny kernel), "
+                             f"got {crossover}")
+        self._kernels = {}
+        # Kernels take a bias pointer whatever the epilogue; this one stands in when there is none.
+        self._no_bias = device.alloc(4, what="gemm_q4 placeholder bias")
+
+    def choose(self, m: int) -> str:
+        """"skinny" for M ≤ crossover, else "tiled"."""
+        return "skinny" if m <= self.crossover else "tiled"
+
+    def __call__(self, weight: Q4DeviceWeight, x, y, m: int, epilogue: str = "none"):
+        """Y (m, N or N/2 for silu_mul) = X (m, K) · Wᵀ with the epilogue; returns the last event.
+
+        ``x`` and ``y`` are float32 cl.Buffers (or pyopencl Arrays), row-major. Where the weight's
+        image path holds several row blocks, one launch per block is enqueued (in order).
+        """
+        return self.run(self.choose(m), weight, x, y, m, epilogue)
+
+    def skinny(self, weight: Q4DeviceWeight, x, y, m: int, epilogue: str = "none"):
+        """The tall-skinny kernel whatever M is (the tuner and the benchmark use it)."""
+        return self.run("skinny", weight, x, y, m, epilogue)
+
+    def tiled(self, weight: Q4DeviceWeight, x, y, m: int, epilogue: str = "none"):
+        """The tiled kernel whatever M is."""
+        return self.run("tiled", weight, x, y, m, epilogue)
+
+    def output_columns(self, weight: Q4DeviceWeight, epilogue: str) -> int:
+        """Columns of Y: N, or N/2 for the gate-up epilogue."""
+        return weight.n // 2 if epilogue == "silu_mul" else weight.n
+
+    # -- launching -------------------------------------------------------------------------------
+
+    def _kernel(self, kind: str, epilogue: str, read: int):
+        key = (kind, epilogue, read)
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            defines = {**self._params[kind, epilogue], "READ": read, "EPILOGUE": EPILOGUES[epilogue]}
+            kernel = self.device.kernel(_FILES[kind], f"gemm_q4_{kind}", defines)
+            self._kernels[key] = kernel
+        return kernel
+
+    def _check(self, weight: Q4DeviceWeight, x, y, m: int, epilogue: str) -> int:
+        if epilogue not in EPILOGUES:
+            raise PerfxError(f"gemm_q4: unknown epilogue {epilogue!r}; choose one of {', '.join(EPILOGUES)}")
+        if not isinstance(m, (int, np.integer)) or m < 1:
+            raise PerfxError(f"gemm_q4: M must be a positive integer, got {m!r}")
+        if weight.k % 32 or weight.group not in _GROUP_SHIFT or weight.k % weight.group:
+            raise PerfxError(f"gemm_q4: K = {weight.k} with group {weight.group} is not supported; K must be a "
+                             "multiple of 32 and of the group size (32, 64 or 128)")
+        if epilogue == "silu_mul" and weight.n % 2:
+            raise PerfxError("gemm_q4: the silu_mul epilogue needs a gate-up weight of 2·I rows, "
+                             f"got N = {weight.n}")
+        if epilogue == "bias" and weight.bias is None:
+            raise PerfxError("gemm_q4: epilogue 'bias' on a weight uploaded without a bias; pass bias= to "
+                             "Q4DeviceWeight.upload or use epilogue 'none'")
+        cols = self.output_columns(weight, epilogue)
+        for name, buf, need in (("X", x, m * weight.k * 4), ("Y", y, m * cols * 4)):
+            size = _buffer(buf).size
+            if size < need:
+                raise PerfxError(f"gemm_q4: {name} holds {size} bytes, less than the {need} that M = {m}, "
+                                 f"K = {weight.k}, N = {cols} need (float32, row-major)")
+        return cols
+
+    def _segments(self, weight: Q4DeviceWeight, cols: int, silu: bool, read: int):
+        """Launch pieces: (y_col0, n_cols, row_a0, row_b0, codes_a, codes_b, base_a, base_b).
+
+        With images, the columns are cut where the gate or the up rows cross from one image to the next.
+        """
+        up = cols if silu else 0
+        if read == 0:
+            return [(0, cols, 0, up, weight.buffer, weight.buffer, 0, 0)]
+        starts = [start for start, _ in weight.image_rows]
+        cuts = {0, cols}
+        for start in starts:
+            for edge in (start, start - up) if silu else (start,):
+                if 0 < edge < cols:
+                    cuts.add(edge)
+        cuts = sorted(cuts)
+
+        def image_of(row):
+            i = max(j for j, start in enumerate(starts) if start <= row)
+            return weight.images[i], starts[i]
+
+        pieces = []
+        for a, b in zip(cuts, cuts[1:]):
+            image_a, base_a = image_of(a)
+            image_b, base_b = image_of(a + up)
+            pieces.append((a, b - a, a, a + up, image_a, image_b, base_a, base_b))
+        return pieces
+
+    def run(self, kind: str, weight: Q4DeviceWeight, x, y, m: int, epilogue: str = "none"):
+        """Y by the named kernel ("skinny" or "tiled"); ``__call__`` is ``run(choose(m), ...)``."""
+        if kind not in KINDS:
+            raise PerfxError(f"gemm_q4: unknown kernel {kind!r}; choose one of {', '.join(KINDS)}")
+        cols = self._check(weight, x, y, m, epilogue)
+        params = self._params[kind, epilogue]
+        if isinstance(params, str):
+            raise PerfxError(f"gemm_q4: the {kind} kernel cannot run the {epilogue} epilogue on "
+                             f"{self.device.caps.name}: {params}")
+        # The tuned read path where the weight has it loaded, else the other: same maths, never an error.
+        read = int(params["READ"])
+        if read == 1 and not weight.images:
+            read = 0
+        if read == 0 and weight.buffer is None:
+            read = 1
+        kernel = self._kernel(kind, epilogue, read)
+        bias = weight.bias if weight.bias is not None else self._no_bias
+        event = None
+        for y_col0, n_cols, row_a0, row_b0, codes_a, codes_b, base_a, base_b in self._segments(
+                weight, cols, epilogue == "silu_mul", read):
+            if kind == "skinny":
+                local = (params["KLANES"], params["NWG"])
+                glob = (params["KLANES"], -(-n_cols // params["NWG"]) * params["NWG"])
+            else:
+                local = (params["NDIMC"], params["MDIMC"])
+                glob = (-(-n_cols // params["NWG"]) * params["NDIMC"], -(-m // params["MWG"]) * params["MDIMC"])
+            event = self.device.launch(
+                kernel, glob, local,
+                np.int32(m), np.int32(n_cols), np.int32(weight.k), np.int32(_GROUP_SHIFT[weight.group]),
+                np.int32(cols), np.int32(y_col0), np.int32(row_a0), np.int32(row_b0),
+                np.int32(base_a), np.int32(base_b),
+                _buffer(x), _buffer(y), codes_a, codes_b, weight.scale_offset, bias)
+        return event

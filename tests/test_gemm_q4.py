@@ -1,0 +1,183 @@
+"""gemm_q4: the tall-skinny and tiled int4 GEMM kernels, their epilogues, and the dispatcher."""
+
+import numpy as np
+import pytest
+
+from perfx.errors import PerfxError
+from perfx.formats import Q4Matrix
+from perfx.ops.gemm_q4 import DEFAULT_CROSSOVER, GemmQ4
+from perfx.ops.q4_weight import Q4DeviceWeight
+from perfx.runtime import Device, Limits
+from perfx.tuning.gemm_q4 import SKINNY, TILED, expected_output
+from perfx.tuning.spec import relative_error
+
+SPECS = {"skinny": SKINNY, "tiled": TILED}
+TOL = SKINNY.tolerance
+
+
+def _cases(kind):
+    # Every candidate on the first spec shape (the gate-up epilogue: both weight halves, M passes and
+    # edges); on the others every candidate is a slow test (each variant is a PoCL compile, ~0.5 s).
+    return [pytest.param(kind, i, id=f"{kind}-{shape['epilogue']}", marks=[pytest.mark.slow] if i else [])
+            for i, shape in enumerate(SPECS[kind].test_shapes)]
+
+
+@pytest.mark.parametrize("kind", ["skinny", "tiled"])
+def test_defaults_on_every_spec_shape(device, rng, kind):
+    spec = SPECS[kind]
+    for shape in spec.test_shapes:
+        errors = spec.make_case(device, shape, rng).errors(spec.defaults())
+        assert errors["y"] <= spec.tolerance, (shape, errors)
+
+
+@pytest.mark.parametrize("kind,index", _cases("skinny") + _cases("tiled"))
+def test_every_candidate_on_the_spec_shapes(device, rng, kind, index):
+    spec = SPECS[kind]
+    shape = spec.test_shapes[index]
+    case = spec.make_case(device, shape, rng)
+    candidates = spec.candidates(shape, device.caps)
+    assert spec.defaults() in candidates and len(candidates) == 24
+    bad = {}
+    for params in candidates:
+        errors = case.errors(params)
+        if errors["y"] > spec.tolerance:
+            bad[str(params)] = errors["y"]
+    assert not bad, f"{spec.family} on {shape}: {bad}"
+
+
+def _problem(device, rng, m, n, k, group, epilogue="none", read_paths=("image2d", "buffer"), extra_rows=1):
+    q4 = Q4Matrix.random(n, k, group, rng)
+    bias = (0.1 * rng.standard_normal(n)).astype(np.float32) if epilogue == "bias" else None
+    weight = Q4DeviceWeight.upload(device, q4, bias, read_paths=read_paths)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    cols = n // 2 if epilogue == "silu_mul" else n
+    # One poisoned row more than M: a kernel writing past row M - 1 shows there.
+    y = device.poisoned((m + extra_rows, cols), np.float32)
+    return weight, device.upload(x), y, expected_output(x, q4, bias, epilogue)
+
+
+def _run(gemm, kind, weight, x, y, m, epilogue="none"):
+    gemm.run(kind, weight, x, y, m, epilogue).wait()
+    out = y.get()
+    assert np.isnan(out[m:]).all(), f"{kind} wrote past row M = {m}"
+    return out[:m]
+
+
+@pytest.mark.parametrize("m", [2, 7, 32, 33, 128, 300])
+def test_dispatcher_over_m_off_the_tile_grid(device, rng, m):
+    # N = 1000, K = 4160 (130 texels) with G = 64: no multiple of any tile.
+    gemm = GemmQ4(device)
+    weight, x, y, want = _problem(device, rng, m, 1000, 4160, 64)
+    kinds = ["skinny", "tiled"] if m <= 33 else ["tiled"]
+    for kind in kinds:
+        y.fill(np.float32(np.nan))
+        assert relative_error(_run(gemm, kind, weight, x, y, m), want) <= TOL, kind
+    y.fill(np.float32(np.nan))
+    gemm(weight, x, y, m).wait()
+    assert relative_error(y.get()[:m], want) <= TOL
+
+
+@pytest.mark.parametrize("epilogue,m,n,k,group", [
+    ("bias", 7, 576 + 2 * 192, 576, 32),    # SmolLM2's fused QKV with a Qwen-style bias
+    ("bias", 45, 200, 4160, 64),
+    ("silu_mul", 5, 2 * 200, 640, 128),     # gate-up: I = 200
+    ("silu_mul", 40, 2 * 100, 4160, 64),
+])
+def test_epilogues_on_both_kernels(device, rng, epilogue, m, n, k, group):
+    gemm = GemmQ4(device)
+    weight, x, y, want = _problem(device, rng, m, n, k, group, epilogue)
+    for kind in ("skinny", "tiled"):
+        y.fill(np.float32(np.nan))
+        assert relative_error(_run(gemm, kind, weight, x, y, m, epilogue), want) <= TOL, kind
+
+
+@pytest.fixture(scope="module")
+def small_image_device():
+    # Images of at most 48 rows: the weight is split in row blocks, and gate and up rows of the
+    # silu_mul epilogue cross image boundaries at different columns.
+    return Device(limits=Limits(name="tiny-images", image2d_max_height=48))
+
+
+@pytest.mark.parametrize("epilogue", ["none", "bias", "silu_mul"])
+def test_image_row_blocks(small_image_device, rng, epilogue):
+    device = small_image_device
+    m, n = 9, 2 * 70
+    weight, x, y, want = _problem(device, rng, m, n, 320, 32, epilogue, read_paths=("image2d",))
+    assert len(weight.images) == 3 and weight.buffer is None
+    gemm = GemmQ4(device, skinny_params={"READ": 1}, tiled_params={"READ": 1})
+    for kind in ("skinny", "tiled"):
+        y.fill(np.float32(np.nan))
+        assert relative_error(_run(gemm, kind, weight, x, y, m, epilogue), want) <= TOL, kind
+
+
+def test_read_path_falls_back_to_what_the_weight_holds(device, rng):
+    m = 6
+    buffer_only, x, y, want = _problem(device, rng, m, 90, 256, 64, read_paths=("buffer",))
+    gemm = GemmQ4(device, skinny_params={"READ": 1}, tiled_params={"READ": 1})
+    for kind in ("skinny", "tiled"):
+        y.fill(np.float32(np.nan))
+        assert relative_error(_run(gemm, kind, buffer_only, x, y, m), want) <= TOL, kind
+    image_only, x, y, want = _problem(device, rng, m, 90, 256, 64, read_paths=("image2d",))
+    gemm = GemmQ4(device, skinny_params={"READ": 0}, tiled_params={"READ": 0})
+    for kind in ("skinny", "tiled"):
+        y.fill(np.float32(np.nan))
+        assert relative_error(_run(gemm, kind, image_only, x, y, m), want) <= TOL, kind
+
+
+def test_dispatcher_choice_is_as_documented(device):
+    gemm = GemmQ4(device)
+    assert gemm.crossover == DEFAULT_CROSSOVER == 32
+    assert [gemm.choose(m) for m in (1, 16, 32, 33, 1024)] == ["skinny"] * 3 + ["tiled"] * 2
+    assert GemmQ4(device, crossover=8).choose(9) == "tiled"
+    assert GemmQ4(device, crossover=0).choose(1) == "tiled"
+
+
+def test_the_check_can_fail(device, rng):
+    m = 4
+    gemm = GemmQ4(device)
+    weight, x, y, want = _problem(device, rng, m, 64, 256, 32)
+    out = _run(gemm, "skinny", weight, x, y, m)
+    assert relative_error(out, want) <= TOL
+    wrong = want.copy()
+    wrong[:, 5] *= 1.01  # one output column off by 1%
+    assert relative_error(out, wrong) > TOL
+    poisoned = out.copy()
+    poisoned[1, 2] = np.nan
+    assert relative_error(poisoned, want) == float("inf")
+
+
+def test_errors_name_the_problem(device, rng):
+    gemm = GemmQ4(device)
+    weight, x, y, _ = _problem(device, rng, 4, 63, 256, 32, extra_rows=0)
+    with pytest.raises(PerfxError, match="unknown epilogue 'gelu'"):
+        gemm(weight, x, y, 4, epilogue="gelu")
+    with pytest.raises(PerfxError, match="without a bias"):
+        gemm(weight, x, y, 4, epilogue="bias")
+    with pytest.raises(PerfxError, match="2·I rows, got N = 63"):
+        gemm(weight, x, y, 4, epilogue="silu_mul")
+    with pytest.raises(PerfxError, match="M must be a positive integer"):
+        gemm(weight, x, y, 0)
+    with pytest.raises(PerfxError, match="X holds 4096 bytes, less than the 5120"):
+        gemm(weight, x, y, 5)
+    with pytest.raises(PerfxError, match="unknown kernel 'huge'"):
+        gemm.run("huge", weight, x, y, 4)
+    with pytest.raises(PerfxError, match="crossover must be"):
+        GemmQ4(device, crossover=-1)
+    with pytest.raises(PerfxError, match="gemm_q4_tiled parameters .* restriction"):
+        GemmQ4(device, tiled_params={"NWG": 64, "NDIMC": 8, "VWN": 16})
+    phone = Device(limits=Limits(name="small-local", local_mem=6144))
+    with pytest.raises(PerfxError, match="local memory 32768 > device 6144"):
+        GemmQ4(phone, tiled_params={"MWG": 64, "NWG": 64, "KWG": 64})
+    gate_up, x, y, _ = _problem(phone, rng, 4, 64, 256, 32, "silu_mul", extra_rows=0)
+    with pytest.raises(PerfxError, match="cannot run the silu_mul epilogue .* local memory"):
+        GemmQ4(phone, tiled_params={"MWG": 16, "NWG": 32, "VWN": 4}).tiled(gate_up, x, y, 4, "silu_mul")
+
+
+def test_gate_up_falls_back_to_the_defaults_where_a_tuned_tile_does_not_fit(rng):
+    # 24 KiB: X and one weight tile of KWG = 64 fit (24 KiB), two weight tiles (40 KiB) do not.
+    device = Device(limits=Limits(name="24k-local", local_mem=24 << 10))
+    gemm = GemmQ4(device, tiled_params={"KWG": 64})
+    assert gemm._params["tiled", "none"]["KWG"] == 64 and gemm._params["tiled", "silu_mul"] == TILED.defaults()
+    m = 37
+    weight, x, y, want = _problem(device, rng, m, 2 * 70, 320, 32, "silu_mul")
+    assert relative_error(_run(gemm, "tiled", weight, x, y, m, "silu_mul"), want) <= TOL

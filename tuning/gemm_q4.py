@@ -1,0 +1,157 @@
+"""Tuning specs of the prefill int4 GEMM: ``gemm_q4_skinny`` (small M) and ``gemm_q4_tiled`` (large M).
+
+A shape is {"m", "n" (weight rows: 2·I for silu_mul), "k", "group", "epilogue"}.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from perfx import reference
+from perfx.formats import Q4Matrix
+from perfx.tuning.spec import Case, Spec
+
+TOLERANCE = 1e-4
+TOLERANCE_WHY = (
+    "fp32 accumulation of K ≤ 4160 products against float64, on the same fp16 scales and offsets: "
+    "rounding grows like sqrt(K)·2⁻²⁴ of Σ|x·w|, and max|Y| of random inputs is about sqrt(K) times "
+    "smaller than Σ|x·w|, so the relative error is a few 1e-6 (K = 4160: ~5e-6 seen); the order in "
+    "which lanes and tiles add their partial sums changes it by as much again. 1e-4 leaves margin and "
+    "still catches one wrong weight group (≥ 1e-3) or a dropped or doubled K-tile (≥ 1e-1)."
+)
+
+
+def output_columns(shape) -> int:
+    return shape["n"] // 2 if shape.get("epilogue") == "silu_mul" else shape["n"]
+
+
+def bytes_moved(shape) -> int:
+    """Weights once (codes, scale/offset pairs, bias), X once and Y once."""
+    m, n, k, group = shape["m"], shape["n"], shape["k"], shape["group"]
+    bias = 4 * n if shape.get("epilogue") == "bias" else 0
+    return n * k // 2 + 4 * n * (k // group) + bias + 4 * m * k + 4 * m * output_columns(shape)
+
+
+def flops(shape) -> int:
+    return 2 * shape["m"] * shape["n"] * shape["k"]
+
+
+def expected_output(x, q4: Q4Matrix, bias, epilogue: str) -> np.ndarray:
+    """The float64 reference of every epilogue."""
+    w = q4.dequantize()
+    if epilogue == "silu_mul":
+        half = w.shape[0] // 2
+        return reference.swiglu(reference.gemm(x, w[:half]), reference.gemm(x, w[half:]))
+    return reference.gemm(x, w, bias if epilogue == "bias" else None)
+
+
+def _case_maker(kind: str):
+    def make_case(device, shape, rng) -> Case:
+        from perfx.ops.gemm_q4 import GemmQ4
+        from perfx.ops.q4_weight import Q4DeviceWeight
+
+        m, n, k, group = shape["m"], shape["n"], shape["k"], shape["group"]
+        epilogue = shape.get("epilogue", "none")
+        q4 = Q4Matrix.random(n, k, group, rng)
+        bias = (0.1 * rng.standard_normal(n)).astype(np.float32) if epilogue == "bias" else None
+        images = device.caps.image_support and k // 32 <= device.caps.image2d_max_width
+        paths = ("image2d", "buffer") if images else ("buffer",)
+        weight = Q4DeviceWeight.upload(device, q4, bias, read_paths=paths, what=f"gemm_q4 test {n}x{k}")
+        x_host = rng.standard_normal((m, k)).astype(np.float32)
+        x = device.upload(x_host)
+        y = device.poisoned((m, output_columns(shape)), np.float32)
+        wrappers = {}
+
+        def wrapper(params):
+            key = tuple(sorted(params.items()))
+            if key not in wrappers:
+                wrappers[key] = GemmQ4(device, **{f"{kind}_params": params})
+            return wrappers[key]
+
+        def launch(params):
+            return [wrapper(params).run(kind, weight, x, y, m, epilogue)]
+
+        def run(params):
+            y.fill(np.float32(np.nan))
+            for event in launch(params):
+                event.wait()
+            return {"y": y.get()}
+
+        return Case(expected={"y": expected_output(x_host, q4, bias, epilogue)}, run=run, launch=launch)
+
+    return make_case
+
+
+def _local_bytes_skinny(params, shape) -> int:
+    outputs = 2 if shape.get("epilogue") == "silu_mul" else 1
+    return 4 * params["NWG"] * params["KLANES"] * params["MT"] * outputs if params["KLANES"] > 1 else 0
+
+
+def _local_bytes_tiled(params, shape) -> int:
+    tiles = 2 if shape.get("epilogue") == "silu_mul" else 1
+    return 4 * params["KWG"] * (params["MWG"] + tiles * params["NWG"])
+
+
+_IMAGES = {"READ": lambda caps, value: value == 0 or caps.image_support}
+
+SKINNY = Spec(
+    family="gemm_q4_skinny",
+    source="gemm_q4_skinny.cl",
+    space={
+        "NWG": (8, 16),          # output columns per work-group
+        "KLANES": (4, 1, 16),    # work-items along K per column
+        "MT": (8, 16),           # rows of X per register pass
+        "READ": (1, 0),          # codes from image2d (1) or buffer (0)
+    },
+    restrictions=(lambda p, s: p["NWG"] * p["KLANES"] <= 256,),
+    work_group_size=lambda p: p["NWG"] * p["KLANES"],
+    local_memory=_local_bytes_skinny,
+    device_checks=_IMAGES,
+    make_case=_case_maker("skinny"),
+    tolerance=TOLERANCE,
+    tolerance_why=TOLERANCE_WHY,
+    # Off every tile grid: M = 33 runs three passes of MT = 16 (the last of one row), and the columns
+    # (60 and 100) are no multiple of NWG. The first shape exercises the most code: tests sweep it.
+    test_shapes=(
+        {"m": 33, "n": 2 * 60, "k": 352, "group": 32, "epilogue": "silu_mul"},
+        {"m": 7, "n": 100, "k": 384, "group": 128, "epilogue": "bias"},
+    ),
+    bytes_moved=bytes_moved,
+    flops=flops,
+)
+
+TILED = Spec(
+    family="gemm_q4_tiled",
+    source="gemm_q4_tiled.cl",
+    space={
+        "MWG": (32, 64),         # rows of Y per work-group tile
+        "NWG": (64, 128),        # columns of Y per work-group tile
+        "KWG": (32, 64),         # K per local-memory tile (a multiple of 32)
+        "MDIMC": (8,),           # work-items along M
+        "NDIMC": (8,),           # work-items along N
+        "VWN": (8, 4),           # vector width along N: 1, 2, 4 or 8 (16 fails to build on PoCL)
+        "READ": (0, 1),          # codes from buffer (0) or image2d (1)
+    },
+    restrictions=(
+        lambda p, s: p["MWG"] % p["MDIMC"] == 0,
+        lambda p, s: p["NWG"] % (p["NDIMC"] * p["VWN"]) == 0,
+        # Register block of at most 64 accumulators per output: beyond that every device spills.
+        lambda p, s: (p["MWG"] // p["MDIMC"]) * (p["NWG"] // p["NDIMC"]) <= 64,
+    ),
+    work_group_size=lambda p: p["MDIMC"] * p["NDIMC"],
+    local_memory=_local_bytes_tiled,
+    device_checks=_IMAGES,
+    make_case=_case_maker("tiled"),
+    tolerance=TOLERANCE,
+    tolerance_why=TOLERANCE_WHY,
+    # M = 70 and 33 off MWG, 100 columns off NWG, K = 608 is 19 texels: the last K-tile is partial for
+    # KWG = 64. The first shape exercises the most code: tests sweep it.
+    test_shapes=(
+        {"m": 70, "n": 2 * 100, "k": 608, "group": 32, "epilogue": "silu_mul"},
+        {"m": 33, "n": 100, "k": 384, "group": 128, "epilogue": "bias"},
+    ),
+    bytes_moved=bytes_moved,
+    flops=flops,
+)
+
+SPECS = [SKINNY, TILED]

@@ -8,6 +8,7 @@ counting the device memory perfx allocates.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -324,12 +325,50 @@ def choose_device(selector: str | None = None) -> tuple[DeviceEntry, str]:
 # The device
 
 
+class BoundLaunch:
+    """A launch with its own Kernel object and its arguments bound once (see ``Device.record``)."""
+
+    __slots__ = ("kernel", "global_size", "local_size")
+
+    def __init__(self, kernel: cl.Kernel, global_size, local_size, args):
+        self.kernel = cl.Kernel(kernel.program, kernel.function_name)
+        if args:
+            self.kernel.set_args(*args)
+        self.global_size = tuple(global_size)
+        self.local_size = tuple(local_size) if local_size else None
+
+    def enqueue(self, queue: cl.CommandQueue) -> cl.Event:
+        try:
+            return cl.enqueue_nd_range_kernel(queue, self.kernel, self.global_size, self.local_size)
+        except cl.Error as e:
+            raise_as_perfx(f"launching {self.kernel.function_name} global={self.global_size}", e)
+
+
+class BoundCopy:
+    """A device-to-device copy recorded like a ``BoundLaunch``."""
+
+    __slots__ = ("dst", "src", "nbytes", "src_offset", "dst_offset")
+
+    def __init__(self, dst, src, nbytes: int, src_offset: int, dst_offset: int):
+        self.dst, self.src, self.nbytes = dst, src, nbytes
+        self.src_offset, self.dst_offset = src_offset, dst_offset
+
+    def enqueue(self, queue: cl.CommandQueue) -> cl.Event:
+        return cl.enqueue_copy(queue, self.dst, self.src, byte_count=self.nbytes, src_offset=self.src_offset,
+                               dst_offset=self.dst_offset)
+
+
 class _CountedBuffer(cl.Buffer):
     """A Buffer that can carry a weakref finalizer (pyopencl's own cannot), for memory accounting."""
 
 
 class _CountedImage(cl.Image):
     pass
+
+
+def _size(nbytes: int) -> str:
+    """Bytes for a message: MiB, or KiB below one MiB (a tight PERFX_LIMITS would read "0 MiB")."""
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
 
 
 def _define_flags(defines: dict) -> list[str]:
@@ -360,6 +399,7 @@ class Device:
         self._lock = threading.Lock()
         self.allocated_bytes = 0
         self.peak_allocated_bytes = 0
+        self._recording: list | None = None
 
     def __repr__(self) -> str:
         return f"<perfx.Device {self.caps.platform} / {self.caps.name}, limits={self.caps.limits}>"
@@ -403,7 +443,11 @@ class Device:
             self._kernels[key] = kernel
         return kernel
 
-    def launch(self, kernel: cl.Kernel, global_size, local_size, *args, wait_for=None) -> cl.Event:
+    def launch(self, kernel: cl.Kernel, global_size, local_size, *args, wait_for=None) -> cl.Event | None:
+        """Set the arguments and enqueue; while recording (``record()``), only record the launch."""
+        if self._recording is not None:
+            self._recording.append(BoundLaunch(kernel, global_size, local_size, args))
+            return None
         try:
             if args:
                 kernel.set_args(*args)
@@ -412,6 +456,28 @@ class Device:
         except cl.Error as e:
             raise_as_perfx(f"launching {kernel.function_name} global={tuple(global_size)} "
                            f"local={tuple(local_size) if local_size else None}", e)
+
+    def copy(self, dst, src, nbytes: int, src_offset: int = 0, dst_offset: int = 0) -> cl.Event | None:
+        """Device-to-device copy of ``nbytes`` between buffers (or Arrays); recorded while recording."""
+        step = BoundCopy(getattr(dst, "data", dst), getattr(src, "data", src), nbytes, src_offset, dst_offset)
+        if self._recording is not None:
+            self._recording.append(step)
+            return None
+        return step.enqueue(self.queue)
+
+    @contextlib.contextmanager
+    def record(self):
+        """Record the launches made inside the block instead of running them, as ``BoundLaunch``es.
+
+        The decode step replays them every token: each has its own Kernel object with its arguments
+        bound once, so a token costs one enqueue per launch and no argument setting in Python.
+        """
+        launches: list = []
+        self._recording = launches
+        try:
+            yield launches
+        finally:
+            self._recording = None
 
     # -- memory --------------------------------------------------------------------------------
 
@@ -428,9 +494,11 @@ class Device:
 
     def _check_alloc(self, nbytes: int, what: str):
         if nbytes > self.caps.max_alloc:
-            raise PerfxError(f"{what} needs one allocation of {nbytes / 2**20:.1f} MiB, more than this device "
-                             f"allows ({self.caps.max_alloc / 2**20:.0f} MiB, limits: {self.caps.limits}). "
-                             "The caller must split it; if you see this from a perfx command, please report it.")
+            raise PerfxError(f"{what} needs one allocation of {_size(nbytes)}, more than this device allows "
+                             f"({_size(self.caps.max_alloc)}, limits: {self.caps.limits}). perfx splits large "
+                             "weights into blocks that fit, but not this piece: it needs a larger allocation "
+                             "limit (PERFX_LIMITS), or a smaller model or --ctx. If the limit is a real "
+                             "device's (hundreds of MiB), please report it.")
 
     def alloc(self, nbytes: int, hostbuf: np.ndarray | None = None, what: str = "a buffer") -> cl.Buffer:
         """A counted device buffer; ``hostbuf`` is copied in."""

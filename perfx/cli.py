@@ -54,10 +54,38 @@ def cmd_info(args) -> int:
         note = f"  [{entry['note']}]" if entry.get("note") else ""
         print(f"  {entry['family']:18} {entry['shape_text']:40} {params}  ({entry['level']}: "
               f"{entry['file']}){note}")
-    from perfx.ops.gemm_q4 import DEFAULT_CROSSOVER
-    print(f"\nprefill GEMM: the tall-skinny kernel up to M = {DEFAULT_CROSSOVER}, the tiled kernel above "
-          "(`perfx tune --kernels gemm_q4` measures the crossover on this device)")
+    print("\nprefill GEMM, the kernel the model runs per prompt length (M bucket):")
+    for line in gemm_choice_lines(tuned):
+        print(f"  {line}")
     return 0
+
+
+def gemm_choice_lines(entries: list[dict]) -> list[str]:
+    """Which of the tall-skinny and tiled GEMMs wins per M bucket, from the tuned times in force.
+
+    The model makes the same comparison per matrix (``Llama._prefill_kernels``); where either time is
+    missing it uses the built-in crossover.
+    """
+    from collections import Counter
+
+    from perfx.ops.gemm_q4 import DEFAULT_CROSSOVER
+
+    times: dict[tuple, dict] = {}
+    for e in entries:
+        if e["family"] in ("gemm_q4_skinny", "gemm_q4_tiled") and e.get("time_s") and isinstance(e["shape"], dict):
+            shape = dict(e["shape"])
+            m = shape.pop("m", None)
+            times.setdefault((m, json.dumps(shape, sort_keys=True)), {})[e["family"].rsplit("_", 1)[1]] = e["time_s"]
+    wins: dict[int, Counter] = {}
+    for (m, _), pair in times.items():
+        if len(pair) == 2:
+            wins.setdefault(m, Counter())[min(pair, key=pair.get)] += 1
+    lines = [f"M ≈ {m:4}: " + ", ".join(f"{kind} fastest for {n} matri{'x' if n == 1 else 'ces'}"
+                                        for kind, n in counts.most_common())
+             for m, counts in sorted(wins.items())]
+    lines.append(f"elsewhere: tall-skinny up to M = {DEFAULT_CROSSOVER}, tiled above (built-in crossover; "
+                 "`perfx tune --kernels gemm_q4` measures it on this device)")
+    return lines
 
 
 def cmd_tune(args) -> int:
@@ -73,6 +101,11 @@ def cmd_bench(args) -> int:
 def cmd_chat(args) -> int:
     from perfx import chat
     return chat.main(args)
+
+
+def cmd_quantize(args) -> int:
+    from perfx import quantize
+    return quantize.main(args)
 
 
 def cmd_selftest(args) -> int:
@@ -191,7 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-q", "--quiet", action="store_true", help="no progress or stats on stderr")
     gen.set_defaults(func=cmd_generate)
 
-    from perfx import bench, chat, tune
+    from perfx import bench, chat, quantize, tune
+    quantize_parser = sub.add_parser(
+        "quantize", help="4-bit AWQ quantization of a Hugging Face checkpoint (wraps AutoAWQ)",
+        description="Quantize an fp16/bf16 Hugging Face checkpoint to 4-bit AWQ with activation-aware scales "
+                    "(AutoAWQ, from the `quantize` extra). perfx then loads the result with --model DST.")
+    quantize.add_arguments(quantize_parser)
+    quantize_parser.set_defaults(func=cmd_quantize)
     chat_parser = sub.add_parser(
         "chat", help="a streaming, multi-turn chat REPL that continues on the KV cache",
         description="Chat with a model. Replies stream as they are made; each turn prefills only its own "

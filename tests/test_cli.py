@@ -86,3 +86,21 @@ def test_generate_answers_the_spider_question_and_continues_paris(capsys):
 def test_generate_bad_flags_are_one_clear_line(capsys, flags, message):
     code, out, err = run_cli(capsys, "generate", "hi", *flags)
     assert code == 2 and message in err and out == ""
+
+
+def test_quantize_without_autoawq_says_how_to_install(capsys, tmp_path, monkeypatch):
+    import builtins
+    real_import = builtins.__import__
+
+    def no_awq(name, *args, **kwargs):
+        if name == "awq" or name.startswith("awq."):
+            raise ImportError("No module named 'awq'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_awq)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "config.json").write_text("{}")
+    code, _, err = run_cli(capsys, "quantize", str(tmp_path / "src"), str(tmp_path / "dst"))
+    assert code == 2 and 'pip install -e ".[quantize]"' in err and "--quantize q4" in err
+    code, _, err = run_cli(capsys, "quantize", str(tmp_path), str(tmp_path / "dst"))
+    assert code == 2 and "not a Hugging Face model directory" in err

@@ -199,6 +199,25 @@ def permute_linear_rows(w: Linear, permutation: np.ndarray) -> Linear:
     return np.ascontiguousarray(w[permutation])
 
 
+def check_finite(w: Linear, where, tensor: str) -> Linear:
+    """W itself, or a PerfxError naming the tensor if a float value (a Q4Matrix's scale, offset) is NaN or Inf.
+
+    Checked at load: a NaN weight would otherwise surface tokens later, as NaN logits or as noise.
+    """
+    parts = (("scales", w.scales), ("offsets", w.offsets)) if isinstance(w, Q4Matrix) else (("values", w),)
+    for what, values in parts:
+        values = np.asarray(values)
+        if values.dtype.kind != "f":
+            continue
+        finite = np.isfinite(values)
+        if not finite.all():
+            first = tuple(int(i) for i in np.argwhere(~finite)[0])
+            raise PerfxError(f"{where}: tensor {tensor} has {int(values.size - finite.sum())} NaN or Inf "
+                             f"{what} (the first at index {first}, {values[first]}); the file is corrupt or "
+                             "was saved from a diverged model, and perfx does not run it")
+    return w
+
+
 def _shape_error(where: str, tensor: str, shape, expected, config: ModelConfig) -> PerfxError:
     return PerfxError(f"{where}: tensor {tensor} has shape {tuple(shape)} but the model's config "
                       f"({config.architecture}, hidden {config.hidden_size}, {config.n_heads} heads × "
@@ -288,14 +307,13 @@ class HFSource(ModelSource):
             raise PerfxError(f"{path.name}: tensor {name} has dtype {dtype}; perfx reads F16, BF16, F32 "
                              "(and I32 for AWQ)")
         try:
-            if dtype == "BF16":
-                return _read_bf16(path, name, shape)
-            return handle.get_tensor(name)
+            tensor = _read_bf16(path, name, shape) if dtype == "BF16" else handle.get_tensor(name)
         except PerfxError:
             raise
         except Exception as error:
             raise PerfxError(f"{path}: could not read tensor {name} ({error}); the file is corrupt, "
                              "fetch it again") from None
+        return check_finite(tensor, path, name)
 
     def _module(self, name: str, layer: int) -> str:
         return f"model.layers.{layer}.{HF_LINEAR[name]}"
@@ -496,12 +514,14 @@ class GGUFSource(ModelSource):
         n, k = expected
         kind = t.tensor_type.name
         if kind == "Q4_0":
-            return formats.from_gguf_q4_0(t.data, n, k, name)
-        if kind == "Q4_1":
-            return formats.from_gguf_q4_1(t.data, n, k, name)
-        if kind == "Q8_0":
-            return formats.dequantize_gguf_q8_0(t.data, n, k, name).astype(np.float16)
-        return np.asarray(t.data).reshape(n, k).astype(np.float16)
+            w = formats.from_gguf_q4_0(t.data, n, k, name)
+        elif kind == "Q4_1":
+            w = formats.from_gguf_q4_1(t.data, n, k, name)
+        elif kind == "Q8_0":
+            w = formats.dequantize_gguf_q8_0(t.data, n, k, name).astype(np.float16)
+        else:
+            w = np.asarray(t.data).reshape(n, k).astype(np.float16)
+        return check_finite(w, self.path, name)
 
     def _linear(self, name: str, layer: int) -> Linear:
         w = self._read(f"blk.{layer}.{GGUF_LINEAR[name]}.weight", self.expected_shape(name))
@@ -519,7 +539,8 @@ class GGUFSource(ModelSource):
         t = self._check(tensor, (self.expected_vector(name),))
         if t.tensor_type.name not in ("F32", "F16"):
             raise PerfxError(f"{self.path}: vector {tensor} is {t.tensor_type.name}; expected F32 or F16")
-        return self._unpermute(name, np.asarray(t.data, dtype=np.float32).reshape(-1))
+        vector = check_finite(np.asarray(t.data, dtype=np.float32).reshape(-1), self.path, tensor)
+        return self._unpermute(name, vector)
 
     def embedding(self) -> Linear:
         return self._read("token_embd.weight", self.expected_shape("embedding"))

@@ -154,7 +154,15 @@ class Tokenizer:
         With parse_special, special tokens written in the text ("<|im_start|>") become their ids.
         With add_bos, a BOS is put first unless the ids already start with one: llama.cpp strips a
         chat template's leading BOS text before adding its own, and this has the same effect.
+        Text that is not valid Unicode (lone surrogates: bytes that were not UTF-8, as Python decodes them
+        from a command line or a pipe) is a PerfxError naming the first bad character.
         """
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:  # the encoders' own error is a pybind11 cast failure
+            near = text[max(error.start - 12, 0):error.end + 12]
+            raise PerfxError(f"the text is not valid UTF-8: {error.object[error.start:error.end]!r} in {near!r} "
+                             "is not a character (bytes in another encoding?); give UTF-8 text") from None
         ids = self._encoder(text, parse_special)
         if add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids.insert(0, self.bos_id)

@@ -60,6 +60,10 @@ class GemvQ4:
         if read == "image2d" and not device.caps.image_support:
             raise PerfxError(f"gemv_q4: READ='image2d' but {device.caps.name} has no image support; "
                              "use READ='buffer'")
+        outside = {k: v for k, v in self.params.items() if k != "READ" and v not in SPEC.space[k]}
+        if outside:  # e.g. LANES=3 builds, and gives a wrong answer: the kernel assumes the values of the space
+            raise PerfxError(f"gemv_q4: values outside the tuning space {outside}; allowed: "
+                             f"{ {k: list(SPEC.space[k]) for k in outside} }")
         self.lanes, self.rows, self.read = int(self.params["LANES"]), int(self.params["ROWS"]), read
         self._no_bias = device.alloc(4, what="gemv_q4 bias placeholder")
         self._kernels: dict[tuple[int, str], cl.Kernel] = {}

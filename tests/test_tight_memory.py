@@ -1,0 +1,114 @@
+"""Tight memory (issue 8, item 4): the synthetic Llama-2-7B under an Adreno 740's limits
+(PERFX_LIMITS=adreno740: one allocation ≤ 1 GiB, image2d ≤ 16384 × 16384) loads and decodes, no single
+allocation or image breaks a limit, and its device memory is reported against PerfXLLM's 3.7 GB for the same
+model (int4, group 128, fp16 embedding and lm_head). About a minute on two CPU cores: slow.
+"""
+
+import gc
+import time
+
+import numpy as np
+import pytest
+
+from perfx.model import load_model
+from perfx.ops.gemv_q4 import GemvQ4
+from perfx.ops.q4_weight import Q4DeviceWeight
+from perfx.runtime import LIMIT_PRESETS, Device
+from perfx.tuning.spec import relative_error
+
+PERFXLLM_BYTES = 3.7e9   # PerfXLLM's Llama-7B AWQ int4 on a Snapdragon 8 Gen 2 (DESIGN.md)
+CTX = 128
+DECODE_TOKENS = 3
+
+
+class Recorder:
+    """Every allocation and image the device makes, through its one size check."""
+
+    def __init__(self, device: Device):
+        self.largest, self.largest_what, self.images = 0, "", []
+        check, image = device._check_alloc, device.image_rgba_u32
+
+        def recorded_check(nbytes, what):
+            if nbytes > self.largest:
+                self.largest, self.largest_what = nbytes, what
+            return check(nbytes, what)
+
+        def recorded_image(texels, what="an image"):
+            self.images.append((what, texels.shape[1], texels.shape[0]))   # (what, width, height)
+            return image(texels, what)
+
+        device._check_alloc, device.image_rgba_u32 = recorded_check, recorded_image
+
+
+@pytest.mark.slow
+def test_llama_2_7b_loads_and_decodes_under_adreno740_limits():
+    gc.collect()
+    device = Device(limits=LIMIT_PRESETS["adreno740"])
+    caps = device.caps
+    # PoCL's own image height (8192) is below the preset's 16384: the lower of the two is in force.
+    assert (caps.max_alloc, caps.limits) == (1 << 30, "adreno740") and caps.image2d_max_height <= 16384
+    seen = Recorder(device)
+    started = time.perf_counter()
+    model, source = load_model("synthetic:llama-2-7b", device, ctx=CTX, progress=False)
+    load_s = time.perf_counter() - started
+    c = source.config
+    assert (c.hidden_size, c.n_layers, c.vocab_size) == (4096, 32, 32000)
+
+    # No allocation over the limit, and no image over the height limit: tall matrices are split in row blocks.
+    assert 0 < seen.largest <= caps.max_alloc
+    assert all(w <= caps.image2d_max_width and h <= caps.image2d_max_height for _, w, h in seen.images)
+    gate_up = model.layers[0].gate_up
+    assert isinstance(gate_up, Q4DeviceWeight) and gate_up.n == 2 * 11008
+    if "image2d" in model.read_paths:   # 22016 rows: more than one image's height
+        height = caps.image2d_max_height
+        assert [stop - start for start, stop in gate_up.image_rows][0] == height and len(gate_up.images) > 1
+    # The fp16 embedding and lm_head (250 MiB each) fit one allocation of 1 GiB: one block each.
+    assert len(model.embedding.blocks) == 1 and len(model.lm_head.blocks) == 1
+    assert device.peak_allocated_bytes >= device.allocated_bytes > model.weight_bytes
+
+    # Decode a few tokens from a short prompt; ids and logits must be sane.
+    prompt = [1, 450, 7483, 310]
+    started = time.perf_counter()
+    model.prefill(prompt, 0)
+    token = model.argmax()
+    device.queue.finish()
+    prefill_s = time.perf_counter() - started
+    after_prefill = device.allocated_bytes   # the first prefill of an M bucket builds its GEMMs: a few bytes
+    assert after_prefill - model.load_report["device_bytes"] < 1 << 20
+    started = time.perf_counter()
+    tokens = [token]
+    for i in range(DECODE_TOKENS):
+        model.decode_one(tokens[-1], len(prompt) + i)
+        tokens.append(model.argmax())
+    decode_s = time.perf_counter() - started
+    logits = model.logits()
+    assert all(0 <= t < c.vocab_size for t in tokens) and np.all(np.isfinite(logits)) and logits.std() > 0
+
+    after = device.allocated_bytes
+    assert after == after_prefill   # decoding allocates nothing
+
+    # The image read path (the one an Adreno is tuned to; PoCL's defaults read buffers): the 22016-row gate_up
+    # goes into row blocks of at most the image height, and the GEMV over them equals the buffer path's.
+    w = source.layer(0).gate_up
+    images = Q4DeviceWeight.upload(device, w, read_paths=("image2d",), what="gate_up (image path)")
+    height = caps.image2d_max_height
+    assert images.image_rows[0] == (0, height) and images.image_rows[-1][1] == w.shape[0]
+    assert max(stop - start for start, stop in images.image_rows) <= height and len(images.images) >= 2
+    x = device.upload(np.random.default_rng(0).standard_normal(c.hidden_size).astype(np.float32))
+    y_image, y_buffer = (device.empty(c.intermediate_size, np.float32) for _ in range(2))
+    GemvQ4(device, {"READ": "image2d"})(images, x, y_image, "silu_mul")
+    GemvQ4(device, {"READ": "buffer"})(gate_up, x, y_buffer, "silu_mul")
+    assert relative_error(y_image.get(), y_buffer.get().astype(np.float64)) < 1e-5
+    del images
+    tok_s = DECODE_TOKENS / decode_s
+    figures = {
+        "load_s": round(load_s, 1), "device_bytes": after, "device_gb": round(after / 1e9, 3),
+        "vs_perfxllm_3.7GB": round(after / PERFXLLM_BYTES, 3), "weight_bytes": model.weight_bytes,
+        "kv_cache_bytes": model.cache.nbytes, "ctx": CTX, "largest_allocation": seen.largest,
+        "largest_what": seen.largest_what, "image_blocks_gate_up": len(seen.images),
+        "read_paths": list(model.read_paths),
+        "prefill_s": round(prefill_s, 2), "decode_tok_s": round(tok_s, 3),
+        "decode_gb_s": round(model.weight_bytes * tok_s / 1e9, 2),
+        "host_peak_bytes": model.load_report["host_peak_bytes"],
+    }
+    print(f"\ntight memory (adreno740 limits), synthetic:llama-2-7b: {figures}")

@@ -19,7 +19,7 @@ MODELS = os.environ.get("PERFX_E2E_MODELS", "default,synthetic:smollm2-135m").sp
 @pytest.mark.parametrize("name", MODELS)
 def test_e2e(benchmark, device, name):
     copy_gb_s, _ = copy_bandwidth(device)
-    model, _ = load_model(name, device, ctx=512, progress=False)
+    model, _ = load_model(name, device, progress=False, default_ctx=512)
     figures = benchmark.pedantic(measure, args=(model, 64, 32), rounds=1, iterations=1)
     figures["copy_gb_s"] = copy_gb_s
     benchmark.extra_info.update(figures)

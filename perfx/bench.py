@@ -12,8 +12,6 @@ exists (prefill/decode tok/s, TTFT, host time per token, memory).
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import sys
 
@@ -23,7 +21,6 @@ from perfx.errors import PerfxError
 from perfx.tune import DEVICE_HELP, model_jobs, select_families
 
 PEAK_WIDTHS = (4, 8, 16)
-E2E_MODULE = "perfx.bench_e2e"
 
 
 def add_arguments(parser):
@@ -100,10 +97,21 @@ def bench_problem(device, spec, problem, ceiling: dict, rng) -> dict:
 
 
 def run_e2e(device, model_name: str, args) -> dict:
-    """The end-to-end hook: ``perfx.bench_e2e.run`` where it exists."""
-    if importlib.util.find_spec(E2E_MODULE) is None:
-        return {"skipped": f"{E2E_MODULE} is not in this build of perfx yet: no end-to-end figures"}
-    return importlib.import_module(E2E_MODULE).run(device, model_name, args)
+    """End-to-end figures of the model on this device (``perfx.bench_e2e``)."""
+    from perfx.bench_e2e import run
+    return run(device, model_name, args)
+
+
+def e2e_lines(e2e: dict, copy_gb_s: float) -> list[str]:
+    mib = 2**20
+    return [
+        f"end to end, {e2e['model']} (ctx {e2e['ctx']}): prefill {e2e['prompt_tokens']} tokens at "
+        f"{e2e['prefill_tok_s']:.1f} tok/s (TTFT {1e3 * e2e['ttft_s']:.0f} ms)",
+        f"  decode {e2e['decode_tok_s']:.2f} tok/s = {e2e['decode_gb_s']:.2f} GB/s of weights "
+        f"({100 * e2e['decode_gb_s'] / copy_gb_s:.0f}% of copy), host {e2e['host_ms_per_token']:.2f} ms/token",
+        f"  memory: device {e2e['device_bytes'] / mib:.0f} MiB (peak {e2e['device_peak_bytes'] / mib:.0f} MiB), "
+        f"host peak {e2e['host_peak_bytes'] / mib:.0f} MiB, weights read per token {e2e['weight_bytes'] / mib:.0f} MiB",
+    ]
 
 
 def main(args) -> int:
@@ -148,5 +156,5 @@ def main(args) -> int:
                       "ok" if r["verified"] else f"WRONG {r['error']:.1e}"))
     print(format_table(table))
     if e2e is not None:
-        print("end to end: " + ", ".join(f"{k}: {v}" for k, v in e2e.items()))
+        print("\n".join(e2e_lines(e2e, ceiling["copy_gb_per_s"])))
     return 1 if failed else 0

@@ -31,5 +31,6 @@ def run(device: Device, model_name: str, args=None) -> dict:
     """Load ``model_name`` on ``device`` and measure it (the hook `perfx bench --e2e` calls)."""
     prompt = getattr(args, "prompt_tokens", None) or 64
     steps = getattr(args, "decode_tokens", None) or 32
-    model, _ = load_model(model_name, device, ctx=getattr(args, "ctx", None) or 1024, progress=None)
+    device.peak_allocated_bytes = device.allocated_bytes  # the model's peak, not earlier benchmarks'
+    model, _ = load_model(model_name, device, ctx=getattr(args, "ctx", None), progress=None, default_ctx=1024)
     return {"model": model_name, **measure(model, prompt, steps)}

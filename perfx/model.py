@@ -62,11 +62,13 @@ class Llama:
     # -- loading ----------------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, source, device: Device, ctx: int | None = None, progress: bool | None = None) -> Llama:
-        """Upload ``source`` (a ``perfx.loader.ModelSource``) to ``device`` with a KV cache of ``ctx`` positions."""
+    def load(cls, source, device: Device, ctx: int | None = None, progress: bool | None = None,
+             default_ctx: int = DEFAULT_CTX) -> Llama:
+        """Upload ``source`` (a ``perfx.loader.ModelSource``) to ``device`` with a KV cache of ``ctx`` positions
+        (default: the model's context length, at most ``default_ctx``)."""
         c = source.config
-        limit = c.max_positions or DEFAULT_CTX
-        ctx = min(limit, DEFAULT_CTX) if ctx is None else int(ctx)
+        limit = c.max_positions or default_ctx
+        ctx = min(limit, default_ctx) if ctx is None else int(ctx)
         if ctx < 2:
             raise PerfxError(f"--ctx must be at least 2, got {ctx}")
         if ctx > limit:
@@ -373,7 +375,8 @@ def host_peak_bytes() -> int:
 
 
 def load_model(name: str | None = None, device: Device | str | None = None, ctx: int | None = None,
-               quantize: str | None = None, progress: bool | None = None, log=None):
+               quantize: str | None = None, progress: bool | None = None, log=None,
+               default_ctx: int = DEFAULT_CTX):
     """Resolve ``name`` ("default", a path, "synthetic:<name>"), open it and load it on the device.
 
     Returns (model, source). ``log`` receives one-line progress notes (the CLI passes stderr's print).
@@ -386,7 +389,7 @@ def load_model(name: str | None = None, device: Device | str | None = None, ctx:
     path = resolve_model(name)
     log(f"perfx: model {path} on {device.caps.name} ({device.caps.platform}, limits: {device.caps.limits})")
     source = open_model(path, quantize=quantize)
-    model = Llama.load(source, device, ctx=ctx, progress=progress)
+    model = Llama.load(source, device, ctx=ctx, progress=progress, default_ctx=default_ctx)
     r = model.load_report
     log(f"perfx: loaded in {r['load_s']:.1f}s: {r['weight_bytes'] / 2**20:.0f} MiB of weights, "
         f"{r['device_bytes'] / 2**20:.0f} MiB on the device (KV cache {r['kv_cache_bytes'] / 2**20:.0f} MiB "

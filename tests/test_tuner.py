@@ -187,8 +187,11 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch):
         plots.write_tuning_plots([], "/nonexistent", 1.0)
 
 
-def test_bench_e2e_hook_reports_when_the_module_is_missing(monkeypatch):
-    from perfx import bench
+def test_bench_e2e_reports_end_to_end_figures(capsys):
+    from perfx import cli
 
-    monkeypatch.setattr(bench, "E2E_MODULE", "perfx.no_such_module_for_e2e")
-    assert "skipped" in bench.run_e2e(None, "default", None)
+    code = cli.main(["bench", "--model", "synthetic:tiny", "--kernels", "argmax", "--e2e", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    e2e = data["e2e"]
+    assert code == 0 and e2e["model"] == "synthetic:tiny"
+    assert e2e["decode_tok_s"] > 0 and e2e["prefill_tok_s"] > 0 and e2e["device_bytes"] > e2e["weight_bytes"] > 0

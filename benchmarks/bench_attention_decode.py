@@ -12,7 +12,6 @@ import pytest
 
 from perfx.ops.attention_decode import AttentionDecode
 from perfx.ops.kv_cache import KVCache, RopeTable
-from perfx.runtime import Device
 from perfx.timing import copy_bandwidth, time_launches
 from perfx.tuning.attention_decode import SPEC, kv_bytes
 
@@ -22,11 +21,6 @@ MODELS = {
 }
 MAX_CONTEXT = 4096
 LAYERS = 2
-
-
-@pytest.fixture(scope="module")
-def device():
-    return Device()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import pytest
 
 from perfx.ops.attention_prefill import AttentionPrefill
 from perfx.ops.kv_cache import KVCache, RopeTable
-from perfx.runtime import Device
 from perfx.timing import copy_bandwidth, time_launches
 from perfx.tuning.attention_prefill import SPEC
 
@@ -19,11 +18,6 @@ MODELS = {
     "llama2-7b": dict(n_heads=32, n_kv_heads=32, head_dim=128, theta=10000.0),
 }
 CONTEXT = 1024
-
-
-@pytest.fixture(scope="module")
-def device():
-    return Device()
 
 
 @pytest.fixture(scope="module")

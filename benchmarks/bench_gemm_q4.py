@@ -21,7 +21,6 @@ import pytest
 from perfx.formats import Q4Matrix
 from perfx.ops.gemm_q4 import GemmQ4
 from perfx.ops.q4_weight import Q4DeviceWeight
-from perfx.runtime import Device
 from perfx.timing import copy_bandwidth, time_launches
 from perfx.tuning.gemm_q4 import bytes_moved, flops
 
@@ -37,11 +36,6 @@ MODEL_SHAPES = {
     "smol-gate-up": {"m": 64, "n": 2 * 1536, "k": 576, "group": 32, "epilogue": "silu_mul"},
     "smol-down": {"m": 64, "n": 576, "k": 1536, "group": 32, "epilogue": "none"},
 }
-
-
-@pytest.fixture(scope="module")
-def device():
-    return Device()
 
 
 def _max_m(device) -> int:

@@ -10,7 +10,6 @@ parameter set that is fastest on PoCL here (one work-item per row block, whole r
 import numpy as np
 import pytest
 
-from perfx.runtime import Device
 from perfx.timing import copy_bandwidth, event_span, time_launches
 from perfx.tuning.gemv_q4 import SPEC
 
@@ -25,11 +24,6 @@ SHAPES = {
     "smol-down": {"n": 576, "k": 1536, "group": 32},
 }
 PARAMS = {"defaults": SPEC.defaults(), "rows-in-registers": {"LANES": 1, "ROWS": 4, "READ": "buffer"}}
-
-
-@pytest.fixture(scope="module")
-def device():
-    return Device()
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ intermediate 1536, vocab 49152), each against the copy bandwidth measured in the
 
 import pytest
 
-from perfx.runtime import Device
 from perfx.timing import copy_bandwidth, event_span, time_launches
 from perfx.tuning.gemv_f16 import SPEC as GEMV_F16
 from perfx.tuning.rmsnorm import SPEC as RMSNORM
@@ -30,11 +29,6 @@ CASES = [
     ("swiglu smollm2", SWIGLU, {"count": 1536}, None),
     ("embedding_f16 llama2-7b", EMBEDDING_F16, {"n": 1024, "k": 4096, "m": 1}, None),
 ]
-
-
-@pytest.fixture(scope="module")
-def device():
-    return Device()
 
 
 @pytest.mark.parametrize("label, spec, shape, params", CASES,

@@ -6,6 +6,7 @@ stderr) belong to one family and one parameter set. By hand, from the repository
     python tests/oclgrind_runner.py FAMILY [SAMPLE]     # SAMPLE: "default" (the default), 1, 2 or 3
     python tests/oclgrind_runner.py FAMILY '{"LANES": 4, "ROWS": 2, "READ": "buffer"}'
     python tests/oclgrind_runner.py --device            # only open the device
+    python tests/oclgrind_runner.py --samples           # per family, how many samples exist here
     python tests/oclgrind_runner.py --bad oob           # a deliberately wrong kernel: oob, race, uninit, api
 
 It prints DEVICE_READY on stderr once the device is open (reports before it come from opening the device),
@@ -163,13 +164,20 @@ def tiny_shapes(spec) -> tuple[dict, ...]:
     return TINY_SHAPES.get(spec.family) or (min(spec.test_shapes, key=spec.bytes_moved),)
 
 
-def sampled_params(spec, shape: dict, caps, sample: int) -> dict | None:
-    """The sample-th (1-based) of SAMPLES parameter sets drawn, defaults excluded, from those the tuner may
-    choose for this shape on this device; None where the family has fewer candidates."""
+def samples(spec, caps) -> list[dict]:
+    """SAMPLES parameter sets (fewer where the family has fewer) drawn, defaults excluded, from those the
+    tuner may choose for the family's first tiny shape on this device."""
     defaults = spec.defaults()
-    others = [p for p in spec.candidates(shape, caps) if p != defaults]
-    chosen = random.Random(zlib.crc32(spec.family.encode())).sample(others, min(SAMPLES, len(others)))
-    return chosen[sample - 1] if sample <= len(chosen) else None
+    others = [p for p in spec.candidates(tiny_shapes(spec)[0], caps) if p != defaults]
+    return random.Random(zlib.crc32(spec.family.encode())).sample(others, min(SAMPLES, len(others)))
+
+
+def sample_counts() -> dict[str, int]:
+    """Per family, how many samples exist on this device: what tests/test_oclgrind.py parametrizes."""
+    from perfx.tuning import specs
+
+    device = _open_device()
+    return {family: len(samples(spec, device.caps)) for family, spec in specs().items()}
 
 
 def _open_device():
@@ -197,9 +205,10 @@ def run_family(family: str, which: str = "default") -> dict:
     elif which.lstrip().startswith("{"):
         params, shapes = {**spec.defaults(), **json.loads(which)}, shapes[:1]
     else:
-        params, shapes = sampled_params(spec, shapes[0], device.caps, int(which)), shapes[:1]
-        if params is None:
-            return {"family": family, "skipped": f"{family} has fewer than {which} non-default candidates"}
+        drawn, sample = samples(spec, device.caps), int(which)
+        if not 1 <= sample <= len(drawn):
+            raise SystemExit(f"{family} has {len(drawn)} sample(s) on this device, not a sample {which}")
+        params, shapes = drawn[sample - 1], shapes[:1]
     results = []
     for index, shape in enumerate(shapes):
         reason = spec.why_invalid(params, shape, device.caps)
@@ -257,6 +266,8 @@ def main(argv: list[str]) -> int:
     if argv[1] == "--device":
         _open_device()
         result = {"device": "ready"}
+    elif argv[1] == "--samples":
+        result = sample_counts()
     elif argv[1] == "--bad":
         result = run_bad(argv[2])
     else:

@@ -4,6 +4,7 @@ import numpy as np
 import pyopencl as cl
 import pytest
 
+from helpers.spec_checks import assert_every_parameter_set
 from perfx import reference
 from perfx.errors import PerfxError
 from perfx.ops.attention_decode import AttentionDecode
@@ -25,11 +26,8 @@ def _check_case(case, shape, params):
 
 @pytest.mark.parametrize("shape", SPEC.test_shapes, ids=SPEC.describe)
 def test_every_candidate(device, rng, shape):
-    case = SPEC.make_case(device, shape, rng)
-    candidates = SPEC.candidates(shape, device.caps)
-    assert SPEC.defaults() in candidates
-    for params in [SPEC.defaults()] + candidates:
-        _check_case(case, shape, params)
+    assert SPEC.defaults() in SPEC.candidates(shape, device.caps)
+    assert_every_parameter_set(SPEC, device, shape, rng)
 
 
 @pytest.mark.parametrize("shape", SPEC.test_shapes, ids=SPEC.describe)

@@ -4,6 +4,7 @@ import numpy as np
 import pyopencl as cl
 import pytest
 
+from helpers.spec_checks import assert_every_parameter_set
 from perfx import reference
 from perfx.errors import PerfxError
 from perfx.ops.attention_prefill import AttentionPrefill
@@ -21,11 +22,8 @@ def check(case, params):
 
 @pytest.mark.parametrize("shape", SPEC.test_shapes, ids=SPEC.describe)
 def test_every_candidate(device, rng, shape):
-    case = SPEC.make_case(device, shape, rng)
-    candidates = SPEC.candidates(shape, device.caps)
-    assert SPEC.defaults() in candidates
-    for params in [SPEC.defaults()] + candidates:
-        check(case, params)
+    assert SPEC.defaults() in SPEC.candidates(shape, device.caps)
+    assert_every_parameter_set(SPEC, device, shape, rng)
 
 
 # The brief's combinations at the defaults: M ∈ {2, 7, 32, 33, 128, 300}, p0 ∈ {0, 5, 100}, GQA ratios

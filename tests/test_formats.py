@@ -22,11 +22,16 @@ def test_awq_gemm_golden_value():
     assert int(qweight.view(np.uint32)[0, 0]) == 0x75316420
 
 
-@pytest.mark.parametrize("n, k, group", [(8, 32, 32), (24, 128, 64), (40, 384, 128), (16, 4160, 64)])
-def test_awq_gemm_round_trip(rng, n, k, group):
+def _random_awq_parts(rng, n, k, group):
     codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
     zeros = rng.integers(0, 16, (n, k // group), dtype=np.uint8)
     scales = rng.uniform(0.001, 0.02, (n, k // group)).astype(np.float16)
+    return codes, zeros, scales
+
+
+@pytest.mark.parametrize("n, k, group", [(8, 32, 32), (24, 128, 64), (40, 384, 128), (16, 4160, 64)])
+def test_awq_gemm_round_trip(rng, n, k, group):
+    codes, zeros, scales = _random_awq_parts(rng, n, k, group)
     qweight, qzeros, s = to_awq_gemm(codes, zeros, scales)
     assert qweight.shape == (k, n // 8) and qzeros.shape == (k // group, n // 8) and s.shape == (k // group, n)
     q4 = from_awq_gemm(qweight, qzeros, s, group)
@@ -38,9 +43,7 @@ def test_awq_gemm_round_trip(rng, n, k, group):
 
 @pytest.mark.parametrize("n, k, group", [(8, 64, 32), (16, 256, 64), (8, 1024, 128), (8, 96, 32)])
 def test_awq_gemv_round_trip(rng, n, k, group):
-    codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
-    zeros = rng.integers(0, 16, (n, k // group), dtype=np.uint8)
-    scales = rng.uniform(0.001, 0.02, (n, k // group)).astype(np.float16)
+    codes, zeros, scales = _random_awq_parts(rng, n, k, group)
     qweight, qzeros, s = to_awq_gemv(codes, zeros, scales)
     assert qweight.shape == (n, k // 8)
     q4 = from_awq_gemv(qweight, qzeros, s, group)

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from helpers.spec_checks import assert_every_parameter_set
 from perfx.errors import PerfxError
 from perfx.formats import Q4Matrix
 from perfx.ops.gemm_q4 import DEFAULT_CROSSOVER, GemmQ4
@@ -34,15 +35,9 @@ def test_defaults_on_every_spec_shape(device, rng, kind):
 def test_every_candidate_on_the_spec_shapes(device, rng, kind, index):
     spec = SPECS[kind]
     shape = spec.test_shapes[index]
-    case = spec.make_case(device, shape, rng)
     candidates = spec.candidates(shape, device.caps)
     assert spec.defaults() in candidates and len(candidates) == 24
-    bad = {}
-    for params in candidates:
-        errors = case.errors(params)
-        if errors["y"] > spec.tolerance:
-            bad[str(params)] = errors["y"]
-    assert not bad, f"{spec.family} on {shape}: {bad}"
+    assert_every_parameter_set(spec, device, shape, rng)
 
 
 def _problem(device, rng, m, n, k, group, epilogue="none", read_paths=("image2d", "buffer"), extra_rows=1):

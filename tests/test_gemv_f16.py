@@ -4,6 +4,7 @@ and the error paths."""
 import numpy as np
 import pytest
 
+from helpers.spec_checks import assert_every_parameter_set
 from perfx import reference
 from perfx.errors import PerfxError
 from perfx.ops.gemv_f16 import F16DeviceWeight, GemvF16
@@ -12,20 +13,9 @@ from perfx.tuning import relative_error
 from perfx.tuning.gemv_f16 import SPEC
 
 
-def parameter_sets(spec, shape, caps):
-    sets = spec.candidates(shape, caps)
-    return sets if spec.defaults() in sets else [spec.defaults()] + sets
-
-
 @pytest.mark.parametrize("shape", SPEC.test_shapes, ids=SPEC.describe)
 def test_every_parameter_set_matches_reference(device, rng, shape):
-    case = SPEC.make_case(device, shape, rng)
-    failures = []
-    for params in parameter_sets(SPEC, shape, device.caps):
-        for name, error in case.errors(params).items():
-            if not error <= SPEC.tolerance:
-                failures.append(f"{params} {name}: {error:.2e}")
-    assert not failures, f"tolerance {SPEC.tolerance:.0e} exceeded:\n" + "\n".join(failures)
+    assert_every_parameter_set(SPEC, device, shape, rng)
 
 
 def test_split_under_small_allocation_limit(rng):

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from helpers.spec_checks import assert_every_parameter_set
 from perfx import reference
 from perfx.errors import PerfxError
 from perfx.formats import Q4Matrix
@@ -13,19 +14,10 @@ from perfx.tuning.gemv_q4 import SPEC
 from perfx.tuning.spec import relative_error
 
 
-def _check(case, params, what):
-    errors = case.errors(params)
-    assert errors["y"] <= SPEC.tolerance, f"{what} {params}: relative error {errors['y']:.3g} > {SPEC.tolerance}"
-
-
 @pytest.mark.parametrize("shape", SPEC.test_shapes, ids=[SPEC.describe(s) for s in SPEC.test_shapes])
 def test_every_candidate(device, rng, shape):
-    case = SPEC.make_case(device, shape, rng)
-    _check(case, SPEC.defaults(), SPEC.describe(shape))
-    candidates = SPEC.candidates(shape, device.caps)
-    assert len(candidates) >= 8
-    for params in candidates:
-        _check(case, params, SPEC.describe(shape))
+    assert len(SPEC.candidates(shape, device.caps)) >= 8
+    assert_every_parameter_set(SPEC, device, shape, rng)
 
 
 def test_shapes_cover_the_contract():

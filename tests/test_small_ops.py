@@ -4,6 +4,7 @@ candidate, the edge behaviours (bad ids, NaN, ties, split tables, in-place) and 
 import numpy as np
 import pytest
 
+from helpers.spec_checks import assert_every_parameter_set
 from perfx import reference
 from perfx.errors import PerfxError
 from perfx.formats import Q4Matrix
@@ -15,24 +16,13 @@ from perfx.tuning import relative_error
 from perfx.tuning.small_ops import SPECS
 
 
-def parameter_sets(spec, shape, caps):
-    sets = spec.candidates(shape, caps)
-    return sets if spec.defaults() in sets else [spec.defaults()] + sets
-
-
 ALL_SHAPES = [(spec, shape) for spec in SPECS for shape in spec.test_shapes]
 
 
 @pytest.mark.parametrize("spec, shape", ALL_SHAPES,
                          ids=[f"{s.family}-{s.describe(shape)}" for s, shape in ALL_SHAPES])
 def test_every_parameter_set_matches_reference(device, rng, spec, shape):
-    case = spec.make_case(device, shape, rng)
-    failures = []
-    for params in parameter_sets(spec, shape, device.caps):
-        for name, error in case.errors(params).items():
-            if not error <= spec.tolerance:
-                failures.append(f"{params} {name}: {error:.2e}")
-    assert not failures, f"{spec.family}: tolerance {spec.tolerance:.0e} exceeded:\n" + "\n".join(failures)
+    assert_every_parameter_set(spec, device, shape, rng)
 
 
 def test_embedding_f16_split_table_and_bad_ids(rng):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from perfx import reference
-from perfx.tuning.spec import Case, Spec
+from perfx.tuning.spec import Case, Spec, cached_per_params
 
 THETA = 10000.0
 LAYERS, LAYER = 2, 1
@@ -82,14 +82,8 @@ def make_case(device, shape, rng) -> Case:
         "keys": k16[0],
         "values": v16[0],
     }
-    ops = {}
+    op = cached_per_params(lambda params: AttentionDecode(device, h, hkv, d, max_positions, params))
     state = {"layer": LAYER}
-
-    def op(params):
-        key = tuple(sorted(params.items()))
-        if key not in ops:
-            ops[key] = AttentionDecode(device, h, hkv, d, max_positions, params)
-        return ops[key]
 
     def launch(params):
         return op(params).enqueue(qkv_dev, out, cache, rope, state["layer"], pos, offset)

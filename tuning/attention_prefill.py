@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from perfx import reference
-from perfx.tuning.spec import Case, Spec
+from perfx.tuning.spec import Case, Spec, cached_per_params
 
 THETA = 10000.0
 LAYERS, LAYER = 2, 1
@@ -72,13 +72,7 @@ def make_case(device, shape, rng) -> Case:
         "keys": k16,
         "values": v16,
     }
-    ops = {}
-
-    def op(params):
-        key = tuple(sorted(params.items()))
-        if key not in ops:
-            ops[key] = AttentionPrefill(device, h, hkv, d, params)
-        return ops[key]
+    op = cached_per_params(lambda params: AttentionPrefill(device, h, hkv, d, params))
 
     def launch(params):
         return op(params).enqueue(qkv_dev, out, cache, rope, LAYER, p0, m)

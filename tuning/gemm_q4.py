@@ -9,7 +9,7 @@ import numpy as np
 
 from perfx import reference
 from perfx.formats import Q4Matrix
-from perfx.tuning.spec import Case, Spec
+from perfx.tuning.spec import Case, Spec, cached_per_params
 
 TOLERANCE = 1e-4
 TOLERANCE_WHY = (
@@ -60,13 +60,7 @@ def _case_maker(kind: str):
         x_host = rng.standard_normal((m, k)).astype(np.float32)
         x = device.upload(x_host)
         y = device.poisoned((m, output_columns(shape)), np.float32)
-        wrappers = {}
-
-        def wrapper(params):
-            key = tuple(sorted(params.items()))
-            if key not in wrappers:
-                wrappers[key] = GemmQ4(device, **{f"{kind}_params": params})
-            return wrappers[key]
+        wrapper = cached_per_params(lambda params: GemmQ4(device, **{f"{kind}_params": params}))
 
         def launch(params):
             return [wrapper(params).run(kind, weight, x, y, m, epilogue)]

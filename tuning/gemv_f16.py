@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from perfx import reference
-from perfx.tuning.spec import Case, Spec
+from perfx.tuning.spec import Case, Spec, cached_per_params
 
 # Input copies cycled by Case.rotate when W is small enough to stay in a cache between launches.
 ROTATE_BELOW_BYTES = 64 << 20
@@ -32,13 +32,8 @@ def make_case(device, shape, rng) -> Case:
               for _ in range(copies)]
     y = device.empty(n, np.float32)
     poison = np.full(n, np.nan, np.float32)
-    wrappers, state = {}, {"copy": 0}
-
-    def wrapper(params):
-        key = tuple(sorted(params.items()))
-        if key not in wrappers:
-            wrappers[key] = GemvF16(device, params)
-        return wrappers[key]
+    wrapper = cached_per_params(lambda params: GemvF16(device, params))
+    state = {"copy": 0}
 
     def launch(params):
         weight, xd = inputs[state["copy"]]

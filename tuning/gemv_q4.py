@@ -13,7 +13,7 @@ from perfx import reference
 from perfx.formats import Q4Matrix
 from perfx.ops.gemv_q4 import GemvQ4
 from perfx.ops.q4_weight import Q4DeviceWeight
-from perfx.tuning.spec import Case, Spec
+from perfx.tuning.spec import Case, Spec, cached_per_params
 
 
 def _outputs(shape) -> int:
@@ -56,14 +56,8 @@ def make_case(device, shape, rng) -> Case:
     full = full if bias is None else full + bias
     expected = reference.swiglu(full[:m], full[m:]) if epilogue == "silu_mul" else full
 
-    wrappers: dict[tuple, GemvQ4] = {}
+    wrapper = cached_per_params(lambda params: GemvQ4(device, params))
     state = {"i": 0}
-
-    def wrapper(params) -> GemvQ4:
-        key = tuple(sorted(params.items()))
-        if key not in wrappers:
-            wrappers[key] = GemvQ4(device, params)
-        return wrappers[key]
 
     def launch(params):
         return wrapper(params).events(copies[state["i"]][2], x, y, epilogue)

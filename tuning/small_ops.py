@@ -10,23 +10,11 @@ import numpy as np
 
 from perfx import reference
 from perfx.formats import Q4Matrix
-from perfx.tuning.spec import Case, Spec
+from perfx.tuning.spec import Case, Spec, cached_per_params
 
 
 def _power_of_two(value: int) -> bool:
     return value & (value - 1) == 0
-
-
-def _cached(factory):
-    """One wrapper per parameter set, made on first use."""
-    made = {}
-
-    def get(params):
-        key = tuple(sorted(params.items()))
-        if key not in made:
-            made[key] = factory(params)
-        return made[key]
-    return get
 
 
 def _ids(rng, n: int, m: int) -> np.ndarray:
@@ -63,7 +51,7 @@ def make_embedding_f16_case(device, shape, rng) -> Case:
     w = rng.standard_normal((n, k), dtype=np.float32).astype(np.float16)
     ids = _ids(rng, n, m)
     table = F16DeviceWeight.upload(device, w, shape.get("block_bytes"))
-    embed = _cached(lambda params: Embedding(device, params).f16)
+    embed = cached_per_params(lambda params: Embedding(device, params).f16)
     return _gather_case(device, embed, table, ids, k, reference.f64(w[ids]))
 
 
@@ -75,7 +63,7 @@ def make_embedding_q4_case(device, shape, rng) -> Case:
     q4 = Q4Matrix.random(n, k, shape["group"], rng)
     ids = _ids(rng, n, m)
     table = Q4DeviceWeight.upload(device, q4, read_paths=("buffer",))
-    embed = _cached(lambda params: Embedding(device, params).q4)
+    embed = cached_per_params(lambda params: Embedding(device, params).q4)
     return _gather_case(device, embed, table, ids, k, q4.dequantize()[ids])
 
 
@@ -90,7 +78,7 @@ def make_argmax_case(device, shape, rng) -> Case:
         x[i] = x[j] = x.max() + 1
     x_d = device.upload(x)
     index = device.empty(1, np.int32)
-    argmax = _cached(lambda params: Argmax(device, params))
+    argmax = cached_per_params(lambda params: Argmax(device, params))
 
     def launch(params):
         return argmax(params)(x_d, n, index)
@@ -112,7 +100,7 @@ def make_swiglu_case(device, shape, rng) -> Case:
     up = rng.standard_normal(count, dtype=np.float32)
     gate_d, up_d, out = device.upload(gate), device.upload(up), device.empty(count, np.float32)
     poison = np.full(count, np.nan, np.float32)
-    swiglu = _cached(lambda params: SwiGLU(device, params))
+    swiglu = cached_per_params(lambda params: SwiGLU(device, params))
 
     def launch(params):
         return [swiglu(params)(gate_d, up_d, out, count)]

@@ -36,6 +36,19 @@ def relative_error(actual, expected) -> float:
     return float(np.max(np.abs(actual - expected))) / scale if expected.size else 0.0
 
 
+def cached_per_params(factory: Callable[[Params], Any]) -> Callable[[Params], Any]:
+    """``factory(params)`` made once per parameter set, on first use: a case's wrappers, and the kernels
+    they build, are not remade on every run of the same parameter set."""
+    made = {}
+
+    def get(params: Params):
+        key = tuple(sorted(params.items()))
+        if key not in made:
+            made[key] = factory(params)
+        return made[key]
+    return get
+
+
 @dataclass
 class Case:
     """One problem on one device, ready to run any parameter set of its family.

@@ -11,25 +11,13 @@ from __future__ import annotations
 import numpy as np
 
 from perfx.errors import PerfxError
+from perfx.ops import buffer_bytes
 from perfx.ops.kv_cache import KVCache, RopeTable
 from perfx.runtime import Device
 
 SOURCE = "attention_decode.cl"
 # head_dim: even and whole vectors of 8 (both VW values); 64 and 128 are the tested Llama sizes.
 SUPPORTED_HEAD_DIMS = tuple(range(32, 257, 8))
-
-
-def _buffer(x):
-    """The cl.Buffer behind a pyopencl Array, or the buffer itself."""
-    return getattr(x, "data", x)
-
-
-def _elements(x) -> int | None:
-    """float32 elements a pyopencl Array or cl.Buffer holds (None where it cannot tell)."""
-    if hasattr(x, "dtype") and hasattr(x, "size"):
-        return int(x.size) if x.dtype == np.float32 else None
-    size = getattr(x, "size", None)
-    return int(size) // 4 if size is not None else None
 
 
 class AttentionDecode:
@@ -87,6 +75,7 @@ class AttentionDecode:
         return pos // self.part + 1
 
     def _check(self, qkv, out, cache: KVCache, rope: RopeTable, layer: int, pos: int, qkv_offset: int):
+        """The buffers behind qkv and out, once every argument is checked."""
         d = self.head_dim
         if pos < 0:
             raise PerfxError(f"attention_decode: position {pos} is negative")
@@ -109,24 +98,24 @@ class AttentionDecode:
         if cache.n_layers * self.n_kv_heads * cache.max_positions * d >= 2**31:
             raise PerfxError("attention_decode: the KV cache has 2^31 elements or more, beyond the kernel's "
                              "int offsets; use a smaller --ctx")
-        have = _elements(qkv)
-        if qkv_offset < 0 or (have is not None and have < qkv_offset + self.qkv_size):
+        qkv_b, qkv_bytes = buffer_bytes(qkv, "attention_decode qkv")
+        if qkv_offset < 0 or qkv_bytes // 4 < qkv_offset + self.qkv_size:
             raise PerfxError(f"attention_decode: qkv must hold float32 [q | k | v] of {self.qkv_size} "
-                             f"elements from offset {qkv_offset}; it holds {have}")
-        have = _elements(out)
-        if have is not None and have < self.n_heads * d:
+                             f"elements from offset {qkv_offset}; it holds {qkv_bytes // 4}")
+        out_b, out_bytes = buffer_bytes(out, "attention_decode out")
+        if out_bytes // 4 < self.n_heads * d:
             raise PerfxError(f"attention_decode: out must hold {self.n_heads * d} float32 elements, "
-                             f"it holds {have}")
+                             f"it holds {out_bytes // 4}")
+        return qkv_b, out_b
 
     def enqueue(self, qkv, out, cache: KVCache, rope: RopeTable, layer: int, pos: int,
                 qkv_offset: int = 0) -> list:
         """Enqueue the launches; returns their events ([partial] or [partial, combine]), for timing."""
-        self._check(qkv, out, cache, rope, layer, pos, qkv_offset)
+        qkv_b, out_b = self._check(qkv, out, cache, rope, layer, pos, qkv_offset)
         n_parts = self.partitions(pos)
-        out_b = _buffer(out)
         partial = self.device.launch(
             self.partial_kernel, (self.wgs, self.n_kv_heads, n_parts), (self.wgs, 1, 1),
-            _buffer(qkv), np.int32(qkv_offset), rope.cos, rope.sin, cache.keys, cache.values,
+            qkv_b, np.int32(qkv_offset), rope.cos, rope.sin, cache.keys, cache.values,
             np.int32(cache.layer_offset(layer)), np.int32(cache.max_positions), np.int32(pos),
             np.int32(self.max_parts), self.part_max, self.part_sum, self.part_out, out_b)
         if n_parts == 1:

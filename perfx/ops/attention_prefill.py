@@ -10,15 +10,11 @@ from __future__ import annotations
 import numpy as np
 
 from perfx.errors import PerfxError
+from perfx.ops import device_buffer
 from perfx.ops.kv_cache import KVCache, RopeTable
 from perfx.runtime import Device
 
 SOURCE = "attention_prefill.cl"
-
-
-def _buffer(x):
-    """The cl.Buffer behind a pyopencl Array, or the buffer itself."""
-    return getattr(x, "data", x)
 
 
 class AttentionPrefill:
@@ -65,6 +61,7 @@ class AttentionPrefill:
         self.scale = np.float32(1.0 / np.sqrt(head_dim))
 
     def _check(self, qkv, out, cache: KVCache, rope: RopeTable, layer: int, p0: int, m: int):
+        """The buffers behind qkv and out, once every argument is checked."""
         h, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
         if m <= 0 or p0 < 0:
             raise PerfxError(f"attention_prefill: needs m ≥ 1 tokens at p0 ≥ 0, got m={m}, p0={p0}")
@@ -85,19 +82,21 @@ class AttentionPrefill:
         if cache.n_layers * hkv * cache.max_positions * d >= 2**31:
             raise PerfxError("attention_prefill: the KV cache has 2^31 elements or more, beyond the kernel's "
                              "int indexing; use a smaller --ctx")
+        buffers = []
         for name, array, width in (("qkv", qkv, (h + 2 * hkv) * d), ("out", out, h * d)):
             shape = getattr(array, "shape", None)
             if shape is not None and (len(shape) != 2 or shape[0] < m or shape[1] != width
                                       or array.dtype != np.float32):
                 raise PerfxError(f"attention_prefill: {name} must be float32 (≥ {m}, {width}), got "
                                  f"{getattr(array, 'dtype', '?')} {tuple(shape)}")
+            buffers.append(device_buffer(array, 4 * m * width, f"attention_prefill {name}"))
+        return buffers
 
     def enqueue(self, qkv, out, cache: KVCache, rope: RopeTable, layer: int, p0: int, m: int) -> list:
         """Enqueue both launches; returns [append event, attention event] (for timing)."""
-        self._check(qkv, out, cache, rope, layer, p0, m)
+        qkv_b, out_b = self._check(qkv, out, cache, rope, layer, p0, m)
         h, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
         offset = np.int32(cache.layer_offset(layer))
-        qkv_b = _buffer(qkv)
         append = self.device.launch(
             self.append_kernel, (d // 8, hkv, m), None,
             np.int32(p0), np.int32(h), np.int32(hkv), np.int32(cache.max_positions), offset,
@@ -107,7 +106,7 @@ class AttentionPrefill:
             self.attention_kernel, (-(-rows // self.wgs) * self.wgs, hkv), (self.wgs, 1),
             np.int32(m), np.int32(p0), np.int32(self.group), np.int32(h), np.int32(hkv),
             np.int32(cache.max_positions), offset, self.scale,
-            qkv_b, rope.cos, rope.sin, cache.keys, cache.values, _buffer(out))
+            qkv_b, rope.cos, rope.sin, cache.keys, cache.values, out_b)
         return [append, attention]
 
     def __call__(self, qkv, out, cache: KVCache, rope: RopeTable, layer: int, p0: int, m: int):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from perfx.errors import PerfxError
+from perfx.ops import buffer_bytes
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.runtime import Device
 
@@ -25,11 +26,6 @@ DEFAULT_CROSSOVER = 32
 
 _FILES = {"skinny": "gemm_q4_skinny.cl", "tiled": "gemm_q4_tiled.cl"}
 _GROUP_SHIFT = {32: 0, 64: 1, 128: 2}
-
-
-def _buffer(a):
-    """A cl.Buffer from a cl.Buffer or a pyopencl Array."""
-    return getattr(a, "data", a)
 
 
 class GemmQ4:
@@ -101,7 +97,8 @@ class GemmQ4:
             self._kernels[key] = kernel
         return kernel
 
-    def _check(self, weight: Q4DeviceWeight, x, y, m: int, epilogue: str) -> int:
+    def _check(self, weight: Q4DeviceWeight, x, y, m: int, epilogue: str) -> tuple[int, list]:
+        """Y's column count and the buffers behind X and Y, once every argument is checked."""
         if epilogue not in EPILOGUES:
             raise PerfxError(f"gemm_q4: unknown epilogue {epilogue!r}; choose one of {', '.join(EPILOGUES)}")
         if not isinstance(m, (int, np.integer)) or m < 1:
@@ -116,12 +113,14 @@ class GemmQ4:
             raise PerfxError("gemm_q4: epilogue 'bias' on a weight uploaded without a bias; pass bias= to "
                              "Q4DeviceWeight.upload or use epilogue 'none'")
         cols = self.output_columns(weight, epilogue)
-        for name, buf, need in (("X", x, m * weight.k * 4), ("Y", y, m * cols * 4)):
-            size = _buffer(buf).size
+        buffers = []
+        for name, array, need in (("X", x, m * weight.k * 4), ("Y", y, m * cols * 4)):
+            buffer, size = buffer_bytes(array, f"gemm_q4 {name}")
             if size < need:
                 raise PerfxError(f"gemm_q4: {name} holds {size} bytes, less than the {need} that M = {m}, "
                                  f"K = {weight.k}, N = {cols} need (float32, row-major)")
-        return cols
+            buffers.append(buffer)
+        return cols, buffers
 
     def _segments(self, weight: Q4DeviceWeight, cols: int, silu: bool, read: int):
         """Launch pieces: (y_col0, n_cols, row_a0, row_b0, codes_a, codes_b, base_a, base_b).
@@ -154,7 +153,7 @@ class GemmQ4:
         """Y by the named kernel ("skinny" or "tiled"); ``__call__`` is ``run(choose(m), ...)``."""
         if kind not in KINDS:
             raise PerfxError(f"gemm_q4: unknown kernel {kind!r}; choose one of {', '.join(KINDS)}")
-        cols = self._check(weight, x, y, m, epilogue)
+        cols, (xb, yb) = self._check(weight, x, y, m, epilogue)
         params = self._params[kind, epilogue]
         if isinstance(params, str):
             raise PerfxError(f"gemm_q4: the {kind} kernel cannot run the {epilogue} epilogue on "
@@ -181,5 +180,5 @@ class GemmQ4:
                 np.int32(m), np.int32(n_cols), np.int32(weight.k), np.int32(_GROUP_SHIFT[weight.group]),
                 np.int32(cols), np.int32(y_col0), np.int32(row_a0), np.int32(row_b0),
                 np.int32(base_a), np.int32(base_b),
-                _buffer(x), _buffer(y), codes_a, codes_b, weight.scale_offset, bias)
+                xb, yb, codes_a, codes_b, weight.scale_offset, bias)
         return event

@@ -11,36 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-import pyopencl.array as cla
 
 from perfx.errors import PerfxError
 from perfx.formats import row_splits
+from perfx.ops import device_buffer, resolve_params
 from perfx.runtime import Device
 from perfx.tuning.gemv_f16 import SPEC
-from perfx.tuning.spec import Spec
-
-
-def resolve_params(spec: Spec, params: dict | None, caps) -> dict:
-    """The spec's defaults overridden by ``params``; a PerfxError when the set may not run on this device."""
-    resolved = {**spec.defaults(), **(params or {})}
-    outside = {name: value for name, value in resolved.items() if value not in spec.space.get(name, (value,))}
-    reason = f"values outside the tuning space {outside}" if outside else spec.why_invalid(resolved, {}, caps)
-    if reason is not None:
-        raise PerfxError(f"{spec.family}: parameters {resolved} cannot run on {caps.name}: {reason}")
-    return resolved
-
-
-def device_buffer(array, nbytes: int, what: str):
-    """The cl.Buffer behind ``array`` (a cl.Buffer or a pyopencl Array), checked to hold ``nbytes``."""
-    if isinstance(array, cla.Array):
-        if array.offset:
-            raise PerfxError(f"{what}: an Array view at an offset is not supported; pass a whole buffer")
-        buffer, size = array.base_data, array.nbytes
-    else:
-        buffer, size = array, array.size
-    if size < nbytes:
-        raise PerfxError(f"{what} holds {size} bytes where {nbytes} are needed")
-    return buffer
 
 
 @dataclass

@@ -9,27 +9,14 @@ from __future__ import annotations
 
 import numpy as np
 import pyopencl as cl
-import pyopencl.array as cla
 
 from perfx.errors import PerfxError
+from perfx.ops import device_buffer
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.runtime import Device
 
 EPILOGUES = {"none": 0, "silu_mul": 1}
 READ_CODES = {"buffer": 0, "image2d": 1}
-
-
-def _buffer_of(array, what: str, nbytes: int) -> cl.Buffer:
-    if isinstance(array, cla.Array):
-        buffer, size = array.data, array.nbytes
-    elif isinstance(array, cl.Buffer):
-        buffer, size = array, array.size
-    else:
-        raise PerfxError(f"gemv_q4: {what} must be a cl.Buffer or a pyopencl Array, not {type(array).__name__}")
-    if size < nbytes:
-        raise PerfxError(f"gemv_q4: {what} holds {size} bytes, the product needs {nbytes} "
-                         f"({nbytes // 4} float32)")
-    return buffer
 
 
 def _segments(rows: list[tuple[int, int]], first: int, count: int):
@@ -86,8 +73,8 @@ class GemvQ4:
             raise PerfxError(f"gemv_q4: silu_mul needs gate and up rows of equal count, but the weight has "
                              f"N = {n} rows (odd)")
         m = n // 2 if epilogue == "silu_mul" else n
-        xb = _buffer_of(x, "x", 4 * k)
-        yb = _buffer_of(y, "y", 4 * m)
+        xb = device_buffer(x, 4 * k, "gemv_q4 x")
+        yb = device_buffer(y, 4 * m, "gemv_q4 y")
         kernel = self.kernel(weight.group, epilogue)
         bias = weight.bias if weight.bias is not None else self._no_bias
         has_bias = np.int32(weight.bias is not None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from perfx.errors import PerfxError
-from perfx.ops.gemv_f16 import device_buffer, resolve_params
+from perfx.ops import device_buffer, resolve_params
 from perfx.runtime import Device
 from perfx.tuning.rmsnorm import SPEC
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from perfx.errors import PerfxError
-from perfx.ops.gemv_f16 import F16DeviceWeight, device_buffer, resolve_params
+from perfx.ops import device_buffer, resolve_params
+from perfx.ops.gemv_f16 import F16DeviceWeight
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.runtime import Device
 from perfx.tuning.small_ops import ARGMAX, EMBEDDING_F16, EMBEDDING_Q4, SWIGLU

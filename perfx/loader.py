@@ -12,6 +12,7 @@ up into another, rows in Hugging Face's rotate-half order, each linear layer eit
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Union
@@ -77,7 +78,7 @@ def open_model(path_or_name, quantize: str | None = None) -> ModelSource:
 # What every source shares
 
 
-class ModelSource:
+class ModelSource(ABC):
     """A model opened lazily. Subclasses read tensors; the fusion, checks and quantize-on-load live here."""
 
     format = "?"
@@ -103,28 +104,30 @@ class ModelSource:
 
     # -- what subclasses provide --------------------------------------------------------------
 
+    # File-backed sources provide these two and inherit ``layer``; the synthetic source builds whole
+    # layers itself and overrides ``layer`` instead.
     def _linear(self, name: str, layer: int) -> Linear:
         """One projection ("q", "k", "v", "o", "gate", "up", "down") in Hugging Face row order."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} reads no single projections")
 
     def _vector(self, name: str, layer: int | None) -> np.ndarray | None:
         """A float32 vector ("attn_norm", "ffn_norm", "final_norm", "q_bias", ...), None if absent."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} reads no single vectors")
 
     def _load_tokenizer(self):
         return None
 
+    @abstractmethod
     def embedding(self) -> Linear:
         """The token embedding (V, hidden): fp16, or a Q4Matrix for a 4-bit GGUF embedding."""
-        raise NotImplementedError
 
+    @abstractmethod
     def lm_head(self) -> Linear | None:
         """The output projection (V, hidden), None when it is tied to the embedding."""
-        raise NotImplementedError
 
+    @abstractmethod
     def describe(self) -> dict:
         """Format, quantization, file size and path, architecture, and any notes about the load."""
-        raise NotImplementedError
 
     # -- shared ----------------------------------------------------------------------------------
 

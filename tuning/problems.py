@@ -91,11 +91,11 @@ def _decode(config, fixed: int | None) -> list[Problem]:
         if label == "qkv":
             shape["parts"] = [c.q_dim, c.kv_dim, c.kv_dim]
         out.append(Problem("gemv_q4", shape, label, c.n_layers))
-    # A tied lm_head is the fp16 embedding table; an untied one is quantized like the other layers.
+    # The lm_head is fp16 when tied to the embedding and in most checkpoints besides (AutoAWQ and
+    # --quantize q4 leave it fp16); an untied one may also come 4-bit (a GGUF with a Q4 output.weight).
+    out.append(Problem("gemv_f16", {"n": c.vocab_size, "k": c.hidden_size}, "lm_head"))
     group = _group(c.hidden_size, fixed)
-    if c.tie_embeddings or group is None:
-        out.append(Problem("gemv_f16", {"n": c.vocab_size, "k": c.hidden_size}, "lm_head"))
-    else:
+    if not c.tie_embeddings and group is not None:
         out.append(Problem("gemv_q4", {"n": c.vocab_size, "k": c.hidden_size, "group": group,
                                        "epilogue": "none", "bias": False}, "lm_head"))
     for positions in DECODE_POSITIONS:

@@ -9,25 +9,31 @@
 // row block (READ 1); one half2 (s, m) per group of G along K, w = s·q + m. X, Y, bias float32,
 // row-major. Accumulation in fp32.
 //
-// Still memory-bound at small M: each work-item owns one output column (one weight row, two for
-// the gate-up epilogue) and a 1/KLANES slice of K, dequantizes each texel once and multiplies it
-// into MT rows of X held as float8 accumulators; M > MT loops over passes (the weight slice is
-// then re-read from cache, not from DRAM). The KLANES partial sums meet in local memory.
+// Still memory-bound at small M, so each weight is read once and all M rows' sums stay in registers:
+// one work-item owns ROWS output columns (ROWS weight rows, twice that for the gate-up epilogue) and
+// the whole of K, with no local memory and no barriers (the structure of gemv_q4, which is what PoCL
+// runs well). Per texel component it dequantizes 8 weights of each row once, w = s·q + m, and
+// multiplies them into MT rows of X held as float8 accumulators; the x chunk is loaded once and applied
+// to every row. M rows go in passes of MT, the last M mod MT rows in passes of MT/2, MT/4, ..., 1 (so
+// M = 1 costs one row, not MT); each pass re-reads the work-item's weight rows from cache, not DRAM.
+// Codes become floats through the bits: 0x4B000000 | q is the float 2²³ + q, one OR and one subtraction
+// (8 wide: PoCL 3.0's LLVM 14 fails to select 16-wide integer/convert code and mad(float16) on AVX2).
 //
 // Shape contract: K a multiple of 32 and of G ∈ {32, 64, 128} (group_shift = log2(G / 32));
 // any M ≥ 1 and any number of columns (edges guarded). One launch covers the columns
 // y_col0 .. y_col0 + n_cols − 1 of Y (row stride ldy); their weight rows start at row_a0 (gate or
 // only) and row_b0 (up), which lie in codes_a / codes_b at row − base_a / row − base_b (images
 // hold row blocks; with a buffer both bases are 0). Scales and bias are indexed by global row.
+// Work-group (WGS); global ⌈n_cols / (ROWS·WGS)⌉·WGS.
 
-#ifndef NWG
-#define NWG 8  // output columns per work-group (work-group dimension 1)
+#ifndef WGS
+#define WGS 64  // work-items per work-group, each independent (ROWS columns apiece)
 #endif
-#ifndef KLANES
-#define KLANES 4  // work-items along K per column, their partial sums added in local memory
+#ifndef ROWS
+#define ROWS 2  // output columns per work-item: each x chunk is loaded once and applied to ROWS rows
 #endif
 #ifndef MT
-#define MT 8  // rows of X per pass, each a float8 accumulator in registers
+#define MT 4  // rows of X per pass, ROWS·MT float8 accumulators in registers (a power of two)
 #endif
 #ifndef READ
 #define READ 1  // 0: codes from a uint4 buffer; 1: from an image2d_t (texture cache on GPUs)
@@ -37,133 +43,120 @@
 #endif
 
 #if EPILOGUE == 2
-#define NOUT 2
+#define WROWS (2 * ROWS)  // gate rows 0..ROWS−1, up rows ROWS..2·ROWS−1
 #else
-#define NOUT 1
+#define WROWS ROWS
 #endif
 
 #if READ == 1
-#define CODES __read_only image2d_t
+#define CODES_T __read_only image2d_t
 __constant sampler_t SAMPLER = CLK_NORMALIZED_COORDS_FALSE | CLK_ADDRESS_NONE | CLK_FILTER_NEAREST;
 #define LOAD_TEXEL(codes, row, t) read_imageui(codes, SAMPLER, (int2)((t), (row)))
 #else
-#define CODES __global const uint4* restrict
+#define CODES_T __global const uint4* restrict
 #define LOAD_TEXEL(codes, row, t) (codes)[(size_t)(row) * texels + (t)]
 #endif
 
-// Eight codes of one texel component as floats, w = s·q + m.
-inline float8 dequant8(const uint v, const float2 sm) {
-    const uint8 q = (uint8)(v, v >> 4, v >> 8, v >> 12, v >> 16, v >> 20, v >> 24, v >> 28) & (uint8)0xFu;
-    return mad(convert_float8(q), (float8)sm.x, (float8)sm.y);
-}
+#define NIBBLE_SHIFTS (uint8)(0, 4, 8, 12, 16, 20, 24, 28)
+// The 8 weights of one texel component, s·q + m, in x order. Plain * and + rather than mad() and
+// vload8(): PoCL calls those as functions, out of line, and spills the accumulators around each call.
+#define DEQUANT8(bits, sm) \
+    ((as_float8((((uint8)(bits) >> NIBBLE_SHIFTS) & 0xFu) | 0x4B000000u) - 8388608.0f) * (sm).x + (sm).y)
+// X rows start at multiples of K floats, K a multiple of 32: every 8-float chunk is float8-aligned.
+#define LOAD_X8(p, i) (((const __global float8*)(p))[i])
+#define SUM8(v) ((((v).s0 + (v).s4) + ((v).s2 + (v).s6)) + (((v).s1 + (v).s5) + ((v).s3 + (v).s7)))
 
-inline float sum8(const float8 v) {
-    const float4 h = v.lo + v.hi;
-    return (h.x + h.y) + (h.z + h.w);
-}
+// r is a compile-time constant after unrolling: gate (or only) rows from codes_a, up rows from codes_b.
+#define TEXEL_OF(r, t) ((r) < ROWS ? LOAD_TEXEL(codes_a, wrow[r], t) : LOAD_TEXEL(codes_b, wrow[r], t))
 
-// acc[mm] += X[row, 32t .. 32t + 31] · w for the rows of this pass; rows past M are skipped
-// (a uniform branch), so a pass over the last few rows costs only those rows.
-#define MULTIPLY_TEXEL(acc, w0, w1, w2, w3)                                            \
-    _Pragma("unroll")                                                                  \
-    for (int mm = 0; mm < MT; mm++) {                                                  \
-        if (mm < rows) {                                                               \
-            const __global float* xr = x + (size_t)(m0 + mm) * k + 32 * t;             \
-            acc[mm] = mad(vload8(0, xr), w0, acc[mm]);                                 \
-            acc[mm] = mad(vload8(1, xr), w1, acc[mm]);                                 \
-            acc[mm] = mad(vload8(2, xr), w2, acc[mm]);                                 \
-            acc[mm] = mad(vload8(3, xr), w3, acc[mm]);                                 \
-        }                                                                              \
+// One pass over K for the R rows of X from m0 (R a compile-time constant), then the epilogue and
+// the stores.
+#define PASS(R)                                                                                  \
+    {                                                                                            \
+        float8 acc[WROWS][R];                                                                    \
+        _Pragma("unroll") for (int r = 0; r < WROWS; r++)                                        \
+            _Pragma("unroll") for (int mm = 0; mm < R; mm++) acc[r][mm] = (float8)0.0f;          \
+        const __global float* xp = x + (size_t)m0 * k;                                           \
+        for (int g = 0; g < groups; g++) {                                                       \
+            float2 sm[WROWS];                                                                    \
+            _Pragma("unroll") for (int r = 0; r < WROWS; r++)                                    \
+                sm[r] = vload_half2(grow[r] * groups + g, scale_offset);                         \
+            for (int t = g << group_shift; t < (g + 1) << group_shift; t++) {                    \
+                uint4 tex[WROWS];                                                                \
+                _Pragma("unroll") for (int r = 0; r < WROWS; r++) tex[r] = TEXEL_OF(r, t);       \
+                _Pragma("unroll") for (int c = 0; c < 4; c++) {                                  \
+                    float8 w[WROWS];                                                             \
+                    _Pragma("unroll") for (int r = 0; r < WROWS; r++)                            \
+                        w[r] = DEQUANT8(c == 0 ? tex[r].x : c == 1 ? tex[r].y                    \
+                                        : c == 2 ? tex[r].z : tex[r].w, sm[r]);                  \
+                    _Pragma("unroll") for (int mm = 0; mm < R; mm++) {                           \
+                        const float8 xv = LOAD_X8(xp + (size_t)mm * k, 4 * t + c);               \
+                        _Pragma("unroll") for (int r = 0; r < WROWS; r++)                        \
+                            acc[r][mm] += w[r] * xv;                                             \
+                    }                                                                            \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        _Pragma("unroll") for (int mm = 0; mm < R; mm++) {                                       \
+            _Pragma("unroll") for (int r = 0; r < ROWS; r++) {                                   \
+                if (col0 + r < n_cols) {                                                         \
+                    const float ya = SUM8(acc[r][mm]);                                           \
+                    EPILOGUE_STORE                                                               \
+                    y[(size_t)(m0 + mm) * ldy + y_col0 + col0 + r] = out;                        \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        m0 += R;                                                                                 \
     }
 
-__kernel __attribute__((reqd_work_group_size(KLANES, NWG, 1)))
+#if EPILOGUE == 1
+#define EPILOGUE_STORE const float out = ya + bias[grow[r]];
+#elif EPILOGUE == 2
+#define EPILOGUE_STORE                         \
+    const float yb = SUM8(acc[ROWS + r][mm]);  \
+    const float out = ya / (1.0f + exp(-ya)) * yb;
+#else
+#define EPILOGUE_STORE const float out = ya;
+#endif
+
+__kernel __attribute__((reqd_work_group_size(WGS, 1, 1)))
 void gemm_q4_skinny(const int m_rows, const int n_cols, const int k, const int group_shift,
                     const int ldy, const int y_col0, const int row_a0, const int row_b0,
                     const int base_a, const int base_b,
                     __global const float* restrict x, __global float* restrict y,
-                    CODES codes_a, CODES codes_b,
+                    CODES_T codes_a, CODES_T codes_b,
                     __global const half* restrict scale_offset, __global const float* restrict bias)
 {
-    const int lane = get_local_id(0);
-    const int r = get_local_id(1);
-    const int col = get_group_id(1) * NWG + r;
-    const bool live = col < n_cols;
-    // Columns past the edge compute a valid neighbour (and store nothing): every item joins the barriers.
-    const int c = live ? col : n_cols - 1;
+    const int col0 = get_global_id(0) * ROWS;  // first output column of this work-item, in the launch
     const int texels = k >> 5;
     const int groups = texels >> group_shift;
-    const int row_a = row_a0 + c;
-    const int row_b = row_b0 + c;
-#if KLANES > 1
-    __local float partial[NWG][KLANES][NOUT * MT];
-#endif
 
-    for (int m0 = 0; m0 < m_rows; m0 += MT) {
-        const int rows = min(MT, m_rows - m0);
-        float8 acc_a[MT];
+    // Weight rows (within codes_a / codes_b) and global rows (scales, bias) of the WROWS rows. Columns
+    // past n_cols read the last valid column again (harmless) and store nothing.
+    int wrow[WROWS], grow[WROWS];
+    _Pragma("unroll")
+    for (int r = 0; r < ROWS; r++) {
+        const int c = min(col0 + r, n_cols - 1);
+        wrow[r] = row_a0 + c - base_a;
+        grow[r] = row_a0 + c;
 #if EPILOGUE == 2
-        float8 acc_b[MT];
-#endif
-        _Pragma("unroll")
-        for (int mm = 0; mm < MT; mm++) {
-            acc_a[mm] = (float8)0.0f;
-#if EPILOGUE == 2
-            acc_b[mm] = (float8)0.0f;
-#endif
-        }
-
-        for (int t = lane; t < texels; t += KLANES) {
-            const uint4 qa = LOAD_TEXEL(codes_a, row_a - base_a, t);
-            const float2 sa = vload_half2(row_a * groups + (t >> group_shift), scale_offset);
-            const float8 a0 = dequant8(qa.x, sa), a1 = dequant8(qa.y, sa);
-            const float8 a2 = dequant8(qa.z, sa), a3 = dequant8(qa.w, sa);
-            MULTIPLY_TEXEL(acc_a, a0, a1, a2, a3)
-#if EPILOGUE == 2
-            const uint4 qb = LOAD_TEXEL(codes_b, row_b - base_b, t);
-            const float2 sb = vload_half2(row_b * groups + (t >> group_shift), scale_offset);
-            const float8 b0 = dequant8(qb.x, sb), b1 = dequant8(qb.y, sb);
-            const float8 b2 = dequant8(qb.z, sb), b3 = dequant8(qb.w, sb);
-            MULTIPLY_TEXEL(acc_b, b0, b1, b2, b3)
-#endif
-        }
-
-#if KLANES > 1
-        _Pragma("unroll")
-        for (int mm = 0; mm < MT; mm++) {
-            partial[r][lane][mm] = sum8(acc_a[mm]);
-#if EPILOGUE == 2
-            partial[r][lane][MT + mm] = sum8(acc_b[mm]);
-#endif
-        }
-        barrier(CLK_LOCAL_MEM_FENCE);
-        // Lane l finishes rows l, l + KLANES, ... of this pass.
-        for (int mm = lane; mm < rows; mm += KLANES) {
-            float ya = 0.0f;
-            for (int l = 0; l < KLANES; l++) ya += partial[r][l][mm];
-#if EPILOGUE == 2
-            float yb = 0.0f;
-            for (int l = 0; l < KLANES; l++) yb += partial[r][l][MT + mm];
-#endif
-#else
-        for (int mm = 0; mm < rows; mm++) {
-            const float ya = sum8(acc_a[mm]);
-#if EPILOGUE == 2
-            const float yb = sum8(acc_b[mm]);
-#endif
-#endif
-            if (live) {
-#if EPILOGUE == 1
-                const float out = ya + bias[row_a];
-#elif EPILOGUE == 2
-                const float out = ya / (1.0f + exp(-ya)) * yb;
-#else
-                const float out = ya;
-#endif
-                y[(size_t)(m0 + mm) * ldy + y_col0 + col] = out;
-            }
-        }
-#if KLANES > 1
-        barrier(CLK_LOCAL_MEM_FENCE);  // the next pass overwrites partial[]
+        wrow[ROWS + r] = row_b0 + c - base_b;
+        grow[ROWS + r] = row_b0 + c;
 #endif
     }
+
+    int m0 = 0;
+    while (m_rows - m0 >= MT) PASS(MT)
+#if MT >= 16
+    if (m_rows - m0 >= 8) PASS(8)
+#endif
+#if MT >= 8
+    if (m_rows - m0 >= 4) PASS(4)
+#endif
+#if MT >= 4
+    if (m_rows - m0 >= 2) PASS(2)
+#endif
+#if MT >= 2
+    if (m_rows - m0 >= 1) PASS(1)
+#endif
 }

@@ -170,8 +170,8 @@ class GemmQ4:
         for y_col0, n_cols, row_a0, row_b0, codes_a, codes_b, base_a, base_b in self._segments(
                 weight, cols, epilogue == "silu_mul", read):
             if kind == "skinny":
-                local = (params["KLANES"], params["NWG"])
-                glob = (params["KLANES"], -(-n_cols // params["NWG"]) * params["NWG"])
+                local = (params["WGS"],)
+                glob = (-(-n_cols // (params["ROWS"] * params["WGS"])) * params["WGS"],)
             else:
                 local = (params["NDIMC"], params["MDIMC"])
                 glob = (-(-n_cols // params["NWG"]) * params["NDIMC"], -(-m // params["MWG"]) * params["MDIMC"])

@@ -18,7 +18,8 @@ import sys
 import numpy as np
 
 from perfx.errors import PerfxError
-from perfx.tune import DEVICE_HELP, model_jobs, select_families
+from perfx.runtime import DEVICE_HELP
+from perfx.tune import model_jobs, select_families
 
 PEAK_WIDTHS = (4, 8, 16)
 

@@ -7,9 +7,8 @@ import json
 import sys
 
 from perfx.errors import PerfxError
+from perfx.runtime import DEVICE_HELP
 
-DEVICE_HELP = ("OpenCL device: P:D indices from `perfx info`, or part of a platform/device name "
-               "(default: $PERFX_DEVICE, else the first GPU, else the first CPU)")
 
 
 def cmd_info(args) -> int:

@@ -7,7 +7,7 @@ only pass a callback that receives each piece of text as it is decoded.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import numpy as np

@@ -242,6 +242,9 @@ def capabilities(device: cl.Device, limits: Limits = Limits()) -> Capabilities:
 # Choosing a device
 
 
+DEVICE_HELP = ("OpenCL device: P:D indices from `perfx info`, or part of a platform/device name "
+               "(default: $PERFX_DEVICE, else the first GPU, else the first CPU)")
+
 NO_PLATFORM_HELP = (
     "No OpenCL platform found. On a PC or in CI, install the dev extra, which brings PoCL, an OpenCL "
     "CPU driver: pip install -e \".[dev]\". On a Snapdragon phone (Termux): pkg install ocl-icd "

@@ -44,9 +44,9 @@ def plan(all_specs: dict[str, Spec], device: Device, quick: bool) -> list[tuple[
 
 
 def run_checks(device: Device, all_specs: dict[str, Spec], quick: bool = False, seed: int = 0,
-               progress: Progress | None = None) -> list[Check]:
+               show_progress: bool | None = None) -> list[Check]:
     jobs = plan(all_specs, device, quick)
-    progress = progress or Progress(len(jobs), "selftest")
+    progress = Progress(len(jobs), "selftest", enabled=show_progress)
     checks, cases = [], {}
     rng = np.random.default_rng(seed)
     for spec, shape, params in jobs:
@@ -98,8 +98,7 @@ def main(args) -> int:
     started = time.perf_counter()
     print(f"perfx selftest on {device.caps.platform} / {device.caps.name} (limits: {device.caps.limits})",
           file=sys.stderr)
-    checks = run_checks(device, all_specs, quick=args.quick, progress=Progress(
-        len(plan(all_specs, device, args.quick)), "selftest", enabled=None if not args.json else False))
+    checks = run_checks(device, all_specs, quick=args.quick, show_progress=False if args.json else None)
     failed = [c for c in checks if not c.passed]
     if args.json:
         print(json.dumps({"device": device.fingerprint, "limits": device.caps.limits, "quick": args.quick,

@@ -11,10 +11,9 @@ import json
 import sys
 
 from perfx.errors import PerfxError
+from perfx.runtime import DEVICE_HELP
 
 DEFAULT_BUDGET = 600.0
-DEVICE_HELP = ("OpenCL device: P:D indices from `perfx info`, or part of a platform/device name "
-               "(default: $PERFX_DEVICE, else the first GPU, else the first CPU)")
 
 
 def add_arguments(parser):

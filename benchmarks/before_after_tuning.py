@@ -7,8 +7,8 @@ Run: python benchmarks/before_after_tuning.py [MODEL ...]   (default: default sy
 import sys
 import tempfile
 
-from perfx.bench_e2e import measure
-from perfx.default_model import cache_dir
+from perfx.commands.bench import measure_e2e as measure
+from perfx.resources import cache_dir
 from perfx.model import load_model
 from perfx.runtime import Device
 from perfx.tuning import database

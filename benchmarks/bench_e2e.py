@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from perfx.bench_e2e import measure
+from perfx.commands.bench import e2e_lines, measure_e2e
 from perfx.model import load_model
 from perfx.timing import copy_bandwidth
 
@@ -20,11 +20,7 @@ MODELS = os.environ.get("PERFX_E2E_MODELS", "default,synthetic:smollm2-135m").sp
 def test_e2e(benchmark, device, name):
     copy_gb_s, _ = copy_bandwidth(device)
     model, _ = load_model(name, device, progress=False, default_ctx=512)
-    figures = benchmark.pedantic(measure, args=(model, 64, 32), rounds=1, iterations=1)
+    figures = benchmark.pedantic(measure_e2e, args=(model, 64, 32), rounds=1, iterations=1)
     figures["copy_gb_s"] = copy_gb_s
     benchmark.extra_info.update(figures)
-    print(f"\n{name} on {device.caps.name}: prefill {figures['prefill_tok_s']:.1f} tok/s, TTFT "
-          f"{1e3 * figures['ttft_s']:.0f} ms, decode {figures['decode_tok_s']:.2f} tok/s = "
-          f"{figures['decode_gb_s']:.2f} GB/s ({100 * figures['decode_gb_s'] / copy_gb_s:.0f}% of copy "
-          f"{copy_gb_s:.1f} GB/s), host {figures['host_ms_per_token']:.2f} ms/token, device "
-          f"{figures['device_bytes'] / 2**20:.0f} MiB, host peak {figures['host_peak_bytes'] / 2**20:.0f} MiB")
+    print(f"\n{name} on {device.caps.name}:\n" + "\n".join(e2e_lines({"model": name, **figures}, copy_gb_s)))

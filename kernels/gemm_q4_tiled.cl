@@ -36,7 +36,7 @@
 #define NDIMC 8  // work-items along N
 #endif
 #ifndef VWN
-#define VWN 4  // vector width along N of the register block and local loads: 1, 2, 4, 8 or 16
+#define VWN 8  // vector width along N of the register block and local loads: 1, 2, 4, 8 or 16
 #endif
 #ifndef READ
 #define READ 0  // 0: codes from a uint4 buffer; 1: from an image2d_t

@@ -14,7 +14,7 @@
 // LANES work-items stride along K by groups and meet in a local-memory tree reduction.
 
 #ifndef LANES
-#define LANES 1      // work-items along K per work-group (power of two)
+#define LANES 16     // work-items along K per work-group (power of two)
 #endif
 #ifndef ROWS
 #define ROWS 4       // outputs per work-item: each x chunk is loaded once and applied to ROWS rows

@@ -1,6 +1,42 @@
-"""perfx: hand-written OpenCL kernels for Llama-family LLMs on phone GPUs, Adreno first."""
+"""perfx: hand-written OpenCL kernels for Llama-family LLMs on phone GPUs, Adreno first.
 
+What a user of the library needs is here: the device, the weight forms and their upload, one wrapper
+per kernel family, the float64 references, the timing helpers, model loading and generation.
+The layers, bottom to top (each imports only from those below it):
+
+    errors, resources, config, reference, progress      plain Python and numpy
+    runtime, timing                                      OpenCL: the device, builds, memory, timing
+    formats, tokenizer                                   host forms of 4-bit weights; tokenizers
+    sources                                              model files -> host weights, one module per format
+    ops                                                  one wrapper per kernel family + its parameter space
+    tuning                                               specs (verification, metrics), tuner, database, problems
+    model, generate                                      the Llama forward on the device; sampling, streaming
+    commands, cli                                        `perfx info / selftest / generate / chat / tune / bench`
+"""
+
+from perfx import reference
 from perfx.errors import PerfxError
+from perfx.formats import Q4Matrix
+from perfx.generate import SamplingConfig, generate
+from perfx.model import Llama, load_model
+from perfx.ops.attention_decode import AttentionDecode
+from perfx.ops.attention_prefill import AttentionPrefill
+from perfx.ops.gemm_q4 import GemmQ4
+from perfx.ops.gemv_f16 import F16DeviceWeight, GemvF16
+from perfx.ops.gemv_q4 import GemvQ4
+from perfx.ops.kv_cache import KVCache, RopeTable
+from perfx.ops.q4_weight import Q4DeviceWeight
+from perfx.ops.rmsnorm import RMSNorm
+from perfx.ops.small_ops import Argmax, Embedding, SwiGLU
+from perfx.runtime import Device, Limits
+from perfx.sources import open_model
+from perfx.timing import copy_bandwidth, time_launches
+from perfx.tuning.spec import relative_error
 
 __version__ = "0.1.0"
-__all__ = ["PerfxError", "__version__"]
+__all__ = [
+    "Argmax", "AttentionDecode", "AttentionPrefill", "Device", "Embedding", "F16DeviceWeight", "GemmQ4",
+    "GemvF16", "GemvQ4", "KVCache", "Limits", "Llama", "PerfxError", "Q4DeviceWeight", "Q4Matrix", "RMSNorm",
+    "RopeTable", "SamplingConfig", "SwiGLU", "__version__", "copy_bandwidth", "generate", "load_model",
+    "open_model", "reference", "relative_error", "time_launches",
+]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import gguf
 import numpy as np
 
 from perfx.errors import PerfxError
@@ -137,17 +138,26 @@ class ModelConfig:
         )
 
 
-def gguf_field(reader, name: str):
-    """The value of a GGUF header field (str, int, float, bool or list), None when absent."""
-    f = reader.get_field(name)
-    if f is None:
-        return None
-    if hasattr(f, "contents"):
-        return f.contents()
-    # gguf < 0.11 has no ReaderField.contents: decode scalars and strings by hand
-    value = f.parts[f.data[0]]
-    is_string = len(f.types) == 1 and int(f.types[0]) == 8  # GGUFValueType.STRING
-    return bytes(value).decode() if is_string else value[0]
+def gguf_field(reader, name: str, default=None):
+    """The value of a GGUF header field as plain Python (str, int, float, bool or list), else ``default``.
+
+    Strings are decoded with U+FFFD for bytes that are not UTF-8 (gguf's ``ReaderField.contents`` raises
+    instead): a vocabulary may hold such tokens, and llama.cpp loads them.
+    """
+    entry = reader.get_field(name)
+    if entry is None:
+        return default
+
+    def text(part) -> str:
+        return bytes(part).decode("utf-8", errors="replace")
+
+    if entry.types[0] == gguf.GGUFValueType.ARRAY:
+        if entry.types[-1] == gguf.GGUFValueType.STRING:
+            return [text(entry.parts[i]) for i in entry.data]
+        return [item for i in entry.data for item in entry.parts[i].tolist()]
+    if entry.types[0] == gguf.GGUFValueType.STRING:
+        return text(entry.parts[-1])
+    return entry.parts[-1].tolist()[0]
 
 
 def _float32_value(value) -> float:

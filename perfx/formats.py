@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from perfx.errors import PerfxError
+from perfx.reference import dequantize_q4
 
 GROUP_SIZES = (32, 64, 128)
 CODES_PER_TEXEL = 32  # 4 components × 8 nibbles
@@ -69,7 +70,6 @@ class Q4Matrix:
         return n * k // 2 + 4 * n * (k // self.group)
 
     def dequantize(self) -> np.ndarray:
-        from perfx.reference import dequantize_q4
         return dequantize_q4(self.codes, self.scales, self.offsets, self.group)
 
     @classmethod
@@ -235,11 +235,12 @@ def to_awq_gemv(codes: np.ndarray, zeros: np.ndarray, scales: np.ndarray):
 
 
 # ---------------------------------------------------------------------------------------------
-# GGUF blocks (ggml-common.h: block_q4_0, block_q4_1, block_q8_0; 32 weights a block)
+# GGUF blocks (ggml-common.h: block_q4_0, block_q4_1; 32 weights a block). Read here rather than with
+# gguf.quants, which dequantizes to floats: perfx keeps the 4-bit codes and per-block scale and offset.
+# The tests check these readers against gguf.quants.dequantize, llama.cpp's own definition.
 
 Q4_0_BLOCK = np.dtype([("d", "<f2"), ("qs", "u1", 16)])
 Q4_1_BLOCK = np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", 16)])
-Q8_0_BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", 32)])
 
 
 def _q4_block_codes(qs: np.ndarray) -> np.ndarray:
@@ -270,9 +271,3 @@ def from_gguf_q4_1(raw, n: int, k: int, name: str = "tensor") -> Q4Matrix:
     blocks = _blocks(raw, Q4_1_BLOCK, n, k, name)
     codes = _q4_block_codes(blocks["qs"]).reshape(n, k)
     return Q4Matrix(codes, blocks["d"].astype(np.float16), blocks["m"].astype(np.float16), 32)
-
-
-def dequantize_gguf_q8_0(raw, n: int, k: int, name: str = "tensor") -> np.ndarray:
-    """Q8_0 -> float32 (N, K): w = d·q. perfx keeps such tensors (embeddings) as fp16."""
-    blocks = _blocks(raw, Q8_0_BLOCK, n, k, name)
-    return (blocks["qs"].astype(np.float32) * blocks["d"].astype(np.float32)[..., None]).reshape(n, k)

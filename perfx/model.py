@@ -26,12 +26,14 @@ from perfx.ops.gemm_q4 import GemmQ4
 from perfx.ops.gemv_f16 import F16DeviceWeight, GemvF16
 from perfx.ops.gemv_q4 import GemvQ4
 from perfx.ops.kv_cache import KVCache, RopeTable
+from perfx.ops.params import READ_NAMES
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.ops.rmsnorm import RMSNorm
 from perfx.ops.small_ops import Argmax, Embedding, SwiGLU
 from perfx.progress import Progress
 from perfx.runtime import Device
-from perfx.tuning import specs
+from perfx.sources import open_named
+from perfx.tuning import SPECS
 from perfx.tuning.database import bucket_representative, lookup, m_bucket
 from perfx.tuning.problems import model_problems
 
@@ -64,7 +66,7 @@ class Llama:
     @classmethod
     def load(cls, source, device: Device, ctx: int | None = None, progress: bool | None = None,
              default_ctx: int = DEFAULT_CTX) -> Llama:
-        """Upload ``source`` (a ``perfx.loader.ModelSource``) to ``device`` with a KV cache of ``ctx`` positions
+        """Upload ``source`` (a ``perfx.sources.ModelSource``) to ``device`` with a KV cache of ``ctx`` positions
         (default: the model's context length, at most ``default_ctx``)."""
         c = source.config
         limit = c.max_positions or default_ctx
@@ -118,7 +120,7 @@ class Llama:
         """
         c, d = self.config, self.device
         self.tuned: dict[str, object] = {}
-        problems, _ = model_problems(c, specs(), group)
+        problems, _ = model_problems(c, SPECS, group)
         self._problems = problems
         decode = {(p.family, label): p.shape for p in problems for label in p.label.split("+")
                   if p.family not in ("gemm_q4_skinny", "gemm_q4_tiled", "attention_prefill")}
@@ -129,7 +131,7 @@ class Llama:
         self.gemv = {}
         for name in ("qkv", "o", "gate_up", "down", "lm_head"):
             shape = shape_of("gemv_q4", name, n=1, k=c.hidden_size, group=group or 32, epilogue="none", bias=False)
-            self.gemv[name] = GemvQ4(d, self._params("gemv_q4", shape, name))
+            self.gemv[name] = GemvQ4(d, self._params("gemv_q4", shape, name), shape)
         self.gemv_f16 = GemvF16(d, self._params("gemv_f16", shape_of("gemv_f16", "lm_head", n=c.vocab_size,
                                                                       k=c.hidden_size), "lm_head"))
         self.rmsnorm = RMSNorm(d, self._params("rmsnorm", {"m": 1, "k": c.hidden_size, "residual": True}, "norm"))
@@ -143,10 +145,10 @@ class Llama:
                                                         {**attention, "positions": self.max_positions}, "decode"))
         self._prefill_ops: dict[int, tuple] = {}
         # Upload each int4 weight for the read path its decode GEMV reads (the GEMM adapts to what is there).
-        self.read_paths = tuple(sorted({op.read for op in self.gemv.values()}))
+        self.read_paths = tuple(sorted({READ_NAMES[op.read] for op in self.gemv.values()}))
 
     def _params(self, family: str, shape: dict, label: str) -> dict:
-        choice = lookup(self.device, family, shape)
+        choice = lookup(self.device, SPECS[family], shape)
         self.tuned[f"{family} ({label})"] = choice
         return choice.params
 
@@ -163,15 +165,15 @@ class Llama:
                 tiled = shapes.get(("gemm_q4_tiled", name))
                 if skinny is None or tiled is None:   # an fp16 matrix: no GEMM
                     continue
-                a = lookup(self.device, "gemm_q4_skinny", skinny)
-                b = lookup(self.device, "gemm_q4_tiled", tiled)
+                a = lookup(self.device, SPECS["gemm_q4_skinny"], skinny)
+                b = lookup(self.device, SPECS["gemm_q4_tiled"], tiled)
                 self.tuned[f"gemm_q4_skinny ({name}, M≈{rep})"] = a
                 self.tuned[f"gemm_q4_tiled ({name}, M≈{rep})"] = b
                 # The faster of the two where both were measured on this device, else the default crossover.
                 crossover = None
                 if a.time_s and b.time_s:
                     crossover = 1 << 30 if a.time_s <= b.time_s else 0
-                gemms[name] = GemmQ4(self.device, a.params, b.params, crossover)
+                gemms[name] = GemmQ4(self.device, a.params, b.params, crossover, shape=skinny)
             c = self.config
             shape = shapes.get(("attention_prefill", "attention"),
                                {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "m": rep,
@@ -381,14 +383,11 @@ def load_model(name: str | None = None, device: Device | str | None = None, ctx:
 
     Returns (model, source). ``log`` receives one-line progress notes (the CLI passes stderr's print).
     """
-    from perfx.default_model import resolve_model
-    from perfx.loader import open_model
-
     log = log or (lambda text: None)
     device = device if isinstance(device, Device) else Device(device)
-    path = resolve_model(name)
-    log(f"perfx: model {path} on {device.caps.name} ({device.caps.platform}, limits: {device.caps.limits})")
-    source = open_model(path, quantize=quantize)
+    source = open_named(name, quantize=quantize)
+    log(f"perfx: model {source.describe().get('path', name)} on {device.caps.name} ({device.caps.platform}, "
+        f"limits: {device.caps.limits})")
     model = Llama.load(source, device, ctx=ctx, progress=progress, default_ctx=default_ctx)
     r = model.load_report
     log(f"perfx: loaded in {r['load_s']:.1f}s: {r['weight_bytes'] / 2**20:.0f} MiB of weights, "

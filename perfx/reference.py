@@ -197,7 +197,7 @@ def sampling_probs(logits, temperature: float = 1.0, top_k: int = 0, top_p: floa
 
 
 # ---------------------------------------------------------------------------------------------
-# The whole model: a float64 Llama forward over a perfx.loader.ModelSource (the end-to-end truth)
+# The whole model: a float64 Llama forward over a perfx.sources.ModelSource (the end-to-end truth)
 
 
 class ReferenceCache:
@@ -244,7 +244,7 @@ def embed(embedding, tokens) -> np.ndarray:
 def llama_forward(source, tokens, start_pos: int = 0, cache: ReferenceCache | None = None):
     """Logits (M, V) float64 for M tokens at positions start_pos.., and the updated cache.
 
-    ``source`` is a perfx.loader.ModelSource (weights read layer by layer, dequantized to float64);
+    ``source`` is a perfx.sources.ModelSource (weights read layer by layer, dequantized to float64);
     ``cache`` holds positions 0..start_pos−1 (None: a new one, start_pos must then be 0).
     The maths of Hugging Face's LlamaForCausalLM / Qwen2ForCausalLM, without sliding windows.
     """

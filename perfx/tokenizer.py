@@ -15,7 +15,6 @@ import enum
 import functools
 import json
 import re
-import struct
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -25,10 +24,13 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 import sentencepiece
+from sentencepiece import sentencepiece_model_pb2
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
+from perfx.config import gguf_field
 from perfx.errors import PerfxError
+from perfx.resources import read_json
 
 
 class TokenType(enum.IntEnum):
@@ -243,7 +245,7 @@ class Tokenizer:
         directory = Path(path)
         if not directory.is_dir():
             raise PerfxError(f"{directory} is not a directory; pass a Hugging Face model directory.")
-        config = _read_json(directory / "tokenizer_config.json")
+        config = read_json(directory / "tokenizer_config.json", default={})
         if (directory / "tokenizer.json").is_file():
             build = _hf_tokenizers_parts
         elif (directory / "tokenizer.model").is_file():
@@ -255,7 +257,7 @@ class Tokenizer:
         parts = build(directory, config)
         tokens = parts["tokens"]
         vocab = {token: i for i, token in enumerate(tokens) if token}
-        model_config = _read_json(directory / "config.json")
+        model_config = read_json(directory / "config.json", default={})
 
         bos_token = _token_content(config.get("bos_token"))
         eos_token = _token_content(config.get("eos_token"))
@@ -265,7 +267,7 @@ class Tokenizer:
             declared = _ids_in_range(model_config.get("bos_token_id", parts["bos_id"]), len(tokens))
             bos_id = declared[0] if declared else None
         eos_ids = set(_ids_in_range(parts["eos_id"], len(tokens)))
-        for source in (_read_json(directory / "generation_config.json"), model_config):
+        for source in (read_json(directory / "generation_config.json", default={}), model_config):
             eos_ids.update(_ids_in_range(source.get("eos_token_id"), len(tokens)))
         if eos_token in vocab:
             eos_ids.add(vocab[eos_token])
@@ -303,7 +305,7 @@ class Tokenizer:
                 raise PerfxError(f"Could not read {name} as a GGUF file: {error}") from error
 
         def value(key: str, default: Any = None) -> Any:
-            return _gguf_value(reader, key, default)
+            return gguf_field(reader, key, default)
 
         model = value("tokenizer.ggml.model")
         tokens = value("tokenizer.ggml.tokens")
@@ -437,20 +439,6 @@ def _end_of_turn_ids(tokens: list[str], types: list[int]) -> set[int]:
 
 # -- GGUF ----------------------------------------------------------------------------------------------
 
-def _gguf_value(reader, key: str, default: Any = None) -> Any:
-    """A metadata value as plain Python (str, int, float, bool or list), or default when absent."""
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    if field.types[0] == gguf.GGUFValueType.ARRAY:
-        if field.types[-1] == gguf.GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        return [item for i in field.data for item in field.parts[i].tolist()]
-    if field.types[0] == gguf.GGUFValueType.STRING:
-        return bytes(field.parts[-1]).decode("utf-8", errors="replace")
-    return field.parts[-1].tolist()[0]
-
-
 def _with_one_unknown(types: list[int], unknown_id: int) -> list[int]:
     """SentencePiece refuses a vocabulary without an unknown piece; mark the declared one if needed."""
     if TokenType.UNKNOWN in types or not 0 <= unknown_id < len(types):
@@ -472,43 +460,22 @@ def _sentencepiece_from_vocab(tokens: list[str], scores: list[float], types: lis
 
 def _sentencepiece_model_proto(tokens: list[str], scores: list[float], types: list[int],
                                add_space_prefix: bool) -> bytes:
-    """Serialize a SentencePiece ModelProto (sentencepiece_model.proto) by hand.
+    """A SentencePiece ModelProto (sentencepiece's own sentencepiece_model.proto) for a GGUF vocabulary.
 
-    Written out directly because sentencepiece's own pb2 module needs the protobuf package, which is
-    not otherwise a dependency. Model type BPE: pieces merge in score order, which is llama.cpp's
-    SPM algorithm. The "identity" normalizer with whitespace kept matches llama.cpp, which does not
-    normalize; a GGUF does not carry the original normalization rules anyway.
+    Model type BPE: pieces merge in score order, which is llama.cpp's SPM algorithm. The "identity"
+    normalizer with whitespace kept matches llama.cpp, which does not normalize; a GGUF does not carry
+    the original normalization rules anyway.
     """
-    def varint(value: int) -> bytes:
-        out = bytearray()
-        while value > 0x7F:
-            out.append(value & 0x7F | 0x80)
-            value >>= 7
-        out.append(value)
-        return bytes(out)
-
-    def field_varint(number: int, value: int) -> bytes:
-        return varint(number << 3) + varint(value)
-
-    def field_bytes(number: int, value: bytes) -> bytes:
-        return varint(number << 3 | 2) + varint(len(value)) + value
-
-    def field_float(number: int, value: float) -> bytes:
-        return varint(number << 3 | 5) + struct.pack("<f", value)
-
-    out = bytearray()
+    proto = sentencepiece_model_pb2.ModelProto()
     for token, score, kind in zip(tokens, scores, types):
-        # ModelProto.pieces = 1: SentencePiece {piece = 1, score = 2, type = 3}
-        out += field_bytes(1, field_bytes(1, token.encode("utf-8")) + field_float(2, score)
-                           + field_varint(3, int(kind)))
-    byte_fallback = TokenType.BYTE in types
-    # ModelProto.trainer_spec = 2: TrainerSpec {model_type = 3 (BPE = 2), byte_fallback = 35}
-    out += field_bytes(2, field_varint(3, 2) + field_varint(35, int(byte_fallback)))
-    # ModelProto.normalizer_spec = 3: NormalizerSpec {name = 1, add_dummy_prefix = 3,
-    # remove_extra_whitespaces = 4, escape_whitespaces = 5}
-    out += field_bytes(3, field_bytes(1, b"identity") + field_varint(3, int(add_space_prefix))
-                       + field_varint(4, 0) + field_varint(5, 1))
-    return bytes(out)
+        proto.pieces.add(piece=token, score=score, type=int(kind))
+    proto.trainer_spec.model_type = sentencepiece_model_pb2.TrainerSpec.BPE
+    proto.trainer_spec.byte_fallback = TokenType.BYTE in types
+    proto.normalizer_spec.name = "identity"
+    proto.normalizer_spec.add_dummy_prefix = add_space_prefix
+    proto.normalizer_spec.remove_extra_whitespaces = False
+    proto.normalizer_spec.escape_whitespaces = True
+    return proto.SerializeToString()
 
 
 def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre: str, name: str):
@@ -538,16 +505,6 @@ def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre:
 
 # -- Hugging Face directories --------------------------------------------------------------------------
 
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        raise PerfxError(f"Could not read {path} as JSON ({error}); "
-                         f"is the model download complete?") from error
-
-
 def _token_content(entry: Any) -> str:
     """A special token from tokenizer_config.json: a string or an {"content": ...} object."""
     if isinstance(entry, dict):
@@ -564,7 +521,7 @@ def _hf_chat_template(directory: Path, config: dict) -> str | None:
         return template
     if (directory / "chat_template.jinja").is_file():
         return (directory / "chat_template.jinja").read_text(encoding="utf-8")
-    return _read_json(directory / "chat_template.json").get("chat_template")
+    return read_json(directory / "chat_template.json", default={}).get("chat_template")
 
 
 def _hf_tokenizers_parts(directory: Path, config: dict) -> dict:
@@ -573,7 +530,7 @@ def _hf_tokenizers_parts(directory: Path, config: dict) -> dict:
         backend = tokenizers.Tokenizer.from_file(str(path))
     except Exception as error:  # tokenizers raises plain Exception on a bad file
         raise PerfxError(f"Could not load {path} ({error}); is the model download complete?") from error
-    spec = _read_json(path)
+    spec = read_json(path)
     byte_level, strip_leading_space = _hf_decoding_style(spec.get("decoder"), path)
     byte_fallback = bool((spec.get("model") or {}).get("byte_fallback"))
 

@@ -98,15 +98,20 @@ def test_decode_sequence(device, rng):
     assert relative_error(k_dev, k16) <= SPEC.tolerance and relative_error(v_dev, v16) == 0
 
 
-def test_falls_back_where_the_parameters_do_not_fit(rng):
+def test_parameters_that_do_not_fit_are_refused_and_the_defaults_give_way(rng):
+    """Explicit parameters beyond the device's local memory are an error that says so; with none asked
+    for, defaults that do not fit give way to the first set that does, and the answer is right."""
     small = Device(limits=Limits(name="small-local", local_mem=8 << 10))
     shape = SPEC.test_shapes[1]
+    h, hkv, d, positions = (shape[k] for k in ("n_heads", "n_kv_heads", "head_dim", "positions"))
     big = {"PART": 256, "WGS": 128, "VW": 8}
-    assert SPEC.why_invalid(big, shape, small.caps) is not None
-    case = SPEC.make_case(small, shape, rng)
-    op = case.op(big)
-    assert op.fallback is not None and op.params != big
-    _check_case(case, shape, big)
+    with pytest.raises(PerfxError, match=r"attention_decode: parameters .* bytes of local memory > the "
+                                         r"device's 8192"):
+        AttentionDecode(small, h, hkv, d, positions, big)
+    fitting = AttentionDecode(small, h, hkv, d, positions).params
+    assert SPEC.why_invalid(SPEC.defaults(), shape, small.caps) is None or fitting != SPEC.defaults()
+    assert SPEC.why_invalid(fitting, shape, small.caps) is None
+    _check_case(SPEC.make_case(small, shape, rng), shape, fitting)
 
 
 def test_errors(device):

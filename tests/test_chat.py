@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
-from perfx.chat import common_prefix
+from perfx.commands.chat import common_prefix
 from perfx.tokenizer import Tokenizer
 
 STATS_LINE = re.compile(r"(\d+) tokens, TTFT \d+ ms, prefill [\d.]+ tok/s, decode [\d.]+ tok/s "
@@ -246,7 +246,7 @@ def test_ctrl_c_stops_a_reply_and_the_session_goes_on(tiny):
 
 
 def test_cache_matches_a_fresh_prefill_after_interrupt_overflow_and_reuse(tiny, device):
-    from perfx.chat import Chat
+    from perfx.commands.chat import Chat
     from perfx.generate import SamplingConfig
     from perfx.model import load_model
 
@@ -304,7 +304,8 @@ def test_piped_stdin_writes_only_replies(tiny, tmp_path):
 
 
 def test_a_message_longer_than_the_context_is_refused_and_the_session_goes_on(tiny):
-    run = run_piped(["--model", tiny, "--ctx", "40", "--max-tokens", "30", "--seed", "4"],
+    # --system '': the tiny vocabulary spells the default system prompt out letter by letter
+    run = run_piped(["--model", tiny, "--ctx", "40", "--max-tokens", "30", "--seed", "4", "--system", ""],
                     "hello\n" + "many words " * 40 + "\nhi\n")
     assert run.returncode == 0, run.stderr
     assert ("perfx: error: this message does not fit the context of 40 positions with the system prompt: "
@@ -382,3 +383,16 @@ def test_default_model_answers_and_continues_on_the_cache():
         assert term.exit_status() == 0
     finally:
         term.close()
+
+
+@pytest.mark.slow
+def test_chat_and_generate_give_the_same_first_answer():
+    """One default system prompt for both commands: the same question at temperature 0 gets the same reply."""
+    question = "How many legs does a spider have?"
+    flags = ["--temperature", "0", "--max-tokens", "32", "--ctx", "512"]
+    generate = subprocess.run([sys.executable, "-m", "perfx", "generate", "-q", *flags, question],
+                              capture_output=True, text=True, env=chat_env(), timeout=600)
+    chat = run_piped(flags, question + "\n", timeout=600)
+    assert generate.returncode == 0 and chat.returncode == 0, generate.stderr + chat.stderr
+    assert "eight" in generate.stdout.lower() or "8" in generate.stdout, generate.stdout
+    assert chat.stdout.strip() == generate.stdout.strip()

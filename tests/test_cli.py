@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from perfx import cli, selftest
+from perfx import cli
+from perfx.commands import selftest
 from perfx.tuning import specs
 
 
@@ -55,7 +56,8 @@ def test_selftest_exits_1_when_a_kernel_is_broken(capsys, monkeypatch):
 
         return dataclasses.replace(case, run=wrong)
 
-    monkeypatch.setattr(selftest, "specs", lambda: {"rmsnorm": dataclasses.replace(good, make_case=broken_case)})
+    monkeypatch.setattr(selftest, "select_specs",
+                        lambda names: {"rmsnorm": dataclasses.replace(good, make_case=broken_case)})
     code, out, _ = run_cli(capsys, "selftest", "--quick")
     assert code == 1
     assert "FAIL" in out and "rmsnorm" in out and "0 passed, 1 failed" in out
@@ -63,7 +65,7 @@ def test_selftest_exits_1_when_a_kernel_is_broken(capsys, monkeypatch):
 
 def test_selftest_unknown_family(capsys):
     code, _, err = run_cli(capsys, "selftest", "--kernels", "nope")
-    assert code == 2 and "unknown kernel family nope" in err
+    assert code == 2 and "unknown kernel family 'nope'" in err
 
 
 @pytest.mark.slow

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from perfx import default_model
-from perfx.default_model import cache_dir, default_model_path, resolve_model
+from perfx.sources import default as default_model
+from perfx.resources import cache_dir
+from perfx.sources.default import default_model_path, resolve_model
 from perfx.errors import PerfxError
 
 FAKE_MEMBER = "fakepkg/tiny-model.gguf"

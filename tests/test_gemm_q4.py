@@ -9,6 +9,7 @@ from perfx.formats import Q4Matrix
 from perfx.ops.gemm_q4 import DEFAULT_CROSSOVER, GemmQ4
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.runtime import Device, Limits
+from perfx.tuning.database import Database, result_record
 from perfx.tuning.gemm_q4 import SKINNY, TILED, expected_output
 from perfx.tuning.spec import relative_error
 
@@ -158,21 +159,32 @@ def test_errors_name_the_problem(device, rng):
         gemm.run("huge", weight, x, y, 4)
     with pytest.raises(PerfxError, match="crossover must be"):
         GemmQ4(device, crossover=-1)
-    with pytest.raises(PerfxError, match="gemm_q4_tiled parameters .* restriction"):
+    with pytest.raises(PerfxError, match=r"gemm_q4_tiled: parameters .* VWN=16 is not one of"):
         GemmQ4(device, tiled_params={"NWG": 64, "NDIMC": 8, "VWN": 16})
     phone = Device(limits=Limits(name="small-local", local_mem=6144))
-    with pytest.raises(PerfxError, match="local memory 32768 > device 6144"):
+    with pytest.raises(PerfxError, match="32768 bytes of local memory > the device's 6144"):
         GemmQ4(phone, tiled_params={"MWG": 64, "NWG": 64, "KWG": 64})
+    # Made for the plain epilogue (12 KiB of tiles), asked for gate-up (two weight tiles, 20 KiB): refused.
+    phone = Device(limits=Limits(name="16k-local", local_mem=16 << 10))
     gate_up, x, y, _ = _problem(phone, rng, 4, 64, 256, 32, "silu_mul", extra_rows=0)
     with pytest.raises(PerfxError, match="cannot run the silu_mul epilogue .* local memory"):
-        GemmQ4(phone, tiled_params={"MWG": 16, "NWG": 32, "VWN": 4}).tiled(gate_up, x, y, 4, "silu_mul")
+        GemmQ4(phone, tiled_params={"MWG": 32, "NWG": 64, "VWN": 4, "KWG": 32}).tiled(gate_up, x, y, 4, "silu_mul")
 
 
-def test_gate_up_falls_back_to_the_defaults_where_a_tuned_tile_does_not_fit(rng):
-    # 24 KiB: X and one weight tile of KWG = 64 fit (24 KiB), two weight tiles (40 KiB) do not.
+def test_a_tuned_tile_that_does_not_fit_the_gate_up_epilogue_gives_way_to_the_next(rng, tmp_path):
+    """24 KiB: X and one weight tile of KWG = 64 fit (24 KiB), two (the gate-up epilogue's) do not. Passed
+    explicitly that is an error; looked up, it is skipped for the defaults, with the reason kept."""
     device = Device(limits=Limits(name="24k-local", local_mem=24 << 10))
-    gemm = GemmQ4(device, tiled_params={"KWG": 64})
-    assert gemm._params["tiled", "none"]["KWG"] == 64 and gemm._params["tiled", "silu_mul"] == TILED.defaults()
-    m = 37
-    weight, x, y, want = _problem(device, rng, m, 2 * 70, 320, 32, "silu_mul")
-    assert relative_error(_run(gemm, "tiled", weight, x, y, m, "silu_mul"), want) <= TOL
+    gate_up = {"m": 37, "n": 2 * 70, "k": 320, "group": 32, "epilogue": "silu_mul"}
+    assert GemmQ4(device, tiled_params={"KWG": 64}).params["tiled"]["KWG"] == 64   # fits the plain epilogue
+    with pytest.raises(PerfxError, match="local memory"):
+        GemmQ4(device, tiled_params={"KWG": 64}, shape=gate_up)
+    db = Database(tmp_path / "user", tmp_path / "none")
+    db.save_result(device, result_record(TILED, gate_up, {**TILED.defaults(), "KWG": 64}, 1e-3, None,
+                                         device.fingerprint))
+    choice = db.lookup(device, TILED, gate_up)
+    assert choice.source == "default" and choice.params == TILED.defaults()
+    assert any("local memory" in why for why in choice.skipped), choice.skipped
+    gemm = GemmQ4(device, tiled_params=choice.params, shape=gate_up)
+    weight, x, y, want = _problem(device, rng, 37, 2 * 70, 320, 32, "silu_mul")
+    assert relative_error(_run(gemm, "tiled", weight, x, y, 37, "silu_mul"), want) <= TOL

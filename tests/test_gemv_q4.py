@@ -59,7 +59,7 @@ def test_image_split(small_image_device, rng, params):
     x = rng.standard_normal(576).astype(np.float32)
     xd = device.upload(x)
     full = reference.gemv(q4.dequantize(), x, bias)
-    gemv = GemvQ4(device, {**params, "READ": "image2d"})
+    gemv = GemvQ4(device, {**params, "READ": 1})
 
     y = device.poisoned(1000, np.float32)
     assert len(gemv.events(weight, xd, y)) == 4
@@ -94,9 +94,9 @@ def test_errors(device, rng):
     _, _, image_only = _random_weight(device, rng, 10, 64, 32, read_paths=("image2d",))
     x, y = device.upload(rng.standard_normal(64).astype(np.float32)), device.empty(10, np.float32)
     with pytest.raises(PerfxError, match="without the 'image2d' read path"):
-        GemvQ4(device, {"READ": "image2d"})(buffer_only, x, y)
+        GemvQ4(device, {"READ": 1})(buffer_only, x, y)
     with pytest.raises(PerfxError, match="without the 'buffer' read path"):
-        GemvQ4(device, {"READ": "buffer"})(image_only, x, y)
+        GemvQ4(device, {"READ": 0})(image_only, x, y)
     gemv = GemvQ4(device)
     with pytest.raises(PerfxError, match="odd"):
         _, _, odd = _random_weight(device, rng, 9, 64, 32)

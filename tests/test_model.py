@@ -13,8 +13,11 @@ from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_awq, writ
 from perfx import reference
 from perfx.errors import PerfxError
 from perfx.generate import SamplingConfig, generate
-from perfx.loader import open_model
 from perfx.model import Llama, load_model
+from perfx.sources import open_model
+from perfx.tuning import SPECS
+from perfx.tuning.database import default_database, result_record
+from perfx.tuning.problems import model_problems
 from perfx.tuning.spec import relative_error
 
 TOLERANCE = 2e-3
@@ -190,21 +193,14 @@ def test_default_model_answers_coherently_and_matches_the_reference(device):
 
 def test_the_model_runs_the_tuned_parameters(tiny_paths, device, tmp_path, monkeypatch, rng):
     """A database entry that forces a non-default gemv_q4 choice for this device is what the model uses."""
-    from perfx.tuning import specs
-    from perfx.tuning.database import default_database
-    from perfx.tuning.problems import model_problems
-
     monkeypatch.setenv("PERFX_CACHE", str(tmp_path))
     source = open_model(tiny_paths["gguf-gqa3"])
-    spec = specs()["gemv_q4"]
-    problems, _ = model_problems(source.config, specs(), 32)
+    spec = SPECS["gemv_q4"]
+    problems, _ = model_problems(source.config, SPECS, 32)
     qkv = next(p for p in problems if p.family == "gemv_q4" and "qkv" in p.label.split("+"))
     forced = {**spec.defaults(), "LANES": 4, "ROWS": 2}
     assert forced != spec.defaults()
-    db = default_database()
-    record = db.tuning_record(device, spec, qkv.shape)
-    record.update(params=forced, complete=True, time_s=1e-5)
-    db.save_record(device, record)
+    default_database().save_result(device, result_record(spec, qkv.shape, forced, 1e-5, None, device.fingerprint))
 
     model = Llama.load(source, device, ctx=32, progress=False)
     assert model.gemv["qkv"].params == forced

@@ -49,5 +49,5 @@ def test_errors(device):
         norm.plain(x, gamma, y, 1, 128, 1e-5)
     with pytest.raises(PerfxError, match="residual holds"):
         norm.residual(x, device.empty(64, np.float32), gamma, y, 2, 64, 1e-5)
-    with pytest.raises(PerfxError, match="outside the tuning space"):
+    with pytest.raises(PerfxError, match="is not one of"):
         RMSNorm(device, {"WGS": 96})

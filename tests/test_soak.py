@@ -1,6 +1,6 @@
 """Soak (issue 8, item 5): the default model chats through a scripted session on a 256-position context until
 the context has overflowed at least twice (the chat drops its oldest turns and re-prefills the rest) and it
-has had at least MIN_TURNS turns, in process through ``perfx.chat.Chat``, the class behind `perfx chat`.
+has had at least MIN_TURNS turns, in process through ``perfx.commands.chat.Chat``, the class behind `perfx chat`.
 
 Between turns nothing may grow but what is bounded: device memory is the load's plus the prefill GEMMs built
 once per M bucket (a few bytes each; slack 1 MiB); host memory (resident set, /proc/self/statm) may move by at
@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from perfx.chat import Chat
+from perfx.commands.chat import Chat
 from perfx.generate import SamplingConfig
 from perfx.model import load_model
 

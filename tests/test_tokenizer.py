@@ -8,7 +8,7 @@ import gguf
 import pytest
 import sentencepiece
 
-from perfx.default_model import default_model_path
+from perfx.sources.default import default_model_path
 from perfx.errors import PerfxError
 from perfx.tokenizer import CHATML_TEMPLATE, Tokenizer
 from helpers.tiny_tokenizer import train_tiny_spm, write_tokenizer_only_gguf

@@ -4,10 +4,17 @@ import json
 
 import pytest
 
-from perfx.config import ModelConfig
-from perfx.tuning import specs
-from perfx.tuning.database import M_BUCKETS, Database, bucket_representative, m_bucket, params_key
-from perfx.tuning.problems import KNOWN_CONFIGS, _fits, model_problems
+import argparse
+import builtins
+
+from perfx import cli, plots
+from perfx.commands import tune
+from perfx.errors import PerfxError
+from perfx.runtime import get_device
+from perfx.sources.synthetic import SYNTHETIC_MODELS
+from perfx.tuning import SPECS, select_specs, specs
+from perfx.tuning.database import M_BUCKETS, Database, bucket_representative, lookup, m_bucket, params_key
+from perfx.tuning.problems import _fits, model_problems
 from perfx.tuning.tuner import Tuner, neighbours
 from toy_tuning import Toy
 
@@ -33,10 +40,12 @@ def test_never_selects_wrong_or_broken_and_records_why(device, db):
     assert all("tolerance" in o.reason and o.time_s is None for o in wrong)
     broken = [o for o in result.outcomes if o.status == "build"]
     assert all("failed to build" in o.reason for o in broken)
-    # What the database holds says the same, and the look-up returns the verified best.
-    saved = json.loads(db.device_path(device.fingerprint).read_text())["records"][0]
-    assert {c["status"] for c in saved["candidates"]} >= {"ok", "wrong", "build"}
-    assert saved["params"]["MODE"] == "good" and saved["complete"]
+    # The resume log holds every candidate with its outcome; the results file the verified best alone.
+    logged = json.loads(db.log_path(device.fingerprint).read_text())["problems"][0]
+    assert {c["status"] for c in logged["candidates"]} >= {"ok", "wrong", "build"} and logged["complete"]
+    (saved,) = json.loads(db.device_path(device.fingerprint).read_text())["records"]
+    assert saved["params"]["MODE"] == "good" and "candidates" not in saved
+    assert saved["time_s"] == result.best.time_s and saved["gb_per_s"] > 0
     choice = db.lookup(device, spec, SHAPE)
     assert choice.source == "device" and choice.params == result.best.params
 
@@ -55,9 +64,10 @@ def test_interrupted_sweep_resumes_without_retiming(device, db):
     toy.interrupt_at = 5  # Ctrl-C during the fifth candidate's verification
     with pytest.raises(KeyboardInterrupt):
         Tuner(device, db, budget_s=60).tune_problem(spec, SHAPE)
-    saved = json.loads(db.device_path(device.fingerprint).read_text())["records"][0]
-    done = {params_key(c["params"]) for c in saved["candidates"]}
-    assert len(done) == 4 and not saved["complete"]
+    logged = json.loads(db.log_path(device.fingerprint).read_text())["problems"][0]
+    done = {params_key(c["params"]) for c in logged["candidates"]}
+    assert len(done) == 4 and not logged["complete"]
+    assert not db.device_path(device.fingerprint).exists(), "an interrupted problem has no result yet"
 
     toy.interrupt_at, toy.runs, toy.launches = None, {}, {}
     result = Tuner(device, db, budget_s=60).tune_problem(spec, SHAPE)
@@ -105,9 +115,9 @@ def test_m_buckets_and_their_representatives():
         assert m_bucket(bucket_representative(i)) == i
 
 
-@pytest.mark.parametrize("name", sorted(KNOWN_CONFIGS))
-def test_problems_of_a_hand_made_config_fit_the_specs(name):
-    config = ModelConfig(**KNOWN_CONFIGS[name])
+@pytest.mark.parametrize("name", sorted(SYNTHETIC_MODELS))
+def test_problems_of_a_model_fit_the_specs(name):
+    config = SYNTHETIC_MODELS[name][0]
     families = specs()
     problems, notes = model_problems(config, families)
     assert problems
@@ -125,32 +135,26 @@ def test_problems_of_a_hand_made_config_fit_the_specs(name):
 
 def test_problems_skip_a_family_whose_shapes_have_other_keys():
     toy = Toy()
-    config = ModelConfig(**KNOWN_CONFIGS["smollm2-135m"])
+    config = SYNTHETIC_MODELS["smollm2-135m"][0]
     problems, notes = model_problems(config, {"rmsnorm": toy.spec(family="rmsnorm")})
     assert not problems and "rmsnorm: skipped" in notes[0]
 
 
 def _parse(module, argv):
-    import argparse
     parser = argparse.ArgumentParser()
     module.add_arguments(parser)
     return parser.parse_args(argv)
 
 
 def test_kernel_selection_by_name_and_prefix():
-    from perfx.errors import PerfxError
-    from perfx.tune import select_families
-
-    families = specs()
-    if {"gemm_q4_skinny", "gemm_q4_tiled"} <= set(families):
-        assert set(select_families("gemm_q4")) == {"gemm_q4_skinny", "gemm_q4_tiled"}
+    assert set(select_specs("gemm_q4")) == {"gemm_q4_skinny", "gemm_q4_tiled"}
+    assert set(select_specs("argmax, rmsnorm")) == {"argmax", "rmsnorm"}
+    assert select_specs(None) == specs()
     with pytest.raises(PerfxError, match="unknown kernel family 'nope'"):
-        select_families("nope")
+        select_specs("nope")
 
 
 def test_tune_command_sweeps_exports_and_imports(tmp_path, monkeypatch, capsys):
-    import perfx.tune as tune
-
     monkeypatch.setenv("PERFX_CACHE", str(tmp_path / "cache"))
     args = _parse(tune, ["--model", "synthetic:smollm2-135m", "--kernels", "argmax", "--budget", "4",
                          "--json", "--export", str(tmp_path / "out.json")])
@@ -162,17 +166,10 @@ def test_tune_command_sweeps_exports_and_imports(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PERFX_CACHE", str(tmp_path / "other"))
     assert tune.main(_parse(tune, ["--import", str(tmp_path / "out.json")])) == 0
     assert "imported 1 tuning records" in capsys.readouterr().out
-    from perfx.runtime import get_device
-    from perfx.tuning.database import lookup
-    assert lookup(get_device(), "argmax", problem["shape"]).source == "device"
+    assert lookup(get_device(), SPECS["argmax"], problem["shape"]).source == "device"
 
 
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch):
-    import builtins
-
-    from perfx import plots
-    from perfx.errors import PerfxError
-
     real_import = builtins.__import__
 
     def no_matplotlib(name, *args, **kwargs):
@@ -186,8 +183,6 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch):
 
 
 def test_bench_e2e_reports_end_to_end_figures(capsys):
-    from perfx import cli
-
     code = cli.main(["bench", "--model", "synthetic:tiny", "--kernels", "argmax", "--e2e", "--json"])
     data = json.loads(capsys.readouterr().out)
     e2e = data["e2e"]

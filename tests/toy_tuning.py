@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pyopencl as cl
 
+from perfx.ops.params import ParamSpace
 from perfx.runtime import BuildError
 from perfx.tuning.spec import Case, Spec
 
@@ -65,14 +66,16 @@ class Toy:
 
     def spec(self, space=None, family="toy") -> Spec:
         return Spec(
-            family=family,
-            source="copy.cl",  # any file of kernels/: its hash pins the records; the toy's own is built here
-            space=space or {"WGS": (16, 32, 64), "MODE": ("good", "wrong", "broken")},
+            params=ParamSpace(
+                family=family,
+                source="copy.cl",  # any file of kernels/: its hash pins the records; the toy's own is built here
+                space=space or {"WGS": (16, 32, 64), "MODE": ("good", "wrong", "broken")},
+                work_group_size=lambda p, s: p["WGS"],
+            ),
             make_case=self.make_case,
             tolerance=1e-6,
             tolerance_why="y = 2·x is exact in fp32; the wrong mode is off by 1e-3",
             test_shapes=({"n": 1000},),
             bytes_moved=lambda s: 8 * s["n"],
             flops=lambda s: s["n"],
-            work_group_size=lambda p: p["WGS"],
         )

@@ -1,25 +1,38 @@
-"""The autotuner's data: one search-space spec per kernel family, and the tuning database.
+"""The autotuner's data and machinery, installed as ``perfx.tuning``: one spec per kernel family (its
+wrapper's parameter space with verification cases and metrics), the problems a model runs, the search,
+and the tuning database.
 
-Installed as ``perfx.tuning``. ``specs()`` returns every family's spec; adding a family to the tuner,
-to `perfx selftest` and to the parameterised tests is writing one module here with a ``SPEC``.
+``specs()`` returns every family's spec; adding a family is writing its spec module and naming it here.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
+from perfx.errors import PerfxError
+from perfx.tuning import attention_decode, attention_prefill, gemm_q4, gemv_f16, gemv_q4, rmsnorm, small_ops
 from perfx.tuning.spec import Case, Spec, relative_error
+
+SPECS: dict[str, Spec] = {spec.family: spec for spec in (
+    gemv_q4.SPEC, gemv_f16.SPEC, gemm_q4.SKINNY, gemm_q4.TILED, rmsnorm.SPEC, attention_decode.SPEC,
+    attention_prefill.SPEC, small_ops.EMBEDDING_F16, small_ops.EMBEDDING_Q4, small_ops.ARGMAX, small_ops.SWIGLU)}
 
 
 def specs() -> dict[str, Spec]:
-    """Every kernel family's spec: each module of this package that defines ``SPEC`` (or ``SPECS``)."""
-    result = {}
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        for spec in getattr(module, "SPECS", ()) or ([module.SPEC] if hasattr(module, "SPEC") else []):
-            result[spec.family] = spec
-    return result
+    """Every kernel family's spec, by family name."""
+    return dict(SPECS)
 
 
-__all__ = ["Case", "Spec", "relative_error", "specs"]
+def select_specs(names: str | None) -> dict[str, Spec]:
+    """The specs named in a comma-separated list (`--kernels`): exact family names, or a prefix naming a
+    group (gemm_q4 = gemm_q4_skinny and gemm_q4_tiled); None or empty: all."""
+    if not names:
+        return dict(SPECS)
+    chosen = {}
+    for name in (n.strip() for n in names.split(",") if n.strip()):
+        matched = [family for family in SPECS if family == name or family.startswith(name + "_")]
+        if not matched:
+            raise PerfxError(f"unknown kernel family {name!r}; known: {', '.join(SPECS)}")
+        chosen.update({family: SPECS[family] for family in matched})
+    return chosen
+
+
+__all__ = ["Case", "SPECS", "Spec", "relative_error", "select_specs", "specs"]

@@ -9,8 +9,11 @@ timing, so a cache larger than the device's caches is not served from them twice
 from __future__ import annotations
 
 import numpy as np
+import pyopencl as cl
 
 from perfx import reference
+from perfx.ops.attention_decode import PARAMS, AttentionDecode
+from perfx.ops.kv_cache import KVCache, RopeTable
 from perfx.tuning.spec import Case, Spec, cached_per_params
 
 THETA = 10000.0
@@ -34,23 +37,7 @@ def flops(shape) -> int:
     return 4 * shape["n_heads"] * shape["positions"] * shape["head_dim"]
 
 
-def lanes(params, shape) -> int:
-    return shape["head_dim"] // params["VW"]
-
-
-def local_memory(params, shape) -> int:
-    """Mirrors the kernel's __local arrays: q, the fresh k/v (fp16), scores / partial V sums, reductions."""
-    gqa, d = shape["n_heads"] // shape["n_kv_heads"], shape["head_dim"]
-    rows = params["WGS"] // lanes(params, shape)
-    work = max(gqa * params["PART"], rows * gqa * d)
-    return 4 * (gqa * d + work + gqa * params["WGS"] + 2 * gqa) + 2 * 2 * d
-
-
 def make_case(device, shape, rng) -> Case:
-    from perfx.ops.attention_decode import AttentionDecode
-    from perfx.ops.kv_cache import KVCache, RopeTable
-    import pyopencl as cl
-
     h, hkv, d, positions = (shape[k] for k in ("n_heads", "n_kv_heads", "head_dim", "positions"))
     offset = shape.get("qkv_offset", 0)
     pos = positions - 1
@@ -109,20 +96,7 @@ def make_case(device, shape, rng) -> Case:
 
 
 SPEC = Spec(
-    family="attention_decode",
-    source="attention_decode.cl",
-    space={
-        "PART": (128, 32, 256),  # positions per partition (one work-group per kv head and partition)
-        # work-items per partition work-group; not 32: half an Adreno wave (PoCL showed no gain from it)
-        "WGS": (64, 128),
-        "VW": (8, 4),            # halfs per K/V load along head_dim
-    },
-    restrictions=(
-        lambda p, s: s["head_dim"] % p["VW"] == 0,
-        lambda p, s: p["WGS"] >= lanes(p, s),  # at least one whole V row per pass
-    ),
-    work_group_size=lambda p: p["WGS"],
-    local_memory=local_memory,
+    params=PARAMS,
     make_case=make_case,
     tolerance=1e-3,
     tolerance_why=(

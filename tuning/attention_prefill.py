@@ -7,8 +7,11 @@ already in the cache). Cases run at layer 1 of a two-layer cache, so the layer o
 from __future__ import annotations
 
 import numpy as np
+import pyopencl as cl
 
 from perfx import reference
+from perfx.ops.attention_prefill import PARAMS, AttentionPrefill
+from perfx.ops.kv_cache import KVCache, RopeTable
 from perfx.tuning.spec import Case, Spec, cached_per_params
 
 THETA = 10000.0
@@ -34,15 +37,7 @@ def bytes_moved(shape) -> int:
     return qkv + appended + cache_read + 4 * m * h * d
 
 
-def local_memory(params, shape) -> int:
-    return 2 * params["BK"] * shape["head_dim"] * 4  # K and V tiles, float
-
-
 def make_case(device, shape, rng) -> Case:
-    from perfx.ops.attention_prefill import AttentionPrefill
-    from perfx.ops.kv_cache import KVCache, RopeTable
-    import pyopencl as cl
-
     h, hkv, d, m, p0 = (shape[k] for k in ("n_heads", "n_kv_heads", "head_dim", "m", "p0"))
     max_positions = p0 + m + 3  # a few rows past the prompt, which must stay untouched
     qkv = rng.standard_normal((m, (h + 2 * hkv) * d)).astype(np.float32)
@@ -92,18 +87,7 @@ def make_case(device, shape, rng) -> Case:
 
 
 SPEC = Spec(
-    family="attention_prefill",
-    source="attention_prefill.cl",
-    space={
-        "WGS": (32, 16, 64),   # query rows (token, head of the GQA group) per work-group
-        "BK": (16, 32, 64),    # key positions per local-memory K/V tile
-        "VW": (8, 4),          # vector width along head_dim
-    },
-    restrictions=(
-        lambda p, s: s["head_dim"] % (2 * p["VW"]) == 0,  # each half of a head row is whole vectors
-    ),
-    work_group_size=lambda p: p["WGS"],
-    local_memory=local_memory,
+    params=PARAMS,
     make_case=make_case,
     tolerance=1e-3,
     tolerance_why=(

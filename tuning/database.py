@@ -1,20 +1,25 @@
 """The tuning database: which parameters each kernel family uses on a device, for a shape.
 
-JSON files, one per device in the user's cache (``<cache>/tuning/``, ``PERFX_CACHE`` moves it) plus
-the read-only files shipped in ``tuning/database/``. Every file says what it applies to (``match``):
-one device (its fingerprint: platform, device name, OpenCL C version, driver version), an
-architecture (``caps.architecture``, e.g. "adreno-7xx") or a vendor (``caps.vendor_key``). A device
-file also names its device's architecture and vendor, so a measured record serves other devices of
-the same architecture or vendor at those levels.
+Results files (what is looked up) hold one compact record per (family, shape): the best parameters,
+their time, GB/s or GFLOP/s, the defaults' time, the kernel source hash and the device. They come
+from two places: perfx's shipped files (``tuning/database/``, read only) and the user's own
+(``<cache>/tuning/<device>.json``, written by `perfx tune` and `--import`). Each file says what it
+applies to (``match``): one device (its fingerprint: platform, device name, OpenCL C version, driver
+version), an architecture (``caps.architecture``, e.g. "adreno-7xx") or a vendor (``caps.vendor_key``).
+A device file also names its device's architecture and vendor, so its records serve other devices
+of the same architecture or vendor at those levels.
 
-A record holds one (family, shape): the best parameters, the defaults' time and every candidate
-tried with its outcome (time and spread, or why it was rejected), so an interrupted sweep resumes
-without re-timing anything. Measured records carry the sha256 of the kernel source they were
-measured with; a record whose source changed is stale and ignored. Hand-written (reasoned) records
-have no hash and ``shape: null`` (any shape): what they ask for is checked with ``spec.why_invalid``.
+The tuner's resume log (every candidate tried, its time and samples, or why it was rejected) is kept
+apart, in ``<cache>/tuning/log/<device>.json``: it is how an interrupted sweep resumes without re-timing
+anything, and what ``merge`` uses where it has it; no look-up reads it (kernel_tuner's cache file and
+CLBlast's raw tuner output are kept apart from their results in the same way).
 
-Look-up falls back device → architecture → vendor → the spec's defaults; within a level, a shape
-matches exactly except its size keys ("m" by nearest M bucket, "positions" by nearest on a log scale).
+Measured records carry the sha256 of the kernel source they were measured with; a record whose
+source changed is stale and ignored. Hand-written (reasoned) records have no hash and ``shape: null``
+(any shape). Look-up falls back device → architecture → vendor → the defaults; within a level, a
+shape matches exactly except its size keys ("m" by nearest M bucket, "positions" by nearest on a log
+scale). A record whose parameters do not fit the shape or device is skipped for the next one, and
+the reason is kept in the ``Choice`` (`perfx info` shows it).
 """
 
 from __future__ import annotations
@@ -25,21 +30,27 @@ import json
 import math
 import os
 import re
-import tempfile
+import statistics
 import warnings
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
 from perfx.errors import PerfxError
+from perfx.resources import cache_dir, kernel_source, read_json, tuning_path, write_atomic, write_json_atomic
 
-FORMAT = 1
+FORMAT = 2
+LOG_FORMAT = 1
 LEVELS = ("device", "architecture", "vendor")
 
 # Prompt lengths (M) of the GEMM path are tuned per bucket; ``None`` is open-ended.
 M_BUCKETS = ((1, 1), (2, 4), (5, 16), (17, 64), (65, 256), (257, None))
 # Shape keys matched by nearest rather than exactly.
 SIZE_KEYS = ("m", "positions")
+# The fields of a results record, in the order they are written.
+RECORD_FIELDS = ("family", "shape", "params", "time_s", "default_time_s", "gb_per_s", "gflop_per_s",
+                 "source_hash", "device", "devices", "comment")
 
 
 class TuningDatabaseWarning(UserWarning):
@@ -52,6 +63,7 @@ class Choice:
     source: str      # "device", "architecture", "vendor" or "default"
     detail: str      # which file and record, or why nothing matched
     time_s: float | None = None  # the tuned median time, where a measurement stands behind the choice
+    skipped: tuple[str, ...] = ()  # records that matched but did not fit, each with the reason
 
 
 def m_bucket(m: int) -> int:
@@ -75,7 +87,6 @@ def source_hash(spec) -> str:
 
 @lru_cache(maxsize=None)
 def _source_hash(source: str) -> str:
-    from perfx.resources import kernel_source
     return hashlib.sha256(kernel_source(source).encode()).hexdigest()
 
 
@@ -99,31 +110,22 @@ def fingerprint_slug(fingerprint: dict) -> str:
     return f"{slug}-{digest}"
 
 
-def write_json_atomic(path: Path, data) -> None:
-    """Write JSON so that the file is either the old one or the whole new one, even if killed midway."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp",
-                                         delete=False, encoding="utf-8")
-    try:
-        with handle:
-            json.dump(data, handle, indent=1, sort_keys=False, allow_nan=False)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(handle.name, 0o644)  # a temporary file is created 0600; the database is not secret
-        os.replace(handle.name, path)
-    except BaseException:
-        Path(handle.name).unlink(missing_ok=True)
-        raise
-
-
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def _validate(data, path: Path) -> str | None:
-    """None when ``data`` is a database file we can use, else what is wrong with it."""
+def results_json(data: dict) -> str:
+    """A results file as text: the header indented, then one record per line (compact, diff-friendly)."""
+    head = {k: v for k, v in data.items() if k != "records"}
+    lines = json.dumps(head, indent=1, ensure_ascii=False, allow_nan=False)[:-2]
+    records = [json.dumps({k: r[k] for k in RECORD_FIELDS if r.get(k) is not None}, ensure_ascii=False,
+                          allow_nan=False) for r in data.get("records", [])]
+    body = ",\n  ".join(records)
+    return f'{lines},\n "records": [\n  {body}\n ]\n}}\n' if records else f'{lines},\n "records": []\n}}\n'
+
+
+def _validate(data) -> str | None:
+    """None when ``data`` is a results file we can use, else what is wrong with it."""
     if not isinstance(data, dict):
         return "not a JSON object"
     if data.get("perfx_tuning") != FORMAT:
@@ -141,15 +143,13 @@ def _validate(data, path: Path) -> str | None:
             return f"record {i} has no family"
         if not isinstance(record.get("shape"), (dict, type(None))):
             return f"record {i}: shape must be an object or null"
-        if not isinstance(record.get("params"), (dict, type(None))):
-            return f"record {i}: params must be an object or null"
-        if not isinstance(record.get("candidates", []), list):
-            return f"record {i}: candidates must be a list"
+        if not isinstance(record.get("params"), dict):
+            return f"record {i}: params must be an object"
     return None
 
 
-class DatabaseFile:
-    """One JSON file of the database, read into memory."""
+class ResultsFile:
+    """One results file of the database, read into memory."""
 
     def __init__(self, path: Path, data: dict, writable: bool):
         self.path, self.data, self.writable = Path(path), data, writable
@@ -177,37 +177,45 @@ class DatabaseFile:
 
     def find(self, family: str, shape: dict | None) -> dict | None:
         key = shape_key(shape)
-        for record in self.records:
-            if record["family"] == family and shape_key(record.get("shape")) == key:
-                return record
-        return None
+        return next((r for r in self.records if r["family"] == family and shape_key(r.get("shape")) == key), None)
+
+    def put(self, record: dict):
+        """Add ``record``, replacing the one of the same family and shape."""
+        old = self.find(record["family"], record.get("shape"))
+        if old is not None:
+            self.records.remove(old)
+        self.records.append(record)
 
     def save(self):
         if not self.writable:
             raise PerfxError(f"{self.path} is a shipped tuning file and is not written to")
         self.data["updated"] = _now()
-        write_json_atomic(self.path, self.data)
+        write_atomic(self.path, results_json(self.data))
 
 
-def read_file(path: Path, writable: bool) -> DatabaseFile | None:
-    """A database file, or None (with a warning) when it is unreadable; a corrupt one is set aside."""
+def _set_aside(path: Path, message: str) -> str:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    aside = path.with_name(f"{path.name}.corrupt-{stamp}")
+    try:
+        os.replace(path, aside)
+        return message + f"; set aside as {aside.name}, its entries will be re-tuned"
+    except OSError as e:
+        return message + f"; could not set it aside ({e}): move or delete it by hand"
+
+
+def read_results(path: Path, writable: bool) -> ResultsFile | None:
+    """A results file, or None (with a warning) when it is unreadable; a corrupt user file is set aside."""
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        problem = _validate(data, path)
+        problem = _validate(data)
     except (OSError, UnicodeDecodeError, ValueError) as e:
         problem = f"{type(e).__name__}: {e}"
     if problem is None:
-        return DatabaseFile(path, data, writable)
+        return ResultsFile(path, data, writable)
     message = f"tuning database file {path} is unreadable ({problem})"
     if writable:
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        aside = path.with_name(f"{path.name}.corrupt-{stamp}")
-        try:
-            os.replace(path, aside)
-            message += f"; set aside as {aside.name}, its entries will be re-tuned"
-        except OSError as e:
-            message += f"; could not set it aside ({e}): move or delete it by hand"
+        message = _set_aside(path, message)
     else:
         message += "; ignored (it ships with perfx: reinstall perfx)"
     warnings.warn(message, TuningDatabaseWarning, stacklevel=3)
@@ -238,25 +246,65 @@ def shape_distance(want: dict, have: dict | None) -> tuple | None:
     return distance
 
 
-class Database:
-    """The user's tuning files (one per device, written) and the shipped ones (read only).
+def result_record(spec, shape: dict, params: dict, time_s: float, default_time_s: float | None,
+                  fingerprint: dict) -> dict:
+    """A results record of a measured best, with its rate (GB/s and, where it computes, GFLOP/s)."""
+    nbytes, flops = int(spec.bytes_moved(shape)), int(spec.flops(shape))
+    return {"family": spec.family, "shape": normal(shape), "params": normal(params), "time_s": time_s,
+            "default_time_s": default_time_s, "gb_per_s": round(nbytes / time_s / 1e9, 3),
+            "gflop_per_s": round(flops / time_s / 1e9, 3) if flops else None,
+            "source_hash": source_hash(spec), "device": fingerprint_slug(fingerprint)}
 
-    Files are re-read when they change on disk, so a sweep in another process is seen.
+
+class TuningLog:
+    """The tuner's resume log of one device: every candidate tried per (family, shape), as it came."""
+
+    def __init__(self, path: Path, device):
+        self.path = Path(path)
+        self.data = {"perfx_tuning_log": LOG_FORMAT, "device": device.fingerprint,
+                     "architecture": device.caps.architecture, "vendor": device.caps.vendor_key, "problems": []}
+        if self.path.exists():
+            try:
+                data = json.loads(self.path.read_text(encoding="utf-8"))
+                if data.get("perfx_tuning_log") != LOG_FORMAT or not isinstance(data.get("problems"), list):
+                    raise ValueError(f"not a perfx tuning log of format {LOG_FORMAT}")
+                self.data = data
+            except (OSError, UnicodeDecodeError, ValueError) as e:
+                warnings.warn(_set_aside(self.path, f"tuning log {self.path} is unreadable ({e})"),
+                              TuningDatabaseWarning, stacklevel=2)
+
+    def problem(self, spec, shape: dict) -> dict:
+        """The log entry of (family, shape) for the current kernel source; a stale one is started again."""
+        key, current = shape_key(shape), source_hash(spec)
+        problems = self.data["problems"]
+        entry = next((p for p in problems if p["family"] == spec.family and shape_key(p["shape"]) == key), None)
+        if entry is not None and entry.get("source_hash") != current:
+            problems.remove(entry)
+            entry = None
+        if entry is None:
+            entry = {"family": spec.family, "shape": normal(shape), "source_hash": current, "complete": False,
+                     "candidates": []}
+            problems.append(entry)
+        return entry
+
+    def save(self):
+        self.data["updated"] = _now()
+        write_json_atomic(self.path, self.data)
+
+
+class Database:
+    """The user's results files (one per device, written) and the shipped ones (read only), plus the
+    user's resume logs. Files are re-read when they change on disk, so a sweep in another process is seen.
     """
 
     def __init__(self, user_dir: Path | str | None = None, shipped_dir: Path | str | None = None):
-        if user_dir is None:
-            from perfx.default_model import cache_dir
-            user_dir = cache_dir() / "tuning"
-        if shipped_dir is None:
-            from perfx.resources import tuning_path
-            shipped_dir = tuning_path("database")
-        self.user_dir, self.shipped_dir = Path(user_dir), Path(shipped_dir)
+        self.user_dir = Path(user_dir) if user_dir is not None else cache_dir() / "tuning"
+        self.shipped_dir = Path(shipped_dir) if shipped_dir is not None else tuning_path("database")
         self._cache: dict[Path, tuple] = {}
 
     # -- files ---------------------------------------------------------------------------------
 
-    def _load(self, path: Path, writable: bool) -> DatabaseFile | None:
+    def _load(self, path: Path, writable: bool) -> ResultsFile | None:
         try:
             stat = path.stat()
         except OSError:
@@ -265,12 +313,12 @@ class Database:
         cached = self._cache.get(path)
         if cached and cached[0] == stamp:
             return cached[1]
-        loaded = read_file(path, writable)
+        loaded = read_results(path, writable)
         if loaded is not None:
             self._cache[path] = (stamp, loaded)
         return loaded
 
-    def files(self) -> list[DatabaseFile]:
+    def files(self) -> list[ResultsFile]:
         """User files first, then shipped ones (so a user's measurement wins at the same level)."""
         result = []
         for directory, writable in ((self.user_dir, True), (self.shipped_dir, False)):
@@ -284,48 +332,33 @@ class Database:
     def device_path(self, fingerprint: dict) -> Path:
         return self.user_dir / f"{fingerprint_slug(fingerprint)}.json"
 
-    def device_file(self, device) -> DatabaseFile:
-        """This device's own (writable) file, created in memory when there is none yet."""
+    def log_path(self, fingerprint: dict) -> Path:
+        return self.user_dir / "log" / f"{fingerprint_slug(fingerprint)}.json"
+
+    def device_file(self, device) -> ResultsFile:
+        """This device's own (writable) results file, created in memory when there is none yet."""
         path = self.device_path(device.fingerprint)
         loaded = self._load(path, True) if path.exists() else None
         if loaded is None:
-            loaded = DatabaseFile(path, {
+            loaded = ResultsFile(path, {
                 "perfx_tuning": FORMAT, "match": {"device": device.fingerprint},
                 "architecture": device.caps.architecture, "vendor": device.caps.vendor_key,
                 "created": _now(), "records": []}, True)
         return loaded
 
-    def _saved(self, file: DatabaseFile):
+    def log(self, device) -> TuningLog:
+        return TuningLog(self.log_path(device.fingerprint), device)
+
+    def save_result(self, device, record: dict):
+        """Put a results record (``result_record``) into this device's file, written atomically."""
+        file = self.device_file(device)
+        file.put(record)
+        self._saved(file)
+
+    def _saved(self, file: ResultsFile):
         file.save()
         stat = file.path.stat()
         self._cache[file.path] = ((stat.st_mtime_ns, stat.st_size), file)
-
-    # -- what the tuner writes -----------------------------------------------------------------
-
-    def tuning_record(self, device, spec, shape: dict) -> dict:
-        """The device's record of (family, shape) for the current kernel source; a stale one is reset."""
-        file = self.device_file(device)
-        record = file.find(spec.family, shape)
-        current = source_hash(spec)
-        if record is not None and record.get("source_hash") != current:
-            file.records.remove(record)
-            record = None
-        if record is None:
-            record = {"family": spec.family, "shape": normal(shape), "source_hash": current, "params": None,
-                      "complete": False, "candidates": []}
-            file.records.append(record)
-        return record
-
-    def save_record(self, device, record: dict):
-        """Write the device's file (atomically) after ``record`` (from ``tuning_record``) changed."""
-        file = self.device_file(device)
-        if not any(r is record for r in file.records):
-            existing = file.find(record["family"], record.get("shape"))
-            if existing is not None:
-                file.records.remove(existing)
-            file.records.append(record)
-        record["updated"] = _now()
-        self._saved(file)
 
     # -- look-up -------------------------------------------------------------------------------
 
@@ -338,7 +371,7 @@ class Database:
             if level is None:
                 continue
             for record in file.records:
-                if record["family"] != spec.family or not record.get("params"):
+                if record["family"] != spec.family:
                     continue
                 pinned = record.get("source_hash")
                 if pinned is not None and pinned != current:
@@ -349,27 +382,44 @@ class Database:
         found.sort(key=lambda item: (item[0], item[1]))
         return found
 
-    def lookup(self, device, family, shape: dict) -> Choice:
-        """The parameters to use for ``family`` (a name or a Spec) at ``shape`` on ``device``, and their source."""
-        spec = family if hasattr(family, "space") else _spec(family)
-        family = spec.family
-        rejected = []
+    def choices(self, device, spec, shape: dict) -> list[Choice]:
+        """Every parameter set that may run ``spec`` at ``shape`` on ``device``, most specific first: each
+        fitting database record, then the defaults (or, where they do not fit, the first set that does)."""
+        result, skipped = [], []
         for _, _, file, record in self._matches(device, spec, shape):
             params = {**spec.defaults(), **record["params"]}
-            why = _outside_space(spec, params) or spec.why_invalid(params, shape, device.caps)
             level = file.level_for(device)
-            if why is None:
-                what = "shape *" if record.get("shape") is None else spec.describe(record["shape"])
-                return Choice(params, level, f"{file.path.name}: {family} {what}", record.get("time_s"))
-            rejected.append(f"{file.path.name} ({level}): {why}")
-        detail = "no tuned entry" + (f"; skipped {'; '.join(rejected)}" if rejected else "")
-        return Choice(spec.defaults(), "default", detail)
+            why = spec.why_invalid(params, shape, device.caps)
+            if why is not None:
+                skipped.append(f"{file.path.name} ({level}): {why}")
+                continue
+            if any(c.params == params for c in result):
+                continue
+            what = "shape *" if record.get("shape") is None else spec.describe(record["shape"])
+            result.append(Choice(params, level, f"{file.path.name}: {spec.family} {what}", record.get("time_s"),
+                                 tuple(skipped)))
+        defaults = spec.defaults()
+        why = spec.why_invalid(defaults, shape, device.caps)
+        if why is not None:
+            skipped.append(f"the defaults: {why}")
+            fitting = spec.candidates(shape, device.caps)
+            defaults = fitting[0] if fitting else None
+        if defaults is not None and not any(c.params == defaults for c in result):
+            detail = "no tuned entry fits" if skipped else "no tuned entry"
+            result.append(Choice(defaults, "default", detail, None, tuple(skipped)))
+        return result
 
-    def entries_in_force(self, device) -> list[dict]:
+    def lookup(self, device, spec, shape: dict) -> Choice:
+        """The parameters to use for ``spec`` at ``shape`` on ``device``, and where they come from."""
+        found = self.choices(device, spec, shape)
+        if not found:
+            raise PerfxError(f"{spec.family}: no parameter set fits {spec.describe(shape)} on {device.caps.name}")
+        return found[0]
+
+    def entries_in_force(self, device, all_specs: dict) -> list[dict]:
         """Every record that applies to this device, the level it applies at, and whether it is stale."""
         rows = []
         hashes = {}
-        all_specs = _specs()
         for file in self.files():
             level = file.level_for(device)
             if level is None:
@@ -380,8 +430,6 @@ class Database:
                 note = ""
                 if spec is None:
                     note = "ignored: no such kernel family"
-                elif not record.get("params"):
-                    note = "incomplete: no candidate verified yet"
                 else:
                     if family not in hashes:
                         hashes[family] = source_hash(spec)
@@ -399,21 +447,19 @@ class Database:
     # -- sharing -------------------------------------------------------------------------------
 
     def export(self, device, path: Path | str) -> int:
-        """Write this device's measured records to ``path`` (same format); returns how many."""
+        """Write this device's results (compact, the shipped format) to ``path``; returns how many records."""
         file = self.device_file(device)
-        write_json_atomic(Path(path), file.data)
+        write_atomic(Path(path), results_json(file.data))
         return len(file.records)
 
     def import_file(self, path: Path | str) -> tuple[Path, int]:
-        """Merge a file from ``export`` into the user database; a record replaces the same one here."""
+        """Merge a results file (from ``export`` or ``merge``) into the user database; a record replaces
+        the one of the same family and shape here."""
         path = Path(path)
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError) as e:
-            raise PerfxError(f"cannot import {path}: {type(e).__name__}: {e}") from e
-        problem = _validate(data, path)
+        data = read_json(path)
+        problem = _validate(data)
         if problem:
-            raise PerfxError(f"cannot import {path}: not a perfx tuning file ({problem})")
+            raise PerfxError(f"cannot import {path}: not a perfx tuning results file ({problem})")
         match = data["match"]
         if "device" in match:
             target = self.device_path(match["device"])
@@ -421,33 +467,123 @@ class Database:
             level, value = next(iter(match.items()))
             target = self.user_dir / f"{level}-{re.sub(r'[^a-z0-9]+', '-', str(value).lower())}.json"
         existing = self._load(target, True) if target.exists() else None
-        merged = existing.data if existing is not None else {k: v for k, v in data.items() if k != "records"}
-        merged.setdefault("records", [])
-        keys = {(r["family"], shape_key(r.get("shape"))) for r in data["records"]}
-        merged["records"] = [r for r in merged["records"] if (r["family"], shape_key(r.get("shape"))) not in keys]
-        merged["records"].extend(data["records"])
-        file = DatabaseFile(target, merged, True)
+        file = existing or ResultsFile(target, {**{k: v for k, v in data.items() if k != "records"},
+                                                "records": []}, True)
+        for record in data["records"]:
+            file.put(record)
         self._saved(file)
         return target, len(data["records"])
 
 
-def _outside_space(spec, params: dict) -> str | None:
-    for name, value in params.items():
-        if name in spec.space and normal(value) not in [normal(v) for v in spec.space[name]]:
-            return f"{name}={value} is not one of {list(spec.space[name])}"
-    return None
+# -- merging many devices' results into architecture and vendor defaults ----------------------------
 
 
-def _specs() -> dict:
-    from perfx.tuning import specs
-    return specs()
+@dataclass
+class _DeviceResults:
+    slug: str
+    architecture: str
+    vendor: str
+    best: dict = field(default_factory=dict)      # (family, shape key) -> record
+    timings: dict = field(default_factory=dict)   # (family, shape key) -> {params key: time_s}
 
 
-def _spec(family: str):
-    all_specs = _specs()
-    if family not in all_specs:
-        raise PerfxError(f"unknown kernel family {family!r}; known: {', '.join(all_specs)}")
-    return all_specs[family]
+def _device_results(data: dict, origin: str) -> _DeviceResults:
+    """One device's results (and candidate times, where a log or report brings them) from a file's data."""
+    if data.get("perfx_tuning_log") == LOG_FORMAT:   # a resume log: every candidate's time
+        fingerprint = data.get("device") or {}
+        results = _DeviceResults(fingerprint_slug(fingerprint), data.get("architecture", ""), data.get("vendor", ""))
+        for problem in data.get("problems", []):
+            key = (problem["family"], shape_key(problem["shape"]))
+            times = {params_key(c["params"]): c["time_s"] for c in problem.get("candidates", [])
+                     if c.get("status") == "ok" and c.get("time_s")}
+            if times:
+                results.timings[key] = times
+                best = min(times, key=times.get)
+                results.best[key] = {"family": problem["family"], "shape": problem["shape"],
+                                     "params": json.loads(best), "time_s": times[best],
+                                     "source_hash": problem.get("source_hash")}
+        return results
+    problem = _validate(data)
+    if problem or "device" not in data["match"]:
+        raise PerfxError(f"cannot merge {origin}: " + (problem or "it is not one device's results (merge "
+                                                       "takes device files from export, logs or reports)"))
+    results = _DeviceResults(fingerprint_slug(data["match"]["device"]), data.get("architecture", ""),
+                             data.get("vendor", ""))
+    for record in data["records"]:
+        results.best[(record["family"], shape_key(record.get("shape")))] = record
+    return results
+
+
+def merge(inputs: list[dict], level: str, min_devices: int = 2) -> list[dict]:
+    """Architecture- or vendor-level results files from many devices' results, CLBlast's way.
+
+    ``inputs`` are device results files (``export``), resume logs or `perfx report` tuning sections. Per
+    (family, shape) within one architecture (or vendor), the parameters chosen are the best on average:
+    among the sets timed on every device there (where logs bring every candidate's time), the one with
+    the highest mean of (the device's best time / its time); where only each device's best is known, the
+    set that is best on the most devices (ties: the faster mean relative time where known). A group with
+    fewer than ``min_devices`` devices yields nothing: one machine's results do not speak for its vendor.
+    """
+    if level not in ("architecture", "vendor"):
+        raise PerfxError(f"merge level must be architecture or vendor, not {level!r}")
+    devices: dict[str, _DeviceResults] = {}
+    for i, data in enumerate(inputs):
+        results = _device_results(data, f"input {i + 1}")
+        previous = devices.get(results.slug)
+        if previous is not None:  # the same device twice (a report and an export): keep both halves
+            previous.best.update(results.best)
+            previous.timings.update(results.timings)
+        else:
+            devices[results.slug] = results
+    groups: dict[str, list[_DeviceResults]] = defaultdict(list)
+    for results in devices.values():
+        name = results.architecture if level == "architecture" else results.vendor
+        if name:
+            groups[name].append(results)
+    files = []
+    for name, members in sorted(groups.items()):
+        if len(members) < min_devices:
+            continue
+        keys = sorted({key for m in members for key in m.best})
+        records = []
+        for key in keys:
+            record = _best_on_average([m for m in members if key in m.best], key)
+            if record is not None:
+                records.append(record)
+        if records:
+            files.append({"perfx_tuning": FORMAT, "match": {level: name}, "created": _now(),
+                          "comment": f"merged from {len(members)} devices' tuning results by `perfx tune --merge`",
+                          "records": records})
+    return files
+
+
+def _best_on_average(members: list[_DeviceResults], key) -> dict | None:
+    hashes = {m.best[key].get("source_hash") for m in members}
+    if len(hashes) != 1:   # measured with different kernel sources: not comparable
+        return None
+    timed = [m for m in members if key in m.timings]
+    scores: dict[str, float] = {}
+    if len(timed) == len(members):
+        common = set.intersection(*(set(m.timings[key]) for m in members))
+        for params in common:
+            scores[params] = statistics.fmean(min(m.timings[key].values()) / m.timings[key][params]
+                                              for m in members)
+    if not scores:
+        votes: dict[str, int] = defaultdict(int)
+        for m in members:
+            votes[params_key(m.best[key]["params"])] += 1
+        scores = {p: float(v) for p, v in votes.items()}
+    chosen = max(sorted(scores), key=scores.get)
+    times = []
+    for m in members:
+        if chosen in m.timings.get(key, {}):
+            times.append(m.timings[key][chosen])
+        elif params_key(m.best[key]["params"]) == chosen and m.best[key].get("time_s"):
+            times.append(m.best[key]["time_s"])
+    first = members[0].best[key]
+    return {"family": first["family"], "shape": first.get("shape"), "params": json.loads(chosen),
+            "time_s": statistics.median(times) if times else None, "source_hash": hashes.pop(),
+            "devices": sorted(m.slug for m in members)}
 
 
 _default: dict[str, Database] = {}
@@ -455,18 +591,12 @@ _default: dict[str, Database] = {}
 
 def default_database() -> Database:
     """The process's database, for the cache dir in force (``PERFX_CACHE`` read each time)."""
-    from perfx.default_model import cache_dir
     key = str(cache_dir())
     if key not in _default:
         _default[key] = Database()
     return _default[key]
 
 
-def lookup(device, family, shape: dict) -> Choice:
-    """Parameters for ``family`` at ``shape`` on ``device``: device → architecture → vendor → defaults."""
-    return default_database().lookup(device, family, shape)
-
-
-def entries_in_force(device) -> list[dict]:
-    """The database records that apply to ``device`` (for `perfx info`), stale ones marked."""
-    return default_database().entries_in_force(device)
+def lookup(device, spec, shape: dict) -> Choice:
+    """Parameters for ``spec`` at ``shape`` on ``device``: device → architecture → vendor → defaults."""
+    return default_database().lookup(device, spec, shape)

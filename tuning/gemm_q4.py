@@ -9,6 +9,9 @@ import numpy as np
 
 from perfx import reference
 from perfx.formats import Q4Matrix
+from perfx.ops import gemm_q4
+from perfx.ops.gemm_q4 import GemmQ4
+from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.tuning.spec import Case, Spec, cached_per_params
 
 TOLERANCE = 1e-4
@@ -47,9 +50,6 @@ def expected_output(x, q4: Q4Matrix, bias, epilogue: str) -> np.ndarray:
 
 def _case_maker(kind: str):
     def make_case(device, shape, rng) -> Case:
-        from perfx.ops.gemm_q4 import GemmQ4
-        from perfx.ops.q4_weight import Q4DeviceWeight
-
         m, n, k, group = shape["m"], shape["n"], shape["k"], shape["group"]
         epilogue = shape.get("epilogue", "none")
         q4 = Q4Matrix.random(n, k, group, rng)
@@ -60,7 +60,7 @@ def _case_maker(kind: str):
         x_host = rng.standard_normal((m, k)).astype(np.float32)
         x = device.upload(x_host)
         y = device.poisoned((m, output_columns(shape)), np.float32)
-        wrapper = cached_per_params(lambda params: GemmQ4(device, **{f"{kind}_params": params}))
+        wrapper = cached_per_params(lambda params: GemmQ4(device, **{f"{kind}_params": params}, shape=shape))
 
         def launch(params):
             return [wrapper(params).run(kind, weight, x, y, m, epilogue)]
@@ -76,28 +76,8 @@ def _case_maker(kind: str):
     return make_case
 
 
-def _local_bytes_tiled(params, shape) -> int:
-    tiles = 2 if shape.get("epilogue") == "silu_mul" else 1
-    return 4 * params["KWG"] * (params["MWG"] + tiles * params["NWG"])
-
-
-_IMAGES = {"READ": lambda caps, value: value == 0 or caps.image_support}
-
 SKINNY = Spec(
-    family="gemm_q4_skinny",
-    source="gemm_q4_skinny.cl",
-    space={
-        "WGS": (64, 1),          # work-items per work-group (independent: no local memory, no barriers)
-        "ROWS": (2, 1, 4),       # output columns per work-item
-        "MT": (4, 2, 8),         # rows of X per register pass
-        "READ": (1, 0),          # codes from image2d (1) or buffer (0)
-    },
-    # ROWS·MT float8 accumulators (twice that with the gate-up epilogue's two weight rows per column),
-    # plus ROWS weight vectors and the x chunk, must stay in registers: at most 8 (16 for gate-up). On
-    # PoCL/AVX2 (16 vector registers) ROWS = 4, MT = 4 spills and runs at 2/3 the speed of 2 × 4.
-    restrictions=(lambda p, s: p["ROWS"] * p["MT"] <= 8,),
-    work_group_size=lambda p: p["WGS"],
-    device_checks=_IMAGES,
+    params=gemm_q4.SKINNY,
     make_case=_case_maker("skinny"),
     tolerance=TOLERANCE,
     tolerance_why=TOLERANCE_WHY,
@@ -112,26 +92,7 @@ SKINNY = Spec(
 )
 
 TILED = Spec(
-    family="gemm_q4_tiled",
-    source="gemm_q4_tiled.cl",
-    space={
-        "MWG": (32, 64),         # rows of Y per work-group tile
-        "NWG": (64, 128),        # columns of Y per work-group tile
-        "KWG": (32, 64),         # K per local-memory tile (a multiple of 32)
-        "MDIMC": (8,),           # work-items along M
-        "NDIMC": (8,),           # work-items along N
-        "VWN": (8, 4),           # vector width along N: 1, 2, 4 or 8 (16 fails to build on PoCL)
-        "READ": (0, 1),          # codes from buffer (0) or image2d (1)
-    },
-    restrictions=(
-        lambda p, s: p["MWG"] % p["MDIMC"] == 0,
-        lambda p, s: p["NWG"] % (p["NDIMC"] * p["VWN"]) == 0,
-        # Register block of at most 64 accumulators per output: beyond that every device spills.
-        lambda p, s: (p["MWG"] // p["MDIMC"]) * (p["NWG"] // p["NDIMC"]) <= 64,
-    ),
-    work_group_size=lambda p: p["MDIMC"] * p["NDIMC"],
-    local_memory=_local_bytes_tiled,
-    device_checks=_IMAGES,
+    params=gemm_q4.TILED,
     make_case=_case_maker("tiled"),
     tolerance=TOLERANCE,
     tolerance_why=TOLERANCE_WHY,
@@ -145,4 +106,3 @@ TILED = Spec(
     flops=flops,
 )
 
-SPECS = [SKINNY, TILED]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from perfx import reference
+from perfx.ops.gemv_f16 import PARAMS, F16DeviceWeight, GemvF16
 from perfx.tuning.spec import Case, Spec, cached_per_params
 
 # Input copies cycled by Case.rotate when W is small enough to stay in a cache between launches.
@@ -21,8 +22,6 @@ def expected_gemv(w: np.ndarray, x: np.ndarray, rows: int = 4096) -> np.ndarray:
 
 
 def make_case(device, shape, rng) -> Case:
-    from perfx.ops.gemv_f16 import F16DeviceWeight, GemvF16
-
     n, k = shape["n"], shape["k"]
     # Weights of Llama's size (|w| ~ 0.05) so fp16 keeps its full precision; x ~ N(0, 1).
     w = (rng.standard_normal((n, k), dtype=np.float32) * 0.05).astype(np.float16)
@@ -52,13 +51,7 @@ def make_case(device, shape, rng) -> Case:
 
 
 SPEC = Spec(
-    family="gemv_f16",
-    source="gemv_f16.cl",
-    space={
-        "WGS": (64, 128, 256),
-        "LANES": (16, 1, 4, 32),
-        "VW": (8, 4),
-    },
+    params=PARAMS,
     make_case=make_case,
     tolerance=1e-5,
     tolerance_why=("fp32 accumulation of K products of exact fp16·fp32 values, in LANES·VW partial sums "
@@ -73,7 +66,4 @@ SPEC = Spec(
     ),
     bytes_moved=lambda s: 2 * s["n"] * s["k"] + 4 * s["k"] + 4 * s["n"],
     flops=lambda s: 2 * s["n"] * s["k"],
-    restrictions=(lambda p, s: p["WGS"] % p["LANES"] == 0,),
-    work_group_size=lambda p: p["WGS"],
-    local_memory=lambda p, s: 4 * p["WGS"] if p["LANES"] > 1 else 0,
 )

@@ -11,17 +11,13 @@ import numpy as np
 
 from perfx import reference
 from perfx.formats import Q4Matrix
-from perfx.ops.gemv_q4 import GemvQ4
+from perfx.ops.gemv_q4 import PARAMS, GemvQ4
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.tuning.spec import Case, Spec, cached_per_params
 
 
 def _outputs(shape) -> int:
     return shape["n"] // 2 if shape.get("epilogue", "none") == "silu_mul" else shape["n"]
-
-
-def _wrows(params) -> int:
-    return params["ROWS"]
 
 
 def _bytes_moved(shape) -> int:
@@ -56,7 +52,7 @@ def make_case(device, shape, rng) -> Case:
     full = full if bias is None else full + bias
     expected = reference.swiglu(full[:m], full[m:]) if epilogue == "silu_mul" else full
 
-    wrapper = cached_per_params(lambda params: GemvQ4(device, params))
+    wrapper = cached_per_params(lambda params: GemvQ4(device, params, shape))
     state = {"i": 0}
 
     def launch(params):
@@ -76,13 +72,7 @@ def make_case(device, shape, rng) -> Case:
 
 
 SPEC = Spec(
-    family="gemv_q4",
-    source="gemv_q4.cl",
-    space={
-        "LANES": (16, 1, 4, 64),        # work-items along K per work-group
-        "ROWS": (4, 1, 2, 8),           # outputs per work-item (pairs for silu_mul)
-        "READ": ("buffer", "image2d"),  # where the codes come from
-    },
+    params=PARAMS,
     make_case=make_case,
     tolerance=1e-4,
     tolerance_why=(
@@ -100,15 +90,6 @@ SPEC = Spec(
     ),
     bytes_moved=_bytes_moved,
     flops=lambda shape: 2 * shape["n"] * shape["k"],
-    restrictions=(
-        # silu_mul holds gate and up rows: keep at most 8 rows of accumulators per work-item.
-        lambda p, s: s.get("epilogue", "none") != "silu_mul" or p["ROWS"] <= 4,
-    ),
-    work_group_size=lambda params: params["LANES"],
-    local_memory=lambda params, shape: (4 * params["LANES"] * _wrows(params)
-                                        * (2 if shape.get("epilogue") == "silu_mul" else 1)
-                                        if params["LANES"] > 1 else 0),
-    device_checks={"READ": lambda caps, value: value != "image2d" or caps.image_support},
     describe=lambda s: (f"{s['n']}x{s['k']} G={s['group']}" + (" +bias" if s.get("bias") else "")
                         + (f" {s['epilogue']}" if s.get("epilogue", "none") != "none" else "")),
 )

@@ -11,21 +11,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from perfx.errors import PerfxError
+from perfx.sources import open_named
 from perfx.tuning.database import M_BUCKETS, bucket_representative
 
 # Contexts at which decode attention is tuned (capped by the model's max_positions).
 DECODE_POSITIONS = (256, 2048)
-
-# Hyper-parameters of the synthetic models, used when perfx.synthetic is not importable.
-KNOWN_CONFIGS = {
-    "llama-2-7b": dict(architecture="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                       n_layers=32, n_heads=32, n_kv_heads=32, head_dim=128, max_positions=4096),
-    "smollm2-135m": dict(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                         n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, max_positions=8192,
-                         rope_theta=100000.0, tie_embeddings=True),
-}
-
 
 @dataclass(frozen=True)
 class Problem:
@@ -35,32 +25,11 @@ class Problem:
     per_token: int = 1  # launches per forward pass (layers): how much it matters
 
 
-def model_config(name: str | None):
-    """The ``ModelConfig`` of a ``--model`` value: "default", a path, or "synthetic:<name>"."""
-    return model_shapes(name)[0]
-
-
 def model_shapes(name: str | None):
-    """(config, group) of a ``--model`` value; group is the file's int4 group size where it fixes one
-    (32 for GGUF Q4_0/Q4_1, AWQ's q_group_size), else None (perfx's own choice per K)."""
-    from perfx.config import ModelConfig
-
-    name = name or "default"
-    if name.startswith("synthetic:"):
-        try:
-            from perfx.loader import open_model
-            return open_model(name).config, None
-        except ImportError:  # perfx.synthetic not there yet: the hyper-parameters are all we need
-            known = KNOWN_CONFIGS.get(name.split(":", 1)[1].lower())
-            if known is None:
-                raise PerfxError(f"unknown synthetic model {name!r}; known: "
-                                 + ", ".join(f"synthetic:{k}" for k in KNOWN_CONFIGS)) from None
-            return ModelConfig(**known), None
-    from perfx.default_model import resolve_model
-    from perfx.loader import open_model
-    source = open_model(resolve_model(name))
-    group = 32 if source.format == "gguf" else (getattr(source, "awq", None) or {}).get("group")
-    return source.config, group
+    """(config, group) of a ``--model`` value ("default", a path, "synthetic:<name>"); group is the int4
+    group size the model's file fixes (``ModelSource.int4_group``), None where perfx chooses it per K."""
+    source = open_named(name)
+    return source.config, source.int4_group
 
 
 def _group(k: int, fixed: int | None = None) -> int | None:
@@ -177,3 +146,12 @@ def model_problems(config, families: dict, group: int | None = None) -> tuple[li
         if not any(p.family == family for p in merged.values()) and family not in skipped:
             notes.append(f"{family}: problems.py has no shapes for this family")
     return list(merged.values()), notes
+
+
+def problems_for(model: str | None, families: dict, max_m: int | None = None) -> tuple[list[Problem], list[str]]:
+    """The problems of a ``--model`` value for the chosen families, the prefill path only up to ``max_m``."""
+    config, group = model_shapes(model)
+    problems, notes = model_problems(config, families, group)
+    if max_m is not None:
+        problems = [p for p in problems if p.shape.get("m", 1) <= max_m]
+    return problems, notes

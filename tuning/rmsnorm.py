@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from perfx import reference
+from perfx.ops.rmsnorm import PARAMS, RMSNorm
 from perfx.tuning.spec import Case, Spec, cached_per_params
 
 EPS = 1e-5
@@ -15,8 +16,6 @@ COPIES = 3  # input copies cycled by Case.rotate: a row of 4096 floats would oth
 
 
 def make_case(device, shape, rng) -> Case:
-    from perfx.ops.rmsnorm import RMSNorm
-
     m, k, residual = shape["m"], shape["k"], shape["residual"]
     x = rng.standard_normal((m, k), dtype=np.float32)
     r = rng.standard_normal((m, k), dtype=np.float32) * 3
@@ -61,12 +60,7 @@ def _bytes(shape) -> int:
 
 
 SPEC = Spec(
-    family="rmsnorm",
-    source="rmsnorm.cl",
-    space={
-        "WGS": (128, 64, 256, 32),
-        "VW": (4, 8, 1),
-    },
+    params=PARAMS,
     make_case=make_case,
     tolerance=1e-5,
     tolerance_why=("fp32 against float64: h = x + r is one rounding (2⁻²⁴); the sum of squares runs in "
@@ -81,7 +75,4 @@ SPEC = Spec(
     ),
     bytes_moved=_bytes,
     flops=lambda s: 4 * s["m"] * s["k"],
-    restrictions=(lambda p, s: p["WGS"] & (p["WGS"] - 1) == 0,),  # the local-memory tree halves WGS
-    work_group_size=lambda p: p["WGS"],
-    local_memory=lambda p, s: 4 * p["WGS"],
 )

@@ -10,12 +10,11 @@ import numpy as np
 
 from perfx import reference
 from perfx.formats import Q4Matrix
+from perfx.ops import small_ops
+from perfx.ops.gemv_f16 import F16DeviceWeight
+from perfx.ops.q4_weight import Q4DeviceWeight
+from perfx.ops.small_ops import Argmax, Embedding, SwiGLU
 from perfx.tuning.spec import Case, Spec, cached_per_params
-
-
-def _power_of_two(value: int) -> bool:
-    return value & (value - 1) == 0
-
 
 def _ids(rng, n: int, m: int) -> np.ndarray:
     # Random rows, always including the first and the last (the edges of the first and last block).
@@ -44,9 +43,6 @@ def _gather_case(device, wrapper, table, ids, k, expected) -> Case:
 
 
 def make_embedding_f16_case(device, shape, rng) -> Case:
-    from perfx.ops.gemv_f16 import F16DeviceWeight
-    from perfx.ops.small_ops import Embedding
-
     n, k, m = shape["n"], shape["k"], shape["m"]
     w = rng.standard_normal((n, k), dtype=np.float32).astype(np.float16)
     ids = _ids(rng, n, m)
@@ -56,9 +52,6 @@ def make_embedding_f16_case(device, shape, rng) -> Case:
 
 
 def make_embedding_q4_case(device, shape, rng) -> Case:
-    from perfx.ops.q4_weight import Q4DeviceWeight
-    from perfx.ops.small_ops import Embedding
-
     n, k, m = shape["n"], shape["k"], shape["m"]
     q4 = Q4Matrix.random(n, k, shape["group"], rng)
     ids = _ids(rng, n, m)
@@ -68,8 +61,6 @@ def make_embedding_q4_case(device, shape, rng) -> Case:
 
 
 def make_argmax_case(device, shape, rng) -> Case:
-    from perfx.ops.small_ops import Argmax
-
     n = shape["n"]
     x = rng.standard_normal(n, dtype=np.float32)
     if n > 1:
@@ -93,8 +84,6 @@ def make_argmax_case(device, shape, rng) -> Case:
 
 
 def make_swiglu_case(device, shape, rng) -> Case:
-    from perfx.ops.small_ops import SwiGLU
-
     count = shape["count"]
     gate = rng.standard_normal(count, dtype=np.float32) * 4  # both of SiLU's tails
     up = rng.standard_normal(count, dtype=np.float32)
@@ -115,9 +104,7 @@ def make_swiglu_case(device, shape, rng) -> Case:
 
 
 EMBEDDING_F16 = Spec(
-    family="embedding_f16",
-    source="small_ops.cl",
-    space={"VW1": (8, 4), "WGS1": (64, 128, 32)},
+    params=small_ops.EMBEDDING_F16,
     make_case=make_embedding_f16_case,
     tolerance=0.0,
     tolerance_why="a copy: every fp16 value is exact in fp32",
@@ -127,13 +114,10 @@ EMBEDDING_F16 = Spec(
         {"n": 20, "k": 4096, "m": 1},
     ),
     bytes_moved=lambda s: s["m"] * s["k"] * (2 + 4) + 4 * s["m"],
-    work_group_size=lambda p: p["WGS1"],
 )
 
 EMBEDDING_Q4 = Spec(
-    family="embedding_q4",
-    source="small_ops.cl",
-    space={"WGS2": (64, 32, 128)},
+    params=small_ops.EMBEDDING_Q4,
     make_case=make_embedding_q4_case,
     tolerance=1e-6,
     tolerance_why=("w = s·q + m with s and m fp16 and q < 16: s·q is exact in fp32 and the fma rounds once "
@@ -145,27 +129,19 @@ EMBEDDING_Q4 = Spec(
     ),
     bytes_moved=lambda s: s["m"] * (s["k"] // 2 + 4 * (s["k"] // s["group"]) + 4 * s["k"] + 4),
     flops=lambda s: 2 * s["m"] * s["k"],
-    work_group_size=lambda p: p["WGS2"],
 )
 
 ARGMAX = Spec(
-    family="argmax",
-    source="small_ops.cl",
-    space={"WGS3": (128, 64, 256), "GROUPS3": (64, 16, 256), "VW3": (4, 1)},
+    params=small_ops.ARGMAX,
     make_case=make_argmax_case,
     tolerance=0.0,
     tolerance_why="an index: exactly numpy.argmax's (ties to the lowest index) or wrong",
     test_shapes=({"n": 152064}, {"n": 32001}, {"n": 1003}, {"n": 5}),
     bytes_moved=lambda s: 4 * s["n"],
-    restrictions=(lambda p, s: _power_of_two(p["WGS3"]),),  # the local-memory tree halves WGS3
-    work_group_size=lambda p: p["WGS3"],
-    local_memory=lambda p, s: 8 * p["WGS3"],
 )
 
 SWIGLU = Spec(
-    family="swiglu",
-    source="small_ops.cl",
-    space={"VW4": (4, 8, 1), "WGS4": (64, 128, 256)},
+    params=small_ops.SWIGLU,
     make_case=make_swiglu_case,
     tolerance=1e-5,
     tolerance_why=("fp32 exp (OpenCL allows 3 ulp), one division and one product against float64: a few "
@@ -173,7 +149,5 @@ SWIGLU = Spec(
     test_shapes=({"count": 3 * 1536}, {"count": 11008 + 5}, {"count": 7}),
     bytes_moved=lambda s: 12 * s["count"],
     flops=lambda s: 4 * s["count"],
-    work_group_size=lambda p: p["WGS4"],
 )
 
-SPECS = [EMBEDDING_F16, EMBEDDING_Q4, ARGMAX, SWIGLU]

@@ -1,9 +1,9 @@
 """What a kernel family's tuning spec is: data, in the manner of kernel_tuner and CLBlast's tuners.
 
-A spec names the family's parameter space (dict of value lists, the first value of each list being
-the default), restrictions on combinations, the work-group size and local memory a parameter set
-needs, the bytes moved and flops of a problem (for GB/s and GFLOP/s), and how to make a ``Case``:
-inputs on the device, the float64 reference answer, and a way to run any parameter set.
+A spec joins a family's parameter space (``perfx.ops.<family>.PARAMS``: the values, the rules, the
+work-group size and local memory a parameter set needs) with what verifying and measuring it takes:
+the bytes moved and flops of a problem (for GB/s and GFLOP/s), and how to make a ``Case``: inputs on
+the device, the float64 reference answer, and a way to run any parameter set.
 
 Tests, `perfx selftest` and the tuner all go through ``Spec.candidates`` and ``Spec.make_case``, so
 "every parameter set the tuner may choose" is the same set everywhere.
@@ -11,14 +11,12 @@ Tests, `perfx selftest` and the tuner all go through ``Spec.candidates`` and ``S
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
-Params = dict[str, Any]
-Shape = dict[str, Any]
+from perfx.ops.params import Params, ParamSpace, Shape
 
 
 def relative_error(actual, expected) -> float:
@@ -71,51 +69,36 @@ class Case:
 
 @dataclass(frozen=True)
 class Spec:
-    family: str
-    source: str                                    # kernel file in kernels/
-    space: dict[str, tuple]                        # tunable -> allowed values; first = default
+    """A family's parameter space (from its wrapper in ``perfx.ops``) with what verifying and measuring
+    it needs: cases with float64 answers, the tolerance and why, test shapes, bytes moved and flops."""
+
+    params: ParamSpace
     make_case: Callable[..., Case]                 # (device, shape, rng) -> Case
     tolerance: float                               # on relative_error
     tolerance_why: str
     test_shapes: tuple[Shape, ...]                 # small, off the tile grid: tests and selftest
     bytes_moved: Callable[[Shape], int]
     flops: Callable[[Shape], int] = lambda shape: 0
-    restrictions: tuple[Callable[[Params, Shape], bool], ...] = ()
-    work_group_size: Callable[[Params], int] = lambda params: 1
-    local_memory: Callable[[Params, Shape], int] = lambda params, shape: 0
-    # Parameters the device must support: name -> predicate(caps, value) (e.g. READ=image needs images).
-    device_checks: dict[str, Callable[[Any, Any], bool]] = field(default_factory=dict)
     describe: Callable[[Shape], str] = lambda shape: ", ".join(f"{k}={v}" for k, v in shape.items())
 
+    @property
+    def family(self) -> str:
+        return self.params.family
+
+    @property
+    def source(self) -> str:
+        return self.params.source
+
+    @property
+    def space(self) -> dict[str, tuple]:
+        return self.params.space
+
     def defaults(self) -> Params:
-        return {name: values[0] for name, values in self.space.items()}
+        return self.params.defaults()
 
     def why_invalid(self, params: Params, shape: Shape, caps=None) -> str | None:
-        """None when the parameter set may run on this shape and device, else the reason."""
-        for name, value in params.items():
-            if name not in self.space:
-                return f"unknown parameter {name}"
-        for check in self.restrictions:
-            if not check(params, shape):
-                return "restriction"
-        if caps is not None:
-            wgs = self.work_group_size(params)
-            if wgs > caps.max_work_group:
-                return f"work-group {wgs} > device max {caps.max_work_group}"
-            local = self.local_memory(params, shape)
-            if local > caps.local_mem:
-                return f"local memory {local} > device {caps.local_mem}"
-            for name, supported in self.device_checks.items():
-                if name in params and not supported(caps, params[name]):
-                    return f"{name}={params[name]} not supported by the device"
-        return None
+        return self.params.why_invalid(params, shape, caps)
 
     def candidates(self, shape: Shape, caps=None) -> list[Params]:
         """Every parameter set allowed for this shape on this device (the tuner's search space)."""
-        names = list(self.space)
-        result = []
-        for values in itertools.product(*(self.space[n] for n in names)):
-            params = dict(zip(names, values))
-            if self.why_invalid(params, shape, caps) is None:
-                result.append(params)
-        return result
+        return self.params.candidates(shape, caps)

@@ -3,7 +3,8 @@
 Every candidate is first run and compared with the float64 reference on this device; only a
 candidate within the spec's tolerance is timed, and only a timed one may be chosen. One that does
 not build, fails at launch or is wrong is recorded with the reason. Each outcome goes to the
-database as it comes (atomically), so an interrupted sweep resumes without re-timing anything.
+device's resume log as it comes (atomically), so an interrupted sweep resumes without re-timing
+anything; the best of a problem goes to the device's results file when its search ends.
 
 Search (after CLBlast's and kernel_tuner's tuners): the defaults first (the speed-up baseline), then
 every candidate where the space is small, else a random sample followed by local refinement (each
@@ -24,7 +25,7 @@ import pyopencl as cl
 from perfx.errors import PerfxError
 from perfx.runtime import BuildError
 from perfx.timing import time_launches
-from perfx.tuning.database import Database, normal, params_key
+from perfx.tuning.database import Database, normal, params_key, result_record
 
 EXHAUSTIVE_LIMIT = 48   # spaces up to this many candidates are searched exhaustively
 RANDOM_SAMPLES = 24     # otherwise: this many random candidates before local refinement
@@ -132,6 +133,7 @@ class Tuner:
                  random_samples: int = RANDOM_SAMPLES):
         self.device = device
         self.database = database if database is not None else Database()
+        self.log = self.database.log(device)
         self.budget_s, self.seed, self.progress = budget_s, seed, progress
         self.warmup, self.repeat = warmup, repeat
         self.exhaustive_limit, self.random_samples = exhaustive_limit, random_samples
@@ -163,9 +165,9 @@ class Tuner:
         caps = self.device.caps
         result = ProblemResult(spec.family, dict(shape), label, spec.describe(shape),
                                int(spec.bytes_moved(shape)), int(spec.flops(shape)))
-        record = self.database.tuning_record(self.device, spec, shape)
+        record = self.log.problem(spec, shape)
         tried: dict[str, Outcome] = {}
-        for data in record.get("candidates", []):
+        for data in record["candidates"]:
             outcome = Outcome.from_dict(data)
             tried[params_key(outcome.params)] = outcome
         candidates = spec.candidates(shape, caps)
@@ -189,6 +191,7 @@ class Tuner:
             order = order[:1 + self.random_samples]
         if record.get("complete") and result.best is not None:
             result.complete = True
+            self._save_result(spec, result)
             return result
 
         case = None
@@ -208,12 +211,7 @@ class Tuner:
             result.outcomes.append(outcome)
             self._update_best(result, spec)
             record["candidates"].append(outcome.as_dict())
-            if result.best is not None:
-                record["params"] = normal(result.best.params)
-                record["time_s"] = result.best.time_s
-            if result.default is not None and result.default.status == "ok":
-                record["default_time_s"] = result.default.time_s
-            self.database.save_record(self.device, record)
+            self.log.save()
             if self.progress is not None:
                 self.progress.update(0, self._note(result, deadline - time.perf_counter()))
             return True
@@ -235,8 +233,18 @@ class Tuner:
         result.complete = finished and result.best is not None
         if record.get("complete") != result.complete:
             record["complete"] = result.complete
-            self.database.save_record(self.device, record)
+            self.log.save()
+        self._save_result(spec, result)
         return result
+
+    def _save_result(self, spec, result: ProblemResult):
+        """The problem's best, in the device's results file (what look-ups read)."""
+        if result.best is None:
+            return
+        default = result.default.time_s if result.default and result.default.status == "ok" else None
+        self.database.save_result(self.device, result_record(spec, result.shape, result.best.params,
+                                                             result.best.time_s, default,
+                                                             self.device.fingerprint))
 
     def _update_best(self, result: ProblemResult, spec):
         ok = [o for o in result.outcomes if o.status == "ok" and o.time_s]

@@ -1,5 +1,5 @@
-"""The kernel wrappers, one module per family, and what they share: resolving tuning parameters and
-taking device buffers from their callers."""
+"""The kernel wrappers, one module per family, each with its parameter space (``PARAMS``), and what they
+share: taking device buffers from their callers."""
 
 from __future__ import annotations
 
@@ -7,17 +7,6 @@ import pyopencl as cl
 import pyopencl.array as cla
 
 from perfx.errors import PerfxError
-from perfx.tuning.spec import Spec
-
-
-def resolve_params(spec: Spec, params: dict | None, caps) -> dict:
-    """The spec's defaults overridden by ``params``; a PerfxError when the set may not run on this device."""
-    resolved = {**spec.defaults(), **(params or {})}
-    outside = {name: value for name, value in resolved.items() if value not in spec.space.get(name, (value,))}
-    reason = f"values outside the tuning space {outside}" if outside else spec.why_invalid(resolved, {}, caps)
-    if reason is not None:
-        raise PerfxError(f"{spec.family}: parameters {resolved} cannot run on {caps.name}: {reason}")
-    return resolved
 
 
 def buffer_bytes(array, what: str) -> tuple[cl.Buffer, int]:

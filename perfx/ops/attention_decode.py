@@ -13,26 +13,54 @@ import numpy as np
 from perfx.errors import PerfxError
 from perfx.ops import buffer_bytes
 from perfx.ops.kv_cache import KVCache, RopeTable
+from perfx.ops.params import ParamSpace, Rule
 from perfx.runtime import Device
 
-SOURCE = "attention_decode.cl"
 # head_dim: even and whole vectors of 8 (both VW values); 64 and 128 are the tested Llama sizes.
 SUPPORTED_HEAD_DIMS = tuple(range(32, 257, 8))
+
+
+def lanes(params, shape) -> int:
+    """Work-items that share one K/V row: head_dim / VW."""
+    return shape["head_dim"] // params["VW"]
+
+
+def local_memory(params, shape) -> int:
+    """Mirrors the kernel's __local arrays: q, the fresh k/v (fp16), scores / partial V sums, reductions."""
+    gqa, d = shape["n_heads"] // shape["n_kv_heads"], shape["head_dim"]
+    rows = params["WGS"] // lanes(params, shape)
+    work = max(gqa * params["PART"], rows * gqa * d)
+    return 4 * (gqa * d + work + gqa * params["WGS"] + 2 * gqa) + 2 * 2 * d
+
+
+PARAMS = ParamSpace(
+    family="attention_decode",
+    source="attention_decode.cl",
+    space={
+        "PART": (128, 32, 256),  # positions per partition (one work-group per kv head and partition)
+        # work-items per partition work-group; not 32: half an Adreno wave (PoCL showed no gain from it)
+        "WGS": (64, 128),
+        "VW": (8, 4),            # halfs per K/V load along head_dim
+    },
+    rules=(
+        Rule("head_dim must be whole vectors of VW", lambda p, s: s["head_dim"] % p["VW"] == 0),
+        Rule("WGS must hold at least one whole V row (head_dim / VW work-items)",
+             lambda p, s: p["WGS"] >= lanes(p, s)),
+    ),
+    work_group_size=lambda p, s: p["WGS"],
+    local_memory=local_memory,
+)
 
 
 class AttentionDecode:
     """RoPE + KV-cache append + attention of one token at position ``pos`` for one layer.
 
-    ``params``: the tuning parameters (``tuning/attention_decode.py``: PART, WGS, VW); None → the spec's
-    defaults. Parameters this device or shape cannot run (local memory, work-group size) fall back to
-    the first parameter set that fits (``fallback`` says why). Partial buffers for contexts of up to
-    ``max_positions`` are allocated here, once.
+    ``params``: ``PARAMS`` (PART, WGS, VW); None → the defaults, or the first set that fits where they do
+    not. Partial buffers for contexts of up to ``max_positions`` are allocated here, once.
     """
 
     def __init__(self, device: Device, n_heads: int, n_kv_heads: int, head_dim: int, max_positions: int,
                  params: dict | None = None):
-        from perfx.tuning.attention_decode import SPEC
-
         if n_heads <= 0 or n_kv_heads <= 0 or n_heads % n_kv_heads:
             raise PerfxError(f"attention_decode: {n_heads} query heads cannot share {n_kv_heads} kv heads "
                              "(the query heads must be a positive multiple of the kv heads)")
@@ -46,19 +74,10 @@ class AttentionDecode:
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.max_positions = max_positions
         shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "positions": max_positions}
-        params = {**SPEC.defaults(), **(params or {})}
-        self.fallback = SPEC.why_invalid(params, shape, device.caps)
-        if self.fallback is not None:
-            allowed = SPEC.candidates(shape, device.caps)
-            if not allowed:
-                raise PerfxError(f"attention_decode: no parameter set fits {n_heads}/{n_kv_heads} heads of "
-                                 f"head_dim {head_dim} on {device.caps.name} (local memory "
-                                 f"{device.caps.local_mem} bytes, work-group {device.caps.max_work_group})")
-            params = allowed[0]
-        self.params = params
+        self.params = params = PARAMS.resolve(params, shape, device.caps)
         defines = {"HEAD_DIM": head_dim, "GQA": n_heads // n_kv_heads, **params}
-        self.partial_kernel = device.kernel(SOURCE, "attention_partial", defines)
-        self.combine_kernel = device.kernel(SOURCE, "attention_combine", defines)
+        self.partial_kernel = device.kernel(PARAMS.source, "attention_partial", defines)
+        self.combine_kernel = device.kernel(PARAMS.source, "attention_combine", defines)
         self.part = int(params["PART"])
         self.wgs = int(params["WGS"])
         self.lanes = head_dim // int(params["VW"])

@@ -12,22 +12,32 @@ import numpy as np
 from perfx.errors import PerfxError
 from perfx.ops import device_buffer
 from perfx.ops.kv_cache import KVCache, RopeTable
+from perfx.ops.params import ParamSpace, Rule
 from perfx.runtime import Device
 
-SOURCE = "attention_prefill.cl"
+PARAMS = ParamSpace(
+    family="attention_prefill",
+    source="attention_prefill.cl",
+    space={
+        "WGS": (32, 16, 64),   # query rows (token, head of the GQA group) per work-group
+        "BK": (16, 32, 64),    # key positions per local-memory K/V tile
+        "VW": (8, 4),          # vector width along head_dim
+    },
+    rules=(Rule("each half of a head row must be whole vectors of VW",
+                lambda p, s: s["head_dim"] % (2 * p["VW"]) == 0),),
+    work_group_size=lambda p, s: p["WGS"],
+    local_memory=lambda p, s: 2 * p["BK"] * s["head_dim"] * 4,  # K and V tiles, float
+)
 
 
 class AttentionPrefill:
     """Causal RoPE + KV append + attention for ``m`` prompt tokens of one layer.
 
-    ``params``: the tuning parameters (``tuning/attention_prefill.py``: WGS, BK, VW); None → the spec's
-    defaults, or the first parameter set this device allows where the defaults do not fit it.
+    ``params``: ``PARAMS`` (WGS, BK, VW); None → the defaults, or the first set that fits where they do not.
     """
 
     def __init__(self, device: Device, n_heads: int, n_kv_heads: int, head_dim: int,
                  params: dict | None = None):
-        from perfx.tuning.attention_prefill import SPEC
-
         if n_heads <= 0 or n_kv_heads <= 0 or n_heads % n_kv_heads:
             raise PerfxError(f"attention_prefill: {n_heads} query heads cannot share {n_kv_heads} kv heads "
                              "(the query heads must be a positive multiple of the kv heads)")
@@ -38,25 +48,10 @@ class AttentionPrefill:
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.group = n_heads // n_kv_heads
         shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "m": 1, "p0": 0}
-        if params is None:
-            params = SPEC.defaults()
-            if SPEC.why_invalid(params, shape, device.caps) is not None:
-                allowed = SPEC.candidates(shape, device.caps)
-                if not allowed:
-                    raise PerfxError(f"attention_prefill: no parameter set fits head_dim {head_dim} on "
-                                     f"{device.caps.name} (local memory {device.caps.local_mem} bytes, "
-                                     f"work-group {device.caps.max_work_group})")
-                params = allowed[0]
-        else:
-            params = {**SPEC.defaults(), **params}
-            why = SPEC.why_invalid(params, shape, device.caps)
-            if why is not None:
-                raise PerfxError(f"attention_prefill: parameters {params} do not fit head_dim {head_dim} on "
-                                 f"{device.caps.name}: {why}")
-        self.params = params
+        self.params = params = PARAMS.resolve(params, shape, device.caps)
         defines = {"HEAD_DIM": head_dim, **params}
-        self.append_kernel = device.kernel(SOURCE, "kv_append", defines)
-        self.attention_kernel = device.kernel(SOURCE, "attention_prefill", defines)
+        self.append_kernel = device.kernel(PARAMS.source, "kv_append", defines)
+        self.attention_kernel = device.kernel(PARAMS.source, "attention_prefill", defines)
         self.wgs = int(params["WGS"])
         self.scale = np.float32(1.0 / np.sqrt(head_dim))
 

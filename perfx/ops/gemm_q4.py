@@ -14,6 +14,7 @@ import numpy as np
 
 from perfx.errors import PerfxError
 from perfx.ops import buffer_bytes
+from perfx.ops.params import READ_NEED, ParamSpace, Rule
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.runtime import Device
 
@@ -24,36 +25,68 @@ KINDS = ("skinny", "tiled")
 # which prints the measured crossover for this device).
 DEFAULT_CROSSOVER = 32
 
-_FILES = {"skinny": "gemm_q4_skinny.cl", "tiled": "gemm_q4_tiled.cl"}
 _GROUP_SHIFT = {32: 0, 64: 1, 128: 2}
+
+
+def _weight_rows(shape) -> int:
+    """Weight rows a column of Y needs: two (gate and up) for the gate-up epilogue."""
+    return 2 if shape.get("epilogue") == "silu_mul" else 1
+
+
+SKINNY = ParamSpace(
+    family="gemm_q4_skinny",
+    source="gemm_q4_skinny.cl",
+    space={
+        "WGS": (64, 1),          # work-items per work-group (independent: no local memory, no barriers)
+        "ROWS": (2, 1, 4),       # output columns per work-item
+        "MT": (4, 2, 8),         # rows of X per register pass
+        "READ": (1, 0),          # codes from image2d (1) or buffer (0)
+    },
+    # ROWS·MT float8 accumulators (twice that with the gate-up epilogue's two weight rows per column),
+    # plus ROWS weight vectors and the x chunk, must stay in registers. On PoCL/AVX2 (16 vector
+    # registers) ROWS = 4, MT = 4 spills and runs at 2/3 the speed of 2 × 4.
+    rules=(Rule("at most 8 float8 accumulators per work-item (ROWS·MT ≤ 8)", lambda p, s: p["ROWS"] * p["MT"] <= 8),),
+    work_group_size=lambda p, s: p["WGS"],
+    needs={"READ": READ_NEED},
+)
+
+TILED = ParamSpace(
+    family="gemm_q4_tiled",
+    source="gemm_q4_tiled.cl",
+    space={
+        "MWG": (32, 64),         # rows of Y per work-group tile
+        "NWG": (64, 128),        # columns of Y per work-group tile
+        "KWG": (32, 64),         # K per local-memory tile (a multiple of 32)
+        "MDIMC": (8,),           # work-items along M
+        "NDIMC": (8,),           # work-items along N
+        "VWN": (8, 4),           # vector width along N: 1, 2, 4 or 8 (16 fails to build on PoCL)
+        "READ": (0, 1),          # codes from buffer (0) or image2d (1)
+    },
+    rules=(
+        Rule("MWG must be a multiple of MDIMC", lambda p, s: p["MWG"] % p["MDIMC"] == 0),
+        Rule("NWG must be a multiple of NDIMC·VWN", lambda p, s: p["NWG"] % (p["NDIMC"] * p["VWN"]) == 0),
+        # Register block of at most 64 accumulators per work-item: beyond that every device spills.
+        Rule("at most 64 accumulators per work-item ((MWG/MDIMC)·(NWG/NDIMC) ≤ 64)",
+             lambda p, s: (p["MWG"] // p["MDIMC"]) * (p["NWG"] // p["NDIMC"]) <= 64),
+    ),
+    work_group_size=lambda p, s: p["MDIMC"] * p["NDIMC"],
+    local_memory=lambda p, s: 4 * p["KWG"] * (p["MWG"] + _weight_rows(s) * p["NWG"]),
+    needs={"READ": READ_NEED},
+)
+
+_SPACES = {"skinny": SKINNY, "tiled": TILED}
 
 
 class GemmQ4:
     """Y = X · Wᵀ (+ epilogue) for an int4 ``Q4DeviceWeight``, by the tall-skinny or the tiled kernel."""
 
-    def __init__(self, device: Device, skinny_params=None, tiled_params=None, crossover: int | None = None):
-        from perfx.tuning.gemm_q4 import SKINNY, TILED  # the specs hold the defaults and the rules
-
+    def __init__(self, device: Device, skinny_params=None, tiled_params=None, crossover: int | None = None,
+                 shape: dict | None = None):
+        """Parameters of each kernel (None: the defaults) must fit ``shape`` (its ``epilogue`` matters: the
+        gate-up epilogue holds two weight tiles) on this device."""
         self.device = device
-        self.specs = {"skinny": SKINNY, "tiled": TILED}
-        self.params = {"skinny": {**SKINNY.defaults(), **(skinny_params or {})},
-                       "tiled": {**TILED.defaults(), **(tiled_params or {})}}
-        if not device.caps.image_support:  # same maths from the buffer; weights there have no images either
-            for params in self.params.values():
-                params["READ"] = 0
-        # Parameters per (kernel, epilogue): the gate-up epilogue holds two weight tiles, so a tuned set
-        # may not fit the device's local memory there; that epilogue then runs the defaults.
-        self._params = {}
-        for kind, spec in self.specs.items():
-            for epilogue in EPILOGUES:
-                reason = spec.why_invalid(self.params[kind], {"epilogue": epilogue}, device.caps)
-                if reason is not None and epilogue == "none":
-                    raise PerfxError(f"{spec.family} parameters {self.params[kind]} cannot run on "
-                                     f"{device.caps.name}: {reason}")
-                if reason is not None and spec.why_invalid(spec.defaults(), {"epilogue": epilogue}, device.caps):
-                    self._params[kind, epilogue] = reason  # not even the defaults fit: an error at call time
-                else:
-                    self._params[kind, epilogue] = spec.defaults() if reason else self.params[kind]
+        self.params = {"skinny": SKINNY.resolve(skinny_params, shape or {}, device.caps),
+                       "tiled": TILED.resolve(tiled_params, shape or {}, device.caps)}
         self.crossover = DEFAULT_CROSSOVER if crossover is None else int(crossover)
         if self.crossover < 0:
             raise PerfxError(f"gemm_q4 crossover must be ≥ 0 (the largest M for the tall-skinny kernel), "
@@ -92,8 +125,12 @@ class GemmQ4:
         key = (kind, epilogue, read)
         kernel = self._kernels.get(key)
         if kernel is None:
-            defines = {**self._params[kind, epilogue], "READ": read, "EPILOGUE": EPILOGUES[epilogue]}
-            kernel = self.device.kernel(_FILES[kind], f"gemm_q4_{kind}", defines)
+            why = _SPACES[kind].why_invalid(self.params[kind], {"epilogue": epilogue}, self.device.caps)
+            if why is not None:
+                raise PerfxError(f"gemm_q4: the {kind} kernel's parameters {self.params[kind]} cannot run the "
+                                 f"{epilogue} epilogue on {self.device.caps.name}: {why}")
+            defines = {**self.params[kind], "READ": read, "EPILOGUE": EPILOGUES[epilogue]}
+            kernel = self.device.kernel(_SPACES[kind].source, f"gemm_q4_{kind}", defines)
             self._kernels[key] = kernel
         return kernel
 
@@ -154,12 +191,9 @@ class GemmQ4:
         if kind not in KINDS:
             raise PerfxError(f"gemm_q4: unknown kernel {kind!r}; choose one of {', '.join(KINDS)}")
         cols, (xb, yb) = self._check(weight, x, y, m, epilogue)
-        params = self._params[kind, epilogue]
-        if isinstance(params, str):
-            raise PerfxError(f"gemm_q4: the {kind} kernel cannot run the {epilogue} epilogue on "
-                             f"{self.device.caps.name}: {params}")
-        # The tuned read path where the weight has it loaded, else the other: same maths, never an error.
-        read = int(params["READ"])
+        params = self.params[kind]
+        # READ where the weight holds that layout, else the one it holds: the same maths, both verified.
+        read = params["READ"]
         if read == 1 and not weight.images:
             read = 0
         if read == 0 and weight.buffer is None:

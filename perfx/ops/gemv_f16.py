@@ -14,9 +14,22 @@ import numpy as np
 
 from perfx.errors import PerfxError
 from perfx.formats import row_splits
-from perfx.ops import device_buffer, resolve_params
+from perfx.ops import device_buffer
+from perfx.ops.params import ParamSpace, Rule
 from perfx.runtime import Device
-from perfx.tuning.gemv_f16 import SPEC
+
+PARAMS = ParamSpace(
+    family="gemv_f16",
+    source="gemv_f16.cl",
+    space={
+        "WGS": (64, 128, 256),   # work-items per work-group
+        "LANES": (16, 1, 4, 32),  # work-items along K per row (they meet in a local-memory tree)
+        "VW": (8, 4),             # halfs per load
+    },
+    rules=(Rule("WGS must be a multiple of LANES", lambda p, s: p["WGS"] % p["LANES"] == 0),),
+    work_group_size=lambda p, s: p["WGS"],
+    local_memory=lambda p, s: 4 * p["WGS"] if p["LANES"] > 1 else 0,
+)
 
 
 @dataclass
@@ -65,8 +78,8 @@ class GemvF16:
 
     def __init__(self, device: Device, params: dict | None = None):
         self.device = device
-        self.params = resolve_params(SPEC, params, device.caps)
-        self.kernel = device.kernel(SPEC.source, "gemv_f16", self.params)
+        self.params = PARAMS.resolve(params, {}, device.caps)
+        self.kernel = device.kernel(PARAMS.source, "gemv_f16", self.params)
         self.wgs = self.params["WGS"]
         self.rows_per_group = self.params["WGS"] // self.params["LANES"]
 

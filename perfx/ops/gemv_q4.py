@@ -1,8 +1,8 @@
 """The decode-path int4 GEMV: y = W·x (+ bias), plain, fused (QKV) or gate-up with SiLU·mul.
 
-Wraps ``kernels/gemv_q4.cl``; the parameters (LANES, ROWS, READ) come from ``tuning/gemv_q4.py``.
-The kernel guards its row and K edges itself, so every tuned parameter set fits every shape; the
-wrapper's only planning is splitting launches where the weight's rows span several images.
+Wraps ``kernels/gemv_q4.cl``; its parameters are ``PARAMS`` (LANES, ROWS, READ). The kernel guards its
+row and K edges itself, so every parameter set fits every shape; the wrapper's only planning is
+splitting launches where the weight's rows span several images.
 """
 
 from __future__ import annotations
@@ -12,11 +12,32 @@ import pyopencl as cl
 
 from perfx.errors import PerfxError
 from perfx.ops import device_buffer
+from perfx.ops.params import READ_BUFFER, READ_NEED, ParamSpace, Rule
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.runtime import Device
 
 EPILOGUES = {"none": 0, "silu_mul": 1}
-READ_CODES = {"buffer": 0, "image2d": 1}
+
+
+def _accumulator_rows(params, shape) -> int:
+    """Rows of partial sums a work-item holds: ROWS, twice that for gate-up (gate and up rows)."""
+    return params["ROWS"] * (2 if shape.get("epilogue") == "silu_mul" else 1)
+
+
+PARAMS = ParamSpace(
+    family="gemv_q4",
+    source="gemv_q4.cl",
+    space={
+        "LANES": (16, 1, 4, 64),   # work-items along K per work-group
+        "ROWS": (4, 1, 2, 8),      # outputs per work-item (pairs for silu_mul)
+        "READ": (0, 1),            # codes from a uint4 buffer (0) or image2d row blocks (1)
+    },
+    rules=(Rule("silu_mul holds gate and up rows: at most 8 rows of accumulators per work-item (ROWS ≤ 4)",
+                lambda p, s: _accumulator_rows(p, s) <= 8),),
+    work_group_size=lambda p, s: p["LANES"],
+    local_memory=lambda p, s: 4 * p["LANES"] * _accumulator_rows(p, s) if p["LANES"] > 1 else 0,
+    needs={"READ": READ_NEED},
+)
 
 
 def _segments(rows: list[tuple[int, int]], first: int, count: int):
@@ -34,24 +55,11 @@ def _segments(rows: list[tuple[int, int]], first: int, count: int):
 class GemvQ4:
     """y (M) = W (N, K)·x (K) (+ bias) on a ``Q4DeviceWeight``; M = N, or N/2 for ``silu_mul``."""
 
-    def __init__(self, device: Device, params: dict | None = None):
-        from perfx.tuning.gemv_q4 import SPEC
+    def __init__(self, device: Device, params: dict | None = None, shape: dict | None = None):
+        """``params`` (None: the defaults) must fit ``shape`` (its ``epilogue`` key matters) on this device."""
         self.device = device
-        self.params = {**SPEC.defaults(), **(params or {})}
-        unknown = set(self.params) - set(SPEC.space)
-        if unknown:
-            raise PerfxError(f"gemv_q4: unknown parameter(s) {sorted(unknown)}; known: {sorted(SPEC.space)}")
-        read = self.params["READ"]
-        if read not in READ_CODES:
-            raise PerfxError(f"gemv_q4: READ={read!r}; expected one of {sorted(READ_CODES)}")
-        if read == "image2d" and not device.caps.image_support:
-            raise PerfxError(f"gemv_q4: READ='image2d' but {device.caps.name} has no image support; "
-                             "use READ='buffer'")
-        outside = {k: v for k, v in self.params.items() if k != "READ" and v not in SPEC.space[k]}
-        if outside:  # e.g. LANES=3 builds, and gives a wrong answer: the kernel assumes the values of the space
-            raise PerfxError(f"gemv_q4: values outside the tuning space {outside}; allowed: "
-                             f"{ {k: list(SPEC.space[k]) for k in outside} }")
-        self.lanes, self.rows, self.read = int(self.params["LANES"]), int(self.params["ROWS"]), read
+        self.params = PARAMS.resolve(params, shape or {}, device.caps)
+        self.lanes, self.rows, self.read = self.params["LANES"], self.params["ROWS"], self.params["READ"]
         self._no_bias = device.alloc(4, what="gemv_q4 bias placeholder")
         self._kernels: dict[tuple[int, str], cl.Kernel] = {}
 
@@ -59,8 +67,7 @@ class GemvQ4:
         """The built kernel for a group size and epilogue (built once, then cached by the device)."""
         kernel = self._kernels.get((group, epilogue))
         if kernel is None:
-            defines = {"LANES": self.lanes, "ROWS": self.rows, "READ": READ_CODES[self.read],
-                       "GROUP": group, "EPILOGUE": EPILOGUES[epilogue]}
+            defines = {**self.params, "GROUP": group, "EPILOGUE": EPILOGUES[epilogue]}
             kernel = self._kernels[group, epilogue] = self.device.kernel("gemv_q4.cl", "gemv_q4", defines)
         return kernel
 
@@ -73,21 +80,24 @@ class GemvQ4:
             raise PerfxError(f"gemv_q4: silu_mul needs gate and up rows of equal count, but the weight has "
                              f"N = {n} rows (odd)")
         m = n // 2 if epilogue == "silu_mul" else n
+        why = PARAMS.why_invalid(self.params, {"epilogue": epilogue})
+        if why is not None:
+            raise PerfxError(f"gemv_q4: parameters {self.params} cannot run the {epilogue} epilogue: {why}")
         xb = device_buffer(x, 4 * k, "gemv_q4 x")
         yb = device_buffer(y, 4 * m, "gemv_q4 y")
         kernel = self.kernel(weight.group, epilogue)
         bias = weight.bias if weight.bias is not None else self._no_bias
         has_bias = np.int32(weight.bias is not None)
         half = np.int32(m if epilogue == "silu_mul" else 0)
-        if self.read == "buffer":
+        if self.read == READ_BUFFER:
             if weight.buffer is None:
                 raise PerfxError("gemv_q4: the weight was uploaded without the 'buffer' read path that "
-                                 "READ='buffer' needs; upload it with read_paths including 'buffer'")
+                                 "READ=0 needs; upload it with read_paths including 'buffer'")
             plan = [(0, m, weight.buffer, 0, weight.buffer, int(half))]
         else:
             if not weight.images:
                 raise PerfxError("gemv_q4: the weight was uploaded without the 'image2d' read path that "
-                                 "READ='image2d' needs; upload it with read_paths including 'image2d'")
+                                 "READ=1 needs; upload it with read_paths including 'image2d'")
             plan = self._image_plan(weight, m, epilogue)
         events = []
         for out_base, count, wa, row_a, wb, row_b in plan:

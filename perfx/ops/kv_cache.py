@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pyopencl as cl
 
 from perfx import reference
 from perfx.errors import PerfxError
@@ -50,7 +51,6 @@ class KVCache:
 
     def read(self, device: Device, layer: int, positions: int) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of one layer's keys and values for positions 0..positions−1, as (T, Hkv, D) float32."""
-        import pyopencl as cl
         shape = (self.n_kv_heads, self.max_positions, self.head_dim)
         out = []
         for buffer in (self.keys, self.values):

@@ -9,9 +9,22 @@ from __future__ import annotations
 import numpy as np
 
 from perfx.errors import PerfxError
-from perfx.ops import device_buffer, resolve_params
+from perfx.ops import device_buffer
+from perfx.ops.params import ParamSpace, Rule
 from perfx.runtime import Device
-from perfx.tuning.rmsnorm import SPEC
+
+PARAMS = ParamSpace(
+    family="rmsnorm",
+    source="rmsnorm.cl",
+    space={
+        "WGS": (128, 64, 256, 32),  # work-items per row
+        "VW": (4, 8, 1),            # floats per load
+    },
+    rules=(Rule("the local-memory tree halves WGS: a power of two",
+                lambda p, s: p["WGS"] & (p["WGS"] - 1) == 0),),
+    work_group_size=lambda p, s: p["WGS"],
+    local_memory=lambda p, s: 4 * p["WGS"],
+)
 
 
 class RMSNorm:
@@ -19,10 +32,10 @@ class RMSNorm:
 
     def __init__(self, device: Device, params: dict | None = None):
         self.device = device
-        self.params = resolve_params(SPEC, params, device.caps)
+        self.params = PARAMS.resolve(params, {}, device.caps)
         self.wgs = self.params["WGS"]
-        self.residual_kernel = device.kernel(SPEC.source, "rmsnorm_residual", self.params)
-        self.plain_kernel = device.kernel(SPEC.source, "rmsnorm", self.params)
+        self.residual_kernel = device.kernel(PARAMS.source, "rmsnorm_residual", self.params)
+        self.plain_kernel = device.kernel(PARAMS.source, "rmsnorm", self.params)
 
     def _check(self, rows: int, dim: int):
         if rows < 1 or dim < 1:

@@ -7,11 +7,40 @@ from __future__ import annotations
 import numpy as np
 
 from perfx.errors import PerfxError
-from perfx.ops import device_buffer, resolve_params
+from perfx.ops import device_buffer
 from perfx.ops.gemv_f16 import F16DeviceWeight
+from perfx.ops.params import ParamSpace, Rule
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.runtime import Device
-from perfx.tuning.small_ops import ARGMAX, EMBEDDING_F16, EMBEDDING_Q4, SWIGLU
+
+# One .cl file, four families: each define carries its kernel's number (CLBlast's WGS1, WGS2, ...).
+EMBEDDING_F16 = ParamSpace(
+    family="embedding_f16",
+    source="small_ops.cl",
+    space={"VW1": (8, 4), "WGS1": (64, 128, 32)},
+    work_group_size=lambda p, s: p["WGS1"],
+)
+EMBEDDING_Q4 = ParamSpace(
+    family="embedding_q4",
+    source="small_ops.cl",
+    space={"WGS2": (64, 32, 128)},
+    work_group_size=lambda p, s: p["WGS2"],
+)
+ARGMAX = ParamSpace(
+    family="argmax",
+    source="small_ops.cl",
+    space={"WGS3": (128, 64, 256), "GROUPS3": (64, 16, 256), "VW3": (4, 1)},
+    rules=(Rule("the local-memory tree halves WGS3: a power of two",
+                lambda p, s: p["WGS3"] & (p["WGS3"] - 1) == 0),),
+    work_group_size=lambda p, s: p["WGS3"],
+    local_memory=lambda p, s: 8 * p["WGS3"],
+)
+SWIGLU = ParamSpace(
+    family="swiglu",
+    source="small_ops.cl",
+    space={"VW4": (4, 8, 1), "WGS4": (64, 128, 256)},
+    work_group_size=lambda p, s: p["WGS4"],
+)
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -24,10 +53,9 @@ class Embedding:
     def __init__(self, device: Device, params: dict | None = None):
         params = params or {}
         self.device = device
-        f16 = resolve_params(EMBEDDING_F16, {k: v for k, v in params.items() if k in EMBEDDING_F16.space},
-                             device.caps)
-        q4 = resolve_params(EMBEDDING_Q4, {k: v for k, v in params.items() if k in EMBEDDING_Q4.space},
-                            device.caps)
+        f16 = EMBEDDING_F16.resolve({k: v for k, v in params.items() if k in EMBEDDING_F16.space}, {},
+                                    device.caps)
+        q4 = EMBEDDING_Q4.resolve({k: v for k, v in params.items() if k in EMBEDDING_Q4.space}, {}, device.caps)
         unknown = set(params) - set(f16) - set(q4)
         if unknown:
             raise PerfxError(f"embedding: unknown parameters {sorted(unknown)}; "
@@ -68,7 +96,7 @@ class Argmax:
 
     def __init__(self, device: Device, params: dict | None = None):
         self.device = device
-        self.params = resolve_params(ARGMAX, params, device.caps)
+        self.params = ARGMAX.resolve(params, {}, device.caps)
         self.wgs, self.groups = self.params["WGS3"], self.params["GROUPS3"]
         self.partial_kernel = device.kernel(ARGMAX.source, "argmax_partial", self.params)
         self.final_kernel = device.kernel(ARGMAX.source, "argmax_final", self.params)
@@ -94,7 +122,7 @@ class SwiGLU:
 
     def __init__(self, device: Device, params: dict | None = None):
         self.device = device
-        self.params = resolve_params(SWIGLU, params, device.caps)
+        self.params = SWIGLU.resolve(params, {}, device.caps)
         self.kernel = device.kernel(SWIGLU.source, "swiglu", self.params)
 
     def __call__(self, gate, up, out, count: int):

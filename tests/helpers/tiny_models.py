@@ -3,8 +3,9 @@
 A ``TinyModel`` is a config plus float32 weights under Hugging Face names, in Hugging Face (rotate-half) row
 order. The writers turn it into an fp16/bf16 safetensors directory (optionally sharded), an AWQ GEMM or GEMV
 checkpoint, or a GGUF with Q4_0/Q4_1/Q8_0/F16/F32 tensors, each with the tiny SentencePiece tokenizer and a
-ChatML template. The GGUF writer quantizes blocks itself (ggml's reference quantizers, ggml-quants.c) and
-returns the weights the file really holds, so the same model can be written again as fp16 safetensors.
+ChatML template. The GGUF writer quantizes blocks with gguf.quants (llama.cpp's reference quantizers in
+Python) and returns the weights the file really holds by llama.cpp's own dequantization, so the same
+model can be written again as fp16 safetensors and perfx is checked against llama.cpp's definition.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from gguf import quants
 from safetensors.numpy import save_file
 
 from helpers.tiny_tokenizer import train_tiny_spm, write_tokenizer_to_gguf
@@ -210,52 +212,14 @@ def write_awq(directory: Path, model: TinyModel, rng: np.random.Generator, group
 
 
 # ---------------------------------------------------------------------------------------------
-# GGUF (block layouts of ggml-common.h; quantizers after ggml-quants.c's quantize_row_*_ref)
+# GGUF: blocks quantized and read back by gguf.quants, llama.cpp's own reference in Python
 
 
-def quantize_q4_0(w: np.ndarray):
-    """Q4_0 blocks of W (N, K): returns (raw (N, K/32·18) uint8, codes (N, K) uint8, d (N, K/32) fp16)."""
-    n, k = w.shape
-    blocks = w.reshape(n, k // 32, 32).astype(np.float32)
-    at = np.abs(blocks).argmax(axis=2)
-    extreme = np.take_along_axis(blocks, at[..., None], axis=2)[..., 0]   # signed value of largest |x|
-    d = extreme / -8
-    inv = np.where(d != 0, 1 / np.where(d != 0, d, 1), 0)
-    codes = np.minimum(15, (blocks * inv[..., None] + 8.5).astype(np.int8)).astype(np.uint8)
-    d16 = d.astype(np.float16)
-    raw = np.concatenate([d16[..., None].view(np.uint8), _pack_nibbles(codes)], axis=2)
-    return raw.reshape(n, -1), codes.reshape(n, k), d16
-
-
-def quantize_q4_1(w: np.ndarray):
-    """Q4_1 blocks: returns (raw (N, K/32·20) uint8, codes (N, K), d (N, K/32) fp16, m (N, K/32) fp16)."""
-    n, k = w.shape
-    blocks = w.reshape(n, k // 32, 32).astype(np.float32)
-    low, high = blocks.min(axis=2), blocks.max(axis=2)
-    d = (high - low) / 15
-    inv = np.where(d != 0, 1 / np.where(d != 0, d, 1), 0)
-    codes = np.minimum(15, ((blocks - low[..., None]) * inv[..., None] + 0.5).astype(np.int8)).astype(np.uint8)
-    d16, m16 = d.astype(np.float16), low.astype(np.float16)
-    raw = np.concatenate([d16[..., None].view(np.uint8), m16[..., None].view(np.uint8), _pack_nibbles(codes)],
-                         axis=2)
-    return raw.reshape(n, -1), codes.reshape(n, k), d16, m16
-
-
-def quantize_q8_0(w: np.ndarray):
-    """Q8_0 blocks: returns (raw (N, K/32·34) uint8, q (N, K) int8, d (N, K/32) fp16)."""
-    n, k = w.shape
-    blocks = w.reshape(n, k // 32, 32).astype(np.float32)
-    d = np.abs(blocks).max(axis=2) / 127
-    inv = np.where(d != 0, 1 / np.where(d != 0, d, 1), 0)
-    q = np.rint(blocks * inv[..., None]).astype(np.int8)
-    d16 = d.astype(np.float16)
-    raw = np.concatenate([d16[..., None].view(np.uint8), q.view(np.uint8)], axis=2)
-    return raw.reshape(n, -1), q.reshape(n, k), d16
-
-
-def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
-    """ggml's nibble order: byte j holds weight j (low nibble) and weight j + 16 (high nibble)."""
-    return (codes[..., :16] | (codes[..., 16:] << 4)).astype(np.uint8)
+def quantize_gguf(w: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """(raw blocks (N, bytes) uint8, the float64 weights they hold by llama.cpp's definition) of W (N, K)."""
+    qtype = gguf.GGMLQuantizationType[kind]
+    raw = quants.quantize(np.ascontiguousarray(w, dtype=np.float32), qtype)
+    return raw, quants.dequantize(raw, qtype).astype(np.float64)
 
 
 GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -275,7 +239,6 @@ SHORT = {"self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "
 class GGUFWritten:
     path: Path
     weights: dict[str, np.ndarray]        # HF name -> the float64 weights the file holds, HF row order
-    q4: dict[str, tuple]                  # HF name -> (codes, scales fp16, offsets fp16) in HF row order
     types: dict[str, str]                 # HF name -> GGUF type written
 
 
@@ -306,7 +269,7 @@ def write_gguf(path: Path, model: TinyModel, layer_types=None, embedding_type: s
         write_tokenizer_to_gguf(writer, model.tokenizer_model)
         writer.add_chat_template(CHAT_TEMPLATE)
 
-    written = GGUFWritten(Path(path), {}, {}, {})
+    written = GGUFWritten(Path(path), {}, {})
     raw_override = raw_override or {}
 
     def add(gguf_name: str, hf_name: str, kind: str, permute_heads: int | None = None):
@@ -319,37 +282,18 @@ def write_gguf(path: Path, model: TinyModel, layer_types=None, embedding_type: s
             written.types[hf_name] = qtype.name
             return
         written.types[hf_name] = kind
-        q4 = None
-        if kind == "Q4_0":
-            raw, codes, d = quantize_q4_0(w)
-            scales = d
-            offsets = (-8 * d.astype(np.float32)).astype(np.float16)
-            held = np.repeat(d.astype(np.float64), 32, axis=1) * (codes.astype(np.float64) - 8)
-            q4 = (codes, scales, offsets)
-            writer.add_tensor(gguf_name, raw, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
-        elif kind == "Q4_1":
-            raw, codes, d, m = quantize_q4_1(w)
-            held = (np.repeat(d.astype(np.float64), 32, axis=1) * codes
-                    + np.repeat(m.astype(np.float64), 32, axis=1))
-            q4 = (codes, d, m)
-            writer.add_tensor(gguf_name, raw, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
-        elif kind == "Q8_0":
-            raw, q, d = quantize_q8_0(w)
-            held = np.repeat(d.astype(np.float64), 32, axis=1) * q
-            writer.add_tensor(gguf_name, raw, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        elif kind == "F16":
+        if kind == "F16":
             held = w.astype(np.float16).astype(np.float64)
             writer.add_tensor(gguf_name, w.astype(np.float16))
-        else:
+        elif kind == "F32":
             held = w.astype(np.float32).astype(np.float64)
             writer.add_tensor(gguf_name, w.astype(np.float32))
+        else:
+            raw, held = quantize_gguf(w, kind)
+            writer.add_tensor(gguf_name, raw, raw_dtype=gguf.GGMLQuantizationType[kind])
         if permute_heads:      # back to HF order: what the loader must give
             held = unpermute_qk(held, permute_heads)
-            if q4 is not None:
-                q4 = tuple(unpermute_qk(a, permute_heads) for a in q4)
         written.weights[hf_name] = held
-        if q4 is not None:
-            written.q4[hf_name] = q4
 
     add("token_embd.weight", "model.embed_tokens.weight", embedding_type)
     add("output_norm.weight", "model.norm.weight", "F32")

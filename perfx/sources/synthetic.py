@@ -14,7 +14,7 @@ import numpy as np
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
 from perfx.formats import Q4Matrix
-from perfx.loader import LayerWeights, ModelSource
+from perfx.sources.base import LayerWeights, ModelSource
 
 SYNTHETIC_MODELS = {
     # name: (config, group size)
@@ -33,11 +33,12 @@ SYNTHETIC_MODELS = {
 }
 # Above this many weights per layer, one random layer stands in for all of them.
 DISTINCT_LAYER_LIMIT = 8_000_000
+SYNTHETIC_PREFIX = "synthetic:"
 
 
 def open_synthetic(name: str, seed: int = 0) -> SyntheticSource:
     """``"synthetic:<model>"`` -> its SyntheticSource; unknown names list the known ones."""
-    key = name.split(":", 1)[1] if name.startswith("synthetic:") else name
+    key = name[len(SYNTHETIC_PREFIX):] if name.startswith(SYNTHETIC_PREFIX) else name
     if key not in SYNTHETIC_MODELS:
         raise PerfxError(f"unknown synthetic model {name!r}; known: "
                          f"{', '.join('synthetic:' + k for k in SYNTHETIC_MODELS)}")
@@ -53,6 +54,7 @@ class SyntheticSource(ModelSource):
     def __init__(self, name: str, config: ModelConfig, group: int, seed: int = 0):
         super().__init__(config)
         self.name, self.group, self.seed = name, group, seed
+        self.int4_group = group
         c = config
         per_layer = c.hidden_size * (c.qkv_dim + c.q_dim + 3 * c.intermediate_size)
         self.distinct_layers = per_layer <= DISTINCT_LAYER_LIMIT

@@ -1,17 +1,28 @@
 """`perfx tune`: tune the kernels a model runs on this device, and keep the results.
 
 Every (family, shape) of the model (GEMM shapes at one M per bucket) is swept by
-``perfx.tuning.tuner``: verified candidates only, timed with profiling events, each result written to
-the tuning database as it comes. Run it again to resume or extend an interrupted or budget-cut sweep.
+``perfx.tuning.tuner``: verified candidates only, timed with profiling events, each outcome written to
+the device's resume log as it comes, each problem's best to its results file. Run it again to resume
+or extend an interrupted or budget-cut sweep. ``--export``/``--import`` share results between devices,
+and ``--merge`` turns many devices' results into architecture and vendor defaults.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
+from perfx import plots
 from perfx.errors import PerfxError
-from perfx.runtime import DEVICE_HELP
+from perfx.progress import Progress, format_table
+from perfx.resources import read_json, write_atomic
+from perfx.runtime import DEVICE_HELP, Device
+from perfx.timing import copy_bandwidth
+from perfx.tuning import select_specs
+from perfx.tuning.database import Database, merge, results_json
+from perfx.tuning.problems import problems_for
+from perfx.tuning.tuner import Tuner
 
 DEFAULT_BUDGET = 600.0
 
@@ -30,43 +41,44 @@ def add_arguments(parser):
     parser.add_argument("--plot", metavar="DIR", help="write PNG plots there (needs matplotlib: perfx[plot])")
     parser.add_argument("--export", metavar="FILE", help="write this device's tuning results to FILE")
     parser.add_argument("--import", dest="import_file", metavar="FILE",
-                        help="merge a file written by --export into your tuning database. With only "
-                             "--import and/or --export (no --model, --kernels, --budget), nothing is tuned")
+                        help="merge a results file (from --export or --merge) into your tuning database. With "
+                             "only --import and/or --export (no --model, --kernels, --budget), nothing is tuned")
+    parser.add_argument("--merge", nargs="+", metavar="FILE",
+                        help="architecture- and vendor-level defaults from many devices' results (files from "
+                             "--export, tuning logs, or `perfx report` files): the best parameters on average, "
+                             "as CLBlast's database scripts choose them; written to --out")
+    parser.add_argument("--out", metavar="DIR", default=".",
+                        help="with --merge: the folder for the merged files (default: here)")
+    parser.add_argument("--min-devices", type=int, default=2,
+                        help="with --merge: the fewest devices behind a merged architecture or vendor entry "
+                             "(default 2: one machine's results do not speak for its vendor)")
     parser.add_argument("--device", help=DEVICE_HELP)
-
-
-def select_families(kernels: str | None) -> dict:
-    """The specs named by ``--kernels`` (exact names, or a prefix such as gemm_q4 or attention)."""
-    from perfx.tuning import specs
-
-    all_specs = specs()
-    if not all_specs:
-        raise PerfxError("no kernel families found in perfx.tuning: the installation is incomplete; reinstall perfx")
-    if not kernels:
-        return all_specs
-    chosen = {}
-    for name in (k.strip() for k in kernels.split(",") if k.strip()):
-        matched = [f for f in all_specs if f == name or f.startswith(name + "_")]
-        if not matched:
-            raise PerfxError(f"unknown kernel family {name!r}; known: {', '.join(all_specs)}")
-        chosen.update({f: all_specs[f] for f in matched})
-    return chosen
-
-
-def model_jobs(args, families: dict) -> tuple[list, list[str]]:
-    from perfx.tuning.problems import model_problems, model_shapes
-
-    config, group = model_shapes(args.model)
-    problems, notes = model_problems(config, families, group)
-    max_m = getattr(args, "max_m", None)
-    if max_m is not None:
-        problems = [p for p in problems if p.shape.get("m", 1) <= max_m]
-    return problems, notes
 
 
 def _explicitly_tuning(args) -> bool:
     named = (args.model, args.kernels, args.budget, args.max_m)
     return any(value is not None for value in named) or not (args.import_file or args.export)
+
+
+def merge_files(paths: list[str], out: Path, min_devices: int, say) -> list[Path]:
+    """``--merge``: read each file (a `perfx report` file contributes its tuning section), write one
+    results file per architecture and per vendor with enough devices behind it."""
+    inputs = []
+    for path in paths:
+        data = read_json(path)
+        inputs.append(data.get("tuning", data) if isinstance(data, dict) and "perfx_report" in data else data)
+    written = []
+    for level in ("architecture", "vendor"):
+        for data in merge(inputs, level, min_devices):
+            name = next(iter(data["match"].values()))
+            target = out / f"{level}-{name}.json"
+            write_atomic(target, results_json(data))
+            written.append(target)
+            say(f"merged {len(data['records'])} records for {level} {name} into {target}")
+    if not written:
+        say(f"nothing merged: no architecture or vendor has results from {min_devices} or more devices "
+            "(--min-devices sets that)")
+    return written
 
 
 def _rate_cells(result, copy_gbps: float) -> tuple[str, str]:
@@ -115,15 +127,12 @@ def crossover_lines(results) -> list[str]:
 
 
 def main(args) -> int:
-    from perfx.progress import Progress, format_table
-    from perfx.runtime import Device
-    from perfx.timing import copy_bandwidth
-    from perfx.tuning.database import Database
-    from perfx.tuning.tuner import Tuner
-
+    say = (lambda text: print(text, file=sys.stderr)) if args.json else print
+    if args.merge:
+        merge_files(args.merge, Path(args.out), args.min_devices, say)
+        return 0
     device = Device(args.device)
     database = Database()
-    say = (lambda text: print(text, file=sys.stderr)) if args.json else print
     if args.import_file:
         target, count = database.import_file(args.import_file)
         say(f"imported {count} tuning records from {args.import_file} into {target}")
@@ -135,8 +144,8 @@ def main(args) -> int:
 
     args.model = args.model or "default"
     args.budget = DEFAULT_BUDGET if args.budget is None else args.budget
-    families = select_families(args.kernels)
-    problems, notes = model_jobs(args, families)
+    families = select_specs(args.kernels)
+    problems, notes = problems_for(args.model, families, args.max_m)
     if not problems:
         raise PerfxError("nothing to tune: " + ("; ".join(notes) or "the model has no shapes for these families"))
     print(f"perfx tune on {device.caps.platform} / {device.caps.name}: {len(problems)} problems of "
@@ -169,7 +178,6 @@ def main(args) -> int:
         if lines:
             print("prefill GEMM, faster kernel per M bucket:\n" + "\n".join(lines))
     if args.plot:
-        from perfx import plots
         written = plots.write_tuning_plots(results, args.plot, copy_gbps)
         say(f"wrote {len(written)} plots to {args.plot}")
     if args.export:

@@ -16,8 +16,16 @@ import numpy as np
 
 from perfx.errors import PerfxError
 from perfx.progress import Progress, format_table
-from perfx.runtime import Device
-from perfx.tuning import Spec, specs
+from perfx.runtime import DEVICE_HELP, Device
+from perfx.tuning import Spec, select_specs
+
+
+def add_arguments(parser):
+    parser.add_argument("--device", help=DEVICE_HELP)
+    parser.add_argument("--quick", action="store_true", help="defaults only, one shape per family (about a minute)")
+    parser.add_argument("--kernels", help="comma-separated kernel families; a prefix names a group (default: all)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show every check, not only failures")
 
 
 @dataclass
@@ -85,16 +93,7 @@ def summary_table(checks: list[Check], all_specs: dict[str, Spec]) -> str:
 
 def main(args) -> int:
     device = Device(args.device)
-    all_specs = specs()
-    if args.kernels:
-        wanted = [k.strip() for k in args.kernels.split(",") if k.strip()]
-        unknown = [k for k in wanted if k not in all_specs]
-        if unknown:
-            raise PerfxError(f"unknown kernel famil{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
-                             f"known: {', '.join(all_specs)}")
-        all_specs = {k: all_specs[k] for k in wanted}
-    if not all_specs:
-        raise PerfxError("no kernel families found in perfx.tuning: the installation is incomplete; reinstall perfx")
+    all_specs = select_specs(args.kernels)
     started = time.perf_counter()
     print(f"perfx selftest on {device.caps.platform} / {device.caps.name} (limits: {device.caps.limits})",
           file=sys.stderr)

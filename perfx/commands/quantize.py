@@ -12,6 +12,7 @@ from pathlib import Path
 
 from perfx.errors import PerfxError
 from perfx.formats import GROUP_SIZES
+from perfx.sources import open_model
 
 INSTALL_HELP = ('AutoAWQ is not installed: pip install -e ".[quantize]" (it brings PyTorch; quantizing a 7B model '
                 "wants a CUDA GPU). Without it, `--quantize q4` on perfx generate/chat/bench rounds fp16 weights "
@@ -44,7 +45,6 @@ def main(args) -> int:
                                             "version": args.version.upper()})
     model.save_quantized(str(destination))
     tokenizer.save_pretrained(str(destination))
-    from perfx.loader import open_model
     open_model(destination)  # what perfx cannot read is an error now, not at the user's next command
     print(f"perfx: wrote {destination}; run it with: perfx chat --model {destination}", file=sys.stderr)
     return 0

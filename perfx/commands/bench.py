@@ -6,8 +6,8 @@ kernel is checked against the reference once, then timed with the same timing mo
 and the pytest-benchmark suite, and reported against the ceiling that bounds it (roofline: memory
 below the ridge point flops/byte = peak / bandwidth, compute above).
 
-``--e2e`` hands over to ``perfx.bench_e2e.run(device, model_name, args) -> dict`` where that module
-exists (prefill/decode tok/s, TTFT, host time per token, memory).
+``--e2e`` adds end-to-end figures (``measure_e2e``: prefill and decode tok/s, TTFT, achieved GB/s, host
+time per token, memory); benchmarks/bench_e2e.py reports the same figures through the same functions.
 """
 
 from __future__ import annotations
@@ -17,30 +17,29 @@ import sys
 
 import numpy as np
 
+from perfx.commands.options import add_kernel_options
 from perfx.errors import PerfxError
-from perfx.runtime import DEVICE_HELP
-from perfx.tune import model_jobs, select_families
+from perfx.generate import SamplingConfig, generate
+from perfx.model import load_model
+from perfx.progress import Progress, format_table
+from perfx.runtime import Device
+from perfx.timing import copy_bandwidth, time_launches
+from perfx.tuning import select_specs
+from perfx.tuning.database import lookup
+from perfx.tuning.problems import problems_for
 
 PEAK_WIDTHS = (4, 8, 16)
 
 
 def add_arguments(parser):
-    parser.add_argument("--model", default="default",
-                        help="model whose shapes to measure: 'default', a .gguf file or model directory, or "
-                             "synthetic:llama-2-7b / synthetic:smollm2-135m (default: default)")
-    parser.add_argument("--kernels", help="comma-separated kernel families or prefixes (default: all)")
-    parser.add_argument("--max-m", type=int, default=None,
-                        help="measure the prefill (GEMM, attention) path only up to this prompt length")
+    add_kernel_options(parser, "measure")
     parser.add_argument("--e2e", action="store_true",
                         help="also end-to-end figures: prefill/decode tok/s, TTFT, host time per token, memory")
     parser.add_argument("--json", action="store_true", help="machine-readable output on stdout")
-    parser.add_argument("--device", help=DEVICE_HELP)
 
 
 def peak_flops(device, widths=PEAK_WIDTHS, iters: int = 256, min_seconds: float = 0.005) -> tuple[float, dict]:
     """The device's peak fp32 GFLOP/s (best over vector widths), and the figure of each width."""
-    from perfx.timing import time_launches
-
     per_width = {}
     most = 1 << 22
     out = device.empty(most, np.float32)
@@ -58,8 +57,6 @@ def peak_flops(device, widths=PEAK_WIDTHS, iters: int = 256, min_seconds: float 
 
 
 def ceilings(device) -> dict:
-    from perfx.timing import copy_bandwidth
-
     copy_gbps, timing = copy_bandwidth(device)
     peak, per_width = peak_flops(device)
     return {"copy_gb_per_s": copy_gbps, "copy_spread": timing.spread, "peak_gflop_per_s": peak,
@@ -68,11 +65,8 @@ def ceilings(device) -> dict:
 
 def bench_problem(device, spec, problem, ceiling: dict, rng) -> dict:
     """One kernel at one shape with the parameters the database chooses: check, time, rate."""
-    from perfx.timing import time_launches
-    from perfx.tuning.database import lookup
-
     shape = problem.shape
-    choice = lookup(device, spec.family, shape)
+    choice = lookup(device, spec, shape)
     row = {"family": spec.family, "label": problem.label, "shape": shape, "description": spec.describe(shape),
            "params": choice.params, "source": choice.source, "detail": choice.detail}
     try:
@@ -97,10 +91,28 @@ def bench_problem(device, spec, problem, ceiling: dict, rng) -> dict:
     return row
 
 
-def run_e2e(device, model_name: str, args) -> dict:
-    """End-to-end figures of the model on this device (``perfx.bench_e2e``)."""
-    from perfx.bench_e2e import run
-    return run(device, model_name, args)
+def measure_e2e(model, prompt_tokens: int = 64, decode_tokens: int = 32, seed: int = 0) -> dict:
+    """Prefill ``prompt_tokens`` random ids, then decode ``decode_tokens`` greedily (EOS ignored): prefill
+    and decode tok/s, TTFT, achieved GB/s (model bytes × tok/s), host time per token, memory."""
+    c = model.config
+    prompt_tokens = max(1, min(prompt_tokens, model.max_positions - decode_tokens - 1))
+    prompt = [int(t) for t in np.random.default_rng(seed).integers(3, c.vocab_size, prompt_tokens)]
+    result = generate(model, None, prompt, decode_tokens, SamplingConfig(temperature=0))
+    s = result.stats
+    report = model.load_report
+    return {"prompt_tokens": s.prompt_tokens, "decode_tokens": s.generated_tokens,
+            "ttft_s": s.ttft_s, "prefill_tok_s": s.prefill_tok_s, "decode_tok_s": s.decode_tok_s,
+            "decode_gb_s": s.decode_gb_s, "host_ms_per_token": 1e3 * s.host_s_per_token,
+            "weight_bytes": model.weight_bytes, "device_bytes": report["device_bytes"],
+            "device_peak_bytes": model.device.peak_allocated_bytes, "host_peak_bytes": report["host_peak_bytes"],
+            "load_s": report["load_s"], "ctx": report["ctx"]}
+
+
+def run_e2e(device, model_name: str, prompt_tokens: int = 64, decode_tokens: int = 32, ctx: int | None = None) -> dict:
+    """Load ``model_name`` on ``device`` and measure it end to end (``measure_e2e``)."""
+    device.peak_allocated_bytes = device.allocated_bytes  # the model's peak, not earlier benchmarks'
+    model, _ = load_model(model_name, device, ctx=ctx, progress=None, default_ctx=1024)
+    return {"model": model_name, **measure_e2e(model, prompt_tokens, decode_tokens)}
 
 
 def e2e_lines(e2e: dict, copy_gb_s: float) -> list[str]:
@@ -116,12 +128,9 @@ def e2e_lines(e2e: dict, copy_gb_s: float) -> list[str]:
 
 
 def main(args) -> int:
-    from perfx.progress import Progress, format_table
-    from perfx.runtime import Device
-
     device = Device(args.device)
-    families = select_families(args.kernels)
-    problems, notes = model_jobs(args, families)
+    families = select_specs(args.kernels)
+    problems, notes = problems_for(args.model, families, args.max_m)
     print(f"perfx bench on {device.caps.platform} / {device.caps.name} (limits: {device.caps.limits}), "
           f"{len(problems)} kernel shapes of {args.model}", file=sys.stderr)
     for note in notes:
@@ -133,7 +142,7 @@ def main(args) -> int:
         for problem in problems:
             rows.append(bench_problem(device, families[problem.family], problem, ceiling, rng))
             progress.update(note=f"{problem.family} {rows[-1]['description']}")
-    e2e = run_e2e(device, args.model, args) if args.e2e else None
+    e2e = run_e2e(device, args.model) if args.e2e else None
     failed = [r for r in rows if r.get("failure") or not r.get("verified", False)]
 
     if args.json:

@@ -15,7 +15,11 @@ import sys
 import time
 from pathlib import Path
 
+from perfx.commands.options import (add_model_options, add_sampling_options, add_system_option, log,
+                                    sampling_config, system_prompt)
 from perfx.errors import PerfxError
+from perfx.generate import generate
+from perfx.model import host_peak_bytes, load_model
 
 HELP = """commands:
   /help           this list
@@ -30,12 +34,9 @@ A line starting with // is sent as text with one / removed."""
 
 def add_arguments(parser):
     """The options of `perfx chat`: model, sampling, --system."""
-    from perfx.cli import add_model_options, add_sampling_options
-
     add_model_options(parser)
     add_sampling_options(parser)
-    parser.add_argument("--system", metavar="TEXT",
-                        help="system prompt (default: the model's chat template decides)")
+    add_system_option(parser)
 
 
 def main(args) -> int:
@@ -43,18 +44,13 @@ def main(args) -> int:
 
     Raises PerfxError for bad option values or a model that cannot be loaded (the CLI prints it and exits 2).
     """
-    from perfx.cli import log, sampling_config
-    from perfx.model import load_model
-
     sampling = sampling_config(args)
-    if args.max_tokens < 1:
-        raise PerfxError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     interactive = sys.stdin.isatty()
     model, source = load_model(args.model, args.device, args.ctx, args.quantize, log=log)
     if source.tokenizer is None:
         raise PerfxError(f"{args.model} has no tokenizer: `perfx chat` needs one (synthetic models are for "
                          "`perfx bench`)")
-    chat = Chat(model, source, sampling, args.max_tokens, args.system, interactive)
+    chat = Chat(model, source, sampling, args.max_tokens, system_prompt(args), interactive)
     return chat.loop()
 
 
@@ -141,8 +137,6 @@ class Chat:
         return ids
 
     def turn(self, text: str):
-        from perfx.generate import generate
-
         self.messages.append({"role": "user", "content": text})
         try:
             ids = self.fit(self.render(self.messages))
@@ -244,7 +238,6 @@ class Chat:
             ]
         else:
             rows.append(("replies", "none yet"))
-        from perfx.model import host_peak_bytes
         rows.append(("memory", f"{report.get('device_bytes', 0) / mib:.0f} MiB on the device (weights "
                                f"{report.get('weight_bytes', 0) / mib:.0f} MiB, KV cache "
                                f"{report.get('kv_cache_bytes', 0) / mib:.0f} MiB), host peak "

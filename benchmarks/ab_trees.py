@@ -1,0 +1,93 @@
+"""End-to-end figures of two checkouts of perfx (before and after a change), interleaved in one run.
+
+Each round loads the model in a fresh process from checkout A, then from B (the order alternates by round),
+and measures prefill and decode with ``perfx bench``'s end-to-end measurement, with the tuned parameters
+each checkout finds (its own shipped database; the user database is left out unless --user-db). The
+table gives the median and the spread (min–max) of the rounds, and B/A per figure.
+
+    git worktree add /tmp/before <commit>
+    python benchmarks/ab_trees.py /tmp/before . --model default --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# Run inside each checkout: the measurement as that checkout does it.
+PROBE = r"""
+import json, sys
+from perfx.model import load_model
+from perfx.runtime import Device
+try:
+    from perfx.commands.bench import measure_e2e
+except ImportError:  # checkouts from before 2026-11-30
+    from perfx.bench_e2e import measure as measure_e2e
+model, _ = load_model(sys.argv[1], Device(), progress=False, default_ctx=512)
+print("RESULT " + json.dumps(measure_e2e(model, int(sys.argv[2]), int(sys.argv[3]))))
+"""
+FIGURES = ("prefill_tok_s", "decode_tok_s", "decode_gb_s", "host_ms_per_token")
+
+
+def run_once(tree: Path, model: str, prompt: int, steps: int, cache: str | None) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(tree.resolve()))
+    if cache is not None:
+        env["PERFX_CACHE"] = cache
+    out = subprocess.run([sys.executable, "-c", PROBE, model, str(prompt), str(steps)], env=env,
+                         capture_output=True, text=True, cwd=tempfile.gettempdir())
+    if out.returncode != 0:
+        raise SystemExit(f"{tree}: the measurement failed:\n{out.stderr[-3000:]}")
+    line = next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("a", type=Path, help="checkout A (before)")
+    parser.add_argument("b", type=Path, help="checkout B (after)")
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--decode-tokens", type=int, default=48)
+    parser.add_argument("--user-db", action="store_true",
+                        help="let both checkouts read the user's tuning database too (default: shipped only)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+
+    cache = None
+    if not args.user_db:  # an empty cache that still holds the default model: shipped tuning entries only
+        cache = tempfile.mkdtemp(prefix="perfx-ab-")
+        models = Path(os.environ.get("PERFX_CACHE", Path.home() / ".cache" / "perfx")) / "models"
+        if models.is_dir():
+            (Path(cache) / "models").symlink_to(models)
+    runs = {"A": [], "B": []}
+    for i in range(args.rounds):
+        for label in ("AB" if i % 2 == 0 else "BA"):
+            tree = args.a if label == "A" else args.b
+            runs[label].append(run_once(tree, args.model, args.prompt_tokens, args.decode_tokens, cache))
+            print(f"round {i + 1} {label}: decode {runs[label][-1]['decode_tok_s']:.1f} tok/s, prefill "
+                  f"{runs[label][-1]['prefill_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    summary = {}
+    for name in FIGURES:
+        a = [r[name] for r in runs["A"]]
+        b = [r[name] for r in runs["B"]]
+        summary[name] = {"A": statistics.median(a), "A_range": [min(a), max(a)], "B": statistics.median(b),
+                         "B_range": [min(b), max(b)], "B_over_A": statistics.median(b) / statistics.median(a)}
+    if args.json:
+        print(json.dumps({"model": args.model, "rounds": args.rounds, "figures": summary, "runs": runs}, indent=1))
+        return 0
+    print(f"{args.model}, {args.rounds} rounds interleaved; A = {args.a}, B = {args.b}")
+    for name, s in summary.items():
+        print(f"  {name:18} A {s['A']:8.2f} ({s['A_range'][0]:.2f}–{s['A_range'][1]:.2f})   "
+              f"B {s['B']:8.2f} ({s['B_range'][0]:.2f}–{s['B_range'][1]:.2f})   B/A {s['B_over_A']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

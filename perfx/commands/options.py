@@ -1,0 +1,73 @@
+"""What several commands share: the model, device and sampling options, the default system prompt, and
+one-line notes on stderr (stdout carries only the output a script reads)."""
+
+from __future__ import annotations
+
+import sys
+
+from perfx.errors import PerfxError
+from perfx.generate import SamplingConfig
+from perfx.runtime import DEVICE_HELP
+from perfx.tuning import select_specs
+
+# One default for `perfx generate` and `perfx chat`: small models (the default one has 135M parameters)
+# ramble under greedy decoding unless asked to be brief (the float64 reference forward gives the same
+# rambling text). `--system ''` uses the model's own template default instead.
+DEFAULT_SYSTEM = "You are a helpful assistant. Answer briefly."
+SYSTEM_HELP = ("system prompt (default: %(default)r: a small model stays on topic when asked to be brief); "
+               "--system '' uses the model's own chat template default")
+
+
+def log(text: str):
+    print(text, file=sys.stderr, flush=True)
+
+
+def add_model_options(parser, ctx: bool = True):
+    parser.add_argument("--model", default="default",
+                        help="a Hugging Face directory (AWQ or fp16 safetensors), a .gguf file, synthetic:<name>, "
+                             "or 'default' (SmolLM2-135M-Instruct Q4_1, fetched once into the cache)")
+    parser.add_argument("--device", help=DEVICE_HELP)
+    if ctx:
+        parser.add_argument("--ctx", type=int, help="KV cache positions (default: min(model limit, 4096))")
+    parser.add_argument("--quantize", choices=["q4"], help="quantize fp16 weights to 4 bits on load (round to "
+                                                           "nearest, group 128): a quick try of an fp16 checkpoint")
+
+
+def add_sampling_options(parser, temperature: float = 0.7):
+    parser.add_argument("--temperature", type=float, default=temperature, help="0 = greedy (default %(default)s)")
+    parser.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens; 0 = off")
+    parser.add_argument("--top-p", type=float, default=0.95, help="nucleus: keep the smallest set with this mass")
+    parser.add_argument("--min-p", type=float, default=0.05, help="drop tokens below min-p × the top probability")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="1.0 = off")
+    parser.add_argument("--seed", type=int, help="same seed, same text")
+    parser.add_argument("--max-tokens", type=int, default=256, help="stop after this many new tokens")
+
+
+def add_system_option(parser):
+    parser.add_argument("--system", default=DEFAULT_SYSTEM, metavar="TEXT", help=SYSTEM_HELP)
+
+
+def system_prompt(args) -> str | None:
+    """The system prompt of --system, None for '' (the chat template's own default)."""
+    return args.system or None
+
+
+def sampling_config(args) -> SamplingConfig:
+    if args.max_tokens < 1:
+        raise PerfxError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    return SamplingConfig(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty, args.seed)
+
+
+def add_kernel_options(parser, what: str = "tune"):
+    parser.add_argument("--model", default="default",
+                        help=f"model whose shapes to {what}: 'default', a .gguf file or model directory, or "
+                             "synthetic:llama-2-7b / synthetic:smollm2-135m (default: default)")
+    parser.add_argument("--kernels", help="comma-separated kernel families; a prefix names a group "
+                                          "(gemm_q4 = gemm_q4_skinny,gemm_q4_tiled; default: all)")
+    parser.add_argument("--max-m", type=int, default=None,
+                        help=f"{what} the prefill (GEMM, attention) path only up to this prompt length")
+    parser.add_argument("--device", help=DEVICE_HELP)
+
+
+def selected_specs(args) -> dict:
+    return select_specs(args.kernels)

@@ -1,0 +1,113 @@
+"""Each kernel family's parameters as data, and the one rule for parameters that do not fit.
+
+A ``ParamSpace`` names the values a kernel's ``#define``s may take (the first of each list is the
+default, and equals the ``#ifndef`` default in the ``.cl`` file), the rules a combination must keep on a
+shape, the work-group size and local memory it needs, and what it asks of the device.
+
+The rule, everywhere: parameters a caller passes explicitly and that do not fit the shape or device are
+an error (``resolve`` raises, naming what does not fit); parameters looked up in a tuning database that
+do not fit are skipped for the next candidate, with the reason kept (``perfx.tuning.database``).
+Every parameter is an integer: the value handed to the compiler as ``-DNAME=value``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from perfx.errors import PerfxError
+
+Params = dict[str, Any]
+Shape = dict[str, Any]
+
+# How every family encodes where int4 codes are read from (the READ define).
+READ_BUFFER, READ_IMAGE2D = 0, 1
+READ_NAMES = {READ_BUFFER: "buffer", READ_IMAGE2D: "image2d"}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A condition a parameter set must keep on a shape; ``text`` says it when it does not."""
+
+    text: str
+    holds: Callable[[Params, Shape], bool]
+
+
+@dataclass(frozen=True)
+class Need:
+    """What a parameter value asks of the device (e.g. READ=1 needs image support)."""
+
+    text: str
+    supported: Callable[[Any, Any], bool]   # (caps, value) -> bool
+
+
+def needs_images(caps, value) -> bool:
+    return value != READ_IMAGE2D or caps.image_support
+
+
+READ_NEED = Need("image2d reads need image support", needs_images)
+
+
+@dataclass(frozen=True)
+class ParamSpace:
+    family: str
+    source: str                                   # kernel file in kernels/
+    space: dict[str, tuple]                       # define -> allowed values; the first is the default
+    rules: tuple[Rule, ...] = ()
+    work_group_size: Callable[[Params, Shape], int] = lambda params, shape: 1
+    local_memory: Callable[[Params, Shape], int] = lambda params, shape: 0
+    needs: dict[str, Need] = field(default_factory=dict)
+
+    def defaults(self) -> Params:
+        return {name: values[0] for name, values in self.space.items()}
+
+    def why_invalid(self, params: Params, shape: Shape, caps=None) -> str | None:
+        """None when the parameter set may run on this shape (and device, if given), else the reason."""
+        unknown = sorted(set(params) - set(self.space))
+        if unknown:
+            return f"unknown parameter(s) {', '.join(unknown)} (known: {', '.join(self.space)})"
+        missing = sorted(set(self.space) - set(params))
+        if missing:
+            return f"missing parameter(s) {', '.join(missing)}"
+        for name, value in params.items():
+            if value not in self.space[name]:
+                return f"{name}={value!r} is not one of {list(self.space[name])}"
+        for rule in self.rules:
+            if not rule.holds(params, shape):
+                return rule.text
+        if caps is not None:
+            wgs = self.work_group_size(params, shape)
+            if wgs > caps.max_work_group:
+                return f"work-group of {wgs} > the device's {caps.max_work_group}"
+            local = self.local_memory(params, shape)
+            if local > caps.local_mem:
+                return f"{local} bytes of local memory > the device's {caps.local_mem}"
+            for name, need in self.needs.items():
+                if not need.supported(caps, params[name]):
+                    return f"{name}={params[name]}: {need.text}, which {caps.name} lacks"
+        return None
+
+    def candidates(self, shape: Shape, caps=None) -> list[Params]:
+        """Every parameter set allowed for this shape on this device: the tuner's search space."""
+        names = list(self.space)
+        sets = (dict(zip(names, values)) for values in itertools.product(*(self.space[n] for n in names)))
+        return [params for params in sets if self.why_invalid(params, shape, caps) is None]
+
+    def resolve(self, params: Params | None, shape: Shape, caps) -> Params:
+        """The defaults overridden by explicitly passed ``params``; a PerfxError when they cannot run here.
+
+        With ``params`` None (nothing asked for), defaults that do not fit this shape or device give way
+        to the first parameter set that does: the generic fallback, never an error while one fits.
+        """
+        resolved = {**self.defaults(), **(params or {})}
+        why = self.why_invalid(resolved, shape, caps)
+        if why is not None and params is None:
+            fitting = self.candidates(shape, caps)
+            if fitting:
+                return fitting[0]
+            raise PerfxError(f"{self.family}: no parameter set fits this shape on {caps.name} (the defaults: "
+                             f"{why})")
+        if why is not None:
+            raise PerfxError(f"{self.family}: parameters {resolved} cannot run on {caps.name}: {why}")
+        return resolved

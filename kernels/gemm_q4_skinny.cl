@@ -4,10 +4,10 @@
 //   Y (M, N) = X (M, K) · Wᵀ + bias (N)   EPILOGUE 1 (QKV with a bias, e.g. Qwen)
 //   Y (M, I) = SiLU(X · Wgᵀ) · (X · Wuᵀ)  EPILOGUE 2 (gate-up: W has 2·I rows, gate 0..I−1, up I..2I−1)
 //
-// W (N, K) in perfx's device form: codes q ∈ [0, 15], 32 per uint4 texel (code 32t + 8c + j in
-// component c, bits 4j..4j+3), rows contiguous along K, read from a buffer (READ 0) or an image2d_t
-// row block (READ 1); one half2 (s, m) per group of G along K, w = s·q + m. X, Y, bias float32,
-// row-major. Accumulation in fp32.
+// W (N, K) in perfx's device form (kernels/q4.h): codes q ∈ [0, 15], 32 per uint4 texel, in the weight's
+// LAYOUT (rows along K, or interleaved), read from a buffer (READ 0), image2d_t row blocks (READ 1) or an
+// image1d_buffer_t view of the buffer (READ 2); one half2 (s, m) per group of G along K, w = s·q + m.
+// X, Y, bias float32, row-major. Accumulation in fp32.
 //
 // Still memory-bound at small M, so each weight is read once and all M rows' sums stay in registers:
 // one work-item owns ROWS output columns (ROWS weight rows, twice that for the gate-up epilogue) and
@@ -36,7 +36,10 @@
 #define MT 4  // rows of X per pass, ROWS·MT float8 accumulators in registers (a power of two)
 #endif
 #ifndef READ
-#define READ 1  // 0: codes from a uint4 buffer; 1: from an image2d_t (texture cache on GPUs)
+#define READ 1  // 0: codes from a uint4 buffer; 1: image2d_t row blocks; 2: an image1d_buffer_t view of the buffer
+#endif
+#ifndef LAYOUT
+#define LAYOUT 0  // the weight's layout (kernels/q4.h): 0 rows along K, 1 interleaved (set from the weight)
 #endif
 #ifndef EPILOGUE
 #define EPILOGUE 0  // 0: none; 1: + bias[column]; 2: SiLU(gate)·up
@@ -48,26 +51,17 @@
 #define WROWS ROWS
 #endif
 
-#if READ == 1
-#define CODES_T __read_only image2d_t
-__constant sampler_t SAMPLER = CLK_NORMALIZED_COORDS_FALSE | CLK_ADDRESS_NONE | CLK_FILTER_NEAREST;
-#define LOAD_TEXEL(codes, row, t) read_imageui(codes, SAMPLER, (int2)((t), (row)))
-#else
-#define CODES_T __global const uint4* restrict
-#define LOAD_TEXEL(codes, row, t) (codes)[(size_t)(row) * texels + (t)]
-#endif
+#include "q4.h"
 
-#define NIBBLE_SHIFTS (uint8)(0, 4, 8, 12, 16, 20, 24, 28)
 // The 8 weights of one texel component, s·q + m, in x order. Plain * and + rather than mad() and
 // vload8(): PoCL calls those as functions, out of line, and spills the accumulators around each call.
 #define DEQUANT8(bits, sm) \
     ((as_float8((((uint8)(bits) >> NIBBLE_SHIFTS) & 0xFu) | 0x4B000000u) - 8388608.0f) * (sm).x + (sm).y)
 // X rows start at multiples of K floats, K a multiple of 32: every 8-float chunk is float8-aligned.
 #define LOAD_X8(p, i) (((const __global float8*)(p))[i])
-#define SUM8(v) ((((v).s0 + (v).s4) + ((v).s2 + (v).s6)) + (((v).s1 + (v).s5) + ((v).s3 + (v).s7)))
 
 // r is a compile-time constant after unrolling: gate (or only) rows from codes_a, up rows from codes_b.
-#define TEXEL_OF(r, t) ((r) < ROWS ? LOAD_TEXEL(codes_a, wrow[r], t) : LOAD_TEXEL(codes_b, wrow[r], t))
+#define TEXEL_OF(r, t) ((r) < ROWS ? TEXEL(codes_a, wrow[r], t) : TEXEL(codes_b, wrow[r], t))
 
 // One pass over K for the R rows of X from m0 (R a compile-time constant), then the epilogue and
 // the stores.
@@ -80,7 +74,7 @@ __constant sampler_t SAMPLER = CLK_NORMALIZED_COORDS_FALSE | CLK_ADDRESS_NONE | 
         for (int g = 0; g < groups; g++) {                                                       \
             float2 sm[WROWS];                                                                    \
             _Pragma("unroll") for (int r = 0; r < WROWS; r++)                                    \
-                sm[r] = vload_half2(grow[r] * groups + g, scale_offset);                         \
+                sm[r] = vload_half2(SO_INDEX(grow[r], g), scale_offset);                        \
             for (int t = g << group_shift; t < (g + 1) << group_shift; t++) {                    \
                 uint4 tex[WROWS];                                                                \
                 _Pragma("unroll") for (int r = 0; r < WROWS; r++) tex[r] = TEXEL_OF(r, t);       \
@@ -122,7 +116,7 @@ __constant sampler_t SAMPLER = CLK_NORMALIZED_COORDS_FALSE | CLK_ADDRESS_NONE | 
 __kernel __attribute__((reqd_work_group_size(WGS, 1, 1)))
 void gemm_q4_skinny(const int m_rows, const int n_cols, const int k, const int group_shift,
                     const int ldy, const int y_col0, const int row_a0, const int row_b0,
-                    const int base_a, const int base_b,
+                    const int base_a, const int base_b, const int n_rows,
                     __global const float* restrict x, __global float* restrict y,
                     CODES_T codes_a, CODES_T codes_b,
                     __global const half* restrict scale_offset, __global const float* restrict bias)
@@ -130,6 +124,7 @@ void gemm_q4_skinny(const int m_rows, const int n_cols, const int k, const int g
     const int col0 = get_global_id(0) * ROWS;  // first output column of this work-item, in the launch
     const int texels = k >> 5;
     const int groups = texels >> group_shift;
+    const int q4_rows = n_rows, q4_texels = texels, q4_groups = groups;  // kernels/q4.h
 
     // Weight rows (within codes_a / codes_b) and global rows (scales, bias) of the WROWS rows. Columns
     // past n_cols read the last valid column again (harmless) and store nothing.

@@ -4,8 +4,9 @@
 //   Y (M, N) = X (M, K) · Wᵀ + bias (N)   EPILOGUE 1
 //   Y (M, I) = SiLU(X · Wgᵀ) · (X · Wuᵀ)  EPILOGUE 2 (W has 2·I rows: gate 0..I−1, up I..2I−1)
 //
-// W (N, K) in perfx's device form (see gemm_q4_skinny.cl): 32 codes per uint4 texel from a buffer
-// (READ 0) or image2d_t row block (READ 1), one half2 (s, m) per group of G, w = s·q + m.
+// W (N, K) in perfx's device form (kernels/q4.h): 32 codes per uint4 texel in the weight's LAYOUT, from a
+// buffer (READ 0), image2d_t row blocks (READ 1) or an image1d_buffer_t view (READ 2), one half2 (s, m) per
+// group of G, w = s·q + m.
 // X, Y, bias float32 row-major; fp32 accumulation.
 //
 // The parameterization follows CLBlast's xgemm (src/kernels/level3/xgemm_part1.opencl): a
@@ -39,7 +40,10 @@
 #define VWN 8  // vector width along N of the register block and local loads: 1, 2, 4, 8 or 16
 #endif
 #ifndef READ
-#define READ 0  // 0: codes from a uint4 buffer; 1: from an image2d_t
+#define READ 0  // 0: codes from a uint4 buffer; 1: image2d_t row blocks; 2: an image1d_buffer_t view of the buffer
+#endif
+#ifndef LAYOUT
+#define LAYOUT 0  // the weight's layout (kernels/q4.h): 0 rows along K, 1 interleaved (set from the weight)
 #endif
 #ifndef EPILOGUE
 #define EPILOGUE 0  // 0: none; 1: + bias[column]; 2: SiLU(gate)·up
@@ -73,14 +77,8 @@ typedef float16 floatN;
 #define STOREN(v, p) vstore16(v, 0, p)
 #endif
 
-#if READ == 1
-#define CODES __read_only image2d_t
-__constant sampler_t SAMPLER = CLK_NORMALIZED_COORDS_FALSE | CLK_ADDRESS_NONE | CLK_FILTER_NEAREST;
-#define LOAD_TEXEL(codes, row, t) read_imageui(codes, SAMPLER, (int2)((t), (row)))
-#else
-#define CODES __global const uint4* restrict
-#define LOAD_TEXEL(codes, row, t) (codes)[(size_t)(row) * texels + (t)]
-#endif
+#include "q4.h"
+#define CODES CODES_T
 
 inline float8 dequant8(const uint v, const float2 sm) {
     const uint8 q = (uint8)(v, v >> 4, v >> 8, v >> 12, v >> 16, v >> 20, v >> 24, v >> 28) & (uint8)0xFu;
@@ -95,19 +93,27 @@ inline void store8_strided(__local float* p, const int stride, const float8 v) {
 
 // Dequantize the K-tile of NWG weight rows (rows row0 + 0..NWG−1, in codes at row − base) into
 // ws[k][n]; columns past n_cols and texels past K become zeros.
+// Neighbouring work-items take neighbouring texels of a row (LAYOUT 0) or of a column of rows (LAYOUT 1):
+// the order in which each layout's texels lie in memory.
 inline void load_w_tile(__local float* ws, CODES codes, const int row0, const int base, const int n_base,
-                        const int n_cols, const int t0, const int texels, const int groups,
-                        const int group_shift, __global const half* restrict scale_offset, const int tid)
+                        const int n_cols, const int t0, const int q4_texels, const int q4_groups,
+                        const int q4_rows, const int group_shift, __global const half* restrict scale_offset,
+                        const int tid)
 {
     for (int j = tid; j < NWG * TPK; j += WGS) {
+#if LAYOUT == 1
+        const int ni = j % NWG;
+        const int tt = j / NWG;
+#else
         const int ni = j / TPK;
         const int tt = j % TPK;
+#endif
         const int t = t0 + tt;
         __local float* p = ws + 32 * tt * NWG + ni;
-        if (n_base + ni < n_cols && t < texels) {
+        if (n_base + ni < n_cols && t < q4_texels) {
             const int row = row0 + n_base + ni;
-            const uint4 q = LOAD_TEXEL(codes, row - base, t);
-            const float2 sm = vload_half2(row * groups + (t >> group_shift), scale_offset);
+            const uint4 q = TEXEL(codes, row - base, t);
+            const float2 sm = vload_half2(SO_INDEX(row, t >> group_shift), scale_offset);
             store8_strided(p, NWG, dequant8(q.x, sm));
             store8_strided(p + 8 * NWG, NWG, dequant8(q.y, sm));
             store8_strided(p + 16 * NWG, NWG, dequant8(q.z, sm));
@@ -150,7 +156,7 @@ inline void load_w_tile(__local float* ws, CODES codes, const int row0, const in
 __kernel __attribute__((reqd_work_group_size(NDIMC, MDIMC, 1)))
 void gemm_q4_tiled(const int m_rows, const int n_cols, const int k, const int group_shift,
                    const int ldy, const int y_col0, const int row_a0, const int row_b0,
-                   const int base_a, const int base_b,
+                   const int base_a, const int base_b, const int n_rows,
                    __global const float* restrict x, __global float* restrict y,
                    CODES codes_a, CODES codes_b,
                    __global const half* restrict scale_offset, __global const float* restrict bias)
@@ -194,10 +200,10 @@ void gemm_q4_tiled(const int m_rows, const int n_cols, const int k, const int gr
             xs[(kq + 2) * MWG + mi] = v.z;
             xs[(kq + 3) * MWG + mi] = v.w;
         }
-        load_w_tile(wa, codes_a, row_a0, base_a, n_base, n_cols, k0 >> 5, texels, groups, group_shift,
+        load_w_tile(wa, codes_a, row_a0, base_a, n_base, n_cols, k0 >> 5, texels, groups, n_rows, group_shift,
                     scale_offset, tid);
 #if EPILOGUE == 2
-        load_w_tile(wb, codes_b, row_b0, base_b, n_base, n_cols, k0 >> 5, texels, groups, group_shift,
+        load_w_tile(wb, codes_b, row_b0, base_b, n_base, n_cols, k0 >> 5, texels, groups, n_rows, group_shift,
                     scale_offset, tid);
 #endif
         barrier(CLK_LOCAL_MEM_FENCE);

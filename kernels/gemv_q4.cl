@@ -1,26 +1,53 @@
-// y (M) = W (N, K) · x (K) (+ bias), W int4 in perfx's device form (perfx/ops/q4_weight.py):
-//   codes: 32 per uint4 texel, rows contiguous along K (code 32t + 8c + j in component c, bits 4j..4j+3),
-//          read as a uint4 buffer (READ 0) or as image2d row blocks (READ 1);
-//   scale_offset: one half2 (s, m) per group of G along K, (N, K/G); w = s·q + m.
-// Per group: Σ_k (s·q_k + m)·x_k = s·Σ q_k x_k + m·Σ x_k, so the inner loop is one fma per weight and
-// Σ x_k is computed once per group and shared by the ROWS rows of a work-item.
+// y (M) = W (N, K) · x (K) (+ bias), W int4 in perfx's device form (kernels/q4.h, perfx/ops/q4_weight.py):
+//   codes: 32 per uint4 texel, LAYOUT 0 (rows contiguous along K) or 1 (rows interleaved per texel),
+//          read from a buffer (READ 0), image2d row blocks (READ 1, LAYOUT 0) or an image1d_buffer view (READ 2);
+//   scale_offset: one half2 (s, m) per group of G along K; w = s·q + m.
+// Per group: Σ_k (s·q_k + m)·x_k = s·Σ q_k x_k + m·Σ x_k, so the inner loop is one multiply-add per weight and
+// Σ x_k is computed once per group and shared by the ROWS rows of a work-item. With HALF the codes are
+// centred, Σ (s·(q_k − 8) + m + 8s)·x_k, and Σ (q_k − 8)·x_k is formed in half (cl_khr_fp16), one half8
+// multiply-add per 8 weights; each group's half sum joins an fp32 accumulator, so fp16 rounding never
+// builds up across groups.
 // Epilogues (EPILOGUE, chosen by the wrapper, not tuned):
 //   0 plain:    y[o] = W[o]·x + bias[o]                      M = N (also fused QKV: rows concatenated)
 //   1 silu_mul: y[o] = SiLU(W[o]·x + b[o]) · (W[M+o]·x + b[M+o])   M = N/2 (gate rows, then up rows)
-// Shape contract: K multiple of G, G ∈ {32, 64, 128}; any M (rows past the end are clamped on load and
-// not stored). One launch covers outputs [out_base, out_base + n_out); its gate rows start at row_a of
-// weights `wa` and its up rows at row_b of `wb` (the wrapper splits launches at image boundaries, so
-// a row block never straddles two images). Work-group: (LANES, 1); global: (LANES, ⌈n_out/ROWS⌉).
-// LANES work-items stride along K by groups and meet in a local-memory tree reduction.
+// Shape contract: K multiple of G, G ∈ {32, 64, 128}; any M (rows past the end are clamped on load and not
+// stored). One launch covers outputs [out_base, out_base + n_out); its gate rows start at row_a of weights
+// `wa` and its up rows at row_b of `wb` (image2d row blocks: the wrapper splits launches at image boundaries,
+// so a row block never straddles two images); n_rows is the weight's N (the interleaved layout's stride).
+//
+// Two kernel shapes, one per layout:
+//   LAYOUT 0  work-group (LANES, 1), global (LANES, ⌈n_out/ROWS⌉): LANES work-items stride along K by groups
+//             for ROWS rows and meet in a reduction: a local-memory tree (SG 0) or sub_group_reduce_add
+//             (SG 1; with SUBGROUP = LANES one subgroup holds them all: no local memory, no barrier).
+//   LAYOUT 1  work-group (64, LANES), global (64·⌈n_out/(64·ROWS)⌉, LANES): the 64 work-items of a row
+//             own neighbouring rows (rows first + 64·r, r < ROWS), so each texel load is coalesced; LANES
+//             slices of K meet in local memory. Every work-item needs the same x: read from global memory
+//             (XS 0, a uniform load), staged once per work-group in local memory (XS 1), or loaded by lanes
+//             0..7 of a subgroup and shared with sub_group_broadcast (XS 2, llama.cpp's Adreno GEMV).
 
+#ifndef LAYOUT
+#define LAYOUT 0     // 0: rows contiguous along K; 1: rows interleaved per texel (coalesced across work-items)
+#endif
 #ifndef LANES
-#define LANES 16     // work-items along K per work-group (power of two)
+#define LANES 16     // LAYOUT 0: work-items along K per work-group; LAYOUT 1: slices of K per work-group
 #endif
 #ifndef ROWS
 #define ROWS 4       // outputs per work-item: each x chunk is loaded once and applied to ROWS rows
 #endif
 #ifndef READ
-#define READ 0       // 0: uint4 buffer loads, 1: read_imageui on image2d row blocks (texture cache)
+#define READ 0       // 0: uint4 buffer, 1: image2d row blocks, 2: image1d_buffer view of the buffer
+#endif
+#ifndef XS
+#define XS 0         // LAYOUT 1: x from global (0), local memory (1) or sub_group_broadcast (2)
+#endif
+#ifndef SG
+#define SG 0         // LAYOUT 0: reduce the lanes in a local-memory tree (0) or with sub_group_reduce_add (1)
+#endif
+#ifndef HALF
+#define HALF 0       // 1: dequantize and multiply in half (cl_khr_fp16), fp32 across groups
+#endif
+#ifndef SUBGROUP
+#define SUBGROUP 0   // required subgroup size (0: the driver's), for SG 1 and XS 2 (kernels/gpu.h)
 #endif
 #ifndef GROUP
 #define GROUP 128    // quantization group along K (set from the weight, not tuned)
@@ -29,8 +56,26 @@
 #define EPILOGUE 0   // 0: plain (+bias), 1: SiLU(gate)·up over paired rows (set by the wrapper)
 #endif
 
-#define TEXELS_PER_GROUP (GROUP / 32)
+#define USES_SUBGROUPS (SG == 1 || XS == 2)
+#include "gpu.h"
+#include "q4.h"
 
+#if HALF
+#pragma OPENCL EXTENSION cl_khr_fp16 : enable
+typedef half8 dot8;                       // the per-group dot product's type
+#define DOT_X(v) convert_half8(v)         // x as the dot product reads it
+#define DOT_CODES(bits) CODES_H(bits)
+#define DOT_FLOAT(v) convert_float8(v)
+#define OFFSET(sm) ((sm).y + 8.0f * (sm).x) // the centred codes move 8·s into the offset
+#else
+typedef float8 dot8;
+#define DOT_X(v) (v)
+#define DOT_CODES(bits) CODES_F(bits)
+#define DOT_FLOAT(v) (v)
+#define OFFSET(sm) ((sm).y)
+#endif
+
+#define TEXELS_PER_GROUP (GROUP / 32)
 #if EPILOGUE == 1
 #define ROW_SETS 2   // gate and up
 #else
@@ -38,44 +83,70 @@
 #endif
 #define WROWS (ROWS * ROW_SETS)
 
-#if READ == 1
-typedef __read_only image2d_t weights_t;
-__constant sampler_t texel_sampler = CLK_NORMALIZED_COORDS_FALSE | CLK_ADDRESS_NONE | CLK_FILTER_NEAREST;
-#define LOAD_TEXEL(w, row, t) read_imageui(w, texel_sampler, (int2)((t), (row)))
+#if LAYOUT == 1
+#define WGN 64       // work-items along N of a LAYOUT 1 work-group (a half wave on Adreno)
+#define ROW_STRIDE WGN
 #else
-typedef __global const uint4* restrict weights_t;
-#define LOAD_TEXEL(w, row, t) w[(size_t)(row) * texels + (t)]
+#define ROW_STRIDE 1
 #endif
 
-// The 8 codes of one texel component, in x order: (bits >> 4j) & 0xF for j = 0..7. The float comes from
-// the bits: 0x4B000000 | q is the float 2^23 + q (exact for q < 2^23), one OR and one subtraction.
-// 8 wide on purpose: PoCL 3.0's LLVM 14 fails to select 16-wide integer/convert code on AVX2 x86.
-#define NIBBLE_SHIFTS (uint8)(0, 4, 8, 12, 16, 20, 24, 28)
-#define CODES(bits) (as_float8((((uint8)(bits) >> NIBBLE_SHIFTS) & 0xFu) | 0x4B000000u) - 8388608.0f)
-#define SUM8(v) ((((v).s0 + (v).s4) + ((v).s2 + (v).s6)) + (((v).s1 + (v).s5) + ((v).s3 + (v).s7)))
+#if EPILOGUE == 1
+#define LOAD_ROW(r, t) ((r) < ROWS ? TEXEL(wa, wrow[r], t) : TEXEL(wb, wrow[r], t))
+#else
+#define LOAD_ROW(r, t) TEXEL(wa, wrow[r], t)
+#endif
 
 inline float silu(const float v) { return v / (1.0f + exp(-v)); }
 
-__kernel __attribute__((reqd_work_group_size(LANES, 1, 1)))
-void gemv_q4(const int n_out, const int k, const int out_base, const int half_rows,
-             const int row_a, const int row_b, weights_t wa, weights_t wb,
-             __global const half* restrict scale_offset, __global const float* restrict bias, const int has_bias,
-             __global const float* restrict x, __global float* restrict y)
+#if LAYOUT == 1 && XS == 2
+// x[32t + 4·l .. 4·l + 3] from lane l of the subgroup (lanes 0..7 hold a texel's 32 values).
+inline float4 broadcast4(const float4 v, const uint lane)
 {
-#if LANES > 1
-    __local float partial[WROWS][LANES];   // declared at kernel scope, as OpenCL C 1.2 requires
+    return (float4)(sub_group_broadcast(v.s0, lane), sub_group_broadcast(v.s1, lane),
+                    sub_group_broadcast(v.s2, lane), sub_group_broadcast(v.s3, lane));
+}
 #endif
-    const int lane = get_local_id(0);
-    const int first = get_group_id(1) * ROWS;    // first output of this work-item, within the launch
-    const int groups = k / GROUP;
-    const int texels = k / 32;
+
+#if LAYOUT == 1 && XS == 1 && HALF
+typedef half xstage_t;
+#else
+typedef float xstage_t;
+#endif
+
+__kernel REQD_SUBGROUP
+#if LAYOUT == 1
+__attribute__((reqd_work_group_size(WGN, LANES, 1)))
+#else
+__attribute__((reqd_work_group_size(LANES, 1, 1)))
+#endif
+void gemv_q4(const int n_out, const int k, const int out_base, const int half_rows,
+             const int row_a, const int row_b, const int n_rows, CODES_T wa, CODES_T wb,
+             __global const half* restrict scale_offset, __global const float* restrict bias, const int has_bias,
+             __global const float* restrict x, __global float* restrict y, __local xstage_t* restrict x_local)
+{
+    const int q4_rows = n_rows;
+    const int q4_texels = k / 32;
+    const int q4_groups = k / GROUP;
+#if LAYOUT == 1
+    const int lane = get_local_id(1);   // which slice of K
+    const int first = get_group_id(0) * (WGN * ROWS) + get_local_id(0);
+#if LANES > 1
+    __local float partial[LANES - 1][WROWS][WGN];
+#endif
+#else
+    const int lane = get_local_id(0);   // which lane along K
+    const int first = get_group_id(1) * ROWS;
+#if LANES > 1
+    __local float partial[WROWS][LANES];  // declared at kernel scope, as OpenCL C 1.2 requires
+#endif
+#endif
 
     // Weight rows (within wa / wb) and global rows (for scales and bias) of each of the WROWS rows.
     // Outputs past n_out read the last valid row again (harmless) and are not stored.
     int wrow[WROWS], grow[WROWS];
     #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-        const int o = min(first + r, n_out - 1);
+        const int o = min(first + r * ROW_STRIDE, n_out - 1);
         wrow[r] = row_a + o;
         grow[r] = out_base + o;
 #if EPILOGUE == 1
@@ -84,41 +155,105 @@ void gemv_q4(const int n_out, const int k, const int out_base, const int half_ro
 #endif
     }
 
+#if LAYOUT == 1 && XS == 1
+    // x once per work-group (as half with HALF: half the local memory).
+    for (int e = get_local_id(1) * WGN + get_local_id(0); e < k; e += WGN * LANES) {
+        x_local[e] = (xstage_t)x[e];
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+#endif
+#if LAYOUT == 1 && XS == 2
+    const uint sg_lane = get_sub_group_local_id();
+#endif
+
     float acc[WROWS];
     #pragma unroll
     for (int r = 0; r < WROWS; ++r) acc[r] = 0.0f;
 
-    for (int g = lane; g < groups; g += LANES) {
-        float8 dot[WROWS];
+    for (int g = lane; g < q4_groups; g += LANES) {
+        dot8 dot[WROWS];
         #pragma unroll
-        for (int r = 0; r < WROWS; ++r) dot[r] = (float8)(0.0f);
+        for (int r = 0; r < WROWS; ++r) dot[r] = (dot8)(0.0f);
         float8 xsum = (float8)(0.0f);
         #pragma unroll
         for (int i = 0; i < TEXELS_PER_GROUP; ++i) {
             const int t = g * TEXELS_PER_GROUP + i;
             // x[32t + 8c + j], j = 0..7, pairs with component c of the texel.
-            const float8 x0 = vload8(4 * t, x), x1 = vload8(4 * t + 1, x);
-            const float8 x2 = vload8(4 * t + 2, x), x3 = vload8(4 * t + 3, x);
-            xsum += (x0 + x1) + (x2 + x3);
+#if LAYOUT == 1 && XS == 1
+            const dot8 x0 = DOT_X(vload8(4 * t, x_local)), x1 = DOT_X(vload8(4 * t + 1, x_local));
+            const dot8 x2 = DOT_X(vload8(4 * t + 2, x_local)), x3 = DOT_X(vload8(4 * t + 3, x_local));
+            xsum += (convert_float8(x0) + convert_float8(x1)) + (convert_float8(x2) + convert_float8(x3));
+#else
+#if LAYOUT == 1 && XS == 2
+            float4 mine = (float4)(0.0f);
+            if (sg_lane < 8) {
+                mine = vload4(8 * t + sg_lane, x);
+            }
+            const float8 f0 = (float8)(broadcast4(mine, 0), broadcast4(mine, 1));
+            const float8 f1 = (float8)(broadcast4(mine, 2), broadcast4(mine, 3));
+            const float8 f2 = (float8)(broadcast4(mine, 4), broadcast4(mine, 5));
+            const float8 f3 = (float8)(broadcast4(mine, 6), broadcast4(mine, 7));
+#else
+            const float8 f0 = vload8(4 * t, x), f1 = vload8(4 * t + 1, x);
+            const float8 f2 = vload8(4 * t + 2, x), f3 = vload8(4 * t + 3, x);
+#endif
+            xsum += (f0 + f1) + (f2 + f3);
+            const dot8 x0 = DOT_X(f0), x1 = DOT_X(f1), x2 = DOT_X(f2), x3 = DOT_X(f3);
+#endif
             #pragma unroll
             for (int r = 0; r < WROWS; ++r) {
-#if EPILOGUE == 1
-                const uint4 tex = r < ROWS ? LOAD_TEXEL(wa, wrow[r], t) : LOAD_TEXEL(wb, wrow[r], t);
-#else
-                const uint4 tex = LOAD_TEXEL(wa, wrow[r], t);
-#endif
-                dot[r] += (CODES(tex.x) * x0 + CODES(tex.y) * x1) + (CODES(tex.z) * x2 + CODES(tex.w) * x3);
+                const uint4 tex = LOAD_ROW(r, t);
+                dot[r] += (DOT_CODES(tex.x) * x0 + DOT_CODES(tex.y) * x1)
+                        + (DOT_CODES(tex.z) * x2 + DOT_CODES(tex.w) * x3);
             }
         }
         const float xs = SUM8(xsum);
         #pragma unroll
         for (int r = 0; r < WROWS; ++r) {
-            const float2 sm = vload_half2(grow[r] * groups + g, scale_offset);
-            acc[r] += sm.x * SUM8(dot[r]) + sm.y * xs;
+            const float2 sm = vload_half2(SO_INDEX(grow[r], g), scale_offset);
+            const float8 d = DOT_FLOAT(dot[r]);
+            acc[r] += sm.x * SUM8(d) + OFFSET(sm) * xs;
         }
     }
 
+#if LAYOUT == 1
 #if LANES > 1
+    // Slices 1.. hand their partial sums to slice 0 through local memory.
+    const int row_lane = get_local_id(0);
+    if (lane > 0) {
+        #pragma unroll
+        for (int r = 0; r < WROWS; ++r) partial[lane - 1][r][row_lane] = acc[r];
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (lane != 0) return;
+    for (int s = 0; s < LANES - 1; ++s) {
+        #pragma unroll
+        for (int r = 0; r < WROWS; ++r) acc[r] += partial[s][r][row_lane];
+    }
+#endif
+#elif LANES > 1
+#if SG == 1
+    #pragma unroll
+    for (int r = 0; r < WROWS; ++r) acc[r] = sub_group_reduce_add(acc[r]);
+#if SUBGROUP != LANES
+    // Several subgroups: their first lanes meet in local memory (one barrier).
+    if (get_sub_group_local_id() == 0) {
+        #pragma unroll
+        for (int r = 0; r < WROWS; ++r) partial[r][get_sub_group_id()] = acc[r];
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (lane != 0) return;
+    const int subgroups = get_num_sub_groups();
+    #pragma unroll
+    for (int r = 0; r < WROWS; ++r) {
+        float sum = partial[r][0];
+        for (int s = 1; s < subgroups; ++s) sum += partial[r][s];
+        acc[r] = sum;
+    }
+#else
+    if (lane != 0) return;
+#endif
+#else
     // Tree reduction of the lanes' partial sums, one slot per (row, lane).
     #pragma unroll
     for (int r = 0; r < WROWS; ++r) partial[r][lane] = acc[r];
@@ -134,15 +269,17 @@ void gemv_q4(const int n_out, const int k, const int out_base, const int half_ro
     #pragma unroll
     for (int r = 0; r < WROWS; ++r) acc[r] = partial[r][0];
 #endif
+#endif
 
     #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-        if (first + r >= n_out) break;
+        const int o = first + r * ROW_STRIDE;
+        if (o >= n_out) break;
         float v = acc[r] + (has_bias ? bias[grow[r]] : 0.0f);
 #if EPILOGUE == 1
         const float up = acc[ROWS + r] + (has_bias ? bias[grow[ROWS + r]] : 0.0f);
         v = silu(v) * up;
 #endif
-        y[out_base + first + r] = v;
+        y[out_base + o] = v;
     }
 }

@@ -5,10 +5,11 @@
 //                   whose id falls in its block. An id outside [0, N) gives a row of NaN (written by
 //                   the launch of the first block), never a silent wrong row.
 //                   Launch: global = (ceil(ceil(K / VW1) / WGS1) · WGS1, M), local = (WGS1, 1).
-//   embedding_q4:   out (M, K) float = W[ids] dequantized, w = s·q + m, from the int4 buffer layout
-//                   (perfx/formats.py pack_texels): codes (N, K/32) uint4, code 32t + 8c + j in component
-//                   c, bits 4j..4j+3 of texel t; (s, m) one half2 per group of G (N, K/G). K multiple
-//                   of 32, G in {32, 64, 128}: a texel never straddles two groups. Bad ids give NaN.
+//   embedding_q4:   out (M, K) float = W[ids] dequantized, w = s·q + m, from the int4 codes buffer in
+//                   the weight's LAYOUT (kernels/q4.h): code 32t + 8c + j in component c, bits 4j..4j+3
+//                   of texel t; (s, m) one half2 per group of G. K multiple of 32, G in {32, 64, 128}: a
+//                   texel never straddles two groups. Bad ids give NaN. The same buffer a tied lm_head's
+//                   GEMV reads: the table is on the device once.
 //                   Launch: global = (ceil((K / 32) / WGS2) · WGS2, M), local = (WGS2, 1).
 //   argmax_partial, argmax_final:
 //                   the index of the largest of x (n floats) as one int, ties to the lowest index and
@@ -29,6 +30,9 @@
 #endif
 #ifndef WGS2
 #define WGS2 64  // embedding_q4: work-items (texels of 32 codes) per work-group
+#endif
+#ifndef LAYOUT
+#define LAYOUT 0  // embedding_q4: the table's layout (kernels/q4.h), set from the weight
 #endif
 #ifndef WGS3
 #define WGS3 128  // argmax: work-items per work-group, both stages (a power of two)
@@ -89,6 +93,8 @@ void embedding_f16(const int k, const int n_total, const int row_start, const in
     }
 }
 
+#include "q4.h"
+
 __kernel __attribute__((reqd_work_group_size(WGS2, 1, 1)))
 void embedding_q4(const int k, const int n_total, const int group, __global const int* restrict ids,
                   __global const uint4* restrict codes, __global const half* restrict scale_offset,
@@ -97,6 +103,7 @@ void embedding_q4(const int k, const int n_total, const int group, __global cons
     const int t = get_global_id(0);  // which texel (32 codes) of the row
     const int m = get_global_id(1);
     const int texels = k / 32;
+    const int q4_rows = n_total, q4_texels = texels, q4_groups = k / group;  // kernels/q4.h
     if (t >= texels) {
         return;
     }
@@ -108,8 +115,8 @@ void embedding_q4(const int k, const int n_total, const int group, __global cons
         }
         return;
     }
-    const uint4 texel = codes[(size_t)id * texels + t];
-    const float2 sm = vload_half2((size_t)id * (k / group) + 32 * t / group, scale_offset);
+    const uint4 texel = codes[TEXEL_INDEX(id, t)];
+    const float2 sm = vload_half2(SO_INDEX(id, 32 * t / group), scale_offset);
     const uint words[4] = {texel.s0, texel.s1, texel.s2, texel.s3};
     for (int c = 0; c < 4; ++c) {
         const uint word = words[c];

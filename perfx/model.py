@@ -27,14 +27,14 @@ from perfx.ops.gemv_f16 import F16DeviceWeight, GemvF16
 from perfx.ops.gemv_q4 import GemvQ4
 from perfx.ops.kv_cache import KVCache, RopeTable
 from perfx.ops.params import READ_NAMES
-from perfx.ops.q4_weight import Q4DeviceWeight
+from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight, available_paths
 from perfx.ops.rmsnorm import RMSNorm
 from perfx.ops.small_ops import Argmax, Embedding, SwiGLU
 from perfx.progress import Progress
 from perfx.runtime import Device
 from perfx.sources import open_named
 from perfx.tuning import SPECS
-from perfx.tuning.database import bucket_representative, lookup, m_bucket
+from perfx.tuning.database import Choice, bucket_representative, default_database, lookup, m_bucket
 from perfx.tuning.problems import model_problems
 
 DEFAULT_CTX = 4096
@@ -82,23 +82,25 @@ class Llama:
         model._choose_kernels(group=getattr(first.qkv, "group", None))
         bar.update(note="kernels")
         embedding = source.embedding()
-        model.embedding = model._upload(embedding, "token embedding", gather=True)
+        model.embedding = model._upload(embedding, "token embedding", role="embedding")
         bar.update(note="embedding")
         for i in range(c.n_layers):
             w = first if i == 0 else source.layer(i)
             if w.qkv_bias is not None and not isinstance(w.qkv, Q4Matrix):
                 raise PerfxError("an fp16 QKV projection with a bias (Qwen2) runs only quantized: pass --quantize q4")
             model.layers.append(DeviceLayer(
-                attn_norm=model._vector(w.attn_norm), qkv=model._upload(w.qkv, f"layer {i} qkv", bias=w.qkv_bias),
-                o=model._upload(w.o, f"layer {i} o"), ffn_norm=model._vector(w.ffn_norm),
-                gate_up=model._upload(w.gate_up, f"layer {i} gate_up"), down=model._upload(w.down, f"layer {i} down")))
+                attn_norm=model._vector(w.attn_norm),
+                qkv=model._upload(w.qkv, f"layer {i} qkv", "qkv", bias=w.qkv_bias),
+                o=model._upload(w.o, f"layer {i} o", "o"), ffn_norm=model._vector(w.ffn_norm),
+                gate_up=model._upload(w.gate_up, f"layer {i} gate_up", "gate_up"),
+                down=model._upload(w.down, f"layer {i} down", "down")))
             model.weight_bytes += sum(x.nbytes for x in (w.qkv, w.o, w.gate_up, w.down)) + 8 * c.hidden_size
             del w
             bar.update(note=f"layer {i}")
         first = None
         model.final_norm = model._vector(source.final_norm())
         head = source.lm_head()
-        model.lm_head = model.embedding if head is None else model._upload(head, "lm_head")
+        model.lm_head = model.embedding if head is None else model._upload(head, "lm_head", "lm_head")
         model.weight_bytes += (embedding if head is None else head).nbytes + 4 * c.hidden_size
         del embedding, head
         model._allocate_state()
@@ -130,8 +132,15 @@ class Llama:
 
         self.gemv = {}
         for name in ("qkv", "o", "gate_up", "down", "lm_head"):
-            shape = shape_of("gemv_q4", name, n=1, k=c.hidden_size, group=group or 32, epilogue="none", bias=False)
-            self.gemv[name] = GemvQ4(d, self._params("gemv_q4", shape, name), shape)
+            shape = shape_of("gemv_q4", name, n=c.vocab_size if name == "lm_head" else 1, k=c.hidden_size,
+                             group=group or 32, epilogue="none", bias=False)
+            where = None
+            if name == "lm_head" and c.tie_embeddings:
+                # A tied int4 embedding is one weight: the gather reads its codes buffer, so the lm_head GEMV
+                # reads that buffer or a view of it, never a second copy (image2d where it cannot be a view).
+                where = lambda p: READ_NAMES[p["READ"]] in available_paths(  # noqa: E731
+                    d.caps, c.vocab_size, c.hidden_size, p["LAYOUT"])
+            self.gemv[name] = GemvQ4(d, self._params("gemv_q4", shape, name, where), shape)
         self.gemv_f16 = GemvF16(d, self._params("gemv_f16", shape_of("gemv_f16", "lm_head", n=c.vocab_size,
                                                                       k=c.hidden_size), "lm_head"))
         self.rmsnorm = RMSNorm(d, self._params("rmsnorm", {"m": 1, "k": c.hidden_size, "residual": True}, "norm"))
@@ -144,11 +153,24 @@ class Llama:
                                            self._params("attention_decode",
                                                         {**attention, "positions": self.max_positions}, "decode"))
         self._prefill_ops: dict[int, tuple] = {}
-        # Upload each int4 weight for the read path its decode GEMV reads (the GEMM adapts to what is there).
+        # Each int4 weight is uploaded once, in the layout and for the read path its decode GEMV reads (the
+        # GEMMs and the gather read whatever layout and path the weight has).
         self.read_paths = tuple(sorted({READ_NAMES[op.read] for op in self.gemv.values()}))
 
-    def _params(self, family: str, shape: dict, label: str) -> dict:
-        choice = lookup(self.device, SPECS[family], shape)
+    def _params(self, family: str, shape: dict, label: str, where=None) -> dict:
+        """The tuned parameters for ``shape`` (database, else defaults); ``where`` narrows them to the sets it
+        accepts: the most specific accepted record, else the first accepted candidate."""
+        spec = SPECS[family]
+        if where is None:
+            choice = lookup(self.device, spec, shape)
+        else:
+            accepted = [c for c in default_database().choices(self.device, spec, shape) if where(c.params)]
+            fallback = next((p for p in spec.candidates(shape, self.device.caps) if where(p)), None)
+            if not accepted and fallback is None:
+                raise PerfxError(f"{family}: no parameter set fits {spec.describe(shape)} with the weight's "
+                                 f"storage on {self.device.caps.name}")
+            choice = accepted[0] if accepted else Choice(fallback, "default", "the first set that reads the "
+                                                         "weight as stored")
         self.tuned[f"{family} ({label})"] = choice
         return choice.params
 
@@ -165,15 +187,20 @@ class Llama:
                 tiled = shapes.get(("gemm_q4_tiled", name))
                 if skinny is None or tiled is None:   # an fp16 matrix: no GEMM
                     continue
-                a = lookup(self.device, SPECS["gemm_q4_skinny"], skinny)
-                b = lookup(self.device, SPECS["gemm_q4_tiled"], tiled)
-                self.tuned[f"gemm_q4_skinny ({name}, M≈{rep})"] = a
-                self.tuned[f"gemm_q4_tiled ({name}, M≈{rep})"] = b
-                # The faster of the two where both were measured on this device, else the default crossover.
-                crossover = None
-                if a.time_s and b.time_s:
-                    crossover = 1 << 30 if a.time_s <= b.time_s else 0
-                gemms[name] = GemmQ4(self.device, a.params, b.params, crossover, shape=skinny)
+                choices = {"skinny": lookup(self.device, SPECS["gemm_q4_skinny"], skinny),
+                           "tiled": lookup(self.device, SPECS["gemm_q4_tiled"], tiled)}
+                if self.device.caps.fp16:
+                    choices["f16"] = lookup(self.device, SPECS["gemm_q4_f16"], shapes.get(("gemm_q4_f16", name),
+                                                                                         skinny))
+                for kind, choice in choices.items():
+                    self.tuned[f"gemm_q4_{kind} ({name}, M≈{rep})"] = choice
+                # The fastest kernel measured on this device for this bucket (the fp16 one only where it was
+                # measured too); where skinny and tiled were not both measured, the default crossover.
+                timed = {kind: choice.time_s for kind, choice in choices.items() if choice.time_s}
+                kind = min(timed, key=timed.get) if "skinny" in timed and "tiled" in timed else None
+                gemms[name] = GemmQ4(self.device, choices["skinny"].params, choices["tiled"].params, None,
+                                     shape=skinny, f16_params=choices["f16"].params if "f16" in choices else None,
+                                     kind=kind)
             c = self.config
             shape = shapes.get(("attention_prefill", "attention"),
                                {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "m": rep,
@@ -187,12 +214,19 @@ class Llama:
         v = np.ascontiguousarray(v, dtype=np.float32)
         return self.device.alloc(v.nbytes, v, what="norm weight")
 
-    def _upload(self, w, what: str, bias=None, gather: bool = False):
+    def _upload(self, w, what: str, role: str, bias=None):
+        """One weight, once: int4 in the layout and read path of the GEMV that reads it in decode (``role``:
+        qkv, o, gate_up, down, lm_head, or embedding, whose gather reads the codes buffer)."""
         if isinstance(w, Q4Matrix):
-            # The embedding gather reads the codes buffer; a tied lm_head also needs the GEMV's path.
-            paths = set(self.read_paths) if not gather else {"buffer"} | (
-                set(self.read_paths) if self.config.tie_embeddings else set())
-            return Q4DeviceWeight.upload(self.device, w, bias, read_paths=tuple(sorted(paths)), what=what)
+            gemv = self.gemv.get("lm_head" if role == "embedding" else role)
+            if role == "embedding" and not self.config.tie_embeddings:
+                layout, paths = LAYOUT_ROWS, {"buffer"}
+            else:
+                layout, paths = gemv.layout, {READ_NAMES[gemv.read]}
+                if role == "embedding":
+                    paths.add("buffer")
+            return Q4DeviceWeight.upload(self.device, w, bias, read_paths=tuple(sorted(paths)), what=what,
+                                         layout=layout)
         return F16DeviceWeight.upload(self.device, w, what=what)
 
     def _allocate_state(self):

@@ -9,6 +9,7 @@ counting the device memory perfx allocates.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import json
 import os
@@ -146,6 +147,8 @@ class Capabilities:
     image2d_max_height: int
     image2d_from_buffer: bool
     image_pitch_alignment: int  # in pixels; 0 where the device does not say
+    image1d_buffer_max: int     # texels of an image1d_buffer view of a buffer; 0 without images or OpenCL 1.2
+    subgroup_sizes: tuple[int, ...]  # sizes a kernel may require (intel_/qcom_reqd_sub_group_size); () none
     local_mem: int
     max_alloc: int
     max_work_group: int
@@ -198,7 +201,47 @@ def _device_int(device: cl.Device, name: str, code: int | None = None) -> int:
         try:
             return int(device.get_info(code))
         except Exception:
-            return 0
+            values = _raw_device_info(device, code, ctypes.c_uint)
+            return values[0] if values else 0
+
+
+def _raw_device_info(device: cl.Device, code: int, ctype) -> tuple[int, ...]:
+    """clGetDeviceInfo through the loader pyopencl has loaded, for what pyopencl does not know (e.g. the
+    image pitch alignment, Intel's subgroup sizes); () where the query fails."""
+    try:
+        library = ctypes.CDLL("libOpenCL.so.1")  # the soname pyopencl's own loader is already mapped as
+        size = ctypes.c_size_t(0)
+        handle = ctypes.c_void_p(device.int_ptr)
+        if library.clGetDeviceInfo(handle, ctypes.c_uint(code), ctypes.c_size_t(0), None, ctypes.byref(size)):
+            return ()
+        values = (ctype * (size.value // ctypes.sizeof(ctype)))()
+        if library.clGetDeviceInfo(handle, ctypes.c_uint(code), size, values, None):
+            return ()
+        return tuple(int(v) for v in values)
+    except (OSError, AttributeError, TypeError, ValueError):
+        return ()
+
+
+CL_DEVICE_SUB_GROUP_SIZES_INTEL = 0x4108
+# cl_qcom_reqd_sub_group_size: "half" and "full" waves (64 and 128 work-items on Adreno 6xx–8xx).
+QCOM_SUBGROUP_SIZES = (64, 128)
+
+
+def _subgroup_sizes(device: cl.Device, extensions) -> tuple[int, ...]:
+    """The subgroup sizes a kernel may require here (``kernels/gpu.h`` REQD_SUBGROUP), smallest first."""
+    if "cl_qcom_reqd_sub_group_size" in extensions:
+        return QCOM_SUBGROUP_SIZES
+    if "cl_intel_required_subgroup_size" in extensions:
+        return tuple(sorted(_raw_device_info(device, CL_DEVICE_SUB_GROUP_SIZES_INTEL, ctypes.c_size_t)))
+    return ()
+
+
+def _image1d_buffer_max(device: cl.Device, image: bool) -> int:
+    """image1d_buffer_t is core from OpenCL 1.2 on, with CL_DEVICE_IMAGE_MAX_BUFFER_SIZE texels."""
+    version = re.search(r"OpenCL (\d+)\.(\d+)", device.version or "")
+    if not image or not version or (int(version.group(1)), int(version.group(2))) < (1, 2):
+        return 0
+    return _device_int(device, "image_max_buffer_size")
 
 
 def capabilities(device: cl.Device, limits: Limits = Limits()) -> Capabilities:
@@ -231,6 +274,9 @@ def capabilities(device: cl.Device, limits: Limits = Limits()) -> Capabilities:
         image2d_max_height=capped(device.image2d_max_height, limits.image2d_max_height) if image else 0,
         image2d_from_buffer="cl_khr_image2d_from_buffer" in extensions,
         image_pitch_alignment=_device_int(device, "image_pitch_alignment", 0x104A),
+        image1d_buffer_max=_image1d_buffer_max(device, image),
+        subgroup_sizes=_subgroup_sizes(device, extensions) if "cl_khr_subgroups" in extensions
+        or "cl_intel_subgroups" in extensions else (),
         local_mem=capped(device.local_mem_size, limits.local_mem),
         max_alloc=capped(device.max_mem_alloc_size, limits.max_alloc),
         max_work_group=capped(device.max_work_group_size, limits.max_work_group),
@@ -556,6 +602,46 @@ class Device:
         except cl.Error as e:
             raise_as_perfx(f"creating {what} of {width}x{height} texels", e)
         return self._account(image, texels.nbytes)
+
+
+    # -- views: images over a buffer, sharing its memory (counted once, with the buffer) -------------
+
+    def image1d_view(self, buffer: cl.Buffer, texels: int, what: str = "an image1d_buffer view") -> cl.Image:
+        """An image1d_buffer_t of RGBA/UINT32 texels over the first ``texels`` uint4 of ``buffer`` (no copy)."""
+        c = self.caps
+        if texels > c.image1d_buffer_max:
+            raise PerfxError(f"{what}: {texels} texels exceed this device's image1d_buffer limit "
+                             f"({c.image1d_buffer_max}); read the buffer instead")
+        fmt = cl.ImageFormat(cl.channel_order.RGBA, cl.channel_type.UNSIGNED_INT32)
+        try:
+            return cl.create_image(self.context, cl.mem_flags.READ_ONLY, fmt, shape=(texels,), buffer=buffer)
+        except cl.Error as e:
+            raise_as_perfx(f"creating {what} of {texels} texels", e)
+
+    def image2d_view(self, buffer: cl.Buffer, width: int, height: int, row_offset: int = 0,
+                     what: str = "an image2d view") -> cl.Image:
+        """An image2d_t of RGBA/UINT32 texels over rows [row_offset, row_offset + height) of a buffer of
+        ``width`` uint4 a row (cl_khr_image2d_from_buffer; the width a multiple of the pitch alignment)."""
+        c = self.caps
+        if not c.image2d_from_buffer or not c.image_pitch_alignment or width % c.image_pitch_alignment:
+            raise PerfxError(f"{what}: {c.name} cannot view a buffer of {width} texels a row as an image2d "
+                             f"(cl_khr_image2d_from_buffer: {c.image2d_from_buffer}, pitch alignment "
+                             f"{c.image_pitch_alignment} texels)")
+        if width > c.image2d_max_width or height > c.image2d_max_height:
+            raise PerfxError(f"{what} of {width}x{height} texels exceeds the image2d limit "
+                             f"{c.image2d_max_width}x{c.image2d_max_height} (limits: {c.limits}); split it")
+        try:
+            if row_offset:
+                buffer = buffer.get_sub_region(row_offset * width * 16, height * width * 16)
+            desc = cl.ImageDescriptor()
+            desc.image_type = cl.mem_object_type.IMAGE2D
+            desc.shape = (width, height)
+            desc.pitches = (width * 16, 0)
+            desc.buffer = buffer
+            fmt = cl.ImageFormat(cl.channel_order.RGBA, cl.channel_type.UNSIGNED_INT32)
+            return cl.Image(self.context, cl.mem_flags.READ_ONLY, fmt, desc=desc)
+        except cl.Error as e:
+            raise_as_perfx(f"creating {what} of {width}x{height} texels over a buffer", e)
 
 
 _default_device: Device | None = None

@@ -221,7 +221,7 @@ def run_family(family: str, which: str = "default") -> dict:
         errors = {name: relative_error(outputs[name], want) for name, want in case.expected.items()}
         results.append({"shape": shape, "describe": spec.describe(shape), "errors": errors})
     return {"family": family, "params": params, "image_reads": reads_images(params),
-            "tolerance": spec.tolerance, "results": results}
+            "tolerance": spec.tolerance_for(params), "results": results}
 
 
 # Deliberately wrong kernels: each must draw a report, or the tier could pass by seeing nothing.

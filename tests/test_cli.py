@@ -37,10 +37,12 @@ def test_unknown_device_is_one_clear_line(capsys, monkeypatch):
     assert code == 2 and err.startswith("perfx: error: PERFX_DEVICE='no-such-device' matches no OpenCL device")
 
 
-def test_selftest_quick_passes_on_this_device(capsys):
+def test_selftest_quick_passes_on_this_device(capsys, device):
     code, out, _ = run_cli(capsys, "selftest", "--quick", "--json")
     data = json.loads(out)
-    assert code == 0 and data["failed"] == 0 and data["passed"] >= len(specs())
+    # Every family that can run here (the fp16 GEMM needs cl_khr_fp16).
+    runnable = [s for s in specs().values() if s.candidates(s.test_shapes[0], device.caps)]
+    assert code == 0 and data["failed"] == 0 and data["passed"] >= len(runnable) >= len(specs()) - 1
 
 
 def test_selftest_exits_1_when_a_kernel_is_broken(capsys, monkeypatch):

@@ -1,4 +1,5 @@
-"""gemm_q4: the tall-skinny and tiled int4 GEMM kernels, their epilogues, and the dispatcher."""
+"""gemm_q4: the tall-skinny, tiled and (with cl_khr_fp16) fp16 int4 GEMM kernels, their epilogues, both
+weight layouts, and the dispatcher."""
 
 import numpy as np
 import pytest
@@ -10,41 +11,53 @@ from perfx.ops.gemm_q4 import DEFAULT_CROSSOVER, GemmQ4
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.runtime import Device, Limits
 from perfx.tuning.database import Database, result_record
-from perfx.tuning.gemm_q4 import SKINNY, TILED, expected_output
+from perfx.tuning.gemm_q4 import F16, SKINNY, TILED, expected_output
 from perfx.tuning.spec import relative_error
 
-SPECS = {"skinny": SKINNY, "tiled": TILED}
+SPECS = {"skinny": SKINNY, "tiled": TILED, "f16": F16}
 TOL = SKINNY.tolerance
+TOLERANCES = {"skinny": TOL, "tiled": TOL, "f16": F16.half_tolerance}
+
+
+def kinds(device, *names) -> list[str]:
+    """The kernels of ``names`` this device runs: the fp16 one only with cl_khr_fp16."""
+    return [kind for kind in names or ("skinny", "tiled", "f16") if kind != "f16" or device.caps.fp16]
 
 
 def _cases(kind):
     # Every candidate on the first spec shape (the gate-up epilogue: both weight halves, M passes and
-    # edges); on the others every candidate is a slow test (each variant is a PoCL compile, ~0.5 s).
-    return [pytest.param(kind, i, id=f"{kind}-{shape['epilogue']}", marks=[pytest.mark.slow] if i else [])
-            for i, shape in enumerate(SPECS[kind].test_shapes)]
+    # edges); a pairwise-covering subset on the others (each variant is a compile, ~0.3 s).
+    return [pytest.param(kind, i, id=f"{kind}-{shape['epilogue']}") for i, shape in enumerate(SPECS[kind].test_shapes)]
 
 
-@pytest.mark.parametrize("kind", ["skinny", "tiled"])
+@pytest.mark.parametrize("kind", ["skinny", "tiled", "f16"])
 def test_defaults_on_every_spec_shape(device, rng, kind):
+    if kind not in kinds(device):
+        pytest.skip(f"{device.caps.name} has no cl_khr_fp16")
     spec = SPECS[kind]
     for shape in spec.test_shapes:
         errors = spec.make_case(device, shape, rng).errors(spec.defaults())
-        assert errors["y"] <= spec.tolerance, (shape, errors)
+        assert errors["y"] <= spec.tolerance_for(spec.defaults()), (shape, errors)
 
 
-@pytest.mark.parametrize("kind,index", _cases("skinny") + _cases("tiled"))
+@pytest.mark.parametrize("kind,index", _cases("skinny") + _cases("tiled") + _cases("f16"))
 def test_every_candidate_on_the_spec_shapes(device, rng, kind, index):
     spec = SPECS[kind]
     shape = spec.test_shapes[index]
     candidates = spec.candidates(shape, device.caps)
-    assert spec.defaults() in candidates and len(candidates) == 24
-    assert_every_parameter_set(spec, device, shape, rng)
+    if kind not in kinds(device):
+        assert not candidates, "the fp16 GEMM is never a candidate without cl_khr_fp16"
+        pytest.skip(f"{device.caps.name} has no cl_khr_fp16")
+    assert spec.defaults() in candidates and len(candidates) >= 24
+    assert {p["LAYOUT"] for p in candidates} == {0, 1}
+    assert_every_parameter_set(spec, device, shape, rng, cover=index > 0)
 
 
-def _problem(device, rng, m, n, k, group, epilogue="none", read_paths=("image2d", "buffer"), extra_rows=1):
+def _problem(device, rng, m, n, k, group, epilogue="none", read_paths=("image2d", "buffer"), extra_rows=1,
+             layout=0):
     q4 = Q4Matrix.random(n, k, group, rng)
     bias = (0.1 * rng.standard_normal(n)).astype(np.float32) if epilogue == "bias" else None
-    weight = Q4DeviceWeight.upload(device, q4, bias, read_paths=read_paths)
+    weight = Q4DeviceWeight.upload(device, q4, bias, read_paths=read_paths, layout=layout)
     x = rng.standard_normal((m, k)).astype(np.float32)
     cols = n // 2 if epilogue == "silu_mul" else n
     # One poisoned row more than M: a kernel writing past row M - 1 shows there.
@@ -64,10 +77,9 @@ def test_dispatcher_over_m_off_the_tile_grid(device, rng, m):
     # N = 1000, K = 4160 (130 texels) with G = 64: no multiple of any tile.
     gemm = GemmQ4(device)
     weight, x, y, want = _problem(device, rng, m, 1000, 4160, 64)
-    kinds = ["skinny", "tiled"] if m <= 33 else ["tiled"]
-    for kind in kinds:
+    for kind in kinds(device, "skinny", "tiled", "f16") if m <= 33 else kinds(device, "tiled", "f16"):
         y.fill(np.float32(np.nan))
-        assert relative_error(_run(gemm, kind, weight, x, y, m), want) <= TOL, kind
+        assert relative_error(_run(gemm, kind, weight, x, y, m), want) <= TOLERANCES[kind], kind
     y.fill(np.float32(np.nan))
     gemm(weight, x, y, m).wait()
     assert relative_error(y.get()[:m], want) <= TOL
@@ -81,10 +93,12 @@ def test_dispatcher_over_m_off_the_tile_grid(device, rng, m):
 ])
 def test_epilogues_on_both_kernels(device, rng, epilogue, m, n, k, group):
     gemm = GemmQ4(device)
-    weight, x, y, want = _problem(device, rng, m, n, k, group, epilogue)
-    for kind in ("skinny", "tiled"):
-        y.fill(np.float32(np.nan))
-        assert relative_error(_run(gemm, kind, weight, x, y, m, epilogue), want) <= TOL, kind
+    for layout in (0, 1):
+        weight, x, y, want = _problem(device, rng, m, n, k, group, epilogue, read_paths=None, layout=layout)
+        for kind in kinds(device):
+            y.fill(np.float32(np.nan))
+            error = relative_error(_run(gemm, kind, weight, x, y, m, epilogue), want)
+            assert error <= TOLERANCES[kind], (kind, layout)
 
 
 @pytest.fixture(scope="module")
@@ -99,25 +113,28 @@ def test_image_row_blocks(small_image_device, rng, epilogue):
     device = small_image_device
     m, n = 9, 2 * 70
     weight, x, y, want = _problem(device, rng, m, n, 320, 32, epilogue, read_paths=("image2d",))
-    assert len(weight.images) == 3 and weight.buffer is None
-    gemm = GemmQ4(device, skinny_params={"READ": 1}, tiled_params={"READ": 1})
-    for kind in ("skinny", "tiled"):
+    assert len(weight.images) == 3 and (weight.buffer is None) != weight.images_are_views
+    gemm = GemmQ4(device, skinny_params={"READ": 1}, tiled_params={"READ": 1},
+                  f16_params={"READ": 1} if device.caps.fp16 else None)
+    for kind in kinds(device):
         y.fill(np.float32(np.nan))
-        assert relative_error(_run(gemm, kind, weight, x, y, m, epilogue), want) <= TOL, kind
+        assert relative_error(_run(gemm, kind, weight, x, y, m, epilogue), want) <= TOLERANCES[kind], kind
 
 
 def test_read_path_falls_back_to_what_the_weight_holds(device, rng):
     m = 6
     buffer_only, x, y, want = _problem(device, rng, m, 90, 256, 64, read_paths=("buffer",))
-    gemm = GemmQ4(device, skinny_params={"READ": 1}, tiled_params={"READ": 1})
-    for kind in ("skinny", "tiled"):
+    gemm = GemmQ4(device, skinny_params={"READ": 1}, tiled_params={"READ": 1},
+                  f16_params={"READ": 1} if device.caps.fp16 else None)
+    for kind in kinds(device):
         y.fill(np.float32(np.nan))
-        assert relative_error(_run(gemm, kind, buffer_only, x, y, m), want) <= TOL, kind
+        assert relative_error(_run(gemm, kind, buffer_only, x, y, m), want) <= TOLERANCES[kind], kind
     image_only, x, y, want = _problem(device, rng, m, 90, 256, 64, read_paths=("image2d",))
-    gemm = GemmQ4(device, skinny_params={"READ": 0}, tiled_params={"READ": 0})
-    for kind in ("skinny", "tiled"):
+    gemm = GemmQ4(device, skinny_params={"READ": 0}, tiled_params={"READ": 0},
+                  f16_params={"READ": 2} if device.caps.fp16 else None)
+    for kind in kinds(device):
         y.fill(np.float32(np.nan))
-        assert relative_error(_run(gemm, kind, image_only, x, y, m), want) <= TOL, kind
+        assert relative_error(_run(gemm, kind, image_only, x, y, m), want) <= TOLERANCES[kind], kind
 
 
 def test_dispatcher_choice_is_as_documented(device):
@@ -126,6 +143,12 @@ def test_dispatcher_choice_is_as_documented(device):
     assert [gemm.choose(m) for m in (1, 16, 32, 33, 1024)] == ["skinny"] * 3 + ["tiled"] * 2
     assert GemmQ4(device, crossover=8).choose(9) == "tiled"
     assert GemmQ4(device, crossover=0).choose(1) == "tiled"
+    assert GemmQ4(device, kind="tiled").choose(1) == "tiled"
+    if device.caps.fp16:
+        assert GemmQ4(device, kind="f16").choose(1000) == "f16"
+    else:
+        with pytest.raises(PerfxError, match="needs cl_khr_fp16"):
+            GemmQ4(device, kind="f16")
 
 
 def test_the_check_can_fail(device, rng):

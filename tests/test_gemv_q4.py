@@ -8,16 +8,35 @@ from perfx import reference
 from perfx.errors import PerfxError
 from perfx.formats import Q4Matrix
 from perfx.ops.gemv_q4 import GemvQ4
-from perfx.ops.q4_weight import Q4DeviceWeight
+from perfx.ops.params import READ_NAMES
+from perfx.ops.q4_weight import Q4DeviceWeight, image2d_is_view
 from perfx.runtime import Device, Limits
 from perfx.tuning.gemv_q4 import SPEC
 from perfx.tuning.spec import relative_error
 
+READ_CODES = {name: code for code, name in READ_NAMES.items()}
 
-@pytest.mark.parametrize("shape", SPEC.test_shapes, ids=[SPEC.describe(s) for s in SPEC.test_shapes])
-def test_every_candidate(device, rng, shape):
+
+@pytest.mark.parametrize("index", range(len(SPEC.test_shapes)), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
+def test_every_candidate(device, rng, index):
+    """Every candidate on the first shape; a pairwise-covering subset on the others (each other shape is a
+    different build: group size, epilogue, bias)."""
+    shape = SPEC.test_shapes[index]
     assert len(SPEC.candidates(shape, device.caps)) >= 8
-    assert_every_parameter_set(SPEC, device, shape, rng)
+    assert_every_parameter_set(SPEC, device, shape, rng, cover=index > 0)
+
+
+def test_gpu_class_variants_are_candidates_where_the_device_has_them(device):
+    """The interleaved layout runs everywhere; fp16 and subgroup variants exactly where the capabilities are."""
+    candidates = SPEC.candidates(SPEC.test_shapes[0], device.caps)
+    kinds = {(p["LAYOUT"], p["SG"], p["HALF"], p["XS"]) for p in candidates}
+    caps = device.caps
+    assert (1, 0, 0, 0) in kinds and (1, 0, 0, 1) in kinds
+    assert any(p["HALF"] for p in candidates) == caps.fp16
+    assert any(p["SG"] or p["XS"] == 2 for p in candidates) == caps.subgroups
+    if caps.subgroups and caps.fp16:
+        assert {(0, 1, 1, 0), (1, 0, 1, 2)} <= kinds
+    assert any(p["SUBGROUP"] for p in candidates) == bool(set(caps.subgroup_sizes) & {8, 16, 64})
 
 
 def test_shapes_cover_the_contract():
@@ -113,3 +132,51 @@ def test_errors(device, rng):
         GemvQ4(device, {"WPT": 2})
     with pytest.raises(PerfxError, match="READ="):
         GemvQ4(device, {"READ": "texture"})
+
+
+def test_each_weight_is_on_the_device_once(device, rng):
+    """Codes and scales are allocated once whatever the read paths: image1d_buffer (and, where the device has
+    cl_khr_image2d_from_buffer, image2d) are views of the codes buffer."""
+    n, k, group = 300, 2048, 64   # 64 texels a row: a multiple of Intel's image pitch alignment
+    q4 = Q4Matrix.random(n, k, group, rng)
+    kept = []   # each weight stays alive, so the next upload's count is its own
+    for layout in (0, 1):
+        before = device.allocated_bytes
+        weight = Q4DeviceWeight.upload(device, q4, layout=layout)
+        kept.append(weight)
+        assert device.allocated_bytes - before == n * k // 2 + 4 * n * (k // group)
+        assert weight.buffer is not None
+        caps = device.caps
+        assert (weight.image1d is not None) == (caps.image1d_buffer_max > 0)
+        assert bool(weight.images) == (layout == 0 and image2d_is_view(caps, k))
+        assert weight.images_are_views or not weight.images
+        x = rng.standard_normal(k).astype(np.float32)
+        want = reference.gemv(q4.dequantize(), x)
+        shape = {"n": n, "k": k, "group": group, "epilogue": "none", "bias": False}
+        for read in weight.read_paths:
+            params = next((p for p in SPEC.candidates(shape, caps)
+                           if p["LAYOUT"] == layout and p["READ"] == READ_CODES[read]), None)
+            if params is None:   # image1d_buffer with rows along K: a GPU-class variant, absent here
+                continue
+            y = device.poisoned(n, np.float32)
+            GemvQ4(device, params)(weight, device.upload(x), y).wait()
+            assert relative_error(y.get(), want) <= SPEC.tolerance, (layout, read)
+
+
+def test_image2d_alone_is_the_only_copy(device, rng):
+    """Where image2d cannot view a buffer, asking for it alone makes no codes buffer."""
+    q4 = Q4Matrix.random(40, 576, 32, rng)
+    before = device.allocated_bytes
+    weight = Q4DeviceWeight.upload(device, q4, read_paths=("image2d",))
+    if not weight.images_are_views:
+        assert weight.buffer is None and weight.image1d is None
+    assert device.allocated_bytes - before == q4.nbytes
+    with pytest.raises(PerfxError, match="interleaved"):
+        Q4DeviceWeight.upload(device, q4, read_paths=("image2d",), layout=1)
+
+
+def test_layout_mismatch_is_refused(device, rng):
+    _, _, rows = _random_weight(device, rng, 10, 64, 32, read_paths=("buffer",))
+    x, y = device.upload(rng.standard_normal(64).astype(np.float32)), device.empty(10, np.float32)
+    with pytest.raises(PerfxError, match="upload it with layout=1"):
+        GemvQ4(device, {"LAYOUT": 1, "LANES": 1, "ROWS": 2})(rows, x, y)

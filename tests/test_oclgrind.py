@@ -68,6 +68,8 @@ def test_family_under_oclgrind(family, which):
     result, stderr = oclgrind(family, which)
     assert_no_reports(stderr, f"{family} with {result['params']}", result["image_reads"])
     ran = [r for r in result["results"] if "errors" in r]
+    if not ran and all("lacks" in r.get("skipped", "") for r in result["results"]):
+        pytest.skip(f"{family} needs a capability Oclgrind lacks: {result['results'][0]['skipped']}")
     assert ran, f"{family} {result['params']}: no tiny shape fits: {result['results']}"
     for r in ran:
         for name, error in r["errors"].items():

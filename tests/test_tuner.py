@@ -147,7 +147,7 @@ def _parse(module, argv):
 
 
 def test_kernel_selection_by_name_and_prefix():
-    assert set(select_specs("gemm_q4")) == {"gemm_q4_skinny", "gemm_q4_tiled"}
+    assert set(select_specs("gemm_q4")) == {"gemm_q4_skinny", "gemm_q4_tiled", "gemm_q4_f16"}
     assert set(select_specs("argmax, rmsnorm")) == {"argmax", "rmsnorm"}
     assert select_specs(None) == specs()
     with pytest.raises(PerfxError, match="unknown kernel family 'nope'"):

@@ -12,7 +12,7 @@ from perfx.tuning import attention_decode, attention_prefill, gemm_q4, gemv_f16,
 from perfx.tuning.spec import Case, Spec, relative_error
 
 SPECS: dict[str, Spec] = {spec.family: spec for spec in (
-    gemv_q4.SPEC, gemv_f16.SPEC, gemm_q4.SKINNY, gemm_q4.TILED, rmsnorm.SPEC, attention_decode.SPEC,
+    gemv_q4.SPEC, gemv_f16.SPEC, gemm_q4.SKINNY, gemm_q4.TILED, gemm_q4.F16, rmsnorm.SPEC, attention_decode.SPEC,
     attention_prefill.SPEC, small_ops.EMBEDDING_F16, small_ops.EMBEDDING_Q4, small_ops.ARGMAX, small_ops.SWIGLU)}
 
 
@@ -23,7 +23,7 @@ def specs() -> dict[str, Spec]:
 
 def select_specs(names: str | None) -> dict[str, Spec]:
     """The specs named in a comma-separated list (`--kernels`): exact family names, or a prefix naming a
-    group (gemm_q4 = gemm_q4_skinny and gemm_q4_tiled); None or empty: all."""
+    group (gemm_q4 = gemm_q4_skinny, gemm_q4_tiled and gemm_q4_f16); None or empty: all."""
     if not names:
         return dict(SPECS)
     chosen = {}

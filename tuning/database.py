@@ -87,7 +87,10 @@ def source_hash(spec) -> str:
 
 @lru_cache(maxsize=None)
 def _source_hash(source: str) -> str:
-    return hashlib.sha256(kernel_source(source).encode()).hexdigest()
+    # The file and the headers it includes from kernels/ (gpu.h, q4.h): a change to either makes it stale.
+    text = kernel_source(source)
+    text += "".join(kernel_source(header) for header in re.findall(r'#include "([^"]+)"', text))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def normal(value):

@@ -1,4 +1,5 @@
-"""Tuning specs of the prefill int4 GEMM: ``gemm_q4_skinny`` (small M) and ``gemm_q4_tiled`` (large M).
+"""Tuning specs of the prefill int4 GEMM: ``gemm_q4_skinny`` (small M), ``gemm_q4_tiled`` (large M) and
+``gemm_q4_f16`` (fp16 register tiles, where the device has cl_khr_fp16).
 
 A shape is {"m", "n" (weight rows: 2·I for silu_mul), "k", "group", "epilogue"}.
 """
@@ -12,6 +13,7 @@ from perfx.formats import Q4Matrix
 from perfx.ops import gemm_q4
 from perfx.ops.gemm_q4 import GemmQ4
 from perfx.ops.q4_weight import Q4DeviceWeight
+from perfx.tuning.gemv_q4 import read_paths
 from perfx.tuning.spec import Case, Spec, cached_per_params
 
 TOLERANCE = 1e-4
@@ -54,16 +56,19 @@ def _case_maker(kind: str):
         epilogue = shape.get("epilogue", "none")
         q4 = Q4Matrix.random(n, k, group, rng)
         bias = (0.1 * rng.standard_normal(n)).astype(np.float32) if epilogue == "bias" else None
-        images = device.caps.image_support and k // 32 <= device.caps.image2d_max_width
-        paths = ("image2d", "buffer") if images else ("buffer",)
-        weight = Q4DeviceWeight.upload(device, q4, bias, read_paths=paths, what=f"gemm_q4 test {n}x{k}")
+        # The weight in each layout, uploaded when a candidate of that layout first runs.
+        weights = cached_per_params(lambda key: Q4DeviceWeight.upload(
+            device, q4, bias, read_paths(device, n, k, key["LAYOUT"]), what=f"gemm_q4 test {n}x{k}",
+            layout=key["LAYOUT"]))
         x_host = rng.standard_normal((m, k)).astype(np.float32)
+        x_host[:, rng.integers(0, 256)::256] *= 40   # a few large activation channels, as in Llama
         x = device.upload(x_host)
         y = device.poisoned((m, output_columns(shape)), np.float32)
-        wrapper = cached_per_params(lambda params: GemmQ4(device, **{f"{kind}_params": params}, shape=shape))
+        wrapper = cached_per_params(lambda params: GemmQ4(device, **{f"{kind}_params": params}, shape=shape,
+                                                          kind=kind))
 
         def launch(params):
-            return [wrapper(params).run(kind, weight, x, y, m, epilogue)]
+            return [wrapper(params).run(kind, weights({"LAYOUT": params["LAYOUT"]}), x, y, m, epilogue)]
 
         def run(params):
             y.fill(np.float32(np.nan))
@@ -106,3 +111,25 @@ TILED = Spec(
     flops=flops,
 )
 
+
+F16 = Spec(
+    params=gemm_q4.F16,
+    make_case=_case_maker("f16"),
+    tolerance=TOLERANCE,
+    tolerance_why=TOLERANCE_WHY,
+    half_tolerance=8e-3,
+    half_tolerance_why=(
+        "fp16 arithmetic: X rounds to half once (≤ u = 2⁻¹¹ ≈ 4.9e-4 of each value) and each centred "
+        "product (q − 8)·x once more (≤ u); each output's half sum covers one texel (32 products: ≤ 32u of "
+        "their absolute sum at worst, ~6u as a random walk) before it joins an fp32 total scaled by the "
+        "group's s, with (m + 8s)·Σx in fp32, so the error does not grow with K. Against max|Y|: measured "
+        "1.1e-3 (G = 32) and 1.8e-3 (G = 128) on the test shapes, whose X carries ±40 outliers. 8e-3 = 16u "
+        "leaves 4× and still fails a dropped texel (≥ 5e-2 at K ≤ 4096) or group, or a wrong column."),
+    # Off the tile grid: M = 33 and 7 are no multiple of TM, 100 and 60 columns no multiple of TN·WGS.
+    test_shapes=(
+        {"m": 33, "n": 2 * 60, "k": 352, "group": 32, "epilogue": "silu_mul"},
+        {"m": 7, "n": 100, "k": 384, "group": 128, "epilogue": "bias"},
+    ),
+    bytes_moved=bytes_moved,
+    flops=flops,
+)

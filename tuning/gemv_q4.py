@@ -12,8 +12,16 @@ import numpy as np
 from perfx import reference
 from perfx.formats import Q4Matrix
 from perfx.ops.gemv_q4 import PARAMS, GemvQ4
-from perfx.ops.q4_weight import Q4DeviceWeight
+from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight, available_paths, image2d_fits
 from perfx.tuning.spec import Case, Spec, cached_per_params
+
+
+def activations(rng, k: int) -> np.ndarray:
+    """x ~ N(0, 1), with one outlier of ±40 in every 256: Llama activations carry a few large channels,
+    and the fp16 variants must hold them (their half partial sums would overflow if they could not)."""
+    x = rng.standard_normal(k).astype(np.float32)
+    x[rng.integers(0, 256)::256] *= 40
+    return x
 
 
 def _outputs(shape) -> int:
@@ -25,10 +33,13 @@ def _bytes_moved(shape) -> int:
     return n * k // 2 + 4 * n * (k // g) + 4 * k + 4 * _outputs(shape) + (4 * n if shape.get("bias") else 0)
 
 
-def _read_paths(device, shape) -> tuple[str, ...]:
-    caps = device.caps
-    images = caps.image_support and shape["k"] // 32 <= caps.image2d_max_width
-    return ("buffer", "image2d") if images else ("buffer",)
+def read_paths(device, n: int, k: int, layout: int) -> tuple[str, ...]:
+    """Every read path a weight of this layout can have here, image2d included where it is a copy: the case
+    serves every candidate (a model uploads only what its kernels read, once)."""
+    paths = available_paths(device.caps, n, k, layout)
+    if layout == LAYOUT_ROWS and "image2d" not in paths and image2d_fits(device.caps, k):
+        paths += ("image2d",)
+    return paths
 
 
 def make_case(device, shape, rng) -> Case:
@@ -40,12 +51,12 @@ def make_case(device, shape, rng) -> Case:
     for _ in range(max(1, shape.get("copies", 1))):
         q4 = Q4Matrix.concat([Q4Matrix.random(p, k, group, rng) for p in parts])
         bias = rng.standard_normal(n).astype(np.float32) * 0.1 if shape.get("bias") else None
-        copies.append((q4, bias, Q4DeviceWeight.upload(device, q4, bias, read_paths=_read_paths(device, shape))))
-    x = device.upload(rng.standard_normal(k).astype(np.float32))
+        copies.append((q4, bias))
+    x = device.upload(activations(rng, k))
     m = _outputs(shape)
     y = device.poisoned(m, np.float32)
 
-    q4, bias, _ = copies[0]
+    q4, bias = copies[0]
     # Row blocks, so the float64 reference of a 7B gate-up (22016 x 4096) stays at ~64 MB at a time.
     full = np.concatenate([reference.gemv(q4.rows(i, min(i + 2048, n)).dequantize(), x.get())
                            for i in range(0, n, 2048)])
@@ -53,10 +64,15 @@ def make_case(device, shape, rng) -> Case:
     expected = reference.swiglu(full[:m], full[m:]) if epilogue == "silu_mul" else full
 
     wrapper = cached_per_params(lambda params: GemvQ4(device, params, shape))
+    # The copies in each layout, uploaded when a candidate of that layout first runs.
+    uploaded = cached_per_params(lambda key: [
+        Q4DeviceWeight.upload(device, q4, bias, read_paths(device, n, k, key["LAYOUT"]), layout=key["LAYOUT"])
+        for q4, bias in copies])
     state = {"i": 0}
 
     def launch(params):
-        return wrapper(params).events(copies[state["i"]][2], x, y, epilogue)
+        weight = uploaded({"LAYOUT": params["LAYOUT"]})[state["i"]]
+        return wrapper(params).events(weight, x, y, epilogue)
 
     def run(params):
         state["i"] = 0
@@ -80,6 +96,14 @@ SPEC = Spec(
         "partial sums of G ≤ 128 terms, then K/G group terms, give a worst-case rounding error of a few "
         "1e-6 of Σ|w·x|; Σ|w·x| is ~10–30× max|y| for random signs, so 1e-4 of max|y| leaves >3× margin "
         "while a single wrong code (|Δw| = s ≈ 0.0025 times |x| ~ 3) or a missing group still shows"),
+    half_tolerance=4e-3,
+    half_tolerance_why=(
+        "HALF = 1: x rounds to half once (relative ≤ u = 2⁻¹¹ ≈ 4.9e-4) and each centred product (q − 8)·x "
+        "once more (≤ u); a half8 lane adds G/8 ≤ 16 of them in half (≤ 16u of their absolute sum at worst, "
+        "~2–4u as a random walk) before fp32 takes over at each group, so nothing builds up across K. The "
+        "rounding of x alone is ~u of |y| where one large activation dominates a row: measured 5.0e-4 "
+        "(G = 64) and 7.1e-4 (G = 128) on the test shapes, whose x carries ±40 outliers. 4e-3 = 8u leaves 5× "
+        "over the worst measured and still fails a dropped or doubled group (≥ 3e-2) or a wrong row"),
     # Three build variants (G and epilogue are defines), each swept over every candidate by the tests:
     # the brief's N = 1000, K = 4160 (65 groups of 64); a fused QKV with bias; an off-grid gate-up.
     test_shapes=(

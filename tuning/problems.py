@@ -89,7 +89,7 @@ def _prefill(config, fixed: int | None) -> list[Problem]:
                 continue
             if bias:
                 epilogue = "bias"
-            for family in ("gemm_q4_skinny", "gemm_q4_tiled"):
+            for family in ("gemm_q4_skinny", "gemm_q4_tiled", "gemm_q4_f16"):
                 out.append(Problem(family, {"m": m, "n": n, "k": k, "group": group, "epilogue": epilogue},
                                    label, c.n_layers))
         if m > 1:

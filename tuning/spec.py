@@ -80,6 +80,9 @@ class Spec:
     bytes_moved: Callable[[Shape], int]
     flops: Callable[[Shape], int] = lambda shape: 0
     describe: Callable[[Shape], str] = lambda shape: ", ".join(f"{k}={v}" for k, v in shape.items())
+    # Variants with fp16 arithmetic (a HALF parameter set to 1) carry fp16 rounding: their own bound and why.
+    half_tolerance: float | None = None
+    half_tolerance_why: str = ""
 
     @property
     def family(self) -> str:
@@ -95,6 +98,13 @@ class Spec:
 
     def defaults(self) -> Params:
         return self.params.defaults()
+
+    def tolerance_for(self, params: Params) -> float:
+        """The bound on ``relative_error`` for this parameter set: ``half_tolerance`` where it computes in
+        fp16 (HALF = 1), else ``tolerance``."""
+        if params.get("HALF") and self.half_tolerance is not None:
+            return self.half_tolerance
+        return self.tolerance
 
     def why_invalid(self, params: Params, shape: Shape, caps=None) -> str | None:
         return self.params.why_invalid(params, shape, caps)

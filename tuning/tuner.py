@@ -264,9 +264,10 @@ class Tuner:
             return Outcome(params, "error", reason=f"{type(e).__name__}: {_first_line(e)}")
         worst_name = max(errors, key=lambda name: errors[name]) if errors else None
         worst = errors[worst_name] if errors else 0.0
-        if not worst <= spec.tolerance:  # NaN and inf fail too
+        tolerance = spec.tolerance_for(params)
+        if not worst <= tolerance:  # NaN and inf fail too
             return Outcome(params, "wrong", error=worst,
-                           reason=f"wrong: {worst_name} relative error {worst:.2e} > tolerance {spec.tolerance:.0e}")
+                           reason=f"wrong: {worst_name} relative error {worst:.2e} > tolerance {tolerance:.0e}")
         launch = lambda: case.launch(params)  # noqa: E731
         try:
             if best is not None:

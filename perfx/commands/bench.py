@@ -73,7 +73,7 @@ def bench_problem(device, spec, problem, ceiling: dict, rng) -> dict:
         case = spec.make_case(device, shape, rng)
         errors = case.errors(choice.params)
         worst = max(errors.values()) if errors else 0.0
-        row["error"], row["verified"] = worst, bool(worst <= spec.tolerance)
+        row["error"], row["verified"] = worst, bool(worst <= spec.tolerance_for(choice.params))
         probe = time_launches(lambda: case.launch(choice.params), warmup=1, repeat=1)
         repeat = 3 if probe.median_s > 0.2 else 10
         timing = time_launches(lambda: case.launch(choice.params), warmup=1, repeat=repeat, rotate=case.rotate)

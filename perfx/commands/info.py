@@ -62,20 +62,21 @@ def main(args) -> int:
 
 
 def gemm_choice_lines(entries: list[dict]) -> list[str]:
-    """Which of the tall-skinny and tiled GEMMs wins per M bucket, from the tuned times in force.
+    """Which of the tall-skinny, tiled and fp16 GEMMs wins per M bucket, from the tuned times in force.
 
     The model makes the same comparison per matrix (``Llama._prefill_kernels``); where either time is
     missing it uses the built-in crossover.
     """
     times: dict[tuple, dict] = {}
     for e in entries:
-        if e["family"] in ("gemm_q4_skinny", "gemm_q4_tiled") and e.get("time_s") and isinstance(e["shape"], dict):
+        if e["family"] in ("gemm_q4_skinny", "gemm_q4_tiled", "gemm_q4_f16") and e.get("time_s") \
+                and isinstance(e["shape"], dict):
             shape = dict(e["shape"])
             m = shape.pop("m", None)
             times.setdefault((m, json.dumps(shape, sort_keys=True)), {})[e["family"].rsplit("_", 1)[1]] = e["time_s"]
     wins: dict[int, Counter] = {}
     for (m, _), pair in times.items():
-        if len(pair) == 2:
+        if "skinny" in pair and "tiled" in pair:
             wins.setdefault(m, Counter())[min(pair, key=pair.get)] += 1
     lines = [f"M ≈ {m:4}: " + ", ".join(f"{kind} fastest for {n} matri{'x' if n == 1 else 'ces'}"
                                         for kind, n in counts.most_common())

@@ -44,9 +44,11 @@ def plan(all_specs: dict[str, Spec], device: Device, quick: bool) -> list[tuple[
     for spec in all_specs.values():
         shapes = spec.test_shapes[:1] if quick else spec.test_shapes
         for shape in shapes:
-            candidates = [spec.defaults()] if quick else spec.candidates(shape, device.caps)
+            candidates = spec.candidates(shape, device.caps)
             if spec.defaults() not in candidates and spec.why_invalid(spec.defaults(), shape, device.caps) is None:
                 candidates.insert(0, spec.defaults())
+            if quick:  # the defaults, or where they cannot run here (a capability) the first set that can
+                candidates = [spec.defaults()] if spec.defaults() in candidates else candidates[:1]
             jobs.extend((spec, shape, params) for params in candidates)
     return jobs
 
@@ -64,9 +66,10 @@ def run_checks(device: Device, all_specs: dict[str, Spec], quick: bool = False, 
                 cases[key] = spec.make_case(device, shape, rng)
             errors = cases[key].errors(params)
             error = max(errors.values()) if errors else 0.0
-            checks.append(Check(spec.family, params, key[1], error, spec.tolerance, bool(error <= spec.tolerance)))
+            tolerance = spec.tolerance_for(params)
+            checks.append(Check(spec.family, params, key[1], error, tolerance, bool(error <= tolerance)))
         except PerfxError as e:  # a build or launch failure on this driver: report it, go on
-            checks.append(Check(spec.family, params, key[1], float("inf"), spec.tolerance, False,
+            checks.append(Check(spec.family, params, key[1], float("inf"), spec.tolerance_for(params), False,
                                 str(e).splitlines()[0]))
         progress.update(note=spec.family)
     progress.close()

@@ -112,15 +112,15 @@ def crossover_lines(results) -> list[str]:
     """Per prefill matrix, which GEMM kernel is faster at each M bucket."""
     times: dict[tuple, dict] = {}
     for r in results:
-        if r.family in ("gemm_q4_skinny", "gemm_q4_tiled") and r.best:
+        if r.family in ("gemm_q4_skinny", "gemm_q4_tiled", "gemm_q4_f16") and r.best:
             times.setdefault((r.label, r.shape["m"]), {})[r.family] = r.best.time_s
     lines = []
     for label in sorted({label for label, _ in times}):
         cells = []
         for m in sorted(m for lab, m in times if lab == label):
             t = times[label, m]
-            if len(t) == 2:
-                cells.append(f"M={m}: {'skinny' if t['gemm_q4_skinny'] <= t['gemm_q4_tiled'] else 'tiled'}")
+            if "gemm_q4_skinny" in t and "gemm_q4_tiled" in t:
+                cells.append(f"M={m}: {min(t, key=t.get).rsplit('_', 1)[1]}")
         if cells:
             lines.append(f"  {label}: " + ", ".join(cells))
     return lines

@@ -1,8 +1,14 @@
 """The prefill-path int4 GEMM: Y (M, N) = X (M, K) · Wᵀ with a fused epilogue, for M tokens.
 
-Two kernels of one family: ``gemm_q4_skinny`` (small M, memory-bound: each weight read once, all M
-rows' sums in registers) and ``gemm_q4_tiled`` (large M, compute-bound: local-memory and register
-tiles). ``GemmQ4`` picks one by M against a crossover; ``choose(m)`` says which.
+Three kernels: ``gemm_q4_skinny`` (small M, memory-bound: each weight read once, all M rows' sums in
+registers), ``gemm_q4_tiled`` (large M, compute-bound: local-memory and register tiles) and, where the
+device has cl_khr_fp16, ``gemm_q4_f16`` (fp16 register tiles, no local memory, no barriers; the activations
+converted to fp16 once per call). ``GemmQ4`` runs a fixed kind, or picks skinny or tiled by M against a
+crossover; ``choose(m)`` says which.
+
+Every kernel reads the layout and read path the weight was uploaded with (``kernels/q4.h``): LAYOUT comes
+from the weight, and READ is the tuned one where the weight has it, else the path it has. The space of each
+kernel holds every (LAYOUT, READ) pair beside every other parameter, so the set that runs is a verified one.
 
 Epilogues: "none"; "bias" (+ the weight's bias per output column, e.g. Qwen's QKV); "silu_mul"
 (gate-up: W has 2·I rows, gate then up, and Y (M, I) = SiLU(X·Wgᵀ)·(X·Wuᵀ)).
@@ -14,12 +20,12 @@ import numpy as np
 
 from perfx.errors import PerfxError
 from perfx.ops import buffer_bytes
-from perfx.ops.params import READ_NEED, ParamSpace, Rule
-from perfx.ops.q4_weight import Q4DeviceWeight
+from perfx.ops.params import FP16_NEED, READ_BUFFER, READ_IMAGE1D, READ_IMAGE2D, READ_NEED, ParamSpace, Rule
+from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight
 from perfx.runtime import Device
 
 EPILOGUES = {"none": 0, "bias": 1, "silu_mul": 2}
-KINDS = ("skinny", "tiled")
+KINDS = ("skinny", "tiled", "f16")
 # Largest M for the tall-skinny kernel when no tuned crossover is given: at M ≈ 32 its register
 # passes cost about what the tiled kernel's tile overheads do (see benchmarks/bench_gemm_q4.py,
 # which prints the measured crossover for this device).
@@ -33,6 +39,10 @@ def _weight_rows(shape) -> int:
     return 2 if shape.get("epilogue") == "silu_mul" else 1
 
 
+LAYOUT_READ_RULE = Rule("the interleaved layout has no image2d row blocks: READ 0 or 2",
+                        lambda p, s: p["LAYOUT"] == LAYOUT_ROWS or p["READ"] != READ_IMAGE2D)
+
+
 SKINNY = ParamSpace(
     family="gemm_q4_skinny",
     source="gemm_q4_skinny.cl",
@@ -40,12 +50,14 @@ SKINNY = ParamSpace(
         "WGS": (64, 1),          # work-items per work-group (independent: no local memory, no barriers)
         "ROWS": (2, 1, 4),       # output columns per work-item
         "MT": (4, 2, 8),         # rows of X per register pass
-        "READ": (1, 0),          # codes from image2d (1) or buffer (0)
+        "READ": (1, 0),          # codes from image2d (1) or buffer (0): where the weight has it
+        "LAYOUT": (0, 1),        # the weight's layout (rows along K, interleaved): set from the weight
     },
     # ROWS·MT float8 accumulators (twice that with the gate-up epilogue's two weight rows per column),
     # plus ROWS weight vectors and the x chunk, must stay in registers. On PoCL/AVX2 (16 vector
     # registers) ROWS = 4, MT = 4 spills and runs at 2/3 the speed of 2 × 4.
-    rules=(Rule("at most 8 float8 accumulators per work-item (ROWS·MT ≤ 8)", lambda p, s: p["ROWS"] * p["MT"] <= 8),),
+    rules=(Rule("at most 8 float8 accumulators per work-item (ROWS·MT ≤ 8)", lambda p, s: p["ROWS"] * p["MT"] <= 8),
+           LAYOUT_READ_RULE),
     work_group_size=lambda p, s: p["WGS"],
     needs={"READ": READ_NEED},
 )
@@ -60,7 +72,8 @@ TILED = ParamSpace(
         "MDIMC": (8,),           # work-items along M
         "NDIMC": (8,),           # work-items along N
         "VWN": (8, 4),           # vector width along N: 1, 2, 4 or 8 (16 fails to build on PoCL)
-        "READ": (0, 1),          # codes from buffer (0) or image2d (1)
+        "READ": (0, 1),          # codes from buffer (0) or image2d (1): where the weight has it
+        "LAYOUT": (0, 1),        # the weight's layout (rows along K, interleaved): set from the weight
     },
     rules=(
         Rule("MWG must be a multiple of MDIMC", lambda p, s: p["MWG"] % p["MDIMC"] == 0),
@@ -68,25 +81,57 @@ TILED = ParamSpace(
         # Register block of at most 64 accumulators per work-item: beyond that every device spills.
         Rule("at most 64 accumulators per work-item ((MWG/MDIMC)·(NWG/NDIMC) ≤ 64)",
              lambda p, s: (p["MWG"] // p["MDIMC"]) * (p["NWG"] // p["NDIMC"]) <= 64),
+        LAYOUT_READ_RULE,
     ),
     work_group_size=lambda p, s: p["MDIMC"] * p["NDIMC"],
     local_memory=lambda p, s: 4 * p["KWG"] * (p["MWG"] + _weight_rows(s) * p["NWG"]),
     needs={"READ": READ_NEED},
 )
 
-_SPACES = {"skinny": SKINNY, "tiled": TILED}
+F16 = ParamSpace(
+    family="gemm_q4_f16",
+    source="gemm_q4_f16.cl",
+    space={
+        "WGS": (64, 32),         # work-items per work-group (independent: no local memory, no barriers)
+        "TN": (4, 8),            # output columns per work-item: one halfTN vector of weight rows
+        "TM": (4, 2, 8),         # rows of X per work-item
+        "READ": (0, 2, 1),       # codes from a buffer (0), its image1d_buffer view (2), image2d row blocks (1)
+        "LAYOUT": (0, 1),        # the weight's layout: set from the weight
+        "HALF": (1,),            # fp16 arithmetic: what the kernel is for, where cl_khr_fp16 is
+    },
+    rules=(
+        # TM·TN half accumulators and as many fp32 totals per weight-row set (two for the gate-up
+        # epilogue), beside TN texels and TM x vectors: 32 outputs is what a GPU keeps in registers.
+        Rule("at most 32 outputs of accumulators per work-item (TM·TN, twice for gate-up, ≤ 32)",
+             lambda p, s: p["TM"] * p["TN"] * _weight_rows(s) <= 32),
+        LAYOUT_READ_RULE,
+    ),
+    work_group_size=lambda p, s: p["WGS"],
+    needs={"READ": READ_NEED, "HALF": FP16_NEED},
+)
+
+_SPACES = {"skinny": SKINNY, "tiled": TILED, "f16": F16}
 
 
 class GemmQ4:
-    """Y = X · Wᵀ (+ epilogue) for an int4 ``Q4DeviceWeight``, by the tall-skinny or the tiled kernel."""
+    """Y = X · Wᵀ (+ epilogue) for an int4 ``Q4DeviceWeight``, by the tall-skinny, tiled or fp16 kernel."""
 
     def __init__(self, device: Device, skinny_params=None, tiled_params=None, crossover: int | None = None,
-                 shape: dict | None = None):
+                 shape: dict | None = None, f16_params=None, kind: str | None = None):
         """Parameters of each kernel (None: the defaults) must fit ``shape`` (its ``epilogue`` matters: the
-        gate-up epilogue holds two weight tiles) on this device."""
+        gate-up epilogue holds two weight tiles) on this device. ``kind`` fixes the kernel whatever M is
+        (the model's per-bucket choice); without it, M ≤ crossover runs skinny and larger M tiled.
+        The fp16 kernel's parameters are resolved only where the device has cl_khr_fp16 (or when given)."""
         self.device = device
-        self.params = {"skinny": SKINNY.resolve(skinny_params, shape or {}, device.caps),
-                       "tiled": TILED.resolve(tiled_params, shape or {}, device.caps)}
+        shape = shape or {}
+        self.params = {"skinny": SKINNY.resolve(skinny_params, shape, device.caps),
+                       "tiled": TILED.resolve(tiled_params, shape, device.caps)}
+        if f16_params is not None or device.caps.fp16:
+            self.params["f16"] = F16.resolve(f16_params, shape, device.caps)
+        if kind is not None and kind not in self.params:
+            raise PerfxError(f"gemm_q4: kind {kind!r} is not available here; available: {', '.join(self.params)}"
+                             + (" (the fp16 kernel needs cl_khr_fp16)" if kind == "f16" else ""))
+        self.kind = kind
         self.crossover = DEFAULT_CROSSOVER if crossover is None else int(crossover)
         if self.crossover < 0:
             raise PerfxError(f"gemm_q4 crossover must be ≥ 0 (the largest M for the tall-skinny kernel), "
@@ -94,9 +139,12 @@ class GemmQ4:
         self._kernels = {}
         # Kernels take a bias pointer whatever the epilogue; this one stands in when there is none.
         self._no_bias = device.alloc(4, what="gemm_q4 placeholder bias")
+        self._x_half = None   # the fp16 kernel's activations, grown to the largest X seen
 
     def choose(self, m: int) -> str:
-        """"skinny" for M ≤ crossover, else "tiled"."""
+        """The fixed kind, else "skinny" for M ≤ crossover and "tiled" above."""
+        if self.kind is not None:
+            return self.kind
         return "skinny" if m <= self.crossover else "tiled"
 
     def __call__(self, weight: Q4DeviceWeight, x, y, m: int, epilogue: str = "none"):
@@ -115,24 +163,38 @@ class GemmQ4:
         """The tiled kernel whatever M is."""
         return self.run("tiled", weight, x, y, m, epilogue)
 
+    def f16(self, weight: Q4DeviceWeight, x, y, m: int, epilogue: str = "none"):
+        """The fp16 register-tiled kernel whatever M is (cl_khr_fp16)."""
+        return self.run("f16", weight, x, y, m, epilogue)
+
     def output_columns(self, weight: Q4DeviceWeight, epilogue: str) -> int:
         """Columns of Y: N, or N/2 for the gate-up epilogue."""
         return weight.n // 2 if epilogue == "silu_mul" else weight.n
 
     # -- launching -------------------------------------------------------------------------------
 
-    def _kernel(self, kind: str, epilogue: str, read: int):
-        key = (kind, epilogue, read)
+    def _kernel(self, kind: str, epilogue: str, read: int, layout: int):
+        key = (kind, epilogue, read, layout)
         kernel = self._kernels.get(key)
         if kernel is None:
-            why = _SPACES[kind].why_invalid(self.params[kind], {"epilogue": epilogue}, self.device.caps)
+            params = {**self.params[kind], "READ": read, "LAYOUT": layout}
+            why = _SPACES[kind].why_invalid(params, {"epilogue": epilogue}, self.device.caps)
             if why is not None:
-                raise PerfxError(f"gemm_q4: the {kind} kernel's parameters {self.params[kind]} cannot run the "
+                raise PerfxError(f"gemm_q4: the {kind} kernel's parameters {params} cannot run the "
                                  f"{epilogue} epilogue on {self.device.caps.name}: {why}")
-            defines = {**self.params[kind], "READ": read, "EPILOGUE": EPILOGUES[epilogue]}
+            defines = {**params, "EPILOGUE": EPILOGUES[epilogue]}
             kernel = self.device.kernel(_SPACES[kind].source, f"gemm_q4_{kind}", defines)
             self._kernels[key] = kernel
         return kernel
+
+    @staticmethod
+    def read_path(read: int, weight: Q4DeviceWeight) -> int:
+        """READ where the weight holds that path, else the path it holds (buffer first): the same maths."""
+        have = {READ_BUFFER: weight.buffer is not None, READ_IMAGE2D: bool(weight.images),
+                READ_IMAGE1D: weight.image1d is not None}
+        if have[read]:
+            return read
+        return READ_BUFFER if have[READ_BUFFER] else READ_IMAGE2D
 
     def _check(self, weight: Q4DeviceWeight, x, y, m: int, epilogue: str) -> tuple[int, list]:
         """Y's column count and the buffers behind X and Y, once every argument is checked."""
@@ -165,8 +227,9 @@ class GemmQ4:
         With images, the columns are cut where the gate or the up rows cross from one image to the next.
         """
         up = cols if silu else 0
-        if read == 0:
-            return [(0, cols, 0, up, weight.buffer, weight.buffer, 0, 0)]
+        if read != READ_IMAGE2D:
+            codes = weight.buffer if read == READ_BUFFER else weight.image1d
+            return [(0, cols, 0, up, codes, codes, 0, 0)]
         starts = [start for start, _ in weight.image_rows]
         cuts = {0, cols}
         for start in starts:
@@ -187,25 +250,28 @@ class GemmQ4:
         return pieces
 
     def run(self, kind: str, weight: Q4DeviceWeight, x, y, m: int, epilogue: str = "none"):
-        """Y by the named kernel ("skinny" or "tiled"); ``__call__`` is ``run(choose(m), ...)``."""
+        """Y by the named kernel ("skinny", "tiled" or "f16"); ``__call__`` is ``run(choose(m), ...)``."""
         if kind not in KINDS:
             raise PerfxError(f"gemm_q4: unknown kernel {kind!r}; choose one of {', '.join(KINDS)}")
+        if kind not in self.params:
+            raise PerfxError(f"gemm_q4: the {kind} kernel is not available on {self.device.caps.name} "
+                             "(the fp16 kernel needs cl_khr_fp16)")
         cols, (xb, yb) = self._check(weight, x, y, m, epilogue)
         params = self.params[kind]
-        # READ where the weight holds that layout, else the one it holds: the same maths, both verified.
-        read = params["READ"]
-        if read == 1 and not weight.images:
-            read = 0
-        if read == 0 and weight.buffer is None:
-            read = 1
-        kernel = self._kernel(kind, epilogue, read)
+        read = self.read_path(params["READ"], weight)
+        kernel = self._kernel(kind, epilogue, read, weight.layout)
         bias = weight.bias if weight.bias is not None else self._no_bias
+        if kind == "f16":
+            xb = self._to_half(xb, m * weight.k)
         event = None
         for y_col0, n_cols, row_a0, row_b0, codes_a, codes_b, base_a, base_b in self._segments(
                 weight, cols, epilogue == "silu_mul", read):
             if kind == "skinny":
                 local = (params["WGS"],)
                 glob = (-(-n_cols // (params["ROWS"] * params["WGS"])) * params["WGS"],)
+            elif kind == "f16":
+                local = (params["WGS"], 1)
+                glob = (-(-n_cols // (params["TN"] * params["WGS"])) * params["WGS"], -(-m // params["TM"]))
             else:
                 local = (params["NDIMC"], params["MDIMC"])
                 glob = (-(-n_cols // params["NWG"]) * params["NDIMC"], -(-m // params["MWG"]) * params["MDIMC"])
@@ -213,6 +279,15 @@ class GemmQ4:
                 kernel, glob, local,
                 np.int32(m), np.int32(n_cols), np.int32(weight.k), np.int32(_GROUP_SHIFT[weight.group]),
                 np.int32(cols), np.int32(y_col0), np.int32(row_a0), np.int32(row_b0),
-                np.int32(base_a), np.int32(base_b),
+                np.int32(base_a), np.int32(base_b), np.int32(weight.n),
                 xb, yb, codes_a, codes_b, weight.scale_offset, bias)
         return event
+
+    def _to_half(self, xb, count: int):
+        """X as half, once per call (the fp16 kernel's input), in a scratch buffer kept for the next call."""
+        if self._x_half is None or self._x_half.size < 2 * count:
+            self._x_half = self.device.alloc(2 * count, what="gemm_q4_f16 activations (fp16)")
+        kernel = self.device.kernel(F16.source, "convert_f16", {})
+        chunks = -(-count // 8)
+        self.device.launch(kernel, (-(-chunks // 64) * 64,), (64,), np.int32(count), xb, self._x_half)
+        return self._x_half

@@ -22,8 +22,8 @@ Params = dict[str, Any]
 Shape = dict[str, Any]
 
 # How every family encodes where int4 codes are read from (the READ define).
-READ_BUFFER, READ_IMAGE2D = 0, 1
-READ_NAMES = {READ_BUFFER: "buffer", READ_IMAGE2D: "image2d"}
+READ_BUFFER, READ_IMAGE2D, READ_IMAGE1D = 0, 1, 2
+READ_NAMES = {READ_BUFFER: "buffer", READ_IMAGE2D: "image2d", READ_IMAGE1D: "image1d_buffer"}
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,27 @@ class Need:
 
 
 def needs_images(caps, value) -> bool:
-    return value != READ_IMAGE2D or caps.image_support
+    if value == READ_IMAGE2D:
+        return caps.image_support
+    if value == READ_IMAGE1D:
+        return caps.image1d_buffer_max > 0
+    return True
 
 
-READ_NEED = Need("image2d reads need image support", needs_images)
+READ_NEED = Need("image2d reads need image support, image1d_buffer views OpenCL 1.2 images", needs_images)
+# The GPU-class variants: each behind the capability it uses, never assumed.
+FP16_NEED = Need("fp16 arithmetic needs cl_khr_fp16", lambda caps, value: not value or caps.fp16)
+SUBGROUPS_NEED = Need("subgroup operations need cl_khr_subgroups (or cl_intel_subgroups)",
+                      lambda caps, value: not value or caps.subgroups)
+def _subgroup_size_supported(caps, value) -> bool:
+    # A CPU runtime builds a subgroup of 32 or 64 as one SIMD32/64 body: ~20 s to compile a GEMV (Intel's
+    # CPU runtime, measured) and spilled registers to run it. Sizes up to 16 are its native widths.
+    return not value or (value in caps.subgroup_sizes and (caps.device_type != "CPU" or value <= 16))
+
+
+SUBGROUP_SIZE_NEED = Need("a required subgroup size needs cl_qcom_reqd_sub_group_size or "
+                          "cl_intel_required_subgroup_size with that size (at most 16 on a CPU)",
+                          _subgroup_size_supported)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ EMBEDDING_F16 = ParamSpace(
 EMBEDDING_Q4 = ParamSpace(
     family="embedding_q4",
     source="small_ops.cl",
-    space={"WGS2": (64, 32, 128)},
+    space={"WGS2": (64, 32, 128),
+           "LAYOUT": (0, 1)},   # the table's layout (rows along K, interleaved): set from the weight
     work_group_size=lambda p, s: p["WGS2"],
 )
 ARGMAX = ParamSpace(
@@ -64,6 +65,13 @@ class Embedding:
         self.f16_kernel = device.kernel(EMBEDDING_F16.source, "embedding_f16", f16)
         self.q4_kernel = device.kernel(EMBEDDING_Q4.source, "embedding_q4", q4)
 
+    def _q4_kernel(self, layout: int):
+        """The int4 gather for the table's layout (the tuned WGS2; LAYOUT comes from the weight)."""
+        if layout == self.params["LAYOUT"]:
+            return self.q4_kernel
+        defines = {"WGS2": self.params["WGS2"], "LAYOUT": layout}
+        return self.device.kernel(EMBEDDING_Q4.source, "embedding_q4", defines)
+
     def f16(self, table: F16DeviceWeight, ids, out, rows: int) -> list:
         """Gather from an fp16 table (possibly split in row blocks): one event per block, in order."""
         if rows < 1:
@@ -86,7 +94,7 @@ class Embedding:
         ids = device_buffer(ids, 4 * rows, "embedding ids")
         out = device_buffer(out, 4 * rows * table.k, "embedding out")
         wgs = self.params["WGS2"]
-        return self.device.launch(self.q4_kernel, (_round_up(table.k // 32, wgs), rows), (wgs, 1),
+        return self.device.launch(self._q4_kernel(table.layout), (_round_up(table.k // 32, wgs), rows), (wgs, 1),
                                   np.int32(table.k), np.int32(table.n), np.int32(table.group), ids,
                                   table.buffer, table.scale_offset, out)
 

@@ -10,6 +10,9 @@
 // Launch: global = ceil(N / ROWS) · WGS, local = WGS, where ROWS = WGS / LANES rows per work-group.
 //
 // Memory-bound: each weight is read once; x (K floats) is reread by every row, from cache.
+// The LANES partial sums of a row meet in a local-memory tree (SG 0) or (SG 1) in sub_group_reduce_add over
+// subgroups of a required size SUBGROUP that divides LANES (a row's lanes are whole subgroups), with one
+// exchange through local memory where a row spans several subgroups.
 
 #ifndef WGS
 #define WGS 64  // work-items per work-group
@@ -20,6 +23,15 @@
 #ifndef VW
 #define VW 8  // weights per load: 4 or 8
 #endif
+#ifndef SG
+#define SG 0  // lanes of a row reduced by a local-memory tree (0) or subgroup reductions (1)
+#endif
+#ifndef SUBGROUP
+#define SUBGROUP 0  // required subgroup size (kernels/gpu.h); SG 1 needs it to divide LANES
+#endif
+
+#define USES_SUBGROUPS SG
+#include "gpu.h"
 
 #define ROWS (WGS / LANES)
 
@@ -37,7 +49,7 @@ typedef float4 floatVW;
 #error "VW must be 4 or 8"
 #endif
 
-__kernel __attribute__((reqd_work_group_size(WGS, 1, 1)))
+__kernel REQD_SUBGROUP __attribute__((reqd_work_group_size(WGS, 1, 1)))
 void gemv_f16(const int n, const int k, __global const half* restrict w, __global const float* restrict x,
               __global float* restrict y, const int y_offset)
 {
@@ -60,7 +72,23 @@ void gemv_f16(const int n, const int k, __global const half* restrict w, __globa
         }
     }
 
-#if LANES > 1
+#if LANES > 1 && SG
+    // One sub_group_reduce_add per subgroup; a row of several subgroups adds their sums in local memory.
+    sum = sub_group_reduce_add(sum);
+#if LANES > SUBGROUP
+    __local float partial[WGS / SUBGROUP];
+    if (get_sub_group_local_id() == 0) {
+        partial[lid / SUBGROUP] = sum;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (lane == 0) {
+        sum = 0.0f;
+        for (int s = 0; s < LANES / SUBGROUP; ++s) {
+            sum += partial[lid / SUBGROUP + s];
+        }
+    }
+#endif
+#elif LANES > 1
     // Tree over the LANES partial sums of each row (they are contiguous in the work-group).
     __local float partial[WGS];
     partial[lid] = sum;

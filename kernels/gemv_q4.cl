@@ -24,6 +24,9 @@
 //             slices of K meet in local memory. Every work-item needs the same x: read from global memory
 //             (XS 0, a uniform load), staged once per work-group in local memory (XS 1), or loaded by lanes
 //             0..7 of a subgroup and shared with sub_group_broadcast (XS 2, llama.cpp's Adreno GEMV).
+//             With XS 1, x may be staged quantized (I8): int8 per block of 32 with its scale (llama.cpp's
+//             Q8_0 activations), and each texel's 32 products formed in int16, summed in int32, then fp32:
+//             no float conversion of the codes at all.
 
 #ifndef LAYOUT
 #define LAYOUT 0     // 0: rows contiguous along K; 1: rows interleaved per texel (coalesced across work-items)
@@ -45,6 +48,9 @@
 #endif
 #ifndef HALF
 #define HALF 0       // 1: dequantize and multiply in half (cl_khr_fp16), fp32 across groups
+#endif
+#ifndef I8
+#define I8 0         // LAYOUT 1, XS 1: x quantized to int8 per 32 in local memory, int16 products (1)
 #endif
 #ifndef SUBGROUP
 #define SUBGROUP 0   // required subgroup size (0: the driver's), for SG 1 and XS 2 (kernels/gpu.h)
@@ -107,7 +113,9 @@ inline float4 broadcast4(const float4 v, const uint lane)
 }
 #endif
 
-#if LAYOUT == 1 && XS == 1 && HALF
+#if LAYOUT == 1 && XS == 1 && I8
+typedef uint4 xstage_t;   // per texel: x of its even codes, x of its odd codes (int8 × 16 each)
+#elif LAYOUT == 1 && XS == 1 && HALF
 typedef half xstage_t;
 #else
 typedef float xstage_t;
@@ -155,7 +163,33 @@ void gemv_q4(const int n_out, const int k, const int out_base, const int half_ro
 #endif
     }
 
-#if LAYOUT == 1 && XS == 1
+#if LAYOUT == 1 && XS == 1 && I8
+    // x once per work-group, quantized per block of 32 (one texel's worth, llama.cpp's Q8_0): q_x =
+    // round(x·127/max|x|), stored as the texel's codes pair with it (byte j of word c holds codes 8c + 2j and
+    // 8c + 2j + 1 in its low and high nibble: even and odd codes), with the block's scale and exact Σ x.
+    __local float* x_scale = (__local float*)(x_local + 2 * q4_texels);
+    __local float* x_sum = x_scale + q4_texels;
+    for (int b = get_local_id(1) * WGN + get_local_id(0); b < q4_texels; b += WGN * LANES) {
+        const float8 v0 = vload8(4 * b, x), v1 = vload8(4 * b + 1, x);
+        const float8 v2 = vload8(4 * b + 2, x), v3 = vload8(4 * b + 3, x);
+        const float8 m8 = fmax(fmax(fabs(v0), fabs(v1)), fmax(fabs(v2), fabs(v3)));
+        const float4 m4 = fmax(m8.lo, m8.hi);
+        const float amax = fmax(fmax(m4.s0, m4.s1), fmax(m4.s2, m4.s3));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const float8 sum8 = (v0 + v1) + (v2 + v3);
+        x_scale[b] = amax / 127.0f;
+        x_sum[b] = SUM8(sum8);
+        x_local[2 * b] = (uint4)(as_uint(convert_char4_sat_rte(v0.even * inv)),
+                                 as_uint(convert_char4_sat_rte(v1.even * inv)),
+                                 as_uint(convert_char4_sat_rte(v2.even * inv)),
+                                 as_uint(convert_char4_sat_rte(v3.even * inv)));
+        x_local[2 * b + 1] = (uint4)(as_uint(convert_char4_sat_rte(v0.odd * inv)),
+                                     as_uint(convert_char4_sat_rte(v1.odd * inv)),
+                                     as_uint(convert_char4_sat_rte(v2.odd * inv)),
+                                     as_uint(convert_char4_sat_rte(v3.odd * inv)));
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+#elif LAYOUT == 1 && XS == 1
     // x once per work-group (as half with HALF: half the local memory).
     for (int e = get_local_id(1) * WGN + get_local_id(0); e < k; e += WGN * LANES) {
         x_local[e] = (xstage_t)x[e];
@@ -170,6 +204,42 @@ void gemv_q4(const int n_out, const int k, const int out_base, const int half_ro
     #pragma unroll
     for (int r = 0; r < WROWS; ++r) acc[r] = 0.0f;
 
+#if LAYOUT == 1 && XS == 1 && I8
+    // Per texel: 32 products q·q_x in int16 (|q·q_x| ≤ 15·127, two summed ≤ 3810), pairs summed in int32,
+    // then into fp32 accumulators, times the block's and the group's scales (per 32 codes, so the
+    // horizontal sum waits for the end); per group m·Σ x with the exact Σ x.
+    float8 acc8[WROWS];
+    #pragma unroll
+    for (int r = 0; r < WROWS; ++r) acc8[r] = (float8)(0.0f);
+    for (int g = lane; g < q4_groups; g += LANES) {
+        float scale[WROWS];
+        #pragma unroll
+        for (int r = 0; r < WROWS; ++r) {
+            const float2 sm = vload_half2(SO_INDEX(grow[r], g), scale_offset);
+            scale[r] = sm.x;
+            float xs = 0.0f;
+            for (int i = 0; i < TEXELS_PER_GROUP; ++i) xs += x_sum[g * TEXELS_PER_GROUP + i];
+            acc[r] += sm.y * xs;
+        }
+        #pragma unroll
+        for (int i = 0; i < TEXELS_PER_GROUP; ++i) {
+            const int t = g * TEXELS_PER_GROUP + i;
+            const short16 xe = convert_short16(as_char16(x_local[2 * t]));
+            const short16 xo = convert_short16(as_char16(x_local[2 * t + 1]));
+            const float xd = x_scale[t];
+            #pragma unroll
+            for (int r = 0; r < WROWS; ++r) {
+                const uint4 tex = LOAD_ROW(r, t);
+                const short16 p = convert_short16(as_uchar16(tex & 0x0F0F0F0Fu)) * xe
+                                + convert_short16(as_uchar16((tex >> 4) & 0x0F0F0F0Fu)) * xo;
+                acc8[r] = mad(convert_float8(convert_int8(p.lo) + convert_int8(p.hi)), (float8)(xd * scale[r]),
+                              acc8[r]);
+            }
+        }
+    }
+    #pragma unroll
+    for (int r = 0; r < WROWS; ++r) acc[r] += SUM8(acc8[r]);
+#else
     for (int g = lane; g < q4_groups; g += LANES) {
         dot8 dot[WROWS];
         #pragma unroll
@@ -180,11 +250,9 @@ void gemv_q4(const int n_out, const int k, const int out_base, const int half_ro
             const int t = g * TEXELS_PER_GROUP + i;
             // x[32t + 8c + j], j = 0..7, pairs with component c of the texel.
 #if LAYOUT == 1 && XS == 1
-            const dot8 x0 = DOT_X(vload8(4 * t, x_local)), x1 = DOT_X(vload8(4 * t + 1, x_local));
-            const dot8 x2 = DOT_X(vload8(4 * t + 2, x_local)), x3 = DOT_X(vload8(4 * t + 3, x_local));
-            xsum += (convert_float8(x0) + convert_float8(x1)) + (convert_float8(x2) + convert_float8(x3));
-#else
-#if LAYOUT == 1 && XS == 2
+            const float8 f0 = convert_float8(vload8(4 * t, x_local)), f1 = convert_float8(vload8(4 * t + 1, x_local));
+            const float8 f2 = convert_float8(vload8(4 * t + 2, x_local)), f3 = convert_float8(vload8(4 * t + 3, x_local));
+#elif LAYOUT == 1 && XS == 2
             float4 mine = (float4)(0.0f);
             if (sg_lane < 8) {
                 mine = vload4(8 * t + sg_lane, x);
@@ -199,7 +267,6 @@ void gemv_q4(const int n_out, const int k, const int out_base, const int half_ro
 #endif
             xsum += (f0 + f1) + (f2 + f3);
             const dot8 x0 = DOT_X(f0), x1 = DOT_X(f1), x2 = DOT_X(f2), x3 = DOT_X(f3);
-#endif
             #pragma unroll
             for (int r = 0; r < WROWS; ++r) {
                 const uint4 tex = LOAD_ROW(r, t);
@@ -215,6 +282,7 @@ void gemv_q4(const int n_out, const int k, const int out_base, const int half_ro
             acc[r] += sm.x * SUM8(d) + OFFSET(sm) * xs;
         }
     }
+#endif
 
 #if LAYOUT == 1
 #if LANES > 1

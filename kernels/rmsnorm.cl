@@ -8,8 +8,10 @@
 // Launch: one work-group per row, global = M · WGS, local = WGS. y must not alias x or r.
 //
 // One pass over the inputs: each work-item keeps VW partial sums of squares over its own columns,
-// the work-group adds them in a local-memory tree, and the second sweep reads back only what this
-// same work-item just wrote (r) or read (x): from cache, and visible to it without a barrier.
+// the work-group adds them in a local-memory tree (SG 0) or with sub_group_reduce_add and one exchange of
+// the subgroups' sums through local memory (SG 1, one barrier instead of log2(WGS)), and the second sweep
+// reads back only what this same work-item just wrote (r) or read (x): from cache, and visible to it
+// without a barrier.
 
 #ifndef WGS
 #define WGS 128  // work-items per row (a power of two)
@@ -17,6 +19,12 @@
 #ifndef VW
 #define VW 4  // floats per load: 1, 4 or 8
 #endif
+#ifndef SG
+#define SG 0  // the work-group's sum: a local-memory tree (0) or subgroup reductions (1, cl_khr_subgroups)
+#endif
+
+#define USES_SUBGROUPS SG
+#include "gpu.h"
 
 #if VW == 8
 typedef float8 floatVW;
@@ -40,6 +48,19 @@ typedef float floatVW;
 // The sum of every work-item's value, returned to all of them.
 float work_group_total(const float value, __local float* scratch)
 {
+#if SG
+    // Each subgroup's sum, then every work-item adds the few subgroup sums itself.
+    const float mine = sub_group_reduce_add(value);
+    if (get_sub_group_local_id() == 0) {
+        scratch[get_sub_group_id()] = mine;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    float total = 0.0f;
+    for (uint s = 0; s < get_num_sub_groups(); ++s) {
+        total += scratch[s];
+    }
+    return total;
+#else
     const int lid = get_local_id(0);
     scratch[lid] = value;
     barrier(CLK_LOCAL_MEM_FENCE);
@@ -50,6 +71,7 @@ float work_group_total(const float value, __local float* scratch)
         barrier(CLK_LOCAL_MEM_FENCE);
     }
     return scratch[0];
+#endif
 }
 
 // y = h · inv · γ over one row, h read from src (written or read earlier by this work-item).

@@ -16,6 +16,10 @@
 //                   NaN counting as the largest (numpy.argmax). Stage 1: GROUPS3 work-groups of WGS3
 //                   each reduce a grid-strided share to one (value, index); stage 2: one work-group of
 //                   WGS3 reduces the GROUPS3 pairs. Launch: global = GROUPS3 · WGS3 then WGS3.
+//                   The work-group step: a local-memory tree (SG3 0), or (SG3 1) one 64-bit key per pair
+//                   that orders like "beats" (value bits made monotonic, NaN largest, then the index
+//                   inverted so the lower one wins a tie) and sub_group_reduce_max over it, the subgroups'
+//                   winners then compared through local memory (one barrier).
 //   swiglu:         out = SiLU(gate)·up = gate / (1 + exp(−gate))·up over count floats (M rows flat);
 //                   out may be gate or up (each work-item reads its elements before writing them).
 //                   Launch: global = ceil(ceil(count / VW4) / WGS4) · WGS4, local = WGS4.
@@ -42,6 +46,9 @@
 #endif
 #ifndef VW3
 #define VW3 4  // argmax: floats per load, 1 or 4
+#endif
+#ifndef SG3
+#define SG3 0  // argmax: work-group reduction by a local-memory tree (0) or subgroup reductions (1)
 #endif
 #ifndef WGS4
 #define WGS4 64  // swiglu: work-items per work-group
@@ -143,8 +150,43 @@ bool beats(const float a, const int ia, const float b, const int ib)
     return a > b || (a == b && ia < ib);
 }
 
+#define USES_SUBGROUPS SG3
+#include "gpu.h"
+
+#if SG3
+// A key that orders (value, index) pairs as "beats" does: the float's bits made monotonic (NaN above
+// everything), then the index inverted, so the larger key is the larger value, ties to the lower index.
+ulong pair_key(const float value, const int index)
+{
+    const uint bits = as_uint(value);
+    const uint ordered = isnan(value) ? 0xFFFFFFFFu : (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+    return ((ulong)ordered << 32) | (ulong)(~(uint)index);
+}
+
+// The winner of the work-group's pairs, in slot 0, by subgroup reductions of their keys.
+void reduce_pairs(float best, int index, __local float* values, __local int* indices, __local ulong* keys)
+{
+    const ulong key = sub_group_reduce_max(pair_key(best, index));
+    if (get_sub_group_local_id() == 0) {
+        keys[get_sub_group_id()] = key;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (get_local_id(0) == 0) {
+        ulong top = keys[0];
+        for (uint s = 1; s < get_num_sub_groups(); ++s) {
+            top = max(top, keys[s]);
+        }
+        const uint ordered = (uint)(top >> 32);
+        const uint bits = ordered == 0xFFFFFFFFu ? 0x7FC00000u
+                          : (ordered & 0x80000000u) ? (ordered & 0x7FFFFFFFu) : ~ordered;
+        values[0] = as_float(bits);
+        indices[0] = (int)~(uint)top;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+}
+#else
 // Tree over the work-group's pairs; the winner ends in slot 0.
-void reduce_pairs(float best, int index, __local float* values, __local int* indices)
+void reduce_pairs(float best, int index, __local float* values, __local int* indices, __local ulong* keys)
 {
     const int lid = get_local_id(0);
     values[lid] = best;
@@ -158,6 +200,7 @@ void reduce_pairs(float best, int index, __local float* values, __local int* ind
         barrier(CLK_LOCAL_MEM_FENCE);
     }
 }
+#endif
 
 #if VW3 == 4
 #define LOAD3(i, p) vload4(i, p)
@@ -175,6 +218,7 @@ void argmax_partial(const int n, __global const float* restrict x, __global floa
 {
     __local float values[WGS3];
     __local int indices[WGS3];
+    __local ulong keys[SG3 ? WGS3 : 1];  // the subgroups' keys (SG3 1)
     // An empty slot: −inf at an index past every real one, so any element (even −inf itself) beats it.
     float best = -INFINITY;
     int index = INT_MAX;
@@ -202,7 +246,7 @@ void argmax_partial(const int n, __global const float* restrict x, __global floa
             index = i;
         }
     }
-    reduce_pairs(best, index, values, indices);
+    reduce_pairs(best, index, values, indices, keys);
     if (get_local_id(0) == 0) {
         partial_values[get_group_id(0)] = values[0];
         partial_indices[get_group_id(0)] = indices[0];
@@ -215,6 +259,7 @@ void argmax_final(__global const float* restrict partial_values, __global const 
 {
     __local float values[WGS3];
     __local int indices[WGS3];
+    __local ulong keys[SG3 ? WGS3 : 1];
     float best = -INFINITY;
     int index = INT_MAX;
     for (int p = get_local_id(0); p < GROUPS3; p += WGS3) {
@@ -223,7 +268,7 @@ void argmax_final(__global const float* restrict partial_values, __global const 
             index = partial_indices[p];
         }
     }
-    reduce_pairs(best, index, values, indices);
+    reduce_pairs(best, index, values, indices, keys);
     if (get_local_id(0) == 0) {
         out[0] = indices[0];
     }

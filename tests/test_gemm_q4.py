@@ -16,7 +16,7 @@ from perfx.tuning.spec import relative_error
 
 SPECS = {"skinny": SKINNY, "tiled": TILED, "f16": F16}
 TOL = SKINNY.tolerance
-TOLERANCES = {"skinny": TOL, "tiled": TOL, "f16": F16.half_tolerance}
+TOLERANCES = {"skinny": TOL, "tiled": TOL, "f16": F16.tolerance_for(F16.defaults())}
 
 
 def kinds(device, *names) -> list[str]:

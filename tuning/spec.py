@@ -11,7 +11,7 @@ Tests, `perfx selftest` and the tuner all go through ``Spec.candidates`` and ``S
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -80,9 +80,9 @@ class Spec:
     bytes_moved: Callable[[Shape], int]
     flops: Callable[[Shape], int] = lambda shape: 0
     describe: Callable[[Shape], str] = lambda shape: ", ".join(f"{k}={v}" for k, v in shape.items())
-    # Variants with fp16 arithmetic (a HALF parameter set to 1) carry fp16 rounding: their own bound and why.
-    half_tolerance: float | None = None
-    half_tolerance_why: str = ""
+    # Reduced-precision variants carry their own rounding: parameter name -> (tolerance, why), applying where
+    # that parameter is non-zero: "HALF" (fp16 arithmetic), "I8" (int8 activations).
+    variant_tolerances: dict = field(default_factory=dict)
 
     @property
     def family(self) -> str:
@@ -100,11 +100,10 @@ class Spec:
         return self.params.defaults()
 
     def tolerance_for(self, params: Params) -> float:
-        """The bound on ``relative_error`` for this parameter set: ``half_tolerance`` where it computes in
-        fp16 (HALF = 1), else ``tolerance``."""
-        if params.get("HALF") and self.half_tolerance is not None:
-            return self.half_tolerance
-        return self.tolerance
+        """The bound on ``relative_error`` for this parameter set: the loosest of ``variant_tolerances`` whose
+        parameter it sets (fp16 arithmetic, int8 activations), else ``tolerance``."""
+        return max([self.tolerance] + [bound for name, (bound, _) in self.variant_tolerances.items()
+                                       if params.get(name)])
 
     def why_invalid(self, params: Params, shape: Shape, caps=None) -> str | None:
         return self.params.why_invalid(params, shape, caps)

@@ -15,7 +15,7 @@ import numpy as np
 from perfx.errors import PerfxError
 from perfx.formats import row_splits
 from perfx.ops import device_buffer
-from perfx.ops.params import ParamSpace, Rule
+from perfx.ops.params import SUBGROUP_SIZE_NEED, SUBGROUPS_NEED, ParamSpace, Rule
 from perfx.runtime import Device
 
 PARAMS = ParamSpace(
@@ -23,12 +23,21 @@ PARAMS = ParamSpace(
     source="gemv_f16.cl",
     space={
         "WGS": (64, 128, 256),   # work-items per work-group
-        "LANES": (16, 1, 4, 32),  # work-items along K per row (they meet in a local-memory tree)
+        "LANES": (16, 1, 4, 32, 64),  # work-items along K per row (they meet in a reduction)
         "VW": (8, 4),             # halfs per load
+        "SG": (0, 1),             # a row's lanes reduced by a local-memory tree (0) or subgroups (1)
+        "SUBGROUP": (0, 8, 16, 64),  # required subgroup size (0: the driver's; 64 = Adreno's half wave)
     },
-    rules=(Rule("WGS must be a multiple of LANES", lambda p, s: p["WGS"] % p["LANES"] == 0),),
+    rules=(
+        Rule("WGS must be a multiple of LANES", lambda p, s: p["WGS"] % p["LANES"] == 0),
+        Rule("a subgroup reduction (SG 1) needs a required subgroup size that divides LANES (each row's lanes "
+             "whole subgroups); without one, SUBGROUP is 0",
+             lambda p, s: (p["SUBGROUP"] > 0 and p["LANES"] % p["SUBGROUP"] == 0) if p["SG"] else
+             p["SUBGROUP"] == 0),
+    ),
     work_group_size=lambda p, s: p["WGS"],
     local_memory=lambda p, s: 4 * p["WGS"] if p["LANES"] > 1 else 0,
+    needs={"SG": SUBGROUPS_NEED, "SUBGROUP": SUBGROUP_SIZE_NEED},
 )
 
 

@@ -5,7 +5,8 @@ weight layout (``LAYOUT``, a property of the uploaded ``Q4DeviceWeight``): lanes
 reduction (rows contiguous along K, the CPU/PoCL winner), and the GPU-class shape of llama.cpp's Adreno
 GEMV (rows interleaved, work-items own neighbouring rows, coalesced loads, x shared across the work-group).
 Each GPU-class variant (subgroup reductions, fp16 arithmetic, x through local memory or subgroup
-broadcast, a required subgroup size, image1d_buffer views) is a parameter behind a capability check.
+broadcast, int8 activations, a required subgroup size, image1d_buffer views) is a parameter behind a
+capability check.
 The kernel guards its row and K edges itself; the wrapper's only planning is splitting launches where the
 weight's rows span several image2d row blocks.
 """
@@ -45,7 +46,9 @@ def _local_memory(p, s) -> int:
     """Mirrors the kernel's __local arrays: lane partial sums, and x staged once (XS 1: K floats or halfs)."""
     rows = _accumulator_rows(p, s)
     if p["LAYOUT"] == LAYOUT_INTERLEAVED:
-        x = (2 if p["HALF"] else 4) * s.get("k", 0) if p["XS"] == 1 else 0
+        k = s.get("k", 0)
+        # XS 1 stages x: K floats, K halfs (HALF), or K int8 and two floats per 32 (I8)
+        x = (k + k // 4 if p["I8"] else (2 if p["HALF"] else 4) * k) if p["XS"] == 1 else 0
         return 4 * (p["LANES"] - 1) * rows * WGN + x
     return 4 * p["LANES"] * rows if p["LANES"] > 1 else 0
 
@@ -61,6 +64,7 @@ PARAMS = ParamSpace(
         "XS": (0, 1, 2),           # layout 1: x from global memory (0), local memory (1), subgroup broadcast (2)
         "SG": (0, 1),              # layout 0: lanes reduced by a local-memory tree (0) or sub_group_reduce_add (1)
         "HALF": (0, 1),            # fp16 dequantize-and-multiply within a group, fp32 across groups
+        "I8": (0, 1),              # layout 1, XS 1: x quantized to int8 per 32 in local memory, int16 products
         "SUBGROUP": (0, 8, 16, 64),  # required subgroup size (0: the driver's; 64 = Adreno's half wave)
     },
     rules=(
@@ -75,6 +79,9 @@ PARAMS = ParamSpace(
              lambda p, s: p["LAYOUT"] == LAYOUT_ROWS or (p["LANES"] in (1, 4) and p["SG"] == 0)),
         Rule("a subgroup reduction (SG 1) reduces whole subgroups of lanes along K: LANES ≥ 16",
              lambda p, s: p["SG"] == 0 or p["LANES"] >= 16),
+        Rule("int8 activations (I8 1) are quantized once per work-group into local memory: the interleaved "
+             "layout with XS 1, not fp16 (HALF 0)",
+             lambda p, s: p["I8"] == 0 or (p["LAYOUT"] == LAYOUT_INTERLEAVED and p["XS"] == 1 and p["HALF"] == 0)),
         Rule("fp16 arithmetic is a GPU-class variant: with a subgroup reduction or the interleaved layout",
              lambda p, s: p["HALF"] == 0 or _gpu_class(p)),
         Rule("GPU-class variants hold 2 or 4 rows a work-item: x, loaded or shared, serves at least two rows, "
@@ -132,7 +139,7 @@ class GemvQ4:
     def _local_x(self, k: int):
         """The kernel's __local x argument: K floats (halfs with HALF) for XS 1, else a placeholder."""
         if self.layout == LAYOUT_INTERLEAVED and self.params["XS"] == 1:
-            return cl.LocalMemory((2 if self.params["HALF"] else 4) * k)
+            return cl.LocalMemory(_local_memory(self.params, {"k": k}) - _local_memory(self.params, {}))
         return cl.LocalMemory(4)
 
     def events(self, weight: Q4DeviceWeight, x, y, epilogue: str = "none") -> list[cl.Event]:

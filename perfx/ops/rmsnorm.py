@@ -10,7 +10,7 @@ import numpy as np
 
 from perfx.errors import PerfxError
 from perfx.ops import device_buffer
-from perfx.ops.params import ParamSpace, Rule
+from perfx.ops.params import SUBGROUPS_NEED, ParamSpace, Rule
 from perfx.runtime import Device
 
 PARAMS = ParamSpace(
@@ -19,11 +19,13 @@ PARAMS = ParamSpace(
     space={
         "WGS": (128, 64, 256, 32),  # work-items per row
         "VW": (4, 8, 1),            # floats per load
+        "SG": (0, 1),               # the row's sum by a local-memory tree (0) or subgroup reductions (1)
     },
     rules=(Rule("the local-memory tree halves WGS: a power of two",
                 lambda p, s: p["WGS"] & (p["WGS"] - 1) == 0),),
     work_group_size=lambda p, s: p["WGS"],
     local_memory=lambda p, s: 4 * p["WGS"],
+    needs={"SG": SUBGROUPS_NEED},
 )
 
 

@@ -9,7 +9,7 @@ import numpy as np
 from perfx.errors import PerfxError
 from perfx.ops import device_buffer
 from perfx.ops.gemv_f16 import F16DeviceWeight
-from perfx.ops.params import ParamSpace, Rule
+from perfx.ops.params import SUBGROUPS_NEED, ParamSpace, Rule
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.runtime import Device
 
@@ -30,11 +30,13 @@ EMBEDDING_Q4 = ParamSpace(
 ARGMAX = ParamSpace(
     family="argmax",
     source="small_ops.cl",
-    space={"WGS3": (128, 64, 256), "GROUPS3": (64, 16, 256), "VW3": (4, 1)},
+    # SG3: the work-group step by a local-memory tree (0) or subgroup reductions of 64-bit keys (1)
+    space={"WGS3": (128, 64, 256), "GROUPS3": (64, 16, 256), "VW3": (4, 1), "SG3": (0, 1)},
     rules=(Rule("the local-memory tree halves WGS3: a power of two",
                 lambda p, s: p["WGS3"] & (p["WGS3"] - 1) == 0),),
     work_group_size=lambda p, s: p["WGS3"],
-    local_memory=lambda p, s: 8 * p["WGS3"],
+    local_memory=lambda p, s: 8 * p["WGS3"] * (2 if p["SG3"] else 1),
+    needs={"SG3": SUBGROUPS_NEED},
 )
 SWIGLU = ParamSpace(
     family="swiglu",

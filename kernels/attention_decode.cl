@@ -19,7 +19,9 @@
 // the GQA query heads that share its kv head, so each K/V element is read once. Work-groups of one launch
 // cannot wait for each other, so none reads row p from the cache: the one work-group per kv head whose
 // partition holds p (the last) writes the new k', v to the cache and uses them from local memory, rounded
-// to fp16 as the cache holds them (later tokens read the same values). fp32 arithmetic throughout.
+// to fp16 as the cache holds them (later tokens read the same values). fp32 arithmetic throughout, except
+// with HALF: the key rows are read as half vectors and q·k is formed in half (cl_khr_fp16) against a half
+// copy of the rotated q; softmax and the weighted V sums stay fp32.
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 64  // D, from the model (set by the wrapper, not tuned)
@@ -39,6 +41,23 @@
 
 #ifndef VW
 #define VW 8  // halfs per K/V load (vload_half4 / vload_half8) and floats per vector along D
+#endif
+
+#ifndef HALF
+#define HALF 0  // q·k in half against half key rows (cl_khr_fp16)
+#endif
+
+#if HALF
+#pragma OPENCL EXTENSION cl_khr_fp16 : enable
+#if VW == 8
+typedef half8 halfV;
+#define LOADH vload8
+#define TO_FLOATV convert_float8
+#else
+typedef half4 halfV;
+#define LOADH vload4
+#define TO_FLOATV convert_float4
+#endif
 #endif
 
 #if VW == 8
@@ -86,6 +105,7 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
     const bool holds_pos = part == n_parts - 1;   // this partition's last position is p
 
     __local float q[GQA * HEAD_DIM];       // rotated, times 1/√D
+    __local ushort q_bits[HALF ? GQA * HEAD_DIM : 1];  // the same as half (HALF)
     __local ushort fresh_bits[2 * HEAD_DIM];  // k' then v as fp16 ("__local half x[]" needs cl_khr_fp16)
     __local float work[WORK];
     __local float red[GQA * WGS];
@@ -103,6 +123,10 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
         const float c = cos_p[i], s = sin_p[i];
         q[h * HEAD_DIM + i] = (x * c - y * s) * scale;
         q[h * HEAD_DIM + i + HALF_D] = (y * c + x * s) * scale;
+#if HALF
+        vstore_half((x * c - y * s) * scale, h * HEAD_DIM + i, (__local half*)q_bits);
+        vstore_half((y * c + x * s) * scale, h * HEAD_DIM + i + HALF_D, (__local half*)q_bits);
+#endif
     }
     const size_t head_base = (size_t)layer_offset + (size_t)g * max_positions * HEAD_DIM;
     if (holds_pos) {
@@ -134,6 +158,24 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
         run_max[h] = -INFINITY;
     }
     for (int t = lid; t < count; t += WGS) {
+#if HALF
+        const __local half* qh = (const __local half*)q_bits;
+        const __global half* k_row = (holds_pos && t == count - 1) ? 0 : k_part + (size_t)t * HEAD_DIM;
+        halfV dot[GQA];
+        for (int h = 0; h < GQA; ++h) {
+            dot[h] = (halfV)0.0h;
+        }
+        for (int c = 0; c < LANES; ++c) {
+            const halfV k = k_row ? LOADH(c, k_row) : LOADH(c, (const __local half*)fresh);
+            for (int h = 0; h < GQA; ++h) {
+                dot[h] = mad(LOADH(c, qh + h * HEAD_DIM), k, dot[h]);
+            }
+        }
+        floatV acc[GQA];
+        for (int h = 0; h < GQA; ++h) {
+            acc[h] = TO_FLOATV(dot[h]);
+        }
+#else
         floatV acc[GQA];
         for (int h = 0; h < GQA; ++h) {
             acc[h] = (floatV)0.0f;
@@ -154,6 +196,7 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
                 }
             }
         }
+#endif
         for (int h = 0; h < GQA; ++h) {
             const float s = HSUM(acc[h]);
             work[h * PART + t] = s;

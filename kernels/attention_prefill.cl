@@ -11,15 +11,22 @@
 // The attention reads the keys the append writes, and work-groups of one launch cannot wait for each
 // other: hence two launches. The attention is flash-attention style (Dao et al. 2022, algorithm 1):
 // K/V tiles of BK positions in local memory, an online softmax (running max and sum) per query row,
-// fp32 throughout. A work-group owns WGS consecutive rows of the flattened (token, head of the GQA
-// group) index of one kv head, so every K/V tile it loads serves all the query heads that share it.
+// fp32 softmax and output. A work-group owns WGS consecutive rows of the flattened (token, head of the
+// GQA group) index of one kv head, so every K/V tile it loads serves all the query heads that share it.
+//
+// Registers: a query row is served by DSPLIT work-items, each holding D/DSPLIT of its rotated q and of its
+// output accumulator (at D = 128 one work-item would hold q[128] and acc[128] in registers, which spills on
+// a GPU); the partial q·k of a tile meet through local memory (one barrier per tile), and every work-item of
+// the row runs the same online softmax over the whole scores. HALF keeps the K/V tiles in local memory as
+// half (half the bytes: twice the positions per tile) and forms q·k in half per work-item (cl_khr_fp16);
+// softmax, p·V and the accumulators stay fp32.
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 64  // D, from the model (set by the wrapper, not tuned)
 #endif
 
 #ifndef WGS
-#define WGS 32  // work-items per work-group: one query row (token, head of the group) each
+#define WGS 32  // query rows (token, head of the group) per work-group
 #endif
 
 #ifndef BK
@@ -28,6 +35,14 @@
 
 #ifndef VW
 #define VW 8  // floats per vector along D: 8 or 4 (PoCL gets its throughput from wide types only)
+#endif
+
+#ifndef DSPLIT
+#define DSPLIT 2  // work-items per query row, each with D/DSPLIT of q and of the output accumulator
+#endif
+
+#ifndef HALF
+#define HALF 0  // K/V tiles in local memory as half, q·k in half (cl_khr_fp16)
 #endif
 
 #if VW == 8
@@ -45,7 +60,28 @@ typedef float4 floatVW;
 #endif
 
 #define HALF_D (HEAD_DIM / 2)
-#define DV (HEAD_DIM / VW)  // vectors per head row
+#define DP (HEAD_DIM / DSPLIT)  // dimensions per work-item
+#define DV (DP / VW)            // vectors per work-item
+#define RV (HEAD_DIM / VW)      // vectors per head row
+
+#if HALF
+#pragma OPENCL EXTENSION cl_khr_fp16 : enable
+typedef half tile_t;
+#if VW == 8
+typedef half8 halfVW;
+#define LOADTILE(i, p) vload8(i, p)
+#define TO_HALF convert_half8
+#define TO_FLOAT convert_float8
+#else
+typedef half4 halfVW;
+#define LOADTILE(i, p) vload4(i, p)
+#define TO_HALF convert_half4
+#define TO_FLOAT convert_float4
+#endif
+#else
+typedef float tile_t;
+#define LOADTILE(i, p) LOADVW(i, p)
+#endif
 
 inline float hsum4(const float4 x)
 {
@@ -78,23 +114,30 @@ __kernel void kv_append(const int p0, const int n_heads, const int n_kv_heads, c
     vstore_half4(vload4(i + HALF_D / 4, v_row), i + HALF_D / 4, values + dst);
 }
 
-// global (ceil(M·group / WGS)·WGS, Hkv), local (WGS, 1). Row r of kv head kvh is token r / group, query
-// head kvh·group + r % group. Rows past M·group (the last work-group's padding) redo the last row so
-// they stay finite, and write nothing.
-__kernel __attribute__((reqd_work_group_size(WGS, 1, 1)))
+// global (ceil(M·group / WGS)·WGS·DSPLIT, Hkv), local (WGS·DSPLIT, 1). Row r of kv head kvh is token
+// r / group, query head kvh·group + r % group; work-item lid serves row lid / DSPLIT of the work-group, part
+// lid % DSPLIT (dimensions part·DP .. part·DP + DP − 1). Rows past M·group (the last work-group's padding)
+// redo the last row so they stay finite, and write nothing.
+__kernel __attribute__((reqd_work_group_size(WGS * DSPLIT, 1, 1)))
 void attention_prefill(const int m, const int p0, const int group, const int n_heads, const int n_kv_heads,
                        const int max_positions, const int layer_offset, const float scale,
                        __global const float* restrict qkv, __global const float* restrict cos_table,
                        __global const float* restrict sin_table, __global const half* restrict keys,
                        __global const half* restrict values, __global float* restrict out)
 {
-    __local float k_tile[BK * HEAD_DIM];
-    __local float v_tile[BK * HEAD_DIM];
+    __local tile_t k_tile[BK * HEAD_DIM];
+    __local tile_t v_tile[BK * HEAD_DIM];
+#if DSPLIT > 1
+    __local float partial[WGS][BK][DSPLIT];  // each part's q·k of the tile, per row
+#endif
 
     const int lid = get_local_id(0);
+    const int local_row = lid / DSPLIT;
+    const int part = lid % DSPLIT;
     const int kvh = get_group_id(1);
     const int rows = m * group;
-    const int row = min((int)get_global_id(0), rows - 1);
+    const int global_row = get_group_id(0) * WGS + local_row;
+    const int row = min(global_row, rows - 1);
     const int t = row / group;
     const int h = kvh * group + row % group;
     const int pos = p0 + t;
@@ -102,22 +145,34 @@ void attention_prefill(const int m, const int p0, const int group, const int n_h
     const int last_row = min((int)get_group_id(0) * WGS + WGS - 1, rows - 1);
     const int kv_len = p0 + last_row / group + 1;
 
-    // q' = rope(q)·(1/√D) in registers; the scale folded in once instead of per score.
+    // This part of q' = rope(q)·(1/√D) in registers; the scale folded in once instead of per score. Dimension
+    // i pairs with i ± D/2 (rotate-half), which another part may hold: read from the row in global memory.
     const int stride = (n_heads + 2 * n_kv_heads) * HEAD_DIM;
     __global const float* q_row = qkv + t * stride + h * HEAD_DIM;
     __global const float* c_row = cos_table + pos * HALF_D;
     __global const float* s_row = sin_table + pos * HALF_D;
+#if HALF
+    halfVW q[DV];
+#else
     floatVW q[DV];
+#endif
     floatVW acc[DV];
-    for (int d = 0; d < DV / 2; d++) {
-        const floatVW x1 = LOADVW(d, q_row);
-        const floatVW x2 = LOADVW(d + DV / 2, q_row);
-        const floatVW c = LOADVW(d, c_row);
-        const floatVW s = LOADVW(d, s_row);
-        q[d] = (x1 * c - x2 * s) * scale;
-        q[d + DV / 2] = (x2 * c + x1 * s) * scale;
+    for (int d = 0; d < DV; d++) {
+        const int v = part * DV + d;  // which vector of the head row
+        floatVW rotated;
+        if (v < RV / 2) {
+            const floatVW c = LOADVW(v, c_row), s = LOADVW(v, s_row);
+            rotated = LOADVW(v, q_row) * c - LOADVW(v + RV / 2, q_row) * s;
+        } else {
+            const floatVW c = LOADVW(v - RV / 2, c_row), s = LOADVW(v - RV / 2, s_row);
+            rotated = LOADVW(v, q_row) * c + LOADVW(v - RV / 2, q_row) * s;
+        }
+#if HALF
+        q[d] = TO_HALF(rotated * scale);
+#else
+        q[d] = rotated * scale;
+#endif
         acc[d] = (floatVW)0.0f;
-        acc[d + DV / 2] = (floatVW)0.0f;
     }
     // Finite start values: no inf − inf anywhere, and the first tile always holds position 0 ≤ pos.
     float m_run = -FLT_MAX;
@@ -128,8 +183,22 @@ void attention_prefill(const int m, const int p0, const int group, const int n_h
         barrier(CLK_LOCAL_MEM_FENCE);  // every row is done with the previous tile
         // Positions past kv_len are zero-filled: the cache there may hold anything (NaN included), and
         // a masked weight of 0 times NaN would still be NaN.
-        for (int i = lid; i < BK * DV; i += WGS) {
-            const int j = t0 + i / DV;
+        for (int i = lid; i < BK * RV; i += WGS * DSPLIT) {
+            const int j = t0 + i / RV;
+#if HALF
+            halfVW k = (halfVW)0.0h, v = (halfVW)0.0h;
+            if (j < kv_len) {
+                k = LOADTILE(i, keys + head_base + t0 * HEAD_DIM);
+                v = LOADTILE(i, values + head_base + t0 * HEAD_DIM);
+            }
+#if VW == 8
+            vstore8(k, i, k_tile);
+            vstore8(v, i, v_tile);
+#else
+            vstore4(k, i, k_tile);
+            vstore4(v, i, v_tile);
+#endif
+#else
             floatVW k = (floatVW)0.0f;
             floatVW v = (floatVW)0.0f;
             if (j < kv_len) {
@@ -138,19 +207,47 @@ void attention_prefill(const int m, const int p0, const int group, const int n_h
             }
             STOREVW(k, i, k_tile);
             STOREVW(v, i, v_tile);
+#endif
         }
         barrier(CLK_LOCAL_MEM_FENCE);
 
+        // This part's q·k for every position of the tile.
+        float score[BK];
+        for (int j = 0; j < BK; j++) {
+#if HALF
+            halfVW dot = (halfVW)0.0h;
+            for (int d = 0; d < DV; d++) {
+                dot = mad(q[d], LOADTILE(j * RV + part * DV + d, k_tile), dot);
+            }
+            score[j] = HSUM(TO_FLOAT(dot));
+#else
+            floatVW dot = (floatVW)0.0f;
+            for (int d = 0; d < DV; d++) {
+                dot = fma(q[d], LOADVW(j * RV + part * DV + d, k_tile), dot);
+            }
+            score[j] = HSUM(dot);
+#endif
+        }
+#if DSPLIT > 1
+        // The parts of a row add their q·k: every part then holds the whole scores.
+        for (int j = 0; j < BK; j++) {
+            partial[local_row][j][part] = score[j];
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (int j = 0; j < BK; j++) {
+            float sum = 0.0f;
+            for (int p = 0; p < DSPLIT; p++) {
+                sum += partial[local_row][j][p];
+            }
+            score[j] = sum;
+        }
+#endif
+
         const int visible = min(BK, pos + 1 - t0);  // positions of this tile the row may see
         if (visible > 0) {
-            float score[BK];
             float tile_max = -FLT_MAX;
             for (int j = 0; j < BK; j++) {
-                floatVW dot = (floatVW)0.0f;
-                for (int d = 0; d < DV; d++) {
-                    dot = fma(q[d], LOADVW(j * DV + d, k_tile), dot);
-                }
-                score[j] = j < visible ? HSUM(dot) : -FLT_MAX;
+                score[j] = j < visible ? score[j] : -FLT_MAX;
                 tile_max = fmax(tile_max, score[j]);
             }
             const float m_new = fmax(m_run, tile_max);
@@ -163,18 +260,22 @@ void attention_prefill(const int m, const int p0, const int group, const int n_h
                 const float p = j < visible ? exp(score[j] - m_new) : 0.0f;
                 l_run += p;
                 for (int d = 0; d < DV; d++) {
-                    acc[d] = fma((floatVW)p, LOADVW(j * DV + d, v_tile), acc[d]);
+#if HALF
+                    acc[d] = fma((floatVW)p, TO_FLOAT(LOADTILE(j * RV + part * DV + d, v_tile)), acc[d]);
+#else
+                    acc[d] = fma((floatVW)p, LOADVW(j * RV + part * DV + d, v_tile), acc[d]);
+#endif
                 }
             }
             m_run = m_new;
         }
     }
 
-    if ((int)get_global_id(0) < rows) {
+    if (global_row < rows) {
         const float inv = 1.0f / l_run;
         __global float* out_row = out + (t * n_heads + h) * HEAD_DIM;
         for (int d = 0; d < DV; d++) {
-            STOREVW(acc[d] * inv, d, out_row);
+            STOREVW(acc[d] * inv, part * DV + d, out_row);
         }
     }
 }

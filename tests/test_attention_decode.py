@@ -21,7 +21,7 @@ STORED_TOLERANCE = 1e-5
 
 def _check_case(case, shape, params):
     errors = case.errors(params)
-    assert all(e <= SPEC.tolerance for e in errors.values()), (SPEC.describe(shape), params, errors)
+    assert all(e <= SPEC.tolerance_for(params) for e in errors.values()), (SPEC.describe(shape), params, errors)
 
 
 @pytest.mark.parametrize("shape", SPEC.test_shapes, ids=SPEC.describe)

@@ -107,6 +107,12 @@ SPEC = Spec(
         "effect of those rare key flips through q·k/√D (< 1e-4). tests/test_attention_decode.py also "
         "checks out at 1e-5 against attention over the rows the kernel stored."
     ),
+    variant_tolerances={"HALF": (5e-3, (
+        "HALF = 1: q·k in half: q rounds to half (≤ u = 2⁻¹¹ of each value; the keys are fp16 already) and "
+        "each product and partial sum of a work-item's share of D rounds once more, so a score moves by "
+        "~u·√D of |q||k|/√D, a few 1e-3 absolutely at most; softmax and p·V stay fp32, so out moves by about "
+        "that much relative. Measured 4.0e-4 (T = 17), 7.8e-4 (T = 300, D = 64) and 1.2e-3 (T = 300, "
+        "D = 128) on the test shapes; 5e-3 leaves margin and still fails a causal mask off by one (> 1e-2)"))},
     test_shapes=(
         {"n_heads": 4, "n_kv_heads": 4, "head_dim": 64, "positions": 17},
         {"n_heads": 9, "n_kv_heads": 3, "head_dim": 64, "positions": 300, "qkv_offset": 5},

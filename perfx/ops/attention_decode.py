@@ -13,7 +13,7 @@ import numpy as np
 from perfx.errors import PerfxError
 from perfx.ops import buffer_bytes
 from perfx.ops.kv_cache import KVCache, RopeTable
-from perfx.ops.params import ParamSpace, Rule
+from perfx.ops.params import FP16_NEED, ParamSpace, Rule
 from perfx.runtime import Device
 
 # head_dim: even and whole vectors of 8 (both VW values); 64 and 128 are the tested Llama sizes.
@@ -30,7 +30,8 @@ def local_memory(params, shape) -> int:
     gqa, d = shape["n_heads"] // shape["n_kv_heads"], shape["head_dim"]
     rows = params["WGS"] // lanes(params, shape)
     work = max(gqa * params["PART"], rows * gqa * d)
-    return 4 * (gqa * d + work + gqa * params["WGS"] + 2 * gqa) + 2 * 2 * d
+    q_half = 2 * gqa * d if params["HALF"] else 2
+    return 4 * (gqa * d + work + gqa * params["WGS"] + 2 * gqa) + 2 * 2 * d + q_half
 
 
 PARAMS = ParamSpace(
@@ -41,6 +42,7 @@ PARAMS = ParamSpace(
         # work-items per partition work-group; not 32: half an Adreno wave (PoCL showed no gain from it)
         "WGS": (64, 128),
         "VW": (8, 4),            # halfs per K/V load along head_dim
+        "HALF": (0, 1),          # q·k in half against the half key rows (cl_khr_fp16)
     },
     rules=(
         Rule("head_dim must be whole vectors of VW", lambda p, s: s["head_dim"] % p["VW"] == 0),
@@ -49,6 +51,7 @@ PARAMS = ParamSpace(
     ),
     work_group_size=lambda p, s: p["WGS"],
     local_memory=local_memory,
+    needs={"HALF": FP16_NEED},
 )
 
 

@@ -12,8 +12,28 @@ import numpy as np
 from perfx.errors import PerfxError
 from perfx.ops import device_buffer
 from perfx.ops.kv_cache import KVCache, RopeTable
-from perfx.ops.params import ParamSpace, Rule
+from perfx.ops.params import FP16_NEED, ParamSpace, Rule
 from perfx.runtime import Device
+
+# Registers a work-item may spend on its slice of q, its output accumulator and the tile's scores (32-bit
+# values): a GPU keeps ~128–256 per work-item before occupancy collapses or the compiler spills, and the
+# K/V vectors, addresses and softmax state need the rest. Today's kernel at D = 128 (q[128], acc[128]) is
+# 256 alone.
+REGISTER_BUDGET = 160
+
+
+def registers(params, shape) -> int:
+    """32-bit registers for q (half: two per register), the accumulator and the scores of one work-item."""
+    dp = shape["head_dim"] // params["DSPLIT"]
+    return (dp // 2 if params["HALF"] else dp) + dp + params["BK"]
+
+
+def local_memory(params, shape) -> int:
+    """K and V tiles (float, or half with HALF) and, where parts share a row, their partial scores."""
+    tiles = 2 * params["BK"] * shape["head_dim"] * (2 if params["HALF"] else 4)
+    partial = 4 * params["WGS"] * params["BK"] * params["DSPLIT"] if params["DSPLIT"] > 1 else 0
+    return tiles + partial
+
 
 PARAMS = ParamSpace(
     family="attention_prefill",
@@ -22,18 +42,29 @@ PARAMS = ParamSpace(
         "WGS": (32, 16, 64),   # query rows (token, head of the GQA group) per work-group
         "BK": (16, 32, 64),    # key positions per local-memory K/V tile
         "VW": (8, 4),          # vector width along head_dim
+        "DSPLIT": (2, 1, 4),   # work-items per query row, each with head_dim / DSPLIT of q and of the output
+        "HALF": (0, 1),        # K/V tiles as half in local memory, q·k in half (cl_khr_fp16)
     },
-    rules=(Rule("each half of a head row must be whole vectors of VW",
-                lambda p, s: s["head_dim"] % (2 * p["VW"]) == 0),),
-    work_group_size=lambda p, s: p["WGS"],
-    local_memory=lambda p, s: 2 * p["BK"] * s["head_dim"] * 4,  # K and V tiles, float
+    rules=(
+        Rule("each half of a head row must be whole vectors of VW",
+             lambda p, s: s["head_dim"] % (2 * p["VW"]) == 0),
+        Rule("each work-item's share of a head row must be whole vectors of VW",
+             lambda p, s: s["head_dim"] % (p["DSPLIT"] * p["VW"]) == 0),
+        Rule(f"at most {REGISTER_BUDGET} registers of q, accumulator and scores per work-item "
+             "(head_dim/DSPLIT twice, halved for an fp16 q, plus BK)",
+             lambda p, s: registers(p, s) <= REGISTER_BUDGET),
+    ),
+    work_group_size=lambda p, s: p["WGS"] * p["DSPLIT"],
+    local_memory=local_memory,
+    needs={"HALF": FP16_NEED},
 )
 
 
 class AttentionPrefill:
     """Causal RoPE + KV append + attention for ``m`` prompt tokens of one layer.
 
-    ``params``: ``PARAMS`` (WGS, BK, VW); None → the defaults, or the first set that fits where they do not.
+    ``params``: ``PARAMS`` (WGS, BK, VW, DSPLIT, HALF); None → the defaults, or the first set that fits where
+    they do not.
     """
 
     def __init__(self, device: Device, n_heads: int, n_kv_heads: int, head_dim: int,
@@ -97,8 +128,9 @@ class AttentionPrefill:
             np.int32(p0), np.int32(h), np.int32(hkv), np.int32(cache.max_positions), offset,
             qkv_b, rope.cos, rope.sin, cache.keys, cache.values)
         rows = m * self.group
+        split = int(self.params["DSPLIT"])
         attention = self.device.launch(
-            self.attention_kernel, (-(-rows // self.wgs) * self.wgs, hkv), (self.wgs, 1),
+            self.attention_kernel, (-(-rows // self.wgs) * self.wgs * split, hkv), (self.wgs * split, 1),
             np.int32(m), np.int32(p0), np.int32(self.group), np.int32(h), np.int32(hkv),
             np.int32(cache.max_positions), offset, self.scale,
             qkv_b, rope.cos, rope.sin, cache.keys, cache.values, out_b)

@@ -34,7 +34,7 @@ from perfx.progress import Progress
 from perfx.runtime import Device
 from perfx.sources import open_named
 from perfx.tuning import SPECS
-from perfx.tuning.database import bucket_representative, lookup, m_bucket
+from perfx.tuning.database import Database, bucket_representative, default_database, m_bucket
 from perfx.tuning.problems import model_problems
 
 DEFAULT_CTX = 4096
@@ -54,8 +54,9 @@ class DeviceLayer:
 class Llama:
     """A Llama-family model resident on one device, with its KV cache and run state."""
 
-    def __init__(self, config: ModelConfig, device: Device, max_positions: int):
+    def __init__(self, config: ModelConfig, device: Device, max_positions: int, database: Database | None = None):
         self.config, self.device, self.max_positions = config, device, max_positions
+        self.database = database if database is not None else default_database()
         self.layers: list[DeviceLayer] = []
         self.weight_bytes = 0           # bytes one decode step reads (every weight once)
         self.host_seconds = 0.0         # time spent enqueueing (host work), summed over calls
@@ -65,9 +66,10 @@ class Llama:
 
     @classmethod
     def load(cls, source, device: Device, ctx: int | None = None, progress: bool | None = None,
-             default_ctx: int = DEFAULT_CTX) -> Llama:
+             default_ctx: int = DEFAULT_CTX, database: Database | None = None) -> Llama:
         """Upload ``source`` (a ``perfx.sources.ModelSource``) to ``device`` with a KV cache of ``ctx`` positions
-        (default: the model's context length, at most ``default_ctx``)."""
+        (default: the model's context length, at most ``default_ctx``). Kernel parameters come from
+        ``database`` (default: the user's and shipped tuning results; ``default_database(False)``: none)."""
         c = source.config
         limit = c.max_positions or default_ctx
         ctx = min(limit, default_ctx) if ctx is None else int(ctx)
@@ -75,7 +77,7 @@ class Llama:
             raise PerfxError(f"--ctx must be at least 2, got {ctx}")
         if ctx > limit:
             raise PerfxError(f"--ctx {ctx} exceeds the model's context length {limit}")
-        model = cls(c, device, ctx)
+        model = cls(c, device, ctx, database)
         started = time.perf_counter()
         bar = Progress(c.n_layers + 3, "loading", enabled=progress)
         first = source.layer(0)
@@ -148,7 +150,7 @@ class Llama:
         self.read_paths = tuple(sorted({READ_NAMES[op.read] for op in self.gemv.values()}))
 
     def _params(self, family: str, shape: dict, label: str) -> dict:
-        choice = lookup(self.device, SPECS[family], shape)
+        choice = self.database.lookup(self.device, SPECS[family], shape)
         self.tuned[f"{family} ({label})"] = choice
         return choice.params
 
@@ -165,8 +167,8 @@ class Llama:
                 tiled = shapes.get(("gemm_q4_tiled", name))
                 if skinny is None or tiled is None:   # an fp16 matrix: no GEMM
                     continue
-                a = lookup(self.device, SPECS["gemm_q4_skinny"], skinny)
-                b = lookup(self.device, SPECS["gemm_q4_tiled"], tiled)
+                a = self.database.lookup(self.device, SPECS["gemm_q4_skinny"], skinny)
+                b = self.database.lookup(self.device, SPECS["gemm_q4_tiled"], tiled)
                 self.tuned[f"gemm_q4_skinny ({name}, M≈{rep})"] = a
                 self.tuned[f"gemm_q4_tiled ({name}, M≈{rep})"] = b
                 # The faster of the two where both were measured on this device, else the default crossover.
@@ -378,17 +380,19 @@ def host_peak_bytes() -> int:
 
 def load_model(name: str | None = None, device: Device | str | None = None, ctx: int | None = None,
                quantize: str | None = None, progress: bool | None = None, log=None,
-               default_ctx: int = DEFAULT_CTX):
+               default_ctx: int = DEFAULT_CTX, tuning: bool = True):
     """Resolve ``name`` ("default", a path, "synthetic:<name>"), open it and load it on the device.
 
     Returns (model, source). ``log`` receives one-line progress notes (the CLI passes stderr's print).
+    ``tuning`` False ignores every tuning database: the kernels run their built-in defaults.
     """
     log = log or (lambda text: None)
     device = device if isinstance(device, Device) else Device(device)
     source = open_named(name, quantize=quantize)
     log(f"perfx: model {source.describe().get('path', name)} on {device.caps.name} ({device.caps.platform}, "
         f"limits: {device.caps.limits})")
-    model = Llama.load(source, device, ctx=ctx, progress=progress, default_ctx=default_ctx)
+    model = Llama.load(source, device, ctx=ctx, progress=progress, default_ctx=default_ctx,
+                       database=default_database(tuning))
     r = model.load_report
     log(f"perfx: loaded in {r['load_s']:.1f}s: {r['weight_bytes'] / 2**20:.0f} MiB of weights, "
         f"{r['device_bytes'] / 2**20:.0f} MiB on the device (KV cache {r['kv_cache_bytes'] / 2**20:.0f} MiB "

@@ -1,7 +1,8 @@
 """The tuning database: which parameters each kernel family uses on a device, for a shape.
 
-Results files (what is looked up) hold one compact record per (family, shape): the best parameters,
-their time, GB/s or GFLOP/s, the defaults' time, the kernel source hash and the device. They come
+Results files (what is looked up) hold one compact record per (family, shape): the parameters chosen,
+their time, GB/s or GFLOP/s, the defaults' time, the gain over the defaults with its 95% interval from
+the tuner's interleaved confirmation rounds, the kernel source hash and the device. They come
 from two places: perfx's shipped files (``tuning/database/``, read only) and the user's own
 (``<cache>/tuning/<device>.json``, written by `perfx tune` and `--import`). Each file says what it
 applies to (``match``): one device (its fingerprint: platform, device name, OpenCL C version, driver
@@ -49,8 +50,8 @@ M_BUCKETS = ((1, 1), (2, 4), (5, 16), (17, 64), (65, 256), (257, None))
 # Shape keys matched by nearest rather than exactly.
 SIZE_KEYS = ("m", "positions")
 # The fields of a results record, in the order they are written.
-RECORD_FIELDS = ("family", "shape", "params", "time_s", "default_time_s", "gb_per_s", "gflop_per_s",
-                 "source_hash", "device", "devices", "comment")
+RECORD_FIELDS = ("family", "shape", "params", "time_s", "default_time_s", "gain", "gain_interval", "rounds",
+                 "gb_per_s", "gflop_per_s", "source_hash", "device", "devices", "comment")
 
 
 class TuningDatabaseWarning(UserWarning):
@@ -297,9 +298,12 @@ class Database:
     user's resume logs. Files are re-read when they change on disk, so a sweep in another process is seen.
     """
 
-    def __init__(self, user_dir: Path | str | None = None, shipped_dir: Path | str | None = None):
+    def __init__(self, user_dir: Path | str | None = None, shipped_dir: Path | str | None = None,
+                 enabled: bool = True):
+        """``enabled`` False: no file is read, every look-up gives the defaults (PERFX_TUNING=off, --no-tuning)."""
         self.user_dir = Path(user_dir) if user_dir is not None else cache_dir() / "tuning"
         self.shipped_dir = Path(shipped_dir) if shipped_dir is not None else tuning_path("database")
+        self.enabled = enabled
         self._cache: dict[Path, tuple] = {}
 
     # -- files ---------------------------------------------------------------------------------
@@ -320,6 +324,8 @@ class Database:
 
     def files(self) -> list[ResultsFile]:
         """User files first, then shipped ones (so a user's measurement wins at the same level)."""
+        if not self.enabled:
+            return []
         result = []
         for directory, writable in ((self.user_dir, True), (self.shipped_dir, False)):
             if directory.is_dir():
@@ -586,14 +592,20 @@ def _best_on_average(members: list[_DeviceResults], key) -> dict | None:
             "devices": sorted(m.slug for m in members)}
 
 
-_default: dict[str, Database] = {}
+_default: dict[tuple, Database] = {}
 
 
-def default_database() -> Database:
-    """The process's database, for the cache dir in force (``PERFX_CACHE`` read each time)."""
-    key = str(cache_dir())
+def tuning_enabled() -> bool:
+    """False when ``PERFX_TUNING=off``: every tuning database is ignored, the kernels run their defaults."""
+    return os.environ.get("PERFX_TUNING", "").strip().lower() not in ("off", "0", "no", "false")
+
+
+def default_database(enabled: bool = True) -> Database:
+    """The process's database, for the cache dir in force (``PERFX_CACHE`` and ``PERFX_TUNING`` read each
+    time); ``enabled`` False ignores every file, as PERFX_TUNING=off does."""
+    key = (str(cache_dir()), enabled and tuning_enabled())
     if key not in _default:
-        _default[key] = Database()
+        _default[key] = Database(enabled=key[1])
     return _default[key]
 
 

@@ -101,6 +101,7 @@ def test_drift_sets_rounds_aside_and_says_how_often(device, tmp_path):
     db = Database(tmp_path / "user", tmp_path / "none")
     tuner = Tuner(device, db, seed=1, timer=bench.timer, cool_down_s=0,
                   reference=lambda: 2e-3 if next(slow) else 1e-3)
+    tuner.drift.every_s = 0   # the simulated timer takes no time: check at every candidate and round
     result = tuner.tune_problem(bench.spec(), SHAPE)
     assert tuner.drift.events == 3
     assert result.suspect_candidates + result.confirmation.suspect_rounds == 3

@@ -190,14 +190,19 @@ def neighbours(space: dict, params: dict) -> list[dict]:
 
 class DriftWatch:
     """Times a fixed reference kernel (the copy kernel) now and then; says when the machine has drifted
-    from where it was at the start (thermal throttling, another load), so a timing taken then is re-taken."""
+    from where it was at the start (thermal throttling, another load), so a timing taken then is re-taken.
+    Drift is slow (heat builds over seconds): the reference is timed at most every ``every_s`` seconds."""
 
-    def __init__(self, reference, threshold: float = DRIFT_THRESHOLD):
-        self.reference, self.threshold = reference, threshold
+    def __init__(self, reference, threshold: float = DRIFT_THRESHOLD, every_s: float = 0.5):
+        self.reference, self.threshold, self.every_s = reference, threshold, every_s
         self.baseline: float | None = None
         self.events = 0
+        self.last = -float("inf")
 
     def drifted(self) -> bool:
+        if time.perf_counter() - self.last < self.every_s:
+            return False
+        self.last = time.perf_counter()
         now = self.reference()
         if self.baseline is None:
             self.baseline = min(now, self.reference(), self.reference())

@@ -66,7 +66,12 @@ def merge_files(paths: list[str], out: Path, min_devices: int, say) -> list[Path
     inputs = []
     for path in paths:
         data = read_json(path)
-        inputs.append(data.get("tuning", data) if isinstance(data, dict) and "perfx_report" in data else data)
+        if isinstance(data, dict) and "perfx_report" in data:
+            data = data.get("sections", {}).get("tuning", {}).get("results")
+            if data is None:
+                raise PerfxError(f"{path} is a perfx report without its tuning section: it was interrupted "
+                                 "before the end; run the same `perfx report` command again to finish it")
+        inputs.append(data)
     written = []
     for level in ("architecture", "vendor"):
         for data in merge(inputs, level, min_devices):

@@ -60,6 +60,11 @@ class BuildError(PerfxError):
         )
 
 
+class KernelLimitError(PerfxError):
+    """A kernel built, but its parameters break the limits the driver reports for it (its work-group, or
+    the local or private memory it needs): on this driver those parameters cannot run."""
+
+
 def raise_as_perfx(what: str, error: cl.Error):
     code = getattr(error, "code", 0)
     if code in (-4, -5, -6, -61):  # MEM_OBJECT_ALLOCATION_FAILURE, OUT_OF_RESOURCES, OUT_OF_HOST_MEMORY, INVALID_BUFFER_SIZE

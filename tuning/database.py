@@ -355,6 +355,28 @@ class Database:
     def log(self, device) -> TuningLog:
         return TuningLog(self.log_path(device.fingerprint), device)
 
+    # -- what this device's driver refused --------------------------------------------------------
+
+    def refused_path(self, fingerprint: dict) -> Path:
+        return self.user_dir / "refused" / f"{fingerprint_slug(fingerprint)}.json"
+
+    def refused(self, device) -> dict[tuple, str]:
+        """(family, params key, source hash) -> why, for each parameter set this device's driver refused
+        (it did not build, or broke the kernel's own limits) when a model was loaded."""
+        if not self.enabled:
+            return {}
+        entries = read_json(self.refused_path(device.fingerprint), default=[])
+        return {(e["family"], params_key(e["params"]), e.get("source_hash")): e["reason"] for e in entries
+                if isinstance(e, dict) and {"family", "params", "reason"} <= set(e)}
+
+    def refuse(self, device, spec, params: dict, reason: str):
+        """Remember that this driver refused ``params``: later loads skip them without building again."""
+        path = self.refused_path(device.fingerprint)
+        entries = read_json(path, default=[])
+        entries.append({"family": spec.family, "params": normal(params), "source_hash": source_hash(spec),
+                        "reason": reason, "when": _now()})
+        write_json_atomic(path, entries)
+
     def save_result(self, device, record: dict):
         """Put a results record (``result_record``) into this device's file, written atomically."""
         file = self.device_file(device)
@@ -390,12 +412,21 @@ class Database:
 
     def choices(self, device, spec, shape: dict) -> list[Choice]:
         """Every parameter set that may run ``spec`` at ``shape`` on ``device``, most specific first: each
-        fitting database record, then the defaults (or, where they do not fit, the first set that does)."""
+        fitting database record, then the defaults (or, where they do not fit, the first set that does).
+        Sets this device's driver refused before are skipped, with the reason kept."""
         result, skipped = [], []
+        refused = self.refused(device)
+        current = source_hash(spec)
+
+        def why_not(params):
+            why = spec.why_invalid(params, shape, device.caps)
+            refusal = refused.get((spec.family, params_key(params), current))
+            return why or (f"refused by this driver: {refusal}" if refusal else None)
+
         for _, _, file, record in self._matches(device, spec, shape):
             params = {**spec.defaults(), **record["params"]}
             level = file.level_for(device)
-            why = spec.why_invalid(params, shape, device.caps)
+            why = why_not(params)
             if why is not None:
                 skipped.append(f"{file.path.name} ({level}): {why}")
                 continue
@@ -405,11 +436,10 @@ class Database:
             result.append(Choice(params, level, f"{file.path.name}: {spec.family} {what}", record.get("time_s"),
                                  tuple(skipped)))
         defaults = spec.defaults()
-        why = spec.why_invalid(defaults, shape, device.caps)
+        why = why_not(defaults)
         if why is not None:
             skipped.append(f"the defaults: {why}")
-            fitting = spec.candidates(shape, device.caps)
-            defaults = fitting[0] if fitting else None
+            defaults = next((p for p in spec.candidates(shape, device.caps) if why_not(p) is None), None)
         if defaults is not None and not any(c.params == defaults for c in result):
             detail = "no tuned entry fits" if skipped else "no tuned entry"
             result.append(Choice(defaults, "default", detail, None, tuple(skipped)))
@@ -426,6 +456,7 @@ class Database:
         """Every record that applies to this device, the level it applies at, and whether it is stale."""
         rows = []
         hashes = {}
+        refused = self.refused(device)
         for file in self.files():
             level = file.level_for(device)
             if level is None:
@@ -440,8 +471,12 @@ class Database:
                     if family not in hashes:
                         hashes[family] = source_hash(spec)
                     pinned = record.get("source_hash")
+                    refusal = refused.get((family, params_key({**spec.defaults(), **record["params"]}),
+                                           hashes[family]))
                     if pinned is not None and pinned != hashes[family]:
                         note = "stale: kernel source changed, will be re-tuned"
+                    elif refusal:
+                        note = f"refused by this driver, the next choice runs instead: {refusal}"
                 shape = record.get("shape")
                 rows.append({"family": family, "shape": shape,
                              "shape_text": "*" if shape is None or spec is None else spec.describe(shape),

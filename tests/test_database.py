@@ -13,6 +13,8 @@ from perfx.tuning.database import FORMAT, Database, TuningDatabaseWarning, sourc
 from perfx.tuning.tuner import Tuner
 from toy_tuning import Toy
 
+pytestmark = pytest.mark.one_implementation  # model-level: the default device only
+
 SHAPE = {"n": 1000}
 
 

@@ -11,6 +11,8 @@ from perfx.tuning.problems import KNOWN_CONFIGS, _fits, model_problems
 from perfx.tuning.tuner import Tuner, neighbours
 from toy_tuning import Toy
 
+pytestmark = pytest.mark.one_implementation  # model-level: the default device only
+
 SHAPE = {"n": 1000}
 
 

@@ -19,6 +19,8 @@ from perfx.resources import write_json_atomic
 from perfx.tuning.tuner import Tuner
 from toy_tuning import Toy, quiet_tuner
 
+pytestmark = pytest.mark.one_implementation  # model-level: the default device only
+
 SHAPE = {"n": 1000}
 
 

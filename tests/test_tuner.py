@@ -19,6 +19,8 @@ from perfx.tuning.problems import _fits, model_problems
 from perfx.tuning.tuner import Tuner, neighbours
 from toy_tuning import Toy, quiet_tuner
 
+pytestmark = pytest.mark.one_implementation  # model-level: the default device only
+
 SHAPE = {"n": 1000}
 
 

@@ -14,6 +14,8 @@ from perfx.tuning.database import Database
 from perfx.tuning.spec import Case, Spec
 from perfx.tuning.tuner import Tuner
 
+pytestmark = pytest.mark.one_implementation   # a simulated timer: the device only holds the log
+
 SHAPE = {"n": 1}
 FASTEST = 5
 TRUE_TIME = {x: 100e-6 * (1 + 0.08 * abs(x - FASTEST)) for x in range(8)}   # X = 0 (the default): 1.4x

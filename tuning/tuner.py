@@ -9,8 +9,8 @@ as it comes (atomically), so an interrupted sweep resumes without re-timing anyt
 Search (after CLBlast's and kernel_tuner's tuners): the defaults first, then every candidate where the
 space is small, else a random sample followed by local refinement (each parameter moved to its
 neighbouring values) around the best, until nothing improves or the problem's share of the budget is
-spent. A candidate whose first timed run is clearly slower than the best so far is cut short; a cut
-candidate is never chosen.
+spent. A candidate whose faster of two first runs is clearly slower than the best so far is cut short;
+a cut candidate is never chosen.
 
 Confirmation: a search ranks candidates by one median each, and on a phone (thermal throttling,
 big.LITTLE, DVFS) or a busy machine a single lucky sample can crown the wrong one. So the top few, the
@@ -398,10 +398,12 @@ class Tuner:
                                                                 f"{worst:.2e} > tolerance {spec.tolerance:.0e}")
         try:
             if best is not None:
-                probe = self.timer(lambda: case.launch(params), warmup=1, repeat=1, rotate=case.rotate)
-                if probe.median_s > CUT_FACTOR * best.time_s:
-                    return Outcome(params, "slow", probe.median_s, 0.0, probe.samples, worst,
-                                   f"cut short: first run {probe.median_s / best.time_s:.1f}x the best so far")
+                # The faster of two runs: one slow run (a hiccup) must not cut a good candidate.
+                probe = self.timer(lambda: case.launch(params), warmup=1, repeat=2, rotate=case.rotate)
+                fastest = min(probe.samples) if probe.samples else probe.median_s
+                if fastest > CUT_FACTOR * best.time_s:
+                    return Outcome(params, "slow", fastest, 0.0, probe.samples, worst,
+                                   f"cut short: its faster of two runs {fastest / best.time_s:.1f}x the best so far")
             cap = CUT_FACTOR * best.time_s * self.repeat + 0.05 if best is not None else None
             timing = self._time(case, params, result, warmup=self.warmup, repeat=self.repeat, max_seconds=cap)
         except (PerfxError, cl.Error) as e:

@@ -3,7 +3,7 @@
 // file that includes it still builds on a device with neither subgroups nor fp16 (PoCL, Oclgrind).
 //
 //   SUBGROUP  the subgroup size a kernel requires, in work-items (0: the driver's choice). The wrapper sets
-//             it only to a size the device lists (perfx.runtime.Capabilities.subgroup_sizes):
+//             it only to a size the device offers (perfx.ops.params.required_subgroup_sizes):
 //             Adreno (cl_qcom_reqd_sub_group_size): 64 = "half" wave, 128 = "full" wave;
 //             Intel (cl_intel_required_subgroup_size): the SIMD width, e.g. 8 or 16 on AVX2.
 //   REQD_SUBGROUP  the attribute to put before a kernel that uses subgroup operations.

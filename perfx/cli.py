@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from perfx.commands import bench, chat, generate, info, quantize, selftest, serve, tune
+from perfx.commands import bench, chat, generate, info, quantize, report, selftest, serve, tune
 from perfx.errors import PerfxError
 
 # (name, module, one-line help, description shown by `perfx NAME --help`)
@@ -34,6 +34,10 @@ COMMANDS = (
     ("bench", bench, "the device's ceilings and each kernel at a model's shapes, with tuned parameters",
      "Measure copy bandwidth and peak FLOP/s, then each kernel family at the model's shapes with the "
      "parameters perfx would use, as time, GB/s or GFLOP/s and percent of the ceiling."),
+    ("report", report, "one file to send back: device, selftest, kernel figures and tuning results",
+     "Write a report of this device (capabilities and limits, selftest, each kernel's speed at a model's shapes "
+     "and optionally Llama-2-7B's, and this device's tuning results) to one JSON file, with a Markdown summary "
+     "beside it. Interrupted, it resumes where it stopped. Example: perfx report --tune 900 --7b"),
     ("quantize", quantize, "4-bit AWQ quantization of a Hugging Face checkpoint (wraps AutoAWQ)",
      "Quantize an fp16/bf16 Hugging Face checkpoint to 4-bit AWQ with activation-aware scales (AutoAWQ, "
      "from the `quantize` extra). perfx then loads the result with --model DST."),

@@ -9,6 +9,7 @@ position travel to the device.
 
 from __future__ import annotations
 
+import dataclasses
 import resource
 import sys
 import time
@@ -31,10 +32,10 @@ from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight, available_paths
 from perfx.ops.rmsnorm import RMSNorm
 from perfx.ops.small_ops import Argmax, Embedding, SwiGLU
 from perfx.progress import Progress
-from perfx.runtime import Device
+from perfx.runtime import BuildError, Device, KernelLimitError
 from perfx.sources import open_named
 from perfx.tuning import SPECS
-from perfx.tuning.database import Choice, bucket_representative, default_database, lookup, m_bucket
+from perfx.tuning.database import Choice, Database, bucket_representative, default_database, m_bucket
 from perfx.tuning.problems import model_problems
 
 DEFAULT_CTX = 4096
@@ -54,8 +55,11 @@ class DeviceLayer:
 class Llama:
     """A Llama-family model resident on one device, with its KV cache and run state."""
 
-    def __init__(self, config: ModelConfig, device: Device, max_positions: int):
+    def __init__(self, config: ModelConfig, device: Device, max_positions: int, database: Database | None = None,
+                 log=None):
         self.config, self.device, self.max_positions = config, device, max_positions
+        self.database = database if database is not None else default_database()
+        self.log = log or (lambda text: None)
         self.layers: list[DeviceLayer] = []
         self.weight_bytes = 0           # bytes one decode step reads (every weight once)
         self.host_seconds = 0.0         # time spent enqueueing (host work), summed over calls
@@ -65,9 +69,11 @@ class Llama:
 
     @classmethod
     def load(cls, source, device: Device, ctx: int | None = None, progress: bool | None = None,
-             default_ctx: int = DEFAULT_CTX) -> Llama:
+             default_ctx: int = DEFAULT_CTX, database: Database | None = None, log=None) -> Llama:
         """Upload ``source`` (a ``perfx.sources.ModelSource``) to ``device`` with a KV cache of ``ctx`` positions
-        (default: the model's context length, at most ``default_ctx``)."""
+        (default: the model's context length, at most ``default_ctx``). Kernel parameters come from
+        ``database`` (default: the user's and shipped tuning results; ``default_database(False)``: none);
+        ``log`` receives one line for each tuned choice this driver refuses (the next one runs instead)."""
         c = source.config
         limit = c.max_positions or default_ctx
         ctx = min(limit, default_ctx) if ctx is None else int(ctx)
@@ -75,7 +81,7 @@ class Llama:
             raise PerfxError(f"--ctx must be at least 2, got {ctx}")
         if ctx > limit:
             raise PerfxError(f"--ctx {ctx} exceeds the model's context length {limit}")
-        model = cls(c, device, ctx)
+        model = cls(c, device, ctx, database, log)
         started = time.perf_counter()
         bar = Progress(c.n_layers + 3, "loading", enabled=progress)
         first = source.layer(0)
@@ -134,45 +140,65 @@ class Llama:
         for name in ("qkv", "o", "gate_up", "down", "lm_head"):
             shape = shape_of("gemv_q4", name, n=c.vocab_size if name == "lm_head" else 1, k=c.hidden_size,
                              group=group or 32, epilogue="none", bias=False)
+
+            def gemv(params, shape=shape):
+                op = GemvQ4(d, params, shape)
+                op.kernel(shape["group"], shape["epilogue"])  # built now: a driver that refuses it is seen here
+                return op
             where = None
             if name == "lm_head" and c.tie_embeddings:
                 # A tied int4 embedding is one weight: the gather reads its codes buffer, so the lm_head GEMV
                 # reads that buffer or a view of it, never a second copy (image2d where it cannot be a view).
-                where = lambda p: READ_NAMES[p["READ"]] in available_paths(  # noqa: E731
-                    d.caps, c.vocab_size, c.hidden_size, p["LAYOUT"])
-            self.gemv[name] = GemvQ4(d, self._params("gemv_q4", shape, name, where), shape)
-        self.gemv_f16 = GemvF16(d, self._params("gemv_f16", shape_of("gemv_f16", "lm_head", n=c.vocab_size,
-                                                                      k=c.hidden_size), "lm_head"))
-        self.rmsnorm = RMSNorm(d, self._params("rmsnorm", {"m": 1, "k": c.hidden_size, "residual": True}, "norm"))
-        self.embed = Embedding(d, self._params("embedding_f16", {"n": c.vocab_size, "k": c.hidden_size, "m": 1},
-                                               "embedding"))
-        self.argmax_op = Argmax(d, self._params("argmax", {"n": c.vocab_size}, "greedy sampling"))
-        self.swiglu = SwiGLU(d, self._params("swiglu", {"count": c.intermediate_size}, "swiglu"))
+                def where(p):
+                    return READ_NAMES[p["READ"]] in available_paths(d.caps, c.vocab_size, c.hidden_size, p["LAYOUT"])
+            self.gemv[name] = self._choose("gemv_q4", shape, name, gemv, where)
+        self.gemv_f16 = self._choose("gemv_f16", shape_of("gemv_f16", "lm_head", n=c.vocab_size, k=c.hidden_size),
+                                     "lm_head", lambda p: GemvF16(d, p))
+        self.rmsnorm = self._choose("rmsnorm", {"m": 1, "k": c.hidden_size, "residual": True}, "norm",
+                                    lambda p: RMSNorm(d, p))
+        self.embed = self._choose("embedding_f16", {"n": c.vocab_size, "k": c.hidden_size, "m": 1}, "embedding",
+                                  lambda p: Embedding(d, p))
+        self.argmax_op = self._choose("argmax", {"n": c.vocab_size}, "greedy sampling", lambda p: Argmax(d, p))
+        self.swiglu = self._choose("swiglu", {"count": c.intermediate_size}, "swiglu", lambda p: SwiGLU(d, p))
         attention = {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim}
-        self.attn_decode = AttentionDecode(d, c.n_heads, c.n_kv_heads, c.head_dim, self.max_positions,
-                                           self._params("attention_decode",
-                                                        {**attention, "positions": self.max_positions}, "decode"))
+        self.attn_decode = self._choose(
+            "attention_decode", {**attention, "positions": self.max_positions}, "decode",
+            lambda p: AttentionDecode(d, c.n_heads, c.n_kv_heads, c.head_dim, self.max_positions, p))
         self._prefill_ops: dict[int, tuple] = {}
         # Each int4 weight is uploaded once, in the layout and for the read path its decode GEMV reads (the
         # GEMMs and the gather read whatever layout and path the weight has).
         self.read_paths = tuple(sorted({READ_NAMES[op.read] for op in self.gemv.values()}))
 
-    def _params(self, family: str, shape: dict, label: str, where=None) -> dict:
-        """The tuned parameters for ``shape`` (database, else defaults); ``where`` narrows them to the sets it
-        accepts: the most specific accepted record, else the first accepted candidate."""
+    def _choose(self, family: str, shape: dict, label: str, make, where=None):
+        """``make(params)`` (a wrapper, its kernels built) with the first parameters of the database's choices
+        (device → architecture → vendor → defaults) that this driver builds and runs within the kernel's own
+        limits. A choice it refuses is skipped with one line, and remembered so that later loads skip it.
+        ``where`` narrows the choices to the sets it accepts (then the first accepted candidate closes the list)."""
         spec = SPECS[family]
-        if where is None:
-            choice = lookup(self.device, spec, shape)
-        else:
-            accepted = [c for c in default_database().choices(self.device, spec, shape) if where(c.params)]
+        refused = []
+        choices = self.database.choices(self.device, spec, shape)
+        if where is not None:
             fallback = next((p for p in spec.candidates(shape, self.device.caps) if where(p)), None)
-            if not accepted and fallback is None:
-                raise PerfxError(f"{family}: no parameter set fits {spec.describe(shape)} with the weight's "
-                                 f"storage on {self.device.caps.name}")
-            choice = accepted[0] if accepted else Choice(fallback, "default", "the first set that reads the "
-                                                         "weight as stored")
-        self.tuned[f"{family} ({label})"] = choice
-        return choice.params
+            choices = [c for c in choices if where(c.params)] + (
+                [Choice(fallback, "default", "the first set that reads the weight as stored")] if fallback else [])
+        for choice in choices:
+            try:
+                op = make(choice.params)
+            except (BuildError, KernelLimitError) as error:
+                reason = (f"failed to build: {error.summary}" if isinstance(error, BuildError)
+                          else str(error).splitlines()[0])[:200]
+                self.log(f"perfx: {family} ({label}): the {choice.source} parameters {choice.params} were refused "
+                         f"by this driver ({reason}); trying the next choice")
+                self.database.refuse(self.device, spec, choice.params, reason)
+                refused.append(f"{choice.source} {choice.params}: {reason}")
+                continue
+            if refused:
+                choice = dataclasses.replace(choice, skipped=choice.skipped + tuple(f"refused by this driver: {r}"
+                                                                                    for r in refused))
+            self.tuned[f"{family} ({label})"] = choice
+            return op
+        raise PerfxError(f"{family} ({label}): no parameter set builds on {self.device.caps.name}: "
+                         + "; ".join(refused) + ". Run `perfx selftest` and report the log")
 
     def _prefill_kernels(self, m: int) -> tuple[dict, AttentionPrefill]:
         """The GEMM per matrix and the prefill attention tuned for m's bucket (built once per bucket)."""
@@ -187,13 +213,23 @@ class Llama:
                 tiled = shapes.get(("gemm_q4_tiled", name))
                 if skinny is None or tiled is None:   # an fp16 matrix: no GEMM
                     continue
-                choices = {"skinny": lookup(self.device, SPECS["gemm_q4_skinny"], skinny),
-                           "tiled": lookup(self.device, SPECS["gemm_q4_tiled"], tiled)}
+                epilogue = skinny["epilogue"]
+                label = f"{name}, M≈{rep}"
+
+                def gemm(kind, shape):
+                    def make(params):
+                        op = GemmQ4(self.device, **{f"{kind}_params": params}, shape=shape, kind=kind)
+                        for read in {params["READ"]} & {0, 1}:
+                            op.kernel(kind, epilogue, read)
+                        return op
+                    return make
+                kinds = {"skinny": skinny, "tiled": tiled}
                 if self.device.caps.fp16:
-                    choices["f16"] = lookup(self.device, SPECS["gemm_q4_f16"], shapes.get(("gemm_q4_f16", name),
-                                                                                         skinny))
-                for kind, choice in choices.items():
-                    self.tuned[f"gemm_q4_{kind} ({name}, M≈{rep})"] = choice
+                    kinds["f16"] = shapes.get(("gemm_q4_f16", name), skinny)
+                choices = {}
+                for kind, shape in kinds.items():
+                    self._choose(f"gemm_q4_{kind}", shape, label, gemm(kind, shape))
+                    choices[kind] = self.tuned[f"gemm_q4_{kind} ({label})"]
                 # The fastest kernel measured on this device for this bucket (the fp16 one only where it was
                 # measured too); where skinny and tiled were not both measured, the default crossover.
                 timed = {kind: choice.time_s for kind, choice in choices.items() if choice.time_s}
@@ -205,8 +241,8 @@ class Llama:
             shape = shapes.get(("attention_prefill", "attention"),
                                {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "m": rep,
                                 "p0": 0})
-            attention = AttentionPrefill(self.device, c.n_heads, c.n_kv_heads, c.head_dim,
-                                         self._params("attention_prefill", shape, f"prefill, M≈{rep}"))
+            attention = self._choose("attention_prefill", shape, f"prefill, M≈{rep}",
+                                     lambda p: AttentionPrefill(self.device, c.n_heads, c.n_kv_heads, c.head_dim, p))
             self._prefill_ops[bucket] = (gemms, attention)
         return self._prefill_ops[bucket]
 
@@ -412,17 +448,19 @@ def host_peak_bytes() -> int:
 
 def load_model(name: str | None = None, device: Device | str | None = None, ctx: int | None = None,
                quantize: str | None = None, progress: bool | None = None, log=None,
-               default_ctx: int = DEFAULT_CTX):
+               default_ctx: int = DEFAULT_CTX, tuning: bool = True):
     """Resolve ``name`` ("default", a path, "synthetic:<name>"), open it and load it on the device.
 
     Returns (model, source). ``log`` receives one-line progress notes (the CLI passes stderr's print).
+    ``tuning`` False ignores every tuning database: the kernels run their built-in defaults.
     """
     log = log or (lambda text: None)
     device = device if isinstance(device, Device) else Device(device)
     source = open_named(name, quantize=quantize)
     log(f"perfx: model {source.describe().get('path', name)} on {device.caps.name} ({device.caps.platform}, "
         f"limits: {device.caps.limits})")
-    model = Llama.load(source, device, ctx=ctx, progress=progress, default_ctx=default_ctx)
+    model = Llama.load(source, device, ctx=ctx, progress=progress, default_ctx=default_ctx,
+                       database=default_database(tuning), log=log)
     r = model.load_report
     log(f"perfx: loaded in {r['load_s']:.1f}s: {r['weight_bytes'] / 2**20:.0f} MiB of weights, "
         f"{r['device_bytes'] / 2**20:.0f} MiB on the device (KV cache {r['kv_cache_bytes'] / 2**20:.0f} MiB "

@@ -7,8 +7,8 @@ import sys
 
 from perfx.errors import PerfxError
 from perfx.generate import SamplingConfig
-from perfx.runtime import DEVICE_HELP
-from perfx.tuning import select_specs
+from perfx.model import load_model
+from perfx.runtime import DEVICE_HELP, show_build_logs
 
 # One default for `perfx generate` and `perfx chat`: small models (the default one has 135M parameters)
 # ramble under greedy decoding unless asked to be brief (the float64 reference forward gives the same
@@ -31,6 +31,23 @@ def add_model_options(parser, ctx: bool = True):
         parser.add_argument("--ctx", type=int, help="KV cache positions (default: min(model limit, 4096))")
     parser.add_argument("--quantize", choices=["q4"], help="quantize fp16 weights to 4 bits on load (round to "
                                                            "nearest, group 128): a quick try of an fp16 checkpoint")
+    add_no_tuning_option(parser)
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="also print the compiler's output for every kernel built (by default only a build "
+                             "that fails shows its log); `perfx serve` also logs prompts and replies")
+
+
+def add_no_tuning_option(parser):
+    parser.add_argument("--no-tuning", action="store_true",
+                        help="ignore every tuning database: the kernels run their built-in defaults (as "
+                             "PERFX_TUNING=off does); compare with and without to see what tuning gives you")
+
+
+def load_model_from_args(args, **kwargs):
+    """``perfx.model.load_model`` with the model options of ``add_model_options``."""
+    if args.verbose:
+        show_build_logs()
+    return load_model(args.model, args.device, args.ctx, args.quantize, tuning=not args.no_tuning, **kwargs)
 
 
 def add_sampling_options(parser, temperature: float = 0.7):
@@ -67,7 +84,3 @@ def add_kernel_options(parser, what: str = "tune"):
     parser.add_argument("--max-m", type=int, default=None,
                         help=f"{what} the prefill (GEMM, attention) path only up to this prompt length")
     parser.add_argument("--device", help=DEVICE_HELP)
-
-
-def selected_specs(args) -> dict:
-    return select_specs(args.kernels)

@@ -48,15 +48,16 @@ SKINNY = ParamSpace(
     source="gemm_q4_skinny.cl",
     space={
         "WGS": (64, 1),          # work-items per work-group (independent: no local memory, no barriers)
-        "ROWS": (2, 1, 4),       # output columns per work-item
+        "ROWS": (1, 2, 4),       # output columns per work-item (1 by default: 8 accumulators for gate-up too)
         "MT": (4, 2, 8),         # rows of X per register pass
         "READ": (1, 0),          # codes from image2d (1) or buffer (0): where the weight has it
         "LAYOUT": (0, 1),        # the weight's layout (rows along K, interleaved): set from the weight
     },
-    # ROWS·MT float8 accumulators (twice that with the gate-up epilogue's two weight rows per column),
-    # plus ROWS weight vectors and the x chunk, must stay in registers. On PoCL/AVX2 (16 vector
-    # registers) ROWS = 4, MT = 4 spills and runs at 2/3 the speed of 2 × 4.
-    rules=(Rule("at most 8 float8 accumulators per work-item (ROWS·MT ≤ 8)", lambda p, s: p["ROWS"] * p["MT"] <= 8),
+    # Each work-item holds ROWS·MT float8 accumulators per weight row it applies (two, gate and up, for the
+    # gate-up epilogue), plus ROWS weight vectors and the x chunk: at most 8 accumulators, counted as they
+    # are held. On PoCL/AVX2 (16 vector registers) 16 of them spill and run at 2/3 the speed of 8.
+    rules=(Rule("at most 8 float8 accumulators per work-item (ROWS·MT, times 2 for the gate-up epilogue)",
+                lambda p, s: p["ROWS"] * p["MT"] * _weight_rows(s) <= 8),
            LAYOUT_READ_RULE),
     work_group_size=lambda p, s: p["WGS"],
     needs={"READ": READ_NEED},
@@ -173,7 +174,8 @@ class GemmQ4:
 
     # -- launching -------------------------------------------------------------------------------
 
-    def _kernel(self, kind: str, epilogue: str, read: int, layout: int):
+    def kernel(self, kind: str, epilogue: str, read: int, layout: int = LAYOUT_ROWS):
+        """The built kernel of one kind, epilogue, read path and weight layout (built once, then kept)."""
         key = (kind, epilogue, read, layout)
         kernel = self._kernels.get(key)
         if kernel is None:
@@ -259,7 +261,7 @@ class GemmQ4:
         cols, (xb, yb) = self._check(weight, x, y, m, epilogue)
         params = self.params[kind]
         read = self.read_path(params["READ"], weight)
-        kernel = self._kernel(kind, epilogue, read, weight.layout)
+        kernel = self.kernel(kind, epilogue, read, weight.layout)
         bias = weight.bias if weight.bias is not None else self._no_bias
         if kind == "f16":
             xb = self._to_half(xb, m * weight.k)

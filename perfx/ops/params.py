@@ -46,7 +46,7 @@ def needs_images(caps, value) -> bool:
     if value == READ_IMAGE2D:
         return caps.image_support
     if value == READ_IMAGE1D:
-        return caps.image1d_buffer_max > 0
+        return caps.image1d_buffer_texels > 0
     return True
 
 
@@ -55,10 +55,24 @@ READ_NEED = Need("image2d reads need image support, image1d_buffer views OpenCL 
 FP16_NEED = Need("fp16 arithmetic needs cl_khr_fp16", lambda caps, value: not value or caps.fp16)
 SUBGROUPS_NEED = Need("subgroup operations need cl_khr_subgroups (or cl_intel_subgroups)",
                       lambda caps, value: not value or caps.subgroups)
+# cl_qcom_reqd_sub_group_size: "half" and "full" waves, 64 and 128 work-items on Adreno 6xx–8xx.
+QCOM_SUBGROUP_SIZES = (64, 128)
+
+
+def required_subgroup_sizes(caps) -> tuple[int, ...]:
+    """The sizes a kernel may require here (kernels/gpu.h REQD_SUBGROUP): Adreno's waves, or the sizes an
+    Intel device lists; () where the device has no way to fix it."""
+    if caps.reqd_subgroup_size == "qcom":
+        return QCOM_SUBGROUP_SIZES
+    if caps.reqd_subgroup_size == "intel":
+        return caps.subgroup_sizes
+    return ()
+
+
 def _subgroup_size_supported(caps, value) -> bool:
     # A CPU runtime builds a subgroup of 32 or 64 as one SIMD32/64 body: ~20 s to compile a GEMV (Intel's
     # CPU runtime, measured) and spilled registers to run it. Sizes up to 16 are its native widths.
-    return not value or (value in caps.subgroup_sizes and (caps.device_type != "CPU" or value <= 16))
+    return not value or (value in required_subgroup_sizes(caps) and (caps.device_type != "CPU" or value <= 16))
 
 
 SUBGROUP_SIZE_NEED = Need("a required subgroup size needs cl_qcom_reqd_sub_group_size or "

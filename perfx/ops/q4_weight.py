@@ -44,7 +44,7 @@ def image2d_fits(caps, k: int) -> bool:
 
 def image1d_fits(caps, n: int, k: int) -> bool:
     """Whether the codes of an (N, K) weight fit one image1d_buffer view."""
-    return 0 < n * (k // 32) <= caps.image1d_buffer_max
+    return 0 < n * (k // 32) <= caps.image1d_buffer_texels
 
 
 def available_paths(caps, n: int, k: int, layout: int = LAYOUT_ROWS) -> tuple[str, ...]:
@@ -115,7 +115,7 @@ class Q4DeviceWeight:
                                  f"limit {caps.image2d_max_width}; use read path 'buffer'")
         if "image1d_buffer" in read_paths and not image1d_fits(caps, n, k):
             raise PerfxError(f"{what}: {n * (k // 32)} texels do not fit one image1d_buffer here (limit "
-                             f"{caps.image1d_buffer_max}); use read path 'buffer'")
+                             f"{caps.image1d_buffer_texels}); use read path 'buffer'")
 
         texels = pack_texels(q4.codes)  # (N, K/32, 4) uint32
         pairs = pack_scale_offset(q4.scales, q4.offsets)  # (N, K/G, 2) fp16

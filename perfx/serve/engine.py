@@ -24,12 +24,12 @@ from perfx.serve.api import FINISH_REASONS, APIError, shutting_down
 SHUTDOWN_GRACE_S = 10       # how long stopping waits for the worker, and for answers in flight to be written
 
 
-def load(name: str | None, device: str | None, ctx: int | None, quantize: str | None, log):
+def load(name: str | None, device: str | None, ctx: int | None, quantize: str | None, log, tuning: bool = True):
     """Load a model for serving and warm it up; returns (model, tokenizer, the id clients name it by).
 
     Raises PerfxError when it cannot be loaded or has no tokenizer.
     """
-    model, source = load_model(name, device, ctx, quantize, log=log)
+    model, source = load_model(name, device, ctx, quantize, log=log, tuning=tuning)
     if source.tokenizer is None:
         raise PerfxError(f"{name} has no tokenizer: `perfx serve` needs one (synthetic models are for "
                          "`perfx bench`)")

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 
 def parameter_sets(spec, shape, caps) -> list[dict]:
-    """The spec's defaults (where they may run here), then every other parameter set the tuner may choose
-    for ``shape`` on this device."""
-    defaults, candidates = spec.defaults(), spec.candidates(shape, caps)
-    first = [defaults] if spec.why_invalid(defaults, shape, caps) is None else []
-    return first + [params for params in candidates if params != defaults]
+    """Every parameter set the tuner may choose for ``shape`` here, the defaults first where they fit it."""
+    defaults, sets = spec.defaults(), spec.candidates(shape, caps)
+    return ([defaults] if defaults in sets else []) + [params for params in sets if params != defaults]
 
 
 def covering_sets(spec, shape, caps) -> list[dict]:

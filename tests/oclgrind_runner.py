@@ -126,7 +126,7 @@ UNKNOWN_INFO_PROBE = re.compile(r"Function: clGetDeviceInfo\s+Error:\s+CL_INVALI
 
 
 # At -O0, Oclgrind 21.10 marks the texel that read_imageui returns as uninitialised in the int4 kernels
-# (gemv_q4, gemm_q4_skinny and gemm_q4_tiled with READ from image2d) whenever the coordinate is not a
+# (gemv_q4, gemm_q4_skinny and gemm_q4_tiled with READ from an image) whenever the coordinate is not a
 # constant, though the image is written whole at creation. A false positive: the same kernels at -O1 and
 # -O2 report nothing (where the plugin runs at all), a constant coordinate reports nothing, and the outputs
 # match the reference. So for parameter sets that read an image, uninitialised-value reports are set aside;
@@ -136,8 +136,9 @@ IMAGE_READ_FALSE_POSITIVE = re.compile(r"^(Uninitialized value|Controlflow depen
 
 
 def reads_images(params: dict) -> bool:
-    """Whether a parameter set reads through image2d (every family's READ parameter: 1)."""
-    return params.get("READ") == 1  # perfx.ops.params.READ_IMAGE2D (not imported: pyopencl must load later)
+    """Whether a parameter set reads through an image (every family's READ parameter: 1 image2d, 2 an
+    image1d_buffer view)."""
+    return params.get("READ") in (1, 2)  # perfx.ops.params READ_IMAGE2D, READ_IMAGE1D (pyopencl must load later)
 
 
 def reports(stderr: str, image_reads: bool = False) -> list[str]:

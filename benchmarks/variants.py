@@ -26,7 +26,7 @@ from perfx.tuning.problems import problems_for
 
 # The parameters that make a kind of variant, per family (the rest are sizes the search tunes within a kind).
 KIND_KEYS = {
-    "gemv_q4": ("LAYOUT", "SG", "HALF", "XS"),
+    "gemv_q4": ("LAYOUT", "SG", "HALF", "XS", "I8"),
     "gemv_f16": ("SG", "HALF"),
     "rmsnorm": ("SG",),
     "argmax": ("SG",),

@@ -205,12 +205,12 @@ void gemv_q4(const int n_out, const int k, const int out_base, const int half_ro
     for (int r = 0; r < WROWS; ++r) acc[r] = 0.0f;
 
 #if LAYOUT == 1 && XS == 1 && I8
-    // Per texel: 32 products q·q_x in int16 (|q·q_x| ≤ 15·127, two summed ≤ 3810), pairs summed in int32,
-    // then into fp32 accumulators, times the block's and the group's scales (per 32 codes, so the
-    // horizontal sum waits for the end); per group m·Σ x with the exact Σ x.
-    float8 acc8[WROWS];
+    // Per texel: 32 products q·q_x in int16 (|q·q_x| ≤ 15·127: four summed ≤ 7620 still fit), then int32, then
+    // fp32 accumulators, times the block's and the group's scales (per 32 codes, so the horizontal sum
+    // waits for the end); per group m·Σ x with the exact Σ x.
+    float4 acc4[WROWS];
     #pragma unroll
-    for (int r = 0; r < WROWS; ++r) acc8[r] = (float8)(0.0f);
+    for (int r = 0; r < WROWS; ++r) acc4[r] = (float4)(0.0f);
     for (int g = lane; g < q4_groups; g += LANES) {
         float scale[WROWS];
         #pragma unroll
@@ -232,13 +232,13 @@ void gemv_q4(const int n_out, const int k, const int out_base, const int half_ro
                 const uint4 tex = LOAD_ROW(r, t);
                 const short16 p = convert_short16(as_uchar16(tex & 0x0F0F0F0Fu)) * xe
                                 + convert_short16(as_uchar16((tex >> 4) & 0x0F0F0F0Fu)) * xo;
-                acc8[r] = mad(convert_float8(convert_int8(p.lo) + convert_int8(p.hi)), (float8)(xd * scale[r]),
-                              acc8[r]);
+                const int8 s8 = convert_int8(p.lo + p.hi);   // |sum of four products| ≤ 7620: short holds it
+                acc4[r] = mad(convert_float4(s8.lo + s8.hi), (float4)(xd * scale[r]), acc4[r]);
             }
         }
     }
     #pragma unroll
-    for (int r = 0; r < WROWS; ++r) acc[r] += SUM8(acc8[r]);
+    for (int r = 0; r < WROWS; ++r) acc[r] += (acc4[r].s0 + acc4[r].s1) + (acc4[r].s2 + acc4[r].s3);
 #else
     for (int g = lane; g < q4_groups; g += LANES) {
         dot8 dot[WROWS];

@@ -14,6 +14,7 @@ from perfx import reference
 from perfx.errors import PerfxError
 from perfx.generate import SamplingConfig, generate
 from perfx.model import Llama, load_model
+from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.sources import open_model
 from perfx.tuning import SPECS
 from perfx.tuning.database import default_database, result_record
@@ -208,6 +209,33 @@ def test_the_model_runs_the_tuned_parameters(tiny_paths, device, tmp_path, monke
     assert model.tuned["gemv_q4 (qkv)"].source == "device"
     assert model.gemv["o"].params != forced or model.tuned["gemv_q4 (o)"].source != "device"
     # and the answer is still right with it
+    want, _ = reference.llama_forward(source, [4, 8, 15])
+    model.prefill([4, 8], 0)
+    model.decode_one(15, 2)
+    assert relative_error(model.logits(), want[-1]) <= TOLERANCE
+
+
+def test_a_tied_int4_embedding_is_on_the_device_once(spm, device, tmp_path, monkeypatch, rng):
+    """The gather and the lm_head GEMV read one upload of a tied Q4 table: a tuned lm_head choice that would
+    need a second copy (image2d where it cannot view the buffer) gives way to one that reads the buffer."""
+    monkeypatch.setenv("PERFX_CACHE", str(tmp_path))
+    path = write_gguf(tmp_path / "tied-q4.gguf", make_tiny_model("gqa1", spm, rng), embedding_type="Q4_0").path
+    source = open_model(path)
+    c = source.config
+    spec = SPECS["gemv_q4"]
+    shape = {"n": c.vocab_size, "k": c.hidden_size, "group": 32, "epilogue": "none", "bias": False}
+    image2d = {**spec.defaults(), "READ": 1}
+    if spec.why_invalid(image2d, shape, device.caps) is None:
+        default_database().save_result(device, result_record(spec, shape, image2d, 1e-6, None, device.fingerprint))
+    before = device.allocated_bytes
+    model = Llama.load(source, device, ctx=32, progress=False)
+    table = model.embedding
+    assert isinstance(table, Q4DeviceWeight) and model.lm_head is table
+    assert table.buffer is not None and (not table.images or table.images_are_views)
+    lm_head = model.gemv["lm_head"]
+    assert lm_head.read != 1 or table.images_are_views
+    assert table.layout == lm_head.layout
+    assert device.allocated_bytes - before < model.load_report["weight_bytes"] + model.cache.nbytes + (8 << 20)
     want, _ = reference.llama_forward(source, [4, 8, 15])
     model.prefill([4, 8], 0)
     model.decode_one(15, 2)

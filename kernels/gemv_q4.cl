@@ -250,8 +250,10 @@ void gemv_q4(const int n_out, const int k, const int out_base, const int half_ro
             const int t = g * TEXELS_PER_GROUP + i;
             // x[32t + 8c + j], j = 0..7, pairs with component c of the texel.
 #if LAYOUT == 1 && XS == 1
-            const float8 f0 = convert_float8(vload8(4 * t, x_local)), f1 = convert_float8(vload8(4 * t + 1, x_local));
-            const float8 f2 = convert_float8(vload8(4 * t + 2, x_local)), f3 = convert_float8(vload8(4 * t + 3, x_local));
+            const float8 f0 = convert_float8(vload8(4 * t, x_local));
+            const float8 f1 = convert_float8(vload8(4 * t + 1, x_local));
+            const float8 f2 = convert_float8(vload8(4 * t + 2, x_local));
+            const float8 f3 = convert_float8(vload8(4 * t + 3, x_local));
 #elif LAYOUT == 1 && XS == 2
             float4 mine = (float4)(0.0f);
             if (sg_lane < 8) {

@@ -27,7 +27,8 @@ def kinds(device, *names) -> list[str]:
 def _cases(kind):
     # Every candidate on the first spec shape (the gate-up epilogue: both weight halves, M passes and
     # edges); a pairwise-covering subset on the others (each variant is a compile, ~0.3 s).
-    return [pytest.param(kind, i, id=f"{kind}-{shape['epilogue']}") for i, shape in enumerate(SPECS[kind].test_shapes)]
+    return [pytest.param(kind, i, id=f"{kind}-{shape['epilogue']}")
+            for i, shape in enumerate(SPECS[kind].test_shapes)]
 
 
 @pytest.mark.parametrize("kind", ["skinny", "tiled", "f16"])

@@ -108,5 +108,5 @@ def test_what_the_report_filter_lets_through():
     assert len(runner.reports("\n" + probe + "\n\n" + other + "\n")) == 1
     assert len(runner.reports(f"\n{uninit}\n{oob}")) == 2
     assert runner.reports(f"\n{uninit}\n{oob}", image_reads=True) == [oob.strip()]
-    assert runner.reads_images({"READ": 1}) and runner.reads_images({"READ": 2})
+    assert runner.reads_images({"READ": 1}) and runner.reads_images({"READ": 2}) and runner.reads_images({"I8": 1})
     assert not runner.reads_images({"READ": 0}) and not runner.reads_images({"WGS": 64})

@@ -34,7 +34,8 @@ def covering_sets(spec, shape, caps) -> list[dict]:
     return chosen
 
 
-def assert_every_parameter_set(spec, device, shape, rng, cover: bool = False) -> list[tuple[dict, dict[str, float]]]:
+def assert_every_parameter_set(spec, device, shape, rng,
+                               cover: bool = False) -> list[tuple[dict, dict[str, float]]]:
     """Make the case for ``shape`` and check every output of every parameter set (``parameter_sets``; with
     ``cover``, the pairwise ``covering_sets``) against the float64 reference within the spec's tolerance
     for that set; the failure lists each set over it.

@@ -49,5 +49,6 @@ void embedding_q8(const int k, const int n_total, const int row_start, const int
     }
     const size_t row = (size_t)(id - row_start);
     const float2 sm = LOAD_PAIR(scale_offset, row * (k / GROUP) + (8 * c) / GROUP);
-    vstore8(convert_float8(vload8(c, codes + row * k)) * sm.x + sm.y, c, dst);
+    // chunks of 8 codes are 8-byte aligned (rows of K bytes, K a multiple of 16)
+    vstore8(convert_float8(((const __global char8*)(codes + row * k))[c]) * sm.x + sm.y, c, dst);
 }

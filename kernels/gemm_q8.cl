@@ -57,7 +57,8 @@
 
 // The 8 weights of codes 8c..8c+7 of a row, s·q + m, in x order. Plain * and + rather than mad():
 // PoCL calls mad(float8) out of line and spills the accumulators around each call.
-#define DEQUANT8(p, c, sm) (convert_float8(vload8((c), (p))) * (sm).x + (sm).y)
+// The codes through a char8 pointer (vload8 is out of line on PoCL): chunks of 8 are 8-byte aligned.
+#define DEQUANT8(p, c, sm) (convert_float8(((const __global char8*)(p))[c]) * (sm).x + (sm).y)
 // X rows start at multiples of K floats, K a multiple of 16: every 8-float chunk is float8-aligned.
 #define LOAD_X8(p, i) (((const __global float8*)(p))[i])
 #define SUM8(v) ((((v).s0 + (v).s4) + ((v).s2 + (v).s6)) + (((v).s1 + (v).s5) + ((v).s3 + (v).s7)))

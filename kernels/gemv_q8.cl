@@ -49,7 +49,10 @@
 #endif
 
 // 8 codes as floats, in x order (8 wide: PoCL 3.0's LLVM 14 fails to select 16-wide convert code on AVX2).
-#define CODES8(p, c) convert_float8(vload8((c), (p)))
+// Loaded through a char8 pointer rather than vload8, which PoCL calls out of line: rows start at multiples
+// of K bytes and K is a multiple of 16, so every chunk of 8 codes is 8-byte aligned; likewise x by float8.
+#define CODES8(p, c) convert_float8(((const __global char8*)(p))[c])
+#define LOAD_X8(p, c) (((const __global float8*)(p))[c])
 #define SUM8(v) ((((v).s0 + (v).s4) + ((v).s2 + (v).s6)) + (((v).s1 + (v).s5) + ((v).s3 + (v).s7)))
 
 inline float silu(const float v) { return v / (1.0f + exp(-v)); }
@@ -95,7 +98,7 @@ void gemv_q8(const int n_out, const int k, const int y_base, const int row_a, co
         #pragma unroll
         for (int i = 0; i < CHUNKS_PER_GROUP; ++i) {
             const int c = g * CHUNKS_PER_GROUP + i;   // x[8c .. 8c + 7] pairs with codes 8c .. 8c + 7
-            const float8 xv = vload8(c, x);
+            const float8 xv = LOAD_X8(x, c);
             xsum += xv;
             #pragma unroll
             for (int r = 0; r < WROWS; ++r) dot[r] += CODES8(wrow[r], c) * xv;

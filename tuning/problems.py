@@ -200,9 +200,11 @@ def model_problems(config, families: dict, group: int | None = None,
     return list(merged.values()), notes
 
 
-def problems_for(model: str | None, families: dict, max_m: int | None = None) -> tuple[list[Problem], list[str]]:
-    """The problems of a ``--model`` value for the chosen families, the prefill path only up to ``max_m``."""
-    source = open_named(model)
+def problems_for(model: str | None, families: dict, max_m: int | None = None,
+                 lm_head: str = "q8") -> tuple[list[Problem], list[str]]:
+    """The problems of a ``--model`` value for the chosen families, the prefill path only up to ``max_m``,
+    with the lm_head in the form ``lm_head`` gives it (``perfx.sources.open_model``)."""
+    source = open_named(model, lm_head=lm_head)
     problems, notes = model_problems(source.config, families, source.int4_group, source.weight_forms())
     if max_m is not None:
         problems = [p for p in problems if p.shape.get("m", 1) <= max_m]

@@ -108,10 +108,11 @@ def measure_e2e(model, prompt_tokens: int = 64, decode_tokens: int = 32, seed: i
             "load_s": report["load_s"], "ctx": report["ctx"]}
 
 
-def run_e2e(device, model_name: str, prompt_tokens: int = 64, decode_tokens: int = 32, ctx: int | None = None) -> dict:
+def run_e2e(device, model_name: str, prompt_tokens: int = 64, decode_tokens: int = 32, ctx: int | None = None,
+            lm_head: str = "q8") -> dict:
     """Load ``model_name`` on ``device`` and measure it end to end (``measure_e2e``)."""
     device.peak_allocated_bytes = device.allocated_bytes  # the model's peak, not earlier benchmarks'
-    model, _ = load_model(model_name, device, ctx=ctx, progress=None, default_ctx=1024)
+    model, _ = load_model(model_name, device, ctx=ctx, progress=None, default_ctx=1024, lm_head=lm_head)
     return {"model": model_name, **measure_e2e(model, prompt_tokens, decode_tokens)}
 
 
@@ -130,7 +131,7 @@ def e2e_lines(e2e: dict, copy_gb_s: float) -> list[str]:
 def main(args) -> int:
     device = Device(args.device)
     families = select_specs(args.kernels)
-    problems, notes = problems_for(args.model, families, args.max_m)
+    problems, notes = problems_for(args.model, families, args.max_m, args.lm_head)
     print(f"perfx bench on {device.caps.platform} / {device.caps.name} (limits: {device.caps.limits}), "
           f"{len(problems)} kernel shapes of {args.model}", file=sys.stderr)
     for note in notes:
@@ -142,7 +143,7 @@ def main(args) -> int:
         for problem in problems:
             rows.append(bench_problem(device, families[problem.family], problem, ceiling, rng))
             progress.update(note=f"{problem.family} {rows[-1]['description']}")
-    e2e = run_e2e(device, args.model) if args.e2e else None
+    e2e = run_e2e(device, args.model, lm_head=args.lm_head) if args.e2e else None
     failed = [r for r in rows if r.get("failure") or not r.get("verified", False)]
 
     if args.json:

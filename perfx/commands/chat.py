@@ -46,7 +46,7 @@ def main(args) -> int:
     """
     sampling = sampling_config(args)
     interactive = sys.stdin.isatty()
-    model, source = load_model(args.model, args.device, args.ctx, args.quantize, log=log)
+    model, source = load_model(args.model, args.device, args.ctx, args.quantize, log=log, lm_head=args.lm_head)
     if source.tokenizer is None:
         raise PerfxError(f"{args.model} has no tokenizer: `perfx chat` needs one (synthetic models are for "
                          "`perfx bench`)")

@@ -26,7 +26,8 @@ def add_arguments(parser):
 
 def main(args) -> int:
     sampling = sampling_config(args)
-    model, source = load_model(args.model, args.device, args.ctx, args.quantize, log=log if not args.quiet else None)
+    model, source = load_model(args.model, args.device, args.ctx, args.quantize, log=log if not args.quiet else None,
+                               lm_head=args.lm_head)
     tokenizer = source.tokenizer
     if tokenizer is None:
         raise PerfxError(f"{args.model} has no tokenizer: `perfx generate` needs one (synthetic models are for "

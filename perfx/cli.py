@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from perfx.commands import bench, chat, generate, info, perplexity, quantize, selftest, tune
+from perfx.commands import bench, chat, generate, info, perplexity, quantize, report, selftest, serve, tune
 from perfx.errors import PerfxError
 
 # (name, module, one-line help, description shown by `perfx NAME --help`)
@@ -24,6 +24,8 @@ COMMANDS = (
      "Chat with a model. Replies stream as they are made; each turn prefills only its own tokens. Commands: "
      "/help /reset /system TEXT /stats /save FILE /quit. Ctrl-C stops a reply; Ctrl-C at the prompt or "
      "Ctrl-D exits. With piped stdin, one turn per line."),
+    ("serve", serve, "an OpenAI-compatible HTTP server (chat and text completions, streamed or not)",
+     serve.DESCRIPTION),
     ("tune", tune, "find each kernel's fastest verified parameters on this device, for a model's shapes",
      "Autotune every kernel family at the shapes a model runs (decode GEMV at M = 1, prefill GEMM per M "
      "bucket). Every candidate is checked against the float64 reference before it is timed; results are "
@@ -37,6 +39,10 @@ COMMANDS = (
      "empty cache and average the negative log-likelihood over the second half of each chunk, as llama.cpp's "
      "llama-perplexity does: how to compare quantizations, and perfx against llama.cpp, on the same file. "
      "Example: perfx perplexity wiki.test.raw --ctx 512 --chunks 20"),
+    ("report", report, "one file to send back: device, selftest, kernel figures and tuning results",
+     "Write a report of this device (capabilities and limits, selftest, each kernel's speed at a model's shapes "
+     "and optionally Llama-2-7B's, and this device's tuning results) to one JSON file, with a Markdown summary "
+     "beside it. Interrupted, it resumes where it stopped. Example: perfx report --tune 900 --7b"),
     ("quantize", quantize, "4-bit AWQ quantization of a Hugging Face checkpoint (wraps AutoAWQ)",
      "Quantize an fp16/bf16 Hugging Face checkpoint to 4-bit AWQ with activation-aware scales (AutoAWQ, "
      "from the `quantize` extra). perfx then loads the result with --model DST."),
@@ -52,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                "results are kept.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module, summary, description in COMMANDS:
-        command = sub.add_parser(name, help=summary, description=description)
+        # Descriptions with examples keep their line breaks.
+        formatter = argparse.RawDescriptionHelpFormatter if "\n" in description else argparse.HelpFormatter
+        command = sub.add_parser(name, help=summary, description=description, formatter_class=formatter)
         module.add_arguments(command)
         command.set_defaults(func=module.main)
     return parser

@@ -222,3 +222,12 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
     if host_before is not None:
         stats.host_s_per_token = (model.host_seconds - host_before) / max(len(ids) - 1, 1)
     return Result("".join(text_parts), ids, stats, end_pos=pos, interrupted=interrupted)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two id lists: how much of a KV cache holding ``a`` serves ``b``."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

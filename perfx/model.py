@@ -11,6 +11,7 @@ the token id and the position travel to the device.
 
 from __future__ import annotations
 
+import dataclasses
 import resource
 import sys
 import time
@@ -37,11 +38,11 @@ from perfx.ops.q8_weight import Q8DeviceWeight
 from perfx.ops.rmsnorm import RMSNorm
 from perfx.ops.small_ops import Argmax, Embedding, SwiGLU
 from perfx.progress import Progress
-from perfx.runtime import Device
+from perfx.runtime import BuildError, Device, KernelLimitError
 from perfx.sources import open_named
 from perfx.sources.base import Form
 from perfx.tuning import SPECS
-from perfx.tuning.database import bucket_representative, lookup, m_bucket
+from perfx.tuning.database import Database, bucket_representative, default_database, m_bucket
 from perfx.tuning.problems import embedding_shape, gemm_shapes, gemv_shape, model_problems
 
 DEFAULT_CTX = 4096
@@ -61,8 +62,11 @@ class DeviceLayer:
 class Llama:
     """A Llama-family model resident on one device, with its KV cache and run state."""
 
-    def __init__(self, config: ModelConfig, device: Device, max_positions: int):
+    def __init__(self, config: ModelConfig, device: Device, max_positions: int, database: Database | None = None,
+                 log=None):
         self.config, self.device, self.max_positions = config, device, max_positions
+        self.database = database if database is not None else default_database()
+        self.log = log or (lambda text: None)
         self.layers: list[DeviceLayer] = []
         self.weight_bytes = 0           # bytes one decode step reads (every weight once)
         self.host_seconds = 0.0         # time spent enqueueing (host work), summed over calls
@@ -72,9 +76,11 @@ class Llama:
 
     @classmethod
     def load(cls, source, device: Device, ctx: int | None = None, progress: bool | None = None,
-             default_ctx: int = DEFAULT_CTX) -> Llama:
+             default_ctx: int = DEFAULT_CTX, database: Database | None = None, log=None) -> Llama:
         """Upload ``source`` (a ``perfx.sources.ModelSource``) to ``device`` with a KV cache of ``ctx`` positions
-        (default: the model's context length, at most ``default_ctx``)."""
+        (default: the model's context length, at most ``default_ctx``). Kernel parameters come from
+        ``database`` (default: the user's and shipped tuning results; ``default_database(False)``: none);
+        ``log`` receives one line for each tuned choice this driver refuses (the next one runs instead)."""
         c = source.config
         limit = c.max_positions or default_ctx
         ctx = min(limit, default_ctx) if ctx is None else int(ctx)
@@ -82,7 +88,7 @@ class Llama:
             raise PerfxError(f"--ctx must be at least 2, got {ctx}")
         if ctx > limit:
             raise PerfxError(f"--ctx {ctx} exceeds the model's context length {limit}")
-        model = cls(c, device, ctx)
+        model = cls(c, device, ctx, database, log)
         started = time.perf_counter()
         bar = Progress(c.n_layers + 3, "loading", enabled=progress)
         first = source.layer(0)
@@ -142,28 +148,53 @@ class Llama:
         self.gemv = {}
         for name in ("qkv", "o", "gate_up", "down", "lm_head"):
             shape = shape_of("gemv_q4", name, n=1, k=c.hidden_size, group=group or 32, epilogue="none", bias=False)
-            self.gemv[name] = GemvQ4(d, self._params("gemv_q4", shape, name), shape)
-        self.gemv_f16 = GemvF16(d, self._params("gemv_f16", shape_of("gemv_f16", "lm_head", n=c.vocab_size,
-                                                                      k=c.hidden_size), "lm_head"))
-        self.rmsnorm = RMSNorm(d, self._params("rmsnorm", {"m": 1, "k": c.hidden_size, "residual": True}, "norm"))
-        self.embed = Embedding(d, self._params("embedding_f16", {"n": c.vocab_size, "k": c.hidden_size, "m": 1},
-                                               "embedding"))
-        self.argmax_op = Argmax(d, self._params("argmax", {"n": c.vocab_size}, "greedy sampling"))
-        self.swiglu = SwiGLU(d, self._params("swiglu", {"count": c.intermediate_size}, "swiglu"))
+
+            def gemv(params, shape=shape):
+                op = GemvQ4(d, params, shape)
+                op.kernel(shape["group"], shape["epilogue"])  # built now: a driver that refuses it is seen here
+                return op
+            self.gemv[name] = self._choose("gemv_q4", shape, name, gemv)
+        self.gemv_f16 = self._choose("gemv_f16", shape_of("gemv_f16", "lm_head", n=c.vocab_size, k=c.hidden_size),
+                                     "lm_head", lambda p: GemvF16(d, p))
+        self.rmsnorm = self._choose("rmsnorm", {"m": 1, "k": c.hidden_size, "residual": True}, "norm",
+                                    lambda p: RMSNorm(d, p))
+        self.embed = self._choose("embedding_f16", {"n": c.vocab_size, "k": c.hidden_size, "m": 1}, "embedding",
+                                  lambda p: Embedding(d, p))
+        self.argmax_op = self._choose("argmax", {"n": c.vocab_size}, "greedy sampling", lambda p: Argmax(d, p))
+        self.swiglu = self._choose("swiglu", {"count": c.intermediate_size}, "swiglu", lambda p: SwiGLU(d, p))
         attention = {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim}
-        self.attn_decode = AttentionDecode(d, c.n_heads, c.n_kv_heads, c.head_dim, self.max_positions,
-                                           self._params("attention_decode",
-                                                        {**attention, "positions": self.max_positions}, "decode"),
-                                           window=c.sliding_window)
+        self.attn_decode = self._choose(
+            "attention_decode", {**attention, "positions": self.max_positions}, "decode",
+            lambda p: AttentionDecode(d, c.n_heads, c.n_kv_heads, c.head_dim, self.max_positions, p,
+                                            window=c.sliding_window))
         self._prefill_ops: dict[int, tuple] = {}
         # Upload each int4 weight for the read path its decode GEMV reads (the GEMM adapts to what is there).
         self.read_paths = tuple(sorted({READ_NAMES[op.read] for op in self.gemv.values()}))
 
-    def _params(self, family: str, shape: dict, label: str) -> dict:
-        choice = lookup(self.device, SPECS[family], shape)
-        self.tuned[f"{family} ({label})"] = choice
-        self.tuned_shapes[f"{family} ({label})"] = shape
-        return choice.params
+    def _choose(self, family: str, shape: dict, label: str, make):
+        """``make(params)`` (a wrapper, its kernels built) with the first parameters of the database's choices
+        (device → architecture → vendor → defaults) that this driver builds and runs within the kernel's own
+        limits. A choice it refuses is skipped with one line, and remembered so that later loads skip it."""
+        spec = SPECS[family]
+        refused = []
+        for choice in self.database.choices(self.device, spec, shape):
+            try:
+                op = make(choice.params)
+            except (BuildError, KernelLimitError) as error:
+                reason = str(error).splitlines()[0][:200]
+                self.log(f"perfx: {family} ({label}): the {choice.source} parameters {choice.params} were refused "
+                         f"by this driver ({reason}); trying the next choice")
+                self.database.refuse(self.device, spec, choice.params, reason)
+                refused.append(f"{choice.source} {choice.params}: {reason}")
+                continue
+            if refused:
+                choice = dataclasses.replace(choice, skipped=choice.skipped + tuple(f"refused by this driver: {r}"
+                                                                                    for r in refused))
+            self.tuned[f"{family} ({label})"] = choice
+            self.tuned_shapes[f"{family} ({label})"] = shape
+            return op
+        raise PerfxError(f"{family} ({label}): no parameter set builds on {self.device.caps.name}: "
+                         + "; ".join(refused) + ". Run `perfx selftest` and report the log")
 
     def _prefill_kernels(self, m: int) -> tuple[dict, AttentionPrefill]:
         """The GEMM per matrix and the prefill attention tuned for m's bucket (built once per bucket)."""
@@ -178,10 +209,20 @@ class Llama:
                 tiled = shapes.get(("gemm_q4_tiled", name))
                 if skinny is None or tiled is None:   # an fp16 matrix: no GEMM
                     continue
-                a = lookup(self.device, SPECS["gemm_q4_skinny"], skinny)
-                b = lookup(self.device, SPECS["gemm_q4_tiled"], tiled)
-                self.tuned[f"gemm_q4_skinny ({name}, M≈{rep})"] = a
-                self.tuned[f"gemm_q4_tiled ({name}, M≈{rep})"] = b
+                epilogue = skinny["epilogue"]
+                label = f"{name}, M≈{rep}"
+
+                def gemm(kind, shape):
+                    def make(params):
+                        op = GemmQ4(self.device, **{f"{kind}_params": params}, shape=shape)
+                        for read in {params["READ"]} & {0, 1}:
+                            op.kernel(kind, epilogue, read)
+                        return op
+                    return make
+                self._choose("gemm_q4_skinny", skinny, label, gemm("skinny", skinny))
+                self._choose("gemm_q4_tiled", tiled, label, gemm("tiled", tiled))
+                a = self.tuned[f"gemm_q4_skinny ({label})"]
+                b = self.tuned[f"gemm_q4_tiled ({label})"]
                 # The faster of the two where both were measured on this device, else the default crossover.
                 crossover = None
                 if a.time_s and b.time_s:
@@ -191,9 +232,9 @@ class Llama:
             shape = shapes.get(("attention_prefill", "attention"),
                                {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "m": rep,
                                 "p0": 0})
-            attention = AttentionPrefill(self.device, c.n_heads, c.n_kv_heads, c.head_dim,
-                                         self._params("attention_prefill", shape, f"prefill, M≈{rep}"),
-                                         window=c.sliding_window)
+            attention = self._choose("attention_prefill", shape, f"prefill, M≈{rep}",
+                                     lambda p: AttentionPrefill(self.device, c.n_heads, c.n_kv_heads, c.head_dim, p,
+                                                                      window=c.sliding_window))
             self._prefill_ops[bucket] = (gemms, attention)
         return self._prefill_ops[bucket]
 
@@ -209,13 +250,23 @@ class Llama:
             epilogue = "silu_mul" if name == "gate_up" else ("bias" if weight.has_bias and kind == "gemm" else "none")
             if kind == "gemv":
                 family, shape = gemv_shape(c, name, form, weight.n, weight.k, epilogue, weight.has_bias)
-                op = GemvQ8(self.device, self._params(family, shape, name), shape)
+
+                def make(params):
+                    made = GemvQ8(self.device, params, shape)
+                    made.kernel(weight.group, weight.f32, epilogue)   # built now: a refusal is seen here
+                    return made
+                op = self._choose(family, shape, name, make)
             elif kind == "gemm":
                 family, shape = gemm_shapes(form, rep, weight.n, weight.k, epilogue)[0]
-                op = GemmQ8(self.device, self._params(family, shape, f"{name}, M≈{rep}"), shape)
+
+                def make(params):
+                    made = GemmQ8(self.device, params, shape)
+                    made._kernel(weight.group, weight.f32, epilogue)
+                    return made
+                op = self._choose(family, shape, f"{name}, M≈{rep}", make)
             else:
                 family, shape = embedding_shape(form, weight.n, weight.k, rep)
-                op = EmbeddingQ8(self.device, self._params(family, shape, "embedding"))
+                op = self._choose(family, shape, "embedding", lambda params: EmbeddingQ8(self.device, params))
             self._q8_ops[key] = op
         return op
 
@@ -481,19 +532,21 @@ def host_peak_bytes() -> int:
 
 def load_model(name: str | None = None, device: Device | str | None = None, ctx: int | None = None,
                quantize: str | None = None, progress: bool | None = None, log=None,
-               default_ctx: int = DEFAULT_CTX, lm_head: str = "q8"):
+               default_ctx: int = DEFAULT_CTX, tuning: bool = True, lm_head: str = "q8"):
     """Resolve ``name`` ("default", a path, "synthetic:<name>"), open it and load it on the device.
 
-    ``lm_head`` ("q8", the default, or "fp16") is the form of the output projection and a tied embedding
-    (``perfx.sources.open_model``). Returns (model, source). ``log`` receives one-line progress notes (the
-    CLI passes stderr's print).
+    Returns (model, source). ``log`` receives one-line progress notes (the CLI passes stderr's print).
+    ``tuning`` False ignores every tuning database: the kernels run their built-in defaults. ``lm_head``
+    ("q8", the default, or "fp16") is the form of the output projection and a tied embedding
+    (``perfx.sources.open_model``).
     """
     log = log or (lambda text: None)
     device = device if isinstance(device, Device) else Device(device)
     source = open_named(name, quantize=quantize, lm_head=lm_head)
     log(f"perfx: model {source.describe().get('path', name)} on {device.caps.name} ({device.caps.platform}, "
         f"limits: {device.caps.limits})")
-    model = Llama.load(source, device, ctx=ctx, progress=progress, default_ctx=default_ctx)
+    model = Llama.load(source, device, ctx=ctx, progress=progress, default_ctx=default_ctx,
+                       database=default_database(tuning), log=log)
     r = model.load_report
     log(f"perfx: loaded in {r['load_s']:.1f}s: {r['weight_bytes'] / 2**20:.0f} MiB of weights, "
         f"{r['device_bytes'] / 2**20:.0f} MiB on the device (KV cache {r['kv_cache_bytes'] / 2**20:.0f} MiB "

@@ -24,25 +24,36 @@ def _slug(text: str) -> str:
 
 
 def plot_parameters(result, path: Path, plt) -> None:
-    """Time against each parameter of one problem: every verified candidate a dot, the best a star."""
+    """Time against each parameter of one problem: every verified candidate of the search a dot (grey: cut
+    short), the confirmed contenders with error bars over the confirmation rounds (median, min to max),
+    the parameters in force a red star."""
     timed = [o for o in result.outcomes if o.status in ("ok", "slow") and o.time_s]
     names = list(timed[0].params) if timed else []
+    c = result.confirmation
     figure, axes = plt.subplots(1, max(len(names), 1), figsize=(3.2 * max(len(names), 1), 3.2), squeeze=False)
     for axis, name in zip(axes[0], names):
-        values = sorted({str(o.params[name]) for o in timed}, key=lambda v: (len(v), v))
+        values = sorted({str(o.params[name]) for o in timed} | {str(p[name]) for p in (c.contenders if c else [])},
+                        key=lambda v: (len(v), v))
         xs = [values.index(str(o.params[name])) for o in timed]
         axis.scatter(xs, [o.time_s * 1e6 for o in timed],
-                     c=["tab:blue" if o.status == "ok" else "tab:gray" for o in timed], s=14)
-        if result.best is not None:
-            axis.scatter([values.index(str(result.best.params[name]))], [result.best.time_s * 1e6],
+                     c=["tab:blue" if o.status == "ok" else "tab:gray" for o in timed], s=14, alpha=0.6)
+        if c is not None:
+            for i, params in enumerate(c.contenders):
+                column = [r[i] * 1e6 for r in c.rounds]
+                median = c.median(params) * 1e6
+                axis.errorbar([values.index(str(params[name])) + 0.15], [median], fmt="o", color="black", ms=3,
+                              yerr=[[median - min(column)], [max(column) - median]], capsize=3)
+        if result.chosen is not None and result.time_s:
+            axis.scatter([values.index(str(result.chosen[name]))], [result.time_s * 1e6],
                          marker="*", s=160, c="tab:red", zorder=3)
         axis.set_xticks(range(len(values)), values)
         axis.set_yscale("log")
         axis.set_xlabel(name)
     axes[0][0].set_ylabel("time (µs)")
     rejected = sum(o.status not in ("ok", "slow") for o in result.outcomes)
+    verdict = f"; confirmed over {len(c.rounds)} rounds (bars): {c.verdict}" if c else ""
     figure.suptitle(f"{result.family} {result.description}: {len(timed)} timed (grey: cut short), "
-                    f"{rejected} rejected", fontsize=9)
+                    f"{rejected} rejected{verdict}", fontsize=8, wrap=True)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -50,14 +61,14 @@ def plot_parameters(result, path: Path, plt) -> None:
 
 def plot_ceilings(results, path: Path, copy_gbps: float, peak_gflops: float | None, plt) -> None:
     """Achieved bandwidth of each problem's best against copy bandwidth, and a roofline where flops count."""
-    done = [r for r in results if r.best is not None]
+    done = [r for r in results if r.time_s]
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, max(3.0, 0.28 * len(done) + 1.5)))
     labels = [f"{r.family} {r.description}" for r in done]
     left.barh(range(len(done)), [r.rate()[0] for r in done], color="tab:blue")
     left.axvline(copy_gbps, color="tab:red", linestyle="--", label=f"copy {copy_gbps:.1f} GB/s")
     left.set_yticks(range(len(done)), labels, fontsize=6)
     left.invert_yaxis()
-    left.set_xlabel("achieved GB/s (best parameters)")
+    left.set_xlabel("achieved GB/s (parameters in force)")
     left.legend(fontsize=7)
     points = [(r.flops / r.bytes_moved, r.rate()[1]) for r in done if r.flops]
     if points:

@@ -1,19 +1,28 @@
 """The device runtime: the one module that talks to OpenCL.
 
-Choosing a device (``PERFX_DEVICE`` or ``--device``), reading its capabilities, capping them with
-phone limits (``PERFX_LIMITS``), building kernel files with ``-D`` defines (built programs and
-``Kernel`` objects are kept), turning OpenCL errors into messages that name the constant, and
-counting the device memory perfx allocates.
+Registering the OpenCL implementations installed from PyPI that the ICD loader cannot find by itself
+(Intel's CPU runtime), choosing a device (``PERFX_DEVICE`` or ``--device``), reading its capabilities,
+capping them with phone limits (``PERFX_LIMITS``), building kernel files with ``-D`` defines (built
+programs and ``Kernel`` objects are kept), turning OpenCL errors into messages that name the constant,
+and counting the device memory perfx allocates.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import functools
+import glob
+import hashlib
+import importlib.metadata
 import json
 import os
 import re
+import sys
+import tempfile
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +32,13 @@ import pyopencl as cl
 import pyopencl.array as cla
 
 from perfx.errors import PerfxError
-from perfx.resources import kernel_path
+from perfx.resources import cache_dir, kernel_path
+
+# Intel's compiler logs every successful build ("Kernel was 16-way vectorized"), which pyopencl turns into a
+# CompilerWarning on each new program (ours and pyopencl.array's); a failed build raises with its log anyway.
+# PYOPENCL_COMPILER_OUTPUT=1 asks for the logs: then they show.
+if not os.environ.get("PYOPENCL_COMPILER_OUTPUT"):
+    warnings.filterwarnings("ignore", category=cl.CompilerWarning)
 
 # ----------------------------------------------------------------------------------------------
 # Errors
@@ -58,6 +73,11 @@ class BuildError(PerfxError):
             "If this is a tuned parameter set, run `perfx selftest` and report the log; "
             "perfx falls back to the defaults when a tuned kernel does not build."
         )
+
+
+class KernelLimitError(PerfxError):
+    """A kernel built, but its parameters break the limits the driver reports for it (its work-group, or
+    the local or private memory it needs): on this driver those parameters cannot run."""
 
 
 def raise_as_perfx(what: str, error: cl.Error):
@@ -133,19 +153,24 @@ class Capabilities:
     vendor_key: str           # normalised: qualcomm, nvidia, amd, intel, arm, pocl, ...
     device_type: str          # GPU, CPU, ACCELERATOR
     opencl_c_version: str
+    opencl_c: tuple[int, int]  # the newest OpenCL C the compiler takes (-cl-std), e.g. (3, 0)
     driver_version: str
     adreno_model: int | None  # 740 from "OpenCL C 3.0 Adreno(TM) 740"
     architecture: str         # "adreno-7xx", else vendor_key plus device name
     compute_units: int
     global_mem: int
     fp16: bool
-    subgroups: bool
+    integer_dot_product: bool  # cl_khr_integer_dot_product (dot(uchar4, uchar4), dot_4x8packed_*)
+    subgroups: bool            # sub_group_reduce_add, sub_group_broadcast, ... (see has_subgroups)
+    subgroup_sizes: tuple[int, ...]  # those the device offers, where it says (Intel); else ()
+    reqd_subgroup_size: str    # how a kernel fixes its subgroup size: "qcom" ("half"/"full"), "intel" (N), ""
     qcom_extensions: tuple[str, ...]
     image_support: bool
     image2d_max_width: int
     image2d_max_height: int
     image2d_from_buffer: bool
     image_pitch_alignment: int  # in pixels; 0 where the device does not say
+    image1d_buffer_texels: int  # most texels of an image1d_buffer_t view of a buffer (OpenCL 1.2 core); 0: none
     local_mem: int
     max_alloc: int
     max_work_group: int
@@ -190,15 +215,70 @@ def device_type_name(device: cl.Device) -> str:
 
 
 def _device_int(device: cl.Device, name: str, code: int | None = None) -> int:
+    """A ``cl_uint``/``size_t`` device query by pyopencl's name, else by its code; 0 where unanswered."""
     try:
         return int(getattr(device, name))
     except Exception:
         if code is None:
             return 0
-        try:
-            return int(device.get_info(code))
-        except Exception:
-            return 0
+        values = _raw_device_info(device, code, ctypes.c_uint)
+        return values[0] if values else 0
+
+
+# cl_intel_subgroups; no pyopencl name for it. Adreno has no such query: its waves are "half" or "full".
+CL_DEVICE_SUB_GROUP_SIZES_INTEL = 0x4108
+
+
+@functools.lru_cache(maxsize=1)
+def _opencl_library():
+    """The ICD loader pyopencl uses (its wheel's own, else the system's), for queries pyopencl lacks."""
+    bundled = sorted(glob.glob(os.path.join(os.path.dirname(cl.__file__), ".libs", "libOpenCL*.so*")))
+    return ctypes.CDLL(bundled[0] if bundled else "libOpenCL.so.1")
+
+
+def _raw_device_info(device: cl.Device, code: int, item=ctypes.c_size_t) -> tuple[int, ...]:
+    """A device query pyopencl does not know (it answers CL_INVALID_VALUE for codes it lacks, such as
+    CL_DEVICE_IMAGE_PITCH_ALIGNMENT), read as an array of ``item``; () where the device does not answer."""
+    try:
+        get_info = _opencl_library().clGetDeviceInfo
+        handle, size = ctypes.c_void_p(device.int_ptr), ctypes.c_size_t(0)
+        if get_info(handle, ctypes.c_uint(code), ctypes.c_size_t(0), None, ctypes.byref(size)) or not size.value:
+            return ()
+        values = (item * (size.value // ctypes.sizeof(item)))()
+        if get_info(handle, ctypes.c_uint(code), size, values, None):
+            return ()
+        return tuple(int(v) for v in values)
+    except Exception:  # no loader library to open, or an old driver
+        return ()
+
+
+def _opencl_c(device: cl.Device) -> tuple[int, int]:
+    """The newest OpenCL C version: OpenCL 3.0 lists them all (its CL_DEVICE_OPENCL_C_VERSION may stay at
+    1.2, as PoCL's does); older devices name one in the version string."""
+    try:
+        versions = [v.version for v in device.opencl_c_all_versions]
+        if versions:
+            newest = max(versions)
+            return newest >> 22, (newest >> 12) & 0x3FF  # CL_VERSION_MAJOR / CL_VERSION_MINOR
+    except Exception:  # before OpenCL 3.0
+        pass
+    match = re.search(r"OpenCL C (\d+)\.(\d+)", device.opencl_c_version)
+    return (int(match.group(1)), int(match.group(2))) if match else (1, 0)
+
+
+def has_subgroups(extensions, c_features=()) -> bool:
+    """Whether the subgroup built-ins exist: cl_khr_subgroups or cl_intel_subgroups (at any -cl-std), or
+    the OpenCL C 3.0 feature __opencl_c_subgroups (kernels built with -cl-std=CL3.0). Intel's CPU runtime
+    has only the last two, so a kernel tests all three macros."""
+    return ("cl_khr_subgroups" in extensions or "cl_intel_subgroups" in extensions
+            or "__opencl_c_subgroups" in c_features)
+
+
+def _opencl_c_features(device: cl.Device) -> tuple[str, ...]:
+    try:
+        return tuple(f.name for f in device.opencl_c_features)
+    except Exception:  # before OpenCL 3.0
+        return ()
 
 
 def capabilities(device: cl.Device, limits: Limits = Limits()) -> Capabilities:
@@ -220,17 +300,24 @@ def capabilities(device: cl.Device, limits: Limits = Limits()) -> Capabilities:
     return Capabilities(
         platform=platform, name=device.name.strip(), vendor=vendor, vendor_key=key,
         device_type=device_type_name(device),
-        opencl_c_version=device.opencl_c_version.strip(), driver_version=device.driver_version.strip(),
+        opencl_c_version=device.opencl_c_version.strip(), opencl_c=_opencl_c(device),
+        driver_version=device.driver_version.strip(),
         adreno_model=model, architecture=architecture,
         compute_units=device.max_compute_units, global_mem=device.global_mem_size,
         fp16="cl_khr_fp16" in extensions,
-        subgroups="cl_khr_subgroups" in extensions or "cl_intel_subgroups" in extensions,
+        integer_dot_product="cl_khr_integer_dot_product" in extensions,
+        subgroups=has_subgroups(extensions, _opencl_c_features(device)),
+        subgroup_sizes=tuple(sorted(_raw_device_info(device, CL_DEVICE_SUB_GROUP_SIZES_INTEL)))
+        if "cl_intel_subgroups" in extensions else (),
+        reqd_subgroup_size=("qcom" if "cl_qcom_reqd_sub_group_size" in extensions else
+                            "intel" if "cl_intel_required_subgroup_size" in extensions else ""),
         qcom_extensions=tuple(e for e in extensions if e.startswith("cl_qcom_")),
         image_support=image,
         image2d_max_width=capped(device.image2d_max_width, limits.image2d_max_width) if image else 0,
         image2d_max_height=capped(device.image2d_max_height, limits.image2d_max_height) if image else 0,
         image2d_from_buffer="cl_khr_image2d_from_buffer" in extensions,
         image_pitch_alignment=_device_int(device, "image_pitch_alignment", 0x104A),
+        image1d_buffer_texels=_device_int(device, "image_max_buffer_size") if image else 0,
         local_mem=capped(device.local_mem_size, limits.local_mem),
         max_alloc=capped(device.max_mem_alloc_size, limits.max_alloc),
         max_work_group=capped(device.max_work_group_size, limits.max_work_group),
@@ -239,11 +326,112 @@ def capabilities(device: cl.Device, limits: Limits = Limits()) -> Capabilities:
 
 
 # ----------------------------------------------------------------------------------------------
+# OpenCL implementations installed from PyPI
+#
+# pyopencl's wheel bundles ocl-icd, which loads the libraries named by the .icd files of one folder
+# (OCL_ICD_VENDORS if it is a folder, else OPENCL_VENDOR_PATH, else /etc/OpenCL/vendors), plus the PoCL
+# shipped beside pyopencl itself. The intel-opencl-rt wheel's own .icd file holds a build-time placeholder
+# path, so perfx writes a folder holding what the loader would read anyway plus an .icd file with the
+# absolute path of the installed libintelocl.so, and points OCL_ICD_VENDORS at it before the first
+# enumeration of platforms. OCL_ICD_VENDORS naming one library is left alone: that asks for that platform
+# alone (the Oclgrind tier does this).
+
+INTEL_ICD = "perfx-intel-opencl-rt.icd"
+DEFAULT_VENDORS_FOLDER = "/etc/OpenCL/vendors"
+
+_registered = False
+
+
+def intel_opencl_library() -> Path | None:
+    """libintelocl.so of the installed ``intel-opencl-rt`` wheel, or None (not installed, not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        dist = importlib.metadata.distribution("intel-opencl-rt")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    candidates = [Path(dist.locate_file(f)) for f in dist.files or () if f.name == "libintelocl.so"]
+    candidates.append(Path(sys.prefix, "lib", "libintelocl.so"))
+    return next((c.resolve() for c in candidates if c.is_file()), None)
+
+
+def read_vendor_folder(folder: str | os.PathLike) -> dict[str, str]:
+    """The ``.icd`` files of an ICD folder, as file name -> the library each names (as written)."""
+    entries = {}
+    with contextlib.suppress(OSError):
+        for path in sorted(Path(folder).glob("*.icd")):
+            with contextlib.suppress(OSError, UnicodeDecodeError):
+                library = path.read_text().strip()
+                if library:
+                    entries[path.name] = library
+    return entries
+
+
+def merged_vendor_entries(environ, libraries: dict[str, Path]) -> dict[str, str] | None:
+    """The ``.icd`` entries of a folder for OCL_ICD_VENDORS: what the loader reads under ``environ`` plus
+    ``libraries`` (file name -> library); None where nothing should change (OCL_ICD_VENDORS names one
+    library, or every library is listed already)."""
+    chosen = environ.get("OCL_ICD_VENDORS") or None
+    if chosen is not None and not os.path.isdir(chosen):
+        return None
+    entries = read_vendor_folder(chosen or environ.get("OPENCL_VENDOR_PATH") or DEFAULT_VENDORS_FOLDER)
+
+    def listed(library: Path) -> bool:
+        return any(os.path.isfile(named) and os.path.samefile(named, library) for named in entries.values())
+
+    missing = {name: str(library) for name, library in libraries.items() if not listed(library)}
+    return {**entries, **missing} if missing else None
+
+
+def _write_vendor_folder(entries: dict[str, str]) -> Path:
+    """A folder holding ``entries`` as .icd files: in perfx's cache, named by its content (processes
+    and their children share it), else a new temporary folder."""
+    digest = hashlib.sha256(json.dumps(sorted(entries.items())).encode()).hexdigest()[:16]
+    try:
+        folder = cache_dir() / "opencl-vendors" / digest
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        folder = Path(tempfile.mkdtemp(prefix="perfx-opencl-vendors-"))
+    for name, library in entries.items():
+        path = folder / name
+        with contextlib.suppress(OSError):
+            if path.read_text() == library + "\n":
+                continue
+        part = folder / f".{name}.{os.getpid()}"  # written whole, then renamed: never read half-written
+        part.write_text(library + "\n")
+        os.replace(part, path)
+    return folder
+
+
+def register_pypi_implementations() -> None:
+    """Make the OpenCL implementations installed from PyPI visible to the ICD loader (Intel's CPU runtime,
+    from ``intel-opencl-rt``); once per process, before the first enumeration of platforms. Without them
+    nothing happens; a failure to write the folder only leaves them out."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    library = intel_opencl_library()
+    if library is None:
+        return
+    entries = merged_vendor_entries(os.environ, {INTEL_ICD: library})
+    if entries is None:
+        return
+    with contextlib.suppress(OSError):
+        os.environ["OCL_ICD_VENDORS"] = str(_write_vendor_folder(entries))
+
+
+# ----------------------------------------------------------------------------------------------
 # Choosing a device
 
 
-DEVICE_HELP = ("OpenCL device: P:D indices from `perfx info`, or part of a platform/device name "
-               "(default: $PERFX_DEVICE, else the first GPU, else the first CPU)")
+DEVICE_HELP = ("OpenCL device: P:D indices from `perfx info`, or part of a platform/device name, or pocl / intel "
+               "(default: $PERFX_DEVICE, else the first GPU, else Intel's CPU runtime, else PoCL or another CPU)")
+
+# Among CPU implementations, Intel's runtime first: it has what the phone GPUs have and PoCL lacks (fp16,
+# subgroups, image1d_buffer, 16384² images) and runs work-items as SIMD lanes as a GPU runs waves, and its
+# decode was as fast or faster at built-in defaults than PoCL with its tuned entries (README, "Use").
+CPU_PREFERENCE = ("intel", "pocl")
 
 NO_PLATFORM_HELP = (
     "No OpenCL platform found. On a PC or in CI, install the dev extra, which brings PoCL, an OpenCL "
@@ -264,11 +452,22 @@ class DeviceEntry:
     device: cl.Device
 
     @property
+    def index(self) -> str:
+        """``P:D``, the selector that names this device in this process."""
+        return f"{self.platform_index}:{self.device_index}"
+
+    @property
+    def implementation(self) -> str:
+        """Which OpenCL implementation, in short: "pocl", "intel", "qualcomm", "nvidia", ..."""
+        return _vendor_key("", self.platform)
+
+    @property
     def label(self) -> str:
-        return f"{self.platform_index}:{self.device_index} {self.platform} / {self.name} ({self.device_type})"
+        return f"{self.index} {self.platform} / {self.name} ({self.device_type})"
 
 
 def list_devices() -> list[DeviceEntry]:
+    register_pypi_implementations()
     try:
         platforms = cl.get_platforms()
     except cl.Error as e:
@@ -290,11 +489,13 @@ def list_devices() -> list[DeviceEntry]:
 
 
 def choose_device(selector: str | None = None) -> tuple[DeviceEntry, str]:
-    """Pick a device: the selector (or ``PERFX_DEVICE``), else the first GPU, else the first CPU.
+    """Pick a device: the selector (or ``PERFX_DEVICE``), else the first GPU, else a CPU in the order of
+    ``CPU_PREFERENCE`` (Intel's runtime, then PoCL, then any other).
 
     The selector is ``P:D`` (platform and device indices as `perfx info` lists them) or a
-    case-insensitive substring of "platform / device name". A simulator (Oclgrind) is chosen only
-    when the selector names it. Returns the entry and the reason, for `perfx info`.
+    case-insensitive substring of "platform / device name / implementation" (``pocl``, ``intel``). A
+    simulator (Oclgrind) is chosen only when the selector names it. Returns the entry and the reason,
+    for `perfx info`.
     """
     entries = list_devices()
     source = "--device"
@@ -307,17 +508,26 @@ def choose_device(selector: str | None = None) -> tuple[DeviceEntry, str]:
             found = [e for e in entries if (e.platform_index, e.device_index) == (p, d)]
         else:
             needle = selector.strip().lower()
-            found = [e for e in entries if needle in f"{e.platform} / {e.name}".lower()]
+            found = [e for e in entries if needle in f"{e.platform} / {e.name} / {e.implementation}".lower()]
         if not found:
             listing = "\n  ".join(e.label for e in entries)
             raise PerfxError(f"{source}={selector!r} matches no OpenCL device. Devices here:\n  {listing}\n"
                              "Give P:D indices or part of a platform or device name.")
         return found[0], f"{source}={selector!r}"
     real = [e for e in entries if not e.simulator]
-    for kind in ("GPU", "CPU"):
-        for entry in real:
-            if entry.device_type == kind:
-                return entry, f"first {kind} (set PERFX_DEVICE to choose another)"
+    for entry in real:
+        if entry.device_type == "GPU":
+            return entry, "first GPU (set PERFX_DEVICE to choose another)"
+
+    def rank(entry: DeviceEntry) -> int:
+        key = entry.implementation
+        return CPU_PREFERENCE.index(key) if key in CPU_PREFERENCE else len(CPU_PREFERENCE)
+
+    cpus = sorted((e for e in real if e.device_type == "CPU"), key=rank)  # stable: platform order within a rank
+    if cpus:
+        others = sorted({e.implementation for e in cpus} - {cpus[0].implementation})
+        return cpus[0], (f"CPU, {cpus[0].implementation}" + (f" preferred over {', '.join(others)}" if others else "")
+                         + " (set PERFX_DEVICE to choose another)")
     if real:
         return real[0], "first device (set PERFX_DEVICE to choose another)"
     raise PerfxError("Only a simulator (Oclgrind) is installed; name it with PERFX_DEVICE=oclgrind to use it, "

@@ -61,6 +61,24 @@ def time_launches(launch: Callable[[], list], warmup: int = 2, repeat: int = 10,
     return Timing(statistics.median(samples), samples)
 
 
+def _copy_launcher(device: Device, nbytes: int, copies: int) -> Callable[[], list]:
+    """A launch function of our copy kernel over ``copies`` source/destination pairs of ``nbytes``, rotated."""
+    vw = 8 if device.caps.vendor_key == "pocl" else 4   # PoCL gets its bandwidth from wide types only
+    kernel = device.kernel("copy.cl", "copy_vectors", {"VWC": vw})
+    n = nbytes // (4 * vw)
+    rng = np.random.default_rng(0)
+    pairs = [(device.upload(rng.standard_normal(nbytes // 4, dtype=np.float32)), device.empty(nbytes // 4, np.float32))
+             for _ in range(copies)]
+    state = {"i": 0}
+    global_size = min(n, device.caps.compute_units * 2048) // 64 * 64 or 64
+
+    def launch():
+        src, dst = pairs[state["i"] % copies]
+        state["i"] += 1
+        return [device.launch(kernel, (global_size,), (64,), np.int32(n), src.data, dst.data)]
+    return launch
+
+
 def copy_bandwidth(device: Device, nbytes: int = 64 << 20, copies: int = 2, repeat: int = 10) -> tuple[float, Timing]:
     """The device's copy bandwidth in GB/s (bytes read + written), measured with our copy kernel.
 
@@ -68,20 +86,27 @@ def copy_bandwidth(device: Device, nbytes: int = 64 << 20, copies: int = 2, repe
     serve the reads.
     """
     nbytes = min(nbytes, device.caps.max_alloc) // 32 * 32
-    vw = 8 if device.caps.vendor_key == "pocl" else 4
-    kernel = device.kernel("copy.cl", "copy_vectors", {"VWC": vw})
-    n = nbytes // (4 * vw)
-    rng = np.random.default_rng(0)
-    pairs = [(device.upload(rng.standard_normal(nbytes // 4, dtype=np.float32)), device.empty(nbytes // 4, np.float32))
-             for _ in range(copies)]
-    state = {"i": 0}
-    units = device.caps.compute_units
-    global_size = min(n, units * 2048) // 64 * 64 or 64
-
-    def launch():
-        src, dst = pairs[state["i"] % copies]
-        state["i"] += 1
-        return [device.launch(kernel, (global_size,), (64,), np.int32(n), src.data, dst.data)]
-
-    timing = time_launches(launch, warmup=2, repeat=repeat)
+    timing = time_launches(_copy_launcher(device, nbytes, copies), warmup=2, repeat=repeat)
     return 2 * nbytes / timing.median_s / 1e9, timing
+
+
+def bootstrap_ratio(numerator, denominator, rng: np.random.Generator, resamples: int = 2000,
+                    confidence: float = 0.95) -> tuple[float, float, float]:
+    """median(numerator) / median(denominator) of paired samples (round i of each was taken together), and
+    its bootstrap interval: rounds resampled with replacement, the ratio of medians each time."""
+    a, b = np.asarray(numerator, dtype=np.float64), np.asarray(denominator, dtype=np.float64)
+    if a.shape != b.shape or a.size == 0:
+        raise ValueError(f"paired samples of the same non-zero length, got {a.size} and {b.size}")
+    point = float(np.median(a) / np.median(b))
+    picks = rng.integers(0, a.size, (resamples, a.size))
+    ratios = np.median(a[picks], axis=1) / np.median(b[picks], axis=1)
+    tail = (1 - confidence) / 2 * 100
+    low, high = np.percentile(ratios, [tail, 100 - tail])
+    return point, float(low), float(high)
+
+
+def copy_kernel(device: Device, nbytes: int = 8 << 20) -> Callable[[], float]:
+    """A reference kernel for drift checks: a function that times one copy of ``nbytes`` (median of 3),
+    about a millisecond, over two buffer pairs so a phone GPU's caches do not serve it."""
+    launch = _copy_launcher(device, min(nbytes, device.caps.max_alloc) // 32 * 32, 2)
+    return lambda: time_launches(launch, warmup=1, repeat=3).median_s

@@ -1,17 +1,56 @@
-"""Shared fixtures: the OpenCL device every test runs on (PoCL on the CPU unless PERFX_DEVICE says
-otherwise) and a fresh random generator per test."""
+"""Shared fixtures: the OpenCL device a test runs on and a fresh random generator per test.
 
+``device`` runs each test once per real OpenCL implementation installed here (PoCL, and Intel's CPU
+runtime where ``intel-opencl-rt`` is installed), with ids such as ``[pocl]`` and ``[intel]``; a
+``Device()`` made inside such a test opens the same implementation. Modules marked ``one_implementation``
+(model-level and end-to-end tests) run on the default device only. ``PERFX_DEVICE`` set: that device only.
+"""
+
+import os
 import zlib
 
 import numpy as np
 import pytest
 
-from perfx.runtime import Device
+from perfx.runtime import Device, choose_device, list_devices
+
+
+def _implementations() -> dict[str, str]:
+    """Test id -> device selector: the first device of each real platform, the default device first."""
+    chosen, _ = choose_device()
+    entries = [chosen] + [e for e in list_devices() if not e.simulator and e.platform_index != chosen.platform_index
+                          and e.device_index == 0]
+    if os.environ.get("PERFX_DEVICE"):
+        entries = [chosen]
+    found = {}
+    for entry in entries:
+        name = entry.implementation
+        found[name if name not in found else f"{name}{entry.platform_index}"] = entry.index
+    return found
+
+
+IMPLEMENTATIONS = _implementations()
+DEFAULT = next(iter(IMPLEMENTATIONS))
+
+
+def pytest_generate_tests(metafunc):
+    if "opencl_device" in metafunc.fixturenames:
+        one = metafunc.definition.get_closest_marker("one_implementation") is not None
+        ids = [DEFAULT] if one else list(IMPLEMENTATIONS)
+        metafunc.parametrize("opencl_device", [IMPLEMENTATIONS[i] for i in ids], ids=ids, indirect=True,
+                             scope="session")
 
 
 @pytest.fixture(scope="session")
-def device() -> Device:
-    return Device()
+def opencl_device(request) -> Device:
+    """One Device per implementation for the whole session (parametrized by ``pytest_generate_tests``)."""
+    return Device(request.param)
+
+
+@pytest.fixture
+def device(opencl_device, monkeypatch) -> Device:
+    monkeypatch.setenv("PERFX_DEVICE", opencl_device.entry.index)
+    return opencl_device
 
 
 @pytest.fixture

@@ -1,7 +1,6 @@
 """attention_decode: RoPE + KV append + flash-decoding attention for one token, against perfx.reference."""
 
 import numpy as np
-import pyopencl as cl
 import pytest
 
 from helpers.spec_checks import assert_every_parameter_set
@@ -38,9 +37,7 @@ def test_stored_rows_and_fp32_accuracy(device, rng, shape):
     case = SPEC.make_case(device, shape, rng)
     out = case.run(SPEC.defaults())["out"]
 
-    keys, values = (np.empty_like(host) for host in case.host_cache)
-    cl.enqueue_copy(device.queue, keys, case.cache.keys)
-    cl.enqueue_copy(device.queue, values, case.cache.values)
+    keys, values = case.cache.read_all(device)
     for stored, host in ((keys, case.host_cache[0]), (values, case.host_cache[1])):
         changed = stored.view(np.uint16) != host.view(np.uint16)
         changed[LAYER, :, pos] = False
@@ -73,14 +70,19 @@ def test_other_head_shapes(device, rng, n_heads, n_kv_heads, head_dim, positions
     _check_case(SPEC.make_case(device, shape, rng), shape, SPEC.defaults())
 
 
-def test_decode_sequence(device, rng):
-    """Token after token into an empty cache, across partition boundaries (one partition, then a combine)."""
-    h, hkv, d, steps, layers = 6, 2, 64, 70, 2
+@pytest.mark.parametrize("max_alloc", [None, 2 * 70 * 64 * 2], ids=["one-piece", "a-layer-a-piece"])
+def test_decode_sequence(device, rng, max_alloc):
+    """Token after token into an empty cache, across partition boundaries (one partition, then a combine);
+    also with the cache in pieces of one layer each, as under a phone's allocation limit."""
+    h, hkv, d, steps, layers = 6, 2, 64, 70, 3
+    if max_alloc:
+        device = Device(limits=Limits(name="small-alloc", max_alloc=max_alloc))
     op = AttentionDecode(device, h, hkv, d, steps, {"PART": 32})
     cache = KVCache.allocate(device, layers, hkv, steps, d)
+    assert len(cache.pieces) == (3 if max_alloc else 1)
     rope = RopeTable.upload(device, d, steps, THETA)
-    for buffer in (cache.keys, cache.values):
-        cl.enqueue_copy(device.queue, buffer, np.full(layers * hkv * steps * d, np.nan, np.float16))
+    nan = np.full((layers, hkv, steps, d), np.nan, np.float16)
+    cache.write(device, nan, nan)
     out = device.poisoned(h * d, np.float32)
     keys, values = [], []
     for pos in range(steps):
@@ -96,6 +98,8 @@ def test_decode_sequence(device, rng):
         assert relative_error(out.get(), want) <= SPEC.tolerance, pos
     k_dev, v_dev = cache.read(device, 1, steps)
     assert relative_error(k_dev, k16) <= SPEC.tolerance and relative_error(v_dev, v16) == 0
+    k_all, _ = cache.read_all(device)
+    assert np.isnan(k_all[[0, 2]]).all(), "the other layers (other pieces) stay untouched"
 
 
 def test_parameters_that_do_not_fit_are_refused_and_the_defaults_give_way(rng):

@@ -36,6 +36,8 @@ from perfx.tokenizer import Tokenizer
 from perfx.tuning.database import Database, TuningDatabaseWarning
 from perfx.tuning.spec import relative_error
 
+pytestmark = pytest.mark.one_implementation  # model-level: the default device only
+
 TOLERANCE = 2e-3  # logits against the float64 reference forward: as tests/test_model.py, and why it says so
 NAN16 = np.array([np.nan], np.float16).view(np.uint8)
 

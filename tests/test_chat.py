@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 
 from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
-from perfx.commands.chat import common_prefix
+from perfx.generate import common_prefix
 from perfx.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.one_implementation  # model-level: the default device only
 
 STATS_LINE = re.compile(r"(\d+) tokens, TTFT \d+ ms, prefill [\d.]+ tok/s, decode [\d.]+ tok/s "
                         r"\([\d.]+ GB/s\)"

@@ -17,7 +17,9 @@ from perfx.tuning.database import (FORMAT, Database, TuningDatabaseWarning, fing
                                    source_hash)
 from perfx.resources import write_json_atomic
 from perfx.tuning.tuner import Tuner
-from toy_tuning import Toy
+from toy_tuning import Toy, quiet_tuner
+
+pytestmark = pytest.mark.one_implementation  # model-level: the default device only
 
 SHAPE = {"n": 1000}
 
@@ -94,7 +96,7 @@ def test_stale_entry_is_ignored_and_retuned(device, db, toy):
     write(db.device_path(device.fingerprint), {"device": device.fingerprint}, [stale],
           architecture=device.caps.architecture, vendor=device.caps.vendor_key)
     assert db.lookup(device, spec, SHAPE).source == "default"
-    result = Tuner(device, db, budget_s=60).tune_problem(spec, SHAPE)
+    result = quiet_tuner(device, db, budget_s=60).tune_problem(spec, SHAPE)
     assert result.resumed == 0 and len(result.outcomes) == 9
     saved = json.loads(db.device_path(device.fingerprint).read_text())["records"]
     assert len(saved) == 1 and saved[0]["source_hash"] == source_hash(spec)
@@ -144,7 +146,7 @@ def test_atomic_write_leaves_no_temp_files_even_when_it_fails(tmp_path, monkeypa
 
 
 def test_sweep_leaves_only_json_files(device, db, toy):
-    Tuner(device, db, budget_s=60).tune_problem(toy.spec(), SHAPE)
+    quiet_tuner(device, db, budget_s=60).tune_problem(toy.spec(), SHAPE)
     slug = fingerprint_slug(device.fingerprint)
     files = {str(p.relative_to(db.user_dir)) for p in db.user_dir.rglob("*") if p.is_file()}
     assert files == {f"{slug}.json", f"log/{slug}.json"}
@@ -153,7 +155,7 @@ def test_sweep_leaves_only_json_files(device, db, toy):
 def test_export_import_round_trip(device, tmp_path, toy):
     spec = toy.spec()
     first = Database(tmp_path / "a", tmp_path / "none")
-    result = Tuner(device, first, budget_s=60).tune_problem(spec, SHAPE)
+    result = quiet_tuner(device, first, budget_s=60).tune_problem(spec, SHAPE)
     exported = tmp_path / "shared.json"
     assert first.export(device, exported) == 1
     second = Database(tmp_path / "b", tmp_path / "none")

@@ -88,10 +88,10 @@ def test_epilogues_on_both_kernels(device, rng, epilogue, m, n, k, group):
 
 
 @pytest.fixture(scope="module")
-def small_image_device():
+def small_image_device(opencl_device):
     # Images of at most 48 rows: the weight is split in row blocks, and gate and up rows of the
     # silu_mul epilogue cross image boundaries at different columns.
-    return Device(limits=Limits(name="tiny-images", image2d_max_height=48))
+    return Device(opencl_device.entry.index, limits=Limits(name="tiny-images", image2d_max_height=48))
 
 
 @pytest.mark.parametrize("epilogue", ["none", "bias", "silu_mul"])

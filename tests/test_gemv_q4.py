@@ -46,8 +46,8 @@ def _random_weight(device, rng, n, k, group, bias=False, read_paths=("image2d", 
 
 
 @pytest.fixture(scope="module")
-def small_image_device():
-    return Device(limits=Limits(name="test", image2d_max_height=256))
+def small_image_device(opencl_device):
+    return Device(opencl_device.entry.index, limits=Limits(name="test", image2d_max_height=256))
 
 
 @pytest.mark.parametrize("params", [{"LANES": 1, "ROWS": 4}, {"LANES": 4, "ROWS": 2}, {"LANES": 16, "ROWS": 1}])

@@ -177,6 +177,7 @@ def test_phone_limits_split_the_lm_head(tiny_paths, device, lm_head, max_alloc, 
 
 
 @pytest.mark.slow
+@pytest.mark.one_implementation
 def test_default_model_answers_coherently_and_matches_the_reference(device):
     """Greedy reply of the default model: its first 16 tokens equal the float64 reference's."""
     model, source = load_model("default", device, ctx=256, progress=False)

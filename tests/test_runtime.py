@@ -1,13 +1,17 @@
 """The device runtime: device choice, phone limits, build errors with their log, error names, memory."""
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from perfx.errors import PerfxError
 from perfx.runtime import (LIMIT_PRESETS, BuildError, Device, Limits, OpenCLError, capabilities,
-                           choose_device, cl_error_name, list_devices, parse_adreno_model, parse_limits)
+                           choose_device, cl_error_name, has_subgroups, intel_opencl_library, list_devices,
+                           merged_vendor_entries, parse_adreno_model, parse_limits)
 
 
 def test_lists_at_least_one_device():
@@ -15,14 +19,17 @@ def test_lists_at_least_one_device():
     assert entries and all(e.label for e in entries)
 
 
-def test_default_choice_prefers_gpu_then_cpu_and_never_a_simulator(monkeypatch):
+def test_default_choice_prefers_gpu_then_intel_then_pocl_and_never_a_simulator(monkeypatch):
     monkeypatch.delenv("PERFX_DEVICE", raising=False)
     entry, reason = choose_device()
     assert not entry.simulator
     real = [e for e in list_devices() if not e.simulator]
     gpus = [e for e in real if e.device_type == "GPU"]
-    assert entry == (gpus[0] if gpus else [e for e in real if e.device_type == "CPU"][0])
-    assert "first" in reason
+    cpus = {e.implementation: e for e in reversed(real) if e.device_type == "CPU"}
+    assert entry == (gpus[0] if gpus else cpus.get("intel") or cpus.get("pocl") or next(iter(cpus.values())))
+    assert "set PERFX_DEVICE" in reason
+    if not gpus and {"intel", "pocl"} <= set(cpus):
+        assert reason.startswith("CPU, intel preferred over pocl")
 
 
 def test_choice_by_substring_and_indices(monkeypatch):
@@ -33,6 +40,8 @@ def test_choice_by_substring_and_indices(monkeypatch):
     assert "PERFX_DEVICE" in reason
     entry, _ = choose_device(f"{first.platform_index}:{first.device_index}")
     assert entry == first
+    for entry in list_devices():  # the short names: PERFX_DEVICE=pocl, PERFX_DEVICE=intel
+        assert choose_device(entry.implementation)[0].implementation == entry.implementation
 
 
 def test_unknown_device_lists_what_is_there(monkeypatch):
@@ -94,6 +103,57 @@ def test_capabilities_are_complete(device):
     assert caps.name and caps.platform and caps.driver_version and caps.opencl_c_version
     assert caps.max_alloc > 0 and caps.local_mem > 0 and caps.max_work_group > 0 and caps.compute_units > 0
     assert isinstance(caps.fp16, bool) and isinstance(caps.qcom_extensions, tuple)
+    assert caps.opencl_c >= (1, 2) and caps.image1d_buffer_texels > 0  # image1d_buffer_t is OpenCL 1.2 core
+    assert all(isinstance(size, int) and size > 0 for size in caps.subgroup_sizes)
+    if caps.platform == "Intel(R) OpenCL":  # what DESIGN.md says the GPU-class kernels may use there
+        assert caps.fp16 and caps.subgroups and caps.image2d_from_buffer and caps.integer_dot_product
+        assert caps.opencl_c >= (3, 0) and caps.reqd_subgroup_size == "intel" and 8 in caps.subgroup_sizes
+        assert caps.image2d_max_width == 16384 and caps.image_pitch_alignment > 0
+
+
+def test_subgroups_from_any_of_their_three_names():
+    assert has_subgroups(("cl_khr_subgroups",)) and has_subgroups(("cl_intel_subgroups", "cl_khr_fp16"))
+    assert has_subgroups((), ("__opencl_c_subgroups",))  # OpenCL C 3.0, as Intel's CPU runtime has them
+    assert not has_subgroups(("cl_khr_subgroup_shuffle",), ("__opencl_c_images",))
+
+
+def test_pypi_implementations_join_what_the_icd_loader_reads(tmp_path):
+    system, user = tmp_path / "system", tmp_path / "user"
+    system.mkdir(), user.mkdir()
+    (system / "gpu.icd").write_text("libgpu.so\n")
+    (user / "mine.icd").write_text("/opt/mine/libmine.so\n")
+    (user / "notes.txt").write_text("not an icd file")
+    library = tmp_path / "libintelocl.so"
+    library.write_bytes(b"")
+    ours = {"intel.icd": library}
+    assert merged_vendor_entries({"OPENCL_VENDOR_PATH": str(system)}, ours) == {
+        "gpu.icd": "libgpu.so", "intel.icd": str(library)}
+    # a user's own folder is kept (the loader would have read it instead of the system's)
+    assert merged_vendor_entries({"OCL_ICD_VENDORS": str(user), "OPENCL_VENDOR_PATH": str(system)}, ours) == {
+        "mine.icd": "/opt/mine/libmine.so", "intel.icd": str(library)}
+    # one library named asks for that platform alone (the Oclgrind tier); a folder listing ours needs nothing
+    assert merged_vendor_entries({"OCL_ICD_VENDORS": str(library)}, ours) is None
+    (user / "intel-by-hand.icd").write_text(str(library))
+    assert merged_vendor_entries({"OCL_ICD_VENDORS": str(user)}, ours) is None
+
+
+def _platforms_in_a_new_process(**env) -> list[str]:
+    code = "from perfx.runtime import list_devices; print('\\n'.join(sorted({e.platform for e in list_devices()})))"
+    environ = {k: v for k, v in os.environ.items() if k not in ("OCL_ICD_VENDORS", "PERFX_DEVICE")}
+    out = subprocess.run([sys.executable, "-c", code], env={**environ, **env}, capture_output=True, text=True,
+                         check=True, timeout=120)
+    return out.stdout.split("\n")[:-1]
+
+
+def test_intel_runtime_is_listed_beside_pocl_without_any_setting():
+    library = intel_opencl_library()
+    if library is None:
+        message = "intel-opencl-rt is not installed (the dev extra brings it on x86-64 Linux)"
+        if os.environ.get("PERFX_REQUIRE_INTEL") == "1":
+            pytest.fail(message + "; PERFX_REQUIRE_INTEL=1 requires it")
+        pytest.skip(message)
+    assert _platforms_in_a_new_process() == ["Intel(R) OpenCL", "Portable Computing Language"]
+    assert _platforms_in_a_new_process(OCL_ICD_VENDORS=str(library)) == ["Intel(R) OpenCL"]
 
 
 def test_build_error_names_file_defines_and_shows_the_log(device):

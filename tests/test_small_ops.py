@@ -25,7 +25,7 @@ def test_every_parameter_set_matches_reference(device, rng, spec, shape):
     assert_every_parameter_set(spec, device, shape, rng)
 
 
-def test_embedding_f16_split_table_and_bad_ids(rng):
+def test_embedding_f16_split_table_and_bad_ids(device, rng):
     small = Device(limits=Limits(name="test", max_alloc=16 << 10))  # 100 halves a row: 81 rows a block
     w = rng.standard_normal((300, 100)).astype(np.float16)
     table = F16DeviceWeight.upload(small, w)

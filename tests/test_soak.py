@@ -20,6 +20,8 @@ from perfx.commands.chat import Chat
 from perfx.generate import SamplingConfig
 from perfx.model import load_model
 
+pytestmark = pytest.mark.one_implementation  # model-level: the default device only
+
 CTX = 256
 MAX_TOKENS = 32
 HOST_SLACK = 16 << 20    # allocator noise and Python's caches; a copy of the cache or logits per turn is more

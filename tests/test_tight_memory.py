@@ -112,3 +112,26 @@ def test_llama_2_7b_loads_and_decodes_under_adreno740_limits():
         "host_peak_bytes": model.load_report["host_peak_bytes"],
     }
     print(f"\ntight memory (adreno740 limits), synthetic:llama-2-7b: {figures}")
+
+
+@pytest.mark.slow
+def test_llama_2_7b_runs_a_4096_position_context_under_256_mib_allocations():
+    """adreno-qcs allows 256 MiB per allocation: the 7B's 1 GiB of keys (and of values) at 4096 positions is
+    held in pieces of whole layers, and decode reads the right piece at every layer up to the last position."""
+    gc.collect()
+    device = Device(limits=LIMIT_PRESETS["adreno-qcs"])
+    seen = Recorder(device)
+    model, _ = load_model("synthetic:llama-2-7b", device, ctx=4096, progress=False)
+    cache = model.cache
+    assert cache.nbytes == 2 << 30 and len(cache.pieces) == 32 * (1 << 25) // (256 << 20)   # 8 layers a piece
+    assert 0 < seen.largest <= 256 << 20
+    cache.clear(device)              # positions 4..4094 are read below without having been written
+    model.prefill([1, 2, 3], 0)
+    first = model.logits()
+    for pos in (3, 4095):            # the first free position, and the context's last
+        model.decode_one(7, pos)
+        assert np.isfinite(model.logits()).all()
+    model.prefill([1, 2, 3], 0)      # the cache's first positions again: the same logits as before
+    assert relative_error(model.logits(), first) <= 1e-5
+    del model
+    gc.collect()

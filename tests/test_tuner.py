@@ -1,11 +1,10 @@
 """The autotuner: verified candidates only, reasons recorded, resumable sweeps, budget, model problems."""
 
+import argparse
+import builtins
 import json
 
 import pytest
-
-import argparse
-import builtins
 
 from perfx import cli, plots
 from perfx.commands import tune
@@ -13,10 +12,14 @@ from perfx.errors import PerfxError
 from perfx.runtime import get_device
 from perfx.sources.synthetic import SYNTHETIC_MODELS
 from perfx.tuning import SPECS, select_specs, specs
-from perfx.tuning.database import M_BUCKETS, Database, bucket_representative, lookup, m_bucket, params_key
+from perfx.model import load_model
+from perfx.tuning.database import (M_BUCKETS, Database, bucket_representative, default_database, lookup, m_bucket,
+                                   params_key, result_record)
 from perfx.tuning.problems import _fits, model_problems
 from perfx.tuning.tuner import Tuner, neighbours
-from toy_tuning import Toy
+from toy_tuning import Toy, quiet_tuner
+
+pytestmark = pytest.mark.one_implementation  # model-level: the default device only
 
 SHAPE = {"n": 1000}
 
@@ -29,7 +32,7 @@ def db(tmp_path):
 def test_never_selects_wrong_or_broken_and_records_why(device, db):
     toy = Toy()
     spec = toy.spec()
-    result = Tuner(device, db, budget_s=60).tune_problem(spec, SHAPE)
+    result = quiet_tuner(device, db, budget_s=60).tune_problem(spec, SHAPE)
     assert result.complete and len(result.outcomes) == 9
     assert result.best.params["MODE"] == "good" and result.best.status == "ok"
     by_mode = {}
@@ -45,15 +48,17 @@ def test_never_selects_wrong_or_broken_and_records_why(device, db):
     assert {c["status"] for c in logged["candidates"]} >= {"ok", "wrong", "build"} and logged["complete"]
     (saved,) = json.loads(db.device_path(device.fingerprint).read_text())["records"]
     assert saved["params"]["MODE"] == "good" and "candidates" not in saved
-    assert saved["time_s"] == result.best.time_s and saved["gb_per_s"] > 0
+    assert saved["time_s"] == result.time_s and saved["gb_per_s"] > 0 and saved["rounds"] == 7
+    lo, hi = saved["gain_interval"]
+    assert lo <= saved["gain"] <= hi
     choice = db.lookup(device, spec, SHAPE)
-    assert choice.source == "device" and choice.params == result.best.params
+    assert choice.source == "device" and choice.params == result.chosen
 
 
 def test_a_wrong_answer_is_caught_even_when_it_is_the_only_candidate(device, db):
     toy = Toy()
     spec = toy.spec(space={"WGS": (16,), "MODE": ("wrong",)})
-    result = Tuner(device, db, budget_s=30).tune_problem(spec, SHAPE)
+    result = quiet_tuner(device, db, budget_s=30).tune_problem(spec, SHAPE)
     assert result.best is None and not result.complete
     assert db.lookup(device, spec, SHAPE).source == "default"
 
@@ -63,31 +68,34 @@ def test_interrupted_sweep_resumes_without_retiming(device, db):
     spec = toy.spec()
     toy.interrupt_at = 5  # Ctrl-C during the fifth candidate's verification
     with pytest.raises(KeyboardInterrupt):
-        Tuner(device, db, budget_s=60).tune_problem(spec, SHAPE)
+        quiet_tuner(device, db, budget_s=60).tune_problem(spec, SHAPE)
     logged = json.loads(db.log_path(device.fingerprint).read_text())["problems"][0]
     done = {params_key(c["params"]) for c in logged["candidates"]}
     assert len(done) == 4 and not logged["complete"]
     assert not db.device_path(device.fingerprint).exists(), "an interrupted problem has no result yet"
 
     toy.interrupt_at, toy.runs, toy.launches = None, {}, {}
-    result = Tuner(device, db, budget_s=60).tune_problem(spec, SHAPE)
+    result = quiet_tuner(device, db, budget_s=60).tune_problem(spec, SHAPE)
     assert result.resumed == 4 and result.complete and len(result.outcomes) == 9
-    again = {params_key(dict(k)) for k in list(toy.runs) + list(toy.launches)}
-    assert not done & again, "a finished candidate was run again"
+    again = {params_key(dict(k)) for k in toy.runs}
+    assert not done & again, "a finished candidate was verified again"
     assert len(toy.runs) == 5
+    # Only the confirmation launches a finished candidate again: the contenders, never a rejected one.
+    relaunched = {params_key(dict(k)) for k in toy.launches} & done
+    assert relaunched <= {params_key(c) for c in result.confirmation.contenders}
     # A third run finds the record complete and runs nothing at all.
     toy.runs, toy.launches = {}, {}
-    result = Tuner(device, db, budget_s=60).tune_problem(spec, SHAPE)
+    result = quiet_tuner(device, db, budget_s=60).tune_problem(spec, SHAPE)
     assert result.complete and not toy.runs and not toy.launches
 
 
 def test_budget_spent_times_the_defaults_then_the_next_sweep_goes_on(device, db):
     toy = Toy()
     spec = toy.spec()
-    first = Tuner(device, db, budget_s=0).tune_problem(spec, SHAPE)
+    first = quiet_tuner(device, db, budget_s=0).tune_problem(spec, SHAPE)
     assert [o.params for o in first.outcomes] == [spec.defaults()] and not first.complete
     assert first.best.params == spec.defaults() and first.speedup == 1.0
-    second = Tuner(device, db, budget_s=60).tune_problem(spec, SHAPE)
+    second = quiet_tuner(device, db, budget_s=60).tune_problem(spec, SHAPE)
     assert second.complete and second.resumed == 1 and len(second.outcomes) == 9
 
 
@@ -95,7 +103,7 @@ def test_random_sampling_then_local_refinement_on_a_large_space(device, db):
     toy = Toy()
     space = {"WGS": (16, 32, 64, 128), "MODE": ("good", "wrong", "broken"), "PAD": (0, 1, 2, 3, 4)}
     spec = toy.spec(space=space)
-    tuner = Tuner(device, db, budget_s=60, exhaustive_limit=8, random_samples=4, repeat=3)
+    tuner = quiet_tuner(device, db, budget_s=60, exhaustive_limit=8, random_samples=4, repeat=3)
     result = tuner.tune_problem(spec, SHAPE)
     assert result.complete and result.best.params["MODE"] == "good"
     assert 5 <= len(result.outcomes) < 60
@@ -188,3 +196,34 @@ def test_bench_e2e_reports_end_to_end_figures(capsys):
     e2e = data["e2e"]
     assert code == 0 and e2e["model"] == "synthetic:tiny"
     assert e2e["decode_tok_s"] > 0 and e2e["prefill_tok_s"] > 0 and e2e["device_bytes"] > e2e["weight_bytes"] > 0
+
+
+def test_bench_vs_defaults_interleaves_and_reports_the_gain_with_its_interval(capsys):
+    code = cli.main(["bench", "--model", "synthetic:tiny", "--kernels", "rmsnorm", "--max-m", "1",
+                     "--vs-defaults", "--rounds", "4", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    (row,) = data["kernels"]
+    assert code == 0 and row["rounds"] == 4
+    low, high = row["gain_interval"]
+    assert low <= row["gain"] <= high and row["defaults_time_s"] > 0 and row["tuned_time_s"] > 0
+    assert cli.main(["bench", "--vs-defaults", "--rounds", "2"]) == 2
+    assert "--rounds must be at least 4" in capsys.readouterr().err
+
+
+def test_tuning_off_runs_every_kernel_at_its_defaults(tmp_path, monkeypatch):
+    """PERFX_TUNING=off and --no-tuning (load_model(tuning=False)) ignore every database, shipped ones too."""
+    monkeypatch.setenv("PERFX_CACHE", str(tmp_path))
+    device = get_device()
+    shape = {"m": 1, "k": 576, "residual": True}
+    shipped = Database(tmp_path / "user", tmp_path / "shipped")
+    shipped.save_result(device, result_record(SPECS["rmsnorm"], shape, {"WGS": 64, "VW": 8}, 1e-5, 2e-5,
+                                              device.fingerprint))
+    assert shipped.lookup(device, SPECS["rmsnorm"], shape).source == "device"
+    assert Database(tmp_path / "user", tmp_path / "shipped", enabled=False).lookup(
+        device, SPECS["rmsnorm"], shape).source == "default"
+    model, _ = load_model("synthetic:tiny", device, ctx=16, progress=False, tuning=False)
+    assert {choice.source for choice in model.tuned.values()} == {"default"}
+    monkeypatch.setenv("PERFX_TUNING", "off")
+    assert not default_database().enabled
+    monkeypatch.setenv("PERFX_TUNING", "on")
+    assert default_database().enabled

@@ -16,6 +16,7 @@ import pyopencl as cl
 from perfx.ops.params import ParamSpace
 from perfx.runtime import BuildError
 from perfx.tuning.spec import Case, Spec
+from perfx.tuning.tuner import Tuner
 
 SOURCE = (Path(__file__).parent / "data" / "toy.cl").read_text()
 MODES = {"good": 0, "wrong": 1, "broken": 2}
@@ -79,3 +80,9 @@ class Toy:
             bytes_moved=lambda s: 8 * s["n"],
             flops=lambda s: s["n"],
         )
+
+
+def quiet_tuner(device, database, **kwargs) -> Tuner:
+    """A Tuner whose reference kernel never drifts and that never pauses: these tests are about the search
+    and its records; drift has tests of its own."""
+    return Tuner(device, database, reference=lambda: 1e-3, cool_down_s=0, **kwargs)

@@ -9,7 +9,6 @@ timing, so a cache larger than the device's caches is not served from them twice
 from __future__ import annotations
 
 import numpy as np
-import pyopencl as cl
 
 from perfx import reference
 from perfx.ops.attention_decode import PARAMS, AttentionDecode
@@ -77,8 +76,7 @@ def make_case(device, shape, rng) -> Case:
 
     def run(params):
         state["layer"] = LAYER
-        for buffer, host in zip((cache.keys, cache.values), host_cache):
-            cl.enqueue_copy(device.queue, buffer, host)
+        cache.write(device, *host_cache)
         out.fill(np.float32(np.nan))
         for event in launch(params):
             event.wait()

@@ -7,7 +7,6 @@ already in the cache). Cases run at layer 1 of a two-layer cache, so the layer o
 from __future__ import annotations
 
 import numpy as np
-import pyopencl as cl
 
 from perfx import reference
 from perfx.ops.attention_prefill import PARAMS, AttentionPrefill
@@ -73,8 +72,7 @@ def make_case(device, shape, rng) -> Case:
         return op(params).enqueue(qkv_dev, out, cache, rope, LAYER, p0, m)
 
     def run(params):
-        for buffer, host in zip((cache.keys, cache.values), host_cache):
-            cl.enqueue_copy(device.queue, buffer, host)
+        cache.write(device, *host_cache)
         out.fill(np.float32(np.nan))
         for event in launch(params):
             event.wait()

@@ -1,7 +1,8 @@
 """The tuning database: which parameters each kernel family uses on a device, for a shape.
 
-Results files (what is looked up) hold one compact record per (family, shape): the best parameters,
-their time, GB/s or GFLOP/s, the defaults' time, the kernel source hash and the device. They come
+Results files (what is looked up) hold one compact record per (family, shape): the parameters chosen,
+their time, GB/s or GFLOP/s, the defaults' time, the gain over the defaults with its 95% interval from
+the tuner's interleaved confirmation rounds, the kernel source hash and the device. They come
 from two places: perfx's shipped files (``tuning/database/``, read only) and the user's own
 (``<cache>/tuning/<device>.json``, written by `perfx tune` and `--import`). Each file says what it
 applies to (``match``): one device (its fingerprint: platform, device name, OpenCL C version, driver
@@ -49,8 +50,8 @@ M_BUCKETS = ((1, 1), (2, 4), (5, 16), (17, 64), (65, 256), (257, None))
 # Shape keys matched by nearest rather than exactly.
 SIZE_KEYS = ("m", "positions")
 # The fields of a results record, in the order they are written.
-RECORD_FIELDS = ("family", "shape", "params", "time_s", "default_time_s", "gb_per_s", "gflop_per_s",
-                 "source_hash", "device", "devices", "comment")
+RECORD_FIELDS = ("family", "shape", "params", "time_s", "default_time_s", "gain", "gain_interval", "rounds",
+                 "gb_per_s", "gflop_per_s", "source_hash", "device", "devices", "comment")
 
 
 class TuningDatabaseWarning(UserWarning):
@@ -297,9 +298,12 @@ class Database:
     user's resume logs. Files are re-read when they change on disk, so a sweep in another process is seen.
     """
 
-    def __init__(self, user_dir: Path | str | None = None, shipped_dir: Path | str | None = None):
+    def __init__(self, user_dir: Path | str | None = None, shipped_dir: Path | str | None = None,
+                 enabled: bool = True):
+        """``enabled`` False: no file is read, every look-up gives the defaults (PERFX_TUNING=off, --no-tuning)."""
         self.user_dir = Path(user_dir) if user_dir is not None else cache_dir() / "tuning"
         self.shipped_dir = Path(shipped_dir) if shipped_dir is not None else tuning_path("database")
+        self.enabled = enabled
         self._cache: dict[Path, tuple] = {}
 
     # -- files ---------------------------------------------------------------------------------
@@ -320,6 +324,8 @@ class Database:
 
     def files(self) -> list[ResultsFile]:
         """User files first, then shipped ones (so a user's measurement wins at the same level)."""
+        if not self.enabled:
+            return []
         result = []
         for directory, writable in ((self.user_dir, True), (self.shipped_dir, False)):
             if directory.is_dir():
@@ -348,6 +354,28 @@ class Database:
 
     def log(self, device) -> TuningLog:
         return TuningLog(self.log_path(device.fingerprint), device)
+
+    # -- what this device's driver refused --------------------------------------------------------
+
+    def refused_path(self, fingerprint: dict) -> Path:
+        return self.user_dir / "refused" / f"{fingerprint_slug(fingerprint)}.json"
+
+    def refused(self, device) -> dict[tuple, str]:
+        """(family, params key, source hash) -> why, for each parameter set this device's driver refused
+        (it did not build, or broke the kernel's own limits) when a model was loaded."""
+        if not self.enabled:
+            return {}
+        entries = read_json(self.refused_path(device.fingerprint), default=[])
+        return {(e["family"], params_key(e["params"]), e.get("source_hash")): e["reason"] for e in entries
+                if isinstance(e, dict) and {"family", "params", "reason"} <= set(e)}
+
+    def refuse(self, device, spec, params: dict, reason: str):
+        """Remember that this driver refused ``params``: later loads skip them without building again."""
+        path = self.refused_path(device.fingerprint)
+        entries = read_json(path, default=[])
+        entries.append({"family": spec.family, "params": normal(params), "source_hash": source_hash(spec),
+                        "reason": reason, "when": _now()})
+        write_json_atomic(path, entries)
 
     def save_result(self, device, record: dict):
         """Put a results record (``result_record``) into this device's file, written atomically."""
@@ -384,12 +412,21 @@ class Database:
 
     def choices(self, device, spec, shape: dict) -> list[Choice]:
         """Every parameter set that may run ``spec`` at ``shape`` on ``device``, most specific first: each
-        fitting database record, then the defaults (or, where they do not fit, the first set that does)."""
+        fitting database record, then the defaults (or, where they do not fit, the first set that does).
+        Sets this device's driver refused before are skipped, with the reason kept."""
         result, skipped = [], []
+        refused = self.refused(device)
+        current = source_hash(spec)
+
+        def why_not(params):
+            why = spec.why_invalid(params, shape, device.caps)
+            refusal = refused.get((spec.family, params_key(params), current))
+            return why or (f"refused by this driver: {refusal}" if refusal else None)
+
         for _, _, file, record in self._matches(device, spec, shape):
             params = {**spec.defaults(), **record["params"]}
             level = file.level_for(device)
-            why = spec.why_invalid(params, shape, device.caps)
+            why = why_not(params)
             if why is not None:
                 skipped.append(f"{file.path.name} ({level}): {why}")
                 continue
@@ -399,11 +436,10 @@ class Database:
             result.append(Choice(params, level, f"{file.path.name}: {spec.family} {what}", record.get("time_s"),
                                  tuple(skipped)))
         defaults = spec.defaults()
-        why = spec.why_invalid(defaults, shape, device.caps)
+        why = why_not(defaults)
         if why is not None:
             skipped.append(f"the defaults: {why}")
-            fitting = spec.candidates(shape, device.caps)
-            defaults = fitting[0] if fitting else None
+            defaults = next((p for p in spec.candidates(shape, device.caps) if why_not(p) is None), None)
         if defaults is not None and not any(c.params == defaults for c in result):
             detail = "no tuned entry fits" if skipped else "no tuned entry"
             result.append(Choice(defaults, "default", detail, None, tuple(skipped)))
@@ -420,6 +456,7 @@ class Database:
         """Every record that applies to this device, the level it applies at, and whether it is stale."""
         rows = []
         hashes = {}
+        refused = self.refused(device)
         for file in self.files():
             level = file.level_for(device)
             if level is None:
@@ -434,8 +471,12 @@ class Database:
                     if family not in hashes:
                         hashes[family] = source_hash(spec)
                     pinned = record.get("source_hash")
+                    refusal = refused.get((family, params_key({**spec.defaults(), **record["params"]}),
+                                           hashes[family]))
                     if pinned is not None and pinned != hashes[family]:
                         note = "stale: kernel source changed, will be re-tuned"
+                    elif refusal:
+                        note = f"refused by this driver, the next choice runs instead: {refusal}"
                 shape = record.get("shape")
                 rows.append({"family": family, "shape": shape,
                              "shape_text": "*" if shape is None or spec is None else spec.describe(shape),
@@ -586,14 +627,20 @@ def _best_on_average(members: list[_DeviceResults], key) -> dict | None:
             "devices": sorted(m.slug for m in members)}
 
 
-_default: dict[str, Database] = {}
+_default: dict[tuple, Database] = {}
 
 
-def default_database() -> Database:
-    """The process's database, for the cache dir in force (``PERFX_CACHE`` read each time)."""
-    key = str(cache_dir())
+def tuning_enabled() -> bool:
+    """False when ``PERFX_TUNING=off``: every tuning database is ignored, the kernels run their defaults."""
+    return os.environ.get("PERFX_TUNING", "").strip().lower() not in ("off", "0", "no", "false")
+
+
+def default_database(enabled: bool = True) -> Database:
+    """The process's database, for the cache dir in force (``PERFX_CACHE`` and ``PERFX_TUNING`` read each
+    time); ``enabled`` False ignores every file, as PERFX_TUNING=off does."""
+    key = (str(cache_dir()), enabled and tuning_enabled())
     if key not in _default:
-        _default[key] = Database()
+        _default[key] = Database(enabled=key[1])
     return _default[key]
 
 

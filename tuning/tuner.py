@@ -1,21 +1,31 @@
-"""The autotuner: verified, timed sweeps of a family's parameter space, one problem at a time.
+"""The autotuner: verified, timed sweeps of a family's parameter space, one problem at a time, and a
+confirmation of the winners that noise cannot fool.
 
-Every candidate is first run and compared with the float64 reference on this device; only a
-candidate within the spec's tolerance is timed, and only a timed one may be chosen. One that does
-not build, fails at launch or is wrong is recorded with the reason. Each outcome goes to the
-device's resume log as it comes (atomically), so an interrupted sweep resumes without re-timing
-anything; the best of a problem goes to the device's results file when its search ends.
+Every candidate is first run and compared with the float64 reference on this device; only a candidate
+within the spec's tolerance is timed, and only a timed one may be chosen. One that does not build,
+fails at launch or is wrong is recorded with the reason. Each outcome goes to the device's resume log
+as it comes (atomically), so an interrupted sweep resumes without re-timing anything.
 
-Search (after CLBlast's and kernel_tuner's tuners): the defaults first (the speed-up baseline), then
-every candidate where the space is small, else a random sample followed by local refinement (each
-parameter moved to its neighbouring values) around the best, until nothing improves or the
-problem's share of the budget is spent. A candidate whose first timed run is clearly slower than the
-best so far is cut short.
+Search (after CLBlast's and kernel_tuner's tuners): the defaults first, then every candidate where the
+space is small, else a random sample followed by local refinement (each parameter moved to its
+neighbouring values) around the best, until nothing improves or the problem's share of the budget is
+spent. A candidate whose first timed run is clearly slower than the best so far is cut short; a cut
+candidate is never chosen.
+
+Confirmation: a search ranks candidates by one median each, and on a phone (thermal throttling,
+big.LITTLE, DVFS) or a busy machine a single lucky sample can crown the wrong one. So the top few, the
+entry in force before (the incumbent) and the defaults are timed again, interleaved in a shuffled order
+over several rounds, with a reference kernel (the copy kernel) timed between rounds: a round during
+which the machine drifted (throttling, another load) is set aside after a cool-down and taken again.
+A challenger replaces the incumbent only when its paired bootstrap interval of time ratios lies wholly
+below 1; otherwise the incumbent stays ("no significant difference"). The result records its median
+time, and its gain over the defaults with that interval.
 """
 
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -24,18 +34,22 @@ import pyopencl as cl
 
 from perfx.errors import PerfxError
 from perfx.runtime import BuildError
-from perfx.timing import time_launches
+from perfx.timing import bootstrap_ratio, copy_kernel, time_launches
 from perfx.tuning.database import Database, normal, params_key, result_record
 
 EXHAUSTIVE_LIMIT = 48   # spaces up to this many candidates are searched exhaustively
 RANDOM_SAMPLES = 24     # otherwise: this many random candidates before local refinement
 CUT_FACTOR = 2.0        # a first run this many times slower than the best so far is cut short
+CONFIRM_TOP = 3         # search winners confirmed against the incumbent and the defaults
+CONFIRM_ROUNDS = 7      # interleaved rounds of the confirmation
+DRIFT_THRESHOLD = 0.25  # the reference kernel this much slower than at the start: the round is suspect
+COOL_DOWN_S = 2.0       # wait before re-taking a suspect round
 STATUSES = ("ok", "slow", "wrong", "build", "launch", "error")
 
 
 @dataclass
 class Outcome:
-    """What happened to one candidate. Only "ok" outcomes may be chosen."""
+    """What happened to one candidate in the search. Only "ok" outcomes may be chosen."""
 
     params: dict
     status: str                      # one of STATUSES
@@ -59,6 +73,37 @@ class Outcome:
 
 
 @dataclass
+class Confirmation:
+    """The interleaved re-timing of the contenders of one problem."""
+
+    contenders: list[dict]           # parameter sets: the incumbent first, the defaults, then challengers
+    rounds: list[list[float]]        # per kept round, each contender's time (same order as contenders)
+    chosen: dict                     # the parameters in force after the confirmation
+    verdict: str                     # "replaced the incumbent" / "no significant difference" / ...
+    ratio: float                     # median ratio chosen / incumbent (1.0 when the incumbent stays)
+    interval: tuple[float, float]    # its bootstrap interval
+    gain: float                      # defaults / chosen, median ratio
+    gain_interval: tuple[float, float]
+    suspect_rounds: int = 0          # rounds set aside for drift and taken again
+
+    def median(self, params: dict) -> float:
+        i = self.contenders.index(params)
+        return statistics.median(r[i] for r in self.rounds)
+
+    def as_dict(self) -> dict:
+        return {"contenders": [normal(c) for c in self.contenders], "rounds": self.rounds,
+                "chosen": normal(self.chosen), "verdict": self.verdict, "ratio": self.ratio,
+                "interval": list(self.interval), "gain": self.gain, "gain_interval": list(self.gain_interval),
+                "suspect_rounds": self.suspect_rounds}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Confirmation:
+        return cls(data["contenders"], data["rounds"], data["chosen"], data["verdict"], data["ratio"],
+                   tuple(data["interval"]), data["gain"], tuple(data["gain_interval"]),
+                   data.get("suspect_rounds", 0))
+
+
+@dataclass
 class ProblemResult:
     family: str
     shape: dict
@@ -67,36 +112,58 @@ class ProblemResult:
     bytes_moved: int
     flops: int
     outcomes: list[Outcome] = field(default_factory=list)
-    best: Outcome | None = None
+    best: Outcome | None = None      # the search's fastest verified candidate
     default: Outcome | None = None
-    resumed: int = 0          # outcomes read back from the database, not re-run
+    confirmation: Confirmation | None = None
+    resumed: int = 0          # outcomes read back from the log, not re-run
     complete: bool = False    # the search finished (not cut by the budget)
     note: str = ""            # why the problem could not be tuned, when it could not
+    suspect_candidates: int = 0   # search timings re-taken because the machine drifted
+
+    @property
+    def chosen(self) -> dict | None:
+        """The parameters the problem's result holds: the confirmation's choice, else the search's best."""
+        if self.confirmation is not None:
+            return self.confirmation.chosen
+        return self.best.params if self.best else None
+
+    @property
+    def time_s(self) -> float | None:
+        if self.confirmation is not None:
+            return self.confirmation.median(self.confirmation.chosen)
+        return self.best.time_s if self.best else None
 
     @property
     def speedup(self) -> float | None:
+        """Defaults' time over the chosen parameters' time (from the confirmation where there was one)."""
+        if self.confirmation is not None:
+            return self.confirmation.gain
         if self.best and self.default and self.default.status == "ok" and self.best.time_s:
             return self.default.time_s / self.best.time_s
         return None
 
-    def rate(self, outcome: Outcome | None = None) -> tuple[float | None, float | None]:
-        """(GB/s, GFLOP/s) of an outcome (the best by default)."""
-        outcome = outcome or self.best
-        if outcome is None or not outcome.time_s:
+    def rate(self) -> tuple[float | None, float | None]:
+        """(GB/s, GFLOP/s) of the chosen parameters."""
+        t = self.time_s
+        if not t:
             return None, None
-        return (self.bytes_moved / outcome.time_s / 1e9,
-                self.flops / outcome.time_s / 1e9 if self.flops else None)
+        return self.bytes_moved / t / 1e9, self.flops / t / 1e9 if self.flops else None
 
     def as_dict(self) -> dict:
         gbps, gflops = self.rate()
+        c = self.confirmation
         return {"family": self.family, "shape": normal(self.shape), "label": self.label,
                 "description": self.description, "bytes_moved": self.bytes_moved, "flops": self.flops,
+                "chosen": normal(self.chosen) if self.chosen else None, "time_s": self.time_s,
                 "best": self.best.as_dict() if self.best else None,
                 "default": self.default.as_dict() if self.default else None,
-                "speedup": self.speedup, "gb_per_s": gbps, "gflop_per_s": gflops,
+                "speedup": self.speedup, "gain_interval": list(c.gain_interval) if c else None,
+                "verdict": c.verdict if c else None, "confirmation": c.as_dict() if c else None,
+                "gb_per_s": gbps, "gflop_per_s": gflops,
                 "candidates": len(self.outcomes), "rejected": sum(o.status not in ("ok", "slow")
                                                                   for o in self.outcomes),
                 "resumed": self.resumed, "complete": self.complete, "note": self.note,
+                "suspect_candidates": self.suspect_candidates,
                 "outcomes": [o.as_dict() for o in self.outcomes]}
 
 
@@ -121,22 +188,55 @@ def neighbours(space: dict, params: dict) -> list[dict]:
     return result
 
 
+class DriftWatch:
+    """Times a fixed reference kernel (the copy kernel) now and then; says when the machine has drifted
+    from where it was at the start (thermal throttling, another load), so a timing taken then is re-taken.
+    Drift is slow (heat builds over seconds): the reference is timed at most every ``every_s`` seconds."""
+
+    def __init__(self, reference, threshold: float = DRIFT_THRESHOLD, every_s: float = 0.5):
+        self.reference, self.threshold, self.every_s = reference, threshold, every_s
+        self.baseline: float | None = None
+        self.events = 0
+        self.last = -float("inf")
+
+    def drifted(self) -> bool:
+        if time.perf_counter() - self.last < self.every_s:
+            return False
+        self.last = time.perf_counter()
+        now = self.reference()
+        if self.baseline is None:
+            self.baseline = min(now, self.reference(), self.reference())
+            return False
+        self.baseline = min(self.baseline, now)  # a quiet moment later in the run is the better baseline
+        if now > (1 + self.threshold) * self.baseline:
+            self.events += 1
+            return True
+        return False
+
+
 class Tuner:
     """Tunes problems on one device into one database.
 
     ``budget_s`` is shared among the problems still to do; ``progress`` (a perfx.progress.Progress
-    over problems) gets a note after every candidate.
+    over problems) gets a note after every candidate. ``timer`` times a launch function (the tests give
+    a simulated noisy one); ``reference`` returns the time of a fixed reference kernel (default: the copy
+    kernel on this device); ``cool_down_s`` is the pause before a suspect round is taken again.
     """
 
     def __init__(self, device, database: Database | None = None, budget_s: float = 600.0, seed: int = 0,
                  progress=None, warmup: int = 2, repeat: int = 10, exhaustive_limit: int = EXHAUSTIVE_LIMIT,
-                 random_samples: int = RANDOM_SAMPLES):
+                 random_samples: int = RANDOM_SAMPLES, confirm_top: int = CONFIRM_TOP,
+                 confirm_rounds: int = CONFIRM_ROUNDS, timer=time_launches, reference=None,
+                 cool_down_s: float = COOL_DOWN_S, drift_threshold: float = DRIFT_THRESHOLD):
         self.device = device
         self.database = database if database is not None else Database()
         self.log = self.database.log(device)
         self.budget_s, self.seed, self.progress = budget_s, seed, progress
         self.warmup, self.repeat = warmup, repeat
         self.exhaustive_limit, self.random_samples = exhaustive_limit, random_samples
+        self.confirm_top, self.confirm_rounds = confirm_top, confirm_rounds
+        self.timer, self.cool_down_s = timer, cool_down_s
+        self.drift = DriftWatch(reference or copy_kernel(device), drift_threshold)
         self.started = time.perf_counter()
 
     def time_left(self) -> float:
@@ -149,18 +249,18 @@ class Tuner:
             share = max(self.time_left(), 0.0) / (len(jobs) - i)
             results.append(self.tune_problem(spec, shape, label, time.perf_counter() + share))
             if self.progress is not None:
-                self.progress.update(note=self._note(results[-1], share))
+                self.progress.update(note=self._note(results[-1]))
         return results
 
-    def _note(self, result: ProblemResult, left: float) -> str:
-        best = f"best {result.best.time_s * 1e6:.0f} us" if result.best else "no valid candidate yet"
+    def _note(self, result: ProblemResult) -> str:
+        best = f"best {result.time_s * 1e6:.0f} us" if result.time_s else "no valid candidate yet"
         return (f"{result.family} {result.description}: {len(result.outcomes)} candidates, {best}, "
                 f"{max(self.time_left(), 0):.0f}s left")
 
     # -- one problem ---------------------------------------------------------------------------
 
     def tune_problem(self, spec, shape: dict, label: str = "", deadline: float | None = None) -> ProblemResult:
-        """Search one (family, shape) until done or ``deadline`` (perf_counter seconds) passes."""
+        """Search one (family, shape) until done or ``deadline`` (perf_counter seconds) passes, then confirm."""
         deadline = time.perf_counter() + max(self.time_left(), 0.0) if deadline is None else deadline
         caps = self.device.caps
         result = ProblemResult(spec.family, dict(shape), label, spec.describe(shape),
@@ -181,6 +281,11 @@ class Tuner:
         if not candidates:
             result.note = "no parameter set is valid for this shape on this device"
             return result
+        if record.get("confirmation") and record.get("complete"):
+            result.complete = True
+            result.confirmation = Confirmation.from_dict(record["confirmation"])
+            self._save_result(spec, result)
+            return result
         if defaults in candidates:
             candidates.remove(defaults)
             candidates.insert(0, defaults)
@@ -189,10 +294,6 @@ class Tuner:
             candidates[1:], len(candidates) - 1)
         if not exhaustive:
             order = order[:1 + self.random_samples]
-        if record.get("complete") and result.best is not None:
-            result.complete = True
-            self._save_result(spec, result)
-            return result
 
         case = None
 
@@ -206,19 +307,19 @@ class Tuner:
                 return False
             if case is None:
                 case = spec.make_case(self.device, shape, np.random.default_rng(self.seed))
-            outcome = self._evaluate(spec, case, params, result.best)
+            outcome = self._evaluate(spec, case, params, result.best, result)
             tried[key] = outcome
             result.outcomes.append(outcome)
             self._update_best(result, spec)
             record["candidates"].append(outcome.as_dict())
             self.log.save()
             if self.progress is not None:
-                self.progress.update(0, self._note(result, deadline - time.perf_counter()))
+                self.progress.update(0, self._note(result))
             return True
 
         try:
-            finished = all(evaluate(params) for params in order)
-            if finished and not exhaustive:
+            finished = record.get("complete", False) or all(evaluate(params) for params in order)
+            if finished and not exhaustive and not record.get("complete"):
                 # Local refinement: walk to the best neighbour until none is better.
                 while finished:
                     seen_best = result.best
@@ -227,24 +328,37 @@ class Tuner:
                     finished = all(evaluate(p) for p in neighbours(spec.space, seen_best.params))
                     if result.best is seen_best:
                         break
+            result.complete = finished and result.best is not None
+            if record.get("complete") != result.complete:
+                record["complete"] = result.complete
+                self.log.save()
+            if result.complete:
+                if case is None:
+                    case = spec.make_case(self.device, shape, np.random.default_rng(self.seed))
+                result.confirmation = self._confirm(spec, shape, case, result)
+                record["confirmation"] = result.confirmation.as_dict()
+                self.log.save()
         except (PerfxError, cl.Error) as e:  # make_case failed: the problem does not fit this device
             result.note = f"could not set up the problem: {_first_line(e)}"
             return result
-        result.complete = finished and result.best is not None
-        if record.get("complete") != result.complete:
-            record["complete"] = result.complete
-            self.log.save()
         self._save_result(spec, result)
         return result
 
     def _save_result(self, spec, result: ProblemResult):
-        """The problem's best, in the device's results file (what look-ups read)."""
-        if result.best is None:
+        """The problem's chosen parameters, in the device's results file (what look-ups read). A search cut
+        by the budget saves its best too (unconfirmed, marked so), so a partial sweep is still used."""
+        if result.chosen is None:
             return
-        default = result.default.time_s if result.default and result.default.status == "ok" else None
-        self.database.save_result(self.device, result_record(spec, result.shape, result.best.params,
-                                                             result.best.time_s, default,
-                                                             self.device.fingerprint))
+        c = result.confirmation
+        default = (c.median(spec.defaults()) if c else
+                   result.default.time_s if result.default and result.default.status == "ok" else None)
+        record = result_record(spec, result.shape, result.chosen, result.time_s, default, self.device.fingerprint)
+        if c is not None:
+            record.update(gain=round(c.gain, 4), gain_interval=[round(v, 4) for v in c.gain_interval],
+                          rounds=len(c.rounds))
+        else:
+            record["comment"] = "unconfirmed: the search was cut by the budget"
+        self.database.save_result(self.device, record)
 
     def _update_best(self, result: ProblemResult, spec):
         ok = [o for o in result.outcomes if o.status == "ok" and o.time_s]
@@ -252,7 +366,18 @@ class Tuner:
         defaults = spec.defaults()
         result.default = next((o for o in result.outcomes if o.params == defaults), None)
 
-    def _evaluate(self, spec, case, params: dict, best: Outcome | None) -> Outcome:
+    def _time(self, case, params: dict, result: ProblemResult | None = None, **kwargs):
+        """Time one candidate; a timing during which the reference kernel says the machine drifted is
+        taken again after a cool-down (once)."""
+        timing = self.timer(lambda: case.launch(params), rotate=case.rotate, **kwargs)
+        if self.drift.drifted():
+            if result is not None:
+                result.suspect_candidates += 1
+            time.sleep(self.cool_down_s)
+            timing = self.timer(lambda: case.launch(params), rotate=case.rotate, **kwargs)
+        return timing
+
+    def _evaluate(self, spec, case, params: dict, best: Outcome | None, result: ProblemResult) -> Outcome:
         """Verify, then time, one candidate."""
         try:
             errors = case.errors(params)
@@ -265,18 +390,71 @@ class Tuner:
         worst_name = max(errors, key=lambda name: errors[name]) if errors else None
         worst = errors[worst_name] if errors else 0.0
         if not worst <= spec.tolerance:  # NaN and inf fail too
-            return Outcome(params, "wrong", error=worst,
-                           reason=f"wrong: {worst_name} relative error {worst:.2e} > tolerance {spec.tolerance:.0e}")
-        launch = lambda: case.launch(params)  # noqa: E731
+            return Outcome(params, "wrong", error=worst, reason=f"wrong: {worst_name} relative error "
+                                                                f"{worst:.2e} > tolerance {spec.tolerance:.0e}")
         try:
             if best is not None:
-                probe = time_launches(launch, warmup=1, repeat=1, rotate=case.rotate)
+                probe = self.timer(lambda: case.launch(params), warmup=1, repeat=1, rotate=case.rotate)
                 if probe.median_s > CUT_FACTOR * best.time_s:
                     return Outcome(params, "slow", probe.median_s, 0.0, probe.samples, worst,
                                    f"cut short: first run {probe.median_s / best.time_s:.1f}x the best so far")
             cap = CUT_FACTOR * best.time_s * self.repeat + 0.05 if best is not None else None
-            timing = time_launches(launch, warmup=self.warmup, repeat=self.repeat, rotate=case.rotate,
-                                   max_seconds=cap)
+            timing = self._time(case, params, result, warmup=self.warmup, repeat=self.repeat, max_seconds=cap)
         except (PerfxError, cl.Error) as e:
             return Outcome(params, "launch", error=worst, reason=f"launch failed while timing: {_first_line(e)}")
         return Outcome(params, "ok", timing.median_s, timing.spread, timing.samples, worst)
+
+    # -- confirmation ----------------------------------------------------------------------------
+
+    def _incumbent(self, spec, shape: dict) -> dict:
+        """The parameters in force before this sweep's result: the database's choice (this device's earlier
+        result, else the architecture's or vendor's entry, else the defaults)."""
+        return dict(self.database.lookup(self.device, spec, shape).params)
+
+    def _confirm(self, spec, shape: dict, case, result: ProblemResult) -> Confirmation:
+        """Re-time the incumbent, the defaults and the search's top few, interleaved and shuffled over rounds;
+        keep the incumbent unless a challenger is faster beyond the noise."""
+        incumbent, defaults = self._incumbent(spec, shape), spec.defaults()
+        ranked = sorted((o for o in result.outcomes if o.status == "ok" and o.time_s), key=lambda o: o.time_s)
+        contenders = [incumbent]
+        for params in [defaults] + [o.params for o in ranked[:self.confirm_top]]:
+            if params not in contenders:
+                contenders.append(params)
+        verified = {params_key(o.params) for o in result.outcomes if o.status in ("ok", "slow")}
+        for params in contenders[:2]:  # the incumbent and the defaults may not have been verified here
+            if params_key(params) not in verified:
+                errors = case.errors(params)
+                if not all(e <= spec.tolerance for e in errors.values()):
+                    raise PerfxError(f"{spec.family}: the parameters in force {params} are wrong on this device "
+                                     f"({max(errors.values()):.2e} > {spec.tolerance:.0e}); run `perfx selftest`")
+        shuffle = random.Random(f"{self.seed}confirm{result.description}")
+        rounds, suspect = [], 0
+        while len(rounds) < self.confirm_rounds:
+            order = list(range(len(contenders)))
+            shuffle.shuffle(order)
+            times = [0.0] * len(contenders)
+            for i in order:
+                times[i] = self.timer(lambda: case.launch(contenders[i]), warmup=1, repeat=3,
+                                      rotate=case.rotate).median_s
+            if self.drift.drifted() and suspect < self.confirm_rounds:
+                suspect += 1
+                time.sleep(self.cool_down_s)
+                continue
+            rounds.append(times)
+        columns = list(zip(*rounds))
+        medians = [statistics.median(col) for col in columns]
+        best = min(range(len(contenders)), key=lambda i: medians[i])
+        rng = np.random.default_rng(self.seed)
+        chosen, verdict, ratio, interval = incumbent, "the incumbent is fastest", 1.0, (1.0, 1.0)
+        if best != 0:
+            ratio, low, high = bootstrap_ratio(columns[best], columns[0], rng)
+            interval = (low, high)
+            if high < 1.0:
+                chosen, verdict = contenders[best], "replaced the incumbent"
+            else:
+                verdict = (f"no significant difference: {ratio:.3f}× the incumbent's time, interval "
+                           f"[{low:.3f}, {high:.3f}] includes 1")
+        gain, gain_low, gain_high = bootstrap_ratio(columns[contenders.index(defaults)],
+                                                    columns[contenders.index(chosen)], rng)
+        return Confirmation(contenders, [list(r) for r in rounds], chosen, verdict, ratio, interval, gain,
+                            (gain_low, gain_high), suspect)

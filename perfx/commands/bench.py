@@ -13,19 +13,20 @@ time per token, memory); benchmarks/bench_e2e.py reports the same figures throug
 from __future__ import annotations
 
 import json
+import random
 import sys
 
 import numpy as np
 
-from perfx.commands.options import add_kernel_options
+from perfx.commands.options import add_kernel_options, add_no_tuning_option
 from perfx.errors import PerfxError
 from perfx.generate import SamplingConfig, generate
 from perfx.model import load_model
 from perfx.progress import Progress, format_table
 from perfx.runtime import Device
-from perfx.timing import copy_bandwidth, time_launches
+from perfx.timing import bootstrap_ratio, copy_bandwidth, time_launches
 from perfx.tuning import select_specs
-from perfx.tuning.database import lookup
+from perfx.tuning.database import default_database
 from perfx.tuning.problems import problems_for
 
 PEAK_WIDTHS = (4, 8, 16)
@@ -35,6 +36,13 @@ def add_arguments(parser):
     add_kernel_options(parser, "measure")
     parser.add_argument("--e2e", action="store_true",
                         help="also end-to-end figures: prefill/decode tok/s, TTFT, host time per token, memory")
+    parser.add_argument("--vs-defaults", action="store_true",
+                        help="does tuning help here? each kernel (and, with --e2e, the model) with its tuned "
+                             "parameters and with the built-in defaults, interleaved in shuffled rounds, with the "
+                             "ratio and its 95%% bootstrap interval")
+    parser.add_argument("--rounds", type=int, default=7,
+                        help="interleaved rounds for --vs-defaults (default %(default)s; at least 4)")
+    add_no_tuning_option(parser)
     parser.add_argument("--json", action="store_true", help="machine-readable output on stdout")
 
 
@@ -63,20 +71,44 @@ def ceilings(device) -> dict:
             "peak_by_vector_width": {f"float{k}": v for k, v in per_width.items()}}
 
 
-def bench_problem(device, spec, problem, ceiling: dict, rng) -> dict:
-    """One kernel at one shape with the parameters the database chooses: check, time, rate."""
+def interleaved(measure, contenders: list, rounds: int, seed: int = 0) -> list[list[float]]:
+    """``measure(contender)`` for each contender, in a shuffled order, ``rounds`` times: per round, each
+    contender's figure in contender order. Interleaving keeps drift (heat, other load) from favouring one."""
+    order, shuffle, results = list(range(len(contenders))), random.Random(seed), []
+    for _ in range(rounds):
+        shuffle.shuffle(order)
+        figures = [0.0] * len(contenders)
+        for i in order:
+            figures[i] = measure(contenders[i])
+        results.append(figures)
+    return results
+
+
+def bench_problem(device, spec, problem, ceiling: dict, rng, database, vs_defaults: int = 0) -> dict:
+    """One kernel at one shape with the parameters the database chooses: check, time, rate; with
+    ``vs_defaults`` rounds, also the defaults interleaved with it and the gain with its interval."""
     shape = problem.shape
-    choice = lookup(device, spec, shape)
+    choice = database.lookup(device, spec, shape)
     row = {"family": spec.family, "label": problem.label, "shape": shape, "description": spec.describe(shape),
            "params": choice.params, "source": choice.source, "detail": choice.detail}
     try:
         case = spec.make_case(device, shape, rng)
-        errors = case.errors(choice.params)
-        worst = max(errors.values()) if errors else 0.0
+        contenders = [choice.params] + ([spec.defaults()] if vs_defaults and choice.params != spec.defaults() else [])
+        worst = 0.0
+        for params in contenders:
+            errors = case.errors(params)
+            worst = max([worst, *errors.values()])
         row["error"], row["verified"] = worst, bool(worst <= spec.tolerance)
         probe = time_launches(lambda: case.launch(choice.params), warmup=1, repeat=1)
         repeat = 3 if probe.median_s > 0.2 else 10
         timing = time_launches(lambda: case.launch(choice.params), warmup=1, repeat=repeat, rotate=case.rotate)
+        if vs_defaults:
+            rounds = interleaved(lambda p: time_launches(lambda: case.launch(p), warmup=1, repeat=3,
+                                                        rotate=case.rotate).median_s, contenders, vs_defaults)
+            columns = list(zip(*rounds))
+            gain, low, high = (bootstrap_ratio(columns[1], columns[0], rng) if len(columns) == 2 else (1.0, 1.0, 1.0))
+            row.update(tuned_time_s=float(np.median(columns[0])), defaults_time_s=float(np.median(columns[-1])),
+                       gain=gain, gain_interval=[low, high], rounds=vs_defaults)
     except PerfxError as e:
         row["failure"] = str(e).splitlines()[0]
         return row
@@ -109,11 +141,30 @@ def measure_e2e(model, prompt_tokens: int = 64, decode_tokens: int = 32, seed: i
 
 
 def run_e2e(device, model_name: str, prompt_tokens: int = 64, decode_tokens: int = 32, ctx: int | None = None,
-            lm_head: str = "q8") -> dict:
+            tuning: bool = True, lm_head: str = "q8") -> dict:
     """Load ``model_name`` on ``device`` and measure it end to end (``measure_e2e``)."""
     device.peak_allocated_bytes = device.allocated_bytes  # the model's peak, not earlier benchmarks'
-    model, _ = load_model(model_name, device, ctx=ctx, progress=None, default_ctx=1024, lm_head=lm_head)
+    model, _ = load_model(model_name, device, ctx=ctx, progress=None, default_ctx=1024, tuning=tuning,
+                          lm_head=lm_head)
     return {"model": model_name, **measure_e2e(model, prompt_tokens, decode_tokens)}
+
+
+def e2e_vs_defaults(device, model_name: str, rounds: int, prompt_tokens: int = 64, decode_tokens: int = 32) -> dict:
+    """The model with tuning on and off, both loaded, measured end to end in interleaved shuffled rounds:
+    decode and prefill tok/s of each, and tuned/defaults with its 95% bootstrap interval."""
+    models = [load_model(model_name, device, progress=None, default_ctx=1024, tuning=tuning)[0]
+              for tuning in (True, False)]
+    measure_e2e(models[0], 8, 4), measure_e2e(models[1], 8, 4)  # build every kernel before timing
+    runs = interleaved(lambda model: measure_e2e(model, prompt_tokens, decode_tokens), models, rounds)
+    rng = np.random.default_rng(0)
+    out = {"model": model_name, "rounds": rounds}
+    for figure in ("decode_tok_s", "prefill_tok_s"):
+        tuned, defaults = [r[0][figure] for r in runs], [r[1][figure] for r in runs]
+        gain, low, high = bootstrap_ratio(tuned, defaults, rng)
+        out[figure] = {"tuned": float(np.median(tuned)), "defaults": float(np.median(defaults)),
+                       "tuned_range": [min(tuned), max(tuned)], "defaults_range": [min(defaults), max(defaults)],
+                       "gain": gain, "gain_interval": [low, high]}
+    return out
 
 
 def e2e_lines(e2e: dict, copy_gb_s: float) -> list[str]:
@@ -129,43 +180,74 @@ def e2e_lines(e2e: dict, copy_gb_s: float) -> list[str]:
 
 
 def main(args) -> int:
+    if args.vs_defaults and args.rounds < 4:
+        raise PerfxError(f"--rounds must be at least 4 for --vs-defaults, got {args.rounds}")
     device = Device(args.device)
+    database = default_database(not args.no_tuning)
     families = select_specs(args.kernels)
     problems, notes = problems_for(args.model, families, args.max_m, args.lm_head)
     print(f"perfx bench on {device.caps.platform} / {device.caps.name} (limits: {device.caps.limits}), "
-          f"{len(problems)} kernel shapes of {args.model}", file=sys.stderr)
+          f"{len(problems)} kernel shapes of {args.model}" + ("" if database.enabled else ", tuning off"),
+          file=sys.stderr)
     for note in notes:
         print(f"  note: {note}", file=sys.stderr)
     ceiling = ceilings(device)
     rng = np.random.default_rng(0)
     rows = []
+    vs = args.rounds if args.vs_defaults else 0
     with Progress(len(problems), "bench", enabled=None if not args.json else False) as progress:
         for problem in problems:
-            rows.append(bench_problem(device, families[problem.family], problem, ceiling, rng))
+            rows.append(bench_problem(device, families[problem.family], problem, ceiling, rng, database, vs))
             progress.update(note=f"{problem.family} {rows[-1]['description']}")
-    e2e = run_e2e(device, args.model, lm_head=args.lm_head) if args.e2e else None
+    e2e = None
+    if args.e2e:
+        e2e = (e2e_vs_defaults(device, args.model, args.rounds) if args.vs_defaults
+               else run_e2e(device, args.model, tuning=database.enabled, lm_head=args.lm_head))
     failed = [r for r in rows if r.get("failure") or not r.get("verified", False)]
 
     if args.json:
         print(json.dumps({"device": device.fingerprint, "architecture": device.caps.architecture,
-                          "model": args.model, "ceilings": ceiling, "kernels": rows, "notes": notes,
-                          "e2e": e2e}, indent=1, default=float))
+                          "model": args.model, "tuning": database.enabled, "ceilings": ceiling, "kernels": rows,
+                          "notes": notes, "e2e": e2e}, indent=1, default=float))
         return 1 if failed else 0
     widths = ", ".join(f"{k} {v:.1f}" for k, v in ceiling["peak_by_vector_width"].items())
     print(f"ceilings: copy {ceiling['copy_gb_per_s']:.2f} GB/s (read + write); "
           f"peak fp32 {ceiling['peak_gflop_per_s']:.1f} GFLOP/s ({widths})")
-    table = [("kernel", "use", "shape", "parameters", "from", "time", "GB/s", "GFLOP/s", "% ceiling", "check")]
+    print(format_table(kernel_table(rows, vs)))
+    if vs:
+        print(f"tuned vs defaults: {vs} interleaved rounds; gain = defaults' time / tuned time, median, with "
+              "its 95% bootstrap interval (an interval that holds 1.0 is no significant difference)")
+    if e2e is not None:
+        print("\n".join(e2e_vs_lines(e2e) if vs else e2e_lines(e2e, ceiling["copy_gb_per_s"])))
+    return 1 if failed else 0
+
+
+def kernel_table(rows: list[dict], vs_defaults: int) -> list[tuple]:
+    table = [("kernel", "use", "shape", "parameters", "from", "time", "GB/s", "GFLOP/s", "% ceiling", "check")
+             + (("defaults", "gain [95% interval]") if vs_defaults else ())]
     for r in rows:
         params = " ".join(f"{k}={v}" for k, v in r["params"].items())
         if "failure" in r:
             table.append((r["family"], r["label"], r["description"], params, r["source"], "-", "-", "-", "-",
-                          "FAIL: " + r["failure"][:60]))
+                          "FAIL: " + r["failure"][:60]) + (("-", "-") if vs_defaults else ()))
             continue
-        table.append((r["family"], r["label"], r["description"], params, r["source"], f"{r['time_s'] * 1e6:.1f} us",
-                      f"{r['gb_per_s']:.2f}", f"{r['gflop_per_s']:.2f}" if r["flops"] else "-",
-                      f"{r['percent_of_ceiling']:.0f}% {'peak' if r['bound'] == 'compute' else 'copy'}",
-                      "ok" if r["verified"] else f"WRONG {r['error']:.1e}"))
-    print(format_table(table))
-    if e2e is not None:
-        print("\n".join(e2e_lines(e2e, ceiling["copy_gb_per_s"])))
-    return 1 if failed else 0
+        cells = (r["family"], r["label"], r["description"], params, r["source"], f"{r['time_s'] * 1e6:.1f} us",
+                 f"{r['gb_per_s']:.2f}", f"{r['gflop_per_s']:.2f}" if r["flops"] else "-",
+                 f"{r['percent_of_ceiling']:.0f}% {'peak' if r['bound'] == 'compute' else 'copy'}",
+                 "ok" if r["verified"] else f"WRONG {r['error']:.1e}")
+        if vs_defaults:
+            low, high = r["gain_interval"]
+            cells += (f"{r['defaults_time_s'] * 1e6:.1f} us", f"{r['gain']:.2f}x [{low:.2f}, {high:.2f}]"
+                      + ("" if low > 1 or high < 1 else " ~"))
+        table.append(cells)
+    return table
+
+
+def e2e_vs_lines(e2e: dict) -> list[str]:
+    lines = [f"end to end, {e2e['model']}, tuning on vs off, {e2e['rounds']} interleaved rounds:"]
+    for figure, name in (("decode_tok_s", "decode"), ("prefill_tok_s", "prefill")):
+        f = e2e[figure]
+        lines.append(f"  {name}: tuned {f['tuned']:.1f} tok/s ({f['tuned_range'][0]:.1f}–{f['tuned_range'][1]:.1f}), "
+                     f"defaults {f['defaults']:.1f} ({f['defaults_range'][0]:.1f}–{f['defaults_range'][1]:.1f}): "
+                     f"{f['gain']:.2f}x [{f['gain_interval'][0]:.2f}, {f['gain_interval'][1]:.2f}]")
+    return lines

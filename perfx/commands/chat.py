@@ -15,11 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-from perfx.commands.options import (add_model_options, add_sampling_options, add_system_option, log,
-                                    sampling_config, system_prompt)
+from perfx.commands.options import (add_model_options, add_sampling_options, add_system_option,
+                                    load_model_from_args, log, sampling_config, system_prompt)
 from perfx.errors import PerfxError
-from perfx.generate import generate
-from perfx.model import host_peak_bytes, load_model
+from perfx.generate import common_prefix, generate
+from perfx.model import host_peak_bytes
 
 HELP = """commands:
   /help           this list
@@ -46,7 +46,7 @@ def main(args) -> int:
     """
     sampling = sampling_config(args)
     interactive = sys.stdin.isatty()
-    model, source = load_model(args.model, args.device, args.ctx, args.quantize, log=log, lm_head=args.lm_head)
+    model, source = load_model_from_args(args, log=log)
     if source.tokenizer is None:
         raise PerfxError(f"{args.model} has no tokenizer: `perfx chat` needs one (synthetic models are for "
                          "`perfx bench`)")
@@ -257,12 +257,3 @@ class Chat:
             self.note(f"perfx: error: could not write {path}: {error.strerror or error}")
             return
         print(f"saved {len(self.messages)} messages to {path}")
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two id lists."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import sys
 
-from perfx.commands.options import (add_model_options, add_sampling_options, add_system_option, log,
-                                    sampling_config, system_prompt)
+from perfx.commands.options import (add_model_options, add_sampling_options, add_system_option,
+                                    load_model_from_args, log, sampling_config, system_prompt)
 from perfx.errors import PerfxError
 from perfx.generate import generate
-from perfx.model import load_model
 
 
 def add_arguments(parser):
@@ -26,8 +25,7 @@ def add_arguments(parser):
 
 def main(args) -> int:
     sampling = sampling_config(args)
-    model, source = load_model(args.model, args.device, args.ctx, args.quantize, log=log if not args.quiet else None,
-                               lm_head=args.lm_head)
+    model, source = load_model_from_args(args, log=log if not args.quiet else None)
     tokenizer = source.tokenizer
     if tokenizer is None:
         raise PerfxError(f"{args.model} has no tokenizer: `perfx generate` needs one (synthetic models are for "

@@ -44,7 +44,7 @@ def main(args) -> int:
     for key, value in caps.items():
         if key == "extensions":
             value = " ".join(value)
-        elif isinstance(value, int) and not isinstance(value, bool) and value >= 1 << 20:
+        elif isinstance(value, int) and not isinstance(value, bool) and value >= 1 << 20 and "texels" not in key:
             value = f"{value} ({value / 2**20:.0f} MiB)"
         print(f"  {key:22} {value}")
     print("\ntuned parameters in force (device → architecture → vendor → built-in defaults):")

@@ -7,8 +7,8 @@ import sys
 
 from perfx.errors import PerfxError
 from perfx.generate import SamplingConfig
+from perfx.model import load_model
 from perfx.runtime import DEVICE_HELP
-from perfx.tuning import select_specs
 
 # One default for `perfx generate` and `perfx chat`: small models (the default one has 135M parameters)
 # ramble under greedy decoding unless asked to be brief (the float64 reference forward gives the same
@@ -32,6 +32,7 @@ def add_model_options(parser, ctx: bool = True):
     parser.add_argument("--quantize", choices=["q4"], help="quantize fp16 weights to 4 bits on load (round to "
                                                            "nearest, group 128): a quick try of an fp16 checkpoint")
     add_lm_head_option(parser)
+    add_no_tuning_option(parser)
 
 
 LM_HEAD_HELP = ("the output projection (and a tied embedding): q8 keeps a quantized file's own form (Q8_0, Q6_K "
@@ -41,6 +42,18 @@ LM_HEAD_HELP = ("the output projection (and a tied embedding): q8 keeps a quanti
 
 def add_lm_head_option(parser):
     parser.add_argument("--lm-head", choices=["q8", "fp16"], default="q8", help=LM_HEAD_HELP)
+
+
+def add_no_tuning_option(parser):
+    parser.add_argument("--no-tuning", action="store_true",
+                        help="ignore every tuning database: the kernels run their built-in defaults (as "
+                             "PERFX_TUNING=off does); compare with and without to see what tuning gives you")
+
+
+def load_model_from_args(args, **kwargs):
+    """``perfx.model.load_model`` with the model options of ``add_model_options``."""
+    return load_model(args.model, args.device, args.ctx, args.quantize, tuning=not args.no_tuning,
+                      lm_head=args.lm_head, **kwargs)
 
 
 def add_sampling_options(parser, temperature: float = 0.7):
@@ -78,7 +91,3 @@ def add_kernel_options(parser, what: str = "tune"):
                         help=f"{what} the prefill (GEMM, attention) path only up to this prompt length")
     parser.add_argument("--device", help=DEVICE_HELP)
     add_lm_head_option(parser)
-
-
-def selected_specs(args) -> dict:
-    return select_specs(args.kernels)

@@ -21,9 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from perfx.commands.options import add_model_options, log
+from perfx.commands.options import add_model_options, load_model_from_args, log
 from perfx.errors import PerfxError
-from perfx.model import load_model
 from perfx.progress import Progress
 
 DEFAULT_CTX = 512   # llama-perplexity's classic setting (wikitext-2 figures are quoted at -c 512)
@@ -103,8 +102,7 @@ def main(args) -> int:
         raise PerfxError(f"{path} is not UTF-8 text ({error}); convert it to UTF-8 first") from None
     except OSError as error:
         raise PerfxError(f"cannot read {path}: {error}") from None
-    model, source = load_model(args.model, args.device, args.ctx, args.quantize, log=log, lm_head=args.lm_head,
-                               progress=None if not args.json else False)
+    model, source = load_model_from_args(args, log=log, progress=None if not args.json else False)
     tokenizer = source.tokenizer
     if tokenizer is None:
         raise PerfxError(f"{args.model} has no tokenizer: `perfx perplexity` needs one")

@@ -66,7 +66,12 @@ def merge_files(paths: list[str], out: Path, min_devices: int, say) -> list[Path
     inputs = []
     for path in paths:
         data = read_json(path)
-        inputs.append(data.get("tuning", data) if isinstance(data, dict) and "perfx_report" in data else data)
+        if isinstance(data, dict) and "perfx_report" in data:
+            data = data.get("sections", {}).get("tuning", {}).get("results")
+            if data is None:
+                raise PerfxError(f"{path} is a perfx report without its tuning section: it was interrupted "
+                                 "before the end; run the same `perfx report` command again to finish it")
+        inputs.append(data)
     written = []
     for level in ("architecture", "vendor"):
         for data in merge(inputs, level, min_devices):
@@ -91,29 +96,47 @@ def _rate_cells(result, copy_gbps: float) -> tuple[str, str]:
     return f"{gbps:.2f} GB/s", f"{100 * gbps / copy_gbps:.0f}%" if copy_gbps else "-"
 
 
+def _verdict(result) -> str:
+    c = result.confirmation
+    if c is None:
+        return "unconfirmed (budget)" if result.chosen else "-"
+    if c.verdict.startswith("replaced"):
+        return f"new: {c.ratio:.2f}x [{c.interval[0]:.2f}, {c.interval[1]:.2f}] of the old"
+    return "kept: " + ("fastest" if "fastest" in c.verdict else "no significant difference")
+
+
 def summary_rows(results, copy_gbps: float) -> list[tuple]:
-    rows = [("kernel", "use", "shape", "best parameters", "time", "rate", "% copy bw", "vs default",
-             "tried", "rejected", "spread", "done")]
+    rows = [("kernel", "use", "shape", "parameters in force", "time", "rate", "% copy bw",
+             "vs defaults [95% interval]", "confirmation", "tried", "rejected", "done")]
     for r in results:
         rate, pct = _rate_cells(r, copy_gbps)
-        best = r.best
+        c = r.confirmation
+        gain = "-"
+        if r.speedup:
+            gain = f"{r.speedup:.2f}x" + (f" [{c.gain_interval[0]:.2f}, {c.gain_interval[1]:.2f}]" if c else "")
         rows.append((
             r.family, r.label, r.description,
-            " ".join(f"{k}={v}" for k, v in best.params.items()) if best else (r.note or "none valid"),
-            f"{best.time_s * 1e6:.1f} us" if best else "-", rate, pct,
-            f"{r.speedup:.2f}x" if r.speedup else "-", len(r.outcomes),
-            sum(o.status not in ("ok", "slow") for o in r.outcomes),
-            f"{100 * best.spread:.0f}%" if best and best.spread is not None else "-",
-            "yes" if r.complete else "partial"))
+            " ".join(f"{k}={v}" for k, v in r.chosen.items()) if r.chosen else (r.note or "none valid"),
+            f"{r.time_s * 1e6:.1f} us" if r.time_s else "-", rate, pct, gain, _verdict(r), len(r.outcomes),
+            sum(o.status not in ("ok", "slow") for o in r.outcomes), "yes" if r.complete else "partial"))
     return rows
+
+
+def drift_line(results, tuner) -> str:
+    """How often the machine drifted (the reference kernel slowed) and timings were taken again."""
+    rounds = sum(r.confirmation.suspect_rounds for r in results if r.confirmation)
+    candidates = sum(r.suspect_candidates for r in results)
+    return (f"drift: the reference (copy) kernel slowed beyond {100 * tuner.drift.threshold:.0f}% "
+            f"{tuner.drift.events} time(s); re-taken after a cool-down: {candidates} search timing(s), "
+            f"{rounds} confirmation round(s)")
 
 
 def crossover_lines(results) -> list[str]:
     """Per prefill matrix, which GEMM kernel is faster at each M bucket."""
     times: dict[tuple, dict] = {}
     for r in results:
-        if r.family in ("gemm_q4_skinny", "gemm_q4_tiled") and r.best:
-            times.setdefault((r.label, r.shape["m"]), {})[r.family] = r.best.time_s
+        if r.family in ("gemm_q4_skinny", "gemm_q4_tiled") and r.time_s:
+            times.setdefault((r.label, r.shape["m"]), {})[r.family] = r.time_s
     lines = []
     for label in sorted({label for label, _ in times}):
         cells = []
@@ -169,9 +192,11 @@ def main(args) -> int:
         print(json.dumps({"device": device.fingerprint, "architecture": device.caps.architecture,
                           "model": args.model, "budget_s": args.budget, "copy_gb_per_s": copy_gbps,
                           "database": str(database.device_path(device.fingerprint)), "notes": notes,
-                          "problems": [r.as_dict() for r in results]}, indent=1))
+                          "drift_events": tuner.drift.events, "problems": [r.as_dict() for r in results]},
+                         indent=1))
     else:
         print(format_table(summary_rows(results, copy_gbps)))
+        print(drift_line(results, tuner))
         print(f"copy bandwidth {copy_gbps:.1f} GB/s; rate is GB/s for memory-bound kernels, GFLOP/s where "
               "a kernel does more than 8 flops per byte")
         lines = crossover_lines(results)

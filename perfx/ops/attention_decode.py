@@ -115,9 +115,6 @@ class AttentionDecode:
         if rope.head_dim != d or pos >= rope.max_positions:
             raise PerfxError(f"attention_decode: RoPE table ({rope.max_positions} positions × head_dim "
                              f"{rope.head_dim}) does not cover position {pos} at head_dim {d}")
-        if cache.n_layers * self.n_kv_heads * cache.max_positions * d >= 2**31:
-            raise PerfxError("attention_decode: the KV cache has 2^31 elements or more, beyond the kernel's "
-                             "int offsets; use a smaller --ctx")
         qkv_b, qkv_bytes = buffer_bytes(qkv, "attention_decode qkv")
         if qkv_offset < 0 or qkv_bytes // 4 < qkv_offset + self.qkv_size:
             raise PerfxError(f"attention_decode: qkv must hold float32 [q | k | v] of {self.qkv_size} "
@@ -132,11 +129,12 @@ class AttentionDecode:
                 qkv_offset: int = 0) -> list:
         """Enqueue the launches; returns their events ([partial] or [partial, combine]), for timing."""
         qkv_b, out_b = self._check(qkv, out, cache, rope, layer, pos, qkv_offset)
+        keys, values, offset = cache.layer(layer)
         n_parts = self.partitions(pos)
         partial = self.device.launch(
             self.partial_kernel, (self.wgs, self.n_kv_heads, n_parts), (self.wgs, 1, 1),
-            qkv_b, np.int32(qkv_offset), rope.cos, rope.sin, cache.keys, cache.values,
-            np.int32(cache.layer_offset(layer)), np.int32(cache.max_positions), np.int32(pos),
+            qkv_b, np.int32(qkv_offset), rope.cos, rope.sin, keys, values,
+            np.int32(offset), np.int32(cache.max_positions), np.int32(pos),
             np.int32(self.max_parts), self.part_max, self.part_sum, self.part_out, out_b, np.int32(self.window))
         if n_parts == 1:
             self.last_events = [partial]

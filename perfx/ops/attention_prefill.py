@@ -75,9 +75,6 @@ class AttentionPrefill:
         if rope.head_dim != d or rope.max_positions < p0 + m:
             raise PerfxError(f"attention_prefill: RoPE table ({rope.max_positions} positions × head_dim "
                              f"{rope.head_dim}) does not cover positions < {p0 + m} at head_dim {d}")
-        if cache.n_layers * hkv * cache.max_positions * d >= 2**31:
-            raise PerfxError("attention_prefill: the KV cache has 2^31 elements or more, beyond the kernel's "
-                             "int indexing; use a smaller --ctx")
         buffers = []
         for name, array, width in (("qkv", qkv, (h + 2 * hkv) * d), ("out", out, h * d)):
             shape = getattr(array, "shape", None)
@@ -92,17 +89,18 @@ class AttentionPrefill:
         """Enqueue both launches; returns [append event, attention event] (for timing)."""
         qkv_b, out_b = self._check(qkv, out, cache, rope, layer, p0, m)
         h, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
-        offset = np.int32(cache.layer_offset(layer))
+        keys, values, offset = cache.layer(layer)
+        offset = np.int32(offset)
         append = self.device.launch(
             self.append_kernel, (d // 8, hkv, m), None,
             np.int32(p0), np.int32(h), np.int32(hkv), np.int32(cache.max_positions), offset,
-            qkv_b, rope.cos, rope.sin, cache.keys, cache.values)
+            qkv_b, rope.cos, rope.sin, keys, values)
         rows = m * self.group
         attention = self.device.launch(
             self.attention_kernel, (-(-rows // self.wgs) * self.wgs, hkv), (self.wgs, 1),
             np.int32(m), np.int32(p0), np.int32(self.group), np.int32(h), np.int32(hkv),
             np.int32(cache.max_positions), offset, self.scale,
-            qkv_b, rope.cos, rope.sin, cache.keys, cache.values, out_b, np.int32(self.window))
+            qkv_b, rope.cos, rope.sin, keys, values, out_b, np.int32(self.window))
         return [append, attention]
 
     def __call__(self, qkv, out, cache: KVCache, rope: RopeTable, layer: int, p0: int, m: int):

@@ -121,7 +121,8 @@ class GemmQ4:
 
     # -- launching -------------------------------------------------------------------------------
 
-    def _kernel(self, kind: str, epilogue: str, read: int):
+    def kernel(self, kind: str, epilogue: str, read: int):
+        """The built kernel of one kind, epilogue and read path (built once, then kept)."""
         key = (kind, epilogue, read)
         kernel = self._kernels.get(key)
         if kernel is None:
@@ -198,7 +199,7 @@ class GemmQ4:
             read = 0
         if read == 0 and weight.buffer is None:
             read = 1
-        kernel = self._kernel(kind, epilogue, read)
+        kernel = self.kernel(kind, epilogue, read)
         bias = weight.bias if weight.bias is not None else self._no_bias
         event = None
         for y_col0, n_cols, row_a0, row_b0, codes_a, codes_b, base_a, base_b in self._segments(

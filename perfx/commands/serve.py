@@ -1,0 +1,96 @@
+"""`perfx serve`: an OpenAI-compatible HTTP server for one model on one device (``perfx.serve``)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+from perfx.commands.options import add_model_options, add_sampling_options, log, sampling_config
+from perfx.errors import PerfxError
+from perfx.serve.engine import Engine, load
+from perfx.serve.server import Server, ServeOptions
+
+DESCRIPTION = """\
+Serve a model over HTTP with OpenAI's API, so any OpenAI client library or app can use it:
+GET /v1/models, POST /v1/chat/completions and POST /v1/completions (streamed or not), GET /health.
+Requests run one at a time, in arrival order; up to --queue more wait, and beyond that they get
+429. Continuing a conversation prefills only its new tokens (the KV cache keeps the last prompt
+and reply). The sampling options and --max-tokens are the defaults for requests that do not set
+their own; requests may also set perfx's top_k, min_p and repetition_penalty.
+
+examples:
+  perfx serve                                   # the default model on http://127.0.0.1:8080/v1
+  perfx serve --model m.gguf --ctx 2048 --port 9000 --api-key s3cret
+  curl http://127.0.0.1:8080/v1/models          # the model id to send
+  curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{"model": "SmolLM2-135M-Instruct.Q4_1", "messages": [{"role": "user", "content": "Hi"}]}'
+  (add "stream": true for server-sent events, and curl -N to see them as they come)
+
+Ctrl-C or SIGTERM stops the server: new requests get 503, the running one is stopped."""
+
+
+def add_arguments(parser):
+    """The options of `perfx serve`: model, sampling defaults, address, key, queue."""
+    add_model_options(parser)
+    add_sampling_options(parser)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default %(default)s: this device only; 0.0.0.0 opens it to "
+                             "the network, so set --api-key too)")
+    parser.add_argument("--port", type=int, default=8080, help="TCP port (default %(default)s; 0 picks a free one)")
+    parser.add_argument("--api-key", metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on /v1 requests (/health stays open)")
+    parser.add_argument("--queue", type=int, default=16, metavar="N",
+                        help="requests that may wait while one runs; more get 429 (default %(default)s)")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log prompts and replies too (by default only request counts and timings)")
+
+
+def main(args) -> int:
+    """Load the model, serve until SIGINT or SIGTERM, then stop cleanly (exit status 0).
+
+    Raises PerfxError for bad option values, a model that cannot be loaded or an address in use.
+    """
+    sampling = sampling_config(args)
+    if args.queue < 0:
+        raise PerfxError(f"--queue must be ≥ 0, got {args.queue}")
+    if not 0 <= args.port <= 65535:
+        raise PerfxError(f"--port must be between 0 and 65535, got {args.port}")
+    model, tokenizer, model_id = load(args.model, args.device, args.ctx, args.quantize, log, not args.no_tuning)
+    engine = Engine(model, tokenizer, args.queue, sampling)
+    options = ServeOptions(model_id, args.max_tokens, args.api_key, args.verbose, log)
+    try:
+        server = Server((args.host, args.port), engine, options)
+    except OSError as error:
+        engine.close()
+        raise PerfxError(f"cannot listen on {args.host}:{args.port}: {error.strerror or error}") from None
+
+    stop = threading.Event()
+
+    def request_stop(signum, frame):
+        stop.set()
+        # A second Ctrl-C or SIGTERM while stopping ends the process at once.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    # serve_forever runs in a thread: shutdown() called from a signal handler in the thread that runs it
+    # would wait for itself.
+    threading.Thread(target=server.serve_forever, name="perfx-serve-accept", daemon=True).start()
+    host, port = server.server_address[:2]
+    host = f"[{host}]" if ":" in host else host
+    log(f"perfx serve: {model_id} on http://{host}:{port}/v1 (context {model.max_positions} positions, "
+        f"queue {args.queue}); Ctrl-C stops")
+    if not args.api_key and not is_loopback(args.host):
+        log(f"perfx serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
+            "device can use the model")
+    stop.wait()
+    log("perfx serve: stopping: new requests get 503, the running one is stopped")
+    server.stop()
+    counts = engine.stats()
+    log("perfx serve: stopped (" + ", ".join(f"{counts[name]} {name}" for name in engine.counts) + ")")
+    return 0
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")

@@ -1,0 +1,262 @@
+"""OpenAI's API as `perfx serve` speaks it: requests checked into what perfx runs, answers shaped as OpenAI's.
+
+Pure functions of JSON documents (and the tokenizer, for prompts): no threads, no sockets, no model.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+from perfx.errors import PerfxError
+
+MAX_STOP_STRINGS = 4        # OpenAI's limit
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# perfx's stop reasons (generate.Stats.stop_reason) as OpenAI's finish_reason.
+FINISH_REASONS = {"eos": "stop", "stop string": "stop", "max tokens": "length", "context full": "length"}
+# Sampling fields a request may set: OpenAI's, then perfx's own under the names llama.cpp's and vLLM's servers
+# give them. The names are SamplingConfig's; each range lies within what SamplingConfig accepts.
+SAMPLING = {  # name: (integer?, allowed, rule)
+    "temperature": (False, lambda v: 0 <= v <= 2, "between 0 and 2"),
+    "top_p": (False, lambda v: 0 < v <= 1, "in (0, 1]"),
+    "seed": (True, lambda v: -2 ** 63 <= v < 2 ** 64, "a 64-bit integer"),
+    "top_k": (True, lambda v: v >= 0, "≥ 0 (0 is off)"),
+    "min_p": (False, lambda v: 0 <= v < 1, "in [0, 1)"),
+    "repetition_penalty": (False, lambda v: 0 < v <= 10, "in (0, 10]"),
+}
+
+
+class APIError(Exception):
+    """An error answered as OpenAI answers it: an HTTP status and {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.param, self.code, self.kind = status, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "perfx serve is shutting down; retry against a running server", code="shutting_down",
+                    kind="server_error")
+
+
+def unsupported(name: str, why: str) -> APIError:
+    return APIError(400, f"'{name}' is not supported by perfx serve: {why}", param=name, code="unsupported_parameter")
+
+
+# -- requests -------------------------------------------------------------------------------------------
+
+
+def parse_json(raw: bytes | None) -> dict:
+    """A request body as a JSON object; NaN and Infinity, which Python's json would take, are refused."""
+    if raw is None:
+        raise APIError(411, "a JSON body with a Content-Length is required", code="length_required")
+
+    def refuse_constant(name):
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        body = json.loads(raw, parse_constant=refuse_constant)
+    except ValueError as error:  # UnicodeDecodeError included
+        raise APIError(400, f"the body is not valid JSON: {error}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    return body
+
+
+def value_of(body: dict, name: str, kinds: tuple, what: str):
+    """body[name] when it is of one of ``kinds`` (JSON booleans are not numbers), None when absent or null."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise APIError(400, f"'{name}' must be {what}, got {json.dumps(value)[:60]}", param=name,
+                       code="invalid_type")
+    return value
+
+
+def number(body: dict, name: str, allowed, rule: str, whole: bool = False):
+    """body[name] checked against ``allowed``; None when absent or null."""
+    value = value_of(body, name, (int,) if whole else (int, float), "an integer" if whole else "a number")
+    if value is not None and not allowed(value):
+        raise APIError(400, f"'{name}' must be {rule}, got {value}", param=name, code="invalid_value")
+    return value
+
+
+@dataclass
+class Request:
+    """What chat and text completions share, checked."""
+    sampling: dict              # the SamplingConfig fields this request sets; the server's defaults fill the rest
+    max_tokens: int | None      # None: the server's default
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+
+
+def common_parameters(body: dict, model_id: str) -> Request:
+    """Model, sampling, max_tokens, stop and streaming; refusals of what perfx cannot do. Unknown fields are
+    ignored, as OpenAI does."""
+    model = value_of(body, "model", (str,), "a string")
+    if model is None:
+        raise APIError(400, "'model' is required (GET /v1/models lists it)", param="model", code="missing_parameter")
+    if model != model_id:
+        raise APIError(404, f"The model '{model}' does not exist here: this server runs '{model_id}'",
+                       param="model", code="model_not_found")
+    if number(body, "n", lambda v: v >= 1, "at least 1", whole=True) not in (None, 1):
+        raise unsupported("n", "it makes one choice per request (send several requests for more)")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if number(body, name, lambda v: -2 <= v <= 2, "between -2 and 2"):
+            raise unsupported(name, "use 'repetition_penalty' (perfx's multiplicative penalty; 1.0 is off)")
+    if body.get("logit_bias"):
+        raise unsupported("logit_bias", "no per-token biases")
+    sampling = {}
+    for name, (whole, allowed, rule) in SAMPLING.items():
+        value = number(body, name, allowed, rule, whole)
+        if value is not None:
+            sampling[name] = value
+    if "seed" in sampling:
+        sampling["seed"] %= 2 ** 64  # numpy's generator takes non-negative seeds only
+    max_tokens = number(body, "max_completion_tokens", lambda v: v >= 1, "at least 1", whole=True)
+    if max_tokens is None:
+        max_tokens = number(body, "max_tokens", lambda v: v >= 1, "at least 1", whole=True)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    elif stop is None:
+        stop = []
+    elif (not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS
+          or not all(isinstance(s, str) for s in stop)):
+        raise APIError(400, f"'stop' must be a string or a list of up to {MAX_STOP_STRINGS} strings", param="stop",
+                       code="invalid_value")
+    stream_options = value_of(body, "stream_options", (dict,), "an object") or {}
+    return Request(sampling, max_tokens, stop, stream=bool(value_of(body, "stream", (bool,), "a boolean")),
+                   include_usage=bool(value_of(stream_options, "include_usage", (bool,), "a boolean")))
+
+
+def chat_prompt(body: dict, tokenizer) -> tuple[list[int], list[dict]]:
+    """The prompt ids of a chat request, through the model's chat template, and the messages it rendered."""
+    if body.get("tools") or body.get("functions"):
+        raise unsupported("tools", "no tool or function calling")
+    if value_of(body, "logprobs", (bool,), "a boolean"):
+        raise unsupported("logprobs", "no log probabilities")
+    if body.get("top_logprobs") is not None:
+        raise unsupported("top_logprobs", "no log probabilities")
+    response_format = value_of(body, "response_format", (dict,), "an object")
+    if response_format and response_format.get("type", "text") != "text":
+        raise unsupported("response_format", "plain text only (no JSON mode or schemas)")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages",
+                       code="invalid_value" if isinstance(messages, list) else "invalid_type")
+    rendered = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise APIError(400, f"'{where}' must be an object with 'role' and 'content'", param=where,
+                           code="invalid_type")
+        role = message.get("role")
+        if role not in ROLES:
+            raise APIError(400, f"'{where}.role' must be one of {', '.join(ROLES)}, got {json.dumps(role)[:40]}",
+                           param=f"{where}.role", code="invalid_value")
+        rendered.append({"role": ROLES[role], "content": message_text(message.get("content"), role, where)})
+    try:
+        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
+        # As `perfx chat`: the model's own BOS setting (a template that writes the BOS text keeps one BOS).
+        return tokenizer.encode(text, add_bos=tokenizer.add_bos_token), rendered
+    except PerfxError as error:  # a template that refuses the conversation, text that is not UTF-8
+        raise APIError(400, str(error), param="messages", code="invalid_value") from None
+
+
+def message_text(content, role: str, where: str) -> str:
+    """A message's text: a string, or a list of text parts (OpenAI's content array)."""
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant":
+        return ""
+    if isinstance(content, list):
+        texts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
+        if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
+            return "".join(texts)
+        raise APIError(400, f"'{where}.content' may hold only text parts ({{\"type\": \"text\", \"text\": ...}}): "
+                            "perfx serve runs text-only models", param=f"{where}.content", code="invalid_value")
+    raise APIError(400, f"'{where}.content' must be a string or a list of text parts", param=f"{where}.content",
+                   code="invalid_type")
+
+
+def text_prompt(body: dict, tokenizer) -> list[int]:
+    """The prompt ids of a text completion: a string, or token ids; one prompt per request."""
+    if value_of(body, "echo", (bool,), "a boolean"):
+        raise unsupported("echo", "the reply does not repeat the prompt")
+    if body.get("suffix"):
+        raise unsupported("suffix", "no fill-in-the-middle")
+    if number(body, "best_of", lambda v: v >= 1, "at least 1", whole=True) not in (None, 1):
+        raise unsupported("best_of", "one choice per request")
+    if body.get("logprobs") is not None:
+        raise unsupported("logprobs", "no log probabilities")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        try:
+            ids = tokenizer.encode(prompt, add_bos=tokenizer.add_bos_token)
+        except PerfxError as error:
+            raise APIError(400, str(error), param="prompt", code="invalid_value") from None
+    elif (isinstance(prompt, list) and prompt
+          and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        if not all(0 <= t < tokenizer.vocab_size for t in prompt):
+            raise APIError(400, f"'prompt' has token ids outside the vocabulary (0 to {tokenizer.vocab_size - 1})",
+                           param="prompt", code="invalid_value")
+        ids = list(prompt)
+    else:
+        raise APIError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
+                       param="prompt", code="invalid_type" if not isinstance(prompt, list) else "invalid_value")
+    if not ids:
+        raise APIError(400, "the prompt is empty and this model adds no BOS: give some text", param="prompt",
+                       code="invalid_value")
+    return ids
+
+
+def check_fits(ids: list[int], ctx: int, param: str):
+    if len(ids) >= ctx:
+        raise APIError(400, f"This model's maximum context length is {ctx} tokens, and the prompt takes {len(ids)} "
+                            "(the reply needs at least one more): shorten it, or restart perfx serve with a larger "
+                            "--ctx", param=param, code="context_length_exceeded")
+
+
+# -- answers --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Answer:
+    """The JSON shapes of one response: a whole completion, its stream chunks, the usage chunk."""
+    chat: bool
+    model: str
+    created: int
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+
+    def _envelope(self, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": ("chatcmpl-" if self.chat else "cmpl-") + self.id, "object": kind, "created": self.created,
+                "model": self.model}
+
+    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if self.chat
+                  else {"index": 0, "text": text})
+        return {**self._envelope(chunk=False),
+                "choices": [{**choice, "logprobs": None, "finish_reason": finish_reason}], "usage": usage}
+
+    def chunk(self, delta, include_usage: bool, finish_reason: str | None = None) -> dict:
+        """A chat chunk's delta (dict) or a text completion's piece (str)."""
+        choice = {"index": 0, "delta": delta} if self.chat else {"index": 0, "text": delta}
+        document = {**self._envelope(chunk=True),
+                    "choices": [{**choice, "logprobs": None, "finish_reason": finish_reason}]}
+        if include_usage:
+            document["usage"] = None  # as OpenAI: null on every chunk but the last
+        return document
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return {**self._envelope(chunk=True), "choices": [], "usage": usage}

@@ -1,0 +1,223 @@
+"""The model's side of `perfx serve`: loading it, and the one thread that generates with it.
+
+The only module of `perfx serve` that uses perfx's own model APIs (load_model, generate, SamplingConfig, and
+the KV-cache prefix rule of `perfx chat`), so that they are re-pointed in one place when they move.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import queue
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from perfx.errors import PerfxError
+from perfx.generate import Result, SamplingConfig, common_prefix, generate
+from perfx.model import load_model
+from perfx.serve.api import FINISH_REASONS, APIError, shutting_down
+
+SHUTDOWN_GRACE_S = 10       # how long stopping waits for the worker, and for answers in flight to be written
+
+
+def load(name: str | None, device: str | None, ctx: int | None, quantize: str | None, log, tuning: bool = True):
+    """Load a model for serving and warm it up; returns (model, tokenizer, the id clients name it by).
+
+    Raises PerfxError when it cannot be loaded or has no tokenizer.
+    """
+    model, source = load_model(name, device, ctx, quantize, log=log, tuning=tuning)
+    if source.tokenizer is None:
+        raise PerfxError(f"{name} has no tokenizer: `perfx serve` needs one (synthetic models are for "
+                         "`perfx bench`)")
+    log("perfx serve: warming up (the kernels are built once, before the first request)")
+    warm_up(model, source.tokenizer)
+    return model, source.tokenizer, served_model_id(source)
+
+
+def warm_up(model, tokenizer):
+    """A short chat turn (prefill and one decode step), so the first client's TTFT does not include building
+    the kernels (seconds on a phone). What it leaves in the KV cache is not counted as cached."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hello!"}], add_generation_prompt=True)
+    ids = tokenizer.encode(text, add_bos=tokenizer.add_bos_token)
+    model.prefill(ids, 0)
+    model.decode_one(model.argmax(), len(ids))
+    model.argmax()
+
+
+def served_model_id(source) -> str:
+    """The id clients name the model by: its file or folder name, without .gguf."""
+    name = Path(str(source.describe().get("path", "model"))).name
+    return name[:-len(".gguf")] if name.endswith(".gguf") else name
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's generation: what to run, and the queue its events come back on.
+
+    Events: ("started", None) when it leaves the queue, ("text", piece) as text is made, then
+    ("done", Result) or ("error", APIError).
+    """
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingConfig
+    stop: list[str]
+    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    finished: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.monotonic)
+    started: float | None = None
+    first_text: float | None = None
+    cached_tokens: int = 0       # prompt ids already in the KV cache (not prefilled again)
+    result: Result | None = None
+
+    @property
+    def finish_reason(self) -> str:
+        return FINISH_REASONS.get(self.result.stats.stop_reason, "stop")
+
+    def usage(self) -> dict:
+        """OpenAI's usage counts: the whole prompt (cached ids included, as OpenAI counts them) and the reply."""
+        prompt, completion = len(self.prompt_ids), self.result.stats.generated_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+class Engine:
+    """Owns the model: one worker thread runs jobs one at a time, in arrival order, from a bounded queue.
+
+    ``cached`` holds the ids whose keys and values are in the KV cache (positions 0..n-1); only the worker
+    touches it. Everything else is guarded by ``changed``, which is notified on every change.
+    """
+
+    def __init__(self, model, tokenizer, queue_limit: int, default_sampling: SamplingConfig):
+        self.model, self.tokenizer, self.queue_limit = model, tokenizer, queue_limit
+        self.default_sampling = default_sampling
+        self.changed = threading.Condition()
+        self.waiting: collections.deque[Job] = collections.deque()
+        self.running: Job | None = None
+        self.closing = False
+        self.counts = collections.Counter({"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0})
+        self.cached: list[int] = []
+        self.worker = threading.Thread(target=self._work, name="perfx-serve-model", daemon=True)
+        self.worker.start()
+
+    def job(self, prompt_ids: list[int], max_tokens: int, sampling: dict, stop: list[str]) -> Job:
+        """A job for these ids; ``sampling`` holds the SamplingConfig fields a request sets over the defaults."""
+        return Job(prompt_ids, max_tokens, dataclasses.replace(self.default_sampling, **sampling), stop)
+
+    def submit(self, job: Job):
+        """Queue a job, or raise APIError: 429 when the queue is full, 503 while shutting down."""
+        with self.changed:
+            if self.closing:
+                raise shutting_down()
+            if len(self.waiting) + (self.running is not None) > self.queue_limit:
+                self.counts["rejected"] += 1
+                raise APIError(429, f"perfx serve is busy: one request is running and {len(self.waiting)} "
+                                    f"wait (the queue holds {self.queue_limit}); retry later",
+                               code="queue_full", kind="rate_limit_error")
+            self.waiting.append(job)
+            self.changed.notify_all()
+
+    def cancel(self, job: Job):
+        """Withdraw a job: a waiting one leaves the queue now, a running one stops at its next piece of text."""
+        with self.changed:
+            job.cancelled.set()
+            if job in self.waiting:
+                self.waiting.remove(job)
+                self._finish(job, "cancelled")
+
+    def close(self):
+        """Refuse new jobs, answer the waiting ones 503, stop the running one, and wait (bounded) for the worker."""
+        with self.changed:
+            self.closing = True
+            while self.waiting:
+                job = self.waiting.popleft()
+                job.events.put(("error", shutting_down()))
+                self._finish(job, "cancelled")
+            if self.running is not None:
+                self.running.cancelled.set()
+            self.changed.notify_all()
+        self.worker.join(SHUTDOWN_GRACE_S)
+
+    def stats(self) -> dict:
+        """Requests running and waiting, the queue's size, and how many were completed, cancelled, failed and
+        rejected (429) so far."""
+        with self.changed:
+            return self._stats()
+
+    def wait_for(self, predicate, timeout: float) -> bool:
+        """Block until ``predicate(self.stats())`` holds; False if it did not within ``timeout`` seconds."""
+        with self.changed:
+            return self.changed.wait_for(lambda: predicate(self._stats()), timeout)
+
+    def _stats(self) -> dict:
+        # Called with `changed` held.
+        return {"running": int(self.running is not None), "waiting": len(self.waiting),
+                "queue_limit": self.queue_limit, **self.counts}
+
+    def _finish(self, job: Job, outcome: str):
+        # Called with `changed` held. outcome: completed, cancelled or failed.
+        self.counts[outcome] += 1
+        job.finished.set()
+        self.changed.notify_all()
+
+    def _work(self):
+        while True:
+            with self.changed:
+                self.changed.wait_for(lambda: self.waiting or self.closing)
+                if not self.waiting:
+                    return
+                job = self.running = self.waiting.popleft()
+                job.started = time.monotonic()
+                self.changed.notify_all()
+            job.events.put(("started", None))
+            outcome = self._run(job)
+            with self.changed:
+                self.running = None
+                self._finish(job, outcome)
+
+    def _run(self, job: Job) -> str:
+        ids = job.prompt_ids
+        keep = min(common_prefix(self.cached, ids), len(ids) - 1)  # at least one id to prefill: its logits
+        job.cached_tokens = keep                                     # give the first token
+        # The cache past `keep` is about to be overwritten: forget it first, so `cached` stays true whatever
+        # happens below.
+        del self.cached[keep:]
+
+        def on_text(piece: str):
+            if job.first_text is None:
+                job.first_text = time.monotonic()
+            if job.cancelled.is_set():
+                # generate()'s way to stop a reply: it returns what was made, with end_pos consistent.
+                raise KeyboardInterrupt
+            job.events.put(("text", piece))
+
+        try:
+            result = generate(self.model, self.tokenizer, ids[keep:], job.max_tokens, job.sampling,
+                              start_pos=keep, stop_strings=job.stop, on_text=on_text, history=ids[:keep])
+        except KeyboardInterrupt:
+            # on_text raised it in generate's final flush, outside generate's own handling: the prompt is in
+            # the cache, the reply may not be. As below, only a request stopped by shutdown reads the error.
+            self.cached = list(ids)
+            job.events.put(("error", shutting_down()))
+            return "cancelled"
+        except Exception as error:  # noqa: BLE001  (a failed request must not take the server down)
+            self.cached = []  # how far the cache was written is unknown
+            message = str(error) if isinstance(error, PerfxError) else f"{type(error).__name__}: {error}"
+            if not isinstance(error, PerfxError):
+                print(f"perfx serve: generation failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            job.events.put(("error", APIError(500, f"generation failed: {message}", code="generation_failed",
+                                              kind="server_error")))
+            return "failed"
+        # The last sampled id was never fed, so the cache holds the first end_pos ids of prompt + reply.
+        self.cached = (ids + result.ids)[:result.end_pos]
+        job.result = result
+        if result.interrupted:
+            # Cancelled by a client that went away (it reads nothing more) or by shutdown (it learns why).
+            job.events.put(("error", shutting_down()))
+            return "cancelled"
+        job.events.put(("done", result))
+        return "completed"

@@ -1,0 +1,459 @@
+"""`perfx serve` driven by the official `openai` client (and raw HTTP for what a client library never sends),
+against a real server on 127.0.0.1 running a tiny random model. In-process servers share one loaded model;
+the signal tests start `perfx serve` as a user does."""
+
+import concurrent.futures
+import http.client
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from contextlib import contextmanager
+
+import numpy as np
+import openai
+import pytest
+
+from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
+from perfx import cli
+from perfx.generate import SamplingConfig
+from perfx.serve.engine import Engine, served_model_id
+from perfx.serve.server import Server, ServeOptions
+from perfx.tokenizer import Tokenizer
+
+MODEL = "tiny"
+HELLO = [{"role": "user", "content": "hello there"}]
+TIMEOUT = 30  # seconds any one client call may take on a loaded machine
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    """A tiny random GGUF model (4096 positions) whose end-of-turn ids have zero rows in the lm_head: replies run
+    until max_tokens, so a long one is surely still streaming when a test acts on it (as in test_chat.py)."""
+    directory = tmp_path_factory.mktemp("serve")
+    model = make_tiny_model("gqa3", tiny_tokenizer(directory), np.random.default_rng(6))
+    model.config["max_position_embeddings"] = 4096
+    path = directory / f"{MODEL}.gguf"
+    write_gguf(path, model)
+    for eos in Tokenizer.from_gguf(path).eos_ids:
+        model.weights["lm_head.weight"][eos] = 0
+    write_gguf(path, model)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny, device):
+    from perfx.model import load_model
+
+    model, source = load_model(tiny, device, progress=False)
+    assert served_model_id(source) == MODEL
+    return model, source.tokenizer
+
+
+class Running:
+    def __init__(self, server: Server, logs: list[str]):
+        self.server, self.engine, self.logs = server, server.engine, logs
+        self.port = server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+
+    def client(self, api_key: str = "unused", **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key=api_key, timeout=TIMEOUT, **kwargs)
+
+    def connection(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=TIMEOUT)
+
+
+@contextmanager
+def running_server(model, tokenizer, queue_limit: int = 16, api_key: str | None = None, verbose: bool = False):
+    """A server in this process on a free loopback port; stopped (every answer written) on leaving."""
+    logs: list[str] = []
+    options = ServeOptions(MODEL, default_max_tokens=16, api_key=api_key, verbose=verbose, log=logs.append)
+    server = Server(("127.0.0.1", 0), Engine(model, tokenizer, queue_limit, SamplingConfig(seed=0)), options)
+    accepting = threading.Thread(target=server.serve_forever, daemon=True)
+    accepting.start()
+    try:
+        yield Running(server, logs)
+    finally:
+        server.stop()
+        accepting.join(TIMEOUT)
+
+
+class GatedModel:
+    """The tiny model, but each decode step waits for ``gate``: a request stays running until the test says."""
+
+    def __init__(self, model):
+        self.model, self.gate = model, threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def decode_one(self, token: int, pos: int):
+        assert self.gate.wait(TIMEOUT), "the test never opened the gate"
+        self.model.decode_one(token, pos)
+
+
+def chat_ids(tokenizer, messages) -> list[int]:
+    return tokenizer.encode(tokenizer.apply_chat_template(messages), add_bos=tokenizer.add_bos_token)
+
+
+def urlopen_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=TIMEOUT) as response:
+        return response.read().decode()
+
+
+# -- what a client sees ---------------------------------------------------------------------------------
+
+
+def test_models_and_a_chat_that_continues_on_the_cache(loaded):
+    model, tokenizer = loaded
+    with running_server(model, tokenizer) as srv:
+        client = srv.client()
+        models = client.models.list()
+        assert [m.id for m in models.data] == [MODEL]
+        assert client.models.retrieve(MODEL).id == MODEL
+
+        first = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=12, temperature=0.8, seed=5)
+        choice = first.choices[0]
+        assert first.object == "chat.completion" and first.model == MODEL
+        assert choice.message.role == "assistant" and choice.message.content
+        assert choice.finish_reason == "length"    # the tiny model never ends a turn by itself
+        usage = first.usage
+        assert usage.prompt_tokens == len(chat_ids(tokenizer, HELLO))  # the model's own BOS rule, as chat
+        assert usage.completion_tokens == 12 and usage.total_tokens == usage.prompt_tokens + 12
+
+        # The next turn of the same conversation prefills only its new tokens.
+        conversation = HELLO + [{"role": "assistant", "content": choice.message.content},
+                                {"role": "user", "content": "and then?"}]
+        second = client.chat.completions.create(model=MODEL, messages=conversation, max_tokens=4)
+        assert second.usage.prompt_tokens == len(chat_ids(tokenizer, conversation))
+        assert second.usage.prompt_tokens_details.cached_tokens >= usage.prompt_tokens
+
+        # Stop strings: greedy gibberish soon makes one of these letters; the reply stops before it.
+        stopped = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=300, temperature=0,
+                                                 stop=["a", "e", "o", "i"])
+        assert stopped.choices[0].finish_reason == "stop"
+        assert not set("aeoi") & set(stopped.choices[0].message.content)
+        assert stopped.usage.completion_tokens < 300
+        # perfx's own sampling, under the names other servers use.
+        extra = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3,
+                                               extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1})
+        assert extra.usage.completion_tokens == 3
+        health = json.loads(urlopen_text(f"http://127.0.0.1:{srv.port}/health"))
+        assert health["status"] == "ok" and health["completed"] == 4 and health["running"] == 0
+    # One line per request, with counts and timings and no text (no --verbose).
+    assert len(srv.logs) == 7, srv.logs
+    assert re.search(r"#3 POST /v1/chat/completions 200, prompt \d+ \(0 cached\), completion 12 \(length\), "
+                     r"wait [\d.]+ s, TTFT [\d.]+ s, total [\d.]+ s", srv.logs[2]), srv.logs
+    assert not any("hello there" in line or json.dumps(choice.message.content) in line for line in srv.logs)
+
+
+def test_streamed_chat_and_text_completions(loaded):
+    model, tokenizer = loaded
+    with running_server(model, tokenizer) as srv:
+        client = srv.client()
+        chunks = list(client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=10, stream=True,
+                                                     stream_options={"include_usage": True}))
+        assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert len(finish) == 1 and finish[0].choices[0].finish_reason == "length"
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+        assert all(c.usage is None for c in chunks[:-1])
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text
+
+        plain = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6)
+        assert plain.object == "text_completion" and plain.choices[0].finish_reason == "length"
+        assert plain.usage.completion_tokens == 6 and plain.choices[0].text
+        pieces = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, stream=True))
+        assert pieces[-1].choices[0].finish_reason == "length"
+        assert "".join(p.choices[0].text for p in pieces)
+        ids = tokenizer.encode("Once upon a time", add_bos=tokenizer.add_bos_token)
+        by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=2)
+        assert by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_four_concurrent_clients_each_get_their_whole_reply(loaded):
+    model, tokenizer = loaded
+    with running_server(model, tokenizer) as srv:
+        def converse(i: int):
+            stream = srv.client().chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"question number {i}"}], max_tokens=24,
+                stream=True, stream_options={"include_usage": True})
+            chunks = list(stream)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            return text, reasons, chunks[-1].usage
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(converse, range(4), timeout=4 * TIMEOUT))
+        for text, reasons, usage in results:
+            assert text and reasons == ["length"] and usage.completion_tokens == 24
+        assert srv.engine.stats()["completed"] == 4 and srv.engine.stats()["cancelled"] == 0
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_turn(loaded):
+    model, tokenizer = loaded
+    with running_server(model, tokenizer) as srv:
+        client = srv.client()
+        stream = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4000, stream=True)
+        iterator = iter(stream)
+        next(iterator)                             # the role chunk: the request is running
+        assert next(iterator).choices[0].delta.content is not None
+        stream.close()                             # the client goes away mid-stream
+        started = time.monotonic()
+        after = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4)
+        assert after.choices[0].finish_reason == "length"
+        assert time.monotonic() - started < TIMEOUT
+        stats = srv.engine.stats()
+        assert stats["cancelled"] == 1 and stats["completed"] == 1
+    cancelled = [line for line in srv.logs if "(cancelled)" in line]
+    assert len(cancelled) == 1 and "client gone" in cancelled[0], srv.logs
+    # Generation stopped at once: far from the 4000 tokens asked for (each takes about a millisecond here).
+    assert int(re.search(r"completion (\d+) \(cancelled\)", cancelled[0])[1]) < 1000, cancelled[0]
+
+
+def test_a_client_that_leaves_before_a_non_streamed_answer_frees_its_turn(loaded):
+    model, tokenizer = loaded
+    gated = GatedModel(model)
+    with running_server(gated, tokenizer) as srv:
+        connection = srv.connection()
+        connection.request("POST", "/v1/chat/completions", json.dumps(
+            {"model": MODEL, "messages": HELLO, "max_tokens": 4000}), {"Content-Type": "application/json"})
+        assert srv.engine.wait_for(lambda s: s["running"] == 1, TIMEOUT)
+        gated.gate.set()                           # generating, with nothing written to the client until the end
+        connection.close()
+        assert srv.engine.wait_for(lambda s: s["cancelled"] == 1, TIMEOUT)
+        assert srv.client().completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+    cancelled = [line for line in srv.logs if "(cancelled)" in line]
+    assert len(cancelled) == 1 and int(re.search(r"completion (\d+)", cancelled[0])[1]) < 4000, srv.logs
+
+
+def test_the_queue_limit_answers_429(loaded):
+    model, tokenizer = loaded
+    gated = GatedModel(model)
+    with running_server(gated, tokenizer, queue_limit=1) as srv:
+        client = srv.client(max_retries=0)         # the client would otherwise retry a 429 by itself
+        running = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, stream=True)
+        chunks = iter(running)
+        next(chunks)                               # running, and held at its first decode step
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(client.chat.completions.create, model=MODEL, messages=HELLO, max_tokens=3)
+            assert srv.engine.wait_for(lambda s: s["waiting"] == 1, TIMEOUT)
+            with pytest.raises(openai.RateLimitError) as refused:
+                client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3)
+            error = refused.value.response.json()["error"]
+            assert error["code"] == "queue_full" and error["type"] == "rate_limit_error"
+            assert "queue holds 1" in error["message"]
+            assert refused.value.response.headers["Retry-After"] == "1"
+            gated.gate.set()
+            assert list(chunks)[-1].choices[0].finish_reason == "length"    # the running one, unharmed
+            assert waiting.result(TIMEOUT).usage.completion_tokens == 3
+        stats = srv.engine.stats()
+        assert (stats["completed"], stats["rejected"], stats["waiting"]) == (2, 1, 0)
+
+
+# -- bad input and access -------------------------------------------------------------------------------
+
+
+def call(connection, method: str, path: str, body=None, headers=None) -> tuple[int, dict, dict]:
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    connection.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+    response = connection.getresponse()
+    return response.status, dict(response.getheaders()), json.loads(response.read())
+
+
+def test_bad_requests_get_openai_errors_and_the_server_stays_up(loaded):
+    model, tokenizer = loaded
+    chat = {"model": MODEL, "messages": HELLO, "max_tokens": 2}
+    chat_cases = [  # (body, status, param, code)
+        (b"{not json", 400, None, "invalid_json"),
+        (b"[1, 2]", 400, None, "invalid_json"),
+        (b"\xff\xfe{}", 400, None, "invalid_json"),
+        (json.dumps(chat).replace('"max_tokens": 2', '"temperature": NaN').encode(), 400, None, "invalid_json"),
+        ({"messages": HELLO}, 400, "model", "missing_parameter"),
+        ({**chat, "model": "gpt-4o"}, 404, "model", "model_not_found"),
+        ({"model": MODEL}, 400, "messages", "invalid_type"),
+        ({**chat, "messages": []}, 400, "messages", "invalid_value"),
+        ({**chat, "messages": "hello"}, 400, "messages", "invalid_type"),
+        ({**chat, "messages": ["hello"]}, 400, "messages[0]", "invalid_type"),
+        ({**chat, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role", "invalid_value"),
+        ({**chat, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", "invalid_type"),
+        ({**chat, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+         400, "messages[0].content", "invalid_value"),
+        ({**chat, "messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages", "invalid_value"),
+        ({**chat, "messages": [{"role": "user", "content": "word " * 5000}]}, 400, "messages",
+         "context_length_exceeded"),
+        ({**chat, "temperature": "hot"}, 400, "temperature", "invalid_type"),
+        ({**chat, "temperature": 2.5}, 400, "temperature", "invalid_value"),
+        ({**chat, "top_p": 0}, 400, "top_p", "invalid_value"),
+        ({**chat, "top_k": -1}, 400, "top_k", "invalid_value"),
+        ({**chat, "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+        ({**chat, "max_tokens": True}, 400, "max_tokens", "invalid_type"),
+        ({**chat, "max_completion_tokens": 1.5}, 400, "max_completion_tokens", "invalid_type"),
+        ({**chat, "seed": "x"}, 400, "seed", "invalid_type"),
+        ({**chat, "stream": "yes"}, 400, "stream", "invalid_type"),
+        ({**chat, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
+        ({**chat, "stop": 7}, 400, "stop", "invalid_value"),
+        ({**chat, "n": 2}, 400, "n", "unsupported_parameter"),
+        ({**chat, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
+        ({**chat, "presence_penalty": 0.5}, 400, "presence_penalty", "unsupported_parameter"),
+        ({**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
+         "unsupported_parameter"),
+        ({**chat, "response_format": {"type": "json_object"}}, 400, "response_format", "unsupported_parameter"),
+    ]
+    text = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    text_cases = [
+        ({**text, "prompt": 5}, 400, "prompt", "invalid_type"),
+        ({**text, "prompt": ["one", "two"]}, 400, "prompt", "invalid_value"),
+        ({**text, "prompt": [10 ** 6]}, 400, "prompt", "invalid_value"),
+        ({**text, "echo": True}, 400, "echo", "unsupported_parameter"),
+    ]
+    with running_server(model, tokenizer) as srv:
+        connection = srv.connection()               # one keep-alive connection carries every case
+        for path, cases in (("/v1/chat/completions", chat_cases), ("/v1/completions", text_cases)):
+            for body, status, param, code in cases:
+                got, _, document = call(connection, "POST", path, body)
+                assert (got, document["error"]["param"], document["error"]["code"]) == (status, param, code), \
+                    (body, document)
+                assert set(document["error"]) == {"message", "type", "param", "code"}
+                assert document["error"]["type"] == "invalid_request_error" and document["error"]["message"]
+        status, _, document = call(connection, "GET", "/v1/chat/completions")
+        assert status == 405 and document["error"]["code"] == "method_not_allowed"
+        status, _, document = call(connection, "POST", "/v1/embeddings", {"input": "x"})
+        assert status == 404 and "Invalid URL" in document["error"]["message"]
+        status, _, document = call(connection, "GET", "/v1/models/gpt-4o")
+        assert status == 404 and document["error"]["code"] == "model_not_found"
+        # Unknown fields are ignored, as OpenAI does.
+        status, _, document = call(connection, "POST", "/v1/chat/completions", {**chat, "future_field": {"x": 1}})
+        assert status == 200 and document["choices"][0]["finish_reason"] == "length"
+
+        # What client libraries never send: no Content-Length, a huge one, a garbled request line.
+        bare = srv.connection()
+        bare.putrequest("POST", "/v1/chat/completions")
+        bare.endheaders()
+        response = bare.getresponse()
+        assert response.status == 411 and json.loads(response.read())["error"]["code"] == "length_required"
+        status, headers, document = call(srv.connection(), "POST", "/v1/chat/completions", b"{}",
+                                         {"Content-Length": str(1 << 30)})
+        assert status == 413 and headers["Connection"] == "close"
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=TIMEOUT) as raw:
+            raw.sendall(b"NONSENSE\r\n\r\n")
+            answer = raw.makefile("rb").read()
+        assert answer.startswith(b"HTTP/1.") and b" 400 " in answer.split(b"\r\n")[0]
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+
+        # The official client raises its own error classes for these.
+        client = srv.client(max_retries=0)
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="gpt-4o", messages=HELLO)
+        with pytest.raises(openai.BadRequestError, match="maximum context length is 4096 tokens"):
+            client.completions.create(model=MODEL, prompt="word " * 5000)
+        assert client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2).usage.completion_tokens == 2
+        assert srv.engine.stats()["failed"] == 0
+
+
+def test_the_api_key_is_required_and_verbose_logs_text(loaded):
+    model, tokenizer = loaded
+    with running_server(model, tokenizer, api_key="s3cret", verbose=True) as srv:
+        with pytest.raises(openai.AuthenticationError) as refused:
+            srv.client(api_key="wrong").models.list()
+        assert refused.value.response.json()["error"]["code"] == "invalid_api_key"
+        status, _, document = call(srv.connection(), "POST", "/v1/chat/completions",
+                                   {"model": MODEL, "messages": HELLO})
+        assert status == 401 and document["error"]["code"] == "invalid_api_key"
+        assert call(srv.connection(), "GET", "/health")[0] == 200      # liveness checks need no key
+        reply = srv.client(api_key="s3cret").chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3)
+        assert reply.choices[0].message.content
+    assert any("hello there" in line for line in srv.logs)
+    assert any(json.dumps(reply.choices[0].message.content, ensure_ascii=False) in line for line in srv.logs)
+    assert not any("s3cret" in line for line in srv.logs)
+
+
+# -- the command ----------------------------------------------------------------------------------------
+
+
+def test_help_teaches_with_examples(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    text = capsys.readouterr().out
+    for expected in ("examples:", "curl http://127.0.0.1:8080/v1/chat/completions", "--api-key", "--queue",
+                     "429", "SIGTERM"):
+        assert expected in text
+
+
+class ServeProcess:
+    """`perfx serve` as a user starts it, on a free port; stderr read as it comes."""
+
+    def __init__(self, tiny: str, *flags: str):
+        self.proc = subprocess.Popen([sys.executable, "-m", "perfx", "serve", "--model", tiny, "--port", "0", *flags],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.lines: queue.Queue = queue.Queue()
+        self.stderr: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        listening = self.expect(r"on http://127\.0\.0\.1:(\d+)/v1", timeout=120)
+        self.url = f"http://127.0.0.1:{listening[1]}/v1"
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+            self.lines.put(line)
+
+    def expect(self, pattern: str, timeout: float = TIMEOUT) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"{pattern!r} never came; stderr:\n{''.join(self.stderr)}") from None
+            if match := re.search(pattern, line):
+                return match
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(TIMEOUT)
+
+
+def test_sigterm_mid_stream_and_sigint_when_idle_stop_cleanly(tiny):
+    server = ServeProcess(tiny)
+    try:
+        client = openai.OpenAI(base_url=server.url, api_key="unused", timeout=TIMEOUT, max_retries=0)
+        stream = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4000, stream=True)
+        chunks = iter(stream)
+        next(chunks)
+        next(chunks)
+        server.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(openai.APIError, match="shutting down"):
+            for _ in chunks:                        # the running request is stopped and told why
+                pass
+        assert server.proc.wait(TIMEOUT) == 0
+        server.expect(r"perfx serve: stopped \(0 completed, 1 cancelled, 0 failed, 0 rejected\)")
+        assert "Traceback" not in "".join(server.stderr)
+    finally:
+        server.close()
+
+    server = ServeProcess(tiny)
+    try:
+        server.proc.send_signal(signal.SIGINT)
+        assert server.proc.wait(TIMEOUT) == 0
+        assert "Traceback" not in "".join(server.stderr)
+    finally:
+        server.close()
+
+
+def test_an_address_in_use_is_one_clear_line(tiny, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", "--model", tiny, "--port", str(port)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"perfx: error: cannot listen on 127.0.0.1:{port}: ")

@@ -1,0 +1,136 @@
+"""The tuner under a simulated noisy timer: heavy-tailed noise and occasional fast outliers, as on a phone
+that throttles or a machine that is busy. It must pick the truly fastest candidate in a clear majority of
+seeded runs, never crown a candidate for one lucky sample, set aside rounds during which the machine
+drifted, and resume as before."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from perfx.ops.params import ParamSpace
+from perfx.timing import Timing
+from perfx.tuning.database import Database
+from perfx.tuning.spec import Case, Spec
+from perfx.tuning.tuner import Tuner
+
+pytestmark = pytest.mark.one_implementation   # a simulated timer: the device only holds the log
+
+SHAPE = {"n": 1}
+FASTEST = 5
+TRUE_TIME = {x: 100e-6 * (1 + 0.08 * abs(x - FASTEST)) for x in range(8)}   # X = 0 (the default): 1.4x
+
+
+class NoisyBench:
+    """Kernels that are always right and whose times come from TRUE_TIME through a noisy timer."""
+
+    def __init__(self, seed: int, lucky: int | None = None, outliers: float = 0.05, spread: float = 0.12):
+        self.rng = np.random.default_rng(seed)
+        self.current = None
+        self.lucky, self.outliers, self.spread = lucky, outliers, spread
+        self.lucky_calls = 2   # ``lucky``: this X's first timings (the probe and the search's) are 5x too fast
+
+    def spec(self) -> Spec:
+        space = ParamSpace(family="noisy", source="copy.cl", space={"X": tuple(range(8))})
+        return Spec(params=space, make_case=self.make_case, tolerance=0.0, tolerance_why="always exact",
+                    test_shapes=(SHAPE,), bytes_moved=lambda s: 1_000_000)
+
+    def make_case(self, device, shape, rng) -> Case:
+        def launch(params):
+            self.current = params["X"]
+            return []
+        return Case(expected={"y": np.zeros(1)}, run=lambda params: {"y": np.zeros(1)}, launch=launch)
+
+    def timer(self, launch, warmup=2, repeat=10, rotate=None, max_seconds=None) -> Timing:
+        launch()
+        x = self.current
+        truth = TRUE_TIME[x]
+        # Heavy tails: Student-t (3 degrees of freedom) in the log, about the 17-58% spreads seen on the
+        # 2-core machines, and now and then a fast outlier at 0.3x.
+        samples = truth * np.exp(self.spread * self.rng.standard_t(3, repeat))
+        samples[self.rng.random(repeat) < self.outliers] = truth * 0.3
+        if x == self.lucky and self.lucky_calls:
+            samples[:] = truth * 0.2
+            self.lucky_calls -= 1
+        return Timing(float(np.median(samples)), [float(v) for v in samples])
+
+
+def tune(device, tmp_path, bench: NoisyBench, seed: int, **kwargs):
+    db = Database(tmp_path / f"user{seed}", tmp_path / "none")
+    tuner = Tuner(device, db, seed=seed, timer=bench.timer, reference=lambda: 1e-3, cool_down_s=0, **kwargs)
+    return tuner, tuner.tune_problem(bench.spec(), SHAPE)
+
+
+def test_the_truly_fastest_wins_a_clear_majority_of_seeded_runs(device, tmp_path):
+    results = [tune(device, tmp_path, NoisyBench(seed), seed)[1] for seed in range(20)]
+    chosen = [r.chosen["X"] for r in results]
+    assert chosen.count(FASTEST) >= 13, chosen                     # a clear majority
+    for r in results:  # a challenger chosen is never far off; otherwise the incumbent (the defaults) stayed
+        assert (TRUE_TIME[r.chosen["X"]] <= 1.08 * TRUE_TIME[FASTEST]
+                or (r.chosen == {"X": 0} and r.confirmation.verdict != "replaced the incumbent")), chosen
+
+
+def test_one_lucky_timing_never_crowns_a_slow_candidate(device, tmp_path):
+    """X = 1 is 1.32x slower than the fastest, but its search timing comes out 5x too fast (a burst after
+    throttling, as in the issue's 214 µs lone star): the search ranks it first, the confirmation does not."""
+    for seed in range(5):
+        bench = NoisyBench(seed, lucky=1)
+        _, result = tune(device, tmp_path, bench, seed)
+        assert result.best.params["X"] == 1, "the lucky timing did fool the search"
+        assert result.chosen["X"] != 1, result.confirmation.verdict
+        assert (TRUE_TIME[result.chosen["X"]] <= 1.08 * TRUE_TIME[FASTEST]
+                or result.confirmation.verdict != "replaced the incumbent"), result.chosen
+        assert result.time_s >= 0.8 * TRUE_TIME[result.chosen["X"]], "the recorded time is not a lucky one"
+
+
+def test_no_significant_difference_keeps_the_incumbent(device, tmp_path):
+    """Two candidates of the same true time: whichever the search ranks first, the defaults stay."""
+    same = dict(TRUE_TIME)
+    try:
+        TRUE_TIME.update({x: 100e-6 for x in TRUE_TIME})
+        _, result = tune(device, tmp_path, NoisyBench(3), 3)
+    finally:
+        TRUE_TIME.update(same)
+    c = result.confirmation
+    assert result.chosen == {"X": 0} and c.verdict != "replaced the incumbent"
+    assert c.interval[0] <= 1.0 <= c.interval[1] or c.verdict == "the incumbent is fastest"
+
+
+def test_drift_sets_rounds_aside_and_says_how_often(device, tmp_path):
+    """The reference kernel slows for a while (throttling): those rounds are taken again after a cool-down."""
+    slow = iter([False] * 12 + [True] * 3 + [False] * 1000)
+    bench = NoisyBench(1)
+    db = Database(tmp_path / "user", tmp_path / "none")
+    tuner = Tuner(device, db, seed=1, timer=bench.timer, cool_down_s=0,
+                  reference=lambda: 2e-3 if next(slow) else 1e-3)
+    tuner.drift.every_s = 0   # the simulated timer takes no time: check at every candidate and round
+    result = tuner.tune_problem(bench.spec(), SHAPE)
+    assert tuner.drift.events == 3
+    assert result.suspect_candidates + result.confirmation.suspect_rounds == 3
+    assert len(result.confirmation.rounds) == tuner.confirm_rounds and result.chosen["X"] == FASTEST
+
+
+def test_a_confirmed_result_resumes_without_timing_anything(device, tmp_path):
+    bench = NoisyBench(2)
+    db = Database(tmp_path / "user", tmp_path / "none")
+    first = Tuner(device, db, timer=bench.timer, reference=lambda: 1e-3, cool_down_s=0).tune_problem(
+        bench.spec(), SHAPE)
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a resumed, confirmed problem was timed again")
+
+    again = Tuner(device, db, timer=no_timing, reference=lambda: 1e-3, cool_down_s=0).tune_problem(
+        bench.spec(), SHAPE)
+    assert again.chosen == first.chosen and again.confirmation.rounds == first.confirmation.rounds
+    record = db.lookup(device, bench.spec(), SHAPE)
+    assert record.source == "device" and record.params == first.chosen
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_bootstrap_interval_covers_the_true_ratio(seed):
+    from perfx.timing import bootstrap_ratio
+    rng = np.random.default_rng(seed)
+    a = 1.2 * np.exp(0.1 * rng.standard_normal(9))
+    b = np.exp(0.1 * rng.standard_normal(9))
+    ratio, low, high = bootstrap_ratio(a, b, rng)
+    assert low <= ratio <= high and low < 1.2 < high * 1.15

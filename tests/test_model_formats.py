@@ -20,6 +20,7 @@ from perfx.tuning.spec import relative_error
 from test_loader import LLAMA3_SCALING, converter_rope_freqs
 
 TOLERANCE = 2e-3
+pytestmark = pytest.mark.one_implementation  # model-level: the default device only
 
 
 @pytest.fixture(scope="module")

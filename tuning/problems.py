@@ -141,6 +141,11 @@ def _prefill(config, fixed: int | None, forms: dict | None = None) -> list[Probl
             for form in _linear_forms(c, label, k, fixed, forms):
                 for family, shape in gemm_shapes(form, m, n, k, epilogue):
                     out.append(Problem(family, shape, label, c.n_layers))
+        if m > 16:   # the lm_head over a chunk's rows: `perfx perplexity` (chunks of hundreds of tokens)
+            for form in _table_forms(c, "lm_head", fixed, forms):
+                if form.kind == "q8":
+                    out.extend(Problem(family, shape, "lm_head (perplexity)")
+                               for family, shape in gemm_shapes(form, m, c.vocab_size, c.hidden_size, "none"))
         if m > 1:
             out.append(Problem("attention_prefill", {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
                                                      "head_dim": c.head_dim, "m": m, "p0": 0},

@@ -181,7 +181,8 @@ class Llama:
             try:
                 op = make(choice.params)
             except (BuildError, KernelLimitError) as error:
-                reason = str(error).splitlines()[0][:200]
+                reason = (f"failed to build: {error.summary}" if isinstance(error, BuildError)
+                          else str(error).splitlines()[0])[:200]
                 self.log(f"perfx: {family} ({label}): the {choice.source} parameters {choice.params} were refused "
                          f"by this driver ({reason}); trying the next choice")
                 self.database.refuse(self.device, spec, choice.params, reason)

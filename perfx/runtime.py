@@ -40,6 +40,13 @@ from perfx.resources import cache_dir, kernel_path
 if not os.environ.get("PYOPENCL_COMPILER_OUTPUT"):
     warnings.filterwarnings("ignore", category=cl.CompilerWarning)
 
+
+def show_build_logs() -> None:
+    """Print the compiler's output of every kernel built from now on (`--verbose`); by default only a failed
+    build shows its log, in the error."""
+    os.environ["PYOPENCL_COMPILER_OUTPUT"] = "1"
+    warnings.filterwarnings("always", category=cl.CompilerWarning)
+
 # ----------------------------------------------------------------------------------------------
 # Errors
 
@@ -66,6 +73,9 @@ class BuildError(PerfxError):
 
     def __init__(self, file: str, defines: dict, log: str, device_name: str):
         self.file, self.defines, self.log = file, dict(defines), log
+        lines = [line.strip() for line in log.splitlines() if line.strip()]
+        # One line for notes and tables: the compiler's first error, else the log's first line.
+        self.summary = next((line for line in lines if "error" in line.lower()), lines[0] if lines else "no log")
         flags = " ".join(_define_flags(defines)) or "(no defines)"
         super().__init__(
             f"kernels/{file} failed to build on {device_name} with {flags}.\n"
@@ -73,6 +83,21 @@ class BuildError(PerfxError):
             "If this is a tuned parameter set, run `perfx selftest` and report the log; "
             "perfx falls back to the defaults when a tuned kernel does not build."
         )
+
+
+@dataclass(frozen=True)
+class KernelInfo:
+    """What the driver says of one built kernel (clGetKernelWorkGroupInfo)."""
+
+    name: str
+    work_group: int                 # the most work-items it runs in one work-group here
+    required: tuple[int, ...]       # its reqd_work_group_size, () if it has none
+    local_mem: int                  # bytes of local memory it uses
+    private_mem: int                # bytes of private memory per work-item: above 0, registers spilled
+
+    @property
+    def required_size(self) -> int:
+        return int(np.prod(self.required)) if self.required else 0
 
 
 class KernelLimitError(PerfxError):
@@ -156,7 +181,8 @@ class Capabilities:
     opencl_c: tuple[int, int]  # the newest OpenCL C the compiler takes (-cl-std), e.g. (3, 0)
     driver_version: str
     adreno_model: int | None  # 740 from "OpenCL C 3.0 Adreno(TM) 740"
-    architecture: str         # "adreno-7xx", else vendor_key plus device name
+    architecture: str         # "adreno-7xx" ("adreno" without a model number), else vendor_key plus device name
+    identified: str           # how: "Adreno 740, from the OpenCL C version", or why only the vendor is known
     compute_units: int
     global_mem: int
     fp16: bool
@@ -181,7 +207,7 @@ class Capabilities:
         return extension in self.extensions
 
 
-_ADRENO = re.compile(r"Adreno\s*\(TM\)\s*(\d{3,4})", re.IGNORECASE)
+_ADRENO = re.compile(r"Adreno\s*(?:\(TM\))?\s*(\d{3,4})", re.IGNORECASE)
 
 
 def parse_adreno_model(*texts: str) -> int | None:
@@ -191,6 +217,28 @@ def parse_adreno_model(*texts: str) -> int | None:
         if match:
             return int(match.group(1))
     return None
+
+
+def identify(vendor_key: str, name: str, opencl_c_version: str, version: str, driver_version: str
+             ) -> tuple[str, int | None, str, str]:
+    """(vendor key, Adreno model, architecture, how it was identified) of a device, from whatever it reports.
+
+    Adreno's model number is usually in the OpenCL C version ("OpenCL C 3.0 Adreno(TM) 740"), on some
+    drivers in the device name, version or driver version; some Qualcomm drivers report none (a bare
+    "QUALCOMM" and "OpenCL 3.0"): then only the vendor is known, and the vendor-level Qualcomm entries apply.
+    """
+    sources = (("the OpenCL C version", opencl_c_version), ("the device name", name),
+               ("the device version", version), ("the driver version", driver_version))
+    for where, text in sources:
+        model = parse_adreno_model(text)
+        if model is not None:
+            return "qualcomm", model, f"adreno-{str(model)[0]}xx", f"Adreno {model}, from {where}"
+    if vendor_key == "qualcomm" or "qualcomm" in name.lower() or "adreno" in name.lower():
+        return ("qualcomm", None, "adreno",
+                "a Qualcomm GPU that reports no Adreno model number: the vendor-level Qualcomm entries apply "
+                "until you tune (please send `perfx report`)")
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    return vendor_key, None, f"{vendor_key}-{slug}", f"{name} (vendor {vendor_key})"
 
 
 def _vendor_key(vendor: str, platform: str) -> str:
@@ -285,13 +333,8 @@ def capabilities(device: cl.Device, limits: Limits = Limits()) -> Capabilities:
     extensions = tuple(sorted(device.extensions.split()))
     platform = device.platform.name.strip()
     vendor = device.vendor.strip()
-    key = _vendor_key(vendor, platform)
-    model = parse_adreno_model(device.opencl_c_version, device.name, device.version)
-    if model is not None:
-        key = "qualcomm"
-        architecture = f"adreno-{str(model)[0]}xx"
-    else:
-        architecture = f"{key}-" + re.sub(r"[^a-z0-9]+", "-", device.name.lower()).strip("-")
+    key, model, architecture, identified = identify(_vendor_key(vendor, platform), device.name.strip(),
+                                                    device.opencl_c_version, device.version, device.driver_version)
 
     def capped(value: int, cap: int | None) -> int:
         return min(value, cap) if cap else value
@@ -302,7 +345,7 @@ def capabilities(device: cl.Device, limits: Limits = Limits()) -> Capabilities:
         device_type=device_type_name(device),
         opencl_c_version=device.opencl_c_version.strip(), opencl_c=_opencl_c(device),
         driver_version=device.driver_version.strip(),
-        adreno_model=model, architecture=architecture,
+        adreno_model=model, architecture=architecture, identified=identified,
         compute_units=device.max_compute_units, global_mem=device.global_mem_size,
         fp16="cl_khr_fp16" in extensions,
         integer_dot_product="cl_khr_integer_dot_product" in extensions,
@@ -609,6 +652,8 @@ class Device:
             raise_as_perfx(f"creating a context on {self.caps.name}", e)
         self._programs: dict[tuple, cl.Program] = {}
         self._kernels: dict[tuple, cl.Kernel] = {}
+        self._infos: dict[int, KernelInfo] = {}     # by int_ptr, for the kernels kept in _kernels
+        self._watching: list[set] = []
         self._lock = threading.Lock()
         self.allocated_bytes = 0
         self.peak_allocated_bytes = 0
@@ -644,7 +689,11 @@ class Device:
         return program
 
     def kernel(self, file: str, name: str, defines: dict | None = None) -> cl.Kernel:
-        """A ``Kernel`` object, created once per (file, defines, name): each ``program.name`` makes a new one."""
+        """A ``Kernel`` object, created once per (file, defines, name): each ``program.name`` makes a new one.
+
+        A kernel whose required work-group (``reqd_work_group_size``) or local memory exceeds what the driver
+        reports it can run raises KernelLimitError here: those parameters cannot run on this driver.
+        """
         key = (file, tuple(sorted((defines or {}).items())), name)
         kernel = self._kernels.get(key)
         if kernel is None:
@@ -653,11 +702,66 @@ class Device:
                 kernel = cl.Kernel(program, name)
             except cl.Error as e:
                 raise_as_perfx(f"creating kernel {name!r} from kernels/{file}", e)
+            info = self.kernel_info(kernel)
+            flags = " ".join(_define_flags(defines or {}))
+            if info.required_size > info.work_group:
+                raise KernelLimitError(f"kernels/{file} {name} ({flags}) requires work-groups of "
+                                       f"{info.required_size}, but this driver runs it in groups of at most "
+                                       f"{info.work_group} (registers or local memory it needs)")
+            if info.local_mem > self.caps.local_mem:
+                raise KernelLimitError(f"kernels/{file} {name} ({flags}) needs {info.local_mem} bytes of local "
+                                       f"memory, more than the {self.caps.local_mem} in force")
             self._kernels[key] = kernel
+            self._infos[kernel.int_ptr] = info
         return kernel
+
+    def kernel_info(self, kernel: cl.Kernel) -> KernelInfo:
+        """The driver's figures for a kernel: its work-group limit, required size, local and private memory.
+
+        Kept for the kernels this device built and keeps (their handles stay valid); another kernel is asked
+        each time.
+        """
+        info = self._infos.get(kernel.int_ptr)
+        if info is None:
+            def query(what, default=0):
+                try:
+                    return kernel.get_work_group_info(what, self.cl_device)
+                except cl.Error:  # a query this driver does not answer
+                    return default
+            w = cl.kernel_work_group_info
+            required = tuple(int(v) for v in query(w.COMPILE_WORK_GROUP_SIZE, ()) or ())
+            info = KernelInfo(kernel.function_name, int(query(w.WORK_GROUP_SIZE, self.caps.max_work_group)),
+                              required if any(required) else (), int(query(w.LOCAL_MEM_SIZE)),
+                              int(query(w.PRIVATE_MEM_SIZE)))
+        return info
+
+    @contextlib.contextmanager
+    def watch_kernels(self):
+        """Collect the KernelInfo of every kernel launched (or recorded) inside the block, by name."""
+        seen: set = set()
+        self._watching.append(seen)
+        found: dict[str, KernelInfo] = {}
+        try:
+            yield found
+        finally:
+            self._watching.remove(seen)
+            for info in seen:
+                found[info.name] = info
+
+    def _check_launch(self, kernel: cl.Kernel, local_size):
+        """A work-group larger than the driver runs this kernel in: a KernelLimitError, not a bare OpenCL error."""
+        info = self.kernel_info(kernel)
+        for seen in self._watching:
+            seen.add(info)
+        if local_size:
+            size = int(np.prod(local_size))
+            if size > info.work_group:
+                raise KernelLimitError(f"{kernel.function_name}: a work-group of {size} work-items, but this driver "
+                                       f"runs this kernel in groups of at most {info.work_group}")
 
     def launch(self, kernel: cl.Kernel, global_size, local_size, *args, wait_for=None) -> cl.Event | None:
         """Set the arguments and enqueue; while recording (``record()``), only record the launch."""
+        self._check_launch(kernel, local_size)
         if self._recording is not None:
             self._recording.append(BoundLaunch(kernel, global_size, local_size, args))
             return None

@@ -398,3 +398,14 @@ def test_chat_and_generate_give_the_same_first_answer():
     assert generate.returncode == 0 and chat.returncode == 0, generate.stderr + chat.stderr
     assert "eight" in generate.stdout.lower() or "8" in generate.stdout, generate.stdout
     assert chat.stdout.strip() == generate.stdout.strip()
+
+
+def test_generate_prints_no_compiler_output_unless_verbose(tiny, tmp_path):
+    """pyopencl's "Non-empty compiler output" warnings (Intel's compiler reports every vectorised kernel)
+    never reach the terminal: build logs belong to failures and to --verbose."""
+    env = {**chat_env(), "PERFX_CACHE": str(tmp_path)}   # a fresh cache: every kernel is built in this run
+    env.pop("PYOPENCL_COMPILER_OUTPUT", None)
+    run = subprocess.run([sys.executable, "-m", "perfx", "generate", "--model", tiny, "--max-tokens", "3",
+                          "--ctx", "256", "hello"], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "CompilerWarning" not in run.stderr and "compiler output" not in run.stderr.lower(), run.stderr

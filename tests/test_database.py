@@ -163,7 +163,7 @@ def test_export_import_round_trip(device, tmp_path, toy):
     target, count = second.import_file(exported)
     assert count == 1 and target.parent == tmp_path / "b"
     choice = second.lookup(device, spec, SHAPE)
-    assert choice.source == "device" and choice.params == result.best.params
+    assert choice.source == "device" and choice.params == result.chosen
     # Importing twice replaces rather than duplicates.
     second.import_file(exported)
     assert len(json.loads(target.read_text())["records"]) == 1

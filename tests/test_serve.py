@@ -24,9 +24,12 @@ import pytest
 from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
 from perfx import cli
 from perfx.generate import SamplingConfig
+from perfx.model import load_model
 from perfx.serve.engine import Engine, served_model_id
 from perfx.serve.server import Server, ServeOptions
 from perfx.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.one_implementation  # a server over a model: the default device only
 
 MODEL = "tiny"
 HELLO = [{"role": "user", "content": "hello there"}]
@@ -49,10 +52,8 @@ def tiny(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def loaded(tiny, device):
-    from perfx.model import load_model
-
-    model, source = load_model(tiny, device, progress=False)
+def loaded(tiny, opencl_device):
+    model, source = load_model(tiny, opencl_device, progress=False)
     assert served_model_id(source) == MODEL
     return model, source.tokenizer
 

@@ -9,8 +9,8 @@ as it comes (atomically), so an interrupted sweep resumes without re-timing anyt
 Search (after CLBlast's and kernel_tuner's tuners): the defaults first, then every candidate where the
 space is small, else a random sample followed by local refinement (each parameter moved to its
 neighbouring values) around the best, until nothing improves or the problem's share of the budget is
-spent. A candidate whose first timed run is clearly slower than the best so far is cut short; a cut
-candidate is never chosen.
+spent. A candidate whose faster of two first runs is clearly slower than the best so far is cut short;
+a cut candidate is never chosen.
 
 Confirmation: a search ranks candidates by one median each, and on a phone (thermal throttling,
 big.LITTLE, DVFS) or a busy machine a single lucky sample can crown the wrong one. So the top few, the
@@ -33,7 +33,7 @@ import numpy as np
 import pyopencl as cl
 
 from perfx.errors import PerfxError
-from perfx.runtime import BuildError
+from perfx.runtime import BuildError, KernelLimitError
 from perfx.timing import bootstrap_ratio, copy_kernel, time_launches
 from perfx.tuning.database import Database, normal, params_key, result_record
 
@@ -44,7 +44,7 @@ CONFIRM_TOP = 3         # search winners confirmed against the incumbent and the
 CONFIRM_ROUNDS = 7      # interleaved rounds of the confirmation
 DRIFT_THRESHOLD = 0.25  # the reference kernel this much slower than at the start: the round is suspect
 COOL_DOWN_S = 2.0       # wait before re-taking a suspect round
-STATUSES = ("ok", "slow", "wrong", "build", "launch", "error")
+STATUSES = ("ok", "slow", "wrong", "build", "limit", "launch", "error")
 
 
 @dataclass
@@ -58,6 +58,7 @@ class Outcome:
     samples: list = field(default_factory=list)
     error: float | None = None       # worst relative error over the outputs
     reason: str = ""
+    private_bytes: int | None = None  # the most private memory per work-item of its kernels (spills on a GPU)
 
     def as_dict(self) -> dict:
         data = asdict(self)
@@ -68,7 +69,7 @@ class Outcome:
 
     @classmethod
     def from_dict(cls, data: dict) -> Outcome:
-        return cls(**{k: data.get(k) for k in ("params", "status", "time_s", "spread", "error")},
+        return cls(**{k: data.get(k) for k in ("params", "status", "time_s", "spread", "error", "private_bytes")},
                    samples=list(data.get("samples") or []), reason=data.get("reason") or "")
 
 
@@ -380,9 +381,12 @@ class Tuner:
     def _evaluate(self, spec, case, params: dict, best: Outcome | None, result: ProblemResult) -> Outcome:
         """Verify, then time, one candidate."""
         try:
-            errors = case.errors(params)
+            with self.device.watch_kernels() as kernels:
+                errors = case.errors(params)
         except BuildError as e:
             return Outcome(params, "build", reason=f"build failed: {_first_line(e)}")
+        except KernelLimitError as e:
+            return Outcome(params, "limit", reason=f"beyond this driver's limits for the kernel: {_first_line(e)}")
         except (PerfxError, cl.Error) as e:
             return Outcome(params, "launch", reason=f"launch failed: {_first_line(e)}")
         except Exception as e:  # a crash in the wrapper for this parameter set: record it, go on
@@ -394,15 +398,18 @@ class Tuner:
                                                                 f"{worst:.2e} > tolerance {spec.tolerance:.0e}")
         try:
             if best is not None:
-                probe = self.timer(lambda: case.launch(params), warmup=1, repeat=1, rotate=case.rotate)
-                if probe.median_s > CUT_FACTOR * best.time_s:
-                    return Outcome(params, "slow", probe.median_s, 0.0, probe.samples, worst,
-                                   f"cut short: first run {probe.median_s / best.time_s:.1f}x the best so far")
+                # The faster of two runs: one slow run (a hiccup) must not cut a good candidate.
+                probe = self.timer(lambda: case.launch(params), warmup=1, repeat=2, rotate=case.rotate)
+                fastest = min(probe.samples) if probe.samples else probe.median_s
+                if fastest > CUT_FACTOR * best.time_s:
+                    return Outcome(params, "slow", fastest, 0.0, probe.samples, worst,
+                                   f"cut short: its faster of two runs {fastest / best.time_s:.1f}x the best so far")
             cap = CUT_FACTOR * best.time_s * self.repeat + 0.05 if best is not None else None
             timing = self._time(case, params, result, warmup=self.warmup, repeat=self.repeat, max_seconds=cap)
         except (PerfxError, cl.Error) as e:
             return Outcome(params, "launch", error=worst, reason=f"launch failed while timing: {_first_line(e)}")
-        return Outcome(params, "ok", timing.median_s, timing.spread, timing.samples, worst)
+        private = max((info.private_mem for info in kernels.values()), default=None)
+        return Outcome(params, "ok", timing.median_s, timing.spread, timing.samples, worst, private_bytes=private)
 
     # -- confirmation ----------------------------------------------------------------------------
 

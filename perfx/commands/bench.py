@@ -96,8 +96,11 @@ def bench_problem(device, spec, problem, ceiling: dict, rng, database, vs_defaul
         contenders = [choice.params] + ([spec.defaults()] if vs_defaults and choice.params != spec.defaults() else [])
         worst = 0.0
         for params in contenders:
-            errors = case.errors(params)
+            with device.watch_kernels() as kernels:
+                errors = case.errors(params)
             worst = max([worst, *errors.values()])
+            if params is choice.params:
+                row["private_bytes"] = max((i.private_mem for i in kernels.values()), default=None)
         row["error"], row["verified"] = worst, bool(worst <= spec.tolerance)
         probe = time_launches(lambda: case.launch(choice.params), warmup=1, repeat=1)
         repeat = 3 if probe.median_s > 0.2 else 10
@@ -223,17 +226,18 @@ def main(args) -> int:
 
 
 def kernel_table(rows: list[dict], vs_defaults: int) -> list[tuple]:
-    table = [("kernel", "use", "shape", "parameters", "from", "time", "GB/s", "GFLOP/s", "% ceiling", "check")
-             + (("defaults", "gain [95% interval]") if vs_defaults else ())]
+    table = [("kernel", "use", "shape", "parameters", "from", "time", "GB/s", "GFLOP/s", "% ceiling", "private B",
+              "check") + (("defaults", "gain [95% interval]") if vs_defaults else ())]
     for r in rows:
         params = " ".join(f"{k}={v}" for k, v in r["params"].items())
         if "failure" in r:
-            table.append((r["family"], r["label"], r["description"], params, r["source"], "-", "-", "-", "-",
+            table.append((r["family"], r["label"], r["description"], params, r["source"], "-", "-", "-", "-", "-",
                           "FAIL: " + r["failure"][:60]) + (("-", "-") if vs_defaults else ()))
             continue
         cells = (r["family"], r["label"], r["description"], params, r["source"], f"{r['time_s'] * 1e6:.1f} us",
                  f"{r['gb_per_s']:.2f}", f"{r['gflop_per_s']:.2f}" if r["flops"] else "-",
                  f"{r['percent_of_ceiling']:.0f}% {'peak' if r['bound'] == 'compute' else 'copy'}",
+                 "-" if r.get("private_bytes") is None else str(r["private_bytes"]),
                  "ok" if r["verified"] else f"WRONG {r['error']:.1e}")
         if vs_defaults:
             low, high = r["gain_interval"]

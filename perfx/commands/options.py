@@ -8,7 +8,7 @@ import sys
 from perfx.errors import PerfxError
 from perfx.generate import SamplingConfig
 from perfx.model import load_model
-from perfx.runtime import DEVICE_HELP
+from perfx.runtime import DEVICE_HELP, show_build_logs
 
 # One default for `perfx generate` and `perfx chat`: small models (the default one has 135M parameters)
 # ramble under greedy decoding unless asked to be brief (the float64 reference forward gives the same
@@ -33,6 +33,9 @@ def add_model_options(parser, ctx: bool = True):
                                                            "nearest, group 128): a quick try of an fp16 checkpoint")
     add_lm_head_option(parser)
     add_no_tuning_option(parser)
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="also print the compiler's output for every kernel built (by default only a build "
+                             "that fails shows its log); `perfx serve` also logs prompts and replies")
 
 
 LM_HEAD_HELP = ("the output projection (and a tied embedding): q8 keeps a quantized file's own form (Q8_0, Q6_K "
@@ -52,6 +55,8 @@ def add_no_tuning_option(parser):
 
 def load_model_from_args(args, **kwargs):
     """``perfx.model.load_model`` with the model options of ``add_model_options``."""
+    if args.verbose:
+        show_build_logs()
     return load_model(args.model, args.device, args.ctx, args.quantize, tuning=not args.no_tuning,
                       lm_head=args.lm_head, **kwargs)
 

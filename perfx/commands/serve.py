@@ -7,6 +7,7 @@ import threading
 
 from perfx.commands.options import add_model_options, add_sampling_options, log, sampling_config
 from perfx.errors import PerfxError
+from perfx.runtime import show_build_logs
 from perfx.serve.engine import Engine, load
 from perfx.serve.server import Server, ServeOptions
 
@@ -41,8 +42,6 @@ def add_arguments(parser):
                         help="require 'Authorization: Bearer KEY' on /v1 requests (/health stays open)")
     parser.add_argument("--queue", type=int, default=16, metavar="N",
                         help="requests that may wait while one runs; more get 429 (default %(default)s)")
-    parser.add_argument("-v", "--verbose", action="store_true",
-                        help="log prompts and replies too (by default only request counts and timings)")
 
 
 def main(args) -> int:
@@ -55,6 +54,8 @@ def main(args) -> int:
         raise PerfxError(f"--queue must be ≥ 0, got {args.queue}")
     if not 0 <= args.port <= 65535:
         raise PerfxError(f"--port must be between 0 and 65535, got {args.port}")
+    if args.verbose:
+        show_build_logs()
     model, tokenizer, model_id = load(args.model, args.device, args.ctx, args.quantize, log, not args.no_tuning,
                                       args.lm_head)
     engine = Engine(model, tokenizer, args.queue, sampling)

@@ -109,7 +109,7 @@ def _verdict(result) -> str:
 
 def summary_rows(results, copy_gbps: float) -> list[tuple]:
     rows = [("kernel", "use", "shape", "parameters in force", "time", "rate", "% copy bw",
-             "vs defaults [95% interval]", "confirmation", "tried", "rejected", "done")]
+             "vs defaults [95% interval]", "confirmation", "private B", "tried", "rejected", "done")]
     for r in results:
         rate, pct = _rate_cells(r, copy_gbps)
         c = r.confirmation
@@ -119,9 +119,15 @@ def summary_rows(results, copy_gbps: float) -> list[tuple]:
         rows.append((
             r.family, r.label, r.description,
             " ".join(f"{k}={v}" for k, v in r.chosen.items()) if r.chosen else (r.note or "none valid"),
-            f"{r.time_s * 1e6:.1f} us" if r.time_s else "-", rate, pct, gain, _verdict(r), len(r.outcomes),
+            f"{r.time_s * 1e6:.1f} us" if r.time_s else "-", rate, pct, gain, _verdict(r), _private(r), len(r.outcomes),
             sum(o.status not in ("ok", "slow") for o in r.outcomes), "yes" if r.complete else "partial"))
     return rows
+
+
+def _private(result) -> str:
+    """Private memory per work-item of the chosen parameters' kernels, as the driver reports it (spills)."""
+    outcome = next((o for o in result.outcomes if o.params == result.chosen and o.private_bytes is not None), None)
+    return "-" if outcome is None else str(outcome.private_bytes)
 
 
 def drift_line(results, tuner) -> str:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 
 def parameter_sets(spec, shape, caps) -> list[dict]:
-    """The spec's defaults, then every other parameter set the tuner may choose for ``shape`` here."""
-    defaults = spec.defaults()
-    return [defaults] + [params for params in spec.candidates(shape, caps) if params != defaults]
+    """Every parameter set the tuner may choose for ``shape`` here, the defaults first where they fit it."""
+    defaults, sets = spec.defaults(), spec.candidates(shape, caps)
+    return ([defaults] if defaults in sets else []) + [params for params in sets if params != defaults]
 
 
 def assert_every_parameter_set(spec, device, shape, rng) -> list[tuple[dict, dict[str, float]]]:

@@ -1,0 +1,129 @@
+"""What a driver we have never seen may refuse: a tuned or shipped choice that does not build, or that
+breaks the limits the driver reports for the built kernel, gives way to the next choice with one line, is
+remembered, and `perfx info` shows it; the tuner records such a candidate as invalid, and the private
+memory (spills) of the ones it times."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from perfx import cli
+from perfx.model import load_model
+from perfx.ops.gemv_q4 import GemvQ4
+from perfx.ops.small_ops import Argmax
+from perfx.runtime import BuildError, Device, KernelLimitError
+from perfx.tuning import SPECS
+from perfx.tuning.database import Database, default_database, result_record
+from perfx.tuning.problems import problems_for
+from toy_tuning import quiet_tuner
+
+pytestmark = pytest.mark.one_implementation  # model-level: the default device only
+
+
+def qkv_shape() -> dict:
+    problems, _ = problems_for("synthetic:tiny", SPECS, max_m=1)
+    return next(p.shape for p in problems if p.family == "gemv_q4" and "qkv" in p.label.split("+"))
+
+
+def test_a_choice_that_does_not_build_gives_way_at_load_and_is_remembered(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PERFX_CACHE", str(tmp_path))
+    device = Device()
+    shape, spec = qkv_shape(), SPECS["gemv_q4"]
+    refused = {**spec.defaults(), "LANES": 64}
+    default_database().save_result(device, result_record(spec, shape, refused, 1e-6, 2e-6, device.fingerprint))
+    tried = []
+    real_build = Device.build
+
+    def driver(self, file, defines=None):   # a driver whose compiler gives up on 64 lanes of gemv_q4
+        if file == "gemv_q4.cl" and (defines or {}).get("LANES") == 64:
+            tried.append(defines)
+            raise BuildError(file, defines, "error: too many registers", self.caps.name)
+        return real_build(self, file, defines)
+
+    monkeypatch.setattr(Device, "build", driver)
+    lines = []
+    model, _ = load_model("synthetic:tiny", device, ctx=16, progress=False, log=lines.append)
+    choice = model.tuned["gemv_q4 (qkv)"]
+    assert choice.source == "default" and model.gemv["qkv"].params == spec.defaults()
+    assert any("refused by this driver" in why for why in choice.skipped)
+    refusals = [line for line in lines if "were refused by this driver" in line]
+    assert len(refusals) == 1 and "gemv_q4 (qkv)" in refusals[0] and "too many registers" in refusals[0]
+    model.prefill([1, 2, 3], 0)
+    assert np.isfinite(model.logits()).all()
+
+    # The next load does not try it again, and says nothing.
+    tried.clear()
+    lines.clear()
+    load_model("synthetic:tiny", Device(), ctx=16, progress=False, log=lines.append)
+    assert not tried and not [line for line in lines if "refused" in line]
+    # perfx info shows the entry with the refusal.
+    assert cli.main(["info", "--json"]) == 0
+    entries = json.loads(capsys.readouterr().out)["tuning"]
+    (entry,) = [e for e in entries if e["family"] == "gemv_q4" and e["params"]["LANES"] == 64]
+    assert "refused by this driver" in entry["note"]
+
+
+def test_kernel_limits_the_driver_reports_are_checked(monkeypatch):
+    """A reqd_work_group_size larger than the driver runs the built kernel in is refused when built; a
+    launch larger than the kernel's limit is refused before it reaches the driver."""
+    device = Device()
+    real_info = Device.kernel_info
+
+    def small_groups(self, kernel):
+        return dataclasses.replace(real_info(self, kernel), work_group=32)
+
+    monkeypatch.setattr(Device, "kernel_info", small_groups)
+    with pytest.raises(KernelLimitError, match=r"requires work-groups of 64, but this driver runs it in groups "
+                                               r"of at most 32"):
+        GemvQ4(device, {"LANES": 64, "ROWS": 1, "READ": 0}).kernel(32, "none")
+    assert GemvQ4(device, {"LANES": 16, "ROWS": 1, "READ": 0}).kernel(32, "none")
+    kernel = device.kernel("copy.cl", "copy_vectors", {"VWC": 4})   # no reqd_work_group_size: checked at launch
+    buffer = device.empty(1024, np.float32)
+    with pytest.raises(KernelLimitError, match="a work-group of 64 work-items, but this driver runs this kernel "
+                                               "in groups of at most 32"):
+        device.launch(kernel, (64,), (64,), np.int32(16), buffer.data, buffer.data)
+
+
+def test_the_tuner_marks_limits_and_records_private_memory(tmp_path, monkeypatch):
+    device = Device()
+    real_info = Device.kernel_info
+
+    def limited(self, kernel):
+        info = real_info(self, kernel)
+        return dataclasses.replace(info, work_group=64) if info.name.startswith("argmax") else info
+
+    monkeypatch.setattr(Device, "kernel_info", limited)
+    result = quiet_tuner(device, Database(tmp_path / "u", tmp_path / "s"), budget_s=60).tune_problem(
+        SPECS["argmax"], {"n": 5000})
+    statuses = {o.params["WGS3"]: o.status for o in result.outcomes if o.status in ("limit", "ok", "slow")}
+    assert statuses.get(128) == "limit" and statuses.get(256) == "limit"
+    assert all(o.params["WGS3"] == 64 for o in result.outcomes if o.status == "ok")
+    assert all(o.private_bytes is not None for o in result.outcomes if o.status == "ok")
+    with pytest.raises(KernelLimitError):
+        Argmax(device, {"WGS3": 128, "GROUPS3": 64, "VW3": 4})
+
+
+@pytest.mark.parametrize("name, c_version, version, driver, model, architecture", [
+    ("QUALCOMM Adreno(TM)", "OpenCL C 3.0 Adreno(TM) 740", "OpenCL 3.0 Adreno(TM) 740", "", 740, "adreno-7xx"),
+    ("QUALCOMM Adreno(TM) 830", "OpenCL C 3.0", "OpenCL 3.0", "", 830, "adreno-8xx"),
+    ("QUALCOMM Adreno(TM)", "OpenCL C 2.0", "OpenCL 2.0", "OpenCL 2.0 Adreno 650 build", 650, "adreno-6xx"),
+    ("QUALCOMM", "OpenCL C 3.0", "OpenCL 3.0", "OpenCL 3.0 QUALCOMM build: commit #1", None, "adreno"),
+], ids=["opencl-c-version", "device-name", "driver-version", "no-model-number"])
+def test_adreno_identified_from_whatever_the_driver_reports(name, c_version, version, driver, model, architecture):
+    from perfx.runtime import identify
+    key, found, arch, how = identify("qualcomm", name, c_version, version, driver)
+    assert (key, found, arch) == ("qualcomm", model, architecture)
+    assert ("vendor-level Qualcomm entries apply" in how) == (model is None)
+
+
+def test_a_qualcomm_gpu_without_a_model_number_gets_the_vendor_entries(device, tmp_path):
+    phone = Device()
+    phone.caps = dataclasses.replace(device.caps, vendor_key="qualcomm", architecture="adreno",
+                                     name="QUALCOMM", image_support=True, local_mem=32 << 10, max_work_group=1024)
+    shipped = Database(tmp_path / "user")   # the shipped files only
+    choice = shipped.lookup(phone, SPECS["gemv_q4"], qkv_shape())
+    assert choice.source == "vendor" and choice.detail.startswith("qualcomm.json")

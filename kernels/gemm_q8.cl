@@ -24,7 +24,7 @@
 #define WGS 64  // work-items per work-group, each independent (ROWS columns apiece)
 #endif
 #ifndef ROWS
-#define ROWS 2  // output columns per work-item: each x chunk is loaded once and applied to ROWS rows
+#define ROWS 1  // output columns per work-item: each x chunk is loaded once and applied to ROWS rows
 #endif
 #ifndef MT
 #define MT 4  // rows of X per pass, ROWS·MT float8 accumulators in registers (a power of two)

@@ -23,12 +23,13 @@ PARAMS = ParamSpace(
     source="gemm_q8.cl",
     space={
         "WGS": (64, 1),          # work-items per work-group (independent: no local memory, no barriers)
-        "ROWS": (2, 1, 4),       # output columns per work-item
+        "ROWS": (1, 2, 4),       # output columns per work-item (1 by default: 8 accumulators for gate-up too)
         "MT": (4, 2, 8),         # rows of X per register pass
     },
-    # ROWS·MT float8 accumulators (twice that with the gate-up epilogue) plus ROWS weight vectors and the
-    # x chunk must stay in registers: gemm_q4_skinny's rule, for the same reason.
-    rules=(Rule("at most 8 float8 accumulators per work-item (ROWS·MT ≤ 8)", lambda p, s: p["ROWS"] * p["MT"] <= 8),),
+    # ROWS·MT float8 accumulators per weight row applied (two, gate and up, for the gate-up epilogue) plus
+    # ROWS weight vectors and the x chunk must stay in registers: gemm_q4_skinny's rule, for the same reason.
+    rules=(Rule("at most 8 float8 accumulators per work-item (ROWS·MT, times 2 for the gate-up epilogue)",
+                lambda p, s: p["ROWS"] * p["MT"] * (2 if s.get("epilogue") == "silu_mul" else 1) <= 8),),
     work_group_size=lambda p, s: p["WGS"],
 )
 

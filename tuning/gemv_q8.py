@@ -83,7 +83,7 @@ SPEC = Spec(
         "weight summed in groups of G ≤ 32, then K/G group terms s·Σqx + m·Σx per lane and a tree over the "
         "lanes; the rounding is a few 1e-6 of Σ|w·x|, which is ~10–30× max|y| for random signs, so 1e-4 of "
         "max|y| leaves margin (≤ 5e-7 measured on PoCL), while one code off by one (|Δw| = s ≈ 1.6e-4 "
-        "times |x| ~ 3, against max|y| ~ 0.1) or a missing group or block is far above it"),
+        "times |x| ~ 3, against max|y| ~ 0.5) or a missing group or block is far above it"),
     # Four build variants (G, pair precision and epilogue are defines), each swept over every candidate by
     # the tests: a large off-grid matrix; a fused QKV with bias and float32 pairs at G = 16; a small
     # matrix over 4 row blocks; a gate-up whose gate and up rows cross block boundaries at different rows.

@@ -151,7 +151,8 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("gguf", nargs="?", default="default", help="a .gguf file (default: perfx's default model)")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default 2)")
+    parser.add_argument("--threads", default="2", help="llama.cpp threads (default 2), or several counts separated "
+                        "by commas, each measured in the same rounds (on a busy machine 1 thread shows what 2 lose)")
     parser.add_argument("--with-perfx", action="store_true", help="measure perfx too, rounds interleaved")
     parser.add_argument("--device", default=None, help="perfx's OpenCL device as PERFX_DEVICE takes it (pocl, "
                         "intel, P:D), or several separated by commas (default: perfx's default device)")
@@ -163,7 +164,8 @@ def main(argv=None) -> int:
     from perfx.default_model import resolve_model
 
     path = resolve_model(args.gguf)
-    llm = open_llama(path, args.threads)
+    llamas = {int(n): open_llama(path, int(n)) for n in args.threads.split(",")}
+    llm = next(iter(llamas.values()))
     prompt = prompt_ids(llm.n_vocab())
     engines = {}
     if args.with_perfx:
@@ -177,7 +179,8 @@ def main(argv=None) -> int:
                 raise SystemExit(f"perfx and llama.cpp disagree on the vocabulary ({model.config.vocab_size} vs "
                                  f"{llm.n_vocab()})")
             engines[f"perfx on {device.caps.platform}"] = lambda model=model: measure_perfx(model)
-    engines[f"llama.cpp CPU, {args.threads} threads"] = lambda: measure_llama(llm, prompt)
+    for threads, one in llamas.items():
+        engines[f"llama.cpp CPU, {threads} thread{'s' if threads > 1 else ''}"] = lambda one=one: measure_llama(one, prompt)
     load_before = os.getloadavg()[0]
 
     for run in engines.values():  # warm-up: kernel builds, first-touch of the weights

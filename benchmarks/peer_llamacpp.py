@@ -1,7 +1,7 @@
 """llama.cpp's CPU backend as perfx's benchmark peer, on the same GGUF in the same run.
 
 Per round: llama.cpp prefills a 130-token prompt and decodes 64 greedy tokens (2 threads by default); with
---with-perfx, perfx does the same on an OpenCL device (perfx.bench_e2e.measure) in the same rounds, interleaved
+--with-perfx, perfx does the same on an OpenCL device (perfx.commands.bench.measure_e2e) in the same rounds, interleaved
 perfx, llama.cpp, perfx, llama.cpp, ... Both read the same random prompt ids. The table gives the median
 and the spread (min–max) between rounds; --json prints every round.
 
@@ -29,6 +29,11 @@ import time
 from datetime import datetime, timezone
 
 import numpy as np
+
+from perfx.commands.bench import measure_e2e
+from perfx.model import load_model
+from perfx.runtime import Device
+from perfx.sources.default import resolve_model
 
 PROMPT_TOKENS = 130
 DECODE_TOKENS = 64
@@ -102,7 +107,7 @@ def perplexity(tokens: list[int], chunk: int, logits_of, bos: int | None = None)
 
 
 def prompt_ids(vocab_size: int, n: int = PROMPT_TOKENS, seed: int = 0) -> list[int]:
-    """The random prompt perfx.bench_e2e.measure uses (same seed, same ids)."""
+    """The random prompt perfx.commands.bench.measure_e2e uses (same seed, same ids)."""
     return [int(t) for t in np.random.default_rng(seed).integers(3, vocab_size, n)]
 
 
@@ -131,10 +136,8 @@ def measure_llama(llm, prompt: list[int], decode_tokens: int = DECODE_TOKENS) ->
 
 
 def measure_perfx(model, prompt_tokens: int = PROMPT_TOKENS, decode_tokens: int = DECODE_TOKENS) -> dict:
-    from perfx.bench_e2e import measure
-
-    # measure() counts the first generated token as the prefill's, so one more gives decode_tokens steps.
-    r = measure(model, prompt_tokens, decode_tokens + 1)
+    # measure_e2e() counts the first generated token as the prefill's, so one more gives decode_tokens steps.
+    r = measure_e2e(model, prompt_tokens, decode_tokens + 1)
     return {"prefill_tok_s": r["prefill_tok_s"], "decode_tok_s": r["decode_tok_s"], "ttft_s": r["ttft_s"]}
 
 
@@ -161,17 +164,12 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
-    from perfx.default_model import resolve_model
-
     path = resolve_model(args.gguf)
     llamas = {int(n): open_llama(path, int(n)) for n in args.threads.split(",")}
     llm = next(iter(llamas.values()))
     prompt = prompt_ids(llm.n_vocab())
     engines = {}
     if args.with_perfx:
-        from perfx.model import load_model
-        from perfx.runtime import Device
-
         for selector in (args.device.split(",") if args.device else [None]):
             device = Device(selector)
             model, _ = load_model(str(path), device, progress=False, default_ctx=512)

@@ -16,6 +16,8 @@ device. Steps, all on the same files and the same text:
 4. greedy tokens from the start of the text until the two engines part (llama.cpp quantizes activations to
    8 bits for its integer dot products, so exact agreement over long runs is not expected).
 
+llama.cpp's side goes through ``benchmarks/peer_llamacpp.py`` (its model opening, logits and perplexity).
+
     python benchmarks/fidelity_llamacpp.py --out /tmp/fidelity --ctx 512 --greedy 64 --json > fidelity.json
 """
 
@@ -33,6 +35,8 @@ import gguf
 import numpy as np
 from gguf import quants
 
+from peer_llamacpp import adds_bos, logits as llama_logits, open_llama, perplexity as llama_perplexity
+from perfx import reference
 from perfx.commands.perplexity import nll_rows, perplexity
 from perfx.model import load_model
 from perfx.runtime import Device
@@ -109,40 +113,11 @@ def tiny_llama3(out: Path) -> Path:
 # -- the two engines ---------------------------------------------------------------------------------------------
 
 
-def open_llama(path: Path, ctx: int, threads: int = 2):
-    from llama_cpp import Llama
-
-    return Llama(model_path=str(path), n_ctx=ctx, n_batch=ctx, n_ubatch=ctx, n_threads=threads,
-                 n_threads_batch=threads, logits_all=True, n_gpu_layers=0, verbose=False)
-
-
-def llama_logits(llm, ids: list[int]) -> np.ndarray:
-    llm.reset()
-    llm.eval(list(ids))
-    return np.array(llm.scores[: len(ids)], dtype=np.float32)
-
-
-def llama_perplexity(llm, tokens: list[int], ctx: int, chunks: int, bos: int | None) -> dict:
-    first, total, count = ctx // 2, 0.0, 0
-    started = time.perf_counter()
-    for i in range(chunks):
-        ids = list(tokens[i * ctx:(i + 1) * ctx])
-        if bos is not None:
-            ids[0] = bos
-        nll = nll_rows(llama_logits(llm, ids)[first:ctx - 1], tokens[i * ctx + first + 1:(i + 1) * ctx])
-        total, count = total + nll.sum(), count + len(nll)
-    return {"ppl": float(np.exp(total / count)), "nll": total / count, "scored": count,
-            "tokens_per_s": chunks * ctx / (time.perf_counter() - started)}
-
-
 def compare(path: Path, text: str, ctx: int, chunks: int | None, greedy: int, device, lm_head: str = "q8",
-            threads: int = 2) -> dict:
+            threads: int = 2, with_reference: bool = False) -> dict:
     """Prompt ids, perplexity, first-chunk logits and greedy tokens of one file, perfx against llama.cpp."""
-    import llama_cpp
-
-    llm = open_llama(path, ctx, threads)
-    vocab = llama_cpp.llama_model_get_vocab(llm.model)
-    adds_bos = bool(llama_cpp.llama_vocab_get_add_bos(vocab))
+    llm = open_llama(path, threads, ctx, logits_all=True)
+    llama_adds_bos = adds_bos(llm)
     theirs = llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)   # llama-perplexity's tokenization
     model, source = load_model(str(path), device, ctx=ctx, progress=False, lm_head=lm_head)
     tok = source.tokenizer
@@ -150,10 +125,13 @@ def compare(path: Path, text: str, ctx: int, chunks: int | None, greedy: int, de
     n_chunks = min(len(ours) // ctx, chunks or 10**9)
     bos = tok.bos_id if tok.add_bos_token else None
     row = {"file": path.name, "lm_head": lm_head, "tokens": len(ours), "ids_equal": ours == theirs,
-           "add_bos": {"perfx": tok.add_bos_token, "llama.cpp": adds_bos}, "ctx": ctx, "chunks": n_chunks,
+           "add_bos": {"perfx": tok.add_bos_token, "llama.cpp": llama_adds_bos}, "ctx": ctx, "chunks": n_chunks,
            "types": source.describe()["quantization"]}
     row["perfx"] = {k: v for k, v in perplexity(model, ours, ctx, n_chunks, bos).items() if k != "running_ppl"}
-    row["llama.cpp"] = llama_perplexity(llm, theirs, ctx, n_chunks, llm.token_bos() if adds_bos else None)
+    started = time.perf_counter()
+    row["llama.cpp"] = llama_perplexity(theirs[:n_chunks * ctx], ctx, lambda ids: llama_logits(llm, ids),
+                                        llm.token_bos() if llama_adds_bos else None)
+    row["llama.cpp"]["tokens_per_s"] = n_chunks * ctx / (time.perf_counter() - started)
     row["ppl_ratio"] = row["perfx"]["ppl"] / row["llama.cpp"]["ppl"]
     # logits of the first chunk, every position
     ids = list(ours[:ctx])
@@ -161,6 +139,18 @@ def compare(path: Path, text: str, ctx: int, chunks: int | None, greedy: int, de
     rel = np.max(np.abs(a - b), axis=1) / np.max(np.abs(b), axis=1)
     row["logits"] = {"rel_max_median": float(np.median(rel)), "rel_max_worst": float(rel.max()),
                      "top1_agreement": float(np.mean(a.argmax(1) == b.argmax(1)))}
+    if with_reference:   # the float64 reference forward on the first chunk: which engine is off
+        want, _ = reference.llama_forward(source, ids)
+        targets, half = ours[ctx // 2 + 1:ctx], ctx // 2
+
+        def score(rows):
+            return float(nll_rows(rows[half:ctx - 1], targets).mean())
+
+        def off(rows):
+            return float(np.median(np.max(np.abs(rows - want), axis=1) / np.max(np.abs(want), axis=1)))
+
+        row["first_chunk_nll"] = {"reference": score(want), "perfx": score(a), "llama.cpp": score(b),
+                                  "perfx_logits_vs_reference": off(a), "llama_cpp_logits_vs_reference": off(b)}
     # greedy tokens from the first 32 tokens of the text
     prompt = list(ours[:32])
     model.prefill(prompt, 0)
@@ -190,6 +180,8 @@ def main(argv=None) -> int:
     parser.add_argument("--files", default="Q4_1,Q4_1/fp16,Q4_K_M,Q5_K_M,Q8_0,tiny-F32,tiny-Q4_K_M,tiny-Q5_K_M",
                         help="which comparisons to run (comma-separated)")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--reference", action="store_true",
+                        help="also the float64 reference forward on each file's first chunk (slow: numpy float64)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -223,13 +215,14 @@ def main(argv=None) -> int:
         path, head = files[name]
         ctx = min(args.ctx, open_model(path).config.max_positions)
         text_for = text if not name.startswith("tiny") else " ".join(["kato rimu senla vo pira nesu"] * 200)
-        row = compare(path, text_for, ctx, args.chunks, args.greedy, device, head)
+        row = compare(path, text_for, ctx, args.chunks, args.greedy, device, head, with_reference=args.reference)
         row["name"] = name
         report["rows"].append(row)
         print(f"{name}: ids equal {row['ids_equal']}, PPL perfx {row['perfx']['ppl']:.4f} llama.cpp "
               f"{row['llama.cpp']['ppl']:.4f} (ratio {row['ppl_ratio']:.4f}), logits rel max median "
               f"{row['logits']['rel_max_median']:.2e}, top-1 {row['logits']['top1_agreement']:.3f}, greedy "
-              f"identical for {row['greedy']['identical_prefix']}/{args.greedy}", file=sys.stderr, flush=True)
+              f"identical for {row['greedy']['identical_prefix']}/{args.greedy}"
+              + (f", first chunk NLL {row['first_chunk_nll']}" if args.reference else ""), file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(report, indent=1))
     return 0

@@ -7,6 +7,8 @@
 //   attention_combine:  out[h] = Σ_j e^(m_j − M)·o_j / Σ_j e^(m_j − M)·l_j,
 //                       M a running max over the partitions (online softmax)
 // When p < PART there is one partition and attention_partial writes out[h] = o_0 / l_0 itself: one launch.
+// A sliding window W > 0 (Mistral; 0 = off) bounds the positions attended to t ≥ p − W + 1: earlier ones
+// get weight 0 and are not read; a partition left with none reports m = −inf, l = 0 and the combine skips it.
 // Shapes: qkv float [q (H·D) | k (Hkv·D) | v (Hkv·D)] from element qkv_offset (the fused QKV GEMV);
 // out (H·D) float; keys / values half [layer][kv_head][pos][D] (perfx/ops/kv_cache.py), positions < p
 // already there; cos / sin (max_positions, D/2) float. Rotate-half pairs are (i, i + D/2):
@@ -93,7 +95,7 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
                        __global half* restrict keys, __global half* restrict values,
                        const int layer_offset, const int max_positions, const int pos, const int max_parts,
                        __global float* restrict part_max, __global float* restrict part_sum,
-                       __global float* restrict part_out, __global float* restrict out)
+                       __global float* restrict part_out, __global float* restrict out, const int window)
 {
     const int lid = get_local_id(0);
     const int g = get_group_id(1);
@@ -103,6 +105,7 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
     const int first = part * PART;
     const int count = min(PART, pos + 1 - first);  // ≥ 1: the wrapper launches ceil((p+1)/PART) partitions
     const bool holds_pos = part == n_parts - 1;   // this partition's last position is p
+    const int lo = window > 0 ? max(0, pos - window + 1) - first : 0;  // first t of the window, in the partition
 
     __local float q[GQA * HEAD_DIM];       // rotated, times 1/√D
     __local ushort q_bits[HALF ? GQA * HEAD_DIM : 1];  // the same as half (HALF)
@@ -158,6 +161,12 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
         run_max[h] = -INFINITY;
     }
     for (int t = lid; t < count; t += WGS) {
+        if (t < lo) {   // before the sliding window: weight 0, the key row is not read
+            for (int h = 0; h < GQA; ++h) {
+                work[h * PART + t] = -INFINITY;
+            }
+            continue;
+        }
 #if HALF
         const __local half* qh = (const __local half*)q_bits;
         const __global half* k_row = (holds_pos && t == count - 1) ? 0 : k_part + (size_t)t * HEAD_DIM;
@@ -229,7 +238,7 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
     }
     for (int t = lid; t < count; t += WGS) {
         for (int h = 0; h < GQA; ++h) {
-            const float w = exp(work[h * PART + t] - stats[h]);
+            const float w = t < lo ? 0.0f : exp(work[h * PART + t] - stats[h]);
             work[h * PART + t] = w;
             run_sum[h] += w;
         }
@@ -258,7 +267,7 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
     }
     if (row < ROWS) {
         const __global half* v_part = values + head_base + (size_t)first * HEAD_DIM;
-        for (int t = row; t < count; t += ROWS) {
+        for (int t = row < lo ? row + (lo - row + ROWS - 1) / ROWS * ROWS : row; t < count; t += ROWS) {
             floatV v;
             if (holds_pos && t == count - 1) {
                 v = LOADHV(lane, fresh + HEAD_DIM);
@@ -311,6 +320,9 @@ void attention_combine(const int n_parts, const int max_parts,
     for (int j = 0; j < n_parts; ++j) {
         const int at = h * max_parts + j;
         const float m_j = part_max[at];
+        if (m_j == -INFINITY) {
+            continue;   // a partition wholly before the sliding window: nothing to add
+        }
         const float m_new = fmax(m, m_j);
         const float keep = exp(m - m_new), take = exp(m_j - m_new);  // exp(−inf) = 0 on the first step
         l = l * keep + part_sum[at] * take;

@@ -2,6 +2,7 @@
 // RoPE, grouped-query attention, causal), in two launches on the in-order queue:
 //   kv_append:          k' = rope(k, p);  keys[layer][kvh][p] = half(k');  values[layer][kvh][p] = half(v)
 //   attention_prefill:  q' = rope(q, p);  out[t][h] = Σ_{j ≤ p} softmax_j(q'·K[j] / √D) · V[j]
+//                       (j ≥ p − W + 1 too under a sliding window W > 0, Mistral; 0 = off)
 // Shapes: qkv (M, (H + 2·Hkv)·D) float, each row [q (H·D) | k (Hkv·D) | v (Hkv·D)] (the fused QKV GEMM);
 // out (M, H·D) float; keys / values half [layer][kv_head][pos][D] (perfx/ops/kv_cache.py), positions
 // < p0 already there from earlier turns; cos / sin (max_positions, D/2) float. Rotate-half pairs are
@@ -123,7 +124,7 @@ void attention_prefill(const int m, const int p0, const int group, const int n_h
                        const int max_positions, const int layer_offset, const float scale,
                        __global const float* restrict qkv, __global const float* restrict cos_table,
                        __global const float* restrict sin_table, __global const half* restrict keys,
-                       __global const half* restrict values, __global float* restrict out)
+                       __global const half* restrict values, __global float* restrict out, const int window)
 {
     __local tile_t k_tile[BK * HEAD_DIM];
     __local tile_t v_tile[BK * HEAD_DIM];
@@ -144,6 +145,9 @@ void attention_prefill(const int m, const int p0, const int group, const int n_h
     // Causal: the work-group needs the positions up to its last row's.
     const int last_row = min((int)get_group_id(0) * WGS + WGS - 1, rows - 1);
     const int kv_len = p0 + last_row / group + 1;
+    // Sliding window: this row sees positions lo..pos; the work-group's first row has the smallest lo.
+    const int lo = window > 0 ? max(0, pos - window + 1) : 0;
+    const int group_lo = window > 0 ? max(0, p0 + ((int)get_group_id(0) * WGS) / group - window + 1) : 0;
 
     // This part of q' = rope(q)·(1/√D) in registers; the scale folded in once instead of per score. Dimension
     // i pairs with i ± D/2 (rotate-half), which another part may hold: read from the row in global memory.
@@ -179,7 +183,7 @@ void attention_prefill(const int m, const int p0, const int group, const int n_h
     float l_run = 0.0f;
 
     const int head_base = layer_offset + kvh * max_positions * HEAD_DIM;
-    for (int t0 = 0; t0 < kv_len; t0 += BK) {
+    for (int t0 = group_lo / BK * BK; t0 < kv_len; t0 += BK) {
         barrier(CLK_LOCAL_MEM_FENCE);  // every row is done with the previous tile
         // Positions past kv_len are zero-filled: the cache there may hold anything (NaN included), and
         // a masked weight of 0 times NaN would still be NaN.
@@ -244,10 +248,11 @@ void attention_prefill(const int m, const int p0, const int group, const int n_h
 #endif
 
         const int visible = min(BK, pos + 1 - t0);  // positions of this tile the row may see
-        if (visible > 0) {
+        const int hidden = lo - t0;                  // ... from this one on (the window's start)
+        if (visible > 0 && hidden < BK) {
             float tile_max = -FLT_MAX;
             for (int j = 0; j < BK; j++) {
-                score[j] = j < visible ? score[j] : -FLT_MAX;
+                score[j] = j < visible && j >= hidden ? score[j] : -FLT_MAX;
                 tile_max = fmax(tile_max, score[j]);
             }
             const float m_new = fmax(m_run, tile_max);
@@ -257,7 +262,7 @@ void attention_prefill(const int m, const int p0, const int group, const int n_h
                 acc[d] *= correction;
             }
             for (int j = 0; j < BK; j++) {
-                const float p = j < visible ? exp(score[j] - m_new) : 0.0f;
+                const float p = j < visible && j >= hidden ? exp(score[j] - m_new) : 0.0f;
                 l_run += p;
                 for (int d = 0; d < DV; d++) {
 #if HALF

@@ -6,7 +6,7 @@ The layers, bottom to top (each imports only from those below it):
 
     errors, resources, config, reference, progress      plain Python and numpy
     runtime, timing                                      OpenCL: the device, builds, memory, timing
-    formats, tokenizer                                   host forms of 4-bit weights; tokenizers
+    formats, tokenizer                                   host forms of 4- and 8-bit weights; tokenizers
     sources                                              model files -> host weights, one module per format
     ops                                                  one wrapper per kernel family + its parameter space
     tuning                                               specs (verification, metrics), tuner, database, problems
@@ -16,16 +16,20 @@ The layers, bottom to top (each imports only from those below it):
 
 from perfx import reference
 from perfx.errors import PerfxError
-from perfx.formats import Q4Matrix
+from perfx.formats import Q4Matrix, Q8Matrix
 from perfx.generate import SamplingConfig, generate
 from perfx.model import Llama, load_model
 from perfx.ops.attention_decode import AttentionDecode
 from perfx.ops.attention_prefill import AttentionPrefill
+from perfx.ops.embedding_q8 import EmbeddingQ8
 from perfx.ops.gemm_q4 import GemmQ4
+from perfx.ops.gemm_q8 import GemmQ8
 from perfx.ops.gemv_f16 import F16DeviceWeight, GemvF16
 from perfx.ops.gemv_q4 import GemvQ4
+from perfx.ops.gemv_q8 import GemvQ8
 from perfx.ops.kv_cache import KVCache, RopeTable
 from perfx.ops.q4_weight import Q4DeviceWeight
+from perfx.ops.q8_weight import Q8DeviceWeight
 from perfx.ops.rmsnorm import RMSNorm
 from perfx.ops.small_ops import Argmax, Embedding, SwiGLU
 from perfx.runtime import Device, Limits
@@ -35,8 +39,9 @@ from perfx.tuning.spec import relative_error
 
 __version__ = "0.1.0"
 __all__ = [
-    "Argmax", "AttentionDecode", "AttentionPrefill", "Device", "Embedding", "F16DeviceWeight", "GemmQ4",
-    "GemvF16", "GemvQ4", "KVCache", "Limits", "Llama", "PerfxError", "Q4DeviceWeight", "Q4Matrix", "RMSNorm",
+    "Argmax", "AttentionDecode", "AttentionPrefill", "Device", "Embedding", "EmbeddingQ8", "F16DeviceWeight",
+    "GemmQ4", "GemmQ8", "GemvF16", "GemvQ4", "GemvQ8", "KVCache", "Limits", "Llama", "PerfxError", "Q4DeviceWeight",
+    "Q4Matrix", "Q8DeviceWeight", "Q8Matrix", "RMSNorm",
     "RopeTable", "SamplingConfig", "SwiGLU", "__version__", "copy_bandwidth", "generate", "load_model",
     "open_model", "reference", "relative_error", "time_launches",
 ]

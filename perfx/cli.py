@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from perfx.commands import bench, chat, generate, info, quantize, report, selftest, serve, tune
+from perfx.commands import bench, chat, generate, info, perplexity, quantize, report, selftest, serve, tune
 from perfx.errors import PerfxError
 
 # (name, module, one-line help, description shown by `perfx NAME --help`)
@@ -34,6 +34,11 @@ COMMANDS = (
     ("bench", bench, "the device's ceilings and each kernel at a model's shapes, with tuned parameters",
      "Measure copy bandwidth and peak FLOP/s, then each kernel family at the model's shapes with the "
      "parameters perfx would use, as time, GB/s or GFLOP/s and percent of the ceiling."),
+    ("perplexity", perplexity, "a model's perplexity on a text file, by llama-perplexity's method",
+     "Tokenize the file (BOS only where the model adds one), cut it into chunks of --ctx tokens, run each from an "
+     "empty cache and average the negative log-likelihood over the second half of each chunk, as llama.cpp's "
+     "llama-perplexity does: how to compare quantizations, and perfx against llama.cpp, on the same file. "
+     "Example: perfx perplexity wiki.test.raw --ctx 512 --chunks 20"),
     ("report", report, "one file to send back: device, selftest, kernel figures and tuning results",
      "Write a report of this device (capabilities and limits, selftest, each kernel's speed at a model's shapes "
      "and optionally Llama-2-7B's, and this device's tuning results) to one JSON file, with a Markdown summary "

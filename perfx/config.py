@@ -28,10 +28,12 @@ class ModelConfig:
     head_dim: int              # D
     rms_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None    # Hugging Face rope_scaling ("llama3", "linear") or None
+    rope_scaling: dict | None = None    # Hugging Face rope_scaling ("llama3", "linear") or None; a GGUF's
+                                        # rope_freqs tensor rides along as "freq_factors" (D/2 divisors)
     max_positions: int = 4096
     tie_embeddings: bool = False        # lm_head is the embedding matrix
     qkv_bias: bool = False              # Qwen2 has biases on the Q, K and V projections
+    sliding_window: int = 0             # Mistral: a position attends to the last W positions only (0: all)
     extra: dict = field(default_factory=dict, repr=False, compare=False)  # e.g. Mistral's sliding_window
 
     def __post_init__(self):
@@ -82,6 +84,8 @@ class ModelConfig:
         extra = {}
         if config.get("sliding_window") and architecture == "mistral":
             extra["sliding_window"] = int(config["sliding_window"])
+        # Qwen2 configs carry a sliding_window too, but use it only with use_sliding_window (off in every
+        # released Qwen2 model, and not what transformers does for them by default): Mistral's alone counts.
         default_eps = 1e-6 if architecture == "qwen2" else 1e-5
         return cls(
             architecture=architecture, hidden_size=hidden, n_heads=n_heads, n_kv_heads=n_kv_heads,
@@ -89,8 +93,8 @@ class ModelConfig:
             rope_theta=float(config.get("rope_theta", 10000.0)),
             rope_scaling=config.get("rope_scaling") or None,
             max_positions=int(config.get("max_position_embeddings", 4096)),
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)), qkv_bias=qkv_bias, extra=extra,
-            **values,
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)), qkv_bias=qkv_bias,
+            sliding_window=int(extra.get("sliding_window", 0)), extra=extra, **values,
         )
 
     @classmethod
@@ -122,10 +126,9 @@ class ModelConfig:
             scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
         elif scaling_type not in (None, "none"):
             raise PerfxError(f"GGUF rope scaling type {scaling_type!r} is not supported (supported: linear)")
-        if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-            # Llama 3.1 GGUFs carry the "llama3" frequency factors as a tensor, not as parameters.
-            raise PerfxError("this GGUF has a rope_freqs.weight tensor (Llama 3.1 rope scaling), which perfx "
-                             "does not read yet; use the Hugging Face checkpoint of this model instead")
+        factors = _rope_freqs(reader, int(head_dim))
+        if factors is not None:
+            scaling = dict(scaling or {"rope_type": "default"}, freq_factors=factors)
         return cls(
             architecture=arch, vocab_size=int(vocab), hidden_size=hidden,
             intermediate_size=int(key("feed_forward_length")), n_layers=int(key("block_count")),
@@ -135,6 +138,7 @@ class ModelConfig:
             max_positions=int(key("context_length", 4096)),
             tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
             qkv_bias=any(t.name == "blk.0.attn_q.bias" for t in reader.tensors),
+            sliding_window=int(gguf_field(reader, f"{arch}.attention.sliding_window") or 0),
         )
 
 
@@ -164,6 +168,26 @@ def _float32_value(value) -> float:
     """GGUF stores these as float32: 1e-5 comes back as 9.99999974e-06. Take the shortest decimal that
     rounds to the same float32, which is what config.json said."""
     return float(str(np.float32(value)))
+
+
+def _rope_freqs(reader, head_dim: int) -> list[float] | None:
+    """Llama 3.x GGUFs carry their "llama3" rope scaling as a tensor, rope_freqs.weight: D/2 float32
+    divisors of the inverse frequencies (llama.cpp's freq_factors of ggml_rope_ext), None when absent."""
+    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if tensor is None:
+        return None
+    if tensor.tensor_type.name not in ("F32", "F16"):
+        raise PerfxError(f"GGUF tensor rope_freqs.weight has type {tensor.tensor_type.name}; llama.cpp writes "
+                         "it as F32 (the file is not from a llama.cpp converter)")
+    values = np.asarray(tensor.data, dtype=np.float64).reshape(-1)
+    if values.size != head_dim // 2:
+        raise PerfxError(f"GGUF tensor rope_freqs.weight has {values.size} values, but RoPE over head_dim "
+                         f"{head_dim} needs one per dimension pair, {head_dim // 2}; the file is corrupt or "
+                         "its header lies about the head size")
+    if not np.all(np.isfinite(values)) or np.any(values <= 0):
+        raise PerfxError("GGUF tensor rope_freqs.weight holds a value that is not a positive finite number; "
+                         "the frequency divisors of a corrupt file")
+    return [float(v) for v in values]
 
 
 def _embedding_rows(reader) -> int:

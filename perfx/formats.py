@@ -1,14 +1,25 @@
-"""4-bit weight formats: one device form for every 4-bit source, and the exact readers that map onto it.
+"""Weight formats: two device forms, int4 and int8, and the exact readers that map every source onto them.
 
-The device form (``Q4Matrix``): W (N, K) as codes q ∈ [0, 15] with one fp16 scale s and one fp16
+The int4 form (``Q4Matrix``): W (N, K) as codes q ∈ [0, 15] with one fp16 scale s and one fp16
 offset m per group of G ∈ {32, 64, 128} along K, w = s·q + m.
 
 - AWQ: w = (q − z)·s, so m = −z·s (rounded once to fp16: at most 2⁻¹² of 15·s, a small fraction of
   one quantization step).
 - GGUF Q4_0: w = d·(q − 8), so s = d, m = −8·d (exact). Q4_1: w = d·q + min, so s = d, m = min (exact).
+- GGUF Q4_K: w = d·sc·q − dmin·mn per sub-block of 32, so s = d·sc, m = −dmin·mn, rounded once to fp16
+  (``from_gguf_q4_k`` says how close that is).
 
-On the device the codes are rows contiguous along K, 32 codes per RGBA/UINT32 texel (``pack_texels``),
-and (s, m) pairs interleaved as half2 per group (``pack_scale_offset``).
+The int8 form (``Q8Matrix``): codes q ∈ [−128, 127] with a scale s and an offset m per group of
+G ∈ {16, 32}, w = s·q + m; s and m are held as float32 on the host and go to the device as fp16 pairs
+where fp16 holds every one exactly (``f32`` False) or as float32 pairs (``f32`` True). Every GGUF type
+whose values fit 8-bit codes reads into it exactly: Q8_0 (s = d), Q5_0 (codes q − 16, s = d), Q5_1
+(s = d, m = min), Q5_K (s = d·sc, m = −dmin·mn, float32 pairs: d·sc has up to 17 significant bits),
+Q6_K (codes q − 32, s = d·sc with an int8 sc, G = 16, float32 pairs). fp16 matrices (an lm_head)
+are quantized into it round-to-nearest (``Q8Matrix.quantize``).
+
+On the device the int4 codes are rows contiguous along K, 32 codes per RGBA/UINT32 texel
+(``pack_texels``), and (s, m) pairs interleaved as half2 per group (``pack_scale_offset``); the int8
+codes are plain int8 rows (``perfx/ops/q8_weight.py``).
 """
 
 from __future__ import annotations
@@ -107,6 +118,173 @@ class Q4Matrix:
 
     def rows(self, start: int, stop: int) -> Q4Matrix:
         return Q4Matrix(self.codes[start:stop], self.scales[start:stop], self.offsets[start:stop], self.group)
+
+    def take_rows(self, index: np.ndarray) -> Q4Matrix:
+        """Rows reordered or picked by ``index``: codes, scales and offsets move together (exact)."""
+        return Q4Matrix(self.codes[index], self.scales[index], self.offsets[index], self.group)
+
+    def regroup(self, group: int) -> Q4Matrix:
+        """The same weights with groups of ``group`` (a divisor of G): each (s, m) repeated (exact)."""
+        if group == self.group:
+            return self
+        if self.group % group:
+            raise PerfxError(f"cannot regroup int4 groups of {self.group} into groups of {group}")
+        repeat = self.group // group
+        return Q4Matrix(self.codes, np.repeat(self.scales, repeat, axis=1), np.repeat(self.offsets, repeat, axis=1),
+                        group)
+
+
+# ---------------------------------------------------------------------------------------------
+# The int8 form
+
+Q8_GROUP_SIZES = (16, 32)
+Q8_QUANTIZE_GROUP = 32   # the group of fp16 matrices quantized to int8 on load (an lm_head)
+
+
+def check_q8_group(k: int, group: int, what: str = "weight"):
+    if group not in Q8_GROUP_SIZES:
+        raise PerfxError(f"{what}: int8 group size {group} is not supported; perfx's int8 form has groups "
+                         f"{Q8_GROUP_SIZES}")
+    if k % group:
+        raise PerfxError(f"{what}: group size {group} does not divide K = {k}")
+
+
+def fp16_exact(values: np.ndarray) -> bool:
+    """Whether every value survives a round trip through fp16 unchanged (and so is finite there)."""
+    values = np.asarray(values, dtype=np.float32)
+    with np.errstate(over="ignore"):
+        return bool(np.array_equal(values.astype(np.float16).astype(np.float32), values))
+
+
+@dataclass
+class Q8Matrix:
+    """W (N, K) in the int8 form: codes (N, K) int8; scales, offsets (N, K/G) float32; w = s·q + m.
+
+    ``f32`` says which pairs the device reads: False, fp16 (s, m) pairs, which must then hold every value
+    exactly (checked here); True, float32 pairs. It is fixed by where the matrix comes from (its GGUF
+    type), never guessed from the values, so a model's kernel shapes are known from a file's header.
+    """
+
+    codes: np.ndarray
+    scales: np.ndarray
+    offsets: np.ndarray
+    group: int
+    f32: bool = False
+
+    def __post_init__(self):
+        n, k = self.codes.shape
+        check_q8_group(k, self.group)
+        expected = (n, k // self.group)
+        if self.scales.shape != expected or self.offsets.shape != expected:
+            raise PerfxError(f"scales {self.scales.shape} / offsets {self.offsets.shape} do not match "
+                             f"codes {self.codes.shape} with group {self.group}: expected {expected}")
+        self.codes = np.ascontiguousarray(self.codes, dtype=np.int8)
+        self.scales = np.ascontiguousarray(self.scales, dtype=np.float32)
+        self.offsets = np.ascontiguousarray(self.offsets, dtype=np.float32)
+        self.f32 = bool(self.f32)
+        if not self.f32 and not (fp16_exact(self.scales) and fp16_exact(self.offsets)):
+            raise PerfxError("an int8 matrix with fp16 scale/offset pairs holds values fp16 cannot represent "
+                             "exactly; make it with f32=True")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape
+
+    @property
+    def pair_bytes(self) -> int:
+        """Bytes of one group's (s, m) pair on the device: 4 (half2) or 8 (float2)."""
+        return 8 if self.f32 else 4
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a kernel reads: one byte per weight plus one (s, m) pair per group."""
+        n, k = self.shape
+        return n * k + self.pair_bytes * n * (k // self.group)
+
+    def dequantize(self) -> np.ndarray:
+        return dequantize_q4(self.codes, self.scales, self.offsets, self.group)
+
+    def pairs(self) -> np.ndarray:
+        """(N, K/G, 2) (s, m) pairs in the device's precision (fp16 or float32)."""
+        return np.ascontiguousarray(np.stack([self.scales, self.offsets], axis=-1).astype(
+            np.float32 if self.f32 else np.float16))
+
+    @classmethod
+    def quantize(cls, w: np.ndarray, group: int = Q8_QUANTIZE_GROUP) -> Q8Matrix:
+        """Round-to-nearest asymmetric int8 of W (N, K) with fp16 s and m (the lm_head's `--lm-head q8`).
+
+        s = (max − min)/255 and m = min + 128·s per group, both rounded to fp16, then q = rint((w − m)/s)
+        clipped to [−128, 127]: every weight within half a step s/2 plus the fp16 rounding of m.
+        Done in row blocks, so a 128k-row vocabulary needs no float64 copy of itself.
+        """
+        w = np.asarray(w)
+        n, k = w.shape
+        check_q8_group(k, group)
+        codes = np.empty((n, k), np.int8)
+        scales = np.empty((n, k // group), np.float16)
+        offsets = np.empty((n, k // group), np.float16)
+        for start in range(0, n, 8192):
+            stop = min(start + 8192, n)
+            blocks = w[start:stop].astype(np.float32).reshape(stop - start, k // group, group)
+            low, high = blocks.min(axis=2), blocks.max(axis=2)
+            s = np.maximum((high - low) / 255.0, 2.0**-24).astype(np.float16)
+            m = (low + 128.0 * s.astype(np.float32)).astype(np.float16)
+            s32, m32 = s.astype(np.float32)[..., None], m.astype(np.float32)[..., None]
+            codes[start:stop] = np.clip(np.rint((blocks - m32) / s32), -128, 127).reshape(stop - start, k)
+            scales[start:stop], offsets[start:stop] = s, m
+        return cls(codes, scales.astype(np.float32), offsets.astype(np.float32), group, f32=False)
+
+    @classmethod
+    def random(cls, n: int, k: int, group: int, rng: np.random.Generator, scale: float = 0.02,
+               f32: bool = False) -> Q8Matrix:
+        """Random codes with weights of Llama-like size: s ~ ``scale``/128, small offsets. With ``f32`` the
+        scales carry more significant bits than fp16 holds (as Q5_K's and Q6_K's d·sc do)."""
+        check_q8_group(k, group)
+        codes = rng.integers(-128, 128, size=(n, k), dtype=np.int8)
+        s = rng.uniform(0.5, 1.5, size=(n, k // group)) * scale / 128
+        m = rng.uniform(-4, 4, size=s.shape) * s
+        if f32:
+            return cls(codes, s.astype(np.float32), m.astype(np.float32), group, f32=True)
+        return cls(codes, s.astype(np.float16).astype(np.float32), m.astype(np.float16).astype(np.float32), group)
+
+    @classmethod
+    def from_q4(cls, q4: Q4Matrix, group: int | None = None) -> Q8Matrix:
+        """The int4 matrix in the int8 form (exact: 4-bit codes fit, fp16 s and m are fp16), regrouped to
+        ``group`` (a divisor of its own, e.g. 16 beside a Q6_K part) where given."""
+        group = group or min(q4.group, max(Q8_GROUP_SIZES))
+        if q4.group % group or group not in Q8_GROUP_SIZES:
+            raise PerfxError(f"an int4 matrix of group {q4.group} cannot go into int8 groups of {group}")
+        repeat = q4.group // group
+        return cls(q4.codes.astype(np.int8), np.repeat(q4.scales.astype(np.float32), repeat, axis=1),
+                   np.repeat(q4.offsets.astype(np.float32), repeat, axis=1), group)
+
+    def regroup(self, group: int) -> Q8Matrix:
+        """The same weights with groups of ``group`` (a divisor of G): each (s, m) repeated (exact)."""
+        if group == self.group:
+            return self
+        if self.group % group:
+            raise PerfxError(f"cannot regroup int8 groups of {self.group} into groups of {group}")
+        repeat = self.group // group
+        return Q8Matrix(self.codes, np.repeat(self.scales, repeat, axis=1),
+                        np.repeat(self.offsets, repeat, axis=1), group, self.f32)
+
+    @staticmethod
+    def concat(parts: list[Q8Matrix]) -> Q8Matrix:
+        """Stack matrices along N (fused QKV, gate-up) at the smallest group; float32 pairs if any part has them."""
+        ks = {p.shape[1] for p in parts}
+        if len(ks) != 1:
+            raise PerfxError(f"cannot fuse matrices with different K {sorted(ks)}")
+        group = min(p.group for p in parts)
+        parts = [p.regroup(group) for p in parts]
+        return Q8Matrix(np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]),
+                        np.concatenate([p.offsets for p in parts]), group, any(p.f32 for p in parts))
+
+    def rows(self, start: int, stop: int) -> Q8Matrix:
+        return Q8Matrix(self.codes[start:stop], self.scales[start:stop], self.offsets[start:stop], self.group,
+                        self.f32)
+
+    def take_rows(self, index: np.ndarray) -> Q8Matrix:
+        return Q8Matrix(self.codes[index], self.scales[index], self.offsets[index], self.group, self.f32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,12 +413,20 @@ def to_awq_gemv(codes: np.ndarray, zeros: np.ndarray, scales: np.ndarray):
 
 
 # ---------------------------------------------------------------------------------------------
-# GGUF blocks (ggml-common.h: block_q4_0, block_q4_1; 32 weights a block). Read here rather than with
-# gguf.quants, which dequantizes to floats: perfx keeps the 4-bit codes and per-block scale and offset.
-# The tests check these readers against gguf.quants.dequantize, llama.cpp's own definition.
+# GGUF blocks (ggml-common.h: block_q4_0, block_q4_1, block_q5_0, block_q5_1, block_q8_0 of 32 weights;
+# block_q4_K, block_q5_K, block_q6_K of 256). Read here rather than with gguf.quants, which dequantizes
+# to floats: perfx keeps the integer codes and each group's scale and offset. The tests check every
+# reader against gguf.quants.dequantize, llama.cpp's own definition in Python.
 
+QK_K = 256  # weights per K-quant super-block
 Q4_0_BLOCK = np.dtype([("d", "<f2"), ("qs", "u1", 16)])
 Q4_1_BLOCK = np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", 16)])
+Q5_0_BLOCK = np.dtype([("d", "<f2"), ("qh", "<u4"), ("qs", "u1", 16)])
+Q5_1_BLOCK = np.dtype([("d", "<f2"), ("m", "<f2"), ("qh", "<u4"), ("qs", "u1", 16)])
+Q8_0_BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", 32)])
+Q4_K_BLOCK = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qs", "u1", 128)])
+Q5_K_BLOCK = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qh", "u1", 32), ("qs", "u1", 128)])
+Q6_K_BLOCK = np.dtype([("ql", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16), ("d", "<f2")])
 
 
 def _q4_block_codes(qs: np.ndarray) -> np.ndarray:
@@ -248,16 +434,22 @@ def _q4_block_codes(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
-def _blocks(raw: np.ndarray, dtype: np.dtype, n: int, k: int, name: str) -> np.ndarray:
-    if k % 32:
-        raise PerfxError(f"GGUF tensor {name}: row length {k} is not a multiple of the 32-weight block")
+def _q5_block_codes(qs: np.ndarray, qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1: the low 4 bits as in Q4 blocks; bit i of the 32-bit qh is the fifth bit of weight i."""
+    high = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    return _q4_block_codes(qs) | (high << 4)
+
+
+def _blocks(raw: np.ndarray, dtype: np.dtype, n: int, k: int, name: str, block: int = 32) -> np.ndarray:
+    if k % block:
+        raise PerfxError(f"GGUF tensor {name}: row length {k} is not a multiple of the {block}-weight block")
     data = np.frombuffer(np.ascontiguousarray(raw).tobytes() if not isinstance(raw, (bytes, memoryview)) else raw,
                          dtype=np.uint8)
-    expected = n * (k // 32) * dtype.itemsize
+    expected = n * (k // block) * dtype.itemsize
     if data.size != expected:
         raise PerfxError(f"GGUF tensor {name}: {data.size} bytes where ({n}, {k}) needs {expected}; "
                          "the file is truncated or its header lies about the shape")
-    return data.view(dtype).reshape(n, k // 32)
+    return data.view(dtype).reshape(n, k // block)
 
 
 def from_gguf_q4_0(raw, n: int, k: int, name: str = "tensor") -> Q4Matrix:
@@ -271,3 +463,99 @@ def from_gguf_q4_1(raw, n: int, k: int, name: str = "tensor") -> Q4Matrix:
     blocks = _blocks(raw, Q4_1_BLOCK, n, k, name)
     codes = _q4_block_codes(blocks["qs"]).reshape(n, k)
     return Q4Matrix(codes, blocks["d"].astype(np.float16), blocks["m"].astype(np.float16), 32)
+
+
+def from_gguf_q8_0(raw, n: int, k: int, name: str = "tensor") -> Q8Matrix:
+    """w = d·q, q ∈ [−127, 127]: s = d, m = 0, exact with fp16 pairs."""
+    blocks = _blocks(raw, Q8_0_BLOCK, n, k, name)
+    d = blocks["d"].astype(np.float32)
+    return Q8Matrix(blocks["qs"].reshape(n, k), d, np.zeros_like(d), 32)
+
+
+def from_gguf_q5_0(raw, n: int, k: int, name: str = "tensor") -> Q8Matrix:
+    """w = d·(q − 16), q ∈ [0, 31]: codes q − 16, s = d, m = 0, exact with fp16 pairs."""
+    blocks = _blocks(raw, Q5_0_BLOCK, n, k, name)
+    codes = _q5_block_codes(blocks["qs"], blocks["qh"]).astype(np.int8) - 16
+    d = blocks["d"].astype(np.float32)
+    return Q8Matrix(codes.reshape(n, k), d, np.zeros_like(d), 32)
+
+
+def from_gguf_q5_1(raw, n: int, k: int, name: str = "tensor") -> Q8Matrix:
+    """w = d·q + min, q ∈ [0, 31]: s = d, m = min, exact with fp16 pairs."""
+    blocks = _blocks(raw, Q5_1_BLOCK, n, k, name)
+    codes = _q5_block_codes(blocks["qs"], blocks["qh"]).astype(np.int8)
+    return Q8Matrix(codes.reshape(n, k), blocks["d"].astype(np.float32), blocks["m"].astype(np.float32), 32)
+
+
+def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit scales and mins of a Q4_K/Q5_K super-block from its 12 bytes (ggml's
+    get_scale_min_k4): j < 4: sc = b[j] & 63, mn = b[j+4] & 63; j ≥ 4: the low 4 bits from b[j+4]
+    (sc low nibble, mn high nibble) and the top 2 bits from the spare bits 6–7 of b[j−4] and b[j]."""
+    b = packed.astype(np.uint8)
+    low_sc, low_mn = b[..., 0:4] & 63, b[..., 4:8] & 63
+    high_sc = (b[..., 8:12] & 0x0F) | ((b[..., 0:4] >> 6) << 4)
+    high_mn = (b[..., 8:12] >> 4) | ((b[..., 4:8] >> 6) << 4)
+    return np.concatenate([low_sc, high_sc], axis=-1), np.concatenate([low_mn, high_mn], axis=-1)
+
+
+def _k_low_nibbles(qs: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K: 128 bytes in 4 chunks of 32; chunk c holds sub-block 2c in its low nibbles and 2c + 1
+    in its high nibbles. Returns (..., 8, 32) codes per sub-block."""
+    chunks = qs.reshape(*qs.shape[:-1], 4, 1, 32)
+    return ((chunks >> np.array([0, 4], np.uint8).reshape(2, 1)) & 0x0F).reshape(*qs.shape[:-1], 8, 32)
+
+
+def _k_scale_offset(blocks: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per sub-block of 32: s = d·sc and m = −dmin·mn, exact in float32 (an fp16 times a 6-bit integer
+    has at most 17 significant bits)."""
+    sc, mn = _k_scales_mins(blocks["scales"])
+    d = blocks["d"].astype(np.float32)[..., None]
+    dmin = blocks["dmin"].astype(np.float32)[..., None]
+    return (d * sc).reshape(n, k // 32), (-(dmin * mn)).reshape(n, k // 32)
+
+
+def from_gguf_q4_k(raw, n: int, k: int, name: str = "tensor") -> Q4Matrix:
+    """Q4_K: w = d·sc·q − dmin·mn, q ∈ [0, 15], per sub-block of 32 in super-blocks of 256.
+
+    Into the int4 form with G = 32: s = d·sc and m = −dmin·mn, exact in float32 but rounded once to the
+    form's fp16 (an fp16 times a 6-bit sc can need 17 significant bits): |Δs| ≤ 2⁻¹¹·s and
+    |Δm| ≤ 2⁻¹¹·|m| (relative to the smallest normal fp16, 2⁻²⁵ absolute), so each weight moves by at
+    most 2⁻¹¹·(15·s + |m|), under 1% of one quantization step s for typical |m| ≲ 5·s. llama.cpp computes
+    the same products in float32.
+    """
+    blocks = _blocks(raw, Q4_K_BLOCK, n, k, name, QK_K)
+    codes = _k_low_nibbles(blocks["qs"]).reshape(n, k)
+    s, m = _k_scale_offset(blocks, n, k)
+    with np.errstate(over="ignore"):
+        return Q4Matrix(codes, s.astype(np.float16), m.astype(np.float16), 32)
+
+
+def from_gguf_q5_k(raw, n: int, k: int, name: str = "tensor") -> Q8Matrix:
+    """Q5_K: w = d·sc·q − dmin·mn, q ∈ [0, 31] (Q4_K's nibbles plus a fifth bit: bit j of qh[i] for
+    weight i of sub-block j). Into the int8 form with G = 32 and float32 pairs: exact."""
+    blocks = _blocks(raw, Q5_K_BLOCK, n, k, name, QK_K)
+    high = (blocks["qh"][..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1   # (n, blocks, 8, 32)
+    codes = (_k_low_nibbles(blocks["qs"]) | (high << 4)).astype(np.int8).reshape(n, k)
+    s, m = _k_scale_offset(blocks, n, k)
+    return Q8Matrix(codes, s, m, 32, f32=True)
+
+
+def from_gguf_q6_k(raw, n: int, k: int, name: str = "tensor") -> Q8Matrix:
+    """Q6_K: w = d·sc·(q − 32), q ∈ [0, 63], sc an int8 per sub-block of 16. Weight p (< 128) of half h
+    of a super-block: low 4 bits in nibble p // 64 of ql[64h + p mod 64], high 2 bits at bits
+    2·(p // 32) of qh[32h + p mod 32]. Into the int8 form with G = 16, codes q − 32, s = d·sc (exact in
+    float32: at most 18 significant bits), m = 0, float32 pairs: exact."""
+    blocks = _blocks(raw, Q6_K_BLOCK, n, k, name, QK_K)
+    ql = blocks["ql"].reshape(n, -1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
+    ql = (ql & 0x0F).reshape(n, -1, 2, 128)
+    qh = blocks["qh"].reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+    qh = (qh & 0x03).reshape(n, -1, 2, 128)
+    codes = ((ql | (qh << 4)).astype(np.int8) - 32).reshape(n, k)
+    s = (blocks["d"].astype(np.float32)[..., None] * blocks["scales"].astype(np.float32)).reshape(n, k // 16)
+    return Q8Matrix(codes, s, np.zeros_like(s), 16, f32=True)
+
+
+# GGUF tensor types perfx reads exactly into a device form, by reader.
+GGUF_READERS = {"Q4_0": from_gguf_q4_0, "Q4_1": from_gguf_q4_1, "Q4_K": from_gguf_q4_k,
+                "Q5_0": from_gguf_q5_0, "Q5_1": from_gguf_q5_1, "Q5_K": from_gguf_q5_k,
+                "Q6_K": from_gguf_q6_k, "Q8_0": from_gguf_q8_0}

@@ -1,10 +1,12 @@
 """The Llama forward on the device: thin Python over perfx's kernels, read top to bottom like llama2.c.
 
 ``Llama.load(source, device, ctx)`` uploads the weights once, layer by layer (the host holds one layer
-at a time), in the layouts the kernels read; QKV and gate-up were fused by the loader. ``prefill`` runs
-the GEMM path over a prompt (logits for the last position only); ``decode_one`` runs the GEMV path for
-one token. Kernel arguments that never change are bound at load; per token only the token id and the
-position travel to the device.
+at a time), in the layouts the kernels read; QKV and gate-up were fused by the loader. Each matrix runs the
+kernels of its form: int4 (gemv_q4, gemm_q4), int8 (gemv_q8, gemm_q8: GGUF Q5_x/Q6_K/Q8_0 tensors and the
+lm_head) or fp16. ``prefill`` runs the GEMM path over a prompt (logits for the last position only);
+``prefill_logits`` also returns every position's logits from a given one on (perplexity); ``decode_one``
+runs the GEMV path for one token. Kernel arguments that never change are bound at load; per token only
+the token id and the position travel to the device.
 """
 
 from __future__ import annotations
@@ -20,23 +22,28 @@ import pyopencl as cl
 
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
-from perfx.formats import Q4Matrix
+from perfx.formats import Q4Matrix, Q8Matrix
 from perfx.ops.attention_decode import AttentionDecode
 from perfx.ops.attention_prefill import AttentionPrefill
+from perfx.ops.embedding_q8 import EmbeddingQ8
 from perfx.ops.gemm_q4 import GemmQ4
+from perfx.ops.gemm_q8 import GemmQ8
 from perfx.ops.gemv_f16 import F16DeviceWeight, GemvF16
 from perfx.ops.gemv_q4 import GemvQ4
+from perfx.ops.gemv_q8 import GemvQ8
 from perfx.ops.kv_cache import KVCache, RopeTable
 from perfx.ops.params import READ_NAMES
 from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight, available_paths
+from perfx.ops.q8_weight import Q8DeviceWeight
 from perfx.ops.rmsnorm import RMSNorm
 from perfx.ops.small_ops import Argmax, Embedding, SwiGLU
 from perfx.progress import Progress
 from perfx.runtime import BuildError, Device, KernelLimitError
 from perfx.sources import open_named
+from perfx.sources.base import Form
 from perfx.tuning import SPECS
 from perfx.tuning.database import Choice, Database, bucket_representative, default_database, m_bucket
-from perfx.tuning.problems import model_problems
+from perfx.tuning.problems import embedding_shape, gemm_shapes, gemv_shape, model_problems
 
 DEFAULT_CTX = 4096
 PREFILL_CHUNK = 256  # prompt tokens per prefill pass: bounds the activation buffers
@@ -85,14 +92,15 @@ class Llama:
         started = time.perf_counter()
         bar = Progress(c.n_layers + 3, "loading", enabled=progress)
         first = source.layer(0)
-        model._choose_kernels(group=getattr(first.qkv, "group", None))
+        group = source.int4_group or (first.qkv.group if isinstance(first.qkv, Q4Matrix) else None)
+        model._choose_kernels(group, source.weight_forms())
         bar.update(note="kernels")
         embedding = source.embedding()
         model.embedding = model._upload(embedding, "token embedding", role="embedding")
         bar.update(note="embedding")
         for i in range(c.n_layers):
             w = first if i == 0 else source.layer(i)
-            if w.qkv_bias is not None and not isinstance(w.qkv, Q4Matrix):
+            if w.qkv_bias is not None and isinstance(w.qkv, np.ndarray):
                 raise PerfxError("an fp16 QKV projection with a bias (Qwen2) runs only quantized: pass --quantize q4")
             model.layers.append(DeviceLayer(
                 attn_norm=model._vector(w.attn_norm),
@@ -120,18 +128,21 @@ class Llama:
         }
         return model
 
-    def _choose_kernels(self, group: int | None):
+    def _choose_kernels(self, group: int | None, forms: dict | None = None):
         """Kernel objects with the tuned parameters for this model's shapes (database, else defaults).
 
         The shapes are exactly those `perfx tune` measures for this model (``tuning/problems.py``), so a
-        tuned entry is found whenever one exists; prefill kernels are chosen per M bucket on first use.
+        tuned entry is found whenever one exists; prefill kernels are chosen per M bucket on first use,
+        int8 ones per matrix form on first use (``_q8_op``).
         """
         c, d = self.config, self.device
         self.tuned: dict[str, object] = {}
-        problems, _ = model_problems(c, SPECS, group)
+        self.tuned_shapes: dict[str, dict] = {}   # the shape each entry of `tuned` was looked up by
+        self._q8_ops: dict[tuple, object] = {}
+        problems, _ = model_problems(c, SPECS, group, forms)
         self._problems = problems
         decode = {(p.family, label): p.shape for p in problems for label in p.label.split("+")
-                  if p.family not in ("gemm_q4_skinny", "gemm_q4_tiled", "attention_prefill")}
+                  if p.family not in ("gemm_q4_skinny", "gemm_q4_tiled", "gemm_q4_f16", "attention_prefill")}
 
         def shape_of(family, label, **fallback):
             return decode.get((family, label), fallback)
@@ -163,7 +174,8 @@ class Llama:
         attention = {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim}
         self.attn_decode = self._choose(
             "attention_decode", {**attention, "positions": self.max_positions}, "decode",
-            lambda p: AttentionDecode(d, c.n_heads, c.n_kv_heads, c.head_dim, self.max_positions, p))
+            lambda p: AttentionDecode(d, c.n_heads, c.n_kv_heads, c.head_dim, self.max_positions, p,
+                                            window=c.sliding_window))
         self._prefill_ops: dict[int, tuple] = {}
         # Each int4 weight is uploaded once, in the layout and for the read path its decode GEMV reads (the
         # GEMMs and the gather read whatever layout and path the weight has).
@@ -196,6 +208,7 @@ class Llama:
                 choice = dataclasses.replace(choice, skipped=choice.skipped + tuple(f"refused by this driver: {r}"
                                                                                     for r in refused))
             self.tuned[f"{family} ({label})"] = choice
+            self.tuned_shapes[f"{family} ({label})"] = shape
             return op
         raise PerfxError(f"{family} ({label}): no parameter set builds on {self.device.caps.name}: "
                          + "; ".join(refused) + ". Run `perfx selftest` and report the log")
@@ -242,9 +255,42 @@ class Llama:
                                {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "m": rep,
                                 "p0": 0})
             attention = self._choose("attention_prefill", shape, f"prefill, M≈{rep}",
-                                     lambda p: AttentionPrefill(self.device, c.n_heads, c.n_kv_heads, c.head_dim, p))
+                                     lambda p: AttentionPrefill(self.device, c.n_heads, c.n_kv_heads, c.head_dim, p,
+                                                                      window=c.sliding_window))
             self._prefill_ops[bucket] = (gemms, attention)
         return self._prefill_ops[bucket]
+
+    def _q8_op(self, kind: str, name: str, weight: Q8DeviceWeight, m: int = 1):
+        """The int8 kernel wrapper ("gemv", "gemm" or "embedding") for a matrix of this form, with the
+        parameters tuned for its shape (``tuning/problems.py`` builds the same shapes), made once."""
+        c = self.config
+        form = Form("q8", weight.group, weight.f32)
+        rep = bucket_representative(m_bucket(m)) if kind == "gemm" else 1
+        key = (kind, name, form, rep)
+        op = self._q8_ops.get(key)
+        if op is None:
+            epilogue = "silu_mul" if name == "gate_up" else ("bias" if weight.has_bias and kind == "gemm" else "none")
+            if kind == "gemv":
+                family, shape = gemv_shape(c, name, form, weight.n, weight.k, epilogue, weight.has_bias)
+
+                def make(params):
+                    made = GemvQ8(self.device, params, shape)
+                    made.kernel(weight.group, weight.f32, epilogue)   # built now: a refusal is seen here
+                    return made
+                op = self._choose(family, shape, name, make)
+            elif kind == "gemm":
+                family, shape = gemm_shapes(form, rep, weight.n, weight.k, epilogue)[0]
+
+                def make(params):
+                    made = GemmQ8(self.device, params, shape)
+                    made._kernel(weight.group, weight.f32, epilogue)
+                    return made
+                op = self._choose(family, shape, f"{name}, M≈{rep}", make)
+            else:
+                family, shape = embedding_shape(form, weight.n, weight.k, rep)
+                op = self._choose(family, shape, "embedding", lambda params: EmbeddingQ8(self.device, params))
+            self._q8_ops[key] = op
+        return op
 
     def _vector(self, v: np.ndarray):
         v = np.ascontiguousarray(v, dtype=np.float32)
@@ -253,6 +299,8 @@ class Llama:
     def _upload(self, w, what: str, role: str, bias=None):
         """One weight, once: int4 in the layout and read path of the GEMV that reads it in decode (``role``:
         qkv, o, gate_up, down, lm_head, or embedding, whose gather reads the codes buffer)."""
+        if isinstance(w, Q8Matrix):
+            return Q8DeviceWeight.upload(self.device, w, bias, what=what)
         if isinstance(w, Q4Matrix):
             gemv = self.gemv.get("lm_head" if role == "embedding" else role)
             if role == "embedding" and not self.config.tie_embeddings:
@@ -278,12 +326,15 @@ class Llama:
         self.proj = d.empty((m, c.hidden_size), f32)         # o or down output, added into the residual
         self.hb = d.empty((m, 2 * c.intermediate_size), f32)  # SiLU(gate)·up (and gate|up for the fp16 path)
         self.logits_buf = d.empty(c.vocab_size, f32)
+        self.all_logits = self.head_in = None   # (chunk, V) and (chunk, hidden), made by the first prefill_logits
+        self._lm_head_gemm = None
         self.ids = d.empty(m, np.int32)
         widest = max(c.hidden_size, c.q_dim, c.qkv_dim, 2 * c.intermediate_size)
         self.row_in, self.row_out = d.empty(widest, f32), d.empty(widest, f32)   # fp16 slow path scratch
         self.row_up, self.row_act = d.empty(c.intermediate_size, f32), d.empty(c.intermediate_size, f32)
         self.best = d.empty(1, np.int32)
         self.cache = KVCache.allocate(d, c.n_layers, c.n_kv_heads, self.max_positions, c.head_dim)
+        # rope_scaling carries a GGUF's rope_freqs (Llama 3.x) as freq_factors: applied in the table once
         self.rope = RopeTable.upload(d, c.head_dim, self.max_positions, c.rope_theta, c.rope_scaling)
         self._token_host = np.zeros(1, np.int32)
         self._token_upload = None
@@ -297,6 +348,12 @@ class Llama:
         ``name`` is the matrix's role (qkv, o, gate_up, down): gate_up carries the SiLU·mul epilogue.
         """
         epilogue = "silu_mul" if name == "gate_up" else "none"
+        if isinstance(weight, Q8DeviceWeight):
+            if decode:
+                return self._q8_op("gemv", name, weight)(weight, x, y, epilogue)
+            if epilogue == "none" and weight.has_bias:
+                epilogue = "bias"
+            return self._q8_op("gemm", name, weight, m)(weight, x, y, m, epilogue)
         if isinstance(weight, Q4DeviceWeight):
             if decode:
                 return self.gemv[name](weight, x, y, epilogue)
@@ -357,19 +414,75 @@ class Llama:
             for buffer in (self.proj, self.x):
                 self.device.copy(buffer, buffer, nbytes, src_offset=row * nbytes)
         self.rmsnorm.residual(self.proj, self.x, self.final_norm, self.xb, 1, c.hidden_size, c.rms_eps)
-        if isinstance(self.lm_head, Q4DeviceWeight):
+        if isinstance(self.lm_head, Q8DeviceWeight):
+            self._q8_op("gemv", "lm_head", self.lm_head)(self.lm_head, self.xb, self.logits_buf)
+        elif isinstance(self.lm_head, Q4DeviceWeight):
             self.gemv["lm_head"](self.lm_head, self.xb, self.logits_buf)
         else:
             self.gemv_f16(self.lm_head, self.xb, self.logits_buf)
 
+    def _head_rows(self, m: int, first: int) -> np.ndarray:
+        """Final residual add + rmsnorm over the chunk's m rows and the lm_head over rows first..m−1:
+        their logits (m − first, V), read back; the last row's are left in ``logits_buf`` as ``_head`` does."""
+        c, d = self.config, self.device
+        v, hidden, count = c.vocab_size, c.hidden_size, m - first
+        if self.all_logits is None:   # only perplexity needs these: decode never allocates them
+            self.all_logits = d.empty((self.chunk, v), np.float32)
+            self.head_in = d.empty((self.chunk, hidden), np.float32)
+        self.rmsnorm.residual(self.proj, self.x, self.final_norm, self.xb, m, hidden, c.rms_eps)
+        d.copy(self.head_in, self.xb, 4 * hidden * count, src_offset=4 * hidden * first)
+        head = self.lm_head
+        if isinstance(head, Q8DeviceWeight):
+            self._q8_op("gemm", "lm_head", head, count)(head, self.head_in, self.all_logits, count)
+        elif isinstance(head, Q4DeviceWeight):
+            if self._lm_head_gemm is None:
+                self._lm_head_gemm = GemmQ4(d, shape={"epilogue": "none"})
+            self._lm_head_gemm(head, self.head_in, self.all_logits, count)
+        else:
+            for r in range(count):
+                d.copy(self.row_in, self.head_in, 4 * hidden, src_offset=4 * hidden * r)
+                self.gemv_f16(head, self.row_in, self.logits_buf)
+                d.copy(self.all_logits, self.logits_buf, 4 * v, dst_offset=4 * v * r)
+        d.copy(self.logits_buf, self.all_logits, 4 * v, src_offset=4 * v * (count - 1))
+        out = np.empty((count, v), np.float32)
+        cl.enqueue_copy(d.queue, out, self.all_logits.data)
+        return out
+
     def _embed(self, m: int):
-        if isinstance(self.embedding, Q4DeviceWeight):
+        if isinstance(self.embedding, Q8DeviceWeight):
+            self._q8_op("embedding", "embedding", self.embedding, m)(self.embedding, self.ids, self.x, m)
+        elif isinstance(self.embedding, Q4DeviceWeight):
             self.embed.q4(self.embedding, self.ids, self.x, m)
         else:
             self.embed.f16(self.embedding, self.ids, self.x, m)
 
     def prefill(self, tokens: list[int], start_pos: int) -> None:
         """Run the prompt at positions start_pos.. (the cache before start_pos is reused); logits of the last."""
+        part = self._prefill_chunks(tokens, start_pos)
+        started = time.perf_counter()
+        self._head(part - 1)
+        self.host_seconds += time.perf_counter() - started
+
+    def prefill_logits(self, tokens: list[int], start_pos: int, first: int = 0) -> np.ndarray:
+        """``prefill``, returning the logits of every position from tokens[first] on: (len − first, V) float32.
+
+        Row i is the prediction after tokens[: first + i + 1] (perplexity reads the second half of a
+        chunk). The lm_head runs as a GEMM over each prefill chunk's rows; decode is not touched.
+        """
+        if not 0 <= first < len(tokens):
+            raise PerfxError(f"prefill_logits: first = {first} is outside the {len(tokens)} tokens")
+        rows = []
+
+        def head(chunk_first: int, m: int):
+            if chunk_first + m > first:
+                rows.append(self._head_rows(m, max(first - chunk_first, 0)))
+
+        self._prefill_chunks(tokens, start_pos, head)
+        return np.concatenate(rows)
+
+    def _prefill_chunks(self, tokens: list[int], start_pos: int, after_chunk=None) -> int:
+        """The layers over the prompt in chunks of ``self.chunk``; ``after_chunk(first, m)`` runs after each.
+        Returns the last chunk's length (its rows are left in x and proj)."""
         if not tokens:
             raise PerfxError("prefill needs at least one token")
         end = start_pos + len(tokens)
@@ -384,9 +497,9 @@ class Llama:
             self._embed(len(part))
             self._layers(len(part), start_pos + first, decode=len(part) == 1)
             self.host_seconds += time.perf_counter() - started
-        started = time.perf_counter()
-        self._head(len(part) - 1)
-        self.host_seconds += time.perf_counter() - started
+            if after_chunk is not None:
+                after_chunk(first, len(part))
+        return len(part)
 
     def _record_decode_plan(self) -> list:
         """One decode step recorded once: launches with their arguments bound (``BoundLaunch``), and the
@@ -448,15 +561,17 @@ def host_peak_bytes() -> int:
 
 def load_model(name: str | None = None, device: Device | str | None = None, ctx: int | None = None,
                quantize: str | None = None, progress: bool | None = None, log=None,
-               default_ctx: int = DEFAULT_CTX, tuning: bool = True):
+               default_ctx: int = DEFAULT_CTX, tuning: bool = True, lm_head: str = "q8"):
     """Resolve ``name`` ("default", a path, "synthetic:<name>"), open it and load it on the device.
 
     Returns (model, source). ``log`` receives one-line progress notes (the CLI passes stderr's print).
-    ``tuning`` False ignores every tuning database: the kernels run their built-in defaults.
+    ``tuning`` False ignores every tuning database: the kernels run their built-in defaults. ``lm_head``
+    ("q8", the default, or "fp16") is the form of the output projection and a tied embedding
+    (``perfx.sources.open_model``).
     """
     log = log or (lambda text: None)
     device = device if isinstance(device, Device) else Device(device)
-    source = open_named(name, quantize=quantize)
+    source = open_named(name, quantize=quantize, lm_head=lm_head)
     log(f"perfx: model {source.describe().get('path', name)} on {device.caps.name} ({device.caps.platform}, "
         f"limits: {device.caps.limits})")
     model = Llama.load(source, device, ctx=ctx, progress=progress, default_ctx=default_ctx,

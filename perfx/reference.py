@@ -53,7 +53,7 @@ def softmax(x, axis: int = -1) -> np.ndarray:
 def dequantize_q4(codes, scales, offsets, group: int) -> np.ndarray:
     """W (N, K) from the device form: w = s·q + m, one (s, m) per group of G along K.
 
-    codes (N, K) in [0, 15]; scales and offsets (N, K/G).
+    codes (N, K) in [0, 15] (int4 form) or [−128, 127] (int8 form: the same maths); scales and offsets (N, K/G).
     """
     codes = f64(codes)
     n, k = codes.shape
@@ -79,30 +79,40 @@ def gemm(x, w, bias=None) -> np.ndarray:
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> np.ndarray:
-    """Inverse frequencies θ^(−2i/D), i < D/2, with Llama-3's ``rope_scaling`` (type "llama3") applied.
+    """Inverse frequencies θ^(−2i/D), i < D/2, with ``rope_scaling`` applied.
 
-    Llama 3.1's scaling (transformers ``_compute_llama3_parameters``): wavelengths longer than
-    original_max_position_embeddings / low_freq_factor are divided by ``factor``, shorter than
-    … / high_freq_factor kept, and those between interpolated smoothly.
+    Types: "linear" (all divided by ``factor``) and "llama3" (Llama 3.1's scaling, transformers
+    ``_compute_llama3_parameters``: wavelengths longer than original_max_position_embeddings /
+    low_freq_factor are divided by ``factor``, shorter than … / high_freq_factor kept, and those between
+    interpolated smoothly). ``freq_factors`` (D/2 values, any type; a GGUF's rope_freqs tensor) divide the
+    frequencies pair by pair, as llama.cpp's ggml_rope_ext does with its freq_factors: Llama 3.x GGUFs
+    carry their "llama3" scaling that way, as divisors computed by the converter.
     """
     inv = 1.0 / (float(theta) ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     if not scaling:
         return inv
+    factors = scaling.get("freq_factors")
+    if factors is not None:
+        factors = np.asarray(factors, dtype=np.float64)
+        if factors.shape != inv.shape:
+            raise ValueError(f"freq_factors has {factors.size} values; head_dim {head_dim} needs {inv.size}")
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
-        return inv
-    if kind == "linear":
-        return inv / float(scaling["factor"])
-    if kind != "llama3":
+        pass
+    elif kind == "linear":
+        inv = inv / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+        original = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * np.pi / inv
+        smooth = (original / wavelen - low) / (high - low)
+        scaled = np.where(wavelen > original / low, inv / factor, inv)
+        between = (wavelen <= original / low) & (wavelen >= original / high)
+        inv = np.where(between, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    else:
         raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
-    factor = float(scaling["factor"])
-    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
-    original = float(scaling["original_max_position_embeddings"])
-    wavelen = 2 * np.pi / inv
-    smooth = (original / wavelen - low) / (high - low)
-    scaled = np.where(wavelen > original / low, inv / factor, inv)
-    between = (wavelen <= original / low) & (wavelen >= original / high)
-    return np.where(between, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv if factors is None else inv / factors
 
 
 def rope_tables(positions, head_dim: int, theta: float, scaling: dict | None = None):
@@ -141,12 +151,13 @@ def unpermute_qk(w, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def attention(q, k, v, q_positions, causal: bool = True) -> np.ndarray:
+def attention(q, k, v, q_positions, causal: bool = True, window: int = 0) -> np.ndarray:
     """softmax(q·Kᵀ/√D)·V with GQA.
 
     q (M, H, D) at absolute positions q_positions (M); k, v (T, Hkv, D) for positions 0..T−1.
     Query head h reads key/value head h // (H / Hkv). With ``causal``, query at position p sees
-    positions 0..p. Returns (M, H, D).
+    positions 0..p; a sliding ``window`` W > 0 (Mistral) keeps only the last W of them, p − W + 1..p
+    (transformers' sliding-window mask: key j is seen when p − W < j ≤ p). Returns (M, H, D).
     """
     q, k, v = f64(q), f64(k), f64(v)
     m, h, d = q.shape
@@ -155,8 +166,11 @@ def attention(q, k, v, q_positions, causal: bool = True) -> np.ndarray:
     kh = np.repeat(k, group, axis=1)  # (T, H, D)
     vh = np.repeat(v, group, axis=1)
     scores = np.einsum("mhd,thd->hmt", q, kh) / np.sqrt(d)
-    if causal:
-        visible = np.arange(t)[None, :] <= np.asarray(q_positions)[:, None]  # (M, T)
+    if causal or window:
+        keys, queries = np.arange(t)[None, :], np.asarray(q_positions)[:, None]
+        visible = keys <= queries if causal else np.ones((m, t), bool)   # (M, T)
+        if window:
+            visible &= keys > queries - window
         scores = np.where(visible[None], scores, -np.inf)
     return np.einsum("hmt,thd->mhd", softmax(scores, axis=-1), vh)
 
@@ -219,7 +233,7 @@ class ReferenceCache:
 
 
 def linear(x, w, bias=None, rows_per_chunk: int = 8192) -> np.ndarray:
-    """Y (M, N) = X (M, K) · Wᵀ (+ bias) for W an ndarray or a Q4Matrix.
+    """Y (M, N) = X (M, K) · Wᵀ (+ bias) for W an ndarray or the int4 or int8 form (Q4Matrix, Q8Matrix).
 
     W is widened to float64 a block of rows at a time: a float64 copy of a whole 7B lm_head is 1 GB.
     """
@@ -234,7 +248,7 @@ def linear(x, w, bias=None, rows_per_chunk: int = 8192) -> np.ndarray:
 
 
 def embed(embedding, tokens) -> np.ndarray:
-    """Rows of the embedding table (an fp16 ndarray or a Q4Matrix) for each token."""
+    """Rows of the embedding table (an fp16 ndarray, or the int4 or int8 form) for each token."""
     tokens = np.asarray(tokens, dtype=np.int64)
     if hasattr(embedding, "dequantize"):
         return np.stack([embedding.rows(t, t + 1).dequantize()[0] for t in tokens])
@@ -246,7 +260,8 @@ def llama_forward(source, tokens, start_pos: int = 0, cache: ReferenceCache | No
 
     ``source`` is a perfx.sources.ModelSource (weights read layer by layer, dequantized to float64);
     ``cache`` holds positions 0..start_pos−1 (None: a new one, start_pos must then be 0).
-    The maths of Hugging Face's LlamaForCausalLM / Qwen2ForCausalLM, without sliding windows.
+    The maths of Hugging Face's LlamaForCausalLM / MistralForCausalLM (its sliding window included) /
+    Qwen2ForCausalLM.
     """
     c = source.config
     tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
@@ -273,7 +288,7 @@ def llama_forward(source, tokens, start_pos: int = 0, cache: ReferenceCache | No
         k = rope(k, positions, c.rope_theta, c.rope_scaling)
         # append k, v to the cache; causal GQA attention over everything cached
         keys, values = cache.append(i, k, v)
-        att = attention(q, keys, values, positions).reshape(m, q_dim)
+        att = attention(q, keys, values, positions, window=c.sliding_window).reshape(m, q_dim)
         # output projection, residual back into x
         x = x + linear(att, w.o)
         # ffn rmsnorm, SwiGLU MLP (gate rows first, then up), residual

@@ -41,6 +41,12 @@ if not os.environ.get("PYOPENCL_COMPILER_OUTPUT"):
     warnings.filterwarnings("ignore", category=cl.CompilerWarning)
 
 
+# pyopencl's binary cache reads os.environ["PYOPENCL_CACHE_FAILURE_FATAL"] without a default when a build
+# fails for another reason than the source (CL_INVALID_BUILD_OPTIONS, say): a KeyError instead of the
+# OpenCL error. With it set (empty: not fatal), the build is retried uncached and the real error surfaces.
+os.environ.setdefault("PYOPENCL_CACHE_FAILURE_FATAL", "")
+
+
 def show_build_logs() -> None:
     """Print the compiler's output of every kernel built from now on (`--verbose`); by default only a failed
     build shows its log, in the error."""
@@ -627,6 +633,21 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
 
 
+def build_options(caps: Capabilities) -> list[str]:
+    """The compiler options perfx builds every kernel with on this device.
+
+    The part of fast math that keeps every kernel within its tolerance: ``-cl-mad-enable`` (a GPU may
+    fuse a multiply and an add, as Adreno's ALUs do) and ``-cl-no-signed-zeros``. Not
+    ``-cl-fast-relaxed-math``: attention's online softmax starts from −INFINITY, which its
+    ``-cl-finite-math-only`` lets a compiler assume away, and on Intel's CPU runtime its approximate exp
+    took the SiLU epilogues and gemv_q8 past their tolerances in 33 of 657 selftest checks (2026-11-30);
+    with the two options here all 657 pass on PoCL and Intel. ``PERFX_BUILD_OPTIONS`` adds options of
+    your own (a driver's, to try), still checked by `perfx selftest`.
+    """
+    extra = os.environ.get("PERFX_BUILD_OPTIONS", "").split()
+    return ["-cl-mad-enable", "-cl-no-signed-zeros", *extra]
+
+
 def _define_flags(defines: dict) -> list[str]:
     flags = []
     for name in sorted(defines):
@@ -650,6 +671,7 @@ class Device:
             self.queue = cl.CommandQueue(self.context, properties=cl.command_queue_properties.PROFILING_ENABLE)
         except cl.Error as e:
             raise_as_perfx(f"creating a context on {self.caps.name}", e)
+        self.build_options = build_options(self.caps)
         self._programs: dict[tuple, cl.Program] = {}
         self._kernels: dict[tuple, cl.Kernel] = {}
         self._infos: dict[int, KernelInfo] = {}     # by int_ptr, for the kernels kept in _kernels
@@ -679,7 +701,7 @@ class Device:
         if program is not None:
             return program
         path = kernel_path(file)
-        options = _define_flags(defines) + ["-I", str(path.parent)]
+        options = _define_flags(defines) + ["-I", str(path.parent), *self.build_options]
         program = cl.Program(self.context, path.read_text())
         try:
             program.build(options=options, devices=[self.cl_device])

@@ -51,6 +51,18 @@ SAMPLES = 3
 # tile and vector multiple so the edge guards run. The defaults run on every shape of a family, the sampled
 # parameter sets on the first. A family missing here runs its smallest spec test shape.
 TINY_SHAPES = {
+    "gemv_q8": (
+        {"n": 13, "k": 96, "group": 32, "f32": False, "epilogue": "none", "bias": True, "parts": (7, 6),
+         "block_bytes": 5 * 96},
+        {"n": 2 * 7, "k": 64, "group": 16, "f32": True, "epilogue": "silu_mul", "bias": False, "block_bytes": 4 * 64},
+    ),
+    "gemm_q8": (
+        {"m": 3, "n": 2 * 5, "k": 64, "group": 16, "f32": True, "epilogue": "silu_mul", "block_bytes": 4 * 64},
+        {"m": 2, "n": 9, "k": 96, "group": 32, "f32": False, "epilogue": "bias"},
+    ),
+    "embedding_q8": (
+        {"n": 11, "k": 48, "group": 16, "f32": True, "m": 3, "block_bytes": 4 * 48},
+    ),
     "gemv_q4": (
         {"n": 13, "k": 320, "group": 64, "epilogue": "none", "bias": True, "parts": (7, 6)},
         {"n": 2 * 7, "k": 192, "group": 32, "epilogue": "silu_mul", "bias": False},

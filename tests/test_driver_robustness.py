@@ -127,3 +127,16 @@ def test_a_qualcomm_gpu_without_a_model_number_gets_the_vendor_entries(device, t
     shipped = Database(tmp_path / "user")   # the shipped files only
     choice = shipped.lookup(phone, SPECS["gemv_q4"], qkv_shape())
     assert choice.source == "vendor" and choice.detail.startswith("qualcomm.json")
+
+
+def test_build_options_per_device(monkeypatch):
+    """Every kernel is built with the safe part of fast math, never -cl-fast-relaxed-math (attention relies on
+    −INFINITY); PERFX_BUILD_OPTIONS adds a driver's own, and a bad one is a build error naming the file."""
+    device = Device()
+    assert device.build_options[:2] == ["-cl-mad-enable", "-cl-no-signed-zeros"]
+    assert not any("fast-relaxed" in option or "finite-math" in option for option in device.build_options)
+    monkeypatch.setenv("PERFX_BUILD_OPTIONS", "-cl-no-such-option")
+    odd = Device()
+    assert odd.build_options[-1] == "-cl-no-such-option"
+    with pytest.raises(BuildError, match="kernels/copy.cl failed to build"):
+        odd.build("copy.cl", {"VWC": 4})

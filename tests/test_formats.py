@@ -1,5 +1,6 @@
-"""4-bit formats: AWQ packing (golden value and round trips), GGUF blocks against the gguf package,
-the device texel layout, and the errors for unsupported group sizes and bit widths."""
+"""Weight formats: AWQ packing (golden value and round trips), every GGUF block type against the gguf
+package (llama.cpp's definition), the int8 form (quantize, regroup, fuse), the device texel layout, and the
+errors for unsupported group sizes, bit widths and truncated tensors."""
 
 import numpy as np
 import pytest
@@ -7,9 +8,10 @@ from gguf import GGMLQuantizationType, quants
 
 from perfx import reference
 from perfx.errors import PerfxError
-from perfx.formats import (Q4Matrix, check_bits, from_awq_gemm, from_awq_gemv,
-                           from_gguf_q4_0, from_gguf_q4_1, pack_scale_offset, pack_texels, row_splits,
-                           to_awq_gemm, to_awq_gemv, unpack_texels)
+from helpers.kquants import quantize_k, random_k_blocks
+from perfx.formats import (GGUF_READERS, Q4Matrix, Q8Matrix, check_bits, from_awq_gemm, from_awq_gemv,
+                           from_gguf_q4_0, from_gguf_q4_1, from_gguf_q4_k, pack_scale_offset, pack_texels,
+                           row_splits, to_awq_gemm, to_awq_gemv, unpack_texels)
 
 
 def test_awq_gemm_golden_value():
@@ -135,3 +137,113 @@ def test_dequantize_reference_matches_a_plain_loop(rng):
         for c in range(64):
             loop[r, c] = float(q4.scales[r, c // 32]) * q4.codes[r, c] + float(q4.offsets[r, c // 32])
     np.testing.assert_allclose(reference.dequantize_q4(q4.codes, q4.scales, q4.offsets, 32), loop, rtol=1e-15)
+
+
+# -- every other GGUF type, against gguf.quants.dequantize ------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q8_0"])
+def test_gguf_32_weight_blocks_read_exactly_into_the_int8_form(rng, kind):
+    """Blocks quantized by gguf.quants: the int8 form holds them exactly, with fp16 (s, m) pairs."""
+    n, k = 5, 256
+    raw = quants.quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType[kind])
+    q8 = GGUF_READERS[kind](raw, n, k, "t")
+    theirs = quants.dequantize(raw, GGMLQuantizationType[kind]).astype(np.float64)
+    assert isinstance(q8, Q8Matrix) and q8.group == 32 and not q8.f32
+    # Q5_1's d·q + m is rounded to float32 by gguf (one rounding); Q8_0 and Q5_0's d·q are exact there.
+    np.testing.assert_allclose(q8.dequantize(), theirs, rtol=0, atol=2.0**-24 * np.abs(theirs).max())
+    if kind != "Q5_1":
+        np.testing.assert_array_equal(q8.dequantize(), theirs)
+    lo, hi = {"Q5_0": (-16, 15), "Q5_1": (0, 31), "Q8_0": (-127, 127)}[kind]
+    assert lo <= q8.codes.min() and q8.codes.max() <= hi
+
+
+@pytest.mark.parametrize("kind", ["Q5_K", "Q6_K"])
+@pytest.mark.parametrize("blocks", ["random bits", "quantized"])
+def test_gguf_k_quants_read_exactly_into_the_int8_form(rng, kind, blocks):
+    """Q5_K (G = 32) and Q6_K (G = 16): s = d·sc is exact in float32, so the form holds every weight as
+    gguf's float32 dequantization does (Q5_K's d·sc·q − dmin·mn rounds once in float32 there)."""
+    n, k = 3, 512
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    raw = random_k_blocks(kind, n, k, rng) if blocks == "random bits" else quantize_k(w, kind)
+    q8 = GGUF_READERS[kind](raw, n, k, "t")
+    theirs = quants.dequantize(raw, GGMLQuantizationType[kind]).astype(np.float64)
+    assert isinstance(q8, Q8Matrix) and q8.f32 and q8.group == (32 if kind == "Q5_K" else 16)
+    np.testing.assert_allclose(q8.dequantize(), theirs, rtol=0, atol=2.0**-24 * np.abs(theirs).max())
+    assert q8.codes.min() >= (-32 if kind == "Q6_K" else 0) and q8.codes.max() <= 31
+    if blocks == "quantized":   # the test quantizer is a real one: K-quant error, not noise
+        assert np.max(np.abs(theirs - w)) < 0.3
+
+
+@pytest.mark.parametrize("blocks", ["random bits", "quantized"])
+def test_gguf_q4_k_reads_into_the_int4_form_within_fp16_rounding(rng, blocks):
+    """Q4_K -> int4 form, G = 32: codes exact; s = d·sc and m = −dmin·mn rounded once to fp16, so each
+    weight is within 2⁻¹¹·(15·s + |m|) of llama.cpp's float32 value (plus its own float32 rounding)."""
+    n, k = 4, 512
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    raw = random_k_blocks("Q4_K", n, k, rng) if blocks == "random bits" else quantize_k(w, "Q4_K")
+    q4 = from_gguf_q4_k(raw, n, k, "t")
+    theirs = quants.dequantize(raw, GGMLQuantizationType.Q4_K).astype(np.float64)
+    assert isinstance(q4, Q4Matrix) and q4.group == 32 and q4.codes.max() <= 15
+    s = np.repeat(q4.scales.astype(np.float64), 32, axis=1)
+    m = np.repeat(np.abs(q4.offsets.astype(np.float64)), 32, axis=1)
+    bound = 2.0**-11 * (15 * s + m) + 2.0**-24 * np.abs(theirs).max()
+    assert np.all(np.abs(q4.dequantize() - theirs) <= bound)
+    # the codes are exactly llama.cpp's: with every sub-block's scale 1 and min 0 the value is the code
+    blocks_ = raw.view(np.uint8).reshape(-1, 144).copy()
+    blocks_[:, 0:2] = np.frombuffer(np.float16(1).tobytes(), np.uint8)   # d = 1
+    blocks_[:, 2:4] = 0                                                  # dmin = 0
+    blocks_[:, 4:16] = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], np.uint8)   # sc = 1, mn = 0 for all 8
+    codes = quants.dequantize(blocks_.reshape(raw.shape), GGMLQuantizationType.Q4_K)
+    np.testing.assert_array_equal(q4.codes, codes)
+
+
+@pytest.mark.parametrize("kind, block_bytes", [("Q4_K", 144), ("Q5_K", 176), ("Q6_K", 210), ("Q5_0", 22),
+                                               ("Q5_1", 24), ("Q8_0", 34)])
+def test_truncated_or_misshapen_blocks_are_clear_errors(kind, block_bytes):
+    block = 256 if kind.endswith("_K") else 32
+    with pytest.raises(PerfxError, match=rf"blk.3.ffn_down.weight: {2 * block_bytes - 1} bytes where "
+                                         rf"\(2, {block}\) needs {2 * block_bytes}"):
+        GGUF_READERS[kind](b"\0" * (2 * block_bytes - 1), 2, block, "blk.3.ffn_down.weight")
+    if kind.endswith("_K"):
+        with pytest.raises(PerfxError, match=r"row length 128 is not a multiple of the 256-weight block"):
+            GGUF_READERS[kind](b"\0" * block_bytes, 2, 128, "t")
+
+
+# -- the int8 form ---------------------------------------------------------------------------------
+
+
+def test_q8_quantize_is_within_half_a_step_with_fp16_pairs(rng):
+    w = (rng.standard_normal((24, 256)) * 0.05).astype(np.float16)
+    q8 = Q8Matrix.quantize(w, 32)
+    assert not q8.f32 and q8.codes.dtype == np.int8 and q8.nbytes == 24 * 256 + 4 * 24 * 8
+    step = np.repeat(q8.scales.astype(np.float64), 32, axis=1)
+    offset = np.repeat(np.abs(q8.offsets.astype(np.float64)), 32, axis=1)
+    err = np.abs(q8.dequantize() - w.astype(np.float64))
+    assert np.all(err <= 0.5 * step + 2.0**-11 * offset + 1e-9)
+    # 8 bits: a few hundred times finer than the 4-bit form's steps on the same weights
+    assert np.max(err) < np.max(np.abs(Q4Matrix.quantize(w, 32).dequantize() - w)) / 8
+
+
+def test_q8_pairs_must_be_exact_in_fp16_unless_f32(rng):
+    q8 = Q8Matrix.random(4, 64, 16, rng, f32=True)
+    assert q8.pairs().dtype == np.float32 and q8.nbytes == 4 * 64 + 8 * 4 * 4
+    with pytest.raises(PerfxError, match="fp16 cannot represent exactly; make it with f32=True"):
+        Q8Matrix(q8.codes, q8.scales, q8.offsets, 16, f32=False)
+    with pytest.raises(PerfxError, match=r"int8 group size 64 is not supported.*\(16, 32\)"):
+        Q8Matrix.quantize(np.ones((2, 128), np.float32), 64)
+
+
+def test_q4_in_the_int8_form_and_fusion_at_the_smallest_group(rng):
+    """A Q4_K/Q4_0 part beside a Q6_K part: both exact in the int8 form at G = 16."""
+    a = Q4Matrix.random(8, 64, 32, rng)
+    b = Q8Matrix.random(4, 64, 16, rng, f32=True)
+    c = Q8Matrix.random(6, 64, 32, rng)
+    fused = Q8Matrix.concat([Q8Matrix.from_q4(a), b, c])
+    assert fused.group == 16 and fused.f32 and fused.shape == (18, 64)
+    np.testing.assert_array_equal(fused.dequantize(), np.concatenate([a.dequantize(), b.dequantize(),
+                                                                      c.dequantize()]))
+    assert not Q8Matrix.from_q4(a).f32      # fp16 s and m stay fp16 pairs
+    np.testing.assert_array_equal(Q8Matrix.from_q4(Q4Matrix.random(2, 256, 128, rng)).group, 32)
+    with pytest.raises(PerfxError, match="cannot regroup int8 groups of 16 into groups of 32"):
+        b.regroup(32)

@@ -94,8 +94,52 @@ def embedding_q4_shape(draw):
     return {"n": n, "k": k, "group": group, "m": draw(st.integers(1, 5))}
 
 
+@st.composite
+def q8_matrix(draw, max_rows: int, max_group_multiple: int = 12):
+    """(n, k, group, f32, block_bytes or None) of an int8 weight: K a multiple of G ∈ {16, 32}, N anything,
+    fp16 or float32 (s, m) pairs, maybe split into row blocks of 1..n rows."""
+    group = draw(st.sampled_from([16, 32]))
+    n, k = draw(st.integers(1, max_rows)), group * draw(st.integers(1, max_group_multiple))
+    block = draw(st.integers(1, n)) * k if draw(st.booleans()) else None
+    return n, k, group, draw(st.booleans()), block
+
+
+@st.composite
+def gemv_q8_shape(draw):
+    n, k, group, f32, block = draw(q8_matrix(120))
+    shape = {"n": n, "k": k, "group": group, "f32": f32, "epilogue": "none", "bias": draw(st.booleans())}
+    if draw(st.booleans()):
+        shape.update(n=2 * n, epilogue="silu_mul", bias=False)
+    if block:
+        shape["block_bytes"] = block
+    return shape
+
+
+@st.composite
+def gemm_q8_shape(draw, max_m: int):
+    n, k, group, f32, block = draw(q8_matrix(100))
+    epilogue = draw(st.sampled_from(["none", "bias", "silu_mul"]))
+    shape = {"m": draw(st.integers(1, max_m)), "n": 2 * n if epilogue == "silu_mul" else n, "k": k,
+             "group": group, "f32": f32, "epilogue": epilogue}
+    if block:
+        shape["block_bytes"] = block
+    return shape
+
+
+@st.composite
+def embedding_q8_shape(draw):
+    n, k, group, f32, block = draw(q8_matrix(40))
+    shape = {"n": n, "k": k, "group": group, "f32": f32, "m": draw(st.integers(1, 5))}
+    if block:
+        shape["block_bytes"] = block
+    return shape
+
+
 SHAPES = {
     "gemv_q4": gemv_q4_shape(),
+    "gemv_q8": gemv_q8_shape(),
+    "gemm_q8": gemm_q8_shape(40),
+    "embedding_q8": embedding_q8_shape(),
     "gemv_f16": f16_matrix(200, 1200),
     "rmsnorm": st.fixed_dictionaries({"m": st.integers(1, 4), "k": st.integers(1, 1500),
                                       "residual": st.booleans()}),

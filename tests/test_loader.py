@@ -8,14 +8,16 @@ import gguf
 import numpy as np
 import pytest
 
-from helpers.tiny_models import (from_bf16_bits, make_tiny_model, tiny_tokenizer, to_bf16_bits, write_awq,
-                                 write_gguf, write_hf)
+from helpers.tiny_models import (MIXED_32, Q4_K_M, Q5_K_M, from_bf16_bits, make_tiny_model, tiny_tokenizer,
+                                 to_bf16_bits, write_awq, write_gguf, write_hf)
 from helpers.tiny_tokenizer import write_tokenizer_only_gguf
 from perfx.config import ModelConfig
 from perfx.sources.default import default_model_path
 from perfx.errors import PerfxError
-from perfx.formats import Q4Matrix
+from perfx.formats import Q4Matrix, Q8Matrix
 from perfx.sources import open_model
+from perfx.sources.base import FUSED_LINEARS, form_of
+from perfx.sources.gguf import GGUF_FORMS
 from perfx.reference import llama_forward, permute_qk, rope, unpermute_qk
 from perfx.sources.synthetic import SYNTHETIC_MODELS
 
@@ -43,7 +45,19 @@ def fused(weights: dict, layer: int, field: str) -> np.ndarray:
 
 
 def as_f64(w) -> np.ndarray:
-    return w.dequantize() if isinstance(w, Q4Matrix) else np.asarray(w, dtype=np.float64)
+    return w.dequantize() if isinstance(w, (Q4Matrix, Q8Matrix)) else np.asarray(w, dtype=np.float64)
+
+
+def actual_forms(source) -> dict:
+    """The forms the matrices really take, layer by layer: what weight_forms must predict from the header."""
+    forms = {label: set() for label in FUSED_LINEARS}
+    for layer in source.layers():
+        for label in FUSED_LINEARS:
+            forms[label].add(form_of(getattr(layer, label)))
+    forms["embedding"] = {form_of(source.embedding())}
+    head = source.lm_head()
+    forms["lm_head"] = forms["embedding"] if head is None else {form_of(head)}
+    return forms
 
 
 def rel(a, b) -> float:
@@ -75,37 +89,102 @@ def test_config_from_hf_architectures():
 # -- GGUF ------------------------------------------------------------------------------------------
 
 
-def test_gguf_q4_codes_scales_exact_and_rest_to_fp16(gqa3, gqa3_gguf):
-    source = open_model(gqa3_gguf.path)
-    assert source.config == ModelConfig.from_hf(gqa3.config)
-    held, types = gqa3_gguf.weights, gqa3_gguf.types
-    for i in range(gqa3.n_layers):
+def check_fused_matrices(source, written, n_layers):
+    """Every fused matrix in the form its parts' types give (``fused_form``), holding what llama.cpp's
+    dequantization of the file gives: exactly, up to gguf's own float32 rounding of d·q + m (Q4_1, Q5_1,
+    Q5_K), or within Q4_K's fp16 rounding of s and m; any fp16 part makes the whole fp16 (rounded once)."""
+    held, types = written.weights, written.types
+    for i in range(n_layers):
         layer = source.layer(i)
         for field, modules in FUSED.items():
             w = getattr(layer, field)
             names = [f"model.layers.{i}.{m}.weight" for m in modules]
-            if all(types[n] in ("Q4_0", "Q4_1") for n in names):
-                # Q4_0 and Q4_1 stay 4-bit, in HF row order, holding what llama.cpp's dequantization gives:
-                # exactly for Q4_0 (d·(q − 8)); Q4_1's d·q + m is rounded to float32 by gguf, not by us.
-                assert isinstance(w, Q4Matrix) and w.group == 32
-                want = np.concatenate([held[n] for n in names])
-                np.testing.assert_allclose(w.dequantize(), want, rtol=0, atol=2**-23 * np.abs(want).max())
-                if all(types[n] == "Q4_0" for n in names):
-                    np.testing.assert_array_equal(w.dequantize(), want)
-            else:
-                # any Q8_0/F16/F32 part makes the fused matrix fp16: the held values rounded once
-                assert w.dtype == np.float16
-                np.testing.assert_array_equal(w, np.concatenate([held[n] for n in names]).astype(np.float16))
-        np.testing.assert_array_equal(layer.attn_norm, gqa3.weights[f"model.layers.{i}.input_layernorm.weight"])
+            want = np.concatenate([held[n] for n in names])
+            parts = [GGUF_FORMS[types[n]] for n in names]
+            kinds = {p.kind for p in parts}
+            if "f16" in kinds:
+                assert isinstance(w, np.ndarray) and w.dtype == np.float16
+                np.testing.assert_array_equal(w, want.astype(np.float16))
+                continue
+            assert isinstance(w, Q4Matrix if kinds == {"q4"} else Q8Matrix), (field, [types[n] for n in names])
+            assert w.group == min(p.group for p in parts)
+            if isinstance(w, Q8Matrix):
+                assert w.f32 == any(p.f32 for p in parts)
+            tolerance = 2.0**-23 * np.abs(want).max()
+            if any(types[n] == "Q4_K" for n in names):   # s = d·sc, m = −dmin·mn rounded to fp16
+                s = np.repeat(w.scales.astype(np.float64), w.group, axis=1)
+                m = np.repeat(np.abs(w.offsets.astype(np.float64)), w.group, axis=1)
+                tolerance = 2.0**-11 * (15 * s + m) + tolerance
+            assert np.all(np.abs(w.dequantize() - want) <= tolerance), (field, [types[n] for n in names])
+            if all(types[n] in ("Q4_0", "Q8_0", "Q5_0", "Q6_K") for n in names):
+                np.testing.assert_array_equal(w.dequantize(), want)
+        np.testing.assert_array_equal(layer.attn_norm, written.weights[f"model.layers.{i}.input_layernorm.weight"])
         assert layer.attn_norm.dtype == np.float32 and layer.qkv_bias is None
-    emb = source.embedding()  # Q8_0 -> fp16
-    assert emb.dtype == np.float16
-    np.testing.assert_array_equal(emb, held["model.embed_tokens.weight"].astype(np.float16))
-    np.testing.assert_array_equal(source.lm_head(), held["lm_head.weight"].astype(np.float16))
+
+
+def test_gguf_q4_codes_scales_exact_and_the_rest_in_int8_or_fp16(gqa3, gqa3_gguf):
+    source = open_model(gqa3_gguf.path)
+    assert source.config == ModelConfig.from_hf(gqa3.config)
+    check_fused_matrices(source, gqa3_gguf, gqa3.n_layers)
+    held = gqa3_gguf.weights
+    emb = source.embedding()  # Q8_0, untied: the file's own type, exactly
+    assert isinstance(emb, Q8Matrix) and emb.group == 32 and not emb.f32
+    np.testing.assert_array_equal(emb.dequantize(), held["model.embed_tokens.weight"])
+    # the F16 lm_head is quantized to int8 on load by default (--lm-head q8), kept fp16 with "fp16"
+    head = source.lm_head()
+    assert isinstance(head, Q8Matrix)
+    np.testing.assert_array_equal(head.codes, Q8Matrix.quantize(held["lm_head.weight"].astype(np.float16)).codes)
+    np.testing.assert_array_equal(open_model(gqa3_gguf.path, lm_head="fp16").lm_head(),
+                                  held["lm_head.weight"].astype(np.float16))
     np.testing.assert_array_equal(source.final_norm(), gqa3.weights["model.norm.weight"])
     info = source.describe()
     assert info["format"] == "gguf" and info["file_size"] == gqa3_gguf.path.stat().st_size
     assert "Q4_0" in info["quantization"] and "Q8_0" in info["quantization"]
+    assert source.weight_forms() == actual_forms(source)
+
+
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "MIXED_32"])
+def test_gguf_every_type_reads_into_its_form_as_llama_cpp_dequantizes_it(spm, mix, tmp_path):
+    """The mixes llama-quantize writes (Q4_K_M, Q5_K_M: K-quants with Q6_K attn_v and ffn_down in some layers,
+    so a fused QKV of Q4_K q, k and a Q6_K v becomes int8 at G = 16), and every 32-weight type and BF16."""
+    kind = "gqa3" if mix == "MIXED_32" else "k256"
+    model = make_tiny_model(kind, spm, np.random.default_rng(21))
+    layers = {"Q4_K_M": Q4_K_M, "Q5_K_M": Q5_K_M, "MIXED_32": MIXED_32}[mix]
+    embedding = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K", "MIXED_32": "Q5_1"}[mix]
+    written = write_gguf(tmp_path / "m.gguf", model, layer_types=layers, embedding_type=embedding,
+                         output_type="Q6_K" if mix != "MIXED_32" else "Q5_0")
+    source = open_model(written.path)
+    check_fused_matrices(source, written, model.n_layers)
+    forms = source.weight_forms()
+    assert forms == actual_forms(source)
+    if mix != "MIXED_32":
+        assert {f.kind for f in forms["qkv"]} == {"q4" if mix == "Q4_K_M" else "q8", "q8"}
+        assert form_of(source.layer(0).qkv).group == 16      # Q6_K v: the fused matrix at G = 16, exact
+        head = source.lm_head()
+        assert isinstance(head, Q8Matrix) and head.group == 16 and head.f32    # Q6_K, its own type
+        np.testing.assert_allclose(head.dequantize(), written.weights["lm_head.weight"], rtol=0,
+                                   atol=2.0**-23 * np.abs(written.weights["lm_head.weight"]).max())
+    # the reference forward runs on every form
+    logits, _ = llama_forward(source, [1, 5, 9])
+    assert logits.shape == (3, source.config.vocab_size) and np.all(np.isfinite(logits))
+
+
+@pytest.mark.parametrize("kind, shape_kind, tensor", [
+    ("IQ4_NL", "gqa3", "blk.1.ffn_up.weight"), ("Q2_K", "k256", "blk.0.attn_q.weight"),
+    ("Q3_K", "k256", "token_embd.weight"), ("IQ2_XXS", "k256", "blk.1.ffn_gate.weight")])
+def test_unsupported_gguf_types_name_the_type_and_what_to_do(spm, kind, shape_kind, tensor, tmp_path):
+    model = make_tiny_model(shape_kind, spm, np.random.default_rng(1))
+    qtype = gguf.GGMLQuantizationType[kind]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    reader_shape = {"blk.1.ffn_up.weight": (384, 192), "blk.0.attn_q.weight": (256, 256),
+                    "token_embd.weight": (model.config["vocab_size"], 256), "blk.1.ffn_gate.weight": (512, 256)}
+    n, k = reader_shape[tensor]
+    raw = np.zeros((n, k // block * size), np.uint8)
+    written = write_gguf(tmp_path / "bad.gguf", model, tokenizer=False, raw_override={tensor: (raw, qtype)})
+    with pytest.raises(PerfxError, match=rf"tensor {tensor} has type {kind}, which perfx does not read; .*Q4_K.*"
+                                         r"Q6_K.*requantize the model with llama.cpp's llama-quantize to Q4_K_M, "
+                                         r"Q5_K_M, Q8_0 or Q4_0"):
+        open_model(written.path)
 
 
 def test_gguf_unpermute_round_trip_and_rope_equivalence(rng):
@@ -181,8 +260,19 @@ def test_hf_checkpoint_loads_as_fp16(gqa3, dtype, tmp_path):
             np.testing.assert_array_equal(w, fused(stored, i, field).astype(np.float16))
     np.testing.assert_array_equal(source.embedding(), stored["model.embed_tokens.weight"].astype(np.float16))
     np.testing.assert_array_equal(source.final_norm(), stored["model.norm.weight"].astype(np.float32))
-    assert source.describe()["quantization"] == dtype.lower()
+    assert source.describe()["quantization"] == dtype.lower() + ", lm_head int8 on load"
     assert source.generation_config["eos_token_id"] == 2
+    # the fp16 lm_head: int8 on load by default (the untied embedding, read one row a token, stays fp16)
+    head16 = stored["lm_head.weight"].astype(np.float16)
+    np.testing.assert_array_equal(source.lm_head().codes, Q8Matrix.quantize(head16).codes)
+    # half a step, s/2 = (group range)/510 ≤ 2·max|w|/510: under 4e-3 of max|w|
+    assert rel(source.lm_head().dequantize(), head16.astype(np.float64)) < 4e-3
+    kept = open_model(tmp_path / "hf", lm_head="fp16")
+    np.testing.assert_array_equal(kept.lm_head(), head16)
+    assert kept.describe()["quantization"] == dtype.lower()
+    assert source.weight_forms() == actual_forms(source)
+    with pytest.raises(PerfxError, match=r"lm_head='q4' is not supported; choose one of \('q8', 'fp16'\)"):
+        open_model(tmp_path / "hf", lm_head="q4")
 
 
 def test_quantize_on_load_falls_back_to_a_dividing_group(gqa3, tmp_path):
@@ -221,8 +311,10 @@ def test_awq_codes_and_scales_exact(gqa3, version, tmp_path):
         assert layer.down.dtype == np.float16
         np.testing.assert_array_equal(layer.down, gqa3.weights[f"model.layers.{i}.mlp.down_proj.weight"]
                                       .astype(np.float16))
-    assert source.lm_head().dtype == np.float16
-    assert source.describe()["quantization"] == f"awq-{version} int4, group 64"
+    assert isinstance(source.lm_head(), Q8Matrix)   # AutoAWQ leaves the lm_head fp16: int8 on load
+    assert open_model(directory, lm_head="fp16").lm_head().dtype == np.float16
+    assert source.describe()["quantization"] == f"awq-{version} int4, group 64, lm_head int8 on load"
+    assert source.weight_forms() == actual_forms(source)
     assert source.tokenizer is not None
 
 
@@ -291,15 +383,6 @@ def test_shape_contradicting_config(gqa3, tmp_path):
         open_model(directory)
 
 
-def test_unsupported_gguf_tensor_type(gqa3, tmp_path):
-    # a Q5_0 tensor (22-byte blocks): the loader names the tensor and its type
-    raw = np.zeros((384, 192 // 32 * 22), np.uint8)
-    written = write_gguf(tmp_path / "q5.gguf", gqa3, tokenizer=False,
-                         raw_override={"blk.1.ffn_up.weight": (raw, gguf.GGMLQuantizationType.Q5_0)})
-    with pytest.raises(PerfxError, match=r"tensor blk.1.ffn_up.weight has type Q5_0.*Q4_0, Q4_1, Q8_0, F16"):
-        open_model(written.path)
-
-
 def test_unsupported_gguf_architecture(spm, tmp_path):
     path = write_tokenizer_only_gguf(tmp_path / "phi3.gguf", spm, arch="phi3")
     with pytest.raises(PerfxError, match=r"GGUF architecture 'phi3' is not supported.*llama, qwen2"):
@@ -342,3 +425,63 @@ def test_default_model_says_paris():
     ids = tokenizer.encode("The capital of France is", add_bos=tokenizer.add_bos_token)
     logits, _ = llama_forward(source, ids)
     assert tokenizer.decode([int(np.argmax(logits[-1]))]) == " Paris"
+
+
+# -- Llama 3.x rope_freqs and Mistral's sliding window ---------------------------------------------------
+
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
+
+
+def converter_rope_freqs(head_dim: int, theta: float, scaling: dict) -> np.ndarray:
+    """rope_freqs.weight as llama.cpp's convert_hf_to_gguf.py computes it for a "llama3" rope_scaling."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    out = []
+    for freq in 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim):
+        wavelen = 2 * np.pi / freq
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
+def test_gguf_rope_freqs_are_llama3_scaling_as_llama_cpp_applies_it(gqa3, tmp_path):
+    """A Llama 3.x GGUF's rope_freqs divides each pair's frequency (ggml_rope_ext's freq_factors): the same
+    inverse frequencies as transformers' "llama3" rope_scaling, up to the float32 rounding of the factors."""
+    freqs = converter_rope_freqs(64, 10000.0, LLAMA3_SCALING)
+    assert 1.0 in freqs and 8.0 in freqs and np.any((freqs > 1) & (freqs < 8))  # all three regimes
+    written = write_gguf(tmp_path / "llama3.gguf", gqa3, rope_freqs=freqs)
+    c = open_model(written.path).config
+    assert c.rope_scaling == {"rope_type": "default", "freq_factors": [float(f) for f in freqs]}
+    from perfx.reference import rope_inv_freq
+    np.testing.assert_allclose(rope_inv_freq(64, 10000.0, c.rope_scaling),
+                               rope_inv_freq(64, 10000.0, LLAMA3_SCALING), rtol=2e-7)
+    assert not np.allclose(rope_inv_freq(64, 10000.0, c.rope_scaling), rope_inv_freq(64, 10000.0))
+
+
+@pytest.mark.parametrize("values, message", [
+    (np.ones(31, np.float32), r"rope_freqs.weight has 31 values, but RoPE over head_dim 64 needs one per "
+                              r"dimension pair, 32"),
+    (np.r_[np.ones(31), -1.0].astype(np.float32), "not a positive finite number"),
+    (np.r_[np.ones(31), np.nan].astype(np.float32), "not a positive finite number"),
+])
+def test_bad_rope_freqs_are_named(gqa3, tmp_path, values, message):
+    written = write_gguf(tmp_path / "bad.gguf", gqa3, rope_freqs=values, tokenizer=False)
+    with pytest.raises(PerfxError, match=message):
+        open_model(written.path)
+
+
+def test_sliding_window_from_gguf_and_hf(gqa3, tmp_path):
+    assert open_model(write_gguf(tmp_path / "w.gguf", gqa3, sliding_window=6).path).config.sliding_window == 6
+    assert open_model(write_gguf(tmp_path / "n.gguf", gqa3).path).config.sliding_window == 0
+    mistral = open_model(write_hf(tmp_path / "hf", gqa3, config_overrides={"model_type": "mistral",
+                                                                           "sliding_window": 6}))
+    assert mistral.config.sliding_window == 6 and mistral.config.architecture == "mistral"
+    qwen = ModelConfig.from_hf(dict(gqa3.config, model_type="qwen2", sliding_window=6, use_sliding_window=False))
+    assert qwen.sliding_window == 0   # Qwen2 declares one but does not use it

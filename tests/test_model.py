@@ -163,12 +163,15 @@ def test_sampling_options_are_checked():
         SamplingConfig(top_p=0)
 
 
-def test_phone_limits_split_the_lm_head(tiny_paths, device):
-    # A 4 KiB allocation limit splits the fp16 lm_head and embedding into row blocks; answers stay the same.
+@pytest.mark.parametrize("lm_head, max_alloc, ctx", [("q8", 32 << 10, 8), ("fp16", 64 << 10, 32)])
+def test_phone_limits_split_the_lm_head(tiny_paths, device, lm_head, max_alloc, ctx):
+    # A small allocation limit splits the tied lm_head and embedding (int8 or fp16) into row blocks; the
+    # gather, the GEMV and the answers stay the same.
     from perfx.runtime import Device, Limits
-    small = Device(limits=Limits(name="tiny-phone", max_alloc=64 << 10))
-    model, source = load(tiny_paths["gguf-gqa1-tied"], small, ctx=32)
-    assert len(model.lm_head.blocks) > 1
+    small = Device(limits=Limits(name="tiny-phone", max_alloc=max_alloc))
+    source = open_model(tiny_paths["gguf-gqa1-tied"], lm_head=lm_head)
+    model = Llama.load(source, small, ctx=ctx, progress=False)
+    assert len(model.lm_head.blocks) > 1 and model.lm_head is model.embedding
     want, _ = reference.llama_forward(source, [5, 9, 11])
     model.prefill([5, 9, 11], 0)
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE

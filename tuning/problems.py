@@ -2,8 +2,11 @@
 
 Decode runs the GEMV path at M = 1; prefill runs the GEMM path (tall-skinny and tiled kernels) at
 every prompt length, so both are tuned at one representative M per bucket (``M_BUCKETS``) and the
-faster family per bucket is the crossover on this device. Shape dicts use the keys each spec's
-``make_case`` reads; a family whose spec expects other keys is skipped with a note, never guessed.
+faster family per bucket is the crossover on this device. Which family a matrix runs follows its device
+form (``perfx.sources.base.Form``: int4, int8 or fp16, read from the file's header by
+``ModelSource.weight_forms``): a Q4_K_M file runs gemv_q4 and gemv_q8 for the same role in different
+layers. Shape dicts use the keys each spec's ``make_case`` reads (built here, by the helpers the model
+also uses); a family whose spec expects other keys is skipped with a note, never guessed.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import json
 from dataclasses import dataclass
 
 from perfx.sources import open_named
+from perfx.sources.base import Form
 from perfx.tuning.database import M_BUCKETS, bucket_representative
 
 # Contexts at which decode attention is tuned (capped by the model's max_positions).
@@ -49,56 +53,107 @@ def _linears(config) -> list[tuple[str, int, int, str, bool]]:
     ]
 
 
-def _decode(config, fixed: int | None) -> list[Problem]:
+# The form an fp16 lm_head takes by default (--lm-head q8), and a Q8_0 head or embedding's own.
+DEFAULT_HEAD_FORM = Form("q8", 32)
+
+
+def gemv_shape(config, label: str, form: Form, n: int, k: int, epilogue: str = "none",
+               bias: bool = False) -> tuple[str, dict]:
+    """(family, shape) of the decode GEMV of a matrix in ``form`` (the model looks its kernels up by this)."""
+    if form.kind == "f16":
+        return "gemv_f16", {"n": n, "k": k}
+    shape = {"n": n, "k": k, "group": form.group, "epilogue": epilogue, "bias": bias}
+    if form.kind == "q8":
+        shape["f32"] = form.f32
+    if label == "qkv":
+        shape["parts"] = [config.q_dim, config.kv_dim, config.kv_dim]
+    return ("gemv_q8" if form.kind == "q8" else "gemv_q4"), shape
+
+
+def gemm_shapes(form: Form, m: int, n: int, k: int, epilogue: str) -> list[tuple[str, dict]]:
+    """(family, shape) of the prefill GEMMs of a matrix in ``form`` at M = m (none for fp16)."""
+    if form.kind == "q4":
+        shape = {"m": m, "n": n, "k": k, "group": form.group, "epilogue": epilogue}
+        return [("gemm_q4_skinny", shape), ("gemm_q4_tiled", dict(shape)), ("gemm_q4_f16", dict(shape))]
+    if form.kind == "q8":
+        return [("gemm_q8", {"m": m, "n": n, "k": k, "group": form.group, "f32": form.f32, "epilogue": epilogue})]
+    return []
+
+
+def embedding_shape(form: Form, n: int, k: int, m: int) -> tuple[str, dict]:
+    """(family, shape) of the embedding gather from a table in ``form``."""
+    if form.kind == "q8":
+        return "embedding_q8", {"n": n, "k": k, "group": form.group, "f32": form.f32, "m": m}
+    if form.kind == "q4":
+        return "embedding_q4", {"n": n, "k": k, "group": form.group, "m": m}
+    return "embedding_f16", {"n": n, "k": k, "m": m}
+
+
+def _linear_forms(config, label: str, k: int, fixed: int | None, forms: dict | None) -> list[Form]:
+    if forms is not None:
+        return sorted(forms.get(label, ()))
+    group = _group(k, fixed)
+    return [Form("f16") if group is None else Form("q4", group)]  # without forms: the quantize-on-load rule
+
+
+def _table_forms(config, label: str, fixed: int | None, forms: dict | None) -> list[Form]:
+    if forms is not None:
+        return sorted(forms.get(label, ()))
+    int8 = [DEFAULT_HEAD_FORM] if config.hidden_size % DEFAULT_HEAD_FORM.group == 0 else []
+    if label == "embedding":   # fp16 as loaded from most files, int8 as a tied Q8_0 or quantized head
+        return [Form("f16")] + int8
+    out = int8 + [Form("f16")]   # the default and `--lm-head fp16`
+    group = _group(config.hidden_size, fixed)
+    if not config.tie_embeddings and group is not None:   # a GGUF with a Q4 output.weight
+        out.append(Form("q4", group))
+    return out
+
+
+def _decode(config, fixed: int | None, forms: dict | None = None) -> list[Problem]:
     c, out = config, []
     for label, n, k, epilogue, bias in _linears(c):
-        group = _group(k, fixed)
-        if group is None:  # the loader keeps such a layer fp16
-            out.append(Problem("gemv_f16", {"n": n, "k": k}, label, c.n_layers))
-            continue
-        shape = {"n": n, "k": k, "group": group, "epilogue": epilogue, "bias": bias}
-        if label == "qkv":
-            shape["parts"] = [c.q_dim, c.kv_dim, c.kv_dim]
-        out.append(Problem("gemv_q4", shape, label, c.n_layers))
-    # The lm_head is fp16 when tied to the embedding and in most checkpoints besides (AutoAWQ and
-    # --quantize q4 leave it fp16); an untied one may also come 4-bit (a GGUF with a Q4 output.weight).
-    out.append(Problem("gemv_f16", {"n": c.vocab_size, "k": c.hidden_size}, "lm_head"))
-    group = _group(c.hidden_size, fixed)
-    if not c.tie_embeddings and group is not None:
-        out.append(Problem("gemv_q4", {"n": c.vocab_size, "k": c.hidden_size, "group": group,
-                                       "epilogue": "none", "bias": False}, "lm_head"))
+        for form in _linear_forms(c, label, k, fixed, forms):
+            family, shape = gemv_shape(c, label, form, n, k, epilogue, bias)
+            out.append(Problem(family, shape, label, c.n_layers))
+    for form in _table_forms(c, "lm_head", fixed, forms):
+        family, shape = gemv_shape(c, "lm_head", form, c.vocab_size, c.hidden_size)
+        out.append(Problem(family, shape, "lm_head"))
     for positions in DECODE_POSITIONS:
         positions = min(positions, c.max_positions)
         out.append(Problem("attention_decode", {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
                                                 "head_dim": c.head_dim, "positions": positions},
                            "attention", c.n_layers))
     out.append(Problem("rmsnorm", {"m": 1, "k": c.hidden_size, "residual": True}, "norm", 2 * c.n_layers + 1))
-    out.append(Problem("embedding_f16", {"n": c.vocab_size, "k": c.hidden_size, "m": 1}, "embedding"))
+    for form in _table_forms(c, "embedding", fixed, forms):
+        out.append(Problem(*embedding_shape(form, c.vocab_size, c.hidden_size, 1), "embedding"))
     out.append(Problem("argmax", {"n": c.vocab_size}, "greedy sampling"))
     out.append(Problem("swiglu", {"count": c.intermediate_size}, "swiglu (unfused)", c.n_layers))
     return out
 
 
-def _prefill(config, fixed: int | None) -> list[Problem]:
+def _prefill(config, fixed: int | None, forms: dict | None = None) -> list[Problem]:
     c, out = config, []
     for bucket in range(len(M_BUCKETS)):
         m = bucket_representative(bucket)
         for label, n, k, epilogue, bias in _linears(c):
-            group = _group(k, fixed)
-            if group is None:
-                continue
             if bias:
                 epilogue = "bias"
-            for family in ("gemm_q4_skinny", "gemm_q4_tiled", "gemm_q4_f16"):
-                out.append(Problem(family, {"m": m, "n": n, "k": k, "group": group, "epilogue": epilogue},
-                                   label, c.n_layers))
+            for form in _linear_forms(c, label, k, fixed, forms):
+                for family, shape in gemm_shapes(form, m, n, k, epilogue):
+                    out.append(Problem(family, shape, label, c.n_layers))
+        if m > 16:   # the lm_head over a chunk's rows: `perfx perplexity` (chunks of hundreds of tokens)
+            for form in _table_forms(c, "lm_head", fixed, forms):
+                if form.kind == "q8":
+                    out.extend(Problem(family, shape, "lm_head (perplexity)")
+                               for family, shape in gemm_shapes(form, m, c.vocab_size, c.hidden_size, "none"))
         if m > 1:
             out.append(Problem("attention_prefill", {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
                                                      "head_dim": c.head_dim, "m": m, "p0": 0},
                                "attention", c.n_layers))
             out.append(Problem("rmsnorm", {"m": m, "k": c.hidden_size, "residual": True}, "norm",
                                2 * c.n_layers + 1))
-            out.append(Problem("embedding_f16", {"n": c.vocab_size, "k": c.hidden_size, "m": m}, "embedding"))
+            for form in _table_forms(c, "embedding", fixed, forms):
+                out.append(Problem(*embedding_shape(form, c.vocab_size, c.hidden_size, m), "embedding"))
     return out
 
 
@@ -115,16 +170,18 @@ def _fits(spec, shape: dict) -> str | None:
     return None
 
 
-def model_problems(config, families: dict, group: int | None = None) -> tuple[list[Problem], list[str]]:
+def model_problems(config, families: dict, group: int | None = None,
+                   forms: dict | None = None) -> tuple[list[Problem], list[str]]:
     """Every (family, shape) the model runs for the given specs, and notes on what was left out.
 
     ``families`` maps family name to spec (``perfx.tuning.specs()`` or a selection of it). Duplicate
-    shapes (the same matrix used twice) are merged, their labels joined. ``group`` fixes the int4 group
-    size (from ``model_shapes``); None lets perfx choose per K as quantize-on-load does.
+    shapes (the same matrix used twice) are merged, their labels joined. ``forms`` (``ModelSource.weight_forms``)
+    gives each matrix role's device forms; without it, ``group`` fixes the int4 group size (None: chosen
+    per K as quantize-on-load does), the lm_head is taken as int8 (the default) or fp16.
     """
     merged: dict[tuple, Problem] = {}
     notes, skipped = [], set()
-    for problem in _decode(config, group) + _prefill(config, group):
+    for problem in _decode(config, group, forms) + _prefill(config, group, forms):
         spec = families.get(problem.family)
         if spec is None:
             continue
@@ -148,10 +205,12 @@ def model_problems(config, families: dict, group: int | None = None) -> tuple[li
     return list(merged.values()), notes
 
 
-def problems_for(model: str | None, families: dict, max_m: int | None = None) -> tuple[list[Problem], list[str]]:
-    """The problems of a ``--model`` value for the chosen families, the prefill path only up to ``max_m``."""
-    config, group = model_shapes(model)
-    problems, notes = model_problems(config, families, group)
+def problems_for(model: str | None, families: dict, max_m: int | None = None,
+                 lm_head: str = "q8") -> tuple[list[Problem], list[str]]:
+    """The problems of a ``--model`` value for the chosen families, the prefill path only up to ``max_m``,
+    with the lm_head in the form ``lm_head`` gives it (``perfx.sources.open_model``)."""
+    source = open_named(model, lm_head=lm_head)
+    problems, notes = model_problems(source.config, families, source.int4_group, source.weight_forms())
     if max_m is not None:
         problems = [p for p in problems if p.shape.get("m", 1) <= max_m]
     return problems, notes

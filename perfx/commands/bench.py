@@ -145,10 +145,11 @@ def measure_e2e(model, prompt_tokens: int = 64, decode_tokens: int = 32, seed: i
 
 
 def run_e2e(device, model_name: str, prompt_tokens: int = 64, decode_tokens: int = 32, ctx: int | None = None,
-            tuning: bool = True) -> dict:
+            tuning: bool = True, lm_head: str = "q8") -> dict:
     """Load ``model_name`` on ``device`` and measure it end to end (``measure_e2e``)."""
     device.peak_allocated_bytes = device.allocated_bytes  # the model's peak, not earlier benchmarks'
-    model, _ = load_model(model_name, device, ctx=ctx, progress=None, default_ctx=1024, tuning=tuning)
+    model, _ = load_model(model_name, device, ctx=ctx, progress=None, default_ctx=1024, tuning=tuning,
+                          lm_head=lm_head)
     return {"model": model_name, **measure_e2e(model, prompt_tokens, decode_tokens)}
 
 
@@ -188,7 +189,7 @@ def main(args) -> int:
     device = Device(args.device)
     database = default_database(not args.no_tuning)
     families = select_specs(args.kernels)
-    problems, notes = problems_for(args.model, families, args.max_m)
+    problems, notes = problems_for(args.model, families, args.max_m, args.lm_head)
     print(f"perfx bench on {device.caps.platform} / {device.caps.name} (limits: {device.caps.limits}), "
           f"{len(problems)} kernel shapes of {args.model}" + ("" if database.enabled else ", tuning off"),
           file=sys.stderr)
@@ -205,7 +206,7 @@ def main(args) -> int:
     e2e = None
     if args.e2e:
         e2e = (e2e_vs_defaults(device, args.model, args.rounds) if args.vs_defaults
-               else run_e2e(device, args.model, tuning=database.enabled))
+               else run_e2e(device, args.model, tuning=database.enabled, lm_head=args.lm_head))
     failed = [r for r in rows if r.get("failure") or not r.get("verified", False)]
 
     if args.json:

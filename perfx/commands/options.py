@@ -31,10 +31,20 @@ def add_model_options(parser, ctx: bool = True):
         parser.add_argument("--ctx", type=int, help="KV cache positions (default: min(model limit, 4096))")
     parser.add_argument("--quantize", choices=["q4"], help="quantize fp16 weights to 4 bits on load (round to "
                                                            "nearest, group 128): a quick try of an fp16 checkpoint")
+    add_lm_head_option(parser)
     add_no_tuning_option(parser)
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="also print the compiler's output for every kernel built (by default only a build "
                              "that fails shows its log); `perfx serve` also logs prompts and replies")
+
+
+LM_HEAD_HELP = ("the output projection (and a tied embedding): q8 keeps a quantized file's own form (Q8_0, Q6_K "
+                "... as int8) and quantizes an fp16 head to int8 on load, the fewest bytes a token; fp16 holds it "
+                "as fp16 (a 4-bit head stays 4-bit). Default: %(default)s")
+
+
+def add_lm_head_option(parser):
+    parser.add_argument("--lm-head", choices=["q8", "fp16"], default="q8", help=LM_HEAD_HELP)
 
 
 def add_no_tuning_option(parser):
@@ -47,7 +57,8 @@ def load_model_from_args(args, **kwargs):
     """``perfx.model.load_model`` with the model options of ``add_model_options``."""
     if args.verbose:
         show_build_logs()
-    return load_model(args.model, args.device, args.ctx, args.quantize, tuning=not args.no_tuning, **kwargs)
+    return load_model(args.model, args.device, args.ctx, args.quantize, tuning=not args.no_tuning,
+                      lm_head=args.lm_head, **kwargs)
 
 
 def add_sampling_options(parser, temperature: float = 0.7):
@@ -84,3 +95,4 @@ def add_kernel_options(parser, what: str = "tune"):
     parser.add_argument("--max-m", type=int, default=None,
                         help=f"{what} the prefill (GEMM, attention) path only up to this prompt length")
     parser.add_argument("--device", help=DEVICE_HELP)
+    add_lm_head_option(parser)

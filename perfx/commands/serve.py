@@ -56,7 +56,8 @@ def main(args) -> int:
         raise PerfxError(f"--port must be between 0 and 65535, got {args.port}")
     if args.verbose:
         show_build_logs()
-    model, tokenizer, model_id = load(args.model, args.device, args.ctx, args.quantize, log, not args.no_tuning)
+    model, tokenizer, model_id = load(args.model, args.device, args.ctx, args.quantize, log, not args.no_tuning,
+                                      args.lm_head)
     engine = Engine(model, tokenizer, args.queue, sampling)
     options = ServeOptions(model_id, args.max_tokens, args.api_key, args.verbose, log)
     try:

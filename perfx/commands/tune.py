@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from perfx import plots
+from perfx.commands.options import add_lm_head_option
 from perfx.errors import PerfxError
 from perfx.progress import Progress, format_table
 from perfx.resources import read_json, write_atomic
@@ -53,6 +54,7 @@ def add_arguments(parser):
                         help="with --merge: the fewest devices behind a merged architecture or vendor entry "
                              "(default 2: one machine's results do not speak for its vendor)")
     parser.add_argument("--device", help=DEVICE_HELP)
+    add_lm_head_option(parser)
 
 
 def _explicitly_tuning(args) -> bool:
@@ -174,7 +176,7 @@ def main(args) -> int:
     args.model = args.model or "default"
     args.budget = DEFAULT_BUDGET if args.budget is None else args.budget
     families = select_specs(args.kernels)
-    problems, notes = problems_for(args.model, families, args.max_m)
+    problems, notes = problems_for(args.model, families, args.max_m, args.lm_head)
     if not problems:
         raise PerfxError("nothing to tune: " + ("; ".join(notes) or "the model has no shapes for these families"))
     print(f"perfx tune on {device.caps.platform} / {device.caps.name}: {len(problems)} problems of "

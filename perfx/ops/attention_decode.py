@@ -63,7 +63,7 @@ class AttentionDecode:
     """
 
     def __init__(self, device: Device, n_heads: int, n_kv_heads: int, head_dim: int, max_positions: int,
-                 params: dict | None = None):
+                 params: dict | None = None, window: int = 0):
         if n_heads <= 0 or n_kv_heads <= 0 or n_heads % n_kv_heads:
             raise PerfxError(f"attention_decode: {n_heads} query heads cannot share {n_kv_heads} kv heads "
                              "(the query heads must be a positive multiple of the kv heads)")
@@ -76,6 +76,7 @@ class AttentionDecode:
         self.device = device
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.max_positions = max_positions
+        self.window = int(window)   # sliding window (Mistral): attend to the last `window` positions; 0 = all
         shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "positions": max_positions}
         self.params = params = PARAMS.resolve(params, shape, device.caps)
         defines = {"HEAD_DIM": head_dim, "GQA": n_heads // n_kv_heads, **params}
@@ -137,7 +138,7 @@ class AttentionDecode:
             self.partial_kernel, (self.wgs, self.n_kv_heads, n_parts), (self.wgs, 1, 1),
             qkv_b, np.int32(qkv_offset), rope.cos, rope.sin, keys, values,
             np.int32(offset), np.int32(cache.max_positions), np.int32(pos),
-            np.int32(self.max_parts), self.part_max, self.part_sum, self.part_out, out_b)
+            np.int32(self.max_parts), self.part_max, self.part_sum, self.part_out, out_b, np.int32(self.window))
         if n_parts == 1:
             self.last_events = [partial]
         else:

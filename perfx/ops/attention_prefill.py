@@ -68,7 +68,7 @@ class AttentionPrefill:
     """
 
     def __init__(self, device: Device, n_heads: int, n_kv_heads: int, head_dim: int,
-                 params: dict | None = None):
+                 params: dict | None = None, window: int = 0):
         if n_heads <= 0 or n_kv_heads <= 0 or n_heads % n_kv_heads:
             raise PerfxError(f"attention_prefill: {n_heads} query heads cannot share {n_kv_heads} kv heads "
                              "(the query heads must be a positive multiple of the kv heads)")
@@ -78,6 +78,7 @@ class AttentionPrefill:
         self.device = device
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.group = n_heads // n_kv_heads
+        self.window = int(window)   # sliding window (Mistral): attend to the last `window` positions; 0 = all
         shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "m": 1, "p0": 0}
         self.params = params = PARAMS.resolve(params, shape, device.caps)
         defines = {"HEAD_DIM": head_dim, **params}
@@ -131,7 +132,7 @@ class AttentionPrefill:
             self.attention_kernel, (-(-rows // self.wgs) * self.wgs * split, hkv), (self.wgs * split, 1),
             np.int32(m), np.int32(p0), np.int32(self.group), np.int32(h), np.int32(hkv),
             np.int32(cache.max_positions), offset, self.scale,
-            qkv_b, rope.cos, rope.sin, keys, values, out_b)
+            qkv_b, rope.cos, rope.sin, keys, values, out_b, np.int32(self.window))
         return [append, attention]
 
     def __call__(self, qkv, out, cache: KVCache, rope: RopeTable, layer: int, p0: int, m: int):

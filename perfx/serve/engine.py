@@ -24,12 +24,13 @@ from perfx.serve.api import FINISH_REASONS, APIError, shutting_down
 SHUTDOWN_GRACE_S = 10       # how long stopping waits for the worker, and for answers in flight to be written
 
 
-def load(name: str | None, device: str | None, ctx: int | None, quantize: str | None, log, tuning: bool = True):
+def load(name: str | None, device: str | None, ctx: int | None, quantize: str | None, log, tuning: bool = True,
+         lm_head: str = "q8"):
     """Load a model for serving and warm it up; returns (model, tokenizer, the id clients name it by).
 
     Raises PerfxError when it cannot be loaded or has no tokenizer.
     """
-    model, source = load_model(name, device, ctx, quantize, log=log, tuning=tuning)
+    model, source = load_model(name, device, ctx, quantize, log=log, tuning=tuning, lm_head=lm_head)
     if source.tokenizer is None:
         raise PerfxError(f"{name} has no tokenizer: `perfx serve` needs one (synthetic models are for "
                          "`perfx bench`)")

@@ -8,35 +8,39 @@ from __future__ import annotations
 from pathlib import Path
 
 from perfx.errors import PerfxError
-from perfx.sources.base import QUANTIZE_CHOICES, LayerWeights, ModelSource
+from perfx.sources.base import LM_HEAD_CHOICES, QUANTIZE_CHOICES, LayerWeights, ModelSource
 from perfx.sources.default import resolve_model
 from perfx.sources.gguf import GGUFSource
 from perfx.sources.huggingface import HFSource
 from perfx.sources.synthetic import SYNTHETIC_PREFIX, open_synthetic
 
 
-def open_model(path_or_name, quantize: str | None = None) -> ModelSource:
+def open_model(path_or_name, quantize: str | None = None, lm_head: str = "q8") -> ModelSource:
     """Open a model lazily: a Hugging Face directory, a ``.gguf`` file or ``"synthetic:<name>"``.
 
     ``quantize="q4"`` turns fp16 linear layers (all of an fp16/bf16 checkpoint; the unquantized ones of
     the others) into 4-bit, round-to-nearest with group 128 (or 64/32 where 128 does not divide K; the
-    source's ``notes`` say where). The embedding and lm_head stay fp16, as in AWQ checkpoints.
-    Raises PerfxError for anything it cannot read, naming the file, tensor or setting.
+    source's ``notes`` say where). ``lm_head="q8"`` (the default) keeps a quantized file's lm_head (and tied
+    embedding) in its own form and quantizes an fp16 one to int8 (G = 32) on load; ``"fp16"`` holds it as
+    fp16 (a 4-bit one stays 4-bit). Raises PerfxError for anything it cannot read, naming the file, tensor
+    or setting.
     """
     if quantize not in QUANTIZE_CHOICES:
         raise PerfxError(f"quantize={quantize!r} is not supported; choose one of {QUANTIZE_CHOICES}")
+    if lm_head not in LM_HEAD_CHOICES:
+        raise PerfxError(f"lm_head={lm_head!r} is not supported; choose one of {LM_HEAD_CHOICES}")
     if isinstance(path_or_name, str) and path_or_name.startswith(SYNTHETIC_PREFIX):
-        return open_synthetic(path_or_name)
+        return open_synthetic(path_or_name, lm_head=lm_head)
     path = Path(path_or_name).expanduser()
     if not path.exists():
         raise PerfxError(f"Model not found: {path}. Pass a Hugging Face model directory (config.json and "
                          "model.safetensors), a .gguf file, or synthetic:<name>.")
     if path.is_dir():
-        return HFSource(path, quantize)
+        return HFSource(path, quantize, lm_head)
     with open(path, "rb") as stream:
         magic = stream.read(4)
     if magic == b"GGUF":
-        return GGUFSource(path, quantize)
+        return GGUFSource(path, quantize, lm_head)
     if path.suffix == ".safetensors":
         raise PerfxError(f"{path} is a single safetensors file; pass the directory that holds it with its "
                          "config.json instead.")
@@ -44,9 +48,9 @@ def open_model(path_or_name, quantize: str | None = None) -> ModelSource:
                      "GGUF magic bytes); pass a Hugging Face model directory or a .gguf file.")
 
 
-def open_named(name: str | None, quantize: str | None = None) -> ModelSource:
+def open_named(name: str | None, quantize: str | None = None, lm_head: str = "q8") -> ModelSource:
     """``open_model`` of a ``--model`` value: "default" (or None), a path, or "synthetic:<name>"."""
-    return open_model(resolve_model(name), quantize)
+    return open_model(resolve_model(name), quantize, lm_head)
 
 
 __all__ = ["LayerWeights", "ModelSource", "open_model", "open_named", "resolve_model"]

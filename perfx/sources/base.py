@@ -1,10 +1,11 @@
-"""What every model source shares: the host form of a layer, the base class, fusion and checks.
+"""What every model source shares: the host form of a layer, the base class, fusion, the head rule and checks.
 
 Every source gives the same host form (``LayerWeights``): Q, K and V fused into one matrix, gate and
-up into another, rows in Hugging Face's rotate-half order, each linear layer either a
-``perfx.formats.Q4Matrix`` (4-bit sources) or an fp16 ndarray (N, K). A source checks the whole
-file's header when it is opened, then hands out one layer at a time, so host memory stays near the
-largest layer, not the model.
+up into another, rows in Hugging Face's rotate-half order, each linear layer a ``perfx.formats.Q4Matrix``
+(4-bit), a ``perfx.formats.Q8Matrix`` (8-bit: GGUF Q5_x, Q6_K, Q8_0) or an fp16 ndarray (N, K). A source
+checks the whole file's header when it is opened, then hands out one layer at a time, so host memory
+stays near the largest layer, not the model. ``weight_forms`` says from the header alone which device
+form (``Form``) each matrix will take, so the kernel shapes a model runs are known before its weights.
 """
 
 from __future__ import annotations
@@ -17,11 +18,51 @@ import numpy as np
 
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
-from perfx.formats import Q4Matrix
+from perfx.formats import Q8_QUANTIZE_GROUP, Q4Matrix, Q8Matrix
 
-Linear = Union[Q4Matrix, np.ndarray]  # a weight W (N, K): 4-bit device form, or fp16
+Linear = Union[Q4Matrix, Q8Matrix, np.ndarray]  # a weight W (N, K): the int4 or int8 device form, or fp16
 QUANTIZE_CHOICES = (None, "q4")
+# The lm_head (and a tied embedding): "q8" keeps a quantized file's own form (Q8_0, Q6_K, ... in the int8
+# form, Q4 in the int4 form) and quantizes an fp16 head to int8; "fp16" holds an 8-bit head as fp16 (a 4-bit
+# one stays 4-bit) and keeps fp16 heads as they are.
+LM_HEAD_CHOICES = ("q8", "fp16")
 LINEAR_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
+FUSED_LINEARS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
+
+
+@dataclass(frozen=True, order=True)
+class Form:
+    """The device form of a matrix: kind "q4" (group G), "q8" (group G, float32 pairs if f32) or "f16"."""
+
+    kind: str
+    group: int = 0
+    f32: bool = False
+
+
+F16_FORM = Form("f16")
+
+
+def form_of(w: Linear) -> Form:
+    if isinstance(w, Q4Matrix):
+        return Form("q4", w.group)
+    if isinstance(w, Q8Matrix):
+        return Form("q8", w.group, w.f32)
+    return F16_FORM
+
+
+def fused_form(parts: list[Form]) -> Form:
+    """The form of matrices stacked along N (fused QKV, gate-up), the rule ``fuse_rows`` follows.
+
+    All int4: int4 at the smallest group (regrouping repeats each (s, m): exact). Any fp16 part: fp16. Any
+    other mix of int4 and int8: int8 at the smallest group, float32 pairs if any part has them; int4 codes
+    fit int8 and their fp16 s and m stay exact, so e.g. Q4_K q and k beside a Q6_K v fuse exactly at G = 16.
+    """
+    kinds = {p.kind for p in parts}
+    if kinds == {"q4"}:
+        return Form("q4", min(p.group for p in parts))
+    if "f16" in kinds:
+        return F16_FORM
+    return Form("q8", min(min(p.group, Q8_QUANTIZE_GROUP) for p in parts), any(p.f32 for p in parts))
 
 
 @dataclass
@@ -47,9 +88,12 @@ class ModelSource(ABC):
     format = "?"
     int4_group: int | None = None   # the int4 group size the file fixes (GGUF Q4: 32, AWQ: its own), if any
 
-    def __init__(self, config: ModelConfig, quantize: str | None = None):
+    def __init__(self, config: ModelConfig, quantize: str | None = None, lm_head: str = "q8"):
+        if lm_head not in LM_HEAD_CHOICES:
+            raise PerfxError(f"lm_head={lm_head!r} is not supported; choose one of {LM_HEAD_CHOICES}")
         self.config = config
         self.quantize = quantize
+        self.lm_head_form = lm_head
         self.notes: list[str] = []      # what was done differently from the file (fallbacks), for describe()
         self.generation_config: dict = {}
         self._tokenizer = None
@@ -81,13 +125,21 @@ class ModelSource(ABC):
     def _load_tokenizer(self):
         return None
 
-    @abstractmethod
-    def embedding(self) -> Linear:
-        """The token embedding (V, hidden): fp16, or a Q4Matrix for a 4-bit GGUF embedding."""
+    def _part_form(self, name: str, layer: int) -> Form | None:
+        """The form ``_linear(name, layer)`` gives, from the header alone; None where the source cannot tell."""
+        return None
+
+    def _table_form(self, name: str) -> Form | None:
+        """The form the file gives "embedding" or "lm_head" in, from the header alone; None if unknown."""
+        return None
 
     @abstractmethod
-    def lm_head(self) -> Linear | None:
-        """The output projection (V, hidden), None when it is tied to the embedding."""
+    def _embedding(self) -> Linear:
+        """The token embedding (V, hidden) as the file holds it: fp16, or the int4/int8 form of a GGUF's."""
+
+    @abstractmethod
+    def _lm_head(self) -> Linear:
+        """The output projection (V, hidden) of an untied model, as the file holds it."""
 
     @abstractmethod
     def describe(self) -> dict:
@@ -106,6 +158,63 @@ class ModelSource(ABC):
     def final_norm(self) -> np.ndarray:
         """The last RMSNorm's γ (hidden,) float32."""
         return self._vector("final_norm", None)
+
+    def embedding(self) -> Linear:
+        """The token embedding (V, hidden); when tied it is the lm_head too, in the head's form."""
+        w = self._embedding()
+        return self._as_head(w) if self.config.tie_embeddings else w
+
+    def lm_head(self) -> Linear | None:
+        """The output projection (V, hidden) in the head's form (``lm_head``), None when tied to the embedding."""
+        return None if self.config.tie_embeddings else self._as_head(self._lm_head())
+
+    def _as_head(self, w: Linear) -> Linear:
+        """The head rule (``LM_HEAD_CHOICES``): int8 by default, the file's own quantized form kept."""
+        if self.lm_head_form == "fp16":
+            return to_fp16(w) if isinstance(w, Q8Matrix) else w
+        if isinstance(w, np.ndarray) and w.shape[1] % Q8_QUANTIZE_GROUP == 0:
+            return Q8Matrix.quantize(w, Q8_QUANTIZE_GROUP)
+        return w
+
+    def _head_form(self, form: Form | None) -> Form | None:
+        if form is None:
+            return None
+        if self.lm_head_form == "fp16":
+            return F16_FORM if form.kind == "q8" else form
+        if form.kind == "f16" and self.config.hidden_size % Q8_QUANTIZE_GROUP == 0:
+            return Form("q8", Q8_QUANTIZE_GROUP)
+        return form
+
+    def _quantized_form(self, form: Form, k: int) -> Form:
+        if self.quantize != "q4" or form.kind != "f16":
+            return form
+        group = quantize_group(k)
+        return form if group is None else Form("q4", group)
+
+    def weight_forms(self) -> dict[str, set[Form]] | None:
+        """The device forms each matrix role takes over the layers ("qkv", "o", "gate_up", "down",
+        "embedding", "lm_head"), read from the header alone; None where the source cannot tell."""
+        c = self.config
+        forms: dict[str, set[Form]] = {label: set() for label in FUSED_LINEARS}
+        for i in range(c.n_layers):
+            for label, names in FUSED_LINEARS.items():
+                parts = [self._part_form(name, i) for name in names]
+                if any(p is None for p in parts):
+                    return None
+                k = self.expected_shape(names[0])[1]
+                forms[label].add(self._quantized_form(fused_form(parts), k))
+        embedding = self._table_form("embedding")
+        if embedding is None:
+            return None
+        if c.tie_embeddings:
+            embedding = self._head_form(embedding)
+            forms["embedding"] = forms["lm_head"] = {embedding}
+        else:
+            head = self._head_form(self._table_form("lm_head"))
+            if head is None:
+                return None
+            forms["embedding"], forms["lm_head"] = {embedding}, {head}
+        return forms
 
     def layer(self, i: int) -> LayerWeights:
         """Layer i's weights, read and converted now (nothing is kept between calls)."""
@@ -151,27 +260,40 @@ def quantize_group(k: int) -> int | None:
     return next((g for g in (128, 64, 32) if k % g == 0), None)
 
 
+def to_fp16(w: Linear, rows: int = 8192) -> np.ndarray:
+    """W as fp16, dequantized a block of rows at a time (a float64 copy of a whole vocabulary is GBs)."""
+    if isinstance(w, np.ndarray):
+        return w.astype(np.float16)
+    return np.concatenate([w.rows(i, min(i + rows, w.shape[0])).dequantize().astype(np.float16)
+                           for i in range(0, w.shape[0], rows)])
+
+
 def fuse_rows(parts: list[Linear]) -> Linear:
-    """Stack projections along N. 4-bit parts of one group stay 4-bit; any other mix becomes fp16."""
-    if all(isinstance(p, Q4Matrix) for p in parts) and len({p.group for p in parts}) == 1:
-        return Q4Matrix.concat(parts)
-    # e.g. an AWQ model with one projection in modules_to_not_convert, or a GGUF mixing Q4 and Q8_0
-    return np.concatenate([p.dequantize().astype(np.float16) if isinstance(p, Q4Matrix) else p for p in parts])
+    """Stack projections along N in the form ``fused_form`` gives: exact except where an fp16 part makes
+    the whole fp16 (e.g. an AWQ model with one projection in modules_to_not_convert)."""
+    form = fused_form([form_of(p) for p in parts])
+    if form.kind == "q4":
+        return Q4Matrix.concat([p.regroup(form.group) for p in parts])
+    if form.kind == "q8":
+        return Q8Matrix.concat([Q8Matrix.from_q4(p) if isinstance(p, Q4Matrix) else p for p in parts])
+    return np.concatenate([to_fp16(p) for p in parts])
 
 
 def permute_linear_rows(w: Linear, permutation: np.ndarray) -> Linear:
-    """Reorder the rows of W; for a Q4Matrix codes, scales and offsets move together (exact)."""
-    if isinstance(w, Q4Matrix):
-        return Q4Matrix(w.codes[permutation], w.scales[permutation], w.offsets[permutation], w.group)
+    """Reorder the rows of W; for the int4 and int8 forms codes, scales and offsets move together (exact)."""
+    if isinstance(w, (Q4Matrix, Q8Matrix)):
+        return w.take_rows(permutation)
     return np.ascontiguousarray(w[permutation])
 
 
 def check_finite(w: Linear, where, tensor: str) -> Linear:
-    """W itself, or a PerfxError naming the tensor if a float value (a Q4Matrix's scale, offset) is NaN or Inf.
+    """W itself, or a PerfxError naming the tensor if a float value (an int4/int8 matrix's scale, offset) is
+    NaN or Inf.
 
     Checked at load: a NaN weight would otherwise surface tokens later, as NaN logits or as noise.
     """
-    parts = (("scales", w.scales), ("offsets", w.offsets)) if isinstance(w, Q4Matrix) else (("values", w),)
+    quantized = isinstance(w, (Q4Matrix, Q8Matrix))
+    parts = (("scales", w.scales), ("offsets", w.offsets)) if quantized else (("values", w),)
     for what, values in parts:
         values = np.asarray(values)
         if values.dtype.kind != "f":

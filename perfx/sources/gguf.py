@@ -1,8 +1,11 @@
-"""GGUF files (architecture llama or qwen2): Q4_0/Q4_1 stay 4-bit, Q8_0/F16/F32 become fp16.
+"""GGUF files (architecture llama or qwen2), every tensor type llama.cpp's usual quantizations write.
 
-The header is checked when the file is opened (every tensor present, of a type perfx reads, of the shape
-the config implies); tensors are read from the memory map one at a time. llama.cpp permutes the rows of
-Wq and Wk for its interleaved RoPE; they are put back in Hugging Face's rotate-half order here.
+Q4_0, Q4_1 and Q4_K go into the int4 form (G = 32); Q5_0, Q5_1, Q5_K, Q6_K and Q8_0 into the int8 form
+(G = 32, Q6_K 16), exactly (``perfx.formats``); F16, BF16 and F32 become fp16. So Q4_K_M and Q5_K_M files,
+which mix Q4_K or Q5_K with Q5_0, Q6_K and Q8_0 tensors, run as they are. The header is checked when the
+file is opened (every tensor present, of a type perfx reads, of the shape the config implies); tensors
+are read from the memory map one at a time. llama.cpp permutes the rows of Wq and Wk for its interleaved
+RoPE; they are put back in Hugging Face's rotate-half order here.
 """
 
 from __future__ import annotations
@@ -17,30 +20,37 @@ from perfx import formats
 from perfx.config import ModelConfig, gguf_field
 from perfx.errors import PerfxError
 from perfx.reference import unpermute_qk
-from perfx.sources.base import Linear, ModelSource, check_finite, permute_linear_rows, shape_error
+from perfx.sources.base import F16_FORM, Form, Linear, ModelSource, check_finite, permute_linear_rows, shape_error
 from perfx.tokenizer import Tokenizer
 
 GGUF_LINEAR = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
                "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
 GGUF_VECTOR = {"attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight",
                "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias"}
-GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "F32")
+# Every tensor type perfx reads, and the device form it reads into.
+GGUF_FORMS = {"Q4_0": Form("q4", 32), "Q4_1": Form("q4", 32), "Q4_K": Form("q4", 32),
+              "Q5_0": Form("q8", 32), "Q5_1": Form("q8", 32), "Q8_0": Form("q8", 32),
+              "Q5_K": Form("q8", 32, True), "Q6_K": Form("q8", 16, True),
+              "F16": F16_FORM, "BF16": F16_FORM, "F32": F16_FORM}
+GGUF_TYPES = tuple(GGUF_FORMS)
+UNSUPPORTED_TYPE_HELP = ("requantize the model with llama.cpp's llama-quantize to Q4_K_M, Q5_K_M, Q8_0 or Q4_0 "
+                         "(from its F16 or Q8_0 GGUF), or download one of those files")
 
 
 class GGUFSource(ModelSource):
-    """A GGUF file (architecture llama or qwen2): Q4_0/Q4_1 stay 4-bit, Q8_0/F16/F32 become fp16."""
+    """A GGUF file (architecture llama or qwen2) of any of ``GGUF_TYPES``, in the int4, int8 or fp16 form."""
 
     format = "gguf"
-    int4_group = 32  # Q4_0 and Q4_1 blocks
+    int4_group = 32  # Q4_0, Q4_1 blocks and Q4_K sub-blocks
 
-    def __init__(self, path: Path, quantize: str | None = None):
+    def __init__(self, path: Path, quantize: str | None = None, lm_head: str = "q8"):
         self.path = path
         try:
             self.reader = gguf.GGUFReader(str(path))
         except Exception as error:  # ValueError, struct/mmap errors on a truncated or corrupt header
             raise PerfxError(f"{path} is not a readable GGUF file ({type(error).__name__}: {error}); it is "
                              "truncated or corrupt, fetch it again") from None
-        super().__init__(ModelConfig.from_gguf(self.reader), quantize)
+        super().__init__(ModelConfig.from_gguf(self.reader), quantize, lm_head)
         self._tensors = {t.name: t for t in self.reader.tensors}
         self._check_tensors()
 
@@ -64,8 +74,8 @@ class GGUFSource(ModelSource):
         kind = t.tensor_type.name
         if kind not in GGUF_TYPES:
             raise PerfxError(f"{self.path}: tensor {name} has type {kind}, which perfx does not read; "
-                             f"supported GGUF tensor types are {', '.join(GGUF_TYPES)} (pick a Q4_0, Q4_1 or "
-                             "Q8_0 file, or convert with llama-quantize --pure)")
+                             f"perfx reads GGUF tensor types {', '.join(GGUF_TYPES)} (so Q4_K_M, Q5_K_M, Q8_0, "
+                             f"Q4_0 and Q4_1 files): {UNSUPPORTED_TYPE_HELP}")
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists ne[0] (K) first
         if len(expected) == 1:
             shape = (int(np.prod(shape)),)
@@ -74,19 +84,29 @@ class GGUFSource(ModelSource):
         return t
 
     def _read(self, name: str, expected) -> Linear:
-        """A matrix (N, K): Q4_0/Q4_1 as Q4Matrix, anything else as fp16."""
+        """A matrix (N, K) in the form of its type (``GGUF_FORMS``): int4, int8, or fp16."""
         t = self._check(name, expected)
         n, k = expected
         kind = t.tensor_type.name
-        if kind == "Q4_0":
-            w = formats.from_gguf_q4_0(t.data, n, k, name)
-        elif kind == "Q4_1":
-            w = formats.from_gguf_q4_1(t.data, n, k, name)
-        elif kind == "Q8_0":
-            w = quants.dequantize(np.asarray(t.data), gguf.GGMLQuantizationType.Q8_0).reshape(n, k).astype(np.float16)
+        if kind in formats.GGUF_READERS:
+            w = formats.GGUF_READERS[kind](t.data, n, k, name)
+        elif kind == "BF16":
+            w = quants.dequantize(np.asarray(t.data), gguf.GGMLQuantizationType.BF16).reshape(n, k)
+            with np.errstate(over="ignore"):   # beyond fp16's range: refused just below, with the tensor named
+                w = w.astype(np.float16)
         else:
-            w = np.asarray(t.data).reshape(n, k).astype(np.float16)
+            with np.errstate(over="ignore"):
+                w = np.asarray(t.data).reshape(n, k).astype(np.float16)
         return check_finite(w, self.path, name)
+
+    def _type(self, name: str) -> str:
+        return self._tensors[name].tensor_type.name
+
+    def _part_form(self, name: str, layer: int) -> Form:
+        return GGUF_FORMS[self._type(f"blk.{layer}.{GGUF_LINEAR[name]}.weight")]
+
+    def _table_form(self, name: str) -> Form:
+        return GGUF_FORMS[self._type("token_embd.weight" if name == "embedding" else "output.weight")]
 
     def _linear(self, name: str, layer: int) -> Linear:
         w = self._read(f"blk.{layer}.{GGUF_LINEAR[name]}.weight", self.expected_shape(name))
@@ -107,12 +127,10 @@ class GGUFSource(ModelSource):
         vector = check_finite(np.asarray(t.data, dtype=np.float32).reshape(-1), self.path, tensor)
         return self._unpermute(name, vector)
 
-    def embedding(self) -> Linear:
+    def _embedding(self) -> Linear:
         return self._read("token_embd.weight", self.expected_shape("embedding"))
 
-    def lm_head(self) -> Linear | None:
-        if self.config.tie_embeddings:
-            return None
+    def _lm_head(self) -> Linear:
         return self._read("output.weight", self.expected_shape("lm_head"))
 
     def _load_tokenizer(self):
@@ -127,6 +145,8 @@ class GGUFSource(ModelSource):
         quantization = ", ".join(f"{kind} ×{n}" for kind, n in sorted(counts.items(), key=lambda kv: -kv[1]))
         if self.quantize:
             quantization += f", fp16 layers quantized to {self.quantize} on load"
+        if self.lm_head_form == "fp16":
+            quantization += ", lm_head as fp16"
         return {"format": "gguf", "path": str(self.path), "files": [self.path.name],
                 "file_size": self.path.stat().st_size, "quantization": quantization,
                 "name": gguf_field(self.reader, "general.name"),

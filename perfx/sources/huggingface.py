@@ -16,7 +16,7 @@ from perfx import formats
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
 from perfx.resources import read_json
-from perfx.sources.base import LINEAR_NAMES, Linear, ModelSource, check_finite, shape_error
+from perfx.sources.base import F16_FORM, LINEAR_NAMES, Form, Linear, ModelSource, check_finite, shape_error
 from perfx.tokenizer import Tokenizer
 
 AWQ_VERSIONS = ("gemm", "gemv")
@@ -34,14 +34,14 @@ class HFSource(ModelSource):
 
     format = "safetensors"
 
-    def __init__(self, directory: Path, quantize: str | None = None):
+    def __init__(self, directory: Path, quantize: str | None = None, lm_head: str = "q8"):
         self.directory = directory
         config_path = directory / "config.json"
         if not config_path.is_file():
             raise PerfxError(f"{directory} is not a Hugging Face model directory: it has no config.json. "
                              "Pass a directory with config.json and model.safetensors, or a .gguf file.")
         hf_config = read_json(config_path)
-        super().__init__(ModelConfig.from_hf(hf_config), quantize)
+        super().__init__(ModelConfig.from_hf(hf_config), quantize, lm_head)
         generation = directory / "generation_config.json"
         self.generation_config = read_json(generation) if generation.is_file() else {}
         self.awq = _awq_settings(hf_config.get("quantization_config"), config_path)
@@ -153,12 +153,17 @@ class HFSource(ModelSource):
         tensor = "model.norm.weight" if name == "final_norm" else f"model.layers.{layer}.{HF_VECTOR[name]}"
         return self._tensor(tensor, (self.expected_vector(name),)).astype(np.float32)
 
-    def embedding(self) -> np.ndarray:
+    def _part_form(self, name: str, layer: int) -> Form:
+        module = self._module(name, layer)
+        return Form("q4", self.awq["group"]) if self._is_awq(module) else F16_FORM
+
+    def _table_form(self, name: str) -> Form:
+        return Form("q4", self.awq["group"]) if name == "lm_head" and self._is_awq("lm_head") else F16_FORM
+
+    def _embedding(self) -> np.ndarray:
         return self._tensor("model.embed_tokens.weight", self.expected_shape("embedding")).astype(np.float16)
 
-    def lm_head(self) -> Linear | None:
-        if self.config.tie_embeddings:
-            return None
+    def _lm_head(self) -> Linear:
         return self._read_linear("lm_head", self.expected_shape("lm_head"))
 
     def _load_tokenizer(self):
@@ -175,6 +180,8 @@ class HFSource(ModelSource):
             quantization = "/".join(d.lower() for d in dtypes)
         if self.quantize:
             quantization += f", quantized to {self.quantize} on load"
+        if self.lm_head_form == "q8":
+            quantization += ", lm_head int8 on load" if self.config.hidden_size % 32 == 0 else ""
         return {"format": "safetensors", "path": str(self.directory), "files": [p.name for p in files],
                 "file_size": sum(p.stat().st_size for p in files), "quantization": quantization,
                 "architecture": self.config.architecture, "notes": list(self.notes)}
@@ -202,7 +209,7 @@ def _awq_settings(quantization: dict | None, config_path: Path) -> dict | None:
     if method != "awq":
         raise PerfxError(f"{config_path}: quantization method {method!r} is not supported; perfx reads AWQ "
                          "int4 (version gemm or gemv) and fp16/bf16 checkpoints (add quantize='q4' to quantize "
-                         "on load), or GGUF files with Q4_0/Q4_1/Q8_0/F16/F32 tensors")
+                         "on load), or GGUF files (Q4_K_M, Q5_K_M, Q8_0, Q4_0, ...)")
     bits = quantization.get("w_bit", quantization.get("bits"))
     group = quantization.get("q_group_size", quantization.get("group_size"))
     version = str(quantization.get("version", "gemm")).lower()

@@ -14,7 +14,7 @@ import numpy as np
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
 from perfx.formats import Q4Matrix
-from perfx.sources.base import LayerWeights, ModelSource
+from perfx.sources.base import F16_FORM, Form, LayerWeights, ModelSource
 
 SYNTHETIC_MODELS = {
     # name: (config, group size)
@@ -36,14 +36,14 @@ DISTINCT_LAYER_LIMIT = 8_000_000
 SYNTHETIC_PREFIX = "synthetic:"
 
 
-def open_synthetic(name: str, seed: int = 0) -> SyntheticSource:
+def open_synthetic(name: str, seed: int = 0, lm_head: str = "q8") -> SyntheticSource:
     """``"synthetic:<model>"`` -> its SyntheticSource; unknown names list the known ones."""
     key = name[len(SYNTHETIC_PREFIX):] if name.startswith(SYNTHETIC_PREFIX) else name
     if key not in SYNTHETIC_MODELS:
         raise PerfxError(f"unknown synthetic model {name!r}; known: "
                          f"{', '.join('synthetic:' + k for k in SYNTHETIC_MODELS)}")
     config, group = SYNTHETIC_MODELS[key]
-    return SyntheticSource(key, config, group, seed)
+    return SyntheticSource(key, config, group, seed, lm_head)
 
 
 class SyntheticSource(ModelSource):
@@ -51,8 +51,8 @@ class SyntheticSource(ModelSource):
 
     format = "synthetic"
 
-    def __init__(self, name: str, config: ModelConfig, group: int, seed: int = 0):
-        super().__init__(config)
+    def __init__(self, name: str, config: ModelConfig, group: int, seed: int = 0, lm_head: str = "q8"):
+        super().__init__(config, lm_head=lm_head)
         self.name, self.group, self.seed = name, group, seed
         self.int4_group = group
         c = config
@@ -97,17 +97,24 @@ class SyntheticSource(ModelSource):
         noise = np.frombuffer(rng.bytes(c.vocab_size * c.hidden_size), dtype=np.uint8)
         return values[noise].reshape(c.vocab_size, c.hidden_size)
 
-    def embedding(self) -> np.ndarray:
+    def _embedding(self) -> np.ndarray:
         return self._random_table(2)
 
-    def lm_head(self) -> np.ndarray | None:
-        # fp16 like the lm_head of AWQ checkpoints (AutoAWQ leaves it unquantized)
-        return None if self.config.tie_embeddings else self._random_table(3)
+    def _lm_head(self) -> np.ndarray:
+        # fp16 like the lm_head of AWQ checkpoints (AutoAWQ leaves it unquantized); the head rule applies
+        return self._random_table(3)
+
+    def _part_form(self, name: str, layer: int) -> Form:
+        return Form("q4", self.group)
+
+    def _table_form(self, name: str) -> Form:
+        return F16_FORM
 
     def final_norm(self) -> np.ndarray:
         return np.ones(self.config.hidden_size, np.float32)
 
     def describe(self) -> dict:
+        head = ", lm_head int8" if self.lm_head_form == "q8" else ""
         return {"format": "synthetic", "path": f"synthetic:{self.name}", "files": [], "file_size": 0,
-                "quantization": f"random int4, group {self.group}", "architecture": self.config.architecture,
+                "quantization": f"random int4, group {self.group}{head}", "architecture": self.config.architecture,
                 "notes": [] if self.distinct_layers else ["one random layer is reused for every layer"]}

@@ -2,10 +2,12 @@
 
 A ``TinyModel`` is a config plus float32 weights under Hugging Face names, in Hugging Face (rotate-half) row
 order. The writers turn it into an fp16/bf16 safetensors directory (optionally sharded), an AWQ GEMM or GEMV
-checkpoint, or a GGUF with Q4_0/Q4_1/Q8_0/F16/F32 tensors, each with the tiny SentencePiece tokenizer and a
-ChatML template. The GGUF writer quantizes blocks with gguf.quants (llama.cpp's reference quantizers in
-Python) and returns the weights the file really holds by llama.cpp's own dequantization, so the same
-model can be written again as fp16 safetensors and perfx is checked against llama.cpp's definition.
+checkpoint, or a GGUF of any tensor types perfx reads (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
+F16, BF16, F32), with a Llama-3 rope_freqs tensor or a sliding window where asked, each with the tiny
+SentencePiece tokenizer and a ChatML template. The GGUF writer quantizes blocks with gguf.quants (llama.cpp's
+reference quantizers in Python; K-quants with ``helpers.kquants``, since gguf.quants only dequantizes them)
+and returns the weights the file really holds by llama.cpp's own dequantization, so the same model can be
+written again as fp16 safetensors and perfx is checked against llama.cpp's definition.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 from gguf import quants
 from safetensors.numpy import save_file
 
+from helpers.kquants import K_BLOCKS, quantize_k
 from helpers.tiny_tokenizer import train_tiny_spm, write_tokenizer_to_gguf
 from perfx.formats import to_awq_gemm, to_awq_gemv
 from perfx.reference import permute_qk, unpermute_qk
@@ -40,7 +43,28 @@ SHAPES = {
     # Qwen2: biases on q, k, v; GQA 2
     "qwen2": dict(architecture="qwen2", hidden_size=128, intermediate_size=256, n_heads=2, n_kv_heads=1,
                   qkv_bias=True),
+    # Rows of 256 and 512: what K-quant blocks (256 weights) need; GQA 2
+    "k256": dict(architecture="llama", hidden_size=256, intermediate_size=512, n_heads=4, n_kv_heads=2),
+    # the same, tied embeddings (the lm_head is the embedding, in its file's type)
+    "k256-tied": dict(architecture="llama", hidden_size=256, intermediate_size=512, n_heads=4, n_kv_heads=2,
+                      tie_embeddings=True),
 }
+
+# The mixes llama.cpp's llama-quantize writes (llama-quant.cpp): Q4_K_M is Q4_K with attn_v and ffn_down in
+# Q6_K in some layers; Q5_K_M the same over Q5_K. Embeddings Q4_K/Q5_K there (Q6_K for the output).
+Q4_K_M = [
+    {"q": "Q4_K", "k": "Q4_K", "v": "Q6_K", "o": "Q4_K", "gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"},
+    {"q": "Q4_K", "k": "Q4_K", "v": "Q4_K", "o": "Q4_K", "gate": "Q4_K", "up": "Q4_K", "down": "Q4_K"},
+]
+Q5_K_M = [
+    {"q": "Q5_K", "k": "Q5_K", "v": "Q6_K", "o": "Q5_K", "gate": "Q5_K", "up": "Q5_K", "down": "Q6_K"},
+    {"q": "Q5_K", "k": "Q5_K", "v": "Q5_K", "o": "Q5_K", "gate": "Q5_K", "up": "Q5_K", "down": "Q5_K"},
+]
+# Every other type of the 32-weight family, and BF16, once each
+MIXED_32 = [
+    {"q": "Q5_0", "k": "Q5_1", "v": "Q8_0", "o": "Q5_1", "gate": "Q5_0", "up": "Q4_0", "down": "BF16"},
+    {"q": "Q4_1", "k": "Q4_1", "v": "Q4_1", "o": "Q5_0", "gate": "Q8_0", "up": "Q8_0", "down": "Q5_1"},
+]
 
 LINEAR_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -218,7 +242,8 @@ def write_awq(directory: Path, model: TinyModel, rng: np.random.Generator, group
 def quantize_gguf(w: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
     """(raw blocks (N, bytes) uint8, the float64 weights they hold by llama.cpp's definition) of W (N, K)."""
     qtype = gguf.GGMLQuantizationType[kind]
-    raw = quants.quantize(np.ascontiguousarray(w, dtype=np.float32), qtype)
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    raw = quantize_k(w, kind) if kind in K_BLOCKS else quants.quantize(w, qtype)
     return raw, quants.dequantize(raw, qtype).astype(np.float64)
 
 
@@ -244,11 +269,13 @@ class GGUFWritten:
 
 def write_gguf(path: Path, model: TinyModel, layer_types=None, embedding_type: str = "Q8_0",
                output_type: str = "F16", raw_override: dict | None = None,
-               tokenizer: bool = True) -> GGUFWritten:
+               tokenizer: bool = True, rope_freqs: np.ndarray | None = None, sliding_window: int | None = None,
+               add_bos: bool | None = None) -> GGUFWritten:
     """A GGUF of ``model`` as llama.cpp's converter writes it (Q/K rows permuted for llama; biases F32).
 
     ``raw_override`` maps a GGUF tensor name to (raw uint8 array, GGMLQuantizationType) written as is (for
-    unsupported-type tests).
+    unsupported-type tests). ``rope_freqs`` (D/2 float32) is written as Llama 3.x's rope_freqs.weight;
+    ``sliding_window`` as ``{arch}.attention.sliding_window``; ``add_bos`` as tokenizer.ggml.add_bos_token.
     """
     c = model.config
     arch = c["model_type"]
@@ -265,9 +292,13 @@ def write_gguf(path: Path, model: TinyModel, layer_types=None, embedding_type: s
     writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
     writer.add_rope_dimension_count(c["head_dim"])
     writer.add_vocab_size(c["vocab_size"])
+    if sliding_window:
+        writer.add_sliding_window(sliding_window)
     if tokenizer:
         write_tokenizer_to_gguf(writer, model.tokenizer_model)
         writer.add_chat_template(CHAT_TEMPLATE)
+        if add_bos is not None:
+            writer.add_add_bos_token(add_bos)
 
     written = GGUFWritten(Path(path), {}, {})
     raw_override = raw_override or {}
@@ -285,6 +316,10 @@ def write_gguf(path: Path, model: TinyModel, layer_types=None, embedding_type: s
         if kind == "F16":
             held = w.astype(np.float16).astype(np.float64)
             writer.add_tensor(gguf_name, w.astype(np.float16))
+        elif kind == "BF16":
+            raw = quants.quantize(np.ascontiguousarray(w, dtype=np.float32), gguf.GGMLQuantizationType.BF16)
+            held = quants.dequantize(raw, gguf.GGMLQuantizationType.BF16).astype(np.float64)
+            writer.add_tensor(gguf_name, raw, raw_dtype=gguf.GGMLQuantizationType.BF16)
         elif kind == "F32":
             held = w.astype(np.float32).astype(np.float64)
             writer.add_tensor(gguf_name, w.astype(np.float32))
@@ -297,6 +332,8 @@ def write_gguf(path: Path, model: TinyModel, layer_types=None, embedding_type: s
 
     add("token_embd.weight", "model.embed_tokens.weight", embedding_type)
     add("output_norm.weight", "model.norm.weight", "F32")
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     if "lm_head.weight" in model.weights:
         add("output.weight", "lm_head.weight", output_type)
     heads = {"self_attn.q_proj": c["num_attention_heads"], "self_attn.k_proj": c["num_key_value_heads"]}

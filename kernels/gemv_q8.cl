@@ -1,0 +1,141 @@
+// y (M) = W (N, K) · x (K) (+ bias), W int8 in perfx's int8 device form (perfx/ops/q8_weight.py):
+//   codes: int8, rows contiguous along K, the matrix held as row blocks (one buffer each, within the
+//          device's largest allocation);
+//   scale_offset: one (s, m) pair per group of G along K, (rows, K/G) per block, as half2 (SM_F32 0,
+//          exact where fp16 holds every s and m: Q8_0, Q5_0, Q5_1, quantized heads) or as float2
+//          (SM_F32 1: Q5_K's and Q6_K's d·sc need up to 18 significant bits); w = s·q + m.
+// Per group: Σ_k (s·q_k + m)·x_k = s·Σ q_k x_k + m·Σ x_k, so the inner loop is one multiply-add per
+// weight and Σ x_k is computed once per group and shared by the ROWS rows of a work-item.
+// Epilogues (EPILOGUE, chosen by the wrapper, not tuned):
+//   0 plain:    y[o] = W[o]·x + bias[o]                               (also fused QKV: rows concatenated)
+//   1 silu_mul: y[o] = SiLU(Wg[o]·x + bg[o]) · (Wu[o]·x + bu[o])      (gate rows, then up rows)
+// Shape contract: K a multiple of G, G ∈ {16, 32}; any number of outputs (rows past the end are clamped
+// on load and not stored). One launch covers outputs o ∈ [0, n_out), stored at y[y_base + o]; the gate
+// (or only) row of output o is row row_a + o of block a (codes_a, sm_a, bias_a), its up row is row
+// row_b + o of block b: the wrapper cuts launches where either crosses from one block to the next.
+// Work-group: (LANES, 1); global: (LANES, ⌈n_out/ROWS⌉). LANES work-items stride along K by groups and
+// meet in a local-memory tree reduction. Accumulation in fp32.
+
+#ifndef LANES
+#define LANES 16     // work-items along K per work-group (power of two)
+#endif
+#ifndef ROWS
+#define ROWS 4       // outputs per work-item: each x chunk is loaded once and applied to ROWS rows
+#endif
+#ifndef GROUP
+#define GROUP 32     // quantization group along K, 16 or 32 (set from the weight, not tuned)
+#endif
+#ifndef SM_F32
+#define SM_F32 0     // (s, m) pairs: 0 half2, 1 float2 (set from the weight, not tuned)
+#endif
+#ifndef EPILOGUE
+#define EPILOGUE 0   // 0: plain (+bias), 1: SiLU(gate)·up over paired rows (set by the wrapper)
+#endif
+
+#define CHUNKS_PER_GROUP (GROUP / 8)
+
+#if EPILOGUE == 1
+#define WROWS (2 * ROWS)   // gate rows 0..ROWS−1, up rows ROWS..2·ROWS−1
+#else
+#define WROWS ROWS
+#endif
+
+#if SM_F32
+#define PAIRS_T __global const float* restrict
+#define LOAD_PAIR(p, i) vload2((i), (p))
+#else
+#define PAIRS_T __global const half* restrict
+#define LOAD_PAIR(p, i) vload_half2((i), (p))
+#endif
+
+// 8 codes as floats, in x order (8 wide: PoCL 3.0's LLVM 14 fails to select 16-wide convert code on AVX2).
+// Loaded through a char8 pointer rather than vload8, which PoCL calls out of line: rows start at multiples
+// of K bytes and K is a multiple of 16, so every chunk of 8 codes is 8-byte aligned; likewise x by float8.
+#define CODES8(p, c) convert_float8(((const __global char8*)(p))[c])
+#define LOAD_X8(p, c) (((const __global float8*)(p))[c])
+#define SUM8(v) ((((v).s0 + (v).s4) + ((v).s2 + (v).s6)) + (((v).s1 + (v).s5) + ((v).s3 + (v).s7)))
+
+inline float silu(const float v) { return v / (1.0f + exp(-v)); }
+
+__kernel __attribute__((reqd_work_group_size(LANES, 1, 1)))
+void gemv_q8(const int n_out, const int k, const int y_base, const int row_a, const int row_b,
+             __global const char* restrict codes_a, __global const char* restrict codes_b,
+             PAIRS_T sm_a, PAIRS_T sm_b, __global const float* restrict bias_a,
+             __global const float* restrict bias_b, const int has_bias,
+             __global const float* restrict x, __global float* restrict y)
+{
+#if LANES > 1
+    __local float partial[WROWS][LANES];   // declared at kernel scope, as OpenCL C 1.2 requires
+#endif
+    const int lane = get_local_id(0);
+    const int first = get_group_id(1) * ROWS;    // first output of this work-item, within the launch
+    const int groups = k / GROUP;
+
+    // Each row's codes and its first (s, m) pair. Outputs past n_out read the last valid row again
+    // (harmless) and are not stored.
+    __global const char* wrow[WROWS];
+    PAIRS_T prow[WROWS];
+    #pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const int o = min(first + r, n_out - 1);
+        wrow[r] = codes_a + (size_t)(row_a + o) * k;
+        prow[r] = sm_a + (size_t)(row_a + o) * groups * 2;
+#if EPILOGUE == 1
+        wrow[ROWS + r] = codes_b + (size_t)(row_b + o) * k;
+        prow[ROWS + r] = sm_b + (size_t)(row_b + o) * groups * 2;
+#endif
+    }
+
+    float acc[WROWS];
+    #pragma unroll
+    for (int r = 0; r < WROWS; ++r) acc[r] = 0.0f;
+
+    for (int g = lane; g < groups; g += LANES) {
+        float8 dot[WROWS];
+        #pragma unroll
+        for (int r = 0; r < WROWS; ++r) dot[r] = (float8)(0.0f);
+        float8 xsum = (float8)(0.0f);
+        #pragma unroll
+        for (int i = 0; i < CHUNKS_PER_GROUP; ++i) {
+            const int c = g * CHUNKS_PER_GROUP + i;   // x[8c .. 8c + 7] pairs with codes 8c .. 8c + 7
+            const float8 xv = LOAD_X8(x, c);
+            xsum += xv;
+            #pragma unroll
+            for (int r = 0; r < WROWS; ++r) dot[r] += CODES8(wrow[r], c) * xv;
+        }
+        const float xs = SUM8(xsum);
+        #pragma unroll
+        for (int r = 0; r < WROWS; ++r) {
+            const float2 sm = LOAD_PAIR(prow[r], g);
+            acc[r] += sm.x * SUM8(dot[r]) + sm.y * xs;
+        }
+    }
+
+#if LANES > 1
+    // Tree reduction of the lanes' partial sums, one slot per (row, lane).
+    #pragma unroll
+    for (int r = 0; r < WROWS; ++r) partial[r][lane] = acc[r];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int stride = LANES / 2; stride > 0; stride >>= 1) {
+        if (lane < stride) {
+            #pragma unroll
+            for (int r = 0; r < WROWS; ++r) partial[r][lane] += partial[r][lane + stride];
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    if (lane != 0) return;
+    #pragma unroll
+    for (int r = 0; r < WROWS; ++r) acc[r] = partial[r][0];
+#endif
+
+    #pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        if (first + r >= n_out) break;
+        float v = acc[r] + (has_bias ? bias_a[row_a + first + r] : 0.0f);
+#if EPILOGUE == 1
+        const float up = acc[ROWS + r] + (has_bias ? bias_b[row_b + first + r] : 0.0f);
+        v = silu(v) * up;
+#endif
+        y[y_base + first + r] = v;
+    }
+}

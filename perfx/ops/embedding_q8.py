@@ -1,0 +1,45 @@
+"""The embedding gather from an int8 table: out (M, K) = W[ids] dequantized (``kernels/embedding_q8.cl``).
+
+The table is a ``Q8DeviceWeight`` (a tied embedding is the lm_head's own copy), possibly in row blocks:
+one launch per block. An id outside the vocabulary gives a row of NaN, never a silent wrong row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from perfx.errors import PerfxError
+from perfx.ops import device_buffer
+from perfx.ops.params import ParamSpace
+from perfx.ops.q8_weight import Q8DeviceWeight
+from perfx.runtime import Device
+
+PARAMS = ParamSpace(
+    family="embedding_q8",
+    source="embedding_q8.cl",
+    space={"WGS": (64, 32, 128)},   # work-items per work-group, 8 weights each
+    work_group_size=lambda p, s: p["WGS"],
+)
+
+
+class EmbeddingQ8:
+    """out (rows, K) float32 = table[ids], ids an int32 device buffer; an id outside [0, N) gives NaN."""
+
+    def __init__(self, device: Device, params: dict | None = None):
+        self.device = device
+        self.params = PARAMS.resolve(params, {}, device.caps)
+        self.wgs = self.params["WGS"]
+
+    def __call__(self, table: Q8DeviceWeight, ids, out, rows: int) -> list:
+        """Enqueue the gather: one event per row block, in order (the last one finishes last)."""
+        if rows < 1:
+            raise PerfxError(f"embedding_q8: rows = {rows} must be at least 1")
+        ids = device_buffer(ids, 4 * rows, "embedding_q8 ids")
+        out = device_buffer(out, 4 * rows * table.k, "embedding_q8 out")
+        defines = {**self.params, "GROUP": table.group, "SM_F32": int(table.f32)}
+        kernel = self.device.kernel(PARAMS.source, "embedding_q8", defines)
+        global_size = (-(-(table.k // 8) // self.wgs) * self.wgs, rows)
+        return [self.device.launch(kernel, global_size, (self.wgs, 1), np.int32(table.k), np.int32(table.n),
+                                   np.int32(block.start), np.int32(block.stop), ids, block.codes,
+                                   block.scale_offset, out)
+                for block in table.blocks]

@@ -1,0 +1,104 @@
+"""The prefill-path int8 GEMM: Y (M, N) = X (M, K) · Wᵀ with a fused epilogue, for M tokens.
+
+One kernel, ``kernels/gemm_q8.cl``, of gemm_q4_skinny's structure and parameter names (WGS, ROWS, MT):
+each weight read once per pass of MT rows, every row's sums in registers, no local memory. It also runs
+the lm_head over many positions (perplexity). Epilogues: "none"; "bias" (+ the weight's bias per output
+column, e.g. Qwen's QKV); "silu_mul" (gate-up: W has 2·I rows, gate then up, Y (M, I) = SiLU(X·Wgᵀ)·(X·Wuᵀ)).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from perfx.errors import PerfxError
+from perfx.ops import buffer_bytes
+from perfx.ops.params import ParamSpace, Rule
+from perfx.ops.q8_weight import Q8DeviceWeight
+from perfx.runtime import Device
+
+EPILOGUES = {"none": 0, "bias": 1, "silu_mul": 2}
+
+PARAMS = ParamSpace(
+    family="gemm_q8",
+    source="gemm_q8.cl",
+    space={
+        "WGS": (64, 1),          # work-items per work-group (independent: no local memory, no barriers)
+        "ROWS": (1, 2, 4),       # output columns per work-item (1 by default: 8 accumulators for gate-up too)
+        "MT": (4, 2, 8),         # rows of X per register pass
+    },
+    # ROWS·MT float8 accumulators per weight row applied (two, gate and up, for the gate-up epilogue) plus
+    # ROWS weight vectors and the x chunk must stay in registers: gemm_q4_skinny's rule, for the same reason.
+    rules=(Rule("at most 8 float8 accumulators per work-item (ROWS·MT, times 2 for the gate-up epilogue)",
+                lambda p, s: p["ROWS"] * p["MT"] * (2 if s.get("epilogue") == "silu_mul" else 1) <= 8),),
+    work_group_size=lambda p, s: p["WGS"],
+)
+
+
+class GemmQ8:
+    """Y = X · Wᵀ (+ epilogue) for an int8 ``Q8DeviceWeight``."""
+
+    def __init__(self, device: Device, params: dict | None = None, shape: dict | None = None):
+        """``params`` (None: the defaults) must fit ``shape`` on this device."""
+        self.device = device
+        self.params = PARAMS.resolve(params, shape or {}, device.caps)
+        self._kernels = {}
+        self._no_bias = device.alloc(4, what="gemm_q8 placeholder bias")
+
+    def output_columns(self, weight: Q8DeviceWeight, epilogue: str) -> int:
+        """Columns of Y: N, or N/2 for the gate-up epilogue."""
+        return weight.n // 2 if epilogue == "silu_mul" else weight.n
+
+    def _kernel(self, group: int, f32: bool, epilogue: str):
+        key = (group, f32, epilogue)
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            defines = {**self.params, "GROUP": group, "SM_F32": int(f32), "EPILOGUE": EPILOGUES[epilogue]}
+            kernel = self._kernels[key] = self.device.kernel(PARAMS.source, "gemm_q8", defines)
+        return kernel
+
+    def _check(self, weight: Q8DeviceWeight, x, y, m: int, epilogue: str, ldy: int | None):
+        if epilogue not in EPILOGUES:
+            raise PerfxError(f"gemm_q8: unknown epilogue {epilogue!r}; choose one of {', '.join(EPILOGUES)}")
+        if not isinstance(m, (int, np.integer)) or m < 1:
+            raise PerfxError(f"gemm_q8: M must be a positive integer, got {m!r}")
+        if epilogue == "silu_mul" and weight.n % 2:
+            raise PerfxError(f"gemm_q8: the silu_mul epilogue needs a gate-up weight of 2·I rows, got N = {weight.n}")
+        if epilogue == "bias" and not weight.has_bias:
+            raise PerfxError("gemm_q8: epilogue 'bias' on a weight uploaded without a bias; pass bias= to "
+                             "Q8DeviceWeight.upload or use epilogue 'none'")
+        cols = self.output_columns(weight, epilogue)
+        ldy = cols if ldy is None else int(ldy)
+        if ldy < cols:
+            raise PerfxError(f"gemm_q8: row stride ldy = {ldy} is less than the {cols} columns of Y")
+        buffers = []
+        for name, array, need in (("X", x, m * weight.k * 4), ("Y", y, ((m - 1) * ldy + cols) * 4)):
+            buffer, size = buffer_bytes(array, f"gemm_q8 {name}")
+            if size < need:
+                raise PerfxError(f"gemm_q8: {name} holds {size} bytes, less than the {need} that M = {m}, "
+                                 f"K = {weight.k}, N = {cols} need (float32, row-major)")
+            buffers.append(buffer)
+        why = PARAMS.why_invalid(self.params, {"epilogue": epilogue}, self.device.caps)
+        if why is not None:
+            raise PerfxError(f"gemm_q8: parameters {self.params} cannot run the {epilogue} epilogue on "
+                             f"{self.device.caps.name}: {why}")
+        return cols, ldy, buffers
+
+    def __call__(self, weight: Q8DeviceWeight, x, y, m: int, epilogue: str = "none", ldy: int | None = None):
+        """Y (m, N or N/2 for silu_mul) = X (m, K) · Wᵀ with the epilogue; returns the last launch's event.
+
+        ``x`` and ``y`` are float32 cl.Buffers (or pyopencl Arrays), row-major; Y's rows are ``ldy`` floats
+        apart (default: its column count). One launch per piece of the weight's row blocks, in order.
+        """
+        cols, ldy, (xb, yb) = self._check(weight, x, y, m, epilogue, ldy)
+        kernel = self._kernel(weight.group, weight.f32, epilogue)
+        wgs, rows = self.params["WGS"], self.params["ROWS"]
+        event = None
+        for first, count, a, row_a, b, row_b in weight.segments(cols, cols if epilogue == "silu_mul" else None):
+            block_a, block_b = weight.blocks[a], weight.blocks[b]
+            bias = block_a.bias if block_a.bias is not None else self._no_bias
+            event = self.device.launch(
+                kernel, (-(-count // (rows * wgs)) * wgs,), (wgs,),
+                np.int32(m), np.int32(count), np.int32(weight.k), np.int32(ldy), np.int32(first),
+                np.int32(row_a), np.int32(row_b), xb, yb, block_a.codes, block_b.codes,
+                block_a.scale_offset, block_b.scale_offset, bias)
+        return event

@@ -1,0 +1,54 @@
+"""Tuning spec of embedding_q8, the gather from an int8 table (a tied embedding is the int8 lm_head).
+
+Shape: n (table rows), k, group, f32, m (ids gathered), optional block_bytes (forces the table's split
+into row blocks).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from perfx import reference
+from perfx.formats import Q8Matrix
+from perfx.ops import embedding_q8
+from perfx.ops.embedding_q8 import EmbeddingQ8
+from perfx.ops.q8_weight import Q8DeviceWeight
+from perfx.tuning.spec import Case, Spec, cached_per_params
+
+
+def make_case(device, shape, rng) -> Case:
+    n, k, m = shape["n"], shape["k"], shape["m"]
+    q8 = Q8Matrix.random(n, k, shape["group"], rng, f32=bool(shape.get("f32")))
+    ids = rng.integers(0, n, m).astype(np.int32)
+    ids[0], ids[-1] = n - 1, 0   # the edges of the first and the last block
+    table = Q8DeviceWeight.upload(device, q8, max_block_bytes=shape.get("block_bytes"))
+    ids_d = device.upload(ids)
+    out = device.poisoned((m, k), np.float32)
+    gather = cached_per_params(lambda params: EmbeddingQ8(device, params))
+
+    def launch(params):
+        return gather(params)(table, ids_d, out, m)
+
+    def run(params):
+        out.fill(np.float32(np.nan))
+        for event in launch(params):
+            event.wait()
+        return {"out": out.get()}
+
+    return Case(expected={"out": reference.f64(q8.rows(0, n).dequantize()[ids])}, run=run, launch=launch)
+
+
+SPEC = Spec(
+    params=embedding_q8.PARAMS,
+    make_case=make_case,
+    tolerance=1e-6,
+    tolerance_why=("w = s·q + m: s·q is exact in fp32 (≤ 19 significant bits) and the add rounds once, 2⁻²⁴ of "
+                   "|w|; one wrong code or group is ≥ s, about 1/255 of the row's range"),
+    test_shapes=(
+        {"n": 300, "k": 4160, "group": 32, "f32": False, "m": 4},   # 520 chunks a row: off the work-group grid
+        {"n": 40, "k": 576, "group": 16, "f32": True, "m": 3, "block_bytes": 9 * 576},
+        {"n": 17, "k": 256, "group": 32, "f32": False, "m": 2},
+    ),
+    bytes_moved=lambda s: s["m"] * (s["k"] + (8 if s.get("f32") else 4) * (s["k"] // s["group"]) + 4 * s["k"] + 4),
+    flops=lambda s: 2 * s["m"] * s["k"],
+)

@@ -1,0 +1,78 @@
+"""Tuning spec of gemm_q8, the prefill int8 GEMM (and the lm_head over many positions).
+
+A shape is {"m", "n" (weight rows: 2·I for silu_mul), "k", "group", "f32", "epilogue"}, optionally
+"block_bytes" (the most code bytes per row block, forcing the split a large vocabulary needs on a phone).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from perfx import reference
+from perfx.ops import gemm_q8
+from perfx.ops.gemm_q8 import GemmQ8
+from perfx.ops.q8_weight import Q8DeviceWeight
+from perfx.tuning.gemv_q8 import random_weight
+from perfx.tuning.spec import Case, Spec, cached_per_params
+
+
+def output_columns(shape) -> int:
+    return shape["n"] // 2 if shape.get("epilogue") == "silu_mul" else shape["n"]
+
+
+def bytes_moved(shape) -> int:
+    """Weights once (codes, scale/offset pairs, bias), X once and Y once."""
+    m, n, k, group = shape["m"], shape["n"], shape["k"], shape["group"]
+    bias = 4 * n if shape.get("epilogue") == "bias" else 0
+    pairs = 8 if shape.get("f32") else 4
+    return n * k + pairs * n * (k // group) + bias + 4 * m * k + 4 * m * output_columns(shape)
+
+
+def make_case(device, shape, rng) -> Case:
+    m, n, k = shape["m"], shape["n"], shape["k"]
+    epilogue = shape.get("epilogue", "none")
+    q8 = random_weight(shape, rng)
+    bias = (0.1 * rng.standard_normal(n)).astype(np.float32) if epilogue == "bias" else None
+    weight = Q8DeviceWeight.upload(device, q8, bias, shape.get("block_bytes"), what=f"gemm_q8 test {n}x{k}")
+    x_host = rng.standard_normal((m, k)).astype(np.float32)
+    x = device.upload(x_host)
+    y = device.poisoned((m, output_columns(shape)), np.float32)
+    w = q8.dequantize()
+    if epilogue == "silu_mul":
+        expected = reference.swiglu(reference.gemm(x_host, w[: n // 2]), reference.gemm(x_host, w[n // 2:]))
+    else:
+        expected = reference.gemm(x_host, w, bias)
+    wrapper = cached_per_params(lambda params: GemmQ8(device, params, shape))
+
+    def launch(params):
+        return [wrapper(params)(weight, x, y, m, epilogue)]
+
+    def run(params):
+        y.fill(np.float32(np.nan))
+        for event in launch(params):
+            event.wait()
+        return {"y": y.get()}
+
+    return Case(expected={"y": expected}, run=run, launch=launch)
+
+
+SPEC = Spec(
+    params=gemm_q8.PARAMS,
+    make_case=make_case,
+    tolerance=1e-4,
+    tolerance_why=(
+        "fp32 accumulation of K ≤ 4160 products of dequantized weights (s·q + m, one rounding) and x against "
+        "float64 on the same codes and pairs: rounding grows like sqrt(K)·2⁻²⁴ of Σ|x·w|, and max|Y| of random "
+        "inputs is about sqrt(K) times smaller than Σ|x·w|, so the relative error is a few 1e-6; 1e-4 leaves "
+        "margin and still catches one wrong weight group (≥ 1e-3) or a dropped block (≥ 1e-1)"),
+    # Off every tile grid: M = 33 runs passes of MT then a single row; 60, 100 and 37 columns are no
+    # multiple of ROWS·WGS. The first shape (gate-up, G = 16, float32 pairs, gate and up rows crossing
+    # block boundaries at different columns) exercises the most code: tests sweep it.
+    test_shapes=(
+        {"m": 33, "n": 2 * 60, "k": 352, "group": 16, "f32": True, "epilogue": "silu_mul", "block_bytes": 50 * 352},
+        {"m": 7, "n": 100, "k": 384, "group": 32, "f32": False, "epilogue": "bias"},
+        {"m": 5, "n": 37, "k": 576, "group": 32, "f32": False, "epilogue": "none", "block_bytes": 10 * 576},
+    ),
+    bytes_moved=bytes_moved,
+    flops=lambda shape: 2 * shape["m"] * shape["n"] * shape["k"],
+)

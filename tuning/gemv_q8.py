@@ -1,0 +1,103 @@
+"""Tuning spec of gemv_q8: the decode-path int8 GEMV (plain, fused QKV with bias, gate-up SiLU·mul, lm_head).
+
+A shape is a dict: ``n`` rows of W (for ``silu_mul``: 2·I, gate rows then up rows), ``k``, ``group``
+(16 or 32), ``f32`` (float32 (s, m) pairs, as Q5_K and Q6_K need), ``epilogue`` ("none" | "silu_mul"),
+``bias`` (bool), optionally ``parts`` (row counts of matrices fused along N, e.g. QKV), ``block_bytes``
+(the most code bytes per row block, to force the split a large vocabulary needs on a phone) and
+``copies`` (weights to rotate between, for timing).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from perfx import reference
+from perfx.formats import Q8Matrix
+from perfx.ops.gemv_q8 import PARAMS, GemvQ8
+from perfx.ops.q8_weight import Q8DeviceWeight
+from perfx.tuning.spec import Case, Spec, cached_per_params
+
+
+def _outputs(shape) -> int:
+    return shape["n"] // 2 if shape.get("epilogue", "none") == "silu_mul" else shape["n"]
+
+
+def bytes_moved(shape) -> int:
+    n, k, g = shape["n"], shape["k"], shape["group"]
+    pairs = 8 if shape.get("f32") else 4
+    return n * k + pairs * n * (k // g) + 4 * k + 4 * _outputs(shape) + (4 * n if shape.get("bias") else 0)
+
+
+def random_weight(shape, rng, n: int | None = None) -> Q8Matrix:
+    """A random int8 matrix of the shape's group and pair precision (fused parts concatenated)."""
+    parts = shape.get("parts") or (n or shape["n"],)
+    return Q8Matrix.concat([Q8Matrix.random(p, shape["k"], shape["group"], rng, f32=bool(shape.get("f32")))
+                            for p in parts])
+
+
+def make_case(device, shape, rng) -> Case:
+    n, k = shape["n"], shape["k"]
+    epilogue = shape.get("epilogue", "none")
+    assert sum(shape.get("parts") or (n,)) == n, f"parts {shape.get('parts')} do not add up to n = {n}"
+    copies = []
+    for _ in range(max(1, shape.get("copies", 1))):
+        q8 = random_weight(shape, rng)
+        bias = rng.standard_normal(n).astype(np.float32) * 0.1 if shape.get("bias") else None
+        copies.append((q8, bias, Q8DeviceWeight.upload(device, q8, bias, shape.get("block_bytes"))))
+    x = device.upload(rng.standard_normal(k).astype(np.float32))
+    m = _outputs(shape)
+    y = device.poisoned(m, np.float32)
+
+    q8, bias, _ = copies[0]
+    # Row blocks, so the float64 reference of a large lm_head stays at ~64 MB at a time.
+    full = np.concatenate([reference.gemv(q8.rows(i, min(i + 2048, n)).dequantize(), x.get())
+                           for i in range(0, n, 2048)])
+    full = full if bias is None else full + bias
+    expected = reference.swiglu(full[:m], full[m:]) if epilogue == "silu_mul" else full
+
+    wrapper = cached_per_params(lambda params: GemvQ8(device, params, shape))
+    state = {"i": 0}
+
+    def launch(params):
+        return wrapper(params).events(copies[state["i"]][2], x, y, epilogue)
+
+    def run(params):
+        state["i"] = 0
+        y.fill(np.float32(np.nan))
+        for event in launch(params):
+            event.wait()
+        return {"y": y.get()}
+
+    def rotate():
+        state["i"] = (state["i"] + 1) % len(copies)
+
+    return Case(expected={"y": expected}, run=run, launch=launch, rotate=rotate)
+
+
+SPEC = Spec(
+    params=PARAMS,
+    make_case=make_case,
+    tolerance=1e-4,
+    tolerance_why=(
+        "fp32 accumulation against a float64 reference on the same codes, scales and offsets: s·q·x per "
+        "weight summed in groups of G ≤ 32, then K/G group terms s·Σqx + m·Σx per lane and a tree over the "
+        "lanes; the rounding is a few 1e-6 of Σ|w·x|, which is ~10–30× max|y| for random signs, so 1e-4 of "
+        "max|y| leaves margin (≤ 5e-7 measured on PoCL), while one code off by one (|Δw| = s ≈ 1.6e-4 "
+        "times |x| ~ 3, against max|y| ~ 0.5) or a missing group or block is far above it"),
+    # Four build variants (G, pair precision and epilogue are defines), each swept over every candidate by
+    # the tests: a large off-grid matrix; a fused QKV with bias and float32 pairs at G = 16; a small
+    # matrix over 4 row blocks; a gate-up whose gate and up rows cross block boundaries at different rows.
+    test_shapes=(
+        {"n": 1000, "k": 4160, "group": 32, "f32": False, "epilogue": "none", "bias": False},
+        {"n": 960, "k": 576, "group": 16, "f32": True, "epilogue": "none", "bias": True, "parts": (576, 192, 192)},
+        {"n": 37, "k": 576, "group": 32, "f32": False, "epilogue": "none", "bias": True, "block_bytes": 10 * 576},
+        {"n": 2 * 203, "k": 640, "group": 16, "f32": True, "epilogue": "silu_mul", "bias": False,
+         "block_bytes": 150 * 640},
+    ),
+    bytes_moved=bytes_moved,
+    flops=lambda shape: 2 * shape["n"] * shape["k"],
+    describe=lambda s: (f"{s['n']}x{s['k']} G={s['group']}{' f32' if s.get('f32') else ''}"
+                        + (" +bias" if s.get("bias") else "")
+                        + (f" {s['epilogue']}" if s.get("epilogue", "none") != "none" else "")
+                        + (" blocks" if s.get("block_bytes") else "")),
+)

@@ -3,10 +3,10 @@
 Per round each engine prefills a 130-token random prompt and decodes 64 greedy tokens (llama.cpp: 2
 threads), engines in turn; median and min–max over the rounds (the method of peer_llamacpp.py). An engine is
 a device selector, optionally with ``@DIR``: the PERFX_CACHE (tuning database) its model is loaded with, so
-two databases on one device compare in the same run.
+two databases on one device compare in the same run, and ``#fp16`` or ``#q8``: the lm_head's form.
 
     python benchmarks/e2e_peer.py intel,pocl 5
-    python benchmarks/e2e_peer.py intel@/tmp/cache_a,intel@/tmp/cache_b 7 [--json out.json]
+    python benchmarks/e2e_peer.py intel@/tmp/cache_a,intel@/tmp/cache_b#fp16 7 [--json=out.json]
 
 llama-cpp-python is a benchmark tool here, never a perfx dependency.
 """
@@ -51,12 +51,14 @@ def main():
                 verbose=False)
     engines = {}
     for sel in devices:
+        sel, _, head = sel.partition("#")
         sel, _, cache = sel.partition("@")
         if cache:
             os.environ["PERFX_CACHE"] = cache
         d = Device(sel)
-        model, _ = load_model("default", d, progress=False, default_ctx=512)
-        engines[f"perfx {d.caps.platform} {cache}"] = lambda model=model: measure_e2e(model, PROMPT, DECODE)
+        model, _ = load_model("default", d, progress=False, default_ctx=512, lm_head=head or "q8")
+        engines[f"perfx {d.caps.platform} {cache} lm_head {head or 'q8'}"] = (
+            lambda model=model: measure_e2e(model, PROMPT, DECODE))
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, llm.n_vocab(), PROMPT)]
     engines["llama.cpp"] = lambda: measure_llama(llm, prompt)
     results = {name: [] for name in engines}

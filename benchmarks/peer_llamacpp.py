@@ -157,8 +157,9 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", default="2", help="llama.cpp threads (default 2), or several counts separated "
                         "by commas, each measured in the same rounds (on a busy machine 1 thread shows what 2 lose)")
     parser.add_argument("--with-perfx", action="store_true", help="measure perfx too, rounds interleaved")
-    parser.add_argument("--device", default=None, help="perfx's OpenCL device as PERFX_DEVICE takes it (pocl, "
-                        "intel, P:D), or several separated by commas (default: perfx's default device)")
+    parser.add_argument("--device", default=None, help="perfx's engines, separated by commas: DEVICE[@CACHE][#HEAD], "
+                        "a device as PERFX_DEVICE takes it (pocl, intel, P:D), the PERFX_CACHE whose tuning database "
+                        "to load with, the lm_head form (q8 or fp16); default: perfx's default device")
     parser.add_argument("--pause", type=float, default=1.0, help="seconds between measurements, so one engine's "
                         "idle worker threads do not run into the other's")
     parser.add_argument("--json", action="store_true")
@@ -170,13 +171,20 @@ def main(argv=None) -> int:
     prompt = prompt_ids(llm.n_vocab())
     engines = {}
     if args.with_perfx:
-        for selector in (args.device.split(",") if args.device else [None]):
-            device = Device(selector)
-            model, _ = load_model(str(path), device, progress=False, default_ctx=512)
+        for engine in (args.device.split(",") if args.device else [""]):
+            # DEVICE[@CACHE][#HEAD]: the device, the PERFX_CACHE whose tuning database the model is loaded
+            # with (two databases on one device compare in one run), and the lm_head's form.
+            selector, _, head = engine.partition("#")
+            selector, _, cache = selector.partition("@")
+            if cache:
+                os.environ["PERFX_CACHE"] = cache
+            device = Device(selector or None)
+            model, _ = load_model(str(path), device, progress=False, default_ctx=512, lm_head=head or "q8")
             if model.config.vocab_size != llm.n_vocab():
                 raise SystemExit(f"perfx and llama.cpp disagree on the vocabulary ({model.config.vocab_size} vs "
                                  f"{llm.n_vocab()})")
-            engines[f"perfx on {device.caps.platform}"] = lambda model=model: measure_perfx(model)
+            label = f"perfx on {device.caps.platform}" + (f" @{cache}" if cache else "") + (f" #{head}" if head else "")
+            engines[label] = lambda model=model: measure_perfx(model)
     for threads, one in llamas.items():
         engines[f"llama.cpp CPU, {threads} thread{'s' if threads > 1 else ''}"] = lambda one=one: measure_llama(one, prompt)
     load_before = os.getloadavg()[0]

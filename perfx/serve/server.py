@@ -15,6 +15,7 @@ import json
 import queue
 import select
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -58,13 +59,26 @@ class Server(ThreadingHTTPServer):
         self.created = int(time.time())
         self.numbers = itertools.count(1)
         self.in_flight = 0                       # requests between parsing and their last byte
+        self.stopping = False
         self.idle = threading.Condition()
+
+    def handle_error(self, request, client_address):
+        """An exception that escaped a connection's thread: one line, never a traceback on the console (a
+        connection that breaks while the server stops, or a client gone mid-request, is no news at all)."""
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionError, TimeoutError)) or (isinstance(error, OSError) and self.stopping):
+            return
+        self.options.log(f"perfx serve: a connection from {client_address[0]} failed: "
+                         f"{type(error).__name__}: {error}")
+        if self.options.verbose:
+            self.options.log(traceback.format_exc().rstrip())
 
     def stop(self):
         """Stop accepting, answer or stop every request, and wait (bounded) until their answers are written.
 
         serve_forever must be running in another thread.
         """
+        self.stopping = True
         self.shutdown()
         self.engine.close()
         with self.idle:

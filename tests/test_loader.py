@@ -206,7 +206,8 @@ def test_gguf_unpermute_round_trip_and_rope_equivalence(rng):
 
 def test_gguf_and_hf_fp16_forward_agree(gqa3, gqa3_gguf, tmp_path):
     # the same weights written both ways: only the fp16 rounding of dequantized Q4 weights differs
-    hf = open_model(write_hf(tmp_path / "hf", gqa3, gqa3_gguf.weights, shards=2))
+    # (lm_head fp16: the GGUF's Q8_0 tables are held as written; int8 on load would quantize them again)
+    hf = open_model(write_hf(tmp_path / "hf", gqa3, gqa3_gguf.weights, shards=2), lm_head="fp16")
     gg = open_model(gqa3_gguf.path)
     assert hf.config == gg.config
     prompt = "kato rimu senla"
@@ -258,17 +259,18 @@ def test_hf_checkpoint_loads_as_fp16(gqa3, dtype, tmp_path):
             w = getattr(layer, field)
             assert w.dtype == np.float16
             np.testing.assert_array_equal(w, fused(stored, i, field).astype(np.float16))
-    np.testing.assert_array_equal(source.embedding(), stored["model.embed_tokens.weight"].astype(np.float16))
     np.testing.assert_array_equal(source.final_norm(), stored["model.norm.weight"].astype(np.float32))
-    assert source.describe()["quantization"] == dtype.lower() + ", lm_head int8 on load"
+    assert source.describe()["quantization"] == dtype.lower() + ", lm_head and embedding int8 on load"
     assert source.generation_config["eos_token_id"] == 2
-    # the fp16 lm_head: int8 on load by default (the untied embedding, read one row a token, stays fp16)
-    head16 = stored["lm_head.weight"].astype(np.float16)
-    np.testing.assert_array_equal(source.lm_head().codes, Q8Matrix.quantize(head16).codes)
-    # half a step, s/2 = (group range)/510 ≤ 2·max|w|/510: under 4e-3 of max|w|
-    assert rel(source.lm_head().dequantize(), head16.astype(np.float64)) < 4e-3
+    # the fp16 lm_head and the untied embedding: int8 on load by default (device memory on a phone)
+    for table, name in ((source.lm_head(), "lm_head.weight"), (source.embedding(), "model.embed_tokens.weight")):
+        w16 = stored[name].astype(np.float16)
+        np.testing.assert_array_equal(table.codes, Q8Matrix.quantize(w16).codes)
+        # half a step, s/2 = (group range)/510 ≤ 2·max|w|/510: under 4e-3 of max|w|
+        assert rel(table.dequantize(), w16.astype(np.float64)) < 4e-3
     kept = open_model(tmp_path / "hf", lm_head="fp16")
-    np.testing.assert_array_equal(kept.lm_head(), head16)
+    np.testing.assert_array_equal(kept.lm_head(), stored["lm_head.weight"].astype(np.float16))
+    np.testing.assert_array_equal(kept.embedding(), stored["model.embed_tokens.weight"].astype(np.float16))
     assert kept.describe()["quantization"] == dtype.lower()
     assert source.weight_forms() == actual_forms(source)
     with pytest.raises(PerfxError, match=r"lm_head='q4' is not supported; choose one of \('q8', 'fp16'\)"):
@@ -313,7 +315,7 @@ def test_awq_codes_and_scales_exact(gqa3, version, tmp_path):
                                       .astype(np.float16))
     assert isinstance(source.lm_head(), Q8Matrix)   # AutoAWQ leaves the lm_head fp16: int8 on load
     assert open_model(directory, lm_head="fp16").lm_head().dtype == np.float16
-    assert source.describe()["quantization"] == f"awq-{version} int4, group 64, lm_head int8 on load"
+    assert source.describe()["quantization"] == f"awq-{version} int4, group 64, lm_head and embedding int8 on load"
     assert source.weight_forms() == actual_forms(source)
     assert source.tokenizer is not None
 

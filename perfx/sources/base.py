@@ -22,9 +22,10 @@ from perfx.formats import Q8_QUANTIZE_GROUP, Q4Matrix, Q8Matrix
 
 Linear = Union[Q4Matrix, Q8Matrix, np.ndarray]  # a weight W (N, K): the int4 or int8 device form, or fp16
 QUANTIZE_CHOICES = (None, "q4")
-# The lm_head (and a tied embedding): "q8" keeps a quantized file's own form (Q8_0, Q6_K, ... in the int8
-# form, Q4 in the int4 form) and quantizes an fp16 head to int8; "fp16" holds an 8-bit head as fp16 (a 4-bit
-# one stays 4-bit) and keeps fp16 heads as they are.
+# The lm_head and the token embedding: "q8" keeps a quantized file's own form (Q8_0, Q6_K, ... in the int8
+# form, Q4 in the int4 form) and quantizes an fp16 table to int8; "fp16" holds an 8-bit table as fp16 (a
+# 4-bit one stays 4-bit) and keeps fp16 tables as they are. An untied embedding follows the head's rule
+# too: a decode step reads one row of it, but on a phone its 262 MB (Llama-2-7B, fp16) are device memory.
 LM_HEAD_CHOICES = ("q8", "fp16")
 LINEAR_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
 FUSED_LINEARS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
@@ -160,9 +161,8 @@ class ModelSource(ABC):
         return self._vector("final_norm", None)
 
     def embedding(self) -> Linear:
-        """The token embedding (V, hidden); when tied it is the lm_head too, in the head's form."""
-        w = self._embedding()
-        return self._as_head(w) if self.config.tie_embeddings else w
+        """The token embedding (V, hidden), in the head's form (``lm_head``); when tied it is the lm_head too."""
+        return self._as_head(self._embedding())
 
     def lm_head(self) -> Linear | None:
         """The output projection (V, hidden) in the head's form (``lm_head``), None when tied to the embedding."""
@@ -203,11 +203,10 @@ class ModelSource(ABC):
                     return None
                 k = self.expected_shape(names[0])[1]
                 forms[label].add(self._quantized_form(fused_form(parts), k))
-        embedding = self._table_form("embedding")
+        embedding = self._head_form(self._table_form("embedding"))
         if embedding is None:
             return None
         if c.tie_embeddings:
-            embedding = self._head_form(embedding)
             forms["embedding"] = forms["lm_head"] = {embedding}
         else:
             head = self._head_form(self._table_form("lm_head"))

@@ -181,7 +181,7 @@ class HFSource(ModelSource):
         if self.quantize:
             quantization += f", quantized to {self.quantize} on load"
         if self.lm_head_form == "q8":
-            quantization += ", lm_head int8 on load" if self.config.hidden_size % 32 == 0 else ""
+            quantization += ", lm_head and embedding int8 on load" if self.config.hidden_size % 32 == 0 else ""
         return {"format": "safetensors", "path": str(self.directory), "files": [p.name for p in files],
                 "file_size": sum(p.stat().st_size for p in files), "quantization": quantization,
                 "architecture": self.config.architecture, "notes": list(self.notes)}

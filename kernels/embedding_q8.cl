@@ -12,20 +12,8 @@
 #ifndef WGS
 #define WGS 64  // work-items per work-group, 8 weights each
 #endif
-#ifndef GROUP
-#define GROUP 32  // quantization group along K, 16 or 32 (set from the weight, not tuned)
-#endif
-#ifndef SM_F32
-#define SM_F32 0  // (s, m) pairs: 0 half2, 1 float2 (set from the weight, not tuned)
-#endif
 
-#if SM_F32
-#define PAIRS_T __global const float* restrict
-#define LOAD_PAIR(p, i) vload2((i), (p))
-#else
-#define PAIRS_T __global const half* restrict
-#define LOAD_PAIR(p, i) vload_half2((i), (p))
-#endif
+#include "q8.h"
 
 __kernel __attribute__((reqd_work_group_size(WGS, 1, 1)))
 void embedding_q8(const int k, const int n_total, const int row_start, const int row_stop,

@@ -29,17 +29,10 @@
 #ifndef MT
 #define MT 4  // rows of X per pass, ROWS·MT float8 accumulators in registers (a power of two)
 #endif
-#ifndef GROUP
-#define GROUP 32  // quantization group along K, 16 or 32 (set from the weight, not tuned)
-#endif
-#ifndef SM_F32
-#define SM_F32 0  // (s, m) pairs: 0 half2, 1 float2 (set from the weight, not tuned)
-#endif
 #ifndef EPILOGUE
 #define EPILOGUE 0  // 0: none; 1: + bias[column]; 2: SiLU(gate)·up
 #endif
 
-#define CHUNKS_PER_GROUP (GROUP / 8)
 
 #if EPILOGUE == 2
 #define WROWS (2 * ROWS)  // gate rows 0..ROWS−1, up rows ROWS..2·ROWS−1
@@ -47,18 +40,11 @@
 #define WROWS ROWS
 #endif
 
-#if SM_F32
-#define PAIRS_T __global const float* restrict
-#define LOAD_PAIR(p, i) vload2((i), (p))
-#else
-#define PAIRS_T __global const half* restrict
-#define LOAD_PAIR(p, i) vload_half2((i), (p))
-#endif
+#include "q8.h"
 
 // The 8 weights of codes 8c..8c+7 of a row, s·q + m, in x order. Plain * and + rather than mad():
 // PoCL calls mad(float8) out of line and spills the accumulators around each call.
-// The codes through a char8 pointer (vload8 is out of line on PoCL): chunks of 8 are 8-byte aligned.
-#define DEQUANT8(p, c, sm) (convert_float8(((const __global char8*)(p))[c]) * (sm).x + (sm).y)
+#define DEQUANT8(p, c, sm) (CODES8(p, c) * (sm).x + (sm).y)
 // X rows start at multiples of K floats, K a multiple of 16: every 8-float chunk is float8-aligned.
 #define LOAD_X8(p, i) (((const __global float8*)(p))[i])
 #define SUM8(v) ((((v).s0 + (v).s4) + ((v).s2 + (v).s6)) + (((v).s1 + (v).s5) + ((v).s3 + (v).s7)))

@@ -22,17 +22,10 @@
 #ifndef ROWS
 #define ROWS 4       // outputs per work-item: each x chunk is loaded once and applied to ROWS rows
 #endif
-#ifndef GROUP
-#define GROUP 32     // quantization group along K, 16 or 32 (set from the weight, not tuned)
-#endif
-#ifndef SM_F32
-#define SM_F32 0     // (s, m) pairs: 0 half2, 1 float2 (set from the weight, not tuned)
-#endif
 #ifndef EPILOGUE
 #define EPILOGUE 0   // 0: plain (+bias), 1: SiLU(gate)·up over paired rows (set by the wrapper)
 #endif
 
-#define CHUNKS_PER_GROUP (GROUP / 8)
 
 #if EPILOGUE == 1
 #define WROWS (2 * ROWS)   // gate rows 0..ROWS−1, up rows ROWS..2·ROWS−1
@@ -40,18 +33,9 @@
 #define WROWS ROWS
 #endif
 
-#if SM_F32
-#define PAIRS_T __global const float* restrict
-#define LOAD_PAIR(p, i) vload2((i), (p))
-#else
-#define PAIRS_T __global const half* restrict
-#define LOAD_PAIR(p, i) vload_half2((i), (p))
-#endif
+#include "q8.h"
 
-// 8 codes as floats, in x order (8 wide: PoCL 3.0's LLVM 14 fails to select 16-wide convert code on AVX2).
-// Loaded through a char8 pointer rather than vload8, which PoCL calls out of line: rows start at multiples
-// of K bytes and K is a multiple of 16, so every chunk of 8 codes is 8-byte aligned; likewise x by float8.
-#define CODES8(p, c) convert_float8(((const __global char8*)(p))[c])
+// x through a float8 pointer too: rows of K floats, K a multiple of 16, so every chunk is float8-aligned.
 #define LOAD_X8(p, c) (((const __global float8*)(p))[c])
 #define SUM8(v) ((((v).s0 + (v).s4) + ((v).s2 + (v).s6)) + (((v).s1 + (v).s5) + ((v).s3 + (v).s7)))
 

@@ -1,9 +1,11 @@
 """The tuning database: fallback order, stale entries, corrupt files, atomic writes, export/import."""
 
 import dataclasses
+import importlib.util
 import json
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -272,3 +274,38 @@ def test_merge_of_results_only_votes_and_needs_enough_devices(device, toy, tmp_p
     db.import_file(path)
     choice = db.lookup(FakeDevice(device, name="D"), spec, SHAPE)
     assert (choice.source, choice.params["WGS"]) == ("vendor", 16)
+
+
+def test_hold_or_drop_keeps_only_entries_that_beat_the_defaults(tmp_path, capsys):
+    """benchmarks/hold_or_drop.py: the maintainer's step that curates a shipped file by a --vs-defaults bench."""
+    path = Path(__file__).parent.parent / "benchmarks" / "hold_or_drop.py"
+    module_spec = importlib.util.spec_from_file_location("hold_or_drop", path)
+    hold_or_drop = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(hold_or_drop)
+
+    defaults = SPECS["gemv_q4"].defaults()
+    tuned = {**defaults, "ROWS": 2, "LANES": 1}
+    shape = lambda n: {"n": n, "k": 576, "group": 32}  # noqa: E731
+    header = {"perfx_tuning": FORMAT, "match": {"vendor": "pocl"}}
+    old = dict(header, comment="old", records=[
+        {"family": "gemv_q4", "shape": shape(1), "params": {"ROWS": 8}},   # replaced by the new file
+        {"family": "gemv_q4", "shape": shape(5), "params": tuned}])        # never benched
+    new = dict(header, records=[
+        {"family": "gemv_q4", "shape": shape(1), "params": tuned},         # faster: kept
+        {"family": "gemv_q4", "shape": shape(2), "params": tuned},         # slower on the median: dropped
+        {"family": "gemv_q4", "shape": shape(3), "params": tuned},         # slower beyond the noise: dropped
+        {"family": "gemv_q4", "shape": shape(4), "params": defaults}])     # the defaults: kept
+    bench = {"kernels": [
+        {"family": "gemv_q4", "shape": shape(1), "params": tuned, "gain": 1.3, "gain_interval": [0.98, 1.6]},
+        {"family": "gemv_q4", "shape": shape(2), "params": tuned, "gain": 0.97, "gain_interval": [0.9, 1.05]},
+        {"family": "gemv_q4", "shape": shape(3), "params": tuned, "gain": 0.8, "gain_interval": [0.7, 0.9]}]}
+    for name, data in (("old.json", old), ("new.json", new), ("bench.json", bench)):
+        (tmp_path / name).write_text(json.dumps(data))
+    out = tmp_path / "kept.json"
+    assert hold_or_drop.main([str(tmp_path / "old.json"), str(tmp_path / "new.json"),
+                              "--bench", str(tmp_path / "bench.json"), "--out", str(out), "--comment", "re-measured"]) == 0
+    kept = json.loads(out.read_text())
+    assert kept["comment"] == "re-measured" and kept["match"] == {"vendor": "pocl"}
+    assert [(r["shape"]["n"], r["params"]) for r in kept["records"]] == [(1, tuned), (4, defaults)]
+    printed = capsys.readouterr().out
+    assert "not measured" in printed and "beyond the noise" in printed and "on the median" in printed

@@ -1,0 +1,92 @@
+"""Keep the tuned entries that hold up against the defaults, drop those that do not.
+
+A maintainer's step before shipping a results file (ours, or one a user sent from a phone): combine the
+results files (a later file's record replaces an earlier one for the same kernel and shape), then judge every
+record by a `perfx bench --vs-defaults --json` run on that device, where each kernel ran with its entry and
+with the built-in defaults interleaved in shuffled rounds:
+
+- kept: the entry was faster on the median of the rounds (gain ≥ 1; an interval that holds 1.0 is kept,
+  as the tuner's own confirmation already demanded a significant win over the incumbent);
+- dropped: slower than the defaults on the median, or slower beyond the noise (the whole interval below 1);
+- dropped: not measured by any bench run given (its shape was not benched, or another entry was in force).
+  A record whose parameters are the defaults is kept without a ratio (there is nothing to compare).
+
+    PERFX_CACHE=/tmp/t perfx bench --vs-defaults --rounds 7 --json > bench.json
+    PERFX_CACHE=/tmp/t perfx tune --export new.json
+    python benchmarks/hold_or_drop.py tuning/database/old.json new.json --bench bench.json --out tuning/database/old.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from perfx.resources import write_atomic
+from perfx.tuning import SPECS
+from perfx.tuning.database import params_key, results_json, shape_key
+
+
+def record_key(record: dict) -> tuple:
+    return record["family"], shape_key(record.get("shape"))
+
+
+def verdict(record: dict, row: dict | None) -> tuple[bool, str]:
+    """Whether ``record`` holds, and why, given the bench row measured at its shape (None: not benched)."""
+    spec = SPECS.get(record["family"])
+    if spec is None:
+        return False, "no such kernel family"
+    params = {**spec.defaults(), **record["params"]}
+    if params_key(params) == params_key(spec.defaults()):
+        return True, "the defaults"
+    if row is None or "gain" not in row:
+        return False, "not measured"
+    if params_key({**spec.defaults(), **row["params"]}) != params_key(params):
+        return False, "another entry was in force"
+    gain, (low, high) = row["gain"], row["gain_interval"]
+    text = f"{gain:.2f}x [{low:.2f}, {high:.2f}]"
+    if high < 1:
+        return False, f"slower than the defaults beyond the noise: {text}"
+    if gain < 1:
+        return False, f"slower than the defaults on the median: {text}"
+    return True, text
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", nargs="+", type=Path, help="results files; later ones replace earlier records")
+    parser.add_argument("--bench", nargs="+", type=Path, required=True,
+                        help="`perfx bench --vs-defaults --json` outputs from the same device")
+    parser.add_argument("--out", type=Path, required=True, help="where to write the kept records")
+    parser.add_argument("--comment", help="replace the file's comment (how it was measured)")
+    args = parser.parse_args(argv)
+
+    data = json.loads(args.results[0].read_text())
+    records = {}
+    for path in args.results:
+        for record in json.loads(path.read_text())["records"]:
+            records[record_key(record)] = record
+    rows = {}
+    for path in args.bench:
+        for row in json.loads(path.read_text())["kernels"]:
+            rows[(row["family"], shape_key(row["shape"]))] = row
+
+    kept = []
+    for key, record in records.items():
+        holds, why = verdict(record, rows.get(key))
+        params = " ".join(f"{k}={v}" for k, v in record["params"].items())
+        print(f"{'keep' if holds else 'drop'}  {record['family']:<18} {shape_key(record.get('shape')):<40} "
+              f"{params:<40} {why}")
+        if holds:
+            kept.append(record)
+    data["records"] = kept
+    if args.comment:
+        data["comment"] = args.comment
+    write_atomic(args.out, results_json(data))
+    print(f"{len(kept)} of {len(records)} records kept -> {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,6 +11,8 @@ with the built-in defaults interleaved in shuffled rounds:
 - dropped: not measured by any bench run given (its shape was not benched, or another entry was in force).
   A record whose parameters are the defaults is kept without a ratio (there is nothing to compare).
 
+A kept record carries the bench's gain, interval and rounds (the latest measurement against the defaults).
+
     PERFX_CACHE=/tmp/t perfx bench --vs-defaults --rounds 7 --json > bench.json
     PERFX_CACHE=/tmp/t perfx tune --export new.json
     python benchmarks/hold_or_drop.py tuning/database/old.json new.json --bench bench.json --out tuning/database/old.json
@@ -79,6 +81,10 @@ def main(argv=None) -> int:
         print(f"{'keep' if holds else 'drop'}  {record['family']:<18} {shape_key(record.get('shape')):<40} "
               f"{params:<40} {why}")
         if holds:
+            row = rows.get(key)
+            if row is not None and "gain" in row and why != "the defaults":  # the re-measurement's figures
+                record = {**record, "gain": round(row["gain"], 4),
+                          "gain_interval": [round(x, 4) for x in row["gain_interval"]], "rounds": row["rounds"]}
             kept.append(record)
     data["records"] = kept
     if args.comment:

@@ -296,7 +296,8 @@ def test_hold_or_drop_keeps_only_entries_that_beat_the_defaults(tmp_path, capsys
         {"family": "gemv_q4", "shape": shape(3), "params": tuned},         # slower beyond the noise: dropped
         {"family": "gemv_q4", "shape": shape(4), "params": defaults}])     # the defaults: kept
     bench = {"kernels": [
-        {"family": "gemv_q4", "shape": shape(1), "params": tuned, "gain": 1.3, "gain_interval": [0.98, 1.6]},
+        {"family": "gemv_q4", "shape": shape(1), "params": tuned, "gain": 1.3, "gain_interval": [0.98, 1.6],
+         "rounds": 7},
         {"family": "gemv_q4", "shape": shape(2), "params": tuned, "gain": 0.97, "gain_interval": [0.9, 1.05]},
         {"family": "gemv_q4", "shape": shape(3), "params": tuned, "gain": 0.8, "gain_interval": [0.7, 0.9]}]}
     for name, data in (("old.json", old), ("new.json", new), ("bench.json", bench)):
@@ -307,5 +308,7 @@ def test_hold_or_drop_keeps_only_entries_that_beat_the_defaults(tmp_path, capsys
     kept = json.loads(out.read_text())
     assert kept["comment"] == "re-measured" and kept["match"] == {"vendor": "pocl"}
     assert [(r["shape"]["n"], r["params"]) for r in kept["records"]] == [(1, tuned), (4, defaults)]
+    assert (kept["records"][0]["gain"], kept["records"][0]["gain_interval"], kept["records"][0]["rounds"]) == (
+        1.3, [0.98, 1.6], 7)
     printed = capsys.readouterr().out
     assert "not measured" in printed and "beyond the noise" in printed and "on the median" in printed

@@ -210,6 +210,19 @@ def test_bench_vs_defaults_interleaves_and_reports_the_gain_with_its_interval(ca
     assert "--rounds must be at least 4" in capsys.readouterr().err
 
 
+def test_bench_marks_a_family_this_device_cannot_run_and_goes_on(capsys):
+    """PoCL has no fp16: the fp16 GEMM has no parameter set there. bench (and report) say so, exit 0."""
+    code = cli.main(["bench", "--device", "pocl", "--model", "synthetic:tiny", "--kernels", "gemm_q4_f16,rmsnorm",
+                     "--max-m", "1", "--json"])
+    rows = json.loads(capsys.readouterr().out)["kernels"]
+    assert code == 0 and {r["family"] for r in rows} == {"gemm_q4_f16", "rmsnorm"}
+    assert all("no parameter set fits" in r["unsupported"] for r in rows if r["family"] == "gemm_q4_f16")
+    assert all(r["verified"] for r in rows if r["family"] == "rmsnorm")
+    assert cli.main(["bench", "--device", "pocl", "--model", "synthetic:tiny", "--kernels", "gemm_q4_f16",
+                     "--max-m", "1"]) == 0
+    assert "not on this device" in capsys.readouterr().out
+
+
 def test_tuning_off_runs_every_kernel_at_its_defaults(tmp_path, monkeypatch):
     """PERFX_TUNING=off and --no-tuning (load_model(tuning=False)) ignore every database, shipped ones too."""
     monkeypatch.setenv("PERFX_CACHE", str(tmp_path))

@@ -164,9 +164,12 @@ void gemv_q4(const int n_out, const int k, const int out_base, const int half_ro
     }
 
 #if LAYOUT == 1 && XS == 1 && I8
-    // x once per work-group, quantized per block of 32 (one texel's worth, llama.cpp's Q8_0): q_x =
+    // x once per work-group, quantized per block of 32 (one texel's worth, llama.cpp's Q8_1): q_x =
     // round(x·127/max|x|), stored as the texel's codes pair with it (byte j of word c holds codes 8c + 2j and
-    // 8c + 2j + 1 in its low and high nibble: even and odd codes), with the block's scale and exact Σ x.
+    // 8c + 2j + 1 in its low and high nibble: even and odd codes), with the block's scale and the sum of the
+    // quantized x (Q8_1's s). The offset term m·Σx then errs with the same x_q as the products: the error is
+    // Σ (s·q + m)(x_q − x), of a centred weight (m ≈ −8s), where the exact Σx would leave s·q·(x_q − x) of
+    // an uncentred one, about twice as large.
     __local float* x_scale = (__local float*)(x_local + 2 * q4_texels);
     __local float* x_sum = x_scale + q4_texels;
     for (int b = get_local_id(1) * WGN + get_local_id(0); b < q4_texels; b += WGN * LANES) {
@@ -176,17 +179,14 @@ void gemv_q4(const int n_out, const int k, const int out_base, const int half_ro
         const float4 m4 = fmax(m8.lo, m8.hi);
         const float amax = fmax(fmax(m4.s0, m4.s1), fmax(m4.s2, m4.s3));
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        const float8 sum8 = (v0 + v1) + (v2 + v3);
+        const float8 r0 = rint(v0 * inv), r1 = rint(v1 * inv), r2 = rint(v2 * inv), r3 = rint(v3 * inv);
+        const float8 sum8 = (r0 + r1) + (r2 + r3);
         x_scale[b] = amax / 127.0f;
-        x_sum[b] = SUM8(sum8);
-        x_local[2 * b] = (uint4)(as_uint(convert_char4_sat_rte(v0.even * inv)),
-                                 as_uint(convert_char4_sat_rte(v1.even * inv)),
-                                 as_uint(convert_char4_sat_rte(v2.even * inv)),
-                                 as_uint(convert_char4_sat_rte(v3.even * inv)));
-        x_local[2 * b + 1] = (uint4)(as_uint(convert_char4_sat_rte(v0.odd * inv)),
-                                     as_uint(convert_char4_sat_rte(v1.odd * inv)),
-                                     as_uint(convert_char4_sat_rte(v2.odd * inv)),
-                                     as_uint(convert_char4_sat_rte(v3.odd * inv)));
+        x_sum[b] = SUM8(sum8) * (amax / 127.0f);
+        x_local[2 * b] = (uint4)(as_uint(convert_char4_sat(r0.even)), as_uint(convert_char4_sat(r1.even)),
+                                 as_uint(convert_char4_sat(r2.even)), as_uint(convert_char4_sat(r3.even)));
+        x_local[2 * b + 1] = (uint4)(as_uint(convert_char4_sat(r0.odd)), as_uint(convert_char4_sat(r1.odd)),
+                                     as_uint(convert_char4_sat(r2.odd)), as_uint(convert_char4_sat(r3.odd)));
     }
     barrier(CLK_LOCAL_MEM_FENCE);
 #elif LAYOUT == 1 && XS == 1

@@ -62,6 +62,15 @@ def dequantize_q4(codes, scales, offsets, group: int) -> np.ndarray:
     return s * codes + m
 
 
+def quantize_activations_q8(x, block: int = 32) -> np.ndarray:
+    """x as the int8-activation kernels see it (llama.cpp's Q8_0/Q8_1): per block of 32, codes
+    round(x·127/max|x|) (ties to even, as OpenCL's rint) times max|x|/127, returned as float64 values."""
+    blocks = f64(x).reshape(-1, block)
+    amax = np.abs(blocks).max(axis=1, keepdims=True)
+    inv = np.divide(127.0, amax, out=np.zeros_like(amax), where=amax > 0)
+    return (np.rint(blocks * inv) * (amax / 127.0)).reshape(-1)
+
+
 def gemv(w, x, bias=None) -> np.ndarray:
     """y (N) = W (N, K) · x (K) (+ bias)."""
     y = f64(w) @ f64(x)

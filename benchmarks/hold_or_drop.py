@@ -8,7 +8,8 @@ with the built-in defaults interleaved in shuffled rounds:
 - kept: the entry was faster on the median of the rounds (gain ≥ 1; an interval that holds 1.0 is kept,
   as the tuner's own confirmation already demanded a significant win over the incumbent);
 - dropped: slower than the defaults on the median, or slower beyond the noise (the whole interval below 1);
-- dropped: not measured by any bench run given (its shape was not benched, or another entry was in force).
+- dropped: not measured by any bench run given (its shape was not benched, or another entry was in force),
+  or stale (measured on an older kernel source, which the look-up ignores anyway).
   A record whose parameters are the defaults is kept without a ratio (there is nothing to compare).
 
 A kept record carries the bench's gain, interval and rounds (the latest measurement against the defaults).
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from perfx.resources import write_atomic
 from perfx.tuning import SPECS
-from perfx.tuning.database import params_key, results_json, shape_key
+from perfx.tuning.database import params_key, results_json, shape_key, source_hash
 
 
 def record_key(record: dict) -> tuple:
@@ -39,6 +40,8 @@ def verdict(record: dict, row: dict | None) -> tuple[bool, str]:
     spec = SPECS.get(record["family"])
     if spec is None:
         return False, "no such kernel family"
+    if record.get("source_hash") not in (None, source_hash(spec)):
+        return False, "stale: measured on an older kernel source"
     params = {**spec.defaults(), **record["params"]}
     if params_key(params) == params_key(spec.defaults()):
         return True, "the defaults"

@@ -289,7 +289,8 @@ def test_hold_or_drop_keeps_only_entries_that_beat_the_defaults(tmp_path, capsys
     header = {"perfx_tuning": FORMAT, "match": {"vendor": "pocl"}}
     old = dict(header, comment="old", records=[
         {"family": "gemv_q4", "shape": shape(1), "params": {"ROWS": 8}},   # replaced by the new file
-        {"family": "gemv_q4", "shape": shape(5), "params": tuned}])        # never benched
+        {"family": "gemv_q4", "shape": shape(5), "params": tuned},         # never benched
+        {"family": "gemv_q4", "shape": shape(6), "params": tuned, "source_hash": "0ld"}])  # stale
     new = dict(header, records=[
         {"family": "gemv_q4", "shape": shape(1), "params": tuned},         # faster: kept
         {"family": "gemv_q4", "shape": shape(2), "params": tuned},         # slower on the median: dropped
@@ -299,7 +300,8 @@ def test_hold_or_drop_keeps_only_entries_that_beat_the_defaults(tmp_path, capsys
         {"family": "gemv_q4", "shape": shape(1), "params": tuned, "gain": 1.3, "gain_interval": [0.98, 1.6],
          "rounds": 7},
         {"family": "gemv_q4", "shape": shape(2), "params": tuned, "gain": 0.97, "gain_interval": [0.9, 1.05]},
-        {"family": "gemv_q4", "shape": shape(3), "params": tuned, "gain": 0.8, "gain_interval": [0.7, 0.9]}]}
+        {"family": "gemv_q4", "shape": shape(3), "params": tuned, "gain": 0.8, "gain_interval": [0.7, 0.9]},
+        {"family": "gemv_q4", "shape": shape(6), "params": tuned, "gain": 1.5, "gain_interval": [1.4, 1.6]}]}
     for name, data in (("old.json", old), ("new.json", new), ("bench.json", bench)):
         (tmp_path / name).write_text(json.dumps(data))
     out = tmp_path / "kept.json"
@@ -312,3 +314,4 @@ def test_hold_or_drop_keeps_only_entries_that_beat_the_defaults(tmp_path, capsys
         1.3, [0.98, 1.6], 7)
     printed = capsys.readouterr().out
     assert "not measured" in printed and "beyond the noise" in printed and "on the median" in printed
+    assert "stale" in printed

@@ -219,7 +219,8 @@ def test_shipped_files_are_valid_and_adreno_entries_fit_an_adreno_740(device, tm
 
 
 def test_shipped_files_are_compact_results(tmp_path):
-    """Results only (no per-candidate logs), each file at most 150 KB, records written one per line."""
+    """Results only (no per-candidate logs), each file at most 150 KB, records written one per line; a measured
+    record that is not the defaults carries its gain over them (≥ 1) with its interval."""
     for file in Database(tmp_path / "user").files():
         text = file.path.read_text()
         assert len(text.encode()) <= 150_000, file.path.name
@@ -228,6 +229,11 @@ def test_shipped_files_are_compact_results(tmp_path):
             assert set(rec) <= set(dbmod.RECORD_FIELDS), (file.path.name, set(rec) - set(dbmod.RECORD_FIELDS))
             if rec.get("source_hash"):  # measured: time, rate and device are there
                 assert rec["time_s"] > 0 and rec["gb_per_s"] > 0 and rec["device"], (file.path.name, rec)
+                spec = SPECS[rec["family"]]
+                if {**spec.defaults(), **rec["params"]} != spec.defaults():  # and its gain over the defaults
+                    low, high = rec["gain_interval"]
+                    assert low <= rec["gain"] <= high and rec["gain"] >= 1 and rec["rounds"] >= 4, (file.path.name,
+                                                                                                   rec)
 
 
 def _device_results(spec, device, name, time_by_wgs, log=False):

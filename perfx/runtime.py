@@ -43,8 +43,10 @@ if not os.environ.get("PYOPENCL_COMPILER_OUTPUT"):
 
 # pyopencl's binary cache reads os.environ["PYOPENCL_CACHE_FAILURE_FATAL"] without a default when a build
 # fails for another reason than the source (CL_INVALID_BUILD_OPTIONS, say): a KeyError instead of the
-# OpenCL error. With it set (empty: not fatal), the build is retried uncached and the real error surfaces.
+# OpenCL error. With it set (empty: not fatal), the build is retried uncached and the real error surfaces,
+# after a UserWarning with pyopencl's traceback: BuildError carries the same log, so that warning is noise.
 os.environ.setdefault("PYOPENCL_CACHE_FAILURE_FATAL", "")
+warnings.filterwarnings("ignore", message="PyOpenCL compiler caching failed", category=UserWarning)
 
 
 def show_build_logs() -> None:

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -140,3 +143,13 @@ def test_build_options_per_device(monkeypatch):
     assert odd.build_options[-1] == "-cl-no-such-option"
     with pytest.raises(BuildError, match="kernels/copy.cl failed to build"):
         odd.build("copy.cl", {"VWC": 4})
+
+
+def test_a_bad_build_option_is_one_error_with_the_log_and_no_traceback(tmp_path):
+    """As a user sees it (pytest's own warning capture would hide what perfx's filters do): the driver's log in
+    perfx's error, and not pyopencl's cache traceback printed as a warning beside it."""
+    env = dict(os.environ, PERFX_BUILD_OPTIONS="-cl-no-such-option", PERFX_CACHE=str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "perfx", "bench", "--model", "synthetic:tiny", "--kernels", "rmsnorm",
+                          "--max-m", "1"], env=env, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 2 and "failed to build" in out.stderr and "-cl-no-such-option" in out.stderr
+    assert "caching failed" not in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -103,7 +103,7 @@ def test_random_sampling_then_local_refinement_on_a_large_space(device, db):
     toy = Toy()
     space = {"WGS": (16, 32, 64, 128), "MODE": ("good", "wrong", "broken"), "PAD": (0, 1, 2, 3, 4)}
     spec = toy.spec(space=space)
-    tuner = quiet_tuner(device, db, budget_s=60, exhaustive_limit=8, random_samples=4, repeat=3)
+    tuner = quiet_tuner(device, db, budget_s=60, exhaustive_limit=8, random_samples=4, sample_share=0.0, repeat=3)
     result = tuner.tune_problem(spec, SHAPE)
     assert result.complete and result.best.params["MODE"] == "good"
     assert 5 <= len(result.outcomes) < 60
@@ -112,9 +112,21 @@ def test_random_sampling_then_local_refinement_on_a_large_space(device, db):
     assert all(params_key(p) in tried for p in neighbours(space, result.best.params))
 
 
-def test_neighbours_move_one_parameter_one_step():
-    space = {"A": (1, 2, 3), "B": ("x", "y")}
-    assert neighbours(space, {"A": 2, "B": "x"}) == [{"A": 1, "B": "x"}, {"A": 3, "B": "x"}, {"A": 2, "B": "y"}]
+def test_sampling_goes_on_while_its_share_of_the_budget_lasts(device, db):
+    """A budget the user gave is spent sampling (coupled variants are not reached by one-step moves): with
+    time to spare, every candidate of this small toy space is tried, then confirmed."""
+    toy = Toy()
+    space = {"WGS": (16, 32, 64, 128), "MODE": ("good", "wrong", "broken"), "PAD": (0, 1, 2)}
+    spec = toy.spec(space=space)
+    tuner = quiet_tuner(device, db, budget_s=600, exhaustive_limit=8, random_samples=4, repeat=3)
+    result = tuner.tune_problem(spec, SHAPE)
+    assert result.complete and len(result.outcomes) == 4 * 3 * 3 and result.confirmation is not None
+
+
+def test_neighbours_move_one_parameter_to_each_other_value():
+    space = {"A": (1, 2, 3, 4), "B": ("x", "y")}
+    assert neighbours(space, {"A": 2, "B": "x"}) == [{"A": 1, "B": "x"}, {"A": 3, "B": "x"}, {"A": 4, "B": "x"},
+                                                     {"A": 2, "B": "y"}]
 
 
 def test_m_buckets_and_their_representatives():

@@ -7,9 +7,9 @@ fails at launch or is wrong is recorded with the reason. Each outcome goes to th
 as it comes (atomically), so an interrupted sweep resumes without re-timing anything.
 
 Search (after CLBlast's and kernel_tuner's tuners): the defaults first, then every candidate where the
-space is small, else a random sample followed by local refinement (each parameter moved to its
-neighbouring values) around the best, until nothing improves or the problem's share of the budget is
-spent. A candidate whose faster of two first runs is clearly slower than the best so far is cut short;
+space is small, else a random sample (at least RANDOM_SAMPLES, more while half the problem's share of the
+budget lasts) followed by local refinement (each parameter moved to any other value of its list) around
+the best, until nothing improves or the problem's share of the budget is spent. A candidate whose faster of two first runs is clearly slower than the best so far is cut short;
 a cut candidate is never chosen.
 
 Confirmation: a search ranks candidates by one median each, and on a phone (thermal throttling,
@@ -38,7 +38,8 @@ from perfx.timing import bootstrap_ratio, copy_kernel, time_launches
 from perfx.tuning.database import Database, normal, params_key, result_record
 
 EXHAUSTIVE_LIMIT = 48   # spaces up to this many candidates are searched exhaustively
-RANDOM_SAMPLES = 24     # otherwise: this many random candidates before local refinement
+RANDOM_SAMPLES = 24     # otherwise: this many random candidates before local refinement, at least
+SAMPLE_SHARE = 0.5      # ... and more while this share of the problem's budget lasts
 CUT_FACTOR = 2.0        # a first run this many times slower than the best so far is cut short
 CONFIRM_TOP = 3         # search winners confirmed against the incumbent and the defaults
 CONFIRM_ROUNDS = 7      # interleaved rounds of the confirmation
@@ -176,15 +177,17 @@ def _first_line(error: Exception) -> str:
 
 
 def neighbours(space: dict, params: dict) -> list[dict]:
-    """Parameter sets one step away: one parameter moved to an adjacent value of its list."""
+    """Parameter sets one step away: one parameter moved to any other value of its list (adjacent values
+    first). Any value, not only the adjacent ones: many parameters are choices, not sizes (READ 0/1/2:
+    from image1d_buffer to buffer is one step, though image2d between them may not fit the layout)."""
     result = []
     for name, values in space.items():
         values = list(values)
         if params.get(name) not in values:
             continue
         i = values.index(params[name])
-        for j in (i - 1, i + 1):
-            if 0 <= j < len(values):
+        for j in sorted(range(len(values)), key=lambda j: (abs(j - i), j)):
+            if j != i:
                 result.append({**params, name: values[j]})
     return result
 
@@ -226,7 +229,8 @@ class Tuner:
 
     def __init__(self, device, database: Database | None = None, budget_s: float = 600.0, seed: int = 0,
                  progress=None, warmup: int = 2, repeat: int = 10, exhaustive_limit: int = EXHAUSTIVE_LIMIT,
-                 random_samples: int = RANDOM_SAMPLES, confirm_top: int = CONFIRM_TOP,
+                 random_samples: int = RANDOM_SAMPLES, sample_share: float = SAMPLE_SHARE,
+                 confirm_top: int = CONFIRM_TOP,
                  confirm_rounds: int = CONFIRM_ROUNDS, timer=time_launches, reference=None,
                  cool_down_s: float = COOL_DOWN_S, drift_threshold: float = DRIFT_THRESHOLD):
         self.device = device
@@ -234,7 +238,7 @@ class Tuner:
         self.log = self.database.log(device)
         self.budget_s, self.seed, self.progress = budget_s, seed, progress
         self.warmup, self.repeat = warmup, repeat
-        self.exhaustive_limit, self.random_samples = exhaustive_limit, random_samples
+        self.exhaustive_limit, self.random_samples, self.sample_share = exhaustive_limit, random_samples, sample_share
         self.confirm_top, self.confirm_rounds = confirm_top, confirm_rounds
         self.timer, self.cool_down_s = timer, cool_down_s
         self.drift = DriftWatch(reference or copy_kernel(device), drift_threshold)
@@ -293,8 +297,10 @@ class Tuner:
         exhaustive = len(candidates) <= self.exhaustive_limit
         order = candidates[:1] + random.Random(f"{self.seed}{result.description}").sample(
             candidates[1:], len(candidates) - 1)
-        if not exhaustive:
-            order = order[:1 + self.random_samples]
+        # Past the first random_samples, sampling goes on while sample_share of this problem's time lasts: the
+        # GPU-class variants couple several parameters (I8 needs LAYOUT 1 and XS 1), so one-step refinement
+        # cannot walk into them from another region, and a budget the user gave is better spent sampling.
+        sample_until = time.perf_counter() + self.sample_share * max(deadline - time.perf_counter(), 0.0)
 
         case = None
 
@@ -318,9 +324,18 @@ class Tuner:
                 self.progress.update(0, self._note(result))
             return True
 
+        def sample() -> bool:
+            """The defaults, then candidates in random order; False when out of time."""
+            for n, params in enumerate(order):
+                if not exhaustive and n > self.random_samples and time.perf_counter() > sample_until:
+                    return True
+                if not evaluate(params):
+                    return False
+            return True
+
         try:
-            finished = record.get("complete", False) or all(evaluate(params) for params in order)
-            if finished and not exhaustive and not record.get("complete"):
+            finished = record.get("complete", False) or sample()
+            if finished and not record.get("complete") and any(params_key(p) not in tried for p in order):
                 # Local refinement: walk to the best neighbour until none is better.
                 while finished:
                     seen_best = result.best

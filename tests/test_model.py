@@ -177,23 +177,41 @@ def test_phone_limits_split_the_lm_head(tiny_paths, device, lm_head, max_alloc, 
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
 
 
+# The tuned forward may choose reduced-precision variants (int8 activations per block of 32, as llama.cpp's
+# CPU backend does; fp16 arithmetic): each within its kernel tolerance, which through 30 layers gives logits
+# within a few percent of max|logit| (measured ≤ 4.3e-2 on Intel's runtime with I8 GEMVs, where llama.cpp's own
+# logits are 4.0e-2 from the reference on this model: benchmarks/NOTES.md). Greedy tokens then part from the
+# reference's at the first near-tie (a top-two margin of 0.05 at the 6th token of this prompt).
+TUNED_LOGITS_TOLERANCE = 6e-2
+
+
 @pytest.mark.slow
 @pytest.mark.one_implementation
 def test_default_model_answers_coherently_and_matches_the_reference(device):
-    """Greedy reply of the default model: its first 16 tokens equal the float64 reference's."""
-    model, source = load_model("default", device, ctx=256, progress=False)
+    """Greedy reply of the default model. The exact forward (built-in defaults: fp32 arithmetic) gives the
+    float64 reference's first 16 tokens; the tuned forward answers alike, with logits within
+    TUNED_LOGITS_TOLERANCE of the reference's at every step given the reference's tokens."""
+    exact, source = load_model("default", device, ctx=256, progress=False, tuning=False)
     tok = source.tokenizer
     prompt = tok.encode("The capital of France is", add_bos=True)
-    result = generate(model, tok, prompt, 16, SamplingConfig(temperature=0))
-    assert result.text.startswith(" Paris")
     logits, cache = reference.llama_forward(source, prompt)
-    want, pos = [], len(prompt)
+    want, want_logits, pos = [], [], len(prompt)
     for _ in range(16):
         token = int(np.argmax(logits[-1]))
         want.append(token)
         logits, cache = reference.llama_forward(source, [token], start_pos=pos, cache=cache)
+        want_logits.append(logits[-1])
         pos += 1
-    assert result.ids[:16] == want
+    result = generate(exact, tok, prompt, 16, SamplingConfig(temperature=0))
+    assert result.text.startswith(" Paris") and result.ids[:16] == want
+    del exact
+
+    tuned, _ = load_model("default", device, ctx=256, progress=False)
+    assert generate(tuned, tok, prompt, 16, SamplingConfig(temperature=0)).text.startswith(" Paris")
+    tuned.prefill(prompt, 0)
+    for i, token in enumerate(want):
+        tuned.decode_one(token, len(prompt) + i)
+        assert relative_error(tuned.logits(), want_logits[i]) <= TUNED_LOGITS_TOLERANCE, i
 
 
 def test_the_model_runs_the_tuned_parameters(tiny_paths, device, tmp_path, monkeypatch, rng):

@@ -13,7 +13,7 @@ from perfx import reference
 from perfx.formats import Q4Matrix
 from perfx.ops.gemv_q4 import PARAMS, GemvQ4
 from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight, available_paths, image2d_fits
-from perfx.tuning.spec import Case, Spec, cached_per_params
+from perfx.tuning.spec import Case, Spec, cached_per_params, rotating_case
 
 
 def activations(rng, k: int) -> np.ndarray:
@@ -68,23 +68,8 @@ def make_case(device, shape, rng) -> Case:
     uploaded = cached_per_params(lambda key: [
         Q4DeviceWeight.upload(device, q4, bias, read_paths(device, n, k, key["LAYOUT"]), layout=key["LAYOUT"])
         for q4, bias in copies])
-    state = {"i": 0}
-
-    def launch(params):
-        weight = uploaded({"LAYOUT": params["LAYOUT"]})[state["i"]]
-        return wrapper(params).events(weight, x, y, epilogue)
-
-    def run(params):
-        state["i"] = 0
-        y.fill(np.float32(np.nan))
-        for event in launch(params):
-            event.wait()
-        return {"y": y.get()}
-
-    def rotate():
-        state["i"] = (state["i"] + 1) % len(copies)
-
-    return Case(expected={"y": expected}, run=run, launch=launch, rotate=rotate)
+    return rotating_case(expected, y, len(copies), lambda i, params: wrapper(params).events(
+        uploaded({"LAYOUT": params["LAYOUT"]})[i], x, y, epilogue))
 
 
 SPEC = Spec(

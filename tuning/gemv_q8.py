@@ -15,7 +15,7 @@ from perfx import reference
 from perfx.formats import Q8Matrix
 from perfx.ops.gemv_q8 import PARAMS, GemvQ8
 from perfx.ops.q8_weight import Q8DeviceWeight
-from perfx.tuning.spec import Case, Spec, cached_per_params
+from perfx.tuning.spec import Case, Spec, cached_per_params, rotating_case
 
 
 def _outputs(shape) -> int:
@@ -56,22 +56,8 @@ def make_case(device, shape, rng) -> Case:
     expected = reference.swiglu(full[:m], full[m:]) if epilogue == "silu_mul" else full
 
     wrapper = cached_per_params(lambda params: GemvQ8(device, params, shape))
-    state = {"i": 0}
-
-    def launch(params):
-        return wrapper(params).events(copies[state["i"]][2], x, y, epilogue)
-
-    def run(params):
-        state["i"] = 0
-        y.fill(np.float32(np.nan))
-        for event in launch(params):
-            event.wait()
-        return {"y": y.get()}
-
-    def rotate():
-        state["i"] = (state["i"] + 1) % len(copies)
-
-    return Case(expected={"y": expected}, run=run, launch=launch, rotate=rotate)
+    return rotating_case(expected, y, len(copies),
+                         lambda i, params: wrapper(params).events(copies[i][2], x, y, epilogue))
 
 
 SPEC = Spec(

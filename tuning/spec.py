@@ -67,6 +67,27 @@ class Case:
         return {name: relative_error(outputs[name], want) for name, want in self.expected.items()}
 
 
+def rotating_case(expected: np.ndarray, y, copies: int, launch_copy: Callable[[int, Params], list]) -> Case:
+    """A one-output case over ``copies`` copies of its inputs: ``launch_copy(i, params)`` enqueues on copy i
+    into the device array ``y``; run poisons y and uses copy 0, rotate steps to the next copy."""
+    state = {"i": 0}
+
+    def launch(params):
+        return launch_copy(state["i"], params)
+
+    def run(params):
+        state["i"] = 0
+        y.fill(np.float32(np.nan))
+        for event in launch(params):
+            event.wait()
+        return {"y": y.get()}
+
+    def rotate():
+        state["i"] = (state["i"] + 1) % copies
+
+    return Case(expected={"y": expected}, run=run, launch=launch, rotate=rotate)
+
+
 @dataclass(frozen=True)
 class Spec:
     """A family's parameter space (from its wrapper in ``perfx.ops``) with what verifying and measuring

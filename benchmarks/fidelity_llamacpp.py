@@ -140,7 +140,7 @@ def compare(path: Path, text: str, ctx: int, chunks: int | None, greedy: int, de
     row["logits"] = {"rel_max_median": float(np.median(rel)), "rel_max_worst": float(rel.max()),
                      "top1_agreement": float(np.mean(a.argmax(1) == b.argmax(1)))}
     if with_reference:   # the float64 reference forward on the first chunk: which engine is off
-        want, _ = reference.llama_forward(source, ids)
+        want, _ = reference.model_forward(source, ids)
         targets, half = ours[ctx // 2 + 1:ctx], ctx // 2
 
         def score(rows):

@@ -64,7 +64,7 @@ def main(argv=None) -> int:
                      "top1_agreement": float(np.mean(logits["q8"].argmax(1) == logits["fp16"].argmax(1)))}
     if args.reference:
         for head, (_, src) in models.items():
-            want, _ = reference.llama_forward(src, prompt)
+            want, _ = reference.model_forward(src, prompt)
             out["logits"][f"{head}_vs_its_reference"] = rel(logits[head], want)
     if args.json:
         print(json.dumps(out, indent=1))

@@ -1,4 +1,4 @@
-"""perfx: hand-written OpenCL kernels for Llama-family LLMs on phone GPUs, Adreno first.
+"""perfx: hand-written OpenCL kernels for the small LLMs people run on phone GPUs, Adreno first.
 
 What a user of the library needs is here: the device, the weight forms and their upload, one wrapper
 per kernel family, the float64 references, the timing helpers, model loading and generation.
@@ -10,7 +10,7 @@ The layers, bottom to top (each imports only from those below it):
     sources                                              model files -> host weights, one module per format
     ops                                                  one wrapper per kernel family + its parameter space
     tuning                                               specs (verification, metrics), tuner, database, problems
-    model, generate                                      the Llama forward on the device; sampling, streaming
+    model, generate                                      the decoder forward (each family a recipe); sampling
     commands, cli                                        `perfx info / selftest / generate / chat / tune / bench`
 """
 
@@ -18,7 +18,7 @@ from perfx import reference
 from perfx.errors import PerfxError
 from perfx.formats import Q4Matrix, Q8Matrix
 from perfx.generate import SamplingConfig, generate
-from perfx.model import Llama, load_model
+from perfx.model import Model, load_model
 from perfx.ops.attention_decode import AttentionDecode
 from perfx.ops.attention_prefill import AttentionPrefill
 from perfx.ops.embedding_q8 import EmbeddingQ8
@@ -40,7 +40,7 @@ from perfx.tuning.spec import relative_error
 __version__ = "0.1.0"
 __all__ = [
     "Argmax", "AttentionDecode", "AttentionPrefill", "Device", "Embedding", "EmbeddingQ8", "F16DeviceWeight",
-    "GemmQ4", "GemmQ8", "GemvF16", "GemvQ4", "GemvQ8", "KVCache", "Limits", "Llama", "PerfxError", "Q4DeviceWeight",
+    "GemmQ4", "GemmQ8", "GemvF16", "GemvQ4", "GemvQ8", "KVCache", "Limits", "Model", "PerfxError", "Q4DeviceWeight",
     "Q4Matrix", "Q8DeviceWeight", "Q8Matrix", "RMSNorm",
     "RopeTable", "SamplingConfig", "SwiGLU", "__version__", "copy_bandwidth", "generate", "load_model",
     "open_model", "reference", "relative_error", "time_launches",

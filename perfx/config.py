@@ -1,7 +1,19 @@
-"""Model hyper-parameters, read from a Hugging Face ``config.json`` or a GGUF header."""
+"""Model hyper-parameters and the architecture as a recipe, read from a Hugging Face ``config.json`` or a
+GGUF header.
+
+A ``ModelConfig`` holds the shapes, and the recipe the forward follows: where the norms are (before
+attention and the FFN always; Gemma's also after them), per-head Q/K RMSNorm (Qwen3, Gemma 3), the FFN
+activation (SiLU or tanh-GELU gate), the attention scale and logit soft-cap, the embedding scale, a final
+logit soft-cap, and per layer (``LayerRecipe``) its RoPE (base, scaling, rotated dimensions, or none) and
+its attention window. The device forward and the float64 reference forward read the recipe and never the
+architecture's name: each family below is only a way of filling it in, as llama.cpp reads that family's
+GGUF (``src/models/<arch>.cpp``, ``llama-model.cpp``) and transformers its config.
+"""
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
 
 import gguf
@@ -9,41 +21,98 @@ import numpy as np
 
 from perfx.errors import PerfxError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-# GGUF files name their architecture in general.architecture; Mistral GGUFs are written as "llama".
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+# Hugging Face model_type values perfx runs (gemma3 is the multimodal checkpoint: its text_config is read)
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "phi3",
+                           "smollm3")
+# GGUF general.architecture values; Mistral GGUFs are written as "llama".
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3")
+# GGUF architectures whose converter permutes Wq/Wk rows for llama.cpp's interleaved RoPE (LLAMA_ROPE_TYPE_NORM);
+# the others use NeoX (rotate-half) order as Hugging Face does.
+GGUF_PERMUTED_QK = ("llama", "smollm3")
+FFN_ACTIVATIONS = ("silu", "gelu_tanh")
+SMOLLM3_NO_ROPE_STEP = 4   # llama.cpp hard-codes it (no GGUF key): layers with (i + 1) % 4 == 0 have no RoPE
+
+
+@dataclass(frozen=True)
+class Rope:
+    """One layer's rotary embedding: base θ, the first ``dims`` dimensions of each head rotated (rotate-half
+    pairs (i, i + dims/2)), and Hugging Face's ``rope_scaling`` dict (``perfx.reference.rope_inv_freq``)."""
+
+    theta: float
+    dims: int
+    scaling: dict | None = field(default=None, hash=False, compare=False)
+
+    def key(self) -> str:
+        """Equal for layers that can share one cos/sin table."""
+        return json.dumps([self.theta, self.dims, self.scaling], sort_keys=True)
+
+    def for_context(self, ctx: int) -> Rope:
+        """LongRoPE (Phi-3) picks its per-pair factors by the context: the short ones up to the original
+        context length, the long ones beyond it (llama.cpp's rule, from the cache size)."""
+        s = self.scaling
+        if not s or s.get("rope_type") != "longrope" or "short_factor" not in s:
+            return self
+        factors = s["long_factor"] if ctx > s["original_max_position_embeddings"] else s["short_factor"]
+        return Rope(self.theta, self.dims, {"rope_type": "longrope", "freq_factors": list(factors),
+                                            "attention_factor": s["attention_factor"]})
+
+
+@dataclass(frozen=True)
+class LayerRecipe:
+    rope: Rope | None      # None: no rotary embedding on this layer (SmolLM3's NoPE layers)
+    window: int = 0        # sliding window: a position attends to the last `window` positions (0: all)
 
 
 @dataclass
 class ModelConfig:
-    """Shapes and constants of a Llama-family decoder. Every field the forward pass needs, nothing else."""
+    """Shapes, constants and the recipe of a decoder. Every field the forward pass needs, nothing else."""
 
-    architecture: str          # "llama", "mistral" or "qwen2"
+    architecture: str          # the family, as the file names it (GGUF general.architecture, HF model_type)
     vocab_size: int            # V
     hidden_size: int           # hidden, the residual stream width
     intermediate_size: int     # the MLP's inner width
     n_layers: int
     n_heads: int               # H query heads
     n_kv_heads: int            # Hkv key/value heads (GQA when < H)
-    head_dim: int              # D
+    head_dim: int              # D (Gemma, Qwen3: not hidden / H)
     rms_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None    # Hugging Face rope_scaling ("llama3", "linear") or None; a GGUF's
-                                        # rope_freqs tensor rides along as "freq_factors" (D/2 divisors)
+    rope_scaling: dict | None = None    # Hugging Face rope_scaling ("llama3", "linear", "longrope") or None; a
+                                        # GGUF's rope_freqs tensor rides along as "freq_factors" (D/2 divisors)
     max_positions: int = 4096
     tie_embeddings: bool = False        # lm_head is the embedding matrix
     qkv_bias: bool = False              # Qwen2 has biases on the Q, K and V projections
-    sliding_window: int = 0             # Mistral: a position attends to the last W positions only (0: all)
-    extra: dict = field(default_factory=dict, repr=False, compare=False)  # e.g. Mistral's sliding_window
+    sliding_window: int = 0             # the window of the layers that have one (0: none)
+    # -- the recipe (defaults: Llama's) --
+    rotary_dims: int = 0                # dimensions of each head RoPE rotates (0: all; Phi-4-mini 96 of 128)
+    qk_norm: bool = False               # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    post_norms: bool = False            # RMSNorm on the attention and FFN outputs before each residual add (Gemma)
+    ffn_activation: str = "silu"        # the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
+    attention_scale: float = 0.0        # q·k scale (0: 1/√head_dim; Gemma: query_pre_attn_scalar^−½)
+    attn_softcap: float = 0.0           # attention logits s → c·tanh(s/c) (Gemma 2; 0: off)
+    final_softcap: float = 0.0          # output logits the same (Gemma 2)
+    embedding_scale: float = 1.0        # the gathered embedding times this (Gemma: √hidden)
+    layers: tuple = ()                  # LayerRecipe per layer; empty: every layer RoPE(θ, scaling) and the window
+    extra: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        if self.architecture not in SUPPORTED_ARCHITECTURES + SUPPORTED_GGUF_ARCHITECTURES:
             raise PerfxError(f"model architecture {self.architecture!r} is not supported; "
                              f"perfx runs {', '.join(SUPPORTED_ARCHITECTURES)}")
         if self.n_heads % self.n_kv_heads:
             raise PerfxError(f"n_heads = {self.n_heads} is not a multiple of n_kv_heads = {self.n_kv_heads}")
         if self.head_dim % 2:
             raise PerfxError(f"head_dim = {self.head_dim} must be even for rotary embeddings")
+        rotary = self.rotary_dims or self.head_dim
+        if rotary % 2 or not 0 < rotary <= self.head_dim:
+            raise PerfxError(f"the rotary dimensions ({rotary}) must be even and at most head_dim = {self.head_dim}")
+        if self.ffn_activation not in FFN_ACTIVATIONS:
+            raise PerfxError(f"FFN activation {self.ffn_activation!r} is not supported ({', '.join(FFN_ACTIVATIONS)})")
+        if not self.layers:
+            rope = Rope(float(self.rope_theta), rotary, self.rope_scaling)
+            self.layers = tuple(LayerRecipe(rope, int(self.sliding_window)) for _ in range(self.n_layers))
+        if len(self.layers) != self.n_layers:
+            raise PerfxError(f"the recipe lists {len(self.layers)} layers but the model has {self.n_layers}")
 
     @property
     def q_dim(self) -> int:
@@ -58,10 +127,58 @@ class ModelConfig:
         """Rows of the fused QKV matrix: q H·D, then k Hkv·D, then v Hkv·D."""
         return self.q_dim + 2 * self.kv_dim
 
+    @property
+    def scale(self) -> float:
+        """The attention scale in force."""
+        return self.attention_scale or 1.0 / math.sqrt(self.head_dim)
+
+    def layer(self, i: int, ctx: int) -> LayerRecipe:
+        """Layer i's recipe for a cache of ``ctx`` positions (LongRoPE picks its factors by the context)."""
+        recipe = self.layers[i]
+        rope = None if recipe.rope is None else recipe.rope.for_context(ctx)
+        return LayerRecipe(rope, recipe.window)
+
+    def describe_recipe(self) -> str:
+        """One line of what this model's forward does beyond Llama's (for `perfx info` and the load line)."""
+        parts = []
+        if self.qk_norm:
+            parts.append("q/k norm")
+        if self.post_norms:
+            parts.append("post-norms")
+        if self.ffn_activation != "silu":
+            parts.append(f"FFN {self.ffn_activation}")
+        windows = sorted({r.window for r in self.layers})
+        if windows != [0]:
+            sliding = sum(1 for r in self.layers if r.window)
+            parts.append(f"window {max(windows)} on {sliding}/{self.n_layers} layers")
+        nope = sum(1 for r in self.layers if r.rope is None)
+        if nope:
+            parts.append(f"no RoPE on {nope}/{self.n_layers} layers")
+        bases = sorted({r.rope.theta for r in self.layers if r.rope is not None})
+        if len(bases) > 1:
+            parts.append("RoPE bases " + "/".join(f"{b:g}" for b in bases))
+        if self.rotary_dims and self.rotary_dims != self.head_dim:
+            parts.append(f"rotary {self.rotary_dims}/{self.head_dim}")
+        if self.attention_scale:
+            parts.append(f"attention scale {self.attention_scale:.4g}")
+        if self.attn_softcap or self.final_softcap:
+            parts.append(f"soft-caps {self.attn_softcap:g}/{self.final_softcap:g}")
+        if self.embedding_scale != 1.0:
+            parts.append(f"embedding ×{self.embedding_scale:.4g}")
+        return ", ".join(parts) or "Llama recipe"
+
+    # -- Hugging Face config.json ---------------------------------------------------------------------
+
     @classmethod
     def from_hf(cls, config: dict) -> ModelConfig:
-        """From the dict of a Hugging Face ``config.json``."""
+        """From the dict of a Hugging Face ``config.json`` (a multimodal Gemma 3's text_config)."""
         architecture = config.get("model_type")
+        if architecture == "gemma3":
+            text = config.get("text_config")
+            if not isinstance(text, dict):
+                raise PerfxError("config.json of model_type gemma3 has no text_config; the file is incomplete")
+            config = {"model_type": "gemma3_text", **text}
+            architecture = "gemma3_text"
         if architecture not in SUPPORTED_ARCHITECTURES:
             named = config.get("architectures") or []
             raise PerfxError(f"model_type {architecture!r} {named} is not supported; perfx runs "
@@ -77,29 +194,66 @@ class ModelConfig:
         except KeyError as error:
             raise PerfxError(f"config.json lacks {error.args[0]!r}, which every {architecture} config "
                              "has; the file is incomplete") from None
+        n_layers = values["n_layers"]
+        gemma = architecture in ("gemma2", "gemma3_text")
         n_kv_heads = int(config.get("num_key_value_heads") or n_heads)
-        head_dim = int(config.get("head_dim") or hidden // n_heads)
-        # Qwen2 always has Q/K/V biases; Llama has them when attention_bias is set.
+        head_dim = int(config.get("head_dim") or (256 if gemma else hidden // n_heads))
+        # Qwen2 always has Q/K/V biases; the others when attention_bias is set.
         qkv_bias = architecture == "qwen2" or bool(config.get("attention_bias", False))
-        extra = {}
-        if config.get("sliding_window") and architecture == "mistral":
-            extra["sliding_window"] = int(config["sliding_window"])
-        # Qwen2 configs carry a sliding_window too, but use it only with use_sliding_window (off in every
-        # released Qwen2 model, and not what transformers does for them by default): Mistral's alone counts.
-        default_eps = 1e-6 if architecture == "qwen2" else 1e-5
+        window = int(config.get("sliding_window") or 0)
+        # Qwen2/Qwen3 configs carry a sliding_window too, but use it only with use_sliding_window (off in every
+        # released model, and not what transformers does for them by default).
+        if architecture in ("qwen2", "qwen3", "llama", "smollm3"):
+            window = 0
+        default_eps = 1e-5 if architecture in ("llama", "mistral", "phi3") else 1e-6
+        theta = float(config.get("rope_theta", 10000.0))
+        scaling = config.get("rope_scaling") or None
+        recipe = dict(rms_eps=float(config.get("rms_norm_eps", default_eps)), rope_theta=theta,
+                      rope_scaling=scaling, sliding_window=window)
+        rope = Rope(theta, head_dim, scaling)
+        if architecture == "qwen3":
+            recipe["qk_norm"] = True
+        elif gemma:
+            scalar = float(config.get("query_pre_attn_scalar") or head_dim)
+            recipe.update(post_norms=True, ffn_activation=_hf_activation(config),
+                          attention_scale=scalar ** -0.5, embedding_scale=math.sqrt(hidden),
+                          attn_softcap=float(config.get("attn_logit_softcapping") or 0.0),
+                          final_softcap=float(config.get("final_logit_softcapping") or 0.0))
+            sliding = _hf_sliding_layers(config, n_layers, 6 if architecture == "gemma3_text" else 2)
+            if architecture == "gemma3_text":
+                recipe["qk_norm"] = True
+                local = Rope(float(config.get("rope_local_base_freq", 10000.0)), head_dim, None)
+            else:
+                local = rope
+            recipe["layers"] = tuple(LayerRecipe(local, window) if s else LayerRecipe(rope, 0) for s in sliding)
+        elif architecture == "phi3":
+            rotary = int(head_dim * float(config.get("partial_rotary_factor", 1.0)))
+            recipe["rotary_dims"] = rotary
+            if scaling:
+                scaling = recipe["rope_scaling"] = _hf_longrope(config, scaling, rotary)
+            rope = Rope(theta, rotary, scaling)
+            recipe["layers"] = tuple(LayerRecipe(rope, window) for _ in range(n_layers))
+        elif architecture == "smollm3":
+            uses = config.get("no_rope_layers")
+            if uses is None:
+                step = int(config.get("no_rope_layer_interval") or SMOLLM3_NO_ROPE_STEP)
+                uses = [int((i + 1) % step != 0) for i in range(n_layers)]
+            if len(uses) != n_layers:
+                raise PerfxError(f"config.json: no_rope_layers lists {len(uses)} layers but the model has "
+                                 f"{n_layers}; the config is corrupt")
+            recipe["layers"] = tuple(LayerRecipe(rope if use else None, 0) for use in uses)
         return cls(
             architecture=architecture, hidden_size=hidden, n_heads=n_heads, n_kv_heads=n_kv_heads,
-            head_dim=head_dim, rms_eps=float(config.get("rms_norm_eps", default_eps)),
-            rope_theta=float(config.get("rope_theta", 10000.0)),
-            rope_scaling=config.get("rope_scaling") or None,
-            max_positions=int(config.get("max_position_embeddings", 4096)),
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)), qkv_bias=qkv_bias,
-            sliding_window=int(extra.get("sliding_window", 0)), extra=extra, **values,
+            head_dim=head_dim, max_positions=int(config.get("max_position_embeddings", 4096)),
+            tie_embeddings=bool(config.get("tie_word_embeddings", gemma)), qkv_bias=qkv_bias,
+            **recipe, **values,
         )
+
+    # -- GGUF header ----------------------------------------------------------------------------------
 
     @classmethod
     def from_gguf(cls, reader) -> ModelConfig:
-        """From a ``gguf.GGUFReader``: the ``{arch}.*`` keys, vocabulary and head sizes."""
+        """From a ``gguf.GGUFReader``: the ``{arch}.*`` keys, vocabulary and head sizes, as llama.cpp reads them."""
         arch = gguf_field(reader, "general.architecture")
         if arch not in SUPPORTED_GGUF_ARCHITECTURES:
             raise PerfxError(f"GGUF architecture {arch!r} is not supported; perfx reads GGUF files of "
@@ -114,32 +268,158 @@ class ModelConfig:
 
         hidden = int(key("embedding_length"))
         n_heads = int(key("attention.head_count"))
+        n_layers = int(key("block_count"))
         vocab = gguf_field(reader, f"{arch}.vocab_size")
         if vocab is None:
             tokens = reader.get_field("tokenizer.ggml.tokens")
             vocab = len(tokens.data) if tokens is not None else _embedding_rows(reader)
-        head_dim = gguf_field(reader, f"{arch}.attention.key_length") or gguf_field(
-            reader, f"{arch}.rope.dimension_count") or hidden // n_heads
+        head_dim = int(gguf_field(reader, f"{arch}.attention.key_length") or hidden // n_heads)
+        value_dim = gguf_field(reader, f"{arch}.attention.value_length")
+        if value_dim is not None and int(value_dim) != head_dim:
+            raise PerfxError(f"GGUF {arch}.attention.value_length = {value_dim} differs from key_length = "
+                             f"{head_dim}; perfx's attention needs equal key and value head sizes")
+        rotary = int(gguf_field(reader, f"{arch}.rope.dimension_count") or head_dim)
+        if rotary % 2 or not 0 < rotary <= head_dim:
+            raise PerfxError(f"GGUF {arch}.rope.dimension_count = {rotary} must be even and at most the head "
+                             f"size {head_dim}; the file is corrupt")
         scaling = None
         scaling_type = gguf_field(reader, f"{arch}.rope.scaling.type")
         if scaling_type == "linear":
             scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
-        elif scaling_type not in (None, "none"):
+        elif scaling_type not in (None, "none") and arch != "phi3":
             raise PerfxError(f"GGUF rope scaling type {scaling_type!r} is not supported (supported: linear)")
-        factors = _rope_freqs(reader, int(head_dim))
+        factors = _rope_freqs(reader, rotary)
         if factors is not None:
             scaling = dict(scaling or {"rope_type": "default"}, freq_factors=factors)
+        theta = _float32_value(key("rope.freq_base", 10000.0))
+        window = int(gguf_field(reader, f"{arch}.attention.sliding_window") or 0)
+        recipe = dict(rms_eps=_float32_value(key("attention.layer_norm_rms_epsilon", 1e-5)), rope_theta=theta,
+                      rope_scaling=scaling, sliding_window=window, rotary_dims=rotary)
+        rope = Rope(theta, rotary, scaling)
+        if arch == "qwen3":
+            recipe["qk_norm"] = True
+        elif arch in ("gemma2", "gemma3"):
+            # llama.cpp: 1/√key_length, except the 27B models (62 and 46 layers) which scale by 1/√(hidden/H)
+            large = n_layers == (62 if arch == "gemma3" else 46)
+            recipe.update(post_norms=True, ffn_activation="gelu_tanh", embedding_scale=math.sqrt(hidden),
+                          attention_scale=1.0 / math.sqrt(hidden / n_heads if large else head_dim))
+            if arch == "gemma2":   # llama.cpp's defaults where the keys are absent
+                recipe["attn_softcap"] = _float32_value(key("attn_logit_softcapping", 50.0))
+                recipe["final_softcap"] = _float32_value(key("final_logit_softcapping", 30.0))
+                local, pattern = rope, 2
+            else:
+                recipe["qk_norm"] = True
+                recipe["final_softcap"] = _float32_value(gguf_field(reader, f"{arch}.final_logit_softcapping") or 0.0)
+                # local layers: base 10 000 (or the file's freq_base_swa) and no scaling (llama.cpp's gemma3)
+                local = Rope(_float32_value(key("rope.freq_base_swa", 10000.0)), rotary, None)
+                pattern = 6
+            # llama.cpp's set_swa_pattern(n): layer i slides when i % n < n − 1; no window, every layer global
+            recipe["layers"] = tuple(
+                LayerRecipe(local, window) if window and i % pattern < pattern - 1 else LayerRecipe(rope, 0)
+                for i in range(n_layers))
+        elif arch == "phi3":
+            scaling = _gguf_longrope(reader, arch, rotary, theta)
+            if scaling is not None:
+                recipe["rope_scaling"] = scaling
+                recipe["layers"] = tuple(LayerRecipe(Rope(theta, rotary, scaling), window) for _ in range(n_layers))
+        elif arch == "smollm3":
+            recipe["layers"] = tuple(LayerRecipe(None if (i + 1) % SMOLLM3_NO_ROPE_STEP == 0 else rope, window)
+                                     for i in range(n_layers))
         return cls(
             architecture=arch, vocab_size=int(vocab), hidden_size=hidden,
-            intermediate_size=int(key("feed_forward_length")), n_layers=int(key("block_count")),
-            n_heads=n_heads, n_kv_heads=int(key("attention.head_count_kv", n_heads)), head_dim=int(head_dim),
-            rms_eps=_float32_value(key("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=_float32_value(key("rope.freq_base", 10000.0)), rope_scaling=scaling,
+            intermediate_size=int(key("feed_forward_length")), n_layers=n_layers,
+            n_heads=n_heads, n_kv_heads=int(key("attention.head_count_kv", n_heads)), head_dim=head_dim,
             max_positions=int(key("context_length", 4096)),
             tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
-            qkv_bias=any(t.name == "blk.0.attn_q.bias" for t in reader.tensors),
-            sliding_window=int(gguf_field(reader, f"{arch}.attention.sliding_window") or 0),
+            qkv_bias=any(t.name in ("blk.0.attn_q.bias", "blk.0.attn_qkv.bias") for t in reader.tensors),
+            **recipe,
         )
+
+
+def _hf_activation(config: dict) -> str:
+    name = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if name in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu"):
+        # Gemma's "gelu" is the tanh approximation too (transformers maps it so for Gemma checkpoints)
+        return "gelu_tanh"
+    if name in ("silu", "swish"):
+        return "silu"
+    raise PerfxError(f"config.json: activation {name!r} is not supported (gelu_pytorch_tanh or silu)")
+
+
+def _hf_sliding_layers(config: dict, n_layers: int, pattern: int) -> list[bool]:
+    """Which layers have the sliding window: transformers' layer_types where given, else its pattern
+    (Gemma 3: every `sliding_window_pattern`-th layer global; Gemma 2: even layers slide)."""
+    types = config.get("layer_types")
+    if types is not None:
+        if len(types) != n_layers:
+            raise PerfxError(f"config.json: layer_types lists {len(types)} layers but the model has {n_layers}")
+        return [t == "sliding_attention" for t in types]
+    if not config.get("sliding_window"):
+        return [False] * n_layers
+    if pattern == 2:
+        return [i % 2 == 0 for i in range(n_layers)]
+    pattern = int(config.get("sliding_window_pattern") or pattern)
+    return [(i + 1) % pattern != 0 for i in range(n_layers)]
+
+
+def _hf_longrope(config: dict, scaling: dict, rotary: int) -> dict:
+    """Phi-3's LongRoPE (transformers ``_compute_longrope_parameters``): per-pair factors, short and long,
+    and the attention factor that scales cos and sin."""
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ("longrope", "su"):
+        return scaling
+    original = int(config.get("original_max_position_embeddings")
+                   or scaling.get("original_max_position_embeddings") or 0)
+    if not original:
+        raise PerfxError("config.json: a longrope rope_scaling needs original_max_position_embeddings")
+    out = {"rope_type": "longrope", "original_max_position_embeddings": original}
+    for name in ("short_factor", "long_factor"):
+        factors = scaling.get(name)
+        if factors is None or len(factors) != rotary // 2:
+            raise PerfxError(f"config.json: rope_scaling.{name} has {len(factors or [])} values, but RoPE over "
+                             f"{rotary} dimensions needs {rotary // 2}; the config is corrupt")
+        out[name] = [float(f) for f in factors]
+    factor = scaling.get("factor") or int(config.get("max_position_embeddings", original)) / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    out["attention_factor"] = float(attention)
+    return out
+
+
+def _gguf_longrope(reader, arch: str, rotary: int, theta: float) -> dict | None:
+    """A Phi-3 GGUF's LongRoPE: rope_factors_short / rope_factors_long tensors (one per pair of rotated
+    dimensions) and {arch}.rope.scaling.attn_factor, which llama.cpp multiplies into cos and sin."""
+    tensors = {t.name: t for t in reader.tensors}
+    names = ("rope_factors_short.weight", "rope_factors_long.weight")
+    if not any(n in tensors for n in names):
+        return None
+    out = {"rope_type": "longrope",
+           "original_max_position_embeddings": int(gguf_field(reader, f"{arch}.rope.scaling.original_context_length")
+                                                   or gguf_field(reader, f"{arch}.context_length") or 4096),
+           "attention_factor": _float32_value(gguf_field(reader, f"{arch}.rope.scaling.attn_factor") or 1.0)}
+    for name, field_name in zip(names, ("short_factor", "long_factor")):
+        tensor = tensors.get(name)
+        if tensor is None:
+            raise PerfxError(f"GGUF has {' or '.join(n for n in names if n in tensors)} but not {name}: a LongRoPE "
+                             "file needs both factor tables; the file is incomplete")
+        out[field_name] = _factor_table(tensor, name, rotary)
+    return out
+
+
+def _factor_table(tensor, name: str, rotary: int) -> list[float]:
+    if tensor.tensor_type.name not in ("F32", "F16"):
+        raise PerfxError(f"GGUF tensor {name} has type {tensor.tensor_type.name}; llama.cpp writes it as F32 "
+                         "(the file is not from a llama.cpp converter)")
+    values = np.asarray(tensor.data, dtype=np.float64).reshape(-1)
+    if values.size != rotary // 2:
+        raise PerfxError(f"GGUF tensor {name} has {values.size} values, but RoPE over {rotary} dimensions needs "
+                         f"one per dimension pair, {rotary // 2}; the file is corrupt or its header lies about the "
+                         "rotary size")
+    if not np.all(np.isfinite(values)) or np.any(values <= 0):
+        raise PerfxError(f"GGUF tensor {name} holds a value that is not a positive finite number; the frequency "
+                         "divisors of a corrupt file")
+    return [float(v) for v in values]
 
 
 def gguf_field(reader, name: str, default=None):
@@ -170,24 +450,12 @@ def _float32_value(value) -> float:
     return float(str(np.float32(value)))
 
 
-def _rope_freqs(reader, head_dim: int) -> list[float] | None:
-    """Llama 3.x GGUFs carry their "llama3" rope scaling as a tensor, rope_freqs.weight: D/2 float32
-    divisors of the inverse frequencies (llama.cpp's freq_factors of ggml_rope_ext), None when absent."""
+def _rope_freqs(reader, rotary: int) -> list[float] | None:
+    """Llama 3.x GGUFs carry their "llama3" rope scaling as a tensor, rope_freqs.weight: one float32 divisor
+    of the inverse frequencies per pair of rotated dimensions (llama.cpp's freq_factors of ggml_rope_ext),
+    None when absent."""
     tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if tensor is None:
-        return None
-    if tensor.tensor_type.name not in ("F32", "F16"):
-        raise PerfxError(f"GGUF tensor rope_freqs.weight has type {tensor.tensor_type.name}; llama.cpp writes "
-                         "it as F32 (the file is not from a llama.cpp converter)")
-    values = np.asarray(tensor.data, dtype=np.float64).reshape(-1)
-    if values.size != head_dim // 2:
-        raise PerfxError(f"GGUF tensor rope_freqs.weight has {values.size} values, but RoPE over head_dim "
-                         f"{head_dim} needs one per dimension pair, {head_dim // 2}; the file is corrupt or "
-                         "its header lies about the head size")
-    if not np.all(np.isfinite(values)) or np.any(values <= 0):
-        raise PerfxError("GGUF tensor rope_freqs.weight holds a value that is not a positive finite number; "
-                         "the frequency divisors of a corrupt file")
-    return [float(v) for v in values]
+    return None if tensor is None else _factor_table(tensor, "rope_freqs.weight", rotary)
 
 
 def _embedding_rows(reader) -> int:

@@ -1,6 +1,10 @@
-"""The Llama forward on the device: thin Python over perfx's kernels, read top to bottom like llama2.c.
+"""The decoder forward on the device: thin Python over perfx's kernels, read top to bottom like llama2.c.
 
-``Llama.load(source, device, ctx)`` uploads the weights once, layer by layer (the host holds one layer
+The forward follows the model's recipe (``perfx.config``: norms before and optionally after attention and the
+FFN, per-head Q/K norms, SiLU or GELU gates, each layer's RoPE and window, scales and soft-caps), never the
+architecture's name, so Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3 and SmolLM3 run the same code.
+
+``Model.load(source, device, ctx)`` uploads the weights once, layer by layer (the host holds one layer
 at a time), in the layouts the kernels read; QKV and gate-up were fused by the loader. Each matrix runs the
 kernels of its form: int4 (gemv_q4, gemm_q4), int8 (gemv_q8, gemm_q8: GGUF Q5_x/Q6_K/Q8_0 tensors and the
 lm_head) or fp16. ``prefill`` runs the GEMM path over a prompt (logits for the last position only);
@@ -57,10 +61,14 @@ class DeviceLayer:
     ffn_norm: object           # float32 (hidden)
     gate_up: object            # (2·intermediate, hidden): gate rows, then up rows
     down: object               # (hidden, intermediate)
+    q_norm: object = None      # float32 (D): per-head q norm (Qwen3, Gemma 3)
+    k_norm: object = None      # float32 (D)
+    post_attn_norm: object = None   # float32 (hidden): the attention output's own norm (Gemma)
+    post_ffn_norm: object = None    # float32 (hidden): the FFN output's own norm (Gemma)
 
 
-class Llama:
-    """A Llama-family model resident on one device, with its KV cache and run state."""
+class Model:
+    """A decoder resident on one device, with its KV cache and run state."""
 
     def __init__(self, config: ModelConfig, device: Device, max_positions: int, database: Database | None = None,
                  log=None):
@@ -76,7 +84,7 @@ class Llama:
 
     @classmethod
     def load(cls, source, device: Device, ctx: int | None = None, progress: bool | None = None,
-             default_ctx: int = DEFAULT_CTX, database: Database | None = None, log=None) -> Llama:
+             default_ctx: int = DEFAULT_CTX, database: Database | None = None, log=None) -> Model:
         """Upload ``source`` (a ``perfx.sources.ModelSource``) to ``device`` with a KV cache of ``ctx`` positions
         (default: the model's context length, at most ``default_ctx``). Kernel parameters come from
         ``database`` (default: the user's and shipped tuning results; ``default_database(False)``: none);
@@ -102,13 +110,16 @@ class Llama:
             w = first if i == 0 else source.layer(i)
             if w.qkv_bias is not None and isinstance(w.qkv, np.ndarray):
                 raise PerfxError("an fp16 QKV projection with a bias (Qwen2) runs only quantized: pass --quantize q4")
+            norms = {name: model._vector(getattr(w, name)) for name in ("q_norm", "k_norm", "post_attn_norm",
+                                                                          "post_ffn_norm") if getattr(w, name) is not None}
             model.layers.append(DeviceLayer(
                 attn_norm=model._vector(w.attn_norm),
                 qkv=model._upload(w.qkv, f"layer {i} qkv", "qkv", bias=w.qkv_bias),
                 o=model._upload(w.o, f"layer {i} o", "o"), ffn_norm=model._vector(w.ffn_norm),
                 gate_up=model._upload(w.gate_up, f"layer {i} gate_up", "gate_up"),
-                down=model._upload(w.down, f"layer {i} down", "down")))
-            model.weight_bytes += sum(x.nbytes for x in (w.qkv, w.o, w.gate_up, w.down)) + 8 * c.hidden_size
+                down=model._upload(w.down, f"layer {i} down", "down"), **norms))
+            model.weight_bytes += (sum(x.nbytes for x in (w.qkv, w.o, w.gate_up, w.down))
+                                   + 4 * (2 + 2 * c.post_norms) * c.hidden_size + 8 * c.qk_norm * c.head_dim)
             del w
             bar.update(note=f"layer {i}")
         first = None
@@ -136,6 +147,7 @@ class Llama:
         int8 ones per matrix form on first use (``_q8_op``).
         """
         c, d = self.config, self.device
+        self.gate_epilogue = "gelu_mul" if c.ffn_activation == "gelu_tanh" else "silu_mul"
         self.tuned: dict[str, object] = {}
         self.tuned_shapes: dict[str, dict] = {}   # the shape each entry of `tuned` was looked up by
         self._q8_ops: dict[tuple, object] = {}
@@ -171,11 +183,12 @@ class Llama:
                                   lambda p: Embedding(d, p))
         self.argmax_op = self._choose("argmax", {"n": c.vocab_size}, "greedy sampling", lambda p: Argmax(d, p))
         self.swiglu = self._choose("swiglu", {"count": c.intermediate_size}, "swiglu", lambda p: SwiGLU(d, p))
-        attention = {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim}
+        self._gate = self.swiglu
+        attention = {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, **self._qk_shape()}
         self.attn_decode = self._choose(
             "attention_decode", {**attention, "positions": self.max_positions}, "decode",
             lambda p: AttentionDecode(d, c.n_heads, c.n_kv_heads, c.head_dim, self.max_positions, p,
-                                            window=c.sliding_window))
+                                      **self._qk_shape()))
         self._prefill_ops: dict[int, tuple] = {}
         # Each int4 weight is uploaded once, in the layout and for the read path its decode GEMV reads (the
         # GEMMs and the gather read whatever layout and path the weight has).
@@ -253,10 +266,10 @@ class Llama:
             c = self.config
             shape = shapes.get(("attention_prefill", "attention"),
                                {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "m": rep,
-                                "p0": 0})
+                                "p0": 0, **self._qk_shape()})
             attention = self._choose("attention_prefill", shape, f"prefill, M≈{rep}",
                                      lambda p: AttentionPrefill(self.device, c.n_heads, c.n_kv_heads, c.head_dim, p,
-                                                                      window=c.sliding_window))
+                                                                **self._qk_shape()))
             self._prefill_ops[bucket] = (gemms, attention)
         return self._prefill_ops[bucket]
 
@@ -269,7 +282,8 @@ class Llama:
         key = (kind, name, form, rep)
         op = self._q8_ops.get(key)
         if op is None:
-            epilogue = "silu_mul" if name == "gate_up" else ("bias" if weight.has_bias and kind == "gemm" else "none")
+            epilogue = (self.gate_epilogue if name == "gate_up"
+                        else ("bias" if weight.has_bias and kind == "gemm" else "none"))
             if kind == "gemv":
                 family, shape = gemv_shape(c, name, form, weight.n, weight.k, epilogue, weight.has_bias)
 
@@ -334,20 +348,52 @@ class Llama:
         self.row_up, self.row_act = d.empty(c.intermediate_size, f32), d.empty(c.intermediate_size, f32)
         self.best = d.empty(1, np.int32)
         self.cache = KVCache.allocate(d, c.n_layers, c.n_kv_heads, self.max_positions, c.head_dim)
-        # rope_scaling carries a GGUF's rope_freqs (Llama 3.x) as freq_factors: applied in the table once
-        self.rope = RopeTable.upload(d, c.head_dim, self.max_positions, c.rope_theta, c.rope_scaling)
+        # One cos/sin table per distinct RoPE of the recipe (Gemma 3: local and global bases), made once; a
+        # GGUF's rope_freqs (Llama 3.x) and LongRoPE's factors ride in the scaling and are applied in the table.
+        tables: dict[str, RopeTable] = {}
+        self.layer_rope: list[RopeTable | None] = []
+        self.layer_window: list[int] = []
+        for i in range(c.n_layers):
+            recipe = c.layer(i, self.max_positions)
+            rope = recipe.rope
+            if rope is not None and rope.key() not in tables:
+                tables[rope.key()] = RopeTable.upload(d, c.head_dim, self.max_positions, rope.theta, rope.scaling,
+                                                      rotary_dims=rope.dims)
+            self.layer_rope.append(None if rope is None else tables[rope.key()])
+            self.layer_window.append(recipe.window)
+        self.attention_args = [self._attention_args(i) for i in range(c.n_layers)]
         self._token_host = np.zeros(1, np.int32)
         self._token_upload = None
         self._decode_plan = self._record_decode_plan()
 
     # -- the forward ------------------------------------------------------------------------------
 
+    def _qk_shape(self) -> dict:
+        """What the per-head Q/K norm adds to the attention kernels' shape and constructor."""
+        return {"qk_norm": True} if self.config.qk_norm else {}
+
+    def _attention_args(self, layer: int) -> tuple:
+        """(rope table or None, keyword arguments) of layer's attention launch: its RoPE, window, the scale,
+        soft-cap and q/k norms where the recipe has them."""
+        c, w = self.config, self.layers[layer]
+        kwargs = {}
+        if self.layer_window[layer]:
+            kwargs["window"] = self.layer_window[layer]
+        if c.attention_scale:
+            kwargs["scale"] = c.attention_scale
+        if c.attn_softcap:
+            kwargs["softcap"] = c.attn_softcap
+        if c.qk_norm:
+            kwargs.update(q_norm=w.q_norm, k_norm=w.k_norm, eps=c.rms_eps)
+        return self.layer_rope[layer], kwargs
+
     def _linear(self, name: str, weight, x, y, m: int, decode: bool):
         """y = x·Wᵀ for m rows: the int4 GEMV (decode) or GEMM (prefill), or the fp16 GEMV for fp16 weights.
 
-        ``name`` is the matrix's role (qkv, o, gate_up, down): gate_up carries the SiLU·mul epilogue.
+        ``name`` is the matrix's role (qkv, o, gate_up, down): gate_up carries the gate's activation·up
+        epilogue (SiLU or GELU, by the recipe).
         """
-        epilogue = "silu_mul" if name == "gate_up" else "none"
+        epilogue = self.gate_epilogue if name == "gate_up" else "none"
         if isinstance(weight, Q8DeviceWeight):
             if decode:
                 return self._q8_op("gemv", name, weight)(weight, x, y, epilogue)
@@ -368,16 +414,26 @@ class Llama:
         The slow path: a checkpoint loaded with --quantize q4 runs the int4 kernels instead.
         """
         d, k, n = self.device, weight.k, weight.n
-        cols = n // 2 if epilogue == "silu_mul" else n
+        gated = epilogue in ("silu_mul", "gelu_mul")
+        cols = n // 2 if gated else n
         for r in range(m):
             d.copy(self.row_in, x, 4 * k, src_offset=4 * r * k)
             self.gemv_f16(weight, self.row_in, self.row_out)
             result = self.row_out
-            if epilogue == "silu_mul":
+            if gated:
                 d.copy(self.row_up, self.row_out, 4 * cols, src_offset=4 * cols)
-                self.swiglu(self.row_out, self.row_up, self.row_act, cols)
+                self._gate(self.row_out, self.row_up, self.row_act, cols)
                 result = self.row_act
             d.copy(y, result, 4 * cols, dst_offset=4 * r * cols)
+
+    def _residual_norm(self, post_norm, gamma, m: int):
+        """The pending output in proj joins the residual x (through its own norm ``post_norm`` where the recipe
+        has post-norms), then xb = rmsnorm(x)·γ: one launch either way."""
+        c = self.config
+        if post_norm is None:
+            self.rmsnorm.residual(self.proj, self.x, gamma, self.xb, m, c.hidden_size, c.rms_eps)
+        else:
+            self.rmsnorm.post_residual(self.proj, self.x, post_norm, gamma, self.xb, m, c.hidden_size, c.rms_eps)
 
     def _layers(self, m: int, pos: int, decode: bool, attention=None):
         """Every decoder layer over m rows at positions pos..pos+m−1; leaves the last residual add pending.
@@ -386,25 +442,30 @@ class Llama:
         """
         c = self.config
         for layer, w in enumerate(self.layers):
-            # attention rmsnorm; from layer 1 on, the previous layer's down output joins the residual here
+            # attention rmsnorm; from layer 1 on, the previous layer's FFN output joins the residual here
             if layer == 0:
                 self.rmsnorm.plain(self.x, w.attn_norm, self.xb, m, c.hidden_size, c.rms_eps)
             else:
-                self.rmsnorm.residual(self.proj, self.x, w.attn_norm, self.xb, m, c.hidden_size, c.rms_eps)
-            # qkv for these positions, then RoPE + KV append + attention
+                self._residual_norm(self.layers[layer - 1].post_ffn_norm, w.attn_norm, m)
+            # qkv for these positions, then (q/k norm +) RoPE + KV append + attention
             self._linear("qkv", w.qkv, self.xb, self.qkv, m, decode)
+            rope, kwargs = self.attention_args[layer]
             if attention is not None:
                 attention(layer)
             elif decode:
-                self.attn_decode(self.qkv, self.att, self.cache, self.rope, layer, pos)
+                self.attn_decode(self.qkv, self.att, self.cache, rope, layer, pos, **kwargs)
             else:
-                self._prefill_kernels(m)[1](self.qkv, self.att, self.cache, self.rope, layer, pos, m)
+                self._prefill_kernels(m)[1](self.qkv, self.att, self.cache, rope, layer, pos, m, **kwargs)
             self._linear("o", w.o, self.att, self.proj, m, decode)
             # ffn rmsnorm, with the attention output added into the residual
-            self.rmsnorm.residual(self.proj, self.x, w.ffn_norm, self.xb, m, c.hidden_size, c.rms_eps)
-            # SwiGLU MLP: gate-up with SiLU·mul fused, then down
+            self._residual_norm(w.post_attn_norm, w.ffn_norm, m)
+            # gated MLP: gate-up with the activation·up fused, then down
             self._linear("gate_up", w.gate_up, self.xb, self.hb, m, decode)
             self._linear("down", w.down, self.hb, self.proj, m, decode)
+
+    def _final_norm(self, m: int):
+        """The last layer's output joins the residual, then the final rmsnorm into xb."""
+        self._residual_norm(self.layers[-1].post_ffn_norm, self.final_norm, m)
 
     def _head(self, row: int):
         """Final residual add + rmsnorm and the lm_head, for one row (the last position) only."""
@@ -413,13 +474,15 @@ class Llama:
             nbytes = 4 * c.hidden_size
             for buffer in (self.proj, self.x):
                 self.device.copy(buffer, buffer, nbytes, src_offset=row * nbytes)
-        self.rmsnorm.residual(self.proj, self.x, self.final_norm, self.xb, 1, c.hidden_size, c.rms_eps)
+        self._final_norm(1)
         if isinstance(self.lm_head, Q8DeviceWeight):
             self._q8_op("gemv", "lm_head", self.lm_head)(self.lm_head, self.xb, self.logits_buf)
         elif isinstance(self.lm_head, Q4DeviceWeight):
             self.gemv["lm_head"](self.lm_head, self.xb, self.logits_buf)
         else:
             self.gemv_f16(self.lm_head, self.xb, self.logits_buf)
+        if c.final_softcap:
+            self.softcap(self.logits_buf, c.vocab_size, c.final_softcap)
 
     def _head_rows(self, m: int, first: int) -> np.ndarray:
         """Final residual add + rmsnorm over the chunk's m rows and the lm_head over rows first..m−1:
@@ -429,7 +492,7 @@ class Llama:
         if self.all_logits is None:   # only perplexity needs these: decode never allocates them
             self.all_logits = d.empty((self.chunk, v), np.float32)
             self.head_in = d.empty((self.chunk, hidden), np.float32)
-        self.rmsnorm.residual(self.proj, self.x, self.final_norm, self.xb, m, hidden, c.rms_eps)
+        self._final_norm(m)
         d.copy(self.head_in, self.xb, 4 * hidden * count, src_offset=4 * hidden * first)
         head = self.lm_head
         if isinstance(head, Q8DeviceWeight):
@@ -443,18 +506,22 @@ class Llama:
                 d.copy(self.row_in, self.head_in, 4 * hidden, src_offset=4 * hidden * r)
                 self.gemv_f16(head, self.row_in, self.logits_buf)
                 d.copy(self.all_logits, self.logits_buf, 4 * v, dst_offset=4 * v * r)
+        if c.final_softcap:
+            self.softcap(self.all_logits, count * v, c.final_softcap)
         d.copy(self.logits_buf, self.all_logits, 4 * v, src_offset=4 * v * (count - 1))
         out = np.empty((count, v), np.float32)
         cl.enqueue_copy(d.queue, out, self.all_logits.data)
         return out
 
     def _embed(self, m: int):
+        """The token rows into the residual stream, times the recipe's embedding scale (Gemma: √hidden)."""
+        scale = {"scale": self.config.embedding_scale} if self.config.embedding_scale != 1.0 else {}
         if isinstance(self.embedding, Q8DeviceWeight):
-            self._q8_op("embedding", "embedding", self.embedding, m)(self.embedding, self.ids, self.x, m)
+            self._q8_op("embedding", "embedding", self.embedding, m)(self.embedding, self.ids, self.x, m, **scale)
         elif isinstance(self.embedding, Q4DeviceWeight):
-            self.embed.q4(self.embedding, self.ids, self.x, m)
+            self.embed.q4(self.embedding, self.ids, self.x, m, **scale)
         else:
-            self.embed.f16(self.embedding, self.ids, self.x, m)
+            self.embed.f16(self.embedding, self.ids, self.x, m, **scale)
 
     def prefill(self, tokens: list[int], start_pos: int) -> None:
         """Run the prompt at positions start_pos.. (the cache before start_pos is reused); logits of the last."""
@@ -534,7 +601,8 @@ class Llama:
         self._token_upload = cl.enqueue_copy(queue, self.ids.data, self._token_host, is_blocking=False)
         for step in self._decode_plan:
             if type(step) is int:
-                self.attn_decode(self.qkv, self.att, self.cache, self.rope, step, pos)
+                rope, kwargs = self.attention_args[step]
+                self.attn_decode(self.qkv, self.att, self.cache, rope, step, pos, **kwargs)
             else:
                 step.enqueue(queue)
         self.host_seconds += time.perf_counter() - started
@@ -572,9 +640,10 @@ def load_model(name: str | None = None, device: Device | str | None = None, ctx:
     log = log or (lambda text: None)
     device = device if isinstance(device, Device) else Device(device)
     source = open_named(name, quantize=quantize, lm_head=lm_head)
-    log(f"perfx: model {source.describe().get('path', name)} on {device.caps.name} ({device.caps.platform}, "
-        f"limits: {device.caps.limits})")
-    model = Llama.load(source, device, ctx=ctx, progress=progress, default_ctx=default_ctx,
+    c = source.config
+    log(f"perfx: model {source.describe().get('path', name)} ({c.architecture}: {c.describe_recipe()}) on "
+        f"{device.caps.name} ({device.caps.platform}, limits: {device.caps.limits})")
+    model = Model.load(source, device, ctx=ctx, progress=progress, default_ctx=default_ctx,
                        database=default_database(tuning), log=log)
     r = model.load_report
     log(f"perfx: loaded in {r['load_s']:.1f}s: {r['weight_bytes'] / 2**20:.0f} MiB of weights, "

@@ -35,6 +35,12 @@ def silu(x) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
+def gelu_tanh(x) -> np.ndarray:
+    """GELU, tanh approximation (llama.cpp's ggml_gelu, transformers' gelu_pytorch_tanh)."""
+    x = f64(x)
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
 def swiglu(gate, up) -> np.ndarray:
     """SiLU(gate)·up, the Llama MLP's activation."""
     return silu(gate) * f64(up)
@@ -110,6 +116,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> n
         pass
     elif kind == "linear":
         inv = inv / float(scaling["factor"])
+    elif kind == "longrope":
+        pass   # Phi-3: its chosen (short or long) factors come as freq_factors; the attention factor scales the table
     elif kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
@@ -120,30 +128,33 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> n
         between = (wavelen <= original / low) & (wavelen >= original / high)
         inv = np.where(between, (1 - smooth) * inv / factor + smooth * inv, scaled)
     else:
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3, longrope)")
     return inv if factors is None else inv / factors
 
 
 def rope_tables(positions, head_dim: int, theta: float, scaling: dict | None = None):
     """cos and sin, each (len(positions), D/2): the table the kernels read."""
     angles = np.outer(f64(positions), rope_inv_freq(head_dim, theta, scaling))
-    return np.cos(angles), np.sin(angles)
+    # LongRoPE's attention factor multiplies cos and sin (transformers' attention_scaling, llama.cpp's attn_factor)
+    factor = float((scaling or {}).get("attention_factor", 1.0))
+    return np.cos(angles) * factor, np.sin(angles) * factor
 
 
-def rope(x, positions, theta: float, scaling: dict | None = None) -> np.ndarray:
+def rope(x, positions, theta: float, scaling: dict | None = None, rotary_dims: int | None = None) -> np.ndarray:
     """Rotate-half RoPE (Hugging Face ``rotate_half``) on x (..., M, heads, D) at positions (M).
 
-    Pairs are (i, i + D/2): out[i] = x[i]·cos − x[i+D/2]·sin, out[i+D/2] = x[i+D/2]·cos + x[i]·sin.
-    llama.cpp's converter permutes the rows of Wq and Wk so that its interleaved RoPE (pairs
-    (2i, 2i+1)) gives the same result; perfx undoes that permutation when loading a GGUF
+    Over the first n = ``rotary_dims`` dimensions (default D; Phi-3's partial rotary) pairs are (i, i + n/2):
+    out[i] = x[i]·cos − x[i+n/2]·sin, out[i+n/2] = x[i+n/2]·cos + x[i]·sin; dimensions from n on pass through.
+    llama.cpp's converter permutes the rows of Wq and Wk of Llama-style models so that its interleaved RoPE
+    (pairs (2i, 2i+1)) gives the same result; perfx undoes that permutation when loading a GGUF
     (``unpermute_qk``) and uses the rotate-half convention everywhere.
     """
     x = f64(x)
-    d = x.shape[-1]
-    cos, sin = rope_tables(positions, d, theta, scaling)
+    n = x.shape[-1] if rotary_dims is None else int(rotary_dims)
+    cos, sin = rope_tables(positions, n, theta, scaling)
     cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    x1, x2 = x[..., : n // 2], x[..., n // 2:n]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., n:]], axis=-1)
 
 
 def permute_qk(w, n_heads: int) -> np.ndarray:
@@ -160,13 +171,15 @@ def unpermute_qk(w, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def attention(q, k, v, q_positions, causal: bool = True, window: int = 0) -> np.ndarray:
-    """softmax(q·Kᵀ/√D)·V with GQA.
+def attention(q, k, v, q_positions, causal: bool = True, window: int = 0, scale: float | None = None,
+              softcap: float = 0.0) -> np.ndarray:
+    """softmax(q·Kᵀ·scale)·V with GQA; scale defaults to 1/√D.
 
     q (M, H, D) at absolute positions q_positions (M); k, v (T, Hkv, D) for positions 0..T−1.
-    Query head h reads key/value head h // (H / Hkv). With ``causal``, query at position p sees
-    positions 0..p; a sliding ``window`` W > 0 (Mistral) keeps only the last W of them, p − W + 1..p
-    (transformers' sliding-window mask: key j is seen when p − W < j ≤ p). Returns (M, H, D).
+    Query head h reads key/value head h // (H / Hkv). A ``softcap`` c > 0 (Gemma 2) maps each scaled score
+    s to c·tanh(s/c) before the mask. With ``causal``, query at position p sees positions 0..p; a sliding
+    ``window`` W > 0 keeps only the last W of them, p − W + 1..p (transformers' sliding-window mask: key j
+    is seen when p − W < j ≤ p). Returns (M, H, D).
     """
     q, k, v = f64(q), f64(k), f64(v)
     m, h, d = q.shape
@@ -174,7 +187,9 @@ def attention(q, k, v, q_positions, causal: bool = True, window: int = 0) -> np.
     group = h // hkv
     kh = np.repeat(k, group, axis=1)  # (T, H, D)
     vh = np.repeat(v, group, axis=1)
-    scores = np.einsum("mhd,thd->hmt", q, kh) / np.sqrt(d)
+    scores = np.einsum("mhd,thd->hmt", q, kh) * (1.0 / np.sqrt(d) if scale is None else scale)
+    if softcap:
+        scores = softcap * np.tanh(scores / softcap)
     if causal or window:
         keys, queries = np.arange(t)[None, :], np.asarray(q_positions)[:, None]
         visible = keys <= queries if causal else np.ones((m, t), bool)   # (M, T)
@@ -264,13 +279,14 @@ def embed(embedding, tokens) -> np.ndarray:
     return f64(embedding[tokens])
 
 
-def llama_forward(source, tokens, start_pos: int = 0, cache: ReferenceCache | None = None):
+def model_forward(source, tokens, start_pos: int = 0, cache: ReferenceCache | None = None, ctx: int | None = None):
     """Logits (M, V) float64 for M tokens at positions start_pos.., and the updated cache.
 
     ``source`` is a perfx.sources.ModelSource (weights read layer by layer, dequantized to float64);
-    ``cache`` holds positions 0..start_pos−1 (None: a new one, start_pos must then be 0).
-    The maths of Hugging Face's LlamaForCausalLM / MistralForCausalLM (its sliding window included) /
-    Qwen2ForCausalLM.
+    ``cache`` holds positions 0..start_pos−1 (None: a new one, start_pos must then be 0). The forward follows
+    the config's recipe (``perfx.config``): the maths of transformers' Llama, Mistral, Qwen2, Qwen3, Gemma 2,
+    Gemma 3, Phi-3 and SmolLM3 models. ``ctx`` is the context the model runs in (LongRoPE picks its factors
+    by it); None: the positions this call reaches.
     """
     c = source.config
     tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
@@ -280,11 +296,13 @@ def llama_forward(source, tokens, start_pos: int = 0, cache: ReferenceCache | No
     if cache.length != start_pos:
         raise ValueError(f"cache holds {cache.length} positions but start_pos is {start_pos}")
     positions = np.arange(start_pos, start_pos + m)
+    ctx = start_pos + m if ctx is None else ctx
+    gate = gelu_tanh if c.ffn_activation == "gelu_tanh" else silu
 
     embedding = source.embedding()
-    x = embed(embedding, tokens)  # (M, hidden) residual stream
+    x = embed(embedding, tokens) * c.embedding_scale  # (M, hidden) residual stream
     for i in range(c.n_layers):
-        w = source.layer(i)
+        w, recipe = source.layer(i), c.layer(i, ctx)
         # attention rmsnorm
         xb = rmsnorm(x, w.attn_norm, c.rms_eps)
         # q, k, v for these positions from the fused projection
@@ -292,20 +310,30 @@ def llama_forward(source, tokens, start_pos: int = 0, cache: ReferenceCache | No
         q = qkv[:, :q_dim].reshape(m, h, d)
         k = qkv[:, q_dim:q_dim + kv_dim].reshape(m, hkv, d)
         v = qkv[:, q_dim + kv_dim:].reshape(m, hkv, d)
-        # rotate q and k by their positions (rotate-half RoPE)
-        q = rope(q, positions, c.rope_theta, c.rope_scaling)
-        k = rope(k, positions, c.rope_theta, c.rope_scaling)
+        # per-head q and k norms (Qwen3, Gemma 3), then RoPE where the layer has it (rotate-half)
+        if c.qk_norm:
+            q, k = rmsnorm(q, w.q_norm, c.rms_eps), rmsnorm(k, w.k_norm, c.rms_eps)
+        if recipe.rope is not None:
+            r = recipe.rope
+            q = rope(q, positions, r.theta, r.scaling, rotary_dims=r.dims)
+            k = rope(k, positions, r.theta, r.scaling, rotary_dims=r.dims)
         # append k, v to the cache; causal GQA attention over everything cached
         keys, values = cache.append(i, k, v)
-        att = attention(q, keys, values, positions, window=c.sliding_window).reshape(m, q_dim)
-        # output projection, residual back into x
-        x = x + linear(att, w.o)
-        # ffn rmsnorm, SwiGLU MLP (gate rows first, then up), residual
+        att = attention(q, keys, values, positions, window=recipe.window, scale=c.scale,
+                        softcap=c.attn_softcap).reshape(m, q_dim)
+        # output projection (its own norm first where the recipe has post-norms), residual back into x
+        out = linear(att, w.o)
+        x = x + (rmsnorm(out, w.post_attn_norm, c.rms_eps) if c.post_norms else out)
+        # ffn rmsnorm, gated MLP (gate rows first, then up), residual
         xb = rmsnorm(x, w.ffn_norm, c.rms_eps)
         gate_up = linear(xb, w.gate_up)
         n_inter = c.intermediate_size
-        x = x + linear(swiglu(gate_up[:, :n_inter], gate_up[:, n_inter:]), w.down)
+        out = linear(gate(gate_up[:, :n_inter]) * gate_up[:, n_inter:], w.down)
+        x = x + (rmsnorm(out, w.post_ffn_norm, c.rms_eps) if c.post_norms else out)
     # final rmsnorm and the classifier (the embedding itself when tied)
     x = rmsnorm(x, source.final_norm(), c.rms_eps)
     head = source.lm_head()
-    return linear(x, embedding if head is None else head), cache
+    logits = linear(x, embedding if head is None else head)
+    if c.final_softcap:
+        logits = c.final_softcap * np.tanh(logits / c.final_softcap)
+    return logits, cache

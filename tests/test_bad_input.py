@@ -1,4 +1,4 @@
-"""Bad input, one suite (issue 8, item 3): every input a user can get wrong gets a clear PerfxError that names
+"""Bad input, one suite: every input a user can get wrong gets a clear PerfxError that names
 what is wrong, or a documented recovery, and leaves the process able to load and run a good model.
 
 Corrupt files are made from a tiny random model (tests/helpers/tiny_models.py) by cutting, overwriting or
@@ -27,7 +27,7 @@ from helpers.tiny_models import (TinyModel, make_tiny_model, quantize_gguf, tiny
                                  write_gguf, write_hf)
 from perfx import cli, reference
 from perfx.errors import PerfxError
-from perfx.model import Llama, load_model
+from perfx.model import Model, load_model
 from perfx.ops.gemv_q4 import GemvQ4
 from perfx.ops.kv_cache import KVCache
 from perfx.runtime import BuildError, Device, parse_limits
@@ -130,7 +130,7 @@ def test_unsupported_tensor_dtype_is_named(tiny, tmp_path, device):
     save_file(tensors, str(bad / "model.safetensors"))
     source = open_model(bad)  # the header is valid: the dtype is met when the layer is read
     with pytest.raises(PerfxError, match=rf"tensor {UP1} has dtype I64; perfx reads F16, BF16, F32"):
-        Llama.load(source, device, ctx=16, progress=False)
+        Model.load(source, device, ctx=16, progress=False)
 
 
 @pytest.mark.parametrize("what, corrupt, message", [
@@ -230,7 +230,7 @@ NONFINITE_CASES = [
 def test_nan_or_inf_weights_are_refused_at_load_naming_the_tensor(tiny, tmp_path, device, write, message):
     path = write(tiny[0], tmp_path / ("bad.gguf" if "gguf" in message or "blk" in message else "bad"))
     with pytest.raises(PerfxError, match=message):
-        Llama.load(open_model(path), device, ctx=16, progress=False)
+        Model.load(open_model(path), device, ctx=16, progress=False)
 
 
 def test_nan_awq_scale_is_refused(tiny, tmp_path, device):
@@ -241,7 +241,7 @@ def test_nan_awq_scale_is_refused(tiny, tmp_path, device):
     data = data[:start] + NAN16.tobytes() + data[start + 2:]
     (directory / "model.safetensors").write_bytes(safetensors_bytes(header, data))
     with pytest.raises(PerfxError, match=rf"tensor {name} has 1 NaN or Inf values"):
-        Llama.load(open_model(directory), device, ctx=16, progress=False)
+        Model.load(open_model(directory), device, ctx=16, progress=False)
 
 
 # -- prompts and text ---------------------------------------------------------------------------------------
@@ -401,7 +401,7 @@ def test_corrupt_tuning_database_is_set_aside_and_the_model_runs(tiny, tmp_path,
     with pytest.warns(TuningDatabaseWarning, match="set aside"):
         model, source = load_model(str(tiny[1]), device, ctx=16)
     model.prefill([5, 9, 11], 0)
-    want, _ = reference.llama_forward(source, [5, 9, 11])
+    want, _ = reference.model_forward(source, [5, 9, 11])
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
     assert [p.name.split(".corrupt-")[0] for p in mine.parent.iterdir()] == [mine.name]  # set aside, no temp
 
@@ -414,13 +414,13 @@ def test_after_every_error_the_same_process_loads_and_runs_a_good_model(tiny, tm
         else:
             write_hf(bad, with_weights(tiny[0], model__norm__weight=set_at(0, np.nan)))
         with pytest.raises(PerfxError):
-            Llama.load(open_model(bad), device, ctx=16, progress=False)
+            Model.load(open_model(bad), device, ctx=16, progress=False)
     with pytest.raises(BuildError):
         device.build("copy.cl", {"VWC": "8)"})
     model, source = load_model(str(tiny[1]), device, ctx=32)
     prompt = source.tokenizer.encode("la doperi ka", add_bos=True)
     model.prefill(prompt, 0)
-    want, _ = reference.llama_forward(source, prompt)
+    want, _ = reference.model_forward(source, prompt)
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
 
 
@@ -428,9 +428,9 @@ def test_the_checks_can_fail(tiny, device):
     # The good model passes the load-time checks, and the comparison that proves "the session still works"
     # tells a wrong reference (another position's logits) and a NaN output apart from the right one.
     source = open_model(tiny[1])
-    model = Llama.load(source, device, ctx=16, progress=False)
+    model = Model.load(source, device, ctx=16, progress=False)
     model.prefill([5, 9, 11], 0)
-    want, _ = reference.llama_forward(source, [5, 9, 11])
+    want, _ = reference.model_forward(source, [5, 9, 11])
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
     assert relative_error(model.logits(), want[-2]) > TOLERANCE      # a wrong reference is told apart
     with warnings.catch_warnings():

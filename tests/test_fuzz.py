@@ -1,4 +1,4 @@
-"""Shape fuzzing (issue 8, item 2): Hypothesis draws shapes, group sizes, GQA ratios, positions and a
+"""Shape fuzzing: Hypothesis draws shapes, group sizes, GQA ratios, positions and a
 parameter set within each family's spec, and the kernel must match the float64 reference within the spec's
 tolerance.
 

@@ -1,4 +1,4 @@
-"""Prompt ids identical to llama.cpp's, BOS rule included (issue 15).
+"""Prompt ids identical to llama.cpp's, BOS rule included.
 
 llama.cpp tokenizes with ``add_special`` = the model's own ``tokenizer.ggml.add_bos_token`` (llama_tokenize
 adds BOS only where the vocabulary says so); perfx's commands encode with ``add_bos=tokenizer.add_bos_token``.

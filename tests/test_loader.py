@@ -18,7 +18,7 @@ from perfx.formats import Q4Matrix, Q8Matrix
 from perfx.sources import open_model
 from perfx.sources.base import FUSED_LINEARS, form_of
 from perfx.sources.gguf import GGUF_FORMS
-from perfx.reference import llama_forward, permute_qk, rope, unpermute_qk
+from perfx.reference import model_forward, permute_qk, rope, unpermute_qk
 from perfx.sources.synthetic import SYNTHETIC_MODELS
 
 FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
@@ -165,7 +165,7 @@ def test_gguf_every_type_reads_into_its_form_as_llama_cpp_dequantizes_it(spm, mi
         np.testing.assert_allclose(head.dequantize(), written.weights["lm_head.weight"], rtol=0,
                                    atol=2.0**-23 * np.abs(written.weights["lm_head.weight"]).max())
     # the reference forward runs on every form
-    logits, _ = llama_forward(source, [1, 5, 9])
+    logits, _ = model_forward(source, [1, 5, 9])
     assert logits.shape == (3, source.config.vocab_size) and np.all(np.isfinite(logits))
 
 
@@ -214,15 +214,15 @@ def test_gguf_and_hf_fp16_forward_agree(gqa3, gqa3_gguf, tmp_path):
     ids = gg.tokenizer.encode(prompt, add_bos=True)
     assert ids == hf.tokenizer.encode(prompt, add_bos=True) and len(ids) >= 4
     assert "<|im_start|>assistant" in gg.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
-    logits_gg, _ = llama_forward(gg, ids)
-    logits_hf, _ = llama_forward(hf, ids)
+    logits_gg, _ = model_forward(gg, ids)
+    logits_hf, _ = model_forward(hf, ids)
     assert rel(logits_hf, logits_gg) <= 5e-3
     assert rel(logits_hf + 1.0, logits_gg) > 5e-3  # the comparison can fail
     np.testing.assert_array_equal(logits_hf.argmax(-1), logits_gg.argmax(-1))
     # decoding one token at a time through the cache gives the prompt's logits again
-    logits, cache = llama_forward(gg, ids[:2])
+    logits, cache = model_forward(gg, ids[:2])
     for pos in range(2, len(ids)):
-        step, cache = llama_forward(gg, ids[pos:pos + 1], pos, cache)
+        step, cache = model_forward(gg, ids[pos:pos + 1], pos, cache)
         np.testing.assert_allclose(step[0], logits_gg[pos], rtol=0, atol=1e-9 * np.abs(logits_gg).max())
 
 
@@ -240,8 +240,8 @@ def test_gguf_tied_and_qwen2_agree_with_hf(kind, spm, tmp_path):
         np.testing.assert_array_equal(gg.layer(0).qkv_bias, bias)  # Qwen2: not permuted by llama.cpp
         np.testing.assert_array_equal(hf.layer(0).qkv_bias, bias.astype(np.float16))
     ids = [1, 17, 42, 300, 5]
-    logits_gg, _ = llama_forward(gg, ids)
-    logits_hf, _ = llama_forward(hf, ids)
+    logits_gg, _ = model_forward(gg, ids)
+    logits_hf, _ = model_forward(hf, ids)
     assert rel(logits_hf, logits_gg) <= 5e-3
 
 
@@ -411,7 +411,7 @@ def test_synthetic_models_have_the_real_shapes():
     assert layer.gate_up.shape == (3072, 576) and layer.down.shape == (576, 1536)
     tiny = open_model("synthetic:tiny")
     assert tiny.tokenizer is None and tiny.describe()["format"] == "synthetic"
-    logits, _ = llama_forward(tiny, [1, 2, 3])
+    logits, _ = model_forward(tiny, [1, 2, 3])
     assert logits.shape == (3, tiny.config.vocab_size) and np.all(np.isfinite(logits))
 
 
@@ -425,7 +425,7 @@ def test_default_model_says_paris():
     assert c.tie_embeddings and source.lm_head() is None
     tokenizer = source.tokenizer
     ids = tokenizer.encode("The capital of France is", add_bos=tokenizer.add_bos_token)
-    logits, _ = llama_forward(source, ids)
+    logits, _ = model_forward(source, ids)
     assert tokenizer.decode([int(np.argmax(logits[-1]))]) == " Paris"
 
 

@@ -13,7 +13,7 @@ from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_awq, writ
 from perfx import reference
 from perfx.errors import PerfxError
 from perfx.generate import SamplingConfig, generate
-from perfx.model import Llama, load_model
+from perfx.model import Model, load_model
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.sources import open_model
 from perfx.tuning import SPECS
@@ -49,7 +49,7 @@ def tiny_paths(spm, tmp_path_factory):
 
 def load(path, device, ctx=64, quantize=None):
     source = open_model(path, quantize=quantize)
-    return Llama.load(source, device, ctx=ctx, progress=False), source
+    return Model.load(source, device, ctx=ctx, progress=False), source
 
 
 @pytest.mark.parametrize("name", ["gguf-gqa3", "gguf-gqa1-tied", "awq-gemm-gqa3", "awq-gemv-qwen2", "hf-fp16-gqa3",
@@ -59,13 +59,13 @@ def test_prefill_and_decode_match_the_reference_forward(tiny_paths, device, rng,
     model, source = load(tiny_paths[name], device, quantize=quantize)
     v = source.config.vocab_size
     prompt = [int(t) for t in rng.integers(3, v, 9)]
-    want, cache = reference.llama_forward(source, prompt)
+    want, cache = reference.model_forward(source, prompt)
     model.prefill(prompt, 0)
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
     # two decode steps continue the same cache
     pos = len(prompt)
     for token in (int(rng.integers(3, v)), int(rng.integers(3, v))):
-        want, cache = reference.llama_forward(source, [token], start_pos=pos, cache=cache)
+        want, cache = reference.model_forward(source, [token], start_pos=pos, cache=cache)
         model.decode_one(token, pos)
         pos += 1
         got = model.logits()
@@ -93,7 +93,7 @@ def test_long_prompts_run_in_chunks(tiny_paths, device, rng, monkeypatch):
     model, source = load(tiny_paths["gguf-gqa1-tied"], device)
     assert model.chunk == 8
     tokens = [int(t) for t in rng.integers(3, source.config.vocab_size, 21)]
-    want, _ = reference.llama_forward(source, tokens)
+    want, _ = reference.model_forward(source, tokens)
     model.prefill(tokens, 0)
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
 
@@ -170,9 +170,9 @@ def test_phone_limits_split_the_lm_head(tiny_paths, device, lm_head, max_alloc, 
     from perfx.runtime import Device, Limits
     small = Device(limits=Limits(name="tiny-phone", max_alloc=max_alloc))
     source = open_model(tiny_paths["gguf-gqa1-tied"], lm_head=lm_head)
-    model = Llama.load(source, small, ctx=ctx, progress=False)
+    model = Model.load(source, small, ctx=ctx, progress=False)
     assert len(model.lm_head.blocks) > 1 and model.lm_head is model.embedding
-    want, _ = reference.llama_forward(source, [5, 9, 11])
+    want, _ = reference.model_forward(source, [5, 9, 11])
     model.prefill([5, 9, 11], 0)
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
 
@@ -194,12 +194,12 @@ def test_default_model_answers_coherently_and_matches_the_reference(device):
     exact, source = load_model("default", device, ctx=256, progress=False, tuning=False)
     tok = source.tokenizer
     prompt = tok.encode("The capital of France is", add_bos=True)
-    logits, cache = reference.llama_forward(source, prompt)
+    logits, cache = reference.model_forward(source, prompt)
     want, want_logits, pos = [], [], len(prompt)
     for _ in range(16):
         token = int(np.argmax(logits[-1]))
         want.append(token)
-        logits, cache = reference.llama_forward(source, [token], start_pos=pos, cache=cache)
+        logits, cache = reference.model_forward(source, [token], start_pos=pos, cache=cache)
         want_logits.append(logits[-1])
         pos += 1
     result = generate(exact, tok, prompt, 16, SamplingConfig(temperature=0))
@@ -225,12 +225,12 @@ def test_the_model_runs_the_tuned_parameters(tiny_paths, device, tmp_path, monke
     assert forced != spec.defaults()
     default_database().save_result(device, result_record(spec, qkv.shape, forced, 1e-5, None, device.fingerprint))
 
-    model = Llama.load(source, device, ctx=32, progress=False)
+    model = Model.load(source, device, ctx=32, progress=False)
     assert model.gemv["qkv"].params == forced
     assert model.tuned["gemv_q4 (qkv)"].source == "device"
     assert model.gemv["o"].params != forced or model.tuned["gemv_q4 (o)"].source != "device"
     # and the answer is still right with it
-    want, _ = reference.llama_forward(source, [4, 8, 15])
+    want, _ = reference.model_forward(source, [4, 8, 15])
     model.prefill([4, 8], 0)
     model.decode_one(15, 2)
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
@@ -249,7 +249,7 @@ def test_a_tied_int4_embedding_is_on_the_device_once(spm, device, tmp_path, monk
     if spec.why_invalid(image2d, shape, device.caps) is None:
         default_database().save_result(device, result_record(spec, shape, image2d, 1e-6, None, device.fingerprint))
     before = device.allocated_bytes
-    model = Llama.load(source, device, ctx=32, progress=False)
+    model = Model.load(source, device, ctx=32, progress=False)
     table = model.embedding
     assert isinstance(table, Q4DeviceWeight) and model.lm_head is table
     assert table.buffer is not None and (not table.images or table.images_are_views)
@@ -257,7 +257,7 @@ def test_a_tied_int4_embedding_is_on_the_device_once(spm, device, tmp_path, monk
     assert lm_head.read != 1 or table.images_are_views
     assert table.layout == lm_head.layout
     assert device.allocated_bytes - before < model.load_report["weight_bytes"] + model.cache.nbytes + (8 << 20)
-    want, _ = reference.llama_forward(source, [4, 8, 15])
+    want, _ = reference.model_forward(source, [4, 8, 15])
     model.prefill([4, 8], 0)
     model.decode_one(15, 2)
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE

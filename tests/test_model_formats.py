@@ -1,4 +1,4 @@
-"""The device forward on every GGUF type and model variant issue 15 adds, against the float64 reference
+"""The device forward on every GGUF type and model variant perfx reads, against the float64 reference
 forward over the same source: Q4_K_M and Q5_K_M mixes (int4 and int8 matrices, fused QKV at G = 16), every
 32-weight type, a Llama-3-style model with rope_freqs, a Mistral-style sliding window, the lm_head in each
 form, and every position's logits (perplexity's path).
@@ -13,7 +13,7 @@ import pytest
 from helpers.tiny_models import MIXED_32, Q4_K_M, Q5_K_M, make_tiny_model, tiny_tokenizer, write_gguf, write_hf
 from perfx import reference
 from perfx.formats import Q8Matrix
-from perfx.model import Llama
+from perfx.model import Model
 from perfx.ops.q8_weight import Q8DeviceWeight
 from perfx.sources import open_model
 from perfx.tuning.spec import relative_error
@@ -46,19 +46,19 @@ def paths(spm, tmp_path_factory):
 
 def load(path, device, ctx=64, lm_head="q8"):
     source = open_model(path, lm_head=lm_head)
-    return Llama.load(source, device, ctx=ctx, progress=False), source
+    return Model.load(source, device, ctx=ctx, progress=False), source
 
 
 def check_prefill_and_decode(model, source, rng, prompt_len=19, steps=3):
     v = source.config.vocab_size
     prompt = [int(t) for t in rng.integers(3, v, prompt_len)]
-    want, cache = reference.llama_forward(source, prompt)
+    want, cache = reference.model_forward(source, prompt)
     model.prefill(prompt, 0)
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
     pos = len(prompt)
     for _ in range(steps):
         token = int(rng.integers(3, v))
-        want, cache = reference.llama_forward(source, [token], start_pos=pos, cache=cache)
+        want, cache = reference.model_forward(source, [token], start_pos=pos, cache=cache)
         model.decode_one(token, pos)
         pos += 1
         assert relative_error(model.logits(), want[-1]) <= TOLERANCE
@@ -89,12 +89,12 @@ def test_llama3_rope_freqs_on_the_device(paths, device, rng):
     model, source = load(paths["llama3"], device, ctx=128)
     assert "freq_factors" in source.config.rope_scaling
     prompt = [int(t) for t in rng.integers(3, source.config.vocab_size, 90)]
-    want, _ = reference.llama_forward(source, prompt)
+    want, _ = reference.model_forward(source, prompt)
     model.prefill(prompt, 0)
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
     plain = open_model(paths["llama3"])
     plain.config.rope_scaling = None
-    without, _ = reference.llama_forward(plain, prompt)
+    without, _ = reference.model_forward(plain, prompt)
     assert relative_error(without[-1], want[-1]) > 10 * TOLERANCE   # the check could fail
 
 
@@ -105,8 +105,8 @@ def test_sliding_window_on_the_device(paths, device, rng):
     unwindowed = open_model(paths["window"])
     unwindowed.config.sliding_window = 0
     prompt = [int(t) for t in rng.integers(3, source.config.vocab_size, 12)]
-    a, _ = reference.llama_forward(source, prompt)
-    b, _ = reference.llama_forward(unwindowed, prompt)
+    a, _ = reference.model_forward(source, prompt)
+    b, _ = reference.model_forward(unwindowed, prompt)
     assert relative_error(b[-1], a[-1]) > 10 * TOLERANCE and want is not None
 
 
@@ -118,7 +118,7 @@ def test_every_positions_logits(paths, device, rng, monkeypatch, name, lm_head):
     monkeypatch.setattr(model_module, "PREFILL_CHUNK", 8)
     model, source = load(paths[name], device, lm_head=lm_head)
     tokens = [int(t) for t in rng.integers(3, source.config.vocab_size, 21)]
-    want, _ = reference.llama_forward(source, tokens)
+    want, _ = reference.model_forward(source, tokens)
     for first in (0, 5, 13, 20):
         got = model.prefill_logits(tokens, 0, first)
         assert got.shape == (21 - first, source.config.vocab_size)
@@ -126,7 +126,7 @@ def test_every_positions_logits(paths, device, rng, monkeypatch, name, lm_head):
             assert relative_error(got[row], want[first + row]) <= TOLERANCE, (first, row)
         assert relative_error(model.logits(), want[-1]) <= TOLERANCE
     # decode continues the same cache afterwards
-    want_next, _ = reference.llama_forward(source, tokens + [7])
+    want_next, _ = reference.model_forward(source, tokens + [7])
     model.decode_one(7, 21)
     assert relative_error(model.logits(), want_next[-1]) <= TOLERANCE
 

@@ -1,4 +1,4 @@
-"""The Oclgrind tier: every kernel family under a simulator that checks each access (issue 8, item 1).
+"""The Oclgrind tier: every kernel family under a simulator that checks each access.
 
 Each family of ``perfx.tuning.specs()`` runs at tiny shapes (tests/oclgrind_runner.py) at its defaults and at
 SAMPLES parameter sets (fewer where the family has fewer) drawn with a fixed seed from what the tuner may

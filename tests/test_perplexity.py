@@ -47,7 +47,7 @@ def reference_nll(path, ctx: int, chunks: int) -> tuple[float, int, bool]:
         chunk = ids[i * ctx:(i + 1) * ctx]
         if tok.add_bos_token:
             chunk = [tok.bos_id] + chunk[1:]
-        logits, _ = reference.llama_forward(source, chunk)
+        logits, _ = reference.model_forward(source, chunk)
         nll = nll_rows(logits[ctx // 2:ctx - 1], ids[i * ctx + ctx // 2 + 1:(i + 1) * ctx])
         total, count = total + nll.sum(), count + len(nll)
     return total / count, count, ids[0] == tok.bos_id

@@ -278,6 +278,7 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(loaded):
         (b"{not json", 400, None, "invalid_json"),
         (b"[1, 2]", 400, None, "invalid_json"),
         (b"\xff\xfe{}", 400, None, "invalid_json"),
+        (b"[" * 100_000 + b"]" * 100_000, 400, None, "invalid_json"),   # nested past any request: no stack overflow
         (json.dumps(chat).replace('"max_tokens": 2', '"temperature": NaN').encode(), 400, None, "invalid_json"),
         ({"messages": HELLO}, 400, "model", "missing_parameter"),
         ({**chat, "model": "gpt-4o"}, 404, "model", "model_not_found"),

@@ -1,4 +1,4 @@
-"""Soak (issue 8, item 5): the default model chats through a scripted session on a 256-position context until
+"""Soak: the default model chats through a scripted session on a 256-position context until
 the context has overflowed at least twice (the chat drops its oldest turns and re-prefills the rest) and it
 has had at least MIN_TURNS turns, in process through ``perfx.commands.chat.Chat``, the class behind `perfx chat`.
 

@@ -1,4 +1,4 @@
-"""Tight memory (issue 8, item 4): the synthetic Llama-2-7B under an Adreno 740's limits
+"""Tight memory: the synthetic Llama-2-7B under an Adreno 740's limits
 (PERFX_LIMITS=adreno740: one allocation ≤ 1 GiB, image2d ≤ 16384 × 16384) loads and decodes, no single
 allocation or image breaks a limit, and its device memory is reported against PerfXLLM's 3.7 GB for the same
 model (int4, group 128, fp16 embedding and lm_head). About a minute on two CPU cores: slow.

@@ -29,13 +29,6 @@ class Problem:
     per_token: int = 1  # launches per forward pass (layers): how much it matters
 
 
-def model_shapes(name: str | None):
-    """(config, group) of a ``--model`` value ("default", a path, "synthetic:<name>"); group is the int4
-    group size the model's file fixes (``ModelSource.int4_group``), None where perfx chooses it per K."""
-    source = open_named(name)
-    return source.config, source.int4_group
-
-
 def _group(k: int, fixed: int | None = None) -> int | None:
     if fixed:
         return fixed if k % fixed == 0 else None

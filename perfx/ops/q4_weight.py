@@ -72,10 +72,6 @@ class Q4DeviceWeight:
     images_are_views: bool = False
 
     @property
-    def texels_per_row(self) -> int:
-        return self.k // 32
-
-    @property
     def nbytes(self) -> int:
         """Bytes a kernel reads for one pass over the matrix (codes, scales and offsets, bias)."""
         return self.n * self.k // 2 + 4 * self.n * (self.k // self.group) + (4 * self.n if self.bias is not None else 0)

@@ -63,9 +63,32 @@ def parse_json(raw: bytes | None) -> dict:
         body = json.loads(raw, parse_constant=refuse_constant)
     except ValueError as error:  # UnicodeDecodeError included
         raise APIError(400, f"the body is not valid JSON: {error}", code="invalid_json") from None
+    except RecursionError:
+        body = None
+    if body is None or nesting_depth(body) > MAX_JSON_DEPTH:
+        raise APIError(400, f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep; no request of this "
+                       "API needs that", code="invalid_json")
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object", code="invalid_json")
     return body
+
+
+# Deeper than any chat request (messages → content parts → fields) needs; the code that reads a body walks it
+# recursively, so a deeper one is refused before it can exhaust Python's stack.
+MAX_JSON_DEPTH = 32
+
+
+def nesting_depth(value) -> int:
+    """How deeply lists and objects nest in a parsed JSON value (walked without recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            deepest = max(deepest, depth)
+            if depth > MAX_JSON_DEPTH:
+                break
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def value_of(body: dict, name: str, kinds: tuple, what: str):

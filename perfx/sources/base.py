@@ -77,6 +77,10 @@ class LayerWeights:
     ffn_norm: np.ndarray           # (hidden,) float32
     gate_up: Linear                # (2·intermediate, hidden): gate rows, then up rows
     down: Linear                   # (hidden, intermediate)
+    q_norm: np.ndarray | None = None           # (D,) float32: per-head RMSNorm of q (Qwen3, Gemma 3)
+    k_norm: np.ndarray | None = None           # (D,) float32: the same for k
+    post_attn_norm: np.ndarray | None = None   # (hidden,) float32: RMSNorm of the attention output (Gemma)
+    post_ffn_norm: np.ndarray | None = None    # (hidden,) float32: RMSNorm of the FFN output (Gemma)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,6 +132,15 @@ class ModelSource(ABC):
 
     def _part_form(self, name: str, layer: int) -> Form | None:
         """The form ``_linear(name, layer)`` gives, from the header alone; None where the source cannot tell."""
+        return None
+
+    def _fused(self, label: str, layer: int) -> Linear | None:
+        """"qkv" or "gate_up" as the file stores it fused (Phi-3's qkv_proj and gate_up_proj), None where the
+        file stores the parts (then they are fused here)."""
+        return None
+
+    def _fused_form(self, label: str, layer: int) -> Form | None:
+        """The form of ``_fused(label, layer)`` from the header alone; None where the file stores the parts."""
         return None
 
     def _table_form(self, name: str) -> Form | None:
@@ -198,7 +211,9 @@ class ModelSource(ABC):
         forms: dict[str, set[Form]] = {label: set() for label in FUSED_LINEARS}
         for i in range(c.n_layers):
             for label, names in FUSED_LINEARS.items():
-                parts = [self._part_form(name, i) for name in names]
+                parts = [self._fused_form(label, i)] if len(names) > 1 else [None]
+                if parts[0] is None:
+                    parts = [self._part_form(name, i) for name in names]
                 if any(p is None for p in parts):
                     return None
                 k = self.expected_shape(names[0])[1]
@@ -220,15 +235,25 @@ class ModelSource(ABC):
         c = self.config
         if not 0 <= i < c.n_layers:
             raise PerfxError(f"layer {i} does not exist: the model has {c.n_layers} layers")
-        qkv = fuse_rows([self._linear(name, i) for name in ("q", "k", "v")])
+        qkv = self._fused("qkv", i)
+        if qkv is None:
+            qkv = fuse_rows([self._linear(name, i) for name in ("q", "k", "v")])
+        gate_up = self._fused("gate_up", i)
+        if gate_up is None:
+            gate_up = fuse_rows([self._linear("gate", i), self._linear("up", i)])
         bias = None
         if c.qkv_bias:
             bias = np.concatenate([self._vector(f"{name}_bias", i) for name in ("q", "k", "v")])
+        norms = {}
+        if c.qk_norm:
+            norms.update(q_norm=self._vector("q_norm", i), k_norm=self._vector("k_norm", i))
+        if c.post_norms:
+            norms.update(post_attn_norm=self._vector("post_attn_norm", i),
+                         post_ffn_norm=self._vector("post_ffn_norm", i))
         return LayerWeights(
             attn_norm=self._vector("attn_norm", i), qkv=self._quantized(qkv), qkv_bias=bias,
             o=self._quantized(self._linear("o", i)), ffn_norm=self._vector("ffn_norm", i),
-            gate_up=self._quantized(fuse_rows([self._linear("gate", i), self._linear("up", i)])),
-            down=self._quantized(self._linear("down", i)))
+            gate_up=self._quantized(gate_up), down=self._quantized(self._linear("down", i)), **norms)
 
     def layers(self):
         """Iterate over the layers in order, one loaded at a time."""
@@ -241,11 +266,20 @@ class ModelSource(ABC):
         return {"q": (c.q_dim, c.hidden_size), "k": (c.kv_dim, c.hidden_size), "v": (c.kv_dim, c.hidden_size),
                 "o": (c.hidden_size, c.q_dim), "gate": (c.intermediate_size, c.hidden_size),
                 "up": (c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size),
+                "qkv": (c.qkv_dim, c.hidden_size), "gate_up": (2 * c.intermediate_size, c.hidden_size),
                 "embedding": (c.vocab_size, c.hidden_size), "lm_head": (c.vocab_size, c.hidden_size)}[name]
 
     def expected_vector(self, name: str) -> int:
         c = self.config
-        return {"q_bias": c.q_dim, "k_bias": c.kv_dim, "v_bias": c.kv_dim}.get(name, c.hidden_size)
+        return {"q_bias": c.q_dim, "k_bias": c.kv_dim, "v_bias": c.kv_dim, "q_norm": c.head_dim,
+                "k_norm": c.head_dim}.get(name, c.hidden_size)
+
+    def vector_names(self) -> tuple[str, ...]:
+        """The per-layer vectors this model's recipe reads."""
+        c = self.config
+        return (("attn_norm", "ffn_norm") + (("q_bias", "k_bias", "v_bias") if c.qkv_bias else ())
+                + (("q_norm", "k_norm") if c.qk_norm else ()) + (("post_attn_norm", "post_ffn_norm") if c.post_norms
+                                                                 else ()))
 
     def _quantized(self, w: Linear) -> Linear:
         if self.quantize != "q4" or isinstance(w, Q4Matrix):

@@ -1,11 +1,13 @@
-"""GGUF files (architecture llama or qwen2), every tensor type llama.cpp's usual quantizations write.
+"""GGUF files (architectures llama, qwen2, qwen3, gemma2, gemma3, phi3, smollm3), every tensor type llama.cpp's
+usual quantizations write.
 
 Q4_0, Q4_1 and Q4_K go into the int4 form (G = 32); Q5_0, Q5_1, Q5_K, Q6_K and Q8_0 into the int8 form
 (G = 32, Q6_K 16), exactly (``perfx.formats``); F16, BF16 and F32 become fp16. So Q4_K_M and Q5_K_M files,
 which mix Q4_K or Q5_K with Q5_0, Q6_K and Q8_0 tensors, run as they are. The header is checked when the
 file is opened (every tensor present, of a type perfx reads, of the shape the config implies); tensors
-are read from the memory map one at a time. llama.cpp permutes the rows of Wq and Wk for its interleaved
-RoPE; they are put back in Hugging Face's rotate-half order here.
+are read from the memory map one at a time. llama.cpp permutes the rows of Wq and Wk of Llama-style models
+for its interleaved RoPE; they are put back in Hugging Face's rotate-half order here. Phi-3 files hold QKV
+(attn_qkv) and gate-up (ffn_up: gate rows, then up rows) fused, which is the form perfx's kernels read.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numpy as np
 from gguf import quants
 
 from perfx import formats
-from perfx.config import ModelConfig, gguf_field
+from perfx.config import GGUF_PERMUTED_QK, ModelConfig, gguf_field
 from perfx.errors import PerfxError
 from perfx.reference import unpermute_qk
 from perfx.sources.base import F16_FORM, Form, Linear, ModelSource, check_finite, permute_linear_rows, shape_error
@@ -26,7 +28,11 @@ from perfx.tokenizer import Tokenizer
 GGUF_LINEAR = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
                "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
 GGUF_VECTOR = {"attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight",
-               "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias"}
+               "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
+               "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
+               "post_attn_norm": "post_attention_norm.weight", "post_ffn_norm": "post_ffw_norm.weight"}
+# Fused matrices a file may hold (Phi-3), with the parts they replace
+GGUF_FUSED = {"qkv": ("attn_qkv", ("q", "k", "v")), "gate_up": ("ffn_up", ("gate", "up"))}
 # Every tensor type perfx reads, and the device form it reads into.
 GGUF_FORMS = {"Q4_0": Form("q4", 32), "Q4_1": Form("q4", 32), "Q4_K": Form("q4", 32),
               "Q5_0": Form("q8", 32), "Q5_1": Form("q8", 32), "Q8_0": Form("q8", 32),
@@ -38,7 +44,7 @@ UNSUPPORTED_TYPE_HELP = ("requantize the model with llama.cpp's llama-quantize t
 
 
 class GGUFSource(ModelSource):
-    """A GGUF file (architecture llama or qwen2) of any of ``GGUF_TYPES``, in the int4, int8 or fp16 form."""
+    """A GGUF file of a supported architecture, any of ``GGUF_TYPES``, in the int4, int8 or fp16 form."""
 
     format = "gguf"
     int4_group = 32  # Q4_0, Q4_1 blocks and Q4_K sub-blocks
@@ -61,10 +67,53 @@ class GGUFSource(ModelSource):
         if not c.tie_embeddings:
             self._check("output.weight", self.expected_shape("lm_head"))
         for i in range(c.n_layers):
+            fused = set()
+            for label, (tensor, parts) in GGUF_FUSED.items():
+                if self._is_fused(label, i):
+                    self._check_fused(label, i)
+                    fused.update(parts)
+            if "q" not in fused:
+                self._check_heads(i)
             for name, tensor in GGUF_LINEAR.items():
-                self._check(f"blk.{i}.{tensor}.weight", self.expected_shape(name))
-            for name in ("attn_norm", "ffn_norm") + (("q_bias", "k_bias", "v_bias") if c.qkv_bias else ()):
+                if name not in fused:
+                    self._check(f"blk.{i}.{tensor}.weight", self.expected_shape(name))
+            for name in self.vector_names():
                 self._check(f"blk.{i}.{GGUF_VECTOR[name]}", (self.expected_vector(name),))
+
+    def _is_fused(self, label: str, layer: int) -> bool:
+        tensor, parts = GGUF_FUSED[label]
+        return (f"blk.{layer}.{tensor}.weight" in self._tensors
+                and f"blk.{layer}.{GGUF_LINEAR[parts[0]]}.weight" not in self._tensors)
+
+    def _check_fused(self, label: str, layer: int):
+        """A fused tensor must split as the header says: q H·D, k and v Hkv·D rows; gate and up I rows each."""
+        c = self.config
+        name = f"blk.{layer}.{GGUF_FUSED[label][0]}.weight"
+        t = self._tensors[name]
+        shape = tuple(int(d) for d in reversed(t.shape))
+        expected = self.expected_shape(label)
+        if shape != expected:
+            parts = (f"{c.n_heads} heads × {c.head_dim} + 2 × {c.n_kv_heads} kv heads × {c.head_dim}" if label == "qkv"
+                     else f"2 × feed_forward_length {c.intermediate_size}")
+            raise PerfxError(f"{self.path}: fused tensor {name} has shape {shape}, but its rows do not split as "
+                             f"the header says ({parts} = {expected[0]} rows of {expected[1]}); the file is "
+                             "corrupt or its header belongs to another model")
+        self._check(name, expected)
+
+    def _check_heads(self, layer: int):
+        """attn_q's rows are H × key_length: say which key is wrong when they are not."""
+        c = self.config
+        name = f"blk.{layer}.attn_q.weight"
+        t = self._tensors.get(name)
+        if t is None:
+            return
+        rows = int(t.shape[-1])
+        if rows != c.q_dim:
+            arch = c.architecture
+            raise PerfxError(f"{self.path}: tensor {name} has {rows} rows, but {arch}.attention.head_count "
+                             f"{c.n_heads} × {arch}.attention.key_length {c.head_dim} = {c.q_dim}"
+                             + (f" (key_length does not divide the Q projection's {rows} rows)"
+                                if rows % c.head_dim else "") + "; the header does not describe this file")
 
     def _check(self, name: str, expected):
         t = self._tensors.get(name)
@@ -105,6 +154,16 @@ class GGUFSource(ModelSource):
     def _part_form(self, name: str, layer: int) -> Form:
         return GGUF_FORMS[self._type(f"blk.{layer}.{GGUF_LINEAR[name]}.weight")]
 
+    def _fused_form(self, label: str, layer: int) -> Form | None:
+        if not self._is_fused(label, layer):
+            return None
+        return GGUF_FORMS[self._type(f"blk.{layer}.{GGUF_FUSED[label][0]}.weight")]
+
+    def _fused(self, label: str, layer: int) -> Linear | None:
+        if not self._is_fused(label, layer):
+            return None
+        return self._read(f"blk.{layer}.{GGUF_FUSED[label][0]}.weight", self.expected_shape(label))
+
     def _table_form(self, name: str) -> Form:
         return GGUF_FORMS[self._type("token_embd.weight" if name == "embedding" else "output.weight")]
 
@@ -114,7 +173,7 @@ class GGUFSource(ModelSource):
 
     def _unpermute(self, name: str, w):
         """Undo llama.cpp's permutation of Wq/Wk rows (and biases), made for its interleaved RoPE."""
-        if self.config.architecture != "llama" or name not in ("q", "k", "q_bias", "k_bias"):
+        if self.config.architecture not in GGUF_PERMUTED_QK or name not in ("q", "k", "q_bias", "k_bias"):
             return w
         heads = self.config.n_heads if name.startswith("q") else self.config.n_kv_heads
         return permute_linear_rows(w, unpermute_qk(np.arange(w.shape[0]), heads))

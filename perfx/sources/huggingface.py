@@ -25,7 +25,19 @@ HF_LINEAR = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v
              "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 HF_VECTOR = {"attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
              "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",
-             "v_bias": "self_attn.v_proj.bias"}
+             "v_bias": "self_attn.v_proj.bias", "q_norm": "self_attn.q_norm.weight",
+             "k_norm": "self_attn.k_norm.weight"}
+# Gemma's four norms a layer: post_attention_layernorm is the attention output's own norm there, and the FFN's
+# pre-norm is pre_feedforward_layernorm.
+GEMMA_VECTOR = {**HF_VECTOR, "ffn_norm": "pre_feedforward_layernorm.weight",
+                "post_attn_norm": "post_attention_layernorm.weight",
+                "post_ffn_norm": "post_feedforward_layernorm.weight"}
+# Fused projections a checkpoint may hold (Phi-3), with the parts they replace
+HF_FUSED = {"qkv": ("self_attn.qkv_proj", ("q", "k", "v")), "gate_up": ("mlp.gate_up_proj", ("gate", "up"))}
+# Where the decoder's tensors live: text models, then the text part of multimodal Gemma 3 checkpoints (older
+# and newer transformers name it differently).
+HF_PREFIXES = (("model.", "lm_head"), ("language_model.model.", "language_model.lm_head"),
+               ("model.language_model.", "lm_head"))
 SAFETENSORS_DTYPES = {"F16": np.float16, "F32": np.float32, "BF16": None, "I32": np.int32}
 
 
@@ -47,6 +59,12 @@ class HFSource(ModelSource):
         self.awq = _awq_settings(hf_config.get("quantization_config"), config_path)
         self.int4_group = self.awq["group"] if self.awq else None
         self._files = self._open_files()
+        self._prefix, self._head = next(((p, h) for p, h in HF_PREFIXES if f"{p}embed_tokens.weight" in self._files),
+                                        HF_PREFIXES[0])
+        gemma = self.config.architecture in ("gemma2", "gemma3_text")
+        self._vectors = GEMMA_VECTOR if gemma else HF_VECTOR
+        # Gemma's RMSNorm multiplies by (1 + w) and its checkpoints store w; GGUF converters store 1 + w.
+        self._norm_offset = 1.0 if gemma else 0.0
         self._check_tensors()
 
     # -- files -------------------------------------------------------------------------------------
@@ -84,7 +102,7 @@ class HFSource(ModelSource):
     def _info(self, name: str) -> tuple[tuple[int, ...], str]:
         if name not in self._files:
             raise PerfxError(f"{self.directory}: tensor {name} is missing; the checkpoint is incomplete "
-                             "or is not a Llama-family model")
+                             f"or is not a {self.config.architecture} model")
         path, handle = self._files[name]
         piece = handle.get_slice(name)
         return tuple(piece.get_shape()), piece.get_dtype()
@@ -107,7 +125,13 @@ class HFSource(ModelSource):
         return check_finite(tensor, path, name)
 
     def _module(self, name: str, layer: int) -> str:
-        return f"model.layers.{layer}.{HF_LINEAR[name]}"
+        return f"{self._prefix}layers.{layer}.{HF_LINEAR[name]}"
+
+    def _fused_module(self, label: str, layer: int) -> str | None:
+        module, parts = HF_FUSED[label]
+        fused, first = f"{self._prefix}layers.{layer}.{module}", self._module(parts[0], layer)
+        present = any(f"{fused}.{suffix}" in self._files for suffix in ("weight", "qweight"))
+        return fused if present and not any(f"{first}.{x}" in self._files for x in ("weight", "qweight")) else None
 
     def _is_awq(self, module: str) -> bool:
         return self.awq is not None and f"{module}.qweight" in self._files
@@ -115,15 +139,35 @@ class HFSource(ModelSource):
     def _check_tensors(self):
         """Every tensor the model needs exists with the right shape: fail at open, not at layer 20."""
         c = self.config
-        self._check_shape("model.embed_tokens.weight", self.expected_shape("embedding"))
-        self._check_shape("model.norm.weight", (c.hidden_size,))
+        self._check_shape(f"{self._prefix}embed_tokens.weight", self.expected_shape("embedding"))
+        self._check_shape(f"{self._prefix}norm.weight", (c.hidden_size,))
         if not c.tie_embeddings:
-            self._check_linear("lm_head", self.expected_shape("lm_head"))
+            self._check_linear(self._head, self.expected_shape("lm_head"))
         for i in range(c.n_layers):
+            fused = set()
+            for label, (_, parts) in HF_FUSED.items():
+                module = self._fused_module(label, i)
+                if module is not None:
+                    self._check_fused(module, label)
+                    fused.update(parts)
             for name in LINEAR_NAMES:
-                self._check_linear(self._module(name, i), self.expected_shape(name))
-            for name in ("attn_norm", "ffn_norm") + (("q_bias", "k_bias", "v_bias") if c.qkv_bias else ()):
-                self._check_shape(f"model.layers.{i}.{HF_VECTOR[name]}", (self.expected_vector(name),))
+                if name not in fused:
+                    self._check_linear(self._module(name, i), self.expected_shape(name))
+            for name in self.vector_names():
+                self._check_shape(f"{self._prefix}layers.{i}.{self._vectors[name]}", (self.expected_vector(name),))
+
+    def _check_fused(self, module: str, label: str):
+        c = self.config
+        expected = self.expected_shape(label)
+        if self._is_awq(module):
+            return self._check_linear(module, expected)
+        shape, _ = self._info(f"{module}.weight")
+        if shape != expected:
+            parts = (f"{c.n_heads} heads × {c.head_dim} + 2 × {c.n_kv_heads} kv heads × {c.head_dim}" if label == "qkv"
+                     else f"2 × intermediate_size {c.intermediate_size}")
+            raise PerfxError(f"{self.directory}: fused tensor {module}.weight has shape {shape}, but its rows do "
+                             f"not split as config.json says ({parts} = {expected[0]} rows of {expected[1]}); "
+                             "the weights and config.json belong to different models")
 
     def _check_shape(self, name: str, expected):
         shape, _ = self._info(name)
@@ -149,22 +193,34 @@ class HFSource(ModelSource):
     def _linear(self, name: str, layer: int) -> Linear:
         return self._read_linear(self._module(name, layer), self.expected_shape(name))
 
+    def _fused(self, label: str, layer: int) -> Linear | None:
+        module = self._fused_module(label, layer)
+        return None if module is None else self._read_linear(module, self.expected_shape(label))
+
     def _vector(self, name: str, layer: int | None) -> np.ndarray:
-        tensor = "model.norm.weight" if name == "final_norm" else f"model.layers.{layer}.{HF_VECTOR[name]}"
-        return self._tensor(tensor, (self.expected_vector(name),)).astype(np.float32)
+        tensor = (f"{self._prefix}norm.weight" if name == "final_norm"
+                  else f"{self._prefix}layers.{layer}.{self._vectors[name]}")
+        vector = self._tensor(tensor, (self.expected_vector(name),)).astype(np.float32)
+        return vector + self._norm_offset if name.endswith("norm") else vector
 
     def _part_form(self, name: str, layer: int) -> Form:
         module = self._module(name, layer)
         return Form("q4", self.awq["group"]) if self._is_awq(module) else F16_FORM
 
+    def _fused_form(self, label: str, layer: int) -> Form | None:
+        module = self._fused_module(label, layer)
+        if module is None:
+            return None
+        return Form("q4", self.awq["group"]) if self._is_awq(module) else F16_FORM
+
     def _table_form(self, name: str) -> Form:
-        return Form("q4", self.awq["group"]) if name == "lm_head" and self._is_awq("lm_head") else F16_FORM
+        return Form("q4", self.awq["group"]) if name == "lm_head" and self._is_awq(self._head) else F16_FORM
 
     def _embedding(self) -> np.ndarray:
-        return self._tensor("model.embed_tokens.weight", self.expected_shape("embedding")).astype(np.float16)
+        return self._tensor(f"{self._prefix}embed_tokens.weight", self.expected_shape("embedding")).astype(np.float16)
 
     def _lm_head(self) -> Linear:
-        return self._read_linear("lm_head", self.expected_shape("lm_head"))
+        return self._read_linear(self._head, self.expected_shape("lm_head"))
 
     def _load_tokenizer(self):
         if not any((self.directory / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):

@@ -1,7 +1,9 @@
-"""Synthetic models: real Llama shapes with random 4-bit weights, for benchmarks and tests without downloads.
+"""Synthetic models: real shapes and recipes with random 4-bit weights, for benchmarks and tests without downloads.
 
 ``open_model("synthetic:llama-2-7b")`` (group 128, as the usual AWQ checkpoints), ``"synthetic:smollm2-135m"``
-(group 32, as its Q4_0/Q4_1 GGUFs) and ``"synthetic:tiny"``. The weights are generated lazily from a
+(group 32, as its Q4_0/Q4_1 GGUFs), ``"synthetic:tiny"``, and the phone-size shapes of the 2026 families
+(``gemma-3-270m``, ``gemma-3-1b``, ``qwen3-1.7b``, ``phi-4-mini``, ``smollm3-3b``: their config.json values,
+group 32 as their Q4_0 GGUFs). The weights are generated lazily from a
 seed. Generating a 7B layer takes about a second, so models whose layers are large reuse one random
 layer for every layer: benchmarks only need the bytes and the shapes, not distinct weights. The text
 such a model produces is noise; there is no tokenizer (feed token ids).
@@ -31,6 +33,28 @@ SYNTHETIC_MODELS = {
         n_heads=3, n_kv_heads=1, head_dim=64, rms_eps=1e-5, rope_theta=10000.0, max_positions=256,
         tie_embeddings=False), 64),
 }
+# The families' phone-size models, from their published config.json (only what the recipe reads)
+_FAMILY_CONFIGS = {
+    "gemma-3-270m": dict(model_type="gemma3_text", vocab_size=262144, hidden_size=640, intermediate_size=2048,
+                         num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                         query_pre_attn_scalar=256, sliding_window=512, rope_theta=1e6, rope_local_base_freq=1e4,
+                         max_position_embeddings=32768, sliding_window_pattern=6),
+    "gemma-3-1b": dict(model_type="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                       num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                       query_pre_attn_scalar=256, sliding_window=512, rope_theta=1e6, rope_local_base_freq=1e4,
+                       max_position_embeddings=32768, sliding_window_pattern=6),
+    "qwen3-1.7b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=True),
+    "phi-4-mini": dict(model_type="phi3", vocab_size=200064, hidden_size=3072, intermediate_size=8192,
+                       num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8,
+                       partial_rotary_factor=0.75, rope_theta=1e4, max_position_embeddings=131072,
+                       original_max_position_embeddings=4096, sliding_window=262144, tie_word_embeddings=True),
+    "smollm3-3b": dict(model_type="smollm3", vocab_size=128256, hidden_size=2048, intermediate_size=11008,
+                       num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4, rope_theta=5e6,
+                       max_position_embeddings=65536, no_rope_layer_interval=4, tie_word_embeddings=True),
+}
+SYNTHETIC_MODELS.update({name: (ModelConfig.from_hf(config), 32) for name, config in _FAMILY_CONFIGS.items()})
 # Above this many weights per layer, one random layer stands in for all of them.
 DISTINCT_LAYER_LIMIT = 8_000_000
 SYNTHETIC_PREFIX = "synthetic:"
@@ -73,11 +97,16 @@ class SyntheticSource(ModelSource):
     def _make_layer(self, i: int) -> LayerWeights:
         c, rng = self.config, self._rng(1, i)
         hidden = c.hidden_size
+        norms = {}
+        if c.qk_norm:
+            norms.update(q_norm=np.ones(c.head_dim, np.float32), k_norm=np.ones(c.head_dim, np.float32))
+        if c.post_norms:
+            norms.update(post_attn_norm=np.ones(hidden, np.float32), post_ffn_norm=np.ones(hidden, np.float32))
         return LayerWeights(
             attn_norm=np.ones(hidden, np.float32), qkv=self._random_q4(rng, c.qkv_dim, hidden), qkv_bias=None,
             o=self._random_q4(rng, hidden, c.q_dim), ffn_norm=np.ones(hidden, np.float32),
             gate_up=self._random_q4(rng, 2 * c.intermediate_size, hidden),
-            down=self._random_q4(rng, hidden, c.intermediate_size))
+            down=self._random_q4(rng, hidden, c.intermediate_size), **norms)
 
     def layer(self, i: int) -> LayerWeights:
         if not 0 <= i < self.config.n_layers:

@@ -7,6 +7,7 @@ import sys
 
 from perfx.commands import bench, chat, generate, info, perplexity, quantize, report, selftest, serve, tune
 from perfx.errors import PerfxError
+from perfx.runtime import prepare
 
 # (name, module, one-line help, description shown by `perfx NAME --help`)
 COMMANDS = (
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    prepare()  # the process's OpenCL set-up, before any command queries platforms
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

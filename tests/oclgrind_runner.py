@@ -193,10 +193,10 @@ def samples(spec, caps) -> list[dict]:
 
 def sample_counts() -> dict[str, int]:
     """Per family, how many samples exist on this device: what tests/test_oclgrind.py parametrizes."""
-    from perfx.tuning import specs
+    from perfx.tuning import SPECS
 
     device = _open_device()
-    return {family: len(samples(spec, device.caps)) for family, spec in specs().items()}
+    return {family: len(samples(spec, device.caps)) for family, spec in SPECS.items()}
 
 
 def _open_device():
@@ -214,9 +214,9 @@ def run_family(family: str, which: str = "default") -> dict:
     """One family at one parameter set ("default", a sample number or a JSON object), on its tiny shapes."""
     import numpy as np
 
-    from perfx.tuning import relative_error, specs
+    from perfx.tuning import SPECS, relative_error
 
-    spec = specs()[family]
+    spec = SPECS[family]
     device = _open_device()
     shapes = tiny_shapes(spec)
     if which == "default":

@@ -10,7 +10,7 @@ import pytest
 
 from perfx import cli
 from perfx.commands import selftest
-from perfx.tuning import specs
+from perfx.tuning import SPECS
 
 
 def run_cli(capsys, *argv):
@@ -41,12 +41,12 @@ def test_selftest_quick_passes_on_this_device(capsys, device):
     code, out, _ = run_cli(capsys, "selftest", "--quick", "--json")
     data = json.loads(out)
     # Every family that can run here (the fp16 GEMM needs cl_khr_fp16).
-    runnable = [s for s in specs().values() if s.candidates(s.test_shapes[0], device.caps)]
-    assert code == 0 and data["failed"] == 0 and data["passed"] >= len(runnable) >= len(specs()) - 1
+    runnable = [s for s in SPECS.values() if s.candidates(s.test_shapes[0], device.caps)]
+    assert code == 0 and data["failed"] == 0 and data["passed"] >= len(runnable) >= len(SPECS) - 1
 
 
 def test_selftest_exits_1_when_a_kernel_is_broken(capsys, monkeypatch):
-    good = specs()["rmsnorm"]
+    good = SPECS["rmsnorm"]
 
     def broken_case(device, shape, rng):
         case = good.make_case(device, shape, rng)

@@ -66,7 +66,7 @@ def test_fallback_order_device_architecture_vendor_default(device, db, toy):
     seen = []
     for remove in (db.device_path(phone.fingerprint), db.shipped_dir / "adreno-7xx.json",
                    db.shipped_dir / "qualcomm.json", None):
-        choice = db.lookup(phone, spec, SHAPE)
+        choice = db.choices(phone, spec, SHAPE)[0]
         seen.append((choice.source, choice.params["WGS"]))
         if remove is not None:
             remove.unlink()
@@ -75,7 +75,7 @@ def test_fallback_order_device_architecture_vendor_default(device, db, toy):
     write(db.device_path(phone.fingerprint), {"device": phone.fingerprint}, [record(spec, {"WGS": 64})],
           architecture="adreno-7xx", vendor="qualcomm")
     other = FakeDevice(device, driver="2.0")
-    assert db.lookup(other, spec, SHAPE).source == "architecture"
+    assert db.choices(other, spec, SHAPE)[0].source == "architecture"
 
 
 def test_invalid_params_fall_through_to_the_next_level(device, db, toy):
@@ -83,11 +83,11 @@ def test_invalid_params_fall_through_to_the_next_level(device, db, toy):
     write(db.shipped_dir / "adreno-7xx.json", {"architecture": "adreno-7xx"},
           [record(spec, {"WGS": 48}, None, False)])  # not in the space
     write(db.shipped_dir / "qualcomm.json", {"vendor": "qualcomm"}, [record(spec, {"WGS": 32}, None, False)])
-    choice = db.lookup(phone, spec, SHAPE)
+    choice = db.choices(phone, spec, SHAPE)[0]
     assert (choice.source, choice.params["WGS"]) == ("vendor", 32)
     small = dataclasses.replace(spec.params, space={"WGS": (16, 32), "MODE": ("good",)},
                                 rules=(Rule("at most 16 work-items", lambda p, s: p["WGS"] <= 16),))
-    choice = db.lookup(phone, dataclasses.replace(spec, params=small), SHAPE)
+    choice = db.choices(phone, dataclasses.replace(spec, params=small), SHAPE)[0]
     assert choice.source == "default" and choice.params == {"WGS": 16, "MODE": "good"}
     assert any("at most 16 work-items" in why for why in choice.skipped), choice.skipped
 
@@ -97,12 +97,12 @@ def test_stale_entry_is_ignored_and_retuned(device, db, toy):
     stale = {**record(spec, {"WGS": 64}), "source_hash": "0" * 64}
     write(db.device_path(device.fingerprint), {"device": device.fingerprint}, [stale],
           architecture=device.caps.architecture, vendor=device.caps.vendor_key)
-    assert db.lookup(device, spec, SHAPE).source == "default"
+    assert db.choices(device, spec, SHAPE)[0].source == "default"
     result = quiet_tuner(device, db, budget_s=60).tune_problem(spec, SHAPE)
     assert result.resumed == 0 and len(result.outcomes) == 9
     saved = json.loads(db.device_path(device.fingerprint).read_text())["records"]
     assert len(saved) == 1 and saved[0]["source_hash"] == source_hash(spec)
-    assert db.lookup(device, spec, SHAPE).source == "device"
+    assert db.choices(device, spec, SHAPE)[0].source == "device"
 
 
 def test_m_is_matched_by_nearest_bucket(device, db, toy):
@@ -110,9 +110,10 @@ def test_m_is_matched_by_nearest_bucket(device, db, toy):
     records = [record(spec, {"WGS": w}, {"n": 1000, "m": m}) for w, m in ((16, 1), (32, 3), (64, 130))]
     write(db.device_path(device.fingerprint), {"device": device.fingerprint}, records,
           architecture=device.caps.architecture, vendor=device.caps.vendor_key)
-    picks = {m: db.lookup(device, spec, {"n": 1000, "m": m}).params["WGS"] for m in (1, 2, 4, 9, 40, 100, 5000)}
+    picks = {m: db.choices(device, spec, {"n": 1000, "m": m})[0].params["WGS"]
+             for m in (1, 2, 4, 9, 40, 100, 5000)}
     assert picks == {1: 16, 2: 32, 4: 32, 9: 32, 40: 64, 100: 64, 5000: 64}
-    assert db.lookup(device, spec, {"n": 999, "m": 3}).source == "default"  # other keys match exactly
+    assert db.choices(device, spec, {"n": 999, "m": 3})[0].source == "default"  # other keys match exactly
 
 
 def test_corrupt_file_is_set_aside_with_a_warning_and_nothing_else_is_lost(device, db, toy):
@@ -122,7 +123,7 @@ def test_corrupt_file_is_set_aside_with_a_warning_and_nothing_else_is_lost(devic
     broken = db.device_path(phone.fingerprint)
     broken.write_text('{"perfx_tuning": 2, "match": {"device": {}}, "records": [')  # cut off mid-write
     with pytest.warns(TuningDatabaseWarning, match=broken.name) as caught:
-        choice = db.lookup(phone, spec, SHAPE)
+        choice = db.choices(phone, spec, SHAPE)[0]
     assert "set aside" in str(caught[0].message)
     assert (choice.source, choice.params["WGS"]) == ("architecture", 32)
     assert not broken.exists() and good.exists()
@@ -161,10 +162,10 @@ def test_export_import_round_trip(device, tmp_path, toy):
     exported = tmp_path / "shared.json"
     assert first.export(device, exported) == 1
     second = Database(tmp_path / "b", tmp_path / "none")
-    assert second.lookup(device, spec, SHAPE).source == "default"
+    assert second.choices(device, spec, SHAPE)[0].source == "default"
     target, count = second.import_file(exported)
     assert count == 1 and target.parent == tmp_path / "b"
-    choice = second.lookup(device, spec, SHAPE)
+    choice = second.choices(device, spec, SHAPE)[0]
     assert choice.source == "device" and choice.params == result.chosen
     # Importing twice replaces rather than duplicates.
     second.import_file(exported)
@@ -183,7 +184,6 @@ def test_entries_in_force_mark_stale_records(device, db, toy):
           architecture=device.caps.architecture, vendor=device.caps.vendor_key)
     rows = db.entries_in_force(device, {"toy": spec})
     assert [(r["level"], r["note"][:5]) for r in rows] == [("device", ""), ("device", "stale")]
-    assert dbmod.lookup  # the module-level API exists for the model
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         db.files()  # a healthy database warns about nothing
@@ -213,8 +213,8 @@ def test_shipped_files_are_valid_and_adreno_entries_fit_an_adreno_740(device, tm
             shapes = [rec["shape"]] if rec.get("shape") else spec.test_shapes
             assert any(spec.why_invalid(params, s, phone.caps) is None for s in shapes), (file.path.name, rec)
             if file.level == "architecture":
-                choice = shipped.lookup(phone, spec, next(s for s in shapes
-                                                          if spec.why_invalid(params, s, phone.caps) is None))
+                shape = next(s for s in shapes if spec.why_invalid(params, s, phone.caps) is None)
+                choice = shipped.choices(phone, spec, shape)[0]
                 assert choice.source == "architecture" and choice.params == params
 
 
@@ -278,7 +278,7 @@ def test_merge_of_results_only_votes_and_needs_enough_devices(device, toy, tmp_p
     path = tmp_path / "vendor-qualcomm.json"
     path.write_text(results_json(merged))
     db.import_file(path)
-    choice = db.lookup(FakeDevice(device, name="D"), spec, SHAPE)
+    choice = db.choices(FakeDevice(device, name="D"), spec, SHAPE)[0]
     assert (choice.source, choice.params["WGS"]) == ("vendor", 16)
 
 

@@ -128,7 +128,7 @@ def test_a_qualcomm_gpu_without_a_model_number_gets_the_vendor_entries(device, t
     phone.caps = dataclasses.replace(device.caps, vendor_key="qualcomm", architecture="adreno",
                                      name="QUALCOMM", image_support=True, local_mem=32 << 10, max_work_group=1024)
     shipped = Database(tmp_path / "user")   # the shipped files only
-    choice = shipped.lookup(phone, SPECS["gemv_q4"], qkv_shape())
+    choice = shipped.choices(phone, SPECS["gemv_q4"], qkv_shape())[0]
     assert choice.source == "vendor" and choice.detail.startswith("qualcomm.json")
 
 

@@ -14,10 +14,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
-from perfx.tuning import relative_error, specs
+from perfx.tuning import SPECS, relative_error
 
 EXAMPLES = int(os.environ.get("PERFX_FUZZ_EXAMPLES", "10"))
-SPECS = specs()
 
 # derandomize: the same examples on every run (CI reproduces a failure without a seed); the database keeps
 # no state between runs. function_scoped_fixture: only the session-wide device is used.

@@ -206,7 +206,7 @@ def test_a_tuned_tile_that_does_not_fit_the_gate_up_epilogue_gives_way_to_the_ne
     db = Database(tmp_path / "user", tmp_path / "none")
     db.save_result(device, result_record(TILED, gate_up, {**TILED.defaults(), "KWG": 64}, 1e-3, None,
                                          device.fingerprint))
-    choice = db.lookup(device, TILED, gate_up)
+    choice = db.choices(device, TILED, gate_up)[0]
     assert choice.source == "default" and choice.params == TILED.defaults()
     assert any("local memory" in why for why in choice.skipped), choice.skipped
     gemm = GemmQ4(device, tiled_params=choice.params, shape=gate_up)

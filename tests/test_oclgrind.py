@@ -1,6 +1,6 @@
 """The Oclgrind tier: every kernel family under a simulator that checks each access.
 
-Each family of ``perfx.tuning.specs()`` runs at tiny shapes (tests/oclgrind_runner.py) at its defaults and at
+Each family of ``perfx.tuning.SPECS`` runs at tiny shapes (tests/oclgrind_runner.py) at its defaults and at
 SAMPLES parameter sets (fewer where the family has fewer) drawn with a fixed seed from what the tuner may
 choose on the simulator, with Oclgrind's out-of-bounds, data-race, uninitialised-value and API checks on.
 Any report fails the test, and the outputs must still match the float64 references within the spec's
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import oclgrind_runner as runner
-from perfx.tuning import specs
+from perfx.tuning import SPECS
 
 RUNNER = Path(runner.__file__).resolve()
 ROOT = RUNNER.parent.parent
@@ -52,13 +52,13 @@ def sample_counts() -> dict[str, int]:
     """Per family, the samples that exist on the simulator (asked once, at collection), so that only
     those are parametrized; without Oclgrind every test here is skipped, so SAMPLES stands in."""
     if ICD is None:
-        return {family: runner.SAMPLES for family in specs()}
+        return {family: runner.SAMPLES for family in SPECS}
     counts, _ = oclgrind("--samples")
     return counts
 
 
 SAMPLE_COUNTS = sample_counts()
-CHECKS = [(family, which) for family in specs()
+CHECKS = [(family, which) for family in SPECS
           for which in ["default"] + [str(i + 1) for i in range(SAMPLE_COUNTS[family])]]
 
 

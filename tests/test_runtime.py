@@ -1,22 +1,35 @@
-"""The device runtime: device choice, phone limits, build errors with their log, error names, memory."""
+"""The device runtime: the process's OpenCL set-up (at first use, never at import), device choice, phone
+limits, capabilities, build errors with their log, error names, memory, and the copies."""
 
+import ast
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
+import pyopencl as cl
 import pytest
 
 from perfx.errors import PerfxError
-from perfx.runtime import (LIMIT_PRESETS, BuildError, Device, Limits, OpenCLError, capabilities,
-                           choose_device, cl_error_name, has_subgroups, intel_opencl_library, list_devices,
-                           merged_vendor_entries, parse_adreno_model, parse_limits)
+from perfx.runtime import (LIMIT_PRESETS, BuildError, Device, Limits, OpenCLError, choose_device, cl_error_name,
+                           has_subgroups, intel_opencl_library, list_devices, merged_vendor_entries,
+                           parse_adreno_model, parse_limits, read_capabilities)
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_lists_at_least_one_device():
+def test_each_listed_device_is_named_by_its_index_and_label():
     entries = list_devices()
-    assert entries and all(e.label for e in entries)
+    assert entries and len({e.index for e in entries}) == len(entries)
+    for entry in entries:
+        assert (entry.platform, entry.name) == (entry.device.platform.name.strip(), entry.device.name.strip())
+        assert entry.label == f"{entry.index} {entry.platform} / {entry.name} ({entry.device_type})"
+        assert entry.device_type == read_capabilities(entry.device).device_type
+        assert choose_device(entry.index)[0] == entry  # the P:D that `perfx info` shows selects it
+    short = {"Portable Computing Language": "pocl", "Intel(R) OpenCL": "intel"}  # PERFX_DEVICE=pocl, =intel
+    assert all(e.implementation == short[e.platform] for e in entries if e.platform in short)
 
 
 def test_default_choice_prefers_gpu_then_intel_then_pocl_and_never_a_simulator(monkeypatch):
@@ -98,13 +111,31 @@ def test_unknown_limits_preset():
         parse_limits("adreno999")
 
 
-def test_capabilities_are_complete(device):
-    caps = capabilities(device.cl_device)
-    assert caps.name and caps.platform and caps.driver_version and caps.opencl_c_version
-    assert caps.max_alloc > 0 and caps.local_mem > 0 and caps.max_work_group > 0 and caps.compute_units > 0
-    assert isinstance(caps.fp16, bool) and isinstance(caps.qcom_extensions, tuple)
-    assert caps.opencl_c >= (1, 2) and caps.image1d_buffer_texels > 0  # image1d_buffer_t is OpenCL 1.2 core
-    assert all(isinstance(size, int) and size > 0 for size in caps.subgroup_sizes)
+def test_capabilities_are_the_drivers_answers_and_its_image_views_work(device):
+    real = device.cl_device
+    caps = read_capabilities(real)
+    assert (caps.name, caps.platform, caps.limits) == (real.name.strip(), real.platform.name.strip(), "device")
+    assert (caps.max_alloc, caps.local_mem, caps.max_work_group, caps.compute_units, caps.global_mem) == (
+        real.max_mem_alloc_size, real.local_mem_size, real.max_work_group_size, real.max_compute_units,
+        real.global_mem_size)
+    assert caps.extensions == tuple(sorted(real.extensions.split()))
+    assert caps.fp16 == caps.has("cl_khr_fp16")
+    assert caps.integer_dot_product == caps.has("cl_khr_integer_dot_product")
+    assert caps.opencl_c >= (1, 2) and all(isinstance(size, int) and size > 0 for size in caps.subgroup_sizes)
+    # image1d_buffer_t is OpenCL 1.2 core: a view of a buffer, up to the limit the driver gives
+    buffer = device.alloc(8 * 16)
+    view = device.image1d_view(buffer, 8)
+    assert view.get_image_info(cl.image_info.WIDTH) == 8 and view.get_image_info(cl.image_info.BUFFER) == buffer
+    with pytest.raises(PerfxError, match="exceed this device's image1d_buffer limit"):
+        device.image1d_view(buffer, caps.image1d_buffer_texels + 1)
+    # an image2d view of a buffer's rows reads those rows, no copy
+    if caps.image2d_from_buffer and caps.image_pitch_alignment:
+        width = caps.image_pitch_alignment
+        rows = np.random.default_rng(1).integers(0, 2**32, (3, width, 4), dtype=np.uint32)
+        seen = np.zeros((2, width, 4), np.uint32)
+        view = device.image2d_view(device.alloc(rows.nbytes, rows), width, 2, row_offset=1)
+        cl.enqueue_copy(device.queue, seen, view, origin=(0, 0), region=(width, 2))
+        assert np.array_equal(seen, rows[1:])
     if caps.platform == "Intel(R) OpenCL":  # what DESIGN.md says the GPU-class kernels may use there
         assert caps.fp16 and caps.subgroups and caps.image2d_from_buffer and caps.integer_dot_product
         assert caps.opencl_c >= (3, 0) and caps.reqd_subgroup_size == "intel" and 8 in caps.subgroup_sizes
@@ -137,23 +168,78 @@ def test_pypi_implementations_join_what_the_icd_loader_reads(tmp_path):
     assert merged_vendor_entries({"OCL_ICD_VENDORS": str(user)}, ours) is None
 
 
-def _platforms_in_a_new_process(**env) -> list[str]:
-    code = "from perfx.runtime import list_devices; print('\\n'.join(sorted({e.platform for e in list_devices()})))"
-    environ = {k: v for k, v in os.environ.items() if k not in ("OCL_ICD_VENDORS", "PERFX_DEVICE")}
-    out = subprocess.run([sys.executable, "-c", code], env={**environ, **env}, capture_output=True, text=True,
-                         check=True, timeout=120)
-    return out.stdout.split("\n")[:-1]
+def _clean_environment(tmp_path, **extra) -> dict:
+    """An environment without any OpenCL, pyopencl or perfx setting, with its own perfx cache."""
+    keep = {k: os.environ[k] for k in ("PATH", "HOME", "LD_LIBRARY_PATH") if k in os.environ}
+    return {**keep, "PERFX_CACHE": str(tmp_path / "cache"), **extra}
 
 
-def test_intel_runtime_is_listed_beside_pocl_without_any_setting():
+def _top_level_imports_outside_perfx() -> list[str]:
+    """What perfx's modules import from other packages when they are imported (numpy, pyopencl, ...)."""
+    names = set()
+    for folder in ("perfx", "tuning", "kernels"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, ast.Import):
+                    names |= {alias.name for alias in node.names}
+                elif isinstance(node, ast.ImportFrom) and not node.level:
+                    names.add(node.module)
+    return sorted(name for name in names if name.split(".")[0] not in ("perfx", "__future__"))
+
+
+# Imports the other packages first (numpy and pyopencl change os.environ and the warning filters when
+# imported: that is theirs), then every perfx module, and says what perfx changed; then lists the devices.
+IMPORT_ALL = """
+import importlib, json, os, pkgutil, sys, warnings
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+environ, filters = dict(os.environ), list(warnings.filters)
+import perfx
+for module in pkgutil.walk_packages(perfx.__path__, "perfx."):
+    if module.name != "perfx.__main__":
+        importlib.import_module(module.name)
+seen = {"changed": sorted(k for k in environ.keys() | os.environ.keys() if environ.get(k) != os.environ.get(k)),
+        "same_filters": list(warnings.filters) == filters,
+        "icd_written": os.path.exists(os.path.join(os.environ["PERFX_CACHE"], "opencl-vendors"))}
+from perfx.runtime import list_devices, prepare
+seen["platforms"] = sorted({entry.platform for entry in list_devices()})
+seen["vendors"] = os.environ.get("OCL_ICD_VENDORS")
+prepared = dict(os.environ), list(warnings.filters)
+prepare()
+seen["again"] = prepared == (dict(os.environ), list(warnings.filters))
+print(json.dumps(seen))
+"""
+
+
+def test_importing_perfx_changes_nothing_and_the_first_listing_prepares_opencl(tmp_path):
+    run = subprocess.run([sys.executable, "-c", IMPORT_ALL, *_top_level_imports_outside_perfx()], cwd=ROOT,
+                         env=_clean_environment(tmp_path), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = json.loads(run.stdout)
+    assert seen["changed"] == [] and seen["same_filters"] and not seen["icd_written"], "importing perfx acted"
+    assert seen["again"], "prepare() a second time changed the process again"
+    assert seen["platforms"]
+    if intel_opencl_library() is not None:  # registered at the first listing: the .icd folder in perfx's cache
+        assert "Intel(R) OpenCL" in seen["platforms"]
+        assert Path(seen["vendors"]).parent == tmp_path / "cache" / "opencl-vendors"
+
+
+def _platforms_listed_by_perfx_info(tmp_path, **env) -> list[str]:
+    run = subprocess.run([sys.executable, "-m", "perfx", "info", "--json"], cwd=ROOT, capture_output=True,
+                         text=True, env=_clean_environment(tmp_path, **env), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return sorted({entry["platform"] for entry in json.loads(run.stdout)["devices"]})
+
+
+def test_intel_runtime_is_listed_beside_pocl_without_any_setting(tmp_path):
     library = intel_opencl_library()
     if library is None:
         message = "intel-opencl-rt is not installed (the dev extra brings it on x86-64 Linux)"
         if os.environ.get("PERFX_REQUIRE_INTEL") == "1":
             pytest.fail(message + "; PERFX_REQUIRE_INTEL=1 requires it")
         pytest.skip(message)
-    assert _platforms_in_a_new_process() == ["Intel(R) OpenCL", "Portable Computing Language"]
-    assert _platforms_in_a_new_process(OCL_ICD_VENDORS=str(library)) == ["Intel(R) OpenCL"]
+    assert _platforms_listed_by_perfx_info(tmp_path) == ["Intel(R) OpenCL", "Portable Computing Language"]
+    assert _platforms_listed_by_perfx_info(tmp_path, OCL_ICD_VENDORS=str(library)) == ["Intel(R) OpenCL"]
 
 
 def test_build_error_names_file_defines_and_shows_the_log(device):
@@ -205,11 +291,47 @@ def test_image_beyond_the_height_limit_is_refused():
 
 
 def test_no_platform_message_says_how_to_get_one(monkeypatch):
-    import pyopencl as cl
-
     def no_platforms():
         raise cl.LogicError("clGetPlatformIDs", -1001, "PLATFORM_NOT_FOUND_KHR")
 
     monkeypatch.setattr(cl, "get_platforms", no_platforms)
     with pytest.raises(PerfxError, match=r"No OpenCL platform found.*pip install -e.*opencl-vendor-driver"):
         list_devices()
+
+
+def test_copies_write_read_fill_and_copy_at_byte_offsets(device, rng):
+    x = rng.standard_normal(100).astype(np.float32)
+    buffer = device.alloc(x.nbytes)
+    device.fill(buffer, np.float32(np.nan))
+    device.write(buffer, x[:60], dst_offset=4 * 40)
+    seen = device.read(np.empty(100, np.float32), buffer)
+    assert np.isnan(seen[:40]).all() and np.array_equal(seen[40:], x[:60])
+    assert np.array_equal(device.read(np.empty(10, np.float32), buffer, src_offset=4 * 50), x[10:20])
+    array = device.upload(x)  # a pyopencl Array is taken as its buffer
+    device.fill(array, np.float32(7), nbytes=4 * 10, offset=4 * 5)
+    device.copy(buffer, array, 4 * 20, src_offset=4 * 2, dst_offset=4 * 1)
+    expected = x.copy()
+    expected[5:15] = 7
+    assert np.array_equal(device.read(np.empty(20, np.float32), buffer)[1:], expected[2:21])
+    host = -x
+    device.write(array, host, wait=False).wait()  # not waiting: the host array is read when the copy runs
+    assert np.array_equal(array.get(), -x)
+    half = device.alloc(64)
+    device.fill(half, np.uint16(0x3C00))  # 1.0 in fp16, as the KV cache is zeroed by two-byte patterns
+    assert np.array_equal(device.read(np.empty(32, np.float16), half), np.ones(32, np.float16))
+
+
+def test_copies_outside_the_buffer_or_with_a_bad_pattern_are_clear_errors(device):
+    buffer = device.alloc(64)
+    with pytest.raises(PerfxError, match="write: bytes 32 to 96 lie outside a buffer of 64 bytes"):
+        device.write(buffer, np.zeros(16, np.float32), dst_offset=32)
+    with pytest.raises(PerfxError, match="read: bytes 0 to 68 lie outside a buffer of 64 bytes"):
+        device.read(np.empty(17, np.float32), buffer)
+    with pytest.raises(PerfxError, match="C-contiguous"):
+        device.read(np.empty((4, 4), np.float32)[:, ::2], buffer)
+    with pytest.raises(PerfxError, match="fill takes a numpy scalar"):
+        device.fill(buffer, 0.0)
+    with pytest.raises(PerfxError, match="multiples of the 4-byte pattern"):
+        device.fill(buffer, np.float32(0), nbytes=6)
+    with pytest.raises(PerfxError, match="fill: bytes 60 to 68"):
+        device.fill(buffer, np.float32(0), nbytes=8, offset=60)

@@ -1,6 +1,6 @@
-"""The shape of the codebase: imports run one way down the layers (no cycles, none hidden inside
-functions), every kernel file's #define defaults are its parameter space's defaults, and the README's
-Python examples run as written."""
+"""The shape of the codebase: imports run one way down the layers (in the README's order, no cycles, none
+hidden inside functions), only the device layer and the kernel wrappers call pyopencl, every kernel file's
+#define defaults are its parameter space's defaults, and the README's Python examples run as written."""
 
 from __future__ import annotations
 
@@ -19,6 +19,27 @@ ROOT = Path(__file__).resolve().parent.parent
 # Imports inside functions are for optional dependencies only: a package that may be absent, or heavy
 # and needed by one command.
 OPTIONAL = {"matplotlib", "awq", "transformers", "readline"}
+
+# The package's layers, bottom to top, as the README's "Layout" table gives them: a module imports only from
+# its own layer and those below. A name stands for that module and, for a package, every module in it.
+LAYERS = (
+    ("base", ("perfx.errors", "perfx.resources", "perfx.config", "perfx.reference", "perfx.progress",
+              "perfx.kernels")),
+    ("device", ("perfx.runtime", "perfx.timing")),
+    ("formats", ("perfx.formats", "perfx.tokenizer")),
+    ("sources", ("perfx.sources",)),
+    ("ops", ("perfx.ops",)),
+    ("tuning", ("perfx.tuning",)),
+    ("model", ("perfx.model", "perfx.generate")),
+    ("commands", ("perfx.commands", "perfx.serve", "perfx.cli", "perfx.plots", "perfx.__main__", "perfx")),
+)
+
+# pyopencl is called by the device layer and the kernel wrappers; everything else goes through the Device
+# (Device.copy, write, read, fill for every copy).
+PYOPENCL_USERS = ("perfx.runtime", "perfx.ops")
+# Modules that still call pyopencl for their copies and fills, to move onto the Device's methods (delete each
+# here when it does): kv_cache, in perfx.ops, holds the cache's buffers but wraps no kernel.
+PYOPENCL_TO_MOVE = {"perfx.model", "perfx.ops.kv_cache"}
 
 
 def package_modules() -> dict[str, Path]:
@@ -90,6 +111,46 @@ def test_no_import_cycles_among_the_package_modules():
             visit(v)
     assert not cycles, f"import cycles: {cycles}"
     assert len(graph) > 40 and graph["perfx.model"], "the graph was read"
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the layer that holds ``module`` (the longest name that covers it)."""
+    covering = [(len(name), index) for index, (_, names) in enumerate(LAYERS) for name in names
+                if module == name or (module.startswith(name + ".") and name != "perfx")]
+    assert covering, f"{module} has no layer: add it to LAYERS and to the README's Layout table"
+    return max(covering)[1]
+
+
+def test_imports_run_down_the_layers_of_the_readme():
+    modules = package_modules()
+    upward = []
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text())
+        for name, line in imports(tree, module, modules, True) + imports(tree, module, modules, False):
+            if name in modules and layer_of(name) > layer_of(module):
+                upward.append(f"{path.relative_to(ROOT)}:{line}: {module} ({LAYERS[layer_of(module)][0]}) imports "
+                              f"{name} ({LAYERS[layer_of(name)][0]})")
+    assert not upward, "imports up the layers:\n" + "\n".join(upward)
+    assert {LAYERS[layer_of(m)][0] for m in modules} == {layer for layer, _ in LAYERS}, "every layer was read"
+
+
+def test_only_the_device_layer_and_the_kernel_wrappers_import_pyopencl():
+    modules = package_modules()
+    users = set()
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(name.split(".")[0] == "pyopencl" for name in names):
+                users.add(module)
+    allowed = {m for m in users if m.startswith(tuple(p + "." for p in PYOPENCL_USERS)) or m in PYOPENCL_USERS}
+    assert not users - allowed - PYOPENCL_TO_MOVE, (
+        f"these import pyopencl: {sorted(users - allowed - PYOPENCL_TO_MOVE)}; use the Device's methods "
+        "(perfx.runtime) instead")
+    assert PYOPENCL_TO_MOVE <= users, (f"{sorted(PYOPENCL_TO_MOVE - users)} no longer import pyopencl: "
+                                       "delete them from PYOPENCL_TO_MOVE")
+    assert "perfx.runtime.device" in users, "the imports were read"
 
 
 def test_imports_inside_functions_are_only_for_optional_dependencies():

@@ -122,7 +122,7 @@ def test_a_confirmed_result_resumes_without_timing_anything(device, tmp_path):
     again = Tuner(device, db, timer=no_timing, reference=lambda: 1e-3, cool_down_s=0).tune_problem(
         bench.spec(), SHAPE)
     assert again.chosen == first.chosen and again.confirmation.rounds == first.confirmation.rounds
-    record = db.lookup(device, bench.spec(), SHAPE)
+    record = db.choices(device, bench.spec(), SHAPE)[0]
     assert record.source == "device" and record.params == first.chosen
 
 

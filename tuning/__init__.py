@@ -2,7 +2,7 @@
 wrapper's parameter space with verification cases and metrics), the problems a model runs, the search,
 and the tuning database.
 
-``specs()`` returns every family's spec; adding a family is writing its spec module and naming it here.
+``SPECS`` holds every family's spec by name; adding a family is writing its spec module and naming it here.
 """
 
 from __future__ import annotations
@@ -19,11 +19,6 @@ SPECS: dict[str, Spec] = {spec.family: spec for spec in (
     gemv_q8.SPEC, gemm_q8.SPEC, embedding_q8.SPEC)}
 
 
-def specs() -> dict[str, Spec]:
-    """Every kernel family's spec, by family name."""
-    return dict(SPECS)
-
-
 def select_specs(names: str | None) -> dict[str, Spec]:
     """The specs named in a comma-separated list (`--kernels`): exact family names, or a prefix naming a
     group (gemm_q4 = gemm_q4_skinny, gemm_q4_tiled and gemm_q4_f16); None or empty: all."""
@@ -38,4 +33,4 @@ def select_specs(names: str | None) -> dict[str, Spec]:
     return chosen
 
 
-__all__ = ["Case", "SPECS", "Spec", "relative_error", "select_specs", "specs"]
+__all__ = ["Case", "SPECS", "Spec", "relative_error", "select_specs"]

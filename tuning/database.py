@@ -448,13 +448,6 @@ class Database:
             result.append(Choice(defaults, "default", detail, None, tuple(skipped)))
         return result
 
-    def lookup(self, device, spec, shape: dict) -> Choice:
-        """The parameters to use for ``spec`` at ``shape`` on ``device``, and where they come from."""
-        found = self.choices(device, spec, shape)
-        if not found:
-            raise PerfxError(f"{spec.family}: no parameter set fits {spec.describe(shape)} on {device.caps.name}")
-        return found[0]
-
     def entries_in_force(self, device, all_specs: dict) -> list[dict]:
         """Every record that applies to this device, the level it applies at, and whether it is stale."""
         rows = []
@@ -645,8 +638,3 @@ def default_database(enabled: bool = True) -> Database:
     if key not in _default:
         _default[key] = Database(enabled=key[1])
     return _default[key]
-
-
-def lookup(device, spec, shape: dict) -> Choice:
-    """Parameters for ``spec`` at ``shape`` on ``device``: device → architecture → vendor → defaults."""
-    return default_database().lookup(device, spec, shape)

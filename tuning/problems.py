@@ -167,7 +167,7 @@ def model_problems(config, families: dict, group: int | None = None,
                    forms: dict | None = None) -> tuple[list[Problem], list[str]]:
     """Every (family, shape) the model runs for the given specs, and notes on what was left out.
 
-    ``families`` maps family name to spec (``perfx.tuning.specs()`` or a selection of it). Duplicate
+    ``families`` maps family name to spec (``perfx.tuning.SPECS`` or a selection of it). Duplicate
     shapes (the same matrix used twice) are merged, their labels joined. ``forms`` (``ModelSource.weight_forms``)
     gives each matrix role's device forms; without it, ``group`` fixes the int4 group size (None: chosen
     per K as quantize-on-load does), the lm_head is taken as int8 (the default) or fp16.

@@ -30,10 +30,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-import pyopencl as cl
 
 from perfx.errors import PerfxError
-from perfx.runtime import BuildError, KernelLimitError
+from perfx.runtime import BuildError, DriverError, KernelLimitError
 from perfx.timing import bootstrap_ratio, copy_kernel, time_launches
 from perfx.tuning.database import Database, normal, params_key, result_record
 
@@ -354,7 +353,7 @@ class Tuner:
                 result.confirmation = self._confirm(spec, shape, case, result)
                 record["confirmation"] = result.confirmation.as_dict()
                 self.log.save()
-        except (PerfxError, cl.Error) as e:  # make_case failed: the problem does not fit this device
+        except (PerfxError, DriverError) as e:  # make_case failed: the problem does not fit this device
             result.note = f"could not set up the problem: {_first_line(e)}"
             return result
         self._save_result(spec, result)
@@ -402,7 +401,7 @@ class Tuner:
             return Outcome(params, "build", reason=f"build failed: {_first_line(e)}")
         except KernelLimitError as e:
             return Outcome(params, "limit", reason=f"beyond this driver's limits for the kernel: {_first_line(e)}")
-        except (PerfxError, cl.Error) as e:
+        except (PerfxError, DriverError) as e:
             return Outcome(params, "launch", reason=f"launch failed: {_first_line(e)}")
         except Exception as e:  # a crash in the wrapper for this parameter set: record it, go on
             return Outcome(params, "error", reason=f"{type(e).__name__}: {_first_line(e)}")
@@ -422,7 +421,7 @@ class Tuner:
                                    f"cut short: its faster of two runs {fastest / best.time_s:.1f}x the best so far")
             cap = CUT_FACTOR * best.time_s * self.repeat + 0.05 if best is not None else None
             timing = self._time(case, params, result, warmup=self.warmup, repeat=self.repeat, max_seconds=cap)
-        except (PerfxError, cl.Error) as e:
+        except (PerfxError, DriverError) as e:
             return Outcome(params, "launch", error=worst, reason=f"launch failed while timing: {_first_line(e)}")
         private = max((info.private_mem for info in kernels.values()), default=None)
         return Outcome(params, "ok", timing.median_s, timing.spread, timing.samples, worst, private_bytes=private)
@@ -432,7 +431,8 @@ class Tuner:
     def _incumbent(self, spec, shape: dict) -> dict:
         """The parameters in force before this sweep's result: the database's choice (this device's earlier
         result, else the architecture's or vendor's entry, else the defaults)."""
-        return dict(self.database.lookup(self.device, spec, shape).params)
+        choices = self.database.choices(self.device, spec, shape)
+        return dict(choices[0].params) if choices else spec.defaults()
 
     def _confirm(self, spec, shape: dict, case, result: ProblemResult) -> Confirmation:
         """Re-time the incumbent, the defaults and the search's top few, interleaved and shuffled over rounds;

@@ -22,7 +22,6 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import pyopencl as cl
 
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
@@ -509,9 +508,7 @@ class Model:
         if c.final_softcap:
             self.softcap(self.all_logits, count * v, c.final_softcap)
         d.copy(self.logits_buf, self.all_logits, 4 * v, src_offset=4 * v * (count - 1))
-        out = np.empty((count, v), np.float32)
-        cl.enqueue_copy(d.queue, out, self.all_logits.data)
-        return out
+        return d.read(np.empty((count, v), np.float32), self.all_logits)
 
     def _embed(self, m: int):
         """The token rows into the residual stream, times the recipe's embedding scale (Gemma: √hidden)."""
@@ -598,7 +595,7 @@ class Model:
         started = time.perf_counter()
         self._token_host[0] = token
         queue = self.device.queue
-        self._token_upload = cl.enqueue_copy(queue, self.ids.data, self._token_host, is_blocking=False)
+        self._token_upload = self.device.write(self.ids, self._token_host, wait=False)
         for step in self._decode_plan:
             if type(step) is int:
                 rope, kwargs = self.attention_args[step]

@@ -78,8 +78,8 @@ def test_config_from_hf_architectures():
     qwen2 = ModelConfig.from_hf(dict(base, model_type="qwen2", num_key_value_heads=1))
     assert qwen2.qkv_bias and qwen2.n_kv_heads == 1 and qwen2.qkv_dim == 128 + 2 * 64
     mistral = ModelConfig.from_hf(dict(base, model_type="mistral", sliding_window=4096))
-    assert mistral.extra["sliding_window"] == 4096
-    with pytest.raises(PerfxError, match=r"'gpt_neox'.*llama, mistral, qwen2"):
+    assert mistral.sliding_window == 4096 and {r.window for r in mistral.layers} == {4096}
+    with pytest.raises(PerfxError, match=r"'gpt_neox'.*llama, mistral, qwen2, qwen3, gemma2"):
         ModelConfig.from_hf(dict(base, model_type="gpt_neox"))
     with pytest.raises(PerfxError, match="lacks 'intermediate_size'"):
         ModelConfig.from_hf({k: v for k, v in base.items() if k != "intermediate_size"}

@@ -130,20 +130,26 @@ def rope_tables(positions, head_dim: int, theta: float, scaling: dict | None = N
     return np.cos(angles), np.sin(angles)
 
 
-def rope(x, positions, theta: float, scaling: dict | None = None) -> np.ndarray:
+def rope(x, positions, theta: float, scaling: dict | None = None, rotary_dims: int | None = None) -> np.ndarray:
     """Rotate-half RoPE (Hugging Face ``rotate_half``) on x (..., M, heads, D) at positions (M).
 
-    Pairs are (i, i + D/2): out[i] = x[i]·cos − x[i+D/2]·sin, out[i+D/2] = x[i+D/2]·cos + x[i]·sin.
+    Over the first n = ``rotary_dims`` dimensions (None: all D), pairs (i, i + n/2), i < n/2:
+    out[i] = x[i]·cos − x[i+n/2]·sin, out[i+n/2] = x[i+n/2]·cos + x[i]·sin, frequencies θ^(−2i/n);
+    dimensions from n on pass unchanged. n < D is Hugging Face's partial_rotary_factor (Phi-3, Phi-4-mini
+    rotate 96 of 128) and llama.cpp's NEOX rope with n_rot < head_dim.
     llama.cpp's converter permutes the rows of Wq and Wk so that its interleaved RoPE (pairs
     (2i, 2i+1)) gives the same result; perfx undoes that permutation when loading a GGUF
     (``unpermute_qk``) and uses the rotate-half convention everywhere.
     """
     x = f64(x)
     d = x.shape[-1]
-    cos, sin = rope_tables(positions, d, theta, scaling)
+    n = d if rotary_dims is None else int(rotary_dims)
+    if n <= 0 or n % 2 or n > d:
+        raise ValueError(f"rotary_dims must be even and within 2..{d} (head_dim), got {rotary_dims}")
+    cos, sin = rope_tables(positions, n, theta, scaling)
     cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    x1, x2 = x[..., : n // 2], x[..., n // 2: n]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., n:]], axis=-1)
 
 
 def permute_qk(w, n_heads: int) -> np.ndarray:
@@ -160,13 +166,15 @@ def unpermute_qk(w, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def attention(q, k, v, q_positions, causal: bool = True, window: int = 0) -> np.ndarray:
-    """softmax(q·Kᵀ/√D)·V with GQA.
+def attention(q, k, v, q_positions, causal: bool = True, window: int = 0, scale: float | None = None,
+              softcap: float = 0.0) -> np.ndarray:
+    """softmax(s)·V with GQA, s = q·Kᵀ·scale (``scale`` None: 1/√D; Gemma: query_pre_attn_scalar^−½).
 
     q (M, H, D) at absolute positions q_positions (M); k, v (T, Hkv, D) for positions 0..T−1.
-    Query head h reads key/value head h // (H / Hkv). With ``causal``, query at position p sees
-    positions 0..p; a sliding ``window`` W > 0 (Mistral) keeps only the last W of them, p − W + 1..p
-    (transformers' sliding-window mask: key j is seen when p − W < j ≤ p). Returns (M, H, D).
+    Query head h reads key/value head h // (H / Hkv). A ``softcap`` c > 0 (Gemma 2's
+    attn_logit_softcapping) replaces s by c·tanh(s/c) before the mask. With ``causal``, query at
+    position p sees positions 0..p; a sliding ``window`` W > 0 (Mistral, Gemma) keeps only the last W of
+    them, p − W + 1..p (transformers' sliding-window mask: key j is seen when p − W < j ≤ p). Returns (M, H, D).
     """
     q, k, v = f64(q), f64(k), f64(v)
     m, h, d = q.shape
@@ -174,7 +182,10 @@ def attention(q, k, v, q_positions, causal: bool = True, window: int = 0) -> np.
     group = h // hkv
     kh = np.repeat(k, group, axis=1)  # (T, H, D)
     vh = np.repeat(v, group, axis=1)
-    scores = np.einsum("mhd,thd->hmt", q, kh) / np.sqrt(d)
+    scores = np.einsum("mhd,thd->hmt", q, kh)
+    scores = scores / np.sqrt(d) if scale is None else scores * float(scale)
+    if softcap:
+        scores = softcap * np.tanh(scores / softcap)
     if causal or window:
         keys, queries = np.arange(t)[None, :], np.asarray(q_positions)[:, None]
         visible = keys <= queries if causal else np.ones((m, t), bool)   # (M, T)

@@ -1,6 +1,6 @@
 // Prefill attention over a prompt of M tokens at positions p = p0 .. p0+M−1 (Llama family: rotate-half
 // RoPE, grouped-query attention, causal), in two launches on the in-order queue:
-//   kv_append:          k' = rope(norm(k), p);  keys[layer][kvh][p] = half(k');  values[layer][kvh][p] = half(v)
+//   kv_append:          k' = rope(norm(k), p);  keys[layer][kvh][p] = half(k'); values[layer][kvh][p] = half(v)
 //   attention_prefill:  q' = rope(norm(q), p);  out[t][h] = Σ_{j ≤ p} softmax_j(cap(scale·q'·K[j])) · V[j]
 //                       (j ≥ p − W + 1 too under a sliding window W > 0, Mistral, Gemma; 0 = off)
 // norm (QK_NORM only), rope (partial rotary, NoPE) and cap (the soft-cap) are attention.h's; scale (1/√D for
@@ -111,8 +111,8 @@ __kernel void kv_append(const int p0, const int n_heads, const int n_kv_heads, c
     float f = 1.0f;
 #if QK_NORM
     __local float squares[HEAD_DIM / 8];
-    const float8 x = vload8(i, k_row) * vload8(i, k_row);
-    const float4 x4 = x.lo + x.hi;
+    const float8 x = vload8(i, k_row);
+    const float4 x4 = x.lo * x.lo + x.hi * x.hi;
     squares[i] = (x4.s0 + x4.s1) + (x4.s2 + x4.s3);
     barrier(CLK_LOCAL_MEM_FENCE);
     float sum = 0.0f;

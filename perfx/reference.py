@@ -110,6 +110,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> n
         pass
     elif kind == "linear":
         inv = inv / float(scaling["factor"])
+    elif kind == "longrope":
+        pass   # Phi-3: its chosen (short or long) factors come as freq_factors; the attention factor scales the table
     elif kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
@@ -120,35 +122,32 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> n
         between = (wavelen <= original / low) & (wavelen >= original / high)
         inv = np.where(between, (1 - smooth) * inv / factor + smooth * inv, scaled)
     else:
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3, longrope)")
     return inv if factors is None else inv / factors
 
 
 def rope_tables(positions, head_dim: int, theta: float, scaling: dict | None = None):
     """cos and sin, each (len(positions), D/2): the table the kernels read."""
     angles = np.outer(f64(positions), rope_inv_freq(head_dim, theta, scaling))
-    return np.cos(angles), np.sin(angles)
+    # LongRoPE's attention factor multiplies cos and sin (transformers' attention_scaling, llama.cpp's attn_factor)
+    factor = float((scaling or {}).get("attention_factor", 1.0))
+    return np.cos(angles) * factor, np.sin(angles) * factor
 
 
 def rope(x, positions, theta: float, scaling: dict | None = None, rotary_dims: int | None = None) -> np.ndarray:
     """Rotate-half RoPE (Hugging Face ``rotate_half``) on x (..., M, heads, D) at positions (M).
 
-    Over the first n = ``rotary_dims`` dimensions (None: all D), pairs (i, i + n/2), i < n/2:
-    out[i] = x[i]·cos − x[i+n/2]·sin, out[i+n/2] = x[i+n/2]·cos + x[i]·sin, frequencies θ^(−2i/n);
-    dimensions from n on pass unchanged. n < D is Hugging Face's partial_rotary_factor (Phi-3, Phi-4-mini
-    rotate 96 of 128) and llama.cpp's NEOX rope with n_rot < head_dim.
-    llama.cpp's converter permutes the rows of Wq and Wk so that its interleaved RoPE (pairs
-    (2i, 2i+1)) gives the same result; perfx undoes that permutation when loading a GGUF
+    Over the first n = ``rotary_dims`` dimensions (default D; Phi-3's partial rotary) pairs are (i, i + n/2):
+    out[i] = x[i]·cos − x[i+n/2]·sin, out[i+n/2] = x[i+n/2]·cos + x[i]·sin; dimensions from n on pass through.
+    llama.cpp's converter permutes the rows of Wq and Wk of Llama-style models so that its interleaved RoPE
+    (pairs (2i, 2i+1)) gives the same result; perfx undoes that permutation when loading a GGUF
     (``unpermute_qk``) and uses the rotate-half convention everywhere.
     """
     x = f64(x)
-    d = x.shape[-1]
-    n = d if rotary_dims is None else int(rotary_dims)
-    if n <= 0 or n % 2 or n > d:
-        raise ValueError(f"rotary_dims must be even and within 2..{d} (head_dim), got {rotary_dims}")
+    n = x.shape[-1] if rotary_dims is None else int(rotary_dims)
     cos, sin = rope_tables(positions, n, theta, scaling)
     cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
-    x1, x2 = x[..., : n // 2], x[..., n // 2: n]
+    x1, x2 = x[..., : n // 2], x[..., n // 2:n]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., n:]], axis=-1)
 
 
@@ -168,13 +167,13 @@ def unpermute_qk(w, n_heads: int) -> np.ndarray:
 
 def attention(q, k, v, q_positions, causal: bool = True, window: int = 0, scale: float | None = None,
               softcap: float = 0.0) -> np.ndarray:
-    """softmax(s)·V with GQA, s = q·Kᵀ·scale (``scale`` None: 1/√D; Gemma: query_pre_attn_scalar^−½).
+    """softmax(q·Kᵀ·scale)·V with GQA; scale defaults to 1/√D.
 
     q (M, H, D) at absolute positions q_positions (M); k, v (T, Hkv, D) for positions 0..T−1.
-    Query head h reads key/value head h // (H / Hkv). A ``softcap`` c > 0 (Gemma 2's
-    attn_logit_softcapping) replaces s by c·tanh(s/c) before the mask. With ``causal``, query at
-    position p sees positions 0..p; a sliding ``window`` W > 0 (Mistral, Gemma) keeps only the last W of
-    them, p − W + 1..p (transformers' sliding-window mask: key j is seen when p − W < j ≤ p). Returns (M, H, D).
+    Query head h reads key/value head h // (H / Hkv). A ``softcap`` c > 0 (Gemma 2) maps each scaled score
+    s to c·tanh(s/c) before the mask. With ``causal``, query at position p sees positions 0..p; a sliding
+    ``window`` W > 0 keeps only the last W of them, p − W + 1..p (transformers' sliding-window mask: key j
+    is seen when p − W < j ≤ p). Returns (M, H, D).
     """
     q, k, v = f64(q), f64(k), f64(v)
     m, h, d = q.shape
@@ -182,8 +181,7 @@ def attention(q, k, v, q_positions, causal: bool = True, window: int = 0, scale:
     group = h // hkv
     kh = np.repeat(k, group, axis=1)  # (T, H, D)
     vh = np.repeat(v, group, axis=1)
-    scores = np.einsum("mhd,thd->hmt", q, kh)
-    scores = scores / np.sqrt(d) if scale is None else scores * float(scale)
+    scores = np.einsum("mhd,thd->hmt", q, kh) * (1.0 / np.sqrt(d) if scale is None else scale)
     if softcap:
         scores = softcap * np.tanh(scores / softcap)
     if causal or window:

@@ -61,8 +61,8 @@ def test_stored_rows_and_fp32_accuracy(device, rng, shape):
     # The checks can fail: an unwritten output, or a reference that misses the new position.
     assert relative_error(np.full_like(out, np.nan), want) == float("inf")
     if pos > 0:
-        missing = reference.attention(case.q_rotated[None], k_all[:-1], v_all[:-1], [pos], **attend).reshape(h * d)
-        assert relative_error(out, missing) > SPEC.tolerance
+        missing = reference.attention(case.q_rotated[None], k_all[:-1], v_all[:-1], [pos], **attend)
+        assert relative_error(out, missing.reshape(h * d)) > SPEC.tolerance
 
 
 @pytest.mark.parametrize("n_heads, n_kv_heads, head_dim, positions",
@@ -136,7 +136,8 @@ def test_one_kernel_serves_layers_that_differ(device, rng, qk_norm):
     for pos in range(steps):
         for layer, (rope, n_rot, theta, features) in enumerate(layers):
             x = rng.standard_normal((h + 2 * hkv) * d, dtype=np.float32)
-            norms = dict(q_norm=norm_buffers[layer][0], k_norm=norm_buffers[layer][1], eps=1e-6) if qk_norm else {}
+            q_w, k_w = norm_buffers[layer]
+            norms = dict(q_norm=q_w, k_norm=k_w, eps=1e-6) if qk_norm else {}
             out.fill(np.float32(np.nan))
             op(device.upload(x), out, cache, rope, layer, pos, **features, **norms).wait()
             q, k = x[: h * d].reshape(1, h, d), x[h * d: (h + hkv) * d].reshape(1, hkv, d)
@@ -167,7 +168,8 @@ def test_head_dim_256_fits_a_phone_at_the_defaults(gqa, qk_norm):
     shape = {"n_heads": gqa, "n_kv_heads": 1, "head_dim": 256, "positions": 4096, "qk_norm": qk_norm}
     for half in (0, 1):
         params = {**SPEC.defaults(), "HALF": half}
-        assert PARAMS.local_memory(params, shape) <= caps.local_mem, (params, PARAMS.local_memory(params, shape))
+        used = PARAMS.local_memory(params, shape)
+        assert used <= caps.local_mem, (params, used)
         assert all(rule.holds(params, shape) for rule in PARAMS.rules)
 
 

@@ -92,7 +92,8 @@ def test_the_launch_names_the_window(device, rng, built, launched):
     prefill(device.upload(qkv[:m]), out, cache, rope, 0, 0, m, window=launched).wait()
     keys, values = cache.read(device, 0, m)
     positions = np.arange(m)
-    want = reference.attention(_rotated_q(qkv[:m], positions, h, d), keys, values, positions, window=want_window)
+    q = _rotated_q(qkv[:m], positions, h, d)
+    want = reference.attention(q, keys, values, positions, window=want_window)
     assert relative_error(out.get(), want.reshape(m, h * d)) <= TOLERANCE
     out = device.poisoned(h * d, np.float32)
     for pos in range(m, steps):

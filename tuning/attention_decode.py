@@ -44,7 +44,8 @@ class Features:
         d = shape["head_dim"]
         n_rot = shape.get("rotary_dims", d)
         rope = RopeTable.upload(device, d, max_positions, THETA, rotary_dims=n_rot) if n_rot else None
-        attend = {"window": shape.get("window", 0), "scale": shape.get("scale"), "softcap": shape.get("softcap", 0.0)}
+        attend = {"window": shape.get("window", 0), "scale": shape.get("scale"),
+                  "softcap": shape.get("softcap", 0.0)}
         launch = dict(attend)
         weights = None
         if shape.get("qk_norm"):

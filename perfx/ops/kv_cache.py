@@ -112,7 +112,7 @@ class RopeTable:
     max_positions: int
     cos: object   # cl.Buffer float (max_positions, rotary_dims/2)
     sin: object
-    rotary_dims: int   # n_rot: dimensions 0..n_rot−1 of each head rotate (pairs (i, i + n_rot/2)), the rest pass
+    rotary_dims: int   # n_rot: dimensions 0..n_rot−1 of a head rotate (pairs (i, i + n_rot/2)), the rest pass
 
     @classmethod
     def upload(cls, device: Device, head_dim: int, max_positions: int, theta: float,

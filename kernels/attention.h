@@ -28,8 +28,34 @@ inline float inverse_rms(const __global float* x, const float eps)
     return rsqrt(((sum.s0 + sum.s1) + (sum.s2 + sum.s3)) / HEAD_DIM + eps);
 }
 
-// Element i of one head's row x, normalised (QK_NORM: times f = inverse_rms(x) and w[i]) and rotated by the
-// table rows cos_p / sin_p of its position.
+// Pair i < D/2 of a row's dimensions: the rotation pair (i, i + n_rot/2) for i < n_rot/2, else two of the
+// dimensions from n_rot on, which pass unchanged. The decode kernel spreads a row's pairs over work-items.
+inline int2 pair_dims(const int i, const int n_rot)
+{
+    const int half_rot = n_rot / 2;
+    const int past = n_rot + 2 * (i - half_rot);
+    return i < half_rot ? (int2)(i, i + half_rot) : (int2)(past, past + 1);
+}
+
+// Dimensions dims (pair_dims) of one head's row x, normalised (QK_NORM: times f = inverse_rms(x) and w) and
+// rotated by the table rows cos_p / sin_p of its position where they are a rotation pair.
+inline float2 rope_pair(const __global float* x, const int2 dims, const float f, const __global float* w,
+                        const __global float* cos_p, const __global float* sin_p, const int n_rot)
+{
+#if QK_NORM
+    const float a = x[dims.x] * f * w[dims.x], b = x[dims.y] * f * w[dims.y];
+#else
+    const float a = x[dims.x], b = x[dims.y];
+#endif
+    if (dims.x >= n_rot) {
+        return (float2)(a, b);
+    }
+    const float c = cos_p[dims.x], s = sin_p[dims.x];
+    return (float2)(a * c - b * s, b * c + a * s);
+}
+
+// Element i of one head's row x, normalised and rotated as rope_pair does it: for the prefill kernel, whose
+// work-items each hold a run of a row's dimensions.
 inline float rope_element(const __global float* x, const int i, const float f, const __global float* w,
                           const __global float* cos_p, const __global float* sin_p, const int n_rot)
 {
@@ -51,9 +77,11 @@ inline float rope_element(const __global float* x, const int i, const float f, c
     return y;
 }
 
+// The soft-cap for cap > 0. Callers branch on cap > 0 around their loops rather than per score: a select per
+// score would be compiled to a tanh per score whether the cap is on or not.
 inline float soft_cap(const float s, const float cap)
 {
-    return cap > 0.0f ? cap * tanh(s / cap) : s;
+    return cap * tanh(s / cap);
 }
 
 #endif

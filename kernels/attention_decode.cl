@@ -80,6 +80,7 @@ typedef float4 floatV;
 #define HSUM(x) hsum4(x)
 #endif
 
+#define HALF_D (HEAD_DIM / 2)
 #define LANES (HEAD_DIM / VW)     // vectors per K/V row
 #define ROWS (WGS / LANES)        // V rows accumulated side by side (the spec keeps WGS ≥ LANES)
 #define MAXF(a, b) ((a) > (b) ? (a) : (b))
@@ -153,27 +154,35 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
 #define INV_RMS(r) 1.0f
 #endif
 
-    // RoPE on this kv head's GQA query heads (every partition needs them; GQA·D elements is cheap).
+    // Norm, RoPE and scale on this kv head's GQA query heads (every partition needs them; GQA·D elements
+    // is cheap).
     const __global float* cos_p = cos_table + pos * (n_rot / 2);
     const __global float* sin_p = sin_table + pos * (n_rot / 2);
-    for (int e = lid; e < GQA * HEAD_DIM; e += WGS) {
-        const int h = e / HEAD_DIM;
-        const float x = rope_element(q_in + h * HEAD_DIM, e % HEAD_DIM, INV_RMS(h), q_norm, cos_p, sin_p, n_rot)
-                        * scale;
-        q[e] = x;
+    for (int e = lid; e < GQA * HALF_D; e += WGS) {
+        const int h = e / HALF_D;
+        const int2 dims = pair_dims(e % HALF_D, n_rot);
+        const float2 x = rope_pair(q_in + h * HEAD_DIM, dims, INV_RMS(h), q_norm, cos_p, sin_p, n_rot) * scale;
+        const int2 at = dims + h * HEAD_DIM;
+        q[at.x] = x.x;
+        q[at.y] = x.y;
 #if HALF
-        vstore_half(x, e, (__local half*)q_bits);
+        vstore_half(x.x, at.x, (__local half*)q_bits);
+        vstore_half(x.y, at.y, (__local half*)q_bits);
 #endif
     }
     const size_t head_base = (size_t)layer_offset + (size_t)g * max_positions * HEAD_DIM;
     if (holds_pos) {
-        // The only writer of row p for kv head g: RoPE on k, append k' and v, keep them in local memory.
+        // The only writer of row p for kv head g: norm and RoPE on k, append k' and v, keep them in local
+        // memory.
         const __global float* v_in = k_in + n_kv_heads * HEAD_DIM;
         const size_t row = head_base + (size_t)pos * HEAD_DIM;
-        for (int i = lid; i < HEAD_DIM; i += WGS) {
-            const float k = rope_element(k_in, i, INV_RMS(GQA), k_norm, cos_p, sin_p, n_rot);
-            vstore_half(k, i, fresh);
-            vstore_half(k, row + i, keys);
+        for (int i = lid; i < HALF_D; i += WGS) {
+            const int2 dims = pair_dims(i, n_rot);
+            const float2 k = rope_pair(k_in, dims, INV_RMS(GQA), k_norm, cos_p, sin_p, n_rot);
+            vstore_half(k.x, dims.x, fresh);
+            vstore_half(k.y, dims.y, fresh);
+            vstore_half(k.x, row + dims.x, keys);
+            vstore_half(k.y, row + dims.y, keys);
         }
         for (int i = lid; i < HEAD_DIM; i += WGS) {
             const float v = v_in[i];
@@ -236,9 +245,22 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
         }
 #endif
         for (int h = 0; h < GQA; ++h) {
-            const float s = soft_cap(HSUM(acc[h]), softcap);
+            const float s = HSUM(acc[h]);
             work[h * PART + t] = s;
             run_max[h] = fmax(run_max[h], s);
+        }
+    }
+
+    if (softcap > 0.0f) {
+        // The soft-cap, on this work-item's scores; it is monotonic, so it maps their maxima too (−inf, no
+        // position in the window, stays).
+        for (int t = lid; t < count; t += WGS) {
+            for (int h = 0; h < GQA && t >= lo; ++h) {
+                work[h * PART + t] = soft_cap(work[h * PART + t], softcap);
+            }
+        }
+        for (int h = 0; h < GQA; ++h) {
+            run_max[h] = run_max[h] == -INFINITY ? run_max[h] : soft_cap(run_max[h], softcap);
         }
     }
 

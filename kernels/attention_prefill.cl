@@ -266,8 +266,10 @@ void attention_prefill(const int m, const int p0, const int group, const int n_h
             score[j] = sum;
         }
 #endif
-        for (int j = 0; j < BK; j++) {
-            score[j] = soft_cap(score[j], softcap);
+        if (softcap > 0.0f) {
+            for (int j = 0; j < BK; j++) {
+                score[j] = soft_cap(score[j], softcap);
+            }
         }
 
         const int visible = min(BK, pos + 1 - t0);  // positions of this tile the row may see

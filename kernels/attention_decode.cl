@@ -1,20 +1,22 @@
 // Decode attention for one new token at position p of one layer (Llama family: rotate-half RoPE,
 // grouped-query attention), flash-decoding style, in two launches on the in-order queue:
-//   attention_partial:  q' = rope(q, p), k' = rope(k, p);  keys[layer][g][p] = half(k'),
-//                       values[layer][g][p] = half(v);  per (query head h, partition j of PART positions):
+//   attention_partial:  q' = rope(norm(q), p), k' = rope(norm(k), p) (attention.h: norm with QK_NORM only,
+//                       partial rotary, NoPE);  keys[layer][g][p] = half(k'), values[layer][g][p] = half(v);
+//                       per (query head h, partition j of PART positions):
 //                       m_j = max_t s_t,  l_j = Σ_t e^(s_t − m_j),  o_j = Σ_t e^(s_t − m_j)·V[t],
-//                       s_t = q'_h·K[t] / √D over the positions t ≤ p of partition j
+//                       s_t = cap(scale·q'_h·K[t]) over the positions t ≤ p of partition j (scale a launch
+//                       argument, 1/√D for Llama; cap the soft-cap of attention.h, or none)
 //   attention_combine:  out[h] = Σ_j e^(m_j − M)·o_j / Σ_j e^(m_j − M)·l_j,
 //                       M a running max over the partitions (online softmax)
 // When p < PART there is one partition and attention_partial writes out[h] = o_0 / l_0 itself: one launch.
 // A sliding window W > 0 (Mistral; 0 = off) bounds the positions attended to t ≥ p − W + 1: earlier ones
 // get weight 0 and are not read; a partition left with none reports m = −inf, l = 0 and the combine skips it.
+// W is a launch argument, so one build serves layers of different windows (Gemma 2 and 3).
 // Shapes: qkv float [q (H·D) | k (Hkv·D) | v (Hkv·D)] from element qkv_offset (the fused QKV GEMV);
 // out (H·D) float; keys / values half [layer][kv_head][pos][D] (perfx/ops/kv_cache.py), positions < p
-// already there; cos / sin (max_positions, D/2) float. Rotate-half pairs are (i, i + D/2):
-// x'[i] = x[i]·cos − x[i+D/2]·sin, x'[i+D/2] = x[i+D/2]·cos + x[i]·sin (perfx/reference.py rope).
-// Query head h reads kv head h / GQA, GQA = H/Hkv. D = HEAD_DIM (even, a multiple of VW) and GQA are
-// build defines from the model; partials are [H][max_parts] (m, l) and [H][max_parts][D] (o), float.
+// already there; cos / sin (max_positions, n_rot/2) float; q_norm / k_norm (D) float (QK_NORM).
+// Query head h reads kv head h / GQA, GQA = H/Hkv. D = HEAD_DIM (even, a multiple of VW), GQA and QK_NORM
+// are build defines from the model; partials are [H][max_parts] (m, l) and [H][max_parts][D] (o), float.
 //
 // Flash-decoding (Dao, Haziza, Massa, Sizov 2023; vLLM's paged attention v2): a long context is split
 // over (kv head, partition) work-groups so it does not run on Hkv work-groups only. One work-group serves
@@ -49,6 +51,8 @@
 #define HALF 0  // q·k in half against half key rows (cl_khr_fp16)
 #endif
 
+#include "attention.h"
+
 #if HALF
 #pragma OPENCL EXTENSION cl_khr_fp16 : enable
 #if VW == 8
@@ -80,8 +84,9 @@ typedef float4 floatV;
 #define LANES (HEAD_DIM / VW)     // vectors per K/V row
 #define ROWS (WGS / LANES)        // V rows accumulated side by side (the spec keeps WGS ≥ LANES)
 #define MAXF(a, b) ((a) > (b) ? (a) : (b))
-// One local buffer for the scores (GQA × PART) and later for the ROWS partial V sums (ROWS × GQA × D).
-#define WORK MAXF(GQA * PART, ROWS * GQA * HEAD_DIM)
+// One local buffer for the QK_NORM sums of squares ((GQA + 1) × WGS), then the scores (GQA × PART), then the
+// ROWS partial V sums (ROWS × GQA × D).
+#define WORK MAXF(MAXF(GQA * PART, ROWS * GQA * HEAD_DIM), (GQA + 1) * WGS)
 
 inline float hsum4(const float4 x)
 {
@@ -92,10 +97,13 @@ inline float hsum4(const float4 x)
 __kernel __attribute__((reqd_work_group_size(WGS, 1, 1)))
 void attention_partial(__global const float* restrict qkv, const int qkv_offset,
                        __global const float* restrict cos_table, __global const float* restrict sin_table,
+                       const int n_rot, __global const float* restrict q_norm,
+                       __global const float* restrict k_norm, const float eps,
                        __global half* restrict keys, __global half* restrict values,
                        const int layer_offset, const int max_positions, const int pos, const int max_parts,
                        __global float* restrict part_max, __global float* restrict part_sum,
-                       __global float* restrict part_out, __global float* restrict out, const int window)
+                       __global float* restrict part_out, __global float* restrict out, const int window,
+                       const float scale, const float softcap)
 {
     const int lid = get_local_id(0);
     const int g = get_group_id(1);
@@ -107,7 +115,7 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
     const bool holds_pos = part == n_parts - 1;   // this partition's last position is p
     const int lo = window > 0 ? max(0, pos - window + 1) - first : 0;  // first t of the window, in the partition
 
-    __local float q[GQA * HEAD_DIM];       // rotated, times 1/√D
+    __local float q[GQA * HEAD_DIM];       // normalised, rotated, times scale
     __local ushort q_bits[HALF ? GQA * HEAD_DIM : 1];  // the same as half (HALF)
     __local ushort fresh_bits[2 * HEAD_DIM];  // k' then v as fp16 ("__local half x[]" needs cl_khr_fp16)
     __local float work[WORK];
@@ -115,36 +123,66 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
     __local float stats[2 * GQA];          // the partition's max and sum per head
     __local half* fresh = (__local half*)fresh_bits;
 
-    // RoPE on this kv head's GQA query heads (every partition needs them; GQA·D elements is cheap).
-    const __global float* cos_p = cos_table + pos * HALF_D;
-    const __global float* sin_p = sin_table + pos * HALF_D;
-    const float scale = 1.0f / sqrt((float)HEAD_DIM);
     const __global float* q_in = qkv + qkv_offset + g * GQA * HEAD_DIM;
+    const __global float* k_in = qkv + qkv_offset + (n_kv_heads * GQA + g) * HEAD_DIM;
+#if QK_NORM
+    // 1/rms of the GQA query heads (rows 0..GQA−1) and of k (row GQA): strided sums of squares, one tree.
+    __local float inv_rms[GQA + 1];
+    for (int r = 0; r <= GQA; ++r) {
+        const __global float* x = r < GQA ? q_in + r * HEAD_DIM : k_in;
+        float sum = 0.0f;
+        for (int i = lid; i < HEAD_DIM; i += WGS) {
+            sum = fma(x[i], x[i], sum);
+        }
+        work[r * WGS + lid] = sum;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int stride = WGS / 2; stride > 0; stride >>= 1) {
+        if (lid < stride) {
+            for (int r = 0; r <= GQA; ++r) {
+                work[r * WGS + lid] += work[r * WGS + lid + stride];
+            }
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    if (lid <= GQA) {
+        inv_rms[lid] = rsqrt(work[lid * WGS] / HEAD_DIM + eps);
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+#define INV_RMS(r) inv_rms[r]
+#else
+#define INV_RMS(r) 1.0f
+#endif
+
+    // Norm, RoPE and scale on this kv head's GQA query heads (every partition needs them; GQA·D elements
+    // is cheap).
+    const __global float* cos_p = cos_table + pos * (n_rot / 2);
+    const __global float* sin_p = sin_table + pos * (n_rot / 2);
     for (int e = lid; e < GQA * HALF_D; e += WGS) {
-        const int h = e / HALF_D, i = e % HALF_D;
-        const float x = q_in[h * HEAD_DIM + i], y = q_in[h * HEAD_DIM + i + HALF_D];
-        const float c = cos_p[i], s = sin_p[i];
-        q[h * HEAD_DIM + i] = (x * c - y * s) * scale;
-        q[h * HEAD_DIM + i + HALF_D] = (y * c + x * s) * scale;
+        const int h = e / HALF_D;
+        const int2 dims = pair_dims(e % HALF_D, n_rot);
+        const float2 x = rope_pair(q_in + h * HEAD_DIM, dims, INV_RMS(h), q_norm, cos_p, sin_p, n_rot) * scale;
+        const int2 at = dims + h * HEAD_DIM;
+        q[at.x] = x.x;
+        q[at.y] = x.y;
 #if HALF
-        vstore_half((x * c - y * s) * scale, h * HEAD_DIM + i, (__local half*)q_bits);
-        vstore_half((y * c + x * s) * scale, h * HEAD_DIM + i + HALF_D, (__local half*)q_bits);
+        vstore_half(x.x, at.x, (__local half*)q_bits);
+        vstore_half(x.y, at.y, (__local half*)q_bits);
 #endif
     }
     const size_t head_base = (size_t)layer_offset + (size_t)g * max_positions * HEAD_DIM;
     if (holds_pos) {
-        // The only writer of row p for kv head g: RoPE on k, append k' and v, keep them in local memory.
-        const __global float* k_in = qkv + qkv_offset + (n_kv_heads * GQA + g) * HEAD_DIM;
+        // The only writer of row p for kv head g: norm and RoPE on k, append k' and v, keep them in local
+        // memory.
         const __global float* v_in = k_in + n_kv_heads * HEAD_DIM;
         const size_t row = head_base + (size_t)pos * HEAD_DIM;
         for (int i = lid; i < HALF_D; i += WGS) {
-            const float x = k_in[i], y = k_in[i + HALF_D];
-            const float c = cos_p[i], s = sin_p[i];
-            const float lo = x * c - y * s, hi = y * c + x * s;
-            vstore_half(lo, i, fresh);
-            vstore_half(hi, i + HALF_D, fresh);
-            vstore_half(lo, row + i, keys);
-            vstore_half(hi, row + i + HALF_D, keys);
+            const int2 dims = pair_dims(i, n_rot);
+            const float2 k = rope_pair(k_in, dims, INV_RMS(GQA), k_norm, cos_p, sin_p, n_rot);
+            vstore_half(k.x, dims.x, fresh);
+            vstore_half(k.y, dims.y, fresh);
+            vstore_half(k.x, row + dims.x, keys);
+            vstore_half(k.y, row + dims.y, keys);
         }
         for (int i = lid; i < HEAD_DIM; i += WGS) {
             const float v = v_in[i];
@@ -210,6 +248,19 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
             const float s = HSUM(acc[h]);
             work[h * PART + t] = s;
             run_max[h] = fmax(run_max[h], s);
+        }
+    }
+
+    if (softcap > 0.0f) {
+        // The soft-cap, on this work-item's scores; it is monotonic, so it maps their maxima too (−inf, no
+        // position in the window, stays).
+        for (int t = lid; t < count; t += WGS) {
+            for (int h = 0; h < GQA && t >= lo; ++h) {
+                work[h * PART + t] = soft_cap(work[h * PART + t], softcap);
+            }
+        }
+        for (int h = 0; h < GQA; ++h) {
+            run_max[h] = run_max[h] == -INFINITY ? run_max[h] : soft_cap(run_max[h], softcap);
         }
     }
 

@@ -1,13 +1,14 @@
 // Prefill attention over a prompt of M tokens at positions p = p0 .. p0+M−1 (Llama family: rotate-half
 // RoPE, grouped-query attention, causal), in two launches on the in-order queue:
-//   kv_append:          k' = rope(k, p);  keys[layer][kvh][p] = half(k');  values[layer][kvh][p] = half(v)
-//   attention_prefill:  q' = rope(q, p);  out[t][h] = Σ_{j ≤ p} softmax_j(q'·K[j] / √D) · V[j]
-//                       (j ≥ p − W + 1 too under a sliding window W > 0, Mistral; 0 = off)
+//   kv_append:          k' = rope(norm(k), p);  keys[layer][kvh][p] = half(k'); values[layer][kvh][p] = half(v)
+//   attention_prefill:  q' = rope(norm(q), p);  out[t][h] = Σ_{j ≤ p} softmax_j(cap(scale·q'·K[j])) · V[j]
+//                       (j ≥ p − W + 1 too under a sliding window W > 0, Mistral, Gemma; 0 = off)
+// norm (QK_NORM only), rope (partial rotary, NoPE) and cap (the soft-cap) are attention.h's; scale (1/√D for
+// Llama), W, the table and the norm weights are launch arguments, so one build serves every layer.
 // Shapes: qkv (M, (H + 2·Hkv)·D) float, each row [q (H·D) | k (Hkv·D) | v (Hkv·D)] (the fused QKV GEMM);
 // out (M, H·D) float; keys / values half [layer][kv_head][pos][D] (perfx/ops/kv_cache.py), positions
-// < p0 already there from earlier turns; cos / sin (max_positions, D/2) float. Rotate-half pairs are
-// (i, i + D/2): x'[i] = x[i]·cos − x[i+D/2]·sin, x'[i+D/2] = x[i+D/2]·cos + x[i]·sin (reference.rope).
-// Query head h reads kv head h / (H/Hkv). D = HEAD_DIM is a build define, a multiple of 2·VW.
+// < p0 already there from earlier turns; cos / sin (max_positions, n_rot/2) float; q_norm / k_norm (D).
+// Query head h reads kv head h / (H/Hkv). D = HEAD_DIM is a build define, a multiple of 2·VW and of 8.
 //
 // The attention reads the keys the append writes, and work-groups of one launch cannot wait for each
 // other: hence two launches. The attention is flash-attention style (Dao et al. 2022, algorithm 1):
@@ -46,6 +47,8 @@
 #define HALF 0  // K/V tiles in local memory as half, q·k in half (cl_khr_fp16)
 #endif
 
+#include "attention.h"
+
 #if VW == 8
 typedef float8 floatVW;
 #define LOADVW vload8
@@ -60,7 +63,6 @@ typedef float4 floatVW;
 #define HSUM(x) hsum4(x)
 #endif
 
-#define HALF_D (HEAD_DIM / 2)
 #define DP (HEAD_DIM / DSPLIT)  // dimensions per work-item
 #define DV (DP / VW)            // vectors per work-item
 #define RV (HEAD_DIM / VW)      // vectors per head row
@@ -89,30 +91,45 @@ inline float hsum4(const float4 x)
     return (x.s0 + x.s1) + (x.s2 + x.s3);
 }
 
-// global (D/8, Hkv, M): one work-item rotates 4 pairs of one key row and stores them with that row's
-// values, as fp16 (vstore_half is core OpenCL; no cl_khr_fp16 needed).
+// global (D/8, Hkv, M), local (D/8, 1, 1): a work-group per key row, each work-item normalises and rotates 8
+// of its elements and stores them with that row's values, as fp16 (vstore_half is core OpenCL; no cl_khr_fp16
+// needed). With QK_NORM the row's sum of squares meets in local memory.
 __kernel void kv_append(const int p0, const int n_heads, const int n_kv_heads, const int max_positions,
                         const int layer_offset,
                         __global const float* restrict qkv, __global const float* restrict cos_table,
-                        __global const float* restrict sin_table,
+                        __global const float* restrict sin_table, const int n_rot,
+                        __global const float* restrict k_norm, const float eps,
                         __global half* restrict keys, __global half* restrict values)
 {
-    const int i = get_global_id(0);
+    const int i = get_local_id(0);
     const int kvh = get_global_id(1);
     const int t = get_global_id(2);
     const int pos = p0 + t;
     const int stride = (n_heads + 2 * n_kv_heads) * HEAD_DIM;
     __global const float* k_row = qkv + t * stride + (n_heads + kvh) * HEAD_DIM;
     __global const float* v_row = k_row + n_kv_heads * HEAD_DIM;
-    const float4 c = vload4(i, cos_table + pos * HALF_D);
-    const float4 s = vload4(i, sin_table + pos * HALF_D);
-    const float4 x1 = vload4(i, k_row);
-    const float4 x2 = vload4(i + HALF_D / 4, k_row);
+    float f = 1.0f;
+#if QK_NORM
+    __local float squares[HEAD_DIM / 8];
+    const float8 x = vload8(i, k_row);
+    const float4 x4 = x.lo * x.lo + x.hi * x.hi;
+    squares[i] = (x4.s0 + x4.s1) + (x4.s2 + x4.s3);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    float sum = 0.0f;
+    for (int j = 0; j < HEAD_DIM / 8; j++) {
+        sum += squares[j];
+    }
+    f = rsqrt(sum / HEAD_DIM + eps);
+#endif
+    __global const float* cos_p = cos_table + pos * (n_rot / 2);
+    __global const float* sin_p = sin_table + pos * (n_rot / 2);
+    float k[8];
+    for (int e = 0; e < 8; e++) {
+        k[e] = rope_element(k_row, 8 * i + e, f, k_norm, cos_p, sin_p, n_rot);
+    }
     const int dst = layer_offset + (kvh * max_positions + pos) * HEAD_DIM;
-    vstore_half4(x1 * c - x2 * s, i, keys + dst);
-    vstore_half4(x2 * c + x1 * s, i + HALF_D / 4, keys + dst);
-    vstore_half4(vload4(i, v_row), i, values + dst);
-    vstore_half4(vload4(i + HALF_D / 4, v_row), i + HALF_D / 4, values + dst);
+    vstore_half8(vload8(0, k), i, keys + dst);
+    vstore_half8(vload8(i, v_row), i, values + dst);
 }
 
 // global (ceil(M·group / WGS)·WGS·DSPLIT, Hkv), local (WGS·DSPLIT, 1). Row r of kv head kvh is token
@@ -123,8 +140,10 @@ __kernel __attribute__((reqd_work_group_size(WGS * DSPLIT, 1, 1)))
 void attention_prefill(const int m, const int p0, const int group, const int n_heads, const int n_kv_heads,
                        const int max_positions, const int layer_offset, const float scale,
                        __global const float* restrict qkv, __global const float* restrict cos_table,
-                       __global const float* restrict sin_table, __global const half* restrict keys,
-                       __global const half* restrict values, __global float* restrict out, const int window)
+                       __global const float* restrict sin_table, const int n_rot,
+                       __global const float* restrict q_norm, const float eps,
+                       __global const half* restrict keys, __global const half* restrict values,
+                       __global float* restrict out, const int window, const float softcap)
 {
     __local tile_t k_tile[BK * HEAD_DIM];
     __local tile_t v_tile[BK * HEAD_DIM];
@@ -149,12 +168,18 @@ void attention_prefill(const int m, const int p0, const int group, const int n_h
     const int lo = window > 0 ? max(0, pos - window + 1) : 0;
     const int group_lo = window > 0 ? max(0, p0 + ((int)get_group_id(0) * WGS) / group - window + 1) : 0;
 
-    // This part of q' = rope(q)·(1/√D) in registers; the scale folded in once instead of per score. Dimension
-    // i pairs with i ± D/2 (rotate-half), which another part may hold: read from the row in global memory.
+    // This part of q' = rope(norm(q))·scale in registers; the scale folded in once instead of per score.
+    // Dimension i pairs with i ± n_rot/2, which another part may hold, and the norm needs the whole row:
+    // read from the row in global memory.
     const int stride = (n_heads + 2 * n_kv_heads) * HEAD_DIM;
     __global const float* q_row = qkv + t * stride + h * HEAD_DIM;
-    __global const float* c_row = cos_table + pos * HALF_D;
-    __global const float* s_row = sin_table + pos * HALF_D;
+    __global const float* c_row = cos_table + pos * (n_rot / 2);
+    __global const float* s_row = sin_table + pos * (n_rot / 2);
+#if QK_NORM
+    const float f = inverse_rms(q_row, eps);
+#else
+    const float f = 1.0f;
+#endif
 #if HALF
     halfVW q[DV];
 #else
@@ -162,19 +187,14 @@ void attention_prefill(const int m, const int p0, const int group, const int n_h
 #endif
     floatVW acc[DV];
     for (int d = 0; d < DV; d++) {
-        const int v = part * DV + d;  // which vector of the head row
-        floatVW rotated;
-        if (v < RV / 2) {
-            const floatVW c = LOADVW(v, c_row), s = LOADVW(v, s_row);
-            rotated = LOADVW(v, q_row) * c - LOADVW(v + RV / 2, q_row) * s;
-        } else {
-            const floatVW c = LOADVW(v - RV / 2, c_row), s = LOADVW(v - RV / 2, s_row);
-            rotated = LOADVW(v, q_row) * c + LOADVW(v - RV / 2, q_row) * s;
+        float rotated[VW];
+        for (int e = 0; e < VW; e++) {
+            rotated[e] = rope_element(q_row, (part * DV + d) * VW + e, f, q_norm, c_row, s_row, n_rot) * scale;
         }
 #if HALF
-        q[d] = TO_HALF(rotated * scale);
+        q[d] = TO_HALF(LOADVW(0, rotated));
 #else
-        q[d] = rotated * scale;
+        q[d] = LOADVW(0, rotated);
 #endif
         acc[d] = (floatVW)0.0f;
     }
@@ -246,6 +266,11 @@ void attention_prefill(const int m, const int p0, const int group, const int n_h
             score[j] = sum;
         }
 #endif
+        if (softcap > 0.0f) {
+            for (int j = 0; j < BK; j++) {
+                score[j] = soft_cap(score[j], softcap);
+            }
+        }
 
         const int visible = min(BK, pos + 1 - t0);  // positions of this tile the row may see
         const int hidden = lo - t0;                  // ... from this one on (the window's start)

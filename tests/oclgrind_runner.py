@@ -78,9 +78,17 @@ TINY_SHAPES = {
     "attention_decode": (
         {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "positions": 37, "qkv_offset": 3},
         {"n_heads": 2, "n_kv_heads": 1, "head_dim": 64, "positions": 1},
+        # The per-layer features: q/k norm (its own build and local reductions), 32 of 64 dimensions rotating,
+        # soft-cap, window, scale; then NoPE (no table bound).
+        {"n_heads": 4, "n_kv_heads": 1, "head_dim": 64, "positions": 35, "qk_norm": True, "rotary_dims": 32,
+         "softcap": 3.0, "window": 20, "scale": 0.2},
+        {"n_heads": 2, "n_kv_heads": 1, "head_dim": 32, "positions": 9, "rotary_dims": 0},
     ),
     "attention_prefill": (
         {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "m": 5, "p0": 3},
+        {"n_heads": 4, "n_kv_heads": 1, "head_dim": 64, "m": 5, "p0": 3, "qk_norm": True, "rotary_dims": 32,
+         "softcap": 3.0, "window": 4, "scale": 0.2},
+        {"n_heads": 2, "n_kv_heads": 1, "head_dim": 32, "m": 3, "p0": 0, "rotary_dims": 0},
     ),
     "gemm_q4_skinny": (
         {"m": 3, "n": 19, "k": 192, "group": 64, "epilogue": "bias"},

@@ -6,9 +6,9 @@ import pytest
 from helpers.spec_checks import assert_every_parameter_set
 from perfx import reference
 from perfx.errors import PerfxError
-from perfx.ops.attention_decode import AttentionDecode
+from perfx.ops.attention_decode import PARAMS, AttentionDecode
 from perfx.ops.kv_cache import KVCache, RopeTable
-from perfx.runtime import Device, Limits
+from perfx.runtime import LIMIT_PRESETS, Device, Limits
 from perfx.tuning.attention_decode import LAYER, SPEC, THETA
 from perfx.tuning.spec import relative_error
 
@@ -31,7 +31,8 @@ def test_every_candidate(device, rng, shape):
 
 @pytest.mark.parametrize("shape", SPEC.test_shapes, ids=SPEC.describe)
 def test_stored_rows_and_fp32_accuracy(device, rng, shape):
-    """Row pos holds the rotated k and v in fp16; no other row or layer changes; out is accurate to fp32."""
+    """Row pos holds the normalised, rotated k and v in fp16; no other row or layer changes; out is accurate to
+    fp32."""
     h, hkv, d, positions = (shape[k] for k in ("n_heads", "n_kv_heads", "head_dim", "positions"))
     offset, pos = shape.get("qkv_offset", 0), positions - 1
     case = SPEC.make_case(device, shape, rng)
@@ -44,23 +45,24 @@ def test_stored_rows_and_fp32_accuracy(device, rng, shape):
         assert not changed.any(), "rows other than (layer, pos) were written"
 
     x = case.qkv[offset:]
-    k = reference.rope(x[h * d: (h + hkv) * d].reshape(1, hkv, d), [pos], THETA)[0]
+    k = case.k_rotated
     v = x[(h + hkv) * d:].reshape(hkv, d)
     k_stored = keys[LAYER, :, pos].astype(np.float64)
-    # Half an fp16 ulp of the float64 rotation, plus the fp32 rotation's own rounding.
+    # Half an fp16 ulp of the float64 norm and rotation, plus the fp32 ones' own rounding.
     assert np.all(np.abs(k_stored - k) <= 2.0**-11 * np.abs(k) + 1e-6 * np.abs(k).max())
     np.testing.assert_array_equal(values[LAYER, :, pos], v.astype(np.float16))
 
     k_all = keys[LAYER, :, : pos + 1].transpose(1, 0, 2)
     v_all = values[LAYER, :, : pos + 1].transpose(1, 0, 2)
-    want = reference.attention(case.q_rotated[None], k_all, v_all, [pos]).reshape(h * d)
+    attend = case.features.attend
+    want = reference.attention(case.q_rotated[None], k_all, v_all, [pos], **attend).reshape(h * d)
     assert relative_error(out, want) <= STORED_TOLERANCE
 
     # The checks can fail: an unwritten output, or a reference that misses the new position.
     assert relative_error(np.full_like(out, np.nan), want) == float("inf")
     if pos > 0:
-        missing = reference.attention(case.q_rotated[None], k_all[:-1], v_all[:-1], [pos]).reshape(h * d)
-        assert relative_error(out, missing) > SPEC.tolerance
+        missing = reference.attention(case.q_rotated[None], k_all[:-1], v_all[:-1], [pos], **attend)
+        assert relative_error(out, missing.reshape(h * d)) > SPEC.tolerance
 
 
 @pytest.mark.parametrize("n_heads, n_kv_heads, head_dim, positions",
@@ -102,6 +104,75 @@ def test_decode_sequence(device, rng, max_alloc):
     assert np.isnan(k_all[[0, 2]]).all(), "the other layers (other pieces) stay untouched"
 
 
+def _random_weights(rng, d):
+    return [rng.uniform(0.5, 1.5, d).astype(np.float32) for _ in range(2)]
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk-norm"])
+def test_one_kernel_serves_layers_that_differ(device, rng, qk_norm):
+    """One AttentionDecode, token after token across partitions (PART 32), for four layers that differ in
+    what each launch passes: a local layer (window 7, θ 10⁴, Gemma's scale), a global one (θ 10⁶, soft-cap,
+    no window named: the constructor's 3), a NoPE layer (rope=None, window 0 over the constructor's) and a
+    partially rotary one (32 of 64 dimensions), each layer with its own q/k norm weights when built with
+    qk_norm. The answer is the float64 reference's over the fp16 rows."""
+    h, hkv, d, steps = 8, 2, 64, 70
+    tables = {theta: RopeTable.upload(device, d, steps, theta) for theta in (1e4, 1e6)}
+    partial = RopeTable.upload(device, d, steps, 1e4, rotary_dims=32)
+    layers = [
+        (tables[1e4], d, 1e4, dict(window=7, scale=0.09)),
+        (tables[1e6], d, 1e6, dict(softcap=1.5, scale=0.3)),
+        (None, 0, None, dict(window=0)),
+        (partial, 32, 1e4, dict(scale=0.11, softcap=4.0, window=40)),
+    ]
+    weights = [_random_weights(rng, d) for _ in layers]
+    op = AttentionDecode(device, h, hkv, d, steps, {"PART": 32}, window=3, qk_norm=qk_norm)
+    cache = KVCache.allocate(device, len(layers), hkv, steps, d)
+    nan = np.full((len(layers), hkv, steps, d), np.nan, np.float16)
+    cache.write(device, nan, nan)
+    out = device.poisoned(h * d, np.float32)
+    norm_buffers = [[device.upload(w) for w in pair] for pair in weights]
+    keys = [[] for _ in layers]
+    values = [[] for _ in layers]
+    for pos in range(steps):
+        for layer, (rope, n_rot, theta, features) in enumerate(layers):
+            x = rng.standard_normal((h + 2 * hkv) * d, dtype=np.float32)
+            q_w, k_w = norm_buffers[layer]
+            norms = dict(q_norm=q_w, k_norm=k_w, eps=1e-6) if qk_norm else {}
+            out.fill(np.float32(np.nan))
+            op(device.upload(x), out, cache, rope, layer, pos, **features, **norms).wait()
+            q, k = x[: h * d].reshape(1, h, d), x[h * d: (h + hkv) * d].reshape(1, hkv, d)
+            if qk_norm:
+                q, k = (reference.rmsnorm(a, w, 1e-6) for a, w in zip((q, k), weights[layer]))
+            if rope is not None:
+                q, k = (reference.rope(a, [pos], theta, rotary_dims=n_rot) for a in (q, k))
+            keys[layer].append(k[0])
+            values[layer].append(x[(h + hkv) * d:].reshape(hkv, d))
+            if pos in (0, 6, 31, 32, 33, steps - 1):
+                k16 = np.array(keys[layer]).astype(np.float16).astype(np.float64)
+                v16 = np.array(values[layer]).astype(np.float16).astype(np.float64)
+                attend = {"window": 3, **features}
+                want = reference.attention(q, k16, v16, [pos], **attend).reshape(h * d)
+                assert relative_error(out.get(), want) <= SPEC.tolerance, (layer, pos)
+                if pos == steps - 1 and "window" in features:
+                    # The launch's window is not the constructor's: the check can tell them apart.
+                    other = reference.attention(q, k16, v16, [pos], **{**features, "window": 3}).reshape(h * d)
+                    assert relative_error(out.get(), other) > 10 * SPEC.tolerance
+
+
+@pytest.mark.parametrize("gqa", [1, 2, 4, 8])
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk-norm"])
+def test_head_dim_256_fits_a_phone_at_the_defaults(gqa, qk_norm):
+    """Gemma's head_dim 256 with up to 8 query heads per kv head: the defaults stay within an Adreno's 32 KiB
+    of local memory (HALF too), so a phone runs them and the tuner may start from them."""
+    caps = LIMIT_PRESETS["adreno740"]
+    shape = {"n_heads": gqa, "n_kv_heads": 1, "head_dim": 256, "positions": 4096, "qk_norm": qk_norm}
+    for half in (0, 1):
+        params = {**SPEC.defaults(), "HALF": half}
+        used = PARAMS.local_memory(params, shape)
+        assert used <= caps.local_mem, (params, used)
+        assert all(rule.holds(params, shape) for rule in PARAMS.rules)
+
+
 def test_parameters_that_do_not_fit_are_refused_and_the_defaults_give_way(rng):
     """Explicit parameters beyond the device's local memory are an error that says so; with none asked
     for, defaults that do not fit give way to the first set that does, and the answer is right."""
@@ -141,3 +212,37 @@ def test_errors(device):
         AttentionDecode(device, h, hkv, 60, max_positions)
     with pytest.raises(PerfxError, match="cannot share"):
         AttentionDecode(device, 6, 4, d, max_positions)
+
+
+def test_layer_feature_errors(device):
+    """What a launch passes per layer is checked: the norm weights against the build, the scale, soft-cap,
+    window and eps, and the RoPE table's rotary dimensions."""
+    h, hkv, d, max_positions = 4, 2, 64, 8
+    cache = KVCache.allocate(device, 1, hkv, max_positions, d)
+    rope = RopeTable.upload(device, d, max_positions, THETA)
+    qkv = device.upload(np.ones((h + 2 * hkv) * d, np.float32))
+    out = device.empty(h * d, np.float32)
+    w = device.upload(np.ones(d, np.float32))
+    normed = AttentionDecode(device, h, hkv, d, max_positions, qk_norm=True)
+    with pytest.raises(PerfxError, match=r"built with qk_norm=True: pass q_norm and k_norm.*64 float32"):
+        normed(qkv, out, cache, rope, 0, 0)
+    with pytest.raises(PerfxError, match=r"k_norm.*holds 252 bytes where 256"):
+        normed(qkv, out, cache, rope, 0, 0, q_norm=w, k_norm=device.upload(np.ones(d - 1, np.float32)))
+    with pytest.raises(PerfxError, match="q_norm must be float32"):
+        normed(qkv, out, cache, rope, 0, 0, q_norm=device.upload(np.ones(d, np.float64)), k_norm=w)
+    with pytest.raises(PerfxError, match="eps must be positive"):
+        normed(qkv, out, cache, rope, 0, 0, q_norm=w, k_norm=w, eps=0.0)
+    plain = AttentionDecode(device, h, hkv, d, max_positions)
+    with pytest.raises(PerfxError, match="built without the q/k RMSNorm: make it with qk_norm=True"):
+        plain(qkv, out, cache, rope, 0, 0, q_norm=w, k_norm=w)
+    with pytest.raises(PerfxError, match="scale must be positive"):
+        plain(qkv, out, cache, rope, 0, 0, scale=0.0)
+    with pytest.raises(PerfxError, match="softcap must be ≥ 0"):
+        plain(qkv, out, cache, rope, 0, 0, softcap=-1.0)
+    with pytest.raises(PerfxError, match="window must be a whole number ≥ 0"):
+        plain(qkv, out, cache, rope, 0, 0, window=-2)
+    with pytest.raises(PerfxError, match="RoPE table"):
+        plain(qkv, out, cache, RopeTable.upload(device, 128, max_positions, THETA), 0, 0)
+    for bad in (31, 0, 66):
+        with pytest.raises(PerfxError, match=rf"rotary_dims {bad} must be even and within 2..64.*rope=None"):
+            RopeTable.upload(device, d, max_positions, THETA, rotary_dims=bad)

@@ -6,11 +6,16 @@ import pytest
 from helpers.spec_checks import assert_every_parameter_set
 from perfx import reference
 from perfx.errors import PerfxError
-from perfx.ops.attention_prefill import AttentionPrefill
+from perfx.ops.attention_decode import AttentionDecode
+from perfx.ops.attention_prefill import PARAMS, REGISTER_BUDGET, AttentionPrefill, registers
 from perfx.ops.kv_cache import KVCache, RopeTable
-from perfx.runtime import Device, Limits
+from perfx.runtime import LIMIT_PRESETS, Device, Limits
 from perfx.tuning.attention_prefill import LAYER, SPEC, THETA
 from perfx.tuning.spec import relative_error
+
+# Every candidate on these test shapes (the plain first one, and Gemma 3's D = 256 with q/k norm: another
+# build of each set); a pairwise-covering subset on the others, whose builds repeat those variants.
+FULL_SWEEP = (0, 2)
 
 
 def check(case, params):
@@ -22,10 +27,24 @@ def check(case, params):
 
 @pytest.mark.parametrize("index", range(len(SPEC.test_shapes)), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
 def test_every_candidate(device, rng, index):
-    """Every candidate on the first shape, a pairwise-covering subset on the second (another head_dim build)."""
     shape = SPEC.test_shapes[index]
-    assert SPEC.defaults() in SPEC.candidates(shape, device.caps)
-    assert_every_parameter_set(SPEC, device, shape, rng, cover=index > 0)
+    if shape["head_dim"] <= 128:
+        assert SPEC.defaults() in SPEC.candidates(shape, device.caps)
+    assert_every_parameter_set(SPEC, device, shape, rng, cover=index not in FULL_SWEEP)
+
+
+def test_head_dim_256_has_fp32_sets_that_fit_a_phone(rng):
+    """At D = 256 the defaults (DSPLIT 2) are over the register budget; with an Adreno's 32 KiB of local
+    memory the wrapper, asked for nothing, takes an fp32 set that fits (DSPLIT 4, K/V tiles of 8), and it is
+    right."""
+    phone = Device(limits=LIMIT_PRESETS["adreno740"])
+    shape = SPEC.test_shapes[2]
+    assert shape["head_dim"] == 256 and shape["qk_norm"]
+    assert SPEC.why_invalid(SPEC.defaults(), shape, phone.caps) is not None
+    params = AttentionPrefill(phone, shape["n_heads"], shape["n_kv_heads"], 256, qk_norm=True).params
+    assert params["HALF"] == 0 and params["DSPLIT"] == 4 and params["BK"] == 8, params
+    assert registers(params, shape) <= REGISTER_BUDGET and PARAMS.local_memory(params, shape) <= 32 << 10
+    check(SPEC.make_case(phone, shape, rng), params)
 
 
 def test_head_dim_128_stays_within_the_register_budget(device):
@@ -143,4 +162,61 @@ def test_falls_back_where_the_defaults_do_not_fit(rng):
     case = SPEC.make_case(small, shape, rng)
     check(case, attention.params)
     with pytest.raises(PerfxError, match="no parameter set fits"):
-        AttentionPrefill(Device(limits=Limits(name="tiny", local_mem=8192)), 4, 2, 128)
+        AttentionPrefill(Device(limits=Limits(name="tiny", local_mem=4096)), 4, 2, 128)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk-norm"])
+@pytest.mark.parametrize("rotary_dims", [96, 0, 128], ids=["rotate-96", "nope", "rotate-128"])
+def test_prefill_then_decode_agree(device, rng, qk_norm, rotary_dims):
+    """A chat's turns through both kernels on one cache: a prompt prefilled at p0 = 0, a second at p0 = 21,
+    then tokens decoded one by one, with the same layer features (norm weights, partial or no RoPE, scale,
+    soft-cap, window). Each output is the float64 reference's over the whole conversation, so the kernels
+    store and read k alike."""
+    h, hkv, d, m1, m2, steps = 8, 2, 128, 21, 12, 5
+    total = m1 + m2 + steps
+    features = dict(scale=0.1, softcap=2.0, window=25)
+    cache = KVCache.allocate(device, 2, hkv, total, d)
+    rope = RopeTable.upload(device, d, total, THETA, rotary_dims=rotary_dims) if rotary_dims else None
+    weights = [rng.uniform(0.5, 1.5, d).astype(np.float32) for _ in range(2)]
+    if qk_norm:
+        features.update(q_norm=device.upload(weights[0]), k_norm=device.upload(weights[1]), eps=1e-5)
+    prefill = AttentionPrefill(device, h, hkv, d, qk_norm=qk_norm)
+    decode = AttentionDecode(device, h, hkv, d, total, {"PART": 32}, qk_norm=qk_norm)
+    qkv = rng.standard_normal((total, (h + 2 * hkv) * d)).astype(np.float32)
+    outs = []
+    for start, m in ((0, m1), (m1, m2)):
+        out = device.poisoned((m, h * d), np.float32)
+        prefill(device.upload(qkv[start:start + m]), out, cache, rope, 1, start, m, **features).wait()
+        outs.append(out.get())
+    for pos in range(m1 + m2, total):
+        out = device.poisoned(h * d, np.float32)
+        decode(device.upload(qkv[pos]), out, cache, rope, 1, pos, **features).wait()
+        outs.append(out.get()[None])
+
+    positions = np.arange(total)
+    q, k = qkv[:, : h * d].reshape(total, h, d), qkv[:, h * d: (h + hkv) * d].reshape(total, hkv, d)
+    if qk_norm:
+        q, k = reference.rmsnorm(q, weights[0], 1e-5), reference.rmsnorm(k, weights[1], 1e-5)
+    if rotary_dims:
+        q, k = (reference.rope(a, positions, THETA, rotary_dims=rotary_dims) for a in (q, k))
+    k16 = k.astype(np.float16).astype(np.float64)
+    v16 = qkv[:, (h + hkv) * d:].reshape(total, hkv, d).astype(np.float16).astype(np.float64)
+    want = reference.attention(q, k16, v16, positions, scale=0.1, softcap=2.0, window=25).reshape(total, h * d)
+    assert relative_error(np.concatenate(outs), want) <= SPEC.tolerance
+    keys, _ = cache.read(device, 1, total)
+    assert relative_error(keys, k16) <= SPEC.tolerance
+    # The check can fail: without the soft-cap the answer differs.
+    uncapped = reference.attention(q, k16, v16, positions, scale=0.1, window=25).reshape(total, h * d)
+    assert relative_error(np.concatenate(outs), uncapped) > 10 * SPEC.tolerance
+
+
+def test_layer_feature_errors(device):
+    cache = KVCache.allocate(device, 1, 2, 40, 64)
+    qkv = device.upload(np.ones((4, 8 * 64), np.float32))
+    out = device.empty((4, 4 * 64), np.float32)
+    with pytest.raises(PerfxError, match="attention_prefill: built with qk_norm=True: pass q_norm and k_norm"):
+        AttentionPrefill(device, 4, 2, 64, qk_norm=True)(qkv, out, cache, None, 0, 0, 4)
+    with pytest.raises(PerfxError, match="attention_prefill: softcap must be ≥ 0"):
+        AttentionPrefill(device, 4, 2, 64)(qkv, out, cache, None, 0, 0, 4, softcap=float("nan"))
+    with pytest.raises(PerfxError, match="RoPE table"):
+        AttentionPrefill(device, 4, 2, 64)(qkv, out, cache, RopeTable.upload(device, 64, 3, THETA), 0, 0, 4)

@@ -66,20 +66,44 @@ def f16_matrix(draw, max_rows: int, max_k: int):
 
 @st.composite
 def heads(draw):
-    """Query heads, kv heads (the GQA ratio) and head_dim (the kernels take multiples of 8 from 32)."""
+    """Query heads, kv heads (the GQA ratio, up to 8) and head_dim (the kernels take multiples of 8 from 32;
+    Gemma's 256 too)."""
     kv = draw(st.integers(1, 3))
-    return {"n_heads": kv * draw(st.integers(1, 4)), "n_kv_heads": kv,
-            "head_dim": 8 * draw(st.integers(4, 20))}
+    return {"n_heads": kv * draw(st.integers(1, 8)), "n_kv_heads": kv,
+            "head_dim": draw(st.one_of(st.integers(4, 20).map(lambda n: 8 * n), st.just(256)))}
+
+
+@st.composite
+def layer_features(draw, head_dim: int):
+    """Any of the per-layer features of tuning/attention_decode.py's Features: q/k norm, partial or no RoPE,
+    a scale, a soft-cap, a window."""
+    out = {}
+    if draw(st.booleans()):
+        out["qk_norm"] = True
+    rotary = draw(st.sampled_from(["all", "partial", "none"]))
+    if rotary == "partial":
+        out["rotary_dims"] = 2 * draw(st.integers(1, head_dim // 2 - 1))
+    elif rotary == "none":
+        out["rotary_dims"] = 0
+    if draw(st.booleans()):
+        out["scale"] = draw(st.sampled_from([0.03, 0.0625, 0.1, 0.3]))
+    if draw(st.booleans()):
+        out["softcap"] = draw(st.sampled_from([1.0, 3.0, 50.0]))
+    if draw(st.booleans()):
+        out["window"] = draw(st.integers(1, 80))
+    return out
 
 
 @st.composite
 def attention_decode_shape(draw):
-    return {**draw(heads()), "positions": draw(st.integers(1, 300)), "qkv_offset": draw(st.integers(0, 9))}
+    shape = {**draw(heads()), "positions": draw(st.integers(1, 300)), "qkv_offset": draw(st.integers(0, 9))}
+    return {**shape, **draw(layer_features(shape["head_dim"]))}
 
 
 @st.composite
 def attention_prefill_shape(draw):
-    return {**draw(heads()), "m": draw(st.integers(1, 40)), "p0": draw(st.integers(0, 60))}
+    shape = {**draw(heads()), "m": draw(st.integers(1, 40)), "p0": draw(st.integers(0, 60))}
+    return {**shape, **draw(layer_features(shape["head_dim"]))}
 
 
 @st.composite

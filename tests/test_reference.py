@@ -47,6 +47,25 @@ def test_rope_rotate_half_matches_a_loop(rng):
                                                               abs=1e-14)
 
 
+@pytest.mark.parametrize("d, n_rot", [(8, 4), (12, 8), (8, 8)])
+def test_partial_rope_rotates_the_first_dimensions_only(rng, d, n_rot):
+    """Partial rotary (HF partial_rotary_factor, llama.cpp NEOX with n_rot < head_dim): pairs (i, i + n_rot/2)
+    at frequencies θ^(−2i/n_rot); dimensions from n_rot on pass unchanged."""
+    m, heads, theta = 2, 3, 10000.0
+    x = rng.standard_normal((m, heads, d))
+    positions = [3, 11]
+    out = ref.rope(x, positions, theta, rotary_dims=n_rot)
+    half = n_rot // 2
+    for i, p in enumerate(positions):
+        for h in range(heads):
+            for j in range(half):
+                angle = p * theta ** (-2 * j / n_rot)
+                a, b = x[i, h, j], x[i, h, j + half]
+                want = (a * math.cos(angle) - b * math.sin(angle), b * math.cos(angle) + a * math.sin(angle))
+                assert (out[i, h, j], out[i, h, j + half]) == pytest.approx(want, rel=1e-12, abs=1e-14)
+    np.testing.assert_array_equal(out[..., n_rot:], x[..., n_rot:])
+
+
 def test_gguf_permutation_turns_interleaved_rope_into_rotate_half(rng):
     # llama.cpp applies RoPE to pairs (2i, 2i+1) on GGUF-permuted Wq rows; perfx un-permutes and uses
     # rotate-half pairs (i, i + D/2). Both must give the same rotated q up to the row order.
@@ -94,6 +113,23 @@ def test_attention_matches_a_loop_with_gqa_and_causality(rng, h, hkv):
             total = sum(weights)
             want = [sum(weights[j] * v[j, kv, c] for j in range(p + 1)) / total for c in range(d)]
             np.testing.assert_allclose(out[i, head], want, rtol=1e-12)
+
+
+def test_attention_scale_and_softcap_match_a_loop(rng):
+    """s = q·k·scale, then Gemma 2's soft-cap c·tanh(s/c), then the causal softmax."""
+    m, t, h, hkv, d, scale, cap = 2, 4, 2, 1, 4, 0.7, 1.3
+    q, k, v = rng.standard_normal((m, h, d)), rng.standard_normal((t, hkv, d)), rng.standard_normal((t, hkv, d))
+    positions = [2, 3]
+    out = ref.attention(q, k, v, positions, scale=scale, softcap=cap)
+    for i, p in enumerate(positions):
+        for head in range(h):
+            scores = [cap * math.tanh(sum(q[i, head, c] * k[j, 0, c] for c in range(d)) * scale / cap)
+                      for j in range(p + 1)]
+            weights = [math.exp(s - max(scores)) for s in scores]
+            want = [sum(weights[j] * v[j, 0, c] for j in range(p + 1)) / sum(weights) for c in range(d)]
+            np.testing.assert_allclose(out[i, head], want, rtol=1e-12)
+    np.testing.assert_allclose(ref.attention(q, k, v, positions, scale=d ** -0.5),
+                               ref.attention(q, k, v, positions), rtol=1e-14)
 
 
 def test_sampling_filters():

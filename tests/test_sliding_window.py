@@ -75,3 +75,32 @@ def test_reference_window_is_transformers_mask():
     v = np.arange(t, dtype=np.float64).reshape(t, 1, 1).repeat(2, axis=2)
     out = reference.attention(q, k, v, np.arange(t), window=3)[:, 0, 0]
     np.testing.assert_allclose(out, [0, 0.5, 1, 2, 3, 4])
+
+
+@pytest.mark.parametrize("built, launched", [(0, 9), (9, 0), (9, None)], ids=["0-then-9", "9-then-0", "9-kept"])
+def test_the_launch_names_the_window(device, rng, built, launched):
+    """A launch's window replaces the constructor's (None keeps it), in both kernels: one kernel object serves
+    Gemma's local (windowed) and global layers."""
+    h, hkv, d, m, steps = 4, 2, 64, 30, 40
+    want_window = built if launched is None else launched
+    cache = KVCache.allocate(device, 1, hkv, steps, d)
+    rope = RopeTable.upload(device, d, steps, THETA)
+    qkv = rng.standard_normal((steps, (h + 2 * hkv) * d), dtype=np.float32)
+    prefill = AttentionPrefill(device, h, hkv, d, window=built)
+    decode = AttentionDecode(device, h, hkv, d, steps, {"PART": 32}, window=built)
+    out = device.poisoned((m, h * d), np.float32)
+    prefill(device.upload(qkv[:m]), out, cache, rope, 0, 0, m, window=launched).wait()
+    keys, values = cache.read(device, 0, m)
+    positions = np.arange(m)
+    q = _rotated_q(qkv[:m], positions, h, d)
+    want = reference.attention(q, keys, values, positions, window=want_window)
+    assert relative_error(out.get(), want.reshape(m, h * d)) <= TOLERANCE
+    out = device.poisoned(h * d, np.float32)
+    for pos in range(m, steps):
+        decode(device.upload(qkv[pos]), out, cache, rope, 0, pos, window=launched).wait()
+    keys, values = cache.read(device, 0, steps)
+    q = _rotated_q(qkv[steps - 1:], [steps - 1], h, d)
+    want = reference.attention(q, keys, values, [steps - 1], window=want_window).reshape(h * d)
+    assert relative_error(out.get(), want) <= TOLERANCE
+    other = reference.attention(q, keys, values, [steps - 1], window=9 - want_window).reshape(h * d)
+    assert relative_error(out.get(), other) > 100 * TOLERANCE

@@ -1,7 +1,9 @@
 """Tuning spec of ``attention_prefill``: causal RoPE + KV append + flash attention over a prompt.
 
 Shape keys: n_heads, n_kv_heads, head_dim, m (prompt tokens), p0 (first position; positions < p0 are
-already in the cache). Cases run at layer 1 of a two-layer cache, so the layer offset is exercised.
+already in the cache), optionally the layer features of ``perfx.tuning.attention_decode.Features`` (qk_norm,
+which changes the build; rotary_dims, scale, softcap, window, per launch). Cases run at layer 1 of a
+two-layer cache, so the layer offset is exercised.
 """
 
 from __future__ import annotations
@@ -10,11 +12,9 @@ import numpy as np
 
 from perfx import reference
 from perfx.ops.attention_prefill import PARAMS, AttentionPrefill
-from perfx.ops.kv_cache import KVCache, RopeTable
+from perfx.ops.kv_cache import KVCache
+from perfx.tuning.attention_decode import LAYER, LAYERS, THETA, Features, describe_features
 from perfx.tuning.spec import Case, Spec, cached_per_params
-
-THETA = 10000.0
-LAYERS, LAYER = 2, 1
 
 
 def causal_keys(shape) -> int:
@@ -48,28 +48,29 @@ def make_case(device, shape, rng) -> Case:
         block[LAYER, :, p0:] = np.nan
         host_cache.append(block)
     cache = KVCache.allocate(device, LAYERS, hkv, max_positions, d)
-    rope = RopeTable.upload(device, d, max_positions, THETA)
+    features = Features.make(device, shape, max_positions, rng)
     qkv_dev = device.upload(qkv)
     out = device.poisoned((m, h * d), np.float32)
 
-    # Expected, float64: RoPE on q and k; k and v as the cache stores them (fp16), so the tolerance
+    # Expected, float64: norm and RoPE on q and k; k and v as the cache stores them (fp16), so the tolerance
     # covers fp32 arithmetic and not fp16 storage.
     positions = np.arange(p0, p0 + m)
-    q = reference.rope(qkv[:, : h * d].reshape(m, h, d), positions, THETA)
-    k = reference.rope(qkv[:, h * d: (h + hkv) * d].reshape(m, hkv, d), positions, THETA)
+    q = features.apply(qkv[:, : h * d].reshape(m, h, d), positions, 0)
+    k = features.apply(qkv[:, h * d: (h + hkv) * d].reshape(m, hkv, d), positions, 1)
     k16 = k.astype(np.float16).astype(np.float64)
     v16 = qkv[:, (h + hkv) * d:].reshape(m, hkv, d).astype(np.float16).astype(np.float64)
     keys = np.concatenate([host_cache[0][LAYER, :, :p0].transpose(1, 0, 2).astype(np.float64), k16])
     values = np.concatenate([host_cache[1][LAYER, :, :p0].transpose(1, 0, 2).astype(np.float64), v16])
     expected = {
-        "out": reference.attention(q, keys, values, positions).reshape(m, h * d),
+        "out": reference.attention(q, keys, values, positions, **features.attend).reshape(m, h * d),
         "keys": k16,
         "values": v16,
     }
-    op = cached_per_params(lambda params: AttentionPrefill(device, h, hkv, d, params))
+    op = cached_per_params(lambda params: AttentionPrefill(device, h, hkv, d, params,
+                                                           qk_norm=bool(shape.get("qk_norm"))))
 
     def launch(params):
-        return op(params).enqueue(qkv_dev, out, cache, rope, LAYER, p0, m)
+        return op(params).enqueue(qkv_dev, out, cache, features.rope, LAYER, p0, m, **features.launch)
 
     def run(params):
         cache.write(device, *host_cache)
@@ -80,7 +81,8 @@ def make_case(device, shape, rng) -> Case:
         return {"out": out.get(), "keys": k_dev[p0:], "values": v_dev[p0:]}
 
     case = Case(expected=expected, run=run, launch=launch)
-    case.qkv, case.cache, case.host_cache = qkv, cache, host_cache  # for tests that look past the outputs
+    # For tests that look past the outputs.
+    case.qkv, case.cache, case.host_cache, case.features, case.q_rotated = qkv, cache, host_cache, features, q
     return case
 
 
@@ -100,13 +102,25 @@ SPEC = Spec(
         "HALF = 1: q·k in half: q rounds to half (≤ u = 2⁻¹¹ of each value; the keys are fp16 already) and "
         "each product and partial sum of a work-item's share of D rounds once more, so a score moves by "
         "~u·√D of |q||k|/√D, a few 1e-3 absolutely at most; softmax and p·V stay fp32, so out moves by about "
-        "that much relative. Measured 8.6e-4 (D = 64) and 7.2e-4 (D = 128) on the test shapes; 5e-3 leaves "
-        "margin and still fails a causal mask off by one (> 1e-2)"))},
+        "that much relative. Measured 8.6e-4 (D = 64), 1.0e-3 (D = 128) and 1.1e-3 (D = 256) on the test "
+        "shapes; 5e-3 leaves margin and still fails a causal mask off by one (> 1e-2)"))},
     test_shapes=(
         {"n_heads": 6, "n_kv_heads": 2, "head_dim": 64, "m": 7, "p0": 5},
         {"n_heads": 4, "n_kv_heads": 1, "head_dim": 128, "m": 33, "p0": 0},
+        # The 2026 families' layers, on prompts that end past a tile (BK 8..64, WGS rows of (token, head)) and
+        # continue a chat (p0 > 0): Gemma 3 (D 256, GQA 4, q/k norm, a local layer's window, scale ≠ 1/√D),
+        # Gemma 2 (GQA 8, soft-cap: scores of std ~2 against a cap of 1.5), Phi-4-mini (96 of 128 dimensions
+        # rotate), SmolLM3's NoPE layers, and all of them at once at D 64 (32 of 64 rotate).
+        {"n_heads": 4, "n_kv_heads": 1, "head_dim": 256, "m": 37, "p0": 30, "qk_norm": True, "window": 20,
+         "scale": 0.07},
+        {"n_heads": 8, "n_kv_heads": 1, "head_dim": 256, "m": 9, "p0": 8, "scale": 0.125, "softcap": 1.5},
+        {"n_heads": 12, "n_kv_heads": 4, "head_dim": 128, "m": 20, "p0": 3, "rotary_dims": 96},
+        {"n_heads": 8, "n_kv_heads": 1, "head_dim": 64, "m": 17, "p0": 0, "rotary_dims": 0},
+        {"n_heads": 4, "n_kv_heads": 4, "head_dim": 64, "m": 41, "p0": 24, "rotary_dims": 32, "qk_norm": True,
+         "softcap": 3.0, "window": 30, "scale": 0.2},
     ),
     bytes_moved=bytes_moved,
     flops=flops,
-    describe=lambda s: (f"H={s['n_heads']} Hkv={s['n_kv_heads']} D={s['head_dim']} m={s['m']} p0={s['p0']}"),
+    describe=lambda s: (f"H={s['n_heads']} Hkv={s['n_kv_heads']} D={s['head_dim']} m={s['m']} p0={s['p0']}"
+                        + describe_features(s)),
 )

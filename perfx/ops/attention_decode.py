@@ -1,9 +1,11 @@
 """Decode attention: RoPE on q and k, k and v appended to the KV cache, GQA attention for one new token.
 
 Flash-decoding with ``kernels/attention_decode.cl``: ``attention_partial`` (one work-group per kv head and
-partition of PART positions: RoPE, the append by the partition that holds the new position, partial
-softmax and weighted V) then ``attention_combine`` (online-softmax merge of the partitions). A context of
-at most PART positions is one partition and needs the first launch only.
+partition of PART positions: per-head RMSNorm of q and k where built with it, RoPE, the append by the
+partition that holds the new position, partial softmax and weighted V) then ``attention_combine``
+(online-softmax merge of the partitions). A context of at most PART positions is one partition and needs
+the first launch only. The RoPE table, the sliding window, the scale, the soft-cap and the norm weights are
+per launch, so one AttentionDecode serves every layer of a model whose layers differ in them.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import numpy as np
 
 from perfx.errors import PerfxError
 from perfx.ops import buffer_bytes
-from perfx.ops.kv_cache import KVCache, RopeTable
+from perfx.ops.kv_cache import KVCache, RopeTable, attention_features
 from perfx.ops.params import FP16_NEED, ParamSpace, Rule
 from perfx.runtime import Device
 
@@ -26,12 +28,14 @@ def lanes(params, shape) -> int:
 
 
 def local_memory(params, shape) -> int:
-    """Mirrors the kernel's __local arrays: q, the fresh k/v (fp16), scores / partial V sums, reductions."""
+    """Mirrors the kernel's __local arrays: q, the fresh k/v (fp16), sums of squares / scores / partial V sums,
+    reductions, and with qk_norm the 1/rms of each head."""
     gqa, d = shape["n_heads"] // shape["n_kv_heads"], shape["head_dim"]
     rows = params["WGS"] // lanes(params, shape)
-    work = max(gqa * params["PART"], rows * gqa * d)
+    work = max(gqa * params["PART"], rows * gqa * d, (gqa + 1) * params["WGS"])
     q_half = 2 * gqa * d if params["HALF"] else 2
-    return 4 * (gqa * d + work + gqa * params["WGS"] + 2 * gqa) + 2 * 2 * d + q_half
+    inv_rms = gqa + 1 if shape.get("qk_norm") else 0
+    return 4 * (gqa * d + work + gqa * params["WGS"] + 2 * gqa + inv_rms) + 2 * 2 * d + q_half
 
 
 PARAMS = ParamSpace(
@@ -58,12 +62,14 @@ PARAMS = ParamSpace(
 class AttentionDecode:
     """RoPE + KV-cache append + attention of one token at position ``pos`` for one layer.
 
-    ``params``: ``PARAMS`` (PART, WGS, VW); None → the defaults, or the first set that fits where they do
-    not. Partial buffers for contexts of up to ``max_positions`` are allocated here, once.
+    ``params``: ``PARAMS`` (PART, WGS, VW, HALF); None → the defaults, or the first set that fits where they
+    do not. Partial buffers for contexts of up to ``max_positions`` are allocated here, once. ``window``: the
+    sliding window of launches that do not name one (0: none). ``qk_norm``: build the per-head RMSNorm of q
+    and k before RoPE (Qwen3, Gemma 3); every launch then passes its ``q_norm`` and ``k_norm`` weights.
     """
 
     def __init__(self, device: Device, n_heads: int, n_kv_heads: int, head_dim: int, max_positions: int,
-                 params: dict | None = None, window: int = 0):
+                 params: dict | None = None, window: int = 0, qk_norm: bool = False):
         if n_heads <= 0 or n_kv_heads <= 0 or n_heads % n_kv_heads:
             raise PerfxError(f"attention_decode: {n_heads} query heads cannot share {n_kv_heads} kv heads "
                              "(the query heads must be a positive multiple of the kv heads)")
@@ -77,9 +83,11 @@ class AttentionDecode:
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.max_positions = max_positions
         self.window = int(window)   # sliding window (Mistral): attend to the last `window` positions; 0 = all
-        shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "positions": max_positions}
+        self.qk_norm = bool(qk_norm)
+        shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "positions": max_positions,
+                 "qk_norm": self.qk_norm}
         self.params = params = PARAMS.resolve(params, shape, device.caps)
-        defines = {"HEAD_DIM": head_dim, "GQA": n_heads // n_kv_heads, **params}
+        defines = {"HEAD_DIM": head_dim, "GQA": n_heads // n_kv_heads, "QK_NORM": int(self.qk_norm), **params}
         self.partial_kernel = device.kernel(PARAMS.source, "attention_partial", defines)
         self.combine_kernel = device.kernel(PARAMS.source, "attention_combine", defines)
         self.part = int(params["PART"])
@@ -91,13 +99,15 @@ class AttentionDecode:
         self.part_sum = device.alloc(stats, what="attention_decode partial sums")
         self.part_out = device.alloc(stats * head_dim, what="attention_decode partial outputs")
         self.qkv_size = (n_heads + 2 * n_kv_heads) * head_dim
+        # Bound to the table and weight arguments a launch does not read (no RoPE, no qk_norm).
+        self.placeholder = device.alloc(4, what="attention_decode placeholder")
         self.last_events: list = []
 
     def partitions(self, pos: int) -> int:
         """Work-groups per kv head for the token at ``pos`` (1 → no combine launch)."""
         return pos // self.part + 1
 
-    def _check(self, qkv, out, cache: KVCache, rope: RopeTable, layer: int, pos: int, qkv_offset: int):
+    def _check(self, qkv, out, cache: KVCache, rope: RopeTable | None, layer: int, pos: int, qkv_offset: int):
         """The buffers behind qkv and out, once every argument is checked."""
         d = self.head_dim
         if pos < 0:
@@ -115,7 +125,7 @@ class AttentionDecode:
         if not 0 <= layer < cache.n_layers:
             raise PerfxError(f"attention_decode: layer {layer} is outside the KV cache's "
                              f"{cache.n_layers} layers")
-        if rope.head_dim != d or pos >= rope.max_positions:
+        if rope is not None and (rope.head_dim != d or pos >= rope.max_positions):
             raise PerfxError(f"attention_decode: RoPE table ({rope.max_positions} positions × head_dim "
                              f"{rope.head_dim}) does not cover position {pos} at head_dim {d}")
         qkv_b, qkv_bytes = buffer_bytes(qkv, "attention_decode qkv")
@@ -128,17 +138,24 @@ class AttentionDecode:
                              f"it holds {out_bytes // 4}")
         return qkv_b, out_b
 
-    def enqueue(self, qkv, out, cache: KVCache, rope: RopeTable, layer: int, pos: int,
-                qkv_offset: int = 0) -> list:
+    def enqueue(self, qkv, out, cache: KVCache, rope: RopeTable | None, layer: int, pos: int,
+                qkv_offset: int = 0, *, window: int | None = None, scale: float | None = None,
+                softcap: float = 0.0, q_norm=None, k_norm=None, eps: float = 1e-6) -> list:
         """Enqueue the launches; returns their events ([partial] or [partial, combine]), for timing."""
         qkv_b, out_b = self._check(qkv, out, cache, rope, layer, pos, qkv_offset)
+        window, scale, norms = attention_features(
+            "attention_decode", self.head_dim, self.qk_norm, self.window if window is None else window,
+            scale, softcap, q_norm, k_norm, eps, self.placeholder)
         keys, values, offset = cache.layer(layer)
         n_parts = self.partitions(pos)
+        cos, sin = (self.placeholder, self.placeholder) if rope is None else (rope.cos, rope.sin)
         partial = self.device.launch(
             self.partial_kernel, (self.wgs, self.n_kv_heads, n_parts), (self.wgs, 1, 1),
-            qkv_b, np.int32(qkv_offset), rope.cos, rope.sin, keys, values,
+            qkv_b, np.int32(qkv_offset), cos, sin, np.int32(0 if rope is None else rope.rotary_dims),
+            *norms, np.float32(eps), keys, values,
             np.int32(offset), np.int32(cache.max_positions), np.int32(pos),
-            np.int32(self.max_parts), self.part_max, self.part_sum, self.part_out, out_b, np.int32(self.window))
+            np.int32(self.max_parts), self.part_max, self.part_sum, self.part_out, out_b, np.int32(window),
+            np.float32(scale), np.float32(softcap))
         if n_parts == 1:
             self.last_events = [partial]
         else:
@@ -148,12 +165,16 @@ class AttentionDecode:
             self.last_events = [partial, combine]
         return self.last_events
 
-    def __call__(self, qkv, out, cache: KVCache, rope: RopeTable, layer: int, pos: int, qkv_offset: int = 0):
+    def __call__(self, qkv, out, cache: KVCache, rope: RopeTable | None, layer: int, pos: int,
+                 qkv_offset: int = 0, **features):
         """out (H·D) = attention of the token at ``pos`` over positions 0..pos of ``layer``.
 
-        ``qkv`` holds float32 [q (H·D) | k (Hkv·D) | v (Hkv·D)] from element ``qkv_offset``. Rotates q and k
-        (``rope``), appends k and v to ``cache`` at (layer, pos) (positions < pos must be there already)
-        and returns the last launch's cl.Event (``last_events`` holds them all). ``qkv`` and ``out`` are
-        pyopencl Arrays or cl.Buffers.
+        ``qkv`` holds float32 [q (H·D) | k (Hkv·D) | v (Hkv·D)] from element ``qkv_offset``. Normalises q and k
+        per head (built with qk_norm: ``q_norm``, ``k_norm`` weights of head_dim float32, ``eps``), rotates
+        them (``rope``; None: no RoPE in this layer), appends k and v to ``cache`` at (layer, pos)
+        (positions < pos must be there already) and returns the last launch's cl.Event (``last_events``
+        holds them all). Scores are q·k·``scale`` (None: 1/√head_dim), soft-capped by ``softcap`` (0: off),
+        over the last ``window`` positions (None: the constructor's; 0: all). ``qkv``, ``out`` and the
+        weights are pyopencl Arrays or cl.Buffers.
         """
-        return self.enqueue(qkv, out, cache, rope, layer, pos, qkv_offset)[-1]
+        return self.enqueue(qkv, out, cache, rope, layer, pos, qkv_offset, **features)[-1]

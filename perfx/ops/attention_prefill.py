@@ -1,8 +1,10 @@
 """Prefill attention: RoPE on q and k, k and v appended to the KV cache, causal GQA attention over the prompt.
 
-Two launches of ``kernels/attention_prefill.cl`` on the in-order queue: ``kv_append`` (rotate k, store k and
-v as fp16 at positions p0..p0+m−1) and ``attention_prefill`` (rotate q, flash-attention over positions
-0..p0+m−1 with K/V tiles in local memory). p0 > 0 continues a chat: positions < p0 are read from the cache.
+Two launches of ``kernels/attention_prefill.cl`` on the in-order queue: ``kv_append`` (normalise where built
+with qk_norm and rotate k, store k and v as fp16 at positions p0..p0+m−1) and ``attention_prefill`` (the
+same for q, flash-attention over positions 0..p0+m−1 with K/V tiles in local memory). p0 > 0 continues a
+chat: positions < p0 are read from the cache. The RoPE table, the sliding window, the scale, the soft-cap
+and the norm weights are per launch, so one AttentionPrefill serves every layer.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import numpy as np
 
 from perfx.errors import PerfxError
 from perfx.ops import device_buffer
-from perfx.ops.kv_cache import KVCache, RopeTable
+from perfx.ops.kv_cache import KVCache, RopeTable, attention_features
 from perfx.ops.params import FP16_NEED, ParamSpace, Rule
 from perfx.runtime import Device
 
@@ -35,15 +37,18 @@ def local_memory(params, shape) -> int:
     return tiles + partial
 
 
+# HALF first: where the defaults do not fit, the first set that does (``ParamSpace.resolve``) is an fp32 one
+# when one fits. BK 8 is for head_dim 256 within 32 KiB of local memory in fp32 (float K/V tiles of 16
+# positions are 32 KiB alone).
 PARAMS = ParamSpace(
     family="attention_prefill",
     source="attention_prefill.cl",
     space={
+        "HALF": (0, 1),        # K/V tiles as half in local memory, q·k in half (cl_khr_fp16)
         "WGS": (32, 16, 64),   # query rows (token, head of the GQA group) per work-group
-        "BK": (16, 32, 64),    # key positions per local-memory K/V tile
+        "BK": (16, 32, 64, 8),  # key positions per local-memory K/V tile
         "VW": (8, 4),          # vector width along head_dim
         "DSPLIT": (2, 1, 4),   # work-items per query row, each with head_dim / DSPLIT of q and of the output
-        "HALF": (0, 1),        # K/V tiles as half in local memory, q·k in half (cl_khr_fp16)
     },
     rules=(
         Rule("each half of a head row must be whole vectors of VW",
@@ -63,12 +68,14 @@ PARAMS = ParamSpace(
 class AttentionPrefill:
     """Causal RoPE + KV append + attention for ``m`` prompt tokens of one layer.
 
-    ``params``: ``PARAMS`` (WGS, BK, VW, DSPLIT, HALF); None → the defaults, or the first set that fits where
-    they do not.
+    ``params``: ``PARAMS`` (HALF, WGS, BK, VW, DSPLIT); None → the defaults, or the first set that fits where
+    they do not (head_dim 256: DSPLIT 4). ``window``: the sliding window of launches that do not name one
+    (0: none). ``qk_norm``: build the per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3); every launch
+    then passes its ``q_norm`` and ``k_norm`` weights.
     """
 
     def __init__(self, device: Device, n_heads: int, n_kv_heads: int, head_dim: int,
-                 params: dict | None = None, window: int = 0):
+                 params: dict | None = None, window: int = 0, qk_norm: bool = False):
         if n_heads <= 0 or n_kv_heads <= 0 or n_heads % n_kv_heads:
             raise PerfxError(f"attention_prefill: {n_heads} query heads cannot share {n_kv_heads} kv heads "
                              "(the query heads must be a positive multiple of the kv heads)")
@@ -79,15 +86,18 @@ class AttentionPrefill:
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.group = n_heads // n_kv_heads
         self.window = int(window)   # sliding window (Mistral): attend to the last `window` positions; 0 = all
-        shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "m": 1, "p0": 0}
+        self.qk_norm = bool(qk_norm)
+        shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "m": 1, "p0": 0,
+                 "qk_norm": self.qk_norm}
         self.params = params = PARAMS.resolve(params, shape, device.caps)
-        defines = {"HEAD_DIM": head_dim, **params}
+        defines = {"HEAD_DIM": head_dim, "QK_NORM": int(self.qk_norm), **params}
         self.append_kernel = device.kernel(PARAMS.source, "kv_append", defines)
         self.attention_kernel = device.kernel(PARAMS.source, "attention_prefill", defines)
         self.wgs = int(params["WGS"])
-        self.scale = np.float32(1.0 / np.sqrt(head_dim))
+        # Bound to the table and weight arguments a launch does not read (no RoPE, no qk_norm).
+        self.placeholder = device.alloc(4, what="attention_prefill placeholder")
 
-    def _check(self, qkv, out, cache: KVCache, rope: RopeTable, layer: int, p0: int, m: int):
+    def _check(self, qkv, out, cache: KVCache, rope: RopeTable | None, layer: int, p0: int, m: int):
         """The buffers behind qkv and out, once every argument is checked."""
         h, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
         if m <= 0 or p0 < 0:
@@ -103,7 +113,7 @@ class AttentionPrefill:
         if not 0 <= layer < cache.n_layers:
             raise PerfxError(f"attention_prefill: layer {layer} is outside the KV cache's "
                              f"{cache.n_layers} layers")
-        if rope.head_dim != d or rope.max_positions < p0 + m:
+        if rope is not None and (rope.head_dim != d or rope.max_positions < p0 + m):
             raise PerfxError(f"attention_prefill: RoPE table ({rope.max_positions} positions × head_dim "
                              f"{rope.head_dim}) does not cover positions < {p0 + m} at head_dim {d}")
         buffers = []
@@ -116,30 +126,42 @@ class AttentionPrefill:
             buffers.append(device_buffer(array, 4 * m * width, f"attention_prefill {name}"))
         return buffers
 
-    def enqueue(self, qkv, out, cache: KVCache, rope: RopeTable, layer: int, p0: int, m: int) -> list:
+    def enqueue(self, qkv, out, cache: KVCache, rope: RopeTable | None, layer: int, p0: int, m: int, *,
+                window: int | None = None, scale: float | None = None, softcap: float = 0.0, q_norm=None,
+                k_norm=None, eps: float = 1e-6) -> list:
         """Enqueue both launches; returns [append event, attention event] (for timing)."""
         qkv_b, out_b = self._check(qkv, out, cache, rope, layer, p0, m)
+        window, scale, (q_w, k_w) = attention_features(
+            "attention_prefill", self.head_dim, self.qk_norm, self.window if window is None else window,
+            scale, softcap, q_norm, k_norm, eps, self.placeholder)
         h, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
         keys, values, offset = cache.layer(layer)
         offset = np.int32(offset)
+        cos, sin = (self.placeholder, self.placeholder) if rope is None else (rope.cos, rope.sin)
+        n_rot = np.int32(0 if rope is None else rope.rotary_dims)
         append = self.device.launch(
-            self.append_kernel, (d // 8, hkv, m), None,
+            self.append_kernel, (d // 8, hkv, m), (d // 8, 1, 1),
             np.int32(p0), np.int32(h), np.int32(hkv), np.int32(cache.max_positions), offset,
-            qkv_b, rope.cos, rope.sin, keys, values)
+            qkv_b, cos, sin, n_rot, k_w, np.float32(eps), keys, values)
         rows = m * self.group
         split = int(self.params["DSPLIT"])
         attention = self.device.launch(
             self.attention_kernel, (-(-rows // self.wgs) * self.wgs * split, hkv), (self.wgs * split, 1),
             np.int32(m), np.int32(p0), np.int32(self.group), np.int32(h), np.int32(hkv),
-            np.int32(cache.max_positions), offset, self.scale,
-            qkv_b, rope.cos, rope.sin, keys, values, out_b, np.int32(self.window))
+            np.int32(cache.max_positions), offset, np.float32(scale),
+            qkv_b, cos, sin, n_rot, q_w, np.float32(eps), keys, values, out_b, np.int32(window),
+            np.float32(softcap))
         return [append, attention]
 
-    def __call__(self, qkv, out, cache: KVCache, rope: RopeTable, layer: int, p0: int, m: int):
+    def __call__(self, qkv, out, cache: KVCache, rope: RopeTable | None, layer: int, p0: int, m: int,
+                 **features):
         """out (m, H·D) = causal attention of the m tokens of ``qkv`` (m, (H + 2·Hkv)·D) at p0..p0+m−1.
 
-        Rotates q and k, appends k and v to ``cache`` at ``layer``, positions p0..p0+m−1 (positions < p0
-        must already be there), and returns the attention's cl.Event (the append runs before it on the
-        in-order queue). ``qkv`` and ``out`` are pyopencl Arrays or cl.Buffers.
+        Normalises q and k per head (built with qk_norm: ``q_norm``, ``k_norm`` weights of head_dim float32,
+        ``eps``), rotates them (``rope``; None: no RoPE in this layer), appends k and v to ``cache`` at
+        ``layer``, positions p0..p0+m−1 (positions < p0 must already be there), and returns the attention's
+        cl.Event (the append runs before it on the in-order queue). Scores are q·k·``scale`` (None:
+        1/√head_dim), soft-capped by ``softcap`` (0: off), over the last ``window`` positions (None: the
+        constructor's; 0: all). ``qkv``, ``out`` and the weights are pyopencl Arrays or cl.Buffers.
         """
-        return self.enqueue(qkv, out, cache, rope, layer, p0, m)[-1]
+        return self.enqueue(qkv, out, cache, rope, layer, p0, m, **features)[-1]

@@ -1,9 +1,10 @@
 // fp16 register-tiled int4 GEMM, a prefill path for GPUs with cl_khr_fp16 (after llama.cpp's Adreno
 // mul_mat_Ab_Bi_8x4: half arithmetic in registers, no local memory, no barriers):
 //
-//   Y (M, N) = X (M, K) · Wᵀ              EPILOGUE 0
-//   Y (M, N) = X (M, K) · Wᵀ + bias (N)   EPILOGUE 1
-//   Y (M, I) = SiLU(X · Wgᵀ) · (X · Wuᵀ)  EPILOGUE 2 (W has 2·I rows: gate 0..I−1, up I..2I−1)
+//   Y (M, N) = X (M, K) · Wᵀ              EPI_NONE
+//   Y (M, N) = X (M, K) · Wᵀ + bias (N)   EPI_BIAS
+//   Y (M, I) = SiLU(X · Wgᵀ) · (X · Wuᵀ)  EPI_SILU_MUL (W has 2·I rows: gate 0..I−1, up I..2I−1)
+//   Y (M, I) = GELU(X · Wgᵀ) · (X · Wuᵀ)  EPI_GELU_MUL (the same rows; GELU's tanh form)
 //
 // W (N, K) in perfx's device form (kernels/q4.h): codes in the weight's LAYOUT, from a buffer (READ 0),
 // image2d_t row blocks (READ 1) or an image1d_buffer_t view (READ 2); one half2 (s, m) per group of G.
@@ -40,8 +41,10 @@
 #define HALF 1  // fp16 arithmetic: the reason this kernel exists (a capability check, not a choice)
 #endif
 #ifndef EPILOGUE
-#define EPILOGUE 0  // 0: none; 1: + bias[column]; 2: SiLU(gate)·up
+#define EPILOGUE EPI_NONE  // none, + bias[column], or SiLU / GELU (gate)·up (kernels/epilogue.h)
 #endif
+
+#include "epilogue.h"
 
 #include "q4.h"
 #pragma OPENCL EXTENSION cl_khr_fp16 : enable
@@ -68,7 +71,7 @@ typedef ushort4 ushortN;
 #error "TN must be 4 or 8"
 #endif
 
-#if EPILOGUE == 2
+#if EPI_GATED
 #define SETS 2  // gate rows, then up rows
 #else
 #define SETS 1
@@ -109,7 +112,7 @@ void gemm_q4_f16(const int m_rows, const int n_cols, const int k, const int grou
         const int c = min(col0 + r, n_cols - 1);
         wrow[0][r] = row_a0 + c - base_a;
         grow[0][r] = row_a0 + c;
-#if EPILOGUE == 2
+#if EPI_GATED
         wrow[1][r] = row_b0 + c - base_b;
         grow[1][r] = row_b0 + c;
 #endif
@@ -188,15 +191,15 @@ void gemm_q4_f16(const int m_rows, const int n_cols, const int k, const int grou
     for (int mm = 0; mm < TM; ++mm) {
         if (m0 + mm >= m_rows) break;
         float out[TN];
-#if EPILOGUE == 2
+#if EPI_GATED
         const floatN gate = total[0][mm], up = total[1][mm];
-        VSTOREN(gate / (1.0f + exp(-gate)) * up, 0, out);
+        VSTOREN(GATE_ACT(gate) * up, 0, out);
 #else
         VSTOREN(total[0][mm], 0, out);
 #endif
         for (int r = 0; r < TN; ++r) {
             if (col0 + r >= n_cols) break;
-#if EPILOGUE == 1
+#if EPILOGUE == EPI_BIAS
             out[r] += bias[grow[0][r]];
 #endif
             y[(size_t)(m0 + mm) * ldy + y_col0 + col0 + r] = out[r];

@@ -1,8 +1,9 @@
 // Tall-skinny int4 GEMM, the prefill path for small M (a few to ~32 tokens):
 //
-//   Y (M, N) = X (M, K) · Wᵀ              EPILOGUE 0
-//   Y (M, N) = X (M, K) · Wᵀ + bias (N)   EPILOGUE 1 (QKV with a bias, e.g. Qwen)
-//   Y (M, I) = SiLU(X · Wgᵀ) · (X · Wuᵀ)  EPILOGUE 2 (gate-up: W has 2·I rows, gate 0..I−1, up I..2I−1)
+//   Y (M, N) = X (M, K) · Wᵀ              EPI_NONE
+//   Y (M, N) = X (M, K) · Wᵀ + bias (N)   EPI_BIAS (QKV with a bias, e.g. Qwen)
+//   Y (M, I) = SiLU(X · Wgᵀ) · (X · Wuᵀ)  EPI_SILU_MUL (gate-up: W has 2·I rows, gate 0..I−1, up I..2I−1)
+//   Y (M, I) = GELU(X · Wgᵀ) · (X · Wuᵀ)  EPI_GELU_MUL (the same rows; GELU's tanh form)
 //
 // W (N, K) in perfx's device form (kernels/q4.h): codes q ∈ [0, 15], 32 per uint4 texel, in the weight's
 // LAYOUT (rows along K, or interleaved), read from a buffer (READ 0), image2d_t row blocks (READ 1) or an
@@ -42,10 +43,12 @@
 #define LAYOUT 0  // the weight's layout (kernels/q4.h): 0 rows along K, 1 interleaved (set from the weight)
 #endif
 #ifndef EPILOGUE
-#define EPILOGUE 0  // 0: none; 1: + bias[column]; 2: SiLU(gate)·up
+#define EPILOGUE EPI_NONE  // none, + bias[column], or SiLU / GELU (gate)·up (kernels/epilogue.h)
 #endif
 
-#if EPILOGUE == 2
+#include "epilogue.h"
+
+#if EPI_GATED
 #define WROWS (2 * ROWS)  // gate rows 0..ROWS−1, up rows ROWS..2·ROWS−1
 #else
 #define WROWS ROWS
@@ -103,12 +106,12 @@
         m0 += R;                                                                                 \
     }
 
-#if EPILOGUE == 1
+#if EPILOGUE == EPI_BIAS
 #define EPILOGUE_STORE const float out = ya + bias[grow[r]];
-#elif EPILOGUE == 2
+#elif EPI_GATED
 #define EPILOGUE_STORE                         \
     const float yb = SUM8(acc[ROWS + r][mm]);  \
-    const float out = ya / (1.0f + exp(-ya)) * yb;
+    const float out = GATE_ACT(ya) * yb;
 #else
 #define EPILOGUE_STORE const float out = ya;
 #endif
@@ -134,7 +137,7 @@ void gemm_q4_skinny(const int m_rows, const int n_cols, const int k, const int g
         const int c = min(col0 + r, n_cols - 1);
         wrow[r] = row_a0 + c - base_a;
         grow[r] = row_a0 + c;
-#if EPILOGUE == 2
+#if EPI_GATED
         wrow[ROWS + r] = row_b0 + c - base_b;
         grow[ROWS + r] = row_b0 + c;
 #endif

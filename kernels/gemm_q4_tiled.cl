@@ -1,8 +1,9 @@
 // Tiled int4 GEMM, the prefill path for large M (compute-bound):
 //
-//   Y (M, N) = X (M, K) · Wᵀ              EPILOGUE 0
-//   Y (M, N) = X (M, K) · Wᵀ + bias (N)   EPILOGUE 1
-//   Y (M, I) = SiLU(X · Wgᵀ) · (X · Wuᵀ)  EPILOGUE 2 (W has 2·I rows: gate 0..I−1, up I..2I−1)
+//   Y (M, N) = X (M, K) · Wᵀ              EPI_NONE
+//   Y (M, N) = X (M, K) · Wᵀ + bias (N)   EPI_BIAS
+//   Y (M, I) = SiLU(X · Wgᵀ) · (X · Wuᵀ)  EPI_SILU_MUL (W has 2·I rows: gate 0..I−1, up I..2I−1)
+//   Y (M, I) = GELU(X · Wgᵀ) · (X · Wuᵀ)  EPI_GELU_MUL (the same rows; GELU's tanh form)
 //
 // W (N, K) in perfx's device form (kernels/q4.h): 32 codes per uint4 texel in the weight's LAYOUT, from a
 // buffer (READ 0), image2d_t row blocks (READ 1) or an image1d_buffer_t view (READ 2), one half2 (s, m) per
@@ -46,8 +47,10 @@
 #define LAYOUT 0  // the weight's layout (kernels/q4.h): 0 rows along K, 1 interleaved (set from the weight)
 #endif
 #ifndef EPILOGUE
-#define EPILOGUE 0  // 0: none; 1: + bias[column]; 2: SiLU(gate)·up
+#define EPILOGUE EPI_NONE  // none, + bias[column], or SiLU / GELU (gate)·up (kernels/epilogue.h)
 #endif
+
+#include "epilogue.h"
 
 #define MWI (MWG / MDIMC)
 #define NWI (NWG / NDIMC)
@@ -172,7 +175,7 @@ void gemm_q4_tiled(const int m_rows, const int n_cols, const int k, const int gr
     __local float xs[KWG * MWG];
     __local float wa[KWG * NWG];
     floatN acc_a[MWI][NVW];
-#if EPILOGUE == 2
+#if EPI_GATED
     __local float wb[KWG * NWG];
     floatN acc_b[MWI][NVW];
 #endif
@@ -181,7 +184,7 @@ void gemm_q4_tiled(const int m_rows, const int n_cols, const int k, const int gr
         _Pragma("unroll")
         for (int nv = 0; nv < NVW; nv++) {
             acc_a[mi][nv] = (floatN)0.0f;
-#if EPILOGUE == 2
+#if EPI_GATED
             acc_b[mi][nv] = (floatN)0.0f;
 #endif
         }
@@ -202,13 +205,13 @@ void gemm_q4_tiled(const int m_rows, const int n_cols, const int k, const int gr
         }
         load_w_tile(wa, codes_a, row_a0, base_a, n_base, n_cols, k0 >> 5, texels, groups, n_rows, group_shift,
                     scale_offset, tid);
-#if EPILOGUE == 2
+#if EPI_GATED
         load_w_tile(wb, codes_b, row_b0, base_b, n_base, n_cols, k0 >> 5, texels, groups, n_rows, group_shift,
                     scale_offset, tid);
 #endif
         barrier(CLK_LOCAL_MEM_FENCE);
         MULTIPLY_TILE(acc_a, wa)
-#if EPILOGUE == 2
+#if EPI_GATED
         MULTIPLY_TILE(acc_b, wb)
 #endif
         barrier(CLK_LOCAL_MEM_FENCE);
@@ -221,7 +224,7 @@ void gemm_q4_tiled(const int m_rows, const int n_cols, const int k, const int gr
         for (int nv = 0; nv < NVW; nv++) {
             float va[VWN];
             STOREN(acc_a[mi][nv], va);
-#if EPILOGUE == 2
+#if EPI_GATED
             float vb[VWN];
             STOREN(acc_b[mi][nv], vb);
 #endif
@@ -229,10 +232,10 @@ void gemm_q4_tiled(const int m_rows, const int n_cols, const int k, const int gr
             for (int v = 0; v < VWN; v++) {
                 const int col = col0 + v;
                 if (gm < m_rows && col < n_cols) {
-#if EPILOGUE == 1
+#if EPILOGUE == EPI_BIAS
                     const float out = va[v] + bias[row_a0 + col];
-#elif EPILOGUE == 2
-                    const float out = va[v] / (1.0f + exp(-va[v])) * vb[v];
+#elif EPI_GATED
+                    const float out = GATE_ACT(va[v]) * vb[v];
 #else
                     const float out = va[v];
 #endif

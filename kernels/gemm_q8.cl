@@ -1,8 +1,9 @@
 // Tall-skinny int8 GEMM, the prefill path (and the lm_head over many positions, for perplexity):
 //
-//   Y (M, N) = X (M, K) · Wᵀ              EPILOGUE 0
-//   Y (M, N) = X (M, K) · Wᵀ + bias (N)   EPILOGUE 1 (QKV with a bias, e.g. Qwen)
-//   Y (M, I) = SiLU(X · Wgᵀ) · (X · Wuᵀ)  EPILOGUE 2 (gate-up: W has 2·I rows, gate 0..I−1, up I..2I−1)
+//   Y (M, N) = X (M, K) · Wᵀ              EPI_NONE
+//   Y (M, N) = X (M, K) · Wᵀ + bias (N)   EPI_BIAS (QKV with a bias, e.g. Qwen)
+//   Y (M, I) = SiLU(X · Wgᵀ) · (X · Wuᵀ)  EPI_SILU_MUL (gate-up: W has 2·I rows, gate 0..I−1, up I..2I−1)
+//   Y (M, I) = GELU(X · Wgᵀ) · (X · Wuᵀ)  EPI_GELU_MUL (the same rows; GELU's tanh form)
 //
 // W (N, K) in perfx's int8 device form (perfx/ops/q8_weight.py): int8 codes, rows contiguous along K,
 // held as row blocks (one buffer each); one (s, m) pair per group of G ∈ {16, 32} along K, half2
@@ -30,11 +31,13 @@
 #define MT 4  // rows of X per pass, ROWS·MT float8 accumulators in registers (a power of two)
 #endif
 #ifndef EPILOGUE
-#define EPILOGUE 0  // 0: none; 1: + bias[column]; 2: SiLU(gate)·up
+#define EPILOGUE EPI_NONE  // none, + bias[column], or SiLU / GELU (gate)·up (kernels/epilogue.h)
 #endif
 
+#include "epilogue.h"
 
-#if EPILOGUE == 2
+
+#if EPI_GATED
 #define WROWS (2 * ROWS)  // gate rows 0..ROWS−1, up rows ROWS..2·ROWS−1
 #else
 #define WROWS ROWS
@@ -81,12 +84,12 @@
         m0 += R;                                                                                 \
     }
 
-#if EPILOGUE == 1
+#if EPILOGUE == EPI_BIAS
 #define EPILOGUE_STORE const float out = ya + bias_a[row_a0 + col0 + r];
-#elif EPILOGUE == 2
+#elif EPI_GATED
 #define EPILOGUE_STORE                         \
     const float yb = SUM8(acc[ROWS + r][mm]);  \
-    const float out = ya / (1.0f + exp(-ya)) * yb;
+    const float out = GATE_ACT(ya) * yb;
 #else
 #define EPILOGUE_STORE const float out = ya;
 #endif
@@ -109,7 +112,7 @@ void gemm_q8(const int m_rows, const int n_cols, const int k, const int ldy, con
         const int c = min(col0 + r, n_cols - 1);
         wrow[r] = codes_a + (size_t)(row_a0 + c) * k;
         prow[r] = sm_a + (size_t)(row_a0 + c) * groups * 2;
-#if EPILOGUE == 2
+#if EPI_GATED
         wrow[ROWS + r] = codes_b + (size_t)(row_b0 + c) * k;
         prow[ROWS + r] = sm_b + (size_t)(row_b0 + c) * groups * 2;
 #endif

@@ -7,9 +7,10 @@
 // centred, Σ (s·(q_k − 8) + m + 8s)·x_k, and Σ (q_k − 8)·x_k is formed in half (cl_khr_fp16), one half8
 // multiply-add per 8 weights; each group's half sum joins an fp32 accumulator, so fp16 rounding never
 // builds up across groups.
-// Epilogues (EPILOGUE, chosen by the wrapper, not tuned):
-//   0 plain:    y[o] = W[o]·x + bias[o]                      M = N (also fused QKV: rows concatenated)
-//   1 silu_mul: y[o] = SiLU(W[o]·x + b[o]) · (W[M+o]·x + b[M+o])   M = N/2 (gate rows, then up rows)
+// Epilogues (EPILOGUE, kernels/epilogue.h, chosen by the wrapper, not tuned):
+//   EPI_NONE:     y[o] = W[o]·x + bias[o]                            M = N (fused QKV too: rows concatenated)
+//   EPI_SILU_MUL: y[o] = SiLU(W[o]·x + b[o]) · (W[M+o]·x + b[M+o])   M = N/2 (gate rows, then up rows)
+//   EPI_GELU_MUL: y[o] = GELU(W[o]·x + b[o]) · (W[M+o]·x + b[M+o])   as SiLU·mul (GELU's tanh form)
 // Shape contract: K multiple of G, G ∈ {32, 64, 128}; any M (rows past the end are clamped on load and not
 // stored). One launch covers outputs [out_base, out_base + n_out); its gate rows start at row_a of weights
 // `wa` and its up rows at row_b of `wb` (image2d row blocks: the wrapper splits launches at image boundaries,
@@ -59,10 +60,11 @@
 #define GROUP 128    // quantization group along K (set from the weight, not tuned)
 #endif
 #ifndef EPILOGUE
-#define EPILOGUE 0   // 0: plain (+bias), 1: SiLU(gate)·up over paired rows (set by the wrapper)
+#define EPILOGUE EPI_NONE  // plain (+bias), or SiLU / GELU (gate)·up over paired rows (kernels/epilogue.h)
 #endif
 
 #define USES_SUBGROUPS (SG == 1 || XS == 2)
+#include "epilogue.h"
 #include "gpu.h"
 #include "q4.h"
 
@@ -82,7 +84,7 @@ typedef float8 dot8;
 #endif
 
 #define TEXELS_PER_GROUP (GROUP / 32)
-#if EPILOGUE == 1
+#if EPI_GATED
 #define ROW_SETS 2   // gate and up
 #else
 #define ROW_SETS 1
@@ -96,13 +98,11 @@ typedef float8 dot8;
 #define ROW_STRIDE 1
 #endif
 
-#if EPILOGUE == 1
+#if EPI_GATED
 #define LOAD_ROW(r, t) ((r) < ROWS ? TEXEL(wa, wrow[r], t) : TEXEL(wb, wrow[r], t))
 #else
 #define LOAD_ROW(r, t) TEXEL(wa, wrow[r], t)
 #endif
-
-inline float silu(const float v) { return v / (1.0f + exp(-v)); }
 
 #if LAYOUT == 1 && XS == 2
 // x[32t + 4·l .. 4·l + 3] from lane l of the subgroup (lanes 0..7 hold a texel's 32 values).
@@ -157,7 +157,7 @@ void gemv_q4(const int n_out, const int k, const int out_base, const int half_ro
         const int o = min(first + r * ROW_STRIDE, n_out - 1);
         wrow[r] = row_a + o;
         grow[r] = out_base + o;
-#if EPILOGUE == 1
+#if EPI_GATED
         wrow[ROWS + r] = row_b + o;
         grow[ROWS + r] = half_rows + out_base + o;
 #endif
@@ -346,9 +346,9 @@ void gemv_q4(const int n_out, const int k, const int out_base, const int half_ro
         const int o = first + r * ROW_STRIDE;
         if (o >= n_out) break;
         float v = acc[r] + (has_bias ? bias[grow[r]] : 0.0f);
-#if EPILOGUE == 1
+#if EPI_GATED
         const float up = acc[ROWS + r] + (has_bias ? bias[grow[ROWS + r]] : 0.0f);
-        v = silu(v) * up;
+        v = GATE_ACT(v) * up;
 #endif
         y[out_base + o] = v;
     }

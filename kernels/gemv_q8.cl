@@ -6,9 +6,10 @@
 //          (SM_F32 1: Q5_K's and Q6_K's d·sc need up to 18 significant bits); w = s·q + m.
 // Per group: Σ_k (s·q_k + m)·x_k = s·Σ q_k x_k + m·Σ x_k, so the inner loop is one multiply-add per
 // weight and Σ x_k is computed once per group and shared by the ROWS rows of a work-item.
-// Epilogues (EPILOGUE, chosen by the wrapper, not tuned):
-//   0 plain:    y[o] = W[o]·x + bias[o]                               (also fused QKV: rows concatenated)
-//   1 silu_mul: y[o] = SiLU(Wg[o]·x + bg[o]) · (Wu[o]·x + bu[o])      (gate rows, then up rows)
+// Epilogues (EPILOGUE, kernels/epilogue.h, chosen by the wrapper, not tuned):
+//   EPI_NONE:     y[o] = W[o]·x + bias[o]                            (also fused QKV: rows concatenated)
+//   EPI_SILU_MUL: y[o] = SiLU(Wg[o]·x + bg[o]) · (Wu[o]·x + bu[o])   (gate rows, then up rows)
+//   EPI_GELU_MUL: y[o] = GELU(Wg[o]·x + bg[o]) · (Wu[o]·x + bu[o])   (as SiLU·mul, GELU's tanh form)
 // Shape contract: K a multiple of G, G ∈ {16, 32}; any number of outputs (rows past the end are clamped
 // on load and not stored). One launch covers outputs o ∈ [0, n_out), stored at y[y_base + o]; the gate
 // (or only) row of output o is row row_a + o of block a (codes_a, sm_a, bias_a), its up row is row
@@ -23,11 +24,12 @@
 #define ROWS 4       // outputs per work-item: each x chunk is loaded once and applied to ROWS rows
 #endif
 #ifndef EPILOGUE
-#define EPILOGUE 0   // 0: plain (+bias), 1: SiLU(gate)·up over paired rows (set by the wrapper)
+#define EPILOGUE EPI_NONE  // plain (+bias), or SiLU / GELU (gate)·up over paired rows (kernels/epilogue.h)
 #endif
 
+#include "epilogue.h"
 
-#if EPILOGUE == 1
+#if EPI_GATED
 #define WROWS (2 * ROWS)   // gate rows 0..ROWS−1, up rows ROWS..2·ROWS−1
 #else
 #define WROWS ROWS
@@ -38,8 +40,6 @@
 // x through a float8 pointer too: rows of K floats, K a multiple of 16, so every chunk is float8-aligned.
 #define LOAD_X8(p, c) (((const __global float8*)(p))[c])
 #define SUM8(v) ((((v).s0 + (v).s4) + ((v).s2 + (v).s6)) + (((v).s1 + (v).s5) + ((v).s3 + (v).s7)))
-
-inline float silu(const float v) { return v / (1.0f + exp(-v)); }
 
 __kernel __attribute__((reqd_work_group_size(LANES, 1, 1)))
 void gemv_q8(const int n_out, const int k, const int y_base, const int row_a, const int row_b,
@@ -64,7 +64,7 @@ void gemv_q8(const int n_out, const int k, const int y_base, const int row_a, co
         const int o = min(first + r, n_out - 1);
         wrow[r] = codes_a + (size_t)(row_a + o) * k;
         prow[r] = sm_a + (size_t)(row_a + o) * groups * 2;
-#if EPILOGUE == 1
+#if EPI_GATED
         wrow[ROWS + r] = codes_b + (size_t)(row_b + o) * k;
         prow[ROWS + r] = sm_b + (size_t)(row_b + o) * groups * 2;
 #endif
@@ -116,9 +116,9 @@ void gemv_q8(const int n_out, const int k, const int y_base, const int row_a, co
     for (int r = 0; r < ROWS; ++r) {
         if (first + r >= n_out) break;
         float v = acc[r] + (has_bias ? bias_a[row_a + first + r] : 0.0f);
-#if EPILOGUE == 1
+#if EPI_GATED
         const float up = acc[ROWS + r] + (has_bias ? bias_b[row_b + first + r] : 0.0f);
-        v = silu(v) * up;
+        v = GATE_ACT(v) * up;
 #endif
         y[y_base + first + r] = v;
     }

@@ -3,9 +3,12 @@
 //   rmsnorm_residual:  h = x + r, written back into r (the new residual stream);
 //                      y = h / sqrt(mean(h²) + eps) · γ
 //   rmsnorm:           y = x / sqrt(mean(x²) + eps) · γ
+//   rmsnorm_post_residual (Gemma's sandwich norms: a block's output normalised before the residual add):
+//                      h = x + p / sqrt(mean(p²) + eps) · γ_post, written back into x (the residual stream);
+//                      y = h / sqrt(mean(h²) + eps) · γ_next
 //
 // Shape contract: any M >= 1, any K >= 1 (a VW-wide main part, then a scalar tail of K mod VW).
-// Launch: one work-group per row, global = M · WGS, local = WGS. y must not alias x or r.
+// Launch: one work-group per row, global = M · WGS, local = WGS. y must not alias x, r or p.
 //
 // One pass over the inputs: each work-item keeps VW partial sums of squares over its own columns,
 // the work-group adds them in a local-memory tree (SG 0) or with sub_group_reduce_add and one exchange of
@@ -45,7 +48,8 @@ typedef float floatVW;
 #error "VW must be 1, 4 or 8"
 #endif
 
-// The sum of every work-item's value, returned to all of them.
+// The sum of every work-item's value, returned to all of them. A second call on the same scratch needs a
+// barrier first: every work-item reads the first total from it.
 float work_group_total(const float value, __local float* scratch)
 {
 #if SG
@@ -72,6 +76,23 @@ float work_group_total(const float value, __local float* scratch)
     }
     return scratch[0];
 #endif
+}
+
+// Σ v² over this work-item's columns of one row: VW-wide partial sums, then the scalar tail.
+float squares_of(const int k, __global const float* restrict v)
+{
+    const int lid = get_local_id(0);
+    const int chunks = k / VW;
+    floatVW squares = (floatVW)(0.0f);
+    for (int c = lid; c < chunks; c += WGS) {
+        const floatVW e = LOADV(c, v);
+        squares = fma(e, e, squares);
+    }
+    float total = HSUM(squares);
+    for (int i = chunks * VW + lid; i < k; i += WGS) {
+        total = fma(v[i], v[i], total);
+    }
+    return total;
 }
 
 // y = h · inv · γ over one row, h read from src (written or read earlier by this work-item).
@@ -125,18 +146,38 @@ void rmsnorm(const int k, const float eps, __global const float* restrict x,
     const size_t base = (size_t)get_group_id(0) * k;
     x += base;
     y += base;
+    const float inv = 1.0f / sqrt(work_group_total(squares_of(k, x), scratch) / (float)k + eps);
+    scale_row(k, inv, x, gamma, y);
+}
 
+__kernel __attribute__((reqd_work_group_size(WGS, 1, 1)))
+void rmsnorm_post_residual(const int k, const float eps, __global const float* restrict p,
+                           __global float* restrict x, __global const float* restrict post_gamma,
+                           __global const float* restrict next_gamma, __global float* restrict y)
+{
+    __local float scratch[WGS];
+    const size_t base = (size_t)get_group_id(0) * k;
+    p += base;
+    x += base;
+    y += base;
+    const float inv_p = 1.0f / sqrt(work_group_total(squares_of(k, p), scratch) / (float)k + eps);
+
+    // h = x + p·inv_p·γ_post into x, and Σ h²: p read again from cache, x read and written once.
     const int lid = get_local_id(0);
     const int chunks = k / VW;
     floatVW squares = (floatVW)(0.0f);
     for (int c = lid; c < chunks; c += WGS) {
-        const floatVW v = LOADV(c, x);
-        squares = fma(v, v, squares);
+        const floatVW h = LOADV(c, x) + LOADV(c, p) * inv_p * LOADV(c, post_gamma);
+        STOREV(h, c, x);
+        squares = fma(h, h, squares);
     }
     float total = HSUM(squares);
     for (int i = chunks * VW + lid; i < k; i += WGS) {
-        total = fma(x[i], x[i], total);
+        const float h = x[i] + p[i] * inv_p * post_gamma[i];
+        x[i] = h;
+        total = fma(h, h, total);
     }
+    barrier(CLK_LOCAL_MEM_FENCE);   // scratch is reused: every work-item has read inv_p's total from it
     const float inv = 1.0f / sqrt(work_group_total(total, scratch) / (float)k + eps);
-    scale_row(k, inv, x, gamma, y);
+    scale_row(k, inv, x, next_gamma, y);
 }

@@ -1,16 +1,18 @@
 // The small operations of a forward pass, each memory-bound and cheap:
 //
-//   embedding_f16:  out (M, K) float = table[ids] for an fp16 table (N, K) split by rows over several
+//   embedding_f16:  out (M, K) float = table[ids]·scale for an fp16 table (N, K) split by rows over several
 //                   buffers; one launch per row block [row_start, row_stop), each copying the rows
 //                   whose id falls in its block. An id outside [0, N) gives a row of NaN (written by
 //                   the launch of the first block), never a silent wrong row.
 //                   Launch: global = (ceil(ceil(K / VW1) / WGS1) · WGS1, M), local = (WGS1, 1).
-//   embedding_q4:   out (M, K) float = W[ids] dequantized, w = s·q + m, from the int4 codes buffer in
+//   embedding_q4:   out (M, K) float = W[ids]·scale dequantized, w = s·q + m, from the int4 codes buffer in
 //                   the weight's LAYOUT (kernels/q4.h): code 32t + 8c + j in component c, bits 4j..4j+3
 //                   of texel t; (s, m) one half2 per group of G. K multiple of 32, G in {32, 64, 128}: a
 //                   texel never straddles two groups. Bad ids give NaN. The same buffer a tied lm_head's
 //                   GEMV reads: the table is on the device once.
 //                   Launch: global = (ceil((K / 32) / WGS2) · WGS2, M), local = (WGS2, 1).
+//                   Both gathers multiply each row by scale in fp32 (1 for most models; Gemma's √hidden, as
+//                   llama.cpp's ggml_scale after its get_rows).
 //   argmax_partial, argmax_final:
 //                   the index of the largest of x (n floats) as one int, ties to the lowest index and
 //                   NaN counting as the largest (numpy.argmax). Stage 1: GROUPS3 work-groups of WGS3
@@ -20,9 +22,11 @@
 //                   that orders like "beats" (value bits made monotonic, NaN largest, then the index
 //                   inverted so the lower one wins a tie) and sub_group_reduce_max over it, the subgroups'
 //                   winners then compared through local memory (one barrier).
-//   swiglu:         out = SiLU(gate)·up = gate / (1 + exp(−gate))·up over count floats (M rows flat);
-//                   out may be gate or up (each work-item reads its elements before writing them).
-//                   Launch: global = ceil(ceil(count / VW4) / WGS4) · WGS4, local = WGS4.
+//   swiglu, geglu:  out = SiLU(gate)·up or GELU(gate)·up (GELU's tanh form, kernels/epilogue.h) over count
+//                   floats (M rows flat); out may be gate or up (each work-item reads its elements before
+//                   writing them).
+//   softcap:        x = cap·tanh(x / cap) in place over count floats (Gemma 2's final-logit soft-capping).
+//                   Launch of these three: global = ceil(ceil(count / VW4) / WGS4) · WGS4, local = WGS4.
 //
 // All arithmetic in fp32; fp16 is only read (vload_half, core OpenCL: no cl_khr_fp16 needed).
 
@@ -51,11 +55,13 @@
 #define SG3 0  // argmax: work-group reduction by a local-memory tree (0) or subgroup reductions (1)
 #endif
 #ifndef WGS4
-#define WGS4 64  // swiglu: work-items per work-group
+#define WGS4 64  // swiglu, geglu, softcap: work-items per work-group
 #endif
 #ifndef VW4
-#define VW4 4  // swiglu: floats per work-item, 1, 4 or 8
+#define VW4 4  // swiglu, geglu, softcap: floats per work-item, 1, 4 or 8
 #endif
+
+#include "epilogue.h"
 
 // ---------------------------------------------------------------------------------------------
 // Embeddings
@@ -71,7 +77,7 @@
 #endif
 
 __kernel __attribute__((reqd_work_group_size(WGS1, 1, 1)))
-void embedding_f16(const int k, const int n_total, const int row_start, const int row_stop,
+void embedding_f16(const int k, const int n_total, const int row_start, const int row_stop, const float scale,
                    __global const int* restrict ids, __global const half* restrict table,
                    __global float* restrict out)
 {
@@ -92,10 +98,10 @@ void embedding_f16(const int k, const int n_total, const int row_start, const in
     // vload_halfN and vstoreN need only element alignment, so any K works; the last chunk may be short.
     __global const half* src = table + (size_t)(id - row_start) * k;
     if ((c + 1) * VW1 <= k) {
-        STORE1(LOAD_HALF1(0, src + c * VW1), 0, dst + c * VW1);
+        STORE1(LOAD_HALF1(0, src + c * VW1) * scale, 0, dst + c * VW1);
     } else {
         for (int i = c * VW1; i < k; ++i) {
-            dst[i] = vload_half(i, src);
+            dst[i] = vload_half(i, src) * scale;
         }
     }
 }
@@ -103,9 +109,9 @@ void embedding_f16(const int k, const int n_total, const int row_start, const in
 #include "q4.h"
 
 __kernel __attribute__((reqd_work_group_size(WGS2, 1, 1)))
-void embedding_q4(const int k, const int n_total, const int group, __global const int* restrict ids,
-                  __global const uint4* restrict codes, __global const half* restrict scale_offset,
-                  __global float* restrict out)
+void embedding_q4(const int k, const int n_total, const int group, const float scale,
+                  __global const int* restrict ids, __global const uint4* restrict codes,
+                  __global const half* restrict scale_offset, __global float* restrict out)
 {
     const int t = get_global_id(0);  // which texel (32 codes) of the row
     const int m = get_global_id(1);
@@ -131,7 +137,7 @@ void embedding_q4(const int k, const int n_total, const int group, __global cons
                                   (float)((word >> 12) & 0xF), (float)((word >> 16) & 0xF),
                                   (float)((word >> 20) & 0xF), (float)((word >> 24) & 0xF),
                                   (float)(word >> 28));
-        vstore8(fma(q, (float8)(sm.x), (float8)(sm.y)), c, dst);
+        vstore8(fma(q, (float8)(sm.x), (float8)(sm.y)) * scale, c, dst);
     }
 }
 
@@ -275,7 +281,7 @@ void argmax_final(__global const float* restrict partial_values, __global const 
 }
 
 // ---------------------------------------------------------------------------------------------
-// SwiGLU
+// Elementwise: the gated activations of an unfused MLP, and the logits' soft cap
 
 #if VW4 == 8
 typedef float8 floatVW4;
@@ -293,16 +299,40 @@ typedef float floatVW4;
 #error "VW4 must be 1, 4 or 8"
 #endif
 
+// out = ACT(gate)·up, VW4 floats per work-item and the last count mod VW4 one by one.
+#define GATED_BODY(ACT)                                            \
+    const int c = get_global_id(0);                                \
+    if ((c + 1) * VW4 <= count) {                                  \
+        const floatVW4 g = LOAD4(c, gate);                         \
+        STORE4(ACT(g) * LOAD4(c, up), c, out);                     \
+    } else {                                                       \
+        for (int i = c * VW4; i < count; ++i) {                    \
+            const float g = gate[i];                               \
+            out[i] = ACT(g) * up[i];                               \
+        }                                                          \
+    }
+
 __kernel __attribute__((reqd_work_group_size(WGS4, 1, 1)))
 void swiglu(const int count, __global const float* gate, __global const float* up, __global float* out)
 {
+    GATED_BODY(SILU)
+}
+
+__kernel __attribute__((reqd_work_group_size(WGS4, 1, 1)))
+void geglu(const int count, __global const float* gate, __global const float* up, __global float* out)
+{
+    GATED_BODY(GELU_TANH)
+}
+
+__kernel __attribute__((reqd_work_group_size(WGS4, 1, 1)))
+void softcap(const int count, const float cap, __global float* restrict x)
+{
     const int c = get_global_id(0);
     if ((c + 1) * VW4 <= count) {
-        const floatVW4 g = LOAD4(c, gate);
-        STORE4(g / (1.0f + exp(-g)) * LOAD4(c, up), c, out);
+        STORE4(tanh(LOAD4(c, x) / cap) * cap, c, x);
     } else {
         for (int i = c * VW4; i < count; ++i) {
-            out[i] = gate[i] / (1.0f + exp(-gate[i])) * up[i];
+            x[i] = tanh(x[i] / cap) * cap;
         }
     }
 }

@@ -31,7 +31,7 @@ from perfx.ops.kv_cache import KVCache, RopeTable
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.ops.q8_weight import Q8DeviceWeight
 from perfx.ops.rmsnorm import RMSNorm
-from perfx.ops.small_ops import Argmax, Embedding, SwiGLU
+from perfx.ops.small_ops import Argmax, Embedding, GeGLU, Softcap, SwiGLU
 from perfx.runtime import Device, Limits
 from perfx.sources import open_model
 from perfx.timing import copy_bandwidth, time_launches
@@ -40,8 +40,8 @@ from perfx.tuning.spec import relative_error
 __version__ = "0.1.0"
 __all__ = [
     "Argmax", "AttentionDecode", "AttentionPrefill", "Device", "Embedding", "EmbeddingQ8", "F16DeviceWeight",
-    "GemmQ4", "GemmQ8", "GemvF16", "GemvQ4", "GemvQ8", "KVCache", "Limits", "Model", "PerfxError", "Q4DeviceWeight",
-    "Q4Matrix", "Q8DeviceWeight", "Q8Matrix", "RMSNorm",
-    "RopeTable", "SamplingConfig", "SwiGLU", "__version__", "copy_bandwidth", "generate", "load_model",
+    "GeGLU", "GemmQ4", "GemmQ8", "GemvF16", "GemvQ4", "GemvQ8", "KVCache", "Limits", "Model", "PerfxError",
+    "Q4DeviceWeight", "Q4Matrix", "Q8DeviceWeight", "Q8Matrix", "RMSNorm",
+    "RopeTable", "SamplingConfig", "Softcap", "SwiGLU", "__version__", "copy_bandwidth", "generate", "load_model",
     "open_model", "reference", "relative_error", "time_launches",
 ]

@@ -30,9 +30,16 @@ def rmsnorm_residual(x, residual, gamma, eps: float = 1e-5) -> tuple[np.ndarray,
     return h, rmsnorm(h, gamma, eps)
 
 
+def rmsnorm_post_residual(p, x, post_gamma, next_gamma, eps: float = 1e-5) -> tuple[np.ndarray, np.ndarray]:
+    """Gemma's sandwich norms: h = x + rmsnorm(p)·γ_post (the new residual stream), y = rmsnorm(h)·γ_next."""
+    h = f64(x) + rmsnorm(p, post_gamma, eps)
+    return h, rmsnorm(h, next_gamma, eps)
+
+
 def silu(x) -> np.ndarray:
     x = f64(x)
-    return x / (1.0 + np.exp(-x))
+    with np.errstate(over="ignore"):   # exp(−x) = inf for x ≪ 0: x / inf = −0, the right limit
+        return x / (1.0 + np.exp(-x))
 
 
 def gelu_tanh(x) -> np.ndarray:
@@ -44,6 +51,23 @@ def gelu_tanh(x) -> np.ndarray:
 def swiglu(gate, up) -> np.ndarray:
     """SiLU(gate)·up, the Llama MLP's activation."""
     return silu(gate) * f64(up)
+
+
+def gelu_tanh(x) -> np.ndarray:
+    """GELU's tanh form, 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))): llama.cpp's ggml_gelu, Hugging Face's
+    gelu_pytorch_tanh (Gemma's hidden_activation)."""
+    x = f64(x)
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def geglu(gate, up) -> np.ndarray:
+    """GELU(gate)·up (tanh form), the Gemma MLP's activation."""
+    return gelu_tanh(gate) * f64(up)
+
+
+def softcap(x, cap: float) -> np.ndarray:
+    """cap·tanh(x / cap): Gemma 2's soft-capping of the final logits (final_logit_softcapping)."""
+    return cap * np.tanh(f64(x) / cap)
 
 
 def softmax(x, axis: int = -1) -> np.ndarray:

@@ -55,10 +55,12 @@ TINY_SHAPES = {
         {"n": 13, "k": 96, "group": 32, "f32": False, "epilogue": "none", "bias": True, "parts": (7, 6),
          "block_bytes": 5 * 96},
         {"n": 2 * 7, "k": 64, "group": 16, "f32": True, "epilogue": "silu_mul", "bias": False, "block_bytes": 4 * 64},
+        {"n": 2 * 5, "k": 64, "group": 32, "f32": False, "epilogue": "gelu_mul", "bias": False},
     ),
     "gemm_q8": (
         {"m": 3, "n": 2 * 5, "k": 64, "group": 16, "f32": True, "epilogue": "silu_mul", "block_bytes": 4 * 64},
         {"m": 2, "n": 9, "k": 96, "group": 32, "f32": False, "epilogue": "bias"},
+        {"m": 2, "n": 2 * 3, "k": 32, "group": 32, "f32": False, "epilogue": "gelu_mul"},
     ),
     "embedding_q8": (
         {"n": 11, "k": 48, "group": 16, "f32": True, "m": 3, "block_bytes": 4 * 48},
@@ -66,6 +68,7 @@ TINY_SHAPES = {
     "gemv_q4": (
         {"n": 13, "k": 320, "group": 64, "epilogue": "none", "bias": True, "parts": (7, 6)},
         {"n": 2 * 7, "k": 192, "group": 32, "epilogue": "silu_mul", "bias": False},
+        {"n": 2 * 5, "k": 128, "group": 64, "epilogue": "gelu_mul", "bias": False},
     ),
     "gemv_f16": (
         {"n": 19, "k": 203},
@@ -74,6 +77,7 @@ TINY_SHAPES = {
     "rmsnorm": (
         {"m": 2, "k": 203, "residual": True},
         {"m": 1, "k": 7, "residual": False},
+        {"m": 2, "k": 37, "residual": True, "post": True},
     ),
     "attention_decode": (
         {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "positions": 37, "qkv_offset": 3},
@@ -93,15 +97,19 @@ TINY_SHAPES = {
     "gemm_q4_skinny": (
         {"m": 3, "n": 19, "k": 192, "group": 64, "epilogue": "bias"},
         {"m": 2, "n": 2 * 5, "k": 128, "group": 32, "epilogue": "silu_mul"},
+        {"m": 3, "n": 2 * 3, "k": 64, "group": 64, "epilogue": "gelu_mul"},
     ),
     "gemm_q4_tiled": (
         {"m": 9, "n": 37, "k": 128, "group": 32, "epilogue": "none"},
         {"m": 3, "n": 2 * 5, "k": 64, "group": 64, "epilogue": "silu_mul"},
+        {"m": 2, "n": 2 * 3, "k": 64, "group": 32, "epilogue": "gelu_mul"},
     ),
-    "embedding_f16": ({"n": 10, "k": 203, "m": 3, "block_bytes": 4 * 203 * 2},),
-    "embedding_q4": ({"n": 9, "k": 320, "group": 64, "m": 3},),
+    "embedding_f16": ({"n": 10, "k": 203, "m": 3, "block_bytes": 4 * 203 * 2, "scale": 14.25},),
+    "embedding_q4": ({"n": 9, "k": 320, "group": 64, "m": 3, "scale": 17.9},),
     "argmax": ({"n": 1003},),
     "swiglu": ({"count": 203},),
+    "geglu": ({"count": 203},),
+    "softcap": ({"count": 203, "cap": 30.0},),
 }
 
 # The first line of each kind of Oclgrind report (its Context/Logger and plugins, runtime API checks),

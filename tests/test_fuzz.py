@@ -25,6 +25,7 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database
                                        HealthCheck.function_scoped_fixture])
 
 GROUPS = st.sampled_from([32, 64, 128])
+GATED = st.sampled_from(["silu_mul", "gelu_mul"])
 
 
 @st.composite
@@ -39,7 +40,7 @@ def q4_matrix(draw, max_rows: int, max_group_multiple: int = 8):
 def gemv_q4_shape(draw):
     n, k, group = draw(q4_matrix(120))
     if draw(st.booleans()):
-        return {"n": 2 * n, "k": k, "group": group, "epilogue": "silu_mul", "bias": False}
+        return {"n": 2 * n, "k": k, "group": group, "epilogue": draw(GATED), "bias": False}
     shape = {"n": n, "k": k, "group": group, "epilogue": "none", "bias": draw(st.booleans())}
     if n >= 3 and draw(st.booleans()):  # a fused QKV: three matrices along N
         a = draw(st.integers(1, n - 2))
@@ -51,8 +52,8 @@ def gemv_q4_shape(draw):
 @st.composite
 def gemm_q4_shape(draw, max_m: int):
     n, k, group = draw(q4_matrix(100))
-    epilogue = draw(st.sampled_from(["none", "bias", "silu_mul"]))
-    return {"m": draw(st.integers(1, max_m)), "n": 2 * n if epilogue == "silu_mul" else n, "k": k,
+    epilogue = draw(st.sampled_from(["none", "bias", "silu_mul", "gelu_mul"]))
+    return {"m": draw(st.integers(1, max_m)), "n": 2 * n if epilogue.endswith("_mul") else n, "k": k,
             "group": group, "epilogue": epilogue}
 
 
@@ -106,15 +107,19 @@ def attention_prefill_shape(draw):
     return {**shape, **draw(layer_features(shape["head_dim"]))}
 
 
+# An embedding's row scale: 1 (most models) or a Gemma-like √hidden.
+SCALES = st.sampled_from([1.0, 33.94, 48.0])
+
+
 @st.composite
 def embedding_f16_shape(draw):
-    return {**draw(f16_matrix(60, 700)), "m": draw(st.integers(1, 5))}
+    return {**draw(f16_matrix(60, 700)), "m": draw(st.integers(1, 5)), "scale": draw(SCALES)}
 
 
 @st.composite
 def embedding_q4_shape(draw):
     n, k, group = draw(q4_matrix(40))
-    return {"n": n, "k": k, "group": group, "m": draw(st.integers(1, 5))}
+    return {"n": n, "k": k, "group": group, "m": draw(st.integers(1, 5)), "scale": draw(SCALES)}
 
 
 @st.composite
@@ -132,7 +137,7 @@ def gemv_q8_shape(draw):
     n, k, group, f32, block = draw(q8_matrix(120))
     shape = {"n": n, "k": k, "group": group, "f32": f32, "epilogue": "none", "bias": draw(st.booleans())}
     if draw(st.booleans()):
-        shape.update(n=2 * n, epilogue="silu_mul", bias=False)
+        shape.update(n=2 * n, epilogue=draw(GATED), bias=False)
     if block:
         shape["block_bytes"] = block
     return shape
@@ -141,8 +146,8 @@ def gemv_q8_shape(draw):
 @st.composite
 def gemm_q8_shape(draw, max_m: int):
     n, k, group, f32, block = draw(q8_matrix(100))
-    epilogue = draw(st.sampled_from(["none", "bias", "silu_mul"]))
-    shape = {"m": draw(st.integers(1, max_m)), "n": 2 * n if epilogue == "silu_mul" else n, "k": k,
+    epilogue = draw(st.sampled_from(["none", "bias", "silu_mul", "gelu_mul"]))
+    shape = {"m": draw(st.integers(1, max_m)), "n": 2 * n if epilogue.endswith("_mul") else n, "k": k,
              "group": group, "f32": f32, "epilogue": epilogue}
     if block:
         shape["block_bytes"] = block
@@ -152,9 +157,17 @@ def gemm_q8_shape(draw, max_m: int):
 @st.composite
 def embedding_q8_shape(draw):
     n, k, group, f32, block = draw(q8_matrix(40))
-    shape = {"n": n, "k": k, "group": group, "f32": f32, "m": draw(st.integers(1, 5))}
+    shape = {"n": n, "k": k, "group": group, "f32": f32, "m": draw(st.integers(1, 5)), "scale": draw(SCALES)}
     if block:
         shape["block_bytes"] = block
+    return shape
+
+
+@st.composite
+def rmsnorm_shape(draw):
+    shape = {"m": draw(st.integers(1, 4)), "k": draw(st.integers(1, 1500)), "residual": draw(st.booleans())}
+    if shape["residual"] and draw(st.booleans()):
+        shape["post"] = True   # the post-norm form, Gemma's sandwich norm
     return shape
 
 
@@ -164,8 +177,7 @@ SHAPES = {
     "gemm_q8": gemm_q8_shape(40),
     "embedding_q8": embedding_q8_shape(),
     "gemv_f16": f16_matrix(200, 1200),
-    "rmsnorm": st.fixed_dictionaries({"m": st.integers(1, 4), "k": st.integers(1, 1500),
-                                      "residual": st.booleans()}),
+    "rmsnorm": rmsnorm_shape(),
     "attention_decode": attention_decode_shape(),
     "attention_prefill": attention_prefill_shape(),
     "gemm_q4_skinny": gemm_q4_shape(40),
@@ -175,6 +187,8 @@ SHAPES = {
     "embedding_q4": embedding_q4_shape(),
     "argmax": st.fixed_dictionaries({"n": st.integers(1, 40000)}),
     "swiglu": st.fixed_dictionaries({"count": st.integers(1, 12000)}),
+    "geglu": st.fixed_dictionaries({"count": st.integers(1, 12000)}),
+    "softcap": st.fixed_dictionaries({"count": st.integers(1, 300000), "cap": st.sampled_from([30.0, 1.5])}),
 }
 
 

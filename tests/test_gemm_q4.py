@@ -7,6 +7,7 @@ import pytest
 from helpers.spec_checks import assert_every_parameter_set
 from perfx.errors import PerfxError
 from perfx.formats import Q4Matrix
+from perfx.ops.epilogue import output_rows
 from perfx.ops.gemm_q4 import DEFAULT_CROSSOVER, GemmQ4
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.runtime import Device, Limits
@@ -60,7 +61,7 @@ def _problem(device, rng, m, n, k, group, epilogue="none", read_paths=("image2d"
     bias = (0.1 * rng.standard_normal(n)).astype(np.float32) if epilogue == "bias" else None
     weight = Q4DeviceWeight.upload(device, q4, bias, read_paths=read_paths, layout=layout)
     x = rng.standard_normal((m, k)).astype(np.float32)
-    cols = n // 2 if epilogue == "silu_mul" else n
+    cols = output_rows(n, epilogue)
     # One poisoned row more than M: a kernel writing past row M - 1 shows there.
     y = device.poisoned((m + extra_rows, cols), np.float32)
     return weight, device.upload(x), y, expected_output(x, q4, bias, epilogue)
@@ -91,6 +92,7 @@ def test_dispatcher_over_m_off_the_tile_grid(device, rng, m):
     ("bias", 45, 200, 4160, 64),
     ("silu_mul", 5, 2 * 200, 640, 128),     # gate-up: I = 200
     ("silu_mul", 40, 2 * 100, 4160, 64),
+    ("gelu_mul", 40, 2 * 100, 4160, 64),    # GeGLU: I = 100, K off every tile
 ])
 def test_epilogues_on_both_kernels(device, rng, epilogue, m, n, k, group):
     gemm = GemmQ4(device)
@@ -105,11 +107,11 @@ def test_epilogues_on_both_kernels(device, rng, epilogue, m, n, k, group):
 @pytest.fixture(scope="module")
 def small_image_device(opencl_device):
     # Images of at most 48 rows: the weight is split in row blocks, and gate and up rows of the
-    # silu_mul epilogue cross image boundaries at different columns.
+    # gate-up epilogues cross image boundaries at different columns.
     return Device(opencl_device.entry.index, limits=Limits(name="tiny-images", image2d_max_height=48))
 
 
-@pytest.mark.parametrize("epilogue", ["none", "bias", "silu_mul"])
+@pytest.mark.parametrize("epilogue", ["none", "bias", "silu_mul", "gelu_mul"])
 def test_image_row_blocks(small_image_device, rng, epilogue):
     device = small_image_device
     m, n = 9, 2 * 70
@@ -173,8 +175,9 @@ def test_errors_name_the_problem(device, rng):
         gemm(weight, x, y, 4, epilogue="gelu")
     with pytest.raises(PerfxError, match="without a bias"):
         gemm(weight, x, y, 4, epilogue="bias")
-    with pytest.raises(PerfxError, match="2·I rows, got N = 63"):
-        gemm(weight, x, y, 4, epilogue="silu_mul")
+    for epilogue in ("silu_mul", "gelu_mul"):
+        with pytest.raises(PerfxError, match="2·I rows, got N = 63"):
+            gemm(weight, x, y, 4, epilogue=epilogue)
     with pytest.raises(PerfxError, match="M must be a positive integer"):
         gemm(weight, x, y, 0)
     with pytest.raises(PerfxError, match="X holds 4096 bytes, less than the 5120"):

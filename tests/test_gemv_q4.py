@@ -20,7 +20,7 @@ READ_CODES = {name: code for code, name in READ_NAMES.items()}
 @pytest.mark.parametrize("index", range(len(SPEC.test_shapes)), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
 def test_every_candidate(device, rng, index):
     """Every candidate on the first shape; a pairwise-covering subset on the others (each other shape is a
-    different build: group size, epilogue, bias)."""
+    different build: group size, epilogue (SwiGLU, GeGLU), bias)."""
     shape = SPEC.test_shapes[index]
     assert len(SPEC.candidates(shape, device.caps)) >= 8
     assert_every_parameter_set(SPEC, device, shape, rng, cover=index > 0)
@@ -45,7 +45,7 @@ def test_shapes_cover_the_contract():
     assert {s["group"] for s in shapes} == {32, 64, 128}
     assert any(s["n"] % 8 and s["k"] % (64 * s["group"]) for s in shapes), "an off-grid shape"
     assert any(s.get("bias") and s.get("parts") for s in shapes), "a fused QKV with bias"
-    assert any(s.get("epilogue") == "silu_mul" for s in shapes), "a gate-up shape"
+    assert {s.get("epilogue") for s in shapes} >= {"silu_mul", "gelu_mul"}, "gate-up with each activation"
 
 
 def test_detects_wrong_answers(device, rng):
@@ -86,11 +86,14 @@ def test_image_split(small_image_device, rng, params):
     gemv(weight, xd, y).wait()
     assert relative_error(y.get(), full) <= SPEC.tolerance
 
-    y = device.poisoned(500, np.float32)
-    events = gemv.events(weight, xd, y, "silu_mul")
-    assert len(events) > 2  # gate rows 0..499 over images 0-1, up rows 500..999 over images 1-3
-    events[-1].wait()
-    assert relative_error(y.get(), reference.swiglu(full[:500], full[500:])) <= SPEC.tolerance
+    for epilogue, act, other in (("silu_mul", reference.swiglu, reference.geglu),
+                                 ("gelu_mul", reference.geglu, reference.swiglu)):
+        y = device.poisoned(500, np.float32)
+        events = gemv.events(weight, xd, y, epilogue)
+        assert len(events) > 2  # gate rows 0..499 over images 0-1, up rows 500..999 over images 1-3
+        events[-1].wait()
+        assert relative_error(y.get(), act(full[:500], full[500:])) <= SPEC.tolerance, epilogue
+        assert relative_error(y.get(), other(full[:500], full[500:])) > 100 * SPEC.tolerance, "its activation"
 
 
 def test_fused_qkv_slices_match_separate_products(device, rng):
@@ -139,11 +142,14 @@ def test_errors(device, rng):
     with pytest.raises(PerfxError, match="without the 'buffer' read path"):
         GemvQ4(device, {"READ": 0})(image_only, x, y)
     gemv = GemvQ4(device)
-    with pytest.raises(PerfxError, match="odd"):
-        _, _, odd = _random_weight(device, rng, 9, 64, 32)
-        gemv(odd, x, y, "silu_mul")
-    with pytest.raises(PerfxError, match="epilogue"):
+    _, _, odd = _random_weight(device, rng, 9, 64, 32)
+    for epilogue in ("silu_mul", "gelu_mul"):
+        with pytest.raises(PerfxError, match=f"{epilogue} needs gate and up rows of equal count.*N = 9 .odd"):
+            gemv(odd, x, y, epilogue)
+    with pytest.raises(PerfxError, match="unknown epilogue 'gelu'; choose one of none, silu_mul, gelu_mul"):
         gemv(buffer_only, x, y, "gelu")
+    with pytest.raises(PerfxError, match="unknown epilogue 'bias'"):   # 'none' adds a weight's bias
+        gemv(buffer_only, x, y, "bias")
     with pytest.raises(PerfxError, match="x holds 128 bytes"):
         gemv(buffer_only, device.empty(32, np.float32), y)
     with pytest.raises(PerfxError, match="y holds"):

@@ -30,9 +30,10 @@ def test_shapes_cover_the_contract():
     gemv = SPECS["gemv_q8"].test_shapes
     assert {s["group"] for s in gemv} == {16, 32} and {s["f32"] for s in gemv} == {False, True}
     assert any(s.get("bias") and s.get("parts") for s in gemv), "a fused QKV with bias"
-    assert any(s.get("epilogue") == "silu_mul" and s.get("block_bytes") for s in gemv), "gate-up over blocks"
+    for epilogue in ("silu_mul", "gelu_mul"):
+        assert any(s.get("epilogue") == epilogue and s.get("block_bytes") for s in gemv), f"{epilogue}, blocks"
     gemm = SPECS["gemm_q8"].test_shapes
-    assert {s["epilogue"] for s in gemm} == {"none", "bias", "silu_mul"}
+    assert {s["epilogue"] for s in gemm} == {"none", "bias", "silu_mul", "gelu_mul"}
 
 
 def test_detects_wrong_answers(device, rng):
@@ -77,8 +78,11 @@ def test_errors_name_what_is_wrong(device, rng):
     q8 = Q8Matrix.random(7, 64, 32, rng)
     weight = Q8DeviceWeight.upload(device, q8)
     x, y = device.upload(np.ones(64, np.float32)), device.empty(7, np.float32)
-    with pytest.raises(PerfxError, match="silu_mul needs gate and up rows of equal count.*N = 7"):
-        GemvQ8(device)(weight, x, y, "silu_mul")
+    for epilogue in ("silu_mul", "gelu_mul"):
+        with pytest.raises(PerfxError, match=f"{epilogue} needs gate and up rows of equal count.*N = 7"):
+            GemvQ8(device)(weight, x, y, epilogue)
+        with pytest.raises(PerfxError, match=f"gemm_q8: {epilogue} needs gate and up rows.*N = 7"):
+            GemmQ8(device)(weight, x, device.empty((1, 7), np.float32), 1, epilogue)
     with pytest.raises(PerfxError, match=r"gemv_q8: parameters .*ROWS.*cannot run on"):
         GemvQ8(device, {"LANES": 16, "ROWS": 3})
     with pytest.raises(PerfxError, match="epilogue 'bias' on a weight uploaded without a bias"):

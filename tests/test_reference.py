@@ -17,6 +17,32 @@ def test_rmsnorm_residual_matches_a_loop(rng):
     np.testing.assert_allclose(y, [hh[i] / rms * g[i] for i in range(7)], rtol=1e-13)
 
 
+def test_rmsnorm_post_residual_matches_a_loop(rng):
+    p, x, gp, gn = (rng.standard_normal(7) for _ in range(4))
+    h, y = ref.rmsnorm_post_residual(p, x, gp, gn, eps=1e-6)
+    rms_p = math.sqrt(sum(v * v for v in p) / 7 + 1e-6)
+    hh = [x[i] + p[i] / rms_p * gp[i] for i in range(7)]
+    rms_h = math.sqrt(sum(v * v for v in hh) / 7 + 1e-6)
+    np.testing.assert_allclose(h, hh, rtol=1e-13)
+    np.testing.assert_allclose(y, [hh[i] / rms_h * gn[i] for i in range(7)], rtol=1e-13)
+
+
+def test_gelu_tanh_geglu_and_softcap(rng):
+    g, u = rng.standard_normal(6) * 3, rng.standard_normal(6)
+    loop = [0.5 * v * (1 + math.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v ** 3))) for v in g]
+    np.testing.assert_allclose(ref.gelu_tanh(g), loop, rtol=1e-13)
+    np.testing.assert_allclose(ref.geglu(g, u), [loop[i] * u[i] for i in range(6)], rtol=1e-13)
+    # within 1e-3 of the exact GELU, x·Φ(x) (the approximation's known accuracy), and not SiLU
+    exact = [v * 0.5 * (1 + math.erf(v / math.sqrt(2))) for v in g]
+    np.testing.assert_allclose(ref.gelu_tanh(g), exact, atol=1e-3)
+    assert np.max(np.abs(ref.gelu_tanh(g) - ref.silu(g))) > 1e-2
+    # float32's extremes: the tails are x and 0, never inf or NaN
+    x = np.array([-3.4e38, -1e20, -30.0, 30.0, 1e20, 3.4e38], np.float32)
+    np.testing.assert_allclose(ref.gelu_tanh(x), [0, 0, 0, 30, 1e20, 3.4e38], rtol=1e-7)
+    np.testing.assert_allclose(ref.softcap([-1e6, -3.0, 0.0, 30.0, 1e6], 30.0),
+                               [-30.0, 30 * math.tanh(-0.1), 0.0, 30 * math.tanh(1.0), 30.0], rtol=1e-15)
+
+
 def test_gemv_and_gemm_match_loops(rng):
     w, x, b = rng.standard_normal((5, 3)), rng.standard_normal((4, 3)), rng.standard_normal(5)
     loop = [[sum(x[m, k] * w[n, k] for k in range(3)) + b[n] for n in range(5)] for m in range(4)]

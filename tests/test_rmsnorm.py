@@ -1,5 +1,5 @@
-"""rmsnorm (fused residual + RMSNorm, and plain): every test shape at the defaults and every candidate,
-and the error paths."""
+"""rmsnorm (fused residual + RMSNorm, plain, and Gemma's post-norm + residual + RMSNorm): every test shape at
+the defaults and every candidate, and the error paths."""
 
 import numpy as np
 import pytest
@@ -32,6 +32,25 @@ def test_eps_and_residual_matter(device, rng):
     assert relative_error(y.get(), reference.rmsnorm(x, gamma, eps)) > SPEC.tolerance
 
 
+def test_post_residual_eps_and_each_gamma_matter(device, rng):
+    """Both norms use eps, γ_post scales p before the add and γ_next the output: a kernel that skipped the
+    post norm, swapped the two γ or ignored eps would fail. Rows of several work-groups' worth (K = 3000)."""
+    rows, dim, eps = 2, 3000, 1e-2
+    p = rng.standard_normal((rows, dim)).astype(np.float32) * 0.05   # small: eps changes the post norm
+    x = rng.standard_normal((rows, dim)).astype(np.float32) * 0.05
+    post, after = (rng.uniform(0.5, 1.5, dim).astype(np.float32) for _ in range(2))
+    x_d, y = device.upload(x), device.poisoned((rows, dim), np.float32)
+    p_d, post_d, after_d = device.upload(p), device.upload(post), device.upload(after)
+    RMSNorm(device).post_residual(p_d, x_d, post_d, after_d, y, rows, dim, eps).wait()
+    h, want = reference.rmsnorm_post_residual(p, x, post, after, eps)
+    assert relative_error(x_d.get(), h) <= SPEC.tolerance
+    assert relative_error(y.get(), want) <= SPEC.tolerance
+    for wrong in (reference.rmsnorm_post_residual(p, x, post, after, EPS),   # eps ignored
+                  reference.rmsnorm_post_residual(p, x, after, post, eps),   # γ swapped
+                  reference.rmsnorm_residual(p, x, after, eps)):             # no post norm
+        assert relative_error(y.get(), wrong[1]) > SPEC.tolerance
+
+
 def test_poisoned_output_is_detected(device, rng):
     case = SPEC.make_case(device, SPEC.test_shapes[1], rng)
     y = case.run(SPEC.defaults())["y"]
@@ -49,5 +68,10 @@ def test_errors(device):
         norm.plain(x, gamma, y, 1, 128, 1e-5)
     with pytest.raises(PerfxError, match="residual holds"):
         norm.residual(x, device.empty(64, np.float32), gamma, y, 2, 64, 1e-5)
+    with pytest.raises(PerfxError, match="next_gamma holds 128 bytes where 256"):
+        norm.post_residual(x, y, gamma, device.empty(32, np.float32), device.empty((2, 64), np.float32), 2, 64,
+                           1e-5)
+    with pytest.raises(PerfxError, match="dim = 0"):
+        norm.post_residual(x, y, gamma, gamma, x, 1, 0, 1e-5)
     with pytest.raises(PerfxError, match="is not one of"):
         RMSNorm(device, {"WGS": 96})

@@ -1,5 +1,6 @@
-"""Small ops (embedding_f16, embedding_q4, argmax, swiglu): every test shape at the defaults and every
-candidate, the edge behaviours (bad ids, NaN, ties, split tables, in-place) and the error paths."""
+"""Small ops (embedding_f16, embedding_q4, argmax, swiglu, geglu, softcap): every test shape at the defaults
+and every candidate, the edge behaviours (bad ids, NaN, ties, split tables, in-place, extreme inputs, row
+scales) and the error paths."""
 
 import numpy as np
 import pytest
@@ -10,13 +11,14 @@ from perfx.errors import PerfxError
 from perfx.formats import Q4Matrix
 from perfx.ops.gemv_f16 import F16DeviceWeight
 from perfx.ops.q4_weight import Q4DeviceWeight
-from perfx.ops.small_ops import Argmax, Embedding, SwiGLU
+from perfx.ops.small_ops import Argmax, Embedding, GeGLU, Softcap, SwiGLU
 from perfx.runtime import Device, Limits
 from perfx.tuning import relative_error
-from perfx.tuning.small_ops import ARGMAX, EMBEDDING_F16, EMBEDDING_Q4, SWIGLU
+from perfx.tuning.small_ops import ARGMAX, EMBEDDING_F16, EMBEDDING_Q4, GEGLU, SOFTCAP, SWIGLU
 
 
-ALL_SHAPES = [(spec, shape) for spec in (EMBEDDING_F16, EMBEDDING_Q4, ARGMAX, SWIGLU) for shape in spec.test_shapes]
+ALL_SHAPES = [(spec, shape) for spec in (EMBEDDING_F16, EMBEDDING_Q4, ARGMAX, SWIGLU, GEGLU, SOFTCAP)
+              for shape in spec.test_shapes]
 
 
 @pytest.mark.parametrize("spec, shape", ALL_SHAPES,
@@ -83,12 +85,69 @@ def test_argmax_ties_across_work_groups_and_no_allocation(device, rng):
     assert device.allocated_bytes == before
 
 
-def test_swiglu_in_place(device, rng):
+GATED = pytest.mark.parametrize("op, answer", [(SwiGLU, reference.swiglu), (GeGLU, reference.geglu)],
+                                ids=["swiglu", "geglu"])
+
+
+@GATED
+def test_gated_activation_in_place(device, rng, op, answer):
     gate = rng.standard_normal(1001).astype(np.float32) * 4
     up = rng.standard_normal(1001).astype(np.float32)
     gate_d = device.upload(gate)
-    SwiGLU(device)(gate_d, device.upload(up), gate_d, 1001).wait()
-    assert relative_error(gate_d.get(), reference.swiglu(gate, up)) <= 1e-5
+    op(device)(gate_d, device.upload(up), gate_d, 1001).wait()
+    assert relative_error(gate_d.get(), answer(gate, up)) <= 1e-5
+
+
+# Where exp and tanh saturate, and where GELU's x³ (and x²) overflow float32: every output must still be the
+# float64 answer (the tails x and 0), never inf or NaN.
+EXTREMES = np.array([-3.4e38, -1e20, -1e10, -1e4, -88.0, -30.0, -10.0, -5.0, -1e-30, 0.0, 1e-30, 5.0, 10.0,
+                     30.0, 88.0, 1e4, 1e10, 1e20, 3.4e38], np.float32)
+
+
+@pytest.mark.parametrize("params", [{"VW4": 4}, {"VW4": 1}], ids=["VW4=4", "VW4=1"])
+@GATED
+def test_gated_activation_at_extreme_inputs(device, op, answer, params):
+    """Element by element, not against max|out|: the huge tails would hide an error at the others. The bound
+    is a few ulp of each answer, plus |gate·up|·1e-6 where 1 + tanh(·) (GELU, gate ≪ 0) cancels in fp32."""
+    gate = np.concatenate([EXTREMES, -EXTREMES[::-1]])
+    up = np.where(np.arange(gate.size) % 2, 0.5, -1.0).astype(np.float32)
+    out = device.poisoned(gate.size, np.float32)
+    op(device, params)(device.upload(gate), device.upload(up), out, gate.size).wait()
+    got, want = out.get().astype(np.float64), answer(gate, up)
+    assert np.isfinite(got).all() and np.isfinite(want).all()
+    bound = 1e-6 * np.abs(want) + 1e-6 * np.abs(reference.f64(gate) * up) * (gate < 0) + 1e-37
+    bad = np.abs(got - want) > bound
+    assert not bad.any(), list(zip(gate[bad], got[bad], want[bad]))
+
+
+def test_softcap_at_extreme_inputs(device):
+    x = np.concatenate([EXTREMES, [np.inf, -np.inf]]).astype(np.float32)
+    x_d = device.upload(x)
+    Softcap(device)(x_d, x.size, 30.0).wait()
+    want = reference.softcap(x, 30.0)
+    np.testing.assert_allclose(x_d.get(), want, rtol=1e-6, atol=1e-37)
+    assert np.abs(x_d.get()).max() <= 30.0
+
+
+def test_embedding_scale_multiplies_each_row(device, rng):
+    """scale (Gemma's √hidden) on every gather: fp16 and int4 tables, the default 1 leaving the copy exact."""
+    w = rng.standard_normal((30, 100)).astype(np.float16)
+    q4 = Q4Matrix.random(30, 128, 32, rng)
+    ids = device.upload(np.array([29, 0, 7], np.int32))
+    table = F16DeviceWeight.upload(device, w)
+    q4_table = Q4DeviceWeight.upload(device, q4, read_paths=("buffer",))
+    embed = Embedding(device)
+    for scale in (1.0, 10.0 ** 0.5):
+        out = device.poisoned((3, 100), np.float32)
+        embed.f16(table, ids, out, 3, scale)[-1].wait()
+        np.testing.assert_allclose(out.get(), w[[29, 0, 7]].astype(np.float64) * np.float32(scale), rtol=1e-7)
+        out = device.poisoned((3, 128), np.float32)
+        embed.q4(q4_table, ids, out, 3, scale).wait()
+        np.testing.assert_allclose(out.get(), q4.dequantize()[[29, 0, 7]] * np.float32(scale), rtol=2e-7,
+                                   atol=1e-7 * scale)
+    out = device.poisoned((3, 100), np.float32)
+    embed.f16(table, ids, out, 3)[-1].wait()   # the default scale, 1: still an exact copy
+    np.testing.assert_array_equal(out.get(), w[[29, 0, 7]].astype(np.float32))
 
 
 def test_wrong_answers_are_detected(device, rng):
@@ -115,3 +174,9 @@ def test_errors(device):
         Embedding(device, {"WGS9": 64})
     with pytest.raises(PerfxError, match="is not one of"):
         SwiGLU(device, {"VW4": 2})
+    with pytest.raises(PerfxError, match="geglu up holds"):
+        GeGLU(device)(x, device.empty(10, np.float32), x, 100)
+    with pytest.raises(PerfxError, match="softcap: cap = 0.0 must be positive"):
+        Softcap(device)(x, 100, 0.0)
+    with pytest.raises(PerfxError, match="softcap x holds 400 bytes where 404"):
+        Softcap(device)(x, 101, 30.0)

@@ -2,6 +2,7 @@
 
 import argparse
 import builtins
+import copy
 import json
 
 import pytest
@@ -151,6 +152,26 @@ def test_problems_of_a_model_fit_the_specs(name):
         qkv = next(p for p in problems if p.family == "gemv_q4" and p.label == "qkv")
         assert qkv.shape["n"] == config.qkv_dim and qkv.per_token == config.n_layers
     assert all(isinstance(note, str) for note in notes)
+
+
+def test_a_gelu_mlp_tunes_the_geglu_epilogue_and_op():
+    """A config whose ffn_activation is "gelu" (Gemma) runs its gate-up with gelu_mul, on every path, and the
+    unfused GeGLU; without the field it is SwiGLU; an activation perfx has not is an error."""
+    config = copy.copy(SYNTHETIC_MODELS["smollm2-135m"][0])
+    assert not hasattr(config, "ffn_activation")
+    silu, _ = model_problems(config, specs())
+    config.ffn_activation = "gelu"
+    gelu, _ = model_problems(config, specs())
+    for problems, epilogue, glu in ((silu, "silu_mul", "swiglu"), (gelu, "gelu_mul", "geglu")):
+        gate_up = [p for p in problems if p.label == "gate_up"]
+        assert gate_up and {p.shape["epilogue"] for p in gate_up} == {epilogue}
+        assert {p.family for p in gate_up} >= {"gemv_q4", "gemm_q4_skinny", "gemm_q4_tiled"}
+        assert {p.family for p in problems} & {"swiglu", "geglu"} == {glu}
+        for problem in problems:
+            assert _fits(SPECS[problem.family], problem.shape) is None
+    config.ffn_activation = "relu2"
+    with pytest.raises(PerfxError, match="FFN activation 'relu2' has no fused gate-up epilogue"):
+        model_problems(config, specs())
 
 
 def test_problems_skip_a_family_whose_shapes_have_other_keys():

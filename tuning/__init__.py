@@ -16,7 +16,7 @@ SPECS: dict[str, Spec] = {spec.family: spec for spec in (
     gemv_q4.SPEC, gemv_f16.SPEC, gemm_q4.SKINNY, gemm_q4.TILED, gemm_q4.F16, rmsnorm.SPEC,
     attention_decode.SPEC,
     attention_prefill.SPEC, small_ops.EMBEDDING_F16, small_ops.EMBEDDING_Q4, small_ops.ARGMAX, small_ops.SWIGLU,
-    gemv_q8.SPEC, gemm_q8.SPEC, embedding_q8.SPEC)}
+    small_ops.GEGLU, small_ops.SOFTCAP, gemv_q8.SPEC, gemm_q8.SPEC, embedding_q8.SPEC)}
 
 
 def select_specs(names: str | None) -> dict[str, Spec]:

@@ -1,7 +1,7 @@
 """Tuning spec of embedding_q8, the gather from an int8 table (a tied embedding is the int8 lm_head).
 
 Shape: n (table rows), k, group, f32, m (ids gathered), optional block_bytes (forces the table's split
-into row blocks).
+into row blocks) and scale (each row times it, Gemma's √hidden; default 1).
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ def make_case(device, shape, rng) -> Case:
     ids_d = device.upload(ids)
     out = device.poisoned((m, k), np.float32)
     gather = cached_per_params(lambda params: EmbeddingQ8(device, params))
+    scale = float(np.float32(shape.get("scale", 1.0)))   # as the kernel receives it
 
     def launch(params):
-        return gather(params)(table, ids_d, out, m)
+        return gather(params)(table, ids_d, out, m, scale)
 
     def run(params):
         out.fill(np.float32(np.nan))
@@ -35,7 +36,8 @@ def make_case(device, shape, rng) -> Case:
             event.wait()
         return {"out": out.get()}
 
-    return Case(expected={"out": reference.f64(q8.rows(0, n).dequantize()[ids])}, run=run, launch=launch)
+    expected = reference.f64(q8.rows(0, n).dequantize()[ids]) * scale
+    return Case(expected={"out": expected}, run=run, launch=launch)
 
 
 SPEC = Spec(
@@ -43,10 +45,10 @@ SPEC = Spec(
     make_case=make_case,
     tolerance=1e-6,
     tolerance_why=("w = s·q + m: s·q is exact in fp32 (≤ 19 significant bits) and the add rounds once, 2⁻²⁴ of "
-                   "|w|; one wrong code or group is ≥ s, about 1/255 of the row's range"),
+                   "|w|, the scale once more; one wrong code or group is ≥ s, about 1/255 of the row's range"),
     test_shapes=(
         {"n": 300, "k": 4160, "group": 32, "f32": False, "m": 4},   # 520 chunks a row: off the work-group grid
-        {"n": 40, "k": 576, "group": 16, "f32": True, "m": 3, "block_bytes": 9 * 576},
+        {"n": 40, "k": 576, "group": 16, "f32": True, "m": 3, "block_bytes": 9 * 576, "scale": 24.0},
         {"n": 17, "k": 256, "group": 32, "f32": False, "m": 2},
     ),
     bytes_moved=lambda s: s["m"] * (s["k"] + (8 if s.get("f32") else 4) * (s["k"] // s["group"]) + 4 * s["k"] + 4),

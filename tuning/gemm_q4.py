@@ -1,7 +1,8 @@
 """Tuning specs of the prefill int4 GEMM: ``gemm_q4_skinny`` (small M), ``gemm_q4_tiled`` (large M) and
 ``gemm_q4_f16`` (fp16 register tiles, where the device has cl_khr_fp16).
 
-A shape is {"m", "n" (weight rows: 2·I for silu_mul), "k", "group", "epilogue"}.
+A shape is {"m", "n" (weight rows: 2·I for a gate-up epilogue), "k", "group", "epilogue" ("none" | "bias" |
+"silu_mul" | "gelu_mul")}.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ import numpy as np
 from perfx import reference
 from perfx.formats import Q4Matrix
 from perfx.ops import gemm_q4
+from perfx.ops.epilogue import output_rows
 from perfx.ops.gemm_q4 import GemmQ4
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.tuning.gemv_q4 import read_paths
-from perfx.tuning.spec import Case, Spec, cached_per_params
+from perfx.tuning.spec import Case, Spec, cached_per_params, epilogue_reference
 
 TOLERANCE = 1e-4
 TOLERANCE_WHY = (
@@ -27,7 +29,7 @@ TOLERANCE_WHY = (
 
 
 def output_columns(shape) -> int:
-    return shape["n"] // 2 if shape.get("epilogue") == "silu_mul" else shape["n"]
+    return output_rows(shape["n"], shape.get("epilogue"))
 
 
 def bytes_moved(shape) -> int:
@@ -43,11 +45,8 @@ def flops(shape) -> int:
 
 def expected_output(x, q4: Q4Matrix, bias, epilogue: str) -> np.ndarray:
     """The float64 reference of every epilogue."""
-    w = q4.dequantize()
-    if epilogue == "silu_mul":
-        half = w.shape[0] // 2
-        return reference.swiglu(reference.gemm(x, w[:half]), reference.gemm(x, w[half:]))
-    return reference.gemm(x, w, bias if epilogue == "bias" else None)
+    product = reference.gemm(x, q4.dequantize(), bias if epilogue == "bias" else None)
+    return epilogue_reference(epilogue, product)
 
 
 def _case_maker(kind: str):
@@ -91,6 +90,7 @@ SKINNY = Spec(
     test_shapes=(
         {"m": 33, "n": 2 * 60, "k": 352, "group": 32, "epilogue": "silu_mul"},
         {"m": 7, "n": 100, "k": 384, "group": 128, "epilogue": "bias"},
+        {"m": 9, "n": 2 * 50, "k": 320, "group": 64, "epilogue": "gelu_mul"},
     ),
     bytes_moved=bytes_moved,
     flops=flops,
@@ -106,6 +106,7 @@ TILED = Spec(
     test_shapes=(
         {"m": 70, "n": 2 * 100, "k": 608, "group": 32, "epilogue": "silu_mul"},
         {"m": 33, "n": 100, "k": 384, "group": 128, "epilogue": "bias"},
+        {"m": 37, "n": 2 * 70, "k": 320, "group": 64, "epilogue": "gelu_mul"},
     ),
     bytes_moved=bytes_moved,
     flops=flops,
@@ -128,6 +129,7 @@ F16 = Spec(
     test_shapes=(
         {"m": 33, "n": 2 * 60, "k": 352, "group": 32, "epilogue": "silu_mul"},
         {"m": 7, "n": 100, "k": 384, "group": 128, "epilogue": "bias"},
+        {"m": 9, "n": 2 * 50, "k": 320, "group": 64, "epilogue": "gelu_mul"},
     ),
     bytes_moved=bytes_moved,
     flops=flops,

@@ -1,6 +1,7 @@
 """Tuning spec of gemm_q8, the prefill int8 GEMM (and the lm_head over many positions).
 
-A shape is {"m", "n" (weight rows: 2·I for silu_mul), "k", "group", "f32", "epilogue"}, optionally
+A shape is {"m", "n" (weight rows: 2·I for a gate-up epilogue), "k", "group", "f32", "epilogue" ("none" |
+"bias" | "silu_mul" | "gelu_mul")}, optionally
 "block_bytes" (the most code bytes per row block, forcing the split a large vocabulary needs on a phone).
 """
 
@@ -10,14 +11,15 @@ import numpy as np
 
 from perfx import reference
 from perfx.ops import gemm_q8
+from perfx.ops.epilogue import output_rows
 from perfx.ops.gemm_q8 import GemmQ8
 from perfx.ops.q8_weight import Q8DeviceWeight
 from perfx.tuning.gemv_q8 import random_weight
-from perfx.tuning.spec import Case, Spec, cached_per_params
+from perfx.tuning.spec import Case, Spec, cached_per_params, epilogue_reference
 
 
 def output_columns(shape) -> int:
-    return shape["n"] // 2 if shape.get("epilogue") == "silu_mul" else shape["n"]
+    return output_rows(shape["n"], shape.get("epilogue"))
 
 
 def bytes_moved(shape) -> int:
@@ -37,11 +39,7 @@ def make_case(device, shape, rng) -> Case:
     x_host = rng.standard_normal((m, k)).astype(np.float32)
     x = device.upload(x_host)
     y = device.poisoned((m, output_columns(shape)), np.float32)
-    w = q8.dequantize()
-    if epilogue == "silu_mul":
-        expected = reference.swiglu(reference.gemm(x_host, w[: n // 2]), reference.gemm(x_host, w[n // 2:]))
-    else:
-        expected = reference.gemm(x_host, w, bias)
+    expected = epilogue_reference(epilogue, reference.gemm(x_host, q8.dequantize(), bias))
     wrapper = cached_per_params(lambda params: GemmQ8(device, params, shape))
 
     def launch(params):
@@ -72,6 +70,8 @@ SPEC = Spec(
         {"m": 33, "n": 2 * 60, "k": 352, "group": 16, "f32": True, "epilogue": "silu_mul", "block_bytes": 50 * 352},
         {"m": 7, "n": 100, "k": 384, "group": 32, "f32": False, "epilogue": "bias"},
         {"m": 5, "n": 37, "k": 576, "group": 32, "f32": False, "epilogue": "none", "block_bytes": 10 * 576},
+        {"m": 9, "n": 2 * 50, "k": 320, "group": 32, "f32": False, "epilogue": "gelu_mul",
+         "block_bytes": 30 * 320},
     ),
     bytes_moved=bytes_moved,
     flops=lambda shape: 2 * shape["m"] * shape["n"] * shape["k"],

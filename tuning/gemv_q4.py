@@ -1,7 +1,8 @@
-"""Tuning spec of gemv_q4: the decode-path int4 GEMV (plain, fused QKV with bias, gate-up SiLU·mul).
+"""Tuning spec of gemv_q4: the decode-path int4 GEMV (plain, fused QKV with bias, gate-up SiLU·mul or
+GELU·mul).
 
-A shape is a dict: ``n`` rows of W (for ``silu_mul``: 2·I, gate rows then up rows), ``k``, ``group``,
-``epilogue`` ("none" | "silu_mul"), ``bias`` (bool), optionally ``parts`` (row counts of matrices
+A shape is a dict: ``n`` rows of W (gate-up: 2·I, gate rows then up rows), ``k``, ``group``,
+``epilogue`` ("none" | "silu_mul" | "gelu_mul"), ``bias`` (bool), optionally ``parts`` (row counts of matrices
 fused along N, e.g. QKV) and ``copies`` (weights to rotate between, for timing).
 """
 
@@ -11,9 +12,10 @@ import numpy as np
 
 from perfx import reference
 from perfx.formats import Q4Matrix
+from perfx.ops.epilogue import output_rows
 from perfx.ops.gemv_q4 import PARAMS, GemvQ4
 from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight, available_paths, image2d_fits
-from perfx.tuning.spec import Case, Spec, cached_per_params, rotating_case
+from perfx.tuning.spec import Case, Spec, cached_per_params, epilogue_reference, rotating_case
 
 
 def activations(rng, k: int) -> np.ndarray:
@@ -25,7 +27,7 @@ def activations(rng, k: int) -> np.ndarray:
 
 
 def _outputs(shape) -> int:
-    return shape["n"] // 2 if shape.get("epilogue", "none") == "silu_mul" else shape["n"]
+    return output_rows(shape["n"], shape.get("epilogue"))
 
 
 def _bytes_moved(shape) -> int:
@@ -61,7 +63,7 @@ def make_case(device, shape, rng) -> Case:
     full = np.concatenate([reference.gemv(q4.rows(i, min(i + 2048, n)).dequantize(), x.get())
                            for i in range(0, n, 2048)])
     full = full if bias is None else full + bias
-    expected = reference.swiglu(full[:m], full[m:]) if epilogue == "silu_mul" else full
+    expected = epilogue_reference(epilogue, full)
 
     wrapper = cached_per_params(lambda params: GemvQ4(device, params, shape))
     # The copies in each layout, uploaded when a candidate of that layout first runs.
@@ -101,13 +103,14 @@ SPEC = Spec(
             "code it does not see, so test_gemv_q4 also checks I8 against the product of the quantized x at "
             "the fp32 tolerance")),
     },
-    # Three build variants (G and epilogue are defines), each swept over every candidate by the tests:
-    # the brief's N = 1000, K = 4160 (65 groups of 64); a fused QKV with bias; an off-grid gate-up.
+    # Build variants (G and epilogue are defines): N = 1000, K = 4160 (65 groups of 64); a fused QKV with
+    # bias; an off-grid matrix; an off-grid gate-up with each activation (SwiGLU, GeGLU).
     test_shapes=(
         {"n": 1000, "k": 4160, "group": 64, "epilogue": "none", "bias": False},
         {"n": 960, "k": 576, "group": 32, "epilogue": "none", "bias": True, "parts": (576, 192, 192)},
         {"n": 37, "k": 576, "group": 32, "epilogue": "none", "bias": False},
         {"n": 2 * 203, "k": 640, "group": 128, "epilogue": "silu_mul", "bias": False},
+        {"n": 2 * 75, "k": 576, "group": 64, "epilogue": "gelu_mul", "bias": False},
     ),
     bytes_moved=_bytes_moved,
     flops=lambda shape: 2 * shape["n"] * shape["k"],

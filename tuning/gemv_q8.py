@@ -1,7 +1,8 @@
-"""Tuning spec of gemv_q8: the decode-path int8 GEMV (plain, fused QKV with bias, gate-up SiLU·mul, lm_head).
+"""Tuning spec of gemv_q8: the decode-path int8 GEMV (plain, fused QKV with bias, gate-up SiLU·mul or
+GELU·mul, lm_head).
 
-A shape is a dict: ``n`` rows of W (for ``silu_mul``: 2·I, gate rows then up rows), ``k``, ``group``
-(16 or 32), ``f32`` (float32 (s, m) pairs, as Q5_K and Q6_K need), ``epilogue`` ("none" | "silu_mul"),
+A shape is a dict: ``n`` rows of W (gate-up: 2·I, gate rows then up rows), ``k``, ``group`` (16 or 32),
+``f32`` (float32 (s, m) pairs, as Q5_K and Q6_K need), ``epilogue`` ("none" | "silu_mul" | "gelu_mul"),
 ``bias`` (bool), optionally ``parts`` (row counts of matrices fused along N, e.g. QKV), ``block_bytes``
 (the most code bytes per row block, to force the split a large vocabulary needs on a phone) and
 ``copies`` (weights to rotate between, for timing).
@@ -13,13 +14,14 @@ import numpy as np
 
 from perfx import reference
 from perfx.formats import Q8Matrix
+from perfx.ops.epilogue import output_rows
 from perfx.ops.gemv_q8 import PARAMS, GemvQ8
 from perfx.ops.q8_weight import Q8DeviceWeight
-from perfx.tuning.spec import Case, Spec, cached_per_params, rotating_case
+from perfx.tuning.spec import Case, Spec, cached_per_params, epilogue_reference, rotating_case
 
 
 def _outputs(shape) -> int:
-    return shape["n"] // 2 if shape.get("epilogue", "none") == "silu_mul" else shape["n"]
+    return output_rows(shape["n"], shape.get("epilogue"))
 
 
 def bytes_moved(shape) -> int:
@@ -53,7 +55,7 @@ def make_case(device, shape, rng) -> Case:
     full = np.concatenate([reference.gemv(q8.rows(i, min(i + 2048, n)).dequantize(), x.get())
                            for i in range(0, n, 2048)])
     full = full if bias is None else full + bias
-    expected = reference.swiglu(full[:m], full[m:]) if epilogue == "silu_mul" else full
+    expected = epilogue_reference(epilogue, full)
 
     wrapper = cached_per_params(lambda params: GemvQ8(device, params, shape))
     return rotating_case(expected, y, len(copies),
@@ -70,15 +72,17 @@ SPEC = Spec(
         "lanes; the rounding is a few 1e-6 of Σ|w·x|, which is ~10–30× max|y| for random signs, so 1e-4 of "
         "max|y| leaves margin (≤ 5e-7 measured on PoCL), while one code off by one (|Δw| = s ≈ 1.6e-4 "
         "times |x| ~ 3, against max|y| ~ 0.5) or a missing group or block is far above it"),
-    # Four build variants (G, pair precision and epilogue are defines), each swept over every candidate by
-    # the tests: a large off-grid matrix; a fused QKV with bias and float32 pairs at G = 16; a small
-    # matrix over 4 row blocks; a gate-up whose gate and up rows cross block boundaries at different rows.
+    # Build variants (G, pair precision and epilogue are defines), each swept over every candidate by the
+    # tests: a large off-grid matrix; a fused QKV with bias and float32 pairs at G = 16; a small matrix over 4
+    # row blocks; a SwiGLU and a GeGLU gate-up whose gate and up rows cross block boundaries at other rows.
     test_shapes=(
         {"n": 1000, "k": 4160, "group": 32, "f32": False, "epilogue": "none", "bias": False},
         {"n": 960, "k": 576, "group": 16, "f32": True, "epilogue": "none", "bias": True, "parts": (576, 192, 192)},
         {"n": 37, "k": 576, "group": 32, "f32": False, "epilogue": "none", "bias": True, "block_bytes": 10 * 576},
         {"n": 2 * 203, "k": 640, "group": 16, "f32": True, "epilogue": "silu_mul", "bias": False,
          "block_bytes": 150 * 640},
+        {"n": 2 * 75, "k": 384, "group": 32, "f32": False, "epilogue": "gelu_mul", "bias": False,
+         "block_bytes": 40 * 384},
     ),
     bytes_moved=bytes_moved,
     flops=lambda shape: 2 * shape["n"] * shape["k"],

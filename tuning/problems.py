@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from perfx.ops.epilogue import gate_up_epilogue
 from perfx.sources import open_named
 from perfx.sources.base import Form
 from perfx.tuning.database import M_BUCKETS, bucket_representative
@@ -35,13 +36,18 @@ def _group(k: int, fixed: int | None = None) -> int | None:
     return next((g for g in (128, 64, 32) if k % g == 0), None)
 
 
+def ffn_activation(config) -> str:
+    """The MLP's activation: "silu" (SwiGLU) unless the config names another ("gelu": Gemma's GeGLU)."""
+    return getattr(config, "ffn_activation", "silu")
+
+
 def _linears(config) -> list[tuple[str, int, int, str, bool]]:
     """(label, N, K, epilogue, bias) of each int4 matrix of a layer, fused the way the loader fuses them."""
     c = config
     return [
         ("qkv", c.q_dim + 2 * c.kv_dim, c.hidden_size, "none", bool(c.qkv_bias)),
         ("o", c.hidden_size, c.q_dim, "none", False),
-        ("gate_up", 2 * c.intermediate_size, c.hidden_size, "silu_mul", False),
+        ("gate_up", 2 * c.intermediate_size, c.hidden_size, gate_up_epilogue(ffn_activation(c)), False),
         ("down", c.hidden_size, c.intermediate_size, "none", False),
     ]
 
@@ -120,7 +126,8 @@ def _decode(config, fixed: int | None, forms: dict | None = None) -> list[Proble
     for form in _table_forms(c, "embedding", fixed, forms):
         out.append(Problem(*embedding_shape(form, c.vocab_size, c.hidden_size, 1), "embedding"))
     out.append(Problem("argmax", {"n": c.vocab_size}, "greedy sampling"))
-    out.append(Problem("swiglu", {"count": c.intermediate_size}, "swiglu (unfused)", c.n_layers))
+    glu = "geglu" if gate_up_epilogue(ffn_activation(c)) == "gelu_mul" else "swiglu"
+    out.append(Problem(glu, {"count": c.intermediate_size}, f"{glu} (unfused)", c.n_layers))
     return out
 
 

@@ -1,6 +1,8 @@
-"""Tuning spec of rmsnorm: h = x + r (written back into r), y = rmsnorm(h)·γ; or plain y = rmsnorm(x)·γ.
+"""Tuning spec of rmsnorm: h = x + r (written back into r), y = rmsnorm(h)·γ; or plain y = rmsnorm(x)·γ; or
+Gemma's sandwich norms, h = r + rmsnorm(x)·γ_post (written back into r), y = rmsnorm(h)·γ_next.
 
-Shape: m rows, k columns, residual (True: the fused residual entry point, False: plain).
+Shape: m rows, k columns, residual (True: a fused residual entry point, False: plain), optionally post (True,
+with residual: the post-norm residual entry point, ``RMSNorm.post_residual``).
 """
 
 from __future__ import annotations
@@ -16,23 +18,30 @@ COPIES = 3  # input copies cycled by Case.rotate: a row of 4096 floats would oth
 
 
 def make_case(device, shape, rng) -> Case:
-    m, k, residual = shape["m"], shape["k"], shape["residual"]
+    m, k, residual, post = shape["m"], shape["k"], shape["residual"], shape.get("post", False)
+    assert residual or not post, "the post-norm entry point adds into the residual stream: residual True"
     x = rng.standard_normal((m, k), dtype=np.float32)
     r = rng.standard_normal((m, k), dtype=np.float32) * 3
     gamma = rng.uniform(0.5, 1.5, k).astype(np.float32)
-    inputs = [(device.upload(x), device.upload(r), device.upload(gamma)) for _ in range(COPIES)]
+    next_gamma = rng.uniform(0.5, 1.5, k).astype(np.float32)   # post only: the next norm's γ
+    inputs = [tuple(device.upload(a) for a in (x, r, gamma, next_gamma)) for _ in range(COPIES)]
     y = device.empty((m, k), np.float32)
     poison = np.full((m, k), np.nan, np.float32)
     wrapper = cached_per_params(lambda params: RMSNorm(device, params))
     state = {"copy": 0}
-    if residual:
+    if post:
+        h, want = reference.rmsnorm_post_residual(x, r, gamma, next_gamma, EPS)
+        expected = {"h": h, "y": want}
+    elif residual:
         h, want = reference.rmsnorm_residual(x, r, gamma, EPS)
         expected = {"h": h, "y": want}
     else:
         expected = {"y": reference.rmsnorm(x, gamma, EPS)}
 
     def launch(params):
-        xd, rd, gd = inputs[state["copy"]]
+        xd, rd, gd, nd = inputs[state["copy"]]
+        if post:
+            return [wrapper(params).post_residual(xd, rd, gd, nd, y, m, k, EPS)]
         if residual:
             return [wrapper(params).residual(xd, rd, gd, y, m, k, EPS)]
         return [wrapper(params).plain(xd, gd, y, m, k, EPS)]
@@ -55,8 +64,8 @@ def make_case(device, shape, rng) -> Case:
 
 def _bytes(shape) -> int:
     m, k = shape["m"], shape["k"]
-    # residual: read x and r, write r and y; plain: read x, write y. γ once.
-    return 4 * m * k * (4 if shape["residual"] else 2) + 4 * k
+    # residual: read x and r, write r and y; plain: read x, write y. γ once (post: both γ).
+    return 4 * m * k * (4 if shape["residual"] else 2) + 4 * k * (2 if shape.get("post") else 1)
 
 
 SPEC = Spec(
@@ -65,13 +74,16 @@ SPEC = Spec(
     tolerance=1e-5,
     tolerance_why=("fp32 against float64: h = x + r is one rounding (2⁻²⁴); the sum of squares runs in "
                    "WGS·VW partial sums then a tree, its error stays near log2(K)·2⁻²⁴; sqrt and the "
-                   "division add a few ulp: ~1e-6 relative at worst, 1e-5 leaves a margin while a wrong eps, "
-                   "a missed column or a row normalised by another row's scale is far above it"),
+                   "division add a few ulp: ~1e-6 relative at worst (the post-norm form chains two norms: "
+                   "twice that), 1e-5 leaves a margin while a wrong eps, a missed column, a swapped γ or a "
+                   "row normalised by another row's scale is far above it"),
     test_shapes=(
         {"m": 1, "k": 4096, "residual": True},
         {"m": 3, "k": 1000, "residual": True},   # prefill rows, K off every vector and work-group multiple
         {"m": 2, "k": 576, "residual": False},
         {"m": 2, "k": 7, "residual": True},      # K below one vector: tail only, most work-items idle
+        {"m": 3, "k": 1003, "residual": True, "post": True},   # Gemma's sandwich norm, K off every multiple
+        {"m": 1, "k": 5, "residual": True, "post": True},
     ),
     bytes_moved=_bytes,
     flops=lambda s: 4 * s["m"] * s["k"],

@@ -1,7 +1,9 @@
-"""Tuning specs of the small operations (kernels/small_ops.cl): embedding_f16, embedding_q4, argmax, swiglu.
+"""Tuning specs of the small operations (kernels/small_ops.cl): embedding_f16, embedding_q4, argmax, swiglu,
+geglu, softcap.
 
 Shapes: embedding_f16 n (table rows), k, m (ids gathered), optional block_bytes (forces the table's
-split into row blocks); embedding_q4 n, k, group, m; argmax n; swiglu count.
+split into row blocks); embedding_q4 n, k, group, m; both optionally scale (each row times it, Gemma's
+√hidden; default 1); argmax n; swiglu and geglu count; softcap count, cap.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from perfx.formats import Q4Matrix
 from perfx.ops import small_ops
 from perfx.ops.gemv_f16 import F16DeviceWeight
 from perfx.ops.q4_weight import Q4DeviceWeight
-from perfx.ops.small_ops import Argmax, Embedding, SwiGLU
+from perfx.ops.small_ops import Argmax, Embedding, GeGLU, Softcap, SwiGLU
 from perfx.tuning.spec import Case, Spec, cached_per_params
+
 
 def _ids(rng, n: int, m: int) -> np.ndarray:
     # Random rows, always including the first and the last (the edges of the first and last block).
@@ -23,14 +26,19 @@ def _ids(rng, n: int, m: int) -> np.ndarray:
     return ids
 
 
-def _gather_case(device, wrapper, table, ids, k, expected) -> Case:
+def _scale(shape) -> float:
+    """The shape's row scale as the kernel receives it (float32), so the reference multiplies by the same."""
+    return float(np.float32(shape.get("scale", 1.0)))
+
+
+def _gather_case(device, wrapper, table, ids, k, expected, scale: float) -> Case:
     m = len(ids)
     ids_d = device.upload(ids)
     out = device.empty((m, k), np.float32)
     poison = np.full((m, k), np.nan, np.float32)
 
     def launch(params):
-        events = wrapper(params)(table, ids_d, out, m)
+        events = wrapper(params)(table, ids_d, out, m, scale)
         return events if isinstance(events, list) else [events]
 
     def run(params):
@@ -48,7 +56,8 @@ def make_embedding_f16_case(device, shape, rng) -> Case:
     ids = _ids(rng, n, m)
     table = F16DeviceWeight.upload(device, w, shape.get("block_bytes"))
     embed = cached_per_params(lambda params: Embedding(device, params).f16)
-    return _gather_case(device, embed, table, ids, k, reference.f64(w[ids]))
+    scale = _scale(shape)
+    return _gather_case(device, embed, table, ids, k, reference.f64(w[ids]) * scale, scale)
 
 
 def make_embedding_q4_case(device, shape, rng) -> Case:
@@ -61,9 +70,10 @@ def make_embedding_q4_case(device, shape, rng) -> Case:
     embed = cached_per_params(lambda params: Embedding(device, params).q4)
     ids_d = device.upload(ids)
     out = device.empty((m, k), np.float32)
+    scale = _scale(shape)
 
     def launch(params):
-        return [embed(params)(tables({"LAYOUT": params["LAYOUT"]}), ids_d, out, m)]
+        return [embed(params)(tables({"LAYOUT": params["LAYOUT"]}), ids_d, out, m, scale)]
 
     def run(params):
         out.fill(np.float32(np.nan))
@@ -71,7 +81,7 @@ def make_embedding_q4_case(device, shape, rng) -> Case:
             event.wait()
         return {"out": out.get()}
 
-    return Case(expected={"out": q4.dequantize()[ids]}, run=run, launch=launch)
+    return Case(expected={"out": q4.dequantize()[ids] * scale}, run=run, launch=launch)
 
 
 def make_argmax_case(device, shape, rng) -> Case:
@@ -97,34 +107,57 @@ def make_argmax_case(device, shape, rng) -> Case:
     return Case(expected={"index": np.array([np.argmax(x)], np.float64)}, run=run, launch=launch)
 
 
-def make_swiglu_case(device, shape, rng) -> Case:
-    count = shape["count"]
-    gate = rng.standard_normal(count, dtype=np.float32) * 4  # both of SiLU's tails
-    up = rng.standard_normal(count, dtype=np.float32)
-    gate_d, up_d, out = device.upload(gate), device.upload(up), device.empty(count, np.float32)
-    poison = np.full(count, np.nan, np.float32)
-    swiglu = cached_per_params(lambda params: SwiGLU(device, params))
+def _gated_case_maker(op, answer):
+    """Cases of out = act(gate)·up by the op class (SwiGLU, GeGLU) against its float64 ``answer``."""
+    def make_case(device, shape, rng) -> Case:
+        count = shape["count"]
+        gate = rng.standard_normal(count, dtype=np.float32) * 4  # both of the activation's tails
+        up = rng.standard_normal(count, dtype=np.float32)
+        gate_d, up_d, out = device.upload(gate), device.upload(up), device.empty(count, np.float32)
+        poison = np.full(count, np.nan, np.float32)
+        made = cached_per_params(lambda params: op(device, params))
+
+        def launch(params):
+            return [made(params)(gate_d, up_d, out, count)]
+
+        def run(params):
+            out.set(poison)
+            for event in launch(params):
+                event.wait()
+            return {"out": out.get()}
+
+        return Case(expected={"out": answer(gate, up)}, run=run, launch=launch)
+
+    return make_case
+
+
+def make_softcap_case(device, shape, rng) -> Case:
+    count, cap = shape["count"], shape["cap"]
+    logits = rng.standard_normal(count, dtype=np.float32) * 2 * cap   # the cap's linear part and its tails
+    x = device.upload(logits)
+    softcap = cached_per_params(lambda params: Softcap(device, params))
 
     def launch(params):
-        return [swiglu(params)(gate_d, up_d, out, count)]
+        return [softcap(params)(x, count, cap)]
 
     def run(params):
-        out.set(poison)
+        x.set(logits)   # capped in place: the fresh logits first
         for event in launch(params):
             event.wait()
-        return {"out": out.get()}
+        return {"x": x.get()}
 
-    return Case(expected={"out": reference.swiglu(gate, up)}, run=run, launch=launch)
+    return Case(expected={"x": reference.softcap(logits, float(np.float32(cap)))}, run=run, launch=launch)
 
 
 EMBEDDING_F16 = Spec(
     params=small_ops.EMBEDDING_F16,
     make_case=make_embedding_f16_case,
-    tolerance=0.0,
-    tolerance_why="a copy: every fp16 value is exact in fp32",
+    tolerance=1e-7,
+    tolerance_why=("a copy, every fp16 value exact in fp32, times the float32 scale: one rounding (≤ 2⁻²⁴ ≈ "
+                   "6e-8 of each value; none at scale 1); a wrong row or element is O(1) off"),
     test_shapes=(
         {"n": 1000, "k": 576, "m": 6, "block_bytes": 300 * 576 * 2},  # table split over 4 buffers
-        {"n": 50, "k": 1003, "m": 3},                                # K mod 8 = 3: a short last chunk
+        {"n": 50, "k": 1003, "m": 3, "scale": 1003 ** 0.5},   # K mod 8 = 3: a short last chunk; Gemma's √K
         {"n": 20, "k": 4096, "m": 1},
     ),
     bytes_moved=lambda s: s["m"] * s["k"] * (2 + 4) + 4 * s["m"],
@@ -135,10 +168,11 @@ EMBEDDING_Q4 = Spec(
     make_case=make_embedding_q4_case,
     tolerance=1e-6,
     tolerance_why=("w = s·q + m with s and m fp16 and q < 16: s·q is exact in fp32 and the fma rounds once "
-                   "(2⁻²⁴ of |w|); one wrong nibble or group is ≥ s, about 1/15 of the row's range"),
+                   "(2⁻²⁴ of |w|), the scale once more; one wrong nibble or group is ≥ s, about 1/15 of the "
+                   "row's range"),
     test_shapes=(
         {"n": 300, "k": 4160, "group": 64, "m": 4},  # 130 texels a row: not a multiple of the work-group
-        {"n": 40, "k": 576, "group": 32, "m": 3},
+        {"n": 40, "k": 576, "group": 32, "m": 3, "scale": 24.0},   # Gemma's √576
         {"n": 17, "k": 256, "group": 128, "m": 2},
     ),
     bytes_moved=lambda s: s["m"] * (s["k"] // 2 + 4 * (s["k"] // s["group"]) + 4 * s["k"] + 4),
@@ -156,12 +190,36 @@ ARGMAX = Spec(
 
 SWIGLU = Spec(
     params=small_ops.SWIGLU,
-    make_case=make_swiglu_case,
+    make_case=_gated_case_maker(SwiGLU, reference.swiglu),
     tolerance=1e-5,
     tolerance_why=("fp32 exp (OpenCL allows 3 ulp), one division and one product against float64: a few "
                    "2⁻²⁴ of each element; an element skipped or a wrong activation is far above 1e-5"),
     test_shapes=({"count": 3 * 1536}, {"count": 11008 + 5}, {"count": 7}),
     bytes_moved=lambda s: 12 * s["count"],
     flops=lambda s: 4 * s["count"],
+)
+
+GEGLU = Spec(
+    params=small_ops.GEGLU,
+    make_case=_gated_case_maker(GeGLU, reference.geglu),
+    tolerance=1e-5,
+    tolerance_why=("fp32 tanh (OpenCL allows 5 ulp) and a few products against float64: a few 2⁻²⁴ of each "
+                   "element; for gate ≪ 0, where 1 + tanh(·) cancels, tanh's 5 ulp of 1 times 0.5·|gate·up|, "
+                   "still ~1e-7 of max|out|. An element skipped, or SiLU in GELU's place (2e-2 on the first "
+                   "shape), is far above 1e-5"),
+    test_shapes=({"count": 6912 + 3}, {"count": 7}),   # Gemma 3 1B's intermediate size, off the vector width
+    bytes_moved=lambda s: 12 * s["count"],
+    flops=lambda s: 10 * s["count"],
+)
+
+SOFTCAP = Spec(
+    params=small_ops.SOFTCAP,
+    make_case=make_softcap_case,
+    tolerance=1e-6,
+    tolerance_why=("one fp32 division, tanh (OpenCL allows 5 ulp) and product against float64: a few 2⁻²⁴ of "
+                   "cap, itself the bound on |x|; a logit left uncapped is off by up to its own size"),
+    test_shapes=({"count": 256000 + 3, "cap": 30.0}, {"count": 5, "cap": 30.0}),   # Gemma 2's vocabulary + 3
+    bytes_moved=lambda s: 8 * s["count"],
+    flops=lambda s: 3 * s["count"],
 )
 

@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from perfx import reference
+from perfx.ops.epilogue import is_gated
 from perfx.ops.params import Params, ParamSpace, Shape
 
 
@@ -32,6 +34,16 @@ def relative_error(actual, expected) -> float:
         return float("inf")
     scale = max(float(np.max(np.abs(expected))), 1e-30) if expected.size else 1.0
     return float(np.max(np.abs(actual - expected))) / scale if expected.size else 0.0
+
+
+def epilogue_reference(epilogue: str, full: np.ndarray) -> np.ndarray:
+    """The float64 answer of an epilogue from the float64 product (with its bias) along the last axis: the
+    product itself, or act(gate)·up of its gate half and up half for a gate-up epilogue."""
+    if not is_gated(epilogue):
+        return full
+    half = full.shape[-1] // 2
+    gate, up = full[..., :half], full[..., half:]
+    return reference.geglu(gate, up) if epilogue == "gelu_mul" else reference.swiglu(gate, up)
 
 
 def cached_per_params(factory: Callable[[Params], Any]) -> Callable[[Params], Any]:

@@ -1,7 +1,8 @@
-"""The embedding gather from an int8 table: out (M, K) = W[ids] dequantized (``kernels/embedding_q8.cl``).
+"""The embedding gather from an int8 table: out (M, K) = W[ids]·scale, dequantized (kernels/embedding_q8.cl).
 
 The table is a ``Q8DeviceWeight`` (a tied embedding is the lm_head's own copy), possibly in row blocks:
-one launch per block. An id outside the vocabulary gives a row of NaN, never a silent wrong row.
+one launch per block. An id outside the vocabulary gives a row of NaN, never a silent wrong row. ``scale``
+multiplies each row in fp32: 1 for most models, √hidden for Gemma (llama.cpp's ggml_scale after the gather).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class EmbeddingQ8:
         self.params = PARAMS.resolve(params, {}, device.caps)
         self.wgs = self.params["WGS"]
 
-    def __call__(self, table: Q8DeviceWeight, ids, out, rows: int) -> list:
+    def __call__(self, table: Q8DeviceWeight, ids, out, rows: int, scale: float = 1.0) -> list:
         """Enqueue the gather: one event per row block, in order (the last one finishes last)."""
         if rows < 1:
             raise PerfxError(f"embedding_q8: rows = {rows} must be at least 1")
@@ -40,6 +41,6 @@ class EmbeddingQ8:
         kernel = self.device.kernel(PARAMS.source, "embedding_q8", defines)
         global_size = (-(-(table.k // 8) // self.wgs) * self.wgs, rows)
         return [self.device.launch(kernel, global_size, (self.wgs, 1), np.int32(table.k), np.int32(table.n),
-                                   np.int32(block.start), np.int32(block.stop), ids, block.codes,
-                                   block.scale_offset, out)
+                                   np.int32(block.start), np.int32(block.stop), np.float32(scale), ids,
+                                   block.codes, block.scale_offset, out)
                 for block in table.blocks]

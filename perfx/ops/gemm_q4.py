@@ -10,8 +10,9 @@ Every kernel reads the layout and read path the weight was uploaded with (``kern
 from the weight, and READ is the tuned one where the weight has it, else the path it has. The space of each
 kernel holds every (LAYOUT, READ) pair beside every other parameter, so the set that runs is a verified one.
 
-Epilogues: "none"; "bias" (+ the weight's bias per output column, e.g. Qwen's QKV); "silu_mul"
-(gate-up: W has 2·I rows, gate then up, and Y (M, I) = SiLU(X·Wgᵀ)·(X·Wuᵀ)).
+Epilogues (perfx.ops.epilogue): "none"; "bias" (+ the weight's bias per output column, e.g. Qwen's QKV);
+"silu_mul" and "gelu_mul" (gate-up: W has 2·I rows, gate then up, and Y (M, I) = act(X·Wgᵀ)·(X·Wuᵀ) with
+act SiLU or GELU's tanh form).
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ import numpy as np
 
 from perfx.errors import PerfxError
 from perfx.ops import buffer_bytes
+from perfx.ops.epilogue import check_gate_up, code, is_gated, output_rows
 from perfx.ops.params import FP16_NEED, READ_BUFFER, READ_IMAGE1D, READ_IMAGE2D, READ_NEED, ParamSpace, Rule
 from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight
 from perfx.runtime import Device
 
-EPILOGUES = {"none": 0, "bias": 1, "silu_mul": 2}
 KINDS = ("skinny", "tiled", "f16")
 # Largest M for the tall-skinny kernel when no tuned crossover is given: at M ≈ 32 its register
 # passes cost about what the tiled kernel's tile overheads do (see benchmarks/bench_gemm_q4.py,
@@ -36,7 +37,7 @@ _GROUP_SHIFT = {32: 0, 64: 1, 128: 2}
 
 def _weight_rows(shape) -> int:
     """Weight rows a column of Y needs: two (gate and up) for the gate-up epilogue."""
-    return 2 if shape.get("epilogue") == "silu_mul" else 1
+    return 2 if is_gated(shape.get("epilogue")) else 1
 
 
 LAYOUT_READ_RULE = Rule("the interleaved layout has no image2d row blocks: READ 0 or 2",
@@ -149,7 +150,7 @@ class GemmQ4:
         return "skinny" if m <= self.crossover else "tiled"
 
     def __call__(self, weight: Q4DeviceWeight, x, y, m: int, epilogue: str = "none"):
-        """Y (m, N or N/2 for silu_mul) = X (m, K) · Wᵀ with the epilogue; returns the last event.
+        """Y (m, N, or N/2 for a gate-up epilogue) = X (m, K) · Wᵀ with the epilogue; returns the last event.
 
         ``x`` and ``y`` are float32 cl.Buffers (or pyopencl Arrays), row-major. Where the weight's
         image path holds several row blocks, one launch per block is enqueued (in order).
@@ -170,7 +171,7 @@ class GemmQ4:
 
     def output_columns(self, weight: Q4DeviceWeight, epilogue: str) -> int:
         """Columns of Y: N, or N/2 for the gate-up epilogue."""
-        return weight.n // 2 if epilogue == "silu_mul" else weight.n
+        return output_rows(weight.n, epilogue)
 
     # -- launching -------------------------------------------------------------------------------
 
@@ -184,7 +185,7 @@ class GemmQ4:
             if why is not None:
                 raise PerfxError(f"gemm_q4: the {kind} kernel's parameters {params} cannot run the "
                                  f"{epilogue} epilogue on {self.device.caps.name}: {why}")
-            defines = {**params, "EPILOGUE": EPILOGUES[epilogue]}
+            defines = {**params, "EPILOGUE": code("gemm_q4", epilogue)}
             kernel = self.device.kernel(_SPACES[kind].source, f"gemm_q4_{kind}", defines)
             self._kernels[key] = kernel
         return kernel
@@ -200,16 +201,13 @@ class GemmQ4:
 
     def _check(self, weight: Q4DeviceWeight, x, y, m: int, epilogue: str) -> tuple[int, list]:
         """Y's column count and the buffers behind X and Y, once every argument is checked."""
-        if epilogue not in EPILOGUES:
-            raise PerfxError(f"gemm_q4: unknown epilogue {epilogue!r}; choose one of {', '.join(EPILOGUES)}")
+        code("gemm_q4", epilogue)
         if not isinstance(m, (int, np.integer)) or m < 1:
             raise PerfxError(f"gemm_q4: M must be a positive integer, got {m!r}")
         if weight.k % 32 or weight.group not in _GROUP_SHIFT or weight.k % weight.group:
             raise PerfxError(f"gemm_q4: K = {weight.k} with group {weight.group} is not supported; K must be a "
                              "multiple of 32 and of the group size (32, 64 or 128)")
-        if epilogue == "silu_mul" and weight.n % 2:
-            raise PerfxError("gemm_q4: the silu_mul epilogue needs a gate-up weight of 2·I rows, "
-                             f"got N = {weight.n}")
+        check_gate_up("gemm_q4", epilogue, weight.n)
         if epilogue == "bias" and weight.bias is None:
             raise PerfxError("gemm_q4: epilogue 'bias' on a weight uploaded without a bias; pass bias= to "
                              "Q4DeviceWeight.upload or use epilogue 'none'")
@@ -223,19 +221,19 @@ class GemmQ4:
             buffers.append(buffer)
         return cols, buffers
 
-    def _segments(self, weight: Q4DeviceWeight, cols: int, silu: bool, read: int):
+    def _segments(self, weight: Q4DeviceWeight, cols: int, gated: bool, read: int):
         """Launch pieces: (y_col0, n_cols, row_a0, row_b0, codes_a, codes_b, base_a, base_b).
 
         With images, the columns are cut where the gate or the up rows cross from one image to the next.
         """
-        up = cols if silu else 0
+        up = cols if gated else 0
         if read != READ_IMAGE2D:
             codes = weight.buffer if read == READ_BUFFER else weight.image1d
             return [(0, cols, 0, up, codes, codes, 0, 0)]
         starts = [start for start, _ in weight.image_rows]
         cuts = {0, cols}
         for start in starts:
-            for edge in (start, start - up) if silu else (start,):
+            for edge in (start, start - up) if gated else (start,):
                 if 0 < edge < cols:
                     cuts.add(edge)
         cuts = sorted(cuts)
@@ -267,7 +265,7 @@ class GemmQ4:
             xb = self._to_half(xb, m * weight.k)
         event = None
         for y_col0, n_cols, row_a0, row_b0, codes_a, codes_b, base_a, base_b in self._segments(
-                weight, cols, epilogue == "silu_mul", read):
+                weight, cols, is_gated(epilogue), read):
             if kind == "skinny":
                 local = (params["WGS"],)
                 glob = (-(-n_cols // (params["ROWS"] * params["WGS"])) * params["WGS"],)

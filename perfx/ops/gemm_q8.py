@@ -2,8 +2,9 @@
 
 One kernel, ``kernels/gemm_q8.cl``, of gemm_q4_skinny's structure and parameter names (WGS, ROWS, MT):
 each weight read once per pass of MT rows, every row's sums in registers, no local memory. It also runs
-the lm_head over many positions (perplexity). Epilogues: "none"; "bias" (+ the weight's bias per output
-column, e.g. Qwen's QKV); "silu_mul" (gate-up: W has 2·I rows, gate then up, Y (M, I) = SiLU(X·Wgᵀ)·(X·Wuᵀ)).
+the lm_head over many positions (perplexity). Epilogues (perfx.ops.epilogue): "none"; "bias" (+ the weight's
+bias per output column, e.g. Qwen's QKV); "silu_mul" and "gelu_mul" (gate-up: W has 2·I rows, gate then up,
+Y (M, I) = act(X·Wgᵀ)·(X·Wuᵀ)).
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ import numpy as np
 
 from perfx.errors import PerfxError
 from perfx.ops import buffer_bytes
+from perfx.ops.epilogue import check_gate_up, code, is_gated, output_rows
 from perfx.ops.params import ParamSpace, Rule
 from perfx.ops.q8_weight import Q8DeviceWeight
 from perfx.runtime import Device
-
-EPILOGUES = {"none": 0, "bias": 1, "silu_mul": 2}
 
 PARAMS = ParamSpace(
     family="gemm_q8",
@@ -29,7 +29,7 @@ PARAMS = ParamSpace(
     # ROWS·MT float8 accumulators per weight row applied (two, gate and up, for the gate-up epilogue) plus
     # ROWS weight vectors and the x chunk must stay in registers: gemm_q4_skinny's rule, for the same reason.
     rules=(Rule("at most 8 float8 accumulators per work-item (ROWS·MT, times 2 for the gate-up epilogue)",
-                lambda p, s: p["ROWS"] * p["MT"] * (2 if s.get("epilogue") == "silu_mul" else 1) <= 8),),
+                lambda p, s: p["ROWS"] * p["MT"] * (2 if is_gated(s.get("epilogue")) else 1) <= 8),),
     work_group_size=lambda p, s: p["WGS"],
 )
 
@@ -46,23 +46,22 @@ class GemmQ8:
 
     def output_columns(self, weight: Q8DeviceWeight, epilogue: str) -> int:
         """Columns of Y: N, or N/2 for the gate-up epilogue."""
-        return weight.n // 2 if epilogue == "silu_mul" else weight.n
+        return output_rows(weight.n, epilogue)
 
     def _kernel(self, group: int, f32: bool, epilogue: str):
         key = (group, f32, epilogue)
         kernel = self._kernels.get(key)
         if kernel is None:
-            defines = {**self.params, "GROUP": group, "SM_F32": int(f32), "EPILOGUE": EPILOGUES[epilogue]}
+            defines = {**self.params, "GROUP": group, "SM_F32": int(f32),
+                       "EPILOGUE": code("gemm_q8", epilogue)}
             kernel = self._kernels[key] = self.device.kernel(PARAMS.source, "gemm_q8", defines)
         return kernel
 
     def _check(self, weight: Q8DeviceWeight, x, y, m: int, epilogue: str, ldy: int | None):
-        if epilogue not in EPILOGUES:
-            raise PerfxError(f"gemm_q8: unknown epilogue {epilogue!r}; choose one of {', '.join(EPILOGUES)}")
+        code("gemm_q8", epilogue)
         if not isinstance(m, (int, np.integer)) or m < 1:
             raise PerfxError(f"gemm_q8: M must be a positive integer, got {m!r}")
-        if epilogue == "silu_mul" and weight.n % 2:
-            raise PerfxError(f"gemm_q8: the silu_mul epilogue needs a gate-up weight of 2·I rows, got N = {weight.n}")
+        check_gate_up("gemm_q8", epilogue, weight.n)
         if epilogue == "bias" and not weight.has_bias:
             raise PerfxError("gemm_q8: epilogue 'bias' on a weight uploaded without a bias; pass bias= to "
                              "Q8DeviceWeight.upload or use epilogue 'none'")
@@ -84,7 +83,7 @@ class GemmQ8:
         return cols, ldy, buffers
 
     def __call__(self, weight: Q8DeviceWeight, x, y, m: int, epilogue: str = "none", ldy: int | None = None):
-        """Y (m, N or N/2 for silu_mul) = X (m, K) · Wᵀ with the epilogue; returns the last launch's event.
+        """Y (m, N, or N/2 for a gate-up epilogue) = X (m, K) · Wᵀ with the epilogue; returns the last event.
 
         ``x`` and ``y`` are float32 cl.Buffers (or pyopencl Arrays), row-major; Y's rows are ``ldy`` floats
         apart (default: its column count). One launch per piece of the weight's row blocks, in order.
@@ -93,7 +92,7 @@ class GemmQ8:
         kernel = self._kernel(weight.group, weight.f32, epilogue)
         wgs, rows = self.params["WGS"], self.params["ROWS"]
         event = None
-        for first, count, a, row_a, b, row_b in weight.segments(cols, cols if epilogue == "silu_mul" else None):
+        for first, count, a, row_a, b, row_b in weight.segments(cols, cols if is_gated(epilogue) else None):
             block_a, block_b = weight.blocks[a], weight.blocks[b]
             bias = block_a.bias if block_a.bias is not None else self._no_bias
             event = self.device.launch(

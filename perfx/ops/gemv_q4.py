@@ -1,4 +1,4 @@
-"""The decode-path int4 GEMV: y = W·x (+ bias), plain, fused (QKV) or gate-up with SiLU·mul.
+"""The decode-path int4 GEMV: y = W·x (+ bias), plain, fused (QKV) or gate-up with SiLU·mul or GELU·mul.
 
 Wraps ``kernels/gemv_q4.cl``; its parameters are ``PARAMS``. Two kernel shapes share the file, one per
 weight layout (``LAYOUT``, a property of the uploaded ``Q4DeviceWeight``): lanes along K meeting in a
@@ -18,12 +18,12 @@ import pyopencl as cl
 
 from perfx.errors import PerfxError
 from perfx.ops import device_buffer
+from perfx.ops.epilogue import GEMV_EPILOGUES, check_gate_up, code, is_gated, output_rows
 from perfx.ops.params import (FP16_NEED, READ_BUFFER, READ_IMAGE1D, READ_IMAGE2D, READ_NAMES, READ_NEED,
                               SUBGROUP_SIZE_NEED, SUBGROUPS_NEED, Need, ParamSpace, Rule)
 from perfx.ops.q4_weight import LAYOUT_INTERLEAVED, LAYOUT_NAMES, LAYOUT_ROWS, Q4DeviceWeight
 from perfx.runtime import Device
 
-EPILOGUES = {"none": 0, "silu_mul": 1}
 WGN = 64  # rows per LAYOUT 1 work-group (kernels/gemv_q4.cl)
 BROADCAST_NEED = Need("x shared by sub_group_broadcast (XS 2) needs subgroups",
                       lambda caps, value: value != 2 or caps.subgroups)
@@ -31,7 +31,7 @@ BROADCAST_NEED = Need("x shared by sub_group_broadcast (XS 2) needs subgroups",
 
 def _accumulator_rows(params, shape) -> int:
     """Rows of partial sums a work-item holds: ROWS, twice that for gate-up (gate and up rows)."""
-    return params["ROWS"] * (2 if shape.get("epilogue") == "silu_mul" else 1)
+    return params["ROWS"] * (2 if is_gated(shape.get("epilogue")) else 1)
 
 
 def _gpu_class(p) -> bool:
@@ -59,7 +59,7 @@ PARAMS = ParamSpace(
     space={
         "LAYOUT": (0, 1),          # codes rows along K (0) or interleaved across rows (1): set at upload
         "LANES": (16, 1, 4, 64),   # layout 0: work-items along K per work-group; layout 1: slices of K
-        "ROWS": (4, 1, 2, 8),      # outputs per work-item (pairs for silu_mul)
+        "ROWS": (4, 1, 2, 8),      # outputs per work-item (pairs for the gate-up epilogues)
         "READ": (0, 1, 2),         # codes from a uint4 buffer (0), image2d row blocks (1), image1d_buffer view (2)
         "XS": (0, 1, 2),           # layout 1: x from global memory (0), local memory (1), subgroup broadcast (2)
         "SG": (0, 1),              # layout 0: lanes reduced by a local-memory tree (0) or sub_group_reduce_add (1)
@@ -68,7 +68,7 @@ PARAMS = ParamSpace(
         "SUBGROUP": (0, 8, 16, 64),  # required subgroup size (0: the driver's; 64 = Adreno's half wave)
     },
     rules=(
-        Rule("silu_mul holds gate and up rows: at most 8 rows of accumulators per work-item (ROWS ≤ 4)",
+        Rule("gate-up holds gate and up rows: at most 8 rows of accumulators per work-item (ROWS ≤ 4)",
              lambda p, s: _accumulator_rows(p, s) <= 8),
         Rule("the interleaved layout has no image2d row blocks: READ 0 or 2",
              lambda p, s: p["LAYOUT"] == LAYOUT_ROWS or p["READ"] != READ_IMAGE2D),
@@ -117,7 +117,8 @@ def _segments(rows: list[tuple[int, int]], first: int, count: int):
 
 
 class GemvQ4:
-    """y (M) = W (N, K)·x (K) (+ bias) on a ``Q4DeviceWeight``; M = N, or N/2 for ``silu_mul``."""
+    """y (M) = W (N, K)·x (K) (+ bias) on a ``Q4DeviceWeight``; M = N, or N/2 for a gate-up epilogue
+    (``silu_mul``, ``gelu_mul``: perfx.ops.epilogue)."""
 
     def __init__(self, device: Device, params: dict | None = None, shape: dict | None = None):
         """``params`` (None: the defaults) must fit ``shape`` (its ``epilogue`` key matters) on this device."""
@@ -132,7 +133,7 @@ class GemvQ4:
         """The built kernel for a group size and epilogue (built once, then cached by the device)."""
         kernel = self._kernels.get((group, epilogue))
         if kernel is None:
-            defines = {**self.params, "GROUP": group, "EPILOGUE": EPILOGUES[epilogue]}
+            defines = {**self.params, "GROUP": group, "EPILOGUE": code("gemv_q4", epilogue, GEMV_EPILOGUES)}
             kernel = self._kernels[group, epilogue] = self.device.kernel("gemv_q4.cl", "gemv_q4", defines)
         return kernel
 
@@ -144,17 +145,14 @@ class GemvQ4:
 
     def events(self, weight: Q4DeviceWeight, x, y, epilogue: str = "none") -> list[cl.Event]:
         """Enqueue y = W·x and return every launch's event (more than one where rows span several images)."""
-        if epilogue not in EPILOGUES:
-            raise PerfxError(f"gemv_q4: epilogue {epilogue!r}; expected one of {sorted(EPILOGUES)}")
+        code("gemv_q4", epilogue, GEMV_EPILOGUES)
         n, k = weight.n, weight.k
-        if epilogue == "silu_mul" and n % 2:
-            raise PerfxError(f"gemv_q4: silu_mul needs gate and up rows of equal count, but the weight has "
-                             f"N = {n} rows (odd)")
+        check_gate_up("gemv_q4", epilogue, n)
         if weight.layout != self.layout:
             raise PerfxError(f"gemv_q4: parameters for the {LAYOUT_NAMES[self.layout]} layout (LAYOUT="
                              f"{self.layout}) on a weight uploaded {LAYOUT_NAMES[weight.layout]} (layout "
                              f"{weight.layout}); upload it with layout={self.layout}")
-        m = n // 2 if epilogue == "silu_mul" else n
+        m = output_rows(n, epilogue)
         shape = {"epilogue": epilogue, "k": k}
         why = PARAMS.why_invalid(self.params, shape, self.device.caps)
         if why is not None:
@@ -164,7 +162,7 @@ class GemvQ4:
         kernel = self.kernel(weight.group, epilogue)
         bias = weight.bias if weight.bias is not None else self._no_bias
         has_bias = np.int32(weight.bias is not None)
-        half = np.int32(m if epilogue == "silu_mul" else 0)
+        half = np.int32(m if is_gated(epilogue) else 0)
         codes = {READ_BUFFER: weight.buffer, READ_IMAGE1D: weight.image1d}.get(self.read)
         if self.read == READ_IMAGE2D:
             if not weight.images:
@@ -193,7 +191,7 @@ class GemvQ4:
         return events
 
     def __call__(self, weight: Q4DeviceWeight, x, y, epilogue: str = "none") -> cl.Event:
-        """Enqueue y = W·x (+ bias) (``silu_mul``: y = SiLU(gate)·up); returns the last launch's event.
+        """Enqueue y = W·x (+ bias), or act(gate)·up for a gate-up epilogue; returns the last launch's event.
 
         The queue is in order, so waiting on the returned event waits for the whole product.
         """
@@ -205,7 +203,7 @@ class GemvQ4:
         images, rows = weight.images, weight.image_rows
         plan = []
         for offset, count, i, row_a in _segments(rows, 0, m):
-            if epilogue != "silu_mul":
+            if not is_gated(epilogue):
                 plan.append((offset, count, images[i], row_a, images[i], 0))
                 continue
             for sub, sub_count, j, row_b in _segments(rows, m + offset, count):

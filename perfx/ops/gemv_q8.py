@@ -1,4 +1,5 @@
-"""The decode-path int8 GEMV: y = W·x (+ bias), plain, fused (QKV) or gate-up with SiLU·mul; also the lm_head.
+"""The decode-path int8 GEMV: y = W·x (+ bias), plain, fused (QKV) or gate-up with SiLU·mul or GELU·mul; also
+the lm_head.
 
 Wraps ``kernels/gemv_q8.cl``; its parameters are ``PARAMS`` (LANES, ROWS: the names and meaning of
 gemv_q4's, so variants added to one family carry over). The kernel guards its row and K edges itself,
@@ -13,16 +14,15 @@ import pyopencl as cl
 
 from perfx.errors import PerfxError
 from perfx.ops import device_buffer
+from perfx.ops.epilogue import GEMV_EPILOGUES, check_gate_up, code, is_gated, output_rows
 from perfx.ops.params import ParamSpace, Rule
 from perfx.ops.q8_weight import Q8DeviceWeight
 from perfx.runtime import Device
 
-EPILOGUES = {"none": 0, "silu_mul": 1}
-
 
 def _accumulator_rows(params, shape) -> int:
     """Rows of partial sums a work-item holds: ROWS, twice that for gate-up (gate and up rows)."""
-    return params["ROWS"] * (2 if shape.get("epilogue") == "silu_mul" else 1)
+    return params["ROWS"] * (2 if is_gated(shape.get("epilogue")) else 1)
 
 
 PARAMS = ParamSpace(
@@ -30,9 +30,9 @@ PARAMS = ParamSpace(
     source="gemv_q8.cl",
     space={
         "LANES": (16, 1, 4, 64),   # work-items along K per work-group
-        "ROWS": (4, 1, 2, 8),      # outputs per work-item (pairs for silu_mul)
+        "ROWS": (4, 1, 2, 8),      # outputs per work-item (pairs for the gate-up epilogues)
     },
-    rules=(Rule("silu_mul holds gate and up rows: at most 8 rows of accumulators per work-item (ROWS ≤ 4)",
+    rules=(Rule("gate-up holds gate and up rows: at most 8 rows of accumulators per work-item (ROWS ≤ 4)",
                 lambda p, s: _accumulator_rows(p, s) <= 8),),
     work_group_size=lambda p, s: p["LANES"],
     local_memory=lambda p, s: 4 * p["LANES"] * _accumulator_rows(p, s) if p["LANES"] > 1 else 0,
@@ -44,7 +44,8 @@ def _or(buffer, placeholder):
 
 
 class GemvQ8:
-    """y (M) = W (N, K)·x (K) (+ bias) on a ``Q8DeviceWeight``; M = N, or N/2 for ``silu_mul``."""
+    """y (M) = W (N, K)·x (K) (+ bias) on a ``Q8DeviceWeight``; M = N, or N/2 for a gate-up epilogue
+    (``silu_mul``, ``gelu_mul``: perfx.ops.epilogue)."""
 
     def __init__(self, device: Device, params: dict | None = None, shape: dict | None = None):
         """``params`` (None: the defaults) must fit ``shape`` (its ``epilogue`` key matters) on this device."""
@@ -59,28 +60,26 @@ class GemvQ8:
         key = (group, f32, epilogue)
         kernel = self._kernels.get(key)
         if kernel is None:
-            defines = {**self.params, "GROUP": group, "SM_F32": int(f32), "EPILOGUE": EPILOGUES[epilogue]}
+            defines = {**self.params, "GROUP": group, "SM_F32": int(f32),
+                       "EPILOGUE": code("gemv_q8", epilogue, GEMV_EPILOGUES)}
             kernel = self._kernels[key] = self.device.kernel(PARAMS.source, "gemv_q8", defines)
         return kernel
 
     def events(self, weight: Q8DeviceWeight, x, y, epilogue: str = "none") -> list[cl.Event]:
         """Enqueue y = W·x and return every launch's event (more than one where rows span several blocks)."""
-        if epilogue not in EPILOGUES:
-            raise PerfxError(f"gemv_q8: epilogue {epilogue!r}; expected one of {sorted(EPILOGUES)}")
+        code("gemv_q8", epilogue, GEMV_EPILOGUES)
         n, k = weight.n, weight.k
-        if epilogue == "silu_mul" and n % 2:
-            raise PerfxError(f"gemv_q8: silu_mul needs gate and up rows of equal count, but the weight has "
-                             f"N = {n} rows (odd)")
+        check_gate_up("gemv_q8", epilogue, n)
         why = PARAMS.why_invalid(self.params, {"epilogue": epilogue})
         if why is not None:
             raise PerfxError(f"gemv_q8: parameters {self.params} cannot run the {epilogue} epilogue: {why}")
-        m = n // 2 if epilogue == "silu_mul" else n
+        m = output_rows(n, epilogue)
         xb = device_buffer(x, 4 * k, "gemv_q8 x")
         yb = device_buffer(y, 4 * m, "gemv_q8 y")
         kernel = self.kernel(weight.group, weight.f32, epilogue)
         has_bias = np.int32(weight.has_bias)
         events = []
-        for first, count, a, row_a, b, row_b in weight.segments(m, m if epilogue == "silu_mul" else None):
+        for first, count, a, row_a, b, row_b in weight.segments(m, m if is_gated(epilogue) else None):
             block_a, block_b = weight.blocks[a], weight.blocks[b]
             events.append(self.device.launch(
                 kernel, (self.lanes, -(-count // self.rows)), (self.lanes, 1),
@@ -90,7 +89,7 @@ class GemvQ8:
         return events
 
     def __call__(self, weight: Q8DeviceWeight, x, y, epilogue: str = "none") -> cl.Event:
-        """Enqueue y = W·x (+ bias) (``silu_mul``: y = SiLU(gate)·up); returns the last launch's event.
+        """Enqueue y = W·x (+ bias), or act(gate)·up for a gate-up epilogue; returns the last launch's event.
 
         The queue is in order, so waiting on the returned event waits for the whole product.
         """

@@ -2,6 +2,9 @@
 
 ``residual``: h = x + r written back into r (the new residual stream), y = rmsnorm(h)·γ — the
 normalisation before each attention and MLP block. ``plain``: y = rmsnorm(x)·γ — the final norm.
+``post_residual`` (Gemma's sandwich norms): h = x + rmsnorm(p)·γ_post written back into x, and
+y = rmsnorm(h)·γ_next — a block's output p normalised before the residual add, then the next block's (or the
+final) norm, in one pass.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class RMSNorm:
         self.wgs = self.params["WGS"]
         self.residual_kernel = device.kernel(PARAMS.source, "rmsnorm_residual", self.params)
         self.plain_kernel = device.kernel(PARAMS.source, "rmsnorm", self.params)
+        self.post_residual_kernel = device.kernel(PARAMS.source, "rmsnorm_post_residual", self.params)
 
     def _check(self, rows: int, dim: int):
         if rows < 1 or dim < 1:
@@ -59,4 +63,16 @@ class RMSNorm:
         args = (device_buffer(x, nbytes, "rmsnorm x"), device_buffer(gamma, 4 * dim, "rmsnorm gamma"),
                 device_buffer(y, nbytes, "rmsnorm y"))
         return self.device.launch(self.plain_kernel, (rows * self.wgs,), (self.wgs,),
+                                  np.int32(dim), np.float32(eps), *args)
+
+    def post_residual(self, p, x, post_gamma, next_gamma, y, rows: int, dim: int, eps: float):
+        """x ← x + rmsnorm(p)·γ_post, y = rmsnorm(x)·γ_next: (rows, dim) float32, both γ (dim), one eps for
+        both norms; y not aliasing p or x. Returns the event."""
+        self._check(rows, dim)
+        nbytes = 4 * rows * dim
+        args = (device_buffer(p, nbytes, "rmsnorm p"), device_buffer(x, nbytes, "rmsnorm residual"),
+                device_buffer(post_gamma, 4 * dim, "rmsnorm post_gamma"),
+                device_buffer(next_gamma, 4 * dim, "rmsnorm next_gamma"),
+                device_buffer(y, nbytes, "rmsnorm y"))
+        return self.device.launch(self.post_residual_kernel, (rows * self.wgs,), (self.wgs,),
                                   np.int32(dim), np.float32(eps), *args)

@@ -1,6 +1,6 @@
-"""The small operations of a forward pass: embedding gathers (fp16 and int4 tables), argmax on the
-device (greedy decoding reads back one int, not a 152k-float logits vector) and SwiGLU for the
-unfused MLP path."""
+"""The small operations of a forward pass: embedding gathers (fp16 and int4 tables, each row times a scale),
+argmax on the device (greedy decoding reads back one int, not a 152k-float logits vector), SwiGLU and GeGLU
+for the unfused MLP path, and the final logits' soft cap (Gemma 2)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from perfx.ops.params import SUBGROUPS_NEED, ParamSpace, Rule
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.runtime import Device
 
-# One .cl file, four families: each define carries its kernel's number (CLBlast's WGS1, WGS2, ...).
+# One .cl file, six families: each define carries its kernel's number (CLBlast's WGS1, WGS2, ...); the three
+# elementwise kernels (swiglu, geglu, softcap) share theirs (VW4, WGS4), each family tuned on its own.
 EMBEDDING_F16 = ParamSpace(
     family="embedding_f16",
     source="small_ops.cl",
@@ -38,12 +39,16 @@ ARGMAX = ParamSpace(
     local_memory=lambda p, s: 8 * p["WGS3"] * (2 if p["SG3"] else 1),
     needs={"SG3": SUBGROUPS_NEED},
 )
-SWIGLU = ParamSpace(
-    family="swiglu",
-    source="small_ops.cl",
-    space={"VW4": (4, 8, 1), "WGS4": (64, 128, 256)},
-    work_group_size=lambda p, s: p["WGS4"],
-)
+
+
+def _elementwise(family: str) -> ParamSpace:
+    return ParamSpace(family=family, source="small_ops.cl", space={"VW4": (4, 8, 1), "WGS4": (64, 128, 256)},
+                      work_group_size=lambda p, s: p["WGS4"])
+
+
+SWIGLU = _elementwise("swiglu")
+GEGLU = _elementwise("geglu")
+SOFTCAP = _elementwise("softcap")
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -51,7 +56,10 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 class Embedding:
-    """out (rows, K) float32 = table[ids], ids an int32 device buffer; an id outside [0, N) gives NaN."""
+    """out (rows, K) float32 = table[ids]·scale, ids an int32 device buffer; an id outside [0, N) gives NaN.
+
+    ``scale`` multiplies each gathered row in fp32: 1 for most models, √hidden for Gemma (llama.cpp's
+    ggml_scale after the gather)."""
 
     def __init__(self, device: Device, params: dict | None = None):
         params = params or {}
@@ -74,7 +82,7 @@ class Embedding:
         defines = {"WGS2": self.params["WGS2"], "LAYOUT": layout}
         return self.device.kernel(EMBEDDING_Q4.source, "embedding_q4", defines)
 
-    def f16(self, table: F16DeviceWeight, ids, out, rows: int) -> list:
+    def f16(self, table: F16DeviceWeight, ids, out, rows: int, scale: float = 1.0) -> list:
         """Gather from an fp16 table (possibly split in row blocks): one event per block, in order."""
         if rows < 1:
             raise PerfxError(f"embedding: rows = {rows} must be at least 1")
@@ -83,10 +91,11 @@ class Embedding:
         wgs, vw = self.params["WGS1"], self.params["VW1"]
         global_size = (_round_up(-(-table.k // vw), wgs), rows)
         return [self.device.launch(self.f16_kernel, global_size, (wgs, 1), np.int32(table.k),
-                                   np.int32(table.n), np.int32(start), np.int32(stop), ids, block, out)
+                                   np.int32(table.n), np.int32(start), np.int32(stop), np.float32(scale), ids,
+                                   block, out)
                 for block, (start, stop) in zip(table.blocks, table.block_rows)]
 
-    def q4(self, table: Q4DeviceWeight, ids, out, rows: int):
+    def q4(self, table: Q4DeviceWeight, ids, out, rows: int, scale: float = 1.0):
         """Gather and dequantize (w = s·q + m) from an int4 table loaded with the 'buffer' read path."""
         if rows < 1:
             raise PerfxError(f"embedding: rows = {rows} must be at least 1")
@@ -97,8 +106,8 @@ class Embedding:
         out = device_buffer(out, 4 * rows * table.k, "embedding out")
         wgs = self.params["WGS2"]
         return self.device.launch(self._q4_kernel(table.layout), (_round_up(table.k // 32, wgs), rows), (wgs, 1),
-                                  np.int32(table.k), np.int32(table.n), np.int32(table.group), ids,
-                                  table.buffer, table.scale_offset, out)
+                                  np.int32(table.k), np.int32(table.n), np.int32(table.group),
+                                  np.float32(scale), ids, table.buffer, table.scale_offset, out)
 
 
 class Argmax:
@@ -130,18 +139,46 @@ class Argmax:
 class SwiGLU:
     """out = SiLU(gate)·up over ``count`` floats (M rows of the intermediate size, flat)."""
 
+    space, kernel_name = SWIGLU, "swiglu"   # GeGLU: the same op, its own family and kernel
+
     def __init__(self, device: Device, params: dict | None = None):
         self.device = device
-        self.params = SWIGLU.resolve(params, {}, device.caps)
-        self.kernel = device.kernel(SWIGLU.source, "swiglu", self.params)
+        self.params = self.space.resolve(params, {}, device.caps)
+        self.kernel = device.kernel(self.space.source, self.kernel_name, self.params)
 
     def __call__(self, gate, up, out, count: int):
-        """Enqueue out = SiLU(gate)·up; out may alias gate or up. Returns the event."""
+        """Enqueue out = act(gate)·up; out may alias gate or up. Returns the event."""
+        name = self.kernel_name
         if count < 1:
-            raise PerfxError(f"swiglu: count = {count} must be at least 1")
+            raise PerfxError(f"{name}: count = {count} must be at least 1")
         nbytes = 4 * count
-        args = (device_buffer(gate, nbytes, "swiglu gate"), device_buffer(up, nbytes, "swiglu up"),
-                device_buffer(out, nbytes, "swiglu out"))
+        args = (device_buffer(gate, nbytes, f"{name} gate"), device_buffer(up, nbytes, f"{name} up"),
+                device_buffer(out, nbytes, f"{name} out"))
         wgs = self.params["WGS4"]
         return self.device.launch(self.kernel, (_round_up(-(-count // self.params["VW4"]), wgs),), (wgs,),
                                   np.int32(count), *args)
+
+
+class GeGLU(SwiGLU):
+    """out = GELU(gate)·up over ``count`` floats, GELU's tanh form (Gemma's MLP, llama.cpp's ggml_gelu)."""
+
+    space, kernel_name = GEGLU, "geglu"
+
+
+class Softcap:
+    """x = cap·tanh(x / cap) in place over ``count`` floats: Gemma 2's final-logit soft-capping."""
+
+    def __init__(self, device: Device, params: dict | None = None):
+        self.device = device
+        self.params = SOFTCAP.resolve(params, {}, device.caps)
+        self.kernel = device.kernel(SOFTCAP.source, "softcap", self.params)
+
+    def __call__(self, x, count: int, cap: float):
+        """Enqueue the cap over x's first ``count`` floats. Returns the event."""
+        if count < 1:
+            raise PerfxError(f"softcap: count = {count} must be at least 1")
+        if not cap > 0:
+            raise PerfxError(f"softcap: cap = {cap} must be positive (a model's final_logit_softcapping)")
+        wgs = self.params["WGS4"]
+        return self.device.launch(self.kernel, (_round_up(-(-count // self.params["VW4"]), wgs),), (wgs,),
+                                  np.int32(count), np.float32(cap), device_buffer(x, 4 * count, "softcap x"))

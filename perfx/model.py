@@ -39,7 +39,7 @@ from perfx.ops.params import READ_NAMES
 from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight, available_paths
 from perfx.ops.q8_weight import Q8DeviceWeight
 from perfx.ops.rmsnorm import RMSNorm
-from perfx.ops.small_ops import Argmax, Embedding, SwiGLU
+from perfx.ops.small_ops import Argmax, Embedding, GeGLU, Softcap, SwiGLU
 from perfx.progress import Progress
 from perfx.runtime import BuildError, Device, KernelLimitError
 from perfx.sources import open_named
@@ -181,8 +181,13 @@ class Model:
         self.embed = self._choose("embedding_f16", {"n": c.vocab_size, "k": c.hidden_size, "m": 1}, "embedding",
                                   lambda p: Embedding(d, p))
         self.argmax_op = self._choose("argmax", {"n": c.vocab_size}, "greedy sampling", lambda p: Argmax(d, p))
-        self.swiglu = self._choose("swiglu", {"count": c.intermediate_size}, "swiglu", lambda p: SwiGLU(d, p))
-        self._gate = self.swiglu
+        # the gate's activation for fp16 (unquantized) matrices, where no GEMV epilogue fuses it
+        if c.ffn_activation == "gelu_tanh":
+            self._gate = self._choose("geglu", {"count": c.intermediate_size}, "geglu", lambda p: GeGLU(d, p))
+        else:
+            self._gate = self._choose("swiglu", {"count": c.intermediate_size}, "swiglu", lambda p: SwiGLU(d, p))
+        self.softcap = (self._choose("softcap", {"count": c.vocab_size}, "final soft-cap", lambda p: Softcap(d, p))
+                        if c.final_softcap else None)
         attention = {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, **self._qk_shape()}
         self.attn_decode = self._choose(
             "attention_decode", {**attention, "positions": self.max_positions}, "decode",

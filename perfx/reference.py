@@ -42,12 +42,6 @@ def silu(x) -> np.ndarray:
         return x / (1.0 + np.exp(-x))
 
 
-def gelu_tanh(x) -> np.ndarray:
-    """GELU, tanh approximation (llama.cpp's ggml_gelu, transformers' gelu_pytorch_tanh)."""
-    x = f64(x)
-    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
-
-
 def swiglu(gate, up) -> np.ndarray:
     """SiLU(gate)·up, the Llama MLP's activation."""
     return silu(gate) * f64(up)

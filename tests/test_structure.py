@@ -37,9 +37,6 @@ LAYERS = (
 # pyopencl is called by the device layer and the kernel wrappers; everything else goes through the Device
 # (Device.copy, write, read, fill for every copy).
 PYOPENCL_USERS = ("perfx.runtime", "perfx.ops")
-# Modules that still call pyopencl for their copies and fills, to move onto the Device's methods (delete each
-# here when it does): kv_cache, in perfx.ops, holds the cache's buffers but wraps no kernel.
-PYOPENCL_TO_MOVE = {"perfx.model", "perfx.ops.kv_cache"}
 
 
 def package_modules() -> dict[str, Path]:
@@ -145,11 +142,9 @@ def test_only_the_device_layer_and_the_kernel_wrappers_import_pyopencl():
             if any(name.split(".")[0] == "pyopencl" for name in names):
                 users.add(module)
     allowed = {m for m in users if m.startswith(tuple(p + "." for p in PYOPENCL_USERS)) or m in PYOPENCL_USERS}
-    assert not users - allowed - PYOPENCL_TO_MOVE, (
-        f"these import pyopencl: {sorted(users - allowed - PYOPENCL_TO_MOVE)}; use the Device's methods "
-        "(perfx.runtime) instead")
-    assert PYOPENCL_TO_MOVE <= users, (f"{sorted(PYOPENCL_TO_MOVE - users)} no longer import pyopencl: "
-                                       "delete them from PYOPENCL_TO_MOVE")
+    assert not users - allowed, (f"these import pyopencl: {sorted(users - allowed)}; use the Device's methods "
+                                 "(perfx.runtime) instead")
+    assert "perfx.ops.kv_cache" not in users, "the KV cache wraps no kernel: its copies go through the Device"
     assert "perfx.runtime.device" in users, "the imports were read"
 
 

@@ -19,7 +19,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import pyopencl as cl
 
 from perfx import reference
 from perfx.errors import PerfxError
@@ -70,7 +69,7 @@ class KVCache:
         """Zero every position (the model never reads a position it has not written; tests may)."""
         for piece in self.pieces:
             for buffer in piece:
-                cl.enqueue_fill_buffer(device.queue, buffer, np.uint16(0), 0, buffer.size)
+                device.fill(buffer, np.uint16(0))
 
     def write(self, device: Device, keys: np.ndarray, values: np.ndarray) -> None:
         """Fill the whole cache from host arrays (layers, kv_heads, max_positions, head_dim), converted to fp16."""
@@ -79,7 +78,7 @@ class KVCache:
             host = np.ascontiguousarray(host, dtype=np.float16).reshape(shape)
             for i, piece in enumerate(self.pieces):
                 block = np.ascontiguousarray(host[i * self.layers_per_piece:(i + 1) * self.layers_per_piece])
-                cl.enqueue_copy(device.queue, piece[which], block)
+                device.write(piece[which], block)
 
     def read_all(self, device: Device) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of the whole cache, (layers, kv_heads, max_positions, head_dim) fp16 each."""
@@ -89,7 +88,7 @@ class KVCache:
             for i, piece in enumerate(self.pieces):
                 count = min(self.layers_per_piece, self.n_layers - i * self.layers_per_piece)
                 block = np.empty((count, self.n_kv_heads, self.max_positions, self.head_dim), np.float16)
-                cl.enqueue_copy(device.queue, block, piece[which])
+                device.read(block, piece[which])
                 blocks.append(block)
             out.append(np.concatenate(blocks))
         return out[0], out[1]
@@ -101,7 +100,7 @@ class KVCache:
         out = []
         for buffer in (keys, values):
             host = np.empty(shape, np.float16)
-            cl.enqueue_copy(device.queue, host, buffer, src_offset=2 * offset)
+            device.read(host, buffer, src_offset=2 * offset)
             out.append(host[:, :positions].transpose(1, 0, 2).astype(np.float32))
         return out[0], out[1]
 

@@ -29,6 +29,7 @@ from perfx.formats import Q4Matrix, Q8Matrix
 from perfx.ops.attention_decode import AttentionDecode
 from perfx.ops.attention_prefill import AttentionPrefill
 from perfx.ops.embedding_q8 import EmbeddingQ8
+from perfx.ops.epilogue import gate_up_epilogue
 from perfx.ops.gemm_q4 import GemmQ4
 from perfx.ops.gemm_q8 import GemmQ8
 from perfx.ops.gemv_f16 import F16DeviceWeight, GemvF16
@@ -46,7 +47,7 @@ from perfx.sources import open_named
 from perfx.sources.base import Form
 from perfx.tuning import SPECS
 from perfx.tuning.database import Choice, Database, bucket_representative, default_database, m_bucket
-from perfx.tuning.problems import embedding_shape, gemm_shapes, gemv_shape, model_problems
+from perfx.tuning.problems import embedding_shape, gemm_shapes, gemv_shape, model_problems, qk_norm, softcap_shape
 
 DEFAULT_CTX = 4096
 PREFILL_CHUNK = 256  # prompt tokens per prefill pass: bounds the activation buffers
@@ -146,7 +147,7 @@ class Model:
         int8 ones per matrix form on first use (``_q8_op``).
         """
         c, d = self.config, self.device
-        self.gate_epilogue = "gelu_mul" if c.ffn_activation == "gelu_tanh" else "silu_mul"
+        self.gate_epilogue = gate_up_epilogue(c.ffn_activation)
         self.tuned: dict[str, object] = {}
         self.tuned_shapes: dict[str, dict] = {}   # the shape each entry of `tuned` was looked up by
         self._q8_ops: dict[tuple, object] = {}
@@ -186,13 +187,13 @@ class Model:
             self._gate = self._choose("geglu", {"count": c.intermediate_size}, "geglu", lambda p: GeGLU(d, p))
         else:
             self._gate = self._choose("swiglu", {"count": c.intermediate_size}, "swiglu", lambda p: SwiGLU(d, p))
-        self.softcap = (self._choose("softcap", {"count": c.vocab_size}, "final soft-cap", lambda p: Softcap(d, p))
+        self.softcap = (self._choose("softcap", softcap_shape(c), "final soft-cap", lambda p: Softcap(d, p))
                         if c.final_softcap else None)
-        attention = {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, **self._qk_shape()}
+        attention = {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, **qk_norm(c)}
         self.attn_decode = self._choose(
             "attention_decode", {**attention, "positions": self.max_positions}, "decode",
             lambda p: AttentionDecode(d, c.n_heads, c.n_kv_heads, c.head_dim, self.max_positions, p,
-                                      **self._qk_shape()))
+                                      **qk_norm(c)))
         self._prefill_ops: dict[int, tuple] = {}
         # Each int4 weight is uploaded once, in the layout and for the read path its decode GEMV reads (the
         # GEMMs and the gather read whatever layout and path the weight has).
@@ -270,10 +271,10 @@ class Model:
             c = self.config
             shape = shapes.get(("attention_prefill", "attention"),
                                {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "m": rep,
-                                "p0": 0, **self._qk_shape()})
+                                "p0": 0, **qk_norm(c)})
             attention = self._choose("attention_prefill", shape, f"prefill, M≈{rep}",
                                      lambda p: AttentionPrefill(self.device, c.n_heads, c.n_kv_heads, c.head_dim, p,
-                                                                **self._qk_shape()))
+                                                                **qk_norm(c)))
             self._prefill_ops[bucket] = (gemms, attention)
         return self._prefill_ops[bucket]
 
@@ -371,10 +372,6 @@ class Model:
         self._decode_plan = self._record_decode_plan()
 
     # -- the forward ------------------------------------------------------------------------------
-
-    def _qk_shape(self) -> dict:
-        """What the per-head Q/K norm adds to the attention kernels' shape and constructor."""
-        return {"qk_norm": True} if self.config.qk_norm else {}
 
     def _attention_args(self, layer: int) -> tuple:
         """(rope table or None, keyword arguments) of layer's attention launch: its RoPE, window, the scale,

@@ -36,9 +36,13 @@ def _group(k: int, fixed: int | None = None) -> int | None:
     return next((g for g in (128, 64, 32) if k % g == 0), None)
 
 
-def ffn_activation(config) -> str:
-    """The MLP's activation: "silu" (SwiGLU) unless the config names another ("gelu": Gemma's GeGLU)."""
-    return getattr(config, "ffn_activation", "silu")
+def qk_norm(config) -> dict:
+    """The attention kernels' shape key for the per-head q/k norm, which changes their build."""
+    return {"qk_norm": True} if config.qk_norm else {}
+
+
+def softcap_shape(config) -> dict:
+    return {"count": config.vocab_size, "cap": config.final_softcap}
 
 
 def _linears(config) -> list[tuple[str, int, int, str, bool]]:
@@ -47,7 +51,7 @@ def _linears(config) -> list[tuple[str, int, int, str, bool]]:
     return [
         ("qkv", c.q_dim + 2 * c.kv_dim, c.hidden_size, "none", bool(c.qkv_bias)),
         ("o", c.hidden_size, c.q_dim, "none", False),
-        ("gate_up", 2 * c.intermediate_size, c.hidden_size, gate_up_epilogue(ffn_activation(c)), False),
+        ("gate_up", 2 * c.intermediate_size, c.hidden_size, gate_up_epilogue(c.ffn_activation), False),
         ("down", c.hidden_size, c.intermediate_size, "none", False),
     ]
 
@@ -120,14 +124,16 @@ def _decode(config, fixed: int | None, forms: dict | None = None) -> list[Proble
     for positions in DECODE_POSITIONS:
         positions = min(positions, c.max_positions)
         out.append(Problem("attention_decode", {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
-                                                "head_dim": c.head_dim, "positions": positions},
+                                                "head_dim": c.head_dim, "positions": positions, **qk_norm(c)},
                            "attention", c.n_layers))
     out.append(Problem("rmsnorm", {"m": 1, "k": c.hidden_size, "residual": True}, "norm", 2 * c.n_layers + 1))
     for form in _table_forms(c, "embedding", fixed, forms):
         out.append(Problem(*embedding_shape(form, c.vocab_size, c.hidden_size, 1), "embedding"))
     out.append(Problem("argmax", {"n": c.vocab_size}, "greedy sampling"))
-    glu = "geglu" if gate_up_epilogue(ffn_activation(c)) == "gelu_mul" else "swiglu"
+    glu = "geglu" if gate_up_epilogue(c.ffn_activation) == "gelu_mul" else "swiglu"
     out.append(Problem(glu, {"count": c.intermediate_size}, f"{glu} (unfused)", c.n_layers))
+    if c.final_softcap:
+        out.append(Problem("softcap", softcap_shape(c), "final soft-cap"))
     return out
 
 
@@ -148,7 +154,7 @@ def _prefill(config, fixed: int | None, forms: dict | None = None) -> list[Probl
                                for family, shape in gemm_shapes(form, m, c.vocab_size, c.hidden_size, "none"))
         if m > 1:
             out.append(Problem("attention_prefill", {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
-                                                     "head_dim": c.head_dim, "m": m, "p0": 0},
+                                                     "head_dim": c.head_dim, "m": m, "p0": 0, **qk_norm(c)},
                                "attention", c.n_layers))
             out.append(Problem("rmsnorm", {"m": m, "k": c.hidden_size, "residual": True}, "norm",
                                2 * c.n_layers + 1))

@@ -17,10 +17,8 @@ GATED = ("silu_mul", "gelu_mul")
 GEMV_EPILOGUES = ("none",) + GATED
 GEMM_EPILOGUES = ("none", "bias") + GATED
 
-# The gate-up epilogue of an MLP's activation (a model config's ffn_activation). "gelu" is GELU's tanh form,
-# as llama.cpp's LLM_FFN_GELU (ggml_gelu) and Hugging Face's gelu_pytorch_tanh, which Gemma's configs name.
-GATE_UP_EPILOGUES = {"silu": "silu_mul", "gelu": "gelu_mul", "gelu_tanh": "gelu_mul",
-                     "gelu_pytorch_tanh": "gelu_mul"}
+# The gate-up epilogue of an MLP's activation (a model config's ffn_activation, perfx.config.FFN_ACTIVATIONS)
+GATE_UP_EPILOGUES = {"silu": "silu_mul", "gelu_tanh": "gelu_mul"}
 
 
 def is_gated(epilogue: str | None) -> bool:
@@ -48,7 +46,7 @@ def check_gate_up(family: str, epilogue: str, n: int):
 
 
 def gate_up_epilogue(activation: str) -> str:
-    """The gate-up epilogue of an MLP activation ("silu", "gelu"); a PerfxError for one perfx has not."""
+    """The gate-up epilogue of an MLP activation ("silu", "gelu_tanh"); a PerfxError for one perfx has not."""
     if activation not in GATE_UP_EPILOGUES:
         raise PerfxError(f"FFN activation {activation!r} has no fused gate-up epilogue; known: "
                          f"{', '.join(GATE_UP_EPILOGUES)}")

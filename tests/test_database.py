@@ -12,7 +12,6 @@ import pytest
 from perfx import resources
 from perfx.errors import PerfxError
 from perfx.ops.params import Rule
-from perfx.runtime import LIMIT_PRESETS
 from perfx.tuning import SPECS
 from perfx.tuning import database as dbmod
 from perfx.tuning.database import (FORMAT, Database, TuningDatabaseWarning, fingerprint_slug, merge, results_json,
@@ -189,33 +188,19 @@ def test_entries_in_force_mark_stale_records(device, db, toy):
         db.files()  # a healthy database warns about nothing
 
 
-def test_shipped_files_are_valid_and_adreno_entries_fit_an_adreno_740(device, tmp_path):
+def test_shipped_files_are_valid_and_measured(tmp_path):
+    """Every shipped file loads without a warning, and every record in it was measured on a device (a source
+    hash, a shape, a time): no reasoned guesses ship, so a phone runs the defaults until its own report is
+    merged (README, "On a Snapdragon phone")."""
     shipped = Database(tmp_path / "user")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         files = shipped.files()
-    assert {f.path.name for f in files} >= {"adreno-6xx.json", "adreno-7xx.json", "adreno-8xx.json"}
-    all_specs = SPECS
-    limits = LIMIT_PRESETS["adreno740"]
+    assert files, "the CPU devices' measured files ship"
     for file in files:
-        arch = file.data["match"].get("architecture") or file.data.get("architecture")
-        phone = FakeDevice(device, architecture=arch)
-        phone.caps = dataclasses.replace(phone.caps, image_support=True, local_mem=limits.local_mem,
-                                         max_work_group=limits.max_work_group)
+        assert file.level == "device", f"{file.path.name}: only measured device files ship"
         for rec in file.records:
-            spec = all_specs.get(rec["family"])
-            if spec is None or rec.get("source_hash") not in (None, source_hash(spec)):
-                continue  # a family this build lacks, or a stale record
-            assert rec.get("comment") or file.level == "device", f"{file.path.name}: say why {rec['family']}"
-            params = {**spec.defaults(), **rec["params"]}
-            if file.level == "device":
-                continue  # measured: the look-up skips a set the spec no longer allows
-            shapes = [rec["shape"]] if rec.get("shape") else spec.test_shapes
-            assert any(spec.why_invalid(params, s, phone.caps) is None for s in shapes), (file.path.name, rec)
-            if file.level == "architecture":
-                shape = next(s for s in shapes if spec.why_invalid(params, s, phone.caps) is None)
-                choice = shipped.choices(phone, spec, shape)[0]
-                assert choice.source == "architecture" and choice.params == params
+            assert rec.get("source_hash") and rec.get("shape") is not None and rec.get("time_s"), (file.path.name, rec)
 
 
 def test_shipped_files_are_compact_results(tmp_path):

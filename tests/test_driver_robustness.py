@@ -123,13 +123,13 @@ def test_adreno_identified_from_whatever_the_driver_reports(name, c_version, ver
     assert ("vendor-level Qualcomm entries apply" in how) == (model is None)
 
 
-def test_a_qualcomm_gpu_without_a_model_number_gets_the_vendor_entries(device, tmp_path):
+def test_a_qualcomm_gpu_runs_the_defaults_until_a_phone_reports(device, tmp_path):
     phone = Device()
     phone.caps = dataclasses.replace(device.caps, vendor_key="qualcomm", architecture="adreno",
                                      name="QUALCOMM", image_support=True, local_mem=32 << 10, max_work_group=1024)
     shipped = Database(tmp_path / "user")   # the shipped files only
     choice = shipped.choices(phone, SPECS["gemv_q4"], qkv_shape())[0]
-    assert choice.source == "vendor" and choice.detail.startswith("qualcomm.json")
+    assert choice.source == "default" and choice.params == SPECS["gemv_q4"].defaults()
 
 
 def test_build_options_per_device(monkeypatch):

@@ -402,7 +402,8 @@ def test_a_reply_ends_at_the_end_of_turn_token():
 def test_hf_generation_config_lists_every_stop_id(tiny_spm_dir, tmp_path):
     # Gemma 3's generation_config.json: eos_token_id [1, 106], <eos> and <end_of_turn>; here </s> and <|im_end|>.
     (tmp_path / "tokenizer.model").write_bytes((tiny_spm_dir / "tokenizer.model").read_bytes())
-    end = sentencepiece.SentencePieceProcessor(model_file=str(tiny_spm_dir / "tokenizer.model")).piece_to_id("<|im_end|>")
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(tiny_spm_dir / "tokenizer.model"))
+    end = processor.piece_to_id("<|im_end|>")
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, end]}))
     assert {2, end} <= Tokenizer.from_hf_dir(tmp_path).eos_ids
 
@@ -415,7 +416,8 @@ QWEN3 = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi! Who are
          "<|im_start|>assistant\nI am a model.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
          "<|im_start|>assistant\n")
 SMOLLM3_HEADER = ("<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nReasoning Mode: {mode}\n\n"
-                  "## Custom Instructions\n\nBe brief.\n\n<|im_end|>\n<|im_start|>user\nHi! Who are you?<|im_end|>\n")
+                  "## Custom Instructions\n\nBe brief.\n\n<|im_end|>\n"
+                  "<|im_start|>user\nHi! Who are you?<|im_end|>\n")
 GEMMA = ("<bos><start_of_turn>user\n{prefix}Hi! Who are you?<end_of_turn>\n<start_of_turn>model\nI am a model."
          "<end_of_turn>\n<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n")
 # What transformers' apply_chat_template renders for CONVERSATION (Gemma 2: without its system message, which
@@ -429,8 +431,9 @@ RENDERED = [
      SMOLLM3_HEADER.format(mode="/think") + "<|im_start|>assistant\nI am a model.<|im_end|>\n"
      "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"),
     ("smollm3", "HuggingFaceTB-SmolLM3-3B.jinja", {"enable_thinking": False},
-     SMOLLM3_HEADER.format(mode="/no_think") + "<|im_start|>assistant\n<think>\n\n</think>\nI am a model.<|im_end|>\n"
-     "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n"),
+     SMOLLM3_HEADER.format(mode="/no_think") + "<|im_start|>assistant\n<think>\n\n</think>\n"
+     "I am a model.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+     "<|im_start|>assistant\n<think>\n\n</think>\n"),
     ("phi4-mini", "microsoft-Phi-4-mini-instruct.jinja", {},
      "<|system|>Be brief.<|end|><|user|>Hi! Who are you?<|end|><|assistant|>I am a model.<|end|>"
      "<|user|>What is 2+2?<|end|><|assistant|>"),
@@ -447,7 +450,8 @@ def with_template(name: str, template: str) -> Tokenizer:
     return tokenizer
 
 
-@pytest.mark.parametrize("name, template, kwargs, expected", RENDERED, ids=[f"{r[1]}-{bool(r[2])}" for r in RENDERED])
+@pytest.mark.parametrize("name, template, kwargs, expected", RENDERED,
+                         ids=[f"{r[1]}-{'no-think' if r[2] else 'default'}" for r in RENDERED])
 def test_family_templates_render_as_transformers_does(name, template, kwargs, expected):
     tokenizer = with_template(name, template)
     messages = CONVERSATION[1:] if "gemma-2" in template else CONVERSATION

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Iterator
 import gguf
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 import sentencepiece
 from sentencepiece import sentencepiece_model_pb2
@@ -47,12 +48,22 @@ class TokenType(enum.IntEnum):
 # Token kinds that llama.cpp splits out of the text before encoding when special tokens are parsed.
 _PARSED_FROM_TEXT = (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN)
 
-# Tokens that end a turn in common chat formats. llama.cpp treats these as end-of-generation
-# whenever they exist as special tokens, whatever the eos id says (llama-vocab.cpp, special_eog_ids).
-_END_OF_TURN_TOKENS = frozenset({
-    "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<|end_of_text|>",
-    "<end_of_turn>", "<EOT>", "<|return|>",
+# Tokens that end generation wherever they are in the vocabulary, whatever their type and whatever the eos id
+# says: llama.cpp's list (llama-vocab.cpp, special_eog_ids), so that a reply ends where llama-cli's would.
+_END_OF_GENERATION_TOKENS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>",
 })
+# Fill-in-the-middle padding, repository and file separators, which llama.cpp also treats as end of
+# generation (a model that writes one has left the reply): the first of each kind found.
+_FIM_END_TOKENS = (
+    ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    ("<|file_sep|>",),
+)
+# Characters that C's isspace() takes, which llama.cpp strips after a right-stripping special token.
+_C_WHITESPACE = " \t\n\v\f\r"
 
 # Used when a model has no chat template of its own.
 CHATML_TEMPLATE = (
@@ -69,18 +80,33 @@ _LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3.5's: combining marks stay with their letters.
+_QWEN35_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# o200k's (GPT-4o; Phi-4-mini) as llama.cpp rewrites it: a letter outside a-z stands for an upper-case one
+# and a letter outside A-Z for a lower-case one, where tiktoken's asks for the Unicode case classes and the
+# combining marks (\p{M}). Words with marks (the Khmer of llama.cpp's test text) split apart otherwise and
+# get other ids than tiktoken's; llama.cpp's are what GGUF users get.
+_GPT4O_REGEX = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _DEFAULT_BPE_REGEXES = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_REGEX, r"\p{N}+", r"[0-9][0-9][0-9]")
 
 # tokenizer.ggml.pre → (regexes, ignore_merges, add_bos default), grouped as llama.cpp groups them.
+# SmolLM3's GGUF says "smaug-bpe" (Llama 3's regex, merges applied, no BOS), Qwen3's "qwen2", Phi-4-mini's
+# "gpt-4o"; SmolLM2's "smollm".
 _BPE_PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool, bool]] = {}
 for _names, _spec in [
     (("default",), (_DEFAULT_BPE_REGEXES, False, False)),
     (("gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4"), ((_GPT2_REGEX,), False, False)),
     (("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
      ((r"\p{N}", _GPT2_REGEX), False, False)),
-    (("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"), ((_LLAMA3_REGEX,), True, True)),
+    (("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "lfm2"),
+     ((_LLAMA3_REGEX,), True, True)),
     (("dbrx", "smaug-bpe"), ((_LLAMA3_REGEX,), False, False)),
     (("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"), ((_QWEN2_REGEX,), False, False)),
+    (("qwen35",), ((_QWEN35_REGEX,), False, False)),
+    (("gpt-4o", "llama4"), ((_GPT4O_REGEX,), False, False)),
 ]:
     for _name in _names:
         _BPE_PRE_TOKENIZERS[_name] = _spec
@@ -195,16 +221,38 @@ class Tokenizer:
         """The prompt text for a conversation, rendered with the model's Jinja chat template.
 
         Rendering follows Hugging Face (sandboxed Jinja, trim_blocks and lstrip_blocks, with
-        raise_exception, tojson, strftime_now, bos_token and eos_token available to the template).
-        A model without a template gets ChatML (CHATML_TEMPLATE). The result may start with the BOS
-        text; encode(..., add_bos=True) then does not add a second BOS.
+        raise_exception, tojson, strftime_now, the {% generation %} tag, bos_token and eos_token available
+        to the template). `template_kwargs` are more variables for the template, as Hugging Face's
+        apply_chat_template takes them: enable_thinking=False turns Qwen3's and SmolLM3's thinking off.
+        A model without a template gets ChatML (CHATML_TEMPLATE). A template that refuses a system message
+        (Gemma 2's raises "System role not supported") gets it at the head of the next message, joined by a
+        newline, as llama.cpp's chat code does. The result may start with the BOS text; encode(...,
+        add_bos=True) then does not add a second BOS.
         """
-        try:
+        variables = {"bos_token": self.bos_token, "eos_token": self.eos_token, **template_kwargs}
+
+        def render(conversation: list[dict[str, Any]]) -> str:
             return self._compiled_chat_template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token, eos_token=self.eos_token, **template_kwargs)
+                variables, messages=conversation, add_generation_prompt=add_generation_prompt)
+
+        try:
+            try:
+                return render(messages)
+            except jinja2.TemplateError:
+                if not messages or messages[0].get("role") != "system":
+                    raise
+                merged = [dict(message) for message in messages[1:2]]
+                if merged:
+                    merged[0]["content"] = f"{messages[0].get('content', '')}\n{merged[0].get('content', '')}"
+                return render(merged + messages[2:])
         except jinja2.TemplateError as error:
             raise PerfxError(f"The chat template could not render this conversation: {error}") from error
+
+    @property
+    def has_thinking_switch(self) -> bool:
+        """Whether the chat template reads enable_thinking (Qwen3, SmolLM3): a reasoning model that can be
+        asked to answer without thinking first."""
+        return "enable_thinking" in (self.chat_template or "")
 
     @functools.cached_property
     def _compiled_chat_template(self) -> jinja2.Template:
@@ -216,7 +264,7 @@ class Tokenizer:
                               sort_keys=sort_keys)
 
         environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+            trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
         environment.filters["tojson"] = tojson
         environment.globals["raise_exception"] = raise_exception
         environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -266,12 +314,13 @@ class Tokenizer:
         else:
             declared = _ids_in_range(model_config.get("bos_token_id", parts["bos_id"]), len(tokens))
             bos_id = declared[0] if declared else None
-        eos_ids = set(_ids_in_range(parts["eos_id"], len(tokens)))
+        # generation_config.json lists every id that ends a reply (Gemma 3: <eos> and <end_of_turn>).
+        declared = _ids_in_range(parts["eos_id"], len(tokens))
         for source in (read_json(directory / "generation_config.json", default={}), model_config):
-            eos_ids.update(_ids_in_range(source.get("eos_token_id"), len(tokens)))
+            declared += _ids_in_range(source.get("eos_token_id"), len(tokens))
         if eos_token in vocab:
-            eos_ids.add(vocab[eos_token])
-        eos_ids.update(_end_of_turn_ids(tokens, parts["types"]))
+            declared.append(vocab[eos_token])
+        eos_ids = _end_of_generation_ids(tokens, declared)
         add_bos = config.get("add_bos_token")
         return cls(
             encoder=parts["encoder"], tokens=tokens, types=parts["types"],
@@ -317,36 +366,56 @@ class Tokenizer:
             scores = value("tokenizer.ggml.scores")
             if scores is None:
                 raise PerfxError(f"{name}: SentencePiece tokenizer without tokenizer.ggml.scores.")
+            # Gemma says false: no "▁" before the first word, and none after a special token.
             add_space_prefix = bool(value("tokenizer.ggml.add_space_prefix", True))
-            types = _with_one_unknown(types, value("tokenizer.ggml.unknown_token_id", 0))
-            encoder = _SentencePieceEncoder(
-                _sentencepiece_from_vocab(tokens, scores, types, add_space_prefix, name),
-                _special_tokens(tokens, types, _PARSED_FROM_TEXT))
+            processor = _sentencepiece_from_vocab(tokens, scores, types, add_space_prefix,
+                                                  value("tokenizer.ggml.unknown_token_id", 0), name)
+            encode_text, backend = processor.encode, processor
             byte_level, strip_leading_space, add_bos_default = False, add_space_prefix, True
         elif model == "gpt2":
             pre = value("tokenizer.ggml.pre", "default")
             merges = value("tokenizer.ggml.merges")
             if merges is None:
                 raise PerfxError(f"{name}: BPE tokenizer without tokenizer.ggml.merges.")
-            encoder, add_bos_default = _byte_level_bpe(tokens, types, merges, pre, name)
+            backend, add_bos_default = _byte_level_bpe(tokens, types, merges, pre, name)
+            encode_text = _TokenizersEncoder(backend).text
             byte_level, strip_leading_space = True, False
         else:
             raise PerfxError(f"{name} uses tokenizer model {model!r}, which perfx does not support: it reads "
                              f"'llama' (SentencePiece) and 'gpt2' (byte-level BPE) tokenizers.")
 
+        encoder = _SpecialTokenEncoder(encode_text, tokens, types,
+                                       _rstrip_ids(value("general.name", ""), tokens, types), backend)
         bos_ids = _ids_in_range(value("tokenizer.ggml.bos_token_id"), len(tokens))
         eos_id = _ids_in_range(value("tokenizer.ggml.eos_token_id"), len(tokens))
-        eos_ids = set(eos_id)
-        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-            eos_ids.update(_ids_in_range(value(key), len(tokens)))
-        eos_ids.update(_end_of_turn_ids(tokens, types))
+        declared = [i for key in ("eos", "eot", "eom")
+                    for i in _ids_in_range(value(f"tokenizer.ggml.{key}_token_id"), len(tokens))]
+        fim_ids = [i for key in ("pad", "rep", "sep")
+                   for i in _ids_in_range(value(f"tokenizer.ggml.fim_{key}_token_id"), len(tokens))]
         return cls(
             encoder=encoder, tokens=tokens, types=types, byte_level=byte_level,
             strip_leading_space=strip_leading_space, bos_id=bos_ids[0] if bos_ids else None,
-            eos_ids=eos_ids, add_bos_token=bool(value("tokenizer.ggml.add_bos_token", add_bos_default)),
+            eos_ids=_end_of_generation_ids(tokens, declared, fim_ids),
+            add_bos_token=bool(value("tokenizer.ggml.add_bos_token", add_bos_default)),
             chat_template=value("tokenizer.chat_template"),
             bos_token=tokens[bos_ids[0]] if bos_ids else "",
             eos_token=tokens[eos_id[0]] if eos_id else "")
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Hugging Face's {% generation %} ... {% endgeneration %} (SmolLM3's template has it): it marks the
+    assistant's text for training masks, and renders its body unchanged (transformers' AssistantTracker)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    @staticmethod
+    def _body(caller) -> str:
+        return caller()
 
 
 class StreamDecoder:
@@ -392,33 +461,63 @@ class _TokenizersEncoder:
         self.backend.encode_special_tokens = not parse_special
         return self.backend.encode(text, add_special_tokens=False).ids
 
+    def text(self, text: str) -> list[int]:
+        """Ids of text with no special token in it (split out before, as llama.cpp does)."""
+        return self(text, parse_special=False)
 
-class _SentencePieceEncoder:
-    """Encoding through SentencePiece, with special tokens split out of the text first.
 
-    Each stretch of text is encoded on its own, so each gets SentencePiece's prefix space, as each
-    text fragment after a special token does in llama.cpp (llama_tokenize_impl, SPM branch).
+class _SpecialTokenEncoder:
+    """llama.cpp's encoding around special tokens (llama-vocab.cpp, tokenizer_st_partition), then
+    `encode_text` for each stretch of text between them.
+
+    Special tokens are taken longest first, each splitting every stretch left by the longer ones: control
+    and unknown tokens only with parse_special, user-defined ones (Gemma's runs of spaces and newlines,
+    Qwen3's <think>) always. The whitespace after a right-stripping token (Phi-3's) is dropped. Each stretch
+    is encoded on its own, so a SentencePiece model gives each its prefix space, as llama.cpp gives one to
+    the text after a special token.
     """
 
-    def __init__(self, processor, special_tokens: dict[str, int]):
-        self.processor = processor
-        self.special_tokens = special_tokens
-        alternatives = sorted(special_tokens, key=len, reverse=True)  # longest match wins
-        self.pattern = re.compile("|".join(map(re.escape, alternatives))) if alternatives else None
+    def __init__(self, encode_text: Callable[[str], list[int]], tokens: list[str], types: list[int],
+                 rstrip_ids: frozenset[int] = frozenset(), backend: Any = None):
+        self.encode_text = encode_text
+        self.backend = backend
+        self.rstrip_ids = rstrip_ids
+        # (text, id, split even without parse_special, first two characters or "" for a one-character token)
+        self.specials = sorted(((token, i, kind == TokenType.USER_DEFINED, token[:2] if len(token) > 1 else "")
+                                for i, (token, kind) in enumerate(zip(tokens, types))
+                                if kind in _PARSED_FROM_TEXT and token), key=lambda special: -len(special[0]))
 
     def __call__(self, text: str, parse_special: bool) -> list[int]:
-        if not parse_special or self.pattern is None:
-            return self.processor.encode(text)
+        pieces: list[str | int] = [text] if text else []
+        # The text's character pairs rule out most of the thousands of special tokens (Gemma's <unusedN>)
+        # at a set lookup each.
+        pairs = {text[i:i + 2] for i in range(len(text) - 1)}
+        for token, token_id, always, head in self.specials:
+            if (always or parse_special) and (not head or head in pairs) and token in text:
+                pieces = self._split(pieces, token, token_id)
         ids: list[int] = []
-        start = 0
-        for match in self.pattern.finditer(text):
-            if match.start() > start:
-                ids += self.processor.encode(text[start:match.start()])
-            ids.append(self.special_tokens[match.group()])
-            start = match.end()
-        if start < len(text):
-            ids += self.processor.encode(text[start:])
+        for piece in pieces:
+            if isinstance(piece, int):
+                ids.append(piece)
+            else:
+                ids += self.encode_text(piece)
         return ids
+
+    def _split(self, pieces: list[str | int], token: str, token_id: int) -> list[str | int]:
+        strip = token_id in self.rstrip_ids
+        out: list[str | int] = []
+        for piece in pieces:
+            if isinstance(piece, int) or token not in piece:
+                out.append(piece)
+                continue
+            for k, part in enumerate(piece.split(token)):
+                if k:
+                    out.append(token_id)
+                    if strip:
+                        part = part.lstrip(_C_WHITESPACE)
+                if part:
+                    out.append(part)
+        return out
 
 
 def _ids_in_range(value: Any, size: int) -> list[int]:
@@ -431,27 +530,49 @@ def _special_tokens(tokens: list[str], types: list[int], kinds: tuple[int, ...])
     return {token: i for i, (token, kind) in enumerate(zip(tokens, types)) if kind in kinds and token}
 
 
-def _end_of_turn_ids(tokens: list[str], types: list[int]) -> set[int]:
-    special = (TokenType.CONTROL, TokenType.USER_DEFINED)
-    return {i for i, (token, kind) in enumerate(zip(tokens, types))
-            if kind in special and token in _END_OF_TURN_TOKENS}
+def _end_of_generation_ids(tokens: list[str], declared: Iterable[int] = (),
+                            fim_ids: Iterable[int] = ()) -> set[int]:
+    """The ids that end a reply, as llama.cpp finds them (llama-vocab.cpp, special_eog_ids).
+
+    The end-of-generation names wherever they are, whatever their type; the fill-in-the-middle pad,
+    repository and file-separator tokens (`fim_ids` where the file names them, else the first of each
+    kind's names found); and the declared eos / eot / eom ids. Of a vocabulary with gpt-oss's <|return|>
+    and <|call|> (or <|calls|> and <|flush|>), <|end|> ends only a message, not the reply; of one with
+    Gemma 4's <|tool_response>, </s> is plain text: llama.cpp drops those two.
+    """
+    index = {token: i for i, token in enumerate(tokens) if token}
+    ids = {index[name] for name in _END_OF_GENERATION_TOKENS if name in index}
+    ids.update(fim_ids)
+    if not fim_ids:
+        ids.update(next((index[name] for name in names if name in index), None) for names in _FIM_END_TOKENS)
+        ids.discard(None)
+    ids.update(declared)
+    texts = {tokens[i]: i for i in ids}
+    calls = "<|call|>" in texts or "<|calls|>" in texts
+    if "<|end|>" in texts and calls and ("<|return|>" in texts or "<|flush|>" in texts):
+        ids.discard(texts["<|end|>"])
+    if "</s>" in texts and "<|tool_response>" in texts:
+        ids.discard(texts["</s>"])
+    return ids
+
+
+def _rstrip_ids(model_name: str, tokens: list[str], types: list[int]) -> frozenset[int]:
+    """Special tokens after which llama.cpp drops whitespace: all of Phi-3's but <unk>, <s> and
+    <|endoftext|>, chosen, as llama.cpp chooses them, by general.name (llama-vocab.cpp, load)."""
+    name = model_name.lower()
+    if "phi-3" not in name and "phi3" not in name:
+        return frozenset()
+    keep = {"<unk>", "<s>", "<|endoftext|>"}
+    return frozenset(i for i, (token, kind) in enumerate(zip(tokens, types))
+                     if kind in _PARSED_FROM_TEXT and token not in keep)
 
 
 # -- GGUF ----------------------------------------------------------------------------------------------
 
-def _with_one_unknown(types: list[int], unknown_id: int) -> list[int]:
-    """SentencePiece refuses a vocabulary without an unknown piece; mark the declared one if needed."""
-    if TokenType.UNKNOWN in types or not 0 <= unknown_id < len(types):
-        return types
-    types = list(types)
-    types[unknown_id] = TokenType.UNKNOWN
-    return types
-
-
 def _sentencepiece_from_vocab(tokens: list[str], scores: list[float], types: list[int],
-                              add_space_prefix: bool, name: str):
+                              add_space_prefix: bool, unknown_id: int, name: str):
     """A SentencePiece processor for a GGUF vocabulary, with llama.cpp's tokenizer behaviour."""
-    proto = _sentencepiece_model_proto(tokens, scores, types, add_space_prefix)
+    proto = _sentencepiece_model_proto(tokens, scores, types, add_space_prefix, unknown_id)
     try:
         return sentencepiece.SentencePieceProcessor(model_proto=proto)
     except RuntimeError as error:
@@ -459,15 +580,26 @@ def _sentencepiece_from_vocab(tokens: list[str], scores: list[float], types: lis
 
 
 def _sentencepiece_model_proto(tokens: list[str], scores: list[float], types: list[int],
-                               add_space_prefix: bool) -> bytes:
+                               add_space_prefix: bool, unknown_id: int) -> bytes:
     """A SentencePiece ModelProto (sentencepiece's own sentencepiece_model.proto) for a GGUF vocabulary.
 
     Model type BPE: pieces merge in score order, which is llama.cpp's SPM algorithm. The "identity"
     normalizer with whitespace kept matches llama.cpp, which does not normalize; a GGUF does not carry
-    the original normalization rules anyway.
+    the original normalization rules anyway. Special tokens never reach SentencePiece (they are split out
+    first), so the pieces' types are set for the merging alone: user-defined pieces merge like any other,
+    as in llama.cpp's vocabulary lookup, and of several pieces typed unknown (Phi-3's padding, as older
+    converters wrote it) only the declared one stays so, since SentencePiece takes exactly one.
     """
+    if not 0 <= unknown_id < len(tokens):
+        unknown_id = next((i for i, kind in enumerate(types) if kind == TokenType.UNKNOWN), 0)
     proto = sentencepiece_model_pb2.ModelProto()
-    for token, score, kind in zip(tokens, scores, types):
+    for i, (token, score, kind) in enumerate(zip(tokens, scores, types)):
+        if i == unknown_id:
+            kind = TokenType.UNKNOWN
+        elif kind == TokenType.UNKNOWN:
+            kind = TokenType.UNUSED
+        elif kind == TokenType.USER_DEFINED:
+            kind = TokenType.NORMAL
         proto.pieces.add(piece=token, score=score, type=int(kind))
     proto.trainer_spec.model_type = sentencepiece_model_pb2.TrainerSpec.BPE
     proto.trainer_spec.byte_fallback = TokenType.BYTE in types
@@ -479,7 +611,9 @@ def _sentencepiece_model_proto(tokens: list[str], scores: list[float], types: li
 
 
 def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre: str, name: str):
-    """A `tokenizers` byte-level BPE with llama.cpp's pre-tokenizer for `pre`; returns (encoder, add_bos)."""
+    """A `tokenizers` byte-level BPE with llama.cpp's pre-tokenizer for `pre`; returns (backend, add_bos).
+
+    The special tokens are added to it too, so that a tokenizer.json saved from it encodes alike."""
     if pre not in _BPE_PRE_TOKENIZERS:
         known = ", ".join(sorted(_BPE_PRE_TOKENIZERS))
         raise PerfxError(f"{name} uses BPE pre-tokenizer {pre!r}, which perfx does not know; "
@@ -500,7 +634,7 @@ def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre:
     user_defined = _special_tokens(tokens, types, (TokenType.USER_DEFINED,))
     backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
     backend.add_tokens([AddedToken(token, special=False, normalized=False) for token in user_defined])
-    return _TokenizersEncoder(backend), add_bos
+    return backend, add_bos
 
 
 # -- Hugging Face directories --------------------------------------------------------------------------
@@ -596,8 +730,8 @@ def _hf_sentencepiece_parts(directory: Path, config: dict) -> dict:
             types += [TokenType.UNUSED] * (i + 1 - len(types))
             tokens[i] = _token_content(entry)
             types[i] = TokenType.CONTROL if entry.get("special", True) else TokenType.USER_DEFINED
-    specials = _special_tokens(tokens, types, _PARSED_FROM_TEXT)
-    return dict(encoder=_SentencePieceEncoder(processor, specials), tokens=tokens, types=types,
+    return dict(encoder=_SpecialTokenEncoder(processor.encode, tokens, types, backend=processor),
+                tokens=tokens, types=types,
                 byte_level=False, strip_leading_space=processor.normalize("x").startswith(_SPACE_MARKER),
                 bos_id=_non_negative(processor.bos_id()), eos_id=_non_negative(processor.eos_id()),
                 # Llama's slow tokenizer adds BOS unless tokenizer_config.json says otherwise.

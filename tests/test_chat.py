@@ -10,15 +10,21 @@ import subprocess
 import sys
 import termios
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
+from perfx.commands.chat import Chat
 from perfx.generate import common_prefix
+from perfx.serve.api import APIError, chat_prompt
 from perfx.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.one_implementation  # model-level: the default device only
+
+DATA = Path(__file__).parent / "data"
+NO_SWITCH_NOTE = "has no thinking switch (its chat template does not read enable_thinking); it answers as usual"
 
 STATS_LINE = re.compile(r"(\d+) tokens, TTFT \d+ ms, prefill [\d.]+ tok/s, decode [\d.]+ tok/s "
                         r"\([\d.]+ GB/s\)"
@@ -409,3 +415,67 @@ def test_generate_prints_no_compiler_output_unless_verbose(tiny, tmp_path):
                           "--ctx", "256", "hello"], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "CompilerWarning" not in run.stderr and "compiler output" not in run.stderr.lower(), run.stderr
+
+
+# -- the thinking switch: --no-think, /think, chat_template_kwargs ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3() -> Tokenizer:
+    """Qwen3's tokenizer (tests/data/vocab) with its own chat template, which reads enable_thinking."""
+    tokenizer = Tokenizer.from_gguf(DATA / "vocab" / "qwen3.gguf")
+    tokenizer.chat_template = (DATA / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text(encoding="utf-8")
+    return tokenizer
+
+
+class Source:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def describe(self):
+        return {"path": "qwen3.gguf"}
+
+
+def test_think_switch_in_chat(qwen3, capsys):
+    chat = Chat(model=None, source=Source(qwen3), sampling=None, max_tokens=8, system=None, interactive=False,
+                think=False)
+    question = [{"role": "user", "content": "2+2?"}]
+    # Thinking off: the reply starts after an empty <think> block, as Qwen3's template writes it.
+    assert qwen3.decode(chat.render(question)).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    chat.command("/think")
+    assert chat.think and capsys.readouterr().out == "thinking on; it applies from the next turn\n"
+    assert qwen3.decode(chat.render(question)).endswith("<|im_start|>assistant\n")
+    chat.command("/think off")
+    assert not chat.think
+    chat.command("/think maybe")
+    assert "/think takes on or off" in capsys.readouterr().err and not chat.think
+
+
+def test_no_think_on_a_model_without_the_switch_says_so(tiny):
+    run = run_piped(["--model", tiny, "--no-think", "--max-tokens", "4", "--seed", "1"], "/think\nhello\n")
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.count(NO_SWITCH_NOTE) == 2, run.stderr   # at the start, and at /think
+    assert len(STATS_LINE.findall(run.stderr)) == 1             # the turn itself goes on as usual
+    run = subprocess.run([sys.executable, "-m", "perfx", "generate", "--model", tiny, "--no-think",
+                          "--max-tokens", "2", "--ctx", "256", "hello"], capture_output=True, text=True,
+                         env=chat_env(), timeout=300)
+    assert run.returncode == 0 and NO_SWITCH_NOTE in run.stderr, run.stderr
+
+
+def test_help_documents_no_think():
+    for command in ("generate", "chat"):
+        run = subprocess.run([sys.executable, "-m", "perfx", command, "--help"], capture_output=True, text=True,
+                             env=chat_env(), timeout=60)
+        assert "--no-think" in run.stdout and "enable_thinking=false" in run.stdout.replace("\n", " ")
+
+
+def test_serve_chat_template_kwargs(qwen3):
+    body = {"messages": [{"role": "user", "content": "2+2?"}]}
+    ids, _ = chat_prompt(body, qwen3)
+    assert qwen3.decode(ids).endswith("<|im_start|>assistant\n")
+    ids, _ = chat_prompt({**body, "chat_template_kwargs": {"enable_thinking": False}}, qwen3)
+    assert qwen3.decode(ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    for kwargs, message in [("off", "must be an object"), ({"messages": []}, "may not set 'messages'")]:
+        with pytest.raises(APIError, match=message) as error:
+            chat_prompt({**body, "chat_template_kwargs": kwargs}, qwen3)
+        assert error.value.status == 400 and error.value.param == "chat_template_kwargs"

@@ -1,13 +1,19 @@
-"""Tokenizer tests: llama.cpp's ids for the default model, round trips, streaming, chat templates,
+"""Tokenizer tests: llama.cpp's ids for the default model and for the families phones run (Gemma 3, Qwen3,
+SmolLM3, Phi-4-mini, Phi-3), round trips, streaming, chat templates and their thinking switch, stop tokens,
 and SentencePiece tokenizers from a Hugging Face directory and from GGUF metadata."""
 
+import copy
+import functools
 import json
 import random
+from pathlib import Path
 
 import gguf
 import pytest
 import sentencepiece
 
+from perfx.config import gguf_field
+from perfx.generate import SamplingConfig, generate
 from perfx.sources.default import default_model_path
 from perfx.errors import PerfxError
 from perfx.tokenizer import CHATML_TEMPLATE, Tokenizer
@@ -286,3 +292,189 @@ def test_directory_without_tokenizer_lists_what_was_looked_for(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(PerfxError, match="tokenizer.json.*tokenizer.model"):
         Tokenizer.from_hf_dir(tmp_path)
+
+
+# -- the families phones run: llama.cpp's ids, BOS rules, stop tokens (tests/data/README.md) --------------
+
+DATA = Path(__file__).parent / "data"
+# fixture: (the token that ends a turn, whether a prompt gets a BOS, the BOS id)
+FAMILIES = {
+    "gemma3": ("<end_of_turn>", True, 2),
+    "qwen3": ("<|im_end|>", False, None),
+    "smollm3": ("<|im_end|>", False, None),
+    "phi4-mini": ("<|end|>", False, None),
+    "phi3": ("<|end|>", True, 1),
+    "llama-bpe": ("<|eot_id|>", True, 128000),
+}
+
+
+@functools.cache
+def family(name: str) -> tuple[Tokenizer, list[int], dict]:
+    """The fixture's tokenizer, the original id of each of its ids, and its cases with llama.cpp's ids."""
+    reader = gguf.GGUFReader(DATA / "vocab" / f"{name}.gguf")
+    original = [int(i) for i in gguf_field(reader, "perfx.original_token_ids")]
+    return Tokenizer.from_gguf(reader), original, json.loads((DATA / "vocab" / f"{name}.json").read_text())
+
+
+def original_ids(name: str, ids: list[int]) -> list[int]:
+    return [family(name)[1][i] for i in ids]
+
+
+def pruned_id(name: str, token: str) -> int:
+    tokenizer = family(name)[0]
+    return next(i for i in range(tokenizer.vocab_size) if tokenizer.token_text(i) == token)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_ids_are_llama_cpp_ids(name):
+    tokenizer, _, data = family(name)
+    for case in data["cases"]:
+        ids = tokenizer.encode(case["text"], add_bos=case["add_bos"] and tokenizer.add_bos_token,
+                               parse_special=case["parse_special"])
+        assert original_ids(name, ids) == case["ids"], case["text"]
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3", "smollm3", "phi4-mini"])
+def test_family_ids_decode_to_the_text(name):
+    tokenizer, _, data = family(name)
+    for case in data["cases"]:
+        ids = tokenizer.encode(case["text"], parse_special=case["parse_special"])
+        assert tokenizer.decode(ids) == case["text"]
+        assert "".join(tokenizer.stream(ids)) == case["text"]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_bos_rule(name):
+    tokenizer = family(name)[0]
+    _, adds_bos, bos = FAMILIES[name]
+    assert tokenizer.add_bos_token is adds_bos
+    if adds_bos:
+        assert original_ids(name, tokenizer.encode("Hi", add_bos=True))[0] == bos
+        # A template's leading BOS text stays the only BOS.
+        assert original_ids(name, tokenizer.encode(tokenizer.bos_token + "Hi", add_bos=True)).count(bos) == 1
+
+
+def test_gemma_has_no_space_prefix():
+    tokenizer = family("gemma3")[0]
+    first = tokenizer.encode("Hello world")
+    assert tokenizer.token_text(first[0]) == "Hello"            # no "▁Hello"
+    assert tokenizer.decode(first) == "Hello world"
+    turn = tokenizer.encode("<start_of_turn>user\nHi")
+    assert [tokenizer.token_text(i) for i in turn] == ["<start_of_turn>", "user", "\n", "Hi"]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_stop_ids_are_llama_cpp_s(name):
+    tokenizer, _, data = family(name)
+    end_of_turn = FAMILIES[name][0]
+    assert pruned_id(name, end_of_turn) in tokenizer.eos_ids
+    assert sorted(original_ids(name, sorted(tokenizer.eos_ids))) == data["eog"]
+
+
+def test_a_reply_ends_at_the_end_of_turn_token():
+    """generate() stops at Gemma's <end_of_turn> (its GGUF's eos id is <eos>): the token is neither kept nor
+    printed, and the reply is the text before it."""
+    tokenizer = family("gemma3")[0]
+    script = tokenizer.encode("Four.") + [pruned_id("gemma3", "<end_of_turn>")] + tokenizer.encode(" More")
+
+    class Scripted:
+        max_positions, weight_bytes, host_seconds = 64, 0, 0.0
+
+        def __init__(self):
+            self.next = iter(script)
+
+        def prefill(self, tokens, start_pos):
+            pass
+
+        def decode_one(self, token, pos):
+            pass
+
+        def argmax(self):
+            return next(self.next)
+
+    pieces = []
+    result = generate(Scripted(), tokenizer, tokenizer.encode("Hi"), 16, SamplingConfig(temperature=0),
+                      on_text=pieces.append)
+    assert result.text == "".join(pieces) == "Four."
+    assert result.stats.stop_reason == "eos" and result.ids == tokenizer.encode("Four.")
+
+
+def test_hf_generation_config_lists_every_stop_id(tiny_spm_dir, tmp_path):
+    # Gemma 3's generation_config.json: eos_token_id [1, 106], <eos> and <end_of_turn>; here </s> and <|im_end|>.
+    (tmp_path / "tokenizer.model").write_bytes((tiny_spm_dir / "tokenizer.model").read_bytes())
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(tiny_spm_dir / "tokenizer.model"))
+    end = processor.piece_to_id("<|im_end|>")
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, end]}))
+    assert {2, end} <= Tokenizer.from_hf_dir(tmp_path).eos_ids
+
+
+# -- chat templates of the families (tests/data/templates, as users download them) ------------------------
+
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi! Who are you?"},
+                {"role": "assistant", "content": "I am a model."}, {"role": "user", "content": "What is 2+2?"}]
+QWEN3 = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi! Who are you?<|im_end|>\n"
+         "<|im_start|>assistant\nI am a model.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+         "<|im_start|>assistant\n")
+SMOLLM3_HEADER = ("<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nReasoning Mode: {mode}\n\n"
+                  "## Custom Instructions\n\nBe brief.\n\n<|im_end|>\n"
+                  "<|im_start|>user\nHi! Who are you?<|im_end|>\n")
+GEMMA = ("<bos><start_of_turn>user\n{prefix}Hi! Who are you?<end_of_turn>\n<start_of_turn>model\nI am a model."
+         "<end_of_turn>\n<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n")
+# What transformers' apply_chat_template renders for CONVERSATION (Gemma 2: without its system message, which
+# its template refuses), read off each template's logic.
+RENDERED = [
+    ("gemma3", "google-gemma-3-4b-it.jinja", {}, GEMMA.format(prefix="Be brief.\n\n")),
+    ("gemma3", "google-gemma-2-2b-it.jinja", {}, GEMMA.format(prefix="")),
+    ("qwen3", "Qwen-Qwen3-0.6B.jinja", {}, QWEN3),
+    ("qwen3", "Qwen-Qwen3-0.6B.jinja", {"enable_thinking": False}, QWEN3 + "<think>\n\n</think>\n\n"),
+    ("smollm3", "HuggingFaceTB-SmolLM3-3B.jinja", {},
+     SMOLLM3_HEADER.format(mode="/think") + "<|im_start|>assistant\nI am a model.<|im_end|>\n"
+     "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"),
+    ("smollm3", "HuggingFaceTB-SmolLM3-3B.jinja", {"enable_thinking": False},
+     SMOLLM3_HEADER.format(mode="/no_think") + "<|im_start|>assistant\n<think>\n\n</think>\n"
+     "I am a model.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+     "<|im_start|>assistant\n<think>\n\n</think>\n"),
+    ("phi4-mini", "microsoft-Phi-4-mini-instruct.jinja", {},
+     "<|system|>Be brief.<|end|><|user|>Hi! Who are you?<|end|><|assistant|>I am a model.<|end|>"
+     "<|user|>What is 2+2?<|end|><|assistant|>"),
+    ("phi3", "microsoft-Phi-3.5-mini-instruct.jinja", {},
+     "<|system|>\nBe brief.<|end|>\n<|user|>\nHi! Who are you?<|end|>\n<|assistant|>\nI am a model.<|end|>\n"
+     "<|user|>\nWhat is 2+2?<|end|>\n<|assistant|>\n"),
+]
+
+
+def with_template(name: str, template: str) -> Tokenizer:
+    tokenizer = copy.copy(family(name)[0])
+    tokenizer.__dict__.pop("_compiled_chat_template", None)
+    tokenizer.chat_template = (DATA / "templates" / template).read_text(encoding="utf-8")
+    return tokenizer
+
+
+@pytest.mark.parametrize("name, template, kwargs, expected", RENDERED,
+                         ids=[f"{r[1]}-{'no-think' if r[2] else 'default'}" for r in RENDERED])
+def test_family_templates_render_as_transformers_does(name, template, kwargs, expected):
+    tokenizer = with_template(name, template)
+    messages = CONVERSATION[1:] if "gemma-2" in template else CONVERSATION
+    assert tokenizer.apply_chat_template(messages, **kwargs) == expected
+    assert tokenizer.has_thinking_switch is ("Qwen3" in template or "SmolLM3" in template)
+    # The turns' ends are single ids, one a turn: the template's text and the vocabulary agree.
+    ids = tokenizer.encode(expected)
+    turns = [m for m in messages if m["role"] != "system" or name != "gemma3"]   # Gemma's system joins a turn
+    assert ids.count(pruned_id(name, FAMILIES[name][0])) == len(turns)
+
+
+def test_a_template_without_system_role_gets_the_system_prompt_in_the_first_message():
+    # Gemma 2's template raises on a system message; llama.cpp then joins it to the next message.
+    tokenizer = with_template("gemma3", "google-gemma-2-2b-it.jinja")
+    assert tokenizer.apply_chat_template(CONVERSATION) == GEMMA.format(prefix="Be brief.\n")
+    with pytest.raises(PerfxError, match="Conversation roles must alternate"):
+        tokenizer.apply_chat_template(CONVERSATION[1:2] * 2)
+
+
+def test_generation_tag_renders_its_body():
+    # SmolLM3's own template marks assistant turns with transformers' {% generation %} tag.
+    tokenizer = with_template("smollm3", "HuggingFaceTB-SmolLM3-3B.jinja")
+    tokenizer.chat_template = ("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
+                               "{{ m.content }}{% set inner = 1 %}{% endgeneration %}{% else %}{{ m.content }}"
+                               "{% endif %}|{% endfor %}")
+    assert tokenizer.apply_chat_template(CONVERSATION[1:3]) == "Hi! Who are you?|I am a model.|"

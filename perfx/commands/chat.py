@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 from perfx.commands.options import (add_model_options, add_sampling_options, add_system_option,
-                                    load_model_from_args, log, sampling_config, system_prompt)
+                                    add_thinking_option, load_model_from_args, log, no_thinking_switch_note,
+                                    sampling_config, system_prompt, thinking_kwargs)
 from perfx.errors import PerfxError
 from perfx.generate import common_prefix, generate
 from perfx.model import host_peak_bytes
@@ -25,6 +26,7 @@ HELP = """commands:
   /help           this list
   /reset          start a new conversation (the system prompt stays)
   /system TEXT    set the system prompt (it applies from the next turn); /system alone shows it
+  /think [on|off] thinking before answering (Qwen3, SmolLM3); /think alone switches it
   /stats          device, model, context used, TTFT, prefill and decode speed, memory
   /save FILE      write the conversation as JSON
   /quit           leave (Ctrl-D or Ctrl-C at the prompt too)
@@ -33,10 +35,11 @@ A line starting with // is sent as text with one / removed."""
 
 
 def add_arguments(parser):
-    """The options of `perfx chat`: model, sampling, --system."""
+    """The options of `perfx chat`: model, sampling, --system, --no-think."""
     add_model_options(parser)
     add_sampling_options(parser)
     add_system_option(parser)
+    add_thinking_option(parser)
 
 
 def main(args) -> int:
@@ -50,16 +53,22 @@ def main(args) -> int:
     if source.tokenizer is None:
         raise PerfxError(f"{args.model} has no tokenizer: `perfx chat` needs one (synthetic models are for "
                          "`perfx bench`)")
-    chat = Chat(model, source, sampling, args.max_tokens, system_prompt(args), interactive)
+    chat = Chat(model, source, sampling, args.max_tokens, system_prompt(args), interactive, think=not args.no_think)
+    if args.no_think and not source.tokenizer.has_thinking_switch:
+        chat.note(no_thinking_switch_note(chat.model_name))
     return chat.loop()
 
 
 class Chat:
     """One conversation: the messages, the ids in the KV cache, and the stats of every reply."""
 
-    def __init__(self, model, source, sampling, max_tokens: int, system: str | None, interactive: bool):
+    think = True  # thinking before answering, where the template has the switch (/think, --no-think)
+
+    def __init__(self, model, source, sampling, max_tokens: int, system: str | None, interactive: bool,
+                 think: bool = True):
         self.model, self.source, self.tokenizer = model, source, source.tokenizer
         self.sampling, self.max_tokens, self.system = sampling, max_tokens, system
+        self.think = think
         self.interactive = interactive
         self.colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
         self.messages: list[dict] = []   # user and assistant turns; the system prompt is kept apart
@@ -113,7 +122,8 @@ class Chat:
 
     def render(self, messages: list[dict]) -> list[int]:
         system = [{"role": "system", "content": self.system}] if self.system is not None else []
-        text = self.tokenizer.apply_chat_template(system + messages, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(system + messages, add_generation_prompt=True,
+                                                  **thinking_kwargs(self.tokenizer, self.think))
         return self.tokenizer.encode(text, add_bos=self.tokenizer.add_bos_token)
 
     def fit(self, ids: list[int]) -> list[int] | None:
@@ -199,6 +209,8 @@ class Chat:
             else:
                 print(f"system prompt: {self.system}" if self.system is not None
                       else "no system prompt of our own (the model's chat template decides)")
+        elif name == "/think":
+            self.switch_thinking(rest)
         elif name == "/stats":
             print(self.stats_text())
         elif name == "/save":
@@ -210,6 +222,16 @@ class Chat:
             self.note(f"perfx: unknown command {name}; /help lists the commands")
         sys.stdout.flush()
         return None
+
+    def switch_thinking(self, rest: str):
+        if rest not in ("", "on", "off"):
+            self.note("perfx: error: /think takes on or off: /think on, /think off, or /think to switch")
+            return
+        if not self.tokenizer.has_thinking_switch:
+            self.note(no_thinking_switch_note(self.model_name))
+            return
+        self.think = not self.think if not rest else rest == "on"
+        print(f"thinking {'on' if self.think else 'off'}; it applies from the next turn")
 
     def stats_text(self) -> str:
         caps, report, replies = self.model.device.caps, self.model.load_report, self.replies

@@ -6,7 +6,8 @@ import json
 import sys
 
 from perfx.commands.options import (add_model_options, add_sampling_options, add_system_option,
-                                    load_model_from_args, log, sampling_config, system_prompt)
+                                    add_thinking_option, load_model_from_args, log, no_thinking_switch_note,
+                                    sampling_config, system_prompt, thinking_kwargs)
 from perfx.errors import PerfxError
 from perfx.generate import generate
 
@@ -17,6 +18,7 @@ def add_arguments(parser):
     add_sampling_options(parser)
     parser.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     add_system_option(parser)
+    add_thinking_option(parser)
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
                         help="stop when this text appears (repeatable); it is not printed")
     parser.add_argument("--json", action="store_true", help="print text, token ids and stats as JSON")
@@ -35,7 +37,10 @@ def main(args) -> int:
     else:
         system = system_prompt(args)
         messages = [{"role": "system", "content": system}] if system else []
-        text = tokenizer.apply_chat_template(messages + [{"role": "user", "content": args.prompt}])
+        if args.no_think and not tokenizer.has_thinking_switch:
+            log(no_thinking_switch_note(args.model))
+        text = tokenizer.apply_chat_template(messages + [{"role": "user", "content": args.prompt}],
+                                             **thinking_kwargs(tokenizer, think=not args.no_think))
     prompt_ids = tokenizer.encode(text, add_bos=tokenizer.add_bos_token)
     stream = None if args.json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
     result = generate(model, tokenizer, prompt_ids, args.max_tokens, sampling, stop_strings=args.stop,

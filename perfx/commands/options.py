@@ -75,6 +75,27 @@ def add_system_option(parser):
     parser.add_argument("--system", default=DEFAULT_SYSTEM, metavar="TEXT", help=SYSTEM_HELP)
 
 
+NO_THINK_HELP = ("answer without thinking first: the chat template is rendered with enable_thinking=false, so "
+                 "Qwen3 and SmolLM3 skip their <think> block (as `enable_thinking` in Hugging Face's "
+                 "apply_chat_template and `chat_template_kwargs` in llama-server); a model whose template has no "
+                 "such switch answers as usual, and a note says so")
+
+
+def add_thinking_option(parser):
+    parser.add_argument("--no-think", action="store_true", help=NO_THINK_HELP)
+
+
+def thinking_kwargs(tokenizer, think: bool) -> dict:
+    """The chat template's variables for thinking on or off: {"enable_thinking": False} to turn it off where the
+    template reads that switch, else nothing (thinking on is every template's default)."""
+    return {} if think or not tokenizer.has_thinking_switch else {"enable_thinking": False}
+
+
+def no_thinking_switch_note(model_name: str) -> str:
+    return (f"perfx: note: {model_name} has no thinking switch (its chat template does not read enable_thinking); "
+            "it answers as usual")
+
+
 def system_prompt(args) -> str | None:
     """The system prompt of --system, None for '' (the chat template's own default)."""
     return args.system or None

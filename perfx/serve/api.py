@@ -187,11 +187,23 @@ def chat_prompt(body: dict, tokenizer) -> tuple[list[int], list[dict]]:
                            param=f"{where}.role", code="invalid_value")
         rendered.append({"role": ROLES[role], "content": message_text(message.get("content"), role, where)})
     try:
-        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True,
+                                             **template_kwargs(body))
         # As `perfx chat`: the model's own BOS setting (a template that writes the BOS text keeps one BOS).
         return tokenizer.encode(text, add_bos=tokenizer.add_bos_token), rendered
     except PerfxError as error:  # a template that refuses the conversation, text that is not UTF-8
         raise APIError(400, str(error), param="messages", code="invalid_value") from None
+
+
+def template_kwargs(body: dict) -> dict:
+    """`chat_template_kwargs`: more variables for the chat template, as vLLM's and llama.cpp's servers take them
+    ({"enable_thinking": false} turns Qwen3's and SmolLM3's thinking off); the template is sandboxed."""
+    kwargs = value_of(body, "chat_template_kwargs", (dict,), "an object") or {}
+    for name in kwargs:
+        if name in ("messages", "add_generation_prompt"):
+            raise APIError(400, f"'chat_template_kwargs' may not set '{name}': the request's own fields give it",
+                           param="chat_template_kwargs", code="invalid_value")
+    return kwargs
 
 
 def message_text(content, role: str, where: str) -> str:

@@ -17,7 +17,6 @@ from perfx.tuning import database as dbmod
 from perfx.tuning.database import (FORMAT, Database, TuningDatabaseWarning, fingerprint_slug, merge, results_json,
                                    source_hash)
 from perfx.resources import write_json_atomic
-from perfx.tuning.tuner import Tuner
 from toy_tuning import Toy, quiet_tuner
 
 pytestmark = pytest.mark.one_implementation  # model-level: the default device only

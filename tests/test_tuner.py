@@ -17,7 +17,7 @@ from perfx.model import load_model
 from perfx.tuning.database import (M_BUCKETS, Database, bucket_representative, default_database, m_bucket,
                                    params_key, result_record)
 from perfx.tuning.problems import _fits, model_problems
-from perfx.tuning.tuner import Tuner, neighbours
+from perfx.tuning.tuner import neighbours
 from toy_tuning import Toy, quiet_tuner
 
 pytestmark = pytest.mark.one_implementation  # model-level: the default device only
@@ -155,13 +155,13 @@ def test_problems_of_a_model_fit_the_specs(name):
 
 
 def test_a_gelu_mlp_tunes_the_geglu_epilogue_and_op():
-    """A config whose ffn_activation is "gelu" (Gemma) runs its gate-up with gelu_mul, on every path, and the
-    unfused GeGLU; without the field it is SwiGLU; an activation perfx has not is an error."""
+    """A config whose ffn_activation is "gelu_tanh" (Gemma) runs its gate-up with gelu_mul, on every path, and
+    the unfused GeGLU; "silu" is SwiGLU; an activation perfx has not is an error."""
     config = copy.copy(SYNTHETIC_MODELS["smollm2-135m"][0])
-    assert not hasattr(config, "ffn_activation")
-    silu, _ = model_problems(config, specs())
-    config.ffn_activation = "gelu"
-    gelu, _ = model_problems(config, specs())
+    assert config.ffn_activation == "silu"
+    silu, _ = model_problems(config, SPECS)
+    config.ffn_activation = "gelu_tanh"
+    gelu, _ = model_problems(config, SPECS)
     for problems, epilogue, glu in ((silu, "silu_mul", "swiglu"), (gelu, "gelu_mul", "geglu")):
         gate_up = [p for p in problems if p.label == "gate_up"]
         assert gate_up and {p.shape["epilogue"] for p in gate_up} == {epilogue}
@@ -171,7 +171,7 @@ def test_a_gelu_mlp_tunes_the_geglu_epilogue_and_op():
             assert _fits(SPECS[problem.family], problem.shape) is None
     config.ffn_activation = "relu2"
     with pytest.raises(PerfxError, match="FFN activation 'relu2' has no fused gate-up epilogue"):
-        model_problems(config, specs())
+        model_problems(config, SPECS)
 
 
 def test_problems_skip_a_family_whose_shapes_have_other_keys():

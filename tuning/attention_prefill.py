@@ -13,7 +13,7 @@ import numpy as np
 from perfx import reference
 from perfx.ops.attention_prefill import PARAMS, AttentionPrefill
 from perfx.ops.kv_cache import KVCache
-from perfx.tuning.attention_decode import LAYER, LAYERS, THETA, Features, describe_features
+from perfx.tuning.attention_decode import LAYER, LAYERS, Features, describe_features
 from perfx.tuning.spec import Case, Spec, cached_per_params
 
 

@@ -84,7 +84,7 @@ class ModelConfig:
     qkv_bias: bool = False              # Qwen2 has biases on the Q, K and V projections
     sliding_window: int = 0             # the window of the layers that have one (0: none)
     # -- the recipe (defaults: Llama's) --
-    rotary_dims: int = 0                # dimensions of each head RoPE rotates (0: all; Phi-4-mini 96 of 128)
+    rotary_dims: int = 0                # dimensions of each head RoPE rotates (0 given: all; Phi-4-mini 96 of 128)
     qk_norm: bool = False               # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
     post_norms: bool = False            # RMSNorm on the attention and FFN outputs before each residual add (Gemma)
     ffn_activation: str = "silu"        # the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
@@ -106,6 +106,7 @@ class ModelConfig:
         rotary = self.rotary_dims or self.head_dim
         if rotary % 2 or not 0 < rotary <= self.head_dim:
             raise PerfxError(f"the rotary dimensions ({rotary}) must be even and at most head_dim = {self.head_dim}")
+        self.rotary_dims = rotary
         if self.ffn_activation not in FFN_ACTIVATIONS:
             raise PerfxError(f"FFN activation {self.ffn_activation!r} is not supported ({', '.join(FFN_ACTIVATIONS)})")
         if not self.layers:
@@ -157,7 +158,7 @@ class ModelConfig:
         bases = sorted({r.rope.theta for r in self.layers if r.rope is not None})
         if len(bases) > 1:
             parts.append("RoPE bases " + "/".join(f"{b:g}" for b in bases))
-        if self.rotary_dims and self.rotary_dims != self.head_dim:
+        if self.rotary_dims != self.head_dim:
             parts.append(f"rotary {self.rotary_dims}/{self.head_dim}")
         if self.attention_scale:
             parts.append(f"attention scale {self.attention_scale:.4g}")

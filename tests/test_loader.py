@@ -386,8 +386,8 @@ def test_shape_contradicting_config(gqa3, tmp_path):
 
 
 def test_unsupported_gguf_architecture(spm, tmp_path):
-    path = write_tokenizer_only_gguf(tmp_path / "phi3.gguf", spm, arch="phi3")
-    with pytest.raises(PerfxError, match=r"GGUF architecture 'phi3' is not supported.*llama, qwen2"):
+    path = write_tokenizer_only_gguf(tmp_path / "rwkv7.gguf", spm, arch="rwkv7")
+    with pytest.raises(PerfxError, match=r"GGUF architecture 'rwkv7' is not supported.*llama, qwen2, qwen3, gemma2"):
         open_model(path)
 
 
@@ -468,7 +468,7 @@ def test_gguf_rope_freqs_are_llama3_scaling_as_llama_cpp_applies_it(gqa3, tmp_pa
 
 
 @pytest.mark.parametrize("values, message", [
-    (np.ones(31, np.float32), r"rope_freqs.weight has 31 values, but RoPE over head_dim 64 needs one per "
+    (np.ones(31, np.float32), r"rope_freqs.weight has 31 values, but RoPE over 64 dimensions needs one per "
                               r"dimension pair, 32"),
     (np.r_[np.ones(31), -1.0].astype(np.float32), "not a positive finite number"),
     (np.r_[np.ones(31), np.nan].astype(np.float32), "not a positive finite number"),

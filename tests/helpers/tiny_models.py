@@ -247,6 +247,20 @@ def quantize_gguf(w: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
     return raw, quants.dequantize(raw, qtype).astype(np.float64)
 
 
+def encode_tensor(w: np.ndarray, kind: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType | None, np.ndarray]:
+    """(array for GGUFWriter.add_tensor, its raw_dtype or None for a plain float array, the float64 it holds)."""
+    if kind == "F16":
+        return w.astype(np.float16), None, w.astype(np.float16).astype(np.float64)
+    if kind == "F32":
+        return w.astype(np.float32), None, w.astype(np.float32).astype(np.float64)
+    if kind == "BF16":
+        raw = quants.quantize(np.ascontiguousarray(w, dtype=np.float32), gguf.GGMLQuantizationType.BF16)
+        return raw, gguf.GGMLQuantizationType.BF16, quants.dequantize(raw, gguf.GGMLQuantizationType.BF16).astype(
+            np.float64)
+    raw, held = quantize_gguf(w, kind)
+    return raw, gguf.GGMLQuantizationType[kind], held
+
+
 GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
               "mlp.down_proj": "ffn_down"}
@@ -313,19 +327,8 @@ def write_gguf(path: Path, model: TinyModel, layer_types=None, embedding_type: s
             written.types[hf_name] = qtype.name
             return
         written.types[hf_name] = kind
-        if kind == "F16":
-            held = w.astype(np.float16).astype(np.float64)
-            writer.add_tensor(gguf_name, w.astype(np.float16))
-        elif kind == "BF16":
-            raw = quants.quantize(np.ascontiguousarray(w, dtype=np.float32), gguf.GGMLQuantizationType.BF16)
-            held = quants.dequantize(raw, gguf.GGMLQuantizationType.BF16).astype(np.float64)
-            writer.add_tensor(gguf_name, raw, raw_dtype=gguf.GGMLQuantizationType.BF16)
-        elif kind == "F32":
-            held = w.astype(np.float32).astype(np.float64)
-            writer.add_tensor(gguf_name, w.astype(np.float32))
-        else:
-            raw, held = quantize_gguf(w, kind)
-            writer.add_tensor(gguf_name, raw, raw_dtype=gguf.GGMLQuantizationType[kind])
+        data, raw_dtype, held = encode_tensor(w, kind)
+        writer.add_tensor(gguf_name, data, raw_dtype=raw_dtype)
         if permute_heads:      # back to HF order: what the loader must give
             held = unpermute_qk(held, permute_heads)
         written.weights[hf_name] = held

@@ -31,13 +31,16 @@ def tiny_corpus(lines: int = 2000, seed: int = 0) -> list[str]:
     return sentences + extras
 
 
-def train_tiny_spm(directory: str | Path, vocab_size: int = 400) -> Path:
-    """Train the tiny model and write it as directory/tokenizer.model; returns that path."""
+def train_tiny_spm(directory: str | Path, vocab_size: int = 400, add_dummy_prefix: bool = True) -> Path:
+    """Train the tiny model and write it as directory/tokenizer.model; returns that path.
+
+    ``add_dummy_prefix`` False gives Gemma's kind of tokenizer.model (no "▁" put before the text).
+    """
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter(tiny_corpus()), model_writer=model, vocab_size=vocab_size,
         model_type="bpe", byte_fallback=True, character_coverage=1.0,
-        normalization_rule_name="identity", remove_extra_whitespaces=False,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=add_dummy_prefix,
         user_defined_symbols=list(USER_DEFINED_SYMBOLS), num_threads=1, minloglevel=2,
     )
     path = Path(directory) / "tokenizer.model"

@@ -1,0 +1,487 @@
+"""Tiny random models of the 2026 phone families, written as the real tools write them.
+
+Families (``FAMILIES``): "gemma3" (Hugging Face model_type gemma3_text), "gemma2", "qwen3", "phi3" (shaped like
+Phi-4-mini: partial rotary 0.75, LongRoPE, a sliding window in the config) and "smollm3". Each is a
+``TinyModel`` (helpers.tiny_models): ``config`` is the config.json transformers reads, ``weights`` the tensors
+of model.safetensors under transformers' names and in its layout. Two writers turn it into files:
+
+- ``write_family_gguf``: a GGUF as llama.cpp's ``convert_hf_to_gguf.py`` writes that architecture from the
+  Hugging Face directory, then with the tensor types llama-quantize would leave (any mix of F32, F16, BF16,
+  Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and Q4_K, Q5_K, Q6_K where rows are multiples of 256). Tensor names come
+  from gguf-py's own map (``gguf.get_tensor_name_map``), the vocabulary from the converter's SentencePiece
+  path and gguf-py's ``SpecialVocab`` run on the directory ``write_family_hf`` would write.
+- ``write_family_hf``: that directory (config.json, model.safetensors, tokenizer.model, tokenizer_config.json
+  with the family's BOS rule, generation_config.json). ``style="hub"`` gives config.json as the published
+  checkpoints have it; ``style="transformers5"`` as transformers 5's save_pretrained writes it (rope_parameters,
+  layer_types).
+
+``benchmarks/families_llamacpp.py --check`` checks both against the tools: the real converter turns
+write_family_hf's directory (either style) into write_family_gguf's file key for key and byte for byte, and
+transformers on that directory gives llama.cpp's logits on the file.
+
+The converter is in llama.cpp's conversion/ package (llama.cpp as vendored by llama-cpp-python 0.3.36):
+``base.py`` TextModel (the common keys, ``_create_vocab_sentencepiece``, 1-D and ``*_norm`` tensors F32),
+``gemma.py`` Gemma2Model / Gemma3Model, ``qwen.py`` Qwen3Model(Qwen2Model), ``phi.py`` Phi3MiniModel,
+``llama.py`` SmolLM3Model(LlamaModel). How llama.cpp reads each is in src/models/<arch>.cpp.
+
+gemma3 (Gemma3Model; transformers models/gemma3, Gemma3TextConfig)
+  GGUF: TextModel's keys plus ``gemma3.attention.key_length`` / ``value_length`` = head_dim,
+  ``gemma3.rope.freq_base`` = rope_theta (global layers), ``gemma3.rope.freq_base_swa`` = rope_local_base_freq,
+  ``gemma3.attention.sliding_window`` (unless sliding_window_pattern is 1), ``final_logit_softcapping`` only
+  when set, ``rope.scaling.type`` linear + ``rope.scaling.factor`` when rope_scaling is linear. No sliding
+  window pattern key: llama.cpp's gemma3.cpp takes period 6 (``load_swa_pattern(ml, 6)``: layer il is
+  global when il % 6 == 5), as transformers' layer_types does ((i + 1) % 6 == 0 is full attention).
+  Every ``*norm.weight`` is stored + 1 (Gemma3RMSNorm multiplies by 1 + w), q_norm / k_norm included;
+  tensors attn_q_norm, attn_k_norm, post_attention_norm, ffn_norm (= pre_feedforward_layernorm),
+  post_ffw_norm; no Q/K permutation (NEOX rope); tied (no output.weight); add_space_prefix false, and the
+  tokenizer.model has no dummy prefix, as Gemma's. llama.cpp scales queries by 1/sqrt(key_length) (1/sqrt(
+  hidden/heads) only for the 62-layer 27B) and ignores query_pre_attn_scalar, so config.json says
+  query_pre_attn_scalar = head_dim as the 1B/4B/12B checkpoints do; embeddings are scaled by sqrt(hidden).
+  A sliding layer at position p sees p - W + 1 .. p in both (LLAMA_SWA_TYPE_STANDARD). llama.cpp's CPU GELU
+  reads an fp16 table, so its Gemma logits sit about 1e-2 from an exact forward even on an F32 file.
+gemma2 (Gemma2Model; models/gemma2)
+  GGUF: context, embedding, block count, feed forward, heads, kv heads, rms eps, key_length / value_length,
+  ``gemma2.attn_logit_softcapping``, ``gemma2.final_logit_softcapping``, ``gemma2.attention.sliding_window``;
+  no rope.freq_base at all (llama.cpp's default 10000 = Gemma 2's rope_theta). llama.cpp's gemma2.cpp:
+  sliding layers are the even ones (pattern 2), output is always token_embd, scores are capped
+  (tanh(s / cap) * cap) after the 1/sqrt(key_length) scale, logits after the lm_head. Norms + 1 as gemma3,
+  no q/k norms, lm_head dropped by the converter.
+qwen3 (Qwen3Model; models/qwen3)
+  GGUF: TextModel's keys (rope.freq_base, key_length / value_length = head_dim, no rope.dimension_count:
+  llama.cpp then rotates key_length dims); attn_q_norm / attn_k_norm (plain w); no permutation (NEOX);
+  output.weight only when not tied. head_dim != hidden / heads here, as in every Qwen3.
+phi3 (Phi3MiniModel; models/phi3)
+  GGUF: context = max_position_embeddings, ``phi3.rope.scaling.original_context_length``, ``phi3.rope.
+  dimension_count`` = int(partial_rotary_factor * hidden) // heads, ``phi3.rope.freq_base``, ``phi3.attention.
+  sliding_window`` (0 when null), ``phi3.rope.scaling.attn_factor`` = sqrt(1 + ln(s) / ln(original)) with
+  s = max / original, and F32 tensors rope_factors_long.weight / rope_factors_short.weight (rope dims / 2
+  each); no rope.scaling.type key (Phi3MiniModel does not call TextModel's). Fused attn_qkv (q, k, v rows)
+  and ffn_up = gate_up_proj (gate rows first), no permutation (NEOX, the first rope dims rotated). llama.cpp
+  (phi3.cpp, llama_model::get_rope_factors) takes the long factors when the context it was opened with
+  (n_ctx, padded to 256) exceeds original_context_length, the short ones otherwise, for every position, and
+  disables the sliding window; transformers picks by the longest position seen. The attn_factor scales
+  cos and sin in both cases. A general.name holding "phi3" or "phi-3" makes llama.cpp's vocab loader
+  look up Phi-3's own pieces (<|endoftext|>) and fail without them, so the file is named as Phi-4-mini.
+smollm3 (SmolLM3Model = LlamaModel with arch smollm3; models/smollm3)
+  GGUF: TextModel's keys plus vocab_size and rope.dimension_count (head_dim); Q/K rows permuted as for
+  Llama (undo_permute). Nothing marks the NoPE layers: llama.cpp's smollm3.cpp hard-codes
+  n_no_rope_layer_step = 4 (layer il skips RoPE when (il + 1) % 4 == 0), which is transformers'
+  no_rope_layers (1 = rope) for no_rope_layer_interval 4, so a tiny SmolLM3 needs at least 4 layers.
+
+BOS (tokenizer_config.json add_bos_token, written to the GGUF by SpecialVocab): true for the Gemmas, false
+for Qwen3, Phi-3 and SmolLM3, as their published tokenizers say. The tokenizer is the tiny SentencePiece one
+for every family (the real Qwen3, SmolLM3 and Phi-4-mini ones are BPE; the converter's SentencePiece path
+takes any tokenizer.model first); the pieces listed in added_tokens_decoder (unknown, control,
+user-defined) are CONTROL in the GGUF. The chat template is the tiny tokenizer's ChatML one for every family.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+from pathlib import Path
+
+import gguf
+import numpy as np
+import sentencepiece
+
+from helpers.tiny_models import CHAT_TEMPLATE, GGUFWritten, TinyModel, encode_tensor, write_hf
+from helpers.tiny_tokenizer import piece_types, train_tiny_spm
+from perfx.reference import permute_qk, unpermute_qk
+
+# The tiny shapes. Every row length is a multiple of 32 (Q4_0 / Q8_0 blocks); intermediate 256 lets ffn_down
+# hold K-quants (rows of 256). GQA everywhere; head_dim != hidden / heads where the family allows it (Gemma,
+# Qwen3); Phi-3 and SmolLM3 have no head_dim of their own (llama.cpp's phi3 needs heads * head_dim = hidden).
+# Windows of 8 are shorter than a test prompt, so sliding layers differ from global ones; Gemma 2's attention
+# cap is 10 rather than its 50, which these scores (about O(1)) would never reach: a missing cap shows.
+FAMILIES = {
+    "gemma3": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
+                   num_key_value_heads=1, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6,
+                   rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, sliding_window=8,
+                   sliding_window_pattern=6, rope_scaling=None, final_logit_softcapping=None,
+                   tie_word_embeddings=True),
+    "gemma2": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6,
+                   rope_theta=10_000.0, sliding_window=8, attn_logit_softcapping=10.0,
+                   final_logit_softcapping=30.0, tie_word_embeddings=True),
+    "qwen3": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6,
+                  rope_theta=1_000_000.0, tie_word_embeddings=True),
+    "phi3": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=1024, original_max_position_embeddings=256,
+                 partial_rotary_factor=0.75, rms_norm_eps=1e-5, rope_theta=10_000.0, sliding_window=1024,
+                 tie_word_embeddings=True),
+    "smollm3": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+                    rope_theta=5_000_000.0, no_rope_layer_interval=4, tie_word_embeddings=True),
+}
+
+MODEL_TYPE = {"gemma3": "gemma3_text", "gemma2": "gemma2", "qwen3": "qwen3", "phi3": "phi3", "smollm3": "smollm3"}
+ARCHITECTURES = {"gemma3": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+GEMMAS = ("gemma3", "gemma2")
+ADD_BOS = {"gemma3": True, "gemma2": True, "qwen3": False, "phi3": False, "smollm3": False}
+
+# Per-layer tensor types, cycled over the layers: Q4_0 and Q8_0 on rows of 64 / 128, K-quants on ffn_down.
+DEFAULT_TYPES = [
+    {"q": "Q4_0", "k": "Q8_0", "v": "Q8_0", "o": "Q4_0", "gate": "Q4_0", "up": "Q8_0", "down": "Q4_K"},
+    {"q": "Q8_0", "k": "Q4_0", "v": "Q4_0", "o": "Q8_0", "gate": "Q8_0", "up": "Q4_0", "down": "Q6_K"},
+]
+DEFAULT_PHI3_TYPES = [
+    {"qkv": "Q8_0", "o": "Q4_0", "gate_up": "Q4_0", "down": "Q4_K"},
+    {"qkv": "Q4_0", "o": "Q8_0", "gate_up": "Q8_0", "down": "Q6_K"},
+]
+F32_TYPES = [{k: "F32" for k in ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up")}]
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def family_tokenizer(directory: Path, family: str) -> Path:
+    """The tiny SentencePiece model for ``family`` (Gemma's kind: no dummy prefix), trained once per directory."""
+    prefix = family not in GEMMAS
+    path = Path(directory) / ("spm" if prefix else "spm-no-prefix") / "tokenizer.model"
+    return path if path.is_file() else train_tiny_spm(path.parent, add_dummy_prefix=prefix)
+
+
+def rope_dims(config: dict) -> int:
+    """The dimensions RoPE rotates per head, as llama.cpp's converter computes them."""
+    if config["model_type"] == "phi3":
+        return int(config["partial_rotary_factor"] * config["hidden_size"]) // config["num_attention_heads"]
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def make_family_model(family: str, tokenizer_model: Path, rng: np.random.Generator, logit_std: float = 4.0,
+                      embed_rms: float = 0.05, **overrides) -> TinyModel:
+    """Random weights of the tiny ``FAMILIES[family]`` shape (``overrides`` change its entries).
+
+    Each matrix is N(0, 1/K), so every layer adds O(1) to the residual stream; the embeddings enter it at
+    rms ``embed_rms`` (after Gemma's sqrt(hidden)), small beside the layers' sum, so a tied model does not
+    just predict its input token again; the final norm (tied) or lm_head sets the logits' spread to about
+    ``logit_std``, so the top logit stands clear of the next and greedy decoding is not decided by
+    rounding. Gemma norms hold w where the model multiplies by 1 + w.
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}: one of {', '.join(FAMILIES)}")
+    shape = dict(FAMILIES[family], **overrides)
+    vocab = sentencepiece.SentencePieceProcessor(model_file=str(tokenizer_model)).get_piece_size()
+    config = _hub_config(family, shape, vocab, rng)
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    gemma = family in GEMMAS
+
+    def matrix(n, k):
+        return (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+
+    def norm(n, scale=1.0):
+        w = scale * (1 + 0.1 * rng.standard_normal(n))
+        return (w - 1 if gemma else w).astype(np.float32)
+
+    embed_std = embed_rms / np.sqrt(hidden) if gemma else embed_rms
+    w = {"model.embed_tokens.weight": (embed_std * rng.standard_normal((vocab, hidden))).astype(np.float32)}
+    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = norm(hidden)
+        w[p + "post_attention_layernorm.weight"] = norm(hidden)
+        if gemma:
+            w[p + "pre_feedforward_layernorm.weight"] = norm(hidden)
+            w[p + "post_feedforward_layernorm.weight"] = norm(hidden)
+        if family in ("gemma3", "qwen3"):
+            w[p + "self_attn.q_norm.weight"] = norm(head_dim)
+            w[p + "self_attn.k_norm.weight"] = norm(head_dim)
+        if family == "phi3":
+            w[p + "self_attn.qkv_proj.weight"] = matrix(q_dim + 2 * kv_dim, hidden)
+            w[p + "mlp.gate_up_proj.weight"] = matrix(2 * inter, hidden)
+        else:
+            w[p + "self_attn.q_proj.weight"] = matrix(q_dim, hidden)
+            w[p + "self_attn.k_proj.weight"] = matrix(kv_dim, hidden)
+            w[p + "self_attn.v_proj.weight"] = matrix(kv_dim, hidden)
+            w[p + "mlp.gate_proj.weight"] = matrix(inter, hidden)
+            w[p + "mlp.up_proj.weight"] = matrix(inter, hidden)
+        w[p + "self_attn.o_proj.weight"] = matrix(hidden, q_dim)
+        w[p + "mlp.down_proj.weight"] = matrix(hidden, inter)
+    # logits = rmsnorm(h) * g . row: spread g * |row|, |row| = embed_std * sqrt(hidden) when tied
+    tied = config["tie_word_embeddings"]
+    w["model.norm.weight"] = norm(hidden, logit_std / (embed_std * np.sqrt(hidden)) if tied else 1.0)
+    if not tied:
+        w["lm_head.weight"] = logit_std * matrix(vocab, hidden)
+    return TinyModel(config, w, Path(tokenizer_model), extra={"family": family})
+
+
+def _hub_config(family: str, shape: dict, vocab: int, rng: np.random.Generator) -> dict:
+    """config.json as the family's published checkpoints have it, at the tiny shape."""
+    s = dict(shape)
+    layers = s["num_hidden_layers"]
+    common = {"architectures": [ARCHITECTURES[family]], "model_type": MODEL_TYPE[family], "vocab_size": vocab,
+              "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None, "attention_bias": False,
+              "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True, "torch_dtype": "bfloat16"}
+    if family == "gemma3":
+        extra = {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": s["head_dim"],
+                 "attn_logit_softcapping": None, "cache_implementation": "hybrid"}
+    elif family == "gemma2":
+        extra = {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+                 "query_pre_attn_scalar": s["head_dim"], "cache_implementation": "hybrid"}
+    elif family == "qwen3":
+        extra = {"hidden_act": "silu", "rope_scaling": None, "sliding_window": None, "use_sliding_window": False,
+                 "max_window_layers": layers}
+    elif family == "phi3":
+        half = rope_dims(dict(s, model_type="phi3")) // 2
+        # factors >= 1 rising with the wavelength, as Phi-4-mini's: long ones stretch far more
+        ramp = np.linspace(0.0, 1.0, half)
+        short = 1.0 + 0.5 * ramp ** 2 + 0.05 * rng.random(half)
+        long = 1.0 + 15.0 * ramp ** 2 + 0.5 * rng.random(half)
+        extra = {"hidden_act": "silu", "embd_pdrop": 0.0, "resid_pdrop": 0.0, "lm_head_bias": False,
+                 "mlp_bias": False,
+                 "rope_scaling": {"long_factor": [round(float(x), 4) for x in long],
+                                  "short_factor": [round(float(x), 4) for x in short], "type": "longrope"}}
+    else:  # smollm3
+        interval = s.pop("no_rope_layer_interval")
+        extra = {"hidden_act": "silu", "mlp_bias": False, "rope_scaling": None, "sliding_window": None,
+                 "use_sliding_window": False, "max_window_layers": layers, "pretraining_tp": 1,
+                 "layer_types": ["full_attention"] * layers, "no_rope_layer_interval": interval,
+                 "no_rope_layers": [int((i + 1) % interval != 0) for i in range(layers)]}
+    return {**common, **extra, **s}
+
+
+def transformers5_config(config: dict) -> dict:
+    """``config`` (hub style) as transformers 5's save_pretrained writes it back: rope_parameters in place of
+    rope_theta / rope_scaling / rope_local_base_freq, layer_types spelled out, dtype for torch_dtype."""
+    c = dict(config)
+    family = next(f for f, t in MODEL_TYPE.items() if t == c["model_type"])
+    c["dtype"] = c.pop("torch_dtype")
+    c["transformers_version"] = "5.24.0"
+    rope = {"rope_theta": c.pop("rope_theta"), "rope_type": "default"}
+    scaling = dict(c.pop("rope_scaling", None) or {})
+    if family == "phi3":
+        rope.update(scaling, rope_type=scaling.get("type", "longrope"),
+                    partial_rotary_factor=c["partial_rotary_factor"],
+                    original_max_position_embeddings=c["original_max_position_embeddings"])
+    elif scaling:
+        rope.update(scaling, rope_type=scaling.pop("rope_type", None) or scaling.pop("type"))
+    layers = c["num_hidden_layers"]
+    if family == "gemma3":
+        pattern = c["sliding_window_pattern"]
+        c["rope_parameters"] = {"full_attention": rope, "sliding_attention": {
+            "rope_theta": c.pop("rope_local_base_freq"), "rope_type": "default"}}
+        c["layer_types"] = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                            for i in range(layers)]
+        c["_sliding_window_pattern"], c["use_bidirectional_attention"] = pattern, False
+    else:
+        c["rope_parameters"] = rope
+    if family == "gemma2":
+        c["layer_types"] = ["full_attention" if i % 2 else "sliding_attention" for i in range(layers)]
+        c["use_bidirectional_attention"] = None
+    if family == "qwen3":
+        c["layer_types"] = ["full_attention"] * layers
+    return dict(sorted(c.items()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face directories
+
+
+def write_family_tokenizer(directory: Path, model: TinyModel) -> Path:
+    """tokenizer.model, tokenizer_config.json (the family's BOS rule) and generation_config.json."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    family = model.extra["family"]
+    shutil.copy(model.tokenizer_model, directory / "tokenizer.model")
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(model.tokenizer_model))
+    # save_pretrained lists the control, unknown and user-defined pieces, all special here
+    kinds = piece_types(Path(model.tokenizer_model).read_bytes())
+    listed = (gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED)
+    added = {str(i): {"content": processor.id_to_piece(i), "lstrip": False, "normalized": False, "rstrip": False,
+                      "single_word": False, "special": True} for i, kind in enumerate(kinds) if kind in listed}
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "add_bos_token": ADD_BOS[family], "add_eos_token": False, "added_tokens_decoder": added,
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": None,
+        "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
+        "model_max_length": model.config["max_position_embeddings"], "sp_model_kwargs": {},
+        "tokenizer_class": "GemmaTokenizer" if family in GEMMAS else "LlamaTokenizer"}, indent=1))
+    (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    return directory
+
+
+def write_family_hf(directory: Path, model: TinyModel, weights: dict[str, np.ndarray] | None = None,
+                    dtype: str = "BF16", style: str = "hub") -> Path:
+    """A Hugging Face directory of ``model`` (``weights`` replaces its own, e.g. what a GGUF holds).
+
+    ``dtype`` "BF16" (as published), "F16" or "F32"; ``style`` "hub" or "transformers5" (module docstring).
+    """
+    directory = write_hf(directory, model, weights, dtype=dtype)
+    config = json.loads((directory / "config.json").read_text())
+    if style == "transformers5":
+        config = transformers5_config(config)
+    elif style != "hub":
+        raise ValueError(f"style {style!r}: 'hub' or 'transformers5'")
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    write_family_tokenizer(directory, model)
+    return directory
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF as convert_hf_to_gguf.py writes it
+
+SHORT = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
+         "down_proj": "down", "qkv_proj": "qkv", "gate_up_proj": "gate_up"}
+FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0",
+              "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "Q5_0": "MOSTLY_Q5_0", "Q5_1": "MOSTLY_Q5_1",
+              "Q4_K": "MOSTLY_Q4_K_M", "Q5_K": "MOSTLY_Q5_K_M", "Q6_K": "MOSTLY_Q6_K"}
+
+
+def write_family_gguf(path: Path, model: TinyModel, types: list[dict] | None = None,
+                      embedding_type: str = "Q8_0", output_type: str = "Q8_0") -> GGUFWritten:
+    """A GGUF of ``model`` as llama.cpp's converter (and llama-quantize) write its family (module docstring).
+
+    ``types`` is a list of per-layer dicts, cycled over the layers, from module ("q", "k", "v", "o", "gate",
+    "up", "down"; Phi-3: "qkv", "o", "gate_up", "down") to tensor type; norms and rope factors are F32 as
+    the converter writes them. Returns the weights the file holds by llama.cpp's definition, back in
+    transformers' form (row order, Gemma's w rather than 1 + w), so write_family_hf(weights=...) is the
+    same model.
+    """
+    family = model.extra["family"]
+    c = model.config
+    types = types or (DEFAULT_PHI3_TYPES if family == "phi3" else DEFAULT_TYPES)
+    linear_types = [t for layer in types for t in layer.values()]
+    file_type = max(set(linear_types), key=linear_types.count)
+    writer = gguf.GGUFWriter(str(path), family)
+    # llama.cpp's vocab loader gives Phi-3 token attributes to a model whose general.name holds "phi3" or
+    # "phi-3", and then needs an <|endoftext|> piece, which the tiny tokenizer has not: named as Phi-4-mini
+    writer.add_name("perfx tiny " + ("phi-4-mini" if family == "phi3" else family))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    _add_hparams(writer, family, c)
+    writer.add_file_type(gguf.LlamaFileType[FILE_TYPES.get(file_type, "GUESSED")])
+    with tempfile.TemporaryDirectory() as hf_dir:    # SpecialVocab reads the ids from config.json
+        (Path(hf_dir) / "config.json").write_text(json.dumps(c))
+        _add_vocab(writer, write_family_tokenizer(Path(hf_dir), model), c["vocab_size"])
+    if family in GEMMAS:
+        writer.add_add_space_prefix(False)
+
+    written = GGUFWritten(Path(path), {}, {})
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[family.upper()], c["num_hidden_layers"])
+    heads = {"q_proj": c["num_attention_heads"], "k_proj": c["num_key_value_heads"]}
+    for hf_name, w in model.weights.items():
+        if family == "gemma2" and hf_name == "lm_head.weight":
+            continue          # Gemma2Model.filter_tensors: llama.cpp's gemma2 always reads token_embd
+        gguf_name = names.get_name(hf_name.removesuffix(".weight")) + ".weight"
+        module = hf_name.split(".")[-2]
+        if w.ndim == 1 or gguf_name.endswith("_norm.weight"):
+            kind = "F32"
+        elif gguf_name == "token_embd.weight":
+            kind = embedding_type
+        elif gguf_name == "output.weight":
+            kind = output_type
+        else:
+            kind = types[int(hf_name.split(".")[2]) % len(types)][SHORT[module]]
+        if kind in K_QUANTS and w.shape[1] % 256:
+            raise ValueError(f"{gguf_name}: rows of {w.shape[1]} are no multiple of 256, which {kind} needs "
+                             f"(llama-quantize falls back to Q5_0 / Q8_0 there): choose another type")
+        permute = heads.get(module) if family == "smollm3" else None
+        gemma_norm = family in GEMMAS and hf_name.endswith("norm.weight")
+        stored = w + np.float32(1) if gemma_norm else w
+        if permute:       # LlamaModel.permute: rotate-half pairs -> interleaved pairs (llama.cpp's NORM rope)
+            stored = permute_qk(stored, permute)
+        data, raw_dtype, held = encode_tensor(stored, kind)
+        writer.add_tensor(gguf_name, data, raw_dtype=raw_dtype)
+        if permute:
+            held = unpermute_qk(held, permute)
+        written.weights[hf_name] = held - 1 if gemma_norm else held
+        written.types[hf_name] = kind
+    if family == "phi3":
+        for which in ("long", "short"):
+            factors = np.asarray(c["rope_scaling"][f"{which}_factor"], dtype=np.float32)
+            writer.add_tensor(f"rope_factors_{which}.weight", factors)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return written
+
+
+def _add_hparams(writer: gguf.GGUFWriter, family: str, c: dict):
+    """The architecture's keys, as the converter's set_gguf_parameters (and generate_extra_tensors) write them."""
+    if family == "gemma2":                   # Gemma2Model.set_gguf_parameters, no TextModel keys
+        writer.add_context_length(c["max_position_embeddings"])
+        writer.add_embedding_length(c["hidden_size"])
+        writer.add_block_count(c["num_hidden_layers"])
+        writer.add_feed_forward_length(c["intermediate_size"])
+        writer.add_head_count(c["num_attention_heads"])
+        writer.add_head_count_kv(c["num_key_value_heads"])
+        writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+        writer.add_key_length(c["head_dim"])
+        writer.add_value_length(c["head_dim"])
+        writer.add_attn_logit_softcapping(c["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(c["final_logit_softcapping"])
+        writer.add_sliding_window(c["sliding_window"])
+        return
+    if family == "phi3":                     # Phi3MiniModel.set_gguf_parameters, generate_extra_tensors
+        original, longest = c["original_max_position_embeddings"], c["max_position_embeddings"]
+        writer.add_context_length(longest)
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_embedding_length(c["hidden_size"])
+        writer.add_feed_forward_length(c["intermediate_size"])
+        writer.add_block_count(c["num_hidden_layers"])
+        writer.add_head_count(c["num_attention_heads"])
+        writer.add_head_count_kv(c["num_key_value_heads"])
+        writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+        writer.add_rope_dimension_count(rope_dims(c))
+        writer.add_rope_freq_base(c["rope_theta"])
+        writer.add_sliding_window(c.get("sliding_window") or 0)
+        if c["rope_scaling"].get("long_factor"):
+            scale = longest / original
+            writer.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0)
+        return
+    # TextModel.set_gguf_parameters: gemma3, qwen3, smollm3
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(c["hidden_size"])
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count(c["num_attention_heads"])
+    writer.add_head_count_kv(c["num_key_value_heads"])
+    scaling = c.get("rope_scaling") or {}
+    if scaling.get("rope_type", scaling.get("type")) == "linear" and scaling.get("factor") is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(scaling["factor"])
+    writer.add_rope_freq_base(c["rope_theta"])
+    if c.get("rope_local_base_freq") is not None:
+        writer.add_rope_freq_base_swa(c["rope_local_base_freq"])
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    if c.get("head_dim") is not None:
+        writer.add_key_length(c["head_dim"])
+        writer.add_value_length(c["head_dim"])
+    if family == "gemma3":                   # Gemma3Model.set_gguf_parameters, after TextModel's
+        if c.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(c["final_logit_softcapping"])
+        if c.get("sliding_window_pattern") != 1:
+            writer.add_sliding_window(c["sliding_window"])
+    if family == "smollm3":                  # LlamaModel.set_gguf_parameters
+        writer.add_vocab_size(c["vocab_size"])
+        writer.add_rope_dimension_count(rope_dims(c))
+
+
+def _add_vocab(writer: gguf.GGUFWriter, directory: Path, vocab_size: int):
+    """TextModel._set_vocab_sentencepiece on a Hugging Face directory: pieces, scores, types, SpecialVocab."""
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(directory / "tokenizer.model"))
+    tokens = [f"[PAD{i}]".encode() for i in range(vocab_size)]
+    scores = [-10000.0] * vocab_size
+    toktypes = [gguf.TokenType.UNUSED] * vocab_size
+    for i in range(min(processor.vocab_size(), vocab_size)):
+        tokens[i], scores[i] = processor.id_to_piece(i).encode(), processor.get_score(i)
+        toktypes[i] = (gguf.TokenType.UNKNOWN if processor.is_unknown(i) else
+                       gguf.TokenType.CONTROL if processor.is_control(i) else
+                       gguf.TokenType.UNUSED if processor.is_unused(i) else
+                       gguf.TokenType.BYTE if processor.is_byte(i) else gguf.TokenType.NORMAL)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    for key, entry in config.get("added_tokens_decoder", {}).items():
+        i = int(key)
+        if i < vocab_size:     # every added token here is special: CONTROL, score -1000
+            tokens[i], scores[i], toktypes[i] = entry["content"].encode(), -1000.0, gguf.TokenType.CONTROL
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(toktypes)
+    gguf.SpecialVocab(directory, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)

@@ -207,8 +207,7 @@ class ModelConfig:
         if architecture in ("qwen2", "qwen3", "llama", "smollm3"):
             window = 0
         default_eps = 1e-5 if architecture in ("llama", "mistral", "phi3") else 1e-6
-        theta = float(config.get("rope_theta", 10000.0))
-        scaling = config.get("rope_scaling") or None
+        theta, scaling, local_theta = _hf_rope(config)
         recipe = dict(rms_eps=float(config.get("rms_norm_eps", default_eps)), rope_theta=theta,
                       rope_scaling=scaling, sliding_window=window)
         rope = Rope(theta, head_dim, scaling)
@@ -223,12 +222,13 @@ class ModelConfig:
             sliding = _hf_sliding_layers(config, n_layers, 6 if architecture == "gemma3_text" else 2)
             if architecture == "gemma3_text":
                 recipe["qk_norm"] = True
-                local = Rope(float(config.get("rope_local_base_freq", 10000.0)), head_dim, None)
+                local = Rope(local_theta, head_dim, None)
             else:
                 local = rope
             recipe["layers"] = tuple(LayerRecipe(local, window) if s else LayerRecipe(rope, 0) for s in sliding)
         elif architecture == "phi3":
-            rotary = int(head_dim * float(config.get("partial_rotary_factor", 1.0)))
+            rotary = int(head_dim * float(config.get("partial_rotary_factor")
+                                          or (config.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)))
             recipe["rotary_dims"] = rotary
             if scaling:
                 scaling = recipe["rope_scaling"] = _hf_longrope(config, scaling, rotary)
@@ -335,6 +335,24 @@ class ModelConfig:
             qkv_bias=any(t.name in ("blk.0.attn_q.bias", "blk.0.attn_qkv.bias") for t in reader.tensors),
             **recipe,
         )
+
+
+def _hf_rope(config: dict) -> tuple[float, dict | None, float]:
+    """(θ, rope_scaling or None, Gemma 3's local θ) from a config.json: rope_theta / rope_scaling /
+    rope_local_base_freq as published checkpoints write them, or transformers 5's rope_parameters (one dict,
+    or one per layer type: full_attention and sliding_attention)."""
+    params = config.get("rope_parameters")
+    if not params:
+        return (float(config.get("rope_theta", 10000.0)), config.get("rope_scaling") or None,
+                float(config.get("rope_local_base_freq", 10000.0)))
+    local = params.get("sliding_attention")
+    if "full_attention" in params:
+        params = params["full_attention"]
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    if scaling.get("rope_type", "default") == "default" and len(scaling) <= 1:
+        scaling = None
+    return (float(params.get("rope_theta", 10000.0)), scaling,
+            float((local or {}).get("rope_theta", config.get("rope_local_base_freq", 10000.0))))
 
 
 def _hf_activation(config: dict) -> str:

@@ -127,6 +127,9 @@ def _decode(config, fixed: int | None, forms: dict | None = None) -> list[Proble
                                                 "head_dim": c.head_dim, "positions": positions, **qk_norm(c)},
                            "attention", c.n_layers))
     out.append(Problem("rmsnorm", {"m": 1, "k": c.hidden_size, "residual": True}, "norm", 2 * c.n_layers + 1))
+    if c.post_norms:   # Gemma's sandwich norms: the post-norm + residual + next pre-norm launch
+        out.append(Problem("rmsnorm", {"m": 1, "k": c.hidden_size, "residual": True, "post": True}, "post-norm",
+                           2 * c.n_layers))
     for form in _table_forms(c, "embedding", fixed, forms):
         out.append(Problem(*embedding_shape(form, c.vocab_size, c.hidden_size, 1), "embedding"))
     out.append(Problem("argmax", {"n": c.vocab_size}, "greedy sampling"))

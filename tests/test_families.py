@@ -1,0 +1,335 @@
+"""The 2026 phone families end to end: Gemma 3, Gemma 2, Qwen3, Phi-3 (Phi-4-mini's shape) and SmolLM3.
+
+Each family's tiny model (``helpers.family_models``) is written as llama.cpp's converter writes its GGUF and
+as transformers writes its directory; ``tests/data/llamacpp_families.json`` holds what llama.cpp 0.3.36
+(llama-cpp-python, benchmark-only: ``benchmarks/families_llamacpp.py`` records it) answered on that GGUF:
+the prompt's ids, the last prompt position's logits and 8 greedy tokens, each with a top-1 margin of 0.5 or
+more. perfx must give the same ids, its float64 reference forward the same logits within llama.cpp's own
+error, its device forward the reference's logits within the kernels' tolerance and llama.cpp's greedy tokens
+exactly; the Hugging Face directory must give the same recipe and the same forward; bad files of each family
+get one clear error naming the tensor or key; `perfx perplexity` runs each.
+
+Tolerances. Device against reference: 2e-3 of max|logits| (test_model.py's: fp16 KV cache and fp32 kernels).
+Reference against llama.cpp on the recorded (Q4_0/Q8_0/K-quant) files: 0.5 absolute on logits that spread over
+about ±12; measured at most 0.38. llama.cpp multiplies those weights by activations it rounds to 8 bits per
+block of 32 and keeps K and V in fp16 (and the Gemmas take GELU from an fp16 table). On F32 files with an F32
+cache, where llama.cpp and transformers agree to 1e-5, perfx's reference is 0.01 from both: perfx holds F32
+tensors as fp16 (2⁻¹¹ per weight); with the file's float32 kept it agrees to 1e-5 too (Phi-3, whose
+projections are stored fused, shows it). The live check against llama.cpp on F32 files runs where
+llama-cpp-python is installed. The greedy tokens must be equal: every margin is at least 0.5.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from helpers.family_models import FAMILIES, family_tokenizer, make_family_model, write_family_gguf, write_family_hf
+from perfx import cli, reference
+from perfx.commands.perplexity import nll_rows
+from perfx.config import SMOLLM3_NO_ROPE_STEP
+from perfx.errors import PerfxError
+from perfx.model import Model
+from perfx.sources import open_model
+from perfx.tuning.database import default_database
+from perfx.tuning.spec import relative_error
+
+pytestmark = pytest.mark.one_implementation
+
+RECORDED = json.loads((Path(__file__).parent / "data" / "llamacpp_families.json").read_text())["families"]
+RUNS = [(family, run["n_ctx"]) for family, entry in RECORDED.items() for run in entry["runs"]]
+DEVICE_TOLERANCE = 2e-3
+LLAMA_CPP_ATOL = 0.5
+F32_ATOL = 0.03   # perfx's fp16 copy of F32 weights: measured at most 0.0104
+TEXT = ("kato rimu senla dope quiban zorel nevo pira nesu talo mirek sova lenu. " * 12).strip()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Per family: the recorded GGUF, and Hugging Face directories of the same weights (both config styles)."""
+    root = tmp_path_factory.mktemp("families")
+    out = {}
+    for family, entry in RECORDED.items():
+        settings = dict(entry["make_family_model"])
+        model = make_family_model(settings.pop("family"), family_tokenizer(root, family),
+                                  np.random.default_rng(settings.pop("seed")), **settings)
+        written = write_family_gguf(root / f"{family}.gguf", model, **entry["write_family_gguf"])
+        hub = write_family_hf(root / f"{family}-hub", model, written.weights, dtype="F32")
+        new = write_family_hf(root / f"{family}-tf5", model, written.weights, dtype="F32", style="transformers5")
+        out[family] = {"gguf": written.path, "hub": Path(hub), "transformers5": Path(new), "model": model}
+    return out
+
+
+def run_of(family: str, n_ctx: int) -> dict:
+    return next(r for r in RECORDED[family]["runs"] if r["n_ctx"] == n_ctx)
+
+
+def greedy_reference(source, prompt: list[int], steps: int, ctx: int) -> tuple[np.ndarray, list[int]]:
+    logits, cache = reference.model_forward(source, prompt, ctx=ctx)
+    first, tokens, pos = logits[-1], [], len(prompt)
+    for _ in range(steps):
+        tokens.append(int(np.argmax(logits[-1])))
+        logits, cache = reference.model_forward(source, [tokens[-1]], pos, cache, ctx=ctx)
+        pos += 1
+    return first, tokens
+
+
+@pytest.mark.parametrize("family", RECORDED)
+def test_prompt_ids_equal_llama_cpp_s(files, family):
+    tokenizer = open_model(files[family]["gguf"]).tokenizer
+    entry = RECORDED[family]
+    assert tokenizer.encode(entry["prompt_text"], add_bos=tokenizer.add_bos_token) == entry["prompt_ids"]
+
+
+def rounded(value):
+    """Floats to 6 significant digits: a GGUF holds float32 what config.json holds as decimals."""
+    if isinstance(value, float):
+        return float(f"{value:.6g}")
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in sorted(value.items())}
+    if isinstance(value, list):
+        return [rounded(v) for v in value]
+    return value
+
+
+def recipe_of(config) -> tuple:
+    """What the forward reads, layer by layer, at a context below Phi-3's original length."""
+    layers = tuple((None if r.rope is None else (r.rope.theta, r.rope.dims, json.dumps(rounded(r.rope.scaling))),
+                    r.window) for r in (config.layer(i, 128) for i in range(config.n_layers)))
+    scalars = (config.head_dim, config.n_heads, config.n_kv_heads, config.qk_norm, config.post_norms,
+               config.ffn_activation, round(config.scale, 6), config.attn_softcap, config.final_softcap,
+               round(config.embedding_scale, 5), config.rotary_dims, config.tie_embeddings)
+    return scalars, layers
+
+
+@pytest.mark.parametrize("family", RECORDED)
+def test_the_recipe_is_the_family_s(files, family):
+    """The recipe read from the GGUF is the one read from either config.json, and says what the family does."""
+    gguf_config = open_model(files[family]["gguf"]).config
+    for style in ("hub", "transformers5"):
+        assert recipe_of(open_model(files[family][style]).config) == recipe_of(gguf_config), style
+    c, shape = gguf_config, FAMILIES[family]
+    windows = [r.window for r in c.layers]
+    if family == "gemma3":   # every 6th layer global, at the global base; the others slide at the local base
+        assert windows == [8, 8, 8, 8, 8, 0] and c.layers[5].rope.theta == 1e6 and c.layers[0].rope.theta == 1e4
+        assert c.qk_norm and c.post_norms and c.ffn_activation == "gelu_tanh"
+        assert c.embedding_scale == pytest.approx(math.sqrt(64)) and c.scale == pytest.approx(32 ** -0.5)
+    elif family == "gemma2":   # even layers slide; both soft-caps
+        assert windows == [8, 0, 8, 0] and (c.attn_softcap, c.final_softcap) == (10.0, 30.0) and not c.qk_norm
+    elif family == "qwen3":
+        assert c.qk_norm and c.head_dim * c.n_heads != c.hidden_size and windows == [0] * c.n_layers
+    elif family == "phi3":   # 24 of 32 dimensions rotate; LongRoPE's short factors below the original context
+        assert c.rotary_dims == int(0.75 * shape["hidden_size"]) // shape["num_attention_heads"] == 24
+        short, long = c.layer(0, 256).rope.scaling, c.layer(0, 512).rope.scaling
+        assert short["freq_factors"] != long["freq_factors"] and len(short["freq_factors"]) == 12
+        assert short["attention_factor"] == pytest.approx(math.sqrt(1 + math.log(4) / math.log(256)), rel=1e-6)
+    elif family == "smollm3":
+        assert [r.rope is None for r in c.layers] == [(i + 1) % SMOLLM3_NO_ROPE_STEP == 0 for i in range(4)]
+
+
+@pytest.mark.parametrize("family, n_ctx", RUNS)
+def test_the_reference_forward_is_llama_cpp_s(files, family, n_ctx):
+    """perfx's float64 forward over the GGUF gives llama.cpp's logits (within llama.cpp's own rounding) and
+    its greedy tokens."""
+    run, entry = run_of(family, n_ctx), RECORDED[family]
+    first, tokens = greedy_reference(open_model(files[family]["gguf"]), entry["prompt_ids"], len(run["greedy"]),
+                                     n_ctx)
+    assert np.max(np.abs(first - np.asarray(run["logits_prompt_last"]))) <= LLAMA_CPP_ATOL
+    assert tokens == run["greedy"]
+
+
+@pytest.mark.parametrize("family", RECORDED)
+def test_on_f32_files_the_reference_is_llama_cpp_s_to_fp16_rounding(files, tmp_path, family):
+    """The recipe itself, without quantization on either side: an F32 file, an F32 KV cache in llama.cpp."""
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python is not installed (benchmark-only: CMAKE_ARGS=\"-DGGML_NATIVE=ON\" "
+                            "pip install llama-cpp-python==0.3.36 builds it in about ten minutes)")
+    entry = RECORDED[family]
+    f32 = [{k: "F32" for k in entry["write_family_gguf"]["types"][0]}]
+    path = write_family_gguf(tmp_path / "f32.gguf", files[family]["model"], types=f32, embedding_type="F32",
+                             output_type="F32").path
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_batch=256, n_threads=2, logits_all=True,
+                          verbose=False, type_k=0, type_v=0)   # GGML_TYPE_F32 cache
+    llm.eval(entry["prompt_ids"])
+    want = np.array(llm.scores[llm.n_tokens - 1])
+    got, _ = reference.model_forward(open_model(path, lm_head="fp16"), entry["prompt_ids"], ctx=256)
+    assert np.max(np.abs(got[-1] - want)) <= F32_ATOL
+
+
+@pytest.mark.parametrize("family, n_ctx", RUNS)
+def test_the_device_forward_is_the_reference_s(files, device, family, n_ctx):
+    """Prefill and decode on the device (the kernels' defaults: the tuned entries were measured on Llama
+    shapes) give the reference's logits at every step, and so llama.cpp's greedy tokens."""
+    run, entry = run_of(family, n_ctx), RECORDED[family]
+    source = open_model(files[family]["gguf"])
+    model = Model.load(source, device, ctx=n_ctx, progress=False, database=default_database(False))
+    prompt = entry["prompt_ids"]
+    logits, cache = reference.model_forward(source, prompt, ctx=n_ctx)
+    model.prefill(prompt, 0)
+    assert relative_error(model.logits(), logits[-1]) <= DEVICE_TOLERANCE
+    tokens, pos = [], len(prompt)
+    for _ in range(len(run["greedy"])):
+        tokens.append(model.argmax())
+        logits, cache = reference.model_forward(source, [tokens[-1]], pos, cache, ctx=n_ctx)
+        model.decode_one(tokens[-1], pos)
+        pos += 1
+        assert relative_error(model.logits(), logits[-1]) <= DEVICE_TOLERANCE
+    assert tokens == run["greedy"]
+
+
+@pytest.mark.parametrize("family", RECORDED)
+def test_the_hugging_face_directory_runs_as_the_gguf(files, device, family):
+    """The same weights from config.json + safetensors (fp16 on load) give the GGUF's forward: the recipe
+    and the tensor names are read alike (Gemma's 1 + w norms, Phi-3's fused projections)."""
+    prompt = RECORDED[family]["prompt_ids"]
+    # tables as fp16 on both sides (an fp16 table would otherwise be rounded to int8 on load, the GGUF's Q8_0 not)
+    want, _ = reference.model_forward(open_model(files[family]["gguf"], lm_head="fp16"), prompt, ctx=256)
+    for style in ("hub", "transformers5"):
+        got, _ = reference.model_forward(open_model(files[family][style], lm_head="fp16"), prompt, ctx=256)
+        # fp16 weights where the GGUF has Q8_0/Q4_0 values (written to the directory as float32): 2⁻¹¹ per weight
+        assert relative_error(got[-1], want[-1]) <= 5e-3, style
+    source = open_model(files[family]["hub"])
+    got, _ = reference.model_forward(source, prompt, ctx=64)
+    model = Model.load(source, device, ctx=64, progress=False, database=default_database(False))
+    model.prefill(prompt, 0)
+    assert relative_error(model.logits(), got[-1]) <= DEVICE_TOLERANCE
+
+
+def reference_nll(path, ctx: int, chunks: int) -> float:
+    """llama-perplexity's method over the float64 forward: each chunk from an empty cache, BOS first where the
+    model adds one, the second half scored."""
+    source = open_model(path)
+    tok = source.tokenizer
+    ids = tok.encode(TEXT, add_bos=tok.add_bos_token, parse_special=False)
+    total, count = 0.0, 0
+    for i in range(chunks):
+        chunk = ids[i * ctx:(i + 1) * ctx]
+        if tok.add_bos_token:
+            chunk = [tok.bos_id] + chunk[1:]
+        logits, _ = reference.model_forward(source, chunk, ctx=ctx)
+        nll = nll_rows(logits[ctx // 2:ctx - 1], ids[i * ctx + ctx // 2 + 1:(i + 1) * ctx])
+        total, count = total + nll.sum(), count + len(nll)
+    return total / count
+
+
+@pytest.mark.parametrize("family", RECORDED)
+def test_perplexity_of_each_family(files, capsys, tmp_path, family):
+    """`perfx perplexity` on each family equals llama-perplexity's method over the reference (within the
+    device's 2e-3 of max|logits|, which moves a token's NLL by at most ~0.04 for logits of ±10)."""
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    code = cli.main(["perplexity", str(text), "--model", str(files[family]["gguf"]), "--ctx", "32", "--chunks", "2",
+                     "--json", "--no-tuning"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    result = json.loads(out)
+    assert abs(result["nll"] - reference_nll(files[family]["gguf"], 32, 2)) <= 0.04
+
+
+# -- bad files of each family ---------------------------------------------------------------------------
+
+
+def rewrite_gguf(src: Path, dst: Path, drop=(), fields: dict | None = None, tensors: dict | None = None) -> Path:
+    """A copy of a GGUF with tensors dropped or replaced (float32 arrays) and header fields changed."""
+    reader = gguf.GGUFReader(str(src))
+    fields = fields or {}
+    arch = bytes(reader.get_field("general.architecture").parts[-1]).decode()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        kind = field.types[0]
+        if name in fields:
+            value = fields[name]
+        elif kind == gguf.GGUFValueType.ARRAY:
+            sub = field.types[-1]
+            value = ([bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
+                     if sub == gguf.GGUFValueType.STRING else [field.parts[i].tolist()[0] for i in field.data])
+            writer.add_array(name, value) if sub == gguf.GGUFValueType.STRING else writer.add_key_value(
+                name, value, kind, sub_type=sub)
+            continue
+        elif kind == gguf.GGUFValueType.STRING:
+            value = bytes(field.parts[-1]).decode("utf-8", "replace")
+        else:
+            value = field.parts[-1].tolist()[0]
+        writer.add_key_value(name, value, kind)
+    for t in reader.tensors:
+        if t.name in drop:
+            continue
+        if tensors and t.name in tensors:
+            writer.add_tensor(t.name, np.asarray(tensors[t.name], np.float32))
+        else:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)   # quantized: bytes per row
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def test_a_rewritten_gguf_is_the_same_model(files, tmp_path):
+    """The copier the bad-file tests use changes nothing by itself."""
+    path = rewrite_gguf(files["qwen3"]["gguf"], tmp_path / "same.gguf")
+    prompt = RECORDED["qwen3"]["prompt_ids"]
+    a, _ = reference.model_forward(open_model(files["qwen3"]["gguf"]), prompt)
+    b, _ = reference.model_forward(open_model(path), prompt)
+    assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("family, change, message", [
+    ("qwen3", {"drop": ["blk.1.attn_k_norm.weight"]}, r"tensor blk\.1\.attn_k_norm\.weight is missing"),
+    ("gemma3", {"drop": ["blk.2.post_ffw_norm.weight"]}, r"tensor blk\.2\.post_ffw_norm\.weight is missing"),
+    ("gemma2", {"drop": ["blk.0.post_attention_norm.weight"]}, r"blk\.0\.post_attention_norm\.weight is missing"),
+    ("qwen3", {"fields": {"qwen3.attention.key_length": 24, "qwen3.attention.value_length": 24}},
+     r"blk\.0\.attn_q\.weight has 128 rows, but qwen3\.attention\.head_count 4 × qwen3\.attention\.key_length 24"
+     r" = 96 \(key_length does not divide"),
+    ("phi3", {"tensors": {"rope_factors_short.weight": np.ones(10)}},
+     r"rope_factors_short\.weight has 10 values, but RoPE over 24 dimensions needs one per dimension pair, 12"),
+    ("phi3", {"drop": ["rope_factors_long.weight"]}, r"needs both factor tables"),
+    ("phi3", {"fields": {"phi3.attention.head_count_kv": 1}},
+     r"fused tensor blk\.0\.attn_qkv\.weight has shape \(256, 128\), but its rows do not split as the header says "
+     r"\(4 heads × 32 \+ 2 × 1 kv heads × 32 = 192"),
+    ("gemma3", {"fields": {"gemma3.attention.value_length": 16}}, r"value_length = 16 differs from key_length"),
+])
+def test_bad_family_ggufs_name_the_tensor_or_key(files, tmp_path, family, change, message):
+    bad = rewrite_gguf(files[family]["gguf"], tmp_path / "bad.gguf", **change)
+    with pytest.raises(PerfxError, match=message):
+        open_model(bad)
+
+
+@pytest.mark.parametrize("family, edit, message", [
+    ("gemma3", lambda c: c.update(layer_types=["full_attention"] * 2), r"layer_types lists 2 layers but the model has 6"),
+    ("phi3", lambda c: c["rope_scaling"].update(short_factor=[1.0] * 5),
+     r"rope_scaling\.short_factor has 5 values, but RoPE over 24 dimensions needs 12"),
+    ("smollm3", lambda c: c.update(no_rope_layers=[1, 1]), r"no_rope_layers lists 2 layers but the model has 4"),
+])
+def test_bad_family_configs_name_the_key(files, tmp_path, family, edit, message):
+    directory = files[family]["hub"]
+    config = json.loads((directory / "config.json").read_text())
+    edit(config)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for item in directory.iterdir():
+        (bad / item.name).symlink_to(item)
+    (bad / "config.json").unlink()
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PerfxError, match=message):
+        open_model(bad)
+
+
+def test_a_fused_hugging_face_projection_must_split_as_the_config_says(files, tmp_path):
+    directory = files["phi3"]["hub"]
+    config = json.loads((directory / "config.json").read_text())
+    config["num_key_value_heads"] = 1
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for item in directory.iterdir():
+        if item.name != "config.json":
+            (bad / item.name).symlink_to(item)
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PerfxError, match=r"fused tensor model\.layers\.0\.self_attn\.qkv_proj\.weight has shape "
+                                         r"\(256, 128\), but its rows do not split as config\.json says"):
+        open_model(bad)

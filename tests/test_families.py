@@ -27,7 +27,9 @@ import gguf
 import numpy as np
 import pytest
 
-from helpers.family_models import FAMILIES, family_tokenizer, make_family_model, write_family_gguf, write_family_hf
+from helpers.family_models import (FAMILIES, family_tokenizer, make_family_model, write_family_gguf, write_family_hf,
+                                   write_family_tokenizer)
+from helpers.tiny_models import write_awq
 from perfx import cli, reference
 from perfx.commands.perplexity import nll_rows
 from perfx.config import SMOLLM3_NO_ROPE_STEP
@@ -196,6 +198,31 @@ def test_the_hugging_face_directory_runs_as_the_gguf(files, device, family):
     model = Model.load(source, device, ctx=64, progress=False, database=default_database(False))
     model.prefill(prompt, 0)
     assert relative_error(model.logits(), got[-1]) <= DEVICE_TOLERANCE
+
+
+@pytest.mark.parametrize("family", RECORDED)
+def test_awq_and_quantize_on_load_checkpoints_of_each_family(files, device, tmp_path, family):
+    """AutoAWQ's packing of each family (Phi-3's fused qkv_proj and gate_up_proj are one Linear each, so one
+    AWQ module each) reads into the int4 form, and so does --quantize q4 of the fp16 directory; the
+    device forward gives the reference's logits on both."""
+    model = files[family]["model"]
+    directory, parts = write_awq(tmp_path / "awq", model, np.random.default_rng(5), group=32)
+    write_family_tokenizer(directory, model)
+    awq = open_model(directory)
+    assert {form.kind for forms in awq.weight_forms().values() for form in forms} >= {"q4"}
+    layer = awq.layer(0)
+    fused = "self_attn.qkv_proj" if family == "phi3" else None
+    codes, zeros, scales = parts[f"model.layers.0.{fused or 'self_attn.q_proj'}"]
+    want = (codes.astype(np.float64) - np.repeat(zeros, 32, axis=1)) * np.repeat(scales.astype(np.float64), 32, axis=1)
+    # the int4 form holds w = s·q + m with m = −z·s rounded once to fp16: at most 2⁻¹¹·|z·s| per weight
+    offset = np.repeat(zeros * scales.astype(np.float64), 32, axis=1)
+    assert np.all(np.abs(layer.qkv.dequantize()[:want.shape[0]] - want) <= 2.0 ** -11 * np.abs(offset) + 1e-12)
+    prompt = RECORDED[family]["prompt_ids"]
+    for source in (awq, open_model(files[family]["hub"], quantize="q4")):
+        logits, _ = reference.model_forward(source, prompt, ctx=64)
+        loaded = Model.load(source, device, ctx=64, progress=False, database=default_database(False))
+        loaded.prefill(prompt, 0)
+        assert relative_error(loaded.logits(), logits[-1]) <= DEVICE_TOLERANCE
 
 
 def reference_nll(path, ctx: int, chunks: int) -> float:

@@ -67,7 +67,8 @@ MIXED_32 = [
 ]
 
 LINEAR_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                  "self_attn.qkv_proj", "mlp.gate_up_proj")   # Phi-3's fused projections, one Linear each
 
 
 @dataclass

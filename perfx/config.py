@@ -158,6 +158,8 @@ class ModelConfig:
         bases = sorted({r.rope.theta for r in self.layers if r.rope is not None})
         if len(bases) > 1:
             parts.append("RoPE bases " + "/".join(f"{b:g}" for b in bases))
+        if any(r.rope is not None and (r.rope.scaling or {}).get("rope_type") == "longrope" for r in self.layers):
+            parts.append("LongRoPE")
         if self.rotary_dims != self.head_dim:
             parts.append(f"rotary {self.rotary_dims}/{self.head_dim}")
         if self.attention_scale:

@@ -15,7 +15,6 @@ the token id and the position travel to the device.
 
 from __future__ import annotations
 
-import dataclasses
 import resource
 import sys
 import time
@@ -26,28 +25,17 @@ import numpy as np
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
 from perfx.formats import Q4Matrix, Q8Matrix
-from perfx.ops.attention_decode import AttentionDecode
-from perfx.ops.attention_prefill import AttentionPrefill
-from perfx.ops.embedding_q8 import EmbeddingQ8
-from perfx.ops.epilogue import gate_up_epilogue
 from perfx.ops.gemm_q4 import GemmQ4
-from perfx.ops.gemm_q8 import GemmQ8
-from perfx.ops.gemv_f16 import F16DeviceWeight, GemvF16
-from perfx.ops.gemv_q4 import GemvQ4
-from perfx.ops.gemv_q8 import GemvQ8
+from perfx.ops.gemv_f16 import F16DeviceWeight
 from perfx.ops.kv_cache import KVCache, RopeTable
 from perfx.ops.params import READ_NAMES
-from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight, available_paths
+from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight
 from perfx.ops.q8_weight import Q8DeviceWeight
-from perfx.ops.rmsnorm import RMSNorm
-from perfx.ops.small_ops import Argmax, Embedding, GeGLU, Softcap, SwiGLU
+from perfx.plan import KernelPlan
 from perfx.progress import Progress
-from perfx.runtime import BuildError, Device, KernelLimitError
+from perfx.runtime import Device
 from perfx.sources import open_named
-from perfx.sources.base import Form
-from perfx.tuning import SPECS
-from perfx.tuning.database import Choice, Database, bucket_representative, default_database, m_bucket
-from perfx.tuning.problems import embedding_shape, gemm_shapes, gemv_shape, model_problems, qk_norm, softcap_shape
+from perfx.tuning.database import Database, default_database
 
 DEFAULT_CTX = 4096
 PREFILL_CHUNK = 256  # prompt tokens per prefill pass: bounds the activation buffers
@@ -101,7 +89,7 @@ class Model:
         bar = Progress(c.n_layers + 3, "loading", enabled=progress)
         first = source.layer(0)
         group = source.int4_group or (first.qkv.group if isinstance(first.qkv, Q4Matrix) else None)
-        model._choose_kernels(group, source.weight_forms())
+        model.plan = KernelPlan(c, device, ctx, model.database, model.log, group, source.weight_forms())
         bar.update(note="kernels")
         embedding = source.embedding()
         model.embedding = model._upload(embedding, "token embedding", role="embedding")
@@ -139,178 +127,6 @@ class Model:
         }
         return model
 
-    def _choose_kernels(self, group: int | None, forms: dict | None = None):
-        """Kernel objects with the tuned parameters for this model's shapes (database, else defaults).
-
-        The shapes are exactly those `perfx tune` measures for this model (``tuning/problems.py``), so a
-        tuned entry is found whenever one exists; prefill kernels are chosen per M bucket on first use,
-        int8 ones per matrix form on first use (``_q8_op``).
-        """
-        c, d = self.config, self.device
-        self.gate_epilogue = gate_up_epilogue(c.ffn_activation)
-        self.tuned: dict[str, object] = {}
-        self.tuned_shapes: dict[str, dict] = {}   # the shape each entry of `tuned` was looked up by
-        self._q8_ops: dict[tuple, object] = {}
-        problems, _ = model_problems(c, SPECS, group, forms)
-        self._problems = problems
-        decode = {(p.family, label): p.shape for p in problems for label in p.label.split("+")
-                  if p.family not in ("gemm_q4_skinny", "gemm_q4_tiled", "gemm_q4_f16", "attention_prefill")}
-
-        def shape_of(family, label, **fallback):
-            return decode.get((family, label), fallback)
-
-        self.gemv = {}
-        for name in ("qkv", "o", "gate_up", "down", "lm_head"):
-            shape = shape_of("gemv_q4", name, n=c.vocab_size if name == "lm_head" else 1, k=c.hidden_size,
-                             group=group or 32, epilogue="none", bias=False)
-
-            def gemv(params, shape=shape):
-                op = GemvQ4(d, params, shape)
-                op.kernel(shape["group"], shape["epilogue"])  # built now: a driver that refuses it is seen here
-                return op
-            where = None
-            if name == "lm_head" and c.tie_embeddings:
-                # A tied int4 embedding is one weight: the gather reads its codes buffer, so the lm_head GEMV
-                # reads that buffer or a view of it, never a second copy (image2d where it cannot be a view).
-                def where(p):
-                    return READ_NAMES[p["READ"]] in available_paths(d.caps, c.vocab_size, c.hidden_size, p["LAYOUT"])
-            self.gemv[name] = self._choose("gemv_q4", shape, name, gemv, where)
-        self.gemv_f16 = self._choose("gemv_f16", shape_of("gemv_f16", "lm_head", n=c.vocab_size, k=c.hidden_size),
-                                     "lm_head", lambda p: GemvF16(d, p))
-        self.rmsnorm = self._choose("rmsnorm", {"m": 1, "k": c.hidden_size, "residual": True}, "norm",
-                                    lambda p: RMSNorm(d, p))
-        self.embed = self._choose("embedding_f16", {"n": c.vocab_size, "k": c.hidden_size, "m": 1}, "embedding",
-                                  lambda p: Embedding(d, p))
-        self.argmax_op = self._choose("argmax", {"n": c.vocab_size}, "greedy sampling", lambda p: Argmax(d, p))
-        # the gate's activation for fp16 (unquantized) matrices, where no GEMV epilogue fuses it
-        if c.ffn_activation == "gelu_tanh":
-            self._gate = self._choose("geglu", {"count": c.intermediate_size}, "geglu", lambda p: GeGLU(d, p))
-        else:
-            self._gate = self._choose("swiglu", {"count": c.intermediate_size}, "swiglu", lambda p: SwiGLU(d, p))
-        self.softcap = (self._choose("softcap", softcap_shape(c), "final soft-cap", lambda p: Softcap(d, p))
-                        if c.final_softcap else None)
-        attention = {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, **qk_norm(c)}
-        self.attn_decode = self._choose(
-            "attention_decode", {**attention, "positions": self.max_positions}, "decode",
-            lambda p: AttentionDecode(d, c.n_heads, c.n_kv_heads, c.head_dim, self.max_positions, p,
-                                      **qk_norm(c)))
-        self._prefill_ops: dict[int, tuple] = {}
-        # Each int4 weight is uploaded once, in the layout and for the read path its decode GEMV reads (the
-        # GEMMs and the gather read whatever layout and path the weight has).
-        self.read_paths = tuple(sorted({READ_NAMES[op.read] for op in self.gemv.values()}))
-
-    def _choose(self, family: str, shape: dict, label: str, make, where=None):
-        """``make(params)`` (a wrapper, its kernels built) with the first parameters of the database's choices
-        (device → architecture → vendor → defaults) that this driver builds and runs within the kernel's own
-        limits. A choice it refuses is skipped with one line, and remembered so that later loads skip it.
-        ``where`` narrows the choices to the sets it accepts (then the first accepted candidate closes the list)."""
-        spec = SPECS[family]
-        refused = []
-        choices = self.database.choices(self.device, spec, shape)
-        if where is not None:
-            fallback = next((p for p in spec.candidates(shape, self.device.caps) if where(p)), None)
-            choices = [c for c in choices if where(c.params)] + (
-                [Choice(fallback, "default", "the first set that reads the weight as stored")] if fallback else [])
-        for choice in choices:
-            try:
-                op = make(choice.params)
-            except (BuildError, KernelLimitError) as error:
-                reason = (f"failed to build: {error.summary}" if isinstance(error, BuildError)
-                          else str(error).splitlines()[0])[:200]
-                self.log(f"perfx: {family} ({label}): the {choice.source} parameters {choice.params} were refused "
-                         f"by this driver ({reason}); trying the next choice")
-                self.database.refuse(self.device, spec, choice.params, reason)
-                refused.append(f"{choice.source} {choice.params}: {reason}")
-                continue
-            if refused:
-                choice = dataclasses.replace(choice, skipped=choice.skipped + tuple(f"refused by this driver: {r}"
-                                                                                    for r in refused))
-            self.tuned[f"{family} ({label})"] = choice
-            self.tuned_shapes[f"{family} ({label})"] = shape
-            return op
-        raise PerfxError(f"{family} ({label}): no parameter set builds on {self.device.caps.name}: "
-                         + "; ".join(refused) + ". Run `perfx selftest` and report the log")
-
-    def _prefill_kernels(self, m: int) -> tuple[dict, AttentionPrefill]:
-        """The GEMM per matrix and the prefill attention tuned for m's bucket (built once per bucket)."""
-        bucket = m_bucket(m)
-        if bucket not in self._prefill_ops:
-            rep = bucket_representative(bucket)
-            shapes = {(p.family, label): p.shape for p in self._problems for label in p.label.split("+")
-                      if p.shape.get("m") == rep}
-            gemms = {}
-            for name in ("qkv", "o", "gate_up", "down"):
-                skinny = shapes.get(("gemm_q4_skinny", name))
-                tiled = shapes.get(("gemm_q4_tiled", name))
-                if skinny is None or tiled is None:   # an fp16 matrix: no GEMM
-                    continue
-                epilogue = skinny["epilogue"]
-                label = f"{name}, M≈{rep}"
-
-                def gemm(kind, shape):
-                    def make(params):
-                        op = GemmQ4(self.device, **{f"{kind}_params": params}, shape=shape, kind=kind)
-                        for read in {params["READ"]} & {0, 1}:
-                            op.kernel(kind, epilogue, read)
-                        return op
-                    return make
-                kinds = {"skinny": skinny, "tiled": tiled}
-                if self.device.caps.fp16:
-                    kinds["f16"] = shapes.get(("gemm_q4_f16", name), skinny)
-                choices = {}
-                for kind, shape in kinds.items():
-                    self._choose(f"gemm_q4_{kind}", shape, label, gemm(kind, shape))
-                    choices[kind] = self.tuned[f"gemm_q4_{kind} ({label})"]
-                # The fastest kernel measured on this device for this bucket (the fp16 one only where it was
-                # measured too); where skinny and tiled were not both measured, the default crossover.
-                timed = {kind: choice.time_s for kind, choice in choices.items() if choice.time_s}
-                kind = min(timed, key=timed.get) if "skinny" in timed and "tiled" in timed else None
-                gemms[name] = GemmQ4(self.device, choices["skinny"].params, choices["tiled"].params, None,
-                                     shape=skinny, f16_params=choices["f16"].params if "f16" in choices else None,
-                                     kind=kind)
-            c = self.config
-            shape = shapes.get(("attention_prefill", "attention"),
-                               {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "m": rep,
-                                "p0": 0, **qk_norm(c)})
-            attention = self._choose("attention_prefill", shape, f"prefill, M≈{rep}",
-                                     lambda p: AttentionPrefill(self.device, c.n_heads, c.n_kv_heads, c.head_dim, p,
-                                                                **qk_norm(c)))
-            self._prefill_ops[bucket] = (gemms, attention)
-        return self._prefill_ops[bucket]
-
-    def _q8_op(self, kind: str, name: str, weight: Q8DeviceWeight, m: int = 1):
-        """The int8 kernel wrapper ("gemv", "gemm" or "embedding") for a matrix of this form, with the
-        parameters tuned for its shape (``tuning/problems.py`` builds the same shapes), made once."""
-        c = self.config
-        form = Form("q8", weight.group, weight.f32)
-        rep = bucket_representative(m_bucket(m)) if kind == "gemm" else 1
-        key = (kind, name, form, rep)
-        op = self._q8_ops.get(key)
-        if op is None:
-            epilogue = (self.gate_epilogue if name == "gate_up"
-                        else ("bias" if weight.has_bias and kind == "gemm" else "none"))
-            if kind == "gemv":
-                family, shape = gemv_shape(c, name, form, weight.n, weight.k, epilogue, weight.has_bias)
-
-                def make(params):
-                    made = GemvQ8(self.device, params, shape)
-                    made.kernel(weight.group, weight.f32, epilogue)   # built now: a refusal is seen here
-                    return made
-                op = self._choose(family, shape, name, make)
-            elif kind == "gemm":
-                family, shape = gemm_shapes(form, rep, weight.n, weight.k, epilogue)[0]
-
-                def make(params):
-                    made = GemmQ8(self.device, params, shape)
-                    made._kernel(weight.group, weight.f32, epilogue)
-                    return made
-                op = self._choose(family, shape, f"{name}, M≈{rep}", make)
-            else:
-                family, shape = embedding_shape(form, weight.n, weight.k, rep)
-                op = self._choose(family, shape, "embedding", lambda params: EmbeddingQ8(self.device, params))
-            self._q8_ops[key] = op
-        return op
-
     def _vector(self, v: np.ndarray):
         v = np.ascontiguousarray(v, dtype=np.float32)
         return self.device.alloc(v.nbytes, v, what="norm weight")
@@ -321,7 +137,7 @@ class Model:
         if isinstance(w, Q8Matrix):
             return Q8DeviceWeight.upload(self.device, w, bias, what=what)
         if isinstance(w, Q4Matrix):
-            gemv = self.gemv.get("lm_head" if role == "embedding" else role)
+            gemv = self.plan.gemv.get("lm_head" if role == "embedding" else role)
             if role == "embedding" and not self.config.tie_embeddings:
                 layout, paths = LAYOUT_ROWS, {"buffer"}
             else:
@@ -394,19 +210,19 @@ class Model:
         ``name`` is the matrix's role (qkv, o, gate_up, down): gate_up carries the gate's activation·up
         epilogue (SiLU or GELU, by the recipe).
         """
-        epilogue = self.gate_epilogue if name == "gate_up" else "none"
+        epilogue = self.plan.gate_epilogue if name == "gate_up" else "none"
         if isinstance(weight, Q8DeviceWeight):
             if decode:
-                return self._q8_op("gemv", name, weight)(weight, x, y, epilogue)
+                return self.plan.q8("gemv", name, weight)(weight, x, y, epilogue)
             if epilogue == "none" and weight.has_bias:
                 epilogue = "bias"
-            return self._q8_op("gemm", name, weight, m)(weight, x, y, m, epilogue)
+            return self.plan.q8("gemm", name, weight, m)(weight, x, y, m, epilogue)
         if isinstance(weight, Q4DeviceWeight):
             if decode:
-                return self.gemv[name](weight, x, y, epilogue)
+                return self.plan.gemv[name](weight, x, y, epilogue)
             if epilogue == "none" and weight.bias is not None:
                 epilogue = "bias"
-            return self._prefill_kernels(m)[0][name](weight, x, y, m, epilogue)
+            return self.plan.prefill(m)[0][name](weight, x, y, m, epilogue)
         return self._linear_f16(weight, x, y, m, epilogue)
 
     def _linear_f16(self, weight: F16DeviceWeight, x, y, m: int, epilogue: str):
@@ -419,11 +235,11 @@ class Model:
         cols = n // 2 if gated else n
         for r in range(m):
             d.copy(self.row_in, x, 4 * k, src_offset=4 * r * k)
-            self.gemv_f16(weight, self.row_in, self.row_out)
+            self.plan.gemv_f16(weight, self.row_in, self.row_out)
             result = self.row_out
             if gated:
                 d.copy(self.row_up, self.row_out, 4 * cols, src_offset=4 * cols)
-                self._gate(self.row_out, self.row_up, self.row_act, cols)
+                self.plan.gate(self.row_out, self.row_up, self.row_act, cols)
                 result = self.row_act
             d.copy(y, result, 4 * cols, dst_offset=4 * r * cols)
 
@@ -432,9 +248,9 @@ class Model:
         has post-norms), then xb = rmsnorm(x)·γ: one launch either way."""
         c = self.config
         if post_norm is None:
-            self.rmsnorm.residual(self.proj, self.x, gamma, self.xb, m, c.hidden_size, c.rms_eps)
+            self.plan.rmsnorm.residual(self.proj, self.x, gamma, self.xb, m, c.hidden_size, c.rms_eps)
         else:
-            self.rmsnorm.post_residual(self.proj, self.x, post_norm, gamma, self.xb, m, c.hidden_size, c.rms_eps)
+            self.plan.rmsnorm.post_residual(self.proj, self.x, post_norm, gamma, self.xb, m, c.hidden_size, c.rms_eps)
 
     def _layers(self, m: int, pos: int, decode: bool, attention=None):
         """Every decoder layer over m rows at positions pos..pos+m−1; leaves the last residual add pending.
@@ -445,7 +261,7 @@ class Model:
         for layer, w in enumerate(self.layers):
             # attention rmsnorm; from layer 1 on, the previous layer's FFN output joins the residual here
             if layer == 0:
-                self.rmsnorm.plain(self.x, w.attn_norm, self.xb, m, c.hidden_size, c.rms_eps)
+                self.plan.rmsnorm.plain(self.x, w.attn_norm, self.xb, m, c.hidden_size, c.rms_eps)
             else:
                 self._residual_norm(self.layers[layer - 1].post_ffn_norm, w.attn_norm, m)
             # qkv for these positions, then (q/k norm +) RoPE + KV append + attention
@@ -454,9 +270,9 @@ class Model:
             if attention is not None:
                 attention(layer)
             elif decode:
-                self.attn_decode(self.qkv, self.att, self.cache, rope, layer, pos, **kwargs)
+                self.plan.attn_decode(self.qkv, self.att, self.cache, rope, layer, pos, **kwargs)
             else:
-                self._prefill_kernels(m)[1](self.qkv, self.att, self.cache, rope, layer, pos, m, **kwargs)
+                self.plan.prefill(m)[1](self.qkv, self.att, self.cache, rope, layer, pos, m, **kwargs)
             self._linear("o", w.o, self.att, self.proj, m, decode)
             # ffn rmsnorm, with the attention output added into the residual
             self._residual_norm(w.post_attn_norm, w.ffn_norm, m)
@@ -477,13 +293,13 @@ class Model:
                 self.device.copy(buffer, buffer, nbytes, src_offset=row * nbytes)
         self._final_norm(1)
         if isinstance(self.lm_head, Q8DeviceWeight):
-            self._q8_op("gemv", "lm_head", self.lm_head)(self.lm_head, self.xb, self.logits_buf)
+            self.plan.q8("gemv", "lm_head", self.lm_head)(self.lm_head, self.xb, self.logits_buf)
         elif isinstance(self.lm_head, Q4DeviceWeight):
-            self.gemv["lm_head"](self.lm_head, self.xb, self.logits_buf)
+            self.plan.gemv["lm_head"](self.lm_head, self.xb, self.logits_buf)
         else:
-            self.gemv_f16(self.lm_head, self.xb, self.logits_buf)
+            self.plan.gemv_f16(self.lm_head, self.xb, self.logits_buf)
         if c.final_softcap:
-            self.softcap(self.logits_buf, c.vocab_size, c.final_softcap)
+            self.plan.softcap(self.logits_buf, c.vocab_size, c.final_softcap)
 
     def _head_rows(self, m: int, first: int) -> np.ndarray:
         """Final residual add + rmsnorm over the chunk's m rows and the lm_head over rows first..m−1:
@@ -497,7 +313,7 @@ class Model:
         d.copy(self.head_in, self.xb, 4 * hidden * count, src_offset=4 * hidden * first)
         head = self.lm_head
         if isinstance(head, Q8DeviceWeight):
-            self._q8_op("gemm", "lm_head", head, count)(head, self.head_in, self.all_logits, count)
+            self.plan.q8("gemm", "lm_head", head, count)(head, self.head_in, self.all_logits, count)
         elif isinstance(head, Q4DeviceWeight):
             if self._lm_head_gemm is None:
                 self._lm_head_gemm = GemmQ4(d, shape={"epilogue": "none"})
@@ -505,10 +321,10 @@ class Model:
         else:
             for r in range(count):
                 d.copy(self.row_in, self.head_in, 4 * hidden, src_offset=4 * hidden * r)
-                self.gemv_f16(head, self.row_in, self.logits_buf)
+                self.plan.gemv_f16(head, self.row_in, self.logits_buf)
                 d.copy(self.all_logits, self.logits_buf, 4 * v, dst_offset=4 * v * r)
         if c.final_softcap:
-            self.softcap(self.all_logits, count * v, c.final_softcap)
+            self.plan.softcap(self.all_logits, count * v, c.final_softcap)
         d.copy(self.logits_buf, self.all_logits, 4 * v, src_offset=4 * v * (count - 1))
         return d.read(np.empty((count, v), np.float32), self.all_logits)
 
@@ -516,11 +332,11 @@ class Model:
         """The token rows into the residual stream, times the recipe's embedding scale (Gemma: √hidden)."""
         scale = {"scale": self.config.embedding_scale} if self.config.embedding_scale != 1.0 else {}
         if isinstance(self.embedding, Q8DeviceWeight):
-            self._q8_op("embedding", "embedding", self.embedding, m)(self.embedding, self.ids, self.x, m, **scale)
+            self.plan.q8("embedding", "embedding", self.embedding, m)(self.embedding, self.ids, self.x, m, **scale)
         elif isinstance(self.embedding, Q4DeviceWeight):
-            self.embed.q4(self.embedding, self.ids, self.x, m, **scale)
+            self.plan.embed.q4(self.embedding, self.ids, self.x, m, **scale)
         else:
-            self.embed.f16(self.embedding, self.ids, self.x, m, **scale)
+            self.plan.embed.f16(self.embedding, self.ids, self.x, m, **scale)
 
     def prefill(self, tokens: list[int], start_pos: int) -> None:
         """Run the prompt at positions start_pos.. (the cache before start_pos is reused); logits of the last."""
@@ -601,7 +417,7 @@ class Model:
         for step in self._decode_plan:
             if type(step) is int:
                 rope, kwargs = self.attention_args[step]
-                self.attn_decode(self.qkv, self.att, self.cache, rope, step, pos, **kwargs)
+                self.plan.attn_decode(self.qkv, self.att, self.cache, rope, step, pos, **kwargs)
             else:
                 step.enqueue(queue)
         self.host_seconds += time.perf_counter() - started
@@ -610,7 +426,7 @@ class Model:
         return self.logits_buf.get()
 
     def argmax(self) -> int:
-        self.argmax_op(self.logits_buf, self.config.vocab_size, self.best)
+        self.plan.argmax_op(self.logits_buf, self.config.vocab_size, self.best)
         return int(self.best.get()[0])
 
     def _check_ids(self, tokens):

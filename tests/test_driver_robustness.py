@@ -50,8 +50,8 @@ def test_a_choice_that_does_not_build_gives_way_at_load_and_is_remembered(tmp_pa
     monkeypatch.setattr(Device, "build", driver)
     lines = []
     model, _ = load_model("synthetic:tiny", device, ctx=16, progress=False, log=lines.append)
-    choice = model.tuned["gemv_q4 (qkv)"]
-    assert choice.source == "default" and model.gemv["qkv"].params == spec.defaults()
+    choice = model.plan.tuned["gemv_q4 (qkv)"]
+    assert choice.source == "default" and model.plan.gemv["qkv"].params == spec.defaults()
     assert any("refused by this driver" in why for why in choice.skipped)
     refusals = [line for line in lines if "were refused by this driver" in line]
     assert len(refusals) == 1 and "gemv_q4 (qkv)" in refusals[0] and "too many registers" in refusals[0]

@@ -226,9 +226,9 @@ def test_the_model_runs_the_tuned_parameters(tiny_paths, device, tmp_path, monke
     default_database().save_result(device, result_record(spec, qkv.shape, forced, 1e-5, None, device.fingerprint))
 
     model = Model.load(source, device, ctx=32, progress=False)
-    assert model.gemv["qkv"].params == forced
-    assert model.tuned["gemv_q4 (qkv)"].source == "device"
-    assert model.gemv["o"].params != forced or model.tuned["gemv_q4 (o)"].source != "device"
+    assert model.plan.gemv["qkv"].params == forced
+    assert model.plan.tuned["gemv_q4 (qkv)"].source == "device"
+    assert model.plan.gemv["o"].params != forced or model.plan.tuned["gemv_q4 (o)"].source != "device"
     # and the answer is still right with it
     want, _ = reference.model_forward(source, [4, 8, 15])
     model.prefill([4, 8], 0)
@@ -253,7 +253,7 @@ def test_a_tied_int4_embedding_is_on_the_device_once(spm, device, tmp_path, monk
     table = model.embedding
     assert isinstance(table, Q4DeviceWeight) and model.lm_head is table
     assert table.buffer is not None and (not table.images or table.images_are_views)
-    lm_head = model.gemv["lm_head"]
+    lm_head = model.plan.gemv["lm_head"]
     assert lm_head.read != 1 or table.images_are_views
     assert table.layout == lm_head.layout
     assert device.allocated_bytes - before < model.load_report["weight_bytes"] + model.cache.nbytes + (8 << 20)

@@ -79,7 +79,7 @@ def test_k_quant_and_32_weight_mixes_match_the_reference(paths, device, rng, nam
     from perfx.tuning.problems import model_problems
     problems, _ = model_problems(source.config, SPECS, source.int4_group, source.weight_forms())
     listed = {(p.family, key) for p in problems for key in [tuple(sorted((k, str(v)) for k, v in p.shape.items()))]}
-    looked_up = [(label.split(" ")[0], shape) for label, shape in model.tuned_shapes.items()
+    looked_up = [(label.split(" ")[0], shape) for label, shape in model.plan.tuned_shapes.items()
                  if label.split(" ")[0] in ("gemv_q8", "gemm_q8", "embedding_q8")]
     assert {family for family, _ in looked_up} >= {"gemv_q8", "gemm_q8"}
     for family, shape in looked_up:

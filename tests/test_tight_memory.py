@@ -59,7 +59,7 @@ def test_llama_2_7b_loads_and_decodes_under_adreno740_limits():
     assert all(w <= caps.image2d_max_width and h <= caps.image2d_max_height for _, w, h in seen.images)
     gate_up = model.layers[0].gate_up
     assert isinstance(gate_up, Q4DeviceWeight) and gate_up.n == 2 * 11008
-    if "image2d" in model.read_paths:   # 22016 rows: more than one image's height
+    if "image2d" in model.plan.read_paths:   # 22016 rows: more than one image's height
         height = caps.image2d_max_height
         assert [stop - start for start, stop in gate_up.image_rows][0] == height and len(gate_up.images) > 1
     # The fp16 embedding and lm_head (250 MiB each) fit one allocation of 1 GiB: one block each.
@@ -108,7 +108,7 @@ def test_llama_2_7b_loads_and_decodes_under_adreno740_limits():
         "vs_perfxllm_3.7GB": round(after / PERFXLLM_BYTES, 3), "weight_bytes": model.weight_bytes,
         "kv_cache_bytes": model.cache.nbytes, "ctx": CTX, "largest_allocation": seen.largest,
         "largest_what": seen.largest_what, "image_blocks_gate_up": len(seen.images),
-        "read_paths": list(model.read_paths),
+        "read_paths": list(model.plan.read_paths),
         "prefill_s": round(prefill_s, 2), "decode_tok_s": round(tok_s, 3),
         "decode_gb_s": round(model.weight_bytes * tok_s / 1e9, 2),
         "host_peak_bytes": model.load_report["host_peak_bytes"],

@@ -271,7 +271,7 @@ def test_tuning_off_runs_every_kernel_at_its_defaults(tmp_path, monkeypatch):
     assert [c.source for c in Database(tmp_path / "user", tmp_path / "shipped", enabled=False).choices(
         device, SPECS["rmsnorm"], shape)] == ["default"]
     model, _ = load_model("synthetic:tiny", device, ctx=16, progress=False, tuning=False)
-    assert {choice.source for choice in model.tuned.values()} == {"default"}
+    assert {choice.source for choice in model.plan.tuned.values()} == {"default"}
     monkeypatch.setenv("PERFX_TUNING", "off")
     assert not default_database().enabled
     monkeypatch.setenv("PERFX_TUNING", "on")

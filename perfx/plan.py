@@ -168,9 +168,13 @@ class KernelPlan:
                     self.choose(f"gemm_q4_{kind}", shape, label, gemm(kind, shape))
                     choices[kind] = self.tuned[f"gemm_q4_{kind} ({label})"]
                 # The fastest kernel measured on this device for this bucket (the fp16 one only where it was
-                # measured too); where skinny and tiled were not both measured, the default crossover.
+                # measured too). Where skinny and tiled were not both measured: on a CPU the tall-skinny kernel
+                # (both CPU implementations' tuned entries choose it at every bucket up to M = 256, and their
+                # tiled kernel is 5-15x slower at M = 64), elsewhere the default crossover.
                 timed = {kind: choice.time_s for kind, choice in choices.items() if choice.time_s}
                 kind = min(timed, key=timed.get) if "skinny" in timed and "tiled" in timed else None
+                if kind is None and self.device.caps.device_type == "CPU":
+                    kind = "skinny"
                 gemms[name] = GemmQ4(self.device, choices["skinny"].params, choices["tiled"].params, None,
                                      shape=skinny, f16_params=choices["f16"].params if "f16" in choices else None,
                                      kind=kind)

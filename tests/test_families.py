@@ -29,9 +29,9 @@ import pytest
 
 from helpers.family_models import (FAMILIES, family_tokenizer, make_family_model, write_family_gguf, write_family_hf,
                                    write_family_tokenizer)
+from helpers.perplexity import reference_nll
 from helpers.tiny_models import write_awq
 from perfx import cli, reference
-from perfx.commands.perplexity import nll_rows
 from perfx.config import SMOLLM3_NO_ROPE_STEP
 from perfx.errors import PerfxError
 from perfx.model import Model
@@ -225,23 +225,6 @@ def test_awq_and_quantize_on_load_checkpoints_of_each_family(files, device, tmp_
         assert relative_error(loaded.logits(), logits[-1]) <= DEVICE_TOLERANCE
 
 
-def reference_nll(path, ctx: int, chunks: int) -> float:
-    """llama-perplexity's method over the float64 forward: each chunk from an empty cache, BOS first where the
-    model adds one, the second half scored."""
-    source = open_model(path)
-    tok = source.tokenizer
-    ids = tok.encode(TEXT, add_bos=tok.add_bos_token, parse_special=False)
-    total, count = 0.0, 0
-    for i in range(chunks):
-        chunk = ids[i * ctx:(i + 1) * ctx]
-        if tok.add_bos_token:
-            chunk = [tok.bos_id] + chunk[1:]
-        logits, _ = reference.model_forward(source, chunk, ctx=ctx)
-        nll = nll_rows(logits[ctx // 2:ctx - 1], ids[i * ctx + ctx // 2 + 1:(i + 1) * ctx])
-        total, count = total + nll.sum(), count + len(nll)
-    return total / count
-
-
 @pytest.mark.parametrize("family", RECORDED)
 def test_perplexity_of_each_family(files, capsys, tmp_path, family):
     """`perfx perplexity` on each family equals llama-perplexity's method over the reference (within the
@@ -253,7 +236,7 @@ def test_perplexity_of_each_family(files, capsys, tmp_path, family):
     out, err = capsys.readouterr()
     assert code == 0, err
     result = json.loads(out)
-    assert abs(result["nll"] - reference_nll(files[family]["gguf"], 32, 2)) <= 0.04
+    assert abs(result["nll"] - reference_nll(files[family]["gguf"], TEXT, 32, 2)[0]) <= 0.04
 
 
 # -- bad files of each family ---------------------------------------------------------------------------

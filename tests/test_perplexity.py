@@ -12,9 +12,10 @@ import re
 import numpy as np
 import pytest
 
+from helpers.perplexity import reference_nll
 from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
-from perfx import cli, reference
-from perfx.commands.perplexity import chunk_plan, nll_rows
+from perfx import cli
+from perfx.commands.perplexity import chunk_plan
 from perfx.errors import PerfxError
 from perfx.sources import open_model
 
@@ -38,28 +39,13 @@ def run_cli(capsys, *argv):
     return code, out, err
 
 
-def reference_nll(path, ctx: int, chunks: int) -> tuple[float, int, bool]:
-    source = open_model(path)
-    tok = source.tokenizer
-    ids = tok.encode(TEXT, add_bos=tok.add_bos_token, parse_special=False)
-    total, count = 0.0, 0
-    for i in range(chunks):
-        chunk = ids[i * ctx:(i + 1) * ctx]
-        if tok.add_bos_token:
-            chunk = [tok.bos_id] + chunk[1:]
-        logits, _ = reference.model_forward(source, chunk)
-        nll = nll_rows(logits[ctx // 2:ctx - 1], ids[i * ctx + ctx // 2 + 1:(i + 1) * ctx])
-        total, count = total + nll.sum(), count + len(nll)
-    return total / count, count, ids[0] == tok.bos_id
-
-
 @pytest.mark.parametrize("which", ["no-bos", "bos"])
 def test_perplexity_is_llama_perplexity_s_method(tiny, capsys, which):
     code, out, err = run_cli(capsys, "perplexity", tiny["text"], "--model", tiny[which], "--ctx", 32,
                              "--chunks", 3, "--json")
     assert code == 0, err
     result = json.loads(out)
-    want_nll, want_count, starts_with_bos = reference_nll(tiny[which], 32, 3)
+    want_nll, want_count, starts_with_bos = reference_nll(tiny[which], TEXT, 32, 3)
     assert result["add_bos"] == (which == "bos") == starts_with_bos
     assert (result["chunks"], result["ctx"], result["scored"]) == (3, 32, want_count) and want_count == 3 * 15
     assert abs(result["nll"] - want_nll) <= 0.02

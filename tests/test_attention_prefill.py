@@ -10,7 +10,8 @@ from perfx.ops.attention_decode import AttentionDecode
 from perfx.ops.attention_prefill import PARAMS, REGISTER_BUDGET, AttentionPrefill, registers
 from perfx.ops.kv_cache import KVCache, RopeTable
 from perfx.runtime import LIMIT_PRESETS, Device, Limits
-from perfx.tuning.attention_prefill import LAYER, SPEC, THETA
+from perfx.tuning.attention_decode import THETA
+from perfx.tuning.attention_prefill import LAYER, SPEC
 from perfx.tuning.spec import relative_error
 
 # Every candidate on these test shapes (the plain first one, and Gemma 3's D = 256 with q/k norm: another

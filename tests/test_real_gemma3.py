@@ -16,7 +16,6 @@ import sys
 import zipfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from perfx import reference

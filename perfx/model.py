@@ -456,8 +456,8 @@ def load_model(name: str | None = None, device: Device | str | None = None, ctx:
     device = device if isinstance(device, Device) else Device(device)
     source = open_named(name, quantize=quantize, lm_head=lm_head)
     c = source.config
-    log(f"perfx: model {source.describe().get('path', name)} ({c.architecture}: {c.describe_recipe()}) on "
-        f"{device.caps.name} ({device.caps.platform}, limits: {device.caps.limits})")
+    log(f"perfx: model {source.describe().get('path', name)} on {device.caps.name} ({device.caps.platform}, "
+        f"limits: {device.caps.limits}); {c.architecture}: {c.describe_recipe()}")
     model = Model.load(source, device, ctx=ctx, progress=progress, default_ctx=default_ctx,
                        database=default_database(tuning), log=log)
     r = model.load_report

@@ -78,7 +78,7 @@ class GGUFFile:
                              "reads little-endian GGUF files: convert the model again without --bigendian")
         if version not in VERSIONS:
             raise PerfxError(f"{self.path} is GGUF version {version}; perfx reads versions "
-                             f"{' and '.join(map(str, VERSIONS))} (what llama.cpp's converters write)")
+                             f"{' and '.join(map(str, VERSIONS))}, as llama.cpp does (its converters write 3)")
         self.version = version
         at = HEADER_BYTES
         self.fields: dict[str, GGUFField] = {}

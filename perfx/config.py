@@ -16,10 +16,10 @@ import json
 import math
 from dataclasses import dataclass, field
 
-import gguf
 import numpy as np
 
 from perfx.errors import PerfxError
+from perfx.gguf_file import GGUFFile
 
 # Hugging Face model_type values perfx runs (gemma3 is the multimodal checkpoint: its text_config is read)
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "phi3",
@@ -255,15 +255,15 @@ class ModelConfig:
     # -- GGUF header ----------------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, reader) -> ModelConfig:
-        """From a ``gguf.GGUFReader``: the ``{arch}.*`` keys, vocabulary and head sizes, as llama.cpp reads them."""
-        arch = gguf_field(reader, "general.architecture")
+    def from_gguf(cls, reader: GGUFFile) -> ModelConfig:
+        """From an open GGUF file: the ``{arch}.*`` keys, vocabulary and head sizes, as llama.cpp reads them."""
+        arch = reader.value("general.architecture")
         if arch not in SUPPORTED_GGUF_ARCHITECTURES:
             raise PerfxError(f"GGUF architecture {arch!r} is not supported; perfx reads GGUF files of "
                              f"architecture {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
 
         def key(name, default=None):
-            value = gguf_field(reader, f"{arch}.{name}")
+            value = reader.value(f"{arch}.{name}")
             if value is None and default is None:
                 raise PerfxError(f"GGUF header lacks {arch}.{name}; the file was not written by a "
                                  "complete llama.cpp converter")
@@ -272,21 +272,21 @@ class ModelConfig:
         hidden = int(key("embedding_length"))
         n_heads = int(key("attention.head_count"))
         n_layers = int(key("block_count"))
-        vocab = gguf_field(reader, f"{arch}.vocab_size")
+        vocab = reader.value(f"{arch}.vocab_size")
         if vocab is None:
-            tokens = reader.get_field("tokenizer.ggml.tokens")
-            vocab = len(tokens.data) if tokens is not None else _embedding_rows(reader)
-        head_dim = int(gguf_field(reader, f"{arch}.attention.key_length") or hidden // n_heads)
-        value_dim = gguf_field(reader, f"{arch}.attention.value_length")
+            tokens = reader.fields.get("tokenizer.ggml.tokens")
+            vocab = len(tokens.value) if tokens is not None else _embedding_rows(reader)
+        head_dim = int(reader.value(f"{arch}.attention.key_length") or hidden // n_heads)
+        value_dim = reader.value(f"{arch}.attention.value_length")
         if value_dim is not None and int(value_dim) != head_dim:
             raise PerfxError(f"GGUF {arch}.attention.value_length = {value_dim} differs from key_length = "
                              f"{head_dim}; perfx's attention needs equal key and value head sizes")
-        rotary = int(gguf_field(reader, f"{arch}.rope.dimension_count") or head_dim)
+        rotary = int(reader.value(f"{arch}.rope.dimension_count") or head_dim)
         if rotary % 2 or not 0 < rotary <= head_dim:
             raise PerfxError(f"GGUF {arch}.rope.dimension_count = {rotary} must be even and at most the head "
                              f"size {head_dim}; the file is corrupt")
         scaling = None
-        scaling_type = gguf_field(reader, f"{arch}.rope.scaling.type")
+        scaling_type = reader.value(f"{arch}.rope.scaling.type")
         if scaling_type == "linear":
             scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
         elif scaling_type not in (None, "none") and arch != "phi3":
@@ -295,7 +295,7 @@ class ModelConfig:
         if factors is not None:
             scaling = dict(scaling or {"rope_type": "default"}, freq_factors=factors)
         theta = _float32_value(key("rope.freq_base", 10000.0))
-        window = int(gguf_field(reader, f"{arch}.attention.sliding_window") or 0)
+        window = int(reader.value(f"{arch}.attention.sliding_window") or 0)
         recipe = dict(rms_eps=_float32_value(key("attention.layer_norm_rms_epsilon", 1e-5)), rope_theta=theta,
                       rope_scaling=scaling, sliding_window=window, rotary_dims=rotary)
         rope = Rope(theta, rotary, scaling)
@@ -312,7 +312,7 @@ class ModelConfig:
                 local, pattern = rope, 2
             else:
                 recipe["qk_norm"] = True
-                recipe["final_softcap"] = _float32_value(gguf_field(reader, f"{arch}.final_logit_softcapping") or 0.0)
+                recipe["final_softcap"] = _float32_value(reader.value(f"{arch}.final_logit_softcapping") or 0.0)
                 # local layers: base 10 000 (or the file's freq_base_swa) and no scaling (llama.cpp's gemma3)
                 local = Rope(_float32_value(key("rope.freq_base_swa", 10000.0)), rotary, None)
                 pattern = 6
@@ -333,8 +333,8 @@ class ModelConfig:
             intermediate_size=int(key("feed_forward_length")), n_layers=n_layers,
             n_heads=n_heads, n_kv_heads=int(key("attention.head_count_kv", n_heads)), head_dim=head_dim,
             max_positions=int(key("context_length", 4096)),
-            tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
-            qkv_bias=any(t.name in ("blk.0.attn_q.bias", "blk.0.attn_qkv.bias") for t in reader.tensors),
+            tie_embeddings="output.weight" not in reader.tensors,
+            qkv_bias=any(name in reader.tensors for name in ("blk.0.attn_q.bias", "blk.0.attn_qkv.bias")),
             **recipe,
         )
 
@@ -408,17 +408,17 @@ def _hf_longrope(config: dict, scaling: dict, rotary: int) -> dict:
     return out
 
 
-def _gguf_longrope(reader, arch: str, rotary: int, theta: float) -> dict | None:
+def _gguf_longrope(reader: GGUFFile, arch: str, rotary: int, theta: float) -> dict | None:
     """A Phi-3 GGUF's LongRoPE: rope_factors_short / rope_factors_long tensors (one per pair of rotated
     dimensions) and {arch}.rope.scaling.attn_factor, which llama.cpp multiplies into cos and sin."""
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = reader.tensors
     names = ("rope_factors_short.weight", "rope_factors_long.weight")
     if not any(n in tensors for n in names):
         return None
     out = {"rope_type": "longrope",
-           "original_max_position_embeddings": int(gguf_field(reader, f"{arch}.rope.scaling.original_context_length")
-                                                   or gguf_field(reader, f"{arch}.context_length") or 4096),
-           "attention_factor": _float32_value(gguf_field(reader, f"{arch}.rope.scaling.attn_factor") or 1.0)}
+           "original_max_position_embeddings": int(reader.value(f"{arch}.rope.scaling.original_context_length")
+                                                   or reader.value(f"{arch}.context_length") or 4096),
+           "attention_factor": _float32_value(reader.value(f"{arch}.rope.scaling.attn_factor") or 1.0)}
     for name, field_name in zip(names, ("short_factor", "long_factor")):
         tensor = tensors.get(name)
         if tensor is None:
@@ -443,44 +443,21 @@ def _factor_table(tensor, name: str, rotary: int) -> list[float]:
     return [float(v) for v in values]
 
 
-def gguf_field(reader, name: str, default=None):
-    """The value of a GGUF header field as plain Python (str, int, float, bool or list), else ``default``.
-
-    Strings are decoded with U+FFFD for bytes that are not UTF-8 (gguf's ``ReaderField.contents`` raises
-    instead): a vocabulary may hold such tokens, and llama.cpp loads them.
-    """
-    entry = reader.get_field(name)
-    if entry is None:
-        return default
-
-    def text(part) -> str:
-        return bytes(part).decode("utf-8", errors="replace")
-
-    if entry.types[0] == gguf.GGUFValueType.ARRAY:
-        if entry.types[-1] == gguf.GGUFValueType.STRING:
-            return [text(entry.parts[i]) for i in entry.data]
-        return [item for i in entry.data for item in entry.parts[i].tolist()]
-    if entry.types[0] == gguf.GGUFValueType.STRING:
-        return text(entry.parts[-1])
-    return entry.parts[-1].tolist()[0]
-
-
 def _float32_value(value) -> float:
     """GGUF stores these as float32: 1e-5 comes back as 9.99999974e-06. Take the shortest decimal that
     rounds to the same float32, which is what config.json said."""
     return float(str(np.float32(value)))
 
 
-def _rope_freqs(reader, rotary: int) -> list[float] | None:
+def _rope_freqs(reader: GGUFFile, rotary: int) -> list[float] | None:
     """Llama 3.x GGUFs carry their "llama3" rope scaling as a tensor, rope_freqs.weight: one float32 divisor
     of the inverse frequencies per pair of rotated dimensions (llama.cpp's freq_factors of ggml_rope_ext),
     None when absent."""
-    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    tensor = reader.tensors.get("rope_freqs.weight")
     return None if tensor is None else _factor_table(tensor, "rope_freqs.weight", rotary)
 
 
-def _embedding_rows(reader) -> int:
-    for t in reader.tensors:
-        if t.name == "token_embd.weight":
-            return int(t.shape[-1])
+def _embedding_rows(reader: GGUFFile) -> int:
+    if "token_embd.weight" in reader.tensors:
+        return reader.tensors["token_embd.weight"].shape[-1]
     raise PerfxError("GGUF has neither a vocabulary size nor a token_embd.weight tensor")

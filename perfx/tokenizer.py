@@ -19,7 +19,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-import gguf
 import jinja2
 import jinja2.ext
 import jinja2.nodes
@@ -29,8 +28,8 @@ from sentencepiece import sentencepiece_model_pb2
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
-from perfx.config import gguf_field
 from perfx.errors import PerfxError
+from perfx.gguf_file import GGUFFile
 from perfx.resources import read_json
 
 
@@ -332,8 +331,8 @@ class Tokenizer:
             eos_token=eos_token or (tokens[parts["eos_id"]] if parts["eos_id"] is not None else ""))
 
     @classmethod
-    def from_gguf(cls, reader_or_path: Any) -> Tokenizer:
-        """Load the tokenizer embedded in a GGUF file (a path or an open gguf.GGUFReader).
+    def from_gguf(cls, file_or_path: GGUFFile | str | Path) -> Tokenizer:
+        """Load the tokenizer embedded in a GGUF file (a path or an open ``GGUFFile``).
 
         tokenizer.ggml.model "llama" is SentencePiece (rebuilt as a SentencePiece BPE model from the
         tokens, scores and types); "gpt2" is byte-level BPE (rebuilt with `tokenizers`, with
@@ -343,18 +342,8 @@ class Tokenizer:
         tokenizer.ggml.add_bos_token when present, else llama.cpp's default for the tokenizer kind
         (the default model, SmolLM2, says false: its ChatML template starts every turn itself).
         """
-        if isinstance(reader_or_path, gguf.GGUFReader):
-            reader = reader_or_path
-            name = str(getattr(reader.data, "filename", None) or "GGUF file")
-        else:
-            name = str(reader_or_path)
-            try:
-                reader = gguf.GGUFReader(reader_or_path)
-            except (OSError, ValueError) as error:
-                raise PerfxError(f"Could not read {name} as a GGUF file: {error}") from error
-
-        def value(key: str, default: Any = None) -> Any:
-            return gguf_field(reader, key, default)
+        file = file_or_path if isinstance(file_or_path, GGUFFile) else GGUFFile(file_or_path)
+        name, value = str(file.path), file.value
 
         model = value("tokenizer.ggml.model")
         tokens = value("tokenizer.ggml.tokens")

@@ -163,27 +163,50 @@ def gguf_tensor_info_at(raw: bytes, name: str) -> int:
     return at + len(key)
 
 
-def gguf_dims_lie(raw: bytes) -> bytes:
-    at = gguf_tensor_info_at(raw, "blk.1.ffn_down.weight") + 4   # first dim: K = 384
-    return raw[:at] + struct.pack("<Q", 384 * 1000) + raw[at + 8:]
+def gguf_dims_lie(raw: bytes, k: int = 384 * 1000, name: str = "blk.1.ffn_down.weight") -> bytes:
+    at = gguf_tensor_info_at(raw, name) + 4                        # first dim: K = 384
+    return raw[:at] + struct.pack("<Q", k) + raw[at + 8:]
+
+
+def gguf_type_at(raw: bytes) -> int:
+    at = gguf_tensor_info_at(raw, "blk.1.ffn_down.weight")
+    return at + 4 + 8 * struct.unpack("<I", raw[at:at + 4])[0]    # past n_dims and the dims: the type
 
 
 def gguf_offset_lies(raw: bytes) -> bytes:
-    at = gguf_tensor_info_at(raw, "blk.1.ffn_down.weight")
-    n_dims = struct.unpack("<I", raw[at:at + 4])[0]
-    at += 4 + 8 * n_dims + 4                                       # past the dims and the type: the offset
+    at = gguf_type_at(raw) + 4                                     # past the type: the offset
     return raw[:at] + struct.pack("<Q", 1 << 40) + raw[at + 8:]
 
 
+def gguf_string_too_long(raw: bytes) -> bytes:
+    key = struct.pack("<Q", 3) + b"zor"                            # a token of tokenizer.ggml.tokens
+    assert raw.count(key) == 1
+    return raw.replace(key, struct.pack("<Q", 1 << 40) + b"zor")
+
+
+PAST_END = r"runs past the end of the file \(\d+ bytes\); it is truncated or corrupt, fetch it again"
+FFN_DOWN_PAST_END = r"tensor blk.1.ffn_down.weight's data, \d+ bytes at offset \d+, " + PAST_END
 GGUF_CASES = [
-    ("magic only", lambda raw: raw[:4], "not a readable GGUF file.*truncated or corrupt"),
-    ("unknown version", lambda raw: raw[:4] + struct.pack("<I", 99) + raw[8:], "version 99"),
+    ("magic only", lambda raw: raw[:4], "not a readable GGUF file: it has 4 bytes, fewer than GGUF's 24-byte "
+     "header; it is truncated or corrupt"),
+    ("unknown version", lambda raw: raw[:4] + struct.pack("<I", 99) + raw[8:], "GGUF version 99; perfx reads "
+     "versions 2 and 3"),
+    ("big-endian", lambda raw: raw[:4] + struct.pack(">I", 3) + raw[8:], "is a big-endian GGUF .*without "
+     "--bigendian"),
     ("tensor count lies", lambda raw: raw[:8] + struct.pack("<Q", 10**6) + raw[16:], "not a readable GGUF"),
     ("key count lies", lambda raw: raw[:16] + struct.pack("<Q", 10**6) + raw[24:], "not a readable GGUF"),
     ("random bytes after the header", lambda raw: raw[:24] + np.random.default_rng(1).bytes(len(raw) - 24),
      "not a readable GGUF file"),
-    ("tensor dims lie", gguf_dims_lie, r"not a readable GGUF file \(ValueError: cannot reshape"),
-    ("tensor offset past the end", gguf_offset_lies, r"not a readable GGUF file \(ValueError: cannot resh"),
+    ("string length past the end", gguf_string_too_long, "not a readable GGUF file: key tokenizer.ggml.tokens "
+     + PAST_END),
+    ("tensor dims lie", gguf_dims_lie, "not a readable GGUF file: " + FFN_DOWN_PAST_END),
+    ("tensor offset past the end", gguf_offset_lies, "not a readable GGUF file: " + FFN_DOWN_PAST_END),
+    ("tensor data cut short", lambda raw: raw[:-1000], r"not a readable GGUF file: tensor \S+'s data, "
+     r"\d+ bytes at offset \d+, " + PAST_END),
+    ("tensor rows not whole blocks", lambda raw: gguf_dims_lie(raw, 100, "blk.0.ffn_down.weight"),
+     "tensor blk.0.ffn_down.weight has rows of 100 values, not a multiple of Q4_0's blocks of 32"),
+    ("unknown tensor type", lambda raw: raw[:gguf_type_at(raw)] + struct.pack("<I", 99)
+     + raw[gguf_type_at(raw) + 4:], "tensor blk.1.ffn_down.weight has ggml type 99, which gguf-py does not know"),
 ]
 
 

@@ -12,10 +12,10 @@ import gguf
 import pytest
 import sentencepiece
 
-from perfx.config import gguf_field
 from perfx.generate import SamplingConfig, generate
 from perfx.sources.default import default_model_path
 from perfx.errors import PerfxError
+from perfx.gguf_file import GGUFFile
 from perfx.tokenizer import CHATML_TEMPLATE, Tokenizer
 from helpers.tiny_tokenizer import train_tiny_spm, write_tokenizer_only_gguf
 
@@ -311,9 +311,9 @@ FAMILIES = {
 @functools.cache
 def family(name: str) -> tuple[Tokenizer, list[int], dict]:
     """The fixture's tokenizer, the original id of each of its ids, and its cases with llama.cpp's ids."""
-    reader = gguf.GGUFReader(DATA / "vocab" / f"{name}.gguf")
-    original = [int(i) for i in gguf_field(reader, "perfx.original_token_ids")]
-    return Tokenizer.from_gguf(reader), original, json.loads((DATA / "vocab" / f"{name}.json").read_text())
+    file = GGUFFile(DATA / "vocab" / f"{name}.gguf")
+    original = [int(i) for i in file.value("perfx.original_token_ids")]
+    return Tokenizer.from_gguf(file), original, json.loads((DATA / "vocab" / f"{name}.json").read_text())
 
 
 def original_ids(name: str, ids: list[int]) -> list[int]:

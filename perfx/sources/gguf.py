@@ -19,8 +19,9 @@ import numpy as np
 from gguf import quants
 
 from perfx import formats
-from perfx.config import GGUF_PERMUTED_QK, ModelConfig, gguf_field
+from perfx.config import GGUF_PERMUTED_QK, ModelConfig
 from perfx.errors import PerfxError
+from perfx.gguf_file import GGUFFile
 from perfx.reference import unpermute_qk
 from perfx.sources.base import F16_FORM, Form, Linear, ModelSource, check_finite, permute_linear_rows, shape_error
 from perfx.tokenizer import Tokenizer
@@ -51,13 +52,9 @@ class GGUFSource(ModelSource):
 
     def __init__(self, path: Path, quantize: str | None = None, lm_head: str = "q8"):
         self.path = path
-        try:
-            self.reader = gguf.GGUFReader(str(path))
-        except Exception as error:  # ValueError, struct/mmap errors on a truncated or corrupt header
-            raise PerfxError(f"{path} is not a readable GGUF file ({type(error).__name__}: {error}); it is "
-                             "truncated or corrupt, fetch it again") from None
-        super().__init__(ModelConfig.from_gguf(self.reader), quantize, lm_head)
-        self._tensors = {t.name: t for t in self.reader.tensors}
+        self.file = GGUFFile(path)   # refuses a truncated or corrupt file, naming what runs past its end
+        super().__init__(ModelConfig.from_gguf(self.file), quantize, lm_head)
+        self._tensors = self.file.tensors
         self._check_tensors()
 
     def _check_tensors(self):
@@ -193,13 +190,13 @@ class GGUFSource(ModelSource):
         return self._read("output.weight", self.expected_shape("lm_head"))
 
     def _load_tokenizer(self):
-        if self.reader.get_field("tokenizer.ggml.model") is None:
+        if "tokenizer.ggml.model" not in self.file.fields:
             return None
-        return Tokenizer.from_gguf(self.reader)
+        return Tokenizer.from_gguf(self.file)
 
     def describe(self) -> dict:
         counts: dict[str, int] = {}
-        for t in self.reader.tensors:
+        for t in self._tensors.values():
             counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
         quantization = ", ".join(f"{kind} ×{n}" for kind, n in sorted(counts.items(), key=lambda kv: -kv[1]))
         if self.quantize:
@@ -208,5 +205,5 @@ class GGUFSource(ModelSource):
             quantization += ", lm_head as fp16"
         return {"format": "gguf", "path": str(self.path), "files": [self.path.name],
                 "file_size": self.path.stat().st_size, "quantization": quantization,
-                "name": gguf_field(self.reader, "general.name"),
+                "name": self.file.value("general.name"),
                 "architecture": self.config.architecture, "notes": list(self.notes)}

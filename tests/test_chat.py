@@ -140,7 +140,7 @@ def test_terminal_session_turns_commands_overflow(tiny, tmp_path):
     term = Terminal(["--model", tiny, "--ctx", "128", "--max-tokens", "16", "--seed", "1",
                      "--system", "Be kind."])
     try:
-        term.expect(r"perfx: model .*tiny\.gguf on ")       # which device and model, before the prompt
+        term.expect(r"perfx: model .*tiny\.gguf .*on ")     # which device and model, before the prompt
         term.expect(r"perfx chat: .*context 128 positions")
         term.expect(PROMPT)
         term.line("hello there")
@@ -365,7 +365,7 @@ def test_harness_detects_a_missing_reply(tiny):
 def test_default_model_answers_and_continues_on_the_cache():
     term = Terminal(["--temperature", "0", "--max-tokens", "48"], timeout=180)
     try:
-        term.expect(r"perfx: model .*SmolLM2.*\.gguf on ", timeout=600)  # may fetch the model first
+        term.expect(r"perfx: model .*SmolLM2.*\.gguf .*on ", timeout=600)  # may fetch the model first
         term.expect(PROMPT, timeout=180)
         term.line("What is the capital of France?")
         start = term.expect(r"France\?\n").end()

@@ -17,7 +17,6 @@ import pytest
 
 from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
 from perfx.commands.chat import Chat
-from perfx.generate import common_prefix
 from perfx.serve.api import APIError, chat_prompt
 from perfx.tokenizer import Tokenizer
 
@@ -272,7 +271,7 @@ def test_cache_matches_a_fresh_prefill_after_interrupt_overflow_and_reuse(tiny, 
     assert chat.replies[-1].stop_reason == "interrupted" and chat.messages[-1]["content"] == "".join(pieces)
     chat.stream = lambda piece: None
     chat.turn("and then?")                         # reuses the cache
-    assert chat.replies[-1].prompt_tokens < len(chat.cached) - chat.replies[-1].generated_tokens
+    assert chat.replies[-1].prompt_tokens < len(chat.conversation.cached) - chat.replies[-1].generated_tokens
     for i in range(4):                             # until the oldest turns are dropped (ctx 160)
         chat.turn(f"more about {i}")
         if chat.messages[0]["content"] != "tell me a story":
@@ -282,7 +281,7 @@ def test_cache_matches_a_fresh_prefill_after_interrupt_overflow_and_reuse(tiny, 
     chat.turn("last question")
     via_cache = model.logits()
     ids = chat.render(chat.messages[:-1])
-    assert ids[:len(chat.cached)] == chat.cached
+    assert ids[:len(chat.conversation.cached)] == chat.conversation.cached
     model.prefill(ids, 0)                          # the same conversation, prefilled from nothing
     fresh = model.logits()
     assert np.abs(via_cache - fresh).max() <= 1e-2 * np.abs(fresh).max()
@@ -338,13 +337,6 @@ def test_bad_flags_give_one_clear_line(tiny):
     assert "Traceback" not in run.stderr
     run = run_piped(["--model", tiny, "--temperature", "warm"], "hello\n", timeout=60)
     assert run.returncode == 2 and "argument --temperature: invalid float value: 'warm'" in run.stderr
-
-
-def test_common_prefix():
-    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
-    assert common_prefix([1, 2], [1, 2, 3]) == 2
-    assert common_prefix([], [1]) == 0
-    assert common_prefix([7], [1]) == 0
 
 
 def test_harness_detects_a_missing_reply(tiny):

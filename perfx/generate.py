@@ -1,4 +1,5 @@
-"""Generation: sampling, stops and streaming over a model's ``prefill`` / ``decode_one``.
+"""Generation: sampling, stops and streaming over a model's ``prefill`` / ``decode_one``, and the
+conversation a KV cache holds.
 
 Like gpt-fast's ``generate.py``: the loop knows nothing about kernels; the REPL and `perfx generate`
 only pass a callback that receives each piece of text as it is decoded.
@@ -12,7 +13,6 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from perfx import reference
 from perfx.errors import PerfxError
 
 
@@ -53,6 +53,38 @@ class SamplingConfig:
         return self.temperature == 0 and self.repetition_penalty == 1.0
 
 
+def apply_repetition_penalty(logits, previous_ids, penalty: float) -> np.ndarray:
+    """CTRL-style penalty as in Hugging Face: positive logits divided, negative multiplied (float64)."""
+    logits = np.array(logits, dtype=np.float64)
+    if penalty == 1.0 or len(previous_ids) == 0:
+        return logits
+    ids = np.unique(np.asarray(previous_ids, dtype=np.int64))
+    picked = logits[ids]
+    logits[ids] = np.where(picked > 0, picked / penalty, picked * penalty)
+    return logits
+
+
+def sampling_probs(logits, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                   min_p: float = 0.0) -> np.ndarray:
+    """The distribution sampled from (float64): temperature, then top-k, top-p (nucleus) and min-p filters."""
+    logits = np.asarray(logits, dtype=np.float64) / max(float(temperature), 1e-8)
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    keep = np.ones_like(probs, dtype=bool)
+    order = np.argsort(-probs, kind="stable")
+    if top_k and top_k < len(probs):
+        keep[order[top_k:]] = False
+    if top_p < 1.0:
+        cumulative = np.cumsum(probs[order])
+        # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
+        cut = int(np.searchsorted(cumulative, top_p, side="left")) + 1
+        keep[order[cut:]] = False
+    if min_p > 0.0:
+        keep &= probs >= min_p * probs.max()
+    probs = np.where(keep, probs, 0.0)
+    return probs / probs.sum()
+
+
 class Sampler:
     """Picks the next token: greedy on the device (4 bytes read back), else on host logits."""
 
@@ -64,10 +96,10 @@ class Sampler:
         c = self.config
         if c.greedy:
             return model.argmax()
-        logits = reference.apply_repetition_penalty(model.logits(), history[-256:], c.repetition_penalty)
+        logits = apply_repetition_penalty(model.logits(), history[-256:], c.repetition_penalty)
         if c.temperature == 0:
             return int(np.argmax(logits))
-        probs = reference.sampling_probs(logits, c.temperature, c.top_k, c.top_p, c.min_p)
+        probs = sampling_probs(logits, c.temperature, c.top_k, c.top_p, c.min_p)
         return int(self.rng.choice(len(probs), p=probs))
 
 
@@ -148,13 +180,17 @@ class StopMatcher:
 
 def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 256,
              sampling: SamplingConfig | None = None, start_pos: int = 0, stop_strings: list[str] | None = None,
-             on_text: Callable[[str], None] | None = None, history: list[int] | None = None) -> Result:
+             on_text: Callable[[str], None] | None = None, history: list[int] | None = None,
+             should_stop: Callable[[], bool] | None = None) -> Result:
     """Prefill ``prompt_ids`` at ``start_pos`` (the cache before it is reused), then decode until an EOS id,
-    a stop string, ``max_tokens`` or the end of the context. ``on_text`` receives each piece of text.
+    a stop string, ``max_tokens``, the end of the context or ``should_stop()``. ``on_text`` receives each
+    piece of text.
 
+    ``should_stop`` is asked before each decode step, so a flag another thread sets (a client gone) ends the
+    reply within one token: it keeps the tokens made so far, with stop reason "cancelled".
     ``Result.end_pos`` is the number of cache positions filled: the prompt and every generated id but the
-    last (which was sampled and not yet fed), as after any stop. A KeyboardInterrupt stops the reply and
-    returns what was made with ``interrupted`` set; ``end_pos`` is consistent then too.
+    last (which was sampled and not yet fed), as after any stop. A KeyboardInterrupt (a user's Ctrl-C) stops
+    the reply and returns what was made with ``interrupted`` set; ``end_pos`` is consistent then too.
     """
     sampling = sampling or SamplingConfig()
     sampler = Sampler(sampling)
@@ -207,6 +243,9 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
             if pos >= model.max_positions:
                 stats.stop_reason = "context full"
                 break
+            if should_stop is not None and should_stop():
+                stats.stop_reason = "cancelled"
+                break
             model.decode_one(token, pos)
             pos += 1
             token = sampler(model, seen)
@@ -231,3 +270,37 @@ def common_prefix(a: list[int], b: list[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+class Conversation:
+    """The ids whose keys and values a model's KV cache holds (positions 0..n-1), and how the next prompt
+    reuses them: a prompt that repeats what the cache holds (the next turn of a chat, re-rendered whole)
+    prefills only its new suffix. `perfx chat` and `perfx serve` keep one each beside their model.
+    """
+
+    def __init__(self):
+        self.cached: list[int] = []
+
+    def resume(self, ids: list[int]) -> tuple[int, list[int]]:
+        """(the position to resume from, the ids still to prefill there) for the prompt ``ids``: the cache's
+        longest prefix that ``ids`` repeats, but at least one id is left to prefill, as its logits give the
+        first token. What the cache holds past that position is forgotten first, since it is about to be
+        overwritten: ``cached`` stays true however the generation ends, a prompt ``generate`` refuses
+        (empty, or too long for the context) included.
+        """
+        start = self.keep_prefix(ids[:-1])
+        return start, ids[start:]
+
+    def keep_prefix(self, ids: list[int]) -> int:
+        """Forget what the cache holds past its common prefix with ``ids``; returns how many ids stay."""
+        del self.cached[common_prefix(self.cached, ids):]
+        return len(self.cached)
+
+    def record(self, ids: list[int], result: Result):
+        """After ``generate`` ran the prompt ``ids`` from ``resume(ids)``: the last sampled id was never fed,
+        so the cache holds the first ``end_pos`` ids of prompt and reply."""
+        self.cached = (list(ids) + result.ids)[:result.end_pos]
+
+    def forget(self):
+        """Nothing in the cache is to be trusted (a failed generation wrote it as far as is unknown)."""
+        self.cached = []

@@ -17,7 +17,6 @@ import pytest
 
 from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
 from perfx.commands.chat import Chat
-from perfx.generate import common_prefix
 from perfx.serve.api import APIError, chat_prompt
 from perfx.tokenizer import Tokenizer
 
@@ -140,7 +139,7 @@ def test_terminal_session_turns_commands_overflow(tiny, tmp_path):
     term = Terminal(["--model", tiny, "--ctx", "128", "--max-tokens", "16", "--seed", "1",
                      "--system", "Be kind."])
     try:
-        term.expect(r"perfx: model .*tiny\.gguf on ")       # which device and model, before the prompt
+        term.expect(r"perfx: model .*tiny\.gguf .*on ")     # which device and model, before the prompt
         term.expect(r"perfx chat: .*context 128 positions")
         term.expect(PROMPT)
         term.line("hello there")
@@ -272,7 +271,7 @@ def test_cache_matches_a_fresh_prefill_after_interrupt_overflow_and_reuse(tiny, 
     assert chat.replies[-1].stop_reason == "interrupted" and chat.messages[-1]["content"] == "".join(pieces)
     chat.stream = lambda piece: None
     chat.turn("and then?")                         # reuses the cache
-    assert chat.replies[-1].prompt_tokens < len(chat.cached) - chat.replies[-1].generated_tokens
+    assert chat.replies[-1].prompt_tokens < len(chat.conversation.cached) - chat.replies[-1].generated_tokens
     for i in range(4):                             # until the oldest turns are dropped (ctx 160)
         chat.turn(f"more about {i}")
         if chat.messages[0]["content"] != "tell me a story":
@@ -282,7 +281,7 @@ def test_cache_matches_a_fresh_prefill_after_interrupt_overflow_and_reuse(tiny, 
     chat.turn("last question")
     via_cache = model.logits()
     ids = chat.render(chat.messages[:-1])
-    assert ids[:len(chat.cached)] == chat.cached
+    assert ids[:len(chat.conversation.cached)] == chat.conversation.cached
     model.prefill(ids, 0)                          # the same conversation, prefilled from nothing
     fresh = model.logits()
     assert np.abs(via_cache - fresh).max() <= 1e-2 * np.abs(fresh).max()
@@ -340,13 +339,6 @@ def test_bad_flags_give_one_clear_line(tiny):
     assert run.returncode == 2 and "argument --temperature: invalid float value: 'warm'" in run.stderr
 
 
-def test_common_prefix():
-    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
-    assert common_prefix([1, 2], [1, 2, 3]) == 2
-    assert common_prefix([], [1]) == 0
-    assert common_prefix([7], [1]) == 0
-
-
 def test_harness_detects_a_missing_reply(tiny):
     # The checks above can fail: a pattern that never comes is reported, not waited on forever.
     term = Terminal(["--model", tiny, "--max-tokens", "4"], timeout=5)
@@ -365,7 +357,7 @@ def test_harness_detects_a_missing_reply(tiny):
 def test_default_model_answers_and_continues_on_the_cache():
     term = Terminal(["--temperature", "0", "--max-tokens", "48"], timeout=180)
     try:
-        term.expect(r"perfx: model .*SmolLM2.*\.gguf on ", timeout=600)  # may fetch the model first
+        term.expect(r"perfx: model .*SmolLM2.*\.gguf .*on ", timeout=600)  # may fetch the model first
         term.expect(PROMPT, timeout=180)
         term.line("What is the capital of France?")
         start = term.expect(r"France\?\n").end()

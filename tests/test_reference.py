@@ -156,15 +156,3 @@ def test_attention_scale_and_softcap_match_a_loop(rng):
             np.testing.assert_allclose(out[i, head], want, rtol=1e-12)
     np.testing.assert_allclose(ref.attention(q, k, v, positions, scale=d ** -0.5),
                                ref.attention(q, k, v, positions), rtol=1e-14)
-
-
-def test_sampling_filters():
-    logits = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05]))
-    assert np.count_nonzero(ref.sampling_probs(logits, top_k=2)) == 2
-    p = ref.sampling_probs(logits, top_p=0.6)   # 0.5 alone < 0.6: the token crossing it is kept
-    assert np.count_nonzero(p) == 2 and p[0] == pytest.approx(0.5 / 0.7)
-    assert np.count_nonzero(ref.sampling_probs(logits, min_p=0.25)) == 3  # ≥ 0.125
-    cold = ref.sampling_probs(logits, temperature=0.01)
-    assert cold[0] == pytest.approx(1.0)
-    penalised = ref.apply_repetition_penalty(np.array([2.0, -2.0, 1.0]), [0, 1], 2.0)
-    np.testing.assert_allclose(penalised, [1.0, -4.0, 1.0])

@@ -76,7 +76,7 @@ def test_default_model_chats_through_two_context_overflows(device, capsys):
         if overflows and first_overflow is None:
             first_overflow = turns - 1   # index in rows of this turn
         gc.collect()
-        rows.append((turns, len(chat.cached), device.allocated_bytes, resident_bytes()))
+        rows.append((turns, len(chat.conversation.cached), device.allocated_bytes, resident_bytes()))
         reply = chat.messages[-1]
         assert reply["role"] == "assistant" and coherent(reply["content"]), (turns, reply["content"])
     elapsed = time.perf_counter() - started

@@ -19,7 +19,7 @@ from perfx.commands.options import (add_model_options, add_sampling_options, add
                                     add_thinking_option, load_model_from_args, log, no_thinking_switch_note,
                                     sampling_config, system_prompt, thinking_kwargs)
 from perfx.errors import PerfxError
-from perfx.generate import common_prefix, generate
+from perfx.generate import Conversation, generate
 from perfx.model import host_peak_bytes
 
 HELP = """commands:
@@ -72,7 +72,7 @@ class Chat:
         self.interactive = interactive
         self.colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
         self.messages: list[dict] = []   # user and assistant turns; the system prompt is kept apart
-        self.cached: list[int] = []      # ids whose keys and values are in the cache, positions 0..n-1
+        self.conversation = Conversation()   # the ids the KV cache holds
         self.replies = []                # Stats of every reply this session (kept across /reset)
         described = source.describe()
         self.model_path = str(described.get("path", "?"))
@@ -107,8 +107,9 @@ class Chat:
                 elif line:
                     self.turn(line[1:] if line.startswith("//") else line)
             except KeyboardInterrupt:
-                # Ctrl-C in a command or in the bookkeeping after a reply: `cached` is cut back before the
-                # cache is written and set after, so it still describes the cache; the session goes on.
+                # Ctrl-C in a command or in the bookkeeping after a reply: the conversation's ids are cut
+                # back before the cache is written and set after, so they still describe it; the session
+                # goes on.
                 sys.stdout.write("\n")
 
     def note(self, text: str, dim: bool = False):
@@ -156,13 +157,9 @@ class Chat:
                           f"{self.model.max_positions} positions with the system prompt: shorten it "
                           "or raise --ctx")
                 return
-            keep = common_prefix(self.cached, ids)
-            keep = min(keep, len(ids) - 1)  # at least one id to prefill: its logits give the first token
-            # The cache past `keep` is about to be overwritten: forget it first, so that an interrupt
-            # anywhere below leaves `cached` true.
-            del self.cached[keep:]
-            result = generate(self.model, self.tokenizer, ids[keep:], self.max_tokens, self.sampling,
-                              start_pos=keep, on_text=self.stream, history=ids[:keep])
+            start, todo = self.conversation.resume(ids)
+            result = generate(self.model, self.tokenizer, todo, self.max_tokens, self.sampling,
+                              start_pos=start, on_text=self.stream, history=ids[:start])
         except KeyboardInterrupt:
             # Outside generate's own handling (template, encoding): the turn did not happen.
             self.messages.pop()
@@ -174,8 +171,7 @@ class Chat:
             sys.stdout.write("\n")
             self.note(f"perfx: error: {error}")
             return
-        # The last sampled id was never fed, so the cache holds the first end_pos of prompt + reply.
-        self.cached = (ids + result.ids)[:result.end_pos]
+        self.conversation.record(ids, result)
         # Stored exactly as generated (a partial reply too): the template closes the turn next time.
         self.messages.append({"role": "assistant", "content": result.text})
         self.replies.append(result.stats)
@@ -200,7 +196,7 @@ class Chat:
         elif name == "/reset":
             self.messages.clear()
             # The system prompt's ids stay in the cache for the next turn; the rest is forgotten.
-            del self.cached[common_prefix(self.cached, self.render([])):]
+            self.conversation.keep_prefix(self.render([]))
             print("new conversation")
         elif name == "/system":
             if rest:
@@ -238,7 +234,7 @@ class Chat:
         mib = 2 ** 20
         rows = [("device", f"{caps.name} ({caps.platform})"),
                 ("model", f"{self.model_title} ({self.model_path})"),
-                ("context", f"{len(self.cached)} / {self.model.max_positions} positions used, "
+                ("context", f"{len(self.conversation.cached)} / {self.model.max_positions} positions used, "
                             f"{len(self.messages)} messages")]
         if replies:
             last = replies[-1]

@@ -1,7 +1,7 @@
 """The model's side of `perfx serve`: loading it, and the one thread that generates with it.
 
 The only module of `perfx serve` that uses perfx's own model APIs (load_model, generate, SamplingConfig, and
-the KV-cache prefix rule of `perfx chat`), so that they are re-pointed in one place when they move.
+the Conversation that `perfx chat` keeps too), so that they are re-pointed in one place when they move.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from perfx.errors import PerfxError
-from perfx.generate import Result, SamplingConfig, common_prefix, generate
+from perfx.generate import Conversation, Result, SamplingConfig, generate
 from perfx.model import load_model
 from perfx.serve.api import FINISH_REASONS, APIError, shutting_down
 
@@ -79,6 +79,11 @@ class Job:
     def finish_reason(self) -> str:
         return FINISH_REASONS.get(self.result.stats.stop_reason, "stop")
 
+    @property
+    def cancelled_run(self) -> bool:
+        """Whether its generation was stopped by ``cancelled`` (the client went away, or shutdown)."""
+        return self.result.stats.stop_reason == "cancelled"
+
     def usage(self) -> dict:
         """OpenAI's usage counts: the whole prompt (cached ids included, as OpenAI counts them) and the reply."""
         prompt, completion = len(self.prompt_ids), self.result.stats.generated_tokens
@@ -89,8 +94,8 @@ class Job:
 class Engine:
     """Owns the model: one worker thread runs jobs one at a time, in arrival order, from a bounded queue.
 
-    ``cached`` holds the ids whose keys and values are in the KV cache (positions 0..n-1); only the worker
-    touches it. Everything else is guarded by ``changed``, which is notified on every change.
+    ``conversation`` holds the ids whose keys and values are in the KV cache; only the worker touches it.
+    Everything else is guarded by ``changed``, which is notified on every change.
     """
 
     def __init__(self, model, tokenizer, queue_limit: int, default_sampling: SamplingConfig):
@@ -101,7 +106,7 @@ class Engine:
         self.running: Job | None = None
         self.closing = False
         self.counts = collections.Counter({"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0})
-        self.cached: list[int] = []
+        self.conversation = Conversation()
         self.worker = threading.Thread(target=self._work, name="perfx-serve-model", daemon=True)
         self.worker.start()
 
@@ -123,7 +128,7 @@ class Engine:
             self.changed.notify_all()
 
     def cancel(self, job: Job):
-        """Withdraw a job: a waiting one leaves the queue now, a running one stops at its next piece of text."""
+        """Withdraw a job: a waiting one leaves the queue now, a running one stops before its next token."""
         with self.changed:
             job.cancelled.set()
             if job in self.waiting:
@@ -182,41 +187,29 @@ class Engine:
 
     def _run(self, job: Job) -> str:
         ids = job.prompt_ids
-        keep = min(common_prefix(self.cached, ids), len(ids) - 1)  # at least one id to prefill: its logits
-        job.cached_tokens = keep                                     # give the first token
-        # The cache past `keep` is about to be overwritten: forget it first, so `cached` stays true whatever
-        # happens below.
-        del self.cached[keep:]
+        start, todo = self.conversation.resume(ids)
+        job.cached_tokens = start
 
         def on_text(piece: str):
             if job.first_text is None:
                 job.first_text = time.monotonic()
-            if job.cancelled.is_set():
-                # generate()'s way to stop a reply: it returns what was made, with end_pos consistent.
-                raise KeyboardInterrupt
             job.events.put(("text", piece))
 
         try:
-            result = generate(self.model, self.tokenizer, ids[keep:], job.max_tokens, job.sampling,
-                              start_pos=keep, stop_strings=job.stop, on_text=on_text, history=ids[:keep])
-        except KeyboardInterrupt:
-            # on_text raised it in generate's final flush, outside generate's own handling: the prompt is in
-            # the cache, the reply may not be. As below, only a request stopped by shutdown reads the error.
-            self.cached = list(ids)
-            job.events.put(("error", shutting_down()))
-            return "cancelled"
+            result = generate(self.model, self.tokenizer, todo, job.max_tokens, job.sampling, start_pos=start,
+                              stop_strings=job.stop, on_text=on_text, history=ids[:start],
+                              should_stop=job.cancelled.is_set)
         except Exception as error:  # noqa: BLE001  (a failed request must not take the server down)
-            self.cached = []  # how far the cache was written is unknown
+            self.conversation.forget()  # how far the cache was written is unknown
             message = str(error) if isinstance(error, PerfxError) else f"{type(error).__name__}: {error}"
             if not isinstance(error, PerfxError):
                 print(f"perfx serve: generation failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             job.events.put(("error", APIError(500, f"generation failed: {message}", code="generation_failed",
                                               kind="server_error")))
             return "failed"
-        # The last sampled id was never fed, so the cache holds the first end_pos ids of prompt + reply.
-        self.cached = (ids + result.ids)[:result.end_pos]
+        self.conversation.record(ids, result)
         job.result = result
-        if result.interrupted:
+        if job.cancelled_run:
             # Cancelled by a client that went away (it reads nothing more) or by shutdown (it learns why).
             job.events.put(("error", shutting_down()))
             return "cancelled"

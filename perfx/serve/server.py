@@ -362,7 +362,7 @@ class Handler(BaseHTTPRequestHandler):
         if job is not None:
             parts.append(f"prompt {len(job.prompt_ids)} ({job.cached_tokens} cached)")
             if job.result is not None:
-                reason = "cancelled" if job.result.interrupted else job.finish_reason
+                reason = "cancelled" if job.cancelled_run else job.finish_reason
                 parts.append(f"completion {job.result.stats.generated_tokens} ({reason})")
             if job.started is not None:
                 parts.append(f"wait {job.started - job.submitted:.2f} s")

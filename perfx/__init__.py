@@ -17,7 +17,7 @@ The layers, bottom to top (each imports only from those below it):
 from perfx import reference
 from perfx.errors import PerfxError
 from perfx.formats import Q4Matrix, Q8Matrix
-from perfx.generate import SamplingConfig, generate
+from perfx.generate import Conversation, SamplingConfig, generate
 from perfx.model import Model, load_model
 from perfx.ops.attention_decode import AttentionDecode
 from perfx.ops.attention_prefill import AttentionPrefill
@@ -39,7 +39,7 @@ from perfx.tuning.spec import relative_error
 
 __version__ = "0.1.0"
 __all__ = [
-    "Argmax", "AttentionDecode", "AttentionPrefill", "Device", "Embedding", "EmbeddingQ8", "F16DeviceWeight",
+    "Argmax", "AttentionDecode", "AttentionPrefill", "Conversation", "Device", "Embedding", "EmbeddingQ8", "F16DeviceWeight",
     "GeGLU", "GemmQ4", "GemmQ8", "GemvF16", "GemvQ4", "GemvQ8", "KVCache", "Limits", "Model", "PerfxError",
     "Q4DeviceWeight", "Q4Matrix", "Q8DeviceWeight", "Q8Matrix", "RMSNorm",
     "RopeTable", "SamplingConfig", "Softcap", "SwiGLU", "__version__", "copy_bandwidth", "generate", "load_model",

@@ -39,9 +39,9 @@ from perfx.tuning.spec import relative_error
 
 __version__ = "0.1.0"
 __all__ = [
-    "Argmax", "AttentionDecode", "AttentionPrefill", "Conversation", "Device", "Embedding", "EmbeddingQ8", "F16DeviceWeight",
-    "GeGLU", "GemmQ4", "GemmQ8", "GemvF16", "GemvQ4", "GemvQ8", "KVCache", "Limits", "Model", "PerfxError",
-    "Q4DeviceWeight", "Q4Matrix", "Q8DeviceWeight", "Q8Matrix", "RMSNorm",
-    "RopeTable", "SamplingConfig", "Softcap", "SwiGLU", "__version__", "copy_bandwidth", "generate", "load_model",
+    "Argmax", "AttentionDecode", "AttentionPrefill", "Conversation", "Device", "Embedding", "EmbeddingQ8",
+    "F16DeviceWeight", "GeGLU", "GemmQ4", "GemmQ8", "GemvF16", "GemvQ4", "GemvQ8", "KVCache", "Limits",
+    "Model", "PerfxError", "Q4DeviceWeight", "Q4Matrix", "Q8DeviceWeight", "Q8Matrix", "RMSNorm", "RopeTable",
+    "SamplingConfig", "Softcap", "SwiGLU", "__version__", "copy_bandwidth", "generate", "load_model",
     "open_model", "reference", "relative_error", "time_launches",
 ]

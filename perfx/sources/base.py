@@ -346,3 +346,14 @@ def shape_error(where: str, tensor: str, shape, expected, config: ModelConfig) -
                       f"{config.head_dim}, {config.n_kv_heads} kv heads, "
                       f"intermediate {config.intermediate_size}, vocab {config.vocab_size}) needs "
                       f"{tuple(expected)}; the weights and config.json/header belong to different models")
+
+
+def fused_split_error(where, tensor: str, shape, label: str, config: ModelConfig, said_by: str, ffn_key: str,
+                      advice: str) -> PerfxError:
+    """A fused QKV or gate-up tensor whose rows do not split as the header or config says (``said_by``)."""
+    c = config
+    rows, k = (c.qkv_dim, c.hidden_size) if label == "qkv" else (2 * c.intermediate_size, c.hidden_size)
+    parts = (f"{c.n_heads} heads × {c.head_dim} + 2 × {c.n_kv_heads} kv heads × {c.head_dim}" if label == "qkv"
+             else f"2 × {ffn_key} {c.intermediate_size}")
+    return PerfxError(f"{where}: fused tensor {tensor} has shape {tuple(shape)}, but its rows do not split as "
+                      f"{said_by} says ({parts} = {rows} rows of {k}); {advice}")

@@ -23,7 +23,8 @@ from perfx.config import GGUF_PERMUTED_QK, ModelConfig
 from perfx.errors import PerfxError
 from perfx.gguf_file import GGUFFile
 from perfx.reference import unpermute_qk
-from perfx.sources.base import F16_FORM, Form, Linear, ModelSource, check_finite, permute_linear_rows, shape_error
+from perfx.sources.base import (F16_FORM, Form, Linear, ModelSource, check_finite, fused_split_error, permute_linear_rows,
+                                shape_error)
 from perfx.tokenizer import Tokenizer
 
 GGUF_LINEAR = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
@@ -84,17 +85,12 @@ class GGUFSource(ModelSource):
 
     def _check_fused(self, label: str, layer: int):
         """A fused tensor must split as the header says: q H·D, k and v Hkv·D rows; gate and up I rows each."""
-        c = self.config
         name = f"blk.{layer}.{GGUF_FUSED[label][0]}.weight"
-        t = self._tensors[name]
-        shape = tuple(int(d) for d in reversed(t.shape))
+        shape = tuple(int(d) for d in reversed(self._tensors[name].shape))
         expected = self.expected_shape(label)
         if shape != expected:
-            parts = (f"{c.n_heads} heads × {c.head_dim} + 2 × {c.n_kv_heads} kv heads × {c.head_dim}" if label == "qkv"
-                     else f"2 × feed_forward_length {c.intermediate_size}")
-            raise PerfxError(f"{self.path}: fused tensor {name} has shape {shape}, but its rows do not split as "
-                             f"the header says ({parts} = {expected[0]} rows of {expected[1]}); the file is "
-                             "corrupt or its header belongs to another model")
+            raise fused_split_error(self.path, name, shape, label, self.config, "the header", "feed_forward_length",
+                                    "the file is corrupt or its header belongs to another model")
         self._check(name, expected)
 
     def _check_heads(self, layer: int):

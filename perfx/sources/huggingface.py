@@ -16,7 +16,8 @@ from perfx import formats
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
 from perfx.resources import read_json
-from perfx.sources.base import F16_FORM, LINEAR_NAMES, Form, Linear, ModelSource, check_finite, shape_error
+from perfx.sources.base import (F16_FORM, LINEAR_NAMES, Form, Linear, ModelSource, check_finite,
+                                fused_split_error, shape_error)
 from perfx.tokenizer import Tokenizer
 
 AWQ_VERSIONS = ("gemm", "gemv")
@@ -157,17 +158,13 @@ class HFSource(ModelSource):
                 self._check_shape(f"{self._prefix}layers.{i}.{self._vectors[name]}", (self.expected_vector(name),))
 
     def _check_fused(self, module: str, label: str):
-        c = self.config
         expected = self.expected_shape(label)
         if self._is_awq(module):
             return self._check_linear(module, expected)
         shape, _ = self._info(f"{module}.weight")
         if shape != expected:
-            parts = (f"{c.n_heads} heads × {c.head_dim} + 2 × {c.n_kv_heads} kv heads × {c.head_dim}" if label == "qkv"
-                     else f"2 × intermediate_size {c.intermediate_size}")
-            raise PerfxError(f"{self.directory}: fused tensor {module}.weight has shape {shape}, but its rows do "
-                             f"not split as config.json says ({parts} = {expected[0]} rows of {expected[1]}); "
-                             "the weights and config.json belong to different models")
+            raise fused_split_error(self.directory, f"{module}.weight", shape, label, self.config, "config.json",
+                                    "intermediate_size", "the weights and config.json belong to different models")
 
     def _check_shape(self, name: str, expected):
         shape, _ = self._info(name)

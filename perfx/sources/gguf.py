@@ -23,8 +23,8 @@ from perfx.config import GGUF_PERMUTED_QK, ModelConfig
 from perfx.errors import PerfxError
 from perfx.gguf_file import GGUFFile
 from perfx.reference import unpermute_qk
-from perfx.sources.base import (F16_FORM, Form, Linear, ModelSource, check_finite, fused_split_error, permute_linear_rows,
-                                shape_error)
+from perfx.sources.base import (F16_FORM, Form, Linear, ModelSource, check_finite, fused_split_error,
+                                permute_linear_rows, shape_error)
 from perfx.tokenizer import Tokenizer
 
 GGUF_LINEAR = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",

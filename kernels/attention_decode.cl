@@ -12,6 +12,9 @@
 // A sliding window W > 0 (Mistral; 0 = off) bounds the positions attended to t ≥ p − W + 1: earlier ones
 // get weight 0 and are not read; a partition left with none reports m = −inf, l = 0 and the combine skips it.
 // W is a launch argument, so one build serves layers of different windows (Gemma 2 and 3).
+// p is read from positions[pos_index] on the device (the decode step's token and position travel in one
+// upload), so a launch recorded once serves every p of its ⌈(p+1)/PART⌉ partitions: the grid changes every
+// PART positions, the arguments never.
 // Shapes: qkv float [q (H·D) | k (Hkv·D) | v (Hkv·D)] from element qkv_offset (the fused QKV GEMV);
 // out (H·D) float; keys / values half [layer][kv_head][pos][D] (perfx/ops/kv_cache.py), positions < p
 // already there; cos / sin (max_positions, n_rot/2) float; q_norm / k_norm (D) float (QK_NORM).
@@ -100,12 +103,14 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
                        const int n_rot, __global const float* restrict q_norm,
                        __global const float* restrict k_norm, const float eps,
                        __global half* restrict keys, __global half* restrict values,
-                       const int layer_offset, const int max_positions, const int pos, const int max_parts,
+                       const int layer_offset, const int max_positions,
+                       __global const int* restrict positions, const int pos_index, const int max_parts,
                        __global float* restrict part_max, __global float* restrict part_sum,
                        __global float* restrict part_out, __global float* restrict out, const int window,
                        const float scale, const float softcap)
 {
     const int lid = get_local_id(0);
+    const int pos = positions[pos_index];  // on the device, so a recorded launch serves every position of its grid
     const int g = get_group_id(1);
     const int part = get_group_id(2);
     const int n_parts = get_num_groups(2);

@@ -9,8 +9,8 @@ at a time), in the layouts the kernels read; QKV and gate-up were fused by the l
 kernels of its form: int4 (gemv_q4, gemm_q4), int8 (gemv_q8, gemm_q8: GGUF Q5_x/Q6_K/Q8_0 tensors and the
 lm_head) or fp16. ``prefill`` runs the GEMM path over a prompt (logits for the last position only);
 ``prefill_logits`` also returns every position's logits from a given one on (perplexity); ``decode_one``
-runs the GEMV path for one token. Kernel arguments that never change are bound at load; per token only
-the token id and the position travel to the device.
+runs the GEMV path for one token: a recorded plan of launches, every argument bound, replayed per token after
+one 8-byte upload of the token id and its position (the attention reads the position on the device).
 """
 
 from __future__ import annotations
@@ -164,6 +164,7 @@ class Model:
         self.all_logits = self.head_in = None   # (chunk, V) and (chunk, hidden), made by the first prefill_logits
         self._lm_head_gemm = None
         self.ids = d.empty(m, np.int32)
+        self.step = d.empty(2, np.int32)                     # the decode step's (token id, position)
         widest = max(c.hidden_size, c.q_dim, c.qkv_dim, 2 * c.intermediate_size)
         self.row_in, self.row_out = d.empty(widest, f32), d.empty(widest, f32)   # fp16 slow path scratch
         self.row_up, self.row_act = d.empty(c.intermediate_size, f32), d.empty(c.intermediate_size, f32)
@@ -183,9 +184,10 @@ class Model:
             self.layer_rope.append(None if rope is None else tables[rope.key()])
             self.layer_window.append(recipe.window)
         self.attention_args = [self._attention_args(i) for i in range(c.n_layers)]
-        self._token_host = np.zeros(1, np.int32)
-        self._token_upload = None
-        self._decode_plan = self._record_decode_plan()
+        self._step_upload = None
+        self._decode_segments: list | None = None   # the decode step's launches between attentions
+        self._decode_plans: dict[int, list] = {}    # attention partitions -> the step's launches
+        self._decode_launches(0)   # recorded now: a kernel the driver refuses shows at load
 
     # -- the forward ------------------------------------------------------------------------------
 
@@ -252,10 +254,16 @@ class Model:
         else:
             self.plan.rmsnorm.post_residual(self.proj, self.x, post_norm, gamma, self.xb, m, c.hidden_size, c.rms_eps)
 
+    def _attend_decode(self, layer: int, pos: int, position=None):
+        """Decode attention of one layer for the token at ``pos`` (``position``: the buffer and index the
+        kernel reads it from; None: the wrapper uploads it)."""
+        rope, kwargs = self.attention_args[layer]
+        self.plan.attn_decode(self.qkv, self.att, self.cache, rope, layer, pos, position=position, **kwargs)
+
     def _layers(self, m: int, pos: int, decode: bool, attention=None):
         """Every decoder layer over m rows at positions pos..pos+m−1; leaves the last residual add pending.
 
-        ``attention(layer)``, when given, replaces the decode attention launch (the decode plan records it).
+        ``attention(layer)``, when given, replaces the decode attention (the decode plan records it apart).
         """
         c = self.config
         for layer, w in enumerate(self.layers):
@@ -266,12 +274,12 @@ class Model:
                 self._residual_norm(self.layers[layer - 1].post_ffn_norm, w.attn_norm, m)
             # qkv for these positions, then (q/k norm +) RoPE + KV append + attention
             self._linear("qkv", w.qkv, self.xb, self.qkv, m, decode)
-            rope, kwargs = self.attention_args[layer]
             if attention is not None:
                 attention(layer)
             elif decode:
-                self.plan.attn_decode(self.qkv, self.att, self.cache, rope, layer, pos, **kwargs)
+                self._attend_decode(layer, pos)
             else:
+                rope, kwargs = self.attention_args[layer]
                 self.plan.prefill(m)[1](self.qkv, self.att, self.cache, rope, layer, pos, m, **kwargs)
             self._linear("o", w.o, self.att, self.proj, m, decode)
             # ffn rmsnorm, with the attention output added into the residual
@@ -328,15 +336,16 @@ class Model:
         d.copy(self.logits_buf, self.all_logits, 4 * v, src_offset=4 * v * (count - 1))
         return d.read(np.empty((count, v), np.float32), self.all_logits)
 
-    def _embed(self, m: int):
-        """The token rows into the residual stream, times the recipe's embedding scale (Gemma: √hidden)."""
+    def _embed(self, m: int, ids):
+        """The rows of the m token ids in ``ids`` (an int32 device buffer) into the residual stream, times the
+        recipe's embedding scale (Gemma: √hidden)."""
         scale = {"scale": self.config.embedding_scale} if self.config.embedding_scale != 1.0 else {}
         if isinstance(self.embedding, Q8DeviceWeight):
-            self.plan.q8("embedding", "embedding", self.embedding, m)(self.embedding, self.ids, self.x, m, **scale)
+            self.plan.q8("embedding", "embedding", self.embedding, m)(self.embedding, ids, self.x, m, **scale)
         elif isinstance(self.embedding, Q4DeviceWeight):
-            self.plan.embed.q4(self.embedding, self.ids, self.x, m, **scale)
+            self.plan.embed.q4(self.embedding, ids, self.x, m, **scale)
         else:
-            self.plan.embed.f16(self.embedding, self.ids, self.x, m, **scale)
+            self.plan.embed.f16(self.embedding, ids, self.x, m, **scale)
 
     def prefill(self, tokens: list[int], start_pos: int) -> None:
         """Run the prompt at positions start_pos.. (the cache before start_pos is reused); logits of the last."""
@@ -376,50 +385,63 @@ class Model:
             part = tokens[first:first + self.chunk]
             started = time.perf_counter()
             self.ids[: len(part)].set(np.asarray(part, np.int32))
-            self._embed(len(part))
+            self._embed(len(part), self.ids)
             self._layers(len(part), start_pos + first, decode=len(part) == 1)
             self.host_seconds += time.perf_counter() - started
             if after_chunk is not None:
                 after_chunk(first, len(part))
         return len(part)
 
-    def _record_decode_plan(self) -> list:
-        """One decode step recorded once: launches with their arguments bound (``BoundLaunch``), and the
-        layer index where the attention runs live (its launch depends on the position)."""
-        plan: list = []
-        with self.device.record() as launches:
-            def attention(layer: int):
-                plan.extend(launches)
-                launches.clear()
-                plan.append(layer)
+    def _decode_launches(self, pos: int) -> list:
+        """The decode step for a token at ``pos``, as launches and copies with every argument bound.
 
-            self._embed(1)
-            self._layers(1, 0, decode=True, attention=attention)
-            self._head(0)
-            plan.extend(launches)
+        Everything but the attention is recorded once; the attention launches are recorded per partition count
+        (their grid grows by one partition every PART positions) and read the position from ``step`` on the
+        device, so one recording serves every position of its count.
+        """
+        parts = self.plan.attn_decode.partitions(pos)
+        plan = self._decode_plans.get(parts)
+        if plan is not None:
+            return plan
+        if self._decode_segments is None:
+            segments: list[list] = [[]]
+            with self.device.record() as launches:
+                def split(layer: int):
+                    segments[-1].extend(launches)
+                    launches.clear()
+                    segments.append([])
+
+                self._embed(1, self.step)
+                self._layers(1, 0, decode=True, attention=split)
+                self._head(0)
+                segments[-1].extend(launches)
+            self._decode_segments = segments
+        plan = list(self._decode_segments[0])
+        with self.device.record() as launches:
+            for layer, after in enumerate(self._decode_segments[1:]):
+                self._attend_decode(layer, pos, position=(self.step, 1))
+                plan += launches + after
+                launches.clear()
+        self._decode_plans[parts] = plan
         return plan
 
     def decode_one(self, token: int, pos: int) -> None:
         """Feed one token at ``pos``; leaves its logits on the device.
 
-        Per token the host uploads the token id (4 bytes, without waiting) and replays the recorded plan;
-        only the attention launches take the position as an argument.
+        Per token the host uploads the token id and the position (8 bytes, without waiting) and replays the
+        recorded launches: no kernel argument is set and no wrapper runs.
         """
-        if pos >= self.max_positions:
-            raise PerfxError(f"context full: position {pos} of {self.max_positions}; raise --ctx")
+        if not 0 <= pos < self.max_positions:
+            raise PerfxError(f"context full: position {pos} of {self.max_positions}; raise --ctx" if pos >= 0
+                             else f"decode_one: position {pos} is negative")
         self._check_ids([token])
-        if self._token_upload is not None:
-            self._token_upload.wait()  # the host array below is read when the copy runs (device time)
         started = time.perf_counter()
-        self._token_host[0] = token
+        launches = self._decode_launches(pos)
         queue = self.device.queue
-        self._token_upload = self.device.write(self.ids, self._token_host, wait=False)
-        for step in self._decode_plan:
-            if type(step) is int:
-                rope, kwargs = self.attention_args[step]
-                self.plan.attn_decode(self.qkv, self.att, self.cache, rope, step, pos, **kwargs)
-            else:
-                step.enqueue(queue)
+        # A fresh host array, held by the copy's event (kept, so the write stays non-blocking) until it has run.
+        self._step_upload = self.device.write(self.step, np.array([token, pos], np.int32), wait=False)
+        for launch in launches:
+            launch.enqueue(queue)
         self.host_seconds += time.perf_counter() - started
 
     def logits(self) -> np.ndarray:

@@ -87,6 +87,33 @@ def test_prefill_equals_token_by_token_and_continuation_equals_recomputation(tin
     assert relative_error(model.logits(), whole) <= TOLERANCE
 
 
+def test_decode_replays_across_attention_partitions_and_back(tiny_paths, device, rng, monkeypatch):
+    """Token by token past the attention's first partitions (its grid grows every PART positions, so the step
+    is recorded once per partition count) equals the prefill path's logits at each position; going back to
+    an earlier position (a new turn, a speculative rollback) replays the earlier recording; and once recorded,
+    a step runs no kernel wrapper at all: the position is read on the device."""
+    model, source = load(tiny_paths["gguf-gqa3"], device, ctx=160)
+    part = model.plan.attn_decode.part
+    n = min(2 * part + 5, 160)
+    tokens = [int(t) for t in rng.integers(3, source.config.vocab_size, n)]
+    rows = model.prefill_logits(tokens, 0)
+    for pos, token in enumerate(tokens):
+        model.decode_one(token, pos)
+        if pos in (0, part - 1, part, n - 1):
+            assert relative_error(model.logits(), rows[pos]) <= TOLERANCE, pos
+    assert sorted(model._decode_plans) == list(range(1, (n - 1) // part + 2))
+
+    from perfx.ops.attention_decode import AttentionDecode
+
+    def no_wrapper(*args, **kwargs):
+        raise AssertionError("a recorded decode step ran the attention wrapper")
+    monkeypatch.setattr(AttentionDecode, "enqueue", no_wrapper)
+    model.decode_one(tokens[3], 3)
+    assert relative_error(model.logits(), rows[3]) <= TOLERANCE
+    model.decode_one(tokens[part + 1], part + 1)
+    assert relative_error(model.logits(), rows[part + 1]) <= TOLERANCE
+
+
 def test_long_prompts_run_in_chunks(tiny_paths, device, rng, monkeypatch):
     import perfx.model as model_module
     monkeypatch.setattr(model_module, "PREFILL_CHUNK", 8)

@@ -5,7 +5,9 @@ partition of PART positions: per-head RMSNorm of q and k where built with it, Ro
 partition that holds the new position, partial softmax and weighted V) then ``attention_combine``
 (online-softmax merge of the partitions). A context of at most PART positions is one partition and needs
 the first launch only. The RoPE table, the sliding window, the scale, the soft-cap and the norm weights are
-per launch, so one AttentionDecode serves every layer of a model whose layers differ in them.
+per launch, so one AttentionDecode serves every layer of a model whose layers differ in them. The position is
+read on the device, from an int32 buffer (the model's decode step buffer, or the wrapper's own): a launch
+recorded once serves every position with the same number of partitions.
 """
 
 from __future__ import annotations
@@ -101,6 +103,9 @@ class AttentionDecode:
         self.qkv_size = (n_heads + 2 * n_kv_heads) * head_dim
         # Bound to the table and weight arguments a launch does not read (no RoPE, no qk_norm).
         self.placeholder = device.alloc(4, what="attention_decode placeholder")
+        self.own_position = device.alloc(4, what="attention_decode position")
+        self._own_pos = None   # the value last written to own_position
+        self._own_write = None
         self.last_events: list = []
 
     def partitions(self, pos: int) -> int:
@@ -139,10 +144,23 @@ class AttentionDecode:
         return qkv_b, out_b
 
     def enqueue(self, qkv, out, cache: KVCache, rope: RopeTable | None, layer: int, pos: int,
-                qkv_offset: int = 0, *, window: int | None = None, scale: float | None = None,
+                qkv_offset: int = 0, *, position=None, window: int | None = None, scale: float | None = None,
                 softcap: float = 0.0, q_norm=None, k_norm=None, eps: float = 1e-6) -> list:
-        """Enqueue the launches; returns their events ([partial] or [partial, combine]), for timing."""
+        """Enqueue the launches; returns their events ([partial] or [partial, combine]), for timing.
+
+        ``position``: (int32 buffer, index) that holds ``pos`` when the launches run (the decode plan's step
+        buffer: recorded once, the launches serve every position of the same partition count); None: this
+        wrapper writes ``pos`` into its own buffer, in queue order.
+        """
         qkv_b, out_b = self._check(qkv, out, cache, rope, layer, pos, qkv_offset)
+        if position is None:
+            if self._own_pos != pos:
+                # A fresh host array each time, held by the copy's event until it has run; keeping the event
+                # keeps the write non-blocking (pyopencl waits when such an event is dropped).
+                self._own_write = self.device.write(self.own_position, np.array([pos], np.int32), wait=False)
+                self._own_pos = pos
+            position = (self.own_position, 0)
+        positions, pos_index = position
         window, scale, norms = attention_features(
             "attention_decode", self.head_dim, self.qk_norm, self.window if window is None else window,
             scale, softcap, q_norm, k_norm, eps, self.placeholder)
@@ -153,8 +171,8 @@ class AttentionDecode:
             self.partial_kernel, (self.wgs, self.n_kv_heads, n_parts), (self.wgs, 1, 1),
             qkv_b, np.int32(qkv_offset), cos, sin, np.int32(0 if rope is None else rope.rotary_dims),
             *norms, np.float32(eps), keys, values,
-            np.int32(offset), np.int32(cache.max_positions), np.int32(pos),
-            np.int32(self.max_parts), self.part_max, self.part_sum, self.part_out, out_b, np.int32(window),
+            np.int32(offset), np.int32(cache.max_positions), getattr(positions, "data", positions),
+            np.int32(pos_index), np.int32(self.max_parts), self.part_max, self.part_sum, self.part_out, out_b, np.int32(window),
             np.float32(scale), np.float32(softcap))
         if n_parts == 1:
             self.last_events = [partial]

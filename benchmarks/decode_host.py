@@ -1,0 +1,74 @@
+"""Host time per decode step: what perfx's Python spends enqueueing one token, apart from the device's time.
+
+    python benchmarks/decode_host.py [--model default] [--device intel] [--tokens 64] [--tree DIR ...]
+
+Each decode step is followed by a wait for the queue, so the host time (Model.host_seconds, summed inside
+``decode_one``) holds only the enqueueing, never a wait behind the device. With ``--tree`` the same
+measurement runs in each source tree given (a checkout of an earlier commit against this one), interleaved
+round by round in fresh processes, so the trees share the machine's state; one JSON line per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def measure(model_name: str, device_name: str, tokens: int) -> dict:
+    import numpy as np
+
+    from perfx.model import load_model
+
+    model, _ = load_model(model_name, device_name, ctx=512, progress=False)
+    queue = model.device.queue
+    ids = np.random.default_rng(0).integers(3, model.config.vocab_size, tokens)
+    model.prefill([int(ids[0])], 0)
+    queue.finish()
+    host, wall = [], []
+    for pos, token in enumerate(ids[1:], start=1):
+        before = model.host_seconds
+        started = time.perf_counter()
+        model.decode_one(int(token), pos)
+        queue.finish()
+        wall.append(time.perf_counter() - started)
+        host.append(model.host_seconds - before)
+    skip = len(host) // 4   # the first steps build and warm caches
+    return {"host_ms": 1e3 * statistics.median(host[skip:]), "step_ms": 1e3 * statistics.median(wall[skip:]),
+            "launches": len(getattr(model, "_decode_plans", {}).get(1, ()) or getattr(model, "_decode_plan", ()))}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--device", default=os.environ.get("PERFX_DEVICE", "intel"))
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tree", action="append", default=[], help="a source tree to measure (repeatable)")
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)   # a child process: one run
+    args = parser.parse_args()
+    if args.one or not args.tree:
+        print(json.dumps(measure(args.model, args.device, args.tokens)))
+        return
+    results = {tree: [] for tree in args.tree}
+    for _ in range(args.rounds):
+        for tree in args.tree:
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", "--model", args.model,
+                                  "--device", args.device, "--tokens", str(args.tokens)], cwd=tree,
+                                 env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True, check=True)
+            results[tree].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(tree, results[tree][-1], flush=True)
+    for tree, runs in results.items():
+        host = [r["host_ms"] for r in runs]
+        step = [r["step_ms"] for r in runs]
+        print(json.dumps({"tree": tree, "device": args.device, "host_ms_median": statistics.median(host),
+                          "host_ms_range": [min(host), max(host)], "step_ms_median": statistics.median(step),
+                          "step_ms_range": [min(step), max(step)], "launches": runs[-1]["launches"]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -55,18 +55,70 @@ class DeviceLayer:
     post_ffn_norm: object = None    # float32 (hidden): the FFN output's own norm (Gemma)
 
 
+@dataclass
+class DeviceWeights:
+    """A model's weights on the device, each in the form and layout the kernels that read it want."""
+
+    embedding: object = None   # Q4 / Q8 / fp16 device weight (the lm_head too where tied)
+    layers: list[DeviceLayer] = field(default_factory=list)
+    final_norm: object = None  # float32 (hidden)
+    lm_head: object = None
+    nbytes: int = 0            # bytes one decode step reads: every weight once
+
+
+@dataclass
+class RunState:
+    """The activations of a forward, preallocated once (llama2.c's RunState): ``chunk`` rows for a prefill
+    chunk, row 0 for a decode step."""
+
+    chunk: int
+    x: object          # (chunk, hidden) the residual stream
+    xb: object         # (chunk, hidden) normed activations
+    qkv: object        # (chunk, q_dim + 2·kv_dim)
+    att: object        # (chunk, q_dim) attention output, before o
+    proj: object       # (chunk, hidden) o or down output, added into the residual
+    hb: object         # (chunk, 2·intermediate) act(gate)·up (and gate|up on the fp16 path)
+    logits: object     # (V) the last position's logits
+    ids: object        # (chunk) int32 prompt ids
+    step: object       # (2) int32 the decode step's token id and position
+    best: object       # (1) int32 the argmax
+    row_in: object     # fp16 slow path scratch rows
+    row_out: object
+    row_up: object
+    row_act: object
+    all_logits: object = None   # (chunk, V) and (chunk, hidden): made by the first prefill_logits only
+    head_in: object = None
+
+    @classmethod
+    def allocate(cls, device: Device, c: ModelConfig, chunk: int) -> RunState:
+        f32 = np.float32
+        widest = max(c.hidden_size, c.q_dim, c.qkv_dim, 2 * c.intermediate_size)
+        return cls(
+            chunk=chunk, x=device.empty((chunk, c.hidden_size), f32), xb=device.empty((chunk, c.hidden_size), f32),
+            qkv=device.empty((chunk, c.qkv_dim), f32), att=device.empty((chunk, c.q_dim), f32),
+            proj=device.empty((chunk, c.hidden_size), f32), hb=device.empty((chunk, 2 * c.intermediate_size), f32),
+            logits=device.empty(c.vocab_size, f32), ids=device.empty(chunk, np.int32),
+            step=device.empty(2, np.int32), best=device.empty(1, np.int32),
+            row_in=device.empty(widest, f32), row_out=device.empty(widest, f32),
+            row_up=device.empty(c.intermediate_size, f32), row_act=device.empty(c.intermediate_size, f32))
+
+
 class Model:
-    """A decoder resident on one device, with its KV cache and run state."""
+    """A decoder resident on one device: its weights, KV cache and run state, the kernel plan, the forward."""
 
     def __init__(self, config: ModelConfig, device: Device, max_positions: int, database: Database | None = None,
                  log=None):
         self.config, self.device, self.max_positions = config, device, max_positions
         self.database = database if database is not None else default_database()
         self.log = log or (lambda text: None)
-        self.layers: list[DeviceLayer] = []
-        self.weight_bytes = 0           # bytes one decode step reads (every weight once)
+        self.weights = DeviceWeights()
         self.host_seconds = 0.0         # time spent enqueueing (host work), summed over calls
         self.load_report: dict = {}
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes one decode step reads: every weight once."""
+        return self.weights.nbytes
 
     # -- loading ----------------------------------------------------------------------------------
 
@@ -92,7 +144,7 @@ class Model:
         model.plan = KernelPlan(c, device, ctx, model.database, model.log, group, source.weight_forms())
         bar.update(note="kernels")
         embedding = source.embedding()
-        model.embedding = model._upload(embedding, "token embedding", role="embedding")
+        model.weights.embedding = model._upload(embedding, "token embedding", role="embedding")
         bar.update(note="embedding")
         for i in range(c.n_layers):
             w = first if i == 0 else source.layer(i)
@@ -100,21 +152,22 @@ class Model:
                 raise PerfxError("an fp16 QKV projection with a bias (Qwen2) runs only quantized: pass --quantize q4")
             norms = {name: model._vector(getattr(w, name)) for name in ("q_norm", "k_norm", "post_attn_norm",
                                                                           "post_ffn_norm") if getattr(w, name) is not None}
-            model.layers.append(DeviceLayer(
+            model.weights.layers.append(DeviceLayer(
                 attn_norm=model._vector(w.attn_norm),
                 qkv=model._upload(w.qkv, f"layer {i} qkv", "qkv", bias=w.qkv_bias),
                 o=model._upload(w.o, f"layer {i} o", "o"), ffn_norm=model._vector(w.ffn_norm),
                 gate_up=model._upload(w.gate_up, f"layer {i} gate_up", "gate_up"),
                 down=model._upload(w.down, f"layer {i} down", "down"), **norms))
-            model.weight_bytes += (sum(x.nbytes for x in (w.qkv, w.o, w.gate_up, w.down))
+            model.weights.nbytes += (sum(x.nbytes for x in (w.qkv, w.o, w.gate_up, w.down))
                                    + 4 * (2 + 2 * c.post_norms) * c.hidden_size + 8 * c.qk_norm * c.head_dim)
             del w
             bar.update(note=f"layer {i}")
         first = None
-        model.final_norm = model._vector(source.final_norm())
+        model.weights.final_norm = model._vector(source.final_norm())
         head = source.lm_head()
-        model.lm_head = model.embedding if head is None else model._upload(head, "lm_head", "lm_head")
-        model.weight_bytes += (embedding if head is None else head).nbytes + 4 * c.hidden_size
+        weights = model.weights
+        weights.lm_head = weights.embedding if head is None else model._upload(head, "lm_head", "lm_head")
+        model.weights.nbytes += (embedding if head is None else head).nbytes + 4 * c.hidden_size
         del embedding, head
         model._allocate_state()
         bar.update(note="run state")
@@ -122,7 +175,7 @@ class Model:
         device.queue.finish()
         model.load_report = {
             "load_s": time.perf_counter() - started, "device_bytes": device.allocated_bytes,
-            "weight_bytes": model.weight_bytes, "kv_cache_bytes": model.cache.nbytes,
+            "weight_bytes": model.weights.nbytes, "kv_cache_bytes": model.cache.nbytes,
             "host_peak_bytes": host_peak_bytes(), "ctx": ctx,
         }
         return model
@@ -151,24 +204,8 @@ class Model:
     def _allocate_state(self):
         """The run state, preallocated once (llama2.c's RunState), for decode and for a prefill chunk."""
         c, d = self.config, self.device
-        m = min(PREFILL_CHUNK, self.max_positions)
-        f32 = np.float32
-        self.chunk = m
-        self.x = d.empty((m, c.hidden_size), f32)            # the residual stream
-        self.xb = d.empty((m, c.hidden_size), f32)           # normed activations
-        self.qkv = d.empty((m, c.qkv_dim), f32)
-        self.att = d.empty((m, c.q_dim), f32)                # attention output, before o
-        self.proj = d.empty((m, c.hidden_size), f32)         # o or down output, added into the residual
-        self.hb = d.empty((m, 2 * c.intermediate_size), f32)  # SiLU(gate)·up (and gate|up for the fp16 path)
-        self.logits_buf = d.empty(c.vocab_size, f32)
-        self.all_logits = self.head_in = None   # (chunk, V) and (chunk, hidden), made by the first prefill_logits
+        self.state = RunState.allocate(d, c, min(PREFILL_CHUNK, self.max_positions))
         self._lm_head_gemm = None
-        self.ids = d.empty(m, np.int32)
-        self.step = d.empty(2, np.int32)                     # the decode step's (token id, position)
-        widest = max(c.hidden_size, c.q_dim, c.qkv_dim, 2 * c.intermediate_size)
-        self.row_in, self.row_out = d.empty(widest, f32), d.empty(widest, f32)   # fp16 slow path scratch
-        self.row_up, self.row_act = d.empty(c.intermediate_size, f32), d.empty(c.intermediate_size, f32)
-        self.best = d.empty(1, np.int32)
         self.cache = KVCache.allocate(d, c.n_layers, c.n_kv_heads, self.max_positions, c.head_dim)
         # One cos/sin table per distinct RoPE of the recipe (Gemma 3: local and global bases), made once; a
         # GGUF's rope_freqs (Llama 3.x) and LongRoPE's factors ride in the scaling and are applied in the table.
@@ -194,7 +231,7 @@ class Model:
     def _attention_args(self, layer: int) -> tuple:
         """(rope table or None, keyword arguments) of layer's attention launch: its RoPE, window, the scale,
         soft-cap and q/k norms where the recipe has them."""
-        c, w = self.config, self.layers[layer]
+        c, w = self.config, self.weights.layers[layer]
         kwargs = {}
         if self.layer_window[layer]:
             kwargs["window"] = self.layer_window[layer]
@@ -236,116 +273,119 @@ class Model:
         gated = epilogue in ("silu_mul", "gelu_mul")
         cols = n // 2 if gated else n
         for r in range(m):
-            d.copy(self.row_in, x, 4 * k, src_offset=4 * r * k)
-            self.plan.gemv_f16(weight, self.row_in, self.row_out)
-            result = self.row_out
+            d.copy(self.state.row_in, x, 4 * k, src_offset=4 * r * k)
+            self.plan.gemv_f16(weight, self.state.row_in, self.state.row_out)
+            result = self.state.row_out
             if gated:
-                d.copy(self.row_up, self.row_out, 4 * cols, src_offset=4 * cols)
-                self.plan.gate(self.row_out, self.row_up, self.row_act, cols)
-                result = self.row_act
+                d.copy(self.state.row_up, self.state.row_out, 4 * cols, src_offset=4 * cols)
+                self.plan.gate(self.state.row_out, self.state.row_up, self.state.row_act, cols)
+                result = self.state.row_act
             d.copy(y, result, 4 * cols, dst_offset=4 * r * cols)
 
     def _residual_norm(self, post_norm, gamma, m: int):
         """The pending output in proj joins the residual x (through its own norm ``post_norm`` where the recipe
         has post-norms), then xb = rmsnorm(x)·γ: one launch either way."""
-        c = self.config
+        c, s = self.config, self.state
         if post_norm is None:
-            self.plan.rmsnorm.residual(self.proj, self.x, gamma, self.xb, m, c.hidden_size, c.rms_eps)
+            self.plan.rmsnorm.residual(s.proj, s.x, gamma, s.xb, m, c.hidden_size, c.rms_eps)
         else:
-            self.plan.rmsnorm.post_residual(self.proj, self.x, post_norm, gamma, self.xb, m, c.hidden_size, c.rms_eps)
+            self.plan.rmsnorm.post_residual(s.proj, s.x, post_norm, gamma, s.xb, m, c.hidden_size, c.rms_eps)
 
     def _attend_decode(self, layer: int, pos: int, position=None):
         """Decode attention of one layer for the token at ``pos`` (``position``: the buffer and index the
         kernel reads it from; None: the wrapper uploads it)."""
         rope, kwargs = self.attention_args[layer]
-        self.plan.attn_decode(self.qkv, self.att, self.cache, rope, layer, pos, position=position, **kwargs)
+        s = self.state
+        self.plan.attn_decode(s.qkv, s.att, self.cache, rope, layer, pos, position=position, **kwargs)
 
     def _layers(self, m: int, pos: int, decode: bool, attention=None):
         """Every decoder layer over m rows at positions pos..pos+m−1; leaves the last residual add pending.
 
         ``attention(layer)``, when given, replaces the decode attention (the decode plan records it apart).
         """
-        c = self.config
-        for layer, w in enumerate(self.layers):
+        c, s = self.config, self.state
+        for layer, w in enumerate(self.weights.layers):
             # attention rmsnorm; from layer 1 on, the previous layer's FFN output joins the residual here
             if layer == 0:
-                self.plan.rmsnorm.plain(self.x, w.attn_norm, self.xb, m, c.hidden_size, c.rms_eps)
+                self.plan.rmsnorm.plain(s.x, w.attn_norm, s.xb, m, c.hidden_size, c.rms_eps)
             else:
-                self._residual_norm(self.layers[layer - 1].post_ffn_norm, w.attn_norm, m)
+                self._residual_norm(self.weights.layers[layer - 1].post_ffn_norm, w.attn_norm, m)
             # qkv for these positions, then (q/k norm +) RoPE + KV append + attention
-            self._linear("qkv", w.qkv, self.xb, self.qkv, m, decode)
+            self._linear("qkv", w.qkv, s.xb, s.qkv, m, decode)
             if attention is not None:
                 attention(layer)
             elif decode:
                 self._attend_decode(layer, pos)
             else:
                 rope, kwargs = self.attention_args[layer]
-                self.plan.prefill(m)[1](self.qkv, self.att, self.cache, rope, layer, pos, m, **kwargs)
-            self._linear("o", w.o, self.att, self.proj, m, decode)
+                self.plan.prefill(m)[1](s.qkv, s.att, self.cache, rope, layer, pos, m, **kwargs)
+            self._linear("o", w.o, s.att, s.proj, m, decode)
             # ffn rmsnorm, with the attention output added into the residual
             self._residual_norm(w.post_attn_norm, w.ffn_norm, m)
             # gated MLP: gate-up with the activation·up fused, then down
-            self._linear("gate_up", w.gate_up, self.xb, self.hb, m, decode)
-            self._linear("down", w.down, self.hb, self.proj, m, decode)
+            self._linear("gate_up", w.gate_up, s.xb, s.hb, m, decode)
+            self._linear("down", w.down, s.hb, s.proj, m, decode)
 
     def _final_norm(self, m: int):
         """The last layer's output joins the residual, then the final rmsnorm into xb."""
-        self._residual_norm(self.layers[-1].post_ffn_norm, self.final_norm, m)
+        self._residual_norm(self.weights.layers[-1].post_ffn_norm, self.weights.final_norm, m)
 
     def _head(self, row: int):
         """Final residual add + rmsnorm and the lm_head, for one row (the last position) only."""
         c = self.config
         if row:
             nbytes = 4 * c.hidden_size
-            for buffer in (self.proj, self.x):
+            for buffer in (self.state.proj, self.state.x):
                 self.device.copy(buffer, buffer, nbytes, src_offset=row * nbytes)
         self._final_norm(1)
-        if isinstance(self.lm_head, Q8DeviceWeight):
-            self.plan.q8("gemv", "lm_head", self.lm_head)(self.lm_head, self.xb, self.logits_buf)
-        elif isinstance(self.lm_head, Q4DeviceWeight):
-            self.plan.gemv["lm_head"](self.lm_head, self.xb, self.logits_buf)
+        if isinstance(self.weights.lm_head, Q8DeviceWeight):
+            head = self.weights.lm_head
+            self.plan.q8("gemv", "lm_head", head)(head, self.state.xb, self.state.logits)
+        elif isinstance(self.weights.lm_head, Q4DeviceWeight):
+            self.plan.gemv["lm_head"](self.weights.lm_head, self.state.xb, self.state.logits)
         else:
-            self.plan.gemv_f16(self.lm_head, self.xb, self.logits_buf)
+            self.plan.gemv_f16(self.weights.lm_head, self.state.xb, self.state.logits)
         if c.final_softcap:
-            self.plan.softcap(self.logits_buf, c.vocab_size, c.final_softcap)
+            self.plan.softcap(self.state.logits, c.vocab_size, c.final_softcap)
 
     def _head_rows(self, m: int, first: int) -> np.ndarray:
         """Final residual add + rmsnorm over the chunk's m rows and the lm_head over rows first..m−1:
-        their logits (m − first, V), read back; the last row's are left in ``logits_buf`` as ``_head`` does."""
+        their logits (m − first, V), read back; the last row's are left in ``state.logits`` as ``_head`` does."""
         c, d = self.config, self.device
         v, hidden, count = c.vocab_size, c.hidden_size, m - first
-        if self.all_logits is None:   # only perplexity needs these: decode never allocates them
-            self.all_logits = d.empty((self.chunk, v), np.float32)
-            self.head_in = d.empty((self.chunk, hidden), np.float32)
+        if self.state.all_logits is None:   # only perplexity needs these: decode never allocates them
+            self.state.all_logits = d.empty((self.state.chunk, v), np.float32)
+            self.state.head_in = d.empty((self.state.chunk, hidden), np.float32)
         self._final_norm(m)
-        d.copy(self.head_in, self.xb, 4 * hidden * count, src_offset=4 * hidden * first)
-        head = self.lm_head
+        d.copy(self.state.head_in, self.state.xb, 4 * hidden * count, src_offset=4 * hidden * first)
+        head = self.weights.lm_head
         if isinstance(head, Q8DeviceWeight):
-            self.plan.q8("gemm", "lm_head", head, count)(head, self.head_in, self.all_logits, count)
+            self.plan.q8("gemm", "lm_head", head, count)(head, self.state.head_in, self.state.all_logits, count)
         elif isinstance(head, Q4DeviceWeight):
             if self._lm_head_gemm is None:
                 self._lm_head_gemm = GemmQ4(d, shape={"epilogue": "none"})
-            self._lm_head_gemm(head, self.head_in, self.all_logits, count)
+            self._lm_head_gemm(head, self.state.head_in, self.state.all_logits, count)
         else:
             for r in range(count):
-                d.copy(self.row_in, self.head_in, 4 * hidden, src_offset=4 * hidden * r)
-                self.plan.gemv_f16(head, self.row_in, self.logits_buf)
-                d.copy(self.all_logits, self.logits_buf, 4 * v, dst_offset=4 * v * r)
+                d.copy(self.state.row_in, self.state.head_in, 4 * hidden, src_offset=4 * hidden * r)
+                self.plan.gemv_f16(head, self.state.row_in, self.state.logits)
+                d.copy(self.state.all_logits, self.state.logits, 4 * v, dst_offset=4 * v * r)
         if c.final_softcap:
-            self.plan.softcap(self.all_logits, count * v, c.final_softcap)
-        d.copy(self.logits_buf, self.all_logits, 4 * v, src_offset=4 * v * (count - 1))
-        return d.read(np.empty((count, v), np.float32), self.all_logits)
+            self.plan.softcap(self.state.all_logits, count * v, c.final_softcap)
+        d.copy(self.state.logits, self.state.all_logits, 4 * v, src_offset=4 * v * (count - 1))
+        return d.read(np.empty((count, v), np.float32), self.state.all_logits)
 
     def _embed(self, m: int, ids):
         """The rows of the m token ids in ``ids`` (an int32 device buffer) into the residual stream, times the
         recipe's embedding scale (Gemma: √hidden)."""
         scale = {"scale": self.config.embedding_scale} if self.config.embedding_scale != 1.0 else {}
-        if isinstance(self.embedding, Q8DeviceWeight):
-            self.plan.q8("embedding", "embedding", self.embedding, m)(self.embedding, ids, self.x, m, **scale)
-        elif isinstance(self.embedding, Q4DeviceWeight):
-            self.plan.embed.q4(self.embedding, ids, self.x, m, **scale)
+        if isinstance(self.weights.embedding, Q8DeviceWeight):
+            table = self.weights.embedding
+            self.plan.q8("embedding", "embedding", table, m)(table, ids, self.state.x, m, **scale)
+        elif isinstance(self.weights.embedding, Q4DeviceWeight):
+            self.plan.embed.q4(self.weights.embedding, ids, self.state.x, m, **scale)
         else:
-            self.plan.embed.f16(self.embedding, ids, self.x, m, **scale)
+            self.plan.embed.f16(self.weights.embedding, ids, self.state.x, m, **scale)
 
     def prefill(self, tokens: list[int], start_pos: int) -> None:
         """Run the prompt at positions start_pos.. (the cache before start_pos is reused); logits of the last."""
@@ -372,7 +412,7 @@ class Model:
         return np.concatenate(rows)
 
     def _prefill_chunks(self, tokens: list[int], start_pos: int, after_chunk=None) -> int:
-        """The layers over the prompt in chunks of ``self.chunk``; ``after_chunk(first, m)`` runs after each.
+        """The layers over the prompt in chunks of ``self.state.chunk``; ``after_chunk(first, m)`` runs after each.
         Returns the last chunk's length (its rows are left in x and proj)."""
         if not tokens:
             raise PerfxError("prefill needs at least one token")
@@ -381,11 +421,11 @@ class Model:
             raise PerfxError(f"the prompt needs positions up to {end}, but the context holds {self.max_positions} "
                              f"(over by {end - self.max_positions}): shorten it or raise --ctx")
         self._check_ids(tokens)
-        for first in range(0, len(tokens), self.chunk):
-            part = tokens[first:first + self.chunk]
+        for first in range(0, len(tokens), self.state.chunk):
+            part = tokens[first:first + self.state.chunk]
             started = time.perf_counter()
-            self.ids[: len(part)].set(np.asarray(part, np.int32))
-            self._embed(len(part), self.ids)
+            self.state.ids[: len(part)].set(np.asarray(part, np.int32))
+            self._embed(len(part), self.state.ids)
             self._layers(len(part), start_pos + first, decode=len(part) == 1)
             self.host_seconds += time.perf_counter() - started
             if after_chunk is not None:
@@ -411,7 +451,7 @@ class Model:
                     launches.clear()
                     segments.append([])
 
-                self._embed(1, self.step)
+                self._embed(1, self.state.step)
                 self._layers(1, 0, decode=True, attention=split)
                 self._head(0)
                 segments[-1].extend(launches)
@@ -419,7 +459,7 @@ class Model:
         plan = list(self._decode_segments[0])
         with self.device.record() as launches:
             for layer, after in enumerate(self._decode_segments[1:]):
-                self._attend_decode(layer, pos, position=(self.step, 1))
+                self._attend_decode(layer, pos, position=(self.state.step, 1))
                 plan += launches + after
                 launches.clear()
         self._decode_plans[parts] = plan
@@ -439,17 +479,17 @@ class Model:
         launches = self._decode_launches(pos)
         queue = self.device.queue
         # A fresh host array, held by the copy's event (kept, so the write stays non-blocking) until it has run.
-        self._step_upload = self.device.write(self.step, np.array([token, pos], np.int32), wait=False)
+        self._step_upload = self.device.write(self.state.step, np.array([token, pos], np.int32), wait=False)
         for launch in launches:
             launch.enqueue(queue)
         self.host_seconds += time.perf_counter() - started
 
     def logits(self) -> np.ndarray:
-        return self.logits_buf.get()
+        return self.state.logits.get()
 
     def argmax(self) -> int:
-        self.plan.argmax_op(self.logits_buf, self.config.vocab_size, self.best)
-        return int(self.best.get()[0])
+        self.plan.argmax_op(self.state.logits, self.config.vocab_size, self.state.best)
+        return int(self.state.best.get()[0])
 
     def _check_ids(self, tokens):
         v = self.config.vocab_size

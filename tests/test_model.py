@@ -118,7 +118,7 @@ def test_long_prompts_run_in_chunks(tiny_paths, device, rng, monkeypatch):
     import perfx.model as model_module
     monkeypatch.setattr(model_module, "PREFILL_CHUNK", 8)
     model, source = load(tiny_paths["gguf-gqa1-tied"], device)
-    assert model.chunk == 8
+    assert model.state.chunk == 8
     tokens = [int(t) for t in rng.integers(3, source.config.vocab_size, 21)]
     want, _ = reference.model_forward(source, tokens)
     model.prefill(tokens, 0)
@@ -198,7 +198,7 @@ def test_phone_limits_split_the_lm_head(tiny_paths, device, lm_head, max_alloc, 
     small = Device(limits=Limits(name="tiny-phone", max_alloc=max_alloc))
     source = open_model(tiny_paths["gguf-gqa1-tied"], lm_head=lm_head)
     model = Model.load(source, small, ctx=ctx, progress=False)
-    assert len(model.lm_head.blocks) > 1 and model.lm_head is model.embedding
+    assert len(model.weights.lm_head.blocks) > 1 and model.weights.lm_head is model.weights.embedding
     want, _ = reference.model_forward(source, [5, 9, 11])
     model.prefill([5, 9, 11], 0)
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
@@ -277,8 +277,8 @@ def test_a_tied_int4_embedding_is_on_the_device_once(spm, device, tmp_path, monk
         default_database().save_result(device, result_record(spec, shape, image2d, 1e-6, None, device.fingerprint))
     before = device.allocated_bytes
     model = Model.load(source, device, ctx=32, progress=False)
-    table = model.embedding
-    assert isinstance(table, Q4DeviceWeight) and model.lm_head is table
+    table = model.weights.embedding
+    assert isinstance(table, Q4DeviceWeight) and model.weights.lm_head is table
     assert table.buffer is not None and (not table.images or table.images_are_views)
     lm_head = model.plan.gemv["lm_head"]
     assert lm_head.read != 1 or table.images_are_views

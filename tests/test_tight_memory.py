@@ -57,13 +57,13 @@ def test_llama_2_7b_loads_and_decodes_under_adreno740_limits():
     # No allocation over the limit, and no image over the height limit: tall matrices are split in row blocks.
     assert 0 < seen.largest <= caps.max_alloc
     assert all(w <= caps.image2d_max_width and h <= caps.image2d_max_height for _, w, h in seen.images)
-    gate_up = model.layers[0].gate_up
+    gate_up = model.weights.layers[0].gate_up
     assert isinstance(gate_up, Q4DeviceWeight) and gate_up.n == 2 * 11008
     if "image2d" in model.plan.read_paths:   # 22016 rows: more than one image's height
         height = caps.image2d_max_height
         assert [stop - start for start, stop in gate_up.image_rows][0] == height and len(gate_up.images) > 1
     # The fp16 embedding and lm_head (250 MiB each) fit one allocation of 1 GiB: one block each.
-    assert len(model.embedding.blocks) == 1 and len(model.lm_head.blocks) == 1
+    assert len(model.weights.embedding.blocks) == 1 and len(model.weights.lm_head.blocks) == 1
     assert device.peak_allocated_bytes >= device.allocated_bytes > model.weight_bytes
 
     # Decode a few tokens from a short prompt; ids and logits must be sane.

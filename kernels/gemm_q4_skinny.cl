@@ -144,17 +144,5 @@ void gemm_q4_skinny(const int m_rows, const int n_cols, const int k, const int g
     }
 
     int m0 = 0;
-    while (m_rows - m0 >= MT) PASS(MT)
-#if MT >= 16
-    if (m_rows - m0 >= 8) PASS(8)
-#endif
-#if MT >= 8
-    if (m_rows - m0 >= 4) PASS(4)
-#endif
-#if MT >= 4
-    if (m_rows - m0 >= 2) PASS(2)
-#endif
-#if MT >= 2
-    if (m_rows - m0 >= 1) PASS(1)
-#endif
+#include "m_passes.h"
 }

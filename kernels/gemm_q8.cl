@@ -50,7 +50,6 @@
 #define DEQUANT8(p, c, sm) (CODES8(p, c) * (sm).x + (sm).y)
 // X rows start at multiples of K floats, K a multiple of 16: every 8-float chunk is float8-aligned.
 #define LOAD_X8(p, i) (((const __global float8*)(p))[i])
-#define SUM8(v) ((((v).s0 + (v).s4) + ((v).s2 + (v).s6)) + (((v).s1 + (v).s5) + ((v).s3 + (v).s7)))
 
 // One pass over K for the R rows of X from m0 (R a compile-time constant), then the epilogue and stores.
 #define PASS(R)                                                                                  \
@@ -119,17 +118,5 @@ void gemm_q8(const int m_rows, const int n_cols, const int k, const int ldy, con
     }
 
     int m0 = 0;
-    while (m_rows - m0 >= MT) PASS(MT)
-#if MT >= 16
-    if (m_rows - m0 >= 8) PASS(8)
-#endif
-#if MT >= 8
-    if (m_rows - m0 >= 4) PASS(4)
-#endif
-#if MT >= 4
-    if (m_rows - m0 >= 2) PASS(2)
-#endif
-#if MT >= 2
-    if (m_rows - m0 >= 1) PASS(1)
-#endif
+#include "m_passes.h"
 }

@@ -39,7 +39,6 @@
 
 // x through a float8 pointer too: rows of K floats, K a multiple of 16, so every chunk is float8-aligned.
 #define LOAD_X8(p, c) (((const __global float8*)(p))[c])
-#define SUM8(v) ((((v).s0 + (v).s4) + ((v).s2 + (v).s6)) + (((v).s1 + (v).s5) + ((v).s3 + (v).s7)))
 
 __kernel __attribute__((reqd_work_group_size(LANES, 1, 1)))
 void gemv_q8(const int n_out, const int k, const int y_base, const int row_a, const int row_b,

@@ -18,6 +18,8 @@
 #ifndef PERFX_Q4_H
 #define PERFX_Q4_H
 
+#include "sum8.h"
+
 #ifndef LAYOUT
 #define LAYOUT 0
 #endif
@@ -55,7 +57,6 @@ __constant sampler_t q4_sampler = CLK_NORMALIZED_COORDS_FALSE | CLK_ADDRESS_NONE
 // let the sums of a group cancel, which keeps fp16 partial sums small.
 #define CODES_H(bits) \
     (as_half8(convert_ushort8((((uint8)(bits) >> NIBBLE_SHIFTS) & 0xFu) | 0x6400u)) - (half8)(1032.0h))
-#define SUM8(v) ((((v).s0 + (v).s4) + ((v).s2 + (v).s6)) + (((v).s1 + (v).s5) + ((v).s3 + (v).s7)))
 
 
 #endif  // PERFX_Q4_H

@@ -7,6 +7,8 @@
 #ifndef PERFX_Q8_H
 #define PERFX_Q8_H
 
+#include "sum8.h"
+
 #ifndef GROUP
 #define GROUP 32     // quantization group along K, 16 or 32 (set from the weight, not tuned)
 #endif

@@ -18,7 +18,7 @@ from perfx.errors import PerfxError
 
 
 def kernel_path(name: str) -> Path:
-    """Path of an OpenCL source in ``kernels/``, e.g. ``kernel_path("gemv_q4.cl")``."""
+    """Path of an OpenCL source in ``kernels/``, e.g. ``kernel_path("gemv_q4_rows.cl")``."""
     path = Path(str(resources.files("perfx.kernels").joinpath(name)))
     if not path.is_file():
         raise FileNotFoundError(f"perfx kernel source {name!r} not found in {path.parent}")

@@ -391,15 +391,15 @@ GEMV_DEFINES = {"LANES": 4, "ROWS": 4, "READ": 0, "GROUP": 64, "EPILOGUE": 0}
 
 def test_kernel_that_fails_to_build_carries_the_log_and_the_device_goes_on(device):
     with pytest.raises(BuildError) as info:
-        device.kernel("gemv_q4.cl", "gemv_q4", dict(GEMV_DEFINES, LANES="4+("))
+        device.kernel("gemv_q4_rows.cl", "gemv_q4", dict(GEMV_DEFINES, LANES="4+("))
     message = str(info.value)
-    assert "kernels/gemv_q4.cl failed to build" in message and "-DLANES=4+(" in message
+    assert "kernels/gemv_q4_rows.cl failed to build" in message and "-DLANES=4+(" in message
     assert "Build log:" in message and "error" in info.value.log.lower()
     # A wrapper never gets that far: parameters outside the tuning space are refused before building
     # (LANES=3 used to build and give a wrong answer).
     with pytest.raises(PerfxError, match=r"gemv_q4: parameters .* cannot run on .*: LANES=3 is not one of "):
         GemvQ4(device, {"LANES": 3})
-    assert device.kernel("gemv_q4.cl", "gemv_q4", GEMV_DEFINES)
+    assert device.kernel("gemv_q4_rows.cl", "gemv_q4", GEMV_DEFINES)
 
 
 def test_allocation_beyond_the_limit_from_a_limits_file(tiny, tmp_path):

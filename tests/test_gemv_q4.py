@@ -29,11 +29,11 @@ def test_every_candidate(device, rng, index):
 def test_gpu_class_variants_are_candidates_where_the_device_has_them(device):
     """The interleaved layout runs everywhere; fp16 and subgroup variants exactly where the capabilities are."""
     candidates = SPEC.candidates(SPEC.test_shapes[0], device.caps)
-    kinds = {(p["LAYOUT"], p["SG"], p["HALF"], p["XS"]) for p in candidates}
+    kinds = {(p["LAYOUT"], p.get("SG", 0), p["HALF"], p.get("XS", 0)) for p in candidates}
     caps = device.caps
     assert (1, 0, 0, 0) in kinds and (1, 0, 0, 1) in kinds
     assert any(p["HALF"] for p in candidates) == caps.fp16
-    assert any(p["SG"] or p["XS"] == 2 for p in candidates) == caps.subgroups
+    assert any(p.get("SG") or p.get("XS") == 2 for p in candidates) == caps.subgroups
     if caps.subgroups and caps.fp16:
         assert {(0, 1, 1, 0), (1, 0, 1, 2)} <= kinds
     sizes = {s for s in required_subgroup_sizes(caps) if caps.device_type != "CPU" or s <= 16}
@@ -117,7 +117,7 @@ def test_int8_activations_are_exact_to_their_own_quantization(device, rng):
     weights and the quantized x, it is as exact as the fp32 kernels (SPEC.tolerance). This holds the offset
     term to Σ of the quantized x (Q8_1's sum): with the exact Σx the error doubled (4.6e-2 on gate-up)."""
     shape = {"n": 3072, "k": 576, "group": 32, "epilogue": "silu_mul"}
-    params = next((p for p in SPEC.candidates(shape, device.caps) if p["I8"]), None)
+    params = next((p for p in SPEC.candidates(shape, device.caps) if p.get("I8")), None)
     assert params is not None, "the interleaved int8-activation variant runs on every device"
     weight = Q4Matrix.random(shape["n"], shape["k"], 32, rng)
     x = rng.standard_normal(shape["k"]).astype(np.float32)
@@ -207,4 +207,4 @@ def test_layout_mismatch_is_refused(device, rng):
     _, _, rows = _random_weight(device, rng, 10, 64, 32, read_paths=("buffer",))
     x, y = device.upload(rng.standard_normal(64).astype(np.float32)), device.empty(10, np.float32)
     with pytest.raises(PerfxError, match="upload it with layout=1"):
-        GemvQ4(device, {"LAYOUT": 1, "LANES": 1, "ROWS": 2})(rows, x, y)
+        GemvQ4(device, {"LAYOUT": 1, "SLICES": 1, "ROWS": 2})(rows, x, y)

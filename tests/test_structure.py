@@ -160,13 +160,16 @@ def test_imports_inside_functions_are_only_for_optional_dependencies():
 
 @pytest.mark.parametrize("family", sorted(SPECS))
 def test_kernel_file_defaults_equal_the_parameter_space_defaults(family):
-    spec = SPECS[family]
-    source = kernel_source(spec.source)
-    defaults = dict(re.findall(r"#ifndef (\w+)\s*\n\s*#define \1 (\S+)", source))
-    for name, value in spec.defaults().items():
-        assert name in defaults, f"kernels/{spec.source} has no #ifndef {name} default"
-        assert defaults[name] == str(value), (f"kernels/{spec.source}: #define {name} {defaults[name]}, but "
-                                              f"the parameter space's default is {value}")
+    params = SPECS[family].params
+    # a family in variants (gemv_q4: one kernel file per weight layout) has a parameter space per file
+    spaces = params.variants.values() if hasattr(params, "variants") else (params,)
+    for space in spaces:
+        source = kernel_source(space.source)
+        defaults = dict(re.findall(r"#ifndef (\w+)\s*\n\s*#define \1 (\S+)", source))
+        for name, value in space.defaults().items():
+            assert name in defaults, f"kernels/{space.source} has no #ifndef {name} default"
+            assert defaults[name] == str(value), (f"kernels/{space.source}: #define {name} {defaults[name]}, "
+                                                  f"but the parameter space's default is {value}")
 
 
 def readme_python_examples() -> list[str]:

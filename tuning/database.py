@@ -82,16 +82,25 @@ def bucket_representative(index: int) -> int:
 
 
 def source_hash(spec) -> str:
-    """sha256 of the family's kernel file: what a measured record is pinned to."""
-    return _source_hash(spec.source)
+    """sha256 of the family's kernel files (one, or one per variant) and the headers they include: what a
+    measured record is pinned to."""
+    return _source_hash(spec.params.sources)
 
 
 @lru_cache(maxsize=None)
-def _source_hash(source: str) -> str:
-    # The file and the headers it includes from kernels/ (gpu.h, q4.h): a change to either makes it stale.
-    text = kernel_source(source)
-    text += "".join(kernel_source(header) for header in re.findall(r'#include "([^"]+)"', text))
-    return hashlib.sha256(text.encode()).hexdigest()
+def _source_hash(sources: tuple[str, ...]) -> str:
+    # Each file, then the headers it includes from kernels/ (gpu.h, q4.h, and theirs), each once: a change to
+    # any of them makes the family's records stale.
+    seen: list[str] = []
+
+    def add(name: str):
+        if name not in seen:
+            seen.append(name)
+            for header in re.findall(r'#include "([^"]+)"', kernel_source(name)):
+                add(header)
+    for source in sources:
+        add(source)
+    return hashlib.sha256("".join(kernel_source(name) for name in seen).encode()).hexdigest()
 
 
 def normal(value):

@@ -2,7 +2,9 @@
 
 A ``ParamSpace`` names the values a kernel's ``#define``s may take (the first of each list is the
 default, and equals the ``#ifndef`` default in the ``.cl`` file), the rules a combination must keep on a
-shape, the work-group size and local memory it needs, and what it asks of the device.
+shape, the work-group size and local memory it needs, and what it asks of the device. A family whose kernel
+comes in variants, one ``.cl`` file each with parameters of its own (gemv_q4: one kernel per weight
+layout), is a ``Variants``: one parameter picks the variant, the others are that variant's ParamSpace's.
 
 The rule, everywhere: parameters a caller passes explicitly and that do not fit the shape or device are
 an error (``resolve`` raises, naming what does not fit); parameters looked up in a tuning database that
@@ -90,7 +92,11 @@ class ParamSpace:
     local_memory: Callable[[Params, Shape], int] = lambda params, shape: 0
     needs: dict[str, Need] = field(default_factory=dict)
 
-    def defaults(self) -> Params:
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self.source,)
+
+    def defaults(self, params: Params | None = None) -> Params:
         return {name: values[0] for name, values in self.space.items()}
 
     def why_invalid(self, params: Params, shape: Shape, caps=None) -> str | None:
@@ -131,14 +137,63 @@ class ParamSpace:
         With ``params`` None (nothing asked for), defaults that do not fit this shape or device give way
         to the first parameter set that does: the generic fallback, never an error while one fits.
         """
-        resolved = {**self.defaults(), **(params or {})}
-        why = self.why_invalid(resolved, shape, caps)
-        if why is not None and params is None:
-            fitting = self.candidates(shape, caps)
-            if fitting:
-                return fitting[0]
-            raise PerfxError(f"{self.family}: no parameter set fits this shape on {caps.name} (the defaults: "
-                             f"{why})")
-        if why is not None:
-            raise PerfxError(f"{self.family}: parameters {resolved} cannot run on {caps.name}: {why}")
-        return resolved
+        return _resolve(self, params, shape, caps)
+
+
+def _resolve(space, params: Params | None, shape: Shape, caps) -> Params:
+    resolved = {**space.defaults(params), **(params or {})}
+    why = space.why_invalid(resolved, shape, caps)
+    if why is not None and params is None:
+        fitting = space.candidates(shape, caps)
+        if fitting:
+            return fitting[0]
+        raise PerfxError(f"{space.family}: no parameter set fits this shape on {caps.name} (the defaults: {why})")
+    if why is not None:
+        raise PerfxError(f"{space.family}: parameters {resolved} cannot run on {caps.name}: {why}")
+    return resolved
+
+
+@dataclass(frozen=True)
+class Variants:
+    """A family whose kernel comes in variants, each its own ``.cl`` file with its own parameters: ``key``, a
+    parameter of every set, names the variant (the first is the default) and the others are that variant's
+    ``ParamSpace``'s. The same interface as a ParamSpace: defaults, why_invalid, candidates, resolve."""
+
+    family: str
+    key: str
+    variants: dict[int, ParamSpace]
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return tuple(space.source for space in self.variants.values())
+
+    @property
+    def space(self) -> dict[str, tuple]:
+        """Every parameter with every value any variant gives it (the tuner's neighbourhood walk; a set that
+        mixes two variants' parameters is invalid and never runs)."""
+        merged: dict[str, tuple] = {self.key: tuple(self.variants)}
+        for space in self.variants.values():
+            for name, values in space.space.items():
+                merged[name] = merged.get(name, ()) + tuple(v for v in values if v not in merged.get(name, ()))
+        return merged
+
+    def variant(self, params: Params) -> ParamSpace:
+        return self.variants[params[self.key]]
+
+    def defaults(self, params: Params | None = None) -> Params:
+        """The default variant's defaults, or those of the variant ``params`` names."""
+        value = (params or {}).get(self.key, next(iter(self.variants)))
+        return {self.key: value, **self.variants[value].defaults()} if value in self.variants else {self.key: value}
+
+    def why_invalid(self, params: Params, shape: Shape, caps=None) -> str | None:
+        value = params.get(self.key)
+        if value not in self.variants:
+            return f"{self.key}={value!r} is not one of {list(self.variants)}"
+        return self.variants[value].why_invalid({k: v for k, v in params.items() if k != self.key}, shape, caps)
+
+    def candidates(self, shape: Shape, caps=None) -> list[Params]:
+        return [{self.key: value, **params} for value, space in self.variants.items()
+                for params in space.candidates(shape, caps)]
+
+    def resolve(self, params: Params | None, shape: Shape, caps) -> Params:
+        return _resolve(self, params, shape, caps)

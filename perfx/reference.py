@@ -64,6 +64,26 @@ def softcap(x, cap: float) -> np.ndarray:
     return cap * np.tanh(f64(x) / cap)
 
 
+def short_conv(x, weight, history=None, gated: bool = True, act: str = "none"):
+    """The causal depthwise convolution of length L over m new positions, and the state it leaves.
+
+    ``x`` (m, 3H) rows [B | C | x] (LFM2's in_proj output, ``gated``) or (m, H); ``weight`` (H, L);
+    ``history`` (L − 1, H): u of the L − 1 positions before these, oldest first (None: zeros, the start).
+    u = B·x (gated) or x; y[t] = Σ_i w[:, i]·u[t − L + 1 + i], then C·y (gated) or act(y) ("none", "silu").
+    Returns (y (m, H), the new history (L − 1, H)): PyTorch's conv1d with padding L − 1, cut to m (LFM2's
+    slow_forward), and llama.cpp's ggml_ssm_conv over the state and the new columns.
+    """
+    x, weight = f64(x), f64(weight)
+    h, length = weight.shape
+    b, c, v = (x[:, :h], x[:, h:2 * h], x[:, 2 * h:]) if gated else (None, None, x)
+    u = b * v if gated else v
+    past = np.zeros((length - 1, h)) if history is None else f64(history)
+    seq = np.concatenate([past, u])
+    y = np.stack([(seq[t:t + length] * weight.T).sum(axis=0) for t in range(len(u))])
+    y = c * y if gated else (silu(y) if act == "silu" else y)
+    return y, seq[len(seq) - (length - 1):]
+
+
 def softmax(x, axis: int = -1) -> np.ndarray:
     x = f64(x)
     e = np.exp(x - np.max(x, axis=axis, keepdims=True))

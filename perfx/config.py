@@ -23,13 +23,14 @@ from perfx.gguf_file import GGUFFile
 
 # Hugging Face model_type values perfx runs (gemma3 is the multimodal checkpoint: its text_config is read)
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "phi3",
-                           "smollm3")
+                           "smollm3", "lfm2")
 # GGUF general.architecture values; Mistral GGUFs are written as "llama".
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "lfm2")
 # GGUF architectures whose converter permutes Wq/Wk rows for llama.cpp's interleaved RoPE (LLAMA_ROPE_TYPE_NORM);
 # the others use NeoX (rotate-half) order as Hugging Face does.
 GGUF_PERMUTED_QK = ("llama", "smollm3")
 FFN_ACTIVATIONS = ("silu", "gelu_tanh")
+LAYER_KINDS = ("attention", "conv")
 SMOLLM3_NO_ROPE_STEP = 4   # llama.cpp hard-codes it (no GGUF key): layers with (i + 1) % 4 == 0 have no RoPE
 
 
@@ -61,6 +62,7 @@ class Rope:
 class LayerRecipe:
     rope: Rope | None      # None: no rotary embedding on this layer (SmolLM3's NoPE layers)
     window: int = 0        # sliding window: a position attends to the last `window` positions (0: all)
+    kind: str = "attention"   # what mixes the positions: "attention", or "conv" (LFM2's gated short convolution)
 
 
 @dataclass
@@ -93,6 +95,7 @@ class ModelConfig:
     final_softcap: float = 0.0          # output logits the same (Gemma 2)
     embedding_scale: float = 1.0        # the gathered embedding times this (Gemma: √hidden)
     layers: tuple = ()                  # LayerRecipe per layer; empty: every layer RoPE(θ, scaling) and the window
+    conv_length: int = 0                # the short convolution's length L where layers are "conv" (LFM2: 3)
     extra: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
@@ -114,6 +117,15 @@ class ModelConfig:
             self.layers = tuple(LayerRecipe(rope, int(self.sliding_window)) for _ in range(self.n_layers))
         if len(self.layers) != self.n_layers:
             raise PerfxError(f"the recipe lists {len(self.layers)} layers but the model has {self.n_layers}")
+        kinds = {r.kind for r in self.layers}
+        if not kinds <= set(LAYER_KINDS):
+            raise PerfxError(f"layer kinds {sorted(kinds - set(LAYER_KINDS))} are not supported ({', '.join(LAYER_KINDS)})")
+        if "conv" in kinds and not 2 <= self.conv_length <= 8:
+            raise PerfxError(f"the short convolution's length {self.conv_length} is not supported (2 .. 8)")
+
+    def layers_of(self, kind: str) -> list[int]:
+        """The indices of the layers of one kind ("attention", "conv")."""
+        return [i for i, r in enumerate(self.layers) if r.kind == kind]
 
     @property
     def q_dim(self) -> int:
@@ -137,22 +149,25 @@ class ModelConfig:
         """Layer i's recipe for a cache of ``ctx`` positions (LongRoPE picks its factors by the context)."""
         recipe = self.layers[i]
         rope = None if recipe.rope is None else recipe.rope.for_context(ctx)
-        return LayerRecipe(rope, recipe.window)
+        return LayerRecipe(rope, recipe.window, recipe.kind)
 
     def describe_recipe(self) -> str:
         """One line of what this model's forward does beyond Llama's (for `perfx info` and the load line)."""
         parts = []
+        convs = len(self.layers_of("conv"))
+        if convs:
+            parts.append(f"short conv (L = {self.conv_length}) on {convs}/{self.n_layers} layers")
         if self.qk_norm:
             parts.append("q/k norm")
         if self.post_norms:
             parts.append("post-norms")
         if self.ffn_activation != "silu":
             parts.append(f"FFN {self.ffn_activation}")
-        windows = sorted({r.window for r in self.layers})
-        if windows != [0]:
+        windows = sorted({r.window for r in self.layers if r.kind == "attention"})
+        if windows not in ([0], []):
             sliding = sum(1 for r in self.layers if r.window)
             parts.append(f"window {max(windows)} on {sliding}/{self.n_layers} layers")
-        nope = sum(1 for r in self.layers if r.rope is None)
+        nope = sum(1 for r in self.layers if r.rope is None and r.kind == "attention")
         if nope:
             parts.append(f"no RoPE on {nope}/{self.n_layers} layers")
         bases = sorted({r.rope.theta for r in self.layers if r.rope is not None})
@@ -208,9 +223,9 @@ class ModelConfig:
         # released model, and not what transformers does for them by default).
         if architecture in ("qwen2", "qwen3", "llama", "smollm3"):
             window = 0
-        default_eps = 1e-5 if architecture in ("llama", "mistral", "phi3") else 1e-6
+        default_eps = 1e-5 if architecture in ("llama", "mistral", "phi3", "lfm2") else 1e-6
         theta, scaling, local_theta = _hf_rope(config)
-        recipe = dict(rms_eps=float(config.get("rms_norm_eps", default_eps)), rope_theta=theta,
+        recipe = dict(rms_eps=float(config.get("rms_norm_eps", config.get("norm_eps", default_eps))), rope_theta=theta,
                       rope_scaling=scaling, sliding_window=window)
         rope = Rope(theta, head_dim, scaling)
         if architecture == "qwen3":
@@ -236,6 +251,9 @@ class ModelConfig:
                 scaling = recipe["rope_scaling"] = _hf_longrope(config, scaling, rotary)
             rope = Rope(theta, rotary, scaling)
             recipe["layers"] = tuple(LayerRecipe(rope, window) for _ in range(n_layers))
+        elif architecture == "lfm2":
+            recipe.update(_hf_lfm2(config, n_layers, rope))
+            values["intermediate_size"] = _lfm2_ffn_size(config)
         elif architecture == "smollm3":
             uses = config.get("no_rope_layers")
             if uses is None:
@@ -248,7 +266,9 @@ class ModelConfig:
         return cls(
             architecture=architecture, hidden_size=hidden, n_heads=n_heads, n_kv_heads=n_kv_heads,
             head_dim=head_dim, max_positions=int(config.get("max_position_embeddings", 4096)),
-            tie_embeddings=bool(config.get("tie_word_embeddings", gemma)), qkv_bias=qkv_bias,
+            tie_embeddings=bool(config.get("tie_word_embeddings", config.get("tie_embedding", gemma or
+                                                                               architecture == "lfm2"))),
+            qkv_bias=qkv_bias,
             **recipe, **values,
         )
 
@@ -299,6 +319,7 @@ class ModelConfig:
         recipe = dict(rms_eps=_float32_value(key("attention.layer_norm_rms_epsilon", 1e-5)), rope_theta=theta,
                       rope_scaling=scaling, sliding_window=window, rotary_dims=rotary)
         rope = Rope(theta, rotary, scaling)
+        n_kv_override = None
         if arch == "qwen3":
             recipe["qk_norm"] = True
         elif arch in ("gemma2", "gemma3"):
@@ -328,15 +349,65 @@ class ModelConfig:
         elif arch == "smollm3":
             recipe["layers"] = tuple(LayerRecipe(None if (i + 1) % SMOLLM3_NO_ROPE_STEP == 0 else rope, window)
                                      for i in range(n_layers))
+        elif arch == "lfm2":
+            # llama.cpp's lfm2: a layer with no kv heads (head_count_kv is per layer) is a short-conv layer
+            kv_heads = _per_layer(key("attention.head_count_kv"), n_layers, f"{arch}.attention.head_count_kv")
+            attention = [kv for kv in kv_heads if kv]
+            if not attention or len(set(attention)) > 1:
+                raise PerfxError(f"GGUF {arch}.attention.head_count_kv = {kv_heads}: perfx runs LFM2 files with "
+                                 "one kv head count on every attention layer and at least one attention layer")
+            n_kv_override = attention[0]
+            recipe.update(qk_norm=True, conv_length=int(key("shortconv.l_cache")), layers=tuple(
+                LayerRecipe(rope, window) if kv else LayerRecipe(None, 0, "conv") for kv in kv_heads))
         return cls(
             architecture=arch, vocab_size=int(vocab), hidden_size=hidden,
             intermediate_size=int(key("feed_forward_length")), n_layers=n_layers,
-            n_heads=n_heads, n_kv_heads=int(key("attention.head_count_kv", n_heads)), head_dim=head_dim,
+            n_heads=n_heads, n_kv_heads=int(n_kv_override or key("attention.head_count_kv", n_heads)),
+            head_dim=head_dim,
             max_positions=int(key("context_length", 4096)),
             tie_embeddings="output.weight" not in reader.tensors,
             qkv_bias=any(name in reader.tensors for name in ("blk.0.attn_q.bias", "blk.0.attn_qkv.bias")),
             **recipe,
         )
+
+
+def _per_layer(value, n_layers: int, name: str) -> list[int]:
+    """A GGUF key that holds one value, or one per layer (llama.cpp reads either), as one per layer."""
+    values = [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)] * n_layers
+    if len(values) != n_layers:
+        raise PerfxError(f"GGUF {name} lists {len(values)} layers but the model has {n_layers}; the file is corrupt")
+    return values
+
+
+def _hf_lfm2(config: dict, n_layers: int, rope: Rope) -> dict:
+    """LFM2's layer pattern (layer_types, or the older full_attn_idxs; every layer attention without either),
+    q/k norms and the convolution's length, as transformers' Lfm2Config reads them."""
+    kinds = config.get("layer_types")
+    if kinds is None:
+        full = config.get("full_attn_idxs")
+        full = range(n_layers) if full is None else set(full)
+        kinds = ["full_attention" if i in full else "conv" for i in range(n_layers)]
+    if len(kinds) != n_layers or not set(kinds) <= {"full_attention", "conv"}:
+        raise PerfxError(f"config.json: layer_types {kinds} must name {n_layers} layers, each 'full_attention' or "
+                         "'conv'; the config is corrupt")
+    if config.get("conv_bias"):
+        raise PerfxError("config.json: conv_bias true: perfx runs LFM2 checkpoints without convolution biases "
+                         "(every published one)")
+    return dict(qk_norm=True, conv_length=int(config.get("conv_L_cache", 3)), layers=tuple(
+        LayerRecipe(rope, 0) if kind == "full_attention" else LayerRecipe(None, 0, "conv") for kind in kinds))
+
+
+def _lfm2_ffn_size(config: dict) -> int:
+    """The MLP's width as transformers' Lfm2MLP computes it from block_ff_dim / intermediate_size."""
+    size = int(config.get("block_ff_dim", config["intermediate_size"]))
+    if config.get("block_auto_adjust_ff_dim", True):
+        size = int(2 * size / 3)
+        multiplier = config.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            size = int(multiplier * size)
+            multiple = int(config.get("block_multiple_of", 256))
+            size = multiple * ((size + multiple - 1) // multiple)
+    return size
 
 
 def _hf_rope(config: dict) -> tuple[float, dict | None, float]:

@@ -31,6 +31,7 @@ from perfx.ops.kv_cache import KVCache, RopeTable
 from perfx.ops.params import READ_NAMES
 from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight
 from perfx.ops.q8_weight import Q8DeviceWeight
+from perfx.ops.short_conv import ConvHistory
 from perfx.plan import KernelPlan
 from perfx.progress import Progress
 from perfx.runtime import Device
@@ -43,16 +44,19 @@ PREFILL_CHUNK = 256  # prompt tokens per prefill pass: bounds the activation buf
 
 @dataclass
 class DeviceLayer:
-    attn_norm: object          # float32 (hidden)
-    qkv: object                # Q4DeviceWeight | F16DeviceWeight, (q_dim + 2·kv_dim, hidden), bias inside (Q4)
-    o: object                  # (hidden, q_dim)
+    attn_norm: object          # float32 (hidden): before the attention or the conv
     ffn_norm: object           # float32 (hidden)
     gate_up: object            # (2·intermediate, hidden): gate rows, then up rows
     down: object               # (hidden, intermediate)
+    qkv: object = None         # Q4DeviceWeight | F16DeviceWeight, (q_dim + 2·kv_dim, hidden), bias inside (Q4)
+    o: object = None           # (hidden, q_dim)
     q_norm: object = None      # float32 (D): per-head q norm (Qwen3, Gemma 3)
     k_norm: object = None      # float32 (D)
     post_attn_norm: object = None   # float32 (hidden): the attention output's own norm (Gemma)
     post_ffn_norm: object = None    # float32 (hidden): the FFN output's own norm (Gemma)
+    conv_in: object = None     # (3·hidden, hidden): B, C, x rows (a conv layer, LFM2)
+    conv_weight: object = None  # float32 (hidden, L): the short convolution's taps
+    conv_out: object = None    # (hidden, hidden)
 
 
 @dataclass
@@ -86,6 +90,8 @@ class RunState:
     row_out: object
     row_up: object
     row_act: object
+    bcx: object = None          # (chunk, 3·hidden) a conv layer's in-projection [B | C | x] (LFM2 only)
+    mixed: object = None        # (chunk, hidden) the gated convolution's output, before its out-projection
     all_logits: object = None   # (chunk, V) and (chunk, hidden): made by the first prefill_logits only
     head_in: object = None
 
@@ -93,7 +99,10 @@ class RunState:
     def allocate(cls, device: Device, c: ModelConfig, chunk: int) -> RunState:
         f32 = np.float32
         widest = max(c.hidden_size, c.q_dim, c.qkv_dim, 2 * c.intermediate_size)
-        return cls(
+        conv = {}
+        if c.layers_of("conv"):
+            conv = dict(bcx=device.empty((chunk, 3 * c.hidden_size), f32), mixed=device.empty((chunk, c.hidden_size), f32))
+        return cls(**conv,
             chunk=chunk, x=device.empty((chunk, c.hidden_size), f32), xb=device.empty((chunk, c.hidden_size), f32),
             qkv=device.empty((chunk, c.qkv_dim), f32), att=device.empty((chunk, c.q_dim), f32),
             proj=device.empty((chunk, c.hidden_size), f32), hb=device.empty((chunk, 2 * c.intermediate_size), f32),
@@ -150,16 +159,22 @@ class Model:
             w = first if i == 0 else source.layer(i)
             if w.qkv_bias is not None and isinstance(w.qkv, np.ndarray):
                 raise PerfxError("an fp16 QKV projection with a bias (Qwen2) runs only quantized: pass --quantize q4")
-            norms = {name: model._vector(getattr(w, name)) for name in ("q_norm", "k_norm", "post_attn_norm",
-                                                                          "post_ffn_norm") if getattr(w, name) is not None}
+            vectors = ("q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "conv_weight")
+            norms = {name: model._vector(getattr(w, name)) for name in vectors if getattr(w, name) is not None}
+            if w.conv_in is not None:   # a conv layer: in-projection, convolution, out-projection
+                mixing = dict(conv_in=model._upload(w.conv_in, f"layer {i} conv in_proj", "conv_in"),
+                              conv_out=model._upload(w.conv_out, f"layer {i} conv out_proj", "conv_out"))
+                matrices = (w.conv_in, w.conv_out, w.gate_up, w.down)
+            else:
+                mixing = dict(qkv=model._upload(w.qkv, f"layer {i} qkv", "qkv", bias=w.qkv_bias),
+                              o=model._upload(w.o, f"layer {i} o", "o"))
+                matrices = (w.qkv, w.o, w.gate_up, w.down)
             model.weights.layers.append(DeviceLayer(
-                attn_norm=model._vector(w.attn_norm),
-                qkv=model._upload(w.qkv, f"layer {i} qkv", "qkv", bias=w.qkv_bias),
-                o=model._upload(w.o, f"layer {i} o", "o"), ffn_norm=model._vector(w.ffn_norm),
+                attn_norm=model._vector(w.attn_norm), ffn_norm=model._vector(w.ffn_norm),
                 gate_up=model._upload(w.gate_up, f"layer {i} gate_up", "gate_up"),
-                down=model._upload(w.down, f"layer {i} down", "down"), **norms))
-            model.weights.nbytes += (sum(x.nbytes for x in (w.qkv, w.o, w.gate_up, w.down))
-                                   + 4 * (2 + 2 * c.post_norms) * c.hidden_size + 8 * c.qk_norm * c.head_dim)
+                down=model._upload(w.down, f"layer {i} down", "down"), **mixing, **norms))
+            model.weights.nbytes += (sum(x.nbytes for x in matrices) + 4 * 2 * c.hidden_size
+                                     + sum(getattr(w, name).nbytes for name in norms))
             del w
             bar.update(note=f"layer {i}")
         first = None
@@ -176,6 +191,7 @@ class Model:
         model.load_report = {
             "load_s": time.perf_counter() - started, "device_bytes": device.allocated_bytes,
             "weight_bytes": model.weights.nbytes, "kv_cache_bytes": model.cache.nbytes,
+            "conv_state_bytes": model.history.nbytes if model.history is not None else 0,
             "host_peak_bytes": host_peak_bytes(), "ctx": ctx,
         }
         return model
@@ -206,21 +222,27 @@ class Model:
         c, d = self.config, self.device
         self.state = RunState.allocate(d, c, min(PREFILL_CHUNK, self.max_positions))
         self._lm_head_gemm = None
-        self.cache = KVCache.allocate(d, c.n_layers, c.n_kv_heads, self.max_positions, c.head_dim)
+        # The KV cache holds the attention layers only, the conv rings the conv layers (slot = its index among
+        # the layers of its kind).
+        attention, convs = c.layers_of("attention"), c.layers_of("conv")
+        self.slot = {layer: i for kind in (attention, convs) for i, layer in enumerate(kind)}
+        self.cache = KVCache.allocate(d, max(len(attention), 1), c.n_kv_heads, self.max_positions, c.head_dim)
+        self.history = ConvHistory(d, len(convs), c.hidden_size) if convs else None
+        self.written = 0    # positions 0..written−1 are in the cache and the rings
         # One cos/sin table per distinct RoPE of the recipe (Gemma 3: local and global bases), made once; a
         # GGUF's rope_freqs (Llama 3.x) and LongRoPE's factors ride in the scaling and are applied in the table.
         tables: dict[str, RopeTable] = {}
-        self.layer_rope: list[RopeTable | None] = []
-        self.layer_window: list[int] = []
-        for i in range(c.n_layers):
+        self.layer_rope: dict[int, RopeTable | None] = {}
+        self.layer_window: dict[int, int] = {}
+        for i in attention:
             recipe = c.layer(i, self.max_positions)
             rope = recipe.rope
             if rope is not None and rope.key() not in tables:
                 tables[rope.key()] = RopeTable.upload(d, c.head_dim, self.max_positions, rope.theta, rope.scaling,
                                                       rotary_dims=rope.dims)
-            self.layer_rope.append(None if rope is None else tables[rope.key()])
-            self.layer_window.append(recipe.window)
-        self.attention_args = [self._attention_args(i) for i in range(c.n_layers)]
+            self.layer_rope[i] = None if rope is None else tables[rope.key()]
+            self.layer_window[i] = recipe.window
+        self.attention_args = {i: self._attention_args(i) for i in attention}
         self._step_upload = None
         self._decode_segments: list | None = None   # the decode step's launches between attentions
         self._decode_plans: dict[int, list] = {}    # attention partitions -> the step's launches
@@ -296,30 +318,38 @@ class Model:
         kernel reads it from; None: the wrapper uploads it)."""
         rope, kwargs = self.attention_args[layer]
         s = self.state
-        self.plan.attn_decode(s.qkv, s.att, self.cache, rope, layer, pos, position=position, **kwargs)
+        self.plan.attn_decode(s.qkv, s.att, self.cache, rope, self.slot[layer], pos, position=position, **kwargs)
 
-    def _layers(self, m: int, pos: int, decode: bool, attention=None):
+    def _layers(self, m: int, pos: int, decode: bool, attention=None, position=None):
         """Every decoder layer over m rows at positions pos..pos+m−1; leaves the last residual add pending.
 
-        ``attention(layer)``, when given, replaces the decode attention (the decode plan records it apart).
+        ``attention(layer)``, when given, replaces the decode attention (the decode plan records it apart);
+        ``position`` (buffer, index), when given, is where the conv layers read ``pos`` on the device.
         """
         c, s = self.config, self.state
         for layer, w in enumerate(self.weights.layers):
-            # attention rmsnorm; from layer 1 on, the previous layer's FFN output joins the residual here
+            # attention (or conv) rmsnorm; from layer 1 on, the previous layer's FFN output joins the residual here
             if layer == 0:
                 self.plan.rmsnorm.plain(s.x, w.attn_norm, s.xb, m, c.hidden_size, c.rms_eps)
             else:
                 self._residual_norm(self.weights.layers[layer - 1].post_ffn_norm, w.attn_norm, m)
-            # qkv for these positions, then (q/k norm +) RoPE + KV append + attention
-            self._linear("qkv", w.qkv, s.xb, s.qkv, m, decode)
-            if attention is not None:
-                attention(layer)
-            elif decode:
-                self._attend_decode(layer, pos)
+            if w.conv_in is not None:
+                # a conv layer: in-projection to B, C, x; C·(taps ⋆ B·x) over the last L positions; out-projection
+                self._linear("conv_in", w.conv_in, s.xb, s.bcx, m, decode)
+                self.plan.short_conv(s.bcx, w.conv_weight, self.history, self.slot[layer], s.mixed, m, pos,
+                                     position=position)
+                self._linear("conv_out", w.conv_out, s.mixed, s.proj, m, decode)
             else:
-                rope, kwargs = self.attention_args[layer]
-                self.plan.prefill(m)[1](s.qkv, s.att, self.cache, rope, layer, pos, m, **kwargs)
-            self._linear("o", w.o, s.att, s.proj, m, decode)
+                # qkv for these positions, then (q/k norm +) RoPE + KV append + attention
+                self._linear("qkv", w.qkv, s.xb, s.qkv, m, decode)
+                if attention is not None:
+                    attention(layer)
+                elif decode:
+                    self._attend_decode(layer, pos)
+                else:
+                    rope, kwargs = self.attention_args[layer]
+                    self.plan.prefill(m)[1](s.qkv, s.att, self.cache, rope, self.slot[layer], pos, m, **kwargs)
+                self._linear("o", w.o, s.att, s.proj, m, decode)
             # ffn rmsnorm, with the attention output added into the residual
             self._residual_norm(w.post_attn_norm, w.ffn_norm, m)
             # gated MLP: gate-up with the activation·up fused, then down
@@ -421,6 +451,8 @@ class Model:
             raise PerfxError(f"the prompt needs positions up to {end}, but the context holds {self.max_positions} "
                              f"(over by {end - self.max_positions}): shorten it or raise --ctx")
         self._check_ids(tokens)
+        self._check_resume(start_pos)
+        self.written = end
         for first in range(0, len(tokens), self.state.chunk):
             part = tokens[first:first + self.state.chunk]
             started = time.perf_counter()
@@ -443,6 +475,7 @@ class Model:
         plan = self._decode_plans.get(parts)
         if plan is not None:
             return plan
+        step = (self.state.step, 1)
         if self._decode_segments is None:
             segments: list[list] = [[]]
             with self.device.record() as launches:
@@ -452,14 +485,14 @@ class Model:
                     segments.append([])
 
                 self._embed(1, self.state.step)
-                self._layers(1, 0, decode=True, attention=split)
+                self._layers(1, 0, decode=True, attention=split, position=step)
                 self._head(0)
                 segments[-1].extend(launches)
             self._decode_segments = segments
         plan = list(self._decode_segments[0])
         with self.device.record() as launches:
-            for layer, after in enumerate(self._decode_segments[1:]):
-                self._attend_decode(layer, pos, position=(self.state.step, 1))
+            for layer, after in zip(self.config.layers_of("attention"), self._decode_segments[1:]):
+                self._attend_decode(layer, pos, position=step)
                 plan += launches + after
                 launches.clear()
         self._decode_plans[parts] = plan
@@ -475,6 +508,8 @@ class Model:
             raise PerfxError(f"context full: position {pos} of {self.max_positions}; raise --ctx" if pos >= 0
                              else f"decode_one: position {pos} is negative")
         self._check_ids([token])
+        self._check_resume(pos)
+        self.written = pos + 1
         started = time.perf_counter()
         launches = self._decode_launches(pos)
         queue = self.device.queue
@@ -490,6 +525,21 @@ class Model:
     def argmax(self) -> int:
         self.plan.argmax_op(self.state.logits, self.config.vocab_size, self.state.best)
         return int(self.state.best.get()[0])
+
+    def can_resume(self, pos: int) -> bool:
+        """Whether a forward may continue at ``pos`` from what the device holds: the KV cache holds every
+        position before it, and each conv layer's ring still holds the inputs its convolution needs there
+        (a rollback of up to ``HISTORY_ROWS`` − L + 1 positions)."""
+        if not 0 <= pos <= self.written:
+            return False
+        return self.history is None or self.history.resumable(self.config.conv_length, self.written - 1, pos)
+
+    def _check_resume(self, pos: int):
+        if self.history is not None and not self.can_resume(pos):
+            raise PerfxError(f"position {pos}: this model's conv layers hold their state for positions "
+                             f"{max(0, self.written - self.history.rows + self.config.conv_length - 1)}.."
+                             f"{self.written} only (positions 0..{self.written - 1} were run); prefill from an "
+                             "earlier position (0 always works)")
 
     def _check_ids(self, tokens):
         v = self.config.vocab_size

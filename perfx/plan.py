@@ -26,12 +26,14 @@ from perfx.ops.params import READ_NAMES
 from perfx.ops.q4_weight import available_paths
 from perfx.ops.q8_weight import Q8DeviceWeight
 from perfx.ops.rmsnorm import RMSNorm
+from perfx.ops.short_conv import ShortConv
 from perfx.ops.small_ops import Argmax, Embedding, GeGLU, Softcap, SwiGLU
 from perfx.runtime import BuildError, Device, KernelLimitError
 from perfx.sources.base import Form
 from perfx.tuning import SPECS
 from perfx.tuning.database import Choice, Database, bucket_representative, m_bucket
-from perfx.tuning.problems import embedding_shape, gemm_shapes, gemv_shape, model_problems, qk_norm, softcap_shape
+from perfx.tuning.problems import (conv_shape, embedding_shape, gemm_shapes, gemv_shape, matrix_roles, model_problems,
+                                   qk_norm, softcap_shape)
 
 
 class KernelPlan:
@@ -66,7 +68,8 @@ class KernelPlan:
             return decode.get((family, label), fallback)
 
         self.gemv = {}
-        for name in ("qkv", "o", "gate_up", "down", "lm_head"):
+        self.roles = matrix_roles(c)
+        for name in self.roles + ("lm_head",):
             shape = shape_of("gemv_q4", name, n=c.vocab_size if name == "lm_head" else 1, k=c.hidden_size,
                              group=group or 32, epilogue="none", bias=False)
 
@@ -100,6 +103,11 @@ class KernelPlan:
             "attention_decode", {**attention, "positions": self.max_positions}, "decode",
             lambda p: AttentionDecode(d, c.n_heads, c.n_kv_heads, c.head_dim, self.max_positions, p,
                                       **qk_norm(c)))
+        self.short_conv = None
+        if c.layers_of("conv"):
+            conv = conv_shape(c, 1)
+            self.short_conv = self.choose("short_conv", shape_of("short_conv", "conv", **conv), "conv",
+                                          lambda p: ShortConv(d, c.conv_length, True, "none", p, conv))
         self._prefill_ops: dict[int, tuple] = {}
         # Each int4 weight is uploaded once, in the layout and for the read path its decode GEMV reads (the
         # GEMMs and the gather read whatever layout and path the weight has).
@@ -145,7 +153,7 @@ class KernelPlan:
             shapes = {(p.family, label): p.shape for p in self._problems for label in p.label.split("+")
                       if p.shape.get("m") == rep}
             gemms = {}
-            for name in ("qkv", "o", "gate_up", "down"):
+            for name in self.roles:
                 skinny = shapes.get(("gemm_q4_skinny", name))
                 tiled = shapes.get(("gemm_q4_tiled", name))
                 if skinny is None or tiled is None:   # an fp16 matrix: no GEMM

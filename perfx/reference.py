@@ -242,15 +242,14 @@ def attention(q, k, v, q_positions, causal: bool = True, window: int = 0, scale:
 
 
 class ReferenceCache:
-    """Keys and values seen so far, per layer: (T, Hkv, D) float64 each, positions 0..T−1."""
+    """What a forward keeps of positions 0..T−1: keys and values per attention layer ((T, Hkv, D) float64
+    each), and per conv layer the short convolution's state (its last L − 1 inputs)."""
 
     def __init__(self, n_layers: int):
         self.keys: list[np.ndarray | None] = [None] * n_layers
         self.values: list[np.ndarray | None] = [None] * n_layers
-
-    @property
-    def length(self) -> int:
-        return 0 if self.keys[0] is None else self.keys[0].shape[0]
+        self.conv: list[np.ndarray | None] = [None] * n_layers
+        self.length = 0
 
     def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if self.keys[layer] is not None:
@@ -282,13 +281,22 @@ def embed(embedding, tokens) -> np.ndarray:
     return f64(embedding[tokens])
 
 
+def _ffn(x, w, c, gate):
+    """ffn rmsnorm, the gated MLP (gate rows first, then up) and the residual (through its post-norm)."""
+    xb = rmsnorm(x, w.ffn_norm, c.rms_eps)
+    gate_up = linear(xb, w.gate_up)
+    n_inter = c.intermediate_size
+    out = linear(gate(gate_up[:, :n_inter]) * gate_up[:, n_inter:], w.down)
+    return x + (rmsnorm(out, w.post_ffn_norm, c.rms_eps) if c.post_norms else out)
+
+
 def model_forward(source, tokens, start_pos: int = 0, cache: ReferenceCache | None = None, ctx: int | None = None):
     """Logits (M, V) float64 for M tokens at positions start_pos.., and the updated cache.
 
     ``source`` is a perfx.sources.ModelSource (weights read layer by layer, dequantized to float64);
     ``cache`` holds positions 0..start_pos−1 (None: a new one, start_pos must then be 0). The forward follows
     the config's recipe (``perfx.config``): the maths of transformers' Llama, Mistral, Qwen2, Qwen3, Gemma 2,
-    Gemma 3, Phi-3 and SmolLM3 models. ``ctx`` is the context the model runs in (LongRoPE picks its factors
+    Gemma 3, Phi-3, SmolLM3 and LFM2 models. ``ctx`` is the context the model runs in (LongRoPE picks its factors
     by it); None: the positions this call reaches.
     """
     c = source.config
@@ -306,8 +314,14 @@ def model_forward(source, tokens, start_pos: int = 0, cache: ReferenceCache | No
     x = embed(embedding, tokens) * c.embedding_scale  # (M, hidden) residual stream
     for i in range(c.n_layers):
         w, recipe = source.layer(i), c.layer(i, ctx)
-        # attention rmsnorm
+        # attention (or conv) rmsnorm
         xb = rmsnorm(x, w.attn_norm, c.rms_eps)
+        if recipe.kind == "conv":
+            # LFM2's gated short convolution between its in- and out-projections, then the residual
+            y, cache.conv[i] = short_conv(linear(xb, w.conv_in), w.conv_weight, cache.conv[i])
+            x = x + linear(y, w.conv_out)
+            x = _ffn(x, w, c, gate)
+            continue
         # q, k, v for these positions from the fused projection
         qkv = linear(xb, w.qkv, w.qkv_bias)
         q = qkv[:, :q_dim].reshape(m, h, d)
@@ -327,12 +341,8 @@ def model_forward(source, tokens, start_pos: int = 0, cache: ReferenceCache | No
         # output projection (its own norm first where the recipe has post-norms), residual back into x
         out = linear(att, w.o)
         x = x + (rmsnorm(out, w.post_attn_norm, c.rms_eps) if c.post_norms else out)
-        # ffn rmsnorm, gated MLP (gate rows first, then up), residual
-        xb = rmsnorm(x, w.ffn_norm, c.rms_eps)
-        gate_up = linear(xb, w.gate_up)
-        n_inter = c.intermediate_size
-        out = linear(gate(gate_up[:, :n_inter]) * gate_up[:, n_inter:], w.down)
-        x = x + (rmsnorm(out, w.post_ffn_norm, c.rms_eps) if c.post_norms else out)
+        x = _ffn(x, w, c, gate)
+    cache.length += m
     # final rmsnorm and the classifier (the embedding itself when tied)
     x = rmsnorm(x, source.final_norm(), c.rms_eps)
     head = source.lm_head()

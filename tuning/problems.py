@@ -45,15 +45,32 @@ def softcap_shape(config) -> dict:
     return {"count": config.vocab_size, "cap": config.final_softcap}
 
 
-def _linears(config) -> list[tuple[str, int, int, str, bool]]:
-    """(label, N, K, epilogue, bias) of each int4 matrix of a layer, fused the way the loader fuses them."""
+def matrix_roles(config) -> tuple[str, ...]:
+    """The matrix roles of the model's layers: qkv and o where it has attention layers, conv_in and conv_out
+    where it has conv layers (LFM2), gate_up and down everywhere."""
+    kinds = {r.kind for r in config.layers}
+    return ((("qkv", "o") if "attention" in kinds else ()) + (("conv_in", "conv_out") if "conv" in kinds else ())
+            + ("gate_up", "down"))
+
+
+def conv_shape(config, m: int) -> dict:
+    """The short convolution's shape key (``tuning/short_conv.py``) for m positions; its position past the
+    first ring of history, where every launch reads the ring."""
+    return {"h": config.hidden_size, "l": config.conv_length, "m": m, "pos": 131, "gated": True}
+
+
+def _linears(config) -> list[tuple[str, int, int, str, bool, int]]:
+    """(label, N, K, epilogue, bias, layers) of each matrix role of the layers, fused the way the loader fuses
+    them, with how many layers have it."""
     c = config
-    return [
-        ("qkv", c.q_dim + 2 * c.kv_dim, c.hidden_size, "none", bool(c.qkv_bias)),
-        ("o", c.hidden_size, c.q_dim, "none", False),
-        ("gate_up", 2 * c.intermediate_size, c.hidden_size, gate_up_epilogue(c.ffn_activation), False),
-        ("down", c.hidden_size, c.intermediate_size, "none", False),
-    ]
+    attention, convs, h = len(c.layers_of("attention")), len(c.layers_of("conv")), c.hidden_size
+    rows = {"qkv": ("qkv", c.q_dim + 2 * c.kv_dim, h, "none", bool(c.qkv_bias), attention),
+            "o": ("o", h, c.q_dim, "none", False, attention),
+            "conv_in": ("conv_in", 3 * h, h, "none", False, convs),
+            "conv_out": ("conv_out", h, h, "none", False, convs),
+            "gate_up": ("gate_up", 2 * c.intermediate_size, h, gate_up_epilogue(c.ffn_activation), False, c.n_layers),
+            "down": ("down", h, c.intermediate_size, "none", False, c.n_layers)}
+    return [rows[role] for role in matrix_roles(c)]
 
 
 # The form an fp16 lm_head takes by default (--lm-head q8), and a Q8_0 head or embedding's own.
@@ -114,10 +131,13 @@ def _table_forms(config, label: str, fixed: int | None, forms: dict | None) -> l
 
 def _decode(config, fixed: int | None, forms: dict | None = None) -> list[Problem]:
     c, out = config, []
-    for label, n, k, epilogue, bias in _linears(c):
+    for label, n, k, epilogue, bias, layers in _linears(c):
         for form in _linear_forms(c, label, k, fixed, forms):
             family, shape = gemv_shape(c, label, form, n, k, epilogue, bias)
-            out.append(Problem(family, shape, label, c.n_layers))
+            out.append(Problem(family, shape, label, layers))
+    attention = len(c.layers_of("attention"))
+    if len(c.layers_of("conv")):
+        out.append(Problem("short_conv", conv_shape(c, 1), "conv", len(c.layers_of("conv"))))
     for form in _table_forms(c, "lm_head", fixed, forms):
         family, shape = gemv_shape(c, "lm_head", form, c.vocab_size, c.hidden_size)
         out.append(Problem(family, shape, "lm_head"))
@@ -125,7 +145,7 @@ def _decode(config, fixed: int | None, forms: dict | None = None) -> list[Proble
         positions = min(positions, c.max_positions)
         out.append(Problem("attention_decode", {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
                                                 "head_dim": c.head_dim, "positions": positions, **qk_norm(c)},
-                           "attention", c.n_layers))
+                           "attention", attention))
     out.append(Problem("rmsnorm", {"m": 1, "k": c.hidden_size, "residual": True}, "norm", 2 * c.n_layers + 1))
     if c.post_norms:   # Gemma's sandwich norms: the post-norm + residual + next pre-norm launch
         out.append(Problem("rmsnorm", {"m": 1, "k": c.hidden_size, "residual": True, "post": True}, "post-norm",
@@ -144,12 +164,12 @@ def _prefill(config, fixed: int | None, forms: dict | None = None) -> list[Probl
     c, out = config, []
     for bucket in range(len(M_BUCKETS)):
         m = bucket_representative(bucket)
-        for label, n, k, epilogue, bias in _linears(c):
+        for label, n, k, epilogue, bias, layers in _linears(c):
             if bias:
                 epilogue = "bias"
             for form in _linear_forms(c, label, k, fixed, forms):
                 for family, shape in gemm_shapes(form, m, n, k, epilogue):
-                    out.append(Problem(family, shape, label, c.n_layers))
+                    out.append(Problem(family, shape, label, layers))
         if m > 16:   # the lm_head over a chunk's rows: `perfx perplexity` (chunks of hundreds of tokens)
             for form in _table_forms(c, "lm_head", fixed, forms):
                 if form.kind == "q8":
@@ -158,7 +178,7 @@ def _prefill(config, fixed: int | None, forms: dict | None = None) -> list[Probl
         if m > 1:
             out.append(Problem("attention_prefill", {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
                                                      "head_dim": c.head_dim, "m": m, "p0": 0, **qk_norm(c)},
-                               "attention", c.n_layers))
+                               "attention", len(c.layers_of("attention"))))
             out.append(Problem("rmsnorm", {"m": m, "k": c.hidden_size, "residual": True}, "norm",
                                2 * c.n_layers + 1))
             for form in _table_forms(c, "embedding", fixed, forms):

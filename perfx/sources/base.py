@@ -29,6 +29,9 @@ QUANTIZE_CHOICES = (None, "q4")
 LM_HEAD_CHOICES = ("q8", "fp16")
 LINEAR_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
 FUSED_LINEARS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
+# A conv layer (LFM2) mixes positions with its in-projection (B, C, x rows), a short convolution and its
+# out-projection in place of QKV, attention and o.
+CONV_LINEARS = {"conv_in": ("conv_in",), "conv_out": ("conv_out",), "gate_up": ("gate", "up"), "down": ("down",)}
 
 
 @dataclass(frozen=True, order=True)
@@ -70,17 +73,20 @@ def fused_form(parts: list[Form]) -> Form:
 class LayerWeights:
     """One decoder layer, host side, in the layout the device forward uses."""
 
-    attn_norm: np.ndarray          # (hidden,) float32
-    qkv: Linear                    # (H·D + 2·Hkv·D, hidden): q, k, v rows, Hugging Face rotate-half order
-    qkv_bias: np.ndarray | None    # (H·D + 2·Hkv·D,) float32, Qwen2 only
-    o: Linear                      # (hidden, H·D)
+    attn_norm: np.ndarray          # (hidden,) float32: the norm before attention (or the conv)
     ffn_norm: np.ndarray           # (hidden,) float32
     gate_up: Linear                # (2·intermediate, hidden): gate rows, then up rows
     down: Linear                   # (hidden, intermediate)
+    qkv: Linear | None = None      # (H·D + 2·Hkv·D, hidden): q, k, v rows, Hugging Face rotate-half order
+    qkv_bias: np.ndarray | None = None   # (H·D + 2·Hkv·D,) float32, Qwen2 only
+    o: Linear | None = None        # (hidden, H·D)
     q_norm: np.ndarray | None = None           # (D,) float32: per-head RMSNorm of q (Qwen3, Gemma 3)
     k_norm: np.ndarray | None = None           # (D,) float32: the same for k
     post_attn_norm: np.ndarray | None = None   # (hidden,) float32: RMSNorm of the attention output (Gemma)
     post_ffn_norm: np.ndarray | None = None    # (hidden,) float32: RMSNorm of the FFN output (Gemma)
+    conv_in: Linear | None = None              # (3·hidden, hidden): B, C, x rows (a conv layer, LFM2)
+    conv_weight: np.ndarray | None = None      # (hidden, L) float32: the short convolution's taps
+    conv_out: Linear | None = None             # (hidden, hidden)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,6 +144,10 @@ class ModelSource(ABC):
         """"qkv" or "gate_up" as the file stores it fused (Phi-3's qkv_proj and gate_up_proj), None where the
         file stores the parts (then they are fused here)."""
         return None
+
+    def _conv_weight(self, layer: int) -> np.ndarray:
+        """A conv layer's taps (hidden, L) float32."""
+        raise NotImplementedError(f"{type(self).__name__} reads no convolutions")
 
     def _fused_form(self, label: str, layer: int) -> Form | None:
         """The form of ``_fused(label, layer)`` from the header alone; None where the file stores the parts."""
@@ -208,9 +218,9 @@ class ModelSource(ABC):
         """The device forms each matrix role takes over the layers ("qkv", "o", "gate_up", "down",
         "embedding", "lm_head"), read from the header alone; None where the source cannot tell."""
         c = self.config
-        forms: dict[str, set[Form]] = {label: set() for label in FUSED_LINEARS}
+        forms: dict[str, set[Form]] = {label: set() for label in {**FUSED_LINEARS, **CONV_LINEARS}}
         for i in range(c.n_layers):
-            for label, names in FUSED_LINEARS.items():
+            for label, names in self.layer_linears(i).items():
                 parts = [self._fused_form(label, i)] if len(names) > 1 else [None]
                 if parts[0] is None:
                     parts = [self._part_form(name, i) for name in names]
@@ -235,12 +245,17 @@ class ModelSource(ABC):
         c = self.config
         if not 0 <= i < c.n_layers:
             raise PerfxError(f"layer {i} does not exist: the model has {c.n_layers} layers")
-        qkv = self._fused("qkv", i)
-        if qkv is None:
-            qkv = fuse_rows([self._linear(name, i) for name in ("q", "k", "v")])
         gate_up = self._fused("gate_up", i)
         if gate_up is None:
             gate_up = fuse_rows([self._linear("gate", i), self._linear("up", i)])
+        ffn = dict(attn_norm=self._vector("attn_norm", i), ffn_norm=self._vector("ffn_norm", i),
+                   gate_up=self._quantized(gate_up), down=self._quantized(self._linear("down", i)))
+        if c.layers[i].kind == "conv":
+            return LayerWeights(**ffn, conv_in=self._quantized(self._linear("conv_in", i)),
+                                conv_weight=self._conv_weight(i), conv_out=self._quantized(self._linear("conv_out", i)))
+        qkv = self._fused("qkv", i)
+        if qkv is None:
+            qkv = fuse_rows([self._linear(name, i) for name in ("q", "k", "v")])
         bias = None
         if c.qkv_bias:
             bias = np.concatenate([self._vector(f"{name}_bias", i) for name in ("q", "k", "v")])
@@ -250,20 +265,22 @@ class ModelSource(ABC):
         if c.post_norms:
             norms.update(post_attn_norm=self._vector("post_attn_norm", i),
                          post_ffn_norm=self._vector("post_ffn_norm", i))
-        return LayerWeights(
-            attn_norm=self._vector("attn_norm", i), qkv=self._quantized(qkv), qkv_bias=bias,
-            o=self._quantized(self._linear("o", i)), ffn_norm=self._vector("ffn_norm", i),
-            gate_up=self._quantized(gate_up), down=self._quantized(self._linear("down", i)), **norms)
+        return LayerWeights(**ffn, qkv=self._quantized(qkv), qkv_bias=bias, o=self._quantized(self._linear("o", i)),
+                            **norms)
 
     def layers(self):
         """Iterate over the layers in order, one loaded at a time."""
         for i in range(self.config.n_layers):
             yield self.layer(i)
 
+    def layer_linears(self, layer: int) -> dict[str, tuple[str, ...]]:
+        """The matrix roles of a layer and the projections each fuses (attention or conv layer)."""
+        return CONV_LINEARS if self.config.layers[layer].kind == "conv" else FUSED_LINEARS
+
     def expected_shape(self, name: str) -> tuple[int, int]:
         """(N, K) of a projection, from the config."""
         c = self.config
-        return {"q": (c.q_dim, c.hidden_size), "k": (c.kv_dim, c.hidden_size), "v": (c.kv_dim, c.hidden_size),
+        return {"conv_in": (3 * c.hidden_size, c.hidden_size), "conv_out": (c.hidden_size, c.hidden_size),"q": (c.q_dim, c.hidden_size), "k": (c.kv_dim, c.hidden_size), "v": (c.kv_dim, c.hidden_size),
                 "o": (c.hidden_size, c.q_dim), "gate": (c.intermediate_size, c.hidden_size),
                 "up": (c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size),
                 "qkv": (c.qkv_dim, c.hidden_size), "gate_up": (2 * c.intermediate_size, c.hidden_size),
@@ -274,9 +291,11 @@ class ModelSource(ABC):
         return {"q_bias": c.q_dim, "k_bias": c.kv_dim, "v_bias": c.kv_dim, "q_norm": c.head_dim,
                 "k_norm": c.head_dim}.get(name, c.hidden_size)
 
-    def vector_names(self) -> tuple[str, ...]:
-        """The per-layer vectors this model's recipe reads."""
+    def vector_names(self, layer: int = 0) -> tuple[str, ...]:
+        """The per-layer vectors this model's recipe reads on ``layer``."""
         c = self.config
+        if c.layers[layer].kind == "conv":
+            return ("attn_norm", "ffn_norm") + (("post_attn_norm", "post_ffn_norm") if c.post_norms else ())
         return (("attn_norm", "ffn_norm") + (("q_bias", "k_bias", "v_bias") if c.qkv_bias else ())
                 + (("q_norm", "k_norm") if c.qk_norm else ()) + (("post_attn_norm", "post_ffn_norm") if c.post_norms
                                                                  else ()))

@@ -1,5 +1,5 @@
-"""GGUF files (architectures llama, qwen2, qwen3, gemma2, gemma3, phi3, smollm3), every tensor type llama.cpp's
-usual quantizations write.
+"""GGUF files (architectures llama, qwen2, qwen3, gemma2, gemma3, phi3, smollm3, lfm2), every tensor type
+llama.cpp's usual quantizations write.
 
 Q4_0, Q4_1 and Q4_K go into the int4 form (G = 32); Q5_0, Q5_1, Q5_K, Q6_K and Q8_0 into the int8 form
 (G = 32, Q6_K 16), exactly (``perfx.formats``); F16, BF16 and F32 become fp16. So Q4_K_M and Q5_K_M files,
@@ -28,7 +28,8 @@ from perfx.sources.base import (F16_FORM, Form, Linear, ModelSource, check_finit
 from perfx.tokenizer import Tokenizer
 
 GGUF_LINEAR = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
-               "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
+               "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down",
+               "conv_in": "shortconv.in_proj", "conv_out": "shortconv.out_proj"}
 GGUF_VECTOR = {"attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight",
                "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
                "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
@@ -61,10 +62,13 @@ class GGUFSource(ModelSource):
     def _check_tensors(self):
         c = self.config
         self._check("token_embd.weight", self.expected_shape("embedding"))
-        self._check("output_norm.weight", (c.hidden_size,))
+        self._check(self._final_norm_name(), (c.hidden_size,))
         if not c.tie_embeddings:
             self._check("output.weight", self.expected_shape("lm_head"))
         for i in range(c.n_layers):
+            if c.layers[i].kind == "conv":
+                self._check_conv(i)
+                continue
             fused = set()
             for label, (tensor, parts) in GGUF_FUSED.items():
                 if self._is_fused(label, i):
@@ -72,11 +76,46 @@ class GGUFSource(ModelSource):
                     fused.update(parts)
             if "q" not in fused:
                 self._check_heads(i)
-            for name, tensor in GGUF_LINEAR.items():
+            for name in ("q", "k", "v", "o", "gate", "up", "down"):
                 if name not in fused:
-                    self._check(f"blk.{i}.{tensor}.weight", self.expected_shape(name))
-            for name in self.vector_names():
+                    self._check(f"blk.{i}.{GGUF_LINEAR[name]}.weight", self.expected_shape(name))
+            for name in self.vector_names(i):
                 self._check(f"blk.{i}.{GGUF_VECTOR[name]}", (self.expected_vector(name),))
+
+    def _final_norm_name(self) -> str:
+        # llama.cpp's lfm2 reads its final norm from token_embd_norm (transformers' embedding_norm, applied last)
+        return "token_embd_norm.weight" if self.config.architecture == "lfm2" else "output_norm.weight"
+
+    def _check_conv(self, layer: int):
+        """A short-conv layer (LFM2): in_proj (3·hidden rows), the taps (hidden × L), out_proj, the FFN; a
+        layer the header calls conv must not hold attention tensors (its head_count_kv would be wrong)."""
+        c = self.config
+        if f"blk.{layer}.attn_q.weight" in self._tensors:
+            raise PerfxError(f"{self.path}: layer {layer} holds attention tensors but {c.architecture}."
+                             "attention.head_count_kv gives it no kv heads (a conv layer); the header does not "
+                             "describe this file")
+        for name in ("conv_in", "conv_out", "gate", "up", "down"):
+            self._check(f"blk.{layer}.{GGUF_LINEAR[name]}.weight", self.expected_shape(name))
+        taps = self._check_conv_taps(layer)
+        for name in self.vector_names(layer):
+            self._check(f"blk.{layer}.{GGUF_VECTOR[name]}", (self.expected_vector(name),))
+        return taps
+
+    def _check_conv_taps(self, layer: int):
+        c = self.config
+        name = f"blk.{layer}.shortconv.conv.weight"
+        t = self._tensors.get(name)
+        if t is None:
+            raise PerfxError(f"{self.path}: tensor {name} is missing; the GGUF is incomplete or not a "
+                             f"{c.architecture} model")
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if shape != (c.hidden_size, c.conv_length):
+            raise PerfxError(f"{self.path}: tensor {name} has shape {shape}, but {c.architecture}.shortconv.l_cache "
+                             f"= {c.conv_length} and hidden {c.hidden_size} need ({c.hidden_size}, "
+                             f"{c.conv_length}); the header does not describe this file")
+        if t.tensor_type.name not in ("F32", "F16"):
+            raise PerfxError(f"{self.path}: tensor {name} is {t.tensor_type.name}; expected F32 or F16")
+        return t
 
     def _is_fused(self, label: str, layer: int) -> bool:
         tensor, parts = GGUF_FUSED[label]
@@ -171,8 +210,13 @@ class GGUFSource(ModelSource):
         heads = self.config.n_heads if name.startswith("q") else self.config.n_kv_heads
         return permute_linear_rows(w, unpermute_qk(np.arange(w.shape[0]), heads))
 
+    def _conv_weight(self, layer: int) -> np.ndarray:
+        t = self._check_conv_taps(layer)
+        taps = np.asarray(t.data, dtype=np.float32).reshape(self.config.hidden_size, self.config.conv_length)
+        return check_finite(np.ascontiguousarray(taps), self.path, f"blk.{layer}.shortconv.conv.weight")
+
     def _vector(self, name: str, layer: int | None) -> np.ndarray:
-        tensor = "output_norm.weight" if name == "final_norm" else f"blk.{layer}.{GGUF_VECTOR[name]}"
+        tensor = self._final_norm_name() if name == "final_norm" else f"blk.{layer}.{GGUF_VECTOR[name]}"
         t = self._check(tensor, (self.expected_vector(name),))
         if t.tensor_type.name not in ("F32", "F16"):
             raise PerfxError(f"{self.path}: vector {tensor} is {t.tensor_type.name}; expected F32 or F16")

@@ -116,13 +116,19 @@ FAMILIES = {
     "smollm3": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
                     rope_theta=5_000_000.0, no_rope_layer_interval=4, tie_word_embeddings=True),
+    # block_ff_dim 384 → int(2·384/3) = 256 after LFM2's auto-adjust (a multiple of block_multiple_of 256)
+    "lfm2": dict(hidden_size=128, intermediate_size=384, block_ff_dim=384, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, norm_eps=1e-5,
+                 rope_theta=1_000_000.0, conv_L_cache=3, layer_types=["conv", "conv", "full_attention", "conv"],
+                 tie_embedding=True),
 }
 
-MODEL_TYPE = {"gemma3": "gemma3_text", "gemma2": "gemma2", "qwen3": "qwen3", "phi3": "phi3", "smollm3": "smollm3"}
+MODEL_TYPE = {"gemma3": "gemma3_text", "gemma2": "gemma2", "qwen3": "qwen3", "phi3": "phi3", "smollm3": "smollm3",
+              "lfm2": "lfm2"}
 ARCHITECTURES = {"gemma3": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "lfm2": "Lfm2ForCausalLM"}
 GEMMAS = ("gemma3", "gemma2")
-ADD_BOS = {"gemma3": True, "gemma2": True, "qwen3": False, "phi3": False, "smollm3": False}
+ADD_BOS = {"gemma3": True, "gemma2": True, "qwen3": False, "phi3": False, "smollm3": False, "lfm2": True}
 
 # Per-layer tensor types, cycled over the layers: Q4_0 and Q8_0 on rows of 64 / 128, K-quants on ffn_down.
 DEFAULT_TYPES = [
@@ -166,6 +172,8 @@ def make_family_model(family: str, tokenizer_model: Path, rng: np.random.Generat
     shape = dict(FAMILIES[family], **overrides)
     vocab = sentencepiece.SentencePieceProcessor(model_file=str(tokenizer_model)).get_piece_size()
     config = _hub_config(family, shape, vocab, rng)
+    if family == "lfm2":
+        return _make_lfm2(config, Path(tokenizer_model), rng, logit_std, embed_rms)
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or hidden // heads
@@ -210,6 +218,46 @@ def make_family_model(family: str, tokenizer_model: Path, rng: np.random.Generat
     return TinyModel(config, w, Path(tokenizer_model), extra={"family": family})
 
 
+def _make_lfm2(config: dict, tokenizer_model: Path, rng: np.random.Generator, logit_std: float,
+               embed_rms: float) -> TinyModel:
+    """LFM2's weights under transformers' names (modeling_lfm2): operator_norm and ffn_norm, conv.in_proj
+    (B, C, x rows), conv.conv (hidden, 1, L), conv.out_proj on conv layers, self_attn q/k/v/out_proj with
+    q_layernorm / k_layernorm on attention layers, feed_forward w1 (gate), w3 (up), w2 (down), and
+    embedding_norm, the final norm. B and C are scaled so the gated product C·(w ⋆ B·x) is O(1)."""
+    hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim, length = hidden // heads, config["conv_L_cache"]
+    inter = int(2 * config["block_ff_dim"] / 3)
+
+    def matrix(n, k, scale=1.0):
+        return (scale * rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+
+    def norm(n, scale=1.0):
+        return (scale * (1 + 0.1 * rng.standard_normal(n))).astype(np.float32)
+
+    w = {"model.embed_tokens.weight": (embed_rms * rng.standard_normal((config["vocab_size"], hidden))).astype(
+        np.float32)}
+    for i, kind in enumerate(config["layer_types"]):
+        p = f"model.layers.{i}."
+        w[p + "operator_norm.weight"] = norm(hidden)
+        w[p + "ffn_norm.weight"] = norm(hidden)
+        if kind == "conv":
+            w[p + "conv.in_proj.weight"] = matrix(3 * hidden, hidden, 2.0)
+            w[p + "conv.conv.weight"] = (rng.standard_normal((hidden, 1, length)) / np.sqrt(length)).astype(np.float32)
+            w[p + "conv.out_proj.weight"] = matrix(hidden, hidden)
+        else:
+            w[p + "self_attn.q_proj.weight"] = matrix(heads * head_dim, hidden)
+            w[p + "self_attn.k_proj.weight"] = matrix(kv_heads * head_dim, hidden)
+            w[p + "self_attn.v_proj.weight"] = matrix(kv_heads * head_dim, hidden)
+            w[p + "self_attn.out_proj.weight"] = matrix(hidden, heads * head_dim)
+            w[p + "self_attn.q_layernorm.weight"] = norm(head_dim)
+            w[p + "self_attn.k_layernorm.weight"] = norm(head_dim)
+        w[p + "feed_forward.w1.weight"] = matrix(inter, hidden)
+        w[p + "feed_forward.w3.weight"] = matrix(inter, hidden)
+        w[p + "feed_forward.w2.weight"] = matrix(hidden, inter)
+    w["model.embedding_norm.weight"] = norm(hidden, logit_std / (embed_rms * np.sqrt(hidden)))
+    return TinyModel(config, w, tokenizer_model, extra={"family": "lfm2"})
+
+
 def _hub_config(family: str, shape: dict, vocab: int, rng: np.random.Generator) -> dict:
     """config.json as the family's published checkpoints have it, at the tiny shape."""
     s = dict(shape)
@@ -236,6 +284,10 @@ def _hub_config(family: str, shape: dict, vocab: int, rng: np.random.Generator) 
                  "mlp_bias": False,
                  "rope_scaling": {"long_factor": [round(float(x), 4) for x in long],
                                   "short_factor": [round(float(x), 4) for x in short], "type": "longrope"}}
+    elif family == "lfm2":   # LiquidAI/LFM2-350M's config.json keys
+        extra = {"block_auto_adjust_ff_dim": True, "block_ffn_dim_multiplier": 1.0, "block_multiple_of": 256,
+                 "block_norm_eps": s["norm_eps"], "conv_bias": False, "num_heads": s["num_attention_heads"]}
+        common.pop("attention_bias")
     else:  # smollm3
         interval = s.pop("no_rope_layer_interval")
         extra = {"hidden_act": "silu", "mlp_bias": False, "rope_scaling": None, "sliding_window": None,
@@ -275,6 +327,8 @@ def transformers5_config(config: dict) -> dict:
         c["use_bidirectional_attention"] = None
     if family == "qwen3":
         c["layer_types"] = ["full_attention"] * layers
+    if family == "lfm2":   # Lfm2Config reads the old key and writes the standard one back
+        c["tie_word_embeddings"] = c.pop("tie_embedding")
     return dict(sorted(c.items()))
 
 
@@ -325,7 +379,9 @@ def write_family_hf(directory: Path, model: TinyModel, weights: dict[str, np.nda
 # GGUF as convert_hf_to_gguf.py writes it
 
 SHORT = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
-         "down_proj": "down", "qkv_proj": "qkv", "gate_up_proj": "gate_up"}
+         "down_proj": "down", "qkv_proj": "qkv", "gate_up_proj": "gate_up",
+         # LFM2: the conv's in_proj takes q's type, both out_proj o's, w1 / w3 / w2 gate / up / down
+         "in_proj": "q", "out_proj": "o", "w1": "gate", "w3": "up", "w2": "down"}
 FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0",
               "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "Q5_0": "MOSTLY_Q5_0", "Q5_1": "MOSTLY_Q5_1",
               "Q4_K": "MOSTLY_Q4_K_M", "Q5_K": "MOSTLY_Q5_K_M", "Q6_K": "MOSTLY_Q6_K"}
@@ -367,7 +423,9 @@ def write_family_gguf(path: Path, model: TinyModel, types: list[dict] | None = N
             continue          # Gemma2Model.filter_tensors: llama.cpp's gemma2 always reads token_embd
         gguf_name = names.get_name(hf_name.removesuffix(".weight")) + ".weight"
         module = hf_name.split(".")[-2]
-        if w.ndim == 1 or gguf_name.endswith("_norm.weight"):
+        if gguf_name.endswith("shortconv.conv.weight"):   # LFM2Model.modify_tensors squeezes; always F32
+            w, kind = w.reshape(w.shape[0], w.shape[-1]), "F32"
+        elif w.ndim == 1 or gguf_name.endswith("_norm.weight"):
             kind = "F32"
         elif gguf_name == "token_embd.weight":
             kind = embedding_type
@@ -433,6 +491,19 @@ def _add_hparams(writer: gguf.GGUFWriter, family: str, c: dict):
             scale = longest / original
             writer.add_rope_scaling_attn_factors(
                 math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0)
+        return
+    if family == "lfm2":                     # LFM2Model.set_gguf_parameters: TextModel's keys, then its own
+        writer.add_block_count(c["num_hidden_layers"])
+        writer.add_context_length(c["max_position_embeddings"])
+        writer.add_embedding_length(c["hidden_size"])
+        writer.add_feed_forward_length(c["intermediate_size"])
+        writer.add_head_count(c["num_attention_heads"])
+        writer.add_head_count_kv([c["num_key_value_heads"] if kind != "conv" else 0 for kind in c["layer_types"]])
+        writer.add_rope_freq_base(c["rope_theta"])
+        writer.add_vocab_size(c["vocab_size"])
+        writer.add_shortconv_l_cache(c["conv_L_cache"])
+        writer.add_layer_norm_rms_eps(c["norm_eps"])
+        writer.add_feed_forward_length(int(2 * c["block_ff_dim"] / 3))   # _add_feed_forward_length, over the first
         return
     # TextModel.set_gguf_parameters: gemma3, qwen3, smollm3
     writer.add_block_count(c["num_hidden_layers"])

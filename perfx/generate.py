@@ -276,10 +276,14 @@ class Conversation:
     """The ids whose keys and values a model's KV cache holds (positions 0..n-1), and how the next prompt
     reuses them: a prompt that repeats what the cache holds (the next turn of a chat, re-rendered whole)
     prefills only its new suffix. `perfx chat` and `perfx serve` keep one each beside their model.
+    ``can_resume(position)`` (the model's) says whether the device still holds the state to continue at a
+    position: a conv layer's ring holds only its last positions, so a prefix shared too far back is
+    prefilled again from the start.
     """
 
-    def __init__(self):
+    def __init__(self, can_resume=None):
         self.cached: list[int] = []
+        self.can_resume = can_resume
 
     def resume(self, ids: list[int]) -> tuple[int, list[int]]:
         """(the position to resume from, the ids still to prefill there) for the prompt ``ids``: the cache's
@@ -289,6 +293,9 @@ class Conversation:
         (empty, or too long for the context) included.
         """
         start = self.keep_prefix(ids[:-1])
+        if start and self.can_resume is not None and not self.can_resume(start):
+            self.forget()
+            start = 0
         return start, ids[start:]
 
     def keep_prefix(self, ids: list[int]) -> int:

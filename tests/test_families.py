@@ -211,12 +211,14 @@ def test_awq_and_quantize_on_load_checkpoints_of_each_family(files, device, tmp_
     awq = open_model(directory)
     assert {form.kind for forms in awq.weight_forms().values() for form in forms} >= {"q4"}
     layer = awq.layer(0)
-    fused = "self_attn.qkv_proj" if family == "phi3" else None
-    codes, zeros, scales = parts[f"model.layers.0.{fused or 'self_attn.q_proj'}"]
+    first = layer.qkv if layer.conv_in is None else layer.conv_in   # LFM2's layer 0 is a conv layer
+    module = "self_attn.qkv_proj" if family == "phi3" else "conv.in_proj" if layer.conv_in is not None else \
+        "self_attn.q_proj"
+    codes, zeros, scales = parts[f"model.layers.0.{module}"]
     want = (codes.astype(np.float64) - np.repeat(zeros, 32, axis=1)) * np.repeat(scales.astype(np.float64), 32, axis=1)
     # the int4 form holds w = s·q + m with m = −z·s rounded once to fp16: at most 2⁻¹¹·|z·s| per weight
     offset = np.repeat(zeros * scales.astype(np.float64), 32, axis=1)
-    assert np.all(np.abs(layer.qkv.dequantize()[:want.shape[0]] - want) <= 2.0 ** -11 * np.abs(offset) + 1e-12)
+    assert np.all(np.abs(first.dequantize()[:want.shape[0]] - want) <= 2.0 ** -11 * np.abs(offset) + 1e-12)
     prompt = RECORDED[family]["prompt_ids"]
     for source in (awq, open_model(files[family]["hub"], quantize="q4")):
         logits, _ = reference.model_forward(source, prompt, ctx=64)
@@ -252,6 +254,9 @@ def rewrite_gguf(src: Path, dst: Path, drop=(), fields: dict | None = None, tens
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
         kind = field.types[0]
+        if name in fields and kind == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(name, fields[name], kind, sub_type=field.types[-1])
+            continue
         if name in fields:
             value = fields[name]
         elif kind == gguf.GGUFValueType.ARRAY:
@@ -303,6 +308,15 @@ def test_a_rewritten_gguf_is_the_same_model(files, tmp_path):
      r"fused tensor blk\.0\.attn_qkv\.weight has shape \(256, 128\), but its rows do not split as the header says "
      r"\(4 heads × 32 \+ 2 × 1 kv heads × 32 = 192"),
     ("gemma3", {"fields": {"gemma3.attention.value_length": 16}}, r"value_length = 16 differs from key_length"),
+    # LFM2: the layer pattern (kv heads per layer), the convolution's length and the conv tensors must agree
+    ("lfm2", {"fields": {"lfm2.attention.head_count_kv": [0, 0, 2]}},
+     r"lfm2\.attention\.head_count_kv lists 3 layers but the model has 4"),
+    ("lfm2", {"fields": {"lfm2.attention.head_count_kv": [2, 0, 2, 0]}},
+     r"tensor blk\.0\.attn_q\.weight is missing"),
+    ("lfm2", {"fields": {"lfm2.attention.head_count_kv": [0, 0, 0, 0]}}, r"at least one attention layer"),
+    ("lfm2", {"fields": {"lfm2.shortconv.l_cache": 4}},
+     r"blk\.0\.shortconv\.conv\.weight has shape \(128, 3\), but lfm2\.shortconv\.l_cache = 4"),
+    ("lfm2", {"drop": ["blk.1.shortconv.out_proj.weight"]}, r"tensor blk\.1\.shortconv\.out_proj\.weight is missing"),
 ])
 def test_bad_family_ggufs_name_the_tensor_or_key(files, tmp_path, family, change, message):
     bad = rewrite_gguf(files[family]["gguf"], tmp_path / "bad.gguf", **change)
@@ -315,6 +329,8 @@ def test_bad_family_ggufs_name_the_tensor_or_key(files, tmp_path, family, change
     ("phi3", lambda c: c["rope_scaling"].update(short_factor=[1.0] * 5),
      r"rope_scaling\.short_factor has 5 values, but RoPE over 24 dimensions needs 12"),
     ("smollm3", lambda c: c.update(no_rope_layers=[1, 1]), r"no_rope_layers lists 2 layers but the model has 4"),
+    ("lfm2", lambda c: c.update(layer_types=["conv", "full_attention"]), r"layer_types .* must name 4 layers"),
+    ("lfm2", lambda c: c.update(conv_L_cache=4), r"conv\.conv\.weight has shape \(128, 1, 3\)"),
 ])
 def test_bad_family_configs_name_the_key(files, tmp_path, family, edit, message):
     directory = files[family]["hub"]

@@ -72,7 +72,7 @@ class Chat:
         self.interactive = interactive
         self.colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
         self.messages: list[dict] = []   # user and assistant turns; the system prompt is kept apart
-        self.conversation = Conversation()   # the ids the KV cache holds
+        self.conversation = Conversation(getattr(model, "can_resume", None))   # the ids the KV cache holds
         self.replies = []                # Stats of every reply this session (kept across /reset)
         described = source.describe()
         self.model_path = str(described.get("path", "?"))

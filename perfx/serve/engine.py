@@ -106,7 +106,7 @@ class Engine:
         self.running: Job | None = None
         self.closing = False
         self.counts = collections.Counter({"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0})
-        self.conversation = Conversation()
+        self.conversation = Conversation(getattr(model, "can_resume", None))
         self.worker = threading.Thread(target=self._work, name="perfx-serve-model", daemon=True)
         self.worker.start()
 

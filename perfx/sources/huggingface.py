@@ -33,6 +33,13 @@ HF_VECTOR = {"attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_
 GEMMA_VECTOR = {**HF_VECTOR, "ffn_norm": "pre_feedforward_layernorm.weight",
                 "post_attn_norm": "post_attention_layernorm.weight",
                 "post_ffn_norm": "post_feedforward_layernorm.weight"}
+# LFM2 (transformers' modeling_lfm2): operator_norm before the attention or conv, feed_forward w1 / w3 / w2,
+# out_proj for o, q_layernorm / k_layernorm, and embedding_norm as the final norm.
+LFM2_LINEAR = {**HF_LINEAR, "o": "self_attn.out_proj", "gate": "feed_forward.w1", "up": "feed_forward.w3",
+               "down": "feed_forward.w2", "conv_in": "conv.in_proj", "conv_out": "conv.out_proj"}
+LFM2_VECTOR = {"attn_norm": "operator_norm.weight", "ffn_norm": "ffn_norm.weight",
+               "q_norm": "self_attn.q_layernorm.weight", "k_norm": "self_attn.k_layernorm.weight"}
+FINAL_NORM = {"lfm2": "embedding_norm.weight"}
 # Fused projections a checkpoint may hold (Phi-3), with the parts they replace
 HF_FUSED = {"qkv": ("self_attn.qkv_proj", ("q", "k", "v")), "gate_up": ("mlp.gate_up_proj", ("gate", "up"))}
 # Where the decoder's tensors live: text models, then the text part of multimodal Gemma 3 checkpoints (older
@@ -62,8 +69,11 @@ class HFSource(ModelSource):
         self._files = self._open_files()
         self._prefix, self._head = next(((p, h) for p, h in HF_PREFIXES if f"{p}embed_tokens.weight" in self._files),
                                         HF_PREFIXES[0])
-        gemma = self.config.architecture in ("gemma2", "gemma3_text")
-        self._vectors = GEMMA_VECTOR if gemma else HF_VECTOR
+        arch = self.config.architecture
+        gemma = arch in ("gemma2", "gemma3_text")
+        self._vectors = GEMMA_VECTOR if gemma else LFM2_VECTOR if arch == "lfm2" else HF_VECTOR
+        self._linears = LFM2_LINEAR if arch == "lfm2" else HF_LINEAR
+        self._final_norm = f"{self._prefix}{FINAL_NORM.get(arch, 'norm.weight')}"
         # Gemma's RMSNorm multiplies by (1 + w) and its checkpoints store w; GGUF converters store 1 + w.
         self._norm_offset = 1.0 if gemma else 0.0
         self._check_tensors()
@@ -126,7 +136,7 @@ class HFSource(ModelSource):
         return check_finite(tensor, path, name)
 
     def _module(self, name: str, layer: int) -> str:
-        return f"{self._prefix}layers.{layer}.{HF_LINEAR[name]}"
+        return f"{self._prefix}layers.{layer}.{self._linears[name]}"
 
     def _fused_module(self, label: str, layer: int) -> str | None:
         module, parts = HF_FUSED[label]
@@ -141,10 +151,17 @@ class HFSource(ModelSource):
         """Every tensor the model needs exists with the right shape: fail at open, not at layer 20."""
         c = self.config
         self._check_shape(f"{self._prefix}embed_tokens.weight", self.expected_shape("embedding"))
-        self._check_shape(f"{self._prefix}norm.weight", (c.hidden_size,))
+        self._check_shape(self._final_norm, (c.hidden_size,))
         if not c.tie_embeddings:
             self._check_linear(self._head, self.expected_shape("lm_head"))
         for i in range(c.n_layers):
+            if c.layers[i].kind == "conv":
+                for name in ("conv_in", "conv_out", "gate", "up", "down"):
+                    self._check_linear(self._module(name, i), self.expected_shape(name))
+                self._check_shape(self._conv_taps_name(i), (c.hidden_size, 1, c.conv_length))
+                for name in self.vector_names(i):
+                    self._check_shape(f"{self._prefix}layers.{i}.{self._vectors[name]}", (self.expected_vector(name),))
+                continue
             fused = set()
             for label, (_, parts) in HF_FUSED.items():
                 module = self._fused_module(label, i)
@@ -154,8 +171,16 @@ class HFSource(ModelSource):
             for name in LINEAR_NAMES:
                 if name not in fused:
                     self._check_linear(self._module(name, i), self.expected_shape(name))
-            for name in self.vector_names():
+            for name in self.vector_names(i):
                 self._check_shape(f"{self._prefix}layers.{i}.{self._vectors[name]}", (self.expected_vector(name),))
+
+    def _conv_taps_name(self, layer: int) -> str:
+        return f"{self._prefix}layers.{layer}.conv.conv.weight"
+
+    def _conv_weight(self, layer: int) -> np.ndarray:
+        c = self.config
+        taps = self._tensor(self._conv_taps_name(layer), (c.hidden_size, 1, c.conv_length))
+        return np.ascontiguousarray(taps.reshape(c.hidden_size, c.conv_length), dtype=np.float32)
 
     def _check_fused(self, module: str, label: str):
         expected = self.expected_shape(label)
@@ -195,8 +220,7 @@ class HFSource(ModelSource):
         return None if module is None else self._read_linear(module, self.expected_shape(label))
 
     def _vector(self, name: str, layer: int | None) -> np.ndarray:
-        tensor = (f"{self._prefix}norm.weight" if name == "final_norm"
-                  else f"{self._prefix}layers.{layer}.{self._vectors[name]}")
+        tensor = self._final_norm if name == "final_norm" else f"{self._prefix}layers.{layer}.{self._vectors[name]}"
         vector = self._tensor(tensor, (self.expected_vector(name),)).astype(np.float32)
         return vector + self._norm_offset if name.endswith("norm") else vector
 

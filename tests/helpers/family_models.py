@@ -423,6 +423,7 @@ def write_family_gguf(path: Path, model: TinyModel, types: list[dict] | None = N
             continue          # Gemma2Model.filter_tensors: llama.cpp's gemma2 always reads token_embd
         gguf_name = names.get_name(hf_name.removesuffix(".weight")) + ".weight"
         module = hf_name.split(".")[-2]
+        hf_shape = w.shape
         if gguf_name.endswith("shortconv.conv.weight"):   # LFM2Model.modify_tensors squeezes; always F32
             w, kind = w.reshape(w.shape[0], w.shape[-1]), "F32"
         elif w.ndim == 1 or gguf_name.endswith("_norm.weight"):
@@ -445,7 +446,7 @@ def write_family_gguf(path: Path, model: TinyModel, types: list[dict] | None = N
         writer.add_tensor(gguf_name, data, raw_dtype=raw_dtype)
         if permute:
             held = unpermute_qk(held, permute)
-        written.weights[hf_name] = held - 1 if gemma_norm else held
+        written.weights[hf_name] = (held - 1 if gemma_norm else held).reshape(hf_shape)
         written.types[hf_name] = kind
     if family == "phi3":
         for which in ("long", "short"):

@@ -68,7 +68,10 @@ MIXED_32 = [
 
 LINEAR_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-                  "self_attn.qkv_proj", "mlp.gate_up_proj")   # Phi-3's fused projections, one Linear each
+                  "self_attn.qkv_proj", "mlp.gate_up_proj",   # Phi-3's fused projections, one Linear each
+                  # LFM2's: the attention's out_proj, the conv's in_proj and out_proj, the MLP's w1, w3, w2
+                  "self_attn.out_proj", "conv.in_proj", "conv.out_proj", "feed_forward.w1", "feed_forward.w3",
+                  "feed_forward.w2")
 
 
 @dataclass

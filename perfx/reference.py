@@ -64,6 +64,11 @@ def softcap(x, cap: float) -> np.ndarray:
     return cap * np.tanh(f64(x) / cap)
 
 
+def argmax(x) -> int:
+    """The index of the largest element, the lowest index on a tie: greedy sampling's choice."""
+    return int(np.argmax(f64(x)))
+
+
 def softmax(x, axis: int = -1) -> np.ndarray:
     x = f64(x)
     e = np.exp(x - np.max(x, axis=axis, keepdims=True))

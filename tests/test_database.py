@@ -49,7 +49,7 @@ def write(path, match, records, **extra):
 
 
 def record(spec, params, shape=SHAPE, hashed=True, time_s=None):
-    return {"family": spec.family, "shape": shape, "params": params,
+    return {"family": spec.params.family, "shape": shape, "params": params,
             "source_hash": source_hash(spec) if hashed else None, "time_s": time_s}
 
 
@@ -214,7 +214,7 @@ def test_shipped_files_are_compact_results(tmp_path):
             if rec.get("source_hash"):  # measured: time, rate and device are there
                 assert rec["time_s"] > 0 and rec["gb_per_s"] > 0 and rec["device"], (file.path.name, rec)
                 spec = SPECS[rec["family"]]
-                if {**spec.defaults(), **rec["params"]} != spec.defaults():  # and its gain over the defaults
+                if {**spec.params.defaults(), **rec["params"]} != spec.params.defaults():  # and its gain over the defaults
                     low, high = rec["gain_interval"]
                     assert low <= rec["gain"] <= high and rec["gain"] >= 1 and rec["rounds"] >= 4, (file.path.name,
                                                                                                    rec)
@@ -228,7 +228,7 @@ def _device_results(spec, device, name, time_by_wgs, log=False):
         candidates = [{"params": {"WGS": w, "MODE": "good"}, "status": "ok", "time_s": t}
                       for w, t in time_by_wgs.items()]
         return {"perfx_tuning_log": 1, "device": phone.fingerprint, "architecture": "adreno-7xx",
-                "vendor": "qualcomm", "problems": [{"family": spec.family, "shape": SHAPE, "complete": True,
+                "vendor": "qualcomm", "problems": [{"family": spec.params.family, "shape": SHAPE, "complete": True,
                                                     "source_hash": source_hash(spec), "candidates": candidates}]}
     return {"perfx_tuning": FORMAT, "match": {"device": phone.fingerprint}, "architecture": "adreno-7xx",
             "vendor": "qualcomm", "records": [record(spec, {"WGS": best, "MODE": "good"},
@@ -273,7 +273,7 @@ def test_hold_or_drop_keeps_only_entries_that_beat_the_defaults(tmp_path, capsys
     hold_or_drop = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(hold_or_drop)
 
-    defaults = SPECS["gemv_q4"].defaults()
+    defaults = SPECS["gemv_q4"].params.defaults()
     tuned = {**defaults, "ROWS": 2, "LANES": 1}
     shape = lambda n: {"n": n, "k": 576, "group": 32}  # noqa: E731
     header = {"perfx_tuning": FORMAT, "match": {"vendor": "pocl"}}

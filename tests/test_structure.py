@@ -161,11 +161,11 @@ def test_imports_inside_functions_are_only_for_optional_dependencies():
 @pytest.mark.parametrize("family", sorted(SPECS))
 def test_kernel_file_defaults_equal_the_parameter_space_defaults(family):
     spec = SPECS[family]
-    source = kernel_source(spec.source)
+    source = kernel_source(spec.params.source)
     defaults = dict(re.findall(r"#ifndef (\w+)\s*\n\s*#define \1 (\S+)", source))
-    for name, value in spec.defaults().items():
-        assert name in defaults, f"kernels/{spec.source} has no #ifndef {name} default"
-        assert defaults[name] == str(value), (f"kernels/{spec.source}: #define {name} {defaults[name]}, but "
+    for name, value in spec.params.defaults().items():
+        assert name in defaults, f"kernels/{spec.params.source} has no #ifndef {name} default"
+        assert defaults[name] == str(value), (f"kernels/{spec.params.source}: #define {name} {defaults[name]}, but "
                                               f"the parameter space's default is {value}")
 
 

@@ -83,7 +83,7 @@ def bucket_representative(index: int) -> int:
 
 def source_hash(spec) -> str:
     """sha256 of the family's kernel file: what a measured record is pinned to."""
-    return _source_hash(spec.source)
+    return _source_hash(spec.params.source)
 
 
 @lru_cache(maxsize=None)
@@ -254,7 +254,7 @@ def result_record(spec, shape: dict, params: dict, time_s: float, default_time_s
                   fingerprint: dict) -> dict:
     """A results record of a measured best, with its rate (GB/s and, where it computes, GFLOP/s)."""
     nbytes, flops = int(spec.bytes_moved(shape)), int(spec.flops(shape))
-    return {"family": spec.family, "shape": normal(shape), "params": normal(params), "time_s": time_s,
+    return {"family": spec.params.family, "shape": normal(shape), "params": normal(params), "time_s": time_s,
             "default_time_s": default_time_s, "gb_per_s": round(nbytes / time_s / 1e9, 3),
             "gflop_per_s": round(flops / time_s / 1e9, 3) if flops else None,
             "source_hash": source_hash(spec), "device": fingerprint_slug(fingerprint)}
@@ -281,12 +281,12 @@ class TuningLog:
         """The log entry of (family, shape) for the current kernel source; a stale one is started again."""
         key, current = shape_key(shape), source_hash(spec)
         problems = self.data["problems"]
-        entry = next((p for p in problems if p["family"] == spec.family and shape_key(p["shape"]) == key), None)
+        entry = next((p for p in problems if p["family"] == spec.params.family and shape_key(p["shape"]) == key), None)
         if entry is not None and entry.get("source_hash") != current:
             problems.remove(entry)
             entry = None
         if entry is None:
-            entry = {"family": spec.family, "shape": normal(shape), "source_hash": current, "complete": False,
+            entry = {"family": spec.params.family, "shape": normal(shape), "source_hash": current, "complete": False,
                      "candidates": []}
             problems.append(entry)
         return entry
@@ -376,7 +376,7 @@ class Database:
         """Remember that this driver refused ``params``: later loads skip them without building again."""
         path = self.refused_path(device.fingerprint)
         entries = read_json(path, default=[])
-        entries.append({"family": spec.family, "params": normal(params), "source_hash": source_hash(spec),
+        entries.append({"family": spec.params.family, "params": normal(params), "source_hash": source_hash(spec),
                         "reason": reason, "when": _now()})
         write_json_atomic(path, entries)
 
@@ -402,7 +402,7 @@ class Database:
             if level is None:
                 continue
             for record in file.records:
-                if record["family"] != spec.family:
+                if record["family"] != spec.params.family:
                     continue
                 pinned = record.get("source_hash")
                 if pinned is not None and pinned != current:
@@ -422,12 +422,12 @@ class Database:
         current = source_hash(spec)
 
         def why_not(params):
-            why = spec.why_invalid(params, shape, device.caps)
-            refusal = refused.get((spec.family, params_key(params), current))
+            why = spec.params.why_invalid(params, shape, device.caps)
+            refusal = refused.get((spec.params.family, params_key(params), current))
             return why or (f"refused by this driver: {refusal}" if refusal else None)
 
         for _, _, file, record in self._matches(device, spec, shape):
-            params = {**spec.defaults(), **record["params"]}
+            params = {**spec.params.defaults(), **record["params"]}
             level = file.level_for(device)
             why = why_not(params)
             if why is not None:
@@ -436,13 +436,13 @@ class Database:
             if any(c.params == params for c in result):
                 continue
             what = "shape *" if record.get("shape") is None else spec.describe(record["shape"])
-            result.append(Choice(params, level, f"{file.path.name}: {spec.family} {what}", record.get("time_s"),
+            result.append(Choice(params, level, f"{file.path.name}: {spec.params.family} {what}", record.get("time_s"),
                                  tuple(skipped)))
-        defaults = spec.defaults()
+        defaults = spec.params.defaults()
         why = why_not(defaults)
         if why is not None:
             skipped.append(f"the defaults: {why}")
-            defaults = next((p for p in spec.candidates(shape, device.caps) if why_not(p) is None), None)
+            defaults = next((p for p in spec.params.candidates(shape, device.caps) if why_not(p) is None), None)
         if defaults is not None and not any(c.params == defaults for c in result):
             detail = "no tuned entry fits" if skipped else "no tuned entry"
             result.append(Choice(defaults, "default", detail, None, tuple(skipped)))
@@ -467,7 +467,7 @@ class Database:
                     if family not in hashes:
                         hashes[family] = source_hash(spec)
                     pinned = record.get("source_hash")
-                    refusal = refused.get((family, params_key({**spec.defaults(), **record["params"]}),
+                    refusal = refused.get((family, params_key({**spec.params.defaults(), **record["params"]}),
                                            hashes[family]))
                     if pinned is not None and pinned != hashes[family]:
                         note = "stale: kernel source changed, will be re-tuned"

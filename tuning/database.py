@@ -39,6 +39,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from perfx.errors import PerfxError
+from perfx.ops.params import Checked
 from perfx.resources import cache_dir, kernel_source, read_json, tuning_path, write_atomic, write_json_atomic
 
 FORMAT = 2
@@ -60,7 +61,7 @@ class TuningDatabaseWarning(UserWarning):
 
 @dataclass(frozen=True)
 class Choice:
-    params: dict
+    params: Checked  # checked for the shape it was looked up by, on this device
     source: str      # "device", "architecture", "vendor" or "default"
     detail: str      # which file and record, or why nothing matched
     time_s: float | None = None  # the tuned median time, where a measurement stands behind the choice
@@ -416,33 +417,38 @@ class Database:
     def choices(self, device, spec, shape: dict) -> list[Choice]:
         """Every parameter set that may run ``spec`` at ``shape`` on ``device``, most specific first: each
         fitting database record, then the defaults (or, where they do not fit, the first set that does).
-        Sets this device's driver refused before are skipped, with the reason kept."""
+        Sets this device's driver refused before are skipped, with the reason kept.
+
+        This is where a set is checked on its way to a launch: each choice's ``params`` is a ``Checked`` set
+        for this shape and device, which the wrappers take without checking again."""
         result, skipped = [], []
         refused = self.refused(device)
         current = source_hash(spec)
 
-        def why_not(params):
-            why = spec.params.why_invalid(params, shape, device.caps)
-            refusal = refused.get((spec.params.family, params_key(params), current))
-            return why or (f"refused by this driver: {refusal}" if refusal else None)
+        def refusal(params):
+            why = refused.get((spec.params.family, params_key(params), current))
+            return f"refused by this driver: {why}" if why else None
+
+        def checked(params):
+            """(the Checked set, None), or (None, why it may not run here)."""
+            why = spec.params.why_invalid(params, shape, device.caps) or refusal(params)
+            return (None, why) if why else (Checked(params, spec.params, shape, device.caps), None)
 
         for _, _, file, record in self._matches(device, spec, shape):
-            params = {**spec.params.defaults(), **record["params"]}
             level = file.level_for(device)
-            why = why_not(params)
+            params, why = checked({**spec.params.defaults(), **record["params"]})
             if why is not None:
                 skipped.append(f"{file.path.name} ({level}): {why}")
                 continue
             if any(c.params == params for c in result):
                 continue
             what = "shape *" if record.get("shape") is None else spec.describe(record["shape"])
-            result.append(Choice(params, level, f"{file.path.name}: {spec.params.family} {what}", record.get("time_s"),
-                                 tuple(skipped)))
-        defaults = spec.params.defaults()
-        why = why_not(defaults)
+            result.append(Choice(params, level, f"{file.path.name}: {spec.params.family} {what}",
+                                 record.get("time_s"), tuple(skipped)))
+        defaults, why = checked(spec.params.defaults())
         if why is not None:
             skipped.append(f"the defaults: {why}")
-            defaults = next((p for p in spec.params.candidates(shape, device.caps) if why_not(p) is None), None)
+            defaults = next((p for p in spec.params.candidates(shape, device.caps) if refusal(p) is None), None)
         if defaults is not None and not any(c.params == defaults for c in result):
             detail = "no tuned entry fits" if skipped else "no tuned entry"
             result.append(Choice(defaults, "default", detail, None, tuple(skipped)))

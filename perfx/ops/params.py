@@ -8,6 +8,10 @@ The rule, everywhere: parameters a caller passes explicitly and that do not fit 
 an error (``resolve`` raises, naming what does not fit); parameters looked up in a tuning database that
 do not fit are skipped for the next candidate, with the reason kept (``perfx.tuning.database``).
 Every parameter is an integer: the value handed to the compiler as ``-DNAME=value``.
+
+A set is checked once on its way from the database to a launch: what passed the check travels as a
+``Checked`` set (the database's choices, ``candidates``, ``resolve``), which ``resolve`` and ``check`` take as
+it is for the shape it was checked for, or any part of that shape.
 """
 
 from __future__ import annotations
@@ -80,6 +84,25 @@ SUBGROUP_SIZE_NEED = Need("a required subgroup size needs cl_qcom_reqd_sub_group
                           _subgroup_size_supported)
 
 
+class Checked(dict):
+    """A parameter set that passed ``ParamSpace.why_invalid`` for ``shape`` on a device of ``caps``.
+
+    Made only where that check has just passed (``ParamSpace.check``, ``candidates``, the tuning database's
+    look-up). ``check`` and ``resolve`` take it unchecked for that shape or any part of it: a shape key left
+    out stands for its least demanding value (every rule reads ``shape.get``), so a set that fits the whole
+    shape fits the part.
+    """
+
+    def __init__(self, params: Params, space: ParamSpace, shape: Shape, caps):
+        super().__init__(params)
+        self.space, self.shape, self.caps = space, dict(shape), caps
+
+    def holds_for(self, space: ParamSpace, shape: Shape, caps) -> bool:
+        """Whether this set was checked for ``space`` on ``shape`` (or more of it) on this device."""
+        return (space is self.space and (caps is None or caps == self.caps)
+                and all(key in self.shape and self.shape[key] == value for key, value in shape.items()))
+
+
 @dataclass(frozen=True)
 class ParamSpace:
     family: str
@@ -119,26 +142,39 @@ class ParamSpace:
                     return f"{name}={params[name]}: {need.text}, which {caps.name} lacks"
         return None
 
-    def candidates(self, shape: Shape, caps=None) -> list[Params]:
+    def candidates(self, shape: Shape, caps=None) -> list[Checked]:
         """Every parameter set allowed for this shape on this device: the tuner's search space."""
         names = list(self.space)
         sets = (dict(zip(names, values)) for values in itertools.product(*(self.space[n] for n in names)))
-        return [params for params in sets if self.why_invalid(params, shape, caps) is None]
+        return [Checked(params, self, shape, caps) for params in sets
+                if self.why_invalid(params, shape, caps) is None]
 
-    def resolve(self, params: Params | None, shape: Shape, caps) -> Params:
-        """The defaults overridden by explicitly passed ``params``; a PerfxError when they cannot run here.
+    def check(self, params: Params, shape: Shape, caps, what: str = "") -> Checked:
+        """``params`` as a ``Checked`` set for this shape and device: as it is where it was checked for this
+        shape already, else checked now; a PerfxError saying what does not fit (``what``: what it was to run,
+        e.g. "the silu_mul epilogue")."""
+        if isinstance(params, Checked) and params.holds_for(self, shape, caps):
+            return params
+        why = self.why_invalid(params, shape, caps)
+        if why is not None:
+            target = "".join(f" {part}" for part in (what, f"on {caps.name}" if caps is not None else "") if part)
+            raise PerfxError(f"{self.family}: parameters {dict(params)} cannot run{target}: {why}")
+        return Checked(params, self, shape, caps)
+
+    def resolve(self, params: Params | None, shape: Shape, caps) -> Checked:
+        """The defaults overridden by explicitly passed ``params``, checked (``check``) for this shape and device.
 
         With ``params`` None (nothing asked for), defaults that do not fit this shape or device give way
         to the first parameter set that does: the generic fallback, never an error while one fits.
         """
-        resolved = {**self.defaults(), **(params or {})}
-        why = self.why_invalid(resolved, shape, caps)
-        if why is not None and params is None:
+        if params is None:
+            defaults = self.defaults()
+            why = self.why_invalid(defaults, shape, caps)
+            if why is None:
+                return Checked(defaults, self, shape, caps)
             fitting = self.candidates(shape, caps)
             if fitting:
                 return fitting[0]
             raise PerfxError(f"{self.family}: no parameter set fits this shape on {caps.name} (the defaults: "
                              f"{why})")
-        if why is not None:
-            raise PerfxError(f"{self.family}: parameters {resolved} cannot run on {caps.name}: {why}")
-        return resolved
+        return self.check(params if isinstance(params, Checked) else {**self.defaults(), **params}, shape, caps)

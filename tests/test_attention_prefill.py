@@ -57,7 +57,7 @@ def test_head_dim_128_stays_within_the_register_budget(device):
     assert any(p["DSPLIT"] == 1 for p in SPEC.params.candidates(SPEC.test_shapes[0], device.caps))
 
 
-# The brief's combinations at the defaults: M ∈ {2, 7, 32, 33, 128, 300}, p0 ∈ {0, 5, 100}, GQA ratios
+# Prompt lengths and contexts at the defaults: M ∈ {2, 7, 32, 33, 128, 300}, p0 ∈ {0, 5, 100}, GQA ratios
 # 1, 3 and 4, head_dim 64 and 128 (every case runs at layer 1 of a two-layer cache).
 SHAPES = [
     dict(n_heads=4, n_kv_heads=4, head_dim=64, m=2, p0=100),

@@ -93,9 +93,11 @@ class Checked(dict):
     shape fits the part.
     """
 
-    def __init__(self, params: Params, space: ParamSpace, shape: Shape, caps):
+    def __init__(self, params: Params = (), space: ParamSpace | None = None, shape: Shape | None = None,
+                 caps=None):
+        # Without a space (a copy such as dataclasses.asdict makes, from the items alone) it holds for nothing.
         super().__init__(params)
-        self.space, self.shape, self.caps = space, dict(shape), caps
+        self.space, self.shape, self.caps = space, dict(shape or {}), caps
 
     def holds_for(self, space: ParamSpace, shape: Shape, caps) -> bool:
         """Whether this set was checked for ``space`` on ``shape`` (or more of it) on this device."""

@@ -158,7 +158,8 @@ def _open_device():
 
 
 def run_family(family: str, which: str = "default") -> dict:
-    """One family at one parameter set ("default", a sample number or a JSON object), on its spec's oclgrind_shapes."""
+    """One family at one parameter set ("default", a sample number or a JSON object), on its spec's
+    oclgrind_shapes."""
     import numpy as np
 
     from perfx.tuning import SPECS, relative_error

@@ -20,7 +20,8 @@ FAMILIES = ("gemv_q8", "gemm_q8", "embedding_q8")
 ALL_SHAPES = [(SPECS[f], shape) for f in FAMILIES for shape in SPECS[f].test_shapes]
 
 
-@pytest.mark.parametrize("spec, shape", ALL_SHAPES, ids=[f"{s.params.family}-{s.describe(sh)}" for s, sh in ALL_SHAPES])
+@pytest.mark.parametrize("spec, shape", ALL_SHAPES,
+                         ids=[f"{s.params.family}-{s.describe(sh)}" for s, sh in ALL_SHAPES])
 def test_every_parameter_set_matches_reference(device, rng, spec, shape):
     results = assert_every_parameter_set(spec, device, shape, rng)
     assert len(results) == len(spec.params.candidates(shape, device.caps))

@@ -171,8 +171,8 @@ def test_kernel_file_defaults_equal_the_parameter_space_defaults(family):
     defaults = dict(re.findall(r"#ifndef (\w+)\s*\n\s*#define \1 (\S+)", source))
     for name, value in spec.params.defaults().items():
         assert name in defaults, f"kernels/{spec.params.source} has no #ifndef {name} default"
-        assert defaults[name] == str(value), (f"kernels/{spec.params.source}: #define {name} {defaults[name]}, but "
-                                              f"the parameter space's default is {value}")
+        assert defaults[name] == str(value), (f"kernels/{spec.params.source}: #define {name} {defaults[name]}, "
+                                              f"but the parameter space's default is {value}")
 
 
 def fits_some_parameter_set(spec, shape) -> bool:

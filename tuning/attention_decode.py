@@ -181,7 +181,8 @@ def fuzz_shapes(st):
     """Any heads, 1–300 positions, a qkv offset of 0–9, any layer features."""
     @st.composite
     def shape(draw):
-        drawn = {**draw(heads(st)), "positions": draw(st.integers(1, 300)), "qkv_offset": draw(st.integers(0, 9))}
+        drawn = {**draw(heads(st)), "positions": draw(st.integers(1, 300)),
+                 "qkv_offset": draw(st.integers(0, 9))}
         return {**drawn, **draw(layer_features(st, drawn["head_dim"]))}
     return shape()
 

@@ -282,7 +282,8 @@ class TuningLog:
         """The log entry of (family, shape) for the current kernel source; a stale one is started again."""
         key, current = shape_key(shape), source_hash(spec)
         problems = self.data["problems"]
-        entry = next((p for p in problems if p["family"] == spec.params.family and shape_key(p["shape"]) == key), None)
+        family = spec.params.family
+        entry = next((p for p in problems if p["family"] == family and shape_key(p["shape"]) == key), None)
         if entry is not None and entry.get("source_hash") != current:
             problems.remove(entry)
             entry = None

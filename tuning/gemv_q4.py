@@ -83,8 +83,8 @@ def fuzz_shapes(st):
         k = group * draw(st.integers(1, 8))
         n = draw(st.integers(1, 120))
         if draw(st.booleans()):
-            return {"n": 2 * n, "k": k, "group": group, "epilogue": draw(st.sampled_from(["silu_mul", "gelu_mul"])),
-                    "bias": False}
+            epilogue = draw(st.sampled_from(["silu_mul", "gelu_mul"]))
+            return {"n": 2 * n, "k": k, "group": group, "epilogue": epilogue, "bias": False}
         drawn = {"n": n, "k": k, "group": group, "epilogue": "none", "bias": draw(st.booleans())}
         if n >= 3 and draw(st.booleans()):  # a fused QKV: three matrices along N
             a = draw(st.integers(1, n - 2))

@@ -17,7 +17,8 @@ from perfx.formats import Q8Matrix
 from perfx.ops.epilogue import output_rows
 from perfx.ops.gemv_q8 import PARAMS, GemvQ8
 from perfx.ops.q8_weight import Q8DeviceWeight
-from perfx.tuning.spec import GATED, Case, Spec, cached_per_params, epilogue_reference, q8_matrix, rotating_case
+from perfx.tuning.spec import (GATED, Case, Spec, cached_per_params, epilogue_reference, q8_matrix,
+                               rotating_case)
 
 
 def _outputs(shape) -> int:
@@ -105,7 +106,8 @@ SPEC = Spec(
     oclgrind_shapes=(
         {"n": 13, "k": 96, "group": 32, "f32": False, "epilogue": "none", "bias": True, "parts": (7, 6),
          "block_bytes": 5 * 96},
-        {"n": 2 * 7, "k": 64, "group": 16, "f32": True, "epilogue": "silu_mul", "bias": False, "block_bytes": 4 * 64},
+        {"n": 2 * 7, "k": 64, "group": 16, "f32": True, "epilogue": "silu_mul", "bias": False,
+         "block_bytes": 4 * 64},
         {"n": 2 * 5, "k": 64, "group": 32, "f32": False, "epilogue": "gelu_mul", "bias": False},
     ),
     flops=lambda shape: 2 * shape["n"] * shape["k"],

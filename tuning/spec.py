@@ -117,8 +117,8 @@ class Spec:
     tolerance_why: str
     test_shapes: tuple[Shape, ...]                 # small, off the tile grid: tests and selftest
     bytes_moved: Callable[[Shape], int]
-    reference: Callable[..., Any]                  # the function of perfx.reference that make_case's answers use
-    # hypothesis.strategies -> a strategy of shapes (taking the module keeps hypothesis a test-only dependency)
+    reference: Callable[..., Any]                  # the function of perfx.reference make_case's answers use
+    # hypothesis.strategies -> a strategy of shapes (taking the module keeps hypothesis a dev dependency)
     fuzz_shapes: Callable[[Any], Any]
     # Oclgrind interprets every work-item (~1000x slower than PoCL): shapes of a few tiles, still off every
     # tile and vector multiple so the edge guards run; the defaults run on each, sampled sets on the first.

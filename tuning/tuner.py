@@ -448,8 +448,8 @@ class Tuner:
             if params_key(params) not in verified:
                 errors = case.errors(params)
                 if not all(e <= spec.tolerance_for(params) for e in errors.values()):
-                    raise PerfxError(f"{spec.params.family}: the parameters in force {params} are wrong on this device "
-                                     f"({max(errors.values()):.2e} > {spec.tolerance_for(params):.0e}); "
+                    raise PerfxError(f"{spec.params.family}: the parameters in force {params} are wrong on this "
+                                     f"device ({max(errors.values()):.2e} > {spec.tolerance_for(params):.0e}); "
                                      "run `perfx selftest`")
         shuffle = random.Random(f"{self.seed}confirm{result.description}")
         rounds, suspect = [], 0

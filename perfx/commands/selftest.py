@@ -68,8 +68,8 @@ def run_checks(device: Device, all_specs: dict[str, Spec], quick: bool = False, 
             tolerance = spec.tolerance_for(params)
             checks.append(Check(spec.params.family, params, key[1], error, tolerance, bool(error <= tolerance)))
         except PerfxError as e:  # a build or launch failure on this driver: report it, go on
-            checks.append(Check(spec.params.family, params, key[1], float("inf"), spec.tolerance_for(params), False,
-                                str(e).splitlines()[0]))
+            checks.append(Check(spec.params.family, params, key[1], float("inf"), spec.tolerance_for(params),
+                                False, str(e).splitlines()[0]))
         progress.update(note=spec.params.family)
     progress.close()
     return checks

@@ -95,7 +95,7 @@ class Checked(dict):
 
     def __init__(self, params: Params = (), space: ParamSpace | None = None, shape: Shape | None = None,
                  caps=None):
-        # Without a space (a copy such as dataclasses.asdict makes, from the items alone) it holds for nothing.
+        # Without a space (a copy made from the items alone, as dataclasses.asdict makes) it holds for nothing.
         super().__init__(params)
         self.space, self.shape, self.caps = space, dict(shape or {}), caps
 
@@ -159,12 +159,13 @@ class ParamSpace:
             return params
         why = self.why_invalid(params, shape, caps)
         if why is not None:
-            target = "".join(f" {part}" for part in (what, f"on {caps.name}" if caps is not None else "") if part)
+            where = f"on {caps.name}" if caps is not None else ""
+            target = "".join(f" {part}" for part in (what, where) if part)
             raise PerfxError(f"{self.family}: parameters {dict(params)} cannot run{target}: {why}")
         return Checked(params, self, shape, caps)
 
     def resolve(self, params: Params | None, shape: Shape, caps) -> Checked:
-        """The defaults overridden by explicitly passed ``params``, checked (``check``) for this shape and device.
+        """The defaults overridden by explicitly passed ``params``, checked (``check``) for this shape here.
 
         With ``params`` None (nothing asked for), defaults that do not fit this shape or device give way
         to the first parameter set that does: the generic fallback, never an error while one fits.
@@ -179,4 +180,6 @@ class ParamSpace:
                 return fitting[0]
             raise PerfxError(f"{self.family}: no parameter set fits this shape on {caps.name} (the defaults: "
                              f"{why})")
-        return self.check(params if isinstance(params, Checked) else {**self.defaults(), **params}, shape, caps)
+        if not isinstance(params, Checked):
+            params = {**self.defaults(), **params}
+        return self.check(params, shape, caps)

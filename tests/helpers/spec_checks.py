@@ -6,7 +6,7 @@ from __future__ import annotations
 def parameter_sets(spec, shape, caps) -> list[dict]:
     """Every parameter set the tuner may choose for ``shape`` here, the defaults first where they fit it."""
     defaults, sets = spec.params.defaults(), spec.params.candidates(shape, caps)
-    return [params for params in sets if params == defaults] + [params for params in sets if params != defaults]
+    return [p for p in sets if p == defaults] + [p for p in sets if p != defaults]
 
 
 def covering_sets(spec, shape, caps) -> list[dict]:

@@ -88,9 +88,9 @@ class Checked(dict):
     """A parameter set that passed ``ParamSpace.why_invalid`` for ``shape`` on a device of ``caps``.
 
     Made only where that check has just passed (``ParamSpace.check``, ``candidates``, the tuning database's
-    look-up). ``check`` and ``resolve`` take it unchecked for that shape or any part of it: a shape key left
-    out stands for its least demanding value (every rule reads ``shape.get``), so a set that fits the whole
-    shape fits the part.
+    look-up). ``check`` and ``resolve`` take it unchecked for that shape or any part of it: an optional shape
+    key left out stands for its least demanding value (rules read those with ``shape.get``: no epilogue, no
+    q/k norm), so a set that fits the whole shape fits the part.
     """
 
     def __init__(self, params: Params = (), space: ParamSpace | None = None, shape: Shape | None = None,

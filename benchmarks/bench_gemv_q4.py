@@ -23,7 +23,7 @@ SHAPES = {
     "smol-gate-up": {"n": 3072, "k": 576, "group": 32, "epilogue": "silu_mul"},
     "smol-down": {"n": 576, "k": 1536, "group": 32},
 }
-PARAMS = {"defaults": SPEC.defaults(), "rows-in-registers": {"LANES": 1, "ROWS": 4, "READ": "buffer"}}
+PARAMS = {"defaults": SPEC.params.defaults(), "rows-in-registers": {"LANES": 1, "ROWS": 4, "READ": "buffer"}}
 
 
 @pytest.fixture(scope="module")

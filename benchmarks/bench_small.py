@@ -36,7 +36,7 @@ CASES = [
 def test_bench(benchmark, device, label, spec, shape, params):
     import numpy as np
 
-    params = params or spec.defaults()
+    params = params or spec.params.defaults()
     case = spec.make_case(device, shape, np.random.default_rng(0))
     errors = case.errors(params)  # never time a wrong answer
     assert max(errors.values()) <= spec.tolerance, errors
@@ -45,7 +45,7 @@ def test_bench(benchmark, device, label, spec, shape, params):
     timing = time_launches(lambda: case.launch(params), warmup=2, repeat=10, rotate=case.rotate)
     gbs = spec.bytes_moved(shape) / timing.median_s / 1e9
     gflops = spec.flops(shape) / timing.median_s / 1e9
-    benchmark.extra_info.update({"kernel": spec.family, "shape": shape, "params": params,
+    benchmark.extra_info.update({"kernel": spec.params.family, "shape": shape, "params": params,
                                  "device": f"{device.caps.platform} / {device.caps.name}",
                                  "median_us": timing.median_s * 1e6, "spread": timing.spread, "GB/s": gbs,
                                  "GFLOP/s": gflops, "copy GB/s": copy_gbs, "% of copy": 100 * gbs / copy_gbs})

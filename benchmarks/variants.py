@@ -58,7 +58,7 @@ def run(device, family: str, model: str, rounds: int, max_m: int, only: str | No
         case = spec.make_case(device, shape, np.random.default_rng(0))
         best: dict[str, tuple[float, dict, float]] = {}
         rejected = 0
-        for params in spec.candidates(shape, device.caps):
+        for params in spec.params.candidates(shape, device.caps):
             try:
                 errors = case.errors(params)
                 error = max(errors.values()) if errors else 0.0

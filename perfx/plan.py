@@ -122,7 +122,7 @@ class KernelPlan:
         refused = []
         choices = self.database.choices(self.device, spec, shape)
         if where is not None:
-            fallback = next((p for p in spec.candidates(shape, self.device.caps) if where(p)), None)
+            fallback = next((p for p in spec.params.candidates(shape, self.device.caps) if where(p)), None)
             choices = [c for c in choices if where(c.params)] + (
                 [Choice(fallback, "default", "the first set that reads the weight as stored")] if fallback else [])
         for choice in choices:

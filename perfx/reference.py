@@ -84,6 +84,11 @@ def short_conv(x, weight, history=None, gated: bool = True, act: str = "none"):
     return y, seq[len(seq) - (length - 1):]
 
 
+def argmax(x) -> int:
+    """The index of the largest element, the lowest index on a tie: greedy sampling's choice."""
+    return int(np.argmax(f64(x)))
+
+
 def softmax(x, axis: int = -1) -> np.ndarray:
     x = f64(x)
     e = np.exp(x - np.max(x, axis=axis, keepdims=True))

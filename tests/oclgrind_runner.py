@@ -47,71 +47,6 @@ DEVICE_READY = "oclgrind_runner: DEVICE_READY"
 # Parameter sets drawn per family besides the defaults, with a fixed seed per family: CI is reproducible.
 SAMPLES = 3
 
-# Oclgrind interprets every work-item (~1000x slower than PoCL): shapes of a few tiles, still off every
-# tile and vector multiple so the edge guards run. The defaults run on every shape of a family, the sampled
-# parameter sets on the first. A family missing here runs its smallest spec test shape.
-TINY_SHAPES = {
-    "gemv_q8": (
-        {"n": 13, "k": 96, "group": 32, "f32": False, "epilogue": "none", "bias": True, "parts": (7, 6),
-         "block_bytes": 5 * 96},
-        {"n": 2 * 7, "k": 64, "group": 16, "f32": True, "epilogue": "silu_mul", "bias": False, "block_bytes": 4 * 64},
-        {"n": 2 * 5, "k": 64, "group": 32, "f32": False, "epilogue": "gelu_mul", "bias": False},
-    ),
-    "gemm_q8": (
-        {"m": 3, "n": 2 * 5, "k": 64, "group": 16, "f32": True, "epilogue": "silu_mul", "block_bytes": 4 * 64},
-        {"m": 2, "n": 9, "k": 96, "group": 32, "f32": False, "epilogue": "bias"},
-        {"m": 2, "n": 2 * 3, "k": 32, "group": 32, "f32": False, "epilogue": "gelu_mul"},
-    ),
-    "embedding_q8": (
-        {"n": 11, "k": 48, "group": 16, "f32": True, "m": 3, "block_bytes": 4 * 48},
-    ),
-    "gemv_q4": (
-        {"n": 13, "k": 320, "group": 64, "epilogue": "none", "bias": True, "parts": (7, 6)},
-        {"n": 2 * 7, "k": 192, "group": 32, "epilogue": "silu_mul", "bias": False},
-        {"n": 2 * 5, "k": 128, "group": 64, "epilogue": "gelu_mul", "bias": False},
-    ),
-    "gemv_f16": (
-        {"n": 19, "k": 203},
-        {"n": 20, "k": 40, "block_bytes": 7 * 40 * 2},  # W over three buffers (7, 7 and 6 rows)
-    ),
-    "rmsnorm": (
-        {"m": 2, "k": 203, "residual": True},
-        {"m": 1, "k": 7, "residual": False},
-        {"m": 2, "k": 37, "residual": True, "post": True},
-    ),
-    "attention_decode": (
-        {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "positions": 37, "qkv_offset": 3},
-        {"n_heads": 2, "n_kv_heads": 1, "head_dim": 64, "positions": 1},
-        # The per-layer features: q/k norm (its own build and local reductions), 32 of 64 dimensions rotating,
-        # soft-cap, window, scale; then NoPE (no table bound).
-        {"n_heads": 4, "n_kv_heads": 1, "head_dim": 64, "positions": 35, "qk_norm": True, "rotary_dims": 32,
-         "softcap": 3.0, "window": 20, "scale": 0.2},
-        {"n_heads": 2, "n_kv_heads": 1, "head_dim": 32, "positions": 9, "rotary_dims": 0},
-    ),
-    "attention_prefill": (
-        {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "m": 5, "p0": 3},
-        {"n_heads": 4, "n_kv_heads": 1, "head_dim": 64, "m": 5, "p0": 3, "qk_norm": True, "rotary_dims": 32,
-         "softcap": 3.0, "window": 4, "scale": 0.2},
-        {"n_heads": 2, "n_kv_heads": 1, "head_dim": 32, "m": 3, "p0": 0, "rotary_dims": 0},
-    ),
-    "gemm_q4_skinny": (
-        {"m": 3, "n": 19, "k": 192, "group": 64, "epilogue": "bias"},
-        {"m": 2, "n": 2 * 5, "k": 128, "group": 32, "epilogue": "silu_mul"},
-        {"m": 3, "n": 2 * 3, "k": 64, "group": 64, "epilogue": "gelu_mul"},
-    ),
-    "gemm_q4_tiled": (
-        {"m": 9, "n": 37, "k": 128, "group": 32, "epilogue": "none"},
-        {"m": 3, "n": 2 * 5, "k": 64, "group": 64, "epilogue": "silu_mul"},
-        {"m": 2, "n": 2 * 3, "k": 64, "group": 32, "epilogue": "gelu_mul"},
-    ),
-    "embedding_f16": ({"n": 10, "k": 203, "m": 3, "block_bytes": 4 * 203 * 2, "scale": 14.25},),
-    "embedding_q4": ({"n": 9, "k": 320, "group": 64, "m": 3, "scale": 17.9},),
-    "argmax": ({"n": 1003},),
-    "swiglu": ({"count": 203},),
-    "geglu": ({"count": 203},),
-    "softcap": ({"count": 203, "cap": 30.0},),
-}
-
 # The first line of each kind of Oclgrind report (its Context/Logger and plugins, runtime API checks),
 # and the context lines every kernel report carries.
 REPORT = re.compile(
@@ -195,16 +130,12 @@ def split_at_ready(stderr: str) -> tuple[str, str]:
     return (before, after) if marker else (stderr, "")
 
 
-def tiny_shapes(spec) -> tuple[dict, ...]:
-    return TINY_SHAPES.get(spec.family) or (min(spec.test_shapes, key=spec.bytes_moved),)
-
-
 def samples(spec, caps) -> list[dict]:
     """SAMPLES parameter sets (fewer where the family has fewer) drawn, defaults excluded, from those the
-    tuner may choose for the family's first tiny shape on this device."""
-    defaults = spec.defaults()
-    others = [p for p in spec.candidates(tiny_shapes(spec)[0], caps) if p != defaults]
-    return random.Random(zlib.crc32(spec.family.encode())).sample(others, min(SAMPLES, len(others)))
+    tuner may choose for the family's first Oclgrind shape on this device."""
+    defaults = spec.params.defaults()
+    others = [p for p in spec.params.candidates(spec.oclgrind_shapes[0], caps) if p != defaults]
+    return random.Random(zlib.crc32(spec.params.family.encode())).sample(others, min(SAMPLES, len(others)))
 
 
 def sample_counts() -> dict[str, int]:
@@ -227,18 +158,19 @@ def _open_device():
 
 
 def run_family(family: str, which: str = "default") -> dict:
-    """One family at one parameter set ("default", a sample number or a JSON object), on its tiny shapes."""
+    """One family at one parameter set ("default", a sample number or a JSON object), on its spec's
+    oclgrind_shapes."""
     import numpy as np
 
     from perfx.tuning import SPECS, relative_error
 
     spec = SPECS[family]
     device = _open_device()
-    shapes = tiny_shapes(spec)
+    shapes = spec.oclgrind_shapes
     if which == "default":
-        params = spec.defaults()
+        params = spec.params.defaults()
     elif which.lstrip().startswith("{"):
-        params, shapes = {**spec.defaults(), **json.loads(which)}, shapes[:1]
+        params, shapes = {**spec.params.defaults(), **json.loads(which)}, shapes[:1]
     else:
         drawn, sample = samples(spec, device.caps), int(which)
         if not 1 <= sample <= len(drawn):
@@ -246,7 +178,7 @@ def run_family(family: str, which: str = "default") -> dict:
         params, shapes = drawn[sample - 1], shapes[:1]
     results = []
     for index, shape in enumerate(shapes):
-        reason = spec.why_invalid(params, shape, device.caps)
+        reason = spec.params.why_invalid(params, shape, device.caps)
         if reason:
             results.append({"shape": shape, "skipped": reason})
             continue

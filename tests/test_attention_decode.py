@@ -25,7 +25,7 @@ def _check_case(case, shape, params):
 
 @pytest.mark.parametrize("shape", SPEC.test_shapes, ids=SPEC.describe)
 def test_every_candidate(device, rng, shape):
-    assert SPEC.defaults() in SPEC.candidates(shape, device.caps)
+    assert SPEC.params.defaults() in SPEC.params.candidates(shape, device.caps)
     assert_every_parameter_set(SPEC, device, shape, rng)
 
 
@@ -36,7 +36,7 @@ def test_stored_rows_and_fp32_accuracy(device, rng, shape):
     h, hkv, d, positions = (shape[k] for k in ("n_heads", "n_kv_heads", "head_dim", "positions"))
     offset, pos = shape.get("qkv_offset", 0), positions - 1
     case = SPEC.make_case(device, shape, rng)
-    out = case.run(SPEC.defaults())["out"]
+    out = case.run(SPEC.params.defaults())["out"]
 
     keys, values = case.cache.read_all(device)
     for stored, host in ((keys, case.host_cache[0]), (values, case.host_cache[1])):
@@ -69,7 +69,7 @@ def test_stored_rows_and_fp32_accuracy(device, rng, shape):
                          [(4, 4, 128, 200), (2, 1, 80, 40)], ids=["gqa1-d128", "gqa2-d80"])
 def test_other_head_shapes(device, rng, n_heads, n_kv_heads, head_dim, positions):
     shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "positions": positions}
-    _check_case(SPEC.make_case(device, shape, rng), shape, SPEC.defaults())
+    _check_case(SPEC.make_case(device, shape, rng), shape, SPEC.params.defaults())
 
 
 @pytest.mark.parametrize("max_alloc", [None, 2 * 70 * 64 * 2], ids=["one-piece", "a-layer-a-piece"])
@@ -167,7 +167,7 @@ def test_head_dim_256_fits_a_phone_at_the_defaults(gqa, qk_norm):
     caps = LIMIT_PRESETS["adreno740"]
     shape = {"n_heads": gqa, "n_kv_heads": 1, "head_dim": 256, "positions": 4096, "qk_norm": qk_norm}
     for half in (0, 1):
-        params = {**SPEC.defaults(), "HALF": half}
+        params = {**SPEC.params.defaults(), "HALF": half}
         used = PARAMS.local_memory(params, shape)
         assert used <= caps.local_mem, (params, used)
         assert all(rule.holds(params, shape) for rule in PARAMS.rules)
@@ -184,8 +184,9 @@ def test_parameters_that_do_not_fit_are_refused_and_the_defaults_give_way(rng):
                                          r"device's 8192"):
         AttentionDecode(small, h, hkv, d, positions, big)
     fitting = AttentionDecode(small, h, hkv, d, positions).params
-    assert SPEC.why_invalid(SPEC.defaults(), shape, small.caps) is None or fitting != SPEC.defaults()
-    assert SPEC.why_invalid(fitting, shape, small.caps) is None
+    defaults = SPEC.params.defaults()
+    assert SPEC.params.why_invalid(defaults, shape, small.caps) is None or fitting != defaults
+    assert SPEC.params.why_invalid(fitting, shape, small.caps) is None
     _check_case(SPEC.make_case(small, shape, rng), shape, fitting)
 
 

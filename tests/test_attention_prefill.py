@@ -30,7 +30,7 @@ def check(case, params):
 def test_every_candidate(device, rng, index):
     shape = SPEC.test_shapes[index]
     if shape["head_dim"] <= 128:
-        assert SPEC.defaults() in SPEC.candidates(shape, device.caps)
+        assert SPEC.params.defaults() in SPEC.params.candidates(shape, device.caps)
     assert_every_parameter_set(SPEC, device, shape, rng, cover=index not in FULL_SWEEP)
 
 
@@ -41,7 +41,7 @@ def test_head_dim_256_has_fp32_sets_that_fit_a_phone(rng):
     phone = Device(limits=LIMIT_PRESETS["adreno740"])
     shape = SPEC.test_shapes[2]
     assert shape["head_dim"] == 256 and shape["qk_norm"]
-    assert SPEC.why_invalid(SPEC.defaults(), shape, phone.caps) is not None
+    assert SPEC.params.why_invalid(SPEC.params.defaults(), shape, phone.caps) is not None
     params = AttentionPrefill(phone, shape["n_heads"], shape["n_kv_heads"], 256, qk_norm=True).params
     assert params["HALF"] == 0 and params["DSPLIT"] == 4 and params["BK"] == 8, params
     assert registers(params, shape) <= REGISTER_BUDGET and PARAMS.local_memory(params, shape) <= 32 << 10
@@ -52,12 +52,12 @@ def test_head_dim_128_stays_within_the_register_budget(device):
     """At D = 128 one work-item per query row (q[128] and acc[128]) is over the budget: never a candidate."""
     shape = SPEC.test_shapes[1]
     assert shape["head_dim"] == 128
-    candidates = SPEC.candidates(shape, device.caps)
+    candidates = SPEC.params.candidates(shape, device.caps)
     assert candidates and all(p["DSPLIT"] >= 2 for p in candidates)
-    assert any(p["DSPLIT"] == 1 for p in SPEC.candidates(SPEC.test_shapes[0], device.caps))
+    assert any(p["DSPLIT"] == 1 for p in SPEC.params.candidates(SPEC.test_shapes[0], device.caps))
 
 
-# The brief's combinations at the defaults: M ∈ {2, 7, 32, 33, 128, 300}, p0 ∈ {0, 5, 100}, GQA ratios
+# Prompt lengths and contexts at the defaults: M ∈ {2, 7, 32, 33, 128, 300}, p0 ∈ {0, 5, 100}, GQA ratios
 # 1, 3 and 4, head_dim 64 and 128 (every case runs at layer 1 of a two-layer cache).
 SHAPES = [
     dict(n_heads=4, n_kv_heads=4, head_dim=64, m=2, p0=100),
@@ -72,7 +72,7 @@ SHAPES = [
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: SPEC.describe(s))
 def test_shapes_at_defaults(device, rng, shape):
     case = SPEC.make_case(device, shape, rng)
-    check(case, SPEC.defaults())
+    check(case, SPEC.params.defaults())
     # Nothing past the prompt is written, nor anything in the other layer.
     m, p0 = shape["m"], shape["p0"]
     for after, host in zip(case.cache.read_all(device), case.host_cache):
@@ -86,7 +86,7 @@ def test_detects_wrong_answers(device, rng):
     shape = dict(n_heads=6, n_kv_heads=2, head_dim=64, m=7, p0=5)
     h, d, m, p0 = shape["n_heads"], shape["head_dim"], shape["m"], shape["p0"]
     case = SPEC.make_case(device, shape, rng)
-    outputs = case.run(SPEC.defaults())
+    outputs = case.run(SPEC.params.defaults())
     assert relative_error(outputs["out"], case.expected["out"]) <= SPEC.tolerance
     # A reference that lets each query see one position more than causal.
     keys = np.concatenate([case.host_cache[0][LAYER, :, :p0].transpose(1, 0, 2), case.expected["keys"]])

@@ -41,7 +41,7 @@ def test_selftest_quick_passes_on_this_device(capsys, device):
     code, out, _ = run_cli(capsys, "selftest", "--quick", "--json")
     data = json.loads(out)
     # Every family that can run here (the fp16 GEMM needs cl_khr_fp16).
-    runnable = [s for s in SPECS.values() if s.candidates(s.test_shapes[0], device.caps)]
+    runnable = [s for s in SPECS.values() if s.params.candidates(s.test_shapes[0], device.caps)]
     assert code == 0 and data["failed"] == 0 and data["passed"] >= len(runnable) >= len(SPECS) - 1
 
 

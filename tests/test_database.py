@@ -11,7 +11,8 @@ import pytest
 
 from perfx import resources
 from perfx.errors import PerfxError
-from perfx.ops.params import Rule
+from perfx.ops.gemv_q8 import GemvQ8
+from perfx.ops.params import Checked, ParamSpace, Rule
 from perfx.tuning import SPECS
 from perfx.tuning import database as dbmod
 from perfx.tuning.database import (FORMAT, Database, TuningDatabaseWarning, fingerprint_slug, merge, results_json,
@@ -49,7 +50,7 @@ def write(path, match, records, **extra):
 
 
 def record(spec, params, shape=SHAPE, hashed=True, time_s=None):
-    return {"family": spec.family, "shape": shape, "params": params,
+    return {"family": spec.params.family, "shape": shape, "params": params,
             "source_hash": source_hash(spec) if hashed else None, "time_s": time_s}
 
 
@@ -214,7 +215,8 @@ def test_shipped_files_are_compact_results(tmp_path):
             if rec.get("source_hash"):  # measured: time, rate and device are there
                 assert rec["time_s"] > 0 and rec["gb_per_s"] > 0 and rec["device"], (file.path.name, rec)
                 spec = SPECS[rec["family"]]
-                if {**spec.defaults(), **rec["params"]} != spec.defaults():  # and its gain over the defaults
+                defaults = spec.params.defaults()
+                if {**defaults, **rec["params"]} != defaults:  # and its gain over the defaults
                     low, high = rec["gain_interval"]
                     assert low <= rec["gain"] <= high and rec["gain"] >= 1 and rec["rounds"] >= 4, (file.path.name,
                                                                                                    rec)
@@ -228,7 +230,7 @@ def _device_results(spec, device, name, time_by_wgs, log=False):
         candidates = [{"params": {"WGS": w, "MODE": "good"}, "status": "ok", "time_s": t}
                       for w, t in time_by_wgs.items()]
         return {"perfx_tuning_log": 1, "device": phone.fingerprint, "architecture": "adreno-7xx",
-                "vendor": "qualcomm", "problems": [{"family": spec.family, "shape": SHAPE, "complete": True,
+                "vendor": "qualcomm", "problems": [{"family": spec.params.family, "shape": SHAPE, "complete": True,
                                                     "source_hash": source_hash(spec), "candidates": candidates}]}
     return {"perfx_tuning": FORMAT, "match": {"device": phone.fingerprint}, "architecture": "adreno-7xx",
             "vendor": "qualcomm", "records": [record(spec, {"WGS": best, "MODE": "good"},
@@ -273,7 +275,7 @@ def test_hold_or_drop_keeps_only_entries_that_beat_the_defaults(tmp_path, capsys
     hold_or_drop = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(hold_or_drop)
 
-    defaults = SPECS["gemv_q4"].defaults()
+    defaults = SPECS["gemv_q4"].params.defaults()
     tuned = {**defaults, "ROWS": 2, "LANES": 1}
     shape = lambda n: {"n": n, "k": 576, "group": 32}  # noqa: E731
     header = {"perfx_tuning": FORMAT, "match": {"vendor": "pocl"}}
@@ -305,3 +307,28 @@ def test_hold_or_drop_keeps_only_entries_that_beat_the_defaults(tmp_path, capsys
     printed = capsys.readouterr().out
     assert "not measured" in printed and "beyond the noise" in printed and "on the median" in printed
     assert "stale" in printed
+
+
+def test_a_set_is_checked_once_from_the_database_to_a_launch(device, db, monkeypatch):
+    """The look-up hands out Checked sets; the wrapper made with one, and its kernel built for the shape's
+    epilogue, check nothing again. A set checked for one shape is checked again for another."""
+    spec = SPECS["gemv_q8"]
+    shape = {"n": 2 * 24, "k": 64, "group": 32, "f32": False, "epilogue": "silu_mul", "bias": False}
+    db.save_result(device, dbmod.result_record(spec, shape, {"LANES": 4, "ROWS": 2}, 1e-5, 2e-5,
+                                               device.fingerprint))
+    (choice, *_) = db.choices(device, spec, shape)
+    assert isinstance(choice.params, Checked) and choice.source == "device"
+    checks = []
+    real = ParamSpace.why_invalid
+    monkeypatch.setattr(ParamSpace, "why_invalid",
+                        lambda self, *args: checks.append(self.family) or real(self, *args))
+    gemv = GemvQ8(device, choice.params, shape)
+    gemv.kernel(32, False, "silu_mul")
+    assert gemv.params is choice.params and checks == []
+    gemv.kernel(32, False, "none")   # another epilogue: checked for it, once
+    assert checks == ["gemv_q8"]
+    with pytest.raises(PerfxError, match=r"gemv_q8: parameters .* cannot run the gelu_mul epilogue on .*ROWS"):
+        GemvQ8(device, {"LANES": 4, "ROWS": 8}, {}).kernel(32, False, "gelu_mul")
+    checks.clear()
+    other = spec.params.check(choice.params, {**shape, "k": 128}, device.caps)
+    assert other == choice.params and other.shape["k"] == 128 and checks == ["gemv_q8"]

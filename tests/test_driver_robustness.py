@@ -36,7 +36,7 @@ def test_a_choice_that_does_not_build_gives_way_at_load_and_is_remembered(tmp_pa
     monkeypatch.setenv("PERFX_CACHE", str(tmp_path))
     device = Device()
     shape, spec = qkv_shape(), SPECS["gemv_q4"]
-    refused = {**spec.defaults(), "LANES": 64}
+    refused = {**spec.params.defaults(), "LANES": 64}
     default_database().save_result(device, result_record(spec, shape, refused, 1e-6, 2e-6, device.fingerprint))
     tried = []
     real_build = Device.build
@@ -51,7 +51,7 @@ def test_a_choice_that_does_not_build_gives_way_at_load_and_is_remembered(tmp_pa
     lines = []
     model, _ = load_model("synthetic:tiny", device, ctx=16, progress=False, log=lines.append)
     choice = model.plan.tuned["gemv_q4 (qkv)"]
-    assert choice.source == "default" and model.plan.gemv["qkv"].params == spec.defaults()
+    assert choice.source == "default" and model.plan.gemv["qkv"].params == spec.params.defaults()
     assert any("refused by this driver" in why for why in choice.skipped)
     refusals = [line for line in lines if "were refused by this driver" in line]
     assert len(refusals) == 1 and "gemv_q4 (qkv)" in refusals[0] and "too many registers" in refusals[0]
@@ -129,7 +129,7 @@ def test_a_qualcomm_gpu_runs_the_defaults_until_a_phone_reports(device, tmp_path
                                      name="QUALCOMM", image_support=True, local_mem=32 << 10, max_work_group=1024)
     shipped = Database(tmp_path / "user")   # the shipped files only
     choice = shipped.choices(phone, SPECS["gemv_q4"], qkv_shape())[0]
-    assert choice.source == "default" and choice.params == SPECS["gemv_q4"].defaults()
+    assert choice.source == "default" and choice.params == SPECS["gemv_q4"].params.defaults()
 
 
 def test_build_options_per_device(monkeypatch):

@@ -17,7 +17,7 @@ from perfx.tuning.spec import relative_error
 
 SPECS = {"skinny": SKINNY, "tiled": TILED, "f16": F16}
 TOL = SKINNY.tolerance
-TOLERANCES = {"skinny": TOL, "tiled": TOL, "f16": F16.tolerance_for(F16.defaults())}
+TOLERANCES = {"skinny": TOL, "tiled": TOL, "f16": F16.tolerance_for(F16.params.defaults())}
 
 
 def kinds(device, *names) -> list[str]:
@@ -38,19 +38,19 @@ def test_defaults_on_every_spec_shape(device, rng, kind):
         pytest.skip(f"{device.caps.name} has no cl_khr_fp16")
     spec = SPECS[kind]
     for shape in spec.test_shapes:
-        errors = spec.make_case(device, shape, rng).errors(spec.defaults())
-        assert errors["y"] <= spec.tolerance_for(spec.defaults()), (shape, errors)
+        errors = spec.make_case(device, shape, rng).errors(spec.params.defaults())
+        assert errors["y"] <= spec.tolerance_for(spec.params.defaults()), (shape, errors)
 
 
 @pytest.mark.parametrize("kind,index", _cases("skinny") + _cases("tiled") + _cases("f16"))
 def test_every_candidate_on_the_spec_shapes(device, rng, kind, index):
     spec = SPECS[kind]
     shape = spec.test_shapes[index]
-    candidates = spec.candidates(shape, device.caps)
+    candidates = spec.params.candidates(shape, device.caps)
     if kind not in kinds(device):
         assert not candidates, "the fp16 GEMM is never a candidate without cl_khr_fp16"
         pytest.skip(f"{device.caps.name} has no cl_khr_fp16")
-    assert spec.defaults() in candidates and len(candidates) >= 12
+    assert spec.params.defaults() in candidates and len(candidates) >= 12
     assert {p["LAYOUT"] for p in candidates} == {0, 1}
     assert_every_parameter_set(spec, device, shape, rng, cover=index > 0)
 
@@ -207,10 +207,10 @@ def test_a_tuned_tile_that_does_not_fit_the_gate_up_epilogue_gives_way_to_the_ne
     with pytest.raises(PerfxError, match="local memory"):
         GemmQ4(device, tiled_params={"KWG": 64}, shape=gate_up)
     db = Database(tmp_path / "user", tmp_path / "none")
-    db.save_result(device, result_record(TILED, gate_up, {**TILED.defaults(), "KWG": 64}, 1e-3, None,
+    db.save_result(device, result_record(TILED, gate_up, {**TILED.params.defaults(), "KWG": 64}, 1e-3, None,
                                          device.fingerprint))
     choice = db.choices(device, TILED, gate_up)[0]
-    assert choice.source == "default" and choice.params == TILED.defaults()
+    assert choice.source == "default" and choice.params == TILED.params.defaults()
     assert any("local memory" in why for why in choice.skipped), choice.skipped
     gemm = GemmQ4(device, tiled_params=choice.params, shape=gate_up)
     weight, x, y, want = _problem(device, rng, 37, 2 * 70, 320, 32, "silu_mul")

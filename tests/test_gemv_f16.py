@@ -46,7 +46,7 @@ def test_no_allocation_per_call(device, rng):
 
 def test_wrong_answers_are_detected(device, rng):
     case = SPEC.make_case(device, SPEC.test_shapes[1], rng)
-    y = case.run(SPEC.defaults())["y"]
+    y = case.run(SPEC.params.defaults())["y"]
     wrong = case.expected["y"].copy()
     wrong[7] += 1e-3 * np.abs(wrong).max()
     assert relative_error(y, wrong) > SPEC.tolerance

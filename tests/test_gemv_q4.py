@@ -22,13 +22,13 @@ def test_every_candidate(device, rng, index):
     """Every candidate on the first shape; a pairwise-covering subset on the others (each other shape is a
     different build: group size, epilogue (SwiGLU, GeGLU), bias)."""
     shape = SPEC.test_shapes[index]
-    assert len(SPEC.candidates(shape, device.caps)) >= 8
+    assert len(SPEC.params.candidates(shape, device.caps)) >= 8
     assert_every_parameter_set(SPEC, device, shape, rng, cover=index > 0)
 
 
 def test_gpu_class_variants_are_candidates_where_the_device_has_them(device):
     """The interleaved layout runs everywhere; fp16 and subgroup variants exactly where the capabilities are."""
-    candidates = SPEC.candidates(SPEC.test_shapes[0], device.caps)
+    candidates = SPEC.params.candidates(SPEC.test_shapes[0], device.caps)
     kinds = {(p["LAYOUT"], p.get("SG", 0), p["HALF"], p.get("XS", 0)) for p in candidates}
     caps = device.caps
     assert (1, 0, 0, 0) in kinds and (1, 0, 0, 1) in kinds
@@ -53,7 +53,7 @@ def test_detects_wrong_answers(device, rng):
     shape = SPEC.test_shapes[2]
     case = SPEC.make_case(device, shape, rng)
     assert relative_error(np.full(shape["n"], np.nan), case.expected["y"]) == np.inf
-    y = case.run(SPEC.defaults())["y"]
+    y = case.run(SPEC.params.defaults())["y"]
     wrong = y.copy()
     wrong[-1] += 0.0025 * 3  # one code off by one, against an x of ~3
     assert relative_error(wrong, case.expected["y"]) > SPEC.tolerance
@@ -117,7 +117,7 @@ def test_int8_activations_are_exact_to_their_own_quantization(device, rng):
     weights and the quantized x, it is as exact as the fp32 kernels (SPEC.tolerance). This holds the offset
     term to Σ of the quantized x (Q8_1's sum): with the exact Σx the error doubled (4.6e-2 on gate-up)."""
     shape = {"n": 3072, "k": 576, "group": 32, "epilogue": "silu_mul"}
-    params = next((p for p in SPEC.candidates(shape, device.caps) if p.get("I8")), None)
+    params = next((p for p in SPEC.params.candidates(shape, device.caps) if p.get("I8")), None)
     assert params is not None, "the interleaved int8-activation variant runs on every device"
     weight = Q4Matrix.random(shape["n"], shape["k"], 32, rng)
     x = rng.standard_normal(shape["k"]).astype(np.float32)
@@ -182,7 +182,7 @@ def test_each_weight_is_on_the_device_once(device, rng):
         want = reference.gemv(q4.dequantize(), x)
         shape = {"n": n, "k": k, "group": group, "epilogue": "none", "bias": False}
         for read in weight.read_paths:
-            params = next((p for p in SPEC.candidates(shape, caps)
+            params = next((p for p in SPEC.params.candidates(shape, caps)
                            if p["LAYOUT"] == layout and p["READ"] == READ_CODES[read]), None)
             if params is None:   # image1d_buffer with rows along K: a GPU-class variant, absent here
                 continue

@@ -248,8 +248,8 @@ def test_the_model_runs_the_tuned_parameters(tiny_paths, device, tmp_path, monke
     spec = SPECS["gemv_q4"]
     problems, _ = model_problems(source.config, SPECS, 32)
     qkv = next(p for p in problems if p.family == "gemv_q4" and "qkv" in p.label.split("+"))
-    forced = {**spec.defaults(), "LANES": 4, "ROWS": 2}
-    assert forced != spec.defaults()
+    forced = {**spec.params.defaults(), "LANES": 4, "ROWS": 2}
+    assert forced != spec.params.defaults()
     default_database().save_result(device, result_record(spec, qkv.shape, forced, 1e-5, None, device.fingerprint))
 
     model = Model.load(source, device, ctx=32, progress=False)
@@ -272,8 +272,8 @@ def test_a_tied_int4_embedding_is_on_the_device_once(spm, device, tmp_path, monk
     c = source.config
     spec = SPECS["gemv_q4"]
     shape = {"n": c.vocab_size, "k": c.hidden_size, "group": 32, "epilogue": "none", "bias": False}
-    image2d = {**spec.defaults(), "READ": 1}
-    if spec.why_invalid(image2d, shape, device.caps) is None:
+    image2d = {**spec.params.defaults(), "READ": 1}
+    if spec.params.why_invalid(image2d, shape, device.caps) is None:
         default_database().save_result(device, result_record(spec, shape, image2d, 1e-6, None, device.fingerprint))
     before = device.allocated_bytes
     model = Model.load(source, device, ctx=32, progress=False)

@@ -1,11 +1,11 @@
 """The Oclgrind tier: every kernel family under a simulator that checks each access.
 
-Each family of ``perfx.tuning.SPECS`` runs at tiny shapes (tests/oclgrind_runner.py) at its defaults and at
-SAMPLES parameter sets (fewer where the family has fewer) drawn with a fixed seed from what the tuner may
-choose on the simulator, with Oclgrind's out-of-bounds, data-race, uninitialised-value and API checks on.
-Any report fails the test, and the outputs must still match the float64 references within the spec's
-tolerance. A new family joins by having a spec. Each check is one subprocess, so each report belongs to one
-family and parameter set.
+Each family of ``perfx.tuning.SPECS`` runs at its spec's tiny ``oclgrind_shapes`` (tests/oclgrind_runner.py),
+at its defaults and at SAMPLES parameter sets (fewer where the family has fewer) drawn with a fixed seed from
+what the tuner may choose on the simulator, with Oclgrind's out-of-bounds, data-race, uninitialised-value and
+API checks on. Any report fails the test, and the outputs must still match the float64 references within the
+spec's tolerance. A new family joins by having a spec. Each check is one subprocess, so each report belongs
+to one family and parameter set.
 
 Without Oclgrind the tier is skipped (apt-get install oclgrind); PERFX_REQUIRE_OCLGRIND=1 (CI) makes that
 a failure instead.

@@ -20,10 +20,11 @@ FAMILIES = ("gemv_q8", "gemm_q8", "embedding_q8")
 ALL_SHAPES = [(SPECS[f], shape) for f in FAMILIES for shape in SPECS[f].test_shapes]
 
 
-@pytest.mark.parametrize("spec, shape", ALL_SHAPES, ids=[f"{s.family}-{s.describe(sh)}" for s, sh in ALL_SHAPES])
+@pytest.mark.parametrize("spec, shape", ALL_SHAPES,
+                         ids=[f"{s.params.family}-{s.describe(sh)}" for s, sh in ALL_SHAPES])
 def test_every_parameter_set_matches_reference(device, rng, spec, shape):
     results = assert_every_parameter_set(spec, device, shape, rng)
-    assert len(results) == len(spec.candidates(shape, device.caps))
+    assert len(results) == len(spec.params.candidates(shape, device.caps))
 
 
 def test_shapes_cover_the_contract():
@@ -42,7 +43,7 @@ def test_detects_wrong_answers(device, rng):
     shape = spec.test_shapes[2]
     case = spec.make_case(device, shape, rng)
     assert relative_error(np.full(shape["n"], np.nan), case.expected["y"]) == np.inf
-    y = case.run(spec.defaults())["y"]
+    y = case.run(spec.params.defaults())["y"]
     wrong = y.copy()
     wrong[-1] += 0.02 / 128 * 3
     assert relative_error(wrong, case.expected["y"]) > spec.tolerance

@@ -53,7 +53,7 @@ def test_post_residual_eps_and_each_gamma_matter(device, rng):
 
 def test_poisoned_output_is_detected(device, rng):
     case = SPEC.make_case(device, SPEC.test_shapes[1], rng)
-    y = case.run(SPEC.defaults())["y"]
+    y = case.run(SPEC.params.defaults())["y"]
     y[1, 5] = np.nan
     assert relative_error(y, case.expected["y"]) == float("inf")
 

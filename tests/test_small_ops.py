@@ -22,7 +22,7 @@ ALL_SHAPES = [(spec, shape) for spec in (EMBEDDING_F16, EMBEDDING_Q4, ARGMAX, SW
 
 
 @pytest.mark.parametrize("spec, shape", ALL_SHAPES,
-                         ids=[f"{s.family}-{s.describe(shape)}" for s, shape in ALL_SHAPES])
+                         ids=[f"{s.params.family}-{s.describe(shape)}" for s, shape in ALL_SHAPES])
 def test_every_parameter_set_matches_reference(device, rng, spec, shape):
     assert_every_parameter_set(spec, device, shape, rng)
 
@@ -153,7 +153,7 @@ def test_embedding_scale_multiplies_each_row(device, rng):
 def test_wrong_answers_are_detected(device, rng):
     spec = SWIGLU
     case = spec.make_case(device, spec.test_shapes[0], rng)
-    out = case.run(spec.defaults())["out"]
+    out = case.run(spec.params.defaults())["out"]
     assert relative_error(out, case.expected["out"] * 1.001) > spec.tolerance
     out[-1] = np.nan
     assert relative_error(out, case.expected["out"]) == float("inf")

@@ -1,19 +1,25 @@
 """The shape of the codebase: imports run one way down the layers (in the README's order, no cycles, none
 hidden inside functions), only the device layer and the kernel wrappers call pyopencl, every kernel file's
-#define defaults are its parameter space's defaults, and the README's Python examples run as written."""
+#define defaults are its parameter space's defaults, every family registered by its spec alone with what the
+test tiers need of it, and the README's Python examples run as written."""
 
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
+from perfx import reference
+from perfx.errors import PerfxError
 from perfx.resources import kernel_source
-from perfx.tuning import SPECS
+from perfx.tuning import SPECS, discover_specs
 
 ROOT = Path(__file__).resolve().parent.parent
 # Imports inside functions are for optional dependencies only: a package that may be absent, or heavy
@@ -170,6 +176,72 @@ def test_kernel_file_defaults_equal_the_parameter_space_defaults(family):
             assert name in defaults, f"kernels/{space.source} has no #ifndef {name} default"
             assert defaults[name] == str(value), (f"kernels/{space.source}: #define {name} {defaults[name]}, "
                                                   f"but the parameter space's default is {value}")
+
+
+def fits_some_parameter_set(spec, shape) -> bool:
+    """Whether the defaults, or else any parameter set of the space, may run ``shape`` (on some device)."""
+    space = spec.params
+    return space.why_invalid(space.defaults(), shape) is None or bool(space.candidates(shape))
+
+
+@pytest.mark.parametrize("family", sorted(SPECS))
+def test_every_family_carries_its_reference_and_oclgrind_shapes(family):
+    spec = SPECS[family]
+    name = getattr(spec.reference, "__name__", "")
+    assert getattr(reference, name, None) is spec.reference, (
+        f"{family}: Spec.reference must be a function of perfx.reference, not {spec.reference!r}")
+    module_source = inspect.getsource(sys.modules[spec.make_case.__module__])
+    assert f"reference.{name}" in module_source, f"{family}: its spec module never uses reference.{name}"
+    assert spec.oclgrind_shapes, f"{family}: no Oclgrind shapes"
+    largest = max(spec.bytes_moved(shape) for shape in spec.test_shapes)
+    for shape in spec.oclgrind_shapes:
+        assert fits_some_parameter_set(spec, shape), f"{family}: no parameter set runs Oclgrind shape {shape}"
+        assert spec.bytes_moved(shape) <= largest, f"{family}: Oclgrind shape {shape} is larger than its tests'"
+
+
+@pytest.mark.parametrize("family", sorted(SPECS))
+@settings(max_examples=25, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_every_family_fuzzes_shapes_its_parameters_can_run(family, data):
+    spec = SPECS[family]
+    shape = data.draw(spec.fuzz_shapes(st), label="shape")
+    assert fits_some_parameter_set(spec, shape), f"{family}: the fuzz strategy drew {shape}, which nothing runs"
+    spec.bytes_moved(shape)
+
+
+def test_the_tuning_package_never_imports_hypothesis():
+    # hypothesis is a dev dependency: the specs' fuzz strategies take its module as an argument.
+    code = "import sys, perfx.tuning; print('hypothesis' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.stdout.strip() == "False", done.stderr[-2000:]
+
+
+SPEC_MODULE = """
+from perfx import reference
+from perfx.ops.params import ParamSpace
+from perfx.tuning.spec import Spec
+
+SPEC = Spec(params=ParamSpace(family="{family}", source="copy.cl", space={{"WGS": (64,)}}), make_case=None,
+            tolerance=0.0, tolerance_why="", test_shapes=({{"n": 8}},), bytes_moved=lambda s: 8 * s["n"],
+            reference=reference.swiglu, fuzz_shapes=lambda st: st.just({{"n": 8}}), oclgrind_shapes=({{"n": 8}},))
+"""
+
+
+def test_specs_are_discovered_from_the_modules_of_the_package(tmp_path, monkeypatch):
+    package = tmp_path / "specs_here"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "helpers.py").write_text("VALUE = 1\n")   # a module without a spec registers nothing
+    (package / "zeta.py").write_text(textwrap.dedent(SPEC_MODULE.format(family="zeta_op")))
+    (package / "alpha.py").write_text(textwrap.dedent(SPEC_MODULE.format(family="alpha_op")))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert list(discover_specs("specs_here")) == ["alpha_op", "zeta_op"], "modules in name order"
+    (package / "again.py").write_text(textwrap.dedent(SPEC_MODULE.format(family="zeta_op")))
+    with pytest.raises(PerfxError, match="two specs of the kernel family 'zeta_op'"):
+        discover_specs("specs_here")
+    # perfx.tuning's own: every spec module's specs, none listed by hand.
+    assert SPECS == discover_specs("perfx.tuning") and len(SPECS) >= 17
 
 
 def readme_python_examples() -> list[str]:

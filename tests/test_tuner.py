@@ -94,8 +94,8 @@ def test_budget_spent_times_the_defaults_then_the_next_sweep_goes_on(device, db)
     toy = Toy()
     spec = toy.spec()
     first = quiet_tuner(device, db, budget_s=0).tune_problem(spec, SHAPE)
-    assert [o.params for o in first.outcomes] == [spec.defaults()] and not first.complete
-    assert first.best.params == spec.defaults() and first.speedup == 1.0
+    assert [o.params for o in first.outcomes] == [spec.params.defaults()] and not first.complete
+    assert first.best.params == spec.params.defaults() and first.speedup == 1.0
     second = quiet_tuner(device, db, budget_s=60).tune_problem(spec, SHAPE)
     assert second.complete and second.resumed == 1 and len(second.outcomes) == 9
 

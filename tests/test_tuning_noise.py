@@ -33,7 +33,8 @@ class NoisyBench:
     def spec(self) -> Spec:
         space = ParamSpace(family="noisy", source="copy.cl", space={"X": tuple(range(8))})
         return Spec(params=space, make_case=self.make_case, tolerance=0.0, tolerance_why="always exact",
-                    test_shapes=(SHAPE,), bytes_moved=lambda s: 1_000_000)
+                    test_shapes=(SHAPE,), bytes_moved=lambda s: 1_000_000, reference=np.zeros_like,
+                    fuzz_shapes=lambda st: st.just(SHAPE), oclgrind_shapes=(SHAPE,))
 
     def make_case(self, device, shape, rng) -> Case:
         def launch(params):

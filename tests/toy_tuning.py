@@ -78,6 +78,9 @@ class Toy:
             tolerance_why="y = 2·x is exact in fp32; the wrong mode is off by 1e-3",
             test_shapes=({"n": 1000},),
             bytes_moved=lambda s: 8 * s["n"],
+            reference=lambda x: 2.0 * np.asarray(x, np.float64),
+            fuzz_shapes=lambda st: st.fixed_dictionaries({"n": st.integers(1, 4000)}),
+            oclgrind_shapes=({"n": 37},),
             flops=lambda s: s["n"],
         )
 

@@ -2,21 +2,36 @@
 wrapper's parameter space with verification cases and metrics), the problems a model runs, the search,
 and the tuning database.
 
-``SPECS`` holds every family's spec by name; adding a family is writing its spec module and naming it here.
+``SPECS`` holds every family's spec by name, found in the package's modules: a module that defines a ``Spec``
+at module level registers it, so adding a family is adding its spec module, with no list to edit.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from perfx.errors import PerfxError
-from perfx.tuning import (attention_decode, attention_prefill, embedding_q8, gemm_q4, gemm_q8, gemv_f16, gemv_q4,
-                          gemv_q8, rmsnorm, short_conv, small_ops)
 from perfx.tuning.spec import Case, Spec, relative_error
 
-SPECS: dict[str, Spec] = {spec.family: spec for spec in (
-    gemv_q4.SPEC, gemv_f16.SPEC, gemm_q4.SKINNY, gemm_q4.TILED, gemm_q4.F16, rmsnorm.SPEC,
-    attention_decode.SPEC,
-    attention_prefill.SPEC, small_ops.EMBEDDING_F16, small_ops.EMBEDDING_Q4, small_ops.ARGMAX, small_ops.SWIGLU,
-    small_ops.GEGLU, small_ops.SOFTCAP, gemv_q8.SPEC, gemm_q8.SPEC, embedding_q8.SPEC, short_conv.SPEC)}
+
+def discover_specs(package: str = __name__) -> dict[str, Spec]:
+    """family -> Spec for every ``Spec`` defined at module level in the modules of ``package``: modules in
+    name order, each module's specs in the order it defines them."""
+    found: dict[str, Spec] = {}
+    for info in sorted(pkgutil.iter_modules(importlib.import_module(package).__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{package}.{info.name}")
+        for spec in vars(module).values():
+            if not isinstance(spec, Spec):
+                continue
+            other = found.setdefault(spec.params.family, spec)
+            if other is not spec:
+                raise PerfxError(f"two specs of the kernel family {spec.params.family!r} (the second in "
+                                 f"{module.__name__}): each family has one spec")
+    return found
+
+
+SPECS: dict[str, Spec] = discover_specs()
 
 
 def select_specs(names: str | None) -> dict[str, Spec]:
@@ -33,4 +48,4 @@ def select_specs(names: str | None) -> dict[str, Spec]:
     return chosen
 
 
-__all__ = ["Case", "SPECS", "Spec", "relative_error", "select_specs"]
+__all__ = ["Case", "SPECS", "Spec", "discover_specs", "relative_error", "select_specs"]

@@ -143,6 +143,50 @@ def make_case(device, shape, rng) -> Case:
     return case
 
 
+def heads(st):
+    """Query heads, kv heads (the GQA ratio, up to 8) and head_dim (the kernels take multiples of 8 from 32;
+    Gemma's 256 too)."""
+    @st.composite
+    def draw_heads(draw):
+        kv = draw(st.integers(1, 3))
+        return {"n_heads": kv * draw(st.integers(1, 8)), "n_kv_heads": kv,
+                "head_dim": draw(st.one_of(st.integers(4, 20).map(lambda n: 8 * n), st.just(256)))}
+    return draw_heads()
+
+
+def layer_features(st, head_dim: int):
+    """Any of the per-layer features of ``Features``: q/k norm, partial or no RoPE, a scale, a soft-cap, a
+    window."""
+    @st.composite
+    def draw_features(draw):
+        out = {}
+        if draw(st.booleans()):
+            out["qk_norm"] = True
+        rotary = draw(st.sampled_from(["all", "partial", "none"]))
+        if rotary == "partial":
+            out["rotary_dims"] = 2 * draw(st.integers(1, head_dim // 2 - 1))
+        elif rotary == "none":
+            out["rotary_dims"] = 0
+        if draw(st.booleans()):
+            out["scale"] = draw(st.sampled_from([0.03, 0.0625, 0.1, 0.3]))
+        if draw(st.booleans()):
+            out["softcap"] = draw(st.sampled_from([1.0, 3.0, 50.0]))
+        if draw(st.booleans()):
+            out["window"] = draw(st.integers(1, 80))
+        return out
+    return draw_features()
+
+
+def fuzz_shapes(st):
+    """Any heads, 1–300 positions, a qkv offset of 0–9, any layer features."""
+    @st.composite
+    def shape(draw):
+        drawn = {**draw(heads(st)), "positions": draw(st.integers(1, 300)),
+                 "qkv_offset": draw(st.integers(0, 9))}
+        return {**drawn, **draw(layer_features(st, drawn["head_dim"]))}
+    return shape()
+
+
 SPEC = Spec(
     params=PARAMS,
     make_case=make_case,
@@ -180,6 +224,17 @@ SPEC = Spec(
          "softcap": 3.0, "window": 40, "scale": 0.2},
     ),
     bytes_moved=bytes_moved,
+    reference=reference.attention,
+    fuzz_shapes=fuzz_shapes,
+    oclgrind_shapes=(
+        {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "positions": 37, "qkv_offset": 3},
+        {"n_heads": 2, "n_kv_heads": 1, "head_dim": 64, "positions": 1},
+        # The per-layer features: q/k norm (its own build and local reductions), 32 of 64 dimensions rotating,
+        # soft-cap, window, scale; then NoPE (no table bound).
+        {"n_heads": 4, "n_kv_heads": 1, "head_dim": 64, "positions": 35, "qk_norm": True, "rotary_dims": 32,
+         "softcap": 3.0, "window": 20, "scale": 0.2},
+        {"n_heads": 2, "n_kv_heads": 1, "head_dim": 32, "positions": 9, "rotary_dims": 0},
+    ),
     flops=flops,
     describe=lambda s: (f"H={s['n_heads']} Hkv={s['n_kv_heads']} D={s['head_dim']} T={s['positions']}"
                         + (f" offset={s['qkv_offset']}" if s.get("qkv_offset") else "") + describe_features(s)),

@@ -13,7 +13,7 @@ import numpy as np
 from perfx import reference
 from perfx.ops.attention_prefill import PARAMS, AttentionPrefill
 from perfx.ops.kv_cache import KVCache
-from perfx.tuning.attention_decode import LAYER, LAYERS, Features, describe_features
+from perfx.tuning.attention_decode import LAYER, LAYERS, Features, describe_features, heads, layer_features
 from perfx.tuning.spec import Case, Spec, cached_per_params
 
 
@@ -34,6 +34,15 @@ def bytes_moved(shape) -> int:
     appended = 2 * 2 * m * hkv * d          # k and v written as fp16
     cache_read = 2 * 2 * (p0 + m) * hkv * d  # every K/V row read at least once
     return qkv + appended + cache_read + 4 * m * h * d
+
+
+def fuzz_shapes(st):
+    """Any heads, prompts of 1–40 tokens after 0–60 cached positions, any layer features."""
+    @st.composite
+    def shape(draw):
+        drawn = {**draw(heads(st)), "m": draw(st.integers(1, 40)), "p0": draw(st.integers(0, 60))}
+        return {**drawn, **draw(layer_features(st, drawn["head_dim"]))}
+    return shape()
 
 
 def make_case(device, shape, rng) -> Case:
@@ -120,6 +129,14 @@ SPEC = Spec(
          "softcap": 3.0, "window": 30, "scale": 0.2},
     ),
     bytes_moved=bytes_moved,
+    reference=reference.attention,
+    fuzz_shapes=fuzz_shapes,
+    oclgrind_shapes=(
+        {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "m": 5, "p0": 3},
+        {"n_heads": 4, "n_kv_heads": 1, "head_dim": 64, "m": 5, "p0": 3, "qk_norm": True, "rotary_dims": 32,
+         "softcap": 3.0, "window": 4, "scale": 0.2},
+        {"n_heads": 2, "n_kv_heads": 1, "head_dim": 32, "m": 3, "p0": 0, "rotary_dims": 0},
+    ),
     flops=flops,
     describe=lambda s: (f"H={s['n_heads']} Hkv={s['n_kv_heads']} D={s['head_dim']} m={s['m']} p0={s['p0']}"
                         + describe_features(s)),

@@ -39,6 +39,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from perfx.errors import PerfxError
+from perfx.ops.params import Checked
 from perfx.resources import cache_dir, kernel_source, read_json, tuning_path, write_atomic, write_json_atomic
 
 FORMAT = 2
@@ -60,7 +61,7 @@ class TuningDatabaseWarning(UserWarning):
 
 @dataclass(frozen=True)
 class Choice:
-    params: dict
+    params: Checked  # checked for the shape it was looked up by, on this device
     source: str      # "device", "architecture", "vendor" or "default"
     detail: str      # which file and record, or why nothing matched
     time_s: float | None = None  # the tuned median time, where a measurement stands behind the choice
@@ -263,7 +264,7 @@ def result_record(spec, shape: dict, params: dict, time_s: float, default_time_s
                   fingerprint: dict) -> dict:
     """A results record of a measured best, with its rate (GB/s and, where it computes, GFLOP/s)."""
     nbytes, flops = int(spec.bytes_moved(shape)), int(spec.flops(shape))
-    return {"family": spec.family, "shape": normal(shape), "params": normal(params), "time_s": time_s,
+    return {"family": spec.params.family, "shape": normal(shape), "params": normal(params), "time_s": time_s,
             "default_time_s": default_time_s, "gb_per_s": round(nbytes / time_s / 1e9, 3),
             "gflop_per_s": round(flops / time_s / 1e9, 3) if flops else None,
             "source_hash": source_hash(spec), "device": fingerprint_slug(fingerprint)}
@@ -290,12 +291,13 @@ class TuningLog:
         """The log entry of (family, shape) for the current kernel source; a stale one is started again."""
         key, current = shape_key(shape), source_hash(spec)
         problems = self.data["problems"]
-        entry = next((p for p in problems if p["family"] == spec.family and shape_key(p["shape"]) == key), None)
+        family = spec.params.family
+        entry = next((p for p in problems if p["family"] == family and shape_key(p["shape"]) == key), None)
         if entry is not None and entry.get("source_hash") != current:
             problems.remove(entry)
             entry = None
         if entry is None:
-            entry = {"family": spec.family, "shape": normal(shape), "source_hash": current, "complete": False,
+            entry = {"family": spec.params.family, "shape": normal(shape), "source_hash": current, "complete": False,
                      "candidates": []}
             problems.append(entry)
         return entry
@@ -385,7 +387,7 @@ class Database:
         """Remember that this driver refused ``params``: later loads skip them without building again."""
         path = self.refused_path(device.fingerprint)
         entries = read_json(path, default=[])
-        entries.append({"family": spec.family, "params": normal(params), "source_hash": source_hash(spec),
+        entries.append({"family": spec.params.family, "params": normal(params), "source_hash": source_hash(spec),
                         "reason": reason, "when": _now()})
         write_json_atomic(path, entries)
 
@@ -411,7 +413,7 @@ class Database:
             if level is None:
                 continue
             for record in file.records:
-                if record["family"] != spec.family:
+                if record["family"] != spec.params.family:
                     continue
                 pinned = record.get("source_hash")
                 if pinned is not None and pinned != current:
@@ -425,33 +427,38 @@ class Database:
     def choices(self, device, spec, shape: dict) -> list[Choice]:
         """Every parameter set that may run ``spec`` at ``shape`` on ``device``, most specific first: each
         fitting database record, then the defaults (or, where they do not fit, the first set that does).
-        Sets this device's driver refused before are skipped, with the reason kept."""
+        Sets this device's driver refused before are skipped, with the reason kept.
+
+        This is where a set is checked on its way to a launch: each choice's ``params`` is a ``Checked`` set
+        for this shape and device, which the wrappers take without checking again."""
         result, skipped = [], []
         refused = self.refused(device)
         current = source_hash(spec)
 
-        def why_not(params):
-            why = spec.why_invalid(params, shape, device.caps)
-            refusal = refused.get((spec.family, params_key(params), current))
-            return why or (f"refused by this driver: {refusal}" if refusal else None)
+        def refusal(params):
+            why = refused.get((spec.params.family, params_key(params), current))
+            return f"refused by this driver: {why}" if why else None
+
+        def checked(params):
+            """(the Checked set, None), or (None, why it may not run here)."""
+            why = spec.params.why_invalid(params, shape, device.caps) or refusal(params)
+            return (None, why) if why else (Checked(params, spec.params, shape, device.caps), None)
 
         for _, _, file, record in self._matches(device, spec, shape):
-            params = {**spec.defaults(), **record["params"]}
             level = file.level_for(device)
-            why = why_not(params)
+            params, why = checked({**spec.params.defaults(), **record["params"]})
             if why is not None:
                 skipped.append(f"{file.path.name} ({level}): {why}")
                 continue
             if any(c.params == params for c in result):
                 continue
             what = "shape *" if record.get("shape") is None else spec.describe(record["shape"])
-            result.append(Choice(params, level, f"{file.path.name}: {spec.family} {what}", record.get("time_s"),
-                                 tuple(skipped)))
-        defaults = spec.defaults()
-        why = why_not(defaults)
+            result.append(Choice(params, level, f"{file.path.name}: {spec.params.family} {what}",
+                                 record.get("time_s"), tuple(skipped)))
+        defaults, why = checked(spec.params.defaults())
         if why is not None:
             skipped.append(f"the defaults: {why}")
-            defaults = next((p for p in spec.candidates(shape, device.caps) if why_not(p) is None), None)
+            defaults = next((p for p in spec.params.candidates(shape, device.caps) if refusal(p) is None), None)
         if defaults is not None and not any(c.params == defaults for c in result):
             detail = "no tuned entry fits" if skipped else "no tuned entry"
             result.append(Choice(defaults, "default", detail, None, tuple(skipped)))
@@ -476,7 +483,7 @@ class Database:
                     if family not in hashes:
                         hashes[family] = source_hash(spec)
                     pinned = record.get("source_hash")
-                    refusal = refused.get((family, params_key({**spec.defaults(), **record["params"]}),
+                    refusal = refused.get((family, params_key({**spec.params.defaults(), **record["params"]}),
                                            hashes[family]))
                     if pinned is not None and pinned != hashes[family]:
                         note = "stale: kernel source changed, will be re-tuned"

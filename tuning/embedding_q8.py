@@ -13,7 +13,7 @@ from perfx.formats import Q8Matrix
 from perfx.ops import embedding_q8
 from perfx.ops.embedding_q8 import EmbeddingQ8
 from perfx.ops.q8_weight import Q8DeviceWeight
-from perfx.tuning.spec import Case, Spec, cached_per_params
+from perfx.tuning.spec import EMBEDDING_SCALES, Case, Spec, cached_per_params, q8_matrix
 
 
 def make_case(device, shape, rng) -> Case:
@@ -36,8 +36,22 @@ def make_case(device, shape, rng) -> Case:
             event.wait()
         return {"out": out.get()}
 
-    expected = reference.f64(q8.rows(0, n).dequantize()[ids]) * scale
+    expected = reference.embed(q8, ids) * scale
     return Case(expected={"out": expected}, run=run, launch=launch)
+
+
+def fuzz_shapes(st):
+    """Tables of up to 40 rows, K of 1–12 groups of 16 or 32, either pair precision, maybe in row blocks;
+    1–5 ids; scale 1 or a Gemma-like √hidden."""
+    @st.composite
+    def shape(draw):
+        n, k, group, f32, block = draw(q8_matrix(st, 40))
+        drawn = {"n": n, "k": k, "group": group, "f32": f32, "m": draw(st.integers(1, 5)),
+                 "scale": draw(st.sampled_from(EMBEDDING_SCALES))}
+        if block:
+            drawn["block_bytes"] = block
+        return drawn
+    return shape()
 
 
 SPEC = Spec(
@@ -52,5 +66,8 @@ SPEC = Spec(
         {"n": 17, "k": 256, "group": 32, "f32": False, "m": 2},
     ),
     bytes_moved=lambda s: s["m"] * (s["k"] + (8 if s.get("f32") else 4) * (s["k"] // s["group"]) + 4 * s["k"] + 4),
+    reference=reference.embed,
+    fuzz_shapes=fuzz_shapes,
+    oclgrind_shapes=({"n": 11, "k": 48, "group": 16, "f32": True, "m": 3, "block_bytes": 4 * 48},),
     flops=lambda s: 2 * s["m"] * s["k"],
 )

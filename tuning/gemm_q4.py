@@ -16,7 +16,7 @@ from perfx.ops.epilogue import output_rows
 from perfx.ops.gemm_q4 import GemmQ4
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.tuning.gemv_q4 import read_paths
-from perfx.tuning.spec import Case, Spec, cached_per_params, epilogue_reference
+from perfx.tuning.spec import Case, Spec, cached_per_params, epilogue_reference, q4_matrix
 
 TOLERANCE = 1e-4
 TOLERANCE_WHY = (
@@ -47,6 +47,19 @@ def expected_output(x, q4: Q4Matrix, bias, epilogue: str) -> np.ndarray:
     """The float64 reference of every epilogue."""
     product = reference.gemm(x, q4.dequantize(), bias if epilogue == "bias" else None)
     return epilogue_reference(epilogue, product)
+
+
+def fuzz_shapes(max_m: int):
+    """Shapes of any M up to ``max_m``, N up to 100 (twice that for gate-up), K of 1–8 groups, any epilogue."""
+    def strategy(st):
+        @st.composite
+        def shape(draw):
+            n, k, group = draw(q4_matrix(st, 100))
+            epilogue = draw(st.sampled_from(["none", "bias", "silu_mul", "gelu_mul"]))
+            return {"m": draw(st.integers(1, max_m)), "n": 2 * n if epilogue.endswith("_mul") else n, "k": k,
+                    "group": group, "epilogue": epilogue}
+        return shape()
+    return strategy
 
 
 def _case_maker(kind: str):
@@ -93,6 +106,13 @@ SKINNY = Spec(
         {"m": 9, "n": 2 * 50, "k": 320, "group": 64, "epilogue": "gelu_mul"},
     ),
     bytes_moved=bytes_moved,
+    reference=reference.gemm,
+    fuzz_shapes=fuzz_shapes(40),
+    oclgrind_shapes=(
+        {"m": 3, "n": 19, "k": 192, "group": 64, "epilogue": "bias"},
+        {"m": 2, "n": 2 * 5, "k": 128, "group": 32, "epilogue": "silu_mul"},
+        {"m": 3, "n": 2 * 3, "k": 64, "group": 64, "epilogue": "gelu_mul"},
+    ),
     flops=flops,
 )
 
@@ -109,6 +129,13 @@ TILED = Spec(
         {"m": 37, "n": 2 * 70, "k": 320, "group": 64, "epilogue": "gelu_mul"},
     ),
     bytes_moved=bytes_moved,
+    reference=reference.gemm,
+    fuzz_shapes=fuzz_shapes(80),
+    oclgrind_shapes=(
+        {"m": 9, "n": 37, "k": 128, "group": 32, "epilogue": "none"},
+        {"m": 3, "n": 2 * 5, "k": 64, "group": 64, "epilogue": "silu_mul"},
+        {"m": 2, "n": 2 * 3, "k": 64, "group": 32, "epilogue": "gelu_mul"},
+    ),
     flops=flops,
 )
 
@@ -132,5 +159,9 @@ F16 = Spec(
         {"m": 9, "n": 2 * 50, "k": 320, "group": 64, "epilogue": "gelu_mul"},
     ),
     bytes_moved=bytes_moved,
+    reference=reference.gemm,
+    fuzz_shapes=fuzz_shapes(40),
+    # Its smallest test shape, already off the tile grid.
+    oclgrind_shapes=({"m": 9, "n": 2 * 50, "k": 320, "group": 64, "epilogue": "gelu_mul"},),
     flops=flops,
 )

@@ -15,7 +15,7 @@ from perfx.ops.epilogue import output_rows
 from perfx.ops.gemm_q8 import GemmQ8
 from perfx.ops.q8_weight import Q8DeviceWeight
 from perfx.tuning.gemv_q8 import random_weight
-from perfx.tuning.spec import Case, Spec, cached_per_params, epilogue_reference
+from perfx.tuning.spec import Case, Spec, cached_per_params, epilogue_reference, q8_matrix
 
 
 def output_columns(shape) -> int:
@@ -54,6 +54,21 @@ def make_case(device, shape, rng) -> Case:
     return Case(expected={"y": expected}, run=run, launch=launch)
 
 
+def fuzz_shapes(st):
+    """Any M up to 40, N up to 100 (twice that for gate-up), K of 1–12 groups of 16 or 32, either pair
+    precision, maybe in row blocks, any epilogue."""
+    @st.composite
+    def shape(draw):
+        n, k, group, f32, block = draw(q8_matrix(st, 100))
+        epilogue = draw(st.sampled_from(["none", "bias", "silu_mul", "gelu_mul"]))
+        drawn = {"m": draw(st.integers(1, 40)), "n": 2 * n if epilogue.endswith("_mul") else n, "k": k,
+                 "group": group, "f32": f32, "epilogue": epilogue}
+        if block:
+            drawn["block_bytes"] = block
+        return drawn
+    return shape()
+
+
 SPEC = Spec(
     params=gemm_q8.PARAMS,
     make_case=make_case,
@@ -74,5 +89,12 @@ SPEC = Spec(
          "block_bytes": 30 * 320},
     ),
     bytes_moved=bytes_moved,
+    reference=reference.gemm,
+    fuzz_shapes=fuzz_shapes,
+    oclgrind_shapes=(
+        {"m": 3, "n": 2 * 5, "k": 64, "group": 16, "f32": True, "epilogue": "silu_mul", "block_bytes": 4 * 64},
+        {"m": 2, "n": 9, "k": 96, "group": 32, "f32": False, "epilogue": "bias"},
+        {"m": 2, "n": 2 * 3, "k": 32, "group": 32, "f32": False, "epilogue": "gelu_mul"},
+    ),
     flops=lambda shape: 2 * shape["m"] * shape["n"] * shape["k"],
 )

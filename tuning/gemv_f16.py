@@ -10,7 +10,7 @@ import numpy as np
 
 from perfx import reference
 from perfx.ops.gemv_f16 import PARAMS, F16DeviceWeight, GemvF16
-from perfx.tuning.spec import Case, Spec, cached_per_params
+from perfx.tuning.spec import Case, Spec, cached_per_params, f16_matrix
 
 # Input copies cycled by Case.rotate when W is small enough to stay in a cache between launches.
 ROTATE_BELOW_BYTES = 64 << 20
@@ -65,5 +65,11 @@ SPEC = Spec(
         {"n": 37, "k": 5},                            # K below one vector: tail only
     ),
     bytes_moved=lambda s: 2 * s["n"] * s["k"] + 4 * s["k"] + 4 * s["n"],
+    reference=reference.gemv,
+    fuzz_shapes=lambda st: f16_matrix(st, 200, 1200),
+    oclgrind_shapes=(
+        {"n": 19, "k": 203},
+        {"n": 20, "k": 40, "block_bytes": 7 * 40 * 2},  # W over three buffers (7, 7 and 6 rows)
+    ),
     flops=lambda s: 2 * s["n"] * s["k"],
 )

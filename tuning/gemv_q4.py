@@ -74,6 +74,26 @@ def make_case(device, shape, rng) -> Case:
         uploaded({"LAYOUT": params["LAYOUT"]})[i], x, y, epilogue))
 
 
+def fuzz_shapes(st):
+    """Any N up to 120 and K of 1–8 groups of 32, 64 or 128: plain (maybe with bias, maybe a fused QKV of
+    three parts) or gate-up with either activation."""
+    @st.composite
+    def shape(draw):
+        group = draw(st.sampled_from([32, 64, 128]))
+        k = group * draw(st.integers(1, 8))
+        n = draw(st.integers(1, 120))
+        if draw(st.booleans()):
+            epilogue = draw(st.sampled_from(["silu_mul", "gelu_mul"]))
+            return {"n": 2 * n, "k": k, "group": group, "epilogue": epilogue, "bias": False}
+        drawn = {"n": n, "k": k, "group": group, "epilogue": "none", "bias": draw(st.booleans())}
+        if n >= 3 and draw(st.booleans()):  # a fused QKV: three matrices along N
+            a = draw(st.integers(1, n - 2))
+            b = draw(st.integers(1, n - a - 1))
+            drawn["parts"] = (a, b, n - a - b)
+        return drawn
+    return shape()
+
+
 SPEC = Spec(
     params=PARAMS,
     make_case=make_case,
@@ -113,6 +133,13 @@ SPEC = Spec(
         {"n": 2 * 75, "k": 576, "group": 64, "epilogue": "gelu_mul", "bias": False},
     ),
     bytes_moved=_bytes_moved,
+    reference=reference.gemv,
+    fuzz_shapes=fuzz_shapes,
+    oclgrind_shapes=(
+        {"n": 13, "k": 320, "group": 64, "epilogue": "none", "bias": True, "parts": (7, 6)},
+        {"n": 2 * 7, "k": 192, "group": 32, "epilogue": "silu_mul", "bias": False},
+        {"n": 2 * 5, "k": 128, "group": 64, "epilogue": "gelu_mul", "bias": False},
+    ),
     flops=lambda shape: 2 * shape["n"] * shape["k"],
     describe=lambda s: (f"{s['n']}x{s['k']} G={s['group']}" + (" +bias" if s.get("bias") else "")
                         + (f" {s['epilogue']}" if s.get("epilogue", "none") != "none" else "")),

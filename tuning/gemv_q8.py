@@ -17,7 +17,8 @@ from perfx.formats import Q8Matrix
 from perfx.ops.epilogue import output_rows
 from perfx.ops.gemv_q8 import PARAMS, GemvQ8
 from perfx.ops.q8_weight import Q8DeviceWeight
-from perfx.tuning.spec import Case, Spec, cached_per_params, epilogue_reference, rotating_case
+from perfx.tuning.spec import (GATED, Case, Spec, cached_per_params, epilogue_reference, q8_matrix,
+                               rotating_case)
 
 
 def _outputs(shape) -> int:
@@ -62,6 +63,21 @@ def make_case(device, shape, rng) -> Case:
                          lambda i, params: wrapper(params).events(copies[i][2], x, y, epilogue))
 
 
+def fuzz_shapes(st):
+    """Any N up to 120 (twice that for gate-up), K of 1–12 groups of 16 or 32, either pair precision, maybe
+    in row blocks: plain (maybe with bias) or gate-up with either activation."""
+    @st.composite
+    def shape(draw):
+        n, k, group, f32, block = draw(q8_matrix(st, 120))
+        drawn = {"n": n, "k": k, "group": group, "f32": f32, "epilogue": "none", "bias": draw(st.booleans())}
+        if draw(st.booleans()):
+            drawn.update(n=2 * n, epilogue=draw(st.sampled_from(GATED)), bias=False)
+        if block:
+            drawn["block_bytes"] = block
+        return drawn
+    return shape()
+
+
 SPEC = Spec(
     params=PARAMS,
     make_case=make_case,
@@ -85,6 +101,15 @@ SPEC = Spec(
          "block_bytes": 40 * 384},
     ),
     bytes_moved=bytes_moved,
+    reference=reference.gemv,
+    fuzz_shapes=fuzz_shapes,
+    oclgrind_shapes=(
+        {"n": 13, "k": 96, "group": 32, "f32": False, "epilogue": "none", "bias": True, "parts": (7, 6),
+         "block_bytes": 5 * 96},
+        {"n": 2 * 7, "k": 64, "group": 16, "f32": True, "epilogue": "silu_mul", "bias": False,
+         "block_bytes": 4 * 64},
+        {"n": 2 * 5, "k": 64, "group": 32, "f32": False, "epilogue": "gelu_mul", "bias": False},
+    ),
     flops=lambda shape: 2 * shape["n"] * shape["k"],
     describe=lambda s: (f"{s['n']}x{s['k']} G={s['group']}{' f32' if s.get('f32') else ''}"
                         + (" +bias" if s.get("bias") else "")

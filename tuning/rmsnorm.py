@@ -68,6 +68,17 @@ def _bytes(shape) -> int:
     return 4 * m * k * (4 if shape["residual"] else 2) + 4 * k * (2 if shape.get("post") else 1)
 
 
+def fuzz_shapes(st):
+    """1–4 rows of K up to 1500, plain or with the residual, maybe the post-norm form."""
+    @st.composite
+    def shape(draw):
+        drawn = {"m": draw(st.integers(1, 4)), "k": draw(st.integers(1, 1500)), "residual": draw(st.booleans())}
+        if drawn["residual"] and draw(st.booleans()):
+            drawn["post"] = True   # the post-norm form, Gemma's sandwich norm
+        return drawn
+    return shape()
+
+
 SPEC = Spec(
     params=PARAMS,
     make_case=make_case,
@@ -86,5 +97,14 @@ SPEC = Spec(
         {"m": 1, "k": 5, "residual": True, "post": True},
     ),
     bytes_moved=_bytes,
+    # Each case compares with rmsnorm itself or one of its fused forms, rmsnorm_residual and
+    # rmsnorm_post_residual, both built on it.
+    reference=reference.rmsnorm,
+    fuzz_shapes=fuzz_shapes,
+    oclgrind_shapes=(
+        {"m": 2, "k": 203, "residual": True},
+        {"m": 1, "k": 7, "residual": False},
+        {"m": 2, "k": 37, "residual": True, "post": True},
+    ),
     flops=lambda s: 4 * s["m"] * s["k"],
 )

@@ -57,9 +57,28 @@ def _bytes_moved(shape) -> int:
     return 4 * (m * width * h + m * h + h * shape["l"] + shape["l"] * h + m * h)
 
 
+def fuzz_shapes(st):
+    """Channels off every work-group multiple, lengths 2..8, runs of positions that start at 0, straddle the
+    ring's wrap or sit far past it, both forms."""
+    @st.composite
+    def shape(draw):
+        gated = draw(st.booleans())
+        return {"h": draw(st.integers(1, 300)), "l": draw(st.integers(2, 8)), "m": draw(st.integers(1, 20)),
+                "pos": draw(st.sampled_from([0, 1, 2, 60, 63, 64, 200])), "gated": gated,
+                "act": "none" if gated else draw(st.sampled_from(["none", "silu"]))}
+    return shape()
+
+
 SPEC = Spec(
     params=PARAMS,
     make_case=make_case,
+    reference=reference.short_conv,
+    fuzz_shapes=fuzz_shapes,
+    # Oclgrind interprets every work-item: a few channels past one work-group, the ring wrapping
+    oclgrind_shapes=(
+        {"h": 70, "l": 3, "m": 4, "pos": 62, "gated": True},
+        {"h": 33, "l": 4, "m": 2, "pos": 1, "gated": False, "act": "silu"},
+    ),
     tolerance=1e-5,
     tolerance_why=(
         "each output is one product (gated) and a sum of L ≤ 8 fp32 products against a float64 reference: a "

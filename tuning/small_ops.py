@@ -16,7 +16,7 @@ from perfx.ops import small_ops
 from perfx.ops.gemv_f16 import F16DeviceWeight
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.ops.small_ops import Argmax, Embedding, GeGLU, Softcap, SwiGLU
-from perfx.tuning.spec import Case, Spec, cached_per_params
+from perfx.tuning.spec import EMBEDDING_SCALES, Case, Spec, cached_per_params, f16_matrix, q4_matrix
 
 
 def _ids(rng, n: int, m: int) -> np.ndarray:
@@ -57,7 +57,7 @@ def make_embedding_f16_case(device, shape, rng) -> Case:
     table = F16DeviceWeight.upload(device, w, shape.get("block_bytes"))
     embed = cached_per_params(lambda params: Embedding(device, params).f16)
     scale = _scale(shape)
-    return _gather_case(device, embed, table, ids, k, reference.f64(w[ids]) * scale, scale)
+    return _gather_case(device, embed, table, ids, k, reference.embed(w, ids) * scale, scale)
 
 
 def make_embedding_q4_case(device, shape, rng) -> Case:
@@ -81,7 +81,7 @@ def make_embedding_q4_case(device, shape, rng) -> Case:
             event.wait()
         return {"out": out.get()}
 
-    return Case(expected={"out": q4.dequantize()[ids] * scale}, run=run, launch=launch)
+    return Case(expected={"out": reference.embed(q4, ids) * scale}, run=run, launch=launch)
 
 
 def make_argmax_case(device, shape, rng) -> Case:
@@ -104,7 +104,7 @@ def make_argmax_case(device, shape, rng) -> Case:
             event.wait()
         return {"index": index.get().astype(np.float64)}
 
-    return Case(expected={"index": np.array([np.argmax(x)], np.float64)}, run=run, launch=launch)
+    return Case(expected={"index": np.array([reference.argmax(x)], np.float64)}, run=run, launch=launch)
 
 
 def _gated_case_maker(op, answer):
@@ -149,6 +149,19 @@ def make_softcap_case(device, shape, rng) -> Case:
     return Case(expected={"x": reference.softcap(logits, float(np.float32(cap)))}, run=run, launch=launch)
 
 
+def fuzz_embedding_f16(st):
+    """Tables of up to 60 rows of K up to 700, maybe in row blocks; 1–5 ids; scale 1 or a Gemma-like √hidden."""
+    return st.builds(lambda table, m, scale: {**table, "m": m, "scale": scale}, f16_matrix(st, 60, 700),
+                     st.integers(1, 5), st.sampled_from(EMBEDDING_SCALES))
+
+
+def fuzz_embedding_q4(st):
+    """Tables of up to 40 rows, K of 1–8 groups of 32, 64 or 128; 1–5 ids; scale 1 or a Gemma-like √hidden."""
+    return st.builds(lambda matrix, m, scale: {"n": matrix[0], "k": matrix[1], "group": matrix[2], "m": m,
+                                               "scale": scale},
+                     q4_matrix(st, 40), st.integers(1, 5), st.sampled_from(EMBEDDING_SCALES))
+
+
 EMBEDDING_F16 = Spec(
     params=small_ops.EMBEDDING_F16,
     make_case=make_embedding_f16_case,
@@ -161,6 +174,9 @@ EMBEDDING_F16 = Spec(
         {"n": 20, "k": 4096, "m": 1},
     ),
     bytes_moved=lambda s: s["m"] * s["k"] * (2 + 4) + 4 * s["m"],
+    reference=reference.embed,
+    fuzz_shapes=fuzz_embedding_f16,
+    oclgrind_shapes=({"n": 10, "k": 203, "m": 3, "block_bytes": 4 * 203 * 2, "scale": 14.25},),
 )
 
 EMBEDDING_Q4 = Spec(
@@ -176,6 +192,9 @@ EMBEDDING_Q4 = Spec(
         {"n": 17, "k": 256, "group": 128, "m": 2},
     ),
     bytes_moved=lambda s: s["m"] * (s["k"] // 2 + 4 * (s["k"] // s["group"]) + 4 * s["k"] + 4),
+    reference=reference.embed,
+    fuzz_shapes=fuzz_embedding_q4,
+    oclgrind_shapes=({"n": 9, "k": 320, "group": 64, "m": 3, "scale": 17.9},),
     flops=lambda s: 2 * s["m"] * s["k"],
 )
 
@@ -186,6 +205,9 @@ ARGMAX = Spec(
     tolerance_why="an index: exactly numpy.argmax's (ties to the lowest index) or wrong",
     test_shapes=({"n": 152064}, {"n": 32001}, {"n": 1003}, {"n": 5}),
     bytes_moved=lambda s: 4 * s["n"],
+    reference=reference.argmax,
+    fuzz_shapes=lambda st: st.fixed_dictionaries({"n": st.integers(1, 40000)}),
+    oclgrind_shapes=({"n": 1003},),
 )
 
 SWIGLU = Spec(
@@ -196,6 +218,9 @@ SWIGLU = Spec(
                    "2⁻²⁴ of each element; an element skipped or a wrong activation is far above 1e-5"),
     test_shapes=({"count": 3 * 1536}, {"count": 11008 + 5}, {"count": 7}),
     bytes_moved=lambda s: 12 * s["count"],
+    reference=reference.swiglu,
+    fuzz_shapes=lambda st: st.fixed_dictionaries({"count": st.integers(1, 12000)}),
+    oclgrind_shapes=({"count": 203},),
     flops=lambda s: 4 * s["count"],
 )
 
@@ -209,6 +234,9 @@ GEGLU = Spec(
                    "shape), is far above 1e-5"),
     test_shapes=({"count": 6912 + 3}, {"count": 7}),   # Gemma 3 1B's intermediate size, off the vector width
     bytes_moved=lambda s: 12 * s["count"],
+    reference=reference.geglu,
+    fuzz_shapes=lambda st: st.fixed_dictionaries({"count": st.integers(1, 12000)}),
+    oclgrind_shapes=({"count": 203},),
     flops=lambda s: 10 * s["count"],
 )
 
@@ -220,6 +248,10 @@ SOFTCAP = Spec(
                    "cap, itself the bound on |x|; a logit left uncapped is off by up to its own size"),
     test_shapes=({"count": 256000 + 3, "cap": 30.0}, {"count": 5, "cap": 30.0}),   # Gemma 2's vocabulary + 3
     bytes_moved=lambda s: 8 * s["count"],
+    reference=reference.softcap,
+    fuzz_shapes=lambda st: st.fixed_dictionaries({"count": st.integers(1, 300000),
+                                                  "cap": st.sampled_from([30.0, 1.5])}),
+    oclgrind_shapes=({"count": 203, "cap": 30.0},),
     flops=lambda s: 3 * s["count"],
 )
 

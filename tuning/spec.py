@@ -5,8 +5,10 @@ work-group size and local memory a parameter set needs) with what verifying and 
 the bytes moved and flops of a problem (for GB/s and GFLOP/s), and how to make a ``Case``: inputs on
 the device, the float64 reference answer, and a way to run any parameter set.
 
-Tests, `perfx selftest` and the tuner all go through ``Spec.candidates`` and ``Spec.make_case``, so
-"every parameter set the tuner may choose" is the same set everywhere.
+Tests, `perfx selftest` and the tuner all go through ``spec.params.candidates`` and ``Spec.make_case``, so
+"every parameter set the tuner may choose" is the same set everywhere. A spec also carries what the test tiers
+need of its family (its float64 reference, a shape strategy for fuzzing, shapes small enough for Oclgrind), so
+that tests/test_fuzz.py and tests/oclgrind_runner.py hold nothing per family.
 """
 
 from __future__ import annotations
@@ -103,7 +105,11 @@ def rotating_case(expected: np.ndarray, y, copies: int, launch_copy: Callable[[i
 @dataclass(frozen=True)
 class Spec:
     """A family's parameter space (from its wrapper in ``perfx.ops``) with what verifying and measuring
-    it needs: cases with float64 answers, the tolerance and why, test shapes, bytes moved and flops."""
+    it needs: cases with float64 answers, the tolerance and why, test shapes, bytes moved and flops, and
+    what the fuzzing and Oclgrind tiers draw from.
+
+    A module of ``perfx.tuning`` that defines a Spec at module level registers it (``perfx.tuning.SPECS``).
+    """
 
     params: ParamSpace
     make_case: Callable[..., Case]                 # (device, shape, rng) -> Case
@@ -111,26 +117,17 @@ class Spec:
     tolerance_why: str
     test_shapes: tuple[Shape, ...]                 # small, off the tile grid: tests and selftest
     bytes_moved: Callable[[Shape], int]
+    reference: Callable[..., Any]                  # the function of perfx.reference make_case's answers use
+    # hypothesis.strategies -> a strategy of shapes (taking the module keeps hypothesis a dev dependency)
+    fuzz_shapes: Callable[[Any], Any]
+    # Oclgrind interprets every work-item (~1000x slower than PoCL): shapes of a few tiles, still off every
+    # tile and vector multiple so the edge guards run; the defaults run on each, sampled sets on the first.
+    oclgrind_shapes: tuple[Shape, ...]
     flops: Callable[[Shape], int] = lambda shape: 0
     describe: Callable[[Shape], str] = lambda shape: ", ".join(f"{k}={v}" for k, v in shape.items())
     # Reduced-precision variants carry their own rounding: parameter name -> (tolerance, why), applying where
     # that parameter is non-zero: "HALF" (fp16 arithmetic), "I8" (int8 activations).
     variant_tolerances: dict = field(default_factory=dict)
-
-    @property
-    def family(self) -> str:
-        return self.params.family
-
-    @property
-    def source(self) -> str:
-        return self.params.source
-
-    @property
-    def space(self) -> dict[str, tuple]:
-        return self.params.space
-
-    def defaults(self) -> Params:
-        return self.params.defaults()
 
     def tolerance_for(self, params: Params) -> float:
         """The bound on ``relative_error`` for this parameter set: the loosest of ``variant_tolerances`` whose
@@ -138,9 +135,44 @@ class Spec:
         return max([self.tolerance] + [bound for name, (bound, _) in self.variant_tolerances.items()
                                        if params.get(name)])
 
-    def why_invalid(self, params: Params, shape: Shape, caps=None) -> str | None:
-        return self.params.why_invalid(params, shape, caps)
 
-    def candidates(self, shape: Shape, caps=None) -> list[Params]:
-        """Every parameter set allowed for this shape on this device (the tuner's search space)."""
-        return self.params.candidates(shape, caps)
+# Building blocks of the specs' fuzz_shapes, shared by families of one weight form. Each takes
+# hypothesis.strategies as ``st``.
+
+Q4_GROUPS = (32, 64, 128)
+GATED = ("silu_mul", "gelu_mul")
+# An embedding's row scale: 1 (most models) or a Gemma-like √hidden.
+EMBEDDING_SCALES = (1.0, 33.94, 48.0)
+
+
+def q4_matrix(st, max_rows: int, max_group_multiple: int = 8):
+    """(n, k, group) of an int4 weight: K a multiple of G (the format's contract), N anything."""
+    @st.composite
+    def draw_matrix(draw):
+        group = draw(st.sampled_from(Q4_GROUPS))
+        k = group * draw(st.integers(1, max_group_multiple))
+        return draw(st.integers(1, max_rows)), k, group
+    return draw_matrix()
+
+
+def q8_matrix(st, max_rows: int, max_group_multiple: int = 12):
+    """(n, k, group, f32, block_bytes or None) of an int8 weight: K a multiple of G ∈ {16, 32}, N anything,
+    fp16 or float32 (s, m) pairs, maybe split into row blocks of 1..n rows."""
+    @st.composite
+    def draw_matrix(draw):
+        group = draw(st.sampled_from([16, 32]))
+        n, k = draw(st.integers(1, max_rows)), group * draw(st.integers(1, max_group_multiple))
+        block = draw(st.integers(1, n)) * k if draw(st.booleans()) else None
+        return n, k, group, draw(st.booleans()), block
+    return draw_matrix()
+
+
+def f16_matrix(st, max_rows: int, max_k: int):
+    """{"n", "k", maybe "block_bytes"} of an fp16 matrix, maybe split over row blocks of 1..n rows."""
+    @st.composite
+    def draw_matrix(draw):
+        shape = {"n": draw(st.integers(1, max_rows)), "k": draw(st.integers(1, max_k))}
+        if draw(st.booleans()):
+            shape["block_bytes"] = draw(st.integers(1, shape["n"])) * shape["k"] * 2
+        return shape
+    return draw_matrix()

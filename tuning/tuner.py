@@ -267,21 +267,21 @@ class Tuner:
         """Search one (family, shape) until done or ``deadline`` (perf_counter seconds) passes, then confirm."""
         deadline = time.perf_counter() + max(self.time_left(), 0.0) if deadline is None else deadline
         caps = self.device.caps
-        result = ProblemResult(spec.family, dict(shape), label, spec.describe(shape),
+        result = ProblemResult(spec.params.family, dict(shape), label, spec.describe(shape),
                                int(spec.bytes_moved(shape)), int(spec.flops(shape)))
         record = self.log.problem(spec, shape)
         tried: dict[str, Outcome] = {}
         for data in record["candidates"]:
             outcome = Outcome.from_dict(data)
             tried[params_key(outcome.params)] = outcome
-        candidates = spec.candidates(shape, caps)
+        candidates = spec.params.candidates(shape, caps)
         valid = {params_key(p) for p in candidates}
         # Outcomes of parameter sets the spec no longer allows (its space changed) are kept on disk but
         # never chosen.
         result.outcomes = [o for key, o in tried.items() if key in valid]
         result.resumed = len(result.outcomes)
         self._update_best(result, spec)
-        defaults = spec.defaults()
+        defaults = spec.params.defaults()
         if not candidates:
             result.note = "no parameter set is valid for this shape on this device"
             return result
@@ -340,7 +340,7 @@ class Tuner:
                     seen_best = result.best
                     if seen_best is None:
                         break
-                    finished = all(evaluate(p) for p in neighbours(spec.space, seen_best.params))
+                    finished = all(evaluate(p) for p in neighbours(spec.params.space, seen_best.params))
                     if result.best is seen_best:
                         break
             result.complete = finished and result.best is not None
@@ -365,7 +365,7 @@ class Tuner:
         if result.chosen is None:
             return
         c = result.confirmation
-        default = (c.median(spec.defaults()) if c else
+        default = (c.median(spec.params.defaults()) if c else
                    result.default.time_s if result.default and result.default.status == "ok" else None)
         record = result_record(spec, result.shape, result.chosen, result.time_s, default, self.device.fingerprint)
         if c is not None:
@@ -378,7 +378,7 @@ class Tuner:
     def _update_best(self, result: ProblemResult, spec):
         ok = [o for o in result.outcomes if o.status == "ok" and o.time_s]
         result.best = min(ok, key=lambda o: o.time_s) if ok else None
-        defaults = spec.defaults()
+        defaults = spec.params.defaults()
         result.default = next((o for o in result.outcomes if o.params == defaults), None)
 
     def _time(self, case, params: dict, result: ProblemResult | None = None, **kwargs):
@@ -432,12 +432,12 @@ class Tuner:
         """The parameters in force before this sweep's result: the database's choice (this device's earlier
         result, else the architecture's or vendor's entry, else the defaults)."""
         choices = self.database.choices(self.device, spec, shape)
-        return dict(choices[0].params) if choices else spec.defaults()
+        return dict(choices[0].params) if choices else spec.params.defaults()
 
     def _confirm(self, spec, shape: dict, case, result: ProblemResult) -> Confirmation:
         """Re-time the incumbent, the defaults and the search's top few, interleaved and shuffled over rounds;
         keep the incumbent unless a challenger is faster beyond the noise."""
-        incumbent, defaults = self._incumbent(spec, shape), spec.defaults()
+        incumbent, defaults = self._incumbent(spec, shape), spec.params.defaults()
         ranked = sorted((o for o in result.outcomes if o.status == "ok" and o.time_s), key=lambda o: o.time_s)
         contenders = [incumbent]
         for params in [defaults] + [o.params for o in ranked[:self.confirm_top]]:
@@ -448,8 +448,8 @@ class Tuner:
             if params_key(params) not in verified:
                 errors = case.errors(params)
                 if not all(e <= spec.tolerance_for(params) for e in errors.values()):
-                    raise PerfxError(f"{spec.family}: the parameters in force {params} are wrong on this device "
-                                     f"({max(errors.values()):.2e} > {spec.tolerance_for(params):.0e}); "
+                    raise PerfxError(f"{spec.params.family}: the parameters in force {params} are wrong on this "
+                                     f"device ({max(errors.values()):.2e} > {spec.tolerance_for(params):.0e}); "
                                      "run `perfx selftest`")
         shuffle = random.Random(f"{self.seed}confirm{result.description}")
         rounds, suspect = [], 0

@@ -88,7 +88,8 @@ def bench_problem(device, spec, problem, ceiling: dict, rng, database, vs_defaul
     """One kernel at one shape with the parameters the database chooses: check, time, rate; with
     ``vs_defaults`` rounds, also the defaults interleaved with it and the gain with its interval."""
     shape = problem.shape
-    row = {"family": spec.family, "label": problem.label, "shape": shape, "description": spec.describe(shape)}
+    row = {"family": spec.params.family, "label": problem.label, "shape": shape,
+           "description": spec.describe(shape)}
     found = database.choices(device, spec, shape)
     if not found:  # a variant family this device lacks the features for (fp16 GEMM on PoCL): not a failure
         row.update(params={}, source="-", unsupported=f"no parameter set fits on {device.caps.name}")
@@ -97,7 +98,8 @@ def bench_problem(device, spec, problem, ceiling: dict, rng, database, vs_defaul
     row.update(params=choice.params, source=choice.source, detail=choice.detail)
     try:
         case = spec.make_case(device, shape, rng)
-        contenders = [choice.params] + ([spec.defaults()] if vs_defaults and choice.params != spec.defaults() else [])
+        defaults = spec.params.defaults()
+        contenders = [choice.params] + ([defaults] if vs_defaults and choice.params != defaults else [])
         worst, verified = 0.0, True
         for params in contenders:
             with device.watch_kernels() as kernels:

@@ -44,11 +44,10 @@ def plan(all_specs: dict[str, Spec], device: Device, quick: bool) -> list[tuple[
     for spec in all_specs.values():
         shapes = spec.test_shapes[:1] if quick else spec.test_shapes
         for shape in shapes:
-            candidates = spec.candidates(shape, device.caps)
-            if spec.defaults() not in candidates and spec.why_invalid(spec.defaults(), shape, device.caps) is None:
-                candidates.insert(0, spec.defaults())
+            candidates = spec.params.candidates(shape, device.caps)
+            defaults = spec.params.defaults()
             if quick:  # the defaults, or where they cannot run here (a capability) the first set that can
-                candidates = [spec.defaults()] if spec.defaults() in candidates else candidates[:1]
+                candidates = [c for c in candidates if c == defaults] or candidates[:1]
             jobs.extend((spec, shape, params) for params in candidates)
     return jobs
 
@@ -60,18 +59,18 @@ def run_checks(device: Device, all_specs: dict[str, Spec], quick: bool = False, 
     checks, cases = [], {}
     rng = np.random.default_rng(seed)
     for spec, shape, params in jobs:
-        key = (spec.family, spec.describe(shape))
+        key = (spec.params.family, spec.describe(shape))
         try:
             if key not in cases:
                 cases[key] = spec.make_case(device, shape, rng)
             errors = cases[key].errors(params)
             error = max(errors.values()) if errors else 0.0
             tolerance = spec.tolerance_for(params)
-            checks.append(Check(spec.family, params, key[1], error, tolerance, bool(error <= tolerance)))
+            checks.append(Check(spec.params.family, params, key[1], error, tolerance, bool(error <= tolerance)))
         except PerfxError as e:  # a build or launch failure on this driver: report it, go on
-            checks.append(Check(spec.family, params, key[1], float("inf"), spec.tolerance_for(params), False,
-                                str(e).splitlines()[0]))
-        progress.update(note=spec.family)
+            checks.append(Check(spec.params.family, params, key[1], float("inf"), spec.tolerance_for(params),
+                                False, str(e).splitlines()[0]))
+        progress.update(note=spec.params.family)
     progress.close()
     return checks
 

@@ -87,7 +87,7 @@ class AttentionDecode:
         self.window = int(window)   # sliding window (Mistral): attend to the last `window` positions; 0 = all
         self.qk_norm = bool(qk_norm)
         shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "positions": max_positions,
-                 "qk_norm": self.qk_norm}
+                 **({"qk_norm": True} if self.qk_norm else {})}
         self.params = params = PARAMS.resolve(params, shape, device.caps)
         defines = {"HEAD_DIM": head_dim, "GQA": n_heads // n_kv_heads, "QK_NORM": int(self.qk_norm), **params}
         self.partial_kernel = device.kernel(PARAMS.source, "attention_partial", defines)

@@ -87,8 +87,10 @@ class AttentionPrefill:
         self.group = n_heads // n_kv_heads
         self.window = int(window)   # sliding window (Mistral): attend to the last `window` positions; 0 = all
         self.qk_norm = bool(qk_norm)
-        shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "m": 1, "p0": 0,
-                 "qk_norm": self.qk_norm}
+        # The keys the rules read, qk_norm only where set (as tuning/problems.py names it): a set the database
+        # checked for this layer's shape is then taken as it is.
+        shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim,
+                 **({"qk_norm": True} if self.qk_norm else {})}
         self.params = params = PARAMS.resolve(params, shape, device.caps)
         defines = {"HEAD_DIM": head_dim, "QK_NORM": int(self.qk_norm), **params}
         self.append_kernel = device.kernel(PARAMS.source, "kv_append", defines)

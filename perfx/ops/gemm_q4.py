@@ -180,11 +180,11 @@ class GemmQ4:
         key = (kind, epilogue, read, layout)
         kernel = self._kernels.get(key)
         if kernel is None:
-            params = {**self.params[kind], "READ": read, "LAYOUT": layout}
-            why = _SPACES[kind].why_invalid(params, {"epilogue": epilogue}, self.device.caps)
-            if why is not None:
-                raise PerfxError(f"gemm_q4: the {kind} kernel's parameters {params} cannot run the "
-                                 f"{epilogue} epilogue on {self.device.caps.name}: {why}")
+            params = self.params[kind]
+            if (params["READ"], params["LAYOUT"]) != (read, layout):   # the weight's own: another set
+                params = {**params, "READ": read, "LAYOUT": layout}
+            params = _SPACES[kind].check(params, {"epilogue": epilogue}, self.device.caps,
+                                         f"the {epilogue} epilogue")
             defines = {**params, "EPILOGUE": code("gemm_q4", epilogue)}
             kernel = self.device.kernel(_SPACES[kind].source, f"gemm_q4_{kind}", defines)
             self._kernels[key] = kernel

@@ -52,6 +52,8 @@ class GemmQ8:
         key = (group, f32, epilogue)
         kernel = self._kernels.get(key)
         if kernel is None:
+            # Checked for the epilogue here (once per build) where the parameters were not checked for it.
+            PARAMS.check(self.params, {"epilogue": epilogue}, self.device.caps, f"the {epilogue} epilogue")
             defines = {**self.params, "GROUP": group, "SM_F32": int(f32),
                        "EPILOGUE": code("gemm_q8", epilogue)}
             kernel = self._kernels[key] = self.device.kernel(PARAMS.source, "gemm_q8", defines)
@@ -76,10 +78,6 @@ class GemmQ8:
                 raise PerfxError(f"gemm_q8: {name} holds {size} bytes, less than the {need} that M = {m}, "
                                  f"K = {weight.k}, N = {cols} need (float32, row-major)")
             buffers.append(buffer)
-        why = PARAMS.why_invalid(self.params, {"epilogue": epilogue}, self.device.caps)
-        if why is not None:
-            raise PerfxError(f"gemm_q8: parameters {self.params} cannot run the {epilogue} epilogue on "
-                             f"{self.device.caps.name}: {why}")
         return cols, ldy, buffers
 
     def __call__(self, weight: Q8DeviceWeight, x, y, m: int, epilogue: str = "none", ldy: int | None = None):

@@ -146,10 +146,9 @@ class GemvQ4:
         parameters are checked against that epilogue and K (the staged x's local memory)."""
         kernel = self._kernels.get((group, epilogue, k))
         if kernel is None:
-            why = self.space.why_invalid(self._defines, {"epilogue": epilogue, "k": k}, self.device.caps)
-            if why is not None:
-                raise PerfxError(f"gemv_q4: parameters {self.params} cannot run the {epilogue} epilogue at "
-                                 f"K = {k} here: {why}")
+            # free where the parameters were checked for this epilogue and K already (the plan's shape)
+            PARAMS.check(self.params, {"epilogue": epilogue, "k": k}, self.device.caps,
+                         f"the {epilogue} epilogue at K = {k}")
             defines = {**self._defines, "GROUP": group, "EPILOGUE": code("gemv_q4", epilogue, GEMV_EPILOGUES)}
             kernel = self.device.kernel(self.space.source, "gemv_q4", defines)
             self._kernels[group, epilogue, k] = kernel

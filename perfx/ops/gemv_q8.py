@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 import pyopencl as cl
 
-from perfx.errors import PerfxError
 from perfx.ops import device_buffer
 from perfx.ops.epilogue import GEMV_EPILOGUES, check_gate_up, code, is_gated, output_rows
 from perfx.ops.params import ParamSpace, Rule
@@ -56,10 +55,12 @@ class GemvQ8:
         self._kernels: dict[tuple, cl.Kernel] = {}
 
     def kernel(self, group: int, f32: bool, epilogue: str) -> cl.Kernel:
-        """The built kernel for a group size, pair precision and epilogue (built once, then cached)."""
+        """The built kernel for a group size, pair precision and epilogue (built once, then cached); the
+        parameters are checked for the epilogue here where they were not checked for it already."""
         key = (group, f32, epilogue)
         kernel = self._kernels.get(key)
         if kernel is None:
+            PARAMS.check(self.params, {"epilogue": epilogue}, self.device.caps, f"the {epilogue} epilogue")
             defines = {**self.params, "GROUP": group, "SM_F32": int(f32),
                        "EPILOGUE": code("gemv_q8", epilogue, GEMV_EPILOGUES)}
             kernel = self._kernels[key] = self.device.kernel(PARAMS.source, "gemv_q8", defines)
@@ -70,9 +71,6 @@ class GemvQ8:
         code("gemv_q8", epilogue, GEMV_EPILOGUES)
         n, k = weight.n, weight.k
         check_gate_up("gemv_q8", epilogue, n)
-        why = PARAMS.why_invalid(self.params, {"epilogue": epilogue})
-        if why is not None:
-            raise PerfxError(f"gemv_q8: parameters {self.params} cannot run the {epilogue} epilogue: {why}")
         m = output_rows(n, epilogue)
         xb = device_buffer(x, 4 * k, "gemv_q8 x")
         yb = device_buffer(y, 4 * m, "gemv_q8 y")

@@ -10,6 +10,10 @@ The rule, everywhere: parameters a caller passes explicitly and that do not fit 
 an error (``resolve`` raises, naming what does not fit); parameters looked up in a tuning database that
 do not fit are skipped for the next candidate, with the reason kept (``perfx.tuning.database``).
 Every parameter is an integer: the value handed to the compiler as ``-DNAME=value``.
+
+A set is checked once on its way from the database to a launch: what passed the check travels as a
+``Checked`` set (the database's choices, ``candidates``, ``resolve``), which ``resolve`` and ``check`` take as
+it is for the shape it was checked for, or any part of that shape.
 """
 
 from __future__ import annotations
@@ -82,8 +86,69 @@ SUBGROUP_SIZE_NEED = Need("a required subgroup size needs cl_qcom_reqd_sub_group
                           _subgroup_size_supported)
 
 
+class Checked(dict):
+    """A parameter set that passed ``ParamSpace.why_invalid`` for ``shape`` on a device of ``caps``.
+
+    Made only where that check has just passed (``ParamSpace.check``, ``candidates``, the tuning database's
+    look-up). ``check`` and ``resolve`` take it unchecked for that shape or any part of it: an optional shape
+    key left out stands for its least demanding value (rules read those with ``shape.get``: no epilogue, no
+    q/k norm), so a set that fits the whole shape fits the part.
+    """
+
+    def __init__(self, params: Params = (), space: ParamSpace | None = None, shape: Shape | None = None,
+                 caps=None):
+        # Without a space (a copy made from the items alone, as dataclasses.asdict makes) it holds for nothing.
+        super().__init__(params)
+        self.space, self.shape, self.caps = space, dict(shape or {}), caps
+
+    def holds_for(self, space: ParamSpace, shape: Shape, caps) -> bool:
+        """Whether this set was checked for ``space`` on ``shape`` (or more of it) on this device."""
+        return (space is self.space and (caps is None or caps == self.caps)
+                and all(key in self.shape and self.shape[key] == value for key, value in shape.items()))
+
+
+class Checking:
+    """``check`` and ``resolve`` of a parameter space (``ParamSpace``, ``Variants``): anything with ``family``,
+    ``defaults``, ``why_invalid`` and ``candidates``."""
+
+    def check(self, params: Params, shape: Shape, caps, what: str = "") -> Checked:
+        """``params`` as a ``Checked`` set for this shape and device: as it is where it was checked for this
+        shape already, else checked now; a PerfxError saying what does not fit (``what``: what it was to run,
+        e.g. "the silu_mul epilogue")."""
+        if isinstance(params, Checked) and params.holds_for(self, shape, caps):
+            return params
+        why = self.why_invalid(params, shape, caps)
+        if why is not None:
+            where = f"on {caps.name}" if caps is not None else ""
+            target = "".join(f" {part}" for part in (what, where) if part)
+            raise PerfxError(f"{self.family}: parameters {dict(params)} cannot run{target}: {why}")
+        return Checked(params, self, shape, caps)
+
+
+
+    def resolve(self, params: Params | None, shape: Shape, caps) -> Checked:
+        """The defaults overridden by explicitly passed ``params``, checked (``check``) for this shape here.
+
+        With ``params`` None (nothing asked for), defaults that do not fit this shape or device give way
+        to the first parameter set that does: the generic fallback, never an error while one fits.
+        """
+        if params is None:
+            defaults = self.defaults()
+            why = self.why_invalid(defaults, shape, caps)
+            if why is None:
+                return Checked(defaults, self, shape, caps)
+            fitting = self.candidates(shape, caps)
+            if fitting:
+                return fitting[0]
+            raise PerfxError(f"{self.family}: no parameter set fits this shape on {caps.name} (the defaults: "
+                             f"{why})")
+        if not isinstance(params, Checked):
+            params = {**self.defaults(params), **params}
+        return self.check(params, shape, caps)
+
+
 @dataclass(frozen=True)
-class ParamSpace:
+class ParamSpace(Checking):
     family: str
     source: str                                   # kernel file in kernels/
     space: dict[str, tuple]                       # define -> allowed values; the first is the default
@@ -125,39 +190,20 @@ class ParamSpace:
                     return f"{name}={params[name]}: {need.text}, which {caps.name} lacks"
         return None
 
-    def candidates(self, shape: Shape, caps=None) -> list[Params]:
+    def candidates(self, shape: Shape, caps=None) -> list[Checked]:
         """Every parameter set allowed for this shape on this device: the tuner's search space."""
         names = list(self.space)
         sets = (dict(zip(names, values)) for values in itertools.product(*(self.space[n] for n in names)))
-        return [params for params in sets if self.why_invalid(params, shape, caps) is None]
+        return [Checked(params, self, shape, caps) for params in sets
+                if self.why_invalid(params, shape, caps) is None]
 
-    def resolve(self, params: Params | None, shape: Shape, caps) -> Params:
-        """The defaults overridden by explicitly passed ``params``; a PerfxError when they cannot run here.
-
-        With ``params`` None (nothing asked for), defaults that do not fit this shape or device give way
-        to the first parameter set that does: the generic fallback, never an error while one fits.
-        """
-        return _resolve(self, params, shape, caps)
-
-
-def _resolve(space, params: Params | None, shape: Shape, caps) -> Params:
-    resolved = {**space.defaults(params), **(params or {})}
-    why = space.why_invalid(resolved, shape, caps)
-    if why is not None and params is None:
-        fitting = space.candidates(shape, caps)
-        if fitting:
-            return fitting[0]
-        raise PerfxError(f"{space.family}: no parameter set fits this shape on {caps.name} (the defaults: {why})")
-    if why is not None:
-        raise PerfxError(f"{space.family}: parameters {resolved} cannot run on {caps.name}: {why}")
-    return resolved
 
 
 @dataclass(frozen=True)
-class Variants:
+class Variants(Checking):
     """A family whose kernel comes in variants, each its own ``.cl`` file with its own parameters: ``key``, a
     parameter of every set, names the variant (the first is the default) and the others are that variant's
-    ``ParamSpace``'s. The same interface as a ParamSpace: defaults, why_invalid, candidates, resolve."""
+    ``ParamSpace``'s. The same interface as a ParamSpace: defaults, why_invalid, candidates, check, resolve."""
 
     family: str
     key: str
@@ -191,9 +237,6 @@ class Variants:
             return f"{self.key}={value!r} is not one of {list(self.variants)}"
         return self.variants[value].why_invalid({k: v for k, v in params.items() if k != self.key}, shape, caps)
 
-    def candidates(self, shape: Shape, caps=None) -> list[Params]:
-        return [{self.key: value, **params} for value, space in self.variants.items()
+    def candidates(self, shape: Shape, caps=None) -> list[Checked]:
+        return [Checked({self.key: value, **params}, self, shape, caps) for value, space in self.variants.items()
                 for params in space.candidates(shape, caps)]
-
-    def resolve(self, params: Params | None, shape: Shape, caps) -> Params:
-        return _resolve(self, params, shape, caps)

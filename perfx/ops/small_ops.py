@@ -9,7 +9,7 @@ import numpy as np
 from perfx.errors import PerfxError
 from perfx.ops import device_buffer
 from perfx.ops.gemv_f16 import F16DeviceWeight
-from perfx.ops.params import SUBGROUPS_NEED, ParamSpace, Rule
+from perfx.ops.params import SUBGROUPS_NEED, Checked, ParamSpace, Rule
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.runtime import Device
 
@@ -51,6 +51,13 @@ GEGLU = _elementwise("geglu")
 SOFTCAP = _elementwise("softcap")
 
 
+def _part(params, space: ParamSpace):
+    """The part of ``params`` that is ``space``'s: all of it where it is a set checked for that space."""
+    if isinstance(params, Checked) and params.space is space:
+        return params
+    return {name: value for name, value in params.items() if name in space.space}
+
+
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -64,9 +71,8 @@ class Embedding:
     def __init__(self, device: Device, params: dict | None = None):
         params = params or {}
         self.device = device
-        f16 = EMBEDDING_F16.resolve({k: v for k, v in params.items() if k in EMBEDDING_F16.space}, {},
-                                    device.caps)
-        q4 = EMBEDDING_Q4.resolve({k: v for k, v in params.items() if k in EMBEDDING_Q4.space}, {}, device.caps)
+        f16 = EMBEDDING_F16.resolve(_part(params, EMBEDDING_F16), {}, device.caps)
+        q4 = EMBEDDING_Q4.resolve(_part(params, EMBEDDING_Q4), {}, device.caps)
         unknown = set(params) - set(f16) - set(q4)
         if unknown:
             raise PerfxError(f"embedding: unknown parameters {sorted(unknown)}; "

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 def parameter_sets(spec, shape, caps) -> list[dict]:
     """Every parameter set the tuner may choose for ``shape`` here, the defaults first where they fit it."""
-    defaults, sets = spec.defaults(), spec.candidates(shape, caps)
-    return ([defaults] if defaults in sets else []) + [params for params in sets if params != defaults]
+    defaults, sets = spec.params.defaults(), spec.params.candidates(shape, caps)
+    return [p for p in sets if p == defaults] + [p for p in sets if p != defaults]
 
 
 def covering_sets(spec, shape, caps) -> list[dict]:
@@ -44,10 +44,10 @@ def assert_every_parameter_set(spec, device, shape, rng,
     """
     case = spec.make_case(device, shape, rng)
     sets = (covering_sets if cover else parameter_sets)(spec, shape, device.caps)
-    assert sets, f"{spec.family}: no parameter set may run {spec.describe(shape)} on {device.caps.name}"
+    assert sets, f"{spec.params.family}: no parameter set may run {spec.describe(shape)} on {device.caps.name}"
     results = [(params, case.errors(params)) for params in sets]
     failures = [f"  {params} {name}: {error:.3g} > {spec.tolerance_for(params):.0e}" for params, errors in results
                 for name, error in errors.items() if not error <= spec.tolerance_for(params)]  # NaN fails too
-    assert not failures, (f"{spec.family} on {spec.describe(shape)}: {len(failures)} output(s) over the "
+    assert not failures, (f"{spec.params.family} on {spec.describe(shape)}: {len(failures)} output(s) over the "
                           "tolerance:\n" + "\n".join(failures))
     return results

@@ -20,7 +20,7 @@ from perfx.commands.bench import run_e2e
 from perfx.runtime import Device
 from perfx.timing import copy_bandwidth
 
-MODELS = ("gemma-3-270m", "gemma-3-1b", "qwen3-1.7b", "phi-4-mini", "smollm3-3b")
+MODELS = ("gemma-3-270m", "gemma-3-1b", "qwen3-1.7b", "phi-4-mini", "smollm3-3b", "lfm2-350m", "lfm2-1.2b")
 
 
 def main(argv=None) -> int:

@@ -2,8 +2,8 @@
 
 ``open_model("synthetic:llama-2-7b")`` (group 128, as the usual AWQ checkpoints), ``"synthetic:smollm2-135m"``
 (group 32, as its Q4_0/Q4_1 GGUFs), ``"synthetic:tiny"``, and the phone-size shapes of the 2026 families
-(``gemma-3-270m``, ``gemma-3-1b``, ``qwen3-1.7b``, ``phi-4-mini``, ``smollm3-3b``: their config.json values,
-group 32 as their Q4_0 GGUFs). The weights are generated lazily from a
+(``gemma-3-270m``, ``gemma-3-1b``, ``qwen3-1.7b``, ``phi-4-mini``, ``smollm3-3b``, ``lfm2-350m``, ``lfm2-1.2b``:
+their config.json values, group 32 as their Q4_0 GGUFs). The weights are generated lazily from a
 seed. Generating a 7B layer takes about a second, so models whose layers are large reuse one random
 layer for every layer: benchmarks only need the bytes and the shapes, not distinct weights. The text
 such a model produces is noise; there is no tokenizer (feed token ids).
@@ -33,6 +33,7 @@ SYNTHETIC_MODELS = {
         n_heads=3, n_kv_heads=1, head_dim=64, rms_eps=1e-5, rope_theta=10000.0, max_positions=256,
         tie_embeddings=False), 64),
 }
+_LFM2_LAYERS = ["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)]
 # The families' phone-size models, from their published config.json (only what the recipe reads)
 _FAMILY_CONFIGS = {
     "gemma-3-270m": dict(model_type="gemma3_text", vocab_size=262144, hidden_size=640, intermediate_size=2048,
@@ -53,6 +54,14 @@ _FAMILY_CONFIGS = {
     "smollm3-3b": dict(model_type="smollm3", vocab_size=128256, hidden_size=2048, intermediate_size=11008,
                        num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4, rope_theta=5e6,
                        max_position_embeddings=65536, no_rope_layer_interval=4, tie_word_embeddings=True),
+    # LiquidAI's hybrids: 16 layers, 6 of them attention (the rest gated short convolutions, L = 3)
+    "lfm2-350m": dict(model_type="lfm2", vocab_size=65536, hidden_size=1024, block_ff_dim=6656, intermediate_size=6656,
+                      num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8, rope_theta=1e6,
+                      max_position_embeddings=128000, conv_L_cache=3, layer_types=_LFM2_LAYERS, tie_embedding=True),
+    "lfm2-1.2b": dict(model_type="lfm2", vocab_size=65536, hidden_size=2048, block_ff_dim=12288,
+                      intermediate_size=12288, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                      rope_theta=1e6, max_position_embeddings=128000, conv_L_cache=3, layer_types=_LFM2_LAYERS,
+                      tie_embedding=True),
 }
 SYNTHETIC_MODELS.update({name: (ModelConfig.from_hf(config), 32) for name, config in _FAMILY_CONFIGS.items()})
 # Above this many weights per layer, one random layer stands in for all of them.
@@ -82,7 +91,7 @@ class SyntheticSource(ModelSource):
         c = config
         per_layer = c.hidden_size * (c.qkv_dim + c.q_dim + 3 * c.intermediate_size)
         self.distinct_layers = per_layer <= DISTINCT_LAYER_LIMIT
-        self._shared_layer: LayerWeights | None = None
+        self._shared_layers: dict[str, LayerWeights] = {}   # one per layer kind
 
     def _rng(self, *stream: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, *stream])
@@ -102,20 +111,25 @@ class SyntheticSource(ModelSource):
             norms.update(q_norm=np.ones(c.head_dim, np.float32), k_norm=np.ones(c.head_dim, np.float32))
         if c.post_norms:
             norms.update(post_attn_norm=np.ones(hidden, np.float32), post_ffn_norm=np.ones(hidden, np.float32))
-        return LayerWeights(
-            attn_norm=np.ones(hidden, np.float32), qkv=self._random_q4(rng, c.qkv_dim, hidden), qkv_bias=None,
-            o=self._random_q4(rng, hidden, c.q_dim), ffn_norm=np.ones(hidden, np.float32),
-            gate_up=self._random_q4(rng, 2 * c.intermediate_size, hidden),
-            down=self._random_q4(rng, hidden, c.intermediate_size), **norms)
+        ffn = dict(attn_norm=np.ones(hidden, np.float32), ffn_norm=np.ones(hidden, np.float32),
+                   gate_up=self._random_q4(rng, 2 * c.intermediate_size, hidden),
+                   down=self._random_q4(rng, hidden, c.intermediate_size))
+        if c.layers[i].kind == "conv":
+            taps = (rng.standard_normal((hidden, c.conv_length)) / np.sqrt(c.conv_length)).astype(np.float32)
+            return LayerWeights(**ffn, conv_in=self._random_q4(rng, 3 * hidden, hidden), conv_weight=taps,
+                                conv_out=self._random_q4(rng, hidden, hidden))
+        return LayerWeights(**ffn, qkv=self._random_q4(rng, c.qkv_dim, hidden), o=self._random_q4(rng, hidden, c.q_dim),
+                            **norms)
 
     def layer(self, i: int) -> LayerWeights:
         if not 0 <= i < self.config.n_layers:
             raise PerfxError(f"layer {i} does not exist: the model has {self.config.n_layers} layers")
         if self.distinct_layers:
             return self._make_layer(i)
-        if self._shared_layer is None:
-            self._shared_layer = self._make_layer(0)
-        return self._shared_layer
+        kind = self.config.layers[i].kind
+        if kind not in self._shared_layers:
+            self._shared_layers[kind] = self._make_layer(self.config.layers_of(kind)[0])
+        return self._shared_layers[kind]
 
     def _random_table(self, stream: int) -> np.ndarray:
         c = self.config

@@ -1,11 +1,12 @@
-"""Host time per decode step: what perfx's Python spends enqueueing one token, apart from the device's time.
+"""Host time per decode step, and end-to-end prefill and decode, of one source tree against another.
 
     python benchmarks/decode_host.py [--model default] [--device intel] [--tokens 64] [--tree DIR ...]
 
-Each decode step is followed by a wait for the queue, so the host time (Model.host_seconds, summed inside
-``decode_one``) holds only the enqueueing, never a wait behind the device. With ``--tree`` the same
-measurement runs in each source tree given (a checkout of an earlier commit against this one), interleaved
-round by round in fresh processes, so the trees share the machine's state; one JSON line per run.
+Host time: each decode step is followed by a wait for the queue, so the time ``decode_one`` spends (summed in
+Model.host_seconds) holds only the enqueueing, never a wait behind the device. End to end: ``perfx bench
+--e2e``'s measurement (a 64-token prompt, 32 greedy tokens). With ``--tree`` the same measurement runs in each
+source tree given (a checkout of an earlier commit against this one), interleaved round by round in fresh
+processes, so the trees share the machine's state; each tree uses its own shipped tuning entries.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 def measure(model_name: str, device_name: str, tokens: int) -> dict:
     import numpy as np
 
+    from perfx.commands.bench import measure_e2e
     from perfx.model import load_model
 
     model, _ = load_model(model_name, device_name, ctx=512, progress=False)
@@ -38,7 +40,9 @@ def measure(model_name: str, device_name: str, tokens: int) -> dict:
         wall.append(time.perf_counter() - started)
         host.append(model.host_seconds - before)
     skip = len(host) // 4   # the first steps build and warm caches
+    e2e = measure_e2e(model)
     return {"host_ms": 1e3 * statistics.median(host[skip:]), "step_ms": 1e3 * statistics.median(wall[skip:]),
+            "prefill_tok_s": e2e["prefill_tok_s"], "decode_tok_s": e2e["decode_tok_s"],
             "launches": len(getattr(model, "_decode_plans", {}).get(1, ()) or getattr(model, "_decode_plan", ()))}
 
 
@@ -63,11 +67,11 @@ def main():
             results[tree].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(tree, results[tree][-1], flush=True)
     for tree, runs in results.items():
-        host = [r["host_ms"] for r in runs]
-        step = [r["step_ms"] for r in runs]
-        print(json.dumps({"tree": tree, "device": args.device, "host_ms_median": statistics.median(host),
-                          "host_ms_range": [min(host), max(host)], "step_ms_median": statistics.median(step),
-                          "step_ms_range": [min(step), max(step)], "launches": runs[-1]["launches"]}))
+        summary = {"tree": tree, "device": args.device, "launches": runs[-1]["launches"]}
+        for key in ("host_ms", "step_ms", "prefill_tok_s", "decode_tok_s"):
+            values = [r[key] for r in runs]
+            summary[key] = [round(statistics.median(values), 3), round(min(values), 3), round(max(values), 3)]
+        print(json.dumps(summary))
 
 
 if __name__ == "__main__":

@@ -359,3 +359,26 @@ def test_a_fused_hugging_face_projection_must_split_as_the_config_says(files, tm
     with pytest.raises(PerfxError, match=r"fused tensor model\.layers\.0\.self_attn\.qkv_proj\.weight has shape "
                                          r"\(256, 128\), but its rows do not split as config\.json says"):
         open_model(bad)
+
+
+def test_an_lfm2_chat_turn_resumes_from_its_conv_rings(files, device):
+    """A second turn that shares its prefix with the first resumes there (the conv rings hold the state),
+    and gives the logits of a run of the whole prompt from 0; a resume past what the rings hold is refused
+    with a clear error, and can_resume says so beforehand."""
+    source = open_model(files["lfm2"]["gguf"])
+    model = Model.load(source, device, ctx=256, progress=False, database=default_database(False))
+    prompt = RECORDED["lfm2"]["prompt_ids"]
+    first, second = prompt[:9], prompt
+    model.prefill(first, 0)
+    for pos, token in enumerate([5, 6, 7], start=len(first)):   # a reply, then a rollback of its end
+        model.decode_one(token, pos)
+    assert model.can_resume(len(first))
+    model.prefill(second[len(first):], len(first))
+    resumed = model.logits()
+    want, _ = reference.model_forward(source, second)
+    assert relative_error(resumed, want[-1]) <= DEVICE_TOLERANCE
+    for pos in range(len(second), len(second) + 80):
+        model.decode_one(3, pos)
+    assert not model.can_resume(len(first))
+    with pytest.raises(PerfxError, match="conv layers hold their state for positions"):
+        model.prefill(second[len(first):], len(first))

@@ -1,8 +1,9 @@
 """The kernel wrappers, one module per family, each with its parameter space (``PARAMS``), and what they
-share: taking device buffers from their callers."""
+share: taking device buffers from their callers, and a position read on the device."""
 
 from __future__ import annotations
 
+import numpy as np
 import pyopencl as cl
 import pyopencl.array as cla
 
@@ -30,3 +31,26 @@ def device_buffer(array, nbytes: int, what: str) -> cl.Buffer:
     if size < nbytes:
         raise PerfxError(f"{what} holds {size} bytes where {nbytes} are needed")
     return buffer
+
+
+class DevicePosition:
+    """Where a kernel that reads its position on the device (decode attention, the short convolution) finds
+    it: the caller's (int32 buffer, index) — the decode plan's step buffer, so one recorded launch serves every
+    position — or else this wrapper's own buffer, written in queue order when the position changes."""
+
+    def __init__(self, device, what: str):
+        self.device = device
+        self.buffer = device.alloc(4, what=f"{what} position")
+        self._value, self._write = None, None
+
+    def __call__(self, pos: int, position=None) -> tuple:
+        """(the cl.Buffer, the index) the kernel reads ``pos`` from."""
+        if position is not None:
+            buffer, index = position
+            return getattr(buffer, "data", buffer), index
+        if self._value != pos:
+            # A fresh host array each time, held by the copy's event until it has run; keeping the event keeps
+            # the write non-blocking (pyopencl waits when such an event is dropped).
+            self._write = self.device.write(self.buffer, np.array([pos], np.int32), wait=False)
+            self._value = pos
+        return self.buffer, 0

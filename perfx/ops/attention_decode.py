@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from perfx.errors import PerfxError
-from perfx.ops import buffer_bytes
+from perfx.ops import DevicePosition, buffer_bytes
 from perfx.ops.kv_cache import KVCache, RopeTable, attention_features
 from perfx.ops.params import FP16_NEED, ParamSpace, Rule
 from perfx.runtime import Device
@@ -103,9 +103,7 @@ class AttentionDecode:
         self.qkv_size = (n_heads + 2 * n_kv_heads) * head_dim
         # Bound to the table and weight arguments a launch does not read (no RoPE, no qk_norm).
         self.placeholder = device.alloc(4, what="attention_decode placeholder")
-        self.own_position = device.alloc(4, what="attention_decode position")
-        self._own_pos = None   # the value last written to own_position
-        self._own_write = None
+        self.position = DevicePosition(device, "attention_decode")
         self.last_events: list = []
 
     def partitions(self, pos: int) -> int:
@@ -153,14 +151,7 @@ class AttentionDecode:
         wrapper writes ``pos`` into its own buffer, in queue order.
         """
         qkv_b, out_b = self._check(qkv, out, cache, rope, layer, pos, qkv_offset)
-        if position is None:
-            if self._own_pos != pos:
-                # A fresh host array each time, held by the copy's event until it has run; keeping the event
-                # keeps the write non-blocking (pyopencl waits when such an event is dropped).
-                self._own_write = self.device.write(self.own_position, np.array([pos], np.int32), wait=False)
-                self._own_pos = pos
-            position = (self.own_position, 0)
-        positions, pos_index = position
+        positions, pos_index = self.position(pos, position)
         window, scale, norms = attention_features(
             "attention_decode", self.head_dim, self.qk_norm, self.window if window is None else window,
             scale, softcap, q_norm, k_norm, eps, self.placeholder)
@@ -171,7 +162,7 @@ class AttentionDecode:
             self.partial_kernel, (self.wgs, self.n_kv_heads, n_parts), (self.wgs, 1, 1),
             qkv_b, np.int32(qkv_offset), cos, sin, np.int32(0 if rope is None else rope.rotary_dims),
             *norms, np.float32(eps), keys, values,
-            np.int32(offset), np.int32(cache.max_positions), getattr(positions, "data", positions),
+            np.int32(offset), np.int32(cache.max_positions), positions,
             np.int32(pos_index), np.int32(self.max_parts), self.part_max, self.part_sum, self.part_out, out_b, np.int32(window),
             np.float32(scale), np.float32(softcap))
         if n_parts == 1:

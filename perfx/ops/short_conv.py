@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from perfx.errors import PerfxError
-from perfx.ops import buffer_bytes
+from perfx.ops import DevicePosition, buffer_bytes
 from perfx.ops.params import ParamSpace
 from perfx.runtime import Device
 
@@ -60,8 +60,7 @@ class ShortConv:
         self.wgs = self.params["WGS"]
         defines = {**self.params, "CONV_L": length, "GATED": int(gated), "ACT": int(act == "silu")}
         self.kernel = device.kernel(PARAMS.source, "short_conv", defines)
-        self.own_position = device.alloc(4, what="short_conv position")
-        self._own_pos, self._own_write = None, None
+        self.position = DevicePosition(device, "short_conv")
 
     def __call__(self, x, weight, history: ConvHistory, layer: int, y, m: int, pos: int, position=None):
         """Enqueue: ``x`` (m, 3H) [B | C | x] rows (gated) or (m, H); ``weight`` (H, L) float32; ``y`` (m, H).
@@ -80,13 +79,8 @@ class ShortConv:
         if x_bytes < 4 * m * width or w_bytes < 4 * h * self.length or y_bytes < 4 * m * h:
             raise PerfxError(f"short_conv: x must hold {m}×{width}, the weight {h}×{self.length} and y {m}×{h} "
                              f"floats; they hold {x_bytes // 4}, {w_bytes // 4} and {y_bytes // 4}")
-        if position is None:
-            if self._own_pos != pos:
-                self._own_write = self.device.write(self.own_position, np.array([pos], np.int32), wait=False)
-                self._own_pos = pos
-            position = (self.own_position, 0)
-        positions, index = position
+        positions, index = self.position(pos, position)
         return self.device.launch(
             self.kernel, (-(-h // self.wgs) * self.wgs,), (self.wgs,), np.int32(m), np.int32(h), x_b, w_b,
             history.buffer, np.int32(layer * history.rows * h), np.int32(history.rows),
-            getattr(positions, "data", positions), np.int32(index), y_b)
+            positions, np.int32(index), y_b)

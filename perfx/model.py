@@ -573,7 +573,8 @@ def load_model(name: str | None = None, device: Device | str | None = None, ctx:
     model = Model.load(source, device, ctx=ctx, progress=progress, default_ctx=default_ctx,
                        database=default_database(tuning), log=log)
     r = model.load_report
+    conv = f", conv state {r['conv_state_bytes'] / 2**20:.1f} MiB" if r["conv_state_bytes"] else ""
     log(f"perfx: loaded in {r['load_s']:.1f}s: {r['weight_bytes'] / 2**20:.0f} MiB of weights, "
         f"{r['device_bytes'] / 2**20:.0f} MiB on the device (KV cache {r['kv_cache_bytes'] / 2**20:.0f} MiB "
-        f"for {r['ctx']} positions), host peak {r['host_peak_bytes'] / 2**20:.0f} MiB")
+        f"for {r['ctx']} positions{conv}), host peak {r['host_peak_bytes'] / 2**20:.0f} MiB")
     return model, source

@@ -40,7 +40,7 @@ def setups(device):
             host = rng.standard_normal(LAYERS * hkv * MAX_CONTEXT * d, dtype=np.float32).astype(np.float16)
             cl.enqueue_copy(device.queue, buffer, host)
         made[model] = dict(
-            op=AttentionDecode(device, h, hkv, d, MAX_CONTEXT), cache=cache,
+            op=AttentionDecode(device, None, {"n_heads": h, "n_kv_heads": hkv, "head_dim": d, "positions": MAX_CONTEXT}), cache=cache,
             rope=RopeTable.upload(device, d, MAX_CONTEXT, cfg["theta"]),
             qkv=device.upload(rng.standard_normal((h + 2 * hkv) * d, dtype=np.float32)),
             out=device.empty(h * d, np.float32))

@@ -32,7 +32,7 @@ def test_attention_prefill(benchmark, device, copy_gbs, model, m):
     h, hkv, d = cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"]
     shape = dict(n_heads=h, n_kv_heads=hkv, head_dim=d, m=m, p0=0)
     rng = np.random.default_rng(0)
-    attention = AttentionPrefill(device, h, hkv, d)
+    attention = AttentionPrefill(device, None, {"n_heads": h, "n_kv_heads": hkv, "head_dim": d})
     cache = KVCache.allocate(device, 1, hkv, CONTEXT, d)
     rope = RopeTable.upload(device, d, CONTEXT, cfg["theta"])
     qkv = device.upload(rng.standard_normal((m, (h + 2 * hkv) * d)).astype(np.float32))

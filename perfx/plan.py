@@ -101,13 +101,12 @@ class KernelPlan:
         attention = {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, **qk_norm(c)}
         self.attn_decode = self.choose(
             "attention_decode", {**attention, "positions": self.max_positions}, "decode",
-            lambda p: AttentionDecode(d, c.n_heads, c.n_kv_heads, c.head_dim, self.max_positions, p,
-                                      **qk_norm(c)))
+            lambda p: AttentionDecode(d, p, {**attention, "positions": self.max_positions}))
         self.short_conv = None
         if c.layers_of("conv"):
             conv = conv_shape(c, 1)
             self.short_conv = self.choose("short_conv", shape_of("short_conv", "conv", **conv), "conv",
-                                          lambda p: ShortConv(d, c.conv_length, True, "none", p, conv))
+                                          lambda p: ShortConv(d, p, conv))
         self._prefill_ops: dict[int, tuple] = {}
         # Each int4 weight is uploaded once, in the layout and for the read path its decode GEMV reads (the
         # GEMMs and the gather read whatever layout and path the weight has).
@@ -191,8 +190,7 @@ class KernelPlan:
                                {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "m": rep,
                                 "p0": 0, **qk_norm(c)})
             attention = self.choose("attention_prefill", shape, f"prefill, M≈{rep}",
-                                     lambda p: AttentionPrefill(self.device, c.n_heads, c.n_kv_heads, c.head_dim, p,
-                                                                **qk_norm(c)))
+                                     lambda p: AttentionPrefill(self.device, p, shape))
             self._prefill_ops[bucket] = (gemms, attention)
         return self._prefill_ops[bucket]
 

@@ -79,7 +79,7 @@ def test_decode_sequence(device, rng, max_alloc):
     h, hkv, d, steps, layers = 6, 2, 64, 70, 3
     if max_alloc:
         device = Device(limits=Limits(name="small-alloc", max_alloc=max_alloc))
-    op = AttentionDecode(device, h, hkv, d, steps, {"PART": 32})
+    op = AttentionDecode(device, {"PART": 32}, {"n_heads": h, "n_kv_heads": hkv, "head_dim": d, "positions": steps})
     cache = KVCache.allocate(device, layers, hkv, steps, d)
     assert len(cache.pieces) == (3 if max_alloc else 1)
     rope = RopeTable.upload(device, d, steps, THETA)
@@ -125,7 +125,7 @@ def test_one_kernel_serves_layers_that_differ(device, rng, qk_norm):
         (partial, 32, 1e4, dict(scale=0.11, softcap=4.0, window=40)),
     ]
     weights = [_random_weights(rng, d) for _ in layers]
-    op = AttentionDecode(device, h, hkv, d, steps, {"PART": 32}, window=3, qk_norm=qk_norm)
+    op = AttentionDecode(device, {"PART": 32}, {"n_heads": h, "n_kv_heads": hkv, "head_dim": d, "positions": steps, "window": 3, "qk_norm": qk_norm})
     cache = KVCache.allocate(device, len(layers), hkv, steps, d)
     nan = np.full((len(layers), hkv, steps, d), np.nan, np.float16)
     cache.write(device, nan, nan)
@@ -182,8 +182,8 @@ def test_parameters_that_do_not_fit_are_refused_and_the_defaults_give_way(rng):
     big = {"PART": 256, "WGS": 128, "VW": 8}
     with pytest.raises(PerfxError, match=r"attention_decode: parameters .* bytes of local memory > the "
                                          r"device's 8192"):
-        AttentionDecode(small, h, hkv, d, positions, big)
-    fitting = AttentionDecode(small, h, hkv, d, positions).params
+        AttentionDecode(small, big, {"n_heads": h, "n_kv_heads": hkv, "head_dim": d, "positions": positions})
+    fitting = AttentionDecode(small, None, {"n_heads": h, "n_kv_heads": hkv, "head_dim": d, "positions": positions}).params
     defaults = SPEC.params.defaults()
     assert SPEC.params.why_invalid(defaults, shape, small.caps) is None or fitting != defaults
     assert SPEC.params.why_invalid(fitting, shape, small.caps) is None
@@ -192,7 +192,7 @@ def test_parameters_that_do_not_fit_are_refused_and_the_defaults_give_way(rng):
 
 def test_errors(device):
     h, hkv, d, max_positions = 4, 2, 64, 8
-    op = AttentionDecode(device, h, hkv, d, max_positions)
+    op = AttentionDecode(device, None, {"n_heads": h, "n_kv_heads": hkv, "head_dim": d, "positions": max_positions})
     cache = KVCache.allocate(device, 2, hkv, max_positions, d)
     rope = RopeTable.upload(device, d, max_positions, THETA)
     qkv = device.upload(np.ones((h + 2 * hkv) * d, np.float32))
@@ -210,9 +210,9 @@ def test_errors(device):
     with pytest.raises(PerfxError, match="RoPE table"):
         op(qkv, out, cache, RopeTable.upload(device, d, 4, THETA), 0, 5)
     with pytest.raises(PerfxError, match=r"head_dim 60 is not supported; supported: .*64.*128"):
-        AttentionDecode(device, h, hkv, 60, max_positions)
+        AttentionDecode(device, None, {"n_heads": h, "n_kv_heads": hkv, "head_dim": 60, "positions": max_positions})
     with pytest.raises(PerfxError, match="cannot share"):
-        AttentionDecode(device, 6, 4, d, max_positions)
+        AttentionDecode(device, None, {"n_heads": 6, "n_kv_heads": 4, "head_dim": d, "positions": max_positions})
 
 
 def test_layer_feature_errors(device):
@@ -224,7 +224,7 @@ def test_layer_feature_errors(device):
     qkv = device.upload(np.ones((h + 2 * hkv) * d, np.float32))
     out = device.empty(h * d, np.float32)
     w = device.upload(np.ones(d, np.float32))
-    normed = AttentionDecode(device, h, hkv, d, max_positions, qk_norm=True)
+    normed = AttentionDecode(device, None, {"n_heads": h, "n_kv_heads": hkv, "head_dim": d, "positions": max_positions, "qk_norm": True})
     with pytest.raises(PerfxError, match=r"built with qk_norm=True: pass q_norm and k_norm.*64 float32"):
         normed(qkv, out, cache, rope, 0, 0)
     with pytest.raises(PerfxError, match=r"k_norm.*holds 252 bytes where 256"):
@@ -233,7 +233,7 @@ def test_layer_feature_errors(device):
         normed(qkv, out, cache, rope, 0, 0, q_norm=device.upload(np.ones(d, np.float64)), k_norm=w)
     with pytest.raises(PerfxError, match="eps must be positive"):
         normed(qkv, out, cache, rope, 0, 0, q_norm=w, k_norm=w, eps=0.0)
-    plain = AttentionDecode(device, h, hkv, d, max_positions)
+    plain = AttentionDecode(device, None, {"n_heads": h, "n_kv_heads": hkv, "head_dim": d, "positions": max_positions})
     with pytest.raises(PerfxError, match="built without the q/k RMSNorm: make it with qk_norm=True"):
         plain(qkv, out, cache, rope, 0, 0, q_norm=w, k_norm=w)
     with pytest.raises(PerfxError, match="scale must be positive"):

@@ -42,7 +42,7 @@ def test_head_dim_256_has_fp32_sets_that_fit_a_phone(rng):
     shape = SPEC.test_shapes[2]
     assert shape["head_dim"] == 256 and shape["qk_norm"]
     assert SPEC.params.why_invalid(SPEC.params.defaults(), shape, phone.caps) is not None
-    params = AttentionPrefill(phone, shape["n_heads"], shape["n_kv_heads"], 256, qk_norm=True).params
+    params = AttentionPrefill(phone, None, {"n_heads": shape["n_heads"], "n_kv_heads": shape["n_kv_heads"], "head_dim": 256, "qk_norm": True}).params
     assert params["HALF"] == 0 and params["DSPLIT"] == 4 and params["BK"] == 8, params
     assert registers(params, shape) <= REGISTER_BUDGET and PARAMS.local_memory(params, shape) <= 32 << 10
     check(SPEC.make_case(phone, shape, rng), params)
@@ -110,7 +110,7 @@ def test_chat_continues(device, rng):
     total = m1 + m2
     cache = KVCache.allocate(device, 3, hkv, total + 5, d)
     rope = RopeTable.upload(device, d, total + 5, THETA)
-    attention = AttentionPrefill(device, h, hkv, d)
+    attention = AttentionPrefill(device, None, {"n_heads": h, "n_kv_heads": hkv, "head_dim": d})
     qkv = rng.standard_normal((total, (h + 2 * hkv) * d)).astype(np.float32)
     outs = []
     for start, m in ((0, m1), (m1, m2)):
@@ -132,7 +132,7 @@ def test_chat_continues(device, rng):
 def test_prompt_longer_than_context(device, rng):
     cache = KVCache.allocate(device, 1, 2, 40, 64)
     rope = RopeTable.upload(device, 64, 40, THETA)
-    attention = AttentionPrefill(device, 4, 2, 64)
+    attention = AttentionPrefill(device, None, {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64})
     qkv = device.upload(rng.standard_normal((16, 8 * 64)).astype(np.float32))
     out = device.empty((16, 4 * 64), np.float32)
     with pytest.raises(PerfxError, match=r"longer than the context.*3 too many"):
@@ -145,25 +145,25 @@ def test_prompt_longer_than_context(device, rng):
 
 def test_bad_configurations(device):
     with pytest.raises(PerfxError, match="multiple of 8"):
-        AttentionPrefill(device, 4, 2, 60)
+        AttentionPrefill(device, None, {"n_heads": 4, "n_kv_heads": 2, "head_dim": 60})
     with pytest.raises(PerfxError, match="cannot share"):
-        AttentionPrefill(device, 9, 2, 64)
+        AttentionPrefill(device, None, {"n_heads": 9, "n_kv_heads": 2, "head_dim": 64})
     with pytest.raises(PerfxError, match="local memory"):
-        AttentionPrefill(Device(limits=Limits(name="small", local_mem=16384)), 4, 2, 128, {"BK": 64, "DSPLIT": 4})
+        AttentionPrefill(Device(limits=Limits(name="small", local_mem=16384)), {"BK": 64, "DSPLIT": 4}, {"n_heads": 4, "n_kv_heads": 2, "head_dim": 128})
     with pytest.raises(PerfxError, match="at most 160 registers"):
-        AttentionPrefill(device, 4, 2, 128, {"DSPLIT": 1})
+        AttentionPrefill(device, {"DSPLIT": 1}, {"n_heads": 4, "n_kv_heads": 2, "head_dim": 128})
 
 
 def test_falls_back_where_the_defaults_do_not_fit(rng):
     """A device with work-groups of at most 16 gets the first allowed parameter set, and right answers."""
     small = Device(limits=Limits(name="wg16", max_work_group=16))
     shape = dict(n_heads=9, n_kv_heads=3, head_dim=64, m=33, p0=5)
-    attention = AttentionPrefill(small, 9, 3, 64)
+    attention = AttentionPrefill(small, None, {"n_heads": 9, "n_kv_heads": 3, "head_dim": 64})
     assert attention.params["WGS"] == 16
     case = SPEC.make_case(small, shape, rng)
     check(case, attention.params)
     with pytest.raises(PerfxError, match="no parameter set fits"):
-        AttentionPrefill(Device(limits=Limits(name="tiny", local_mem=4096)), 4, 2, 128)
+        AttentionPrefill(Device(limits=Limits(name="tiny", local_mem=4096)), None, {"n_heads": 4, "n_kv_heads": 2, "head_dim": 128})
 
 
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk-norm"])
@@ -181,8 +181,8 @@ def test_prefill_then_decode_agree(device, rng, qk_norm, rotary_dims):
     weights = [rng.uniform(0.5, 1.5, d).astype(np.float32) for _ in range(2)]
     if qk_norm:
         features.update(q_norm=device.upload(weights[0]), k_norm=device.upload(weights[1]), eps=1e-5)
-    prefill = AttentionPrefill(device, h, hkv, d, qk_norm=qk_norm)
-    decode = AttentionDecode(device, h, hkv, d, total, {"PART": 32}, qk_norm=qk_norm)
+    prefill = AttentionPrefill(device, None, {"n_heads": h, "n_kv_heads": hkv, "head_dim": d, "qk_norm": qk_norm})
+    decode = AttentionDecode(device, {"PART": 32}, {"n_heads": h, "n_kv_heads": hkv, "head_dim": d, "positions": total, "qk_norm": qk_norm})
     qkv = rng.standard_normal((total, (h + 2 * hkv) * d)).astype(np.float32)
     outs = []
     for start, m in ((0, m1), (m1, m2)):
@@ -216,8 +216,8 @@ def test_layer_feature_errors(device):
     qkv = device.upload(np.ones((4, 8 * 64), np.float32))
     out = device.empty((4, 4 * 64), np.float32)
     with pytest.raises(PerfxError, match="attention_prefill: built with qk_norm=True: pass q_norm and k_norm"):
-        AttentionPrefill(device, 4, 2, 64, qk_norm=True)(qkv, out, cache, None, 0, 0, 4)
+        AttentionPrefill(device, None, {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "qk_norm": True})(qkv, out, cache, None, 0, 0, 4)
     with pytest.raises(PerfxError, match="attention_prefill: softcap must be ≥ 0"):
-        AttentionPrefill(device, 4, 2, 64)(qkv, out, cache, None, 0, 0, 4, softcap=float("nan"))
+        AttentionPrefill(device, None, {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64})(qkv, out, cache, None, 0, 0, 4, softcap=float("nan"))
     with pytest.raises(PerfxError, match="RoPE table"):
-        AttentionPrefill(device, 4, 2, 64)(qkv, out, cache, RopeTable.upload(device, 64, 3, THETA), 0, 0, 4)
+        AttentionPrefill(device, None, {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64})(qkv, out, cache, RopeTable.upload(device, 64, 3, THETA), 0, 0, 4)

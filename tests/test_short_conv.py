@@ -41,7 +41,7 @@ def test_prefill_then_decode_and_resume_from_the_ring(device, rng):
     x = rng.standard_normal((m, 3 * h)).astype(np.float32)
     w = rng.standard_normal((h, length)).astype(np.float32)
     want, _ = reference.short_conv(x, w)
-    op = ShortConv(device, length)
+    op = ShortConv(device, shape={"l": length})
     rings = ConvHistory(device, 1, h)
     y = device.empty((m, h), np.float32)
     op(device.upload(x), device.upload(w), rings, 0, y, m, 0).wait()
@@ -59,10 +59,10 @@ def test_prefill_then_decode_and_resume_from_the_ring(device, rng):
 
 def test_errors(device):
     with pytest.raises(PerfxError, match="length 9 is not supported"):
-        ShortConv(device, 9)
+        ShortConv(device, shape={"l": 9})
     with pytest.raises(PerfxError, match="activation"):
-        ShortConv(device, 3, gated=True, act="silu")
-    op, rings = ShortConv(device, 3), ConvHistory(device, 2, 16)
+        ShortConv(device, shape={"l": 3, "gated": True, "act": "silu"})
+    op, rings = ShortConv(device, shape={"l": 3}), ConvHistory(device, 2, 16)
     small = device.empty(16, np.float32)
     with pytest.raises(PerfxError, match="x must hold 2×48"):
         op(small, small, rings, 0, small, 2, 0)

@@ -29,9 +29,9 @@ def test_prefill_attends_to_the_window_only(device, rng, window, params):
     h, hkv, d, m, p0 = 6, 2, 64, 45, 7
     cache = KVCache.allocate(device, 1, hkv, 64, d)
     rope = RopeTable.upload(device, d, 64, THETA)
-    op = AttentionPrefill(device, h, hkv, d, {**params, "VW": 8}, window=window)
+    op = AttentionPrefill(device, {**params, "VW": 8}, {"n_heads": h, "n_kv_heads": hkv, "head_dim": d, "window": window})
     earlier = rng.standard_normal((p0, (h + 2 * hkv) * d), dtype=np.float32)   # a previous turn's p0 tokens
-    AttentionPrefill(device, h, hkv, d)(device.upload(earlier), device.empty((p0, h * d), np.float32), cache, rope,
+    AttentionPrefill(device, None, {"n_heads": h, "n_kv_heads": hkv, "head_dim": d})(device.upload(earlier), device.empty((p0, h * d), np.float32), cache, rope,
                                        0, 0, p0).wait()
     qkv = rng.standard_normal((m, (h + 2 * hkv) * d), dtype=np.float32)
     out = device.poisoned((m, h * d), np.float32)
@@ -52,7 +52,7 @@ def test_decode_attends_to_the_window_only(device, rng, window, part):
     h, hkv, d, steps = 6, 2, 64, 106
     cache = KVCache.allocate(device, 1, hkv, steps, d)
     rope = RopeTable.upload(device, d, steps, THETA)
-    op = AttentionDecode(device, h, hkv, d, steps, {"PART": part, "WGS": 64, "VW": 8}, window=window)
+    op = AttentionDecode(device, {"PART": part, "WGS": 64, "VW": 8}, {"n_heads": h, "n_kv_heads": hkv, "head_dim": d, "positions": steps, "window": window})
     qkv = rng.standard_normal((steps, (h + 2 * hkv) * d), dtype=np.float32)
     out = device.poisoned(h * d, np.float32)
     for pos in range(steps):
@@ -86,8 +86,8 @@ def test_the_launch_names_the_window(device, rng, built, launched):
     cache = KVCache.allocate(device, 1, hkv, steps, d)
     rope = RopeTable.upload(device, d, steps, THETA)
     qkv = rng.standard_normal((steps, (h + 2 * hkv) * d), dtype=np.float32)
-    prefill = AttentionPrefill(device, h, hkv, d, window=built)
-    decode = AttentionDecode(device, h, hkv, d, steps, {"PART": 32}, window=built)
+    prefill = AttentionPrefill(device, None, {"n_heads": h, "n_kv_heads": hkv, "head_dim": d, "window": built})
+    decode = AttentionDecode(device, {"PART": 32}, {"n_heads": h, "n_kv_heads": hkv, "head_dim": d, "positions": steps, "window": built})
     out = device.poisoned((m, h * d), np.float32)
     prefill(device.upload(qkv[:m]), out, cache, rope, 0, 0, m, window=launched).wait()
     keys, values = cache.read(device, 0, m)

@@ -115,8 +115,7 @@ def make_case(device, shape, rng) -> Case:
         "keys": k16[0],
         "values": v16[0],
     }
-    op = cached_per_params(lambda params: AttentionDecode(device, h, hkv, d, max_positions, params,
-                                                          qk_norm=bool(shape.get("qk_norm"))))
+    op = cached_per_params(lambda params: AttentionDecode(device, params, shape))
     state = {"layer": LAYER}
 
     def launch(params):

@@ -75,8 +75,7 @@ def make_case(device, shape, rng) -> Case:
         "keys": k16,
         "values": v16,
     }
-    op = cached_per_params(lambda params: AttentionPrefill(device, h, hkv, d, params,
-                                                           qk_norm=bool(shape.get("qk_norm"))))
+    op = cached_per_params(lambda params: AttentionPrefill(device, params, shape))
 
     def launch(params):
         return op(params).enqueue(qkv_dev, out, cache, features.rope, LAYER, p0, m, **features.launch)

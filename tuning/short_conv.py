@@ -35,7 +35,7 @@ def make_case(device, shape, rng) -> Case:
         expected_ring[1, (pos + t) % rows] = u[t]
     rings = ConvHistory(device, LAYERS, h, rows)
     x_d, w_d, y = device.upload(x), device.upload(weight), device.empty((m, h), np.float32)
-    wrapper = cached_per_params(lambda params: ShortConv(device, length, gated, act, params, shape))
+    wrapper = cached_per_params(lambda params: ShortConv(device, params, shape))
 
     def launch(params):
         return [wrapper(params)(x_d, w_d, rings, 1, y, m, pos)]

@@ -65,13 +65,21 @@ class AttentionDecode:
     """RoPE + KV-cache append + attention of one token at position ``pos`` for one layer.
 
     ``params``: ``PARAMS`` (PART, WGS, VW, HALF); None → the defaults, or the first set that fits where they
-    do not. Partial buffers for contexts of up to ``max_positions`` are allocated here, once. ``window``: the
-    sliding window of launches that do not name one (0: none). ``qk_norm``: build the per-head RMSNorm of q
-    and k before RoPE (Qwen3, Gemma 3); every launch then passes its ``q_norm`` and ``k_norm`` weights.
+    do not. ``shape``: the spec's (``n_heads``, ``n_kv_heads``, ``head_dim``, ``positions``: partial buffers for
+    contexts of up to that many are allocated here, once), and ``window``, the sliding window of launches that
+    do not name one (0: none), and ``qk_norm``: build the per-head RMSNorm of q and k before RoPE (Qwen3,
+    Gemma 3); every launch then passes its ``q_norm`` and ``k_norm`` weights.
     """
 
-    def __init__(self, device: Device, n_heads: int, n_kv_heads: int, head_dim: int, max_positions: int,
-                 params: dict | None = None, window: int = 0, qk_norm: bool = False):
+    def __init__(self, device: Device, params: dict | None = None, shape: dict | None = None):
+        shape = dict(shape or {})
+        try:
+            n_heads, n_kv_heads = int(shape["n_heads"]), int(shape["n_kv_heads"])
+            head_dim, max_positions = int(shape["head_dim"]), int(shape["positions"])
+        except KeyError as missing:
+            raise PerfxError(f"attention_decode: the shape needs {missing.args[0]!r} (n_heads, n_kv_heads, head_dim, "
+                             "positions; optionally window, qk_norm)") from None
+        window, qk_norm = int(shape.get("window", 0)), bool(shape.get("qk_norm", False))
         if n_heads <= 0 or n_kv_heads <= 0 or n_heads % n_kv_heads:
             raise PerfxError(f"attention_decode: {n_heads} query heads cannot share {n_kv_heads} kv heads "
                              "(the query heads must be a positive multiple of the kv heads)")
@@ -86,9 +94,9 @@ class AttentionDecode:
         self.max_positions = max_positions
         self.window = int(window)   # sliding window (Mistral): attend to the last `window` positions; 0 = all
         self.qk_norm = bool(qk_norm)
-        shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "positions": max_positions,
-                 **({"qk_norm": True} if self.qk_norm else {})}
-        self.params = params = PARAMS.resolve(params, shape, device.caps)
+        spec_shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "positions": max_positions,
+                      **({"qk_norm": True} if self.qk_norm else {})}
+        self.params = params = PARAMS.resolve(params, spec_shape, device.caps)
         defines = {"HEAD_DIM": head_dim, "GQA": n_heads // n_kv_heads, "QK_NORM": int(self.qk_norm), **params}
         self.partial_kernel = device.kernel(PARAMS.source, "attention_partial", defines)
         self.combine_kernel = device.kernel(PARAMS.source, "attention_combine", defines)

@@ -69,13 +69,20 @@ class AttentionPrefill:
     """Causal RoPE + KV append + attention for ``m`` prompt tokens of one layer.
 
     ``params``: ``PARAMS`` (HALF, WGS, BK, VW, DSPLIT); None → the defaults, or the first set that fits where
-    they do not (head_dim 256: DSPLIT 4). ``window``: the sliding window of launches that do not name one
-    (0: none). ``qk_norm``: build the per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3); every launch
-    then passes its ``q_norm`` and ``k_norm`` weights.
+    they do not (head_dim 256: DSPLIT 4). ``shape``: the spec's (``n_heads``, ``n_kv_heads``, ``head_dim``), and
+    ``window``, the sliding window of launches that do not name one (0: none), and ``qk_norm``: build the
+    per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3); every launch then passes its ``q_norm`` and
+    ``k_norm`` weights.
     """
 
-    def __init__(self, device: Device, n_heads: int, n_kv_heads: int, head_dim: int,
-                 params: dict | None = None, window: int = 0, qk_norm: bool = False):
+    def __init__(self, device: Device, params: dict | None = None, shape: dict | None = None):
+        shape = dict(shape or {})
+        try:
+            n_heads, n_kv_heads, head_dim = int(shape["n_heads"]), int(shape["n_kv_heads"]), int(shape["head_dim"])
+        except KeyError as missing:
+            raise PerfxError(f"attention_prefill: the shape needs {missing.args[0]!r} (n_heads, n_kv_heads, "
+                             "head_dim; optionally window, qk_norm)") from None
+        window, qk_norm = int(shape.get("window", 0)), bool(shape.get("qk_norm", False))
         if n_heads <= 0 or n_kv_heads <= 0 or n_heads % n_kv_heads:
             raise PerfxError(f"attention_prefill: {n_heads} query heads cannot share {n_kv_heads} kv heads "
                              "(the query heads must be a positive multiple of the kv heads)")
@@ -89,9 +96,9 @@ class AttentionPrefill:
         self.qk_norm = bool(qk_norm)
         # The keys the rules read, qk_norm only where set (as tuning/problems.py names it): a set the database
         # checked for this layer's shape is then taken as it is.
-        shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim,
-                 **({"qk_norm": True} if self.qk_norm else {})}
-        self.params = params = PARAMS.resolve(params, shape, device.caps)
+        spec_shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim,
+                      **({"qk_norm": True} if self.qk_norm else {})}
+        self.params = params = PARAMS.resolve(params, spec_shape, device.caps)
         defines = {"HEAD_DIM": head_dim, "QK_NORM": int(self.qk_norm), **params}
         self.append_kernel = device.kernel(PARAMS.source, "kv_append", defines)
         self.attention_kernel = device.kernel(PARAMS.source, "attention_prefill", defines)

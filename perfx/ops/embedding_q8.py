@@ -26,9 +26,9 @@ PARAMS = ParamSpace(
 class EmbeddingQ8:
     """out (rows, K) float32 = table[ids], ids an int32 device buffer; an id outside [0, N) gives NaN."""
 
-    def __init__(self, device: Device, params: dict | None = None):
+    def __init__(self, device: Device, params: dict | None = None, shape: dict | None = None):
         self.device = device
-        self.params = PARAMS.resolve(params, {}, device.caps)
+        self.params = PARAMS.resolve(params, shape or {}, device.caps)
         self.wgs = self.params["WGS"]
 
     def __call__(self, table: Q8DeviceWeight, ids, out, rows: int, scale: float = 1.0) -> list:

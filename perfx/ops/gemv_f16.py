@@ -85,9 +85,9 @@ class F16DeviceWeight:
 class GemvF16:
     """y (N) = W (N, K) · x (K), W an ``F16DeviceWeight``; x and y float32 device buffers."""
 
-    def __init__(self, device: Device, params: dict | None = None):
+    def __init__(self, device: Device, params: dict | None = None, shape: dict | None = None):
         self.device = device
-        self.params = PARAMS.resolve(params, {}, device.caps)
+        self.params = PARAMS.resolve(params, shape or {}, device.caps)
         self.kernel = device.kernel(PARAMS.source, "gemv_f16", self.params)
         self.wgs = self.params["WGS"]
         self.rows_per_group = self.params["WGS"] // self.params["LANES"]

@@ -35,9 +35,9 @@ PARAMS = ParamSpace(
 class RMSNorm:
     """Fused residual + RMSNorm over ``rows`` rows of ``dim`` floats; γ float32 (dim)."""
 
-    def __init__(self, device: Device, params: dict | None = None):
+    def __init__(self, device: Device, params: dict | None = None, shape: dict | None = None):
         self.device = device
-        self.params = PARAMS.resolve(params, {}, device.caps)
+        self.params = PARAMS.resolve(params, shape or {}, device.caps)
         self.wgs = self.params["WGS"]
         self.residual_kernel = device.kernel(PARAMS.source, "rmsnorm_residual", self.params)
         self.plain_kernel = device.kernel(PARAMS.source, "rmsnorm", self.params)

@@ -46,17 +46,19 @@ class ConvHistory:
 class ShortConv:
     """y (m, H) = the short convolution of m positions from ``pos`` for one layer's ring of a ``ConvHistory``.
 
-    ``length`` L, ``gated`` (LFM2's B·x / C·) or plain with ``act`` ("none", "silu") are the model's; ``params``
-    the tunables (None: the defaults)."""
+    Constructed as every wrapper is, from the device, the tunables (``params``; None: the defaults) and the
+    spec's shape: ``l`` the length L, ``gated`` (LFM2's B·x in, C· out; default True) or plain with ``act``
+    ("none", "silu")."""
 
-    def __init__(self, device: Device, length: int, gated: bool = True, act: str = "none",
-                 params: dict | None = None, shape: dict | None = None):
+    def __init__(self, device: Device, params: dict | None = None, shape: dict | None = None):
+        shape = dict(shape or {})
+        length, gated, act = int(shape.get("l", 3)), bool(shape.get("gated", True)), shape.get("act", "none")
         if not 2 <= length <= MAX_LENGTH:
             raise PerfxError(f"short_conv: a convolution of length {length} is not supported (2 .. {MAX_LENGTH})")
         if act not in ("none", "silu") or (gated and act != "none"):
             raise PerfxError(f"short_conv: activation {act!r}: 'none', or 'silu' for the plain (ungated) form")
         self.device, self.length, self.gated = device, length, gated
-        self.params = PARAMS.resolve(params, shape or {}, device.caps)
+        self.params = PARAMS.resolve(params, shape, device.caps)
         self.wgs = self.params["WGS"]
         defines = {**self.params, "CONV_L": length, "GATED": int(gated), "ACT": int(act == "silu")}
         self.kernel = device.kernel(PARAMS.source, "short_conv", defines)

@@ -68,11 +68,11 @@ class Embedding:
     ``scale`` multiplies each gathered row in fp32: 1 for most models, √hidden for Gemma (llama.cpp's
     ggml_scale after the gather)."""
 
-    def __init__(self, device: Device, params: dict | None = None):
+    def __init__(self, device: Device, params: dict | None = None, shape: dict | None = None):
         params = params or {}
         self.device = device
-        f16 = EMBEDDING_F16.resolve(_part(params, EMBEDDING_F16), {}, device.caps)
-        q4 = EMBEDDING_Q4.resolve(_part(params, EMBEDDING_Q4), {}, device.caps)
+        f16 = EMBEDDING_F16.resolve(_part(params, EMBEDDING_F16), shape or {}, device.caps)
+        q4 = EMBEDDING_Q4.resolve(_part(params, EMBEDDING_Q4), shape or {}, device.caps)
         unknown = set(params) - set(f16) - set(q4)
         if unknown:
             raise PerfxError(f"embedding: unknown parameters {sorted(unknown)}; "
@@ -119,9 +119,9 @@ class Embedding:
 class Argmax:
     """The index of the largest of x (n floats) into an int32 device buffer; ties to the lowest index."""
 
-    def __init__(self, device: Device, params: dict | None = None):
+    def __init__(self, device: Device, params: dict | None = None, shape: dict | None = None):
         self.device = device
-        self.params = ARGMAX.resolve(params, {}, device.caps)
+        self.params = ARGMAX.resolve(params, shape or {}, device.caps)
         self.wgs, self.groups = self.params["WGS3"], self.params["GROUPS3"]
         self.partial_kernel = device.kernel(ARGMAX.source, "argmax_partial", self.params)
         self.final_kernel = device.kernel(ARGMAX.source, "argmax_final", self.params)
@@ -147,9 +147,9 @@ class SwiGLU:
 
     space, kernel_name = SWIGLU, "swiglu"   # GeGLU: the same op, its own family and kernel
 
-    def __init__(self, device: Device, params: dict | None = None):
+    def __init__(self, device: Device, params: dict | None = None, shape: dict | None = None):
         self.device = device
-        self.params = self.space.resolve(params, {}, device.caps)
+        self.params = self.space.resolve(params, shape or {}, device.caps)
         self.kernel = device.kernel(self.space.source, self.kernel_name, self.params)
 
     def __call__(self, gate, up, out, count: int):
@@ -174,9 +174,9 @@ class GeGLU(SwiGLU):
 class Softcap:
     """x = cap·tanh(x / cap) in place over ``count`` floats: Gemma 2's final-logit soft-capping."""
 
-    def __init__(self, device: Device, params: dict | None = None):
+    def __init__(self, device: Device, params: dict | None = None, shape: dict | None = None):
         self.device = device
-        self.params = SOFTCAP.resolve(params, {}, device.caps)
+        self.params = SOFTCAP.resolve(params, shape or {}, device.caps)
         self.kernel = device.kernel(SOFTCAP.source, "softcap", self.params)
 
     def __call__(self, x, count: int, cap: float):

@@ -526,6 +526,19 @@ class Model:
         self.plan.argmax_op(self.state.logits, self.config.vocab_size, self.state.best)
         return int(self.state.best.get()[0])
 
+    def fill_to(self, pos: int) -> None:
+        """Hold positions 0..pos−1 in the cache with arbitrary values, without running them (benchmarks: a decode
+        step at position pos reads as many cached positions as a conversation of that length; only the values
+        differ, which no kernel's cost depends on)."""
+        if not 0 <= pos < self.max_positions:
+            raise PerfxError(f"fill_to: position {pos} is outside the context of {self.max_positions} positions")
+        for keys, values in self.cache.pieces:
+            for buffer in (keys, values):
+                self.device.fill(buffer, np.uint16(0x2E66))   # fp16 0.1 in every key and value
+        if self.history is not None:
+            self.device.fill(self.history.buffer, np.float32(0.1))
+        self.written = pos
+
     def can_resume(self, pos: int) -> bool:
         """Whether a forward may continue at ``pos`` from what the device holds: the KV cache holds every
         position before it, and each conv layer's ring still holds the inputs its convolution needs there

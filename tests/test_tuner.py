@@ -231,6 +231,19 @@ def test_bench_e2e_reports_end_to_end_figures(capsys):
     assert e2e["decode_tok_s"] > 0 and e2e["prefill_tok_s"] > 0 and e2e["device_bytes"] > e2e["weight_bytes"] > 0
 
 
+def test_bench_e2e_at_a_context_sizes_the_cache_and_runs_at_its_end(capsys):
+    """--ctx N: the memory figures of a cache of N positions (synthetic models too), the prompt and decode at
+    its end; without --e2e it says what is missing."""
+    code = cli.main(["bench", "--model", "synthetic:tiny", "--kernels", "argmax", "--e2e", "--ctx", "200", "--json"])
+    e2e = json.loads(capsys.readouterr().out)["e2e"]
+    c = SYNTHETIC_MODELS["tiny"][0]
+    assert code == 0 and e2e["ctx"] == 200 and e2e["depth"] == 200 - 64 - 32 - 1
+    assert e2e["kv_cache_bytes"] == 2 * 2 * c.n_layers * c.n_kv_heads * 200 * c.head_dim   # fp16 K and V
+    assert e2e["decode_tok_s"] > 0 and e2e["device_bytes"] > e2e["kv_cache_bytes"]
+    assert cli.main(["bench", "--model", "synthetic:tiny", "--ctx", "200"]) == 2
+    assert "--ctx sizes the end-to-end run's cache: add --e2e" in capsys.readouterr().err
+
+
 def test_bench_vs_defaults_interleaves_and_reports_the_gain_with_its_interval(capsys):
     code = cli.main(["bench", "--model", "synthetic:tiny", "--kernels", "rmsnorm", "--max-m", "1",
                      "--vs-defaults", "--rounds", "4", "--json"])

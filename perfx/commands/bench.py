@@ -36,6 +36,11 @@ def add_arguments(parser):
     add_kernel_options(parser, "measure")
     parser.add_argument("--e2e", action="store_true",
                         help="also end-to-end figures: prefill/decode tok/s, TTFT, host time per token, memory")
+    parser.add_argument("--ctx", type=int,
+                        help="with --e2e: the KV cache sized for CTX positions (the memory figures are the model's at "
+                             "that context) and the prompt and decode run at its end, after a cache filled with "
+                             "arbitrary values (attention reads as many positions as in a conversation that long); "
+                             "synthetic models included, so a model and context can be sized before downloading")
     parser.add_argument("--vs-defaults", action="store_true",
                         help="does tuning help here? each kernel (and, with --e2e, the model) with its tuned "
                              "parameters and with the built-in defaults, interleaved in shuffled rounds, with the "
@@ -133,13 +138,17 @@ def bench_problem(device, spec, problem, ceiling: dict, rng, database, vs_defaul
     return row
 
 
-def measure_e2e(model, prompt_tokens: int = 64, decode_tokens: int = 32, seed: int = 0) -> dict:
+def measure_e2e(model, prompt_tokens: int = 64, decode_tokens: int = 32, seed: int = 0, at_end: bool = False) -> dict:
     """Prefill ``prompt_tokens`` random ids, then decode ``decode_tokens`` greedily (EOS ignored): prefill
-    and decode tok/s, TTFT, achieved GB/s (model bytes × tok/s), host time per token, memory."""
+    and decode tok/s, TTFT, achieved GB/s (model bytes × tok/s), host time per token, memory. ``at_end``: at the
+    end of the context, after ``Model.fill_to`` (``depth`` in the result: the position the prompt starts at)."""
     c = model.config
     prompt_tokens = max(1, min(prompt_tokens, model.max_positions - decode_tokens - 1))
     prompt = [int(t) for t in np.random.default_rng(seed).integers(3, c.vocab_size, prompt_tokens)]
-    result = generate(model, None, prompt, decode_tokens, SamplingConfig(temperature=0))
+    depth = max(0, model.max_positions - prompt_tokens - decode_tokens - 1) if at_end else 0
+    if depth:
+        model.fill_to(depth)
+    result = generate(model, None, prompt, decode_tokens, SamplingConfig(temperature=0), start_pos=depth)
     s = result.stats
     report = model.load_report
     return {"prompt_tokens": s.prompt_tokens, "decode_tokens": s.generated_tokens,
@@ -147,16 +156,18 @@ def measure_e2e(model, prompt_tokens: int = 64, decode_tokens: int = 32, seed: i
             "decode_gb_s": s.decode_gb_s, "host_ms_per_token": 1e3 * s.host_s_per_token,
             "weight_bytes": model.weight_bytes, "device_bytes": report["device_bytes"],
             "device_peak_bytes": model.device.peak_allocated_bytes, "host_peak_bytes": report["host_peak_bytes"],
-            "load_s": report["load_s"], "ctx": report["ctx"]}
+            "load_s": report["load_s"], "ctx": report["ctx"], "depth": depth,
+            "kv_cache_bytes": report["kv_cache_bytes"], "conv_state_bytes": report.get("conv_state_bytes", 0)}
 
 
 def run_e2e(device, model_name: str, prompt_tokens: int = 64, decode_tokens: int = 32, ctx: int | None = None,
-            tuning: bool = True, lm_head: str = "q8") -> dict:
-    """Load ``model_name`` on ``device`` and measure it end to end (``measure_e2e``)."""
+            tuning: bool = True, lm_head: str = "q8", at_end: bool = False) -> dict:
+    """Load ``model_name`` on ``device`` and measure it end to end (``measure_e2e``; ``at_end``: at the end of
+    a cache of ``ctx`` positions)."""
     device.peak_allocated_bytes = device.allocated_bytes  # the model's peak, not earlier benchmarks'
     model, _ = load_model(model_name, device, ctx=ctx, progress=None, default_ctx=1024, tuning=tuning,
                           lm_head=lm_head)
-    return {"model": model_name, **measure_e2e(model, prompt_tokens, decode_tokens)}
+    return {"model": model_name, **measure_e2e(model, prompt_tokens, decode_tokens, at_end=at_end)}
 
 
 def e2e_vs_defaults(device, model_name: str, rounds: int, prompt_tokens: int = 64, decode_tokens: int = 32) -> dict:
@@ -180,16 +191,23 @@ def e2e_vs_defaults(device, model_name: str, rounds: int, prompt_tokens: int = 6
 def e2e_lines(e2e: dict, copy_gb_s: float) -> list[str]:
     mib = 2**20
     return [
-        f"end to end, {e2e['model']} (ctx {e2e['ctx']}): prefill {e2e['prompt_tokens']} tokens at "
-        f"{e2e['prefill_tok_s']:.1f} tok/s (TTFT {1e3 * e2e['ttft_s']:.0f} ms)",
+        f"end to end, {e2e['model']} (ctx {e2e['ctx']}" + (f", at positions {e2e['depth']}.." if e2e["depth"] else "")
+        + f"): prefill {e2e['prompt_tokens']} tokens at {e2e['prefill_tok_s']:.1f} tok/s "
+        f"(TTFT {1e3 * e2e['ttft_s']:.0f} ms)",
         f"  decode {e2e['decode_tok_s']:.2f} tok/s = {e2e['decode_gb_s']:.2f} GB/s of weights "
         f"({100 * e2e['decode_gb_s'] / copy_gb_s:.0f}% of copy), host {e2e['host_ms_per_token']:.2f} ms/token",
-        f"  memory: device {e2e['device_bytes'] / mib:.0f} MiB (peak {e2e['device_peak_bytes'] / mib:.0f} MiB), "
+        f"  memory: device {e2e['device_bytes'] / mib:.0f} MiB (peak {e2e['device_peak_bytes'] / mib:.0f} MiB; "
+        f"KV cache {e2e['kv_cache_bytes'] / mib:.0f} MiB" + (f", conv state {e2e['conv_state_bytes'] / mib:.1f} MiB"
+                                                           if e2e["conv_state_bytes"] else "") + "), "
         f"host peak {e2e['host_peak_bytes'] / mib:.0f} MiB, weights read per token {e2e['weight_bytes'] / mib:.0f} MiB",
     ]
 
 
 def main(args) -> int:
+    if args.ctx is not None and not args.e2e:
+        raise PerfxError("--ctx sizes the end-to-end run's cache: add --e2e")
+    if args.ctx is not None and args.vs_defaults:
+        raise PerfxError("--ctx and --vs-defaults together are not supported: run --e2e --ctx alone")
     if args.vs_defaults and args.rounds < 4:
         raise PerfxError(f"--rounds must be at least 4 for --vs-defaults, got {args.rounds}")
     device = Device(args.device)
@@ -212,7 +230,8 @@ def main(args) -> int:
     e2e = None
     if args.e2e:
         e2e = (e2e_vs_defaults(device, args.model, args.rounds) if args.vs_defaults
-               else run_e2e(device, args.model, tuning=database.enabled, lm_head=args.lm_head))
+               else run_e2e(device, args.model, tuning=database.enabled, lm_head=args.lm_head, ctx=args.ctx,
+                            at_end=args.ctx is not None))
     failed = [r for r in rows if "unsupported" not in r and (r.get("failure") or not r.get("verified", False))]
 
     if args.json:

@@ -2,7 +2,7 @@
 //
 // Per v head h < HV, reading q/k head kh (HEAD_MAP 0: h mod HK, llama.cpp's tiled order, which the GGUF
 // converter's _reorder_v_heads sets up; 1: h / (HV/HK), transformers' repeat_interleave), with the state
-// S[h][j][i] (j < DV a value row of DK floats: ggml_gated_delta_net's layout, its S held transposed), per token:
+// S[h][j][i] (j < DV a value row of DK floats: ggml_gated_delta_net's layout, S held transposed), per token:
 //   q̂ = q / max(‖q‖, eps) · scale,   k̂ = k / max(‖k‖, eps)                     (ggml_l2_norm)
 //   α = exp(g), β   (RAW_GATES 1: g = softplus(a + dt_bias[h]) · ssm_a[h], β = sigmoid(b), as qwen35.cpp)
 //   every row j:  S_j ← α·S_j;   δ_j = β·(v_j − S_j·k̂);   S_j += δ_j·k̂;   o_j = S_j·q̂
@@ -20,11 +20,11 @@
 //
 // gated_delta_net_chunked (prefill): chunks of CHUNK2 tokens, the chunked (WY) form of transformers'
 //   torch_chunk_gated_delta_rule and llama.cpp's build_delta_net_chunking. Within a chunk, γ_t = g_0 + … + g_t,
-//   Γ[t][s] = exp(γ_t − γ_s) for s ≤ t, L[t][s] = β_t·(k̂_t·k̂_s)·Γ[t][s] (s < t), P[t][s] = (q̂_t·k̂_s)·Γ[t][s]
-//   (s ≤ t); then each row j, from S_j at the chunk's start:
+//   Γ[t][s] = exp(γ_t − γ_s) for s ≤ t, L[t][s] = β_t·(k̂_t·k̂_s)·Γ[t][s] (s < t),
+//   P[t][s] = (q̂_t·k̂_s)·Γ[t][s] (s ≤ t); then each row j, from S_j at the chunk's start:
 //     r_t = β_t·(v_tj − exp(γ_t)·k̂_t·S_j);   u = (I + L)⁻¹·r  (forward substitution: transformers' v_new)
 //     o_tj = exp(γ_t)·q̂_t·S_j + Σ_{s≤t} P[t][s]·u_s;   S_j ← exp(γ_last)·S_j + Σ_t exp(γ_last − γ_t)·u_t·k̂_t
-//   No exponential grows (γ only falls), so a small α underflows to 0 instead of overflowing. A work-group
+//   No exponential grows (g ≤ 0: γ only falls), so a small α underflows to 0 instead of overflowing. A work-group
 //   holds ROWS2 rows of one head in local memory, with the chunk's k̂ and q̂ tiles, L and P: each work-group
 //   of a head recomputes the norms, L and P (2·C²·DK) beside its rows' 5·C·DK a chunk.
 //   Launch: global (ceil(DV/ROWS2)·WGS2, HV), local (WGS2, 1).
@@ -80,7 +80,8 @@ int qk_head(const int h)
 }
 
 // (g, β) of head h from one token's gates.
-float2 gates_of(__global const float* gt, const int h, __global const float* dt_bias, __global const float* ssm_a)
+float2 gates_of(__global const float* gt, const int h, __global const float* dt_bias,
+                __global const float* ssm_a)
 {
 #if RAW_GATES
     const float x = gt[h] + dt_bias[h];
@@ -93,9 +94,9 @@ float2 gates_of(__global const float* gt, const int h, __global const float* dt_
 
 __kernel __attribute__((reqd_work_group_size(WGS1, 1, 1)))
 void gated_delta_net_recurrent(const int tokens, __global const float* restrict qkv, const int qkv_offset,
-                               const int qkv_stride, __global const float* restrict gates, const int gates_offset,
-                               const int gates_stride, __global const float* restrict dt_bias,
-                               __global const float* restrict ssm_a, __global float* restrict state,
+                               const int qkv_stride, __global const float* restrict gates,
+                               const int gates_offset, const int gates_stride,
+                               __global const float* restrict dt_bias, __global const float* restrict ssm_a, __global float* restrict state,
                                __global float* restrict out, const int out_stride, const float scale,
                                const float eps)
 {
@@ -180,7 +181,8 @@ void gated_delta_net_chunked(const int tokens, __global const float* restrict qk
                              const int qkv_stride, __global const float* restrict gates, const int gates_offset,
                              const int gates_stride, __global const float* restrict dt_bias,
                              __global const float* restrict ssm_a, __global float* restrict state,
-                             __global float* restrict out, const int out_stride, const float scale, const float eps)
+                             __global float* restrict out, const int out_stride, const float scale,
+                             const float eps)
 {
     __local float kt[CHUNK2 * DKP];      // k̂ of the chunk's tokens
     __local float qt[CHUNK2 * DKP];      // q̂ (scaled)

@@ -8,15 +8,16 @@ and the tuning database.
 from __future__ import annotations
 
 from perfx.errors import PerfxError
-from perfx.tuning import (attention_decode, attention_prefill, embedding_q8, gemm_q4, gemm_q8, gemv_f16, gemv_q4,
-                          gemv_q8, rmsnorm, small_ops)
+from perfx.tuning import (attention_decode, attention_prefill, embedding_q8, gated_delta_net, gemm_q4, gemm_q8,
+                          gemv_f16, gemv_q4, gemv_q8, rmsnorm, small_ops)
 from perfx.tuning.spec import Case, Spec, relative_error
 
 SPECS: dict[str, Spec] = {spec.family: spec for spec in (
     gemv_q4.SPEC, gemv_f16.SPEC, gemm_q4.SKINNY, gemm_q4.TILED, gemm_q4.F16, rmsnorm.SPEC,
     attention_decode.SPEC,
     attention_prefill.SPEC, small_ops.EMBEDDING_F16, small_ops.EMBEDDING_Q4, small_ops.ARGMAX, small_ops.SWIGLU,
-    small_ops.GEGLU, small_ops.SOFTCAP, gemv_q8.SPEC, gemm_q8.SPEC, embedding_q8.SPEC)}
+    small_ops.GEGLU, small_ops.SOFTCAP, gemv_q8.SPEC, gemm_q8.SPEC, embedding_q8.SPEC,
+    gated_delta_net.RECURRENT, gated_delta_net.CHUNKED)}
 
 
 def select_specs(names: str | None) -> dict[str, Spec]:

@@ -24,9 +24,9 @@
 //   P[t][s] = (q̂_t·k̂_s)·Γ[t][s] (s ≤ t); then each row j, from S_j at the chunk's start:
 //     r_t = β_t·(v_tj − exp(γ_t)·k̂_t·S_j);   u = (I + L)⁻¹·r  (forward substitution: transformers' v_new)
 //     o_tj = exp(γ_t)·q̂_t·S_j + Σ_{s≤t} P[t][s]·u_s;   S_j ← exp(γ_last)·S_j + Σ_t exp(γ_last − γ_t)·u_t·k̂_t
-//   No exponential grows (g ≤ 0: γ only falls), so a small α underflows to 0 instead of overflowing. A work-group
-//   holds ROWS2 rows of one head in local memory, with the chunk's k̂ and q̂ tiles, L and P: each work-group
-//   of a head recomputes the norms, L and P (2·C²·DK) beside its rows' 5·C·DK a chunk.
+//   No exponential grows (g ≤ 0: γ only falls), so a small α underflows to 0 instead of overflowing.
+//   A work-group holds ROWS2 rows of one head in local memory, with the chunk's k̂ and q̂ tiles, L and P:
+//   each work-group of a head recomputes the norms, L and P (2·C²·DK) beside its rows' 5·C·DK a chunk.
 //   Launch: global (ceil(DV/ROWS2)·WGS2, HV), local (WGS2, 1).
 
 #ifndef LANES1
@@ -96,9 +96,9 @@ __kernel __attribute__((reqd_work_group_size(WGS1, 1, 1)))
 void gated_delta_net_recurrent(const int tokens, __global const float* restrict qkv, const int qkv_offset,
                                const int qkv_stride, __global const float* restrict gates,
                                const int gates_offset, const int gates_stride,
-                               __global const float* restrict dt_bias, __global const float* restrict ssm_a, __global float* restrict state,
-                               __global float* restrict out, const int out_stride, const float scale,
-                               const float eps)
+                               __global const float* restrict dt_bias, __global const float* restrict ssm_a,
+                               __global float* restrict state, __global float* restrict out,
+                               const int out_stride, const float scale, const float eps)
 {
     __local float sums[5][WGS1];
     const int lid = get_local_id(0);

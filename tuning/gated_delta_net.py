@@ -113,8 +113,8 @@ TOLERANCE_WHY = (
     "recurrence does not amplify them (α ≤ 1 and I − β·k̂k̂ᵀ is a contraction for β in (0, 1)), so over "
     "T ≤ 70 tokens outputs and state stay near 1e-7 relative; the chunked form adds the exponentials of the "
     "prefix sums γ and a forward substitution, errors of the same order (measured ≤ 1.2e-6 over both kernels, "
-    "every parameter set and test shape). 1e-5 leaves margin while a wrong head map (~1), a skipped norm (≫ 1e-2), a decay applied once "
-    "too often (α ≥ 0.02: ≥ 1e-2) or one token dropped (≥ 1e-2) is far above it."
+    "every parameter set and test shape). 1e-5 leaves margin while a wrong head map (~1), a skipped norm "
+    "(≫ 1e-2), a decay applied once too often (α ≥ 0.02: ≥ 1e-2) or one token dropped (≥ 1e-2) is far above it."
 )
 
 TEST_SHAPES = (

@@ -127,8 +127,8 @@ class _GatedDeltaNet:
 
     def __call__(self, qkv, gates, state, out, tokens: int = 1, *, qkv_offset: int = 0,
                  qkv_stride: int | None = None, gates_offset: int | None = None,
-                 gates_stride: int | None = None, out_stride: int | None = None, dt_bias=None, ssm_a=None, scale: float | None = None,
-                 eps: float = 1e-6):
+                 gates_stride: int | None = None, out_stride: int | None = None, dt_bias=None, ssm_a=None,
+                 scale: float | None = None, eps: float = 1e-6):
         """o of ``tokens`` tokens into ``out`` and the state advanced past them, in place; returns the event.
 
         Layouts in the module docstring. Strides default to a token's own width (qkv: [q | k | v], followed

@@ -51,7 +51,7 @@ RECURRENT_PARAMS = ParamSpace(
     source="gated_delta_net.cl",
     space={
         "LANES1": (16, 8, 32, 4, 1),   # work-items a state row (a power of two)
-        "ROWS1": (4, 8, 2, 16),        # state rows a work-group
+        "ROWS1": (4, 8, 16),           # state rows a work-group
     },
     rules=(Rule("a lane holds at most 64 of its row's floats (registers): LANES1 ≥ d_k / 64",
                 lambda p, s: -(-s["d_k"] // p["LANES1"]) <= 64),
@@ -66,8 +66,8 @@ CHUNKED_PARAMS = ParamSpace(
     source="gated_delta_net.cl",
     space={
         "CHUNK2": (16, 32, 8, 64),     # tokens a chunk
-        "ROWS2": (16, 32, 8, 64),      # state rows a work-group
-        "WGS2": (64, 128, 32, 256),    # work-items a work-group
+        "ROWS2": (16, 32, 8),          # state rows a work-group
+        "WGS2": (64, 128, 32),         # work-items a work-group
     },
     work_group_size=lambda p, s: p["WGS2"],
     local_memory=chunked_local,

@@ -15,7 +15,8 @@
 // gated_delta_net_recurrent (decode; any T, token by token): a work-group holds ROWS1 rows, LANES1 lanes a
 //   row, each lane DK/LANES1 of the row's floats in registers through all T tokens, so the state is read and
 //   written once a launch. One fused reduction a token of five sums over the row (S_j·k, S_j·q, ‖q‖², ‖k‖²,
-//   k·q): o_j = α·S_j·q̂ + δ_j·(k̂·q̂), from the state before its update.
+//   k·q): o_j = α·S_j·q̂ + δ_j·(k̂·q̂), from the state before its update. LANES1 1: a work-item a row, no
+//   reduction and no barrier (CPUs: each work-item a SIMD lane, as gemv_q4's LANES 1).
 //   Launch: global (ceil(DV/ROWS1)·LANES1·ROWS1, HV), local (LANES1·ROWS1, 1).
 //
 // gated_delta_net_chunked (prefill): chunks of CHUNK2 tokens, the chunked (WY) form of transformers'
@@ -100,7 +101,9 @@ void gated_delta_net_recurrent(const int tokens, __global const float* restrict 
                                __global float* restrict state, __global float* restrict out,
                                const int out_stride, const float scale, const float eps)
 {
+#if LANES1 > 1
     __local float sums[5][WGS1];
+#endif
     const int lid = get_local_id(0);
     const int lane = lid % LANES1;
     const int row = lid / LANES1;
@@ -131,6 +134,7 @@ void gated_delta_net_recurrent(const int tokens, __global const float* restrict 
             nk = fma(ke[e], ke[e], nk);
             kq = fma(ke[e], qi, kq);
         }
+#if LANES1 > 1
         // The row's five sums, a tree over its lanes.
         sums[0][lid] = sk;
         sums[1][lid] = sq;
@@ -153,6 +157,7 @@ void gated_delta_net_recurrent(const int tokens, __global const float* restrict 
         nk = sums[3][first];
         kq = sums[4][first];
         barrier(CLK_LOCAL_MEM_FENCE);  // the next token writes sums again
+#endif
 
         const float2 gb = gates_of(gates + gates_offset + (size_t)t * gates_stride, h, dt_bias, ssm_a);
         const float alpha = exp(gb.x);

@@ -36,7 +36,8 @@ MAX_HEAD_DIM = 256
 
 
 def _recurrent_local(params, shape) -> int:
-    return 4 * 5 * params["LANES1"] * params["ROWS1"]
+    # five sums a work-item for the row reductions; one lane a row reduces nothing
+    return 4 * 5 * params["LANES1"] * params["ROWS1"] if params["LANES1"] > 1 else 0
 
 
 def chunked_local(params, shape) -> int:
@@ -53,8 +54,8 @@ RECURRENT_PARAMS = ParamSpace(
         "LANES1": (16, 8, 32, 4, 1),   # work-items a state row (a power of two)
         "ROWS1": (4, 8, 16),           # state rows a work-group
     },
-    rules=(Rule("a lane holds at most 64 of its row's floats (registers): LANES1 ≥ d_k / 64",
-                lambda p, s: -(-s["d_k"] // p["LANES1"]) <= 64),
+    rules=(Rule("a lane holds at most 128 of its row's floats (registers): LANES1 ≥ d_k / 128",
+                lambda p, s: -(-s["d_k"] // p["LANES1"]) <= 128),
            Rule("LANES1 at most d_k rounded up to a power of two (more lanes would only idle)",
                 lambda p, s: p["LANES1"] == 1 or p["LANES1"] // 2 < s["d_k"])),
     work_group_size=lambda p, s: p["LANES1"] * p["ROWS1"],

@@ -54,6 +54,7 @@ def test_gated_delta_net(benchmark, device, tokens):
         flops = (spec.recurrent_flops(shape) if isinstance(op, GatedDeltaNetRecurrent)
                  else spec.chunked_flops(shape, op.params["CHUNK2"]))
         gbs = spec.bytes_moved(shape) / median / 1e9
-        print(f"  {op.space.family} {op.params}: {median * 1e6:.0f} µs (spread {(max(times) - min(times)) / median:.2f}), "
+        spread = (max(times) - min(times)) / median
+        print(f"  {op.space.family} {op.params}: {median * 1e6:.0f} µs (spread {spread:.2f}), "
               f"{gbs:.2f} GB/s ({100 * gbs / copy_gbs:.0f}% of copy), {flops / median / 1e9:.2f} GFLOP/s")
         benchmark.extra_info[f"{op.space.family} {op.params}"] = {"median_s": median, "samples_s": times}

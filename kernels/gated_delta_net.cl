@@ -26,8 +26,9 @@
 //     r_t = β_t·(v_tj − exp(γ_t)·k̂_t·S_j);   u = (I + L)⁻¹·r  (forward substitution: transformers' v_new)
 //     o_tj = exp(γ_t)·q̂_t·S_j + Σ_{s≤t} P[t][s]·u_s;   S_j ← exp(γ_last)·S_j + Σ_t exp(γ_last − γ_t)·u_t·k̂_t
 //   No exponential grows (g ≤ 0: γ only falls), so a small α underflows to 0 instead of overflowing.
-//   A work-group holds ROWS2 rows of one head in local memory, with the chunk's k̂ and q̂ tiles, L and P:
-//   each work-group of a head recomputes the norms, L and P (2·C²·DK) beside its rows' 5·C·DK a chunk.
+//   A work-group holds ROWS2 rows of one head in local memory, with the chunk's k̂ and q̂ tiles (HALF2: as
+//   fp16, half the bytes, so longer chunks fit), L and P: each work-group of a head recomputes the norms, L
+//   and P (2·C²·DK) beside its rows' 5·C·DK a chunk.
 //   Launch: global (ceil(DV/ROWS2)·WGS2, HV), local (WGS2, 1).
 
 #ifndef LANES1
@@ -44,6 +45,9 @@
 #endif
 #ifndef WGS2
 #define WGS2 64  // chunked: work-items a work-group
+#endif
+#ifndef HALF2
+#define HALF2 0  // chunked: the k̂ and q̂ tiles in local memory as fp16 (cl_khr_fp16); arithmetic stays fp32
 #endif
 
 // The shape, set by the wrapper (these defaults only let the file build on its own).
@@ -64,6 +68,13 @@
 #endif
 #ifndef RAW_GATES
 #define RAW_GATES 0  // 0: gates are g and β; 1: the projections' a and b, with dt_bias and ssm_a
+#endif
+
+#if HALF2
+#pragma OPENCL EXTENSION cl_khr_fp16 : enable
+typedef half tile_t;
+#else
+typedef float tile_t;
 #endif
 
 #define WGS1 (LANES1 * ROWS1)
@@ -189,8 +200,8 @@ void gated_delta_net_chunked(const int tokens, __global const float* restrict qk
                              __global float* restrict out, const int out_stride, const float scale,
                              const float eps)
 {
-    __local float kt[CHUNK2 * DKP];      // k̂ of the chunk's tokens
-    __local float qt[CHUNK2 * DKP];      // q̂ (scaled)
+    __local tile_t kt[CHUNK2 * DKP];     // k̂ of the chunk's tokens
+    __local tile_t qt[CHUNK2 * DKP];     // q̂ (scaled)
     __local float st[ROWS2 * DKP];       // this work-group's state rows
     __local float lm[CHUNK2 * CHUNK2];   // L, below the diagonal
     __local float pm[CHUNK2 * CHUNK2];   // P, on and below the diagonal
@@ -210,13 +221,7 @@ void gated_delta_net_chunked(const int tokens, __global const float* restrict qk
     }
     for (int c0 = 0; c0 < tokens; c0 += CHUNK2) {
         const int n = min(CHUNK2, tokens - c0);
-        // The chunk's q and k (coalesced along DK); its gates, their prefix sum and the decays from it.
-        for (int w = lid; w < n * DK; w += WGS2) {
-            const int t = w / DK, i = w % DK;
-            __global const float* x = qkv + qkv_offset + (size_t)(c0 + t) * qkv_stride;
-            qt[t * DKP + i] = x[kh * DK + i];
-            kt[t * DKP + i] = x[(HK + kh) * DK + i];
-        }
+        // The chunk's gates, their prefix sum and the decays from it; 1/‖q_t‖ (with the scale) and 1/‖k_t‖.
         if (lid == 0) {
             float acc = 0.0f;
             for (int t = 0; t < n; ++t) {
@@ -231,9 +236,9 @@ void gated_delta_net_chunked(const int tokens, __global const float* restrict qk
                 tail[t] = exp(acc - gam[t]);
             }
         }
-        barrier(CLK_LOCAL_MEM_FENCE);
         for (int w = lid; w < 2 * n; w += WGS2) {
-            __local const float* v = (w < n ? qt : kt) + (w % n) * DKP;
+            __global const float* v = qkv + qkv_offset + (size_t)(c0 + w % n) * qkv_stride
+                                      + (w < n ? 0 : HK * DK) + kh * DK;
             float squares = 0.0f;
             for (int i = 0; i < DK; ++i) {
                 squares = fma(v[i], v[i], squares);
@@ -241,10 +246,12 @@ void gated_delta_net_chunked(const int tokens, __global const float* restrict qk
             inv[w] = (w < n ? scale : 1.0f) / fmax(sqrt(squares), eps);
         }
         barrier(CLK_LOCAL_MEM_FENCE);
+        // The tiles of q̂ and k̂ (read coalesced along DK).
         for (int w = lid; w < n * DK; w += WGS2) {
             const int t = w / DK, i = w % DK;
-            qt[t * DKP + i] *= inv[t];
-            kt[t * DKP + i] *= inv[n + t];
+            __global const float* x = qkv + qkv_offset + (size_t)(c0 + t) * qkv_stride;
+            qt[t * DKP + i] = (tile_t)(x[kh * DK + i] * inv[t]);
+            kt[t * DKP + i] = (tile_t)(x[(HK + kh) * DK + i] * inv[n + t]);
         }
         barrier(CLK_LOCAL_MEM_FENCE);
         // L and P, and each row's k̂_t·S_j and q̂_t·S_j.
@@ -253,8 +260,8 @@ void gated_delta_net_chunked(const int tokens, __global const float* restrict qk
             if (s <= t) {
                 float kk = 0.0f, qk = 0.0f;
                 for (int i = 0; i < DK; ++i) {
-                    kk = fma(kt[t * DKP + i], kt[s * DKP + i], kk);
-                    qk = fma(qt[t * DKP + i], kt[s * DKP + i], qk);
+                    kk = fma((float)kt[t * DKP + i], (float)kt[s * DKP + i], kk);
+                    qk = fma((float)qt[t * DKP + i], (float)kt[s * DKP + i], qk);
                 }
                 const float decay = exp(gam[t] - gam[s]);
                 lm[t * CHUNK2 + s] = bet[t] * kk * decay;
@@ -265,8 +272,8 @@ void gated_delta_net_chunked(const int tokens, __global const float* restrict qk
             const int t = w / rows, r = w % rows;
             float y = 0.0f, z = 0.0f;
             for (int i = 0; i < DK; ++i) {
-                y = fma(kt[t * DKP + i], st[r * DKP + i], y);
-                z = fma(qt[t * DKP + i], st[r * DKP + i], z);
+                y = fma((float)kt[t * DKP + i], st[r * DKP + i], y);
+                z = fma((float)qt[t * DKP + i], st[r * DKP + i], z);
             }
             yt[t * ROWS2 + r] = y;
             zt[t * ROWS2 + r] = z;
@@ -298,7 +305,7 @@ void gated_delta_net_chunked(const int tokens, __global const float* restrict qk
             const int r = w / DK, i = w % DK;
             float acc = last * st[r * DKP + i];
             for (int t = 0; t < n; ++t) {
-                acc = fma(tail[t] * yt[t * ROWS2 + r], kt[t * DKP + i], acc);
+                acc = fma(tail[t] * yt[t * ROWS2 + r], (float)kt[t * DKP + i], acc);
             }
             st[r * DKP + i] = acc;
         }

@@ -96,7 +96,8 @@ def test_head_maps_and_gates(rng):
     """tile: v head h reads q/k head h mod Hk (np.tile); interleave: h // (Hv/Hk) (np.repeat); the gates of
     the projections: g = softplus(a + dt_bias)·ssm_a ≤ 0, β = sigmoid(b)."""
     q, k, v, g, beta, state = random_sequence(rng, 4, 2, 6, 16, 8)
-    for head_map, widen in (("tile", lambda x: np.tile(x, (1, 3, 1))), ("interleave", lambda x: np.repeat(x, 3, 1))):
+    widened = (("tile", lambda x: np.tile(x, (1, 3, 1))), ("interleave", lambda x: np.repeat(x, 3, 1)))
+    for head_map, widen in widened:
         out, final = reference.gated_delta_net(q, k, v, g, beta, state, head_map=head_map)
         same, same_final = reference.gated_delta_net(widen(q), widen(k), v, g, beta, state)
         np.testing.assert_allclose(out, same, rtol=0, atol=1e-13)

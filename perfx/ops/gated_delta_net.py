@@ -3,7 +3,8 @@
 ``kernels/gated_delta_net.cl`` (the maths in its header; ``perfx.reference.gated_delta_net`` is the float64
 truth): ``GatedDeltaNetRecurrent`` runs the recurrence token by token (decode, one token, or any T) with the
 state in registers; ``GatedDeltaNetChunked`` runs it in chunks of CHUNK2 tokens (prefill), the chunk's k̂ and
-q̂ tiles and state rows in local memory. Both take the same arguments and give the same outputs and state.
+q̂ tiles (fp32, or fp16 with HALF2 where the device has cl_khr_fp16) and state rows in local memory. Both take
+the same arguments and give the same outputs and state.
 
 The shape (a dict): n_k_heads, n_v_heads (a multiple of n_k_heads), d_k, d_v, and optionally head_map
 ("tile": v head h reads q/k head h mod Hk, llama.cpp's order in a GGUF; "interleave": h // (Hv/Hk), a Hugging
@@ -28,7 +29,7 @@ import numpy as np
 
 from perfx.errors import PerfxError
 from perfx.ops import buffer_bytes, device_buffer
-from perfx.ops.params import ParamSpace, Rule
+from perfx.ops.params import FP16_NEED, ParamSpace, Rule
 from perfx.runtime import Device
 
 HEAD_MAPS = {"tile": 0, "interleave": 1}
@@ -44,7 +45,8 @@ def chunked_local(params, shape) -> int:
     """Mirrors the chunked kernel's __local arrays: k̂, q̂ and state tiles (rows padded by one), L and P,
     the rows' sums, the chunk's gates."""
     c, rows, dkp = params["CHUNK2"], params["ROWS2"], shape["d_k"] + 1
-    return 4 * (2 * c * dkp + rows * dkp + 2 * c * c + 2 * c * rows + 6 * c)
+    tile = 2 if params["HALF2"] else 4
+    return tile * 2 * c * dkp + 4 * (rows * dkp + 2 * c * c + 2 * c * rows + 6 * c)
 
 
 RECURRENT_PARAMS = ParamSpace(
@@ -69,9 +71,11 @@ CHUNKED_PARAMS = ParamSpace(
         "CHUNK2": (16, 32, 8, 64),     # tokens a chunk
         "ROWS2": (16, 32, 8),          # state rows a work-group
         "WGS2": (64, 128, 32),         # work-items a work-group
+        "HALF2": (0, 1),               # the k̂ and q̂ tiles in local memory as fp16 (cl_khr_fp16)
     },
     work_group_size=lambda p, s: p["WGS2"],
     local_memory=chunked_local,
+    needs={"HALF2": FP16_NEED},
 )
 
 

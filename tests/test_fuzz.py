@@ -171,6 +171,17 @@ def rmsnorm_shape(draw):
     return shape
 
 
+@st.composite
+def gated_delta_net_shape(draw):
+    """q/k heads, v heads (a GQA ratio up to 4), head sizes off every lane and row multiple, up to 80 tokens
+    (several chunks of every size, or less than one), either head map, either gate form, an offset."""
+    hk = draw(st.integers(1, 3))
+    return {"n_k_heads": hk, "n_v_heads": hk * draw(st.integers(1, 4)), "d_k": draw(st.integers(1, 160)),
+            "d_v": draw(st.integers(1, 160)), "tokens": draw(st.integers(1, 80)),
+            "head_map": draw(st.sampled_from(["tile", "interleave"])), "raw_gates": draw(st.booleans()),
+            "qkv_offset": draw(st.integers(0, 9))}
+
+
 SHAPES = {
     "gemv_q4": gemv_q4_shape(),
     "gemv_q8": gemv_q8_shape(),
@@ -189,6 +200,8 @@ SHAPES = {
     "swiglu": st.fixed_dictionaries({"count": st.integers(1, 12000)}),
     "geglu": st.fixed_dictionaries({"count": st.integers(1, 12000)}),
     "softcap": st.fixed_dictionaries({"count": st.integers(1, 300000), "cap": st.sampled_from([30.0, 1.5])}),
+    "gated_delta_net_recurrent": gated_delta_net_shape(),
+    "gated_delta_net_chunked": gated_delta_net_shape(),
 }
 
 

@@ -50,7 +50,12 @@ SAMPLES = 3
 # Oclgrind interprets every work-item (~1000x slower than PoCL): shapes of a few tiles, still off every
 # tile and vector multiple so the edge guards run. The defaults run on every shape of a family, the sampled
 # parameter sets on the first. A family missing here runs its smallest spec test shape.
+# Gated DeltaNet: three chunks of 8 (two of 16) with a tail, GQA 2, d_k and d_v off the lane and row multiples.
+GATED_DELTA_NET_TINY = ({"n_k_heads": 1, "n_v_heads": 2, "d_k": 12, "d_v": 20, "tokens": 19, "qkv_offset": 1},)
+
 TINY_SHAPES = {
+    "gated_delta_net_recurrent": GATED_DELTA_NET_TINY,
+    "gated_delta_net_chunked": GATED_DELTA_NET_TINY,
     "gemv_q8": (
         {"n": 13, "k": 96, "group": 32, "f32": False, "epilogue": "none", "bias": True, "parts": (7, 6),
          "block_bytes": 5 * 96},

@@ -243,6 +243,81 @@ def attention(q, k, v, q_positions, causal: bool = True, window: int = 0, scale:
 
 
 # ---------------------------------------------------------------------------------------------
+# Gated DeltaNet (Qwen3.5 / Qwen3-Next linear attention), as llama.cpp computes it
+#
+# ggml_gated_delta_net (ggml/src/ggml-cpu/ops.cpp) per v head, state S (d_k × d_v), S[i][j] with i a key and
+# j a value index, held transposed in memory, state[h][j][i] (the layout every function and kernel here
+# uses: a value row j is d_k contiguous floats). Per token, with q, k L2-normalised (ggml_l2_norm in
+# src/models/qwen35.cpp, x / max(‖x‖, eps)) and q scaled by 1/√d_k:
+#     S ← exp(g)·S;   δ_j = β·(v_j − Σ_i S[i][j]·k_i);   S[i][j] += k_i·δ_j;   o_j = Σ_i S[i][j]·q_i.
+# Head mapping of v head h to its q/k head: "tile" h mod Hk (llama.cpp: the GGUF converter reorders the v
+# heads, _reorder_v_heads, so that a tiled repeat fits) or "interleave" h // (Hv / Hk) (transformers'
+# repeat_interleave over a Hugging Face checkpoint).
+
+HEAD_MAPS = ("tile", "interleave")
+
+
+def l2_normalize(x, eps: float = 1e-6) -> np.ndarray:
+    """x / max(‖x‖, eps) over the last axis: ggml_l2_norm (transformers: x·rsqrt(Σx² + eps), the same to
+    ~eps/‖x‖²)."""
+    x = f64(x)
+    return x / np.maximum(np.sqrt(np.sum(x * x, axis=-1, keepdims=True)), eps)
+
+
+def softplus(x) -> np.ndarray:
+    return np.logaddexp(0.0, f64(x))
+
+
+def gated_delta_gates(a, b, dt_bias, ssm_a) -> tuple[np.ndarray, np.ndarray]:
+    """(g, β) from the projections' a and b (…, Hv): g = softplus(a + dt_bias)·ssm_a, β = sigmoid(b).
+
+    ``ssm_a`` is −exp(A_log), as the GGUF stores it (transformers: −A_log.exp()); ``dt_bias`` the GGUF's
+    ssm_dt.bias. g ≤ 0 is the log of the decay α = exp(g).
+    """
+    g = softplus(f64(a) + f64(dt_bias)) * f64(ssm_a)
+    return g, 1.0 / (1.0 + np.exp(-f64(b)))
+
+
+def delta_net_heads(n_k_heads: int, n_v_heads: int, head_map: str = "tile") -> np.ndarray:
+    """The q/k head each v head reads (Hv,)."""
+    if head_map not in HEAD_MAPS:
+        raise ValueError(f"head_map {head_map!r} is not one of {HEAD_MAPS}")
+    h = np.arange(n_v_heads)
+    return h % n_k_heads if head_map == "tile" else h // (n_v_heads // n_k_heads)
+
+
+def gated_delta_net_step(q, k, v, g, beta, state, head_map: str = "tile", scale: float | None = None,
+                         eps: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
+    """One token over all heads: q, k (Hk, d_k) as projected (normalised here), v (Hv, d_v), g and β (Hv),
+    state (Hv, d_v, d_k). Returns (o (Hv, d_v), the new state); ``scale`` defaults to 1/√d_k."""
+    q, k, v, g, beta = f64(q), f64(k), f64(v), f64(g), f64(beta)
+    state = f64(state).copy()
+    heads = delta_net_heads(q.shape[0], v.shape[0], head_map)
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    qn, kn = l2_normalize(q, eps)[heads] * scale, l2_normalize(k, eps)[heads]   # (Hv, d_k)
+    out = np.empty_like(v)
+    for h in range(v.shape[0]):
+        s = state[h] * np.exp(g[h])                      # (d_v, d_k): row j holds S[:, j]
+        delta = beta[h] * (v[h] - s @ kn[h])
+        s += np.outer(delta, kn[h])
+        out[h] = s @ qn[h]
+        state[h] = s
+    return out, state
+
+
+def gated_delta_net(q, k, v, g, beta, state=None, head_map: str = "tile", scale: float | None = None,
+                    eps: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
+    """The recurrence token by token over a sequence: q, k (T, Hk, d_k), v (T, Hv, d_v), g and β (T, Hv),
+    state (Hv, d_v, d_k) or None (zeros). Returns (o (T, Hv, d_v), the final state)."""
+    v = f64(v)
+    state = np.zeros((v.shape[1], v.shape[2], f64(k).shape[2])) if state is None else f64(state)
+    out = np.empty_like(v)
+    for t in range(v.shape[0]):
+        out[t], state = gated_delta_net_step(q[t], k[t], v[t], g[t], beta[t], state, head_map, scale, eps)
+    return out, state
+
+
+# ---------------------------------------------------------------------------------------------
 # The whole model: a float64 Llama forward over a perfx.sources.ModelSource (the end-to-end truth)
 
 

@@ -103,10 +103,10 @@ def best_length(costs: StepCosts, acceptance: Acceptance, draft_seconds: float, 
     """(the draft length of the most expected tokens per second in k_min..k_max, its expected gain over
     decoding one token a step); a length is chosen over decoding only beyond MIN_GAIN."""
     decode = costs.seconds[1]
-    best, best_rate = 0, 1.0 / decode
+    best, best_rate = (0, 1.0 / decode) if k_min == 0 else (k_min, 0.0)
     for k in range(max(k_min, 1), k_max + 1):
         rate = acceptance.expected_tokens(k) / (costs.seconds[k + 1] + k * draft_seconds)
-        if rate > best_rate * (MIN_GAIN if best == 0 and k_min == 0 else 1.0):
+        if rate > best_rate * (MIN_GAIN if best == 0 else 1.0):
             best, best_rate = k, rate
     return best, best_rate * decode
 
@@ -241,16 +241,21 @@ class Speculator:
     def begin(self, model, seen: list[int], start_pos: int) -> None:
         """Before the prompt's prefill at ``start_pos`` (positions from there on are about to be written):
         calibrate the step costs at first use, and start this reply's counts."""
-        if self.drafter and not self.costs.calibrated:
-            self.costs.calibrate(model, start_pos)
-            if self.draft is not None:
-                self.draft.calibrate()
+        if not self.costs.calibrated:
+            self.calibrate(model, start_pos)
         # A draft model agrees with its target more often than not; lookup learns from free shadow drafts.
         self.acceptance = Acceptance(2.0, 3.0) if self.draft is not None else Acceptance()
         self.stats = Stats(speculation=self.drafter)
         self.shadow = []
         if self.drafter == "lookup":
             self.lookup.reset(seen)
+
+    def calibrate(self, model, pos: int) -> None:
+        """Measure the step costs (and the draft model's) at positions pos.., which the caller overwrites next."""
+        if self.drafter:
+            self.costs.calibrate(model, pos)
+            if self.draft is not None:
+                self.draft.calibrate()
 
     def finish(self, stats: Stats) -> None:
         """This reply's counts into ``stats``, and the gain: decode tok/s over one token a step's."""

@@ -43,7 +43,7 @@ def main(args) -> int:
             log(no_thinking_switch_note(args.model))
         text = tokenizer.apply_chat_template(messages + [{"role": "user", "content": args.prompt}],
                                              **thinking_kwargs(tokenizer, think=not args.no_think))
-    speculator = speculator_from_args(args, model, source, log=log if not args.quiet else None)
+    speculator = speculator_from_args(args, model, source.tokenizer, log=log if not args.quiet else None)
     prompt_ids = tokenizer.encode(text, add_bos=tokenizer.add_bos_token)
     stream = None if args.json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
     result = generate(model, tokenizer, prompt_ids, args.max_tokens, sampling, stop_strings=args.stop,

@@ -79,7 +79,7 @@ def add_speculation_options(parser):
                         help="draft at most N tokens a step (default %(default)s)")
 
 
-def speculator_from_args(args, model, source, log=None) -> Speculator | None:
+def speculator_from_args(args, model, tokenizer, log=None) -> Speculator | None:
     """The Speculator of --speculate / --draft / --draft-max beside ``model`` (None for off); loads the draft
     model on the same device with the same context, refusing one with another vocabulary."""
     if args.draft and args.speculate in ("off", "lookup"):
@@ -90,7 +90,7 @@ def speculator_from_args(args, model, source, log=None) -> Speculator | None:
     if args.draft:
         draft_model, draft_source = load_model(args.draft, model.device, model.max_positions, args.quantize,
                                                tuning=not args.no_tuning, lm_head=args.lm_head, log=log)
-        check_same_vocabulary(source.tokenizer, draft_source.tokenizer, args.model, args.draft)
+        check_same_vocabulary(tokenizer, draft_source.tokenizer, args.model, args.draft)
         draft = DraftModel(draft_model, args.draft)
     return Speculator(args.speculate, draft, args.draft_max)
 

@@ -30,8 +30,10 @@ from perfx.generate import Sampler, Stats, common_prefix
 
 MODES = ("auto", "off", "lookup", "draft")
 MAX_DRAFT = 8             # draft tokens per step at most (M ≤ 9)
-CALIBRATED_M = (1, 2, 3, 5, 9)   # timed at first use; the M between are interpolated until measured
-CALIBRATION_REPS = 3
+# Timed at first use; the other M are interpolated until a step of theirs is timed. Powers of two because
+# the GEMMs' tiles make them the cheap ones (an odd M can cost more than the even one above it).
+CALIBRATED_M = (1, 2, 4, 8)
+CALIBRATION_REPS = 2
 COST_MEMORY = 0.25        # weight of each new timing in a step cost's running mean
 MIN_GAIN = 1.05           # speculate only where it is expected to be 5% faster than decoding: room for noise
 
@@ -41,6 +43,7 @@ class StepCosts:
 
     def __init__(self, seconds: dict[int, float] | None = None):
         self.seconds: dict[int, float] = dict(seconds or {})
+        self.timed: set[int] = set(self.seconds)     # the M whose cost was measured, not interpolated
 
     @property
     def calibrated(self) -> bool:
@@ -64,11 +67,15 @@ class StepCosts:
         measured = {m: float(np.median(s)) for m, s in samples.items()}
         for m in range(1, MAX_DRAFT + 2):
             self.seconds[m] = measured.get(m) or float(np.interp(m, list(measured), list(measured.values())))
+        self.timed = set(measured)
 
     def observe(self, m: int, seconds: float) -> None:
-        """A step of m tokens just took ``seconds``: the device's speed now (another app, heat) counts."""
+        """A step of m tokens just took ``seconds``: the device's speed now (another app, heat) counts, and
+        the first timing of an interpolated M replaces the guess."""
         old = self.seconds.get(m)
-        self.seconds[m] = seconds if old is None else (1 - COST_MEMORY) * old + COST_MEMORY * seconds
+        fresh = old is None or m not in self.timed
+        self.seconds[m] = seconds if fresh else (1 - COST_MEMORY) * old + COST_MEMORY * seconds
+        self.timed.add(m)
 
     def ratios(self) -> dict[int, float]:
         """Each step's cost over a decode step's."""
@@ -77,8 +84,9 @@ class StepCosts:
 
 class Acceptance:
     """How often the draft at each depth was accepted, given the one before it was: counts with a prior of
-    ``prior`` accepted out of ``prior_total`` (a Beta prior), so a reply starts from a guess and follows what
-    it sees."""
+    ``prior`` accepted out of ``prior_total`` at depth 1 (a Beta prior), and at each deeper depth the rate
+    of the depth before it as the prior of the same weight, so a reply starts from a guess, follows what it
+    sees, and a depth not yet tried is expected to do as the one above it."""
 
     def __init__(self, prior: float = 1.0, prior_total: float = 2.0):
         self.prior, self.prior_total = prior, prior_total
@@ -91,7 +99,11 @@ class Acceptance:
 
     def rates(self) -> np.ndarray:
         """a_1 .. a_MAX_DRAFT (index 0 unused)."""
-        return (self.accepted + self.prior) / (self.tried + self.prior_total)
+        rates = np.empty(MAX_DRAFT + 1)
+        rates[0] = self.prior / self.prior_total
+        for i in range(1, MAX_DRAFT + 1):
+            rates[i] = (self.accepted[i] + self.prior_total * rates[i - 1]) / (self.tried[i] + self.prior_total)
+        return rates
 
     def expected_tokens(self, k: int) -> float:
         """Tokens one step drafting k yields on average: the accepted drafts and the target's own token."""
@@ -139,13 +151,14 @@ class PromptLookup:
         else:
             self.extend(seen[len(self.ids):])
 
-    def draft(self, k: int) -> list[int]:
+    def draft(self, k: int) -> tuple[list[int], int]:
+        """(up to k draft tokens, the length of the n-gram matched: a longer match drafts better)."""
         ids = self.ids
         for n in range(min(self.max_ngram, len(ids) - 1), 0, -1):
             at = self.index.get(tuple(ids[len(ids) - n:]))
             if at is not None:
-                return ids[at:at + k]
-        return []
+                return ids[at:at + k], n
+        return [], 0
 
 
 def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_name: str, draft_name: str) -> None:
@@ -234,17 +247,20 @@ class Speculator:
         self.drafter = "" if mode == "off" else "draft" if draft is not None else "lookup"
         self.costs = costs or StepCosts()
         self.lookup = PromptLookup()
-        self.acceptance = Acceptance()
+        self.acceptance: dict[int, Acceptance] = {}   # by the lookup's n-gram length; 0: the draft model
         self.stats = Stats()
         self.shadow: list[int] = []
+        self.shadow_source = self.shadow_depth = 0
 
     def begin(self, model, seen: list[int], start_pos: int) -> None:
         """Before the prompt's prefill at ``start_pos`` (positions from there on are about to be written):
         calibrate the step costs at first use, and start this reply's counts."""
         if not self.costs.calibrated:
             self.calibrate(model, start_pos)
-        # A draft model agrees with its target more often than not; lookup learns from free shadow drafts.
-        self.acceptance = Acceptance(2.0, 3.0) if self.draft is not None else Acceptance()
+        # A draft model agrees with its target more often than not; lookup learns from free shadow drafts,
+        # for each n-gram length apart.
+        self.acceptance = ({0: Acceptance(2.0, 3.0)} if self.draft is not None else
+                           {n: Acceptance() for n in range(1, self.lookup.max_ngram + 1)})
         self.stats = Stats(speculation=self.drafter)
         self.shadow = []
         if self.drafter == "lookup":
@@ -272,15 +288,15 @@ class Speculator:
         if self.draft is not None:
             k_max = min(k_max, self.draft.room(seen) - 1)
         drafts: list[int] = []
-        k = 0
+        k = source = 0
         if self.drafter == "lookup" and k_max > 0:
             self.lookup.sync(seen)
-            drafts = self.lookup.draft(k_max)
-            k = self._length(len(drafts), 0.0) if drafts else 0
+            drafts, source = self.lookup.draft(k_max)
+            k = self._length(len(drafts), 0.0, source) if drafts else 0
         elif self.drafter == "draft" and k_max > 0:
-            k = self._length(k_max, self.draft.token_seconds)
+            k = self._length(k_max, self.draft.token_seconds, source)
         if k == 0:
-            return [self._decode(model, sampler, token, pos, seen, drafts)]
+            return [self._decode(model, sampler, token, pos, seen, drafts, source)]
         self.shadow = []
         dists = None
         if self.drafter == "draft":
@@ -292,7 +308,7 @@ class Speculator:
         accepted, nxt = accept(logits, drafts, dists, sampler, seen)
         self.costs.observe(k + 1, time.perf_counter() - started)
         for depth in range(1, min(len(accepted) + 1, k) + 1):
-            self.acceptance.record(depth, depth <= len(accepted))
+            self.acceptance[source].record(depth, depth <= len(accepted))
         s = self.stats
         s.drafted += k
         s.accepted += len(accepted)
@@ -300,15 +316,17 @@ class Speculator:
         s.draft_lengths[k] = s.draft_lengths.get(k, 0) + 1
         return accepted + [nxt]
 
-    def _length(self, k_max: int, draft_seconds: float) -> int:
-        k, _ = best_length(self.costs, self.acceptance, draft_seconds, k_max, k_min=int(self.mode != "auto"))
+    def _length(self, k_max: int, draft_seconds: float, source: int) -> int:
+        k, _ = best_length(self.costs, self.acceptance[source], draft_seconds, k_max,
+                           k_min=int(self.mode != "auto"))
         return k
 
-    def _decode(self, model, sampler: Sampler, token: int, pos: int, seen: list[int], drafts: list[int]) -> int:
+    def _decode(self, model, sampler: Sampler, token: int, pos: int, seen: list[int], drafts: list[int],
+                source: int) -> int:
         """One token a step, timed; a lookup draft not verified is checked against it for free (a shadow
         draft: at any temperature it matches with the probability that verifying would have accepted it)."""
         if not self.shadow and drafts:
-            self.shadow, self.shadow_depth = list(drafts), 0
+            self.shadow, self.shadow_source, self.shadow_depth = list(drafts), source, 0
         started = time.perf_counter()
         model.decode_one(token, pos)
         nxt = sampler(model, seen)
@@ -316,7 +334,7 @@ class Speculator:
         if self.shadow:
             self.shadow_depth += 1
             hit = self.shadow.pop(0) == nxt
-            self.acceptance.record(self.shadow_depth, hit)
+            self.acceptance[self.shadow_source].record(self.shadow_depth, hit)
             if not hit:
                 self.shadow = []
         return nxt

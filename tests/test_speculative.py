@@ -26,15 +26,15 @@ FLAT = {m: 1.0 for m in range(1, MAX_DRAFT + 2)}
 def test_prompt_lookup_drafts_what_followed_the_latest_longest_match():
     lookup = PromptLookup(max_ngram=3)
     lookup.reset([1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 2, 3])
-    assert lookup.draft(3) == [4, 6, 7], "the latest of the two occurrences of (2, 3)"
+    assert lookup.draft(3) == ([4, 6, 7], 2), "the latest of the two occurrences of (2, 3)"
     lookup.extend([4])
-    assert lookup.draft(2) == [6, 7], "(2, 3, 4) last continued by 6"
+    assert lookup.draft(2) == ([6, 7], 3), "(2, 3, 4) last continued by 6"
     lookup.reset([5, 6, 7])
-    assert lookup.draft(4) == [], "no earlier occurrence of 7"
+    assert lookup.draft(4) == ([], 0), "no earlier occurrence of 7"
     lookup.sync([5, 6, 7, 5])
-    assert lookup.draft(4) == [6, 7, 5] and lookup.ids == [5, 6, 7, 5]
+    assert lookup.draft(4) == ([6, 7, 5], 1) and lookup.ids == [5, 6, 7, 5]
     lookup.sync([8, 6])   # another text: the index starts over
-    assert lookup.ids == [8, 6] and lookup.draft(2) == []
+    assert lookup.ids == [8, 6] and lookup.draft(2) == ([], 0)
 
 
 def test_the_draft_length_follows_the_measured_costs_and_acceptance():
@@ -239,10 +239,11 @@ def test_greedy_speculation_gives_the_one_token_a_step_reply(tiny, mode):
 
 
 @pytest.mark.one_implementation
-@pytest.mark.parametrize("mode", ["lookup", "same"])
+@pytest.mark.parametrize("mode", ["lookup", "draft", "same"])
 def test_rollbacks_past_a_prefill_chunk_up_to_a_full_context_then_the_next_turn(tiny, mode):
     """A prompt of two prefill chunks, a reply that runs into the end of the context with drafts rejected
-    and rolled back on the way, then a next turn that reuses the cache: all as one token a step."""
+    and rolled back on the way (every one with the other weights' draft), then a next turn that reuses the
+    cache: all as one token a step."""
     prompt = repetitive_prompt(tiny.tokenizer, 40)[:CTX - 30]
     assert len(prompt) > 256, "the prompt's prefill takes two chunks"
     results = {}
@@ -262,6 +263,8 @@ def test_rollbacks_past_a_prefill_chunk_up_to_a_full_context_then_the_next_turn(
     assert s1.end_pos == p1.end_pos == CTX and s_start == p_start
     assert_greedy_equal(tiny.target, p1.ids, s1.ids, prompt)
     assert s1.stats.verify_steps > 0
+    if mode == "draft":
+        assert s1.stats.drafted > s1.stats.accepted, "drafts were rejected and their positions rewritten"
     if p1.ids == s1.ids:
         assert_greedy_equal(tiny.target, p2.ids, s2.ids, prompt + p1.ids[:10] + prompt[5:9])
 

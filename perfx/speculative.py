@@ -21,6 +21,7 @@ steps never speculates.
 
 from __future__ import annotations
 
+import collections
 import time
 
 import numpy as np
@@ -34,20 +35,42 @@ MAX_DRAFT = 8             # draft tokens per step at most (M ≤ 9)
 # the GEMMs' tiles make them the cheap ones (an odd M can cost more than the even one above it).
 CALIBRATED_M = (1, 2, 4, 8)
 CALIBRATION_REPS = 2
-COST_MEMORY = 0.25        # weight of each new timing in a step cost's running mean
-MIN_GAIN = 1.05           # speculate only where it is expected to be 5% faster than decoding: room for noise
+DECODE_WINDOW = 16        # the latest decode steps whose median is the decode cost
+RATIO_WINDOW = 8          # the latest verification steps of each M whose median is its cost over decode's
+COST_MEMORY = 0.25        # weight of each new timing in the draft model's cost per token
+MIN_GAIN = 1.1            # auto drafts only where that is expected 10% faster than decoding: room for noise
 
 
 class StepCosts:
-    """Seconds of one generation step of M tokens on this device and model, M = 1 .. MAX_DRAFT + 1."""
+    """Seconds of one generation step of M tokens on this device and model, M = 1 .. MAX_DRAFT + 1.
+
+    Kept as the median of the latest decode steps and, for each M ≥ 2, the median of its latest costs
+    over the decode cost of their time: another app or heat slows both alike, and a step stalled by the
+    scheduler moves neither median.
+    """
 
     def __init__(self, seconds: dict[int, float] | None = None):
-        self.seconds: dict[int, float] = dict(seconds or {})
-        self.timed: set[int] = set(self.seconds)     # the M whose cost was measured, not interpolated
+        self.decode: collections.deque = collections.deque(maxlen=DECODE_WINDOW)
+        self.ratio: dict[int, collections.deque] = {}
+        self.guessed: set[int] = set()      # the M whose ratio was interpolated, not timed
+        if seconds:
+            self._start(seconds, set(seconds))
 
     @property
     def calibrated(self) -> bool:
-        return bool(self.seconds)
+        return bool(self.decode)
+
+    @property
+    def seconds(self) -> dict[int, float]:
+        decode = float(np.median(self.decode))
+        return {1: decode, **{m: decode * float(np.median(r)) for m, r in sorted(self.ratio.items())}}
+
+    def _start(self, seconds: dict[int, float], timed: set[int]) -> None:
+        self.decode.clear()
+        self.decode.append(seconds[1])
+        self.ratio = {m: collections.deque([seconds[m] / seconds[1]], maxlen=RATIO_WINDOW)
+                      for m in range(2, MAX_DRAFT + 2)}
+        self.guessed = set(self.ratio) - timed
 
     def calibrate(self, model, pos: int, reps: int = CALIBRATION_REPS) -> None:
         """Time a decode step and verification steps at positions pos.. (which the caller is about to
@@ -65,21 +88,23 @@ class StepCosts:
                 if round_:
                     samples[m].append(time.perf_counter() - started)
         measured = {m: float(np.median(s)) for m, s in samples.items()}
-        for m in range(1, MAX_DRAFT + 2):
-            self.seconds[m] = measured.get(m) or float(np.interp(m, list(measured), list(measured.values())))
-        self.timed = set(measured)
+        sizes = list(measured)
+        self._start({m: float(np.interp(m, sizes, [measured[n] for n in sizes]))
+                     for m in range(1, MAX_DRAFT + 2)}, set(sizes))
 
     def observe(self, m: int, seconds: float) -> None:
-        """A step of m tokens just took ``seconds``: the device's speed now (another app, heat) counts, and
-        the first timing of an interpolated M replaces the guess."""
-        old = self.seconds.get(m)
-        fresh = old is None or m not in self.timed
-        self.seconds[m] = seconds if fresh else (1 - COST_MEMORY) * old + COST_MEMORY * seconds
-        self.timed.add(m)
+        """A step of m tokens just took ``seconds``; the first timing of an interpolated M replaces the guess."""
+        if m == 1:
+            self.decode.append(seconds)
+            return
+        if m in self.guessed:
+            self.ratio[m].clear()
+            self.guessed.discard(m)
+        self.ratio[m].append(seconds / float(np.median(self.decode)))
 
     def ratios(self) -> dict[int, float]:
         """Each step's cost over a decode step's."""
-        return {m: s / self.seconds[1] for m, s in sorted(self.seconds.items())}
+        return {1: 1.0, **{m: float(np.median(r)) for m, r in sorted(self.ratio.items())}}
 
 
 class Acceptance:
@@ -114,10 +139,11 @@ def best_length(costs: StepCosts, acceptance: Acceptance, draft_seconds: float, 
                 k_min: int = 0) -> tuple[int, float]:
     """(the draft length of the most expected tokens per second in k_min..k_max, its expected gain over
     decoding one token a step); a length is chosen over decoding only beyond MIN_GAIN."""
-    decode = costs.seconds[1]
+    seconds = costs.seconds
+    decode = seconds[1]
     best, best_rate = (0, 1.0 / decode) if k_min == 0 else (k_min, 0.0)
     for k in range(max(k_min, 1), k_max + 1):
-        rate = acceptance.expected_tokens(k) / (costs.seconds[k + 1] + k * draft_seconds)
+        rate = acceptance.expected_tokens(k) / (seconds[k + 1] + k * draft_seconds)
         if rate > best_rate * (MIN_GAIN if best == 0 else 1.0):
             best, best_rate = k, rate
     return best, best_rate * decode
@@ -257,10 +283,11 @@ class Speculator:
         calibrate the step costs at first use, and start this reply's counts."""
         if not self.costs.calibrated:
             self.calibrate(model, start_pos)
-        # A draft model agrees with its target more often than not; lookup learns from free shadow drafts,
-        # for each n-gram length apart.
+        # A draft model agrees with its target more often than not. Lookup starts from 1 in 4 (most text does
+        # not repeat what came before; a reply has few tokens to learn from) and learns from free shadow
+        # drafts, for each n-gram length apart.
         self.acceptance = ({0: Acceptance(2.0, 3.0)} if self.draft is not None else
-                           {n: Acceptance() for n in range(1, self.lookup.max_ngram + 1)})
+                           {n: Acceptance(1.0, 4.0) for n in range(1, self.lookup.max_ngram + 1)})
         self.stats = Stats(speculation=self.drafter)
         self.shadow = []
         if self.drafter == "lookup":
@@ -278,8 +305,8 @@ class Speculator:
         for name in ("speculation", "drafted", "accepted", "verify_steps", "draft_lengths"):
             setattr(stats, name, getattr(self.stats, name))
         if self.drafter and self.costs.calibrated:
-            stats.step_seconds = dict(self.costs.seconds)
-            stats.speculation_gain = stats.decode_tok_s * self.costs.seconds[1]
+            stats.step_seconds = seconds = self.costs.seconds
+            stats.speculation_gain = stats.decode_tok_s * seconds[1]
 
     def advance(self, model, sampler: Sampler, token: int, pos: int, seen: list[int], room: int) -> list[int]:
         """Feed ``token`` (the last of ``seen``) at ``pos``; the next tokens: every one but the last is in the

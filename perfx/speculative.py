@@ -123,15 +123,17 @@ class Acceptance:
         self.accepted[depth] += accepted
 
     def rates(self) -> np.ndarray:
-        """a_1 .. a_MAX_DRAFT (index 0 unused)."""
-        rates = np.empty(MAX_DRAFT + 1)
-        rates[0] = self.prior / self.prior_total
+        """a_1 .. a_MAX_DRAFT (index 0 unused), each one standard deviation below its mean: a few lucky
+        drafts early in a reply do not make the next ones look sure."""
+        means = np.empty(MAX_DRAFT + 1)
+        means[0] = self.prior / self.prior_total
         for i in range(1, MAX_DRAFT + 1):
-            rates[i] = (self.accepted[i] + self.prior_total * rates[i - 1]) / (self.tried[i] + self.prior_total)
-        return rates
+            means[i] = (self.accepted[i] + self.prior_total * means[i - 1]) / (self.tried[i] + self.prior_total)
+        spread = np.sqrt(means * (1 - means) / (self.tried + self.prior_total + 1))
+        return np.clip(means - spread, 0.0, 1.0)
 
     def expected_tokens(self, k: int) -> float:
-        """Tokens one step drafting k yields on average: the accepted drafts and the target's own token."""
+        """Tokens one step drafting k yields (a cautious mean): the accepted drafts and the target's own."""
         return 1.0 + float(np.cumprod(self.rates()[1:k + 1]).sum()) if k else 1.0
 
 
@@ -275,8 +277,7 @@ class Speculator:
         self.lookup = PromptLookup()
         self.acceptance: dict[int, Acceptance] = {}   # by the lookup's n-gram length; 0: the draft model
         self.stats = Stats()
-        self.shadow: list[int] = []
-        self.shadow_source = self.shadow_depth = 0
+        self.shadows: list[tuple[list[int], int, int]] = []   # lookup drafts not verified: (rest, source, depth)
 
     def begin(self, model, seen: list[int], start_pos: int) -> None:
         """Before the prompt's prefill at ``start_pos`` (positions from there on are about to be written):
@@ -289,7 +290,7 @@ class Speculator:
         self.acceptance = ({0: Acceptance(2.0, 3.0)} if self.draft is not None else
                            {n: Acceptance(1.0, 4.0) for n in range(1, self.lookup.max_ngram + 1)})
         self.stats = Stats(speculation=self.drafter)
-        self.shadow = []
+        self.shadows = []
         if self.drafter == "lookup":
             self.lookup.reset(seen)
 
@@ -324,7 +325,7 @@ class Speculator:
             k = self._length(k_max, self.draft.token_seconds, source)
         if k == 0:
             return [self._decode(model, sampler, token, pos, seen, drafts, source)]
-        self.shadow = []
+        self.shadows = []
         dists = None
         if self.drafter == "draft":
             drafts, dists = self.draft.propose(seen, k, sampler)
@@ -350,20 +351,22 @@ class Speculator:
 
     def _decode(self, model, sampler: Sampler, token: int, pos: int, seen: list[int], drafts: list[int],
                 source: int) -> int:
-        """One token a step, timed; a lookup draft not verified is checked against it for free (a shadow
-        draft: at any temperature it matches with the probability that verifying would have accepted it)."""
-        if not self.shadow and drafts:
-            self.shadow, self.shadow_source, self.shadow_depth = list(drafts), source, 0
+        """One token a step, timed. The lookup draft of each such step is checked against the tokens that
+        follow, for free (a shadow draft: at any temperature it matches with the probability that verifying
+        would have accepted it), so the acceptance rates learn at every step whether drafts ran or not."""
+        if drafts:
+            self.shadows.append((list(drafts), source, 0))
         started = time.perf_counter()
         model.decode_one(token, pos)
         nxt = sampler(model, seen)
         self.costs.observe(1, time.perf_counter() - started)
-        if self.shadow:
-            self.shadow_depth += 1
-            hit = self.shadow.pop(0) == nxt
-            self.acceptance[self.shadow_source].record(self.shadow_depth, hit)
-            if not hit:
-                self.shadow = []
+        alive = []
+        for rest, where, depth in self.shadows:
+            hit = rest[0] == nxt
+            self.acceptance[where].record(depth + 1, hit)
+            if hit and len(rest) > 1:
+                alive.append((rest[1:], where, depth + 1))
+        self.shadows = alive
         return nxt
 
 

@@ -62,8 +62,8 @@ class StepCosts:
 
     @property
     def seconds(self) -> dict[int, float]:
-        decode = float(np.median(self.decode))
-        return {1: decode, **{m: decode * float(np.median(r)) for m, r in sorted(self.ratio.items())}}
+        decode = median(self.decode)
+        return {1: decode, **{m: decode * median(r) for m, r in sorted(self.ratio.items())}}
 
     def _start(self, seconds: dict[int, float], timed: set[int]) -> None:
         self.decode.clear()
@@ -100,11 +100,18 @@ class StepCosts:
         if m in self.guessed:
             self.ratio[m].clear()
             self.guessed.discard(m)
-        self.ratio[m].append(seconds / float(np.median(self.decode)))
+        self.ratio[m].append(seconds / median(self.decode))
 
     def ratios(self) -> dict[int, float]:
         """Each step's cost over a decode step's."""
-        return {1: 1.0, **{m: float(np.median(r)) for m, r in sorted(self.ratio.items())}}
+        return {1: 1.0, **{m: median(r) for m, r in sorted(self.ratio.items())}}
+
+
+def median(values) -> float:
+    """statistics.median, for the few values of a window (numpy's costs more than the step it times)."""
+    ordered = sorted(values)
+    half = len(ordered) // 2
+    return float(ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2)
 
 
 class Acceptance:
@@ -132,20 +139,21 @@ class Acceptance:
         spread = np.sqrt(means * (1 - means) / (self.tried + self.prior_total + 1))
         return np.clip(means - spread, 0.0, 1.0)
 
-    def expected_tokens(self, k: int) -> float:
-        """Tokens one step drafting k yields (a cautious mean): the accepted drafts and the target's own."""
-        return 1.0 + float(np.cumprod(self.rates()[1:k + 1]).sum()) if k else 1.0
+    def expected_tokens(self) -> np.ndarray:
+        """E(k), k = 0 .. MAX_DRAFT: the tokens one step drafting k yields (a cautious mean), the accepted
+        drafts and the target's own."""
+        return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(self.rates()[1:]))])
 
 
 def best_length(costs: StepCosts, acceptance: Acceptance, draft_seconds: float, k_max: int,
                 k_min: int = 0) -> tuple[int, float]:
     """(the draft length of the most expected tokens per second in k_min..k_max, its expected gain over
     decoding one token a step); a length is chosen over decoding only beyond MIN_GAIN."""
-    seconds = costs.seconds
+    seconds, tokens = costs.seconds, acceptance.expected_tokens()
     decode = seconds[1]
     best, best_rate = (0, 1.0 / decode) if k_min == 0 else (k_min, 0.0)
     for k in range(max(k_min, 1), k_max + 1):
-        rate = acceptance.expected_tokens(k) / (seconds[k + 1] + k * draft_seconds)
+        rate = tokens[k] / (seconds[k + 1] + k * draft_seconds)
         if rate > best_rate * (MIN_GAIN if best == 0 else 1.0):
             best, best_rate = k, rate
     return best, best_rate * decode

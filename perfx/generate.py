@@ -177,7 +177,7 @@ class Stats:
                 f"draft length {mean:.1f}, gain {self.speculation_gain:.2f}x")
 
     def line(self) -> str:
-        spec = self.speculation_line()
+        spec = self.speculation_line() if self.drafted else ""
         return (f"{self.generated_tokens} tokens, TTFT {1e3 * self.ttft_s:.0f} ms, prefill {self.prefill_tok_s:.1f} tok/s, "
                 f"decode {self.decode_tok_s:.1f} tok/s ({self.decode_gb_s:.2f} GB/s)" + (f", {spec}" if spec else ""))
 

@@ -52,7 +52,7 @@ class StepCosts:
     def __init__(self, seconds: dict[int, float] | None = None):
         self.decode: collections.deque = collections.deque(maxlen=DECODE_WINDOW)
         self.ratio: dict[int, collections.deque] = {}
-        self.guessed: set[int] = set()      # the M whose ratio was interpolated, not timed
+        self.guessed: set[int] = set()      # the M whose ratio was interpolated, not timed yet
         if seconds:
             self._start(seconds, set(seconds))
 
@@ -71,6 +71,10 @@ class StepCosts:
         self.ratio = {m: collections.deque([seconds[m] / seconds[1]], maxlen=RATIO_WINDOW)
                       for m in range(2, MAX_DRAFT + 2)}
         self.guessed = set(self.ratio) - timed
+
+    @property
+    def timed(self) -> set[int]:
+        return {1} | (set(self.ratio) - self.guessed)
 
     def calibrate(self, model, pos: int, reps: int = CALIBRATION_REPS) -> None:
         """Time a decode step and verification steps at positions pos.. (which the caller is about to
@@ -269,7 +273,7 @@ class Speculator:
     """
 
     def __init__(self, mode: str = "auto", draft: DraftModel | None = None, max_draft: int = MAX_DRAFT,
-                 costs: StepCosts | None = None):
+                 costs: StepCosts | None = None, log=None):
         if mode not in MODES:
             raise PerfxError(f"--speculate must be one of {', '.join(MODES)}, got {mode!r}")
         if mode == "draft" and draft is None:
@@ -282,6 +286,7 @@ class Speculator:
         self.mode, self.draft, self.max_draft = mode, draft, max_draft
         self.drafter = "" if mode == "off" else "draft" if draft is not None else "lookup"
         self.costs = costs or StepCosts()
+        self.log = log or (lambda text: None)
         self.lookup = PromptLookup()
         self.acceptance: dict[int, Acceptance] = {}   # by the lookup's n-gram length; 0: the draft model
         self.stats = Stats()
@@ -305,9 +310,15 @@ class Speculator:
     def calibrate(self, model, pos: int) -> None:
         """Measure the step costs (and the draft model's) at positions pos.., which the caller overwrites next."""
         if self.drafter:
+            started = time.perf_counter()
             self.costs.calibrate(model, pos)
             if self.draft is not None:
                 self.draft.calibrate()
+            draft = (f"; the draft model's token {self.draft.token_seconds / self.costs.seconds[1]:.2f}"
+                     if self.draft is not None else "")
+            self.log(f"perfx: speculation ({self.mode}): step costs measured in {time.perf_counter() - started:.1f} "
+                     f"s, M tokens over one: " + ", ".join(f"{m}: {r:.2f}" for m, r in self.costs.ratios().items()
+                                                          if m in self.costs.timed) + draft)
 
     def finish(self, stats: Stats) -> None:
         """This reply's counts into ``stats``, and the gain: decode tok/s over one token a step's."""

@@ -3,14 +3,23 @@ distribution on a host model whose exact distribution is known, and, on a tiny G
 greedy replies equal to one-token-a-step replies with rollbacks past a prefill chunk and up to a full
 context, in generate, chat and serve."""
 
+import http.client
+import json
+import re
+import threading
+
 import numpy as np
 import pytest
 
 from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
 from helpers.tiny_tokenizer import train_tiny_spm
+from perfx import cli
+from perfx.commands.chat import Chat
 from perfx.errors import PerfxError
 from perfx.generate import Conversation, SamplingConfig, generate, sampling_probs
 from perfx.model import load_model
+from perfx.serve.engine import Engine
+from perfx.serve.server import Server, ServeOptions
 from perfx.speculative import (MAX_DRAFT, Acceptance, DraftModel, PromptLookup, Speculator, StepCosts, best_length,
                                check_same_vocabulary)
 from perfx.tokenizer import Tokenizer
@@ -276,3 +285,50 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tiny, tiny_paths):
                                          r"of \d+: a draft model must share the target's vocabulary"):
         check_same_vocabulary(tiny.tokenizer, other, "target.gguf", "other.gguf")
     check_same_vocabulary(tiny.tokenizer, Tokenizer.from_gguf(tiny_paths["draft"]), "target.gguf", "draft.gguf")
+
+
+# -- the commands -------------------------------------------------------------------------------------
+
+
+@pytest.mark.one_implementation
+def test_generate_json_reports_speculation_and_refuses_a_draft_of_another_vocabulary(tiny_paths, capsys):
+    prompt = "kato rimu sen la dope. " * 6 + "kato rimu"
+    base = ["generate", "--model", tiny_paths["target"], "--raw", "--temperature", "0", "--max-tokens", "24", "-q"]
+    assert cli.main(base + ["--speculate", "lookup", "--json", prompt]) == 0
+    out = json.loads(capsys.readouterr().out)
+    spec = out["stats"]["speculation"]
+    assert spec["drafter"] == "lookup" and spec["drafted"] >= spec["accepted"] > 0 and spec["verify_steps"] > 0
+    assert sum(spec["draft_lengths"].values()) == spec["verify_steps"] and spec["gain"] > 0
+    assert set(spec["step_ms"]) == {str(m) for m in range(1, MAX_DRAFT + 2)}
+    assert cli.main(base + ["--draft", tiny_paths["other"], prompt]) == 2
+    err = capsys.readouterr().err
+    assert "has a vocabulary of 450 tokens" in err and "a draft model must share the target's vocabulary" in err
+    assert cli.main(base + ["--draft", tiny_paths["draft"], "--speculate", "off", prompt]) == 2
+    assert "is unused with --speculate off" in capsys.readouterr().err
+
+
+@pytest.mark.one_implementation
+def test_chat_stats_and_the_serve_log_line_report_acceptance(tiny, tiny_paths, capsys):
+    model, source = load_model(tiny_paths["target"], tiny.target.device, ctx=CTX, progress=False)
+    chat = Chat(model, source, GREEDY, 16, None, interactive=False, speculator=Speculator("lookup"))
+    chat.turn("kato rimu sen la dope. " * 4 + "kato rimu")
+    chat.turn("sen la dope. kato rimu sen la")
+    stats = chat.stats_text()
+    assert re.search(r"speculate +lookup \(lookup\): last lookup: \d+/\d+ drafted accepted \(\d+%\), draft length "
+                     r"[\d.]+, gain [\d.]+x; all replies \d+/\d+ drafted accepted", stats), stats
+    assert re.search(r"step cost +M tokens / one: 1: 1.00, 2: [\d.]+", stats), stats
+    logs: list[str] = []
+    engine = Engine(model, source.tokenizer, 2, GREEDY, Speculator("lookup"))
+    server = Server(("127.0.0.1", 0), engine, ServeOptions("tiny", default_max_tokens=12, log=logs.append))
+    accepting = threading.Thread(target=server.serve_forever, daemon=True)
+    accepting.start()
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)
+        body = json.dumps({"model": "tiny", "prompt": "kato rimu sen la dope. " * 4 + "kato rimu"})
+        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        assert connection.getresponse().status == 200
+    finally:
+        server.stop()
+        accepting.join(30)
+    assert re.search(r"completion 12 \(length\), lookup: \d+/\d+ drafted accepted \(\d+%\), draft length [\d.]+, "
+                     r"gain [\d.]+x, wait", logs[0]), logs

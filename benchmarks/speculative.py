@@ -9,9 +9,10 @@ forced drafter (lookup, or draft) run interleaved in a shuffled order each round
 cache; the figure is the median decode tok/s over rounds with its min-max, and auto's over off's per round.
 
 The draft-model target (``--draft``) is synthetic: the default model (SmolLM2-135M-Instruct Q4_1) deepened
-to twice its layers, each layer followed by a copy of itself whose attention and FFN outputs are scaled by
-``SCALE`` (the Q4_1 blocks' scale and offset multiplied), so it costs twice the bytes per token, speaks as
-the default model nearly does, and the default model drafts for it with its vocabulary.
+to ``DEPTH`` times its layers, each layer followed by copies of itself whose attention and FFN outputs are
+scaled by ``SCALE`` (the Q4_1 blocks' scale and offset multiplied), so its layers read ``DEPTH`` times the
+bytes per token, it speaks nearly as the default model does, and the default model drafts for it with its
+vocabulary.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from perfx.model import load_model
 from perfx.sources.default import default_model_path
 from perfx.speculative import DraftModel, Speculator
 
-SCALE = 0.1
+SCALE = 0.05
+DEPTH = 4
 
 TASKS = {
     "rewrite": "Rewrite this paragraph in the past tense, changing nothing else: The city council meets every "
@@ -47,8 +49,8 @@ TASKS = {
 }
 
 
-def deepened_gguf(src: Path, dst: Path, scale: float = SCALE) -> Path:
-    """``src`` with each layer followed by a copy whose attn_output and ffn_down (Q4_1) are scaled."""
+def deepened_gguf(src: Path, dst: Path, depth: int = DEPTH, scale: float = SCALE) -> Path:
+    """``src`` with each layer followed by depth − 1 copies whose attn_output and ffn_down (Q4_1) are scaled."""
     reader = gguf.GGUFReader(src)
     arch = reader.fields["general.architecture"].contents()
     n = reader.fields[f"{arch}.block_count"].contents()
@@ -56,7 +58,7 @@ def deepened_gguf(src: Path, dst: Path, scale: float = SCALE) -> Path:
     for field in reader.fields.values():
         if field.name.startswith("GGUF.") or field.name == "general.architecture":
             continue
-        value = 2 * n if field.name == f"{arch}.block_count" else field.contents()
+        value = depth * n if field.name == f"{arch}.block_count" else field.contents()
         kind = field.types[0]
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, value, kind, sub_type=sub)
@@ -70,10 +72,10 @@ def deepened_gguf(src: Path, dst: Path, scale: float = SCALE) -> Path:
     for t in rest:
         writer.add_tensor(t.name, np.asarray(t.data), raw_shape=t.data.shape, raw_dtype=t.tensor_type)
     for i in range(n):
-        for copy in (0, 1):
+        for copy in range(depth):
             for t in layers[i]:
                 data = np.array(t.data)
-                name = t.name.replace(f"blk.{i}.", f"blk.{2 * i + copy}.", 1)
+                name = t.name.replace(f"blk.{i}.", f"blk.{depth * i + copy}.", 1)
                 if copy and name.endswith(("attn_output.weight", "ffn_down.weight")):
                     if t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
                         raise SystemExit(f"{t.name} is {t.tensor_type.name}: only Q4_1 is scaled here")

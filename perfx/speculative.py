@@ -245,6 +245,7 @@ class DraftModel:
         """k draft tokens after ``seen`` and, when sampling, the distribution each was drawn from."""
         model, started = self.model, time.perf_counter()
         start = common_prefix(self.cached, seen[:-1])
+        del self.cached[start:]     # about to be overwritten: true however this ends
         model.prefill(seen[start:], start)
         greedy = sampler.config.temperature == 0
         drafts, dists = [], None if greedy else []
@@ -300,7 +301,7 @@ class Speculator:
         # A draft model agrees with its target more often than not. Lookup starts from 1 in 4 (most text does
         # not repeat what came before; a reply has few tokens to learn from) and learns from free shadow
         # drafts, for each n-gram length apart.
-        self.acceptance = ({0: Acceptance(2.0, 3.0)} if self.draft is not None else
+        self.acceptance = ({0: Acceptance(3.0, 4.0)} if self.draft is not None else
                            {n: Acceptance(1.0, 4.0) for n in range(1, self.lookup.max_ngram + 1)})
         self.stats = Stats(speculation=self.drafter)
         self.shadows = []

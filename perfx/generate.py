@@ -173,13 +173,14 @@ class Stats:
         if not self.speculation:
             return ""
         mean = self.drafted / self.verify_steps if self.verify_steps else 0.0
-        return (f"{self.speculation}: {self.accepted}/{self.drafted} drafted accepted ({100 * self.acceptance:.0f}%), "
-                f"draft length {mean:.1f}, gain {self.speculation_gain:.2f}x")
+        return (f"{self.speculation}: {self.accepted}/{self.drafted} drafted accepted "
+                f"({100 * self.acceptance:.0f}%), draft length {mean:.1f}, gain {self.speculation_gain:.2f}x")
 
     def line(self) -> str:
         spec = self.speculation_line() if self.drafted else ""
         return (f"{self.generated_tokens} tokens, TTFT {1e3 * self.ttft_s:.0f} ms, prefill {self.prefill_tok_s:.1f} tok/s, "
-                f"decode {self.decode_tok_s:.1f} tok/s ({self.decode_gb_s:.2f} GB/s)" + (f", {spec}" if spec else ""))
+                f"decode {self.decode_tok_s:.1f} tok/s ({self.decode_gb_s:.2f} GB/s)"
+                + (f", {spec}" if spec else ""))
 
 
 @dataclass

@@ -252,15 +252,18 @@ class DraftModel:
         for i in range(k):
             if i:
                 model.decode_one(drafts[-1], len(seen) + i - 1)
-            if greedy:
-                drafts.append(model.argmax() if sampler.config.greedy else sampler.pick(model.logits(), seen + drafts))
+            if sampler.config.greedy:
+                drafts.append(model.argmax())
+            elif greedy:
+                drafts.append(sampler.pick(model.logits(), seen + drafts))
             else:
                 q = sampler.distribution(model.logits(), seen + drafts)
                 drafts.append(sampler.sample(q))
                 dists.append(q)
         self.cached = list(seen) + drafts[:-1]
         spent = (time.perf_counter() - started) / k
-        self.token_seconds = spent if not self.token_seconds else (1 - COST_MEMORY) * self.token_seconds + COST_MEMORY * spent
+        old = self.token_seconds
+        self.token_seconds = spent if not old else (1 - COST_MEMORY) * old + COST_MEMORY * spent
         return drafts, dists
 
 
@@ -317,9 +320,9 @@ class Speculator:
                 self.draft.calibrate()
             draft = (f"; the draft model's token {self.draft.token_seconds / self.costs.seconds[1]:.2f}"
                      if self.draft is not None else "")
-            self.log(f"perfx: speculation ({self.mode}): step costs measured in {time.perf_counter() - started:.1f} "
-                     f"s, M tokens over one: " + ", ".join(f"{m}: {r:.2f}" for m, r in self.costs.ratios().items()
-                                                          if m in self.costs.timed) + draft)
+            ratios = ", ".join(f"{m}: {r:.2f}" for m, r in self.costs.ratios().items() if m in self.costs.timed)
+            self.log(f"perfx: speculation ({self.mode}): step costs measured in "
+                     f"{time.perf_counter() - started:.1f} s, M tokens over one: {ratios}{draft}")
 
     def finish(self, stats: Stats) -> None:
         """This reply's counts into ``stats``, and the gain: decode tok/s over one token a step's."""

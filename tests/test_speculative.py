@@ -109,8 +109,8 @@ def continuation_counts(model, sampling, speculator_factory, prompt, runs: int, 
 @pytest.mark.parametrize("drafter", ["lookup", "draft"])
 def test_sampling_with_speculation_keeps_the_distribution(drafter):
     """Continuations of 3 tokens, 3000 seeds: a chi-square test against the exact distribution (5 tokens,
-    temperature 0.8 with top-k, top-p and min-p each removing tokens). The draft model is another chain, so drafts are
-    accepted and rejected by min(1, p/q) and the residual max(0, p − q) is sampled."""
+    temperature 0.8 with top-k, top-p and min-p each removing tokens). The draft model is another chain, so
+    drafts are accepted and rejected by min(1, p/q) and the residual max(0, p − q) is sampled."""
     rng = np.random.default_rng(3)
     v, length, runs = 5, 3, 3000
     target = Markov(rng.standard_normal((v, v)) * 0.6)
@@ -222,7 +222,8 @@ def assert_greedy_equal(model, plain: list[int], speculative: list[int], prompt:
     at = next((i for i, (a, b) in enumerate(zip(plain, speculative)) if a != b), min(len(plain), len(speculative)))
     logits = model.prefill_logits(prompt + plain[:at], 0, len(prompt) + at - 1)[-1]
     top = np.sort(logits)[-2:]
-    assert top[1] - top[0] < NEAR_TIE, f"parted at token {at}, where the two best logits are {top[1] - top[0]:.3g} apart"
+    gap = top[1] - top[0]
+    assert gap < NEAR_TIE, f"parted at token {at}, where the two best logits are {gap:.3g} apart"
 
 
 def repetitive_prompt(tokenizer, repeats: int = 6) -> list[int]:

@@ -56,8 +56,8 @@ def main(args) -> int:
         raise PerfxError(f"{args.model} has no tokenizer: `perfx chat` needs one (synthetic models are for "
                          "`perfx bench`)")
     speculator = speculator_from_args(args, model, source.tokenizer, log=log)
-    chat = Chat(model, source, sampling, args.max_tokens, system_prompt(args), interactive, think=not args.no_think,
-                speculator=speculator)
+    chat = Chat(model, source, sampling, args.max_tokens, system_prompt(args), interactive,
+                think=not args.no_think, speculator=speculator)
     if args.no_think and not source.tokenizer.has_thinking_switch:
         chat.note(no_thinking_switch_note(chat.model_name))
     return chat.loop()
@@ -271,7 +271,8 @@ class Chat:
                                           f"{f' ({100 * accepted / drafted:.0f}%)' if drafted else ''}, draft "
                                           f"length {drafted / steps if steps else 0:.1f}"))
                 if ratios:
-                    rows.append(("step cost", "M tokens / one: " + ", ".join(f"{m}: {r:.2f}" for m, r in ratios.items())))
+                    rows.append(("step cost", "M tokens / one: "
+                                 + ", ".join(f"{m}: {r:.2f}" for m, r in ratios.items())))
         else:
             rows.append(("replies", "none yet"))
         rows.append(("memory", f"{report.get('device_bytes', 0) / mib:.0f} MiB on the device (weights "

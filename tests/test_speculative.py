@@ -208,22 +208,24 @@ def tiny(tiny_paths, opencl_device) -> Tiny:
     return Tiny(tiny_paths, opencl_device)
 
 
-# The largest gap between the two best logits at which the decode path (GEMV) and the verification path
-# (GEMM) may pick different tokens: both sum float32 products over K ≤ 384 in different orders, and a tuned
-# GEMV may quantize activations to int8 (Intel's: the default model's logits within 4.3e-2 of float64), so
-# a gap wider than this is a real disagreement, not rounding.
-NEAR_TIE = 5e-2
-
-
 def assert_greedy_equal(model, plain: list[int], speculative: list[int], prompt: list[int]):
-    """Equal token for token, or parted at a near-tie of the target's own logits there."""
+    """Equal token for token, or parted only at a near-tie: where the two best logits of the decode path
+    are closer than twice what the decode path (GEMV) and the verification path (GEMM) differ by there
+    (float32 sums in other orders; a tuned GEMV may quantize activations to int8: on the default model
+    Intel's tuned entries put the paths up to 0.81 apart, PoCL's 0.0067), plus 1e-3."""
     if plain == speculative:
         return
     at = next((i for i, (a, b) in enumerate(zip(plain, speculative)) if a != b), min(len(plain), len(speculative)))
-    logits = model.prefill_logits(prompt + plain[:at], 0, len(prompt) + at - 1)[-1]
-    top = np.sort(logits)[-2:]
-    gap = top[1] - top[0]
-    assert gap < NEAR_TIE, f"parted at token {at}, where the two best logits are {gap:.3g} apart"
+    assert at > 0, "the first token comes from the prompt's prefill in both"
+    context = prompt + plain[:at]
+    model.prefill(context[:-1], 0)
+    model.decode_one(context[-1], len(context) - 1)
+    decoded = model.logits()
+    verified = model.prefill_logits(context[-2:], len(context) - 2)[-1]
+    paths = float(np.abs(decoded - verified).max())
+    top = np.sort(decoded)[-2:]
+    gap = float(top[1] - top[0])
+    assert gap < 2 * paths + 1e-3, f"parted at token {at}, where the two best logits are {gap:.3g} apart (paths {paths:.3g})"
 
 
 def repetitive_prompt(tokenizer, repeats: int = 6) -> list[int]:

@@ -10,7 +10,8 @@ The layers, bottom to top (each imports only from those below it):
     sources                                              model files -> host weights, one module per format
     ops                                                  one wrapper per kernel family + its parameter space
     tuning                                               specs (verification, metrics), tuner, database, problems
-    model, generate                                      the decoder forward (each family a recipe); sampling
+    model, generate, speculative                         the decoder forward (each family a recipe); sampling;
+                                                         speculative decoding
     commands, cli                                        `perfx info / selftest / generate / chat / tune / bench`
 """
 
@@ -34,14 +35,16 @@ from perfx.ops.rmsnorm import RMSNorm
 from perfx.ops.small_ops import Argmax, Embedding, GeGLU, Softcap, SwiGLU
 from perfx.runtime import Device, Limits
 from perfx.sources import open_model
+from perfx.speculative import DraftModel, Speculator
 from perfx.timing import copy_bandwidth, time_launches
 from perfx.tuning.spec import relative_error
 
 __version__ = "0.1.0"
 __all__ = [
-    "Argmax", "AttentionDecode", "AttentionPrefill", "Conversation", "Device", "Embedding", "EmbeddingQ8",
+    "Argmax", "AttentionDecode", "AttentionPrefill", "Conversation", "Device", "DraftModel", "Embedding",
+    "EmbeddingQ8",
     "F16DeviceWeight", "GeGLU", "GemmQ4", "GemmQ8", "GemvF16", "GemvQ4", "GemvQ8", "KVCache", "Limits",
     "Model", "PerfxError", "Q4DeviceWeight", "Q4Matrix", "Q8DeviceWeight", "Q8Matrix", "RMSNorm", "RopeTable",
-    "SamplingConfig", "Softcap", "SwiGLU", "__version__", "copy_bandwidth", "generate", "load_model",
+    "SamplingConfig", "Softcap", "Speculator", "SwiGLU", "__version__", "copy_bandwidth", "generate", "load_model",
     "open_model", "reference", "relative_error", "time_launches",
 ]

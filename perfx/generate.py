@@ -8,7 +8,7 @@ only pass a callback that receives each piece of text as it is decoded.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import numpy as np
@@ -93,13 +93,25 @@ class Sampler:
         self.rng = np.random.default_rng(config.seed)
 
     def __call__(self, model: Model, history: list[int]) -> int:
-        c = self.config
-        if c.greedy:
+        if self.config.greedy:
             return model.argmax()
-        logits = apply_repetition_penalty(model.logits(), history[-256:], c.repetition_penalty)
-        if c.temperature == 0:
-            return int(np.argmax(logits))
-        probs = sampling_probs(logits, c.temperature, c.top_k, c.top_p, c.min_p)
+        return self.pick(model.logits(), history)
+
+    def pick(self, logits, history: list[int]) -> int:
+        """The next token after ``history`` from host logits."""
+        if self.config.temperature == 0:
+            return int(np.argmax(self.penalised(logits, history)))
+        return self.sample(self.distribution(logits, history))
+
+    def penalised(self, logits, history: list[int]) -> np.ndarray:
+        return apply_repetition_penalty(logits, history[-256:], self.config.repetition_penalty)
+
+    def distribution(self, logits, history: list[int]) -> np.ndarray:
+        """What a temperature above 0 samples from after ``history`` (float64)."""
+        c = self.config
+        return sampling_probs(self.penalised(logits, history), c.temperature, c.top_k, c.top_p, c.min_p)
+
+    def sample(self, probs: np.ndarray) -> int:
         return int(self.rng.choice(len(probs), p=probs))
 
 
@@ -113,6 +125,13 @@ class Stats:
     host_s_per_token: float = 0.0  # Python/host time per decode step (sampling, detokenizing, enqueueing)
     weight_bytes: int = 0
     stop_reason: str = ""
+    speculation: str = ""        # the drafter that ran ("lookup", "draft"), "" for none
+    drafted: int = 0             # draft tokens verified
+    accepted: int = 0            # ... of which the target kept
+    verify_steps: int = 0        # forwards of the target over its last token and a draft
+    speculation_gain: float = 0.0  # decode tok/s over what one token a step measured in this reply
+    draft_lengths: dict = field(default_factory=dict)   # draft length chosen -> steps
+    step_seconds: dict = field(default_factory=dict)    # M -> measured seconds of a step of M tokens
 
     @property
     def prefill_tok_s(self) -> float:
@@ -128,15 +147,40 @@ class Stats:
         """Achieved bandwidth: model bytes read per token × decode tok/s."""
         return self.weight_bytes * self.decode_tok_s / 1e9
 
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def speculation_dict(self) -> dict:
+        return {"drafter": self.speculation, "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance": self.acceptance, "verify_steps": self.verify_steps,
+                "mean_draft_length": self.drafted / self.verify_steps if self.verify_steps else 0.0,
+                "draft_lengths": {str(k): n for k, n in sorted(self.draft_lengths.items())},
+                "gain": self.speculation_gain,
+                "step_ms": {str(m): 1e3 * s for m, s in sorted(self.step_seconds.items())}}
+
     def as_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
-                "ttft_s": self.ttft_s, "prefill_tok_s": self.prefill_tok_s, "decode_tok_s": self.decode_tok_s,
-                "decode_gb_s": self.decode_gb_s, "host_ms_per_token": 1e3 * self.host_s_per_token,
-                "stop_reason": self.stop_reason}
+        out = {"prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+               "ttft_s": self.ttft_s, "prefill_tok_s": self.prefill_tok_s, "decode_tok_s": self.decode_tok_s,
+               "decode_gb_s": self.decode_gb_s, "host_ms_per_token": 1e3 * self.host_s_per_token,
+               "stop_reason": self.stop_reason}
+        if self.speculation:
+            out["speculation"] = self.speculation_dict()
+        return out
+
+    def speculation_line(self) -> str:
+        """Drafted, accepted and the gain, for a log line ("" without speculation)."""
+        if not self.speculation:
+            return ""
+        mean = self.drafted / self.verify_steps if self.verify_steps else 0.0
+        return (f"{self.speculation}: {self.accepted}/{self.drafted} drafted accepted "
+                f"({100 * self.acceptance:.0f}%), draft length {mean:.1f}, gain {self.speculation_gain:.2f}x")
 
     def line(self) -> str:
+        spec = self.speculation_line() if self.drafted else ""
         return (f"{self.generated_tokens} tokens, TTFT {1e3 * self.ttft_s:.0f} ms, prefill {self.prefill_tok_s:.1f} tok/s, "
-                f"decode {self.decode_tok_s:.1f} tok/s ({self.decode_gb_s:.2f} GB/s)")
+                f"decode {self.decode_tok_s:.1f} tok/s ({self.decode_gb_s:.2f} GB/s)"
+                + (f", {spec}" if spec else ""))
 
 
 @dataclass
@@ -181,13 +225,15 @@ class StopMatcher:
 def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 256,
              sampling: SamplingConfig | None = None, start_pos: int = 0, stop_strings: list[str] | None = None,
              on_text: Callable[[str], None] | None = None, history: list[int] | None = None,
-             should_stop: Callable[[], bool] | None = None) -> Result:
+             should_stop: Callable[[], bool] | None = None, speculator=None) -> Result:
     """Prefill ``prompt_ids`` at ``start_pos`` (the cache before it is reused), then decode until an EOS id,
     a stop string, ``max_tokens``, the end of the context or ``should_stop()``. ``on_text`` receives each
     piece of text.
 
     ``should_stop`` is asked before each decode step, so a flag another thread sets (a client gone) ends the
     reply within one token: it keeps the tokens made so far, with stop reason "cancelled".
+    ``speculator`` (a ``perfx.speculative.Speculator``) makes the decode steps: each feeds the last token and
+    returns one or more next tokens, all but the last already in the cache.
     ``Result.end_pos`` is the number of cache positions filled: the prompt and every generated id but the
     last (which was sampled and not yet fed), as after any stop. A KeyboardInterrupt (a user's Ctrl-C) stops
     the reply and returns what was made with ``interrupted`` set; ``end_pos`` is consistent then too.
@@ -216,6 +262,9 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
             if on_text:
                 on_text(piece)
 
+    ahead: list[int] = []    # next tokens a speculative step verified: each but the last already in the cache
+    if speculator is not None:
+        speculator.begin(model, seen, start_pos)
     started = time.perf_counter()
     host_before = None
     try:
@@ -246,9 +295,14 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
             if should_stop is not None and should_stop():
                 stats.stop_reason = "cancelled"
                 break
-            model.decode_one(token, pos)
+            if not ahead and speculator is not None:
+                room = min(max_tokens - len(ids) - 1, model.max_positions - pos - 1)
+                ahead = speculator.advance(model, sampler, token, pos, seen, room)
+            elif not ahead:
+                model.decode_one(token, pos)
+                ahead = [sampler(model, seen)]
             pos += 1
-            token = sampler(model, seen)
+            token = ahead.pop(0)
         stats.decode_s = time.perf_counter() - decode_started
     except KeyboardInterrupt:
         interrupted = True
@@ -258,6 +312,8 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
         piece, _ = stops.feed(decoder.flush())
         emit(piece + stops.flush())
     stats.generated_tokens = len(ids)
+    if speculator is not None:
+        speculator.finish(stats)
     if host_before is not None:
         stats.host_s_per_token = (model.host_seconds - host_before) / max(len(ids) - 1, 1)
     return Result("".join(text_parts), ids, stats, end_pos=pos, interrupted=interrupted)

@@ -27,6 +27,7 @@ NO_SWITCH_NOTE = "has no thinking switch (its chat template does not read enable
 
 STATS_LINE = re.compile(r"(\d+) tokens, TTFT \d+ ms, prefill [\d.]+ tok/s, decode [\d.]+ tok/s "
                         r"\([\d.]+ GB/s\)"
+                        r"(?:, (?:lookup|draft): \d+/\d+ drafted accepted \(\d+%\), draft length [\d.]+, gain [\d.]+x)?"
                         r"(, stopped: [a-z ]+)?(\x1b\[0m)?\n")
 PROMPT = re.compile(r"^> \Z", re.M)
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")

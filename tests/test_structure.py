@@ -36,7 +36,7 @@ LAYERS = (
     ("sources", ("perfx.sources",)),
     ("ops", ("perfx.ops",)),
     ("tuning", ("perfx.tuning",)),
-    ("model", ("perfx.plan", "perfx.model", "perfx.generate")),
+    ("model", ("perfx.plan", "perfx.model", "perfx.generate", "perfx.speculative")),
     ("commands", ("perfx.commands", "perfx.serve", "perfx.cli", "perfx.plots", "perfx.__main__", "perfx")),
 )
 

@@ -15,9 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-from perfx.commands.options import (add_model_options, add_sampling_options, add_system_option,
-                                    add_thinking_option, load_model_from_args, log, no_thinking_switch_note,
-                                    sampling_config, system_prompt, thinking_kwargs)
+from perfx.commands.options import (add_model_options, add_sampling_options, add_speculation_options,
+                                    add_system_option, add_thinking_option, load_model_from_args, log,
+                                    no_thinking_switch_note, sampling_config, speculator_from_args, system_prompt,
+                                    thinking_kwargs)
 from perfx.errors import PerfxError
 from perfx.generate import Conversation, generate
 from perfx.model import host_peak_bytes
@@ -35,9 +36,10 @@ A line starting with // is sent as text with one / removed."""
 
 
 def add_arguments(parser):
-    """The options of `perfx chat`: model, sampling, --system, --no-think."""
+    """The options of `perfx chat`: model, sampling, speculation, --system, --no-think."""
     add_model_options(parser)
     add_sampling_options(parser)
+    add_speculation_options(parser)
     add_system_option(parser)
     add_thinking_option(parser)
 
@@ -53,7 +55,13 @@ def main(args) -> int:
     if source.tokenizer is None:
         raise PerfxError(f"{args.model} has no tokenizer: `perfx chat` needs one (synthetic models are for "
                          "`perfx bench`)")
-    chat = Chat(model, source, sampling, args.max_tokens, system_prompt(args), interactive, think=not args.no_think)
+    speculator = speculator_from_args(args, model, source.tokenizer, log=log)
+    if speculator is not None:
+        # the step costs measured now, before the first prompt, as serve's warm-up does: the first reply starts
+        # at once, and a Ctrl-C during it stops the reply, not a measurement (the cache holds nothing yet)
+        speculator.calibrate(model, 0)
+    chat = Chat(model, source, sampling, args.max_tokens, system_prompt(args), interactive,
+                think=not args.no_think, speculator=speculator)
     if args.no_think and not source.tokenizer.has_thinking_switch:
         chat.note(no_thinking_switch_note(chat.model_name))
     return chat.loop()
@@ -65,8 +73,9 @@ class Chat:
     think = True  # thinking before answering, where the template has the switch (/think, --no-think)
 
     def __init__(self, model, source, sampling, max_tokens: int, system: str | None, interactive: bool,
-                 think: bool = True):
+                 think: bool = True, speculator=None):
         self.model, self.source, self.tokenizer = model, source, source.tokenizer
+        self.speculator = speculator     # perfx.speculative.Speculator, or None: one token a step
         self.sampling, self.max_tokens, self.system = sampling, max_tokens, system
         self.think = think
         self.interactive = interactive
@@ -159,7 +168,8 @@ class Chat:
                 return
             start, todo = self.conversation.resume(ids)
             result = generate(self.model, self.tokenizer, todo, self.max_tokens, self.sampling,
-                              start_pos=start, on_text=self.stream, history=ids[:start])
+                              start_pos=start, on_text=self.stream, history=ids[:start],
+                              speculator=self.speculator)
         except KeyboardInterrupt:
             # Outside generate's own handling (template, encoding): the turn did not happen.
             self.messages.pop()
@@ -254,6 +264,19 @@ class Chat:
                               f"{self.model.weight_bytes * mean_decode / 1e9:.2f} GB/s "
                               f"({self.model.weight_bytes / mib:.0f} MiB read per token)"),
             ]
+            drafted = sum(s.drafted for s in replies)
+            if self.speculator is not None:
+                accepted = sum(s.accepted for s in replies)
+                steps = sum(s.verify_steps for s in replies)
+                ratios = self.speculator.costs.ratios()
+                rows.append(("speculate", f"{self.speculator.mode} ({self.speculator.drafter}): last "
+                                          f"{last.speculation_line() or 'nothing drafted'}; all replies "
+                                          f"{accepted}/{drafted} drafted accepted"
+                                          f"{f' ({100 * accepted / drafted:.0f}%)' if drafted else ''}, draft "
+                                          f"length {drafted / steps if steps else 0:.1f}"))
+                if ratios:
+                    rows.append(("step cost", "M tokens / one: "
+                                 + ", ".join(f"{m}: {r:.2f}" for m, r in ratios.items())))
         else:
             rows.append(("replies", "none yet"))
         rows.append(("memory", f"{report.get('device_bytes', 0) / mib:.0f} MiB on the device (weights "

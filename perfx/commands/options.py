@@ -9,6 +9,7 @@ from perfx.errors import PerfxError
 from perfx.generate import SamplingConfig
 from perfx.model import load_model
 from perfx.runtime import DEVICE_HELP, show_build_logs
+from perfx.speculative import MAX_DRAFT, MODES, DraftModel, Speculator, check_same_vocabulary
 
 # One default for `perfx generate` and `perfx chat`: small models (the default one has 135M parameters)
 # ramble under greedy decoding unless asked to be brief (the float64 reference forward gives the same
@@ -59,6 +60,41 @@ def load_model_from_args(args, **kwargs):
         show_build_logs()
     return load_model(args.model, args.device, args.ctx, args.quantize, tuning=not args.no_tuning,
                       lm_head=args.lm_head, **kwargs)
+
+
+SPECULATE_HELP = ("speculative decoding: draft tokens cheaply and verify them in one batched step of the model. "
+                  "lookup drafts from the text so far (prompt and reply: rewrites, code edits, summaries "
+                  "gain most), draft from --draft MODEL; auto (the default) uses --draft where given, else "
+                  "lookup, and drafts only as long as this device's measured step costs and the acceptance "
+                  "seen so far make it faster; off decodes one token a step. The text is the same at "
+                  "temperature 0 (up to near-ties) and has the same distribution when sampling")
+
+
+def add_speculation_options(parser):
+    parser.add_argument("--speculate", choices=MODES, default="auto", help=SPECULATE_HELP)
+    parser.add_argument("--draft", metavar="MODEL",
+                        help="a draft model for speculative decoding: any model perfx loads with the target's "
+                             "vocabulary, smaller and so faster (e.g. the 135M model of the family)")
+    parser.add_argument("--draft-max", type=int, default=MAX_DRAFT, metavar="N",
+                        help="draft at most N tokens a step (default %(default)s)")
+
+
+def speculator_from_args(args, model, tokenizer, log=None) -> Speculator | None:
+    """The Speculator of --speculate / --draft / --draft-max beside ``model`` (None for off); loads the draft
+    model on the same device with the same context, refusing one with another vocabulary."""
+    if args.draft and args.speculate in ("off", "lookup"):
+        raise PerfxError(f"--draft {args.draft} is unused with --speculate {args.speculate}: drop one of them")
+    if args.speculate == "off":
+        return None
+    draft = None
+    if args.draft:
+        # Its context: the target's, or its own where that is shorter (it then drafts only that far).
+        draft_model, draft_source = load_model(args.draft, model.device, None, args.quantize, log=log,
+                                               default_ctx=model.max_positions, tuning=not args.no_tuning,
+                                               lm_head=args.lm_head)
+        check_same_vocabulary(tokenizer, draft_source.tokenizer, args.model, args.draft)
+        draft = DraftModel(draft_model, args.draft)
+    return Speculator(args.speculate, draft, args.draft_max, log=log)
 
 
 def add_sampling_options(parser, temperature: float = 0.7):

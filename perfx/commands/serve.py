@@ -5,10 +5,11 @@ from __future__ import annotations
 import signal
 import threading
 
-from perfx.commands.options import add_model_options, add_sampling_options, log, sampling_config
+from perfx.commands.options import (add_model_options, add_sampling_options, add_speculation_options, log,
+                                    sampling_config, speculator_from_args)
 from perfx.errors import PerfxError
 from perfx.runtime import show_build_logs
-from perfx.serve.engine import Engine, load
+from perfx.serve.engine import Engine, load, warm_up
 from perfx.serve.server import Server, ServeOptions
 
 DESCRIPTION = """\
@@ -34,6 +35,7 @@ def add_arguments(parser):
     """The options of `perfx serve`: model, sampling defaults, address, key, queue."""
     add_model_options(parser)
     add_sampling_options(parser)
+    add_speculation_options(parser)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default %(default)s: this device only; 0.0.0.0 opens it to "
                              "the network, so set --api-key too)")
@@ -58,7 +60,10 @@ def main(args) -> int:
         show_build_logs()
     model, tokenizer, model_id = load(args.model, args.device, args.ctx, args.quantize, log, not args.no_tuning,
                                       args.lm_head)
-    engine = Engine(model, tokenizer, args.queue, sampling)
+    speculator = speculator_from_args(args, model, tokenizer, log=log)
+    log("perfx serve: warming up (the kernels are built once, before the first request)")
+    warm_up(model, tokenizer, speculator)
+    engine = Engine(model, tokenizer, args.queue, sampling, speculator)
     options = ServeOptions(model_id, args.max_tokens, args.api_key, args.verbose, log)
     try:
         server = Server((args.host, args.port), engine, options)

@@ -26,7 +26,7 @@ SHUTDOWN_GRACE_S = 10       # how long stopping waits for the worker, and for an
 
 def load(name: str | None, device: str | None, ctx: int | None, quantize: str | None, log, tuning: bool = True,
          lm_head: str = "q8"):
-    """Load a model for serving and warm it up; returns (model, tokenizer, the id clients name it by).
+    """Load a model for serving (``warm_up`` is next); returns (model, tokenizer, the id clients name it by).
 
     Raises PerfxError when it cannot be loaded or has no tokenizer.
     """
@@ -34,16 +34,17 @@ def load(name: str | None, device: str | None, ctx: int | None, quantize: str | 
     if source.tokenizer is None:
         raise PerfxError(f"{name} has no tokenizer: `perfx serve` needs one (synthetic models are for "
                          "`perfx bench`)")
-    log("perfx serve: warming up (the kernels are built once, before the first request)")
-    warm_up(model, source.tokenizer)
     return model, source.tokenizer, served_model_id(source)
 
 
-def warm_up(model, tokenizer):
+def warm_up(model, tokenizer, speculator=None):
     """A short chat turn (prefill and one decode step), so the first client's TTFT does not include building
-    the kernels (seconds on a phone). What it leaves in the KV cache is not counted as cached."""
+    the kernels (seconds on a phone), and the speculator's step costs measured. What it leaves in the KV
+    cache is not counted as cached."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Hello!"}], add_generation_prompt=True)
     ids = tokenizer.encode(text, add_bos=tokenizer.add_bos_token)
+    if speculator is not None:
+        speculator.calibrate(model, 0)
     model.prefill(ids, 0)
     model.decode_one(model.argmax(), len(ids))
     model.argmax()
@@ -98,8 +99,9 @@ class Engine:
     Everything else is guarded by ``changed``, which is notified on every change.
     """
 
-    def __init__(self, model, tokenizer, queue_limit: int, default_sampling: SamplingConfig):
+    def __init__(self, model, tokenizer, queue_limit: int, default_sampling: SamplingConfig, speculator=None):
         self.model, self.tokenizer, self.queue_limit = model, tokenizer, queue_limit
+        self.speculator = speculator    # perfx.speculative.Speculator, or None: one token a step
         self.default_sampling = default_sampling
         self.changed = threading.Condition()
         self.waiting: collections.deque[Job] = collections.deque()
@@ -198,7 +200,7 @@ class Engine:
         try:
             result = generate(self.model, self.tokenizer, todo, job.max_tokens, job.sampling, start_pos=start,
                               stop_strings=job.stop, on_text=on_text, history=ids[:start],
-                              should_stop=job.cancelled.is_set)
+                              should_stop=job.cancelled.is_set, speculator=self.speculator)
         except Exception as error:  # noqa: BLE001  (a failed request must not take the server down)
             self.conversation.forget()  # how far the cache was written is unknown
             message = str(error) if isinstance(error, PerfxError) else f"{type(error).__name__}: {error}"

@@ -364,6 +364,8 @@ class Handler(BaseHTTPRequestHandler):
             if job.result is not None:
                 reason = "cancelled" if job.cancelled_run else job.finish_reason
                 parts.append(f"completion {job.result.stats.generated_tokens} ({reason})")
+                if job.result.stats.speculation:
+                    parts.append(job.result.stats.speculation_line())
             if job.started is not None:
                 parts.append(f"wait {job.started - job.submitted:.2f} s")
             if job.first_text is not None:

@@ -42,12 +42,12 @@ def verdict(record: dict, row: dict | None) -> tuple[bool, str]:
         return False, "no such kernel family"
     if record.get("source_hash") not in (None, source_hash(spec)):
         return False, "stale: measured on an older kernel source"
-    params = {**spec.params.defaults(), **record["params"]}
+    params = {**spec.params.defaults(record["params"]), **record["params"]}
     if params_key(params) == params_key(spec.params.defaults()):
         return True, "the defaults"
     if row is None or "gain" not in row:
         return False, "not measured"
-    if params_key({**spec.params.defaults(), **row["params"]}) != params_key(params):
+    if params_key({**spec.params.defaults(row["params"]), **row["params"]}) != params_key(params):
         return False, "another entry was in force"
     gain, (low, high) = row["gain"], row["gain_interval"]
     text = f"{gain:.2f}x [{low:.2f}, {high:.2f}]"

@@ -170,7 +170,8 @@ def run_family(family: str, which: str = "default") -> dict:
     if which == "default":
         params = spec.params.defaults()
     elif which.lstrip().startswith("{"):
-        params, shapes = {**spec.params.defaults(), **json.loads(which)}, shapes[:1]
+        requested = json.loads(which)
+        params, shapes = {**spec.params.defaults(requested), **requested}, shapes[:1]
     else:
         drawn, sample = samples(spec, device.caps), int(which)
         if not 1 <= sample <= len(drawn):

@@ -15,8 +15,8 @@ from perfx.ops.gemv_q8 import GemvQ8
 from perfx.ops.params import Checked, ParamSpace, Rule
 from perfx.tuning import SPECS
 from perfx.tuning import database as dbmod
-from perfx.tuning.database import (FORMAT, Database, TuningDatabaseWarning, fingerprint_slug, merge, results_json,
-                                   source_hash)
+from perfx.tuning.database import (FORMAT, Database, TuningDatabaseWarning, default_database, fingerprint_slug, merge,
+                                   result_record, results_json, source_hash)
 from perfx.resources import write_json_atomic
 from toy_tuning import Toy, quiet_tuner
 
@@ -332,3 +332,16 @@ def test_a_set_is_checked_once_from_the_database_to_a_launch(device, db, monkeyp
     checks.clear()
     other = spec.params.check(choice.params, {**shape, "k": 128}, device.caps)
     assert other == choice.params and other.shape["k"] == 128 and checks == ["gemv_q8"]
+
+
+def test_a_record_of_another_variant_is_found_with_its_own_parameters(tmp_path, monkeypatch, device):
+    """gemv_q4 has one kernel per weight layout, each with its own parameters: a tuned record of the
+    interleaved layout is handed out as it was saved, never merged with the rows layout's defaults."""
+    monkeypatch.setenv("PERFX_CACHE", str(tmp_path))
+    spec = SPECS["gemv_q4"]
+    shape = {"n": 960, "k": 576, "group": 32, "epilogue": "none", "bias": False, "parts": [576, 192, 192]}
+    interleaved = {"LAYOUT": 1, "SLICES": 4, "ROWS": 2, "READ": 0, "XS": 1, "HALF": 0, "I8": 0, "SUBGROUP": 0}
+    assert spec.params.why_invalid(interleaved, shape, device.caps) is None
+    default_database().save_result(device, result_record(spec, shape, interleaved, 1e-5, 2e-5, device.fingerprint))
+    (choice, *_) = default_database().choices(device, spec, shape)
+    assert choice.source == "device" and dict(choice.params) == interleaved, (choice, choice.skipped)

@@ -446,7 +446,7 @@ class Database:
 
         for _, _, file, record in self._matches(device, spec, shape):
             level = file.level_for(device)
-            params, why = checked({**spec.params.defaults(), **record["params"]})
+            params, why = checked({**spec.params.defaults(record["params"]), **record["params"]})
             if why is not None:
                 skipped.append(f"{file.path.name} ({level}): {why}")
                 continue
@@ -483,7 +483,7 @@ class Database:
                     if family not in hashes:
                         hashes[family] = source_hash(spec)
                     pinned = record.get("source_hash")
-                    refusal = refused.get((family, params_key({**spec.params.defaults(), **record["params"]}),
+                    refusal = refused.get((family, params_key({**spec.params.defaults(record["params"]), **record["params"]}),
                                            hashes[family]))
                     if pinned is not None and pinned != hashes[family]:
                         note = "stale: kernel source changed, will be re-tuned"

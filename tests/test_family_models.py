@@ -26,6 +26,7 @@ ARCH_KEYS = {
     "phi3": ["rope.dimension_count", "rope.scaling.attn_factor", "rope.scaling.original_context_length",
              "attention.sliding_window"],
     "smollm3": ["rope.dimension_count", "vocab_size", "rope.freq_base"],
+    "lfm2": ["shortconv.l_cache", "vocab_size", "attention.head_count_kv", "rope.freq_base"],
 }
 
 
@@ -50,7 +51,8 @@ def test_the_gguf_holds_the_weights_its_writer_returns(tmp_path, family):
         # and the held weights are the model's, within the type's rounding (4-bit: a step of max|w| / 8)
         original = model.weights[hf_name]
         assert np.abs(held - original).max() <= np.abs(original).max() / 7, hf_name
-    assert ("output.weight" in tensors) == (not model.config["tie_word_embeddings"] and family != "gemma2")
+    tied = model.config.get("tie_word_embeddings", model.config.get("tie_embedding"))
+    assert ("output.weight" in tensors) == (not tied and family != "gemma2")
 
 
 def test_k_quants_need_rows_of_256(tmp_path):
@@ -69,7 +71,7 @@ def test_hf_directory(tmp_path, family, style):
     assert config["model_type"] == model.config["model_type"]
     assert ("rope_parameters" in config) == (style == "transformers5")
     tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
-    assert tokenizer_config["add_bos_token"] == (family in GEMMAS)
+    assert tokenizer_config["add_bos_token"] == (family in GEMMAS + ("lfm2",))   # as their published tokenizers
 
 
 @pytest.mark.parametrize("family", RECORDED["families"])

@@ -150,7 +150,7 @@ def test_problems_of_a_model_fit_the_specs(name):
         assert len(ms) == len(M_BUCKETS)
     if "gemv_q4" in families:
         qkv = next(p for p in problems if p.family == "gemv_q4" and p.label == "qkv")
-        assert qkv.shape["n"] == config.qkv_dim and qkv.per_token == config.n_layers
+        assert qkv.shape["n"] == config.qkv_dim and qkv.per_token == len(config.layers_of("attention"))
     assert all(isinstance(note, str) for note in notes)
 
 

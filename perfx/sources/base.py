@@ -218,9 +218,10 @@ class ModelSource(ABC):
         """The device forms each matrix role takes over the layers ("qkv", "o", "gate_up", "down",
         "embedding", "lm_head"), read from the header alone; None where the source cannot tell."""
         c = self.config
-        forms: dict[str, set[Form]] = {label: set() for label in {**FUSED_LINEARS, **CONV_LINEARS}}
+        forms: dict[str, set[Form]] = {}
         for i in range(c.n_layers):
             for label, names in self.layer_linears(i).items():
+                forms.setdefault(label, set())
                 parts = [self._fused_form(label, i)] if len(names) > 1 else [None]
                 if parts[0] is None:
                     parts = [self._part_form(name, i) for name in names]

@@ -247,3 +247,8 @@ def test_layer_feature_errors(device):
     for bad in (31, 0, 66):
         with pytest.raises(PerfxError, match=rf"rotary_dims {bad} must be even and within 2..64.*rope=None"):
             RopeTable.upload(device, d, max_positions, THETA, rotary_dims=bad)
+
+
+def test_a_shape_without_the_head_sizes_is_refused(device):
+    with pytest.raises(PerfxError, match="attention_decode: the shape needs 'positions'"):
+        AttentionDecode(device, None, {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64})

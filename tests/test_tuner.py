@@ -289,3 +289,31 @@ def test_tuning_off_runs_every_kernel_at_its_defaults(tmp_path, monkeypatch):
     assert not default_database().enabled
     monkeypatch.setenv("PERFX_TUNING", "on")
     assert default_database().enabled
+
+
+def test_gemv_timings_rotate_copies_past_the_cache_and_verification_uploads_one(device, monkeypatch):
+    """A decode step streams every weight from memory, so a GEMV timed on one weight in a loop (served from the
+    cache) measures another kernel: the cases rotate through copies that together exceed twice the device's
+    largest cache, uploaded only when the rotation reaches them."""
+    from perfx.ops.q4_weight import Q4DeviceWeight
+    from perfx.tuning.spec import copies_past_cache
+
+    assert device.caps.cache_bytes > 0
+    nbytes = 96 * 576 // 2 + 4 * 96 * (576 // 32)
+    copies = copies_past_cache(device, nbytes)
+    assert copies == min(256, -(-2 * device.caps.cache_bytes // nbytes)), copies
+    assert copies_past_cache(device, 4 * device.caps.cache_bytes) == 1
+
+    uploads = []
+    real = Q4DeviceWeight.upload
+    monkeypatch.setattr(Q4DeviceWeight, "upload", lambda *a, **k: uploads.append(1) or real(*a, **k))
+    shape = {"n": 96, "k": 576, "group": 32, "epilogue": "none", "bias": False}
+    case = SPECS["gemv_q4"].make_case(device, shape, __import__("numpy").random.default_rng(0))
+    params = SPECS["gemv_q4"].params.defaults()
+    assert case.errors(params)["y"] <= SPECS["gemv_q4"].tolerance
+    assert len(uploads) == 1, "verification reads copy 0 only"
+    for _ in range(5):
+        case.rotate()
+        for event in case.launch(params):
+            event.wait()
+    assert len(uploads) == 6, "each step of the rotation reaches a copy of its own"

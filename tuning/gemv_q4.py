@@ -3,7 +3,8 @@ GELU·mul).
 
 A shape is a dict: ``n`` rows of W (gate-up: 2·I, gate rows then up rows), ``k``, ``group``,
 ``epilogue`` ("none" | "silu_mul" | "gelu_mul"), ``bias`` (bool), optionally ``parts`` (row counts of matrices
-fused along N, e.g. QKV) and ``copies`` (weights to rotate between, for timing).
+fused along N, e.g. QKV). Timings rotate through copies of the weight past the device's cache
+(``copies_past_cache``), as a decode step reads it: from memory.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from perfx.formats import Q4Matrix
 from perfx.ops.epilogue import output_rows
 from perfx.ops.gemv_q4 import PARAMS, GemvQ4
 from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight, available_paths, image2d_fits
-from perfx.tuning.spec import Case, Spec, cached_per_params, epilogue_reference, rotating_case
+from perfx.tuning.spec import (Case, Spec, cached_per_params, copies_past_cache, epilogue_reference, lazy_copies,
+                               rotating_case)
 
 
 def activations(rng, k: int) -> np.ndarray:
@@ -30,9 +32,13 @@ def _outputs(shape) -> int:
     return output_rows(shape["n"], shape.get("epilogue"))
 
 
-def _bytes_moved(shape) -> int:
+def _weight_bytes(shape) -> int:
     n, k, g = shape["n"], shape["k"], shape["group"]
-    return n * k // 2 + 4 * n * (k // g) + 4 * k + 4 * _outputs(shape) + (4 * n if shape.get("bias") else 0)
+    return n * k // 2 + 4 * n * (k // g) + (4 * n if shape.get("bias") else 0)
+
+
+def _bytes_moved(shape) -> int:
+    return _weight_bytes(shape) + 4 * shape["k"] + 4 * _outputs(shape)
 
 
 def read_paths(device, n: int, k: int, layout: int) -> tuple[str, ...]:
@@ -49,16 +55,12 @@ def make_case(device, shape, rng) -> Case:
     epilogue = shape.get("epilogue", "none")
     parts = shape.get("parts") or (n,)
     assert sum(parts) == n, f"parts {parts} do not add up to n = {n}"
-    copies = []
-    for _ in range(max(1, shape.get("copies", 1))):
-        q4 = Q4Matrix.concat([Q4Matrix.random(p, k, group, rng) for p in parts])
-        bias = rng.standard_normal(n).astype(np.float32) * 0.1 if shape.get("bias") else None
-        copies.append((q4, bias))
+    q4 = Q4Matrix.concat([Q4Matrix.random(p, k, group, rng) for p in parts])
+    bias = rng.standard_normal(n).astype(np.float32) * 0.1 if shape.get("bias") else None
     x = device.upload(activations(rng, k))
     m = _outputs(shape)
     y = device.poisoned(m, np.float32)
 
-    q4, bias = copies[0]
     # Row blocks, so the float64 reference of a 7B gate-up (22016 x 4096) stays at ~64 MB at a time.
     full = np.concatenate([reference.gemv(q4.rows(i, min(i + 2048, n)).dequantize(), x.get())
                            for i in range(0, n, 2048)])
@@ -66,12 +68,12 @@ def make_case(device, shape, rng) -> Case:
     expected = epilogue_reference(epilogue, full)
 
     wrapper = cached_per_params(lambda params: GemvQ4(device, params, shape))
-    # The copies in each layout, uploaded when a candidate of that layout first runs.
-    uploaded = cached_per_params(lambda key: [
-        Q4DeviceWeight.upload(device, q4, bias, read_paths(device, n, k, key["LAYOUT"]), layout=key["LAYOUT"])
-        for q4, bias in copies])
-    return rotating_case(expected, y, len(copies), lambda i, params: wrapper(params).events(
-        uploaded({"LAYOUT": params["LAYOUT"]})[i], x, y, epilogue))
+    # The weight's copies in each layout, uploaded when a candidate of that layout first reaches them.
+    uploaded = cached_per_params(lambda key: lazy_copies(lambda: Q4DeviceWeight.upload(
+        device, q4, bias, read_paths(device, n, k, key["LAYOUT"]), layout=key["LAYOUT"])))
+    return rotating_case(expected, y, copies_past_cache(device, _weight_bytes(shape)),
+                         lambda i, params: wrapper(params).events(uploaded({"LAYOUT": params["LAYOUT"]})(i), x, y,
+                                                                  epilogue))
 
 
 def fuzz_shapes(st):

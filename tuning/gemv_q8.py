@@ -4,8 +4,9 @@ GELU·mul, lm_head).
 A shape is a dict: ``n`` rows of W (gate-up: 2·I, gate rows then up rows), ``k``, ``group`` (16 or 32),
 ``f32`` (float32 (s, m) pairs, as Q5_K and Q6_K need), ``epilogue`` ("none" | "silu_mul" | "gelu_mul"),
 ``bias`` (bool), optionally ``parts`` (row counts of matrices fused along N, e.g. QKV), ``block_bytes``
-(the most code bytes per row block, to force the split a large vocabulary needs on a phone) and
-``copies`` (weights to rotate between, for timing).
+(the most code bytes per row block, to force the split a large vocabulary needs on a phone). Timings
+rotate through copies of the weight past the device's cache (``copies_past_cache``), as a decode step
+reads it: from memory.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from perfx.formats import Q8Matrix
 from perfx.ops.epilogue import output_rows
 from perfx.ops.gemv_q8 import PARAMS, GemvQ8
 from perfx.ops.q8_weight import Q8DeviceWeight
-from perfx.tuning.spec import (GATED, Case, Spec, cached_per_params, epilogue_reference, q8_matrix,
-                               rotating_case)
+from perfx.tuning.spec import (GATED, Case, Spec, cached_per_params, copies_past_cache, epilogue_reference,
+                               lazy_copies, q8_matrix, rotating_case)
 
 
 def _outputs(shape) -> int:
@@ -42,16 +43,13 @@ def make_case(device, shape, rng) -> Case:
     n, k = shape["n"], shape["k"]
     epilogue = shape.get("epilogue", "none")
     assert sum(shape.get("parts") or (n,)) == n, f"parts {shape.get('parts')} do not add up to n = {n}"
-    copies = []
-    for _ in range(max(1, shape.get("copies", 1))):
-        q8 = random_weight(shape, rng)
-        bias = rng.standard_normal(n).astype(np.float32) * 0.1 if shape.get("bias") else None
-        copies.append((q8, bias, Q8DeviceWeight.upload(device, q8, bias, shape.get("block_bytes"))))
+    q8 = random_weight(shape, rng)
+    bias = rng.standard_normal(n).astype(np.float32) * 0.1 if shape.get("bias") else None
+    weights = lazy_copies(lambda: Q8DeviceWeight.upload(device, q8, bias, shape.get("block_bytes")))
     x = device.upload(rng.standard_normal(k).astype(np.float32))
     m = _outputs(shape)
     y = device.poisoned(m, np.float32)
 
-    q8, bias, _ = copies[0]
     # Row blocks, so the float64 reference of a large lm_head stays at ~64 MB at a time.
     full = np.concatenate([reference.gemv(q8.rows(i, min(i + 2048, n)).dequantize(), x.get())
                            for i in range(0, n, 2048)])
@@ -59,8 +57,9 @@ def make_case(device, shape, rng) -> Case:
     expected = epilogue_reference(epilogue, full)
 
     wrapper = cached_per_params(lambda params: GemvQ8(device, params, shape))
-    return rotating_case(expected, y, len(copies),
-                         lambda i, params: wrapper(params).events(copies[i][2], x, y, epilogue))
+    weight_bytes = bytes_moved(shape) - 4 * k - 4 * m
+    return rotating_case(expected, y, copies_past_cache(device, weight_bytes),
+                         lambda i, params: wrapper(params).events(weights(i), x, y, epilogue))
 
 
 def fuzz_shapes(st):

@@ -81,6 +81,28 @@ class Case:
         return {name: relative_error(outputs[name], want) for name, want in self.expected.items()}
 
 
+def copies_past_cache(device, nbytes: int) -> int:
+    """How many copies of an input of ``nbytes`` a timing rotates through so that each has left the cache
+    before it comes round again: together at least twice the device's largest cache (a decode step streams
+    every weight from memory once, so one copy timed in a loop, served from cache, measures another
+    kernel), at most 256 copies and an eighth of the device's memory."""
+    caps = device.caps
+    wanted = -(-2 * caps.cache_bytes // max(1, nbytes))
+    return int(max(1, min(wanted, 256, caps.global_mem // 8 // max(1, nbytes))))
+
+
+def lazy_copies(upload: Callable[[], Any]) -> Callable[[int], Any]:
+    """``get(i)``: copy i of a device input, each made by ``upload()`` when first asked for, so a case that is
+    only verified (copy 0) uploads one, and one that is timed the copies its rotation reaches."""
+    made: list = []
+
+    def get(i: int):
+        while len(made) <= i:
+            made.append(upload())
+        return made[i]
+    return get
+
+
 def rotating_case(expected: np.ndarray, y, copies: int, launch_copy: Callable[[int, Params], list]) -> Case:
     """A one-output case over ``copies`` copies of its inputs: ``launch_copy(i, params)`` enqueues on copy i
     into the device array ``y``; run poisons y and uses copy 0, rotate steps to the next copy."""

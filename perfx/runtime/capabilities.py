@@ -82,6 +82,7 @@ class Capabilities:
     identified: str           # how: "Adreno 740, from the OpenCL C version", or why only the vendor is known
     compute_units: int
     global_mem: int
+    cache_bytes: int          # the largest cache a kernel's inputs can stay in between launches (see _cache_bytes)
     fp16: bool
     integer_dot_product: bool  # cl_khr_integer_dot_product (dot(uchar4, uchar4), dot_4x8packed_*)
     subgroups: bool            # sub_group_reduce_add, sub_group_broadcast, ... (see has_subgroups)
@@ -226,6 +227,27 @@ def _opencl_c_features(device: cl.Device) -> tuple[str, ...]:
         return ()
 
 
+def _host_cache_bytes() -> int:
+    """The host CPU's largest cache (Linux sysfs; 0 where it cannot be read)."""
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            text = Path(path).read_text().strip().upper()
+        except OSError:
+            continue
+        match = re.fullmatch(r"(\d+)([KMG]?)", text)
+        if match:
+            sizes.append(int(match.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[match.group(2)])
+    return max(sizes, default=0)
+
+
+def _cache_bytes(device: cl.Device, device_type: str) -> int:
+    """The device's global memory cache; on a CPU device the host's largest cache too, which CPU runtimes do
+    not report (Intel's and PoCL's give the L2: 512 KiB on a CPU with 32 MiB of L3)."""
+    reported = int(device.global_mem_cache_size or 0)
+    return max(reported, _host_cache_bytes()) if device_type == "CPU" else reported
+
+
 def read_capabilities(device: cl.Device, limits: Limits = Limits()) -> Capabilities:
     """What perfx reads of ``device``, each limit capped by ``limits``."""
     extensions = tuple(sorted(device.extensions.split()))
@@ -245,6 +267,7 @@ def read_capabilities(device: cl.Device, limits: Limits = Limits()) -> Capabilit
         driver_version=device.driver_version.strip(),
         adreno_model=model, architecture=architecture, identified=identified,
         compute_units=device.max_compute_units, global_mem=device.global_mem_size,
+        cache_bytes=_cache_bytes(device, device_type_name(device)),
         fp16="cl_khr_fp16" in extensions,
         integer_dot_product="cl_khr_integer_dot_product" in extensions,
         subgroups=has_subgroups(extensions, _opencl_c_features(device)),

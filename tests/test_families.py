@@ -1,4 +1,5 @@
-"""The 2026 phone families end to end: Gemma 3, Gemma 2, Qwen3, Phi-3 (Phi-4-mini's shape) and SmolLM3.
+"""The 2026 phone families end to end: Gemma 3, Gemma 2, Qwen3, Phi-3 (Phi-4-mini's shape), SmolLM3, LFM2 and
+Qwen3.5.
 
 Each family's tiny model (``helpers.family_models``) is written as llama.cpp's converter writes its GGUF and
 as transformers writes its directory; ``tests/data/llamacpp_families.json`` holds what llama.cpp 0.3.36
@@ -15,7 +16,9 @@ about ±12; measured at most 0.38. llama.cpp multiplies those weights by activat
 block of 32 and keeps K and V in fp16 (and the Gemmas take GELU from an fp16 table). On F32 files with an F32
 cache, where llama.cpp and transformers agree to 1e-5, perfx's reference is 0.01 from both: perfx holds F32
 tensors as fp16 (2⁻¹¹ per weight); with the file's float32 kept it agrees to 1e-5 too (Phi-3, whose
-projections are stored fused, shows it). The live check against llama.cpp on F32 files runs where
+projections are stored fused, shows it). Qwen3.5 on its recorded file: 0.42 from llama.cpp at the last prompt
+position (its tiny model is the most sensitive: the gated norm keeps only the direction of each head's output),
+0.015 on its F32 file. The live check against llama.cpp on F32 files runs where
 llama-cpp-python is installed. The greedy tokens must be equal: every margin is at least 0.5.
 """
 

@@ -182,6 +182,10 @@ def _decode(config, fixed: int | None, forms: dict | None = None) -> list[Proble
     out.append(Problem(glu, {"count": c.intermediate_size}, f"{glu} (unfused)", c.n_layers))
     if c.final_softcap:
         out.append(Problem("softcap", softcap_shape(c), "final soft-cap"))
+    if c.attention_gate:   # Qwen3.5: σ(gate)·attention output, and SiLU(z)· in the DeltaNet's norm
+        out.append(Problem("sigmoid_mul", {"count": c.q_dim}, "attention gate", attention))
+    if c.layers_of("delta"):
+        out.append(Problem("swiglu", {"count": c.delta_value_dim}, "delta norm gate", len(c.layers_of("delta"))))
     return out
 
 

@@ -1,6 +1,6 @@
 """llama.cpp's answers on the tiny model of each 2026 phone family, the truth perfx's loaders are checked against.
 
-For each family of ``tests/helpers/family_models.py`` (gemma3, gemma2, qwen3, phi3, smollm3): the tiny random
+For each family of ``tests/helpers/family_models.py`` (gemma3, gemma2, qwen3, phi3, smollm3, lfm2, qwen35): the tiny random
 model at a fixed seed, written by ``write_family_gguf`` with its default tensor types (Q4_0 / Q8_0, Q4_K /
 Q6_K on ffn_down, Q8_0 embeddings), is run by llama.cpp's CPU backend (2 threads): the prompt (llama.cpp's
 own ids for ``PROMPT_TEXT``, BOS by the model's rule), then ``GREEDY`` greedy tokens, each position's logits

@@ -22,11 +22,12 @@
 //                   that orders like "beats" (value bits made monotonic, NaN largest, then the index
 //                   inverted so the lower one wins a tie) and sub_group_reduce_max over it, the subgroups'
 //                   winners then compared through local memory (one barrier).
-//   swiglu, geglu:  out = SiLU(gate)·up or GELU(gate)·up (GELU's tanh form, kernels/epilogue.h) over count
-//                   floats (M rows flat); out may be gate or up (each work-item reads its elements before
-//                   writing them).
+//   swiglu, geglu, sigmoid_mul:
+//                   out = SiLU(gate)·up, GELU(gate)·up (GELU's tanh form, kernels/epilogue.h) or σ(gate)·up
+//                   (Qwen3.5's gated attention output) over count floats (M rows flat); out may be gate or
+//                   up (each work-item reads its elements before writing them).
 //   softcap:        x = cap·tanh(x / cap) in place over count floats (Gemma 2's final-logit soft-capping).
-//                   Launch of these three: global = ceil(ceil(count / VW4) / WGS4) · WGS4, local = WGS4.
+//                   Launch of these four: global = ceil(ceil(count / VW4) / WGS4) · WGS4, local = WGS4.
 //
 // All arithmetic in fp32; fp16 is only read (vload_half, core OpenCL: no cl_khr_fp16 needed).
 
@@ -55,10 +56,10 @@
 #define SG3 0  // argmax: work-group reduction by a local-memory tree (0) or subgroup reductions (1)
 #endif
 #ifndef WGS4
-#define WGS4 64  // swiglu, geglu, softcap: work-items per work-group
+#define WGS4 64  // swiglu, geglu, sigmoid_mul, softcap: work-items per work-group
 #endif
 #ifndef VW4
-#define VW4 4  // swiglu, geglu, softcap: floats per work-item, 1, 4 or 8
+#define VW4 4  // swiglu, geglu, sigmoid_mul, softcap: floats per work-item, 1, 4 or 8
 #endif
 
 #include "epilogue.h"
@@ -322,6 +323,16 @@ __kernel __attribute__((reqd_work_group_size(WGS4, 1, 1)))
 void geglu(const int count, __global const float* gate, __global const float* up, __global float* out)
 {
     GATED_BODY(GELU_TANH)
+}
+
+// σ(v) = 1 / (1 + e^−v): for v ≪ 0, e^−v overflows to +inf and σ is +0, its limit.
+#define SIGMOID(v) (1.0f / (1.0f + exp(-(v))))
+
+// Qwen3.5's gated attention: the attention output (up) times σ(gate), the gate projected from the layer input.
+__kernel __attribute__((reqd_work_group_size(WGS4, 1, 1)))
+void sigmoid_mul(const int count, __global const float* gate, __global const float* up, __global float* out)
+{
+    GATED_BODY(SIGMOID)
 }
 
 __kernel __attribute__((reqd_work_group_size(WGS4, 1, 1)))

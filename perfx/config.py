@@ -23,14 +23,15 @@ from perfx.gguf_file import GGUFFile
 
 # Hugging Face model_type values perfx runs (gemma3 is the multimodal checkpoint: its text_config is read)
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "phi3",
-                           "smollm3", "lfm2")
+                           "smollm3", "lfm2", "qwen3_5_text", "qwen3_5")
 # GGUF general.architecture values; Mistral GGUFs are written as "llama".
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "lfm2")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "lfm2", "qwen35")
 # GGUF architectures whose converter permutes Wq/Wk rows for llama.cpp's interleaved RoPE (LLAMA_ROPE_TYPE_NORM);
 # the others use NeoX (rotate-half) order as Hugging Face does.
 GGUF_PERMUTED_QK = ("llama", "smollm3")
 FFN_ACTIVATIONS = ("silu", "gelu_tanh")
-LAYER_KINDS = ("attention", "conv")
+LAYER_KINDS = ("attention", "conv", "delta")
+QWEN35_FULL_ATTENTION_INTERVAL = 4   # llama.cpp's and transformers' default: every 4th layer full attention
 SMOLLM3_NO_ROPE_STEP = 4   # llama.cpp hard-codes it (no GGUF key): layers with (i + 1) % 4 == 0 have no RoPE
 
 
@@ -62,7 +63,8 @@ class Rope:
 class LayerRecipe:
     rope: Rope | None      # None: no rotary embedding on this layer (SmolLM3's NoPE layers)
     window: int = 0        # sliding window: a position attends to the last `window` positions (0: all)
-    kind: str = "attention"   # what mixes the positions: "attention", or "conv" (LFM2's gated short convolution)
+    kind: str = "attention"   # what mixes the positions: "attention", "conv" (LFM2's gated short convolution) or
+                              # "delta" (Qwen3.5's Gated DeltaNet linear attention)
 
 
 @dataclass
@@ -95,7 +97,14 @@ class ModelConfig:
     final_softcap: float = 0.0          # output logits the same (Gemma 2)
     embedding_scale: float = 1.0        # the gathered embedding times this (Gemma: √hidden)
     layers: tuple = ()                  # LayerRecipe per layer; empty: every layer RoPE(θ, scaling) and the window
-    conv_length: int = 0                # the short convolution's length L where layers are "conv" (LFM2: 3)
+    conv_length: int = 0                # the short convolution's length L where layers are "conv" (LFM2: 3) or
+                                        # "delta" (Qwen3.5: 4)
+    attention_gate: bool = False        # the q projection holds q and a gate per head: attention output ·σ(gate)
+    delta_k_heads: int = 0              # "delta" layers: Hk q/k heads of d_k, Hv v heads of d_v (Qwen3.5)
+    delta_v_heads: int = 0
+    delta_k_dim: int = 0
+    delta_v_dim: int = 0
+    delta_head_map: str = "tile"        # v head h reads q/k head h mod Hk (GGUF) or h // (Hv/Hk) (Hugging Face)
     extra: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
@@ -120,8 +129,18 @@ class ModelConfig:
         kinds = {r.kind for r in self.layers}
         if not kinds <= set(LAYER_KINDS):
             raise PerfxError(f"layer kinds {sorted(kinds - set(LAYER_KINDS))} are not supported ({', '.join(LAYER_KINDS)})")
-        if "conv" in kinds and not 2 <= self.conv_length <= 8:
+        if kinds & {"conv", "delta"} and not 2 <= self.conv_length <= 8:
             raise PerfxError(f"the short convolution's length {self.conv_length} is not supported (2 .. 8)")
+        if "delta" in kinds:
+            self._check_delta()
+
+    def _check_delta(self):
+        hk, hv, dk, dv = self.delta_k_heads, self.delta_v_heads, self.delta_k_dim, self.delta_v_dim
+        if min(hk, hv, dk, dv) < 1 or hv % hk or max(dk, dv) > 256:
+            raise PerfxError(f"Gated DeltaNet layers with {hk} q/k heads of {dk} and {hv} v heads of {dv}: perfx "
+                             "runs positive sizes, v heads a multiple of the q/k heads, head sizes up to 256")
+        if self.delta_head_map not in ("tile", "interleave"):
+            raise PerfxError(f"delta_head_map {self.delta_head_map!r}: 'tile' or 'interleave'")
 
     def layers_of(self, kind: str) -> list[int]:
         """The indices of the layers of one kind ("attention", "conv")."""
@@ -141,6 +160,16 @@ class ModelConfig:
         return self.q_dim + 2 * self.kv_dim
 
     @property
+    def delta_conv_dim(self) -> int:
+        """Channels of a delta layer's convolution, its q|k|v in-projection's rows: Hk·d_k + Hk·d_k + Hv·d_v."""
+        return 2 * self.delta_k_heads * self.delta_k_dim + self.delta_v_heads * self.delta_v_dim
+
+    @property
+    def delta_value_dim(self) -> int:
+        """Hv·d_v: a delta layer's output (and z) width."""
+        return self.delta_v_heads * self.delta_v_dim
+
+    @property
     def scale(self) -> float:
         """The attention scale in force."""
         return self.attention_scale or 1.0 / math.sqrt(self.head_dim)
@@ -157,6 +186,12 @@ class ModelConfig:
         convs = len(self.layers_of("conv"))
         if convs:
             parts.append(f"short conv (L = {self.conv_length}) on {convs}/{self.n_layers} layers")
+        deltas = len(self.layers_of("delta"))
+        if deltas:
+            parts.append(f"Gated DeltaNet ({self.delta_k_heads}/{self.delta_v_heads} heads of {self.delta_k_dim}/"
+                         f"{self.delta_v_dim}, conv L = {self.conv_length}) on {deltas}/{self.n_layers} layers")
+        if self.attention_gate:
+            parts.append("gated attention output")
         if self.qk_norm:
             parts.append("q/k norm")
         if self.post_norms:
@@ -191,6 +226,13 @@ class ModelConfig:
     def from_hf(cls, config: dict) -> ModelConfig:
         """From the dict of a Hugging Face ``config.json`` (a multimodal Gemma 3's text_config)."""
         architecture = config.get("model_type")
+        if architecture == "qwen3_5":   # the multimodal checkpoint (every published one): its text model
+            text = config.get("text_config")
+            if not isinstance(text, dict):
+                raise PerfxError("config.json of model_type qwen3_5 has no text_config; the file is incomplete")
+            config = {**text, "model_type": "qwen3_5_text", "tie_word_embeddings": config.get(
+                "tie_word_embeddings", text.get("tie_word_embeddings", False))}
+            architecture = "qwen3_5_text"
         if architecture == "gemma3":
             text = config.get("text_config")
             if not isinstance(text, dict):
@@ -251,6 +293,8 @@ class ModelConfig:
                 scaling = recipe["rope_scaling"] = _hf_longrope(config, scaling, rotary)
             rope = Rope(theta, rotary, scaling)
             recipe["layers"] = tuple(LayerRecipe(rope, window) for _ in range(n_layers))
+        elif architecture == "qwen3_5_text":
+            recipe.update(_hf_qwen35(config, n_layers, theta))
         elif architecture == "lfm2":
             recipe.update(_hf_lfm2(config, n_layers, rope))
             values["intermediate_size"] = _lfm2_ffn_size(config)
@@ -291,7 +335,8 @@ class ModelConfig:
 
         hidden = int(key("embedding_length"))
         n_heads = int(key("attention.head_count"))
-        n_layers = int(key("block_count"))
+        # Multi-token-prediction blocks (Qwen3.5) follow the decoder's in block_count; perfx runs the decoder
+        n_layers = int(key("block_count")) - int(reader.value(f"{arch}.nextn_predict_layers") or 0)
         vocab = reader.value(f"{arch}.vocab_size")
         if vocab is None:
             tokens = reader.fields.get("tokenizer.ggml.tokens")
@@ -349,6 +394,8 @@ class ModelConfig:
         elif arch == "smollm3":
             recipe["layers"] = tuple(LayerRecipe(None if (i + 1) % SMOLLM3_NO_ROPE_STEP == 0 else rope, window)
                                      for i in range(n_layers))
+        elif arch == "qwen35":
+            recipe.update(_gguf_qwen35(reader, arch, key, n_layers, rope))
         elif arch == "lfm2":
             # llama.cpp's lfm2: a layer with no kv heads (head_count_kv is per layer) is a short-conv layer
             kv_heads = _per_layer(key("attention.head_count_kv"), n_layers, f"{arch}.attention.head_count_kv")
@@ -377,6 +424,63 @@ def _per_layer(value, n_layers: int, name: str) -> list[int]:
     if len(values) != n_layers:
         raise PerfxError(f"GGUF {name} lists {len(values)} layers but the model has {n_layers}; the file is corrupt")
     return values
+
+
+def _qwen35_recipe(recurrent: list[bool], rope: Rope, conv_length: int, hk: int, hv: int, dk: int, dv: int,
+                   head_map: str) -> dict:
+    if all(recurrent):
+        raise PerfxError("a Qwen3.5 model with no full-attention layer: perfx needs at least one")
+    return dict(qk_norm=True, attention_gate=True, conv_length=conv_length, delta_k_heads=hk, delta_v_heads=hv,
+                delta_k_dim=dk, delta_v_dim=dv, delta_head_map=head_map,
+                layers=tuple(LayerRecipe(None, 0, "delta") if r else LayerRecipe(rope, 0) for r in recurrent))
+
+
+def _gguf_qwen35(reader: GGUFFile, arch: str, key, n_layers: int, rope: Rope) -> dict:
+    """Qwen3.5 as llama.cpp's qwen35.cpp reads it: the linear-attention layers from attention.recurrent_layers,
+    else every layer but each full_attention_interval-th; ssm.group_count q/k heads and ssm.time_step_rank v
+    heads, both of ssm.state_size (llama.cpp sizes the v heads' tensors by it and the state by
+    ssm.inner_size / time_step_rank, so the two must agree); ssm.conv_kernel taps. Text positions make its
+    interleaved M-RoPE the NeoX rotation of rope.dimension_count dimensions."""
+    hk, hv = int(key("ssm.group_count")), int(key("ssm.time_step_rank"))
+    dk, inner = int(key("ssm.state_size")), int(key("ssm.inner_size"))
+    if hk < 1 or hv < 1 or inner != hv * dk:
+        raise PerfxError(f"GGUF {arch}.ssm.inner_size = {inner} must be {arch}.ssm.time_step_rank {hv} × "
+                         f"{arch}.ssm.state_size {dk} = {hv * dk} (llama.cpp's v head size is state_size); the "
+                         "header is corrupt")
+    flags = reader.value(f"{arch}.attention.recurrent_layers")
+    if flags is not None:
+        recurrent = [bool(f) for f in flags][:n_layers]
+        if len(recurrent) != n_layers:
+            raise PerfxError(f"GGUF {arch}.attention.recurrent_layers lists {len(flags)} layers but the model has "
+                             f"{n_layers}; the file is corrupt")
+    else:
+        interval = int(key("full_attention_interval", QWEN35_FULL_ATTENTION_INTERVAL))
+        if interval < 1:
+            raise PerfxError(f"GGUF {arch}.full_attention_interval = {interval} must be at least 1")
+        recurrent = [(i + 1) % interval != 0 for i in range(n_layers)]
+    return _qwen35_recipe(recurrent, rope, int(key("ssm.conv_kernel")), hk, hv, dk, dk, "tile")
+
+
+def _hf_qwen35(config: dict, n_layers: int, theta: float) -> dict:
+    """Qwen3.5's text config (transformers' Qwen3_5TextConfig): layer_types (or full_attention_interval),
+    linear_* sizes, partial_rotary_factor (0.25 by default) of head_dim rotated. The checkpoint's v heads are
+    grouped by q/k head (transformers' repeat_interleave), which the kernels read as head_map interleave."""
+    kinds = config.get("layer_types")
+    if kinds is None:
+        interval = int(config.get("full_attention_interval") or QWEN35_FULL_ATTENTION_INTERVAL)
+        kinds = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)]
+    if len(kinds) != n_layers or not set(kinds) <= {"linear_attention", "full_attention"}:
+        raise PerfxError(f"config.json: layer_types {kinds} must name {n_layers} layers, each 'linear_attention' or "
+                         "'full_attention'; the config is corrupt")
+    head_dim = int(config.get("head_dim") or 256)
+    factor = config.get("partial_rotary_factor") or (config.get("rope_parameters") or {}).get(
+        "partial_rotary_factor", 0.25)
+    rotary = int(head_dim * float(factor))
+    hk, hv = int(config.get("linear_num_key_heads", 16)), int(config.get("linear_num_value_heads", 32))
+    dk, dv = int(config.get("linear_key_head_dim", 128)), int(config.get("linear_value_head_dim", 128))
+    recipe = _qwen35_recipe([k == "linear_attention" for k in kinds], Rope(theta, rotary, None),
+                            int(config.get("linear_conv_kernel_dim", 4)), hk, hv, dk, dv, "interleave")
+    return dict(recipe, rotary_dims=rotary)
 
 
 def _hf_lfm2(config: dict, n_layers: int, rope: Rope) -> dict:
@@ -421,7 +525,9 @@ def _hf_rope(config: dict) -> tuple[float, dict | None, float]:
     local = params.get("sliding_attention")
     if "full_attention" in params:
         params = params["full_attention"]
-    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    # Qwen3.5's M-RoPE sections matter only for images: on text every section reads the same position
+    scaling = {k: v for k, v in params.items()
+               if k not in ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")}
     if scaling.get("rope_type", "default") == "default" and len(scaling) <= 1:
         scaling = None
     return (float(params.get("rope_theta", 10000.0)), scaling,

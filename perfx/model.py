@@ -25,6 +25,7 @@ import numpy as np
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
 from perfx.formats import Q4Matrix, Q8Matrix
+from perfx.ops.gated_delta_net import DeltaState
 from perfx.ops.gemm_q4 import GemmQ4
 from perfx.ops.gemv_f16 import F16DeviceWeight
 from perfx.ops.kv_cache import KVCache, RopeTable
@@ -37,6 +38,7 @@ from perfx.progress import Progress
 from perfx.runtime import Device
 from perfx.sources import open_named
 from perfx.tuning.database import Database, default_database
+from perfx.tuning.problems import delta_shape
 
 DEFAULT_CTX = 4096
 PREFILL_CHUNK = 256  # prompt tokens per prefill pass: bounds the activation buffers
@@ -55,8 +57,16 @@ class DeviceLayer:
     post_attn_norm: object = None   # float32 (hidden): the attention output's own norm (Gemma)
     post_ffn_norm: object = None    # float32 (hidden): the FFN output's own norm (Gemma)
     conv_in: object = None     # (3·hidden, hidden): B, C, x rows (a conv layer, LFM2)
-    conv_weight: object = None  # float32 (hidden, L): the short convolution's taps
+    conv_weight: object = None  # float32 (channels, L): the short convolution's taps (conv or delta layer)
     conv_out: object = None    # (hidden, hidden)
+    attn_gate: object = None   # (q_dim, hidden): the attention output's gate (Qwen3.5)
+    delta_qkv: object = None   # (2·Hk·d_k + Hv·d_v, hidden): a delta layer's q|k|v, the convolution's input
+    delta_z: object = None     # (Hv·d_v, hidden): the output norm's gate z
+    delta_ab: object = None    # (2·Hv, hidden): a, then b (the gates before softplus and sigmoid)
+    delta_out: object = None   # (hidden, Hv·d_v)
+    dt_bias: object = None     # float32 (Hv)
+    ssm_a: object = None       # float32 (Hv): −exp(A_log)
+    delta_norm: object = None  # float32 (d_v): the gated RMSNorm's γ
 
 
 @dataclass
@@ -92,6 +102,12 @@ class RunState:
     row_act: object
     bcx: object = None          # (chunk, 3·hidden) a conv layer's in-projection [B | C | x] (LFM2 only)
     mixed: object = None        # (chunk, hidden) the gated convolution's output, before its out-projection
+    gates: object = None        # (chunk, q_dim) the attention output's gate (Qwen3.5)
+    dqkv: object = None         # (chunk, conv channels) a delta layer's q|k|v, then convolved (dconv)
+    dconv: object = None
+    dz: object = None           # (chunk, Hv·d_v) z
+    dab: object = None          # (chunk, 2·Hv) a | b
+    dout: object = None         # (chunk, Hv·d_v) the recurrence's output, then normed and gated
     all_logits: object = None   # (chunk, V) and (chunk, hidden): made by the first prefill_logits only
     head_in: object = None
 
@@ -102,6 +118,13 @@ class RunState:
         conv = {}
         if c.layers_of("conv"):
             conv = dict(bcx=device.empty((chunk, 3 * c.hidden_size), f32), mixed=device.empty((chunk, c.hidden_size), f32))
+        if c.attention_gate:
+            conv["gates"] = device.empty((chunk, c.q_dim), f32)
+        if c.layers_of("delta"):
+            channels, value = c.delta_conv_dim, c.delta_value_dim
+            conv.update(dqkv=device.empty((chunk, channels), f32), dconv=device.empty((chunk, channels), f32),
+                        dz=device.empty((chunk, value), f32), dab=device.empty((chunk, 2 * c.delta_v_heads), f32),
+                        dout=device.empty((chunk, value), f32))
         return cls(**conv,
             chunk=chunk, x=device.empty((chunk, c.hidden_size), f32), xb=device.empty((chunk, c.hidden_size), f32),
             qkv=device.empty((chunk, c.qkv_dim), f32), att=device.empty((chunk, c.q_dim), f32),
@@ -159,9 +182,14 @@ class Model:
             w = first if i == 0 else source.layer(i)
             if w.qkv_bias is not None and isinstance(w.qkv, np.ndarray):
                 raise PerfxError("an fp16 QKV projection with a bias (Qwen2) runs only quantized: pass --quantize q4")
-            vectors = ("q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "conv_weight")
+            vectors = ("q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "conv_weight", "dt_bias", "ssm_a",
+                       "delta_norm")
             norms = {name: model._vector(getattr(w, name)) for name in vectors if getattr(w, name) is not None}
-            if w.conv_in is not None:   # a conv layer: in-projection, convolution, out-projection
+            if w.delta_qkv is not None:   # a delta layer: its projections (the taps and gates' vectors in norms)
+                names = ("delta_qkv", "delta_z", "delta_ab", "delta_out")
+                mixing = {name: model._upload(getattr(w, name), f"layer {i} {name}", name) for name in names}
+                matrices = tuple(getattr(w, name) for name in names) + (w.gate_up, w.down)
+            elif w.conv_in is not None:   # a conv layer: in-projection, convolution, out-projection
                 mixing = dict(conv_in=model._upload(w.conv_in, f"layer {i} conv in_proj", "conv_in"),
                               conv_out=model._upload(w.conv_out, f"layer {i} conv out_proj", "conv_out"))
                 matrices = (w.conv_in, w.conv_out, w.gate_up, w.down)
@@ -169,6 +197,9 @@ class Model:
                 mixing = dict(qkv=model._upload(w.qkv, f"layer {i} qkv", "qkv", bias=w.qkv_bias),
                               o=model._upload(w.o, f"layer {i} o", "o"))
                 matrices = (w.qkv, w.o, w.gate_up, w.down)
+                if w.attn_gate is not None:
+                    mixing["attn_gate"] = model._upload(w.attn_gate, f"layer {i} attn_gate", "attn_gate")
+                    matrices += (w.attn_gate,)
             model.weights.layers.append(DeviceLayer(
                 attn_norm=model._vector(w.attn_norm), ffn_norm=model._vector(w.ffn_norm),
                 gate_up=model._upload(w.gate_up, f"layer {i} gate_up", "gate_up"),
@@ -192,6 +223,7 @@ class Model:
             "load_s": time.perf_counter() - started, "device_bytes": device.allocated_bytes,
             "weight_bytes": model.weights.nbytes, "kv_cache_bytes": model.cache.nbytes,
             "conv_state_bytes": model.history.nbytes if model.history is not None else 0,
+            "recurrent_state_bytes": model.delta_state.nbytes if model.delta_state is not None else 0,
             "host_peak_bytes": host_peak_bytes(), "ctx": ctx,
         }
         return model
@@ -222,12 +254,16 @@ class Model:
         c, d = self.config, self.device
         self.state = RunState.allocate(d, c, min(PREFILL_CHUNK, self.max_positions))
         self._lm_head_gemm = None
-        # The KV cache holds the attention layers only, the conv rings the conv layers (slot = its index among
-        # the layers of its kind).
-        attention, convs = c.layers_of("attention"), c.layers_of("conv")
-        self.slot = {layer: i for kind in (attention, convs) for i, layer in enumerate(kind)}
+        # The KV cache holds the attention layers only, the conv rings the conv layers or the delta layers'
+        # convolutions, the delta state the delta layers' S (slot = its index among the layers of its kind).
+        attention, convs, deltas = c.layers_of("attention"), c.layers_of("conv"), c.layers_of("delta")
+        self.slot = {layer: i for kind in (attention, convs, deltas) for i, layer in enumerate(kind)}
         self.cache = KVCache.allocate(d, max(len(attention), 1), c.n_kv_heads, self.max_positions, c.head_dim)
         self.history = ConvHistory(d, len(convs), c.hidden_size) if convs else None
+        self.delta_state = None
+        if deltas:
+            self.history = ConvHistory(d, len(deltas), c.delta_conv_dim)
+            self.delta_state = DeltaState(d, len(deltas), delta_shape(c, 1))
         self.written = 0    # positions 0..written−1 are in the cache and the rings
         # One cos/sin table per distinct RoPE of the recipe (Gemma 3: local and global bases), made once; a
         # GGUF's rope_freqs (Llama 3.x) and LongRoPE's factors ride in the scaling and are applied in the table.
@@ -333,15 +369,19 @@ class Model:
                 self.plan.rmsnorm.plain(s.x, w.attn_norm, s.xb, m, c.hidden_size, c.rms_eps)
             else:
                 self._residual_norm(self.weights.layers[layer - 1].post_ffn_norm, w.attn_norm, m)
-            if w.conv_in is not None:
+            if w.delta_qkv is not None:
+                self._delta_layer(layer, w, m, pos, decode, position)
+            elif w.conv_in is not None:
                 # a conv layer: in-projection to B, C, x; C·(taps ⋆ B·x) over the last L positions; out-projection
                 self._linear("conv_in", w.conv_in, s.xb, s.bcx, m, decode)
                 self.plan.short_conv(s.bcx, w.conv_weight, self.history, self.slot[layer], s.mixed, m, pos,
                                      position=position)
                 self._linear("conv_out", w.conv_out, s.mixed, s.proj, m, decode)
             else:
-                # qkv for these positions, then (q/k norm +) RoPE + KV append + attention
+                # qkv for these positions (and the output's gate), then (q/k norm +) RoPE + KV append + attention
                 self._linear("qkv", w.qkv, s.xb, s.qkv, m, decode)
+                if w.attn_gate is not None:
+                    self._linear("attn_gate", w.attn_gate, s.xb, s.gates, m, decode)
                 if attention is not None:
                     attention(layer)
                 elif decode:
@@ -349,12 +389,32 @@ class Model:
                 else:
                     rope, kwargs = self.attention_args[layer]
                     self.plan.prefill(m)[1](s.qkv, s.att, self.cache, rope, self.slot[layer], pos, m, **kwargs)
+                if w.attn_gate is not None:   # Qwen3.5: the attention output times σ(gate)
+                    self.plan.attn_gate(s.gates, s.att, s.att, m * c.q_dim)
                 self._linear("o", w.o, s.att, s.proj, m, decode)
             # ffn rmsnorm, with the attention output added into the residual
             self._residual_norm(w.post_attn_norm, w.ffn_norm, m)
             # gated MLP: gate-up with the activation·up fused, then down
             self._linear("gate_up", w.gate_up, s.xb, s.hb, m, decode)
             self._linear("down", w.down, s.hb, s.proj, m, decode)
+
+    def _delta_layer(self, layer: int, w: DeviceLayer, m: int, pos: int, decode: bool, position):
+        """A Gated DeltaNet layer over m rows (``perfx.reference._delta_layer``): q|k|v, z and a|b projected; the
+        convolution with SiLU over q|k|v (ring slot: the layer's); the recurrence over the layer's state (the
+        token-by-token kernel for one row, the chunked one for more); the gated RMSNorm per v head, as an
+        RMSNorm over rows of d_v and SiLU(z)·; the out-projection into proj."""
+        c, s = self.config, self.state
+        slot, value = self.slot[layer], c.delta_value_dim
+        self._linear("delta_qkv", w.delta_qkv, s.xb, s.dqkv, m, decode)
+        self._linear("delta_z", w.delta_z, s.xb, s.dz, m, decode)
+        self._linear("delta_ab", w.delta_ab, s.xb, s.dab, m, decode)
+        self.plan.short_conv(s.dqkv, w.conv_weight, self.history, slot, s.dconv, m, pos, position=position)
+        recurrence = self.plan.delta_decode if m == 1 else self.plan.delta_prefill(m)
+        recurrence(s.dconv, s.dab, self.delta_state.buffers[slot], s.dout, m, dt_bias=w.dt_bias, ssm_a=w.ssm_a,
+                   eps=c.rms_eps)
+        self.plan.rmsnorm.plain(s.dout, w.delta_norm, s.dconv, m * c.delta_v_heads, c.delta_v_dim, c.rms_eps)
+        self.plan.delta_gate(s.dz, s.dconv, s.dout, m * value)
+        self._linear("delta_out", w.delta_out, s.dout, s.proj, m, decode)
 
     def _final_norm(self, m: int):
         """The last layer's output joins the residual, then the final rmsnorm into xb."""
@@ -452,6 +512,7 @@ class Model:
                              f"(over by {end - self.max_positions}): shorten it or raise --ctx")
         self._check_ids(tokens)
         self._check_resume(start_pos)
+        self._start_state(start_pos)
         self.written = end
         for first in range(0, len(tokens), self.state.chunk):
             part = tokens[first:first + self.state.chunk]
@@ -509,6 +570,7 @@ class Model:
                              else f"decode_one: position {pos} is negative")
         self._check_ids([token])
         self._check_resume(pos)
+        self._start_state(pos)
         self.written = pos + 1
         started = time.perf_counter()
         launches = self._decode_launches(pos)
@@ -537,6 +599,8 @@ class Model:
                 self.device.fill(buffer, np.uint16(0x2E66))   # fp16 0.1 in every key and value
         if self.history is not None:
             self.device.fill(self.history.buffer, np.float32(0.1))
+        if self.delta_state is not None:
+            self.delta_state.reset()
         self.written = pos
 
     def can_resume(self, pos: int) -> bool:
@@ -545,9 +609,27 @@ class Model:
         (a rollback of up to ``HISTORY_ROWS`` − L + 1 positions)."""
         if not 0 <= pos <= self.written:
             return False
+        if self.delta_state is not None:   # S after the last position run only (or zeros from 0)
+            return pos in (0, self.written)
         return self.history is None or self.history.resumable(self.config.conv_length, self.written - 1, pos)
 
+    @property
+    def can_roll_back(self) -> bool:
+        """Whether a forward may resume before the last position run (a rejected speculative draft): a KV cache
+        and conv rings can, a Gated DeltaNet state cannot."""
+        return self.delta_state is None
+
+    def _start_state(self, pos: int):
+        """A forward from position 0 starts the recurrent state from zeros (the conv rings need nothing: the
+        kernel reads positions before 0 as zeros)."""
+        if pos == 0 and self.delta_state is not None:
+            self.delta_state.reset()
+
     def _check_resume(self, pos: int):
+        if self.delta_state is not None and not self.can_resume(pos):
+            raise PerfxError(f"position {pos}: this model's Gated DeltaNet layers hold their state after position "
+                             f"{self.written - 1} only (positions 0..{self.written - 1} were run); continue at "
+                             f"{self.written} or prefill from 0")
         if self.history is not None and not self.can_resume(pos):
             raise PerfxError(f"position {pos}: this model's conv layers hold their state for positions "
                              f"{max(0, self.written - self.history.rows + self.config.conv_length - 1)}.."
@@ -587,6 +669,8 @@ def load_model(name: str | None = None, device: Device | str | None = None, ctx:
                        database=default_database(tuning), log=log)
     r = model.load_report
     conv = f", conv state {r['conv_state_bytes'] / 2**20:.1f} MiB" if r["conv_state_bytes"] else ""
+    if r["recurrent_state_bytes"]:
+        conv += f", recurrent state {r['recurrent_state_bytes'] / 2**20:.1f} MiB"
     log(f"perfx: loaded in {r['load_s']:.1f}s: {r['weight_bytes'] / 2**20:.0f} MiB of weights, "
         f"{r['device_bytes'] / 2**20:.0f} MiB on the device (KV cache {r['kv_cache_bytes'] / 2**20:.0f} MiB "
         f"for {r['ctx']} positions{conv}), host peak {r['host_peak_bytes'] / 2**20:.0f} MiB")

@@ -21,19 +21,20 @@ from perfx.ops.gemm_q4 import GemmQ4
 from perfx.ops.gemm_q8 import GemmQ8
 from perfx.ops.gemv_f16 import GemvF16
 from perfx.ops.gemv_q4 import GemvQ4
+from perfx.ops.gated_delta_net import GatedDeltaNetChunked, GatedDeltaNetRecurrent
 from perfx.ops.gemv_q8 import GemvQ8
 from perfx.ops.params import READ_NAMES
 from perfx.ops.q4_weight import available_paths
 from perfx.ops.q8_weight import Q8DeviceWeight
 from perfx.ops.rmsnorm import RMSNorm
 from perfx.ops.short_conv import ShortConv
-from perfx.ops.small_ops import Argmax, Embedding, GeGLU, Softcap, SwiGLU
+from perfx.ops.small_ops import Argmax, Embedding, GeGLU, SigmoidMul, Softcap, SwiGLU
 from perfx.runtime import BuildError, Device, KernelLimitError
 from perfx.sources.base import Form
 from perfx.tuning import SPECS
 from perfx.tuning.database import Choice, Database, bucket_representative, m_bucket
-from perfx.tuning.problems import (conv_shape, embedding_shape, gemm_shapes, gemv_shape, matrix_roles, model_problems,
-                                   qk_norm, softcap_shape)
+from perfx.tuning.problems import (conv_shape, delta_shape, embedding_shape, gemm_shapes, gemv_shape, matrix_roles,
+                                   model_problems, qk_norm, softcap_shape)
 
 
 class KernelPlan:
@@ -103,10 +104,22 @@ class KernelPlan:
             "attention_decode", {**attention, "positions": self.max_positions}, "decode",
             lambda p: AttentionDecode(d, p, {**attention, "positions": self.max_positions}))
         self.short_conv = None
-        if c.layers_of("conv"):
+        if c.layers_of("conv") or c.layers_of("delta"):
             conv = conv_shape(c, 1)
             self.short_conv = self.choose("short_conv", shape_of("short_conv", "conv", **conv), "conv",
                                           lambda p: ShortConv(d, p, conv))
+        # Qwen3.5: σ(gate)·attention output; the DeltaNet recurrence (decode) and its norm's SiLU(z) gate
+        self.attn_gate = (self.choose("sigmoid_mul", {"count": c.q_dim}, "attention gate", lambda p: SigmoidMul(d, p))
+                          if c.attention_gate else None)
+        self.delta_decode = self.delta_gate = None
+        self._delta_prefill: dict[int, GatedDeltaNetChunked] = {}
+        if c.layers_of("delta"):
+            one = delta_shape(c, 1)
+            self.delta_decode = self.choose("gated_delta_net_recurrent", shape_of("gated_delta_net_recurrent",
+                                                                                  "delta", **one),
+                                            "delta", lambda p: GatedDeltaNetRecurrent(d, p, one))
+            self.delta_gate = self.choose("swiglu", {"count": c.delta_value_dim}, "delta norm gate",
+                                          lambda p: SwiGLU(d, p))
         self._prefill_ops: dict[int, tuple] = {}
         # Each int4 weight is uploaded once, in the layout and for the read path its decode GEMV reads (the
         # GEMMs and the gather read whatever layout and path the weight has).
@@ -193,6 +206,16 @@ class KernelPlan:
                                      lambda p: AttentionPrefill(self.device, p, shape))
             self._prefill_ops[bucket] = (gemms, attention)
         return self._prefill_ops[bucket]
+
+    def delta_prefill(self, m: int) -> GatedDeltaNetChunked:
+        """The chunked Gated DeltaNet kernel tuned for m's bucket (built once per bucket)."""
+        bucket = m_bucket(m)
+        if bucket not in self._delta_prefill:
+            shape = delta_shape(self.config, bucket_representative(bucket))
+            self._delta_prefill[bucket] = self.choose(
+                "gated_delta_net_chunked", shape, f"delta, M≈{shape['tokens']}",
+                lambda p: GatedDeltaNetChunked(self.device, p, shape))
+        return self._delta_prefill[bucket]
 
     def q8(self, kind: str, name: str, weight: Q8DeviceWeight, m: int = 1):
         """The int8 kernel wrapper ("gemv", "gemm" or "embedding") for a matrix of this form, with the

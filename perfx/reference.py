@@ -42,6 +42,22 @@ def silu(x) -> np.ndarray:
         return x / (1.0 + np.exp(-x))
 
 
+def sigmoid(x) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-f64(x)))
+
+
+def sigmoid_mul(gate, x) -> np.ndarray:
+    """σ(gate)·x: Qwen3.5's gated attention output (the gate from the q projection's second half per head)."""
+    return sigmoid(gate) * f64(x)
+
+
+def rmsnorm_gated(x, z, gamma, eps: float = 1e-6) -> np.ndarray:
+    """rmsnorm(x)·γ·SiLU(z) over the last axis: Qwen3.5's gated RMSNorm of the DeltaNet output per v head
+    (transformers' Qwen3_5RMSNormGated, llama.cpp's build_norm_gated)."""
+    return rmsnorm(x, gamma, eps) * silu(z)
+
+
 def swiglu(gate, up) -> np.ndarray:
     """SiLU(gate)·up, the Llama MLP's activation."""
     return silu(gate) * f64(up)
@@ -323,12 +339,14 @@ def gated_delta_net(q, k, v, g, beta, state=None, head_map: str = "tile", scale:
 
 class ReferenceCache:
     """What a forward keeps of positions 0..T−1: keys and values per attention layer ((T, Hkv, D) float64
-    each), and per conv layer the short convolution's state (its last L − 1 inputs)."""
+    each), per conv or delta layer the short convolution's state (its last L − 1 inputs), and per delta
+    layer the Gated DeltaNet state (Hv, d_v, d_k)."""
 
     def __init__(self, n_layers: int):
         self.keys: list[np.ndarray | None] = [None] * n_layers
         self.values: list[np.ndarray | None] = [None] * n_layers
         self.conv: list[np.ndarray | None] = [None] * n_layers
+        self.state: list[np.ndarray | None] = [None] * n_layers
         self.length = 0
 
     def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -370,13 +388,31 @@ def _ffn(x, w, c, gate):
     return x + (rmsnorm(out, w.post_ffn_norm, c.rms_eps) if c.post_norms else out)
 
 
+def _delta_layer(xb, w, c, cache: ReferenceCache, i: int) -> np.ndarray:
+    """A Gated DeltaNet layer (Qwen3.5's linear attention) over M normed rows: the in-projections to
+    q|k|v, z and a|b; the short causal convolution with SiLU over q|k|v; the gates; the recurrence (q and k
+    L2-normalised inside); the gated RMSNorm per v head; the out-projection. llama.cpp's qwen35.cpp
+    build_layer_attn_linear, transformers' Qwen3_5GatedDeltaNet."""
+    m = xb.shape[0]
+    hk, hv, dk, dv = c.delta_k_heads, c.delta_v_heads, c.delta_k_dim, c.delta_v_dim
+    y, cache.conv[i] = short_conv(linear(xb, w.delta_qkv), w.conv_weight, cache.conv[i], gated=False, act="silu")
+    q = y[:, :hk * dk].reshape(m, hk, dk)
+    k = y[:, hk * dk:2 * hk * dk].reshape(m, hk, dk)
+    v = y[:, 2 * hk * dk:].reshape(m, hv, dv)
+    ab = linear(xb, w.delta_ab)
+    g, beta = gated_delta_gates(ab[:, :hv], ab[:, hv:], w.dt_bias, w.ssm_a)
+    o, cache.state[i] = gated_delta_net(q, k, v, g, beta, cache.state[i], c.delta_head_map, eps=c.rms_eps)
+    z = linear(xb, w.delta_z).reshape(m, hv, dv)
+    return linear(rmsnorm_gated(o, z, w.delta_norm, c.rms_eps).reshape(m, hv * dv), w.delta_out)
+
+
 def model_forward(source, tokens, start_pos: int = 0, cache: ReferenceCache | None = None, ctx: int | None = None):
     """Logits (M, V) float64 for M tokens at positions start_pos.., and the updated cache.
 
     ``source`` is a perfx.sources.ModelSource (weights read layer by layer, dequantized to float64);
     ``cache`` holds positions 0..start_pos−1 (None: a new one, start_pos must then be 0). The forward follows
     the config's recipe (``perfx.config``): the maths of transformers' Llama, Mistral, Qwen2, Qwen3, Gemma 2,
-    Gemma 3, Phi-3, SmolLM3 and LFM2 models. ``ctx`` is the context the model runs in (LongRoPE picks its factors
+    Gemma 3, Phi-3, SmolLM3, LFM2 and Qwen3.5 models. ``ctx`` is the context the model runs in (LongRoPE picks its factors
     by it); None: the positions this call reaches.
     """
     c = source.config
@@ -402,6 +438,10 @@ def model_forward(source, tokens, start_pos: int = 0, cache: ReferenceCache | No
             x = x + linear(y, w.conv_out)
             x = _ffn(x, w, c, gate)
             continue
+        if recipe.kind == "delta":
+            x = x + _delta_layer(xb, w, c, cache, i)
+            x = _ffn(x, w, c, gate)
+            continue
         # q, k, v for these positions from the fused projection
         qkv = linear(xb, w.qkv, w.qkv_bias)
         q = qkv[:, :q_dim].reshape(m, h, d)
@@ -418,6 +458,8 @@ def model_forward(source, tokens, start_pos: int = 0, cache: ReferenceCache | No
         keys, values = cache.append(i, k, v)
         att = attention(q, keys, values, positions, window=recipe.window, scale=c.scale,
                         softcap=c.attn_softcap).reshape(m, q_dim)
+        if c.attention_gate:   # Qwen3.5: the output times σ(gate), the gate projected from the same input
+            att = sigmoid_mul(linear(xb, w.attn_gate), att)
         # output projection (its own norm first where the recipe has post-norms), residual back into x
         out = linear(att, w.o)
         x = x + (rmsnorm(out, w.post_attn_norm, c.rms_eps) if c.post_norms else out)

@@ -298,7 +298,15 @@ class Speculator:
 
     def begin(self, model, seen: list[int], start_pos: int) -> None:
         """Before the prompt's prefill at ``start_pos`` (positions from there on are about to be written):
-        calibrate the step costs at first use, and start this reply's counts."""
+        calibrate the step costs at first use, and start this reply's counts. A model that cannot roll back
+        (Qwen3.5: its Gated DeltaNet state holds the last position only) does not speculate: a rejected draft
+        would leave the state past it."""
+        if self.drafter and not getattr(model, "can_roll_back", True):
+            if self.mode != "auto":
+                raise PerfxError(f"--speculate {self.mode}: this model's recurrent state cannot roll back past a "
+                                 "rejected draft; use --speculate off (auto does so by itself)")
+            self.drafter = ""
+            self.log("perfx: speculation off: this model's recurrent state cannot roll back a rejected draft")
         if not self.costs.calibrated:
             self.calibrate(model, start_pos)
         # A draft model agrees with its target more often than not. Lookup starts from 1 in 4 (most text does

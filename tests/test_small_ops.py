@@ -1,4 +1,4 @@
-"""Small ops (embedding_f16, embedding_q4, argmax, swiglu, geglu, softcap): every test shape at the defaults
+"""Small ops (embedding_f16, embedding_q4, argmax, swiglu, geglu, sigmoid_mul, softcap): every test shape at the defaults
 and every candidate, the edge behaviours (bad ids, NaN, ties, split tables, in-place, extreme inputs, row
 scales) and the error paths."""
 
@@ -11,13 +11,14 @@ from perfx.errors import PerfxError
 from perfx.formats import Q4Matrix
 from perfx.ops.gemv_f16 import F16DeviceWeight
 from perfx.ops.q4_weight import Q4DeviceWeight
-from perfx.ops.small_ops import Argmax, Embedding, GeGLU, Softcap, SwiGLU
+from perfx.ops.small_ops import Argmax, Embedding, GeGLU, SigmoidMul, Softcap, SwiGLU
 from perfx.runtime import Device, Limits
 from perfx.tuning import relative_error
-from perfx.tuning.small_ops import ARGMAX, EMBEDDING_F16, EMBEDDING_Q4, GEGLU, SOFTCAP, SWIGLU
+from perfx.tuning.small_ops import ARGMAX, EMBEDDING_F16, EMBEDDING_Q4, GEGLU, SIGMOID_MUL, SOFTCAP, SWIGLU
 
 
-ALL_SHAPES = [(spec, shape) for spec in (EMBEDDING_F16, EMBEDDING_Q4, ARGMAX, SWIGLU, GEGLU, SOFTCAP)
+ALL_SHAPES = [(spec, shape) for spec in (EMBEDDING_F16, EMBEDDING_Q4, ARGMAX, SWIGLU, GEGLU, SIGMOID_MUL,
+                                                           SOFTCAP)
               for shape in spec.test_shapes]
 
 
@@ -85,8 +86,9 @@ def test_argmax_ties_across_work_groups_and_no_allocation(device, rng):
     assert device.allocated_bytes == before
 
 
-GATED = pytest.mark.parametrize("op, answer", [(SwiGLU, reference.swiglu), (GeGLU, reference.geglu)],
-                                ids=["swiglu", "geglu"])
+GATED = pytest.mark.parametrize("op, answer", [(SwiGLU, reference.swiglu), (GeGLU, reference.geglu),
+                                               (SigmoidMul, reference.sigmoid_mul)],
+                                ids=["swiglu", "geglu", "sigmoid_mul"])
 
 
 @GATED

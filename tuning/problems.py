@@ -45,18 +45,34 @@ def softcap_shape(config) -> dict:
     return {"count": config.vocab_size, "cap": config.final_softcap}
 
 
+DELTA_ROLES = ("delta_qkv", "delta_z", "delta_ab", "delta_out")
+
+
 def matrix_roles(config) -> tuple[str, ...]:
-    """The matrix roles of the model's layers: qkv and o where it has attention layers, conv_in and conv_out
-    where it has conv layers (LFM2), gate_up and down everywhere."""
+    """The matrix roles of the model's layers: qkv and o where it has attention layers (and attn_gate where
+    they gate their output, Qwen3.5), conv_in and conv_out where it has conv layers (LFM2), the DeltaNet's
+    projections where it has delta layers (Qwen3.5), gate_up and down everywhere."""
     kinds = {r.kind for r in config.layers}
-    return ((("qkv", "o") if "attention" in kinds else ()) + (("conv_in", "conv_out") if "conv" in kinds else ())
-            + ("gate_up", "down"))
+    attention = ("qkv", "o") + (("attn_gate",) if config.attention_gate else ())
+    return ((attention if "attention" in kinds else ()) + (("conv_in", "conv_out") if "conv" in kinds else ())
+            + (DELTA_ROLES if "delta" in kinds else ()) + ("gate_up", "down"))
 
 
 def conv_shape(config, m: int) -> dict:
     """The short convolution's shape key (``tuning/short_conv.py``) for m positions; its position past the
-    first ring of history, where every launch reads the ring."""
+    first ring of history, where every launch reads the ring. LFM2's gated form over hidden channels, or
+    Qwen3.5's plain one with SiLU over a delta layer's q|k|v."""
+    if config.layers_of("delta"):
+        return {"h": config.delta_conv_dim, "l": config.conv_length, "m": m, "pos": 131, "gated": False,
+                "act": "silu"}
     return {"h": config.hidden_size, "l": config.conv_length, "m": m, "pos": 131, "gated": True}
+
+
+def delta_shape(config, tokens: int) -> dict:
+    """The Gated DeltaNet kernels' shape key (``tuning/gated_delta_net.py``) for a delta layer over ``tokens``
+    tokens: the gates as the projections give them (a and b), the file's head map."""
+    return {"n_k_heads": config.delta_k_heads, "n_v_heads": config.delta_v_heads, "d_k": config.delta_k_dim,
+            "d_v": config.delta_v_dim, "tokens": tokens, "head_map": config.delta_head_map, "raw_gates": True}
 
 
 def _linears(config) -> list[tuple[str, int, int, str, bool, int]]:
@@ -64,10 +80,16 @@ def _linears(config) -> list[tuple[str, int, int, str, bool, int]]:
     them, with how many layers have it."""
     c = config
     attention, convs, h = len(c.layers_of("attention")), len(c.layers_of("conv")), c.hidden_size
+    deltas, value = len(c.layers_of("delta")), c.delta_value_dim
     rows = {"qkv": ("qkv", c.q_dim + 2 * c.kv_dim, h, "none", bool(c.qkv_bias), attention),
             "o": ("o", h, c.q_dim, "none", False, attention),
+            "attn_gate": ("attn_gate", c.q_dim, h, "none", False, attention),
             "conv_in": ("conv_in", 3 * h, h, "none", False, convs),
             "conv_out": ("conv_out", h, h, "none", False, convs),
+            "delta_qkv": ("delta_qkv", c.delta_conv_dim, h, "none", False, deltas),
+            "delta_z": ("delta_z", value, h, "none", False, deltas),
+            "delta_ab": ("delta_ab", 2 * c.delta_v_heads, h, "none", False, deltas),
+            "delta_out": ("delta_out", h, value, "none", False, deltas),
             "gate_up": ("gate_up", 2 * c.intermediate_size, h, gate_up_epilogue(c.ffn_activation), False, c.n_layers),
             "down": ("down", h, c.intermediate_size, "none", False, c.n_layers)}
     return [rows[role] for role in matrix_roles(c)]
@@ -136,8 +158,11 @@ def _decode(config, fixed: int | None, forms: dict | None = None) -> list[Proble
             family, shape = gemv_shape(c, label, form, n, k, epilogue, bias)
             out.append(Problem(family, shape, label, layers))
     attention = len(c.layers_of("attention"))
-    if len(c.layers_of("conv")):
-        out.append(Problem("short_conv", conv_shape(c, 1), "conv", len(c.layers_of("conv"))))
+    mixers = len(c.layers_of("conv")) + len(c.layers_of("delta"))
+    if mixers:
+        out.append(Problem("short_conv", conv_shape(c, 1), "conv", mixers))
+    if c.layers_of("delta"):
+        out.append(Problem("gated_delta_net_recurrent", delta_shape(c, 1), "delta", len(c.layers_of("delta"))))
     for form in _table_forms(c, "lm_head", fixed, forms):
         family, shape = gemv_shape(c, "lm_head", form, c.vocab_size, c.hidden_size)
         out.append(Problem(family, shape, "lm_head"))
@@ -157,6 +182,10 @@ def _decode(config, fixed: int | None, forms: dict | None = None) -> list[Proble
     out.append(Problem(glu, {"count": c.intermediate_size}, f"{glu} (unfused)", c.n_layers))
     if c.final_softcap:
         out.append(Problem("softcap", softcap_shape(c), "final soft-cap"))
+    if c.attention_gate:   # Qwen3.5: σ(gate)·attention output, and SiLU(z)· in the DeltaNet's norm
+        out.append(Problem("sigmoid_mul", {"count": c.q_dim}, "attention gate", attention))
+    if c.layers_of("delta"):
+        out.append(Problem("swiglu", {"count": c.delta_value_dim}, "delta norm gate", len(c.layers_of("delta"))))
     return out
 
 
@@ -175,6 +204,8 @@ def _prefill(config, fixed: int | None, forms: dict | None = None) -> list[Probl
                 if form.kind == "q8":
                     out.extend(Problem(family, shape, "lm_head (perplexity)")
                                for family, shape in gemm_shapes(form, m, c.vocab_size, c.hidden_size, "none"))
+        if m > 1 and c.layers_of("delta"):
+            out.append(Problem("gated_delta_net_chunked", delta_shape(c, m), "delta", len(c.layers_of("delta"))))
         if m > 1:
             out.append(Problem("attention_prefill", {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
                                                      "head_dim": c.head_dim, "m": m, "p0": 0, **qk_norm(c)},

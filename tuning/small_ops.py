@@ -1,5 +1,5 @@
 """Tuning specs of the small operations (kernels/small_ops.cl): embedding_f16, embedding_q4, argmax, swiglu,
-geglu, softcap.
+geglu, sigmoid_mul, softcap.
 
 Shapes: embedding_f16 n (table rows), k, m (ids gathered), optional block_bytes (forces the table's
 split into row blocks); embedding_q4 n, k, group, m; both optionally scale (each row times it, Gemma's
@@ -15,7 +15,7 @@ from perfx.formats import Q4Matrix
 from perfx.ops import small_ops
 from perfx.ops.gemv_f16 import F16DeviceWeight
 from perfx.ops.q4_weight import Q4DeviceWeight
-from perfx.ops.small_ops import Argmax, Embedding, GeGLU, Softcap, SwiGLU
+from perfx.ops.small_ops import Argmax, Embedding, GeGLU, SigmoidMul, Softcap, SwiGLU
 from perfx.tuning.spec import EMBEDDING_SCALES, Case, Spec, cached_per_params, f16_matrix, q4_matrix
 
 
@@ -238,6 +238,20 @@ GEGLU = Spec(
     fuzz_shapes=lambda st: st.fixed_dictionaries({"count": st.integers(1, 12000)}),
     oclgrind_shapes=({"count": 203},),
     flops=lambda s: 10 * s["count"],
+)
+
+SIGMOID_MUL = Spec(
+    params=small_ops.SIGMOID_MUL,
+    make_case=_gated_case_maker(SigmoidMul, reference.sigmoid_mul),
+    tolerance=1e-5,
+    tolerance_why=("fp32 exp (OpenCL allows 3 ulp), one division and one product against float64: a few "
+                   "2⁻²⁴ of each element; an element skipped or SiLU in σ's place is far above 1e-5"),
+    test_shapes=({"count": 8 * 256 + 3}, {"count": 7}),   # Qwen3.5-0.8B's attention output (8 heads of 256) + 3
+    bytes_moved=lambda s: 12 * s["count"],
+    reference=reference.sigmoid_mul,
+    fuzz_shapes=lambda st: st.fixed_dictionaries({"count": st.integers(1, 12000)}),
+    oclgrind_shapes=({"count": 203},),
+    flops=lambda s: 4 * s["count"],
 )
 
 SOFTCAP = Spec(

@@ -201,3 +201,22 @@ class GatedDeltaNetChunked(_GatedDeltaNet):
     def _geometry(self):
         rows, wgs = self.params["ROWS2"], self.params["WGS2"]
         return (-(-self.d_v // rows) * wgs, self.n_v_heads), (wgs, 1)
+
+
+class DeltaState:
+    """The recurrent state S of every delta layer of a model, one (Hv, d_v, d_k) float32 buffer a layer on the
+    device, read and written in place by the kernels. Unlike a KV cache it holds one position only, the last
+    one run: a forward resumes from it at that position, or starts again from zeros at 0."""
+
+    def __init__(self, device: Device, layers: int, shape: dict):
+        shape = check_shape("delta state", shape)
+        self.device = device
+        per_layer = 4 * shape["n_v_heads"] * shape["d_v"] * shape["d_k"]
+        self.nbytes = layers * per_layer
+        self.buffers = [device.alloc(per_layer, what=f"Gated DeltaNet state (layer {i} of {layers})")
+                        for i in range(layers)]
+
+    def reset(self) -> None:
+        """Every layer's S to zero (a forward from position 0)."""
+        for buffer in self.buffers:
+            self.device.fill(buffer, np.float32(0))

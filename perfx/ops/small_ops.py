@@ -1,6 +1,7 @@
 """The small operations of a forward pass: embedding gathers (fp16 and int4 tables, each row times a scale),
 argmax on the device (greedy decoding reads back one int, not a 152k-float logits vector), SwiGLU and GeGLU
-for the unfused MLP path, and the final logits' soft cap (Gemma 2)."""
+for the unfused MLP path (SwiGLU also gates Qwen3.5's DeltaNet norm), σ(gate)·x for Qwen3.5's gated attention
+output, and the final logits' soft cap (Gemma 2)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from perfx.ops.params import SUBGROUPS_NEED, Checked, ParamSpace, Rule
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.runtime import Device
 
-# One .cl file, six families: each define carries its kernel's number (CLBlast's WGS1, WGS2, ...); the three
-# elementwise kernels (swiglu, geglu, softcap) share theirs (VW4, WGS4), each family tuned on its own.
+# One .cl file, seven families: each define carries its kernel's number (CLBlast's WGS1, WGS2, ...); the four
+# elementwise kernels (swiglu, geglu, sigmoid_mul, softcap) share theirs (VW4, WGS4), each family tuned on its
+# own.
 EMBEDDING_F16 = ParamSpace(
     family="embedding_f16",
     source="small_ops.cl",
@@ -48,6 +50,7 @@ def _elementwise(family: str) -> ParamSpace:
 
 SWIGLU = _elementwise("swiglu")
 GEGLU = _elementwise("geglu")
+SIGMOID_MUL = _elementwise("sigmoid_mul")
 SOFTCAP = _elementwise("softcap")
 
 
@@ -169,6 +172,12 @@ class GeGLU(SwiGLU):
     """out = GELU(gate)·up over ``count`` floats, GELU's tanh form (Gemma's MLP, llama.cpp's ggml_gelu)."""
 
     space, kernel_name = GEGLU, "geglu"
+
+
+class SigmoidMul(SwiGLU):
+    """out = σ(gate)·up over ``count`` floats: Qwen3.5's attention output times the sigmoid of its gate."""
+
+    space, kernel_name = SIGMOID_MUL, "sigmoid_mul"
 
 
 class Softcap:

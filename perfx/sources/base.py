@@ -32,6 +32,13 @@ FUSED_LINEARS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"),
 # A conv layer (LFM2) mixes positions with its in-projection (B, C, x rows), a short convolution and its
 # out-projection in place of QKV, attention and o.
 CONV_LINEARS = {"conv_in": ("conv_in",), "conv_out": ("conv_out",), "gate_up": ("gate", "up"), "down": ("down",)}
+# A delta layer (Qwen3.5's Gated DeltaNet) projects to q|k|v (the convolution's input), z (the output norm's
+# gate) and a|b (the decay and the update rate, fused: both a row per v head), and back with its out-projection.
+DELTA_LINEARS = {"delta_qkv": ("delta_qkv",), "delta_z": ("delta_z",), "delta_ab": ("delta_a", "delta_b"),
+                 "delta_out": ("delta_out",), "gate_up": ("gate", "up"), "down": ("down",)}
+# Qwen3.5's attention layers: the q projection holds q and the output gate of each head; the gate rows are a
+# matrix of their own (attn_gate), q's join k and v in the fused QKV.
+GATED_ATTENTION_LINEARS = dict(FUSED_LINEARS, attn_gate=("q",))
 
 
 @dataclass(frozen=True, order=True)
@@ -87,6 +94,15 @@ class LayerWeights:
     conv_in: Linear | None = None              # (3·hidden, hidden): B, C, x rows (a conv layer, LFM2)
     conv_weight: np.ndarray | None = None      # (hidden, L) float32: the short convolution's taps
     conv_out: Linear | None = None             # (hidden, hidden)
+    attn_gate: Linear | None = None            # (H·D, hidden): the output gate's rows of q_proj (Qwen3.5)
+    delta_qkv: Linear | None = None            # (2·Hk·d_k + Hv·d_v, hidden): a delta layer's q|k|v (Qwen3.5);
+                                               # its taps (channels, L) are conv_weight
+    delta_z: Linear | None = None              # (Hv·d_v, hidden): the gated norm's z
+    delta_ab: Linear | None = None             # (2·Hv, hidden): a rows, then b rows
+    delta_out: Linear | None = None            # (hidden, Hv·d_v)
+    dt_bias: np.ndarray | None = None          # (Hv,) float32: added to a before the softplus
+    ssm_a: np.ndarray | None = None            # (Hv,) float32: −exp(A_log), the decay's rate
+    delta_norm: np.ndarray | None = None       # (d_v,) float32: the gated RMSNorm's γ
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,8 +270,19 @@ class ModelSource(ABC):
         if c.layers[i].kind == "conv":
             return LayerWeights(**ffn, conv_in=self._quantized(self._linear("conv_in", i)),
                                 conv_weight=self._conv_weight(i), conv_out=self._quantized(self._linear("conv_out", i)))
+        if c.layers[i].kind == "delta":
+            ab = fuse_rows([self._linear("delta_a", i), self._linear("delta_b", i)])
+            return LayerWeights(**ffn, conv_weight=self._conv_weight(i), delta_ab=self._quantized(ab),
+                                **{name: self._quantized(self._linear(name, i))
+                                   for name in ("delta_qkv", "delta_z", "delta_out")},
+                                **{name: self._vector(name, i) for name in ("dt_bias", "ssm_a", "delta_norm")})
         qkv = self._fused("qkv", i)
-        if qkv is None:
+        gate = None
+        if qkv is None and c.attention_gate:
+            q, gate = split_gated_q(self._linear("q", i), c.n_heads, c.head_dim)
+            qkv = fuse_rows([q, self._linear("k", i), self._linear("v", i)])
+            gate = self._quantized(gate)
+        elif qkv is None:
             qkv = fuse_rows([self._linear(name, i) for name in ("q", "k", "v")])
         bias = None
         if c.qkv_bias:
@@ -267,7 +294,7 @@ class ModelSource(ABC):
             norms.update(post_attn_norm=self._vector("post_attn_norm", i),
                          post_ffn_norm=self._vector("post_ffn_norm", i))
         return LayerWeights(**ffn, qkv=self._quantized(qkv), qkv_bias=bias, o=self._quantized(self._linear("o", i)),
-                            **norms)
+                            attn_gate=gate, **norms)
 
     def layers(self):
         """Iterate over the layers in order, one loaded at a time."""
@@ -276,12 +303,22 @@ class ModelSource(ABC):
 
     def layer_linears(self, layer: int) -> dict[str, tuple[str, ...]]:
         """The matrix roles of a layer and the projections each fuses (attention or conv layer)."""
-        return CONV_LINEARS if self.config.layers[layer].kind == "conv" else FUSED_LINEARS
+        kind = self.config.layers[layer].kind
+        if kind != "attention":
+            return CONV_LINEARS if kind == "conv" else DELTA_LINEARS
+        return GATED_ATTENTION_LINEARS if self.config.attention_gate else FUSED_LINEARS
 
     def expected_shape(self, name: str) -> tuple[int, int]:
         """(N, K) of a projection, from the config."""
         c = self.config
-        return {"conv_in": (3 * c.hidden_size, c.hidden_size), "conv_out": (c.hidden_size, c.hidden_size),"q": (c.q_dim, c.hidden_size), "k": (c.kv_dim, c.hidden_size), "v": (c.kv_dim, c.hidden_size),
+        h, hv = c.hidden_size, c.delta_v_heads
+        return {"conv_in": (3 * h, h), "conv_out": (h, h),
+                "delta_qkv": (c.delta_conv_dim, h), "delta_z": (c.delta_value_dim, h), "delta_a": (hv, h),
+                "delta_b": (hv, h), "delta_ab": (2 * hv, h), "delta_out": (h, c.delta_value_dim),
+                "attn_gate": (c.q_dim, h),
+                # Qwen3.5's q projection: q and the gate of each head, 2·D rows a head
+                "q": ((2 if c.attention_gate else 1) * c.q_dim, h),
+                "k": (c.kv_dim, c.hidden_size), "v": (c.kv_dim, c.hidden_size),
                 "o": (c.hidden_size, c.q_dim), "gate": (c.intermediate_size, c.hidden_size),
                 "up": (c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size),
                 "qkv": (c.qkv_dim, c.hidden_size), "gate_up": (2 * c.intermediate_size, c.hidden_size),
@@ -290,13 +327,16 @@ class ModelSource(ABC):
     def expected_vector(self, name: str) -> int:
         c = self.config
         return {"q_bias": c.q_dim, "k_bias": c.kv_dim, "v_bias": c.kv_dim, "q_norm": c.head_dim,
-                "k_norm": c.head_dim}.get(name, c.hidden_size)
+                "k_norm": c.head_dim, "dt_bias": c.delta_v_heads, "ssm_a": c.delta_v_heads,
+                "delta_norm": c.delta_v_dim}.get(name, c.hidden_size)
 
     def vector_names(self, layer: int = 0) -> tuple[str, ...]:
         """The per-layer vectors this model's recipe reads on ``layer``."""
         c = self.config
         if c.layers[layer].kind == "conv":
             return ("attn_norm", "ffn_norm") + (("post_attn_norm", "post_ffn_norm") if c.post_norms else ())
+        if c.layers[layer].kind == "delta":
+            return ("attn_norm", "ffn_norm", "dt_bias", "ssm_a", "delta_norm")
         return (("attn_norm", "ffn_norm") + (("q_bias", "k_bias", "v_bias") if c.qkv_bias else ())
                 + (("q_norm", "k_norm") if c.qk_norm else ()) + (("post_attn_norm", "post_ffn_norm") if c.post_norms
                                                                  else ()))
@@ -306,6 +346,13 @@ class ModelSource(ABC):
             return w
         group = quantize_group(w.shape[1])
         return w if group is None else Q4Matrix.quantize(w, group)
+
+
+def split_gated_q(w: Linear, n_heads: int, head_dim: int) -> tuple[Linear, Linear]:
+    """Qwen3.5's q projection (H·2D rows: q then the gate, head by head) as its q rows and its gate rows, each
+    head-major (H·D): exact for every form."""
+    rows = np.arange(2 * n_heads * head_dim).reshape(n_heads, 2, head_dim)
+    return permute_linear_rows(w, rows[:, 0].reshape(-1)), permute_linear_rows(w, rows[:, 1].reshape(-1))
 
 
 def quantize_group(k: int) -> int | None:

@@ -1,4 +1,4 @@
-"""GGUF files (architectures llama, qwen2, qwen3, gemma2, gemma3, phi3, smollm3, lfm2), every tensor type
+"""GGUF files (architectures llama, qwen2, qwen3, gemma2, gemma3, phi3, smollm3, lfm2, qwen35), every tensor type
 llama.cpp's usual quantizations write.
 
 Q4_0, Q4_1 and Q4_K go into the int4 form (G = 32); Q5_0, Q5_1, Q5_K, Q6_K and Q8_0 into the int8 form
@@ -29,11 +29,16 @@ from perfx.tokenizer import Tokenizer
 
 GGUF_LINEAR = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
                "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down",
-               "conv_in": "shortconv.in_proj", "conv_out": "shortconv.out_proj"}
+               "conv_in": "shortconv.in_proj", "conv_out": "shortconv.out_proj",
+               "delta_qkv": "attn_qkv", "delta_z": "attn_gate", "delta_a": "ssm_alpha", "delta_b": "ssm_beta",
+               "delta_out": "ssm_out"}
 GGUF_VECTOR = {"attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight",
                "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
                "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
-               "post_attn_norm": "post_attention_norm.weight", "post_ffn_norm": "post_ffw_norm.weight"}
+               "post_attn_norm": "post_attention_norm.weight", "post_ffn_norm": "post_ffw_norm.weight",
+               "dt_bias": "ssm_dt.bias", "ssm_a": "ssm_a", "delta_norm": "ssm_norm.weight"}
+# The taps of a layer's short convolution, by layer kind
+GGUF_CONV_TAPS = {"conv": "shortconv.conv.weight", "delta": "ssm_conv1d.weight"}
 # Fused matrices a file may hold (Phi-3), with the parts they replace
 GGUF_FUSED = {"qkv": ("attn_qkv", ("q", "k", "v")), "gate_up": ("ffn_up", ("gate", "up"))}
 # Every tensor type perfx reads, and the device form it reads into.
@@ -69,6 +74,13 @@ class GGUFSource(ModelSource):
             if c.layers[i].kind == "conv":
                 self._check_conv(i)
                 continue
+            if c.layers[i].kind == "delta":
+                self._check_delta(i)
+                continue
+            if c.architecture == "qwen35" and f"blk.{i}.ssm_conv1d.weight" in self._tensors:
+                raise PerfxError(f"{self.path}: layer {i} holds linear-attention tensors (ssm_conv1d) but "
+                                 f"{self._pattern_keys()} make it a full-attention layer; the header does not "
+                                 "describe this file")
             fused = set()
             for label, (tensor, parts) in GGUF_FUSED.items():
                 if self._is_fused(label, i):
@@ -80,7 +92,33 @@ class GGUFSource(ModelSource):
                 if name not in fused:
                     self._check(f"blk.{i}.{GGUF_LINEAR[name]}.weight", self.expected_shape(name))
             for name in self.vector_names(i):
-                self._check(f"blk.{i}.{GGUF_VECTOR[name]}", (self.expected_vector(name),))
+                self._check(self._vector_tensor(name, i), (self.expected_vector(name),))
+
+    def _vector_tensor(self, name: str, layer: int) -> str:
+        # llama.cpp's qwen35 takes the FFN's norm from post_attention_norm (transformers' post_attention_layernorm)
+        if name == "ffn_norm" and self.config.architecture == "qwen35":
+            return f"blk.{layer}.post_attention_norm.weight"
+        return f"blk.{layer}.{GGUF_VECTOR[name]}"
+
+    def _pattern_keys(self) -> str:
+        arch = self.config.architecture
+        if f"{arch}.attention.recurrent_layers" in self.file.fields:
+            return f"{arch}.attention.recurrent_layers"
+        return f"{arch}.full_attention_interval"
+
+    def _check_delta(self, layer: int):
+        """A Gated DeltaNet layer (Qwen3.5): its projections, taps, gates' vectors and norm sized by the ssm.*
+        keys; a layer the pattern calls linear attention must not hold attention's q projection."""
+        c = self.config
+        if f"blk.{layer}.attn_q.weight" in self._tensors:
+            raise PerfxError(f"{self.path}: layer {layer} holds attention tensors (attn_q) but "
+                             f"{self._pattern_keys()} make it a linear-attention layer; the header does not "
+                             "describe this file")
+        for name in ("delta_qkv", "delta_z", "delta_a", "delta_b", "delta_out", "gate", "up", "down"):
+            self._check(f"blk.{layer}.{GGUF_LINEAR[name]}.weight", self.expected_shape(name))
+        self._check_conv_taps(layer)
+        for name in self.vector_names(layer):
+            self._check(self._vector_tensor(name, layer), (self.expected_vector(name),))
 
     def _final_norm_name(self) -> str:
         # llama.cpp's lfm2 reads its final norm from token_embd_norm (transformers' embedding_norm, applied last)
@@ -101,23 +139,34 @@ class GGUFSource(ModelSource):
             self._check(f"blk.{layer}.{GGUF_VECTOR[name]}", (self.expected_vector(name),))
         return taps
 
+    def _conv_channels(self, layer: int) -> tuple[int, str]:
+        """The channels of a layer's convolution and the keys that size them."""
+        c, arch = self.config, self.config.architecture
+        if c.layers[layer].kind == "delta":
+            return c.delta_conv_dim, (f"{arch}.ssm.conv_kernel", f"2 × {arch}.ssm.group_count × ssm.state_size + "
+                                      "ssm.inner_size")
+        return c.hidden_size, (f"{arch}.shortconv.l_cache", "hidden")
+
     def _check_conv_taps(self, layer: int):
         c = self.config
-        name = f"blk.{layer}.shortconv.conv.weight"
+        name = f"blk.{layer}.{GGUF_CONV_TAPS[c.layers[layer].kind]}"
         t = self._tensors.get(name)
         if t is None:
             raise PerfxError(f"{self.path}: tensor {name} is missing; the GGUF is incomplete or not a "
                              f"{c.architecture} model")
         shape = tuple(int(d) for d in reversed(t.shape))
-        if shape != (c.hidden_size, c.conv_length):
-            raise PerfxError(f"{self.path}: tensor {name} has shape {shape}, but {c.architecture}.shortconv.l_cache "
-                             f"= {c.conv_length} and hidden {c.hidden_size} need ({c.hidden_size}, "
-                             f"{c.conv_length}); the header does not describe this file")
+        channels, (length_key, channels_key) = self._conv_channels(layer)
+        if shape != (channels, c.conv_length):
+            raise PerfxError(f"{self.path}: tensor {name} has shape {shape}, but {length_key} = {c.conv_length} and "
+                             f"{channels_key} = {channels} need ({channels}, {c.conv_length}); the header does not "
+                             "describe this file")
         if t.tensor_type.name not in ("F32", "F16"):
             raise PerfxError(f"{self.path}: tensor {name} is {t.tensor_type.name}; expected F32 or F16")
         return t
 
     def _is_fused(self, label: str, layer: int) -> bool:
+        if label not in GGUF_FUSED or self.config.layers[layer].kind != "attention":
+            return False
         tensor, parts = GGUF_FUSED[label]
         return (f"blk.{layer}.{tensor}.weight" in self._tensors
                 and f"blk.{layer}.{GGUF_LINEAR[parts[0]]}.weight" not in self._tensors)
@@ -139,11 +188,12 @@ class GGUFSource(ModelSource):
         t = self._tensors.get(name)
         if t is None:
             return
-        rows = int(t.shape[-1])
-        if rows != c.q_dim:
+        rows, want = int(t.shape[-1]), self.expected_shape("q")[0]
+        if rows != want:
             arch = c.architecture
+            gate = " × 2 (q and its gate)" if c.attention_gate else ""
             raise PerfxError(f"{self.path}: tensor {name} has {rows} rows, but {arch}.attention.head_count "
-                             f"{c.n_heads} × {arch}.attention.key_length {c.head_dim} = {c.q_dim}"
+                             f"{c.n_heads} × {arch}.attention.key_length {c.head_dim}{gate} = {want}"
                              + (f" (key_length does not divide the Q projection's {rows} rows)"
                                 if rows % c.head_dim else "") + "; the header does not describe this file")
 
@@ -212,11 +262,11 @@ class GGUFSource(ModelSource):
 
     def _conv_weight(self, layer: int) -> np.ndarray:
         t = self._check_conv_taps(layer)
-        taps = np.asarray(t.data, dtype=np.float32).reshape(self.config.hidden_size, self.config.conv_length)
-        return check_finite(np.ascontiguousarray(taps), self.path, f"blk.{layer}.shortconv.conv.weight")
+        taps = np.asarray(t.data, dtype=np.float32).reshape(self._conv_channels(layer)[0], self.config.conv_length)
+        return check_finite(np.ascontiguousarray(taps), self.path, t.name)
 
     def _vector(self, name: str, layer: int | None) -> np.ndarray:
-        tensor = self._final_norm_name() if name == "final_norm" else f"blk.{layer}.{GGUF_VECTOR[name]}"
+        tensor = self._final_norm_name() if name == "final_norm" else self._vector_tensor(name, layer)
         t = self._check(tensor, (self.expected_vector(name),))
         if t.tensor_type.name not in ("F32", "F16"):
             raise PerfxError(f"{self.path}: vector {tensor} is {t.tensor_type.name}; expected F32 or F16")

@@ -2,7 +2,8 @@
 
 ``open_model("synthetic:llama-2-7b")`` (group 128, as the usual AWQ checkpoints), ``"synthetic:smollm2-135m"``
 (group 32, as its Q4_0/Q4_1 GGUFs), ``"synthetic:tiny"``, and the phone-size shapes of the 2026 families
-(``gemma-3-270m``, ``gemma-3-1b``, ``qwen3-1.7b``, ``phi-4-mini``, ``smollm3-3b``, ``lfm2-350m``, ``lfm2-1.2b``:
+(``gemma-3-270m``, ``gemma-3-1b``, ``qwen3-1.7b``, ``phi-4-mini``, ``smollm3-3b``, ``lfm2-350m``, ``lfm2-1.2b``,
+``qwen3.5-0.8b``, ``qwen3.5-2b``:
 their config.json values, group 32 as their Q4_0 GGUFs). The weights are generated lazily from a
 seed. Generating a 7B layer takes about a second, so models whose layers are large reuse one random
 layer for every layer: benchmarks only need the bytes and the shapes, not distinct weights. The text
@@ -58,6 +59,21 @@ _FAMILY_CONFIGS = {
     "lfm2-350m": dict(model_type="lfm2", vocab_size=65536, hidden_size=1024, block_ff_dim=6656, intermediate_size=6656,
                       num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8, rope_theta=1e6,
                       max_position_embeddings=128000, conv_L_cache=3, layer_types=_LFM2_LAYERS, tie_embedding=True),
+    # Qwen3.5's text models (config.json text_config): 18 Gated DeltaNet layers and 6 gated attention layers
+    # (full_attention_interval 4), 16 q/k and 16 v heads of 128, conv kernel 4, attention heads of 256 with a
+    # quarter rotated
+    "qwen3.5-0.8b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=1024, intermediate_size=3584,
+                         num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                         linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                         linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+                         rope_theta=1e7, partial_rotary_factor=0.25, max_position_embeddings=262144,
+                         tie_word_embeddings=True),
+    "qwen3.5-2b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=2048, intermediate_size=6144,
+                       num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                       linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                       linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+                       rope_theta=1e7, partial_rotary_factor=0.25, max_position_embeddings=262144,
+                       tie_word_embeddings=True),
     "lfm2-1.2b": dict(model_type="lfm2", vocab_size=65536, hidden_size=2048, block_ff_dim=12288,
                       intermediate_size=12288, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                       rope_theta=1e6, max_position_embeddings=128000, conv_L_cache=3, layer_types=_LFM2_LAYERS,
@@ -118,8 +134,16 @@ class SyntheticSource(ModelSource):
             taps = (rng.standard_normal((hidden, c.conv_length)) / np.sqrt(c.conv_length)).astype(np.float32)
             return LayerWeights(**ffn, conv_in=self._random_q4(rng, 3 * hidden, hidden), conv_weight=taps,
                                 conv_out=self._random_q4(rng, hidden, hidden))
+        if c.layers[i].kind == "delta":
+            channels, value, hv = c.delta_conv_dim, c.delta_value_dim, c.delta_v_heads
+            taps = (rng.standard_normal((channels, c.conv_length)) / np.sqrt(c.conv_length)).astype(np.float32)
+            return LayerWeights(**ffn, delta_qkv=self._random_q4(rng, channels, hidden), conv_weight=taps,
+                                delta_z=self._random_q4(rng, value, hidden), delta_ab=self._random_q4(rng, 2 * hv, hidden),
+                                delta_out=self._random_q4(rng, hidden, value), dt_bias=np.ones(hv, np.float32),
+                                ssm_a=-np.ones(hv, np.float32), delta_norm=np.ones(c.delta_v_dim, np.float32))
+        gate = {"attn_gate": self._random_q4(rng, c.q_dim, hidden)} if c.attention_gate else {}
         return LayerWeights(**ffn, qkv=self._random_q4(rng, c.qkv_dim, hidden), o=self._random_q4(rng, hidden, c.q_dim),
-                            **norms)
+                            **norms, **gate)
 
     def layer(self, i: int) -> LayerWeights:
         if not 0 <= i < self.config.n_layers:

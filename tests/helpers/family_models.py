@@ -121,14 +121,24 @@ FAMILIES = {
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, norm_eps=1e-5,
                  rope_theta=1_000_000.0, conv_L_cache=3, layer_types=["conv", "conv", "full_attention", "conv"],
                  tie_embedding=True),
+    # Qwen3.5: three Gated DeltaNet layers, then gated attention (full_attention_interval 4); 2 q/k heads
+    # under 4 v heads, so the converter's v-head reordering (grouped → tiled) matters; a quarter of the
+    # attention head rotated, as in every Qwen3.5
+    "qwen35": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=64, max_position_embeddings=256, rms_norm_eps=1e-6,
+                   rope_theta=10_000_000.0, partial_rotary_factor=0.25, linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                   linear_conv_kernel_dim=4, full_attention_interval=4, tie_word_embeddings=True),
 }
 
 MODEL_TYPE = {"gemma3": "gemma3_text", "gemma2": "gemma2", "qwen3": "qwen3", "phi3": "phi3", "smollm3": "smollm3",
-              "lfm2": "lfm2"}
+              "lfm2": "lfm2", "qwen35": "qwen3_5_text"}
 ARCHITECTURES = {"gemma3": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "lfm2": "Lfm2ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "lfm2": "Lfm2ForCausalLM",
+                 "qwen35": "Qwen3_5ForCausalLM"}
 GEMMAS = ("gemma3", "gemma2")
-ADD_BOS = {"gemma3": True, "gemma2": True, "qwen3": False, "phi3": False, "smollm3": False, "lfm2": True}
+ADD_BOS = {"gemma3": True, "gemma2": True, "qwen3": False, "phi3": False, "smollm3": False, "lfm2": True,
+           "qwen35": False}
 
 # Per-layer tensor types, cycled over the layers: Q4_0 and Q8_0 on rows of 64 / 128, K-quants on ffn_down.
 DEFAULT_TYPES = [
@@ -174,6 +184,8 @@ def make_family_model(family: str, tokenizer_model: Path, rng: np.random.Generat
     config = _hub_config(family, shape, vocab, rng)
     if family == "lfm2":
         return _make_lfm2(config, Path(tokenizer_model), rng, logit_std, embed_rms)
+    if family == "qwen35":
+        return _make_qwen35(config, Path(tokenizer_model), rng, logit_std, embed_rms)
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or hidden // heads
@@ -258,6 +270,118 @@ def _make_lfm2(config: dict, tokenizer_model: Path, rng: np.random.Generator, lo
     return TinyModel(config, w, tokenizer_model, extra={"family": "lfm2"})
 
 
+def _make_qwen35(config: dict, tokenizer_model: Path, rng: np.random.Generator, logit_std: float,
+                 embed_rms: float) -> TinyModel:
+    """Qwen3.5's weights under transformers' names (modeling_qwen3_5, Qwen3_5ForCausalLM): input_layernorm and
+    post_attention_layernorm (1 + w, as every norm but the DeltaNet's own), self_attn q_proj (q and the gate,
+    2·D rows a head), k/v/o_proj, q_norm / k_norm on attention layers; linear_attn in_proj_qkv (q, k, v; v
+    heads grouped by q/k head), in_proj_z, in_proj_a, in_proj_b, conv1d (channels, 1, L), dt_bias, A_log,
+    norm (plain w), out_proj on the others; mlp gate/up/down_proj; model.norm."""
+    hidden, heads, kv_heads, head_dim = (config[k] for k in ("hidden_size", "num_attention_heads",
+                                                              "num_key_value_heads", "head_dim"))
+    hk, hv = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    dk, dv, length = config["linear_key_head_dim"], config["linear_value_head_dim"], config["linear_conv_kernel_dim"]
+    inter = config["intermediate_size"]
+
+    def matrix(n, k, scale=1.0):
+        return (scale * rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+
+    def centred(n, scale=1.0):   # Qwen3_5RMSNorm multiplies by 1 + w
+        return (scale * (1 + 0.1 * rng.standard_normal(n)) - 1).astype(np.float32)
+
+    w = {"model.embed_tokens.weight": (embed_rms * rng.standard_normal((config["vocab_size"], hidden))).astype(
+        np.float32)}
+    for i, kind in enumerate(config["layer_types"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = centred(hidden)
+        w[p + "post_attention_layernorm.weight"] = centred(hidden)
+        if kind == "linear_attention":
+            a = p + "linear_attn."
+            # q near k (projections and taps): the gated norm keeps only the direction of o, which at the
+            # first positions is about β·(q̂·k̂)·v; for unrelated q and k the sign of q̂·k̂ (≈ ±0.2) would be
+            # decided by rounding, and with it the logits
+            qkv, taps = matrix(2 * hk * dk + hv * dv, hidden), rng.standard_normal((2 * hk * dk + hv * dv, 1, length))
+            qkv[:hk * dk] = qkv[hk * dk:2 * hk * dk] + 0.3 * matrix(hk * dk, hidden)
+            taps[:hk * dk] = taps[hk * dk:2 * hk * dk] + 0.3 * rng.standard_normal((hk * dk, 1, length))
+            w[a + "in_proj_qkv.weight"] = qkv
+            w[a + "in_proj_z.weight"] = matrix(hv * dv, hidden)
+            w[a + "in_proj_a.weight"] = matrix(hv, hidden)
+            w[a + "in_proj_b.weight"] = matrix(hv, hidden)
+            w[a + "conv1d.weight"] = (taps / np.sqrt(length)).astype(np.float32)
+            w[a + "dt_bias"] = (0.5 * rng.standard_normal(hv)).astype(np.float32)
+            w[a + "A_log"] = np.log(rng.uniform(0.05, 1.0, hv)).astype(np.float32)   # decays from ~0.97 a step
+            w[a + "norm.weight"] = (1 + 0.1 * rng.standard_normal(dv)).astype(np.float32)
+            w[a + "out_proj.weight"] = matrix(hidden, hv * dv)
+        else:
+            w[p + "self_attn.q_proj.weight"] = matrix(2 * heads * head_dim, hidden)
+            w[p + "self_attn.k_proj.weight"] = matrix(kv_heads * head_dim, hidden)
+            w[p + "self_attn.v_proj.weight"] = matrix(kv_heads * head_dim, hidden)
+            w[p + "self_attn.o_proj.weight"] = matrix(hidden, heads * head_dim)
+            w[p + "self_attn.q_norm.weight"] = centred(head_dim)
+            w[p + "self_attn.k_norm.weight"] = centred(head_dim)
+        w[p + "mlp.gate_proj.weight"] = matrix(inter, hidden)
+        w[p + "mlp.up_proj.weight"] = matrix(inter, hidden)
+        w[p + "mlp.down_proj.weight"] = matrix(hidden, inter)
+    w["model.norm.weight"] = centred(hidden, logit_std / (embed_rms * np.sqrt(hidden)))
+    return TinyModel(config, w, tokenizer_model, extra={"family": "qwen35"})
+
+
+def qwen35_v_tiled(w: np.ndarray, config: dict, axis: int, head: int, skip: int = 0) -> np.ndarray:
+    """The converter's _reorder_v_heads: v heads grouped by q/k head (transformers) → tiled (llama.cpp), along
+    ``axis`` from element ``skip`` on (in_proj_qkv and conv1d: past q and k), ``head`` elements a v head."""
+    hk, hv = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    w = np.moveaxis(np.asarray(w), axis, 0)
+    part = w[skip:]
+    tiled = part.reshape(hk, hv // hk, head, *part.shape[1:]).swapaxes(0, 1).reshape(part.shape)
+    return np.moveaxis(np.concatenate([w[:skip], tiled]), 0, axis)
+
+
+def qwen35_v_grouped(w: np.ndarray, config: dict, axis: int, head: int, skip: int = 0) -> np.ndarray:
+    """The inverse of ``qwen35_v_tiled``."""
+    hk, hv = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    w = np.moveaxis(np.asarray(w), axis, 0)
+    part = w[skip:]
+    grouped = part.reshape(hv // hk, hk, head, *part.shape[1:]).swapaxes(0, 1).reshape(part.shape)
+    return np.moveaxis(np.concatenate([w[:skip], grouped]), 0, axis)
+
+
+def _qwen35_reorder(hf_name: str, c: dict):
+    """(axis, head size, elements skipped) of the v heads the converter reorders in this tensor, or None."""
+    if ".linear_attn." not in hf_name or c["linear_num_key_heads"] == c["linear_num_value_heads"]:
+        return None
+    qk, dv = 2 * c["linear_num_key_heads"] * c["linear_key_head_dim"], c["linear_value_head_dim"]
+    return {"in_proj_qkv.weight": (0, dv, qk), "in_proj_z.weight": (0, dv, 0), "in_proj_a.weight": (0, 1, 0),
+            "in_proj_b.weight": (0, 1, 0), "A_log": (0, 1, 0), "dt_bias": (0, 1, 0), "conv1d.weight": (0, dv, qk),
+            "out_proj.weight": (1, dv, 0)}.get(hf_name.split(".linear_attn.")[1])
+
+
+def _qwen35_centred(hf_name: str) -> bool:
+    return hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight")
+
+
+def qwen35_stored(hf_name: str, w: np.ndarray, c: dict) -> np.ndarray:
+    """Qwen3NextModel / _LinearAttentionVReorderBase.modify_tensors on one tensor: v heads tiled where
+    Hk ≠ Hv, A_log → −exp(A_log), conv1d squeezed, every norm + 1 but the DeltaNet's own."""
+    reorder = _qwen35_reorder(hf_name, c)
+    if reorder is not None:
+        w = qwen35_v_tiled(w, c, *reorder)
+    if hf_name.endswith("A_log"):
+        return -np.exp(w.astype(np.float64)).astype(np.float32)
+    if hf_name.endswith("conv1d.weight"):
+        return w.reshape(w.shape[0], w.shape[-1])
+    return w + np.float32(1) if _qwen35_centred(hf_name) else w
+
+
+def qwen35_unstored(hf_name: str, held: np.ndarray, c: dict) -> np.ndarray:
+    """What a GGUF tensor holds, back in transformers' form (the inverse of ``qwen35_stored``)."""
+    if hf_name.endswith("A_log"):
+        held = np.log(-held)
+    elif _qwen35_centred(hf_name):
+        held = held - 1
+    reorder = _qwen35_reorder(hf_name, c)
+    return held if reorder is None else qwen35_v_grouped(held, c, *reorder)
+
+
 def _hub_config(family: str, shape: dict, vocab: int, rng: np.random.Generator) -> dict:
     """config.json as the family's published checkpoints have it, at the tiny shape."""
     s = dict(shape)
@@ -284,6 +408,14 @@ def _hub_config(family: str, shape: dict, vocab: int, rng: np.random.Generator) 
                  "mlp_bias": False,
                  "rope_scaling": {"long_factor": [round(float(x), 4) for x in long],
                                   "short_factor": [round(float(x), 4) for x in short], "type": "longrope"}}
+    elif family == "qwen35":   # Qwen3.5's text_config keys (transformers 5 wrote them: rope_parameters)
+        interval = s.pop("full_attention_interval")
+        extra = {"hidden_act": "silu", "attn_output_gate": True, "full_attention_interval": interval,
+                 "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                 for i in range(layers)],
+                 "rope_parameters": {"rope_type": "default", "rope_theta": s.pop("rope_theta"),
+                                     "partial_rotary_factor": s.pop("partial_rotary_factor"),
+                                     "mrope_interleaved": True, "mrope_section": [11, 11, 10]}}
     elif family == "lfm2":   # LiquidAI/LFM2-350M's config.json keys
         extra = {"block_auto_adjust_ff_dim": True, "block_ffn_dim_multiplier": 1.0, "block_multiple_of": 256,
                  "block_norm_eps": s["norm_eps"], "conv_bias": False, "num_heads": s["num_attention_heads"]}
@@ -304,6 +436,8 @@ def transformers5_config(config: dict) -> dict:
     family = next(f for f, t in MODEL_TYPE.items() if t == c["model_type"])
     c["dtype"] = c.pop("torch_dtype")
     c["transformers_version"] = "5.24.0"
+    if family == "qwen35":   # its hub config.json is transformers 5's already
+        return dict(sorted(c.items()))
     rope = {"rope_theta": c.pop("rope_theta"), "rope_type": "default"}
     scaling = dict(c.pop("rope_scaling", None) or {})
     if family == "phi3":
@@ -381,7 +515,9 @@ def write_family_hf(directory: Path, model: TinyModel, weights: dict[str, np.nda
 SHORT = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
          "down_proj": "down", "qkv_proj": "qkv", "gate_up_proj": "gate_up",
          # LFM2: the conv's in_proj takes q's type, both out_proj o's, w1 / w3 / w2 gate / up / down
-         "in_proj": "q", "out_proj": "o", "w1": "gate", "w3": "up", "w2": "down"}
+         "in_proj": "q", "out_proj": "o", "w1": "gate", "w3": "up", "w2": "down",
+         # Qwen3.5's DeltaNet: q|k|v takes q's type, z v's, a and b k's, out_proj o's
+         "in_proj_qkv": "q", "in_proj_z": "v", "in_proj_a": "k", "in_proj_b": "k"}
 FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0",
               "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "Q5_0": "MOSTLY_Q5_0", "Q5_1": "MOSTLY_Q5_1",
               "Q4_K": "MOSTLY_Q4_K_M", "Q5_K": "MOSTLY_Q5_K_M", "Q6_K": "MOSTLY_Q6_K"}
@@ -421,11 +557,20 @@ def write_family_gguf(path: Path, model: TinyModel, types: list[dict] | None = N
     for hf_name, w in model.weights.items():
         if family == "gemma2" and hf_name == "lm_head.weight":
             continue          # Gemma2Model.filter_tensors: llama.cpp's gemma2 always reads token_embd
-        gguf_name = names.get_name(hf_name.removesuffix(".weight")) + ".weight"
+        if hf_name.endswith(".A_log"):        # tensors without a .weight: ssm_a, ssm_dt.bias (from dt_proj.bias)
+            gguf_name = names.get_name(hf_name)
+        elif hf_name.endswith(".dt_bias"):
+            gguf_name = names.get_name(hf_name.replace(".dt_bias", ".dt_proj")) + ".bias"
+        else:
+            gguf_name = names.get_name(hf_name.removesuffix(".weight")) + ".weight"
         module = hf_name.split(".")[-2]
         hf_shape = w.shape
+        if family == "qwen35":
+            w = qwen35_stored(hf_name, w, c)
         if gguf_name.endswith("shortconv.conv.weight"):   # LFM2Model.modify_tensors squeezes; always F32
             w, kind = w.reshape(w.shape[0], w.shape[-1]), "F32"
+        elif gguf_name.endswith("ssm_conv1d.weight"):   # always F32
+            kind = "F32"
         elif w.ndim == 1 or gguf_name.endswith("_norm.weight"):
             kind = "F32"
         elif gguf_name == "token_embd.weight":
@@ -446,6 +591,8 @@ def write_family_gguf(path: Path, model: TinyModel, types: list[dict] | None = N
         writer.add_tensor(gguf_name, data, raw_dtype=raw_dtype)
         if permute:
             held = unpermute_qk(held, permute)
+        if family == "qwen35":
+            held = qwen35_unstored(hf_name, held, c)
         written.weights[hf_name] = (held - 1 if gemma_norm else held).reshape(hf_shape)
         written.types[hf_name] = kind
     if family == "phi3":
@@ -492,6 +639,29 @@ def _add_hparams(writer: gguf.GGUFWriter, family: str, c: dict):
             scale = longest / original
             writer.add_rope_scaling_attn_factors(
                 math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0)
+        return
+    if family == "qwen35":                   # Qwen3_5TextModel: TextModel's keys, Qwen3NextModel's, M-RoPE's
+        rope = c["rope_parameters"]
+        writer.add_block_count(c["num_hidden_layers"])
+        writer.add_context_length(c["max_position_embeddings"])
+        writer.add_embedding_length(c["hidden_size"])
+        writer.add_feed_forward_length(c["intermediate_size"])
+        writer.add_head_count(c["num_attention_heads"])
+        writer.add_head_count_kv(c["num_key_value_heads"])
+        writer.add_rope_freq_base(rope["rope_theta"])
+        writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+        writer.add_key_length(c["head_dim"])
+        writer.add_value_length(c["head_dim"])
+        writer.add_ssm_conv_kernel(c["linear_conv_kernel_dim"])
+        writer.add_ssm_state_size(c["linear_key_head_dim"])
+        writer.add_ssm_group_count(c["linear_num_key_heads"])
+        writer.add_ssm_time_step_rank(c["linear_num_value_heads"])
+        writer.add_ssm_inner_size(c["linear_value_head_dim"] * c["linear_num_value_heads"])
+        # add_recurrent_layers (gguf-py 0.18 has none yet): one bool a layer, from layer_types
+        writer.add_array("qwen35.attention.recurrent_layers", [t == "linear_attention" for t in c["layer_types"]])
+        writer.add_full_attention_interval(c["full_attention_interval"])
+        writer.add_rope_dimension_count(int(c["head_dim"] * rope["partial_rotary_factor"]))
+        writer.add_rope_dimension_sections(rope["mrope_section"] + [0])
         return
     if family == "lfm2":                     # LFM2Model.set_gguf_parameters: TextModel's keys, then its own
         writer.add_block_count(c["num_hidden_layers"])

@@ -225,7 +225,7 @@ class StopMatcher:
 def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 256,
              sampling: SamplingConfig | None = None, start_pos: int = 0, stop_strings: list[str] | None = None,
              on_text: Callable[[str], None] | None = None, history: list[int] | None = None,
-             should_stop: Callable[[], bool] | None = None, speculator=None) -> Result:
+             should_stop: Callable[[], bool] | None = None, speculator=None, restore_at=()) -> Result:
     """Prefill ``prompt_ids`` at ``start_pos`` (the cache before it is reused), then decode until an EOS id,
     a stop string, ``max_tokens``, the end of the context or ``should_stop()``. ``on_text`` receives each
     piece of text.
@@ -234,6 +234,9 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
     reply within one token: it keeps the tokens made so far, with stop reason "cancelled".
     ``speculator`` (a ``perfx.speculative.Speculator``) makes the decode steps: each feeds the last token and
     returns one or more next tokens, all but the last already in the cache.
+    ``restore_at``: positions inside the prompt that later prompts may resume at (the end of a system prompt):
+    a model with recurrent state (``restore_points``) prefills up to each and keeps a restore point there, as
+    it does at the prompt's end.
     ``Result.end_pos`` is the number of cache positions filled: the prompt and every generated id but the
     last (which was sampled and not yet fed), as after any stop. A KeyboardInterrupt (a user's Ctrl-C) stops
     the reply and returns what was made with ``interrupted`` set; ``end_pos`` is consistent then too.
@@ -268,7 +271,10 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
     started = time.perf_counter()
     host_before = None
     try:
-        model.prefill(list(prompt_ids), start_pos)
+        cuts = sorted({p - start_pos for p in restore_at if start_pos < p < end}
+                      if getattr(model, "restore_points", None) is not None else ())
+        for a, b in zip([0] + cuts, cuts + [len(prompt_ids)]):
+            model.prefill(list(prompt_ids[a:b]), start_pos + a)
         pos = end
         token = sampler(model, seen)
         stats.prefill_s = stats.ttft_s = time.perf_counter() - started
@@ -319,6 +325,25 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
     return Result("".join(text_parts), ids, stats, end_pos=pos, interrupted=interrupted)
 
 
+def system_prompt_end(tokenizer, messages: list[dict], ids: list[int], **template) -> int:
+    """How many of ``ids`` (the chat prompt of ``messages``, through the template with ``template``'s
+    variables) its leading system messages make, as far as the template renders them alone alike (0: none, or
+    a template that refuses them alone). Prompts sharing the system prompt share those ids: a model with
+    recurrent state keeps a restore point there (``generate``'s ``restore_at``)."""
+    system = []
+    for message in messages:
+        if message["role"] != "system":
+            break
+        system.append(message)
+    if not system:
+        return 0
+    try:
+        text = tokenizer.apply_chat_template(system, add_generation_prompt=False, **template)
+    except PerfxError:
+        return 0
+    return common_prefix(tokenizer.encode(text, add_bos=tokenizer.add_bos_token), ids)
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix of two id lists: how much of a KV cache holding ``a`` serves ``b``."""
     n = min(len(a), len(b))
@@ -332,14 +357,15 @@ class Conversation:
     """The ids whose keys and values a model's KV cache holds (positions 0..n-1), and how the next prompt
     reuses them: a prompt that repeats what the cache holds (the next turn of a chat, re-rendered whole)
     prefills only its new suffix. `perfx chat` and `perfx serve` keep one each beside their model.
-    ``can_resume(position)`` (the model's) says whether the device still holds the state to continue at a
-    position: a conv layer's ring holds only its last positions, so a prefix shared too far back is
-    prefilled again from the start.
+    ``resume_point(position)`` (the model's) gives the latest position at or before it at which the device
+    still holds the state to continue: a conv layer's ring holds only its last positions and a recurrent
+    state its last one, besides the few restore points the model keeps, so a shared prefix may be resumed
+    before its end (from the start at worst).
     """
 
-    def __init__(self, can_resume=None):
+    def __init__(self, resume_point=None):
         self.cached: list[int] = []
-        self.can_resume = can_resume
+        self.resume_point = resume_point
 
     def resume(self, ids: list[int]) -> tuple[int, list[int]]:
         """(the position to resume from, the ids still to prefill there) for the prompt ``ids``: the cache's
@@ -349,9 +375,8 @@ class Conversation:
         (empty, or too long for the context) included.
         """
         start = self.keep_prefix(ids[:-1])
-        if start and self.can_resume is not None and not self.can_resume(start):
-            self.forget()
-            start = 0
+        if start and self.resume_point is not None:
+            start = self.keep_prefix(ids[:self.resume_point(start)])
         return start, ids[start:]
 
     def keep_prefix(self, ids: list[int]) -> int:

@@ -32,6 +32,7 @@ from perfx.ops.kv_cache import KVCache, RopeTable
 from perfx.ops.params import READ_NAMES
 from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight
 from perfx.ops.q8_weight import Q8DeviceWeight
+from perfx.ops.restore_points import RestorePoints
 from perfx.ops.short_conv import ConvHistory
 from perfx.plan import KernelPlan
 from perfx.progress import Progress
@@ -224,6 +225,8 @@ class Model:
             "weight_bytes": model.weights.nbytes, "kv_cache_bytes": model.cache.nbytes,
             "conv_state_bytes": model.history.nbytes if model.history is not None else 0,
             "recurrent_state_bytes": model.delta_state.nbytes if model.delta_state is not None else 0,
+            "restore_points": len(points.buffers) if (points := model.restore_points) is not None else 0,
+            "restore_point_bytes": points.nbytes if points is not None else 0,
             "host_peak_bytes": host_peak_bytes(), "ctx": ctx,
         }
         return model
@@ -264,6 +267,8 @@ class Model:
         if deltas:
             self.history = ConvHistory(d, len(deltas), c.delta_conv_dim)
             self.delta_state = DeltaState(d, len(deltas), delta_shape(c, 1))
+        self.restore_points = (RestorePoints(d, self.history, c.conv_length, self.delta_state)
+                               if self.history is not None else None)
         self.written = 0    # positions 0..written−1 are in the cache and the rings
         # One cos/sin table per distinct RoPE of the recipe (Gemma 3: local and global bases), made once; a
         # GGUF's rope_freqs (Llama 3.x) and LongRoPE's factors ride in the scaling and are applied in the table.
@@ -478,11 +483,18 @@ class Model:
             self.plan.embed.f16(self.weights.embedding, ids, self.state.x, m, **scale)
 
     def prefill(self, tokens: list[int], start_pos: int) -> None:
-        """Run the prompt at positions start_pos.. (the cache before start_pos is reused); logits of the last."""
+        """Run the prompt at positions start_pos.. (the cache before start_pos is reused); logits of the last.
+        A model with recurrent state keeps a restore point at the prompt's end (``checkpoint``)."""
         part = self._prefill_chunks(tokens, start_pos)
         started = time.perf_counter()
+        self.checkpoint()
         self._head(part - 1)
         self.host_seconds += time.perf_counter() - started
+
+    def replay(self, tokens: list[int], start_pos: int) -> None:
+        """Run tokens at positions start_pos.. through the layers only, no logits: the state (KV cache, rings,
+        recurrent state) then stands after them (speculation: the accepted drafts again, after a rollback)."""
+        self._prefill_chunks(tokens, start_pos)
 
     def prefill_logits(self, tokens: list[int], start_pos: int, first: int = 0) -> np.ndarray:
         """``prefill``, returning the logits of every position from tokens[first] on: (len − first, V) float32.
@@ -601,6 +613,8 @@ class Model:
             self.device.fill(self.history.buffer, np.float32(0.1))
         if self.delta_state is not None:
             self.delta_state.reset()
+        if self.restore_points is not None:
+            self.restore_points.clear()
         self.written = pos
 
     def can_resume(self, pos: int) -> bool:
@@ -609,27 +623,59 @@ class Model:
         (a rollback of up to ``HISTORY_ROWS`` − L + 1 positions)."""
         if not 0 <= pos <= self.written:
             return False
+        return self._live_state_at(pos) or (self.restore_points is not None and pos in self.restore_points)
+
+    def resume_point(self, pos: int) -> int:
+        """The latest position at or before ``pos`` where a forward may continue (``can_resume``); 0 at worst."""
+        if self.can_resume(pos):
+            return pos
+        kept = self.restore_points.positions if self.restore_points is not None else ()
+        return max((p for p in kept if p <= min(pos, self.written)), default=0)
+
+    def checkpoint(self, verification: bool = False) -> None:
+        """Keep a restore point of the recurrent state at the last position run (``perfx.ops.restore_points``):
+        one of the few kept, least recently used out, or (``verification``) the one a speculative step rolls
+        back to. Nothing to do for a model without recurrent state."""
+        if self.restore_points is None or (verification and self.can_roll_back):
+            return
+        if not (verification or self.written):   # zeros at 0: nothing to keep
+            return
+        self.restore_points.take(self.written, verification)
+
+    @property
+    def can_roll_back(self) -> bool:
+        """Whether a forward may resume before the last position run without a restore point (a rejected
+        speculative draft): a KV cache and conv rings can, a Gated DeltaNet state cannot."""
+        return self.delta_state is None
+
+    def _live_state_at(self, pos: int) -> bool:
+        """Whether the state on the device serves a forward at ``pos`` as it is, without a restore point."""
         if self.delta_state is not None:   # S after the last position run only (or zeros from 0)
             return pos in (0, self.written)
         return self.history is None or self.history.resumable(self.config.conv_length, self.written - 1, pos)
 
-    @property
-    def can_roll_back(self) -> bool:
-        """Whether a forward may resume before the last position run (a rejected speculative draft): a KV cache
-        and conv rings can, a Gated DeltaNet state cannot."""
-        return self.delta_state is None
-
     def _start_state(self, pos: int):
-        """A forward from position 0 starts the recurrent state from zeros (the conv rings need nothing: the
-        kernel reads positions before 0 as zeros)."""
-        if pos == 0 and self.delta_state is not None:
-            self.delta_state.reset()
+        """A forward is about to write from ``pos`` on: restore points after it are forgotten; from 0 the
+        recurrent state starts from zeros (the conv rings need nothing: the kernel reads positions before 0 as
+        zeros), elsewhere from the restore point at ``pos`` where the live state does not serve."""
+        points = self.restore_points
+        if points is None:
+            return
+        points.forget_after(pos)
+        if pos == 0:
+            self.history.first = 0
+            if self.delta_state is not None:
+                self.delta_state.reset()
+        elif not self._live_state_at(pos):
+            points.restore(pos)
 
     def _check_resume(self, pos: int):
         if self.delta_state is not None and not self.can_resume(pos):
+            kept = sorted(self.restore_points.positions)
             raise PerfxError(f"position {pos}: this model's Gated DeltaNet layers hold their state after position "
-                             f"{self.written - 1} only (positions 0..{self.written - 1} were run); continue at "
-                             f"{self.written} or prefill from 0")
+                             f"{self.written - 1} only (positions 0..{self.written - 1} were run) and at the "
+                             f"restore points {kept}; continue at {self.written}, at a restore point, or "
+                             "prefill from 0")
         if self.history is not None and not self.can_resume(pos):
             raise PerfxError(f"position {pos}: this model's conv layers hold their state for positions "
                              f"{max(0, self.written - self.history.rows + self.config.conv_length - 1)}.."
@@ -671,6 +717,9 @@ def load_model(name: str | None = None, device: Device | str | None = None, ctx:
     conv = f", conv state {r['conv_state_bytes'] / 2**20:.1f} MiB" if r["conv_state_bytes"] else ""
     if r["recurrent_state_bytes"]:
         conv += f", recurrent state {r['recurrent_state_bytes'] / 2**20:.1f} MiB"
+    if r["restore_points"]:
+        conv += (f", {r['restore_points']} restore points of the recurrent state "
+                 f"{r['restore_point_bytes'] / 2**20:.1f} MiB")
     log(f"perfx: loaded in {r['load_s']:.1f}s: {r['weight_bytes'] / 2**20:.0f} MiB of weights, "
         f"{r['device_bytes'] / 2**20:.0f} MiB on the device (KV cache {r['kv_cache_bytes'] / 2**20:.0f} MiB "
         f"for {r['ctx']} positions{conv}), host peak {r['host_peak_bytes'] / 2**20:.0f} MiB")

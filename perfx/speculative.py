@@ -80,6 +80,7 @@ class StepCosts:
         """Time a decode step and verification steps at positions pos.. (which the caller is about to
         overwrite): a warm-up (kernel builds), then ``reps`` interleaved rounds, the median of each M."""
         sizes = [m for m in CALIBRATED_M if pos + m <= model.max_positions]
+        keep_state(model)   # every step below starts at pos again
         samples: dict[int, list[float]] = {m: [] for m in sizes}
         for round_ in range(reps + 1):
             for m in sizes:
@@ -245,6 +246,8 @@ class DraftModel:
         """k draft tokens after ``seen`` and, when sampling, the distribution each was drawn from."""
         model, started = self.model, time.perf_counter()
         start = common_prefix(self.cached, seen[:-1])
+        if hasattr(model, "resume_point"):   # a draft with recurrent state continues where it kept some
+            start = model.resume_point(start)
         del self.cached[start:]     # about to be overwritten: true however this ends
         model.prefill(seen[start:], start)
         greedy = sampler.config.temperature == 0
@@ -298,15 +301,7 @@ class Speculator:
 
     def begin(self, model, seen: list[int], start_pos: int) -> None:
         """Before the prompt's prefill at ``start_pos`` (positions from there on are about to be written):
-        calibrate the step costs at first use, and start this reply's counts. A model that cannot roll back
-        (Qwen3.5: its Gated DeltaNet state holds the last position only) does not speculate: a rejected draft
-        would leave the state past it."""
-        if self.drafter and not getattr(model, "can_roll_back", True):
-            if self.mode != "auto":
-                raise PerfxError(f"--speculate {self.mode}: this model's recurrent state cannot roll back past a "
-                                 "rejected draft; use --speculate off (auto does so by itself)")
-            self.drafter = ""
-            self.log("perfx: speculation off: this model's recurrent state cannot roll back a rejected draft")
+        calibrate the step costs at first use, and start this reply's counts."""
         if not self.costs.calibrated:
             self.calibrate(model, start_pos)
         # A draft model agrees with its target more often than not. Lookup starts from 1 in 4 (most text does
@@ -363,8 +358,13 @@ class Speculator:
         else:
             drafts = drafts[:k]
         started = time.perf_counter()
+        keep_state(model)
         logits = model.prefill_logits([token] + drafts, pos)
         accepted, nxt = accept(logits, drafts, dists, sampler, seen)
+        if len(accepted) < k and not getattr(model, "can_roll_back", True):
+            # The recurrent state stands after the rejected drafts: back to the restore point before the step,
+            # and the kept tokens run again (counted in the step's cost, so auto weighs it).
+            model.replay([token] + accepted, pos)
         self.costs.observe(k + 1, time.perf_counter() - started)
         for depth in range(1, min(len(accepted) + 1, k) + 1):
             self.acceptance[source].record(depth, depth <= len(accepted))
@@ -399,6 +399,13 @@ class Speculator:
                 alive.append((rest[1:], where, depth + 1))
         self.shadows = alive
         return nxt
+
+
+def keep_state(model) -> None:
+    """Before a forward that may be rolled back: a model whose state cannot roll back by itself (Qwen3.5's
+    Gated DeltaNet holds the last position only) keeps a restore point of it (``Model.checkpoint``)."""
+    if not getattr(model, "can_roll_back", True):
+        model.checkpoint(verification=True)
 
 
 def accept(logits: np.ndarray, drafts: list[int], dists: list | None, sampler: Sampler,

@@ -37,10 +37,13 @@ from helpers.tiny_models import write_awq
 from perfx import cli, reference
 from perfx.config import SMOLLM3_NO_ROPE_STEP, ModelConfig
 from perfx.errors import PerfxError
-from perfx.generate import Conversation
+from perfx.generate import Conversation, SamplingConfig, generate
 from perfx.model import Model
+from perfx.ops.restore_points import KEPT
+from perfx.serve.api import chat_prompt
+from perfx.serve.engine import Engine
 from perfx.sources import open_model
-from perfx.speculative import Speculator
+from perfx.speculative import MAX_DRAFT, Speculator, StepCosts
 from perfx.tuning.database import default_database
 from perfx.tuning.spec import relative_error
 
@@ -49,6 +52,7 @@ pytestmark = pytest.mark.one_implementation
 RECORDED = json.loads((Path(__file__).parent / "data" / "llamacpp_families.json").read_text())["families"]
 RUNS = [(family, run["n_ctx"]) for family, entry in RECORDED.items() for run in entry["runs"]]
 DEVICE_TOLERANCE = 2e-3
+RESUME_TOLERANCE = 1e-4   # a resumed forward against a run from 0 on the device: fp32 sums in another order
 LLAMA_CPP_ATOL = 0.5
 F32_ATOL = 0.03   # perfx's fp16 copy of F32 weights: measured at most 0.0104
 TEXT = ("kato rimu senla dope quiban zorel nevo pira nesu talo mirek sova lenu. " * 12).strip()
@@ -383,8 +387,9 @@ def test_a_fused_hugging_face_projection_must_split_as_the_config_says(files, tm
 
 def test_an_lfm2_chat_turn_resumes_from_its_conv_rings(files, device):
     """A second turn that shares its prefix with the first resumes there (the conv rings hold the state),
-    and gives the logits of a run of the whole prompt from 0; a resume past what the rings hold is refused
-    with a clear error, and can_resume says so beforehand."""
+    and gives the logits of a run of the whole prompt from 0; past what the rings hold it resumes at the
+    restore point kept at the first prompt's end, and elsewhere is refused with a clear error, which
+    can_resume says beforehand."""
     source = open_model(files["lfm2"]["gguf"])
     model = Model.load(source, device, ctx=256, progress=False, database=default_database(False))
     prompt = RECORDED["lfm2"]["prompt_ids"]
@@ -399,9 +404,14 @@ def test_an_lfm2_chat_turn_resumes_from_its_conv_rings(files, device):
     assert relative_error(resumed, want[-1]) <= DEVICE_TOLERANCE
     for pos in range(len(second), len(second) + 80):
         model.decode_one(3, pos)
-    assert not model.can_resume(len(first))
+    assert model.can_resume(len(first)) and not model.can_resume(len(first) + 1)
+    assert model.resume_point(len(first) + 3) == len(first)
+    model.prefill(second[len(first):], len(first))
+    assert relative_error(model.logits(), want[-1]) <= DEVICE_TOLERANCE
+    for pos in range(len(second), len(second) + 80):
+        model.decode_one(3, pos)
     with pytest.raises(PerfxError, match="conv layers hold their state for positions"):
-        model.prefill(second[len(first):], len(first))
+        model.prefill(second[len(first) + 1:], len(first) + 1)
 
 
 def test_a_qwen35_config_json_gives_the_gguf_s_recipe(files):
@@ -437,30 +447,128 @@ def test_a_qwen35_prefill_is_its_token_by_token_decode(files, device):
     assert relative_error(at_once, want[-1]) <= DEVICE_TOLERANCE
 
 
-def test_a_qwen35_chat_turn_resumes_at_its_last_position_only(files, device):
-    """A turn that continues where the last one stopped resumes from the recurrent state and gives the logits
-    of a run from 0; a resume before that (a rolled-back reply) is refused, can_resume says so, a Conversation
-    then starts over, and speculation is off (a rejected draft cannot be rolled back)."""
+def test_a_qwen35_chat_turn_resumes_at_its_last_position_or_a_restore_point(files, device):
+    """A turn that continues where the last one stopped resumes from the recurrent state; one that edits an
+    earlier turn resumes at the restore point kept at the end of the prompt before it (the Conversation
+    finds it) and gives the logits of a run from 0; anywhere else is refused, and can_resume says so. The
+    load report counts the restore points, the kept ones are the latest few."""
     source = open_model(files["qwen35"]["gguf"])
     model = Model.load(source, device, ctx=128, progress=False, database=default_database(False))
+    c = source.config
+    s_bytes = 4 * len(c.layers_of("delta")) * c.delta_v_heads * c.delta_v_dim * c.delta_k_dim
+    rows = 4 * (c.conv_length - 1) * len(c.layers_of("delta")) * c.delta_conv_dim
+    assert model.load_report["restore_points"] == KEPT + 1   # and one for speculative verification
+    assert model.load_report["restore_point_bytes"] == (KEPT + 1) * (s_bytes + rows)
     prompt = RECORDED["qwen35"]["prompt_ids"]
     first, reply = prompt[:9], [5, 6, 7]
     model.prefill(first, 0)
     for pos, token in enumerate(reply, start=len(first)):
         model.decode_one(token, pos)
     whole = first + reply + prompt[9:]
-    assert model.can_resume(len(first) + len(reply)) and not model.can_resume(len(first)) and model.can_resume(0)
+    assert model.can_resume(len(first) + len(reply)) and model.can_resume(len(first)) and model.can_resume(0)
+    assert not model.can_resume(len(first) + 1)
     model.prefill(whole[len(first) + len(reply):], len(first) + len(reply))
     want, _ = reference.model_forward(source, whole)
     assert relative_error(model.logits(), want[-1]) <= DEVICE_TOLERANCE
+    for pos, token in enumerate([8, 9], start=len(whole)):
+        model.decode_one(token, pos)
     with pytest.raises(PerfxError, match="Gated DeltaNet layers hold their state after position"):
-        model.prefill(prompt[9:], len(first))
-    conversation = Conversation(model.can_resume)
-    conversation.cached = list(whole)
-    assert conversation.resume(first + [9, 10]) == (0, first + [9, 10])
+        model.prefill(prompt[9:], len(first) + 1)
+    # The second turn edited after two tokens of the first reply: back to the first prompt's end.
+    edited = first + reply[:2] + [11, 12, 13, 14]
+    conversation = Conversation(model.resume_point)
+    conversation.cached = whole + [8]
+    start, todo = conversation.resume(edited)
+    assert (start, todo) == (len(first), edited[len(first):]) and conversation.cached == first
+    model.prefill(todo, start)
+    resumed = model.logits()
+    assert sorted(model.restore_points.positions) == [len(first), len(edited)], "the later ones were rewritten"
+    model.prefill(edited, 0)
+    # the same kernels over the same positions, the prefill chunks cut elsewhere: fp32 sums in another order
+    assert relative_error(resumed, model.logits()) <= RESUME_TOLERANCE
+    want, _ = reference.model_forward(source, edited)
+    assert relative_error(resumed, want[-1]) <= DEVICE_TOLERANCE
+    model.prefill(prompt[:4], 0)
+    for end in range(5, 5 + KEPT):   # more prompt ends than are kept: the oldest goes
+        model.prefill(prompt[end - 1:end], end - 1)
+    assert list(model.restore_points.positions) == list(range(5, 5 + KEPT)) and not model.can_resume(4)
     assert not model.can_roll_back
-    speculator = Speculator("auto")
-    speculator.begin(model, prompt, 0)
-    assert speculator.drafter == ""
-    with pytest.raises(PerfxError, match="cannot roll back"):
-        Speculator("lookup").begin(model, prompt, 0)
+
+
+class Oracle:
+    """A draft model that knows the one-token-a-step text: it drafts it with every third token wrong, so
+    verification steps accept some drafts and reject the rest."""
+    token_seconds = 0.0
+
+    def __init__(self, text: list[int], vocab: int):
+        self.text, self.vocab = text, vocab
+
+    def calibrate(self):
+        pass
+
+    def room(self, seen):
+        return 1 << 20
+
+    def propose(self, seen, k, sampler):
+        truth = (self.text[len(seen):] + [0] * k)[:k]
+        return [t if (len(seen) + i) % 3 else (t + 1) % self.vocab for i, t in enumerate(truth)], None
+
+
+def test_qwen35_speculation_gives_the_one_token_a_step_reply(files, device):
+    """--speculate lookup on Qwen3.5, and a draft model whose drafts are partly rejected: each verification
+    keeps the state before it, a rejected draft restores it and runs the accepted tokens again, so the greedy
+    reply is the one-token-a-step one, and so is the next turn's, which resumes after the reply. Auto
+    speculates too."""
+    source = open_model(files["qwen35"]["gguf"])
+    model = Model.load(source, device, ctx=128, progress=False, database=default_database(False))
+    prompt = RECORDED["qwen35"]["prompt_ids"] * 3
+    greedy, flat = SamplingConfig(temperature=0), {m: 1.0 for m in range(1, MAX_DRAFT + 2)}
+    results = {}
+    for mode in ("off", "lookup", "draft"):
+        text = prompt + results["off"][0].ids + prompt[:5] + results["off"][1].ids if mode == "draft" else []
+        speculator = Speculator(mode, Oracle(text, source.config.vocab_size) if text else None,
+                                costs=StepCosts(flat))
+        conversation = Conversation(model.resume_point)
+        start, todo = conversation.resume(prompt)
+        first = generate(model, source.tokenizer, todo, 24, greedy, start_pos=start, speculator=speculator)
+        conversation.record(prompt, first)
+        second_prompt = prompt + first.ids + prompt[:5]
+        start, todo = conversation.resume(second_prompt)
+        assert start == first.end_pos
+        second = generate(model, source.tokenizer, todo, 8, greedy, start_pos=start,
+                          history=second_prompt[:start], speculator=speculator)
+        results[mode] = (first, second)
+    plain = results["off"]
+    for mode in ("lookup", "draft"):
+        first, second = results[mode]
+        assert first.ids == plain[0].ids and second.ids == plain[1].ids, mode
+        assert first.stats.verify_steps > 0 and first.stats.drafted > first.stats.accepted
+    assert results["draft"][0].stats.accepted > 0
+    auto = Speculator("auto")
+    auto.begin(model, prompt, 0)
+    assert auto.drafter == "lookup"
+
+
+def test_serve_requests_sharing_a_system_prompt_resume_at_its_end(files, device):
+    """Two chat requests with one system prompt: the first keeps a restore point at the system prompt's end,
+    the second resumes there and replies as a run from 0 does."""
+    source = open_model(files["qwen35"]["gguf"])
+    model = Model.load(source, device, ctx=128, progress=False, database=default_database(False))
+    tokenizer = source.tokenizer
+    greedy = SamplingConfig(temperature=0)
+    engine = Engine(model, tokenizer, 2, greedy)
+    system = {"role": "system", "content": "kato rimu senla dope quiban zorel nevo pira nesu talo"}
+    jobs = []
+    try:
+        for user in ("mirek sova lenu", "nevo pira"):
+            ids, messages = chat_prompt({"messages": [system, {"role": "user", "content": user}]}, tokenizer)
+            jobs.append(engine.job(ids, 6, {}, [], messages))
+            engine.submit(jobs[-1])
+            assert jobs[-1].finished.wait(120)
+    finally:
+        engine.close()
+    end = jobs[0].restore_at[0]
+    assert end > 10 and jobs[1].restore_at == (end,)
+    assert jobs[0].cached_tokens == 0 and jobs[1].cached_tokens == end
+    fresh = generate(model, tokenizer, jobs[1].prompt_ids, 6, greedy)
+    assert jobs[1].result.ids == fresh.ids

@@ -155,9 +155,13 @@ def test_conversation_turns_prefill_only_the_new_ids_and_survive_a_full_context(
 
 def test_conversation_starts_over_where_the_model_cannot_resume():
     """A model whose state before a position is gone (a conv layer's ring holds only its last positions)
-    says so through can_resume; the conversation then prefills the whole prompt from 0."""
-    conversation = Conversation(can_resume=lambda pos: pos >= 4)
+    says where it can resume instead; the conversation then prefills the whole prompt from 0 (or from
+    that position: a restore point)."""
+    conversation = Conversation(resume_point=lambda pos: pos if pos >= 4 else 0)
     conversation.cached = [1, 2, 3, 4, 5]
     assert conversation.resume([1, 2, 3, 4, 5, 6]) == (5, [6])
     conversation.cached = [1, 2, 3, 4, 5]
     assert conversation.resume([1, 2, 9, 9]) == (0, [1, 2, 9, 9]) and conversation.cached == []
+    conversation = Conversation(resume_point=lambda pos: pos if pos >= 4 else min(pos, 1))
+    conversation.cached = [1, 2, 3, 4, 5]
+    assert conversation.resume([1, 2, 9, 9]) == (1, [2, 9, 9]) and conversation.cached == [1]

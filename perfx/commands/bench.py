@@ -158,7 +158,9 @@ def measure_e2e(model, prompt_tokens: int = 64, decode_tokens: int = 32, seed: i
             "device_peak_bytes": model.device.peak_allocated_bytes, "host_peak_bytes": report["host_peak_bytes"],
             "load_s": report["load_s"], "ctx": report["ctx"], "depth": depth,
             "kv_cache_bytes": report["kv_cache_bytes"], "conv_state_bytes": report.get("conv_state_bytes", 0),
-            "recurrent_state_bytes": report.get("recurrent_state_bytes", 0)}
+            "recurrent_state_bytes": report.get("recurrent_state_bytes", 0),
+            "restore_points": report.get("restore_points", 0),
+            "restore_point_bytes": report.get("restore_point_bytes", 0)}
 
 
 def run_e2e(device, model_name: str, prompt_tokens: int = 64, decode_tokens: int = 32, ctx: int | None = None,
@@ -201,6 +203,8 @@ def e2e_lines(e2e: dict, copy_gb_s: float) -> list[str]:
         f"KV cache {e2e['kv_cache_bytes'] / mib:.0f} MiB" + (f", conv state {e2e['conv_state_bytes'] / mib:.1f} MiB"
                                                            if e2e["conv_state_bytes"] else "")
         + (f", recurrent state {e2e['recurrent_state_bytes'] / mib:.1f} MiB" if e2e["recurrent_state_bytes"] else "")
+        + (f", {e2e['restore_points']} restore points {e2e['restore_point_bytes'] / mib:.1f} MiB"
+           if e2e.get("restore_points") else "")
         + "), "
         f"host peak {e2e['host_peak_bytes'] / mib:.0f} MiB, weights read per token {e2e['weight_bytes'] / mib:.0f} MiB",
     ]

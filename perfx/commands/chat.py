@@ -20,7 +20,7 @@ from perfx.commands.options import (add_model_options, add_sampling_options, add
                                     no_thinking_switch_note, sampling_config, speculator_from_args, system_prompt,
                                     thinking_kwargs)
 from perfx.errors import PerfxError
-from perfx.generate import Conversation, generate
+from perfx.generate import Conversation, generate, system_prompt_end
 from perfx.model import host_peak_bytes
 
 HELP = """commands:
@@ -81,7 +81,7 @@ class Chat:
         self.interactive = interactive
         self.colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
         self.messages: list[dict] = []   # user and assistant turns; the system prompt is kept apart
-        self.conversation = Conversation(getattr(model, "can_resume", None))   # the ids the KV cache holds
+        self.conversation = Conversation(getattr(model, "resume_point", None))   # the ids the KV cache holds
         self.replies = []                # Stats of every reply this session (kept across /reset)
         described = source.describe()
         self.model_path = str(described.get("path", "?"))
@@ -136,6 +136,14 @@ class Chat:
                                                   **thinking_kwargs(self.tokenizer, self.think))
         return self.tokenizer.encode(text, add_bos=self.tokenizer.add_bos_token)
 
+    def restore_at(self, ids: list[int]) -> list[int]:
+        """The system prompt's end, where a model with recurrent state keeps a restore point: /reset and the
+        dropping of old turns resume there."""
+        if self.system is None or getattr(self.model, "restore_points", None) is None:
+            return []
+        system = [{"role": "system", "content": self.system}]
+        return [system_prompt_end(self.tokenizer, system, ids, **thinking_kwargs(self.tokenizer, self.think))]
+
     def fit(self, ids: list[int]) -> list[int] | None:
         """Drop the oldest turns until the prompt plus a reply fits the context; None if the new message
         alone does not fit. A context smaller than twice --max-tokens keeps half of itself for the reply."""
@@ -169,7 +177,7 @@ class Chat:
             start, todo = self.conversation.resume(ids)
             result = generate(self.model, self.tokenizer, todo, self.max_tokens, self.sampling,
                               start_pos=start, on_text=self.stream, history=ids[:start],
-                              speculator=self.speculator)
+                              speculator=self.speculator, restore_at=self.restore_at(ids))
         except KeyboardInterrupt:
             # Outside generate's own handling (template, encoding): the turn did not happen.
             self.messages.pop()

@@ -34,13 +34,17 @@ class ConvHistory:
         if layers < 1 or hidden < 1 or rows < 2:
             raise PerfxError(f"short_conv history: {layers} layers × {rows} rows × {hidden} channels do not fit")
         self.layers, self.hidden, self.rows = layers, hidden, rows
+        # The first position whose row holds the text now run: 0, or where a restore point put the rings back
+        # (``perfx.ops.restore_points``: it restores only the rows a forward there reads).
+        self.first = 0
         self.nbytes = 4 * layers * rows * hidden
         self.buffer = device.alloc(self.nbytes, what=f"short_conv history ({layers} layers × {rows} positions)")
 
     def resumable(self, length: int, last: int, at: int) -> bool:
         """Whether the state before position ``at`` is still in the rings, the last position written being
-        ``last`` (−1: none yet): positions at − L + 1 .. at − 1 not yet overwritten."""
-        return at <= last + 1 and (at == 0 or last - (at - length + 1) < self.rows)
+        ``last`` (−1: none yet): positions at − L + 1 .. at − 1 neither overwritten nor before ``first``."""
+        return at <= last + 1 and (at == 0 or (last - (at - length + 1) < self.rows
+                                               and max(0, at - length + 1) >= self.first))
 
 
 class ShortConv:

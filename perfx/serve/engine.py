@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from perfx.errors import PerfxError
-from perfx.generate import Conversation, Result, SamplingConfig, generate
+from perfx.generate import Conversation, Result, SamplingConfig, generate, system_prompt_end
 from perfx.model import load_model
 from perfx.serve.api import FINISH_REASONS, APIError, shutting_down
 
@@ -74,6 +74,7 @@ class Job:
     started: float | None = None
     first_text: float | None = None
     cached_tokens: int = 0       # prompt ids already in the KV cache (not prefilled again)
+    restore_at: tuple = ()       # prompt positions later requests may resume at (the system prompt's end)
     result: Result | None = None
 
     @property
@@ -108,13 +109,19 @@ class Engine:
         self.running: Job | None = None
         self.closing = False
         self.counts = collections.Counter({"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0})
-        self.conversation = Conversation(getattr(model, "can_resume", None))
+        self.conversation = Conversation(getattr(model, "resume_point", None))
         self.worker = threading.Thread(target=self._work, name="perfx-serve-model", daemon=True)
         self.worker.start()
 
-    def job(self, prompt_ids: list[int], max_tokens: int, sampling: dict, stop: list[str]) -> Job:
-        """A job for these ids; ``sampling`` holds the SamplingConfig fields a request sets over the defaults."""
-        return Job(prompt_ids, max_tokens, dataclasses.replace(self.default_sampling, **sampling), stop)
+    def job(self, prompt_ids: list[int], max_tokens: int, sampling: dict, stop: list[str],
+            messages: list[dict] | None = None, template: dict | None = None) -> Job:
+        """A job for these ids; ``sampling`` holds the SamplingConfig fields a request sets over the defaults.
+        ``messages`` (a chat request's, as rendered with the template variables ``template``) give the system
+        prompt's end, where a model with recurrent state keeps a restore point for the next requests."""
+        job = Job(prompt_ids, max_tokens, dataclasses.replace(self.default_sampling, **sampling), stop)
+        if messages and getattr(self.model, "restore_points", None) is not None:
+            job.restore_at = (system_prompt_end(self.tokenizer, messages, prompt_ids, **(template or {})),)
+        return job
 
     def submit(self, job: Job):
         """Queue a job, or raise APIError: 429 when the queue is full, 503 while shutting down."""
@@ -200,7 +207,8 @@ class Engine:
         try:
             result = generate(self.model, self.tokenizer, todo, job.max_tokens, job.sampling, start_pos=start,
                               stop_strings=job.stop, on_text=on_text, history=ids[:start],
-                              should_stop=job.cancelled.is_set, speculator=self.speculator)
+                              should_stop=job.cancelled.is_set, speculator=self.speculator,
+                              restore_at=job.restore_at)
         except Exception as error:  # noqa: BLE001  (a failed request must not take the server down)
             self.conversation.forget()  # how far the cache was written is unknown
             message = str(error) if isinstance(error, PerfxError) else f"{type(error).__name__}: {error}"

@@ -25,7 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
 from perfx.serve.api import (APIError, Answer, chat_prompt, check_fits, common_parameters, parse_json,
-                             text_prompt)
+                             template_kwargs, text_prompt)
 from perfx.serve.engine import SHUTDOWN_GRACE_S, Engine, Job
 
 MAX_BODY_BYTES = 8 << 20
@@ -168,6 +168,7 @@ class Handler(BaseHTTPRequestHandler):
     def complete(self, body: dict, chat: bool):
         options, engine = self.server.options, self.server.engine
         request = common_parameters(body, options.model_id)
+        messages = None
         if chat:
             ids, messages = chat_prompt(body, engine.tokenizer)
             self.prompt_text = json.dumps(messages, ensure_ascii=False)
@@ -176,7 +177,7 @@ class Handler(BaseHTTPRequestHandler):
             self.prompt_text = json.dumps(body.get("prompt"), ensure_ascii=False)
         check_fits(ids, engine.model.max_positions, "messages" if chat else "prompt")
         self.job = job = engine.job(ids, request.max_tokens or options.default_max_tokens, request.sampling,
-                                    request.stop)
+                                    request.stop, messages, template_kwargs(body) if chat else None)
         engine.submit(job)
         answer = Answer(chat, options.model_id, created=int(time.time()))
         try:

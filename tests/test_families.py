@@ -56,8 +56,7 @@ RESUME_TOLERANCE = 1e-4   # a resumed forward against a run from 0 on the device
 LLAMA_CPP_ATOL = 0.5
 F32_ATOL = 0.03   # perfx's fp16 copy of F32 weights: measured at most 0.0104
 TEXT = ("kato rimu senla dope quiban zorel nevo pira nesu talo mirek sova lenu. " * 12).strip()
-# Qwen3.5's Hugging Face config is read (test_a_qwen35_config_json_gives_the_gguf_s_recipe), its safetensors not yet
-HF_FAMILIES = [family for family in RECORDED if family != "qwen35"]
+HF_FAMILIES = list(RECORDED)
 
 
 @pytest.fixture(scope="module")
@@ -222,9 +221,11 @@ def test_awq_and_quantize_on_load_checkpoints_of_each_family(files, device, tmp_
     awq = open_model(directory)
     assert {form.kind for forms in awq.weight_forms().values() for form in forms} >= {"q4"}
     layer = awq.layer(0)
-    first = layer.qkv if layer.conv_in is None else layer.conv_in   # LFM2's layer 0 is a conv layer
-    module = "self_attn.qkv_proj" if family == "phi3" else "conv.in_proj" if layer.conv_in is not None else \
-        "self_attn.q_proj"
+    # LFM2's layer 0 is a conv layer, Qwen3.5's a Gated DeltaNet layer
+    first = layer.conv_in if layer.conv_in is not None else layer.delta_qkv if layer.delta_qkv is not None else \
+        layer.qkv
+    module = ("self_attn.qkv_proj" if family == "phi3" else "conv.in_proj" if layer.conv_in is not None else
+              "linear_attn.in_proj_qkv" if layer.delta_qkv is not None else "self_attn.q_proj")
     codes, zeros, scales = parts[f"model.layers.0.{module}"]
     want = (codes.astype(np.float64) - np.repeat(zeros, 32, axis=1)) * np.repeat(scales.astype(np.float64), 32, axis=1)
     # the int4 form holds w = s·q + m with m = −z·s rounded once to fp16: at most 2⁻¹¹·|z·s| per weight

@@ -40,6 +40,16 @@ LFM2_LINEAR = {**HF_LINEAR, "o": "self_attn.out_proj", "gate": "feed_forward.w1"
 LFM2_VECTOR = {"attn_norm": "operator_norm.weight", "ffn_norm": "ffn_norm.weight",
                "q_norm": "self_attn.q_layernorm.weight", "k_norm": "self_attn.k_layernorm.weight"}
 FINAL_NORM = {"lfm2": "embedding_norm.weight"}
+# Qwen3.5 (transformers' modeling_qwen3_5, Qwen3_5GatedDeltaNet): a linear_attn layer projects with in_proj_qkv
+# (q, k, v; the v heads grouped by q/k head: the kernels' "interleave" head map, so no rows move), in_proj_z,
+# in_proj_a and in_proj_b, convolves with conv1d (channels, 1, L), and keeps dt_bias, A_log and its gated norm;
+# every other RMSNorm multiplies by (1 + w) (Qwen3_5RMSNorm), the gated one by w (Qwen3_5RMSNormGated).
+QWEN35_LINEAR = {**HF_LINEAR, "delta_qkv": "linear_attn.in_proj_qkv", "delta_z": "linear_attn.in_proj_z",
+                 "delta_a": "linear_attn.in_proj_a", "delta_b": "linear_attn.in_proj_b",
+                 "delta_out": "linear_attn.out_proj"}
+QWEN35_VECTOR = {**HF_VECTOR, "dt_bias": "linear_attn.dt_bias", "ssm_a": "linear_attn.A_log",
+                 "delta_norm": "linear_attn.norm.weight"}
+CONV_TAPS = {"conv": "conv.conv.weight", "delta": "linear_attn.conv1d.weight"}
 # Fused projections a checkpoint may hold (Phi-3), with the parts they replace
 HF_FUSED = {"qkv": ("self_attn.qkv_proj", ("q", "k", "v")), "gate_up": ("mlp.gate_up_proj", ("gate", "up"))}
 # Where the decoder's tensors live: text models, then the text part of multimodal Gemma 3 checkpoints (older
@@ -70,12 +80,14 @@ class HFSource(ModelSource):
         self._prefix, self._head = next(((p, h) for p, h in HF_PREFIXES if f"{p}embed_tokens.weight" in self._files),
                                         HF_PREFIXES[0])
         arch = self.config.architecture
-        gemma = arch in ("gemma2", "gemma3_text")
-        self._vectors = GEMMA_VECTOR if gemma else LFM2_VECTOR if arch == "lfm2" else HF_VECTOR
-        self._linears = LFM2_LINEAR if arch == "lfm2" else HF_LINEAR
+        gemma, qwen35 = arch in ("gemma2", "gemma3_text"), arch == "qwen3_5_text"
+        self._vectors = (GEMMA_VECTOR if gemma else LFM2_VECTOR if arch == "lfm2" else QWEN35_VECTOR if qwen35
+                         else HF_VECTOR)
+        self._linears = LFM2_LINEAR if arch == "lfm2" else QWEN35_LINEAR if qwen35 else HF_LINEAR
         self._final_norm = f"{self._prefix}{FINAL_NORM.get(arch, 'norm.weight')}"
-        # Gemma's RMSNorm multiplies by (1 + w) and its checkpoints store w; GGUF converters store 1 + w.
-        self._norm_offset = 1.0 if gemma else 0.0
+        # Gemma's and Qwen3.5's RMSNorm multiply by (1 + w) and their checkpoints store w; GGUF converters
+        # store 1 + w.
+        self._norm_offset = 1.0 if gemma or qwen35 else 0.0
         self._check_tensors()
 
     # -- files -------------------------------------------------------------------------------------
@@ -139,6 +151,8 @@ class HFSource(ModelSource):
         return f"{self._prefix}layers.{layer}.{self._linears[name]}"
 
     def _fused_module(self, label: str, layer: int) -> str | None:
+        if label not in HF_FUSED:   # Qwen3.5's a|b: two projections in every checkpoint
+            return None
         module, parts = HF_FUSED[label]
         fused, first = f"{self._prefix}layers.{layer}.{module}", self._module(parts[0], layer)
         present = any(f"{fused}.{suffix}" in self._files for suffix in ("weight", "qweight"))
@@ -155,10 +169,13 @@ class HFSource(ModelSource):
         if not c.tie_embeddings:
             self._check_linear(self._head, self.expected_shape("lm_head"))
         for i in range(c.n_layers):
-            if c.layers[i].kind == "conv":
-                for name in ("conv_in", "conv_out", "gate", "up", "down"):
+            kind = c.layers[i].kind
+            if kind in CONV_TAPS:
+                names = (("conv_in", "conv_out") if kind == "conv" else
+                         ("delta_qkv", "delta_z", "delta_a", "delta_b", "delta_out")) + ("gate", "up", "down")
+                for name in names:
                     self._check_linear(self._module(name, i), self.expected_shape(name))
-                self._check_shape(self._conv_taps_name(i), (c.hidden_size, 1, c.conv_length))
+                self._check_shape(self._conv_taps_name(i), (self._conv_channels(i), 1, c.conv_length))
                 for name in self.vector_names(i):
                     self._check_shape(f"{self._prefix}layers.{i}.{self._vectors[name]}", (self.expected_vector(name),))
                 continue
@@ -175,12 +192,16 @@ class HFSource(ModelSource):
                 self._check_shape(f"{self._prefix}layers.{i}.{self._vectors[name]}", (self.expected_vector(name),))
 
     def _conv_taps_name(self, layer: int) -> str:
-        return f"{self._prefix}layers.{layer}.conv.conv.weight"
+        return f"{self._prefix}layers.{layer}.{CONV_TAPS[self.config.layers[layer].kind]}"
+
+    def _conv_channels(self, layer: int) -> int:
+        c = self.config
+        return c.delta_conv_dim if c.layers[layer].kind == "delta" else c.hidden_size
 
     def _conv_weight(self, layer: int) -> np.ndarray:
-        c = self.config
-        taps = self._tensor(self._conv_taps_name(layer), (c.hidden_size, 1, c.conv_length))
-        return np.ascontiguousarray(taps.reshape(c.hidden_size, c.conv_length), dtype=np.float32)
+        c, channels = self.config, self._conv_channels(layer)
+        taps = self._tensor(self._conv_taps_name(layer), (channels, 1, c.conv_length))
+        return np.ascontiguousarray(taps.reshape(channels, c.conv_length), dtype=np.float32)
 
     def _check_fused(self, module: str, label: str):
         expected = self.expected_shape(label)
@@ -222,7 +243,9 @@ class HFSource(ModelSource):
     def _vector(self, name: str, layer: int | None) -> np.ndarray:
         tensor = self._final_norm if name == "final_norm" else f"{self._prefix}layers.{layer}.{self._vectors[name]}"
         vector = self._tensor(tensor, (self.expected_vector(name),)).astype(np.float32)
-        return vector + self._norm_offset if name.endswith("norm") else vector
+        if name == "ssm_a":   # A = −exp(A_log), as the converter stores ssm_a
+            return -np.exp(vector.astype(np.float64)).astype(np.float32)
+        return vector + self._norm_offset if name.endswith("norm") and name != "delta_norm" else vector
 
     def _part_form(self, name: str, layer: int) -> Form:
         module = self._module(name, layer)

@@ -71,7 +71,10 @@ LINEAR_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "s
                   "self_attn.qkv_proj", "mlp.gate_up_proj",   # Phi-3's fused projections, one Linear each
                   # LFM2's: the attention's out_proj, the conv's in_proj and out_proj, the MLP's w1, w3, w2
                   "self_attn.out_proj", "conv.in_proj", "conv.out_proj", "feed_forward.w1", "feed_forward.w3",
-                  "feed_forward.w2")
+                  "feed_forward.w2",
+                  # Qwen3.5's DeltaNet projections (in_proj_a and in_proj_b, of Hv rows, stay fp16: the tiny
+                  # model's 4 are no multiple of AWQ's 8 columns a packed int32)
+                  "linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj")
 
 
 @dataclass

@@ -24,11 +24,13 @@ llama-cpp-python is installed. The greedy tokens must be equal: every margin is 
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from helpers.family_models import (FAMILIES, family_tokenizer, make_family_model, write_family_gguf, write_family_hf,
                                    write_family_tokenizer)
@@ -430,6 +432,27 @@ def test_a_qwen35_config_json_gives_the_gguf_s_recipe(files):
         assert got.attention_gate and want.attention_gate and want.rotary_dims == 16
         # transformers groups the v heads by q/k head, the converter tiles them
         assert (got.delta_head_map, want.delta_head_map) == ("interleave", "tile")
+
+
+def test_a_multimodal_qwen35_checkpoint_reads_its_language_model(files, tmp_path):
+    """Published Qwen3.5 checkpoints are Qwen3_5ForConditionalGeneration: config.json's text_config and the
+    decoder's tensors under model.language_model. (vision tensors beside them are not read); the same weights
+    give the same forward as the text model's directory."""
+    hub = files["qwen35"]["hub"]
+    directory = tmp_path / "multimodal"
+    shutil.copytree(hub, directory)
+    tensors = load_file(str(hub / "model.safetensors"))
+    renamed = {name.replace("model.", "model.language_model.", 1): w for name, w in tensors.items()}
+    renamed["model.visual.patch_embed.proj.weight"] = np.zeros((4, 3), np.float32)
+    save_file(renamed, str(directory / "model.safetensors"))
+    text = json.loads((hub / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+         "tie_word_embeddings": text["tie_word_embeddings"], "text_config": text, "vision_config": {"depth": 1}}))
+    prompt = RECORDED["qwen35"]["prompt_ids"]
+    want, _ = reference.model_forward(open_model(hub, lm_head="fp16"), prompt, ctx=64)
+    got, _ = reference.model_forward(open_model(directory, lm_head="fp16"), prompt, ctx=64)
+    assert np.array_equal(got, want)
 
 
 def test_a_qwen35_prefill_is_its_token_by_token_decode(files, device):

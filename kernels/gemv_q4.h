@@ -92,16 +92,22 @@ inline void own_rows(const int first, const int n_out, const int out_base, const
         }                                                                                           \
     }
 
-// The end of group g: acc[r] += s·Σ q·x + m·Σ x (xsum: the group's x summed in 8 lanes).
+// The end of group g: acc8[r] += s·(q·x per lane) + m·(x per lane) (xsum: the group's x summed in 8 lanes),
+// two multiply-adds 8 wide; the lanes are summed once, after the last group (LANE_SUMS): a sum of 8 lanes per
+// group and row costs as much as a 32-weight group's products.
 #define GROUP_SUMS(g, xsum)                                                                          \
     {                                                                                               \
-        const float xs = SUM8(xsum);                                                                \
         _Pragma("unroll") for (int r = 0; r < WROWS; ++r) {                                         \
             const float2 sm = vload_half2(SO_INDEX(grow[r], g), scale_offset);                      \
-            const float8 d = DOT_FLOAT(dot[r]);                                                     \
-            acc[r] += sm.x * SUM8(d) + OFFSET(sm) * xs;                                             \
+            acc8[r] = DOT_FLOAT(dot[r]) * sm.x + ((xsum) * OFFSET(sm) + acc8[r]);                   \
         }                                                                                           \
     }
+
+// The 8-lane accumulators GROUP_SUMS adds to, and their sums (into acc) after the last group.
+#define LANE_ACCUMULATORS \
+    float8 acc8[WROWS];   \
+    _Pragma("unroll") for (int r = 0; r < WROWS; ++r) acc8[r] = (float8)(0.0f);
+#define LANE_SUMS _Pragma("unroll") for (int r = 0; r < WROWS; ++r) acc[r] += SUM8(acc8[r]);
 
 // y for the work-item's outputs: the bias where the weight has one, then the epilogue.
 inline void store_outputs(const float* acc, const int* grow, const int first, const int n_out,

@@ -4,7 +4,10 @@
 //   neighbouring rows (rows first + 64·r, r < ROWS), so each texel load is coalesced; SLICES slices of K meet
 //   in local memory. Every work-item needs the same x: read from global memory (XS 0, a uniform load), staged
 //   once per work-group in local memory (XS 1), or loaded by lanes 0..7 of a subgroup and shared with
-//   sub_group_broadcast (XS 2, llama.cpp's Adreno GEMV). With XS 1, x may be staged quantized (I8): int8 per
+//   sub_group_broadcast (XS 2, llama.cpp's Adreno GEMV), or staged in local memory in the codes' byte order
+//   (XS 3: per texel the x of its even codes, then of its odd ones, so one AND, or a shift and an AND, frees 16
+//   codes in the order x is held, each turned to float by one widening and one convert: no shift per code). With
+//   XS 1, x may be staged quantized (I8): int8 per
 //   block of 32 with its scale and the sum of the block's quantized values (llama.cpp's Q8_1 activations),
 //   and each texel's 32 products formed in int16, summed in int32, then fp32: no float conversion of the
 //   codes at all.
@@ -19,7 +22,7 @@
 #define READ 0       // 0: uint4 buffer, 2: image1d_buffer view of the buffer
 #endif
 #ifndef XS
-#define XS 0         // x from global memory (0), local memory (1) or sub_group_broadcast (2)
+#define XS 0         // x from global memory (0), local memory (1), sub_group_broadcast (2), local in byte order (3)
 #endif
 #ifndef HALF
 #define HALF 0       // 1: dequantize and multiply in half (cl_khr_fp16), fp32 across groups
@@ -101,6 +104,14 @@ void gemv_q4(GEMV_Q4_ARGS, __local xstage_t* restrict x_local)
                                      as_uint(convert_char4_sat(r2.odd)), as_uint(convert_char4_sat(r3.odd)));
     }
     barrier(CLK_LOCAL_MEM_FENCE);
+#elif XS == 3
+    // x once per work-group in the codes' byte order: texel t's even codes 32t + 2i pair with x_local[32t + i],
+    // its odd codes 32t + 2i + 1 with x_local[32t + 16 + i] (i < 16).
+    for (int e = slice * WGN + get_local_id(0); e < k; e += WGN * SLICES) {
+        const int i = e & 31;
+        x_local[e] = x[(e & ~31) + (i < 16 ? 2 * i : 2 * (i - 16) + 1)];
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
 #elif XS == 1
     // x once per work-group (as half with HALF: half the local memory).
     for (int e = slice * WGN + get_local_id(0); e < k; e += WGN * SLICES) {
@@ -118,19 +129,17 @@ void gemv_q4(GEMV_Q4_ARGS, __local xstage_t* restrict x_local)
 
 #if XS == 1 && I8
     // Per texel: 32 products q·q_x in int16 (|q·q_x| ≤ 15·127: four summed ≤ 7620 still fit), then int32, then
-    // fp32 accumulators, times the block's and the group's scales (per 32 codes, so the horizontal sum
+    // 8-lane fp32 accumulators, times the block's and the group's scales (per 32 codes, so the horizontal sum
     // waits for the end); per group m·Σ x_q.
-    float4 acc4[WROWS];
-    #pragma unroll
-    for (int r = 0; r < WROWS; ++r) acc4[r] = (float4)(0.0f);
+    LANE_ACCUMULATORS
     for (int g = slice; g < q4_groups; g += SLICES) {
+        float xs = 0.0f;
+        for (int i = 0; i < TEXELS_PER_GROUP; ++i) xs += x_sum[g * TEXELS_PER_GROUP + i];
         float scale[WROWS];
         #pragma unroll
         for (int r = 0; r < WROWS; ++r) {
             const float2 sm = vload_half2(SO_INDEX(grow[r], g), scale_offset);
             scale[r] = sm.x;
-            float xs = 0.0f;
-            for (int i = 0; i < TEXELS_PER_GROUP; ++i) xs += x_sum[g * TEXELS_PER_GROUP + i];
             acc[r] += sm.y * xs;
         }
         #pragma unroll
@@ -145,13 +154,13 @@ void gemv_q4(GEMV_Q4_ARGS, __local xstage_t* restrict x_local)
                 const short16 p = convert_short16(as_uchar16(tex & 0x0F0F0F0Fu)) * xe
                                 + convert_short16(as_uchar16((tex >> 4) & 0x0F0F0F0Fu)) * xo;
                 const int8 s8 = convert_int8(p.lo + p.hi);   // |sum of four products| ≤ 7620: short holds it
-                acc4[r] = mad(convert_float4(s8.lo + s8.hi), (float4)(xd * scale[r]), acc4[r]);
+                acc8[r] += convert_float8(s8) * (xd * scale[r]);
             }
         }
     }
-    #pragma unroll
-    for (int r = 0; r < WROWS; ++r) acc[r] += (acc4[r].s0 + acc4[r].s1) + (acc4[r].s2 + acc4[r].s3);
+    LANE_SUMS
 #else
+    LANE_ACCUMULATORS
     for (int g = slice; g < q4_groups; g += SLICES) {
         dot8 dot[WROWS];
         #pragma unroll
@@ -160,6 +169,20 @@ void gemv_q4(GEMV_Q4_ARGS, __local xstage_t* restrict x_local)
         #pragma unroll
         for (int i = 0; i < TEXELS_PER_GROUP; ++i) {
             const int t = g * TEXELS_PER_GROUP + i;
+#if XS == 3
+            const float8 e0 = vload8(4 * t, x_local), e1 = vload8(4 * t + 1, x_local);
+            const float8 o0 = vload8(4 * t + 2, x_local), o1 = vload8(4 * t + 3, x_local);
+            xsum += (e0 + e1) + (o0 + o1);
+            #pragma unroll
+            for (int r = 0; r < WROWS; ++r) {
+                const uint4 tex = LOAD_ROW(r, t);
+                const uchar16 lo = as_uchar16(tex & 0x0F0F0F0Fu), hi = as_uchar16((tex >> 4) & 0x0F0F0F0Fu);
+                dot[r] += convert_float8(lo.lo) * e0;   // four multiply-adds in a row: no separate products
+                dot[r] += convert_float8(lo.hi) * e1;
+                dot[r] += convert_float8(hi.lo) * o0;
+                dot[r] += convert_float8(hi.hi) * o1;
+            }
+#else
 #if XS == 1
             const float8 f0 = convert_float8(vload8(4 * t, x_local));
             const float8 f1 = convert_float8(vload8(4 * t + 1, x_local));
@@ -180,9 +203,11 @@ void gemv_q4(GEMV_Q4_ARGS, __local xstage_t* restrict x_local)
 #endif
             xsum += (f0 + f1) + (f2 + f3);
             TEXEL_DOTS(t, f0, f1, f2, f3)
+#endif
         }
         GROUP_SUMS(g, xsum)
     }
+    LANE_SUMS
 #endif
 
 #if SLICES > 1

@@ -52,6 +52,7 @@ void gemv_q4(GEMV_Q4_ARGS)
     float acc[WROWS];
     #pragma unroll
     for (int r = 0; r < WROWS; ++r) acc[r] = 0.0f;
+    LANE_ACCUMULATORS
     for (int g = lane; g < q4_groups; g += LANES) {
         dot8 dot[WROWS];
         #pragma unroll
@@ -67,6 +68,7 @@ void gemv_q4(GEMV_Q4_ARGS)
         }
         GROUP_SUMS(g, xsum)
     }
+    LANE_SUMS
 
 #if LANES > 1
 #if SG == 1

@@ -5,7 +5,7 @@
 //          exact where fp16 holds every s and m: Q8_0, Q5_0, Q5_1, quantized heads) or as float2
 //          (SM_F32 1: Q5_K's and Q6_K's d·sc need up to 18 significant bits); w = s·q + m.
 // Per group: Σ_k (s·q_k + m)·x_k = s·Σ q_k x_k + m·Σ x_k, so the inner loop is one multiply-add per
-// weight and Σ x_k is computed once per group and shared by the ROWS rows of a work-item.
+// weight and Σ x_k is computed once per group (8 lanes wide) and shared by the ROWS rows of a work-item.
 // Epilogues (EPILOGUE, kernels/epilogue.h, chosen by the wrapper, not tuned):
 //   EPI_NONE:     y[o] = W[o]·x + bias[o]                            (also fused QKV: rows concatenated)
 //   EPI_SILU_MUL: y[o] = SiLU(Wg[o]·x + bg[o]) · (Wu[o]·x + bu[o])   (gate rows, then up rows)
@@ -69,9 +69,11 @@ void gemv_q8(const int n_out, const int k, const int y_base, const int row_a, co
 #endif
     }
 
-    float acc[WROWS];
+    // Each group's sums join 8-lane accumulators, s·(q·x per lane) + m·(x per lane), and the lanes are summed
+    // once after the last group: a sum of 8 lanes per group and row costs as much as the group's 32 products.
+    float8 acc8[WROWS];
     #pragma unroll
-    for (int r = 0; r < WROWS; ++r) acc[r] = 0.0f;
+    for (int r = 0; r < WROWS; ++r) acc8[r] = (float8)(0.0f);
 
     for (int g = lane; g < groups; g += LANES) {
         float8 dot[WROWS];
@@ -86,13 +88,15 @@ void gemv_q8(const int n_out, const int k, const int y_base, const int row_a, co
             #pragma unroll
             for (int r = 0; r < WROWS; ++r) dot[r] += CODES8(wrow[r], c) * xv;
         }
-        const float xs = SUM8(xsum);
         #pragma unroll
         for (int r = 0; r < WROWS; ++r) {
             const float2 sm = LOAD_PAIR(prow[r], g);
-            acc[r] += sm.x * SUM8(dot[r]) + sm.y * xs;
+            acc8[r] = dot[r] * sm.x + (xsum * sm.y + acc8[r]);   // two contracted multiply-adds
         }
     }
+    float acc[WROWS];
+    #pragma unroll
+    for (int r = 0; r < WROWS; ++r) acc[r] = SUM8(acc8[r]);
 
 #if LANES > 1
     // Tree reduction of the lanes' partial sums, one slot per (row, lane).

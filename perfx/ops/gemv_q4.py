@@ -41,7 +41,10 @@ def _rows_local_memory(p, s) -> int:
 
 
 def _staged_x_bytes(p, k: int) -> int:
-    """XS 1 stages x in local memory: K floats, K halfs (HALF), or K int8 and two floats per 32 (I8)."""
+    """XS 1 stages x in local memory: K floats, K halfs (HALF), or K int8 and two floats per 32 (I8); XS 3 K
+    floats in the codes' byte order."""
+    if p["XS"] == 3:
+        return 4 * k
     if p["XS"] != 1:
         return 0
     return k + k // 4 if p["I8"] else (2 if p["HALF"] else 4) * k
@@ -68,6 +71,11 @@ ROWS_LAYOUT = ParamSpace(
              lambda p, s: _accumulator_rows(p, s) <= 8),
         Rule("a subgroup reduction (SG 1) reduces whole subgroups of lanes along K: LANES ≥ 16",
              lambda p, s: p["SG"] == 0 or p["LANES"] >= 16),
+        # Each row holds two float8 (the group's products and the running sums): 64 lanes × 8 rows is more state
+        # than registers hold anywhere, and Intel's CPU compiler (2026.22) computes a wrong y there (right on
+        # PoCL and under Oclgrind).
+        Rule("64 lanes along K hold at most 4 rows of accumulators (ROWS ≤ 4, gate-up ≤ 2)",
+             lambda p, s: p["LANES"] < 64 or _accumulator_rows(p, s) <= 4),
         Rule("fp16 arithmetic is a GPU-class variant: with a subgroup reduction (SG 1)",
              lambda p, s: p["HALF"] == 0 or p["SG"] == 1),
         Rule("with a subgroup reduction 2 or 4 rows a work-item: 8 rows of texels, accumulators and fp16 sums "
@@ -92,7 +100,8 @@ INTERLEAVED_LAYOUT = ParamSpace(
         "SLICES": (1, 4),          # slices of K per 64-row work-group, meeting in local memory
         "ROWS": (4, 2),            # outputs per work-item, 64 rows apart: x serves at least two rows
         "READ": (0, 2),            # codes from a uint4 buffer (0) or its image1d_buffer view (2)
-        "XS": (0, 1, 2),           # x from global memory (0), local memory (1), subgroup broadcast (2)
+        "XS": (0, 1, 2, 3),        # x from global memory (0), local memory (1), subgroup broadcast (2), local
+                                   # memory in the codes' byte order (3)
         "HALF": (0, 1),            # fp16 dequantize-and-multiply within a group, fp32 across groups
         "I8": (0, 1),              # XS 1: x quantized to int8 per 32 in local memory, int16 products
         "SUBGROUP": (0, 8, 16, 64),  # required subgroup size (0: the driver's; 64 = Adreno's half wave)
@@ -100,6 +109,7 @@ INTERLEAVED_LAYOUT = ParamSpace(
     rules=(
         Rule("int8 activations (I8 1) are quantized once per work-group into local memory: XS 1, not fp16 "
              "(HALF 0)", lambda p, s: p["I8"] == 0 or (p["XS"] == 1 and p["HALF"] == 0)),
+        Rule("x in the codes' byte order (XS 3) is fp32: HALF 0", lambda p, s: p["XS"] != 3 or p["HALF"] == 0),
         Rule("a required subgroup size shapes the broadcast of x by lanes 0..7 (XS 2, ≥ 8 required there); "
              "without it, 0",
              lambda p, s: p["SUBGROUP"] >= 8 if p["XS"] == 2 else p["SUBGROUP"] == 0),

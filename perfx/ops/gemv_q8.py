@@ -32,7 +32,10 @@ PARAMS = ParamSpace(
         "ROWS": (4, 1, 2, 8),      # outputs per work-item (pairs for the gate-up epilogues)
     },
     rules=(Rule("gate-up holds gate and up rows: at most 8 rows of accumulators per work-item (ROWS ≤ 4)",
-                lambda p, s: _accumulator_rows(p, s) <= 8),),
+                lambda p, s: _accumulator_rows(p, s) <= 8),
+           # As gemv_q4's rows kernel: two float8 a row, and Intel's CPU compiler (2026.22) wrong at 64 × 8.
+           Rule("64 lanes along K hold at most 4 rows of accumulators (ROWS ≤ 4, gate-up ≤ 2)",
+                lambda p, s: p["LANES"] < 64 or _accumulator_rows(p, s) <= 4)),
     work_group_size=lambda p, s: p["LANES"],
     local_memory=lambda p, s: 4 * p["LANES"] * _accumulator_rows(p, s) if p["LANES"] > 1 else 0,
 )

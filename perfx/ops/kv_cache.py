@@ -120,10 +120,11 @@ class KVCache:
             yield from ((buffer, "scales") for buffer in piece)
 
     def fill(self, device: Device, value: float) -> None:
-        """Every position of every layer holding ``value`` (q8: code 1 times the fp16 scale ``value``)."""
+        """Every position of every layer holding ``value`` (q8: code 1 times the fp16 scale ``value``; 0: all
+        codes and scales 0)."""
         half = np.float16(value).view(np.uint16)
         for buffer, kind in self._buffers():
-            device.fill(buffer, np.int8(1) if self.form == "q8" and kind == "values" else half)
+            device.fill(buffer, np.int8(value != 0) if self.form == "q8" and kind == "values" else half)
 
     def clear(self, device: Device) -> None:
         """Zero every position (the model never reads a position it has not written; tests may)."""

@@ -311,6 +311,8 @@ SPEC = Spec(
         {"n_heads": 4, "n_kv_heads": 1, "head_dim": 64, "positions": 35, "qk_norm": True, "rotary_dims": 32,
          "softcap": 3.0, "window": 20, "scale": 0.2},
         {"n_heads": 2, "n_kv_heads": 1, "head_dim": 32, "positions": 9, "rotary_dims": 0},
+        # The int8 cache: its quantizing append and the dequantizing reads, across two partitions of 32.
+        {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "positions": 37, "kv": "q8"},
     ),
     flops=flops,
     describe=lambda s: (f"H={s['n_heads']} Hkv={s['n_kv_heads']} D={s['head_dim']} T={s['positions']}"

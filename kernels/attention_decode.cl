@@ -140,7 +140,8 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
 
     __local float q[GQA * HEAD_DIM];       // normalised, rotated, times scale
     __local ushort q_bits[HALF ? GQA * HEAD_DIM : 1];  // the same as half (HALF)
-    __local ushort fresh_bits[KV_Q8 ? 1 : 2 * HEAD_DIM];  // k' then v as fp16 ("__local half x[]" needs cl_khr_fp16)
+    // k' then v as fp16 ("__local half x[]" needs cl_khr_fp16)
+    __local ushort fresh_bits[KV_Q8 ? 1 : 2 * HEAD_DIM];
     __local float fresh_f[KV_Q8 ? 2 * HEAD_DIM : 1];      // KV_Q8: k' then v in fp32, to quantize
     __local char fresh_codes[KV_Q8 ? 2 * HEAD_DIM : 1];   // ... their codes
     __local ushort fresh_scale_bits[KV_Q8 ? 2 * HEAD_DIM / KV_BLOCK : 1];  // ... and their scales, fp16

@@ -64,7 +64,7 @@ def test_perplexity_with_an_int8_kv_cache(tiny, capsys):
     code, out, err = run_cli(capsys, *args, "--kv", "q8")
     assert code == 0, err
     result = json.loads(out)
-    assert "KV cache q8" in err
+    assert result["kv"] == "q8" and "KV cache q8" in err
     want_nll, want_count, _ = reference_nll(tiny["bos"], TEXT, 32, 3)
     assert result["scored"] == want_count and abs(result["nll"] - want_nll) <= 0.02
 

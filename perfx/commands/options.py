@@ -101,7 +101,7 @@ def speculator_from_args(args, model, tokenizer, log=None) -> Speculator | None:
         # Its context: the target's, or its own where that is shorter (it then drafts only that far).
         draft_model, draft_source = load_model(args.draft, model.device, None, args.quantize, log=log,
                                                default_ctx=model.max_positions, tuning=not args.no_tuning,
-                                               lm_head=args.lm_head, kv=model.kv)
+                                               lm_head=args.lm_head)
         check_same_vocabulary(tokenizer, draft_source.tokenizer, args.model, args.draft)
         draft = DraftModel(draft_model, args.draft)
     return Speculator(args.speculate, draft, args.draft_max, log=log)

@@ -17,6 +17,27 @@
 #define QK_NORM 0  // per-head RMSNorm of q and k before RoPE (set by the wrapper from the model, not tuned)
 #endif
 
+#ifndef KV_Q8
+#define KV_Q8 0  // an int8 KV cache, codes and fp16 scales per 32 (set by the wrapper from the cache, not tuned)
+#endif
+
+// The KV cache's element (perfx/ops/kv_cache.py): fp16 values, or int8 codes whose fp16 scales, one per
+// KV_BLOCK codes along a row, sit in buffers of their own at element index / KV_BLOCK.
+#define KV_BLOCK 32
+#if KV_Q8
+typedef char kv_t;
+#else
+typedef half kv_t;
+#endif
+
+// 1/d of a block whose largest magnitude is amax, d = amax/127 (0 for a block of zeros), by llama.cpp's q8_0
+// rule (ggml-quants.c quantize_row_q8_0_ref): codes round(x·(1/d)) (round: ties away from zero, as roundf)
+// from the fp32 d, which is stored as fp16.
+inline float q8_inverse(const float d)
+{
+    return d > 0.0f ? 1.0f / d : 0.0f;
+}
+
 // 1 / √(mean(x²) + eps) over the D values of one head's row x.
 inline float inverse_rms(const __global float* x, const float eps)
 {

@@ -17,7 +17,9 @@
 // PART positions, the arguments never.
 // Shapes: qkv float [q (H·D) | k (Hkv·D) | v (Hkv·D)] from element qkv_offset (the fused QKV GEMV);
 // out (H·D) float; keys / values half [layer][kv_head][pos][D] (perfx/ops/kv_cache.py), positions < p
-// already there; cos / sin (max_positions, n_rot/2) float; q_norm / k_norm (D) float (QK_NORM).
+// already there, or with KV_Q8 int8 codes in that layout and key_scales / value_scales half
+// [layer][kv_head][pos][D/32] (attention.h); cos / sin (max_positions, n_rot/2) float; q_norm / k_norm (D)
+// float (QK_NORM).
 // Query head h reads kv head h / GQA, GQA = H/Hkv. D = HEAD_DIM (even, a multiple of VW), GQA and QK_NORM
 // are build defines from the model; partials are [H][max_parts] (m, l) and [H][max_parts][D] (o), float.
 //
@@ -26,7 +28,10 @@
 // the GQA query heads that share its kv head, so each K/V element is read once. Work-groups of one launch
 // cannot wait for each other, so none reads row p from the cache: the one work-group per kv head whose
 // partition holds p (the last) writes the new k', v to the cache and uses them from local memory, rounded
-// to fp16 as the cache holds them (later tokens read the same values). fp32 arithmetic throughout, except
+// to fp16 as the cache holds them (later tokens read the same values). With KV_Q8 that work-group quantizes
+// the row (one work-item per block of 32: a few blocks a row) and keeps its codes and scales, so it too
+// attends to what later tokens will read; rows are dequantized as they are loaded, in fp32 (a VW vector of
+// codes lies within one block, so it takes one scale). fp32 arithmetic throughout, except
 // with HALF: the key rows are read as half vectors and q·k is formed in half (cl_khr_fp16) against a half
 // copy of the rotated q; softmax and the weighted V sums stay fp32.
 
@@ -61,11 +66,11 @@
 #if VW == 8
 typedef half8 halfV;
 #define LOADH vload8
-#define TO_FLOATV convert_float8
+#define TO_HALFV convert_half8
 #else
 typedef half4 halfV;
 #define LOADH vload4
-#define TO_FLOATV convert_float4
+#define TO_HALFV convert_half4
 #endif
 #endif
 
@@ -74,13 +79,25 @@ typedef float8 floatV;
 #define LOADV vload8
 #define STOREV vstore8
 #define LOADHV vload_half8
+#define TO_FLOATV convert_float8
 #define HSUM(x) hsum4((x).lo + (x).hi)
 #else
 typedef float4 floatV;
 #define LOADV vload4
 #define STOREV vstore4
 #define LOADHV vload_half4
+#define TO_FLOATV convert_float4
 #define HSUM(x) hsum4(x)
+#endif
+
+// Vector c of a K/V row as floats (LOAD_KV) and, for HALF's q·k, as halfs (LOAD_KH); scales: the row's
+// KV_BLOCK scales (KV_Q8), else not read. Rows in global or local memory alike.
+#if KV_Q8
+#define LOAD_KV(c, row, scales) (TO_FLOATV(LOADV(c, row)) * vload_half((c) * VW / KV_BLOCK, scales))
+#define LOAD_KH(c, row, scales) (TO_HALFV(LOADV(c, row)) * (half)vload_half((c) * VW / KV_BLOCK, scales))
+#else
+#define LOAD_KV(c, row, scales) LOADHV(c, row)
+#define LOAD_KH(c, row, scales) LOADH(c, row)
 #endif
 
 #define HALF_D (HEAD_DIM / 2)
@@ -102,7 +119,8 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
                        __global const float* restrict cos_table, __global const float* restrict sin_table,
                        const int n_rot, __global const float* restrict q_norm,
                        __global const float* restrict k_norm, const float eps,
-                       __global half* restrict keys, __global half* restrict values,
+                       __global kv_t* restrict keys, __global kv_t* restrict values,
+                       __global half* restrict key_scales, __global half* restrict value_scales,
                        const int layer_offset, const int max_positions,
                        __global const int* restrict positions, const int pos_index, const int max_parts,
                        __global float* restrict part_max, __global float* restrict part_sum,
@@ -122,11 +140,20 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
 
     __local float q[GQA * HEAD_DIM];       // normalised, rotated, times scale
     __local ushort q_bits[HALF ? GQA * HEAD_DIM : 1];  // the same as half (HALF)
-    __local ushort fresh_bits[2 * HEAD_DIM];  // k' then v as fp16 ("__local half x[]" needs cl_khr_fp16)
+    // k' then v as fp16 ("__local half x[]" needs cl_khr_fp16)
+    __local ushort fresh_bits[KV_Q8 ? 1 : 2 * HEAD_DIM];
+    __local float fresh_f[KV_Q8 ? 2 * HEAD_DIM : 1];      // KV_Q8: k' then v in fp32, to quantize
+    __local char fresh_codes[KV_Q8 ? 2 * HEAD_DIM : 1];   // ... their codes
+    __local ushort fresh_scale_bits[KV_Q8 ? 2 * HEAD_DIM / KV_BLOCK : 1];  // ... and their scales, fp16
     __local float work[WORK];
     __local float red[GQA * WGS];
     __local float stats[2 * GQA];          // the partition's max and sum per head
-    __local half* fresh = (__local half*)fresh_bits;
+#if KV_Q8
+    __local kv_t* fresh = fresh_codes;
+#else
+    __local kv_t* fresh = (__local half*)fresh_bits;
+#endif
+    __local half* fresh_scales = (__local half*)fresh_scale_bits;
 
     const __global float* q_in = qkv + qkv_offset + g * GQA * HEAD_DIM;
     const __global float* k_in = qkv + qkv_offset + (n_kv_heads * GQA + g) * HEAD_DIM;
@@ -176,29 +203,64 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
 #endif
     }
     const size_t head_base = (size_t)layer_offset + (size_t)g * max_positions * HEAD_DIM;
+    const size_t pos_row = head_base + (size_t)pos * HEAD_DIM;  // row p of kv head g
     if (holds_pos) {
         // The only writer of row p for kv head g: norm and RoPE on k, append k' and v, keep them in local
         // memory.
         const __global float* v_in = k_in + n_kv_heads * HEAD_DIM;
-        const size_t row = head_base + (size_t)pos * HEAD_DIM;
         for (int i = lid; i < HALF_D; i += WGS) {
             const int2 dims = pair_dims(i, n_rot);
             const float2 k = rope_pair(k_in, dims, INV_RMS(GQA), k_norm, cos_p, sin_p, n_rot);
+#if KV_Q8
+            fresh_f[dims.x] = k.x;
+            fresh_f[dims.y] = k.y;
+#else
             vstore_half(k.x, dims.x, fresh);
             vstore_half(k.y, dims.y, fresh);
-            vstore_half(k.x, row + dims.x, keys);
-            vstore_half(k.y, row + dims.y, keys);
+            vstore_half(k.x, pos_row + dims.x, keys);
+            vstore_half(k.y, pos_row + dims.y, keys);
+#endif
         }
         for (int i = lid; i < HEAD_DIM; i += WGS) {
             const float v = v_in[i];
+#if KV_Q8
+            fresh_f[HEAD_DIM + i] = v;
+#else
             vstore_half(v, HEAD_DIM + i, fresh);
-            vstore_half(v, row + i, values);
+            vstore_half(v, pos_row + i, values);
+#endif
         }
     }
     barrier(CLK_LOCAL_MEM_FENCE);
+#if KV_Q8
+    if (holds_pos) {
+        // Quantize k' (blocks 0..D/32−1) and v (the next D/32), one work-item a block.
+        for (int b = lid; b < 2 * HEAD_DIM / KV_BLOCK; b += WGS) {
+            const __local float* x = fresh_f + b * KV_BLOCK;
+            float amax = 0.0f;
+            for (int j = 0; j < KV_BLOCK; j++) {
+                amax = fmax(amax, fabs(x[j]));
+            }
+            const float d = amax / 127.0f;
+            const float inv = q8_inverse(d);
+            const int in_row = b % (HEAD_DIM / KV_BLOCK);
+            __global char* codes = (b < HEAD_DIM / KV_BLOCK ? keys : values) + pos_row + in_row * KV_BLOCK;
+            for (int j = 0; j < KV_BLOCK; j++) {
+                const char q = convert_char_sat(round(x[j] * inv));
+                codes[j] = q;
+                fresh_codes[b * KV_BLOCK + j] = q;
+            }
+            vstore_half(d, pos_row / KV_BLOCK + in_row, b < HEAD_DIM / KV_BLOCK ? key_scales : value_scales);
+            vstore_half(d, b, fresh_scales);
+        }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+#endif
 
     // Scores: one position per work-item at a time, all GQA heads from one read of the key row.
-    const __global half* k_part = keys + head_base + (size_t)first * HEAD_DIM;
+    const __global kv_t* k_part = keys + head_base + (size_t)first * HEAD_DIM;
+    // The partition's first row of scales (KV_Q8; never read otherwise).
+    const size_t scales_part = (head_base + (size_t)first * HEAD_DIM) / KV_BLOCK;
     float run_max[GQA];
     for (int h = 0; h < GQA; ++h) {
         run_max[h] = -INFINITY;
@@ -212,13 +274,15 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
         }
 #if HALF
         const __local half* qh = (const __local half*)q_bits;
-        const __global half* k_row = (holds_pos && t == count - 1) ? 0 : k_part + (size_t)t * HEAD_DIM;
+        const bool is_fresh = holds_pos && t == count - 1;
+        const __global kv_t* k_row = k_part + (size_t)t * HEAD_DIM;
+        const __global half* k_scales = key_scales + scales_part + t * (HEAD_DIM / KV_BLOCK);
         halfV dot[GQA];
         for (int h = 0; h < GQA; ++h) {
             dot[h] = (halfV)0.0h;
         }
         for (int c = 0; c < LANES; ++c) {
-            const halfV k = k_row ? LOADH(c, k_row) : LOADH(c, (const __local half*)fresh);
+            const halfV k = is_fresh ? LOAD_KH(c, fresh, fresh_scales) : LOAD_KH(c, k_row, k_scales);
             for (int h = 0; h < GQA; ++h) {
                 dot[h] = mad(LOADH(c, qh + h * HEAD_DIM), k, dot[h]);
             }
@@ -234,15 +298,16 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
         }
         if (holds_pos && t == count - 1) {
             for (int c = 0; c < LANES; ++c) {
-                const floatV k = LOADHV(c, fresh);
+                const floatV k = LOAD_KV(c, fresh, fresh_scales);
                 for (int h = 0; h < GQA; ++h) {
                     acc[h] += LOADV(c, q + h * HEAD_DIM) * k;
                 }
             }
         } else {
-            const __global half* k_row = k_part + (size_t)t * HEAD_DIM;
+            const __global kv_t* k_row = k_part + (size_t)t * HEAD_DIM;
+            const __global half* k_scales = key_scales + scales_part + t * (HEAD_DIM / KV_BLOCK);
             for (int c = 0; c < LANES; ++c) {
-                const floatV k = LOADHV(c, k_row);
+                const floatV k = LOAD_KV(c, k_row, k_scales);
                 for (int h = 0; h < GQA; ++h) {
                     acc[h] += LOADV(c, q + h * HEAD_DIM) * k;
                 }
@@ -322,13 +387,14 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
         o[h] = (floatV)0.0f;
     }
     if (row < ROWS) {
-        const __global half* v_part = values + head_base + (size_t)first * HEAD_DIM;
+        const __global kv_t* v_part = values + head_base + (size_t)first * HEAD_DIM;
         for (int t = row < lo ? row + (lo - row + ROWS - 1) / ROWS * ROWS : row; t < count; t += ROWS) {
             floatV v;
             if (holds_pos && t == count - 1) {
-                v = LOADHV(lane, fresh + HEAD_DIM);
+                v = LOAD_KV(lane, fresh + HEAD_DIM, fresh_scales + HEAD_DIM / KV_BLOCK);
             } else {
-                v = LOADHV(lane, v_part + (size_t)t * HEAD_DIM);
+                v = LOAD_KV(lane, v_part + (size_t)t * HEAD_DIM,
+                            value_scales + scales_part + t * (HEAD_DIM / KV_BLOCK));
             }
             for (int h = 0; h < GQA; ++h) {
                 o[h] += work[h * PART + t] * v;

@@ -7,7 +7,9 @@
 // Llama), W, the table and the norm weights are launch arguments, so one build serves every layer.
 // Shapes: qkv (M, (H + 2·Hkv)·D) float, each row [q (H·D) | k (Hkv·D) | v (Hkv·D)] (the fused QKV GEMM);
 // out (M, H·D) float; keys / values half [layer][kv_head][pos][D] (perfx/ops/kv_cache.py), positions
-// < p0 already there from earlier turns; cos / sin (max_positions, n_rot/2) float; q_norm / k_norm (D).
+// < p0 already there from earlier turns, or with KV_Q8 int8 codes in that layout and key_scales /
+// value_scales half [layer][kv_head][pos][D/32] (attention.h: kv_append quantizes each block of 32, the
+// attention dequantizes as it loads its tiles); cos / sin (max_positions, n_rot/2) float; q_norm / k_norm (D).
 // Query head h reads kv head h / (H/Hkv). D = HEAD_DIM is a build define, a multiple of 2·VW and of 8.
 //
 // The attention reads the keys the append writes, and work-groups of one launch cannot wait for each
@@ -54,14 +56,20 @@ typedef float8 floatVW;
 #define LOADVW vload8
 #define STOREVW vstore8
 #define LOADHVW vload_half8
+#define CONVERT_FLOATVW convert_float8
 #define HSUM(x) hsum4((x).lo + (x).hi)
 #else
 typedef float4 floatVW;
 #define LOADVW vload4
 #define STOREVW vstore4
 #define LOADHVW vload_half4
+#define CONVERT_FLOATVW convert_float4
 #define HSUM(x) hsum4(x)
 #endif
+
+// Vector i of a run of q8 K/V rows (KV_Q8) as floats: codes times their block's scale (a VW vector lies
+// within one block of 32); scales: the run's first row's.
+#define LOAD_Q8(i, codes, scales) (CONVERT_FLOATVW(LOADVW(i, codes)) * vload_half((i) * VW / KV_BLOCK, scales))
 
 #define DP (HEAD_DIM / DSPLIT)  // dimensions per work-item
 #define DV (DP / VW)            // vectors per work-item
@@ -93,13 +101,15 @@ inline float hsum4(const float4 x)
 
 // global (D/8, Hkv, M), local (D/8, 1, 1): a work-group per key row, each work-item normalises and rotates 8
 // of its elements and stores them with that row's values, as fp16 (vstore_half is core OpenCL; no cl_khr_fp16
-// needed). With QK_NORM the row's sum of squares meets in local memory.
+// needed), or with KV_Q8 as int8 codes: a block of 32 is four work-items' runs of 8, whose maxima meet in
+// local memory. With QK_NORM the row's sum of squares meets there too.
 __kernel void kv_append(const int p0, const int n_heads, const int n_kv_heads, const int max_positions,
                         const int layer_offset,
                         __global const float* restrict qkv, __global const float* restrict cos_table,
                         __global const float* restrict sin_table, const int n_rot,
                         __global const float* restrict k_norm, const float eps,
-                        __global half* restrict keys, __global half* restrict values)
+                        __global kv_t* restrict keys, __global kv_t* restrict values,
+                        __global half* restrict key_scales, __global half* restrict value_scales)
 {
     const int i = get_local_id(0);
     const int kvh = get_global_id(1);
@@ -128,8 +138,30 @@ __kernel void kv_append(const int p0, const int n_heads, const int n_kv_heads, c
         k[e] = rope_element(k_row, 8 * i + e, f, k_norm, cos_p, sin_p, n_rot);
     }
     const int dst = layer_offset + (kvh * max_positions + pos) * HEAD_DIM;
+#if KV_Q8
+    __local float maxima[2][HEAD_DIM / 8];
+    const float8 kx = vload8(0, k), vx = vload8(i, v_row);
+    const float4 k4 = fmax(fabs(kx.lo), fabs(kx.hi)), v4 = fmax(fabs(vx.lo), fabs(vx.hi));
+    maxima[0][i] = fmax(fmax(k4.s0, k4.s1), fmax(k4.s2, k4.s3));
+    maxima[1][i] = fmax(fmax(v4.s0, v4.s1), fmax(v4.s2, v4.s3));
+    barrier(CLK_LOCAL_MEM_FENCE);
+    const int first = i / (KV_BLOCK / 8) * (KV_BLOCK / 8);  // this block's first work-item
+    float k_max = 0.0f, v_max = 0.0f;
+    for (int j = first; j < first + KV_BLOCK / 8; j++) {
+        k_max = fmax(k_max, maxima[0][j]);
+        v_max = fmax(v_max, maxima[1][j]);
+    }
+    const float dk = k_max / 127.0f, dv = v_max / 127.0f;
+    vstore8(convert_char8_sat(round(kx * q8_inverse(dk))), i, keys + dst);
+    vstore8(convert_char8_sat(round(vx * q8_inverse(dv))), i, values + dst);
+    if (i == first) {
+        vstore_half(dk, (dst + 8 * i) / KV_BLOCK, key_scales);
+        vstore_half(dv, (dst + 8 * i) / KV_BLOCK, value_scales);
+    }
+#else
     vstore_half8(vload8(0, k), i, keys + dst);
     vstore_half8(vload8(i, v_row), i, values + dst);
+#endif
 }
 
 // global (ceil(M·group / WGS)·WGS·DSPLIT, Hkv), local (WGS·DSPLIT, 1). Row r of kv head kvh is token
@@ -142,7 +174,8 @@ void attention_prefill(const int m, const int p0, const int group, const int n_h
                        __global const float* restrict qkv, __global const float* restrict cos_table,
                        __global const float* restrict sin_table, const int n_rot,
                        __global const float* restrict q_norm, const float eps,
-                       __global const half* restrict keys, __global const half* restrict values,
+                       __global const kv_t* restrict keys, __global const kv_t* restrict values,
+                       __global const half* restrict key_scales, __global const half* restrict value_scales,
                        __global float* restrict out, const int window, const float softcap)
 {
     __local tile_t k_tile[BK * HEAD_DIM];
@@ -207,13 +240,19 @@ void attention_prefill(const int m, const int p0, const int group, const int n_h
         barrier(CLK_LOCAL_MEM_FENCE);  // every row is done with the previous tile
         // Positions past kv_len are zero-filled: the cache there may hold anything (NaN included), and
         // a masked weight of 0 times NaN would still be NaN.
+        const int tile_base = head_base + t0 * HEAD_DIM;
         for (int i = lid; i < BK * RV; i += WGS * DSPLIT) {
             const int j = t0 + i / RV;
 #if HALF
             halfVW k = (halfVW)0.0h, v = (halfVW)0.0h;
             if (j < kv_len) {
-                k = LOADTILE(i, keys + head_base + t0 * HEAD_DIM);
-                v = LOADTILE(i, values + head_base + t0 * HEAD_DIM);
+#if KV_Q8
+                k = TO_HALF(LOAD_Q8(i, keys + tile_base, key_scales + tile_base / KV_BLOCK));
+                v = TO_HALF(LOAD_Q8(i, values + tile_base, value_scales + tile_base / KV_BLOCK));
+#else
+                k = LOADTILE(i, keys + tile_base);
+                v = LOADTILE(i, values + tile_base);
+#endif
             }
 #if VW == 8
             vstore8(k, i, k_tile);
@@ -226,8 +265,13 @@ void attention_prefill(const int m, const int p0, const int group, const int n_h
             floatVW k = (floatVW)0.0f;
             floatVW v = (floatVW)0.0f;
             if (j < kv_len) {
-                k = LOADHVW(i, keys + head_base + t0 * HEAD_DIM);
-                v = LOADHVW(i, values + head_base + t0 * HEAD_DIM);
+#if KV_Q8
+                k = LOAD_Q8(i, keys + tile_base, key_scales + tile_base / KV_BLOCK);
+                v = LOAD_Q8(i, values + tile_base, value_scales + tile_base / KV_BLOCK);
+#else
+                k = LOADHVW(i, keys + tile_base);
+                v = LOADHVW(i, values + tile_base);
+#endif
             }
             STOREVW(k, i, k_tile);
             STOREVW(v, i, v_tile);

@@ -28,7 +28,7 @@ from perfx.formats import Q4Matrix, Q8Matrix
 from perfx.ops.gated_delta_net import DeltaState
 from perfx.ops.gemm_q4 import GemmQ4
 from perfx.ops.gemv_f16 import F16DeviceWeight
-from perfx.ops.kv_cache import KVCache, RopeTable
+from perfx.ops.kv_cache import KVCache, RopeTable, check_kv_form
 from perfx.ops.params import READ_NAMES
 from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight
 from perfx.ops.q8_weight import Q8DeviceWeight
@@ -140,8 +140,9 @@ class Model:
     """A decoder resident on one device: its weights, KV cache and run state, the kernel plan, the forward."""
 
     def __init__(self, config: ModelConfig, device: Device, max_positions: int, database: Database | None = None,
-                 log=None):
+                 log=None, kv: str = "f16"):
         self.config, self.device, self.max_positions = config, device, max_positions
+        self.kv = check_kv_form(kv, config.head_dim, "--kv")   # the KV cache's form: "f16" or "q8"
         self.database = database if database is not None else default_database()
         self.log = log or (lambda text: None)
         self.weights = DeviceWeights()
@@ -157,9 +158,10 @@ class Model:
 
     @classmethod
     def load(cls, source, device: Device, ctx: int | None = None, progress: bool | None = None,
-             default_ctx: int = DEFAULT_CTX, database: Database | None = None, log=None) -> Model:
+             default_ctx: int = DEFAULT_CTX, database: Database | None = None, log=None, kv: str = "f16") -> Model:
         """Upload ``source`` (a ``perfx.sources.ModelSource``) to ``device`` with a KV cache of ``ctx`` positions
-        (default: the model's context length, at most ``default_ctx``). Kernel parameters come from
+        (default: the model's context length, at most ``default_ctx``) in the form ``kv`` ("f16", or "q8": int8
+        codes and an fp16 scale per 32, ``perfx.ops.kv_cache``). Kernel parameters come from
         ``database`` (default: the user's and shipped tuning results; ``default_database(False)``: none);
         ``log`` receives one line for each tuned choice this driver refuses (the next one runs instead)."""
         c = source.config
@@ -169,12 +171,12 @@ class Model:
             raise PerfxError(f"--ctx must be at least 2, got {ctx}")
         if ctx > limit:
             raise PerfxError(f"--ctx {ctx} exceeds the model's context length {limit}")
-        model = cls(c, device, ctx, database, log)
+        model = cls(c, device, ctx, database, log, kv)
         started = time.perf_counter()
         bar = Progress(c.n_layers + 3, "loading", enabled=progress)
         first = source.layer(0)
         group = source.int4_group or (first.qkv.group if isinstance(first.qkv, Q4Matrix) else None)
-        model.plan = KernelPlan(c, device, ctx, model.database, model.log, group, source.weight_forms())
+        model.plan = KernelPlan(c, device, ctx, model.database, model.log, group, source.weight_forms(), model.kv)
         bar.update(note="kernels")
         embedding = source.embedding()
         model.weights.embedding = model._upload(embedding, "token embedding", role="embedding")
@@ -222,7 +224,7 @@ class Model:
         device.queue.finish()
         model.load_report = {
             "load_s": time.perf_counter() - started, "device_bytes": device.allocated_bytes,
-            "weight_bytes": model.weights.nbytes, "kv_cache_bytes": model.cache.nbytes,
+            "weight_bytes": model.weights.nbytes, "kv_cache_bytes": model.cache.nbytes, "kv": model.kv,
             "conv_state_bytes": model.history.nbytes if model.history is not None else 0,
             "recurrent_state_bytes": model.delta_state.nbytes if model.delta_state is not None else 0,
             "restore_points": len(points.buffers) if (points := model.restore_points) is not None else 0,
@@ -261,7 +263,8 @@ class Model:
         # convolutions, the delta state the delta layers' S (slot = its index among the layers of its kind).
         attention, convs, deltas = c.layers_of("attention"), c.layers_of("conv"), c.layers_of("delta")
         self.slot = {layer: i for kind in (attention, convs, deltas) for i, layer in enumerate(kind)}
-        self.cache = KVCache.allocate(d, max(len(attention), 1), c.n_kv_heads, self.max_positions, c.head_dim)
+        self.cache = KVCache.allocate(d, max(len(attention), 1), c.n_kv_heads, self.max_positions, c.head_dim,
+                                      self.kv)
         self.history = ConvHistory(d, len(convs), c.hidden_size) if convs else None
         self.delta_state = None
         if deltas:
@@ -606,9 +609,7 @@ class Model:
         differ, which no kernel's cost depends on)."""
         if not 0 <= pos < self.max_positions:
             raise PerfxError(f"fill_to: position {pos} is outside the context of {self.max_positions} positions")
-        for keys, values in self.cache.pieces:
-            for buffer in (keys, values):
-                self.device.fill(buffer, np.uint16(0x2E66))   # fp16 0.1 in every key and value
+        self.cache.fill(self.device, 0.1)
         if self.history is not None:
             self.device.fill(self.history.buffer, np.float32(0.1))
         if self.delta_state is not None:
@@ -697,13 +698,13 @@ def host_peak_bytes() -> int:
 
 def load_model(name: str | None = None, device: Device | str | None = None, ctx: int | None = None,
                quantize: str | None = None, progress: bool | None = None, log=None,
-               default_ctx: int = DEFAULT_CTX, tuning: bool = True, lm_head: str = "q8"):
+               default_ctx: int = DEFAULT_CTX, tuning: bool = True, lm_head: str = "q8", kv: str = "f16"):
     """Resolve ``name`` ("default", a path, "synthetic:<name>"), open it and load it on the device.
 
     Returns (model, source). ``log`` receives one-line progress notes (the CLI passes stderr's print).
     ``tuning`` False ignores every tuning database: the kernels run their built-in defaults. ``lm_head``
     ("q8", the default, or "fp16") is the form of the output projection and a tied embedding
-    (``perfx.sources.open_model``).
+    (``perfx.sources.open_model``). ``kv`` ("f16", the default, or "q8") is the KV cache's form (``Model.load``).
     """
     log = log or (lambda text: None)
     device = device if isinstance(device, Device) else Device(device)
@@ -712,7 +713,7 @@ def load_model(name: str | None = None, device: Device | str | None = None, ctx:
     log(f"perfx: model {source.describe().get('path', name)} on {device.caps.name} ({device.caps.platform}, "
         f"limits: {device.caps.limits}); {c.architecture}: {c.describe_recipe()}")
     model = Model.load(source, device, ctx=ctx, progress=progress, default_ctx=default_ctx,
-                       database=default_database(tuning), log=log)
+                       database=default_database(tuning), log=log, kv=kv)
     r = model.load_report
     conv = f", conv state {r['conv_state_bytes'] / 2**20:.1f} MiB" if r["conv_state_bytes"] else ""
     if r["recurrent_state_bytes"]:
@@ -721,6 +722,6 @@ def load_model(name: str | None = None, device: Device | str | None = None, ctx:
         conv += (f", {r['restore_points']} restore points of the recurrent state "
                  f"{r['restore_point_bytes'] / 2**20:.1f} MiB")
     log(f"perfx: loaded in {r['load_s']:.1f}s: {r['weight_bytes'] / 2**20:.0f} MiB of weights, "
-        f"{r['device_bytes'] / 2**20:.0f} MiB on the device (KV cache {r['kv_cache_bytes'] / 2**20:.0f} MiB "
+        f"{r['device_bytes'] / 2**20:.0f} MiB on the device (KV cache {r['kv']} {r['kv_cache_bytes'] / 2**20:.0f} MiB "
         f"for {r['ctx']} positions{conv}), host peak {r['host_peak_bytes'] / 2**20:.0f} MiB")
     return model, source

@@ -23,6 +23,7 @@ from perfx.ops.gemv_f16 import GemvF16
 from perfx.ops.gemv_q4 import GemvQ4
 from perfx.ops.gated_delta_net import GatedDeltaNetChunked, GatedDeltaNetRecurrent
 from perfx.ops.gemv_q8 import GemvQ8
+from perfx.ops.kv_cache import kv_shape
 from perfx.ops.params import READ_NAMES
 from perfx.ops.q4_weight import available_paths
 from perfx.ops.q8_weight import Q8DeviceWeight
@@ -43,8 +44,9 @@ class KernelPlan:
     ``prefill(m)`` and ``q8(...)`` on first use. ``tuned`` says where each choice came from."""
 
     def __init__(self, config: ModelConfig, device: Device, max_positions: int, database: Database, log,
-                 group: int | None, forms: dict | None = None):
+                 group: int | None, forms: dict | None = None, kv: str = "f16"):
         self.config, self.device, self.max_positions = config, device, max_positions
+        self.kv = kv   # the KV cache's form: part of the attention kernels' shapes
         self.database, self.log = database, log
         self._choose_decode(group, forms)
 
@@ -60,7 +62,7 @@ class KernelPlan:
         self.tuned: dict[str, object] = {}
         self.tuned_shapes: dict[str, dict] = {}   # the shape each entry of `tuned` was looked up by
         self._q8_ops: dict[tuple, object] = {}
-        problems, _ = model_problems(c, SPECS, group, forms)
+        problems, _ = model_problems(c, SPECS, group, forms, self.kv)
         self._problems = problems
         decode = {(p.family, label): p.shape for p in problems for label in p.label.split("+")
                   if p.family not in ("gemm_q4_skinny", "gemm_q4_tiled", "gemm_q4_f16", "attention_prefill")}
@@ -99,7 +101,8 @@ class KernelPlan:
             self.gate = self.choose("swiglu", {"count": c.intermediate_size}, "swiglu", lambda p: SwiGLU(d, p))
         self.softcap = (self.choose("softcap", softcap_shape(c), "final soft-cap", lambda p: Softcap(d, p))
                         if c.final_softcap else None)
-        attention = {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, **qk_norm(c)}
+        attention = {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, **qk_norm(c),
+                     **kv_shape(self.kv)}
         self.attn_decode = self.choose(
             "attention_decode", {**attention, "positions": self.max_positions}, "decode",
             lambda p: AttentionDecode(d, p, {**attention, "positions": self.max_positions}))
@@ -201,7 +204,7 @@ class KernelPlan:
             c = self.config
             shape = shapes.get(("attention_prefill", "attention"),
                                {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "m": rep,
-                                "p0": 0, **qk_norm(c)})
+                                "p0": 0, **qk_norm(c), **kv_shape(self.kv)})
             attention = self.choose("attention_prefill", shape, f"prefill, M≈{rep}",
                                      lambda p: AttentionPrefill(self.device, p, shape))
             self._prefill_ops[bucket] = (gemms, attention)

@@ -136,6 +136,34 @@ def quantize_activations_q8(x, block: int = 32) -> np.ndarray:
     return (np.rint(blocks * inv) * (amax / 127.0)).reshape(-1)
 
 
+KV_BLOCK = 32   # values per fp16 scale in an int8 KV cache row (llama.cpp's QK8_0)
+
+
+def quantize_kv_q8(x) -> tuple[np.ndarray, np.ndarray]:
+    """(codes int8, scales fp16) of x along its last axis in blocks of 32, by llama.cpp's q8_0 rule
+    (ggml-quants.c quantize_row_q8_0_ref, the rule of its q8_0 KV cache): d = max|x|/127, q = round(x/d)
+    with ties away from zero (roundf), d stored as fp16; a block of zeros has d = 0 and codes 0. In float64;
+    a block holding NaN gets a NaN scale (codes 0), so a cache row it fills reads back as NaN."""
+    x = f64(x)
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // KV_BLOCK, KV_BLOCK)
+    with np.errstate(invalid="ignore"):
+        amax = np.abs(blocks).max(axis=-1, keepdims=True)
+        d = amax / 127.0
+        q = np.divide(blocks, d, out=np.zeros_like(blocks), where=d > 0)
+        codes = np.where(np.isfinite(q), np.sign(q) * np.floor(np.abs(q) + 0.5), 0.0)
+    return codes.astype(np.int8).reshape(x.shape), d[..., 0].astype(np.float16)
+
+
+def dequantize_kv_q8(codes, scales) -> np.ndarray:
+    """x̂ = q·d in float64, each fp16 scale d over its block of 32 codes along the last axis."""
+    return f64(codes) * np.repeat(f64(scales), KV_BLOCK, axis=-1)
+
+
+def kv_q8(x) -> np.ndarray:
+    """x as an int8 KV cache holds it: quantized (``quantize_kv_q8``), then dequantized."""
+    return dequantize_kv_q8(*quantize_kv_q8(x))
+
+
 def gemv(w, x, bias=None) -> np.ndarray:
     """y (N) = W (N, K) · x (K) (+ bias)."""
     y = f64(w) @ f64(x)
@@ -257,6 +285,12 @@ def attention(q, k, v, q_positions, causal: bool = True, window: int = 0, scale:
         scores = np.where(visible[None], scores, -np.inf)
     return np.einsum("hmt,thd->mhd", softmax(scores, axis=-1), vh)
 
+
+
+def attention_kv_q8(q, k, v, q_positions, **features) -> np.ndarray:
+    """``attention`` over the keys and values an int8 KV cache holds: k and v quantized by ``quantize_kv_q8``
+    and dequantized in float64 before attending."""
+    return attention(q, kv_q8(k), kv_q8(v), q_positions, **features)
 
 # ---------------------------------------------------------------------------------------------
 # Gated DeltaNet (Qwen3.5 / Qwen3-Next linear attention), as llama.cpp computes it

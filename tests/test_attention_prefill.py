@@ -15,7 +15,8 @@ from perfx.tuning.attention_prefill import LAYER, SPEC
 from perfx.tuning.spec import relative_error
 
 # Every candidate on these test shapes (the plain first one, and Gemma 3's D = 256 with q/k norm: another
-# build of each set); a pairwise-covering subset on the others, whose builds repeat those variants.
+# build of each set); a pairwise-covering subset on the others, whose builds repeat those variants, and on the
+# int8 cache's shapes (every set on its first: tests/test_kv_q8.py, marked slow).
 FULL_SWEEP = (0, 2)
 
 

@@ -253,12 +253,14 @@ def test_ctrl_c_stops_a_reply_and_the_session_goes_on(tiny):
 # -- the cache stays true to the conversation ----------------------------------------------------------
 
 
-def test_cache_matches_a_fresh_prefill_after_interrupt_overflow_and_reuse(tiny, device):
+@pytest.mark.parametrize("kv", ["f16", "q8"])
+def test_cache_matches_a_fresh_prefill_after_interrupt_overflow_and_reuse(tiny, device, kv):
     from perfx.commands.chat import Chat
     from perfx.generate import SamplingConfig
     from perfx.model import load_model
 
-    model, source = load_model(tiny, device, ctx=160, progress=False)
+    model, source = load_model(tiny, device, ctx=160, progress=False, kv=kv)
+    assert model.cache.form == kv
     chat = Chat(model, source, SamplingConfig(temperature=0), 40, "Be kind.", interactive=False)
     pieces = []
 

@@ -155,6 +155,26 @@ def test_models_and_a_chat_that_continues_on_the_cache(loaded):
     assert not any("hello there" in line or json.dumps(choice.message.content) in line for line in srv.logs)
 
 
+def test_a_chat_continues_on_an_int8_kv_cache(tiny, opencl_device):
+    """--kv q8: the next turn of a conversation prefills only its new ids on the cached q8 positions, and the
+    logits it ends on are those of the whole conversation prefilled from nothing (as in test_chat.py)."""
+    model, source = load_model(tiny, opencl_device, progress=False, kv="q8")
+    tokenizer = source.tokenizer
+    with running_server(model, tokenizer) as srv:
+        client = srv.client()
+        first = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=12, temperature=0)
+        conversation = HELLO + [{"role": "assistant", "content": first.choices[0].message.content},
+                                {"role": "user", "content": "and then?"}]
+        second = client.chat.completions.create(model=MODEL, messages=conversation, max_tokens=1, temperature=0)
+        assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+        assert second.usage.prompt_tokens == len(chat_ids(tokenizer, conversation))
+    via_cache = model.logits()
+    model.prefill(chat_ids(tokenizer, conversation), 0)
+    fresh = model.logits()
+    assert np.abs(via_cache - fresh).max() <= 1e-2 * np.abs(fresh).max()
+    assert re.search(r"prompt \d+ \([1-9]\d* cached\)", srv.logs[1]), srv.logs
+
+
 def test_streamed_chat_and_text_completions(loaded):
     model, tokenizer = loaded
     with running_server(model, tokenizer) as srv:

@@ -3,7 +3,7 @@
 Shape keys: n_heads, n_kv_heads, head_dim, positions (the context after the append: the new token is at
 position positions − 1), optionally qkv_offset (where [q | k | v] starts in the qkv buffer) and the layer
 features of ``Features`` (qk_norm, which changes the build; rotary_dims, scale, softcap, window, per
-launch). Cases run at layer 1 of a two-layer cache, so the layer offset is exercised; ``rotate`` switches to
+launch) and kv ("q8": an int8 KV cache, which changes the build; absent: fp16). Cases run at layer 1 of a two-layer cache, so the layer offset is exercised; ``rotate`` switches to
 layer 0 for timing, so a cache larger than the device's caches is not served from them twice in a row.
 """
 
@@ -63,19 +63,76 @@ class Features:
 
 
 def describe_features(shape) -> str:
-    return "".join(f" {key}={shape[key]}" for key in FEATURE_KEYS if key in shape)
+    return "".join(f" {key}={shape[key]}" for key in FEATURE_KEYS + ("kv",) if key in shape)
+
+
+def as_stored(x, kv: str) -> np.ndarray:
+    """x (..., D) as a KV cache of form ``kv`` holds it, in float64: rounded to fp16, or quantized and
+    dequantized by the q8 rule (``reference.kv_q8``)."""
+    return reference.kv_q8(x) if kv == "q8" else reference.f64(x).astype(np.float16).astype(np.float64)
+
+
+def random_cache(rng, kv: str, shape: tuple) -> np.ndarray:
+    """Random keys or values as a cache of form ``kv`` holds them: fp16, or q8 values (codes times fp16
+    scales, exact in float32, so that ``KVCache.write`` stores them as they are)."""
+    x = as_stored(rng.standard_normal(shape, dtype=np.float32), kv)
+    return x.astype(np.float16 if kv == "f16" else np.float32)
+
+
+# How far from a rounding tie of the q8 rule a test's new keys and values are drawn, in codes (and for a scale,
+# in fp16 ulps): the kernels quantize values computed in fp32, the reference those computed in float64, and
+# the two differ by ~1e-5 of a code (127 codes × a few fp32 ulps), so with this margin both pick the same
+# codes and scales and a case compares them exactly, and out to the fp32 tolerance; drawn freely, about one
+# value in 10^5 would round the other way (one code: up to 1/127 of its block's largest value).
+TIE_MARGIN = 1e-3
+
+
+def near_q8_ties(x) -> np.ndarray:
+    """Where x (..., D) quantizes within TIE_MARGIN of a tie of ``reference.quantize_kv_q8``: a value whose
+    x/d lies that near n + 1/2, or the largest value of a block whose d lies that near halfway between two
+    fp16 values."""
+    x = reference.f64(x)
+    blocks = np.abs(x.reshape(*x.shape[:-1], -1, reference.KV_BLOCK))
+    amax = blocks.max(axis=-1, keepdims=True)
+    d = amax / 127.0
+    codes = blocks / np.where(d > 0, d, 1.0)
+    near = np.abs(codes - np.floor(codes) - 0.5) < TIE_MARGIN
+    _, exponent = np.frexp(d)                      # d in [2^(e−1), 2^e): its fp16 ulp is 2^(e−11)
+    ulps = d / np.ldexp(1.0, exponent - 11)
+    near |= (np.abs(ulps - np.floor(ulps) - 0.5) < TIE_MARGIN) & (blocks == amax)
+    return near.reshape(x.shape)
+
+
+def away_from_q8_ties(rng, qkv: np.ndarray, n_heads: int, n_kv_heads: int, head_dim: int, keys_of) -> None:
+    """Redraw, in place, the k and v elements of ``qkv`` (M, (H + 2·Hkv)·D) float32 whose new key (as
+    ``keys_of(qkv)`` makes it, (M, Hkv, D): normalised and rotated) or value lies near a q8 rounding tie
+    (``near_q8_ties``), until none does."""
+    q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
+    for _ in range(100):
+        near = np.concatenate([near_q8_ties(keys_of(qkv)).reshape(len(qkv), kv_dim),
+                               near_q8_ties(qkv[:, q_dim + kv_dim:])], axis=1)
+        if not near.any():
+            return
+        rows, columns = np.nonzero(near)
+        qkv[rows, q_dim + columns] = rng.standard_normal(len(rows), dtype=np.float32)
+    raise RuntimeError("could not draw keys and values away from the q8 rounding ties")
+
+
+def kv_value_bytes(shape) -> float:
+    """Bytes a cache of the shape's form holds per value: fp16, or an int8 code and 1/32 of an fp16 scale."""
+    return 1 + 2 / reference.KV_BLOCK if shape.get("kv") == "q8" else 2
 
 
 def kv_bytes(shape) -> int:
-    """Bytes of K and V (fp16) the attention reads: every position 0..p of every kv head."""
-    return 2 * 2 * shape["positions"] * shape["n_kv_heads"] * shape["head_dim"]
+    """Bytes of K and V the attention reads: every position 0..p of every kv head."""
+    return int(2 * kv_value_bytes(shape) * shape["positions"] * shape["n_kv_heads"] * shape["head_dim"])
 
 
 def bytes_moved(shape) -> int:
     # The partials ((D + 2) floats per head and partition, written once and read once) are left out:
     # under 1/PART·(H/Hkv)·4 of the K/V bytes.
     h, hkv, d = shape["n_heads"], shape["n_kv_heads"], shape["head_dim"]
-    return 4 * (h + 2 * hkv) * d + 2 * 2 * hkv * d + kv_bytes(shape) + 4 * h * d
+    return int(4 * (h + 2 * hkv) * d + 2 * kv_value_bytes(shape) * hkv * d + kv_bytes(shape) + 4 * h * d)
 
 
 def flops(shape) -> int:
@@ -85,29 +142,35 @@ def flops(shape) -> int:
 
 def make_case(device, shape, rng) -> Case:
     h, hkv, d, positions = (shape[k] for k in ("n_heads", "n_kv_heads", "head_dim", "positions"))
-    offset = shape.get("qkv_offset", 0)
+    offset, kv = shape.get("qkv_offset", 0), shape.get("kv", "f16")
     pos = positions - 1
     max_positions = positions + 3  # a few rows past the new one, which must stay untouched
     qkv = rng.standard_normal(offset + (h + 2 * hkv) * d, dtype=np.float32)
-    # The whole cache on the host: random fp16 in the rows before pos (earlier tokens) and in the other
-    # layer, NaN from pos on (the row the kernel must write and must not read back, and unused rows).
+    # The whole cache on the host: random values as the cache holds them in the rows before pos (earlier
+    # tokens) and in the other layer, NaN from pos on (the row the kernel must write and must not read back,
+    # and unused rows).
     host_cache = []
     for _ in range(2):
-        block = rng.standard_normal((LAYERS, hkv, max_positions, d), dtype=np.float32).astype(np.float16)
+        block = random_cache(rng, kv, (LAYERS, hkv, max_positions, d))
         block[LAYER, :, pos:] = np.nan
         host_cache.append(block)
-    cache = KVCache.allocate(device, LAYERS, hkv, max_positions, d)
+    cache = KVCache.allocate(device, LAYERS, hkv, max_positions, d, form=kv)
     features = Features.make(device, shape, max_positions, rng)
+    x = qkv[offset:]
+
+    def rotated_keys(row):
+        return features.apply(row[:, h * d: (h + hkv) * d].reshape(1, hkv, d), [pos], 1)
+    if kv == "q8":
+        away_from_q8_ties(rng, x.reshape(1, -1), h, hkv, d, rotated_keys)
     qkv_dev = device.upload(qkv)
     out = device.poisoned(h * d, np.float32)
 
-    # Expected, float64: norm and RoPE on q and k; k and v as the cache stores them (fp16), so the tolerance
-    # on out covers fp32 arithmetic and not fp16 storage.
-    x = qkv[offset:]
+    # Expected, float64: norm and RoPE on q and k; k and v as the cache stores them (fp16, or the q8 rule's
+    # codes and scales), so the tolerance on out covers fp32 arithmetic and not the storage.
     q = features.apply(x[: h * d].reshape(1, h, d), [pos], 0)
-    k = features.apply(x[h * d: (h + hkv) * d].reshape(1, hkv, d), [pos], 1)
-    k16 = k.astype(np.float16).astype(np.float64)
-    v16 = x[(h + hkv) * d:].reshape(1, hkv, d).astype(np.float16).astype(np.float64)
+    k = rotated_keys(x.reshape(1, -1))
+    k16 = as_stored(k, kv)
+    v16 = as_stored(x[(h + hkv) * d:].reshape(1, hkv, d), kv)
     keys = np.concatenate([host_cache[0][LAYER, :, :pos].transpose(1, 0, 2).astype(np.float64), k16])
     values = np.concatenate([host_cache[1][LAYER, :, :pos].transpose(1, 0, 2).astype(np.float64), v16])
     expected = {
@@ -155,7 +218,7 @@ def heads(st):
 
 def layer_features(st, head_dim: int):
     """Any of the per-layer features of ``Features``: q/k norm, partial or no RoPE, a scale, a soft-cap, a
-    window."""
+    window; and an int8 KV cache where the head is whole blocks of 32."""
     @st.composite
     def draw_features(draw):
         out = {}
@@ -172,6 +235,8 @@ def layer_features(st, head_dim: int):
             out["softcap"] = draw(st.sampled_from([1.0, 3.0, 50.0]))
         if draw(st.booleans()):
             out["window"] = draw(st.integers(1, 80))
+        if head_dim % 32 == 0 and draw(st.booleans()):
+            out["kv"] = "q8"
         return out
     return draw_features()
 
@@ -186,6 +251,15 @@ def fuzz_shapes(st):
     return shape()
 
 
+# The int8 cache at GQA 1, 3, 4 and 8 and head_dim 64, 128 and 256, at positions just past a partition of
+# each PART (32, 128, 256) or within the first; the last with the q/k norm and a window (Qwen3-like layers).
+Q8_TEST_SHAPES = (
+    {"n_heads": 4, "n_kv_heads": 4, "head_dim": 64, "positions": 33, "kv": "q8"},
+    {"n_heads": 9, "n_kv_heads": 3, "head_dim": 128, "positions": 129, "qkv_offset": 3, "kv": "q8"},
+    {"n_heads": 8, "n_kv_heads": 2, "head_dim": 256, "positions": 257, "kv": "q8"},
+    {"n_heads": 8, "n_kv_heads": 1, "head_dim": 128, "positions": 20, "qk_norm": True, "window": 12, "kv": "q8"},
+)
+
 SPEC = Spec(
     params=PARAMS,
     make_case=make_case,
@@ -196,7 +270,10 @@ SPEC = Spec(
         "the max); values are rounded identically (exact). out is compared with attention over the fp16 "
         "K/V the cache holds, so it carries fp32 arithmetic (measured ≤ 1e-6 on the test shapes) plus the "
         "effect of those rare key flips through q·k/√D (< 1e-4). tests/test_attention_decode.py also "
-        "checks out at 1e-5 against attention over the rows the kernel stored."
+        "checks out at 1e-5 against attention over the rows the kernel stored. kv=q8: the new k and v are drawn "
+        "away from the q8 rule's rounding ties (TIE_MARGIN), so the stored codes and scales equal the float64 "
+        "rule's and keys and values compare exactly (as codes × scales); out is compared with attention over "
+        "the dequantized cache, so it carries fp32 arithmetic only, as for fp16."
     ),
     variant_tolerances={"HALF": (5e-3, (
         "HALF = 1: q·k in half: q rounds to half (≤ u = 2⁻¹¹ of each value; the keys are fp16 already) and "
@@ -221,6 +298,7 @@ SPEC = Spec(
         {"n_heads": 8, "n_kv_heads": 1, "head_dim": 64, "positions": 256, "rotary_dims": 0},
         {"n_heads": 4, "n_kv_heads": 4, "head_dim": 64, "positions": 70, "rotary_dims": 32, "qk_norm": True,
          "softcap": 3.0, "window": 40, "scale": 0.2},
+        *Q8_TEST_SHAPES,
     ),
     bytes_moved=bytes_moved,
     reference=reference.attention,
@@ -233,6 +311,8 @@ SPEC = Spec(
         {"n_heads": 4, "n_kv_heads": 1, "head_dim": 64, "positions": 35, "qk_norm": True, "rotary_dims": 32,
          "softcap": 3.0, "window": 20, "scale": 0.2},
         {"n_heads": 2, "n_kv_heads": 1, "head_dim": 32, "positions": 9, "rotary_dims": 0},
+        # The int8 cache: its quantizing append and the dequantizing reads, across two partitions of 32.
+        {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "positions": 37, "kv": "q8"},
     ),
     flops=flops,
     describe=lambda s: (f"H={s['n_heads']} Hkv={s['n_kv_heads']} D={s['head_dim']} T={s['positions']}"

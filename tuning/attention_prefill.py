@@ -2,8 +2,8 @@
 
 Shape keys: n_heads, n_kv_heads, head_dim, m (prompt tokens), p0 (first position; positions < p0 are
 already in the cache), optionally the layer features of ``perfx.tuning.attention_decode.Features`` (qk_norm,
-which changes the build; rotary_dims, scale, softcap, window, per launch). Cases run at layer 1 of a
-two-layer cache, so the layer offset is exercised.
+which changes the build; rotary_dims, scale, softcap, window, per launch) and kv ("q8": an int8 KV cache,
+which changes the build). Cases run at layer 1 of a two-layer cache, so the layer offset is exercised.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import numpy as np
 from perfx import reference
 from perfx.ops.attention_prefill import PARAMS, AttentionPrefill
 from perfx.ops.kv_cache import KVCache
-from perfx.tuning.attention_decode import LAYER, LAYERS, Features, describe_features, heads, layer_features
+from perfx.tuning.attention_decode import (LAYER, LAYERS, Features, as_stored, away_from_q8_ties, describe_features,
+                                           heads, kv_value_bytes, layer_features, random_cache)
 from perfx.tuning.spec import Case, Spec, cached_per_params
 
 
@@ -31,9 +32,10 @@ def flops(shape) -> int:
 def bytes_moved(shape) -> int:
     h, hkv, d, m, p0 = (shape[k] for k in ("n_heads", "n_kv_heads", "head_dim", "m", "p0"))
     qkv = 4 * m * (h + 2 * hkv) * d
-    appended = 2 * 2 * m * hkv * d          # k and v written as fp16
-    cache_read = 2 * 2 * (p0 + m) * hkv * d  # every K/V row read at least once
-    return qkv + appended + cache_read + 4 * m * h * d
+    value = kv_value_bytes(shape)
+    appended = 2 * value * m * hkv * d          # k and v written as the cache holds them
+    cache_read = 2 * value * (p0 + m) * hkv * d  # every K/V row read at least once
+    return int(qkv + appended + cache_read + 4 * m * h * d)
 
 
 def fuzz_shapes(st):
@@ -47,27 +49,33 @@ def fuzz_shapes(st):
 
 def make_case(device, shape, rng) -> Case:
     h, hkv, d, m, p0 = (shape[k] for k in ("n_heads", "n_kv_heads", "head_dim", "m", "p0"))
+    kv = shape.get("kv", "f16")
     max_positions = p0 + m + 3  # a few rows past the prompt, which must stay untouched
     qkv = rng.standard_normal((m, (h + 2 * hkv) * d)).astype(np.float32)
-    # The whole cache on the host: random fp16 in every row before p0 (earlier turns) and in the other
-    # layer, NaN from p0 on (rows the append must write, or that must stay unread).
+    # The whole cache on the host: random values as the cache holds them in every row before p0 (earlier
+    # turns) and in the other layer, NaN from p0 on (rows the append must write, or that must stay unread).
     host_cache = []
     for _ in range(2):
-        block = rng.standard_normal((LAYERS, hkv, max_positions, d)).astype(np.float16)
+        block = random_cache(rng, kv, (LAYERS, hkv, max_positions, d))
         block[LAYER, :, p0:] = np.nan
         host_cache.append(block)
-    cache = KVCache.allocate(device, LAYERS, hkv, max_positions, d)
+    cache = KVCache.allocate(device, LAYERS, hkv, max_positions, d, form=kv)
     features = Features.make(device, shape, max_positions, rng)
+    positions = np.arange(p0, p0 + m)
+
+    def rotated_keys(rows):
+        return features.apply(rows[:, h * d: (h + hkv) * d].reshape(m, hkv, d), positions, 1)
+    if kv == "q8":
+        away_from_q8_ties(rng, qkv, h, hkv, d, rotated_keys)
     qkv_dev = device.upload(qkv)
     out = device.poisoned((m, h * d), np.float32)
 
-    # Expected, float64: norm and RoPE on q and k; k and v as the cache stores them (fp16), so the tolerance
-    # covers fp32 arithmetic and not fp16 storage.
-    positions = np.arange(p0, p0 + m)
+    # Expected, float64: norm and RoPE on q and k; k and v as the cache stores them (fp16, or the q8 rule's
+    # codes and scales), so the tolerance covers fp32 arithmetic and not the storage.
     q = features.apply(qkv[:, : h * d].reshape(m, h, d), positions, 0)
-    k = features.apply(qkv[:, h * d: (h + hkv) * d].reshape(m, hkv, d), positions, 1)
-    k16 = k.astype(np.float16).astype(np.float64)
-    v16 = qkv[:, (h + hkv) * d:].reshape(m, hkv, d).astype(np.float16).astype(np.float64)
+    k = rotated_keys(qkv)
+    k16 = as_stored(k, kv)
+    v16 = as_stored(qkv[:, (h + hkv) * d:].reshape(m, hkv, d), kv)
     keys = np.concatenate([host_cache[0][LAYER, :, :p0].transpose(1, 0, 2).astype(np.float64), k16])
     values = np.concatenate([host_cache[1][LAYER, :, :p0].transpose(1, 0, 2).astype(np.float64), v16])
     expected = {
@@ -94,6 +102,15 @@ def make_case(device, shape, rng) -> Case:
     return case
 
 
+# The int8 cache at GQA 1, 3, 4 and 8 and head_dim 64, 128 and 256, on prompts that end past a tile (BK 8..64,
+# WGS rows of (token, head)) after cached positions; the last with the q/k norm and a window.
+Q8_TEST_SHAPES = (
+    {"n_heads": 6, "n_kv_heads": 2, "head_dim": 64, "m": 7, "p0": 5, "kv": "q8"},
+    {"n_heads": 4, "n_kv_heads": 1, "head_dim": 128, "m": 33, "p0": 0, "kv": "q8"},
+    {"n_heads": 8, "n_kv_heads": 1, "head_dim": 256, "m": 9, "p0": 8, "kv": "q8"},
+    {"n_heads": 3, "n_kv_heads": 3, "head_dim": 128, "m": 19, "p0": 17, "qk_norm": True, "window": 20, "kv": "q8"},
+)
+
 SPEC = Spec(
     params=PARAMS,
     make_case=make_case,
@@ -104,7 +121,10 @@ SPEC = Spec(
         "the max; measured ≤ 4e-4, in ~1 element of 7000); values are rounded identically (exact). out is "
         "compared with attention over the fp16 K/V the reference rounds, so it carries fp32 arithmetic "
         "(~2e-7 measured on the small shapes) plus those key flips through q·k/√D (≤ 3.5e-5 measured at "
-        "m = 300): 1e-3 leaves a margin of 30× and still catches a causal mask off by one (> 1e-2)."
+        "m = 300): 1e-3 leaves a margin of 30× and still catches a causal mask off by one (> 1e-2). kv=q8: the "
+        "new k and v are drawn away from the q8 rule's rounding ties (attention_decode.TIE_MARGIN), so the "
+        "appended codes and scales equal the float64 rule's (keys and values compare exactly, as codes × "
+        "scales) and out, against attention over the dequantized cache, carries fp32 arithmetic only."
     ),
     variant_tolerances={"HALF": (5e-3, (
         "HALF = 1: q·k in half: q rounds to half (≤ u = 2⁻¹¹ of each value; the keys are fp16 already) and "
@@ -126,6 +146,7 @@ SPEC = Spec(
         {"n_heads": 8, "n_kv_heads": 1, "head_dim": 64, "m": 17, "p0": 0, "rotary_dims": 0},
         {"n_heads": 4, "n_kv_heads": 4, "head_dim": 64, "m": 41, "p0": 24, "rotary_dims": 32, "qk_norm": True,
          "softcap": 3.0, "window": 30, "scale": 0.2},
+        *Q8_TEST_SHAPES,
     ),
     bytes_moved=bytes_moved,
     reference=reference.attention,
@@ -135,6 +156,7 @@ SPEC = Spec(
         {"n_heads": 4, "n_kv_heads": 1, "head_dim": 64, "m": 5, "p0": 3, "qk_norm": True, "rotary_dims": 32,
          "softcap": 3.0, "window": 4, "scale": 0.2},
         {"n_heads": 2, "n_kv_heads": 1, "head_dim": 32, "m": 3, "p0": 0, "rotary_dims": 0},
+        {"n_heads": 4, "n_kv_heads": 1, "head_dim": 64, "m": 5, "p0": 3, "kv": "q8"},   # the int8 cache
     ),
     flops=flops,
     describe=lambda s: (f"H={s['n_heads']} Hkv={s['n_kv_heads']} D={s['head_dim']} m={s['m']} p0={s['p0']}"

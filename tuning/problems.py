@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass
 
 from perfx.ops.epilogue import gate_up_epilogue
+from perfx.ops.kv_cache import kv_shape
 from perfx.sources import open_named
 from perfx.sources.base import Form
 from perfx.tuning.database import M_BUCKETS, bucket_representative
@@ -151,7 +152,7 @@ def _table_forms(config, label: str, fixed: int | None, forms: dict | None) -> l
     return out
 
 
-def _decode(config, fixed: int | None, forms: dict | None = None) -> list[Problem]:
+def _decode(config, fixed: int | None, forms: dict | None = None, kv: str = "f16") -> list[Problem]:
     c, out = config, []
     for label, n, k, epilogue, bias, layers in _linears(c):
         for form in _linear_forms(c, label, k, fixed, forms):
@@ -169,7 +170,8 @@ def _decode(config, fixed: int | None, forms: dict | None = None) -> list[Proble
     for positions in DECODE_POSITIONS:
         positions = min(positions, c.max_positions)
         out.append(Problem("attention_decode", {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
-                                                "head_dim": c.head_dim, "positions": positions, **qk_norm(c)},
+                                                "head_dim": c.head_dim, "positions": positions, **qk_norm(c),
+                                                **kv_shape(kv)},
                            "attention", attention))
     out.append(Problem("rmsnorm", {"m": 1, "k": c.hidden_size, "residual": True}, "norm", 2 * c.n_layers + 1))
     if c.post_norms:   # Gemma's sandwich norms: the post-norm + residual + next pre-norm launch
@@ -189,7 +191,7 @@ def _decode(config, fixed: int | None, forms: dict | None = None) -> list[Proble
     return out
 
 
-def _prefill(config, fixed: int | None, forms: dict | None = None) -> list[Problem]:
+def _prefill(config, fixed: int | None, forms: dict | None = None, kv: str = "f16") -> list[Problem]:
     c, out = config, []
     for bucket in range(len(M_BUCKETS)):
         m = bucket_representative(bucket)
@@ -208,7 +210,8 @@ def _prefill(config, fixed: int | None, forms: dict | None = None) -> list[Probl
             out.append(Problem("gated_delta_net_chunked", delta_shape(c, m), "delta", len(c.layers_of("delta"))))
         if m > 1:
             out.append(Problem("attention_prefill", {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
-                                                     "head_dim": c.head_dim, "m": m, "p0": 0, **qk_norm(c)},
+                                                     "head_dim": c.head_dim, "m": m, "p0": 0, **qk_norm(c),
+                                                     **kv_shape(kv)},
                                "attention", len(c.layers_of("attention"))))
             out.append(Problem("rmsnorm", {"m": m, "k": c.hidden_size, "residual": True}, "norm",
                                2 * c.n_layers + 1))
@@ -230,18 +233,19 @@ def _fits(spec, shape: dict) -> str | None:
     return None
 
 
-def model_problems(config, families: dict, group: int | None = None,
-                   forms: dict | None = None) -> tuple[list[Problem], list[str]]:
+def model_problems(config, families: dict, group: int | None = None, forms: dict | None = None,
+                   kv: str = "f16") -> tuple[list[Problem], list[str]]:
     """Every (family, shape) the model runs for the given specs, and notes on what was left out.
 
     ``families`` maps family name to spec (``perfx.tuning.SPECS`` or a selection of it). Duplicate
     shapes (the same matrix used twice) are merged, their labels joined. ``forms`` (``ModelSource.weight_forms``)
     gives each matrix role's device forms; without it, ``group`` fixes the int4 group size (None: chosen
-    per K as quantize-on-load does), the lm_head is taken as int8 (the default) or fp16.
+    per K as quantize-on-load does), the lm_head is taken as int8 (the default) or fp16. ``kv``: the KV
+    cache's form ("f16" or "q8"), part of the attention kernels' shapes.
     """
     merged: dict[tuple, Problem] = {}
     notes, skipped = [], set()
-    for problem in _decode(config, group, forms) + _prefill(config, group, forms):
+    for problem in _decode(config, group, forms, kv) + _prefill(config, group, forms, kv):
         spec = families.get(problem.family)
         if spec is None:
             continue
@@ -266,11 +270,12 @@ def model_problems(config, families: dict, group: int | None = None,
 
 
 def problems_for(model: str | None, families: dict, max_m: int | None = None,
-                 lm_head: str = "q8") -> tuple[list[Problem], list[str]]:
+                 lm_head: str = "q8", kv: str = "f16") -> tuple[list[Problem], list[str]]:
     """The problems of a ``--model`` value for the chosen families, the prefill path only up to ``max_m``,
-    with the lm_head in the form ``lm_head`` gives it (``perfx.sources.open_model``)."""
+    with the lm_head in the form ``lm_head`` gives it (``perfx.sources.open_model``) and a KV cache of form
+    ``kv``."""
     source = open_named(model, lm_head=lm_head)
-    problems, notes = model_problems(source.config, families, source.int4_group, source.weight_forms())
+    problems, notes = model_problems(source.config, families, source.int4_group, source.weight_forms(), kv)
     if max_m is not None:
         problems = [p for p in problems if p.shape.get("m", 1) <= max_m]
     return problems, notes

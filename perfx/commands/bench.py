@@ -157,26 +157,28 @@ def measure_e2e(model, prompt_tokens: int = 64, decode_tokens: int = 32, seed: i
             "weight_bytes": model.weight_bytes, "device_bytes": report["device_bytes"],
             "device_peak_bytes": model.device.peak_allocated_bytes, "host_peak_bytes": report["host_peak_bytes"],
             "load_s": report["load_s"], "ctx": report["ctx"], "depth": depth,
-            "kv_cache_bytes": report["kv_cache_bytes"], "conv_state_bytes": report.get("conv_state_bytes", 0),
+            "kv": report["kv"], "kv_cache_bytes": report["kv_cache_bytes"],
+            "conv_state_bytes": report.get("conv_state_bytes", 0),
             "recurrent_state_bytes": report.get("recurrent_state_bytes", 0),
             "restore_points": report.get("restore_points", 0),
             "restore_point_bytes": report.get("restore_point_bytes", 0)}
 
 
 def run_e2e(device, model_name: str, prompt_tokens: int = 64, decode_tokens: int = 32, ctx: int | None = None,
-            tuning: bool = True, lm_head: str = "q8", at_end: bool = False) -> dict:
-    """Load ``model_name`` on ``device`` and measure it end to end (``measure_e2e``; ``at_end``: at the end of
-    a cache of ``ctx`` positions)."""
+            tuning: bool = True, lm_head: str = "q8", at_end: bool = False, kv: str = "f16") -> dict:
+    """Load ``model_name`` on ``device`` with a KV cache of form ``kv`` and measure it end to end
+    (``measure_e2e``; ``at_end``: at the end of a cache of ``ctx`` positions)."""
     device.peak_allocated_bytes = device.allocated_bytes  # the model's peak, not earlier benchmarks'
     model, _ = load_model(model_name, device, ctx=ctx, progress=None, default_ctx=1024, tuning=tuning,
-                          lm_head=lm_head)
+                          lm_head=lm_head, kv=kv)
     return {"model": model_name, **measure_e2e(model, prompt_tokens, decode_tokens, at_end=at_end)}
 
 
-def e2e_vs_defaults(device, model_name: str, rounds: int, prompt_tokens: int = 64, decode_tokens: int = 32) -> dict:
+def e2e_vs_defaults(device, model_name: str, rounds: int, prompt_tokens: int = 64, decode_tokens: int = 32,
+                    kv: str = "f16") -> dict:
     """The model with tuning on and off, both loaded, measured end to end in interleaved shuffled rounds:
     decode and prefill tok/s of each, and tuned/defaults with its 95% bootstrap interval."""
-    models = [load_model(model_name, device, progress=None, default_ctx=1024, tuning=tuning)[0]
+    models = [load_model(model_name, device, progress=None, default_ctx=1024, tuning=tuning, kv=kv)[0]
               for tuning in (True, False)]
     measure_e2e(models[0], 8, 4), measure_e2e(models[1], 8, 4)  # build every kernel before timing
     runs = interleaved(lambda model: measure_e2e(model, prompt_tokens, decode_tokens), models, rounds)
@@ -200,8 +202,8 @@ def e2e_lines(e2e: dict, copy_gb_s: float) -> list[str]:
         f"  decode {e2e['decode_tok_s']:.2f} tok/s = {e2e['decode_gb_s']:.2f} GB/s of weights "
         f"({100 * e2e['decode_gb_s'] / copy_gb_s:.0f}% of copy), host {e2e['host_ms_per_token']:.2f} ms/token",
         f"  memory: device {e2e['device_bytes'] / mib:.0f} MiB (peak {e2e['device_peak_bytes'] / mib:.0f} MiB; "
-        f"KV cache {e2e['kv_cache_bytes'] / mib:.0f} MiB" + (f", conv state {e2e['conv_state_bytes'] / mib:.1f} MiB"
-                                                           if e2e["conv_state_bytes"] else "")
+        f"KV cache {e2e['kv']} {e2e['kv_cache_bytes'] / mib:.0f} MiB"
+        + (f", conv state {e2e['conv_state_bytes'] / mib:.1f} MiB" if e2e["conv_state_bytes"] else "")
         + (f", recurrent state {e2e['recurrent_state_bytes'] / mib:.1f} MiB" if e2e["recurrent_state_bytes"] else "")
         + (f", {e2e['restore_points']} restore points {e2e['restore_point_bytes'] / mib:.1f} MiB"
            if e2e.get("restore_points") else "")
@@ -220,7 +222,7 @@ def main(args) -> int:
     device = Device(args.device)
     database = default_database(not args.no_tuning)
     families = select_specs(args.kernels)
-    problems, notes = problems_for(args.model, families, args.max_m, args.lm_head)
+    problems, notes = problems_for(args.model, families, args.max_m, args.lm_head, args.kv)
     print(f"perfx bench on {device.caps.platform} / {device.caps.name} (limits: {device.caps.limits}), "
           f"{len(problems)} kernel shapes of {args.model}" + ("" if database.enabled else ", tuning off"),
           file=sys.stderr)
@@ -236,9 +238,9 @@ def main(args) -> int:
             progress.update(note=f"{problem.family} {rows[-1]['description']}")
     e2e = None
     if args.e2e:
-        e2e = (e2e_vs_defaults(device, args.model, args.rounds) if args.vs_defaults
+        e2e = (e2e_vs_defaults(device, args.model, args.rounds, kv=args.kv) if args.vs_defaults
                else run_e2e(device, args.model, tuning=database.enabled, lm_head=args.lm_head, ctx=args.ctx,
-                            at_end=args.ctx is not None))
+                            at_end=args.ctx is not None, kv=args.kv))
     failed = [r for r in rows if "unsupported" not in r and (r.get("failure") or not r.get("verified", False))]
 
     if args.json:

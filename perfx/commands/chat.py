@@ -288,7 +288,7 @@ class Chat:
         else:
             rows.append(("replies", "none yet"))
         rows.append(("memory", f"{report.get('device_bytes', 0) / mib:.0f} MiB on the device (weights "
-                               f"{report.get('weight_bytes', 0) / mib:.0f} MiB, KV cache "
+                               f"{report.get('weight_bytes', 0) / mib:.0f} MiB, KV cache {report.get('kv', 'f16')} "
                                f"{report.get('kv_cache_bytes', 0) / mib:.0f} MiB), host peak "
                                f"{host_peak_bytes() / mib:.0f} MiB"))
         return "\n".join(f"  {key:10} {value}" for key, value in rows)

@@ -33,6 +33,7 @@ def add_model_options(parser, ctx: bool = True):
     parser.add_argument("--quantize", choices=["q4"], help="quantize fp16 weights to 4 bits on load (round to "
                                                            "nearest, group 128): a quick try of an fp16 checkpoint")
     add_lm_head_option(parser)
+    add_kv_option(parser)
     add_no_tuning_option(parser)
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="also print the compiler's output for every kernel built (by default only a build "
@@ -48,6 +49,15 @@ def add_lm_head_option(parser):
     parser.add_argument("--lm-head", choices=["q8", "fp16"], default="q8", help=LM_HEAD_HELP)
 
 
+KV_HELP = ("the KV cache's form: f16 (fp16 keys and values) or q8 (llama.cpp's q8_0: int8 codes with an fp16 "
+           "scale per 32, 1.06 bytes a value: about half the memory, and half the bytes a decode step reads at long "
+           "contexts, for a small loss of accuracy; needs head_dim a multiple of 32). Default: %(default)s")
+
+
+def add_kv_option(parser):
+    parser.add_argument("--kv", choices=["f16", "q8"], default="f16", help=KV_HELP)
+
+
 def add_no_tuning_option(parser):
     parser.add_argument("--no-tuning", action="store_true",
                         help="ignore every tuning database: the kernels run their built-in defaults (as "
@@ -59,7 +69,7 @@ def load_model_from_args(args, **kwargs):
     if args.verbose:
         show_build_logs()
     return load_model(args.model, args.device, args.ctx, args.quantize, tuning=not args.no_tuning,
-                      lm_head=args.lm_head, **kwargs)
+                      lm_head=args.lm_head, kv=args.kv, **kwargs)
 
 
 SPECULATE_HELP = ("speculative decoding: draft tokens cheaply and verify them in one batched step of the model. "
@@ -153,3 +163,4 @@ def add_kernel_options(parser, what: str = "tune"):
                         help=f"{what} the prefill (GEMM, attention) path only up to this prompt length")
     parser.add_argument("--device", help=DEVICE_HELP)
     add_lm_head_option(parser)
+    add_kv_option(parser)

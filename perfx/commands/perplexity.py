@@ -114,7 +114,7 @@ def main(args) -> int:
     with Progress(chunks, "perplexity", enabled=None if not args.json else False) as bar:
         result = perplexity(model, tokens, args.ctx, chunks, tokenizer.bos_id if adds_bos else None, bar)
     result.update(model=str(source.describe().get("path", args.model)), file=str(path), tokens=len(tokens),
-                  add_bos=adds_bos, lm_head=args.lm_head, device=model.device.caps.name)
+                  add_bos=adds_bos, lm_head=args.lm_head, kv=args.kv, device=model.device.caps.name)
     if args.json:
         print(json.dumps(result, indent=1))
     else:

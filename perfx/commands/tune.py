@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from perfx import plots
-from perfx.commands.options import add_lm_head_option
+from perfx.commands.options import add_kv_option, add_lm_head_option
 from perfx.errors import PerfxError
 from perfx.progress import Progress, format_table
 from perfx.resources import read_json, write_atomic
@@ -55,6 +55,7 @@ def add_arguments(parser):
                              "(default 2: one machine's results do not speak for its vendor)")
     parser.add_argument("--device", help=DEVICE_HELP)
     add_lm_head_option(parser)
+    add_kv_option(parser)
 
 
 def _explicitly_tuning(args) -> bool:
@@ -176,7 +177,7 @@ def main(args) -> int:
     args.model = args.model or "default"
     args.budget = DEFAULT_BUDGET if args.budget is None else args.budget
     families = select_specs(args.kernels)
-    problems, notes = problems_for(args.model, families, args.max_m, args.lm_head)
+    problems, notes = problems_for(args.model, families, args.max_m, args.lm_head, args.kv)
     if not problems:
         raise PerfxError("nothing to tune: " + ("; ".join(notes) or "the model has no shapes for these families"))
     print(f"perfx tune on {device.caps.platform} / {device.caps.name}: {len(problems)} problems of "

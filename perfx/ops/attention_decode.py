@@ -7,7 +7,9 @@ partition that holds the new position, partial softmax and weighted V) then ``at
 the first launch only. The RoPE table, the sliding window, the scale, the soft-cap and the norm weights are
 per launch, so one AttentionDecode serves every layer of a model whose layers differ in them. The position is
 read on the device, from an int32 buffer (the model's decode step buffer, or the wrapper's own): a launch
-recorded once serves every position with the same number of partitions.
+recorded once serves every position with the same number of partitions. The KV cache's form (fp16, or int8
+codes with fp16 scales: ``kv`` "q8") is part of the shape, since the model decides it: it sets the build
+(KV_Q8), and every launch's cache must have it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 
 from perfx.errors import PerfxError
 from perfx.ops import DevicePosition, buffer_bytes
-from perfx.ops.kv_cache import KVCache, RopeTable, attention_features
+from perfx.ops.kv_cache import KVCache, RopeTable, attention_features, check_kv_form, kv_shape
 from perfx.ops.params import FP16_NEED, ParamSpace, Rule
 from perfx.runtime import Device
 
@@ -30,14 +32,15 @@ def lanes(params, shape) -> int:
 
 
 def local_memory(params, shape) -> int:
-    """Mirrors the kernel's __local arrays: q, the fresh k/v (fp16), sums of squares / scores / partial V sums,
-    reductions, and with qk_norm the 1/rms of each head."""
+    """Mirrors the kernel's __local arrays: q, the fresh k/v (fp16; q8: fp32, codes and scales), sums of squares
+    / scores / partial V sums, reductions, and with qk_norm the 1/rms of each head."""
     gqa, d = shape["n_heads"] // shape["n_kv_heads"], shape["head_dim"]
     rows = params["WGS"] // lanes(params, shape)
     work = max(gqa * params["PART"], rows * gqa * d, (gqa + 1) * params["WGS"])
     q_half = 2 * gqa * d if params["HALF"] else 2
     inv_rms = gqa + 1 if shape.get("qk_norm") else 0
-    return 4 * (gqa * d + work + gqa * params["WGS"] + 2 * gqa + inv_rms) + 2 * 2 * d + q_half
+    fresh = 2 + 4 * 2 * d + 2 * d + 2 * 2 * d // 32 if shape.get("kv") == "q8" else 2 * 2 * d + 4 + 1 + 2
+    return 4 * (gqa * d + work + gqa * params["WGS"] + 2 * gqa + inv_rms) + fresh + q_half
 
 
 PARAMS = ParamSpace(
@@ -67,8 +70,9 @@ class AttentionDecode:
     ``params``: ``PARAMS`` (PART, WGS, VW, HALF); None → the defaults, or the first set that fits where they
     do not. ``shape``: the spec's (``n_heads``, ``n_kv_heads``, ``head_dim``, ``positions``: partial buffers for
     contexts of up to that many are allocated here, once), and ``window``, the sliding window of launches that
-    do not name one (0: none), and ``qk_norm``: build the per-head RMSNorm of q and k before RoPE (Qwen3,
-    Gemma 3); every launch then passes its ``q_norm`` and ``k_norm`` weights.
+    do not name one (0: none), ``qk_norm``: build the per-head RMSNorm of q and k before RoPE (Qwen3,
+    Gemma 3); every launch then passes its ``q_norm`` and ``k_norm`` weights; and ``kv``, the form of the KV
+    caches it reads and appends to ("f16", the default, or "q8").
     """
 
     def __init__(self, device: Device, params: dict | None = None, shape: dict | None = None):
@@ -78,7 +82,7 @@ class AttentionDecode:
             head_dim, max_positions = int(shape["head_dim"]), int(shape["positions"])
         except KeyError as missing:
             raise PerfxError(f"attention_decode: the shape needs {missing.args[0]!r} (n_heads, n_kv_heads, head_dim, "
-                             "positions; optionally window, qk_norm)") from None
+                             "positions; optionally window, qk_norm, kv)") from None
         window, qk_norm = int(shape.get("window", 0)), bool(shape.get("qk_norm", False))
         if n_heads <= 0 or n_kv_heads <= 0 or n_heads % n_kv_heads:
             raise PerfxError(f"attention_decode: {n_heads} query heads cannot share {n_kv_heads} kv heads "
@@ -89,15 +93,17 @@ class AttentionDecode:
                              f"({', '.join(map(str, SUPPORTED_HEAD_DIMS))})")
         if max_positions <= 0:
             raise PerfxError(f"attention_decode: max_positions must be positive, got {max_positions}")
+        self.kv = check_kv_form(shape.get("kv", "f16"), head_dim, "attention_decode")
         self.device = device
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.max_positions = max_positions
         self.window = int(window)   # sliding window (Mistral): attend to the last `window` positions; 0 = all
         self.qk_norm = bool(qk_norm)
         spec_shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "positions": max_positions,
-                      **({"qk_norm": True} if self.qk_norm else {})}
+                      **({"qk_norm": True} if self.qk_norm else {}), **kv_shape(self.kv)}
         self.params = params = PARAMS.resolve(params, spec_shape, device.caps)
-        defines = {"HEAD_DIM": head_dim, "GQA": n_heads // n_kv_heads, "QK_NORM": int(self.qk_norm), **params}
+        defines = {"HEAD_DIM": head_dim, "GQA": n_heads // n_kv_heads, "QK_NORM": int(self.qk_norm),
+                   "KV_Q8": int(self.kv == "q8"), **params}
         self.partial_kernel = device.kernel(PARAMS.source, "attention_partial", defines)
         self.combine_kernel = device.kernel(PARAMS.source, "attention_combine", defines)
         self.part = int(params["PART"])
@@ -133,6 +139,9 @@ class AttentionDecode:
         if (cache.n_kv_heads, cache.head_dim) != (self.n_kv_heads, d):
             raise PerfxError(f"attention_decode: KV cache of {cache.n_kv_heads} kv heads × {cache.head_dim} "
                              f"does not match this layer's {self.n_kv_heads} × {d}")
+        if cache.form != self.kv:
+            raise PerfxError(f"attention_decode: the KV cache is {cache.form}, but this kernel was built for a "
+                             f"{self.kv} cache: make it with shape kv={cache.form!r}")
         if not 0 <= layer < cache.n_layers:
             raise PerfxError(f"attention_decode: layer {layer} is outside the KV cache's "
                              f"{cache.n_layers} layers")
@@ -164,12 +173,13 @@ class AttentionDecode:
             "attention_decode", self.head_dim, self.qk_norm, self.window if window is None else window,
             scale, softcap, q_norm, k_norm, eps, self.placeholder)
         keys, values, offset = cache.layer(layer)
+        scales = cache.scales(layer) or (self.placeholder, self.placeholder)
         n_parts = self.partitions(pos)
         cos, sin = (self.placeholder, self.placeholder) if rope is None else (rope.cos, rope.sin)
         partial = self.device.launch(
             self.partial_kernel, (self.wgs, self.n_kv_heads, n_parts), (self.wgs, 1, 1),
             qkv_b, np.int32(qkv_offset), cos, sin, np.int32(0 if rope is None else rope.rotary_dims),
-            *norms, np.float32(eps), keys, values,
+            *norms, np.float32(eps), keys, values, *scales,
             np.int32(offset), np.int32(cache.max_positions), positions,
             np.int32(pos_index), np.int32(self.max_parts), self.part_max, self.part_sum, self.part_out, out_b, np.int32(window),
             np.float32(scale), np.float32(softcap))

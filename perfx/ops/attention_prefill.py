@@ -4,7 +4,8 @@ Two launches of ``kernels/attention_prefill.cl`` on the in-order queue: ``kv_app
 with qk_norm and rotate k, store k and v as fp16 at positions p0..p0+m−1) and ``attention_prefill`` (the
 same for q, flash-attention over positions 0..p0+m−1 with K/V tiles in local memory). p0 > 0 continues a
 chat: positions < p0 are read from the cache. The RoPE table, the sliding window, the scale, the soft-cap
-and the norm weights are per launch, so one AttentionPrefill serves every layer.
+and the norm weights are per launch, so one AttentionPrefill serves every layer. With an int8 cache (shape
+``kv`` "q8": the build's KV_Q8) the append quantizes each row and the attention dequantizes its tiles.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 
 from perfx.errors import PerfxError
 from perfx.ops import device_buffer
-from perfx.ops.kv_cache import KVCache, RopeTable, attention_features
+from perfx.ops.kv_cache import KVCache, RopeTable, attention_features, check_kv_form, kv_shape
 from perfx.ops.params import FP16_NEED, ParamSpace, Rule
 from perfx.runtime import Device
 
@@ -70,9 +71,9 @@ class AttentionPrefill:
 
     ``params``: ``PARAMS`` (HALF, WGS, BK, VW, DSPLIT); None → the defaults, or the first set that fits where
     they do not (head_dim 256: DSPLIT 4). ``shape``: the spec's (``n_heads``, ``n_kv_heads``, ``head_dim``), and
-    ``window``, the sliding window of launches that do not name one (0: none), and ``qk_norm``: build the
+    ``window``, the sliding window of launches that do not name one (0: none), ``qk_norm``: build the
     per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3); every launch then passes its ``q_norm`` and
-    ``k_norm`` weights.
+    ``k_norm`` weights; and ``kv``, the form of the KV caches it appends to and reads ("f16", or "q8").
     """
 
     def __init__(self, device: Device, params: dict | None = None, shape: dict | None = None):
@@ -81,7 +82,7 @@ class AttentionPrefill:
             n_heads, n_kv_heads, head_dim = int(shape["n_heads"]), int(shape["n_kv_heads"]), int(shape["head_dim"])
         except KeyError as missing:
             raise PerfxError(f"attention_prefill: the shape needs {missing.args[0]!r} (n_heads, n_kv_heads, "
-                             "head_dim; optionally window, qk_norm)") from None
+                             "head_dim; optionally window, qk_norm, kv)") from None
         window, qk_norm = int(shape.get("window", 0)), bool(shape.get("qk_norm", False))
         if n_heads <= 0 or n_kv_heads <= 0 or n_heads % n_kv_heads:
             raise PerfxError(f"attention_prefill: {n_heads} query heads cannot share {n_kv_heads} kv heads "
@@ -89,6 +90,7 @@ class AttentionPrefill:
         if head_dim <= 0 or head_dim % 8:
             raise PerfxError(f"attention_prefill: head_dim {head_dim} is not supported; "
                              "it must be a multiple of 8")
+        self.kv = check_kv_form(shape.get("kv", "f16"), head_dim, "attention_prefill")
         self.device = device
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.group = n_heads // n_kv_heads
@@ -97,9 +99,9 @@ class AttentionPrefill:
         # The keys the rules read, qk_norm only where set (as tuning/problems.py names it): a set the database
         # checked for this layer's shape is then taken as it is.
         spec_shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim,
-                      **({"qk_norm": True} if self.qk_norm else {})}
+                      **({"qk_norm": True} if self.qk_norm else {}), **kv_shape(self.kv)}
         self.params = params = PARAMS.resolve(params, spec_shape, device.caps)
-        defines = {"HEAD_DIM": head_dim, "QK_NORM": int(self.qk_norm), **params}
+        defines = {"HEAD_DIM": head_dim, "QK_NORM": int(self.qk_norm), "KV_Q8": int(self.kv == "q8"), **params}
         self.append_kernel = device.kernel(PARAMS.source, "kv_append", defines)
         self.attention_kernel = device.kernel(PARAMS.source, "attention_prefill", defines)
         self.wgs = int(params["WGS"])
@@ -119,6 +121,9 @@ class AttentionPrefill:
         if (cache.n_kv_heads, cache.head_dim) != (hkv, d):
             raise PerfxError(f"attention_prefill: KV cache of {cache.n_kv_heads} kv heads × {cache.head_dim} "
                              f"does not match this layer's {hkv} × {d}")
+        if cache.form != self.kv:
+            raise PerfxError(f"attention_prefill: the KV cache is {cache.form}, but this kernel was built for a "
+                             f"{self.kv} cache: make it with shape kv={cache.form!r}")
         if not 0 <= layer < cache.n_layers:
             raise PerfxError(f"attention_prefill: layer {layer} is outside the KV cache's "
                              f"{cache.n_layers} layers")
@@ -145,20 +150,21 @@ class AttentionPrefill:
             scale, softcap, q_norm, k_norm, eps, self.placeholder)
         h, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
         keys, values, offset = cache.layer(layer)
+        scales = cache.scales(layer) or (self.placeholder, self.placeholder)
         offset = np.int32(offset)
         cos, sin = (self.placeholder, self.placeholder) if rope is None else (rope.cos, rope.sin)
         n_rot = np.int32(0 if rope is None else rope.rotary_dims)
         append = self.device.launch(
             self.append_kernel, (d // 8, hkv, m), (d // 8, 1, 1),
             np.int32(p0), np.int32(h), np.int32(hkv), np.int32(cache.max_positions), offset,
-            qkv_b, cos, sin, n_rot, k_w, np.float32(eps), keys, values)
+            qkv_b, cos, sin, n_rot, k_w, np.float32(eps), keys, values, *scales)
         rows = m * self.group
         split = int(self.params["DSPLIT"])
         attention = self.device.launch(
             self.attention_kernel, (-(-rows // self.wgs) * self.wgs * split, hkv), (self.wgs * split, 1),
             np.int32(m), np.int32(p0), np.int32(self.group), np.int32(h), np.int32(hkv),
             np.int32(cache.max_positions), offset, np.float32(scale),
-            qkv_b, cos, sin, n_rot, q_w, np.float32(eps), keys, values, out_b, np.int32(window),
+            qkv_b, cos, sin, n_rot, q_w, np.float32(eps), keys, values, *scales, out_b, np.int32(window),
             np.float32(softcap))
         return [append, attention]
 

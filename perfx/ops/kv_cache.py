@@ -1,10 +1,16 @@
 """The KV cache and the RoPE table: device state shared by decode and prefill attention, and the check of
 what both take per launch (window, scale, soft-cap, the q/k norm weights).
 
-KV cache: fp16, keys and values laid out [layer][kv_head][pos][head_dim], so one head's positions are
+KV cache: keys and values laid out [layer][kv_head][pos][head_dim], so one head's positions are
 contiguous (the attention kernels stream them), in pieces of whole layers that each fit the device's
-largest allocation. fp16 storage halves the cache and needs no cl_khr_fp16 (vstore_half / vload_half
-are core OpenCL).
+largest allocation. Two forms, chosen by the model (``form``), read by one code path of each attention
+kernel (its KV_Q8 define):
+  f16: fp16 values; halves a float cache and needs no cl_khr_fp16 (vstore_half / vload_half are core OpenCL).
+  q8:  llama.cpp's q8_0 cache (``perfx.reference.quantize_kv_q8``): int8 codes [layer][kv_head][pos][head_dim]
+       and, in a buffer of their own, one fp16 scale per 32 codes, [layer][kv_head][pos][head_dim/32], so a
+       work-item's run of codes and the scales of a row are each read in whole contiguous loads. 1.0625 bytes
+       a value against 2: at long contexts the cache is what a decode step reads most. Quantized where the
+       attention kernels append a row, dequantized where they read one.
 
 RoPE table: cos and sin (max_positions, n_rot/2) float32, computed once on the host in float64
 from θ and the model's rope_scaling (``perfx.reference.rope_tables``) and uploaded once — never
@@ -26,77 +32,157 @@ from perfx.ops import device_buffer
 from perfx.runtime import Device
 
 
+KV_FORMS = ("f16", "q8")
+
+
+def check_kv_form(form: str, head_dim: int, what: str) -> str:
+    """``form`` once it is a KV cache form this head size may take (q8: whole blocks of 32 per row)."""
+    if form not in KV_FORMS:
+        raise PerfxError(f"{what}: KV cache form {form!r} is not one of {', '.join(KV_FORMS)}")
+    if form == "q8" and head_dim % reference.KV_BLOCK:
+        raise PerfxError(f"{what}: an int8 KV cache quantizes rows in blocks of {reference.KV_BLOCK}, and head_dim "
+                         f"{head_dim} is not a multiple of it; use --kv f16 for this model")
+    return form
+
+
+def kv_shape(form: str) -> dict:
+    """The attention kernels' shape key for the KV cache's form, which changes their build: set for q8 only,
+    so an fp16 shape is the one it has always been (as tuned)."""
+    return {} if form == "f16" else {"kv": form}
+
+
 @dataclass
 class KVCache:
     n_layers: int
     n_kv_heads: int
     max_positions: int
     head_dim: int
-    pieces: list                 # (keys, values) cl.Buffers of half, each [layer][kv_head][pos][head_dim] for
-    layers_per_piece: int        # this many consecutive layers (the last piece may hold fewer)
+    pieces: list                 # (keys, values) cl.Buffers, each [layer][kv_head][pos][head_dim] (half or int8)
+    layers_per_piece: int        # for this many consecutive layers (the last piece may hold fewer)
+    form: str = "f16"            # "f16" or "q8"
+    scale_pieces: list | None = None  # q8: (key scales, value scales) per piece, [layer][kv_head][pos][D/32] half
 
     @classmethod
-    def allocate(cls, device: Device, n_layers: int, n_kv_heads: int, max_positions: int, head_dim: int) -> KVCache:
+    def allocate(cls, device: Device, n_layers: int, n_kv_heads: int, max_positions: int, head_dim: int,
+                 form: str = "f16") -> KVCache:
         """Keys and values in pieces of whole layers, each within the device's largest allocation (a 7B model
-        at 4096 positions needs 1 GiB per K and V; some phones allow 256 MiB at once) and within the
-        kernels' int element offsets."""
+        at 4096 positions needs 1 GiB per K and V in fp16; some phones allow 256 MiB at once) and within the
+        kernels' int element offsets. ``form``: "f16" or "q8" (int8 codes and fp16 scales per 32)."""
+        form = check_kv_form(form, head_dim, "KVCache")
         layer_elements = n_kv_heads * max_positions * head_dim
-        layer_bytes = 2 * layer_elements
+        value_bytes = 2 if form == "f16" else 1
+        layer_bytes = value_bytes * layer_elements     # the largest buffer's share of one layer: K (or V) codes
         if layer_bytes > device.caps.max_alloc or layer_elements >= 2**31:
             raise PerfxError(f"a KV cache of {max_positions} positions needs {layer_bytes / 2**20:.0f} MiB per layer "
                              f"for K and as much for V, more than one allocation may hold here "
                              f"({device.caps.max_alloc / 2**20:.0f} MiB, limits: {device.caps.limits}); "
-                             "use a smaller --ctx")
+                             "use a smaller --ctx" + (" or --kv q8" if form == "f16" else ""))
         per_piece = max(1, min(n_layers, device.caps.max_alloc // layer_bytes, (2**31 - 1) // layer_elements))
-        pieces = []
+        pieces, scale_pieces = [], [] if form == "q8" else None
         for first in range(0, n_layers, per_piece):
             count = min(per_piece, n_layers - first)
             what = f"KV cache layers {first}-{first + count - 1}"
             pieces.append((device.alloc(count * layer_bytes, what=f"{what} keys"),
                            device.alloc(count * layer_bytes, what=f"{what} values")))
-        return cls(n_layers, n_kv_heads, max_positions, head_dim, pieces, per_piece)
+            if form == "q8":
+                scale_bytes = count * layer_elements // reference.KV_BLOCK * 2
+                scale_pieces.append((device.alloc(scale_bytes, what=f"{what} key scales"),
+                                     device.alloc(scale_bytes, what=f"{what} value scales")))
+        return cls(n_layers, n_kv_heads, max_positions, head_dim, pieces, per_piece, form, scale_pieces)
+
+    def _layer_elements(self) -> int:
+        return self.n_kv_heads * self.max_positions * self.head_dim
+
+    def _piece_layers(self, i: int) -> int:
+        return min(self.layers_per_piece, self.n_layers - i * self.layers_per_piece)
 
     def layer(self, layer: int) -> tuple[object, object, int]:
-        """(keys buffer, values buffer, element offset of the layer's block in them) of one layer."""
+        """(keys buffer, values buffer, element offset of the layer's block in them) of one layer; with q8 the
+        scales' offset is the element offset / 32 (``scales``)."""
         keys, values = self.pieces[layer // self.layers_per_piece]
-        return keys, values, (layer % self.layers_per_piece) * self.n_kv_heads * self.max_positions * self.head_dim
+        return keys, values, (layer % self.layers_per_piece) * self._layer_elements()
+
+    def scales(self, layer: int) -> tuple[object, object] | None:
+        """(key scales, value scales) buffers of one layer's piece (q8), None for fp16."""
+        return None if self.form == "f16" else self.scale_pieces[layer // self.layers_per_piece]
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.n_layers * self.n_kv_heads * self.max_positions * self.head_dim * 2
+        """K and V together: fp16 values, or int8 codes and one fp16 scale per 32."""
+        values = 2 * self.n_layers * self._layer_elements()
+        return values * 2 if self.form == "f16" else values + values // reference.KV_BLOCK * 2
+
+    def _buffers(self):
+        """(buffer, kind) of every allocation: kind "values" (fp16 values or int8 codes) or "scales"."""
+        for piece in self.pieces:
+            yield from ((buffer, "values") for buffer in piece)
+        for piece in self.scale_pieces or ():
+            yield from ((buffer, "scales") for buffer in piece)
+
+    def fill(self, device: Device, value: float) -> None:
+        """Every position of every layer holding ``value`` (q8: code 1 times the fp16 scale ``value``; 0: all
+        codes and scales 0)."""
+        half = np.float16(value).view(np.uint16)
+        for buffer, kind in self._buffers():
+            device.fill(buffer, np.int8(value != 0) if self.form == "q8" and kind == "values" else half)
 
     def clear(self, device: Device) -> None:
         """Zero every position (the model never reads a position it has not written; tests may)."""
-        for piece in self.pieces:
-            for buffer in piece:
-                device.fill(buffer, np.uint16(0))
+        self.fill(device, 0.0)
 
     def write(self, device: Device, keys: np.ndarray, values: np.ndarray) -> None:
-        """Fill the whole cache from host arrays (layers, kv_heads, max_positions, head_dim), converted to fp16."""
+        """Fill the whole cache from host arrays (layers, kv_heads, max_positions, head_dim): converted to fp16,
+        or quantized by ``reference.quantize_kv_q8`` (NaN blocks get NaN scales)."""
         shape = (self.n_layers, self.n_kv_heads, self.max_positions, self.head_dim)
         for host, which in ((keys, 0), (values, 1)):
-            host = np.ascontiguousarray(host, dtype=np.float16).reshape(shape)
-            for i, piece in enumerate(self.pieces):
-                block = np.ascontiguousarray(host[i * self.layers_per_piece:(i + 1) * self.layers_per_piece])
-                device.write(piece[which], block)
+            host = np.asarray(host).reshape(shape)
+            parts = ([host.astype(np.float16)] if self.form == "f16" else list(reference.quantize_kv_q8(host)))
+            for pieces, part in zip((self.pieces, self.scale_pieces), parts):
+                for i, piece in enumerate(pieces):
+                    block = part[i * self.layers_per_piece:(i + 1) * self.layers_per_piece]
+                    device.write(piece[which], np.ascontiguousarray(block))
+
+    def read_stored(self, device: Device) -> tuple[np.ndarray, ...]:
+        """Host copies of the whole cache as stored, (layers, kv_heads, max_positions, ...) each: f16 (keys,
+        values) fp16; q8 (key codes, value codes) int8 and (key scales, value scales) fp16 (.., head_dim/32)."""
+        d = self.head_dim
+        parts = ([(self.pieces, np.float16, d)] if self.form == "f16" else
+                 [(self.pieces, np.int8, d), (self.scale_pieces, np.float16, d // reference.KV_BLOCK)])
+        out = []
+        for pieces, dtype, width in parts:
+            for which in (0, 1):
+                blocks = []
+                for i, piece in enumerate(pieces):
+                    block = np.empty((self._piece_layers(i), self.n_kv_heads, self.max_positions, width), dtype)
+                    device.read(block, piece[which])
+                    blocks.append(block)
+                out.append(np.concatenate(blocks))
+        return tuple(out)
 
     def read_all(self, device: Device) -> tuple[np.ndarray, np.ndarray]:
-        """Host copies of the whole cache, (layers, kv_heads, max_positions, head_dim) fp16 each."""
-        out = []
-        for which in (0, 1):
-            blocks = []
-            for i, piece in enumerate(self.pieces):
-                count = min(self.layers_per_piece, self.n_layers - i * self.layers_per_piece)
-                block = np.empty((count, self.n_kv_heads, self.max_positions, self.head_dim), np.float16)
-                device.read(block, piece[which])
-                blocks.append(block)
-            out.append(np.concatenate(blocks))
-        return out[0], out[1]
+        """Host copies of the whole cache's keys and values, (layers, kv_heads, max_positions, head_dim): fp16,
+        or float32 codes times their scales (exact) for q8."""
+        stored = self.read_stored(device)
+        if self.form == "f16":
+            return stored
+        return tuple(reference.dequantize_kv_q8(codes, scales).astype(np.float32)
+                     for codes, scales in zip(stored[:2], stored[2:]))
 
     def read(self, device: Device, layer: int, positions: int) -> tuple[np.ndarray, np.ndarray]:
-        """Host copies of one layer's keys and values for positions 0..positions−1, as (T, Hkv, D) float32."""
+        """Host copies of one layer's keys and values for positions 0..positions−1, as (T, Hkv, D) float32
+        (q8: dequantized)."""
         keys, values, offset = self.layer(layer)
         shape = (self.n_kv_heads, self.max_positions, self.head_dim)
+        if self.form == "q8":
+            out = []
+            for codes_buffer, scales_buffer in zip((keys, values), self.scales(layer)):
+                codes = np.empty(shape, np.int8)
+                scales = np.empty(shape[:2] + (self.head_dim // reference.KV_BLOCK,), np.float16)
+                device.read(codes, codes_buffer, src_offset=offset)
+                device.read(scales, scales_buffer, src_offset=2 * offset // reference.KV_BLOCK)
+                host = reference.dequantize_kv_q8(codes[:, :positions], scales[:, :positions])
+                out.append(host.transpose(1, 0, 2).astype(np.float32))
+            return out[0], out[1]
         out = []
         for buffer in (keys, values):
             host = np.empty(shape, np.float16)

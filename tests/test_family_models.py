@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from gguf import quants
 
-from helpers.family_models import (FAMILIES, GEMMAS, family_tokenizer, make_family_model, write_family_gguf,
-                                   write_family_hf)
+from helpers.family_models import (FAMILIES, GEMMAS, family_tokenizer, make_family_model, qwen35_unstored,
+                                   write_family_gguf, write_family_hf)
 from perfx.reference import permute_qk
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "llamacpp_families.json").read_text())
@@ -27,7 +27,18 @@ ARCH_KEYS = {
              "attention.sliding_window"],
     "smollm3": ["rope.dimension_count", "vocab_size", "rope.freq_base"],
     "lfm2": ["shortconv.l_cache", "vocab_size", "attention.head_count_kv", "rope.freq_base"],
+    "qwen35": ["ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size",
+               "attention.recurrent_layers", "full_attention_interval", "rope.dimension_count"],
 }
+
+
+def gguf_name_of(names, hf_name: str) -> str:
+    """The GGUF tensor a transformers weight becomes (ssm_a and the dt bias have no .weight)."""
+    if hf_name.endswith(".A_log"):
+        return names.get_name(hf_name)
+    if hf_name.endswith(".dt_bias"):
+        return names.get_name(hf_name.replace(".dt_bias", ".dt_proj")) + ".bias"
+    return names.get_name(hf_name.removesuffix(".weight")) + ".weight"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -41,13 +52,19 @@ def test_the_gguf_holds_the_weights_its_writer_returns(tmp_path, family):
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[family.upper()], model.n_layers)
     heads = {"q_proj": model.config["num_attention_heads"], "k_proj": model.config["num_key_value_heads"]}
     for hf_name, held in written.weights.items():
-        t = tensors[names.get_name(hf_name.removesuffix(".weight")) + ".weight"]
-        data = quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(held.shape)
+        t = tensors[gguf_name_of(names, hf_name)]
+        data = quants.dequantize(np.asarray(t.data), t.tensor_type)
+        if family == "qwen35":   # stored as llama.cpp reads it (v heads tiled, −exp A_log, 1 + w): back to HF
+            data = qwen35_unstored(hf_name, data, model.config)
+        data = data.reshape(held.shape)
         module = hf_name.split(".")[-2]
         expected = held + 1 if family in GEMMAS and hf_name.endswith("norm.weight") else held
         if family == "smollm3" and module in heads:
             expected = permute_qk(expected, heads[module])
-        np.testing.assert_array_equal(data, expected.astype(np.float32), err_msg=hf_name)
+        if family == "qwen35":   # log(−(−exp A_log)) in float32 may land an ulp away
+            np.testing.assert_allclose(data, expected.astype(np.float32), rtol=3e-7, atol=0, err_msg=hf_name)
+        else:
+            np.testing.assert_array_equal(data, expected.astype(np.float32), err_msg=hf_name)
         # and the held weights are the model's, within the type's rounding (4-bit: a step of max|w| / 8)
         original = model.weights[hf_name]
         assert np.abs(held - original).max() <= np.abs(original).max() / 7, hf_name
@@ -69,7 +86,8 @@ def test_hf_directory(tmp_path, family, style):
     directory = write_family_hf(tmp_path / "hf", model, style=style)
     config = json.loads((directory / "config.json").read_text())
     assert config["model_type"] == model.config["model_type"]
-    assert ("rope_parameters" in config) == (style == "transformers5")
+    # Qwen3.5's published config.json is transformers 5's already (rope_parameters) in either style
+    assert ("rope_parameters" in config) == (style == "transformers5" or family == "qwen35")
     tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
     assert tokenizer_config["add_bos_token"] == (family in GEMMAS + ("lfm2",))   # as their published tokenizers
 

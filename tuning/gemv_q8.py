@@ -26,10 +26,14 @@ def _outputs(shape) -> int:
     return output_rows(shape["n"], shape.get("epilogue"))
 
 
-def bytes_moved(shape) -> int:
+def _weight_bytes(shape) -> int:
     n, k, g = shape["n"], shape["k"], shape["group"]
     pairs = 8 if shape.get("f32") else 4
-    return n * k + pairs * n * (k // g) + 4 * k + 4 * _outputs(shape) + (4 * n if shape.get("bias") else 0)
+    return n * k + pairs * n * (k // g) + (4 * n if shape.get("bias") else 0)
+
+
+def bytes_moved(shape) -> int:
+    return _weight_bytes(shape) + 4 * shape["k"] + 4 * _outputs(shape)
 
 
 def random_weight(shape, rng, n: int | None = None) -> Q8Matrix:
@@ -57,8 +61,7 @@ def make_case(device, shape, rng) -> Case:
     expected = epilogue_reference(epilogue, full)
 
     wrapper = cached_per_params(lambda params: GemvQ8(device, params, shape))
-    weight_bytes = bytes_moved(shape) - 4 * k - 4 * m
-    return rotating_case(expected, y, copies_past_cache(device, weight_bytes),
+    return rotating_case(expected, y, copies_past_cache(device, _weight_bytes(shape)),
                          lambda i, params: wrapper(params).events(weights(i), x, y, epilogue))
 
 

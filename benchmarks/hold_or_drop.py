@@ -8,7 +8,10 @@ with the built-in defaults interleaved in shuffled rounds:
 - kept: the entry was faster on the median of the rounds (gain ≥ 1; an interval that holds 1.0 is kept,
   as the tuner's own confirmation already demanded a significant win over the incumbent);
 - dropped: slower than the defaults on the median, or slower beyond the noise (the whole interval below 1);
-- dropped: not measured by any bench run given (its shape was not benched, or another entry was in force),
+- a record no bench run measured is judged by its own measurement against the defaults where it carries
+  one on the current kernel source (the tuner's confirmation, or `perfx tune --refresh`, interleaved rounds
+  as the bench's), by the same rule;
+- dropped: not measured at all (another entry was in force at its shape, or it carries no gain),
   or stale (measured on an older kernel source, which the look-up ignores anyway).
   A record whose parameters are the defaults is kept without a ratio (there is nothing to compare).
 
@@ -46,11 +49,15 @@ def verdict(record: dict, row: dict | None) -> tuple[bool, str]:
     if params_key(params) == params_key(spec.params.defaults()):
         return True, "the defaults"
     if row is None or "gain" not in row:
-        return False, "not measured"
-    if params_key({**spec.params.defaults(row["params"]), **row["params"]}) != params_key(params):
-        return False, "another entry was in force"
+        if record.get("gain") is None or not record.get("gain_interval"):
+            return False, "not measured"
+        row, own = record, " (its own measurement)"
+    else:
+        own = ""
+        if params_key({**spec.params.defaults(row["params"]), **row["params"]}) != params_key(params):
+            return False, "another entry was in force"
     gain, (low, high) = row["gain"], row["gain_interval"]
-    text = f"{gain:.2f}x [{low:.2f}, {high:.2f}]"
+    text = f"{gain:.2f}x [{low:.2f}, {high:.2f}]{own}"
     if high < 1:
         return False, f"slower than the defaults beyond the noise: {text}"
     if gain < 1:
@@ -61,8 +68,9 @@ def verdict(record: dict, row: dict | None) -> tuple[bool, str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", nargs="+", type=Path, help="results files; later ones replace earlier records")
-    parser.add_argument("--bench", nargs="+", type=Path, required=True,
-                        help="`perfx bench --vs-defaults --json` outputs from the same device")
+    parser.add_argument("--bench", nargs="*", type=Path, default=[],
+                        help="`perfx bench --vs-defaults --json` outputs from the same device (without any, each "
+                             "record is judged by its own measurement against the defaults)")
     parser.add_argument("--out", type=Path, required=True, help="where to write the kept records")
     parser.add_argument("--comment", help="replace the file's comment (how it was measured)")
     args = parser.parse_args(argv)

@@ -287,7 +287,10 @@ def test_hold_or_drop_keeps_only_entries_that_beat_the_defaults(tmp_path, capsys
         {"family": "gemv_q4", "shape": shape(1), "params": tuned},         # faster: kept
         {"family": "gemv_q4", "shape": shape(2), "params": tuned},         # slower on the median: dropped
         {"family": "gemv_q4", "shape": shape(3), "params": tuned},         # slower beyond the noise: dropped
-        {"family": "gemv_q4", "shape": shape(4), "params": defaults}])     # the defaults: kept
+        {"family": "gemv_q4", "shape": shape(4), "params": defaults},      # the defaults: kept
+        {"family": "gemv_q4", "shape": shape(7), "params": tuned, "gain": 1.2, "gain_interval": [1.1, 1.3]},
+        {"family": "gemv_q4", "shape": shape(8), "params": tuned, "gain": 0.9, "gain_interval": [0.8, 1.0]}])
+    # not benched, judged by their own (refresh or confirmation) measurements: 7 kept, 8 dropped
     bench = {"kernels": [
         {"family": "gemv_q4", "shape": shape(1), "params": tuned, "gain": 1.3, "gain_interval": [0.98, 1.6],
          "rounds": 7},
@@ -301,12 +304,12 @@ def test_hold_or_drop_keeps_only_entries_that_beat_the_defaults(tmp_path, capsys
                               "--bench", str(tmp_path / "bench.json"), "--out", str(out), "--comment", "re-measured"]) == 0
     kept = json.loads(out.read_text())
     assert kept["comment"] == "re-measured" and kept["match"] == {"vendor": "pocl"}
-    assert [(r["shape"]["n"], r["params"]) for r in kept["records"]] == [(1, tuned), (4, defaults)]
+    assert [(r["shape"]["n"], r["params"]) for r in kept["records"]] == [(1, tuned), (4, defaults), (7, tuned)]
     assert (kept["records"][0]["gain"], kept["records"][0]["gain_interval"], kept["records"][0]["rounds"]) == (
         1.3, [0.98, 1.6], 7)
     printed = capsys.readouterr().out
     assert "not measured" in printed and "beyond the noise" in printed and "on the median" in printed
-    assert "stale" in printed
+    assert "stale" in printed and "(its own measurement)" in printed
 
 
 def test_a_set_is_checked_once_from_the_database_to_a_launch(device, db, monkeypatch):

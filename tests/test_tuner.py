@@ -5,19 +5,24 @@ import builtins
 import copy
 import json
 
+import numpy as np
 import pytest
 
 from perfx import cli, plots
 from perfx.commands import tune
 from perfx.errors import PerfxError
+from perfx.ops.params import ParamSpace
+from perfx.resources import write_json_atomic
 from perfx.runtime import get_device
+from perfx.timing import Timing
 from perfx.sources.synthetic import SYNTHETIC_MODELS
 from perfx.tuning import SPECS, select_specs
 from perfx.model import load_model
-from perfx.tuning.database import (M_BUCKETS, Database, bucket_representative, default_database, m_bucket,
-                                   params_key, result_record)
+from perfx.tuning.database import (FORMAT, M_BUCKETS, Database, bucket_representative, default_database, m_bucket,
+                                   params_key, result_record, source_hash)
 from perfx.tuning.problems import _fits, model_problems
-from perfx.tuning.tuner import neighbours
+from perfx.tuning.spec import Case, Spec
+from perfx.tuning.tuner import Tuner, neighbours
 from toy_tuning import Toy, quiet_tuner
 
 pytestmark = pytest.mark.one_implementation  # model-level: the default device only
@@ -323,3 +328,76 @@ def test_gemv_timings_rotate_copies_past_the_cache_and_verification_uploads_one(
         for event in case.launch(params):
             event.wait()
     assert len(uploads) == 6, "each step of the rotation reaches a copy of its own"
+
+
+class Timed:
+    """Kernels with given times (a little noise) for ``--refresh``: X = 1 is faster than the defaults (X = 0),
+    X = 2 slower, X = 3 fastest but wrong on the current source."""
+
+    TIMES = {0: 100e-6, 1: 70e-6, 2: 130e-6, 3: 50e-6}
+
+    def __init__(self):
+        self.rng, self.current = np.random.default_rng(0), None
+
+    def spec(self) -> Spec:
+        space = ParamSpace(family="timed", source="copy.cl", space={"X": tuple(self.TIMES)})
+        return Spec(params=space, make_case=self.make_case, tolerance=1e-6, tolerance_why="exact or off by 1",
+                    test_shapes=({"n": 1},), bytes_moved=lambda s: 1000, reference=np.ones_like,
+                    fuzz_shapes=lambda st: st.just({"n": 1}), oclgrind_shapes=({"n": 1},))
+
+    def make_case(self, device, shape, rng) -> Case:
+        def launch(params):
+            self.current = params["X"]
+            return []
+        return Case(expected={"y": np.ones(1)}, run=lambda params: {"y": np.ones(1) + (params["X"] == 3)},
+                    launch=launch)
+
+    def timer(self, launch, warmup=2, repeat=10, rotate=None, max_seconds=None) -> Timing:
+        launch()
+        samples = self.TIMES[self.current] * np.exp(0.03 * self.rng.standard_normal(repeat))
+        return Timing(float(np.median(samples)), [float(v) for v in samples])
+
+
+def test_refresh_keeps_stale_entries_that_still_verify_and_win_and_resumes(device, db):
+    bench = Timed()
+    spec = bench.spec()
+    stale = [{"family": "timed", "shape": {"n": n}, "params": {"X": x}, "source_hash": "0" * 64}
+             for n, x in ((1, 1), (2, 2), (3, 3), (4, 9), (5, 0))]
+    current = {"family": "timed", "shape": {"n": 6}, "params": {"X": 1}, "source_hash": source_hash(spec)}
+    db.shipped_dir.mkdir(parents=True)
+    write_json_atomic(db.shipped_dir / "this.json", {"perfx_tuning": FORMAT, "match": {"device": device.fingerprint},
+                                                     "records": stale + [current]})
+    entries = db.stale_records(device, {"timed": spec})
+    assert [r["shape"]["n"] for _, r in entries] == [1, 2, 3, 4, 5]   # the current record is not stale
+    tuner = Tuner(device, db, timer=bench.timer, reference=lambda: 1e-3, cool_down_s=0)
+    results = {r.shape["n"]: r for r in tuner.refresh(entries)}
+    assert [n for n, r in results.items() if r.kept] == [1]
+    assert 1.3 < results[1].gain < 1.5 and results[1].rounds == tuner.confirm_rounds
+    assert results[2].reason.startswith("slower than the defaults")
+    assert "failed on the current source: wrong" in results[3].reason
+    assert results[4].reason.startswith("no longer valid")
+    assert results[5].reason.startswith("the defaults")
+    # The kept entry is this device's own, pinned to the current source, and in force again.
+    saved = db.device_file(device).find("timed", {"n": 1})
+    assert saved["source_hash"] == source_hash(spec) and saved["params"] == {"X": 1} and "refreshed" in saved["comment"]
+    choice = db.choices(device, spec, {"n": 1})[0]
+    assert choice.source == "device" and choice.params == {"X": 1}
+    # Run again: what was kept is not checked again (an interrupted refresh resumes); the rest are.
+    assert [r["shape"]["n"] for _, r in db.stale_records(device, {"timed": spec})] == [2, 3, 4, 5]
+
+
+def test_tune_refresh_command_checks_a_stale_entry_on_the_device(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PERFX_CACHE", str(tmp_path / "cache"))
+    device, spec = get_device(), SPECS["argmax"]
+    database = default_database()
+    shape = {"n": 1003}
+    database.save_result(device, {**result_record(spec, shape, {"WGS3": 64, "GROUPS3": 16}, 1e-5, 1e-5,
+                                                  device.fingerprint), "source_hash": "0" * 64})
+    assert tune.main(_parse(tune, ["--refresh", "--kernels", "argmax", "--json"])) == 0
+    report = json.loads(capsys.readouterr().out)
+    (entry,) = [e for e in report["entries"] if e["shape"] == shape]
+    assert entry["params"]["WGS3"] == 64 and entry["rounds"] == 7 and entry["gain"] > 0
+    saved = default_database().device_file(device).find("argmax", shape)
+    assert (saved["source_hash"] == source_hash(spec)) == entry["kept"]
+    with pytest.raises(PerfxError, match="drop --model"):
+        tune.main(_parse(tune, ["--refresh", "--model", "default"]))

@@ -497,6 +497,35 @@ class Database:
         rows.sort(key=lambda r: (r["family"], LEVELS.index(r["level"]), r["shape_text"]))
         return rows
 
+    def stale_records(self, device, all_specs: dict) -> list[tuple]:
+        """(spec, record) of every measured record that applies to this device but was measured on another
+        kernel source, most specific level first, one per (family, shape): what `perfx tune --refresh`
+        checks again. A shape this device's own file already holds a current record for is left out, so an
+        interrupted refresh resumes where it stopped."""
+        current = {name: source_hash(spec) for name, spec in all_specs.items()}
+        own = self.device_file(device)
+        fresh = {(r["family"], shape_key(r.get("shape"))) for r in own.records
+                 if r.get("source_hash") == current.get(r["family"])}
+        found = []
+        for file in self.files():
+            level = file.level_for(device)
+            if level is None:
+                continue
+            for record in file.records:
+                family, pinned = record["family"], record.get("source_hash")
+                if family not in all_specs or pinned is None or pinned == current[family] or \
+                        record.get("shape") is None:
+                    continue
+                found.append((LEVELS.index(level), all_specs[family], record))
+        found.sort(key=lambda item: item[0])
+        result, seen = [], set(fresh)
+        for _, spec, record in found:
+            key = (record["family"], shape_key(record["shape"]))
+            if key not in seen:
+                seen.add(key)
+                result.append((spec, record))
+        return result
+
     # -- sharing -------------------------------------------------------------------------------
 
     def export(self, device, path: Path | str) -> int:

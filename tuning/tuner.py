@@ -20,6 +20,10 @@ which the machine drifted (throttling, another load) is set aside after a cool-d
 A challenger replaces the incumbent only when its paired bootstrap interval of time ratios lies wholly
 below 1; otherwise the incumbent stays ("no significant difference"). The result records its median
 time, and its gain over the defaults with that interval.
+
+Refresh: a new kernel source makes every record measured on the old one stale. Rather than sweep again,
+``refresh`` verifies each stale record's parameters on the new source and times them against the defaults in
+the same interleaved rounds; one at least as fast on the median is pinned to the new source.
 """
 
 from __future__ import annotations
@@ -166,6 +170,29 @@ class ProblemResult:
                 "resumed": self.resumed, "complete": self.complete, "note": self.note,
                 "suspect_candidates": self.suspect_candidates,
                 "outcomes": [o.as_dict() for o in self.outcomes]}
+
+
+@dataclass
+class Refreshed:
+    """An entry measured on an older kernel source, checked again on the current one: its parameters
+    verified against the float64 reference and timed against the defaults in interleaved rounds."""
+
+    family: str
+    shape: dict
+    description: str
+    params: dict
+    kept: bool = False               # re-pinned to the current source (as fast as the defaults or faster)
+    reason: str = ""                 # why it was kept, or left for a sweep
+    time_s: float | None = None      # median of its rounds
+    default_time_s: float | None = None
+    gain: float | None = None        # defaults / entry, median ratio
+    gain_interval: tuple[float, float] | None = None
+    rounds: int = 0
+
+    def as_dict(self) -> dict:
+        data = asdict(self)
+        data["shape"], data["params"] = normal(self.shape), normal(self.params)
+        return data
 
 
 def _first_line(error: Exception) -> str:
@@ -392,25 +419,35 @@ class Tuner:
             timing = self.timer(lambda: case.launch(params), rotate=case.rotate, **kwargs)
         return timing
 
-    def _evaluate(self, spec, case, params: dict, best: Outcome | None, result: ProblemResult) -> Outcome:
-        """Verify, then time, one candidate."""
+    def _verify(self, spec, case, params: dict) -> tuple[Outcome | None, float, dict]:
+        """Run one parameter set and compare it with the float64 reference: (None when it is right, else the
+        rejected outcome; its worst relative error; its kernels' info)."""
         try:
             with self.device.watch_kernels() as kernels:
                 errors = case.errors(params)
         except BuildError as e:
-            return Outcome(params, "build", reason=f"build failed: {_first_line(e)}")
+            return Outcome(params, "build", reason=f"build failed: {_first_line(e)}"), 0.0, {}
         except KernelLimitError as e:
-            return Outcome(params, "limit", reason=f"beyond this driver's limits for the kernel: {_first_line(e)}")
+            return (Outcome(params, "limit", reason=f"beyond this driver's limits for the kernel: {_first_line(e)}"),
+                    0.0, {})
         except (PerfxError, DriverError) as e:
-            return Outcome(params, "launch", reason=f"launch failed: {_first_line(e)}")
+            return Outcome(params, "launch", reason=f"launch failed: {_first_line(e)}"), 0.0, {}
         except Exception as e:  # a crash in the wrapper for this parameter set: record it, go on
-            return Outcome(params, "error", reason=f"{type(e).__name__}: {_first_line(e)}")
+            return Outcome(params, "error", reason=f"{type(e).__name__}: {_first_line(e)}"), 0.0, {}
         worst_name = max(errors, key=lambda name: errors[name]) if errors else None
         worst = errors[worst_name] if errors else 0.0
         tolerance = spec.tolerance_for(params)
         if not worst <= tolerance:  # NaN and inf fail too
-            return Outcome(params, "wrong", error=worst, reason=f"wrong: {worst_name} relative error "
-                                                                f"{worst:.2e} > tolerance {tolerance:.0e}")
+            return (Outcome(params, "wrong", error=worst, reason=f"wrong: {worst_name} relative error "
+                                                                 f"{worst:.2e} > tolerance {tolerance:.0e}"),
+                    worst, kernels)
+        return None, worst, kernels
+
+    def _evaluate(self, spec, case, params: dict, best: Outcome | None, result: ProblemResult) -> Outcome:
+        """Verify, then time, one candidate."""
+        rejected, worst, kernels = self._verify(spec, case, params)
+        if rejected is not None:
+            return rejected
         try:
             if best is not None:
                 # The faster of two runs: one slow run (a hiccup) must not cut a good candidate.
@@ -451,20 +488,7 @@ class Tuner:
                     raise PerfxError(f"{spec.params.family}: the parameters in force {params} are wrong on this "
                                      f"device ({max(errors.values()):.2e} > {spec.tolerance_for(params):.0e}); "
                                      "run `perfx selftest`")
-        shuffle = random.Random(f"{self.seed}confirm{result.description}")
-        rounds, suspect = [], 0
-        while len(rounds) < self.confirm_rounds:
-            order = list(range(len(contenders)))
-            shuffle.shuffle(order)
-            times = [0.0] * len(contenders)
-            for i in order:
-                times[i] = self.timer(lambda: case.launch(contenders[i]), warmup=1, repeat=3,
-                                      rotate=case.rotate).median_s
-            if self.drift.drifted() and suspect < self.confirm_rounds:
-                suspect += 1
-                time.sleep(self.cool_down_s)
-                continue
-            rounds.append(times)
+        rounds, suspect = self._interleaved(case, contenders, f"confirm{result.description}")
         columns = list(zip(*rounds))
         medians = [statistics.median(col) for col in columns]
         best = min(range(len(contenders)), key=lambda i: medians[i])
@@ -482,3 +506,76 @@ class Tuner:
                                                     columns[contenders.index(chosen)], rng)
         return Confirmation(contenders, [list(r) for r in rounds], chosen, verdict, ratio, interval, gain,
                             (gain_low, gain_high), suspect)
+
+    def _interleaved(self, case, contenders: list[dict], seed_text: str) -> tuple[list[list[float]], int]:
+        """``confirm_rounds`` rounds, each timing every contender once in a shuffled order; a round during
+        which the machine drifted is set aside after a cool-down and taken again. (rounds, rounds set aside)."""
+        shuffle = random.Random(f"{self.seed}{seed_text}")
+        rounds, suspect = [], 0
+        while len(rounds) < self.confirm_rounds:
+            order = list(range(len(contenders)))
+            shuffle.shuffle(order)
+            times = [0.0] * len(contenders)
+            for i in order:
+                times[i] = self.timer(lambda: case.launch(contenders[i]), warmup=1, repeat=3,
+                                      rotate=case.rotate).median_s
+            if self.drift.drifted() and suspect < self.confirm_rounds:
+                suspect += 1
+                time.sleep(self.cool_down_s)
+                continue
+            rounds.append(times)
+        return rounds, suspect
+
+    # -- refreshing entries of an older kernel source ----------------------------------------------
+
+    def refresh(self, entries) -> list[Refreshed]:
+        """Check again ``entries``, (spec, record) pairs measured on an older kernel source (``Database.
+        stale_records``): each record's parameters are verified on the current source and timed against the
+        defaults, interleaved over ``confirm_rounds`` rounds. One at least as fast as the defaults on the
+        median is saved to this device's results, pinned to the current source (the rule by which shipped
+        entries are curated); the rest are left for a sweep. A changed source seldom changes which parameters
+        win, and this costs a few seconds an entry where a sweep costs minutes."""
+        results = []
+        for spec, record in entries:
+            results.append(self.refresh_entry(spec, record))
+            if self.progress is not None:
+                r = results[-1]
+                self.progress.update(note=f"{r.family} {r.description}: {'kept' if r.kept else 'left'}")
+        return results
+
+    def refresh_entry(self, spec, record: dict) -> Refreshed:
+        shape, defaults = record["shape"], spec.params.defaults()
+        params = {**spec.params.defaults(record["params"]), **record["params"]}
+        result = Refreshed(spec.params.family, dict(shape), spec.describe(shape), params)
+        why = spec.params.why_invalid(params, shape, self.device.caps)
+        if why is not None:
+            result.reason = f"no longer valid here: {why}"
+            return result
+        if params_key(params) == params_key(defaults):
+            result.reason = "the defaults: no entry needed"
+            return result
+        try:
+            case = spec.make_case(self.device, shape, np.random.default_rng(self.seed))
+        except (PerfxError, DriverError) as e:
+            result.reason = f"could not set up the problem: {_first_line(e)}"
+            return result
+        for which, candidate in (("the entry", params), ("the defaults", defaults)):
+            rejected, _, _ = self._verify(spec, case, candidate)
+            if rejected is not None:
+                result.reason = f"{which} failed on the current source: {rejected.reason}"
+                return result
+        rounds, _ = self._interleaved(case, [params, defaults], f"refresh{result.description}")
+        entry, default = (list(column) for column in zip(*rounds))
+        gain, low, high = bootstrap_ratio(default, entry, np.random.default_rng(self.seed))
+        result.time_s, result.default_time_s = statistics.median(entry), statistics.median(default)
+        result.gain, result.gain_interval, result.rounds = gain, (low, high), len(rounds)
+        text = f"{gain:.2f}x [{low:.2f}, {high:.2f}] the defaults' speed"
+        if gain < 1.0:
+            result.reason = f"slower than the defaults on the median: {text}"
+            return result
+        result.kept, result.reason = True, text
+        saved = result_record(spec, shape, params, result.time_s, result.default_time_s, self.device.fingerprint)
+        saved.update(gain=round(gain, 4), gain_interval=[round(low, 4), round(high, 4)], rounds=len(rounds),
+                     comment="refreshed: an entry of an older kernel source, verified and timed again on this one")
+        self.database.save_result(self.device, saved)
+        return result

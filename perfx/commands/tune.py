@@ -38,6 +38,13 @@ def add_arguments(parser):
                         help="seconds for the whole sweep, shared among the problems (default: 600)")
     parser.add_argument("--max-m", type=int, default=None,
                         help="tune the prefill (GEMM, attention) path only up to this prompt length")
+    parser.add_argument("--refresh", action="store_true",
+                        help="after a perfx upgrade changed kernel sources: instead of sweeping, check again "
+                             "the entries measured on the old sources (this device's and the shipped ones "
+                             "that apply to it; --kernels narrows them): each entry's parameters verified "
+                             "against the float64 reference and timed against the defaults in interleaved "
+                             "rounds; those at least as fast as the defaults are kept for the new source, "
+                             "the rest are left for a sweep. A few seconds an entry; resumes if interrupted")
     parser.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     parser.add_argument("--plot", metavar="DIR", help="write PNG plots there (needs matplotlib: perfx[plot])")
     parser.add_argument("--export", metavar="FILE", help="write this device's tuning results to FILE")
@@ -60,7 +67,48 @@ def add_arguments(parser):
 
 def _explicitly_tuning(args) -> bool:
     named = (args.model, args.kernels, args.budget, args.max_m)
-    return any(value is not None for value in named) or not (args.import_file or args.export)
+    return any(value is not None for value in named) or args.refresh or not (args.import_file or args.export)
+
+
+def refresh(args, device, database, say) -> int:
+    """``--refresh``: check the stale entries again (``Tuner.refresh``) and say what became of each."""
+    if args.model is not None or args.max_m is not None:
+        raise PerfxError("--refresh checks the entries already in the database, whatever model they came from: "
+                         "drop --model and --max-m (--kernels narrows which families)")
+    families = select_specs(args.kernels)
+    entries = database.stale_records(device, families)
+    print(f"perfx tune --refresh on {device.caps.platform} / {device.caps.name}: {len(entries)} entries "
+          f"measured on an older kernel source; results in {database.device_path(device.fingerprint)}",
+          file=sys.stderr)
+    progress = Progress(len(entries), "refresh", enabled=None if not args.json else False)
+    tuner = Tuner(device, database, progress=progress)
+    try:
+        results = tuner.refresh(entries)
+    except KeyboardInterrupt:
+        progress.close()
+        print("perfx tune --refresh: interrupted; every entry checked so far is saved, run it again to resume",
+              file=sys.stderr)
+        return 130
+    progress.close()
+    kept = sum(r.kept for r in results)
+    if args.json:
+        print(json.dumps({"device": device.fingerprint, "database": str(database.device_path(device.fingerprint)),
+                          "kept": kept, "entries": [r.as_dict() for r in results]}, indent=1))
+    else:
+        rows = [("kernel", "shape", "parameters", "time", "defaults' time", "verdict")]
+        for r in results:
+            rows.append((r.family, r.description, " ".join(f"{k}={v}" for k, v in r.params.items()),
+                         f"{r.time_s * 1e6:.1f} us" if r.time_s else "-",
+                         f"{r.default_time_s * 1e6:.1f} us" if r.default_time_s else "-",
+                         ("kept: " if r.kept else "left for a sweep: ") + r.reason))
+        if results:
+            print(format_table(rows))
+        print(f"{kept} of {len(results)} entries kept for the current kernel sources"
+              + ("; `perfx tune --model ...` sweeps the shapes of the rest again" if kept < len(results) else ""))
+    if args.export:
+        count = database.export(device, args.export)
+        say(f"exported {count} tuning records of {device.caps.name} to {args.export}")
+    return 0
 
 
 def merge_files(paths: list[str], out: Path, min_devices: int, say) -> list[Path]:
@@ -174,6 +222,8 @@ def main(args) -> int:
             say(f"exported {count} tuning records of {device.caps.name} to {args.export}")
         return 0
 
+    if args.refresh:
+        return refresh(args, device, database, say)
     args.model = args.model or "default"
     args.budget = DEFAULT_BUDGET if args.budget is None else args.budget
     families = select_specs(args.kernels)

@@ -51,6 +51,10 @@
 #define LOAD_X8(p, c) (((const __global float8*)(p))[c])
 // 16 codes (weights or quantized x) at a time: rows of K bytes, K a multiple of 16.
 #define CHARS16(p, c) (((const __global char16*)(p))[c])
+// The even and odd lanes of an int16, components named: Oclgrind (21.10) takes .even / .odd of a 16-wide
+// vector for uninitialized values; the compilers emit the same code for either.
+#define EVEN16(v) ((int8)((v).s0, (v).s2, (v).s4, (v).s6, (v).s8, (v).sa, (v).sc, (v).se))
+#define ODD16(v) ((int8)((v).s1, (v).s3, (v).s5, (v).s7, (v).s9, (v).sb, (v).sd, (v).sf))
 
 // x per group of GROUP as int8 codes q_x (K bytes) and (d, Σ d·q_x) per group (K/G float2), one work-item a
 // group; an all-zero group has d = 0 and codes 0.
@@ -137,7 +141,7 @@ void gemv_q8(const int n_out, const int k, const int y_base, const int row_a, co
             #pragma unroll
             for (int i = 0; i < GROUP / 16; ++i) {
                 const int16 p = convert_int16(CHARS16(wrow[r], g * (GROUP / 16) + i)) * convert_int16(xv[i]);
-                dot += p.even + p.odd;   // LLVM's vpmaddwd pattern (pairs of products of sign-extended int16)
+                dot += EVEN16(p) + ODD16(p);   // vpmaddwd's pattern: adjacent products of sign-extended int16
             }
             const float2 sm = LOAD_PAIR(prow[r], g);
             acc8[r] = convert_float8(dot) * (sm.x * xd.x) + acc8[r];

@@ -16,12 +16,22 @@
 // row_b + o of block b: the wrapper cuts launches where either crosses from one block to the next.
 // Work-group: (LANES, 1); global: (LANES, ⌈n_out/ROWS⌉). LANES work-items stride along K by groups and
 // meet in a local-memory tree reduction. Accumulation in fp32.
+// I8 1 (int8 activations): gemv_q8_quantize_x, launched once per product before it (global: K/G), rounds x
+// per group of G to int8, q_x = rint(x·127/max|x|), with the group's step d = max|x|/127 and the sum of its
+// quantized values Σ d·q_x (llama.cpp's Q8_1 activations, perfx.reference.quantize_activations_q8), and
+// every work-group reads that one copy. Per group: Σ (s·q + m)·d·q_x = s·d·Σ q·q_x + m·Σ d·q_x, the products
+// exact in int (|q·q_x| ≤ 128·127, two of them still within int16: the pair-summed form x86's vpmaddwd
+// computes), summed in int32 over the group, then fp32. The kernel's product is then exactly W·x̂ for the
+// quantized x̂, the offset term included.
 
 #ifndef LANES
 #define LANES 16     // work-items along K per work-group (power of two)
 #endif
 #ifndef ROWS
 #define ROWS 4       // outputs per work-item: each x chunk is loaded once and applied to ROWS rows
+#endif
+#ifndef I8
+#define I8 0         // x quantized to int8 per group once per product (gemv_q8_quantize_x), int products (1)
 #endif
 #ifndef EPILOGUE
 #define EPILOGUE EPI_NONE  // plain (+bias), or SiLU / GELU (gate)·up over paired rows (kernels/epilogue.h)
@@ -39,13 +49,50 @@
 
 // x through a float8 pointer too: rows of K floats, K a multiple of 16, so every chunk is float8-aligned.
 #define LOAD_X8(p, c) (((const __global float8*)(p))[c])
+// 16 codes (weights or quantized x) at a time: rows of K bytes, K a multiple of 16.
+#define CHARS16(p, c) (((const __global char16*)(p))[c])
+// The even and odd lanes of an int16, components named: Oclgrind (21.10) takes .even / .odd of a 16-wide
+// vector for uninitialized values; the compilers emit the same code for either.
+#define EVEN16(v) ((int8)((v).s0, (v).s2, (v).s4, (v).s6, (v).s8, (v).sa, (v).sc, (v).se))
+#define ODD16(v) ((int8)((v).s1, (v).s3, (v).s5, (v).s7, (v).s9, (v).sb, (v).sd, (v).sf))
+
+// x per group of GROUP as int8 codes q_x (K bytes) and (d, Σ d·q_x) per group (K/G float2), one work-item a
+// group; an all-zero group has d = 0 and codes 0.
+__kernel void gemv_q8_quantize_x(const int k, __global const float* restrict x, __global char* restrict xq,
+                                 __global float2* restrict x_step_sum)
+{
+    const int g = get_global_id(0);
+    if (g >= k / GROUP) return;
+    float8 v[CHUNKS_PER_GROUP];
+    float8 m8 = (float8)(0.0f);
+    #pragma unroll
+    for (int i = 0; i < CHUNKS_PER_GROUP; ++i) {
+        v[i] = LOAD_X8(x, g * CHUNKS_PER_GROUP + i);
+        m8 = fmax(m8, fabs(v[i]));
+    }
+    const float4 m4 = fmax(m8.lo, m8.hi);
+    const float amax = fmax(fmax(m4.s0, m4.s1), fmax(m4.s2, m4.s3));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    float8 sum8 = (float8)(0.0f);
+    #pragma unroll
+    for (int i = 0; i < CHUNKS_PER_GROUP; ++i) {
+        const float8 r = rint(v[i] * inv);
+        sum8 += r;
+        ((__global char8*)xq)[g * CHUNKS_PER_GROUP + i] = convert_char8_sat(r);
+    }
+    x_step_sum[g] = (float2)(amax / 127.0f, SUM8(sum8) * (amax / 127.0f));
+}
 
 __kernel __attribute__((reqd_work_group_size(LANES, 1, 1)))
 void gemv_q8(const int n_out, const int k, const int y_base, const int row_a, const int row_b,
              __global const char* restrict codes_a, __global const char* restrict codes_b,
              PAIRS_T sm_a, PAIRS_T sm_b, __global const float* restrict bias_a,
              __global const float* restrict bias_b, const int has_bias,
-             __global const float* restrict x, __global float* restrict y)
+             __global const float* restrict x, __global float* restrict y
+#if I8
+             , __global const char* restrict xq, __global const float2* restrict x_step_sum
+#endif
+             )
 {
 #if LANES > 1
     __local float partial[WROWS][LANES];   // declared at kernel scope, as OpenCL C 1.2 requires
@@ -75,6 +122,36 @@ void gemv_q8(const int n_out, const int k, const int y_base, const int row_a, co
     #pragma unroll
     for (int r = 0; r < WROWS; ++r) acc8[r] = (float8)(0.0f);
 
+#if I8
+    // Per group and row: the integer dot product in 8 int lanes (products of adjacent pairs summed: what x86
+    // compilers turn into vpmaddwd; splitting even and odd codes before the multiply gave vpmullw and shuffles,
+    // 1.15 instructions a weight against 0.47), then one multiply-add 8 wide by s·d; the offset m·Σ d·q_x per
+    // row in a scalar.
+    float offset[WROWS];
+    #pragma unroll
+    for (int r = 0; r < WROWS; ++r) offset[r] = 0.0f;
+    for (int g = lane; g < groups; g += LANES) {
+        const float2 xd = x_step_sum[g];
+        short16 xv[GROUP / 16];
+        #pragma unroll
+        for (int i = 0; i < GROUP / 16; ++i) xv[i] = convert_short16(CHARS16(xq, g * (GROUP / 16) + i));
+        #pragma unroll
+        for (int r = 0; r < WROWS; ++r) {
+            int8 dot = (int8)(0);
+            #pragma unroll
+            for (int i = 0; i < GROUP / 16; ++i) {
+                const int16 p = convert_int16(CHARS16(wrow[r], g * (GROUP / 16) + i)) * convert_int16(xv[i]);
+                dot += EVEN16(p) + ODD16(p);   // vpmaddwd's pattern: adjacent products of sign-extended int16
+            }
+            const float2 sm = LOAD_PAIR(prow[r], g);
+            acc8[r] = convert_float8(dot) * (sm.x * xd.x) + acc8[r];
+            offset[r] = sm.y * xd.y + offset[r];
+        }
+    }
+    float acc[WROWS];
+    #pragma unroll
+    for (int r = 0; r < WROWS; ++r) acc[r] = SUM8(acc8[r]) + offset[r];
+#else
     for (int g = lane; g < groups; g += LANES) {
         float8 dot[WROWS];
         #pragma unroll
@@ -97,6 +174,7 @@ void gemv_q8(const int n_out, const int k, const int y_base, const int row_a, co
     float acc[WROWS];
     #pragma unroll
     for (int r = 0; r < WROWS; ++r) acc[r] = SUM8(acc8[r]);
+#endif
 
 #if LANES > 1
     // Tree reduction of the lanes' partial sums, one slot per (row, lane).

@@ -288,3 +288,25 @@ def test_a_tied_int4_embedding_is_on_the_device_once(spm, device, tmp_path, monk
     model.prefill([4, 8], 0)
     model.decode_one(15, 2)
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
+
+
+def test_the_tuned_int8_activation_lm_head_runs_in_the_recorded_step(tiny_paths, device, tmp_path, monkeypatch):
+    """A database entry choosing gemv_q8's int8 activations (I8) for the int8 lm_head is what the model
+    uses: x is quantized by its own launch inside the recorded decode step, and the logits stay within
+    the I8 tolerance of the reference (x rounded to int8 per group)."""
+    monkeypatch.setenv("PERFX_CACHE", str(tmp_path))
+    source = open_model(tiny_paths["gguf-gqa1-tied"])
+    spec = SPECS["gemv_q8"]
+    problems, _ = model_problems(source.config, SPECS, 32)
+    head = next(p for p in problems if p.family == "gemv_q8" and p.label == "lm_head")
+    forced = {**spec.params.defaults(), "I8": 1}
+    default_database().save_result(device, result_record(spec, head.shape, forced, 1e-2, None, device.fingerprint))
+
+    model = Model.load(source, device, ctx=32, progress=False)
+    assert model.plan.tuned["gemv_q8 (lm_head)"].params == forced
+    assert any(getattr(step, "kernel", None) is not None and step.kernel.function_name == "gemv_q8_quantize_x"
+               for step in model._decode_launches(0))
+    want, _ = reference.model_forward(source, [4, 8, 15])
+    model.prefill([4, 8], 0)
+    model.decode_one(15, 2)
+    assert relative_error(model.logits(), want[-1]) <= spec.tolerance_for(forced)

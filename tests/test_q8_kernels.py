@@ -2,6 +2,7 @@
 candidate, row blocks under a phone's allocation limit, bad ids, and the error paths."""
 
 import numpy as np
+import pyopencl as cl
 import pytest
 
 from helpers.spec_checks import assert_every_parameter_set
@@ -47,6 +48,38 @@ def test_detects_wrong_answers(device, rng):
     wrong = y.copy()
     wrong[-1] += 0.02 / 128 * 3
     assert relative_error(wrong, case.expected["y"]) > spec.tolerance
+
+
+@pytest.mark.parametrize("n, k, group, f32, epilogue", [(203, 640, 16, True, "none"),
+                                                        (2 * 75, 576, 32, False, "silu_mul")])
+def test_int8_activations_are_exact_to_their_own_quantization(device, rng, n, k, group, f32, epilogue):
+    """I8's only approximation is x rounded to int8 per group (the offset term on the rounded group's sum):
+    the quantized x the launch leaves is perfx.reference.quantize_activations_q8's, and against the float64
+    product of the same weights and that x every I8 parameter set is as exact as the fp32 kernels."""
+    spec = SPECS["gemv_q8"]
+    shape = {"n": n, "k": k, "group": group, "f32": f32, "epilogue": epilogue, "bias": False}
+    q8 = Q8Matrix.random(n, k, group, rng, f32=f32)
+    weight = Q8DeviceWeight.upload(device, q8, max_block_bytes=64 * k)   # launches cut at 64-row blocks
+    x = rng.standard_normal(k).astype(np.float32)
+    x[rng.integers(0, 64)::64] *= 40   # outliers: their groups round the rest coarsely
+    quantized = reference.quantize_activations_q8(x, group)
+    full = reference.gemv(q8.dequantize(), quantized)
+    want = full if epilogue == "none" else reference.swiglu(full[:n // 2], full[n // 2:])
+    candidates = [p for p in spec.params.candidates(shape, device.caps) if p["I8"]]
+    assert candidates
+    for params in candidates:
+        gemv = GemvQ8(device, params, shape)
+        y = device.poisoned(len(want), np.float32)
+        gemv.events(weight, device.upload(x), y, epilogue)[-1].wait()
+        assert relative_error(y.get(), want) <= spec.tolerance, params
+    codes, step_sum = np.empty(k, np.int8), np.empty((k // group, 2), np.float32)
+    for host, buffer in zip((codes, step_sum), gemv._quantized[(k, group)]):
+        cl.enqueue_copy(device.queue, host, buffer)
+    np.testing.assert_allclose(np.repeat(step_sum[:, 0], group) * codes, quantized, rtol=1e-6, atol=0)
+    np.testing.assert_allclose(step_sum[:, 1], quantized.reshape(-1, group).sum(axis=1), rtol=1e-5, atol=1e-6)
+    exact = reference.gemv(q8.dequantize(), x)
+    exact = exact if epilogue == "none" else reference.swiglu(exact[:n // 2], exact[n // 2:])
+    assert relative_error(y.get(), exact) > spec.tolerance   # x really was quantized
 
 
 def test_blocks_split_under_the_allocation_limit(rng):

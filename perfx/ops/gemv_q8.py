@@ -2,9 +2,11 @@
 the lm_head.
 
 Wraps ``kernels/gemv_q8.cl``; its parameters are ``PARAMS`` (LANES, ROWS: the names and meaning of
-gemv_q4's, so variants added to one family carry over). The kernel guards its row and K edges itself,
-so every parameter set fits every shape; the wrapper's only planning is cutting launches where the
-weight's rows span several row blocks (a large vocabulary on a phone's allocation limit).
+gemv_q4's, so variants added to one family carry over; I8, int8 activations: x quantized per group by
+one small launch before the product, into buffers the wrapper keeps per (K, G), read by every work-group).
+The kernel guards its row and K edges itself, so every parameter set fits every shape; the wrapper's only
+planning is cutting launches where the weight's rows span several row blocks (a large vocabulary on a
+phone's allocation limit).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ PARAMS = ParamSpace(
     space={
         "LANES": (16, 1, 4, 64),   # work-items along K per work-group
         "ROWS": (4, 1, 2, 8),      # outputs per work-item (pairs for the gate-up epilogues)
+        "I8": (0, 1),              # x quantized to int8 per group once per product, integer products
     },
     rules=(Rule("gate-up holds gate and up rows: at most 8 rows of accumulators per work-item (ROWS ≤ 4)",
                 lambda p, s: _accumulator_rows(p, s) <= 8),
@@ -56,6 +59,7 @@ class GemvQ8:
         self.lanes, self.rows = self.params["LANES"], self.params["ROWS"]
         self._no_bias = device.alloc(4, what="gemv_q8 bias placeholder")
         self._kernels: dict[tuple, cl.Kernel] = {}
+        self._quantized: dict[tuple, tuple] = {}   # (K, G) -> (codes, (step, sum) pairs) of the quantized x
 
     def kernel(self, group: int, f32: bool, epilogue: str) -> cl.Kernel:
         """The built kernel for a group size, pair precision and epilogue (built once, then cached); the
@@ -69,6 +73,18 @@ class GemvQ8:
             kernel = self._kernels[key] = self.device.kernel(PARAMS.source, "gemv_q8", defines)
         return kernel
 
+    def quantize(self, x, k: int, group: int) -> tuple[list[cl.Event], tuple]:
+        """With I8: enqueue x (K floats) quantized per group of ``group`` into this wrapper's buffers for
+        (K, G); returns the launch's events and the buffers (int8 codes, float2 step and sum per group)."""
+        buffers = self._quantized.get((k, group))
+        if buffers is None:
+            buffers = self._quantized[(k, group)] = (
+                self.device.alloc(k, what="gemv_q8 quantized x"),
+                self.device.alloc(8 * (k // group), what="gemv_q8 quantized x's steps and sums"))
+        kernel = self.device.kernel(PARAMS.source, "gemv_q8_quantize_x", {"GROUP": group})
+        event = self.device.launch(kernel, (k // group,), None, np.int32(k), x, *buffers)
+        return [event], buffers
+
     def events(self, weight: Q8DeviceWeight, x, y, epilogue: str = "none") -> list[cl.Event]:
         """Enqueue y = W·x and return every launch's event (more than one where rows span several blocks)."""
         code("gemv_q8", epilogue, GEMV_EPILOGUES)
@@ -79,14 +95,17 @@ class GemvQ8:
         yb = device_buffer(y, 4 * m, "gemv_q8 y")
         kernel = self.kernel(weight.group, weight.f32, epilogue)
         has_bias = np.int32(weight.has_bias)
-        events = []
+        events, quantized = [], ()
+        if self.params["I8"]:
+            events, quantized = self.quantize(xb, k, weight.group)
         for first, count, a, row_a, b, row_b in weight.segments(m, m if is_gated(epilogue) else None):
             block_a, block_b = weight.blocks[a], weight.blocks[b]
             events.append(self.device.launch(
                 kernel, (self.lanes, -(-count // self.rows)), (self.lanes, 1),
                 np.int32(count), np.int32(k), np.int32(first), np.int32(row_a), np.int32(row_b),
                 block_a.codes, block_b.codes, block_a.scale_offset, block_b.scale_offset,
-                _or(block_a.bias, self._no_bias), _or(block_b.bias, self._no_bias), has_bias, xb, yb))
+                _or(block_a.bias, self._no_bias), _or(block_b.bias, self._no_bias), has_bias, xb, yb,
+                *quantized))
         return events
 
     def __call__(self, weight: Q8DeviceWeight, x, y, epilogue: str = "none") -> cl.Event:

@@ -14,7 +14,7 @@ from helpers.tiny_tokenizer import write_tokenizer_only_gguf
 from perfx.config import ModelConfig
 from perfx.sources.default import default_model_path
 from perfx.errors import PerfxError
-from perfx.formats import Q4Matrix, Q8Matrix
+from perfx.formats import Q4_ZEROS, Q4Matrix, Q8Matrix
 from perfx.sources import open_model
 from perfx.sources.base import FUSED_LINEARS, form_of
 from perfx.sources.gguf import GGUF_FORMS
@@ -307,8 +307,9 @@ def test_awq_codes_and_scales_exact(gqa3, version, tmp_path):
             assert isinstance(w, Q4Matrix) and w.group == 64
             np.testing.assert_array_equal(w.codes, codes)
             np.testing.assert_array_equal(w.scales, scales)
-            # m = −z·s, rounded once to fp16
-            np.testing.assert_array_equal(w.offsets, (-zeros.astype(np.float32) * scales).astype(np.float16))
+            # the zero points kept: 2.5 bytes a group, w = s·(q − z) exactly
+            assert w.form == Q4_ZEROS
+            np.testing.assert_array_equal(w.zeros, zeros)
         # modules_to_not_convert stay fp16
         assert layer.down.dtype == np.float16
         np.testing.assert_array_equal(layer.down, gqa3.weights[f"model.layers.{i}.mlp.down_proj.weight"]

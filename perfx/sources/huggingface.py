@@ -64,14 +64,14 @@ class HFSource(ModelSource):
 
     format = "safetensors"
 
-    def __init__(self, directory: Path, quantize: str | None = None, lm_head: str = "q8"):
+    def __init__(self, directory: Path, quantize: str | None = None, lm_head: str = "q8", embedding: str = "head"):
         self.directory = directory
         config_path = directory / "config.json"
         if not config_path.is_file():
             raise PerfxError(f"{directory} is not a Hugging Face model directory: it has no config.json. "
                              "Pass a directory with config.json and model.safetensors, or a .gguf file.")
         hf_config = read_json(config_path)
-        super().__init__(ModelConfig.from_hf(hf_config), quantize, lm_head)
+        super().__init__(ModelConfig.from_hf(hf_config), quantize, lm_head, embedding)
         generation = directory / "generation_config.json"
         self.generation_config = read_json(generation) if generation.is_file() else {}
         self.awq = _awq_settings(hf_config.get("quantization_config"), config_path)

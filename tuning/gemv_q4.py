@@ -35,7 +35,8 @@ def _outputs(shape) -> int:
 
 def _weight_bytes(shape) -> int:
     n, k, g = shape["n"], shape["k"], shape["group"]
-    return n * k // 2 + q4_scale_bytes(shape.get("form", Q4_PAIRS), n * (k // g)) + (4 * n if shape.get("bias") else 0)
+    scales = q4_scale_bytes(shape.get("form", Q4_PAIRS), n * (k // g))
+    return n * k // 2 + scales + (4 * n if shape.get("bias") else 0)
 
 
 def _bytes_moved(shape) -> int:

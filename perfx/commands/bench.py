@@ -210,7 +210,8 @@ def e2e_lines(e2e: dict, copy_gb_s: float) -> list[str]:
            if e2e.get("restore_points") else "")
         + "), "
         f"host peak {e2e['host_peak_bytes'] / mib:.0f} MiB, weights read per token {e2e['weight_bytes'] / mib:.0f} MiB",
-    ] + [f"  {form}: {count} matri{'x' if count == 1 else 'ces'}" for form, count in e2e.get("int4_forms", {}).items()]
+    ] + [f"  {form}: {count} matri{'x' if count == 1 else 'ces'}"
+         for form, count in e2e.get("int4_forms", {}).items()]
 
 
 def main(args) -> int:

@@ -18,8 +18,9 @@ from perfx.tuning.database import default_database
 def add_arguments(parser):
     parser.add_argument("--device", help=DEVICE_HELP)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument("--model", help="also the device form of each weight of this model (read from its first "
-                                        "layer and its tables, nothing uploaded): 'default', a path or synthetic:<name>")
+    parser.add_argument("--model", help="also the device form of each weight of this model (read from its "
+                                        "first layer and its tables, nothing uploaded): 'default', a path or "
+                                        "synthetic:<name>")
     parser.add_argument("--embedding", choices=["head", "q4"], default="head",
                         help="the untied token embedding's form, as the model commands take it (default: head)")
 

@@ -15,16 +15,17 @@ from perfx.sources.huggingface import HFSource
 from perfx.sources.synthetic import SYNTHETIC_PREFIX, open_synthetic
 
 
-def open_model(path_or_name, quantize: str | None = None, lm_head: str = "q8", embedding: str = "head") -> ModelSource:
+def open_model(path_or_name, quantize: str | None = None, lm_head: str = "q8",
+               embedding: str = "head") -> ModelSource:
     """Open a model lazily: a Hugging Face directory, a ``.gguf`` file or ``"synthetic:<name>"``.
 
     ``quantize="q4"`` turns fp16 linear layers (all of an fp16/bf16 checkpoint; the unquantized ones of
     the others) into 4-bit, round-to-nearest with group 128 (or 64/32 where 128 does not divide K; the
     source's ``notes`` say where). ``lm_head="q8"`` (the default) keeps a quantized file's lm_head (and tied
     embedding) in its own form and quantizes an fp16 one to int8 (G = 32) on load; ``"fp16"`` holds it as
-    fp16 (a 4-bit one stays 4-bit). ``embedding="q4"`` holds an untied token embedding in the int4 form with 4-bit
-    zero points (``perfx.sources.base.EMBEDDING_CHOICES``); "head" (the default) gives it the head's form. Raises PerfxError for anything it cannot read, naming the file, tensor
-    or setting.
+    fp16 (a 4-bit one stays 4-bit). ``embedding="q4"`` holds an untied token embedding in the int4 form
+    with 4-bit zero points (``perfx.sources.base.EMBEDDING_CHOICES``); "head" (the default) gives it the
+    head's form. Raises PerfxError for anything it cannot read, naming the file, tensor or setting.
     """
     if quantize not in QUANTIZE_CHOICES:
         raise PerfxError(f"quantize={quantize!r} is not supported; choose one of {QUANTIZE_CHOICES}")

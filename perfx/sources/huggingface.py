@@ -64,7 +64,8 @@ class HFSource(ModelSource):
 
     format = "safetensors"
 
-    def __init__(self, directory: Path, quantize: str | None = None, lm_head: str = "q8", embedding: str = "head"):
+    def __init__(self, directory: Path, quantize: str | None = None, lm_head: str = "q8",
+                 embedding: str = "head"):
         self.directory = directory
         config_path = directory / "config.json"
         if not config_path.is_file():

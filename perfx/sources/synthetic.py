@@ -1,7 +1,7 @@
 """Synthetic models: real shapes and recipes with random 4-bit weights, for benchmarks and tests without downloads.
 
-``open_model("synthetic:llama-2-7b")`` (group 128 with 4-bit zero points, as the usual AWQ checkpoints), ``"synthetic:smollm2-135m"``
-(group 32, as its Q4_0/Q4_1 GGUFs), ``"synthetic:tiny"``, and the phone-size shapes of the 2026 families
+``open_model("synthetic:llama-2-7b")`` (group 128 with 4-bit zero points, as the usual AWQ checkpoints),
+``"synthetic:smollm2-135m"`` (group 32, as its Q4_0/Q4_1 GGUFs), ``"synthetic:tiny"``, and the phone-size shapes of the 2026 families
 (``gemma-3-270m``, ``gemma-3-1b``, ``qwen3-1.7b``, ``phi-4-mini``, ``smollm3-3b``, ``lfm2-350m``, ``lfm2-1.2b``,
 ``qwen3.5-0.8b``, ``qwen3.5-2b``:
 their config.json values, group 32 as their Q4_0 GGUFs). The weights are generated lazily from a
@@ -194,5 +194,6 @@ class SyntheticSource(ModelSource):
         if self._embedding_q4_group():
             head += f", embedding {describe_q4_form(Q4_ZEROS, self._embedding_q4_group())}"
         return {"format": "synthetic", "path": f"synthetic:{self.name}", "files": [], "file_size": 0,
-                "quantization": f"random {describe_q4_form(self.form, self.group)}{head}", "architecture": self.config.architecture,
+                "quantization": f"random {describe_q4_form(self.form, self.group)}{head}",
+                "architecture": self.config.architecture,
                 "notes": [] if self.distinct_layers else ["one random layer is reused for every layer"]}

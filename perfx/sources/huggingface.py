@@ -276,13 +276,16 @@ class HFSource(ModelSource):
         files = sorted({path for path, _ in self._files.values()})
         dtypes = sorted({self._info(name)[1] for name in self._files})
         if self.awq:
-            quantization = f"awq-{self.awq['version']} int4, group {self.awq['group']}"
+            quantization = f"awq-{self.awq['version']} {formats.describe_q4_form(formats.Q4_ZEROS, self.awq['group'])}"
         else:
             quantization = "/".join(d.lower() for d in dtypes)
         if self.quantize:
             quantization += f", quantized to {self.quantize} on load"
-        if self.lm_head_form == "q8":
-            quantization += ", lm_head and embedding int8 on load" if self.config.hidden_size % 32 == 0 else ""
+        embedding = self._embedding_q4_group()
+        if self.lm_head_form == "q8" and self.config.hidden_size % 32 == 0:
+            quantization += ", lm_head int8 on load" if embedding else ", lm_head and embedding int8 on load"
+        if embedding:
+            quantization += f", embedding {formats.describe_q4_form(formats.Q4_ZEROS, embedding)} on load"
         return {"format": "safetensors", "path": str(self.directory), "files": [p.name for p in files],
                 "file_size": sum(p.stat().st_size for p in files), "quantization": quantization,
                 "architecture": self.config.architecture, "notes": list(self.notes)}

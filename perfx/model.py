@@ -24,7 +24,7 @@ import numpy as np
 
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
-from perfx.formats import Q4Matrix, Q8Matrix
+from perfx.formats import Q4_PAIRS, Q4Matrix, Q8Matrix
 from perfx.ops.gated_delta_net import DeltaState
 from perfx.ops.gemm_q4 import GemmQ4
 from perfx.ops.gemv_f16 import F16DeviceWeight
@@ -187,7 +187,9 @@ class Model:
         bar = Progress(c.n_layers + 3, "loading", enabled=progress)
         first = source.layer(0)
         group = source.int4_group or (first.qkv.group if isinstance(first.qkv, Q4Matrix) else None)
-        model.plan = KernelPlan(c, device, ctx, model.database, model.log, group, source.weight_forms(), model.kv)
+        form = first.qkv.form if isinstance(first.qkv, Q4Matrix) else Q4_PAIRS
+        model.plan = KernelPlan(c, device, ctx, model.database, model.log, group, source.weight_forms(), model.kv,
+                                form)
         bar.update(note="kernels")
         embedding = source.embedding()
         model.weights.embedding = model._upload(embedding, "token embedding", role="embedding")

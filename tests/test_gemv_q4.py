@@ -229,6 +229,18 @@ def test_image2d_alone_is_the_only_copy(device, rng):
         Q4DeviceWeight.upload(device, q4, read_paths=("image2d",), layout=1)
 
 
+@pytest.mark.parametrize("form", [Q4_ZEROS, Q4_SYMMETRIC])
+def test_zero_point_forms_allocate_their_bytes(device, rng, form):
+    """The scales buffer holds the form's bytes (2.5 or 2 a group), and nbytes counts exactly those."""
+    q4 = Q4Matrix.random(123, 352, 32, rng, form=form)
+    before = device.allocated_bytes
+    weight = Q4DeviceWeight.upload(device, q4, read_paths=("buffer",), layout=1)
+    groups = 123 * 11
+    assert weight.form == form and weight.defines == {"Q4_SCALES": form}
+    assert device.allocated_bytes - before == weight.nbytes == q4.nbytes == 123 * 352 // 2 + (
+        2 * groups + (groups + 1) // 2 if form == Q4_ZEROS else 2 * groups)
+
+
 def test_layout_mismatch_is_refused(device, rng):
     _, _, rows = _random_weight(device, rng, 10, 64, 32, read_paths=("buffer",))
     x, y = device.upload(rng.standard_normal(64).astype(np.float32)), device.empty(10, np.float32)

@@ -7,7 +7,7 @@
 //   Y (M, I) = GELU(X · Wgᵀ) · (X · Wuᵀ)  EPI_GELU_MUL (the same rows; GELU's tanh form)
 //
 // W (N, K) in perfx's device form (kernels/q4.h): codes in the weight's LAYOUT, from a buffer (READ 0),
-// image2d_t row blocks (READ 1) or an image1d_buffer_t view (READ 2); one half2 (s, m) per group of G.
+// image2d_t row blocks (READ 1) or an image1d_buffer_t view (READ 2); (s, m) per group of G in its Q4_SCALES form.
 // X arrives as half (M, K), converted once per call by convert_f16 below; Y and bias float32, row-major.
 //
 // A work-item owns TN consecutive output columns (TN weight rows, one halfTN vector: twice that for the
@@ -129,7 +129,7 @@ void gemm_q4_f16(const int m_rows, const int n_cols, const int k, const int grou
         for (int s = 0; s < SETS; ++s) {
             float sc[TN], of[TN];
             for (int r = 0; r < TN; ++r) {
-                const float2 sm = vload_half2(SO_INDEX(grow[s][r], g), scale_offset);
+                const float2 sm = GROUP_SM(scale_offset, grow[s][r], g);
                 sc[r] = sm.x;
                 of[r] = sm.y + 8.0f * sm.x;  // the centred codes move 8·s into the offset
             }

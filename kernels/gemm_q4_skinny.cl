@@ -7,7 +7,7 @@
 //
 // W (N, K) in perfx's device form (kernels/q4.h): codes q ∈ [0, 15], 32 per uint4 texel, in the weight's
 // LAYOUT (rows along K, or interleaved), read from a buffer (READ 0), image2d_t row blocks (READ 1) or an
-// image1d_buffer_t view of the buffer (READ 2); one half2 (s, m) per group of G along K, w = s·q + m.
+// image1d_buffer_t view of the buffer (READ 2); (s, m) per group of G along K in its Q4_SCALES form, w = s·q + m.
 // X, Y, bias float32, row-major. Accumulation in fp32.
 //
 // Still memory-bound at small M, so each weight is read once and all M rows' sums stay in registers:
@@ -77,7 +77,7 @@
         for (int g = 0; g < groups; g++) {                                                       \
             float2 sm[WROWS];                                                                    \
             _Pragma("unroll") for (int r = 0; r < WROWS; r++)                                    \
-                sm[r] = vload_half2(SO_INDEX(grow[r], g), scale_offset);                        \
+                sm[r] = GROUP_SM(scale_offset, grow[r], g);                                \
             for (int t = g << group_shift; t < (g + 1) << group_shift; t++) {                    \
                 uint4 tex[WROWS];                                                                \
                 _Pragma("unroll") for (int r = 0; r < WROWS; r++) tex[r] = TEXEL_OF(r, t);       \

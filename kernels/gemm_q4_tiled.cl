@@ -6,8 +6,8 @@
 //   Y (M, I) = GELU(X · Wgᵀ) · (X · Wuᵀ)  EPI_GELU_MUL (the same rows; GELU's tanh form)
 //
 // W (N, K) in perfx's device form (kernels/q4.h): 32 codes per uint4 texel in the weight's LAYOUT, from a
-// buffer (READ 0), image2d_t row blocks (READ 1) or an image1d_buffer_t view (READ 2), one half2 (s, m) per
-// group of G, w = s·q + m.
+// buffer (READ 0), image2d_t row blocks (READ 1) or an image1d_buffer_t view (READ 2), (s, m) per group
+// of G in its Q4_SCALES form, w = s·q + m.
 // X, Y, bias float32 row-major; fp32 accumulation.
 //
 // The parameterization follows CLBlast's xgemm (src/kernels/level3/xgemm_part1.opencl): a
@@ -116,7 +116,7 @@ inline void load_w_tile(__local float* ws, CODES codes, const int row0, const in
         if (n_base + ni < n_cols && t < q4_texels) {
             const int row = row0 + n_base + ni;
             const uint4 q = TEXEL(codes, row - base, t);
-            const float2 sm = vload_half2(SO_INDEX(row, t >> group_shift), scale_offset);
+            const float2 sm = GROUP_SM(scale_offset, row, t >> group_shift);
             store8_strided(p, NWG, dequant8(q.x, sm));
             store8_strided(p + 8 * NWG, NWG, dequant8(q.y, sm));
             store8_strided(p + 16 * NWG, NWG, dequant8(q.z, sm));

@@ -3,7 +3,7 @@
 // owns, the per-texel products and the epilogue store.
 //
 // y (M) = W (N, K) · x (K) (+ bias), W int4 in perfx's device form (kernels/q4.h, perfx/ops/q4_weight.py):
-//   codes: 32 per uint4 texel; scale_offset: one half2 (s, m) per group of G along K; w = s·q + m.
+//   codes: 32 per uint4 texel; scale_offset: (s, m) per group of G along K (Q4_SCALES); w = s·q + m.
 // Per group: Σ_k (s·q_k + m)·x_k = s·Σ q_k x_k + m·Σ x_k, so the inner loop is one multiply-add per weight and
 // Σ x_k is formed once per group and shared by the rows of a work-item. With HALF the codes are centred,
 // Σ (s·(q_k − 8) + m + 8s)·x_k, and Σ (q_k − 8)·x_k is formed in half (cl_khr_fp16), one half8 multiply-add
@@ -98,7 +98,7 @@ inline void own_rows(const int first, const int n_out, const int out_base, const
 #define GROUP_SUMS(g, xsum)                                                                          \
     {                                                                                               \
         _Pragma("unroll") for (int r = 0; r < WROWS; ++r) {                                         \
-            const float2 sm = vload_half2(SO_INDEX(grow[r], g), scale_offset);                      \
+            const float2 sm = GROUP_SM(scale_offset, grow[r], g);                      \
             acc8[r] = DOT_FLOAT(dot[r]) * sm.x + ((xsum) * OFFSET(sm) + acc8[r]);                   \
         }                                                                                           \
     }

@@ -138,7 +138,7 @@ void gemv_q4(GEMV_Q4_ARGS, __local xstage_t* restrict x_local)
         float scale[WROWS];
         #pragma unroll
         for (int r = 0; r < WROWS; ++r) {
-            const float2 sm = vload_half2(SO_INDEX(grow[r], g), scale_offset);
+            const float2 sm = GROUP_SM(scale_offset, grow[r], g);
             scale[r] = sm.x;
             acc[r] += sm.y * xs;
         }

@@ -7,7 +7,7 @@
 //                   Launch: global = (ceil(ceil(K / VW1) / WGS1) · WGS1, M), local = (WGS1, 1).
 //   embedding_q4:   out (M, K) float = W[ids]·scale dequantized, w = s·q + m, from the int4 codes buffer in
 //                   the weight's LAYOUT (kernels/q4.h): code 32t + 8c + j in component c, bits 4j..4j+3
-//                   of texel t; (s, m) one half2 per group of G. K multiple of 32, G in {32, 64, 128}: a
+//                   of texel t; (s, m) per group of G (Q4_SCALES). K multiple of 32, G in {32, 64, 128}: a
 //                   texel never straddles two groups. Bad ids give NaN. The same buffer a tied lm_head's
 //                   GEMV reads: the table is on the device once.
 //                   Launch: global = (ceil((K / 32) / WGS2) · WGS2, M), local = (WGS2, 1).
@@ -130,7 +130,7 @@ void embedding_q4(const int k, const int n_total, const int group, const float s
         return;
     }
     const uint4 texel = codes[TEXEL_INDEX(id, t)];
-    const float2 sm = vload_half2(SO_INDEX(id, 32 * t / group), scale_offset);
+    const float2 sm = GROUP_SM(scale_offset, id, 32 * t / group);
     const uint words[4] = {texel.s0, texel.s1, texel.s2, texel.s3};
     for (int c = 0; c < 4; ++c) {
         const uint word = words[c];

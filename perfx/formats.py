@@ -1,13 +1,15 @@
 """Weight formats: two device forms, int4 and int8, and the exact readers that map every source onto them.
 
-The int4 form (``Q4Matrix``): W (N, K) as codes q ∈ [0, 15] with one fp16 scale s and one fp16
-offset m per group of G ∈ {32, 64, 128} along K, w = s·q + m.
+The int4 form (``Q4Matrix``): W (N, K) as codes q ∈ [0, 15] with a scale s and an offset m per group of
+G ∈ {32, 64, 128} along K, w = s·q + m, stored in the form the source's maths allows (``Q4Matrix.form``):
 
-- AWQ: w = (q − z)·s, so m = −z·s (rounded once to fp16: at most 2⁻¹² of 15·s, a small fraction of
-  one quantization step).
-- GGUF Q4_0: w = d·(q − 8), so s = d, m = −8·d (exact). Q4_1: w = d·q + min, so s = d, m = min (exact).
-- GGUF Q4_K: w = d·sc·q − dmin·mn per sub-block of 32, so s = d·sc, m = −dmin·mn, rounded once to fp16
-  (``from_gguf_q4_k`` says how close that is).
+- AWQ: w = (q − z)·s: an fp16 scale and a 4-bit zero point per group (``Q4_ZEROS``, 2.5 bytes a group),
+  m = −s·z formed in fp32 by the kernels (exact).
+- GGUF Q4_0: w = d·(q − 8): the fp16 scale alone, z = 8 implied (``Q4_SYMMETRIC``, 2 bytes a group, exact).
+- GGUF Q4_1: w = d·q + min, so s = d, m = min, as fp16 (s, m) pairs (``Q4_PAIRS``, 4 bytes a group, exact):
+  min is no multiple of d, so no zero point holds it.
+- GGUF Q4_K: w = d·sc·q − dmin·mn per sub-block of 32, so s = d·sc, m = −dmin·mn, pairs rounded once to
+  fp16 (``from_gguf_q4_k`` says how close that is); m is no multiple of s either.
 
 The int8 form (``Q8Matrix``): codes q ∈ [−128, 127] with a scale s and an offset m per group of
 G ∈ {16, 32}, w = s·q + m; s and m are held as float32 on the host and go to the device as fp16 pairs
@@ -18,7 +20,7 @@ Q6_K (codes q − 32, s = d·sc with an int8 sc, G = 16, float32 pairs). fp16 ma
 are quantized into it round-to-nearest (``Q8Matrix.quantize``).
 
 On the device the int4 codes are rows contiguous along K, 32 codes per RGBA/UINT32 texel
-(``pack_texels``), and (s, m) pairs interleaved as half2 per group (``pack_scale_offset``); the int8
+(``pack_texels``), and each group's (s, m) in the matrix's form (``pack_group_scales``); the int8
 codes are plain int8 rows (``perfx/ops/q8_weight.py``).
 """
 
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from perfx.errors import PerfxError
-from perfx.reference import dequantize_q4
+from perfx.reference import dequantize_q4, dequantize_q4_zeros
 
 GROUP_SIZES = (32, 64, 128)
 CODES_PER_TEXEL = 32  # 4 components × 8 nibbles
@@ -50,25 +52,85 @@ def check_bits(bits: int, what: str = "weight"):
                          "bits = 4 (re-quantize with group size 32, 64 or 128)")
 
 
+# How the int4 form stores each group's (s, m): ``Q4_SCALES`` in kernels/q4.h, set from the weight.
+Q4_PAIRS, Q4_ZEROS, Q4_SYMMETRIC = 0, 1, 2
+Q4_FORM_NAMES = {Q4_PAIRS: "fp16 scale + fp16 offset", Q4_ZEROS: "fp16 scale + 4-bit zero",
+                 Q4_SYMMETRIC: "fp16 scale, zero 8"}
+
+
+def q4_scale_bytes(form: int, groups: int) -> int:
+    """Device bytes of ``groups`` groups' scales in ``form``: 4 a group (half2 pairs), 2.5 (an fp16 scale and
+    a 4-bit zero, two zeros a byte) or 2 (the scale alone)."""
+    return {Q4_PAIRS: 4 * groups, Q4_ZEROS: 2 * groups + (groups + 1) // 2, Q4_SYMMETRIC: 2 * groups}[form]
+
+
+def describe_q4_form(form: int, group: int) -> str:
+    """"int4 g128, 2.5 bytes a group (fp16 scale + 4-bit zero)": what ``perfx info`` and the load line say."""
+    return f"int4 g{group}, {q4_scale_bytes(form, 2) / 2:g} bytes a group ({Q4_FORM_NAMES[form]})"
+
+
 @dataclass
 class Q4Matrix:
-    """W (N, K) in the device form: codes (N, K) uint8 in [0, 15]; scales, offsets (N, K/G) fp16."""
+    """W (N, K) in the int4 device form: codes (N, K) uint8 in [0, 15] and per group of G along K a scale and
+    an offset, w = s·q + m, stored in one of three forms (``form``, kernels/q4.h's Q4_SCALES):
+
+    - ``Q4_PAIRS``: scales and offsets (N, K/G) fp16, any m (GGUF Q4_1 and Q4_K, whose offsets are not s times
+      an integer; quantize-on-load);
+    - ``Q4_ZEROS``: scales fp16 and ``zeros`` (N, K/G) integers in [0, 15], w = s·(q − z) (AWQ);
+    - ``Q4_SYMMETRIC``: scales fp16, z = 8 for every group (GGUF Q4_0).
+
+    In the zero-point forms ``offsets`` is −s·z in float32 (exact: an fp16 times a 4-bit integer), as the kernels
+    form it; make those matrices with ``with_zeros`` and ``symmetric``.
+    """
 
     codes: np.ndarray
     scales: np.ndarray
-    offsets: np.ndarray
+    offsets: np.ndarray | None
     group: int
+    zeros: np.ndarray | None = None
+    form: int = Q4_PAIRS
 
     def __post_init__(self):
         n, k = self.codes.shape
         check_group(k, self.group)
         expected = (n, k // self.group)
-        if self.scales.shape != expected or self.offsets.shape != expected:
-            raise PerfxError(f"scales {self.scales.shape} / offsets {self.offsets.shape} do not match "
+        if self.form not in Q4_FORM_NAMES:
+            raise PerfxError(f"int4 form {self.form!r} is not one perfx knows: {Q4_FORM_NAMES}")
+        if self.form == Q4_ZEROS:
+            if self.zeros is None or np.shape(self.zeros) != expected:
+                raise PerfxError(f"zero points {None if self.zeros is None else np.shape(self.zeros)} do not "
+                                 f"match codes {self.codes.shape} with group {self.group}: expected {expected}")
+            zeros = np.asarray(self.zeros)
+            if zeros.size and (zeros.min() < 0 or zeros.max() > 15):
+                raise PerfxError(f"zero points must be 4-bit integers in [0, 15], got [{zeros.min()}, {zeros.max()}]")
+            self.zeros = np.ascontiguousarray(zeros, dtype=np.uint8)
+        elif self.zeros is not None:
+            raise PerfxError(f"an int4 matrix in the {Q4_FORM_NAMES[self.form]} form has no zero-point tensor")
+        if self.scales.shape != expected or (self.form == Q4_PAIRS and np.shape(self.offsets) != expected):
+            raise PerfxError(f"scales {self.scales.shape} / offsets {np.shape(self.offsets)} do not match "
                              f"codes {self.codes.shape} with group {self.group}: expected {expected}")
         self.codes = np.ascontiguousarray(self.codes, dtype=np.uint8)
         self.scales = np.ascontiguousarray(self.scales, dtype=np.float16)
-        self.offsets = np.ascontiguousarray(self.offsets, dtype=np.float16)
+        if self.form == Q4_PAIRS:
+            self.offsets = np.ascontiguousarray(self.offsets, dtype=np.float16)
+        else:
+            self.offsets = -self.scales.astype(np.float32) * self.zero_points().astype(np.float32)
+
+    @classmethod
+    def with_zeros(cls, codes, scales, zeros, group: int) -> Q4Matrix:
+        """w = s·(q − z) with a 4-bit zero point per group (AWQ, asymmetric GPTQ)."""
+        return cls(codes, scales, None, group, zeros, Q4_ZEROS)
+
+    @classmethod
+    def symmetric(cls, codes, scales, group: int) -> Q4Matrix:
+        """w = s·(q − 8) (GGUF Q4_0, symmetric GPTQ/AWQ)."""
+        return cls(codes, scales, None, group, None, Q4_SYMMETRIC)
+
+    def zero_points(self) -> np.ndarray:
+        """(N, K/G) uint8 zero points of the zero-point forms (8 throughout for ``Q4_SYMMETRIC``)."""
+        if self.form == Q4_PAIRS:
+            raise PerfxError("an int4 matrix of (s, m) pairs has no zero points")
+        return self.zeros if self.form == Q4_ZEROS else np.full(self.scales.shape, 8, np.uint8)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -76,62 +138,108 @@ class Q4Matrix:
 
     @property
     def nbytes(self) -> int:
-        """Bytes a kernel reads: 4 bits per weight plus fp16 scale and offset per group."""
+        """Bytes a kernel reads: 4 bits per weight plus the form's bytes per group (``q4_scale_bytes``)."""
         n, k = self.shape
-        return n * k // 2 + 4 * n * (k // self.group)
+        return n * k // 2 + q4_scale_bytes(self.form, n * (k // self.group))
+
+    def describe_form(self) -> str:
+        return describe_q4_form(self.form, self.group)
 
     def dequantize(self) -> np.ndarray:
-        return dequantize_q4(self.codes, self.scales, self.offsets, self.group)
+        if self.form == Q4_PAIRS:
+            return dequantize_q4(self.codes, self.scales, self.offsets, self.group)
+        return dequantize_q4_zeros(self.codes, self.scales, self.zero_points(), self.group)
+
+    def as_pairs(self) -> Q4Matrix:
+        """The same codes and scales with fp16 (s, m) pairs: m = −s·z rounded once to fp16 (exact for z = 8
+        and for z a power of two; otherwise within 2⁻¹² of 15·s, a small fraction of one step s)."""
+        if self.form == Q4_PAIRS:
+            return self
+        with np.errstate(over="ignore"):
+            return Q4Matrix(self.codes, self.scales, self.offsets.astype(np.float16), self.group)
+
+    def _like(self, codes, scales, offsets, zeros) -> Q4Matrix:
+        """A matrix of this form from row-wise pieces of this one's arrays."""
+        if self.form == Q4_PAIRS:
+            return Q4Matrix(codes, scales, offsets, self.group)
+        return Q4Matrix(codes, scales, None, self.group, zeros, self.form)
 
     @classmethod
-    def quantize(cls, w: np.ndarray, group: int = 128) -> Q4Matrix:
-        """Round-to-nearest asymmetric quantization of W (N, K), for `--quantize q4` and for tests."""
+    def quantize(cls, w: np.ndarray, group: int = 128, zeros: bool = False) -> Q4Matrix:
+        """Round-to-nearest asymmetric quantization of W (N, K), for `--quantize q4` and for tests.
+
+        ``zeros`` False: (s, m) pairs, s = (max − min)/15, m = min. True: AWQ's zero-point form, s =
+        (max − min)/15 and z = rint(−min/s) clipped to [0, 15], q = rint(w/s) + z clipped to [0, 15] (AutoAWQ's
+        pseudo_quantize_tensor), every weight within s/2 of its value where min ≤ 0 ≤ max.
+        """
         w = np.asarray(w, dtype=np.float32)
         n, k = w.shape
         check_group(k, group)
         blocks = w.reshape(n, k // group, group)
         low, high = blocks.min(axis=2), blocks.max(axis=2)
         scales = np.maximum((high - low) / 15.0, 1e-8).astype(np.float16)
+        s32 = scales.astype(np.float32)[..., None]
+        if zeros:
+            z = np.clip(np.rint(-low / s32[..., 0]), 0, 15)
+            codes = np.clip(np.rint(blocks / s32) + z[..., None], 0, 15).astype(np.uint8).reshape(n, k)
+            return cls.with_zeros(codes, scales, z.astype(np.uint8), group)
         offsets = low.astype(np.float16)
-        s32, m32 = scales.astype(np.float32)[..., None], offsets.astype(np.float32)[..., None]
+        m32 = offsets.astype(np.float32)[..., None]
         codes = np.clip(np.rint((blocks - m32) / s32), 0, 15).astype(np.uint8).reshape(n, k)
         return cls(codes, scales, offsets, group)
 
     @classmethod
-    def random(cls, n: int, k: int, group: int, rng: np.random.Generator, scale: float = 0.02) -> Q4Matrix:
-        """Random codes with scales ~ ``scale``/8 and offsets ≈ −8·s: weights of Llama-like size."""
+    def random(cls, n: int, k: int, group: int, rng: np.random.Generator, scale: float = 0.02,
+               form: int = Q4_PAIRS) -> Q4Matrix:
+        """Random codes with scales ~ ``scale``/8 and offsets ≈ −8·s (zero points 6..10 for ``Q4_ZEROS``):
+        weights of Llama-like size."""
         check_group(k, group)
         codes = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
         scales = (rng.uniform(0.5, 1.5, size=(n, k // group)) * scale / 8).astype(np.float16)
+        if form == Q4_ZEROS:
+            return cls.with_zeros(codes, scales, rng.integers(6, 11, size=scales.shape), group)
+        if form == Q4_SYMMETRIC:
+            return cls.symmetric(codes, scales, group)
         offsets = (-8 * scales.astype(np.float32) * rng.uniform(0.8, 1.2, size=scales.shape)).astype(np.float16)
         return cls(codes, scales, offsets, group)
 
     @staticmethod
     def concat(parts: list[Q4Matrix]) -> Q4Matrix:
-        """Stack matrices along N (fused QKV, gate-up): done once at load time."""
+        """Stack matrices along N (fused QKV, gate-up): done once at load time. Parts of one form keep it;
+        zero points and symmetric parts become zero points (z = 8); a mix with pairs becomes pairs."""
         groups = {p.group for p in parts}
         ks = {p.shape[1] for p in parts}
         if len(groups) != 1 or len(ks) != 1:
             raise PerfxError(f"cannot fuse matrices with different K {sorted(ks)} or groups {sorted(groups)}")
-        return Q4Matrix(np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]),
-                        np.concatenate([p.offsets for p in parts]), groups.pop())
+        forms = {p.form for p in parts}
+        codes, scales = np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts])
+        if Q4_PAIRS in forms:
+            return Q4Matrix(codes, scales, np.concatenate([p.as_pairs().offsets for p in parts]), groups.pop())
+        if forms == {Q4_SYMMETRIC}:
+            return Q4Matrix.symmetric(codes, scales, groups.pop())
+        return Q4Matrix.with_zeros(codes, scales, np.concatenate([p.zero_points() for p in parts]), groups.pop())
 
     def rows(self, start: int, stop: int) -> Q4Matrix:
-        return Q4Matrix(self.codes[start:stop], self.scales[start:stop], self.offsets[start:stop], self.group)
+        return self._like(self.codes[start:stop], self.scales[start:stop], self.offsets[start:stop],
+                          None if self.zeros is None else self.zeros[start:stop])
 
     def take_rows(self, index: np.ndarray) -> Q4Matrix:
-        """Rows reordered or picked by ``index``: codes, scales and offsets move together (exact)."""
-        return Q4Matrix(self.codes[index], self.scales[index], self.offsets[index], self.group)
+        """Rows reordered or picked by ``index``: codes, scales and offsets (or zeros) move together (exact)."""
+        return self._like(self.codes[index], self.scales[index], self.offsets[index],
+                          None if self.zeros is None else self.zeros[index])
 
     def regroup(self, group: int) -> Q4Matrix:
-        """The same weights with groups of ``group`` (a divisor of G): each (s, m) repeated (exact)."""
+        """The same weights with groups of ``group`` (a divisor of G): each (s, m) or (s, z) repeated (exact)."""
         if group == self.group:
             return self
         if self.group % group:
             raise PerfxError(f"cannot regroup int4 groups of {self.group} into groups of {group}")
         repeat = self.group // group
-        return Q4Matrix(self.codes, np.repeat(self.scales, repeat, axis=1), np.repeat(self.offsets, repeat, axis=1),
-                        group)
+        zeros = None if self.zeros is None else np.repeat(self.zeros, repeat, axis=1)
+        if self.form == Q4_PAIRS:
+            return Q4Matrix(self.codes, np.repeat(self.scales, repeat, axis=1),
+                            np.repeat(self.offsets, repeat, axis=1), group)
+        return Q4Matrix(self.codes, np.repeat(self.scales, repeat, axis=1), None, group, zeros, self.form)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,8 +363,9 @@ class Q8Matrix:
         if q4.group % group or group not in Q8_GROUP_SIZES:
             raise PerfxError(f"an int4 matrix of group {q4.group} cannot go into int8 groups of {group}")
         repeat = q4.group // group
+        # −s·z of a 4-bit zero point can need 15 significant bits: float32 pairs (fixed by the form)
         return cls(q4.codes.astype(np.int8), np.repeat(q4.scales.astype(np.float32), repeat, axis=1),
-                   np.repeat(q4.offsets.astype(np.float32), repeat, axis=1), group)
+                   np.repeat(q4.offsets.astype(np.float32), repeat, axis=1), group, f32=q4.form == Q4_ZEROS)
 
     def regroup(self, group: int) -> Q8Matrix:
         """The same weights with groups of ``group`` (a divisor of G): each (s, m) repeated (exact)."""
@@ -318,6 +427,23 @@ def pack_scale_offset(scales: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.stack([scales, offsets], axis=-1).astype(np.float16))
 
 
+def pack_group_scales(q4: Q4Matrix, interleaved: bool = False) -> np.ndarray:
+    """The bytes of a matrix's scale_offset buffer in its form (kernels/q4.h), groups in row order (N, K/G) or,
+    ``interleaved``, (K/G, N): half2 (s, m) pairs; or the fp16 scales, then (``Q4_ZEROS``) the zero points in
+    the same order, two a byte, the even index in the low nibble."""
+    order = (lambda a: a.T) if interleaved else (lambda a: a)
+    if q4.form == Q4_PAIRS:
+        pairs = pack_scale_offset(q4.scales, q4.offsets)
+        return np.ascontiguousarray(pairs.transpose(1, 0, 2) if interleaved else pairs).view(np.uint8).reshape(-1)
+    scales = np.ascontiguousarray(order(q4.scales)).view(np.uint8).reshape(-1)
+    if q4.form == Q4_SYMMETRIC:
+        return scales
+    zeros = np.ascontiguousarray(order(q4.zeros)).reshape(-1)
+    if zeros.size % 2:
+        zeros = np.append(zeros, np.uint8(0))
+    return np.concatenate([scales, zeros[0::2] | (zeros[1::2] << 4)])
+
+
 def row_splits(n: int, max_rows: int) -> list[tuple[int, int]]:
     """Row ranges [start, stop) of at most ``max_rows`` each: how N is split over several images."""
     if max_rows <= 0:
@@ -362,9 +488,8 @@ def from_awq_gemm(qweight, qzeros, scales, group: int) -> Q4Matrix:
                          f"scales {scales.shape}; expected qzeros {(k // group, n // 8)}, scales {(k // group, n)} "
                          f"for group {group}")
     codes = _unpack_int32_nibbles(qweight, AWQ_GEMM_ORDER).T          # (N, K)
-    zeros = _unpack_int32_nibbles(qzeros, AWQ_GEMM_ORDER).T.astype(np.float32)  # (N, K/G)
-    s = scales.T.astype(np.float16)
-    return Q4Matrix(codes, s, (-zeros * s.astype(np.float32)).astype(np.float16), group)
+    zeros = _unpack_int32_nibbles(qzeros, AWQ_GEMM_ORDER).T  # (N, K/G)
+    return Q4Matrix.with_zeros(codes, scales.T.astype(np.float16), zeros, group)
 
 
 def to_awq_gemm(codes: np.ndarray, zeros: np.ndarray, scales: np.ndarray):
@@ -393,9 +518,8 @@ def from_awq_gemv(qweight, qzeros, scales, group: int) -> Q4Matrix:
                          f"scales {scales.shape}; expected qzeros {(n, width)}, scales {(n, 8 * width)}")
     sequential = tuple(range(8))
     codes = _unpack_int32_nibbles(qweight, sequential)
-    zeros = _unpack_int32_nibbles(qzeros, sequential)[:, : k // group].astype(np.float32)
-    s = scales[:, : k // group].astype(np.float16)
-    return Q4Matrix(codes, s, (-zeros * s.astype(np.float32)).astype(np.float16), group)
+    zeros = _unpack_int32_nibbles(qzeros, sequential)[:, : k // group]
+    return Q4Matrix.with_zeros(codes, scales[:, : k // group].astype(np.float16), zeros, group)
 
 
 def to_awq_gemv(codes: np.ndarray, zeros: np.ndarray, scales: np.ndarray):
@@ -455,11 +579,11 @@ def _blocks(raw: np.ndarray, dtype: np.dtype, n: int, k: int, name: str, block: 
 def from_gguf_q4_0(raw, n: int, k: int, name: str = "tensor") -> Q4Matrix:
     blocks = _blocks(raw, Q4_0_BLOCK, n, k, name)
     codes = _q4_block_codes(blocks["qs"]).reshape(n, k)
-    d = blocks["d"].astype(np.float16)
-    return Q4Matrix(codes, d, (-8 * d.astype(np.float32)).astype(np.float16), 32)
+    return Q4Matrix.symmetric(codes, blocks["d"].astype(np.float16), 32)   # w = d·(q − 8): exact
 
 
 def from_gguf_q4_1(raw, n: int, k: int, name: str = "tensor") -> Q4Matrix:
+    """w = d·q + min: (s, m) pairs, as min is no multiple of d in general (no zero-point form holds it)."""
     blocks = _blocks(raw, Q4_1_BLOCK, n, k, name)
     codes = _q4_block_codes(blocks["qs"]).reshape(n, k)
     return Q4Matrix(codes, blocks["d"].astype(np.float16), blocks["m"].astype(np.float16), 32)
@@ -517,7 +641,8 @@ def _k_scale_offset(blocks: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.
 def from_gguf_q4_k(raw, n: int, k: int, name: str = "tensor") -> Q4Matrix:
     """Q4_K: w = d·sc·q − dmin·mn, q ∈ [0, 15], per sub-block of 32 in super-blocks of 256.
 
-    Into the int4 form with G = 32: s = d·sc and m = −dmin·mn, exact in float32 but rounded once to the
+    Into the int4 form with G = 32, (s, m) pairs (m = −dmin·mn is no multiple of s: no zero-point form holds
+    it): s = d·sc and m = −dmin·mn, exact in float32 but rounded once to the
     form's fp16 (an fp16 times a 6-bit sc can need 17 significant bits): |Δs| ≤ 2⁻¹¹·s and
     |Δm| ≤ 2⁻¹¹·|m| (relative to the smallest normal fp16, 2⁻²⁵ absolute), so each weight moves by at
     most 2⁻¹¹·(15·s + |m|), under 1% of one quantization step s for typical |m| ≲ 5·s. llama.cpp computes

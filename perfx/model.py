@@ -24,7 +24,7 @@ import numpy as np
 
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
-from perfx.formats import Q4Matrix, Q8Matrix
+from perfx.formats import Q4_PAIRS, Q4Matrix, Q8Matrix
 from perfx.ops.gated_delta_net import DeltaState
 from perfx.ops.gemm_q4 import GemmQ4
 from perfx.ops.gemv_f16 import F16DeviceWeight
@@ -79,6 +79,17 @@ class DeviceWeights:
     final_norm: object = None  # float32 (hidden)
     lm_head: object = None
     nbytes: int = 0            # bytes one decode step reads: every weight once
+
+    def int4_forms(self) -> dict[str, int]:
+        """{"int4 g128, 2.5 bytes a group (fp16 scale + 4-bit zero)": matrices in that form, ...}: the load line's
+        count of the int4 weights by the form of their scales."""
+        found = [self.embedding, self.lm_head] if self.lm_head is not self.embedding else [self.embedding]
+        found += [w for layer in self.layers for w in vars(layer).values()]
+        counts: dict[str, int] = {}
+        for w in found:
+            if isinstance(w, Q4DeviceWeight):
+                counts[w.describe_form()] = counts.get(w.describe_form(), 0) + 1
+        return counts
 
 
 @dataclass
@@ -176,7 +187,9 @@ class Model:
         bar = Progress(c.n_layers + 3, "loading", enabled=progress)
         first = source.layer(0)
         group = source.int4_group or (first.qkv.group if isinstance(first.qkv, Q4Matrix) else None)
-        model.plan = KernelPlan(c, device, ctx, model.database, model.log, group, source.weight_forms(), model.kv)
+        form = first.qkv.form if isinstance(first.qkv, Q4Matrix) else Q4_PAIRS
+        model.plan = KernelPlan(c, device, ctx, model.database, model.log, group, source.weight_forms(), model.kv,
+                                form)
         bar.update(note="kernels")
         embedding = source.embedding()
         model.weights.embedding = model._upload(embedding, "token embedding", role="embedding")
@@ -229,7 +242,7 @@ class Model:
             "recurrent_state_bytes": model.delta_state.nbytes if model.delta_state is not None else 0,
             "restore_points": len(points.buffers) if (points := model.restore_points) is not None else 0,
             "restore_point_bytes": points.nbytes if points is not None else 0,
-            "host_peak_bytes": host_peak_bytes(), "ctx": ctx,
+            "host_peak_bytes": host_peak_bytes(), "ctx": ctx, "int4_forms": model.weights.int4_forms(),
         }
         return model
 
@@ -698,17 +711,19 @@ def host_peak_bytes() -> int:
 
 def load_model(name: str | None = None, device: Device | str | None = None, ctx: int | None = None,
                quantize: str | None = None, progress: bool | None = None, log=None,
-               default_ctx: int = DEFAULT_CTX, tuning: bool = True, lm_head: str = "q8", kv: str = "f16"):
+               default_ctx: int = DEFAULT_CTX, tuning: bool = True, lm_head: str = "q8", kv: str = "f16",
+               embedding: str = "head"):
     """Resolve ``name`` ("default", a path, "synthetic:<name>"), open it and load it on the device.
 
     Returns (model, source). ``log`` receives one-line progress notes (the CLI passes stderr's print).
     ``tuning`` False ignores every tuning database: the kernels run their built-in defaults. ``lm_head``
     ("q8", the default, or "fp16") is the form of the output projection and a tied embedding
     (``perfx.sources.open_model``). ``kv`` ("f16", the default, or "q8") is the KV cache's form (``Model.load``).
+    ``embedding`` ("head", the default, or "q4") is the untied token embedding's form (``open_model``).
     """
     log = log or (lambda text: None)
     device = device if isinstance(device, Device) else Device(device)
-    source = open_named(name, quantize=quantize, lm_head=lm_head)
+    source = open_named(name, quantize=quantize, lm_head=lm_head, embedding=embedding)
     c = source.config
     log(f"perfx: model {source.describe().get('path', name)} on {device.caps.name} ({device.caps.platform}, "
         f"limits: {device.caps.limits}); {c.architecture}: {c.describe_recipe()}")
@@ -723,5 +738,6 @@ def load_model(name: str | None = None, device: Device | str | None = None, ctx:
                  f"{r['restore_point_bytes'] / 2**20:.1f} MiB")
     log(f"perfx: loaded in {r['load_s']:.1f}s: {r['weight_bytes'] / 2**20:.0f} MiB of weights, "
         f"{r['device_bytes'] / 2**20:.0f} MiB on the device (KV cache {r['kv']} {r['kv_cache_bytes'] / 2**20:.0f} MiB "
-        f"for {r['ctx']} positions{conv}), host peak {r['host_peak_bytes'] / 2**20:.0f} MiB")
+        f"for {r['ctx']} positions{conv}), host peak {r['host_peak_bytes'] / 2**20:.0f} MiB"
+        + "".join(f"; {form} ×{count}" for form, count in r["int4_forms"].items()))
     return model, source

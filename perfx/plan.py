@@ -13,6 +13,7 @@ import dataclasses
 
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
+from perfx.formats import Q4_PAIRS
 from perfx.ops.attention_decode import AttentionDecode
 from perfx.ops.attention_prefill import AttentionPrefill
 from perfx.ops.embedding_q8 import EmbeddingQ8
@@ -44,9 +45,10 @@ class KernelPlan:
     ``prefill(m)`` and ``q8(...)`` on first use. ``tuned`` says where each choice came from."""
 
     def __init__(self, config: ModelConfig, device: Device, max_positions: int, database: Database, log,
-                 group: int | None, forms: dict | None = None, kv: str = "f16"):
+                 group: int | None, forms: dict | None = None, kv: str = "f16", q4_form: int = Q4_PAIRS):
         self.config, self.device, self.max_positions = config, device, max_positions
         self.kv = kv   # the KV cache's form: part of the attention kernels' shapes
+        self.q4_form = q4_form   # the int4 layers' scales form (kernels/q4.h Q4_SCALES): the kernels built first
         self.database, self.log = database, log
         self._choose_decode(group, forms)
 
@@ -78,7 +80,8 @@ class KernelPlan:
 
             def gemv(params, shape=shape):
                 op = GemvQ4(d, params, shape)
-                op.kernel(shape["group"], shape["epilogue"])  # built now: a driver that refuses it is seen here
+                # built now: a driver that refuses it is seen here
+                op.kernel(shape["group"], shape["epilogue"], form=self.q4_form)
                 return op
             where = None
             if name == "lm_head" and c.tie_embeddings:
@@ -180,7 +183,7 @@ class KernelPlan:
                     def make(params):
                         op = GemmQ4(self.device, **{f"{kind}_params": params}, shape=shape, kind=kind)
                         for read in {params["READ"]} & {0, 1}:
-                            op.kernel(kind, epilogue, read)
+                            op.kernel(kind, epilogue, read, form=self.q4_form)
                         return op
                     return make
                 kinds = {"skinny": skinny, "tiled": tiled}

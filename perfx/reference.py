@@ -127,6 +127,16 @@ def dequantize_q4(codes, scales, offsets, group: int) -> np.ndarray:
     return s * codes + m
 
 
+def dequantize_q4_zeros(codes, scales, zeros, group: int) -> np.ndarray:
+    """W (N, K) from the int4 zero-point forms: w = s·(q − z), one fp16 s and one integer z per group of G
+    (AWQ's and GPTQ's maths; z = 8 for GGUF Q4_0 and symmetric checkpoints)."""
+    codes = f64(codes)
+    n, k = codes.shape
+    s = np.repeat(f64(scales), group, axis=1)[:, :k]
+    z = np.repeat(f64(zeros), group, axis=1)[:, :k]
+    return s * (codes - z)
+
+
 def quantize_activations_q8(x, block: int = 32) -> np.ndarray:
     """x as the int8-activation kernels see it (llama.cpp's Q8_0/Q8_1): per block of 32, codes
     round(x·127/max|x|) (ties to even, as OpenCL's rint) times max|x|/127, returned as float64 values."""

@@ -26,6 +26,14 @@ def test_info_json_names_a_device(capsys):
     assert data["chosen"]["reason"]
 
 
+def test_info_names_each_weights_form_and_bytes_a_group(capsys):
+    code, out, _ = run_cli(capsys, "info", "--json", "--model", "synthetic:tiny", "--embedding", "q4")
+    forms = json.loads(out)["model_forms"]
+    assert code == 0 and forms["qkv"] == "int4 g64, 4 bytes a group (fp16 scale + fp16 offset)"
+    assert forms["embedding"] == "int4 g64, 2.5 bytes a group (fp16 scale + 4-bit zero)"
+    assert forms["lm_head"] == "int8 g32, 4 bytes a group (fp16 scale + offset)"
+
+
 def test_info_as_a_module_prints_the_choice():
     out = subprocess.run([sys.executable, "-m", "perfx", "info"], capture_output=True, text=True, check=True).stdout
     assert "perfx uses" in out and "limits in force" in out

@@ -9,9 +9,10 @@ from gguf import GGMLQuantizationType, quants
 from perfx import reference
 from perfx.errors import PerfxError
 from helpers.kquants import quantize_k, random_k_blocks
-from perfx.formats import (GGUF_READERS, Q4Matrix, Q8Matrix, check_bits, from_awq_gemm, from_awq_gemv,
-                           from_gguf_q4_0, from_gguf_q4_1, from_gguf_q4_k, pack_scale_offset, pack_texels,
-                           row_splits, to_awq_gemm, to_awq_gemv, unpack_texels)
+from perfx.formats import (GGUF_READERS, Q4_PAIRS, Q4_SYMMETRIC, Q4_ZEROS, Q4Matrix, Q8Matrix, check_bits,
+                           describe_q4_form, from_awq_gemm, from_awq_gemv, from_gguf_q4_0, from_gguf_q4_1,
+                           from_gguf_q4_k, pack_group_scales, pack_scale_offset, pack_texels, row_splits,
+                           to_awq_gemm, to_awq_gemv, unpack_texels)
 
 
 def test_awq_gemm_golden_value():
@@ -36,9 +37,11 @@ def test_awq_gemm_round_trip(rng, n, k, group):
     assert qweight.shape == (k, n // 8) and qzeros.shape == (k // group, n // 8) and s.shape == (k // group, n)
     q4 = from_awq_gemm(qweight, qzeros, s, group)
     assert np.array_equal(q4.codes, codes) and np.array_equal(q4.scales, scales)
-    # AWQ: w = (q − z)·s; the device form's fp16 offset m = −z·s costs at most half an fp16 ulp of m.
+    # AWQ: w = (q − z)·s, held as it is: the scales and the zero points (exact)
+    assert q4.form == Q4_ZEROS and np.array_equal(q4.zeros, zeros)
     awq = (codes.astype(np.float64) - np.repeat(zeros, group, 1)) * np.repeat(scales.astype(np.float64), group, 1)
-    assert np.max(np.abs(q4.dequantize() - awq)) <= np.max(np.abs(awq)) * 2.0**-11
+    np.testing.assert_array_equal(q4.dequantize(), awq)
+    assert q4.nbytes == n * k // 2 + 2 * n * (k // group) + -(-n * (k // group) // 2)
 
 
 @pytest.mark.parametrize("n, k, group", [(8, 64, 32), (16, 256, 64), (8, 1024, 128), (8, 96, 32)])
@@ -48,8 +51,22 @@ def test_awq_gemv_round_trip(rng, n, k, group):
     assert qweight.shape == (n, k // 8)
     q4 = from_awq_gemv(qweight, qzeros, s, group)
     assert np.array_equal(q4.codes, codes) and np.array_equal(q4.scales, scales)
-    assert np.allclose(q4.offsets.astype(np.float32), -zeros.astype(np.float32) * scales.astype(np.float32),
-                       rtol=2.0**-10)
+    assert q4.form == Q4_ZEROS and np.array_equal(q4.zeros, zeros)
+    # m = −s·z as the kernels form it: exact in float32
+    np.testing.assert_array_equal(q4.offsets, -zeros.astype(np.float32) * scales.astype(np.float32))
+
+
+def test_awq_shapes_that_disagree_are_clear_errors(rng):
+    codes, zeros, scales = _random_awq_parts(rng, 16, 128, 64)
+    qweight, qzeros, s = to_awq_gemm(codes, zeros, scales)
+    with pytest.raises(PerfxError, match=r"AWQ GEMM shapes disagree.*expected qzeros \(2, 2\)"):
+        from_awq_gemm(qweight, qzeros[:1], s, 64)
+    with pytest.raises(PerfxError, match=r"zero points \(16, 1\) do not match codes \(16, 128\) with group 64"):
+        Q4Matrix.with_zeros(codes, scales, zeros[:, :1], 64)
+    with pytest.raises(PerfxError, match=r"zero points must be 4-bit integers in \[0, 15\], got \[0, 16\]"):
+        Q4Matrix.with_zeros(codes, scales, np.where(zeros == zeros.max(), 16, zeros), 64)
+    with pytest.raises(PerfxError, match="has no zero-point tensor"):
+        Q4Matrix(codes, scales, scales, 64, zeros)
 
 
 def test_awq_gemv_packs_sequentially():
@@ -66,6 +83,10 @@ def test_gguf_q4_0_matches_the_gguf_package(rng, n, k):
     theirs = quants.dequantize(raw, GGMLQuantizationType.Q4_0)
     np.testing.assert_array_equal(q4.dequantize().astype(np.float32), theirs.astype(np.float32))
     assert q4.codes.max() <= 15 and q4.group == 32
+    # the scale alone (z = 8 implied), 2 bytes a group: the same weights as the pairs (d, −8·d) it replaces
+    assert q4.form == Q4_SYMMETRIC and q4.nbytes == n * k // 2 + 2 * n * (k // 32)
+    pairs = Q4Matrix(q4.codes, q4.scales, (-8 * q4.scales.astype(np.float32)).astype(np.float16), 32)
+    np.testing.assert_array_equal(q4.dequantize(), pairs.dequantize())
 
 
 @pytest.mark.parametrize("n, k", [(3, 32), (4, 160)])
@@ -75,6 +96,7 @@ def test_gguf_q4_1_matches_the_gguf_package(rng, n, k):
     theirs = quants.dequantize(raw, GGMLQuantizationType.Q4_1)
     # gguf computes d·q + m in float32; ours is float64 of the same fp16 values.
     np.testing.assert_allclose(q4.dequantize(), theirs, rtol=1e-6, atol=1e-7)
+    assert q4.form == Q4_PAIRS   # min is no multiple of d: no zero point holds it
 
 
 def test_truncated_gguf_tensor_is_a_clear_error():
@@ -98,6 +120,61 @@ def test_scale_offset_pairs_and_row_splits():
     m = np.array([[3, 4]], np.float16)
     assert pack_scale_offset(s, m).tolist() == [[[1, 3], [2, 4]]]
     assert row_splits(1000, 256) == [(0, 256), (256, 512), (512, 768), (768, 1000)]
+
+
+def test_group_scales_bytes_follow_the_layout(rng):
+    """pack_group_scales: pairs as pack_scale_offset; the zero-point form's fp16 scales, then its zeros two a
+    byte (the even index in the low nibble), both in the layout's group order (3 × 3 groups: an odd count)."""
+    codes = rng.integers(0, 16, (3, 96), dtype=np.uint8)
+    scales = rng.uniform(0.5, 2, (3, 3)).astype(np.float16)
+    zeros = rng.integers(0, 16, (3, 3), dtype=np.uint8)
+    q4 = Q4Matrix.with_zeros(codes, scales, zeros, 32)
+    for interleaved, order in ((False, lambda a: a), (True, lambda a: a.T)):
+        raw = pack_group_scales(q4, interleaved)
+        assert raw.nbytes == 9 * 2 + 5 == q4.nbytes - 3 * 96 // 2
+        np.testing.assert_array_equal(raw[:18].view(np.float16), order(scales).reshape(-1))
+        z = order(zeros).reshape(-1)
+        assert [(raw[18 + i // 2] >> (4 * (i % 2))) & 0xF for i in range(9)] == z.tolist()
+        assert raw[22] >> 4 == 0
+    symmetric = Q4Matrix.symmetric(codes, scales, 32)
+    np.testing.assert_array_equal(pack_group_scales(symmetric, True).view(np.float16), scales.T.reshape(-1))
+    pairs = q4.as_pairs()
+    assert pairs.form == Q4_PAIRS
+    np.testing.assert_array_equal(pack_group_scales(pairs).view(np.float16).reshape(3, 3, 2),
+                                  pack_scale_offset(pairs.scales, pairs.offsets))
+    assert describe_q4_form(Q4_ZEROS, 128) == "int4 g128, 2.5 bytes a group (fp16 scale + 4-bit zero)"
+    assert describe_q4_form(Q4_SYMMETRIC, 32) == "int4 g32, 2 bytes a group (fp16 scale, zero 8)"
+    assert describe_q4_form(Q4_PAIRS, 32) == "int4 g32, 4 bytes a group (fp16 scale + fp16 offset)"
+
+
+def test_zero_point_forms_fuse_regroup_and_take_rows(rng):
+    """concat keeps a shared form (zeros beside symmetric parts become zeros, z = 8; a pairs part makes pairs),
+    regroup repeats each zero, take_rows moves them with their rows: all exact."""
+    zeros = Q4Matrix.random(8, 128, 64, rng, form=Q4_ZEROS)
+    symmetric = Q4Matrix.random(4, 128, 64, rng, form=Q4_SYMMETRIC)
+    pairs = Q4Matrix.random(4, 128, 64, rng)
+    mixed = Q4Matrix.concat([zeros, symmetric])
+    assert mixed.form == Q4_ZEROS and (mixed.zeros[8:] == 8).all()
+    assert Q4Matrix.concat([symmetric, symmetric]).form == Q4_SYMMETRIC
+    assert Q4Matrix.concat([zeros, pairs]).form == Q4_PAIRS
+    for fused in (mixed, Q4Matrix.concat([symmetric, pairs])):
+        np.testing.assert_array_equal(fused.rows(0, 8).dequantize()[:4], fused.dequantize()[:4])
+    np.testing.assert_array_equal(mixed.dequantize(), np.concatenate([zeros.dequantize(), symmetric.dequantize()]))
+    np.testing.assert_array_equal(zeros.regroup(32).dequantize(), zeros.dequantize())
+    index = rng.permutation(8)
+    np.testing.assert_array_equal(zeros.take_rows(index).dequantize(), zeros.dequantize()[index])
+    q8 = Q8Matrix.from_q4(zeros)
+    assert q8.f32 and np.array_equal(q8.dequantize(), zeros.dequantize())
+
+
+def test_quantize_with_zero_points_is_within_half_a_step(rng):
+    w = rng.standard_normal((16, 256)).astype(np.float32)
+    q4 = Q4Matrix.quantize(w, 128, zeros=True)
+    assert q4.form == Q4_ZEROS
+    step = np.repeat(q4.scales.astype(np.float64), 128, axis=1)
+    # half a step (the zero point rounds too: z = rint(−min/s) moves the grid by up to s/2, which the
+    # clipped codes at the ends absorb to within one step), with the fp16 rounding of s over 15 steps
+    assert np.all(np.abs(q4.dequantize() - w) <= step + 15 * step * 2.0**-11)
 
 
 def test_quantize_round_to_nearest_is_within_half_a_step(rng):

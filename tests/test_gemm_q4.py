@@ -4,9 +4,9 @@ weight layouts, and the dispatcher."""
 import numpy as np
 import pytest
 
-from helpers.spec_checks import assert_every_parameter_set
+from helpers.spec_checks import assert_every_parameter_set, assert_first_sets
 from perfx.errors import PerfxError
-from perfx.formats import Q4Matrix
+from perfx.formats import Q4_SYMMETRIC, Q4_ZEROS, Q4Matrix
 from perfx.ops.epilogue import output_rows
 from perfx.ops.gemm_q4 import DEFAULT_CROSSOVER, GemmQ4
 from perfx.ops.q4_weight import Q4DeviceWeight
@@ -53,6 +53,24 @@ def test_every_candidate_on_the_spec_shapes(device, rng, kind, index):
     assert spec.params.defaults() in candidates and len(candidates) >= 12
     assert {p["LAYOUT"] for p in candidates} == {0, 1}
     assert_every_parameter_set(spec, device, shape, rng, cover=index > 0)
+
+
+# The zero-point forms (kernels/q4.h Q4_SCALES 1 and 2) in each layout and through image2d row blocks (where the
+# scales are indexed by global row), at each kernel's tolerance: m = −s·z is exact in fp32. 101 columns × 11
+# groups: an odd count of zero points; M = 9 is no multiple of any tile.
+FORM_CASES = [(Q4_ZEROS, {"m": 9, "n": 101, "k": 352, "group": 32, "epilogue": "bias"}),
+              (Q4_SYMMETRIC, {"m": 5, "n": 2 * 50, "k": 320, "group": 64, "epilogue": "silu_mul"})]
+FORM_PATHS = {"rows": lambda p: p["LAYOUT"] == 0 and p["READ"] != 1, "image2d": lambda p: p["READ"] == 1,
+              "interleaved": lambda p: p["LAYOUT"] == 1}
+
+
+@pytest.mark.parametrize("kind", ["skinny", "tiled", "f16"])
+@pytest.mark.parametrize("form,shape", FORM_CASES, ids=["zeros", "symmetric"])
+def test_zero_point_forms(device, rng, kind, form, shape):
+    if kind not in kinds(device):
+        pytest.skip(f"{device.caps.name} has no cl_khr_fp16")
+    ran = assert_first_sets(SPECS[kind], device, {**shape, "form": form}, rng, FORM_PATHS)
+    assert {"rows", "interleaved"} <= set(ran)
 
 
 def _problem(device, rng, m, n, k, group, epilogue="none", read_paths=("image2d", "buffer"), extra_rows=1,

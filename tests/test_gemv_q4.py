@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from helpers.spec_checks import assert_every_parameter_set
+from helpers.spec_checks import assert_every_parameter_set, assert_first_sets
 from perfx import reference
 from perfx.errors import PerfxError
-from perfx.formats import Q4Matrix
+from perfx.formats import Q4_PAIRS, Q4_SYMMETRIC, Q4_ZEROS, Q4Matrix
 from perfx.ops.gemv_q4 import GemvQ4
 from perfx.ops.params import READ_NAMES, required_subgroup_sizes
 from perfx.ops.q4_weight import Q4DeviceWeight, image2d_is_view
@@ -48,6 +48,30 @@ def test_shapes_cover_the_contract():
     assert {s.get("epilogue") for s in shapes} >= {"silu_mul", "gelu_mul"}, "gate-up with each activation"
 
 
+# The zero-point forms (kernels/q4.h Q4_SCALES 1 and 2) on every path that loads a group's scales: GROUP_SUMS in
+# fp32 and with HALF's centred offset, in each layout, and the interleaved int8-activation loop. Their m = −s·z is
+# exact in fp32, so each set keeps its tolerance. 123 rows × 11 groups: an odd count of zero points (the last
+# alone in its byte); the gate-up shape reads gate and up rows' zeros far apart.
+FORM_CASES = [(Q4_ZEROS, {"n": 123, "k": 352, "group": 32, "epilogue": "none", "bias": True}),
+              (Q4_ZEROS, {"n": 2 * 45, "k": 320, "group": 64, "epilogue": "silu_mul"}),
+              (Q4_SYMMETRIC, {"n": 2 * 45, "k": 384, "group": 128, "epilogue": "gelu_mul"})]
+SCALE_PATHS = {
+    "rows": lambda p: p["LAYOUT"] == 0 and not p["HALF"],
+    "rows image2d": lambda p: p["LAYOUT"] == 0 and p["READ"] == 1,
+    "rows half": lambda p: p["LAYOUT"] == 0 and p["HALF"],
+    "interleaved": lambda p: p["LAYOUT"] == 1 and not p["HALF"] and not p["I8"],
+    "interleaved half": lambda p: p["LAYOUT"] == 1 and p["HALF"],
+    "interleaved int8": lambda p: p["LAYOUT"] == 1 and p["I8"],
+}
+
+
+@pytest.mark.parametrize("form,shape", FORM_CASES, ids=["zeros-odd", "zeros-silu", "symmetric-gelu"])
+def test_zero_point_forms(device, rng, form, shape):
+    ran = assert_first_sets(SPEC, device, {**shape, "form": form}, rng, SCALE_PATHS)
+    assert {"rows", "rows image2d", "interleaved", "interleaved int8"} <= set(ran)
+    assert ("rows half" in ran) == device.caps.fp16
+
+
 def test_detects_wrong_answers(device, rng):
     """The check can fail: a poisoned (unwritten) output and a reference without offsets both exceed it."""
     shape = SPEC.test_shapes[2]
@@ -59,8 +83,8 @@ def test_detects_wrong_answers(device, rng):
     assert relative_error(wrong, case.expected["y"]) > SPEC.tolerance
 
 
-def _random_weight(device, rng, n, k, group, bias=False, read_paths=("image2d", "buffer")):
-    q4 = Q4Matrix.random(n, k, group, rng)
+def _random_weight(device, rng, n, k, group, bias=False, read_paths=("image2d", "buffer"), form=Q4_PAIRS):
+    q4 = Q4Matrix.random(n, k, group, rng, form=form)
     b = rng.standard_normal(n).astype(np.float32) if bias else None
     return q4, b, Q4DeviceWeight.upload(device, q4, b, read_paths=read_paths)
 
@@ -70,11 +94,13 @@ def small_image_device(opencl_device):
     return Device(opencl_device.entry.index, limits=Limits(name="test", image2d_max_height=256))
 
 
-@pytest.mark.parametrize("params", [{"LANES": 1, "ROWS": 4}, {"LANES": 4, "ROWS": 2}, {"LANES": 16, "ROWS": 1}])
-def test_image_split(small_image_device, rng, params):
-    """N = 1000 over four images of 256 rows; gate-up pairs whose gate and up rows sit in different images."""
+@pytest.mark.parametrize("params,form", [({"LANES": 1, "ROWS": 4}, Q4_PAIRS), ({"LANES": 4, "ROWS": 2}, Q4_ZEROS),
+                                         ({"LANES": 16, "ROWS": 1}, Q4_SYMMETRIC)])
+def test_image_split(small_image_device, rng, params, form):
+    """N = 1000 over four images of 256 rows; gate-up pairs whose gate and up rows sit in different images. The
+    scales (and zero points) are indexed by the weight's global row, never the row within an image."""
     device = small_image_device
-    q4, bias, weight = _random_weight(device, rng, 1000, 576, 64, bias=True, read_paths=("image2d",))
+    q4, bias, weight = _random_weight(device, rng, 1000, 576, 64, bias=True, read_paths=("image2d",), form=form)
     assert weight.image_rows == [(0, 256), (256, 512), (512, 768), (768, 1000)]
     x = rng.standard_normal(576).astype(np.float32)
     xd = device.upload(x)
@@ -201,6 +227,18 @@ def test_image2d_alone_is_the_only_copy(device, rng):
     assert device.allocated_bytes - before == q4.nbytes
     with pytest.raises(PerfxError, match="interleaved"):
         Q4DeviceWeight.upload(device, q4, read_paths=("image2d",), layout=1)
+
+
+@pytest.mark.parametrize("form", [Q4_ZEROS, Q4_SYMMETRIC])
+def test_zero_point_forms_allocate_their_bytes(device, rng, form):
+    """The scales buffer holds the form's bytes (2.5 or 2 a group), and nbytes counts exactly those."""
+    q4 = Q4Matrix.random(123, 352, 32, rng, form=form)
+    before = device.allocated_bytes
+    weight = Q4DeviceWeight.upload(device, q4, read_paths=("buffer",), layout=1)
+    groups = 123 * 11
+    assert weight.form == form and weight.defines == {"Q4_SCALES": form}
+    assert device.allocated_bytes - before == weight.nbytes == q4.nbytes == 123 * 352 // 2 + (
+        2 * groups + (groups + 1) // 2 if form == Q4_ZEROS else 2 * groups)
 
 
 def test_layout_mismatch_is_refused(device, rng):

@@ -14,9 +14,9 @@ from helpers.tiny_tokenizer import write_tokenizer_only_gguf
 from perfx.config import ModelConfig
 from perfx.sources.default import default_model_path
 from perfx.errors import PerfxError
-from perfx.formats import Q4Matrix, Q8Matrix
+from perfx.formats import Q4_ZEROS, Q4Matrix, Q8Matrix
 from perfx.sources import open_model
-from perfx.sources.base import FUSED_LINEARS, form_of
+from perfx.sources.base import FUSED_LINEARS, Form, form_of, quantize_group
 from perfx.sources.gguf import GGUF_FORMS
 from perfx.reference import model_forward, permute_qk, rope, unpermute_qk
 from perfx.sources.synthetic import SYNTHETIC_MODELS
@@ -307,15 +307,24 @@ def test_awq_codes_and_scales_exact(gqa3, version, tmp_path):
             assert isinstance(w, Q4Matrix) and w.group == 64
             np.testing.assert_array_equal(w.codes, codes)
             np.testing.assert_array_equal(w.scales, scales)
-            # m = −z·s, rounded once to fp16
-            np.testing.assert_array_equal(w.offsets, (-zeros.astype(np.float32) * scales).astype(np.float16))
+            # the zero points kept: 2.5 bytes a group, w = s·(q − z) exactly
+            assert w.form == Q4_ZEROS
+            np.testing.assert_array_equal(w.zeros, zeros)
         # modules_to_not_convert stay fp16
         assert layer.down.dtype == np.float16
         np.testing.assert_array_equal(layer.down, gqa3.weights[f"model.layers.{i}.mlp.down_proj.weight"]
                                       .astype(np.float16))
     assert isinstance(source.lm_head(), Q8Matrix)   # AutoAWQ leaves the lm_head fp16: int8 on load
     assert open_model(directory, lm_head="fp16").lm_head().dtype == np.float16
-    assert source.describe()["quantization"] == f"awq-{version} int4, group 64, lm_head and embedding int8 on load"
+    assert source.describe()["quantization"] == (f"awq-{version} int4 g64, 2.5 bytes a group (fp16 scale + 4-bit "
+                                                 "zero), lm_head and embedding int8 on load")
+    untied = open_model(directory, embedding="q4")
+    embedding = untied.embedding()
+    group = quantize_group(source.config.hidden_size)
+    assert embedding.form == Q4_ZEROS and embedding.group == group
+    assert untied.weight_forms()["embedding"] == {Form("q4", group)}
+    assert untied.describe()["quantization"].endswith(f", lm_head int8 on load, embedding int4 g{group}, 2.5 bytes a "
+                                                      "group (fp16 scale + 4-bit zero) on load")
     assert source.weight_forms() == actual_forms(source)
     assert source.tokenizer is not None
 

@@ -5,10 +5,10 @@ scales) and the error paths."""
 import numpy as np
 import pytest
 
-from helpers.spec_checks import assert_every_parameter_set
+from helpers.spec_checks import assert_every_parameter_set, assert_first_sets
 from perfx import reference
 from perfx.errors import PerfxError
-from perfx.formats import Q4Matrix
+from perfx.formats import Q4_SYMMETRIC, Q4_ZEROS, Q4Matrix
 from perfx.ops.gemv_f16 import F16DeviceWeight
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.ops.small_ops import Argmax, Embedding, GeGLU, SigmoidMul, Softcap, SwiGLU
@@ -56,6 +56,15 @@ def test_embedding_q4_bad_ids_and_read_path(device, rng):
         images_only = Q4DeviceWeight.upload(device, q4, read_paths=("image2d",))
         with pytest.raises(PerfxError, match="read_paths including 'buffer'"):
             embed.q4(images_only, ids, out, 3)
+
+
+@pytest.mark.parametrize("form", [Q4_ZEROS, Q4_SYMMETRIC])
+def test_embedding_q4_zero_point_forms(device, rng, form):
+    """The gather in both layouts on the zero-point forms: 41 rows × 9 groups, an odd count of zero points."""
+    shape = {"n": 41, "k": 576, "group": 64, "m": 5, "form": form}
+    ran = assert_first_sets(EMBEDDING_Q4, device, shape, rng, {"rows": lambda p: p["LAYOUT"] == 0,
+                                                               "interleaved": lambda p: p["LAYOUT"] == 1})
+    assert set(ran) == {"rows", "interleaved"}
 
 
 @pytest.mark.parametrize("values, expected", [

@@ -1,22 +1,27 @@
-"""Tight memory: the synthetic Llama-2-7B under an Adreno 740's limits
-(PERFX_LIMITS=adreno740: one allocation ≤ 1 GiB, image2d ≤ 16384 × 16384) loads and decodes, no single
-allocation or image breaks a limit, and its device memory is reported against PerfXLLM's 3.7 GB for the same
-model (int4, group 128, fp16 embedding and lm_head). About a minute on two CPU cores: slow.
+"""Tight memory: the synthetic Llama-2-7B (AWQ's int4 form: group 128, 4-bit zero points) under an Adreno
+740's limits (PERFX_LIMITS=adreno740: one allocation ≤ 1 GiB, image2d ≤ 16384 × 16384) loads and decodes, no
+single allocation or image breaks a limit, and its device memory, with the token embedding in the same int4 form
+(``--embedding q4``), is below PerfXLLM's 3.7 GB for the same model at 128 positions and at most 4.8 GB at 4096
+with the int8 cache; it also runs 8192 positions. A few minutes on two CPU cores: slow.
 """
 
+import dataclasses
 import gc
 import time
 
 import numpy as np
 import pytest
 
-from perfx.model import load_model
+from perfx.formats import Q4_ZEROS
+from perfx.model import Model, load_model
 from perfx.ops.gemv_q4 import GemvQ4
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.runtime import LIMIT_PRESETS, Device
+from perfx.sources import open_model
 from perfx.tuning.spec import relative_error
 
 PERFXLLM_BYTES = 3.7e9   # PerfXLLM's Llama-7B AWQ int4 on a Snapdragon 8 Gen 2 (DESIGN.md)
+LONG_CONTEXT_BYTES = 4.8e9   # the goal at 4096 positions with the int8 cache
 CTX = 128
 DECODE_TOKENS = 3
 
@@ -49,7 +54,7 @@ def test_llama_2_7b_loads_and_decodes_under_adreno740_limits():
     assert (caps.max_alloc, caps.limits) == (1 << 30, "adreno740") and caps.image2d_max_height <= 16384
     seen = Recorder(device)
     started = time.perf_counter()
-    model, source = load_model("synthetic:llama-2-7b", device, ctx=CTX, progress=False)
+    model, source = load_model("synthetic:llama-2-7b", device, ctx=CTX, progress=False, embedding="q4")
     load_s = time.perf_counter() - started
     c = source.config
     assert (c.hidden_size, c.n_layers, c.vocab_size) == (4096, 32, 32000)
@@ -62,8 +67,11 @@ def test_llama_2_7b_loads_and_decodes_under_adreno740_limits():
     if "image2d" in model.plan.read_paths:   # 22016 rows: more than one image's height
         height = caps.image2d_max_height
         assert [stop - start for start, stop in gate_up.image_rows][0] == height and len(gate_up.images) > 1
-    # The fp16 embedding and lm_head (250 MiB each) fit one allocation of 1 GiB: one block each.
-    assert len(model.weights.embedding.blocks) == 1 and len(model.weights.lm_head.blocks) == 1
+    # Every layer and the token embedding in AWQ's form (2.5 bytes a group); the int8 lm_head in one block.
+    assert all(w.form == Q4_ZEROS for layer in model.weights.layers for w in vars(layer).values()
+               if isinstance(w, Q4DeviceWeight))
+    assert isinstance(model.weights.embedding, Q4DeviceWeight) and model.weights.embedding.form == Q4_ZEROS
+    assert len(model.weights.lm_head.blocks) == 1
     assert device.peak_allocated_bytes >= device.allocated_bytes > model.weight_bytes
 
     # Decode a few tokens from a short prompt; ids and logits must be sane.
@@ -86,6 +94,7 @@ def test_llama_2_7b_loads_and_decodes_under_adreno740_limits():
 
     after = device.allocated_bytes
     assert after == after_prefill   # decoding allocates nothing
+    assert after < PERFXLLM_BYTES, f"{after / 1e9:.3f} GB on the device"
 
     # The image read path (the one an Adreno is tuned to; PoCL's defaults read buffers): the 22016-row gate_up
     # goes into row blocks of at most the image height, and the GEMV over them equals the buffer path's.
@@ -135,5 +144,50 @@ def test_llama_2_7b_runs_a_4096_position_context_under_256_mib_allocations():
         assert np.isfinite(model.logits()).all()
     model.prefill([1, 2, 3], 0)      # the cache's first positions again: the same logits as before
     assert relative_error(model.logits(), first) <= 1e-5
+    del model
+    gc.collect()
+
+
+def _decode_near_the_end(model, ctx: int) -> np.ndarray:
+    """Prefill a short prompt, then decode at the context's last positions; the logits of each step are finite."""
+    model.cache.clear(model.device)   # the positions in between are read without having been written
+    model.prefill([1, 450, 7483], 0)
+    assert np.isfinite(model.logits()).all()
+    for pos in (ctx - 2, ctx - 1):
+        model.decode_one(7, pos)
+        logits = model.logits()
+        assert np.isfinite(logits).all() and logits.std() > 0
+    return logits
+
+
+@pytest.mark.slow
+def test_llama_2_7b_at_4096_positions_with_the_int8_cache_under_adreno740_limits():
+    """`PERFX_LIMITS=adreno740 python -m perfx bench --model synthetic:llama-2-7b --e2e --ctx 4096 --kv q8
+    --embedding q4`: at most 4.8 GB on the device, decoding at the context's last position."""
+    gc.collect()
+    device = Device(limits=LIMIT_PRESETS["adreno740"])
+    model, _ = load_model("synthetic:llama-2-7b", device, ctx=4096, progress=False, kv="q8", embedding="q4")
+    _decode_near_the_end(model, 4096)
+    used = device.allocated_bytes
+    print(f"\nsynthetic:llama-2-7b, ctx 4096, kv q8, embedding q4: {used} bytes ({used / 1e9:.3f} GB) on the "
+          f"device, KV cache {model.cache.nbytes}")
+    assert used <= LONG_CONTEXT_BYTES, f"{used / 1e9:.3f} GB on the device"
+    del model
+    gc.collect()
+
+
+@pytest.mark.slow
+def test_llama_2_7b_shapes_run_8192_positions_under_adreno740_limits():
+    """The 7B's shapes with an 8192-position context (Llama-2-7B itself has 4096: its config here is raised as a
+    long-context fine-tune's would be) and the int8 cache of 2.3 GB in pieces of at most 1 GiB: a short prefill,
+    then decode at positions 8190 and 8191."""
+    gc.collect()
+    device = Device(limits=LIMIT_PRESETS["adreno740"])
+    source = open_model("synthetic:llama-2-7b", embedding="q4")
+    source.config = dataclasses.replace(source.config, max_positions=8192)
+    model = Model.load(source, device, ctx=8192, progress=False, kv="q8")
+    assert model.cache.nbytes > 2 << 30 and all(b.size <= device.caps.max_alloc for piece in model.cache.pieces for b in piece)
+    _decode_near_the_end(model, 8192)
+    print(f"\nsynthetic:llama-2-7b shapes, ctx 8192, kv q8, embedding q4: {device.allocated_bytes / 1e9:.3f} GB")
     del model
     gc.collect()

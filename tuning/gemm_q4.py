@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from perfx import reference
-from perfx.formats import Q4Matrix
+from perfx.formats import Q4_PAIRS, Q4Matrix, q4_scale_bytes
 from perfx.ops import gemm_q4
 from perfx.ops.epilogue import output_rows
 from perfx.ops.gemm_q4 import GemmQ4
@@ -36,7 +36,8 @@ def bytes_moved(shape) -> int:
     """Weights once (codes, scale/offset pairs, bias), X once and Y once."""
     m, n, k, group = shape["m"], shape["n"], shape["k"], shape["group"]
     bias = 4 * n if shape.get("epilogue") == "bias" else 0
-    return n * k // 2 + 4 * n * (k // group) + bias + 4 * m * k + 4 * m * output_columns(shape)
+    scales = q4_scale_bytes(shape.get("form", Q4_PAIRS), n * (k // group))
+    return n * k // 2 + scales + bias + 4 * m * k + 4 * m * output_columns(shape)
 
 
 def flops(shape) -> int:
@@ -66,7 +67,7 @@ def _case_maker(kind: str):
     def make_case(device, shape, rng) -> Case:
         m, n, k, group = shape["m"], shape["n"], shape["k"], shape["group"]
         epilogue = shape.get("epilogue", "none")
-        q4 = Q4Matrix.random(n, k, group, rng)
+        q4 = Q4Matrix.random(n, k, group, rng, form=shape.get("form", Q4_PAIRS))   # tests set "form"
         bias = (0.1 * rng.standard_normal(n)).astype(np.float32) if epilogue == "bias" else None
         # The weight in each layout, uploaded when a candidate of that layout first runs.
         weights = cached_per_params(lambda key: Q4DeviceWeight.upload(

@@ -3,7 +3,8 @@ GELU·mul).
 
 A shape is a dict: ``n`` rows of W (gate-up: 2·I, gate rows then up rows), ``k``, ``group``,
 ``epilogue`` ("none" | "silu_mul" | "gelu_mul"), ``bias`` (bool), optionally ``parts`` (row counts of matrices
-fused along N, e.g. QKV). Timings rotate through copies of the weight past the device's cache
+fused along N, e.g. QKV), optionally ``form`` (the int4 scales' form, ``perfx.formats.Q4_PAIRS`` when absent,
+as every tuned shape: tests run the others). Timings rotate through copies of the weight past the device's cache
 (``copies_past_cache``), as a decode step reads it: from memory.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from perfx import reference
-from perfx.formats import Q4Matrix
+from perfx.formats import Q4_PAIRS, Q4Matrix, q4_scale_bytes
 from perfx.ops.epilogue import output_rows
 from perfx.ops.gemv_q4 import PARAMS, GemvQ4
 from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight, available_paths, image2d_fits
@@ -34,7 +35,8 @@ def _outputs(shape) -> int:
 
 def _weight_bytes(shape) -> int:
     n, k, g = shape["n"], shape["k"], shape["group"]
-    return n * k // 2 + 4 * n * (k // g) + (4 * n if shape.get("bias") else 0)
+    scales = q4_scale_bytes(shape.get("form", Q4_PAIRS), n * (k // g))
+    return n * k // 2 + scales + (4 * n if shape.get("bias") else 0)
 
 
 def _bytes_moved(shape) -> int:
@@ -55,7 +57,7 @@ def make_case(device, shape, rng) -> Case:
     epilogue = shape.get("epilogue", "none")
     parts = shape.get("parts") or (n,)
     assert sum(parts) == n, f"parts {parts} do not add up to n = {n}"
-    q4 = Q4Matrix.concat([Q4Matrix.random(p, k, group, rng) for p in parts])
+    q4 = Q4Matrix.concat([Q4Matrix.random(p, k, group, rng, form=shape.get("form", Q4_PAIRS)) for p in parts])
     bias = rng.standard_normal(n).astype(np.float32) * 0.1 if shape.get("bias") else None
     x = device.upload(activations(rng, k))
     m = _outputs(shape)

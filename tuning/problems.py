@@ -270,11 +270,11 @@ def model_problems(config, families: dict, group: int | None = None, forms: dict
 
 
 def problems_for(model: str | None, families: dict, max_m: int | None = None,
-                 lm_head: str = "q8", kv: str = "f16") -> tuple[list[Problem], list[str]]:
+                 lm_head: str = "q8", kv: str = "f16", embedding: str = "head") -> tuple[list[Problem], list[str]]:
     """The problems of a ``--model`` value for the chosen families, the prefill path only up to ``max_m``,
     with the lm_head in the form ``lm_head`` gives it (``perfx.sources.open_model``) and a KV cache of form
-    ``kv``."""
-    source = open_named(model, lm_head=lm_head)
+    ``kv``, the untied embedding in the form ``embedding`` gives it."""
+    source = open_named(model, lm_head=lm_head, embedding=embedding)
     problems, notes = model_problems(source.config, families, source.int4_group, source.weight_forms(), kv)
     if max_m is not None:
         problems = [p for p in problems if p.shape.get("m", 1) <= max_m]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from perfx import reference
-from perfx.formats import Q4Matrix
+from perfx.formats import Q4_PAIRS, Q4Matrix
 from perfx.ops import small_ops
 from perfx.ops.gemv_f16 import F16DeviceWeight
 from perfx.ops.q4_weight import Q4DeviceWeight
@@ -62,7 +62,7 @@ def make_embedding_f16_case(device, shape, rng) -> Case:
 
 def make_embedding_q4_case(device, shape, rng) -> Case:
     n, k, m = shape["n"], shape["k"], shape["m"]
-    q4 = Q4Matrix.random(n, k, shape["group"], rng)
+    q4 = Q4Matrix.random(n, k, shape["group"], rng, form=shape.get("form", Q4_PAIRS))   # tests set "form"
     ids = _ids(rng, n, m)
     # The table in each layout, uploaded when a candidate of that layout first runs.
     tables = cached_per_params(lambda key: Q4DeviceWeight.upload(device, q4, read_paths=("buffer",),

@@ -157,7 +157,7 @@ def measure_e2e(model, prompt_tokens: int = 64, decode_tokens: int = 32, seed: i
             "weight_bytes": model.weight_bytes, "device_bytes": report["device_bytes"],
             "device_peak_bytes": model.device.peak_allocated_bytes, "host_peak_bytes": report["host_peak_bytes"],
             "load_s": report["load_s"], "ctx": report["ctx"], "depth": depth,
-            "kv": report["kv"], "kv_cache_bytes": report["kv_cache_bytes"],
+            "kv": report["kv"], "kv_cache_bytes": report["kv_cache_bytes"], "int4_forms": report["int4_forms"],
             "conv_state_bytes": report.get("conv_state_bytes", 0),
             "recurrent_state_bytes": report.get("recurrent_state_bytes", 0),
             "restore_points": report.get("restore_points", 0),
@@ -165,12 +165,13 @@ def measure_e2e(model, prompt_tokens: int = 64, decode_tokens: int = 32, seed: i
 
 
 def run_e2e(device, model_name: str, prompt_tokens: int = 64, decode_tokens: int = 32, ctx: int | None = None,
-            tuning: bool = True, lm_head: str = "q8", at_end: bool = False, kv: str = "f16") -> dict:
+            tuning: bool = True, lm_head: str = "q8", at_end: bool = False, kv: str = "f16",
+            embedding: str = "head") -> dict:
     """Load ``model_name`` on ``device`` with a KV cache of form ``kv`` and measure it end to end
     (``measure_e2e``; ``at_end``: at the end of a cache of ``ctx`` positions)."""
     device.peak_allocated_bytes = device.allocated_bytes  # the model's peak, not earlier benchmarks'
     model, _ = load_model(model_name, device, ctx=ctx, progress=None, default_ctx=1024, tuning=tuning,
-                          lm_head=lm_head, kv=kv)
+                          lm_head=lm_head, kv=kv, embedding=embedding)
     return {"model": model_name, **measure_e2e(model, prompt_tokens, decode_tokens, at_end=at_end)}
 
 
@@ -209,7 +210,8 @@ def e2e_lines(e2e: dict, copy_gb_s: float) -> list[str]:
            if e2e.get("restore_points") else "")
         + "), "
         f"host peak {e2e['host_peak_bytes'] / mib:.0f} MiB, weights read per token {e2e['weight_bytes'] / mib:.0f} MiB",
-    ]
+    ] + [f"  {form}: {count} matri{'x' if count == 1 else 'ces'}"
+         for form, count in e2e.get("int4_forms", {}).items()]
 
 
 def main(args) -> int:
@@ -222,7 +224,7 @@ def main(args) -> int:
     device = Device(args.device)
     database = default_database(not args.no_tuning)
     families = select_specs(args.kernels)
-    problems, notes = problems_for(args.model, families, args.max_m, args.lm_head, args.kv)
+    problems, notes = problems_for(args.model, families, args.max_m, args.lm_head, args.kv, args.embedding)
     print(f"perfx bench on {device.caps.platform} / {device.caps.name} (limits: {device.caps.limits}), "
           f"{len(problems)} kernel shapes of {args.model}" + ("" if database.enabled else ", tuning off"),
           file=sys.stderr)
@@ -240,7 +242,7 @@ def main(args) -> int:
     if args.e2e:
         e2e = (e2e_vs_defaults(device, args.model, args.rounds, kv=args.kv) if args.vs_defaults
                else run_e2e(device, args.model, tuning=database.enabled, lm_head=args.lm_head, ctx=args.ctx,
-                            at_end=args.ctx is not None, kv=args.kv))
+                            at_end=args.ctx is not None, kv=args.kv, embedding=args.embedding))
     failed = [r for r in rows if "unsupported" not in r and (r.get("failure") or not r.get("verified", False))]
 
     if args.json:

@@ -1,13 +1,16 @@
 """`perfx info`: OpenCL platforms and devices, the one perfx chooses and why, its capabilities and limits,
-and the tuned parameters in force."""
+and the tuned parameters in force; with ``--model``, the device forms of that model's weights (the int4 form's
+bytes a group)."""
 
 from __future__ import annotations
 
 import json
 from collections import Counter
 
+from perfx.formats import Q4Matrix, Q8Matrix
 from perfx.ops.gemm_q4 import DEFAULT_CROSSOVER
 from perfx.runtime import DEVICE_HELP, Device, capabilities_dict, list_devices
+from perfx.sources import open_named
 from perfx.tuning import SPECS
 from perfx.tuning.database import default_database
 
@@ -15,6 +18,11 @@ from perfx.tuning.database import default_database
 def add_arguments(parser):
     parser.add_argument("--device", help=DEVICE_HELP)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--model", help="also the device form of each weight of this model (read from its "
+                                        "first layer and its tables, nothing uploaded): 'default', a path or "
+                                        "synthetic:<name>")
+    parser.add_argument("--embedding", choices=["head", "q4"], default="head",
+                        help="the untied token embedding's form, as the model commands take it (default: head)")
 
 
 def main(args) -> int:
@@ -22,6 +30,7 @@ def main(args) -> int:
     device = Device(args.device)
     caps = capabilities_dict(device.caps)
     tuned = default_database().entries_in_force(device, SPECS)
+    forms = model_forms(args.model, args.embedding) if getattr(args, "model", None) else None
     if args.json:
         print(json.dumps({
             "devices": [{"index": f"{e.platform_index}:{e.device_index}", "platform": e.platform, "name": e.name,
@@ -30,6 +39,7 @@ def main(args) -> int:
                        "name": device.caps.name, "reason": device.reason},
             "capabilities": caps,
             "tuning": tuned,
+            **({"model_forms": forms} if forms is not None else {}),
         }, indent=1, default=str))
         return 0
     print("OpenCL devices:")
@@ -58,7 +68,31 @@ def main(args) -> int:
     print("\nprefill GEMM, the kernel the model runs per prompt length (M bucket):")
     for line in gemm_choice_lines(tuned):
         print(f"  {line}")
+    if forms is not None:
+        print(f"\nweights of {args.model}:")
+        for role, form in forms.items():
+            print(f"  {role:12} {form}")
     return 0
+
+
+def describe_weight(w) -> str:
+    """One weight's device form: "int4 g128, 2.5 bytes a group (fp16 scale + 4-bit zero)", "int8 g32, ..."."""
+    if isinstance(w, Q4Matrix):
+        return w.describe_form()
+    if isinstance(w, Q8Matrix):
+        return f"int8 g{w.group}, {w.pair_bytes} bytes a group ({'float32' if w.f32 else 'fp16'} scale + offset)"
+    return "fp16"
+
+
+def model_forms(name: str, embedding: str = "head") -> dict[str, str]:
+    """Each matrix role of layer 0, the token embedding and the lm_head, by its device form."""
+    source = open_named(name, embedding=embedding)
+    layer = source.layer(0)
+    forms = {role: describe_weight(getattr(layer, role)) for role in source.layer_linears(0)}
+    forms["embedding"] = describe_weight(source.embedding())
+    head = source.lm_head()
+    forms["lm_head"] = "the embedding (tied)" if head is None else describe_weight(head)
+    return forms
 
 
 def gemm_choice_lines(entries: list[dict]) -> list[str]:

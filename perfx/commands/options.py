@@ -45,8 +45,15 @@ LM_HEAD_HELP = ("the output projection (and a tied embedding): q8 keeps a quanti
                 "as fp16 (a 4-bit head stays 4-bit). Default: %(default)s")
 
 
+EMBEDDING_HELP = ("the untied token embedding: head gives it the --lm-head form; q4 holds it in 4 bits with an fp16 "
+                  "scale and a 4-bit zero point per 128 (AWQ's int4 form, round to nearest: 2.5 bytes a group, about "
+                  "half the int8 table's memory; a decode step reads one row of it). A tied embedding is the lm_head "
+                  "and keeps the head's form; a file's own 4-bit table is kept. Default: %(default)s")
+
+
 def add_lm_head_option(parser):
     parser.add_argument("--lm-head", choices=["q8", "fp16"], default="q8", help=LM_HEAD_HELP)
+    parser.add_argument("--embedding", choices=["head", "q4"], default="head", help=EMBEDDING_HELP)
 
 
 KV_HELP = ("the KV cache's form: f16 (fp16 keys and values) or q8 (llama.cpp's q8_0: int8 codes with an fp16 "
@@ -69,7 +76,7 @@ def load_model_from_args(args, **kwargs):
     if args.verbose:
         show_build_logs()
     return load_model(args.model, args.device, args.ctx, args.quantize, tuning=not args.no_tuning,
-                      lm_head=args.lm_head, kv=args.kv, **kwargs)
+                      lm_head=args.lm_head, kv=args.kv, embedding=args.embedding, **kwargs)
 
 
 SPECULATE_HELP = ("speculative decoding: draft tokens cheaply and verify them in one batched step of the model. "
@@ -101,7 +108,7 @@ def speculator_from_args(args, model, tokenizer, log=None) -> Speculator | None:
         # Its context: the target's, or its own where that is shorter (it then drafts only that far).
         draft_model, draft_source = load_model(args.draft, model.device, None, args.quantize, log=log,
                                                default_ctx=model.max_positions, tuning=not args.no_tuning,
-                                               lm_head=args.lm_head)
+                                               lm_head=args.lm_head, embedding=args.embedding)
         check_same_vocabulary(tokenizer, draft_source.tokenizer, args.model, args.draft)
         draft = DraftModel(draft_model, args.draft)
     return Speculator(args.speculate, draft, args.draft_max, log=log)

@@ -59,7 +59,7 @@ def main(args) -> int:
     if args.verbose:
         show_build_logs()
     model, tokenizer, model_id = load(args.model, args.device, args.ctx, args.quantize, log, not args.no_tuning,
-                                      args.lm_head, args.kv)
+                                      args.lm_head, args.kv, args.embedding)
     speculator = speculator_from_args(args, model, tokenizer, log=log)
     log("perfx serve: warming up (the kernels are built once, before the first request)")
     warm_up(model, tokenizer, speculator)

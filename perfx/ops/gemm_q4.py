@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from perfx.errors import PerfxError
+from perfx.formats import Q4_PAIRS
 from perfx.ops import buffer_bytes
 from perfx.ops.epilogue import check_gate_up, code, is_gated, output_rows
 from perfx.ops.params import FP16_NEED, READ_BUFFER, READ_IMAGE1D, READ_IMAGE2D, READ_NEED, ParamSpace, Rule
@@ -175,9 +176,10 @@ class GemmQ4:
 
     # -- launching -------------------------------------------------------------------------------
 
-    def kernel(self, kind: str, epilogue: str, read: int, layout: int = LAYOUT_ROWS):
-        """The built kernel of one kind, epilogue, read path and weight layout (built once, then kept)."""
-        key = (kind, epilogue, read, layout)
+    def kernel(self, kind: str, epilogue: str, read: int, layout: int = LAYOUT_ROWS, form: int = Q4_PAIRS):
+        """The built kernel of one kind, epilogue, read path, weight layout and scales' form (built once, then
+        kept)."""
+        key = (kind, epilogue, read, layout, form)
         kernel = self._kernels.get(key)
         if kernel is None:
             params = self.params[kind]
@@ -185,7 +187,7 @@ class GemmQ4:
                 params = {**params, "READ": read, "LAYOUT": layout}
             params = _SPACES[kind].check(params, {"epilogue": epilogue}, self.device.caps,
                                          f"the {epilogue} epilogue")
-            defines = {**params, "EPILOGUE": code("gemm_q4", epilogue)}
+            defines = {**params, "EPILOGUE": code("gemm_q4", epilogue), **({"Q4_SCALES": form} if form else {})}
             kernel = self.device.kernel(_SPACES[kind].source, f"gemm_q4_{kind}", defines)
             self._kernels[key] = kernel
         return kernel
@@ -259,7 +261,7 @@ class GemmQ4:
         cols, (xb, yb) = self._check(weight, x, y, m, epilogue)
         params = self.params[kind]
         read = self.read_path(params["READ"], weight)
-        kernel = self.kernel(kind, epilogue, read, weight.layout)
+        kernel = self.kernel(kind, epilogue, read, weight.layout, weight.form)
         bias = weight.bias if weight.bias is not None else self._no_bias
         if kind == "f16":
             xb = self._to_half(xb, m * weight.k)

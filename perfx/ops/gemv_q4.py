@@ -18,6 +18,7 @@ import numpy as np
 import pyopencl as cl
 
 from perfx.errors import PerfxError
+from perfx.formats import Q4_PAIRS
 from perfx.ops import device_buffer
 from perfx.ops.epilogue import GEMV_EPILOGUES, check_gate_up, code, is_gated, output_rows
 from perfx.ops.params import (FP16_NEED, READ_BUFFER, READ_IMAGE1D, READ_IMAGE2D, READ_NAMES, READ_NEED,
@@ -149,19 +150,21 @@ class GemvQ4:
         self.space = PARAMS.variant(self.params)
         self._defines = {k: v for k, v in self.params.items() if k != "LAYOUT"}
         self._no_bias = device.alloc(4, what="gemv_q4 bias placeholder")
-        self._kernels: dict[tuple[int, str, int], cl.Kernel] = {}
+        self._kernels: dict[tuple[int, str, int, int], cl.Kernel] = {}
 
-    def kernel(self, group: int, epilogue: str, k: int = 0) -> cl.Kernel:
-        """The built kernel for a group size and epilogue (built once, then cached by the device), once the
-        parameters are checked against that epilogue and K (the staged x's local memory)."""
-        kernel = self._kernels.get((group, epilogue, k))
+    def kernel(self, group: int, epilogue: str, k: int = 0, form: int = Q4_PAIRS) -> cl.Kernel:
+        """The built kernel for a group size, epilogue and the weight's scales' form (built once, then cached
+        by the device), once the parameters are checked against that epilogue and K (the staged x's local
+        memory)."""
+        kernel = self._kernels.get((group, epilogue, k, form))
         if kernel is None:
             # free where the parameters were checked for this epilogue and K already (the plan's shape)
             PARAMS.check(self.params, {"epilogue": epilogue, "k": k}, self.device.caps,
                          f"the {epilogue} epilogue at K = {k}")
-            defines = {**self._defines, "GROUP": group, "EPILOGUE": code("gemv_q4", epilogue, GEMV_EPILOGUES)}
+            defines = {**self._defines, "GROUP": group, "EPILOGUE": code("gemv_q4", epilogue, GEMV_EPILOGUES),
+                       **({"Q4_SCALES": form} if form else {})}
             kernel = self.device.kernel(self.space.source, "gemv_q4", defines)
-            self._kernels[group, epilogue, k] = kernel
+            self._kernels[group, epilogue, k, form] = kernel
         return kernel
 
     def events(self, weight: Q4DeviceWeight, x, y, epilogue: str = "none") -> list[cl.Event]:
@@ -172,7 +175,7 @@ class GemvQ4:
             raise PerfxError(f"gemv_q4: parameters for the {LAYOUT_NAMES[self.layout]} layout (LAYOUT="
                              f"{self.layout}) on a weight uploaded {LAYOUT_NAMES[weight.layout]} (layout "
                              f"{weight.layout}); upload it with layout={self.layout}")
-        kernel = self.kernel(weight.group, epilogue, k)
+        kernel = self.kernel(weight.group, epilogue, k, weight.form)
         m = output_rows(n, epilogue)
         xb = device_buffer(x, 4 * k, "gemv_q4 x")
         yb = device_buffer(y, 4 * m, "gemv_q4 y")

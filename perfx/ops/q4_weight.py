@@ -6,7 +6,9 @@ Codes: 32 per RGBA/UINT32 texel (``perfx.formats.pack_texels``), in one of two l
 - ``LAYOUT_INTERLEAVED`` (1): texel t of row r at t·N + r, so GPU work-items that own neighbouring rows read
   neighbouring 16 bytes (the coalesced layout of llama.cpp's Adreno kernels, transposed once at load).
 
-Scale/offset pairs (one half2 per group) follow the layout: (N, K/G) or (K/G, N).
+Each group's (s, m) is stored in the matrix's form (``Q4Matrix.form``, the kernels' ``Q4_SCALES``): half2
+pairs, fp16 scales then 4-bit zero points, or fp16 scales alone (``perfx.formats.pack_group_scales``), in
+the layout's group order: (N, K/G) or (K/G, N).
 
 Every weight is on the device once. The codes are one buffer; the read paths are views of it where the
 device has them: an image1d_buffer (core OpenCL 1.2) and image2d row blocks (cl_khr_image2d_from_buffer,
@@ -22,7 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from perfx.errors import PerfxError
-from perfx.formats import Q4Matrix, pack_scale_offset, pack_texels, row_splits
+from perfx.formats import (Q4_PAIRS, Q4Matrix, describe_q4_form, pack_group_scales, pack_texels, q4_scale_bytes,
+                           row_splits)
 from perfx.runtime import Device
 
 READ_PATHS = ("buffer", "image2d", "image1d_buffer")
@@ -62,8 +65,10 @@ class Q4DeviceWeight:
     n: int
     k: int
     group: int
-    scale_offset: object                 # cl.Buffer of half2, (N, K/G) for LAYOUT_ROWS, (K/G, N) interleaved
+    scale_offset: object                 # cl.Buffer of the groups' scales in ``form``, (N, K/G) for LAYOUT_ROWS,
+                                         # (K/G, N) interleaved (perfx.formats.pack_group_scales)
     layout: int = LAYOUT_ROWS
+    form: int = Q4_PAIRS                 # how (s, m) is stored: kernels/q4.h's Q4_SCALES
     bias: object | None = None           # cl.Buffer of float (N), or None
     buffer: object | None = None         # cl.Buffer of uint4: the codes, once (None: image2d copies hold them)
     image1d: object | None = None        # image1d_buffer view of ``buffer``
@@ -73,8 +78,17 @@ class Q4DeviceWeight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes a kernel reads for one pass over the matrix (codes, scales and offsets, bias)."""
-        return self.n * self.k // 2 + 4 * self.n * (self.k // self.group) + (4 * self.n if self.bias is not None else 0)
+        """Bytes a kernel reads for one pass over the matrix (codes, the form's scales, bias)."""
+        return (self.n * self.k // 2 + q4_scale_bytes(self.form, self.n * (self.k // self.group))
+                + (4 * self.n if self.bias is not None else 0))
+
+    @property
+    def defines(self) -> dict:
+        """The kernel defines this weight fixes beside the tuned ones: its scales' form where not the default."""
+        return {"Q4_SCALES": self.form} if self.form != Q4_PAIRS else {}
+
+    def describe_form(self) -> str:
+        return describe_q4_form(self.form, self.group)
 
     @property
     def read_paths(self) -> tuple[str, ...]:
@@ -114,10 +128,10 @@ class Q4DeviceWeight:
                              f"{caps.image1d_buffer_texels}); use read path 'buffer'")
 
         texels = pack_texels(q4.codes)  # (N, K/32, 4) uint32
-        pairs = pack_scale_offset(q4.scales, q4.offsets)  # (N, K/G, 2) fp16
+        scales = pack_group_scales(q4, interleaved=layout == LAYOUT_INTERLEAVED)
         if layout == LAYOUT_INTERLEAVED:
-            texels, pairs = texels.transpose(1, 0, 2), pairs.transpose(1, 0, 2)
-        weight = cls(n, k, q4.group, device.alloc(pairs.nbytes, pairs, what=f"{what} scales"), layout)
+            texels = texels.transpose(1, 0, 2)
+        weight = cls(n, k, q4.group, device.alloc(scales.nbytes, scales, what=f"{what} scales"), layout, q4.form)
         if bias is not None:
             bias = np.asarray(bias, dtype=np.float32)
             if bias.shape != (n,):

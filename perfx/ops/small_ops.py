@@ -84,11 +84,11 @@ class Embedding:
         self.f16_kernel = device.kernel(EMBEDDING_F16.source, "embedding_f16", f16)
         self.q4_kernel = device.kernel(EMBEDDING_Q4.source, "embedding_q4", q4)
 
-    def _q4_kernel(self, layout: int):
-        """The int4 gather for the table's layout (the tuned WGS2; LAYOUT comes from the weight)."""
-        if layout == self.params["LAYOUT"]:
+    def _q4_kernel(self, table: Q4DeviceWeight):
+        """The int4 gather for the table's layout and scales' form (the tuned WGS2; both come from the weight)."""
+        if table.layout == self.params["LAYOUT"] and not table.defines:
             return self.q4_kernel
-        defines = {"WGS2": self.params["WGS2"], "LAYOUT": layout}
+        defines = {"WGS2": self.params["WGS2"], "LAYOUT": table.layout, **table.defines}
         return self.device.kernel(EMBEDDING_Q4.source, "embedding_q4", defines)
 
     def f16(self, table: F16DeviceWeight, ids, out, rows: int, scale: float = 1.0) -> list:
@@ -105,7 +105,7 @@ class Embedding:
                 for block, (start, stop) in zip(table.blocks, table.block_rows)]
 
     def q4(self, table: Q4DeviceWeight, ids, out, rows: int, scale: float = 1.0):
-        """Gather and dequantize (w = s·q + m) from an int4 table loaded with the 'buffer' read path."""
+        """Gather and dequantize (w = s·q + m, any int4 form) from an int4 table loaded with the 'buffer' read path."""
         if rows < 1:
             raise PerfxError(f"embedding: rows = {rows} must be at least 1")
         if table.buffer is None:
@@ -114,7 +114,7 @@ class Embedding:
         ids = device_buffer(ids, 4 * rows, "embedding ids")
         out = device_buffer(out, 4 * rows * table.k, "embedding out")
         wgs = self.params["WGS2"]
-        return self.device.launch(self._q4_kernel(table.layout), (_round_up(table.k // 32, wgs), rows), (wgs, 1),
+        return self.device.launch(self._q4_kernel(table), (_round_up(table.k // 32, wgs), rows), (wgs, 1),
                                   np.int32(table.k), np.int32(table.n), np.int32(table.group),
                                   np.float32(scale), ids, table.buffer, table.scale_offset, out)
 

@@ -25,12 +25,13 @@ SHUTDOWN_GRACE_S = 10       # how long stopping waits for the worker, and for an
 
 
 def load(name: str | None, device: str | None, ctx: int | None, quantize: str | None, log, tuning: bool = True,
-         lm_head: str = "q8", kv: str = "f16"):
+         lm_head: str = "q8", kv: str = "f16", embedding: str = "head"):
     """Load a model for serving (``warm_up`` is next); returns (model, tokenizer, the id clients name it by).
 
     Raises PerfxError when it cannot be loaded or has no tokenizer.
     """
-    model, source = load_model(name, device, ctx, quantize, log=log, tuning=tuning, lm_head=lm_head, kv=kv)
+    model, source = load_model(name, device, ctx, quantize, log=log, tuning=tuning, lm_head=lm_head, kv=kv,
+                               embedding=embedding)
     if source.tokenizer is None:
         raise PerfxError(f"{name} has no tokenizer: `perfx serve` needs one (synthetic models are for "
                          "`perfx bench`)")

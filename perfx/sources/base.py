@@ -27,6 +27,11 @@ QUANTIZE_CHOICES = (None, "q4")
 # 4-bit one stays 4-bit) and keeps fp16 tables as they are. An untied embedding follows the head's rule
 # too: a decode step reads one row of it, but on a phone its 262 MB (Llama-2-7B, fp16) are device memory.
 LM_HEAD_CHOICES = ("q8", "fp16")
+# The untied token embedding: "head" follows the head's rule (above); "q4" holds it in the int4 form with 4-bit zero
+# points (AWQ's maths, round to nearest, group 128 or the largest that divides hidden; a file's own 4-bit table is
+# kept): a decode step reads one row of it, and llama.cpp's Q4 files store token_embd in 4 bits too. A tied
+# embedding is the lm_head, read whole every token: the head's rule keeps it.
+EMBEDDING_CHOICES = ("head", "q4")
 LINEAR_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
 FUSED_LINEARS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
 # A conv layer (LFM2) mixes positions with its in-projection (B, C, x rows), a short convolution and its
@@ -115,12 +120,16 @@ class ModelSource(ABC):
     format = "?"
     int4_group: int | None = None   # the int4 group size the file fixes (GGUF Q4: 32, AWQ: its own), if any
 
-    def __init__(self, config: ModelConfig, quantize: str | None = None, lm_head: str = "q8"):
+    def __init__(self, config: ModelConfig, quantize: str | None = None, lm_head: str = "q8",
+                 embedding: str = "head"):
         if lm_head not in LM_HEAD_CHOICES:
             raise PerfxError(f"lm_head={lm_head!r} is not supported; choose one of {LM_HEAD_CHOICES}")
+        if embedding not in EMBEDDING_CHOICES:
+            raise PerfxError(f"embedding={embedding!r} is not supported; choose one of {EMBEDDING_CHOICES}")
         self.config = config
         self.quantize = quantize
         self.lm_head_form = lm_head
+        self.embedding_form = embedding
         self.notes: list[str] = []      # what was done differently from the file (fallbacks), for describe()
         self.generation_config: dict = {}
         self._tokenizer = None
@@ -200,8 +209,17 @@ class ModelSource(ABC):
         return self._vector("final_norm", None)
 
     def embedding(self) -> Linear:
-        """The token embedding (V, hidden), in the head's form (``lm_head``); when tied it is the lm_head too."""
+        """The token embedding (V, hidden), in the head's form (``lm_head``), or int4 with zero points where
+        ``embedding`` is "q4" and it is not tied (``EMBEDDING_CHOICES``); when tied it is the lm_head too."""
+        if self._embedding_q4_group() is not None:
+            return to_q4_zeros(self._embedding(), self._embedding_q4_group())
         return self._as_head(self._embedding())
+
+    def _embedding_q4_group(self) -> int | None:
+        """The int4 group of the token embedding under ``embedding="q4"``, None where the head's rule holds."""
+        if self.embedding_form != "q4" or self.config.tie_embeddings:
+            return None
+        return quantize_group(self.config.hidden_size)
 
     def lm_head(self) -> Linear | None:
         """The output projection (V, hidden) in the head's form (``lm_head``), None when tied to the embedding."""
@@ -248,6 +266,8 @@ class ModelSource(ABC):
         embedding = self._head_form(self._table_form("embedding"))
         if embedding is None:
             return None
+        if self._embedding_q4_group() is not None and embedding.kind != "q4":
+            embedding = Form("q4", self._embedding_q4_group())
         if c.tie_embeddings:
             forms["embedding"] = forms["lm_head"] = {embedding}
         else:
@@ -358,6 +378,16 @@ def split_gated_q(w: Linear, n_heads: int, head_dim: int) -> tuple[Linear, Linea
 def quantize_group(k: int) -> int | None:
     """The largest supported group size dividing K (128 preferred), None when none does."""
     return next((g for g in (128, 64, 32) if k % g == 0), None)
+
+
+def to_q4_zeros(w: Linear, group: int, rows: int = 8192) -> Q4Matrix:
+    """W in the int4 zero-point form, round to nearest (``Q4Matrix.quantize(zeros=True)``) a block of rows at a time;
+    an int4 matrix (a GGUF's Q4 token_embd) is kept as the file has it."""
+    if isinstance(w, Q4Matrix):
+        return w
+    return Q4Matrix.concat([Q4Matrix.quantize(to_fp16(w[i:i + rows] if isinstance(w, np.ndarray) else
+                                                      w.rows(i, min(i + rows, w.shape[0]))), group, zeros=True)
+                            for i in range(0, w.shape[0], rows)])
 
 
 def to_fp16(w: Linear, rows: int = 8192) -> np.ndarray:

@@ -57,10 +57,10 @@ class GGUFSource(ModelSource):
     format = "gguf"
     int4_group = 32  # Q4_0, Q4_1 blocks and Q4_K sub-blocks
 
-    def __init__(self, path: Path, quantize: str | None = None, lm_head: str = "q8"):
+    def __init__(self, path: Path, quantize: str | None = None, lm_head: str = "q8", embedding: str = "head"):
         self.path = path
         self.file = GGUFFile(path)   # refuses a truncated or corrupt file, naming what runs past its end
-        super().__init__(ModelConfig.from_gguf(self.file), quantize, lm_head)
+        super().__init__(ModelConfig.from_gguf(self.file), quantize, lm_head, embedding)
         self._tensors = self.file.tensors
         self._check_tensors()
 

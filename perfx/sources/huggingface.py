@@ -64,14 +64,15 @@ class HFSource(ModelSource):
 
     format = "safetensors"
 
-    def __init__(self, directory: Path, quantize: str | None = None, lm_head: str = "q8"):
+    def __init__(self, directory: Path, quantize: str | None = None, lm_head: str = "q8",
+                 embedding: str = "head"):
         self.directory = directory
         config_path = directory / "config.json"
         if not config_path.is_file():
             raise PerfxError(f"{directory} is not a Hugging Face model directory: it has no config.json. "
                              "Pass a directory with config.json and model.safetensors, or a .gguf file.")
         hf_config = read_json(config_path)
-        super().__init__(ModelConfig.from_hf(hf_config), quantize, lm_head)
+        super().__init__(ModelConfig.from_hf(hf_config), quantize, lm_head, embedding)
         generation = directory / "generation_config.json"
         self.generation_config = read_json(generation) if generation.is_file() else {}
         self.awq = _awq_settings(hf_config.get("quantization_config"), config_path)
@@ -275,13 +276,16 @@ class HFSource(ModelSource):
         files = sorted({path for path, _ in self._files.values()})
         dtypes = sorted({self._info(name)[1] for name in self._files})
         if self.awq:
-            quantization = f"awq-{self.awq['version']} int4, group {self.awq['group']}"
+            quantization = f"awq-{self.awq['version']} {formats.describe_q4_form(formats.Q4_ZEROS, self.awq['group'])}"
         else:
             quantization = "/".join(d.lower() for d in dtypes)
         if self.quantize:
             quantization += f", quantized to {self.quantize} on load"
-        if self.lm_head_form == "q8":
-            quantization += ", lm_head and embedding int8 on load" if self.config.hidden_size % 32 == 0 else ""
+        embedding = self._embedding_q4_group()
+        if self.lm_head_form == "q8" and self.config.hidden_size % 32 == 0:
+            quantization += ", lm_head int8 on load" if embedding else ", lm_head and embedding int8 on load"
+        if embedding:
+            quantization += f", embedding {formats.describe_q4_form(formats.Q4_ZEROS, embedding)} on load"
         return {"format": "safetensors", "path": str(self.directory), "files": [p.name for p in files],
                 "file_size": sum(p.stat().st_size for p in files), "quantization": quantization,
                 "architecture": self.config.architecture, "notes": list(self.notes)}

@@ -1,7 +1,7 @@
 """Synthetic models: real shapes and recipes with random 4-bit weights, for benchmarks and tests without downloads.
 
-``open_model("synthetic:llama-2-7b")`` (group 128, as the usual AWQ checkpoints), ``"synthetic:smollm2-135m"``
-(group 32, as its Q4_0/Q4_1 GGUFs), ``"synthetic:tiny"``, and the phone-size shapes of the 2026 families
+``open_model("synthetic:llama-2-7b")`` (group 128 with 4-bit zero points, as the usual AWQ checkpoints),
+``"synthetic:smollm2-135m"`` (group 32, as its Q4_0/Q4_1 GGUFs), ``"synthetic:tiny"``, and the phone-size shapes of the 2026 families
 (``gemma-3-270m``, ``gemma-3-1b``, ``qwen3-1.7b``, ``phi-4-mini``, ``smollm3-3b``, ``lfm2-350m``, ``lfm2-1.2b``,
 ``qwen3.5-0.8b``, ``qwen3.5-2b``:
 their config.json values, group 32 as their Q4_0 GGUFs). The weights are generated lazily from a
@@ -16,15 +16,15 @@ import numpy as np
 
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
-from perfx.formats import Q4Matrix
+from perfx.formats import Q4_PAIRS, Q4_ZEROS, Q4Matrix, describe_q4_form
 from perfx.sources.base import F16_FORM, Form, LayerWeights, ModelSource
 
 SYNTHETIC_MODELS = {
-    # name: (config, group size)
+    # name: (config, group size[, int4 form: (s, m) pairs unless given])
     "llama-2-7b": (ModelConfig(
         architecture="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, n_layers=32,
         n_heads=32, n_kv_heads=32, head_dim=128, rms_eps=1e-5, rope_theta=10000.0, max_positions=4096,
-        tie_embeddings=False), 128),
+        tie_embeddings=False), 128, Q4_ZEROS),
     "smollm2-135m": (ModelConfig(
         architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, n_layers=30,
         n_heads=9, n_kv_heads=3, head_dim=64, rms_eps=1e-5, rope_theta=100000.0, max_positions=8192,
@@ -89,24 +89,26 @@ DISTINCT_LAYER_LIMIT = 8_000_000
 SYNTHETIC_PREFIX = "synthetic:"
 
 
-def open_synthetic(name: str, seed: int = 0, lm_head: str = "q8") -> SyntheticSource:
+def open_synthetic(name: str, seed: int = 0, lm_head: str = "q8", embedding: str = "head") -> SyntheticSource:
     """``"synthetic:<model>"`` -> its SyntheticSource; unknown names list the known ones."""
     key = name[len(SYNTHETIC_PREFIX):] if name.startswith(SYNTHETIC_PREFIX) else name
     if key not in SYNTHETIC_MODELS:
         raise PerfxError(f"unknown synthetic model {name!r}; known: "
                          f"{', '.join('synthetic:' + k for k in SYNTHETIC_MODELS)}")
-    config, group = SYNTHETIC_MODELS[key]
-    return SyntheticSource(key, config, group, seed, lm_head)
+    config, group, *form = SYNTHETIC_MODELS[key]
+    return SyntheticSource(key, config, group, seed, lm_head, form[0] if form else Q4_PAIRS, embedding)
 
 
 class SyntheticSource(ModelSource):
-    """Random int4 linear layers (scales ~ 0.02/8, offsets ≈ −8·s), unit norms, fp16 tables of std 0.02."""
+    """Random int4 linear layers (scales ~ 0.02/8, offsets ≈ −8·s: pairs, or zero points 7..9), unit norms, fp16
+    tables of std 0.02."""
 
     format = "synthetic"
 
-    def __init__(self, name: str, config: ModelConfig, group: int, seed: int = 0, lm_head: str = "q8"):
-        super().__init__(config, lm_head=lm_head)
-        self.name, self.group, self.seed = name, group, seed
+    def __init__(self, name: str, config: ModelConfig, group: int, seed: int = 0, lm_head: str = "q8",
+                 form: int = Q4_PAIRS, embedding: str = "head"):
+        super().__init__(config, lm_head=lm_head, embedding=embedding)
+        self.name, self.group, self.seed, self.form = name, group, seed, form
         self.int4_group = group
         c = config
         per_layer = c.hidden_size * (c.qkv_dim + c.q_dim + 3 * c.intermediate_size)
@@ -120,6 +122,9 @@ class SyntheticSource(ModelSource):
         # rng.bytes & 0xF is several times faster than rng.integers for hundreds of millions of codes
         codes = (np.frombuffer(rng.bytes(n * k), dtype=np.uint8) & 0x0F).reshape(n, k)
         scales = (rng.uniform(0.5, 1.5, size=(n, k // self.group)) * 0.02 / 8).astype(np.float16)
+        if self.form == Q4_ZEROS:
+            zeros = rng.integers(7, 10, size=scales.shape, dtype=np.uint8)
+            return Q4Matrix.with_zeros(codes, scales, zeros, self.group)
         offsets = (-8 * scales.astype(np.float32) * rng.uniform(0.9, 1.1, size=scales.shape)).astype(np.float16)
         return Q4Matrix(codes, scales, offsets, self.group)
 
@@ -186,6 +191,9 @@ class SyntheticSource(ModelSource):
 
     def describe(self) -> dict:
         head = ", lm_head int8" if self.lm_head_form == "q8" else ""
+        if self._embedding_q4_group():
+            head += f", embedding {describe_q4_form(Q4_ZEROS, self._embedding_q4_group())}"
         return {"format": "synthetic", "path": f"synthetic:{self.name}", "files": [], "file_size": 0,
-                "quantization": f"random int4, group {self.group}{head}", "architecture": self.config.architecture,
+                "quantization": f"random {describe_q4_form(self.form, self.group)}{head}",
+                "architecture": self.config.architecture,
                 "notes": [] if self.distinct_layers else ["one random layer is reused for every layer"]}

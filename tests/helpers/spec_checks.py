@@ -51,3 +51,18 @@ def assert_every_parameter_set(spec, device, shape, rng,
     assert not failures, (f"{spec.params.family} on {spec.describe(shape)}: {len(failures)} output(s) over the "
                           "tolerance:\n" + "\n".join(failures))
     return results
+
+
+def assert_first_sets(spec, device, shape, rng, predicates: dict) -> dict[str, dict]:
+    """For each named predicate, the first parameter set (the defaults first) that satisfies it, checked
+    against the float64 reference within its tolerance; a predicate no set here satisfies (a GPU-class
+    variant this device lacks) is left out. Returns {name: params} of those that ran."""
+    case = spec.make_case(device, shape, rng)
+    sets = parameter_sets(spec, shape, device.caps)
+    chosen = {name: next((p for p in sets if test(p)), None) for name, test in predicates.items()}
+    chosen = {name: params for name, params in chosen.items() if params is not None}
+    failures = [f"  {name} {params} {output}: {error:.3g} > {spec.tolerance_for(params):.0e}"
+                for name, params in chosen.items() for output, error in case.errors(params).items()
+                if not error <= spec.tolerance_for(params)]
+    assert not failures, f"{spec.params.family} on {spec.describe(shape)}:\n" + "\n".join(failures)
+    return chosen

@@ -533,7 +533,7 @@ class Tuner:
         stale_records``): each record's parameters are verified on the current source and timed against the
         defaults, interleaved over ``confirm_rounds`` rounds. One at least as fast as the defaults on the
         median is saved to this device's results, pinned to the current source (the rule by which shipped
-        entries are curated); the rest are left for a sweep. A changed source seldom changes which parameters
+        entries are curated), and so is an entry of the defaults, timed again; the rest are left for a sweep. A changed source seldom changes which parameters
         win, and this costs a few seconds an entry where a sweep costs minutes."""
         results = []
         for spec, record in entries:
@@ -551,25 +551,27 @@ class Tuner:
         if why is not None:
             result.reason = f"no longer valid here: {why}"
             return result
-        if params_key(params) == params_key(defaults):
-            result.reason = "the defaults: no entry needed"
-            return result
+        same = params_key(params) == params_key(defaults)
         try:
             case = spec.make_case(self.device, shape, np.random.default_rng(self.seed))
         except (PerfxError, DriverError) as e:
             result.reason = f"could not set up the problem: {_first_line(e)}"
             return result
-        for which, candidate in (("the entry", params), ("the defaults", defaults)):
+        contenders = [params] if same else [params, defaults]
+        for which, candidate in zip(("the entry", "the defaults"), contenders):
             rejected, _, _ = self._verify(spec, case, candidate)
             if rejected is not None:
                 result.reason = f"{which} failed on the current source: {rejected.reason}"
                 return result
-        rounds, _ = self._interleaved(case, [params, defaults], f"refresh{result.description}")
-        entry, default = (list(column) for column in zip(*rounds))
-        gain, low, high = bootstrap_ratio(default, entry, np.random.default_rng(self.seed))
+        # An entry of the defaults is timed too: its time is what the plan weighs one kernel against another
+        # by (the prefill GEMMs of a bucket).
+        rounds, _ = self._interleaved(case, contenders, f"refresh{result.description}")
+        columns = [list(column) for column in zip(*rounds)]
+        entry, default = columns[0], columns[-1]   # the same column when the entry is the defaults
+        gain, low, high = (1.0, 1.0, 1.0) if same else bootstrap_ratio(default, entry, np.random.default_rng(self.seed))
         result.time_s, result.default_time_s = statistics.median(entry), statistics.median(default)
         result.gain, result.gain_interval, result.rounds = gain, (low, high), len(rounds)
-        text = f"{gain:.2f}x [{low:.2f}, {high:.2f}] the defaults' speed"
+        text = "the defaults, timed again" if same else f"{gain:.2f}x [{low:.2f}, {high:.2f}] the defaults' speed"
         if gain < 1.0:
             result.reason = f"slower than the defaults on the median: {text}"
             return result

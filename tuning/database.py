@@ -404,23 +404,27 @@ class Database:
 
     # -- look-up -------------------------------------------------------------------------------
 
+    def _applicable(self, device):
+        """(level, file, record) of every record in the files that apply to this device."""
+        for file in self.files():
+            level = file.level_for(device)
+            if level is not None:
+                for record in file.records:
+                    yield level, file, record
+
     def _matches(self, device, spec, shape: dict):
         """(level index, distance, file, record) of every usable record for this family and shape."""
         current = source_hash(spec)
         found = []
-        for file in self.files():
-            level = file.level_for(device)
-            if level is None:
+        for level, file, record in self._applicable(device):
+            if record["family"] != spec.params.family:
                 continue
-            for record in file.records:
-                if record["family"] != spec.params.family:
-                    continue
-                pinned = record.get("source_hash")
-                if pinned is not None and pinned != current:
-                    continue  # measured with another kernel source: stale
-                distance = shape_distance(shape, record.get("shape"))
-                if distance is not None:
-                    found.append((LEVELS.index(level), distance, file, record))
+            pinned = record.get("source_hash")
+            if pinned is not None and pinned != current:
+                continue  # measured with another kernel source: stale
+            distance = shape_distance(shape, record.get("shape"))
+            if distance is not None:
+                found.append((LEVELS.index(level), distance, file, record))
         found.sort(key=lambda item: (item[0], item[1]))
         return found
 
@@ -469,31 +473,27 @@ class Database:
         rows = []
         hashes = {}
         refused = self.refused(device)
-        for file in self.files():
-            level = file.level_for(device)
-            if level is None:
-                continue
-            for record in file.records:
-                family = record["family"]
-                spec = all_specs.get(family)
-                note = ""
-                if spec is None:
-                    note = "ignored: no such kernel family"
-                else:
-                    if family not in hashes:
-                        hashes[family] = source_hash(spec)
-                    pinned = record.get("source_hash")
-                    refusal = refused.get((family, params_key({**spec.params.defaults(record["params"]), **record["params"]}),
-                                           hashes[family]))
-                    if pinned is not None and pinned != hashes[family]:
-                        note = "stale: kernel source changed, will be re-tuned"
-                    elif refusal:
-                        note = f"refused by this driver, the next choice runs instead: {refusal}"
-                shape = record.get("shape")
-                rows.append({"family": family, "shape": shape,
-                             "shape_text": "*" if shape is None or spec is None else spec.describe(shape),
-                             "params": record.get("params"), "level": level, "file": str(file.path),
-                             "time_s": record.get("time_s"), "note": note})
+        for level, file, record in self._applicable(device):
+            family = record["family"]
+            spec = all_specs.get(family)
+            note = ""
+            if spec is None:
+                note = "ignored: no such kernel family"
+            else:
+                if family not in hashes:
+                    hashes[family] = source_hash(spec)
+                pinned = record.get("source_hash")
+                refusal = refused.get((family, params_key({**spec.params.defaults(record["params"]), **record["params"]}),
+                                       hashes[family]))
+                if pinned is not None and pinned != hashes[family]:
+                    note = "stale: kernel source changed, will be re-tuned"
+                elif refusal:
+                    note = f"refused by this driver, the next choice runs instead: {refusal}"
+            shape = record.get("shape")
+            rows.append({"family": family, "shape": shape,
+                         "shape_text": "*" if shape is None or spec is None else spec.describe(shape),
+                         "params": record.get("params"), "level": level, "file": str(file.path),
+                         "time_s": record.get("time_s"), "note": note})
         rows.sort(key=lambda r: (r["family"], LEVELS.index(r["level"]), r["shape_text"]))
         return rows
 
@@ -507,16 +507,12 @@ class Database:
         fresh = {(r["family"], shape_key(r.get("shape"))) for r in own.records
                  if r.get("source_hash") == current.get(r["family"])}
         found = []
-        for file in self.files():
-            level = file.level_for(device)
-            if level is None:
+        for level, file, record in self._applicable(device):
+            family, pinned = record["family"], record.get("source_hash")
+            if family not in all_specs or pinned is None or pinned == current[family] or \
+                    record.get("shape") is None:
                 continue
-            for record in file.records:
-                family, pinned = record["family"], record.get("source_hash")
-                if family not in all_specs or pinned is None or pinned == current[family] or \
-                        record.get("shape") is None:
-                    continue
-                found.append((LEVELS.index(level), all_specs[family], record))
+            found.append((LEVELS.index(level), all_specs[family], record))
         found.sort(key=lambda item: item[0])
         result, seen = [], set(fresh)
         for _, spec, record in found:

@@ -70,6 +70,18 @@ def _explicitly_tuning(args) -> bool:
     return any(value is not None for value in named) or args.refresh or not (args.import_file or args.export)
 
 
+def _until_interrupted(progress, run, message: str):
+    """``run()``'s result, or None after Ctrl-C (``message`` said): what was measured is saved as it came."""
+    try:
+        result = run()
+    except KeyboardInterrupt:
+        progress.close()
+        print(message, file=sys.stderr)
+        return None
+    progress.close()
+    return result
+
+
 def refresh(args, device, database, say) -> int:
     """``--refresh``: check the stale entries again (``Tuner.refresh``) and say what became of each."""
     if args.model is not None or args.max_m is not None:
@@ -81,15 +93,11 @@ def refresh(args, device, database, say) -> int:
           f"measured on an older kernel source; results in {database.device_path(device.fingerprint)}",
           file=sys.stderr)
     progress = Progress(len(entries), "refresh", enabled=None if not args.json else False)
-    tuner = Tuner(device, database, progress=progress)
-    try:
-        results = tuner.refresh(entries)
-    except KeyboardInterrupt:
-        progress.close()
-        print("perfx tune --refresh: interrupted; every entry checked so far is saved, run it again to resume",
-              file=sys.stderr)
+    results = _until_interrupted(progress, lambda: Tuner(device, database, progress=progress).refresh(entries),
+                                 "perfx tune --refresh: interrupted; every entry checked so far is saved, run it "
+                                 "again to resume")
+    if results is None:
         return 130
-    progress.close()
     kept = sum(r.kept for r in results)
     if args.json:
         print(json.dumps({"device": device.fingerprint, "database": str(database.device_path(device.fingerprint)),
@@ -238,14 +246,12 @@ def main(args) -> int:
     copy_gbps, _ = copy_bandwidth(device)
     progress = Progress(len(problems), "tune", enabled=None if not args.json else False)
     tuner = Tuner(device, database, budget_s=args.budget, progress=progress)
-    try:
-        results = tuner.tune([(families[p.family], p.shape, p.label) for p in problems])
-    except KeyboardInterrupt:
-        progress.close()
-        print("perfx tune: interrupted; every finished candidate is saved, run the same command to resume",
-              file=sys.stderr)
+    results = _until_interrupted(progress, lambda: tuner.tune([(families[p.family], p.shape, p.label)
+                                                               for p in problems]),
+                                 "perfx tune: interrupted; every finished candidate is saved, run the same "
+                                 "command to resume")
+    if results is None:
         return 130
-    progress.close()
 
     if args.json:
         print(json.dumps({"device": device.fingerprint, "architecture": device.caps.architecture,

@@ -64,6 +64,11 @@ def q4_scale_bytes(form: int, groups: int) -> int:
     return {Q4_PAIRS: 4 * groups, Q4_ZEROS: 2 * groups + (groups + 1) // 2, Q4_SYMMETRIC: 2 * groups}[form]
 
 
+def q4_form_defines(form: int) -> dict:
+    """The kernel define a weight's form fixes: none for the pairs, the kernels' default."""
+    return {"Q4_SCALES": form} if form != Q4_PAIRS else {}
+
+
 def describe_q4_form(form: int, group: int) -> str:
     """"int4 g128, 2.5 bytes a group (fp16 scale + 4-bit zero)": what ``perfx info`` and the load line say."""
     return f"int4 g{group}, {q4_scale_bytes(form, 2) / 2:g} bytes a group ({Q4_FORM_NAMES[form]})"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -85,11 +86,7 @@ class DeviceWeights:
         count of the int4 weights by the form of their scales."""
         found = [self.embedding, self.lm_head] if self.lm_head is not self.embedding else [self.embedding]
         found += [w for layer in self.layers for w in vars(layer).values()]
-        counts: dict[str, int] = {}
-        for w in found:
-            if isinstance(w, Q4DeviceWeight):
-                counts[w.describe_form()] = counts.get(w.describe_form(), 0) + 1
-        return counts
+        return dict(Counter(w.describe_form() for w in found if isinstance(w, Q4DeviceWeight)))
 
 
 @dataclass

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from perfx.errors import PerfxError
-from perfx.formats import Q4_PAIRS
+from perfx.formats import Q4_PAIRS, q4_form_defines
 from perfx.ops import buffer_bytes
 from perfx.ops.epilogue import check_gate_up, code, is_gated, output_rows
 from perfx.ops.params import FP16_NEED, READ_BUFFER, READ_IMAGE1D, READ_IMAGE2D, READ_NEED, ParamSpace, Rule
@@ -187,7 +187,7 @@ class GemmQ4:
                 params = {**params, "READ": read, "LAYOUT": layout}
             params = _SPACES[kind].check(params, {"epilogue": epilogue}, self.device.caps,
                                          f"the {epilogue} epilogue")
-            defines = {**params, "EPILOGUE": code("gemm_q4", epilogue), **({"Q4_SCALES": form} if form else {})}
+            defines = {**params, "EPILOGUE": code("gemm_q4", epilogue), **q4_form_defines(form)}
             kernel = self.device.kernel(_SPACES[kind].source, f"gemm_q4_{kind}", defines)
             self._kernels[key] = kernel
         return kernel

@@ -18,7 +18,7 @@ import numpy as np
 import pyopencl as cl
 
 from perfx.errors import PerfxError
-from perfx.formats import Q4_PAIRS
+from perfx.formats import Q4_PAIRS, q4_form_defines
 from perfx.ops import device_buffer
 from perfx.ops.epilogue import GEMV_EPILOGUES, check_gate_up, code, is_gated, output_rows
 from perfx.ops.params import (FP16_NEED, READ_BUFFER, READ_IMAGE1D, READ_IMAGE2D, READ_NAMES, READ_NEED,
@@ -162,7 +162,7 @@ class GemvQ4:
             PARAMS.check(self.params, {"epilogue": epilogue, "k": k}, self.device.caps,
                          f"the {epilogue} epilogue at K = {k}")
             defines = {**self._defines, "GROUP": group, "EPILOGUE": code("gemv_q4", epilogue, GEMV_EPILOGUES),
-                       **({"Q4_SCALES": form} if form else {})}
+                       **q4_form_defines(form)}
             kernel = self.device.kernel(self.space.source, "gemv_q4", defines)
             self._kernels[group, epilogue, k, form] = kernel
         return kernel

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from perfx.errors import PerfxError
-from perfx.formats import (Q4_PAIRS, Q4Matrix, describe_q4_form, pack_group_scales, pack_texels, q4_scale_bytes,
-                           row_splits)
+from perfx.formats import (Q4_PAIRS, Q4Matrix, describe_q4_form, pack_group_scales, pack_texels, q4_form_defines,
+                           q4_scale_bytes, row_splits)
 from perfx.runtime import Device
 
 READ_PATHS = ("buffer", "image2d", "image1d_buffer")
@@ -85,7 +85,7 @@ class Q4DeviceWeight:
     @property
     def defines(self) -> dict:
         """The kernel defines this weight fixes beside the tuned ones: its scales' form where not the default."""
-        return {"Q4_SCALES": self.form} if self.form != Q4_PAIRS else {}
+        return q4_form_defines(self.form)
 
     def describe_form(self) -> str:
         return describe_q4_form(self.form, self.group)

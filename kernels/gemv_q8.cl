@@ -14,8 +14,10 @@
 // on load and not stored). One launch covers outputs o ∈ [0, n_out), stored at y[y_base + o]; the gate
 // (or only) row of output o is row row_a + o of block a (codes_a, sm_a, bias_a), its up row is row
 // row_b + o of block b: the wrapper cuts launches where either crosses from one block to the next.
-// Work-group: (LANES, 1); global: (LANES, ⌈n_out/ROWS⌉). LANES work-items stride along K by groups and
-// meet in a local-memory tree reduction. Accumulation in fp32.
+// Work-group: LANES·WGR, global: LANES·WGR·⌈⌈n_out/ROWS⌉/WGR⌉ (one dimension, the lanes of a row set
+// neighbours): WGR row sets of ROWS neighbouring rows (one work-group streams WGR·ROWS consecutive rows; on a
+// CPU fewer work-groups than rows, each costing its dispatch: kernels/gemv_q4_rows.cl). The LANES work-items of
+// a set stride along K by groups and meet in a local-memory tree reduction. Accumulation in fp32.
 // I8 1 (int8 activations): gemv_q8_quantize_x, launched once per product before it (global: K/G), rounds x
 // per group of G to int8, q_x = rint(x·127/max|x|), with the group's step d = max|x|/127 and the sum of its
 // quantized values Σ d·q_x (llama.cpp's Q8_1 activations, perfx.reference.quantize_activations_q8), and
@@ -29,6 +31,9 @@
 #endif
 #ifndef ROWS
 #define ROWS 4       // outputs per work-item: each x chunk is loaded once and applied to ROWS rows
+#endif
+#ifndef WGR
+#define WGR 1        // work-items along the rows per work-group, each owning ROWS neighbouring rows
 #endif
 #ifndef I8
 #define I8 0         // x quantized to int8 per group once per product (gemv_q8_quantize_x), int products (1)
@@ -51,10 +56,6 @@
 #define LOAD_X8(p, c) (((const __global float8*)(p))[c])
 // 16 codes (weights or quantized x) at a time: rows of K bytes, K a multiple of 16.
 #define CHARS16(p, c) (((const __global char16*)(p))[c])
-// The even and odd lanes of an int16, components named: Oclgrind (21.10) takes .even / .odd of a 16-wide
-// vector for uninitialized values; the compilers emit the same code for either.
-#define EVEN16(v) ((int8)((v).s0, (v).s2, (v).s4, (v).s6, (v).s8, (v).sa, (v).sc, (v).se))
-#define ODD16(v) ((int8)((v).s1, (v).s3, (v).s5, (v).s7, (v).s9, (v).sb, (v).sd, (v).sf))
 
 // x per group of GROUP as int8 codes q_x (K bytes) and (d, Σ d·q_x) per group (K/G float2), one work-item a
 // group; an all-zero group has d = 0 and codes 0.
@@ -83,7 +84,7 @@ __kernel void gemv_q8_quantize_x(const int k, __global const float* restrict x, 
     x_step_sum[g] = (float2)(amax / 127.0f, SUM8(sum8) * (amax / 127.0f));
 }
 
-__kernel __attribute__((reqd_work_group_size(LANES, 1, 1)))
+__kernel __attribute__((reqd_work_group_size(LANES * WGR, 1, 1)))
 void gemv_q8(const int n_out, const int k, const int y_base, const int row_a, const int row_b,
              __global const char* restrict codes_a, __global const char* restrict codes_b,
              PAIRS_T sm_a, PAIRS_T sm_b, __global const float* restrict bias_a,
@@ -95,10 +96,10 @@ void gemv_q8(const int n_out, const int k, const int y_base, const int row_a, co
              )
 {
 #if LANES > 1
-    __local float partial[WROWS][LANES];   // declared at kernel scope, as OpenCL C 1.2 requires
+    __local float partial[WGR][WROWS][LANES];   // declared at kernel scope, as OpenCL C 1.2 requires
 #endif
-    const int lane = get_local_id(0);
-    const int first = get_group_id(1) * ROWS;    // first output of this work-item, within the launch
+    const int lane = get_local_id(0) % LANES;
+    const int first = get_global_id(0) / LANES * ROWS;    // first output of this work-item, within the launch
     const int groups = k / GROUP;
 
     // Each row's codes and its first (s, m) pair. Outputs past n_out read the last valid row again
@@ -177,20 +178,21 @@ void gemv_q8(const int n_out, const int k, const int y_base, const int row_a, co
 #endif
 
 #if LANES > 1
-    // Tree reduction of the lanes' partial sums, one slot per (row, lane).
+    // Tree reduction of the lanes' partial sums, one slot per (row set, row, lane).
+    const int set = get_local_id(0) / LANES;
     #pragma unroll
-    for (int r = 0; r < WROWS; ++r) partial[r][lane] = acc[r];
+    for (int r = 0; r < WROWS; ++r) partial[set][r][lane] = acc[r];
     barrier(CLK_LOCAL_MEM_FENCE);
     for (int stride = LANES / 2; stride > 0; stride >>= 1) {
         if (lane < stride) {
             #pragma unroll
-            for (int r = 0; r < WROWS; ++r) partial[r][lane] += partial[r][lane + stride];
+            for (int r = 0; r < WROWS; ++r) partial[set][r][lane] += partial[set][r][lane + stride];
         }
         barrier(CLK_LOCAL_MEM_FENCE);
     }
     if (lane != 0) return;
     #pragma unroll
-    for (int r = 0; r < WROWS; ++r) acc[r] = partial[r][0];
+    for (int r = 0; r < WROWS; ++r) acc[r] = partial[set][r][0];
 #endif
 
     #pragma unroll

@@ -138,18 +138,23 @@ def test_fused_qkv_slices_match_separate_products(device, rng):
         start = stop
 
 
-def test_int8_activations_are_exact_to_their_own_quantization(device, rng):
+@pytest.mark.parametrize("layout", [0, 1], ids=["rows", "interleaved"])
+@pytest.mark.parametrize("group", [32, 128])
+def test_int8_activations_are_exact_to_their_own_quantization(device, rng, layout, group):
     """I8's only approximation is x rounded to Q8 per block of 32: against the float64 product of the same
-    weights and the quantized x, it is as exact as the fp32 kernels (SPEC.tolerance). This holds the offset
-    term to Σ of the quantized x (Q8_1's sum): with the exact Σx the error doubled (4.6e-2 on gate-up)."""
-    shape = {"n": 3072, "k": 576, "group": 32, "epilogue": "silu_mul"}
-    params = next((p for p in SPEC.params.candidates(shape, device.caps) if p.get("I8")), None)
-    assert params is not None, "the interleaved int8-activation variant runs on every device"
-    weight = Q4Matrix.random(shape["n"], shape["k"], 32, rng)
+    weights and the quantized x, it is as exact as the fp32 kernels (SPEC.tolerance), in either layout (the
+    rows kernel's x quantized by its own launch, the interleaved one's in each work-group), at groups of one
+    block and of four. This holds the offset term to Σ of the quantized x (Q8_1's sum): with the exact Σx the
+    error doubled (4.6e-2 on gate-up)."""
+    shape = {"n": 3072, "k": 640, "group": group, "epilogue": "silu_mul"}
+    params = next((p for p in SPEC.params.candidates(shape, device.caps) if p.get("I8") and p["LAYOUT"] == layout),
+                  None)
+    assert params is not None, "the int8-activation variants run on every device"
+    weight = Q4Matrix.random(shape["n"], shape["k"], group, rng)
     x = rng.standard_normal(shape["k"]).astype(np.float32)
     x[rng.integers(0, 256)::256] *= 40
     y = device.poisoned(shape["n"] // 2, np.float32)
-    uploaded = Q4DeviceWeight.upload(device, weight, None, ("buffer",), layout=1)
+    uploaded = Q4DeviceWeight.upload(device, weight, None, ("buffer",), layout=layout)
     for event in GemvQ4(device, params, shape).events(uploaded, device.upload(x), y, "silu_mul"):
         event.wait()
     full = reference.gemv(weight.dequantize(), reference.quantize_activations_q8(x))

@@ -37,8 +37,8 @@ def _accumulator_rows(params, shape) -> int:
 
 
 def _rows_local_memory(p, s) -> int:
-    """kernels/gemv_q4_rows.cl's lane partial sums."""
-    return 4 * p["LANES"] * _accumulator_rows(p, s) if p["LANES"] > 1 else 0
+    """kernels/gemv_q4_rows.cl's lane partial sums, per row set."""
+    return 4 * p["LANES"] * p["WGR"] * _accumulator_rows(p, s) if p["LANES"] > 1 else 0
 
 
 def _staged_x_bytes(p, k: int) -> int:
@@ -62,12 +62,21 @@ ROWS_LAYOUT = ParamSpace(
     space={
         "LANES": (16, 1, 4, 64),   # work-items along K per work-group
         "ROWS": (4, 1, 2, 8),      # outputs per work-item (pairs for the gate-up epilogues)
+        "WGR": (1, 16, 64),        # work-items along the rows per work-group (ROWS neighbouring rows each)
         "READ": (0, 1, 2),         # codes from a uint4 buffer (0), image2d row blocks (1), image1d_buffer view (2)
         "SG": (0, 1),              # lanes reduced by a local-memory tree (0) or sub_group_reduce_add (1)
         "HALF": (0, 1),            # fp16 dequantize-and-multiply within a group, fp32 across groups
+        "I8": (0, 1),              # x quantized to int8 per 32 once per product, integer products
         "SUBGROUP": (0, 8, 16, 64),  # required subgroup size (0: the driver's; 64 = Adreno's half wave)
     },
     rules=(
+        Rule("a work-group holds at most 64 work-items (LANES × WGR ≤ 64): a wave on Adreno, and on a CPU "
+             "more rows a work-group than 64 leaves too few work-groups for the cores at decode shapes",
+             lambda p, s: p["LANES"] * p["WGR"] <= 64),
+        Rule("several row sets a work-group (WGR > 1) reduce their lanes in local memory (SG 0): a subgroup "
+             "reduction would mix the rows of neighbouring sets", lambda p, s: p["WGR"] == 1 or p["SG"] == 0),
+        Rule("int8 activations (I8 1) are integer products: not fp16 (HALF 0), lanes met in local memory (SG 0)",
+             lambda p, s: p["I8"] == 0 or (p["HALF"] == 0 and p["SG"] == 0)),
         Rule("gate-up holds gate and up rows: at most 8 rows of accumulators per work-item (ROWS ≤ 4)",
              lambda p, s: _accumulator_rows(p, s) <= 8),
         Rule("a subgroup reduction (SG 1) reduces whole subgroups of lanes along K: LANES ≥ 16",
@@ -89,7 +98,7 @@ ROWS_LAYOUT = ParamSpace(
              "one-subgroup reduction, 0 (the driver's) for one of several subgroups or without SG",
              lambda p, s: p["SUBGROUP"] in ((0, p["LANES"]) if p["SG"] else (0,))),
     ),
-    work_group_size=lambda p, s: p["LANES"],
+    work_group_size=lambda p, s: p["LANES"] * p["WGR"],
     local_memory=_rows_local_memory,
     needs={"READ": READ_NEED, "HALF": FP16_NEED, "SG": SUBGROUPS_NEED, "SUBGROUP": SUBGROUP_SIZE_NEED},
 )
@@ -151,6 +160,7 @@ class GemvQ4:
         self._defines = {k: v for k, v in self.params.items() if k != "LAYOUT"}
         self._no_bias = device.alloc(4, what="gemv_q4 bias placeholder")
         self._kernels: dict[tuple[int, str, int, int], cl.Kernel] = {}
+        self._quantized: dict[int, tuple] = {}   # K -> (codes, (step, sum) pairs) of the quantized x
 
     def kernel(self, group: int, epilogue: str, k: int = 0, form: int = Q4_PAIRS) -> cl.Kernel:
         """The built kernel for a group size, epilogue and the weight's scales' form (built once, then cached
@@ -167,8 +177,22 @@ class GemvQ4:
             self._kernels[group, epilogue, k, form] = kernel
         return kernel
 
+    def quantize(self, x, k: int) -> tuple[list[cl.Event], tuple]:
+        """With the rows layout's I8: enqueue x (K floats) quantized per block of 32 into this wrapper's buffers
+        for K; returns the launch's events and the buffers (int8 codes in a texel's order, float2 step and sum
+        per block)."""
+        buffers = self._quantized.get(k)
+        if buffers is None:
+            buffers = self._quantized[k] = (
+                self.device.alloc(k, what="gemv_q4 quantized x"),
+                self.device.alloc(8 * (k // 32), what="gemv_q4 quantized x's steps and sums"))
+        kernel = self.device.kernel(self.space.source, "gemv_q4_quantize_x", {"I8": 1})
+        event = self.device.launch(kernel, (k // 32,), None, np.int32(k), x, *buffers)
+        return [event], buffers
+
     def events(self, weight: Q4DeviceWeight, x, y, epilogue: str = "none") -> list[cl.Event]:
-        """Enqueue y = W·x and return every launch's event (more than one where rows span several images)."""
+        """Enqueue y = W·x and return every launch's event (more than one where rows span several images, and
+        the quantization of x first with the rows layout's I8)."""
         n, k = weight.n, weight.k
         check_gate_up("gemv_q4", epilogue, n)
         if weight.layout != self.layout:
@@ -194,22 +218,26 @@ class GemvQ4:
                              f"READ={self.read} needs; upload it with read_paths including '{path}'")
         else:
             plan = [(0, m, codes, 0, codes, int(half))]
+        events = []
         if self.layout == LAYOUT_INTERLEAVED:
             slices = self.params["SLICES"]
             local_size = (WGN, slices)
-            staged = (cl.LocalMemory(max(_staged_x_bytes(self.params, k), 4)),)   # the __local x argument
+            extra = (cl.LocalMemory(max(_staged_x_bytes(self.params, k), 4)),)   # the __local x argument
         else:
-            local_size, staged = (self.params["LANES"], 1), ()
-        events = []
+            lanes, set_count = self.params["LANES"], self.params["WGR"]
+            local_size = (lanes * set_count,)
+            extra = ()
+            if self.params["I8"]:
+                events, extra = self.quantize(xb, k)
         for out_base, count, wa, row_a, wb, row_b in plan:
             if self.layout == LAYOUT_INTERLEAVED:
                 global_size = (WGN * -(-count // (WGN * self.rows)), slices)
             else:
-                global_size = (local_size[0], -(-count // self.rows))
+                global_size = (local_size[0] * -(-count // (self.rows * set_count)),)
             events.append(self.device.launch(
                 kernel, global_size, local_size,
                 np.int32(count), np.int32(k), np.int32(out_base), half, np.int32(row_a), np.int32(row_b),
-                np.int32(n), wa, wb, weight.scale_offset, bias, has_bias, xb, yb, *staged))
+                np.int32(n), wa, wb, weight.scale_offset, bias, has_bias, xb, yb, *extra))
         return events
 
     def __call__(self, weight: Q4DeviceWeight, x, y, epilogue: str = "none") -> cl.Event:

@@ -32,15 +32,18 @@ PARAMS = ParamSpace(
     space={
         "LANES": (16, 1, 4, 64),   # work-items along K per work-group
         "ROWS": (4, 1, 2, 8),      # outputs per work-item (pairs for the gate-up epilogues)
+        "WGR": (1, 16, 64),        # work-items along the rows per work-group (ROWS neighbouring rows each)
         "I8": (0, 1),              # x quantized to int8 per group once per product, integer products
     },
     rules=(Rule("gate-up holds gate and up rows: at most 8 rows of accumulators per work-item (ROWS ≤ 4)",
                 lambda p, s: _accumulator_rows(p, s) <= 8),
            # As gemv_q4's rows kernel: two float8 a row, and Intel's CPU compiler (2026.22) wrong at 64 × 8.
            Rule("64 lanes along K hold at most 4 rows of accumulators (ROWS ≤ 4, gate-up ≤ 2)",
-                lambda p, s: p["LANES"] < 64 or _accumulator_rows(p, s) <= 4)),
-    work_group_size=lambda p, s: p["LANES"],
-    local_memory=lambda p, s: 4 * p["LANES"] * _accumulator_rows(p, s) if p["LANES"] > 1 else 0,
+                lambda p, s: p["LANES"] < 64 or _accumulator_rows(p, s) <= 4),
+           Rule("a work-group holds at most 64 work-items (LANES × WGR ≤ 64), as gemv_q4's rows kernel",
+                lambda p, s: p["LANES"] * p["WGR"] <= 64)),
+    work_group_size=lambda p, s: p["LANES"] * p["WGR"],
+    local_memory=lambda p, s: 4 * p["LANES"] * p["WGR"] * _accumulator_rows(p, s) if p["LANES"] > 1 else 0,
 )
 
 
@@ -56,7 +59,7 @@ class GemvQ8:
         """``params`` (None: the defaults) must fit ``shape`` (its ``epilogue`` key matters) on this device."""
         self.device = device
         self.params = PARAMS.resolve(params, shape or {}, device.caps)
-        self.lanes, self.rows = self.params["LANES"], self.params["ROWS"]
+        self.lanes, self.rows, self.sets = self.params["LANES"], self.params["ROWS"], self.params["WGR"]
         self._no_bias = device.alloc(4, what="gemv_q8 bias placeholder")
         self._kernels: dict[tuple, cl.Kernel] = {}
         self._quantized: dict[tuple, tuple] = {}   # (K, G) -> (codes, (step, sum) pairs) of the quantized x
@@ -101,7 +104,7 @@ class GemvQ8:
         for first, count, a, row_a, b, row_b in weight.segments(m, m if is_gated(epilogue) else None):
             block_a, block_b = weight.blocks[a], weight.blocks[b]
             events.append(self.device.launch(
-                kernel, (self.lanes, -(-count // self.rows)), (self.lanes, 1),
+                kernel, (self.lanes * self.sets * -(-count // (self.rows * self.sets)),), (self.lanes * self.sets,),
                 np.int32(count), np.int32(k), np.int32(first), np.int32(row_a), np.int32(row_b),
                 block_a.codes, block_b.codes, block_a.scale_offset, block_b.scale_offset,
                 _or(block_a.bias, self._no_bias), _or(block_b.bias, self._no_bias), has_bias, xb, yb,

@@ -49,6 +49,7 @@
 #define USES_SUBGROUPS (SG == 1)
 #include "gpu.h"
 #include "gemv_q4.h"
+#include "int_pairs.h"
 
 #if I8
 // x (K floats) quantized per block of 32 for I8, one work-item a block: q_x = rint(x·127/max|x|) as int8, the

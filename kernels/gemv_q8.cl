@@ -50,6 +50,7 @@
 #define WROWS ROWS
 #endif
 
+#include "int_pairs.h"
 #include "q8.h"
 
 // x through a float8 pointer too: rows of K floats, K a multiple of 16, so every chunk is float8-aligned.

@@ -100,23 +100,36 @@ void gemv_q4(GEMV_Q4_ARGS I8_ARGS)
     LANE_ACCUMULATORS
 #if I8
     // Per texel and row: 32 int products (|q·q_x| ≤ 15·127, a pair's sum fits int16, the sum of a texel's 32
-    // int32), summed in 8 int lanes, then one 8-wide multiply-add by s·d; the offset m·Σ d·q_x in a scalar.
+    // int32), summed in 8 int lanes, then fp32 times the block's step d (one broadcast for every row); per group
+    // and row one 8-wide multiply-add by s, and the offset m·Σ d·q_x in a scalar.
     float offset[WROWS];
     #pragma unroll
     for (int r = 0; r < WROWS; ++r) offset[r] = 0.0f;
-    for (int t = lane; t < q4_texels; t += LANES) {
-        const int g = t / TEXELS_PER_GROUP;
-        const short16 xe = convert_short16(xq[2 * t]), xo = convert_short16(xq[2 * t + 1]);
-        const float2 xd = x_step_sum[t];
+    for (int g = lane; g < q4_groups; g += LANES) {
+        float8 gdot[WROWS];
+        #pragma unroll
+        for (int r = 0; r < WROWS; ++r) gdot[r] = (float8)(0.0f);
+        float xsum = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < TEXELS_PER_GROUP; ++i) {
+            const int t = g * TEXELS_PER_GROUP + i;
+            const short16 xe = convert_short16(xq[2 * t]), xo = convert_short16(xq[2 * t + 1]);
+            const float2 xd = x_step_sum[t];
+            xsum += xd.y;
+            #pragma unroll
+            for (int r = 0; r < WROWS; ++r) {
+                const uint4 tex = LOAD_ROW(r, t);
+                const int16 pe = convert_int16(as_uchar16(tex & 0x0F0F0F0Fu)) * convert_int16(xe);
+                const int16 po = convert_int16(as_uchar16((tex >> 4) & 0x0F0F0F0Fu)) * convert_int16(xo);
+                const int8 dot = (EVEN16(pe) + ODD16(pe)) + (EVEN16(po) + ODD16(po));
+                gdot[r] = convert_float8(dot) * xd.x + gdot[r];
+            }
+        }
         #pragma unroll
         for (int r = 0; r < WROWS; ++r) {
-            const uint4 tex = LOAD_ROW(r, t);
-            const int16 pe = convert_int16(as_uchar16(tex & 0x0F0F0F0Fu)) * convert_int16(xe);
-            const int16 po = convert_int16(as_uchar16((tex >> 4) & 0x0F0F0F0Fu)) * convert_int16(xo);
-            const int8 dot = (EVEN16(pe) + ODD16(pe)) + (EVEN16(po) + ODD16(po));
             const float2 sm = GROUP_SM(scale_offset, grow[r], g);
-            acc8[r] = convert_float8(dot) * (sm.x * xd.x) + acc8[r];
-            offset[r] = sm.y * xd.y + offset[r];
+            acc8[r] = gdot[r] * sm.x + acc8[r];
+            offset[r] = sm.y * xsum + offset[r];
         }
     }
     #pragma unroll

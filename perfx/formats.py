@@ -410,13 +410,14 @@ def pack_texels(codes: np.ndarray) -> np.ndarray:
 
     A kernel unpacks 4 codes at once with ``(texel >> 4j) & 0xF`` (codes 8c + j, c = 0..3).
     """
-    codes = np.asarray(codes, dtype=np.uint32)
+    codes = np.asarray(codes, dtype=np.uint8)
     n, k = codes.shape
     if k % CODES_PER_TEXEL:
         raise PerfxError(f"K = {k} is not a multiple of {CODES_PER_TEXEL}")
-    nibbles = codes.reshape(n, k // 32, 4, 8)
-    shifts = (4 * np.arange(8, dtype=np.uint32))
-    return np.bitwise_or.reduce(nibbles << shifts, axis=3).astype(np.uint32)
+    # Byte b of a little-endian component holds codes 2b (low nibble) and 2b + 1: packed in bytes, the
+    # texels are those bytes read as uint32 (a 7B's weights pack in seconds, not the 40 s of uint32 shifts).
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed.view("<u4").reshape(n, k // 32, 4).astype(np.uint32, copy=False)
 
 
 def unpack_texels(texels: np.ndarray) -> np.ndarray:

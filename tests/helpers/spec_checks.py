@@ -9,41 +9,46 @@ def parameter_sets(spec, shape, caps) -> list[dict]:
     return [p for p in sets if p == defaults] + [p for p in sets if p != defaults]
 
 
-def covering_sets(spec, shape, caps) -> list[dict]:
+def covering_sets(spec, shape, caps, strength: int = 2) -> list[dict]:
     """A few of ``parameter_sets`` that together hold every pair of parameter values any of them holds
-    (pairwise coverage, greedily): every kind of variant, and every value beside every other, runs.
+    (pairwise coverage, greedily): every kind of variant, and every value beside every other, runs. With
+    ``strength`` 1, every value of every parameter runs (for a space of two parameters, where every pair is
+    every set).
 
-    For a family's second and later test shapes, where its full sweep would repeat the first shape's
-    builds for little more coverage; the first shape and `perfx selftest` run every set.
+    For a family's other test shapes, where its full sweep would repeat the swept shape's builds for little
+    more coverage; the shape with the most edges (each family's tests name it) and `perfx selftest` run
+    every set.
     """
     sets = parameter_sets(spec, shape, caps)
 
-    def pairs(params):
+    def covered(params):
         items = sorted(params.items())
+        if strength == 1:
+            return set(items)
         return {(a, b) for i, a in enumerate(items) for b in items[i + 1:]}
 
-    uncovered = set().union(*(pairs(p) for p in sets)) if sets else set()
+    uncovered = set().union(*(covered(p) for p in sets)) if sets else set()
     chosen = []
     for params in sets[:1]:  # the defaults first
         chosen.append(params)
-        uncovered -= pairs(params)
+        uncovered -= covered(params)
     while uncovered:
-        best = max(sets, key=lambda p: len(pairs(p) & uncovered))
+        best = max(sets, key=lambda p: len(covered(p) & uncovered))
         chosen.append(best)
-        uncovered -= pairs(best)
+        uncovered -= covered(best)
     return chosen
 
 
-def assert_every_parameter_set(spec, device, shape, rng,
-                               cover: bool = False) -> list[tuple[dict, dict[str, float]]]:
+def assert_every_parameter_set(spec, device, shape, rng, cover: bool = False,
+                               strength: int = 2) -> list[tuple[dict, dict[str, float]]]:
     """Make the case for ``shape`` and check every output of every parameter set (``parameter_sets``; with
-    ``cover``, the pairwise ``covering_sets``) against the float64 reference within the spec's tolerance
-    for that set; the failure lists each set over it.
+    ``cover``, the ``covering_sets`` of that ``strength``) against the float64 reference within the spec's
+    tolerance for that set; the failure lists each set over it.
 
     Returns [(params, {output: relative error})], defaults first.
     """
     case = spec.make_case(device, shape, rng)
-    sets = (covering_sets if cover else parameter_sets)(spec, shape, device.caps)
+    sets = covering_sets(spec, shape, device.caps, strength) if cover else parameter_sets(spec, shape, device.caps)
     assert sets, f"{spec.params.family}: no parameter set may run {spec.describe(shape)} on {device.caps.name}"
     results = [(params, case.errors(params)) for params in sets]
     failures = [f"  {params} {name}: {error:.3g} > {spec.tolerance_for(params):.0e}" for params, errors in results

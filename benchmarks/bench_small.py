@@ -7,7 +7,7 @@ intermediate 1536, vocab 49152), each against the copy bandwidth measured in the
 
 import pytest
 
-from perfx.timing import copy_bandwidth, event_span, time_launches
+from perfx.timing import copy_bandwidth, device_time, time_launches
 from perfx.tuning.gemv_f16 import SPEC as GEMV_F16
 from perfx.tuning.rmsnorm import SPEC as RMSNORM
 from perfx.tuning.small_ops import ARGMAX, EMBEDDING_F16, SWIGLU
@@ -52,4 +52,4 @@ def test_bench(benchmark, device, label, spec, shape, params):
     print(f"\n{label:28s} {spec.describe(shape):34s} {timing.median_s * 1e6:9.1f} us  {gbs:6.2f} GB/s "
           f"({100 * gbs / copy_gbs:5.1f}% of copy {copy_gbs:.2f})  {gflops:6.2f} GFLOP/s  "
           f"{' '.join(f'{k}={v}' for k, v in params.items())}")
-    benchmark.pedantic(lambda: event_span(case.launch(params)), rounds=3, iterations=1, warmup_rounds=1)
+    benchmark.pedantic(lambda: device_time(case.launch(params)), rounds=3, iterations=1, warmup_rounds=1)

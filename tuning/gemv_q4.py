@@ -75,7 +75,8 @@ def make_case(device, shape, rng) -> Case:
         device, q4, bias, read_paths(device, n, k, key["LAYOUT"]), layout=key["LAYOUT"])))
     return rotating_case(expected, y, copies_past_cache(device, _weight_bytes(shape)),
                          lambda i, params: wrapper(params).events(uploaded({"LAYOUT": params["LAYOUT"]})(i), x, y,
-                                                                  epilogue))
+                                                                  epilogue),
+                         device=device)
 
 
 def fuzz_shapes(st):

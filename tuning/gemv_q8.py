@@ -62,7 +62,8 @@ def make_case(device, shape, rng) -> Case:
 
     wrapper = cached_per_params(lambda params: GemvQ8(device, params, shape))
     return rotating_case(expected, y, copies_past_cache(device, _weight_bytes(shape)),
-                         lambda i, params: wrapper(params).events(weights(i), x, y, epilogue))
+                         lambda i, params: wrapper(params).events(weights(i), x, y, epilogue),
+                         device=device)
 
 
 def fuzz_shapes(st):

@@ -13,6 +13,8 @@ that tests/test_fuzz.py and tests/oclgrind_runner.py hold nothing per family.
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -75,6 +77,11 @@ class Case:
     run: Callable[[Params], dict[str, np.ndarray]]
     launch: Callable[[Params], list]
     rotate: Callable[[], None] = lambda: None
+    # Where set: ``steady(params)`` enqueues the products of ``steady_count`` copies back to back, replayed as a
+    # decode step replays its launches (recorded once, no Python between them), and returns their events; the
+    # tuner times a candidate by it, per product.
+    steady: Callable[[Params], list] | None = None
+    steady_count: int = 1
 
     def errors(self, params: Params) -> dict[str, float]:
         outputs = self.run(params)
@@ -103,9 +110,16 @@ def lazy_copies(upload: Callable[[], Any]) -> Callable[[int], Any]:
     return get
 
 
-def rotating_case(expected: np.ndarray, y, copies: int, launch_copy: Callable[[int, Params], list]) -> Case:
+STEADY_PRODUCTS = 8   # products a steady timing replays back to back (each on its own copy of the inputs)
+
+
+def rotating_case(expected: np.ndarray, y, copies: int, launch_copy: Callable[[int, Params], list],
+                  device=None) -> Case:
     """A one-output case over ``copies`` copies of its inputs: ``launch_copy(i, params)`` enqueues on copy i
-    into the device array ``y``; run poisons y and uses copy 0, rotate steps to the next copy."""
+    into the device array ``y``; run poisons y and uses copy 0, rotate steps to the next copy. With ``device``
+    the case also times steadily (``Case.steady``): a decode step's kernels run back to back, and one product
+    timed alone after the host's wait carries the runtime's wake-up and, on a CPU, its second thread's late
+    start (the default model's decode GEMVs ranked differently alone than in the step: ``benchmarks/NOTES.md``)."""
     state = {"i": 0}
 
     def launch(params):
@@ -121,7 +135,22 @@ def rotating_case(expected: np.ndarray, y, copies: int, launch_copy: Callable[[i
     def rotate():
         state["i"] = (state["i"] + 1) % copies
 
-    return Case(expected={"y": expected}, run=run, launch=launch, rotate=rotate)
+    if device is None:
+        return Case(expected={"y": expected}, run=run, launch=launch, rotate=rotate)
+    count = min(copies, STEADY_PRODUCTS)
+    recorded: dict[str, list] = {}
+
+    def steady(params):
+        key = json.dumps(params, sort_keys=True)
+        if key not in recorded:
+            with device.record() as launches:
+                for i in range(count):
+                    launch_copy((state["i"] + i) % copies, params)
+            recorded[key] = list(launches)
+        return [step.enqueue(device.queue) for step in recorded[key]]
+
+    return Case(expected={"y": expected}, run=run, launch=launch, rotate=rotate, steady=steady,
+                steady_count=count)
 
 
 @dataclass(frozen=True)

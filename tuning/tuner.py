@@ -37,7 +37,7 @@ import numpy as np
 
 from perfx.errors import PerfxError
 from perfx.runtime import BuildError, DriverError, KernelLimitError
-from perfx.timing import bootstrap_ratio, copy_kernel, time_launches
+from perfx.timing import Timing, bootstrap_ratio, copy_kernel, time_launches
 from perfx.tuning.database import Database, normal, params_key, result_record
 
 EXHAUSTIVE_LIMIT = 48   # spaces up to this many candidates are searched exhaustively
@@ -408,15 +408,24 @@ class Tuner:
         defaults = spec.params.defaults()
         result.default = next((o for o in result.outcomes if o.params == defaults), None)
 
+    def _timing(self, case, params: dict, **kwargs):
+        """One candidate's time per product: replayed back to back where the case can (``Case.steady``, the
+        decode GEMVs), else one launch at a time, rotating the case's copies."""
+        if case.steady is None:
+            return self.timer(lambda: case.launch(params), rotate=case.rotate, **kwargs)
+        timing = self.timer(lambda: case.steady(params), **kwargs)
+        count = case.steady_count
+        return Timing(timing.median_s / count, [t / count for t in timing.samples])
+
     def _time(self, case, params: dict, result: ProblemResult | None = None, **kwargs):
         """Time one candidate; a timing during which the reference kernel says the machine drifted is
         taken again after a cool-down (once)."""
-        timing = self.timer(lambda: case.launch(params), rotate=case.rotate, **kwargs)
+        timing = self._timing(case, params, **kwargs)
         if self.drift.drifted():
             if result is not None:
                 result.suspect_candidates += 1
             time.sleep(self.cool_down_s)
-            timing = self.timer(lambda: case.launch(params), rotate=case.rotate, **kwargs)
+            timing = self._timing(case, params, **kwargs)
         return timing
 
     def _verify(self, spec, case, params: dict) -> tuple[Outcome | None, float, dict]:
@@ -451,7 +460,7 @@ class Tuner:
         try:
             if best is not None:
                 # The faster of two runs: one slow run (a hiccup) must not cut a good candidate.
-                probe = self.timer(lambda: case.launch(params), warmup=1, repeat=2, rotate=case.rotate)
+                probe = self._timing(case, params, warmup=1, repeat=2)
                 fastest = min(probe.samples) if probe.samples else probe.median_s
                 if fastest > CUT_FACTOR * best.time_s:
                     return Outcome(params, "slow", fastest, 0.0, probe.samples, worst,
@@ -517,8 +526,7 @@ class Tuner:
             shuffle.shuffle(order)
             times = [0.0] * len(contenders)
             for i in order:
-                times[i] = self.timer(lambda: case.launch(contenders[i]), warmup=1, repeat=3,
-                                      rotate=case.rotate).median_s
+                times[i] = self._timing(case, contenders[i], warmup=1, repeat=3).median_s
             if self.drift.drifted() and suspect < self.confirm_rounds:
                 suspect += 1
                 time.sleep(self.cool_down_s)

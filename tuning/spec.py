@@ -23,6 +23,7 @@ import numpy as np
 from perfx import reference
 from perfx.ops.epilogue import is_gated
 from perfx.ops.params import Params, ParamSpace, Shape
+from perfx.timing import Timing, time_launches
 
 
 def relative_error(actual, expected) -> float:
@@ -86,6 +87,16 @@ class Case:
     def errors(self, params: Params) -> dict[str, float]:
         outputs = self.run(params)
         return {name: relative_error(outputs[name], want) for name, want in self.expected.items()}
+
+
+def time_case(case: Case, params: Params, timer: Callable = time_launches, **kwargs) -> Timing:
+    """A parameter set's time per product (``timer``'s keywords pass through): replayed back to back where the
+    case can (``Case.steady``, the decode GEMVs), else one launch at a time, rotating the case's copies."""
+    if case.steady is None:
+        return timer(lambda: case.launch(params), rotate=case.rotate, **kwargs)
+    timing = timer(lambda: case.steady(params), **kwargs)
+    count = case.steady_count
+    return Timing(timing.median_s / count, [t / count for t in timing.samples])
 
 
 def copies_past_cache(device, nbytes: int) -> int:

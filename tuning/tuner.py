@@ -37,8 +37,9 @@ import numpy as np
 
 from perfx.errors import PerfxError
 from perfx.runtime import BuildError, DriverError, KernelLimitError
-from perfx.timing import Timing, bootstrap_ratio, copy_kernel, time_launches
+from perfx.timing import bootstrap_ratio, copy_kernel, time_launches
 from perfx.tuning.database import Database, normal, params_key, result_record
+from perfx.tuning.spec import time_case
 
 EXHAUSTIVE_LIMIT = 48   # spaces up to this many candidates are searched exhaustively
 RANDOM_SAMPLES = 24     # otherwise: this many random candidates before local refinement, at least
@@ -409,13 +410,7 @@ class Tuner:
         result.default = next((o for o in result.outcomes if o.params == defaults), None)
 
     def _timing(self, case, params: dict, **kwargs):
-        """One candidate's time per product: replayed back to back where the case can (``Case.steady``, the
-        decode GEMVs), else one launch at a time, rotating the case's copies."""
-        if case.steady is None:
-            return self.timer(lambda: case.launch(params), rotate=case.rotate, **kwargs)
-        timing = self.timer(lambda: case.steady(params), **kwargs)
-        count = case.steady_count
-        return Timing(timing.median_s / count, [t / count for t in timing.samples])
+        return time_case(case, params, self.timer, **kwargs)
 
     def _time(self, case, params: dict, result: ProblemResult | None = None, **kwargs):
         """Time one candidate; a timing during which the reference kernel says the machine drifted is

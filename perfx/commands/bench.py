@@ -28,6 +28,7 @@ from perfx.timing import bootstrap_ratio, copy_bandwidth, time_launches
 from perfx.tuning import select_specs
 from perfx.tuning.database import default_database
 from perfx.tuning.problems import problems_for
+from perfx.tuning.spec import time_case
 
 PEAK_WIDTHS = (4, 8, 16)
 
@@ -114,12 +115,11 @@ def bench_problem(device, spec, problem, ceiling: dict, rng, database, vs_defaul
             if params is choice.params:
                 row["private_bytes"] = max((i.private_mem for i in kernels.values()), default=None)
         row["error"], row["verified"] = worst, verified
-        probe = time_launches(lambda: case.launch(choice.params), warmup=1, repeat=1)
+        probe = time_case(case, choice.params, warmup=1, repeat=1)
         repeat = 3 if probe.median_s > 0.2 else 10
-        timing = time_launches(lambda: case.launch(choice.params), warmup=1, repeat=repeat, rotate=case.rotate)
+        timing = time_case(case, choice.params, warmup=1, repeat=repeat)
         if vs_defaults:
-            rounds = interleaved(lambda p: time_launches(lambda: case.launch(p), warmup=1, repeat=3,
-                                                        rotate=case.rotate).median_s, contenders, vs_defaults)
+            rounds = interleaved(lambda p: time_case(case, p, warmup=1, repeat=3).median_s, contenders, vs_defaults)
             columns = list(zip(*rounds))
             gain, low, high = (bootstrap_ratio(columns[1], columns[0], rng) if len(columns) == 2 else (1.0, 1.0, 1.0))
             row.update(tuned_time_s=float(np.median(columns[0])), defaults_time_s=float(np.median(columns[-1])),

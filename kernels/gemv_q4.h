@@ -127,24 +127,4 @@ inline void store_outputs(const float* acc, const int* grow, const int first, co
     }
 }
 
-// x[32b .. 32b + 31] as llama.cpp's Q8_1 block, the int8 activations of the I8 variants: q = rint(x·127/max|x|)
-// (an all-zero block: 0), the block's even elements' codes in *even and its odd ones' in *odd (the order of a
-// texel's low and high nibbles), returns (d, Σ d·q) with the step d = max|x|/127.
-inline float2 quantize_block_q8_1(__global const float* restrict x, const int b, char16* even, char16* odd)
-{
-    const float8 v0 = vload8(4 * b, x), v1 = vload8(4 * b + 1, x);
-    const float8 v2 = vload8(4 * b + 2, x), v3 = vload8(4 * b + 3, x);
-    const float8 m8 = fmax(fmax(fabs(v0), fabs(v1)), fmax(fabs(v2), fabs(v3)));
-    const float4 m4 = fmax(m8.lo, m8.hi);
-    const float amax = fmax(fmax(m4.s0, m4.s1), fmax(m4.s2, m4.s3));
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    const float8 r0 = rint(v0 * inv), r1 = rint(v1 * inv), r2 = rint(v2 * inv), r3 = rint(v3 * inv);
-    const float8 sum8 = (r0 + r1) + (r2 + r3);
-    *even = (char16)(convert_char4_sat(r0.even), convert_char4_sat(r1.even), convert_char4_sat(r2.even),
-                     convert_char4_sat(r3.even));
-    *odd = (char16)(convert_char4_sat(r0.odd), convert_char4_sat(r1.odd), convert_char4_sat(r2.odd),
-                    convert_char4_sat(r3.odd));
-    return (float2)(amax / 127.0f, SUM8(sum8) * (amax / 127.0f));
-}
-
 #endif  // PERFX_GEMV_Q4_H

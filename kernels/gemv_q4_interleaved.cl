@@ -88,12 +88,20 @@ void gemv_q4(GEMV_Q4_ARGS, __local xstage_t* restrict x_local)
     __local float* x_scale = (__local float*)(x_local + 2 * q4_texels);
     __local float* x_sum = x_scale + q4_texels;
     for (int b = slice * WGN + get_local_id(0); b < q4_texels; b += WGN * SLICES) {
-        char16 even, odd;
-        const float2 step_sum = quantize_block_q8_1(x, b, &even, &odd);
-        x_scale[b] = step_sum.x;
-        x_sum[b] = step_sum.y;
-        x_local[2 * b] = as_uint4(even);
-        x_local[2 * b + 1] = as_uint4(odd);
+        const float8 v0 = vload8(4 * b, x), v1 = vload8(4 * b + 1, x);
+        const float8 v2 = vload8(4 * b + 2, x), v3 = vload8(4 * b + 3, x);
+        const float8 m8 = fmax(fmax(fabs(v0), fabs(v1)), fmax(fabs(v2), fabs(v3)));
+        const float4 m4 = fmax(m8.lo, m8.hi);
+        const float amax = fmax(fmax(m4.s0, m4.s1), fmax(m4.s2, m4.s3));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const float8 r0 = rint(v0 * inv), r1 = rint(v1 * inv), r2 = rint(v2 * inv), r3 = rint(v3 * inv);
+        const float8 sum8 = (r0 + r1) + (r2 + r3);
+        x_scale[b] = amax / 127.0f;
+        x_sum[b] = SUM8(sum8) * (amax / 127.0f);
+        x_local[2 * b] = (uint4)(as_uint(convert_char4_sat(r0.even)), as_uint(convert_char4_sat(r1.even)),
+                                 as_uint(convert_char4_sat(r2.even)), as_uint(convert_char4_sat(r3.even)));
+        x_local[2 * b + 1] = (uint4)(as_uint(convert_char4_sat(r0.odd)), as_uint(convert_char4_sat(r1.odd)),
+                                     as_uint(convert_char4_sat(r2.odd)), as_uint(convert_char4_sat(r3.odd)));
     }
     barrier(CLK_LOCAL_MEM_FENCE);
 #elif XS == 3

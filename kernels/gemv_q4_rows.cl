@@ -52,17 +52,28 @@
 #include "int_pairs.h"
 
 #if I8
-// x (K floats) quantized per block of 32 for I8 (kernels/gemv_q4.h's quantize_block_q8_1), one work-item a
-// block: its even elements' codes at xq[2b], its odd ones' at xq[2b + 1], (d, Σ d·q_x) at x_step_sum[b].
+// x (K floats) quantized per block of 32 for I8, one work-item a block: q_x = rint(x·127/max|x|) as int8, the
+// block's even elements then its odd ones (xq[2b], xq[2b + 1]: the order of a texel's low and high nibbles),
+// and the block's step d = max|x|/127 with the sum of its quantized values Σ d·q_x (x_step_sum[b]). An
+// all-zero block has d = 0 and codes 0.
 __kernel void gemv_q4_quantize_x(const int k, __global const float* restrict x, __global char16* restrict xq,
                                  __global float2* restrict x_step_sum)
 {
     const int b = get_global_id(0);
     if (b >= k / 32) return;
-    char16 even, odd;
-    x_step_sum[b] = quantize_block_q8_1(x, b, &even, &odd);
-    xq[2 * b] = even;
-    xq[2 * b + 1] = odd;
+    const float8 v0 = vload8(4 * b, x), v1 = vload8(4 * b + 1, x);
+    const float8 v2 = vload8(4 * b + 2, x), v3 = vload8(4 * b + 3, x);
+    const float8 m8 = fmax(fmax(fabs(v0), fabs(v1)), fmax(fabs(v2), fabs(v3)));
+    const float4 m4 = fmax(m8.lo, m8.hi);
+    const float amax = fmax(fmax(m4.s0, m4.s1), fmax(m4.s2, m4.s3));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const float8 r0 = rint(v0 * inv), r1 = rint(v1 * inv), r2 = rint(v2 * inv), r3 = rint(v3 * inv);
+    const float8 sum8 = (r0 + r1) + (r2 + r3);
+    xq[2 * b] = (char16)(convert_char4_sat(r0.even), convert_char4_sat(r1.even),
+                         convert_char4_sat(r2.even), convert_char4_sat(r3.even));
+    xq[2 * b + 1] = (char16)(convert_char4_sat(r0.odd), convert_char4_sat(r1.odd),
+                             convert_char4_sat(r2.odd), convert_char4_sat(r3.odd));
+    x_step_sum[b] = (float2)(amax / 127.0f, SUM8(sum8) * (amax / 127.0f));
 }
 #define I8_ARGS , __global const char16* restrict xq, __global const float2* restrict x_step_sum
 #else

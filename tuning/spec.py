@@ -13,8 +13,6 @@ that tests/test_fuzz.py and tests/oclgrind_runner.py hold nothing per family.
 
 from __future__ import annotations
 
-import json
-
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -149,16 +147,16 @@ def rotating_case(expected: np.ndarray, y, copies: int, launch_copy: Callable[[i
     if device is None:
         return Case(expected={"y": expected}, run=run, launch=launch, rotate=rotate)
     count = min(copies, STEADY_PRODUCTS)
-    recorded: dict[str, list] = {}
+
+    def record(params):
+        with device.record() as launches:
+            for i in range(count):
+                launch_copy((state["i"] + i) % copies, params)
+        return list(launches)
+    recorded = cached_per_params(record)
 
     def steady(params):
-        key = json.dumps(params, sort_keys=True)
-        if key not in recorded:
-            with device.record() as launches:
-                for i in range(count):
-                    launch_copy((state["i"] + i) % copies, params)
-            recorded[key] = list(launches)
-        return [step.enqueue(device.queue) for step in recorded[key]]
+        return [step.enqueue(device.queue) for step in recorded(params)]
 
     return Case(expected={"y": expected}, run=run, launch=launch, rotate=rotate, steady=steady,
                 steady_count=count)

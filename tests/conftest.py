@@ -12,7 +12,23 @@ import zlib
 import numpy as np
 import pytest
 
-from perfx.runtime import Device, choose_device, list_devices
+from perfx.runtime import BuildError, Device, choose_device, list_devices
+
+UNUSABLE: dict[str, str] = {}   # implementation -> why no test runs on it (reported in pytest's header)
+
+
+def _compiler_knows_this_cpu(entry) -> bool:
+    """False where the implementation's compiler cannot target this machine at all (PoCL 3.0's LLVM 14 on a CPU
+    newer than it): every kernel would fail to build, whatever the test, so the implementation is left out
+    and the header says why. Any other build failure is a test's to report."""
+    try:
+        Device(entry.index).build("copy.cl")
+    except BuildError as e:
+        if not e.compiler_lacks_cpu:
+            raise
+        UNUSABLE[entry.implementation] = e.summary
+        return False
+    return True
 
 
 def _implementations() -> dict[str, str]:
@@ -24,12 +40,19 @@ def _implementations() -> dict[str, str]:
         entries = [chosen]
     found = {}
     for entry in entries:
+        if not _compiler_knows_this_cpu(entry):
+            continue
         name = entry.implementation
         found[name if name not in found else f"{name}{entry.platform_index}"] = entry.index
     return found
 
 
 IMPLEMENTATIONS = _implementations()
+
+
+def pytest_report_header(config):
+    return [f"perfx: {name} left out, its compiler cannot build for this CPU ({why})"
+            for name, why in UNUSABLE.items()]
 DEFAULT = next(iter(IMPLEMENTATIONS))
 
 

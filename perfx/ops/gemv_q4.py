@@ -86,6 +86,11 @@ ROWS_LAYOUT = ParamSpace(
         # PoCL and under Oclgrind).
         Rule("64 lanes along K hold at most 4 rows of accumulators (ROWS ≤ 4, gate-up ≤ 2)",
              lambda p, s: p["LANES"] < 64 or _accumulator_rows(p, s) <= 4),
+        # The same compiler (2026.2) on an AVX-512 CPU (AMD Zen 5) computes a wrong gate-up y at 16 lanes and 8
+        # rows met in local memory (right under Oclgrind, on AVX2 and with the subgroup reduction).
+        Rule("16 lanes met in local memory (SG 0) hold at most 4 rows of gate-up accumulators (ROWS ≤ 2)",
+             lambda p, s: not (p["LANES"] == 16 and p["SG"] == 0 and is_gated(s.get("epilogue"))
+                               and _accumulator_rows(p, s) > 4)),
         Rule("fp16 arithmetic is a GPU-class variant: with a subgroup reduction (SG 1)",
              lambda p, s: p["HALF"] == 0 or p["SG"] == 1),
         Rule("with a subgroup reduction 2 or 4 rows a work-item: 8 rows of texels, accumulators and fp16 sums "
@@ -190,9 +195,17 @@ class GemvQ4:
         event = self.device.launch(kernel, (k // 32,), None, np.int32(k), x, *buffers)
         return [event], buffers
 
-    def events(self, weight: Q4DeviceWeight, x, y, epilogue: str = "none") -> list[cl.Event]:
+    @property
+    def reads_quantized(self) -> bool:
+        """Whether the product reads x as Q8_1 blocks (the rows layout's I8): a caller holding x quantized already
+        (``RMSNorm``'s ``quantized``) passes them, and the product's own quantizing launch is skipped."""
+        return self.layout == LAYOUT_ROWS and bool(self.params["I8"])
+
+    def events(self, weight: Q4DeviceWeight, x, y, epilogue: str = "none", quantized=None) -> list[cl.Event]:
         """Enqueue y = W·x and return every launch's event (more than one where rows span several images, and
-        the quantization of x first with the rows layout's I8)."""
+        the quantization of x first with the rows layout's I8). ``quantized``: x's Q8_1 blocks (codes, steps and
+        sums, as ``quantize`` writes them) made by the caller; the rows layout's I8 reads them instead of
+        quantizing x itself, every other variant reads x."""
         n, k = weight.n, weight.k
         check_gate_up("gemv_q4", epilogue, n)
         if weight.layout != self.layout:
@@ -227,7 +240,10 @@ class GemvQ4:
             lanes, set_count = self.params["LANES"], self.params["WGR"]
             local_size = (lanes * set_count,)
             extra = ()
-            if self.params["I8"]:
+            if self.reads_quantized and quantized is not None:
+                extra = (device_buffer(quantized[0], k, "gemv_q4 quantized x"),
+                         device_buffer(quantized[1], 8 * (k // 32), "gemv_q4 quantized x's steps and sums"))
+            elif self.reads_quantized:
                 events, extra = self.quantize(xb, k)
         for out_base, count, wa, row_a, wb, row_b in plan:
             if self.layout == LAYOUT_INTERLEAVED:
@@ -240,12 +256,12 @@ class GemvQ4:
                 np.int32(n), wa, wb, weight.scale_offset, bias, has_bias, xb, yb, *extra))
         return events
 
-    def __call__(self, weight: Q4DeviceWeight, x, y, epilogue: str = "none") -> cl.Event:
+    def __call__(self, weight: Q4DeviceWeight, x, y, epilogue: str = "none", quantized=None) -> cl.Event:
         """Enqueue y = W·x (+ bias), or act(gate)·up for a gate-up epilogue; returns the last launch's event.
 
         The queue is in order, so waiting on the returned event waits for the whole product.
         """
-        return self.events(weight, x, y, epilogue)[-1]
+        return self.events(weight, x, y, epilogue, quantized)[-1]
 
     @staticmethod
     def _image_plan(weight: Q4DeviceWeight, m: int, epilogue: str):

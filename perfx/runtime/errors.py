@@ -53,11 +53,19 @@ class BuildError(PerfxError):
         # One line for notes and tables: the compiler's first error, else the log's first line.
         self.summary = next((line for line in lines if "error" in line.lower()), lines[0] if lines else "no log")
         flags = " ".join(define_flags(defines)) or "(no defines)"
+        # The driver's compiler cannot target this CPU at all (PoCL 3.0 from PyPI carries LLVM 14, which takes no
+        # CPU newer than AMD Zen 3 or Intel Sapphire Rapids, and then asks for 'generic', which LLVM 14 refuses):
+        # no kernel of any parameters will build on this device.
+        self.compiler_lacks_cpu = "unknown target CPU" in log
+        advice = ("This implementation's compiler does not know this CPU, so no kernel builds on it: choose another "
+                  "OpenCL implementation with --device or PERFX_DEVICE (`perfx info` lists them; Intel's CPU runtime "
+                  "is `pip install intel-opencl-rt`), or a PoCL built with an LLVM that knows this CPU."
+                  if self.compiler_lacks_cpu else
+                  "If this is a tuned parameter set, run `perfx selftest` and report the log; "
+                  "perfx falls back to the defaults when a tuned kernel does not build.")
         super().__init__(
             f"kernels/{file} failed to build on {device_name} with {flags}.\n"
-            f"Build log:\n{log.strip()}\n"
-            "If this is a tuned parameter set, run `perfx selftest` and report the log; "
-            "perfx falls back to the defaults when a tuned kernel does not build."
+            f"Build log:\n{log.strip()}\n{advice}"
         )
 
 

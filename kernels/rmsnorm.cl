@@ -15,6 +15,11 @@
 // the subgroups' sums through local memory (SG 1, one barrier instead of log2(WGS)), and the second sweep
 // reads back only what this same work-item just wrote (r) or read (x): from cache, and visible to it
 // without a barrier.
+//
+// Q8X 1 (K a multiple of 32): y is also written quantized for the int4 GEMVs that read it with int8
+// activations (kernels/gemv_q4_rows.cl, I8): per block of 32 its Q8_1 codes in a texel's order, xq (K bytes a
+// row), and its step and sum, x_step_sum (K/32 float2 a row), so no GEMV launch of a decode step quantizes the
+// vector a norm produced, and every GEMV reading it shares one quantization.
 
 #ifndef WGS
 #define WGS 128  // work-items per row (a power of two)
@@ -22,12 +27,35 @@
 #ifndef VW
 #define VW 4  // floats per load: 1, 4 or 8
 #endif
+#ifndef Q8X
+#define Q8X 0  // also write y quantized per block of 32 (kernels/q8_1.h; set by the caller, not tuned)
+#endif
 #ifndef SG
 #define SG 0  // the work-group's sum: a local-memory tree (0) or subgroup reductions (1, cl_khr_subgroups)
 #endif
 
 #define USES_SUBGROUPS SG
 #include "gpu.h"
+
+#if Q8X
+#include "q8_1.h"
+#define Q8X_ARGS , __global char16* restrict xq, __global float2* restrict x_step_sum
+// After y's row is written: y's blocks of 32, each quantized by one work-item (the barrier makes the other
+// work-items' stores of the row visible to it).
+#define QUANTIZE_Y(k, y)                                                                                    \
+    barrier(CLK_GLOBAL_MEM_FENCE);                                                                           \
+    xq += (size_t)get_group_id(0) * ((k) / 16);                                                              \
+    x_step_sum += (size_t)get_group_id(0) * ((k) / 32);                                                      \
+    for (int b = get_local_id(0); b < (k) / 32; b += WGS) {                                                  \
+        Q8_1_BLOCK(y, b, q, step, sum)                                                                       \
+        xq[2 * b] = Q8_1_EVEN(q);                                                                            \
+        xq[2 * b + 1] = Q8_1_ODD(q);                                                                         \
+        x_step_sum[b] = (float2)(step, sum);                                                                 \
+    }
+#else
+#define Q8X_ARGS
+#define QUANTIZE_Y(k, y)
+#endif
 
 #if VW == 8
 typedef float8 floatVW;
@@ -112,7 +140,7 @@ void scale_row(const int k, const float inv, __global const float* src, __global
 __kernel __attribute__((reqd_work_group_size(WGS, 1, 1)))
 void rmsnorm_residual(const int k, const float eps, __global const float* restrict x,
                       __global float* restrict r, __global const float* restrict gamma,
-                      __global float* restrict y)
+                      __global float* restrict y Q8X_ARGS)
 {
     __local float scratch[WGS];
     const size_t base = (size_t)get_group_id(0) * k;
@@ -136,11 +164,12 @@ void rmsnorm_residual(const int k, const float eps, __global const float* restri
     }
     const float inv = 1.0f / sqrt(work_group_total(total, scratch) / (float)k + eps);
     scale_row(k, inv, r, gamma, y);
+    QUANTIZE_Y(k, y)
 }
 
 __kernel __attribute__((reqd_work_group_size(WGS, 1, 1)))
 void rmsnorm(const int k, const float eps, __global const float* restrict x,
-             __global const float* restrict gamma, __global float* restrict y)
+             __global const float* restrict gamma, __global float* restrict y Q8X_ARGS)
 {
     __local float scratch[WGS];
     const size_t base = (size_t)get_group_id(0) * k;
@@ -148,12 +177,13 @@ void rmsnorm(const int k, const float eps, __global const float* restrict x,
     y += base;
     const float inv = 1.0f / sqrt(work_group_total(squares_of(k, x), scratch) / (float)k + eps);
     scale_row(k, inv, x, gamma, y);
+    QUANTIZE_Y(k, y)
 }
 
 __kernel __attribute__((reqd_work_group_size(WGS, 1, 1)))
 void rmsnorm_post_residual(const int k, const float eps, __global const float* restrict p,
                            __global float* restrict x, __global const float* restrict post_gamma,
-                           __global const float* restrict next_gamma, __global float* restrict y)
+                           __global const float* restrict next_gamma, __global float* restrict y Q8X_ARGS)
 {
     __local float scratch[WGS];
     const size_t base = (size_t)get_group_id(0) * k;
@@ -180,4 +210,5 @@ void rmsnorm_post_residual(const int k, const float eps, __global const float* r
     barrier(CLK_LOCAL_MEM_FENCE);   // scratch is reused: every work-item has read inv_p's total from it
     const float inv = 1.0f / sqrt(work_group_total(total, scratch) / (float)k + eps);
     scale_row(k, inv, x, next_gamma, y);
+    QUANTIZE_Y(k, y)
 }

@@ -44,6 +44,8 @@ from perfx.tuning.problems import delta_shape
 
 DEFAULT_CTX = 4096
 PREFILL_CHUNK = 256  # prompt tokens per prefill pass: bounds the activation buffers
+# The matrices that read xb, the normed residual stream (the rest read attention, gate-up or recurrence outputs)
+XB_READERS = ("qkv", "attn_gate", "gate_up", "conv_in", "delta_qkv", "delta_z", "delta_ab")
 
 
 @dataclass
@@ -119,6 +121,9 @@ class RunState:
     dout: object = None         # (chunk, Hv·d_v) the recurrence's output, then normed and gated
     all_logits: object = None   # (chunk, V) and (chunk, hidden): made by the first prefill_logits only
     head_in: object = None
+    # One row of xb as Q8_1 blocks (hidden int8 codes, hidden/32 (step, sum) pairs), written by the norm that
+    # writes xb where the GEMVs reading xb take int8 activations (Model._xb_quantized)
+    xb_q8: tuple | None = None
 
     @classmethod
     def allocate(cls, device: Device, c: ModelConfig, chunk: int) -> RunState:
@@ -268,6 +273,8 @@ class Model:
         """The run state, preallocated once (llama2.c's RunState), for decode and for a prefill chunk."""
         c, d = self.config, self.device
         self.state = RunState.allocate(d, c, min(PREFILL_CHUNK, self.max_positions))
+        if self._norms_quantize():
+            self.state.xb_q8 = (d.empty(c.hidden_size, np.int8), d.empty((c.hidden_size // 32, 2), np.float32))
         self._lm_head_gemm = None
         # The KV cache holds the attention layers only, the conv rings the conv layers or the delta layers'
         # convolutions, the delta state the delta layers' S (slot = its index among the layers of its kind).
@@ -302,6 +309,16 @@ class Model:
         self._decode_plans: dict[int, list] = {}    # attention partitions -> the step's launches
         self._decode_launches(0)   # recorded now: a kernel the driver refuses shows at load
 
+    def _norms_quantize(self) -> bool:
+        """Whether the norms writing xb also write it as Q8_1 blocks, for one row: where some int4 GEMV reading xb
+        takes int8 activations in the rows layout (``GemvQ4.reads_quantized``), every such GEMV then shares the
+        norm's quantization and none launches its own."""
+        if self.config.hidden_size % 32:
+            return False
+        readers = [(role, getattr(layer, role)) for layer in self.weights.layers for role in XB_READERS]
+        readers.append(("lm_head", self.weights.lm_head))
+        return any(isinstance(w, Q4DeviceWeight) and self.plan.gemv[role].reads_quantized for role, w in readers)
+
     # -- the forward ------------------------------------------------------------------------------
 
     def _attention_args(self, layer: int) -> tuple:
@@ -334,7 +351,7 @@ class Model:
             return self.plan.q8("gemm", name, weight, m)(weight, x, y, m, epilogue)
         if isinstance(weight, Q4DeviceWeight):
             if decode:
-                return self.plan.gemv[name](weight, x, y, epilogue)
+                return self.plan.gemv[name](weight, x, y, epilogue, quantized=self._quantized(x, m))
             if epilogue == "none" and weight.bias is not None:
                 epilogue = "bias"
             return self.plan.prefill(m)[0][name](weight, x, y, m, epilogue)
@@ -358,14 +375,21 @@ class Model:
                 result = self.state.row_act
             d.copy(y, result, 4 * cols, dst_offset=4 * r * cols)
 
+    def _quantized(self, x, m: int):
+        """xb's Q8_1 blocks where x is xb of one row and the norms write them (``_norms_quantize``), else None."""
+        return self.state.xb_q8 if m == 1 and x is self.state.xb else None
+
     def _residual_norm(self, post_norm, gamma, m: int):
         """The pending output in proj joins the residual x (through its own norm ``post_norm`` where the recipe
-        has post-norms), then xb = rmsnorm(x)·γ: one launch either way."""
+        has post-norms), then xb = rmsnorm(x)·γ (and, for one row, xb's Q8_1 blocks where the GEMVs read them):
+        one launch either way."""
         c, s = self.config, self.state
+        quantized = self._quantized(s.xb, m)
         if post_norm is None:
-            self.plan.rmsnorm.residual(s.proj, s.x, gamma, s.xb, m, c.hidden_size, c.rms_eps)
+            self.plan.rmsnorm.residual(s.proj, s.x, gamma, s.xb, m, c.hidden_size, c.rms_eps, quantized=quantized)
         else:
-            self.plan.rmsnorm.post_residual(s.proj, s.x, post_norm, gamma, s.xb, m, c.hidden_size, c.rms_eps)
+            self.plan.rmsnorm.post_residual(s.proj, s.x, post_norm, gamma, s.xb, m, c.hidden_size, c.rms_eps,
+                                            quantized=quantized)
 
     def _attend_decode(self, layer: int, pos: int, position=None):
         """Decode attention of one layer for the token at ``pos`` (``position``: the buffer and index the
@@ -384,7 +408,8 @@ class Model:
         for layer, w in enumerate(self.weights.layers):
             # attention (or conv) rmsnorm; from layer 1 on, the previous layer's FFN output joins the residual here
             if layer == 0:
-                self.plan.rmsnorm.plain(s.x, w.attn_norm, s.xb, m, c.hidden_size, c.rms_eps)
+                self.plan.rmsnorm.plain(s.x, w.attn_norm, s.xb, m, c.hidden_size, c.rms_eps,
+                                        quantized=self._quantized(s.xb, m))
             else:
                 self._residual_norm(self.weights.layers[layer - 1].post_ffn_norm, w.attn_norm, m)
             if w.delta_qkv is not None:
@@ -450,7 +475,8 @@ class Model:
             head = self.weights.lm_head
             self.plan.q8("gemv", "lm_head", head)(head, self.state.xb, self.state.logits)
         elif isinstance(self.weights.lm_head, Q4DeviceWeight):
-            self.plan.gemv["lm_head"](self.weights.lm_head, self.state.xb, self.state.logits)
+            self.plan.gemv["lm_head"](self.weights.lm_head, self.state.xb, self.state.logits,
+                                      quantized=self._quantized(self.state.xb, 1))
         else:
             self.plan.gemv_f16(self.weights.lm_head, self.state.xb, self.state.logits)
         if c.final_softcap:

@@ -146,6 +146,29 @@ def quantize_activations_q8(x, block: int = 32) -> np.ndarray:
     return (np.rint(blocks * inv) * (amax / 127.0)).reshape(-1)
 
 
+def q8_1_rounding_excess(y, codes, step_sum) -> float:
+    """How far int8 blocks of y are from a correct Q8_1 quantization of it (0.0 where they are one): ``codes``
+    (K int8 a row) hold each block of 32 as its even elements then its odd ones (the order a q4 texel holds its
+    codes, kernels/q8_1.h), ``step_sum`` (K/32 (step, sum) pairs a row). Each block's step must be max|y|/127,
+    each code within half a step of its value (ties either way) and the sum Σ step·code, all to fp32's
+    rounding; the result is the largest excess over those bounds, relative to the row's max |y| (NaN where a
+    block was not written)."""
+    y = f64(y).reshape(-1, 32)
+    q = np.asarray(codes, np.int8).reshape(-1, 2, 16).astype(np.float64)
+    values = np.empty_like(y)
+    values[:, 0::2], values[:, 1::2] = q[:, 0], q[:, 1]
+    step, total = (f64(step_sum).reshape(-1, 2)[:, i:i + 1] for i in (0, 1))
+    amax = np.abs(y).max(axis=1, keepdims=True)
+    fp32 = 2.0 ** -20   # a few fp32 roundings of the block's step and its 127/max
+    excess = np.concatenate([
+        np.abs(step * 127 - amax) - fp32 * amax,
+        np.abs(values * step - y) - step * (0.5 + 128 * fp32),
+        np.abs(total - step * values.sum(axis=1, keepdims=True)) - fp32 * step * np.abs(values).sum(axis=1,
+                                                                                                    keepdims=True),
+    ], axis=1)
+    return float(np.max(np.maximum(excess, 0.0)) / max(float(amax.max()), 1e-30))
+
+
 KV_BLOCK = 32   # values per fp16 scale in an int8 KV cache row (llama.cpp's QK8_0)
 
 

@@ -310,3 +310,43 @@ def test_the_tuned_int8_activation_lm_head_runs_in_the_recorded_step(tiny_paths,
     model.prefill([4, 8], 0)
     model.decode_one(15, 2)
     assert relative_error(model.logits(), want[-1]) <= spec.tolerance_for(forced)
+
+
+def test_the_norms_quantize_xb_once_for_the_int8_activation_gemvs(tiny_paths, device, tmp_path, monkeypatch):
+    """With every int4 GEMV tuned to the rows layout's int8 activations, the norms that write xb write its Q8_1
+    blocks too, and the GEMVs reading xb (qkv, gate-up) launch no quantization of their own: a decode step
+    quantizes only o's and down's inputs. The blocks are the ones the GEMV's own launch makes, so the logits
+    are those of the model with the norms not quantizing, to the bit, and within the I8 tolerance of the
+    reference."""
+    monkeypatch.setenv("PERFX_CACHE", str(tmp_path))
+    source = open_model(tiny_paths["gguf-gqa3"])
+    spec = SPECS["gemv_q4"]
+    problems, _ = model_problems(source.config, SPECS, 32)
+    forced = {**spec.params.defaults(), "LAYOUT": 0, "LANES": 1, "WGR": 16, "ROWS": 2, "I8": 1, "SG": 0, "HALF": 0}
+    tuned = [p for p in problems if p.family == "gemv_q4"]
+    assert tuned, "the tiny model has int4 matrices"
+    for problem in tuned:
+        assert spec.params.why_invalid(forced, problem.shape, device.caps) is None, problem.label
+        default_database().save_result(device, result_record(spec, problem.shape, forced, 1e-2, None,
+                                                             device.fingerprint))
+
+    def decode(model):
+        model.prefill([4, 8], 0)
+        model.decode_one(15, 2)
+        return model.logits()
+
+    model = Model.load(source, device, ctx=32, progress=False)
+    assert model.state.xb_q8 is not None
+    layers = model.weights.layers
+    int8_inputs = sum(isinstance(getattr(w, role), Q4DeviceWeight) for w in layers for role in ("o", "down"))
+    quantizing = [step for step in model._decode_launches(0)
+                  if getattr(step, "kernel", None) is not None and step.kernel.function_name == "gemv_q4_quantize_x"]
+    assert len(quantizing) == int8_inputs, "only o's and down's inputs are quantized by a launch of their own"
+    fused = decode(model)
+    want, _ = reference.model_forward(source, [4, 8, 15])
+    assert relative_error(fused, want[-1]) <= spec.tolerance_for(forced)
+
+    monkeypatch.setattr(Model, "_norms_quantize", lambda self: False)
+    apart = Model.load(source, device, ctx=32, progress=False)
+    assert apart.state.xb_q8 is None
+    assert np.array_equal(decode(apart), fused)

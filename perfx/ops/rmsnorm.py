@@ -5,6 +5,10 @@ normalisation before each attention and MLP block. ``plain``: y = rmsnorm(x)·γ
 ``post_residual`` (Gemma's sandwich norms): h = x + rmsnorm(p)·γ_post written back into x, and
 y = rmsnorm(h)·γ_next — a block's output p normalised before the residual add, then the next block's (or the
 final) norm, in one pass.
+
+Each takes ``quantized``: (codes, steps and sums) buffers where y is also written as Q8_1 blocks of 32, the int8
+activations of the int4 GEMVs that read y (``GemvQ4.events``' ``quantized``), so the decode step quantizes each
+vector once, in the norm that makes it (K a multiple of 32).
 """
 
 from __future__ import annotations
@@ -39,40 +43,49 @@ class RMSNorm:
         self.device = device
         self.params = PARAMS.resolve(params, shape or {}, device.caps)
         self.wgs = self.params["WGS"]
-        self.residual_kernel = device.kernel(PARAMS.source, "rmsnorm_residual", self.params)
-        self.plain_kernel = device.kernel(PARAMS.source, "rmsnorm", self.params)
-        self.post_residual_kernel = device.kernel(PARAMS.source, "rmsnorm_post_residual", self.params)
+        self._kernels: dict[tuple[str, bool], object] = {}
+        for name in ("rmsnorm_residual", "rmsnorm", "rmsnorm_post_residual"):   # built now: a refusal shows at load
+            self._kernel(name, False)
 
-    def _check(self, rows: int, dim: int):
+    def _kernel(self, name: str, quantizes: bool):
+        kernel = self._kernels.get((name, quantizes))
+        if kernel is None:
+            kernel = self._kernels[name, quantizes] = self.device.kernel(
+                PARAMS.source, name, {**self.params, "Q8X": int(quantizes)})
+        return kernel
+
+    def _launch(self, name: str, rows: int, dim: int, eps: float, args: tuple, quantized):
         if rows < 1 or dim < 1:
             raise PerfxError(f"rmsnorm: rows = {rows} and dim = {dim} must both be at least 1")
+        if quantized is not None:
+            if dim % 32:
+                raise PerfxError(f"rmsnorm: y quantized per block of 32 needs dim a multiple of 32, not {dim}")
+            codes, steps = quantized
+            args += (device_buffer(codes, rows * dim, "rmsnorm quantized y"),
+                     device_buffer(steps, 8 * rows * (dim // 32), "rmsnorm quantized y's steps and sums"))
+        return self.device.launch(self._kernel(name, quantized is not None), (rows * self.wgs,), (self.wgs,),
+                                  np.int32(dim), np.float32(eps), *args)
 
-    def residual(self, x, r, gamma, y, rows: int, dim: int, eps: float):
+    def residual(self, x, r, gamma, y, rows: int, dim: int, eps: float, quantized=None):
         """r ← x + r, y = rmsnorm(r)·γ: (rows, dim) float32, y not aliasing x or r. Returns the event."""
-        self._check(rows, dim)
         nbytes = 4 * rows * dim
         args = (device_buffer(x, nbytes, "rmsnorm x"), device_buffer(r, nbytes, "rmsnorm residual"),
                 device_buffer(gamma, 4 * dim, "rmsnorm gamma"), device_buffer(y, nbytes, "rmsnorm y"))
-        return self.device.launch(self.residual_kernel, (rows * self.wgs,), (self.wgs,),
-                                  np.int32(dim), np.float32(eps), *args)
+        return self._launch("rmsnorm_residual", rows, dim, eps, args, quantized)
 
-    def plain(self, x, gamma, y, rows: int, dim: int, eps: float):
+    def plain(self, x, gamma, y, rows: int, dim: int, eps: float, quantized=None):
         """y = rmsnorm(x)·γ, (rows, dim) float32; y must not alias x. Returns the event."""
-        self._check(rows, dim)
         nbytes = 4 * rows * dim
         args = (device_buffer(x, nbytes, "rmsnorm x"), device_buffer(gamma, 4 * dim, "rmsnorm gamma"),
                 device_buffer(y, nbytes, "rmsnorm y"))
-        return self.device.launch(self.plain_kernel, (rows * self.wgs,), (self.wgs,),
-                                  np.int32(dim), np.float32(eps), *args)
+        return self._launch("rmsnorm", rows, dim, eps, args, quantized)
 
-    def post_residual(self, p, x, post_gamma, next_gamma, y, rows: int, dim: int, eps: float):
+    def post_residual(self, p, x, post_gamma, next_gamma, y, rows: int, dim: int, eps: float, quantized=None):
         """x ← x + rmsnorm(p)·γ_post, y = rmsnorm(x)·γ_next: (rows, dim) float32, both γ (dim), one eps for
         both norms; y not aliasing p or x. Returns the event."""
-        self._check(rows, dim)
         nbytes = 4 * rows * dim
         args = (device_buffer(p, nbytes, "rmsnorm p"), device_buffer(x, nbytes, "rmsnorm residual"),
                 device_buffer(post_gamma, 4 * dim, "rmsnorm post_gamma"),
                 device_buffer(next_gamma, 4 * dim, "rmsnorm next_gamma"),
                 device_buffer(y, nbytes, "rmsnorm y"))
-        return self.device.launch(self.post_residual_kernel, (rows * self.wgs,), (self.wgs,),
-                                  np.int32(dim), np.float32(eps), *args)
+        return self._launch("rmsnorm_post_residual", rows, dim, eps, args, quantized)

@@ -4,8 +4,9 @@
 // interleaved GEMV's local copy, the rmsnorm that feeds the GEMVs) rounds through this one macro, so the
 // codes a GEMV reads do not depend on which of them made them.
 //
-// Q8_1_BLOCK(x, b, R, D, S) declares R (float8[4], the rounded codes of floats 32b..32b+31 of the __global x,
-// in order), D (the step) and S (the sum). Q8_1_EVEN(R) / Q8_1_ODD(R): the block's even and odd codes as char16,
+// Q8_1_BLOCK(x, b, R, D, S) declares R0..R3 (float8, the rounded codes of floats 32b..32b+31 of the __global
+// x, in order; four variables, not an array: Oclgrind 21.10 crashes on an array of float8), D (the step) and S
+// (the sum). Q8_1_EVEN(R) / Q8_1_ODD(R): the block's even and odd codes as char16,
 // the order a q4 texel holds its low and high nibbles (kernels/q4.h), so one AND or a shift frees 16 codes
 // that meet their x in place.
 
@@ -15,7 +16,7 @@
 #include "sum8.h"
 
 #define Q8_1_BLOCK(x, b, R, D, S)                                                                            \
-    float8 R[4];                                                                                             \
+    float8 R##0, R##1, R##2, R##3;                                                                           \
     float D, S;                                                                                              \
     {                                                                                                        \
         const float8 q8v0_ = vload8(4 * (b), (x)), q8v1_ = vload8(4 * (b) + 1, (x));                         \
@@ -24,17 +25,21 @@
         const float4 q8m4_ = fmax(q8m8_.lo, q8m8_.hi);                                                       \
         const float q8amax_ = fmax(fmax(q8m4_.s0, q8m4_.s1), fmax(q8m4_.s2, q8m4_.s3));                      \
         const float q8inv_ = q8amax_ > 0.0f ? 127.0f / q8amax_ : 0.0f;                                       \
-        R[0] = rint(q8v0_ * q8inv_);                                                                         \
-        R[1] = rint(q8v1_ * q8inv_);                                                                         \
-        R[2] = rint(q8v2_ * q8inv_);                                                                         \
-        R[3] = rint(q8v3_ * q8inv_);                                                                         \
+        R##0 = rint(q8v0_ * q8inv_);                                                                         \
+        R##1 = rint(q8v1_ * q8inv_);                                                                         \
+        R##2 = rint(q8v2_ * q8inv_);                                                                         \
+        R##3 = rint(q8v3_ * q8inv_);                                                                         \
         D = q8amax_ / 127.0f;                                                                                \
-        S = SUM8((R[0] + R[1]) + (R[2] + R[3])) * D;                                                         \
+        S = SUM8((R##0 + R##1) + (R##2 + R##3)) * D;                                                         \
     }
 
-#define Q8_1_EVEN(R) ((char16)(convert_char4_sat((R)[0].even), convert_char4_sat((R)[1].even),              \
-                               convert_char4_sat((R)[2].even), convert_char4_sat((R)[3].even)))
-#define Q8_1_ODD(R) ((char16)(convert_char4_sat((R)[0].odd), convert_char4_sat((R)[1].odd),                  \
-                              convert_char4_sat((R)[2].odd), convert_char4_sat((R)[3].odd)))
+// The components named one by one, and one 16-wide conversion: Oclgrind 21.10 crashes on .even / .odd of a
+// float8 passed to a conversion.
+#define Q8_1_EVEN(R) convert_char16_sat((float16)(                                                          \
+    (R##0).s0, (R##0).s2, (R##0).s4, (R##0).s6, (R##1).s0, (R##1).s2, (R##1).s4, (R##1).s6,                  \
+    (R##2).s0, (R##2).s2, (R##2).s4, (R##2).s6, (R##3).s0, (R##3).s2, (R##3).s4, (R##3).s6))
+#define Q8_1_ODD(R) convert_char16_sat((float16)(                                                           \
+    (R##0).s1, (R##0).s3, (R##0).s5, (R##0).s7, (R##1).s1, (R##1).s3, (R##1).s5, (R##1).s7,                  \
+    (R##2).s1, (R##2).s3, (R##2).s5, (R##2).s7, (R##3).s1, (R##3).s3, (R##3).s5, (R##3).s7))
 
 #endif  // PERFX_Q8_1_H

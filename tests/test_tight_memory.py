@@ -107,8 +107,9 @@ def test_llama_2_7b_loads_and_decodes_under_adreno740_limits():
     y_image, y_buffer = (device.empty(c.intermediate_size, np.float32) for _ in range(2))
     # The buffer copy in the same (rows) layout: the model's own may be interleaved where that was tuned faster.
     rows = Q4DeviceWeight.upload(device, w, read_paths=("buffer",), what="gate_up (buffer path)")
-    GemvQ4(device, {"READ": 1})(images, x, y_image, "silu_mul")
-    GemvQ4(device, {"READ": 0})(rows, x, y_buffer, "silu_mul")
+    shape = {"epilogue": "silu_mul"}   # the defaults that fit a gate-up, with each read path
+    GemvQ4(device, {"READ": 1, "ROWS": 2}, shape)(images, x, y_image, "silu_mul")
+    GemvQ4(device, {"READ": 0, "ROWS": 2}, shape)(rows, x, y_buffer, "silu_mul")
     assert relative_error(y_image.get(), y_buffer.get().astype(np.float64)) < 1e-5
     del images, rows
     tok_s = DECODE_TOKENS / decode_s

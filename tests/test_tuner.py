@@ -95,6 +95,43 @@ def test_interrupted_sweep_resumes_without_retiming(device, db):
     assert result.complete and not toy.runs and not toy.launches
 
 
+CRASHING_SWEEP = """
+import sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from toy_tuning import Toy, quiet_tuner
+from perfx.runtime import get_device
+from perfx.tuning.database import Database
+toy = Toy()
+toy.crash_at = 5
+quiet_tuner(get_device({device!r}), Database(Path({user!r}), Path({shipped!r})), budget_s=60).tune_problem(
+    toy.spec(), {shape!r})
+"""
+
+
+def test_a_candidate_that_kills_the_process_is_skipped_on_resume(device, db, tmp_path):
+    """A driver that segfaults while it builds or runs a candidate (Intel's compiler did on an AVX-512 CPU) ends
+    the sweep with nothing unwound; the candidate it ran is on disk, so the next run records it as crashed, never
+    runs it again, and finishes the sweep."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = CRASHING_SWEEP.format(tests=str(Path(__file__).parent), device=device.entry.index,
+                                   user=str(db.user_dir), shipped=str(db.shipped_dir), shape=SHAPE)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 139, done.stderr[-2000:]
+    logged = json.loads(db.log_path(device.fingerprint).read_text())["problems"][0]
+    assert len(logged["candidates"]) == 4 and logged.get("running") is not None
+    crashed = logged["running"]
+
+    toy = Toy()
+    result = quiet_tuner(device, db, budget_s=60).tune_problem(toy.spec(), SHAPE)
+    assert result.complete and len(result.outcomes) == 9
+    assert [o.params for o in result.outcomes if o.status == "crashed"] == [crashed]
+    assert params_key(crashed) not in {params_key(dict(k)) for k in toy.runs}, "the crashed set ran again"
+    assert result.best.params != crashed
+
+
 def test_budget_spent_times_the_defaults_then_the_next_sweep_goes_on(device, db):
     toy = Toy()
     spec = toy.spec()

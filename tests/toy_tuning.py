@@ -3,10 +3,13 @@
 MODE = "wrong" computes a wrong answer and MODE = "broken" does not compile, so the tests can check
 that the tuner never chooses either. The kernel (tests/data/toy.cl) is built through pyopencl on the
 device's context, since Device.build only reads kernels/. ``calls`` counts runs and launches per
-parameter set; ``interrupt_at`` raises KeyboardInterrupt at that run (a user's Ctrl-C mid-sweep).
+parameter set; ``interrupt_at`` raises KeyboardInterrupt at that run (a user's Ctrl-C mid-sweep), ``crash_at``
+ends the process there at once (a driver that segfaults: nothing unwinds).
 """
 
 from __future__ import annotations
+
+import os
 
 from pathlib import Path
 
@@ -27,6 +30,7 @@ class Toy:
         self.runs: dict[tuple, int] = {}
         self.launches: dict[tuple, int] = {}
         self.interrupt_at: int | None = None
+        self.crash_at: int | None = None
         self.built: dict[tuple, cl.Kernel] = {}
 
     def kernel(self, device, params):
@@ -58,6 +62,8 @@ class Toy:
             self.runs[key] = self.runs.get(key, 0) + 1
             if self.interrupt_at is not None and sum(self.runs.values()) >= self.interrupt_at:
                 raise KeyboardInterrupt
+            if self.crash_at is not None and sum(self.runs.values()) >= self.crash_at:
+                os._exit(139)
             y.fill(np.float32(np.nan))
             for event in launch(params):
                 event.wait()

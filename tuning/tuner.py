@@ -49,7 +49,7 @@ CONFIRM_TOP = 3         # search winners confirmed against the incumbent and the
 CONFIRM_ROUNDS = 7      # interleaved rounds of the confirmation
 DRIFT_THRESHOLD = 0.25  # the reference kernel this much slower than at the start: the round is suspect
 COOL_DOWN_S = 2.0       # wait before re-taking a suspect round
-STATUSES = ("ok", "slow", "wrong", "build", "limit", "launch", "error")
+STATUSES = ("ok", "slow", "wrong", "build", "limit", "launch", "error", "crashed")
 
 
 @dataclass
@@ -298,6 +298,13 @@ class Tuner:
         result = ProblemResult(spec.params.family, dict(shape), label, spec.describe(shape),
                                int(spec.bytes_moved(shape)), int(spec.flops(shape)))
         record = self.log.problem(spec, shape)
+        crashed = record.pop("running", None)
+        if crashed is not None:
+            # The process died while this parameter set ran (the driver's compiler or the kernel took it down):
+            # on resume it is recorded as such and never run again, so the sweep gets past it.
+            record["candidates"].append(Outcome(crashed, "crashed", reason="the process died while it ran (a "
+                                                "driver crash); not run again").as_dict())
+            self.log.save()
         tried: dict[str, Outcome] = {}
         for data in record["candidates"]:
             outcome = Outcome.from_dict(data)
@@ -309,10 +316,10 @@ class Tuner:
         result.outcomes = [o for key, o in tried.items() if key in valid]
         result.resumed = len(result.outcomes)
         self._update_best(result, spec)
-        defaults = spec.params.defaults()
         if not candidates:
             result.note = "no parameter set is valid for this shape on this device"
             return result
+        defaults = self._defaults(spec, shape)
         if record.get("confirmation") and record.get("complete"):
             result.complete = True
             result.confirmation = Confirmation.from_dict(record["confirmation"])
@@ -341,7 +348,15 @@ class Tuner:
                 return False
             if case is None:
                 case = spec.make_case(self.device, shape, np.random.default_rng(self.seed))
-            outcome = self._evaluate(spec, case, params, result.best, result)
+            record["running"] = dict(params)   # on disk while it runs: a process that dies there is known on resume
+            self.log.save()
+            try:
+                outcome = self._evaluate(spec, case, params, result.best, result)
+            except BaseException:   # interrupted (Ctrl-C), not crashed: the candidate runs again on resume
+                del record["running"]
+                self.log.save()
+                raise
+            del record["running"]
             tried[key] = outcome
             result.outcomes.append(outcome)
             self._update_best(result, spec)
@@ -393,7 +408,7 @@ class Tuner:
         if result.chosen is None:
             return
         c = result.confirmation
-        default = (c.median(spec.params.defaults()) if c else
+        default = (c.median(self._defaults(spec, result.shape)) if c else
                    result.default.time_s if result.default and result.default.status == "ok" else None)
         record = result_record(spec, result.shape, result.chosen, result.time_s, default, self.device.fingerprint)
         if c is not None:
@@ -406,8 +421,13 @@ class Tuner:
     def _update_best(self, result: ProblemResult, spec):
         ok = [o for o in result.outcomes if o.status == "ok" and o.time_s]
         result.best = min(ok, key=lambda o: o.time_s) if ok else None
-        defaults = spec.params.defaults()
+        defaults = self._defaults(spec, result.shape)
         result.default = next((o for o in result.outcomes if o.params == defaults), None)
+
+    def _defaults(self, spec, shape: dict) -> dict:
+        """What the kernel runs untuned: the defaults, or where they do not fit this shape here, the first set
+        that does (``ParamSpace.resolve``)."""
+        return dict(spec.params.resolve(None, shape, self.device.caps))
 
     def _timing(self, case, params: dict, **kwargs):
         return time_case(case, params, self.timer, **kwargs)
@@ -473,12 +493,12 @@ class Tuner:
         """The parameters in force before this sweep's result: the database's choice (this device's earlier
         result, else the architecture's or vendor's entry, else the defaults)."""
         choices = self.database.choices(self.device, spec, shape)
-        return dict(choices[0].params) if choices else spec.params.defaults()
+        return dict(choices[0].params) if choices else self._defaults(spec, shape)
 
     def _confirm(self, spec, shape: dict, case, result: ProblemResult) -> Confirmation:
         """Re-time the incumbent, the defaults and the search's top few, interleaved and shuffled over rounds;
         keep the incumbent unless a challenger is faster beyond the noise."""
-        incumbent, defaults = self._incumbent(spec, shape), spec.params.defaults()
+        incumbent, defaults = self._incumbent(spec, shape), self._defaults(spec, shape)
         ranked = sorted((o for o in result.outcomes if o.status == "ok" and o.time_s), key=lambda o: o.time_s)
         contenders = [incumbent]
         for params in [defaults] + [o.params for o in ranked[:self.confirm_top]]:
@@ -547,13 +567,14 @@ class Tuner:
         return results
 
     def refresh_entry(self, spec, record: dict) -> Refreshed:
-        shape, defaults = record["shape"], spec.params.defaults()
+        shape = record["shape"]
         params = {**spec.params.defaults(record["params"]), **record["params"]}
         result = Refreshed(spec.params.family, dict(shape), spec.describe(shape), params)
         why = spec.params.why_invalid(params, shape, self.device.caps)
         if why is not None:
             result.reason = f"no longer valid here: {why}"
             return result
+        defaults = self._defaults(spec, shape)
         same = params_key(params) == params_key(defaults)
         try:
             case = spec.make_case(self.device, shape, np.random.default_rng(self.seed))

@@ -104,7 +104,7 @@ def bench_problem(device, spec, problem, ceiling: dict, rng, database, vs_defaul
     row.update(params=choice.params, source=choice.source, detail=choice.detail)
     try:
         case = spec.make_case(device, shape, rng)
-        defaults = spec.params.defaults()
+        defaults = dict(spec.params.resolve(None, shape, device.caps))   # what runs untuned
         contenders = [choice.params] + ([defaults] if vs_defaults and choice.params != defaults else [])
         worst, verified = 0.0, True
         for params in contenders:

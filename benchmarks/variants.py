@@ -35,6 +35,7 @@ KIND_KEYS = {
     "gemm_q4_skinny": ("LAYOUT",),
     "gemm_q4_tiled": ("LAYOUT",),
     "gemm_q4_f16": ("LAYOUT",),
+    "gemm_q4_lanes": ("LAYOUT",),
 }
 
 

@@ -67,7 +67,7 @@ class KernelPlan:
         problems, _ = model_problems(c, SPECS, group, forms, self.kv)
         self._problems = problems
         decode = {(p.family, label): p.shape for p in problems for label in p.label.split("+")
-                  if p.family not in ("gemm_q4_skinny", "gemm_q4_tiled", "gemm_q4_f16", "attention_prefill")}
+                  if p.family not in ("gemm_q4_skinny", "gemm_q4_tiled", "gemm_q4_f16", "gemm_q4_lanes", "attention_prefill")}
 
         def shape_of(family, label, **fallback):
             return decode.get((family, label), fallback)
@@ -187,6 +187,8 @@ class KernelPlan:
                         return op
                     return make
                 kinds = {"skinny": skinny, "tiled": tiled}
+                if ("gemm_q4_lanes", name) in shapes:
+                    kinds["lanes"] = shapes[("gemm_q4_lanes", name)]
                 if self.device.caps.fp16:
                     kinds["f16"] = shapes.get(("gemm_q4_f16", name), skinny)
                 choices = {}
@@ -203,7 +205,7 @@ class KernelPlan:
                     kind = "skinny"
                 gemms[name] = GemmQ4(self.device, choices["skinny"].params, choices["tiled"].params, None,
                                      shape=skinny, f16_params=choices["f16"].params if "f16" in choices else None,
-                                     kind=kind)
+                                     kind=kind, lanes_params=choices["lanes"].params if "lanes" in choices else None)
             c = self.config
             shape = shapes.get(("attention_prefill", "attention"),
                                {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "m": rep,

@@ -1,4 +1,4 @@
-"""gemm_q4: the tall-skinny, tiled and (with cl_khr_fp16) fp16 int4 GEMM kernels, their epilogues, both
+"""gemm_q4: the tall-skinny, lanes, tiled and (with cl_khr_fp16) fp16 int4 GEMM kernels, their epilogues, both
 weight layouts, and the dispatcher."""
 
 import numpy as np
@@ -12,17 +12,17 @@ from perfx.ops.gemm_q4 import DEFAULT_CROSSOVER, GemmQ4
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.runtime import Device, Limits
 from perfx.tuning.database import Database, result_record
-from perfx.tuning.gemm_q4 import F16, SKINNY, TILED, expected_output
+from perfx.tuning.gemm_q4 import F16, LANES, SKINNY, TILED, expected_output
 from perfx.tuning.spec import relative_error
 
-SPECS = {"skinny": SKINNY, "tiled": TILED, "f16": F16}
+SPECS = {"skinny": SKINNY, "tiled": TILED, "f16": F16, "lanes": LANES}
 TOL = SKINNY.tolerance
-TOLERANCES = {"skinny": TOL, "tiled": TOL, "f16": F16.tolerance_for(F16.params.defaults())}
+TOLERANCES = {"skinny": TOL, "tiled": TOL, "lanes": TOL, "f16": F16.tolerance_for(F16.params.defaults())}
 
 
 def kinds(device, *names) -> list[str]:
     """The kernels of ``names`` this device runs: the fp16 one only with cl_khr_fp16."""
-    return [kind for kind in names or ("skinny", "tiled", "f16") if kind != "f16" or device.caps.fp16]
+    return [kind for kind in names or ("skinny", "tiled", "f16", "lanes") if kind != "f16" or device.caps.fp16]
 
 
 def _cases(kind):
@@ -32,7 +32,7 @@ def _cases(kind):
             for i, shape in enumerate(SPECS[kind].test_shapes)]
 
 
-@pytest.mark.parametrize("kind", ["skinny", "tiled", "f16"])
+@pytest.mark.parametrize("kind", ["skinny", "tiled", "f16", "lanes"])
 def test_defaults_on_every_spec_shape(device, rng, kind):
     if kind not in kinds(device):
         pytest.skip(f"{device.caps.name} has no cl_khr_fp16")
@@ -42,7 +42,7 @@ def test_defaults_on_every_spec_shape(device, rng, kind):
         assert errors["y"] <= spec.tolerance_for(spec.params.defaults()), (shape, errors)
 
 
-@pytest.mark.parametrize("kind,index", _cases("skinny") + _cases("tiled") + _cases("f16"))
+@pytest.mark.parametrize("kind,index", _cases("skinny") + _cases("tiled") + _cases("f16") + _cases("lanes"))
 def test_every_candidate_on_the_spec_shapes(device, rng, kind, index):
     spec = SPECS[kind]
     shape = spec.test_shapes[index]
@@ -64,7 +64,7 @@ FORM_PATHS = {"rows": lambda p: p["LAYOUT"] == 0 and p["READ"] != 1, "image2d": 
               "interleaved": lambda p: p["LAYOUT"] == 1}
 
 
-@pytest.mark.parametrize("kind", ["skinny", "tiled", "f16"])
+@pytest.mark.parametrize("kind", ["skinny", "tiled", "f16", "lanes"])
 @pytest.mark.parametrize("form,shape", FORM_CASES, ids=["zeros", "symmetric"])
 def test_zero_point_forms(device, rng, kind, form, shape):
     if kind not in kinds(device):   # the fp16 GEMM needs cl_khr_fp16: PoCL lacks it, Intel's runtime runs these
@@ -97,7 +97,7 @@ def test_dispatcher_over_m_off_the_tile_grid(device, rng, m):
     # N = 1000, K = 4160 (130 texels) with G = 64: no multiple of any tile.
     gemm = GemmQ4(device)
     weight, x, y, want = _problem(device, rng, m, 1000, 4160, 64)
-    for kind in kinds(device, "skinny", "tiled", "f16") if m <= 33 else kinds(device, "tiled", "f16"):
+    for kind in kinds(device, "skinny", "tiled", "f16", "lanes") if m <= 33 else kinds(device, "tiled", "f16", "lanes"):
         y.fill(np.float32(np.nan))
         assert relative_error(_run(gemm, kind, weight, x, y, m), want) <= TOLERANCES[kind], kind
     y.fill(np.float32(np.nan))
@@ -135,7 +135,7 @@ def test_image_row_blocks(small_image_device, rng, epilogue):
     m, n = 9, 2 * 70
     weight, x, y, want = _problem(device, rng, m, n, 320, 32, epilogue, read_paths=("image2d",))
     assert len(weight.images) == 3 and (weight.buffer is None) != weight.images_are_views
-    gemm = GemmQ4(device, skinny_params={"READ": 1}, tiled_params={"READ": 1},
+    gemm = GemmQ4(device, skinny_params={"READ": 1}, tiled_params={"READ": 1}, lanes_params={"READ": 1},
                   f16_params={"READ": 1} if device.caps.fp16 else None)
     for kind in kinds(device):
         y.fill(np.float32(np.nan))
@@ -145,13 +145,13 @@ def test_image_row_blocks(small_image_device, rng, epilogue):
 def test_read_path_falls_back_to_what_the_weight_holds(device, rng):
     m = 6
     buffer_only, x, y, want = _problem(device, rng, m, 90, 256, 64, read_paths=("buffer",))
-    gemm = GemmQ4(device, skinny_params={"READ": 1}, tiled_params={"READ": 1},
+    gemm = GemmQ4(device, skinny_params={"READ": 1}, tiled_params={"READ": 1}, lanes_params={"READ": 1},
                   f16_params={"READ": 1} if device.caps.fp16 else None)
     for kind in kinds(device):
         y.fill(np.float32(np.nan))
         assert relative_error(_run(gemm, kind, buffer_only, x, y, m), want) <= TOLERANCES[kind], kind
     image_only, x, y, want = _problem(device, rng, m, 90, 256, 64, read_paths=("image2d",))
-    gemm = GemmQ4(device, skinny_params={"READ": 0}, tiled_params={"READ": 0},
+    gemm = GemmQ4(device, skinny_params={"READ": 0}, tiled_params={"READ": 0}, lanes_params={"READ": 0},
                   f16_params={"READ": 2} if device.caps.fp16 else None)
     for kind in kinds(device):
         y.fill(np.float32(np.nan))

@@ -103,7 +103,7 @@ def gemm_choice_lines(entries: list[dict]) -> list[str]:
     """
     times: dict[tuple, dict] = {}
     for e in entries:
-        if e["family"] in ("gemm_q4_skinny", "gemm_q4_tiled", "gemm_q4_f16") and e.get("time_s") \
+        if e["family"] in ("gemm_q4_skinny", "gemm_q4_tiled", "gemm_q4_f16", "gemm_q4_lanes") and e.get("time_s") \
                 and isinstance(e["shape"], dict):
             shape = dict(e["shape"])
             m = shape.pop("m", None)

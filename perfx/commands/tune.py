@@ -200,7 +200,7 @@ def crossover_lines(results) -> list[str]:
     """Per prefill matrix, which GEMM kernel is faster at each M bucket."""
     times: dict[tuple, dict] = {}
     for r in results:
-        if r.family in ("gemm_q4_skinny", "gemm_q4_tiled", "gemm_q4_f16") and r.time_s:
+        if r.family in ("gemm_q4_skinny", "gemm_q4_tiled", "gemm_q4_f16", "gemm_q4_lanes") and r.time_s:
             times.setdefault((r.label, r.shape["m"]), {})[r.family] = r.time_s
     lines = []
     for label in sorted({label for label, _ in times}):

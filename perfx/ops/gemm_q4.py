@@ -27,7 +27,7 @@ from perfx.ops.params import FP16_NEED, READ_BUFFER, READ_IMAGE1D, READ_IMAGE2D,
 from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight
 from perfx.runtime import Device
 
-KINDS = ("skinny", "tiled", "f16")
+KINDS = ("skinny", "tiled", "f16", "lanes")
 # Largest M for the tall-skinny kernel when no tuned crossover is given: at M ≈ 32 its register
 # passes cost about what the tiled kernel's tile overheads do (see benchmarks/bench_gemm_q4.py,
 # which prints the measured crossover for this device).
@@ -113,14 +113,33 @@ F16 = ParamSpace(
     needs={"READ": READ_NEED, "HALF": FP16_NEED},
 )
 
-_SPACES = {"skinny": SKINNY, "tiled": TILED, "f16": F16}
+LANES = ParamSpace(
+    family="gemm_q4_lanes",
+    source="gemm_q4_lanes.cl",
+    space={
+        "WGS": (64, 32, 16),     # work-items per work-group (independent: no local memory, no barriers)
+        "ROWS": (1, 2),          # output columns per work-item, a global size apart
+        "MB": (6, 4, 8, 12),     # rows of X per pass (6: the gate-up epilogue's 12 accumulators)
+        "READ": (0, 1),          # codes from a buffer (0) or image2d (1): where the weight has it
+        "LAYOUT": (0, 1),        # the weight's layout (rows along K, interleaved): set from the weight
+    },
+    # MB·ROWS scalar accumulators per weight row a work-item applies (two for the gate-up epilogue), a vector
+    # register each once the lanes hold work-items: AVX2 has 16, and the weights and the broadcast x need 2-4.
+    rules=(Rule("at most 12 accumulators per work-item (MB·ROWS, times 2 for the gate-up epilogue)",
+                lambda p, s: p["MB"] * p["ROWS"] * _weight_rows(s) <= 12),
+           LAYOUT_READ_RULE),
+    work_group_size=lambda p, s: p["WGS"],
+    needs={"READ": READ_NEED},
+)
+
+_SPACES = {"skinny": SKINNY, "tiled": TILED, "f16": F16, "lanes": LANES}
 
 
 class GemmQ4:
     """Y = X · Wᵀ (+ epilogue) for an int4 ``Q4DeviceWeight``, by the tall-skinny, tiled or fp16 kernel."""
 
     def __init__(self, device: Device, skinny_params=None, tiled_params=None, crossover: int | None = None,
-                 shape: dict | None = None, f16_params=None, kind: str | None = None):
+                 shape: dict | None = None, f16_params=None, kind: str | None = None, lanes_params=None):
         """Parameters of each kernel (None: the defaults) must fit ``shape`` (its ``epilogue`` matters: the
         gate-up epilogue holds two weight tiles) on this device. ``kind`` fixes the kernel whatever M is
         (the model's per-bucket choice); without it, M ≤ crossover runs skinny and larger M tiled.
@@ -128,7 +147,8 @@ class GemmQ4:
         self.device = device
         shape = shape or {}
         self.params = {"skinny": SKINNY.resolve(skinny_params, shape, device.caps),
-                       "tiled": TILED.resolve(tiled_params, shape, device.caps)}
+                       "tiled": TILED.resolve(tiled_params, shape, device.caps),
+                       "lanes": LANES.resolve(lanes_params, shape, device.caps)}
         if f16_params is not None or device.caps.fp16:
             self.params["f16"] = F16.resolve(f16_params, shape, device.caps)
         if kind is not None and kind not in self.params:
@@ -268,7 +288,7 @@ class GemmQ4:
         event = None
         for y_col0, n_cols, row_a0, row_b0, codes_a, codes_b, base_a, base_b in self._segments(
                 weight, cols, is_gated(epilogue), read):
-            if kind == "skinny":
+            if kind in ("skinny", "lanes"):
                 local = (params["WGS"],)
                 glob = (-(-n_cols // (params["ROWS"] * params["WGS"])) * params["WGS"],)
             elif kind == "f16":

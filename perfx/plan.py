@@ -195,12 +195,17 @@ class KernelPlan:
                 for kind, shape in kinds.items():
                     self.choose(f"gemm_q4_{kind}", shape, label, gemm(kind, shape))
                     choices[kind] = self.tuned[f"gemm_q4_{kind} ({label})"]
-                # The fastest kernel measured on this device for this bucket (the fp16 one only where it was
-                # measured too). Where skinny and tiled were not both measured: on a CPU the tall-skinny kernel
-                # (both CPU implementations' tuned entries choose it at every bucket up to M = 256, and their
-                # tiled kernel is 5-15x slower at M = 64), elsewhere the default crossover.
-                timed = {kind: choice.time_s for kind, choice in choices.items() if choice.time_s}
-                kind = min(timed, key=timed.get) if "skinny" in timed and "tiled" in timed else None
+                # The fastest kernel measured on this device for this bucket (the fp16 and lanes ones only where
+                # they were measured too). Only times measured at this very shape are compared: a record of
+                # another M (the nearest one a look-up falls back to) times another problem. Where skinny and
+                # tiled were not both measured: on a CPU the fastest measured of the others (both CPU
+                # implementations' tuned entries choose skinny or lanes at every bucket up to M = 256, and their
+                # tiled kernel is 5-15x slower at M = 64), else the tall-skinny kernel; elsewhere the default
+                # crossover.
+                timed = {kind: choice.time_s for kind, choice in choices.items() if choice.time_s and choice.exact}
+                cpu = self.device.caps.device_type == "CPU"
+                kind = (min(timed, key=timed.get) if "skinny" in timed and ("tiled" in timed or cpu)
+                        else None)
                 if kind is None and self.device.caps.device_type == "CPU":
                     kind = "skinny"
                 gemms[name] = GemmQ4(self.device, choices["skinny"].params, choices["tiled"].params, None,

@@ -66,6 +66,7 @@ class Choice:
     detail: str      # which file and record, or why nothing matched
     time_s: float | None = None  # the tuned median time, where a measurement stands behind the choice
     skipped: tuple[str, ...] = ()  # records that matched but did not fit, each with the reason
+    exact: bool = False  # the record was measured at the very shape looked up (time_s is that shape's)
 
 
 def m_bucket(m: int) -> int:
@@ -448,7 +449,7 @@ class Database:
             why = spec.params.why_invalid(params, shape, device.caps) or refusal(params)
             return (None, why) if why else (Checked(params, spec.params, shape, device.caps), None)
 
-        for _, _, file, record in self._matches(device, spec, shape):
+        for _, distance, file, record in self._matches(device, spec, shape):
             level = file.level_for(device)
             params, why = checked({**spec.params.defaults(record["params"]), **record["params"]})
             if why is not None:
@@ -458,7 +459,7 @@ class Database:
                 continue
             what = "shape *" if record.get("shape") is None else spec.describe(record["shape"])
             result.append(Choice(params, level, f"{file.path.name}: {spec.params.family} {what}",
-                                 record.get("time_s"), tuple(skipped)))
+                                 record.get("time_s"), tuple(skipped), exact=distance == (0, 0.0)))
         defaults, why = checked(spec.params.defaults())
         if why is not None:
             skipped.append(f"the defaults: {why}")

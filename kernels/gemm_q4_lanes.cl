@@ -1,5 +1,5 @@
 // Int4 GEMM for prompts with one output column per SIMD lane: the same products and epilogues as
-// gemm_q4_skinny.cl,
+// gemm_q4_skinny.cl's,
 //
 //   Y (M, N) = X (M, K) · Wᵀ              EPI_NONE
 //   Y (M, N) = X (M, K) · Wᵀ + bias (N)   EPI_BIAS
@@ -32,7 +32,7 @@
 #define ROWS 1  // output columns per work-item, a global size apart
 #endif
 #ifndef MB
-#define MB 8  // rows of X per pass: MB·WROWS accumulators a work-item
+#define MB 6  // rows of X per pass: MB·WROWS accumulators a work-item (6: the gate-up epilogue's 12)
 #endif
 #ifndef READ
 #define READ 0  // 0: codes from a uint4 buffer; 1: image2d_t row blocks; 2: an image1d_buffer_t view

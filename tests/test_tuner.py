@@ -411,6 +411,10 @@ def test_refresh_keeps_stale_entries_that_still_verify_and_win_and_resumes(devic
     assert [n for n, r in results.items() if r.kept] == [1, 5]
     assert 1.3 < results[1].gain < 1.5 and results[1].rounds == tuner.confirm_rounds
     assert results[2].reason.startswith("slower than the defaults")
+    # an entry the defaults beat gives way to them, timed: the kernel keeps a time for this shape
+    replaced = db.device_file(device).find("timed", {"n": 2})
+    assert replaced["params"] == {"X": 0} and replaced["source_hash"] == source_hash(spec)
+    assert 90e-6 < replaced["time_s"] < 110e-6
     assert "failed on the current source: wrong" in results[3].reason
     assert results[4].reason.startswith("no longer valid")
     assert results[5].kept and results[5].reason == "the defaults, timed again"   # its time picks kernels
@@ -421,7 +425,7 @@ def test_refresh_keeps_stale_entries_that_still_verify_and_win_and_resumes(devic
     choice = db.choices(device, spec, {"n": 1})[0]
     assert choice.source == "device" and choice.params == {"X": 1}
     # Run again: what was kept is not checked again (an interrupted refresh resumes); the rest are.
-    assert [r["shape"]["n"] for _, r in db.stale_records(device, {"timed": spec})] == [2, 3, 4]
+    assert [r["shape"]["n"] for _, r in db.stale_records(device, {"timed": spec})] == [3, 4]
 
 
 def test_tune_refresh_command_checks_a_stale_entry_on_the_device(tmp_path, monkeypatch, capsys):

@@ -597,7 +597,15 @@ class Tuner:
         result.gain, result.gain_interval, result.rounds = gain, (low, high), len(rounds)
         text = "the defaults, timed again" if same else f"{gain:.2f}x [{low:.2f}, {high:.2f}] the defaults' speed"
         if gain < 1.0:
-            result.reason = f"slower than the defaults on the median: {text}"
+            # The defaults take the entry's place, with their time: the plan weighs one kernel against another by
+            # the times of the exact shape (the prefill GEMMs of a bucket), so dropping the entry would drop
+            # the kernel from that choice too.
+            result.reason = f"slower than the defaults on the median: {text}; the defaults' time kept instead"
+            saved = result_record(spec, shape, defaults, result.default_time_s, result.default_time_s,
+                                  self.device.fingerprint)
+            saved.update(gain=1.0, rounds=len(rounds), comment="refreshed: the defaults, faster than an entry of "
+                                                               "an older kernel source, timed on this one")
+            self.database.save_result(self.device, saved)
             return result
         result.kept, result.reason = True, text
         saved = result_record(spec, shape, params, result.time_s, result.default_time_s, self.device.fingerprint)

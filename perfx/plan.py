@@ -147,6 +147,9 @@ class KernelPlan:
             try:
                 op = make(choice.params)
             except (BuildError, KernelLimitError) as error:
+                if isinstance(error, BuildError) and error.compiler_lacks_cpu:
+                    # no parameter set of any kernel builds here: say so once, and record no refusal
+                    raise PerfxError(f"{family} ({label}): {error}") from error
                 reason = (f"failed to build: {error.summary}" if isinstance(error, BuildError)
                           else str(error).splitlines()[0])[:200]
                 self.log(f"perfx: {family} ({label}): the {choice.source} parameters {choice.params} were refused "

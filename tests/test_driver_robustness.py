@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from perfx import cli
+from perfx.errors import PerfxError
 from perfx.model import load_model
 from perfx.ops.gemv_q4 import GemvQ4
 from perfx.ops.small_ops import Argmax
@@ -69,6 +70,26 @@ def test_a_choice_that_does_not_build_gives_way_at_load_and_is_remembered(tmp_pa
     (entry,) = [e for e in entries if e["family"] == "gemv_q4" and e["params"].get("LANES") == 64
                 and e.get("shape") == json.loads(json.dumps(shape))]
     assert "refused by this driver" in entry["note"]
+
+
+def test_a_compiler_that_cannot_target_this_cpu_is_one_clear_error_and_no_refusal(tmp_path, monkeypatch):
+    """PoCL 3.0's LLVM 14 on a CPU newer than it (AMD Zen 5) refuses every kernel ("unknown target CPU
+    'generic'"): the load stops at the first kernel with what to do instead, and records no refusal (a later
+    PoCL that knows the CPU must find no parameter set marked as refused)."""
+    monkeypatch.setenv("PERFX_CACHE", str(tmp_path))
+    log = "error: unknown target CPU 'generic'\nDevice pthread-AMD EPYC failed to build the program"
+    assert BuildError("copy.cl", {}, log, "cpu").compiler_lacks_cpu
+    assert not BuildError("copy.cl", {}, "error: too many registers", "cpu").compiler_lacks_cpu
+
+    def driver(self, file, defines=None):
+        raise BuildError(file, defines or {}, log, self.caps.name)
+
+    monkeypatch.setattr(Device, "build", driver)
+    device = Device()
+    with pytest.raises(PerfxError, match="does not know this CPU.*PERFX_DEVICE") as raised:
+        load_model("synthetic:tiny", device, ctx=16, progress=False, log=lambda line: None)
+    assert "unknown target CPU" in str(raised.value)
+    assert not default_database().device_file(device).records
 
 
 def test_kernel_limits_the_driver_reports_are_checked(monkeypatch):

@@ -7,6 +7,8 @@ A shape is {"m", "n" (weight rows: 2·I for a gate-up epilogue), "k", "group", "
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from perfx import reference
@@ -168,25 +170,6 @@ F16 = Spec(
 )
 
 
-LANES = Spec(
-    params=gemm_q4.LANES,
-    make_case=_case_maker("lanes"),
-    tolerance=TOLERANCE,
-    tolerance_why=TOLERANCE_WHY,
-    # Off every tile grid: M = 33 runs passes of MB and then the remainder's (1, or 8+1, 4+1 ...), and the columns
-    # (60 and 100) are no multiple of ROWS·WGS. The first shape exercises the most code: tests sweep it.
-    test_shapes=(
-        {"m": 33, "n": 2 * 60, "k": 352, "group": 32, "epilogue": "silu_mul"},
-        {"m": 7, "n": 100, "k": 384, "group": 128, "epilogue": "bias"},
-        {"m": 9, "n": 2 * 50, "k": 320, "group": 64, "epilogue": "gelu_mul"},
-    ),
-    bytes_moved=bytes_moved,
-    reference=reference.gemm,
-    fuzz_shapes=fuzz_shapes(40),
-    oclgrind_shapes=(
-        {"m": 3, "n": 19, "k": 192, "group": 64, "epilogue": "bias"},
-        {"m": 2, "n": 2 * 5, "k": 128, "group": 32, "epilogue": "silu_mul"},
-        {"m": 3, "n": 2 * 3, "k": 64, "group": 64, "epilogue": "gelu_mul"},
-    ),
-    flops=flops,
-)
+# The skinny kernel's shapes, checks and tolerance: the same products and edges. M = 33 runs passes of MB and
+# then the remainder's (1, or 8+1, 4+1 ...); the columns (60 and 100) are no multiple of ROWS·WGS.
+LANES = dataclasses.replace(SKINNY, params=gemm_q4.LANES, make_case=_case_maker("lanes"))

@@ -30,8 +30,8 @@ COMMANDS = (
     ("tune", tune, "find each kernel's fastest verified parameters on this device, for a model's shapes",
      "Autotune every kernel family at the shapes a model runs (decode GEMV at M = 1, prefill GEMM per M "
      "bucket). Every candidate is checked against the float64 reference before it is timed; results are "
-     "written as they come, so an interrupted sweep resumes. perfx uses the results from then on (see "
-     "`perfx info`)."),
+     "written as they come, so an interrupted sweep resumes, and one ended by a driver crash resumes past the "
+     "parameter set that crashed it (recorded as such). perfx uses the results from then on (see `perfx info`)."),
     ("bench", bench, "the device's ceilings and each kernel at a model's shapes, with tuned parameters",
      "Measure copy bandwidth and peak FLOP/s, then each kernel family at the model's shapes with the "
      "parameters perfx would use, as time, GB/s or GFLOP/s and percent of the ceiling."),

@@ -3,6 +3,7 @@
 import argparse
 import builtins
 import copy
+import dataclasses
 import json
 
 import numpy as np
@@ -130,6 +131,16 @@ def test_a_candidate_that_kills_the_process_is_skipped_on_resume(device, db, tmp
     assert [o.params for o in result.outcomes if o.status == "crashed"] == [crashed]
     assert params_key(crashed) not in {params_key(dict(k)) for k in toy.runs}, "the crashed set ran again"
     assert result.best.params != crashed
+
+
+def test_a_shape_no_parameter_set_fits_is_a_note_not_an_error(device, db):
+    """Where no set may run a shape here (the defaults included), the problem ends with that note: what runs
+    untuned is asked for only once a set fits."""
+    from perfx.ops.params import Rule
+    spec = Toy().spec()
+    none_fit = dataclasses.replace(spec.params, rules=(Rule("no set fits this shape", lambda p, s: False),))
+    result = quiet_tuner(device, db, budget_s=60).tune_problem(dataclasses.replace(spec, params=none_fit), SHAPE)
+    assert result.note == "no parameter set is valid for this shape on this device" and not result.outcomes
 
 
 def test_budget_spent_times_the_defaults_then_the_next_sweep_goes_on(device, db):

@@ -270,6 +270,7 @@ class Tuner:
         self.timer, self.cool_down_s = timer, cool_down_s
         self.drift = DriftWatch(reference or copy_kernel(device), drift_threshold)
         self.started = time.perf_counter()
+        self._untuned: dict[tuple, dict] = {}   # (family, shape) -> what runs untuned (``_defaults``)
 
     def time_left(self) -> float:
         return self.budget_s - (time.perf_counter() - self.started)
@@ -426,8 +427,15 @@ class Tuner:
 
     def _defaults(self, spec, shape: dict) -> dict:
         """What the kernel runs untuned: the defaults, or where they do not fit this shape here, the first set
-        that does (``ParamSpace.resolve``)."""
-        return dict(spec.params.resolve(None, shape, self.device.caps))
+        that does (``ParamSpace.resolve``); the defaults themselves where no set fits (no outcome matches them
+        then). Once per problem: the search asks after every candidate."""
+        key = (spec.params.family, params_key(shape))
+        if key not in self._untuned:
+            try:
+                self._untuned[key] = dict(spec.params.resolve(None, shape, self.device.caps))
+            except PerfxError:
+                self._untuned[key] = spec.params.defaults()
+        return self._untuned[key]
 
     def _timing(self, case, params: dict, **kwargs):
         return time_case(case, params, self.timer, **kwargs)

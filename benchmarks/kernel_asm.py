@@ -120,12 +120,15 @@ def parameter_sets(device, family: str, shape: dict, every: bool) -> list[dict]:
         return list(spec.params.candidates(shape, device.caps))
     variants = getattr(spec.params, "variants", None)
     sets = [spec.params.defaults({spec.params.key: v}) for v in variants] if variants else [spec.params.defaults()]
-    # where a default set cannot run this shape, what runs untuned instead (the first set that fits)
-    sets = [p if spec.params.why_invalid(p, shape, device.caps) is None else
-            dict(spec.params.resolve({spec.params.key: p[spec.params.key]} if variants else None, shape, device.caps)
-                 if not variants else next(c for c in spec.params.candidates(shape, device.caps)
-                                           if c[spec.params.key] == p[spec.params.key]))
-            for p in sets]
+
+    def untuned(params):
+        """The set itself, or where it cannot run this shape, the first set of its variant that can: what runs
+        untuned."""
+        if spec.params.why_invalid(params, shape, device.caps) is None:
+            return params
+        return next(c for c in spec.params.candidates(shape, device.caps)
+                    if not variants or c[spec.params.key] == params[spec.params.key])
+    sets = [untuned(p) for p in sets]
     for path in sorted(SHIPPED.glob("intel-*.json")):
         for record in json.loads(path.read_text())["records"]:
             if record["family"] == family and all(record["shape"].get(k) == v for k, v in shape.items()):

@@ -18,7 +18,7 @@ from perfx.ops.attention_decode import AttentionDecode
 from perfx.ops.attention_prefill import AttentionPrefill
 from perfx.ops.embedding_q8 import EmbeddingQ8
 from perfx.ops.epilogue import gate_up_epilogue
-from perfx.ops.gemm_q4 import GemmQ4
+from perfx.ops.gemm_q4 import FAMILIES as GEMM_FAMILIES, GemmQ4
 from perfx.ops.gemm_q8 import GemmQ8
 from perfx.ops.gemv_f16 import GemvF16
 from perfx.ops.gemv_q4 import GemvQ4
@@ -67,7 +67,7 @@ class KernelPlan:
         problems, _ = model_problems(c, SPECS, group, forms, self.kv)
         self._problems = problems
         decode = {(p.family, label): p.shape for p in problems for label in p.label.split("+")
-                  if p.family not in ("gemm_q4_skinny", "gemm_q4_tiled", "gemm_q4_f16", "gemm_q4_lanes", "attention_prefill")}
+                  if p.family not in (*GEMM_FAMILIES, "attention_prefill")}
 
         def shape_of(family, label, **fallback):
             return decode.get((family, label), fallback)
@@ -209,7 +209,7 @@ class KernelPlan:
                 cpu = self.device.caps.device_type == "CPU"
                 kind = (min(timed, key=timed.get) if "skinny" in timed and ("tiled" in timed or cpu)
                         else None)
-                if kind is None and self.device.caps.device_type == "CPU":
+                if kind is None and cpu:
                     kind = "skinny"
                 gemms[name] = GemmQ4(self.device, choices["skinny"].params, choices["tiled"].params, None,
                                      shape=skinny, f16_params=choices["f16"].params if "f16" in choices else None,

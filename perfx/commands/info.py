@@ -8,7 +8,7 @@ import json
 from collections import Counter
 
 from perfx.formats import Q4Matrix, Q8Matrix
-from perfx.ops.gemm_q4 import DEFAULT_CROSSOVER
+from perfx.ops.gemm_q4 import DEFAULT_CROSSOVER, FAMILIES as GEMM_FAMILIES
 from perfx.runtime import DEVICE_HELP, Device, capabilities_dict, list_devices
 from perfx.sources import open_named
 from perfx.tuning import SPECS
@@ -103,7 +103,7 @@ def gemm_choice_lines(entries: list[dict]) -> list[str]:
     """
     times: dict[tuple, dict] = {}
     for e in entries:
-        if e["family"] in ("gemm_q4_skinny", "gemm_q4_tiled", "gemm_q4_f16", "gemm_q4_lanes") and e.get("time_s") \
+        if e["family"] in GEMM_FAMILIES and e.get("time_s") \
                 and isinstance(e["shape"], dict):
             shape = dict(e["shape"])
             m = shape.pop("m", None)

@@ -16,6 +16,7 @@ from pathlib import Path
 from perfx import plots
 from perfx.commands.options import add_kv_option, add_lm_head_option
 from perfx.errors import PerfxError
+from perfx.ops.gemm_q4 import FAMILIES as GEMM_FAMILIES
 from perfx.progress import Progress, format_table
 from perfx.resources import read_json, write_atomic
 from perfx.runtime import DEVICE_HELP, Device
@@ -200,7 +201,7 @@ def crossover_lines(results) -> list[str]:
     """Per prefill matrix, which GEMM kernel is faster at each M bucket."""
     times: dict[tuple, dict] = {}
     for r in results:
-        if r.family in ("gemm_q4_skinny", "gemm_q4_tiled", "gemm_q4_f16", "gemm_q4_lanes") and r.time_s:
+        if r.family in GEMM_FAMILIES and r.time_s:
             times.setdefault((r.label, r.shape["m"]), {})[r.family] = r.time_s
     lines = []
     for label in sorted({label for label, _ in times}):

@@ -28,6 +28,7 @@ from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight
 from perfx.runtime import Device
 
 KINDS = ("skinny", "tiled", "f16", "lanes")
+FAMILIES = tuple(f"gemm_q4_{kind}" for kind in KINDS)   # each kind's tuning family
 # Largest M for the tall-skinny kernel when no tuned crossover is given: at M ≈ 32 its register
 # passes cost about what the tiled kernel's tile overheads do (see benchmarks/bench_gemm_q4.py,
 # which prints the measured crossover for this device).

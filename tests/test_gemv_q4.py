@@ -187,6 +187,9 @@ def test_errors(device, rng):
         gemv(buffer_only, x, device.empty(9, np.float32))
     with pytest.raises(PerfxError, match="must be a cl.Buffer"):
         gemv(buffer_only, np.zeros(64, np.float32), y)
+    with pytest.raises(PerfxError, match="gemv_q4 quantized x holds 16 bytes where 64 are needed"):
+        GemvQ4(device, {"LAYOUT": 0, "LANES": 1, "I8": 1})(buffer_only, x, y, quantized=(
+            device.empty(16, np.int8), device.empty((2, 2), np.float32)))
     with pytest.raises(PerfxError, match="unknown parameter"):
         GemvQ4(device, {"WPT": 2})
     with pytest.raises(PerfxError, match="READ="):

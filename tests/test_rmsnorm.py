@@ -75,3 +75,9 @@ def test_errors(device):
         norm.post_residual(x, y, gamma, gamma, x, 1, 0, 1e-5)
     with pytest.raises(PerfxError, match="is not one of"):
         RMSNorm(device, {"WGS": 96})
+    quantized = (device.empty(100, np.int8), device.empty((3, 2), np.float32))
+    with pytest.raises(PerfxError, match="quantized per block of 32 needs dim a multiple of 32, not 100"):
+        norm.plain(device.empty(100, np.float32), device.empty(100, np.float32), device.empty(100, np.float32), 1,
+                   100, 1e-5, quantized=quantized)
+    with pytest.raises(PerfxError, match="quantized y's steps and sums holds 24 bytes where 32"):
+        norm.plain(x, gamma, y, 2, 64, 1e-5, quantized=(device.empty(128, np.int8), quantized[1]))

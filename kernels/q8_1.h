@@ -6,9 +6,7 @@
 //
 // Q8_1_BLOCK(x, b, R, D, S) declares R0..R3 (float8, the rounded codes of floats 32b..32b+31 of the __global
 // x, in order; four variables, not an array: Oclgrind 21.10 crashes on an array of float8), D (the step) and S
-// (the sum). Q8_1_EVEN(R) / Q8_1_ODD(R): the block's even and odd codes as char16,
-// the order a q4 texel holds its low and high nibbles (kernels/q4.h), so one AND or a shift frees 16 codes
-// that meet their x in place.
+// (the sum).
 
 #ifndef PERFX_Q8_1_H
 #define PERFX_Q8_1_H
@@ -33,13 +31,17 @@
         S = SUM8((R##0 + R##1) + (R##2 + R##3)) * D;                                                         \
     }
 
-// The components named one by one, and one 16-wide conversion: Oclgrind 21.10 crashes on .even / .odd of a
-// float8 passed to a conversion.
-#define Q8_1_EVEN(R) convert_char16_sat((float16)(                                                          \
-    (R##0).s0, (R##0).s2, (R##0).s4, (R##0).s6, (R##1).s0, (R##1).s2, (R##1).s4, (R##1).s6,                  \
-    (R##2).s0, (R##2).s2, (R##2).s4, (R##2).s6, (R##3).s0, (R##3).s2, (R##3).s4, (R##3).s6))
-#define Q8_1_ODD(R) convert_char16_sat((float16)(                                                           \
-    (R##0).s1, (R##0).s3, (R##0).s5, (R##0).s7, (R##1).s1, (R##1).s3, (R##1).s5, (R##1).s7,                  \
-    (R##2).s1, (R##2).s3, (R##2).s5, (R##2).s7, (R##3).s1, (R##3).s3, (R##3).s5, (R##3).s7))
+// Q8_1_STORE(R, dst): the block's 32 codes to the __global char* dst, its even codes then its odd ones (the
+// order a q4 texel holds its low and high nibbles, kernels/q4.h), so one AND or a shift frees 16 codes that meet
+// their x in place. One scalar conversion and store a code: Oclgrind 21.10 crashes on the vector forms (.even /
+// .odd or swizzles of a float8 or of a conversion's result), PoCL's LLVM 14 without AVX-512 on a float16 passed
+// to a built-in; a norm quantizes K/32 blocks, so the scalar stores cost nothing measurable.
+#define Q8_1_STORE4(v, dst, o)                                                                               \
+    (dst)[(o)] = convert_char_sat((v).s0); (dst)[(o) + 1] = convert_char_sat((v).s2);                        \
+    (dst)[(o) + 2] = convert_char_sat((v).s4); (dst)[(o) + 3] = convert_char_sat((v).s6);                    \
+    (dst)[(o) + 16] = convert_char_sat((v).s1); (dst)[(o) + 17] = convert_char_sat((v).s3);                  \
+    (dst)[(o) + 18] = convert_char_sat((v).s5); (dst)[(o) + 19] = convert_char_sat((v).s7);
+#define Q8_1_STORE(R, dst)                                                                                   \
+    Q8_1_STORE4(R##0, dst, 0) Q8_1_STORE4(R##1, dst, 4) Q8_1_STORE4(R##2, dst, 8) Q8_1_STORE4(R##3, dst, 12)
 
 #endif  // PERFX_Q8_1_H

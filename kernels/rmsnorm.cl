@@ -48,8 +48,7 @@
     x_step_sum += (size_t)get_group_id(0) * ((k) / 32);                                                      \
     for (int b = get_local_id(0); b < (k) / 32; b += WGS) {                                                  \
         Q8_1_BLOCK(y, b, q, step, sum)                                                                       \
-        xq[2 * b] = Q8_1_EVEN(q);                                                                            \
-        xq[2 * b + 1] = Q8_1_ODD(q);                                                                         \
+        Q8_1_STORE(q, (__global char*)(xq + 2 * b))                                                          \
         x_step_sum[b] = (float2)(step, sum);                                                                 \
     }
 #else

@@ -35,7 +35,7 @@
 // order a q4 texel holds its low and high nibbles, kernels/q4.h), so one AND or a shift frees 16 codes that meet
 // their x in place. One scalar conversion and store a code: Oclgrind 21.10 crashes on the vector forms (.even /
 // .odd or swizzles of a float8 or of a conversion's result), PoCL's LLVM 14 without AVX-512 on a float16 passed
-// to a built-in; a norm quantizes K/32 blocks, so the scalar stores cost nothing measurable.
+// to a built-in. A norm quantizes only K/32 blocks, after its row is written.
 #define Q8_1_STORE4(v, dst, o)                                                                               \
     (dst)[(o)] = convert_char_sat((v).s0); (dst)[(o) + 1] = convert_char_sat((v).s2);                        \
     (dst)[(o) + 2] = convert_char_sat((v).s4); (dst)[(o) + 3] = convert_char_sat((v).s6);                    \

@@ -39,6 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from helpers.family_models import (DEFAULT_PHI3_TYPES, DEFAULT_TYPES, F32_TYPES, FAMILIES,  # noqa: E402
                                    family_tokenizer, make_family_model, write_family_gguf, write_family_hf)
+from helpers.llamacpp import import_llama_cpp  # noqa: E402
 
 PROMPT_TEXT = "kato rimu senla dope quiban zorel nevo"
 GREEDY = 8
@@ -49,10 +50,8 @@ CONTEXTS = {"phi3": [256, 512]}     # others: 256 (llama.cpp pads n_ctx to a mul
 
 
 def open_llama(path: Path, n_ctx: int, f32_cache: bool = False):
-    from llama_cpp import Llama
-
     extra = {"type_k": 0, "type_v": 0} if f32_cache else {}     # GGML_TYPE_F32
-    return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=THREADS, n_threads_batch=THREADS,
+    return import_llama_cpp().Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=THREADS, n_threads_batch=THREADS,
                  logits_all=True, n_gpu_layers=0, verbose=False, **extra)
 
 

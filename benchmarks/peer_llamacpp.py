@@ -27,13 +27,17 @@ import statistics
 import sys
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 import numpy as np
 
-from perfx.commands.bench import measure_e2e
-from perfx.model import load_model
-from perfx.runtime import Device
-from perfx.sources.default import resolve_model
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from helpers.llamacpp import import_llama_cpp  # noqa: E402
+from perfx.commands.bench import measure_e2e  # noqa: E402
+from perfx.model import load_model  # noqa: E402
+from perfx.runtime import Device  # noqa: E402
+from perfx.sources.default import resolve_model  # noqa: E402
 
 PROMPT_TOKENS = 130
 DECODE_TOKENS = 64
@@ -42,9 +46,7 @@ DECODE_TOKENS = 64
 def open_llama(path, threads: int = 2, ctx: int = 512, logits_all: bool = False):
     """llama.cpp on the CPU: ``threads`` for decode and for prompt batches; ``logits_all`` keeps every
     position's logits (``logits``, ``perplexity``), else only the last."""
-    from llama_cpp import Llama
-
-    return Llama(model_path=str(path), n_ctx=ctx, n_batch=ctx, n_threads=threads, n_threads_batch=threads,
+    return import_llama_cpp().Llama(model_path=str(path), n_ctx=ctx, n_batch=ctx, n_threads=threads, n_threads_batch=threads,
                  logits_all=logits_all, n_gpu_layers=0, verbose=False)
 
 

@@ -233,6 +233,17 @@ class KernelPlan:
                 lambda p: GatedDeltaNetChunked(self.device, p, shape))
         return self._delta_prefill[bucket]
 
+    def _faster_q8_gemm(self, shapes: dict) -> str:
+        """The int8 GEMM family to run at a bucket's shape (``shapes``: family -> shape): gemm_q8_lanes where its
+        first choice and gemm_q8's were both measured at this very shape in one file (one device's run: times
+        from two machines, or two runs of one, differ by a third) and lanes was the faster, else gemm_q8 (the
+        register-tiled kernel written for a GPU's wave)."""
+        first = {family: self.database.choices(self.device, SPECS[family], shape)[0]
+                 for family, shape in shapes.items()}
+        skinny, lanes = first["gemm_q8"], first["gemm_q8_lanes"]
+        one_run = skinny.exact and lanes.exact and skinny.detail.split(":")[0] == lanes.detail.split(":")[0]
+        return "gemm_q8_lanes" if one_run and lanes.time_s < skinny.time_s else "gemm_q8"
+
     def q8(self, kind: str, name: str, weight: Q8DeviceWeight, m: int = 1):
         """The int8 kernel wrapper ("gemv", "gemm" or "embedding") for a matrix of this form, with the
         parameters tuned for its shape (``tuning/problems.py`` builds the same shapes), made once."""
@@ -253,11 +264,13 @@ class KernelPlan:
                     return made
                 op = self.choose(family, shape, name, make)
             elif kind == "gemm":
-                family, shape = gemm_shapes(form, rep, weight.n, weight.k, epilogue)[0]
+                shapes = dict(gemm_shapes(form, rep, weight.n, weight.k, epilogue))
+                family = self._faster_q8_gemm(shapes)
+                shape = shapes[family]
 
                 def make(params):
-                    made = GemmQ8(self.device, params, shape)
-                    made._kernel(weight.group, weight.f32, epilogue)
+                    made = GemmQ8(self.device, params, shape, "lanes" if family == "gemm_q8_lanes" else "skinny")
+                    made.kernel(weight.group, weight.f32, epilogue)
                     return made
                 op = self.choose(family, shape, f"{name}, M≈{rep}", make)
             else:

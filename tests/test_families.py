@@ -34,6 +34,7 @@ from safetensors.numpy import load_file, save_file
 
 from helpers.family_models import (FAMILIES, family_tokenizer, make_family_model, write_family_gguf, write_family_hf,
                                    write_family_tokenizer)
+from helpers.llamacpp import INSTALL, import_llama_cpp
 from helpers.perplexity import reference_nll
 from helpers.tiny_models import write_awq
 from perfx import cli, reference
@@ -158,9 +159,8 @@ def test_the_reference_forward_is_llama_cpp_s(files, family, n_ctx):
 @pytest.mark.parametrize("family", RECORDED)
 def test_on_f32_files_the_reference_is_llama_cpp_s_to_fp16_rounding(files, tmp_path, family):
     """The recipe itself, without quantization on either side: an F32 file, an F32 KV cache in llama.cpp."""
-    llama_cpp = pytest.importorskip(
-        "llama_cpp", reason="llama-cpp-python is not installed (benchmark-only: CMAKE_ARGS=\"-DGGML_NATIVE=ON\" "
-                            "pip install llama-cpp-python==0.3.36 builds it in about ten minutes)")
+    pytest.importorskip("llama_cpp", reason=INSTALL)
+    llama_cpp = import_llama_cpp()
     entry = RECORDED[family]
     f32 = [{k: "F32" for k in entry["write_family_gguf"]["types"][0]}]
     path = write_family_gguf(tmp_path / "f32.gguf", files[family]["model"], types=f32, embedding_type="F32",

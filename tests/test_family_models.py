@@ -12,6 +12,7 @@ from gguf import quants
 
 from helpers.family_models import (FAMILIES, GEMMAS, family_tokenizer, make_family_model, qwen35_unstored,
                                    write_family_gguf, write_family_hf)
+from helpers.llamacpp import INSTALL, cpu_has_amx, import_llama_cpp
 from perfx.reference import permute_qk
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "llamacpp_families.json").read_text())
@@ -94,9 +95,8 @@ def test_hf_directory(tmp_path, family, style):
 
 @pytest.mark.parametrize("family", RECORDED["families"])
 def test_llama_cpp_still_gives_the_recorded_answers(tmp_path, family):
-    llama_cpp = pytest.importorskip(
-        "llama_cpp", reason="llama-cpp-python is not installed (benchmark-only: CMAKE_ARGS=\"-DGGML_NATIVE=ON\" "
-                            "pip install llama-cpp-python==0.3.36 builds it in about ten minutes)")
+    pytest.importorskip("llama_cpp", reason=INSTALL)
+    llama_cpp = import_llama_cpp()
     entry = RECORDED["families"][family]
     settings = dict(entry["make_family_model"])
     model = make_family_model(settings.pop("family"), family_tokenizer(tmp_path, family),
@@ -113,5 +113,7 @@ def test_llama_cpp_still_gives_the_recorded_answers(tmp_path, family):
             tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
             llm.eval([tokens[-1]])
         assert tokens == run["greedy"]
-        # llama.cpp's kernels differ a little between instruction sets; the file's logits spread is about 4
-        np.testing.assert_allclose(first, run["logits_prompt_last"], atol=2e-2)
+        # llama.cpp's kernels differ a little between instruction sets; the file's logits spread is about 4.
+        # Without its extra weight buffers (CPUs with AMX: helpers.llamacpp) its products round otherwise: phi3's
+        # file differed by up to 0.14 on a Xeon VM, its greedy continuation unchanged.
+        np.testing.assert_allclose(first, run["logits_prompt_last"], atol=0.2 if cpu_has_amx() else 2e-2)

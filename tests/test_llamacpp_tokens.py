@@ -9,14 +9,14 @@ never a perfx dependency: without it these tests are skipped, saying how to get 
 import numpy as np
 import pytest
 
+from helpers.llamacpp import INSTALL, import_llama_cpp
 from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
 from perfx.commands.options import DEFAULT_SYSTEM
 from perfx.sources import open_model
 from perfx.sources.default import default_model_path
 
-llama_cpp = pytest.importorskip(
-    "llama_cpp", reason="llama-cpp-python is not installed (benchmark-only: CMAKE_ARGS=\"-DGGML_NATIVE=ON\" "
-                        "pip install llama-cpp-python builds it in about ten minutes)")
+pytest.importorskip("llama_cpp", reason=INSTALL)
+llama_cpp = import_llama_cpp()
 
 TEXTS = [
     "The capital of France is",

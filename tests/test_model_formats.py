@@ -86,6 +86,48 @@ def test_k_quant_and_32_weight_mixes_match_the_reference(paths, device, rng, nam
         assert (family, tuple(sorted((k, str(v)) for k, v in shape.items()))) in listed, (family, shape)
 
 
+@pytest.mark.parametrize("lanes_where", ["faster, same file", "slower, same file", "faster, another file"])
+def test_the_int8_gemm_kind_is_the_one_measured_faster_in_one_run(paths, device, rng, tmp_path, lanes_where):
+    """A prefill bucket's int8 matrices run gemm_q8_lanes only where it and gemm_q8 were both timed at that
+    very shape in one file and lanes was the faster; a lanes time from another file (another machine's run)
+    does not count. The prompt's logits match the reference whichever kernel runs."""
+    import json
+
+    from perfx.tuning import SPECS
+    from perfx.tuning.database import FORMAT, Database, result_record
+    from perfx.tuning.problems import model_problems
+    source = open_model(paths["Q4_K_M"])
+    problems, _ = model_problems(source.config, SPECS, source.int4_group, source.weight_forms())
+    m = 19   # the prompt below: bucket 17..64, whose records are at M = 33
+    shapes = [p.shape for p in problems if p.family == "gemm_q8" and p.shape["m"] == 33]
+    assert shapes
+    database = Database(tmp_path / "user", tmp_path / "shipped")
+    lanes_time = 1e-5 if lanes_where.startswith("faster") else 1e-3
+    other = []
+    for shape in shapes:
+        database.save_result(device, result_record(SPECS["gemm_q8"], shape, {"WGS": 64, "ROWS": 1, "MT": 2}, 1e-4,
+                                                   None, device.fingerprint))
+        lanes = result_record(SPECS["gemm_q8_lanes"], shape, {"WGS": 16, "ROWS": 1, "MB": 4}, lanes_time, None,
+                              device.fingerprint)
+        if lanes_where.endswith("another file"):
+            other.append(lanes)
+        else:
+            database.save_result(device, lanes)
+    (tmp_path / "shipped").mkdir()
+    (tmp_path / "shipped" / "vendor.json").write_text(json.dumps(
+        {"perfx_tuning": FORMAT, "match": {"vendor": device.caps.vendor_key}, "records": other}))
+    model = Model.load(source, device, ctx=64, progress=False, database=database)
+    prompt = [int(t) for t in rng.integers(3, source.config.vocab_size, m)]
+    want, _ = reference.model_forward(source, prompt)
+    model.prefill(prompt, 0)
+    assert relative_error(model.logits(), want[-1]) <= TOLERANCE
+    ran = {label.split(" ")[0] for label in model.plan.tuned if "M≈33" in label and "gemm_q8" in label}
+    assert ran == ({"gemm_q8_lanes"} if lanes_where == "faster, same file" else {"gemm_q8"})
+    for label, choice in model.plan.tuned.items():
+        if "M≈33" in label and label.startswith("gemm_q8"):
+            assert choice.source == "device" and choice.exact, (label, choice)
+
+
 def test_llama3_rope_freqs_on_the_device(paths, device, rng):
     """Positions past the scaling's original 64: the factors matter, and the device applies them."""
     model, source = load(paths["llama3"], device, ctx=128)

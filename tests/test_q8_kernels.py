@@ -1,5 +1,5 @@
-"""The int8 kernel families (gemv_q8, gemm_q8, embedding_q8): every test shape at the defaults and at every
-candidate, row blocks under a phone's allocation limit, bad ids, and the error paths."""
+"""The int8 kernel families (gemv_q8, gemm_q8 and gemm_q8_lanes, embedding_q8): every test shape at the
+defaults and at every candidate, row blocks under a phone's allocation limit, bad ids, and the error paths."""
 
 import numpy as np
 import pyopencl as cl
@@ -17,7 +17,7 @@ from perfx.runtime import Device, Limits
 from perfx.tuning import SPECS
 from perfx.tuning.spec import relative_error
 
-FAMILIES = ("gemv_q8", "gemm_q8", "embedding_q8")
+FAMILIES = ("gemv_q8", "gemm_q8", "gemm_q8_lanes", "embedding_q8")
 ALL_SHAPES = [(SPECS[f], i) for f in FAMILIES for i in range(len(SPECS[f].test_shapes))]
 
 

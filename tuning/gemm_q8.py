@@ -1,4 +1,5 @@
-"""Tuning spec of gemm_q8, the prefill int8 GEMM (and the lm_head over many positions).
+"""Tuning specs of the prefill int8 GEMM (and the lm_head over many positions): ``gemm_q8`` (float8
+accumulators, a work-item's columns in registers) and ``gemm_q8_lanes`` (an output column a SIMD lane).
 
 A shape is {"m", "n" (weight rows: 2·I for a gate-up epilogue), "k", "group", "f32", "epilogue" ("none" |
 "bias" | "silu_mul" | "gelu_mul")}, optionally
@@ -6,6 +7,8 @@ A shape is {"m", "n" (weight rows: 2·I for a gate-up epilogue), "k", "group", "
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -30,7 +33,13 @@ def bytes_moved(shape) -> int:
     return n * k + pairs * n * (k // group) + bias + 4 * m * k + 4 * m * output_columns(shape)
 
 
-def make_case(device, shape, rng) -> Case:
+def _case_maker(kind: str):
+    def make_case(device, shape, rng) -> Case:
+        return _make_case(device, shape, rng, kind)
+    return make_case
+
+
+def _make_case(device, shape, rng, kind: str) -> Case:
     m, n, k = shape["m"], shape["n"], shape["k"]
     epilogue = shape.get("epilogue", "none")
     q8 = random_weight(shape, rng)
@@ -40,7 +49,7 @@ def make_case(device, shape, rng) -> Case:
     x = device.upload(x_host)
     y = device.poisoned((m, output_columns(shape)), np.float32)
     expected = epilogue_reference(epilogue, reference.gemm(x_host, q8.dequantize(), bias))
-    wrapper = cached_per_params(lambda params: GemmQ8(device, params, shape))
+    wrapper = cached_per_params(lambda params: GemmQ8(device, params, shape, kind))
 
     def launch(params):
         return [wrapper(params)(weight, x, y, m, epilogue)]
@@ -71,7 +80,7 @@ def fuzz_shapes(st):
 
 SPEC = Spec(
     params=gemm_q8.PARAMS,
-    make_case=make_case,
+    make_case=_case_maker("skinny"),
     tolerance=1e-4,
     tolerance_why=(
         "fp32 accumulation of K ≤ 4160 products of dequantized weights (s·q + m, one rounding) and x against "
@@ -98,3 +107,8 @@ SPEC = Spec(
     ),
     flops=lambda shape: 2 * shape["m"] * shape["n"] * shape["k"],
 )
+
+
+# The same shapes, checks and tolerance: the same products and edges. M = 33 runs passes of MB and then the
+# remainder's (1, or 8+1, 4+1 ...); 60, 100, 37 and 50 columns are no multiple of ROWS·WGS.
+LANES = dataclasses.replace(SPEC, params=gemm_q8.LANES, make_case=_case_maker("lanes"))

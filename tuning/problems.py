@@ -120,7 +120,8 @@ def gemm_shapes(form: Form, m: int, n: int, k: int, epilogue: str) -> list[tuple
         return [("gemm_q4_skinny", shape), ("gemm_q4_tiled", dict(shape)), ("gemm_q4_f16", dict(shape)),
                 ("gemm_q4_lanes", dict(shape))]
     if form.kind == "q8":
-        return [("gemm_q8", {"m": m, "n": n, "k": k, "group": form.group, "f32": form.f32, "epilogue": epilogue})]
+        shape = {"m": m, "n": n, "k": k, "group": form.group, "f32": form.f32, "epilogue": epilogue}
+        return [("gemm_q8", shape), ("gemm_q8_lanes", dict(shape))]
     return []
 
 

@@ -1,8 +1,11 @@
 """The prefill-path int8 GEMM: Y (M, N) = X (M, K) · Wᵀ with a fused epilogue, for M tokens.
 
-One kernel, ``kernels/gemm_q8.cl``, of gemm_q4_skinny's structure and parameter names (WGS, ROWS, MT):
-each weight read once per pass of MT rows, every row's sums in registers, no local memory. It also runs
-the lm_head over many positions (perplexity). Epilogues (perfx.ops.epilogue): "none"; "bias" (+ the weight's
+Two kernels of one contract, each its own tuning family: ``gemm_q8`` (``kernels/gemm_q8.cl``, gemm_q4_skinny's
+structure and parameter names WGS, ROWS, MT: each weight read once per pass of MT rows, every row's sums in
+float8 registers, no local memory) and ``gemm_q8_lanes`` (``kernels/gemm_q8_lanes.cl``, gemm_q4_lanes's: one
+output column a SIMD lane, scalar accumulators, for compilers that vectorize across work-items). The model
+runs whichever was measured faster at a bucket's shape. It also runs the lm_head over many positions
+(perplexity). Epilogues (perfx.ops.epilogue): "none"; "bias" (+ the weight's
 bias per output column, e.g. Qwen's QKV); "silu_mul" and "gelu_mul" (gate-up: W has 2·I rows, gate then up,
 Y (M, I) = act(X·Wgᵀ)·(X·Wuᵀ)).
 """
@@ -33,14 +36,37 @@ PARAMS = ParamSpace(
     work_group_size=lambda p, s: p["WGS"],
 )
 
+LANES = ParamSpace(
+    family="gemm_q8_lanes",
+    source="gemm_q8_lanes.cl",
+    space={
+        "WGS": (64, 32, 16),     # work-items per work-group (independent: no local memory, no barriers)
+        "ROWS": (1, 2),          # output columns per work-item, a global size apart
+        "MB": (6, 4, 8, 12),     # rows of X per pass (6: the gate-up epilogue's 12 accumulators)
+    },
+    # MB·ROWS scalar accumulators per weight row a work-item applies (two for the gate-up epilogue), a vector
+    # register each once the lanes hold work-items: AVX2 has 16, and the weights and the broadcast x need 2-4
+    # (gemm_q4_lanes's rule, for the same reason).
+    rules=(Rule("at most 12 accumulators per work-item (MB·ROWS, times 2 for the gate-up epilogue)",
+                lambda p, s: p["MB"] * p["ROWS"] * (2 if is_gated(s.get("epilogue")) else 1) <= 12),),
+    work_group_size=lambda p, s: p["WGS"],
+)
+
+KINDS = {"skinny": PARAMS, "lanes": LANES}
+
 
 class GemmQ8:
-    """Y = X · Wᵀ (+ epilogue) for an int8 ``Q8DeviceWeight``."""
+    """Y = X · Wᵀ (+ epilogue) for an int8 ``Q8DeviceWeight``, by the ``kind`` of kernel ("skinny": gemm_q8,
+    or "lanes": gemm_q8_lanes)."""
 
-    def __init__(self, device: Device, params: dict | None = None, shape: dict | None = None):
-        """``params`` (None: the defaults) must fit ``shape`` on this device."""
+    def __init__(self, device: Device, params: dict | None = None, shape: dict | None = None,
+                 kind: str = "skinny"):
+        """``params`` of that kind's kernel (None: the defaults) must fit ``shape`` on this device."""
+        if kind not in KINDS:
+            raise PerfxError(f"gemm_q8: unknown kernel {kind!r}; choose one of {', '.join(KINDS)}")
         self.device = device
-        self.params = PARAMS.resolve(params, shape or {}, device.caps)
+        self.kind, self.space = kind, KINDS[kind]
+        self.params = self.space.resolve(params, shape or {}, device.caps)
         self._kernels = {}
         self._no_bias = device.alloc(4, what="gemm_q8 placeholder bias")
 
@@ -48,15 +74,15 @@ class GemmQ8:
         """Columns of Y: N, or N/2 for the gate-up epilogue."""
         return output_rows(weight.n, epilogue)
 
-    def _kernel(self, group: int, f32: bool, epilogue: str):
+    def kernel(self, group: int, f32: bool, epilogue: str):
         key = (group, f32, epilogue)
         kernel = self._kernels.get(key)
         if kernel is None:
             # Checked for the epilogue here (once per build) where the parameters were not checked for it.
-            PARAMS.check(self.params, {"epilogue": epilogue}, self.device.caps, f"the {epilogue} epilogue")
+            self.space.check(self.params, {"epilogue": epilogue}, self.device.caps, f"the {epilogue} epilogue")
             defines = {**self.params, "GROUP": group, "SM_F32": int(f32),
                        "EPILOGUE": code("gemm_q8", epilogue)}
-            kernel = self._kernels[key] = self.device.kernel(PARAMS.source, "gemm_q8", defines)
+            kernel = self._kernels[key] = self.device.kernel(self.space.source, self.space.family, defines)
         return kernel
 
     def _check(self, weight: Q8DeviceWeight, x, y, m: int, epilogue: str, ldy: int | None):
@@ -87,7 +113,7 @@ class GemmQ8:
         apart (default: its column count). One launch per piece of the weight's row blocks, in order.
         """
         cols, ldy, (xb, yb) = self._check(weight, x, y, m, epilogue, ldy)
-        kernel = self._kernel(weight.group, weight.f32, epilogue)
+        kernel = self.kernel(weight.group, weight.f32, epilogue)
         wgs, rows = self.params["WGS"], self.params["ROWS"]
         event = None
         for first, count, a, row_a, b, row_b in weight.segments(cols, cols if is_gated(epilogue) else None):

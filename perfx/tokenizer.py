@@ -64,12 +64,26 @@ _FIM_END_TOKENS = (
 # Characters that C's isspace() takes, which llama.cpp strips after a right-stripping special token.
 _C_WHITESPACE = " \t\n\v\f\r"
 
-# Used when a model has no chat template of its own.
+# Used when a model has no chat template of its own (as llama.cpp does)...
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# ... unless its vocabulary has Gemma's turn tokens: a Gemma GGUF without a template (some converters leave it
+# out) answers in its own turns, where ChatML's text means nothing to it. What google/gemma-3-*-it's template
+# renders for text messages: the system message opens the first user turn, "assistant" is "model".
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set prefix = messages[0]['content'] + '\n\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% for message in turns %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}"
+    "{{ (prefix if loop.first else '') + message['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
 
 # Pre-tokenizer regexes of llama.cpp (src/llama-vocab.cpp, llm_tokenizer_bpe), applied in turn, each
@@ -223,7 +237,8 @@ class Tokenizer:
         raise_exception, tojson, strftime_now, the {% generation %} tag, bos_token and eos_token available
         to the template). `template_kwargs` are more variables for the template, as Hugging Face's
         apply_chat_template takes them: enable_thinking=False turns Qwen3's and SmolLM3's thinking off.
-        A model without a template gets ChatML (CHATML_TEMPLATE). A template that refuses a system message
+        A model without a template gets ChatML (CHATML_TEMPLATE), or Gemma's turns where its vocabulary has them
+        (GEMMA_TEMPLATE). A template that refuses a system message
         (Gemma 2's raises "System role not supported") gets it at the head of the next message, joined by a
         newline, as llama.cpp's chat code does. The result may start with the BOS text; encode(...,
         add_bos=True) then does not add a second BOS.
@@ -253,6 +268,12 @@ class Tokenizer:
         asked to answer without thinking first."""
         return "enable_thinking" in (self.chat_template or "")
 
+    @property
+    def fallback_chat_template(self) -> str:
+        """The template a model without one of its own gets: Gemma's where the vocabulary has its turn tokens,
+        else ChatML."""
+        return GEMMA_TEMPLATE if {"<start_of_turn>", "<end_of_turn>"} <= set(self._tokens) else CHATML_TEMPLATE
+
     @functools.cached_property
     def _compiled_chat_template(self) -> jinja2.Template:
         def raise_exception(message: str):
@@ -268,7 +289,7 @@ class Tokenizer:
         environment.globals["raise_exception"] = raise_exception
         environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
-            return environment.from_string(self.chat_template or CHATML_TEMPLATE)
+            return environment.from_string(self.chat_template or self.fallback_chat_template)
         except jinja2.TemplateSyntaxError as error:
             raise PerfxError(f"The model's chat template is not valid Jinja (line {error.lineno}: "
                              f"{error.message}); pass a model with a working template.") from error

@@ -242,6 +242,32 @@ def test_chatml_fallback_without_template(tiny_spm_dir):
     assert "<|im_start|>" in CHATML_TEMPLATE
 
 
+def test_a_gemma_vocabulary_without_a_template_gets_gemma_s_turns():
+    """A Gemma GGUF whose converter left the template out renders as google/gemma-3-4b-it's own template does
+    for text conversations (its system message opens the first user turn); ChatML stays the fallback of
+    every other vocabulary."""
+    def tokenizer(tokens, template=None):
+        return Tokenizer(encoder=lambda text, special: [], tokens=tokens, types=[3] * len(tokens),
+                         byte_level=False, strip_leading_space=False, bos_id=2, eos_ids=[1], add_bos_token=True,
+                         chat_template=template, bos_token="<bos>", eos_token="<eos>")
+    gemma_tokens = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "a"]
+    bare = tokenizer(gemma_tokens)
+    real = tokenizer(gemma_tokens, (DATA / "templates" / "google-gemma-3-4b-it.jinja").read_text(encoding="utf-8"))
+    conversations = [
+        [{"role": "user", "content": "Hi "}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+         {"role": "assistant", "content": " Hello. "}, {"role": "user", "content": "Bye"}],
+    ]
+    for messages in conversations:
+        for generation_prompt in (True, False):
+            assert (bare.apply_chat_template(messages, generation_prompt)
+                    == real.apply_chat_template(messages, generation_prompt)), (messages, generation_prompt)
+    assert bare.apply_chat_template(conversations[1]) == (
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n")
+    assert tokenizer(["<pad>", "<eos>", "<bos>", "a"]).apply_chat_template(conversations[0]).startswith("<|im_start|>")
+
+
 def test_template_gets_hf_helpers_and_its_errors_become_perfx_errors(tiny_spm_dir, tmp_path):
     (tmp_path / "tokenizer.model").write_bytes((tiny_spm_dir / "tokenizer.model").read_bytes())
     template = (

@@ -17,6 +17,7 @@ from perfx import plots
 from perfx.commands.options import add_kv_option, add_lm_head_option
 from perfx.errors import PerfxError
 from perfx.ops.gemm_q4 import FAMILIES as GEMM_FAMILIES
+from perfx.ops.gemm_q8 import FAMILIES as Q8_GEMM_FAMILIES
 from perfx.progress import Progress, format_table
 from perfx.resources import read_json, write_atomic
 from perfx.runtime import DEVICE_HELP, Device
@@ -201,15 +202,18 @@ def crossover_lines(results) -> list[str]:
     """Per prefill matrix, which GEMM kernel is faster at each M bucket."""
     times: dict[tuple, dict] = {}
     for r in results:
-        if r.family in GEMM_FAMILIES and r.time_s:
+        if r.family in (*GEMM_FAMILIES, *Q8_GEMM_FAMILIES) and r.time_s:
             times.setdefault((r.label, r.shape["m"]), {})[r.family] = r.time_s
     lines = []
     for label in sorted({label for label, _ in times}):
         cells = []
         for m in sorted(m for lab, m in times if lab == label):
             t = times[label, m]
-            if "gemm_q4_skinny" in t and "gemm_q4_tiled" in t:
-                cells.append(f"M={m}: {min(t, key=t.get).rsplit('_', 1)[1]}")
+            q4 = {family: time for family, time in t.items() if family in GEMM_FAMILIES}
+            if "gemm_q4_skinny" in q4 and "gemm_q4_tiled" in q4:
+                cells.append(f"M={m}: {min(q4, key=q4.get).rsplit('_', 1)[1]}")
+            if all(family in t for family in Q8_GEMM_FAMILIES):   # an int8 matrix (a layer's may be either)
+                cells.append(f"M={m}: int8 {'lanes' if t['gemm_q8_lanes'] < t['gemm_q8'] else 'skinny'}")
         if cells:
             lines.append(f"  {label}: " + ", ".join(cells))
     return lines
@@ -267,7 +271,7 @@ def main(args) -> int:
               "a kernel does more than 8 flops per byte")
         lines = crossover_lines(results)
         if lines:
-            print("prefill GEMM, faster kernel per M bucket:\n" + "\n".join(lines))
+            print("prefill GEMM, faster kernel per matrix and M bucket:\n" + "\n".join(lines))
     if args.plot:
         written = plots.write_tuning_plots(results, args.plot, copy_gbps)
         say(f"wrote {len(written)} plots to {args.plot}")

@@ -53,6 +53,7 @@ LANES = ParamSpace(
 )
 
 KINDS = {"skinny": PARAMS, "lanes": LANES}
+FAMILIES = tuple(space.family for space in KINDS.values())   # each kind's tuning family
 
 
 class GemmQ8:

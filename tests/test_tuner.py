@@ -471,3 +471,17 @@ def test_the_sweep_summary_says_which_prompt_gemm_is_faster_per_bucket():
         result("gemm_q8_lanes", "down", 33, 5e-4), result("gemm_q8", "qkv", 9, 1e-4),
         result("gemm_q8_lanes", "qkv", 9, 2e-4), result("gemm_q8", "qkv", 33, 1e-4)])
     assert lines == ["  down: M=33: lanes, M=33: int8 lanes", "  qkv: M=9: int8 skinny"]
+
+
+def test_info_says_which_int8_prompt_gemm_the_model_runs():
+    """`perfx info` counts an int8 matrix for lanes only where one file timed both kinds at its shape, as the
+    model decides (a lanes time of another file, or a stale one, does not count)."""
+    from perfx.commands.info import gemm_choice_lines
+
+    def entry(family, m, time_s, file="a.json", note=""):
+        return {"family": family, "shape": {"m": m, "n": 64, "k": 64, "group": 32, "f32": False, "epilogue": "none"},
+                "time_s": time_s, "file": file, "note": note}
+    lines = gemm_choice_lines([entry("gemm_q8", 33, 2e-4), entry("gemm_q8_lanes", 33, 1e-4),
+                               entry("gemm_q8", 9, 2e-4), entry("gemm_q8_lanes", 9, 1e-4, file="b.json"),
+                               entry("gemm_q8", 3, 2e-4), entry("gemm_q8_lanes", 3, 1e-4, note="stale: ...")])
+    assert [line for line in lines if "int8" in line][:-1] == ["M ≈   33: int8 lanes fastest for 1 matrix"]

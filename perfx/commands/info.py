@@ -9,6 +9,7 @@ from collections import Counter
 
 from perfx.formats import Q4Matrix, Q8Matrix
 from perfx.ops.gemm_q4 import DEFAULT_CROSSOVER, FAMILIES as GEMM_FAMILIES
+from perfx.ops.gemm_q8 import FAMILIES as Q8_GEMM_FAMILIES
 from perfx.runtime import DEVICE_HELP, Device, capabilities_dict, list_devices
 from perfx.sources import open_named
 from perfx.tuning import SPECS
@@ -96,7 +97,8 @@ def model_forms(name: str, embedding: str = "head") -> dict[str, str]:
 
 
 def gemm_choice_lines(entries: list[dict]) -> list[str]:
-    """Which of the tall-skinny, tiled and fp16 GEMMs wins per M bucket, from the tuned times in force.
+    """Which of the tall-skinny, tiled and fp16 GEMMs wins per M bucket, from the tuned times in force, and which
+    int8 GEMM.
 
     The model makes the same comparison per matrix (``Llama._prefill_kernels``); where either time is
     missing it uses the built-in crossover.
@@ -117,4 +119,19 @@ def gemm_choice_lines(entries: list[dict]) -> list[str]:
              for m, counts in sorted(wins.items())]
     lines.append(f"elsewhere: tall-skinny up to M = {DEFAULT_CROSSOVER}, tiled above (built-in crossover; "
                  "`perfx tune --kernels gemm_q4` measures it on this device)")
+    # int8 matrices: lanes where one file timed both kinds at a shape and lanes won (perfx.plan, _faster_q8_gemm)
+    int8: dict[int, Counter] = {}
+    pairs: dict[tuple, dict] = {}
+    for e in entries:
+        if e["family"] in Q8_GEMM_FAMILIES and e.get("time_s") and isinstance(e["shape"], dict) and not e.get("note"):
+            pairs.setdefault((e["file"], json.dumps(e["shape"], sort_keys=True)), {})[e["family"]] = e["time_s"]
+    for (_, shape), times in pairs.items():
+        if len(times) == len(Q8_GEMM_FAMILIES):
+            kind = "lanes" if times["gemm_q8_lanes"] < times["gemm_q8"] else "skinny"
+            int8.setdefault(json.loads(shape)["m"], Counter())[kind] += 1
+    lines += [f"M ≈ {m:4}: int8 " + ", ".join(f"{kind} fastest for {n} matri{'x' if n == 1 else 'ces'}"
+                                             for kind, n in counts.most_common())
+              for m, counts in sorted(int8.items())]
+    lines.append("int8 elsewhere: gemm_q8 (gemm_q8_lanes runs where one tuning file timed both kinds and it won; "
+                 "`perfx tune --kernels gemm_q8` measures them)")
     return lines

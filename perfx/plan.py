@@ -39,6 +39,17 @@ from perfx.tuning.problems import (conv_shape, delta_shape, embedding_shape, gem
                                    model_problems, qk_norm, softcap_shape)
 
 
+def one_run_times(choices: dict[str, Choice], anchor: str) -> dict[str, float]:
+    """kind -> tuned time of the choices measured at the very shape looked up and in the anchor's results file
+    (one device's run): times of two machines, or of two runs of one, differ by a third, so comparing kernels
+    across files would choose by the machine rather than the kernel. Empty where the anchor has no such time."""
+    first = choices[anchor]
+    if not (first.exact and first.time_s):
+        return {}
+    return {kind: choice.time_s for kind, choice in choices.items()
+            if choice.exact and choice.time_s and choice.file == first.file}
+
+
 class KernelPlan:
     """The kernel wrappers a model runs, with their parameters: ``gemv`` (per matrix role), ``gemv_f16``,
     ``rmsnorm``, ``embed``, ``argmax_op``, ``gate`` (the unfused activation·up), ``softcap``, ``attn_decode``;
@@ -199,13 +210,14 @@ class KernelPlan:
                     self.choose(f"gemm_q4_{kind}", shape, label, gemm(kind, shape))
                     choices[kind] = self.tuned[f"gemm_q4_{kind} ({label})"]
                 # The fastest kernel measured on this device for this bucket (the fp16 and lanes ones only where
-                # they were measured too). Only times measured at this very shape are compared: a record of
-                # another M (the nearest one a look-up falls back to) times another problem. Where skinny and
+                # they were measured too). Only times measured at this very shape, in the skinny entry's file, are
+                # compared (one_run_times): a record of another M (the nearest one a look-up falls back to) times
+                # another problem, and another file another machine or run. Where skinny and
                 # tiled were not both measured: on a CPU the fastest measured of the others (both CPU
                 # implementations' tuned entries choose skinny or lanes at every bucket up to M = 256, and their
                 # tiled kernel is 5-15x slower at M = 64), else the tall-skinny kernel; elsewhere the default
                 # crossover.
-                timed = {kind: choice.time_s for kind, choice in choices.items() if choice.time_s and choice.exact}
+                timed = one_run_times(choices, "skinny")
                 cpu = self.device.caps.device_type == "CPU"
                 kind = (min(timed, key=timed.get) if "skinny" in timed and ("tiled" in timed or cpu)
                         else None)
@@ -235,14 +247,12 @@ class KernelPlan:
 
     def _faster_q8_gemm(self, shapes: dict) -> str:
         """The int8 GEMM family to run at a bucket's shape (``shapes``: family -> shape): gemm_q8_lanes where its
-        first choice and gemm_q8's were both measured at this very shape in one file (one device's run: times
-        from two machines, or two runs of one, differ by a third) and lanes was the faster, else gemm_q8 (the
-        register-tiled kernel written for a GPU's wave)."""
+        first choice and gemm_q8's were timed in one run (``one_run_times``) and lanes was the faster, else
+        gemm_q8 (the register-tiled kernel written for a GPU's wave)."""
         first = {family: self.database.choices(self.device, SPECS[family], shape)[0]
                  for family, shape in shapes.items()}
-        skinny, lanes = first["gemm_q8"], first["gemm_q8_lanes"]
-        one_run = skinny.exact and lanes.exact and skinny.detail.split(":")[0] == lanes.detail.split(":")[0]
-        return "gemm_q8_lanes" if one_run and lanes.time_s < skinny.time_s else "gemm_q8"
+        timed = one_run_times(first, "gemm_q8")
+        return "gemm_q8_lanes" if timed.get("gemm_q8_lanes", float("inf")) < timed.get("gemm_q8", 0.0) else "gemm_q8"
 
     def q8(self, kind: str, name: str, weight: Q8DeviceWeight, m: int = 1):
         """The int8 kernel wrapper ("gemv", "gemm" or "embedding") for a matrix of this form, with the

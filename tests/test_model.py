@@ -350,3 +350,37 @@ def test_the_norms_quantize_xb_once_for_the_int8_activation_gemvs(tiny_paths, de
     apart = Model.load(source, device, ctx=32, progress=False)
     assert apart.state.xb_q8 is None
     assert np.array_equal(decode(apart), fused)
+
+
+@pytest.mark.parametrize("lanes_file", ["same", "another"])
+def test_the_int4_gemm_kind_compares_times_of_one_file(tiny_paths, device, rng, tmp_path, lanes_file):
+    """A bucket's int4 GEMM is the fastest kind timed at its shape in the skinny entry's own file: a faster lanes
+    time there wins, one from another file (another machine's run) does not. The logits match either way."""
+    import json
+
+    from perfx.tuning.database import FORMAT, Database
+    source = open_model(tiny_paths["gguf-gqa3"])
+    problems, _ = model_problems(source.config, SPECS, 32)
+    database = Database(tmp_path / "user", tmp_path / "shipped")
+    other = []
+    shapes = [p.shape for p in problems if p.family == "gemm_q4_skinny" and p.shape["m"] == 33]
+    assert shapes
+    for shape in shapes:
+        database.save_result(device, result_record(SPECS["gemm_q4_skinny"], shape, SPECS["gemm_q4_skinny"].params
+                                                   .defaults(), 1e-4, None, device.fingerprint))
+        lanes = result_record(SPECS["gemm_q4_lanes"], shape, {**SPECS["gemm_q4_lanes"].params.defaults(), "MB": 4},
+                              1e-5, None, device.fingerprint)
+        if lanes_file == "same":
+            database.save_result(device, lanes)
+        else:
+            other.append(lanes)
+    (tmp_path / "shipped").mkdir()
+    (tmp_path / "shipped" / "vendor.json").write_text(json.dumps(
+        {"perfx_tuning": FORMAT, "match": {"vendor": device.caps.vendor_key}, "records": other}))
+    model = Model.load(source, device, ctx=64, progress=False, database=database)
+    prompt = [int(t) for t in rng.integers(3, source.config.vocab_size, 19)]   # the bucket of M = 17..64
+    want, _ = reference.model_forward(source, prompt)
+    model.prefill(prompt, 0)
+    assert relative_error(model.logits(), want[-1]) <= TOLERANCE
+    gemms, _ = model.plan.prefill(19)
+    assert {gemm.kind for gemm in gemms.values()} == {"lanes" if lanes_file == "same" else "skinny"}

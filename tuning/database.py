@@ -67,6 +67,7 @@ class Choice:
     time_s: float | None = None  # the tuned median time, where a measurement stands behind the choice
     skipped: tuple[str, ...] = ()  # records that matched but did not fit, each with the reason
     exact: bool = False  # the record was measured at the very shape looked up (time_s is that shape's)
+    file: str = ""       # the results file the record came from ("" for the defaults)
 
 
 def m_bucket(m: int) -> int:
@@ -459,7 +460,8 @@ class Database:
                 continue
             what = "shape *" if record.get("shape") is None else spec.describe(record["shape"])
             result.append(Choice(params, level, f"{file.path.name}: {spec.params.family} {what}",
-                                 record.get("time_s"), tuple(skipped), exact=distance == (0, 0.0)))
+                                 record.get("time_s"), tuple(skipped), exact=distance == (0, 0.0),
+                                 file=str(file.path)))
         defaults, why = checked(spec.params.defaults())
         if why is not None:
             skipped.append(f"the defaults: {why}")

@@ -51,8 +51,8 @@ CONTEXTS = {"phi3": [256, 512]}     # others: 256 (llama.cpp pads n_ctx to a mul
 
 def open_llama(path: Path, n_ctx: int, f32_cache: bool = False):
     extra = {"type_k": 0, "type_v": 0} if f32_cache else {}     # GGML_TYPE_F32
-    return import_llama_cpp().Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=THREADS, n_threads_batch=THREADS,
-                 logits_all=True, n_gpu_layers=0, verbose=False, **extra)
+    return import_llama_cpp().Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=THREADS,
+                                    n_threads_batch=THREADS, logits_all=True, n_gpu_layers=0, verbose=False, **extra)
 
 
 def greedy(llm, prompt: list[int], steps: int) -> dict:

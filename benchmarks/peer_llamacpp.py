@@ -46,8 +46,8 @@ DECODE_TOKENS = 64
 def open_llama(path, threads: int = 2, ctx: int = 512, logits_all: bool = False):
     """llama.cpp on the CPU: ``threads`` for decode and for prompt batches; ``logits_all`` keeps every
     position's logits (``logits``, ``perplexity``), else only the last."""
-    return import_llama_cpp().Llama(model_path=str(path), n_ctx=ctx, n_batch=ctx, n_threads=threads, n_threads_batch=threads,
-                 logits_all=logits_all, n_gpu_layers=0, verbose=False)
+    return import_llama_cpp().Llama(model_path=str(path), n_ctx=ctx, n_batch=ctx, n_threads=threads,
+                                    n_threads_batch=threads, logits_all=logits_all, n_gpu_layers=0, verbose=False)
 
 
 # -- helpers for comparisons ------------------------------------------------------------------------------

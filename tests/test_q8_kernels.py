@@ -128,6 +128,8 @@ def test_errors_name_what_is_wrong(device, rng):
         GemmQ8(device)(weight, x, device.empty((1, 7), np.float32), 1, "bias")
     with pytest.raises(PerfxError, match="gemm_q8: Y holds 24 bytes, less than the 28"):
         GemmQ8(device)(weight, x, device.empty(6, np.float32), 1)
+    with pytest.raises(PerfxError, match="gemm_q8: unknown kernel 'tiled'; choose one of skinny, lanes"):
+        GemmQ8(device, kind="tiled")
     with pytest.raises(PerfxError, match=r"bias of shape \(6,\) for a matrix with 7 rows"):
         Q8DeviceWeight.upload(device, q8, np.zeros(6, np.float32))
     small = Device(limits=Limits(name="tiny", max_alloc=32))

@@ -33,13 +33,7 @@ def bytes_moved(shape) -> int:
     return n * k + pairs * n * (k // group) + bias + 4 * m * k + 4 * m * output_columns(shape)
 
 
-def _case_maker(kind: str):
-    def make_case(device, shape, rng) -> Case:
-        return _make_case(device, shape, rng, kind)
-    return make_case
-
-
-def _make_case(device, shape, rng, kind: str) -> Case:
+def make_case(device, shape, rng, kind: str = "skinny") -> Case:
     m, n, k = shape["m"], shape["n"], shape["k"]
     epilogue = shape.get("epilogue", "none")
     q8 = random_weight(shape, rng)
@@ -80,7 +74,7 @@ def fuzz_shapes(st):
 
 SPEC = Spec(
     params=gemm_q8.PARAMS,
-    make_case=_case_maker("skinny"),
+    make_case=make_case,
     tolerance=1e-4,
     tolerance_why=(
         "fp32 accumulation of K ≤ 4160 products of dequantized weights (s·q + m, one rounding) and x against "
@@ -111,4 +105,8 @@ SPEC = Spec(
 
 # The same shapes, checks and tolerance: the same products and edges. M = 33 runs passes of MB and then the
 # remainder's (1, or 8+1, 4+1 ...); 60, 100, 37 and 50 columns are no multiple of ROWS·WGS.
-LANES = dataclasses.replace(SPEC, params=gemm_q8.LANES, make_case=_case_maker("lanes"))
+def lanes_case(device, shape, rng) -> Case:
+    return make_case(device, shape, rng, "lanes")
+
+
+LANES = dataclasses.replace(SPEC, params=gemm_q8.LANES, make_case=lanes_case)

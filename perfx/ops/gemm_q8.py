@@ -66,7 +66,7 @@ class GemmQ8:
         if kind not in KINDS:
             raise PerfxError(f"gemm_q8: unknown kernel {kind!r}; choose one of {', '.join(KINDS)}")
         self.device = device
-        self.kind, self.space = kind, KINDS[kind]
+        self.space = KINDS[kind]
         self.params = self.space.resolve(params, shape or {}, device.caps)
         self._kernels = {}
         self._no_bias = device.alloc(4, what="gemm_q8 placeholder bias")

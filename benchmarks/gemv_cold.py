@@ -42,7 +42,8 @@ CASES = (
     ("down 576x1536", "gemv_q4", {"n": 576, "k": 1536, "group": 32, "epilogue": "none"},
      [I8, {**ROWS, "LANES": 1, "ROWS": 4}, {**ROWS, "LANES": 16, "ROWS": 4},
       {**INTERLEAVED, "ROWS": 2, "XS": 3, "I8": 0}]),
-    ("lm_head 49152x576 int8", "gemv_q8", {"n": 49152, "k": 576, "group": 32, "f32": False, "epilogue": "none"},
+    ("lm_head 49152x576 int8", "gemv_q8", {"n": 49152, "k": 576, "group": 32, "f32": False, "sym": True,
+                                                "epilogue": "none"},
      [{"LANES": 1, "ROWS": 8}, {"LANES": 1, "ROWS": 1}, {"LANES": 16, "ROWS": 4}]),
 )
 ROTATED_BYTES = 72 << 20

@@ -37,8 +37,8 @@ SHAPES = (
     ("qkv 960x576 G32", "gemv_q4", {"n": 960, "k": 576, "group": 32, "epilogue": "none", "bias": False}),
     ("gate-up 3072x576 G32", "gemv_q4", {"n": 3072, "k": 576, "group": 32, "epilogue": "silu_mul", "bias": False}),
     ("7B qkv 12288x4096 G128", "gemv_q4", {"n": 12288, "k": 4096, "group": 128, "epilogue": "none", "bias": False}),
-    ("lm_head 49152x576 Q8 G32", "gemv_q8", {"n": 49152, "k": 576, "group": 32, "f32": False, "epilogue": "none",
-                                            "bias": False}),
+    ("lm_head 49152x576 Q8 G32", "gemv_q8", {"n": 49152, "k": 576, "group": 32, "f32": False, "sym": True,
+                                            "epilogue": "none", "bias": False}),
 )
 SIMD = re.compile(r"^v")   # AVX instructions all start with v
 SHIPPED = Path(__file__).resolve().parent.parent / "tuning" / "database"
@@ -88,7 +88,8 @@ def hot_loop(code_lines):
 def count(device, family: str, shape: dict, params: dict):
     """The hot loop of ``params`` built as the model builds it, and the weights one trip covers."""
     if family == "gemv_q8":
-        kernel = GemvQ8(device, params, shape).kernel(shape["group"], bool(shape.get("f32")), shape["epilogue"])
+        kernel = GemvQ8(device, params, shape).kernel(shape["group"], bool(shape.get("f32")), bool(shape.get("sym")),
+                                                    shape["epilogue"])
     else:
         kernel = GemvQ4(device, params, shape).kernel(shape["group"], shape["epilogue"], shape["k"])
     loop = hot_loop(disassemble(object_code(kernel)))

@@ -1,12 +1,12 @@
 // out (M, K) float = W[ids]·scale dequantized, w = s·q + m, from an int8 table in perfx's int8 device form
-// (perfx/ops/q8_weight.py): int8 codes (rows, K) row-major per row block, one (s, m) pair per group of
-// G ∈ {16, 32} along K, half2 (SM_F32 0) or float2 (SM_F32 1). The table (a tied embedding is the
-// lm_head itself) may be split by rows over several blocks: one launch per block [row_start, row_stop),
-// each writing the rows whose id falls in it. An id outside [0, n_total) gives a row of NaN (written
+// (perfx/ops/q8_weight.py): int8 codes (rows, K) row-major per row block, per group of G ∈ {16, 32} along
+// K an (s, m) pair or (SYM 1) s alone, half (SM_F32 0) or float (SM_F32 1): kernels/q8.h. The table (a
+// tied embedding is the lm_head itself) may be split by rows over several blocks: one launch per block
+// [row_start, row_stop), each writing the rows whose id falls in it. An id outside [0, n_total) gives a row of NaN (written
 // by the launch of the first block), never a silent wrong row.
 //
 // s·q is exact in fp32 (an fp16 s times an 8-bit code, or a float32 s of ≤ 18 significant bits times a
-// code of ≤ 6 bits), so each weight is rounded once, by the add of m, and once more by scale (1 for most
+// code of ≤ 6 bits), so each weight is rounded once, by the add of m (not at all under SYM), and once more by scale (1 for most
 // models; Gemma's √hidden, as llama.cpp's ggml_scale after its get_rows), in fp32.
 // Shape contract: K a multiple of G (and so of 8). Launch: global = (⌈(K / 8) / WGS⌉ · WGS, M), local = (WGS, 1).
 
@@ -18,7 +18,7 @@
 
 __kernel __attribute__((reqd_work_group_size(WGS, 1, 1)))
 void embedding_q8(const int k, const int n_total, const int row_start, const int row_stop, const float scale,
-                  __global const int* restrict ids, __global const char* restrict codes, PAIRS_T scale_offset,
+                  __global const int* restrict ids, __global const char* restrict codes, SM_T scales,
                   __global float* restrict out)
 {
     const int c = get_global_id(0);  // which chunk of 8 weights of the row
@@ -37,7 +37,7 @@ void embedding_q8(const int k, const int n_total, const int row_start, const int
         return;
     }
     const size_t row = (size_t)(id - row_start);
-    const float2 sm = LOAD_PAIR(scale_offset, row * (k / GROUP) + (8 * c) / GROUP);
+    const float2 sm = LOAD_SM(scales, row * (k / GROUP) + (8 * c) / GROUP);
     // chunks of 8 codes are 8-byte aligned (rows of K bytes, K a multiple of 16)
-    vstore8((convert_float8(((const __global char8*)(codes + row * k))[c]) * sm.x + sm.y) * scale, c, dst);
+    vstore8(DEQUANT(convert_float8(((const __global char8*)(codes + row * k))[c]), sm) * scale, c, dst);
 }

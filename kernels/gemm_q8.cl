@@ -6,8 +6,8 @@
 //   Y (M, I) = GELU(X · Wgᵀ) · (X · Wuᵀ)  EPI_GELU_MUL (the same rows; GELU's tanh form)
 //
 // W (N, K) in perfx's int8 device form (perfx/ops/q8_weight.py): int8 codes, rows contiguous along K,
-// held as row blocks (one buffer each); one (s, m) pair per group of G ∈ {16, 32} along K, half2
-// (SM_F32 0) or float2 (SM_F32 1); w = s·q + m. X, Y, bias float32, row-major. Accumulation in fp32.
+// held as row blocks (one buffer each); per group of G ∈ {16, 32} along K an (s, m) pair, w = s·q + m, or
+// (SYM 1) s alone, w = s·q, in half (SM_F32 0) or float (SM_F32 1): kernels/q8.h. X, Y, bias float32, row-major. Accumulation in fp32.
 //
 // The structure of gemm_q4_skinny: memory-bound at the M of a prompt chunk on a phone, so each weight is
 // read once per pass and the sums of MT rows of X stay in registers. One work-item owns ROWS output
@@ -47,7 +47,7 @@
 
 // The 8 weights of codes 8c..8c+7 of a row, s·q + m, in x order. Plain * and + rather than mad():
 // PoCL calls mad(float8) out of line and spills the accumulators around each call.
-#define DEQUANT8(p, c, sm) (CODES8(p, c) * (sm).x + (sm).y)
+#define DEQUANT8(p, c, sm) DEQUANT(CODES8(p, c), sm)
 // X rows start at multiples of K floats, K a multiple of 16: every 8-float chunk is float8-aligned.
 #define LOAD_X8(p, i) (((const __global float8*)(p))[i])
 
@@ -60,7 +60,7 @@
         const __global float* xp = x + (size_t)m0 * k;                                           \
         for (int g = 0; g < groups; g++) {                                                       \
             float2 sm[WROWS];                                                                    \
-            _Pragma("unroll") for (int r = 0; r < WROWS; r++) sm[r] = LOAD_PAIR(prow[r], g);     \
+            _Pragma("unroll") for (int r = 0; r < WROWS; r++) sm[r] = LOAD_SM(prow[r], g);     \
             _Pragma("unroll") for (int i = 0; i < CHUNKS_PER_GROUP; i++) {                       \
                 const int c = g * CHUNKS_PER_GROUP + i;                                          \
                 float8 w[WROWS];                                                                 \
@@ -97,23 +97,23 @@ __kernel __attribute__((reqd_work_group_size(WGS, 1, 1)))
 void gemm_q8(const int m_rows, const int n_cols, const int k, const int ldy, const int y_col0,
              const int row_a0, const int row_b0, __global const float* restrict x, __global float* restrict y,
              __global const char* restrict codes_a, __global const char* restrict codes_b,
-             PAIRS_T sm_a, PAIRS_T sm_b, __global const float* restrict bias_a)
+             SM_T sm_a, SM_T sm_b, __global const float* restrict bias_a)
 {
     const int col0 = get_global_id(0) * ROWS;  // first output column of this work-item, in the launch
     const int groups = k / GROUP;
 
-    // Codes and (s, m) pairs of the WROWS rows. Columns past n_cols read the last valid column again
+    // Codes and scales (and offsets) of the WROWS rows. Columns past n_cols read the last valid column again
     // (harmless) and store nothing.
     __global const char* wrow[WROWS];
-    PAIRS_T prow[WROWS];
+    SM_T prow[WROWS];
     _Pragma("unroll")
     for (int r = 0; r < ROWS; r++) {
         const int c = min(col0 + r, n_cols - 1);
         wrow[r] = codes_a + (size_t)(row_a0 + c) * k;
-        prow[r] = sm_a + (size_t)(row_a0 + c) * groups * 2;
+        prow[r] = sm_a + (size_t)(row_a0 + c) * groups * SM_PER_GROUP;
 #if EPI_GATED
         wrow[ROWS + r] = codes_b + (size_t)(row_b0 + c) * k;
-        prow[ROWS + r] = sm_b + (size_t)(row_b0 + c) * groups * 2;
+        prow[ROWS + r] = sm_b + (size_t)(row_b0 + c) * groups * SM_PER_GROUP;
 #endif
     }
 

@@ -70,7 +70,7 @@
         const __global float* xp = x + (size_t)m0 * k;                                                   \
         for (int g = 0; g < groups; g++) {                                                               \
             float2 sm[WROWS];                                                                            \
-            _Pragma("unroll") for (int r = 0; r < WROWS; r++) sm[r] = LOAD_PAIR(prow[r], g);             \
+            _Pragma("unroll") for (int r = 0; r < WROWS; r++) sm[r] = LOAD_SM(prow[r], g);             \
             _Pragma("unroll") for (int i = 0; i < GROUP / 4; i++) {                                      \
                 const int c = g * (GROUP / 4) + i;                                                       \
                 uint bits[WROWS];                                                                        \
@@ -78,7 +78,7 @@
                 _Pragma("unroll") for (int j = 0; j < 4; j++) {                                          \
                     float w[WROWS];                                                                      \
                     _Pragma("unroll") for (int r = 0; r < WROWS; r++)                                    \
-                        w[r] = CODE_OF(bits[r], j) * sm[r].x + sm[r].y;                                  \
+                        w[r] = DEQUANT(CODE_OF(bits[r], j), sm[r]);                                      \
                     _Pragma("unroll") for (int mm = 0; mm < R; mm++) {                                   \
                         const float xv = xp[(size_t)mm * k + 4 * c + j];                                 \
                         _Pragma("unroll") for (int r = 0; r < WROWS; r++)                                \
@@ -103,26 +103,26 @@ __kernel __attribute__((reqd_work_group_size(WGS, 1, 1)))
 void gemm_q8_lanes(const int m_rows, const int n_cols, const int k, const int ldy, const int y_col0,
                    const int row_a0, const int row_b0, __global const float* restrict x,
                    __global float* restrict y, __global const char* restrict codes_a,
-                   __global const char* restrict codes_b, PAIRS_T sm_a, PAIRS_T sm_b,
+                   __global const char* restrict codes_b, SM_T sm_a, SM_T sm_b,
                    __global const float* restrict bias_a)
 {
     const int groups = k / GROUP;
 
     // Columns of this work-item (a global size apart, so a vector's lanes hold neighbouring columns), and the
-    // codes (4 a uint: rows start at multiples of K bytes, K a multiple of 16) and (s, m) pairs of their weight
-    // rows. Columns past n_cols read the last valid column again (harmless) and store nothing.
+    // codes (4 a uint: rows start at multiples of K bytes, K a multiple of 16) and scales (and offsets) of their
+    // weight rows. Columns past n_cols read the last valid column again (harmless) and store nothing.
     int col[ROWS];
     __global const uint* wrow[WROWS];
-    PAIRS_T prow[WROWS];
+    SM_T prow[WROWS];
     _Pragma("unroll")
     for (int r = 0; r < ROWS; r++) {
         col[r] = get_global_id(0) + r * get_global_size(0);
         const int c = min(col[r], n_cols - 1);
         wrow[r] = (__global const uint*)(codes_a + (size_t)(row_a0 + c) * k);
-        prow[r] = sm_a + (size_t)(row_a0 + c) * groups * 2;
+        prow[r] = sm_a + (size_t)(row_a0 + c) * groups * SM_PER_GROUP;
 #if EPI_GATED
         wrow[ROWS + r] = (__global const uint*)(codes_b + (size_t)(row_b0 + c) * k);
-        prow[ROWS + r] = sm_b + (size_t)(row_b0 + c) * groups * 2;
+        prow[ROWS + r] = sm_b + (size_t)(row_b0 + c) * groups * SM_PER_GROUP;
 #endif
     }
 

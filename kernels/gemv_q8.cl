@@ -1,11 +1,13 @@
 // y (M) = W (N, K) · x (K) (+ bias), W int8 in perfx's int8 device form (perfx/ops/q8_weight.py):
 //   codes: int8, rows contiguous along K, the matrix held as row blocks (one buffer each, within the
 //          device's largest allocation);
-//   scale_offset: one (s, m) pair per group of G along K, (rows, K/G) per block, as half2 (SM_F32 0,
-//          exact where fp16 holds every s and m: Q8_0, Q5_0, Q5_1, quantized heads) or as float2
-//          (SM_F32 1: Q5_K's and Q6_K's d·sc need up to 18 significant bits); w = s·q + m.
+//   scales: per group of G along K, (rows, K/G) per block, an (s, m) pair (w = s·q + m: Q5_1, Q5_K,
+//          quantized heads) or, for the symmetric types (SYM 1: Q8_0, Q5_0, Q6_K), s alone (w = s·q), as
+//          half (SM_F32 0, exact where fp16 holds every value) or float (SM_F32 1: Q5_K's and Q6_K's d·sc
+//          need up to 18 significant bits): kernels/q8.h.
 // Per group: Σ_k (s·q_k + m)·x_k = s·Σ q_k x_k + m·Σ x_k, so the inner loop is one multiply-add per
-// weight and Σ x_k is computed once per group (8 lanes wide) and shared by the ROWS rows of a work-item.
+// weight and Σ x_k is computed once per group (8 lanes wide) and shared by the ROWS rows of a work-item
+// (and not at all under SYM).
 // Epilogues (EPILOGUE, kernels/epilogue.h, chosen by the wrapper, not tuned):
 //   EPI_NONE:     y[o] = W[o]·x + bias[o]                            (also fused QKV: rows concatenated)
 //   EPI_SILU_MUL: y[o] = SiLU(Wg[o]·x + bg[o]) · (Wu[o]·x + bu[o])   (gate rows, then up rows)
@@ -88,7 +90,7 @@ __kernel void gemv_q8_quantize_x(const int k, __global const float* restrict x, 
 __kernel __attribute__((reqd_work_group_size(LANES * WGR, 1, 1)))
 void gemv_q8(const int n_out, const int k, const int y_base, const int row_a, const int row_b,
              __global const char* restrict codes_a, __global const char* restrict codes_b,
-             PAIRS_T sm_a, PAIRS_T sm_b, __global const float* restrict bias_a,
+             SM_T sm_a, SM_T sm_b, __global const float* restrict bias_a,
              __global const float* restrict bias_b, const int has_bias,
              __global const float* restrict x, __global float* restrict y
 #if I8
@@ -103,18 +105,18 @@ void gemv_q8(const int n_out, const int k, const int y_base, const int row_a, co
     const int first = get_global_id(0) / LANES * ROWS;    // first output of this work-item, within the launch
     const int groups = k / GROUP;
 
-    // Each row's codes and its first (s, m) pair. Outputs past n_out read the last valid row again
-    // (harmless) and are not stored.
+    // Each row's codes and its first group's scale (and offset). Outputs past n_out read the last valid row
+    // again (harmless) and are not stored.
     __global const char* wrow[WROWS];
-    PAIRS_T prow[WROWS];
+    SM_T prow[WROWS];
     #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const int o = min(first + r, n_out - 1);
         wrow[r] = codes_a + (size_t)(row_a + o) * k;
-        prow[r] = sm_a + (size_t)(row_a + o) * groups * 2;
+        prow[r] = sm_a + (size_t)(row_a + o) * groups * SM_PER_GROUP;
 #if EPI_GATED
         wrow[ROWS + r] = codes_b + (size_t)(row_b + o) * k;
-        prow[ROWS + r] = sm_b + (size_t)(row_b + o) * groups * 2;
+        prow[ROWS + r] = sm_b + (size_t)(row_b + o) * groups * SM_PER_GROUP;
 #endif
     }
 
@@ -128,7 +130,7 @@ void gemv_q8(const int n_out, const int k, const int y_base, const int row_a, co
     // Per group and row: the integer dot product in 8 int lanes (products of adjacent pairs summed: what x86
     // compilers turn into vpmaddwd; splitting even and odd codes before the multiply gave vpmullw and shuffles,
     // 1.15 instructions a weight against 0.47), then one multiply-add 8 wide by s·d; the offset m·Σ d·q_x per
-    // row in a scalar.
+    // row in a scalar (none under SYM).
     float offset[WROWS];
     #pragma unroll
     for (int r = 0; r < WROWS; ++r) offset[r] = 0.0f;
@@ -145,9 +147,11 @@ void gemv_q8(const int n_out, const int k, const int y_base, const int row_a, co
                 const int16 p = convert_int16(CHARS16(wrow[r], g * (GROUP / 16) + i)) * convert_int16(xv[i]);
                 dot += EVEN16(p) + ODD16(p);   // vpmaddwd's pattern: adjacent products of sign-extended int16
             }
-            const float2 sm = LOAD_PAIR(prow[r], g);
+            const float2 sm = LOAD_SM(prow[r], g);
             acc8[r] = convert_float8(dot) * (sm.x * xd.x) + acc8[r];
+#if !SYM
             offset[r] = sm.y * xd.y + offset[r];
+#endif
         }
     }
     float acc[WROWS];
@@ -163,14 +167,20 @@ void gemv_q8(const int n_out, const int k, const int y_base, const int row_a, co
         for (int i = 0; i < CHUNKS_PER_GROUP; ++i) {
             const int c = g * CHUNKS_PER_GROUP + i;   // x[8c .. 8c + 7] pairs with codes 8c .. 8c + 7
             const float8 xv = LOAD_X8(x, c);
+#if !SYM
             xsum += xv;
+#endif
             #pragma unroll
             for (int r = 0; r < WROWS; ++r) dot[r] += CODES8(wrow[r], c) * xv;
         }
         #pragma unroll
         for (int r = 0; r < WROWS; ++r) {
-            const float2 sm = LOAD_PAIR(prow[r], g);
+            const float2 sm = LOAD_SM(prow[r], g);
+#if SYM
+            acc8[r] = dot[r] * sm.x + acc8[r];
+#else
             acc8[r] = dot[r] * sm.x + (xsum * sm.y + acc8[r]);   // two contracted multiply-adds
+#endif
         }
     }
     float acc[WROWS];

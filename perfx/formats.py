@@ -12,12 +12,14 @@ G ∈ {32, 64, 128} along K, w = s·q + m, stored in the form the source's maths
   fp16 (``from_gguf_q4_k`` says how close that is); m is no multiple of s either.
 
 The int8 form (``Q8Matrix``): codes q ∈ [−128, 127] with a scale s and an offset m per group of
-G ∈ {16, 32}, w = s·q + m; s and m are held as float32 on the host and go to the device as fp16 pairs
-where fp16 holds every one exactly (``f32`` False) or as float32 pairs (``f32`` True). Every GGUF type
-whose values fit 8-bit codes reads into it exactly: Q8_0 (s = d), Q5_0 (codes q − 16, s = d), Q5_1
-(s = d, m = min), Q5_K (s = d·sc, m = −dmin·mn, float32 pairs: d·sc has up to 17 significant bits),
-Q6_K (codes q − 32, s = d·sc with an int8 sc, G = 16, float32 pairs). fp16 matrices (an lm_head)
-are quantized into it round-to-nearest (``Q8Matrix.quantize``).
+G ∈ {16, 32}, w = s·q + m; s and m are held as float32 on the host and go to the device as fp16
+where fp16 holds every one exactly (``f32`` False) or as float32 (``f32`` True), as (s, m) pairs, or as
+the scales alone where the type's offset is always 0 (``symmetric``: the kernels' SYM, 2 or 4 bytes a
+group fewer to read). Every GGUF type whose values fit 8-bit codes reads into it exactly: Q8_0 (s = d,
+symmetric), Q5_0 (codes q − 16, s = d, symmetric), Q5_1 (s = d, m = min), Q5_K (s = d·sc, m = −dmin·mn,
+float32: d·sc has up to 17 significant bits), Q6_K (codes q − 32, s = d·sc with an int8 sc, G = 16,
+float32, symmetric). fp16 matrices (an lm_head) are quantized into it round-to-nearest
+(``Q8Matrix.quantize``).
 
 On the device the int4 codes are rows contiguous along K, 32 codes per RGBA/UINT32 texel
 (``pack_texels``), and each group's (s, m) in the matrix's form (``pack_group_scales``); the int8
@@ -273,9 +275,10 @@ def fp16_exact(values: np.ndarray) -> bool:
 class Q8Matrix:
     """W (N, K) in the int8 form: codes (N, K) int8; scales, offsets (N, K/G) float32; w = s·q + m.
 
-    ``f32`` says which pairs the device reads: False, fp16 (s, m) pairs, which must then hold every value
-    exactly (checked here); True, float32 pairs. It is fixed by where the matrix comes from (its GGUF
-    type), never guessed from the values, so a model's kernel shapes are known from a file's header.
+    ``f32`` says in which precision the device reads s and m: False, fp16, which must then hold every value
+    exactly (checked here); True, float32. ``symmetric`` says the device reads the scales alone (every
+    offset must then be 0, checked here). Both are fixed by where the matrix comes from (its GGUF type),
+    never guessed from the values, so a model's kernel shapes are known from a file's header.
     """
 
     codes: np.ndarray
@@ -283,6 +286,7 @@ class Q8Matrix:
     offsets: np.ndarray
     group: int
     f32: bool = False
+    symmetric: bool = False
 
     def __post_init__(self):
         n, k = self.codes.shape
@@ -294,33 +298,37 @@ class Q8Matrix:
         self.codes = np.ascontiguousarray(self.codes, dtype=np.int8)
         self.scales = np.ascontiguousarray(self.scales, dtype=np.float32)
         self.offsets = np.ascontiguousarray(self.offsets, dtype=np.float32)
-        self.f32 = bool(self.f32)
+        self.f32, self.symmetric = bool(self.f32), bool(self.symmetric)
         if not self.f32 and not (fp16_exact(self.scales) and fp16_exact(self.offsets)):
             raise PerfxError("an int8 matrix with fp16 scale/offset pairs holds values fp16 cannot represent "
                              "exactly; make it with f32=True")
+        if self.symmetric and np.any(self.offsets):
+            raise PerfxError("a symmetric int8 matrix (scales alone on the device) has nonzero offsets; "
+                             "make it with symmetric=False")
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.codes.shape
 
     @property
-    def pair_bytes(self) -> int:
-        """Bytes of one group's (s, m) pair on the device: 4 (half2) or 8 (float2)."""
-        return 8 if self.f32 else 4
+    def group_bytes(self) -> int:
+        """Bytes of one group's scale (and offset) on the device: 2 or 4 (fp16), 4 or 8 (float32)."""
+        return (4 if self.f32 else 2) * (1 if self.symmetric else 2)
 
     @property
     def nbytes(self) -> int:
-        """Bytes a kernel reads: one byte per weight plus one (s, m) pair per group."""
+        """Bytes a kernel reads: one byte per weight plus each group's scale (and offset)."""
         n, k = self.shape
-        return n * k + self.pair_bytes * n * (k // self.group)
+        return n * k + self.group_bytes * n * (k // self.group)
 
     def dequantize(self) -> np.ndarray:
         return dequantize_q4(self.codes, self.scales, self.offsets, self.group)
 
-    def pairs(self) -> np.ndarray:
-        """(N, K/G, 2) (s, m) pairs in the device's precision (fp16 or float32)."""
-        return np.ascontiguousarray(np.stack([self.scales, self.offsets], axis=-1).astype(
-            np.float32 if self.f32 else np.float16))
+    def group_values(self) -> np.ndarray:
+        """What the device reads per group, in its precision (fp16 or float32): (N, K/G, 2) (s, m) pairs, or
+        (N, K/G) scales where symmetric."""
+        values = self.scales if self.symmetric else np.stack([self.scales, self.offsets], axis=-1)
+        return np.ascontiguousarray(values.astype(np.float32 if self.f32 else np.float16))
 
     @classmethod
     def quantize(cls, w: np.ndarray, group: int = Q8_QUANTIZE_GROUP) -> Q8Matrix:
@@ -349,16 +357,17 @@ class Q8Matrix:
 
     @classmethod
     def random(cls, n: int, k: int, group: int, rng: np.random.Generator, scale: float = 0.02,
-               f32: bool = False) -> Q8Matrix:
-        """Random codes with weights of Llama-like size: s ~ ``scale``/128, small offsets. With ``f32`` the
-        scales carry more significant bits than fp16 holds (as Q5_K's and Q6_K's d·sc do)."""
+               f32: bool = False, symmetric: bool = False) -> Q8Matrix:
+        """Random codes with weights of Llama-like size: s ~ ``scale``/128, small offsets (none where
+        ``symmetric``). With ``f32`` the scales carry more significant bits than fp16 holds (as Q5_K's and
+        Q6_K's d·sc do)."""
         check_q8_group(k, group)
         codes = rng.integers(-128, 128, size=(n, k), dtype=np.int8)
         s = rng.uniform(0.5, 1.5, size=(n, k // group)) * scale / 128
-        m = rng.uniform(-4, 4, size=s.shape) * s
-        if f32:
-            return cls(codes, s.astype(np.float32), m.astype(np.float32), group, f32=True)
-        return cls(codes, s.astype(np.float16).astype(np.float32), m.astype(np.float16).astype(np.float32), group)
+        m = np.zeros_like(s) if symmetric else rng.uniform(-4, 4, size=s.shape) * s
+        if not f32:
+            s, m = s.astype(np.float16), m.astype(np.float16)
+        return cls(codes, s.astype(np.float32), m.astype(np.float32), group, f32=f32, symmetric=symmetric)
 
     @classmethod
     def from_q4(cls, q4: Q4Matrix, group: int | None = None) -> Q8Matrix:
@@ -368,7 +377,8 @@ class Q8Matrix:
         if q4.group % group or group not in Q8_GROUP_SIZES:
             raise PerfxError(f"an int4 matrix of group {q4.group} cannot go into int8 groups of {group}")
         repeat = q4.group // group
-        # −s·z of a 4-bit zero point can need 15 significant bits: float32 pairs (fixed by the form)
+        # −s·z of a 4-bit zero point can need 15 significant bits: float32 pairs (fixed by the form). Pairs for
+        # every int4 form, Q4_0's too, so the form of a fused matrix follows from its parts' kinds (``Form``).
         return cls(q4.codes.astype(np.int8), np.repeat(q4.scales.astype(np.float32), repeat, axis=1),
                    np.repeat(q4.offsets.astype(np.float32), repeat, axis=1), group, f32=q4.form == Q4_ZEROS)
 
@@ -380,25 +390,28 @@ class Q8Matrix:
             raise PerfxError(f"cannot regroup int8 groups of {self.group} into groups of {group}")
         repeat = self.group // group
         return Q8Matrix(self.codes, np.repeat(self.scales, repeat, axis=1),
-                        np.repeat(self.offsets, repeat, axis=1), group, self.f32)
+                        np.repeat(self.offsets, repeat, axis=1), group, self.f32, self.symmetric)
 
     @staticmethod
     def concat(parts: list[Q8Matrix]) -> Q8Matrix:
-        """Stack matrices along N (fused QKV, gate-up) at the smallest group; float32 pairs if any part has them."""
+        """Stack matrices along N (fused QKV, gate-up) at the smallest group; float32 if any part is, symmetric
+        only if every part is."""
         ks = {p.shape[1] for p in parts}
         if len(ks) != 1:
             raise PerfxError(f"cannot fuse matrices with different K {sorted(ks)}")
         group = min(p.group for p in parts)
         parts = [p.regroup(group) for p in parts]
         return Q8Matrix(np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]),
-                        np.concatenate([p.offsets for p in parts]), group, any(p.f32 for p in parts))
+                        np.concatenate([p.offsets for p in parts]), group, any(p.f32 for p in parts),
+                        all(p.symmetric for p in parts))
 
     def rows(self, start: int, stop: int) -> Q8Matrix:
         return Q8Matrix(self.codes[start:stop], self.scales[start:stop], self.offsets[start:stop], self.group,
-                        self.f32)
+                        self.f32, self.symmetric)
 
     def take_rows(self, index: np.ndarray) -> Q8Matrix:
-        return Q8Matrix(self.codes[index], self.scales[index], self.offsets[index], self.group, self.f32)
+        return Q8Matrix(self.codes[index], self.scales[index], self.offsets[index], self.group, self.f32,
+                        self.symmetric)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -596,18 +609,18 @@ def from_gguf_q4_1(raw, n: int, k: int, name: str = "tensor") -> Q4Matrix:
 
 
 def from_gguf_q8_0(raw, n: int, k: int, name: str = "tensor") -> Q8Matrix:
-    """w = d·q, q ∈ [−127, 127]: s = d, m = 0, exact with fp16 pairs."""
+    """w = d·q, q ∈ [−127, 127]: s = d, m = 0, exact in fp16, scales alone."""
     blocks = _blocks(raw, Q8_0_BLOCK, n, k, name)
     d = blocks["d"].astype(np.float32)
-    return Q8Matrix(blocks["qs"].reshape(n, k), d, np.zeros_like(d), 32)
+    return Q8Matrix(blocks["qs"].reshape(n, k), d, np.zeros_like(d), 32, symmetric=True)
 
 
 def from_gguf_q5_0(raw, n: int, k: int, name: str = "tensor") -> Q8Matrix:
-    """w = d·(q − 16), q ∈ [0, 31]: codes q − 16, s = d, m = 0, exact with fp16 pairs."""
+    """w = d·(q − 16), q ∈ [0, 31]: codes q − 16, s = d, m = 0, exact in fp16, scales alone."""
     blocks = _blocks(raw, Q5_0_BLOCK, n, k, name)
     codes = _q5_block_codes(blocks["qs"], blocks["qh"]).astype(np.int8) - 16
     d = blocks["d"].astype(np.float32)
-    return Q8Matrix(codes.reshape(n, k), d, np.zeros_like(d), 32)
+    return Q8Matrix(codes.reshape(n, k), d, np.zeros_like(d), 32, symmetric=True)
 
 
 def from_gguf_q5_1(raw, n: int, k: int, name: str = "tensor") -> Q8Matrix:
@@ -675,7 +688,7 @@ def from_gguf_q6_k(raw, n: int, k: int, name: str = "tensor") -> Q8Matrix:
     """Q6_K: w = d·sc·(q − 32), q ∈ [0, 63], sc an int8 per sub-block of 16. Weight p (< 128) of half h
     of a super-block: low 4 bits in nibble p // 64 of ql[64h + p mod 64], high 2 bits at bits
     2·(p // 32) of qh[32h + p mod 32]. Into the int8 form with G = 16, codes q − 32, s = d·sc (exact in
-    float32: at most 18 significant bits), m = 0, float32 pairs: exact."""
+    float32: at most 18 significant bits), m = 0, float32 scales alone: exact."""
     blocks = _blocks(raw, Q6_K_BLOCK, n, k, name, QK_K)
     ql = blocks["ql"].reshape(n, -1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
     ql = (ql & 0x0F).reshape(n, -1, 2, 128)
@@ -683,7 +696,7 @@ def from_gguf_q6_k(raw, n: int, k: int, name: str = "tensor") -> Q8Matrix:
     qh = (qh & 0x03).reshape(n, -1, 2, 128)
     codes = ((ql | (qh << 4)).astype(np.int8) - 32).reshape(n, k)
     s = (blocks["d"].astype(np.float32)[..., None] * blocks["scales"].astype(np.float32)).reshape(n, k // 16)
-    return Q8Matrix(codes, s, np.zeros_like(s), 16, f32=True)
+    return Q8Matrix(codes, s, np.zeros_like(s), 16, f32=True, symmetric=True)
 
 
 # GGUF tensor types perfx reads exactly into a device form, by reader.

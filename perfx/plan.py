@@ -258,7 +258,7 @@ class KernelPlan:
         """The int8 kernel wrapper ("gemv", "gemm" or "embedding") for a matrix of this form, with the
         parameters tuned for its shape (``tuning/problems.py`` builds the same shapes), made once."""
         c = self.config
-        form = Form("q8", weight.group, weight.f32)
+        form = Form("q8", weight.group, weight.f32, weight.symmetric)
         rep = bucket_representative(m_bucket(m)) if kind == "gemm" else 1
         key = (kind, name, form, rep)
         op = self._q8_ops.get(key)
@@ -270,7 +270,7 @@ class KernelPlan:
 
                 def make(params):
                     made = GemvQ8(self.device, params, shape)
-                    made.kernel(weight.group, weight.f32, epilogue)   # built now: a refusal is seen here
+                    made.kernel(weight.group, weight.f32, weight.symmetric, epilogue)   # built now: a refusal is seen here
                     return made
                 op = self.choose(family, shape, name, make)
             elif kind == "gemm":
@@ -280,7 +280,7 @@ class KernelPlan:
 
                 def make(params):
                     made = GemmQ8(self.device, params, shape, "lanes" if family == "gemm_q8_lanes" else "skinny")
-                    made.kernel(weight.group, weight.f32, epilogue)
+                    made.kernel(weight.group, weight.f32, weight.symmetric, epilogue)
                     return made
                 op = self.choose(family, shape, f"{name}, M≈{rep}", make)
             else:

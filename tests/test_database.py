@@ -326,12 +326,12 @@ def test_a_set_is_checked_once_from_the_database_to_a_launch(device, db, monkeyp
     monkeypatch.setattr(ParamSpace, "why_invalid",
                         lambda self, *args: checks.append(self.family) or real(self, *args))
     gemv = GemvQ8(device, choice.params, shape)
-    gemv.kernel(32, False, "silu_mul")
+    gemv.kernel(32, False, False, "silu_mul")
     assert gemv.params is choice.params and checks == []
-    gemv.kernel(32, False, "none")   # another epilogue: checked for it, once
+    gemv.kernel(32, False, False, "none")   # another epilogue: checked for it, once
     assert checks == ["gemv_q8"]
     with pytest.raises(PerfxError, match=r"gemv_q8: parameters .* cannot run the gelu_mul epilogue on .*ROWS"):
-        GemvQ8(device, {"LANES": 4, "ROWS": 8}, {}).kernel(32, False, "gelu_mul")
+        GemvQ8(device, {"LANES": 4, "ROWS": 8}, {}).kernel(32, False, False, "gelu_mul")
     checks.clear()
     other = spec.params.check(choice.params, {**shape, "k": 128}, device.caps)
     assert other == choice.params and other.shape["k"] == 128 and checks == ["gemv_q8"]

@@ -221,12 +221,14 @@ def test_dequantize_reference_matches_a_plain_loop(rng):
 
 @pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q8_0"])
 def test_gguf_32_weight_blocks_read_exactly_into_the_int8_form(rng, kind):
-    """Blocks quantized by gguf.quants: the int8 form holds them exactly, with fp16 (s, m) pairs."""
+    """Blocks quantized by gguf.quants: the int8 form holds them exactly in fp16, Q8_0's and Q5_0's as their
+    scales alone (every offset 0), Q5_1's as (s, m) pairs."""
     n, k = 5, 256
     raw = quants.quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType[kind])
     q8 = GGUF_READERS[kind](raw, n, k, "t")
     theirs = quants.dequantize(raw, GGMLQuantizationType[kind]).astype(np.float64)
     assert isinstance(q8, Q8Matrix) and q8.group == 32 and not q8.f32
+    assert q8.symmetric == (kind != "Q5_1") and q8.nbytes == n * k + (4 if kind == "Q5_1" else 2) * n * k // 32
     # Q5_1's d·q + m is rounded to float32 by gguf (one rounding); Q8_0 and Q5_0's d·q are exact there.
     np.testing.assert_allclose(q8.dequantize(), theirs, rtol=0, atol=2.0**-24 * np.abs(theirs).max())
     if kind != "Q5_1":
@@ -246,6 +248,7 @@ def test_gguf_k_quants_read_exactly_into_the_int8_form(rng, kind, blocks):
     q8 = GGUF_READERS[kind](raw, n, k, "t")
     theirs = quants.dequantize(raw, GGMLQuantizationType[kind]).astype(np.float64)
     assert isinstance(q8, Q8Matrix) and q8.f32 and q8.group == (32 if kind == "Q5_K" else 16)
+    assert q8.symmetric == (kind == "Q6_K")   # Q6_K's float32 scales alone, 4 bytes a group of 16
     np.testing.assert_allclose(q8.dequantize(), theirs, rtol=0, atol=2.0**-24 * np.abs(theirs).max())
     assert q8.codes.min() >= (-32 if kind == "Q6_K" else 0) and q8.codes.max() <= 31
     if blocks == "quantized":   # the test quantizer is a real one: K-quant error, not noise
@@ -304,9 +307,28 @@ def test_q8_quantize_is_within_half_a_step_with_fp16_pairs(rng):
 
 def test_q8_pairs_must_be_exact_in_fp16_unless_f32(rng):
     q8 = Q8Matrix.random(4, 64, 16, rng, f32=True)
-    assert q8.pairs().dtype == np.float32 and q8.nbytes == 4 * 64 + 8 * 4 * 4
+    assert q8.group_values().dtype == np.float32 and q8.group_values().shape == (4, 4, 2)
+    assert q8.nbytes == 4 * 64 + 8 * 4 * 4
     with pytest.raises(PerfxError, match="fp16 cannot represent exactly; make it with f32=True"):
         Q8Matrix(q8.codes, q8.scales, q8.offsets, 16, f32=False)
+
+
+def test_symmetric_q8_holds_its_scales_alone_and_needs_zero_offsets(rng):
+    """What the device reads of a symmetric matrix is (N, K/G) scales, 2 (fp16) or 4 (float32) bytes a group;
+    a matrix with an offset cannot claim the form."""
+    for f32, group_bytes in ((False, 2), (True, 4)):
+        q8 = Q8Matrix.random(5, 64, 16, rng, f32=f32, symmetric=True)
+        values = q8.group_values()
+        assert values.shape == (5, 4) and values.dtype == (np.float32 if f32 else np.float16)
+        np.testing.assert_array_equal(values.astype(np.float32), q8.scales)
+        assert q8.group_bytes == group_bytes and q8.nbytes == 5 * 64 + group_bytes * 5 * 4
+        assert not np.any(q8.offsets) and q8.rows(1, 3).symmetric and q8.regroup(16).symmetric
+    asymmetric = Q8Matrix.random(5, 64, 16, rng)
+    with pytest.raises(PerfxError, match="symmetric int8 matrix .* has nonzero offsets"):
+        Q8Matrix(asymmetric.codes, asymmetric.scales, asymmetric.offsets, 16, symmetric=True)
+    both = Q8Matrix.concat([q8, Q8Matrix.random(2, 64, 32, rng, symmetric=True)])
+    assert both.symmetric and both.group == 16
+    assert not Q8Matrix.concat([q8, asymmetric]).symmetric   # one part with offsets: pairs for all
     with pytest.raises(PerfxError, match=r"int8 group size 64 is not supported.*\(16, 32\)"):
         Q8Matrix.quantize(np.ones((2, 128), np.float32), 64)
 

@@ -297,7 +297,7 @@ def test_the_tuned_int8_activation_lm_head_runs_in_the_recorded_step(tiny_paths,
     monkeypatch.setenv("PERFX_CACHE", str(tmp_path))
     source = open_model(tiny_paths["gguf-gqa1-tied"])
     spec = SPECS["gemv_q8"]
-    problems, _ = model_problems(source.config, SPECS, 32)
+    problems, _ = model_problems(source.config, SPECS, 32, source.weight_forms())
     head = next(p for p in problems if p.family == "gemv_q8" and p.label == "lm_head")
     forced = {**spec.params.defaults(), "I8": 1}
     default_database().save_result(device, result_record(spec, head.shape, forced, 1e-2, None, device.fingerprint))

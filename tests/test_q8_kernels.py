@@ -36,6 +36,9 @@ def test_every_parameter_set_matches_reference(device, rng, spec, index):
 def test_shapes_cover_the_contract():
     gemv = SPECS["gemv_q8"].test_shapes
     assert {s["group"] for s in gemv} == {16, 32} and {s["f32"] for s in gemv} == {False, True}
+    for family in FAMILIES:   # scales alone (Q8_0, Q5_0, Q6_K) and pairs, each on some shape
+        assert {bool(s.get("sym")) for s in SPECS[family].test_shapes} == {False, True}, family
+    assert any(s.get("sym") and s["f32"] and s["group"] == 16 for s in gemv), "Q6_K's form"
     assert any(s.get("bias") and s.get("parts") for s in gemv), "a fused QKV with bias"
     for epilogue in ("silu_mul", "gelu_mul"):
         assert any(s.get("epilogue") == epilogue and s.get("block_bytes") for s in gemv), f"{epilogue}, blocks"
@@ -55,15 +58,17 @@ def test_detects_wrong_answers(device, rng):
     assert relative_error(wrong, case.expected["y"]) > spec.tolerance
 
 
-@pytest.mark.parametrize("n, k, group, f32, epilogue", [(203, 640, 16, True, "none"),
-                                                        (2 * 75, 576, 32, False, "silu_mul")])
-def test_int8_activations_are_exact_to_their_own_quantization(device, rng, n, k, group, f32, epilogue):
+@pytest.mark.parametrize("n, k, group, f32, sym, epilogue", [(203, 640, 16, True, False, "none"),
+                                                             (2 * 75, 576, 32, False, False, "silu_mul"),
+                                                             (203, 640, 16, True, True, "none"),
+                                                             (2 * 75, 576, 32, False, True, "silu_mul")])
+def test_int8_activations_are_exact_to_their_own_quantization(device, rng, n, k, group, f32, sym, epilogue):
     """I8's only approximation is x rounded to int8 per group (the offset term on the rounded group's sum):
     the quantized x the launch leaves is perfx.reference.quantize_activations_q8's, and against the float64
     product of the same weights and that x every I8 parameter set is as exact as the fp32 kernels."""
     spec = SPECS["gemv_q8"]
-    shape = {"n": n, "k": k, "group": group, "f32": f32, "epilogue": epilogue, "bias": False}
-    q8 = Q8Matrix.random(n, k, group, rng, f32=f32)
+    shape = {"n": n, "k": k, "group": group, "f32": f32, "sym": sym, "epilogue": epilogue, "bias": False}
+    q8 = Q8Matrix.random(n, k, group, rng, f32=f32, symmetric=sym)
     weight = Q8DeviceWeight.upload(device, q8, max_block_bytes=64 * k)   # launches cut at 64-row blocks
     x = rng.standard_normal(k).astype(np.float32)
     x[rng.integers(0, 64)::64] *= 40   # outliers: their groups round the rest coarsely

@@ -2,8 +2,8 @@
 accumulators, a work-item's columns in registers) and ``gemm_q8_lanes`` (an output column a SIMD lane).
 
 A shape is {"m", "n" (weight rows: 2·I for a gate-up epilogue), "k", "group", "f32", "epilogue" ("none" |
-"bias" | "silu_mul" | "gelu_mul")}, optionally
-"block_bytes" (the most code bytes per row block, forcing the split a large vocabulary needs on a phone).
+"bias" | "silu_mul" | "gelu_mul")}, optionally "sym" (scales alone, as gemv_q8's) and "block_bytes" (the
+most code bytes per row block, forcing the split a large vocabulary needs on a phone).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from perfx.ops.epilogue import output_rows
 from perfx.ops.gemm_q8 import GemmQ8
 from perfx.ops.q8_weight import Q8DeviceWeight
 from perfx.tuning.gemv_q8 import random_weight
-from perfx.tuning.spec import Case, Spec, cached_per_params, epilogue_reference, q8_matrix
+from perfx.tuning.spec import Case, Spec, cached_per_params, epilogue_reference, q8_group_bytes, q8_matrix
 
 
 def output_columns(shape) -> int:
@@ -26,11 +26,10 @@ def output_columns(shape) -> int:
 
 
 def bytes_moved(shape) -> int:
-    """Weights once (codes, scale/offset pairs, bias), X once and Y once."""
+    """Weights once (codes, scales and offsets, bias), X once and Y once."""
     m, n, k, group = shape["m"], shape["n"], shape["k"], shape["group"]
     bias = 4 * n if shape.get("epilogue") == "bias" else 0
-    pairs = 8 if shape.get("f32") else 4
-    return n * k + pairs * n * (k // group) + bias + 4 * m * k + 4 * m * output_columns(shape)
+    return n * k + q8_group_bytes(shape) * n * (k // group) + bias + 4 * m * k + 4 * m * output_columns(shape)
 
 
 def make_case(device, shape, rng, kind: str = "skinny") -> Case:
@@ -58,14 +57,14 @@ def make_case(device, shape, rng, kind: str = "skinny") -> Case:
 
 
 def fuzz_shapes(st):
-    """Any M up to 40, N up to 100 (twice that for gate-up), K of 1–12 groups of 16 or 32, either pair
-    precision, maybe in row blocks, any epilogue."""
+    """Any M up to 40, N up to 100 (twice that for gate-up), K of 1–12 groups of 16 or 32, any int8 form,
+    maybe in row blocks, any epilogue."""
     @st.composite
     def shape(draw):
-        n, k, group, f32, block = draw(q8_matrix(st, 100))
+        n, k, group, form, block = draw(q8_matrix(st, 100))
         epilogue = draw(st.sampled_from(["none", "bias", "silu_mul", "gelu_mul"]))
         drawn = {"m": draw(st.integers(1, 40)), "n": 2 * n if epilogue.endswith("_mul") else n, "k": k,
-                 "group": group, "f32": f32, "epilogue": epilogue}
+                 "group": group, **form, "epilogue": epilogue}
         if block:
             drawn["block_bytes"] = block
         return drawn
@@ -83,12 +82,14 @@ SPEC = Spec(
         "margin and still catches one wrong weight group (≥ 1e-3) or a dropped block (≥ 1e-1)"),
     # Off every tile grid: M = 33 runs passes of MT then a single row; 60, 100 and 37 columns are no
     # multiple of ROWS·WGS. The first shape (gate-up, G = 16, float32 pairs, gate and up rows crossing
-    # block boundaries at different columns) exercises the most code: tests sweep it.
+    # block boundaries at different columns) exercises the most code: tests sweep it. The third and fourth
+    # have scales alone (fp16: Q8_0's and Q5_0's).
     test_shapes=(
         {"m": 33, "n": 2 * 60, "k": 352, "group": 16, "f32": True, "epilogue": "silu_mul", "block_bytes": 50 * 352},
         {"m": 7, "n": 100, "k": 384, "group": 32, "f32": False, "epilogue": "bias"},
-        {"m": 5, "n": 37, "k": 576, "group": 32, "f32": False, "epilogue": "none", "block_bytes": 10 * 576},
-        {"m": 9, "n": 2 * 50, "k": 320, "group": 32, "f32": False, "epilogue": "gelu_mul",
+        {"m": 5, "n": 37, "k": 576, "group": 32, "f32": False, "sym": True, "epilogue": "none",
+         "block_bytes": 10 * 576},
+        {"m": 9, "n": 2 * 50, "k": 320, "group": 32, "f32": False, "sym": True, "epilogue": "gelu_mul",
          "block_bytes": 30 * 320},
     ),
     bytes_moved=bytes_moved,
@@ -97,7 +98,7 @@ SPEC = Spec(
     oclgrind_shapes=(
         {"m": 3, "n": 2 * 5, "k": 64, "group": 16, "f32": True, "epilogue": "silu_mul", "block_bytes": 4 * 64},
         {"m": 2, "n": 9, "k": 96, "group": 32, "f32": False, "epilogue": "bias"},
-        {"m": 2, "n": 2 * 3, "k": 32, "group": 32, "f32": False, "epilogue": "gelu_mul"},
+        {"m": 2, "n": 2 * 3, "k": 32, "group": 32, "f32": True, "sym": True, "epilogue": "gelu_mul"},
     ),
     flops=lambda shape: 2 * shape["m"] * shape["n"] * shape["k"],
 )

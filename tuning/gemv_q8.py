@@ -2,7 +2,7 @@
 GELU·mul, lm_head).
 
 A shape is a dict: ``n`` rows of W (gate-up: 2·I, gate rows then up rows), ``k``, ``group`` (16 or 32),
-``f32`` (float32 (s, m) pairs, as Q5_K and Q6_K need), ``epilogue`` ("none" | "silu_mul" | "gelu_mul"),
+``f32`` (float32 scales, as Q5_K and Q6_K need), optionally ``sym`` (scales alone: Q8_0, Q5_0, Q6_K), ``epilogue`` ("none" | "silu_mul" | "gelu_mul"),
 ``bias`` (bool), optionally ``parts`` (row counts of matrices fused along N, e.g. QKV), ``block_bytes``
 (the most code bytes per row block, to force the split a large vocabulary needs on a phone). Timings
 rotate through copies of the weight past the device's cache (``copies_past_cache``), as a decode step
@@ -19,7 +19,7 @@ from perfx.ops.epilogue import output_rows
 from perfx.ops.gemv_q8 import PARAMS, GemvQ8
 from perfx.ops.q8_weight import Q8DeviceWeight
 from perfx.tuning.spec import (GATED, Case, Spec, cached_per_params, copies_past_cache, epilogue_reference,
-                               lazy_copies, q8_matrix, rotating_case)
+                               lazy_copies, q8_group_bytes, q8_matrix, q8_random, rotating_case)
 
 
 def _outputs(shape) -> int:
@@ -28,8 +28,7 @@ def _outputs(shape) -> int:
 
 def _weight_bytes(shape) -> int:
     n, k, g = shape["n"], shape["k"], shape["group"]
-    pairs = 8 if shape.get("f32") else 4
-    return n * k + pairs * n * (k // g) + (4 * n if shape.get("bias") else 0)
+    return n * k + q8_group_bytes(shape) * n * (k // g) + (4 * n if shape.get("bias") else 0)
 
 
 def bytes_moved(shape) -> int:
@@ -37,10 +36,9 @@ def bytes_moved(shape) -> int:
 
 
 def random_weight(shape, rng, n: int | None = None) -> Q8Matrix:
-    """A random int8 matrix of the shape's group and pair precision (fused parts concatenated)."""
+    """A random int8 matrix of the shape's group and form (fused parts concatenated)."""
     parts = shape.get("parts") or (n or shape["n"],)
-    return Q8Matrix.concat([Q8Matrix.random(p, shape["k"], shape["group"], rng, f32=bool(shape.get("f32")))
-                            for p in parts])
+    return Q8Matrix.concat([q8_random(shape, rng, p) for p in parts])
 
 
 def make_case(device, shape, rng) -> Case:
@@ -67,12 +65,12 @@ def make_case(device, shape, rng) -> Case:
 
 
 def fuzz_shapes(st):
-    """Any N up to 120 (twice that for gate-up), K of 1–12 groups of 16 or 32, either pair precision, maybe
-    in row blocks: plain (maybe with bias) or gate-up with either activation."""
+    """Any N up to 120 (twice that for gate-up), K of 1–12 groups of 16 or 32, any int8 form, maybe in row
+    blocks: plain (maybe with bias) or gate-up with either activation."""
     @st.composite
     def shape(draw):
-        n, k, group, f32, block = draw(q8_matrix(st, 120))
-        drawn = {"n": n, "k": k, "group": group, "f32": f32, "epilogue": "none", "bias": draw(st.booleans())}
+        n, k, group, form, block = draw(q8_matrix(st, 120))
+        drawn = {"n": n, "k": k, "group": group, **form, "epilogue": "none", "bias": draw(st.booleans())}
         if draw(st.booleans()):
             drawn.update(n=2 * n, epilogue=draw(st.sampled_from(GATED)), bias=False)
         if block:
@@ -87,7 +85,7 @@ SPEC = Spec(
     tolerance=1e-4,
     tolerance_why=(
         "fp32 accumulation against a float64 reference on the same codes, scales and offsets: s·q·x per "
-        "weight summed in groups of G ≤ 32, then K/G group terms s·Σqx + m·Σx per lane and a tree over the "
+        "weight summed in groups of G ≤ 32, then K/G group terms s·Σqx (+ m·Σx) per lane and a tree over the "
         "lanes; the rounding is a few 1e-6 of Σ|w·x|, which is ~10–30× max|y| for random signs, so 1e-4 of "
         "max|y| leaves margin (≤ 5e-7 measured on PoCL), while one code off by one (|Δw| = s ≈ 1.6e-4 "
         "times |x| ~ 3, against max|y| ~ 0.5) or a missing group or block is far above it"),
@@ -101,14 +99,16 @@ SPEC = Spec(
             "single wrong code it does not see, so test_q8_kernels also checks I8 against the float64 product "
             "of the same quantized x (perfx.reference.quantize_activations_q8) at the fp32 tolerance")),
     },
-    # Build variants (G, pair precision and epilogue are defines), each swept over every candidate by the
-    # tests: a large off-grid matrix; a fused QKV with bias and float32 pairs at G = 16; a small matrix over 4
-    # row blocks; a SwiGLU and a GeGLU gate-up whose gate and up rows cross block boundaries at other rows.
+    # Build variants (G, the form and the epilogue are defines), each swept over every candidate by the
+    # tests: a large off-grid matrix; a fused QKV with bias and float32 pairs at G = 16; a small matrix of
+    # fp16 scales alone (Q8_0's, Q5_0's) over 4 row blocks; a SwiGLU gate-up of float32 scales alone at
+    # G = 16 (Q6_K's) and a GeGLU one, their gate and up rows crossing block boundaries at other rows.
     test_shapes=(
         {"n": 1000, "k": 4160, "group": 32, "f32": False, "epilogue": "none", "bias": False},
         {"n": 960, "k": 576, "group": 16, "f32": True, "epilogue": "none", "bias": True, "parts": (576, 192, 192)},
-        {"n": 37, "k": 576, "group": 32, "f32": False, "epilogue": "none", "bias": True, "block_bytes": 10 * 576},
-        {"n": 2 * 203, "k": 640, "group": 16, "f32": True, "epilogue": "silu_mul", "bias": False,
+        {"n": 37, "k": 576, "group": 32, "f32": False, "sym": True, "epilogue": "none", "bias": True,
+         "block_bytes": 10 * 576},
+        {"n": 2 * 203, "k": 640, "group": 16, "f32": True, "sym": True, "epilogue": "silu_mul", "bias": False,
          "block_bytes": 150 * 640},
         {"n": 2 * 75, "k": 384, "group": 32, "f32": False, "epilogue": "gelu_mul", "bias": False,
          "block_bytes": 40 * 384},
@@ -121,10 +121,11 @@ SPEC = Spec(
          "block_bytes": 5 * 96},
         {"n": 2 * 7, "k": 64, "group": 16, "f32": True, "epilogue": "silu_mul", "bias": False,
          "block_bytes": 4 * 64},
-        {"n": 2 * 5, "k": 64, "group": 32, "f32": False, "epilogue": "gelu_mul", "bias": False},
+        {"n": 2 * 5, "k": 64, "group": 32, "f32": False, "sym": True, "epilogue": "gelu_mul", "bias": False},
     ),
     flops=lambda shape: 2 * shape["n"] * shape["k"],
     describe=lambda s: (f"{s['n']}x{s['k']} G={s['group']}{' f32' if s.get('f32') else ''}"
+                        + (" sym" if s.get("sym") else "")
                         + (" +bias" if s.get("bias") else "")
                         + (f" {s['epilogue']}" if s.get("epilogue", "none") != "none" else "")
                         + (" blocks" if s.get("block_bytes") else "")),

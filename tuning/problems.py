@@ -96,8 +96,14 @@ def _linears(config) -> list[tuple[str, int, int, str, bool, int]]:
     return [rows[role] for role in matrix_roles(c)]
 
 
-# The form an fp16 lm_head takes by default (--lm-head q8), and a Q8_0 head or embedding's own.
+# The form an fp16 lm_head takes by default (--lm-head q8); a GGUF's Q8_0 head has its scales alone, known
+# from the file's header (``forms``).
 DEFAULT_HEAD_FORM = Form("q8", 32)
+
+
+def _q8_form_keys(form: Form) -> dict:
+    """An int8 shape's form keys: f32 always, sym only where set (a pairs matrix's shape reads as before)."""
+    return {"f32": form.f32, **({"sym": True} if form.symmetric else {})}
 
 
 def gemv_shape(config, label: str, form: Form, n: int, k: int, epilogue: str = "none",
@@ -107,7 +113,7 @@ def gemv_shape(config, label: str, form: Form, n: int, k: int, epilogue: str = "
         return "gemv_f16", {"n": n, "k": k}
     shape = {"n": n, "k": k, "group": form.group, "epilogue": epilogue, "bias": bias}
     if form.kind == "q8":
-        shape["f32"] = form.f32
+        shape.update(_q8_form_keys(form))
     if label == "qkv":
         shape["parts"] = [config.q_dim, config.kv_dim, config.kv_dim]
     return ("gemv_q8" if form.kind == "q8" else "gemv_q4"), shape
@@ -120,7 +126,7 @@ def gemm_shapes(form: Form, m: int, n: int, k: int, epilogue: str) -> list[tuple
         return [("gemm_q4_skinny", shape), ("gemm_q4_tiled", dict(shape)), ("gemm_q4_f16", dict(shape)),
                 ("gemm_q4_lanes", dict(shape))]
     if form.kind == "q8":
-        shape = {"m": m, "n": n, "k": k, "group": form.group, "f32": form.f32, "epilogue": epilogue}
+        shape = {"m": m, "n": n, "k": k, "group": form.group, **_q8_form_keys(form), "epilogue": epilogue}
         return [("gemm_q8", shape), ("gemm_q8_lanes", dict(shape))]
     return []
 
@@ -128,7 +134,7 @@ def gemm_shapes(form: Form, m: int, n: int, k: int, epilogue: str) -> list[tuple
 def embedding_shape(form: Form, n: int, k: int, m: int) -> tuple[str, dict]:
     """(family, shape) of the embedding gather from a table in ``form``."""
     if form.kind == "q8":
-        return "embedding_q8", {"n": n, "k": k, "group": form.group, "f32": form.f32, "m": m}
+        return "embedding_q8", {"n": n, "k": k, "group": form.group, **_q8_form_keys(form), "m": m}
     if form.kind == "q4":
         return "embedding_q4", {"n": n, "k": k, "group": form.group, "m": m}
     return "embedding_f16", {"n": n, "k": k, "m": m}

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from perfx import reference
+from perfx.formats import Q8Matrix
 from perfx.ops.epilogue import is_gated
 from perfx.ops.params import Params, ParamSpace, Shape
 from perfx.timing import Timing, time_launches
@@ -216,15 +217,28 @@ def q4_matrix(st, max_rows: int, max_group_multiple: int = 8):
 
 
 def q8_matrix(st, max_rows: int, max_group_multiple: int = 12):
-    """(n, k, group, f32, block_bytes or None) of an int8 weight: K a multiple of G ∈ {16, 32}, N anything,
-    fp16 or float32 (s, m) pairs, maybe split into row blocks of 1..n rows."""
+    """(n, k, group, form keys, block_bytes or None) of an int8 weight: K a multiple of G ∈ {16, 32}, N
+    anything, fp16 or float32, (s, m) pairs or scales alone (``q8_form``), maybe split into row blocks of
+    1..n rows."""
     @st.composite
     def draw_matrix(draw):
         group = draw(st.sampled_from([16, 32]))
         n, k = draw(st.integers(1, max_rows)), group * draw(st.integers(1, max_group_multiple))
         block = draw(st.integers(1, n)) * k if draw(st.booleans()) else None
-        return n, k, group, draw(st.booleans()), block
+        form = {"f32": draw(st.booleans()), **({"sym": True} if draw(st.booleans()) else {})}
+        return n, k, group, form, block
     return draw_matrix()
+
+
+def q8_group_bytes(shape) -> int:
+    """Bytes an int8 shape's weight holds per group: its scale, and its offset unless ``sym``."""
+    return (4 if shape.get("f32") else 2) * (1 if shape.get("sym") else 2)
+
+
+def q8_random(shape, rng, n: int) -> Q8Matrix:
+    """A random int8 matrix of n rows in the shape's group and form (``f32``, ``sym``)."""
+    return Q8Matrix.random(n, shape["k"], shape["group"], rng, f32=bool(shape.get("f32")),
+                           symmetric=bool(shape.get("sym")))
 
 
 def f16_matrix(st, max_rows: int, max_k: int):

@@ -81,7 +81,8 @@ def describe_weight(w) -> str:
     if isinstance(w, Q4Matrix):
         return w.describe_form()
     if isinstance(w, Q8Matrix):
-        return f"int8 g{w.group}, {w.pair_bytes} bytes a group ({'float32' if w.f32 else 'fp16'} scale + offset)"
+        what = ("float32" if w.f32 else "fp16") + (" scale" if w.symmetric else " scale + offset")
+        return f"int8 g{w.group}, {w.group_bytes} bytes a group ({what})"
     return "fp16"
 
 

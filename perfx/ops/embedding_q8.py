@@ -37,10 +37,10 @@ class EmbeddingQ8:
             raise PerfxError(f"embedding_q8: rows = {rows} must be at least 1")
         ids = device_buffer(ids, 4 * rows, "embedding_q8 ids")
         out = device_buffer(out, 4 * rows * table.k, "embedding_q8 out")
-        defines = {**self.params, "GROUP": table.group, "SM_F32": int(table.f32)}
+        defines = {**self.params, "GROUP": table.group, "SM_F32": int(table.f32), "SYM": int(table.symmetric)}
         kernel = self.device.kernel(PARAMS.source, "embedding_q8", defines)
         global_size = (-(-(table.k // 8) // self.wgs) * self.wgs, rows)
         return [self.device.launch(kernel, global_size, (self.wgs, 1), np.int32(table.k), np.int32(table.n),
                                    np.int32(block.start), np.int32(block.stop), np.float32(scale), ids,
-                                   block.codes, block.scale_offset, out)
+                                   block.codes, block.scales, out)
                 for block in table.blocks]

@@ -75,13 +75,13 @@ class GemmQ8:
         """Columns of Y: N, or N/2 for the gate-up epilogue."""
         return output_rows(weight.n, epilogue)
 
-    def kernel(self, group: int, f32: bool, epilogue: str):
-        key = (group, f32, epilogue)
+    def kernel(self, group: int, f32: bool, symmetric: bool, epilogue: str):
+        key = (group, f32, symmetric, epilogue)
         kernel = self._kernels.get(key)
         if kernel is None:
             # Checked for the epilogue here (once per build) where the parameters were not checked for it.
             self.space.check(self.params, {"epilogue": epilogue}, self.device.caps, f"the {epilogue} epilogue")
-            defines = {**self.params, "GROUP": group, "SM_F32": int(f32),
+            defines = {**self.params, "GROUP": group, "SM_F32": int(f32), "SYM": int(symmetric),
                        "EPILOGUE": code("gemm_q8", epilogue)}
             kernel = self._kernels[key] = self.device.kernel(self.space.source, self.space.family, defines)
         return kernel
@@ -114,7 +114,7 @@ class GemmQ8:
         apart (default: its column count). One launch per piece of the weight's row blocks, in order.
         """
         cols, ldy, (xb, yb) = self._check(weight, x, y, m, epilogue, ldy)
-        kernel = self.kernel(weight.group, weight.f32, epilogue)
+        kernel = self.kernel(weight.group, weight.f32, weight.symmetric, epilogue)
         wgs, rows = self.params["WGS"], self.params["ROWS"]
         event = None
         for first, count, a, row_a, b, row_b in weight.segments(cols, cols if is_gated(epilogue) else None):
@@ -124,5 +124,5 @@ class GemmQ8:
                 kernel, (-(-count // (rows * wgs)) * wgs,), (wgs,),
                 np.int32(m), np.int32(count), np.int32(weight.k), np.int32(ldy), np.int32(first),
                 np.int32(row_a), np.int32(row_b), xb, yb, block_a.codes, block_b.codes,
-                block_a.scale_offset, block_b.scale_offset, bias)
+                block_a.scales, block_b.scales, bias)
         return event

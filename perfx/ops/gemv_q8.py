@@ -64,14 +64,14 @@ class GemvQ8:
         self._kernels: dict[tuple, cl.Kernel] = {}
         self._quantized: dict[tuple, tuple] = {}   # (K, G) -> (codes, (step, sum) pairs) of the quantized x
 
-    def kernel(self, group: int, f32: bool, epilogue: str) -> cl.Kernel:
+    def kernel(self, group: int, f32: bool, symmetric: bool, epilogue: str) -> cl.Kernel:
         """The built kernel for a group size, pair precision and epilogue (built once, then cached); the
         parameters are checked for the epilogue here where they were not checked for it already."""
-        key = (group, f32, epilogue)
+        key = (group, f32, symmetric, epilogue)
         kernel = self._kernels.get(key)
         if kernel is None:
             PARAMS.check(self.params, {"epilogue": epilogue}, self.device.caps, f"the {epilogue} epilogue")
-            defines = {**self.params, "GROUP": group, "SM_F32": int(f32),
+            defines = {**self.params, "GROUP": group, "SM_F32": int(f32), "SYM": int(symmetric),
                        "EPILOGUE": code("gemv_q8", epilogue, GEMV_EPILOGUES)}
             kernel = self._kernels[key] = self.device.kernel(PARAMS.source, "gemv_q8", defines)
         return kernel
@@ -96,7 +96,7 @@ class GemvQ8:
         m = output_rows(n, epilogue)
         xb = device_buffer(x, 4 * k, "gemv_q8 x")
         yb = device_buffer(y, 4 * m, "gemv_q8 y")
-        kernel = self.kernel(weight.group, weight.f32, epilogue)
+        kernel = self.kernel(weight.group, weight.f32, weight.symmetric, epilogue)
         has_bias = np.int32(weight.has_bias)
         events, quantized = [], ()
         if self.params["I8"]:
@@ -106,7 +106,7 @@ class GemvQ8:
             events.append(self.device.launch(
                 kernel, (self.lanes * self.sets * -(-count // (self.rows * self.sets)),), (self.lanes * self.sets,),
                 np.int32(count), np.int32(k), np.int32(first), np.int32(row_a), np.int32(row_b),
-                block_a.codes, block_b.codes, block_a.scale_offset, block_b.scale_offset,
+                block_a.codes, block_b.codes, block_a.scales, block_b.scales,
                 _or(block_a.bias, self._no_bias), _or(block_b.bias, self._no_bias), has_bias, xb, yb,
                 *quantized))
         return events

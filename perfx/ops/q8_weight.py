@@ -1,7 +1,8 @@
 """An int8 matrix on the device, in the layout every int8 kernel (gemv_q8, gemm_q8, embedding_q8) reads.
 
-Codes: int8 rows contiguous along K. (s, m) pairs: one per group of G ∈ {16, 32} along K, (rows, K/G),
-as half2 where fp16 holds every value exactly, else float2 (``perfx.formats.Q8Matrix.f32``). The matrix
+Codes: int8 rows contiguous along K. Per group of G ∈ {16, 32} along K, (rows, K/G): an (s, m) pair, or
+the scale alone for the symmetric types (``perfx.formats.Q8Matrix.symmetric``), as half where fp16 holds
+every value exactly, else float (``perfx.formats.Q8Matrix.f32``): kernels/q8.h. The matrix
 is held as row blocks, each its own buffers within the device's largest allocation (a 128k × 4096
 vocabulary is 525 MB of int8, beyond the 256 MiB some Adreno parts allow at once); the kernels take
 a block and a row within it, and the wrappers cut launches at block boundaries (``segments``). A tied
@@ -24,7 +25,7 @@ class Q8Block:
     start: int                  # first row of the matrix in this block
     stop: int
     codes: object               # cl.Buffer of int8 (rows, K)
-    scale_offset: object        # cl.Buffer of half2 or float2 (rows, K/G)
+    scales: object              # cl.Buffer of (rows, K/G) half or float, pairs (s, m) unless symmetric
     bias: object | None = None  # cl.Buffer of float (rows), or None
 
 
@@ -33,18 +34,19 @@ class Q8DeviceWeight:
     n: int
     k: int
     group: int
-    f32: bool                   # float2 pairs (True) or half2 (False)
+    f32: bool                   # float scales (True) or half (False)
+    symmetric: bool             # scales alone (True) or (s, m) pairs (False)
     blocks: list[Q8Block] = field(default_factory=list)
     has_bias: bool = False
 
     @property
-    def pair_bytes(self) -> int:
-        return 8 if self.f32 else 4
+    def group_bytes(self) -> int:
+        return (4 if self.f32 else 2) * (1 if self.symmetric else 2)
 
     @property
     def nbytes(self) -> int:
-        """Bytes a kernel reads for one pass over the matrix (codes, scale/offset pairs, bias)."""
-        return self.n * self.k + self.pair_bytes * self.n * (self.k // self.group) + (4 * self.n if self.has_bias else 0)
+        """Bytes a kernel reads for one pass over the matrix (codes, scales and offsets, bias)."""
+        return self.n * self.k + self.group_bytes * self.n * (self.k // self.group) + (4 * self.n if self.has_bias else 0)
 
     @property
     def block_rows(self) -> list[tuple[int, int]]:
@@ -65,12 +67,12 @@ class Q8DeviceWeight:
             bias = np.asarray(bias, dtype=np.float32)
             if bias.shape != (n,):
                 raise PerfxError(f"{what}: bias of shape {bias.shape} for a matrix with {n} rows")
-        weight = cls(n, k, q8.group, q8.f32, has_bias=bias is not None)
+        weight = cls(n, k, q8.group, q8.f32, q8.symmetric, has_bias=bias is not None)
         for start, stop in row_splits(n, max_rows):
             part = q8.rows(start, stop)
-            pairs = part.pairs()
+            values = part.group_values()
             block = Q8Block(start, stop, device.alloc(part.codes.nbytes, part.codes, what=f"{what} codes {start}:{stop}"),
-                            device.alloc(pairs.nbytes, pairs, what=f"{what} scales {start}:{stop}"))
+                            device.alloc(values.nbytes, values, what=f"{what} scales {start}:{stop}"))
             if bias is not None:
                 block.bias = device.alloc(4 * (stop - start), bias[start:stop], what=f"{what} bias {start}:{stop}")
             weight.blocks.append(block)

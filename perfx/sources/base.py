@@ -48,11 +48,13 @@ GATED_ATTENTION_LINEARS = dict(FUSED_LINEARS, attn_gate=("q",))
 
 @dataclass(frozen=True, order=True)
 class Form:
-    """The device form of a matrix: kind "q4" (group G), "q8" (group G, float32 pairs if f32) or "f16"."""
+    """The device form of a matrix: kind "q4" (group G), "q8" (group G, float32 scales if f32, scales alone if
+    symmetric) or "f16"."""
 
     kind: str
     group: int = 0
     f32: bool = False
+    symmetric: bool = False
 
 
 F16_FORM = Form("f16")
@@ -62,7 +64,7 @@ def form_of(w: Linear) -> Form:
     if isinstance(w, Q4Matrix):
         return Form("q4", w.group)
     if isinstance(w, Q8Matrix):
-        return Form("q8", w.group, w.f32)
+        return Form("q8", w.group, w.f32, w.symmetric)
     return F16_FORM
 
 
@@ -70,15 +72,17 @@ def fused_form(parts: list[Form]) -> Form:
     """The form of matrices stacked along N (fused QKV, gate-up), the rule ``fuse_rows`` follows.
 
     All int4: int4 at the smallest group (regrouping repeats each (s, m): exact). Any fp16 part: fp16. Any
-    other mix of int4 and int8: int8 at the smallest group, float32 pairs if any part has them; int4 codes
-    fit int8 and their fp16 s and m stay exact, so e.g. Q4_K q and k beside a Q6_K v fuse exactly at G = 16.
+    other mix of int4 and int8: int8 at the smallest group, float32 if any part is, symmetric if every part is
+    a symmetric int8 one (int4 parts bring pairs, ``Q8Matrix.from_q4``); int4 codes fit int8 and their fp16 s
+    and m stay exact, so e.g. Q4_K q and k beside a Q6_K v fuse exactly at G = 16.
     """
     kinds = {p.kind for p in parts}
     if kinds == {"q4"}:
         return Form("q4", min(p.group for p in parts))
     if "f16" in kinds:
         return F16_FORM
-    return Form("q8", min(min(p.group, Q8_QUANTIZE_GROUP) for p in parts), any(p.f32 for p in parts))
+    return Form("q8", min(min(p.group, Q8_QUANTIZE_GROUP) for p in parts), any(p.f32 for p in parts),
+                all(p.kind == "q8" and p.symmetric for p in parts))
 
 
 @dataclass

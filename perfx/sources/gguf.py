@@ -43,8 +43,8 @@ GGUF_CONV_TAPS = {"conv": "shortconv.conv.weight", "delta": "ssm_conv1d.weight"}
 GGUF_FUSED = {"qkv": ("attn_qkv", ("q", "k", "v")), "gate_up": ("ffn_up", ("gate", "up"))}
 # Every tensor type perfx reads, and the device form it reads into.
 GGUF_FORMS = {"Q4_0": Form("q4", 32), "Q4_1": Form("q4", 32), "Q4_K": Form("q4", 32),
-              "Q5_0": Form("q8", 32), "Q5_1": Form("q8", 32), "Q8_0": Form("q8", 32),
-              "Q5_K": Form("q8", 32, True), "Q6_K": Form("q8", 16, True),
+              "Q5_0": Form("q8", 32, symmetric=True), "Q5_1": Form("q8", 32), "Q8_0": Form("q8", 32, symmetric=True),
+              "Q5_K": Form("q8", 32, True), "Q6_K": Form("q8", 16, True, True),
               "F16": F16_FORM, "BF16": F16_FORM, "F32": F16_FORM}
 GGUF_TYPES = tuple(GGUF_FORMS)
 UNSUPPORTED_TYPE_HELP = ("requantize the model with llama.cpp's llama-quantize to Q4_K_M, Q5_K_M, Q8_0 or Q4_0 "

@@ -10,6 +10,8 @@ import pytest
 
 from perfx import cli
 from perfx.commands import selftest
+from perfx.commands.info import describe_weight
+from perfx.formats import Q8Matrix
 from perfx.tuning import SPECS
 
 
@@ -32,6 +34,10 @@ def test_info_names_each_weights_form_and_bytes_a_group(capsys):
     assert code == 0 and forms["qkv"] == "int4 g64, 4 bytes a group (fp16 scale + fp16 offset)"
     assert forms["embedding"] == "int4 g64, 2.5 bytes a group (fp16 scale + 4-bit zero)"
     assert forms["lm_head"] == "int8 g32, 4 bytes a group (fp16 scale + offset)"
+    rng = np.random.default_rng(0)   # a Q8_0 table's scales alone, a Q6_K one's in float32 per 16
+    assert describe_weight(Q8Matrix.random(2, 64, 32, rng, symmetric=True)) == "int8 g32, 2 bytes a group (fp16 scale)"
+    assert describe_weight(Q8Matrix.random(2, 64, 16, rng, f32=True, symmetric=True)) == ("int8 g16, 4 bytes a group "
+                                                                                         "(float32 scale)")
 
 
 def test_info_as_a_module_prints_the_choice():

@@ -36,7 +36,16 @@
 #if SYM && SM_F32
 #define LOAD_SM(p, i) ((float2)((p)[i], 0.0f))
 #elif SYM
-#define LOAD_SM(p, i) ((float2)(vload_half((i), (p)), 0.0f))
+// fp16 scales alone are read 32 bits at a time, the half2 at the even index below i, and the one wanted picked:
+// a CPU compiler that puts work-items in vector lanes turns a 16-bit load into a scalar load and an insert a
+// lane (x86 gathers 32-bit elements at the least), which left Gemma 3's 262144-row head slower with its scales
+// alone than with pairs. The read past the last group of a row stays in the buffer: the wrapper pads it.
+inline float scale_of(SM_T p, const int i)
+{
+    const float2 two = vload_half2(0, p + (i & ~1));
+    return (i & 1) ? two.y : two.x;
+}
+#define LOAD_SM(p, i) ((float2)(scale_of((p), (i)), 0.0f))
 #elif SM_F32
 #define LOAD_SM(p, i) vload2((i), (p))
 #else

@@ -97,7 +97,7 @@ SPEC = Spec(
     fuzz_shapes=fuzz_shapes,
     oclgrind_shapes=(
         {"m": 3, "n": 2 * 5, "k": 64, "group": 16, "f32": True, "epilogue": "silu_mul", "block_bytes": 4 * 64},
-        {"m": 2, "n": 9, "k": 96, "group": 32, "f32": False, "epilogue": "bias"},
+        {"m": 2, "n": 9, "k": 96, "group": 32, "f32": False, "sym": True, "epilogue": "bias"},
         {"m": 2, "n": 2 * 3, "k": 32, "group": 32, "f32": True, "sym": True, "epilogue": "gelu_mul"},
     ),
     flops=lambda shape: 2 * shape["m"] * shape["n"] * shape["k"],

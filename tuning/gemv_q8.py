@@ -117,7 +117,7 @@ SPEC = Spec(
     reference=reference.gemv,
     fuzz_shapes=fuzz_shapes,
     oclgrind_shapes=(
-        {"n": 13, "k": 96, "group": 32, "f32": False, "epilogue": "none", "bias": True, "parts": (7, 6),
+        {"n": 13, "k": 96, "group": 32, "f32": False, "sym": True, "epilogue": "none", "bias": True, "parts": (7, 6),
          "block_bytes": 5 * 96},
         {"n": 2 * 7, "k": 64, "group": 16, "f32": True, "epilogue": "silu_mul", "bias": False,
          "block_bytes": 4 * 64},

@@ -71,6 +71,8 @@ class Q8DeviceWeight:
         for start, stop in row_splits(n, max_rows):
             part = q8.rows(start, stop)
             values = part.group_values()
+            if weight.symmetric and not weight.f32:   # fp16 scales are read a half2 at a time: one past the end
+                values = np.append(values.reshape(-1), np.float16(0))
             block = Q8Block(start, stop, device.alloc(part.codes.nbytes, part.codes, what=f"{what} codes {start}:{stop}"),
                             device.alloc(values.nbytes, values, what=f"{what} scales {start}:{stop}"))
             if bias is not None:

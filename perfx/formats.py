@@ -271,6 +271,11 @@ def fp16_exact(values: np.ndarray) -> bool:
         return bool(np.array_equal(values.astype(np.float16).astype(np.float32), values))
 
 
+def q8_group_bytes(f32: bool, symmetric: bool) -> int:
+    """Bytes of one int8 group's scale (and offset) on the device: 2 or 4 (fp16), 4 or 8 (float32)."""
+    return (4 if f32 else 2) * (1 if symmetric else 2)
+
+
 @dataclass
 class Q8Matrix:
     """W (N, K) in the int8 form: codes (N, K) int8; scales, offsets (N, K/G) float32; w = s·q + m.
@@ -312,8 +317,8 @@ class Q8Matrix:
 
     @property
     def group_bytes(self) -> int:
-        """Bytes of one group's scale (and offset) on the device: 2 or 4 (fp16), 4 or 8 (float32)."""
-        return (4 if self.f32 else 2) * (1 if self.symmetric else 2)
+        """Bytes of one group's scale (and offset) on the device (``q8_group_bytes``)."""
+        return q8_group_bytes(self.f32, self.symmetric)
 
     @property
     def nbytes(self) -> int:

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from perfx import reference
+from perfx import formats, reference
 from perfx.formats import Q8Matrix
 from perfx.ops.epilogue import is_gated
 from perfx.ops.params import Params, ParamSpace, Shape
@@ -234,7 +234,7 @@ def q8_matrix(st, max_rows: int, max_group_multiple: int = 12):
 
 def q8_group_bytes(shape) -> int:
     """Bytes an int8 shape's weight holds per group: its scale, and its offset unless ``sym``."""
-    return (4 if shape.get("f32") else 2) * (1 if shape.get("sym") else 2)
+    return formats.q8_group_bytes(bool(shape.get("f32")), bool(shape.get("sym")))
 
 
 def q8_random(shape, rng, n: int) -> Q8Matrix:

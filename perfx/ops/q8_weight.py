@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from perfx.errors import PerfxError
-from perfx.formats import Q8Matrix, row_splits
+from perfx.formats import Q8Matrix, q8_group_bytes, row_splits
 from perfx.runtime import Device
 
 
@@ -41,7 +41,7 @@ class Q8DeviceWeight:
 
     @property
     def group_bytes(self) -> int:
-        return (4 if self.f32 else 2) * (1 if self.symmetric else 2)
+        return q8_group_bytes(self.f32, self.symmetric)
 
     @property
     def nbytes(self) -> int:

@@ -6,7 +6,11 @@ Host time: each decode step is followed by a wait for the queue, so the time ``d
 Model.host_seconds) holds only the enqueueing, never a wait behind the device. End to end: ``perfx bench
 --e2e``'s measurement (a 64-token prompt, 32 greedy tokens). With ``--tree`` the same measurement runs in each
 source tree given (a checkout of an earlier commit against this one), interleaved round by round in fresh
-processes, so the trees share the machine's state; each tree uses its own shipped tuning entries.
+processes, so the trees share the machine's state; each tree uses its own shipped tuning entries. With
+``--replay both`` each tree runs twice a round: its step as one command buffer (PERFX_COMMAND_BUFFER=on,
+where the driver has cl_khr_command_buffer) and one enqueue a launch (perfx's default).
+
+    python benchmarks/decode_host.py --tree . --replay both --rounds 5
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ def measure(model_name: str, device_name: str, tokens: int) -> dict:
     e2e = measure_e2e(model)
     return {"host_ms": 1e3 * statistics.median(host[skip:]), "step_ms": 1e3 * statistics.median(wall[skip:]),
             "prefill_tok_s": e2e["prefill_tok_s"], "decode_tok_s": e2e["decode_tok_s"],
-            "launches": len(getattr(model, "_decode_plans", {}).get(1, ()) or getattr(model, "_decode_plan", ()))}
+            "launches": len(getattr(model, "_decode_plans", {}).get(1, ()) or getattr(model, "_decode_plan", ())),
+            "replay": getattr(model.device, "replay_mode", "one enqueue a launch")}
 
 
 def main():
@@ -54,21 +59,28 @@ def main():
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tree", action="append", default=[], help="a source tree to measure (repeatable)")
+    parser.add_argument("--replay", choices=("on", "off", "both"), default="off",
+                        help="the decode step as one command buffer where the driver has them (on), one enqueue "
+                             "a launch (off, perfx's default), or each in turn (both)")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)   # a child process: one run
     args = parser.parse_args()
     if args.one or not args.tree:
         print(json.dumps(measure(args.model, args.device, args.tokens)))
         return
-    results = {tree: [] for tree in args.tree}
+    modes = ("on", "off") if args.replay == "both" else (args.replay,)
+    results = {(tree, mode): [] for tree in args.tree for mode in modes}
     for _ in range(args.rounds):
-        for tree in args.tree:
+        for tree, mode in results:
+            env = {**os.environ, "PYTHONPATH": tree}
+            env["PERFX_COMMAND_BUFFER"] = mode
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", "--model", args.model,
                                   "--device", args.device, "--tokens", str(args.tokens)], cwd=tree,
-                                 env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True, check=True)
-            results[tree].append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(tree, results[tree][-1], flush=True)
-    for tree, runs in results.items():
-        summary = {"tree": tree, "device": args.device, "launches": runs[-1]["launches"]}
+                                 env=env, capture_output=True, text=True, check=True)
+            results[tree, mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(tree, mode, results[tree, mode][-1], flush=True)
+    for (tree, mode), runs in results.items():
+        summary = {"tree": tree, "device": args.device, "replay": runs[-1].get("replay"),
+                   "launches": runs[-1]["launches"]}
         for key in ("host_ms", "step_ms", "prefill_tok_s", "decode_tok_s"):
             values = [r[key] for r in runs]
             summary[key] = [round(statistics.median(values), 3), round(min(values), 3), round(max(values), 3)]

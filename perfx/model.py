@@ -307,7 +307,8 @@ class Model:
         self._step_upload = None
         self._decode_segments: list | None = None   # the decode step's launches between attentions
         self._decode_plans: dict[int, list] = {}    # attention partitions -> the step's launches
-        self._decode_launches(0)   # recorded now: a kernel the driver refuses shows at load
+        self._decode_replays: dict = {}             # attention partitions -> those launches as one replay
+        self._decode_replay(0)   # recorded now: a kernel the driver refuses shows at load
 
     def _norms_quantize(self) -> bool:
         """Whether the norms writing xb also write it as Q8_1 blocks, for one row: where some int4 GEMV reading xb
@@ -610,11 +611,21 @@ class Model:
         self._decode_plans[parts] = plan
         return plan
 
+    def _decode_replay(self, pos: int):
+        """The decode step at ``pos`` as one replay (``Device.replay``): a command buffer where the driver has
+        them, else its launches one by one."""
+        parts = self.plan.attn_decode.partitions(pos)
+        replay = self._decode_replays.get(parts)
+        if replay is None:
+            replay = self._decode_replays[parts] = self.device.replay(self._decode_launches(pos))
+        return replay
+
     def decode_one(self, token: int, pos: int) -> None:
         """Feed one token at ``pos``; leaves its logits on the device.
 
         Per token the host uploads the token id and the position (8 bytes, without waiting) and replays the
-        recorded launches: no kernel argument is set and no wrapper runs.
+        recorded step: no kernel argument is set and no wrapper runs, and where the driver has command
+        buffers the whole step is one call.
         """
         if not 0 <= pos < self.max_positions:
             raise PerfxError(f"context full: position {pos} of {self.max_positions}; raise --ctx" if pos >= 0
@@ -624,12 +635,10 @@ class Model:
         self._start_state(pos)
         self.written = pos + 1
         started = time.perf_counter()
-        launches = self._decode_launches(pos)
-        queue = self.device.queue
+        replay = self._decode_replay(pos)
         # A fresh host array, held by the copy's event (kept, so the write stays non-blocking) until it has run.
         self._step_upload = self.device.write(self.state.step, np.array([token, pos], np.int32), wait=False)
-        for launch in launches:
-            launch.enqueue(queue)
+        replay.enqueue(self.device.queue)
         self.host_seconds += time.perf_counter() - started
 
     def logits(self) -> np.ndarray:

@@ -26,6 +26,10 @@ def test_info_json_names_a_device(capsys):
     data = json.loads(out)
     assert code == 0 and data["chosen"]["name"] and data["capabilities"]["max_alloc"] > 0
     assert data["chosen"]["reason"]
+    if "cl_khr_command_buffer" in data["capabilities"]["extensions"]:
+        assert "PERFX_COMMAND_BUFFER=on" in data["decode_step"] or "provisional" in data["decode_step"]
+    else:
+        assert data["decode_step"] == "one enqueue a launch: the driver has no cl_khr_command_buffer"
 
 
 def test_info_names_each_weights_form_and_bytes_a_group(capsys):
@@ -42,7 +46,7 @@ def test_info_names_each_weights_form_and_bytes_a_group(capsys):
 
 def test_info_as_a_module_prints_the_choice():
     out = subprocess.run([sys.executable, "-m", "perfx", "info"], capture_output=True, text=True, check=True).stdout
-    assert "perfx uses" in out and "limits in force" in out
+    assert "perfx uses" in out and "limits in force" in out and "decode step: one " in out
 
 
 def test_unknown_device_is_one_clear_line(capsys, monkeypatch):

@@ -15,6 +15,8 @@ from perfx.errors import PerfxError
 from perfx.generate import SamplingConfig, generate
 from perfx.model import Model, load_model
 from perfx.ops.q4_weight import Q4DeviceWeight
+from perfx.runtime import Device
+from perfx.runtime.replay import CommandBuffer, Sequence, unavailable
 from perfx.sources import open_model
 from perfx.tuning import SPECS
 from perfx.tuning.database import default_database, result_record
@@ -112,6 +114,26 @@ def test_decode_replays_across_attention_partitions_and_back(tiny_paths, device,
     assert relative_error(model.logits(), rows[3]) <= TOLERANCE
     model.decode_one(tokens[part + 1], part + 1)
     assert relative_error(model.logits(), rows[part + 1]) <= TOLERANCE
+
+
+def test_a_decode_step_as_one_command_buffer_equals_its_launches(tiny_paths, device, rng, monkeypatch):
+    """With PERFX_COMMAND_BUFFER=on, on a driver with cl_khr_command_buffer, each recorded step (one per
+    attention partition count) is one command buffer, and its logits are bit for bit those of the same
+    launches enqueued one by one (the default): the same kernels ran, in the same order, on the same data."""
+    other, source = load(tiny_paths["gguf-gqa3"], device, ctx=160)
+    monkeypatch.setenv("PERFX_COMMAND_BUFFER", "on")
+    model, _ = load(tiny_paths["gguf-gqa3"], Device(device.entry.index), ctx=160)
+    n = model.plan.attn_decode.part + 3
+    tokens = [int(t) for t in rng.integers(3, source.config.vocab_size, n)]
+    for pos, token in enumerate(tokens):
+        model.decode_one(token, pos)
+        other.decode_one(token, pos)
+        assert np.array_equal(model.logits(), other.logits()), pos
+    kinds = {type(r) for r in model._decode_replays.values()}
+    assert len(model._decode_replays) == 2
+    assert kinds == ({CommandBuffer} if unavailable(device.cl_device, device.queue.properties) is None
+                     else {Sequence})
+    assert {type(r) for r in other._decode_replays.values()} == {Sequence}
 
 
 def test_long_prompts_run_in_chunks(tiny_paths, device, rng, monkeypatch):

@@ -1,5 +1,6 @@
 """The device runtime: the process's OpenCL set-up (at first use, never at import), device choice, phone
-limits, capabilities, build errors with their log, error names, memory, and the copies."""
+limits, capabilities, build errors with their log, error names, memory, the copies, and the recorded steps
+replayed (in one command buffer where the driver has them)."""
 
 import ast
 import json
@@ -16,6 +17,7 @@ from perfx.errors import PerfxError
 from perfx.runtime import (LIMIT_PRESETS, BuildError, Device, Limits, OpenCLError, choose_device, cl_error_name,
                            has_subgroups, intel_opencl_library, list_devices, merged_vendor_entries,
                            parse_adreno_model, parse_limits, read_capabilities)
+from perfx.runtime.replay import CommandBuffer, Sequence, unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -335,3 +337,39 @@ def test_copies_outside_the_buffer_or_with_a_bad_pattern_are_clear_errors(device
         device.fill(buffer, np.float32(0), nbytes=6)
     with pytest.raises(PerfxError, match="fill: bytes 60 to 68"):
         device.fill(buffer, np.float32(0), nbytes=8, offset=60)
+
+
+@pytest.mark.parametrize("setting", ["", "on"])
+def test_recorded_steps_replay_in_order_on_fresh_inputs(device, rng, monkeypatch, setting):
+    """A chain a → b (kernel) → c (copy, at byte offsets) → d (kernel), recorded once and replayed on new
+    contents of a each time: d must show this replay's a, so every step ran, after the one before it. By default
+    the replay is one enqueue a launch; with PERFX_COMMAND_BUFFER=on, where the driver has
+    cl_khr_command_buffer (Intel's CPU runtime does), one command buffer; ``replay_mode`` says which and why."""
+    monkeypatch.setenv("PERFX_COMMAND_BUFFER", setting)
+    device = Device(device.entry.index)
+    n = 256
+    a, b, c, d = (device.alloc(4 * n) for _ in range(4))
+    kernel = device.kernel("copy.cl", "copy_vectors", {"VWC": 4})
+    with device.record() as steps:
+        device.launch(kernel, (16,), (16,), np.int32(n // 4), a, b)
+        device.copy(c, b, 4 * (n - 8), src_offset=4 * 8, dst_offset=0)
+        device.launch(kernel, (16,), (16,), np.int32(n // 4), c, d)
+    replay = device.replay(steps)
+    why = unavailable(device.cl_device, device.queue.properties)
+    if why is not None:
+        assert isinstance(replay, Sequence) and device.replay_mode == f"one enqueue a launch: {why}"
+    elif setting == "on":
+        assert isinstance(replay, CommandBuffer) and device.replay_mode.startswith("one command buffer")
+        with pytest.raises(PerfxError, match="records launches and copies, not str"):
+            CommandBuffer(device.cl_device, device.queue, ["a host callback"])
+    else:
+        assert isinstance(replay, Sequence) and "PERFX_COMMAND_BUFFER=on" in device.replay_mode
+    for _ in range(3):
+        x = rng.standard_normal(n).astype(np.float32)
+        device.write(a, x)
+        device.fill(d, np.float32(np.nan))
+        replay.enqueue(device.queue)
+        replay.enqueue(device.queue)   # again while the first may still be pending
+        seen = device.read(np.empty(n, np.float32), d)
+        assert np.array_equal(seen[:n - 8], x[8:])
+

@@ -39,6 +39,7 @@ def main(args) -> int:
             "chosen": {"index": f"{device.entry.platform_index}:{device.entry.device_index}",
                        "name": device.caps.name, "reason": device.reason},
             "capabilities": caps,
+            "decode_step": device.replay_mode,
             "tuning": tuned,
             **({"model_forms": forms} if forms is not None else {}),
         }, indent=1, default=str))
@@ -51,6 +52,7 @@ def main(args) -> int:
           f"{device.caps.name}: {device.reason}")
     print(f"limits in force: {device.caps.limits}" + ("" if device.caps.limits != "device" else
                                                       " (set PERFX_LIMITS=adreno740 to act like a phone)"))
+    print(f"decode step: {device.replay_mode}")
     print("\ncapabilities:")
     for key, value in caps.items():
         if key == "extensions":

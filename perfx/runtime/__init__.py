@@ -9,15 +9,18 @@
   ``PERFX_DEVICE``).
 - ``device``: ``Device``, its builds with ``-D`` defines (programs and ``Kernel`` objects kept), launches
   and their recording, counted memory, and every copy (``copy``, ``write``, ``read``, ``fill``).
+- ``replay``: the decode step's recorded launches and copies, replayed each token in one command buffer
+  where the driver has ``cl_khr_command_buffer``.
 - ``errors``: OpenCL errors by name, build failures with their log, kernels beyond the driver's limits.
 """
 
 from perfx.runtime.capabilities import (LIMIT_PRESETS, Capabilities, Limits, capabilities_dict, has_subgroups,
                                         identify, parse_adreno_model, parse_limits, read_capabilities)
-from perfx.runtime.device import BoundCopy, BoundLaunch, Device, build_options, get_device
+from perfx.runtime.device import Device, build_options, get_device
 from perfx.runtime.errors import (BuildError, DriverError, KernelInfo, KernelLimitError, OpenCLError,
                                   cl_error_name)
 from perfx.runtime.implementations import intel_opencl_library, merged_vendor_entries, prepare, show_build_logs
+from perfx.runtime.replay import BoundCopy, BoundLaunch
 from perfx.runtime.selection import DEVICE_HELP, DeviceEntry, choose_device, list_devices
 
 __all__ = [

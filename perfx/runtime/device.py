@@ -17,40 +17,8 @@ from perfx.errors import PerfxError
 from perfx.resources import kernel_path
 from perfx.runtime.capabilities import Capabilities, Limits, parse_limits, read_capabilities
 from perfx.runtime.errors import BuildError, KernelInfo, KernelLimitError, define_flags, raise_as_perfx
+from perfx.runtime.replay import BoundCopy, BoundLaunch, CommandBuffer, Sequence, unavailable
 from perfx.runtime.selection import choose_device
-
-
-class BoundLaunch:
-    """A launch with its own Kernel object and its arguments bound once (see ``Device.record``)."""
-
-    __slots__ = ("kernel", "global_size", "local_size")
-
-    def __init__(self, kernel: cl.Kernel, global_size, local_size, args):
-        self.kernel = cl.Kernel(kernel.program, kernel.function_name)
-        if args:
-            self.kernel.set_args(*args)
-        self.global_size = tuple(global_size)
-        self.local_size = tuple(local_size) if local_size else None
-
-    def enqueue(self, queue: cl.CommandQueue) -> cl.Event:
-        try:
-            return cl.enqueue_nd_range_kernel(queue, self.kernel, self.global_size, self.local_size)
-        except cl.Error as e:
-            raise_as_perfx(f"launching {self.kernel.function_name} global={self.global_size}", e)
-
-
-class BoundCopy:
-    """A device-to-device copy recorded like a ``BoundLaunch``."""
-
-    __slots__ = ("dst", "src", "nbytes", "src_offset", "dst_offset")
-
-    def __init__(self, dst, src, nbytes: int, src_offset: int, dst_offset: int):
-        self.dst, self.src, self.nbytes = dst, src, nbytes
-        self.src_offset, self.dst_offset = src_offset, dst_offset
-
-    def enqueue(self, queue: cl.CommandQueue) -> cl.Event:
-        return cl.enqueue_copy(queue, self.dst, self.src, byte_count=self.nbytes, src_offset=self.src_offset,
-                               dst_offset=self.dst_offset)
 
 
 class _CountedBuffer(cl.Buffer):
@@ -116,6 +84,13 @@ class Device:
         self.allocated_bytes = 0
         self.peak_allocated_bytes = 0
         self._recording: list | None = None
+        self._no_command_buffer = unavailable(self.cl_device, self.queue.properties)
+        if self._no_command_buffer is None and os.environ.get("PERFX_COMMAND_BUFFER", "").lower() != "on":
+            # Intel's CPU runtime replays a command buffer slower than the launches one by one (a decode step
+            # 16.9 ms against 10.1, benchmarks/NOTES.md); no driver has yet been measured faster with them.
+            self._no_command_buffer = ("the driver has cl_khr_command_buffer, used only with "
+                                       "PERFX_COMMAND_BUFFER=on (benchmarks/decode_host.py --replay both "
+                                       "measures both here)")
 
     def __repr__(self) -> str:
         return f"<perfx.Device {self.caps.platform} / {self.caps.name}, limits={self.caps.limits}>"
@@ -246,6 +221,22 @@ class Device:
             yield launches
         finally:
             self._recording = None
+
+    def replay(self, steps: list) -> CommandBuffer | Sequence:
+        """Recorded steps as one step to enqueue again and again: a command buffer where the driver has
+        ``cl_khr_command_buffer`` (``replay_mode`` says which, and why not), else one enqueue a launch."""
+        if self._no_command_buffer is None:
+            try:
+                return CommandBuffer(self.cl_device, self.queue, steps)
+            except PerfxError as e:   # a driver that lists the extension and refuses this step: keep going
+                self._no_command_buffer = f"the driver refused a command buffer ({e})"
+        return Sequence(steps, self._no_command_buffer)
+
+    @property
+    def replay_mode(self) -> str:
+        """How a recorded decode step is enqueued on this device."""
+        return ("one command buffer a step (cl_khr_command_buffer)" if self._no_command_buffer is None
+                else f"one enqueue a launch: {self._no_command_buffer}")
 
     # -- copies: between buffers, and between the host and a buffer -----------------------------------
     # Each takes a cl.Buffer or a pyopencl Array (at no offset) and offsets in bytes; the queue runs them in

@@ -71,8 +71,7 @@ def main():
     results = {(tree, mode): [] for tree in args.tree for mode in modes}
     for _ in range(args.rounds):
         for tree, mode in results:
-            env = {**os.environ, "PYTHONPATH": tree}
-            env["PERFX_COMMAND_BUFFER"] = mode
+            env = {**os.environ, "PYTHONPATH": tree, "PERFX_COMMAND_BUFFER": mode}
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", "--model", args.model,
                                   "--device", args.device, "--tokens", str(args.tokens)], cwd=tree,
                                  env=env, capture_output=True, text=True, check=True)

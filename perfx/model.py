@@ -612,8 +612,8 @@ class Model:
         return plan
 
     def _decode_replay(self, pos: int):
-        """The decode step at ``pos`` as one replay (``Device.replay``): a command buffer where the driver has
-        them, else its launches one by one."""
+        """The decode step at ``pos`` as one replay (``Device.replay``): its launches one by one, or one command
+        buffer where asked for and the driver has them."""
         parts = self.plan.attn_decode.partitions(pos)
         replay = self._decode_replays.get(parts)
         if replay is None:
@@ -624,8 +624,8 @@ class Model:
         """Feed one token at ``pos``; leaves its logits on the device.
 
         Per token the host uploads the token id and the position (8 bytes, without waiting) and replays the
-        recorded step: no kernel argument is set and no wrapper runs, and where the driver has command
-        buffers the whole step is one call.
+        recorded step: no kernel argument is set and no wrapper runs (with PERFX_COMMAND_BUFFER=on, on a
+        driver with command buffers, the whole step is one call).
         """
         if not 0 <= pos < self.max_positions:
             raise PerfxError(f"context full: position {pos} of {self.max_positions}; raise --ctx" if pos >= 0

@@ -17,7 +17,7 @@ from perfx.errors import PerfxError
 from perfx.runtime import (LIMIT_PRESETS, BuildError, Device, Limits, OpenCLError, choose_device, cl_error_name,
                            has_subgroups, intel_opencl_library, list_devices, merged_vendor_entries,
                            parse_adreno_model, parse_limits, read_capabilities)
-from perfx.runtime.replay import CommandBuffer, Sequence, unavailable
+from perfx.runtime.replay import BoundLaunch, CommandBuffer, Sequence, unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -362,6 +362,17 @@ def test_recorded_steps_replay_in_order_on_fresh_inputs(device, rng, monkeypatch
         assert isinstance(replay, CommandBuffer) and device.replay_mode.startswith("one command buffer")
         with pytest.raises(PerfxError, match="records launches and copies, not str"):
             CommandBuffer(device.cl_device, device.queue, ["a host callback"])
+        with pytest.raises(PerfxError, match="replays on the queue it was recorded for"):
+            replay.enqueue(cl.CommandQueue(device.context))
+        # A launch the driver refuses to record (its arguments never set): the error names it, and the
+        # device falls back to launches one by one, saying why.
+        bad = [BoundLaunch(kernel, (10,), None, ())]
+        with pytest.raises(OpenCLError, match=r"recording copy_vectors global=\(10,\)"):
+            CommandBuffer(device.cl_device, device.queue, bad)
+        assert isinstance(device.replay(bad), Sequence)
+        assert device.replay_mode.startswith("one enqueue a launch: the driver refused a command buffer (")
+        replay = device.replay(steps)   # from then on every step, launch by launch
+        assert isinstance(replay, Sequence)
     else:
         assert isinstance(replay, Sequence) and "PERFX_COMMAND_BUFFER=on" in device.replay_mode
     for _ in range(3):

@@ -9,8 +9,8 @@
   ``PERFX_DEVICE``).
 - ``device``: ``Device``, its builds with ``-D`` defines (programs and ``Kernel`` objects kept), launches
   and their recording, counted memory, and every copy (``copy``, ``write``, ``read``, ``fill``).
-- ``replay``: the decode step's recorded launches and copies, replayed each token in one command buffer
-  where the driver has ``cl_khr_command_buffer``.
+- ``replay``: the decode step's recorded launches and copies, replayed each token one by one, or in one
+  command buffer where asked for and the driver has ``cl_khr_command_buffer``.
 - ``errors``: OpenCL errors by name, build failures with their log, kernels beyond the driver's limits.
 """
 

@@ -223,14 +223,15 @@ class Device:
             self._recording = None
 
     def replay(self, steps: list) -> CommandBuffer | Sequence:
-        """Recorded steps as one step to enqueue again and again: a command buffer where the driver has
-        ``cl_khr_command_buffer`` (``replay_mode`` says which, and why not), else one enqueue a launch."""
+        """Recorded steps as one step to enqueue again and again: a command buffer where asked for
+        (PERFX_COMMAND_BUFFER=on) and the driver has ``cl_khr_command_buffer``, else one enqueue a launch
+        (``replay_mode`` says which, and why)."""
         if self._no_command_buffer is None:
             try:
                 return CommandBuffer(self.cl_device, self.queue, steps)
             except PerfxError as e:   # a driver that lists the extension and refuses this step: keep going
                 self._no_command_buffer = f"the driver refused a command buffer ({e})"
-        return Sequence(steps, self._no_command_buffer)
+        return Sequence(steps)
 
     @property
     def replay_mode(self) -> str:

@@ -9,6 +9,8 @@
 //   attention_combine:  out[h] = Σ_j e^(m_j − M)·o_j / Σ_j e^(m_j − M)·l_j,
 //                       M a running max over the partitions (online softmax)
 // When p < PART there is one partition and attention_partial writes out[h] = o_0 / l_0 itself: one launch.
+// Q8_OUT 1: the launch that writes out (attention_partial with one partition, else attention_combine) also
+// writes it as Q8_1 blocks of 32 (out_codes, out_step_sum), the int8 activations of the o projection.
 // A sliding window W > 0 (Mistral; 0 = off) bounds the positions attended to t ≥ p − W + 1: earlier ones
 // get weight 0 and are not read; a partition left with none reports m = −inf, l = 0 and the combine skips it.
 // W is a launch argument, so one build serves layers of different windows (Gemma 2 and 3).
@@ -59,7 +61,31 @@
 #define HALF 0  // q·k in half against half key rows (cl_khr_fp16)
 #endif
 
+#ifndef Q8_OUT
+#define Q8_OUT 0  // also write out as Q8_1 blocks of 32, for the o projection's int8 activations (set by the caller)
+#endif
+
 #include "attention.h"
+
+#if Q8_OUT
+#include "q8_1.h"
+#if HEAD_DIM % 32
+#error "Q8_OUT needs head_dim a multiple of 32: a block must not straddle two heads"
+#endif
+#define Q8_OUT_ARGS , __global char* restrict out_codes, __global float2* restrict out_step_sum
+// Blocks first .. first + count − 1 of out (32 floats each) as Q8_1 blocks (kernels/q8_1.h), one work-item a
+// block, after a barrier that makes the work-group's stores of them visible to it: what the rows GEMV's own
+// quantizing launch would write, so the o projection launches none.
+#define QUANTIZE_OUT(first, count, id, size)                                                             \
+    barrier(CLK_GLOBAL_MEM_FENCE);                                                                       \
+    for (int b_ = (id); b_ < (count); b_ += (size)) {                                                    \
+        Q8_1_BLOCK(out, (first) + b_, q8_, step_, sum_)                                                  \
+        Q8_1_STORE(q8_, out_codes + 32 * ((first) + b_))                                                 \
+        out_step_sum[(first) + b_] = (float2)(step_, sum_);                                              \
+    }
+#else
+#define Q8_OUT_ARGS
+#endif
 
 #if HALF
 #pragma OPENCL EXTENSION cl_khr_fp16 : enable
@@ -125,7 +151,7 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
                        __global const int* restrict positions, const int pos_index, const int max_parts,
                        __global float* restrict part_max, __global float* restrict part_sum,
                        __global float* restrict part_out, __global float* restrict out, const int window,
-                       const float scale, const float softcap)
+                       const float scale, const float softcap Q8_OUT_ARGS)
 {
     const int lid = get_local_id(0);
     const int pos = positions[pos_index];  // on the device, so a recorded launch serves every position of its grid
@@ -427,13 +453,18 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
         part_max[at] = stats[lid];
         part_sum[at] = stats[GQA + lid];
     }
+#if Q8_OUT
+    if (n_parts == 1) {   // the same for the whole launch, so the barrier is met by every work-item or none
+        QUANTIZE_OUT(g * GQA * HEAD_DIM / 32, GQA * HEAD_DIM / 32, lid, WGS)
+    }
+#endif
 }
 
 // global (D/VW, H), local (D/VW, 1): one work-group per query head, VW elements of out per work-item.
 __kernel __attribute__((reqd_work_group_size(LANES, 1, 1)))
 void attention_combine(const int n_parts, const int max_parts,
                        __global const float* restrict part_max, __global const float* restrict part_sum,
-                       __global const float* restrict part_out, __global float* restrict out)
+                       __global const float* restrict part_out, __global float* restrict out Q8_OUT_ARGS)
 {
     const int lane = get_local_id(0);
     const int h = get_group_id(1);
@@ -452,4 +483,7 @@ void attention_combine(const int n_parts, const int max_parts,
         m = m_new;
     }
     STOREV(o / l, lane, out + h * HEAD_DIM);
+#if Q8_OUT
+    QUANTIZE_OUT(h * HEAD_DIM / 32, HEAD_DIM / 32, lane, LANES)
+#endif
 }

@@ -1,8 +1,8 @@
 // x quantized to int8 per block of 32, llama.cpp's Q8_1 activations (perfx.reference.quantize_activations_q8):
 // q_x = rint(x·127/max|x|), the block's step d = max|x|/127 and the sum of its quantized values Σ d·q_x (an
 // all-zero block: d = 0, codes 0). Every producer of int4 × int8 activations (the rows GEMV's own launch, the
-// interleaved GEMV's local copy, the rmsnorm that feeds the GEMVs) rounds through this one macro, so the
-// codes a GEMV reads do not depend on which of them made them.
+// interleaved GEMV's local copy, the rmsnorm that feeds the GEMVs, the decode attention that feeds the o
+// projection) rounds through this one macro, so the codes a GEMV reads do not depend on which of them made them.
 //
 // Q8_1_BLOCK(x, b, R, D, S) declares R0..R3 (float8, the rounded codes of floats 32b..32b+31 of the __global
 // x, in order; four variables, not an array: Oclgrind 21.10 crashes on an array of float8), D (the step) and S

@@ -122,8 +122,10 @@ class RunState:
     all_logits: object = None   # (chunk, V) and (chunk, hidden): made by the first prefill_logits only
     head_in: object = None
     # One row of xb as Q8_1 blocks (hidden int8 codes, hidden/32 (step, sum) pairs), written by the norm that
-    # writes xb where the GEMVs reading xb take int8 activations (Model._xb_quantized)
+    # writes xb where the GEMVs reading xb take int8 activations (Model._norms_quantize); one row of att the
+    # same way, written by the decode attention where the o projection takes them (Model._attention_quantizes)
     xb_q8: tuple | None = None
+    att_q8: tuple | None = None
 
     @classmethod
     def allocate(cls, device: Device, c: ModelConfig, chunk: int) -> RunState:
@@ -275,6 +277,8 @@ class Model:
         self.state = RunState.allocate(d, c, min(PREFILL_CHUNK, self.max_positions))
         if self._norms_quantize():
             self.state.xb_q8 = (d.empty(c.hidden_size, np.int8), d.empty((c.hidden_size // 32, 2), np.float32))
+        if self._attention_quantizes():
+            self.state.att_q8 = (d.empty(c.q_dim, np.int8), d.empty((c.q_dim // 32, 2), np.float32))
         self._lm_head_gemm = None
         # The KV cache holds the attention layers only, the conv rings the conv layers or the delta layers'
         # convolutions, the delta state the delta layers' S (slot = its index among the layers of its kind).
@@ -319,6 +323,16 @@ class Model:
         readers = [(role, getattr(layer, role)) for layer in self.weights.layers for role in XB_READERS]
         readers.append(("lm_head", self.weights.lm_head))
         return any(isinstance(w, Q4DeviceWeight) and self.plan.gemv[role].reads_quantized for role, w in readers)
+
+    def _attention_quantizes(self) -> bool:
+        """Whether the decode attention also writes its output as Q8_1 blocks, for the o projection: where an
+        int4 o takes int8 activations in the rows layout, the heads are whole blocks of 32, and no gate
+        multiplies the output after the attention (Qwen3.5's would leave the blocks stale)."""
+        c = self.config
+        if c.head_dim % 32 or c.attention_gate:
+            return False
+        return any(isinstance(self.weights.layers[i].o, Q4DeviceWeight) and self.plan.gemv["o"].reads_quantized
+                   for i in c.layers_of("attention"))
 
     # -- the forward ------------------------------------------------------------------------------
 
@@ -377,8 +391,12 @@ class Model:
             d.copy(y, result, 4 * cols, dst_offset=4 * r * cols)
 
     def _quantized(self, x, m: int):
-        """xb's Q8_1 blocks where x is xb of one row and the norms write them (``_norms_quantize``), else None."""
-        return self.state.xb_q8 if m == 1 and x is self.state.xb else None
+        """x's Q8_1 blocks where x is one row of xb and the norms write them (``_norms_quantize``), or of att and
+        the decode attention writes them (``_attention_quantizes``), else None."""
+        s = self.state
+        if m != 1:
+            return None
+        return s.xb_q8 if x is s.xb else s.att_q8 if x is s.att else None
 
     def _residual_norm(self, post_norm, gamma, m: int):
         """The pending output in proj joins the residual x (through its own norm ``post_norm`` where the recipe
@@ -397,7 +415,8 @@ class Model:
         kernel reads it from; None: the wrapper uploads it)."""
         rope, kwargs = self.attention_args[layer]
         s = self.state
-        self.plan.attn_decode(s.qkv, s.att, self.cache, rope, self.slot[layer], pos, position=position, **kwargs)
+        self.plan.attn_decode(s.qkv, s.att, self.cache, rope, self.slot[layer], pos, position=position,
+                              quantized=s.att_q8, **kwargs)
 
     def _layers(self, m: int, pos: int, decode: bool, attention=None, position=None):
         """Every decoder layer over m rows at positions pos..pos+m−1; leaves the last residual add pending.

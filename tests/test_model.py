@@ -334,12 +334,13 @@ def test_the_tuned_int8_activation_lm_head_runs_in_the_recorded_step(tiny_paths,
     assert relative_error(model.logits(), want[-1]) <= spec.tolerance_for(forced)
 
 
-def test_the_norms_quantize_xb_once_for_the_int8_activation_gemvs(tiny_paths, device, tmp_path, monkeypatch):
+def test_the_norms_and_the_attention_quantize_once_for_the_int8_activation_gemvs(tiny_paths, device, tmp_path,
+                                                                                 monkeypatch):
     """With every int4 GEMV tuned to the rows layout's int8 activations, the norms that write xb write its Q8_1
-    blocks too, and the GEMVs reading xb (qkv, gate-up) launch no quantization of their own: a decode step
-    quantizes only o's and down's inputs. The blocks are the ones the GEMV's own launch makes, so the logits
-    are those of the model with the norms not quantizing, to the bit, and within the I8 tolerance of the
-    reference."""
+    blocks too, and so does the decode attention for its output: the GEMVs reading xb (qkv, gate-up) and att
+    (o) launch no quantization of their own, and a decode step quantizes only down's inputs. The blocks are the
+    ones the GEMV's own launch makes, so the logits are those of the model with neither quantizing, to the bit,
+    and within the I8 tolerance of the reference."""
     monkeypatch.setenv("PERFX_CACHE", str(tmp_path))
     source = open_model(tiny_paths["gguf-gqa3"])
     spec = SPECS["gemv_q4"]
@@ -357,20 +358,25 @@ def test_the_norms_quantize_xb_once_for_the_int8_activation_gemvs(tiny_paths, de
         model.decode_one(15, 2)
         return model.logits()
 
+    def quantizing(model):
+        return [step for step in model._decode_launches(0) if getattr(step, "kernel", None) is not None
+                and step.kernel.function_name == "gemv_q4_quantize_x"]
+
     model = Model.load(source, device, ctx=32, progress=False)
-    assert model.state.xb_q8 is not None
+    assert model.state.xb_q8 is not None and model.state.att_q8 is not None
     layers = model.weights.layers
-    int8_inputs = sum(isinstance(getattr(w, role), Q4DeviceWeight) for w in layers for role in ("o", "down"))
-    quantizing = [step for step in model._decode_launches(0)
-                  if getattr(step, "kernel", None) is not None and step.kernel.function_name == "gemv_q4_quantize_x"]
-    assert len(quantizing) == int8_inputs, "only o's and down's inputs are quantized by a launch of their own"
+    downs = sum(isinstance(w.down, Q4DeviceWeight) for w in layers)
+    assert len(quantizing(model)) == downs, "only down's inputs are quantized by a launch of their own"
     fused = decode(model)
     want, _ = reference.model_forward(source, [4, 8, 15])
     assert relative_error(fused, want[-1]) <= spec.tolerance_for(forced)
 
     monkeypatch.setattr(Model, "_norms_quantize", lambda self: False)
+    monkeypatch.setattr(Model, "_attention_quantizes", lambda self: False)
     apart = Model.load(source, device, ctx=32, progress=False)
-    assert apart.state.xb_q8 is None
+    assert apart.state.xb_q8 is None and apart.state.att_q8 is None
+    assert len(quantizing(apart)) == downs + sum(isinstance(w.o, Q4DeviceWeight) for w in layers) + sum(
+        isinstance(getattr(w, role), Q4DeviceWeight) for w in layers for role in ("qkv", "gate_up"))
     assert np.array_equal(decode(apart), fused)
 
 

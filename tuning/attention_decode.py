@@ -3,7 +3,9 @@
 Shape keys: n_heads, n_kv_heads, head_dim, positions (the context after the append: the new token is at
 position positions − 1), optionally qkv_offset (where [q | k | v] starts in the qkv buffer) and the layer
 features of ``Features`` (qk_norm, which changes the build; rotary_dims, scale, softcap, window, per
-launch) and kv ("q8": an int8 KV cache, which changes the build; absent: fp16). Cases run at layer 1 of a two-layer cache, so the layer offset is exercised; ``rotate`` switches to
+launch) and kv ("q8": an int8 KV cache, which changes the build; absent: fp16), and q8_out (True: out is also
+written as Q8_1 blocks for the o projection, its own build; the model runs it with the parameters tuned
+without it). Cases run at layer 1 of a two-layer cache, so the layer offset is exercised; ``rotate`` switches to
 layer 0 for timing, so a cache larger than the device's caches is not served from them twice in a row.
 """
 
@@ -63,7 +65,7 @@ class Features:
 
 
 def describe_features(shape) -> str:
-    return "".join(f" {key}={shape[key]}" for key in FEATURE_KEYS + ("kv",) if key in shape)
+    return "".join(f" {key}={shape[key]}" for key in FEATURE_KEYS + ("kv", "q8_out") if key in shape)
 
 
 def as_stored(x, kv: str) -> np.ndarray:
@@ -178,21 +180,33 @@ def make_case(device, shape, rng) -> Case:
         "keys": k16[0],
         "values": v16[0],
     }
+    quantized = None
+    if shape.get("q8_out"):
+        # out's Q8_1 blocks must be a correct rounding of the kernel's own out (reference.q8_1_rounding_excess: 0)
+        quantized = (device.empty(h * d, np.int8), device.empty((h * d // 32, 2), np.float32))
+        expected["q8_excess"] = np.zeros(1)
     op = cached_per_params(lambda params: AttentionDecode(device, params, shape))
     state = {"layer": LAYER}
 
     def launch(params):
         return op(params).enqueue(qkv_dev, out, cache, features.rope, state["layer"], pos, offset,
-                                  **features.launch)
+                                  **features.launch, quantized=quantized)
 
     def run(params):
         state["layer"] = LAYER
         cache.write(device, *host_cache)
         out.fill(np.float32(np.nan))
+        if quantized is not None:
+            quantized[0].set(np.full(h * d, 127, np.int8))
+            quantized[1].set(np.full((h * d // 32, 2), np.nan, np.float32))
         for event in launch(params):
             event.wait()
         k_dev, v_dev = cache.read(device, LAYER, positions)
-        return {"out": out.get(), "keys": k_dev[pos], "values": v_dev[pos]}
+        result = {"out": out.get(), "keys": k_dev[pos], "values": v_dev[pos]}
+        if quantized is not None:
+            result["q8_excess"] = np.array([reference.q8_1_rounding_excess(result["out"], quantized[0].get(),
+                                                                           quantized[1].get())])
+        return result
 
     def rotate():
         state["layer"] = 1 - state["layer"]
@@ -218,7 +232,7 @@ def heads(st):
 
 def layer_features(st, head_dim: int):
     """Any of the per-layer features of ``Features``: q/k norm, partial or no RoPE, a scale, a soft-cap, a
-    window; and an int8 KV cache where the head is whole blocks of 32."""
+    window; and, where the head is whole blocks of 32, an int8 KV cache and out written as Q8_1 blocks too."""
     @st.composite
     def draw_features(draw):
         out = {}
@@ -237,6 +251,8 @@ def layer_features(st, head_dim: int):
             out["window"] = draw(st.integers(1, 80))
         if head_dim % 32 == 0 and draw(st.booleans()):
             out["kv"] = "q8"
+        if head_dim % 32 == 0 and draw(st.booleans()):
+            out["q8_out"] = True
         return out
     return draw_features()
 
@@ -255,7 +271,7 @@ def fuzz_shapes(st):
 # each PART (32, 128, 256) or within the first; the last with the q/k norm and a window (Qwen3-like layers).
 Q8_TEST_SHAPES = (
     {"n_heads": 4, "n_kv_heads": 4, "head_dim": 64, "positions": 33, "kv": "q8"},
-    {"n_heads": 9, "n_kv_heads": 3, "head_dim": 128, "positions": 129, "qkv_offset": 3, "kv": "q8"},
+    {"n_heads": 9, "n_kv_heads": 3, "head_dim": 128, "positions": 129, "qkv_offset": 3, "kv": "q8", "q8_out": True},
     {"n_heads": 8, "n_kv_heads": 2, "head_dim": 256, "positions": 257, "kv": "q8"},
     {"n_heads": 8, "n_kv_heads": 1, "head_dim": 128, "positions": 20, "qk_norm": True, "window": 12, "kv": "q8"},
 )
@@ -284,15 +300,17 @@ SPEC = Spec(
         "causal mask off by one (> 1e-2)"))},
     test_shapes=(
         {"n_heads": 4, "n_kv_heads": 4, "head_dim": 64, "positions": 17},
-        {"n_heads": 9, "n_kv_heads": 3, "head_dim": 64, "positions": 300, "qkv_offset": 5},
-        {"n_heads": 8, "n_kv_heads": 2, "head_dim": 128, "positions": 1},
+        # out also as Q8_1 blocks (q8_out): through the combine (300 positions: 2 to 10 partitions) and through
+        # the one partition's launch (a single position)
+        {"n_heads": 9, "n_kv_heads": 3, "head_dim": 64, "positions": 300, "qkv_offset": 5, "q8_out": True},
+        {"n_heads": 8, "n_kv_heads": 2, "head_dim": 128, "positions": 1, "q8_out": True},
         {"n_heads": 8, "n_kv_heads": 2, "head_dim": 128, "positions": 300, "qkv_offset": 3},
         # The 2026 families' layers, at positions just past a partition (PART 32 and 128) or on its edge:
         # Gemma 3 (D 256, GQA 4, q/k norm, a local layer's window, query_pre_attn_scalar ≠ D), Gemma 2
         # (GQA 8, soft-cap: scores of std ~2 against a cap of 1.5, so tanh bends them), Phi-4-mini (96 of 128
         # dimensions rotate), SmolLM3's NoPE layers (GQA 8), and all of them at once at D 64 (32 of 64 rotate).
         {"n_heads": 4, "n_kv_heads": 1, "head_dim": 256, "positions": 129, "qk_norm": True, "window": 100,
-         "scale": 0.07},
+         "scale": 0.07, "q8_out": True},
         {"n_heads": 8, "n_kv_heads": 1, "head_dim": 256, "positions": 33, "scale": 0.125, "softcap": 1.5},
         {"n_heads": 12, "n_kv_heads": 4, "head_dim": 128, "positions": 161, "rotary_dims": 96, "qkv_offset": 2},
         {"n_heads": 8, "n_kv_heads": 1, "head_dim": 64, "positions": 256, "rotary_dims": 0},
@@ -304,8 +322,8 @@ SPEC = Spec(
     reference=reference.attention,
     fuzz_shapes=fuzz_shapes,
     oclgrind_shapes=(
-        {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "positions": 37, "qkv_offset": 3},
-        {"n_heads": 2, "n_kv_heads": 1, "head_dim": 64, "positions": 1},
+        {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "positions": 37, "qkv_offset": 3, "q8_out": True},
+        {"n_heads": 2, "n_kv_heads": 1, "head_dim": 64, "positions": 1, "q8_out": True},
         # The per-layer features: q/k norm (its own build and local reductions), 32 of 64 dimensions rotating,
         # soft-cap, window, scale; then NoPE (no table bound).
         {"n_heads": 4, "n_kv_heads": 1, "head_dim": 64, "positions": 35, "qk_norm": True, "rotary_dims": 32,

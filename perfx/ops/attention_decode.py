@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from perfx.errors import PerfxError
-from perfx.ops import DevicePosition, buffer_bytes
+from perfx.ops import DevicePosition, buffer_bytes, device_buffer
 from perfx.ops.kv_cache import KVCache, RopeTable, attention_features, check_kv_form, kv_shape
 from perfx.ops.params import FP16_NEED, ParamSpace, Rule
 from perfx.runtime import Device
@@ -102,10 +102,10 @@ class AttentionDecode:
         spec_shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "positions": max_positions,
                       **({"qk_norm": True} if self.qk_norm else {}), **kv_shape(self.kv)}
         self.params = params = PARAMS.resolve(params, spec_shape, device.caps)
-        defines = {"HEAD_DIM": head_dim, "GQA": n_heads // n_kv_heads, "QK_NORM": int(self.qk_norm),
-                   "KV_Q8": int(self.kv == "q8"), **params}
-        self.partial_kernel = device.kernel(PARAMS.source, "attention_partial", defines)
-        self.combine_kernel = device.kernel(PARAMS.source, "attention_combine", defines)
+        self.defines = {"HEAD_DIM": head_dim, "GQA": n_heads // n_kv_heads, "QK_NORM": int(self.qk_norm),
+                        "KV_Q8": int(self.kv == "q8"), **params}
+        self._kernels: dict[bool, tuple] = {}
+        self.kernels(False)   # built now: a refusal shows at load
         self.part = int(params["PART"])
         self.wgs = int(params["WGS"])
         self.lanes = head_dim // int(params["VW"])
@@ -119,6 +119,15 @@ class AttentionDecode:
         self.placeholder = device.alloc(4, what="attention_decode placeholder")
         self.position = DevicePosition(device, "attention_decode")
         self.last_events: list = []
+
+    def kernels(self, quantizes: bool) -> tuple:
+        """(attention_partial, attention_combine), built to also write out as Q8_1 blocks where ``quantizes``."""
+        kernels = self._kernels.get(quantizes)
+        if kernels is None:
+            defines = {**self.defines, "Q8_OUT": int(quantizes)}
+            kernels = self._kernels[quantizes] = tuple(
+                self.device.kernel(PARAMS.source, name, defines) for name in ("attention_partial", "attention_combine"))
+        return kernels
 
     def partitions(self, pos: int) -> int:
         """Work-groups per kv head for the token at ``pos`` (1 → no combine launch)."""
@@ -160,14 +169,25 @@ class AttentionDecode:
 
     def enqueue(self, qkv, out, cache: KVCache, rope: RopeTable | None, layer: int, pos: int,
                 qkv_offset: int = 0, *, position=None, window: int | None = None, scale: float | None = None,
-                softcap: float = 0.0, q_norm=None, k_norm=None, eps: float = 1e-6) -> list:
+                softcap: float = 0.0, q_norm=None, k_norm=None, eps: float = 1e-6, quantized=None) -> list:
         """Enqueue the launches; returns their events ([partial] or [partial, combine]), for timing.
 
         ``position``: (int32 buffer, index) that holds ``pos`` when the launches run (the decode plan's step
         buffer: recorded once, the launches serve every position of the same partition count); None: this
-        wrapper writes ``pos`` into its own buffer, in queue order.
+        wrapper writes ``pos`` into its own buffer, in queue order. ``quantized``: (codes, steps and sums)
+        buffers where out is also written as Q8_1 blocks of 32 (H·D int8, H·D/32 float pairs), the o
+        projection's int8 activations (``GemvQ4.events``' ``quantized``); head_dim must be a multiple of 32.
         """
         qkv_b, out_b = self._check(qkv, out, cache, rope, layer, pos, qkv_offset)
+        extra = ()
+        if quantized is not None:
+            if self.head_dim % 32:
+                raise PerfxError(f"attention_decode: out quantized per block of 32 needs head_dim a multiple of "
+                                 f"32, not {self.head_dim}")
+            size = self.n_heads * self.head_dim
+            extra = (device_buffer(quantized[0], size, "attention_decode quantized out"),
+                     device_buffer(quantized[1], 8 * (size // 32), "attention_decode quantized out's steps and sums"))
+        partial_kernel, combine_kernel = self.kernels(quantized is not None)
         positions, pos_index = self.position(pos, position)
         window, scale, norms = attention_features(
             "attention_decode", self.head_dim, self.qk_norm, self.window if window is None else window,
@@ -177,18 +197,19 @@ class AttentionDecode:
         n_parts = self.partitions(pos)
         cos, sin = (self.placeholder, self.placeholder) if rope is None else (rope.cos, rope.sin)
         partial = self.device.launch(
-            self.partial_kernel, (self.wgs, self.n_kv_heads, n_parts), (self.wgs, 1, 1),
+            partial_kernel, (self.wgs, self.n_kv_heads, n_parts), (self.wgs, 1, 1),
             qkv_b, np.int32(qkv_offset), cos, sin, np.int32(0 if rope is None else rope.rotary_dims),
             *norms, np.float32(eps), keys, values, *scales,
             np.int32(offset), np.int32(cache.max_positions), positions,
             np.int32(pos_index), np.int32(self.max_parts), self.part_max, self.part_sum, self.part_out, out_b, np.int32(window),
-            np.float32(scale), np.float32(softcap))
+            np.float32(scale), np.float32(softcap), *extra)
         if n_parts == 1:
             self.last_events = [partial]
         else:
             combine = self.device.launch(
-                self.combine_kernel, (self.lanes, self.n_heads), (self.lanes, 1),
-                np.int32(n_parts), np.int32(self.max_parts), self.part_max, self.part_sum, self.part_out, out_b)
+                combine_kernel, (self.lanes, self.n_heads), (self.lanes, 1),
+                np.int32(n_parts), np.int32(self.max_parts), self.part_max, self.part_sum, self.part_out, out_b,
+                *extra)
             self.last_events = [partial, combine]
         return self.last_events
 

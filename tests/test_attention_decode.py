@@ -222,6 +222,14 @@ def test_errors(device):
         op(qkv, out, KVCache.allocate(device, 1, hkv, max_positions, 128), rope, 0, 0)
     with pytest.raises(PerfxError, match="RoPE table"):
         op(qkv, out, cache, RopeTable.upload(device, d, 4, THETA), 0, 5)
+    with pytest.raises(PerfxError, match="quantized out's steps and sums holds 32 bytes where 64 are needed"):
+        op(qkv, out, cache, rope, 0, 0, quantized=(device.empty(h * d, np.int8), device.empty((4, 2), np.float32)))
+    d40 = 40
+    op40 = AttentionDecode(device, None, {"n_heads": h, "n_kv_heads": hkv, "head_dim": d40, "positions": max_positions})
+    with pytest.raises(PerfxError, match="needs head_dim a multiple of 32, not 40"):
+        op40(device.upload(np.ones((h + 2 * hkv) * d40, np.float32)), device.empty(h * d40, np.float32),
+             KVCache.allocate(device, 1, hkv, max_positions, d40), RopeTable.upload(device, d40, max_positions, THETA),
+             0, 0, quantized=(device.empty(h * d40, np.int8), device.empty((h * d40 // 32, 2), np.float32)))
     with pytest.raises(PerfxError, match=r"head_dim 60 is not supported; supported: .*64.*128"):
         AttentionDecode(device, None, {"n_heads": h, "n_kv_heads": hkv, "head_dim": 60, "positions": max_positions})
     with pytest.raises(PerfxError, match="cannot share"):

@@ -12,6 +12,11 @@
 //   (the block's even elements, then its odd ones), so one AND, or a shift and an AND, frees 16 codes that
 //   meet their x in place; the 32 products of a texel are formed in int, pairs of neighbours summed (the
 //   pattern x86 compilers turn into vpmaddwd), and fp32 takes over once per block.
+//   I8 2: the same codes and blocks, each 4 nibbles (one AND or a shift and an AND of a texel's word) against
+//   4 x codes in one cl_khr_integer_dot_product 4×8-bit dot (unsigned × signed, summed in int): a GPU's byte
+//   dot product (dp4a) where its driver lists the extension, 8 a texel where I8 1 forms 32 products. Intel's
+//   CPU compiler makes each one a vpmaddwd, vphaddd and shuffles per work-item (2.5 instructions a weight
+//   against I8 1's 0.56), so the tuner leaves it to GPUs.
 
 #ifndef LANES
 #define LANES 16     // work-items along K per work-group
@@ -32,7 +37,7 @@
 #define HALF 0       // 1: dequantize and multiply in half (cl_khr_fp16), fp32 across groups
 #endif
 #ifndef I8
-#define I8 0         // x quantized to int8 per 32 once per product (gemv_q4_quantize_x), int products (1)
+#define I8 0         // x quantized to int8 per 32 once per product (gemv_q4_quantize_x), int products (1, 2)
 #endif
 #ifndef SUBGROUP
 #define SUBGROUP 0   // required subgroup size (0: the driver's), for SG 1 (kernels/gpu.h)
@@ -99,23 +104,44 @@ void gemv_q4(GEMV_Q4_ARGS I8_ARGS)
     for (int r = 0; r < WROWS; ++r) acc[r] = 0.0f;
     LANE_ACCUMULATORS
 #if I8
+#if I8 == 2
+#define GDOT_T float     // one int sum a texel and row from the dot products
+#else
+#define GDOT_T float8    // 8 int lanes a texel and row
+#endif
     // Per texel and row: 32 int products (|q·q_x| ≤ 15·127, a pair's sum fits int16, the sum of a texel's 32
-    // int32), summed in 8 int lanes, then fp32 times the block's step d (one broadcast for every row); per group
-    // and row one 8-wide multiply-add by s, and the offset m·Σ d·q_x in a scalar.
+    // int32), summed in 8 int lanes (I8 2: in one int, 8 dot products of 4), then fp32 times the block's step d
+    // (one broadcast for every row); per group and row one multiply-add by s, and the offset m·Σ d·q_x in a
+    // scalar.
     float offset[WROWS];
     #pragma unroll
     for (int r = 0; r < WROWS; ++r) offset[r] = 0.0f;
     for (int g = lane; g < q4_groups; g += LANES) {
-        float8 gdot[WROWS];
+        GDOT_T gdot[WROWS];
         #pragma unroll
-        for (int r = 0; r < WROWS; ++r) gdot[r] = (float8)(0.0f);
+        for (int r = 0; r < WROWS; ++r) gdot[r] = (GDOT_T)(0.0f);
         float xsum = 0.0f;
         #pragma unroll
         for (int i = 0; i < TEXELS_PER_GROUP; ++i) {
             const int t = g * TEXELS_PER_GROUP + i;
-            const short16 xe = convert_short16(xq[2 * t]), xo = convert_short16(xq[2 * t + 1]);
             const float2 xd = x_step_sum[t];
             xsum += xd.y;
+#if I8 == 2
+            const uint4 xe = as_uint4(xq[2 * t]), xo = as_uint4(xq[2 * t + 1]);
+            #pragma unroll
+            for (int r = 0; r < WROWS; ++r) {
+                const uint4 tex = LOAD_ROW(r, t);
+                const uint4 lo = tex & 0x0F0F0F0Fu, hi = (tex >> 4) & 0x0F0F0F0Fu;
+                // not the saturating dot_acc_sat: a texel's sum cannot overflow (|Σ| ≤ 32·15·128), and the
+                // plain form is a GPU's dp4a and add where the saturating one is checked on a CPU
+                const int dot = ((dot_4x8packed_us_int(lo.s0, xe.s0) + dot_4x8packed_us_int(lo.s1, xe.s1))
+                                 + (dot_4x8packed_us_int(lo.s2, xe.s2) + dot_4x8packed_us_int(lo.s3, xe.s3)))
+                                + ((dot_4x8packed_us_int(hi.s0, xo.s0) + dot_4x8packed_us_int(hi.s1, xo.s1))
+                                   + (dot_4x8packed_us_int(hi.s2, xo.s2) + dot_4x8packed_us_int(hi.s3, xo.s3)));
+                gdot[r] = (float)dot * xd.x + gdot[r];
+            }
+#else
+            const short16 xe = convert_short16(xq[2 * t]), xo = convert_short16(xq[2 * t + 1]);
             #pragma unroll
             for (int r = 0; r < WROWS; ++r) {
                 const uint4 tex = LOAD_ROW(r, t);
@@ -124,12 +150,17 @@ void gemv_q4(GEMV_Q4_ARGS I8_ARGS)
                 const int8 dot = (EVEN16(pe) + ODD16(pe)) + (EVEN16(po) + ODD16(po));
                 gdot[r] = convert_float8(dot) * xd.x + gdot[r];
             }
+#endif
         }
         #pragma unroll
         for (int r = 0; r < WROWS; ++r) {
             const float2 sm = GROUP_SM(scale_offset, grow[r], g);
+#if I8 == 2
+            offset[r] = gdot[r] * sm.x + (sm.y * xsum + offset[r]);   // a scalar: acc8 stays 0
+#else
             acc8[r] = gdot[r] * sm.x + acc8[r];
             offset[r] = sm.y * xsum + offset[r];
+#endif
         }
     }
     #pragma unroll

@@ -138,17 +138,22 @@ def test_fused_qkv_slices_match_separate_products(device, rng):
         start = stop
 
 
-@pytest.mark.parametrize("layout", [0, 1], ids=["rows", "interleaved"])
+@pytest.mark.parametrize("layout, i8", [(0, 1), (0, 2), (1, 1)], ids=["rows", "rows-dot", "interleaved"])
 @pytest.mark.parametrize("group", [32, 128])
-def test_int8_activations_are_exact_to_their_own_quantization(device, rng, layout, group):
+def test_int8_activations_are_exact_to_their_own_quantization(device, rng, layout, i8, group):
     """I8's only approximation is x rounded to Q8 per block of 32: against the float64 product of the same
     weights and the quantized x, it is as exact as the fp32 kernels (SPEC.tolerance), in either layout (the
-    rows kernel's x quantized by its own launch, the interleaved one's in each work-group), at groups of one
-    block and of four. This holds the offset term to Σ of the quantized x (Q8_1's sum): with the exact Σx the
-    error doubled (4.6e-2 on gate-up)."""
+    rows kernel's x quantized by its own launch, the interleaved one's in each work-group) and in either form
+    of the rows kernel's products (int16 pairs, I8 1; byte dot products, I8 2, where the device has
+    cl_khr_integer_dot_product, and never offered where it has not), at groups of one block and of four. This
+    holds the offset term to Σ of the quantized x (Q8_1's sum): with the exact Σx the error doubled (4.6e-2 on
+    gate-up)."""
     shape = {"n": 3072, "k": 640, "group": group, "epilogue": "silu_mul"}
-    params = next((p for p in SPEC.params.candidates(shape, device.caps) if p.get("I8") and p["LAYOUT"] == layout),
-                  None)
+    params = next((p for p in SPEC.params.candidates(shape, device.caps) if p.get("I8") == i8
+                   and p["LAYOUT"] == layout), None)
+    if i8 == 2 and not device.caps.integer_dot_product:
+        assert params is None, "byte dot products are offered only where the driver has them"
+        return
     assert params is not None, "the int8-activation variants run on every device"
     weight = Q4Matrix.random(shape["n"], shape["k"], group, rng)
     x = rng.standard_normal(shape["k"]).astype(np.float32)

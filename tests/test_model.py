@@ -334,20 +334,25 @@ def test_the_tuned_int8_activation_lm_head_runs_in_the_recorded_step(tiny_paths,
     assert relative_error(model.logits(), want[-1]) <= spec.tolerance_for(forced)
 
 
+@pytest.mark.parametrize("i8", [1, 2], ids=["int16-pairs", "byte-dots"])
 def test_the_norms_and_the_attention_quantize_once_for_the_int8_activation_gemvs(tiny_paths, device, tmp_path,
-                                                                                 monkeypatch):
+                                                                                 monkeypatch, i8):
     """With every int4 GEMV tuned to the rows layout's int8 activations, the norms that write xb write its Q8_1
     blocks too, and so does the decode attention for its output: the GEMVs reading xb (qkv, gate-up) and att
     (o) launch no quantization of their own, and a decode step quantizes only down's inputs. The blocks are the
     ones the GEMV's own launch makes, so the logits are those of the model with neither quantizing, to the bit,
-    and within the I8 tolerance of the reference."""
+    and within the I8 tolerance of the reference. The same with the products as byte dot products (I8 2),
+    where the driver has them (elsewhere the set is refused)."""
     monkeypatch.setenv("PERFX_CACHE", str(tmp_path))
     source = open_model(tiny_paths["gguf-gqa3"])
     spec = SPECS["gemv_q4"]
     problems, _ = model_problems(source.config, SPECS, 32)
-    forced = {**spec.params.defaults(), "LAYOUT": 0, "LANES": 1, "WGR": 16, "ROWS": 2, "I8": 1, "SG": 0, "HALF": 0}
+    forced = {**spec.params.defaults(), "LAYOUT": 0, "LANES": 1, "WGR": 16, "ROWS": 2, "I8": i8, "SG": 0, "HALF": 0}
     tuned = [p for p in problems if p.family == "gemv_q4"]
     assert tuned, "the tiny model has int4 matrices"
+    if i8 == 2 and not device.caps.integer_dot_product:
+        assert "cl_khr_integer_dot_product" in spec.params.why_invalid(forced, tuned[0].shape, device.caps)
+        return
     for problem in tuned:
         assert spec.params.why_invalid(forced, problem.shape, device.caps) is None, problem.label
         default_database().save_result(device, result_record(spec, problem.shape, forced, 1e-2, None,

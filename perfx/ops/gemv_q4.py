@@ -22,7 +22,8 @@ from perfx.formats import Q4_PAIRS, q4_form_defines
 from perfx.ops import device_buffer
 from perfx.ops.epilogue import GEMV_EPILOGUES, check_gate_up, code, is_gated, output_rows
 from perfx.ops.params import (FP16_NEED, READ_BUFFER, READ_IMAGE1D, READ_IMAGE2D, READ_NAMES, READ_NEED,
-                              SUBGROUP_SIZE_NEED, SUBGROUPS_NEED, Need, ParamSpace, Rule, Variants)
+                              INTEGER_DOT_NEED, SUBGROUP_SIZE_NEED, SUBGROUPS_NEED, Need, ParamSpace, Rule,
+                              Variants)
 from perfx.ops.q4_weight import LAYOUT_INTERLEAVED, LAYOUT_NAMES, LAYOUT_ROWS, Q4DeviceWeight
 from perfx.runtime import Device
 
@@ -66,7 +67,8 @@ ROWS_LAYOUT = ParamSpace(
         "READ": (0, 1, 2),         # codes from a uint4 buffer (0), image2d row blocks (1), image1d_buffer view (2)
         "SG": (0, 1),              # lanes reduced by a local-memory tree (0) or sub_group_reduce_add (1)
         "HALF": (0, 1),            # fp16 dequantize-and-multiply within a group, fp32 across groups
-        "I8": (0, 1),              # x quantized to int8 per 32 once per product, integer products
+        "I8": (0, 1, 2),           # x quantized to int8 per 32 once per product, integer products in int16
+                                   # pairs (1) or byte dot products (2, cl_khr_integer_dot_product)
         "SUBGROUP": (0, 8, 16, 64),  # required subgroup size (0: the driver's; 64 = Adreno's half wave)
     },
     rules=(
@@ -75,7 +77,8 @@ ROWS_LAYOUT = ParamSpace(
              lambda p, s: p["LANES"] * p["WGR"] <= 64),
         Rule("several row sets a work-group (WGR > 1) reduce their lanes in local memory (SG 0): a subgroup "
              "reduction would mix the rows of neighbouring sets", lambda p, s: p["WGR"] == 1 or p["SG"] == 0),
-        Rule("int8 activations (I8 1) are integer products: not fp16 (HALF 0), lanes met in local memory (SG 0)",
+        Rule("int8 activations (I8 1 or 2) are integer products: not fp16 (HALF 0), lanes met in local memory "
+             "(SG 0)",
              lambda p, s: p["I8"] == 0 or (p["HALF"] == 0 and p["SG"] == 0)),
         Rule("gate-up holds gate and up rows: at most 8 rows of accumulators per work-item (ROWS ≤ 4)",
              lambda p, s: _accumulator_rows(p, s) <= 8),
@@ -106,7 +109,8 @@ ROWS_LAYOUT = ParamSpace(
     ),
     work_group_size=lambda p, s: p["LANES"] * p["WGR"],
     local_memory=_rows_local_memory,
-    needs={"READ": READ_NEED, "HALF": FP16_NEED, "SG": SUBGROUPS_NEED, "SUBGROUP": SUBGROUP_SIZE_NEED},
+    needs={"READ": READ_NEED, "HALF": FP16_NEED, "SG": SUBGROUPS_NEED, "SUBGROUP": SUBGROUP_SIZE_NEED,
+           "I8": INTEGER_DOT_NEED},
 )
 
 INTERLEAVED_LAYOUT = ParamSpace(
@@ -179,7 +183,8 @@ class GemvQ4:
                          f"the {epilogue} epilogue at K = {k}")
             defines = {**self._defines, "GROUP": group, "EPILOGUE": code("gemv_q4", epilogue, GEMV_EPILOGUES),
                        **q4_form_defines(form)}
-            kernel = self.device.kernel(self.space.source, "gemv_q4", defines)
+            # the byte dot products' built-ins (I8 2) are declared from OpenCL C 2.0 on
+            kernel = self.device.kernel(self.space.source, "gemv_q4", defines, newest_c=self.params["I8"] == 2)
             self._kernels[group, epilogue, k, form] = kernel
         return kernel
 

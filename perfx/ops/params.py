@@ -59,6 +59,9 @@ def needs_images(caps, value) -> bool:
 READ_NEED = Need("image2d reads need image support, image1d_buffer views OpenCL 1.2 images", needs_images)
 # The GPU-class variants: each behind the capability it uses, never assumed.
 FP16_NEED = Need("fp16 arithmetic needs cl_khr_fp16", lambda caps, value: not value or caps.fp16)
+# I8 2: int8 activations through the 4×8-bit dot products of cl_khr_integer_dot_product (I8 1 needs nothing)
+INTEGER_DOT_NEED = Need("byte dot products (I8 2) need cl_khr_integer_dot_product",
+                        lambda caps, value: value != 2 or caps.integer_dot_product)
 SUBGROUPS_NEED = Need("subgroup operations need cl_khr_subgroups (or cl_intel_subgroups)",
                       lambda caps, value: not value or caps.subgroups)
 # cl_qcom_reqd_sub_group_size: "half" and "full" waves, 64 and 128 work-items on Adreno 6xx–8xx.

@@ -104,15 +104,21 @@ class Device:
 
     # -- building ------------------------------------------------------------------------------
 
-    def build(self, file: str, defines: dict | None = None) -> cl.Program:
-        """Build ``kernels/<file>`` with ``-DNAME=value`` per define; built programs are kept."""
+    def build(self, file: str, defines: dict | None = None, newest_c: bool = False) -> cl.Program:
+        """Build ``kernels/<file>`` with ``-DNAME=value`` per define; built programs are kept.
+
+        ``newest_c``: as the newest OpenCL C the compiler takes (``-cl-std``, from 2.0 up), for built-ins that a
+        compiler declares only there (cl_khr_integer_dot_product's on Intel's CPU runtime); else the compiler's
+        default, OpenCL C 1.2 on most."""
         defines = dict(defines or {})
-        key = (file, tuple(sorted(defines.items())))
+        key = (file, tuple(sorted(defines.items())), newest_c)
         program = self._programs.get(key)
         if program is not None:
             return program
         path = kernel_path(file)
         options = define_flags(defines) + ["-I", str(path.parent), *self.build_options]
+        if newest_c and self.caps.opencl_c >= (2, 0):
+            options.append("-cl-std=CL{}.{}".format(*self.caps.opencl_c))
         program = cl.Program(self.context, path.read_text())
         try:
             program.build(options=options, devices=[self.cl_device])
@@ -121,16 +127,17 @@ class Device:
         self._programs[key] = program
         return program
 
-    def kernel(self, file: str, name: str, defines: dict | None = None) -> cl.Kernel:
-        """A ``Kernel`` object, created once per (file, defines, name): each ``program.name`` makes a new one.
+    def kernel(self, file: str, name: str, defines: dict | None = None, newest_c: bool = False) -> cl.Kernel:
+        """A ``Kernel`` object, created once per (file, defines, name): each ``program.name`` makes a new one
+        (``newest_c``: see ``build``).
 
         A kernel whose required work-group (``reqd_work_group_size``) or local memory exceeds what the driver
         reports it can run raises KernelLimitError here: those parameters cannot run on this driver.
         """
-        key = (file, tuple(sorted((defines or {}).items())), name)
+        key = (file, tuple(sorted((defines or {}).items())), name, newest_c)
         kernel = self._kernels.get(key)
         if kernel is None:
-            program = self.build(file, defines)
+            program = self.build(file, defines, newest_c)
             try:
                 kernel = cl.Kernel(program, name)
             except cl.Error as e:

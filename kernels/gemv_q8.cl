@@ -27,6 +27,9 @@
 // exact in int (|q·q_x| ≤ 128·127, two of them still within int16: the pair-summed form x86's vpmaddwd
 // computes), summed in int32 over the group, then fp32. The kernel's product is then exactly W·x̂ for the
 // quantized x̂, the offset term included.
+// I8 2: the same, each 4 codes against 4 x codes in one cl_khr_integer_dot_product 4×8-bit dot
+// (dot_4x8packed_ss_int, a GPU's dp4a, where the driver lists the extension): G/4 a group and row. Intel's CPU
+// compiler makes each a vpmaddwd, vphaddd and shuffles per work-item, so the tuner leaves it to GPUs.
 
 #ifndef LANES
 #define LANES 16     // work-items along K per work-group (power of two)
@@ -38,7 +41,8 @@
 #define WGR 1        // work-items along the rows per work-group, each owning ROWS neighbouring rows
 #endif
 #ifndef I8
-#define I8 0         // x quantized to int8 per group once per product (gemv_q8_quantize_x), int products (1)
+#define I8 0         // x quantized to int8 per group once per product (gemv_q8_quantize_x), int products:
+                     // int16 pairs (1), byte dot products (2)
 #endif
 #ifndef EPILOGUE
 #define EPILOGUE EPI_NONE  // plain (+bias), or SiLU / GELU (gate)·up over paired rows (kernels/epilogue.h)
@@ -136,6 +140,25 @@ void gemv_q8(const int n_out, const int k, const int y_base, const int row_a, co
     for (int r = 0; r < WROWS; ++r) offset[r] = 0.0f;
     for (int g = lane; g < groups; g += LANES) {
         const float2 xd = x_step_sum[g];
+#if I8 == 2
+        uint xw[GROUP / 4];
+        #pragma unroll
+        for (int i = 0; i < GROUP / 4; ++i) xw[i] = ((const __global uint*)xq)[g * (GROUP / 4) + i];
+        #pragma unroll
+        for (int r = 0; r < WROWS; ++r) {
+            // rows start at multiples of K bytes, K a multiple of 16: every word of codes is aligned
+            const __global uint* w = (const __global uint*)wrow[r] + g * (GROUP / 4);
+            int dot = 0;   // |Σ| ≤ 32·128·128: no overflow, so the plain dot (the saturating one is checked)
+            #pragma unroll
+            for (int i = 0; i < GROUP / 4; ++i) dot += dot_4x8packed_ss_int(w[i], xw[i]);
+            const float2 sm = LOAD_SM(prow[r], g);
+#if SYM
+            offset[r] = (float)dot * (sm.x * xd.x) + offset[r];   // a scalar: acc8 stays 0
+#else
+            offset[r] = (float)dot * (sm.x * xd.x) + (sm.y * xd.y + offset[r]);
+#endif
+        }
+#else
         short16 xv[GROUP / 16];
         #pragma unroll
         for (int i = 0; i < GROUP / 16; ++i) xv[i] = convert_short16(CHARS16(xq, g * (GROUP / 16) + i));
@@ -153,6 +176,7 @@ void gemv_q8(const int n_out, const int k, const int y_base, const int row_a, co
             offset[r] = sm.y * xd.y + offset[r];
 #endif
         }
+#endif
     }
     float acc[WROWS];
     #pragma unroll

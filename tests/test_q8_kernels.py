@@ -65,7 +65,9 @@ def test_detects_wrong_answers(device, rng):
 def test_int8_activations_are_exact_to_their_own_quantization(device, rng, n, k, group, f32, sym, epilogue):
     """I8's only approximation is x rounded to int8 per group (the offset term on the rounded group's sum):
     the quantized x the launch leaves is perfx.reference.quantize_activations_q8's, and against the float64
-    product of the same weights and that x every I8 parameter set is as exact as the fp32 kernels."""
+    product of the same weights and that x every I8 parameter set is as exact as the fp32 kernels: the int16
+    pairs (I8 1) and, where the driver has cl_khr_integer_dot_product (and only there), the byte dot products
+    (I8 2)."""
     spec = SPECS["gemv_q8"]
     shape = {"n": n, "k": k, "group": group, "f32": f32, "sym": sym, "epilogue": epilogue, "bias": False}
     q8 = Q8Matrix.random(n, k, group, rng, f32=f32, symmetric=sym)
@@ -77,6 +79,7 @@ def test_int8_activations_are_exact_to_their_own_quantization(device, rng, n, k,
     want = full if epilogue == "none" else reference.swiglu(full[:n // 2], full[n // 2:])
     candidates = [p for p in spec.params.candidates(shape, device.caps) if p["I8"]]
     assert candidates
+    assert any(p["I8"] == 2 for p in candidates) == device.caps.integer_dot_product
     for params in candidates:
         gemv = GemvQ8(device, params, shape)
         y = device.poisoned(len(want), np.float32)

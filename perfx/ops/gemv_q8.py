@@ -16,7 +16,7 @@ import pyopencl as cl
 
 from perfx.ops import device_buffer
 from perfx.ops.epilogue import GEMV_EPILOGUES, check_gate_up, code, is_gated, output_rows
-from perfx.ops.params import ParamSpace, Rule
+from perfx.ops.params import INTEGER_DOT_NEED, ParamSpace, Rule
 from perfx.ops.q8_weight import Q8DeviceWeight
 from perfx.runtime import Device
 
@@ -33,7 +33,8 @@ PARAMS = ParamSpace(
         "LANES": (16, 1, 4, 64),   # work-items along K per work-group
         "ROWS": (4, 1, 2, 8),      # outputs per work-item (pairs for the gate-up epilogues)
         "WGR": (1, 16, 64),        # work-items along the rows per work-group (ROWS neighbouring rows each)
-        "I8": (0, 1),              # x quantized to int8 per group once per product, integer products
+        "I8": (0, 1, 2),           # x quantized to int8 per group once per product, integer products in int16
+                                   # pairs (1) or byte dot products (2, cl_khr_integer_dot_product)
     },
     rules=(Rule("gate-up holds gate and up rows: at most 8 rows of accumulators per work-item (ROWS ≤ 4)",
                 lambda p, s: _accumulator_rows(p, s) <= 8),
@@ -44,6 +45,7 @@ PARAMS = ParamSpace(
                 lambda p, s: p["LANES"] * p["WGR"] <= 64)),
     work_group_size=lambda p, s: p["LANES"] * p["WGR"],
     local_memory=lambda p, s: 4 * p["LANES"] * p["WGR"] * _accumulator_rows(p, s) if p["LANES"] > 1 else 0,
+    needs={"I8": INTEGER_DOT_NEED},
 )
 
 
@@ -73,7 +75,8 @@ class GemvQ8:
             PARAMS.check(self.params, {"epilogue": epilogue}, self.device.caps, f"the {epilogue} epilogue")
             defines = {**self.params, "GROUP": group, "SM_F32": int(f32), "SYM": int(symmetric),
                        "EPILOGUE": code("gemv_q8", epilogue, GEMV_EPILOGUES)}
-            kernel = self._kernels[key] = self.device.kernel(PARAMS.source, "gemv_q8", defines)
+            kernel = self._kernels[key] = self.device.kernel(PARAMS.source, "gemv_q8", defines,
+                                                             newest_c=self.params["I8"] == 2)
         return kernel
 
     def quantize(self, x, k: int, group: int) -> tuple[list[cl.Event], tuple]:

@@ -42,11 +42,11 @@ def test_a_choice_that_does_not_build_gives_way_at_load_and_is_remembered(tmp_pa
     tried = []
     real_build = Device.build
 
-    def driver(self, file, defines=None):   # a driver whose compiler gives up on 64 lanes of gemv_q4
+    def driver(self, file, defines=None, newest_c=False):   # a driver whose compiler gives up on 64 lanes of gemv_q4
         if file == "gemv_q4_rows.cl" and (defines or {}).get("LANES") == 64:
             tried.append(defines)
             raise BuildError(file, defines, "error: too many registers", self.caps.name)
-        return real_build(self, file, defines)
+        return real_build(self, file, defines, newest_c)
 
     monkeypatch.setattr(Device, "build", driver)
     lines = []
@@ -81,7 +81,7 @@ def test_a_compiler_that_cannot_target_this_cpu_is_one_clear_error_and_no_refusa
     assert BuildError("copy.cl", {}, log, "cpu").compiler_lacks_cpu
     assert not BuildError("copy.cl", {}, "error: too many registers", "cpu").compiler_lacks_cpu
 
-    def driver(self, file, defines=None):
+    def driver(self, file, defines=None, newest_c=False):
         raise BuildError(file, defines or {}, log, self.caps.name)
 
     monkeypatch.setattr(Device, "build", driver)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from perfx.commands import bench, chat, generate, info, perplexity, quantize, report, selftest, serve, tune
@@ -82,3 +83,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("perfx: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader stopped early (`perfx info | head`): end quietly, and keep Python's flush at exit from
+        # raising again on the closed pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

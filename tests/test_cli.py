@@ -12,6 +12,7 @@ from perfx import cli
 from perfx.commands import selftest
 from perfx.commands.info import describe_weight
 from perfx.formats import Q8Matrix
+from perfx.runtime import KernelLimitError
 from perfx.tuning import SPECS
 
 
@@ -81,6 +82,53 @@ def test_selftest_exits_1_when_a_kernel_is_broken(capsys, monkeypatch):
     code, out, _ = run_cli(capsys, "selftest", "--quick")
     assert code == 1
     assert "FAIL" in out and "rmsnorm" in out and "0 passed, 1 failed" in out
+
+
+def test_selftest_reports_sets_the_driver_refuses_apart_from_failures(capsys, monkeypatch):
+    """A set whose built kernel the driver's limits exclude (NVIDIA's: 256 work-items where its registers run
+    out) is refused, not failed: the tuner never chooses it, so the exit status stays 0, and the count says so."""
+    good = SPECS["rmsnorm"]
+
+    def refusing_case(device, shape, rng):
+        def refuse(params):
+            raise KernelLimitError("kernels/rmsnorm.cl rmsnorm (-DWGS=128) requires work-groups of 512, but this "
+                                   "driver runs it in groups of at most 256 (registers or local memory it needs)")
+        return dataclasses.replace(good.make_case(device, shape, rng), run=refuse)
+
+    monkeypatch.setattr(selftest, "select_specs",
+                        lambda names: {"rmsnorm": dataclasses.replace(good, make_case=refusing_case)})
+    code, out, _ = run_cli(capsys, "selftest", "--quick", "--json")
+    data = json.loads(out)
+    assert code == 0 and (data["passed"], data["failed"], data["refused"]) == (0, 0, 1)
+    assert "requires work-groups of 512" in data["checks"][0]["refused"]
+    code, out, _ = run_cli(capsys, "selftest", "--quick")
+    assert code == 0 and "0 passed, 0 failed, 1 refused by the driver's limits" in out
+
+
+def test_an_interrupted_selftest_reports_the_checks_done(capsys, monkeypatch):
+    """Ctrl-C (or a timeout's SIGINT) part way: the checks done so far are printed, the status is 130."""
+    good = SPECS["rmsnorm"]
+
+    def interrupting_case(device, shape, rng):
+        def interrupt(params):
+            raise KeyboardInterrupt
+        return dataclasses.replace(good.make_case(device, shape, rng), run=interrupt)
+
+    specs = {"swiglu": SPECS["swiglu"], "rmsnorm": dataclasses.replace(good, make_case=interrupting_case)}
+    monkeypatch.setattr(selftest, "select_specs", lambda names: specs)
+    code, out, err = run_cli(capsys, "selftest", "--quick", "--json")
+    data = json.loads(out)
+    assert code == 130 and data["interrupted"] and data["passed"] == 1 and data["checks"][0]["kernel"] == "swiglu"
+    assert "interrupted after 1 checks" in err
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
+    """`perfx info | head -1`: the reader goes away, perfx ends with status 1 and no traceback."""
+    process = subprocess.Popen([sys.executable, "-m", "perfx", "info"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               cwd=tmp_path)
+    process.stdout.close()
+    err = process.stderr.read().decode()
+    assert process.wait() == 1 and "Traceback" not in err and "BrokenPipeError" not in err, err
 
 
 def test_selftest_unknown_family(capsys):

@@ -19,7 +19,8 @@ from perfx.errors import PerfxError
 from perfx.model import load_model
 from perfx.ops.gemv_q4 import GemvQ4
 from perfx.ops.small_ops import Argmax
-from perfx.runtime import BuildError, Device, KernelLimitError
+from perfx.ops.params import LOCAL_MEM_RESERVE
+from perfx.runtime import BuildError, Device, KernelLimitError, Limits
 from perfx.tuning import SPECS
 from perfx.tuning.database import Database, default_database, result_record
 from perfx.tuning.problems import problems_for
@@ -111,6 +112,19 @@ def test_kernel_limits_the_driver_reports_are_checked(monkeypatch):
     with pytest.raises(KernelLimitError, match="a work-group of 64 work-items, but this driver runs this kernel "
                                                "in groups of at most 32"):
         device.launch(kernel, (64,), (64,), np.int32(16), buffer.data, buffer.data)
+
+
+def test_a_set_using_all_of_the_local_memory_is_no_candidate():
+    """NVIDIA's driver keeps 4 bytes of a work-group's local memory for itself, so a set sized to exactly the
+    device's local memory built there and was then refused: such a set is not offered, one with room is."""
+    spec = SPECS["gemm_q4_tiled"]
+    shape = spec.test_shapes[0]
+    params = {**spec.params.defaults(), "MWG": 64, "NWG": 64, "KWG": 64, "MDIMC": 8, "NDIMC": 8, "VWN": 8}
+    need = spec.params.local_memory(params, shape)
+    exact = Device(limits=Limits(name="exact-local", local_mem=need))
+    assert "the 64 a driver may keep for itself" in spec.params.why_invalid(params, shape, exact.caps)
+    roomy = Device(limits=Limits(name="roomy-local", local_mem=need + LOCAL_MEM_RESERVE))
+    assert spec.params.why_invalid(params, shape, roomy.caps) is None
 
 
 def test_the_tuner_marks_limits_and_records_private_memory(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ from perfx.errors import PerfxError
 from perfx.formats import Q4_SYMMETRIC, Q4_ZEROS, Q4Matrix
 from perfx.ops.epilogue import output_rows
 from perfx.ops.gemm_q4 import DEFAULT_CROSSOVER, GemmQ4
+from perfx.ops.params import LOCAL_MEM_RESERVE
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.runtime import Device, Limits
 from perfx.tuning.database import Database, result_record
@@ -217,9 +218,10 @@ def test_errors_name_the_problem(device, rng):
 
 
 def test_a_tuned_tile_that_does_not_fit_the_gate_up_epilogue_gives_way_to_the_next(rng, tmp_path):
-    """24 KiB: X and one weight tile of KWG = 64 fit (24 KiB), two (the gate-up epilogue's) do not. Passed
-    explicitly that is an error; looked up, it is skipped for the defaults, with the reason kept."""
-    device = Device(limits=Limits(name="24k-local", local_mem=24 << 10))
+    """24 KiB and a driver's reserve: X and one weight tile of KWG = 64 fit (24 KiB), two (the gate-up
+    epilogue's) do not. Passed explicitly that is an error; looked up, it is skipped for the defaults, with the
+    reason kept."""
+    device = Device(limits=Limits(name="24k-local", local_mem=(24 << 10) + LOCAL_MEM_RESERVE))
     gate_up = {"m": 37, "n": 2 * 70, "k": 320, "group": 32, "epilogue": "silu_mul"}
     assert GemmQ4(device, tiled_params={"KWG": 64}).params["tiled"]["KWG"] == 64   # fits the plain epilogue
     with pytest.raises(PerfxError, match="local memory"):

@@ -150,6 +150,20 @@ def test_subgroups_from_any_of_their_three_names():
     assert not has_subgroups(("cl_khr_subgroup_shuffle",), ("__opencl_c_images",))
 
 
+def test_a_gpus_cache_is_taken_as_at_least_its_last_level():
+    """NVIDIA's driver reports 4 MiB of global memory cache on an H200, whose L2 holds 50 MB: a GPU is taken to
+    have at least GPU_CACHE_FLOOR, so timings rotate a decode GEMV's weight past the L2; a CPU adds the host's
+    largest cache; another device keeps what it reports."""
+    from types import SimpleNamespace
+
+    from perfx.runtime.capabilities import GPU_CACHE_FLOOR, _cache_bytes, _host_cache_bytes
+    h200 = SimpleNamespace(global_mem_cache_size=4325376)
+    assert _cache_bytes(h200, "GPU") == GPU_CACHE_FLOOR >= 50_000_000
+    assert _cache_bytes(SimpleNamespace(global_mem_cache_size=96 << 20), "GPU") == 96 << 20
+    assert _cache_bytes(SimpleNamespace(global_mem_cache_size=512 << 10), "CPU") == max(512 << 10, _host_cache_bytes())
+    assert _cache_bytes(h200, "ACCELERATOR") == 4325376
+
+
 def test_pypi_implementations_join_what_the_icd_loader_reads(tmp_path):
     system, user = tmp_path / "system", tmp_path / "user"
     system.mkdir(), user.mkdir()

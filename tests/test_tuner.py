@@ -293,6 +293,7 @@ def test_bench_e2e_at_a_context_sizes_the_cache_and_runs_at_its_end(capsys):
     assert code == 0 and e2e["ctx"] == 200 and e2e["depth"] == 200 - 64 - 32 - 1
     assert e2e["kv_cache_bytes"] == 2 * 2 * c.n_layers * c.n_kv_heads * 200 * c.head_dim   # fp16 K and V
     assert e2e["decode_tok_s"] > 0 and e2e["device_bytes"] > e2e["kv_cache_bytes"]
+    assert e2e["ttft_cold_s"] > 0   # the first prompt's, kernels built during it; the figures above time none
     # --kv q8: int8 codes and an fp16 scale per 32 of them
     code = cli.main(["bench", "--model", "synthetic:tiny", "--kernels", "argmax", "--e2e", "--ctx", "200", "--kv", "q8",
                      "--json"])

@@ -118,16 +118,17 @@ def run_section(name: str, device: Device, args, database) -> dict:
                 "confirmed": sum(r.confirmation is not None for r in results), "notes": notes}
     if name == "selftest":
         checks = run_checks(device, SPECS, quick=args.quick, show_progress=False)
-        failed = [asdict(c) for c in checks if not c.passed]
+        failed = [asdict(c) for c in checks if c.failed]
         families = {}
         for c in checks:
-            entry = families.setdefault(c.kernel, {"checks": 0, "failed": 0, "worst_passing_error": 0.0})
+            entry = families.setdefault(c.kernel, {"checks": 0, "failed": 0, "refused": 0, "worst_passing_error": 0.0})
             entry["checks"] += 1
-            entry["failed"] += not c.passed
+            entry["failed"] += c.failed
+            entry["refused"] += bool(c.refused)
             if c.passed:
                 entry["worst_passing_error"] = max(entry["worst_passing_error"], c.error)
-        return {"quick": args.quick, "passed": len(checks) - len(failed), "failed": len(failed),
-                "families": families, "failures": failed}
+        return {"quick": args.quick, "passed": sum(c.passed for c in checks), "failed": len(failed),
+                "refused": sum(bool(c.refused) for c in checks), "families": families, "failures": failed}
     if name in ("bench", "bench_7b"):
         model = args.model if name == "bench" else SEVEN_B
         problems, notes = problems_for(model, SPECS, max_m=args.max_m if name == "bench" else 1)
@@ -151,6 +152,7 @@ def markdown(report: dict, device: Device) -> str:
              f"architecture {caps['architecture']}, limits {s['device']['limits']}", ""]
     test = s["selftest"]
     lines += [f"**selftest**: {test['passed']} passed, {test['failed']} failed"
+              + (f", {test['refused']} refused by the driver's limits" if test.get("refused") else "")
               + (" (defaults only)" if test["quick"] else " (every parameter set the tuner may choose)"), ""]
     for failure in test["failures"][:20]:
         why = failure["failure"] or f"relative error {failure['error']:.2e} > {failure['tolerance']:.0e}"

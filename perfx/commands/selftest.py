@@ -16,7 +16,7 @@ import numpy as np
 
 from perfx.errors import PerfxError
 from perfx.progress import Progress, format_table
-from perfx.runtime import DEVICE_HELP, Device
+from perfx.runtime import DEVICE_HELP, Device, KernelLimitError
 from perfx.tuning import Spec, select_specs
 
 
@@ -37,6 +37,12 @@ class Check:
     tolerance: float
     passed: bool
     failure: str = ""   # build or launch failure, when it did not run
+    refused: str = ""   # the driver's limits for the built kernel (work-group, local memory) exclude these
+    #                     parameters here: not run, and not a failure (the tuner never chooses such a set)
+
+    @property
+    def failed(self) -> bool:
+        return not self.passed and not self.refused
 
 
 def plan(all_specs: dict[str, Spec], device: Device, quick: bool) -> list[tuple[Spec, dict, dict]]:
@@ -53,10 +59,13 @@ def plan(all_specs: dict[str, Spec], device: Device, quick: bool) -> list[tuple[
 
 
 def run_checks(device: Device, all_specs: dict[str, Spec], quick: bool = False, seed: int = 0,
-               show_progress: bool | None = None) -> list[Check]:
+               show_progress: bool | None = None, checks: list[Check] | None = None) -> list[Check]:
+    """Every planned check, in order. ``checks``: a list each result is appended to as it comes, so a caller
+    interrupted part way (Ctrl-C on a phone's long selftest) still has those done."""
     jobs = plan(all_specs, device, quick)
     progress = Progress(len(jobs), "selftest", enabled=show_progress)
-    checks, cases = [], {}
+    checks = [] if checks is None else checks
+    cases = {}
     rng = np.random.default_rng(seed)
     for spec, shape, params in jobs:
         key = (spec.params.family, spec.describe(shape))
@@ -67,6 +76,9 @@ def run_checks(device: Device, all_specs: dict[str, Spec], quick: bool = False, 
             error = max(errors.values()) if errors else 0.0
             tolerance = spec.tolerance_for(params)
             checks.append(Check(spec.params.family, params, key[1], error, tolerance, bool(error <= tolerance)))
+        except KernelLimitError as e:
+            checks.append(Check(spec.params.family, params, key[1], float("inf"), spec.tolerance_for(params),
+                                False, refused=str(e).splitlines()[0]))
         except PerfxError as e:  # a build or launch failure on this driver: report it, go on
             checks.append(Check(spec.params.family, params, key[1], float("inf"), spec.tolerance_for(params),
                                 False, str(e).splitlines()[0]))
@@ -79,17 +91,19 @@ def checks_table(checks: list[Check]) -> str:
     rows = [("kernel", "parameters", "shape", "max rel err", "tolerance", "result")]
     for c in checks:
         params = " ".join(f"{k}={v}" for k, v in c.params.items())
-        result = "pass" if c.passed else ("FAIL: " + c.failure if c.failure else "FAIL")
+        result = ("pass" if c.passed else "refused by the driver: " + c.refused if c.refused
+                  else "FAIL: " + c.failure if c.failure else "FAIL")
         rows.append((c.kernel, params, c.shape, f"{c.error:.2e}", f"{c.tolerance:.0e}", result))
     return format_table(rows)
 
 
 def summary_table(checks: list[Check], all_specs: dict[str, Spec]) -> str:
-    rows = [("kernel", "checks", "failed", "worst passing err", "tolerance")]
+    rows = [("kernel", "checks", "failed", "refused", "worst passing err", "tolerance")]
     for family, spec in all_specs.items():
         mine = [c for c in checks if c.kernel == family]
         worst = max((c.error for c in mine if c.passed), default=0.0)
-        rows.append((family, len(mine), sum(not c.passed for c in mine), f"{worst:.2e}", f"{spec.tolerance:.0e}"))
+        rows.append((family, len(mine), sum(c.failed for c in mine), sum(bool(c.refused) for c in mine),
+                     f"{worst:.2e}", f"{spec.tolerance:.0e}"))
     return format_table(rows)
 
 
@@ -99,17 +113,25 @@ def main(args) -> int:
     started = time.perf_counter()
     print(f"perfx selftest on {device.caps.platform} / {device.caps.name} (limits: {device.caps.limits})",
           file=sys.stderr)
-    checks = run_checks(device, all_specs, quick=args.quick, show_progress=False if args.json else None)
-    failed = [c for c in checks if not c.passed]
+    checks, interrupted = [], False
+    try:
+        run_checks(device, all_specs, quick=args.quick, show_progress=False if args.json else None, checks=checks)
+    except KeyboardInterrupt:
+        interrupted = True
+        print(f"perfx selftest: interrupted after {len(checks)} checks; those follow", file=sys.stderr)
+    passed, failed = sum(c.passed for c in checks), sum(c.failed for c in checks)
+    refused = len(checks) - passed - failed
     if args.json:
         print(json.dumps({"device": device.fingerprint, "limits": device.caps.limits, "quick": args.quick,
-                          "passed": len(checks) - len(failed), "failed": len(failed),
+                          "interrupted": interrupted, "passed": passed, "failed": failed, "refused": refused,
                           "checks": [asdict(c) for c in checks]}, indent=1, default=float))
     else:
-        shown = checks if args.verbose else [c for c in checks if not c.passed]
+        shown = checks if args.verbose else [c for c in checks if c.failed]
         if shown:
             print(checks_table(shown))
         print(summary_table(checks, all_specs))
-        print(f"{len(checks) - len(failed)} passed, {len(failed)} failed "
-              f"({time.perf_counter() - started:.1f}s)")
-    return 1 if failed else 0
+        print(f"{passed} passed, {failed} failed"
+              + (f", {refused} refused by the driver's limits for the kernel (never chosen here)" if refused else "")
+              + " "
+              f"({time.perf_counter() - started:.1f}s){', interrupted' if interrupted else ''}")
+    return 130 if interrupted else 1 if failed else 0

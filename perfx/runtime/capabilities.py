@@ -241,11 +241,19 @@ def _host_cache_bytes() -> int:
     return max(sizes, default=0)
 
 
+# A GPU's last-level cache as large as any seen (the H200's L2 is 50 MB; a Snapdragon's system-level cache,
+# shared with the CPU, 6-12 MB): timings rotate inputs past it, so too large a figure costs only memory.
+GPU_CACHE_FLOOR = 64 << 20
+
+
 def _cache_bytes(device: cl.Device, device_type: str) -> int:
-    """The device's global memory cache; on a CPU device the host's largest cache too, which CPU runtimes do
-    not report (Intel's and PoCL's give the L2: 512 KiB on a CPU with 32 MiB of L3)."""
+    """The largest cache a kernel's inputs can stay in between launches. CPU runtimes report the L2 (Intel's
+    and PoCL's: 512 KiB on a CPU with 32 MiB of L3), so the host's largest cache counts too; GPU drivers report
+    a cache closer to the cores than the last level, so a GPU is taken to have at least ``GPU_CACHE_FLOOR``."""
     reported = int(device.global_mem_cache_size or 0)
-    return max(reported, _host_cache_bytes()) if device_type == "CPU" else reported
+    if device_type == "CPU":
+        return max(reported, _host_cache_bytes())
+    return max(reported, GPU_CACHE_FLOOR) if device_type == "GPU" else reported
 
 
 def read_capabilities(device: cl.Device, limits: Limits = Limits()) -> Capabilities:

@@ -73,16 +73,10 @@
 #error "Q8_OUT needs head_dim a multiple of 32: a block must not straddle two heads"
 #endif
 #define Q8_OUT_ARGS , __global char* restrict out_codes, __global float2* restrict out_step_sum
-// Blocks first .. first + count − 1 of out (32 floats each) as Q8_1 blocks (kernels/q8_1.h), one work-item a
-// block, after a barrier that makes the work-group's stores of them visible to it: what the rows GEMV's own
-// quantizing launch would write, so the o projection launches none.
+// Blocks first .. first + count − 1 of out (32 floats each) as Q8_1 blocks in the rows GEMV's order: what its
+// own quantizing launch would write, so the o projection launches none.
 #define QUANTIZE_OUT(first, count, id, size)                                                             \
-    barrier(CLK_GLOBAL_MEM_FENCE);                                                                       \
-    for (int b_ = (id); b_ < (count); b_ += (size)) {                                                    \
-        Q8_1_BLOCK(out, (first) + b_, q8_, step_, sum_)                                                  \
-        Q8_1_STORE(q8_, out_codes + 32 * ((first) + b_))                                                 \
-        out_step_sum[(first) + b_] = (float2)(step_, sum_);                                              \
-    }
+    Q8_1_QUANTIZE(out, first, count, id, size, out_codes, out_step_sum, Q8_1_TEXEL)
 #else
 #define Q8_OUT_ARGS
 #endif

@@ -44,4 +44,30 @@
 #define Q8_1_STORE(R, dst)                                                                                   \
     Q8_1_STORE4(R##0, dst, 0) Q8_1_STORE4(R##1, dst, 4) Q8_1_STORE4(R##2, dst, 8) Q8_1_STORE4(R##3, dst, 12)
 
+// Q8_1_STORE_NATURAL(R, dst): the 32 codes in x's own order, as the int8 GEMV reads them (kernels/gemv_q8.cl's
+// gemv_q8_quantize_x writes the same bytes).
+#define Q8_1_STORE_NATURAL(R, dst)                                                                           \
+    ((__global char8*)(dst))[0] = convert_char8_sat(R##0); ((__global char8*)(dst))[1] = convert_char8_sat(R##1); \
+    ((__global char8*)(dst))[2] = convert_char8_sat(R##2); ((__global char8*)(dst))[3] = convert_char8_sat(R##3);
+
+// The orders a producer writes its blocks' codes in (the ORDER of Q8_1_QUANTIZE; the Q8X of rmsnorm.cl):
+#define Q8_1_TEXEL 1     // even codes then odd: the int4 GEMV's rows layout (kernels/gemv_q4_rows.cl, I8)
+#define Q8_1_NATURAL 2   // in order: the int8 GEMV (kernels/gemv_q8.cl, I8)
+
+// Q8_1_QUANTIZE(x, first, count, id, size, codes, step_sum, ORDER): blocks first .. first + count − 1 of the
+// __global float* x, one work-item a block (work-item id of size), codes (char*, 32 a block) and step_sum
+// (float2 a block) indexed from x's start. It begins with a barrier, which makes the work-group's stores of x
+// visible to the work-item that quantizes them: every work-item of the group must reach it.
+#define Q8_1_QUANTIZE(x, first, count, id, size, codes, step_sum, ORDER)                                       \
+    barrier(CLK_GLOBAL_MEM_FENCE);                                                                           \
+    for (int qb_ = (id); qb_ < (count); qb_ += (size)) {                                                     \
+        Q8_1_BLOCK(x, (first) + qb_, qv_, qstep_, qsum_)                                                     \
+        if ((ORDER) == Q8_1_NATURAL) {                                                                       \
+            Q8_1_STORE_NATURAL(qv_, (codes) + 32 * ((first) + qb_))                                          \
+        } else {                                                                                             \
+            Q8_1_STORE(qv_, (codes) + 32 * ((first) + qb_))                                                  \
+        }                                                                                                    \
+        (step_sum)[(first) + qb_] = (float2)(qstep_, qsum_);                                                 \
+    }
+
 #endif  // PERFX_Q8_1_H

@@ -16,10 +16,11 @@
 // reads back only what this same work-item just wrote (r) or read (x): from cache, and visible to it
 // without a barrier.
 //
-// Q8X 1 (K a multiple of 32): y is also written quantized for the int4 GEMVs that read it with int8
-// activations (kernels/gemv_q4_rows.cl, I8): per block of 32 its Q8_1 codes in a texel's order, xq (K bytes a
-// row), and its step and sum, x_step_sum (K/32 float2 a row), so no GEMV launch of a decode step quantizes the
-// vector a norm produced, and every GEMV reading it shares one quantization.
+// Q8X (K a multiple of 32): y is also written quantized for the GEMVs that read it with int8 activations: per
+// block of 32 its Q8_1 codes, xq (K bytes a row), in the order its readers take them (kernels/q8_1.h:
+// Q8_1_TEXEL 1 for the int4 GEMV's rows layout, Q8_1_NATURAL 2 for the int8 GEMV), and its step and sum,
+// x_step_sum (K/32 float2 a row), so no GEMV launch of a decode step quantizes the vector a norm produced, and
+// every GEMV reading it shares one quantization.
 
 #ifndef WGS
 #define WGS 128  // work-items per row (a power of two)
@@ -28,7 +29,7 @@
 #define VW 4  // floats per load: 1, 4 or 8
 #endif
 #ifndef Q8X
-#define Q8X 0  // also write y quantized per block of 32 (kernels/q8_1.h; set by the caller, not tuned)
+#define Q8X 0  // also write y quantized per block of 32, in this order (kernels/q8_1.h; set by the caller, not tuned)
 #endif
 #ifndef SG
 #define SG 0  // the work-group's sum: a local-memory tree (0) or subgroup reductions (1, cl_khr_subgroups)
@@ -39,18 +40,11 @@
 
 #if Q8X
 #include "q8_1.h"
-#define Q8X_ARGS , __global char16* restrict xq, __global float2* restrict x_step_sum
-// After y's row is written: y's blocks of 32, each quantized by one work-item (the barrier makes the other
-// work-items' stores of the row visible to it).
+#define Q8X_ARGS , __global char* restrict xq, __global float2* restrict x_step_sum
+// After y's row is written: y's blocks of 32, each quantized by one work-item.
 #define QUANTIZE_Y(k, y)                                                                                    \
-    barrier(CLK_GLOBAL_MEM_FENCE);                                                                           \
-    xq += (size_t)get_group_id(0) * ((k) / 16);                                                              \
-    x_step_sum += (size_t)get_group_id(0) * ((k) / 32);                                                      \
-    for (int b = get_local_id(0); b < (k) / 32; b += WGS) {                                                  \
-        Q8_1_BLOCK(y, b, q, step, sum)                                                                       \
-        Q8_1_STORE(q, (__global char*)(xq + 2 * b))                                                          \
-        x_step_sum[b] = (float2)(step, sum);                                                                 \
-    }
+    Q8_1_QUANTIZE(y, 0, (k) / 32, get_local_id(0), WGS, xq + (size_t)get_group_id(0) * (k),                \
+                  x_step_sum + (size_t)get_group_id(0) * ((k) / 32), Q8X)
 #else
 #define Q8X_ARGS
 #define QUANTIZE_Y(k, y)

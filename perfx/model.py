@@ -26,6 +26,7 @@ import numpy as np
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
 from perfx.formats import Q4_PAIRS, Q4Matrix, Q8Matrix
+from perfx.ops import Q8_NATURAL, Q8_TEXEL
 from perfx.ops.gated_delta_net import DeltaState
 from perfx.ops.gemm_q4 import GemmQ4
 from perfx.ops.gemv_f16 import F16DeviceWeight
@@ -44,8 +45,9 @@ from perfx.tuning.problems import delta_shape
 
 DEFAULT_CTX = 4096
 PREFILL_CHUNK = 256  # prompt tokens per prefill pass: bounds the activation buffers
-# The matrices that read xb, the normed residual stream (the rest read attention, gate-up or recurrence outputs)
-XB_READERS = ("qkv", "attn_gate", "gate_up", "conv_in", "delta_qkv", "delta_z", "delta_ab")
+# The matrices that read xb, the normed residual stream (the rest read attention, gate-up or recurrence outputs):
+# a layer's attention (or conv, or DeltaNet) side reads the norm before it, gate_up the norm before the FFN
+ATTENTION_SIDE = ("qkv", "attn_gate", "conv_in", "delta_qkv", "delta_z", "delta_ab")
 
 
 @dataclass
@@ -121,10 +123,12 @@ class RunState:
     dout: object = None         # (chunk, Hv·d_v) the recurrence's output, then normed and gated
     all_logits: object = None   # (chunk, V) and (chunk, hidden): made by the first prefill_logits only
     head_in: object = None
-    # One row of xb as Q8_1 blocks (hidden int8 codes, hidden/32 (step, sum) pairs), written by the norm that
-    # writes xb where the GEMVs reading xb take int8 activations (Model._norms_quantize); one row of att the
-    # same way, written by the decode attention where the o projection takes them (Model._attention_quantizes)
+    # One row of xb as Q8_1 blocks (hidden int8 codes, hidden/32 (step, sum) pairs), written by a norm that
+    # writes xb where a GEMV reading that xb takes int8 activations (Model._xb_blocks), in the order xb_order
+    # (perfx.ops.Q8_TEXEL or Q8_NATURAL; 0: the last norm wrote none); one row of att the same way in the texel
+    # order, written by the decode attention where the o projection takes them (Model._attention_quantizes)
     xb_q8: tuple | None = None
+    xb_order: int = 0
     att_q8: tuple | None = None
 
     @classmethod
@@ -315,14 +319,33 @@ class Model:
         self._decode_replay(0)   # recorded now: a kernel the driver refuses shows at load
 
     def _norms_quantize(self) -> bool:
-        """Whether the norms writing xb also write it as Q8_1 blocks, for one row: where some int4 GEMV reading xb
-        takes int8 activations in the rows layout (``GemvQ4.reads_quantized``), every such GEMV then shares the
-        norm's quantization and none launches its own."""
+        """Whether some norm writing xb also writes it as Q8_1 blocks, for one row (``_xb_order``)."""
+        norms = [self._attention_readers(layer) for layer in self.weights.layers]
+        norms += [[("gate_up", layer.gate_up)] for layer in self.weights.layers] + [[("lm_head", self.weights.lm_head)]]
+        return any(self._xb_order(readers) for readers in norms)
+
+    def _attention_readers(self, w: DeviceLayer) -> list[tuple[str, object]]:
+        """(role, weight) of each matrix of layer ``w`` that reads the norm before its attention, conv or DeltaNet."""
+        return [(role, getattr(w, role)) for role in ATTENTION_SIDE if getattr(w, role) is not None]
+
+    def _blocks_order(self, role: str, weight) -> int:
+        """The order of the Q8_1 blocks the decode GEMV of ``weight`` can take x as from its caller (the int4
+        GEMV's rows layout with int8 activations: Q8_TEXEL; the int8 GEMV's with groups of 32: Q8_NATURAL), else
+        0 (it reads floats, or quantizes x itself)."""
+        if isinstance(weight, Q4DeviceWeight) and self.plan.gemv[role].reads_quantized:
+            return Q8_TEXEL
+        if isinstance(weight, Q8DeviceWeight) and self.plan.q8("gemv", role, weight).reads_blocks(weight):
+            return Q8_NATURAL
+        return 0
+
+    def _xb_order(self, readers: list[tuple[str, object]]) -> int:
+        """The order a norm writes xb's blocks in for these readers, 0 for none: each GEMV reading the blocks shares
+        the norm's quantization and launches none of its own; the int4 GEMVs' order where readers want both (an
+        int8 reader then quantizes x itself)."""
         if self.config.hidden_size % 32:
-            return False
-        readers = [(role, getattr(layer, role)) for layer in self.weights.layers for role in XB_READERS]
-        readers.append(("lm_head", self.weights.lm_head))
-        return any(isinstance(w, Q4DeviceWeight) and self.plan.gemv[role].reads_quantized for role, w in readers)
+            return 0
+        orders = {self._blocks_order(role, w) for role, w in readers}
+        return Q8_TEXEL if Q8_TEXEL in orders else Q8_NATURAL if Q8_NATURAL in orders else 0
 
     def _attention_quantizes(self) -> bool:
         """Whether the decode attention also writes its output as Q8_1 blocks, for the o projection: where an
@@ -360,13 +383,15 @@ class Model:
         epilogue = self.plan.gate_epilogue if name == "gate_up" else "none"
         if isinstance(weight, Q8DeviceWeight):
             if decode:
-                return self.plan.q8("gemv", name, weight)(weight, x, y, epilogue)
+                gemv = self.plan.q8("gemv", name, weight)
+                quantized = self._quantized(x, m, Q8_NATURAL) if gemv.reads_blocks(weight) else None
+                return gemv(weight, x, y, epilogue, quantized=quantized)
             if epilogue == "none" and weight.has_bias:
                 epilogue = "bias"
             return self.plan.q8("gemm", name, weight, m)(weight, x, y, m, epilogue)
         if isinstance(weight, Q4DeviceWeight):
             if decode:
-                return self.plan.gemv[name](weight, x, y, epilogue, quantized=self._quantized(x, m))
+                return self.plan.gemv[name](weight, x, y, epilogue, quantized=self._quantized(x, m, Q8_TEXEL))
             if epilogue == "none" and weight.bias is not None:
                 epilogue = "bias"
             return self.plan.prefill(m)[0][name](weight, x, y, m, epilogue)
@@ -390,25 +415,33 @@ class Model:
                 result = self.state.row_act
             d.copy(y, result, 4 * cols, dst_offset=4 * r * cols)
 
-    def _quantized(self, x, m: int):
-        """x's Q8_1 blocks where x is one row of xb and the norms write them (``_norms_quantize``), or of att and
-        the decode attention writes them (``_attention_quantizes``), else None."""
+    def _quantized(self, x, m: int, order: int):
+        """x's Q8_1 blocks in ``order`` where x is one row of xb and the norm that wrote it wrote them so
+        (``_xb_blocks``), or of att and the decode attention writes them (``_attention_quantizes``), else None."""
         s = self.state
         if m != 1:
             return None
-        return s.xb_q8 if x is s.xb else s.att_q8 if x is s.att else None
+        if x is s.xb:
+            return s.xb_q8 if s.xb_order == order else None
+        return s.att_q8 if x is s.att and order == Q8_TEXEL else None
 
-    def _residual_norm(self, post_norm, gamma, m: int):
+    def _xb_blocks(self, readers: list[tuple[str, object]], m: int) -> dict:
+        """The keyword arguments of a norm writing xb for ``readers``: its Q8_1 blocks and their order where one row
+        is written and some reader takes them; ``state.xb_order`` says which the readers find."""
+        s = self.state
+        s.xb_order = self._xb_order(readers) if m == 1 and s.xb_q8 is not None else 0
+        return {"quantized": s.xb_q8, "order": s.xb_order} if s.xb_order else {}
+
+    def _residual_norm(self, post_norm, gamma, m: int, readers: list[tuple[str, object]]):
         """The pending output in proj joins the residual x (through its own norm ``post_norm`` where the recipe
-        has post-norms), then xb = rmsnorm(x)·γ (and, for one row, xb's Q8_1 blocks where the GEMVs read them):
-        one launch either way."""
+        has post-norms), then xb = rmsnorm(x)·γ (and, for one row, xb's Q8_1 blocks where its ``readers`` read
+        them): one launch either way."""
         c, s = self.config, self.state
-        quantized = self._quantized(s.xb, m)
+        blocks = self._xb_blocks(readers, m)
         if post_norm is None:
-            self.plan.rmsnorm.residual(s.proj, s.x, gamma, s.xb, m, c.hidden_size, c.rms_eps, quantized=quantized)
+            self.plan.rmsnorm.residual(s.proj, s.x, gamma, s.xb, m, c.hidden_size, c.rms_eps, **blocks)
         else:
-            self.plan.rmsnorm.post_residual(s.proj, s.x, post_norm, gamma, s.xb, m, c.hidden_size, c.rms_eps,
-                                            quantized=quantized)
+            self.plan.rmsnorm.post_residual(s.proj, s.x, post_norm, gamma, s.xb, m, c.hidden_size, c.rms_eps, **blocks)
 
     def _attend_decode(self, layer: int, pos: int, position=None):
         """Decode attention of one layer for the token at ``pos`` (``position``: the buffer and index the
@@ -429,9 +462,10 @@ class Model:
             # attention (or conv) rmsnorm; from layer 1 on, the previous layer's FFN output joins the residual here
             if layer == 0:
                 self.plan.rmsnorm.plain(s.x, w.attn_norm, s.xb, m, c.hidden_size, c.rms_eps,
-                                        quantized=self._quantized(s.xb, m))
+                                        **self._xb_blocks(self._attention_readers(w), m))
             else:
-                self._residual_norm(self.weights.layers[layer - 1].post_ffn_norm, w.attn_norm, m)
+                self._residual_norm(self.weights.layers[layer - 1].post_ffn_norm, w.attn_norm, m,
+                                    self._attention_readers(w))
             if w.delta_qkv is not None:
                 self._delta_layer(layer, w, m, pos, decode, position)
             elif w.conv_in is not None:
@@ -456,7 +490,7 @@ class Model:
                     self.plan.attn_gate(s.gates, s.att, s.att, m * c.q_dim)
                 self._linear("o", w.o, s.att, s.proj, m, decode)
             # ffn rmsnorm, with the attention output added into the residual
-            self._residual_norm(w.post_attn_norm, w.ffn_norm, m)
+            self._residual_norm(w.post_attn_norm, w.ffn_norm, m, [("gate_up", w.gate_up)])
             # gated MLP: gate-up with the activation·up fused, then down
             self._linear("gate_up", w.gate_up, s.xb, s.hb, m, decode)
             self._linear("down", w.down, s.hb, s.proj, m, decode)
@@ -481,7 +515,8 @@ class Model:
 
     def _final_norm(self, m: int):
         """The last layer's output joins the residual, then the final rmsnorm into xb."""
-        self._residual_norm(self.weights.layers[-1].post_ffn_norm, self.weights.final_norm, m)
+        self._residual_norm(self.weights.layers[-1].post_ffn_norm, self.weights.final_norm, m,
+                            [("lm_head", self.weights.lm_head)])
 
     def _head(self, row: int):
         """Final residual add + rmsnorm and the lm_head, for one row (the last position) only."""
@@ -491,14 +526,11 @@ class Model:
             for buffer in (self.state.proj, self.state.x):
                 self.device.copy(buffer, buffer, nbytes, src_offset=row * nbytes)
         self._final_norm(1)
-        if isinstance(self.weights.lm_head, Q8DeviceWeight):
-            head = self.weights.lm_head
-            self.plan.q8("gemv", "lm_head", head)(head, self.state.xb, self.state.logits)
-        elif isinstance(self.weights.lm_head, Q4DeviceWeight):
-            self.plan.gemv["lm_head"](self.weights.lm_head, self.state.xb, self.state.logits,
-                                      quantized=self._quantized(self.state.xb, 1))
+        head = self.weights.lm_head
+        if isinstance(head, (Q8DeviceWeight, Q4DeviceWeight)):
+            self._linear("lm_head", head, self.state.xb, self.state.logits, 1, decode=True)
         else:
-            self.plan.gemv_f16(self.weights.lm_head, self.state.xb, self.state.logits)
+            self.plan.gemv_f16(head, self.state.xb, self.state.logits)
         if c.final_softcap:
             self.plan.softcap(self.state.logits, c.vocab_size, c.final_softcap)
 

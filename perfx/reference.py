@@ -146,17 +146,20 @@ def quantize_activations_q8(x, block: int = 32) -> np.ndarray:
     return (np.rint(blocks * inv) * (amax / 127.0)).reshape(-1)
 
 
-def q8_1_rounding_excess(y, codes, step_sum) -> float:
+def q8_1_rounding_excess(y, codes, step_sum, texel_order: bool = True) -> float:
     """How far int8 blocks of y are from a correct Q8_1 quantization of it (0.0 where they are one): ``codes``
-    (K int8 a row) hold each block of 32 as its even elements then its odd ones (the order a q4 texel holds its
-    codes, kernels/q8_1.h), ``step_sum`` (K/32 (step, sum) pairs a row). Each block's step must be max|y|/127,
-    each code within half a step of its value (ties either way) and the sum Σ step·code, all to fp32's
-    rounding; the result is the largest excess over those bounds, relative to the row's max |y| (NaN where a
-    block was not written)."""
+    (K int8 a row) hold each block of 32 as its even elements then its odd ones (``texel_order``: the order a q4
+    texel holds its codes, kernels/q8_1.h), else in y's own order; ``step_sum`` (K/32 (step, sum) pairs a row).
+    Each block's step must be max|y|/127, each code within half a step of its value (ties either way) and the
+    sum Σ step·code, all to fp32's rounding; the result is the largest excess over those bounds, relative to the
+    row's max |y| (NaN where a block was not written)."""
     y = f64(y).reshape(-1, 32)
-    q = np.asarray(codes, np.int8).reshape(-1, 2, 16).astype(np.float64)
-    values = np.empty_like(y)
-    values[:, 0::2], values[:, 1::2] = q[:, 0], q[:, 1]
+    if texel_order:
+        q = np.asarray(codes, np.int8).reshape(-1, 2, 16).astype(np.float64)
+        values = np.empty_like(y)
+        values[:, 0::2], values[:, 1::2] = q[:, 0], q[:, 1]
+    else:
+        values = np.asarray(codes, np.int8).reshape(-1, 32).astype(np.float64)
     step, total = (f64(step_sum).reshape(-1, 2)[:, i:i + 1] for i in (0, 1))
     amax = np.abs(y).max(axis=1, keepdims=True)
     fp32 = 2.0 ** -20   # a few fp32 roundings of the block's step and its 127/max

@@ -312,26 +312,40 @@ def test_a_tied_int4_embedding_is_on_the_device_once(spm, device, tmp_path, monk
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
 
 
-def test_the_tuned_int8_activation_lm_head_runs_in_the_recorded_step(tiny_paths, device, tmp_path, monkeypatch):
-    """A database entry choosing gemv_q8's int8 activations (I8) for the int8 lm_head is what the model
-    uses: x is quantized by its own launch inside the recorded decode step, and the logits stay within
-    the I8 tolerance of the reference (x rounded to int8 per group)."""
+def test_the_tuned_int8_activation_lm_head_reads_the_final_norms_blocks(tiny_paths, device, tmp_path, monkeypatch):
+    """A database entry choosing gemv_q8's int8 activations (I8) for the int8 lm_head is what the model uses:
+    the final norm writes x's Q8_1 blocks in x's own order and the head reads them, so the recorded decode step
+    launches no quantization of its own; the logits stay within the I8 tolerance of the reference (x rounded to
+    int8 per group) and equal, bit for bit, those of the head quantizing x by its own launch."""
     monkeypatch.setenv("PERFX_CACHE", str(tmp_path))
     source = open_model(tiny_paths["gguf-gqa1-tied"])
     spec = SPECS["gemv_q8"]
     problems, _ = model_problems(source.config, SPECS, 32, source.weight_forms())
     head = next(p for p in problems if p.family == "gemv_q8" and p.label == "lm_head")
+    assert head.shape["group"] == 32 and source.config.hidden_size % 32 == 0
     forced = {**spec.params.defaults(), "I8": 1}
     default_database().save_result(device, result_record(spec, head.shape, forced, 1e-2, None, device.fingerprint))
 
+    def launches(model):
+        return [step.kernel.function_name for step in model._decode_launches(0)
+                if getattr(step, "kernel", None) is not None]
+
+    def logits(model):
+        model.prefill([4, 8], 0)
+        model.decode_one(15, 2)
+        return model.logits()
+
     model = Model.load(source, device, ctx=32, progress=False)
     assert model.plan.tuned["gemv_q8 (lm_head)"].params == forced
-    assert any(getattr(step, "kernel", None) is not None and step.kernel.function_name == "gemv_q8_quantize_x"
-               for step in model._decode_launches(0))
+    assert "gemv_q8_quantize_x" not in launches(model)
+    fused = logits(model)
     want, _ = reference.model_forward(source, [4, 8, 15])
-    model.prefill([4, 8], 0)
-    model.decode_one(15, 2)
-    assert relative_error(model.logits(), want[-1]) <= spec.tolerance_for(forced)
+    assert relative_error(fused, want[-1]) <= spec.tolerance_for(forced)
+
+    monkeypatch.setattr(Model, "_xb_order", lambda self, readers: 0)
+    apart = Model.load(source, device, ctx=32, progress=False)
+    assert apart.state.xb_q8 is None and "gemv_q8_quantize_x" in launches(apart)
+    assert np.array_equal(logits(apart), fused)
 
 
 @pytest.mark.parametrize("i8", [1, 2], ids=["int16-pairs", "byte-dots"])
@@ -382,6 +396,46 @@ def test_the_norms_and_the_attention_quantize_once_for_the_int8_activation_gemvs
     assert apart.state.xb_q8 is None and apart.state.att_q8 is None
     assert len(quantizing(apart)) == downs + sum(isinstance(w.o, Q4DeviceWeight) for w in layers) + sum(
         isinstance(getattr(w, role), Q4DeviceWeight) for w in layers for role in ("qkv", "gate_up"))
+    assert np.array_equal(decode(apart), fused)
+
+
+def test_the_norms_quantize_once_for_the_int8_gemvs(spm, device, tmp_path, monkeypatch):
+    """Where the GEMVs reading xb are int8 (Q5_0 qkv, Q8_0 gate-up and head, as in Gemma 3 270M's Q4_K_M file)
+    and tuned to int8 activations, each norm writes xb's Q8_1 blocks in x's own order and the int8 GEMVs read
+    them: a decode step launches no gemv_q8_quantize_x. The blocks are the bytes the GEMV's own launch writes,
+    so the logits equal those of the model with the norms writing none, to the bit."""
+    monkeypatch.setenv("PERFX_CACHE", str(tmp_path))
+    types = [{"q": "Q5_0", "k": "Q5_0", "v": "Q5_0", "o": "Q4_0", "gate": "Q8_0", "up": "Q8_0", "down": "Q4_0"}]
+    path = write_gguf(tmp_path / "int8.gguf", make_tiny_model("gqa3", spm, np.random.default_rng(5)), types,
+                      output_type="Q8_0").path
+    source = open_model(path)
+    spec = SPECS["gemv_q8"]
+    problems = [p for p in model_problems(source.config, SPECS, 32, source.weight_forms())[0] if p.family == "gemv_q8"]
+    assert {p.label for p in problems} >= {"qkv", "gate_up", "lm_head"}
+    forced = {**spec.params.defaults(), "I8": 1}
+    for problem in problems:
+        default_database().save_result(device, result_record(spec, problem.shape, forced, 1e-2, None,
+                                                             device.fingerprint))
+
+    def quantizing(model):
+        return [step for step in model._decode_launches(0) if getattr(step, "kernel", None) is not None
+                and step.kernel.function_name == "gemv_q8_quantize_x"]
+
+    def decode(model):
+        model.prefill([4, 8], 0)
+        model.decode_one(15, 2)
+        return model.logits()
+
+    model = Model.load(source, device, ctx=32, progress=False)
+    assert not quantizing(model)
+    fused = decode(model)
+    want, _ = reference.model_forward(source, [4, 8, 15])
+    assert relative_error(fused, want[-1]) <= spec.tolerance_for(forced)
+
+    monkeypatch.setattr(Model, "_xb_order", lambda self, readers: 0)
+    apart = Model.load(source, device, ctx=32, progress=False)
+    # qkv and gate-up of every layer and the head, each quantizing x by a launch of its own
+    assert len(quantizing(apart)) == 2 * source.config.n_layers + 1
     assert np.array_equal(decode(apart), fused)
 
 

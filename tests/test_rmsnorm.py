@@ -7,6 +7,8 @@ import pytest
 from helpers.spec_checks import assert_every_parameter_set
 from perfx import reference
 from perfx.errors import PerfxError
+from perfx.ops import Q8_NATURAL
+from perfx.ops.gemv_q8 import GemvQ8
 from perfx.ops.rmsnorm import RMSNorm
 from perfx.tuning import relative_error
 from perfx.tuning.rmsnorm import EPS, SPEC
@@ -81,3 +83,22 @@ def test_errors(device):
                    100, 1e-5, quantized=quantized)
     with pytest.raises(PerfxError, match="quantized y's steps and sums holds 24 bytes where 32"):
         norm.plain(x, gamma, y, 2, 64, 1e-5, quantized=(device.empty(128, np.int8), quantized[1]))
+    with pytest.raises(PerfxError, match="the blocks' order is Q8_TEXEL or Q8_NATURAL, not 3"):
+        norm.plain(x, gamma, y, 2, 64, 1e-5, quantized=(device.empty(128, np.int8), device.empty(8, np.float32)),
+                   order=3)
+
+
+def test_natural_blocks_are_the_int8_gemvs_own(device, rng):
+    """The blocks a norm writes in x's own order are, byte for byte, those the int8 GEMV's quantizing launch
+    makes of the norm's output, so an int8 GEMV reading them computes what it would have computed alone."""
+    k = 640
+    x = device.upload(rng.standard_normal(k, dtype=np.float32))
+    gamma = device.upload(rng.uniform(0.5, 1.5, k).astype(np.float32))
+    y = device.empty(k, np.float32)
+    blocks = (device.empty(k, np.int8), device.empty((k // 32, 2), np.float32))
+    RMSNorm(device).plain(x, gamma, y, 1, k, EPS, quantized=blocks, order=Q8_NATURAL).wait()
+    events, (codes, steps) = GemvQ8(device, {"I8": 1}).quantize(y.data, k, 32)
+    events[-1].wait()
+    assert np.array_equal(blocks[0].get(), device.read(np.empty(k, np.int8), codes))
+    assert np.array_equal(blocks[1].get(), device.read(np.empty((k // 32, 2), np.float32), steps))
+    assert np.abs(blocks[0].get()).max() == 127

@@ -3,7 +3,8 @@ Gemma's sandwich norms, h = r + rmsnorm(x)·γ_post (written back into r), y = r
 
 Shape: m rows, k columns, residual (True: a fused residual entry point, False: plain), optionally post (True,
 with residual: the post-norm residual entry point, ``RMSNorm.post_residual``) and q8 (True, K a multiple of 32:
-y also written as Q8_1 blocks for the int4 GEMVs' int8 activations, as the decode step runs the norms).
+y also written as Q8_1 blocks for the GEMVs' int8 activations, as the decode step runs the norms: in an int4
+texel's order, or with natural (True) in y's own, for the int8 GEMV).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from perfx import reference
+from perfx.ops import Q8_NATURAL, Q8_TEXEL
 from perfx.ops.rmsnorm import PARAMS, RMSNorm
 from perfx.tuning.spec import Case, Spec, cached_per_params
 
@@ -20,7 +22,8 @@ COPIES = 3  # input copies cycled by Case.rotate: a row of 4096 floats would oth
 
 def make_case(device, shape, rng) -> Case:
     m, k, residual, post = shape["m"], shape["k"], shape["residual"], shape.get("post", False)
-    q8 = shape.get("q8", False)
+    q8, natural = shape.get("q8", False), shape.get("natural", False)
+    order = {"order": Q8_NATURAL if natural else Q8_TEXEL}
     assert residual or not post, "the post-norm entry point adds into the residual stream: residual True"
     x = rng.standard_normal((m, k), dtype=np.float32)
     r = rng.standard_normal((m, k), dtype=np.float32) * 3
@@ -47,10 +50,10 @@ def make_case(device, shape, rng) -> Case:
     def launch(params):
         xd, rd, gd, nd = inputs[state["copy"]]
         if post:
-            return [wrapper(params).post_residual(xd, rd, gd, nd, y, m, k, EPS, quantized=quantized)]
+            return [wrapper(params).post_residual(xd, rd, gd, nd, y, m, k, EPS, quantized=quantized, **order)]
         if residual:
-            return [wrapper(params).residual(xd, rd, gd, y, m, k, EPS, quantized=quantized)]
-        return [wrapper(params).plain(xd, gd, y, m, k, EPS, quantized=quantized)]
+            return [wrapper(params).residual(xd, rd, gd, y, m, k, EPS, quantized=quantized, **order)]
+        return [wrapper(params).plain(xd, gd, y, m, k, EPS, quantized=quantized, **order)]
 
     def run(params):
         y.set(poison)
@@ -63,7 +66,7 @@ def make_case(device, shape, rng) -> Case:
         out = {"y": y.get()}
         if q8:
             out["q8_excess"] = np.array([reference.q8_1_rounding_excess(out["y"], quantized[0].get(),
-                                                                        quantized[1].get())])
+                                                                        quantized[1].get(), not natural)])
         if residual:
             out["h"] = inputs[state["copy"]][1].get()
         return out
@@ -90,7 +93,7 @@ def fuzz_shapes(st):
         if drawn["residual"] and draw(st.booleans()):
             drawn["post"] = True   # the post-norm form, Gemma's sandwich norm
         if draw(st.booleans()):   # y quantized too: K whole blocks of 32
-            drawn.update(k=32 * draw(st.integers(1, 47)), q8=True)
+            drawn.update(k=32 * draw(st.integers(1, 47)), q8=True, natural=draw(st.booleans()))
         return drawn
     return shape()
 
@@ -113,7 +116,8 @@ SPEC = Spec(
         {"m": 2, "k": 7, "residual": True},      # K below one vector: tail only, most work-items idle
         {"m": 3, "k": 1003, "residual": True, "post": True},   # Gemma's sandwich norm, K off every multiple
         {"m": 1, "k": 5, "residual": True, "post": True},
-        {"m": 3, "k": 640, "residual": True, "post": True, "q8": True},   # Gemma 3's hidden, quantized
+        # Gemma 3's hidden, quantized in x's order for its int8 GEMVs
+        {"m": 3, "k": 640, "residual": True, "post": True, "q8": True, "natural": True},
         {"m": 1, "k": 32, "residual": True, "q8": True},   # one block: most work-items idle
     ),
     bytes_moved=_bytes,
@@ -126,6 +130,7 @@ SPEC = Spec(
         {"m": 1, "k": 7, "residual": False},
         {"m": 2, "k": 37, "residual": True, "post": True},
         {"m": 2, "k": 96, "residual": True, "q8": True},
+        {"m": 1, "k": 64, "residual": False, "q8": True, "natural": True},
     ),
     flops=lambda s: 4 * s["m"] * s["k"],
 )

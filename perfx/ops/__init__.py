@@ -10,6 +10,11 @@ import pyopencl.array as cla
 from perfx.errors import PerfxError
 
 
+# The orders a producer of Q8_1 blocks (an rmsnorm, the decode attention) writes their codes in
+# (kernels/q8_1.h): the int4 GEMV's rows layout reads a texel's order (even codes, then odd), the int8 GEMV x's own.
+Q8_TEXEL, Q8_NATURAL = 1, 2
+
+
 def buffer_bytes(array, what: str) -> tuple[cl.Buffer, int]:
     """(the cl.Buffer behind ``array``, the bytes ``array`` holds), for a cl.Buffer or a whole pyopencl Array.
 

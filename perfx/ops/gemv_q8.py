@@ -3,7 +3,9 @@ the lm_head.
 
 Wraps ``kernels/gemv_q8.cl``; its parameters are ``PARAMS`` (LANES, ROWS: the names and meaning of
 gemv_q4's, so variants added to one family carry over; I8, int8 activations: x quantized per group by
-one small launch before the product, into buffers the wrapper keeps per (K, G), read by every work-group).
+one small launch before the product, into buffers the wrapper keeps per (K, G), read by every work-group; or,
+on groups of 32, the same bytes written by the norm that made x, ``RMSNorm``'s blocks in ``Q8_NATURAL`` order,
+and no launch of its own).
 The kernel guards its row and K edges itself, so every parameter set fits every shape; the wrapper's only
 planning is cutting launches where the weight's rows span several row blocks (a large vocabulary on a
 phone's allocation limit).
@@ -14,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pyopencl as cl
 
+from perfx.errors import PerfxError
 from perfx.ops import device_buffer
 from perfx.ops.epilogue import GEMV_EPILOGUES, check_gate_up, code, is_gated, output_rows
 from perfx.ops.params import INTEGER_DOT_NEED, ParamSpace, Rule
@@ -91,8 +94,15 @@ class GemvQ8:
         event = self.device.launch(kernel, (k // group,), None, np.int32(k), x, *buffers)
         return [event], buffers
 
-    def events(self, weight: Q8DeviceWeight, x, y, epilogue: str = "none") -> list[cl.Event]:
-        """Enqueue y = W·x and return every launch's event (more than one where rows span several blocks)."""
+    def reads_blocks(self, weight: Q8DeviceWeight) -> bool:
+        """Whether the product of ``weight`` can read x as Q8_1 blocks of 32 in x's own order (``Q8_NATURAL``)
+        that a caller holds already (``RMSNorm``'s ``quantized``): with int8 activations, on groups of 32."""
+        return bool(self.params["I8"]) and weight.group == 32
+
+    def events(self, weight: Q8DeviceWeight, x, y, epilogue: str = "none", quantized=None) -> list[cl.Event]:
+        """Enqueue y = W·x and return every launch's event (more than one where rows span several blocks).
+        ``quantized``: x's Q8_1 blocks (codes in x's order, steps and sums) where ``reads_blocks``; the product's
+        own quantizing launch is then skipped."""
         code("gemv_q8", epilogue, GEMV_EPILOGUES)
         n, k = weight.n, weight.k
         check_gate_up("gemv_q8", epilogue, n)
@@ -101,9 +111,18 @@ class GemvQ8:
         yb = device_buffer(y, 4 * m, "gemv_q8 y")
         kernel = self.kernel(weight.group, weight.f32, weight.symmetric, epilogue)
         has_bias = np.int32(weight.has_bias)
-        events, quantized = [], ()
-        if self.params["I8"]:
+        events = []
+        if quantized is not None:
+            if not self.reads_blocks(weight):
+                raise PerfxError(f"gemv_q8: x's Q8_1 blocks of 32 are read with int8 activations (I8) on groups of "
+                                 f"32; these parameters have I8 = {self.params['I8']}, the weight groups of "
+                                 f"{weight.group}")
+            quantized = (device_buffer(quantized[0], k, "gemv_q8 quantized x"),
+                         device_buffer(quantized[1], 8 * (k // 32), "gemv_q8 quantized x's steps and sums"))
+        elif self.params["I8"]:
             events, quantized = self.quantize(xb, k, weight.group)
+        else:
+            quantized = ()
         for first, count, a, row_a, b, row_b in weight.segments(m, m if is_gated(epilogue) else None):
             block_a, block_b = weight.blocks[a], weight.blocks[b]
             events.append(self.device.launch(
@@ -114,9 +133,9 @@ class GemvQ8:
                 *quantized))
         return events
 
-    def __call__(self, weight: Q8DeviceWeight, x, y, epilogue: str = "none") -> cl.Event:
+    def __call__(self, weight: Q8DeviceWeight, x, y, epilogue: str = "none", quantized=None) -> cl.Event:
         """Enqueue y = W·x (+ bias), or act(gate)·up for a gate-up epilogue; returns the last launch's event.
 
         The queue is in order, so waiting on the returned event waits for the whole product.
         """
-        return self.events(weight, x, y, epilogue)[-1]
+        return self.events(weight, x, y, epilogue, quantized)[-1]

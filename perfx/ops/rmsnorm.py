@@ -7,8 +7,9 @@ y = rmsnorm(h)·γ_next — a block's output p normalised before the residual ad
 final) norm, in one pass.
 
 Each takes ``quantized``: (codes, steps and sums) buffers where y is also written as Q8_1 blocks of 32, the int8
-activations of the int4 GEMVs that read y (``GemvQ4.events``' ``quantized``), so the decode step quantizes each
-vector once, in the norm that makes it (K a multiple of 32).
+activations of the GEMVs that read y (``GemvQ4.events``' and ``GemvQ8.events``' ``quantized``), in ``order``
+(``Q8_TEXEL`` for the int4 GEMV, ``Q8_NATURAL`` for the int8 one), so the decode step quantizes each vector once,
+in the norm that makes it (K a multiple of 32).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from perfx.errors import PerfxError
-from perfx.ops import device_buffer
+from perfx.ops import Q8_NATURAL, Q8_TEXEL, device_buffer
 from perfx.ops.params import SUBGROUPS_NEED, ParamSpace, Rule
 from perfx.runtime import Device
 
@@ -43,44 +44,48 @@ class RMSNorm:
         self.device = device
         self.params = PARAMS.resolve(params, shape or {}, device.caps)
         self.wgs = self.params["WGS"]
-        self._kernels: dict[tuple[str, bool], object] = {}
+        self._kernels: dict[tuple[str, int], object] = {}
         for name in ("rmsnorm_residual", "rmsnorm", "rmsnorm_post_residual"):   # built now: a refusal shows at load
-            self._kernel(name, False)
+            self._kernel(name, 0)
 
-    def _kernel(self, name: str, quantizes: bool):
-        kernel = self._kernels.get((name, quantizes))
+    def _kernel(self, name: str, q8x: int):
+        kernel = self._kernels.get((name, q8x))
         if kernel is None:
-            kernel = self._kernels[name, quantizes] = self.device.kernel(
-                PARAMS.source, name, {**self.params, "Q8X": int(quantizes)})
+            kernel = self._kernels[name, q8x] = self.device.kernel(PARAMS.source, name, {**self.params, "Q8X": q8x})
         return kernel
 
-    def _launch(self, name: str, rows: int, dim: int, eps: float, args: tuple, quantized):
+    def _launch(self, name: str, rows: int, dim: int, eps: float, args: tuple, quantized, order: int):
         if rows < 1 or dim < 1:
             raise PerfxError(f"rmsnorm: rows = {rows} and dim = {dim} must both be at least 1")
+        q8x = 0
         if quantized is not None:
             if dim % 32:
                 raise PerfxError(f"rmsnorm: y quantized per block of 32 needs dim a multiple of 32, not {dim}")
+            if order not in (Q8_TEXEL, Q8_NATURAL):
+                raise PerfxError(f"rmsnorm: the blocks' order is Q8_TEXEL or Q8_NATURAL, not {order!r}")
             codes, steps = quantized
             args += (device_buffer(codes, rows * dim, "rmsnorm quantized y"),
                      device_buffer(steps, 8 * rows * (dim // 32), "rmsnorm quantized y's steps and sums"))
-        return self.device.launch(self._kernel(name, quantized is not None), (rows * self.wgs,), (self.wgs,),
+            q8x = order
+        return self.device.launch(self._kernel(name, q8x), (rows * self.wgs,), (self.wgs,),
                                   np.int32(dim), np.float32(eps), *args)
 
-    def residual(self, x, r, gamma, y, rows: int, dim: int, eps: float, quantized=None):
+    def residual(self, x, r, gamma, y, rows: int, dim: int, eps: float, quantized=None, order: int = Q8_TEXEL):
         """r ← x + r, y = rmsnorm(r)·γ: (rows, dim) float32, y not aliasing x or r. Returns the event."""
         nbytes = 4 * rows * dim
         args = (device_buffer(x, nbytes, "rmsnorm x"), device_buffer(r, nbytes, "rmsnorm residual"),
                 device_buffer(gamma, 4 * dim, "rmsnorm gamma"), device_buffer(y, nbytes, "rmsnorm y"))
-        return self._launch("rmsnorm_residual", rows, dim, eps, args, quantized)
+        return self._launch("rmsnorm_residual", rows, dim, eps, args, quantized, order)
 
-    def plain(self, x, gamma, y, rows: int, dim: int, eps: float, quantized=None):
+    def plain(self, x, gamma, y, rows: int, dim: int, eps: float, quantized=None, order: int = Q8_TEXEL):
         """y = rmsnorm(x)·γ, (rows, dim) float32; y must not alias x. Returns the event."""
         nbytes = 4 * rows * dim
         args = (device_buffer(x, nbytes, "rmsnorm x"), device_buffer(gamma, 4 * dim, "rmsnorm gamma"),
                 device_buffer(y, nbytes, "rmsnorm y"))
-        return self._launch("rmsnorm", rows, dim, eps, args, quantized)
+        return self._launch("rmsnorm", rows, dim, eps, args, quantized, order)
 
-    def post_residual(self, p, x, post_gamma, next_gamma, y, rows: int, dim: int, eps: float, quantized=None):
+    def post_residual(self, p, x, post_gamma, next_gamma, y, rows: int, dim: int, eps: float, quantized=None,
+                      order: int = Q8_TEXEL):
         """x ← x + rmsnorm(p)·γ_post, y = rmsnorm(x)·γ_next: (rows, dim) float32, both γ (dim), one eps for
         both norms; y not aliasing p or x. Returns the event."""
         nbytes = 4 * rows * dim
@@ -88,4 +93,4 @@ class RMSNorm:
                 device_buffer(post_gamma, 4 * dim, "rmsnorm post_gamma"),
                 device_buffer(next_gamma, 4 * dim, "rmsnorm next_gamma"),
                 device_buffer(y, nbytes, "rmsnorm y"))
-        return self._launch("rmsnorm_post_residual", rows, dim, eps, args, quantized)
+        return self._launch("rmsnorm_post_residual", rows, dim, eps, args, quantized, order)

@@ -5,6 +5,10 @@ and measures prefill and decode with ``perfx bench``'s end-to-end measurement, w
 each checkout finds (its own shipped database; the user database is left out unless --user-db). The
 table gives the median and the spread (min–max) of the rounds, and B/A per figure.
 
+Each checkout is first installed apart (``pip install --no-deps --target``), and its processes import that
+copy: with the checkout only on PYTHONPATH, an editable install of perfx would still serve ``perfx.kernels``
+and ``perfx.tuning`` from the working tree it was made from, so A would run B's kernels and database.
+
     git worktree add /tmp/before <commit>
     python benchmarks/ab_trees.py /tmp/before . --model default --rounds 5
 """
@@ -35,14 +39,22 @@ print("RESULT " + json.dumps(measure_e2e(model, int(sys.argv[2]), int(sys.argv[3
 FIGURES = ("prefill_tok_s", "decode_tok_s", "decode_gb_s", "host_ms_per_token")
 
 
-def run_once(tree: Path, model: str, prompt: int, steps: int, cache: str | None) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree.resolve()))
+def install_apart(tree: Path, into: Path) -> Path:
+    """``tree`` installed into ``into`` (its kernels and tuning files inside the package, as a wheel holds
+    them): the folder to put on PYTHONPATH."""
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                    "--disable-pip-version-check", "--target", str(into), str(tree.resolve())], check=True)
+    return into
+
+
+def run_once(site: Path, model: str, prompt: int, steps: int, cache: str | None) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(site))
     if cache is not None:
         env["PERFX_CACHE"] = cache
     out = subprocess.run([sys.executable, "-c", PROBE, model, str(prompt), str(steps)], env=env,
                          capture_output=True, text=True, cwd=tempfile.gettempdir())
     if out.returncode != 0:
-        raise SystemExit(f"{tree}: the measurement failed:\n{out.stderr[-3000:]}")
+        raise SystemExit(f"{site}: the measurement failed:\n{out.stderr[-3000:]}")
     line = next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
 
@@ -66,11 +78,12 @@ def main(argv=None) -> int:
         models = Path(os.environ.get("PERFX_CACHE", Path.home() / ".cache" / "perfx")) / "models"
         if models.is_dir():
             (Path(cache) / "models").symlink_to(models)
+    installed = Path(tempfile.mkdtemp(prefix="perfx-ab-trees-"))
+    sites = {label: install_apart(tree, installed / label) for label, tree in (("A", args.a), ("B", args.b))}
     runs = {"A": [], "B": []}
     for i in range(args.rounds):
         for label in ("AB" if i % 2 == 0 else "BA"):
-            tree = args.a if label == "A" else args.b
-            runs[label].append(run_once(tree, args.model, args.prompt_tokens, args.decode_tokens, cache))
+            runs[label].append(run_once(sites[label], args.model, args.prompt_tokens, args.decode_tokens, cache))
             print(f"round {i + 1} {label}: decode {runs[label][-1]['decode_tok_s']:.1f} tok/s, prefill "
                   f"{runs[label][-1]['prefill_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
     summary = {}

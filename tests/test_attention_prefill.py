@@ -16,11 +16,11 @@ from perfx.tuning.spec import relative_error
 
 # Every candidate on the first test shape: head_dim 64, where every set the tuner may choose at any head_dim
 # runs (the register budget and local memory only remove sets as head_dim grows), GQA 3 (21 query rows: no
-# multiple of any WGS), 12 positions after 5 cached (no multiple of any BK tile). A pairwise-covering subset
-# on the others: each (head_dim, qk_norm) is a build of its own, and there every value of each parameter runs
-# beside every value of each other (DSPLIT and BK against head_dim 256's registers and local memory, HALF with
-# each), so what a shape adds (its head_dim, GQA, q/k norm, window, soft-cap, partial rotary or NoPE) meets
-# every kind of variant; on the int8 cache's shapes too (every set on its first: tests/test_kv_q8.py).
+# multiple of any WGS), 12 positions after 5 cached (no multiple of any BK tile). A covering subset on the
+# others: each (head_dim, qk_norm) is a build of its own, and there every value of each parameter runs, at
+# head_dim 256 every pair of values (DSPLIT and BK against its registers and local memory, HALF with each),
+# so what a shape adds (its head_dim, GQA, q/k norm, window, soft-cap, partial rotary or NoPE) meets every
+# kind of variant; on the int8 cache's shapes too (every set on its first: tests/test_kv_q8.py).
 FULL_SWEEP = (0,)
 
 
@@ -36,7 +36,8 @@ def test_every_candidate(device, rng, index):
     shape = SPEC.test_shapes[index]
     if shape["head_dim"] <= 128:
         assert SPEC.params.defaults() in SPEC.params.candidates(shape, device.caps)
-    assert_every_parameter_set(SPEC, device, shape, rng, cover=index not in FULL_SWEEP)
+    assert_every_parameter_set(SPEC, device, shape, rng, cover=index not in FULL_SWEEP,
+                               strength=2 if shape["head_dim"] >= 256 else 1)
 
 
 def test_head_dim_256_has_fp32_sets_that_fit_a_phone(rng):

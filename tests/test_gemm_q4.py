@@ -28,7 +28,7 @@ def kinds(device, *names) -> list[str]:
 
 def _cases(kind):
     # Every candidate on the first spec shape (the gate-up epilogue: both weight halves, M passes and
-    # edges); a pairwise-covering subset on the others (each variant is a compile, ~0.3 s).
+    # edges); on the others, each a build of its own, a subset holding every value of every parameter.
     return [pytest.param(kind, i, id=f"{kind}-{shape['epilogue']}")
             for i, shape in enumerate(SPECS[kind].test_shapes)]
 

@@ -19,8 +19,8 @@ READ_CODES = {name: code for code, name in READ_NAMES.items()}
 
 @pytest.mark.parametrize("index", range(len(SPEC.test_shapes)), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
 def test_every_candidate(device, rng, index):
-    """Every candidate on the first shape; a pairwise-covering subset on the others (each other shape is a
-    different build: group size, epilogue (SwiGLU, GeGLU), bias)."""
+    """Every candidate on the first shape; on the others, each a different build (group size, epilogue (SwiGLU,
+    GeGLU), bias), a subset holding every value of every parameter."""
     shape = SPEC.test_shapes[index]
     assert len(SPEC.params.candidates(shape, device.caps)) >= 8
     assert_every_parameter_set(SPEC, device, shape, rng, cover=index > 0)

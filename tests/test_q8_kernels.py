@@ -26,7 +26,7 @@ ALL_SHAPES = [(SPECS[f], i) for f in FAMILIES for i in range(len(SPECS[f].test_s
 def test_every_parameter_set_matches_reference(device, rng, spec, index):
     """Every parameter set on a family's first shape (gemv_q8: K = 4160, 130 groups, rows past every ROWS·WGR
     tile); on the others, each a different build (group size, fp32 pairs, epilogue, bias, row blocks), a
-    pairwise-covering subset: every value of every parameter beside every other."""
+    covering subset: every value of every parameter."""
     shape = spec.test_shapes[index]
     results = assert_every_parameter_set(spec, device, shape, rng, cover=index > 0)
     if index == 0:

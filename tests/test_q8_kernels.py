@@ -132,6 +132,14 @@ def test_errors_name_what_is_wrong(device, rng):
             GemmQ8(device)(weight, x, device.empty((1, 7), np.float32), 1, epilogue)
     with pytest.raises(PerfxError, match=r"gemv_q8: parameters .*ROWS.*cannot run on"):
         GemvQ8(device, {"LANES": 16, "ROWS": 3})
+    blocks = (device.empty(64, np.int8), device.empty((2, 2), np.float32))
+    with pytest.raises(PerfxError, match="gemv_q8: x's Q8_1 blocks of 32 are read with int8 activations.*I8 = 0"):
+        GemvQ8(device)(weight, x, y, quantized=blocks)
+    sixteen = Q8DeviceWeight.upload(device, Q8Matrix.random(7, 64, 16, rng))
+    with pytest.raises(PerfxError, match="the weight groups of 16"):
+        GemvQ8(device, {"I8": 1})(sixteen, x, y, quantized=blocks)
+    with pytest.raises(PerfxError, match="gemv_q8 quantized x's steps and sums holds 8 bytes where 16 are needed"):
+        GemvQ8(device, {"I8": 1})(weight, x, y, quantized=(blocks[0], device.empty(2, np.float32)))
     with pytest.raises(PerfxError, match="epilogue 'bias' on a weight uploaded without a bias"):
         GemmQ8(device)(weight, x, device.empty((1, 7), np.float32), 1, "bias")
     with pytest.raises(PerfxError, match="gemm_q8: Y holds 24 bytes, less than the 28"):

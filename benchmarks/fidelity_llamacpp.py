@@ -35,7 +35,7 @@ import numpy as np
 from gguf import quants
 
 from peer_llamacpp import adds_bos, logits as llama_logits, open_llama, perplexity as llama_perplexity
-from perfx import reference
+from perfx import forward64
 from perfx.commands.perplexity import nll_rows, perplexity
 from perfx.model import load_model
 from perfx.runtime import Device
@@ -139,7 +139,7 @@ def compare(path: Path, text: str, ctx: int, chunks: int | None, greedy: int, de
     row["logits"] = {"rel_max_median": float(np.median(rel)), "rel_max_worst": float(rel.max()),
                      "top1_agreement": float(np.mean(a.argmax(1) == b.argmax(1)))}
     if with_reference:   # the float64 reference forward on the first chunk: which engine is off
-        want, _ = reference.model_forward(source, ids)
+        want, _ = forward64.model_forward(source, ids)
         targets, half = ours[ctx // 2 + 1:ctx], ctx // 2
 
         def score(rows):

@@ -63,7 +63,7 @@ def main(argv=None):
         for pos in range(1, 40):
             model.decode_one(7, pos)
         queue.finish()
-        launches = model._decode_launches(40)
+        launches = model.decode_launches(40)
         model.device.write(model.state.step, np.array([7, 40], np.int32))
         what = "decode step at position 40"
     result = {"model": args.model, "device": model.device.caps.name, "what": what, **profile(model, launches,

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 
 import numpy as np
 
-from perfx import reference
+from perfx import forward64
 from perfx.commands.bench import measure_e2e
 from perfx.model import load_model
 from perfx.runtime import Device
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
                      "top1_agreement": float(np.mean(logits["q8"].argmax(1) == logits["fp16"].argmax(1)))}
     if args.reference:
         for head, (_, src) in models.items():
-            want, _ = reference.model_forward(src, prompt)
+            want, _ = forward64.model_forward(src, prompt)
             out["logits"][f"{head}_vs_its_reference"] = rel(logits[head], want)
     if args.json:
         print(json.dumps(out, indent=1))

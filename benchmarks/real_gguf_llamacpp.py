@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from peer_llamacpp import logits as llama_logits, measure_llama, open_llama, perplexity, tokenize
-from perfx import reference
+from perfx import forward64
 from perfx.commands.bench import measure_e2e
 from perfx.model import load_model
 from perfx.tuning.spec import relative_error
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     mine = model.logits()
     out["logits_perfx_vs_llama"] = relative_error(mine, want)
     if not args.no_reference:
-        ref, _ = reference.model_forward(source, prompt, ctx=max(512, args.ctx))
+        ref, _ = forward64.model_forward(source, prompt, ctx=max(512, args.ctx))
         out["logits_perfx_vs_reference"] = relative_error(mine, ref[-1])
         out["logits_llama_vs_reference"] = relative_error(want, ref[-1])
     a, b = greedy_perfx(model, prompt, args.greedy), greedy_llama(llm, prompt, args.greedy)

@@ -17,14 +17,35 @@ from perfx.errors import PerfxError
 
 
 class Model(Protocol):
+    """What generation, speculation, serve and chat use of a model (``perfx.model.Model``), its state contract
+    included: where a forward may continue once later positions have run."""
+
     max_positions: int
     weight_bytes: int      # bytes one decode step reads
     host_seconds: float    # host time spent enqueueing so far
+    can_roll_back: bool         # a forward may resume before the last position run without a restore point
+    keeps_restore_points: bool  # some state holds the last positions only: earlier ones resume from restore points
 
     def prefill(self, tokens: list[int], start_pos: int) -> None: ...
     def decode_one(self, token: int, pos: int) -> None: ...
     def logits(self) -> np.ndarray: ...
     def argmax(self) -> int: ...
+    def resume_point(self, pos: int) -> int: ...   # the latest position at or before pos a forward may continue at
+    def checkpoint(self, verification: bool = False) -> None: ...   # keep a restore point at the last position run
+
+
+class PositionalState:
+    """The state contract of a model whose state is positional only (a KV cache): a forward continues at any
+    position it has run, and there is nothing to keep. Models with recurrent state implement it themselves."""
+
+    can_roll_back = True
+    keeps_restore_points = False
+
+    def resume_point(self, pos: int) -> int:
+        return pos
+
+    def checkpoint(self, verification: bool = False) -> None:
+        pass
 
 
 @dataclass
@@ -272,7 +293,7 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
     host_before = None
     try:
         cuts = sorted({p - start_pos for p in restore_at if start_pos < p < end}
-                      if getattr(model, "restore_points", None) is not None else ())
+                      if model.keeps_restore_points else ())
         for a, b in zip([0] + cuts, cuts + [len(prompt_ids)]):
             model.prefill(list(prompt_ids[a:b]), start_pos + a)
         pos = end

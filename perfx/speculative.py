@@ -246,8 +246,7 @@ class DraftModel:
         """k draft tokens after ``seen`` and, when sampling, the distribution each was drawn from."""
         model, started = self.model, time.perf_counter()
         start = common_prefix(self.cached, seen[:-1])
-        if hasattr(model, "resume_point"):   # a draft with recurrent state continues where it kept some
-            start = model.resume_point(start)
+        start = model.resume_point(start)   # a draft with recurrent state continues where it kept some
         del self.cached[start:]     # about to be overwritten: true however this ends
         model.prefill(seen[start:], start)
         greedy = sampler.config.temperature == 0
@@ -361,7 +360,7 @@ class Speculator:
         keep_state(model)
         logits = model.prefill_logits([token] + drafts, pos)
         accepted, nxt = accept(logits, drafts, dists, sampler, seen)
-        if len(accepted) < k and not getattr(model, "can_roll_back", True):
+        if len(accepted) < k and not model.can_roll_back:
             # The recurrent state stands after the rejected drafts: back to the restore point before the step,
             # and the kept tokens run again (counted in the step's cost, so auto weighs it).
             model.replay([token] + accepted, pos)
@@ -404,7 +403,7 @@ class Speculator:
 def keep_state(model) -> None:
     """Before a forward that may be rolled back: a model whose state cannot roll back by itself (Qwen3.5's
     Gated DeltaNet holds the last position only) keeps a restore point of it (``Model.checkpoint``)."""
-    if not getattr(model, "can_roll_back", True):
+    if not model.can_roll_back:
         model.checkpoint(verification=True)
 
 

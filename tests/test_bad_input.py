@@ -25,6 +25,7 @@ from safetensors.numpy import save_file
 
 from helpers.tiny_models import (TinyModel, make_tiny_model, quantize_gguf, tiny_tokenizer, write_awq,
                                  write_gguf, write_hf)
+from perfx import forward64
 from perfx import cli, reference
 from perfx.errors import PerfxError
 from perfx.model import Model, load_model
@@ -424,7 +425,7 @@ def test_corrupt_tuning_database_is_set_aside_and_the_model_runs(tiny, tmp_path,
     with pytest.warns(TuningDatabaseWarning, match="set aside"):
         model, source = load_model(str(tiny[1]), device, ctx=16)
     model.prefill([5, 9, 11], 0)
-    want, _ = reference.model_forward(source, [5, 9, 11])
+    want, _ = forward64.model_forward(source, [5, 9, 11])
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
     assert [p.name.split(".corrupt-")[0] for p in mine.parent.iterdir()] == [mine.name]  # set aside, no temp
 
@@ -443,7 +444,7 @@ def test_after_every_error_the_same_process_loads_and_runs_a_good_model(tiny, tm
     model, source = load_model(str(tiny[1]), device, ctx=32)
     prompt = source.tokenizer.encode("la doperi ka", add_bos=True)
     model.prefill(prompt, 0)
-    want, _ = reference.model_forward(source, prompt)
+    want, _ = forward64.model_forward(source, prompt)
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
 
 
@@ -453,7 +454,7 @@ def test_the_checks_can_fail(tiny, device):
     source = open_model(tiny[1])
     model = Model.load(source, device, ctx=16, progress=False)
     model.prefill([5, 9, 11], 0)
-    want, _ = reference.model_forward(source, [5, 9, 11])
+    want, _ = forward64.model_forward(source, [5, 9, 11])
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
     assert relative_error(model.logits(), want[-2]) > TOLERANCE      # a wrong reference is told apart
     with warnings.catch_warnings():

@@ -37,6 +37,7 @@ from helpers.family_models import (FAMILIES, family_tokenizer, make_family_model
 from helpers.llamacpp import INSTALL, import_llama_cpp
 from helpers.perplexity import reference_nll
 from helpers.tiny_models import write_awq
+from perfx import forward64
 from perfx import cli, reference
 from perfx.config import SMOLLM3_NO_ROPE_STEP, ModelConfig
 from perfx.errors import PerfxError
@@ -83,11 +84,11 @@ def run_of(family: str, n_ctx: int) -> dict:
 
 
 def greedy_reference(source, prompt: list[int], steps: int, ctx: int) -> tuple[np.ndarray, list[int]]:
-    logits, cache = reference.model_forward(source, prompt, ctx=ctx)
+    logits, cache = forward64.model_forward(source, prompt, ctx=ctx)
     first, tokens, pos = logits[-1], [], len(prompt)
     for _ in range(steps):
         tokens.append(int(np.argmax(logits[-1])))
-        logits, cache = reference.model_forward(source, [tokens[-1]], pos, cache, ctx=ctx)
+        logits, cache = forward64.model_forward(source, [tokens[-1]], pos, cache, ctx=ctx)
         pos += 1
     return first, tokens
 
@@ -169,7 +170,7 @@ def test_on_f32_files_the_reference_is_llama_cpp_s_to_fp16_rounding(files, tmp_p
                           verbose=False, type_k=0, type_v=0)   # GGML_TYPE_F32 cache
     llm.eval(entry["prompt_ids"])
     want = np.array(llm.scores[llm.n_tokens - 1])
-    got, _ = reference.model_forward(open_model(path, lm_head="fp16"), entry["prompt_ids"], ctx=256)
+    got, _ = forward64.model_forward(open_model(path, lm_head="fp16"), entry["prompt_ids"], ctx=256)
     assert np.max(np.abs(got[-1] - want)) <= F32_ATOL
 
 
@@ -181,13 +182,13 @@ def test_the_device_forward_is_the_reference_s(files, device, family, n_ctx):
     source = open_model(files[family]["gguf"])
     model = Model.load(source, device, ctx=n_ctx, progress=False, database=default_database(False))
     prompt = entry["prompt_ids"]
-    logits, cache = reference.model_forward(source, prompt, ctx=n_ctx)
+    logits, cache = forward64.model_forward(source, prompt, ctx=n_ctx)
     model.prefill(prompt, 0)
     assert relative_error(model.logits(), logits[-1]) <= DEVICE_TOLERANCE
     tokens, pos = [], len(prompt)
     for _ in range(len(run["greedy"])):
         tokens.append(model.argmax())
-        logits, cache = reference.model_forward(source, [tokens[-1]], pos, cache, ctx=n_ctx)
+        logits, cache = forward64.model_forward(source, [tokens[-1]], pos, cache, ctx=n_ctx)
         model.decode_one(tokens[-1], pos)
         pos += 1
         assert relative_error(model.logits(), logits[-1]) <= DEVICE_TOLERANCE
@@ -200,13 +201,13 @@ def test_the_hugging_face_directory_runs_as_the_gguf(files, device, family):
     and the tensor names are read alike (Gemma's 1 + w norms, Phi-3's fused projections)."""
     prompt = RECORDED[family]["prompt_ids"]
     # tables as fp16 on both sides (an fp16 table would otherwise be rounded to int8 on load, the GGUF's Q8_0 not)
-    want, _ = reference.model_forward(open_model(files[family]["gguf"], lm_head="fp16"), prompt, ctx=256)
+    want, _ = forward64.model_forward(open_model(files[family]["gguf"], lm_head="fp16"), prompt, ctx=256)
     for style in ("hub", "transformers5"):
-        got, _ = reference.model_forward(open_model(files[family][style], lm_head="fp16"), prompt, ctx=256)
+        got, _ = forward64.model_forward(open_model(files[family][style], lm_head="fp16"), prompt, ctx=256)
         # fp16 weights where the GGUF has Q8_0/Q4_0 values (written to the directory as float32): 2⁻¹¹ per weight
         assert relative_error(got[-1], want[-1]) <= 5e-3, style
     source = open_model(files[family]["hub"])
-    got, _ = reference.model_forward(source, prompt, ctx=64)
+    got, _ = forward64.model_forward(source, prompt, ctx=64)
     model = Model.load(source, device, ctx=64, progress=False, database=default_database(False))
     model.prefill(prompt, 0)
     assert relative_error(model.logits(), got[-1]) <= DEVICE_TOLERANCE
@@ -235,7 +236,7 @@ def test_awq_and_quantize_on_load_checkpoints_of_each_family(files, device, tmp_
     assert np.all(np.abs(first.dequantize()[:want.shape[0]] - want) <= 2.0 ** -11 * np.abs(offset) + 1e-12)
     prompt = RECORDED[family]["prompt_ids"]
     for source in (awq, open_model(files[family]["hub"], quantize="q4")):
-        logits, _ = reference.model_forward(source, prompt, ctx=64)
+        logits, _ = forward64.model_forward(source, prompt, ctx=64)
         loaded = Model.load(source, device, ctx=64, progress=False, database=default_database(False))
         loaded.prefill(prompt, 0)
         assert relative_error(loaded.logits(), logits[-1]) <= DEVICE_TOLERANCE
@@ -303,8 +304,8 @@ def test_a_rewritten_gguf_is_the_same_model(files, tmp_path):
     """The copier the bad-file tests use changes nothing by itself."""
     path = rewrite_gguf(files["qwen3"]["gguf"], tmp_path / "same.gguf")
     prompt = RECORDED["qwen3"]["prompt_ids"]
-    a, _ = reference.model_forward(open_model(files["qwen3"]["gguf"]), prompt)
-    b, _ = reference.model_forward(open_model(path), prompt)
+    a, _ = forward64.model_forward(open_model(files["qwen3"]["gguf"]), prompt)
+    b, _ = forward64.model_forward(open_model(path), prompt)
     assert np.array_equal(a, b)
 
 
@@ -403,7 +404,7 @@ def test_an_lfm2_chat_turn_resumes_from_its_conv_rings(files, device):
     assert model.can_resume(len(first))
     model.prefill(second[len(first):], len(first))
     resumed = model.logits()
-    want, _ = reference.model_forward(source, second)
+    want, _ = forward64.model_forward(source, second)
     assert relative_error(resumed, want[-1]) <= DEVICE_TOLERANCE
     for pos in range(len(second), len(second) + 80):
         model.decode_one(3, pos)
@@ -450,8 +451,8 @@ def test_a_multimodal_qwen35_checkpoint_reads_its_language_model(files, tmp_path
         {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
          "tie_word_embeddings": text["tie_word_embeddings"], "text_config": text, "vision_config": {"depth": 1}}))
     prompt = RECORDED["qwen35"]["prompt_ids"]
-    want, _ = reference.model_forward(open_model(hub, lm_head="fp16"), prompt, ctx=64)
-    got, _ = reference.model_forward(open_model(directory, lm_head="fp16"), prompt, ctx=64)
+    want, _ = forward64.model_forward(open_model(hub, lm_head="fp16"), prompt, ctx=64)
+    got, _ = forward64.model_forward(open_model(directory, lm_head="fp16"), prompt, ctx=64)
     assert np.array_equal(got, want)
 
 
@@ -467,7 +468,7 @@ def test_a_qwen35_prefill_is_its_token_by_token_decode(files, device):
     for pos, token in enumerate(prompt[1:], start=1):
         model.decode_one(token, pos)
     assert relative_error(model.logits(), at_once) <= DEVICE_TOLERANCE
-    want, _ = reference.model_forward(source, prompt)
+    want, _ = forward64.model_forward(source, prompt)
     assert relative_error(at_once, want[-1]) <= DEVICE_TOLERANCE
 
 
@@ -492,7 +493,7 @@ def test_a_qwen35_chat_turn_resumes_at_its_last_position_or_a_restore_point(file
     assert model.can_resume(len(first) + len(reply)) and model.can_resume(len(first)) and model.can_resume(0)
     assert not model.can_resume(len(first) + 1)
     model.prefill(whole[len(first) + len(reply):], len(first) + len(reply))
-    want, _ = reference.model_forward(source, whole)
+    want, _ = forward64.model_forward(source, whole)
     assert relative_error(model.logits(), want[-1]) <= DEVICE_TOLERANCE
     for pos, token in enumerate([8, 9], start=len(whole)):
         model.decode_one(token, pos)
@@ -510,7 +511,7 @@ def test_a_qwen35_chat_turn_resumes_at_its_last_position_or_a_restore_point(file
     model.prefill(edited, 0)
     # the same kernels over the same positions, the prefill chunks cut elsewhere: fp32 sums in another order
     assert relative_error(resumed, model.logits()) <= RESUME_TOLERANCE
-    want, _ = reference.model_forward(source, edited)
+    want, _ = forward64.model_forward(source, edited)
     assert relative_error(resumed, want[-1]) <= DEVICE_TOLERANCE
     model.prefill(prompt[:4], 0)
     for end in range(5, 5 + KEPT):   # more prompt ends than are kept: the oldest goes

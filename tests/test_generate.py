@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from perfx.errors import PerfxError
-from perfx.generate import (Conversation, SamplingConfig, apply_repetition_penalty, common_prefix, generate,
-                            sampling_probs)
+from perfx.generate import (Conversation, PositionalState, SamplingConfig, apply_repetition_penalty, common_prefix,
+                            generate, sampling_probs)
 
 
-class Scripted:
+class Scripted(PositionalState):
     """A model whose greedy token is the next of ``script``; it records every prefill and decode step."""
     weight_bytes, host_seconds = 0, 0.0
 

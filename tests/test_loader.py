@@ -18,7 +18,8 @@ from perfx.formats import Q4_ZEROS, Q4Matrix, Q8Matrix
 from perfx.sources import open_model
 from perfx.sources.base import FUSED_LINEARS, Form, form_of, quantize_group
 from perfx.sources.gguf import GGUF_FORMS
-from perfx.reference import model_forward, permute_qk, rope, unpermute_qk
+from perfx.reference import permute_qk, rope, unpermute_qk
+from perfx.forward64 import model_forward
 from perfx.sources.synthetic import SYNTHETIC_MODELS
 
 FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),

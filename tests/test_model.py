@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_awq, write_gguf, write_hf
-from perfx import reference
+from perfx import forward64
 from perfx.errors import PerfxError
 from perfx.generate import SamplingConfig, generate
+from perfx.linear import Q4Linear
+from perfx.mixers.attention import AttentionMixer
 from perfx.model import Model, load_model
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.runtime import Device
@@ -61,13 +63,13 @@ def test_prefill_and_decode_match_the_reference_forward(tiny_paths, device, rng,
     model, source = load(tiny_paths[name], device, quantize=quantize)
     v = source.config.vocab_size
     prompt = [int(t) for t in rng.integers(3, v, 9)]
-    want, cache = reference.model_forward(source, prompt)
+    want, cache = forward64.model_forward(source, prompt)
     model.prefill(prompt, 0)
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
     # two decode steps continue the same cache
     pos = len(prompt)
     for token in (int(rng.integers(3, v)), int(rng.integers(3, v))):
-        want, cache = reference.model_forward(source, [token], start_pos=pos, cache=cache)
+        want, cache = forward64.model_forward(source, [token], start_pos=pos, cache=cache)
         model.decode_one(token, pos)
         pos += 1
         got = model.logits()
@@ -103,7 +105,7 @@ def test_decode_replays_across_attention_partitions_and_back(tiny_paths, device,
         model.decode_one(token, pos)
         if pos in (0, part - 1, part, n - 1):
             assert relative_error(model.logits(), rows[pos]) <= TOLERANCE, pos
-    assert sorted(model._decode_plans) == list(range(1, (n - 1) // part + 2))
+    assert sorted(parts for (parts,) in model._decode_plans) == list(range(1, (n - 1) // part + 2))
 
     from perfx.ops.attention_decode import AttentionDecode
 
@@ -142,7 +144,7 @@ def test_long_prompts_run_in_chunks(tiny_paths, device, rng, monkeypatch):
     model, source = load(tiny_paths["gguf-gqa1-tied"], device)
     assert model.state.chunk == 8
     tokens = [int(t) for t in rng.integers(3, source.config.vocab_size, 21)]
-    want, _ = reference.model_forward(source, tokens)
+    want, _ = forward64.model_forward(source, tokens)
     model.prefill(tokens, 0)
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
 
@@ -220,8 +222,8 @@ def test_phone_limits_split_the_lm_head(tiny_paths, device, lm_head, max_alloc, 
     small = Device(limits=Limits(name="tiny-phone", max_alloc=max_alloc))
     source = open_model(tiny_paths["gguf-gqa1-tied"], lm_head=lm_head)
     model = Model.load(source, small, ctx=ctx, progress=False)
-    assert len(model.weights.lm_head.blocks) > 1 and model.weights.lm_head is model.weights.embedding
-    want, _ = reference.model_forward(source, [5, 9, 11])
+    assert len(model.weights.lm_head.weight.blocks) > 1 and model.weights.lm_head.weight is model.weights.embedding.weight
+    want, _ = forward64.model_forward(source, [5, 9, 11])
     model.prefill([5, 9, 11], 0)
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
 
@@ -243,12 +245,12 @@ def test_default_model_answers_coherently_and_matches_the_reference(device):
     exact, source = load_model("default", device, ctx=256, progress=False, tuning=False)
     tok = source.tokenizer
     prompt = tok.encode("The capital of France is", add_bos=True)
-    logits, cache = reference.model_forward(source, prompt)
+    logits, cache = forward64.model_forward(source, prompt)
     want, want_logits, pos = [], [], len(prompt)
     for _ in range(16):
         token = int(np.argmax(logits[-1]))
         want.append(token)
-        logits, cache = reference.model_forward(source, [token], start_pos=pos, cache=cache)
+        logits, cache = forward64.model_forward(source, [token], start_pos=pos, cache=cache)
         want_logits.append(logits[-1])
         pos += 1
     result = generate(exact, tok, prompt, 16, SamplingConfig(temperature=0))
@@ -279,7 +281,7 @@ def test_the_model_runs_the_tuned_parameters(tiny_paths, device, tmp_path, monke
     assert model.plan.tuned["gemv_q4 (qkv)"].source == "device"
     assert model.plan.gemv["o"].params != forced or model.plan.tuned["gemv_q4 (o)"].source != "device"
     # and the answer is still right with it
-    want, _ = reference.model_forward(source, [4, 8, 15])
+    want, _ = forward64.model_forward(source, [4, 8, 15])
     model.prefill([4, 8], 0)
     model.decode_one(15, 2)
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
@@ -299,14 +301,14 @@ def test_a_tied_int4_embedding_is_on_the_device_once(spm, device, tmp_path, monk
         default_database().save_result(device, result_record(spec, shape, image2d, 1e-6, None, device.fingerprint))
     before = device.allocated_bytes
     model = Model.load(source, device, ctx=32, progress=False)
-    table = model.weights.embedding
-    assert isinstance(table, Q4DeviceWeight) and model.weights.lm_head is table
+    table = model.weights.embedding.weight
+    assert isinstance(table, Q4DeviceWeight) and model.weights.lm_head.weight is table
     assert table.buffer is not None and (not table.images or table.images_are_views)
     lm_head = model.plan.gemv["lm_head"]
     assert lm_head.read != 1 or table.images_are_views
     assert table.layout == lm_head.layout
     assert device.allocated_bytes - before < model.load_report["weight_bytes"] + model.cache.nbytes + (8 << 20)
-    want, _ = reference.model_forward(source, [4, 8, 15])
+    want, _ = forward64.model_forward(source, [4, 8, 15])
     model.prefill([4, 8], 0)
     model.decode_one(15, 2)
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
@@ -327,7 +329,7 @@ def test_the_tuned_int8_activation_lm_head_reads_the_final_norms_blocks(tiny_pat
     default_database().save_result(device, result_record(spec, head.shape, forced, 1e-2, None, device.fingerprint))
 
     def launches(model):
-        return [step.kernel.function_name for step in model._decode_launches(0)
+        return [step.kernel.function_name for step in model.decode_launches(0)
                 if getattr(step, "kernel", None) is not None]
 
     def logits(model):
@@ -339,7 +341,7 @@ def test_the_tuned_int8_activation_lm_head_reads_the_final_norms_blocks(tiny_pat
     assert model.plan.tuned["gemv_q8 (lm_head)"].params == forced
     assert "gemv_q8_quantize_x" not in launches(model)
     fused = logits(model)
-    want, _ = reference.model_forward(source, [4, 8, 15])
+    want, _ = forward64.model_forward(source, [4, 8, 15])
     assert relative_error(fused, want[-1]) <= spec.tolerance_for(forced)
 
     monkeypatch.setattr(Model, "_xb_order", lambda self, readers: 0)
@@ -378,24 +380,26 @@ def test_the_norms_and_the_attention_quantize_once_for_the_int8_activation_gemvs
         return model.logits()
 
     def quantizing(model):
-        return [step for step in model._decode_launches(0) if getattr(step, "kernel", None) is not None
+        return [step for step in model.decode_launches(0) if getattr(step, "kernel", None) is not None
                 and step.kernel.function_name == "gemv_q4_quantize_x"]
 
     model = Model.load(source, device, ctx=32, progress=False)
-    assert model.state.xb_q8 is not None and model.state.att_q8 is not None
+    attention = model.mixers[0]
+    assert attention.kind == "attention" and model.state.xb_q8 is not None and attention.att_q8 is not None
     layers = model.weights.layers
-    downs = sum(isinstance(w.down, Q4DeviceWeight) for w in layers)
+    downs = sum(isinstance(w.down, Q4Linear) for w in layers)
     assert len(quantizing(model)) == downs, "only down's inputs are quantized by a launch of their own"
     fused = decode(model)
-    want, _ = reference.model_forward(source, [4, 8, 15])
+    want, _ = forward64.model_forward(source, [4, 8, 15])
     assert relative_error(fused, want[-1]) <= spec.tolerance_for(forced)
 
-    monkeypatch.setattr(Model, "_norms_quantize", lambda self: False)
-    monkeypatch.setattr(Model, "_attention_quantizes", lambda self: False)
+    monkeypatch.setattr(Model, "_xb_order", lambda self, readers: 0)
+    monkeypatch.setattr(AttentionMixer, "writes_blocks", lambda self: False)
     apart = Model.load(source, device, ctx=32, progress=False)
-    assert apart.state.xb_q8 is None and apart.state.att_q8 is None
-    assert len(quantizing(apart)) == downs + sum(isinstance(w.o, Q4DeviceWeight) for w in layers) + sum(
-        isinstance(getattr(w, role), Q4DeviceWeight) for w in layers for role in ("qkv", "gate_up"))
+    assert apart.state.xb_q8 is None and apart.mixers[0].att_q8 is None
+    mixing = [attention.weights[i] for i in attention.layers]
+    assert len(quantizing(apart)) == downs + sum(isinstance(w.o, Q4Linear) + isinstance(w.qkv, Q4Linear)
+                                                 for w in mixing) + sum(isinstance(w.gate_up, Q4Linear) for w in layers)
     assert np.array_equal(decode(apart), fused)
 
 
@@ -418,7 +422,7 @@ def test_the_norms_quantize_once_for_the_int8_gemvs(spm, device, tmp_path, monke
                                                              device.fingerprint))
 
     def quantizing(model):
-        return [step for step in model._decode_launches(0) if getattr(step, "kernel", None) is not None
+        return [step for step in model.decode_launches(0) if getattr(step, "kernel", None) is not None
                 and step.kernel.function_name == "gemv_q8_quantize_x"]
 
     def decode(model):
@@ -429,7 +433,7 @@ def test_the_norms_quantize_once_for_the_int8_gemvs(spm, device, tmp_path, monke
     model = Model.load(source, device, ctx=32, progress=False)
     assert not quantizing(model)
     fused = decode(model)
-    want, _ = reference.model_forward(source, [4, 8, 15])
+    want, _ = forward64.model_forward(source, [4, 8, 15])
     assert relative_error(fused, want[-1]) <= spec.tolerance_for(forced)
 
     monkeypatch.setattr(Model, "_xb_order", lambda self, readers: 0)
@@ -468,7 +472,7 @@ def test_the_int4_gemm_kind_compares_times_of_one_file(tiny_paths, device, rng, 
         {"perfx_tuning": FORMAT, "match": {"vendor": device.caps.vendor_key}, "records": other}))
     model = Model.load(source, device, ctx=64, progress=False, database=database)
     prompt = [int(t) for t in rng.integers(3, source.config.vocab_size, 19)]   # the bucket of M = 17..64
-    want, _ = reference.model_forward(source, prompt)
+    want, _ = forward64.model_forward(source, prompt)
     model.prefill(prompt, 0)
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
     gemms, _ = model.plan.prefill(19)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from helpers.tiny_models import MIXED_32, Q4_K_M, Q5_K_M, make_tiny_model, tiny_tokenizer, write_gguf, write_hf
-from perfx import reference
+from perfx import forward64
 from perfx.formats import Q8Matrix
 from perfx.model import Model
 from perfx.ops.q8_weight import Q8DeviceWeight
@@ -54,13 +54,13 @@ def load(path, device, ctx=64, lm_head="q8"):
 def check_prefill_and_decode(model, source, rng, prompt_len=19, steps=3):
     v = source.config.vocab_size
     prompt = [int(t) for t in rng.integers(3, v, prompt_len)]
-    want, cache = reference.model_forward(source, prompt)
+    want, cache = forward64.model_forward(source, prompt)
     model.prefill(prompt, 0)
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
     pos = len(prompt)
     for _ in range(steps):
         token = int(rng.integers(3, v))
-        want, cache = reference.model_forward(source, [token], start_pos=pos, cache=cache)
+        want, cache = forward64.model_forward(source, [token], start_pos=pos, cache=cache)
         model.decode_one(token, pos)
         pos += 1
         assert relative_error(model.logits(), want[-1]) <= TOLERANCE
@@ -118,7 +118,7 @@ def test_the_int8_gemm_kind_is_the_one_measured_faster_in_one_run(paths, device,
         {"perfx_tuning": FORMAT, "match": {"vendor": device.caps.vendor_key}, "records": other}))
     model = Model.load(source, device, ctx=64, progress=False, database=database)
     prompt = [int(t) for t in rng.integers(3, source.config.vocab_size, m)]
-    want, _ = reference.model_forward(source, prompt)
+    want, _ = forward64.model_forward(source, prompt)
     model.prefill(prompt, 0)
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
     ran = {label.split(" ")[0] for label in model.plan.tuned if "M≈33" in label and "gemm_q8" in label}
@@ -133,13 +133,13 @@ def test_llama3_rope_freqs_on_the_device(paths, device, rng):
     model, source = load(paths["llama3"], device, ctx=128)
     assert "freq_factors" in source.config.rope_scaling
     prompt = [int(t) for t in rng.integers(3, source.config.vocab_size, 90)]
-    want, _ = reference.model_forward(source, prompt)
+    want, _ = forward64.model_forward(source, prompt)
     model.prefill(prompt, 0)
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
     plain = open_model(paths["llama3"])
     plain.config.layers = tuple(dataclasses.replace(r, rope=dataclasses.replace(r.rope, scaling=None))
                                 for r in plain.config.layers)
-    without, _ = reference.model_forward(plain, prompt)
+    without, _ = forward64.model_forward(plain, prompt)
     assert relative_error(without[-1], want[-1]) > 10 * TOLERANCE   # the check could fail
 
 
@@ -150,8 +150,8 @@ def test_sliding_window_on_the_device(paths, device, rng):
     unwindowed = open_model(paths["window"])
     unwindowed.config.layers = tuple(dataclasses.replace(r, window=0) for r in unwindowed.config.layers)
     prompt = [int(t) for t in rng.integers(3, source.config.vocab_size, 12)]
-    a, _ = reference.model_forward(source, prompt)
-    b, _ = reference.model_forward(unwindowed, prompt)
+    a, _ = forward64.model_forward(source, prompt)
+    b, _ = forward64.model_forward(unwindowed, prompt)
     assert relative_error(b[-1], a[-1]) > 10 * TOLERANCE and want is not None
 
 
@@ -163,7 +163,7 @@ def test_every_positions_logits(paths, device, rng, monkeypatch, name, lm_head):
     monkeypatch.setattr(model_module, "PREFILL_CHUNK", 8)
     model, source = load(paths[name], device, lm_head=lm_head)
     tokens = [int(t) for t in rng.integers(3, source.config.vocab_size, 21)]
-    want, _ = reference.model_forward(source, tokens)
+    want, _ = forward64.model_forward(source, tokens)
     for first in (0, 5, 13, 20):
         got = model.prefill_logits(tokens, 0, first)
         assert got.shape == (21 - first, source.config.vocab_size)
@@ -171,7 +171,7 @@ def test_every_positions_logits(paths, device, rng, monkeypatch, name, lm_head):
             assert relative_error(got[row], want[first + row]) <= TOLERANCE, (first, row)
         assert relative_error(model.logits(), want[-1]) <= TOLERANCE
     # decode continues the same cache afterwards
-    want_next, _ = reference.model_forward(source, tokens + [7])
+    want_next, _ = forward64.model_forward(source, tokens + [7])
     model.decode_one(7, 21)
     assert relative_error(model.logits(), want_next[-1]) <= TOLERANCE
 

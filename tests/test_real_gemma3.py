@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from perfx import reference
+from perfx import forward64
 from perfx.model import Model
 from perfx.resources import cache_dir
 from perfx.sources import open_model
@@ -66,7 +66,7 @@ def test_gemma3_270m_as_users_download_it(gemma_path, device):
     prompt = tok.encode(PROMPT, add_bos=tok.add_bos_token)
     assert prompt == LLAMA_CPP_IDS
     model = Model.load(source, device, ctx=256, progress=False, database=default_database(False))
-    want, _ = reference.model_forward(source, prompt, ctx=256)
+    want, _ = forward64.model_forward(source, prompt, ctx=256)
     model.prefill(prompt, 0)
     assert relative_error(model.logits(), want[-1]) <= 2e-3
     tokens, pos = [], len(prompt)

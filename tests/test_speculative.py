@@ -16,7 +16,7 @@ from helpers.tiny_tokenizer import train_tiny_spm
 from perfx import cli
 from perfx.commands.chat import Chat
 from perfx.errors import PerfxError
-from perfx.generate import Conversation, SamplingConfig, generate, sampling_probs
+from perfx.generate import Conversation, PositionalState, SamplingConfig, generate, sampling_probs
 from perfx.model import load_model
 from perfx.serve.engine import Engine
 from perfx.serve.server import Server, ServeOptions
@@ -68,7 +68,7 @@ def test_the_draft_length_follows_the_measured_costs_and_acceptance():
     assert best_length(compute_bound, never, 0.0, MAX_DRAFT, k_min=1)[0] == 1
 
 
-class Markov:
+class Markov(PositionalState):
     """A host model whose logits depend on the last token fed only: the exact distribution of any
     continuation is a product of rows. It implements what generate and the speculator call."""
     weight_bytes, host_seconds = 0, 0.0

@@ -35,6 +35,7 @@ LAYERS = (
     ("formats", ("perfx.formats", "perfx.tokenizer")),
     ("sources", ("perfx.sources",)),
     ("ops", ("perfx.ops",)),
+    ("mixers", ("perfx.linear", "perfx.mixers", "perfx.forward64")),
     ("tuning", ("perfx.tuning",)),
     ("model", ("perfx.plan", "perfx.model", "perfx.generate", "perfx.speculative")),
     ("commands", ("perfx.commands", "perfx.serve", "perfx.cli", "perfx.plots", "perfx.__main__", "perfx")),

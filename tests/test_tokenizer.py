@@ -12,7 +12,7 @@ import gguf
 import pytest
 import sentencepiece
 
-from perfx.generate import SamplingConfig, generate
+from perfx.generate import PositionalState, SamplingConfig, generate
 from perfx.sources.default import default_model_path
 from perfx.errors import PerfxError
 from perfx.gguf_file import GGUFFile
@@ -403,7 +403,7 @@ def test_a_reply_ends_at_the_end_of_turn_token():
     tokenizer = family("gemma3")[0]
     script = tokenizer.encode("Four.") + [pruned_id("gemma3", "<end_of_turn>")] + tokenizer.encode(" More")
 
-    class Scripted:
+    class Scripted(PositionalState):
         max_positions, weight_bytes, host_seconds = 64, 0, 0.0
 
         def __init__(self):

@@ -81,7 +81,7 @@ class Chat:
         self.interactive = interactive
         self.colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
         self.messages: list[dict] = []   # user and assistant turns; the system prompt is kept apart
-        self.conversation = Conversation(getattr(model, "resume_point", None))   # the ids the KV cache holds
+        self.conversation = Conversation(model.resume_point)   # the ids the KV cache holds
         self.replies = []                # Stats of every reply this session (kept across /reset)
         described = source.describe()
         self.model_path = str(described.get("path", "?"))
@@ -139,7 +139,7 @@ class Chat:
     def restore_at(self, ids: list[int]) -> list[int]:
         """The system prompt's end, where a model with recurrent state keeps a restore point: /reset and the
         dropping of old turns resume there."""
-        if self.system is None or getattr(self.model, "restore_points", None) is None:
+        if self.system is None or not self.model.keeps_restore_points:
             return []
         system = [{"role": "system", "content": self.system}]
         return [system_prompt_end(self.tokenizer, system, ids, **thinking_kwargs(self.tokenizer, self.think))]

@@ -24,18 +24,54 @@ from perfx.runtime import Device
 KEPT = 3   # restore points kept for prompt ends (LRU): a system prompt, the last turns' boundaries
 
 
-class RestorePoints:
-    """Restore points of one model's recurrent state: the delta layers' S (``delta``, or None) and the conv
-    rings (``history``, or None) with convolutions of length ``length``."""
+class DeltaPart:
+    """What a restore point holds of the delta layers' states: every layer's S whole."""
 
-    def __init__(self, device: Device, history: ConvHistory | None, length: int, delta: DeltaState | None,
-                 kept: int = KEPT):
-        self.device, self.history, self.delta = device, history, delta
-        self.rows = length - 1 if history is not None else 0    # ring rows a forward at p reads before p
-        self.s_bytes = delta.nbytes if delta is not None else 0
-        self.row_bytes = 4 * history.hidden if history is not None else 0
-        self.bytes_each = self.s_bytes + self.rows * history.layers * self.row_bytes if history else self.s_bytes
-        slots = kept + (delta is not None)   # the verification slot: only a DeltaNet state cannot roll back
+    def __init__(self, delta: DeltaState):
+        self.delta = delta
+        self.nbytes = delta.nbytes
+
+    def move(self, move, pos: int, offset: int) -> None:
+        per_layer = self.nbytes // len(self.delta.buffers)
+        for i, buffer in enumerate(self.delta.buffers):
+            move(buffer, 0, offset + i * per_layer, per_layer)
+
+    def restored(self, pos: int) -> None:
+        pass
+
+
+class RingPart:
+    """What a restore point holds of a set of conv rings with convolutions of length ``length``: the rows of
+    positions p − L + 1 .. p − 1 of every layer (the rest of a ring is not read before it is written again)."""
+
+    def __init__(self, history: ConvHistory, length: int):
+        self.history, self.rows = history, length - 1
+        self.row_bytes = 4 * history.hidden
+        self.nbytes = self.rows * history.layers * self.row_bytes
+
+    def move(self, move, pos: int, offset: int) -> None:
+        h = self.history
+        # Positions before 0 are read as zeros by the kernel: only the rows of positions ≥ 0 matter.
+        for j, q in enumerate(range(pos - self.rows, pos)):
+            if q < 0:
+                continue
+            for layer in range(h.layers):
+                move(h.buffer, (layer * h.rows + q % h.rows) * self.row_bytes,
+                     offset + (j * h.layers + layer) * self.row_bytes, self.row_bytes)
+
+    def restored(self, pos: int) -> None:
+        self.history.first = max(0, pos - self.rows)
+
+
+class RestorePoints:
+    """Restore points of one model's recurrent state, made of ``parts`` (``DeltaPart``, ``RingPart``: each
+    layer kind with recurrent state brings its own); ``verification``: keep a slot for a speculative step's
+    rollback, where some part cannot roll back by itself."""
+
+    def __init__(self, device: Device, parts: list, verification: bool, kept: int = KEPT):
+        self.device, self.parts = device, list(parts)
+        self.bytes_each = sum(part.nbytes for part in self.parts)
+        slots = kept + verification
         self.buffers = [device.alloc(self.bytes_each, what=f"restore point {i + 1} of {slots}")
                         for i in range(slots)]
         self.nbytes = slots * self.bytes_each
@@ -69,8 +105,8 @@ class RestorePoints:
         else:
             slot = self.kept
         self._copy(pos, self.buffers[slot], to_point=False)
-        if self.history is not None:
-            self.history.first = max(0, pos - self.rows)
+        for part in self.parts:
+            part.restored(pos)
 
     def forget_after(self, pos: int) -> None:
         """A forward is about to write position ``pos``: the points after it describe text that is rewritten."""
@@ -92,17 +128,7 @@ class RestorePoints:
             else:
                 d.copy(live, point, nbytes, src_offset=point_offset, dst_offset=live_offset)
 
-        if self.delta is not None:
-            per_layer = self.s_bytes // len(self.delta.buffers)
-            for i, buffer in enumerate(self.delta.buffers):
-                move(buffer, 0, i * per_layer, per_layer)
-        h = self.history
-        if h is None:
-            return
-        # Positions before 0 are read as zeros by the kernel: only the rows of positions ≥ 0 matter.
-        for j, q in enumerate(range(pos - self.rows, pos)):
-            if q < 0:
-                continue
-            for layer in range(h.layers):
-                move(h.buffer, (layer * h.rows + q % h.rows) * self.row_bytes,
-                     self.s_bytes + (j * h.layers + layer) * self.row_bytes, self.row_bytes)
+        offset = 0
+        for part in self.parts:
+            part.move(move, pos, offset)
+            offset += part.nbytes

@@ -110,7 +110,7 @@ class Engine:
         self.running: Job | None = None
         self.closing = False
         self.counts = collections.Counter({"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0})
-        self.conversation = Conversation(getattr(model, "resume_point", None))
+        self.conversation = Conversation(model.resume_point)
         self.worker = threading.Thread(target=self._work, name="perfx-serve-model", daemon=True)
         self.worker.start()
 
@@ -120,7 +120,7 @@ class Engine:
         ``messages`` (a chat request's, as rendered with the template variables ``template``) give the system
         prompt's end, where a model with recurrent state keeps a restore point for the next requests."""
         job = Job(prompt_ids, max_tokens, dataclasses.replace(self.default_sampling, **sampling), stop)
-        if messages and getattr(self.model, "restore_points", None) is not None:
+        if messages and self.model.keeps_restore_points:
             job.restore_at = (system_prompt_end(self.tokenizer, messages, prompt_ids, **(template or {})),)
         return job
 

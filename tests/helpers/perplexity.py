@@ -1,6 +1,6 @@
 """llama-perplexity's method over the float64 reference forward: what `perfx perplexity` is checked against."""
 
-from perfx import reference
+from perfx import forward64
 from perfx.commands.perplexity import nll_rows
 from perfx.sources import open_model
 
@@ -16,7 +16,7 @@ def reference_nll(path, text: str, ctx: int, chunks: int) -> tuple[float, int, b
         chunk = ids[i * ctx:(i + 1) * ctx]
         if tok.add_bos_token:
             chunk = [tok.bos_id] + chunk[1:]
-        logits, _ = reference.model_forward(source, chunk, ctx=ctx)
+        logits, _ = forward64.model_forward(source, chunk, ctx=ctx)
         nll = nll_rows(logits[ctx // 2:ctx - 1], ids[i * ctx + ctx // 2 + 1:(i + 1) * ctx])
         total, count = total + nll.sum(), count + len(nll)
     return total / count, count, ids[0] == tok.bos_id

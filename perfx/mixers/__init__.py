@@ -1,0 +1,132 @@
+"""What mixes positions in a decoder layer, one module per layer kind: attention, LFM2's short convolution,
+Qwen3.5's Gated DeltaNet.
+
+A layer of any kind is: its mixer between the norm before it and the residual, then the gated MLP. The mixer
+of a kind (``Mixer``) owns everything the kind brings: its matrices and vectors (``upload``), its device state
+and scratch (the KV cache and RoPE tables, the conv rings, the recurrent state), the launches of its step
+(``forward``), its float64 reference step (``reference``) and its state rules — whether a forward can resume
+at a position, restore points, rolling back. The model (``perfx.model``) asks the mixers and never the kind.
+
+Mixers are found the way kernel specs are: every module of this package that defines ``MIXER`` (a ``Mixer``
+subclass) is one, by its ``kind``. A new layer kind is a module here plus its kernels.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import numpy as np
+
+from perfx.errors import PerfxError
+
+
+class Mixer:
+    """The layers of one kind of a model on the device: ``layers`` (their indices), each one's weights
+    (``weights[layer]``), the kind's device state and scratch (``allocate``), and the step.
+
+    ``model`` (a ``perfx.model.Model``) gives the config, device, plan (the kernels), run state and the
+    Linear upload; the mixer writes its output into ``model.state.proj``, which joins the residual next."""
+
+    kind = ""
+    cache = None   # a KV cache, where the kind keeps one
+
+    def __init__(self, model, layers: list[int]):
+        self.model, self.layers = model, list(layers)
+        self.slot = {layer: i for i, layer in enumerate(self.layers)}   # its index among the layers of its kind
+        self.weights: dict[int, object] = {}
+
+    # -- what it reads, for tuning and for the load ---------------------------------------------
+
+    @staticmethod
+    def linears(config) -> list[tuple[str, int, int, str, bool]]:
+        """(role, N, K, epilogue, bias) of each of its matrices, fused the way the loader fuses them."""
+        raise NotImplementedError
+
+    def upload(self, w, layer: int) -> int:
+        """Upload layer ``layer``'s mixing weights from the host ``LayerWeights`` ``w`` into
+        ``weights[layer]``; the host bytes a decode step reads of them."""
+        raise NotImplementedError
+
+    def xb_readers(self, layer: int) -> list:
+        """The Linears of ``layer`` that read the norm before it (xb), in order."""
+        raise NotImplementedError
+
+    def linears_of(self, layer: int) -> list:
+        """Every Linear of ``layer``'s mixing."""
+        raise NotImplementedError
+
+    def allocate(self) -> None:
+        """Its device state and scratch, once every layer is uploaded (the run state ``model.state`` is)."""
+
+    # -- the step --------------------------------------------------------------------------------
+
+    def forward(self, layer: int, m: int, pos: int, decode: bool, position=None, split=None) -> None:
+        """Enqueue ``layer``'s mixing over m rows of xb at positions pos..pos+m−1, output into proj.
+        ``position`` (buffer, index): where a decode step reads ``pos`` on the device; ``split(mixer, layer)``:
+        called in place of the launches whose grid depends on the position (``partitions``), which a decode
+        recording records apart (``record_varying``)."""
+        raise NotImplementedError
+
+    def partitions(self, pos: int) -> int:
+        """What the launches recorded apart depend on at ``pos`` (0: none are)."""
+        return 0
+
+    def record_varying(self, layer: int, pos: int, position) -> None:
+        """Enqueue the launches of ``layer`` that ``forward`` left to ``split``."""
+
+    @staticmethod
+    def reference(xb: np.ndarray, w, config, cache, layer: int, positions: np.ndarray, recipe) -> np.ndarray:
+        """The float64 mixing of ``layer`` over the normed rows xb at ``positions`` (``perfx.reference_model``),
+        updating ``cache``: its output before the post-norm and the residual."""
+        raise NotImplementedError
+
+    # -- state rules -----------------------------------------------------------------------------
+
+    can_roll_back = True   # a forward may resume before the last position run without a restore point
+
+    def state_report(self) -> dict:
+        """Bytes of its device state, by the load report's keys."""
+        return {}
+
+    def restore_parts(self) -> list:
+        """What a restore point must hold of its state (``perfx.ops.restore_points``); empty: nothing."""
+        return []
+
+    def live_at(self, pos: int, written: int) -> bool:
+        """Whether its state on the device serves a forward at ``pos`` as it is, positions 0..written−1 run."""
+        return True
+
+    def reset(self) -> None:
+        """A forward from position 0: its state starts from zeros."""
+
+    def fill(self, value: float) -> None:
+        """Arbitrary values in its state (benchmarks: a decode step at a position reads as much as there)."""
+
+    def resume_error(self, pos: int, written: int, kept: list[int]) -> str | None:
+        """Why a forward cannot continue at ``pos`` (restore points at ``kept``), or None."""
+        return None
+
+
+def discover_mixers() -> dict[str, type[Mixer]]:
+    """kind -> Mixer class, from every module of this package that defines ``MIXER``."""
+    found: dict[str, type[Mixer]] = {}
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        mixer = getattr(module, "MIXER", None)
+        if mixer is None:
+            continue
+        if mixer.kind in found:
+            raise PerfxError(f"two mixers for layer kind {mixer.kind!r}: {found[mixer.kind].__name__} and "
+                             f"{mixer.__name__}")
+        found[mixer.kind] = mixer
+    return found
+
+
+MIXERS: dict[str, type[Mixer]] = discover_mixers()
+
+
+def mixer_class(kind: str) -> type[Mixer]:
+    if kind not in MIXERS:
+        raise PerfxError(f"layer kind {kind!r} has no mixer; perfx runs {', '.join(sorted(MIXERS))}")
+    return MIXERS[kind]

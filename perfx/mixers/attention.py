@@ -1,0 +1,175 @@
+"""Attention layers: the fused QKV projection, (q/k norm +) RoPE + KV append + attention, the output projection;
+Qwen3.5's output gate (σ of a projection of the same input) where the recipe has it.
+
+State: one KV cache for the attention layers (fp16 or int8, ``perfx.ops.kv_cache``), one cos/sin table per
+distinct RoPE of the recipe. A KV cache keeps every position, so attention resumes anywhere it has run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from perfx.mixers import Mixer
+from perfx.ops import Q8_TEXEL
+from perfx.ops.kv_cache import KVCache, RopeTable
+from perfx.reference import attention, rmsnorm, rope, sigmoid_mul
+from perfx.reference import linear as linear64
+
+
+@dataclass
+class AttentionWeights:
+    qkv: object                # Linear (q_dim + 2·kv_dim, hidden), the bias inside (Qwen2)
+    o: object                  # Linear (hidden, q_dim)
+    attn_gate: object = None   # Linear (q_dim, hidden): the output's gate (Qwen3.5)
+    q_norm: object = None      # float32 (D): per-head q norm (Qwen3, Gemma 3)
+    k_norm: object = None      # float32 (D)
+
+
+class AttentionMixer(Mixer):
+    kind = "attention"
+
+    @staticmethod
+    def linears(c) -> list[tuple[str, int, int, str, bool]]:
+        rows = [("qkv", c.q_dim + 2 * c.kv_dim, c.hidden_size, "none", bool(c.qkv_bias)),
+                ("o", c.hidden_size, c.q_dim, "none", False)]
+        if c.attention_gate:
+            rows.insert(1, ("attn_gate", c.q_dim, c.hidden_size, "none", False))
+        return rows
+
+    def allocate(self) -> None:
+        model = self.model
+        c, d, s = model.config, model.device, model.state
+        f32 = np.float32
+        self.qkv = d.empty((s.chunk, c.qkv_dim), f32)
+        self.att = d.empty((s.chunk, c.q_dim), f32)    # the attention output, before o
+        self.gates = d.empty((s.chunk, c.q_dim), f32) if c.attention_gate else None
+        # one row of att as Q8_1 blocks, for the o projections
+        self.att_q8 = (d.empty(c.q_dim, np.int8), d.empty((c.q_dim // 32, 2), np.float32)) if self.writes_blocks() else None
+        self.cache = KVCache.allocate(d, len(self.layers), c.n_kv_heads, model.max_positions, c.head_dim, model.kv)
+        # One cos/sin table per distinct RoPE of the recipe (Gemma 3: local and global bases), made once; a
+        # GGUF's rope_freqs (Llama 3.x) and LongRoPE's factors ride in the scaling and are applied in the table.
+        tables: dict[str, RopeTable] = {}
+        self.rope: dict[int, RopeTable | None] = {}
+        self.window: dict[int, int] = {}
+        for i in self.layers:
+            recipe = c.layer(i, model.max_positions)
+            r = recipe.rope
+            if r is not None and r.key() not in tables:
+                tables[r.key()] = RopeTable.upload(d, c.head_dim, model.max_positions, r.theta, r.scaling,
+                                                   rotary_dims=r.dims)
+            self.rope[i] = None if r is None else tables[r.key()]
+            self.window[i] = recipe.window
+
+    def upload(self, w, layer: int) -> int:
+        m = self.model
+        weights = AttentionWeights(qkv=m.upload(w.qkv, f"layer {layer} qkv", "qkv", bias=w.qkv_bias),
+                                   o=m.upload(w.o, f"layer {layer} o", "o"))
+        nbytes = w.qkv.nbytes + w.o.nbytes
+        if w.attn_gate is not None:
+            weights.attn_gate = m.upload(w.attn_gate, f"layer {layer} attn_gate", "attn_gate")
+            nbytes += w.attn_gate.nbytes
+        if w.q_norm is not None:
+            weights.q_norm, weights.k_norm = m.vector(w.q_norm), m.vector(w.k_norm)
+            nbytes += w.q_norm.nbytes + w.k_norm.nbytes
+        self.weights[layer] = weights
+        return nbytes
+
+    def xb_readers(self, layer: int) -> list:
+        w = self.weights[layer]
+        return [w.qkv] + ([w.attn_gate] if w.attn_gate is not None else [])
+
+    def linears_of(self, layer: int) -> list:
+        w = self.weights[layer]
+        return [w.qkv, w.o] + ([w.attn_gate] if w.attn_gate is not None else [])
+
+    def writes_blocks(self) -> bool:
+        """Whether the decode attention also writes its output as Q8_1 blocks: where the o projections read them
+        (int4 o taking int8 activations in the rows layout), the heads are whole blocks of 32, and no gate
+        multiplies the output after the attention (Qwen3.5's would leave the blocks stale)."""
+        c = self.model.config
+        if c.head_dim % 32 or c.attention_gate:
+            return False
+        return any(self.weights[i].o.blocks_order() == Q8_TEXEL for i in self.layers)
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    def _features(self, layer: int) -> dict:
+        """The attention launch's keyword arguments: its window, the scale, soft-cap and q/k norms where the
+        recipe has them."""
+        c, w = self.model.config, self.weights[layer]
+        features = {}
+        if self.window[layer]:
+            features["window"] = self.window[layer]
+        if c.attention_scale:
+            features["scale"] = c.attention_scale
+        if c.attn_softcap:
+            features["softcap"] = c.attn_softcap
+        if c.qk_norm:
+            features.update(q_norm=w.q_norm, k_norm=w.k_norm, eps=c.rms_eps)
+        return features
+
+    def _attend_decode(self, layer: int, pos: int, position=None) -> None:
+        self.model.plan.attn_decode(self.qkv, self.att, self.cache, self.rope[layer], self.slot[layer], pos,
+                                    position=position, quantized=self.att_q8, **self._features(layer))
+
+    def forward(self, layer: int, m: int, pos: int, decode: bool, position=None, split=None) -> None:
+        model, w = self.model, self.weights[layer]
+        plan, s = model.plan, model.state
+        # qkv for these positions (and the output's gate), then (q/k norm +) RoPE + KV append + attention
+        w.qkv(s.xb, self.qkv, m, decode, model.xb_blocks(m))
+        if w.attn_gate is not None:
+            w.attn_gate(s.xb, self.gates, m, decode, model.xb_blocks(m))
+        if split is not None:
+            split(self, layer)
+        elif decode:
+            self._attend_decode(layer, pos)
+        else:
+            plan.prefill(m)[1](self.qkv, self.att, self.cache, self.rope[layer], self.slot[layer], pos, m,
+                               **self._features(layer))
+        if w.attn_gate is not None:   # Qwen3.5: the attention output times σ(gate)
+            plan.attn_gate(self.gates, self.att, self.att, m * model.config.q_dim)
+        w.o(self.att, s.proj, m, decode, (self.att_q8, Q8_TEXEL) if m == 1 and self.att_q8 is not None else None)
+
+    def partitions(self, pos: int) -> int:
+        # the decode attention's grid grows by one partition every PART positions
+        return self.model.plan.attn_decode.partitions(pos)
+
+    def record_varying(self, layer: int, pos: int, position) -> None:
+        self._attend_decode(layer, pos, position=position)
+
+    @staticmethod
+    def reference(xb, w, c, cache, layer: int, positions, recipe) -> np.ndarray:
+        m, h, hkv, d = xb.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
+        q_dim, kv_dim = h * d, hkv * d
+        # q, k, v for these positions from the fused projection
+        qkv = linear64(xb, w.qkv, w.qkv_bias)
+        q = qkv[:, :q_dim].reshape(m, h, d)
+        k = qkv[:, q_dim:q_dim + kv_dim].reshape(m, hkv, d)
+        v = qkv[:, q_dim + kv_dim:].reshape(m, hkv, d)
+        # per-head q and k norms (Qwen3, Gemma 3), then RoPE where the layer has it (rotate-half)
+        if c.qk_norm:
+            q, k = rmsnorm(q, w.q_norm, c.rms_eps), rmsnorm(k, w.k_norm, c.rms_eps)
+        if recipe.rope is not None:
+            r = recipe.rope
+            q = rope(q, positions, r.theta, r.scaling, rotary_dims=r.dims)
+            k = rope(k, positions, r.theta, r.scaling, rotary_dims=r.dims)
+        # append k, v to the cache; causal GQA attention over everything cached
+        keys, values = cache.append(layer, k, v)
+        att = attention(q, keys, values, positions, window=recipe.window, scale=c.scale,
+                        softcap=c.attn_softcap).reshape(m, q_dim)
+        if c.attention_gate:   # Qwen3.5: the output times σ(gate), the gate projected from the same input
+            att = sigmoid_mul(linear64(xb, w.attn_gate), att)
+        return linear64(att, w.o)
+
+    # -- state rules: a KV cache keeps every position ---------------------------------------------------
+
+    def state_report(self) -> dict:
+        return {"kv_cache_bytes": self.cache.nbytes}
+
+    def fill(self, value: float) -> None:
+        self.cache.fill(self.model.device, value)
+
+
+MIXER = AttentionMixer

@@ -1,0 +1,138 @@
+"""Gated DeltaNet layers (Qwen3.5's linear attention): q|k|v, z and a|b projected; the short convolution with
+SiLU over q|k|v; the recurrence over the layer's state S (token by token for one row, chunked for more); the
+gated RMSNorm per v head, as an RMSNorm over rows of d_v and SiLU(z)·; the out-projection. llama.cpp's
+qwen35.cpp build_layer_attn_linear, transformers' Qwen3_5GatedDeltaNet.
+
+State: S per layer (``perfx.ops.gated_delta_net.DeltaState``), which holds the last position run only, and the
+convolution's ring. A forward resumes at the last position run, at 0, or at a restore point; it cannot roll back
+by itself, so speculation keeps a restore point before each verification.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from perfx.mixers import Mixer
+from perfx.ops.gated_delta_net import DeltaState
+from perfx.ops.restore_points import DeltaPart, RingPart
+from perfx.ops.short_conv import ConvHistory
+from perfx.reference import gated_delta_gates, gated_delta_net, rmsnorm_gated, short_conv
+from perfx.reference import linear as linear64
+
+ROLES = ("delta_qkv", "delta_z", "delta_ab", "delta_out")
+VECTORS = ("conv_weight", "dt_bias", "ssm_a", "delta_norm")
+
+
+def delta_shape(config, tokens: int) -> dict:
+    """The Gated DeltaNet kernels' shape key (``tuning/gated_delta_net.py``) for a delta layer over ``tokens``
+    tokens: the gates as the projections give them (a and b), the file's head map."""
+    return {"n_k_heads": config.delta_k_heads, "n_v_heads": config.delta_v_heads, "d_k": config.delta_k_dim,
+            "d_v": config.delta_v_dim, "tokens": tokens, "head_map": config.delta_head_map, "raw_gates": True}
+
+
+@dataclass
+class DeltaWeights:
+    delta_qkv: object     # Linear (2·Hk·d_k + Hv·d_v, hidden): q|k|v, the convolution's input
+    delta_z: object       # Linear (Hv·d_v, hidden): the output norm's gate z
+    delta_ab: object      # Linear (2·Hv, hidden): a, then b (the gates before softplus and sigmoid)
+    delta_out: object     # Linear (hidden, Hv·d_v)
+    conv_weight: object   # float32 (channels, L): the convolution's taps
+    dt_bias: object       # float32 (Hv)
+    ssm_a: object         # float32 (Hv): −exp(A_log)
+    delta_norm: object    # float32 (d_v): the gated RMSNorm's γ
+
+
+class GatedDeltaNetMixer(Mixer):
+    kind = "delta"
+    can_roll_back = False   # S holds the last position only
+
+    @staticmethod
+    def linears(c) -> list[tuple[str, int, int, str, bool]]:
+        h, value = c.hidden_size, c.delta_value_dim
+        return [("delta_qkv", c.delta_conv_dim, h, "none", False), ("delta_z", value, h, "none", False),
+                ("delta_ab", 2 * c.delta_v_heads, h, "none", False), ("delta_out", h, value, "none", False)]
+
+    def upload(self, w, layer: int) -> int:
+        m = self.model
+        linears = {role: m.upload(getattr(w, role), f"layer {layer} {role}", role) for role in ROLES}
+        vectors = {name: m.vector(getattr(w, name)) for name in VECTORS}
+        self.weights[layer] = DeltaWeights(**linears, **vectors)
+        return sum(getattr(w, name).nbytes for name in ROLES + VECTORS)
+
+    def xb_readers(self, layer: int) -> list:
+        w = self.weights[layer]
+        return [w.delta_qkv, w.delta_z, w.delta_ab]
+
+    def linears_of(self, layer: int) -> list:
+        return [getattr(self.weights[layer], role) for role in ROLES]
+
+    def allocate(self) -> None:
+        c, d, s = self.model.config, self.model.device, self.model.state
+        f32, channels, value = np.float32, c.delta_conv_dim, c.delta_value_dim
+        self.dqkv = d.empty((s.chunk, channels), f32)   # q|k|v, then convolved into dconv
+        self.dconv = d.empty((s.chunk, channels), f32)
+        self.dz = d.empty((s.chunk, value), f32)
+        self.dab = d.empty((s.chunk, 2 * c.delta_v_heads), f32)
+        self.dout = d.empty((s.chunk, value), f32)       # the recurrence's output, then normed and gated
+        self.history = ConvHistory(d, len(self.layers), channels)
+        self.state = DeltaState(d, len(self.layers), delta_shape(c, 1))
+
+    def forward(self, layer: int, m: int, pos: int, decode: bool, position=None, split=None) -> None:
+        model, w = self.model, self.weights[layer]
+        c, plan, xb, blocks = model.config, model.plan, model.state.xb, model.xb_blocks(m)
+        slot = self.slot[layer]
+        w.delta_qkv(xb, self.dqkv, m, decode, blocks)
+        w.delta_z(xb, self.dz, m, decode, blocks)
+        w.delta_ab(xb, self.dab, m, decode, blocks)
+        plan.short_conv(self.dqkv, w.conv_weight, self.history, slot, self.dconv, m, pos, position=position)
+        recurrence = plan.delta_decode if m == 1 else plan.delta_prefill(m)
+        recurrence(self.dconv, self.dab, self.state.buffers[slot], self.dout, m, dt_bias=w.dt_bias, ssm_a=w.ssm_a,
+                   eps=c.rms_eps)
+        plan.rmsnorm.plain(self.dout, w.delta_norm, self.dconv, m * c.delta_v_heads, c.delta_v_dim, c.rms_eps)
+        plan.delta_gate(self.dz, self.dconv, self.dout, m * c.delta_value_dim)
+        w.delta_out(self.dout, model.state.proj, m, decode)
+
+    @staticmethod
+    def reference(xb, w, c, cache, layer: int, positions, recipe) -> np.ndarray:
+        m = xb.shape[0]
+        hk, hv, dk, dv = c.delta_k_heads, c.delta_v_heads, c.delta_k_dim, c.delta_v_dim
+        y, cache.conv[layer] = short_conv(linear64(xb, w.delta_qkv), w.conv_weight, cache.conv[layer], gated=False,
+                                          act="silu")
+        q = y[:, :hk * dk].reshape(m, hk, dk)
+        k = y[:, hk * dk:2 * hk * dk].reshape(m, hk, dk)
+        v = y[:, 2 * hk * dk:].reshape(m, hv, dv)
+        ab = linear64(xb, w.delta_ab)
+        g, beta = gated_delta_gates(ab[:, :hv], ab[:, hv:], w.dt_bias, w.ssm_a)
+        o, cache.state[layer] = gated_delta_net(q, k, v, g, beta, cache.state[layer], c.delta_head_map,
+                                                eps=c.rms_eps)
+        z = linear64(xb, w.delta_z).reshape(m, hv, dv)
+        return linear64(rmsnorm_gated(o, z, w.delta_norm, c.rms_eps).reshape(m, hv * dv), w.delta_out)
+
+    # -- state rules: S holds the last position run only --------------------------------------------------
+
+    def state_report(self) -> dict:
+        return {"conv_state_bytes": self.history.nbytes, "recurrent_state_bytes": self.state.nbytes}
+
+    def restore_parts(self) -> list:
+        return [DeltaPart(self.state), RingPart(self.history, self.model.config.conv_length)]
+
+    def live_at(self, pos: int, written: int) -> bool:
+        return pos in (0, written)   # S after the last position run only (or zeros from 0)
+
+    def reset(self) -> None:
+        self.history.first = 0
+        self.state.reset()
+
+    def fill(self, value: float) -> None:
+        self.model.device.fill(self.history.buffer, np.float32(value))
+        self.state.reset()
+
+    def resume_error(self, pos: int, written: int, kept: list[int]) -> str | None:
+        return (f"position {pos}: this model's Gated DeltaNet layers hold their state after position {written - 1} "
+                f"only (positions 0..{written - 1} were run) and at the restore points {kept}; continue at "
+                f"{written}, at a restore point, or prefill from 0")
+
+
+MIXER = GatedDeltaNetMixer

@@ -1,0 +1,91 @@
+"""Short-convolution layers (LFM2): the in-projection to B, C and x; C·(taps ⋆ B·x) over the last L positions;
+the out-projection.
+
+State: one ring of the last inputs per conv layer (``perfx.ops.short_conv.ConvHistory``). A forward resumes
+where the ring still holds the L − 1 inputs before it, or at a restore point of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from perfx.mixers import Mixer
+from perfx.ops.restore_points import RingPart
+from perfx.ops.short_conv import ConvHistory
+from perfx.reference import linear as linear64
+from perfx.reference import short_conv
+
+
+@dataclass
+class ConvWeights:
+    conv_in: object        # Linear (3·hidden, hidden): B, C, x rows
+    conv_weight: object    # float32 (hidden, L): the taps
+    conv_out: object       # Linear (hidden, hidden)
+
+
+class ShortConvMixer(Mixer):
+    kind = "conv"
+
+    @staticmethod
+    def linears(c) -> list[tuple[str, int, int, str, bool]]:
+        h = c.hidden_size
+        return [("conv_in", 3 * h, h, "none", False), ("conv_out", h, h, "none", False)]
+
+    def upload(self, w, layer: int) -> int:
+        m = self.model
+        self.weights[layer] = ConvWeights(conv_in=m.upload(w.conv_in, f"layer {layer} conv in_proj", "conv_in"),
+                                          conv_weight=m.vector(w.conv_weight),
+                                          conv_out=m.upload(w.conv_out, f"layer {layer} conv out_proj", "conv_out"))
+        return w.conv_in.nbytes + w.conv_out.nbytes + w.conv_weight.nbytes
+
+    def xb_readers(self, layer: int) -> list:
+        return [self.weights[layer].conv_in]
+
+    def linears_of(self, layer: int) -> list:
+        w = self.weights[layer]
+        return [w.conv_in, w.conv_out]
+
+    def allocate(self) -> None:
+        c, d, s = self.model.config, self.model.device, self.model.state
+        self.bcx = d.empty((s.chunk, 3 * c.hidden_size), np.float32)   # the in-projection [B | C | x]
+        self.mixed = d.empty((s.chunk, c.hidden_size), np.float32)     # the gated convolution's output
+        self.history = ConvHistory(d, len(self.layers), c.hidden_size)
+
+    def forward(self, layer: int, m: int, pos: int, decode: bool, position=None, split=None) -> None:
+        model, w = self.model, self.weights[layer]
+        w.conv_in(model.state.xb, self.bcx, m, decode, model.xb_blocks(m))
+        model.plan.short_conv(self.bcx, w.conv_weight, self.history, self.slot[layer], self.mixed, m, pos,
+                              position=position)
+        w.conv_out(self.mixed, model.state.proj, m, decode)
+
+    @staticmethod
+    def reference(xb, w, c, cache, layer: int, positions, recipe) -> np.ndarray:
+        y, cache.conv[layer] = short_conv(linear64(xb, w.conv_in), w.conv_weight, cache.conv[layer])
+        return linear64(y, w.conv_out)
+
+    # -- state rules: the rings hold the last HISTORY_ROWS inputs ----------------------------------------
+
+    def state_report(self) -> dict:
+        return {"conv_state_bytes": self.history.nbytes}
+
+    def restore_parts(self) -> list:
+        return [RingPart(self.history, self.model.config.conv_length)]
+
+    def live_at(self, pos: int, written: int) -> bool:
+        return self.history.resumable(self.model.config.conv_length, written - 1, pos)
+
+    def reset(self) -> None:
+        self.history.first = 0   # the kernel reads positions before 0 as zeros: nothing to clear
+
+    def fill(self, value: float) -> None:
+        self.model.device.fill(self.history.buffer, np.float32(value))
+
+    def resume_error(self, pos: int, written: int, kept: list[int]) -> str | None:
+        first = max(0, written - self.history.rows + self.model.config.conv_length - 1)
+        return (f"position {pos}: this model's conv layers hold their state for positions {first}..{written} only "
+                f"(positions 0..{written - 1} were run); prefill from an earlier position (0 always works)")
+
+
+MIXER = ShortConvMixer

@@ -22,6 +22,13 @@ PENDING = {ROOT / "docs" / "families.md"}
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors for a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    headings = re.findall(r"^#+\s+(.*)$", text, re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
 def fenced_blocks(text: str, language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", text, re.S)
 
@@ -44,12 +51,15 @@ def test_relative_links_resolve(page):
     text = re.sub(r"```.*?```", "", text, flags=re.S)
     broken = []
     for target in LINK.findall(text):
-        if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
-            continue  # a URL, or an anchor on the same page
-        path = (page.parent / target.split("#", 1)[0]).resolve()
-        if not path.exists() and path not in PENDING:
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):
+            continue  # a URL
+        file, _, anchor = target.partition("#")
+        path = (page.parent / file).resolve() if file else page
+        if path in PENDING:
+            continue
+        if not path.exists() or (anchor and path.suffix == ".md" and anchor not in anchors(path)):
             broken.append(target)
-    assert not broken, f"{page.relative_to(ROOT)}: links to missing files: {broken}"
+    assert not broken, f"{page.relative_to(ROOT)}: links to missing files or headings: {broken}"
 
 
 def test_docs_index_lists_every_page():

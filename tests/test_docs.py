@@ -5,11 +5,12 @@ CI runs (.ci/run), and every `perfx <command>` the README shows is a real subcom
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import pytest
 
-from perfx.cli import COMMANDS
+from perfx.cli import COMMANDS, build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -92,3 +93,21 @@ def test_readme_commands_are_real_subcommands():
     assert shown, "the README shows perfx commands"
     assert shown <= names, f"not perfx subcommands: {sorted(shown - names)} (perfx has {sorted(names)})"
     assert {"generate", "chat", "serve", "info", "selftest", "tune", "bench", "perplexity"} <= shown
+
+
+@pytest.mark.parametrize("page", [README, *DOCS], ids=lambda p: str(p.relative_to(ROOT)))
+def test_shown_command_lines_parse(page):
+    """Every `perfx ...` line in a page's shell blocks is accepted by perfx's own parser as written."""
+    parser = build_parser()
+    bad = []
+    for block in fenced_blocks(page.read_text(), "sh"):
+        for line in block.splitlines():
+            match = re.match(r"\s*perfx\s+(.*)", line)
+            if not match:
+                continue
+            words = shlex.split(match.group(1).split("  #", 1)[0])
+            try:
+                parser.parse_args(words)
+            except SystemExit:
+                bad.append(line.strip())
+    assert not bad, f"{page.relative_to(ROOT)}: perfx does not accept {bad}"

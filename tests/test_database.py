@@ -191,7 +191,7 @@ def test_entries_in_force_mark_stale_records(device, db, toy):
 def test_shipped_files_are_valid_and_measured(tmp_path):
     """Every shipped file loads without a warning, and every record in it was measured on a device (a source
     hash, a shape, a time): no reasoned guesses ship, so a phone runs the defaults until its own report is
-    merged (README, "On a Snapdragon phone")."""
+    merged (docs/phones.md)."""
     shipped = Database(tmp_path / "user")
     with warnings.catch_warnings():
         warnings.simplefilter("error")

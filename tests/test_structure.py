@@ -1,7 +1,7 @@
-"""The shape of the codebase: imports run one way down the layers (in the README's order, no cycles, none
+"""The shape of the codebase: imports run one way down the layers (in docs/layout.md's order, no cycles, none
 hidden inside functions), only the device layer and the kernel wrappers call pyopencl, every kernel file's
 #define defaults are its parameter space's defaults, every family registered by its spec alone with what the
-test tiers need of it, and the README's Python examples run as written."""
+test tiers need of it, and the Python examples of docs/python.md run as written."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # and needed by one command.
 OPTIONAL = {"matplotlib", "awq", "transformers", "readline"}
 
-# The package's layers, bottom to top, as the README's "Layout" table gives them: a module imports only from
+# The package's layers, bottom to top, as docs/layout.md's table gives them: a module imports only from
 # its own layer and those below. A name stands for that module and, for a package, every module in it.
 LAYERS = (
     ("base", ("perfx.errors", "perfx.resources", "perfx.gguf_file", "perfx.config", "perfx.reference",
@@ -121,11 +121,11 @@ def layer_of(module: str) -> int:
     """The index in LAYERS of the layer that holds ``module`` (the longest name that covers it)."""
     covering = [(len(name), index) for index, (_, names) in enumerate(LAYERS) for name in names
                 if module == name or (module.startswith(name + ".") and name != "perfx")]
-    assert covering, f"{module} has no layer: add it to LAYERS and to the README's Layout table"
+    assert covering, f"{module} has no layer: add it to LAYERS and to docs/layout.md's layers table"
     return max(covering)[1]
 
 
-def test_imports_run_down_the_layers_of_the_readme():
+def test_imports_run_down_the_layers_of_docs_layout():
     modules = package_modules()
     upward = []
     for module, path in modules.items():
@@ -245,16 +245,15 @@ def test_specs_are_discovered_from_the_modules_of_the_package(tmp_path, monkeypa
     assert SPECS == discover_specs("perfx.tuning") and len(SPECS) >= 17
 
 
-def readme_python_examples() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Use from Python", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, re.S)
+def python_doc_examples() -> list[str]:
+    text = (ROOT / "docs" / "python.md").read_text()
+    return re.findall(r"```python\n(.*?)```", text, re.S)
 
 
 @pytest.mark.parametrize("index", range(2))
-def test_readme_python_examples_run_as_written(index, tmp_path):
-    examples = readme_python_examples()
-    assert len(examples) == 2, "the README's 'Use from Python' section has two examples"
+def test_python_doc_examples_run_as_written(index, tmp_path):
+    examples = python_doc_examples()
+    assert len(examples) == 2, "docs/python.md has two examples"
     script = tmp_path / "example.py"
     script.write_text(examples[index])
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,

@@ -100,7 +100,7 @@ def main(args) -> int:
             bar.update(round(100 * share / total), f"{name} done")
     summary = out.with_suffix(".md")
     write_atomic(summary, markdown(report, device))
-    print(f"wrote {out} and {summary}: please send the report (see the README: 'On a Snapdragon phone')",
+    print(f"wrote {out} and {summary}: please send the report (see docs/phones.md)",
           file=sys.stderr)
     return 1 if sections["selftest"]["failed"] else 0
 

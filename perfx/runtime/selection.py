@@ -18,7 +18,7 @@ DEVICE_HELP = ("OpenCL device: P:D indices from `perfx info`, or part of a platf
 
 # Among CPU implementations, Intel's runtime first: it has what the phone GPUs have and PoCL lacks (fp16,
 # subgroups, image1d_buffer, 16384² images) and runs work-items as SIMD lanes as a GPU runs waves, and its
-# decode was as fast or faster at built-in defaults than PoCL with its tuned entries (README, "Use").
+# decode was as fast or faster at built-in defaults than PoCL with its tuned entries (benchmarks/NOTES.md).
 CPU_PREFERENCE = ("intel", "pocl")
 
 NO_PLATFORM_HELP = (

@@ -104,3 +104,17 @@ def test_the_scanner_passes_timeless_comments():
             "# a work-group costs its dispatch on a CPU; the M bucket (17, 64); sha256 of the code"]
     for text in fine:
         assert offending(python_comments(text + "\n")) == [], text
+
+
+def test_the_c_reader_keeps_literals_and_lines():
+    """A // or /* inside a string or character literal is code; a block comment's lines stay in the code, so
+    the comments' line numbers are the source's; code_only drops comments, blank lines and whitespace runs."""
+    from perfx.kernels import code_only
+    text = ('#error "no // comment /* here"\nchar c = \'/\'; int d = 2 /* two\n lines */ ;  // the end\n'
+            "#define A 1 // a comment that goes \\\n   on\nint e;\n")
+    code, comments = split_comments(text)
+    assert comments == [(2, " two\n lines "), (3, " the end"), (4, " a comment that goes \\\n   on")]
+    assert code.count("\n") == text.count("\n")
+    assert code_only(text) == '#error "no // comment /* here"\nchar c = \'/\'; int d = 2\n;\n#define A 1\nint e;'
+    with pytest.raises(ValueError, match="unterminated"):
+        split_comments("int x; /* never closed")

@@ -8,7 +8,7 @@
 //
 // on the same arguments (W in kernels/q4.h's device form, X, Y, bias float32 row-major, fp32 accumulation),
 // written for compilers that vectorize across work-items (Intel's CPU runtime and PoCL put 8 work-items in the
-// lanes of an AVX2 register). Everything a work-item holds is scalar: its weight is one float per weight
+// lanes of a 256-bit register). Everything a work-item holds is scalar: its weight is one float per weight
 // row, and each X element is the same for every work-item (one load, broadcast to the lanes). So a column
 // set's MB·WROWS accumulators are MB·WROWS vector registers, where gemm_q4_skinny's float8 accumulators, split
 // into 8 scalars a lane, are 8 times as many registers and spill on this compiler.
@@ -58,7 +58,7 @@
 
 // Component c (codes 8c .. 8c + 7) of texel t of weight row r. From a buffer each component is its own 4-byte
 // load, made where it is used, so a work-item holds one uint a row rather than a texel's four (which, beside
-// the accumulators, spill on AVX2's 16 registers); an image read returns the texel, read once.
+// the accumulators, spill on a CPU's 16 vector registers); an image read returns the texel, read once.
 #if READ == 0
 #define TEXEL_LOAD(t)
 #define COMPONENT(r, t, c) \

@@ -18,7 +18,7 @@
 // to every row. M rows go in passes of MT, the last M mod MT rows in passes of MT/2, MT/4, ..., 1 (so
 // M = 1 costs one row, not MT); each pass re-reads the work-item's weight rows from cache, not DRAM.
 // Codes become floats through the bits: 0x4B000000 | q is the float 2²³ + q, one OR and one subtraction
-// (8 wide: PoCL 3.0's LLVM 14 fails to select 16-wide integer/convert code and mad(float16) on AVX2).
+// (8 wide: some CPU compilers fail to select 16-wide integer/convert code and mad(float16)).
 //
 // Shape contract: K a multiple of 32 and of G ∈ {32, 64, 128} (group_shift = log2(G / 32));
 // any M ≥ 1 and any number of columns (edges guarded). One launch covers the columns

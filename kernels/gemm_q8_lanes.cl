@@ -65,8 +65,8 @@
 // ROWS: up) into acc[R0 ..]. A gate-up pass makes two sweeps, gate rows then up rows, rather than one over both:
 // each sweep's loop is then the plain product's, MB multiply-adds per decoded weight with the x broadcasts
 // folded into them, where one loop over both sets of rows kept each broadcast x for two rows in a register of
-// its own and spilled (Intel's compiler on AVX-512: 1427 instructions a group against 685, 95 GFLOP/s against
-// 122 at Gemma 3's gate-up). The gate accumulators wait in registers, or in a spill slot once a pass, not a weight.
+// its own and spilled (Intel's CPU compiler: twice the instructions a group, and slower, benchmarks/NOTES.md).
+// The gate accumulators wait in registers, or in a spill slot once a pass, not a weight.
 #define SWEEP(R, R0)                                                                                     \
     for (int g = 0; g < groups; g++) {                                                                   \
         float2 sm[ROWS];                                                                                 \

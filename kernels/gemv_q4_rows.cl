@@ -2,8 +2,8 @@
 // arguments and the epilogues are kernels/gemv_q4.h's.
 //   work-group LANES·WGR, global LANES·WGR·⌈⌈n_out/ROWS⌉/WGR⌉ (one dimension, the lanes of a row set
 //   neighbours): WGR row sets of ROWS neighbouring rows each, so one work-group streams WGR·ROWS consecutive
-//   rows (on a CPU a work-group costs its dispatch, ~0.1 µs on Intel's runtime: one per row doubled the time of
-//   the default model's GEMVs, and a second dimension (LANES, WGR) measured as slow as one row a work-group);
+//   rows (on a CPU a work-group costs its dispatch: one per row doubled the time of the default model's GEMVs,
+//   and a second dimension (LANES, WGR) measured as slow as one row a work-group);
 //   the LANES work-items of a row set stride along K and meet in a reduction: a local-memory
 //   tree (SG 0) or sub_group_reduce_add (SG 1; with SUBGROUP = LANES one subgroup holds them all: no local
 //   memory, no barrier).

@@ -5,7 +5,7 @@
 //   SUBGROUP  the subgroup size a kernel requires, in work-items (0: the driver's choice). The wrapper sets
 //             it only to a size the device offers (perfx.ops.params.required_subgroup_sizes):
 //             Adreno (cl_qcom_reqd_sub_group_size): 64 = "half" wave, 128 = "full" wave;
-//             Intel (cl_intel_required_subgroup_size): the SIMD width, e.g. 8 or 16 on AVX2.
+//             Intel (cl_intel_required_subgroup_size): the SIMD width, e.g. 8 or 16 on a CPU.
 //   REQD_SUBGROUP  the attribute to put before a kernel that uses subgroup operations.
 //   USES_SUBGROUPS (defined by a kernel file before the include, 0/1): enables cl_khr_subgroups where the
 //             compiler wants the pragma (OpenCL C 1.2 compilers that list the extension).

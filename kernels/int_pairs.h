@@ -1,6 +1,6 @@
 // The even and odd lanes of an int16, components named: the integer-product GEMVs (gemv_q8 I8, gemv_q4's rows
 // kernel with I8) sum adjacent products as EVEN16(p) + ODD16(p), the pattern x86 compilers turn into
-// vpmaddwd. Oclgrind (21.10) takes .even / .odd of a 16-wide vector for uninitialized values; the compilers
+// vpmaddwd. Oclgrind has taken .even / .odd of a 16-wide vector for uninitialized values; the compilers
 // emit the same code for either.
 
 #ifndef PERFX_INT_PAIRS_H

@@ -80,8 +80,8 @@ inline float2 q4_scale_only(__global const half* so, const size_t i)
 
 #define NIBBLE_SHIFTS (uint8)(0, 4, 8, 12, 16, 20, 24, 28)
 // The 8 codes of one texel component as floats, in x order: 0x4B000000 | q is the float 2^23 + q (exact
-// for q < 2^23), one OR and one subtraction. 8 wide on purpose: PoCL 3.0's LLVM 14 fails to select 16-wide
-// integer/convert code on AVX2 x86.
+// for q < 2^23), one OR and one subtraction. 8 wide on purpose: some CPU compilers fail to select 16-wide
+// integer/convert code.
 #define CODES_F(bits) (as_float8((((uint8)(bits) >> NIBBLE_SHIFTS) & 0xFu) | 0x4B000000u) - 8388608.0f)
 // The same codes centred, q − 8, as half (cl_khr_fp16 enabled by the caller): 0x6400 | q is the half
 // 1024 + q (exact: the half ulp at 1024 is 1), minus 1032. Centred codes halve the largest product and

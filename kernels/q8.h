@@ -57,7 +57,7 @@ inline float scale_of(SM_T p, const int i)
 #define DEQUANT(q, sm) ((q) * (sm).x + (sm).y)
 #endif
 
-// 8 codes as floats, in x order (8 wide: PoCL 3.0's LLVM 14 fails to select 16-wide convert code on AVX2).
+// 8 codes as floats, in x order (8 wide: some CPU compilers fail to select 16-wide convert code).
 // Loaded through a char8 pointer rather than vload8, which PoCL calls out of line: rows start at multiples
 // of K bytes and K is a multiple of 16, so every chunk of 8 codes is 8-byte aligned.
 #define CODES8(p, c) convert_float8(((const __global char8*)(p))[c])

@@ -5,7 +5,7 @@
 // projection) rounds through this one macro, so the codes a GEMV reads do not depend on which of them made them.
 //
 // Q8_1_BLOCK(x, b, R, D, S) declares R0..R3 (float8, the rounded codes of floats 32b..32b+31 of the __global
-// x, in order; four variables, not an array: Oclgrind 21.10 crashes on an array of float8), D (the step) and S
+// x, in order; four variables, not an array: Oclgrind has crashed on an array of float8), D (the step) and S
 // (the sum).
 
 #ifndef PERFX_Q8_1_H
@@ -33,9 +33,9 @@
 
 // Q8_1_STORE(R, dst): the block's 32 codes to the __global char* dst, its even codes then its odd ones (the
 // order a q4 texel holds its low and high nibbles, kernels/q4.h), so one AND or a shift frees 16 codes that meet
-// their x in place. One scalar conversion and store a code: Oclgrind 21.10 crashes on the vector forms (.even /
-// .odd or swizzles of a float8 or of a conversion's result), PoCL's LLVM 14 without AVX-512 on a float16 passed
-// to a built-in. A norm quantizes only K/32 blocks, after its row is written.
+// their x in place. One scalar conversion and store a code: Oclgrind has crashed on the vector forms (.even /
+// .odd or swizzles of a float8 or of a conversion's result), and a CPU compiler without 512-bit vectors on a
+// float16 passed to a built-in. A norm quantizes only K/32 blocks, after its row is written.
 #define Q8_1_STORE4(v, dst, o)                                                                               \
     (dst)[(o)] = convert_char_sat((v).s0); (dst)[(o) + 1] = convert_char_sat((v).s2);                        \
     (dst)[(o) + 2] = convert_char_sat((v).s4); (dst)[(o) + 3] = convert_char_sat((v).s6);                    \

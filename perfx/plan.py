@@ -215,7 +215,7 @@ class KernelPlan:
                 # another problem, and another file another machine or run. Where skinny and
                 # tiled were not both measured: on a CPU the fastest measured of the others (both CPU
                 # implementations' tuned entries choose skinny or lanes at every bucket up to M = 256, and their
-                # tiled kernel is 5-15x slower at M = 64), else the tall-skinny kernel; elsewhere the default
+                # tiled kernel is several times slower at M = 64), else the tall-skinny kernel; elsewhere the default
                 # crossover.
                 timed = one_run_times(choices, "skinny")
                 cpu = self.device.caps.device_type == "CPU"

@@ -37,7 +37,7 @@ def device_time(events) -> float:
     """Seconds the device spent on the launches: each event's start to its end, summed. Not the span from the
     first start to the last end: a product of several launches (x quantized first, attention's partitions and
     their combine) is enqueued by Python one launch at a time, and the device idles while the host prepares the
-    next one, where a decode step replays its launches back to back (~2 µs apart, `benchmarks/NOTES.md`). The
+    next one, where a decode step replays its launches back to back (`benchmarks/NOTES.md`). The
     first launch after the host's wait also carries the runtime's wake-up, once per measurement, as a
     one-launch candidate's does."""
     total = 0.0
@@ -88,7 +88,7 @@ def _copy_launcher(device: Device, nbytes: int, copies: int) -> Callable[[], lis
 def copy_bandwidth(device: Device, nbytes: int = 64 << 20, copies: int = 2, repeat: int = 10) -> tuple[float, Timing]:
     """The device's copy bandwidth in GB/s (bytes read + written), measured with our copy kernel.
 
-    ``copies`` source/destination pairs are rotated so a large cache (the H200's 50 MB L2) does not
+    ``copies`` source/destination pairs are rotated so a large cache (a data-centre GPU's L2) does not
     serve the reads.
     """
     nbytes = min(nbytes, device.caps.max_alloc) // 32 * 32

@@ -104,6 +104,75 @@ def test_stale_entry_is_ignored_and_retuned(device, db, toy):
     assert db.choices(device, spec, SHAPE)[0].source == "device"
 
 
+KERNEL = """#include "head.h"
+// Why the loop is 8 wide.
+__kernel void k(__global float *y) {   /* one item a row */
+    y[get_global_id(0)] = ONE; // "a comment"
+    if (y[0] < 0.0f) printf("quoted // not a comment");
+}
+"""
+HEADER = "#define ONE 1.0f  // the constant\n"
+
+
+def hashes_of(monkeypatch, kernel, header=HEADER):
+    """(code-only hash, legacy full-text hash) of a family of one kernel file that includes one header."""
+    files = {"k.cl": kernel, "head.h": header}
+    monkeypatch.setattr(dbmod, "kernel_source", files.__getitem__)
+    return dbmod._source_hash.__wrapped__(("k.cl",)), dbmod.legacy_source_hash.__wrapped__(("k.cl",))
+
+
+def test_the_source_hash_covers_the_code_only(monkeypatch):
+    """A comment or whitespace edit, in the kernel or a header it includes, keeps the hash (and no tuning record
+    goes stale); a code edit changes it. The legacy full-text hash changed with every edit."""
+    new, legacy = hashes_of(monkeypatch, KERNEL)
+    comment_edits = [KERNEL.replace("Why the loop is 8 wide.", "Why the loop is eight wide:\n// a second line."),
+                     KERNEL.replace("/* one item a row */", "/* one item\n   a row, said again */"),
+                     KERNEL.replace("    y[", "\t  y[").replace("{   ", "{").replace(";", ";   ") + "\n\n/* the end */\n"]
+    for edited in comment_edits:
+        assert hashes_of(monkeypatch, edited)[0] == new, edited
+        assert hashes_of(monkeypatch, edited)[1] != legacy
+    assert hashes_of(monkeypatch, KERNEL, "// a new comment\n" + HEADER)[0] == new
+    code_edits = [KERNEL.replace("get_global_id(0)", "get_global_id(1)"), KERNEL.replace("not a comment", "code"),
+                  KERNEL.replace("// Why", "#define TWO 2\n// Why")]
+    for edited in code_edits:
+        assert hashes_of(monkeypatch, edited)[0] != new, edited
+    assert hashes_of(monkeypatch, KERNEL, HEADER.replace("1.0f", "2.0f"))[0] != new
+    # A commented-out include is no include.
+    assert hashes_of(monkeypatch, KERNEL.replace('#include "head.h"', '// #include "head.h"'))[0] == \
+        hashes_of(monkeypatch, KERNEL.replace('#include "head.h"', ""))[0]
+
+
+def test_a_legacy_record_of_the_current_code_is_upgraded_and_saved_with_the_new_hash(device, db, toy, monkeypatch):
+    """A user's own database written before the code-only hash: a record pinned to the full-text hash of the
+    current sources, or to a full-text hash the shipped table maps to the current code, is in force, and the
+    next save writes the new hash; a legacy record of other code stays stale."""
+    spec = toy.spec()
+    current, legacy = source_hash(spec), dbmod.legacy_source_hash(spec.params.sources)
+    monkeypatch.setattr(dbmod, "_legacy_hashes", lambda: {"a" * 64: current, "b" * 64: "c" * 64})
+    records = [{**record(spec, {"WGS": 64}, {"n": 1}), "source_hash": legacy},
+               {**record(spec, {"WGS": 32}, {"n": 2}), "source_hash": "a" * 64},
+               {**record(spec, {"WGS": 16}, {"n": 3}), "source_hash": "b" * 64},   # measured on other code
+               {**record(spec, {"WGS": 16}, {"n": 4}), "source_hash": "0" * 64}]
+    write(db.device_path(device.fingerprint), {"device": device.fingerprint}, records,
+          architecture=device.caps.architecture, vendor=device.caps.vendor_key)
+    picks = [db.choices(device, spec, {"n": n})[0] for n in (1, 2, 3, 4)]
+    assert [(c.source, c.params["WGS"]) for c in picks[:2]] == [("device", 64), ("device", 32)]
+    assert [c.source for c in picks[2:]] == ["default", "default"]
+    notes = [r["note"][:5] for r in db.entries_in_force(device, {"toy": spec})]
+    assert notes == ["", "", "stale", "stale"]
+    assert [r["shape"]["n"] for _, r in db.stale_records(device, {"toy": spec})] == [3, 4]
+    db.save_result(device, record(spec, {"WGS": 16}, {"n": 5}))
+    saved = {r["shape"]["n"]: r["source_hash"] for r in json.loads(db.device_path(device.fingerprint).read_text())
+             ["records"]}
+    assert saved == {1: current, 2: current, 3: "b" * 64, 4: "0" * 64, 5: current}
+
+
+def test_the_legacy_table_maps_to_code_only_hashes():
+    """tuning/legacy_hashes.json maps full-text hashes to code-only ones, one each."""
+    table = dbmod._legacy_hashes()
+    assert table and all(len(k) == len(v) == 64 and k != v for k, v in table.items())
+
+
 def test_m_is_matched_by_nearest_bucket(device, db, toy):
     spec = toy.spec()
     records = [record(spec, {"WGS": w}, {"n": 1000, "m": m}) for w, m in ((16, 1), (32, 3), (64, 130))]

@@ -15,8 +15,8 @@ apart, in ``<cache>/tuning/log/<device>.json``: it is how an interrupted sweep r
 anything, and what ``merge`` uses where it has it; no look-up reads it (kernel_tuner's cache file and
 CLBlast's raw tuner output are kept apart from their results in the same way).
 
-Measured records carry the sha256 of the kernel source they were measured with; a record whose
-source changed is stale and ignored. Hand-written (reasoned) records have no hash and ``shape: null``
+Measured records carry the sha256 of the kernel code they were measured with (comments left out, so
+editing one stales nothing); a record whose code changed is stale and ignored. Hand-written (reasoned) records have no hash and ``shape: null``
 (any shape). Look-up falls back device → architecture → vendor → the defaults; within a level, a
 shape matches exactly except its size keys ("m" by nearest M bucket, "positions" by nearest on a log
 scale). A record whose parameters do not fit the shape or device is skipped for the next one, and
@@ -39,6 +39,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from perfx.errors import PerfxError
+from perfx.kernels import code_only
 from perfx.ops.params import Checked
 from perfx.resources import cache_dir, kernel_source, read_json, tuning_path, write_atomic, write_json_atomic
 
@@ -85,25 +86,61 @@ def bucket_representative(index: int) -> int:
 
 
 def source_hash(spec) -> str:
-    """sha256 of the family's kernel files (one, or one per variant) and the headers they include: what a
-    measured record is pinned to."""
+    """sha256 of the code (comments and whitespace runs left out, ``perfx.kernels.code_only``) of the family's
+    kernel files (one, or one per variant) and the headers they include: what a measured record is pinned to.
+    A comment may be edited without making any record stale; a change to the code makes them all stale."""
     return _source_hash(spec.params.sources)
 
 
-@lru_cache(maxsize=None)
-def _source_hash(sources: tuple[str, ...]) -> str:
-    # Each file, then the headers it includes from kernels/ (gpu.h, q4.h, and theirs), each once: a change to
-    # any of them makes the family's records stale.
+def _family_files(sources: tuple[str, ...], strip: bool) -> list[str]:
+    """Each file, then the headers it includes from kernels/ (gpu.h, q4.h, and theirs), each once: a change to
+    any of them makes the family's records stale. ``strip``: an ``#include`` inside a comment is no include."""
     seen: list[str] = []
 
     def add(name: str):
         if name not in seen:
             seen.append(name)
-            for header in re.findall(r'#include "([^"]+)"', kernel_source(name)):
+            text = kernel_source(name)
+            for header in re.findall(r'#include "([^"]+)"', code_only(text) if strip else text):
                 add(header)
     for source in sources:
         add(source)
-    return hashlib.sha256("".join(kernel_source(name) for name in seen).encode()).hexdigest()
+    return seen
+
+
+@lru_cache(maxsize=None)
+def _source_hash(sources: tuple[str, ...]) -> str:
+    text = "\n".join(code_only(kernel_source(name)) for name in _family_files(sources, True))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@lru_cache(maxsize=None)
+def legacy_source_hash(sources: tuple[str, ...]) -> str:
+    """The hash records were pinned to before the code-only hash: sha256 of the files' full text, comments
+    included. A record of a user's own database still carrying it is upgraded when it is read (``_pin``)."""
+    return hashlib.sha256("".join(kernel_source(name) for name in _family_files(sources, False)).encode()).hexdigest()
+
+
+@lru_cache(maxsize=None)
+def _legacy_hashes() -> dict[str, str]:
+    """legacy (full-text) hash -> code-only hash of every family's sources as they were when the hash changed
+    (``legacy_hashes.json``): a record measured then, before the comments were edited, is upgraded when the
+    code it was measured with is still the code."""
+    table = read_json(tuning_path("legacy_hashes.json"), default={})
+    return dict(table.get("hashes", {}))
+
+
+def _pin(record: dict, spec) -> str | None:
+    """The source hash ``record`` is pinned to, a legacy full-text hash of the current code upgraded to the
+    current hash (in place, so the next save of a user's file writes the new hash)."""
+    pinned = record.get("source_hash")
+    if pinned is None:
+        return None
+    current = source_hash(spec)
+    if pinned != current and (_legacy_hashes().get(pinned) == current
+                              or pinned == legacy_source_hash(spec.params.sources)):
+        record["source_hash"] = pinned = current
+    return pinned
 
 
 def normal(value):
@@ -295,7 +332,7 @@ class TuningLog:
         problems = self.data["problems"]
         family = spec.params.family
         entry = next((p for p in problems if p["family"] == family and shape_key(p["shape"]) == key), None)
-        if entry is not None and entry.get("source_hash") != current:
+        if entry is not None and _pin(entry, spec) != current:
             problems.remove(entry)
             entry = None
         if entry is None:
@@ -382,7 +419,8 @@ class Database:
         if not self.enabled:
             return {}
         entries = read_json(self.refused_path(device.fingerprint), default=[])
-        return {(e["family"], params_key(e["params"]), e.get("source_hash")): e["reason"] for e in entries
+        return {(e["family"], params_key(e["params"]), _legacy_hashes().get(e.get("source_hash"), e.get("source_hash"))):
+                e["reason"] for e in entries
                 if isinstance(e, dict) and {"family", "params", "reason"} <= set(e)}
 
     def refuse(self, device, spec, params: dict, reason: str):
@@ -421,7 +459,7 @@ class Database:
         for level, file, record in self._applicable(device):
             if record["family"] != spec.params.family:
                 continue
-            pinned = record.get("source_hash")
+            pinned = _pin(record, spec)
             if pinned is not None and pinned != current:
                 continue  # measured with another kernel source: stale
             distance = shape_distance(shape, record.get("shape"))
@@ -442,7 +480,8 @@ class Database:
         current = source_hash(spec)
 
         def refusal(params):
-            why = refused.get((spec.params.family, params_key(params), current))
+            key = (spec.params.family, params_key(params))
+            why = refused.get((*key, current)) or refused.get((*key, legacy_source_hash(spec.params.sources)))
             return f"refused by this driver: {why}" if why else None
 
         def checked(params):
@@ -485,7 +524,7 @@ class Database:
             else:
                 if family not in hashes:
                     hashes[family] = source_hash(spec)
-                pinned = record.get("source_hash")
+                pinned = _pin(record, spec)
                 refusal = refused.get((family, params_key({**spec.params.defaults(record["params"]), **record["params"]}),
                                        hashes[family]))
                 if pinned is not None and pinned != hashes[family]:
@@ -508,10 +547,11 @@ class Database:
         current = {name: source_hash(spec) for name, spec in all_specs.items()}
         own = self.device_file(device)
         fresh = {(r["family"], shape_key(r.get("shape"))) for r in own.records
-                 if r.get("source_hash") == current.get(r["family"])}
+                 if r["family"] in all_specs and _pin(r, all_specs[r["family"]]) == current[r["family"]]}
         found = []
         for level, file, record in self._applicable(device):
-            family, pinned = record["family"], record.get("source_hash")
+            family = record["family"]
+            pinned = _pin(record, all_specs[family]) if family in all_specs else None
             if family not in all_specs or pinned is None or pinned == current[family] or \
                     record.get("shape") is None:
                 continue
@@ -639,7 +679,7 @@ def merge(inputs: list[dict], level: str, min_devices: int = 2) -> list[dict]:
 
 
 def _best_on_average(members: list[_DeviceResults], key) -> dict | None:
-    hashes = {m.best[key].get("source_hash") for m in members}
+    hashes = {_legacy_hashes().get(h, h) for h in (m.best[key].get("source_hash") for m in members)}
     if len(hashes) != 1:   # measured with different kernel sources: not comparable
         return None
     timed = [m for m in members if key in m.timings]

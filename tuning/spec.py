@@ -147,7 +147,7 @@ def rotating_case(expected: np.ndarray, y, copies: int, launch_copy: Callable[[i
     if device is None:
         return Case(expected={"y": expected}, run=run, launch=launch, rotate=rotate)
     # Every copy once a replay: a replay of fewer copies than fill the cache twice comes round to weights still in
-    # it (8 copies of Gemma 3's 1 MB qkv fit a 32 MB L3, and the tuner then chose four rows a work-item, 2× slower
+    # it (8 copies of Gemma 3's 1 MB qkv fit a CPU's L3, and the tuner then chose four rows a work-item, slower
     # from memory in the decode step than the one row it measured slower from cache).
     count = copies
 
@@ -183,7 +183,7 @@ class Spec:
     reference: Callable[..., Any]                  # the function of perfx.reference make_case's answers use
     # hypothesis.strategies -> a strategy of shapes (taking the module keeps hypothesis a dev dependency)
     fuzz_shapes: Callable[[Any], Any]
-    # Oclgrind interprets every work-item (~1000x slower than PoCL): shapes of a few tiles, still off every
+    # Oclgrind interprets every work-item (orders of magnitude slower than PoCL): shapes of a few tiles, off every
     # tile and vector multiple so the edge guards run; the defaults run on each, sampled sets on the first.
     oclgrind_shapes: tuple[Shape, ...]
     flops: Callable[[Shape], int] = lambda shape: 0

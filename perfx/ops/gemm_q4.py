@@ -58,7 +58,7 @@ SKINNY = ParamSpace(
     },
     # Each work-item holds ROWS·MT float8 accumulators per weight row it applies (two, gate and up, for the
     # gate-up epilogue), plus ROWS weight vectors and the x chunk: at most 8 accumulators, counted as they
-    # are held. On PoCL/AVX2 (16 vector registers) 16 of them spill and run at 2/3 the speed of 8.
+    # are held. A CPU with 16 vector registers spills 16 of them, slower than 8 (benchmarks/NOTES.md).
     rules=(Rule("at most 8 float8 accumulators per work-item (ROWS·MT, times 2 for the gate-up epilogue)",
                 lambda p, s: p["ROWS"] * p["MT"] * _weight_rows(s) <= 8),
            LAYOUT_READ_RULE),
@@ -125,8 +125,8 @@ LANES = ParamSpace(
         "LAYOUT": (0, 1),        # the weight's layout (rows along K, interleaved): set from the weight
     },
     # MB·ROWS scalar accumulators per weight row a work-item applies (two for the gate-up epilogue), a vector
-    # register each once the lanes hold work-items, beside the weights and the broadcast x: AVX-512 has 32
-    # (AVX2's 16 spill past 12, which the tuner measures; 16 a pass beat 12 by 7% on Zen 4's AVX-512).
+    # register each once the lanes hold work-items, beside the weights and the broadcast x: a CPU with 32
+    # vector registers holds 24 (one with 16 spills past 12, which the tuner measures).
     rules=(Rule("at most 24 accumulators per work-item (MB·ROWS, times 2 for the gate-up epilogue)",
                 lambda p, s: p["MB"] * p["ROWS"] * _weight_rows(s) <= 24),
            LAYOUT_READ_RULE),

@@ -45,8 +45,8 @@ LANES = ParamSpace(
         "MB": (12, 6, 4, 8, 16), # rows of X per pass
     },
     # MB·ROWS scalar accumulators per weight row a sweep applies, a vector register each once the lanes hold
-    # work-items, beside the weights and the broadcast x: 16 is AVX-512's 32 registers' share (AVX2's 16 spill
-    # past 12, which the tuner measures). A gate-up pass sweeps gate rows, then up rows, so its gate
+    # work-items, beside the weights and the broadcast x: 16 is the share of a CPU with 32 vector registers
+    # (one with 16 spills past 12, which the tuner measures). A gate-up pass sweeps gate rows, then up rows, so its gate
     # accumulators wait outside the inner loop.
     rules=(Rule("at most 16 accumulators per sweep over K (MB·ROWS)", lambda p, s: p["MB"] * p["ROWS"] <= 16),),
     work_group_size=lambda p, s: p["WGS"],

@@ -85,13 +85,13 @@ ROWS_LAYOUT = ParamSpace(
         Rule("a subgroup reduction (SG 1) reduces whole subgroups of lanes along K: LANES ≥ 16",
              lambda p, s: p["SG"] == 0 or p["LANES"] >= 16),
         # Each row holds two float8 (the group's products and the running sums): 64 lanes × 8 rows is more state
-        # than registers hold anywhere, and Intel's CPU compiler (2026.22) computes a wrong y there (right on
-        # PoCL and under Oclgrind).
+        # than registers hold anywhere, and Intel's CPU compiler has computed a wrong y there (right on PoCL and
+        # under Oclgrind).
         Rule("64 lanes along K hold at most 4 rows of accumulators (ROWS ≤ 4, gate-up ≤ 2)",
              lambda p, s: p["LANES"] < 64 or _accumulator_rows(p, s) <= 4),
-        # The same compiler (2026.2) on an AVX-512 CPU (AMD Zen 5), with a gate-up's 8 rows and lanes met in local
-        # memory: a wrong y at 16 lanes (right under Oclgrind, on AVX2 and with the subgroup reduction), and a
-        # crash of the compiler itself building 4 lanes × 16 row sets.
+        # The same compiler on a CPU with 512-bit vectors, with a gate-up's 8 rows and lanes met in local
+        # memory: a wrong y at 16 lanes (right under Oclgrind, with 256-bit vectors and with the subgroup
+        # reduction), and a crash of the compiler itself building 4 lanes × 16 row sets.
         Rule("lanes met in local memory (LANES > 1, SG 0) hold at most 4 rows of gate-up accumulators (ROWS ≤ 2)",
              lambda p, s: not (p["LANES"] > 1 and p["SG"] == 0 and is_gated(s.get("epilogue"))
                                and _accumulator_rows(p, s) > 4)),

@@ -41,7 +41,7 @@ PARAMS = ParamSpace(
     },
     rules=(Rule("gate-up holds gate and up rows: at most 8 rows of accumulators per work-item (ROWS ≤ 4)",
                 lambda p, s: _accumulator_rows(p, s) <= 8),
-           # As gemv_q4's rows kernel: two float8 a row, and Intel's CPU compiler (2026.22) wrong at 64 × 8.
+           # As gemv_q4's rows kernel: two float8 a row, and Intel's CPU compiler wrong at 64 × 8.
            Rule("64 lanes along K hold at most 4 rows of accumulators (ROWS ≤ 4, gate-up ≤ 2)",
                 lambda p, s: p["LANES"] < 64 or _accumulator_rows(p, s) <= 4),
            Rule("a work-group holds at most 64 work-items (LANES × WGR ≤ 64), as gemv_q4's rows kernel",

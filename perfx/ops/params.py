@@ -83,7 +83,7 @@ def required_subgroup_sizes(caps) -> tuple[int, ...]:
 
 
 def _subgroup_size_supported(caps, value) -> bool:
-    # A CPU runtime builds a subgroup of 32 or 64 as one SIMD32/64 body: ~20 s to compile a GEMV (Intel's
+    # A CPU runtime builds a subgroup of 32 or 64 as one SIMD32/64 body: a long compile of a GEMV (Intel's
     # CPU runtime, measured) and spilled registers to run it. Sizes up to 16 are its native widths.
     return not value or (value in required_subgroup_sizes(caps) and (caps.device_type != "CPU" or value <= 16))
 

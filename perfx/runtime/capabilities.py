@@ -241,8 +241,9 @@ def _host_cache_bytes() -> int:
     return max(sizes, default=0)
 
 
-# A GPU's last-level cache as large as any seen (the H200's L2 is 50 MB; a Snapdragon's system-level cache,
-# shared with the CPU, 6-12 MB): timings rotate inputs past it, so too large a figure costs only memory.
+# A GPU's last-level cache as large as any seen (a data-centre GPU's L2 of tens of MB; a Snapdragon's
+# system-level cache, shared with the CPU, a few MB): timings rotate inputs past it, so too large a figure costs
+# only memory.
 GPU_CACHE_FLOOR = 64 << 20
 
 

@@ -54,8 +54,8 @@ def build_options(caps: Capabilities) -> list[str]:
     fuse a multiply and an add, as Adreno's ALUs do) and ``-cl-no-signed-zeros``. Not
     ``-cl-fast-relaxed-math``: attention's online softmax starts from −INFINITY, which its
     ``-cl-finite-math-only`` lets a compiler assume away, and on Intel's CPU runtime its approximate exp
-    took the SiLU epilogues and gemv_q8 past their tolerances in 33 of 657 selftest checks (2026-11-30);
-    with the two options here all 657 pass on PoCL and Intel. ``PERFX_BUILD_OPTIONS`` adds options of
+    took the SiLU epilogues and gemv_q8 past their tolerances in some selftest checks (benchmarks/NOTES.md);
+    with the two options here they all pass on PoCL and Intel. ``PERFX_BUILD_OPTIONS`` adds options of
     your own (a driver's, to try), still checked by `perfx selftest`.
     """
     extra = os.environ.get("PERFX_BUILD_OPTIONS", "").split()
@@ -86,8 +86,8 @@ class Device:
         self._recording: list | None = None
         self._no_command_buffer = unavailable(self.cl_device, self.queue.properties)
         if self._no_command_buffer is None and os.environ.get("PERFX_COMMAND_BUFFER", "").lower() != "on":
-            # Intel's CPU runtime replays a command buffer slower than the launches one by one (a decode step
-            # 16.9 ms against 10.1, benchmarks/NOTES.md); no driver has yet been measured faster with them.
+            # Intel's CPU runtime replays a command buffer slower than the launches one by one (its decode step
+            # in benchmarks/NOTES.md); no driver has yet been measured faster with them.
             self._no_command_buffer = ("the driver has cl_khr_command_buffer, used only with "
                                        "PERFX_COMMAND_BUFFER=on (benchmarks/decode_host.py --replay both "
                                        "measures both here)")

@@ -53,9 +53,9 @@ class BuildError(PerfxError):
         # One line for notes and tables: the compiler's first error, else the log's first line.
         self.summary = next((line for line in lines if "error" in line.lower()), lines[0] if lines else "no log")
         flags = " ".join(define_flags(defines)) or "(no defines)"
-        # The driver's compiler cannot target this CPU at all (PoCL 3.0 from PyPI carries LLVM 14, which does not
-        # know AMD's family 26, Zen 5, asks for 'generic' instead and refuses that): no kernel of any parameters
-        # builds on this device.
+        # The driver's compiler cannot target this CPU at all (a PoCL whose LLVM is older than the CPU does not
+        # know it, asks for 'generic' instead and refuses that): no kernel of any parameters builds on this
+        # device.
         self.compiler_lacks_cpu = "unknown target CPU" in log
         advice = ("This implementation's compiler does not know this CPU, so no kernel builds on it: choose another "
                   "OpenCL implementation with --device or PERFX_DEVICE (`perfx info` lists them; Intel's CPU runtime "

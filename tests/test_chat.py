@@ -17,6 +17,7 @@ import pytest
 
 from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
 from perfx.commands.chat import Chat
+from perfx.generate import PositionalState
 from perfx.serve.api import APIError, chat_prompt
 from perfx.tokenizer import Tokenizer
 
@@ -432,7 +433,7 @@ class Source:
 
 
 def test_think_switch_in_chat(qwen3, capsys):
-    chat = Chat(model=None, source=Source(qwen3), sampling=None, max_tokens=8, system=None, interactive=False,
+    chat = Chat(model=PositionalState(), source=Source(qwen3), sampling=None, max_tokens=8, system=None, interactive=False,
                 think=False)
     question = [{"role": "user", "content": "2+2?"}]
     # Thinking off: the reply starts after an empty <think> block, as Qwen3's template writes it.

@@ -70,9 +70,10 @@ def check_prefill_and_decode(model, source, rng, prompt_len=19, steps=3):
 @pytest.mark.parametrize("name", ["Q4_K_M", "Q5_K_M-tied", "MIXED_32"])
 def test_k_quant_and_32_weight_mixes_match_the_reference(paths, device, rng, name):
     model, source = load(paths[name], device)
-    kinds = {type(getattr(layer, field)).__name__ for layer in model.weights.layers for field in ("qkv", "down")}
+    kinds = {type(linear.weight).__name__ for i, layer in enumerate(model.weights.layers)
+             for linear in (layer.mixer.weights[i].qkv, layer.down)}
     assert "Q8DeviceWeight" in kinds          # some matrices run the int8 kernels
-    assert isinstance(model.weights.lm_head, Q8DeviceWeight) or name == "MIXED_32"   # Q6_K heads: int8, G = 16
+    assert isinstance(model.weights.lm_head.weight, Q8DeviceWeight) or name == "MIXED_32"   # Q6_K heads: int8, G = 16
     check_prefill_and_decode(model, source, rng)
     # the model looked every int8 kernel up by the shapes `perfx tune` lists for this file
     from perfx.tuning import SPECS
@@ -181,6 +182,7 @@ def test_lm_head_forms_and_bytes(paths, device):
     q8, source = load(paths["hf"], device)
     fp16, _ = load(paths["hf"], device, lm_head="fp16")
     c = source.config
-    assert isinstance(q8.weights.lm_head, Q8DeviceWeight) and not isinstance(fp16.weights.lm_head, Q8DeviceWeight)
+    assert isinstance(q8.weights.lm_head.weight, Q8DeviceWeight)
+    assert not isinstance(fp16.weights.lm_head.weight, Q8DeviceWeight)
     assert fp16.weight_bytes - q8.weight_bytes == 2 * c.vocab_size * c.hidden_size - \
         Q8Matrix.quantize(np.zeros((c.vocab_size, c.hidden_size), np.float16)).nbytes

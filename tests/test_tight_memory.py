@@ -62,16 +62,17 @@ def test_llama_2_7b_loads_and_decodes_under_adreno740_limits():
     # No allocation over the limit, and no image over the height limit: tall matrices are split in row blocks.
     assert 0 < seen.largest <= caps.max_alloc
     assert all(w <= caps.image2d_max_width and h <= caps.image2d_max_height for _, w, h in seen.images)
-    gate_up = model.weights.layers[0].gate_up
+    gate_up = model.weights.layers[0].gate_up.weight
     assert isinstance(gate_up, Q4DeviceWeight) and gate_up.n == 2 * 11008
     if "image2d" in model.plan.read_paths:   # 22016 rows: more than one image's height
         height = caps.image2d_max_height
         assert [stop - start for start, stop in gate_up.image_rows][0] == height and len(gate_up.images) > 1
     # Every layer and the token embedding in AWQ's form (2.5 bytes a group); the int8 lm_head in one block.
-    assert all(w.form == Q4_ZEROS for layer in model.weights.layers for w in vars(layer).values()
-               if isinstance(w, Q4DeviceWeight))
-    assert isinstance(model.weights.embedding, Q4DeviceWeight) and model.weights.embedding.form == Q4_ZEROS
-    assert len(model.weights.lm_head.blocks) == 1
+    assert all(linear.weight.form == Q4_ZEROS for linear in model.weights.linears()
+               if isinstance(linear.weight, Q4DeviceWeight))
+    embedding = model.weights.embedding.weight
+    assert isinstance(embedding, Q4DeviceWeight) and embedding.form == Q4_ZEROS
+    assert len(model.weights.lm_head.weight.blocks) == 1
     assert device.peak_allocated_bytes >= device.allocated_bytes > model.weight_bytes
 
     # Decode a few tokens from a short prompt; ids and logits must be sane.

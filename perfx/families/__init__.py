@@ -45,36 +45,36 @@ def discover_families(package: str = __name__) -> dict[str, Family]:
 FAMILIES: dict[str, Family] = discover_families()
 
 
-def gguf_architectures(families: dict[str, Family] | None = None) -> tuple[str, ...]:
+def gguf_architectures() -> tuple[str, ...]:
     """The GGUF general.architecture values perfx reads, family by family."""
-    return tuple(name for f in (families or FAMILIES).values() for name in f.gguf_names)
+    return tuple(name for f in FAMILIES.values() for name in f.gguf_names)
 
 
-def hf_architectures(families: dict[str, Family] | None = None) -> tuple[str, ...]:
+def hf_architectures() -> tuple[str, ...]:
     """The Hugging Face model_type values perfx reads, family by family."""
-    return tuple(name for f in (families or FAMILIES).values() for name in f.hf_names)
+    return tuple(name for f in FAMILIES.values() for name in f.hf_names)
 
 
-def family_of(architecture: str, families: dict[str, Family] | None = None) -> Family:
+def family_of(architecture: str) -> Family:
     """The family that reads ``architecture`` (a GGUF general.architecture or a model_type)."""
-    for family in (families or FAMILIES).values():
+    for family in FAMILIES.values():
         if architecture in family.gguf_names or architecture in family.hf_names:
             return family
     raise PerfxError(f"model architecture {architecture!r} is not supported; perfx runs "
-                     f"{', '.join(hf_architectures(families))}")
+                     f"{', '.join(hf_architectures())}")
 
 
 # -- GGUF header --------------------------------------------------------------------------------------------
 
-def gguf_values(reader: GGUFFile, families: dict[str, Family] | None = None) -> dict:
+def gguf_values(reader: GGUFFile) -> dict:
     """``ModelConfig`` fields from an open GGUF file: the ``{arch}.*`` keys, vocabulary and head sizes, as
     llama.cpp reads them; the family's ``read_gguf`` adds its recipe."""
     arch = reader.value("general.architecture")
-    known = gguf_architectures(families)
+    known = gguf_architectures()
     if arch not in known:
         raise PerfxError(f"GGUF architecture {arch!r} is not supported; perfx reads GGUF files of "
                          f"architecture {', '.join(known)}")
-    family = family_of(arch, families)
+    family = family_of(arch)
 
     def key(name, default=None):
         return header_key(reader, arch, name, default)
@@ -112,8 +112,8 @@ def gguf_values(reader: GGUFFile, families: dict[str, Family] | None = None) -> 
     rope = Rope(theta, rotary, scaling)
     recipe.update(family.read_gguf(GGUFHeader(reader, arch, n_layers, hidden, n_heads, head_dim, rotary, theta,
                                               window, rope)))
-    n_kv_heads = recipe.pop("n_kv_heads", None)
-    return dict(
+    n_kv_heads = recipe.pop("n_kv_heads", None)   # LFM2's: head_count_kv is per layer there
+    common = dict(
         architecture=arch, vocab_size=int(vocab), hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")), n_layers=n_layers,
         n_heads=n_heads, n_kv_heads=int(n_kv_heads or key("attention.head_count_kv", n_heads)),
@@ -121,8 +121,8 @@ def gguf_values(reader: GGUFFile, families: dict[str, Family] | None = None) -> 
         max_positions=int(key("context_length", 4096)),
         tie_embeddings="output.weight" not in reader.tensors,
         qkv_bias=any(name in reader.tensors for name in ("blk.0.attn_q.bias", "blk.0.attn_qkv.bias")),
-        **recipe,
     )
+    return {**common, **recipe}
 
 
 def _rope_freqs(reader: GGUFFile, rotary: int) -> list[float] | None:
@@ -141,12 +141,12 @@ def _embedding_rows(reader: GGUFFile) -> int:
 
 # -- Hugging Face config.json -------------------------------------------------------------------------------
 
-def hf_values(config: dict, families: dict[str, Family] | None = None) -> dict:
+def hf_values(config: dict) -> dict:
     """``ModelConfig`` fields from the dict of a Hugging Face ``config.json`` (of a multimodal checkpoint,
     its text model's); the family's ``read_hf`` adds its recipe."""
     architecture = config.get("model_type")
-    known = hf_architectures(families)
-    family = family_of(architecture, families) if architecture in known else None
+    known = hf_architectures()
+    family = family_of(architecture) if architecture in known else None
     if family is not None and architecture in family.hf_multimodal:
         architecture, config = family.hf_multimodal[architecture](config)
     if family is None:

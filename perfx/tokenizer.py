@@ -29,6 +29,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from perfx.errors import PerfxError
+from perfx.families import FAMILIES
 from perfx.gguf_file import GGUFFile
 from perfx.resources import read_json
 
@@ -53,7 +54,7 @@ _END_OF_GENERATION_TOKENS = frozenset({
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
     "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
     "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>",
-})
+}) | {token for family in FAMILIES.values() for token in family.chat.stop_tokens}   # and each family's turn ends
 # Fill-in-the-middle padding, repository and file separators, which llama.cpp also treats as end of
 # generation (a model that writes one has left the reply): the first of each kind found.
 _FIM_END_TOKENS = (
@@ -71,20 +72,8 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-# ... unless its vocabulary has Gemma's turn tokens: a Gemma GGUF without a template (some converters leave it
-# out) answers in its own turns, where ChatML's text means nothing to it. What google/gemma-3-*-it's template
-# renders for text messages: the system message opens the first user turn, "assistant" is "model".
-GEMMA_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% if messages and messages[0]['role'] == 'system' %}"
-    "{% set prefix = messages[0]['content'] + '\n\n' %}{% set turns = messages[1:] %}"
-    "{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
-    "{% for message in turns %}"
-    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}"
-    "{{ (prefix if loop.first else '') + message['content'] | trim }}{{ '<end_of_turn>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
-)
+# ... unless it is of a family with a fallback of its own (ChatRules.fallback_template: Gemma's turns), found
+# by its vocabulary.
 
 # Pre-tokenizer regexes of llama.cpp (src/llama-vocab.cpp, llm_tokenizer_bpe), applied in turn, each
 # splitting the pieces left by the one before; text between matches stays a piece of its own.
@@ -93,9 +82,6 @@ _LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# Qwen3.5's: combining marks stay with their letters.
-_QWEN35_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # o200k's (GPT-4o; Phi-4-mini) as llama.cpp rewrites it: a letter outside a-z stands for an upper-case one
 # and a letter outside A-Z for a lower-case one, where tiktoken's asks for the Unicode case classes and the
 # combining marks (\p{M}). Words with marks (the Khmer of llama.cpp's test text) split apart otherwise and
@@ -118,11 +104,13 @@ for _names, _spec in [
      ((_LLAMA3_REGEX,), True, True)),
     (("dbrx", "smaug-bpe"), ((_LLAMA3_REGEX,), False, False)),
     (("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"), ((_QWEN2_REGEX,), False, False)),
-    (("qwen35",), ((_QWEN35_REGEX,), False, False)),
     (("gpt-4o", "llama4"), ((_GPT4O_REGEX,), False, False)),
 ]:
     for _name in _names:
         _BPE_PRE_TOKENIZERS[_name] = _spec
+# and those a family brings (ChatRules.pre_tokenizers: Qwen3.5's "qwen35", combining marks kept with their letters)
+for _family in FAMILIES.values():
+    _BPE_PRE_TOKENIZERS.update(_family.chat.pre_tokenizers)
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _SPACE_MARKER = "\u2581"  # SentencePiece's "▁", which stands for a space inside pieces
@@ -237,8 +225,8 @@ class Tokenizer:
         raise_exception, tojson, strftime_now, the {% generation %} tag, bos_token and eos_token available
         to the template). `template_kwargs` are more variables for the template, as Hugging Face's
         apply_chat_template takes them: enable_thinking=False turns Qwen3's and SmolLM3's thinking off.
-        A model without a template gets ChatML (CHATML_TEMPLATE), or Gemma's turns where its vocabulary has them
-        (GEMMA_TEMPLATE). A template that refuses a system message
+        A model without a template gets ChatML (CHATML_TEMPLATE), or its family's fallback where its vocabulary
+        has that family's turn tokens (Gemma's turns). A template that refuses a system message
         (Gemma 2's raises "System role not supported") gets it at the head of the next message, joined by a
         newline, as llama.cpp's chat code does. The result may start with the BOS text; encode(...,
         add_bos=True) then does not add a second BOS.
@@ -270,9 +258,11 @@ class Tokenizer:
 
     @property
     def fallback_chat_template(self) -> str:
-        """The template a model without one of its own gets: Gemma's where the vocabulary has its turn tokens,
-        else ChatML."""
-        return GEMMA_TEMPLATE if {"<start_of_turn>", "<end_of_turn>"} <= set(self._tokens) else CHATML_TEMPLATE
+        """The template a model without one of its own gets: its family's fallback where the vocabulary has that
+        family's turn tokens (Gemma's), else ChatML."""
+        vocabulary = set(self._tokens)
+        return next((f.chat.fallback_template for f in FAMILIES.values()
+                     if f.chat.fallback_template and set(f.chat.template_tokens) <= vocabulary), CHATML_TEMPLATE)
 
     @functools.cached_property
     def _compiled_chat_template(self) -> jinja2.Template:
@@ -567,12 +557,14 @@ def _end_of_generation_ids(tokens: list[str], declared: Iterable[int] = (),
 
 
 def _rstrip_ids(model_name: str, tokens: list[str], types: list[int]) -> frozenset[int]:
-    """Special tokens after which llama.cpp drops whitespace: all of Phi-3's but <unk>, <s> and
-    <|endoftext|>, chosen, as llama.cpp chooses them, by general.name (llama-vocab.cpp, load)."""
+    """Special tokens after which llama.cpp drops whitespace: of a family with ChatRules.rstrip_names (Phi-3's),
+    all but its rstrip_keep (<unk>, <s> and <|endoftext|>), chosen, as llama.cpp chooses them, by general.name
+    (llama-vocab.cpp, load)."""
     name = model_name.lower()
-    if "phi-3" not in name and "phi3" not in name:
+    rules = next((f.chat for f in FAMILIES.values() if any(n in name for n in f.chat.rstrip_names)), None)
+    if rules is None:
         return frozenset()
-    keep = {"<unk>", "<s>", "<|endoftext|>"}
+    keep = set(rules.rstrip_keep)
     return frozenset(i for i, (token, kind) in enumerate(zip(tokens, types))
                      if kind in _PARSED_FROM_TEXT and token not in keep)
 

@@ -39,8 +39,9 @@ from helpers.perplexity import reference_nll
 from helpers.tiny_models import write_awq
 from perfx import forward64
 from perfx import cli, reference
-from perfx.config import SMOLLM3_NO_ROPE_STEP, ModelConfig
+from perfx.config import ModelConfig
 from perfx.errors import PerfxError
+from perfx.families.smollm3 import NO_ROPE_STEP as SMOLLM3_NO_ROPE_STEP
 from perfx.generate import Conversation, SamplingConfig, generate
 from perfx.model import Model
 from perfx.ops.restore_points import KEPT

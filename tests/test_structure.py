@@ -29,8 +29,8 @@ OPTIONAL = {"matplotlib", "awq", "transformers", "readline"}
 # The package's layers, bottom to top, as docs/layout.md's table gives them: a module imports only from
 # its own layer and those below. A name stands for that module and, for a package, every module in it.
 LAYERS = (
-    ("base", ("perfx.errors", "perfx.resources", "perfx.gguf_file", "perfx.config", "perfx.reference",
-              "perfx.progress", "perfx.kernels")),
+    ("base", ("perfx.errors", "perfx.resources", "perfx.gguf_file", "perfx.recipe", "perfx.families",
+              "perfx.config", "perfx.reference", "perfx.progress", "perfx.kernels")),
     ("device", ("perfx.runtime", "perfx.timing")),
     ("formats", ("perfx.formats", "perfx.tokenizer")),
     ("sources", ("perfx.sources",)),

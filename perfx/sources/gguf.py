@@ -19,8 +19,9 @@ import numpy as np
 from gguf import quants
 
 from perfx import formats
-from perfx.config import GGUF_PERMUTED_QK, ModelConfig
+from perfx.config import ModelConfig
 from perfx.errors import PerfxError
+from perfx.families import family_of
 from perfx.gguf_file import GGUFFile
 from perfx.reference import unpermute_qk
 from perfx.sources.base import (F16_FORM, Form, Linear, ModelSource, check_finite, fused_split_error,
@@ -61,6 +62,7 @@ class GGUFSource(ModelSource):
         self.path = path
         self.file = GGUFFile(path)   # refuses a truncated or corrupt file, naming what runs past its end
         super().__init__(ModelConfig.from_gguf(self.file), quantize, lm_head, embedding)
+        self.family = family_of(self.config.architecture)
         self._tensors = self.file.tensors
         self._check_tensors()
 
@@ -77,7 +79,7 @@ class GGUFSource(ModelSource):
             if c.layers[i].kind == "delta":
                 self._check_delta(i)
                 continue
-            if c.architecture == "qwen35" and f"blk.{i}.ssm_conv1d.weight" in self._tensors:
+            if "delta" in self.family.layer_kinds and f"blk.{i}.ssm_conv1d.weight" in self._tensors:
                 raise PerfxError(f"{self.path}: layer {i} holds linear-attention tensors (ssm_conv1d) but "
                                  f"{self._pattern_keys()} make it a full-attention layer; the header does not "
                                  "describe this file")
@@ -95,10 +97,8 @@ class GGUFSource(ModelSource):
                 self._check(self._vector_tensor(name, i), (self.expected_vector(name),))
 
     def _vector_tensor(self, name: str, layer: int) -> str:
-        # llama.cpp's qwen35 takes the FFN's norm from post_attention_norm (transformers' post_attention_layernorm)
-        if name == "ffn_norm" and self.config.architecture == "qwen35":
-            return f"blk.{layer}.post_attention_norm.weight"
-        return f"blk.{layer}.{GGUF_VECTOR[name]}"
+        # the family's name where it differs (llama.cpp's qwen35 takes the FFN's norm from post_attention_norm)
+        return f"blk.{layer}.{self.family.tensors.gguf_vectors.get(name) or GGUF_VECTOR[name]}"
 
     def _pattern_keys(self) -> str:
         arch = self.config.architecture
@@ -121,8 +121,7 @@ class GGUFSource(ModelSource):
             self._check(self._vector_tensor(name, layer), (self.expected_vector(name),))
 
     def _final_norm_name(self) -> str:
-        # llama.cpp's lfm2 reads its final norm from token_embd_norm (transformers' embedding_norm, applied last)
-        return "token_embd_norm.weight" if self.config.architecture == "lfm2" else "output_norm.weight"
+        return self.family.tensors.gguf_final_norm   # LFM2's: token_embd_norm
 
     def _check_conv(self, layer: int):
         """A short-conv layer (LFM2): in_proj (3·hidden rows), the taps (hidden × L), out_proj, the FFN; a
@@ -255,7 +254,7 @@ class GGUFSource(ModelSource):
 
     def _unpermute(self, name: str, w):
         """Undo llama.cpp's permutation of Wq/Wk rows (and biases), made for its interleaved RoPE."""
-        if self.config.architecture not in GGUF_PERMUTED_QK or name not in ("q", "k", "q_bias", "k_bias"):
+        if not self.family.tensors.gguf_permuted_qk or name not in ("q", "k", "q_bias", "k_bias"):
             return w
         heads = self.config.n_heads if name.startswith("q") else self.config.n_kv_heads
         return permute_linear_rows(w, unpermute_qk(np.arange(w.shape[0]), heads))

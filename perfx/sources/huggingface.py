@@ -15,6 +15,7 @@ from safetensors import safe_open
 from perfx import formats
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
+from perfx.families import family_of
 from perfx.resources import read_json
 from perfx.sources.base import (F16_FORM, LINEAR_NAMES, Form, Linear, ModelSource, check_finite,
                                 fused_split_error, shape_error)
@@ -28,27 +29,6 @@ HF_VECTOR = {"attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_
              "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",
              "v_bias": "self_attn.v_proj.bias", "q_norm": "self_attn.q_norm.weight",
              "k_norm": "self_attn.k_norm.weight"}
-# Gemma's four norms a layer: post_attention_layernorm is the attention output's own norm there, and the FFN's
-# pre-norm is pre_feedforward_layernorm.
-GEMMA_VECTOR = {**HF_VECTOR, "ffn_norm": "pre_feedforward_layernorm.weight",
-                "post_attn_norm": "post_attention_layernorm.weight",
-                "post_ffn_norm": "post_feedforward_layernorm.weight"}
-# LFM2 (transformers' modeling_lfm2): operator_norm before the attention or conv, feed_forward w1 / w3 / w2,
-# out_proj for o, q_layernorm / k_layernorm, and embedding_norm as the final norm.
-LFM2_LINEAR = {**HF_LINEAR, "o": "self_attn.out_proj", "gate": "feed_forward.w1", "up": "feed_forward.w3",
-               "down": "feed_forward.w2", "conv_in": "conv.in_proj", "conv_out": "conv.out_proj"}
-LFM2_VECTOR = {"attn_norm": "operator_norm.weight", "ffn_norm": "ffn_norm.weight",
-               "q_norm": "self_attn.q_layernorm.weight", "k_norm": "self_attn.k_layernorm.weight"}
-FINAL_NORM = {"lfm2": "embedding_norm.weight"}
-# Qwen3.5 (transformers' modeling_qwen3_5, Qwen3_5GatedDeltaNet): a linear_attn layer projects with in_proj_qkv
-# (q, k, v; the v heads grouped by q/k head: the kernels' "interleave" head map, so no rows move), in_proj_z,
-# in_proj_a and in_proj_b, convolves with conv1d (channels, 1, L), and keeps dt_bias, A_log and its gated norm;
-# every other RMSNorm multiplies by (1 + w) (Qwen3_5RMSNorm), the gated one by w (Qwen3_5RMSNormGated).
-QWEN35_LINEAR = {**HF_LINEAR, "delta_qkv": "linear_attn.in_proj_qkv", "delta_z": "linear_attn.in_proj_z",
-                 "delta_a": "linear_attn.in_proj_a", "delta_b": "linear_attn.in_proj_b",
-                 "delta_out": "linear_attn.out_proj"}
-QWEN35_VECTOR = {**HF_VECTOR, "dt_bias": "linear_attn.dt_bias", "ssm_a": "linear_attn.A_log",
-                 "delta_norm": "linear_attn.norm.weight"}
 CONV_TAPS = {"conv": "conv.conv.weight", "delta": "linear_attn.conv1d.weight"}
 # Fused projections a checkpoint may hold (Phi-3), with the parts they replace
 HF_FUSED = {"qkv": ("self_attn.qkv_proj", ("q", "k", "v")), "gate_up": ("mlp.gate_up_proj", ("gate", "up"))}
@@ -80,15 +60,14 @@ class HFSource(ModelSource):
         self._files = self._open_files()
         self._prefix, self._head = next(((p, h) for p, h in HF_PREFIXES if f"{p}embed_tokens.weight" in self._files),
                                         HF_PREFIXES[0])
-        arch = self.config.architecture
-        gemma, qwen35 = arch in ("gemma2", "gemma3_text"), arch == "qwen3_5_text"
-        self._vectors = (GEMMA_VECTOR if gemma else LFM2_VECTOR if arch == "lfm2" else QWEN35_VECTOR if qwen35
-                         else HF_VECTOR)
-        self._linears = LFM2_LINEAR if arch == "lfm2" else QWEN35_LINEAR if qwen35 else HF_LINEAR
-        self._final_norm = f"{self._prefix}{FINAL_NORM.get(arch, 'norm.weight')}"
-        # Gemma's and Qwen3.5's RMSNorm multiply by (1 + w) and their checkpoints store w; GGUF converters
-        # store 1 + w.
-        self._norm_offset = 1.0 if gemma or qwen35 else 0.0
+        # the family's names where they differ from the common ones (Gemma's four norms a layer, LFM2's
+        # operator_norm and feed_forward, Qwen3.5's linear_attn), and whether its checkpoints store w of norms
+        # that multiply by 1 + w (Gemma, Qwen3.5; GGUF converters store 1 + w)
+        names = family_of(self.config.architecture).tensors
+        self._vectors = {**HF_VECTOR, **names.hf_vectors}
+        self._linears = {**HF_LINEAR, **names.hf_linears}
+        self._final_norm = f"{self._prefix}{names.hf_final_norm}"
+        self._norm_offset = names.hf_norm_offset
         self._check_tensors()
 
     # -- files -------------------------------------------------------------------------------------

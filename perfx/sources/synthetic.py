@@ -1,11 +1,10 @@
 """Synthetic models: real shapes and recipes with random 4-bit weights, for benchmarks and tests without downloads.
 
 ``open_model("synthetic:llama-2-7b")`` (group 128 with 4-bit zero points, as the usual AWQ checkpoints),
-``"synthetic:smollm2-135m"`` (group 32, as its Q4_0/Q4_1 GGUFs), ``"synthetic:tiny"``, and the phone-size shapes of the 2026 families
-(``gemma-3-270m``, ``gemma-3-1b``, ``qwen3-1.7b``, ``phi-4-mini``, ``smollm3-3b``, ``lfm2-350m``, ``lfm2-1.2b``,
-``qwen3.5-0.8b``, ``qwen3.5-2b``:
-their config.json values, group 32 as their Q4_0 GGUFs). The weights are generated lazily from a
-seed. Generating a 7B layer takes about a second, so models whose layers are large reuse one random
+``"synthetic:smollm2-135m"`` (group 32, as its Q4_0/Q4_1 GGUFs), ``"synthetic:tiny"``, and the phone-size shapes
+of the other families (``gemma-3-270m``, ``qwen3-1.7b``, ``phi-4-mini``, ``lfm2-350m``, ``qwen3.5-0.8b``, ...:
+their config.json values, group 32 as their Q4_0 GGUFs); each family file names its own (``Family.synthetic``).
+The weights are generated lazily from a seed. Generating a 7B layer takes about a second, so models whose layers are large reuse one random
 layer for every layer: benchmarks only need the bytes and the shapes, not distinct weights. The text
 such a model produces is noise; there is no tokenizer (feed token ids).
 """
@@ -16,73 +15,14 @@ import numpy as np
 
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
+from perfx.families import FAMILIES
 from perfx.formats import Q4_PAIRS, Q4_ZEROS, Q4Matrix, describe_q4_form
 from perfx.sources.base import F16_FORM, Form, LayerWeights, ModelSource
 
-SYNTHETIC_MODELS = {
-    # name: (config, group size[, int4 form: (s, m) pairs unless given])
-    "llama-2-7b": (ModelConfig(
-        architecture="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, n_layers=32,
-        n_heads=32, n_kv_heads=32, head_dim=128, rms_eps=1e-5, rope_theta=10000.0, max_positions=4096,
-        tie_embeddings=False), 128, Q4_ZEROS),
-    "smollm2-135m": (ModelConfig(
-        architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, n_layers=30,
-        n_heads=9, n_kv_heads=3, head_dim=64, rms_eps=1e-5, rope_theta=100000.0, max_positions=8192,
-        tie_embeddings=True), 32),
-    "tiny": (ModelConfig(
-        architecture="llama", vocab_size=512, hidden_size=192, intermediate_size=384, n_layers=2,
-        n_heads=3, n_kv_heads=1, head_dim=64, rms_eps=1e-5, rope_theta=10000.0, max_positions=256,
-        tie_embeddings=False), 64),
-}
-_LFM2_LAYERS = ["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)]
-# The families' phone-size models, from their published config.json (only what the recipe reads)
-_FAMILY_CONFIGS = {
-    "gemma-3-270m": dict(model_type="gemma3_text", vocab_size=262144, hidden_size=640, intermediate_size=2048,
-                         num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
-                         query_pre_attn_scalar=256, sliding_window=512, rope_theta=1e6, rope_local_base_freq=1e4,
-                         max_position_embeddings=32768, sliding_window_pattern=6),
-    "gemma-3-1b": dict(model_type="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
-                       num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
-                       query_pre_attn_scalar=256, sliding_window=512, rope_theta=1e6, rope_local_base_freq=1e4,
-                       max_position_embeddings=32768, sliding_window_pattern=6),
-    "qwen3-1.7b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                       rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=True),
-    "phi-4-mini": dict(model_type="phi3", vocab_size=200064, hidden_size=3072, intermediate_size=8192,
-                       num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8,
-                       partial_rotary_factor=0.75, rope_theta=1e4, max_position_embeddings=131072,
-                       original_max_position_embeddings=4096, sliding_window=262144, tie_word_embeddings=True),
-    "smollm3-3b": dict(model_type="smollm3", vocab_size=128256, hidden_size=2048, intermediate_size=11008,
-                       num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4, rope_theta=5e6,
-                       max_position_embeddings=65536, no_rope_layer_interval=4, tie_word_embeddings=True),
-    # LiquidAI's hybrids: 16 layers, 6 of them attention (the rest gated short convolutions, L = 3)
-    "lfm2-350m": dict(model_type="lfm2", vocab_size=65536, hidden_size=1024, block_ff_dim=6656, intermediate_size=6656,
-                      num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8, rope_theta=1e6,
-                      max_position_embeddings=128000, conv_L_cache=3, layer_types=_LFM2_LAYERS, tie_embedding=True),
-    # Qwen3.5's text models (config.json text_config): 18 Gated DeltaNet layers and 6 gated attention layers
-    # (full_attention_interval 4), 16 q/k and 16 v heads of 128, conv kernel 4, attention heads of 256 with a
-    # quarter rotated. The values are Qwen/Qwen3.5-0.8B's config.json (hidden 1024, intermediate 3584, 8 heads
-    # / 2 KV of 256, rope_theta 1e7, partial_rotary_factor 0.25, 262144 positions, tied) and Qwen/Qwen3.5-2B's
-    # (hidden 2048, intermediate 6144, 24 layers, 8 heads / 2 KV, vocab 248320; its DeltaNet sizes as the
-    # 0.8B's); where they were checked is in benchmarks/NOTES.md.
-    "qwen3.5-0.8b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=1024, intermediate_size=3584,
-                         num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
-                         linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
-                         linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
-                         rope_theta=1e7, partial_rotary_factor=0.25, max_position_embeddings=262144,
-                         tie_word_embeddings=True),
-    "qwen3.5-2b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=2048, intermediate_size=6144,
-                       num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
-                       linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
-                       linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
-                       rope_theta=1e7, partial_rotary_factor=0.25, max_position_embeddings=262144,
-                       tie_word_embeddings=True),
-    "lfm2-1.2b": dict(model_type="lfm2", vocab_size=65536, hidden_size=2048, block_ff_dim=12288,
-                      intermediate_size=12288, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                      rope_theta=1e6, max_position_embeddings=128000, conv_L_cache=3, layer_types=_LFM2_LAYERS,
-                      tie_embedding=True),
-}
-SYNTHETIC_MODELS.update({name: (ModelConfig.from_hf(config), 32) for name, config in _FAMILY_CONFIGS.items()})
+# name -> (config, group size, int4 form): every family's presets (perfx.families, Family.synthetic)
+SYNTHETIC_MODELS = {name: (ModelConfig.from_hf(dict(preset.config)), preset.group,
+                           Q4_ZEROS if preset.zero_points else Q4_PAIRS)
+                    for family in FAMILIES.values() for name, preset in family.synthetic.items()}
 # Above this many weights per layer, one random layer stands in for all of them.
 DISTINCT_LAYER_LIMIT = 8_000_000
 SYNTHETIC_PREFIX = "synthetic:"
@@ -94,8 +34,8 @@ def open_synthetic(name: str, seed: int = 0, lm_head: str = "q8", embedding: str
     if key not in SYNTHETIC_MODELS:
         raise PerfxError(f"unknown synthetic model {name!r}; known: "
                          f"{', '.join('synthetic:' + k for k in SYNTHETIC_MODELS)}")
-    config, group, *form = SYNTHETIC_MODELS[key]
-    return SyntheticSource(key, config, group, seed, lm_head, form[0] if form else Q4_PAIRS, embedding)
+    config, group, form = SYNTHETIC_MODELS[key]
+    return SyntheticSource(key, config, group, seed, lm_head, form, embedding)
 
 
 class SyntheticSource(ModelSource):

@@ -35,7 +35,7 @@ LAYERS = (
     ("formats", ("perfx.formats", "perfx.tokenizer")),
     ("sources", ("perfx.sources",)),
     ("ops", ("perfx.ops",)),
-    ("tuning", ("perfx.tuning",)),
+    ("tuning", ("perfx.tuning", "perfx.step")),
     ("model", ("perfx.plan", "perfx.model", "perfx.generate", "perfx.speculative")),
     ("commands", ("perfx.commands", "perfx.serve", "perfx.cli", "perfx.plots", "perfx.__main__", "perfx")),
 )

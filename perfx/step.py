@@ -280,7 +280,7 @@ def attention_kernel_ops(config, m: int, options: StepOptions, layers: tuple[int
                    writes=("att", "cache"), m=m)]
     if options.positions is None:
         return []
-    positions = min(options.positions, c.max_positions)
+    positions = min(options.positions, c.max_positions) if c.max_positions else options.positions
     shape = {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "positions": positions,
              **qk_norm(c), **kv_shape(options.kv)}
     return [Op("attention_decode", shape, "attention", layers, reads=("qkv", "cache"), writes=("att", "cache"))]

@@ -1,8 +1,10 @@
 """Which kernel and parameters run each part of a model on a device: chosen once, from the tuning database.
 
 ``KernelPlan`` builds the decode kernels when a model is loaded, the prefill kernels per M bucket on first use
-and the int8 kernels per matrix form on first use. Every shape it looks a kernel up by is one that `perfx tune`
-measures for this model (``perfx.tuning.problems``), so a tuned entry is found whenever one exists; a choice
+and the int8 kernels per matrix form on first use, each for an op of the model's built step (``perfx.step``:
+the decode step, and the prefill step per M bucket), whose shapes are exactly those `perfx tune` measures for
+this model (``perfx.tuning.problems``), so a tuned entry is found whenever one exists; no shape is built here. A
+weight the file's header did not announce gets the op the step would build for it. A choice
 this driver refuses (a build failure, a kernel limit) is skipped with one line and remembered, and the next
 one runs. The forward (``perfx.model``) only calls what the plan holds.
 """
@@ -109,12 +111,11 @@ class KernelPlan:
         for op in self.step:
             if op.shares is None:
                 self._choose_op(op)
-        # Each int4 weight is uploaded once, in the layout and for the read path its decode GEMV reads (the
-        # GEMMs and the gather read whatever layout and path the weight has).
 
     @property
     def read_paths(self) -> tuple[str, ...]:
-        """The read paths of the int4 GEMVs chosen: those the int4 weights are uploaded for."""
+        """The read paths of the int4 GEMVs chosen. Each int4 weight is uploaded once, in the layout and for the
+        read path its decode GEMV reads (the GEMMs and the gather read whatever layout and path the weight has)."""
         return tuple(sorted({READ_NAMES[op.read] for op in self.gemv.values()}))
 
     def _choose_op(self, op: Op):
@@ -123,11 +124,12 @@ class KernelPlan:
         if family == "gemv_q4":
             self.gemv[op.weight] = wrapper = self._gemv_q4(op)
         elif family == "gemv_f16":
-            # one fp16 GEMV serves every fp16 matrix (row by row): chosen for the lm_head's op where it has one
-            if self._gemv_f16 is not None and op.weight != "lm_head":
-                wrapper = self._gemv_f16
-            else:
-                self._gemv_f16 = wrapper = self.choose(family, shape, op.weight, lambda p: GemvF16(d, p))
+            # one fp16 GEMV serves every fp16 matrix (row by row): chosen for the lm_head's op where the step
+            # has one, else for the first fp16 matrix's
+            if self._gemv_f16 is None:
+                chosen = next((o for o in self.step if o.family == family and o.weight == "lm_head"), op)
+                self._gemv_f16 = self.choose(family, chosen.shape, chosen.weight, lambda p: GemvF16(d, p))
+            wrapper = self._gemv_f16
         elif family == "rmsnorm":
             if self.rmsnorm is None:
                 self.rmsnorm = self.choose(family, shape, op.role, lambda p: RMSNorm(d, p))

@@ -29,20 +29,20 @@ from perfx.tuning.database import M_BUCKETS, bucket_representative
 # from the file's header (``forms``).
 DEFAULT_HEAD_FORM = Form("q8", 32)
 DELTA_ROLES = ("delta_qkv", "delta_z", "delta_ab", "delta_out")
-MATRIX_FAMILIES = ("gemv_q4", "gemv_q8", "gemv_f16")
 
 
 @dataclass(frozen=True)
 class Op:
-    """One kernel launch of the step (per layer of ``layers`` where it has some, else once).
+    """One kernel launch of the step (on each layer of ``layers`` where it has some, else once).
 
-    ``shape`` is the key its parameters are looked up and tuned by (``tuning/<family>.py``'s shape keys).
-    ``role`` says what the model uses it for ("qkv", "attention", "norm", "lm_head", ...): the label `perfx
-    tune` lists. ``weight`` is the matrix or table role it reads (None: no weight), in device form ``form``.
-    ``reads`` and ``writes`` name ``perfx.model.RunState`` buffers (and the model's "cache", "history" and
-    "delta_state"). ``shares``: the role of the op whose chosen wrapper runs this one too (the RMSNorm wrapper
-    runs every norm); ``measured`` False where `perfx tune` measures it under that op alone (its shape is that
-    op's), True where its own shape is measured too.
+    ``shape`` is the key its parameters are looked up and tuned by (``tuning/<family>.py``'s shape keys);
+    ``m`` the rows it runs over. ``role`` says what the model uses it for ("qkv", "attention", "norm",
+    "lm_head", ...): the label `perfx tune` lists. ``weight`` is the matrix or table role it reads (None: no
+    weight), in device form ``form``; ``epilogue`` what its kernel fuses after the product. ``reads`` and
+    ``writes`` name ``perfx.model.RunState`` buffers (and the model's "cache", "history" and "delta_state").
+    ``shares``: the role of the decode op whose chosen wrapper runs this one too (the RMSNorm wrapper runs
+    every norm; a prefill pass runs the short convolution, the gates and the head with the decode step's);
+    ``measured`` False where its shape is that op's, so `perfx tune` measures it there alone.
     """
 
     family: str

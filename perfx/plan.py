@@ -1,8 +1,10 @@
 """Which kernel and parameters run each part of a model on a device: chosen once, from the tuning database.
 
 ``KernelPlan`` builds the decode kernels when a model is loaded, the prefill kernels per M bucket on first use
-and the int8 kernels per matrix form on first use. Every shape it looks a kernel up by is one that `perfx tune`
-measures for this model (``perfx.tuning.problems``), so a tuned entry is found whenever one exists; a choice
+and the int8 kernels per matrix form on first use, each for an op of the model's built step (``perfx.step``:
+the decode step, and the prefill step per M bucket), whose shapes are exactly those `perfx tune` measures for
+this model (``perfx.tuning.problems``), so a tuned entry is found whenever one exists; no shape is built here. A
+weight the file's header did not announce gets the op the step would build for it. A choice
 this driver refuses (a build failure, a kernel limit) is skipped with one line and remembered, and the next
 one runs. The forward (``perfx.model``) only calls what the plan holds.
 """
@@ -24,7 +26,6 @@ from perfx.ops.gemv_f16 import GemvF16
 from perfx.ops.gemv_q4 import GemvQ4
 from perfx.ops.gated_delta_net import GatedDeltaNetChunked, GatedDeltaNetRecurrent
 from perfx.ops.gemv_q8 import GemvQ8
-from perfx.ops.kv_cache import kv_shape
 from perfx.ops.params import READ_NAMES
 from perfx.ops.q4_weight import available_paths
 from perfx.ops.q8_weight import Q8DeviceWeight
@@ -35,8 +36,8 @@ from perfx.runtime import BuildError, Device, KernelLimitError
 from perfx.sources.base import Form
 from perfx.tuning import SPECS
 from perfx.tuning.database import Choice, Database, bucket_representative, m_bucket
-from perfx.tuning.problems import (conv_shape, delta_shape, embedding_shape, gemm_shapes, gemv_shape, matrix_roles,
-                                   model_problems, qk_norm, softcap_shape)
+from perfx.step import (Op, StepOptions, attention_kernel_ops, bucket_steps, decode_step, embedding_ops,
+                        matrix_epilogue, matrix_ops, matrix_roles)
 
 
 def one_run_times(choices: dict[str, Choice], anchor: str) -> dict[str, float]:
@@ -50,10 +51,30 @@ def one_run_times(choices: dict[str, Choice], anchor: str) -> dict[str, float]:
             if choice.exact and choice.time_s and choice.file == first.file}
 
 
+class _ByRole(dict):
+    """Matrix role -> its int4 GEMV wrapper: chosen from the decode step's ops at load; a role the step has no
+    int4 op for (a weight the file's header did not say is int4) is chosen on first use, by ``make(role)``."""
+
+    def __init__(self, make, roles: tuple[str, ...]):
+        super().__init__()
+        self._make, self._roles = make, roles
+
+    def __missing__(self, role: str):
+        if role not in self._roles:
+            raise KeyError(role)
+        self[role] = wrapper = self._make(role)
+        return wrapper
+
+    def get(self, role, default=None):
+        return self[role] if role in self or role in self._roles else default
+
+
 class KernelPlan:
     """The kernel wrappers a model runs, with their parameters: ``gemv`` (per matrix role), ``gemv_f16``,
     ``rmsnorm``, ``embed``, ``argmax_op``, ``gate`` (the unfused activation·up), ``softcap``, ``attn_decode``;
-    ``prefill(m)`` and ``q8(...)`` on first use. ``tuned`` says where each choice came from."""
+    ``prefill(m)`` and ``q8(...)`` on first use. Each is chosen for an op of the built step (``step``: the
+    decode step, ``buckets``: the prefill step per M bucket, ``perfx.step``), the ops `perfx tune` measures;
+    ``wrapper(op)`` gives the one an op runs with. ``tuned`` says where each choice came from."""
 
     def __init__(self, config: ModelConfig, device: Device, max_positions: int, database: Database, log,
                  group: int | None, forms: dict | None = None, kv: str = "f16", q4_form: int = Q4_PAIRS):
@@ -61,86 +82,146 @@ class KernelPlan:
         self.kv = kv   # the KV cache's form: part of the attention kernels' shapes
         self.q4_form = q4_form   # the int4 layers' scales form (kernels/q4.h Q4_SCALES): the kernels built first
         self.database, self.log = database, log
-        self._choose_decode(group, forms)
+        self.group = group
+        self.options = StepOptions(group, forms, kv, max_positions)
+        self.step = decode_step(config, self.options)
+        self.buckets = bucket_steps(config, self.options)
+        self._choose_decode()
 
-    def _choose_decode(self, group: int | None, forms: dict | None):
-        """Kernel objects with the tuned parameters for this model's shapes (database, else defaults).
+    def _choose_decode(self):
+        """Kernel objects with the tuned parameters for the decode step's ops (database, else defaults).
 
-        The shapes are exactly those `perfx tune` measures for this model (``tuning/problems.py``), so a
-        tuned entry is found whenever one exists; prefill kernels are chosen per M bucket on first use,
-        int8 ones per matrix form on first use (``_q8_op``).
+        The ops' shapes are exactly those `perfx tune` measures for this model (``perfx.step``), so a tuned
+        entry is found whenever one exists; prefill kernels are chosen per M bucket on first use, int8 ones
+        per matrix form on first use (``q8``).
         """
-        c, d = self.config, self.device
+        c = self.config
         self.gate_epilogue = gate_up_epilogue(c.ffn_activation)
         self.tuned: dict[str, object] = {}
         self.tuned_shapes: dict[str, dict] = {}   # the shape each entry of `tuned` was looked up by
         self._q8_ops: dict[tuple, object] = {}
-        problems, _ = model_problems(c, SPECS, group, forms, self.kv)
-        self._problems = problems
-        decode = {(p.family, label): p.shape for p in problems for label in p.label.split("+")
-                  if p.family not in (*GEMM_FAMILIES, "attention_prefill")}
-
-        def shape_of(family, label, **fallback):
-            return decode.get((family, label), fallback)
-
-        self.gemv = {}
-        self.roles = matrix_roles(c)
-        for name in self.roles + ("lm_head",):
-            shape = shape_of("gemv_q4", name, n=c.vocab_size if name == "lm_head" else 1, k=c.hidden_size,
-                             group=group or 32, epilogue="none", bias=False)
-
-            def gemv(params, shape=shape):
-                op = GemvQ4(d, params, shape)
-                # built now: a driver that refuses it is seen here
-                op.kernel(shape["group"], shape["epilogue"], form=self.q4_form)
-                return op
-            where = None
-            if name == "lm_head" and c.tie_embeddings:
-                # A tied int4 embedding is one weight: the gather reads its codes buffer, so the lm_head GEMV
-                # reads that buffer or a view of it, never a second copy (image2d where it cannot be a view).
-                def where(p):
-                    return READ_NAMES[p["READ"]] in available_paths(d.caps, c.vocab_size, c.hidden_size, p["LAYOUT"])
-            self.gemv[name] = self.choose("gemv_q4", shape, name, gemv, where)
-        self.gemv_f16 = self.choose("gemv_f16", shape_of("gemv_f16", "lm_head", n=c.vocab_size, k=c.hidden_size),
-                                     "lm_head", lambda p: GemvF16(d, p))
-        self.rmsnorm = self.choose("rmsnorm", {"m": 1, "k": c.hidden_size, "residual": True}, "norm",
-                                    lambda p: RMSNorm(d, p))
-        self.embed = self.choose("embedding_f16", {"n": c.vocab_size, "k": c.hidden_size, "m": 1}, "embedding",
-                                  lambda p: Embedding(d, p))
-        self.argmax_op = self.choose("argmax", {"n": c.vocab_size}, "greedy sampling", lambda p: Argmax(d, p))
-        # the gate's activation for fp16 (unquantized) matrices, where no GEMV epilogue fuses it
-        if c.ffn_activation == "gelu_tanh":
-            self.gate = self.choose("geglu", {"count": c.intermediate_size}, "geglu", lambda p: GeGLU(d, p))
-        else:
-            self.gate = self.choose("swiglu", {"count": c.intermediate_size}, "swiglu", lambda p: SwiGLU(d, p))
-        self.softcap = (self.choose("softcap", softcap_shape(c), "final soft-cap", lambda p: Softcap(d, p))
-                        if c.final_softcap else None)
-        attention = {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, **qk_norm(c),
-                     **kv_shape(self.kv)}
-        self.attn_decode = self.choose(
-            "attention_decode", {**attention, "positions": self.max_positions}, "decode",
-            lambda p: AttentionDecode(d, p, {**attention, "positions": self.max_positions}))
-        self.short_conv = None
-        if c.layers_of("conv") or c.layers_of("delta"):
-            conv = conv_shape(c, 1)
-            self.short_conv = self.choose("short_conv", shape_of("short_conv", "conv", **conv), "conv",
-                                          lambda p: ShortConv(d, p, conv))
-        # Qwen3.5: σ(gate)·attention output; the DeltaNet recurrence (decode) and its norm's SiLU(z) gate
-        self.attn_gate = (self.choose("sigmoid_mul", {"count": c.q_dim}, "attention gate", lambda p: SigmoidMul(d, p))
-                          if c.attention_gate else None)
-        self.delta_decode = self.delta_gate = None
-        self._delta_prefill: dict[int, GatedDeltaNetChunked] = {}
-        if c.layers_of("delta"):
-            one = delta_shape(c, 1)
-            self.delta_decode = self.choose("gated_delta_net_recurrent", shape_of("gated_delta_net_recurrent",
-                                                                                  "delta", **one),
-                                            "delta", lambda p: GatedDeltaNetRecurrent(d, p, one))
-            self.delta_gate = self.choose("swiglu", {"count": c.delta_value_dim}, "delta norm gate",
-                                          lambda p: SwiGLU(d, p))
+        self._wrappers: dict[Op, object] = {}   # op -> the wrapper chosen for it
         self._prefill_ops: dict[int, tuple] = {}
-        # Each int4 weight is uploaded once, in the layout and for the read path its decode GEMV reads (the
-        # GEMMs and the gather read whatever layout and path the weight has).
-        self.read_paths = tuple(sorted({READ_NAMES[op.read] for op in self.gemv.values()}))
+        self._delta_prefill: dict[int, GatedDeltaNetChunked] = {}
+        self.roles = matrix_roles(c)
+        self.gemv = _ByRole(self._gemv_fallback, self.roles + ("lm_head",))
+        self._gemv_f16 = self._embed = self._attn_decode = None
+        self.softcap = self.short_conv = self.attn_gate = self.delta_decode = self.delta_gate = None
+        self.rmsnorm = self.argmax_op = self.gate = None
+        for op in self.step:
+            if op.shares is None:
+                self._choose_op(op)
+
+    @property
+    def read_paths(self) -> tuple[str, ...]:
+        """The read paths of the int4 GEMVs chosen. Each int4 weight is uploaded once, in the layout and for the
+        read path its decode GEMV reads (the GEMMs and the gather read whatever layout and path the weight has)."""
+        return tuple(sorted({READ_NAMES[op.read] for op in self.gemv.values()}))
+
+    def _choose_op(self, op: Op):
+        """The wrapper of one op of the decode step (the int8 ones are chosen on first use, per weight)."""
+        d, family, shape = self.device, op.family, op.shape
+        if family == "gemv_q4":
+            self.gemv[op.weight] = wrapper = self._gemv_q4(op)
+        elif family == "gemv_f16":
+            # one fp16 GEMV serves every fp16 matrix (row by row): chosen for the lm_head's op where the step
+            # has one, else for the first fp16 matrix's
+            if self._gemv_f16 is None:
+                chosen = next((o for o in self.step if o.family == family and o.weight == "lm_head"), op)
+                self._gemv_f16 = self.choose(family, chosen.shape, chosen.weight, lambda p: GemvF16(d, p))
+            wrapper = self._gemv_f16
+        elif family == "rmsnorm":
+            if self.rmsnorm is None:
+                self.rmsnorm = self.choose(family, shape, op.role, lambda p: RMSNorm(d, p))
+            wrapper = self.rmsnorm
+        elif family == "embedding_f16":
+            self._embed = wrapper = self.choose(family, shape, "embedding", lambda p: Embedding(d, p))
+        elif family == "embedding_q4":   # the gather's wrapper holds the int4 kernel too
+            wrapper = self.embed
+        elif family == "argmax":
+            self.argmax_op = wrapper = self.choose(family, shape, op.role, lambda p: Argmax(d, p))
+        elif op.role in ("swiglu (unfused)", "geglu (unfused)"):
+            # the gate's activation for fp16 (unquantized) matrices, where no GEMV epilogue fuses it
+            wrapper = GeGLU if family == "geglu" else SwiGLU
+            self.gate = wrapper = self.choose(family, shape, family, lambda p, w=wrapper: w(d, p))
+        elif family == "softcap":
+            self.softcap = wrapper = self.choose(family, shape, op.role, lambda p: Softcap(d, p))
+        elif family == "attention_decode":
+            self._attn_decode = wrapper = self.choose(family, shape, "decode", lambda p: AttentionDecode(d, p, shape))
+        elif family == "short_conv":
+            if self.short_conv is None:
+                self.short_conv = self.choose(family, shape, op.role, lambda p: ShortConv(d, p, shape))
+            wrapper = self.short_conv
+        elif family == "sigmoid_mul":   # Qwen3.5: σ(gate)·attention output
+            self.attn_gate = wrapper = self.choose(family, shape, op.role, lambda p: SigmoidMul(d, p))
+        elif family == "gated_delta_net_recurrent":
+            self.delta_decode = wrapper = self.choose(family, shape, op.role,
+                                                      lambda p: GatedDeltaNetRecurrent(d, p, shape))
+        elif op.role == "delta norm gate":   # the DeltaNet norm's SiLU(z)·
+            self.delta_gate = wrapper = self.choose(family, shape, op.role, lambda p: SwiGLU(d, p))
+        else:
+            return   # gemv_q8, embedding_q8: per weight, on first use (``q8``)
+        self._wrappers[op] = wrapper
+
+    def _gemv_q4(self, op: Op):
+        """The int4 GEMV of a matrix op; the lm_head's of a tied int4 embedding reads the gather's buffer."""
+        d, c, shape, name = self.device, self.config, op.shape, op.weight
+
+        def gemv(params):
+            made = GemvQ4(d, params, shape)
+            # built now: a driver that refuses it is seen here
+            made.kernel(shape["group"], shape["epilogue"], form=self.q4_form)
+            return made
+        where = None
+        if name == "lm_head" and c.tie_embeddings:
+            # A tied int4 embedding is one weight: the gather reads its codes buffer, so the lm_head GEMV
+            # reads that buffer or a view of it, never a second copy (image2d where it cannot be a view).
+            def where(p):
+                return READ_NAMES[p["READ"]] in available_paths(d.caps, c.vocab_size, c.hidden_size, p["LAYOUT"])
+        return self.choose("gemv_q4", shape, name, gemv, where)
+
+    def _gemv_fallback(self, role: str):
+        """The int4 GEMV of a role the step has no int4 op for, as its op would be at the loader's group."""
+        form = Form("q4", self.group or 32)
+        return self._gemv_q4(matrix_ops(self.config, role, 1, self.options, forms=[form])[0])
+
+    @property
+    def gemv_f16(self):
+        """The fp16 GEMV (every fp16 matrix, row by row): the lm_head's op's, else the first fp16 matrix's,
+        else (fp16 weights the header did not announce) as the lm_head's would be."""
+        if self._gemv_f16 is None:
+            self._choose_op(matrix_ops(self.config, "lm_head", 1, self.options, forms=[Form("f16")])[0])
+        return self._gemv_f16
+
+    @property
+    def embed(self):
+        """The fp16 (and int4) gather: the fp16 table's op's, else as an fp16 table's would be."""
+        if self._embed is None:
+            self._choose_op(embedding_ops(self.config, 1, StepOptions(forms={"embedding": {Form("f16")}}))[0])
+        return self._embed
+
+    @property
+    def attn_decode(self):
+        """The decode attention: the step's, else (no attention layer) as an attention layer's would be."""
+        if self._attn_decode is None:
+            self._choose_op(attention_kernel_ops(self.config, 1, self.options)[0])
+        return self._attn_decode
+
+    def ops(self, m: int = 1) -> list[Op]:
+        """The ops of the step a pass over m rows runs: the decode step for one, else m's prefill bucket's."""
+        return self.step if m == 1 else self.buckets[m_bucket(m)]
+
+    def wrapper(self, op: Op):
+        """The wrapper chosen for ``op`` (one of ``step`` or ``buckets``), or None where none is yet: an op
+        that shares another's wrapper gets that op's; the prefill and int8 ones exist once first used."""
+        if op.shares is not None:
+            owner = next((o for o in self.step if o.role == op.shares and o.family == op.family
+                          and o.shares is None and o.key == op.key), None)
+            owner = owner or next((o for o in self.step if o.role == op.shares and o.family == op.family
+                                   and o.shares is None), None)
+            owner = owner or next((o for o in self.step if o.family == op.family and o.shares is None), None)
+            return None if owner is None else self._wrappers.get(owner)
+        return self._wrappers.get(op)
 
     def choose(self, family: str, shape: dict, label: str, make, where=None):
         """``make(params)`` (a wrapper, its kernels built) with the first parameters of the database's choices
@@ -178,18 +259,23 @@ class KernelPlan:
                          + "; ".join(refused) + ". Run `perfx selftest` and report the log")
 
     def prefill(self, m: int) -> tuple[dict, AttentionPrefill]:
-        """The GEMM per matrix and the prefill attention tuned for m's bucket (built once per bucket)."""
+        """The GEMM per matrix and the prefill attention tuned for m's bucket (built once per bucket), chosen
+        for the ops of the bucket's step."""
         bucket = m_bucket(m)
         if bucket not in self._prefill_ops:
             rep = bucket_representative(bucket)
-            shapes = {(p.family, label): p.shape for p in self._problems for label in p.label.split("+")
-                      if p.shape.get("m") == rep}
+            ops = self.buckets[bucket]
             gemms = {}
             for name in self.roles:
-                skinny = shapes.get(("gemm_q4_skinny", name))
-                tiled = shapes.get(("gemm_q4_tiled", name))
-                if skinny is None or tiled is None:   # an fp16 matrix: no GEMM
+                # the GEMM kinds of the role's int4 form (of its last, where the header names several)
+                kinds_of: dict = {}
+                for op in ops:
+                    if op.weight == name and op.family in GEMM_FAMILIES:
+                        kinds_of.setdefault(op.form, {})[op.family.removeprefix("gemm_q4_")] = op
+                if not kinds_of:   # an fp16 or int8 matrix: no int4 GEMM
                     continue
+                found = list(kinds_of.values())[-1]
+                skinny = found["skinny"].shape
                 epilogue = skinny["epilogue"]
                 label = f"{name}, M≈{rep}"
 
@@ -200,14 +286,14 @@ class KernelPlan:
                             op.kernel(kind, epilogue, read, form=self.q4_form)
                         return op
                     return make
-                kinds = {"skinny": skinny, "tiled": tiled}
-                if ("gemm_q4_lanes", name) in shapes:
-                    kinds["lanes"] = shapes[("gemm_q4_lanes", name)]
+                kinds = {"skinny": found["skinny"], "tiled": found["tiled"]}
+                if "lanes" in found:
+                    kinds["lanes"] = found["lanes"]
                 if self.device.caps.fp16:
-                    kinds["f16"] = shapes.get(("gemm_q4_f16", name), skinny)
+                    kinds["f16"] = found.get("f16", found["skinny"])
                 choices = {}
-                for kind, shape in kinds.items():
-                    self.choose(f"gemm_q4_{kind}", shape, label, gemm(kind, shape))
+                for kind, op in kinds.items():
+                    self._wrappers[op] = self.choose(f"gemm_q4_{kind}", op.shape, label, gemm(kind, op.shape))
                     choices[kind] = self.tuned[f"gemm_q4_{kind} ({label})"]
                 # The fastest kernel measured on this device for this bucket (the fp16 and lanes ones only where
                 # they were measured too). Only times measured at this very shape, in the skinny entry's file, are
@@ -226,21 +312,23 @@ class KernelPlan:
                 gemms[name] = GemmQ4(self.device, choices["skinny"].params, choices["tiled"].params, None,
                                      shape=skinny, f16_params=choices["f16"].params if "f16" in choices else None,
                                      kind=kind, lanes_params=choices["lanes"].params if "lanes" in choices else None)
-            c = self.config
-            shape = shapes.get(("attention_prefill", "attention"),
-                               {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "m": rep,
-                                "p0": 0, **qk_norm(c), **kv_shape(self.kv)})
+            op = next((op for op in ops if op.family == "attention_prefill"), None)
+            if op is None:   # no attention layer: as one would be
+                op = attention_kernel_ops(self.config, rep, self.options)[0]
+            shape = op.shape
             attention = self.choose("attention_prefill", shape, f"prefill, M≈{rep}",
-                                     lambda p: AttentionPrefill(self.device, p, shape))
+                                    lambda p: AttentionPrefill(self.device, p, shape))
+            self._wrappers[op] = attention
             self._prefill_ops[bucket] = (gemms, attention)
         return self._prefill_ops[bucket]
 
     def delta_prefill(self, m: int) -> GatedDeltaNetChunked:
-        """The chunked Gated DeltaNet kernel tuned for m's bucket (built once per bucket)."""
+        """The chunked Gated DeltaNet kernel tuned for m's bucket (built once per bucket), for its step's op."""
         bucket = m_bucket(m)
         if bucket not in self._delta_prefill:
-            shape = delta_shape(self.config, bucket_representative(bucket))
-            self._delta_prefill[bucket] = self.choose(
+            op = next(op for op in self.buckets[bucket] if op.family == "gated_delta_net_chunked")
+            shape = op.shape
+            self._delta_prefill[bucket] = self._wrappers[op] = self.choose(
                 "gated_delta_net_chunked", shape, f"delta, M≈{shape['tokens']}",
                 lambda p: GatedDeltaNetChunked(self.device, p, shape))
         return self._delta_prefill[bucket]
@@ -254,37 +342,58 @@ class KernelPlan:
         timed = one_run_times(first, "gemm_q8")
         return "gemm_q8_lanes" if timed.get("gemm_q8_lanes", float("inf")) < timed.get("gemm_q8", 0.0) else "gemm_q8"
 
+    def _q8_step_ops(self, kind: str, name: str, weight: Q8DeviceWeight, form: Form, rep: int) -> list[Op]:
+        """The ops of the built step for an int8 weight of this form and size (the GEMV, the GEMM kinds of
+        rep's bucket, or the gather), else, for a weight the header did not announce (or the lm_head's GEMM
+        in a bucket the step runs none in), the ops as the step would build them for it."""
+        c, options = self.config, self.options
+        if kind == "embedding":
+            found = [op for op in self.step if op.family == "embedding_q8" and op.form == form
+                     and op.shape["n"] == weight.n and op.shape["k"] == weight.k]
+            return found or [op for op in embedding_ops(c, 1, StepOptions(forms={"embedding": {form}}))]
+        gemm = kind == "gemm"
+        ops = self.buckets[m_bucket(rep)] if gemm else self.step
+        families = ("gemm_q8", "gemm_q8_lanes") if gemm else ("gemv_q8",)
+        base = matrix_epilogue(c, name)
+        epilogue = "bias" if gemm and weight.has_bias and base == "none" else base
+        found = [op for op in ops if op.family in families and op.weight == name and op.form == form
+                 and op.shape["n"] == weight.n and op.shape["k"] == weight.k and op.epilogue == epilogue
+                 and (gemm or op.shape["bias"] == weight.has_bias)]
+        return found or matrix_ops(c, name, rep, options, gemm, dims=(weight.n, weight.k, weight.has_bias),
+                                   forms=[form])
+
     def q8(self, kind: str, name: str, weight: Q8DeviceWeight, m: int = 1):
         """The int8 kernel wrapper ("gemv", "gemm" or "embedding") for a matrix of this form, with the
-        parameters tuned for its shape (``tuning/problems.py`` builds the same shapes), made once."""
-        c = self.config
+        parameters tuned for its op of the built step, made once."""
         form = Form("q8", weight.group, weight.f32, weight.symmetric)
         rep = bucket_representative(m_bucket(m)) if kind == "gemm" else 1
         key = (kind, name, form, rep)
-        op = self._q8_ops.get(key)
-        if op is None:
-            epilogue = (self.gate_epilogue if name == "gate_up"
-                        else ("bias" if weight.has_bias and kind == "gemm" else "none"))
+        made = self._q8_ops.get(key)
+        if made is None:
+            ops = self._q8_step_ops(kind, name, weight, form, rep)
             if kind == "gemv":
-                family, shape = gemv_shape(c, name, form, weight.n, weight.k, epilogue, weight.has_bias)
+                op = ops[0]
+                epilogue, shape = op.epilogue, op.shape
 
                 def make(params):
-                    made = GemvQ8(self.device, params, shape)
-                    made.kernel(weight.group, weight.f32, weight.symmetric, epilogue)   # built now: a refusal is seen here
-                    return made
-                op = self.choose(family, shape, name, make)
+                    wrapper = GemvQ8(self.device, params, shape)
+                    wrapper.kernel(weight.group, weight.f32, weight.symmetric, epilogue)   # built now: a refusal is seen here
+                    return wrapper
+                made = self.choose(op.family, shape, name, make)
             elif kind == "gemm":
-                shapes = dict(gemm_shapes(form, rep, weight.n, weight.k, epilogue))
+                shapes = {op.family: op.shape for op in ops}
                 family = self._faster_q8_gemm(shapes)
-                shape = shapes[family]
+                op = next(op for op in ops if op.family == family)
+                epilogue, shape = op.epilogue, op.shape
 
                 def make(params):
-                    made = GemmQ8(self.device, params, shape, "lanes" if family == "gemm_q8_lanes" else "skinny")
-                    made.kernel(weight.group, weight.f32, weight.symmetric, epilogue)
-                    return made
-                op = self.choose(family, shape, f"{name}, M≈{rep}", make)
+                    wrapper = GemmQ8(self.device, params, shape, "lanes" if family == "gemm_q8_lanes" else "skinny")
+                    wrapper.kernel(weight.group, weight.f32, weight.symmetric, epilogue)
+                    return wrapper
+                made = self.choose(family, shape, f"{name}, M≈{rep}", make)
             else:
-                family, shape = embedding_shape(form, weight.n, weight.k, rep)
-                op = self.choose(family, shape, "embedding", lambda params: EmbeddingQ8(self.device, params))
-            self._q8_ops[key] = op
-        return op
+                op = ops[0]
+                made = self.choose(op.family, op.shape, "embedding", lambda params: EmbeddingQ8(self.device, params))
+            self._wrappers[op] = made
+            self._q8_ops[key] = made
+        return made

@@ -36,7 +36,7 @@ LAYERS = (
     ("sources", ("perfx.sources",)),
     ("ops", ("perfx.ops",)),
     ("mixers", ("perfx.linear", "perfx.mixers", "perfx.forward64")),
-    ("tuning", ("perfx.tuning",)),
+    ("tuning", ("perfx.tuning", "perfx.step")),
     ("model", ("perfx.plan", "perfx.model", "perfx.generate", "perfx.speculative")),
     ("commands", ("perfx.commands", "perfx.serve", "perfx.cli", "perfx.plots", "perfx.__main__", "perfx")),
 )

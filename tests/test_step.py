@@ -1,0 +1,135 @@
+"""The step as data (``perfx.step``): the shapes `perfx tune` measures are exactly the ops of the built steps
+(the decode step and each prefill bucket's), for every family's synthetic model; and a loaded model's plan
+chose its kernels for those ops only, with a wrapper for every op of its decode step."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from helpers.family_models import FAMILIES, family_tokenizer, make_family_model, write_family_gguf
+from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf, write_hf
+from perfx.model import Model, RunState
+from perfx.sources import open_model
+from perfx.sources.synthetic import SYNTHETIC_MODELS, open_synthetic
+from perfx.step import MIXER_OPS, StepOptions, bucket_steps, decode_step, ffn_ops, prefill_step
+from perfx.tuning import SPECS
+from perfx.tuning.database import M_BUCKETS, bucket_representative, default_database
+from perfx.tuning.problems import DECODE_POSITIONS, model_problems
+
+# The buffers an op may name: the run state's, and the model's KV cache, conv rings and recurrent state
+BUFFERS = {f.name for f in dataclasses.fields(RunState)} | {"cache", "history", "delta_state"}
+
+
+def built_steps(config, group, forms, kv) -> list[list]:
+    """The decode step at each context `perfx tune` times attention at, and every prefill bucket's step."""
+    decode = [decode_step(config, StepOptions(group, forms, kv, positions)) for positions in DECODE_POSITIONS]
+    return decode + [prefill_step(config, bucket_representative(b), StepOptions(group, forms, kv))
+                     for b in range(len(M_BUCKETS))]
+
+
+@pytest.mark.parametrize("lm_head,kv,embedding", [("q8", "f16", "head"), ("fp16", "q8", "q4")])
+@pytest.mark.parametrize("name", sorted(SYNTHETIC_MODELS))
+def test_perfx_tune_measures_exactly_the_ops_of_the_built_steps(name, lm_head, kv, embedding):
+    source = open_synthetic(name, lm_head=lm_head, embedding=embedding)
+    c, forms = source.config, source.weight_forms()
+    if kv == "q8" and c.head_dim % 32:
+        kv = "f16"
+    for group, given in ((source.int4_group, forms), (None, None)):   # the header's forms, and the load rule
+        problems, notes = model_problems(c, SPECS, group, given, kv)
+        assert not [n for n in notes if "skipped" in n], notes
+        steps = built_steps(c, group, given, kv)
+        ops = [op for step in steps for op in step]
+        assert {op.family for op in ops} <= set(SPECS)
+        measured = {(p.family, _key(p.shape)) for p in problems}
+        assert measured == {op.key for op in ops}
+        assert len(measured) == len(problems), "each (family, shape) is one problem"
+
+
+def _key(shape: dict) -> str:
+    return json.dumps(shape, sort_keys=True)
+
+
+@pytest.mark.parametrize("name", sorted(SYNTHETIC_MODELS))
+def test_the_decode_step_runs_in_order_over_the_run_state(name):
+    source = open_synthetic(name)
+    c = source.config
+    options = StepOptions(source.int4_group, source.weight_forms(), "f16", 256)
+    step = decode_step(c, options)
+    assert step[0].role == "embedding" and step[-1].family == "argmax"
+    for op in step:
+        assert set(op.reads) | set(op.writes) <= BUFFERS, op
+        assert set(op.layers) <= set(range(c.n_layers)), op
+        assert op.shares is None or any(o.role == op.shares and o.shares is None for o in step), op
+    # each layer kind's mixer ops run on that kind's layers, in the builders' order, between the two norms
+    kinds = {r.kind for r in c.layers}
+    for kind, build in MIXER_OPS.items():
+        ops = build(c, 1, options)
+        assert bool(ops) == (kind in kinds)
+        assert all(op.layers == tuple(c.layers_of(kind)) for op in ops)
+        assert [op for op in step if op in ops] == ops
+    assert [op.weight for op in ffn_ops(c, 1, options) if op.weight][-1] == "down"
+    # a matrix role reads what the norm wrote (xb) or its mixer's output, and the step ends in the logits
+    head = [op for op in step if op.weight == "lm_head"]
+    assert head and all(op.reads == ("xb",) and op.writes == ("logits",) for op in head)
+
+
+def test_every_prefill_bucket_has_its_step_at_its_representative_m():
+    source = open_synthetic("qwen3.5-0.8b")
+    options = StepOptions(source.int4_group, source.weight_forms())
+    steps = bucket_steps(source.config, options)
+    assert sorted(steps) == list(range(len(M_BUCKETS)))
+    for bucket, step in steps.items():
+        m = bucket_representative(bucket)
+        gemms = [op for op in step if op.family.startswith("gemm_")]
+        assert gemms and all(op.m == m and op.shape["m"] == m for op in gemms)
+        families = {op.family for op in step}
+        assert ("gated_delta_net_chunked" in families) == (m > 1)
+        assert ("attention_prefill" in families) == (m > 1)
+        assert any(op.role == "lm_head (perplexity)" for op in step) == (m > 16)
+
+
+# -- on the device: the plan of a loaded model ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_model_paths(tmp_path_factory):
+    """A GGUF of every family (int4 and int8 layers mixed, K-quants on down), and two tiny Llama-shaped models
+    (a GGUF, an fp16 checkpoint)."""
+    root = tmp_path_factory.mktemp("step-models")
+    paths = {}
+    for family in FAMILIES:
+        model = make_family_model(family, family_tokenizer(root / family, family), np.random.default_rng(0))
+        paths[family] = write_family_gguf(root / f"{family}.gguf", model).path
+    spm = tiny_tokenizer(root / "spm")
+    gqa3 = make_tiny_model("gqa3", spm, np.random.default_rng(1))
+    paths["gguf-gqa3"] = write_gguf(root / "gqa3.gguf", gqa3).path
+    paths["hf-fp16-gqa3"] = write_hf(root / "hf-fp16", gqa3)
+    return paths
+
+
+@pytest.mark.one_implementation
+@pytest.mark.parametrize("name", list(FAMILIES) + ["gguf-gqa3", "hf-fp16-gqa3"])
+def test_the_plan_chooses_kernels_for_the_ops_of_the_built_step(tiny_model_paths, device, name):
+    source = open_model(str(tiny_model_paths[name]))
+    model = Model.load(source, device, ctx=256, progress=False, database=default_database(False))
+    plan, v = model.plan, source.config.vocab_size
+    for m in (3, 9, 33, 128):   # a length in each bucket a prefill chunk (256) reaches past one row
+        tokens = [3 + (i * 7) % (v - 4) for i in range(m)]
+        model.prefill(tokens, 0)
+    model.prefill_logits([3 + i % (v - 4) for i in range(33)], 0)   # the lm_head's GEMM over the rows
+    model.decode_one(5, model.written)
+    model.argmax()
+    ops = plan.step + [op for step in plan.buckets.values() for op in step]
+    keys = {op.key for op in ops}
+    for label, shape in plan.tuned_shapes.items():
+        assert (label.split(" ")[0], _key(shape)) in keys, f"{label}: {shape} is no op of the built step"
+    missing = [op for op in plan.step if plan.wrapper(op) is None]
+    assert not missing, f"ops of the decode step without a wrapper: {missing}"
+    # the prefill buckets reached chose theirs too (the int4 GEMMs, the attention, the chunked recurrence)
+    for m in (3, 9, 33, 128):
+        chosen = [op for op in plan.ops(m) if plan.wrapper(op) is not None]
+        assert any(op.family in ("attention_prefill", "gated_delta_net_chunked") for op in chosen)
+        assert all(plan.wrapper(op) is not None for op in plan.ops(m) if op.family == "attention_prefill")

@@ -36,8 +36,9 @@ from perfx.runtime import BuildError, Device, KernelLimitError
 from perfx.sources.base import Form
 from perfx.tuning import SPECS
 from perfx.tuning.database import Choice, Database, bucket_representative, m_bucket
-from perfx.step import (Op, StepOptions, attention_kernel_ops, bucket_steps, decode_step, embedding_ops,
-                        matrix_epilogue, matrix_ops, matrix_roles)
+from perfx.mixers.attention import AttentionMixer
+from perfx.op import Op, StepOptions, matrix_epilogue
+from perfx.step import bucket_steps, decode_step, embedding_ops, matrix_roles, role_ops
 
 
 def one_run_times(choices: dict[str, Choice], anchor: str) -> dict[str, float]:
@@ -183,14 +184,14 @@ class KernelPlan:
     def _gemv_fallback(self, role: str):
         """The int4 GEMV of a role the step has no int4 op for, as its op would be at the loader's group."""
         form = Form("q4", self.group or 32)
-        return self._gemv_q4(matrix_ops(self.config, role, 1, self.options, forms=[form])[0])
+        return self._gemv_q4(role_ops(self.config, role, 1, self.options, forms=[form])[0])
 
     @property
     def gemv_f16(self):
         """The fp16 GEMV (every fp16 matrix, row by row): the lm_head's op's, else the first fp16 matrix's,
         else (fp16 weights the header did not announce) as the lm_head's would be."""
         if self._gemv_f16 is None:
-            self._choose_op(matrix_ops(self.config, "lm_head", 1, self.options, forms=[Form("f16")])[0])
+            self._choose_op(role_ops(self.config, "lm_head", 1, self.options, forms=[Form("f16")])[0])
         return self._gemv_f16
 
     @property
@@ -204,7 +205,7 @@ class KernelPlan:
     def attn_decode(self):
         """The decode attention: the step's, else (no attention layer) as an attention layer's would be."""
         if self._attn_decode is None:
-            self._choose_op(attention_kernel_ops(self.config, 1, self.options)[0])
+            self._choose_op(AttentionMixer.kernel_ops(self.config, 1, self.options)[0])
         return self._attn_decode
 
     def ops(self, m: int = 1) -> list[Op]:
@@ -314,7 +315,7 @@ class KernelPlan:
                                      kind=kind, lanes_params=choices["lanes"].params if "lanes" in choices else None)
             op = next((op for op in ops if op.family == "attention_prefill"), None)
             if op is None:   # no attention layer: as one would be
-                op = attention_kernel_ops(self.config, rep, self.options)[0]
+                op = AttentionMixer.kernel_ops(self.config, rep, self.options)[0]
             shape = op.shape
             attention = self.choose("attention_prefill", shape, f"prefill, M≈{rep}",
                                     lambda p: AttentionPrefill(self.device, p, shape))
@@ -359,8 +360,8 @@ class KernelPlan:
         found = [op for op in ops if op.family in families and op.weight == name and op.form == form
                  and op.shape["n"] == weight.n and op.shape["k"] == weight.k and op.epilogue == epilogue
                  and (gemm or op.shape["bias"] == weight.has_bias)]
-        return found or matrix_ops(c, name, rep, options, gemm, dims=(weight.n, weight.k, weight.has_bias),
-                                   forms=[form])
+        return found or role_ops(c, name, rep, options, gemm, dims=(weight.n, weight.k, weight.has_bias),
+                                 forms=[form])
 
     def q8(self, kind: str, name: str, weight: Q8DeviceWeight, m: int = 1):
         """The int8 kernel wrapper ("gemv", "gemm" or "embedding") for a matrix of this form, with the

@@ -15,13 +15,17 @@ from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf, wri
 from perfx.model import Model, RunState
 from perfx.sources import open_model
 from perfx.sources.synthetic import SYNTHETIC_MODELS, open_synthetic
-from perfx.step import MIXER_OPS, StepOptions, bucket_steps, decode_step, ffn_ops, prefill_step
+from perfx.mixers import MIXERS
+from perfx.op import StepOptions
+from perfx.step import bucket_steps, decode_step, ffn_ops, prefill_step
 from perfx.tuning import SPECS
 from perfx.tuning.database import M_BUCKETS, bucket_representative, default_database
 from perfx.tuning.problems import DECODE_POSITIONS, model_problems
 
 # The buffers an op may name: the run state's, and the model's KV cache, conv rings and recurrent state
-BUFFERS = {f.name for f in dataclasses.fields(RunState)} | {"cache", "history", "delta_state"}
+# the run state's buffers, each mixer's scratch and its state
+BUFFERS = ({f.name for f in dataclasses.fields(RunState)} | {name for mixer in MIXERS.values() for name in mixer.scratch}
+           | {"cache", "history", "delta_state"})
 
 
 def built_steps(config, group, forms, kv) -> list[list]:
@@ -66,10 +70,12 @@ def test_the_decode_step_runs_in_order_over_the_run_state(name):
         assert op.shares is None or any(o.role == op.shares and o.shares is None for o in step), op
     # each layer kind's mixer ops run on that kind's layers, in the builders' order, between the two norms
     kinds = {r.kind for r in c.layers}
-    for kind, build in MIXER_OPS.items():
-        ops = build(c, 1, options)
-        assert bool(ops) == (kind in kinds)
-        assert all(op.layers == tuple(c.layers_of(kind)) for op in ops)
+    for kind, mixer in MIXERS.items():
+        if kind not in kinds:
+            assert not any(set(op.layers) & set(c.layers_of(kind)) for op in step)
+            continue
+        ops = mixer.ops(c, 1, options)
+        assert ops and all(op.layers == tuple(c.layers_of(kind)) for op in ops)
         assert [op for op in step if op in ops] == ops
     assert [op.weight for op in ffn_ops(c, 1, options) if op.weight][-1] == "down"
     # a matrix role reads what the norm wrote (xb) or its mixer's output, and the step ends in the logits

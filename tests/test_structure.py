@@ -35,7 +35,7 @@ LAYERS = (
     ("formats", ("perfx.formats", "perfx.tokenizer")),
     ("sources", ("perfx.sources",)),
     ("ops", ("perfx.ops",)),
-    ("mixers", ("perfx.linear", "perfx.mixers", "perfx.forward64")),
+    ("mixers", ("perfx.op", "perfx.linear", "perfx.mixers", "perfx.forward64")),
     ("tuning", ("perfx.tuning", "perfx.step")),
     ("model", ("perfx.plan", "perfx.model", "perfx.generate", "perfx.speculative")),
     ("commands", ("perfx.commands", "perfx.serve", "perfx.cli", "perfx.plots", "perfx.__main__", "perfx")),
@@ -260,3 +260,56 @@ def test_python_doc_examples_run_as_written(index, tmp_path):
                          cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip(), "the example prints what it measured or generated"
+
+
+# The forward asks its Linears and mixers, never what form a weight is in, which layer kind it runs or which
+# architecture it is; generation, speculation, serve and chat use the model's declared state contract.
+FORWARD = ("perfx.model", "perfx.forward64", "perfx.step")
+WEIGHT_FORMS = {"Q4Matrix", "Q8Matrix", "Q4DeviceWeight", "Q8DeviceWeight", "F16DeviceWeight", "ndarray"}
+LAYER_KINDS = {"attention", "conv", "delta"}
+STATE_USERS = ("perfx.generate", "perfx.speculative", "perfx.serve.engine", "perfx.commands.chat")
+
+
+def forward_branches(source: str) -> list[str]:
+    """Where ``source`` asks a weight's form (isinstance on a weight class) or branches on a layer kind or the
+    architecture. The model's choice of the int4 kernels built first, from the file's first QKV at load
+    (``_int4_plan``), is not the forward."""
+    tree = ast.parse(source)
+    planning = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "_int4_plan"
+                for n in ast.walk(f)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and id(node) not in planning:
+            names = {n.id if isinstance(n, ast.Name) else getattr(n, "attr", "") for n in ast.walk(node.args[1])}
+            if names & WEIGHT_FORMS:
+                found.append(f"line {node.lineno}: isinstance on a weight form")
+        if isinstance(node, ast.Compare):
+            values = {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+            attrs = {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+            if values & LAYER_KINDS or "architecture" in attrs:
+                found.append(f"line {node.lineno}: a layer-kind or architecture branch")
+    return found
+
+
+@pytest.mark.parametrize("module", FORWARD)
+def test_the_forward_branches_on_no_weight_form_layer_kind_or_architecture(module):
+    found = forward_branches(package_modules()[module].read_text())
+    assert not found, f"{module}: " + "; ".join(found)
+
+
+def test_the_branch_check_finds_what_it_looks_for():
+    planted = ("def f(w, c):\n    if c.layers[0].kind == 'conv':\n        return isinstance(w, Q4Matrix)\n"
+               "    if c.architecture in ('gemma3',):\n        return 1\n")
+    assert sorted(forward_branches(planted)) == ["line 2: a layer-kind or architecture branch",
+                                                 "line 3: isinstance on a weight form",
+                                                 "line 4: a layer-kind or architecture branch"]
+    assert forward_branches("def _int4_plan(w):\n    return isinstance(w, Q4Matrix)\n") == []
+
+
+@pytest.mark.parametrize("module", STATE_USERS)
+def test_no_module_probes_the_model_for_state_it_does_not_declare(module):
+    tree = ast.parse(package_modules()[module].read_text())
+    probes = [f"line {n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Call)
+              and getattr(n.func, "id", None) in ("getattr", "hasattr")
+              and "model" in ast.unparse(n.args[0])]
+    assert not probes, f"{module} probes the model's state with getattr/hasattr at " + ", ".join(probes)

@@ -17,10 +17,8 @@ import json
 from dataclasses import dataclass
 
 from perfx.sources import open_named
-from perfx.step import Op, StepOptions, bucket_steps, decode_step, matrix_roles
-# The shape helpers moved to perfx.step, named here still for the modules that import them from here
-from perfx.step import (DEFAULT_HEAD_FORM, DELTA_ROLES, conv_shape, delta_shape, embedding_shape,  # noqa: F401
-                        gemm_shapes, gemv_shape, qk_norm, softcap_shape)
+from perfx.op import Op, StepOptions
+from perfx.step import bucket_steps, decode_step, matrix_roles
 
 # Contexts at which decode attention is tuned (capped by the model's max_positions).
 DECODE_POSITIONS = (256, 2048)

@@ -19,6 +19,7 @@ import pkgutil
 import numpy as np
 
 from perfx.errors import PerfxError
+from perfx.op import Op, StepOptions, matrix_ops
 
 
 class Mixer:
@@ -29,7 +30,8 @@ class Mixer:
     Linear upload; the mixer writes its output into ``model.state.proj``, which joins the residual next."""
 
     kind = ""
-    cache = None   # a KV cache, where the kind keeps one
+    cache = None     # a KV cache, where the kind keeps one
+    scratch = ()     # the names of its scratch buffers, as its ops read and write them
 
     def __init__(self, model, layers: list[int]):
         self.model, self.layers = model, list(layers)
@@ -39,9 +41,24 @@ class Mixer:
     # -- what it reads, for tuning and for the load ---------------------------------------------
 
     @staticmethod
-    def linears(config) -> list[tuple[str, int, int, str, bool]]:
-        """(role, N, K, epilogue, bias) of each of its matrices, fused the way the loader fuses them."""
+    def linears(config) -> list[tuple[str, int, int, bool]]:
+        """(role, N, K, bias) of each of its matrices, fused the way the loader fuses them."""
         raise NotImplementedError
+
+    @classmethod
+    def ops(cls, config, m: int, options: StepOptions, prefill: bool = False) -> list[Op]:
+        """The ops of its layers over m rows, in launch order (``perfx.op.Op``): what `perfx tune` measures and
+        the plan chooses kernels for (``perfx.step``); ``prefill``: a prefill pass's, where each matrix's GEMM
+        kinds are compared per bucket. They read and write its ``scratch`` and the run state's xb and proj."""
+        raise NotImplementedError
+
+    @classmethod
+    def matrix_ops(cls, config, role: str, m: int, options: StepOptions, prefill: bool, reads: tuple[str, ...],
+                   writes: tuple[str, ...]) -> list[Op]:
+        """The ops of one of its matrices on its layers (``perfx.op.matrix_ops``)."""
+        n, k, bias = next((n, k, bias) for r, n, k, bias in cls.linears(config) if r == role)
+        return matrix_ops(config, role, m, options, prefill, tuple(config.layers_of(cls.kind)), reads, writes,
+                          dims=(n, k, bias))
 
     def upload(self, w, layer: int) -> int:
         """Upload layer ``layer``'s mixing weights from the host ``LayerWeights`` ``w`` into

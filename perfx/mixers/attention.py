@@ -13,7 +13,8 @@ import numpy as np
 
 from perfx.mixers import Mixer
 from perfx.ops import Q8_TEXEL
-from perfx.ops.kv_cache import KVCache, RopeTable
+from perfx.op import Op, StepOptions, qk_norm, shared
+from perfx.ops.kv_cache import KVCache, RopeTable, kv_shape
 from perfx.reference import attention, rmsnorm, rope, sigmoid_mul
 from perfx.reference import linear as linear64
 
@@ -30,13 +31,45 @@ class AttentionWeights:
 class AttentionMixer(Mixer):
     kind = "attention"
 
+    scratch = ("qkv", "att", "gates")
+
     @staticmethod
-    def linears(c) -> list[tuple[str, int, int, str, bool]]:
-        rows = [("qkv", c.q_dim + 2 * c.kv_dim, c.hidden_size, "none", bool(c.qkv_bias)),
-                ("o", c.hidden_size, c.q_dim, "none", False)]
+    def linears(c) -> list[tuple[str, int, int, bool]]:
+        rows = [("qkv", c.q_dim + 2 * c.kv_dim, c.hidden_size, bool(c.qkv_bias)), ("o", c.hidden_size, c.q_dim, False)]
         if c.attention_gate:
-            rows.insert(1, ("attn_gate", c.q_dim, c.hidden_size, "none", False))
+            rows.insert(1, ("attn_gate", c.q_dim, c.hidden_size, False))
         return rows
+
+    @classmethod
+    def ops(cls, c, m: int, options: StepOptions, prefill: bool = False) -> list[Op]:
+        """qkv, [the output's gate], attention (decode over the KV cache, or prefill over m rows), [σ(gate)·], o."""
+        layers = tuple(c.layers_of(cls.kind))
+        out = cls.matrix_ops(c, "qkv", m, options, prefill, ("xb",), ("qkv",))
+        if c.attention_gate:
+            out += cls.matrix_ops(c, "attn_gate", m, options, prefill, ("xb",), ("gates",))
+        out += cls.kernel_ops(c, m, options)
+        if c.attention_gate:
+            out.append(shared(Op("sigmoid_mul", {"count": c.q_dim}, "attention gate", layers, reads=("gates", "att"),
+                                 writes=("att",), m=m), prefill))
+        return out + cls.matrix_ops(c, "o", m, options, prefill, ("att",), ("proj",))
+
+    @classmethod
+    def kernel_ops(cls, c, m: int, options: StepOptions) -> list[Op]:
+        """The attention itself: over m rows from position 0 (prefill), or for one row over the KV cache at
+        ``options.positions`` (capped by the model's); none for one row without positions (a prefill of one row
+        runs the decode step's attention)."""
+        layers = tuple(c.layers_of(cls.kind))
+        if m > 1:
+            shape = {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "m": m, "p0": 0,
+                     **qk_norm(c), **kv_shape(options.kv)}
+            return [Op("attention_prefill", shape, "attention", layers, reads=("qkv", "cache"),
+                       writes=("att", "cache"), m=m)]
+        if options.positions is None:
+            return []
+        positions = min(options.positions, c.max_positions) if c.max_positions else options.positions
+        shape = {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "positions": positions,
+                 **qk_norm(c), **kv_shape(options.kv)}
+        return [Op("attention_decode", shape, "attention", layers, reads=("qkv", "cache"), writes=("att", "cache"))]
 
     def allocate(self) -> None:
         model = self.model

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from perfx.mixers import Mixer
+from perfx.op import Op, StepOptions, shared
 from perfx.ops.gated_delta_net import DeltaState
 from perfx.ops.restore_points import DeltaPart, RingPart
 from perfx.ops.short_conv import ConvHistory
@@ -48,11 +49,41 @@ class GatedDeltaNetMixer(Mixer):
     kind = "delta"
     can_roll_back = False   # S holds the last position only
 
+    scratch = ("dqkv", "dconv", "dz", "dab", "dout")
+
     @staticmethod
-    def linears(c) -> list[tuple[str, int, int, str, bool]]:
+    def linears(c) -> list[tuple[str, int, int, bool]]:
         h, value = c.hidden_size, c.delta_value_dim
-        return [("delta_qkv", c.delta_conv_dim, h, "none", False), ("delta_z", value, h, "none", False),
-                ("delta_ab", 2 * c.delta_v_heads, h, "none", False), ("delta_out", h, value, "none", False)]
+        return [("delta_qkv", c.delta_conv_dim, h, False), ("delta_z", value, h, False),
+                ("delta_ab", 2 * c.delta_v_heads, h, False), ("delta_out", h, value, False)]
+
+    @staticmethod
+    def conv_shape(c, m: int) -> dict:
+        """The short convolution's shape key (``tuning/short_conv.py``): the plain form with SiLU over q|k|v, at a
+        position past the first ring of history."""
+        return {"h": c.delta_conv_dim, "l": c.conv_length, "m": m, "pos": 131, "gated": False, "act": "silu"}
+
+    @classmethod
+    def ops(cls, c, m: int, options: StepOptions, prefill: bool = False) -> list[Op]:
+        """q|k|v, z, a|b; the convolution with SiLU (tuned at one row); the recurrence (token by token for one row,
+        chunked for more); the gated RMSNorm per v head (rows of d_v, by the norm's wrapper) and SiLU(z)·; the
+        out-projection."""
+        layers = tuple(c.layers_of(cls.kind))
+        conv = Op("short_conv", cls.conv_shape(c, 1), "conv", layers, reads=("dqkv", "history"),
+                  writes=("dconv", "history"), m=m)
+        out = (cls.matrix_ops(c, "delta_qkv", m, options, prefill, ("xb",), ("dqkv",))
+               + cls.matrix_ops(c, "delta_z", m, options, prefill, ("xb",), ("dz",))
+               + cls.matrix_ops(c, "delta_ab", m, options, prefill, ("xb",), ("dab",)) + [shared(conv, prefill)])
+        state = dict(reads=("dconv", "dab", "delta_state"), writes=("dout", "delta_state"), m=m)
+        if m == 1:
+            out.append(Op("gated_delta_net_recurrent", delta_shape(c, 1), "delta", layers, **state))
+        else:
+            out.append(Op("gated_delta_net_chunked", delta_shape(c, m), "delta", layers, **state))
+        out.append(Op("rmsnorm", {"m": 1, "k": c.hidden_size, "residual": True}, "delta norm", layers,
+                      reads=("dout",), writes=("dconv",), m=m, shares="norm", measured=False))
+        out.append(shared(Op("swiglu", {"count": c.delta_value_dim}, "delta norm gate", layers, reads=("dz", "dconv"),
+                             writes=("dout",), m=m), prefill))
+        return out + cls.matrix_ops(c, "delta_out", m, options, prefill, ("dout",), ("proj",))
 
     def upload(self, w, layer: int) -> int:
         m = self.model

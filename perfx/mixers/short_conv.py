@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from perfx.mixers import Mixer
+from perfx.op import Op, StepOptions, shared
 from perfx.ops.restore_points import RingPart
 from perfx.ops.short_conv import ConvHistory
 from perfx.reference import linear as linear64
@@ -28,10 +29,27 @@ class ConvWeights:
 class ShortConvMixer(Mixer):
     kind = "conv"
 
+    scratch = ("bcx", "mixed")
+
     @staticmethod
-    def linears(c) -> list[tuple[str, int, int, str, bool]]:
+    def linears(c) -> list[tuple[str, int, int, bool]]:
         h = c.hidden_size
-        return [("conv_in", 3 * h, h, "none", False), ("conv_out", h, h, "none", False)]
+        return [("conv_in", 3 * h, h, False), ("conv_out", h, h, False)]
+
+    @staticmethod
+    def conv_shape(c, m: int) -> dict:
+        """The short convolution's shape key (``tuning/short_conv.py``) for m positions: LFM2's gated form over
+        hidden channels, at a position past the first ring of history, where every launch reads the ring."""
+        return {"h": c.hidden_size, "l": c.conv_length, "m": m, "pos": 131, "gated": True}
+
+    @classmethod
+    def ops(cls, c, m: int, options: StepOptions, prefill: bool = False) -> list[Op]:
+        """In-projection to B, C, x; the gated short convolution over the ring (tuned at one row: its wrapper runs
+        every m); out-projection."""
+        conv = Op("short_conv", cls.conv_shape(c, 1), "conv", tuple(c.layers_of(cls.kind)), reads=("bcx", "history"),
+                  writes=("mixed", "history"), m=m)
+        return (cls.matrix_ops(c, "conv_in", m, options, prefill, ("xb",), ("bcx",)) + [shared(conv, prefill)]
+                + cls.matrix_ops(c, "conv_out", m, options, prefill, ("mixed",), ("proj",)))
 
     def upload(self, w, layer: int) -> int:
         m = self.model

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Callable, Protocol
 
 import numpy as np
@@ -32,6 +33,8 @@ class Model(Protocol):
     def argmax(self) -> int: ...
     def resume_point(self, pos: int) -> int: ...   # the latest position at or before pos a forward may continue at
     def checkpoint(self, verification: bool = False) -> None: ...   # keep a restore point at the last position run
+    # feed token at pos, then yield the greedy token after each position up to last, feeding each at the next
+    def greedy_tokens(self, token: int, pos: int, last: int) -> Iterator[int]: ...
 
 
 class PositionalState:
@@ -46,6 +49,14 @@ class PositionalState:
 
     def checkpoint(self, verification: bool = False) -> None:
         pass
+
+    def greedy_tokens(self, token: int, pos: int, last: int) -> Iterator[int]:
+        """The greedy loop step by step: feed, then choose (``perfx.model.Model`` chooses on the device and runs a
+        step ahead)."""
+        for q in range(pos, last + 1):
+            self.decode_one(token, q)
+            token = self.argmax()
+            yield token
 
 
 @dataclass
@@ -287,6 +298,7 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
                 on_text(piece)
 
     ahead: list[int] = []    # next tokens a speculative step verified: each but the last already in the cache
+    greedy = None            # the model's greedy tokens, chosen and fed on by the model (``Model.greedy_tokens``)
     if speculator is not None:
         speculator.begin(model, seen, start_pos)
     started = time.perf_counter()
@@ -325,6 +337,13 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
             if not ahead and speculator is not None:
                 room = min(max_tokens - len(ids) - 1, model.max_positions - pos - 1)
                 ahead = speculator.advance(model, sampler, token, pos, seen, room)
+            elif not ahead and sampling.greedy:
+                # the model chooses each token itself and feeds it on, a step ahead of this loop; the last
+                # position it may feed is the one before max tokens or the end of the context
+                if greedy is None:
+                    last = min(pos + max_tokens - len(ids) - 1, model.max_positions - 1)
+                    greedy = model.greedy_tokens(token, pos, last)
+                ahead = [next(greedy)]
             elif not ahead:
                 model.decode_one(token, pos)
                 ahead = [sampler(model, seen)]

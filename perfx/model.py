@@ -18,6 +18,7 @@ import resource
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +39,7 @@ from perfx.tuning.database import Database, default_database
 
 DEFAULT_CTX = 4096
 PREFILL_CHUNK = 256  # prompt tokens per prefill pass: bounds the activation buffers
+TOKEN_RING = 4       # the device-chosen tokens kept for the host to read (two are in flight at most)
 
 
 @dataclass
@@ -91,6 +93,7 @@ class RunState:
     ids: object        # (chunk) int32 prompt ids
     step: object       # (2) int32 the decode step's token id and position
     best: object       # (1) int32 the argmax
+    tokens: object     # (TOKEN_RING) int32 the tokens the device chose, by position mod TOKEN_RING
     row_in: object     # fp16 slow path scratch rows
     row_out: object
     row_up: object
@@ -111,7 +114,7 @@ class RunState:
             chunk=chunk, x=device.empty((chunk, c.hidden_size), f32), xb=device.empty((chunk, c.hidden_size), f32),
             proj=device.empty((chunk, c.hidden_size), f32), hb=device.empty((chunk, 2 * c.intermediate_size), f32),
             logits=device.empty(c.vocab_size, f32), ids=device.empty(chunk, np.int32),
-            step=device.empty(2, np.int32), best=device.empty(1, np.int32),
+            step=device.empty(2, np.int32), best=device.empty(1, np.int32), tokens=device.empty(TOKEN_RING, np.int32),
             row_in=device.empty(widest, f32), row_out=device.empty(widest, f32),
             row_up=device.empty(c.intermediate_size, f32), row_act=device.empty(c.intermediate_size, f32))
 
@@ -242,6 +245,7 @@ class Model:
         self._spliced: list = []                    # (mixer, layer) of each launch recorded per position
         self._decode_plans: dict[tuple, list] = {}  # partitions -> the step's launches
         self._decode_replays: dict = {}             # partitions -> those launches as one replay
+        self._greedy_replays: dict = {}             # partitions -> the step choosing and handing over its token
         self._decode_replay(0)   # recorded now: a kernel the driver refuses shows at load
 
     def _xb_readers(self) -> list[list[Linear]]:
@@ -461,6 +465,54 @@ class Model:
         replay = self._decode_replay(pos)
         # A fresh host array, held by the copy's event (kept, so the write stays non-blocking) until it has run.
         self._step_upload = self.device.write(self.state.step, np.array([token, pos], np.int32), wait=False)
+        replay.enqueue(self.device.queue)
+        self.host_seconds += time.perf_counter() - started
+
+    def greedy_tokens(self, token: int, pos: int, last: int) -> Iterator[int]:
+        """Feed ``token`` at ``pos``, then yield the greedy token after each position from ``pos`` to ``last``,
+        feeding each at the next position while positions up to ``last`` remain.
+
+        Each step chooses its token on the device (the argmax) and writes it, with the next position, where the
+        next step reads them (``kernels/decode_loop.cl``), so the host enqueues step n + 1 before it reads step
+        n's token: the device never waits for the host between steps. A consumer that stops early (an end of
+        generation, a stop string, a cancel) leaves one step run past its reply; what that step wrote to the
+        cache lies past the last position used and is never read. A model whose state cannot roll back
+        (``can_roll_back``) runs step by step instead, so its state stands after the reply.
+        """
+        if not pos <= last < self.max_positions:
+            raise PerfxError(f"greedy_tokens: positions {pos}..{last} are outside the context of {self.max_positions}")
+        if not self.can_roll_back:
+            for q in range(pos, last + 1):
+                self.decode_one(token, q)
+                token = self.argmax()
+                yield token
+            return
+        self._check_ids([token])
+        self._check_resume(pos)
+        self._enqueue_greedy(pos, token)
+        for q in range(pos, last + 1):
+            if q < last:
+                self._enqueue_greedy(q + 1)
+            slot = np.empty(1, np.int32)
+            self.device.read_later(slot, self.state.tokens, 4 * ((q + 1) % TOKEN_RING)).wait()
+            yield int(slot[0])
+
+    def _enqueue_greedy(self, pos: int, token: int | None = None) -> None:
+        """Enqueue the decode step at ``pos`` that chooses its token and hands it to the next step; ``token``: the
+        token to feed, uploaded first (None: the previous step handed it over on the device)."""
+        self._start_state(pos)
+        self.written = pos + 1
+        started = time.perf_counter()
+        key = tuple(mixer.partitions(pos) for mixer in self.mixers)
+        replay = self._greedy_replays.get(key)
+        if replay is None:
+            s = self.state
+            with self.device.record() as handover:
+                self.plan.argmax_op(s.logits, self.config.vocab_size, s.best)
+                self.plan.next_step(s.best, s.step, s.tokens, TOKEN_RING)
+            replay = self._greedy_replays[key] = self.device.replay(self.decode_launches(pos) + list(handover))
+        if token is not None:
+            self._step_upload = self.device.write(self.state.step, np.array([token, pos], np.int32), wait=False)
         replay.enqueue(self.device.queue)
         self.host_seconds += time.perf_counter() - started
 

@@ -18,6 +18,7 @@ from perfx.errors import PerfxError
 from perfx.formats import Q4_PAIRS
 from perfx.ops.attention_decode import AttentionDecode
 from perfx.ops.attention_prefill import AttentionPrefill
+from perfx.ops.decode_loop import NextStep
 from perfx.ops.embedding_q8 import EmbeddingQ8
 from perfx.ops.epilogue import gate_up_epilogue
 from perfx.ops.gemm_q4 import FAMILIES as GEMM_FAMILIES, GemmQ4
@@ -109,6 +110,7 @@ class KernelPlan:
         self._gemv_f16 = self._embed = self._attn_decode = None
         self.softcap = self.short_conv = self.attn_gate = self.delta_decode = self.delta_gate = None
         self.rmsnorm = self.argmax_op = self.gate = None
+        self._next_step = None
         for op in self.step:
             if op.shares is None:
                 self._choose_op(op)
@@ -200,6 +202,13 @@ class KernelPlan:
         if self._embed is None:
             self._choose_op(embedding_ops(self.config, 1, StepOptions(forms={"embedding": {Form("f16")}}))[0])
         return self._embed
+
+    @property
+    def next_step(self) -> NextStep:
+        """The decode loop's hand-over of the chosen token to the next step (nothing to tune), made on first use."""
+        if self._next_step is None:
+            self._next_step = NextStep(self.device)
+        return self._next_step
 
     @property
     def attn_decode(self):

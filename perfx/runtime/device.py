@@ -280,6 +280,17 @@ class Device:
             raise_as_perfx(f"reading {host.nbytes} bytes from the device", e)
         return host
 
+    def read_later(self, host: np.ndarray, src, src_offset: int = 0) -> cl.Event:
+        """``read`` without waiting: the copy runs in queue order and ``host`` holds the bytes once the returned
+        event completes (``event.wait()``); ``host`` must stay alive until then."""
+        if not (host.flags.c_contiguous and host.flags.writeable):
+            raise PerfxError("read_later: the host array must be C-contiguous and writeable (np.empty makes one)")
+        buffer, _ = _region(src, src_offset, host.nbytes, "read")
+        try:
+            return cl.enqueue_copy(self.queue, host, buffer, src_offset=src_offset, is_blocking=False)
+        except cl.Error as e:
+            raise_as_perfx(f"reading {host.nbytes} bytes from the device", e)
+
     def fill(self, dst, value: np.generic, nbytes: int | None = None, offset: int = 0) -> cl.Event:
         """Fill ``nbytes`` bytes of ``dst`` from ``offset`` on (by default: to its end) with the numpy scalar
         ``value`` repeated (``np.uint16(0)``, ``np.float32(np.nan)``): its dtype sets the pattern's size."""

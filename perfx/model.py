@@ -246,6 +246,7 @@ class Model:
         self._decode_plans: dict[tuple, list] = {}  # partitions -> the step's launches
         self._decode_replays: dict = {}             # partitions -> those launches as one replay
         self._greedy_replays: dict = {}             # partitions -> the step choosing and handing over its token
+        self._handover: list | None = None          # the argmax and next_step launches, recorded once
         self._decode_replay(0)   # recorded now: a kernel the driver refuses shows at load
 
     def _xb_readers(self) -> list[list[Linear]]:
@@ -497,6 +498,17 @@ class Model:
             self.device.read_later(slot, self.state.tokens, 4 * ((q + 1) % TOKEN_RING)).wait()
             yield int(slot[0])
 
+    def greedy_launches(self, pos: int) -> list:
+        """The decode step at ``pos`` as ``greedy_tokens`` runs it: ``decode_launches`` and the hand-over (the
+        argmax, and the chosen token written where the next step reads it)."""
+        if self._handover is None:
+            s = self.state
+            with self.device.record() as handover:
+                self.plan.argmax_op(s.logits, self.config.vocab_size, s.best)
+                self.plan.next_step(s.best, s.step, s.tokens, TOKEN_RING)
+            self._handover = list(handover)
+        return self.decode_launches(pos) + self._handover
+
     def _enqueue_greedy(self, pos: int, token: int | None = None) -> None:
         """Enqueue the decode step at ``pos`` that chooses its token and hands it to the next step; ``token``: the
         token to feed, uploaded first (None: the previous step handed it over on the device)."""
@@ -506,11 +518,7 @@ class Model:
         key = tuple(mixer.partitions(pos) for mixer in self.mixers)
         replay = self._greedy_replays.get(key)
         if replay is None:
-            s = self.state
-            with self.device.record() as handover:
-                self.plan.argmax_op(s.logits, self.config.vocab_size, s.best)
-                self.plan.next_step(s.best, s.step, s.tokens, TOKEN_RING)
-            replay = self._greedy_replays[key] = self.device.replay(self.decode_launches(pos) + list(handover))
+            replay = self._greedy_replays[key] = self.device.replay(self.greedy_launches(pos))
         if token is not None:
             self._step_upload = self.device.write(self.state.step, np.array([token, pos], np.int32), wait=False)
         replay.enqueue(self.device.queue)

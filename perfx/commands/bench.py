@@ -151,7 +151,11 @@ def measure_e2e(model, prompt_tokens: int = 64, decode_tokens: int = 32, seed: i
     result = generate(model, None, prompt, decode_tokens, SamplingConfig(temperature=0), start_pos=depth)
     s = result.stats
     report = model.load_report
+    # the last decode step's kernel launches and copies, as the greedy loop enqueues them
+    step = model.greedy_launches(result.end_pos - 1)
+    launches = sum(1 for op in step if hasattr(op, "kernel"))
     return {"prompt_tokens": s.prompt_tokens, "decode_tokens": s.generated_tokens,
+            "launches_per_token": launches, "copies_per_token": len(step) - launches,
             "ttft_s": s.ttft_s, "prefill_tok_s": s.prefill_tok_s, "decode_tok_s": s.decode_tok_s,
             "decode_gb_s": s.decode_gb_s, "host_ms_per_token": 1e3 * s.host_s_per_token,
             "weight_bytes": model.weight_bytes, "device_bytes": report["device_bytes"],
@@ -207,7 +211,8 @@ def e2e_lines(e2e: dict, copy_gb_s: float) -> list[str]:
         + (f"; {1e3 * e2e['ttft_cold_s']:.0f} ms the first time, building kernels" if "ttft_cold_s" in e2e else "")
         + ")",
         f"  decode {e2e['decode_tok_s']:.2f} tok/s = {e2e['decode_gb_s']:.2f} GB/s of weights "
-        f"({100 * e2e['decode_gb_s'] / copy_gb_s:.0f}% of copy), host {e2e['host_ms_per_token']:.2f} ms/token",
+        f"({100 * e2e['decode_gb_s'] / copy_gb_s:.0f}% of copy), host {e2e['host_ms_per_token']:.2f} ms/token, "
+        f"{e2e['launches_per_token']} launches a token",
         f"  memory: device {e2e['device_bytes'] / mib:.0f} MiB (peak {e2e['device_peak_bytes'] / mib:.0f} MiB; "
         f"KV cache {e2e['kv']} {e2e['kv_cache_bytes'] / mib:.0f} MiB"
         + (f", conv state {e2e['conv_state_bytes'] / mib:.1f} MiB" if e2e["conv_state_bytes"] else "")

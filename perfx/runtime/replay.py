@@ -167,60 +167,15 @@ def _check(status: int, what: str) -> None:
         raise OpenCLError(what, status)
 
 
-_ENQUEUE = {
-    "clEnqueueNDRangeKernel": (ctypes.c_int32, [_p, _p, _u32, _p, _p, _p, _u32, _p, _p]),
-    "clEnqueueCopyBuffer": (ctypes.c_int32, [_p, _p, _p, _size, _size, _size, _u32, _p, _p]),
-}
-
-
-@functools.lru_cache(maxsize=1)
-def _enqueue_functions() -> dict:
-    """The core enqueue calls of the ICD loader, called directly: no event object, no argument conversion."""
-    lib = _loader()
-    found = {}
-    for name, (restype, argtypes) in _ENQUEUE.items():
-        function = getattr(lib, name)
-        function.restype, function.argtypes = restype, argtypes
-        found[name] = function
-    return found
-
-
 class Sequence:
-    """The step replayed one enqueue a launch, each a direct call into the OpenCL library with its arguments
-    made once (no event is asked for: the in-order queue orders the launches, and a step's result is read
-    after it); through pyopencl where the library cannot be reached."""
+    """The step replayed one enqueue a launch."""
 
     def __init__(self, steps: list):
         self.steps = steps
-        try:
-            functions = _enqueue_functions()
-        except (PerfxError, AttributeError, OSError) as e:
-            self.calls, self.direct = None, f"through pyopencl ({e})"
-            return
-        self.calls, self.direct = [], "direct calls"
-        for step in steps:
-            if isinstance(step, BoundLaunch):
-                dims = len(step.global_size)
-                global_size = (_size * dims)(*step.global_size)
-                local_size = (_size * dims)(*step.local_size) if step.local_size else None
-                args = (step.kernel.int_ptr, dims, None, global_size, local_size, 0, None, None)
-                what = f"launching {step.kernel.function_name} global={step.global_size}"
-                self.calls.append((functions["clEnqueueNDRangeKernel"], args, what))
-            else:
-                args = (step.src.int_ptr, step.dst.int_ptr, step.src_offset, step.dst_offset, step.nbytes, 0, None,
-                        None)
-                self.calls.append((functions["clEnqueueCopyBuffer"], args, f"a copy of {step.nbytes} bytes"))
 
     def enqueue(self, queue: cl.CommandQueue) -> None:
-        if self.calls is None:
-            for step in self.steps:
-                step.enqueue(queue)
-            return
-        handle = queue.int_ptr
-        for function, args, what in self.calls:
-            status = function(handle, *args)
-            if status:
-                raise OpenCLError(what, status)
+        for step in self.steps:
+            step.enqueue(queue)
 
 
 class CommandBuffer:

@@ -248,6 +248,7 @@ class Model:
         self._greedy_replays: dict = {}             # partitions -> the step choosing and handing over its token
         self._handover: list | None = None          # the argmax and next_step launches, recorded once
         self._decode_replay(0)   # recorded now: a kernel the driver refuses shows at load
+        self.greedy_launches(0)  # and the hand-over's kernels built now, not in the first token's time
 
     def _xb_readers(self) -> list[list[Linear]]:
         """The readers of each norm that writes xb: a layer's mixer, its MLP, the lm_head."""

@@ -4,18 +4,21 @@ What a user of the library needs is here: the device, the weight forms and their
 per kernel family, the float64 references, the timing helpers, model loading and generation.
 The layers, bottom to top (each imports only from those below it):
 
-    errors, resources, config, reference, progress      plain Python and numpy
+    errors, resources, recipe, families, config,        plain Python and numpy; one file an architecture
+      reference, progress
     runtime, timing                                      OpenCL: the device, builds, memory, timing
     formats, tokenizer                                   host forms of 4- and 8-bit weights; tokenizers
     sources                                              model files -> host weights, one module per format
     ops                                                  one wrapper per kernel family + its parameter space
-    tuning                                               specs (verification, metrics), tuner, database, problems
-    model, generate, speculative                         the decoder forward (each family a recipe); sampling;
-                                                         speculative decoding
+    op, linear, mixers, forward64                        an op of a step; a matrix and its kernels; one mixer
+                                                         a layer kind; the float64 whole-model forward
+    tuning, step                                         specs (verification, metrics), tuner, database,
+                                                         problems; the step as data
+    model, generate, speculative                         the decoder forward; sampling; speculative decoding
     commands, cli                                        `perfx info / selftest / generate / chat / tune / bench`
 """
 
-from perfx import reference
+from perfx import forward64, reference
 from perfx.errors import PerfxError
 from perfx.formats import Q4Matrix, Q8Matrix
 from perfx.generate import Conversation, SamplingConfig, generate
@@ -46,5 +49,5 @@ __all__ = [
     "F16DeviceWeight", "GeGLU", "GemmQ4", "GemmQ8", "GemvF16", "GemvQ4", "GemvQ8", "KVCache", "Limits",
     "Model", "PerfxError", "Q4DeviceWeight", "Q4Matrix", "Q8DeviceWeight", "Q8Matrix", "RMSNorm", "RopeTable",
     "SamplingConfig", "Softcap", "Speculator", "SwiGLU", "__version__", "copy_bandwidth", "generate", "load_model",
-    "open_model", "reference", "relative_error", "time_launches",
+    "forward64", "open_model", "reference", "relative_error", "time_launches",
 ]

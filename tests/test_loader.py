@@ -20,6 +20,7 @@ from perfx.sources.base import Form, form_of, quantize_group
 from perfx.sources.gguf import GGUF_FORMS
 from perfx.reference import permute_qk, rope, unpermute_qk
 from perfx.forward64 import model_forward
+from perfx.mixers import MIXERS
 from perfx.sources.synthetic import SYNTHETIC_MODELS
 
 FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
@@ -423,6 +424,27 @@ def test_synthetic_models_have_the_real_shapes():
     assert tiny.tokenizer is None and tiny.describe()["format"] == "synthetic"
     logits, _ = model_forward(tiny, [1, 2, 3])
     assert logits.shape == (3, tiny.config.vocab_size) and np.all(np.isfinite(logits))
+
+
+@pytest.mark.parametrize("kind", sorted(MIXERS))
+def test_each_layer_kind_declares_what_its_layers_hold(kind):
+    """A layer's host weights are its kind's (``Mixer.Weights``), every matrix of the shape the mixer declares for
+    its role, each role fused from projections the mixer gives shapes to: the smallest synthetic model of the
+    kind, every form of its layers the same."""
+    mixer = MIXERS[kind]
+    name = min((name for name, (c, _, _) in SYNTHETIC_MODELS.items() if kind in {r.kind for r in c.layers}),
+               key=lambda name: SYNTHETIC_MODELS[name][0].hidden_size)
+    source = open_model(f"synthetic:{name}")
+    c = source.config
+    layer = source.layer(c.layers_of(kind)[0])
+    assert type(layer.mixing) is mixer.Weights
+    roles, shapes = mixer.host_linears(c), mixer.host_shapes(c)
+    assert set(roles) <= set(mixer.Weights.matrices)
+    assert {role: w.shape for role, w in layer.linears().items() if role in roles} == {r: shapes[r] for r in roles}
+    assert all(part in shapes for parts in roles.values() for part in parts)
+    assert source.layer_linears(c.layers_of(kind)[0]) == {**roles, "gate_up": ("gate", "up"), "down": ("down",)}
+    if mixer.taps(c):
+        assert layer.mixing.conv_weight.shape == (mixer.taps(c), c.conv_length)
 
 
 # -- the default model -------------------------------------------------------------------------------

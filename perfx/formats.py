@@ -29,6 +29,7 @@ codes are plain int8 rows (``perfx/ops/q8_weight.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
 
 import numpy as np
 
@@ -708,3 +709,74 @@ def from_gguf_q6_k(raw, n: int, k: int, name: str = "tensor") -> Q8Matrix:
 GGUF_READERS = {"Q4_0": from_gguf_q4_0, "Q4_1": from_gguf_q4_1, "Q4_K": from_gguf_q4_k,
                 "Q5_0": from_gguf_q5_0, "Q5_1": from_gguf_q5_1, "Q5_K": from_gguf_q5_k,
                 "Q6_K": from_gguf_q6_k, "Q8_0": from_gguf_q8_0}
+
+
+# ---------------------------------------------------------------------------------------------
+# Host matrices: a matrix's device form, and stacking and reordering rows in any form
+
+HostMatrix = Union[Q4Matrix, Q8Matrix, np.ndarray]   # a weight W (N, K): the int4 or int8 form, or fp16
+
+
+@dataclass(frozen=True, order=True)
+class Form:
+    """The device form of a matrix: kind "q4" (group G), "q8" (group G, float32 scales if f32, scales alone if
+    symmetric) or "f16"."""
+
+    kind: str
+    group: int = 0
+    f32: bool = False
+    symmetric: bool = False
+
+
+F16_FORM = Form("f16")
+
+
+def form_of(w: HostMatrix) -> Form:
+    if isinstance(w, Q4Matrix):
+        return Form("q4", w.group)
+    if isinstance(w, Q8Matrix):
+        return Form("q8", w.group, w.f32, w.symmetric)
+    return F16_FORM
+
+
+def fused_form(parts: list[Form]) -> Form:
+    """The form of matrices stacked along N (fused QKV, gate-up), the rule ``fuse_rows`` follows.
+
+    All int4: int4 at the smallest group (regrouping repeats each (s, m): exact). Any fp16 part: fp16. Any
+    other mix of int4 and int8: int8 at the smallest group, float32 if any part is, symmetric if every part is
+    a symmetric int8 one (int4 parts bring pairs, ``Q8Matrix.from_q4``); int4 codes fit int8 and their fp16 s
+    and m stay exact, so e.g. Q4_K q and k beside a Q6_K v fuse exactly at G = 16.
+    """
+    kinds = {p.kind for p in parts}
+    if kinds == {"q4"}:
+        return Form("q4", min(p.group for p in parts))
+    if "f16" in kinds:
+        return F16_FORM
+    return Form("q8", min(min(p.group, Q8_QUANTIZE_GROUP) for p in parts), any(p.f32 for p in parts),
+                all(p.kind == "q8" and p.symmetric for p in parts))
+
+
+def to_fp16(w: HostMatrix, rows: int = 8192) -> np.ndarray:
+    """W as fp16, dequantized a block of rows at a time (a float64 copy of a whole vocabulary is GBs)."""
+    if isinstance(w, np.ndarray):
+        return w.astype(np.float16)
+    return np.concatenate([w.rows(i, min(i + rows, w.shape[0])).dequantize().astype(np.float16)
+                           for i in range(0, w.shape[0], rows)])
+
+
+def fuse_rows(parts: list[HostMatrix]) -> HostMatrix:
+    """Stack projections along N in the form ``fused_form`` gives: exact except where an fp16 part makes
+    the whole fp16 (e.g. an AWQ model with one projection in modules_to_not_convert)."""
+    form = fused_form([form_of(p) for p in parts])
+    if form.kind == "q4":
+        return Q4Matrix.concat([p.regroup(form.group) for p in parts])
+    if form.kind == "q8":
+        return Q8Matrix.concat([Q8Matrix.from_q4(p) if isinstance(p, Q4Matrix) else p for p in parts])
+    return np.concatenate([to_fp16(p) for p in parts])
+
+
+def permute_linear_rows(w: HostMatrix, permutation: np.ndarray) -> HostMatrix:
+    """Reorder the rows of W; for the int4 and int8 forms codes, scales and offsets move together (exact)."""
+    if isinstance(w, (Q4Matrix, Q8Matrix)):
+        return w.take_rows(permutation)
+    return np.ascontiguousarray(w[permutation])

@@ -620,7 +620,7 @@ class Model:
 def _int4_plan(source, first) -> tuple[int | None, int]:
     """The int4 group the kernels are chosen for (the file's, else the first layer's fused QKV's) and the scales'
     form the int4 kernels are built for first (``kernels/q4.h`` Q4_SCALES)."""
-    qkv = first.qkv if isinstance(first.qkv, Q4Matrix) else None
+    qkv = first.linears().get("qkv") if isinstance(first.linears().get("qkv"), Q4Matrix) else None
     return source.int4_group or (qkv.group if qkv else None), qkv.form if qkv else Q4_PAIRS
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 
+from perfx.formats import Form
 from perfx.ops.epilogue import gate_up_epilogue
-from perfx.sources.base import Form
 
 # The form an fp16 lm_head takes by default (--lm-head q8); a GGUF's Q8_0 head has its scales alone, known
 # from the file's header (``forms``).

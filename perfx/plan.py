@@ -15,7 +15,7 @@ import dataclasses
 
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
-from perfx.formats import Q4_PAIRS
+from perfx.formats import Q4_PAIRS, Form
 from perfx.ops.attention_decode import AttentionDecode
 from perfx.ops.attention_prefill import AttentionPrefill
 from perfx.ops.decode_loop import NextStep
@@ -34,7 +34,6 @@ from perfx.ops.rmsnorm import RMSNorm
 from perfx.ops.short_conv import ShortConv
 from perfx.ops.small_ops import Argmax, Embedding, GeGLU, SigmoidMul, Softcap, SwiGLU
 from perfx.runtime import BuildError, Device, KernelLimitError
-from perfx.sources.base import Form
 from perfx.tuning import SPECS
 from perfx.tuning.database import Choice, Database, bucket_representative, m_bucket
 from perfx.mixers.attention import AttentionMixer

@@ -225,11 +225,10 @@ def test_awq_and_quantize_on_load_checkpoints_of_each_family(files, device, tmp_
     awq = open_model(directory)
     assert {form.kind for forms in awq.weight_forms().values() for form in forms} >= {"q4"}
     layer = awq.layer(0)
-    # LFM2's layer 0 is a conv layer, Qwen3.5's a Gated DeltaNet layer
-    first = layer.conv_in if layer.conv_in is not None else layer.delta_qkv if layer.delta_qkv is not None else \
-        layer.qkv
-    module = ("self_attn.qkv_proj" if family == "phi3" else "conv.in_proj" if layer.conv_in is not None else
-              "linear_attn.in_proj_qkv" if layer.delta_qkv is not None else "self_attn.q_proj")
+    # the first matrix of layer 0's mixer: LFM2's layer 0 is a conv layer, Qwen3.5's a Gated DeltaNet layer
+    role, first = next(iter(layer.linears().items()))
+    module = {"qkv": "self_attn.qkv_proj" if family == "phi3" else "self_attn.q_proj", "conv_in": "conv.in_proj",
+              "delta_qkv": "linear_attn.in_proj_qkv"}[role]
     codes, zeros, scales = parts[f"model.layers.0.{module}"]
     want = (codes.astype(np.float64) - np.repeat(zeros, 32, axis=1)) * np.repeat(scales.astype(np.float64), 32, axis=1)
     # the int4 form holds w = s·q + m with m = −z·s rounded once to fp16: at most 2⁻¹¹·|z·s| per weight

@@ -16,10 +16,11 @@ from perfx.sources.default import default_model_path
 from perfx.errors import PerfxError
 from perfx.formats import Q4_ZEROS, Q4Matrix, Q8Matrix
 from perfx.sources import open_model
-from perfx.sources.base import FUSED_LINEARS, Form, form_of, quantize_group
+from perfx.sources.base import Form, form_of, quantize_group
 from perfx.sources.gguf import GGUF_FORMS
 from perfx.reference import permute_qk, rope, unpermute_qk
 from perfx.forward64 import model_forward
+from perfx.mixers import MIXERS
 from perfx.sources.synthetic import SYNTHETIC_MODELS
 
 FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
@@ -51,10 +52,10 @@ def as_f64(w) -> np.ndarray:
 
 def actual_forms(source) -> dict:
     """The forms the matrices really take, layer by layer: what weight_forms must predict from the header."""
-    forms = {label: set() for label in FUSED_LINEARS}
+    forms = {}
     for layer in source.layers():
-        for label in FUSED_LINEARS:
-            forms[label].add(form_of(getattr(layer, label)))
+        for label, w in layer.linears().items():
+            forms.setdefault(label, set()).add(form_of(w))
     forms["embedding"] = {form_of(source.embedding())}
     head = source.lm_head()
     forms["lm_head"] = forms["embedding"] if head is None else {form_of(head)}
@@ -98,7 +99,7 @@ def check_fused_matrices(source, written, n_layers):
     for i in range(n_layers):
         layer = source.layer(i)
         for field, modules in FUSED.items():
-            w = getattr(layer, field)
+            w = layer.linears()[field]
             names = [f"model.layers.{i}.{m}.weight" for m in modules]
             want = np.concatenate([held[n] for n in names])
             parts = [GGUF_FORMS[types[n]] for n in names]
@@ -120,7 +121,7 @@ def check_fused_matrices(source, written, n_layers):
             if all(types[n] in ("Q4_0", "Q8_0", "Q5_0", "Q6_K") for n in names):
                 np.testing.assert_array_equal(w.dequantize(), want)
         np.testing.assert_array_equal(layer.attn_norm, written.weights[f"model.layers.{i}.input_layernorm.weight"])
-        assert layer.attn_norm.dtype == np.float32 and layer.qkv_bias is None
+        assert layer.attn_norm.dtype == np.float32 and layer.mixing.qkv_bias is None
 
 
 def test_gguf_q4_codes_scales_exact_and_the_rest_in_int8_or_fp16(gqa3, gqa3_gguf):
@@ -160,7 +161,7 @@ def test_gguf_every_type_reads_into_its_form_as_llama_cpp_dequantizes_it(spm, mi
     assert forms == actual_forms(source)
     if mix != "MIXED_32":
         assert {f.kind for f in forms["qkv"]} == {"q4" if mix == "Q4_K_M" else "q8", "q8"}
-        assert form_of(source.layer(0).qkv).group == 16      # Q6_K v: the fused matrix at G = 16, exact
+        assert form_of(source.layer(0).mixing.qkv).group == 16      # Q6_K v: the fused matrix at G = 16, exact
         head = source.lm_head()
         assert isinstance(head, Q8Matrix) and head.group == 16 and head.f32    # Q6_K, its own type
         np.testing.assert_allclose(head.dequantize(), written.weights["lm_head.weight"], rtol=0,
@@ -238,8 +239,8 @@ def test_gguf_tied_and_qwen2_agree_with_hf(kind, spm, tmp_path):
         assert gg.config.tie_embeddings and gg.lm_head() is None and hf.lm_head() is None
     else:
         bias = np.concatenate([model.weights[f"model.layers.0.self_attn.{m}_proj.bias"] for m in "qkv"])
-        np.testing.assert_array_equal(gg.layer(0).qkv_bias, bias)  # Qwen2: not permuted by llama.cpp
-        np.testing.assert_array_equal(hf.layer(0).qkv_bias, bias.astype(np.float16))
+        np.testing.assert_array_equal(gg.layer(0).mixing.qkv_bias, bias)  # Qwen2: not permuted by llama.cpp
+        np.testing.assert_array_equal(hf.layer(0).mixing.qkv_bias, bias.astype(np.float16))
     ids = [1, 17, 42, 300, 5]
     logits_gg, _ = model_forward(gg, ids)
     logits_hf, _ = model_forward(hf, ids)
@@ -257,7 +258,7 @@ def test_hf_checkpoint_loads_as_fp16(gqa3, dtype, tmp_path):
     for i in range(gqa3.n_layers):
         layer = source.layer(i)
         for field in FUSED:
-            w = getattr(layer, field)
+            w = layer.linears()[field]
             assert w.dtype == np.float16
             np.testing.assert_array_equal(w, fused(stored, i, field).astype(np.float16))
     np.testing.assert_array_equal(source.final_norm(), stored["model.norm.weight"].astype(np.float32))
@@ -284,12 +285,12 @@ def test_quantize_on_load_falls_back_to_a_dividing_group(gqa3, tmp_path):
     notes = source.describe()["notes"]
     assert any("group 128 does not divide K = 192" in note and "group 64" in note for note in notes)
     layer = source.layer(1)
-    assert (layer.qkv.group, layer.o.group, layer.gate_up.group, layer.down.group) == (64, 64, 64, 128)
+    assert (layer.mixing.qkv.group, layer.mixing.o.group, layer.gate_up.group, layer.down.group) == (64, 64, 64, 128)
     for field in FUSED:
         w16 = fused(gqa3.weights, 1, field).astype(np.float16)
-        expected = Q4Matrix.quantize(w16, getattr(layer, field).group)
-        np.testing.assert_array_equal(getattr(layer, field).codes, expected.codes)
-        assert rel(getattr(layer, field).dequantize(), w16.astype(np.float64)) < 0.1  # 4-bit RTN error
+        expected = Q4Matrix.quantize(w16, layer.linears()[field].group)
+        np.testing.assert_array_equal(layer.linears()[field].codes, expected.codes)
+        assert rel(layer.linears()[field].dequantize(), w16.astype(np.float64)) < 0.1  # 4-bit RTN error
     with pytest.raises(PerfxError, match=r"quantize='q8'.*\(None, 'q4'\)"):
         open_model(tmp_path / "hf", quantize="q8")
 
@@ -302,7 +303,7 @@ def test_awq_codes_and_scales_exact(gqa3, version, tmp_path):
     for i in range(gqa3.n_layers):
         layer = source.layer(i)
         for field in ("qkv", "o", "gate_up"):
-            w = getattr(layer, field)
+            w = layer.linears()[field]
             modules = [f"model.layers.{i}.{m}" for m in FUSED[field]]
             codes, zeros, scales = (np.concatenate(a) for a in zip(*(parts[m] for m in modules)))
             assert isinstance(w, Q4Matrix) and w.group == 64
@@ -417,12 +418,33 @@ def test_synthetic_models_have_the_real_shapes():
     c = small.config
     assert (c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim, c.tie_embeddings) == (576, 9, 3, 64, True)
     layer = small.layer(29)
-    assert layer.qkv.shape == (960, 576) and layer.qkv.group == 32
+    assert layer.mixing.qkv.shape == (960, 576) and layer.mixing.qkv.group == 32
     assert layer.gate_up.shape == (3072, 576) and layer.down.shape == (576, 1536)
     tiny = open_model("synthetic:tiny")
     assert tiny.tokenizer is None and tiny.describe()["format"] == "synthetic"
     logits, _ = model_forward(tiny, [1, 2, 3])
     assert logits.shape == (3, tiny.config.vocab_size) and np.all(np.isfinite(logits))
+
+
+@pytest.mark.parametrize("kind", sorted(MIXERS))
+def test_each_layer_kind_declares_what_its_layers_hold(kind):
+    """A layer's host weights are its kind's (``Mixer.Weights``), every matrix of the shape the mixer declares for
+    its role, each role fused from projections the mixer gives shapes to: the smallest synthetic model of the
+    kind, every form of its layers the same."""
+    mixer = MIXERS[kind]
+    name = min((name for name, (c, _, _) in SYNTHETIC_MODELS.items() if kind in {r.kind for r in c.layers}),
+               key=lambda name: SYNTHETIC_MODELS[name][0].hidden_size)
+    source = open_model(f"synthetic:{name}")
+    c = source.config
+    layer = source.layer(c.layers_of(kind)[0])
+    assert type(layer.mixing) is mixer.Weights
+    roles, shapes = mixer.host_linears(c), mixer.host_shapes(c)
+    assert set(roles) <= set(mixer.Weights.matrices)
+    assert {role: w.shape for role, w in layer.linears().items() if role in roles} == {r: shapes[r] for r in roles}
+    assert all(part in shapes for parts in roles.values() for part in parts)
+    assert source.layer_linears(c.layers_of(kind)[0]) == {**roles, "gate_up": ("gate", "up"), "down": ("down",)}
+    if mixer.taps(c):
+        assert layer.mixing.conv_weight.shape == (mixer.taps(c), c.conv_length)
 
 
 # -- the default model -------------------------------------------------------------------------------

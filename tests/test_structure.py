@@ -33,9 +33,9 @@ LAYERS = (
               "perfx.config", "perfx.reference", "perfx.progress", "perfx.kernels")),
     ("device", ("perfx.runtime", "perfx.timing")),
     ("formats", ("perfx.formats", "perfx.tokenizer")),
-    ("sources", ("perfx.sources",)),
     ("ops", ("perfx.ops",)),
     ("mixers", ("perfx.op", "perfx.linear", "perfx.mixers", "perfx.forward64")),
+    ("sources", ("perfx.sources",)),
     ("tuning", ("perfx.tuning", "perfx.step")),
     ("model", ("perfx.plan", "perfx.model", "perfx.generate", "perfx.speculative")),
     ("commands", ("perfx.commands", "perfx.serve", "perfx.cli", "perfx.plots", "perfx.__main__", "perfx")),
@@ -304,6 +304,18 @@ def test_the_branch_check_finds_what_it_looks_for():
                                                  "line 3: isinstance on a weight form",
                                                  "line 4: a layer-kind or architecture branch"]
     assert forward_branches("def _int4_plan(w):\n    return isinstance(w, Q4Matrix)\n") == []
+
+
+# The sources read, fuse, check and quantize a layer as its kind's mixer declares (``perfx.mixers.Mixer``: its
+# matrices and their projections, shapes, vectors, taps, how it is read): they ask the layer's mixer, never its
+# kind (nor the architecture: that is the family files'). Weight forms are theirs to ask.
+SOURCES = ("perfx.sources.base", "perfx.sources.gguf", "perfx.sources.huggingface", "perfx.sources.synthetic")
+
+
+@pytest.mark.parametrize("module", SOURCES)
+def test_the_sources_branch_on_no_layer_kind_or_architecture(module):
+    found = [f for f in forward_branches(package_modules()[module].read_text()) if "isinstance" not in f]
+    assert not found, f"{module}: " + "; ".join(found)
 
 
 @pytest.mark.parametrize("module", STATE_USERS)

@@ -3,7 +3,7 @@
 Decode runs the GEMV path at M = 1; prefill runs the GEMM path (tall-skinny and tiled kernels) at
 every prompt length, so both are tuned at one representative M per bucket (``M_BUCKETS``) and the
 faster family per bucket is the crossover on this device. Which family a matrix runs follows its device
-form (``perfx.sources.base.Form``: int4, int8 or fp16, read from the file's header by
+form (``perfx.formats.Form``: int4, int8 or fp16, read from the file's header by
 ``ModelSource.weight_forms``): a Q4_K_M file runs gemv_q4 and gemv_q8 for the same role in different
 layers. The problems are the measured ops of the steps the model runs (``perfx.step``: the decode step, and
 the prefill step of each M bucket), deduplicated by (family, shape): there is no second list. Shape dicts

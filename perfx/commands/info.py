@@ -92,7 +92,7 @@ def model_forms(name: str, embedding: str = "head") -> dict[str, str]:
     """Each matrix role of layer 0, the token embedding and the lm_head, by its device form."""
     source = open_named(name, embedding=embedding)
     layer = source.layer(0)
-    forms = {role: describe_weight(getattr(layer, role)) for role in source.layer_linears(0)}
+    forms = {role: describe_weight(layer.linears()[role]) for role in source.layer_linears(0)}
     forms["embedding"] = describe_weight(source.embedding())
     head = source.lm_head()
     forms["lm_head"] = "the embedding (tied)" if head is None else describe_weight(head)

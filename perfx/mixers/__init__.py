@@ -5,7 +5,9 @@ A layer of any kind is: its mixer between the norm before it and the residual, t
 of a kind (``Mixer``) owns everything the kind brings: its matrices and vectors (``upload``), its device state
 and scratch (the KV cache and RoPE tables, the conv rings, the recurrent state), the launches of its step
 (``forward``), its float64 reference step (``reference``) and its state rules — whether a forward can resume
-at a position, restore points, rolling back. The model (``perfx.model``) asks the mixers and never the kind.
+at a position, restore points, rolling back — and its host side: the matrices a source fuses for it and from
+which projections, its vectors, its shapes and how its weights are read (``read``). The model
+(``perfx.model``) and the sources (``perfx.sources``) ask the mixers and never the kind.
 
 Mixers are found the way kernel specs are: every module of this package that defines ``MIXER`` (a ``Mixer``
 subclass) is one, by its ``kind``. A new layer kind is a module here plus its kernels.
@@ -32,6 +34,62 @@ class Mixer:
     kind = ""
     cache = None     # a KV cache, where the kind keeps one
     scratch = ()     # the names of its scratch buffers, as its ops read and write them
+
+    # -- its host side: what a source reads, checks and hands over for a layer of the kind ------------
+    # Class-level, no device: the sources (``perfx.sources``) ask a layer's mixer, never its kind. Tensor names
+    # stay with the formats and the family files; these say what the kind has.
+
+    Weights: type = None   # its weights, one dataclass for both sides: host matrices from the sources
+                           # (``LayerWeights.mixing``), Linears on the device (``weights[layer]``); its
+                           # ``matrices`` name the fields that are matrices
+    fuses: dict[str, tuple[str, ...]] = {}   # a matrix role -> the source projections it stacks, where not itself
+    file_fused: tuple[str, ...] = ()   # the roles (with the FFN's gate_up) a file may hold already fused (Phi-3)
+    # (kind, part) of another kind whose tensor in a layer of this kind means the header assigns the layers'
+    # kinds wrongly -> what to say ({arch}: the architecture, {keys}: the header keys that assign them)
+    misplaced: dict[tuple[str, str], str] = {}
+
+    @classmethod
+    def host_linears(cls, config) -> dict[str, tuple[str, ...]]:
+        """Its matrix roles (``linears``) and the source projections each fuses, rows stacked in this order."""
+        return {role: cls.fuses.get(role, (role,)) for role, _, _, _ in cls.linears(config)}
+
+    @staticmethod
+    def part_shapes(config) -> dict[str, tuple[int, int]]:
+        """(N, K) of the source projections that are no role of their own (q, k, v; a and b)."""
+        return {}
+
+    @classmethod
+    def host_shapes(cls, config) -> dict[str, tuple[int, int]]:
+        """(N, K) of each of its roles and of each projection a source reads for them."""
+        return {**{role: (n, k) for role, n, k, _ in cls.linears(config)}, **cls.part_shapes(config)}
+
+    @staticmethod
+    def host_vectors(config) -> dict[str, int]:
+        """The per-layer vectors a source reads for it (besides the norms every layer has), in order, and
+        their sizes."""
+        return {}
+
+    @staticmethod
+    def taps(config) -> int | None:
+        """The channels of its short convolution's taps (channels, config.conv_length), None where it has none."""
+        return None
+
+    @classmethod
+    def read(cls, source, layer: int):
+        """Layer ``layer``'s host weights (``Weights``) from ``source`` (a ``perfx.sources.base.ModelSource``):
+        each role fused from its projections, the vectors, the taps."""
+        c = source.config
+        values = {role: source.read_matrix(role, parts, layer) for role, parts in cls.host_linears(c).items()}
+        values.update({name: source.read_vector(name, layer) for name in cls.host_vectors(c)})
+        if cls.taps(c):
+            values["conv_weight"] = source.read_taps(layer)
+        return cls.Weights(**values)
+
+    @classmethod
+    def synthetic(cls, config, random_matrix, rng):
+        """Random host weights (``perfx.sources.synthetic``): ``random_matrix(rng, n, k)`` an int4 matrix,
+        vectors that keep activations O(1)."""
+        raise NotImplementedError
 
     def __init__(self, model, layers: list[int]):
         self.model, self.layers = model, list(layers)
@@ -61,7 +119,7 @@ class Mixer:
                           dims=(n, k, bias))
 
     def upload(self, w, layer: int) -> int:
-        """Upload layer ``layer``'s mixing weights from the host ``LayerWeights`` ``w`` into
+        """Upload layer ``layer``'s mixing weights from the host ``LayerWeights`` ``w`` (its ``mixing``) into
         ``weights[layer]``; the host bytes a decode step reads of them."""
         raise NotImplementedError
 
@@ -95,7 +153,8 @@ class Mixer:
     @staticmethod
     def reference(xb: np.ndarray, w, config, cache, layer: int, positions: np.ndarray, recipe) -> np.ndarray:
         """The float64 mixing of ``layer`` over the normed rows xb at ``positions`` (``perfx.reference_model``),
-        updating ``cache``: its output before the post-norm and the residual."""
+        with the host ``LayerWeights`` ``w`` (its ``mixing``), updating ``cache``: its output before the post-norm
+        and the residual."""
         raise NotImplementedError
 
     # -- state rules -----------------------------------------------------------------------------

@@ -8,9 +8,11 @@ distinct RoPE of the recipe. A KV cache keeps every position, so attention resum
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
+from perfx.formats import fuse_rows, permute_linear_rows
 from perfx.mixers import Mixer
 from perfx.ops import Q8_TEXEL
 from perfx.op import Op, StepOptions, qk_norm, shared
@@ -21,17 +23,81 @@ from perfx.reference import linear as linear64
 
 @dataclass
 class AttentionWeights:
-    qkv: object                # Linear (q_dim + 2·kv_dim, hidden), the bias inside (Qwen2)
-    o: object                  # Linear (hidden, q_dim)
-    attn_gate: object = None   # Linear (q_dim, hidden): the output's gate (Qwen3.5)
+    """An attention layer's weights: host matrices (``perfx.formats.HostMatrix``, from a source) or Linears (on the
+    device)."""
+
+    matrices: ClassVar[tuple[str, ...]] = ("qkv", "attn_gate", "o")
+    qkv: object                # (q_dim + 2·kv_dim, hidden): q, k, v rows, Hugging Face rotate-half order
+    o: object                  # (hidden, q_dim)
+    attn_gate: object = None   # (q_dim, hidden): the output's gate, the gate rows of q_proj (Qwen3.5)
     q_norm: object = None      # float32 (D): per-head q norm (Qwen3, Gemma 3)
     k_norm: object = None      # float32 (D)
+    qkv_bias: object = None    # float32 (q_dim + 2·kv_dim), host side (Qwen2); on the device it is inside qkv
+
+
+def split_gated_q(w, n_heads: int, head_dim: int) -> tuple:
+    """Qwen3.5's q projection (H·2D rows: q then the gate, head by head) as its q rows and its gate rows, each
+    head-major (H·D): exact for every form."""
+    rows = np.arange(2 * n_heads * head_dim).reshape(n_heads, 2, head_dim)
+    return permute_linear_rows(w, rows[:, 0].reshape(-1)), permute_linear_rows(w, rows[:, 1].reshape(-1))
 
 
 class AttentionMixer(Mixer):
     kind = "attention"
 
     scratch = ("qkv", "att", "gates")
+
+    # -- host side ------------------------------------------------------------------------------------
+
+    Weights = AttentionWeights
+    # Qwen3.5's attention layers: the q projection holds q and the output gate of each head; the gate rows are a
+    # matrix of their own (attn_gate), q's join k and v in the fused QKV
+    fuses = {"qkv": ("q", "k", "v"), "attn_gate": ("q",)}
+    file_fused = ("qkv", "gate_up")   # Phi-3's qkv_proj and gate_up_proj
+    misplaced = {("delta", "taps"): "holds linear-attention tensors (ssm_conv1d) but {keys} make it a "
+                                    "full-attention layer"}
+
+    @staticmethod
+    def part_shapes(c) -> dict[str, tuple[int, int]]:
+        # Qwen3.5's q projection: q and the gate of each head, 2·D rows a head
+        return {"q": ((2 if c.attention_gate else 1) * c.q_dim, c.hidden_size), "k": (c.kv_dim, c.hidden_size),
+                "v": (c.kv_dim, c.hidden_size)}
+
+    @staticmethod
+    def host_vectors(c) -> dict[str, int]:
+        return {**({"q_bias": c.q_dim, "k_bias": c.kv_dim, "v_bias": c.kv_dim} if c.qkv_bias else {}),
+                **({"q_norm": c.head_dim, "k_norm": c.head_dim} if c.qk_norm else {})}
+
+    @classmethod
+    def read(cls, source, layer: int) -> AttentionWeights:
+        """QKV fused (the file's own where it holds one), Qwen3.5's q split into q and the gate first; the q, k, v
+        biases as one; the q/k norms."""
+        c = source.config
+        qkv, gate = source.whole("qkv", layer), None
+        if qkv is None and c.attention_gate:
+            q, gate = split_gated_q(source.read_part("q", layer), c.n_heads, c.head_dim)
+            qkv = fuse_rows([q, source.read_part("k", layer), source.read_part("v", layer)])
+            gate = source.quantized(gate)
+        elif qkv is None:
+            qkv = fuse_rows([source.read_part(name, layer) for name in ("q", "k", "v")])
+        bias = None
+        if c.qkv_bias:
+            bias = np.concatenate([source.read_vector(f"{name}_bias", layer) for name in ("q", "k", "v")])
+        norms = {}
+        if c.qk_norm:
+            norms.update(q_norm=source.read_vector("q_norm", layer), k_norm=source.read_vector("k_norm", layer))
+        return AttentionWeights(qkv=source.quantized(qkv), qkv_bias=bias,
+                                o=source.quantized(source.read_part("o", layer)), attn_gate=gate, **norms)
+
+    @classmethod
+    def synthetic(cls, c, random_matrix, rng) -> AttentionWeights:
+        h = c.hidden_size
+        norms = {}
+        if c.qk_norm:
+            norms.update(q_norm=np.ones(c.head_dim, np.float32), k_norm=np.ones(c.head_dim, np.float32))
+        gate = {"attn_gate": random_matrix(rng, c.q_dim, h)} if c.attention_gate else {}
+        return AttentionWeights(qkv=random_matrix(rng, c.qkv_dim, h), o=random_matrix(rng, h, c.q_dim), **norms,
+                                **gate)
 
     @staticmethod
     def linears(c) -> list[tuple[str, int, int, bool]]:
@@ -96,16 +162,16 @@ class AttentionMixer(Mixer):
             self.window[i] = recipe.window
 
     def upload(self, w, layer: int) -> int:
-        m = self.model
-        weights = AttentionWeights(qkv=m.upload(w.qkv, f"layer {layer} qkv", "qkv", bias=w.qkv_bias),
-                                   o=m.upload(w.o, f"layer {layer} o", "o"))
-        nbytes = w.qkv.nbytes + w.o.nbytes
-        if w.attn_gate is not None:
-            weights.attn_gate = m.upload(w.attn_gate, f"layer {layer} attn_gate", "attn_gate")
-            nbytes += w.attn_gate.nbytes
-        if w.q_norm is not None:
-            weights.q_norm, weights.k_norm = m.vector(w.q_norm), m.vector(w.k_norm)
-            nbytes += w.q_norm.nbytes + w.k_norm.nbytes
+        m, h = self.model, w.mixing
+        weights = AttentionWeights(qkv=m.upload(h.qkv, f"layer {layer} qkv", "qkv", bias=h.qkv_bias),
+                                   o=m.upload(h.o, f"layer {layer} o", "o"))
+        nbytes = h.qkv.nbytes + h.o.nbytes
+        if h.attn_gate is not None:
+            weights.attn_gate = m.upload(h.attn_gate, f"layer {layer} attn_gate", "attn_gate")
+            nbytes += h.attn_gate.nbytes
+        if h.q_norm is not None:
+            weights.q_norm, weights.k_norm = m.vector(h.q_norm), m.vector(h.k_norm)
+            nbytes += h.q_norm.nbytes + h.k_norm.nbytes
         self.weights[layer] = weights
         return nbytes
 
@@ -174,7 +240,7 @@ class AttentionMixer(Mixer):
 
     @staticmethod
     def reference(xb, w, c, cache, layer: int, positions, recipe) -> np.ndarray:
-        m, h, hkv, d = xb.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
+        m, h, hkv, d, w = xb.shape[0], c.n_heads, c.n_kv_heads, c.head_dim, w.mixing
         q_dim, kv_dim = h * d, hkv * d
         # q, k, v for these positions from the fused projection
         qkv = linear64(xb, w.qkv, w.qkv_bias)

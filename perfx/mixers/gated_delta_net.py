@@ -11,6 +11,7 @@ by itself, so speculation keeps a restore point before each verification.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -35,10 +36,13 @@ def delta_shape(config, tokens: int) -> dict:
 
 @dataclass
 class DeltaWeights:
-    delta_qkv: object     # Linear (2·Hk·d_k + Hv·d_v, hidden): q|k|v, the convolution's input
-    delta_z: object       # Linear (Hv·d_v, hidden): the output norm's gate z
-    delta_ab: object      # Linear (2·Hv, hidden): a, then b (the gates before softplus and sigmoid)
-    delta_out: object     # Linear (hidden, Hv·d_v)
+    """A delta layer's weights: host matrices (from a source) or Linears (on the device)."""
+
+    matrices: ClassVar[tuple[str, ...]] = ROLES
+    delta_qkv: object     # (2·Hk·d_k + Hv·d_v, hidden): q|k|v, the convolution's input
+    delta_z: object       # (Hv·d_v, hidden): the output norm's gate z
+    delta_ab: object      # (2·Hv, hidden): a, then b (the gates before softplus and sigmoid)
+    delta_out: object     # (hidden, Hv·d_v)
     conv_weight: object   # float32 (channels, L): the convolution's taps
     dt_bias: object       # float32 (Hv)
     ssm_a: object         # float32 (Hv): −exp(A_log)
@@ -50,6 +54,34 @@ class GatedDeltaNetMixer(Mixer):
     can_roll_back = False   # S holds the last position only
 
     scratch = ("dqkv", "dconv", "dz", "dab", "dout")
+
+    # -- host side: q|k|v, z and the out-projection as the file holds them, a and b fused (both a row per v
+    # head), the taps, the gates' vectors and the norm's γ ------------------------------------------------
+
+    Weights = DeltaWeights
+    fuses = {"delta_ab": ("delta_a", "delta_b")}
+    misplaced = {("attention", "q"): "holds attention tensors (attn_q) but {keys} make it a linear-attention layer"}
+
+    @staticmethod
+    def part_shapes(c) -> dict[str, tuple[int, int]]:
+        return {"delta_a": (c.delta_v_heads, c.hidden_size), "delta_b": (c.delta_v_heads, c.hidden_size)}
+
+    @staticmethod
+    def host_vectors(c) -> dict[str, int]:
+        return {"dt_bias": c.delta_v_heads, "ssm_a": c.delta_v_heads, "delta_norm": c.delta_v_dim}
+
+    @staticmethod
+    def taps(c) -> int:
+        return c.delta_conv_dim
+
+    @classmethod
+    def synthetic(cls, c, random_matrix, rng) -> DeltaWeights:
+        hidden, channels, value, hv = c.hidden_size, c.delta_conv_dim, c.delta_value_dim, c.delta_v_heads
+        taps = (rng.standard_normal((channels, c.conv_length)) / np.sqrt(c.conv_length)).astype(np.float32)
+        return DeltaWeights(delta_qkv=random_matrix(rng, channels, hidden), conv_weight=taps,
+                            delta_z=random_matrix(rng, value, hidden), delta_ab=random_matrix(rng, 2 * hv, hidden),
+                            delta_out=random_matrix(rng, hidden, value), dt_bias=np.ones(hv, np.float32),
+                            ssm_a=-np.ones(hv, np.float32), delta_norm=np.ones(c.delta_v_dim, np.float32))
 
     @staticmethod
     def linears(c) -> list[tuple[str, int, int, bool]]:
@@ -86,11 +118,11 @@ class GatedDeltaNetMixer(Mixer):
         return out + cls.matrix_ops(c, "delta_out", m, options, prefill, ("dout",), ("proj",))
 
     def upload(self, w, layer: int) -> int:
-        m = self.model
-        linears = {role: m.upload(getattr(w, role), f"layer {layer} {role}", role) for role in ROLES}
-        vectors = {name: m.vector(getattr(w, name)) for name in VECTORS}
+        m, h = self.model, w.mixing
+        linears = {role: m.upload(getattr(h, role), f"layer {layer} {role}", role) for role in ROLES}
+        vectors = {name: m.vector(getattr(h, name)) for name in VECTORS}
         self.weights[layer] = DeltaWeights(**linears, **vectors)
-        return sum(getattr(w, name).nbytes for name in ROLES + VECTORS)
+        return sum(getattr(h, name).nbytes for name in ROLES + VECTORS)
 
     def xb_readers(self, layer: int) -> list:
         w = self.weights[layer]
@@ -127,7 +159,7 @@ class GatedDeltaNetMixer(Mixer):
 
     @staticmethod
     def reference(xb, w, c, cache, layer: int, positions, recipe) -> np.ndarray:
-        m = xb.shape[0]
+        m, w = xb.shape[0], w.mixing
         hk, hv, dk, dv = c.delta_k_heads, c.delta_v_heads, c.delta_k_dim, c.delta_v_dim
         y, cache.conv[layer] = short_conv(linear64(xb, w.delta_qkv), w.conv_weight, cache.conv[layer], gated=False,
                                           act="silu")

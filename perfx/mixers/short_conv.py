@@ -8,6 +8,7 @@ where the ring still holds the L − 1 inputs before it, or at a restore point o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -21,15 +22,35 @@ from perfx.reference import short_conv
 
 @dataclass
 class ConvWeights:
-    conv_in: object        # Linear (3·hidden, hidden): B, C, x rows
+    """A conv layer's weights: host matrices (from a source) or Linears (on the device)."""
+
+    matrices: ClassVar[tuple[str, ...]] = ("conv_in", "conv_out")
+    conv_in: object        # (3·hidden, hidden): B, C, x rows
     conv_weight: object    # float32 (hidden, L): the taps
-    conv_out: object       # Linear (hidden, hidden)
+    conv_out: object       # (hidden, hidden)
 
 
 class ShortConvMixer(Mixer):
     kind = "conv"
 
     scratch = ("bcx", "mixed")
+
+    # -- host side: conv_in and conv_out as the file holds them, the taps -----------------------------------
+
+    Weights = ConvWeights
+    misplaced = {("attention", "q"): "holds attention tensors but {arch}.attention.head_count_kv gives it no kv "
+                                     "heads (a conv layer)"}
+
+    @staticmethod
+    def taps(c) -> int:
+        return c.hidden_size
+
+    @classmethod
+    def synthetic(cls, c, random_matrix, rng) -> ConvWeights:
+        hidden = c.hidden_size
+        taps = (rng.standard_normal((hidden, c.conv_length)) / np.sqrt(c.conv_length)).astype(np.float32)
+        return ConvWeights(conv_in=random_matrix(rng, 3 * hidden, hidden), conv_weight=taps,
+                           conv_out=random_matrix(rng, hidden, hidden))
 
     @staticmethod
     def linears(c) -> list[tuple[str, int, int, bool]]:
@@ -52,11 +73,11 @@ class ShortConvMixer(Mixer):
                 + cls.matrix_ops(c, "conv_out", m, options, prefill, ("mixed",), ("proj",)))
 
     def upload(self, w, layer: int) -> int:
-        m = self.model
-        self.weights[layer] = ConvWeights(conv_in=m.upload(w.conv_in, f"layer {layer} conv in_proj", "conv_in"),
-                                          conv_weight=m.vector(w.conv_weight),
-                                          conv_out=m.upload(w.conv_out, f"layer {layer} conv out_proj", "conv_out"))
-        return w.conv_in.nbytes + w.conv_out.nbytes + w.conv_weight.nbytes
+        m, h = self.model, w.mixing
+        self.weights[layer] = ConvWeights(conv_in=m.upload(h.conv_in, f"layer {layer} conv in_proj", "conv_in"),
+                                          conv_weight=m.vector(h.conv_weight),
+                                          conv_out=m.upload(h.conv_out, f"layer {layer} conv out_proj", "conv_out"))
+        return h.conv_in.nbytes + h.conv_out.nbytes + h.conv_weight.nbytes
 
     def xb_readers(self, layer: int) -> list:
         return [self.weights[layer].conv_in]
@@ -80,6 +101,7 @@ class ShortConvMixer(Mixer):
 
     @staticmethod
     def reference(xb, w, c, cache, layer: int, positions, recipe) -> np.ndarray:
+        w = w.mixing
         y, cache.conv[layer] = short_conv(linear64(xb, w.conv_in), w.conv_weight, cache.conv[layer])
         return linear64(y, w.conv_out)
 

@@ -1,7 +1,10 @@
 """What every model source shares: the host form of a layer, the base class, fusion, the head rule and checks.
 
-Every source gives the same host form (``LayerWeights``): Q, K and V fused into one matrix, gate and
-up into another, rows in Hugging Face's rotate-half order, each linear layer a ``perfx.formats.Q4Matrix``
+Every source gives the same host form (``LayerWeights``): the norms and the FFN every layer has (gate and up
+fused into one matrix), and the weights of the layer's kind (``mixing``) as its mixer declares, reads and
+checks them (``perfx.mixers.Mixer``: attention's Q, K and V fused into one matrix, rows in Hugging Face's
+rotate-half order; a conv layer's projections and taps; ...). The sources ask a layer's mixer what it holds and
+never branch on its kind. Each linear layer is a ``perfx.formats.Q4Matrix``
 (4-bit), a ``perfx.formats.Q8Matrix`` (8-bit: GGUF Q5_x, Q6_K, Q8_0) or an fp16 ndarray (N, K). A source
 checks the whole file's header when it is opened, then hands out one layer at a time, so host memory
 stays near the largest layer, not the model. ``weight_forms`` says from the header alone which device
@@ -12,15 +15,18 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Union
 
 import numpy as np
 
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
-from perfx.formats import Q8_QUANTIZE_GROUP, Q4Matrix, Q8Matrix
+# Form, form_of, fuse_rows and permute_linear_rows (the host matrices' forms and rows) live in perfx.formats, below
+# the mixers, which fuse their own matrices; the sources and their tests take them from here too
+from perfx.formats import (F16_FORM, Q8_QUANTIZE_GROUP, Form, HostMatrix, Q4Matrix, Q8Matrix, form_of, fuse_rows,
+                           fused_form, permute_linear_rows, to_fp16)
+from perfx.mixers import mixer_class
 
-Linear = Union[Q4Matrix, Q8Matrix, np.ndarray]  # a weight W (N, K): the int4 or int8 device form, or fp16
+Linear = HostMatrix  # a weight W (N, K): the int4 or int8 device form, or fp16
 QUANTIZE_CHOICES = (None, "q4")
 # The lm_head and the token embedding: "q8" keeps a quantized file's own form (Q8_0, Q6_K, ... in the int8
 # form, Q4 in the int4 form) and quantizes an fp16 table to int8; "fp16" holds an 8-bit table as fp16 (a
@@ -32,86 +38,27 @@ LM_HEAD_CHOICES = ("q8", "fp16")
 # kept): a decode step reads one row of it, and llama.cpp's Q4 files store token_embd in 4 bits too. A tied
 # embedding is the lm_head, read whole every token: the head's rule keeps it.
 EMBEDDING_CHOICES = ("head", "q4")
-LINEAR_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
-FUSED_LINEARS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
-# A conv layer (LFM2) mixes positions with its in-projection (B, C, x rows), a short convolution and its
-# out-projection in place of QKV, attention and o.
-CONV_LINEARS = {"conv_in": ("conv_in",), "conv_out": ("conv_out",), "gate_up": ("gate", "up"), "down": ("down",)}
-# A delta layer (Qwen3.5's Gated DeltaNet) projects to q|k|v (the convolution's input), z (the output norm's
-# gate) and a|b (the decay and the update rate, fused: both a row per v head), and back with its out-projection.
-DELTA_LINEARS = {"delta_qkv": ("delta_qkv",), "delta_z": ("delta_z",), "delta_ab": ("delta_a", "delta_b"),
-                 "delta_out": ("delta_out",), "gate_up": ("gate", "up"), "down": ("down",)}
-# Qwen3.5's attention layers: the q projection holds q and the output gate of each head; the gate rows are a
-# matrix of their own (attn_gate), q's join k and v in the fused QKV.
-GATED_ATTENTION_LINEARS = dict(FUSED_LINEARS, attn_gate=("q",))
-
-
-@dataclass(frozen=True, order=True)
-class Form:
-    """The device form of a matrix: kind "q4" (group G), "q8" (group G, float32 scales if f32, scales alone if
-    symmetric) or "f16"."""
-
-    kind: str
-    group: int = 0
-    f32: bool = False
-    symmetric: bool = False
-
-
-F16_FORM = Form("f16")
-
-
-def form_of(w: Linear) -> Form:
-    if isinstance(w, Q4Matrix):
-        return Form("q4", w.group)
-    if isinstance(w, Q8Matrix):
-        return Form("q8", w.group, w.f32, w.symmetric)
-    return F16_FORM
-
-
-def fused_form(parts: list[Form]) -> Form:
-    """The form of matrices stacked along N (fused QKV, gate-up), the rule ``fuse_rows`` follows.
-
-    All int4: int4 at the smallest group (regrouping repeats each (s, m): exact). Any fp16 part: fp16. Any
-    other mix of int4 and int8: int8 at the smallest group, float32 if any part is, symmetric if every part is
-    a symmetric int8 one (int4 parts bring pairs, ``Q8Matrix.from_q4``); int4 codes fit int8 and their fp16 s
-    and m stay exact, so e.g. Q4_K q and k beside a Q6_K v fuse exactly at G = 16.
-    """
-    kinds = {p.kind for p in parts}
-    if kinds == {"q4"}:
-        return Form("q4", min(p.group for p in parts))
-    if "f16" in kinds:
-        return F16_FORM
-    return Form("q8", min(min(p.group, Q8_QUANTIZE_GROUP) for p in parts), any(p.f32 for p in parts),
-                all(p.kind == "q8" and p.symmetric for p in parts))
+# The FFN every layer kind has: its gate-up fused, and down
+FFN_LINEARS = {"gate_up": ("gate", "up"), "down": ("down",)}
 
 
 @dataclass
 class LayerWeights:
-    """One decoder layer, host side, in the layout the device forward uses."""
+    """One decoder layer, host side, in the layout the device forward uses: what every layer kind has, and the
+    kind's own weights (``mixing``), the dataclass its mixer declares (``perfx.mixers.Mixer.Weights``)."""
 
-    attn_norm: np.ndarray          # (hidden,) float32: the norm before attention (or the conv)
+    attn_norm: np.ndarray          # (hidden,) float32: the norm before the mixer (attention, the conv, ...)
     ffn_norm: np.ndarray           # (hidden,) float32
     gate_up: Linear                # (2·intermediate, hidden): gate rows, then up rows
     down: Linear                   # (hidden, intermediate)
-    qkv: Linear | None = None      # (H·D + 2·Hkv·D, hidden): q, k, v rows, Hugging Face rotate-half order
-    qkv_bias: np.ndarray | None = None   # (H·D + 2·Hkv·D,) float32, Qwen2 only
-    o: Linear | None = None        # (hidden, H·D)
-    q_norm: np.ndarray | None = None           # (D,) float32: per-head RMSNorm of q (Qwen3, Gemma 3)
-    k_norm: np.ndarray | None = None           # (D,) float32: the same for k
-    post_attn_norm: np.ndarray | None = None   # (hidden,) float32: RMSNorm of the attention output (Gemma)
+    mixing: object                 # the layer kind's weights: perfx.mixers.attention.AttentionWeights, ...
+    post_attn_norm: np.ndarray | None = None   # (hidden,) float32: RMSNorm of the mixer's output (Gemma)
     post_ffn_norm: np.ndarray | None = None    # (hidden,) float32: RMSNorm of the FFN output (Gemma)
-    conv_in: Linear | None = None              # (3·hidden, hidden): B, C, x rows (a conv layer, LFM2)
-    conv_weight: np.ndarray | None = None      # (hidden, L) float32: the short convolution's taps
-    conv_out: Linear | None = None             # (hidden, hidden)
-    attn_gate: Linear | None = None            # (H·D, hidden): the output gate's rows of q_proj (Qwen3.5)
-    delta_qkv: Linear | None = None            # (2·Hk·d_k + Hv·d_v, hidden): a delta layer's q|k|v (Qwen3.5);
-                                               # its taps (channels, L) are conv_weight
-    delta_z: Linear | None = None              # (Hv·d_v, hidden): the gated norm's z
-    delta_ab: Linear | None = None             # (2·Hv, hidden): a rows, then b rows
-    delta_out: Linear | None = None            # (hidden, Hv·d_v)
-    dt_bias: np.ndarray | None = None          # (Hv,) float32: added to a before the softplus
-    ssm_a: np.ndarray | None = None            # (Hv,) float32: −exp(A_log), the decay's rate
-    delta_norm: np.ndarray | None = None       # (d_v,) float32: the gated RMSNorm's γ
+
+    def linears(self) -> dict[str, Linear]:
+        """Every matrix of the layer by role: the mixer's, then the FFN's."""
+        mixing = {role: getattr(self.mixing, role) for role in self.mixing.matrices}
+        return {**{role: w for role, w in mixing.items() if w is not None}, "gate_up": self.gate_up, "down": self.down}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,11 +118,12 @@ class ModelSource(ABC):
 
     def _fused(self, label: str, layer: int) -> Linear | None:
         """"qkv" or "gate_up" as the file stores it fused (Phi-3's qkv_proj and gate_up_proj), None where the
-        file stores the parts (then they are fused here)."""
+        file stores the parts (then they are fused here). Asked only for the roles the layer's mixer allows
+        (``Mixer.file_fused``)."""
         return None
 
     def _conv_weight(self, layer: int) -> np.ndarray:
-        """A conv layer's taps (hidden, L) float32."""
+        """A layer's short-convolution taps (channels, L) float32, channels as its mixer says (``Mixer.taps``)."""
         raise NotImplementedError(f"{type(self).__name__} reads no convolutions")
 
     def _fused_form(self, label: str, layer: int) -> Form | None:
@@ -260,7 +208,7 @@ class ModelSource(ABC):
         for i in range(c.n_layers):
             for label, names in self.layer_linears(i).items():
                 forms.setdefault(label, set())
-                parts = [self._fused_form(label, i)] if len(names) > 1 else [None]
+                parts = [self._fused_form(label, i)] if len(names) > 1 and label in self.file_fused(i) else [None]
                 if parts[0] is None:
                     parts = [self._part_form(name, i) for name in names]
                 if any(p is None for p in parts):
@@ -282,101 +230,100 @@ class ModelSource(ABC):
         return forms
 
     def layer(self, i: int) -> LayerWeights:
-        """Layer i's weights, read and converted now (nothing is kept between calls)."""
+        """Layer i's weights, read and converted now (nothing is kept between calls): the FFN and norms here, the
+        kind's own weights by its mixer (``Mixer.read``)."""
         c = self.config
         if not 0 <= i < c.n_layers:
             raise PerfxError(f"layer {i} does not exist: the model has {c.n_layers} layers")
-        gate_up = self._fused("gate_up", i)
-        if gate_up is None:
-            gate_up = fuse_rows([self._linear("gate", i), self._linear("up", i)])
-        ffn = dict(attn_norm=self._vector("attn_norm", i), ffn_norm=self._vector("ffn_norm", i),
-                   gate_up=self._quantized(gate_up), down=self._quantized(self._linear("down", i)))
-        if c.layers[i].kind == "conv":
-            return LayerWeights(**ffn, conv_in=self._quantized(self._linear("conv_in", i)),
-                                conv_weight=self._conv_weight(i), conv_out=self._quantized(self._linear("conv_out", i)))
-        if c.layers[i].kind == "delta":
-            ab = fuse_rows([self._linear("delta_a", i), self._linear("delta_b", i)])
-            return LayerWeights(**ffn, conv_weight=self._conv_weight(i), delta_ab=self._quantized(ab),
-                                **{name: self._quantized(self._linear(name, i))
-                                   for name in ("delta_qkv", "delta_z", "delta_out")},
-                                **{name: self._vector(name, i) for name in ("dt_bias", "ssm_a", "delta_norm")})
-        qkv = self._fused("qkv", i)
-        gate = None
-        if qkv is None and c.attention_gate:
-            q, gate = split_gated_q(self._linear("q", i), c.n_heads, c.head_dim)
-            qkv = fuse_rows([q, self._linear("k", i), self._linear("v", i)])
-            gate = self._quantized(gate)
-        elif qkv is None:
-            qkv = fuse_rows([self._linear(name, i) for name in ("q", "k", "v")])
-        bias = None
-        if c.qkv_bias:
-            bias = np.concatenate([self._vector(f"{name}_bias", i) for name in ("q", "k", "v")])
         norms = {}
-        if c.qk_norm:
-            norms.update(q_norm=self._vector("q_norm", i), k_norm=self._vector("k_norm", i))
         if c.post_norms:
             norms.update(post_attn_norm=self._vector("post_attn_norm", i),
                          post_ffn_norm=self._vector("post_ffn_norm", i))
-        return LayerWeights(**ffn, qkv=self._quantized(qkv), qkv_bias=bias, o=self._quantized(self._linear("o", i)),
-                            attn_gate=gate, **norms)
+        return LayerWeights(attn_norm=self._vector("attn_norm", i), ffn_norm=self._vector("ffn_norm", i),
+                            gate_up=self.read_matrix("gate_up", FFN_LINEARS["gate_up"], i),
+                            down=self.read_matrix("down", FFN_LINEARS["down"], i),
+                            mixing=self.mixer(i).read(self, i), **norms)
 
     def layers(self):
         """Iterate over the layers in order, one loaded at a time."""
         for i in range(self.config.n_layers):
             yield self.layer(i)
 
+    # -- what a layer's mixer reads through (``Mixer.read``) -------------------------------------------
+
+    def mixer(self, layer: int):
+        """The mixer class of ``layer``'s kind: what its layers hold, read and check."""
+        return mixer_class(self.config.layers[layer].kind)
+
+    def whole(self, role: str, layer: int) -> Linear | None:
+        """A role as the file stores it fused (Phi-3's qkv_proj), where the layer's mixer allows it, else None."""
+        return self._fused(role, layer) if role in self.file_fused(layer) else None
+
+    def file_fused(self, layer: int) -> tuple[str, ...]:
+        """The roles of ``layer`` a file may hold fused."""
+        return self.mixer(layer).file_fused
+
+    def read_part(self, name: str, layer: int) -> Linear:
+        """One source projection in Hugging Face row order, as the file holds it."""
+        return self._linear(name, layer)
+
+    def read_matrix(self, role: str, parts: tuple[str, ...], layer: int) -> Linear:
+        """A role: the file's fused matrix, or its projections stacked (``fuse_rows``); then the quantize rule."""
+        w = self.whole(role, layer) if len(parts) > 1 else None
+        if w is None:
+            w = self._linear(parts[0], layer) if len(parts) == 1 else fuse_rows([self._linear(p, layer) for p in parts])
+        return self._quantized(w)
+
+    def read_vector(self, name: str, layer: int) -> np.ndarray:
+        return self._vector(name, layer)
+
+    def read_taps(self, layer: int) -> np.ndarray:
+        return self._conv_weight(layer)
+
+    def quantized(self, w: Linear) -> Linear:
+        """W under the quantize-on-load rule (``quantize="q4"``)."""
+        return self._quantized(w)
+
+    # -- what a layer holds, from the config ---------------------------------------------------------
+
     def layer_linears(self, layer: int) -> dict[str, tuple[str, ...]]:
-        """The matrix roles of a layer and the projections each fuses (attention or conv layer)."""
-        kind = self.config.layers[layer].kind
-        if kind != "attention":
-            return CONV_LINEARS if kind == "conv" else DELTA_LINEARS
-        return GATED_ATTENTION_LINEARS if self.config.attention_gate else FUSED_LINEARS
+        """The matrix roles of a layer and the projections each fuses: its mixer's, then the FFN's."""
+        return {**self.mixer(layer).host_linears(self.config), **FFN_LINEARS}
+
+    def layer_parts(self, layer: int) -> list[str]:
+        """The projections a layer's matrices are read from, each once, in order."""
+        return list(dict.fromkeys(p for parts in self.layer_linears(layer).values() for p in parts))
+
+    def _kinds(self):
+        return [mixer_class(kind) for kind in dict.fromkeys(r.kind for r in self.config.layers)]
 
     def expected_shape(self, name: str) -> tuple[int, int]:
-        """(N, K) of a projection, from the config."""
+        """(N, K) of a projection or role, from the config."""
         c = self.config
-        h, hv = c.hidden_size, c.delta_v_heads
-        return {"conv_in": (3 * h, h), "conv_out": (h, h),
-                "delta_qkv": (c.delta_conv_dim, h), "delta_z": (c.delta_value_dim, h), "delta_a": (hv, h),
-                "delta_b": (hv, h), "delta_ab": (2 * hv, h), "delta_out": (h, c.delta_value_dim),
-                "attn_gate": (c.q_dim, h),
-                # Qwen3.5's q projection: q and the gate of each head, 2·D rows a head
-                "q": ((2 if c.attention_gate else 1) * c.q_dim, h),
-                "k": (c.kv_dim, c.hidden_size), "v": (c.kv_dim, c.hidden_size),
-                "o": (c.hidden_size, c.q_dim), "gate": (c.intermediate_size, c.hidden_size),
-                "up": (c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size),
-                "qkv": (c.qkv_dim, c.hidden_size), "gate_up": (2 * c.intermediate_size, c.hidden_size),
-                "embedding": (c.vocab_size, c.hidden_size), "lm_head": (c.vocab_size, c.hidden_size)}[name]
+        shapes = {"gate": (c.intermediate_size, c.hidden_size), "up": (c.intermediate_size, c.hidden_size),
+                  "down": (c.hidden_size, c.intermediate_size), "gate_up": (2 * c.intermediate_size, c.hidden_size),
+                  "embedding": (c.vocab_size, c.hidden_size), "lm_head": (c.vocab_size, c.hidden_size)}
+        for mixer in self._kinds():
+            shapes.update(mixer.host_shapes(c))
+        return shapes[name]
 
     def expected_vector(self, name: str) -> int:
-        c = self.config
-        return {"q_bias": c.q_dim, "k_bias": c.kv_dim, "v_bias": c.kv_dim, "q_norm": c.head_dim,
-                "k_norm": c.head_dim, "dt_bias": c.delta_v_heads, "ssm_a": c.delta_v_heads,
-                "delta_norm": c.delta_v_dim}.get(name, c.hidden_size)
+        sizes = {}
+        for mixer in self._kinds():
+            sizes.update(mixer.host_vectors(self.config))
+        return sizes.get(name, self.config.hidden_size)
 
     def vector_names(self, layer: int = 0) -> tuple[str, ...]:
         """The per-layer vectors this model's recipe reads on ``layer``."""
         c = self.config
-        if c.layers[layer].kind == "conv":
-            return ("attn_norm", "ffn_norm") + (("post_attn_norm", "post_ffn_norm") if c.post_norms else ())
-        if c.layers[layer].kind == "delta":
-            return ("attn_norm", "ffn_norm", "dt_bias", "ssm_a", "delta_norm")
-        return (("attn_norm", "ffn_norm") + (("q_bias", "k_bias", "v_bias") if c.qkv_bias else ())
-                + (("q_norm", "k_norm") if c.qk_norm else ()) + (("post_attn_norm", "post_ffn_norm") if c.post_norms
-                                                                 else ()))
+        return (("attn_norm", "ffn_norm") + tuple(self.mixer(layer).host_vectors(c))
+                + (("post_attn_norm", "post_ffn_norm") if c.post_norms else ()))
 
     def _quantized(self, w: Linear) -> Linear:
         if self.quantize != "q4" or isinstance(w, Q4Matrix):
             return w
         group = quantize_group(w.shape[1])
         return w if group is None else Q4Matrix.quantize(w, group)
-
-
-def split_gated_q(w: Linear, n_heads: int, head_dim: int) -> tuple[Linear, Linear]:
-    """Qwen3.5's q projection (H·2D rows: q then the gate, head by head) as its q rows and its gate rows, each
-    head-major (H·D): exact for every form."""
-    rows = np.arange(2 * n_heads * head_dim).reshape(n_heads, 2, head_dim)
-    return permute_linear_rows(w, rows[:, 0].reshape(-1)), permute_linear_rows(w, rows[:, 1].reshape(-1))
 
 
 def quantize_group(k: int) -> int | None:
@@ -392,32 +339,6 @@ def to_q4_zeros(w: Linear, group: int, rows: int = 8192) -> Q4Matrix:
     return Q4Matrix.concat([Q4Matrix.quantize(to_fp16(w[i:i + rows] if isinstance(w, np.ndarray) else
                                                       w.rows(i, min(i + rows, w.shape[0]))), group, zeros=True)
                             for i in range(0, w.shape[0], rows)])
-
-
-def to_fp16(w: Linear, rows: int = 8192) -> np.ndarray:
-    """W as fp16, dequantized a block of rows at a time (a float64 copy of a whole vocabulary is GBs)."""
-    if isinstance(w, np.ndarray):
-        return w.astype(np.float16)
-    return np.concatenate([w.rows(i, min(i + rows, w.shape[0])).dequantize().astype(np.float16)
-                           for i in range(0, w.shape[0], rows)])
-
-
-def fuse_rows(parts: list[Linear]) -> Linear:
-    """Stack projections along N in the form ``fused_form`` gives: exact except where an fp16 part makes
-    the whole fp16 (e.g. an AWQ model with one projection in modules_to_not_convert)."""
-    form = fused_form([form_of(p) for p in parts])
-    if form.kind == "q4":
-        return Q4Matrix.concat([p.regroup(form.group) for p in parts])
-    if form.kind == "q8":
-        return Q8Matrix.concat([Q8Matrix.from_q4(p) if isinstance(p, Q4Matrix) else p for p in parts])
-    return np.concatenate([to_fp16(p) for p in parts])
-
-
-def permute_linear_rows(w: Linear, permutation: np.ndarray) -> Linear:
-    """Reorder the rows of W; for the int4 and int8 forms codes, scales and offsets move together (exact)."""
-    if isinstance(w, (Q4Matrix, Q8Matrix)):
-        return w.take_rows(permutation)
-    return np.ascontiguousarray(w[permutation])
 
 
 def check_finite(w: Linear, where, tensor: str) -> Linear:

@@ -38,8 +38,11 @@ GGUF_VECTOR = {"attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight",
                "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
                "post_attn_norm": "post_attention_norm.weight", "post_ffn_norm": "post_ffw_norm.weight",
                "dt_bias": "ssm_dt.bias", "ssm_a": "ssm_a", "delta_norm": "ssm_norm.weight"}
-# The taps of a layer's short convolution, by layer kind
-GGUF_CONV_TAPS = {"conv": "shortconv.conv.weight", "delta": "ssm_conv1d.weight"}
+# The taps of a layer's short convolution, by layer kind: the tensor, and the keys that size its length and its
+# channels ({arch}: the architecture)
+GGUF_CONV_TAPS = {"conv": ("shortconv.conv.weight", "{arch}.shortconv.l_cache", "hidden"),
+                  "delta": ("ssm_conv1d.weight", "{arch}.ssm.conv_kernel",
+                            "2 × {arch}.ssm.group_count × ssm.state_size + ssm.inner_size")}
 # Fused matrices a file may hold (Phi-3), with the parts they replace
 GGUF_FUSED = {"qkv": ("attn_qkv", ("q", "k", "v")), "gate_up": ("ffn_up", ("gate", "up"))}
 # Every tensor type perfx reads, and the device form it reads into.
@@ -73,28 +76,34 @@ class GGUFSource(ModelSource):
         if not c.tie_embeddings:
             self._check("output.weight", self.expected_shape("lm_head"))
         for i in range(c.n_layers):
-            if c.layers[i].kind == "conv":
-                self._check_conv(i)
-                continue
-            if c.layers[i].kind == "delta":
-                self._check_delta(i)
-                continue
-            if "delta" in self.family.layer_kinds and f"blk.{i}.ssm_conv1d.weight" in self._tensors:
-                raise PerfxError(f"{self.path}: layer {i} holds linear-attention tensors (ssm_conv1d) but "
-                                 f"{self._pattern_keys()} make it a full-attention layer; the header does not "
-                                 "describe this file")
-            fused = set()
-            for label, (tensor, parts) in GGUF_FUSED.items():
-                if self._is_fused(label, i):
-                    self._check_fused(label, i)
-                    fused.update(parts)
-            if "q" not in fused:
-                self._check_heads(i)
-            for name in ("q", "k", "v", "o", "gate", "up", "down"):
-                if name not in fused:
-                    self._check(f"blk.{i}.{GGUF_LINEAR[name]}.weight", self.expected_shape(name))
-            for name in self.vector_names(i):
-                self._check(self._vector_tensor(name, i), (self.expected_vector(name),))
+            self._check_layer(i)
+
+    def _check_layer(self, layer: int):
+        """A layer holds what its kind's mixer reads: no tensor of another kind (the header would assign the kinds
+        wrongly), fused matrices that split as the header says, each projection, the taps, the vectors."""
+        c, mixer = self.config, self.mixer(layer)
+        for (kind, part), why in mixer.misplaced.items():
+            if kind in self.family.layer_kinds and self._part_tensor(kind, part, layer) in self._tensors:
+                why = why.format(arch=c.architecture, keys=self._pattern_keys())
+                raise PerfxError(f"{self.path}: layer {layer} {why}; the header does not describe this file")
+        fused = set()
+        for label in mixer.file_fused:
+            if self._is_fused(label, layer):
+                self._check_fused(label, layer)
+                fused.update(GGUF_FUSED[label][1])
+        parts = [name for name in self.layer_parts(layer) if name not in fused]
+        if "q" in parts:
+            self._check_heads(layer)
+        for name in parts:
+            self._check(f"blk.{layer}.{GGUF_LINEAR[name]}.weight", self.expected_shape(name))
+        if mixer.taps(c):
+            self._check_conv_taps(layer)
+        for name in self.vector_names(layer):
+            self._check(self._vector_tensor(name, layer), (self.expected_vector(name),))
+
+    def _part_tensor(self, kind: str, part: str, layer: int) -> str:
+        """The tensor of a projection ("q", ...) or of a kind's taps ("taps") in ``layer``."""
+        return f"blk.{layer}.{GGUF_CONV_TAPS[kind][0] if part == 'taps' else GGUF_LINEAR[part] + '.weight'}"
 
     def _vector_tensor(self, name: str, layer: int) -> str:
         # the family's name where it differs (llama.cpp's qwen35 takes the FFN's norm from post_attention_norm)
@@ -106,55 +115,20 @@ class GGUFSource(ModelSource):
             return f"{arch}.attention.recurrent_layers"
         return f"{arch}.full_attention_interval"
 
-    def _check_delta(self, layer: int):
-        """A Gated DeltaNet layer (Qwen3.5): its projections, taps, gates' vectors and norm sized by the ssm.*
-        keys; a layer the pattern calls linear attention must not hold attention's q projection."""
-        c = self.config
-        if f"blk.{layer}.attn_q.weight" in self._tensors:
-            raise PerfxError(f"{self.path}: layer {layer} holds attention tensors (attn_q) but "
-                             f"{self._pattern_keys()} make it a linear-attention layer; the header does not "
-                             "describe this file")
-        for name in ("delta_qkv", "delta_z", "delta_a", "delta_b", "delta_out", "gate", "up", "down"):
-            self._check(f"blk.{layer}.{GGUF_LINEAR[name]}.weight", self.expected_shape(name))
-        self._check_conv_taps(layer)
-        for name in self.vector_names(layer):
-            self._check(self._vector_tensor(name, layer), (self.expected_vector(name),))
-
     def _final_norm_name(self) -> str:
         return self.family.tensors.gguf_final_norm   # LFM2's: token_embd_norm
 
-    def _check_conv(self, layer: int):
-        """A short-conv layer (LFM2): in_proj (3·hidden rows), the taps (hidden × L), out_proj, the FFN; a
-        layer the header calls conv must not hold attention tensors (its head_count_kv would be wrong)."""
-        c = self.config
-        if f"blk.{layer}.attn_q.weight" in self._tensors:
-            raise PerfxError(f"{self.path}: layer {layer} holds attention tensors but {c.architecture}."
-                             "attention.head_count_kv gives it no kv heads (a conv layer); the header does not "
-                             "describe this file")
-        for name in ("conv_in", "conv_out", "gate", "up", "down"):
-            self._check(f"blk.{layer}.{GGUF_LINEAR[name]}.weight", self.expected_shape(name))
-        taps = self._check_conv_taps(layer)
-        for name in self.vector_names(layer):
-            self._check(f"blk.{layer}.{GGUF_VECTOR[name]}", (self.expected_vector(name),))
-        return taps
-
-    def _conv_channels(self, layer: int) -> tuple[int, str]:
-        """The channels of a layer's convolution and the keys that size them."""
-        c, arch = self.config, self.config.architecture
-        if c.layers[layer].kind == "delta":
-            return c.delta_conv_dim, (f"{arch}.ssm.conv_kernel", f"2 × {arch}.ssm.group_count × ssm.state_size + "
-                                      "ssm.inner_size")
-        return c.hidden_size, (f"{arch}.shortconv.l_cache", "hidden")
-
     def _check_conv_taps(self, layer: int):
         c = self.config
-        name = f"blk.{layer}.{GGUF_CONV_TAPS[c.layers[layer].kind]}"
+        tensor, length_key, channels_key = (key.format(arch=c.architecture)
+                                            for key in GGUF_CONV_TAPS[c.layers[layer].kind])
+        name = f"blk.{layer}.{tensor}"
         t = self._tensors.get(name)
         if t is None:
             raise PerfxError(f"{self.path}: tensor {name} is missing; the GGUF is incomplete or not a "
                              f"{c.architecture} model")
         shape = tuple(int(d) for d in reversed(t.shape))
-        channels, (length_key, channels_key) = self._conv_channels(layer)
+        channels = self.mixer(layer).taps(c)
         if shape != (channels, c.conv_length):
             raise PerfxError(f"{self.path}: tensor {name} has shape {shape}, but {length_key} = {c.conv_length} and "
                              f"{channels_key} = {channels} need ({channels}, {c.conv_length}); the header does not "
@@ -164,7 +138,7 @@ class GGUFSource(ModelSource):
         return t
 
     def _is_fused(self, label: str, layer: int) -> bool:
-        if label not in GGUF_FUSED or self.config.layers[layer].kind != "attention":
+        if label not in GGUF_FUSED or label not in self.file_fused(layer):
             return False
         tensor, parts = GGUF_FUSED[label]
         return (f"blk.{layer}.{tensor}.weight" in self._tensors
@@ -260,8 +234,8 @@ class GGUFSource(ModelSource):
         return permute_linear_rows(w, unpermute_qk(np.arange(w.shape[0]), heads))
 
     def _conv_weight(self, layer: int) -> np.ndarray:
-        t = self._check_conv_taps(layer)
-        taps = np.asarray(t.data, dtype=np.float32).reshape(self._conv_channels(layer)[0], self.config.conv_length)
+        c, t = self.config, self._check_conv_taps(layer)
+        taps = np.asarray(t.data, dtype=np.float32).reshape(self.mixer(layer).taps(c), c.conv_length)
         return check_finite(np.ascontiguousarray(taps), self.path, t.name)
 
     def _vector(self, name: str, layer: int | None) -> np.ndarray:

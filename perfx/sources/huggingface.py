@@ -17,7 +17,7 @@ from perfx.config import ModelConfig
 from perfx.errors import PerfxError
 from perfx.families import family_of
 from perfx.resources import read_json
-from perfx.sources.base import (F16_FORM, LINEAR_NAMES, Form, Linear, ModelSource, check_finite,
+from perfx.sources.base import (F16_FORM, Form, Linear, ModelSource, check_finite,
                                 fused_split_error, shape_error)
 from perfx.tokenizer import Tokenizer
 
@@ -149,37 +149,32 @@ class HFSource(ModelSource):
         if not c.tie_embeddings:
             self._check_linear(self._head, self.expected_shape("lm_head"))
         for i in range(c.n_layers):
-            kind = c.layers[i].kind
-            if kind in CONV_TAPS:
-                names = (("conv_in", "conv_out") if kind == "conv" else
-                         ("delta_qkv", "delta_z", "delta_a", "delta_b", "delta_out")) + ("gate", "up", "down")
-                for name in names:
-                    self._check_linear(self._module(name, i), self.expected_shape(name))
-                self._check_shape(self._conv_taps_name(i), (self._conv_channels(i), 1, c.conv_length))
-                for name in self.vector_names(i):
-                    self._check_shape(f"{self._prefix}layers.{i}.{self._vectors[name]}", (self.expected_vector(name),))
-                continue
-            fused = set()
-            for label, (_, parts) in HF_FUSED.items():
-                module = self._fused_module(label, i)
-                if module is not None:
-                    self._check_fused(module, label)
-                    fused.update(parts)
-            for name in LINEAR_NAMES:
-                if name not in fused:
-                    self._check_linear(self._module(name, i), self.expected_shape(name))
-            for name in self.vector_names(i):
-                self._check_shape(f"{self._prefix}layers.{i}.{self._vectors[name]}", (self.expected_vector(name),))
+            self._check_layer(i)
+
+    def _check_layer(self, layer: int):
+        """A layer holds what its kind's mixer reads: fused matrices that split as config.json says, each
+        projection, the taps, the vectors."""
+        c, mixer = self.config, self.mixer(layer)
+        fused = set()
+        for label in mixer.file_fused:
+            module = self._fused_module(label, layer)
+            if module is not None:
+                self._check_fused(module, label)
+                fused.update(HF_FUSED[label][1])
+        for name in self.layer_parts(layer):
+            if name not in fused:
+                self._check_linear(self._module(name, layer), self.expected_shape(name))
+        if mixer.taps(c):
+            self._check_shape(self._conv_taps_name(layer), (mixer.taps(c), 1, c.conv_length))
+        for name in self.vector_names(layer):
+            self._check_shape(f"{self._prefix}layers.{layer}.{self._vectors[name]}", (self.expected_vector(name),))
 
     def _conv_taps_name(self, layer: int) -> str:
         return f"{self._prefix}layers.{layer}.{CONV_TAPS[self.config.layers[layer].kind]}"
 
-    def _conv_channels(self, layer: int) -> int:
-        c = self.config
-        return c.delta_conv_dim if c.layers[layer].kind == "delta" else c.hidden_size
-
     def _conv_weight(self, layer: int) -> np.ndarray:
-        c, channels = self.config, self._conv_channels(layer)
+        c = self.config
+        channels = self.mixer(layer).taps(c)
         taps = self._tensor(self._conv_taps_name(layer), (channels, 1, c.conv_length))
         return np.ascontiguousarray(taps.reshape(channels, c.conv_length), dtype=np.float32)
 

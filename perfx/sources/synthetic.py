@@ -71,27 +71,14 @@ class SyntheticSource(ModelSource):
         c, rng = self.config, self._rng(1, i)
         hidden = c.hidden_size
         norms = {}
-        if c.qk_norm:
-            norms.update(q_norm=np.ones(c.head_dim, np.float32), k_norm=np.ones(c.head_dim, np.float32))
         if c.post_norms:
             norms.update(post_attn_norm=np.ones(hidden, np.float32), post_ffn_norm=np.ones(hidden, np.float32))
         ffn = dict(attn_norm=np.ones(hidden, np.float32), ffn_norm=np.ones(hidden, np.float32),
                    gate_up=self._random_q4(rng, 2 * c.intermediate_size, hidden),
                    down=self._random_q4(rng, hidden, c.intermediate_size))
-        if c.layers[i].kind == "conv":
-            taps = (rng.standard_normal((hidden, c.conv_length)) / np.sqrt(c.conv_length)).astype(np.float32)
-            return LayerWeights(**ffn, conv_in=self._random_q4(rng, 3 * hidden, hidden), conv_weight=taps,
-                                conv_out=self._random_q4(rng, hidden, hidden))
-        if c.layers[i].kind == "delta":
-            channels, value, hv = c.delta_conv_dim, c.delta_value_dim, c.delta_v_heads
-            taps = (rng.standard_normal((channels, c.conv_length)) / np.sqrt(c.conv_length)).astype(np.float32)
-            return LayerWeights(**ffn, delta_qkv=self._random_q4(rng, channels, hidden), conv_weight=taps,
-                                delta_z=self._random_q4(rng, value, hidden), delta_ab=self._random_q4(rng, 2 * hv, hidden),
-                                delta_out=self._random_q4(rng, hidden, value), dt_bias=np.ones(hv, np.float32),
-                                ssm_a=-np.ones(hv, np.float32), delta_norm=np.ones(c.delta_v_dim, np.float32))
-        gate = {"attn_gate": self._random_q4(rng, c.q_dim, hidden)} if c.attention_gate else {}
-        return LayerWeights(**ffn, qkv=self._random_q4(rng, c.qkv_dim, hidden), o=self._random_q4(rng, hidden, c.q_dim),
-                            **norms, **gate)
+        # the kind's own weights, as its mixer makes them random
+        mixing = self.mixer(i).synthetic(c, self._random_q4, rng)
+        return LayerWeights(**ffn, mixing=mixing, **norms)
 
     def layer(self, i: int) -> LayerWeights:
         if not 0 <= i < self.config.n_layers:

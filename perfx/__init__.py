@@ -8,10 +8,10 @@ The layers, bottom to top (each imports only from those below it):
       reference, progress
     runtime, timing                                      OpenCL: the device, builds, memory, timing
     formats, tokenizer                                   host forms of 4- and 8-bit weights; tokenizers
-    sources                                              model files -> host weights, one module per format
     ops                                                  one wrapper per kernel family + its parameter space
     op, linear, mixers, forward64                        an op of a step; a matrix and its kernels; one mixer
                                                          a layer kind; the float64 whole-model forward
+    sources                                              model files -> host weights, one module per format
     tuning, step                                         specs (verification, metrics), tuner, database,
                                                          problems; the step as data
     model, generate, speculative                         the decoder forward; sampling; speculative decoding

@@ -12,6 +12,7 @@ import pytest
 
 from helpers.fake_qcom import RECORDABLE_QUEUE, FakeQcomDriver
 from perfx import cli
+from perfx.commands import report
 from perfx.errors import PerfxError
 from perfx.runtime import Device, OpenCLError
 from perfx.runtime import replay as replay_module
@@ -252,3 +253,15 @@ def test_perfx_info_says_which_replay_the_device_uses(device, monkeypatch, capsy
     assert cli.main(["info", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["replay"]["kind"] == "sequence" and "PERFX_REPLAY=qcom" in data["decode_step"]
+
+
+def test_perfx_report_compares_a_recording_with_launches_one_by_one(device, monkeypatch):
+    """`perfx report`'s replay section: the model's greedy tokens with an Adreno recording (the fake driver's)
+    are those of launches one by one, and each has its decode tok/s."""
+    driver = FakeQcomDriver().install(monkeypatch)
+    result = report.compare_replays(device.entry.index, "synthetic:tiny", tuning=False, decode_tokens=8, rounds=1)
+    qcom, sequence = result["replays"]["qcom"], result["replays"]["sequence"]
+    assert qcom["available"] and qcom["same_tokens"] and qcom["first_difference"] is None
+    assert qcom["mode"] == "one recording a step (cl_qcom_recordable_queues, PERFX_REPLAY=qcom)"
+    assert qcom["decode_tok_s"] > 0 and sequence["decode_tok_s"] > 0
+    assert "clEnqueueRecordingQCOM" in driver.names()

@@ -9,6 +9,7 @@ entries with ``perfx tune --merge REPORT... --out tuning/database``.
 
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from perfx import __version__
-from perfx.commands.bench import bench_problem, ceilings, interleaved
+from perfx.commands.bench import bench_problem, ceilings
 from perfx.commands.options import add_no_tuning_option
 from perfx.commands.selftest import run_checks
 from perfx.generate import SamplingConfig, generate
@@ -153,9 +154,9 @@ def compare_replays(selector: str | None, model_name: str, tuning: bool, decode_
                     rounds: int = 3) -> dict:
     """The model's greedy decode with each replay of the decode step this driver has (``PERFX_REPLAY``: launches
     one by one, a command buffer, an Adreno recording): whether each gives the tokens of launches one by one,
-    and each one's decode tok/s (the median of ``rounds`` interleaved runs). A replay the driver lacks is
-    listed with why; one it refuses while recording says so in its ``mode``. Nothing is measured where launches
-    one by one are the only replay."""
+    and each one's decode tok/s (the median of ``rounds`` runs). Each replay's model is loaded in turn, so one
+    is in memory at a time. A replay the driver lacks is listed with why; one it refuses while recording says
+    so in its ``mode``. Nothing is measured where launches one by one are the only replay."""
     out, devices = {}, {}
     for kind in REPLAYS:
         device = Device(selector)
@@ -168,21 +169,22 @@ def compare_replays(selector: str | None, model_name: str, tuning: bool, decode_
     if len(devices) == 1:
         out["sequence"] = {"available": True, "mode": devices["sequence"].replay_mode}
         return result
-    models = {kind: load_model(model_name, device, progress=None, default_ctx=1024, tuning=tuning)[0]
-              for kind, device in devices.items()}
-    prompt = [int(t) for t in np.random.default_rng(0).integers(3, models["sequence"].config.vocab_size, 16)]
-
-    def run(model):
-        return generate(model, None, prompt, decode_tokens, SamplingConfig(temperature=0))
-
-    ids = {kind: run(model).ids for kind, model in models.items()}   # also builds and records every step
-    times = interleaved(lambda model: run(model).stats.decode_tok_s, list(models.values()), rounds)
-    for i, (kind, model) in enumerate(models.items()):
-        same = ids[kind] == ids["sequence"]
-        first = next((j for j, (a, b) in enumerate(zip(ids[kind], ids["sequence"])) if a != b),
-                     None if same else min(len(ids[kind]), len(ids["sequence"])))
-        out[kind] = {"available": True, "mode": model.device.replay_mode, "same_tokens": same,
-                     "first_difference": first, "decode_tok_s": float(np.median([r[i] for r in times]))}
+    prompt = reference = None
+    for kind, device in devices.items():   # launches one by one first: the reference
+        model = load_model(model_name, device, progress=None, default_ctx=1024, tuning=tuning)[0]
+        if prompt is None:
+            prompt = [int(t) for t in np.random.default_rng(0).integers(3, model.config.vocab_size, 16)]
+        ids = generate(model, None, prompt, decode_tokens, SamplingConfig(temperature=0)).ids   # builds, records
+        speeds = [generate(model, None, prompt, decode_tokens, SamplingConfig(temperature=0)).stats.decode_tok_s
+                  for _ in range(rounds)]
+        reference = ids if reference is None else reference
+        same = ids == reference
+        first = next((j for j, (a, b) in enumerate(zip(ids, reference)) if a != b),
+                     None if same else min(len(ids), len(reference)))
+        out[kind] = {"available": True, "mode": device.replay_mode, "same_tokens": same, "first_difference": first,
+                     "decode_tok_s": float(np.median(speeds))}
+        del model
+        gc.collect()
     return result
 
 

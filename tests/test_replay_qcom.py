@@ -47,7 +47,7 @@ def check_runs(device, replay, buffers, rng):
 
 
 @pytest.fixture
-def fresh(device, monkeypatch):
+def fresh(device):
     """A Device made the way ``perfx`` makes one, after the test has set PERFX_REPLAY and the fake driver."""
     return lambda: Device(device.entry.index)
 

@@ -8,7 +8,9 @@ Model.host_seconds) holds only the enqueueing, never a wait behind the device. E
 source tree given (a checkout of an earlier commit against this one), interleaved round by round in fresh
 processes, so the trees share the machine's state; each tree uses its own shipped tuning entries. With
 ``--replay both`` each tree runs twice a round: its step as one command buffer (PERFX_COMMAND_BUFFER=on,
-where the driver has cl_khr_command_buffer) and one enqueue a launch (perfx's default).
+where the driver has cl_khr_command_buffer) and one enqueue a launch (perfx's default); ``--replay qcom`` as
+one Adreno recording (PERFX_REPLAY=qcom, where the driver has cl_qcom_recordable_queues); ``--replay all``
+each of the three.
 
     python benchmarks/decode_host.py --tree . --replay both --rounds 5
 """
@@ -59,19 +61,21 @@ def main():
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tree", action="append", default=[], help="a source tree to measure (repeatable)")
-    parser.add_argument("--replay", choices=("on", "off", "both"), default="off",
+    parser.add_argument("--replay", choices=("on", "off", "both", "qcom", "all"), default="off",
                         help="the decode step as one command buffer where the driver has them (on), one enqueue "
-                             "a launch (off, perfx's default), or each in turn (both)")
+                             "a launch (off, perfx's default), on and off in turn (both), one Adreno recording "
+                             "where the driver has them (qcom), or all three in turn (all)")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)   # a child process: one run
     args = parser.parse_args()
     if args.one or not args.tree:
         print(json.dumps(measure(args.model, args.device, args.tokens)))
         return
-    modes = ("on", "off") if args.replay == "both" else (args.replay,)
+    modes = {"both": ("on", "off"), "all": ("on", "qcom", "off")}.get(args.replay, (args.replay,))
     results = {(tree, mode): [] for tree in args.tree for mode in modes}
     for _ in range(args.rounds):
         for tree, mode in results:
-            env = {**os.environ, "PYTHONPATH": tree, "PERFX_COMMAND_BUFFER": mode}
+            env = {**os.environ, "PYTHONPATH": tree, "PERFX_COMMAND_BUFFER": "on" if mode == "on" else "off",
+                   "PERFX_REPLAY": "qcom" if mode == "qcom" else ""}
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", "--model", args.model,
                                   "--device", args.device, "--tokens", str(args.tokens)], cwd=tree,
                                  env=env, capture_output=True, text=True, check=True)

@@ -31,6 +31,7 @@ def test_info_json_names_a_device(capsys):
         assert "PERFX_COMMAND_BUFFER=on" in data["decode_step"] or "provisional" in data["decode_step"]
     else:
         assert data["decode_step"] == "one enqueue a launch: the driver has no cl_khr_command_buffer"
+    assert data["replay"]["mode"] == data["decode_step"] and data["replay"]["kind"] == "sequence"
 
 
 def test_info_names_each_weights_form_and_bytes_a_group(capsys):

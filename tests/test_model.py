@@ -9,6 +9,7 @@ the logit range, while a wrong weight, position or head mapping moves logits by 
 import numpy as np
 import pytest
 
+from helpers.fake_qcom import FakeQcomDriver
 from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_awq, write_gguf, write_hf
 from perfx import forward64
 from perfx.errors import PerfxError
@@ -18,7 +19,7 @@ from perfx.mixers.attention import AttentionMixer
 from perfx.model import Model, load_model
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.runtime import Device
-from perfx.runtime.replay import CommandBuffer, Sequence, unavailable
+from perfx.runtime.replay import CommandBuffer, QcomRecording, Sequence, unavailable
 from perfx.sources import open_model
 from perfx.tuning import SPECS
 from perfx.tuning.database import default_database, result_record
@@ -136,6 +137,27 @@ def test_a_decode_step_as_one_command_buffer_equals_its_launches(tiny_paths, dev
     assert kinds == ({CommandBuffer} if unavailable(device.cl_device, device.queue.properties) is None
                      else {Sequence})
     assert {type(r) for r in other._decode_replays.values()} == {Sequence}
+
+
+def test_a_decode_step_replayed_as_a_qcom_recording_equals_its_launches(tiny_paths, device, rng, monkeypatch):
+    """With PERFX_REPLAY=qcom, on a driver with cl_qcom_recordable_queues (a fake one, tests/helpers/fake_qcom.py,
+    that runs a recording's launches on the queue it is enqueued on), each recorded step is a recording, and its
+    logits, one token at a time and in the greedy loop, are bit for bit those of the launches one by one."""
+    other, source = load(tiny_paths["gguf-gqa3"], device, ctx=160)
+    FakeQcomDriver().install(monkeypatch)
+    monkeypatch.setenv("PERFX_REPLAY", "qcom")
+    model, _ = load(tiny_paths["gguf-gqa3"], Device(device.entry.index), ctx=160)
+    n = model.plan.attn_decode.part + 3
+    tokens = [int(t) for t in rng.integers(3, source.config.vocab_size, n)]
+    for pos, token in enumerate(tokens):
+        model.decode_one(token, pos)
+        other.decode_one(token, pos)
+        assert np.array_equal(model.logits(), other.logits()), pos
+    assert {type(r) for r in model._decode_replays.values()} == {QcomRecording}
+    assert {type(r) for r in other._decode_replays.values()} == {Sequence}
+    greedy = list(model.greedy_tokens(tokens[0], 0, n - 1))
+    assert greedy == list(other.greedy_tokens(tokens[0], 0, n - 1))
+    assert {type(r) for r in model._greedy_replays.values()} == {QcomRecording}
 
 
 def test_long_prompts_run_in_chunks(tiny_paths, device, rng, monkeypatch):

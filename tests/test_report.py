@@ -42,13 +42,20 @@ def test_report_resumes_then_merges_into_an_entry_in_force(tmp_path, monkeypatch
     ran.clear()
     code, _, err = run(capsys, *argv)
     assert code == 0 and "resuming: device, tune, selftest already done" in err
-    assert ran == ["bench", "tuning"]
+    assert ran == ["bench", "replay", "tuning"]
     data = json.loads(out.read_text())
     assert data["sections"]["selftest"]["failed"] == 0, data["sections"]["selftest"]["failures"]
     assert data["sections"]["selftest"]["passed"] >= 11
     assert data["sections"]["bench"]["kernels"] and data["sections"]["tuning"]["results"]["records"]
+    # Each replay of the decode step this driver has, against launches one by one (tests/test_replay_qcom.py
+    # has an Adreno recording's, on a fake driver).
+    replays = data["sections"]["replay"]["replays"]
+    assert replays["qcom"] == {"available": False, "mode": "one enqueue a launch: the driver has no "
+                                                            "cl_qcom_recordable_queues"}
+    assert all(r["same_tokens"] and r["decode_tok_s"] > 0 for r in replays.values() if "decode_tok_s" in r)
     summary = out.with_suffix(".md").read_text()
     assert "**selftest**" in summary and "copy bandwidth" in summary and "tuning results" in summary
+    assert "**decode step replays**" in summary and "- qcom: not here" in summary
 
     # Received reports become vendor- and architecture-level entries (one device here: --min-devices 1).
     merged = tmp_path / "merged"

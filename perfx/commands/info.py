@@ -40,6 +40,7 @@ def main(args) -> int:
                        "name": device.caps.name, "reason": device.reason},
             "capabilities": caps,
             "decode_step": device.replay_mode,
+            "replay": device.replay_choice.as_dict(),
             "tuning": tuned,
             **({"model_forms": forms} if forms is not None else {}),
         }, indent=1, default=str))

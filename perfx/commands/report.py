@@ -9,6 +9,7 @@ entries with ``perfx tune --merge REPORT... --out tuning/database``.
 
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import sys
@@ -22,9 +23,12 @@ from perfx import __version__
 from perfx.commands.bench import bench_problem, ceilings
 from perfx.commands.options import add_no_tuning_option
 from perfx.commands.selftest import run_checks
+from perfx.generate import SamplingConfig, generate
+from perfx.model import load_model
 from perfx.progress import Progress, format_table
 from perfx.resources import read_json, write_atomic, write_json_atomic
 from perfx.runtime import DEVICE_HELP, Device, capabilities_dict, list_devices
+from perfx.runtime.replay import REPLAYS, ReplayChoice
 from perfx.tuning import SPECS
 from perfx.tuning.database import default_database, results_json
 from perfx.tuning.problems import problems_for
@@ -55,7 +59,7 @@ def _sections(args) -> list[tuple[str, float]]:
     sections = [("device", 0.01)]
     if args.tune:
         sections.append(("tune", 0.4))
-    sections += [("selftest", 0.2 if args.quick else 0.35), ("bench", 0.3)]
+    sections += [("selftest", 0.2 if args.quick else 0.35), ("bench", 0.3), ("replay", 0.05)]
     if args.seven_b:
         sections.append(("bench_7b", 0.3))
     return sections + [("tuning", 0.01)]
@@ -138,10 +142,50 @@ def run_section(name: str, device: Device, args, database) -> dict:
         for row in rows:
             row.pop("samples_s", None)
         return {"model": model, "ceilings": ceiling, "kernels": rows, "notes": notes}
+    if name == "replay":
+        return compare_replays(args.device, args.model, not args.no_tuning)
     if name == "tuning":
         exported = default_database().device_file(device).data
         return {"results": json.loads(results_json(exported))}
     raise ValueError(name)
+
+
+def compare_replays(selector: str | None, model_name: str, tuning: bool, decode_tokens: int = 48,
+                    rounds: int = 3) -> dict:
+    """The model's greedy decode with each replay of the decode step this driver has (``PERFX_REPLAY``: launches
+    one by one, a command buffer, an Adreno recording): whether each gives the tokens of launches one by one,
+    and each one's decode tok/s (the median of ``rounds`` runs). Each replay's model is loaded in turn, so one
+    is in memory at a time. A replay the driver lacks is listed with why; one it refuses while recording says
+    so in its ``mode``. Nothing is measured where launches one by one are the only replay."""
+    out, devices = {}, {}
+    for kind in REPLAYS:
+        device = Device(selector)
+        device.replay_choice = ReplayChoice(device.cl_device, device.queue.properties, kind)
+        if device.replay_choice.kind == kind:
+            devices[kind] = device
+        else:
+            out[kind] = {"available": False, "mode": device.replay_mode}
+    result = {"model": model_name, "decode_tokens": decode_tokens, "rounds": rounds, "replays": out}
+    if len(devices) == 1:
+        out["sequence"] = {"available": True, "mode": devices["sequence"].replay_mode}
+        return result
+    prompt = reference = None
+    for kind, device in devices.items():   # launches one by one first: the reference
+        model = load_model(model_name, device, progress=None, default_ctx=1024, tuning=tuning)[0]
+        if prompt is None:
+            prompt = [int(t) for t in np.random.default_rng(0).integers(3, model.config.vocab_size, 16)]
+        ids = generate(model, None, prompt, decode_tokens, SamplingConfig(temperature=0)).ids   # builds, records
+        speeds = [generate(model, None, prompt, decode_tokens, SamplingConfig(temperature=0)).stats.decode_tok_s
+                  for _ in range(rounds)]
+        reference = ids if reference is None else reference
+        same = ids == reference
+        first = next((j for j, (a, b) in enumerate(zip(ids, reference)) if a != b),
+                     None if same else min(len(ids), len(reference)))
+        out[kind] = {"available": True, "mode": device.replay_mode, "same_tokens": same, "first_difference": first,
+                     "decode_tok_s": float(np.median(speeds))}
+        del model
+        gc.collect()
+    return result
 
 
 def markdown(report: dict, device: Device) -> str:
@@ -170,6 +214,20 @@ def markdown(report: dict, device: Device) -> str:
                 rows.append((r["family"], r["label"], r["description"], f"{r['time_s'] * 1e6:.1f} us",
                              f"{r['gb_per_s']:.2f}", f"{100 * r['gb_per_s'] / copy:.0f}%", r["source"]))
         lines += ["```", format_table(rows), "```"]
+    if "replay" in s:
+        replays = s["replay"]["replays"]
+        lines += ["", f"**decode step replays** ({s['replay']['model']}, {s['replay']['decode_tokens']} greedy tokens):",
+                  ""]
+        for kind, r in replays.items():
+            if not r["available"]:
+                lines.append(f"- {kind}: not here ({r['mode']})")
+                continue
+            if "decode_tok_s" not in r:
+                lines.append(f"- {kind}: the only replay here, not measured ({r['mode']})")
+                continue
+            same = ("the same tokens as one by one" if r["same_tokens"]
+                    else f"DIFFERENT tokens from one by one, from token {r['first_difference']}")
+            lines.append(f"- {kind}: {r['decode_tok_s']:.2f} tok/s, {same} ({r['mode']})")
     tuned = s["tuning"]["results"]["records"]
     lines += ["", f"**tuning results**: {len(tuned)} records of this device"
                   + ("" if tuned else " (run `perfx report --tune 900` to include a sweep)"), ""]

@@ -10,7 +10,8 @@
 - ``device``: ``Device``, its builds with ``-D`` defines (programs and ``Kernel`` objects kept), launches
   and their recording, counted memory, and every copy (``copy``, ``write``, ``read``, ``fill``).
 - ``replay``: the decode step's recorded launches and copies, replayed each token one by one, or in one
-  command buffer where asked for and the driver has ``cl_khr_command_buffer``.
+  command buffer (``cl_khr_command_buffer``) or Adreno recording (``cl_qcom_recordable_queues``) where asked
+  for (``PERFX_REPLAY``) and the driver has it.
 - ``errors``: OpenCL errors by name, build failures with their log, kernels beyond the driver's limits.
 """
 

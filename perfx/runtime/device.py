@@ -17,7 +17,8 @@ from perfx.errors import PerfxError
 from perfx.resources import kernel_path
 from perfx.runtime.capabilities import Capabilities, Limits, parse_limits, read_capabilities
 from perfx.runtime.errors import BuildError, KernelInfo, KernelLimitError, define_flags, raise_as_perfx
-from perfx.runtime.replay import BoundCopy, BoundLaunch, CommandBuffer, Sequence, unavailable
+from perfx.runtime.replay import (BoundCopy, BoundLaunch, CommandBuffer, QcomRecording, ReplayChoice, Sequence,
+                                  asked_replay)
 from perfx.runtime.selection import choose_device
 
 
@@ -84,13 +85,7 @@ class Device:
         self.allocated_bytes = 0
         self.peak_allocated_bytes = 0
         self._recording: list | None = None
-        self._no_command_buffer = unavailable(self.cl_device, self.queue.properties)
-        if self._no_command_buffer is None and os.environ.get("PERFX_COMMAND_BUFFER", "").lower() != "on":
-            # Intel's CPU runtime replays a command buffer slower than the launches one by one (its decode step
-            # in benchmarks/NOTES.md); no driver has yet been measured faster with them.
-            self._no_command_buffer = ("the driver has cl_khr_command_buffer, used only with "
-                                       "PERFX_COMMAND_BUFFER=on (benchmarks/decode_host.py --replay both "
-                                       "measures both here)")
+        self.replay_choice = ReplayChoice(self.cl_device, self.queue.properties, asked_replay())
 
     def __repr__(self) -> str:
         return f"<perfx.Device {self.caps.platform} / {self.caps.name}, limits={self.caps.limits}>"
@@ -229,22 +224,17 @@ class Device:
         finally:
             self._recording = None
 
-    def replay(self, steps: list) -> CommandBuffer | Sequence:
-        """Recorded steps as one step to enqueue again and again: a command buffer where asked for
-        (PERFX_COMMAND_BUFFER=on) and the driver has ``cl_khr_command_buffer``, else one enqueue a launch
-        (``replay_mode`` says which, and why)."""
-        if self._no_command_buffer is None:
-            try:
-                return CommandBuffer(self.cl_device, self.queue, steps)
-            except PerfxError as e:   # a driver that lists the extension and refuses this step: keep going
-                self._no_command_buffer = f"the driver refused a command buffer ({e})"
-        return Sequence(steps)
+    def replay(self, steps: list) -> CommandBuffer | QcomRecording | Sequence:
+        """Recorded steps as one step to enqueue again and again: one enqueue a launch, or, where asked for
+        (PERFX_REPLAY, perfx.runtime.replay.asked_replay) and the driver has it, one command buffer
+        (``cl_khr_command_buffer``) or one recording (``cl_qcom_recordable_queues``); ``replay_mode`` says which,
+        and why."""
+        return self.replay_choice.replay(self.cl_device, self.queue, steps)
 
     @property
     def replay_mode(self) -> str:
         """How a recorded decode step is enqueued on this device."""
-        return ("one command buffer a step (cl_khr_command_buffer)" if self._no_command_buffer is None
-                else f"one enqueue a launch: {self._no_command_buffer}")
+        return self.replay_choice.mode
 
     # -- copies: between buffers, and between the host and a buffer -----------------------------------
     # Each takes a cl.Buffer or a pyopencl Array (at no offset) and offsets in bytes; the queue runs them in

@@ -1,19 +1,22 @@
 """The decode step recorded and replayed: launches with their arguments bound once (``BoundLaunch``), copies
-(``BoundCopy``), and their replay in one call where the driver has ``cl_khr_command_buffer``.
+(``BoundCopy``), and their replay in one call where the driver can: ``cl_khr_command_buffer``
+(``CommandBuffer``) or Adreno's ``cl_qcom_recordable_queues`` (``QcomRecording``).
 
 A decode step is a few hundred launches whose arguments never change (the token and the position are read
 from a device buffer), and the host enqueues them every token. One by one each costs an API call and an
 event: on a CPU, where the kernels run on the same cores, several times more beside the kernels than with
 the cores idle (a tenth of the default model's decode, benchmarks/NOTES.md); a phone's driver spends more a
 launch than a CPU's. A command buffer records the launches and copies once, with their arguments, and
-``clEnqueueCommandBufferKHR`` replays them. Whether that is faster is the driver's doing: Intel's CPU runtime
-spends longer on the host enqueueing one than the launches one by one, and its decode step ran slower, so a
-command buffer is used only where asked for (``PERFX_COMMAND_BUFFER=on``), for a phone's driver to be measured
-with (``benchmarks/decode_host.py``).
+``clEnqueueCommandBufferKHR`` replays them; an Adreno recording does the same with a recordable queue and
+``clEnqueueRecordingQCOM`` (MNN replays its steps so). Whether that is faster is the driver's doing: Intel's
+CPU runtime spends longer on the host enqueueing a command buffer than the launches one by one, and its
+decode step ran slower, so either is used only where asked for (``PERFX_REPLAY=command-buffer``, or its older
+spelling ``PERFX_COMMAND_BUFFER=on``; ``PERFX_REPLAY=qcom``), for a phone's driver to be measured with
+(``perfx report``, ``benchmarks/decode_host.py``). ``ReplayChoice`` holds a device's choice and says why.
 
-pyopencl does not wrap the extension, so it is reached with ctypes through the ICD loader pyopencl loaded
-(``clGetExtensionFunctionAddressForPlatform``), on the handles pyopencl holds. A device without the
-extension, or a version of it this module does not use, replays the step one enqueue a launch
+pyopencl wraps neither extension, so they are reached with ctypes through the ICD loader pyopencl loaded
+(``clGetExtensionFunctionAddressForPlatform``), on the handles pyopencl holds. A device without them, or a
+version of the command buffer this module does not use, replays the step one enqueue a launch
 (``Sequence``); ``Device.replay`` picks.
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 import weakref
 
 import pyopencl as cl
@@ -112,18 +116,23 @@ def _loader() -> ctypes.CDLL:
     return ctypes.CDLL(name)
 
 
-@functools.lru_cache(maxsize=None)
-def _functions(platform_ptr: int) -> dict:
+def _extension_functions(platform_ptr: int, extension: str, signatures: dict) -> dict:
+    """An extension's functions, by name, from the platform's driver (through the ICD loader)."""
     lib = _loader()
     lookup = lib.clGetExtensionFunctionAddressForPlatform
     lookup.restype, lookup.argtypes = _p, [_p, ctypes.c_char_p]
     found = {}
-    for name, (restype, argtypes) in _SIGNATURES.items():
+    for name, (restype, argtypes) in signatures.items():
         address = lookup(platform_ptr, name.encode())
         if not address:
-            raise PerfxError(f"the driver lists {EXTENSION} but gives no {name}")
+            raise PerfxError(f"the driver lists {extension} but gives no {name}")
         found[name] = ctypes.CFUNCTYPE(restype, *argtypes)(address)
     return found
+
+
+@functools.lru_cache(maxsize=None)
+def _functions(platform_ptr: int) -> dict:
+    return _extension_functions(platform_ptr, EXTENSION, _SIGNATURES)
 
 
 def _device_u64(device: cl.Device, param: int) -> int | None:
@@ -231,3 +240,219 @@ class CommandBuffer:
         _check(self._functions["clEnqueueCommandBufferKHR"](0, None, self._handle, 0, None, ctypes.byref(event)),
                f"enqueueing a command buffer of {len(self.steps)} commands")
         self._last = cl.Event.from_int_ptr(event.value, retain=False)
+
+
+# -- Adreno's cl_qcom_recordable_queues -----------------------------------------------------------------
+# Qualcomm's CL/cl_ext_qcom.h (the copy MNN ships in 3rd_party/OpenCLHeaders, "Copyright (c) 2009-2022
+# Qualcomm Technologies"), and the recordable_queues sample of Qualcomm's Adreno OpenCL SDK: a queue made with
+# CL_QUEUE_RECORDABLE_QCOM does not run what is enqueued on it between clNewRecordingQCOM and
+# clEndRecordingQCOM but records it; clEnqueueRecordingQCOM runs the recording on an ordinary queue, with
+# optional updates of recorded arguments, global offsets and global and local sizes by dispatch index (perfx
+# updates none: the token and the position are read from a device buffer). No phone has run this yet.
+
+QCOM_EXTENSION = "cl_qcom_recordable_queues"
+QUEUE_RECORDABLE_QCOM = 1 << 30          # CL_QUEUE_RECORDABLE_QCOM, a cl_command_queue_properties bit
+RECORDABLE_QUEUE_MAX_SIZE = 0x41DE       # CL_DEVICE_RECORDABLE_QUEUE_MAX_SIZE (cl_uint): commands a recording
+
+_QCOM_SIGNATURES = {
+    # cl_recording_qcom clNewRecordingQCOM(cl_command_queue, cl_int *errcode_ret)
+    "clNewRecordingQCOM": (_p, [_p, ctypes.POINTER(ctypes.c_int32)]),
+    # cl_int clEndRecordingQCOM(cl_recording_qcom), clReleaseRecordingQCOM(cl_recording_qcom)
+    "clEndRecordingQCOM": (ctypes.c_int32, [_p]),
+    "clReleaseRecordingQCOM": (ctypes.c_int32, [_p]),
+    # cl_int clEnqueueRecordingQCOM(cl_command_queue, cl_recording_qcom,
+    #     size_t n_args, const cl_array_arg_qcom *args, size_t n_offsets, const cl_offset_qcom *offsets,
+    #     size_t n_global, const cl_workgroup_qcom *global, size_t n_local, const cl_workgroup_qcom *local,
+    #     cl_uint num_events_in_wait_list, const cl_event *event_wait_list, cl_event *event)
+    "clEnqueueRecordingQCOM": (ctypes.c_int32, [_p, _p, _size, _p, _size, _p, _size, _p, _size, _p, _u32, _p, _p]),
+}
+
+# Core calls the recording needs beside the direct enqueues (``_ENQUEUE``): the recordable queue is made
+# as Qualcomm's sample makes it, clCreateCommandQueue with the property bit, and released after its recordings.
+_QUEUE = {
+    "clCreateCommandQueue": (_p, [_p, _p, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int32)]),
+    "clReleaseCommandQueue": (ctypes.c_int32, [_p]),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _qcom_functions(platform_ptr: int) -> dict:
+    """Every call ``QcomRecording`` makes, by name: the extension's from the driver, the core ones from the
+    ICD loader. A fake driver replaces this (tests/helpers/fake_qcom.py)."""
+    found = _extension_functions(platform_ptr, QCOM_EXTENSION, _QCOM_SIGNATURES)
+    lib = _loader()
+    for name, (restype, argtypes) in _QUEUE.items():
+        function = getattr(lib, name)
+        function.restype, function.argtypes = restype, argtypes
+        found[name] = function
+    found.update(_enqueue_functions())
+    return found
+
+
+def _extensions(device: cl.Device) -> list[str]:
+    return device.extensions.split()
+
+
+def qcom_unavailable(device: cl.Device) -> str | None:
+    """Why a step cannot be replayed as a recording of ``cl_qcom_recordable_queues`` here; None when it can."""
+    if QCOM_EXTENSION not in _extensions(device):
+        return f"the driver has no {QCOM_EXTENSION}"
+    try:
+        _qcom_functions(device.platform.int_ptr)
+    except (PerfxError, AttributeError, OSError) as e:
+        return str(e)
+    return None
+
+
+def recordable_queue_max_size(device: cl.Device) -> int | None:
+    """The most commands one recording holds on this device (CL_DEVICE_RECORDABLE_QUEUE_MAX_SIZE); None
+    where the driver does not say."""
+    try:
+        return _device_u64(device, RECORDABLE_QUEUE_MAX_SIZE) or None
+    except PerfxError:
+        return None
+
+
+def _release_recordings(functions: dict, queue, recordings: list) -> None:
+    for recording in recordings:
+        functions["clReleaseRecordingQCOM"](recording)
+    recordings.clear()
+    functions["clReleaseCommandQueue"](queue)
+
+
+class QcomRecording:
+    """The step recorded once on a recordable queue (``cl_qcom_recordable_queues``); ``enqueue`` replays it
+    with one ``clEnqueueRecordingQCOM`` a recording, on any queue of the device's context.
+
+    A recording holds at most CL_DEVICE_RECORDABLE_QUEUE_MAX_SIZE commands, so a longer step is recorded
+    as several, enqueued in order (the queue is in order, as the step's launches were). The steps are kept:
+    their kernels and buffers must live as long as the recordings. The recordings, then the recordable
+    queue, are released when this is dropped, or at once when recording fails.
+    """
+
+    def __init__(self, device: cl.Device, queue: cl.CommandQueue, steps: list):
+        self.steps = steps
+        f = _qcom_functions(device.platform.int_ptr)
+        status = ctypes.c_int32(0)
+        recordable = f["clCreateCommandQueue"](queue.context.int_ptr, device.int_ptr, QUEUE_RECORDABLE_QCOM,
+                                               ctypes.byref(status))
+        _check(status.value, "clCreateCommandQueue (a queue with CL_QUEUE_RECORDABLE_QCOM)")
+        if not recordable:
+            raise PerfxError("clCreateCommandQueue gave no recordable queue (CL_QUEUE_RECORDABLE_QCOM)")
+        self.recordings: list = []
+        self._finalizer = weakref.finalize(self, _release_recordings, f, recordable, self.recordings)
+        self._finalizer.atexit = False   # the process's end frees them; a release then may outlive the driver
+        self.chunk = recordable_queue_max_size(device) or max(1, len(steps))
+        try:
+            for start in range(0, len(steps), self.chunk):
+                self._record(f, recordable, steps[start:start + self.chunk], status)
+        except BaseException:
+            self._finalizer()
+            raise
+        self._enqueue = f["clEnqueueRecordingQCOM"]
+
+    def _record(self, f: dict, recordable, steps: list, status: ctypes.c_int32) -> None:
+        recording = f["clNewRecordingQCOM"](recordable, ctypes.byref(status))
+        _check(status.value, "clNewRecordingQCOM")
+        if not recording:
+            raise PerfxError("clNewRecordingQCOM gave no recording")
+        self.recordings.append(recording)
+        for step in steps:
+            if isinstance(step, BoundLaunch):
+                dims = len(step.global_size)
+                global_size = (_size * dims)(*step.global_size)
+                local_size = (_size * dims)(*step.local_size) if step.local_size else None
+                code = f["clEnqueueNDRangeKernel"](recordable, step.kernel.int_ptr, dims, None, global_size,
+                                                   local_size, 0, None, None)
+                what = f"clEnqueueNDRangeKernel recording {step.kernel.function_name} global={step.global_size}"
+            elif isinstance(step, BoundCopy):
+                code = f["clEnqueueCopyBuffer"](recordable, step.src.int_ptr, step.dst.int_ptr, step.src_offset,
+                                                step.dst_offset, step.nbytes, 0, None, None)
+                what = f"clEnqueueCopyBuffer recording a copy of {step.nbytes} bytes"
+            else:
+                raise PerfxError(f"a recording holds launches and copies, not {type(step).__name__}")
+            _check(code, what)
+        _check(f["clEndRecordingQCOM"](recording), "clEndRecordingQCOM")
+
+    def enqueue(self, queue: cl.CommandQueue) -> None:
+        handle = queue.int_ptr
+        for recording in self.recordings:
+            # No argument, offset or work-size update; no wait list (the queue is in order); no event.
+            status = self._enqueue(handle, recording, 0, None, 0, None, 0, None, 0, None, 0, None, None)
+            if status:
+                raise OpenCLError(f"clEnqueueRecordingQCOM replaying a step of {len(self.steps)} commands", status)
+
+
+# -- which replay a device uses ----------------------------------------------------------------------------
+
+REPLAYS = ("sequence", "command-buffer", "qcom")
+
+
+def asked_replay(environ=None) -> str | None:
+    """The replay asked for: PERFX_REPLAY (sequence, command-buffer or qcom), else command-buffer where
+    PERFX_COMMAND_BUFFER=on (its older spelling), else None (perfx's default, one enqueue a launch)."""
+    environ = os.environ if environ is None else environ
+    value = environ.get("PERFX_REPLAY", "").strip().lower()
+    if value:
+        if value not in REPLAYS:
+            raise PerfxError(f"PERFX_REPLAY={value!r}: it takes {', '.join(REPLAYS)}")
+        return value
+    return "command-buffer" if environ.get("PERFX_COMMAND_BUFFER", "").lower() == "on" else None
+
+
+class ReplayChoice:
+    """Which replay a device's recorded steps get (``kind``: one of ``REPLAYS``), and why (``mode``).
+
+    A command buffer or a recording is used only where asked for (``asked_replay``) and the driver has it;
+    neither has yet been measured faster than launches one by one on a driver. A driver that refuses one
+    turns the device to launches one by one from then on, saying why.
+    """
+
+    def __init__(self, device: cl.Device, queue_properties: int, asked: str | None):
+        self.asked, self.kind, self.why, self.max_size = asked, "sequence", None, None
+        no_buffer = unavailable(device, queue_properties)
+        no_qcom = qcom_unavailable(device)
+        if asked == "command-buffer":
+            self.kind, self.why = ("command-buffer", None) if no_buffer is None else ("sequence", no_buffer)
+        elif asked == "qcom":
+            self.kind, self.why = ("qcom", None) if no_qcom is None else ("sequence", no_qcom)
+            self.max_size = recordable_queue_max_size(device) if no_qcom is None else None
+        elif asked == "sequence":
+            self.why = "asked for (PERFX_REPLAY=sequence)"
+        else:
+            offers = []
+            if no_buffer is None:
+                # Intel's CPU runtime replays a command buffer slower than the launches one by one (its decode
+                # step in benchmarks/NOTES.md).
+                offers.append(f"{EXTENSION}, used only with PERFX_COMMAND_BUFFER=on (benchmarks/decode_host.py "
+                              "--replay both measures both here)")
+            if no_qcom is None:
+                offers.append(f"{QCOM_EXTENSION}, used only with PERFX_REPLAY=qcom (`perfx report` compares it "
+                              "with launches one by one)")
+            self.why = "the driver has " + " and ".join(offers) if offers else no_buffer
+
+    @property
+    def mode(self) -> str:
+        if self.kind == "command-buffer":
+            return f"one command buffer a step ({EXTENSION})"
+        if self.kind == "qcom":
+            return (f"one recording a step ({QCOM_EXTENSION}, PERFX_REPLAY=qcom"
+                    + (f"; at most {self.max_size} commands a recording" if self.max_size else "") + ")")
+        return f"one enqueue a launch: {self.why}"
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "asked": self.asked, "why": self.why, "mode": self.mode}
+
+    def replay(self, device: cl.Device, queue: cl.CommandQueue, steps: list):
+        """The steps as one replay of this kind; launches one by one where the driver refuses it."""
+        if self.kind == "command-buffer":
+            try:
+                return CommandBuffer(device, queue, steps)
+            except PerfxError as e:   # a driver that lists the extension and refuses this step: keep going
+                self.kind, self.why = "sequence", f"the driver refused a command buffer ({e})"
+        elif self.kind == "qcom":
+            try:
+                return QcomRecording(device, queue, steps)
+            except PerfxError as e:
+                self.kind, self.why = "sequence", f"the driver refused a recording ({e})"
+        return Sequence(steps)

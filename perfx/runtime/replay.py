@@ -267,12 +267,29 @@ _QCOM_SIGNATURES = {
     "clEnqueueRecordingQCOM": (ctypes.c_int32, [_p, _p, _size, _p, _size, _p, _size, _p, _size, _p, _u32, _p, _p]),
 }
 
-# Core calls the recording needs beside the direct enqueues (``_ENQUEUE``): the recordable queue is made
-# as Qualcomm's sample makes it, clCreateCommandQueue with the property bit, and released after its recordings.
+# The core calls the recording makes: the recordable queue, made as Qualcomm's sample makes it
+# (clCreateCommandQueue with the property bit) and released after its recordings, and the step's launches and
+# copies enqueued on it (pyopencl does not wrap a queue it did not make).
 _QUEUE = {
     "clCreateCommandQueue": (_p, [_p, _p, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int32)]),
     "clReleaseCommandQueue": (ctypes.c_int32, [_p]),
 }
+_ENQUEUE = {
+    "clEnqueueNDRangeKernel": (ctypes.c_int32, [_p, _p, _u32, _p, _p, _p, _u32, _p, _p]),
+    "clEnqueueCopyBuffer": (ctypes.c_int32, [_p, _p, _p, _size, _size, _size, _u32, _p, _p]),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _enqueue_functions() -> dict:
+    """The ICD loader's clEnqueueNDRangeKernel and clEnqueueCopyBuffer, called directly."""
+    lib = _loader()
+    found = {}
+    for name, (restype, argtypes) in _ENQUEUE.items():
+        function = getattr(lib, name)
+        function.restype, function.argtypes = restype, argtypes
+        found[name] = function
+    return found
 
 
 @functools.lru_cache(maxsize=None)

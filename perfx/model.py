@@ -30,7 +30,7 @@ from perfx.mixers import Mixer, mixer_class
 from perfx.ops import Q8_NATURAL, Q8_TEXEL
 from perfx.ops.kv_cache import check_kv_form
 from perfx.ops.restore_points import RestorePoints
-from perfx.plan import KernelPlan
+from perfx.plan import KernelPlan, build_requests, load_buckets
 from perfx.progress import Progress
 from perfx.runtime import Device
 from perfx.sources import open_named
@@ -38,6 +38,7 @@ from perfx.tuning.database import Database, default_database
 
 DEFAULT_CTX = 4096
 PREFILL_CHUNK = 256  # prompt tokens per prefill pass: bounds the activation buffers
+LOAD_PREFILL_M = 64  # a load builds the prefill kernels of prompts up to this many tokens with the decode step's
 
 
 @dataclass
@@ -169,6 +170,9 @@ class Model:
         bar = Progress(c.n_layers + 3, "loading", enabled=progress)
         first = source.layer(0)
         group, form = _int4_plan(source, first)
+        # the decode step's and the prompts' kernels built at once, on every core (a cached one is a look-up)
+        device.build_many(build_requests(c, device, ctx, model.database, group, source.weight_forms(), model.kv, form,
+                                         load_buckets(min(ctx, LOAD_PREFILL_M))))
         model.plan = KernelPlan(c, device, ctx, model.database, model.log, group, source.weight_forms(), model.kv,
                                 form)
         bar.update(note="kernels")

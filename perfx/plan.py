@@ -288,3 +288,23 @@ class KernelPlan:
                 op = self.choose(family, shape, "embedding", lambda params: EmbeddingQ8(self.device, params))
             self._q8_ops[key] = op
         return op
+
+
+def build_requests(config: ModelConfig, device: Device, max_positions: int, database: Database, group: int | None,
+                   forms: dict | None = None, kv: str = "f16", q4_form: int = Q4_PAIRS, buckets=()) -> list[tuple]:
+    """The builds a ``KernelPlan`` of these arguments makes (``(file, defines, newest_c)``, for
+    ``Device.build_many``): its decode kernels and the prefill kernels of the M ``buckets``
+    (``perfx.tuning.database.M_BUCKETS`` indices), collected without building anything (``Device.collecting``),
+    each choice's first parameters. The decode step's int8 kernels, chosen per weight form, are not among them."""
+    with device.collecting() as requests:
+        plan = KernelPlan(config, device, max_positions, database, lambda text: None, group, forms, kv, q4_form)
+        for bucket in buckets:
+            plan.prefill(bucket_representative(bucket))
+            if config.layers_of("delta"):
+                plan.delta_prefill(bucket_representative(bucket))
+    return requests
+
+
+def load_buckets(m: int) -> tuple[int, ...]:
+    """The prefill M buckets (``M_BUCKETS`` indices) of prompts of 2 to ``m`` tokens (one token decodes)."""
+    return tuple(range(1, m_bucket(max(2, m)) + 1))

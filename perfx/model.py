@@ -567,6 +567,19 @@ def _int4_plan(source, first) -> tuple[int | None, int]:
     return source.int4_group or (qkv.group if qkv else None), qkv.form if qkv else Q4_PAIRS
 
 
+def kernel_requests(source, device: Device, ctx: int | None = None, database: Database | None = None,
+                    kv: str = "f16", max_m: int = PREFILL_CHUNK, default_ctx: int = DEFAULT_CTX) -> list[tuple]:
+    """The builds a ``Model.load`` of ``source`` makes, and its prefills of up to ``max_m`` tokens, as
+    ``Device.build_many`` takes them (``perfx.plan.build_requests``), found without building any: what
+    `perfx warm` builds at once."""
+    c = source.config
+    limit = c.max_positions or default_ctx
+    ctx = min(limit, default_ctx) if ctx is None else int(ctx)
+    group, form = _int4_plan(source, source.layer(0))
+    return build_requests(c, device, ctx, database if database is not None else default_database(), group,
+                          source.weight_forms(), kv, form, load_buckets(min(ctx, max_m)))
+
+
 def host_peak_bytes() -> int:
     """Peak resident memory of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -322,6 +322,18 @@ class Device:
                 workers = min(os.cpu_count() or 1, MAX_BUILD_WORKERS)
         return max(1, int(workers))
 
+    def build_counts(self) -> dict:
+        """The programs this device holds: how many, how many pyopencl took from its binary cache, and how many it
+        compiled; on a driver whose own cache pyopencl leaves the builds to (PoCL) it cannot tell, and
+        ``compiled`` is None."""
+        with self._build_lock:
+            programs = list(self._programs.values())
+        infos = [getattr(p, "_build_duration_info", None) for p in programs]
+        known = [info for info in infos if info is not None and "assuming cached by ICD" not in info[0]]
+        cached = sum(1 for info in known if info[1])
+        return {"programs": len(programs), "from_cache": cached,
+                "compiled": len(known) - cached if len(known) == len(programs) else None}
+
     @property
     def serial_reason(self) -> str | None:
         """Why this device builds one kernel at a time (its driver failed under concurrent builds), or None."""

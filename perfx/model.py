@@ -172,7 +172,8 @@ class Model:
         group, form = _int4_plan(source, first)
         # the decode step's and the prompts' kernels built at once, on every core (a cached one is a look-up)
         device.build_many(build_requests(c, device, ctx, model.database, group, source.weight_forms(), model.kv, form,
-                                         load_buckets(min(ctx, LOAD_PREFILL_M))))
+                                         load_buckets(min(ctx, LOAD_PREFILL_M))),
+                          on_done=lambda key, error: bar.update(0, note=f"building kernels/{key[0]}"))
         model.plan = KernelPlan(c, device, ctx, model.database, model.log, group, source.weight_forms(), model.kv,
                                 form)
         bar.update(note="kernels")

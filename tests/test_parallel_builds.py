@@ -167,3 +167,18 @@ def test_perfx_warm_builds_a_models_kernels_then_finds_them_cached(device, capsy
     assert second["kernels"] == first["kernels"]
     if second["compiled"] is not None:   # pyopencl knows what came from its cache (not on PoCL)
         assert second["compiled"] == 0 and second["from_cache"] == second["kernels"]
+
+
+@pytest.mark.one_implementation
+def test_another_exception_is_reported_but_not_kept(device, monkeypatch):
+    fresh = Device(device.entry.index)
+    keys = _keys(fresh, 2)
+    real = fresh._compile
+
+    def locked_out(key):   # pyopencl's cache lock held too long by another process, say
+        raise RuntimeError("waited more than one minute on the lock file")
+    monkeypatch.setattr(fresh, "_compile", locked_out)
+    report = fresh.build_many(keys[:1], workers=1)
+    assert "RuntimeError" in report.errors[keys[0]].log
+    monkeypatch.setattr(fresh, "_compile", real)
+    assert fresh.build(keys[0][0], dict(keys[0][1]), keys[0][2]) is fresh._programs[keys[0]]

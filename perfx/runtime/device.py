@@ -292,17 +292,16 @@ class Device:
         return report
 
     def _try_build(self, key: tuple) -> Exception | None:
-        """``build`` of one request; its error returned, not raised (any exception: a driver may fail
-        otherwise than with a build log when builds run at once)."""
+        """``build`` of one request; its error returned, not raised. Any exception counts (a driver may fail
+        otherwise than with a build log when builds run at once), reported as a BuildError; only a BuildError
+        is kept for ``build`` to raise again: another exception (pyopencl's cache lock, a missing file) is no
+        verdict on the kernel, and a later ``build`` tries again and raises it as it is."""
         try:
             self.build(key[0], dict(key[1]), key[2])
         except BuildError as error:
             return error
         except Exception as error:   # noqa: BLE001 - reported as the request's failure, with what raised it
-            wrapped = BuildError(key[0], dict(key[1]), f"{type(error).__name__}: {error}", self.caps.name)
-            with self._build_lock:
-                self._build_errors[key] = wrapped
-            return wrapped
+            return BuildError(key[0], dict(key[1]), f"{type(error).__name__}: {error}", self.caps.name)
         return None
 
     def build_workers(self, workers: int | None = None) -> int:

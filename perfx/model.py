@@ -31,7 +31,7 @@ from perfx.mixers import Mixer, mixer_class
 from perfx.ops import Q8_NATURAL, Q8_TEXEL
 from perfx.ops.kv_cache import check_kv_form
 from perfx.ops.restore_points import RestorePoints
-from perfx.plan import KernelPlan
+from perfx.plan import KernelPlan, build_requests, load_buckets
 from perfx.progress import Progress
 from perfx.runtime import Device
 from perfx.sources import open_named
@@ -172,6 +172,10 @@ class Model:
         bar = Progress(c.n_layers + 3, "loading", enabled=progress)
         first = source.layer(0)
         group, form = _int4_plan(source, first)
+        # the decode step's kernels built at once, on every core (a cached one is a look-up); a prompt's are built
+        # for its length's bucket when it first comes, and `perfx warm` builds every bucket's ahead
+        device.build_many(build_requests(c, device, ctx, model.database, group, source.weight_forms(), model.kv, form),
+                          on_done=lambda key, error: bar.update(0, note=f"building kernels/{key[0]}"))
         model.plan = KernelPlan(c, device, ctx, model.database, model.log, group, source.weight_forms(), model.kv,
                                 form)
         bar.update(note="kernels")
@@ -622,6 +626,19 @@ def _int4_plan(source, first) -> tuple[int | None, int]:
     form the int4 kernels are built for first (``kernels/q4.h`` Q4_SCALES)."""
     qkv = first.linears().get("qkv") if isinstance(first.linears().get("qkv"), Q4Matrix) else None
     return source.int4_group or (qkv.group if qkv else None), qkv.form if qkv else Q4_PAIRS
+
+
+def kernel_requests(source, device: Device, ctx: int | None = None, database: Database | None = None,
+                    kv: str = "f16", max_m: int = PREFILL_CHUNK, default_ctx: int = DEFAULT_CTX) -> list[tuple]:
+    """The builds a ``Model.load`` of ``source`` makes, and its prefills of up to ``max_m`` tokens, as
+    ``Device.build_many`` takes them (``perfx.plan.build_requests``), found without building any: what
+    `perfx warm` builds at once."""
+    c = source.config
+    limit = c.max_positions or default_ctx
+    ctx = min(limit, default_ctx) if ctx is None else int(ctx)
+    group, form = _int4_plan(source, source.layer(0))
+    return build_requests(c, device, ctx, database if database is not None else default_database(), group,
+                          source.weight_forms(), kv, form, load_buckets(min(ctx, max_m)))
 
 
 def host_peak_bytes() -> int:

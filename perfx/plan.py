@@ -406,3 +406,38 @@ class KernelPlan:
             self._wrappers[op] = made
             self._q8_ops[key] = made
         return made
+
+
+def build_requests(config: ModelConfig, device: Device, max_positions: int, database: Database, group: int | None,
+                   forms: dict | None = None, kv: str = "f16", q4_form: int = Q4_PAIRS, buckets=()) -> list[tuple]:
+    """The builds a ``KernelPlan`` of these arguments makes (``(file, defines, newest_c)``, for
+    ``Device.build_many``): its decode kernels and the prefill kernels of the M ``buckets``
+    (``perfx.tuning.database.M_BUCKETS`` indices), collected without building anything (``Device.collecting``),
+    each choice's first parameters. The decode step's int8 kernels, chosen per weight form, are not among them.
+    The database is only read: a choice refused here is not recorded (the load that builds it records it)."""
+    with device.collecting() as requests:
+        plan = KernelPlan(config, device, max_positions, _ReadOnly(database), lambda text: None, group, forms, kv,
+                          q4_form)
+        for bucket in buckets:
+            plan.prefill(bucket_representative(bucket))
+            if config.layers_of("delta"):
+                plan.delta_prefill(bucket_representative(bucket))
+    return requests
+
+
+def load_buckets(m: int) -> tuple[int, ...]:
+    """The prefill M buckets (``M_BUCKETS`` indices) of prompts of 2 to ``m`` tokens (one token decodes)."""
+    return tuple(range(1, m_bucket(max(2, m)) + 1))
+
+
+class _ReadOnly:
+    """A database whose refusals are not recorded: for a plan made only to collect its builds."""
+
+    def __init__(self, database: Database):
+        self._database = database
+
+    def __getattr__(self, name):
+        return getattr(self._database, name)
+
+    def refuse(self, *args, **kwargs):
+        pass

@@ -4,10 +4,14 @@ every copy to, from and within it, and the recording of launches that the decode
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import threading
+import time
+import warnings
 import weakref
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyopencl as cl
@@ -63,6 +67,67 @@ def build_options(caps: Capabilities) -> list[str]:
     return ["-cl-mad-enable", "-cl-no-signed-zeros", *extra]
 
 
+BUILD_WORKERS_ENV = "PERFX_BUILD_WORKERS"
+MAX_BUILD_WORKERS = 8
+
+
+class BuildConcurrencyWarning(UserWarning):
+    """The driver failed a build made while others ran, and built it alone: it builds one at a time from now."""
+
+
+def build_key(file: str, defines: dict | tuple | None = None, newest_c: bool = False) -> tuple:
+    """One build request, as ``Device`` keeps its programs: ``(file, sorted define items, newest_c)``."""
+    items = defines if isinstance(defines, tuple) else tuple(sorted((defines or {}).items()))
+    return (file, items, bool(newest_c))
+
+
+@dataclass
+class BuildReport:
+    """What ``Device.build_many`` did: ``requested`` distinct programs, of which ``built`` were not yet in
+    this process (``from_cache`` of those came from pyopencl's binary cache, where it says so: not on PoCL,
+    whose own cache pyopencl leaves the builds to), ``errors`` (key -> BuildError), in ``seconds`` on
+    ``workers`` threads; ``serial_reason``: why this device builds one at a time, if it does."""
+
+    requested: int
+    built: list
+    errors: dict = field(default_factory=dict)
+    from_cache: int = 0
+    seconds: float = 0.0
+    workers: int = 1
+    serial_reason: str | None = None
+
+    def as_dict(self) -> dict:
+        return {"requested": self.requested, "built": len(self.built), "from_cache": self.from_cache,
+                "failed": len(self.errors), "seconds": round(self.seconds, 3), "workers": self.workers,
+                "serial_reason": self.serial_reason,
+                "errors": [{"file": k[0], "defines": dict(k[1]), "error": e.summary} for k, e in self.errors.items()]}
+
+
+class _PendingProgram:
+    """What ``build`` returns while collecting: the request, unbuilt."""
+
+    def __init__(self, key: tuple):
+        self.key = key
+
+
+class _PendingKernel:
+    """What ``kernel`` returns while collecting: a name, nothing to launch."""
+
+    def __init__(self, program: _PendingProgram, name: str):
+        self.program, self.function_name = program, name
+        self.int_ptr = id(self)
+
+
+def _from_binary_cache(program: cl.Program) -> bool:
+    """Whether pyopencl took the program from its binary cache (it records how it built each)."""
+    info = getattr(program, "_build_duration_info", None)
+    return bool(info and info[1])
+
+
+def _first_line(error: Exception) -> str:
+    return getattr(error, "summary", None) or (str(error).splitlines() or [""])[0][:200]
+
+
 class Device:
     """One OpenCL device with its context, a profiling queue, built kernels, memory accounting and the copies."""
 
@@ -82,6 +147,11 @@ class Device:
         self._infos: dict[int, KernelInfo] = {}     # by int_ptr, for the kernels kept in _kernels
         self._watching: list[set] = []
         self._lock = threading.Lock()
+        self._build_lock = threading.Lock()           # guards _programs, _building and _build_errors
+        self._building: dict[tuple, threading.Event] = {}   # being built by some thread: set when done
+        self._build_errors: dict[tuple, BuildError] = {}
+        self._serial_reason: str | None = None       # set when the driver failed under concurrent builds
+        self._collecting: list | None = None
         self.allocated_bytes = 0
         self.peak_allocated_bytes = 0
         self._recording: list | None = None
@@ -104,12 +174,47 @@ class Device:
 
         ``newest_c``: as the newest OpenCL C the compiler takes (``-cl-std``, from 2.0 up), for built-ins that a
         compiler declares only there (cl_khr_integer_dot_product's on Intel's CPU runtime); else the compiler's
-        default, OpenCL C 1.2 on most."""
-        defines = dict(defines or {})
-        key = (file, tuple(sorted(defines.items())), newest_c)
-        program = self._programs.get(key)
-        if program is not None:
+        default, OpenCL C 1.2 on most.
+
+        Thread-safe: each program is built once; a thread asking for one that another thread (``build_many``)
+        is building waits for it. A build that failed raises its BuildError again without building again.
+        Inside ``collecting()`` nothing is built: the request is recorded."""
+        key = build_key(file, defines, newest_c)
+        if self._collecting is not None:
+            self._collecting.append(key)
+            return _PendingProgram(key)
+        while True:
+            with self._build_lock:
+                program = self._programs.get(key)
+                if program is not None:
+                    return program
+                if key in self._build_errors:
+                    raise self._build_errors[key]
+                waiting = self._building.get(key)
+                if waiting is None:
+                    done = self._building[key] = threading.Event()
+            if waiting is None:
+                break
+            waiting.wait()   # another thread builds it: take its program (or its error) on the next turn
+        try:
+            program = self._compile(key)
+        except BuildError as error:
+            with self._build_lock:
+                self._build_errors[key] = error
+            raise
+        else:
+            with self._build_lock:
+                self._programs[key] = program
             return program
+        finally:
+            with self._build_lock:
+                del self._building[key]
+            done.set()
+
+    def _compile(self, key: tuple) -> cl.Program:
+        """One program built from source (or pyopencl's binary cache); a failure as a BuildError with the log."""
+        file, define_items, newest_c = key
+        defines = dict(define_items)
         path = kernel_path(file)
         options = define_flags(defines) + ["-I", str(path.parent), *self.build_options]
         if newest_c and self.caps.opencl_c >= (2, 0):
@@ -119,8 +224,127 @@ class Device:
             program.build(options=options, devices=[self.cl_device])
         except cl.Error as e:
             raise BuildError(file, defines, str(e), self.caps.name) from e
-        self._programs[key] = program
         return program
+
+    def build_many(self, requests, workers: int | None = None, on_done=None) -> BuildReport:
+        """Build many programs at once, each ``(file, defines, newest_c)`` (``newest_c`` may be left out), on
+        ``workers`` threads (default: ``build_workers()``: PERFX_BUILD_WORKERS, else the CPU count, at most
+        8), into the programs ``build`` keeps: a later ``build`` or ``kernel`` of one of them builds nothing.
+
+        pyopencl lets go of the GIL while the driver compiles, and its binary cache serves as with ``build``.
+        Nothing raises: each failure is in the report's ``errors`` as the BuildError ``build`` raises (with the
+        log), and ``build`` raises it again. A request that failed while others were building is built again
+        alone; where it then builds, the driver is taken not to bear concurrent builds: the rest of this
+        device's builds run one at a time, and a warning says so once (``serial_reason``).
+        ``on_done(key, error)`` is called in this thread as each finishes (a progress bar).
+        Inside ``collecting()`` the requests are recorded instead."""
+        started = time.perf_counter()
+        keys = list(dict.fromkeys(build_key(*request) for request in requests))
+        if self._collecting is not None:
+            self._collecting.extend(keys)
+            return BuildReport(len(keys), [], {}, 0, 0.0, 0)
+        with self._build_lock:
+            todo = [k for k in keys if k not in self._programs and k not in self._build_errors]
+        workers = self.build_workers(workers)
+        report = BuildReport(len(keys), todo, {}, 0, 0.0, min(workers, max(len(todo), 1)))
+        failed: list[tuple] = []
+
+        def finished(key, error):
+            if error is not None:
+                report.errors[key] = error
+            elif self._programs.get(key) is not None and _from_binary_cache(self._programs[key]):
+                report.from_cache += 1
+            if on_done is not None:
+                on_done(key, error)
+
+        if workers <= 1 or len(todo) <= 1:
+            for key in todo:
+                finished(key, self._try_build(key))
+        else:
+            with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="perfx-build") as pool:
+                futures = {pool.submit(self._try_build, key): key for key in todo}
+                for future in concurrent.futures.as_completed(futures):
+                    key, error = futures[future], future.result()
+                    if error is None:
+                        finished(key, None)
+                    else:
+                        failed.append((key, error))
+            # Failures while building concurrently: built again alone. One that builds alone shows a driver that
+            # does not bear concurrent builds.
+            for key, error in failed:
+                with self._build_lock:
+                    self._build_errors.pop(key, None)
+                again = self._try_build(key)
+                if again is None and self._serial_reason is None:
+                    self._serial_reason = (f"kernels/{key[0]} failed to build while other builds ran ("
+                                           f"{_first_line(error)}) and built alone")
+                    warnings.warn(f"perfx: {self.caps.name} ({self.caps.platform}): {self._serial_reason}; this "
+                                  "device builds one kernel at a time from now on (PERFX_BUILD_WORKERS=1 asks for "
+                                  "that from the start)", BuildConcurrencyWarning, stacklevel=2)
+                finished(key, again)
+        report.seconds = time.perf_counter() - started
+        report.serial_reason = self._serial_reason
+        return report
+
+    def _try_build(self, key: tuple) -> Exception | None:
+        """``build`` of one request; its error returned, not raised. Any exception counts (a driver may fail
+        otherwise than with a build log when builds run at once), reported as a BuildError; only a BuildError
+        is kept for ``build`` to raise again: another exception (pyopencl's cache lock, a missing file) is no
+        verdict on the kernel, and a later ``build`` tries again and raises it as it is."""
+        try:
+            self.build(key[0], dict(key[1]), key[2])
+        except BuildError as error:
+            return error
+        except Exception as error:   # noqa: BLE001 - reported as the request's failure, with what raised it
+            return BuildError(key[0], dict(key[1]), f"{type(error).__name__}: {error}", self.caps.name)
+        return None
+
+    def build_workers(self, workers: int | None = None) -> int:
+        """How many builds ``build_many`` runs at once: ``workers`` where given, else PERFX_BUILD_WORKERS,
+        else the CPU count (at most 8); 1 once this device's driver failed under concurrent builds."""
+        if self._serial_reason is not None:
+            return 1
+        if workers is None:
+            setting = os.environ.get(BUILD_WORKERS_ENV, "").strip()
+            if setting:
+                try:
+                    workers = int(setting)
+                except ValueError:
+                    raise PerfxError(f"{BUILD_WORKERS_ENV}={setting!r}: give a whole number of builds to run "
+                                     "at once (1: one at a time)") from None
+            else:
+                workers = min(os.cpu_count() or 1, MAX_BUILD_WORKERS)
+        return max(1, int(workers))
+
+    def build_counts(self) -> dict:
+        """The programs this device holds: how many, how many pyopencl took from its binary cache, and how many it
+        compiled; on a driver whose own cache pyopencl leaves the builds to (PoCL) it cannot tell, and
+        ``compiled`` is None."""
+        with self._build_lock:
+            programs = list(self._programs.values())
+        infos = [getattr(p, "_build_duration_info", None) for p in programs]
+        known = [info for info in infos if info is not None and "assuming cached by ICD" not in info[0]]
+        cached = sum(1 for info in known if info[1])
+        return {"programs": len(programs), "from_cache": cached,
+                "compiled": len(known) - cached if len(known) == len(programs) else None}
+
+    @property
+    def serial_reason(self) -> str | None:
+        """Why this device builds one kernel at a time (its driver failed under concurrent builds), or None."""
+        return self._serial_reason
+
+    @contextlib.contextmanager
+    def collecting(self):
+        """Record the builds asked for inside the block instead of making them: yields the list of
+        ``(file, defines, newest_c)`` keys (``build_many`` takes them). ``build`` returns a stand-in and
+        ``kernel`` one that only names itself, so wrappers can be made to learn which kernels they build;
+        nothing made inside the block may be launched. For one thread at a time."""
+        requests: list[tuple] = []
+        outer, self._collecting = self._collecting, requests
+        try:
+            yield requests
+        finally:
+            self._collecting = outer
 
     def kernel(self, file: str, name: str, defines: dict | None = None, newest_c: bool = False) -> cl.Kernel:
         """A ``Kernel`` object, created once per (file, defines, name): each ``program.name`` makes a new one
@@ -129,6 +353,8 @@ class Device:
         A kernel whose required work-group (``reqd_work_group_size``) or local memory exceeds what the driver
         reports it can run raises KernelLimitError here: those parameters cannot run on this driver.
         """
+        if self._collecting is not None:
+            return _PendingKernel(self.build(file, defines, newest_c), name)
         key = (file, tuple(sorted((defines or {}).items())), name, newest_c)
         kernel = self._kernels.get(key)
         if kernel is None:

@@ -164,3 +164,11 @@ def test_a_spent_budget_stops_cleanly_with_status_3_and_the_next_run_goes_on(cap
     code, out, err = run_cli(capsys, "selftest", "--kernels", SMALL)
     assert code == 0 and f"resuming: {done} checks done before" in err and "30 passed" in out
     assert f"{done} resumed" in out
+
+
+def test_an_unreadable_progress_file_starts_afresh(capsys, device, cache):
+    count = run_cli(capsys, "selftest", "--kernels", "softcap", "--budget", "0")[0]
+    [path] = cache.glob("selftest/*.json")
+    path.write_text('{"perfx_selftest_progress": 1, "identity"')
+    code, out, err = run_cli(capsys, "selftest", "--kernels", "softcap")
+    assert count == 3 and code == 0 and "unreadable" in err and "18 passed" in out

@@ -295,18 +295,21 @@ class SavedProgress:
 
     def load(self) -> tuple[dict[str, Check], str]:
         """(check key -> Check of an earlier run, a note on what was kept or dropped, "" if nothing was)."""
-        data = read_json(self.path, default={}) if self.path.exists() else {}
-        if not data:
+        if not self.path.exists():
             return {}, ""
-        if data.get("perfx_selftest_progress") != PROGRESS_FORMAT or data.get("identity") != self.identity:
-            return {}, f"the progress in {self.path} is of another format or run: starting afresh"
-        kept, stale = {}, set()
-        for item in data.get("checks", []):
-            if data.get("sources", {}).get(item.get("kernel")) != self.sources.get(item.get("kernel")):
-                stale.add(item.get("kernel"))
-                continue
-            check = Check.from_json(item)
-            kept[check.key] = check
+        try:
+            data = read_json(self.path)
+            if data.get("perfx_selftest_progress") != PROGRESS_FORMAT or data.get("identity") != self.identity:
+                return {}, f"the progress in {self.path} is of another format or run: starting afresh"
+            kept, stale = {}, set()
+            for item in data["checks"]:
+                if data["sources"].get(item["kernel"]) != self.sources.get(item["kernel"]):
+                    stale.add(item["kernel"])
+                    continue
+                check = Check.from_json(item)
+                kept[check.key] = check
+        except (PerfxError, AttributeError, KeyError, TypeError, ValueError) as e:   # cut short, or not ours
+            return {}, f"the progress in {self.path} is unreadable ({e}): starting afresh"
         note = f"resuming: {len(kept)} checks done before (progress in {self.path}; --restart starts afresh)"
         if stale:
             note += f"; the kernels of {', '.join(sorted(map(str, stale)))} changed since: their checks run again"

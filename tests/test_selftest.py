@@ -47,7 +47,10 @@ def count_checks(monkeypatch, interrupt_at: int | None = None) -> list:
     return calls
 
 
-def test_each_case_is_released_before_the_next_and_each_familys_programs_after_it(device):
+@pytest.mark.parametrize("kept", [selftest.PROGRAMS_KEPT, 1])
+def test_each_case_is_released_before_the_next_and_each_familys_programs_after_it(device, kept, monkeypatch):
+    """Programs are forgotten after each family, and after a case once the device keeps PROGRAMS_KEPT."""
+    monkeypatch.setattr(selftest, "PROGRAMS_KEPT", kept)
     specs = {name: SPECS[name] for name in SMALL.split(",")}
     baseline = device.allocated_bytes
     seen = []   # (family, the device's counted bytes when a case is made, programs kept)
@@ -56,7 +59,7 @@ def test_each_case_is_released_before_the_next_and_each_familys_programs_after_i
         make = spec.make_case
 
         def make_case(dev, shape, rng):
-            seen.append((spec.params.family, dev.allocated_bytes, len(dev._programs)))
+            seen.append((spec.params.family, dev.allocated_bytes, dev.programs_kept))
             return make(dev, shape, rng)
         return make_case
     specs = {name: dataclasses.replace(spec, make_case=watched(spec)) for name, spec in specs.items()}
@@ -66,7 +69,11 @@ def test_each_case_is_released_before_the_next_and_each_familys_programs_after_i
     assert all(allocated == baseline for _, allocated, _ in seen), seen
     assert device.allocated_bytes == baseline
     first_of_family = [programs for i, (family, _, programs) in enumerate(seen) if i == 0 or seen[i - 1][0] != family]
-    assert first_of_family[1] == 0 and len(device._programs) == 0, seen
+    assert first_of_family[1] == 0 and device.programs_kept == 0, seen
+    if kept == 1:
+        assert [programs for _, _, programs in seen][1:] == [0] * 5, seen
+    else:
+        assert seen[1][2] > 0, "within a family, under PROGRAMS_KEPT, a case finds the programs of the one before"
 
 
 def test_an_interrupted_selftest_resumes_where_it_stopped(capsys, device, cache, monkeypatch):

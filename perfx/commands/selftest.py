@@ -7,8 +7,9 @@ set the tuner may choose on this device, fresh random inputs, outputs poisoned f
 A phone shares its 8–12 GB with Android and builds kernels slowly, so the run is bounded and resumable:
 
 - memory: one case (a family's inputs at one test shape, on the device and on the host) at a time, checked
-  at every parameter set and released before the next; after each family the device forgets the programs
-  built for it (``Device.forget_programs``), which pyopencl's binary cache rebuilds cheaply if ever needed;
+  at every parameter set and released before the next; after each family (and after a case once it keeps
+  ``PROGRAMS_KEPT``) the device forgets the programs built (``Device.forget_programs``), which pyopencl's
+  binary cache rebuilds cheaply if a later case needs them again;
 - progress: the checks done, with their results, go to a file in the user's cache as they come (atomically,
   pinned to the device and to each family's kernel sources); the same command after an interrupt, a budget
   spent or a crash resumes there, ``--restart`` starts afresh, and a finished run removes the file;
@@ -40,6 +41,10 @@ from perfx.tuning.database import fingerprint_slug, normal, params_key, source_h
 
 PROGRESS_FORMAT = 1
 SAVE_EVERY_S = 10.0       # progress is written after each case, and at least this often within one
+# The device forgets the programs it built after a family, or after a case once it keeps this many: a family's
+# shapes often share builds (the same defines), rebuilt from pyopencl's binary cache if forgotten, but the
+# largest family (gemv_q4) builds ~270 programs a shape, ~0.8 MB each on Intel's CPU runtime.
+PROGRAMS_KEPT = 256
 EXIT_INCOMPLETE = 3       # --budget spent before every check ran, none failed: run the same command again
 
 EPILOG = """\
@@ -63,8 +68,8 @@ def add_arguments(parser):
     parser.add_argument("--quick", action="store_true", help="defaults only, one shape per family (about a minute)")
     parser.add_argument("--kernels", help="comma-separated kernel families; a prefix names a group (default: all)")
     parser.add_argument("--shard", metavar="I/N", type=parse_shard,
-                        help="run only part I of N (1 ≤ I ≤ N): the checks split by family and parameter set, the N "
-                             "parts disjoint and together the whole selftest")
+                        help="run only part I of N (1 ≤ I ≤ N): the checks split by family and parameter set, "
+                             "the N parts disjoint and together the whole selftest")
     parser.add_argument("--budget", metavar="SECONDS", type=float,
                         help="stop cleanly once SECONDS have passed (the check under way finishes), progress kept: "
                              f"exit status {EXIT_INCOMPLETE} if checks remain; the same command resumes")
@@ -238,8 +243,8 @@ def run_checks(device: Device, all_specs: dict[str, Spec], quick: bool = False, 
     ``done``: check key -> Check from an earlier run, taken as they are instead of run again (resume).
     ``deadline`` (perf_counter seconds): no check starts after it; BudgetSpent is raised with checks left.
     ``saved(final)``: called after each check (``final`` False: it may skip) and after each case (True), to write
-    progress. Memory stays bounded: one case at a time (``check_case``), and the device forgets each family's
-    built programs once the family is done (``Device.forget_programs``)."""
+    progress. Memory stays bounded: one case at a time (``check_case``), and the device forgets the programs
+    built once a family is done, or once it keeps PROGRAMS_KEPT (``Device.forget_programs``)."""
     jobs = plan(all_specs, device, quick)
     if part is not None:
         jobs = shard(jobs, *part)
@@ -272,7 +277,8 @@ def run_checks(device: Device, all_specs: dict[str, Spec], quick: bool = False, 
                            deadline)
                 if saved is not None:
                     saved(True)
-            if number + 1 == len(runs) or runs[number + 1][0] is not spec:
+            family_done = number + 1 == len(runs) or runs[number + 1][0] is not spec
+            if family_done or device.programs_kept >= PROGRAMS_KEPT:
                 device.forget_programs()
     finally:
         progress.close()

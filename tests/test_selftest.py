@@ -10,6 +10,7 @@ import pytest
 from perfx import cli
 from perfx.commands import selftest
 from perfx.tuning import SPECS, Case
+from perfx.tuning.spec import cached_per_params
 
 SMALL = "geglu,embedding_q8"       # 30 checks over 6 cases, two families
 RESUMED = "softcap,geglu"          # 36 checks over 4 cases
@@ -179,3 +180,10 @@ def test_an_unreadable_progress_file_starts_afresh(capsys, device, cache):
     path.write_text('{"perfx_selftest_progress": 1, "identity"')
     code, out, err = run_cli(capsys, "selftest", "--kernels", "softcap")
     assert count == 3 and code == 0 and "unreadable" in err and "18 passed" in out
+
+
+def test_a_case_keeps_the_wrappers_of_its_last_few_parameter_sets():
+    made = []
+    get = cached_per_params(lambda params: made.append(params) or len(made), keep=2)
+    assert [get({"A": 1}), get({"A": 2}), get({"A": 1}), get({"A": 3})] == [1, 2, 1, 3]
+    assert get({"A": 1}) == 1 and get({"A": 2}) == 4, "{A: 2} was used least recently: made again"

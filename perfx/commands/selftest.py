@@ -7,7 +7,7 @@ set the tuner may choose on this device, fresh random inputs, outputs poisoned f
 A phone shares its 8–12 GB with Android and builds kernels slowly, so the run is bounded and resumable:
 
 - memory: one case (a family's inputs at one test shape, on the device and on the host) at a time, checked
-  at every parameter set and released before the next; after each family (and after a case once it keeps
+  at every parameter set and released before the next; after each family (and after a check once it keeps
   ``PROGRAMS_KEPT``) the device forgets the programs built (``Device.forget_programs``), which pyopencl's
   binary cache rebuilds cheaply if a later case needs them again;
 - progress: the checks done, with their results, go to a file in the user's cache as they come (atomically,
@@ -41,10 +41,11 @@ from perfx.tuning.database import fingerprint_slug, normal, params_key, source_h
 
 PROGRESS_FORMAT = 1
 SAVE_EVERY_S = 10.0       # progress is written after each case, and at least this often within one
-# The device forgets the programs it built after a family, or after a case once it keeps this many: a family's
+# The device forgets the programs it built after a family, or after a check once it keeps this many: a family's
 # shapes often share builds (the same defines), rebuilt from pyopencl's binary cache if forgotten, but the
-# largest family (gemv_q4) builds ~270 programs a shape, ~0.8 MB each on Intel's CPU runtime.
-PROGRAMS_KEPT = 256
+# largest family (gemv_q4) builds ~270 programs a shape, each ~0.8 MB on Intel's CPU runtime loaded from the
+# cache, ~4 MB just compiled (1514 checks held 5.7 GB when every program was kept).
+PROGRAMS_KEPT = 128
 EXIT_INCOMPLETE = 3       # --budget spent before every check ran, none failed: run the same command again
 
 EPILOG = """\
@@ -244,7 +245,8 @@ def run_checks(device: Device, all_specs: dict[str, Spec], quick: bool = False, 
     ``deadline`` (perf_counter seconds): no check starts after it; BudgetSpent is raised with checks left.
     ``saved(final)``: called after each check (``final`` False: it may skip) and after each case (True), to write
     progress. Memory stays bounded: one case at a time (``check_case``), and the device forgets the programs
-    built once a family is done, or once it keeps PROGRAMS_KEPT (``Device.forget_programs``)."""
+    built once a family is done, or once it keeps PROGRAMS_KEPT (``Device.forget_programs``; a case keeps only
+    its last few sets' kernels, ``tuning.spec.cached_per_params``)."""
     jobs = plan(all_specs, device, quick)
     if part is not None:
         jobs = shard(jobs, *part)
@@ -254,6 +256,8 @@ def run_checks(device: Device, all_specs: dict[str, Spec], quick: bool = False, 
 
     def after_each():
         progress.update(note=checks[-1].kernel)
+        if device.programs_kept >= PROGRAMS_KEPT:   # the case keeps the last few sets' (``cached_per_params``)
+            device.forget_programs()
         if saved is not None:
             saved(False)
 

@@ -52,8 +52,8 @@ def epilogue_reference(epilogue: str, full: np.ndarray) -> np.ndarray:
 
 # How many parameter sets' wrappers a case keeps (``cached_per_params``): the tuner runs a few sets at a time
 # (a candidate's verification and timings, then the best few to confirm), and `perfx selftest` checks each set
-# once; a wrapper holds its kernels, and so its built programs (~0.8 MB each on Intel's CPU runtime, ~4 MB
-# just after a compile), which the device can then let go of (``Device.forget_programs``).
+# once; a wrapper holds its kernels, and so their built programs, which the device can then let go of
+# (``Device.forget_programs``).
 KEPT_PER_CASE = 16
 
 

@@ -43,8 +43,8 @@ PROGRESS_FORMAT = 1
 SAVE_EVERY_S = 10.0       # progress is written after each case, and at least this often within one
 # The device forgets the programs it built after a family, or after a check once it keeps this many: a family's
 # shapes often share builds (the same defines), rebuilt from pyopencl's binary cache if forgotten, but the
-# largest family (gemv_q4) builds ~270 programs a shape, each ~0.8 MB on Intel's CPU runtime loaded from the
-# cache, ~4 MB just compiled (1514 checks held 5.7 GB when every program was kept).
+# largest family (gemv_q4) builds hundreds of programs a shape, and each holds its machine code, more just after
+# it is compiled than loaded from the cache (what they cost: benchmarks/NOTES.md, selftest with bounded memory).
 PROGRAMS_KEPT = 128
 EXIT_INCOMPLETE = 3       # --budget spent before every check ran, none failed: run the same command again
 

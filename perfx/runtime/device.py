@@ -157,8 +157,7 @@ class Device:
 
     @property
     def programs_kept(self) -> int:
-        """How many built programs this device keeps (``build``): each holds its machine code, ~0.8 MB on Intel's
-        CPU runtime."""
+        """How many built programs this device keeps (``build``), each holding its machine code."""
         return len(self._programs)
 
     def forget_programs(self) -> None:

@@ -46,6 +46,7 @@ SAVE_EVERY_S = 10.0       # progress is written after each case, and at least th
 # largest family (gemv_q4) builds hundreds of programs a shape, and each holds its machine code, more just after
 # it is compiled than loaded from the cache (what they cost: benchmarks/NOTES.md, selftest with bounded memory).
 PROGRAMS_KEPT = 128
+PREBUILD = 32            # parameter sets a case builds ahead of their checks (``prebuild``), well under PROGRAMS_KEPT
 EXIT_INCOMPLETE = 3       # --budget spent before every check ran, none failed: run the same command again
 
 EPILOG = """\
@@ -182,11 +183,13 @@ def case_rng(seed: int, family: str, shape: str) -> np.random.Generator:
 
 
 def prebuild(device: Device, spec: Spec, shape: dict, params: list[dict]) -> None:
-    """Where the kernels of one case's parameter sets are to be built together, before its checks run.
+    """Where the kernels of the next PREBUILD parameter sets of a case are to be built together, before their
+    checks run (``check_case`` calls it for each slice of its sets).
 
     The hook for ``Device.build_many`` (parallel builds, being added to perfx/runtime/device.py): once it
     lands, build here every program these parameter sets need, on all cores, so that each check finds its
-    kernels built. Until then each check builds its own as it runs, one at a time."""
+    kernels built. Slices, not the whole case: the programs built wait in the device's memory until their
+    checks run, and the largest case builds hundreds. Until then each check builds its own as it runs."""
 
 
 class BudgetSpent(Exception):
@@ -217,6 +220,8 @@ def check_case(device: Device, spec: Spec, shape: dict, params_list: list[dict],
         for i, params in enumerate(params_list):
             if i and deadline is not None and time.perf_counter() >= deadline:
                 raise BudgetSpent
+            if made_error is None and i % PREBUILD == 0:
+                prebuild(device, spec, shape, params_list[i:i + PREBUILD])
             if made_error is not None:
                 checks.append(_failure(spec, described, params, made_error))
             else:
@@ -276,7 +281,6 @@ def run_checks(device: Device, all_specs: dict[str, Spec], quick: bool = False, 
             if todo:
                 if deadline is not None and time.perf_counter() >= deadline:
                     raise BudgetSpent
-                prebuild(device, spec, shape, todo)
                 check_case(device, spec, shape, todo, case_rng(seed, family, described), checks, after_each,
                            deadline)
                 if saved is not None:

@@ -22,6 +22,12 @@ def run_cli(capsys, *argv):
     return code, out, err
 
 
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch):
+    """A selftest's progress file (kept by an interrupted run, resumed by the next) in the test's own folder."""
+    monkeypatch.setenv("PERFX_CACHE", str(tmp_path))
+
+
 def test_info_json_names_a_device(capsys):
     code, out, _ = run_cli(capsys, "info", "--json")
     data = json.loads(out)
@@ -57,7 +63,7 @@ def test_unknown_device_is_one_clear_line(capsys, monkeypatch):
     assert code == 2 and err.startswith("perfx: error: PERFX_DEVICE='no-such-device' matches no OpenCL device")
 
 
-def test_selftest_quick_passes_on_this_device(capsys, device):
+def test_selftest_quick_passes_on_this_device(capsys, device, own_cache):
     code, out, _ = run_cli(capsys, "selftest", "--quick", "--json")
     data = json.loads(out)
     # Every family that can run here (the fp16 GEMM needs cl_khr_fp16).
@@ -65,7 +71,7 @@ def test_selftest_quick_passes_on_this_device(capsys, device):
     assert code == 0 and data["failed"] == 0 and data["passed"] >= len(runnable) >= len(SPECS) - 1
 
 
-def test_selftest_exits_1_when_a_kernel_is_broken(capsys, monkeypatch):
+def test_selftest_exits_1_when_a_kernel_is_broken(capsys, monkeypatch, own_cache):
     good = SPECS["rmsnorm"]
 
     def broken_case(device, shape, rng):
@@ -85,7 +91,7 @@ def test_selftest_exits_1_when_a_kernel_is_broken(capsys, monkeypatch):
     assert "FAIL" in out and "rmsnorm" in out and "0 passed, 1 failed" in out
 
 
-def test_selftest_reports_sets_the_driver_refuses_apart_from_failures(capsys, monkeypatch):
+def test_selftest_reports_sets_the_driver_refuses_apart_from_failures(capsys, monkeypatch, own_cache):
     """A set whose built kernel the driver's limits exclude (NVIDIA's: 256 work-items where its registers run
     out) is refused, not failed: the tuner never chooses it, so the exit status stays 0, and the count says so."""
     good = SPECS["rmsnorm"]
@@ -106,7 +112,7 @@ def test_selftest_reports_sets_the_driver_refuses_apart_from_failures(capsys, mo
     assert code == 0 and "0 passed, 0 failed, 1 refused by the driver's limits" in out
 
 
-def test_an_interrupted_selftest_reports_the_checks_done(capsys, monkeypatch):
+def test_an_interrupted_selftest_reports_the_checks_done(capsys, monkeypatch, own_cache):
     """Ctrl-C (or a timeout's SIGINT) part way: the checks done so far are printed, the status is 130."""
     good = SPECS["rmsnorm"]
 
@@ -121,6 +127,8 @@ def test_an_interrupted_selftest_reports_the_checks_done(capsys, monkeypatch):
     data = json.loads(out)
     assert code == 130 and data["interrupted"] and data["passed"] == 1 and data["checks"][0]["kernel"] == "swiglu"
     assert "interrupted after 1 checks" in err
+    code, out, err = run_cli(capsys, "selftest", "--quick", "--json")   # the same command resumes past swiglu
+    assert code == 130 and "resuming: 1 checks done before" in err and json.loads(out)["resumed"] == 1
 
 
 def test_output_into_a_closed_pipe_ends_quietly(tmp_path):

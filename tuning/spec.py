@@ -50,15 +50,28 @@ def epilogue_reference(epilogue: str, full: np.ndarray) -> np.ndarray:
     return reference.geglu(gate, up) if epilogue == "gelu_mul" else reference.swiglu(gate, up)
 
 
-def cached_per_params(factory: Callable[[Params], Any]) -> Callable[[Params], Any]:
+# How many parameter sets' wrappers a case keeps (``cached_per_params``): the tuner runs a few sets at a time
+# (a candidate's verification and timings, then the best few to confirm), and `perfx selftest` checks each set
+# once; a wrapper holds its kernels, and so their built programs, which the device can then let go of
+# (``Device.forget_programs``).
+KEPT_PER_CASE = 16
+
+
+def cached_per_params(factory: Callable[[Params], Any], keep: int = KEPT_PER_CASE) -> Callable[[Params], Any]:
     """``factory(params)`` made once per parameter set, on first use: a case's wrappers, and the kernels
-    they build, are not remade on every run of the same parameter set."""
-    made = {}
+    they build, are not remade on every run of the same parameter set. The ``keep`` sets used last are kept,
+    so a case run at hundreds of sets does not hold every one's kernels (a set asked for again is remade,
+    from the device's own cache of kernels where it still has them)."""
+    made: dict = {}
 
     def get(params: Params):
         key = tuple(sorted(params.items()))
-        if key not in made:
+        if key in made:
+            made[key] = made.pop(key)   # the most recently used last
+        else:
             made[key] = factory(params)
+            while len(made) > keep:
+                del made[next(iter(made))]
         return made[key]
     return get
 

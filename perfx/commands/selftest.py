@@ -3,29 +3,104 @@
 This is how a user with a Snapdragon phone learns that perfx's kernels compute the right thing on
 *their* driver: each spec's test shapes, at the defaults and (without ``--quick``) at every parameter
 set the tuner may choose on this device, fresh random inputs, outputs poisoned first.
+
+A phone shares its 8–12 GB with Android and builds kernels slowly, so the run is bounded and resumable:
+
+- memory: one case (a family's inputs at one test shape, on the device and on the host) at a time, checked
+  at every parameter set and released before the next; after each family (and after a check once it keeps
+  ``PROGRAMS_KEPT``) the device forgets the programs built (``Device.forget_programs``), which pyopencl's
+  binary cache rebuilds cheaply if a later case needs them again;
+- progress: the checks done, with their results, go to a file in the user's cache as they come (atomically,
+  pinned to the device and to each family's kernel sources); the same command after an interrupt, a budget
+  spent or a crash resumes there, ``--restart`` starts afresh, and a finished run removes the file;
+- splitting: ``--shard I/N`` runs one of N disjoint parts (by family and parameter set, so each kernel is
+  built in one part only); ``--budget SECONDS`` stops cleanly when the time is spent (exit status 3).
 """
 
 from __future__ import annotations
 
+import argparse
+import gc
+import hashlib
 import json
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
 from perfx.errors import PerfxError
+from perfx.model import host_peak_bytes
 from perfx.progress import Progress, format_table
+from perfx.resources import cache_dir, read_json, write_json_atomic
 from perfx.runtime import DEVICE_HELP, Device, KernelLimitError
 from perfx.tuning import Spec, select_specs
+from perfx.tuning.database import fingerprint_slug, normal, params_key, source_hash
+
+PROGRESS_FORMAT = 1
+SAVE_EVERY_S = 10.0       # progress is written after each case, and at least this often within one
+# The device forgets the programs it built after a family, or after a check once it keeps this many: a family's
+# shapes often share builds (the same defines), rebuilt from pyopencl's binary cache if forgotten, but the
+# largest family (gemv_q4) builds hundreds of programs a shape, and each holds its machine code, more just after
+# it is compiled than loaded from the cache (what they cost: benchmarks/NOTES.md, selftest with bounded memory).
+PROGRAMS_KEPT = 128
+PREBUILD = 32            # parameter sets a case builds ahead of their checks (``prebuild``), well under PROGRAMS_KEPT
+EXIT_INCOMPLETE = 3       # --budget spent before every check ran, none failed: run the same command again
+
+EPILOG = """\
+Long runs:
+  A full selftest builds thousands of kernels: minutes on a desktop CPU, much longer on a phone.
+  Its progress is written to perfx's cache as it goes: after Ctrl-C, a crash or a spent --budget, the same
+  command resumes where it stopped (it says so); --restart starts afresh. A finished run removes its progress.
+  A change of the device, its driver or a family's kernel sources makes the checks done before run again.
+
+  perfx selftest --budget 300      # stop cleanly after about 5 minutes; run it again until it exits 0 or 1
+  perfx selftest --shard 2/4       # the second of 4 disjoint parts (run 1/4 .. 4/4, here or in parallel)
+
+Exit status: 0 every check passed (or was refused by the driver's limits); 1 a check failed (complete or not);
+2 an error; 3 incomplete, the budget spent and no check failed so far: run the same command to go on;
+130 interrupted (Ctrl-C), progress kept.
+"""
 
 
 def add_arguments(parser):
     parser.add_argument("--device", help=DEVICE_HELP)
     parser.add_argument("--quick", action="store_true", help="defaults only, one shape per family (about a minute)")
     parser.add_argument("--kernels", help="comma-separated kernel families; a prefix names a group (default: all)")
+    parser.add_argument("--shard", metavar="I/N", type=parse_shard,
+                        help="run only part I of N (1 ≤ I ≤ N): the checks split by family and parameter set, "
+                             "the N parts disjoint and together the whole selftest")
+    parser.add_argument("--budget", metavar="SECONDS", type=float,
+                        help="stop cleanly once SECONDS have passed (the check under way finishes), progress kept: "
+                             f"exit status {EXIT_INCOMPLETE} if checks remain; the same command resumes")
+    parser.add_argument("--restart", action="store_true",
+                        help="forget the progress of an earlier, unfinished run of the same command and start afresh")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("-v", "--verbose", action="store_true", help="show every check, not only failures")
+    parser.epilog = EPILOG
+    parser.formatter_class = _RawEpilog
+
+
+class _RawEpilog(argparse.HelpFormatter):
+    """Keeps the epilog's lines and examples as written (the options' help is wrapped as usual)."""
+
+    def _fill_text(self, text, width, indent):
+        if "\n" not in text:   # the description: one paragraph, wrapped
+            return super()._fill_text(text, width, indent)
+        return "".join(indent + line for line in text.splitlines(keepends=True))
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"I/N"`` -> (I, N), 1 ≤ I ≤ N."""
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give I/N, e.g. 2/4") from None
+    if not 1 <= index <= count:
+        raise argparse.ArgumentTypeError(f"{text!r}: I runs from 1 to N")
+    return index, count
 
 
 @dataclass
@@ -44,8 +119,30 @@ class Check:
     def failed(self) -> bool:
         return not self.passed and not self.refused
 
+    @property
+    def key(self) -> str:
+        return check_key(self.kernel, self.shape, self.params)
+
+    def to_json(self) -> dict:
+        """As the progress file holds it: an error that is not finite (did not run, NaN output) as null."""
+        data = asdict(self)
+        data["error"] = self.error if math.isfinite(self.error) else None
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> Check:
+        data = dict(data)
+        data["error"] = float("inf") if data.get("error") is None else float(data["error"])
+        return cls(**data)
+
+
+def check_key(family: str, shape: str, params: dict) -> str:
+    """What names one check: family, shape (as the spec describes it) and parameter set."""
+    return f"{family}|{shape}|{params_key(params)}"
+
 
 def plan(all_specs: dict[str, Spec], device: Device, quick: bool) -> list[tuple[Spec, dict, dict]]:
+    """Every check, (spec, shape, params), family by family and shape by shape: one case serves a run of them."""
     jobs = []
     for spec in all_specs.values():
         shapes = spec.test_shapes[:1] if quick else spec.test_shapes
@@ -58,33 +155,196 @@ def plan(all_specs: dict[str, Spec], device: Device, quick: bool) -> list[tuple[
     return jobs
 
 
+def shard(jobs: list, index: int, count: int) -> list:
+    """Part ``index`` (1..count) of ``jobs``: the distinct (family, parameter set) pairs dealt round in plan order,
+    each pair with all its shapes, so every kernel build falls in one part and the parts are about equal."""
+    owner: dict[tuple, int] = {}
+    for spec, _, params in jobs:
+        owner.setdefault((spec.params.family, params_key(params)), len(owner) % count)
+    return [job for job in jobs if owner[(job[0].params.family, params_key(job[2]))] == index - 1]
+
+
+def cases_of(jobs: list) -> list[tuple[Spec, dict, list[dict]]]:
+    """``jobs`` as runs of one (family, shape): (spec, shape, [params, ...]), in order."""
+    runs: list = []
+    for spec, shape, params in jobs:
+        if runs and runs[-1][0] is spec and runs[-1][1] is shape:
+            runs[-1][2].append(params)
+        else:
+            runs.append((spec, shape, [params]))
+    return runs
+
+
+def case_rng(seed: int, family: str, shape: str) -> np.random.Generator:
+    """The random inputs of one case depend only on the seed, the family and the shape: the same whichever part of
+    the selftest runs it (a shard, a resumed run), so split or resumed runs check what a whole run checks."""
+    digest = hashlib.sha256(f"{family}|{shape}".encode()).digest()
+    return np.random.default_rng([seed, int.from_bytes(digest[:8], "little")])
+
+
+def prebuild(device: Device, spec: Spec, shape: dict, params: list[dict]) -> None:
+    """Where the kernels of the next PREBUILD parameter sets of a case are to be built together, before their
+    checks run (``check_case`` calls it for each slice of its sets).
+
+    The hook for ``Device.build_many`` (parallel builds, being added to perfx/runtime/device.py): once it
+    lands, build here every program these parameter sets need, on all cores, so that each check finds its
+    kernels built. Slices, not the whole case: the programs built wait in the device's memory until their
+    checks run, and the largest case builds hundreds. Until then each check builds its own as it runs."""
+
+
+class BudgetSpent(Exception):
+    """``deadline`` passed with checks still to run (``--budget``)."""
+
+
+def _failure(spec: Spec, shape: str, params: dict, error: Exception) -> Check:
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if isinstance(error, KernelLimitError):
+        return Check(spec.params.family, params, shape, float("inf"), spec.tolerance_for(params), False, refused=first)
+    return Check(spec.params.family, params, shape, float("inf"), spec.tolerance_for(params), False, first)
+
+
+def check_case(device: Device, spec: Spec, shape: dict, params_list: list[dict], rng: np.random.Generator,
+               checks: list[Check], after_each=None, deadline: float | None = None) -> None:
+    """One case made, checked at each parameter set (appended to ``checks``), then released: its device buffers,
+    host arrays and wrappers go before this returns. ``after_each()`` runs after each check; past ``deadline``
+    (perf_counter seconds) no further check starts (BudgetSpent)."""
+    family, described = spec.params.family, spec.describe(shape)
+    case = None
+    try:
+        try:
+            case = spec.make_case(device, shape, rng)
+        except PerfxError as e:   # a build or upload failure on this driver: every set of the case reports it
+            made_error = e
+        else:
+            made_error = None
+        for i, params in enumerate(params_list):
+            if i and deadline is not None and time.perf_counter() >= deadline:
+                raise BudgetSpent
+            if made_error is None and i % PREBUILD == 0:
+                prebuild(device, spec, shape, params_list[i:i + PREBUILD])
+            if made_error is not None:
+                checks.append(_failure(spec, described, params, made_error))
+            else:
+                try:
+                    errors = case.errors(params)
+                    error = max(errors.values()) if errors else 0.0
+                    tolerance = spec.tolerance_for(params)
+                    checks.append(Check(family, params, described, error, tolerance, bool(error <= tolerance)))
+                except PerfxError as e:  # a build or launch failure, or a driver limit: report it, go on
+                    checks.append(_failure(spec, described, params, e))
+            if after_each is not None:
+                after_each()
+    finally:
+        del case
+        gc.collect()   # the case's closures may sit in reference cycles: its buffers go now, not at some later pass
+
+
 def run_checks(device: Device, all_specs: dict[str, Spec], quick: bool = False, seed: int = 0,
-               show_progress: bool | None = None, checks: list[Check] | None = None) -> list[Check]:
-    """Every planned check, in order. ``checks``: a list each result is appended to as it comes, so a caller
-    interrupted part way (Ctrl-C on a phone's long selftest) still has those done."""
+               show_progress: bool | None = None, checks: list[Check] | None = None, *,
+               done: dict[str, Check] | None = None, part: tuple[int, int] | None = None,
+               deadline: float | None = None, saved=None) -> list[Check]:
+    """Every planned check (``part``: one shard of them), in order. ``checks``: a list each result is appended to
+    as it comes, so a caller interrupted part way (Ctrl-C on a phone's long selftest) still has those done.
+
+    ``done``: check key -> Check from an earlier run, taken as they are instead of run again (resume).
+    ``deadline`` (perf_counter seconds): no check starts after it; BudgetSpent is raised with checks left.
+    ``saved(final)``: called after each check (``final`` False: it may skip) and after each case (True), to write
+    progress. Memory stays bounded: one case at a time (``check_case``), and the device forgets the programs
+    built once a family is done, or once it keeps PROGRAMS_KEPT (``Device.forget_programs``; a case keeps only
+    its last few sets' kernels, ``tuning.spec.cached_per_params``)."""
     jobs = plan(all_specs, device, quick)
+    if part is not None:
+        jobs = shard(jobs, *part)
+    done = done or {}
     progress = Progress(len(jobs), "selftest", enabled=show_progress)
     checks = [] if checks is None else checks
-    cases = {}
-    rng = np.random.default_rng(seed)
-    for spec, shape, params in jobs:
-        key = (spec.params.family, spec.describe(shape))
-        try:
-            if key not in cases:
-                cases[key] = spec.make_case(device, shape, rng)
-            errors = cases[key].errors(params)
-            error = max(errors.values()) if errors else 0.0
-            tolerance = spec.tolerance_for(params)
-            checks.append(Check(spec.params.family, params, key[1], error, tolerance, bool(error <= tolerance)))
-        except KernelLimitError as e:
-            checks.append(Check(spec.params.family, params, key[1], float("inf"), spec.tolerance_for(params),
-                                False, refused=str(e).splitlines()[0]))
-        except PerfxError as e:  # a build or launch failure on this driver: report it, go on
-            checks.append(Check(spec.params.family, params, key[1], float("inf"), spec.tolerance_for(params),
-                                False, str(e).splitlines()[0]))
-        progress.update(note=spec.params.family)
-    progress.close()
+
+    def after_each():
+        progress.update(note=checks[-1].kernel)
+        if device.programs_kept >= PROGRAMS_KEPT:   # the case keeps the last few sets' (``cached_per_params``)
+            device.forget_programs()
+        if saved is not None:
+            saved(False)
+
+    try:
+        runs = cases_of(jobs)
+        for number, (spec, shape, params_list) in enumerate(runs):
+            family, described = spec.params.family, spec.describe(shape)
+            todo = []
+            for params in params_list:
+                previous = done.get(check_key(family, described, params))
+                if previous is None:
+                    todo.append(params)
+                else:
+                    checks.append(previous)
+                    progress.update(note=family)
+            if todo:
+                if deadline is not None and time.perf_counter() >= deadline:
+                    raise BudgetSpent
+                check_case(device, spec, shape, todo, case_rng(seed, family, described), checks, after_each,
+                           deadline)
+                if saved is not None:
+                    saved(True)
+            family_done = number + 1 == len(runs) or runs[number + 1][0] is not spec
+            if family_done or device.programs_kept >= PROGRAMS_KEPT:
+                device.forget_programs()
+    finally:
+        progress.close()
     return checks
+
+
+class SavedProgress:
+    """The progress file of one selftest command (device, limits, build options, --quick, --kernels, --shard)
+    in ``<cache>/selftest/``: the checks done, pinned to the device and each family's kernel sources."""
+
+    def __init__(self, device: Device, all_specs: dict[str, Spec], quick: bool, part: tuple[int, int] | None,
+                 seed: int = 0):
+        self.identity = normal({"device": device.fingerprint, "limits": device.caps.limits,
+                         "build_options": device.build_options, "quick": bool(quick), "seed": seed,
+                         "families": sorted(all_specs), "shard": f"{part[0]}/{part[1]}" if part else None})
+        self.sources = {family: source_hash(spec) for family, spec in all_specs.items()}
+        digest = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:12]
+        self.path = cache_dir() / "selftest" / f"{fingerprint_slug(device.fingerprint)}-{digest}.json"
+        self.written = 0.0
+
+    def load(self) -> tuple[dict[str, Check], str]:
+        """(check key -> Check of an earlier run, a note on what was kept or dropped, "" if nothing was)."""
+        if not self.path.exists():
+            return {}, ""
+        try:
+            data = read_json(self.path)
+            if data.get("perfx_selftest_progress") != PROGRESS_FORMAT or data.get("identity") != self.identity:
+                return {}, f"the progress in {self.path} is of another format or run: starting afresh"
+            kept, stale = {}, set()
+            for item in data["checks"]:
+                if data["sources"].get(item["kernel"]) != self.sources.get(item["kernel"]):
+                    stale.add(item["kernel"])
+                    continue
+                check = Check.from_json(item)
+                kept[check.key] = check
+        except (PerfxError, AttributeError, KeyError, TypeError, ValueError) as e:   # cut short, or not ours
+            return {}, f"the progress in {self.path} is unreadable ({e}): starting afresh"
+        note = f"resuming: {len(kept)} checks done before (progress in {self.path}; --restart starts afresh)"
+        if stale:
+            note += f"; the kernels of {', '.join(sorted(map(str, stale)))} changed since: their checks run again"
+        return kept, note
+
+    def save(self, checks: list[Check]) -> None:
+        write_json_atomic(self.path, {"perfx_selftest_progress": PROGRESS_FORMAT, "identity": self.identity,
+                                      "sources": self.sources, "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                        time.gmtime()),
+                                      "checks": [c.to_json() for c in checks]})
+        self.written = time.perf_counter()
+
+    def saver(self, checks: list[Check]):
+        """``saved(final)`` for ``run_checks``: writes after each case, and within one at most every SAVE_EVERY_S."""
+        def saved(final: bool):
+            if final or time.perf_counter() - self.written >= SAVE_EVERY_S:
+                self.save(checks)
+        return saved
+
+    def clear(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 def checks_table(checks: list[Check]) -> str:
@@ -110,20 +370,47 @@ def summary_table(checks: list[Check], all_specs: dict[str, Spec]) -> str:
 def main(args) -> int:
     device = Device(args.device)
     all_specs = select_specs(args.kernels)
+    part = getattr(args, "shard", None)
+    budget = getattr(args, "budget", None)
     started = time.perf_counter()
-    print(f"perfx selftest on {device.caps.platform} / {device.caps.name} (limits: {device.caps.limits})",
-          file=sys.stderr)
-    checks, interrupted = [], False
+    print(f"perfx selftest on {device.caps.platform} / {device.caps.name} (limits: {device.caps.limits})"
+          + (f", part {part[0]} of {part[1]}" if part else ""), file=sys.stderr)
+    saved = SavedProgress(device, all_specs, args.quick, part)
+    if getattr(args, "restart", False):
+        saved.clear()
+    done, note = saved.load()
+    if note:
+        print(f"perfx selftest: {note}", file=sys.stderr)
+    planned = len(shard(plan(all_specs, device, args.quick), *part) if part else plan(all_specs, device, args.quick))
+    checks: list[Check] = []
+    stopped = None
     try:
-        run_checks(device, all_specs, quick=args.quick, show_progress=False if args.json else None, checks=checks)
+        run_checks(device, all_specs, quick=args.quick, show_progress=False if args.json else None, checks=checks,
+                   done=done, part=part, deadline=None if budget is None else started + budget,
+                   saved=saved.saver(checks))
     except KeyboardInterrupt:
-        interrupted = True
+        stopped = "interrupted"
         print(f"perfx selftest: interrupted after {len(checks)} checks; those follow", file=sys.stderr)
+    except BudgetSpent:
+        stopped = "budget"
+    if stopped:
+        saved.save(checks)
+        if stopped == "budget":
+            print(f"perfx selftest: the budget of {budget:g} s is spent: {len(checks)} of {planned} checks done; "
+                  f"progress kept in {saved.path}: run the same command again to go on", file=sys.stderr)
+    else:
+        saved.clear()
+    resumed = sum(1 for c in checks if done.get(c.key) is c)
     passed, failed = sum(c.passed for c in checks), sum(c.failed for c in checks)
     refused = len(checks) - passed - failed
+    peak = host_peak_bytes()
+    elapsed = time.perf_counter() - started
     if args.json:
         print(json.dumps({"device": device.fingerprint, "limits": device.caps.limits, "quick": args.quick,
-                          "interrupted": interrupted, "passed": passed, "failed": failed, "refused": refused,
+                          "shard": f"{part[0]}/{part[1]}" if part else None, "interrupted": stopped == "interrupted",
+                          "complete": stopped is None, "stopped": stopped, "planned": planned, "resumed": resumed,
+                          "passed": passed, "failed": failed, "refused": refused, "seconds": round(elapsed, 2),
+                          "peak_rss_bytes": peak, "device_peak_bytes": device.peak_allocated_bytes,
                           "checks": [asdict(c) for c in checks]}, indent=1, default=float))
     else:
         shown = checks if args.verbose else [c for c in checks if c.failed]
@@ -133,5 +420,10 @@ def main(args) -> int:
         print(f"{passed} passed, {failed} failed"
               + (f", {refused} refused by the driver's limits for the kernel (never chosen here)" if refused else "")
               + " "
-              f"({time.perf_counter() - started:.1f}s){', interrupted' if interrupted else ''}")
-    return 130 if interrupted else 1 if failed else 0
+              f"({elapsed:.1f}s, peak resident memory {peak / 2**20:.0f} MiB"
+              + (f", {resumed} resumed" if resumed else "") + ")"
+              + (", interrupted" if stopped == "interrupted" else "")
+              + (f", incomplete: {planned - len(checks)} of {planned} checks left" if stopped == "budget" else ""))
+    if stopped == "interrupted":
+        return 130
+    return 1 if failed else EXIT_INCOMPLETE if stopped == "budget" else 0

@@ -376,6 +376,21 @@ class Device:
             self._infos[kernel.int_ptr] = info
         return kernel
 
+    @property
+    def programs_kept(self) -> int:
+        """How many built programs this device keeps (``build``), each holding its machine code."""
+        return len(self._programs)
+
+    def forget_programs(self) -> None:
+        """Drop the built programs and ``Kernel`` objects this device keeps (``build``, ``kernel``): their memory
+        goes once nothing else holds them, and a later build of the same kernel comes from pyopencl's binary
+        cache. For runs over many parameter sets each used for a while and then never again (`perfx selftest`
+        calls it after each family, and where many are kept); kernels held elsewhere (a model's wrappers,
+        recorded steps) stay valid."""
+        self._programs.clear()
+        self._kernels.clear()
+        self._infos.clear()
+
     def kernel_info(self, kernel: cl.Kernel) -> KernelInfo:
         """The driver's figures for a kernel: its work-group limit, required size, local and private memory.
 

@@ -1,0 +1,200 @@
+"""`perfx selftest` over long runs: memory bounded (one case at a time, programs forgotten per family), progress
+saved and resumed, shards that split the checks exactly, a time budget that stops cleanly (exit status 3)."""
+
+import dataclasses
+import json
+import time
+
+import pytest
+
+from perfx import cli
+from perfx.commands import selftest
+from perfx.tuning import SPECS, Case
+from perfx.tuning.spec import cached_per_params
+
+SMALL = "geglu,embedding_q8"       # 30 checks over 6 cases, two families
+RESUMED = "softcap,geglu"          # 36 checks over 4 cases
+ERRORS = Case.errors               # as the module found it: each test's wrapper replaces, never wraps, another
+
+
+def run_cli(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """The selftest's progress files in a folder of the test's own."""
+    monkeypatch.setenv("PERFX_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def outcomes(data) -> list[tuple]:
+    return [(c["kernel"], c["shape"], json.dumps(c["params"], sort_keys=True), c["passed"], c["refused"], c["error"])
+            for c in data["checks"]]
+
+
+def count_checks(monkeypatch, interrupt_at: int | None = None) -> list:
+    """Count the checks run (``Case.errors``); with ``interrupt_at``, that check raises KeyboardInterrupt, as Ctrl-C."""
+    calls = []
+
+    def counted(self, params):
+        calls.append(params)
+        if len(calls) == interrupt_at:
+            raise KeyboardInterrupt
+        return ERRORS(self, params)
+    monkeypatch.setattr(Case, "errors", counted)
+    return calls
+
+
+@pytest.mark.parametrize("kept", [selftest.PROGRAMS_KEPT, 1])
+def test_each_case_is_released_before_the_next_and_each_familys_programs_after_it(device, kept, monkeypatch):
+    """Programs are forgotten after each family, and after a case once the device keeps PROGRAMS_KEPT."""
+    monkeypatch.setattr(selftest, "PROGRAMS_KEPT", kept)
+    specs = {name: SPECS[name] for name in SMALL.split(",")}
+    baseline = device.allocated_bytes
+    seen = []   # (family, the device's counted bytes when a case is made, programs kept)
+
+    def watched(spec):
+        make = spec.make_case
+
+        def make_case(dev, shape, rng):
+            seen.append((spec.params.family, dev.allocated_bytes, dev.programs_kept))
+            return make(dev, shape, rng)
+        return make_case
+    specs = {name: dataclasses.replace(spec, make_case=watched(spec)) for name, spec in specs.items()}
+    checks = selftest.run_checks(device, specs, show_progress=False)
+    assert len(checks) == len(selftest.plan(specs, device, False)) and not any(c.failed for c in checks)
+    assert [family for family, _, _ in seen] == ["geglu"] * 2 + ["embedding_q8"] * 4
+    assert all(allocated == baseline for _, allocated, _ in seen), seen
+    assert device.allocated_bytes == baseline
+    first_of_family = [programs for i, (family, _, programs) in enumerate(seen) if i == 0 or seen[i - 1][0] != family]
+    assert first_of_family[1] == 0 and device.programs_kept == 0, seen
+    if kept == 1:
+        assert [programs for _, _, programs in seen][1:] == [0] * 5, seen
+    else:
+        assert seen[1][2] > 0, "within a family, under PROGRAMS_KEPT, a case finds the programs of the one before"
+
+
+def test_an_interrupted_selftest_resumes_where_it_stopped(capsys, device, cache, monkeypatch):
+    code, out, _ = run_cli(capsys, "selftest", "--kernels", RESUMED, "--json")
+    whole = json.loads(out)
+    assert code == 0 and whole["complete"] and whole["planned"] == len(whole["checks"]) == 36
+    assert whole["peak_rss_bytes"] > 2**20 and not list(cache.glob("selftest/*.json")), "a finished run clears it"
+
+    calls = count_checks(monkeypatch, interrupt_at=21)
+    code, out, err = run_cli(capsys, "selftest", "--kernels", RESUMED, "--json")
+    first = json.loads(out)
+    assert code == 130 and first["interrupted"] and len(first["checks"]) == 20 and "interrupted after 20" in err
+    assert len(list(cache.glob("selftest/*.json"))) == 1
+
+    monkeypatch.undo()
+    monkeypatch.setenv("PERFX_CACHE", str(cache))
+    monkeypatch.setenv("PERFX_DEVICE", device.entry.index)
+    calls = count_checks(monkeypatch)
+    code, out, err = run_cli(capsys, "selftest", "--kernels", RESUMED, "--json")
+    second = json.loads(out)
+    assert code == 0 and "resuming: 20 checks done before" in err
+    assert len(calls) == 16 and second["resumed"] == 20 and second["complete"]
+    assert outcomes(second) == outcomes(whole), "the resumed run's checks are the uninterrupted run's"
+    assert not list(cache.glob("selftest/*.json"))
+
+
+def test_restart_and_changed_kernels_run_the_checks_again(capsys, device, cache, monkeypatch):
+    calls = count_checks(monkeypatch, interrupt_at=30)
+    assert run_cli(capsys, "selftest", "--kernels", RESUMED)[0] == 130
+    calls.clear()
+    # softcap's kernel source changed since: its 18 checks run again, geglu's 11 done are kept
+    hashes = {"softcap": "changed"}
+    source_hash = selftest.source_hash
+    monkeypatch.setattr(selftest, "source_hash", lambda spec: hashes.get(spec.params.family) or source_hash(spec))
+    code, out, err = run_cli(capsys, "selftest", "--kernels", RESUMED, "--json")
+    assert code == 0 and "the kernels of softcap changed since" in err and len(calls) == 36 - 11
+    assert json.loads(out)["resumed"] == 11
+
+    count_checks(monkeypatch, interrupt_at=5)
+    assert run_cli(capsys, "selftest", "--kernels", RESUMED)[0] == 130
+    count_checks(monkeypatch)
+    code, out, err = run_cli(capsys, "selftest", "--kernels", RESUMED, "--restart", "--json")
+    assert code == 0 and "resuming" not in err and json.loads(out)["resumed"] == 0
+
+
+def test_shards_split_every_check_exactly_once_by_family_and_parameter_set(device):
+    jobs = selftest.plan(SPECS, device, quick=False)
+    key = selftest.check_key
+    whole = [key(spec.params.family, spec.describe(shape), params) for spec, shape, params in jobs]
+    assert len(set(whole)) == len(whole)
+    for count in (1, 2, 3, 7):
+        parts = [[key(s.params.family, s.describe(shape), p) for s, shape, p in selftest.shard(jobs, i, count)]
+                 for i in range(1, count + 1)]
+        assert sorted(k for part in parts for k in part) == sorted(whole)      # the union is the whole, and
+        assert sum(map(len, parts)) == len(whole)                               # no check is in two parts
+        # each (family, parameter set) in one part only: its kernels are built once across the parts
+        owners = [{k.rsplit("|", 2)[0] + "|" + k.rsplit("|", 1)[1] for k in part} for part in parts]
+        assert sum(map(len, owners)) == len(set().union(*owners))
+        sizes = sorted(map(len, parts))
+        assert sizes[-1] <= 2 * sizes[0] + 50, sizes
+
+
+def test_shards_run_from_the_command_line_cover_the_whole(capsys, device, cache):
+    code, out, _ = run_cli(capsys, "selftest", "--kernels", SMALL, "--json")
+    whole = outcomes(json.loads(out))
+    parts = []
+    for i in (1, 2, 3):
+        code, out, err = run_cli(capsys, "selftest", "--kernels", SMALL, "--shard", f"{i}/3", "--json")
+        data = json.loads(out)
+        assert code == 0 and data["shard"] == f"{i}/3" and data["complete"] and f"part {i} of 3" in err
+        parts += outcomes(data)
+    assert sorted(parts) == sorted(whole)
+    for bad in ("0/3", "4/3", "x"):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["selftest", "--shard", bad])
+        assert exit_.value.code == 2
+    capsys.readouterr()
+
+
+def test_a_spent_budget_stops_cleanly_with_status_3_and_the_next_run_goes_on(capsys, device, cache, monkeypatch):
+    code, out, err = run_cli(capsys, "selftest", "--kernels", SMALL, "--budget", "0", "--json")
+    data = json.loads(out)
+    assert code == selftest.EXIT_INCOMPLETE == 3 and data["stopped"] == "budget" and not data["complete"]
+    assert data["checks"] == [] and data["planned"] == 30 and "run the same command again" in err
+
+    def slow(self, params):   # each check takes 0.1 s more: a budget of 0.45 s stops after a few
+        time.sleep(0.1)
+        return ERRORS(self, params)
+    monkeypatch.setattr(Case, "errors", slow)
+    code, out, err = run_cli(capsys, "selftest", "--kernels", SMALL, "--budget", "0.45", "--json")
+    data = json.loads(out)
+    done = len(data["checks"])
+    assert code == 3 and 1 <= done < 30 and data["peak_rss_bytes"] > 0
+    monkeypatch.setattr(Case, "errors", ERRORS)
+    code, out, err = run_cli(capsys, "selftest", "--kernels", SMALL)
+    assert code == 0 and f"resuming: {done} checks done before" in err and "30 passed" in out
+    assert f"{done} resumed" in out
+
+
+def test_an_unreadable_progress_file_starts_afresh(capsys, device, cache):
+    count = run_cli(capsys, "selftest", "--kernels", "softcap", "--budget", "0")[0]
+    [path] = cache.glob("selftest/*.json")
+    path.write_text('{"perfx_selftest_progress": 1, "identity"')
+    code, out, err = run_cli(capsys, "selftest", "--kernels", "softcap")
+    assert count == 3 and code == 0 and "unreadable" in err and "18 passed" in out
+
+
+def test_a_case_keeps_the_wrappers_of_its_last_few_parameter_sets():
+    made = []
+    get = cached_per_params(lambda params: made.append(params) or len(made), keep=2)
+    assert [get({"A": 1}), get({"A": 2}), get({"A": 1}), get({"A": 3})] == [1, 2, 1, 3]
+    assert get({"A": 1}) == 1 and get({"A": 2}) == 4, "{A: 2} was used least recently: made again"
+
+
+def test_the_parallel_build_hook_gets_each_case_in_slices_ahead_of_their_checks(device, monkeypatch):
+    slices = []
+    monkeypatch.setattr(selftest, "PREBUILD", 4)
+    monkeypatch.setattr(selftest, "prebuild", lambda dev, spec, shape, params: slices.append(len(params)))
+    checks = selftest.run_checks(device, {"geglu": SPECS["geglu"]}, show_progress=False)
+    per_case = [len(params) for _, _, params in selftest.cases_of(selftest.plan({"geglu": SPECS["geglu"]}, device,
+                                                                                 False))]
+    assert sum(slices) == len(checks) == sum(per_case) and max(slices) == 4
+    assert len(slices) == sum(-(-n // 4) for n in per_case)

@@ -187,14 +187,3 @@ def test_a_case_keeps_the_wrappers_of_its_last_few_parameter_sets():
     get = cached_per_params(lambda params: made.append(params) or len(made), keep=2)
     assert [get({"A": 1}), get({"A": 2}), get({"A": 1}), get({"A": 3})] == [1, 2, 1, 3]
     assert get({"A": 1}) == 1 and get({"A": 2}) == 4, "{A: 2} was used least recently: made again"
-
-
-def test_the_parallel_build_hook_gets_each_case_in_slices_ahead_of_their_checks(device, monkeypatch):
-    slices = []
-    monkeypatch.setattr(selftest, "PREBUILD", 4)
-    monkeypatch.setattr(selftest, "prebuild", lambda dev, spec, shape, params: slices.append(len(params)))
-    checks = selftest.run_checks(device, {"geglu": SPECS["geglu"]}, show_progress=False)
-    per_case = [len(params) for _, _, params in selftest.cases_of(selftest.plan({"geglu": SPECS["geglu"]}, device,
-                                                                                 False))]
-    assert sum(slices) == len(checks) == sum(per_case) and max(slices) == 4
-    assert len(slices) == sum(-(-n // 4) for n in per_case)

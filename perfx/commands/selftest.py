@@ -27,7 +27,6 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -46,7 +45,6 @@ SAVE_EVERY_S = 10.0       # progress is written after each case, and at least th
 # largest family (gemv_q4) builds hundreds of programs a shape, and each holds its machine code, more just after
 # it is compiled than loaded from the cache (what they cost: benchmarks/NOTES.md, selftest with bounded memory).
 PROGRAMS_KEPT = 128
-PREBUILD = 32            # parameter sets a case builds ahead of their checks (``prebuild``), well under PROGRAMS_KEPT
 EXIT_INCOMPLETE = 3       # --budget spent before every check ran, none failed: run the same command again
 
 EPILOG = """\
@@ -182,16 +180,6 @@ def case_rng(seed: int, family: str, shape: str) -> np.random.Generator:
     return np.random.default_rng([seed, int.from_bytes(digest[:8], "little")])
 
 
-def prebuild(device: Device, spec: Spec, shape: dict, params: list[dict]) -> None:
-    """Where the kernels of the next PREBUILD parameter sets of a case are to be built together, before their
-    checks run (``check_case`` calls it for each slice of its sets).
-
-    The hook for ``Device.build_many`` (parallel builds, being added to perfx/runtime/device.py): once it
-    lands, build here every program these parameter sets need, on all cores, so that each check finds its
-    kernels built. Slices, not the whole case: the programs built wait in the device's memory until their
-    checks run, and the largest case builds hundreds. Until then each check builds its own as it runs."""
-
-
 class BudgetSpent(Exception):
     """``deadline`` passed with checks still to run (``--budget``)."""
 
@@ -220,8 +208,6 @@ def check_case(device: Device, spec: Spec, shape: dict, params_list: list[dict],
         for i, params in enumerate(params_list):
             if i and deadline is not None and time.perf_counter() >= deadline:
                 raise BudgetSpent
-            if made_error is None and i % PREBUILD == 0:
-                prebuild(device, spec, shape, params_list[i:i + PREBUILD])
             if made_error is not None:
                 checks.append(_failure(spec, described, params, made_error))
             else:

@@ -108,7 +108,11 @@ class GemvQ4Split:
         groups = -(-(-(-n // self.rows)) // self.sets)
         return (local * groups, slices(k, self.split)), (local, 1)
 
-    def events(self, weight: Q4DeviceWeight, x, y, epilogue: str = "none") -> list[cl.Event]:
+    # GemvQ4's call interface, so a plan can hold either wrapper for a role: x is read as floats, never as the
+    # norm's int8 blocks (``quantized`` is accepted and not read).
+    reads_quantized = False
+
+    def events(self, weight: Q4DeviceWeight, x, y, epilogue: str = "none", quantized=None) -> list[cl.Event]:
         """Enqueue y = W·x: the product's launch and the reduction's; returns both events."""
         n, k = weight.n, weight.k
         check_gate_up("gemv_q4_split", epilogue, n)
@@ -133,7 +137,7 @@ class GemvQ4Split:
                                     np.int32(weight.bias is not None), yb)
         return [first, second]
 
-    def __call__(self, weight: Q4DeviceWeight, x, y, epilogue: str = "none") -> cl.Event:
+    def __call__(self, weight: Q4DeviceWeight, x, y, epilogue: str = "none", quantized=None) -> cl.Event:
         """Enqueue y = W·x (+ bias), or act(gate)·up for a gate-up epilogue; returns the last launch's event (the
         queue is in order: waiting on it waits for the whole product)."""
         return self.events(weight, x, y, epilogue)[-1]

@@ -21,9 +21,8 @@ from types import SimpleNamespace
 
 from perfx.ops.gemv_q4_split import PARAMS as SPLIT_PARAMS, slice_texels, slices as split_slices
 from perfx.ops.gemv_q4 import ROWS_LAYOUT
-from perfx.sources.synthetic import SYNTHETIC_MODELS
 from perfx.tuning.gemv_q4_split import SPEC
-from perfx.tuning.problems import model_problems
+from perfx.tuning.problems import problems_for
 
 SECTOR = 32   # bytes: the unit an NVIDIA L2/DRAM transaction moves (and an Adreno's cache line holds two)
 TEXEL = 16    # bytes of codes a texel
@@ -72,10 +71,10 @@ MODELS = ("smollm2-135m", "llama-2-7b", "qwen3-1.7b")
 
 
 def model_shapes(model: str) -> dict[str, dict]:
-    """The int4 decode GEMVs of a synthetic model preset (``perfx.sources.synthetic``), by role, as `perfx tune`
-    measures them: the step's own shapes (``perfx.tuning.problems``), never a second list."""
-    config = SYNTHETIC_MODELS[model][0]
-    problems, _ = model_problems(config, {"gemv_q4_split": SPEC})
+    """The int4 decode GEMVs of a synthetic model preset (``perfx.sources.synthetic``), by role, as `perfx tune
+    --model synthetic:<model>` measures them (its int4 group included): the step's own shapes
+    (``perfx.tuning.problems``), never a second list."""
+    problems, _ = problems_for(f"synthetic:{model}", {"gemv_q4_split": SPEC}, max_m=1)
     return {p.label: p.shape for p in problems}
 
 

@@ -45,6 +45,9 @@
 #ifndef EPILOGUE
 #define EPILOGUE EPI_NONE  // plain (+bias), or SiLU / GELU (gate)·up over paired rows (the reduce launch's)
 #endif
+#ifndef BIAS
+#define BIAS 0       // 1: the reduction adds the weight's bias (set from the weight by the wrapper, not tuned)
+#endif
 
 #define LAYOUT 0
 #define READ 0
@@ -119,22 +122,27 @@ void gemv_q4_split(const int n_rows, __global const uint4* restrict codes, __glo
 }
 
 // y[o] for o < n_out from the SLICES slices' partial sums (n_rows of them a slice): summed in slice order, the
-// bias where the weight has one, the epilogue; gate-up pairs row o with row half_rows + o.
+// bias where the weight has one (BIAS: a build of its own, so a weight without one reads nothing there), the
+// epilogue; gate-up pairs row o with row half_rows + o.
 __kernel void gemv_q4_split_reduce(const int n_out, const int half_rows, const int n_rows,
                                    __global const float* restrict partial, __global const float* restrict bias,
-                                   const int has_bias, __global float* restrict y)
+                                   __global float* restrict y)
 {
     const int o = get_global_id(0);
     if (o >= n_out) return;
     float v = 0.0f;
     #pragma unroll
     for (int s = 0; s < SLICES; ++s) v += partial[(size_t)s * n_rows + o];
-    if (has_bias) v += bias[o];
+#if BIAS
+    v += bias[o];
+#endif
 #if EPI_GATED
     float up = 0.0f;
     #pragma unroll
     for (int s = 0; s < SLICES; ++s) up += partial[(size_t)s * n_rows + half_rows + o];
-    if (has_bias) up += bias[half_rows + o];
+#if BIAS
+    up += bias[half_rows + o];
+#endif
     v = GATE_ACT(v) * up;
 #endif
     y[o] = v;

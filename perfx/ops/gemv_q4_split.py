@@ -80,17 +80,19 @@ class GemvQ4Split:
         self._kernels: dict[tuple, tuple[cl.Kernel, cl.Kernel]] = {}
         self._scratch: dict[int, cl.Buffer] = {}   # N -> SPLIT·N floats of partial sums
 
-    def kernels(self, group: int, epilogue: str, k: int, form: int = Q4_PAIRS) -> tuple[cl.Kernel, cl.Kernel]:
-        """The built (product, reduction) kernels for a group size, epilogue, K and scales' form, once the
-        parameters are checked against K (built once, then cached by the device)."""
-        key = (group, epilogue, k, form)
+    def kernels(self, group: int, epilogue: str, k: int, form: int = Q4_PAIRS,
+                bias: bool = False) -> tuple[cl.Kernel, cl.Kernel]:
+        """The built (product, reduction) kernels for a group size, epilogue, K, scales' form and whether the
+        weight has a bias (the reduction's), once the parameters are checked against K (built once, then
+        cached by the device)."""
+        key = (group, epilogue, k, form, bias)
         kernels = self._kernels.get(key)
         if kernels is None:
             PARAMS.check(self.params, {"k": k, "epilogue": epilogue}, self.device.caps, f"at K = {k}")
             defines = {**self.params, "KTEXELS": k // 32, "GROUP": group,
                        "EPILOGUE": code("gemv_q4_split", epilogue, GEMV_EPILOGUES), **q4_form_defines(form)}
             kernels = (self.device.kernel(PARAMS.source, "gemv_q4_split", defines),
-                       self.device.kernel(PARAMS.source, "gemv_q4_split_reduce", defines))
+                       self.device.kernel(PARAMS.source, "gemv_q4_split_reduce", {**defines, "BIAS": int(bias)}))
             self._kernels[key] = kernels
         return kernels
 
@@ -99,7 +101,11 @@ class GemvQ4Split:
         one in-order queue reuse it one after the other."""
         buffer = self._scratch.get(n)
         if buffer is None:
-            buffer = self._scratch[n] = self.device.alloc(4 * self.split * n, what="gemv_q4_split partial sums")
+            # zeroed once: the product writes every row it holds before the reduction reads it (an unwritten
+            # partial would read 0 and fail the checks against the reference); Oclgrind reported the
+            # reduction's reads of a fresh scratch as uninitialised when a case of another N ran first
+            buffer = self._scratch[n] = self.device.alloc(4 * self.split * n, np.zeros(self.split * n, np.float32),
+                                                          what="gemv_q4_split partial sums")
         return buffer
 
     def launch_shape(self, n: int, k: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -122,7 +128,7 @@ class GemvQ4Split:
         if weight.buffer is None:
             raise PerfxError("gemv_q4_split: the weight was uploaded without the 'buffer' read path it reads; "
                              "upload it with read_paths including 'buffer'")
-        product, reduce = self.kernels(weight.group, epilogue, k, weight.form)
+        product, reduce = self.kernels(weight.group, epilogue, k, weight.form, weight.bias is not None)
         m = output_rows(n, epilogue)
         xb = device_buffer(x, 4 * k, "gemv_q4_split x")
         yb = device_buffer(y, 4 * m, "gemv_q4_split y")
@@ -133,8 +139,7 @@ class GemvQ4Split:
                                    weight.scale_offset, xb, partial)
         reduce_global = REDUCE_WORK_GROUP * -(-m // REDUCE_WORK_GROUP)
         second = self.device.launch(reduce, (reduce_global,), (REDUCE_WORK_GROUP,), np.int32(m),
-                                    np.int32(m if is_gated(epilogue) else 0), np.int32(n), partial, bias,
-                                    np.int32(weight.bias is not None), yb)
+                                    np.int32(m if is_gated(epilogue) else 0), np.int32(n), partial, bias, yb)
         return [first, second]
 
     def __call__(self, weight: Q4DeviceWeight, x, y, epilogue: str = "none", quantized=None) -> cl.Event:

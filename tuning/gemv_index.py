@@ -201,7 +201,8 @@ def table(kernel: str = "split", models=MODELS, presets=GPU_PRESETS) -> str:
                 name = " ".join(f"{k[0] if k != 'WGR' else 'W'}{params[k]}" for k in keys if k in params)
                 lines.append(f"| {model} | {role} | {shape['n']}×{shape['k']} | {preset.name} | {len(figs)} | "
                              f"{min(per_cu):.1f}–{max(per_cu):.1f} | {min(f['sector_use'] for _, f in figs):.2f} | "
-                             f"{sum(f['per_cu'] >= 4 for _, f in figs)} | {name} | {fig['per_cu']:.1f} | {fig['sector_use']:.2f} |")
+                             f"{sum(f['per_cu'] >= 4 for _, f in figs)} | {name} | {fig['per_cu']:.1f} | "
+                             f"{fig['sector_use']:.2f} |")
     return "\n".join(lines)
 
 

@@ -5,8 +5,8 @@ GELU·mul, on the rows layout (``LAYOUT_ROWS``) of a ``Q4DeviceWeight``'s codes 
 launches several work-groups a compute unit; the work-items of a row set neighbours along K, so a warp/wave reads
 contiguous runs of a row, every 32-byte sector whole; the partial sums (SPLIT·N floats, a scratch buffer this
 wrapper owns per N; ⌈T/TS⌉ ≤ SPLIT of them used) reduced in slice order by a second launch that adds the bias
-and applies the epilogue: deterministic, no atomics. K is a build define (one build per K). ``tuning/gemv_q4_split.py``'s
-``index_model`` checks the launch's shape and its loads' sector use at a GPU's limits.
+and applies the epilogue: deterministic, no atomics. K is a build define (one build per K).
+``perfx.tuning.gemv_index`` models the launch's shape and its loads' sector use at a GPU's limits.
 """
 
 from __future__ import annotations

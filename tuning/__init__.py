@@ -41,7 +41,9 @@ def select_specs(names: str | None) -> dict[str, Spec]:
         return dict(SPECS)
     chosen = {}
     for name in (n.strip() for n in names.split(",") if n.strip()):
-        matched = [family for family in SPECS if family == name or family.startswith(name + "_")]
+        # a family's exact name is that family alone (gemv_q4, not gemv_q4_split too); else a prefix's group
+        matched = ([name] if name in SPECS else
+                   [family for family in SPECS if family.startswith(name + "_")])
         if not matched:
             raise PerfxError(f"unknown kernel family {name!r}; known: {', '.join(SPECS)}")
         chosen.update({family: SPECS[family] for family in matched})

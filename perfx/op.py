@@ -17,6 +17,8 @@ from perfx.ops.epilogue import gate_up_epilogue
 # The form an fp16 lm_head takes by default (--lm-head q8); a GGUF's Q8_0 head has its scales alone, known
 # from the file's header (``forms``).
 DEFAULT_HEAD_FORM = Form("q8", 32)
+# Families that may run a decode op in place of its own family, at the same shape (``Op.alternatives``).
+DECODE_ALTERNATIVES = {"gemv_q4": ("gemv_q4_split",)}
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,8 @@ class Op:
     ``shares``: the role of the decode op whose chosen wrapper runs this one too (the RMSNorm wrapper runs
     every norm; a prefill pass runs the short convolution, the gates and the head with the decode step's);
     ``measured`` False where its shape is that op's, so `perfx tune` measures it there alone.
+    ``alternatives``: families that may run in its place at the same shape, measured beside it (the int4 decode
+    GEMV's GPU-shaped form, gemv_q4_split), the plan running the one measured faster in one run.
     """
 
     family: str
@@ -45,11 +49,17 @@ class Op:
     m: int = 1
     shares: str | None = None
     measured: bool = True
+    alternatives: tuple[str, ...] = ()
 
     @property
     def key(self) -> tuple[str, str]:
         """(family, the shape as canonical JSON): what `perfx tune` measures."""
         return self.family, json.dumps(self.shape, sort_keys=True)
+
+    @property
+    def keys(self) -> list[tuple[str, str]]:
+        """``key``, and the same shape for each of its ``alternatives``: every (family, shape) measured for it."""
+        return [(family, self.key[1]) for family in (self.family, *self.alternatives)]
 
     @property
     def per_token(self) -> int:
@@ -167,7 +177,8 @@ def matrix_ops(config, role: str, m: int, options: StepOptions, gemm: bool = Fal
     for form in (forms if forms is not None else role_forms(config, role, options, k)):
         if not gemm:
             family, shape = gemv_shape(config, role, form, n, k, epilogue, bias)
-            out.append(Op(family, shape, label, layers, role, form, reads, writes, epilogue))
+            out.append(Op(family, shape, label, layers, role, form, reads, writes, epilogue,
+                          alternatives=DECODE_ALTERNATIVES.get(family, ())))
         else:
             fused = "bias" if bias and epilogue == "none" else epilogue
             out += [Op(family, shape, label, layers, role, form, reads, writes, fused, m)

@@ -20,11 +20,6 @@ from perfx.sources import open_named
 from perfx.op import Op, StepOptions
 from perfx.step import bucket_steps, decode_step, matrix_roles
 
-# Families that run a step's op in place of its own, at the same shape: each is measured at every problem of the
-# op's family (gemv_q4_split, the GPU-shaped int4 GEMV, at each int4 decode GEMV), and the plan may choose the
-# faster per role.
-DECODE_ALTERNATIVES = {"gemv_q4": ("gemv_q4_split",)}
-
 # Contexts at which decode attention is tuned (capped by the model's max_positions).
 DECODE_POSITIONS = (256, 2048)
 
@@ -74,7 +69,7 @@ def _step_problems(config, steps: list[list[Op]]) -> list[Problem]:
                 found[key] = [op, op.per_token, (int(prefill) * index, *_listing_rank(op, roles, prefill), index,
                                                  position)]
         keyed += [(order, Problem(family, op.shape, op.role, count)) for op, count, order in found.values()
-                  for family in (op.family, *DECODE_ALTERNATIVES.get(op.family, ()))]
+                  for family in (op.family, *op.alternatives)]
     return [problem for _, problem in sorted(keyed, key=lambda pair: pair[0])]
 
 

@@ -15,6 +15,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from perfx.errors import PerfxError
+from perfx.reference import apply_repetition_penalty, sampling_probs  # noqa: F401 (the sampler's maths)
 
 
 class Model(Protocol):
@@ -83,38 +84,6 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 and self.repetition_penalty == 1.0
-
-
-def apply_repetition_penalty(logits, previous_ids, penalty: float) -> np.ndarray:
-    """CTRL-style penalty as in Hugging Face: positive logits divided, negative multiplied (float64)."""
-    logits = np.array(logits, dtype=np.float64)
-    if penalty == 1.0 or len(previous_ids) == 0:
-        return logits
-    ids = np.unique(np.asarray(previous_ids, dtype=np.int64))
-    picked = logits[ids]
-    logits[ids] = np.where(picked > 0, picked / penalty, picked * penalty)
-    return logits
-
-
-def sampling_probs(logits, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                   min_p: float = 0.0) -> np.ndarray:
-    """The distribution sampled from (float64): temperature, then top-k, top-p (nucleus) and min-p filters."""
-    logits = np.asarray(logits, dtype=np.float64) / max(float(temperature), 1e-8)
-    probs = np.exp(logits - logits.max())
-    probs /= probs.sum()
-    keep = np.ones_like(probs, dtype=bool)
-    order = np.argsort(-probs, kind="stable")
-    if top_k and top_k < len(probs):
-        keep[order[top_k:]] = False
-    if top_p < 1.0:
-        cumulative = np.cumsum(probs[order])
-        # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
-        cut = int(np.searchsorted(cumulative, top_p, side="left")) + 1
-        keep[order[cut:]] = False
-    if min_p > 0.0:
-        keep &= probs >= min_p * probs.max()
-    probs = np.where(keep, probs, 0.0)
-    return probs / probs.sum()
 
 
 class Sampler:

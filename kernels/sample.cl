@@ -16,12 +16,14 @@
 // outside [0, V) ignored), 1 ≤ top_k ≤ TOPK, or top_k ≥ V where V ≤ TOPK (no top-k cut). out: 1 int32.
 //
 // sample_partial: GROUPS work-groups of TOPK work-items; group g scans the contiguous chunk
-//   [g·C, min((g + 1)·C, V)), C = ceil(V / GROUPS), in tiles of TOPK logits. Each logit is penalised when its
-//   id is in the history (a hash set of the history's ids in local memory, built by each group: each distinct
-//   id once), then kept as a 64-bit key that orders like the host's order (the value's bits made monotonic
-//   above, the index inverted below, so the lower index wins a tie). A tile with a key above the group's
-//   current TOPK-th waits in local memory until TOPK such wait, then a bitonic sort of 4·TOPK keys merges
-//   them (``offer``); a tile costs two barriers besides.
+//   [g·C, min((g + 1)·C, V)), C = ceil(V / GROUPS), each work-item every TOPK-th logit. Each logit is
+//   penalised when its id is in the history (a hash set of the history's ids in local memory, built by each
+//   group: each distinct id once), then kept as a 64-bit key that orders like the host's order (the value's
+//   bits made monotonic above, the index inverted below, so the lower index wins a tie). A first scan keeps
+//   each work-item's 4 best keys, whose TOPK-th best (tau) bounds the group's TOPK-th best from below; a
+//   second gathers the keys ≥ tau into local memory and one bitonic sort of 4·TOPK ranks them. Where more
+//   than 4·TOPK keys reach tau (many equal logits), a third scan offers tiles of TOPK keys to the TOPK kept
+//   (``offer``: a sort each TOPK keys that beat the kept ones), exact whatever the logits.
 //   Each work-item also keeps an online softmax (max, Σ exp) of its y, reduced over the group.
 //   Writes the group's TOPK keys (sorted) and its (max, sum).
 // sample_final: one work-group of TOPK work-items merges the GROUPS·TOPK keys the same way and the
@@ -108,6 +110,17 @@ inline bool in_history(__local const int* set, const int id)
         }
         slot = (slot + 1) & (HASH_SLOTS - 1);
     }
+}
+
+// Logit i, penalised when i is in the history's set.
+inline float penalised_logit(__global const float* restrict logits, __local const int* set, const bool penalised,
+                             const float penalty, const int i)
+{
+    const float x = logits[i];
+    if (penalised && in_history(set, i)) {
+        return x > 0.0f ? x / penalty : x * penalty;
+    }
+    return x;
 }
 
 // Sort keys[0 .. 4·TOPK) descending: a bitonic network, TOPK work-items each doing two compare-exchanges a
@@ -227,28 +240,65 @@ void sample_partial(const int v, __global const float* restrict logits, __global
     if (penalised) {
         build_history(set, history, min(h, HISTORY_MAX), v);
     }
+    const int chunk = (v + GROUPS - 1) / GROUPS;
+    const int start = min(g * chunk, v), end = min(start + chunk, v);
+    // 1. Each work-item's four best keys (and its online softmax) over its share, strided by TOPK; the TOPK-th
+    //    best of those 4·TOPK keys, tau, is at or below the group's TOPK-th best: TOPK keys reach it.
+    float m = -INFINITY, s = 0.0f;
+    ulong k0 = EMPTY_KEY, k1 = EMPTY_KEY, k2 = EMPTY_KEY, k3 = EMPTY_KEY;
+    for (int i = start + lid; i < end; i += TOPK) {
+        const float x = penalised_logit(logits, set, penalised, penalty, i);
+        const ulong key = make_key(x, i);
+        softmax_add(&m, &s, x * inv_t);
+        if (key > k3) {
+            k3 = key;
+            if (k3 > k2) { const ulong t = k2; k2 = k3; k3 = t; }
+            if (k2 > k1) { const ulong t = k1; k1 = k2; k2 = t; }
+            if (k1 > k0) { const ulong t = k0; k0 = k1; k1 = t; }
+        }
+    }
+    keys[4 * lid] = k0;
+    keys[4 * lid + 1] = k1;
+    keys[4 * lid + 2] = k2;
+    keys[4 * lid + 3] = k3;
+    sort_descending(keys);
+    const ulong tau = keys[TOPK - 1];
+    barrier(CLK_LOCAL_MEM_FENCE);
     keys[lid] = keys[TOPK + lid] = keys[2 * TOPK + lid] = keys[3 * TOPK + lid] = EMPTY_KEY;
     if (lid == 0) {
         fill = 0;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
-    const int chunk = (v + GROUPS - 1) / GROUPS;
-    const int start = min(g * chunk, v), end = min(start + chunk, v);
-    float m = -INFINITY, s = 0.0f;
-    for (int base = start; base < end; base += TOPK) {   // the same trip count for the whole group
-        const int i = base + lid;
-        ulong key = EMPTY_KEY;
-        if (i < end) {
-            float x = logits[i];
-            if (penalised && in_history(set, i)) {
-                x = x > 0.0f ? x / penalty : x * penalty;
+    // 2. Every key at or above tau into local memory (about TOPK of them unless many logits tie), one sort.
+    for (int i = start + lid; i < end; i += TOPK) {
+        const ulong key = make_key(penalised_logit(logits, set, penalised, penalty, i), i);
+        if (key >= tau) {
+            const int slot = atomic_inc(&fill);
+            if (slot < 4 * TOPK) {
+                keys[slot] = key;
             }
-            key = make_key(x, i);
-            softmax_add(&m, &s, x * inv_t);
         }
-        offer(keys, &fill, key);
     }
-    flush(keys, &fill);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    const int many = fill > 4 * TOPK;
+    sort_descending(keys);
+    // 3. More than 4·TOPK reach tau (ties, or a share holding most of the best): tiles of TOPK keys offered to
+    //    the TOPK kept (``offer``), exact whatever the logits.
+    if (many) {
+        keys[TOPK + lid] = keys[2 * TOPK + lid] = keys[3 * TOPK + lid] = EMPTY_KEY;
+        keys[lid] = EMPTY_KEY;
+        if (lid == 0) {
+            fill = 0;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (int base = start; base < end; base += TOPK) {   // the same trip count for the whole group
+            const int i = base + lid;
+            const ulong key = i < end ? make_key(penalised_logit(logits, set, penalised, penalty, i), i)
+                                      : EMPTY_KEY;
+            offer(keys, &fill, key >= tau ? key : EMPTY_KEY);
+        }
+        flush(keys, &fill);
+    }
     partial_keys[(size_t)g * TOPK + lid] = keys[lid];
     softmax_reduce(ms, ss, &m, &s);
     if (lid == 0) {

@@ -129,3 +129,23 @@ def test_the_device_refuses_what_it_does_not_serve(device):
                 h=300)
     with pytest.raises(PerfxError, match="top_p"):
         sampler(logits, 1000, out, temperature=1.0, top_k=5, top_p=0.0)
+
+
+@pytest.mark.parametrize("params", [{"TOPK": 64, "GROUPS": 16}, {"TOPK": 128, "GROUPS": 16}])
+def test_work_items_holding_most_of_the_best(device, rng, params):
+    """A quarter of the work-items hold every large logit, each work-item's above the one before: the first
+    scan's bound is the lowest of those work-items' 4th best, which every logit of the others beats, so ~950
+    keys reach it (more than 4·TOPK) and the exact third scan runs. The draws still equal the reference's
+    (top_k = TOPK, the widest)."""
+    topk, v = params["TOPK"], 16 * 4096
+    logits = rng.standard_normal(v).astype(np.float32)
+    lane = (np.arange(v) % 4096) % topk                   # the work-item of each group that reads each logit
+    share = lane < topk // 4
+    logits[share] += 20 + 2 * lane[share]
+    config = SamplingConfig(temperature=1.0, top_k=topk, top_p=1.0, min_p=0.0)
+    probs = sampling_probs(logits, 1.0, topk, 1.0, 0.0)
+    cumulative = np.cumsum(np.sort(probs)[::-1][:np.count_nonzero(probs)])
+    seed = 11
+    counters = [c for c in range(40) if np.min(np.abs(reference.sampling_uniform(seed, c) - cumulative)) > MARGIN]
+    got = _draws(device, Sample(device, params), logits, [], config, seed, counters)
+    assert list(got) == [reference.draw_token(probs, reference.sampling_uniform(seed, c)) for c in counters]

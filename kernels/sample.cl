@@ -39,6 +39,8 @@
 
 #define HISTORY_MAX 256   // the host sampler's window (history[-256:])
 #define HASH_SLOTS 512    // the history's hash set: at most half full
+#define FILTER_BITS 8192  // a bit per hash of 13 bits ahead of the set: a logit not in the history (all but
+                          // at most 256) is told by one bit, wrongly sent on to the set at most 1/32 of the time
 #define EMPTY_KEY 0UL     // below every real key (an index of 2³² − 1 never occurs)
 
 inline uint monotonic(float v)
@@ -72,12 +74,18 @@ inline uint hash_slot(int id)
     return ((uint)id * 2654435761u) >> 23;   // 9 bits: HASH_SLOTS = 512
 }
 
-// The history's distinct ids in [0, V) into a local hash set (open addressing, linear probing).
+inline uint filter_bit(int id)
+{
+    return ((uint)id * 2246822519u) >> 19;   // 13 bits: FILTER_BITS = 8192
+}
+
+// The history's distinct ids in [0, V) into a local hash set (open addressing, linear probing), and a bit
+// filter (set[HASH_SLOTS ..], FILTER_BITS / 32 words) ahead of it.
 inline void build_history(__local int* set, __global const int* restrict history, const int h, const int v)
 {
     const int lid = get_local_id(0);
-    for (int s = lid; s < HASH_SLOTS; s += TOPK) {
-        set[s] = -1;
+    for (int s = lid; s < HASH_SLOTS + FILTER_BITS / 32; s += TOPK) {
+        set[s] = s < HASH_SLOTS ? -1 : 0;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
     for (int j = lid; j < h; j += TOPK) {
@@ -85,6 +93,8 @@ inline void build_history(__local int* set, __global const int* restrict history
         if (id < 0 || id >= v) {
             continue;
         }
+        const uint bit = filter_bit(id);
+        atomic_or((volatile __local int*)&set[HASH_SLOTS + (bit >> 5)], (int)(1u << (bit & 31)));
         uint slot = hash_slot(id);
         for (;;) {
             const int old = atomic_cmpxchg((volatile __local int*)&set[slot], -1, id);
@@ -99,6 +109,10 @@ inline void build_history(__local int* set, __global const int* restrict history
 
 inline bool in_history(__local const int* set, const int id)
 {
+    const uint bit = filter_bit(id);
+    if (!(((uint)set[HASH_SLOTS + (bit >> 5)] >> (bit & 31)) & 1u)) {
+        return false;
+    }
     uint slot = hash_slot(id);
     for (;;) {
         const int held = set[slot];
@@ -232,7 +246,7 @@ void sample_partial(const int v, __global const float* restrict logits, __global
                     __global float* restrict partial_max, __global float* restrict partial_sum)
 {
     __local ulong keys[4 * TOPK];
-    __local int set[HASH_SLOTS];
+    __local int set[HASH_SLOTS + FILTER_BITS / 32];
     __local int fill;
     __local float ms[TOPK], ss[TOPK];
     const int lid = get_local_id(0), g = get_group_id(0);

@@ -36,7 +36,7 @@ PARAMS = ParamSpace(
                 lambda p, s: s.get("temperature", 1.0) == 0
                 or _top_k_fits(s.get("top_k", 1), s.get("v", 1), p["TOPK"])),),
     work_group_size=lambda p, s: p["TOPK"],
-    local_memory=lambda p, s: 32 * p["TOPK"] + 8 * p["TOPK"] + 4 * 512 + 4,
+    local_memory=lambda p, s: 32 * p["TOPK"] + 8 * p["TOPK"] + 4 * (512 + 256) + 4,
 )
 
 

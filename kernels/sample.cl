@@ -402,3 +402,13 @@ void sample_final(const int v, __global const ulong* restrict partial_keys,
     }
     out[0] = chosen;
 }
+
+// The decode loop's history for the penalty: the chosen token into the ring of HISTORY_MAX ids at the next
+// position (step[1] + 1) modulo HISTORY_MAX, before next_step (kernels/decode_loop.cl) moves the position on.
+// The ring holds the ids of the last HISTORY_MAX positions, unused slots −1 (ignored). One work-item.
+__kernel __attribute__((reqd_work_group_size(1, 1, 1)))
+void sample_history_append(__global const int* restrict chosen, __global const int* restrict step,
+                           __global int* restrict history)
+{
+    history[(step[1] + 1) % HISTORY_MAX] = chosen[0];
+}

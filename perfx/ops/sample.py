@@ -59,6 +59,7 @@ class Sample:
         self.partial_sum = device.alloc(4 * self.groups, what="sample partial sums")
         self.no_history = device.alloc(4, what="sample empty history")
         self.position = DevicePosition(device, "sample")
+        self.append_kernel = device.kernel(PARAMS.source, "sample_history_append", self.params)
 
     def supports(self, config, v: int) -> bool:
         """Whether a ``SamplingConfig`` (temperature, top_k, top_p, min_p, repetition_penalty) at vocabulary
@@ -98,3 +99,10 @@ class Sample:
                                    np.uint32(seed >> 32), np.uint32(counter & 0xFFFFFFFF),
                                    np.uint32(counter >> 32), positions, np.int32(index), out)
         return [partial, final]
+
+    def append(self, chosen, step, history):
+        """The decode loop's penalty window: history[(step[1] + 1) mod 256] = chosen[0] (before ``NextStep`` moves
+        the position on), history a ring of 256 int32 ids by position, unused slots −1."""
+        return self.device.launch(self.append_kernel, (1,), (1,), device_buffer(chosen, 4, "sample chosen"),
+                                  device_buffer(step, 8, "sample step"),
+                                  device_buffer(history, 4 * HISTORY_MAX, "sample history ring"))

@@ -23,11 +23,13 @@
 //   each work-item's 4 best keys, whose TOPK-th best (tau) bounds the group's TOPK-th best from below; a
 //   second gathers the keys ≥ tau into local memory and one bitonic sort of 4·TOPK ranks them. Where more
 //   than 4·TOPK keys reach tau (many equal logits), a third scan offers tiles of TOPK keys to the TOPK kept
-//   (``offer``: a sort each TOPK keys that beat the kept ones), exact whatever the logits.
+//   (``offer``: a sort each TOPK keys that beat the kept ones), exact whatever the logits. A chunk of at most
+//   4·TOPK logits (a small V) is sorted whole; a group past the end of V keeps none.
 //   Each work-item also keeps an online softmax (max, Σ exp) of its y, reduced over the group.
 //   Writes the group's TOPK keys (sorted) and its (max, sum).
-// sample_final: one work-group of TOPK work-items merges the GROUPS·TOPK keys the same way and the
-//   GROUPS (max, sum) pairs, then one work-item applies top-k, top-p, min-p to the TOPK best and draws.
+// sample_final: one work-group of TOPK work-items merges the groups' keys, offering each group's sorted TOPK
+//   whose best beats the kept TOPK-th, and the GROUPS (max, sum) pairs, then one work-item applies top-k,
+//   top-p, min-p to the TOPK best and draws.
 // Launch: global = GROUPS · TOPK then TOPK, local = TOPK.
 
 #ifndef TOPK
@@ -256,9 +258,34 @@ void sample_partial(const int v, __global const float* restrict logits, __global
     }
     const int chunk = (v + GROUPS - 1) / GROUPS;
     const int start = min(g * chunk, v), end = min(start + chunk, v);
+    if (start == end) {   // past the vocabulary's end (a small V): nothing to keep
+        partial_keys[(size_t)g * TOPK + lid] = EMPTY_KEY;
+        if (lid == 0) {
+            partial_max[g] = -INFINITY;
+            partial_sum[g] = 0.0f;
+        }
+        return;
+    }
+    float m = -INFINITY, s = 0.0f;
+    if (end - start <= 4 * TOPK) {   // a chunk that fits local memory: every key in, one sort
+        keys[lid] = keys[TOPK + lid] = keys[2 * TOPK + lid] = keys[3 * TOPK + lid] = EMPTY_KEY;
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (int i = start + lid; i < end; i += TOPK) {
+            const float x = penalised_logit(logits, set, penalised, penalty, i);
+            keys[i - start] = make_key(x, i);
+            softmax_add(&m, &s, x * inv_t);
+        }
+        sort_descending(keys);
+        partial_keys[(size_t)g * TOPK + lid] = keys[lid];
+        softmax_reduce(ms, ss, &m, &s);
+        if (lid == 0) {
+            partial_max[g] = m;
+            partial_sum[g] = s;
+        }
+        return;
+    }
     // 1. Each work-item's four best keys (and its online softmax) over its share, strided by TOPK; the TOPK-th
     //    best of those 4·TOPK keys, tau, is at or below the group's TOPK-th best: TOPK keys reach it.
-    float m = -INFINITY, s = 0.0f;
     ulong k0 = EMPTY_KEY, k1 = EMPTY_KEY, k2 = EMPTY_KEY, k3 = EMPTY_KEY;
     for (int i = start + lid; i < end; i += TOPK) {
         const float x = penalised_logit(logits, set, penalised, penalty, i);
@@ -356,7 +383,11 @@ void sample_final(const int v, __global const ulong* restrict partial_keys,
     }
     barrier(CLK_LOCAL_MEM_FENCE);
     for (int g = 0; g < GROUPS; ++g) {
-        offer(keys, &fill, partial_keys[(size_t)g * TOPK + lid]);
+        // A group whose best does not beat the kept TOPK-th (or that kept none) offers nothing: the same test for
+        // every work-item, as the kept keys change only inside offer's barriers.
+        if (partial_keys[(size_t)g * TOPK] > keys[TOPK - 1]) {
+            offer(keys, &fill, partial_keys[(size_t)g * TOPK + lid]);
+        }
     }
     flush(keys, &fill);
     float m = -INFINITY, s = 0.0f;

@@ -139,15 +139,15 @@ inline float penalised_logit(__global const float* restrict logits, __local cons
     return x;
 }
 
-// Sort keys[0 .. 4·TOPK) descending: a bitonic network, TOPK work-items each doing two compare-exchanges a
-// stage.
-inline void sort_descending(__local ulong* keys)
+// Sort keys[0 .. n) descending, n a power of two up to 4·TOPK: a bitonic network, TOPK work-items each doing
+// up to two compare-exchanges a stage.
+inline void sort_first(__local ulong* keys, const uint n)
 {
     const uint lid = get_local_id(0);
-    for (uint size = 2; size <= 4 * TOPK; size <<= 1) {
+    for (uint size = 2; size <= n; size <<= 1) {
         for (uint stride = size >> 1; stride > 0; stride >>= 1) {
             barrier(CLK_LOCAL_MEM_FENCE);
-            for (uint pair = lid; pair < 2 * TOPK; pair += TOPK) {
+            for (uint pair = lid; pair < n / 2; pair += TOPK) {
                 const uint lo = 2 * pair - (pair & (stride - 1));
                 const uint hi = lo + stride;
                 const ulong a = keys[lo], b = keys[hi];
@@ -159,6 +159,11 @@ inline void sort_descending(__local ulong* keys)
         }
     }
     barrier(CLK_LOCAL_MEM_FENCE);
+}
+
+inline void sort_descending(__local ulong* keys)
+{
+    sort_first(keys, 4 * TOPK);
 }
 
 // Offer each work-item's key (EMPTY_KEY for none). keys[0 .. TOPK): the kept keys, sorted descending;
@@ -275,7 +280,11 @@ void sample_partial(const int v, __global const float* restrict logits, __global
             keys[i - start] = make_key(x, i);
             softmax_add(&m, &s, x * inv_t);
         }
-        sort_descending(keys);
+        uint n = 1;
+        while (n < (uint)(end - start)) {
+            n <<= 1;
+        }
+        sort_first(keys, n);   // keys[n ..] stay empty
         partial_keys[(size_t)g * TOPK + lid] = keys[lid];
         softmax_reduce(ms, ss, &m, &s);
         if (lid == 0) {

@@ -15,6 +15,8 @@ from typing import Callable, Protocol
 import numpy as np
 
 from perfx.errors import PerfxError
+from perfx.reference import apply_repetition_penalty, sampling_probs  # noqa: F401 (the sampler's maths)
+from perfx.reference import sample as sample_token
 
 
 class Model(Protocol):
@@ -35,6 +37,10 @@ class Model(Protocol):
     def checkpoint(self, verification: bool = False) -> None: ...   # keep a restore point at the last position run
     # feed token at pos, then yield the greedy token after each position up to last, feeding each at the next
     def greedy_tokens(self, token: int, pos: int, last: int) -> Iterator[int]: ...
+    def samples_on_device(self, config: SamplingConfig) -> bool: ...   # sampled_tokens draws with config there
+    # as greedy_tokens, each token drawn from the sampler's distribution after seen with uniform (seed, 0, position)
+    def sampled_tokens(self, token: int, pos: int, last: int, config: SamplingConfig, seed: int,
+                       seen: list[int]) -> Iterator[int]: ...
 
 
 class PositionalState:
@@ -56,6 +62,21 @@ class PositionalState:
         for q in range(pos, last + 1):
             self.decode_one(token, q)
             token = self.argmax()
+            yield token
+
+    def samples_on_device(self, config: SamplingConfig) -> bool:
+        return False
+
+    def sampled_tokens(self, token: int, pos: int, last: int, config: SamplingConfig, seed: int,
+                       seen: list[int]) -> Iterator[int]:
+        """The sampled loop step by step on the host: feed, then draw from the host sampler's distribution with
+        the uniform of (seed, 0, position) (``perfx.model.Model`` draws the same on the device, a step ahead)."""
+        seen = list(seen)
+        for q in range(pos, last + 1):
+            self.decode_one(token, q)
+            token = sample_token(self.logits(), seen[-256:], config.temperature, config.top_k, config.top_p,
+                                 config.min_p, config.repetition_penalty, seed, 0, q)
+            seen.append(token)
             yield token
 
 
@@ -83,38 +104,6 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 and self.repetition_penalty == 1.0
-
-
-def apply_repetition_penalty(logits, previous_ids, penalty: float) -> np.ndarray:
-    """CTRL-style penalty as in Hugging Face: positive logits divided, negative multiplied (float64)."""
-    logits = np.array(logits, dtype=np.float64)
-    if penalty == 1.0 or len(previous_ids) == 0:
-        return logits
-    ids = np.unique(np.asarray(previous_ids, dtype=np.int64))
-    picked = logits[ids]
-    logits[ids] = np.where(picked > 0, picked / penalty, picked * penalty)
-    return logits
-
-
-def sampling_probs(logits, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                   min_p: float = 0.0) -> np.ndarray:
-    """The distribution sampled from (float64): temperature, then top-k, top-p (nucleus) and min-p filters."""
-    logits = np.asarray(logits, dtype=np.float64) / max(float(temperature), 1e-8)
-    probs = np.exp(logits - logits.max())
-    probs /= probs.sum()
-    keep = np.ones_like(probs, dtype=bool)
-    order = np.argsort(-probs, kind="stable")
-    if top_k and top_k < len(probs):
-        keep[order[top_k:]] = False
-    if top_p < 1.0:
-        cumulative = np.cumsum(probs[order])
-        # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
-        cut = int(np.searchsorted(cumulative, top_p, side="left")) + 1
-        keep[order[cut:]] = False
-    if min_p > 0.0:
-        keep &= probs >= min_p * probs.max()
-    probs = np.where(keep, probs, 0.0)
-    return probs / probs.sum()
 
 
 class Sampler:
@@ -299,6 +288,8 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
 
     ahead: list[int] = []    # next tokens a speculative step verified: each but the last already in the cache
     greedy = None            # the model's greedy tokens, chosen and fed on by the model (``Model.greedy_tokens``)
+    sampled = None           # ... or its sampled tokens, drawn on the device (``Model.sampled_tokens``)
+    on_device = speculator is None and not sampling.greedy and model.samples_on_device(sampling)
     if speculator is not None:
         speculator.begin(model, seen, start_pos)
     started = time.perf_counter()
@@ -344,6 +335,13 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
                     last = min(pos + max_tokens - len(ids) - 1, model.max_positions - 1)
                     greedy = model.greedy_tokens(token, pos, last)
                 ahead = [next(greedy)]
+            elif not ahead and on_device:
+                # as greedy: the model draws each token on the device and feeds it on, a step ahead
+                if sampled is None:
+                    last = min(pos + max_tokens - len(ids) - 1, model.max_positions - 1)
+                    seed = sampling.seed if sampling.seed is not None else int(sampler.rng.integers(2**63))
+                    sampled = model.sampled_tokens(token, pos, last, sampling, seed, seen)
+                ahead = [next(sampled)]
             elif not ahead:
                 model.decode_one(token, pos)
                 ahead = [sampler(model, seen)]

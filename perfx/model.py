@@ -31,6 +31,7 @@ from perfx.mixers import Mixer, mixer_class
 from perfx.ops import Q8_NATURAL, Q8_TEXEL
 from perfx.ops.kv_cache import check_kv_form
 from perfx.ops.restore_points import RestorePoints
+from perfx.ops.sample import HISTORY_MAX, Sample
 from perfx.plan import KernelPlan, build_requests, load_buckets
 from perfx.progress import Progress
 from perfx.runtime import Device
@@ -251,6 +252,9 @@ class Model:
         self._decode_replays: dict = {}             # partitions -> those launches as one replay
         self._greedy_replays: dict = {}             # partitions -> the step choosing and handing over its token
         self._handover: list | None = None          # the argmax and next_step launches, recorded once
+        self._sampled_replays: dict = {}            # partitions -> the step drawing its token, for the settings below
+        self._sampled_settings: tuple | None = None  # the sampling settings and seed the draws were recorded with
+        self._sample, self._sample_history = None, None   # the sample kernel and the penalty's window, on first use
         self._decode_replay(0)   # recorded now: a kernel the driver refuses shows at load
         self.greedy_launches(0)  # and the hand-over's kernels built now, not in the first token's time
 
@@ -524,6 +528,78 @@ class Model:
         replay = self._greedy_replays.get(key)
         if replay is None:
             replay = self._greedy_replays[key] = self.device.replay(self.greedy_launches(pos))
+        if token is not None:
+            self._step_upload = self.device.write(self.state.step, np.array([token, pos], np.int32), wait=False)
+        replay.enqueue(self.device.queue)
+        self.host_seconds += time.perf_counter() - started
+
+    def samples_on_device(self, config) -> bool:
+        """Whether ``sampled_tokens`` draws with ``config`` (a ``SamplingConfig``, not greedy) on the device:
+        the sample kernel serves it (``Sample.supports``) and the state can roll back (the loop runs a step
+        ahead)."""
+        return self.can_roll_back and not config.greedy and self._sampler().supports(config, self.config.vocab_size)
+
+    def _sampler(self) -> Sample:
+        if self._sample is None:
+            self._sample = Sample(self.device)
+            self._sample_history = self.device.empty(HISTORY_MAX, np.int32)
+        return self._sample
+
+    def sampled_tokens(self, token: int, pos: int, last: int, config, seed: int, seen: list[int]) -> Iterator[int]:
+        """As ``greedy_tokens``, each token drawn on the device instead (``kernels/sample.cl``): from the host
+        sampler's distribution after ``seen`` (the ids so far, ``token`` last) with the uniform of (``seed``, 0,
+        the step's position), the penalty's window of the last 256 ids kept on the device and appended by each
+        step. ``PositionalState.sampled_tokens`` is the same loop on the host, drawing the same tokens."""
+        if not pos <= last < self.max_positions:
+            raise PerfxError(f"sampled_tokens: positions {pos}..{last} are outside the context of {self.max_positions}")
+        if not self._sampler().supports(config, self.config.vocab_size):
+            raise PerfxError(f"sampled_tokens: {config} is not drawn on the device (Model.samples_on_device)")
+        self._check_ids([token])
+        window = np.full(HISTORY_MAX, -1, np.int32)
+        for j, seen_id in enumerate(reversed(list(seen)[-HISTORY_MAX:])):
+            window[(pos - j) % HISTORY_MAX] = seen_id
+        self._sample_history.set(window)
+        if not self.can_roll_back:
+            for q in range(pos, last + 1):
+                self.decode_one(token, q)
+                self._enqueue_sample(config, seed)
+                token = int(self.state.best.get()[0])
+                yield token
+            return
+        self._check_resume(pos)
+        self._enqueue_sampled(pos, config, seed, token)
+        for q in range(pos, last + 1):
+            if q < last:
+                self._enqueue_sampled(q + 1, config, seed)
+            slot = np.empty(1, np.int32)
+            self.device.read_later(slot, self.state.tokens, 4 * ((q + 1) % TOKEN_RING)).wait()
+            yield int(slot[0])
+
+    def _enqueue_sample(self, config, seed: int) -> None:
+        """The draw from the logits at the position in ``state.step``, its token appended to the window."""
+        s = self.state
+        self._sample(s.logits, self.config.vocab_size, s.best, temperature=config.temperature, top_k=config.top_k,
+                     top_p=config.top_p, min_p=config.min_p, penalty=config.repetition_penalty,
+                     history=self._sample_history, h=HISTORY_MAX, seed=seed, counter=0, position=(s.step, 1))
+        self._sample.append(s.best, s.step, self._sample_history)
+
+    def _enqueue_sampled(self, pos: int, config, seed: int, token: int | None = None) -> None:
+        """``_enqueue_greedy`` with the draw in the argmax's place (a replay per sampling setting and seed)."""
+        self._start_state(pos)
+        self.written = pos + 1
+        started = time.perf_counter()
+        settings = (config.temperature, config.top_k, config.top_p, config.min_p, config.repetition_penalty, seed)
+        if settings != self._sampled_settings:   # a new request's draw: the last one's replays are not kept
+            self._sampled_replays.clear()
+            self._sampled_settings = settings
+        key = tuple(mixer.partitions(pos) for mixer in self.mixers)
+        replay = self._sampled_replays.get(key)
+        if replay is None:
+            s = self.state
+            with self.device.record() as handover:
+                self._enqueue_sample(config, seed)
+                self.plan.next_step(s.best, s.step, s.tokens, TOKEN_RING)
+            replay = self._sampled_replays[key] = self.device.replay(self.decode_launches(pos) + list(handover))
         if token is not None:
             self._step_upload = self.device.write(self.state.step, np.array([token, pos], np.int32), wait=False)
         replay.enqueue(self.device.queue)

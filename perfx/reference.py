@@ -112,6 +112,87 @@ def softmax(x, axis: int = -1) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
+# Sampling: the host sampler's distribution (perfx.generate.Sampler) and the device's counter-based draw
+
+
+def apply_repetition_penalty(logits, previous_ids, penalty: float) -> np.ndarray:
+    """CTRL-style penalty as in Hugging Face: positive logits divided, negative multiplied (float64)."""
+    logits = np.array(logits, dtype=np.float64)
+    if penalty == 1.0 or len(previous_ids) == 0:
+        return logits
+    ids = np.unique(np.asarray(previous_ids, dtype=np.int64))
+    picked = logits[ids]
+    logits[ids] = np.where(picked > 0, picked / penalty, picked * penalty)
+    return logits
+
+
+def sampling_probs(logits, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                   min_p: float = 0.0) -> np.ndarray:
+    """The distribution sampled from (float64): temperature, then top-k, top-p (nucleus) and min-p filters."""
+    logits = np.asarray(logits, dtype=np.float64) / max(float(temperature), 1e-8)
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    keep = np.ones_like(probs, dtype=bool)
+    order = np.argsort(-probs, kind="stable")
+    if top_k and top_k < len(probs):
+        keep[order[top_k:]] = False
+    if top_p < 1.0:
+        cumulative = np.cumsum(probs[order])
+        # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
+        cut = int(np.searchsorted(cumulative, top_p, side="left")) + 1
+        keep[order[cut:]] = False
+    if min_p > 0.0:
+        keep &= probs >= min_p * probs.max()
+    probs = np.where(keep, probs, 0.0)
+    return probs / probs.sum()
+
+
+PHILOX_M = (0xD2511F53, 0xCD9E8D57)   # Philox-4x32-10's multipliers (Salmon et al., SC 2011; Random123)
+PHILOX_W = (0x9E3779B9, 0xBB67AE85)   # its key increments (the golden ratio, √3 − 1)
+
+
+def philox4x32(counter, key, rounds: int = 10) -> tuple[int, int, int, int]:
+    """Philox-4x32-``rounds`` of four 32-bit counter words under two 32-bit key words: a block of four
+    32-bit words, a function of (counter, key) alone (no state)."""
+    c = [int(w) & 0xFFFFFFFF for w in counter]
+    k0, k1 = (int(w) & 0xFFFFFFFF for w in key)
+    for _ in range(rounds):
+        p0, p1 = PHILOX_M[0] * c[0], PHILOX_M[1] * c[2]
+        c = [((p1 >> 32) ^ c[1] ^ k0) & 0xFFFFFFFF, p1 & 0xFFFFFFFF,
+             ((p0 >> 32) ^ c[3] ^ k1) & 0xFFFFFFFF, p0 & 0xFFFFFFFF]
+        k0, k1 = (k0 + PHILOX_W[0]) & 0xFFFFFFFF, (k1 + PHILOX_W[1]) & 0xFFFFFFFF
+    return tuple(c)
+
+
+def sampling_uniform(seed: int, counter: int, position: int = 0) -> float:
+    """The uniform in [0, 1) a draw uses: the top 24 bits of word 0 of Philox-4x32-10 under key = the seed's
+    two 32-bit halves, counter = (the counter's two halves, position, 0), times 2⁻²⁴ (exact in float32)."""
+    word = philox4x32((counter, counter >> 32, position, 0), (seed, seed >> 32))[0]
+    return (word >> 8) * 2.0 ** -24
+
+
+def draw_token(probs, u: float) -> int:
+    """Inverse CDF in the sampler's order (probability descending, ties to the lower index): the first token
+    whose cumulative probability exceeds u times the total."""
+    probs = f64(probs)
+    order = np.argsort(-probs, kind="stable")
+    cumulative = np.cumsum(probs[order])
+    rank = int(np.searchsorted(cumulative, u * cumulative[-1], side="right"))
+    return int(order[min(rank, len(order) - 1)])
+
+
+def sample(logits, history, temperature: float, top_k: int, top_p: float, min_p: float, penalty: float,
+           seed: int, counter: int, position: int = 0) -> int:
+    """The token a draw at (seed, counter, position) chooses: from ``sampling_probs`` of the penalised logits,
+    or, at temperature 0, their argmax."""
+    penalised = apply_repetition_penalty(logits, history, penalty)
+    if temperature == 0:
+        return argmax(penalised)
+    return draw_token(sampling_probs(penalised, temperature, top_k, top_p, min_p),
+                      sampling_uniform(seed, counter, position))
+
+
+# ---------------------------------------------------------------------------------------------
 # 4-bit weights and matrix products
 
 

@@ -1,0 +1,454 @@
+// Sampling the next token on the device: the distribution of perfx.reference.sampling_probs (the host
+// sampler's) over the repetition-penalised logits, drawn by inverse CDF with a counter-based uniform.
+//
+// Maths (float64 in perfx/reference.py, fp32 here):
+//   l'_i = l_i / r if l_i > 0 else l_i · r for each distinct id i among the history's h ids, else l_i (r: the
+//          repetition penalty; CTRL / Hugging Face);
+//   y_i  = l'_i / T, p_i = exp(y_i − max y) / Σ_j exp(y_j − max y) over all V tokens (T: the temperature);
+//   order: p descending, ties to the lower index; keep the first min(top_k, V) of the order, the first
+//          c = (the first rank whose cumulative p reaches top_p) + 1, and those with p_i ≥ min_p · max p;
+//   u    = the top 24 bits of word 0 of Philox-4x32-10(key = (seed_lo, seed_hi), counter = (counter_lo,
+//          counter_hi, positions[pos_index], 0)) times 2⁻²⁴, in [0, 1), exact in fp32 and float64;
+//   the token: the first kept token in the order whose cumulative kept weight exceeds u · (the kept total).
+//   T = 0: the first token of the order (numpy.argmax of the penalised logits).
+//
+// Shape contract: logits (V floats), history (h ≤ 256 int32 ids, in any order, duplicates counted once, ids
+// outside [0, V) ignored), 1 ≤ top_k ≤ TOPK, or top_k ≥ V where V ≤ TOPK (no top-k cut). out: 1 int32.
+//
+// sample_partial: GROUPS work-groups of TOPK work-items; group g scans the contiguous chunk
+//   [g·C, min((g + 1)·C, V)), C = ceil(V / GROUPS), each work-item every TOPK-th logit. Each logit is
+//   penalised when its id is in the history (a hash set of the history's ids in local memory, built by each
+//   group: each distinct id once), then kept as a 64-bit key that orders like the host's order (the value's
+//   bits made monotonic above, the index inverted below, so the lower index wins a tie). A first scan keeps
+//   each work-item's 4 best keys, whose TOPK-th best (tau) bounds the group's TOPK-th best from below; a
+//   second gathers the keys ≥ tau into local memory and one bitonic sort of 4·TOPK ranks them. Where more
+//   than 4·TOPK keys reach tau (many equal logits), a third scan offers tiles of TOPK keys to the TOPK kept
+//   (``offer``: a sort each TOPK keys that beat the kept ones), exact whatever the logits. A chunk of at most
+//   4·TOPK logits (a small V) is sorted whole; a group past the end of V keeps none.
+//   Each work-item also keeps an online softmax (max, Σ exp) of its y, reduced over the group.
+//   Writes the group's TOPK keys (sorted) and its (max, sum).
+// sample_final: one work-group of TOPK work-items merges the groups' keys, offering each group's sorted TOPK
+//   whose best beats the kept TOPK-th, and the GROUPS (max, sum) pairs, then one work-item applies top-k,
+//   top-p, min-p to the TOPK best and draws.
+// Launch: global = GROUPS · TOPK then TOPK, local = TOPK.
+
+#ifndef TOPK
+#define TOPK 64  // candidates kept per work-group (the largest top_k the device serves), a power of two
+#endif
+#ifndef GROUPS
+#define GROUPS 64  // work-groups of the first pass
+#endif
+
+#define HISTORY_MAX 256   // the host sampler's window (history[-256:])
+#define HASH_SLOTS 512    // the history's hash set: at most half full
+#define FILTER_BITS 8192  // a bit per hash of 13 bits ahead of the set: a logit not in the history (all but
+                          // at most 256) is told by one bit, wrongly sent on to the set at most 1/32 of the time
+#define EMPTY_KEY 0UL     // below every real key (an index of 2³² − 1 never occurs)
+
+inline uint monotonic(float v)
+{
+    const uint bits = as_uint(v);
+    return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+inline float from_monotonic(uint m)
+{
+    return as_float((m & 0x80000000u) ? (m & 0x7fffffffu) : ~m);
+}
+
+inline ulong make_key(float v, int i)
+{
+    return ((ulong)monotonic(v) << 32) | (ulong)(~(uint)i);
+}
+
+inline int key_index(ulong key)
+{
+    return (int)(~(uint)key);
+}
+
+inline float key_value(ulong key)
+{
+    return from_monotonic((uint)(key >> 32));
+}
+
+inline uint hash_slot(int id)
+{
+    return ((uint)id * 2654435761u) >> 23;   // 9 bits: HASH_SLOTS = 512
+}
+
+inline uint filter_bit(int id)
+{
+    return ((uint)id * 2246822519u) >> 19;   // 13 bits: FILTER_BITS = 8192
+}
+
+// The history's distinct ids in [0, V) into a local hash set (open addressing, linear probing), and a bit
+// filter (set[HASH_SLOTS ..], FILTER_BITS / 32 words) ahead of it.
+inline void build_history(__local int* set, __global const int* restrict history, const int h, const int v)
+{
+    const int lid = get_local_id(0);
+    for (int s = lid; s < HASH_SLOTS + FILTER_BITS / 32; s += TOPK) {
+        set[s] = s < HASH_SLOTS ? -1 : 0;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int j = lid; j < h; j += TOPK) {
+        const int id = history[j];
+        if (id < 0 || id >= v) {
+            continue;
+        }
+        const uint bit = filter_bit(id);
+        atomic_or((volatile __local int*)&set[HASH_SLOTS + (bit >> 5)], (int)(1u << (bit & 31)));
+        uint slot = hash_slot(id);
+        for (;;) {
+            const int old = atomic_cmpxchg((volatile __local int*)&set[slot], -1, id);
+            if (old == -1 || old == id) {
+                break;
+            }
+            slot = (slot + 1) & (HASH_SLOTS - 1);
+        }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+}
+
+inline bool in_history(__local const int* set, const int id)
+{
+    const uint bit = filter_bit(id);
+    if (!(((uint)set[HASH_SLOTS + (bit >> 5)] >> (bit & 31)) & 1u)) {
+        return false;
+    }
+    uint slot = hash_slot(id);
+    for (;;) {
+        const int held = set[slot];
+        if (held == id) {
+            return true;
+        }
+        if (held == -1) {
+            return false;
+        }
+        slot = (slot + 1) & (HASH_SLOTS - 1);
+    }
+}
+
+// Logit i, penalised when i is in the history's set.
+inline float penalised_logit(__global const float* restrict logits, __local const int* set, const bool penalised,
+                             const float penalty, const int i)
+{
+    const float x = logits[i];
+    if (penalised && in_history(set, i)) {
+        return x > 0.0f ? x / penalty : x * penalty;
+    }
+    return x;
+}
+
+// Sort keys[0 .. n) descending, n a power of two up to 4·TOPK: a bitonic network, TOPK work-items each doing
+// up to two compare-exchanges a stage.
+inline void sort_first(__local ulong* keys, const uint n)
+{
+    const uint lid = get_local_id(0);
+    for (uint size = 2; size <= n; size <<= 1) {
+        for (uint stride = size >> 1; stride > 0; stride >>= 1) {
+            barrier(CLK_LOCAL_MEM_FENCE);
+            for (uint pair = lid; pair < n / 2; pair += TOPK) {
+                const uint lo = 2 * pair - (pair & (stride - 1));
+                const uint hi = lo + stride;
+                const ulong a = keys[lo], b = keys[hi];
+                if ((lo & size) == 0 ? a < b : a > b) {
+                    keys[lo] = b;
+                    keys[hi] = a;
+                }
+            }
+        }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+}
+
+inline void sort_descending(__local ulong* keys)
+{
+    sort_first(keys, 4 * TOPK);
+}
+
+// Offer each work-item's key (EMPTY_KEY for none). keys[0 .. TOPK): the kept keys, sorted descending;
+// keys[TOPK .. 3·TOPK): the keys offered since the last sort, *fill of them; keys[3·TOPK .. 4·TOPK): empty, the
+// sort's padding. A key at or below the kept TOPK-th can never be among the best, and is dropped; the others
+// wait, sorted in once TOPK or more wait (an offer adds at most TOPK, so the 2·TOPK slots never overflow):
+// tiles of keys that beat the kept ones cost a sort every TOPK such keys. Every work-item calls it.
+inline void offer(__local ulong* keys, volatile __local int* fill, const ulong key)
+{
+    const int lid = get_local_id(0);
+    if (key > keys[TOPK - 1]) {
+        keys[TOPK + atomic_inc(fill)] = key;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    const int full = *fill >= TOPK;
+    barrier(CLK_LOCAL_MEM_FENCE);   // every work-item has read it before the next offer counts on
+    if (full) {                     // the same for every work-item: the sort's barriers are reached by all
+        sort_descending(keys);
+        keys[TOPK + lid] = keys[2 * TOPK + lid] = EMPTY_KEY;
+        if (lid == 0) {
+            *fill = 0;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+}
+
+// After the last offer: the waiting keys sorted in, keys[0 .. TOPK) the best.
+inline void flush(__local ulong* keys, volatile __local int* fill)
+{
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (*fill > 0) {
+        sort_descending(keys);
+    }
+}
+
+inline void softmax_add(float* m, float* s, const float y)
+{
+    if (y == -INFINITY) {
+        return;
+    }
+    if (y > *m) {
+        *s = *s * exp(*m - y) + 1.0f;
+        *m = y;
+    } else {
+        *s += exp(y - *m);
+    }
+}
+
+inline void softmax_merge(float* m, float* s, const float m2, const float s2)
+{
+    if (s2 == 0.0f) {
+        return;
+    }
+    if (*s == 0.0f) {
+        *m = m2;
+        *s = s2;
+        return;
+    }
+    const float top = fmax(*m, m2);
+    *s = *s * exp(*m - top) + s2 * exp(m2 - top);
+    *m = top;
+}
+
+// The group's (max, sum) from each work-item's, by a local-memory tree (TOPK a power of two).
+inline void softmax_reduce(__local float* ms, __local float* ss, float* m, float* s)
+{
+    const int lid = get_local_id(0);
+    ms[lid] = *m;
+    ss[lid] = *s;
+    for (int width = TOPK / 2; width > 0; width >>= 1) {
+        barrier(CLK_LOCAL_MEM_FENCE);
+        if (lid < width) {
+            float a = ms[lid], b = ss[lid];
+            softmax_merge(&a, &b, ms[lid + width], ss[lid + width]);
+            ms[lid] = a;
+            ss[lid] = b;
+        }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    *m = ms[0];
+    *s = ss[0];
+}
+
+__kernel __attribute__((reqd_work_group_size(TOPK, 1, 1)))
+void sample_partial(const int v, __global const float* restrict logits, __global const int* restrict history,
+                    const int h, const float penalty, const float inv_t, __global ulong* restrict partial_keys,
+                    __global float* restrict partial_max, __global float* restrict partial_sum)
+{
+    __local ulong keys[4 * TOPK];
+    __local int set[HASH_SLOTS + FILTER_BITS / 32];
+    __local int fill;
+    __local float ms[TOPK], ss[TOPK];
+    const int lid = get_local_id(0), g = get_group_id(0);
+    const bool penalised = h > 0 && penalty != 1.0f;
+    if (penalised) {
+        build_history(set, history, min(h, HISTORY_MAX), v);
+    }
+    const int chunk = (v + GROUPS - 1) / GROUPS;
+    const int start = min(g * chunk, v), end = min(start + chunk, v);
+    if (start == end) {   // past the vocabulary's end (a small V): nothing to keep
+        partial_keys[(size_t)g * TOPK + lid] = EMPTY_KEY;
+        if (lid == 0) {
+            partial_max[g] = -INFINITY;
+            partial_sum[g] = 0.0f;
+        }
+        return;
+    }
+    float m = -INFINITY, s = 0.0f;
+    if (end - start <= 4 * TOPK) {   // a chunk that fits local memory: every key in, one sort
+        keys[lid] = keys[TOPK + lid] = keys[2 * TOPK + lid] = keys[3 * TOPK + lid] = EMPTY_KEY;
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (int i = start + lid; i < end; i += TOPK) {
+            const float x = penalised_logit(logits, set, penalised, penalty, i);
+            keys[i - start] = make_key(x, i);
+            softmax_add(&m, &s, x * inv_t);
+        }
+        uint n = 1;
+        while (n < (uint)(end - start)) {
+            n <<= 1;
+        }
+        sort_first(keys, n);   // keys[n ..] stay empty
+        partial_keys[(size_t)g * TOPK + lid] = keys[lid];
+        softmax_reduce(ms, ss, &m, &s);
+        if (lid == 0) {
+            partial_max[g] = m;
+            partial_sum[g] = s;
+        }
+        return;
+    }
+    // 1. Each work-item's four best keys (and its online softmax) over its share, strided by TOPK; the TOPK-th
+    //    best of those 4·TOPK keys, tau, is at or below the group's TOPK-th best: TOPK keys reach it.
+    ulong k0 = EMPTY_KEY, k1 = EMPTY_KEY, k2 = EMPTY_KEY, k3 = EMPTY_KEY;
+    for (int i = start + lid; i < end; i += TOPK) {
+        const float x = penalised_logit(logits, set, penalised, penalty, i);
+        const ulong key = make_key(x, i);
+        softmax_add(&m, &s, x * inv_t);
+        if (key > k3) {
+            k3 = key;
+            if (k3 > k2) { const ulong t = k2; k2 = k3; k3 = t; }
+            if (k2 > k1) { const ulong t = k1; k1 = k2; k2 = t; }
+            if (k1 > k0) { const ulong t = k0; k0 = k1; k1 = t; }
+        }
+    }
+    keys[4 * lid] = k0;
+    keys[4 * lid + 1] = k1;
+    keys[4 * lid + 2] = k2;
+    keys[4 * lid + 3] = k3;
+    sort_descending(keys);
+    const ulong tau = keys[TOPK - 1];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    keys[lid] = keys[TOPK + lid] = keys[2 * TOPK + lid] = keys[3 * TOPK + lid] = EMPTY_KEY;
+    if (lid == 0) {
+        fill = 0;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    // 2. Every key at or above tau into local memory (about TOPK of them unless many logits tie), one sort.
+    for (int i = start + lid; i < end; i += TOPK) {
+        const ulong key = make_key(penalised_logit(logits, set, penalised, penalty, i), i);
+        if (key >= tau) {
+            const int slot = atomic_inc(&fill);
+            if (slot < 4 * TOPK) {
+                keys[slot] = key;
+            }
+        }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    const int many = fill > 4 * TOPK;
+    sort_descending(keys);
+    // 3. More than 4·TOPK reach tau (ties, or a share holding most of the best): tiles of TOPK keys offered to
+    //    the TOPK kept (``offer``), exact whatever the logits.
+    if (many) {
+        keys[TOPK + lid] = keys[2 * TOPK + lid] = keys[3 * TOPK + lid] = EMPTY_KEY;
+        keys[lid] = EMPTY_KEY;
+        if (lid == 0) {
+            fill = 0;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (int base = start; base < end; base += TOPK) {   // the same trip count for the whole group
+            const int i = base + lid;
+            const ulong key = i < end ? make_key(penalised_logit(logits, set, penalised, penalty, i), i)
+                                      : EMPTY_KEY;
+            offer(keys, &fill, key >= tau ? key : EMPTY_KEY);
+        }
+        flush(keys, &fill);
+    }
+    partial_keys[(size_t)g * TOPK + lid] = keys[lid];
+    softmax_reduce(ms, ss, &m, &s);
+    if (lid == 0) {
+        partial_max[g] = m;
+        partial_sum[g] = s;
+    }
+}
+
+// Philox-4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011; Random123's
+// constants): word 0 of the output block.
+inline uint philox_word0(uint c0, uint c1, uint c2, uint c3, uint k0, uint k1)
+{
+    for (int round = 0; round < 10; ++round) {
+        const uint hi0 = mul_hi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+        const uint hi1 = mul_hi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+        const uint n0 = hi1 ^ c1 ^ k0, n1 = lo1, n2 = hi0 ^ c3 ^ k1, n3 = lo0;
+        c0 = n0;
+        c1 = n1;
+        c2 = n2;
+        c3 = n3;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    return c0;
+}
+
+__kernel __attribute__((reqd_work_group_size(TOPK, 1, 1)))
+void sample_final(const int v, __global const ulong* restrict partial_keys,
+                  __global const float* restrict partial_max, __global const float* restrict partial_sum,
+                  const float inv_t, const int greedy, const int top_k, const float top_p, const float min_p,
+                  const uint seed_lo, const uint seed_hi, const uint counter_lo, const uint counter_hi,
+                  __global const int* restrict positions, const int pos_index, __global int* restrict out)
+{
+    __local ulong keys[4 * TOPK];
+    __local int fill;
+    __local float ms[TOPK], ss[TOPK];
+    const int lid = get_local_id(0);
+    keys[lid] = keys[TOPK + lid] = keys[2 * TOPK + lid] = keys[3 * TOPK + lid] = EMPTY_KEY;
+    if (lid == 0) {
+        fill = 0;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int g = 0; g < GROUPS; ++g) {
+        // A group whose best does not beat the kept TOPK-th (or that kept none) offers nothing: the same test for
+        // every work-item, as the kept keys change only inside offer's barriers.
+        if (partial_keys[(size_t)g * TOPK] > keys[TOPK - 1]) {
+            offer(keys, &fill, partial_keys[(size_t)g * TOPK + lid]);
+        }
+    }
+    flush(keys, &fill);
+    float m = -INFINITY, s = 0.0f;
+    for (int g = lid; g < GROUPS; g += TOPK) {
+        softmax_merge(&m, &s, partial_max[g], partial_sum[g]);
+    }
+    softmax_reduce(ms, ss, &m, &s);
+    if (lid != 0) {
+        return;
+    }
+    if (greedy) {
+        out[0] = key_index(keys[0]);
+        return;
+    }
+    // The kept prefix of the order: top-k, then top-p over the whole vocabulary's probabilities (Σ = s at m).
+    const int k = min(top_k, min(v, TOPK));
+    const float y0 = key_value(keys[0]) * inv_t;
+    const float floor_y = min_p > 0.0f ? y0 + log(min_p) : -INFINITY;   // p ≥ min_p · p_max in y's terms
+    float cumulative = 0.0f, kept = 0.0f;
+    int count = 0;
+    for (int r = 0; r < k; ++r) {
+        const float y = key_value(keys[r]) * inv_t;
+        if (y < floor_y) {
+            break;   // min-p: the order descends, so nothing after it passes either
+        }
+        kept += exp(y - m);
+        count = r + 1;
+        cumulative += exp(y - m) / s;
+        if (top_p < 1.0f && cumulative >= top_p) {
+            break;   // the token crossing top_p is kept, none after it
+        }
+    }
+    const uint word = philox_word0(counter_lo, counter_hi, (uint)positions[pos_index], 0u, seed_lo, seed_hi);
+    const float target = (float)(word >> 8) * 0x1.0p-24f * kept;
+    float running = 0.0f;
+    int chosen = key_index(keys[count - 1]);
+    for (int r = 0; r < count; ++r) {
+        running += exp(key_value(keys[r]) * inv_t - m);
+        if (target < running) {
+            chosen = key_index(keys[r]);
+            break;
+        }
+    }
+    out[0] = chosen;
+}
+
+// The decode loop's history for the penalty: the chosen token into the ring of HISTORY_MAX ids at the next
+// position (step[1] + 1) modulo HISTORY_MAX, before next_step (kernels/decode_loop.cl) moves the position on.
+// The ring holds the ids of the last HISTORY_MAX positions, unused slots −1 (ignored). One work-item.
+__kernel __attribute__((reqd_work_group_size(1, 1, 1)))
+void sample_history_append(__global const int* restrict chosen, __global const int* restrict step,
+                           __global int* restrict history)
+{
+    history[(step[1] + 1) % HISTORY_MAX] = chosen[0];
+}

@@ -1,0 +1,151 @@
+"""Sampling on the device (kernels/sample.cl): every test shape at every parameter set, the token equal to the
+float64 reference's draw with the same Philox uniform, the draws' distribution against the host sampler's
+``sampling_probs`` by a chi-square test, the counter-based generator against Random123's known answers, and
+the settings the device refuses."""
+
+import numpy as np
+import pytest
+
+from helpers.spec_checks import assert_every_parameter_set
+from perfx import reference
+from perfx.errors import PerfxError
+from perfx.generate import SamplingConfig, apply_repetition_penalty, sampling_probs
+from perfx.ops.sample import Sample
+from perfx.tuning.sample import MARGIN, SAMPLE
+
+
+@pytest.mark.parametrize("shape", SAMPLE.test_shapes, ids=[SAMPLE.describe(s) for s in SAMPLE.test_shapes])
+def test_every_parameter_set_matches_reference(device, rng, shape):
+    assert_every_parameter_set(SAMPLE, device, shape, rng)
+
+
+def test_philox_matches_random123_known_answers():
+    # Random123's kat_vectors for philox4x32_10
+    assert reference.philox4x32((0, 0, 0, 0), (0, 0)) == (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)
+    assert reference.philox4x32((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2) == (0x408F276D, 0x41C83B0E, 0xA20BC7C6,
+                                                                          0x6D5451FD)
+    assert reference.philox4x32((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0)) == (
+        0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)
+    u = [reference.sampling_uniform(7, c) for c in range(2000)]
+    assert 0 <= min(u) and max(u) < 1 and abs(np.mean(u) - 0.5) < 0.02
+
+
+def test_the_host_sampler_uses_the_reference_distribution():
+    # one definition of the distribution: the host sampler's is the one the device is checked against
+    assert sampling_probs is reference.sampling_probs
+    assert apply_repetition_penalty is reference.apply_repetition_penalty
+
+
+def _draws(device, sampler, logits, history, config, seed, counters) -> np.ndarray:
+    logits_d, out = device.upload(np.asarray(logits, np.float32)), device.empty(1, np.int32)
+    history_d = device.upload(np.asarray(history, np.int32)) if len(history) else None
+    got = []
+    for counter in counters:
+        sampler(logits_d, len(logits), out, temperature=config.temperature, top_k=config.top_k,
+                top_p=config.top_p, min_p=config.min_p, penalty=config.repetition_penalty, history=history_d,
+                h=len(history), seed=seed, counter=counter)[-1].wait()
+        got.append(int(out.get()[0]))
+    return np.array(got)
+
+
+def test_each_draw_is_the_reference_draw_with_the_same_uniform(device, rng):
+    """200 counters, V = 30 011: where the uniform lies clear of every cumulative boundary (MARGIN of the mass;
+    the few within it are skipped, as fp32 sums may honestly fall either side), the device's token is the
+    float64 draw's."""
+    v, seed = 30011, 987654321987
+    logits = (rng.standard_normal(v) * 2.5).astype(np.float32)
+    history = np.concatenate([np.argsort(-logits)[:6], rng.integers(0, v, 60)]).astype(np.int32)
+    config = SamplingConfig(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02, repetition_penalty=1.2)
+    probs = sampling_probs(apply_repetition_penalty(logits, history, 1.2), 0.8, 50, 0.9, 0.02)
+    cumulative = np.cumsum(np.sort(probs)[::-1][:np.count_nonzero(probs)])
+    counters = [c for c in range(200) if np.min(np.abs(reference.sampling_uniform(seed, c) - cumulative)) > MARGIN]
+    assert len(counters) > 150
+    got = _draws(device, Sample(device), logits, history, config, seed, counters)
+    want = [reference.draw_token(probs, reference.sampling_uniform(seed, c)) for c in counters]
+    assert list(got) == want
+    assert len(set(want)) > 3
+
+
+def _chi_square_limit(df: int, z: float = 3.090) -> float:
+    """The chi-square statistic exceeded with probability 1e-3 (z: the normal's 0.999 quantile), by
+    Wilson and Hilferty's cube-root approximation (within 1% of the quantile from df = 3)."""
+    return df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
+
+
+CHI_SQUARE_SETTINGS = [
+    SamplingConfig(temperature=0.7, top_k=5, top_p=1.0, min_p=0.0),
+    SamplingConfig(temperature=1.3, top_k=40, top_p=1.0, min_p=0.0),
+    SamplingConfig(temperature=1.0, top_k=40, top_p=0.9, min_p=0.0),
+    SamplingConfig(temperature=1.0, top_k=40, top_p=1.0, min_p=0.05),
+    SamplingConfig(temperature=1.0, top_k=40, top_p=1.0, min_p=0.0, repetition_penalty=1.3),
+]
+
+
+@pytest.mark.parametrize("config", CHI_SQUARE_SETTINGS,
+                         ids=[f"t{c.temperature}-k{c.top_k}-p{c.top_p}-m{c.min_p}-r{c.repetition_penalty}"
+                              for c in CHI_SQUARE_SETTINGS])
+def test_draws_follow_the_host_distribution(device, config):
+    """3 000 counters over V = 48 (a fixed seed and fixed logits: the test draws the same tokens every run, so it
+    cannot flake): the counts against ``sampling_probs`` by a chi-square test at the 1e-3 level over the
+    tokens expected 5 times or more (the rest pooled), and the total-variation distance within five standard
+    deviations of its mean under ``sampling_probs``."""
+    v, n, seed = 48, 3000, 20261205
+    logits = np.random.default_rng(5).standard_normal(v).astype(np.float32) * 1.5
+    history = np.array([int(np.argmax(logits)), 3, 3, 17, 40], np.int32)
+    probs = sampling_probs(apply_repetition_penalty(logits, history, config.repetition_penalty),
+                           config.temperature, config.top_k, config.top_p, config.min_p)
+    got = _draws(device, Sample(device), logits, history, config, seed, range(n))
+    counts = np.bincount(got, minlength=v)
+    assert counts[probs == 0].sum() == 0, "a token the filters drop was drawn"
+    expected = n * probs
+    big = expected >= 5
+    observed = np.append(counts[big], counts[~big].sum())
+    wanted = np.append(expected[big], expected[~big].sum())
+    observed, wanted = observed[wanted > 0], wanted[wanted > 0]
+    chi_square = float(np.sum((observed - wanted) ** 2 / wanted))
+    assert chi_square < _chi_square_limit(len(wanted) - 1), (chi_square, len(wanted))
+    # total variation: its mean under the right distribution is ½·Σ √(2/π)·√(p(1 − p)/N) (≈ 0.046 at 40
+    # near-even tokens), its standard deviation ½·√((1 − 2/π)·Σ p(1 − p)/N) (≈ 0.005): five of them above
+    spread = probs * (1 - probs) / n
+    mean_tv, sd_tv = 0.5 * np.sqrt(2 / np.pi) * np.sqrt(spread).sum(), 0.5 * np.sqrt((1 - 2 / np.pi) * spread.sum())
+    assert 0.5 * np.abs(counts / n - probs).sum() < mean_tv + 5 * sd_tv
+
+
+def test_the_device_refuses_what_it_does_not_serve(device):
+    sampler = Sample(device, {"TOPK": 64, "GROUPS": 64})
+    assert sampler.supports(SamplingConfig(top_k=40), 49152)
+    assert sampler.supports(SamplingConfig(top_k=64), 49152)
+    assert not sampler.supports(SamplingConfig(top_k=65), 49152)     # above TOPK
+    assert not sampler.supports(SamplingConfig(top_k=0), 49152)      # no top-k over more than TOPK tokens
+    assert sampler.supports(SamplingConfig(top_k=0), 64)             # ... but over TOPK tokens or fewer
+    assert sampler.supports(SamplingConfig(top_k=500), 60)           # top_k ≥ V: no top-k
+    assert sampler.supports(SamplingConfig(temperature=0, top_k=0, repetition_penalty=1.3), 262144)
+    assert Sample(device, {"TOPK": 128, "GROUPS": 64}).supports(SamplingConfig(top_k=128), 49152)
+    logits, out = device.upload(np.zeros(1000, np.float32)), device.empty(1, np.int32)
+    with pytest.raises(PerfxError, match="not served on the device"):
+        sampler(logits, 1000, out, temperature=1.0, top_k=0)
+    with pytest.raises(PerfxError, match="last 256"):
+        sampler(logits, 1000, out, temperature=1.0, top_k=5, history=device.upload(np.zeros(300, np.int32)),
+                h=300)
+    with pytest.raises(PerfxError, match="top_p"):
+        sampler(logits, 1000, out, temperature=1.0, top_k=5, top_p=0.0)
+
+
+@pytest.mark.parametrize("params", [{"TOPK": 64, "GROUPS": 16}, {"TOPK": 128, "GROUPS": 16}])
+def test_work_items_holding_most_of_the_best(device, rng, params):
+    """A quarter of the work-items hold every large logit, each work-item's above the one before: the first
+    scan's bound is the lowest of those work-items' 4th best, which every logit of the others beats, so ~950
+    keys reach it (more than 4·TOPK) and the exact third scan runs. The draws still equal the reference's
+    (top_k = TOPK, the widest)."""
+    topk, v = params["TOPK"], 16 * 4096
+    logits = rng.standard_normal(v).astype(np.float32)
+    lane = (np.arange(v) % 4096) % topk                   # the work-item of each group that reads each logit
+    share = lane < topk // 4
+    logits[share] += 20 + 2 * lane[share]
+    config = SamplingConfig(temperature=1.0, top_k=topk, top_p=1.0, min_p=0.0)
+    probs = sampling_probs(logits, 1.0, topk, 1.0, 0.0)
+    cumulative = np.cumsum(np.sort(probs)[::-1][:np.count_nonzero(probs)])
+    seed = 11
+    counters = [c for c in range(40) if np.min(np.abs(reference.sampling_uniform(seed, c) - cumulative)) > MARGIN]
+    got = _draws(device, Sample(device, params), logits, [], config, seed, counters)
+    assert list(got) == [reference.draw_token(probs, reference.sampling_uniform(seed, c)) for c in counters]

@@ -540,8 +540,9 @@ class Model:
         return self.can_roll_back and not config.greedy and self._sampler().supports(config, self.config.vocab_size)
 
     def _sampler(self) -> Sample:
+        """The plan's draw (``kernels/sample.cl``), and the penalty's window on the device, made on first use."""
         if self._sample is None:
-            self._sample = Sample(self.device)
+            self._sample = self.plan.sample
             self._sample_history = self.device.empty(HISTORY_MAX, np.int32)
         return self._sample
 

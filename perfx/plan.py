@@ -31,6 +31,7 @@ from perfx.ops.params import READ_NAMES
 from perfx.ops.q4_weight import available_paths
 from perfx.ops.q8_weight import Q8DeviceWeight
 from perfx.ops.rmsnorm import RMSNorm
+from perfx.ops.sample import Sample
 from perfx.ops.short_conv import ShortConv
 from perfx.ops.small_ops import Argmax, Embedding, GeGLU, SigmoidMul, Softcap, SwiGLU
 from perfx.runtime import BuildError, Device, KernelLimitError
@@ -108,7 +109,7 @@ class KernelPlan:
         self.gemv = _ByRole(self._gemv_fallback, self.roles + ("lm_head",))
         self._gemv_f16 = self._embed = self._attn_decode = None
         self.softcap = self.short_conv = self.attn_gate = self.delta_decode = self.delta_gate = None
-        self.rmsnorm = self.argmax_op = self.gate = None
+        self.rmsnorm = self.argmax_op = self.gate = self.sample = None
         self._next_step = None
         for op in self.step:
             if op.shares is None:
@@ -142,6 +143,8 @@ class KernelPlan:
             wrapper = self.embed
         elif family == "argmax":
             self.argmax_op = wrapper = self.choose(family, shape, op.role, lambda p: Argmax(d, p))
+        elif family == "sample":
+            self.sample = wrapper = self.choose(family, shape, op.role, lambda p: Sample(d, p, shape))
         elif op.role in ("swiglu (unfused)", "geglu (unfused)"):
             # the gate's activation for fp16 (unquantized) matrices, where no GEMV epilogue fuses it
             wrapper = GeGLU if family == "geglu" else SwiGLU

@@ -20,6 +20,7 @@ from __future__ import annotations
 from perfx.mixers import mixer_class
 from perfx.op import Op, StepOptions, embedding_shape, matrix_ops, norm_ops, role_forms, shared, softcap_shape
 from perfx.ops.epilogue import gate_up_epilogue
+from perfx.ops.sample import HISTORY_MAX
 from perfx.tuning.database import M_BUCKETS, bucket_representative
 
 
@@ -94,7 +95,15 @@ def head_ops(config, options: StepOptions, argmax: bool = True) -> list[Op]:
         out.append(Op("softcap", softcap_shape(c), "final soft-cap", reads=("logits",), writes=("logits",)))
     if argmax:
         out.append(Op("argmax", {"n": c.vocab_size}, "greedy sampling", reads=("logits",), writes=("best",)))
+        out.append(Op("sample", sample_shape(c), "sampling", reads=("logits",), writes=("best",)))
     return out
+
+
+def sample_shape(config) -> dict:
+    """The draw's shape key (``tuning/sample.py``): the vocabulary, and the settings `perfx chat` samples with by
+    default (``perfx.generate.SamplingConfig``'s), over a full penalty window."""
+    return {"v": config.vocab_size, "top_k": 40, "temperature": 0.7, "top_p": 0.95, "min_p": 0.05, "penalty": 1.0,
+            "history": HISTORY_MAX}
 
 
 # -- the steps ---------------------------------------------------------------------------------------------

@@ -4,6 +4,14 @@ edited without making any record stale), and tests/test_comments.py reads the co
 
 from __future__ import annotations
 
+import re
+
+
+# A comment, or a literal (kept whole as code): a // comment runs to a line's end not escaped by a backslash; a
+# literal to its closing quote or its line's end, a backslash escaping the next character.
+_TOKENS = re.compile(r"""(//(?:\\\n|[^\n])*)|(/\*.*?\*/)|(/\*)|("(?:\\.|[^"\\\n])*"?|'(?:\\.|[^'\\\n])*'?)""",
+                     re.S)
+
 
 def split_comments(text: str) -> tuple[str, list[tuple[int, str]]]:
     """(the code of an OpenCL C source with each comment replaced by a space, [(line, comment text)]).
@@ -14,43 +22,25 @@ def split_comments(text: str) -> tuple[str, list[tuple[int, str]]]:
     """
     code: list[str] = []
     comments: list[tuple[int, str]] = []
-    i, n, line = 0, len(text), 1
-    while i < n:
-        c = text[i]
-        two = text[i:i + 2]
-        if two == "//" or two == "/*":
-            start, start_line, block = i, line, two == "/*"
-            i += 2
-            while i < n:
-                if block and text.startswith("*/", i):
-                    i += 2
-                    break
-                if not block and text[i] == "\n" and text[i - 1] != "\\":
-                    break
-                i += 1
-            else:
-                if block:
-                    raise ValueError(f"unterminated /* comment from line {start_line}")
-            body = text[start + 2:i - 2 if block else i]
-            comments.append((start_line, body))
+    done, line = 0, 1
+    for match in _TOKENS.finditer(text):
+        start = match.start()
+        code.append(text[done:start])
+        line += text.count("\n", done, start)
+        line_comment, block, unterminated, _ = match.groups()
+        if unterminated is not None:
+            raise ValueError(f"unterminated /* comment from line {line}")
+        if line_comment is None and block is None:   # a literal: code
+            code.append(match.group())
+            line += match.group().count("\n")
+        else:
+            body = line_comment[2:] if line_comment is not None else block[2:-2]
+            comments.append((line, body))
             newlines = body.count("\n")
             line += newlines
-            code.append(" " + "\n" * newlines if block else " ")
-            if not block and newlines:   # a // comment continued over lines: keep the line count
-                code.append("\n" * newlines)
-            continue
-        if c in "\"'":
-            j = i + 1
-            while j < n and text[j] != c and text[j] != "\n":
-                j += 2 if text[j] == "\\" else 1
-            j = min(j + 1 if j < n and text[j] == c else j, n)
-            code.append(text[i:j])
-            line += text[i:j].count("\n")
-            i = j
-            continue
-        code.append(c)
-        line += c == "\n"
-        i += 1
+            code.append(" " + "\n" * newlines)
+        done = match.end()
+    code.append(text[done:])
     return "".join(code), comments
 
 

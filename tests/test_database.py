@@ -118,6 +118,7 @@ def hashes_of(monkeypatch, kernel, header=HEADER):
     """(code-only hash, legacy full-text hash) of a family of one kernel file that includes one header."""
     files = {"k.cl": kernel, "head.h": header}
     monkeypatch.setattr(dbmod, "kernel_source", files.__getitem__)
+    monkeypatch.setattr(dbmod, "_code", lambda name: dbmod.code_only(files[name]))   # not the cached real files
     return dbmod._source_hash.__wrapped__(("k.cl",)), dbmod.legacy_source_hash.__wrapped__(("k.cl",))
 
 

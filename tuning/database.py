@@ -100,8 +100,7 @@ def _family_files(sources: tuple[str, ...], strip: bool) -> list[str]:
     def add(name: str):
         if name not in seen:
             seen.append(name)
-            text = kernel_source(name)
-            for header in re.findall(r'#include "([^"]+)"', code_only(text) if strip else text):
+            for header in re.findall(r'#include "([^"]+)"', _code(name) if strip else kernel_source(name)):
                 add(header)
     for source in sources:
         add(source)
@@ -109,8 +108,14 @@ def _family_files(sources: tuple[str, ...], strip: bool) -> list[str]:
 
 
 @lru_cache(maxsize=None)
+def _code(name: str) -> str:
+    """A kernel file's code alone (``perfx.kernels.code_only``), read once: headers are shared by families."""
+    return code_only(kernel_source(name))
+
+
+@lru_cache(maxsize=None)
 def _source_hash(sources: tuple[str, ...]) -> str:
-    text = "\n".join(code_only(kernel_source(name)) for name in _family_files(sources, True))
+    text = "\n".join(_code(name) for name in _family_files(sources, True))
     return hashlib.sha256(text.encode()).hexdigest()
 
 

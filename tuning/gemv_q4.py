@@ -99,6 +99,23 @@ def fuzz_shapes(st):
     return shape()
 
 
+# Small off-grid shapes for the simulator: a fused QKV with bias, each gated epilogue.
+OCLGRIND_SHAPES = (
+    {"n": 13, "k": 320, "group": 64, "epilogue": "none", "bias": True, "parts": (7, 6)},
+    {"n": 2 * 7, "k": 192, "group": 32, "epilogue": "silu_mul", "bias": False},
+    {"n": 2 * 5, "k": 128, "group": 64, "epilogue": "gelu_mul", "bias": False},
+)
+
+
+def flops(shape) -> int:
+    return 2 * shape["n"] * shape["k"]
+
+
+def describe(s) -> str:
+    return (f"{s['n']}x{s['k']} G={s['group']}" + (" +bias" if s.get("bias") else "")
+            + (f" {s['epilogue']}" if s.get("epilogue", "none") != "none" else ""))
+
+
 SPEC = Spec(
     params=PARAMS,
     make_case=make_case,
@@ -140,12 +157,7 @@ SPEC = Spec(
     bytes_moved=_bytes_moved,
     reference=reference.gemv,
     fuzz_shapes=fuzz_shapes,
-    oclgrind_shapes=(
-        {"n": 13, "k": 320, "group": 64, "epilogue": "none", "bias": True, "parts": (7, 6)},
-        {"n": 2 * 7, "k": 192, "group": 32, "epilogue": "silu_mul", "bias": False},
-        {"n": 2 * 5, "k": 128, "group": 64, "epilogue": "gelu_mul", "bias": False},
-    ),
-    flops=lambda shape: 2 * shape["n"] * shape["k"],
-    describe=lambda s: (f"{s['n']}x{s['k']} G={s['group']}" + (" +bias" if s.get("bias") else "")
-                        + (f" {s['epilogue']}" if s.get("epilogue", "none") != "none" else "")),
+    oclgrind_shapes=OCLGRIND_SHAPES,
+    flops=flops,
+    describe=describe,
 )

@@ -16,7 +16,8 @@ from perfx import reference
 from perfx.formats import Q4_PAIRS, Q4Matrix
 from perfx.ops.gemv_q4_split import PARAMS, GemvQ4Split
 from perfx.ops.q4_weight import Q4DeviceWeight
-from perfx.tuning.gemv_q4 import _bytes_moved, _outputs, _weight_bytes, activations, fuzz_shapes
+from perfx.tuning.gemv_q4 import (OCLGRIND_SHAPES, _bytes_moved, _outputs, _weight_bytes, activations, describe, flops,
+                                  fuzz_shapes)
 from perfx.tuning.spec import (Case, Spec, cached_per_params, copies_past_cache, epilogue_reference, lazy_copies,
                                rotating_case)
 
@@ -64,12 +65,7 @@ SPEC = Spec(
     bytes_moved=_bytes_moved,
     reference=reference.gemv,
     fuzz_shapes=fuzz_shapes,
-    oclgrind_shapes=(
-        {"n": 13, "k": 320, "group": 64, "epilogue": "none", "bias": True, "parts": (7, 6)},
-        {"n": 2 * 7, "k": 192, "group": 32, "epilogue": "silu_mul", "bias": False},
-        {"n": 2 * 5, "k": 128, "group": 64, "epilogue": "gelu_mul", "bias": False},
-    ),
-    flops=lambda shape: 2 * shape["n"] * shape["k"],
-    describe=lambda s: (f"{s['n']}x{s['k']} G={s['group']}" + (" +bias" if s.get("bias") else "")
-                        + (f" {s['epilogue']}" if s.get("epilogue", "none") != "none" else "")),
+    oclgrind_shapes=OCLGRIND_SHAPES,
+    flops=flops,
+    describe=describe,
 )

@@ -25,6 +25,7 @@ from perfx.ops.gemm_q4 import FAMILIES as GEMM_FAMILIES, GemmQ4
 from perfx.ops.gemm_q8 import GemmQ8
 from perfx.ops.gemv_f16 import GemvF16
 from perfx.ops.gemv_q4 import GemvQ4
+from perfx.ops.gemv_q4_split import GemvQ4Split
 from perfx.ops.gated_delta_net import GatedDeltaNetChunked, GatedDeltaNetRecurrent
 from perfx.ops.gemv_q8 import GemvQ8
 from perfx.ops.params import READ_NAMES
@@ -177,13 +178,26 @@ class KernelPlan:
             # built now: a driver that refuses it is seen here
             made.kernel(shape["group"], shape["epilogue"], form=self.q4_form)
             return made
-        where = None
         if name == "lm_head" and c.tie_embeddings:
             # A tied int4 embedding is one weight: the gather reads its codes buffer, so the lm_head GEMV
             # reads that buffer or a view of it, never a second copy (image2d where it cannot be a view).
             def where(p):
                 return READ_NAMES[p["READ"]] in available_paths(d.caps, c.vocab_size, c.hidden_size, p["LAYOUT"])
-        return self.choose("gemv_q4", shape, name, gemv, where)
+            return self.choose("gemv_q4", shape, name, gemv, where)
+        if "gemv_q4_split" in op.alternatives and self._faster_alternative(shape, "gemv_q4", "gemv_q4_split"):
+            def split(params):
+                made = GemvQ4Split(d, params, shape)
+                made.kernels(shape["group"], shape["epilogue"], shape["k"], self.q4_form, shape["bias"])
+                return made
+            return self.choose("gemv_q4_split", shape, name, split)
+        return self.choose("gemv_q4", shape, name, gemv)
+
+    def _faster_alternative(self, shape: dict, family: str, alternative: str) -> bool:
+        """Whether ``alternative``'s first choice at ``shape`` was timed faster than ``family``'s in one run
+        (``one_run_times``): the GPU-shaped GEMV runs a role only where this device measured it faster."""
+        first = {f: self.database.choices(self.device, SPECS[f], shape)[0] for f in (family, alternative)}
+        timed = one_run_times(first, family)
+        return timed.get(alternative, float("inf")) < timed.get(family, 0.0)
 
     def _gemv_fallback(self, role: str):
         """The int4 GEMV of a role the step has no int4 op for, as its op would be at the loader's group."""

@@ -16,6 +16,8 @@ from perfx.errors import PerfxError
 from perfx.generate import SamplingConfig, generate
 from perfx.linear import Q4Linear
 from perfx.mixers.attention import AttentionMixer
+from perfx.ops.gemv_q4 import GemvQ4
+from perfx.ops.gemv_q4_split import GemvQ4Split
 from perfx.model import Model, load_model
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.runtime import Device
@@ -499,3 +501,27 @@ def test_the_int4_gemm_kind_compares_times_of_one_file(tiny_paths, device, rng, 
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
     gemms, _ = model.plan.prefill(19)
     assert {gemm.kind for gemm in gemms.values()} == {"lanes" if lanes_file == "same" else "skinny"}
+
+
+def test_a_role_runs_the_gpu_shaped_gemv_where_this_device_timed_it_faster(tiny_paths, device, tmp_path, monkeypatch):
+    """Where gemv_q4 and its alternative gemv_q4_split were timed at a decode GEMV's shape in one run and the split
+    was the faster, the plan runs the split for that role (its weight uploaded for it: the rows layout, the codes
+    buffer; the norm writing floats for it), within the fp32 tolerance of the reference; other roles keep
+    gemv_q4, and without both times every role does."""
+    monkeypatch.setenv("PERFX_CACHE", str(tmp_path))
+    source = open_model(tiny_paths["gguf-gqa3"])
+    problems, _ = model_problems(source.config, SPECS, 32, source.weight_forms())
+    shape = next(p.shape for p in problems if p.family == "gemv_q4" and p.label == "gate_up")
+    assert any(p.family == "gemv_q4_split" and p.shape == shape for p in problems), "measured beside gemv_q4"
+    untimed = Model.load(source, device, ctx=32, progress=False)
+    assert all(isinstance(gemv, GemvQ4) for gemv in untimed.plan.gemv.values())
+    database = default_database()
+    for family, seconds in (("gemv_q4", 2e-3), ("gemv_q4_split", 1e-3)):
+        params = next(iter(SPECS[family].params.candidates(shape, device.caps)))
+        database.save_result(device, result_record(SPECS[family], shape, params, seconds, None, device.fingerprint))
+    model = Model.load(source, device, ctx=32, progress=False)
+    assert isinstance(model.plan.gemv["gate_up"], GemvQ4Split) and isinstance(model.plan.gemv["qkv"], GemvQ4)
+    want, _ = forward64.model_forward(source, [4, 8, 15])
+    model.prefill([4, 8], 0)
+    model.decode_one(15, 2)
+    assert relative_error(model.logits(), want[-1]) <= TOLERANCE

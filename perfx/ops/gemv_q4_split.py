@@ -18,7 +18,7 @@ from perfx.errors import PerfxError
 from perfx.formats import Q4_PAIRS, q4_form_defines
 from perfx.ops import device_buffer
 from perfx.ops.epilogue import GEMV_EPILOGUES, check_gate_up, code, is_gated, output_rows
-from perfx.ops.params import ParamSpace, Rule
+from perfx.ops.params import READ_BUFFER, ParamSpace, Rule
 from perfx.ops.q4_weight import LAYOUT_NAMES, LAYOUT_ROWS, Q4DeviceWeight
 from perfx.runtime import Device
 
@@ -115,8 +115,10 @@ class GemvQ4Split:
         return (local * groups, slices(k, self.split)), (local, 1)
 
     # GemvQ4's call interface, so a plan can hold either wrapper for a role: x is read as floats, never as the
-    # norm's int8 blocks (``quantized`` is accepted and not read).
+    # norm's int8 blocks (``quantized`` is accepted and not read); the weight in the rows layout, read through its
+    # codes buffer (the layout and read path its upload takes from the wrapper).
     reads_quantized = False
+    layout, read = LAYOUT_ROWS, READ_BUFFER
 
     def events(self, weight: Q4DeviceWeight, x, y, epilogue: str = "none", quantized=None) -> list[cl.Event]:
         """Enqueue y = W·x: the product's launch and the reduction's; returns both events."""

@@ -11,6 +11,8 @@ plan is chosen before the weights are uploaded, and an int4 weight is laid out f
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from perfx.errors import PerfxError
 from perfx.formats import Q4Matrix, Q8Matrix
 from perfx.ops import Q8_NATURAL, Q8_TEXEL
@@ -21,7 +23,7 @@ from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight
 from perfx.ops.q8_weight import Q8DeviceWeight
 
 
-class Linear:
+class Linear(ABC):
     """y = x·Wᵀ for one matrix of role ``role`` (qkv, o, gate_up, down, conv_in, …, lm_head, embedding).
 
     ``model`` gives the plan (its kernels) and the run state (scratch rows for the fp16 path); gate_up carries
@@ -48,18 +50,18 @@ class Linear:
         """The int4 scales' form for the load line, None for other forms."""
         return None
 
+    @abstractmethod
     def __call__(self, x, y, m: int, decode: bool, blocks=None):
         """y (m, N) = x (m, K)·Wᵀ: the decode GEMV for one row (``decode``), else the prompt GEMM. ``blocks``:
         x's Q8_1 blocks and their order (codes and scales, order), which the GEMV reads where it takes them."""
-        raise NotImplementedError
 
     def rows(self, x, y, count: int):
         """y (count, N) = x (count, K)·Wᵀ for the lm_head over a prompt's rows (perplexity)."""
         return self(x, y, count, decode=False)
 
+    @abstractmethod
     def gather(self, ids, x, m: int, scale: float):
         """The rows of the m token ids in ``ids`` into x, times ``scale`` (the token embedding)."""
-        raise NotImplementedError
 
     def for_role(self, role: str) -> Linear:
         """The same weight in another role (a tied embedding is also the lm_head): no second copy."""

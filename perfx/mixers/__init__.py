@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from abc import ABC, abstractmethod
 
 import numpy as np
 
@@ -24,7 +25,7 @@ from perfx.errors import PerfxError
 from perfx.op import Op, StepOptions, matrix_ops
 
 
-class Mixer:
+class Mixer(ABC):
     """The layers of one kind of a model on the device: ``layers`` (their indices), each one's weights
     (``weights[layer]``), the kind's device state and scratch (``allocate``), and the step.
 
@@ -86,10 +87,10 @@ class Mixer:
         return cls.Weights(**values)
 
     @classmethod
+    @abstractmethod
     def synthetic(cls, config, random_matrix, rng):
         """Random host weights (``perfx.sources.synthetic``): ``random_matrix(rng, n, k)`` an int4 matrix,
         vectors that keep activations O(1)."""
-        raise NotImplementedError
 
     def __init__(self, model, layers: list[int]):
         self.model, self.layers = model, list(layers)
@@ -99,16 +100,16 @@ class Mixer:
     # -- what it reads, for tuning and for the load ---------------------------------------------
 
     @staticmethod
+    @abstractmethod
     def linears(config) -> list[tuple[str, int, int, bool]]:
         """(role, N, K, bias) of each of its matrices, fused the way the loader fuses them."""
-        raise NotImplementedError
 
     @classmethod
+    @abstractmethod
     def ops(cls, config, m: int, options: StepOptions, prefill: bool = False) -> list[Op]:
         """The ops of its layers over m rows, in launch order (``perfx.op.Op``): what `perfx tune` measures and
         the plan chooses kernels for (``perfx.step``); ``prefill``: a prefill pass's, where each matrix's GEMM
         kinds are compared per bucket. They read and write its ``scratch`` and the run state's xb and proj."""
-        raise NotImplementedError
 
     @classmethod
     def matrix_ops(cls, config, role: str, m: int, options: StepOptions, prefill: bool, reads: tuple[str, ...],
@@ -118,30 +119,30 @@ class Mixer:
         return matrix_ops(config, role, m, options, prefill, tuple(config.layers_of(cls.kind)), reads, writes,
                           dims=(n, k, bias))
 
+    @abstractmethod
     def upload(self, w, layer: int) -> int:
         """Upload layer ``layer``'s mixing weights from the host ``LayerWeights`` ``w`` (its ``mixing``) into
         ``weights[layer]``; the host bytes a decode step reads of them."""
-        raise NotImplementedError
 
+    @abstractmethod
     def xb_readers(self, layer: int) -> list:
         """The Linears of ``layer`` that read the norm before it (xb), in order."""
-        raise NotImplementedError
 
+    @abstractmethod
     def linears_of(self, layer: int) -> list:
         """Every Linear of ``layer``'s mixing."""
-        raise NotImplementedError
 
     def allocate(self) -> None:
         """Its device state and scratch, once every layer is uploaded (the run state ``model.state`` is)."""
 
     # -- the step --------------------------------------------------------------------------------
 
+    @abstractmethod
     def forward(self, layer: int, m: int, pos: int, decode: bool, position=None, split=None) -> None:
         """Enqueue ``layer``'s mixing over m rows of xb at positions pos..pos+m−1, output into proj.
         ``position`` (buffer, index): where a decode step reads ``pos`` on the device; ``split(mixer, layer)``:
         called in place of the launches whose grid depends on the position (``partitions``), which a decode
         recording records apart (``record_varying``)."""
-        raise NotImplementedError
 
     def partitions(self, pos: int) -> int:
         """What the launches recorded apart depend on at ``pos`` (0: none are)."""
@@ -151,11 +152,11 @@ class Mixer:
         """Enqueue the launches of ``layer`` that ``forward`` left to ``split``."""
 
     @staticmethod
+    @abstractmethod
     def reference(xb: np.ndarray, w, config, cache, layer: int, positions: np.ndarray, recipe) -> np.ndarray:
-        """The float64 mixing of ``layer`` over the normed rows xb at ``positions`` (``perfx.reference_model``),
+        """The float64 mixing of ``layer`` over the normed rows xb at ``positions`` (``perfx.forward64``),
         with the host ``LayerWeights`` ``w`` (its ``mixing``), updating ``cache``: its output before the post-norm
         and the residual."""
-        raise NotImplementedError
 
     # -- state rules -----------------------------------------------------------------------------
 

@@ -99,6 +99,18 @@ class GatedModel:
         assert self.gate.wait(TIMEOUT), "the test never opened the gate"
         self.model.decode_one(token, pos)
 
+    # the decode loops on the device (greedy, sampled) run their steps themselves: each token waits there
+    def greedy_tokens(self, *args):
+        return self._gated(self.model.greedy_tokens(*args))
+
+    def sampled_tokens(self, *args):
+        return self._gated(self.model.sampled_tokens(*args))
+
+    def _gated(self, tokens):
+        for token in tokens:
+            assert self.gate.wait(TIMEOUT), "the test never opened the gate"
+            yield token
+
 
 def chat_ids(tokenizer, messages) -> list[int]:
     return tokenizer.encode(tokenizer.apply_chat_template(messages), add_bos=tokenizer.add_bos_token)

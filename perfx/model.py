@@ -489,45 +489,64 @@ class Model:
         cache lies past the last position used and is never read. A model whose state cannot roll back
         (``can_roll_back``) runs step by step instead, so its state stands after the reply.
         """
-        if not pos <= last < self.max_positions:
-            raise PerfxError(f"greedy_tokens: positions {pos}..{last} are outside the context of {self.max_positions}")
-        if not self.can_roll_back:
-            for q in range(pos, last + 1):
-                self.decode_one(token, q)
-                token = self.argmax()
-                yield token
-            return
-        self._check_ids([token])
-        self._check_resume(pos)
-        self._enqueue_greedy(pos, token)
-        for q in range(pos, last + 1):
-            if q < last:
-                self._enqueue_greedy(q + 1)
-            slot = np.empty(1, np.int32)
-            self.device.read_later(slot, self.state.tokens, 4 * ((q + 1) % TOKEN_RING)).wait()
-            yield int(slot[0])
+        self._check_positions("greedy_tokens", pos, last)
+        return self._chosen_tokens(token, pos, last, self._greedy_replays, self._greedy_handover, self.argmax)
 
     def greedy_launches(self, pos: int) -> list:
         """The decode step at ``pos`` as ``greedy_tokens`` runs it: ``decode_launches`` and the hand-over (the
         argmax, and the chosen token written where the next step reads it)."""
+        return self.decode_launches(pos) + self._greedy_handover()
+
+    def _greedy_handover(self) -> list:
         if self._handover is None:
             s = self.state
-            with self.device.record() as handover:
-                self.plan.argmax_op(s.logits, self.config.vocab_size, s.best)
-                self.plan.next_step(s.best, s.step, s.tokens, TOKEN_RING)
-            self._handover = list(handover)
-        return self.decode_launches(pos) + self._handover
+            self._handover = self._record_handover(lambda: self.plan.argmax_op(s.logits, self.config.vocab_size,
+                                                                                s.best))
+        return self._handover
 
-    def _enqueue_greedy(self, pos: int, token: int | None = None) -> None:
+    def _record_handover(self, choose) -> list:
+        """The launches of ``choose()`` (the chosen token into ``state.best``) and of its hand-over to the next step,
+        recorded."""
+        s = self.state
+        with self.device.record() as handover:
+            choose()
+            self.plan.next_step(s.best, s.step, s.tokens, TOKEN_RING)
+        return list(handover)
+
+    def _check_positions(self, what: str, pos: int, last: int) -> None:
+        if not pos <= last < self.max_positions:
+            raise PerfxError(f"{what}: positions {pos}..{last} are outside the context of {self.max_positions}")
+
+    def _chosen_tokens(self, token: int, pos: int, last: int, replays: dict, handover, choose_now) -> Iterator[int]:
+        """The decode loop on the device shared by ``greedy_tokens`` and ``sampled_tokens``: each step's replay (in
+        ``replays`` by the partitions of its position) ends with ``handover()``'s launches; where the state cannot
+        roll back, step by step, ``choose_now()`` giving each token."""
+        if not self.can_roll_back:
+            for q in range(pos, last + 1):
+                self.decode_one(token, q)
+                token = choose_now()
+                yield token
+            return
+        self._check_ids([token])
+        self._check_resume(pos)
+        self._enqueue_chosen(pos, replays, handover, token)
+        for q in range(pos, last + 1):
+            if q < last:
+                self._enqueue_chosen(q + 1, replays, handover)
+            slot = np.empty(1, np.int32)
+            self.device.read_later(slot, self.state.tokens, 4 * ((q + 1) % TOKEN_RING)).wait()
+            yield int(slot[0])
+
+    def _enqueue_chosen(self, pos: int, replays: dict, handover, token: int | None = None) -> None:
         """Enqueue the decode step at ``pos`` that chooses its token and hands it to the next step; ``token``: the
         token to feed, uploaded first (None: the previous step handed it over on the device)."""
         self._start_state(pos)
         self.written = pos + 1
         started = time.perf_counter()
         key = tuple(mixer.partitions(pos) for mixer in self.mixers)
-        replay = self._greedy_replays.get(key)
+        replay = replays.get(key)
         if replay is None:
-            replay = self._greedy_replays[key] = self.device.replay(self.greedy_launches(pos))
+            replay = replays[key] = self.device.replay(self.decode_launches(pos) + handover())
         if token is not None:
             self._step_upload = self.device.write(self.state.step, np.array([token, pos], np.int32), wait=False)
         replay.enqueue(self.device.queue)
@@ -551,30 +570,23 @@ class Model:
         sampler's distribution after ``seen`` (the ids so far, ``token`` last) with the uniform of (``seed``, 0,
         the step's position), the penalty's window of the last 256 ids kept on the device and appended by each
         step. ``PositionalState.sampled_tokens`` is the same loop on the host, drawing the same tokens."""
-        if not pos <= last < self.max_positions:
-            raise PerfxError(f"sampled_tokens: positions {pos}..{last} are outside the context of {self.max_positions}")
+        self._check_positions("sampled_tokens", pos, last)
         if not self._sampler().supports(config, self.config.vocab_size):
             raise PerfxError(f"sampled_tokens: {config} is not drawn on the device (Model.samples_on_device)")
-        self._check_ids([token])
         window = np.full(HISTORY_MAX, -1, np.int32)
         for j, seen_id in enumerate(reversed(list(seen)[-HISTORY_MAX:])):
             window[(pos - j) % HISTORY_MAX] = seen_id
         self._sample_history.set(window)
-        if not self.can_roll_back:
-            for q in range(pos, last + 1):
-                self.decode_one(token, q)
-                self._enqueue_sample(config, seed)
-                token = int(self.state.best.get()[0])
-                yield token
-            return
-        self._check_resume(pos)
-        self._enqueue_sampled(pos, config, seed, token)
-        for q in range(pos, last + 1):
-            if q < last:
-                self._enqueue_sampled(q + 1, config, seed)
-            slot = np.empty(1, np.int32)
-            self.device.read_later(slot, self.state.tokens, 4 * ((q + 1) % TOKEN_RING)).wait()
-            yield int(slot[0])
+        settings = (config.temperature, config.top_k, config.top_p, config.min_p, config.repetition_penalty, seed)
+        if settings != self._sampled_settings:   # a new request's draw: the last one's replays are not kept
+            self._sampled_replays.clear()
+            self._sampled_settings = settings
+
+        def draw_now() -> int:
+            self._enqueue_sample(config, seed)
+            return int(self.state.best.get()[0])
+        return self._chosen_tokens(token, pos, last, self._sampled_replays,
+                                   lambda: self._record_handover(lambda: self._enqueue_sample(config, seed)), draw_now)
 
     def _enqueue_sample(self, config, seed: int) -> None:
         """The draw from the logits at the position in ``state.step``, its token appended to the window."""
@@ -583,28 +595,6 @@ class Model:
                      top_p=config.top_p, min_p=config.min_p, penalty=config.repetition_penalty,
                      history=self._sample_history, h=HISTORY_MAX, seed=seed, counter=0, position=(s.step, 1))
         self._sample.append(s.best, s.step, self._sample_history)
-
-    def _enqueue_sampled(self, pos: int, config, seed: int, token: int | None = None) -> None:
-        """``_enqueue_greedy`` with the draw in the argmax's place (a replay per sampling setting and seed)."""
-        self._start_state(pos)
-        self.written = pos + 1
-        started = time.perf_counter()
-        settings = (config.temperature, config.top_k, config.top_p, config.min_p, config.repetition_penalty, seed)
-        if settings != self._sampled_settings:   # a new request's draw: the last one's replays are not kept
-            self._sampled_replays.clear()
-            self._sampled_settings = settings
-        key = tuple(mixer.partitions(pos) for mixer in self.mixers)
-        replay = self._sampled_replays.get(key)
-        if replay is None:
-            s = self.state
-            with self.device.record() as handover:
-                self._enqueue_sample(config, seed)
-                self.plan.next_step(s.best, s.step, s.tokens, TOKEN_RING)
-            replay = self._sampled_replays[key] = self.device.replay(self.decode_launches(pos) + list(handover))
-        if token is not None:
-            self._step_upload = self.device.write(self.state.step, np.array([token, pos], np.int32), wait=False)
-        replay.enqueue(self.device.queue)
-        self.host_seconds += time.perf_counter() - started
 
     def logits(self) -> np.ndarray:
         return self.state.logits.get()

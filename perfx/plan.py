@@ -184,7 +184,8 @@ class KernelPlan:
             def where(p):
                 return READ_NAMES[p["READ"]] in available_paths(d.caps, c.vocab_size, c.hidden_size, p["LAYOUT"])
             return self.choose("gemv_q4", shape, name, gemv, where)
-        if "gemv_q4_split" in op.alternatives and self._faster_alternative(shape, "gemv_q4", "gemv_q4_split"):
+        if "gemv_q4_split" in op.alternatives and self._faster_alternative(
+                {"gemv_q4": shape, "gemv_q4_split": shape}, "gemv_q4", "gemv_q4_split"):
             def split(params):
                 made = GemvQ4Split(d, params, shape)
                 made.kernels(shape["group"], shape["epilogue"], shape["k"], self.q4_form, shape["bias"])
@@ -192,10 +193,11 @@ class KernelPlan:
             return self.choose("gemv_q4_split", shape, name, split)
         return self.choose("gemv_q4", shape, name, gemv)
 
-    def _faster_alternative(self, shape: dict, family: str, alternative: str) -> bool:
-        """Whether ``alternative``'s first choice at ``shape`` was timed faster than ``family``'s in one run
-        (``one_run_times``): the GPU-shaped GEMV runs a role only where this device measured it faster."""
-        first = {f: self.database.choices(self.device, SPECS[f], shape)[0] for f in (family, alternative)}
+    def _faster_alternative(self, shapes: dict, family: str, alternative: str) -> bool:
+        """Whether ``alternative``'s first choice was timed faster than ``family``'s in one run (``one_run_times``),
+        each at its shape in ``shapes`` (family -> shape): an alternative runs only where this device measured it
+        faster (the GPU-shaped GEMV, the int8 GEMM a column a lane)."""
+        first = {f: self.database.choices(self.device, SPECS[f], shapes[f])[0] for f in (family, alternative)}
         timed = one_run_times(first, family)
         return timed.get(alternative, float("inf")) < timed.get(family, 0.0)
 
@@ -363,10 +365,7 @@ class KernelPlan:
         """The int8 GEMM family to run at a bucket's shape (``shapes``: family -> shape): gemm_q8_lanes where its
         first choice and gemm_q8's were timed in one run (``one_run_times``) and lanes was the faster, else
         gemm_q8 (the register-tiled kernel written for a GPU's wave)."""
-        first = {family: self.database.choices(self.device, SPECS[family], shape)[0]
-                 for family, shape in shapes.items()}
-        timed = one_run_times(first, "gemm_q8")
-        return "gemm_q8_lanes" if timed.get("gemm_q8_lanes", float("inf")) < timed.get("gemm_q8", 0.0) else "gemm_q8"
+        return "gemm_q8_lanes" if self._faster_alternative(shapes, "gemm_q8", "gemm_q8_lanes") else "gemm_q8"
 
     def _q8_step_ops(self, kind: str, name: str, weight: Q8DeviceWeight, form: Form, rep: int) -> list[Op]:
         """The ops of the built step for an int8 weight of this form and size (the GEMV, the GEMM kinds of

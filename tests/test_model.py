@@ -6,6 +6,8 @@ per element) and accumulates in fp32; through two layers of attention and MLP th
 the logit range, while a wrong weight, position or head mapping moves logits by O(1) of their range.
 """
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -14,7 +16,7 @@ from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_awq, writ
 from perfx import forward64
 from perfx.errors import PerfxError
 from perfx.generate import SamplingConfig, generate
-from perfx.linear import Q4Linear
+from perfx.linear import Q4Linear, upload_linear
 from perfx.mixers.attention import AttentionMixer
 from perfx.ops.gemv_q4 import GemvQ4
 from perfx.ops.gemv_q4_split import GemvQ4Split
@@ -525,3 +527,12 @@ def test_a_role_runs_the_gpu_shaped_gemv_where_this_device_timed_it_faster(tiny_
     model.prefill([4, 8], 0)
     model.decode_one(15, 2)
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
+
+
+def test_an_fp16_matrix_with_a_bias_is_refused_with_what_to_do(device):
+    """The fp16 GEMV has no bias: an unquantized Qwen2 QKV says to quantize on load, before anything is uploaded."""
+    model = SimpleNamespace(device=device, plan=None)
+    before = device.allocated_bytes
+    with pytest.raises(PerfxError, match=r"layer 0 qkv: an fp16 matrix with a bias .* pass --quantize q4"):
+        upload_linear(model, np.ones((6, 4), np.float16), "layer 0 qkv", "qkv", bias=np.ones(6, np.float32))
+    assert device.allocated_bytes == before

@@ -13,6 +13,7 @@ import pytest
 
 from helpers.family_models import family_tokenizer, make_family_model, write_family_gguf
 from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
+from perfx.errors import PerfxError
 from perfx.generate import PositionalState, SamplingConfig, generate
 from perfx.model import Model
 from perfx.sources import open_model
@@ -78,4 +79,9 @@ def test_settings_the_device_does_not_serve_stay_on_the_host(models, device):
     wide = SamplingConfig(temperature=0.9, top_k=0, seed=3)    # no top-k over a vocabulary above TOPK
     if model.config.vocab_size > 64:
         assert not model.samples_on_device(wide)
+        model.prefill([3, 4], 0)
+        with pytest.raises(PerfxError, match="is not drawn on the device"):
+            model.sampled_tokens(5, 2, 4, wide, 3, [3, 4, 5])
+    with pytest.raises(PerfxError, match="outside the context"):
+        model.sampled_tokens(5, 2, model.max_positions, CONFIG, 3, [3, 4, 5])
     assert not model.samples_on_device(SamplingConfig(temperature=0))   # greedy: the argmax loop's

@@ -19,7 +19,7 @@ from perfx.gguf_file import GGUFFile
 from perfx.recipe import LayerRecipe, Rope
 
 __all__ = ["ChatRules", "Family", "GGUFHeader", "HFConfig", "LayerRecipe", "Preset", "Rope", "TensorNames",
-           "factor_table", "float32_value", "header_key", "per_layer"]
+           "ToolFormat", "factor_table", "float32_value", "header_key", "per_layer"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,33 @@ class TensorNames:
 
 
 @dataclass(frozen=True)
+class ToolFormat:
+    """How a family's models write tool calls, and how its chat templates take the tools (``perfx.tools`` renders
+    and parses with it).
+
+    A call is ``{"name": ..., <arguments>: {...}}`` in JSON (``body`` "json": one object or a list of them
+    between ``opener`` and ``closer``), or ``[f(a=1), g()]`` (``body`` "pythonic", LFM2's; a JSON list is read
+    there too). No ``opener``: the reply itself is the call, a bare JSON object (Llama 3.x).
+    """
+
+    name: str
+    marker: str = ""            # text in a chat template that renders this format ("": taught by instructions only)
+    opener: str = ""            # the text a call (or a list of calls) starts with
+    closer: str = ""            # ... and ends with ("": it runs to the end of the reply)
+    also_openers: tuple[str, ...] = ()  # other texts that open a call (Llama 3.1's <|python_tag|>)
+    separator: str = ""         # between the opener, the call and the closer, as the template writes them
+    body: str = "json"          # "json" or "pythonic" (always a list)
+    listed: bool = False        # several calls are one list between one opener and closer (else one call each)
+    arguments_key: str = "arguments"    # the key a call writes its arguments under ("parameters": Llama 3.x)
+    tools_variable: str = "tools"       # the template variable the tools go in (SmolLM3's: xml_tools)
+    tools_in_system: bool = False       # the tools go in the system message's "tools" field, as JSON (Phi-4-mini)
+    instructions: str = ""      # the system-message text that teaches the format where the template renders no
+                                # tools; {tools} stands for the tools' JSON, one a line
+    results: tuple[str, str] = ("<tool_response>\n", "\n</tool_response>")   # around a tool's result where the
+                                # template renders no tool messages (it is then a user message)
+
+
+@dataclass(frozen=True)
 class ChatRules:
     """What the tokenizer does for this family's models beyond what the files say."""
 
@@ -50,6 +77,9 @@ class ChatRules:
     rstrip_keep: tuple[str, ...] = ()   # after every special token but these (llama-vocab.cpp, load)
     pre_tokenizers: Mapping[str, tuple] = field(default_factory=dict)   # GGUF tokenizer.ggml.pre values only
                                         # this family writes: name -> (regexes, ignore_merges, add_bos default)
+    tool_formats: tuple[ToolFormat, ...] = ()   # the tool-call formats its templates render, found by their marker
+    prompted_tools: ToolFormat | None = None    # the format its models are taught in the system message where the
+                                                # template renders no tools (None: perfx.tools' generic one)
 
 
 @dataclass(frozen=True)

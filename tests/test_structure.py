@@ -32,7 +32,7 @@ LAYERS = (
     ("base", ("perfx.errors", "perfx.resources", "perfx.gguf_file", "perfx.recipe", "perfx.families",
               "perfx.config", "perfx.reference", "perfx.progress", "perfx.kernels")),
     ("device", ("perfx.runtime", "perfx.timing")),
-    ("formats", ("perfx.formats", "perfx.tokenizer")),
+    ("formats", ("perfx.formats", "perfx.tokenizer", "perfx.tools")),
     ("ops", ("perfx.ops",)),
     ("mixers", ("perfx.op", "perfx.linear", "perfx.mixers", "perfx.forward64")),
     ("sources", ("perfx.sources",)),

@@ -76,6 +76,10 @@ class Job:
     first_text: float | None = None
     cached_tokens: int = 0       # prompt ids already in the KV cache (not prefilled again)
     restore_at: tuple = ()       # prompt positions later requests may resume at (the system prompt's end)
+    # What the reply must match, in llguidance's Lark (a forced tool call: perfx.tools.call_grammar), or None.
+    # Not applied yet: generate() takes no constraint; a forced call is opened in the prompt instead
+    # (perfx.serve.api.plan), and its arguments parse only as well as the model writes them.
+    grammar: str | None = None
     result: Result | None = None
 
     @property
@@ -103,6 +107,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, queue_limit: int, default_sampling: SamplingConfig, speculator=None):
         self.model, self.tokenizer, self.queue_limit = model, tokenizer, queue_limit
+        self.architecture = model.config.architecture   # the family whose tool format its template may use
         self.speculator = speculator    # perfx.speculative.Speculator, or None: one token a step
         self.default_sampling = default_sampling
         self.changed = threading.Condition()
@@ -115,11 +120,12 @@ class Engine:
         self.worker.start()
 
     def job(self, prompt_ids: list[int], max_tokens: int, sampling: dict, stop: list[str],
-            messages: list[dict] | None = None, template: dict | None = None) -> Job:
+            messages: list[dict] | None = None, template: dict | None = None, grammar: str | None = None) -> Job:
         """A job for these ids; ``sampling`` holds the SamplingConfig fields a request sets over the defaults.
         ``messages`` (a chat request's, as rendered with the template variables ``template``) give the system
         prompt's end, where a model with recurrent state keeps a restore point for the next requests."""
-        job = Job(prompt_ids, max_tokens, dataclasses.replace(self.default_sampling, **sampling), stop)
+        job = Job(prompt_ids, max_tokens, dataclasses.replace(self.default_sampling, **sampling), stop,
+                  grammar=grammar)
         if messages and self.model.keeps_restore_points:
             job.restore_at = (system_prompt_end(self.tokenizer, messages, prompt_ids, **(template or {})),)
         return job

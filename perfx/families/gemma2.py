@@ -27,7 +27,7 @@ GEMMA_TEMPLATE = (
 # Gemma's templates have no tools: Google's function-calling guide prompts for Python calls in a tool_code
 # block, and gives the results back in a tool_output block (a user turn: the templates take no other roles).
 GEMMA_TOOLS = ToolFormat(
-    name="gemma", opener="```tool_code\n", closer="```", body="pythonic", listed=True,
+    name="gemma", opener="```tool_code\n", closer="\n```", body="pythonic", listed=True,
     instructions=("You have access to functions. If you decide to invoke any of the function(s), you MUST put it in "
                   "the format of\n```tool_code\n[func_name1(params_name1=params_value1, "
                   "params_name2=params_value2...), func_name2(params)]\n```\nYou SHOULD NOT include any other text "

@@ -282,10 +282,13 @@ class ToolCallParser:
             return events
 
     def _content(self, text: str) -> list:
-        if not text.strip():
+        # trailing whitespace is held: before a call it is no content, and it comes out the same however the
+        # text was split
+        kept = text.rstrip()
+        if not kept:
             self.blank += text
             return []
-        out, self.blank = self.blank + text, ""
+        out, self.blank = self.blank + kept, text[len(kept):]
         return [("content", out)]
 
     def _may_be_bare(self, text: str) -> bool:
@@ -374,6 +377,7 @@ class ToolCallParser:
 
     def _call(self, name: str, arguments: dict) -> ToolCall:
         self.calls += 1
+        self.blank = ""
         return ToolCall(name, json.dumps(arguments, ensure_ascii=False), new_call_id())
 
 

@@ -3,6 +3,7 @@ against a real server on 127.0.0.1 running a tiny random model. In-process serve
 the signal tests start `perfx serve` as a user does."""
 
 import concurrent.futures
+import copy
 import http.client
 import json
 import os
@@ -16,6 +17,7 @@ import threading
 import time
 import urllib.request
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import openai
@@ -32,6 +34,7 @@ from perfx.tokenizer import Tokenizer
 pytestmark = pytest.mark.one_implementation  # a server over a model: the default device only
 
 MODEL = "tiny"
+DATA = Path(__file__).parent / "data"
 HELLO = [{"role": "user", "content": "hello there"}]
 TIMEOUT = 30  # seconds any one client call may take on a loaded machine
 
@@ -213,6 +216,127 @@ def test_streamed_chat_and_text_completions(loaded):
         assert by_ids.usage.prompt_tokens == len(ids)
 
 
+# -- tool calls -----------------------------------------------------------------------------------------
+
+
+class ScriptedModel:
+    """The tiny model, but its greedy reply is ``script`` (text, as the tokenizer's ids) and then an end of turn.
+    A tiny random model never calls a tool by itself: the server gets the text a model that does would write,
+    while the forward still runs every step (so the KV cache holds the reply, as it would)."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer, self.script = model, tokenizer, []
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def say(self, text: str):
+        self.script = self.tokenizer.encode(text) + [min(self.tokenizer.eos_ids)]
+
+    def argmax(self) -> int:
+        return self.script[0]
+
+    def greedy_tokens(self, token: int, pos: int, last: int):
+        for q, chosen in zip(range(pos, last + 1), self.script[1:]):
+            self.model.decode_one(token, q)
+            token = chosen
+            yield chosen
+
+
+def with_template(tokenizer, name: str):
+    """The tokenizer with a family's real template (tests/data/templates)."""
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.__dict__.pop("_compiled_chat_template", None)
+    tokenizer.chat_template = (DATA / "templates" / name).read_text(encoding="utf-8")
+    return tokenizer
+
+
+WEATHER_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_tool_calls_round_trip_through_the_openai_client(loaded):
+    """Qwen3's template and Hermes' calls: a call parsed into message.tool_calls (and streamed as
+    delta.tool_calls), its result sent back as a tool message for the answer, forced and refused calls."""
+    model, tokenizer = loaded
+    tokenizer = with_template(tokenizer, "Qwen-Qwen3-0.6B.jinja")
+    scripted = ScriptedModel(model, tokenizer)
+    with running_server(scripted, tokenizer) as srv:
+        client = srv.client()
+
+        def ask(messages, script, **kwargs):
+            scripted.say(script)
+            return client.chat.completions.create(model=MODEL, messages=messages, tools=WEATHER_TOOLS,
+                                                  temperature=0, max_tokens=200, **kwargs)
+
+        reply = ask(ASK, "Let me check.\n" + CALL)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+        [call] = choice.message.tool_calls
+        assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+        # the tool's result, and the answer; the conversation so far is in the KV cache
+        turn = ASK + [choice.message.model_dump(exclude_none=True),
+                      {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 22, "sky": "sunny"}'}]
+        answer = ask(turn, "It is 22 degrees and sunny in Paris.")
+        assert answer.choices[0].message.content == "It is 22 degrees and sunny in Paris."
+        assert answer.choices[0].finish_reason == "stop" and answer.choices[0].message.tool_calls is None
+        assert answer.usage.prompt_tokens_details.cached_tokens > reply.usage.prompt_tokens // 2
+
+        # streamed: two calls, each whole in one delta, indexed
+        scripted.say(CALL + '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+        chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=WEATHER_TOOLS, temperature=0,
+                                                     max_tokens=200, stream=True))
+        deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+        assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in deltas] == [
+            (0, "get_weather", {"city": "Paris"}), (1, "get_time", {})]
+        assert all(d.id and d.type == "function" for d in deltas)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+        assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+        assert len(ask(ASK, CALL + CALL.replace("Paris", "Oslo"), parallel_tool_calls=False).choices[0]
+                   .message.tool_calls) == 1
+
+        # a named function: its call is opened in the prompt, the model writes the arguments
+        forced = ask(ASK, '{"city": "Oslo"}}\n</tool_call>',
+                     tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        assert forced.choices[0].finish_reason == "tool_calls"
+        assert json.loads(forced.choices[0].message.tool_calls[0].function.arguments) == {"city": "Oslo"}
+        required = ask(ASK, 'get_time", "arguments": {}}\n</tool_call>', tool_choice="required")
+        assert required.choices[0].message.tool_calls[0].function.name == "get_time"
+
+        # a malformed call stays text; with tool_choice "none" a call is not read
+        broken = ask(ASK, '<tool_call>{"name": get_weather}</tool_call>')
+        assert broken.choices[0].message.content == '<tool_call>{"name": get_weather}</tool_call>'
+        assert broken.choices[0].finish_reason == "stop" and broken.choices[0].message.tool_calls is None
+        refused = ask(ASK, CALL, tool_choice="none")
+        assert refused.choices[0].message.content == CALL and refused.choices[0].message.tool_calls is None
+        assert srv.engine.stats()["failed"] == 0
+
+
+def test_a_template_without_tools_gets_the_generic_format(loaded):
+    """The tiny model's ChatML template renders no tools (as SmolLM2's, the default model's): they are described
+    in the system message, and the reply is one JSON object, a call or an answer."""
+    model, tokenizer = loaded
+    scripted = ScriptedModel(model, tokenizer)
+    with running_server(scripted, tokenizer) as srv:
+        client = srv.client()
+        scripted.say('{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}')
+        reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=WEATHER_TOOLS, temperature=0,
+                                               max_tokens=200)
+        assert reply.choices[0].finish_reason == "tool_calls"
+        assert reply.choices[0].message.tool_calls[0].function.name == "get_weather"
+        scripted.say('{"response": "I cannot tell."}')
+        chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=WEATHER_TOOLS, temperature=0,
+                                                     max_tokens=200, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == "I cannot tell."
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+
 def test_four_concurrent_clients_each_get_their_whole_reply(loaded):
     model, tokenizer = loaded
     with running_server(model, tokenizer) as srv:
@@ -339,8 +463,22 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(loaded):
         ({**chat, "n": 2}, 400, "n", "unsupported_parameter"),
         ({**chat, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
         ({**chat, "presence_penalty": 0.5}, 400, "presence_penalty", "unsupported_parameter"),
-        ({**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
-         "unsupported_parameter"),
+        ({**chat, "tools": {"f": 1}}, 400, "tools", "invalid_type"),
+        ({**chat, "tools": [{"type": "retrieval"}]}, 400, "tools[0]", "invalid_value"),
+        ({**chat, "tools": [{"type": "function", "function": {"name": "no spaces"}}]}, 400, "tools[0].function.name",
+         "invalid_value"),
+        ({**chat, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, 400,
+         "tools[0].function.parameters", "invalid_value"),
+        ({**chat, "tools": [{"type": "function", "function": {"name": "f"}}],
+          "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice", "invalid_value"),
+        ({**chat, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "always"}, 400,
+         "tool_choice", "invalid_value"),
+        ({**chat, "tool_choice": "required"}, 400, "tool_choice", "invalid_value"),
+        ({**chat, "functions": [{"name": "f"}]}, 400, "functions", "unsupported_parameter"),
+        ({**chat, "messages": HELLO + [{"role": "tool", "content": "22 C"}]}, 400, "messages[1].tool_call_id",
+         "missing_parameter"),
+        ({**chat, "messages": HELLO + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]}, 400,
+         "messages[1].tool_calls[0]", "invalid_value"),
         ({**chat, "response_format": {"type": "json_object"}}, 400, "response_format", "unsupported_parameter"),
     ]
     text = {"model": MODEL, "prompt": "hi", "max_tokens": 2}

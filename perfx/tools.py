@@ -38,6 +38,44 @@ _PROBE_TOOL = {"type": "function", "function": {"name": PROBE_NAME, "description
 _PROBE_CALL = {"id": "call_probe", "type": "function", "function": {"name": PROBE_NAME, "arguments": {"a": 1}}}
 
 
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")   # OpenAI's rule for a function's name
+
+
+class ToolError(PerfxError):
+    """A list of tools that is not OpenAI's form: ``param`` names the part, ``code`` OpenAI's error code."""
+
+    def __init__(self, message: str, param: str, code: str = "invalid_value"):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def check_tools(tools) -> list[dict]:
+    """OpenAI's ``tools`` checked: a list of ``{"type": "function", "function": {"name", "description",
+    "parameters"}}`` with distinct names, each ``parameters`` a JSON Schema of an object. Raises ToolError."""
+    if not isinstance(tools, list):
+        raise ToolError('\'tools\' must be a list of {"type": "function", "function": {...}}', "tools", "invalid_type")
+    names = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+            raise ToolError(f'\'{where}\' must be {{"type": "function", "function": {{"name", "description", '
+                            '"parameters"}}}} (function tools are the only kind)', where)
+        name = function.get("name")
+        if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
+            raise ToolError(f"'{where}.function.name' must be 1 to 64 letters, digits, underscores or dashes, got "
+                            f"{json.dumps(name)[:70]}", f"{where}.function.name")
+        if name in names:
+            raise ToolError(f"two tools are named {name!r}", f"{where}.function.name")
+        names.add(name)
+        parameters = function.get("parameters")
+        if parameters is not None and (not isinstance(parameters, dict)
+                                       or parameters.get("type", "object") != "object"):
+            raise ToolError(f"'{where}.function.parameters' must be a JSON Schema of an object",
+                            f"{where}.function.parameters")
+    return [{"type": "function", "function": tool["function"]} for tool in tools]
+
+
 @dataclass(frozen=True)
 class ToolCall:
     """One call the model made: OpenAI's ``tool_calls`` entry (``arguments`` a JSON object, as text)."""

@@ -6,17 +6,15 @@ Pure functions of JSON documents (and the tokenizer, for prompts): no threads, n
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 
 from perfx.errors import PerfxError
-from perfx.tools import (ToolCall, ToolCallParser, ToolSupport, call_grammar, forced_prefix, render_messages,
-                         tool_support)
+from perfx.tools import (ToolCall, ToolCallParser, ToolError, ToolSupport, call_grammar, check_tools, forced_prefix,
+                         render_messages, tool_support)
 
 MAX_STOP_STRINGS = 4        # OpenAI's limit
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")   # OpenAI's rule for a function's name
 # perfx's stop reasons (generate.Stats.stop_reason) as OpenAI's finish_reason.
 FINISH_REASONS = {"eos": "stop", "stop string": "stop", "max tokens": "length", "context full": "length"}
 # Sampling fields a request may set: OpenAI's, then perfx's own under the names llama.cpp's and vLLM's servers
@@ -168,10 +166,10 @@ def common_parameters(body: dict, model_id: str) -> Request:
 class Tooling:
     """A chat request's tools: what the template renders, how the reply is read, what it must match."""
     tools: list[dict]           # OpenAI's [{"type": "function", "function": {name, description, parameters}}]
-    support: ToolSupport        # the template's format and what it renders
-    choice: str                 # "auto", "required" or "function" (the one named by ``name``)
+    choice: str = "auto"        # "auto", "required" or "function" (the one named by ``name``)
     name: str | None = None
     parallel: bool = True       # parallel_tool_calls: false keeps the first call only
+    support: ToolSupport | None = None  # the template's format and what it renders
     prefix: str = ""            # the start of the reply, put after the generation prompt: a forced call's opening
     grammar: str | None = None  # what the whole reply (``prefix`` included) must match, in llguidance's Lark: a
                                 # forced call (required, or a named function), or the generic format's reply
@@ -285,31 +283,13 @@ def tools_of(body: dict) -> Tooling | None:
             raise APIError(400, "'tool_choice' is only allowed when 'tools' are given", param="tool_choice",
                            code="invalid_value")
         return None
-    if not isinstance(tools, list):
-        raise APIError(400, "'tools' must be a list of {\"type\": \"function\", \"function\": {...}}", param="tools",
-                       code="invalid_type")
-    names = set()
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
-            raise APIError(400, f"'{where}' must be {{\"type\": \"function\", \"function\": {{\"name\", "
-                                "\"description\", \"parameters\"}}}} (function tools are the only kind)", param=where,
-                           code="invalid_value")
-        name = function.get("name")
-        if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
-            raise APIError(400, f"'{where}.function.name' must be 1 to 64 letters, digits, underscores or dashes, got "
-                                f"{json.dumps(name)[:70]}", param=f"{where}.function.name", code="invalid_value")
-        if name in names:
-            raise APIError(400, f"two tools are named {name!r}", param=f"{where}.function.name", code="invalid_value")
-        names.add(name)
-        parameters = function.get("parameters")
-        if parameters is not None and (not isinstance(parameters, dict) or parameters.get("type", "object") != "object"):
-            raise APIError(400, f"'{where}.function.parameters' must be a JSON Schema of an object",
-                           param=f"{where}.function.parameters", code="invalid_value")
+    try:
+        tools = check_tools(tools)
+    except ToolError as error:
+        raise APIError(400, str(error), param=error.param, code=error.code) from None
+    names = {t["function"]["name"] for t in tools}
     parallel = value_of(body, "parallel_tool_calls", (bool,), "a boolean")
-    tooling = Tooling(tools=[{"type": "function", "function": t["function"]} for t in tools], support=None,
-                      choice="auto", parallel=parallel is not False)
+    tooling = Tooling(tools, parallel=parallel is not False)
     if choice in (None, "auto", "required"):
         tooling.choice = choice or "auto"
     elif choice == "none":

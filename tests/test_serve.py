@@ -23,6 +23,7 @@ import numpy as np
 import openai
 import pytest
 
+from helpers.scripted_model import ScriptedModel
 from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
 from perfx import cli
 from perfx.generate import SamplingConfig
@@ -217,30 +218,6 @@ def test_streamed_chat_and_text_completions(loaded):
 
 
 # -- tool calls -----------------------------------------------------------------------------------------
-
-
-class ScriptedModel:
-    """The tiny model, but its greedy reply is ``script`` (text, as the tokenizer's ids) and then an end of turn.
-    A tiny random model never calls a tool by itself: the server gets the text a model that does would write,
-    while the forward still runs every step (so the KV cache holds the reply, as it would)."""
-
-    def __init__(self, model, tokenizer):
-        self.model, self.tokenizer, self.script = model, tokenizer, []
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-    def say(self, text: str):
-        self.script = self.tokenizer.encode(text) + [min(self.tokenizer.eos_ids)]
-
-    def argmax(self) -> int:
-        return self.script[0]
-
-    def greedy_tokens(self, token: int, pos: int, last: int):
-        for q, chosen in zip(range(pos, last + 1), self.script[1:]):
-            self.model.decode_one(token, q)
-            token = chosen
-            yield chosen
 
 
 def with_template(tokenizer, name: str):

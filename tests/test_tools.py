@@ -279,3 +279,28 @@ def test_special_token_markers_are_named_by_id():
     assert grammar.startswith("start: <[200025]> ") and "<[200026]>" in grammar
     with pytest.raises(Exception, match="no tool named 'nope'"):
         call_grammar(PHI4_TOOLS, SCHEMA_TOOLS, "nope")
+
+
+@pytest.mark.parametrize("vocab, template, architecture, choice, ending, marker", [
+    ("qwen3", "Qwen-Qwen3-0.6B.jinja", "qwen3", "required", '<|im_start|>assistant\n<tool_call>\n{"name": "',
+     None),
+    ("phi4-mini", "microsoft-Phi-4-mini-instruct.jinja", "phi3",
+     {"type": "function", "function": {"name": "get_weather"}},
+     '<|assistant|><|tool_call|>[{"name": "get_weather", "arguments": ', "<|tool_call|>"),
+], ids=["qwen3-required", "phi4-mini-named"])
+def test_a_forced_call_is_opened_in_the_prompt_in_the_model_s_own_tokens(vocab, template, architecture, choice,
+                                                                           ending, marker):
+    """With real vocabularies (tests/data/vocab): the call's opening ends the prompt, its markers as the single
+    tokens the model writes; a marker that is a special token is named by its id in the grammar."""
+    from perfx.serve.api import chat_prompt
+
+    tokenizer = Tokenizer.from_gguf(Path(__file__).parent / "data" / "vocab" / f"{vocab}.gguf")
+    tokenizer.chat_template = (TEMPLATES / template).read_text(encoding="utf-8")
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": SCHEMA_TOOLS, "tool_choice": choice}
+    ids, _, _, tooling = chat_prompt(body, tokenizer, architecture)
+    assert tokenizer.decode(ids).endswith(ending)
+    opener = tooling.support.format.opener
+    [opener_id] = tokenizer.encode(opener)
+    assert opener_id in ids[-len(tokenizer.encode(tooling.prefix)):]
+    assert llguidance.LLMatcher.validate_grammar(tooling.grammar) == ""
+    assert (f"<[{opener_id}]>" in tooling.grammar) is (marker is not None)

@@ -31,6 +31,7 @@ from perfx.model import load_model
 from perfx.serve.engine import Engine, served_model_id
 from perfx.serve.server import Server, ServeOptions
 from perfx.tokenizer import Tokenizer
+from perfx.tools import ToolCall, call_text, tool_support
 
 pytestmark = pytest.mark.one_implementation  # a server over a model: the default device only
 
@@ -293,6 +294,45 @@ def test_tool_calls_round_trip_through_the_openai_client(loaded):
         refused = ask(ASK, CALL, tool_choice="none")
         assert refused.choices[0].message.content == CALL and refused.choices[0].message.tool_calls is None
         assert srv.engine.stats()["failed"] == 0
+
+
+FAMILY_TEMPLATES = [("Qwen-Qwen3-0.6B.jinja", "qwen3"), ("meta-llama-Llama-3.2-1B-Instruct.jinja", "llama"),
+                    ("microsoft-Phi-4-mini-instruct.jinja", "phi3"), ("HuggingFaceTB-SmolLM3-3B.jinja", "smollm3"),
+                    ("LiquidAI-LFM2-1.2B.jinja", "lfm2"), ("google-gemma-3-4b-it.jinja", "gemma3")]
+
+
+@pytest.mark.parametrize("template, architecture", FAMILY_TEMPLATES, ids=[t[1] for t in FAMILY_TEMPLATES])
+def test_each_family_s_template_round_trips_a_call(loaded, template, architecture):
+    """Call, tool result, answer, through each family's real template and its model's own call text: the call
+    read back (whole and streamed), the result rendered into the next prompt, the answer read as content."""
+    model, tokenizer = loaded
+    tokenizer = with_template(tokenizer, template)
+    scripted = ScriptedModel(model, tokenizer)
+    with running_server(scripted, tokenizer) as srv:
+        srv.engine.architecture = architecture     # the tiny model is Llama's; the template is this family's
+        client = srv.client()
+        fmt = tool_support(tokenizer, architecture).format
+        written = call_text(fmt, [ToolCall("get_weather", '{"city": "Paris"}')])
+        for stream in (False, True):
+            scripted.say(written)
+            reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=WEATHER_TOOLS, temperature=0,
+                                                   max_tokens=200, stream=stream)
+            if stream:
+                chunks = list(reply)
+                [call] = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+                assert chunks[-1].choices[0].finish_reason == "tool_calls"
+            else:
+                [call] = reply.choices[0].message.tool_calls
+                assert reply.choices[0].finish_reason == "tool_calls"
+            assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+        turn = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude={"index"})]},
+                      {"role": "tool", "tool_call_id": call.id, "content": "22 C, sunny"}]
+        scripted.say("It is 22 degrees and sunny.")
+        answer = client.chat.completions.create(model=MODEL, messages=turn, tools=WEATHER_TOOLS, temperature=0,
+                                                max_tokens=200)
+        assert answer.choices[0].message.content == "It is 22 degrees and sunny."
+        prompt = tokenizer.decode(srv.engine.conversation.cached)
+        assert "22 C, sunny" in prompt and "get_weather" in prompt and "Paris" in prompt
 
 
 def test_a_template_without_tools_gets_the_generic_format(loaded):

@@ -281,17 +281,16 @@ def test_special_token_markers_are_named_by_id():
         call_grammar(PHI4_TOOLS, SCHEMA_TOOLS, "nope")
 
 
-@pytest.mark.parametrize("vocab, template, architecture, choice, ending, marker", [
-    ("qwen3", "Qwen-Qwen3-0.6B.jinja", "qwen3", "required", '<|im_start|>assistant\n<tool_call>\n{"name": "',
-     None),
+@pytest.mark.parametrize("vocab, template, architecture, choice, ending", [
+    ("qwen3", "Qwen-Qwen3-0.6B.jinja", "qwen3", "required", '<|im_start|>assistant\n<tool_call>\n{"name": "'),
     ("phi4-mini", "microsoft-Phi-4-mini-instruct.jinja", "phi3",
      {"type": "function", "function": {"name": "get_weather"}},
-     '<|assistant|><|tool_call|>[{"name": "get_weather", "arguments": ', "<|tool_call|>"),
+     '<|assistant|><|tool_call|>[{"name": "get_weather", "arguments": '),
 ], ids=["qwen3-required", "phi4-mini-named"])
 def test_a_forced_call_is_opened_in_the_prompt_in_the_model_s_own_tokens(vocab, template, architecture, choice,
-                                                                           ending, marker):
+                                                                           ending):
     """With real vocabularies (tests/data/vocab): the call's opening ends the prompt, its markers as the single
-    tokens the model writes; a marker that is a special token is named by its id in the grammar."""
+    tokens the model writes, which the grammar names by their ids."""
     from perfx.serve.api import chat_prompt
 
     tokenizer = Tokenizer.from_gguf(Path(__file__).parent / "data" / "vocab" / f"{vocab}.gguf")
@@ -303,4 +302,5 @@ def test_a_forced_call_is_opened_in_the_prompt_in_the_model_s_own_tokens(vocab, 
     [opener_id] = tokenizer.encode(opener)
     assert opener_id in ids[-len(tokenizer.encode(tooling.prefix)):]
     assert llguidance.LLMatcher.validate_grammar(tooling.grammar) == ""
-    assert (f"<[{opener_id}]>" in tooling.grammar) is (marker is not None)
+    [closer_id] = tokenizer.encode(tooling.support.format.closer)
+    assert f"<[{opener_id}]>" in tooling.grammar and f"<[{closer_id}]>" in tooling.grammar

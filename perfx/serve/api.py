@@ -316,10 +316,11 @@ def plan(tooling: Tooling, tokenizer):
     if forced:
         tooling.prefix = forced_prefix(fmt, tooling.name)
     if forced or fmt.body == "envelope":
-        specials = {marker: ids[0] for marker in (fmt.opener, fmt.closer) if marker
-                    for ids in [tokenizer.encode(marker)]
-                    if len(ids) == 1 and len(tokenizer.encode(marker, parse_special=False)) > 1}
-        tooling.grammar = call_grammar(fmt, tooling.tools, tooling.name, answer=not forced, special_ids=specials)
+        # a marker that is one token of the vocabulary is named by its id: the model writes that token, which a
+        # grammar engine may not take for the marker's text when it is special (Phi-4-mini's, Qwen's tags)
+        single = {marker: ids[0] for marker in (fmt.opener, fmt.closer) if marker
+                  for ids in [tokenizer.encode(marker)] if len(ids) == 1}
+        tooling.grammar = call_grammar(fmt, tooling.tools, tooling.name, answer=not forced, special_ids=single)
 
 
 def template_kwargs(body: dict) -> dict:

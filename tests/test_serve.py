@@ -294,6 +294,9 @@ def test_tool_calls_round_trip_through_the_openai_client(loaded):
         refused = ask(ASK, CALL, tool_choice="none")
         assert refused.choices[0].message.content == CALL and refused.choices[0].message.tool_calls is None
         assert srv.engine.stats()["failed"] == 0
+    # the log line counts the calls (every line is written once the server has stopped)
+    assert re.search(r"completion \d+ \(stop\), 1 tool call,", srv.logs[0]), srv.logs
+    assert re.search(r", 2 tool calls,", srv.logs[2]), srv.logs
 
 
 FAMILY_TEMPLATES = [("Qwen-Qwen3-0.6B.jinja", "qwen3"), ("meta-llama-Llama-3.2-1B-Instruct.jinja", "llama"),

@@ -128,6 +128,7 @@ class Handler(BaseHTTPRequestHandler):
         # One handler serves every request of a keep-alive connection: nothing may leak into the next one.
         self.status, self.note, self.job, self.headers_sent = 0, "", None, False
         self.prompt_text = self.reply_text = ""
+        self.tool_calls = 0
 
     def route(self):
         # Read first, whatever the answer: a body left unread would be taken for the connection's next request.
@@ -192,6 +193,7 @@ class Handler(BaseHTTPRequestHandler):
                         raise value
                 self.reply_text = "".join(pieces)
                 content, calls = tooling.read(self.reply_text) if tooling else (self.reply_text, [])
+                self.tool_calls = len(calls)
                 finish = "tool_calls" if calls else job.finish_reason
                 self.send_json(200, answer.whole(content, finish, job.usage(), calls))
         finally:
@@ -216,6 +218,7 @@ class Handler(BaseHTTPRequestHandler):
                     self.send_event(answer.chunk({"tool_calls": [{"index": calls, **value.as_openai()}]},
                                                  include_usage))
                     calls += 1
+                    self.tool_calls = calls
 
         for kind, value in self.events(job):
             if kind == "started":
@@ -389,6 +392,8 @@ class Handler(BaseHTTPRequestHandler):
             if job.result is not None:
                 reason = "cancelled" if job.cancelled_run else job.finish_reason
                 parts.append(f"completion {job.result.stats.generated_tokens} ({reason})")
+                if self.tool_calls:
+                    parts.append(f"{self.tool_calls} tool call{'s' if self.tool_calls > 1 else ''}")
                 if job.result.stats.speculation:
                     parts.append(job.result.stats.speculation_line())
             if job.started is not None:

@@ -180,7 +180,7 @@ class Sequence:
 
     def prefill_piece(self, most: int | None = None) -> None:
         """Run the next ``most`` ids of the prompt (None: all that is left); after the last, its first token."""
-        piece = self.todo if most is None else self.todo[:most]
+        piece = self.todo[:len(self.todo) if most is None else most]
         del self.todo[:len(piece)]
         logits = self.batch.prefill(self.slot, piece, self.pos, logits=not self.todo)
         self.pos += len(piece)

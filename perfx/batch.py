@@ -26,6 +26,8 @@ from perfx.generate import Result, Sampler, SamplingConfig, Stats, StopMatcher
 from perfx.mixers import Rows
 from perfx.reference import sample as sample_token
 
+MAX_RECORDINGS = 256   # recorded steps kept (one per set of slots and partition counts met); past it, made again
+
 
 class Batch:
     """``slots`` sequences of one model, each with its own state, decoded together by ``step``."""
@@ -41,6 +43,11 @@ class Batch:
         self.written = [0] * slots     # per slot: positions 0..written−1 are in its state
         self.ids = model.device.empty(2 * slots, np.int32)   # a step's token ids, then their positions
         self._upload = None
+        self._replays: dict[tuple, object] = {}   # (slots, partitions of each row) -> the step's recorded launches
+        s, d = model.state, model.device
+        if s.all_logits is None:   # the logits of a step's rows; the same buffers perplexity's prefill uses
+            s.all_logits = d.empty((s.chunk, model.config.vocab_size), np.float32)
+            s.head_in = d.empty((s.chunk, model.config.hidden_size), np.float32)
         # slot 0 is the model's own state from now on: what the model held is not kept
         model.written = 0
         if model.restore_points is not None:
@@ -94,36 +101,62 @@ class Batch:
 
     def step(self, rows: list[tuple[int, int]]) -> np.ndarray:
         """Feed each (slot, token) of ``rows`` at its slot's next position, all in one step of len(rows) rows;
-        returns their logits, (len(rows), V) float32 in the order of ``rows``."""
+        returns their logits, (len(rows), V) float32 in the order of ``rows``.
+
+        The step's launches are recorded once per set of slots and partition counts of their positions (the
+        decode attention's grid grows every PART positions) and replayed after one upload of the ids and
+        positions, as ``Model.decode_one`` replays its step: the host sets no kernel argument per step."""
         model = self.model
         n = len(rows)
-        slots = [slot for slot, _ in rows]
+        order = sorted(range(n), key=lambda i: rows[i][0])   # rows run in slot order: one recording a set of slots
+        slots = [rows[i][0] for i in order]
+        tokens = [rows[i][1] for i in order]
         if not 1 <= n <= self.slots or len(set(slots)) != n:
-            raise PerfxError(f"a batched step takes 1 to {self.slots} rows of distinct slots, got slots {slots}")
+            raise PerfxError(f"a batched step takes 1 to {self.slots} rows of distinct slots, got slots "
+                             f"{[slot for slot, _ in rows]}")
         for slot in slots:
             self._check_slot(slot)
-        model._check_ids([token for _, token in rows])
+        model._check_ids(tokens)
         positions = [self.written[slot] for slot in slots]
         full = [slot for slot, pos in zip(slots, positions) if pos >= model.max_positions]
         if full:
             raise PerfxError(f"context full in slot(s) {full}: {model.max_positions} positions; raise --ctx")
         started = time.perf_counter()
+        key = (tuple(slots), tuple(tuple(mixer.partitions(pos) for mixer in model.mixers) for pos in positions))
+        replay = self._replays.get(key)
+        if replay is None:
+            if len(self._replays) >= MAX_RECORDINGS:
+                self._replays.clear()
+            with model.device.record() as launches:
+                self._launches(Rows(positions, self.ids, n, [self.states[slot] for slot in slots]))
+            replay = self._replays[key] = model.device.replay(list(launches))
         # a fresh host array, held by the copy's event until it has run
-        self._upload = model.device.write(self.ids, np.array([t for _, t in rows] + positions, np.int32),
-                                          wait=False)
-        batch = Rows(positions, self.ids, n, [self.states[slot] for slot in slots])
-        model._embed(n, self.ids)
-        model._layers(n, 0, decode=n == 1, rows=batch)
-        if n == 1:
-            model._head(0)
-            model.host_seconds += time.perf_counter() - started
-            out = model.logits()[None]
-        else:
-            model.host_seconds += time.perf_counter() - started
-            out = model._head_rows(n, 0)
+        self._upload = model.device.write(self.ids, np.array(tokens + positions, np.int32), wait=False)
+        replay.enqueue(model.device.queue)
+        model.host_seconds += time.perf_counter() - started
+        s = model.state
+        logits = model.device.read(np.empty((n, model.config.vocab_size), np.float32),
+                                   s.logits if n == 1 else s.all_logits)
         for slot in slots:
             self.written[slot] += 1
+        out = np.empty_like(logits)
+        out[order] = logits
         return out
+
+    def _launches(self, rows: Rows) -> None:
+        """The step's launches: the ids gathered, every layer over the rows, the final norm and the lm_head over
+        them (into ``state.all_logits``; one row: the decode step's head, into ``state.logits``)."""
+        model, n = self.model, len(rows)
+        c, s = model.config, model.state
+        model._embed(n, self.ids)
+        model._layers(n, 0, decode=n == 1, rows=rows)
+        if n == 1:
+            model._head(0)
+            return
+        model._final_norm(n)
+        model.weights.lm_head.rows(s.xb, s.all_logits, n)
+        if c.final_softcap:
+            model.plan.softcap(s.all_logits, n * c.vocab_size, c.final_softcap)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.slots:

@@ -84,6 +84,8 @@ def main(args) -> int:
         engine = Engine(model, tokenizer, args.queue, sampling, speculator)
     else:
         engine = BatchEngine(model, tokenizer, args.queue, sampling, parallel)
+        log(f"perfx serve: {parallel} sequences decoded together: their state takes "
+            f"{engine.batch.state_bytes / 2**20:.0f} MiB more of the device's memory (--parallel 1: none)")
     options = ServeOptions(model_id, args.max_tokens, args.api_key, args.verbose, log)
     try:
         server = Server((args.host, args.port), engine, options)

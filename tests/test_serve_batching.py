@@ -18,7 +18,7 @@ from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
 from perfx import cli
 from perfx.generate import SamplingConfig
 from perfx.model import load_model
-from perfx.serve.batching import BatchEngine
+from perfx.serve.batching import PREFILL_PIECE, BatchEngine
 from perfx.serve.engine import Engine
 from perfx.serve.server import Server, ServeOptions
 from perfx.tokenizer import Tokenizer
@@ -208,3 +208,33 @@ def test_warm_up_and_engine_errors(loaded):
     engine = BatchEngine(model, tokenizer, 4, SamplingConfig(), parallel=2)
     engine.close()
     assert time.monotonic() - started < TIMEOUT and not engine.worker.is_alive()
+
+
+def test_a_long_prompt_is_prefilled_in_pieces_between_the_steps_of_running_streams(loaded):
+    model, tokenizer = loaded
+    engine = BatchEngine(model, tokenizer, 16, SamplingConfig(seed=0), parallel=2)
+    calls = []
+    prefill, step = engine.batch.prefill, engine.batch.step
+
+    def spy_prefill(slot, tokens, start, logits=True):
+        calls.append(("prefill", len(tokens)))
+        return prefill(slot, tokens, start, logits)
+
+    def spy_step(rows):
+        calls.append(("step", len(rows)))
+        return step(rows)
+    engine.batch.prefill, engine.batch.step = spy_prefill, spy_step
+    with running_server(engine) as server:
+        api = client(server)
+        streaming = api.completions.create(model=MODEL, prompt="go", max_tokens=600, stream=True)
+        chunks = iter(streaming)
+        next(chunks)
+        calls.clear()
+        long = ask(server, (False, "many words here " * 60, {"max_tokens": 3, "temperature": 0}), stream=False)
+        assert long[2] == 3
+        streaming.close()
+    pieces = [n for kind, n in calls if kind == "prefill"]
+    assert len(pieces) >= 3 and max(pieces) == PREFILL_PIECE, calls
+    first, last = calls.index(("prefill", pieces[0])), len(calls) - calls[::-1].index(("prefill", pieces[-1])) - 1
+    between = [kind for kind, _ in calls[first:last]]
+    assert between.count("step") >= len(pieces) - 1, calls   # the running stream got a step after each piece

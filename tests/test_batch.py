@@ -48,8 +48,8 @@ def paths(tmp_path_factory):
     return out
 
 
-def load(path, device, ctx: int = 96) -> Model:
-    return Model.load(open_model(path), device, ctx=ctx, progress=False, database=default_database(False))
+def load(path, device, ctx: int = 96, kv: str = "f16") -> Model:
+    return Model.load(open_model(path), device, ctx=ctx, progress=False, database=default_database(False), kv=kv)
 
 
 def alone_logits(model: Model, prompt: list[int], fed: list[int]) -> list[np.ndarray]:
@@ -101,6 +101,17 @@ def test_sequences_decoded_together_equal_each_alone_and_the_reference(paths, de
         for j, logits in enumerate(got):
             assert relative_error(logits, single[j]) <= ALONE_TOLERANCE, (prompt, fed, j)
             assert relative_error(logits, want[len(prompt) - 1 + j]) <= REFERENCE_TOLERANCE, (prompt, fed, j)
+
+
+def test_an_int8_kv_cache_per_sequence(paths, device, rng):
+    """--kv q8: each sequence's cache in int8 codes and scales, as the load makes the first."""
+    model, alone = load(paths["llama"], device, kv="q8"), load(paths["llama"], device, kv="q8")
+    batch = Batch(model, 3)
+    assert batch.states[2][model.mixers[0]]["cache"].form == "q8"
+    for prompt, fed, got in run_schedule(batch, open_model(paths["llama"]).config.vocab_size, rng):
+        single = alone_logits(alone, prompt, fed)
+        for j, logits in enumerate(got):
+            assert relative_error(logits, single[j]) <= ALONE_TOLERANCE, (prompt, fed, j)
 
 
 def test_rows_at_different_attention_partitions(paths, device, rng):

@@ -6,11 +6,14 @@ load on a shared machine do not favour one), reported as the ratio of medians wi
 - ``step`` (default): N sequences through ``perfx.batch.Batch.step`` (N rows a step, the logits read back and
   each row's token chosen on the host, as `perfx serve --parallel` does) against one sequence through
   ``Model.greedy_tokens`` (today's decode loop on the device), both from a short prompt, STEPS steps each.
+- ``--matrices``: where a step's time goes: layer 0's gate_up and down and the lm_head as the GEMM over N rows
+  (what a batched step runs) over their GEMV of one row (what one sequence runs), device time of each launch.
 - ``--serve``: `perfx serve --parallel N` in this process, N official `openai` clients streaming at once against
   one client alone, greedy, --max-tokens each: completion tokens over wall time; and the time to first token of
   a request that arrives while N − 1 others stream, over its time alone.
 
     python benchmarks/batch_throughput.py --model synthetic:smollm2-135m --parallel 2 4 8
+    python benchmarks/batch_throughput.py --matrices --parallel 2 4 8
     python benchmarks/batch_throughput.py --serve --parallel 4 --rounds 5          # the default model
 """
 
@@ -99,6 +102,34 @@ def serve_rates(model, tokenizer, n: int, max_tokens: int):
     return contenders, server
 
 
+def matrix_contenders(model, n: int) -> dict:
+    """Seconds of one launch of each matrix: its GEMV (one row) and its GEMM over n rows."""
+    s, q = model.state, model.device.queue
+    layer, head = model.weights.layers[0], model.weights.lm_head
+    if s.all_logits is None:
+        s.all_logits = model.device.empty((s.chunk, model.config.vocab_size), np.float32)
+    runs = {"gate_up": (layer.gate_up, s.xb, s.hb, s.hb), "down": (layer.down, s.hb, s.proj, s.proj),
+            "lm_head": (head, s.xb, s.logits, s.all_logits)}
+
+    def timed(run, reps: int = 10) -> float:
+        run()
+        q.finish()
+        started = time.perf_counter()
+        for _ in range(reps):
+            run()
+        q.finish()
+        return (time.perf_counter() - started) / reps
+
+    out = {}
+    for name, (linear, x, y_one, y_rows) in runs.items():
+        out[f"{name} gemv"] = lambda linear=linear, x=x, y=y_one: timed(lambda: linear(x, y, 1, True))
+        if name == "lm_head":
+            out[f"{name} gemm"] = lambda linear=linear, x=x, y=y_rows: timed(lambda: linear.rows(x, y, n))
+        else:
+            out[f"{name} gemm"] = lambda linear=linear, x=x, y=y_rows: timed(lambda: linear(x, y, n, False))
+    return out
+
+
 def interleaved(contenders: dict, rounds: int) -> dict[str, list[float]]:
     names, shuffle = list(contenders), random.Random(0)
     figures: dict[str, list[float]] = {name: [] for name in names}
@@ -124,6 +155,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32, help="decode steps a measure (step mode)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (after one dropped warm-up)")
     parser.add_argument("--serve", action="store_true", help="through `perfx serve` and the openai client")
+    parser.add_argument("--matrices", action="store_true", help="each matrix's GEMM over N rows over its GEMV")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens a request (--serve)")
     parser.add_argument("--ctx", type=int, default=1024)
     args = parser.parse_args()
@@ -132,7 +164,12 @@ def main() -> None:
     print(f"{source.describe().get('path', args.model)} on {model.device.caps.name}, {platform.node()}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}, rounds {args.rounds}", flush=True)
     for n in args.parallel:
-        if args.serve:
+        if args.matrices:
+            figures = interleaved(matrix_contenders(model, n), args.rounds)
+            print(f"N = {n}, matrices, GEMM over {n} rows over the GEMV of one (time):")
+            for name in ("gate_up", "down", "lm_head"):
+                report(name, figures[f"{name} gemm"], figures[f"{name} gemv"], rng)
+        elif args.serve:
             contenders, server = serve_rates(model, source.tokenizer, n, args.max_tokens)
             figures = interleaved(contenders, args.rounds)
             server.shutdown()

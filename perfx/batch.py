@@ -36,6 +36,10 @@ class Batch:
         if not 1 <= slots <= model.state.chunk:
             raise PerfxError(f"--parallel must be between 1 and {model.state.chunk} (the rows of a prefill chunk), "
                              f"got {slots}")
+        unbatched = [mixer.kind for mixer in model.mixers if not mixer.decodes_rows()]
+        if unbatched:
+            raise PerfxError(f"this model's {', '.join(unbatched)} layers cannot decode several sequences together "
+                             "yet: use --parallel 1")
         self.model, self.slots = model, slots
         mixers = model.mixers
         self.states = ([{mixer: mixer.own_state() for mixer in mixers}]

@@ -18,7 +18,9 @@ from perfx import forward64
 from perfx.batch import Batch, Sequence
 from perfx.errors import PerfxError
 from perfx.generate import SamplingConfig, generate
+from perfx.mixers import Mixer
 from perfx.model import Model
+from perfx.serve.batching import default_parallel
 from perfx.sources import open_model
 from perfx.tuning.database import default_database
 from perfx.tuning.spec import relative_error
@@ -204,8 +206,15 @@ def test_requests_generated_together_answer_what_each_answers_alone(paths, devic
             want.ids, want.text, want.stats.stop_reason, want.end_pos), requests[index]
 
 
-def test_bad_batches_are_clear_errors(paths, device):
+def test_bad_batches_are_clear_errors(paths, device, monkeypatch):
     model = load(paths["llama"], device, ctx=8)
+    with monkeypatch.context() as patch:   # a layer kind with no forward_rows of its own
+        patch.setattr(type(model.mixers[0]), "forward_rows", Mixer.forward_rows)
+        with pytest.raises(PerfxError, match="attention layers cannot decode several sequences together yet: use "
+                                             "--parallel 1"):
+            Batch(model, 2)
+        assert default_parallel(model) == 1
+    assert default_parallel(model) == 4
     with pytest.raises(PerfxError, match="--parallel must be between 1 and 8"):
         Batch(model, 9)
     batch = Batch(model, 2)

@@ -201,6 +201,11 @@ class Mixer(ABC):
         for name, value in state.items():
             setattr(self, name, value)
 
+    @classmethod
+    def decodes_rows(cls) -> bool:
+        """Whether its layers run in a batched decode step: it defines its own ``forward_rows``."""
+        return cls.forward_rows is not Mixer.forward_rows
+
     def forward_rows(self, layer: int, m: int, rows: Rows) -> None:
         """Enqueue ``layer``'s mixing of the m rows of xb of a batched decode step (``rows``: each its own
         sequence's token, position and state), output into proj: the matrices over the m rows at once, what

@@ -33,7 +33,10 @@ def sequence_state_bytes(model) -> int:
 
 def default_parallel(model) -> int:
     """``PARALLEL_DEFAULT``, or fewer where the state of that many sequences would take more than
-    1/``STATE_SHARE`` of the device's memory (at least 1)."""
+    1/``STATE_SHARE`` of the device's memory (at least 1); 1 where a layer kind of the model cannot be batched
+    (``Mixer.decodes_rows``)."""
+    if not all(mixer.decodes_rows() for mixer in model.mixers):
+        return 1
     per = max(sequence_state_bytes(model), 1)
     room = model.device.caps.global_mem // STATE_SHARE
     return max(1, min(PARALLEL_DEFAULT, room // per))

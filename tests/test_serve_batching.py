@@ -5,15 +5,18 @@ others stream and leaves when done or when its client goes; the queue's 429, shu
 --parallel."""
 
 import concurrent.futures
+import json
 import re
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import openai
 import pytest
 
+from helpers.family_models import family_tokenizer, make_family_model, write_family_gguf
 from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
 from perfx import cli
 from perfx.generate import SamplingConfig
@@ -26,6 +29,7 @@ from perfx.tokenizer import Tokenizer
 pytestmark = pytest.mark.one_implementation  # a server over a model: the default device only
 
 MODEL = "tiny"
+RECORDED = json.loads((Path(__file__).parent / "data" / "llamacpp_families.json").read_text())["families"]
 TIMEOUT = 60  # seconds any one client call may take on a loaded machine
 
 # (chat?, prompt, request settings): each its own sampling, stops and max tokens
@@ -238,3 +242,23 @@ def test_a_long_prompt_is_prefilled_in_pieces_between_the_steps_of_running_strea
     first, last = calls.index(("prefill", pieces[0])), len(calls) - calls[::-1].index(("prefill", pieces[-1])) - 1
     between = [kind for kind, _ in calls[first:last]]
     assert between.count("step") >= len(pieces) - 1, calls   # the running stream got a step after each piece
+
+
+@pytest.mark.parametrize("family", ["lfm2", "qwen35"])
+def test_hybrid_models_keep_each_request_s_recurrent_state(tmp_path, opencl_device, family):
+    """LFM2's conv rings and Qwen3.5's Gated DeltaNet state per slot, through the server: three concurrent
+    requests in two slots (one waits, then reuses a slot) answer what each answers alone."""
+    settings = dict(RECORDED[family]["make_family_model"])
+    made = make_family_model(settings.pop("family"), family_tokenizer(tmp_path, family),
+                             np.random.default_rng(settings.pop("seed")), **settings)
+    path = write_family_gguf(tmp_path / f"{family}.gguf", made, **RECORDED[family]["write_family_gguf"]).path
+    model, source = load_model(str(path), opencl_device, ctx=256, progress=False)
+    requests = [(False, text, {"max_tokens": 12, "temperature": 0}) for text in ("one two", "three", "four five six")]
+    with running_server(Engine(model, source.tokenizer, 16, SamplingConfig(seed=0))) as server:
+        alone = [ask(server, request, stream=False) for request in requests]
+    engine = BatchEngine(model, source.tokenizer, 16, SamplingConfig(seed=0), parallel=2)
+    with running_server(engine) as server:
+        with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+            together = list(pool.map(lambda r: ask(server, r, stream=False), requests, timeout=4 * TIMEOUT))
+    assert together == alone and sum(tokens for _, _, tokens in alone) >= 2 * len(requests), alone
+    assert engine.stats()["completed"] == len(requests)

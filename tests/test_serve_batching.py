@@ -262,3 +262,22 @@ def test_hybrid_models_keep_each_request_s_recurrent_state(tmp_path, opencl_devi
             together = list(pool.map(lambda r: ask(server, r, stream=False), requests, timeout=4 * TIMEOUT))
     assert together == alone and sum(tokens for _, _, tokens in alone) >= 2 * len(requests), alone
     assert engine.stats()["completed"] == len(requests)
+
+
+@pytest.mark.slow
+def test_the_default_model_answers_concurrent_chats_as_it_answers_each_alone(opencl_device):
+    """The real default model, fp32 decode (``tuning=False``: the tuned int8-activation GEMVs of a request alone
+    round its activations where the batched GEMMs do not, so greedy replies part at near-ties; docs/serve.md):
+    six chats through four slots, each reply the one-at-a-time server's."""
+    model, source = load_model("default", opencl_device, ctx=1024, progress=False, tuning=False)
+    questions = ["How many legs does a spider have?", "What is the capital of France?", "Why is the sky blue?",
+                 "Name a prime number larger than ten.", "Write a haiku about the sea.", "What do bees make?"]
+    requests = [(True, question, {"max_tokens": 48, "temperature": 0}) for question in questions]
+    with running_server(Engine(model, source.tokenizer, 16, SamplingConfig(seed=0))) as server:
+        alone = [ask(server, request, stream=False) for request in requests]
+    engine = BatchEngine(model, source.tokenizer, 16, SamplingConfig(seed=0), parallel=4)
+    with running_server(engine) as server:
+        with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+            together = list(pool.map(lambda r: ask(server, r), requests, timeout=8 * TIMEOUT))
+    assert together == alone
+    assert "Paris" in alone[1][0]

@@ -106,10 +106,9 @@ def matrix_contenders(model, n: int) -> dict:
     """Seconds of one launch of each matrix: its GEMV (one row) and its GEMM over n rows."""
     s, q = model.state, model.device.queue
     layer, head = model.weights.layers[0], model.weights.lm_head
-    if s.all_logits is None:
-        s.all_logits = model.device.empty((s.chunk, model.config.vocab_size), np.float32)
+    rows_logits = model.device.empty((n, model.config.vocab_size), np.float32)
     runs = {"gate_up": (layer.gate_up, s.xb, s.hb, s.hb), "down": (layer.down, s.hb, s.proj, s.proj),
-            "lm_head": (head, s.xb, s.logits, s.all_logits)}
+            "lm_head": (head, s.xb, s.logits, rows_logits)}
 
     def timed(run, reps: int = 10) -> float:
         run()

@@ -48,10 +48,7 @@ class Batch:
         self.ids = model.device.empty(2 * slots, np.int32)   # a step's token ids, then their positions
         self._upload = None
         self._replays: dict[tuple, object] = {}   # (slots, partitions of each row) -> the step's recorded launches
-        s, d = model.state, model.device
-        if s.all_logits is None:   # the logits of a step's rows; the same buffers perplexity's prefill uses
-            s.all_logits = d.empty((s.chunk, model.config.vocab_size), np.float32)
-            s.head_in = d.empty((s.chunk, model.config.hidden_size), np.float32)
+        self.logits = model.device.empty((slots, model.config.vocab_size), np.float32)   # a step's rows' logits
         # slot 0 is the model's own state from now on: what the model held is not kept
         model.written = 0
         if model.restore_points is not None:
@@ -138,9 +135,8 @@ class Batch:
         self._upload = model.device.write(self.ids, np.array(tokens + positions, np.int32), wait=False)
         replay.enqueue(model.device.queue)
         model.host_seconds += time.perf_counter() - started
-        s = model.state
         logits = model.device.read(np.empty((n, model.config.vocab_size), np.float32),
-                                   s.logits if n == 1 else s.all_logits)
+                                   model.state.logits if n == 1 else self.logits)
         for slot in slots:
             self.written[slot] += 1
         out = np.empty_like(logits)
@@ -149,18 +145,18 @@ class Batch:
 
     def _launches(self, rows: Rows) -> None:
         """The step's launches: the ids gathered, every layer over the rows, the final norm and the lm_head over
-        them (into ``state.all_logits``; one row: the decode step's head, into ``state.logits``)."""
+        them (into ``logits``; one row: the decode step's head, into ``state.logits``)."""
         model, n = self.model, len(rows)
-        c, s = model.config, model.state
+        c = model.config
         model._embed(n, self.ids)
         model._layers(n, 0, decode=n == 1, rows=rows)
         if n == 1:
             model._head(0)
             return
         model._final_norm(n)
-        model.weights.lm_head.rows(s.xb, s.all_logits, n)
+        model.weights.lm_head.rows(model.state.xb, self.logits, n)
         if c.final_softcap:
-            model.plan.softcap(s.all_logits, n * c.vocab_size, c.final_softcap)
+            model.plan.softcap(self.logits, n * c.vocab_size, c.final_softcap)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.slots:

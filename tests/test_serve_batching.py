@@ -281,3 +281,28 @@ def test_the_default_model_answers_concurrent_chats_as_it_answers_each_alone(ope
             together = list(pool.map(lambda r: ask(server, r), requests, timeout=8 * TIMEOUT))
     assert together == alone
     assert "Paris" in alone[1][0]
+
+
+def test_a_failed_request_fails_alone_and_its_slot_serves_the_next(loaded):
+    model, tokenizer = loaded
+    engine = BatchEngine(model, tokenizer, 16, SamplingConfig(seed=0), parallel=2)
+    prefill = engine.batch.prefill
+
+    def failing(slot, tokens, start, logits=True):
+        if len(tokens) > 40:
+            raise RuntimeError("a planted failure")
+        return prefill(slot, tokens, start, logits)
+    engine.batch.prefill = failing
+    with running_server(engine) as server:
+        api = client(server, max_retries=0)
+        streaming = api.completions.create(model=MODEL, prompt="go on", max_tokens=200, stream=True)
+        chunks = iter(streaming)
+        next(chunks)
+        with pytest.raises(openai.InternalServerError) as failed:
+            api.completions.create(model=MODEL, prompt="word " * 60, max_tokens=3)
+        assert "generation failed: RuntimeError: a planted failure" in failed.value.response.json()["error"]["message"]
+        assert ask(server, REQUESTS[6], stream=False)[2] == REQUESTS[6][2]["max_tokens"]
+        rest = list(chunks)
+        assert rest[-1].choices[0].finish_reason == "length"    # the running stream, unharmed
+    stats = engine.stats()
+    assert (stats["completed"], stats["failed"]) == (2, 1)

@@ -298,11 +298,13 @@ class Model:
         else:
             self.plan.rmsnorm.post_residual(s.proj, s.x, post_norm, gamma, s.xb, m, c.hidden_size, c.rms_eps, **blocks)
 
-    def _layers(self, m: int, pos: int, decode: bool, position=None, split=None):
+    def _layers(self, m: int, pos: int, decode: bool, position=None, split=None, rows=None):
         """Every decoder layer over m rows at positions pos..pos+m−1; leaves the last residual add pending.
 
         ``position`` (buffer, index), when given, is where the mixers read ``pos`` on the device; ``split``, when
         given, receives the launches that depend on the position (the decode recording records them apart).
+        ``rows`` (``perfx.mixers.Rows``), when given, makes the m rows those of a batched decode step instead:
+        each its own sequence's token, at its own position (``perfx.batch``).
         """
         c, s = self.config, self.state
         for i, w in enumerate(self.weights.layers):
@@ -314,7 +316,10 @@ class Model:
             else:
                 self._residual_norm(self.weights.layers[i - 1].post_ffn_norm, w.attn_norm, m, readers)
             # attention, short convolution or Gated DeltaNet: the mixer of the layer's kind, into proj
-            w.mixer.forward(i, m, pos, decode, position=position, split=split)
+            if rows is None:
+                w.mixer.forward(i, m, pos, decode, position=position, split=split)
+            else:
+                w.mixer.forward_rows(i, m, rows)
             # ffn rmsnorm, with the mixer's output added into the residual
             self._residual_norm(w.post_attn_norm, w.ffn_norm, m, [w.gate_up])
             # gated MLP: gate-up with the activation·up fused, then down

@@ -116,14 +116,14 @@ def decode_step(config, options: StepOptions) -> list[Op]:
 def prefill_step(config, m: int, options: StepOptions) -> list[Op]:
     """The ops of a prefill pass over m rows (a bucket's representative M), in order: the gather, the layer
     block over m rows (each matrix's GEMM kinds compared per bucket), the final norm over the rows, the head
-    for the last row (the decode step's ops); past 16 rows also the lm_head's int8 GEMM over every row
-    (`perfx perplexity`, ``Model.prefill_logits``)."""
+    for the last row (the decode step's ops); from 2 rows on also the lm_head's int8 GEMM over every row
+    (`perfx perplexity`, ``Model.prefill_logits``; a batched decode step of m sequences, ``perfx.batch``)."""
     out = embedding_ops(config, m, options) + layer_ops(config, m, options, prefill=True) + norm_ops(config, m, ())
     out += [shared(op, True) for op in head_ops(config, options, argmax=False)]
-    if m > 16:
+    if m > 1:
         forms = [f for f in role_forms(config, "lm_head", options, config.hidden_size) if f.kind == "q8"]
         out += role_ops(config, "lm_head", m, options, True, (), ("head_in",), ("all_logits",), forms=forms,
-                        label="lm_head (perplexity)")
+                        label="lm_head (every row)")
     return out
 
 

@@ -37,7 +37,7 @@ LAYERS = (
     ("mixers", ("perfx.op", "perfx.linear", "perfx.mixers", "perfx.forward64")),
     ("sources", ("perfx.sources",)),
     ("tuning", ("perfx.tuning", "perfx.step")),
-    ("model", ("perfx.plan", "perfx.model", "perfx.generate", "perfx.speculative")),
+    ("model", ("perfx.plan", "perfx.model", "perfx.generate", "perfx.speculative", "perfx.batch")),
     ("commands", ("perfx.commands", "perfx.serve", "perfx.cli", "perfx.plots", "perfx.__main__", "perfx")),
 )
 

@@ -16,6 +16,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from perfx.constrain import Constraint
 from perfx.errors import PerfxError
 from perfx.generate import Conversation, Result, SamplingConfig, generate, system_prompt_end
 from perfx.model import load_model
@@ -76,6 +77,7 @@ class Job:
     first_text: float | None = None
     cached_tokens: int = 0       # prompt ids already in the KV cache (not prefilled again)
     restore_at: tuple = ()       # prompt positions later requests may resume at (the system prompt's end)
+    constraint: Constraint | None = None   # the grammar the reply keeps to (response_format)
     result: Result | None = None
 
     @property
@@ -115,11 +117,19 @@ class Engine:
         self.worker.start()
 
     def job(self, prompt_ids: list[int], max_tokens: int, sampling: dict, stop: list[str],
-            messages: list[dict] | None = None, template: dict | None = None) -> Job:
+            messages: list[dict] | None = None, template: dict | None = None, schema=None) -> Job:
         """A job for these ids; ``sampling`` holds the SamplingConfig fields a request sets over the defaults.
         ``messages`` (a chat request's, as rendered with the template variables ``template``) give the system
-        prompt's end, where a model with recurrent state keeps a restore point for the next requests."""
+        prompt's end, where a model with recurrent state keeps a restore point for the next requests.
+        ``schema``: the JSON schema the reply must follow (``api.response_schema``), compiled here, in the
+        request's thread: a schema llguidance does not support is a 400 naming what it lacks."""
         job = Job(prompt_ids, max_tokens, dataclasses.replace(self.default_sampling, **sampling), stop)
+        if schema is not None:
+            try:
+                job.constraint = Constraint.from_json_schema(schema, self.tokenizer)
+            except PerfxError as error:
+                raise APIError(400, f"'response_format': {error}", param="response_format",
+                               code="unsupported_schema") from None
         if messages and self.model.keeps_restore_points:
             job.restore_at = (system_prompt_end(self.tokenizer, messages, prompt_ids, **(template or {})),)
         return job
@@ -209,7 +219,7 @@ class Engine:
             result = generate(self.model, self.tokenizer, todo, job.max_tokens, job.sampling, start_pos=start,
                               stop_strings=job.stop, on_text=on_text, history=ids[:start],
                               should_stop=job.cancelled.is_set, speculator=self.speculator,
-                              restore_at=job.restore_at)
+                              restore_at=job.restore_at, constraint=job.constraint)
         except Exception as error:  # noqa: BLE001  (a failed request must not take the server down)
             self.conversation.forget()  # how far the cache was written is unknown
             message = str(error) if isinstance(error, PerfxError) else f"{type(error).__name__}: {error}"

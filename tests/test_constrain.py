@@ -1,0 +1,224 @@
+"""Constrained decoding (perfx/constrain.py through llguidance, the mask on the device): llguidance's tokenizer
+spells every id as perfx does (SentencePiece and byte-level BPE vocabularies), a tiny random-weight model's
+replies parse and validate against varied schemas greedy and sampled (its unconstrained replies are noise, so a
+valid one is the constraint's work), the device's masked choice is the host's, and the errors say what to do."""
+
+import json
+import sys
+
+import jsonschema
+import numpy as np
+import pytest
+
+from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
+from perfx import reference
+from perfx.constrain import Constraint, ll_tokenizer
+from perfx.errors import PerfxError
+from perfx.generate import PositionalState, SamplingConfig, generate
+from perfx.model import load_model
+from perfx.sources.default import default_model_path
+from perfx.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.one_implementation  # generation over a model: the default device only
+
+DATA = __import__("pathlib").Path(__file__).parent / "data"
+
+SCHEMAS = {
+    "required properties": {
+        "type": "object", "additionalProperties": False, "required": ["name", "age"],
+        "properties": {"name": {"type": "string", "maxLength": 8},
+                       "age": {"type": "integer", "minimum": 0, "maximum": 150}}},
+    "enums and booleans": {
+        "type": "object", "additionalProperties": False, "required": ["color", "ok", "size"],
+        "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
+                       "size": {"type": "string", "enum": ["S", "M", "L", "XL"]}}},
+    "array of integers": {"type": "array", "minItems": 1, "maxItems": 4,
+                          "items": {"type": "integer", "minimum": -5, "maximum": 5}},
+    "nested": {
+        "type": "object", "additionalProperties": False, "required": ["point", "tags"],
+        "properties": {
+            "point": {"type": "object", "additionalProperties": False, "required": ["x", "y"],
+                      "properties": {"x": {"type": "integer", "minimum": -99, "maximum": 99},
+                                     "y": {"type": "boolean"}}},
+            "tags": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 4}}}},
+    "pattern": {"type": "object", "additionalProperties": False, "required": ["code"],
+                "properties": {"code": {"type": "string", "pattern": "^[a-z]{2,4}-[0-9]{2}$"}}},
+    "anyOf and null": {"type": "object", "additionalProperties": False, "required": ["v"],
+                       "properties": {"v": {"anyOf": [{"type": "null"}, {"type": "integer", "minimum": 0,
+                                                                          "maximum": 9}]}}},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, opencl_device):
+    directory = tmp_path_factory.mktemp("constrain")
+    path = directory / "tiny.gguf"
+    write_gguf(path, make_tiny_model("gqa3", tiny_tokenizer(directory), np.random.default_rng(11)))
+    model, source = load_model(str(path), opencl_device, progress=False)
+    return model, source.tokenizer
+
+
+def chat_prompt(tokenizer, text: str) -> list[int]:
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    return tokenizer.encode(rendered, add_bos=tokenizer.add_bos_token)
+
+
+# -- llguidance's tokenizer ---------------------------------------------------------------------------------
+
+def tokenizers():
+    yield "default (byte-level BPE)", Tokenizer.from_gguf(default_model_path())
+    for name in ("gemma3", "llama-bpe", "phi3"):
+        yield name, Tokenizer.from_gguf(DATA / "vocab" / f"{name}.gguf")
+
+
+@pytest.fixture(scope="module")
+def spm(tmp_path_factory):
+    return Tokenizer.from_gguf(write_spm_gguf(tmp_path_factory.mktemp("spm")))
+
+
+def write_spm_gguf(directory):
+    path = directory / "tiny.gguf"
+    write_gguf(path, make_tiny_model("gqa3", tiny_tokenizer(directory), np.random.default_rng(0)))
+    return path
+
+
+@pytest.mark.parametrize("name", ["default (byte-level BPE)", "gemma3", "llama-bpe", "phi3", "tiny SentencePiece"])
+def test_llguidance_spells_every_id_as_perfx_decodes_it(name, spm, rng):
+    tokenizer = spm if name == "tiny SentencePiece" else dict(tokenizers())[name]
+    ll = ll_tokenizer(tokenizer)
+    assert ll.vocab_size == tokenizer.vocab_size
+    assert sorted(ll.eos_tokens) == sorted(tokenizer.eos_ids)
+    special = tokenizer.special_ids | tokenizer.eos_ids
+    # (a byte piece <0xFF> starts with llguidance's mark of a special token; no UTF-8 text holds that byte)
+    text_ids = [i for i, b in enumerate(tokenizer.token_bytes()) if i not in special and not b.startswith(b"\xff")]
+    ids = [int(i) for i in rng.choice(text_ids, 400)]
+    assert ll.decode_bytes(ids) == b"".join(tokenizer.token_bytes()[i] for i in ids)
+    for i in special:
+        assert ll.is_special_token(i), (name, i, tokenizer.token_text(i))
+    for text in ("Café naïve {\"a\": [1, 2.5, true]} 日本", "{", " x", "\n\n}"):
+        # forced text as it continues a reply: exactly its bytes (no SentencePiece prefix space)
+        assert ll.decode_bytes(ll.tokenize_str(text)) == text.encode()
+
+
+def test_every_json_reply_a_grammar_walks_is_valid(spm, rng):
+    """Random walks through the allowed tokens (no model): each ends complete, and parses and validates."""
+    for schema in SCHEMAS.values():
+        for _ in range(5):
+            constraint, ids = Constraint.from_json_schema(schema, spm), []
+            while not constraint.done:
+                allowed = np.flatnonzero(reference.allowed_tokens(constraint.allowed(), spm.vocab_size))
+                token = int(rng.choice(allowed))
+                if token in spm.eos_ids:
+                    assert constraint.accepting
+                    break
+                constraint.advance(token)
+                ids.append(token)
+                assert len(ids) < 400, spm.decode(ids)
+            jsonschema.validate(json.loads(spm.decode(ids)), schema)
+
+
+def test_eos_is_allowed_exactly_where_the_grammar_accepts(spm):
+    constraint = Constraint.from_json_schema({"type": "integer"}, spm)
+    eos = sorted(spm.eos_ids)
+    allowed = reference.allowed_tokens(constraint.allowed(), spm.vocab_size)
+    assert not allowed[eos].any() and not constraint.accepting   # nothing yet: not an integer
+    for token in ll_tokenizer(spm).tokenize_str("12"):
+        constraint.advance(token)
+    allowed = reference.allowed_tokens(constraint.allowed(), spm.vocab_size)
+    assert constraint.accepting and not constraint.done and allowed[eos].all()
+    assert not allowed[sorted(spm.special_ids - spm.eos_ids)].any()   # control tokens are never text
+
+
+def test_a_token_the_grammar_forbids_is_refused(spm):
+    constraint = Constraint.json_object(spm)
+    with pytest.raises(PerfxError, match="is not allowed here"):
+        constraint.advance(spm.encode("x", parse_special=False)[-1])
+
+
+@pytest.mark.parametrize("schema, named", [
+    ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, r'"if", "then"'),
+    ({"type": "string", "format": "weird"}, "Unknown format: weird"),
+    ({"$ref": "http://example.com/schema.json"}, "http://example.com/schema.json"),
+    ("{not json", "not valid JSON"),
+])
+def test_unsupported_schemas_are_named(spm, schema, named):
+    with pytest.raises(PerfxError, match=named):
+        Constraint.from_json_schema(schema, spm)
+
+
+def test_without_llguidance_the_error_says_how_to_install_it(spm, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llguidance", None)   # import llguidance raises ImportError
+    with pytest.raises(PerfxError, match=r"pip install 'perfx\[structured\]'"):
+        Constraint.json_object(spm)
+
+
+def test_a_lark_grammar_puts_text_around_json(spm):
+    constraint = Constraint.from_lark('start: "CALL " %json {"type": "object", "properties": {"n": {"type": '
+                                      '"integer", "minimum": 0, "maximum": 9}}, "required": ["n"], '
+                                      '"additionalProperties": false}', spm)
+    for token in ll_tokenizer(spm).tokenize_str('CALL {"n": 7}'):
+        constraint.advance(token)
+    assert constraint.done
+
+
+# -- replies of a tiny random model -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=1.0, seed=3),
+                                      SamplingConfig(temperature=1.3, top_k=0, top_p=1.0, min_p=0.0, seed=5,
+                                                     repetition_penalty=1.3)],
+                         ids=["greedy", "sampled on the device", "sampled on the host"])
+def test_replies_parse_and_validate(tiny, name, sampling):
+    model, tokenizer = tiny
+    schema = SCHEMAS[name]
+    unconstrained = generate(model, tokenizer, chat_prompt(tokenizer, "Give me JSON."), 40, sampling)
+    with pytest.raises(ValueError):   # the model alone writes noise
+        jsonschema.validate(json.loads(unconstrained.text), schema)
+    result = generate(model, tokenizer, chat_prompt(tokenizer, "Give me JSON."), 300, sampling,
+                      constraint=Constraint.from_json_schema(schema, tokenizer))
+    assert result.stats.stop_reason in ("grammar complete", "eos"), result.text
+    jsonschema.validate(json.loads(result.text), schema)
+
+
+def test_json_object_mode_and_stop_strings_and_max_tokens(tiny):
+    model, tokenizer = tiny
+    prompt = chat_prompt(tokenizer, "JSON please")
+    sampling = SamplingConfig(temperature=1.0, seed=8)
+    whole = generate(model, tokenizer, prompt, 400, sampling, constraint=Constraint.json_object(tokenizer))
+    assert isinstance(json.loads(whole.text), dict)
+    cut = generate(model, tokenizer, prompt, 3, sampling, constraint=Constraint.json_object(tokenizer))
+    assert cut.stats.stop_reason == "max tokens" and len(cut.ids) == 3 and whole.text.startswith(cut.text)
+    stop = whole.text[2:4]
+    stopped = generate(model, tokenizer, prompt, 400, sampling, stop_strings=[stop],
+                       constraint=Constraint.json_object(tokenizer))
+    assert stopped.stats.stop_reason == "stop string" and stop not in stopped.text
+
+
+class HostLogits(PositionalState):
+    def __init__(self, logits):
+        self.saved = logits
+
+    def logits(self):
+        return self.saved.copy()
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=0.8),
+                                      SamplingConfig(temperature=0.8, repetition_penalty=1.5),
+                                      SamplingConfig(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)],
+                         ids=["greedy", "on the device", "penalised", "host sampler"])
+def test_the_device_chooses_as_the_host_does(tiny, rng, sampling):
+    """Model.masked_token (the mask and the choice on the device) against PositionalState.masked_token (the
+    float64 reference's mask and draw) on the same logits and random masks; the token is exact or wrong."""
+    model, tokenizer = tiny
+    prompt = chat_prompt(tokenizer, "hello")
+    v = model.config.vocab_size
+    for seed in range(6):
+        model.prefill(prompt, 0)
+        logits = model.logits()
+        allowed = np.zeros(32 * ((v + 31) // 32), bool)
+        allowed[rng.choice(v, [1, 3, 40, v // 2, v - 1, 7][seed], replace=False)] = True
+        mask = np.packbits(allowed.reshape(-1, 32)[:, ::-1], axis=1).view(">u4").astype(np.uint32).ravel()
+        seen = prompt[-20:]
+        expected = HostLogits(logits).masked_token(mask, sampling, seed, seen, len(prompt) - 1)
+        assert allowed[expected]
+        assert model.masked_token(mask, sampling, seed, seen, len(prompt) - 1) == expected

@@ -184,14 +184,16 @@ def test_json_object_mode_and_stop_strings_and_max_tokens(tiny):
     model, tokenizer = tiny
     prompt = chat_prompt(tokenizer, "JSON please")
     sampling = SamplingConfig(temperature=1.0, seed=8)
-    whole = generate(model, tokenizer, prompt, 400, sampling, constraint=Constraint.json_object(tokenizer))
-    assert isinstance(json.loads(whole.text), dict)
-    cut = generate(model, tokenizer, prompt, 3, sampling, constraint=Constraint.json_object(tokenizer))
+    anything = generate(model, tokenizer, prompt, 400, sampling, constraint=Constraint.json_object(tokenizer))
+    assert isinstance(json.loads(anything.text), dict)
+    schema = SCHEMAS["required properties"]
+    whole = generate(model, tokenizer, prompt, 400, sampling, constraint=Constraint.from_json_schema(schema, tokenizer))
+    assert whole.text.startswith('{"name": "') and len(whole.ids) > 8
+    cut = generate(model, tokenizer, prompt, 3, sampling, constraint=Constraint.from_json_schema(schema, tokenizer))
     assert cut.stats.stop_reason == "max tokens" and len(cut.ids) == 3 and whole.text.startswith(cut.text)
-    stop = whole.text[2:4]
-    stopped = generate(model, tokenizer, prompt, 400, sampling, stop_strings=[stop],
-                       constraint=Constraint.json_object(tokenizer))
-    assert stopped.stats.stop_reason == "stop string" and stop not in stopped.text
+    stopped = generate(model, tokenizer, prompt, 400, sampling, stop_strings=['"age"'],
+                       constraint=Constraint.from_json_schema(schema, tokenizer))
+    assert stopped.stats.stop_reason == "stop string" and whole.text.startswith(stopped.text + '"age"')
 
 
 class HostLogits(PositionalState):

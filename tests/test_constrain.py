@@ -4,6 +4,7 @@ replies parse and validate against varied schemas greedy and sampled (its uncons
 valid one is the constraint's work), the device's masked choice is the host's, and the errors say what to do."""
 
 import json
+import subprocess
 import sys
 
 import jsonschema
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
-from perfx import reference
+from perfx import cli, reference
 from perfx.constrain import Constraint, ll_tokenizer
 from perfx.errors import PerfxError
 from perfx.generate import PositionalState, SamplingConfig, generate
@@ -50,11 +51,16 @@ SCHEMAS = {
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, opencl_device):
+def tiny_path(tmp_path_factory) -> str:
     directory = tmp_path_factory.mktemp("constrain")
     path = directory / "tiny.gguf"
     write_gguf(path, make_tiny_model("gqa3", tiny_tokenizer(directory), np.random.default_rng(11)))
-    model, source = load_model(str(path), opencl_device, progress=False)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_path, opencl_device):
+    model, source = load_model(tiny_path, opencl_device, progress=False)
     return model, source.tokenizer
 
 
@@ -224,3 +230,42 @@ def test_the_device_chooses_as_the_host_does(tiny, rng, sampling):
         expected = HostLogits(logits).masked_token(mask, sampling, seed, seen, len(prompt) - 1)
         assert allowed[expected]
         assert model.masked_token(mask, sampling, seed, seen, len(prompt) - 1) == expected
+
+
+# -- the commands --------------------------------------------------------------------------------------------
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "legs"],
+          "properties": {"name": {"type": "string", "maxLength": 20}, "legs": {"type": "integer", "minimum": 0}}}
+
+
+def test_generate_with_a_json_schema_on_the_default_model(capsys, tmp_path):
+    """The README's model (byte-level BPE, a real chat model) answers in the schema, greedy and sampled."""
+    schema = tmp_path / "animal.json"
+    schema.write_text(json.dumps(PERSON))
+    for flags in (["--temperature", "0"], ["--temperature", "1.0", "--seed", "4"]):
+        code = cli.main(["generate", *flags, "--json-schema", str(schema), "--json", "--max-tokens", "60",
+                         "--ctx", "512", "Describe a spider as JSON with its name and number of legs."])
+        out, err = capsys.readouterr()
+        data = json.loads(out)
+        assert code == 0 and data["stats"]["stop_reason"] == "grammar complete", err
+        jsonschema.validate(json.loads(data["text"]), PERSON)
+
+
+def test_generate_refuses_an_unsupported_schema_in_one_line(capsys, tmp_path, tiny_path):
+    schema = tmp_path / "bad.json"
+    schema.write_text(json.dumps({"type": "object", "if": {}, "then": {}}))
+    code = cli.main(["generate", "--model", tiny_path, "--json-schema", str(schema), "hi"])
+    out, err = capsys.readouterr()
+    assert code == 2 and 'Unimplemented keys: ["if", "then"]' in err and out == ""
+    code = cli.main(["generate", "--model", tiny_path, "--json-schema", str(tmp_path / "none.json"), "hi"])
+    assert code == 2 and "cannot read it" in capsys.readouterr().err
+
+
+def test_chat_keeps_every_reply_a_json_object(tiny_path):
+    run = subprocess.run([sys.executable, "-m", "perfx", "chat", "--model", tiny_path, "--json-object",
+                          "--max-tokens", "100", "--temperature", "0"],
+                         input="one\ntwo\n", capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    replies = [line for line in run.stdout.splitlines() if line.strip()]
+    assert len(replies) == 2, run.stdout
+    assert all(isinstance(json.loads(reply), dict) for reply in replies)

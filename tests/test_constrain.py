@@ -11,6 +11,7 @@ import jsonschema
 import numpy as np
 import pytest
 
+from helpers.schemas import random_schema
 from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
 from perfx import cli, reference
 from perfx.constrain import Constraint, ll_tokenizer
@@ -167,6 +168,30 @@ def test_a_lark_grammar_puts_text_around_json(spm):
     assert constraint.done
 
 
+def test_a_tool_call_grammar_names_special_tokens(rng):
+    """What a tool call constrained by its function's schema looks like (Qwen3's format): the special tokens
+    <tool_call> and </tool_call> by name around the call's JSON; random walks end there, and decode to it."""
+    qwen3 = Tokenizer.from_gguf(DATA / "vocab" / "qwen3.gguf")
+    arguments = {"type": "object", "additionalProperties": False, "required": ["city"],
+                 "properties": {"city": {"type": "string", "maxLength": 12}}}
+    call = {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+            "properties": {"name": {"const": "get_weather"}, "arguments": arguments}}
+    grammar = f"start: <tool_call> \"\\n\" %json {json.dumps(call)} \"\\n\" </tool_call>"
+    opening, closing = (qwen3.encode(t, parse_special=True) for t in ("<tool_call>", "</tool_call>"))
+    assert len(opening) == len(closing) == 1 and opening[0] in qwen3.special_ids
+    for _ in range(3):
+        constraint, ids = Constraint.from_lark(grammar, qwen3), []
+        while not constraint.done:
+            allowed = np.flatnonzero(reference.allowed_tokens(constraint.allowed(), qwen3.vocab_size))
+            token = int(rng.choice(allowed))
+            constraint.advance(token)
+            ids.append(token)
+        assert ids[0] == opening[0] and ids[-1] == closing[0]
+        text = qwen3.decode(ids[1:-1])
+        assert text.startswith("\n") and text.endswith("\n")
+        jsonschema.validate(json.loads(text), call)
+
+
 # -- replies of a tiny random model -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", list(SCHEMAS))
@@ -200,6 +225,18 @@ def test_json_object_mode_and_stop_strings_and_max_tokens(tiny):
     stopped = generate(model, tokenizer, prompt, 400, sampling, stop_strings=['"age"'],
                        constraint=Constraint.from_json_schema(schema, tokenizer))
     assert stopped.stats.stop_reason == "stop string" and whole.text.startswith(stopped.text + '"age"')
+
+
+def test_sixty_random_schemas_at_temperature_one(tiny):
+    model, tokenizer = tiny
+    rng = np.random.default_rng(43)
+    prompt = chat_prompt(tokenizer, "JSON")
+    for i in range(60):
+        schema = random_schema(rng, kind="object" if i % 2 else None)   # half of them an object, as apps ask
+        result = generate(model, tokenizer, prompt, 250, SamplingConfig(temperature=1.0, seed=i),
+                          constraint=Constraint.from_json_schema(schema, tokenizer))
+        assert result.stats.stop_reason in ("grammar complete", "eos"), (schema, result.text)
+        jsonschema.validate(json.loads(result.text), schema)
 
 
 class HostLogits(PositionalState):

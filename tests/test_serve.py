@@ -21,6 +21,7 @@ import numpy as np
 import openai
 import pytest
 
+from helpers.schemas import random_schema
 from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
 from perfx import cli
 from perfx.generate import SamplingConfig
@@ -552,3 +553,28 @@ def test_json_schema_replies_parse_and_validate_through_the_openai_client(loaded
             client.chat.completions.create(model=MODEL, messages=HELLO, response_format=json_schema_format(
                 {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}))
         assert srv.engine.stats()["failed"] == 0
+
+
+@pytest.mark.slow
+def test_two_hundred_random_schemas_at_temperature_one_all_validate(loaded):
+    """The issue's goal: 200 requests with varied JSON schemas at temperature 1, some streamed; every reply
+    parses and validates, and finishes "stop"."""
+    jsonschema = pytest.importorskip("jsonschema")
+    model, tokenizer = loaded
+    rng = np.random.default_rng(200)
+    with running_server(model, tokenizer) as srv:
+        client = srv.client()
+        for i in range(200):
+            schema = random_schema(rng, kind="object" if i % 2 else None)
+            options = dict(model=MODEL, messages=HELLO, max_tokens=300, temperature=1.0, seed=i,
+                           response_format=json_schema_format(schema))
+            if i % 4 == 3:
+                chunks = list(client.chat.completions.create(stream=True, **options))
+                text = "".join(c.choices[0].delta.content or "" for c in chunks)
+                finish = chunks[-1].choices[0].finish_reason
+            else:
+                reply = client.chat.completions.create(**options)
+                text, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+            assert finish == "stop", (schema, text)
+            jsonschema.validate(json.loads(text), schema)
+        assert srv.engine.stats()["completed"] >= 200

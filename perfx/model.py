@@ -257,7 +257,7 @@ class Model:
         self._sampled_replays: dict = {}            # partitions -> the step drawing its token, for the settings below
         self._sampled_settings: tuple | None = None  # the sampling settings and seed the draws were recorded with
         self._sample, self._sample_history = None, None   # the sample kernel and the penalty's window, on first use
-        self._mask = None   # constrained decoding: the allowed tokens' bitmask, the position drawn at (on first use)
+        self._mask = None   # constrained decoding: the bitmask, the draw's position and its penalty window (first use)
         self._decode_replay(0)   # recorded now: a kernel the driver refuses shows at load
         self.greedy_launches(0)  # and the hand-over's kernels built now, not in the first token's time
 

@@ -28,11 +28,11 @@ from perfx.ops.gemv_q4 import GemvQ4
 from perfx.ops.gemv_q4_split import GemvQ4Split
 from perfx.ops.gated_delta_net import GatedDeltaNetChunked, GatedDeltaNetRecurrent
 from perfx.ops.gemv_q8 import GemvQ8
+from perfx.ops.logit_mask import LogitMask
 from perfx.ops.params import READ_NAMES
 from perfx.ops.q4_weight import available_paths
 from perfx.ops.q8_weight import Q8DeviceWeight
 from perfx.ops.rmsnorm import RMSNorm
-from perfx.ops.logit_mask import LogitMask
 from perfx.ops.sample import Sample
 from perfx.ops.short_conv import ShortConv
 from perfx.ops.small_ops import Argmax, Embedding, GeGLU, SigmoidMul, Softcap, SwiGLU

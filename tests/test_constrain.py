@@ -6,6 +6,7 @@ valid one is the constraint's work), the device's masked choice is the host's, a
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import jsonschema
 import numpy as np
@@ -23,7 +24,7 @@ from perfx.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.one_implementation  # generation over a model: the default device only
 
-DATA = __import__("pathlib").Path(__file__).parent / "data"
+DATA = Path(__file__).parent / "data"
 
 SCHEMAS = {
     "required properties": {
@@ -72,26 +73,24 @@ def chat_prompt(tokenizer, text: str) -> list[int]:
 
 # -- llguidance's tokenizer ---------------------------------------------------------------------------------
 
-def tokenizers():
-    yield "default (byte-level BPE)", Tokenizer.from_gguf(default_model_path())
-    for name in ("gemma3", "llama-bpe", "phi3"):
-        yield name, Tokenizer.from_gguf(DATA / "vocab" / f"{name}.gguf")
-
-
 @pytest.fixture(scope="module")
-def spm(tmp_path_factory):
-    return Tokenizer.from_gguf(write_spm_gguf(tmp_path_factory.mktemp("spm")))
+def spm(tiny_path):
+    """The tiny model's SentencePiece tokenizer (byte fallback, a prefix space before the first word)."""
+    return Tokenizer.from_gguf(tiny_path)
 
 
-def write_spm_gguf(directory):
-    path = directory / "tiny.gguf"
-    write_gguf(path, make_tiny_model("gqa3", tiny_tokenizer(directory), np.random.default_rng(0)))
-    return path
+def named_tokenizer(name: str, spm) -> Tokenizer:
+    if name == "tiny SentencePiece":
+        return spm
+    if name == "default (byte-level BPE)":
+        return Tokenizer.from_gguf(default_model_path())
+    return Tokenizer.from_gguf(DATA / "vocab" / f"{name}.gguf")
 
 
-@pytest.mark.parametrize("name", ["default (byte-level BPE)", "gemma3", "llama-bpe", "phi3", "tiny SentencePiece"])
+@pytest.mark.parametrize("name", ["default (byte-level BPE)", "gemma3", "llama-bpe", "phi3", "qwen3",
+                                  "tiny SentencePiece"])
 def test_llguidance_spells_every_id_as_perfx_decodes_it(name, spm, rng):
-    tokenizer = spm if name == "tiny SentencePiece" else dict(tokenizers())[name]
+    tokenizer = named_tokenizer(name, spm)
     ll = ll_tokenizer(tokenizer)
     assert ll.vocab_size == tokenizer.vocab_size
     assert sorted(ll.eos_tokens) == sorted(tokenizer.eos_ids)

@@ -42,14 +42,20 @@ def load(name: str | None, device: str | None, ctx: int | None, quantize: str | 
 def warm_up(model, tokenizer, speculator=None):
     """A short chat turn (prefill and one decode step), so the first client's TTFT does not include building
     the kernels (seconds on a phone), and the speculator's step costs measured. What it leaves in the KV
-    cache is not counted as cached."""
+    cache is not counted as cached. Where llguidance is installed, a JSON-mode step too: its tokenizer (built
+    once per vocabulary) and the mask kernel are made now, not in the first structured request's time."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Hello!"}], add_generation_prompt=True)
     ids = tokenizer.encode(text, add_bos=tokenizer.add_bos_token)
     if speculator is not None:
         speculator.calibrate(model, 0)
     model.prefill(ids, 0)
     model.decode_one(model.argmax(), len(ids))
-    model.argmax()
+    try:
+        constraint = Constraint.json_object(tokenizer)
+    except PerfxError:   # no llguidance: a request with a JSON response_format is a 400 that says how to install it
+        model.argmax()
+        return
+    model.masked_token(constraint.allowed(), SamplingConfig(temperature=0), 0, ids, len(ids))
 
 
 def served_model_id(source) -> str:

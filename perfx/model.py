@@ -258,6 +258,7 @@ class Model:
         self._sampled_settings: tuple | None = None  # the sampling settings and seed the draws were recorded with
         self._sample, self._sample_history = None, None   # the sample kernel and the penalty's window, on first use
         self._mask = None   # constrained decoding: the bitmask, the draw's position and its penalty window (first use)
+        self._mask_uploads: list = []   # their last copies' events (each holds its host array)
         self._decode_replay(0)   # recorded now: a kernel the driver refuses shows at load
         self.greedy_launches(0)  # and the hand-over's kernels built now, not in the first token's time
 
@@ -614,21 +615,25 @@ class Model:
         padded = np.zeros(words, np.uint32)
         padded[:min(len(allowed), words)] = allowed[:words]
         started = time.perf_counter()
-        mask.set(padded)
+        # Written without waiting (the forward before it may still run): each fresh host array is held by its
+        # copy's event, kept until the next call, when the blocking read below has seen every copy done.
+        self._mask_uploads = [self.device.write(mask, padded, wait=False)]
         self.plan.logit_mask(s.logits, v, mask)
+        window = np.asarray(list(seen)[-HISTORY_MAX:], np.int32)
+        on_device = not config.greedy and self._sampler().supports(config, v)
+        if on_device:
+            self._mask_uploads.append(self.device.write(position, np.array([pos], np.int32), wait=False))
+            if len(window):
+                self._mask_uploads.append(self.device.write(history, window, wait=False))
+            self._sample(s.logits, v, s.best, temperature=config.temperature, top_k=config.top_k,
+                         top_p=config.top_p, min_p=config.min_p, penalty=config.repetition_penalty, history=history,
+                         h=len(window), seed=seed, counter=0, position=(position, 0))
         self.host_seconds += time.perf_counter() - started
         if config.greedy:
             return self.argmax()
-        window = np.asarray(list(seen)[-HISTORY_MAX:], np.int32)
-        if not self._sampler().supports(config, v):
+        if not on_device:
             return sample_token(self.logits(), window, config.temperature, config.top_k, config.top_p,
                                 config.min_p, config.repetition_penalty, seed, 0, pos)
-        position.set(np.array([pos], np.int32))
-        if len(window):
-            history[:len(window)].set(window)
-        self._sample(s.logits, v, s.best, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
-                     min_p=config.min_p, penalty=config.repetition_penalty, history=history, h=len(window),
-                     seed=seed, counter=0, position=(position, 0))
         return int(s.best.get()[0])
 
     def logits(self) -> np.ndarray:

@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.request
 from contextlib import contextmanager
+from typing import Literal, Optional
 
 import numpy as np
 import openai
@@ -553,6 +554,28 @@ def test_json_schema_replies_parse_and_validate_through_the_openai_client(loaded
             client.chat.completions.create(model=MODEL, messages=HELLO, response_format=json_schema_format(
                 {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}))
         assert srv.engine.stats()["failed"] == 0
+
+
+def test_the_openai_client_parses_a_pydantic_model_reply(loaded):
+    """`client.chat.completions.parse(response_format=Model)`: the client turns a Pydantic model into a strict
+    schema ($defs, $ref, anyOf with null, titles) and parses the reply back into the model."""
+    pydantic = pytest.importorskip("pydantic")
+    class Address(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=8)
+        zip: Optional[int] = pydantic.Field(ge=0, le=99999)
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=10)
+        role: Literal["admin", "user"]
+        addresses: list[Address] = pydantic.Field(max_length=2)
+
+    model, tokenizer = loaded
+    with running_server(model, tokenizer) as srv:
+        for seed in range(3):
+            reply = srv.client().chat.completions.parse(model=MODEL, messages=HELLO, max_tokens=300,
+                                                        temperature=1.0, seed=seed, response_format=Person)
+            person = reply.choices[0].message.parsed
+            assert isinstance(person, Person) and person.role in ("admin", "user") and len(person.addresses) <= 2
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import jsonschema
 import numpy as np
 import pytest
 
+from helpers.family_models import family_tokenizer, make_family_model, write_family_gguf
 from helpers.schemas import random_schema
 from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
 from perfx import cli, reference
@@ -235,6 +236,23 @@ def test_sixty_random_schemas_at_temperature_one(tiny):
         result = generate(model, tokenizer, prompt, 250, SamplingConfig(temperature=1.0, seed=i),
                           constraint=Constraint.from_json_schema(schema, tokenizer))
         assert result.stats.stop_reason in ("grammar complete", "eos"), (schema, result.text)
+        jsonschema.validate(json.loads(result.text), schema)
+
+
+@pytest.mark.parametrize("family", ["qwen35", "gemma2"])
+def test_a_recurrent_family_and_a_soft_capped_one_keep_to_the_schema(tmp_path, opencl_device, family):
+    """Qwen3.5 (Gated DeltaNet state that cannot roll back: every step is decode_one) and Gemma 2 (the logits
+    soft-capped before the mask), with their own chat templates."""
+    written = write_family_gguf(tmp_path / "m.gguf", make_family_model(family, family_tokenizer(tmp_path, family),
+                                                                        np.random.default_rng(1)))
+    model, source = load_model(str(written.path), opencl_device, progress=False)
+    tokenizer = source.tokenizer
+    schema = SCHEMAS["nested"]
+    for seed in range(2):
+        result = generate(model, tokenizer, chat_prompt(tokenizer, "JSON"), 200,
+                          SamplingConfig(temperature=1.0, seed=seed),
+                          constraint=Constraint.from_json_schema(schema, tokenizer))
+        assert result.stats.stop_reason == "grammar complete", result.text
         jsonschema.validate(json.loads(result.text), schema)
 
 

@@ -4,6 +4,7 @@ replies parse and validate against varied schemas greedy and sampled (its uncons
 valid one is the constraint's work), the device's masked choice is the host's, and the errors say what to do."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -313,6 +314,16 @@ def test_generate_refuses_an_unsupported_schema_in_one_line(capsys, tmp_path, ti
     assert code == 2 and 'Unimplemented keys: ["if", "then"]' in err and out == ""
     code = cli.main(["generate", "--model", tiny_path, "--json-schema", str(tmp_path / "none.json"), "hi"])
     assert code == 2 and "cannot read it" in capsys.readouterr().err
+
+
+def test_generate_with_a_lark_grammar(capsys, tmp_path, tiny_path):
+    grammar = tmp_path / "answer.lark"
+    grammar.write_text('start: ("yes" | "no") ", because " /[a-z ]{3,12}/ "."\n')
+    code = cli.main(["generate", "--model", tiny_path, "--grammar", str(grammar), "--json", "--temperature", "1",
+                     "--seed", "2", "Is it?"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["stats"]["stop_reason"] == "grammar complete"
+    assert re.fullmatch(r"(yes|no), because [a-z ]{3,12}\.", data["text"]), data["text"]
 
 
 def test_chat_keeps_every_reply_a_json_object(tiny_path):

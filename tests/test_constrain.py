@@ -81,18 +81,22 @@ def spm(tiny_path):
     return Tokenizer.from_gguf(tiny_path)
 
 
-def named_tokenizer(name: str, spm) -> Tokenizer:
+def named_tokenizer(name: str, spm, directory) -> Tokenizer:
     if name == "tiny SentencePiece":
         return spm
+    if name == "Hugging Face tokenizer.json":   # the default model's, as a Hugging Face directory holds it
+        Tokenizer.from_gguf(default_model_path())._encoder.backend.save(str(directory / "tokenizer.json"))
+        (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+        return Tokenizer.from_hf_dir(directory)
     if name == "default (byte-level BPE)":
         return Tokenizer.from_gguf(default_model_path())
     return Tokenizer.from_gguf(DATA / "vocab" / f"{name}.gguf")
 
 
 @pytest.mark.parametrize("name", ["default (byte-level BPE)", "gemma3", "llama-bpe", "phi3", "qwen3",
-                                  "tiny SentencePiece"])
-def test_llguidance_spells_every_id_as_perfx_decodes_it(name, spm, rng):
-    tokenizer = named_tokenizer(name, spm)
+                                  "tiny SentencePiece", "Hugging Face tokenizer.json"])
+def test_llguidance_spells_every_id_as_perfx_decodes_it(name, spm, rng, tmp_path):
+    tokenizer = named_tokenizer(name, spm, tmp_path)
     ll = ll_tokenizer(tokenizer)
     assert ll.vocab_size == tokenizer.vocab_size
     assert sorted(ll.eos_tokens) == sorted(tokenizer.eos_ids)

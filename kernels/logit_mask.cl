@@ -2,12 +2,14 @@
 // set to −∞ before the argmax or the draw reads them, so the logits never leave the device; the host uploads
 // one bit a token.
 //
-// Maths: logits[i] = −∞ where bit (i mod 32) of mask[i / 32] is 0, unchanged where it is 1, for 0 ≤ i < V.
-// Shape contract: logits (V floats, in place), mask (ceil(V / 32) uint32 words: llguidance's bitmask layout;
-// bits past V are ignored).
-// Launch: global = ceil(ceil(V / VW) / WGS) · WGS, local = WGS. Work-item g owns tokens [g·VW, g·VW + VW), all
-// in one mask word (VW divides 32): neighbouring work-items write neighbouring logits (coalesced), a wave's
-// work-items read the same few words (one transaction), and an allowed logit is neither read nor written.
+// Maths: for each row r, logits[r][i] = −∞ where bit (i mod 32) of mask[r][i / 32] is 0, unchanged where it is
+// 1, for 0 ≤ i < V.
+// Shape contract: logits (rows, V) floats, in place; mask (rows, ceil(V / 32)) uint32 words, llguidance's
+// bitmask layout (bits past V are ignored). One row a sequence: a batch of replies each under its own grammar.
+// Launch: global = (ceil(ceil(V / VW) / WGS) · WGS, rows), local = (WGS, 1). Work-item g of row r owns tokens
+// [g·VW, g·VW + VW), all in one mask word (VW divides 32): neighbouring work-items write neighbouring logits
+// (coalesced), a wave's work-items read the same few words (one transaction), and an allowed logit is neither
+// read nor written.
 
 #ifndef WGS
 #define WGS 128  // work-items per work-group
@@ -23,11 +25,13 @@ void logit_mask(const int v, __global float* restrict logits, __global const uin
     if (first >= v) {
         return;
     }
-    const uint bits = mask[first >> 5] >> (first & 31);
+    const size_t row = get_global_id(1);
+    __global float* const out = logits + row * (size_t)v;
+    const uint bits = mask[row * (size_t)((v + 31) >> 5) + (first >> 5)] >> (first & 31);
     #pragma unroll
     for (int j = 0; j < VW; ++j) {
         if (first + j < v && !((bits >> j) & 1u)) {
-            logits[first + j] = -INFINITY;
+            out[first + j] = -INFINITY;
         }
     }
 }

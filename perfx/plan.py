@@ -235,7 +235,7 @@ class KernelPlan:
         builds it, and its one launch a step over V bits is no op of the step `perfx tune` measures."""
         if self._logit_mask is None:
             d = self.device
-            self._logit_mask = self.choose("logit_mask", {"n": self.config.vocab_size, "allowed": 0.5},
+            self._logit_mask = self.choose("logit_mask", {"n": self.config.vocab_size, "rows": 1, "allowed": 0.5},
                                            "constrained decoding", lambda p: LogitMask(d, p))
         return self._logit_mask
 

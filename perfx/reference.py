@@ -189,9 +189,12 @@ def allowed_tokens(mask, v: int) -> np.ndarray:
 
 
 def logit_mask(logits, mask) -> np.ndarray:
-    """The logits with every token the bitmask forbids at −∞ (float64)."""
+    """The logits with every token the bitmask forbids at −∞ (float64): one row (V) and its mask, or rows
+    (rows, V) and a mask a row (rows, ceil(V / 32))."""
     out = f64(logits).copy()
-    out[~allowed_tokens(mask, len(out))] = -np.inf
+    rows = out.reshape(-1, out.shape[-1])   # a view of out
+    for row, words in zip(rows, np.asarray(mask).reshape(len(rows), -1)):
+        row[~allowed_tokens(words, len(row))] = -np.inf
     return out
 
 

@@ -26,7 +26,7 @@ def mask_words(v: int) -> int:
 
 
 class LogitMask:
-    """logits[i] = −∞ where bit i of the mask is clear, for the first v logits."""
+    """logits[r][i] = −∞ where bit i of row r's mask is clear, for rows of v logits (one row a sequence)."""
 
     def __init__(self, device: Device, params: dict | None = None, shape: dict | None = None):
         self.device = device
@@ -34,13 +34,15 @@ class LogitMask:
         self.wgs, self.vw = self.params["WGS"], self.params["VW"]
         self.kernel = device.kernel(PARAMS.source, "logit_mask", self.params)
 
-    def __call__(self, logits, v: int, mask):
-        """Enqueue the mask over ``logits`` (v floats, in place) from ``mask`` (ceil(v / 32) uint32 words);
-        returns the event."""
+    def __call__(self, logits, v: int, mask, rows: int = 1):
+        """Enqueue the mask over ``logits`` (rows × v floats, in place) from ``mask`` (rows × ceil(v / 32) uint32
+        words); returns the event."""
         if not 1 <= v < 2**31 - 8:
             raise PerfxError(f"logit_mask: V = {v} must be between 1 and 2³¹ − 9")
-        logits = device_buffer(logits, 4 * v, "logit_mask logits")
-        mask = device_buffer(mask, 4 * mask_words(v), "logit_mask mask")
+        if rows < 1:
+            raise PerfxError(f"logit_mask: rows = {rows} must be at least 1")
+        logits = device_buffer(logits, 4 * v * rows, "logit_mask logits")
+        mask = device_buffer(mask, 4 * mask_words(v) * rows, "logit_mask mask")
         items = -(-v // self.vw)
-        return self.device.launch(self.kernel, (-(-items // self.wgs) * self.wgs,), (self.wgs,), np.int32(v),
-                                  logits, mask)
+        return self.device.launch(self.kernel, (-(-items // self.wgs) * self.wgs, rows), (self.wgs, 1),
+                                  np.int32(v), logits, mask)

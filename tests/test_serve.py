@@ -351,6 +351,8 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(loaded):
          "response_format.json_schema.name", "invalid_value"),
         ({**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}}, 400,
          "response_format.json_schema.schema", "invalid_type"),
+        ({**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes"}}}, 400,
+         "response_format.json_schema.strict", "invalid_type"),
         ({**chat, "response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"type": "object", "if": {}, "then": {}}}}}, 400, "response_format",
          "unsupported_schema"),

@@ -214,7 +214,9 @@ def response_schema(body: dict) -> dict | bool | None:
     if not isinstance(spec.get("name"), str) or not spec["name"]:
         raise APIError(400, "'response_format.json_schema.name' must be a non-empty string, as OpenAI requires",
                        param="response_format.json_schema.name", code="invalid_value")
-    value_of(spec, "strict", (bool,), "a boolean")
+    if not isinstance(spec.get("strict", False), bool) and spec.get("strict") is not None:
+        raise APIError(400, "'response_format.json_schema.strict' must be a boolean",
+                       param="response_format.json_schema.strict", code="invalid_type")
     schema = spec.get("schema", {})
     if not isinstance(schema, (dict, bool)):
         raise APIError(400, "'response_format.json_schema.schema' must be a JSON schema (an object)",

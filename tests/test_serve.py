@@ -18,12 +18,14 @@ import time
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Literal, Optional
 
 import numpy as np
 import openai
 import pytest
 
 from helpers.scripted_model import ScriptedModel
+from helpers.schemas import random_schema
 from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
 from perfx import cli
 from perfx.generate import SamplingConfig
@@ -499,7 +501,19 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(loaded):
          "missing_parameter"),
         ({**chat, "messages": HELLO + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]}, 400,
          "messages[1].tool_calls[0]", "invalid_value"),
-        ({**chat, "response_format": {"type": "json_object"}}, 400, "response_format", "unsupported_parameter"),
+        ({**chat, "response_format": "json"}, 400, "response_format", "invalid_type"),
+        ({**chat, "response_format": {"type": "xml"}}, 400, "response_format.type", "invalid_value"),
+        ({**chat, "response_format": {"type": "json_schema"}}, 400, "response_format.json_schema",
+         "missing_parameter"),
+        ({**chat, "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, 400,
+         "response_format.json_schema.name", "invalid_value"),
+        ({**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}}, 400,
+         "response_format.json_schema.schema", "invalid_type"),
+        ({**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes"}}}, 400,
+         "response_format.json_schema.strict", "invalid_type"),
+        ({**chat, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "if": {}, "then": {}}}}}, 400, "response_format",
+         "unsupported_schema"),
     ]
     text = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
     text_cases = [
@@ -649,3 +663,101 @@ def test_an_address_in_use_is_one_clear_line(tiny, capsys):
         port = taken.getsockname()[1]
         assert cli.main(["serve", "--model", tiny, "--port", str(port)]) == 2
     assert capsys.readouterr().err.splitlines()[-1].startswith(f"perfx: error: cannot listen on 127.0.0.1:{port}: ")
+
+
+# -- structured outputs (response_format) ---------------------------------------------------------------
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pets"],
+          "properties": {"name": {"type": "string", "maxLength": 10},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "pets": {"type": "array", "maxItems": 3,
+                                  "items": {"enum": ["cat", "dog", "fish"]}}}}
+
+
+def json_schema_format(schema: dict, strict: bool = True) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": strict}}
+
+
+def test_json_schema_replies_parse_and_validate_through_the_openai_client(loaded):
+    """The tiny random model writes noise unconstrained; with response_format every reply, sampled at
+    temperature 1 with varied seeds, streamed or not, parses and validates, and finishes "stop"."""
+    jsonschema = pytest.importorskip("jsonschema")
+    model, tokenizer = loaded
+    with running_server(model, tokenizer) as srv:
+        client = srv.client()
+        free = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=30, seed=1)
+        with pytest.raises(ValueError):
+            json.loads(free.choices[0].message.content)
+        for seed in range(4):
+            reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=300, temperature=1.0,
+                                                   seed=seed, response_format=json_schema_format(PERSON))
+            assert reply.choices[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
+        pieces, finish = [], None
+        for chunk in client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=300, stream=True,
+                                                    temperature=1.0, seed=9,
+                                                    response_format=json_schema_format(PERSON, strict=False)):
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "stop"
+        jsonschema.validate(json.loads("".join(pieces)), PERSON)
+        mode = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=400, temperature=0,
+                                              response_format={"type": "json_object"})
+        assert isinstance(json.loads(mode.choices[0].message.content), dict)
+        text = client.completions.create(model=MODEL, prompt="A person:", max_tokens=300, temperature=1.0, seed=2,
+                                         extra_body={"response_format": json_schema_format(PERSON)})
+        jsonschema.validate(json.loads(text.choices[0].text), PERSON)
+        cut = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4,
+                                             response_format=json_schema_format(PERSON))
+        assert cut.choices[0].finish_reason == "length" and '{"name'.startswith(cut.choices[0].message.content)
+        with pytest.raises(openai.BadRequestError, match=r'Unimplemented keys: \["if", "then"\]'):
+            client.chat.completions.create(model=MODEL, messages=HELLO, response_format=json_schema_format(
+                {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}))
+        assert srv.engine.stats()["failed"] == 0
+
+
+def test_the_openai_client_parses_a_pydantic_model_reply(loaded):
+    """`client.chat.completions.parse(response_format=Model)`: the client turns a Pydantic model into a strict
+    schema ($defs, $ref, anyOf with null, titles) and parses the reply back into the model."""
+    pydantic = pytest.importorskip("pydantic")
+    class Address(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=8)
+        zip: Optional[int] = pydantic.Field(ge=0, le=99999)
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=10)
+        role: Literal["admin", "user"]
+        addresses: list[Address] = pydantic.Field(max_length=2)
+
+    model, tokenizer = loaded
+    with running_server(model, tokenizer) as srv:
+        for seed in range(3):
+            reply = srv.client().chat.completions.parse(model=MODEL, messages=HELLO, max_tokens=300,
+                                                        temperature=1.0, seed=seed, response_format=Person)
+            person = reply.choices[0].message.parsed
+            assert isinstance(person, Person) and person.role in ("admin", "user") and len(person.addresses) <= 2
+
+
+@pytest.mark.slow
+def test_two_hundred_random_schemas_at_temperature_one_all_validate(loaded):
+    """The issue's goal: 200 requests with varied JSON schemas at temperature 1, some streamed; every reply
+    parses and validates, and finishes "stop"."""
+    jsonschema = pytest.importorskip("jsonschema")
+    model, tokenizer = loaded
+    rng = np.random.default_rng(200)
+    with running_server(model, tokenizer) as srv:
+        client = srv.client()
+        for i in range(200):
+            schema = random_schema(rng, kind="object" if i % 2 else None)
+            options = dict(model=MODEL, messages=HELLO, max_tokens=300, temperature=1.0, seed=i,
+                           response_format=json_schema_format(schema))
+            if i % 4 == 3:
+                chunks = list(client.chat.completions.create(stream=True, **options))
+                text = "".join(c.choices[0].delta.content or "" for c in chunks)
+                finish = chunks[-1].choices[0].finish_reason
+            else:
+                reply = client.chat.completions.create(**options)
+                text, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+            assert finish == "stop", (schema, text)
+            jsonschema.validate(json.loads(text), schema)
+        assert srv.engine.stats()["completed"] >= 200

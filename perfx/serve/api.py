@@ -16,7 +16,8 @@ from perfx.tools import (ToolCall, ToolCallParser, ToolError, ToolSupport, call_
 MAX_STOP_STRINGS = 4        # OpenAI's limit
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # perfx's stop reasons (generate.Stats.stop_reason) as OpenAI's finish_reason.
-FINISH_REASONS = {"eos": "stop", "stop string": "stop", "max tokens": "length", "context full": "length"}
+FINISH_REASONS = {"eos": "stop", "stop string": "stop", "grammar complete": "stop", "max tokens": "length",
+                  "context full": "length"}
 # Sampling fields a request may set: OpenAI's, then perfx's own under the names llama.cpp's and vLLM's servers
 # give them. The names are SamplingConfig's; each range lies within what SamplingConfig accepts.
 SAMPLING = {  # name: (integer?, allowed, rule)
@@ -196,9 +197,6 @@ def chat_prompt(body: dict, tokenizer, architecture: str | None = None
         raise unsupported("logprobs", "no log probabilities")
     if body.get("top_logprobs") is not None:
         raise unsupported("top_logprobs", "no log probabilities")
-    response_format = value_of(body, "response_format", (dict,), "an object")
-    if response_format and response_format.get("type", "text") != "text":
-        raise unsupported("response_format", "plain text only (no JSON mode or schemas)")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages",
@@ -321,6 +319,37 @@ def plan(tooling: Tooling, tokenizer):
         single = {marker: ids[0] for marker in (fmt.opener, fmt.closer) if marker
                   for ids in [tokenizer.encode(marker)] if len(ids) == 1}
         tooling.grammar = call_grammar(fmt, tooling.tools, tooling.name, answer=not forced, special_ids=single)
+
+
+def response_schema(body: dict) -> dict | bool | None:
+    """The JSON schema a request's ``response_format`` asks the reply to follow: OpenAI's ``json_object`` is any
+    JSON object, ``json_schema`` its ``json_schema.schema`` (absent: any JSON value); None for ``text`` or no
+    format. Every schema is enforced, ``strict`` or not."""
+    response_format = value_of(body, "response_format", (dict,), "an object")
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind != "json_schema":
+        raise APIError(400, f"'response_format.type' must be text, json_object or json_schema, got "
+                            f"{json.dumps(kind)[:40]}", param="response_format.type", code="invalid_value")
+    spec = value_of(response_format, "json_schema", (dict,), "an object")
+    if spec is None:
+        raise APIError(400, "'response_format.json_schema' is required with type json_schema: "
+                            "{\"name\": ..., \"schema\": {...}, \"strict\": true}",
+                       param="response_format.json_schema", code="missing_parameter")
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise APIError(400, "'response_format.json_schema.name' must be a non-empty string, as OpenAI requires",
+                       param="response_format.json_schema.name", code="invalid_value")
+    if not isinstance(spec.get("strict", False), bool) and spec.get("strict") is not None:
+        raise APIError(400, "'response_format.json_schema.strict' must be a boolean",
+                       param="response_format.json_schema.strict", code="invalid_type")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, (dict, bool)):
+        raise APIError(400, "'response_format.json_schema.schema' must be a JSON schema (an object)",
+                       param="response_format.json_schema.schema", code="invalid_type")
+    return schema
 
 
 def template_kwargs(body: dict) -> dict:

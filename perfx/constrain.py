@@ -15,6 +15,7 @@ by a grammar, never spelled by its text (llama.cpp's rule: their bytes start wit
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import threading
 import weakref
@@ -27,6 +28,12 @@ INSTALL = "pip install 'perfx[structured]' (or: pip install llguidance)"
 # Replies in compact JSON with one space after ':' and ',' (as json.dumps writes): no run of whitespace a
 # model could fill its whole budget with (llguidance's whitespace_flexible), and what most models write anyway.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def available() -> bool:
+    """Whether llguidance is installed: what is only constrained where it can be (the generic tool format's
+    answers) goes unconstrained without it."""
+    return importlib.util.find_spec("llguidance") is not None
 
 
 def _llguidance():

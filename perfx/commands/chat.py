@@ -58,6 +58,10 @@ def main(args) -> int:
 
     Raises PerfxError for bad option values or a model that cannot be loaded (the CLI prints it and exits 2).
     """
+    if args.tools and (args.json_object or args.json_schema or args.grammar):
+        given = "--json-object" if args.json_object else "--json-schema" if args.json_schema else "--grammar"
+        raise PerfxError(f"--tools and {given} cannot be combined: {given} holds every reply to its grammar, which "
+                         "leaves no room for a tool call. Give one or the other")
     sampling = sampling_config(args)
     interactive = sys.stdin.isatty()
     model, source = load_model_from_args(args, log=log)

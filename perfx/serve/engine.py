@@ -83,11 +83,7 @@ class Job:
     first_text: float | None = None
     cached_tokens: int = 0       # prompt ids already in the KV cache (not prefilled again)
     restore_at: tuple = ()       # prompt positions later requests may resume at (the system prompt's end)
-    # What the reply must match, in llguidance's Lark (a forced tool call: perfx.tools.call_grammar), or None.
-    # Not applied yet: generate() takes no constraint; a forced call is opened in the prompt instead
-    # (perfx.serve.api.plan), and its arguments parse only as well as the model writes them.
-    grammar: str | None = None
-    constraint: Constraint | None = None   # the grammar the reply keeps to (response_format)
+    constraint: Constraint | None = None   # the grammar the reply keeps to (response_format, a tool call's)
     result: Result | None = None
 
     @property
@@ -133,16 +129,21 @@ class Engine:
         """A job for these ids; ``sampling`` holds the SamplingConfig fields a request sets over the defaults.
         ``messages`` (a chat request's, as rendered with the template variables ``template``) give the system
         prompt's end, where a model with recurrent state keeps a restore point for the next requests.
-        ``schema``: the JSON schema the reply must follow (``api.response_schema``), compiled here, in the
-        request's thread: a schema llguidance does not support is a 400 naming what it lacks."""
-        job = Job(prompt_ids, max_tokens, dataclasses.replace(self.default_sampling, **sampling), stop,
-                  grammar=grammar)
+        ``schema``: the JSON schema the reply must follow (``api.response_schema``); ``grammar``: the Lark grammar
+        of a reply with tools (``api.plan``). Either is compiled here, in the request's thread, into the reply's
+        own constraint: one llguidance does not support is a 400 naming what it lacks."""
+        job = Job(prompt_ids, max_tokens, dataclasses.replace(self.default_sampling, **sampling), stop)
         if schema is not None:
             try:
                 job.constraint = Constraint.from_json_schema(schema, self.tokenizer)
             except PerfxError as error:
                 raise APIError(400, f"'response_format': {error}", param="response_format",
                                code="unsupported_schema") from None
+        if grammar is not None:
+            try:
+                job.constraint = Constraint.from_lark(grammar, self.tokenizer)
+            except PerfxError as error:
+                raise APIError(400, f"'tools': {error}", param="tools", code="unsupported_schema") from None
         if messages and self.model.keeps_restore_points:
             job.restore_at = (system_prompt_end(self.tokenizer, messages, prompt_ids, **(template or {})),)
         return job

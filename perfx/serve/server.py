@@ -186,7 +186,7 @@ class Handler(BaseHTTPRequestHandler):
             if request.stream:
                 self.stream(job, answer, request.include_usage, tooling)
             else:
-                pieces = [tooling.prefix] if tooling else []
+                pieces = []
                 for kind, value in self.events(job):
                     if kind == "text":
                         pieces.append(value)
@@ -205,7 +205,7 @@ class Handler(BaseHTTPRequestHandler):
                 job.finished.wait(SHUTDOWN_GRACE_S)
 
     def stream(self, job: Job, answer: Answer, include_usage: bool, tooling: Tooling | None = None):
-        pieces = [tooling.prefix] if tooling else []
+        pieces = []
         parser = tooling.parser() if tooling else None
         calls = 0
 
@@ -233,8 +233,6 @@ class Handler(BaseHTTPRequestHandler):
                 self.headers_sent = True
                 if answer.chat:
                     self.send_event(answer.chunk({"role": "assistant", "content": ""}, include_usage))
-                if parser is not None:
-                    send_parsed(parser.feed(tooling.prefix))
             elif kind == "text":
                 pieces.append(value)
                 if parser is not None:

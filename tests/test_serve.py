@@ -447,6 +447,23 @@ def test_the_generic_format_s_reply_under_auto_is_a_call_or_an_answer(loaded):
         assert reply.choices[0].message.content == "It is sunny, I think."
 
 
+def test_without_llguidance_a_forced_call_is_a_400_and_the_generic_auto_reply_goes_free(loaded, monkeypatch):
+    from perfx import constrain
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)     # import llguidance fails, as when not installed
+    monkeypatch.setattr(constrain, "available", lambda: False)
+    model, tokenizer = loaded
+    scripted = ScriptedModel(model, tokenizer)
+    with running_server(scripted, tokenizer) as srv:
+        client = srv.client()
+        scripted.say("It is sunny.")
+        reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=WEATHER_TOOLS, max_tokens=50,
+                                               temperature=0)
+        assert reply.choices[0].message.content == "It is sunny."
+        with pytest.raises(openai.BadRequestError, match=r"needs llguidance: pip install 'perfx\[structured\]'"):
+            client.chat.completions.create(model=MODEL, messages=ASK, tools=WEATHER_TOOLS, tool_choice="required")
+
+
 def test_tools_and_a_json_response_format_do_not_combine(loaded):
     """A reply keeps to one grammar: a JSON response_format with tools (not "none") is a 400 saying so; with
     tool_choice "none" the schema holds."""

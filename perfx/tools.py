@@ -461,7 +461,8 @@ def call_grammar(fmt: ToolFormat, tools: list[dict], name: str | None = None, an
     ``fmt``, the format's own text around it included: one call of ``name``, or one or more calls of any of
     ``tools`` (OpenAI's ``tool_choice`` "required"; one only without ``parallel``, parallel_tool_calls false);
     with ``answer`` (the generic format under "auto"), an answer instead is allowed too. JSON is compact, as a
-    response_format's (``perfx.constrain.JSON_OPTIONS``). Each call's arguments match its parameters' JSON Schema, so they always parse.
+    response_format's (``perfx.constrain.JSON_OPTIONS``). Each call's arguments match its parameters' JSON
+    Schema, so they always parse.
     ``special_ids``: the format's markers that are one special token of the vocabulary, by their id (a
     special token is not the text it spells; llguidance names it ``<[id]>``)."""
     special_ids = special_ids or {}

@@ -30,10 +30,12 @@ from perfx.linear import Linear, upload_linear
 from perfx.mixers import Mixer, mixer_class
 from perfx.ops import Q8_NATURAL, Q8_TEXEL
 from perfx.ops.kv_cache import check_kv_form
+from perfx.ops.logit_mask import mask_words
 from perfx.ops.restore_points import RestorePoints
 from perfx.ops.sample import HISTORY_MAX, Sample
 from perfx.plan import KernelPlan, build_requests, load_buckets
 from perfx.progress import Progress
+from perfx.reference import sample as sample_token
 from perfx.runtime import Device
 from perfx.sources import open_named
 from perfx.tuning.database import Database, default_database
@@ -255,6 +257,8 @@ class Model:
         self._sampled_replays: dict = {}            # partitions -> the step drawing its token, for the settings below
         self._sampled_settings: tuple | None = None  # the sampling settings and seed the draws were recorded with
         self._sample, self._sample_history = None, None   # the sample kernel and the penalty's window, on first use
+        self._mask = None   # constrained decoding: the bitmask, the draw's position and its penalty window (first use)
+        self._mask_uploads: list = []   # their last copies' events (each holds its host array)
         self._decode_replay(0)   # recorded now: a kernel the driver refuses shows at load
         self.greedy_launches(0)  # and the hand-over's kernels built now, not in the first token's time
 
@@ -600,6 +604,42 @@ class Model:
                      top_p=config.top_p, min_p=config.min_p, penalty=config.repetition_penalty,
                      history=self._sample_history, h=HISTORY_MAX, seed=seed, counter=0, position=(s.step, 1))
         self._sample.append(s.best, s.step, self._sample_history)
+
+    def masked_token(self, allowed: np.ndarray, config, seed: int, seen: list[int], pos: int) -> int:
+        """The next token after the last forward (of position ``pos``) among the tokens ``allowed`` (a bitmask of
+        uint32 words, ``perfx.constrain``; tokens past it are forbidden): the mask is uploaded and applied to the
+        logits on the device (``kernels/logit_mask.cl``), then the argmax or, as ``sampled_tokens`` draws, the
+        draw with ``config`` after ``seen`` at (``seed``, 0, ``pos``). The logits are read back only for settings
+        the device does not draw (``Sample.supports``), for the host sampler."""
+        s, v = self.state, self.config.vocab_size
+        words = mask_words(v)
+        if self._mask is None:
+            self._mask = (self.device.empty(words, np.uint32), self.device.empty(1, np.int32),
+                          self.device.empty(HISTORY_MAX, np.int32))
+        mask, position, history = self._mask
+        padded = np.zeros(words, np.uint32)
+        padded[:min(len(allowed), words)] = allowed[:words]
+        started = time.perf_counter()
+        # Written without waiting (the forward before it may still run): each fresh host array is held by its
+        # copy's event, kept until the next call, when the blocking read below has seen every copy done.
+        self._mask_uploads = [self.device.write(mask, padded, wait=False)]
+        self.plan.logit_mask(s.logits, v, mask)
+        window = np.asarray(list(seen)[-HISTORY_MAX:], np.int32)
+        on_device = not config.greedy and self._sampler().supports(config, v)
+        if on_device:
+            self._mask_uploads.append(self.device.write(position, np.array([pos], np.int32), wait=False))
+            if len(window):
+                self._mask_uploads.append(self.device.write(history, window, wait=False))
+            self._sample(s.logits, v, s.best, temperature=config.temperature, top_k=config.top_k,
+                         top_p=config.top_p, min_p=config.min_p, penalty=config.repetition_penalty, history=history,
+                         h=len(window), seed=seed, counter=0, position=(position, 0))
+        self.host_seconds += time.perf_counter() - started
+        if config.greedy:
+            return self.argmax()
+        if not on_device:
+            return sample_token(self.logits(), window, config.temperature, config.top_k, config.top_p,
+                                config.min_p, config.repetition_penalty, seed, 0, pos)
+        return int(s.best.get()[0])
 
     def logits(self) -> np.ndarray:
         return self.state.logits.get()

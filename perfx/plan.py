@@ -28,6 +28,7 @@ from perfx.ops.gemv_q4 import GemvQ4
 from perfx.ops.gemv_q4_split import GemvQ4Split
 from perfx.ops.gated_delta_net import GatedDeltaNetChunked, GatedDeltaNetRecurrent
 from perfx.ops.gemv_q8 import GemvQ8
+from perfx.ops.logit_mask import LogitMask
 from perfx.ops.params import READ_NAMES
 from perfx.ops.q4_weight import available_paths
 from perfx.ops.q8_weight import Q8DeviceWeight
@@ -111,7 +112,7 @@ class KernelPlan:
         self._gemv_f16 = self._embed = self._attn_decode = None
         self.softcap = self.short_conv = self.attn_gate = self.delta_decode = self.delta_gate = None
         self.rmsnorm = self.argmax_op = self.gate = self.sample = None
-        self._next_step = None
+        self._next_step = self._logit_mask = None
         for op in self.step:
             if op.shares is None:
                 self._choose_op(op)
@@ -227,6 +228,16 @@ class KernelPlan:
         if self._next_step is None:
             self._next_step = NextStep(self.device)
         return self._next_step
+
+    @property
+    def logit_mask(self) -> LogitMask:
+        """Constrained decoding's mask over the logits, chosen on first use: a request without a grammar never
+        builds it, and its one launch a step over V bits is no op of the step `perfx tune` measures."""
+        if self._logit_mask is None:
+            d = self.device
+            self._logit_mask = self.choose("logit_mask", {"n": self.config.vocab_size, "rows": 1, "allowed": 0.5},
+                                           "constrained decoding", lambda p: LogitMask(d, p))
+        return self._logit_mask
 
     @property
     def attn_decode(self):

@@ -181,6 +181,23 @@ def draw_token(probs, u: float) -> int:
     return int(order[min(rank, len(order) - 1)])
 
 
+def allowed_tokens(mask, v: int) -> np.ndarray:
+    """The tokens a bitmask allows (constrained decoding): token i where bit i mod 32 of word i / 32 is set
+    (llguidance's layout), for i < v; a bool array of v."""
+    words = np.asarray(mask).astype(np.uint32)
+    return ((words[np.arange(v) // 32] >> (np.arange(v) % 32).astype(np.uint32)) & 1).astype(bool)
+
+
+def logit_mask(logits, mask) -> np.ndarray:
+    """The logits with every token the bitmask forbids at −∞ (float64): one row (V) and its mask, or rows
+    (rows, V) and a mask a row (rows, ceil(V / 32))."""
+    out = f64(logits).copy()
+    rows = out.reshape(-1, out.shape[-1])   # a view of out
+    for row, words in zip(rows, np.asarray(mask).reshape(len(rows), -1)):
+        row[~allowed_tokens(words, len(row))] = -np.inf
+    return out
+
+
 def sample(logits, history, temperature: float, top_k: int, top_p: float, min_p: float, penalty: float,
            seed: int, counter: int, position: int = 0) -> int:
     """The token a draw at (seed, counter, position) chooses: from ``sampling_probs`` of the penalised logits,

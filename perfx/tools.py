@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from perfx.constrain import JSON_OPTIONS
 from perfx.errors import PerfxError
 from perfx.families import FAMILIES, family_of
 from perfx.families.family import ToolFormat
@@ -240,17 +241,6 @@ def _pythonic_call(call: ToolCall) -> str:
     return f"{call.name}(" + ", ".join(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in pairs) + ")"
 
 
-def forced_prefix(fmt: ToolFormat, name: str | None) -> str:
-    """The start of a reply that must be a call (of ``name``, or of any tool when None): put after the generation
-    prompt, it makes the model write a call where no grammar constrains it."""
-    if fmt.body == "envelope":
-        return '{"tool_call": {"name": "' + (f'{name}", "arguments": ' if name else "")
-    if fmt.body == "pythonic":
-        return fmt.opener + "[" + (f"{name}(" if name else "")
-    start = fmt.opener + fmt.separator + ("[" if fmt.listed else "") + '{"name": "'
-    return start + (f'{name}", "{fmt.arguments_key}": ' if name else "")
-
-
 # -- reading the model's calls back ------------------------------------------------------------------------
 
 
@@ -466,14 +456,17 @@ def _partial_suffix(text: str, marker: str) -> int:
 
 
 def call_grammar(fmt: ToolFormat, tools: list[dict], name: str | None = None, answer: bool = False,
-                 special_ids: dict[str, int] | None = None) -> str:
+                 special_ids: dict[str, int] | None = None, parallel: bool = True) -> str:
     """The grammar, in llguidance's Lark (JSON Schema inline as ``%json``), of a whole reply that is a call in
     ``fmt``, the format's own text around it included: one call of ``name``, or one or more calls of any of
-    ``tools`` (OpenAI's ``tool_choice`` "required"); with ``answer`` (the generic format under "auto"), an
-    answer instead is allowed too. Each call's arguments match its parameters' JSON Schema, so they always parse.
+    ``tools`` (OpenAI's ``tool_choice`` "required"; one only without ``parallel``, parallel_tool_calls false);
+    with ``answer`` (the generic format under "auto"), an answer instead is allowed too. JSON is compact, as a
+    response_format's (``perfx.constrain.JSON_OPTIONS``). Each call's arguments match its parameters' JSON
+    Schema, so they always parse.
     ``special_ids``: the format's markers that are one special token of the vocabulary, by their id (a
     special token is not the text it spells; llguidance names it ``<[id]>``)."""
     special_ids = special_ids or {}
+    several = name is None and parallel
     chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     if not chosen:
         raise PerfxError(f"no tool named {name!r} among the request's tools")
@@ -487,7 +480,8 @@ def call_grammar(fmt: ToolFormat, tools: list[dict], name: str | None = None, an
                 "required": ["name", key], "additionalProperties": False}
 
     def inline(value: dict) -> str:
-        return "%json " + json.dumps(value, ensure_ascii=False)
+        # compact JSON, as a response_format's: no run of whitespace a model could fill its whole budget with
+        return "%json " + json.dumps({"x-guidance": JSON_OPTIONS, **value}, ensure_ascii=False)
 
     one = {"anyOf": [schema(f, "arguments" if fmt.body == "envelope" else fmt.arguments_key) for f in chosen]}
     if fmt.body == "envelope":
@@ -499,19 +493,19 @@ def call_grammar(fmt: ToolFormat, tools: list[dict], name: str | None = None, an
     opener, closer = text(fmt.opener) if fmt.opener else "", text(fmt.closer) if fmt.closer else ""
     separator = json.dumps(fmt.separator) if fmt.separator else ""
     if fmt.body == "pythonic":
-        more = "" if name else '(", " call)*'
+        more = '(", " call)*' if several else ""
         lines = [f'start: {opener} "[" call {more} "]" {closer}',
                  "call: " + " | ".join(f"call_{i}" for i in range(len(chosen)))]
         lines += [f"call_{i}: {json.dumps(f['name'] + '(')} {_pythonic_arguments(f, inline)} \")\""
                   for i, f in enumerate(chosen)]
         return "\n".join(lines) + "\n"
     if fmt.listed:
-        items = {"type": "array", "items": one, "minItems": 1, **({"maxItems": 1} if name else {})}
+        items = {"type": "array", "items": one, "minItems": 1, **({} if several else {"maxItems": 1})}
         return f"start: {opener} {separator} {inline(items)} {separator} {closer}\n"
     if not fmt.opener:
         return f"start: {inline(one)}\n"
     block = f"{opener} {separator} {inline(one)} {separator} {closer}"
-    return f"start: block{'' if name else ' (WS block)*'}\nblock: {block}\nWS: /[ \\t\\n]*/\n"
+    return f"start: block{' (WS block)*' if several else ''}\nblock: {block}\nWS: /[ \\t\\n]{{0,2}}/\n"
 
 
 def _pythonic_arguments(function: dict, inline) -> str:

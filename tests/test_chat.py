@@ -353,6 +353,9 @@ def test_tools_files_are_checked(tiny, tmp_path):
     path.write_text("[1]")
     run = run_piped(["--model", tiny, "--tools", str(path)], "hello\n")
     assert run.returncode == 2 and "--tools" in run.stderr and "tools[0]" in run.stderr, run.stderr
+    # a grammar for every reply leaves no room for a call: refused, before the model loads
+    run = run_piped(["--model", tiny, "--tools", str(path), "--json-schema", str(path)], "hello\n")
+    assert run.returncode == 2 and "--tools and --json-schema cannot be combined" in run.stderr, run.stderr
 
 
 # -- piped stdin and errors ---------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from perfx.families.phi3 import PHI4_TOOLS
 from perfx.families.qwen2 import HERMES_TOOLS
 from perfx.families.smollm3 import SMOLLM3_TOOLS
 from perfx.tokenizer import Tokenizer
-from perfx.tools import (GENERIC_TOOLS, ToolCall, ToolCallParser, call_grammar, call_text, forced_prefix,
+from perfx.tools import (GENERIC_TOOLS, ToolCall, ToolCallParser, call_grammar, call_text,
                          render_messages, tool_support)
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
@@ -118,10 +118,6 @@ def test_calls_written_in_a_format_read_back_as_they_were(fmt):
     for some in (calls[:1], calls):
         text = call_text(fmt, some)
         assert parsed(fmt, [text])[1] == [(c.name, json.loads(c.arguments)) for c in some], text
-        # a forced call's opening, put in the prompt, is where the text starts (the generic format's several
-        # calls are another object, which a forced reply never starts)
-        if not (fmt.body == "envelope" and len(some) > 1):
-            assert text.startswith(forced_prefix(fmt, some[0].name)) and text.startswith(forced_prefix(fmt, None))
 
 
 # -- rendering through the families' templates -------------------------------------------------------------
@@ -259,10 +255,12 @@ def test_a_forced_call_s_grammar_takes_valid_calls_only(fmt):
     named = call_grammar(fmt, SCHEMA_TOOLS, "get_weather")
     assert not matches(named, call_text(fmt, [ToolCall("get_time", "{}")]))
     assert matches(call_grammar(fmt, SCHEMA_TOOLS), call_text(fmt, [ToolCall("get_time", '{"zone": "CET"}')]))
-    if fmt.opener and not fmt.listed:
-        # "required" takes several calls; a named function one
+    if fmt.body != "envelope" and (fmt.opener or fmt.listed):
+        # "required" takes several calls; a named function one, and so does parallel_tool_calls false
         two = call_text(fmt, [good, ToolCall("get_time", "{}")])
         assert matches(call_grammar(fmt, SCHEMA_TOOLS), two) and not matches(named, two)
+        assert not matches(call_grammar(fmt, SCHEMA_TOOLS, parallel=False), two)
+        assert matches(call_grammar(fmt, SCHEMA_TOOLS, parallel=False), call_text(fmt, [good]))
 
 
 def test_the_generic_format_s_reply_is_a_call_or_an_answer():
@@ -282,15 +280,15 @@ def test_special_token_markers_are_named_by_id():
 
 
 @pytest.mark.parametrize("vocab, template, architecture, choice, ending", [
-    ("qwen3", "Qwen-Qwen3-0.6B.jinja", "qwen3", "required", '<|im_start|>assistant\n<tool_call>\n{"name": "'),
+    ("qwen3", "Qwen-Qwen3-0.6B.jinja", "qwen3", "required", "<|im_start|>assistant\n"),
     ("phi4-mini", "microsoft-Phi-4-mini-instruct.jinja", "phi3",
-     {"type": "function", "function": {"name": "get_weather"}},
-     '<|assistant|><|tool_call|>[{"name": "get_weather", "arguments": '),
+     {"type": "function", "function": {"name": "get_weather"}}, "<|assistant|>"),
 ], ids=["qwen3-required", "phi4-mini-named"])
-def test_a_forced_call_is_opened_in_the_prompt_in_the_model_s_own_tokens(vocab, template, architecture, choice,
-                                                                           ending):
-    """With real vocabularies (tests/data/vocab): the call's opening ends the prompt, its markers as the single
-    tokens the model writes, which the grammar names by their ids."""
+def test_a_forced_call_s_grammar_opens_it_in_the_model_s_own_tokens(vocab, template, architecture, choice, ending):
+    """With real vocabularies (tests/data/vocab): the prompt ends with the generation prompt, and the reply's
+    grammar, compiled for the model's tokenizer, allows only the call's opening first (its marker as the single
+    token the model writes, named by its id), then takes the call the model writes in its own tokens."""
+    from perfx.constrain import Constraint
     from perfx.serve.api import chat_prompt
 
     tokenizer = Tokenizer.from_gguf(Path(__file__).parent / "data" / "vocab" / f"{vocab}.gguf")
@@ -298,9 +296,13 @@ def test_a_forced_call_is_opened_in_the_prompt_in_the_model_s_own_tokens(vocab, 
     body = {"messages": [{"role": "user", "content": "hi"}], "tools": SCHEMA_TOOLS, "tool_choice": choice}
     ids, _, _, tooling = chat_prompt(body, tokenizer, architecture)
     assert tokenizer.decode(ids).endswith(ending)
-    opener = tooling.support.format.opener
-    [opener_id] = tokenizer.encode(opener)
-    assert opener_id in ids[-len(tokenizer.encode(tooling.prefix)):]
-    assert llguidance.LLMatcher.validate_grammar(tooling.grammar) == ""
-    [closer_id] = tokenizer.encode(tooling.support.format.closer)
+    fmt = tooling.support.format
+    [opener_id], [closer_id] = tokenizer.encode(fmt.opener), tokenizer.encode(fmt.closer)
     assert f"<[{opener_id}]>" in tooling.grammar and f"<[{closer_id}]>" in tooling.grammar
+    constraint = Constraint.from_lark(tooling.grammar, tokenizer)
+    first = constraint.allowed()
+    assert [i for i in range(tokenizer.vocab_size) if first[i // 32] >> (i % 32) & 1] == [opener_id]
+    for token in tokenizer.encode(call_text(fmt, [ToolCall("get_weather", '{"city": "Oslo"}')])):
+        assert not constraint.done
+        constraint.advance(token)
+    assert constraint.accepting

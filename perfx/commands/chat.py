@@ -15,10 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-from perfx.commands.options import (add_model_options, add_sampling_options, add_speculation_options,
-                                    add_system_option, add_thinking_option, load_model_from_args, log,
-                                    no_thinking_switch_note, sampling_config, speculator_from_args, system_prompt,
-                                    thinking_kwargs)
+from perfx.commands.options import (add_constraint_options, add_model_options, add_sampling_options,
+                                    add_speculation_options, add_system_option, add_thinking_option,
+                                    constraint_from_args, load_model_from_args, log, no_thinking_switch_note,
+                                    sampling_config, speculator_from_args, system_prompt, thinking_kwargs)
 from perfx.errors import PerfxError
 from perfx.generate import Conversation, generate, system_prompt_end
 from perfx.model import host_peak_bytes
@@ -39,7 +39,8 @@ A line starting with // is sent as text with one / removed."""
 
 
 def add_arguments(parser):
-    """The options of `perfx chat`: model, sampling, speculation, --system, --no-think."""
+    """The options of `perfx chat`: model, sampling, speculation, --system, --no-think, a grammar for every
+    reply."""
     add_model_options(parser)
     add_sampling_options(parser)
     add_speculation_options(parser)
@@ -49,6 +50,7 @@ def add_arguments(parser):
                         help="a JSON file of tools the model may call, as OpenAI's API takes them: a list of "
                              '{"type": "function", "function": {"name", "description", "parameters"}} (or of the '
                              "functions alone); a call is shown, and /tool TEXT gives its result")
+    add_constraint_options(parser, "every reply")
 
 
 def main(args) -> int:
@@ -56,19 +58,25 @@ def main(args) -> int:
 
     Raises PerfxError for bad option values or a model that cannot be loaded (the CLI prints it and exits 2).
     """
+    if args.tools and (args.json_object or args.json_schema or args.grammar):
+        given = "--json-object" if args.json_object else "--json-schema" if args.json_schema else "--grammar"
+        raise PerfxError(f"--tools and {given} cannot be combined: {given} holds every reply to its grammar, which "
+                         "leaves no room for a tool call. Give one or the other")
     sampling = sampling_config(args)
     interactive = sys.stdin.isatty()
     model, source = load_model_from_args(args, log=log)
     if source.tokenizer is None:
         raise PerfxError(f"{args.model} has no tokenizer: `perfx chat` needs one (synthetic models are for "
                          "`perfx bench`)")
+    constraint = constraint_from_args(args, source.tokenizer)
     speculator = speculator_from_args(args, model, source.tokenizer, log=log)
     if speculator is not None:
         # the step costs measured now, before the first prompt, as serve's warm-up does: the first reply starts
         # at once, and a Ctrl-C during it stops the reply, not a measurement (the cache holds nothing yet)
         speculator.calibrate(model, 0)
     chat = Chat(model, source, sampling, args.max_tokens, system_prompt(args), interactive,
-                think=not args.no_think, speculator=speculator, tools=read_tools(args.tools) if args.tools else None)
+                think=not args.no_think, speculator=speculator, constraint=constraint,
+                tools=read_tools(args.tools) if args.tools else None)
     if args.no_think and not source.tokenizer.has_thinking_switch:
         chat.note(no_thinking_switch_note(chat.model_name))
     return chat.loop()
@@ -98,9 +106,10 @@ class Chat:
     think = True  # thinking before answering, where the template has the switch (/think, --no-think)
 
     def __init__(self, model, source, sampling, max_tokens: int, system: str | None, interactive: bool,
-                 think: bool = True, speculator=None, tools: list[dict] | None = None):
+                 think: bool = True, speculator=None, constraint=None, tools: list[dict] | None = None):
         self.model, self.source, self.tokenizer = model, source, source.tokenizer
         self.speculator = speculator     # perfx.speculative.Speculator, or None: one token a step
+        self.constraint = constraint     # perfx.constrain.Constraint every reply keeps to (a copy each), or None
         self.sampling, self.max_tokens, self.system = sampling, max_tokens, system
         self.think = think
         self.interactive = interactive
@@ -217,7 +226,8 @@ class Chat:
             start, todo = self.conversation.resume(ids)
             result = generate(self.model, self.tokenizer, todo, self.max_tokens, self.sampling,
                               start_pos=start, on_text=self.stream, history=ids[:start],
-                              speculator=self.speculator, restore_at=self.restore_at(ids))
+                              speculator=self.speculator, restore_at=self.restore_at(ids),
+                              constraint=self.constraint.copy() if self.constraint is not None else None)
         except KeyboardInterrupt:
             # Outside generate's own handling (template, encoding): the turn did not happen.
             self.messages.pop()
@@ -245,7 +255,8 @@ class Chat:
         sys.stdout.write("\n" if self.interactive else "\n\n")
         sys.stdout.flush()
         reason = result.stats.stop_reason
-        self.note(result.stats.line() + ("" if reason in ("eos", "") else f", stopped: {reason}"), dim=True)
+        self.note(result.stats.line() + ("" if reason in ("eos", "grammar complete", "") else f", stopped: {reason}"),
+                  dim=True)
         if self.unanswered:
             self.note(f"perfx: the model called {', '.join(c.name for c in self.unanswered)}: give "
                       f"{'each result' if len(self.unanswered) > 1 else 'its result'} with /tool TEXT")

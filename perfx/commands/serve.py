@@ -30,6 +30,7 @@ examples:
   curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{"model": "SmolLM2-135M-Instruct.Q4_1", "messages": [{"role": "user", "content": "Hi"}]}'
   (add "stream": true for server-sent events, and curl -N to see them as they come)
+  (add "response_format": {"type": "json_object"}, or a json_schema, for replies that are always valid JSON)
 
 Ctrl-C or SIGTERM stops the server: new requests get 503, the running ones are stopped."""
 

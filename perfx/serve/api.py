@@ -9,14 +9,16 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from perfx import constrain
 from perfx.errors import PerfxError
-from perfx.tools import (ToolCall, ToolCallParser, ToolError, ToolSupport, call_grammar, check_tools, forced_prefix,
-                         render_messages, tool_support)
+from perfx.tools import (ToolCall, ToolCallParser, ToolError, ToolSupport, call_grammar, check_tools, render_messages,
+                         tool_support)
 
 MAX_STOP_STRINGS = 4        # OpenAI's limit
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # perfx's stop reasons (generate.Stats.stop_reason) as OpenAI's finish_reason.
-FINISH_REASONS = {"eos": "stop", "stop string": "stop", "max tokens": "length", "context full": "length"}
+FINISH_REASONS = {"eos": "stop", "stop string": "stop", "grammar complete": "stop", "max tokens": "length",
+                  "context full": "length"}
 # Sampling fields a request may set: OpenAI's, then perfx's own under the names llama.cpp's and vLLM's servers
 # give them. The names are SamplingConfig's; each range lies within what SamplingConfig accepts.
 SAMPLING = {  # name: (integer?, allowed, rule)
@@ -170,15 +172,14 @@ class Tooling:
     name: str | None = None
     parallel: bool = True       # parallel_tool_calls: false keeps the first call only
     support: ToolSupport | None = None  # the template's format and what it renders
-    prefix: str = ""            # the start of the reply, put after the generation prompt: a forced call's opening
-    grammar: str | None = None  # what the whole reply (``prefix`` included) must match, in llguidance's Lark: a
-                                # forced call (required, or a named function), or the generic format's reply
+    grammar: str | None = None  # what the whole reply must match, in llguidance's Lark: a forced call (required,
+                                # or a named function), or the generic format's call or answer under "auto"
 
     def parser(self) -> ToolCallParser:
         return ToolCallParser(self.support.format, [t["function"]["name"] for t in self.tools])
 
     def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """A whole reply (``prefix`` included) as (content, calls)."""
+        """A whole reply as (content, calls)."""
         parser = self.parser()
         events = parser.feed(text) + parser.finish()
         content = "".join(value for kind, value in events if kind == "content")
@@ -196,9 +197,6 @@ def chat_prompt(body: dict, tokenizer, architecture: str | None = None
         raise unsupported("logprobs", "no log probabilities")
     if body.get("top_logprobs") is not None:
         raise unsupported("top_logprobs", "no log probabilities")
-    response_format = value_of(body, "response_format", (dict,), "an object")
-    if response_format and response_format.get("type", "text") != "text":
-        raise unsupported("response_format", "plain text only (no JSON mode or schemas)")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages",
@@ -229,6 +227,11 @@ def chat_prompt(body: dict, tokenizer, architecture: str | None = None
                 entry["name"] = name
         checked.append(entry)
     tooling = tools_of(body)
+    if tooling is not None and response_schema(body) is not None:
+        raise APIError(400, "'response_format' (JSON) cannot be combined with 'tools': a reply keeps to one grammar, "
+                            "and the schema's would rule out every call. Send tool_choice \"none\" for a JSON "
+                            "answer, or drop 'response_format' to let the model call the tools",
+                       param="response_format", code="invalid_value")
     kwargs = template_kwargs(body)
     support = tool_support(tokenizer, architecture)
     rendered, variables = render_messages(checked, tooling.tools if tooling else None, support)
@@ -238,8 +241,6 @@ def chat_prompt(body: dict, tokenizer, architecture: str | None = None
         plan(tooling, tokenizer)
     try:
         text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, **variables)
-        if tooling is not None:
-            text += tooling.prefix
         # As `perfx chat`: the model's own BOS setting (a template that writes the BOS text keeps one BOS).
         return tokenizer.encode(text, add_bos=tokenizer.add_bos_token), rendered, variables, tooling
     except PerfxError as error:  # a template that refuses the conversation, text that is not UTF-8
@@ -308,19 +309,52 @@ def tools_of(body: dict) -> Tooling | None:
 
 
 def plan(tooling: Tooling, tokenizer):
-    """The forced start and the grammar of a reply under ``tooling``'s tool_choice. A forced call (required, a
-    named function) starts with the format's opening, the name too when named, put after the generation prompt;
-    its grammar is the whole reply's, for the constraint that makes its arguments match their schema."""
+    """The grammar of a reply under ``tooling``'s tool_choice, which the engine compiles into the reply's
+    constraint. A forced call (required, a named function): the whole reply is a call, the format's opening
+    included, its arguments by their parameters' schema. Under "auto", the generic format's reply is a call or
+    an answer (as llama.cpp's server constrains it; unconstrained without llguidance, which a forced call needs);
+    a family's format is left free (the model may answer in plain text), and its calls are read from what it
+    writes."""
     fmt = tooling.support.format
     forced = tooling.choice in ("required", "function")
-    if forced:
-        tooling.prefix = forced_prefix(fmt, tooling.name)
-    if forced or fmt.body == "envelope":
+    if forced or (fmt.body == "envelope" and constrain.available()):
         # a marker that is one token of the vocabulary is named by its id: the model writes that token, which a
         # grammar engine may not take for the marker's text when it is special (Phi-4-mini's, Qwen's tags)
         single = {marker: ids[0] for marker in (fmt.opener, fmt.closer) if marker
                   for ids in [tokenizer.encode(marker)] if len(ids) == 1}
-        tooling.grammar = call_grammar(fmt, tooling.tools, tooling.name, answer=not forced, special_ids=single)
+        tooling.grammar = call_grammar(fmt, tooling.tools, tooling.name, answer=not forced, special_ids=single,
+                                       parallel=tooling.parallel)
+
+
+def response_schema(body: dict) -> dict | bool | None:
+    """The JSON schema a request's ``response_format`` asks the reply to follow: OpenAI's ``json_object`` is any
+    JSON object, ``json_schema`` its ``json_schema.schema`` (absent: any JSON value); None for ``text`` or no
+    format. Every schema is enforced, ``strict`` or not."""
+    response_format = value_of(body, "response_format", (dict,), "an object")
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind != "json_schema":
+        raise APIError(400, f"'response_format.type' must be text, json_object or json_schema, got "
+                            f"{json.dumps(kind)[:40]}", param="response_format.type", code="invalid_value")
+    spec = value_of(response_format, "json_schema", (dict,), "an object")
+    if spec is None:
+        raise APIError(400, "'response_format.json_schema' is required with type json_schema: "
+                            "{\"name\": ..., \"schema\": {...}, \"strict\": true}",
+                       param="response_format.json_schema", code="missing_parameter")
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise APIError(400, "'response_format.json_schema.name' must be a non-empty string, as OpenAI requires",
+                       param="response_format.json_schema.name", code="invalid_value")
+    if not isinstance(spec.get("strict", False), bool) and spec.get("strict") is not None:
+        raise APIError(400, "'response_format.json_schema.strict' must be a boolean",
+                       param="response_format.json_schema.strict", code="invalid_type")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, (dict, bool)):
+        raise APIError(400, "'response_format.json_schema.schema' must be a JSON schema (an object)",
+                       param="response_format.json_schema.schema", code="invalid_type")
+    return schema
 
 
 def template_kwargs(body: dict) -> dict:

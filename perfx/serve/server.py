@@ -25,7 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
 from perfx.serve.api import (APIError, Answer, Tooling, chat_prompt, check_fits, common_parameters, parse_json,
-                             text_prompt)
+                             response_schema, text_prompt)
 from perfx.serve.engine import SHUTDOWN_GRACE_S, Engine, Job
 
 MAX_BODY_BYTES = 8 << 20
@@ -178,14 +178,15 @@ class Handler(BaseHTTPRequestHandler):
             self.prompt_text = json.dumps(body.get("prompt"), ensure_ascii=False)
         check_fits(ids, engine.model.max_positions, "messages" if chat else "prompt")
         self.job = job = engine.job(ids, request.max_tokens or options.default_max_tokens, request.sampling,
-                                    request.stop, messages, variables, tooling.grammar if tooling else None)
+                                    request.stop, messages, variables, schema=response_schema(body),
+                                    grammar=tooling.grammar if tooling else None)
         engine.submit(job)
         answer = Answer(chat, options.model_id, created=int(time.time()))
         try:
             if request.stream:
                 self.stream(job, answer, request.include_usage, tooling)
             else:
-                pieces = [tooling.prefix] if tooling else []
+                pieces = []
                 for kind, value in self.events(job):
                     if kind == "text":
                         pieces.append(value)
@@ -204,7 +205,7 @@ class Handler(BaseHTTPRequestHandler):
                 job.finished.wait(SHUTDOWN_GRACE_S)
 
     def stream(self, job: Job, answer: Answer, include_usage: bool, tooling: Tooling | None = None):
-        pieces = [tooling.prefix] if tooling else []
+        pieces = []
         parser = tooling.parser() if tooling else None
         calls = 0
 
@@ -232,8 +233,6 @@ class Handler(BaseHTTPRequestHandler):
                 self.headers_sent = True
                 if answer.chat:
                     self.send_event(answer.chunk({"role": "assistant", "content": ""}, include_usage))
-                if parser is not None:
-                    send_parsed(parser.feed(tooling.prefix))
             elif kind == "text":
                 pieces.append(value)
                 if parser is not None:

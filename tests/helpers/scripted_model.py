@@ -10,12 +10,17 @@ class ScriptedModel:
 
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer, self.script = model, tokenizer, []
+        self.masked = 0      # the script's tokens chosen under a grammar's mask so far
 
     def __getattr__(self, name):
         return getattr(self.model, name)
 
     def say(self, text: str):
-        self.script = self.tokenizer.encode(text) + [min(self.tokenizer.eos_ids)]
+        ids = self.tokenizer.encode(text)
+        if ids and self.tokenizer.decode(ids[:1]) == "":
+            ids = ids[1:]   # a SentencePiece text's bare prefix space, which a reply continuing its prompt lacks
+        self.script = ids + [min(self.tokenizer.eos_ids)]
+        self.masked = 0
 
     def argmax(self) -> int:
         return self.script[0]
@@ -25,3 +30,12 @@ class ScriptedModel:
             self.model.decode_one(token, q)
             token = chosen
             yield chosen
+
+    def masked_token(self, allowed, config, seed: int, seen: list[int], pos: int) -> int:
+        """Under a grammar (a constrained reply), the script's next token, which the grammar's mask must allow:
+        the text a model writes, in its own tokens, is text the grammar takes."""
+        token = self.script[self.masked]
+        self.masked += 1
+        assert allowed[token // 32] >> (token % 32) & 1, \
+            f"the grammar forbids the script's token {token} ({self.tokenizer.decode([token])!r}) after {seen[-8:]}"
+        return token

@@ -24,6 +24,7 @@ import numpy as np
 from perfx.errors import PerfxError
 from perfx.generate import Result, Sampler, SamplingConfig, Stats, StopMatcher
 from perfx.mixers import Rows
+from perfx.reference import logit_mask
 from perfx.reference import sample as sample_token
 
 MAX_RECORDINGS = 256   # recorded steps kept (one per set of slots and partition counts met); past it, made again
@@ -179,7 +180,8 @@ class Sequence:
     """
 
     def __init__(self, batch: Batch, slot: int, tokenizer, prompt_ids: list[int], start: int, max_tokens: int,
-                 sampling: SamplingConfig, stop: list[str] | None = None, on_text=None, history=()):
+                 sampling: SamplingConfig, stop: list[str] | None = None, on_text=None, history=(),
+                 constraint=None):
         model = batch.model
         if not prompt_ids:
             raise PerfxError("the prompt is empty: nothing to continue from (give some text, or use the chat "
@@ -201,6 +203,9 @@ class Sequence:
         self.ids: list[int] = []
         self.parts: list[str] = []
         self.on_text = on_text
+        # a perfx.constrain.Constraint, fresh for this reply: each token chosen among those it allows, on the
+        # host, where a batched step's logits are anyway
+        self.constraint = constraint
         self.token: int | None = None    # the token to feed next, at pos
         self.done = False
         self.started = time.perf_counter()
@@ -220,13 +225,14 @@ class Sequence:
         if logits is not None:
             self.stats.prefill_s = self.stats.ttft_s = time.perf_counter() - self.started
             self.decode_started = time.perf_counter()
-            self._next(int(self.sampler.pick(logits, self.seen)))
+            self._next(int(self.sampler.pick(self._allowed(logits), self.seen)))
 
     def take(self, logits: np.ndarray) -> None:
         """The logits after ``token`` was fed at ``pos`` (one row of a ``Batch.step``): the next token."""
         fed = self.pos
         self.pos += 1
         s = self.sampling
+        logits = self._allowed(logits)
         if s.greedy:
             token = int(np.argmax(logits))
         elif self.device_draw:
@@ -237,6 +243,10 @@ class Sequence:
         else:
             token = self.sampler.pick(logits, self.seen)
         self._next(int(token))
+
+    def _allowed(self, logits: np.ndarray) -> np.ndarray:
+        """The logits with the tokens the constraint forbids at −∞ (as is, without one)."""
+        return logits if self.constraint is None else logit_mask(logits, self.constraint.allowed())
 
     def cancel(self) -> None:
         """Stop before the next step (a client gone, shutdown): what was made is kept."""
@@ -254,6 +264,10 @@ class Sequence:
             self._emit(piece)
             if stopped:
                 return self._stop("stop string")
+        if self.constraint is not None:
+            self.constraint.advance(token)
+            if self.constraint.done:
+                return self._stop("grammar complete")
         if len(self.ids) >= self.max_tokens:
             return self._stop("max tokens")
         if self.pos >= self.model.max_positions:

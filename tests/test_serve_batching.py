@@ -306,3 +306,54 @@ def test_a_failed_request_fails_alone_and_its_slot_serves_the_next(loaded):
         assert rest[-1].choices[0].finish_reason == "length"    # the running stream, unharmed
     stats = engine.stats()
     assert (stats["completed"], stats["failed"]) == (2, 1)
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "legs", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 12}, "legs": {"type": "integer", "minimum": 0},
+                         "tags": {"type": "array", "items": {"enum": ["small", "big"]}, "maxItems": 3}}}
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city"],
+    "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer"}}}}}
+
+
+def test_constrained_requests_keep_their_grammars_while_decoded_together(loaded):
+    """JSON-schema replies and forced tool calls from six threads through three slots, beside unconstrained
+    requests: each constrained reply parses and validates (the tiny random model writes no JSON by itself, so
+    that is the mask's work, applied per row), the unconstrained ones are unaffected."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    model, tokenizer = loaded
+    engine = BatchEngine(model, tokenizer, 16, SamplingConfig(seed=0), parallel=3)
+    schema_format = {"type": "json_schema", "json_schema": {"name": "animal", "schema": SCHEMA}}
+
+    def structured(seed):
+        reply = client(server).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"an animal {seed}"}], max_tokens=120,
+            temperature=1.0, seed=seed, response_format=schema_format)
+        return "schema", reply.choices[0]
+
+    def called(seed):
+        reply = client(server).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"weather {seed}"}], max_tokens=120,
+            temperature=1.0, seed=seed, tools=[TOOL], tool_choice="required", parallel_tool_calls=False)
+        return "tool", reply.choices[0]
+
+    def free(seed):
+        return "free", ask(server, (True, f"free text {seed}", {"max_tokens": 12, "temperature": 0}))
+
+    jobs = [structured, called, free] * 2
+    with running_server(engine) as server:
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+            results = list(pool.map(lambda job_seed: job_seed[0](job_seed[1]), zip(jobs, range(len(jobs))),
+                                    timeout=8 * TIMEOUT))
+    for kind, choice in results:
+        if kind == "schema":
+            assert choice.finish_reason == "stop", choice
+            jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+        elif kind == "tool":
+            assert choice.finish_reason == "tool_calls", choice
+            (call,) = choice.message.tool_calls
+            assert call.function.name == "get_weather"
+            jsonschema.validate(json.loads(call.function.arguments), TOOL["function"]["parameters"])
+        else:
+            assert choice[1] == "length" and choice[2] == 12

@@ -140,7 +140,8 @@ class BatchEngine(Engine):
 
         try:
             self.sequences[slot] = Sequence(self.batch, slot, self.tokenizer, todo, start, job.max_tokens,
-                                            job.sampling, job.stop, on_text, history=ids[:start])
+                                            job.sampling, job.stop, on_text, history=ids[:start],
+                                            constraint=job.constraint)
         except PerfxError as error:
             self._fail([slot], error)
 

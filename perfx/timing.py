@@ -1,7 +1,8 @@
 """One timing module for `perfx bench`, the tuner and the pytest-benchmark suite.
 
 Kernels are timed with profiling events (device time, not Python time): warm-up launches, then
-repeated launches, the median reported with every sample kept. Where a case holds several copies of
+repeated launches, the median reported with every sample kept. The events come from the device's profiling
+queue (``Device.profiling``), which a timing enters itself; the queue a model decodes on records none. Where a case holds several copies of
 its inputs, they are rotated between launches so that caches do not flatter the figure.
 """
 
@@ -13,7 +14,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+import pyopencl as cl
 
+from perfx.errors import PerfxError
 from perfx.runtime import Device
 
 
@@ -43,27 +46,48 @@ def device_time(events) -> float:
     total = 0.0
     for event in events:
         event.wait()
-        total += (event.profile.end - event.profile.start) * 1e-9
+        try:
+            total += (event.profile.end - event.profile.start) * 1e-9
+        except cl.Error as e:
+            raise PerfxError("these launches ran on a queue without profiling events: time them inside "
+                             "`with device.profiling():` (time_launches does so itself)") from e
     return total
 
 
+def _device_of(events) -> Device:
+    """The Device whose queue ``events`` (a launch function's result) were enqueued on."""
+    for event in events or ():
+        if event is not None:
+            device = Device.of_queue(event.get_info(cl.event_info.COMMAND_QUEUE))
+            if device is not None:
+                return device
+    raise PerfxError("time_launches: the launch function returned no event of a perfx Device's launch; "
+                     "return the events of the launches to time, or pass device=")
+
+
 def time_launches(launch: Callable[[], list], warmup: int = 2, repeat: int = 10,
-                  rotate: Callable[[], None] | None = None, max_seconds: float | None = None) -> Timing:
-    """Median device time of ``launch()`` (which enqueues and returns its events).
+                  rotate: Callable[[], None] | None = None, max_seconds: float | None = None,
+                  device: Device | None = None) -> Timing:
+    """Median device time of ``launch()`` (which enqueues and returns its events), on ``device``'s profiling
+    queue (``Device.profiling``); without ``device``, the device whose queue a first, untimed ``launch()``
+    ran on.
 
     ``max_seconds`` cuts the repeats short once that much wall time has passed (the tuner uses it to
     stop timing a candidate that is clearly slower than the best so far); at least one sample is taken.
     """
-    for _ in range(warmup):
-        device_time(launch())
-    samples = []
-    started = time.perf_counter()
-    for _ in range(repeat):
-        if rotate is not None:
-            rotate()
-        samples.append(device_time(launch()))
-        if max_seconds is not None and time.perf_counter() - started > max_seconds:
-            break
+    if device is None:
+        device = _device_of(launch())
+    with device.profiling():
+        for _ in range(warmup):
+            device_time(launch())
+        samples = []
+        started = time.perf_counter()
+        for _ in range(repeat):
+            if rotate is not None:
+                rotate()
+            samples.append(device_time(launch()))
+            if max_seconds is not None and time.perf_counter() - started > max_seconds:
+                break
     return Timing(statistics.median(samples), samples)
 
 
@@ -92,7 +116,7 @@ def copy_bandwidth(device: Device, nbytes: int = 64 << 20, copies: int = 2, repe
     serve the reads.
     """
     nbytes = min(nbytes, device.caps.max_alloc) // 32 * 32
-    timing = time_launches(_copy_launcher(device, nbytes, copies), warmup=2, repeat=repeat)
+    timing = time_launches(_copy_launcher(device, nbytes, copies), warmup=2, repeat=repeat, device=device)
     return 2 * nbytes / timing.median_s / 1e9, timing
 
 
@@ -115,4 +139,4 @@ def copy_kernel(device: Device, nbytes: int = 8 << 20) -> Callable[[], float]:
     """A reference kernel for drift checks: a function that times one copy of ``nbytes`` (median of 3),
     about a millisecond, over two buffer pairs so a phone GPU's caches do not serve it."""
     launch = _copy_launcher(device, min(nbytes, device.caps.max_alloc) // 32 * 32, 2)
-    return lambda: time_launches(launch, warmup=1, repeat=3).median_s
+    return lambda: time_launches(launch, warmup=1, repeat=3, device=device).median_s

@@ -62,7 +62,8 @@ def peak_flops(device, widths=PEAK_WIDTHS, iters: int = 256, min_seconds: float 
         kernel = device.kernel("peak_flops.cl", "peak_mad", {"VW": vw, "ITERS": iters})
         n = 1 << 12
         while True:  # grow the launch until it is long enough to time well
-            timing = time_launches(lambda: [device.launch(kernel, (n,), None, out.data, a, b)], warmup=1, repeat=5)
+            timing = time_launches(lambda: [device.launch(kernel, (n,), None, out.data, a, b)], warmup=1, repeat=5,
+                                   device=device)
             if timing.median_s >= min_seconds or n >= most:
                 break
             n = min(most, n * max(2, int(min_seconds / max(timing.median_s, 1e-7)) // 2 * 2 or 2))

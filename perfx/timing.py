@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
-import pyopencl as cl
 
 from perfx.errors import PerfxError
 from perfx.runtime import Device
@@ -46,23 +45,17 @@ def device_time(events) -> float:
     total = 0.0
     for event in events:
         event.wait()
-        try:
-            total += (event.profile.end - event.profile.start) * 1e-9
-        except cl.Error as e:
-            raise PerfxError("these launches ran on a queue without profiling events: time them inside "
-                             "`with device.profiling():` (time_launches does so itself)") from e
+        total += Device.event_seconds(event)
     return total
 
 
 def _device_of(events) -> Device:
     """The Device whose queue ``events`` (a launch function's result) were enqueued on."""
-    for event in events or ():
-        if event is not None:
-            device = Device.of_queue(event.get_info(cl.event_info.COMMAND_QUEUE))
-            if device is not None:
-                return device
-    raise PerfxError("time_launches: the launch function returned no event of a perfx Device's launch; "
-                     "return the events of the launches to time, or pass device=")
+    device = Device.of_events(events)
+    if device is None:
+        raise PerfxError("time_launches: the launch function returned no event of a perfx Device's launch; "
+                         "return the events of the launches to time, or pass device=")
+    return device
 
 
 def time_launches(launch: Callable[[], list], warmup: int = 2, repeat: int = 10,

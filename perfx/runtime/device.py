@@ -502,9 +502,23 @@ class Device:
                 self.queue = self._lean_queue
 
     @classmethod
-    def of_queue(cls, queue: cl.CommandQueue) -> Device | None:
-        """The Device whose queue (lean or profiling) ``queue`` is, None for another."""
-        return cls._of_queue.get(queue.int_ptr)
+    def of_events(cls, events) -> Device | None:
+        """The Device whose queue (lean or profiling) the first of ``events`` that has one ran on, else None."""
+        for event in events or ():
+            if event is not None:
+                device = cls._of_queue.get(event.get_info(cl.event_info.COMMAND_QUEUE).int_ptr)
+                if device is not None:
+                    return device
+        return None
+
+    @staticmethod
+    def event_seconds(event) -> float:
+        """Seconds from a finished event's start to its end, from its profiling events."""
+        try:
+            return (event.profile.end - event.profile.start) * 1e-9
+        except cl.Error as e:
+            raise PerfxError("these launches ran on a queue without profiling events: time them inside "
+                             "`with device.profiling():` (perfx.timing.time_launches does so itself)") from e
 
     def replay(self, steps: list) -> CommandBuffer | QcomRecording | Sequence:
         """Recorded steps as one step to enqueue again and again: one enqueue a launch, or, where asked for

@@ -2,8 +2,9 @@
 
 Kernels are timed with profiling events (device time, not Python time): warm-up launches, then
 repeated launches, the median reported with every sample kept. The events come from the device's profiling
-queue (``Device.profiling``), which a timing enters itself; the queue a model decodes on records none. Where a case holds several copies of
-its inputs, they are rotated between launches so that caches do not flatter the figure.
+queue (``Device.profiling``), which a timing enters itself; the queue a model decodes on records none. Where a
+case holds several copies of its inputs, they are rotated between launches so that caches do not flatter the
+figure.
 """
 
 from __future__ import annotations

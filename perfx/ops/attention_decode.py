@@ -4,8 +4,9 @@ Flash-decoding with ``kernels/attention_decode.cl`` in one launch: ``attention_p
 head and partition of PART positions: per-head RMSNorm of q and k where built with it, RoPE, the append by the
 partition that holds the new position, partial softmax and weighted V), the online-softmax merge of the
 partitions done by the last work-group of each kv head to finish (a counter per kv head, this wrapper's,
-zeroed once; the kernel leaves it at zero). The RoPE table, the sliding window, the scale, the soft-cap and the norm weights are
-per launch, so one AttentionDecode serves every layer of a model whose layers differ in them. The position is
+zeroed once; the kernel leaves it at zero). The RoPE table, the sliding window, the scale, the soft-cap and
+the norm weights are per launch, so one AttentionDecode serves every layer of a model whose layers differ in
+them. The position is
 read on the device, from an int32 buffer (the model's decode step buffer, or the wrapper's own): a launch
 recorded once serves every position with the same number of partitions. The KV cache's form (fp16, or int8
 codes with fp16 scales: ``kv`` "q8") is part of the shape, since the model decides it: it sets the build

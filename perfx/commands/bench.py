@@ -116,11 +116,12 @@ def bench_problem(device, spec, problem, ceiling: dict, rng, database, vs_defaul
             if params is choice.params:
                 row["private_bytes"] = max((i.private_mem for i in kernels.values()), default=None)
         row["error"], row["verified"] = worst, verified
-        probe = time_case(case, choice.params, warmup=1, repeat=1)
+        probe = time_case(case, choice.params, warmup=1, repeat=1, device=device)
         repeat = 3 if probe.median_s > 0.2 else 10
-        timing = time_case(case, choice.params, warmup=1, repeat=repeat)
+        timing = time_case(case, choice.params, warmup=1, repeat=repeat, device=device)
         if vs_defaults:
-            rounds = interleaved(lambda p: time_case(case, p, warmup=1, repeat=3).median_s, contenders, vs_defaults)
+            rounds = interleaved(lambda p: time_case(case, p, warmup=1, repeat=3, device=device).median_s, contenders,
+                                 vs_defaults)
             columns = list(zip(*rounds))
             gain, low, high = (bootstrap_ratio(columns[1], columns[0], rng) if len(columns) == 2 else (1.0, 1.0, 1.0))
             row.update(tuned_time_s=float(np.median(columns[0])), defaults_time_s=float(np.median(columns[-1])),

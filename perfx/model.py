@@ -302,16 +302,19 @@ class Model:
         else:
             self.plan.rmsnorm.post_residual(s.proj, s.x, post_norm, gamma, s.xb, m, c.hidden_size, c.rms_eps, **blocks)
 
-    def _layers(self, m: int, pos: int, decode: bool, position=None, split=None, rows=None):
+    def _layers(self, m: int, pos: int, decode: bool, position=None, split=None, rows=None, mark=None):
         """Every decoder layer over m rows at positions pos..pos+m−1; leaves the last residual add pending.
 
         ``position`` (buffer, index), when given, is where the mixers read ``pos`` on the device; ``split``, when
         given, receives the launches that depend on the position (the decode recording records them apart).
         ``rows`` (``perfx.mixers.Rows``), when given, makes the m rows those of a batched decode step instead:
-        each its own sequence's token, at its own position (``perfx.batch``).
+        each its own sequence's token, at its own position (``perfx.batch``). ``mark(i)``, when given, is called
+        before layer i's launches (``step_launches`` counts them a layer).
         """
         c, s = self.config, self.state
         for i, w in enumerate(self.weights.layers):
+            if mark is not None:
+                mark(i)
             # the mixer's rmsnorm; from layer 1 on, the previous layer's FFN output joins the residual here
             readers = w.mixer.xb_readers(i)
             if i == 0:
@@ -505,6 +508,24 @@ class Model:
         """The decode step at ``pos`` as ``greedy_tokens`` runs it: ``decode_launches`` and the hand-over (the
         argmax, and the chosen token written where the next step reads it)."""
         return self.decode_launches(pos) + self._greedy_handover()
+
+    def step_launches(self, pos: int) -> dict:
+        """The kernel launches of the greedy decode step at ``pos`` (``greedy_launches``), counted by where they
+        run: ``before`` the layers (the embedding gather), each layer's (``layers``, in order, with its kind in
+        ``kinds``), ``after`` them (the final norm, the head, the argmax and the hand-over). Nothing runs."""
+        step, marks = (self.state.step, 1), []
+        with self.device.record() as launches:
+            self._embed(1, self.state.step)
+            self._layers(1, pos, decode=True, position=step,
+                         split=lambda mixer, layer: mixer.record_varying(layer, pos, step),
+                         mark=lambda i: marks.append(len(launches)))
+            marks.append(len(launches))
+            self._head(0)
+        steps = list(launches) + self._greedy_handover()
+        ends = [sum(1 for op in steps[:at] if hasattr(op, "kernel")) for at in marks]
+        total = sum(1 for op in steps if hasattr(op, "kernel"))
+        return {"before": ends[0], "layers": [b - a for a, b in zip(ends, ends[1:])], "after": total - ends[-1],
+                "kinds": [self.mixer_of[i].kind for i in range(self.config.n_layers)], "total": total}
 
     def _greedy_handover(self) -> list:
         if self._handover is None:

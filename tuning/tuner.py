@@ -28,6 +28,7 @@ the same interleaved rounds; one at least as fast on the median is pinned to the
 
 from __future__ import annotations
 
+import functools
 import random
 import statistics
 import time
@@ -249,8 +250,8 @@ class Tuner:
     """Tunes problems on one device into one database.
 
     ``budget_s`` is shared among the problems still to do; ``progress`` (a perfx.progress.Progress
-    over problems) gets a note after every candidate. ``timer`` times a launch function (the tests give
-    a simulated noisy one); ``reference`` returns the time of a fixed reference kernel (default: the copy
+    over problems) gets a note after every candidate. ``timer`` times a launch function (default: ``time_launches``
+    on this device; the tests give a simulated noisy one); ``reference`` returns the time of a fixed reference kernel (default: the copy
     kernel on this device); ``cool_down_s`` is the pause before a suspect round is taken again.
     """
 
@@ -258,7 +259,7 @@ class Tuner:
                  progress=None, warmup: int = 2, repeat: int = 10, exhaustive_limit: int = EXHAUSTIVE_LIMIT,
                  random_samples: int = RANDOM_SAMPLES, sample_share: float = SAMPLE_SHARE,
                  confirm_top: int = CONFIRM_TOP,
-                 confirm_rounds: int = CONFIRM_ROUNDS, timer=time_launches, reference=None,
+                 confirm_rounds: int = CONFIRM_ROUNDS, timer=None, reference=None,
                  cool_down_s: float = COOL_DOWN_S, drift_threshold: float = DRIFT_THRESHOLD):
         self.device = device
         self.database = database if database is not None else Database()
@@ -267,7 +268,9 @@ class Tuner:
         self.warmup, self.repeat = warmup, repeat
         self.exhaustive_limit, self.random_samples, self.sample_share = exhaustive_limit, random_samples, sample_share
         self.confirm_top, self.confirm_rounds = confirm_top, confirm_rounds
-        self.timer, self.cool_down_s = timer, cool_down_s
+        # the device named, so a timing does not launch once more to find it (perfx.timing.time_launches)
+        self.timer = timer or functools.partial(time_launches, device=device)
+        self.cool_down_s = cool_down_s
         self.drift = DriftWatch(reference or copy_kernel(device), drift_threshold)
         self.started = time.perf_counter()
         self._untuned: dict[tuple, dict] = {}   # (family, shape) -> what runs untuned (``_defaults``)

@@ -1,0 +1,140 @@
+"""Mixture-of-experts models (qwen3moe, lfm2moe) from tiny GGUFs written as llama.cpp's converter writes them:
+the header read into the experts' recipe, the experts read exactly, the float64 MoE step against transformers'
+sparse-MoE blocks written out, the device forward (prompt and decode) against the float64 forward, bad files,
+and the step's ops as `perfx tune` measures them."""
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+
+from helpers.moe_models import SHAPES, write_moe_gguf
+from perfx import moe, reference
+from perfx.errors import PerfxError
+from perfx.forward64 import model_forward
+from perfx.model import Model
+from perfx.op import StepOptions
+from perfx.sources import open_model
+from perfx.step import decode_step
+from perfx.tuning import SPECS
+from perfx.tuning.database import Database
+from perfx.tuning.problems import model_problems
+from perfx.tuning.spec import relative_error
+
+# The device forward against the float64 one: fp32 kernels over int4/int8 weights with the dense GEMVs' int8
+# activations (their own rounding ~1e-3 of max|logit|), as tests/test_families.py's DEVICE_TOLERANCE
+DEVICE_TOLERANCE = 2e-3
+
+
+@pytest.fixture(params=sorted(SHAPES))
+def tiny(request, tmp_path):
+    path, held = write_moe_gguf(tmp_path / "m.gguf", request.param, np.random.default_rng(7))
+    return request.param, path, held
+
+
+def test_the_header_gives_the_experts_recipe(tiny):
+    model_type, path, _ = tiny
+    c, shape = open_model(path).config, SHAPES[model_type]
+    assert (c.n_experts, c.n_experts_used, c.expert_intermediate) == (
+        shape["num_experts"], shape["num_experts_per_tok"], shape["moe_intermediate_size"])
+    assert c.expert_norm
+    if model_type == "lfm2_moe":
+        assert (c.expert_gating, c.expert_bias, c.dense_layers) == ("sigmoid", True, 1)
+        assert c.moe_layers == [1, 2, 3] and c.intermediate_size == shape["intermediate_size"]
+        assert [r.kind for r in c.layers] == ["conv", "attention", "conv", "attention"]
+    else:
+        assert (c.expert_gating, c.expert_bias, c.dense_layers, c.qk_norm) == ("softmax", False, 0, True)
+    assert "experts" in c.describe_recipe()
+
+
+def test_the_experts_are_read_as_the_file_holds_them(tiny):
+    """Q4_0 and Q8_0 experts exactly; F16 and F32 ones as int8 (round to nearest, a step of max|w|/255 a group)."""
+    model_type, path, held = tiny
+    source = open_model(path)
+    c = source.config
+    for i in c.moe_layers:
+        w = source.layer(i).moe
+        np.testing.assert_array_equal(w.router, held[f"blk.{i}.ffn_gate_inp.weight"].astype(np.float32))
+        for e in (0, c.n_experts - 1):
+            gate_up = w.gate_up[e].dequantize()
+            want = np.concatenate([held[f"blk.{i}.ffn_gate_exps.weight"][e], held[f"blk.{i}.ffn_up_exps.weight"][e]])
+            exact = i % 4 in (0, 1)   # EXPERT_TYPES: Q4_0, Q8_0, then F16, F32
+            bound = 0 if exact else np.abs(want).max() / 200
+            assert np.abs(gate_up - want).max() <= bound, (i, e)
+            assert np.abs(w.down[e].dequantize() - held[f"blk.{i}.ffn_down_exps.weight"][e]).max() <= (
+                0 if exact else np.abs(want).max() / 100)
+
+
+def _transformers_block(x, router, gate, up, down, used, gating, bias, norm):
+    """Qwen3MoeSparseMoeBlock / Lfm2MoeSparseMoeBlock written out per token (softmax or σ of the router logits, the
+    top-k by them plus the bias, the weights renormalised), in float64."""
+    out = np.zeros((x.shape[0], down.shape[1]))
+    for t, row in enumerate(x):
+        logits = router @ row
+        probs = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum() if gating == "softmax" else (
+            1 / (1 + np.exp(-logits)))
+        chosen = np.argsort(-(probs + (0 if bias is None else bias)), kind="stable")[:used]
+        weights = probs[chosen] / (probs[chosen].sum() if norm else 1.0)
+        for e, weight in zip(chosen, weights):
+            g, u = gate[e] @ row, up[e] @ row
+            out[t] += weight * (down[e] @ (g / (1 + np.exp(-g)) * u))
+    return out
+
+
+def test_the_float64_step_is_transformers_sparse_block(tiny, rng):
+    model_type, path, held = tiny
+    source = open_model(path)
+    c = source.config
+    i = c.moe_layers[-1]
+    w = source.layer(i).moe
+    x = rng.standard_normal((5, c.hidden_size))
+    gate = np.stack([g.dequantize()[:c.expert_intermediate] for g in w.gate_up])
+    up = np.stack([g.dequantize()[c.expert_intermediate:] for g in w.gate_up])
+    down = np.stack([d.dequantize() for d in w.down])
+    want = _transformers_block(x, w.router.astype(np.float64), gate, up, down, c.n_experts_used, c.expert_gating,
+                               w.selection_bias, c.expert_norm)
+    np.testing.assert_allclose(moe.reference(x, w, c), want, rtol=1e-10, atol=1e-12)
+
+
+def test_the_device_forward_matches_the_float64_forward(tiny, device):
+    """A prompt, then decode steps (the recorded replay), against perfx.forward64 on the same file."""
+    _, path, _ = tiny
+    source = open_model(path)
+    tokens = [3, 17, 42, 5, 60, 11, 9, 77]
+    want, _ = model_forward(source, tokens)
+    model = Model.load(source, device, ctx=64, progress=False, database=Database(None))
+    model.prefill(tokens[:5], 0)
+    assert relative_error(model.logits(), want[4]) <= DEVICE_TOLERANCE
+    for pos in range(5, len(tokens)):
+        model.decode_one(tokens[pos], pos)
+        assert relative_error(model.logits(), want[pos]) <= DEVICE_TOLERANCE, pos
+    # the decode step reads the router and the chosen experts only, not every expert
+    c = source.config
+    every = sum(source.layer(i).moe.expert_nbytes * c.n_experts for i in c.moe_layers)
+    assert model.weight_bytes < every
+
+
+def test_tune_measures_the_step_s_moe_ops(tiny):
+    _, path, _ = tiny
+    source = open_model(path)
+    ops = decode_step(source.config, StepOptions(32, source.weight_forms()))
+    families = {op.family for op in ops}
+    assert {"moe_router", "gemv_moe"} <= families
+    measured = {op.key for op in ops if op.measured and op.family in ("moe_router", "gemv_moe")}
+    problems, notes = model_problems(source.config, SPECS, 32, source.weight_forms())
+    listed = {(p.family, json.dumps(p.shape, sort_keys=True)) for p in problems}
+    assert measured and measured <= listed, notes
+
+
+def test_bad_files_name_the_key_or_tensor(tmp_path, rng):
+    path, _ = write_moe_gguf(tmp_path / "used.gguf", "qwen3_moe", rng, num_experts_per_tok=11)
+    with pytest.raises(PerfxError, match="11 experts used of 10"):
+        open_model(path)
+    # the header says 6 experts where the tensors hold 10
+    path, _ = write_moe_gguf(tmp_path / "count.gguf", "qwen3_moe", rng)
+    reader = gguf.GGUFReader(str(path), "r+")
+    reader.get_field("qwen3moe.expert_count").parts[-1][0] = 6
+    del reader
+    with pytest.raises(PerfxError, match=r"ffn_gate_inp.weight has shape \(10, 64\), but qwen3moe.expert_count"):
+        open_model(path)

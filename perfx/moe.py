@@ -27,6 +27,8 @@ from perfx.reference import linear, moe_experts, moe_route
 
 # The expert roles: the fused gate-up of each expert, and its down; their source projections
 EXPERT_ROLES = {"experts_gate_up": ("gate_exps", "up_exps"), "experts_down": ("down_exps",)}
+# The scratch its launches share, as its ops name it (``DeviceMoE``'s buffers of these names less the prefix)
+SCRATCH = ("moe_logits", "moe_ids", "moe_weights", "moe_h")
 # fp16 experts are held as int8 at this group (the routed GEMVs read int4 and int8)
 F16_EXPERT_GROUP = 32
 
@@ -123,7 +125,7 @@ def ops(config, m: int, options: StepOptions, prefill: bool = False) -> list[Op]
     if not layers:
         return []
     out = [shared(Op("moe_router", router_shape(c), "router", layers, reads=("xb",),
-                     writes=("moe_ids", "moe_weights"), m=m), prefill)]
+                     writes=("moe_logits", "moe_ids", "moe_weights"), m=m), prefill)]
     for role, reads, writes in (("experts_gate_up", ("xb", "moe_ids"), ("moe_h",)),
                                 ("experts_down", ("moe_h", "moe_ids", "moe_weights"), ("proj",))):
         out += [shared(Op("gemv_moe", expert_shape(c, role, form), role, layers, role, form, reads, writes, m=m),

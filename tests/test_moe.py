@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 
-from helpers.moe_models import SHAPES, write_moe_gguf
+from helpers.moe_models import SHAPES, write_moe_gguf, write_moe_hf
 from perfx import moe, reference
 from perfx.errors import PerfxError
 from perfx.forward64 import model_forward
@@ -138,3 +138,21 @@ def test_bad_files_name_the_key_or_tensor(tmp_path, rng):
     del reader
     with pytest.raises(PerfxError, match=r"ffn_gate_inp.weight has shape \(10, 64\), but qwen3moe.expert_count"):
         open_model(path)
+
+
+def test_a_hugging_face_directory_reads_as_the_gguf(tiny, tmp_path, device):
+    """The same model as a checkpoint: config.json gives the GGUF's recipe; its fp16 experts, held as int8, give
+    the GGUF's logits within int8's rounding; its device forward matches its own float64 forward."""
+    model_type, path, held = tiny
+    gguf_source = open_model(path)
+    hf = open_model(write_moe_hf(tmp_path / "hf", model_type, held))
+    ignore = ("architecture", "max_positions", "extra")
+    for field in type(hf.config).__dataclass_fields__:
+        if field not in ignore:
+            assert getattr(hf.config, field) == getattr(gguf_source.config, field), field
+    tokens = [3, 17, 42, 5, 60]
+    want, _ = model_forward(hf, tokens)
+    assert relative_error(want[-1], model_forward(gguf_source, tokens)[0][-1]) <= 0.05
+    model = Model.load(hf, device, ctx=32, progress=False, database=Database(None))
+    model.prefill(tokens, 0)
+    assert relative_error(model.logits(), want[-1]) <= DEVICE_TOLERANCE

@@ -127,3 +127,55 @@ def write_moe_gguf(path: Path, model_type: str, rng: np.random.Generator, expert
     writer.write_tensors_to_file()
     writer.close()
     return Path(path), held
+
+
+def write_moe_hf(directory: Path, model_type: str, held: dict, **overrides) -> Path:
+    """A Hugging Face directory of the same model (config.json in the published style, float32 safetensors under
+    transformers' names: Qwen3MoeForCausalLM's mlp.gate / mlp.experts.{e}.gate_proj, Lfm2MoeForCausalLM's
+    feed_forward.gate / expert_bias / experts.{e}.w1), from what ``write_moe_gguf`` returned it holds."""
+    from safetensors.numpy import save_file
+
+    c = dict(SHAPES[model_type], **overrides)
+    lfm2 = model_type == "lfm2_moe"
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {"model_type": model_type, "architectures": ["Lfm2MoeForCausalLM" if lfm2 else "Qwen3MoeForCausalLM"],
+              **c}
+    if lfm2:
+        config["full_attn_idxs"] = [i for i, t in enumerate(c["layer_types"]) if t == "full_attention"]
+    (directory / "config.json").write_text(__import__("json").dumps(config))
+    names = ({"attn_norm": "operator_norm", "ffn_norm": "ffn_norm", "attn_output": "self_attn.out_proj",
+              "attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm", "block": "feed_forward",
+              "gate": "w1", "up": "w3", "down": "w2"} if lfm2 else
+             {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_output": "self_attn.o_proj",
+              "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "block": "mlp",
+              "gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
+    out = {"model.embed_tokens.weight": held["token_embd.weight"]}
+    for name, w in held.items():
+        if not name.startswith("blk."):
+            continue
+        _, i, rest = name.split(".", 2)
+        p, block = f"model.layers.{i}.", f"model.layers.{i}.{names['block']}."
+        tensor = rest.rsplit(".", 1)[0]
+        if tensor in ("attn_norm", "ffn_norm", "attn_output", "attn_q_norm", "attn_k_norm"):
+            out[p + names[tensor] + ".weight"] = w
+        elif tensor in ("attn_q", "attn_k", "attn_v"):
+            out[p + f"self_attn.{tensor[-1]}_proj.weight"] = w
+        elif tensor.startswith("shortconv."):
+            conv = tensor.split(".", 1)[1]
+            out[p + f"conv.{conv}.weight"] = w[:, None, :] if conv == "conv" else w
+        elif tensor in ("ffn_gate", "ffn_up", "ffn_down"):
+            out[block + names[tensor[4:]] + ".weight"] = w
+        elif tensor == "ffn_gate_inp":
+            out[block + "gate.weight"] = w
+        elif tensor == "exp_probs_b":
+            out[block + "expert_bias"] = w
+        else:   # ffn_{gate,up,down}_exps
+            for e, expert in enumerate(w):
+                out[block + f"experts.{e}.{names[tensor[4:-5]]}.weight"] = expert
+    out["model.embedding_norm.weight" if lfm2 else "model.norm.weight"] = held[
+        "token_embd_norm.weight" if lfm2 else "output_norm.weight"]
+    if "output.weight" in held:
+        out["lm_head.weight"] = held["output.weight"]
+    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()},
+              str(directory / "model.safetensors"))
+    return directory

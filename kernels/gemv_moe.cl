@@ -9,7 +9,8 @@
 //
 // Weights: every expert's matrix of one role stacked, (E, rows, K), in the int4 (BITS 4: two codes a byte, the
 // even k in the low nibble) or int8 (BITS 8) form, per group of GROUP along K a float32 (scale, offset) pair,
-// w = s·q + m, or with SYM 1 the scale alone (int4: m = −8·s, GGUF Q4_0; int8: m = 0, GGUF Q8_0).
+// w = s·q + m, or with SYM 1 the scale alone (int4: m = −8·s, GGUF Q4_0; int8: m = 0, GGUF Q8_0); with HALF 1 those
+// are fp16 (the file's own: Q4_0, Q4_1, Q8_0 hold them so), so a chosen expert costs the file's bytes.
 // Shapes: x (m, K), h (m, used, I), y (m, N) float; ids, weights (m, used); K a multiple of GROUP.
 // Grid: (⌈rows/ROWS⌉·WGS, used (gate_up) or 1 (down), m); each work-group ROWS output rows of one row r (and
 // one chosen expert for gate_up); its WGS work-items take whole groups along K in turn (adjacent work-items
@@ -30,6 +31,9 @@
 #endif
 #ifndef SYM
 #define SYM 0        // 1: scales alone (set from the weights, not tuned)
+#endif
+#ifndef HALF
+#define HALF 1       // 1: fp16 scales (and offsets), 0: float32 (set from the weights, not tuned)
 #endif
 #ifndef ACT
 #define ACT 1        // moe_gate_up's gate activation: 1 SiLU, 2 GELU (tanh) (set from the model, not tuned)
@@ -69,16 +73,22 @@ inline float group_dot(const __global uchar* restrict codes, const __global floa
     }
 #endif
     const size_t at = row * (size_t)(k / GROUP) + g;
+#if HALF
+#define SCALE(i) vload_half((i), (const __global half*)scales)
+#else
+#define SCALE(i) scales[(i)]
+#endif
 #if SYM
-    const float s = scales[at];
+    const float s = SCALE(at);
 #if BITS == 4
     return s * (acc - 8.0f * sx);
 #else
     return s * acc;
 #endif
 #else
-    return scales[2 * at] * acc + scales[2 * at + 1] * sx;
+    return SCALE(2 * at) * acc + SCALE(2 * at + 1) * sx;
 #endif
+#undef SCALE
 }
 
 inline float row_part(const __global uchar* restrict codes, const __global float* restrict scales,

@@ -61,11 +61,13 @@ def fuse_expert(parts: list):
 
 
 def held_form(form: Form, symmetric_q4: bool = False) -> Form:
-    """The routed GEMVs' form of a file's expert tensor of device form ``form`` (``perfx.formats.Form``): int8's
-    scales-alone flag kept, int4 symmetric where the file's type is (Q4_0), fp16 as int8 with offsets."""
+    """The routed GEMVs' form (``perfx.ops.gemv_moe.expert_form``) of a file's expert tensor of device form ``form``
+    (``perfx.formats.Form``): int8's flags kept, int4 symmetric where the file's type is (Q4_0), fp16 as int8."""
     if form.kind == "f16":
         return Form("q8", F16_EXPERT_GROUP)
-    return Form(form.kind, form.group, symmetric=symmetric_q4 if form.kind == "q4" else form.symmetric)
+    if form.kind == "q4":
+        return Form("q4", form.group, symmetric=symmetric_q4)
+    return form
 
 
 def fused_held_form(parts: list[Form]) -> Form:
@@ -74,9 +76,8 @@ def fused_held_form(parts: list[Form]) -> Form:
     if len(set(parts)) == 1:
         return parts[0]
     if all(p.kind == "q4" for p in parts) and len({p.group for p in parts}) == 1:
-        return Form("q4", parts[0].group)
-    fused = fused_form([Form(p.kind, p.group, p.kind == "q8", p.symmetric) for p in parts])
-    return Form("q8", fused.group, symmetric=fused.symmetric)
+        return Form("q4", parts[0].group, f32=any(p.f32 for p in parts))
+    return fused_form(parts)
 
 
 def synthetic(config, random_matrix, rng) -> MoEWeights:

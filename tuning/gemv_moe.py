@@ -2,7 +2,8 @@
 
 Shape: ``op`` ("gate_up": h = act(gate)·up of each chosen expert; "down": y = the weighted sum of the chosen
 experts' down products), ``n`` the output width (the experts' I for gate_up, the hidden size for down), ``k``,
-``experts`` E, ``used`` chosen a row, the weights' form (``bits`` 4 or 8, ``group``, ``sym``), ``act`` (gate_up's
+``experts`` E, ``used`` chosen a row, the weights' form (``bits`` 4 or 8, ``group``, ``sym``, ``f32``: float32
+scales), ``act`` (gate_up's
 "silu" or "gelu_tanh"), ``m`` rows, optionally ``accumulate`` (down adds to y).
 """
 
@@ -11,17 +12,19 @@ from __future__ import annotations
 import numpy as np
 
 from perfx import reference
-from perfx.formats import Q4_SYMMETRIC, Q4Matrix, Q8Matrix
+from perfx.formats import Q4_PAIRS, Q4_SYMMETRIC, Q4_ZEROS, Q4Matrix, Q8Matrix
 from perfx.ops.gemv_moe import PARAMS, ExpertWeights, GemvMoE
 from perfx.tuning.spec import Case, Spec, cached_per_params
 
 
 def random_experts(shape, rng, rows: int) -> list:
-    """E random expert matrices (rows, k) in the shape's form."""
-    k, group, sym = shape["k"], shape["group"], bool(shape.get("sym"))
+    """E random expert matrices (rows, k) in the shape's form (int4 with f32: zero points, whose offsets −s·z are
+    float32)."""
+    k, group, sym, f32 = shape["k"], shape["group"], bool(shape.get("sym")), bool(shape.get("f32"))
     if shape["bits"] == 4:
-        return [Q4Matrix.random(rows, k, group, rng, form=Q4_SYMMETRIC if sym else 0) for _ in range(shape["experts"])]
-    return [Q8Matrix.random(rows, k, group, rng, f32=True, symmetric=sym) for _ in range(shape["experts"])]
+        form = Q4_SYMMETRIC if sym else Q4_ZEROS if f32 else Q4_PAIRS
+        return [Q4Matrix.random(rows, k, group, rng, form=form) for _ in range(shape["experts"])]
+    return [Q8Matrix.random(rows, k, group, rng, f32=f32, symmetric=sym) for _ in range(shape["experts"])]
 
 
 def make_case(device, shape, rng) -> Case:
@@ -70,7 +73,7 @@ def make_case(device, shape, rng) -> Case:
 def _bytes_moved(s) -> int:
     rows = 2 * s["n"] if s["op"] == "gate_up" else s["n"]
     groups = s["k"] // s["group"]
-    per_expert = rows * (s["k"] * s["bits"] // 8 + 4 * groups * (1 if s.get("sym") else 2))
+    per_expert = rows * (s["k"] * s["bits"] // 8 + (4 if s.get("f32") else 2) * groups * (1 if s.get("sym") else 2))
     return s["m"] * (s["used"] * per_expert + 4 * s["used"] * (s["k"] + s["n"]))
 
 
@@ -84,7 +87,7 @@ def fuzz_shapes(st):
         op = draw(st.sampled_from(["gate_up", "down"]))
         return {"op": op, "n": draw(st.integers(1, 80)), "k": group * draw(st.integers(1, 6)), "experts": e,
                 "used": draw(st.integers(1, e)), "bits": bits, "group": group, "sym": draw(st.booleans()),
-                "act": draw(st.sampled_from(["silu", "gelu_tanh"])), "m": draw(st.integers(1, 4)),
+                "f32": draw(st.booleans()), "act": draw(st.sampled_from(["silu", "gelu_tanh"])), "m": draw(st.integers(1, 4)),
                 "accumulate": op == "down" and draw(st.booleans())}
     return shape()
 
@@ -96,8 +99,9 @@ SPEC = Spec(
     fuzz_shapes=fuzz_shapes,
     oclgrind_shapes=(
         {"op": "gate_up", "n": 5, "k": 96, "experts": 4, "used": 2, "bits": 4, "group": 32, "sym": True,
-         "act": "silu", "m": 1},
-        {"op": "down", "n": 7, "k": 64, "experts": 3, "used": 2, "bits": 8, "group": 16, "sym": False, "m": 2},
+         "f32": False, "act": "silu", "m": 1},
+        {"op": "down", "n": 7, "k": 64, "experts": 3, "used": 2, "bits": 8, "group": 16, "sym": False, "f32": True,
+         "m": 2},
     ),
     tolerance=1e-4,
     tolerance_why=(
@@ -106,19 +110,21 @@ SPEC = Spec(
         "leaves 10× and still fails a wrong expert, a wrong nibble or scale, or a missing weight (errors of O(1))"),
     test_shapes=(
         # the real models' forms at small sizes, rows off every ROWS, groups off every WGS
-        {"op": "gate_up", "n": 37, "k": 96, "experts": 9, "used": 3, "bits": 4, "group": 32, "sym": True,
+        {"op": "gate_up", "n": 37, "k": 96, "experts": 9, "used": 3, "bits": 4, "group": 32, "sym": True, "f32": False,
          "act": "silu", "m": 1},
-        {"op": "down", "n": 45, "k": 64, "experts": 9, "used": 3, "bits": 4, "group": 32, "sym": True, "m": 1},
+        {"op": "down", "n": 45, "k": 64, "experts": 9, "used": 3, "bits": 4, "group": 32, "sym": True, "f32": False,
+         "m": 1},
         {"op": "gate_up", "n": 23, "k": 160, "experts": 5, "used": 2, "bits": 4, "group": 32, "sym": False,
-         "act": "gelu_tanh", "m": 3},
-        {"op": "down", "n": 50, "k": 48, "experts": 6, "used": 4, "bits": 8, "group": 16, "sym": False, "m": 3},
+         "f32": False, "act": "gelu_tanh", "m": 3},
+        {"op": "down", "n": 50, "k": 48, "experts": 6, "used": 4, "bits": 8, "group": 16, "sym": False, "f32": True,
+         "m": 3},
         {"op": "gate_up", "n": 19, "k": 64, "experts": 4, "used": 4, "bits": 8, "group": 32, "sym": True,
-         "act": "silu", "m": 2},
-        {"op": "down", "n": 33, "k": 256, "experts": 5, "used": 2, "bits": 4, "group": 128, "sym": False, "m": 2,
-         "accumulate": True},
+         "f32": False, "act": "silu", "m": 2},
+        {"op": "down", "n": 33, "k": 256, "experts": 5, "used": 2, "bits": 4, "group": 128, "sym": False,
+         "f32": True, "m": 2, "accumulate": True},
     ),
     bytes_moved=_bytes_moved,
     flops=lambda s: 2 * s["m"] * s["used"] * s["k"] * s["n"] * (2 if s["op"] == "gate_up" else 1),
     describe=lambda s: (f"{s['op']} N={s['n']} K={s['k']} {s['used']}/{s['experts']} int{s['bits']} g{s['group']}"
-                        + (" sym" if s.get("sym") else "") + f" m={s['m']}" + (" +=" if s.get("accumulate") else "")),
+                        + (" sym" if s.get("sym") else "") + (" f32" if s.get("f32") else "") + f" m={s['m']}" + (" +=" if s.get("accumulate") else "")),
 )

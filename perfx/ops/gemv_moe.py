@@ -3,8 +3,9 @@ down (with the weighted sum of the chosen experts fused), reading each row's exp
 ``perfx.ops.moe_router`` writes, and only those experts' bytes.
 
 Wraps ``kernels/gemv_moe.cl``. Every expert's matrix of one role lives in one ``ExpertWeights``: the experts
-stacked, int4 (two codes a byte) or int8 codes, and a float32 (scale, offset) per group, or the scale alone
-where the file's form is symmetric (GGUF Q4_0, Q8_0). Any int4 or int8 host form (``perfx.formats``: Q4_0,
+stacked, int4 (two codes a byte) or int8 codes, and a (scale, offset) per group, or the scale alone where the
+file's form is symmetric (GGUF Q4_0, Q8_0), in fp16 where the file holds them so (a chosen expert then costs the
+file's bytes) or float32. Any int4 or int8 host form (``perfx.formats``: Q4_0,
 Q4_1, Q4_K, Q5_x, Q6_K, Q8_0) is held exactly. A prompt runs the same kernels over its m rows, each row through
 its own experts.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from perfx.errors import PerfxError
-from perfx.formats import Q4_SYMMETRIC, Form, Q4Matrix, Q8Matrix
+from perfx.formats import Q4_SYMMETRIC, Q4_ZEROS, Form, Q4Matrix, Q8Matrix
 from perfx.ops import device_buffer
 from perfx.ops.params import ParamSpace, Rule
 from perfx.runtime import Device
@@ -35,32 +36,35 @@ PARAMS = ParamSpace(
 
 def expert_form(w) -> Form:
     """The device form an expert matrix takes: int4 or int8 at its group, ``symmetric`` where its scales alone are
-    read (int4 z = 8, int8 m = 0)."""
+    read (int4 z = 8, int8 m = 0), ``f32`` where its scales (or offsets) need float32: an int8 matrix made so
+    (Q5_K, Q6_K), int4 zero points (m = −s·z); fp16 otherwise, as the file holds them."""
     if isinstance(w, Q4Matrix):
-        return Form("q4", w.group, symmetric=w.form == Q4_SYMMETRIC)
+        return Form("q4", w.group, f32=w.form == Q4_ZEROS, symmetric=w.form == Q4_SYMMETRIC)
     if isinstance(w, Q8Matrix):
-        return Form("q8", w.group, symmetric=w.symmetric)
+        return Form("q8", w.group, f32=w.f32, symmetric=w.symmetric)
     raise PerfxError("expert matrices are held in the int4 or int8 form; an fp16 expert must be quantized first "
                      "(the sources hold fp16 experts as int8)")
 
 
 def form_shape(form: Form) -> dict:
-    """The shape keys of an expert form: bits, group, sym."""
-    return {"bits": 4 if form.kind == "q4" else 8, "group": form.group, "sym": bool(form.symmetric)}
+    """The shape keys of an expert form: bits, group, sym, f32."""
+    return {"bits": 4 if form.kind == "q4" else 8, "group": form.group, "sym": bool(form.symmetric),
+            "f32": bool(form.f32)}
 
 
 def expert_arrays(w, form: Form) -> tuple[np.ndarray, np.ndarray]:
-    """(codes bytes, float32 scales) of one expert in the device form: int4 codes two a byte (the even k low), or
-    int8 codes; per group (s, m) pairs or, symmetric, s alone."""
+    """(codes bytes, scales) of one expert in the device form: int4 codes two a byte (the even k low), or int8
+    codes; per group (s, m) pairs or, symmetric, s alone, in fp16 or (``f32``) float32."""
     codes = w.codes
     if form.kind == "q4":
         codes = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
     else:
         codes = codes.view(np.uint8)
+    dtype = np.float32 if form.f32 else np.float16
     scales = w.scales.astype(np.float32)
     if not form.symmetric:
         scales = np.stack([scales, np.asarray(w.offsets, np.float32)], axis=-1)
-    return np.ascontiguousarray(codes), np.ascontiguousarray(scales)
+    return np.ascontiguousarray(codes), np.ascontiguousarray(scales.astype(dtype))
 
 
 class ExpertWeights:
@@ -110,16 +114,18 @@ class GemvMoE:
         if act not in ACTS:
             raise PerfxError(f"gemv_moe: activation {act!r} is not one of {tuple(ACTS)}")
         self.bits, self.group, self.sym = int(shape.get("bits", 4)), int(shape.get("group", 32)), bool(shape.get("sym"))
+        self.f32 = bool(shape.get("f32"))
         if self.bits not in (4, 8):
             raise PerfxError(f"gemv_moe: {self.bits}-bit weights: 4 or 8")
         self.device = device
         self.params = PARAMS.resolve(params, shape, device.caps)
         self.wgs, self.rows = self.params["WGS"], self.params["ROWS"]
-        defines = {**self.params, "BITS": self.bits, "GROUP": self.group, "SYM": int(self.sym), "ACT": ACTS[act]}
+        defines = {**self.params, "BITS": self.bits, "GROUP": self.group, "SYM": int(self.sym),
+                   "HALF": int(not self.f32), "ACT": ACTS[act]}
         self.kernel = device.kernel(PARAMS.source, f"moe_{self.op}", defines)
 
     def _check(self, weight: ExpertWeights, rows: int):
-        want = Form("q4" if self.bits == 4 else "q8", self.group, symmetric=self.sym)
+        want = Form("q4" if self.bits == 4 else "q8", self.group, self.f32, self.sym)
         if weight.form != want:
             raise PerfxError(f"gemv_moe: weights in form {weight.form} given to a kernel built for {want}")
         if weight.n != rows:

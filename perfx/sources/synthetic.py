@@ -117,7 +117,7 @@ class SyntheticSource(ModelSource):
         return Form("q4", self.group)
 
     def _expert_form(self, part: str, layer: int) -> Form:
-        return Form("q4", self.group)
+        return Form("q4", self.group, f32=self.form == Q4_ZEROS)   # zero points' offsets −s·z are float32
 
     def _table_form(self, name: str) -> Form:
         return F16_FORM

@@ -46,7 +46,7 @@ def make_case(device, shape, rng) -> Case:
     wrapper = cached_per_params(lambda params: MoeRouter(device, params, shape))
 
     def launch(params):
-        return [wrapper(params)(x_d, w_d, b_d, z_d, i_d, o_d, m, k, scale)]
+        return list(wrapper(params)(x_d, w_d, b_d, z_d, i_d, o_d, m, k, scale))
 
     def run(params):
         z_d.fill(np.float32(np.nan))

@@ -56,7 +56,7 @@ class MoeRouter:
 
     def __call__(self, x, router, bias, logits, ids, weights, m: int, k: int, scale: float = 1.0):
         """Enqueue both launches: x (m, k), router (E, k) float32, bias (E) float32 (None without one), logits
-        (m, E) scratch, ids (m, used) int32 and weights (m, used) float32 out. Returns the last event."""
+        (m, E) scratch, ids (m, used) int32 and weights (m, used) float32 out. Returns both launches' events."""
         e, used = self.e, self.used
         if m < 1 or k < 1:
             raise PerfxError(f"moe_router: m = {m} rows of k = {k}: both must be positive")
@@ -71,6 +71,6 @@ class MoeRouter:
         o_b = device_buffer(weights, 4 * m * used, "moe_router weights")
         b_b = device_buffer(bias, 4 * e, "moe_router bias") if self.bias else self._no_bias
         d, wgs = self.device, self.wgs
-        d.launch(self.logits_kernel, (e * wgs, m), (wgs, 1), np.int32(e), np.int32(k), x_b, w_b, z_b)
-        return d.launch(self.topk_kernel, (wgs, m), (wgs, 1), np.int32(e), np.int32(used), z_b, b_b, i_b, o_b,
+        first = d.launch(self.logits_kernel, (e * wgs, m), (wgs, 1), np.int32(e), np.int32(k), x_b, w_b, z_b)
+        return first, d.launch(self.topk_kernel, (wgs, m), (wgs, 1), np.int32(e), np.int32(used), z_b, b_b, i_b, o_b,
                         np.float32(scale))

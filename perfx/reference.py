@@ -557,3 +557,14 @@ def moe_experts(xb, ids, weights, gate_up, down, act: str = "silu") -> np.ndarra
         y = linear(gate(h[:, :inter]) * h[:, inter:], down[e])
         np.add.at(out, rows, f64(weights)[rows, slots][:, None] * y)
     return out
+
+
+def moe_experts_down(h, ids, weights, down) -> np.ndarray:
+    """Σ_j weights[r, j] · down_e(h[r, j]) over each row's chosen experts: the down half of ``moe_experts`` from the
+    experts' act(gate)·up rows h (M, used, I)."""
+    h = f64(h)
+    out = np.zeros((h.shape[0], down[0].shape[0]))
+    for r in range(h.shape[0]):
+        for j, e in enumerate(ids[r]):
+            out[r] += f64(weights)[r, j] * linear(h[r, j:j + 1], down[e])[0]
+    return out

@@ -1,4 +1,4 @@
-"""moe_router and gemv_moe: every test shape at every parameter set against the float64 reference, the routed
+"""moe_router, gemv_moe and gemm_moe: every test shape at every parameter set against the float64 reference, the routed
 GEMVs reading only the chosen experts, and bad input."""
 
 import numpy as np
@@ -8,8 +8,10 @@ from helpers.spec_checks import assert_every_parameter_set
 from perfx import reference
 from perfx.errors import PerfxError
 from perfx.formats import Q4Matrix
+from perfx.ops.gemm_moe import GemmMoE, GroupedExperts
 from perfx.ops.gemv_moe import ExpertWeights, GemvMoE
 from perfx.ops.moe_router import MoeRouter
+from perfx.tuning.gemm_moe import SPEC as GEMM_SPEC
 from perfx.tuning.gemv_moe import SPEC as GEMV_SPEC
 from perfx.tuning.moe_router import SPEC as ROUTER_SPEC
 
@@ -67,3 +69,21 @@ def test_errors(device, rng):
         GemvMoE(device, shape={"op": "down", "bits": 8, "group": 32}).down(
             weight, device.empty(64, np.float32), device.empty(1, np.int32), device.empty(1, np.float32),
             device.empty(4, np.float32), 1, 1)
+
+
+@pytest.mark.parametrize("index", range(len(GEMM_SPEC.test_shapes)),
+                         ids=[GEMM_SPEC.describe(s) for s in GEMM_SPEC.test_shapes])
+def test_gemm_moe_every_parameter_set(device, rng, index):
+    # every set on the first shape (the most edges: rows past TM, empty and crowded experts); the others each meet
+    # every value of every parameter (helpers.spec_checks.covering_sets)
+    assert_every_parameter_set(GEMM_SPEC, device, GEMM_SPEC.test_shapes[index], rng, cover=index > 0)
+
+
+def test_grouping_orders_pairs_by_expert_then_row(device):
+    """moe_group's histogram, prefix sum and scatter: pairs of each expert in row order."""
+    ids = np.array([[2, 0], [2, 1], [0, 2]], np.int32)
+    scratch = GroupedExperts(device, 4, 3, 2, 8)
+    GemmMoE(device, shape={"op": "gate_up"}).group(device.upload(ids), 3, 2, scratch).wait()
+    assert scratch.counts.get().tolist() == [2, 1, 3, 0]
+    assert scratch.offsets.get().tolist() == [0, 2, 3, 6]
+    assert scratch.order.get().tolist() == [1, 4, 3, 0, 2, 5]

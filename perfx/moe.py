@@ -7,7 +7,9 @@ from ``dense_layers`` on have it in place of the dense gated MLP.
 On the device a decode step runs three launches a layer and never waits for the host: the router writes each
 row's expert ids and weights to a device buffer (``kernels/moe_router.cl``), the gate-up GEMV reads the chosen
 experts' rows by those ids, and the down GEMV sums the chosen experts' outputs with their weights into proj
-(``kernels/gemv_moe.cl``). A prompt runs the same kernels over its rows, each row through its own experts.
+(``kernels/gemv_moe.cl``). A prompt's rows are grouped by expert on the device (``kernels/gemm_moe.cl``: a
+histogram, a prefix sum, a scatter), each expert's weights read once a tile of its rows, and each row's experts
+summed in a fixed order.
 
 Like a mixer (``perfx.mixers``), this module holds both sides: what a source reads for a MoE layer
 (``MoEWeights``, the expert roles' forms), the step's ops, the float64 step (``reference``), and the device
@@ -22,13 +24,14 @@ import numpy as np
 
 from perfx.formats import Form, Q4Matrix, Q8Matrix, fuse_rows, fused_form
 from perfx.op import Op, StepOptions, shared
+from perfx.ops.gemm_moe import GroupedExperts
 from perfx.ops.gemv_moe import ExpertWeights, form_shape
 from perfx.reference import linear, moe_experts, moe_route
 
 # The expert roles: the fused gate-up of each expert, and its down; their source projections
 EXPERT_ROLES = {"experts_gate_up": ("gate_exps", "up_exps"), "experts_down": ("down_exps",)}
 # The scratch its launches share, as its ops name it (``DeviceMoE``'s buffers of these names less the prefix)
-SCRATCH = ("moe_logits", "moe_ids", "moe_weights", "moe_h")
+SCRATCH = ("moe_logits", "moe_ids", "moe_weights", "moe_h", "moe_groups")
 # fp16 experts are held as int8 at this group (the routed GEMVs read int4 and int8)
 F16_EXPERT_GROUP = 32
 
@@ -119,18 +122,23 @@ def expert_shape(config, role: str, form: Form) -> dict:
 
 def ops(config, m: int, options: StepOptions, prefill: bool = False) -> list[Op]:
     """The MoE FFN's launches on its layers over m rows: the router, the chosen experts' gate-up, their weighted
-    down into proj (one op per held form of each expert role). A prefill pass runs the decode step's wrappers over
-    its rows (``shared``): each row through its own experts."""
+    down into proj (one op per held form of each expert role). A decode step runs the routed GEMVs; a prefill pass
+    the decode step's router over its rows (``shared``), then the grouped products (``gemm_moe``: its rows grouped
+    by expert, measured per bucket at M = m)."""
     c = config
     layers = tuple(c.moe_layers)
     if not layers:
         return []
     out = [shared(Op("moe_router", router_shape(c), "router", layers, reads=("xb",),
                      writes=("moe_logits", "moe_ids", "moe_weights"), m=m), prefill)]
-    for role, reads, writes in (("experts_gate_up", ("xb", "moe_ids"), ("moe_h",)),
-                                ("experts_down", ("moe_h", "moe_ids", "moe_weights"), ("proj",))):
-        out += [shared(Op("gemv_moe", expert_shape(c, role, form), role, layers, role, form, reads, writes, m=m),
-                       prefill) for form in expert_forms(c, role, options)]
+    for role, reads, writes in (("experts_gate_up", ("xb", "moe_ids"), ("moe_h", "moe_groups")),
+                                ("experts_down", ("moe_h", "moe_groups", "moe_weights"), ("proj",))):
+        for form in expert_forms(c, role, options):
+            shape = expert_shape(c, role, form)
+            if prefill:
+                out.append(Op("gemm_moe", {**shape, "m": m}, role, layers, role, form, reads, writes, m=m))
+            else:
+                out.append(Op("gemv_moe", shape, role, layers, role, form, reads, writes, m=m))
     return out
 
 
@@ -173,12 +181,21 @@ class DeviceMoE:
         self.ids = d.empty((s.chunk, c.n_experts_used), np.int32)
         self.route_weights = d.empty((s.chunk, c.n_experts_used), np.float32)
         self.h = d.empty((s.chunk, c.n_experts_used, c.expert_intermediate), np.float32)
+        # a prompt chunk's (row, expert) pairs grouped by expert, and each pair's down product
+        self.groups = GroupedExperts(d, c.n_experts, s.chunk, c.n_experts_used, c.hidden_size)
 
     def forward(self, layer: int, m: int) -> None:
-        """The MoE FFN of m rows of xb into proj."""
+        """The MoE FFN of m rows of xb into proj: one row by the routed GEMVs, more grouped by expert."""
         model, c, w = self.model, self.model.config, self.weights[layer]
         plan, s, used = model.plan, model.state, c.n_experts_used
         plan.moe_router(s.xb, w.router, w.selection_bias, self.logits, self.ids, self.route_weights, m,
                         c.hidden_size, c.expert_scale)
-        plan.moe_gemv("experts_gate_up", w.gate_up.form).gate_up(w.gate_up, s.xb, self.ids, self.h, m, used)
-        plan.moe_gemv("experts_down", w.down.form).down(w.down, self.h, self.ids, self.route_weights, s.proj, m, used)
+        if m == 1:
+            plan.moe_gemv("experts_gate_up", w.gate_up.form).gate_up(w.gate_up, s.xb, self.ids, self.h, m, used)
+            plan.moe_gemv("experts_down", w.down.form).down(w.down, self.h, self.ids, self.route_weights, s.proj, m,
+                                                            used)
+            return
+        plan.moe_gemm("experts_gate_up", w.gate_up.form, m).gate_up(w.gate_up, s.xb, self.ids, self.h, m, used,
+                                                                    self.groups)
+        plan.moe_gemm("experts_down", w.down.form, m).down(w.down, self.h, self.route_weights, s.proj, m, used,
+                                                          self.groups)

@@ -27,6 +27,7 @@ from perfx.ops.gemv_f16 import GemvF16
 from perfx.ops.gemv_q4 import GemvQ4
 from perfx.ops.gemv_q4_split import GemvQ4Split
 from perfx.ops.gated_delta_net import GatedDeltaNetChunked, GatedDeltaNetRecurrent
+from perfx.ops.gemm_moe import GemmMoE
 from perfx.ops.gemv_moe import GemvMoE
 from perfx.ops.gemv_q8 import GemvQ8
 from perfx.ops.moe_router import MoeRouter
@@ -116,6 +117,7 @@ class KernelPlan:
         self.rmsnorm = self.argmax_op = self.gate = self.sample = None
         self.moe_router = None
         self._moe_gemvs: dict[tuple, GemvMoE] = {}
+        self._moe_gemms: dict[tuple, GemmMoE] = {}
         self._next_step = None
         for op in self.step:
             if op.shares is None:
@@ -366,7 +368,27 @@ class KernelPlan:
                                     lambda p: AttentionPrefill(self.device, p, shape))
             self._wrappers[op] = attention
             self._prefill_ops[bucket] = (gemms, attention)
+            for op in ops:   # the grouped expert products of a MoE model, built with the bucket's other kernels
+                if op.family == "gemm_moe":
+                    self.moe_gemm(op.weight, op.form, rep)
         return self._prefill_ops[bucket]
+
+    def moe_gemm(self, role: str, form: Form, m: int) -> GemmMoE:
+        """The grouped routed-expert products of an expert role in a held form, tuned for m's bucket: the bucket
+        step's op, else (experts the header did not announce in this form) as the step would build it."""
+        bucket = m_bucket(m)
+        key = (role, form, bucket)
+        if key not in self._moe_gemms:
+            rep = bucket_representative(bucket)
+            op = next((op for op in self.buckets[bucket] if op.family == "gemm_moe" and op.weight == role
+                       and op.form == form), None)
+            if op is None:
+                op = next(op for op in moe.ops(self.config, rep, StepOptions(forms={role: {form}}), prefill=True)
+                          if op.family == "gemm_moe")
+            shape = op.shape
+            self._moe_gemms[key] = self._wrappers[op] = self.choose(
+                "gemm_moe", shape, f"{role}, M≈{rep}", lambda p: GemmMoE(self.device, p, shape))
+        return self._moe_gemms[key]
 
     def delta_prefill(self, m: int) -> GatedDeltaNetChunked:
         """The chunked Gated DeltaNet kernel tuned for m's bucket (built once per bucket), for its step's op."""

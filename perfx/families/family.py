@@ -177,8 +177,9 @@ GGUF_GATINGS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
 
 def gguf_experts(h: GGUFHeader, gating: str, norm: bool) -> dict:
     """The mixture-of-experts fields of a GGUF header (``perfx.moe``): expert_count, expert_used_count,
-    expert_feed_forward_length, expert_gating_func (``gating`` where absent), expert_weights_norm (``norm`` where
-    absent), expert_weights_scale, leading_dense_block_count, and whether layers hold a selection bias."""
+    expert_feed_forward_length, expert_gating_func (``gating`` where absent), expert_weights_scale,
+    leading_dense_block_count, and whether layers hold a selection bias. ``norm``: whether llama.cpp's graph of the
+    architecture renormalises the chosen weights (build_moe_ffn's norm_w, fixed per architecture there)."""
     count, used = int(h.key("expert_count")), int(h.key("expert_used_count"))
     code = h.value("expert_gating_func")
     if code is not None and int(code) not in GGUF_GATINGS:
@@ -188,6 +189,6 @@ def gguf_experts(h: GGUFHeader, gating: str, norm: bool) -> dict:
     bias = any(name.endswith(".exp_probs_b.bias") for name in h.reader.tensors)
     return dict(n_experts=count, n_experts_used=used, expert_intermediate=int(h.key("expert_feed_forward_length")),
                 expert_gating=gating if code is None else GGUF_GATINGS[int(code)],
-                expert_norm=bool(h.value("expert_weights_norm", norm)),
+                expert_norm=norm,
                 expert_scale=float32_value(h.value("expert_weights_scale", 1.0)) or 1.0,
                 expert_bias=bias, dense_layers=dense)

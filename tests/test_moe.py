@@ -157,3 +157,23 @@ def test_a_hugging_face_directory_reads_as_the_gguf(tiny, tmp_path, device):
     model = Model.load(hf, device, ctx=32, progress=False, database=Database(None))
     model.prefill(tokens, 0)
     assert relative_error(model.logits(), want[-1]) <= DEVICE_TOLERANCE
+
+
+def test_greedy_tokens_on_the_device_follow_the_float64_argmax(tiny, device):
+    """The decode loop on the device (each step's experts and token chosen there, a step ahead of the host) gives
+    the float64 forward's greedy tokens, where the top two logits stand clear of the kernels' rounding."""
+    _, path, _ = tiny
+    source = open_model(path)
+    prompt = [5, 9, 14, 3, 27, 40]
+    model = Model.load(source, device, ctx=64, progress=False, database=Database(None))
+    model.prefill(prompt[:-1], 0)
+    got = list(model.greedy_tokens(prompt[-1], len(prompt) - 1, len(prompt) + 4))
+    logits, cache = model_forward(source, prompt)
+    want, token = [], int(np.argmax(logits[-1]))
+    for pos in range(len(prompt), len(prompt) + 6):
+        want.append(token)
+        top = np.sort(logits[-1])[-2:]
+        assert top[1] - top[0] > 1e-3 * np.abs(logits[-1]).max(), "a near-tie: the seed gives another model"
+        logits, cache = model_forward(source, [token], pos, cache)
+        token = int(np.argmax(logits[-1]))
+    assert got == want

@@ -177,3 +177,17 @@ def test_greedy_tokens_on_the_device_follow_the_float64_argmax(tiny, device):
         logits, cache = model_forward(source, [token], pos, cache)
         token = int(np.argmax(logits[-1]))
     assert got == want
+
+
+def test_experts_with_gate_and_up_in_one_tensor(tmp_path, device):
+    """ffn_gate_up_exps (gate rows, then up rows, of each expert) reads as the two tensors do."""
+    path, held = write_moe_gguf(tmp_path / "fused.gguf", "qwen3_moe", np.random.default_rng(7), fused_gate_up=True)
+    source = open_model(path)
+    i = source.config.moe_layers[0]
+    w = source.layer(i).moe
+    want = np.concatenate([held[f"blk.{i}.ffn_gate_exps.weight"][2], held[f"blk.{i}.ffn_up_exps.weight"][2]])
+    np.testing.assert_array_equal(w.gate_up[2].dequantize(), want)
+    tokens = [3, 17, 42, 5, 60]
+    model = Model.load(source, device, ctx=32, progress=False, database=Database(None))
+    model.prefill(tokens, 0)
+    assert relative_error(model.logits(), model_forward(source, tokens)[0][-1]) <= DEVICE_TOLERANCE

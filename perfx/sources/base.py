@@ -229,7 +229,7 @@ class ModelSource(ABC):
                 forms[label].add(self._quantized_form(fused_form(parts), k))
             if c.is_moe(i):
                 for role, names in EXPERT_ROLES.items():
-                    parts = [self._expert_form(name, i) for name in names]
+                    parts = list(dict.fromkeys(self._expert_form(name, i) for name in names))
                     if any(p is None for p in parts):
                         return None
                     forms.setdefault(role, set()).add(fused_held_form(parts))

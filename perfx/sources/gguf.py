@@ -47,6 +47,7 @@ GGUF_CONV_TAPS = {"conv": ("shortconv.conv.weight", "{arch}.shortconv.l_cache", 
 # A MoE layer's tensors (perfx.moe): each expert projection stacked over the experts, the router, the selection bias
 GGUF_EXPERTS = {"gate_exps": "ffn_gate_exps", "up_exps": "ffn_up_exps", "down_exps": "ffn_down_exps"}
 GGUF_ROUTER, GGUF_SELECTION_BIAS = "ffn_gate_inp.weight", "exp_probs_b.bias"
+GGUF_FUSED_EXPERTS = "ffn_gate_up_exps"   # gate and up of every expert in one (E, 2·I, hidden) tensor, where written
 # Fused matrices a file may hold (Phi-3), with the parts they replace
 GGUF_FUSED = {"qkv": ("attn_qkv", ("q", "k", "v")), "gate_up": ("ffn_up", ("gate", "up"))}
 # Every tensor type perfx reads, and the device form it reads into.
@@ -114,7 +115,10 @@ class GGUFSource(ModelSource):
         self._check_router(f"blk.{layer}.{GGUF_ROUTER}", (c.n_experts, c.hidden_size))
         if c.expert_bias:
             self._check_router(f"blk.{layer}.{GGUF_SELECTION_BIAS}", (c.n_experts,))
-        for part, tensor in GGUF_EXPERTS.items():
+        parts = dict(GGUF_EXPERTS)
+        if self._fused_experts(layer):
+            parts = {"gate_up_exps": GGUF_FUSED_EXPERTS, "down_exps": GGUF_EXPERTS["down_exps"]}
+        for part, tensor in parts.items():
             name = f"blk.{layer}.{tensor}.weight"
             t = self._tensors.get(name)
             if t is None:
@@ -143,19 +147,33 @@ class GGUFSource(ModelSource):
                              f".expert_count and embedding_length need {want}; the header does not describe this file")
         return t
 
+    def _fused_experts(self, layer: int) -> bool:
+        """Whether the layer holds gate and up of its experts in one tensor (ffn_gate_up_exps), as some converters
+        write them."""
+        return (f"blk.{layer}.{GGUF_FUSED_EXPERTS}.weight" in self._tensors
+                and f"blk.{layer}.{GGUF_EXPERTS['gate_exps']}.weight" not in self._tensors)
+
     def _expert_shape(self, part: str) -> tuple[int, int]:
         c = self.config
+        if part == "gate_up_exps":
+            return 2 * c.expert_intermediate, c.hidden_size
         return ((c.hidden_size, c.expert_intermediate) if part == "down_exps"
                 else (c.expert_intermediate, c.hidden_size))
 
+    def _expert_tensor(self, part: str, layer: int) -> str:
+        if part != "down_exps" and self._fused_experts(layer):
+            part = "gate_up_exps"
+        return f"blk.{layer}.{GGUF_FUSED_EXPERTS if part == 'gate_up_exps' else GGUF_EXPERTS[part]}.weight"
+
     def _expert_form(self, part: str, layer: int) -> Form:
-        kind = self._type(f"blk.{layer}.{GGUF_EXPERTS[part]}.weight")
+        kind = self._type(self._expert_tensor(part, layer))
         return held_form(GGUF_FORMS[kind], symmetric_q4=kind == "Q4_0")
 
     def _expert_matrices(self, part: str, layer: int) -> list:
-        """Each expert's matrix of one projection, from its slice of the stacked tensor."""
+        """Each expert's matrix of one projection ("gate_up_exps" where the file fuses gate and up), from its slice
+        of the stacked tensor."""
         c = self.config
-        name = f"blk.{layer}.{GGUF_EXPERTS[part]}.weight"
+        name = f"blk.{layer}.{GGUF_FUSED_EXPERTS if part == 'gate_up_exps' else GGUF_EXPERTS[part]}.weight"
         t = self._tensors[name]
         n, k = self._expert_shape(part)
         kind = t.tensor_type.name
@@ -183,9 +201,13 @@ class GGUFSource(ModelSource):
         if c.expert_bias:
             t = self._check_router(f"blk.{layer}.{GGUF_SELECTION_BIAS}", (c.n_experts,))
             bias = check_finite(np.asarray(t.data, np.float32).reshape(-1), self.path, t.name)
-        gates, ups = self._expert_matrices("gate_exps", layer), self._expert_matrices("up_exps", layer)
+        if self._fused_experts(layer):
+            gate_up = [fuse_expert([w]) for w in self._expert_matrices("gate_up_exps", layer)]
+        else:
+            gates, ups = self._expert_matrices("gate_exps", layer), self._expert_matrices("up_exps", layer)
+            gate_up = [fuse_expert([g, u]) for g, u in zip(gates, ups)]
         return MoEWeights(router=check_finite(np.ascontiguousarray(router), self.path, f"blk.{layer}.{GGUF_ROUTER}"),
-                          selection_bias=bias, gate_up=[fuse_expert([g, u]) for g, u in zip(gates, ups)],
+                          selection_bias=bias, gate_up=gate_up,
                           down=[fuse_expert([d]) for d in self._expert_matrices("down_exps", layer)])
 
     def _part_tensor(self, kind: str, part: str, layer: int) -> str:

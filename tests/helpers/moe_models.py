@@ -45,8 +45,10 @@ def _encode(w: np.ndarray, kind: str):
 
 
 def write_moe_gguf(path: Path, model_type: str, rng: np.random.Generator, expert_types=EXPERT_TYPES,
-                   **overrides) -> tuple[Path, dict]:
-    """A tiny random GGUF of ``model_type`` ("qwen3_moe", "lfm2_moe"); (path, {tensor name: float64 held})."""
+                   fused_gate_up: bool = False, **overrides) -> tuple[Path, dict]:
+    """A tiny random GGUF of ``model_type`` ("qwen3_moe", "lfm2_moe"); (path, {tensor name: float64 held}).
+    ``fused_gate_up``: every expert's gate and up in one ffn_gate_up_exps tensor (gate rows first), as newer
+    converters write some architectures."""
     c = dict(SHAPES[model_type], **overrides)
     arch = MOE_MODEL_TYPES[model_type]
     lfm2 = arch == "lfm2moe"
@@ -116,8 +118,14 @@ def write_moe_gguf(path: Path, model_type: str, rng: np.random.Generator, expert
         add(p + "ffn_gate_inp.weight", 2 * matrix(e, hidden))
         if lfm2 and c.get("use_expert_bias", True):
             add(p + "exp_probs_b.bias", (0.3 * rng.standard_normal(e)).astype(np.float32))
-        add(p + "ffn_gate_exps.weight", matrix(e, moe_inter, hidden), kind)
-        add(p + "ffn_up_exps.weight", matrix(e, moe_inter, hidden), kind)
+        gate, up = matrix(e, moe_inter, hidden), matrix(e, moe_inter, hidden)
+        if fused_gate_up:
+            add(p + "ffn_gate_up_exps.weight", np.concatenate([gate, up], axis=1), kind)
+            held[p + "ffn_gate_exps.weight"] = held[p + "ffn_gate_up_exps.weight"][:, :moe_inter]
+            held[p + "ffn_up_exps.weight"] = held[p + "ffn_gate_up_exps.weight"][:, moe_inter:]
+        else:
+            add(p + "ffn_gate_exps.weight", gate, kind)
+            add(p + "ffn_up_exps.weight", up, kind)
         add(p + "ffn_down_exps.weight", matrix(e, hidden, moe_inter), kind)
     add("token_embd_norm.weight" if lfm2 else "output_norm.weight", norm(hidden))
     if not c.get("tie_word_embeddings", c.get("tie_embedding", False)):
@@ -169,6 +177,8 @@ def write_moe_hf(directory: Path, model_type: str, held: dict, **overrides) -> P
             out[block + "gate.weight"] = w
         elif tensor == "exp_probs_b":
             out[block + "expert_bias"] = w
+        elif tensor == "ffn_gate_up_exps":
+            continue   # its halves are held as ffn_gate_exps and ffn_up_exps too
         else:   # ffn_{gate,up,down}_exps
             for e, expert in enumerate(w):
                 out[block + f"experts.{e}.{names[tensor[4:-5]]}.weight"] = expert

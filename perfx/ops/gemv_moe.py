@@ -84,14 +84,13 @@ class ExpertWeights:
         if self.k % self.form.group or self.form.group % 8:
             raise PerfxError(f"{what}: K = {self.k} with groups of {self.form.group}: the routed GEMVs read groups of "
                              "a multiple of 8 weights that divide K")
-        codes, scales = expert_arrays(matrices[0], self.form)
-        self.codes_per_expert, self.scales_per_expert = codes.nbytes, scales.nbytes
-        self.codes = device.alloc(codes.nbytes * self.experts, what=f"{what} codes")
-        self.scales = device.alloc(scales.nbytes * self.experts, what=f"{what} scales")
-        for e, w in enumerate(matrices):
-            codes, scales = expert_arrays(w, self.form) if e else (codes, scales)
-            device.write(self.codes, codes, e * self.codes_per_expert)
-            device.write(self.scales, scales, e * self.scales_per_expert)
+        arrays = [expert_arrays(w, self.form) for w in matrices]
+        self.codes_per_expert, self.scales_per_expert = arrays[0][0].nbytes, arrays[0][1].nbytes
+        # one upload of each stacked array: the host holds one layer's role at a time, as it holds the layer
+        self.codes = device.alloc(self.codes_per_expert * self.experts, np.stack([a[0] for a in arrays]),
+                                  what=f"{what} codes")
+        self.scales = device.alloc(self.scales_per_expert * self.experts, np.stack([a[1] for a in arrays]),
+                                   what=f"{what} scales")
 
     @property
     def expert_bytes(self) -> int:

@@ -15,6 +15,7 @@ from perfx.errors import PerfxError
 from perfx.forward64 import model_forward
 from perfx.model import Model
 from perfx.op import StepOptions
+from perfx.ops.gemv_moe import expert_form
 from perfx.sources import open_model
 from perfx.step import decode_step
 from perfx.tuning import SPECS
@@ -187,6 +188,23 @@ def test_experts_with_gate_and_up_in_one_tensor(tmp_path, device):
     w = source.layer(i).moe
     want = np.concatenate([held[f"blk.{i}.ffn_gate_exps.weight"][2], held[f"blk.{i}.ffn_up_exps.weight"][2]])
     np.testing.assert_array_equal(w.gate_up[2].dequantize(), want)
+    tokens = [3, 17, 42, 5, 60]
+    model = Model.load(source, device, ctx=32, progress=False, database=Database(None))
+    model.prefill(tokens, 0)
+    assert relative_error(model.logits(), model_forward(source, tokens)[0][-1]) <= DEVICE_TOLERANCE
+
+
+def test_quantize_q4_holds_float_experts_in_int4(tmp_path, device):
+    """--quantize q4: a file's F16 and F32 experts become int4 (its Q4_0 and Q8_0 ones stay as they are), the
+    header's forms say so before the weights are read, and the device forward follows the float64 one."""
+    path, _ = write_moe_gguf(tmp_path / "m.gguf", "qwen3_moe", np.random.default_rng(7))
+    source = open_model(path, quantize="q4")
+    forms = source.weight_forms()
+    held = {i: source.layer(i).moe for i in source.config.moe_layers}
+    for role, of in (("experts_gate_up", "gate_up"), ("experts_down", "down")):
+        assert forms[role] == {expert_form(getattr(w, of)[0]) for w in held.values()}, role
+    assert [type(held[i].gate_up[0]).__name__ for i in sorted(held)] == ["Q4Matrix", "Q8Matrix", "Q4Matrix",
+                                                                           "Q4Matrix"]
     tokens = [3, 17, 42, 5, 60]
     model = Model.load(source, device, ctx=32, progress=False, database=Database(None))
     model.prefill(tokens, 0)

@@ -343,7 +343,8 @@ class ModelSource(ABC):
                 + (("post_attn_norm", "post_ffn_norm") if c.post_norms else ()))
 
     def _quantized(self, w: Linear) -> Linear:
-        if self.quantize != "q4" or isinstance(w, Q4Matrix):
+        # fp16 only, as _quantized_form says: a file's int8 matrix (Q8_0, Q6_K) keeps its form
+        if self.quantize != "q4" or not isinstance(w, np.ndarray):
             return w
         group = quantize_group(w.shape[1])
         return w if group is None else Q4Matrix.quantize(w, group)

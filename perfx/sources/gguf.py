@@ -167,7 +167,8 @@ class GGUFSource(ModelSource):
 
     def _expert_form(self, part: str, layer: int) -> Form:
         kind = self._type(self._expert_tensor(part, layer))
-        return held_form(GGUF_FORMS[kind], symmetric_q4=kind == "Q4_0")
+        k = self._expert_shape(part)[1]
+        return held_form(self._quantized_form(GGUF_FORMS[kind], k), symmetric_q4=kind == "Q4_0")
 
     def _expert_matrices(self, part: str, layer: int) -> list:
         """Each expert's matrix of one projection ("gate_up_exps" where the file fuses gate and up), from its slice
@@ -186,7 +187,8 @@ class GGUFSource(ModelSource):
                 w = quants.dequantize(raw.reshape(c.n_experts, -1)[e], gguf.GGMLQuantizationType.BF16).reshape(n, k)
             else:
                 w = raw.reshape(c.n_experts, n, k)[e].astype(np.float32)
-            out.append(check_finite(w, self.path, f"{name} (expert {e})"))
+            w = check_finite(w, self.path, f"{name} (expert {e})")
+            out.append(self._quantized(w))   # --quantize q4: float experts in int4
         return out
 
     def _experts(self, layer: int) -> MoEWeights:

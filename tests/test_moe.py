@@ -209,3 +209,17 @@ def test_quantize_q4_holds_float_experts_in_int4(tmp_path, device):
     model = Model.load(source, device, ctx=32, progress=False, database=Database(None))
     model.prefill(tokens, 0)
     assert relative_error(model.logits(), model_forward(source, tokens)[0][-1]) <= DEVICE_TOLERANCE
+
+
+def test_a_checkpoint_whose_experts_disagree_with_its_config_names_the_tensor(tmp_path, rng):
+    path, held = write_moe_gguf(tmp_path / "m.gguf", "lfm2_moe", rng)
+    directory = write_moe_hf(tmp_path / "hf", "lfm2_moe", held)
+    config = json.loads((directory / "config.json").read_text())
+    config["num_experts"] = 6   # the checkpoint holds 8
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PerfxError, match=r"feed_forward.gate.weight has shape \(8, 64\)"):
+        open_model(directory)
+    config["num_experts"], config["num_experts_per_tok"] = 8, 9
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PerfxError, match="9 experts used of 8"):
+        open_model(directory)

@@ -186,8 +186,10 @@ def gguf_experts(h: GGUFHeader, gating: str, norm: bool) -> dict:
         raise PerfxError(f"GGUF {h.arch}.expert_gating_func = {code}: perfx runs {GGUF_GATINGS} "
                          "(llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE)")
     dense = int(h.value("leading_dense_block_count", 0))
+    # llama.cpp's qwen3moe without the key: feed_forward_length / expert_used_count
+    width = h.value("expert_feed_forward_length") or int(h.key("feed_forward_length")) // max(used, 1)
     bias = any(name.endswith(".exp_probs_b.bias") for name in h.reader.tensors)
-    return dict(n_experts=count, n_experts_used=used, expert_intermediate=int(h.key("expert_feed_forward_length")),
+    return dict(n_experts=count, n_experts_used=used, expert_intermediate=int(width),
                 expert_gating=gating if code is None else GGUF_GATINGS[int(code)],
                 expert_norm=norm,
                 expert_scale=float32_value(h.value("expert_weights_scale", 1.0)) or 1.0,

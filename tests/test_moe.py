@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from helpers.moe_models import SHAPES, write_moe_gguf, write_moe_hf
-from perfx import moe, reference
+from perfx import moe
 from perfx.errors import PerfxError
 from perfx.forward64 import model_forward
 from perfx.model import Model

@@ -11,8 +11,8 @@
 //                   ids[r][j] = chosen_j (int), weights[r][j] = w_j · scale
 //                   one work-group per row: p in local memory, USED rounds of a parallel arg-max.
 //
-// Shapes: E ≤ MAX_E and used ≤ MAX_USED (the local arrays), used ≤ E. The gating, bias, norm and count are the model's (set by
-// the wrapper, never tuned); WGS is tuned.
+// Shapes: E ≤ MAX_E and used ≤ MAX_USED (the local arrays), used ≤ E. The gating, bias, norm and count are the
+// model's (set by the wrapper, never tuned); WGS is tuned.
 
 #ifndef WGS
 #define WGS 64       // work-items per work-group (both kernels)

@@ -223,3 +223,17 @@ def test_a_checkpoint_whose_experts_disagree_with_its_config_names_the_tensor(tm
     (directory / "config.json").write_text(json.dumps(config))
     with pytest.raises(PerfxError, match="9 experts used of 8"):
         open_model(directory)
+
+
+def test_mxfp4_experts_are_read_exactly(tmp_path, device):
+    """MXFP4 experts (llama-quantize's MXFP4_MOE, gpt-oss's files): as gguf.quants dequantizes them, bit for bit,
+    held as int8 codes with power-of-two float32 scales; the device forward follows the float64 one."""
+    path, held = write_moe_gguf(tmp_path / "m.gguf", "qwen3_moe", np.random.default_rng(5), expert_types=("MXFP4",))
+    source = open_model(path)
+    for i in source.config.moe_layers:
+        w = source.layer(i).moe
+        np.testing.assert_array_equal(w.down[3].dequantize(), held[f"blk.{i}.ffn_down_exps.weight"][3])
+    tokens = [3, 17, 42, 5, 60, 8, 1, 33, 70, 2]
+    model = Model.load(source, device, ctx=32, progress=False, database=Database(None))
+    model.prefill(tokens, 0)
+    assert relative_error(model.logits(), model_forward(source, tokens)[0][-1]) <= DEVICE_TOLERANCE

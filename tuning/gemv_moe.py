@@ -89,7 +89,8 @@ def fuzz_shapes(st):
         return {"op": op, "n": draw(st.integers(1, 80)), "k": group * draw(st.integers(1, 6)), "experts": e,
                 "used": draw(st.integers(1, e)), "bits": bits, "group": group, "sym": sym,
                 # an int4 form with float32 values is the zero points' (offsets −s·z), never a symmetric one
-                "f32": draw(st.booleans()) and not (bits == 4 and sym), "act": draw(st.sampled_from(["silu", "gelu_tanh"])), "m": draw(st.integers(1, 4)),
+                "f32": draw(st.booleans()) and not (bits == 4 and sym),
+                "act": draw(st.sampled_from(["silu", "gelu_tanh"])), "m": draw(st.integers(1, 4)),
                 "accumulate": op == "down" and draw(st.booleans())}
     return shape()
 
@@ -129,5 +130,6 @@ SPEC = Spec(
     bytes_moved=_bytes_moved,
     flops=lambda s: 2 * s["m"] * s["used"] * s["k"] * s["n"] * (2 if s["op"] == "gate_up" else 1),
     describe=lambda s: (f"{s['op']} N={s['n']} K={s['k']} {s['used']}/{s['experts']} int{s['bits']} g{s['group']}"
-                        + (" sym" if s.get("sym") else "") + (" f32" if s.get("f32") else "") + f" m={s['m']}" + (" +=" if s.get("accumulate") else "")),
+                        + (" sym" if s.get("sym") else "") + (" f32" if s.get("f32") else "") + f" m={s['m']}"
+                        + (" +=" if s.get("accumulate") else "")),
 )

@@ -53,7 +53,7 @@ GGUF_FUSED = {"qkv": ("attn_qkv", ("q", "k", "v")), "gate_up": ("ffn_up", ("gate
 # Every tensor type perfx reads, and the device form it reads into.
 GGUF_FORMS = {"Q4_0": Form("q4", 32), "Q4_1": Form("q4", 32), "Q4_K": Form("q4", 32),
               "Q5_0": Form("q8", 32, symmetric=True), "Q5_1": Form("q8", 32), "Q8_0": Form("q8", 32, symmetric=True),
-              "Q5_K": Form("q8", 32, True), "Q6_K": Form("q8", 16, True, True),
+              "Q5_K": Form("q8", 32, True), "Q6_K": Form("q8", 16, True, True), "MXFP4": Form("q8", 32, True, True),
               "F16": F16_FORM, "BF16": F16_FORM, "F32": F16_FORM}
 GGUF_TYPES = tuple(GGUF_FORMS)
 UNSUPPORTED_TYPE_HELP = ("requantize the model with llama.cpp's llama-quantize to Q4_K_M, Q5_K_M, Q8_0 or Q4_0 "
@@ -134,7 +134,8 @@ class GGUFSource(ModelSource):
                                  "describe this file")
             if t.tensor_type.name not in GGUF_TYPES:
                 raise PerfxError(f"{self.path}: tensor {name} has type {t.tensor_type.name}, which perfx does not "
-                                 f"read; perfx reads GGUF tensor types {', '.join(GGUF_TYPES)}: {UNSUPPORTED_TYPE_HELP}")
+                                 f"read; perfx reads GGUF tensor types {', '.join(GGUF_TYPES)}: "
+                                 f"{UNSUPPORTED_TYPE_HELP}")
 
     def _check_router(self, name: str, want: tuple):
         t = self._tensors.get(name)

@@ -28,6 +28,7 @@ from perfx.errors import PerfxError
 from perfx.formats import Q4_PAIRS, Q4Matrix
 from perfx.linear import Linear, upload_linear
 from perfx.mixers import Mixer, mixer_class
+from perfx.moe import DeviceMoE
 from perfx.ops import Q8_NATURAL, Q8_TEXEL
 from perfx.ops.kv_cache import check_kv_form
 from perfx.ops.logit_mask import mask_words
@@ -53,10 +54,15 @@ class DeviceLayer:
     mixer: Mixer
     attn_norm: object          # float32 (hidden): the norm before the mixer
     ffn_norm: object           # float32 (hidden)
-    gate_up: Linear            # (2·intermediate, hidden): gate rows, then up rows
-    down: Linear               # (hidden, intermediate)
+    gate_up: Linear | None     # (2·intermediate, hidden): gate rows, then up rows (None: a MoE layer)
+    down: Linear | None        # (hidden, intermediate)
     post_attn_norm: object = None   # float32 (hidden): the mixer output's own norm (Gemma)
     post_ffn_norm: object = None    # float32 (hidden): the FFN output's own norm (Gemma)
+    moe: bool = False          # the FFN is the mixture of experts (``Model.moe`` holds its weights)
+
+    def ffn_readers(self) -> list[Linear]:
+        """The Linears that read the norm before the FFN: none where the MoE router reads it (floats)."""
+        return [] if self.moe else [self.gate_up]
 
 
 @dataclass
@@ -67,12 +73,12 @@ class DeviceWeights:
     layers: list[DeviceLayer] = field(default_factory=list)
     final_norm: object = None  # float32 (hidden)
     lm_head: Linear = None     # the embedding's weight in the lm_head role where tied
-    nbytes: int = 0            # bytes one decode step reads: every weight once
+    nbytes: int = 0            # bytes one decode step reads: every weight once (a MoE layer: its router and k experts)
 
     def linears(self) -> list[Linear]:
         found = [self.embedding] + ([self.lm_head] if self.lm_head.weight is not self.embedding.weight else [])
         for i, layer in enumerate(self.layers):
-            found += layer.mixer.linears_of(i) + [layer.gate_up, layer.down]
+            found += layer.mixer.linears_of(i) + ([] if layer.moe else [layer.gate_up, layer.down])
         return found
 
     def int4_forms(self) -> dict[str, int]:
@@ -140,6 +146,7 @@ class Model:
         kinds = list(dict.fromkeys(r.kind for r in config.layers))
         self.mixers: list[Mixer] = [mixer_class(kind)(self, config.layers_of(kind)) for kind in kinds]
         self.mixer_of = {layer: mixer for mixer in self.mixers for layer in mixer.layers}
+        self.moe = DeviceMoE(self, config.moe_layers) if config.n_experts else None   # the MoE FFNs
         self.host_seconds = 0.0         # time spent enqueueing (host work), summed over calls
         self.load_report: dict = {}
 
@@ -189,10 +196,15 @@ class Model:
             w = first if i == 0 else source.layer(i)
             mixer = model.mixer_of[i]
             nbytes = mixer.upload(w, i)
-            layer = DeviceLayer(mixer, attn_norm=model.vector(w.attn_norm), ffn_norm=model.vector(w.ffn_norm),
-                                gate_up=model.upload(w.gate_up, f"layer {i} gate_up", "gate_up"),
-                                down=model.upload(w.down, f"layer {i} down", "down"))
-            nbytes += w.gate_up.nbytes + w.down.nbytes + 4 * 2 * c.hidden_size
+            if w.moe is not None:
+                layer = DeviceLayer(mixer, attn_norm=model.vector(w.attn_norm), ffn_norm=model.vector(w.ffn_norm),
+                                    gate_up=None, down=None, moe=True)
+                nbytes += model.moe.upload(w.moe, i) + 4 * 2 * c.hidden_size
+            else:
+                layer = DeviceLayer(mixer, attn_norm=model.vector(w.attn_norm), ffn_norm=model.vector(w.ffn_norm),
+                                    gate_up=model.upload(w.gate_up, f"layer {i} gate_up", "gate_up"),
+                                    down=model.upload(w.down, f"layer {i} down", "down"))
+                nbytes += w.gate_up.nbytes + w.down.nbytes + 4 * 2 * c.hidden_size
             for name in ("post_attn_norm", "post_ffn_norm"):
                 if getattr(w, name) is not None:
                     setattr(layer, name, model.vector(getattr(w, name)))
@@ -244,6 +256,8 @@ class Model:
             self.state.xb_q8 = (d.empty(c.hidden_size, np.int8), d.empty((c.hidden_size // 32, 2), np.float32))
         for mixer in self.mixers:
             mixer.allocate()
+        if self.moe is not None:
+            self.moe.allocate()
         parts = [part for mixer in self.mixers for part in mixer.restore_parts()]
         self.restore_points = (RestorePoints(d, parts, verification=not self.can_roll_back) if parts else None)
         self.written = 0    # positions 0..written−1 are in the cache and the recurrent state
@@ -266,7 +280,7 @@ class Model:
         """The readers of each norm that writes xb: a layer's mixer, its MLP, the lm_head."""
         layers = self.weights.layers
         return ([layer.mixer.xb_readers(i) for i, layer in enumerate(layers)]
-                + [[layer.gate_up] for layer in layers] + [[self.weights.lm_head]])
+                + [layer.ffn_readers() for layer in layers] + [[self.weights.lm_head]])
 
     def _xb_order(self, readers: list[Linear]) -> int:
         """The order a norm writes xb's blocks in for these readers, 0 for none: each GEMV reading the blocks shares
@@ -328,7 +342,10 @@ class Model:
             else:
                 w.mixer.forward_rows(i, m, rows)
             # ffn rmsnorm, with the mixer's output added into the residual
-            self._residual_norm(w.post_attn_norm, w.ffn_norm, m, [w.gate_up])
+            self._residual_norm(w.post_attn_norm, w.ffn_norm, m, w.ffn_readers())
+            if w.moe:   # the mixture of experts: the router, the chosen experts' gate-up, their weighted down
+                self.moe.forward(i, m)
+                continue
             # gated MLP: gate-up with the activation·up fused, then down
             w.gate_up(s.xb, s.hb, m, decode, self.xb_blocks(m))
             w.down(s.hb, s.proj, m, decode)

@@ -34,7 +34,7 @@ LAYERS = (
     ("device", ("perfx.runtime", "perfx.timing")),
     ("formats", ("perfx.formats", "perfx.tokenizer", "perfx.tools", "perfx.constrain")),
     ("ops", ("perfx.ops",)),
-    ("mixers", ("perfx.op", "perfx.linear", "perfx.mixers", "perfx.forward64")),
+    ("mixers", ("perfx.op", "perfx.linear", "perfx.mixers", "perfx.moe", "perfx.forward64")),
     ("sources", ("perfx.sources",)),
     ("tuning", ("perfx.tuning", "perfx.step")),
     ("model", ("perfx.plan", "perfx.model", "perfx.generate", "perfx.speculative", "perfx.batch")),

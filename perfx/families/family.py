@@ -199,3 +199,28 @@ def float32_value(value) -> float:
     """GGUF stores these as float32: 1e-5 comes back as 9.99999974e-06. Take the shortest decimal that
     rounds to the same float32, which is what config.json said."""
     return float(str(np.float32(value)))
+
+
+# llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE values ({arch}.expert_gating_func) -> perfx.config's gating
+GGUF_GATINGS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
+
+
+def gguf_experts(h: GGUFHeader, gating: str, norm: bool) -> dict:
+    """The mixture-of-experts fields of a GGUF header (``perfx.moe``): expert_count, expert_used_count,
+    expert_feed_forward_length, expert_gating_func (``gating`` where absent), expert_weights_scale,
+    leading_dense_block_count, and whether layers hold a selection bias. ``norm``: whether llama.cpp's graph of the
+    architecture renormalises the chosen weights (build_moe_ffn's norm_w, fixed per architecture there)."""
+    count, used = int(h.key("expert_count")), int(h.key("expert_used_count"))
+    code = h.value("expert_gating_func")
+    if code is not None and int(code) not in GGUF_GATINGS:
+        raise PerfxError(f"GGUF {h.arch}.expert_gating_func = {code}: perfx runs {GGUF_GATINGS} "
+                         "(llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE)")
+    dense = int(h.value("leading_dense_block_count", 0))
+    # llama.cpp's qwen3moe without the key: feed_forward_length / expert_used_count
+    width = h.value("expert_feed_forward_length") or int(h.key("feed_forward_length")) // max(used, 1)
+    bias = any(name.endswith(".exp_probs_b.bias") for name in h.reader.tensors)
+    return dict(n_experts=count, n_experts_used=used, expert_intermediate=int(width),
+                expert_gating=gating if code is None else GGUF_GATINGS[int(code)],
+                expert_norm=norm,
+                expert_scale=float32_value(h.value("expert_weights_scale", 1.0)) or 1.0,
+                expert_bias=bias, dense_layers=dense)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from helpers.family_models import family_tokenizer, make_family_model, write_family_gguf
+from helpers.moe_models import write_moe_gguf
 from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
 from perfx import forward64
 from perfx.batch import Batch, Sequence
@@ -27,7 +28,8 @@ from perfx.tuning.database import default_database
 from perfx.tuning.spec import relative_error
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "llamacpp_families.json").read_text())["families"]
-FAMILIES = ["llama", *RECORDED]   # llama (a GQA tiny Llama), then gemma3 ... lfm2, qwen35
+# llama (a GQA tiny Llama), then gemma3 ... lfm2, qwen35, then the mixtures of experts (their FFN over N rows)
+FAMILIES = ["llama", *RECORDED, "qwen3_moe", "lfm2_moe"]
 
 # Against the float64 forward: the device forward's own tolerance (fp16 KV cache, int8 activations of the int8
 # matrices), as tests/test_families.py holds every family's decode to.
@@ -48,6 +50,8 @@ def paths(tmp_path_factory):
         model = make_family_model(settings.pop("family"), family_tokenizer(root, family),
                                   np.random.default_rng(settings.pop("seed")), **settings)
         out[family] = write_family_gguf(root / f"{family}.gguf", model, **RECORDED[family]["write_family_gguf"]).path
+    for model_type in ("qwen3_moe", "lfm2_moe"):
+        out[model_type], _ = write_moe_gguf(root / f"{model_type}.gguf", model_type, np.random.default_rng(5))
     return out
 
 

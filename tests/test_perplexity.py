@@ -111,5 +111,5 @@ def test_generate_and_chat_prompts_follow_the_model_s_bos_rule(tiny, capsys, whi
     assert ids == tok.encode("kato rimu", add_bos=which == "bos")
     from perfx.commands.chat import Chat
     chat = Chat.__new__(Chat)
-    chat.tokenizer, chat.system = tok, None
+    chat.tokenizer, chat.system, chat.support = tok, None, None
     assert (chat.render([{"role": "user", "content": "hi"}])[0] == tok.bos_id) == (which == "bos")

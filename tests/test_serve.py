@@ -914,3 +914,18 @@ def test_two_hundred_random_schemas_at_temperature_one_all_validate(loaded):
             assert finish == "stop", (schema, text)
             jsonschema.validate(json.loads(text), schema)
         assert srv.engine.stats()["completed"] >= 200
+
+
+def test_warm_up_outlives_a_vocabulary_that_cannot_spell_json(loaded, monkeypatch):
+    """The start-up's JSON-mode step is a warm-up only: a vocabulary that cannot spell JSON leaves the server
+    running (its JSON requests get the error), it does not stop it."""
+    pytest.importorskip("llguidance")
+    from perfx.constrain import Constraint
+    from perfx.errors import PerfxError
+    from perfx.serve.engine import warm_up
+    model, tokenizer = loaded
+
+    def cannot(self):
+        raise PerfxError("the grammar allows no token here (the tokenizer cannot spell what it needs)")
+    monkeypatch.setattr(Constraint, "allowed", cannot)
+    warm_up(model, tokenizer)

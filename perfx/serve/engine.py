@@ -51,11 +51,13 @@ def warm_up(model, tokenizer, speculator=None):
     model.prefill(ids, 0)
     model.decode_one(model.argmax(), len(ids))
     try:
-        constraint = Constraint.json_object(tokenizer)
-    except PerfxError:   # no llguidance: a request with a JSON response_format is a 400 that says how to install it
+        allowed = Constraint.json_object(tokenizer).allowed()
+    except PerfxError:
+        # no llguidance, or a vocabulary that cannot spell JSON: a request with a JSON response_format gets the
+        # error that says so; the server runs on for the others
         model.argmax()
         return
-    model.masked_token(constraint.allowed(), SamplingConfig(temperature=0), 0, ids, len(ids))
+    model.masked_token(allowed, SamplingConfig(temperature=0), 0, ids, len(ids))
 
 
 def served_model_id(source) -> str:

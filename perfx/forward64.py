@@ -4,7 +4,7 @@ forward and llama.cpp's outputs are judged by.
 It follows the config's recipe (``perfx.config``) as the device forward does: each layer's mixer by its kind
 (``perfx.mixers``: attention, short convolution, Gated DeltaNet, each with its own float64 step), the norms,
 the gated MLP, the final norm, the classifier and its soft-cap — the maths of transformers' Llama, Mistral,
-Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3, SmolLM3, LFM2 and Qwen3.5 models.
+Qwen2, Qwen3, Gemma 2, Gemma 3, Gemma 4, Phi-3, SmolLM3, LFM2 and Qwen3.5 models.
 """
 
 from __future__ import annotations
@@ -38,9 +38,30 @@ def _ffn(x, w, c, gate):
     """ffn rmsnorm, the gated MLP (gate rows first, then up) and the residual (through its post-norm)."""
     xb = rmsnorm(x, w.ffn_norm, c.rms_eps)
     gate_up = linear(xb, w.gate_up)
-    n_inter = c.intermediate_size
+    n_inter = w.gate_up.shape[0] // 2   # the layer's own width (Gemma 4's differ)
     out = linear(gate(gate_up[:, :n_inter]) * gate_up[:, n_inter:], w.down)
     return x + (rmsnorm(out, w.post_ffn_norm, c.rms_eps) if c.post_norms else out)
+
+
+def per_layer_inputs(source, tokens, x) -> np.ndarray | None:
+    """Gemma 4's per-layer inputs (M, n_layers, P) from the token rows of the per-layer table and the scaled
+    embedding x (M, hidden), as llama.cpp's gemma4 builds them (build_inp_per_layer, project_per_layer_inputs):
+    (rmsnorm(x·Wᵀ/√hidden per layer)·γ + table rows·√P)/√2. None where the recipe has none."""
+    c = source.config
+    tables = source.per_layer_tables()
+    if tables is None:
+        return None
+    table, projection, norm = tables
+    p, m = c.per_layer_input, len(tokens)
+    rows = embed(table, tokens).reshape(m, c.n_layers, p) * np.sqrt(p)
+    projected = (linear(x, projection) / np.sqrt(c.hidden_size)).reshape(m, c.n_layers, p)
+    return (rmsnorm(projected, norm, c.rms_eps) + rows) / np.sqrt(2.0)
+
+
+def _per_layer(x, w, c, inputs):
+    """Gemma 4's per-layer input into the residual: x + rmsnorm(W_proj·(GELU(W_gate·x) ⊙ inputs))·γ."""
+    gated = gelu_tanh(linear(x, w.ple_gate)) * inputs
+    return x + rmsnorm(linear(gated, w.ple_proj), w.ple_norm, c.rms_eps)
 
 
 def model_forward(source, tokens, start_pos: int = 0, cache: ReferenceCache | None = None, ctx: int | None = None):
@@ -62,6 +83,7 @@ def model_forward(source, tokens, start_pos: int = 0, cache: ReferenceCache | No
 
     embedding = source.embedding()
     x = embed(embedding, tokens) * c.embedding_scale  # (M, hidden) residual stream
+    inputs = per_layer_inputs(source, tokens, x)     # (M, n_layers, P) or None
     for i in range(c.n_layers):
         w, recipe = source.layer(i), c.layer(i, ctx)
         # the mixer's rmsnorm, the mixer of the layer's kind, its output (through its own norm where the recipe
@@ -70,6 +92,11 @@ def model_forward(source, tokens, start_pos: int = 0, cache: ReferenceCache | No
         out = mixer_class(recipe.kind).reference(xb, w, c, cache, i, positions, recipe)
         x = x + (rmsnorm(out, w.post_attn_norm, c.rms_eps) if c.post_norms else out)
         x = _ffn(x, w, c, gate)
+        # Gemma 4: the layer's per-layer input, then its output scalar on the whole residual
+        if inputs is not None:
+            x = _per_layer(x, w, c, inputs[:, i])
+        if w.out_scale is not None:
+            x = x * float(w.out_scale[0])
     cache.length += m
     # final rmsnorm and the classifier (the embedding itself when tied)
     x = rmsnorm(x, source.final_norm(), c.rms_eps)

@@ -129,6 +129,9 @@ class Model:
 
     def __init__(self, config: ModelConfig, device: Device, max_positions: int, database: Database | None = None,
                  log=None, kv: str = "f16"):
+        if config.shaped_layers or config.per_layer_input or config.value_norm:
+            raise PerfxError(f"{config.architecture}: the device forward does not run this recipe yet "
+                             f"({config.describe_recipe()}); perfx.forward64.model_forward runs it in float64")
         self.config, self.device, self.max_positions = config, device, max_positions
         self.kv = check_kv_form(kv, config.head_dim, "--kv")   # the KV cache's form: "f16" or "q8"
         self.database = database if database is not None else default_database()

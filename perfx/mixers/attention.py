@@ -58,6 +58,18 @@ class AttentionMixer(Mixer):
                                     "full-attention layer"}
 
     @staticmethod
+    def stand_ins(c) -> dict[str, str]:
+        # Gemma 4's global layers of the larger models have no v projection: V is K's projection (normed without
+        # a scale, unrotated), so K's rows are read again in V's place
+        return {"v": "k"} if c.value_norm else {}
+
+    @classmethod
+    def host_linears(cls, c) -> dict[str, tuple[str, ...]]:
+        # a layer that reads another layer's KV cache (Gemma 4) projects q alone
+        linears = super().host_linears(c)
+        return {**linears, "qkv": ("q",)} if c.kv_shared else linears
+
+    @staticmethod
     def part_shapes(c) -> dict[str, tuple[int, int]]:
         # Qwen3.5's q projection: q and the gate of each head, 2·D rows a head
         return {"q": ((2 if c.attention_gate else 1) * c.q_dim, c.hidden_size), "k": (c.kv_dim, c.hidden_size),
@@ -66,26 +78,28 @@ class AttentionMixer(Mixer):
     @staticmethod
     def host_vectors(c) -> dict[str, int]:
         return {**({"q_bias": c.q_dim, "k_bias": c.kv_dim, "v_bias": c.kv_dim} if c.qkv_bias else {}),
-                **({"q_norm": c.head_dim, "k_norm": c.head_dim} if c.qk_norm else {})}
+                **({"q_norm": c.head_dim} if c.qk_norm else {}),
+                **({"k_norm": c.head_dim} if c.qk_norm and not c.kv_shared else {})}
 
     @classmethod
     def read(cls, source, layer: int) -> AttentionWeights:
         """QKV fused (the file's own where it holds one), Qwen3.5's q split into q and the gate first; the q, k, v
         biases as one; the q/k norms."""
-        c = source.config
+        c = source.config.at(layer)
         qkv, gate = source.whole("qkv", layer), None
         if qkv is None and c.attention_gate:
             q, gate = split_gated_q(source.read_part("q", layer), c.n_heads, c.head_dim)
             qkv = fuse_rows([q, source.read_part("k", layer), source.read_part("v", layer)])
             gate = source.quantized(gate)
         elif qkv is None:
-            qkv = fuse_rows([source.read_part(name, layer) for name in ("q", "k", "v")])
+            qkv = fuse_rows([source.read_part(name, layer) for name in cls.host_linears(c)["qkv"]])
         bias = None
         if c.qkv_bias:
             bias = np.concatenate([source.read_vector(f"{name}_bias", layer) for name in ("q", "k", "v")])
         norms = {}
         if c.qk_norm:
-            norms.update(q_norm=source.read_vector("q_norm", layer), k_norm=source.read_vector("k_norm", layer))
+            norms.update({name: source.read_vector(name, layer) for name in ("q_norm", "k_norm")
+                          if name in cls.host_vectors(c)})
         return AttentionWeights(qkv=source.quantized(qkv), qkv_bias=bias,
                                 o=source.quantized(source.read_part("o", layer)), attn_gate=gate, **norms)
 
@@ -101,7 +115,8 @@ class AttentionMixer(Mixer):
 
     @staticmethod
     def linears(c) -> list[tuple[str, int, int, bool]]:
-        rows = [("qkv", c.q_dim + 2 * c.kv_dim, c.hidden_size, bool(c.qkv_bias)), ("o", c.hidden_size, c.q_dim, False)]
+        rows = [("qkv", c.q_dim + (0 if c.kv_shared else 2 * c.kv_dim), c.hidden_size, bool(c.qkv_bias)),
+                ("o", c.hidden_size, c.q_dim, False)]
         if c.attention_gate:
             rows.insert(1, ("attn_gate", c.q_dim, c.hidden_size, False))
         return rows
@@ -240,22 +255,33 @@ class AttentionMixer(Mixer):
 
     @staticmethod
     def reference(xb, w, c, cache, layer: int, positions, recipe) -> np.ndarray:
+        c = c.at(layer)   # the layer's own shapes (Gemma 4)
         m, h, hkv, d, w = xb.shape[0], c.n_heads, c.n_kv_heads, c.head_dim, w.mixing
         q_dim, kv_dim = h * d, hkv * d
-        # q, k, v for these positions from the fused projection
+        # q, k, v for these positions from the fused projection (q alone where the layer reads another's cache)
         qkv = linear64(xb, w.qkv, w.qkv_bias)
         q = qkv[:, :q_dim].reshape(m, h, d)
-        k = qkv[:, q_dim:q_dim + kv_dim].reshape(m, hkv, d)
-        v = qkv[:, q_dim + kv_dim:].reshape(m, hkv, d)
-        # per-head q and k norms (Qwen3, Gemma 3), then RoPE where the layer has it (rotate-half)
+        # per-head q and k norms (Qwen3, Gemma 3), v's without a scale (Gemma 4), then RoPE where the layer has it
+        # (rotate-half)
+        r = recipe.rope
         if c.qk_norm:
-            q, k = rmsnorm(q, w.q_norm, c.rms_eps), rmsnorm(k, w.k_norm, c.rms_eps)
-        if recipe.rope is not None:
-            r = recipe.rope
+            q = rmsnorm(q, w.q_norm, c.rms_eps)
+        if r is not None:
             q = rope(q, positions, r.theta, r.scaling, rotary_dims=r.dims)
-            k = rope(k, positions, r.theta, r.scaling, rotary_dims=r.dims)
-        # append k, v to the cache; causal GQA attention over everything cached
-        keys, values = cache.append(layer, k, v)
+        if c.kv_shared:   # Gemma 4: the cache an earlier layer of its kind wrote, these positions included
+            keys, values = cache.keys[recipe.kv_from], cache.values[recipe.kv_from]
+        else:
+            k = qkv[:, q_dim:q_dim + kv_dim].reshape(m, hkv, d)
+            v = qkv[:, q_dim + kv_dim:].reshape(m, hkv, d)
+            if c.qk_norm:
+                k = rmsnorm(k, w.k_norm, c.rms_eps)
+            if c.value_norm:
+                v = rmsnorm(v, 1.0, c.rms_eps)
+            if r is not None:
+                k = rope(k, positions, r.theta, r.scaling, rotary_dims=r.dims)
+            # append k, v to the cache
+            keys, values = cache.append(layer, k, v)
+        # causal GQA attention over everything cached
         att = attention(q, keys, values, positions, window=recipe.window, scale=c.scale,
                         softcap=c.attn_softcap).reshape(m, q_dim)
         if c.attention_gate:   # Qwen3.5: the output times σ(gate), the gate projected from the same input

@@ -40,6 +40,8 @@ LM_HEAD_CHOICES = ("q8", "fp16")
 EMBEDDING_CHOICES = ("head", "q4")
 # The FFN every layer kind has: its gate-up fused, and down
 FFN_LINEARS = {"gate_up": ("gate", "up"), "down": ("down",)}
+# Gemma 4's per-layer input matrices, where the recipe has per-layer embeddings
+PLE_LINEARS = {"ple_gate": ("ple_gate",), "ple_proj": ("ple_proj",)}
 
 
 @dataclass
@@ -54,11 +56,18 @@ class LayerWeights:
     mixing: object                 # the layer kind's weights: perfx.mixers.attention.AttentionWeights, ...
     post_attn_norm: np.ndarray | None = None   # (hidden,) float32: RMSNorm of the mixer's output (Gemma)
     post_ffn_norm: np.ndarray | None = None    # (hidden,) float32: RMSNorm of the FFN output (Gemma)
+    # Gemma 4's per-layer input, after the FFN: x + rmsnorm(ple_proj·(GELU(ple_gate·x) ⊙ its slice))·ple_norm
+    ple_gate: Linear | None = None             # (per_layer_input, hidden)
+    ple_proj: Linear | None = None             # (hidden, per_layer_input)
+    ple_norm: np.ndarray | None = None         # (hidden,) float32
+    out_scale: np.ndarray | None = None        # (1,) float32: the layer's output residual times this (Gemma 4)
 
     def linears(self) -> dict[str, Linear]:
         """Every matrix of the layer by role: the mixer's, then the FFN's."""
         mixing = {role: getattr(self.mixing, role) for role in self.mixing.matrices}
-        return {**{role: w for role, w in mixing.items() if w is not None}, "gate_up": self.gate_up, "down": self.down}
+        ple = {role: getattr(self, role) for role in PLE_LINEARS if getattr(self, role) is not None}
+        return {**{role: w for role, w in mixing.items() if w is not None}, "gate_up": self.gate_up, "down": self.down,
+                **ple}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,10 +219,10 @@ class ModelSource(ABC):
                 forms.setdefault(label, set())
                 parts = [self._fused_form(label, i)] if len(names) > 1 and label in self.file_fused(i) else [None]
                 if parts[0] is None:
-                    parts = [self._part_form(name, i) for name in names]
+                    parts = [self._part_form(self.part_read_as(name, i), i) for name in names]
                 if any(p is None for p in parts):
                     return None
-                k = self.expected_shape(names[0])[1]
+                k = self.expected_shape(self.part_read_as(names[0], i), i)[1]
                 forms[label].add(self._quantized_form(fused_form(parts), k))
         embedding = self._head_form(self._table_form("embedding"))
         if embedding is None:
@@ -239,10 +248,25 @@ class ModelSource(ABC):
         if c.post_norms:
             norms.update(post_attn_norm=self._vector("post_attn_norm", i),
                          post_ffn_norm=self._vector("post_ffn_norm", i))
+        if c.per_layer_input:
+            norms.update(ple_gate=self.read_matrix("ple_gate", ("ple_gate",), i),
+                         ple_proj=self.read_matrix("ple_proj", ("ple_proj",), i), ple_norm=self._vector("ple_norm", i))
+        if c.layer_scale:
+            norms["out_scale"] = self._vector("out_scale", i)
         return LayerWeights(attn_norm=self._vector("attn_norm", i), ffn_norm=self._vector("ffn_norm", i),
                             gate_up=self.read_matrix("gate_up", FFN_LINEARS["gate_up"], i),
                             down=self.read_matrix("down", FFN_LINEARS["down"], i),
                             mixing=self.mixer(i).read(self, i), **norms)
+
+    def per_layer_tables(self) -> tuple | None:
+        """Gemma 4's per-layer embeddings: the token table (V, n_layers·P), the projection of the embedding
+        (n_layers·P, hidden) and its norm (P,) float32; None where the recipe has none."""
+        if not self.config.per_layer_input:
+            return None
+        return self._per_layer_tables()
+
+    def _per_layer_tables(self) -> tuple:
+        raise PerfxError(f"{type(self).__name__} does not read Gemma 4's per-layer embeddings")
 
     def layers(self):
         """Iterate over the layers in order, one loaded at a time."""
@@ -264,14 +288,26 @@ class ModelSource(ABC):
         return self.mixer(layer).file_fused
 
     def read_part(self, name: str, layer: int) -> Linear:
-        """One source projection in Hugging Face row order, as the file holds it."""
-        return self._linear(name, layer)
+        """One source projection in Hugging Face row order, as the file holds it (or its stand-in where the file
+        lacks it and the recipe allows: Gemma 4's K as V)."""
+        return self._linear(self.part_read_as(name, layer), layer)
+
+    def has_part(self, name: str, layer: int) -> bool:
+        """Whether the file holds projection ``name`` of ``layer``."""
+        return True
+
+    def part_read_as(self, name: str, layer: int) -> str:
+        """The projection read for ``name``: itself, or the stand-in its layer's mixer names for it where the
+        file lacks it (``Mixer.stand_ins``: Gemma 4's global layers without attn_v use K as V)."""
+        stand_in = self.mixer(layer).stand_ins(self.config).get(name)
+        return stand_in if stand_in is not None and not self.has_part(name, layer) else name
 
     def read_matrix(self, role: str, parts: tuple[str, ...], layer: int) -> Linear:
         """A role: the file's fused matrix, or its projections stacked (``fuse_rows``); then the quantize rule."""
         w = self.whole(role, layer) if len(parts) > 1 else None
         if w is None:
-            w = self._linear(parts[0], layer) if len(parts) == 1 else fuse_rows([self._linear(p, layer) for p in parts])
+            w = (self.read_part(parts[0], layer) if len(parts) == 1
+                 else fuse_rows([self.read_part(p, layer) for p in parts]))
         return self._quantized(w)
 
     def read_vector(self, name: str, layer: int) -> np.ndarray:
@@ -288,7 +324,8 @@ class ModelSource(ABC):
 
     def layer_linears(self, layer: int) -> dict[str, tuple[str, ...]]:
         """The matrix roles of a layer and the projections each fuses: its mixer's, then the FFN's."""
-        return {**self.mixer(layer).host_linears(self.config), **FFN_LINEARS}
+        ple = PLE_LINEARS if self.config.per_layer_input else {}
+        return {**self.mixer(layer).host_linears(self.config.at(layer)), **FFN_LINEARS, **ple}
 
     def layer_parts(self, layer: int) -> list[str]:
         """The projections a layer's matrices are read from, each once, in order."""
@@ -297,27 +334,33 @@ class ModelSource(ABC):
     def _kinds(self):
         return [mixer_class(kind) for kind in dict.fromkeys(r.kind for r in self.config.layers)]
 
-    def expected_shape(self, name: str) -> tuple[int, int]:
-        """(N, K) of a projection or role, from the config."""
-        c = self.config
-        shapes = {"gate": (c.intermediate_size, c.hidden_size), "up": (c.intermediate_size, c.hidden_size),
+    def expected_shape(self, name: str, layer: int | None = None) -> tuple[int, int]:
+        """(N, K) of a projection or role, from the config (``layer``'s view of it where given: Gemma 4's layers
+        differ in their shapes)."""
+        c = self.config if layer is None else self.config.at(layer)
+        p = c.per_layer_input
+        shapes = {"ple_gate": (p, c.hidden_size), "ple_proj": (c.hidden_size, p),
+                  "per_layer_table": (c.vocab_size, c.n_layers * p), "per_layer_proj": (c.n_layers * p, c.hidden_size),
+                  "gate": (c.intermediate_size, c.hidden_size), "up": (c.intermediate_size, c.hidden_size),
                   "down": (c.hidden_size, c.intermediate_size), "gate_up": (2 * c.intermediate_size, c.hidden_size),
                   "embedding": (c.vocab_size, c.hidden_size), "lm_head": (c.vocab_size, c.hidden_size)}
         for mixer in self._kinds():
             shapes.update(mixer.host_shapes(c))
         return shapes[name]
 
-    def expected_vector(self, name: str) -> int:
-        sizes = {}
+    def expected_vector(self, name: str, layer: int | None = None) -> int:
+        c = self.config if layer is None else self.config.at(layer)
+        sizes = {"out_scale": 1, "per_layer_norm": c.per_layer_input}
         for mixer in self._kinds():
-            sizes.update(mixer.host_vectors(self.config))
-        return sizes.get(name, self.config.hidden_size)
+            sizes.update(mixer.host_vectors(c))
+        return sizes.get(name, c.hidden_size)
 
     def vector_names(self, layer: int = 0) -> tuple[str, ...]:
         """The per-layer vectors this model's recipe reads on ``layer``."""
         c = self.config
-        return (("attn_norm", "ffn_norm") + tuple(self.mixer(layer).host_vectors(c))
-                + (("post_attn_norm", "post_ffn_norm") if c.post_norms else ()))
+        return (("attn_norm", "ffn_norm") + tuple(self.mixer(layer).host_vectors(c.at(layer)))
+                + (("post_attn_norm", "post_ffn_norm") if c.post_norms else ())
+                + (("ple_norm",) if c.per_layer_input else ()) + (("out_scale",) if c.layer_scale else ()))
 
     def _quantized(self, w: Linear) -> Linear:
         if self.quantize != "q4" or isinstance(w, Q4Matrix):

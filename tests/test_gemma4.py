@@ -1,0 +1,99 @@
+"""Gemma 4: its recipe from a GGUF (as llama.cpp's converter writes it) and from config.json, and its float64
+forward (perfx.forward64) against an independent re-implementation of llama.cpp's gemma4 graph
+(helpers.gemma4_models.reference_logits) on tiny files: sliding layers of head 32 and global ones of head 64
+with proportional RoPE, per-layer embeddings from a Q8_0 table, KV-sharing layers with a doubled MLP, V normed,
+K as V, layer output scalars, the final soft-cap."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from helpers.gemma4_models import TINY, layer_shapes, make_gemma4, reference_logits, write_gemma4_gguf
+from perfx.config import ModelConfig
+from perfx.errors import PerfxError
+from perfx.families.gemma4 import E2B
+from perfx.forward64 import model_forward
+from perfx.sources.gguf import GGUFSource
+from perfx.sources.synthetic import SYNTHETIC_MODELS
+
+# Both sides are float64 over the same held weights and differ only in summation order: 1e-9 of logits of O(1)
+# to O(30) is far above that rounding (1e-13 seen) and far below any mistake of the maths.
+TOLERANCE = 1e-9
+
+VARIANTS = {
+    "E2B-like": ({}, {}),
+    "K as V, shared layers without k": ({"k_eq_v": True}, {"skip_shared_kv": True}),
+    "per-layer KV heads": ({"num_attention_heads": 4, "num_global_key_value_heads": 2}, {}),
+    "Q4_0 table, Q4_0 embedding": ({}, {"table_type": "Q4_0", "embedding_type": "Q4_0"}),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_forward64_follows_llamacpps_gemma4_graph(tmp_path, variant):
+    made, written = VARIANTS[variant]
+    rng = np.random.default_rng(sorted(VARIANTS).index(variant))
+    model = write_gemma4_gguf(tmp_path / "tiny.gguf", make_gemma4(rng, **made), **written)
+    source = GGUFSource(tmp_path / "tiny.gguf")
+    tokens = rng.integers(0, TINY["vocab_size"], 11)   # longer than the window of 5: sliding layers differ
+    expected = reference_logits(model, tokens)
+    logits, _ = model_forward(source, tokens)
+    assert np.abs(logits - expected).max() < TOLERANCE
+    # the same positions in two calls through the cache (the shared layers read their source's cache)
+    first, cache = model_forward(source, tokens[:6])
+    rest, _ = model_forward(source, tokens[6:], 6, cache)
+    assert np.abs(np.concatenate([first, rest]) - expected).max() < TOLERANCE
+
+
+def test_gguf_and_config_json_give_one_recipe(tmp_path):
+    model = write_gemma4_gguf(tmp_path / "tiny.gguf", make_gemma4(np.random.default_rng(5)))
+    from_gguf, from_hf = GGUFSource(tmp_path / "tiny.gguf").config, ModelConfig.from_hf(dict(model.config))
+    for name in ("head_dim", "n_kv_heads", "intermediate_size", "per_layer_input", "value_norm", "layer_scale",
+                 "final_softcap", "attention_scale", "embedding_scale", "qk_norm", "post_norms", "ffn_activation"):
+        assert getattr(from_gguf, name) == getattr(from_hf, name), name
+    assert from_gguf.layers == from_hf.layers
+    assert [r.rope.key() for r in from_gguf.layers] == [r.rope.key() for r in from_hf.layers]
+    # the multimodal checkpoint's text_config is the same model
+    wrapped = ModelConfig.from_hf({"model_type": "gemma4", "text_config": dict(model.config)})
+    assert wrapped.layers == from_hf.layers
+
+
+def test_the_e2b_preset_has_the_published_shapes():
+    c = SYNTHETIC_MODELS["gemma-4-e2b"][0]
+    shapes = layer_shapes(E2B)   # the tests' reading of the published config, not the family's
+    assert c.n_layers == 35 and c.hidden_size == 1536 and c.per_layer_input == 256
+    assert [(r.head_dim, r.kv_heads, r.ffn, r.kv_from, r.window) for r in c.layers] == [
+        (s["head"], s["kv"], s["ffn"], s["source"], 512 if s["sliding"] else 0) for s in shapes]
+    assert sum(r.kv_from < 0 for r in c.layers) == 15
+    assert {r.kv_from for r in c.layers if r.kv_from >= 0} == {13, 14}
+    global_rope = c.layers[4].rope
+    assert (global_rope.theta, global_rope.dims) == (1e6, 512)
+    assert global_rope.scaling["freq_factors"][:64] == [1.0] * 64 and min(global_rope.scaling["freq_factors"][64:]) > 1e29
+    assert (c.layers[0].rope.theta, c.layers[0].rope.dims) == (10000.0, 256)
+    assert c.attention_scale == 1.0 and c.final_softcap == 30.0
+
+
+def _rewrite(tmp_path, drop: str | None = None, keys: dict | None = None):
+    """The tiny file written again with one tensor left out or some keys changed."""
+    model = make_gemma4(np.random.default_rng(7))
+    if drop:
+        del model.weights[drop]
+    path = tmp_path / "bad.gguf"
+    original = gguf.GGUFWriter.add_shared_kv_layers
+    if keys and "shared" in keys:
+        gguf.GGUFWriter.add_shared_kv_layers = lambda self, value: original(self, keys["shared"])
+    try:
+        write_gemma4_gguf(path, model)
+    finally:
+        gguf.GGUFWriter.add_shared_kv_layers = original
+    return path
+
+
+def test_bad_files_name_what_is_wrong(tmp_path):
+    with pytest.raises(PerfxError, match="per_layer_token_embd.weight is missing"):
+        GGUFSource(_rewrite(tmp_path, drop="per_layer_token_embd.weight"))
+    with pytest.raises(PerfxError, match="shared_kv_layers = 6"):
+        GGUFSource(_rewrite(tmp_path, keys={"shared": 6}))
+    with pytest.raises(PerfxError, match="blk.1.inp_gate.weight is missing"):
+        GGUFSource(_rewrite(tmp_path, drop="blk.1.inp_gate.weight"))

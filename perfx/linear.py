@@ -171,7 +171,8 @@ def upload_linear(model, w, what: str, role: str, bias=None) -> Linear:
         return Q8Linear(model, role, Q8DeviceWeight.upload(device, w, bias, what=what), w.nbytes)
     if isinstance(w, Q4Matrix):
         gemv = plan.gemv.get("lm_head" if role == "embedding" else role)
-        if role == "embedding" and not model.config.tie_embeddings:
+        # a table only gathered from (an untied embedding, Gemma 4's per-layer table): rows, read as a buffer
+        if (role == "embedding" and not model.config.tie_embeddings) or role == "ple_table":
             layout, paths = LAYOUT_ROWS, {"buffer"}
         else:
             layout, paths = gemv.layout, {READ_NAMES[gemv.read]}

@@ -15,8 +15,11 @@ from perfx.config import ModelConfig
 from perfx.errors import PerfxError
 from perfx.families.gemma4 import E2B
 from perfx.forward64 import model_forward
+from perfx.model import Model
 from perfx.sources.gguf import GGUFSource
 from perfx.sources.synthetic import SYNTHETIC_MODELS
+from perfx.tuning import relative_error
+from perfx.tuning.database import default_database
 
 # Both sides are float64 over the same held weights and differ only in summation order: 1e-9 of logits of O(1)
 # to O(30) is far above that rounding (1e-13 seen) and far below any mistake of the maths.
@@ -69,7 +72,8 @@ def test_the_e2b_preset_has_the_published_shapes():
     assert {r.kv_from for r in c.layers if r.kv_from >= 0} == {13, 14}
     global_rope = c.layers[4].rope
     assert (global_rope.theta, global_rope.dims) == (1e6, 512)
-    assert global_rope.scaling["freq_factors"][:64] == [1.0] * 64 and min(global_rope.scaling["freq_factors"][64:]) > 1e29
+    factors = global_rope.scaling["freq_factors"]
+    assert factors[:64] == [1.0] * 64 and min(factors[64:]) > 1e29
     assert (c.layers[0].rope.theta, c.layers[0].rope.dims) == (10000.0, 256)
     assert c.attention_scale == 1.0 and c.final_softcap == 30.0
 
@@ -97,3 +101,53 @@ def test_bad_files_name_what_is_wrong(tmp_path):
         GGUFSource(_rewrite(tmp_path, keys={"shared": 6}))
     with pytest.raises(PerfxError, match="blk.1.inp_gate.weight is missing"):
         GGUFSource(_rewrite(tmp_path, drop="blk.1.inp_gate.weight"))
+
+
+# The device forward against the float64 one over the same file: the int4 and int8 GEMVs take int8-quantized
+# activations (Q8_1 blocks, as llama.cpp's), the caches hold fp16 (or int8) K and V: the families' tolerance
+# (tests/test_families.py DEVICE_TOLERANCE), relative to the largest logit (measured up to 1.3e-3 on both
+# runtimes); with an int8 cache, its rounding too (half a code of 127 per value), as tests/test_kv_q8.py's
+# VS_F16_TOLERANCE (measured 1.0e-2).
+DEVICE_TOLERANCE = 2e-3
+Q8_CACHE_TOLERANCE = 3e-2
+DEVICE_VARIANTS = {
+    "E2B-like": ({}, {}, "f16"),
+    "K as V, shared layers without k, int8 cache": ({"k_eq_v": True}, {"skip_shared_kv": True}, "q8"),
+    "per-layer KV heads": ({"num_attention_heads": 4, "num_global_key_value_heads": 2}, {}, "f16"),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(DEVICE_VARIANTS))
+def test_the_device_forward_follows_forward64(tmp_path, device, variant):
+    made, written, kv = DEVICE_VARIANTS[variant]
+    rng = np.random.default_rng(10 + sorted(DEVICE_VARIANTS).index(variant))
+    write_gemma4_gguf(tmp_path / "tiny.gguf", make_gemma4(rng, **made), **written)
+    source = GGUFSource(tmp_path / "tiny.gguf")
+    model = Model.load(source, device, ctx=64, database=default_database(False), kv=kv)
+    tolerance = Q8_CACHE_TOLERANCE if kv == "q8" else DEVICE_TOLERANCE
+    tokens = [int(t) for t in rng.integers(0, TINY["vocab_size"], 14)]
+    want, _ = model_forward(source, tokens)
+    # a prompt past the window of 5 (sliding layers differ from global ones), then decode steps; a second prompt
+    # continuing the first (the shared layers read the cache their source appended in another call)
+    model.prefill(tokens[:9], 0)
+    assert relative_error(model.logits(), want[8]) <= tolerance
+    for pos in range(9, 11):
+        model.decode_one(tokens[pos], pos)
+        assert relative_error(model.logits(), want[pos]) <= tolerance, pos
+    model.prefill(tokens[11:], 11)
+    assert relative_error(model.logits(), want[-1]) <= tolerance
+    # one cache a shape of the layers that hold one: sliding and global; none for the sharing layers
+    caches = model.mixers[0].caches
+    assert sorted((cache.head_dim, cache.n_layers) for cache in caches) == [(32, 3), (64, 1)]
+    # the check can fail: the logits of another position
+    assert relative_error(model.logits(), want[-2]) > tolerance
+
+
+def test_a_file_without_a_template_talks_in_gemma4s_turns(tmp_path):
+    write_gemma4_gguf(tmp_path / "tiny.gguf", make_gemma4(np.random.default_rng(3)))
+    tokenizer = GGUFSource(tmp_path / "tiny.gguf").tokenizer
+    text = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "Hi "}])
+    assert text == "<bos><|turn>system\nBe brief.<turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\n"
+    # <turn|> ends a reply, as <eos> does
+    assert [tokenizer.token_text(i) for i in sorted(tokenizer.eos_ids)] == ["<eos>", "<turn|>"]

@@ -3,11 +3,14 @@ Qwen3.5's output gate (σ of a projection of the same input) where the recipe ha
 
 State: one KV cache for the attention layers (fp16 or int8, ``perfx.ops.kv_cache``), one cos/sin table per
 distinct RoPE of the recipe. A KV cache keeps every position, so attention resumes anywhere it has run.
+Gemma 4's layers differ in their shapes (``shape_groups``): one cache per shape of the layers that hold one, each
+layer's kernels built for its shape, and a layer that shares an earlier layer's cache projects q alone and
+attends over that layer's slot.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import numpy as np
@@ -15,7 +18,7 @@ import numpy as np
 from perfx.formats import fuse_rows, permute_linear_rows
 from perfx.mixers import Mixer
 from perfx.ops import Q8_TEXEL
-from perfx.op import Op, StepOptions, qk_norm, shared
+from perfx.op import Op, StepOptions, matrix_ops, qk_norm, shared
 from perfx.ops.kv_cache import KVCache, RopeTable, kv_shape
 from perfx.reference import attention, rmsnorm, rope, sigmoid_mul
 from perfx.reference import linear as linear64
@@ -122,6 +125,26 @@ class AttentionMixer(Mixer):
         return rows
 
     @classmethod
+    def shape_groups(cls, c) -> list[tuple[tuple[int, ...], object]]:
+        """The attention layers by their shapes, [(layers, their view of the config (``ModelConfig.at``))]: one
+        group of every layer where all are alike; Gemma 4's by head size, KV heads and KV sharing."""
+        groups: dict = {}
+        for i in c.layers_of(cls.kind):
+            v = c.at(i)
+            groups.setdefault((v.head_dim, v.n_kv_heads, v.kv_shared), (v, []))[1].append(i)
+        return [(tuple(layers), v) for v, layers in groups.values()]
+
+    @classmethod
+    def matrix_ops(cls, config, role: str, m: int, options: StepOptions, prefill: bool, reads: tuple[str, ...],
+                   writes: tuple[str, ...]) -> list[Op]:
+        """The ops of one of its matrices, per group of layers of one shape (``shape_groups``)."""
+        out = []
+        for layers, v in cls.shape_groups(config):
+            n, k, bias = next((n, k, bias) for r, n, k, bias in cls.linears(v) if r == role)
+            out += matrix_ops(v, role, m, options, prefill, layers, reads, writes, dims=(n, k, bias))
+        return _merged(out)
+
+    @classmethod
     def ops(cls, c, m: int, options: StepOptions, prefill: bool = False) -> list[Op]:
         """qkv, [the output's gate], attention (decode over the KV cache, or prefill over m rows), [σ(gate)·], o."""
         layers = tuple(c.layers_of(cls.kind))
@@ -139,18 +162,23 @@ class AttentionMixer(Mixer):
         """The attention itself: over m rows from position 0 (prefill), or for one row over the KV cache at
         ``options.positions`` (capped by the model's); none for one row without positions (a prefill of one row
         runs the decode step's attention)."""
-        layers = tuple(c.layers_of(cls.kind))
-        if m > 1:
-            shape = {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "m": m, "p0": 0,
-                     **qk_norm(c), **kv_shape(options.kv)}
-            return [Op("attention_prefill", shape, "attention", layers, reads=("qkv", "cache"),
-                       writes=("att", "cache"), m=m)]
-        if options.positions is None:
+        if m == 1 and options.positions is None:
             return []
-        positions = min(options.positions, c.max_positions) if c.max_positions else options.positions
-        shape = {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "positions": positions,
-                 **qk_norm(c), **kv_shape(options.kv)}
-        return [Op("attention_decode", shape, "attention", layers, reads=("qkv", "cache"), writes=("att", "cache"))]
+        out = []
+        for layers, v in cls.shape_groups(c):
+            # Gemma 4: v normed where the layer appends, q alone where it reads another layer's cache
+            gemma4 = {"q_only": True} if v.kv_shared else ({"v_norm": True} if v.value_norm else {})
+            heads = {"n_heads": v.n_heads, "n_kv_heads": v.n_kv_heads, "head_dim": v.head_dim}
+            if m > 1:
+                shape = {**heads, "m": m, "p0": 0, **qk_norm(v), **gemma4, **kv_shape(options.kv)}
+                out.append(Op("attention_prefill", shape, "attention", layers, reads=("qkv", "cache"),
+                              writes=("att", "cache"), m=m))
+                continue
+            positions = min(options.positions, c.max_positions) if c.max_positions else options.positions
+            shape = {**heads, "positions": positions, **qk_norm(v), **gemma4, **kv_shape(options.kv)}
+            out.append(Op("attention_decode", shape, "attention", layers, reads=("qkv", "cache"),
+                          writes=("att", "cache")))
+        return out
 
     def allocate(self) -> None:
         model = self.model
@@ -158,22 +186,44 @@ class AttentionMixer(Mixer):
         f32 = np.float32
         self.qkv = d.empty((s.chunk, c.qkv_dim), f32)
         self.att = d.empty((s.chunk, c.q_dim), f32)    # the attention output, before o
+        # each layer's rows packed at its own width (Gemma 4's layers differ): views of the same buffers
+        self.rows: dict[int, tuple] = {}
+        for i in self.layers:
+            v = c.at(i)
+            qkv_width = v.q_dim + (0 if v.kv_shared else 2 * v.kv_dim)
+            self.rows[i] = (self.qkv if qkv_width == c.qkv_dim else self.qkv.reshape(-1)[:s.chunk * qkv_width].reshape(
+                s.chunk, qkv_width), self.att if v.q_dim == c.q_dim else self.att.reshape(-1)[
+                :s.chunk * v.q_dim].reshape(s.chunk, v.q_dim))
         self.gates = d.empty((s.chunk, c.q_dim), f32) if c.attention_gate else None
         # one row of att as Q8_1 blocks, for the o projections
         self.att_q8 = (d.empty(c.q_dim, np.int8), d.empty((c.q_dim // 32, 2), np.float32)) if self.writes_blocks() else None
-        self.cache = KVCache.allocate(d, len(self.layers), c.n_kv_heads, model.max_positions, c.head_dim, model.kv)
-        # One cos/sin table per distinct RoPE of the recipe (Gemma 3: local and global bases), made once; a
-        # GGUF's rope_freqs (Llama 3.x) and LongRoPE's factors ride in the scaling and are applied in the table.
-        tables: dict[str, RopeTable] = {}
+        # One cache per shape of the layers that hold one (every layer's, in one, where all are alike); a layer
+        # that shares another's (Gemma 4) attends over that layer's cache and slot
+        self.caches: list[KVCache] = []
+        self.place: dict[int, tuple[KVCache, int]] = {}
+        for layers, v in self.shape_groups(c):
+            if v.kv_shared:
+                continue
+            cache = KVCache.allocate(d, len(layers), v.n_kv_heads, model.max_positions, v.head_dim, model.kv)
+            self.caches.append(cache)
+            self.place.update({layer: (cache, slot) for slot, layer in enumerate(layers)})
+        for i in self.layers:
+            if c.layers[i].kv_from >= 0:
+                self.place[i] = self.place[c.layers[i].kv_from]
+        self.cache = self.caches[0]
+        # One cos/sin table per distinct RoPE and head size of the recipe (Gemma 3: local and global bases), made
+        # once; a GGUF's rope_freqs (Llama 3.x, Gemma 4's proportional RoPE) and LongRoPE's factors ride in the
+        # scaling and are applied in the table.
+        tables: dict[tuple, RopeTable] = {}
         self.rope: dict[int, RopeTable | None] = {}
         self.window: dict[int, int] = {}
         for i in self.layers:
             recipe = c.layer(i, model.max_positions)
-            r = recipe.rope
-            if r is not None and r.key() not in tables:
-                tables[r.key()] = RopeTable.upload(d, c.head_dim, model.max_positions, r.theta, r.scaling,
-                                                   rotary_dims=r.dims)
-            self.rope[i] = None if r is None else tables[r.key()]
+            r, head_dim = recipe.rope, c.at(i).head_dim
+            if r is not None and (r.key(), head_dim) not in tables:
+                tables[r.key(), head_dim] = RopeTable.upload(d, head_dim, model.max_positions, r.theta, r.scaling,
+                                                             rotary_dims=r.dims)
+            self.rope[i] = None if r is None else tables[r.key(), head_dim]
             self.window[i] = recipe.window
 
     def upload(self, w, layer: int) -> int:
@@ -185,8 +235,10 @@ class AttentionMixer(Mixer):
             weights.attn_gate = m.upload(h.attn_gate, f"layer {layer} attn_gate", "attn_gate")
             nbytes += h.attn_gate.nbytes
         if h.q_norm is not None:
-            weights.q_norm, weights.k_norm = m.vector(h.q_norm), m.vector(h.k_norm)
-            nbytes += h.q_norm.nbytes + h.k_norm.nbytes
+            # a layer reading another's cache has no k norm: its q norm is bound in its place, never read
+            weights.q_norm = m.vector(h.q_norm)
+            weights.k_norm = weights.q_norm if h.k_norm is None else m.vector(h.k_norm)
+            nbytes += h.q_norm.nbytes + (0 if h.k_norm is None else h.k_norm.nbytes)
         self.weights[layer] = weights
         return nbytes
 
@@ -225,14 +277,17 @@ class AttentionMixer(Mixer):
         return features
 
     def _attend_decode(self, layer: int, pos: int, position=None) -> None:
-        self.model.plan.attn_decode(self.qkv, self.att, self.cache, self.rope[layer], self.slot[layer], pos,
-                                    position=position, quantized=self.att_q8, **self._features(layer))
+        cache, slot = self.place[layer]
+        qkv, att = self.rows[layer]
+        self.model.plan.attention_at(layer)(qkv, att, cache, self.rope[layer], slot, pos,
+                                            position=position, quantized=self.att_q8, **self._features(layer))
 
     def forward(self, layer: int, m: int, pos: int, decode: bool, position=None, split=None) -> None:
         model, w = self.model, self.weights[layer]
         plan, s = model.plan, model.state
         # qkv for these positions (and the output's gate), then (q/k norm +) RoPE + KV append + attention
-        w.qkv(s.xb, self.qkv, m, decode, model.xb_blocks(m))
+        qkv, att = self.rows[layer]
+        w.qkv(s.xb, qkv, m, decode, model.xb_blocks(m))
         if w.attn_gate is not None:
             w.attn_gate(s.xb, self.gates, m, decode, model.xb_blocks(m))
         if split is not None:
@@ -240,15 +295,17 @@ class AttentionMixer(Mixer):
         elif decode:
             self._attend_decode(layer, pos)
         else:
-            plan.prefill(m)[1](self.qkv, self.att, self.cache, self.rope[layer], self.slot[layer], pos, m,
-                               **self._features(layer))
+            cache, slot = self.place[layer]
+            plan.attention_at(layer, m)(qkv, att, cache, self.rope[layer], slot, pos, m,
+                                        **self._features(layer))
         if w.attn_gate is not None:   # Qwen3.5: the attention output times σ(gate)
             plan.attn_gate(self.gates, self.att, self.att, m * model.config.q_dim)
-        w.o(self.att, s.proj, m, decode, (self.att_q8, Q8_TEXEL) if m == 1 and self.att_q8 is not None else None)
+        w.o(att, s.proj, m, decode, (self.att_q8, Q8_TEXEL) if m == 1 and self.att_q8 is not None else None)
 
     def partitions(self, pos: int) -> int:
-        # the decode attention's grid grows by one partition every PART positions
-        return self.model.plan.attn_decode.partitions(pos)
+        # the decode attention's grid grows by one partition every PART positions (each shape's kernel its own)
+        found = {self.model.plan.attention_at(layer).partitions(pos) for layer in self.layers}
+        return found.pop() if len(found) == 1 else tuple(sorted(found))
 
     def record_varying(self, layer: int, pos: int, position) -> None:
         self._attend_decode(layer, pos, position=position)
@@ -291,10 +348,21 @@ class AttentionMixer(Mixer):
     # -- state rules: a KV cache keeps every position ---------------------------------------------------
 
     def state_report(self) -> dict:
-        return {"kv_cache_bytes": self.cache.nbytes}
+        return {"kv_cache_bytes": sum(cache.nbytes for cache in self.caches)}
 
     def fill(self, value: float) -> None:
-        self.cache.fill(self.model.device, value)
+        for cache in self.caches:
+            cache.fill(self.model.device, value)
+
+
+
+def _merged(ops: list[Op]) -> list[Op]:
+    """Ops of one kernel, shape, weight and form on several groups of layers as one op on all of them."""
+    out: dict = {}
+    for op in ops:
+        key = (op.key, op.weight, op.form, op.epilogue)
+        out[key] = replace(op, layers=tuple(sorted(out[key].layers + op.layers))) if key in out else op
+    return list(out.values())
 
 
 MIXER = AttentionMixer

@@ -22,8 +22,12 @@ from perfx.ops.kv_cache import KVCache, RopeTable, attention_features, check_kv_
 from perfx.ops.params import FP16_NEED, ParamSpace, Rule
 from perfx.runtime import Device
 
-# head_dim: even and whole vectors of 8 (both VW values); 64 and 128 are the tested Llama sizes.
-SUPPORTED_HEAD_DIMS = tuple(range(32, 257, 8))
+# head_dim: even and whole vectors of 8 (both VW values); 64 and 128 are the tested Llama sizes, 512 Gemma 4's
+# global layers'.
+SUPPORTED_HEAD_DIMS = tuple(range(32, 513, 8))
+# The local memory a work-group may take: Adreno's 32 KiB (other GPUs have 48–64). Where all GQA query heads of a
+# kv head would need more (Gemma 4 E2B: 8 heads of 512 on one kv head), fewer share a work-group (``heads``).
+LOCAL_BUDGET = 32 * 1024
 
 
 def lanes(params, shape) -> int:
@@ -31,16 +35,25 @@ def lanes(params, shape) -> int:
     return shape["head_dim"] // params["VW"]
 
 
-def local_memory(params, shape) -> int:
-    """Mirrors the kernel's __local arrays: q, the fresh k/v (fp16; q8: fp32, codes and scales), sums of squares
-    / scores / partial V sums, reductions, and with qk_norm the 1/rms of each head."""
-    gqa, d = shape["n_heads"] // shape["n_kv_heads"], shape["head_dim"]
+def local_memory(params, shape, heads: int | None = None) -> int:
+    """Mirrors the kernel's __local arrays for ``heads`` query heads a work-group (default ``heads_per_group``):
+    q, the fresh k/v (fp16; q8: fp32, codes and scales), sums of squares / scores / partial V sums, reductions,
+    and with a norm the 1/rms of each row."""
+    gqa, d = (heads or heads_per_group(params, shape)), shape["head_dim"]
     rows = params["WGS"] // lanes(params, shape)
-    work = max(gqa * params["PART"], rows * gqa * d, (gqa + 1) * params["WGS"])
+    work = max(gqa * params["PART"], rows * gqa * d, (gqa + 2) * params["WGS"])
     q_half = 2 * gqa * d if params["HALF"] else 2
-    inv_rms = gqa + 1 if shape.get("qk_norm") else 0
+    inv_rms = gqa + 2 if shape.get("qk_norm") or shape.get("v_norm") else 0
     fresh = 2 + 4 * 2 * d + 2 * d + 2 * 2 * d // 32 if shape.get("kv") == "q8" else 2 * 2 * d + 4 + 1 + 2
     return 4 * (gqa * d + work + gqa * params["WGS"] + 2 * gqa + inv_rms) + fresh + q_half
+
+
+def heads_per_group(params, shape) -> int:
+    """The query heads one work-group serves (the kernel's HEADS): all GQA of a kv head, or the most of them, a
+    divisor of GQA, whose local memory fits ``LOCAL_BUDGET`` (1 at least)."""
+    gqa = shape["n_heads"] // shape["n_kv_heads"]
+    fitting = [h for h in range(gqa, 0, -1) if gqa % h == 0 and local_memory(params, shape, h) <= LOCAL_BUDGET]
+    return fitting[0] if fitting else 1
 
 
 PARAMS = ParamSpace(
@@ -57,6 +70,8 @@ PARAMS = ParamSpace(
         Rule("head_dim must be whole vectors of VW", lambda p, s: s["head_dim"] % p["VW"] == 0),
         Rule("WGS must hold at least one whole V row (head_dim / VW work-items)",
              lambda p, s: p["WGS"] >= lanes(p, s)),
+        # q·k in half over 512 products drifts past HALF's 5e-3 (6.3e-3 measured on Intel's runtime at D = 512)
+        Rule("HALF only up to head_dim 256", lambda p, s: not p["HALF"] or s["head_dim"] <= 256),
     ),
     work_group_size=lambda p, s: p["WGS"],
     local_memory=local_memory,
@@ -84,6 +99,7 @@ class AttentionDecode:
             raise PerfxError(f"attention_decode: the shape needs {missing.args[0]!r} (n_heads, n_kv_heads, head_dim, "
                              "positions; optionally window, qk_norm, kv)") from None
         window, qk_norm = int(shape.get("window", 0)), bool(shape.get("qk_norm", False))
+        v_norm, q_only = bool(shape.get("v_norm", False)), bool(shape.get("q_only", False))
         if n_heads <= 0 or n_kv_heads <= 0 or n_heads % n_kv_heads:
             raise PerfxError(f"attention_decode: {n_heads} query heads cannot share {n_kv_heads} kv heads "
                              "(the query heads must be a positive multiple of the kv heads)")
@@ -99,11 +115,15 @@ class AttentionDecode:
         self.max_positions = max_positions
         self.window = int(window)   # sliding window (Mistral): attend to the last `window` positions; 0 = all
         self.qk_norm = bool(qk_norm)
+        self.v_norm, self.q_only = v_norm, q_only   # Gemma 4: v normed; q alone, reading another layer's cache
         spec_shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "positions": max_positions,
-                      **({"qk_norm": True} if self.qk_norm else {}), **kv_shape(self.kv)}
+                      **({"qk_norm": True} if self.qk_norm else {}), **({"v_norm": True} if v_norm else {}),
+                      **({"q_only": True} if q_only else {}), **kv_shape(self.kv)}
         self.params = params = PARAMS.resolve(params, spec_shape, device.caps)
+        self.heads = heads_per_group(params, spec_shape)
         self.defines = {"HEAD_DIM": head_dim, "GQA": n_heads // n_kv_heads, "QK_NORM": int(self.qk_norm),
-                        "KV_Q8": int(self.kv == "q8"), **params}
+                        "KV_Q8": int(self.kv == "q8"), "HEADS": self.heads, "V_NORM": int(v_norm),
+                        "Q_ONLY": int(q_only), **params}
         self._kernels: dict[bool, tuple] = {}
         self.kernels(False)   # built now: a refusal shows at load
         self.part = int(params["PART"])
@@ -114,7 +134,7 @@ class AttentionDecode:
         self.part_max = device.alloc(stats, what="attention_decode partial maxima")
         self.part_sum = device.alloc(stats, what="attention_decode partial sums")
         self.part_out = device.alloc(stats * head_dim, what="attention_decode partial outputs")
-        self.qkv_size = (n_heads + 2 * n_kv_heads) * head_dim
+        self.qkv_size = (n_heads + (0 if q_only else 2 * n_kv_heads)) * head_dim
         # Bound to the table and weight arguments a launch does not read (no RoPE, no qk_norm).
         self.placeholder = device.alloc(4, what="attention_decode placeholder")
         self.position = DevicePosition(device, "attention_decode")
@@ -159,7 +179,8 @@ class AttentionDecode:
                              f"{rope.head_dim}) does not cover position {pos} at head_dim {d}")
         qkv_b, qkv_bytes = buffer_bytes(qkv, "attention_decode qkv")
         if qkv_offset < 0 or qkv_bytes // 4 < qkv_offset + self.qkv_size:
-            raise PerfxError(f"attention_decode: qkv must hold float32 [q | k | v] of {self.qkv_size} "
+            raise PerfxError(f"attention_decode: qkv must hold float32 [q | k | v] (q alone, q_only) of "
+                             f"{self.qkv_size} "
                              f"elements from offset {qkv_offset}; it holds {qkv_bytes // 4}")
         out_b, out_bytes = buffer_bytes(out, "attention_decode out")
         if out_bytes // 4 < self.n_heads * d:
@@ -197,7 +218,8 @@ class AttentionDecode:
         n_parts = self.partitions(pos)
         cos, sin = (self.placeholder, self.placeholder) if rope is None else (rope.cos, rope.sin)
         partial = self.device.launch(
-            partial_kernel, (self.wgs, self.n_kv_heads, n_parts), (self.wgs, 1, 1),
+            partial_kernel, (self.wgs, self.n_kv_heads * (self.n_heads // self.n_kv_heads // self.heads), n_parts),
+            (self.wgs, 1, 1),
             qkv_b, np.int32(qkv_offset), cos, sin, np.int32(0 if rope is None else rope.rotary_dims),
             *norms, np.float32(eps), keys, values, *scales,
             np.int32(offset), np.int32(cache.max_positions), positions,

@@ -229,6 +229,11 @@ class ModelSource(ABC):
             return None
         if self._embedding_q4_group() is not None and embedding.kind != "q4":
             embedding = Form("q4", self._embedding_q4_group())
+        if c.per_layer_input:
+            ple = self._per_layer_forms()
+            if ple is None:
+                return None
+            forms.update(ple)
         if c.tie_embeddings:
             forms["embedding"] = forms["lm_head"] = {embedding}
         else:
@@ -264,6 +269,11 @@ class ModelSource(ABC):
         if not self.config.per_layer_input:
             return None
         return self._per_layer_tables()
+
+    def _per_layer_forms(self) -> dict[str, set[Form]] | None:
+        """The forms of Gemma 4's per-layer table ("ple_table") and embedding projection ("ple_model") from the
+        header, None where the source cannot tell."""
+        return None
 
     def _per_layer_tables(self) -> tuple:
         raise PerfxError(f"{type(self).__name__} does not read Gemma 4's per-layer embeddings")

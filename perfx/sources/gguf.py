@@ -235,6 +235,12 @@ class GGUFSource(ModelSource):
     def has_part(self, name: str, layer: int) -> bool:
         return f"blk.{layer}.{GGUF_LINEAR[name]}.weight" in self._tensors
 
+    def _per_layer_forms(self) -> dict[str, set[Form]]:
+        c = self.config
+        model = GGUF_FORMS[self._type("per_layer_model_proj.weight")]
+        return {"ple_table": {GGUF_FORMS[self._type("per_layer_token_embd.weight")]},
+                "ple_model": {self._quantized_form(model, c.hidden_size)}}
+
     def _per_layer_tables(self) -> tuple:
         norm = self._check("per_layer_proj_norm.weight", (self.expected_vector("per_layer_norm"),))
         return (self._read("per_layer_token_embd.weight", self.expected_shape("per_layer_table")),

@@ -3,7 +3,8 @@ independent float64 re-implementation of llama.cpp's gemma4 graph (src/models/ge
 holds.
 
 The GGUF: Gemma3Model's keys (block count, context, embedding length, head counts, key_length, RoPE base, norm
-epsilon, sliding window, final soft-cap), then Gemma4Model's: ``shared_kv_layers``, ``embedding_length_per_layer_input``,
+epsilon, sliding window, final soft-cap), then Gemma4Model's: ``shared_kv_layers``,
+``embedding_length_per_layer_input``,
 ``sliding_window_pattern`` (one bool a layer), ``key_length`` / ``value_length`` = global_head_dim and their ``_swa``
 forms = head_dim, ``feed_forward_length`` per layer (doubled on the KV-sharing layers with use_double_wide_mlp),
 ``head_count_kv`` per layer (where num_global_key_value_heads is set), ``rope.dimension_count`` = global_head_dim
@@ -64,7 +65,8 @@ def layer_shapes(c: dict) -> list[dict]:
 
 
 def make_gemma4(rng: np.random.Generator, k_eq_v: bool = False, **overrides) -> Gemma4Model:
-    """Random weights of the tiny shape: matrices N(0, 1/K) so each layer adds O(1); norms near 1 (stored as used);
+    """Random weights of the tiny shape: matrices N(0, 1/K) so each layer adds O(1); norms near 1 (stored as used;
+    q's and k's near D^(−1/4));
     layer scalars near 1; ``k_eq_v``: the global layers have no v projection (the 26B / 31B models' form)."""
     c = dict(TINY, **overrides)
     c["attention_k_eq_v"] = k_eq_v
@@ -84,10 +86,11 @@ def make_gemma4(rng: np.random.Generator, k_eq_v: bool = False, **overrides) -> 
         b, q_dim, kv_dim = f"blk.{i}.", c["num_attention_heads"] * s["head"], s["kv"] * s["head"]
         w[b + "attn_norm.weight"] = norm(h)
         w[b + "attn_q.weight"] = matrix(q_dim, h)
-        w[b + "attn_q_norm.weight"] = norm(s["head"])
+        # Gemma 4 attends at scale 1: its learned q and k norms carry 1/√D between them (q·k of O(1))
+        w[b + "attn_q_norm.weight"] = norm(s["head"]) * s["head"] ** -0.25
         # the converter writes what the checkpoint holds; llama.cpp reads k and v only where the layer has a cache
         w[b + "attn_k.weight"] = matrix(kv_dim, h)
-        w[b + "attn_k_norm.weight"] = norm(s["head"])
+        w[b + "attn_k_norm.weight"] = norm(s["head"]) * s["head"] ** -0.25
         if not (k_eq_v and not s["sliding"]):
             w[b + "attn_v.weight"] = matrix(kv_dim, h)
         w[b + "attn_output.weight"] = matrix(h, q_dim)

@@ -151,3 +151,23 @@ def test_a_file_without_a_template_talks_in_gemma4s_turns(tmp_path):
     assert text == "<bos><|turn>system\nBe brief.<turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\n"
     # <turn|> ends a reply, as <eos> does
     assert [tokenizer.token_text(i) for i in sorted(tokenizer.eos_ids)] == ["<eos>", "<turn|>"]
+
+
+def test_greedy_tokens_on_the_device_are_float64s(tmp_path, device):
+    """The decode loop on the device (each step's token chosen there and handed to the next) gives the tokens the
+    float64 forward picks; the margins between the top two logits are far above the device's error here."""
+    rng = np.random.default_rng(21)
+    write_gemma4_gguf(tmp_path / "tiny.gguf", make_gemma4(rng))
+    source = GGUFSource(tmp_path / "tiny.gguf")
+    model = Model.load(source, device, ctx=64, database=default_database(False))
+    prompt = [int(t) for t in rng.integers(0, TINY["vocab_size"], 7)]
+    expected, tokens = [], list(prompt)
+    for _ in range(6):
+        logits, _ = model_forward(source, tokens)
+        top = np.sort(logits[-1])[-2:]
+        assert top[1] - top[0] > 0.05, "a near-tie: the float64 reference cannot say which token is right"
+        expected.append(int(np.argmax(logits[-1])))
+        tokens.append(expected[-1])
+    model.prefill(prompt[:-1], 0)
+    got = list(model.greedy_tokens(prompt[-1], len(prompt) - 1, len(prompt) + 4))
+    assert got == expected

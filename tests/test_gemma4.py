@@ -10,13 +10,15 @@ import gguf
 import numpy as np
 import pytest
 
-from helpers.gemma4_models import TINY, layer_shapes, make_gemma4, reference_logits, write_gemma4_gguf
+from helpers.gemma4_models import (TINY, layer_shapes, make_gemma4, reference_logits, write_gemma4_gguf,
+                                   write_gemma4_hf)
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
 from perfx.families.gemma4 import E2B
 from perfx.forward64 import model_forward
 from perfx.model import Model
 from perfx.sources.gguf import GGUFSource
+from perfx.sources.huggingface import HFSource
 from perfx.sources.synthetic import SYNTHETIC_MODELS
 from perfx.tuning import relative_error
 from perfx.tuning.database import default_database
@@ -171,3 +173,21 @@ def test_greedy_tokens_on_the_device_are_float64s(tmp_path, device):
     model.prefill(prompt[:-1], 0)
     got = list(model.greedy_tokens(prompt[-1], len(prompt) - 1, len(prompt) + 4))
     assert got == expected
+
+
+@pytest.mark.parametrize("multimodal", [True, False], ids=["conditional-generation", "causal-lm"])
+def test_a_hugging_face_directory_is_the_same_model(tmp_path, multimodal):
+    """The same weights as a GGUF (fp16 everywhere, so both hold them exactly) and as a Hugging Face directory
+    give the same float64 forward; K as V and the sharing layers' k and v present as the checkpoint has them."""
+    fp16 = {name: "F16" for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+                                     "inp_gate", "proj")}
+    model = write_gemma4_gguf(tmp_path / "tiny.gguf", make_gemma4(np.random.default_rng(4), k_eq_v=True),
+                              types=fp16, table_type="F16", embedding_type="F16")
+    directory = write_gemma4_hf(tmp_path / "hf", model, multimodal)
+    gguf_source, hf_source = GGUFSource(tmp_path / "tiny.gguf", lm_head="fp16"), HFSource(directory, lm_head="fp16")
+    assert hf_source.config.layers == gguf_source.config.layers
+    tokens = np.random.default_rng(5).integers(0, TINY["vocab_size"], 9)
+    want, _ = model_forward(gguf_source, tokens)
+    got, _ = model_forward(hf_source, tokens)
+    assert np.abs(got - want).max() < TOLERANCE
+    assert np.abs(got - reference_logits(model, tokens)).max() < TOLERANCE

@@ -153,9 +153,13 @@ E2B = dict(model_type="gemma4_text", vocab_size=262144, hidden_size=1536, interm
                                                "rope_type": "proportional"},
                             "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}})
 
+# transformers' Gemma 4 names (as gguf-py's tensor map reads them): the Gemma norms, the per-layer input's
+# gate, projection and norm, the layer scalar
 GEMMA4_TENSORS = TensorNames(hf_vectors={"ffn_norm": "pre_feedforward_layernorm.weight",
                                          "post_attn_norm": "post_attention_layernorm.weight",
-                                         "post_ffn_norm": "post_feedforward_layernorm.weight"})
+                                         "post_ffn_norm": "post_feedforward_layernorm.weight",
+                                         "ple_norm": "post_per_layer_input_norm.weight", "out_scale": "layer_scalar"},
+                             hf_linears={"ple_gate": "per_layer_input_gate", "ple_proj": "per_layer_projection"})
 
 FAMILY = Family(
     name="gemma4", order=11,

@@ -17,7 +17,7 @@ from perfx.config import ModelConfig
 from perfx.errors import PerfxError
 from perfx.families import family_of
 from perfx.resources import read_json
-from perfx.sources.base import (F16_FORM, Form, Linear, ModelSource, check_finite,
+from perfx.sources.base import (F16_FORM, Q8_QUANTIZE_GROUP, Form, Linear, ModelSource, check_finite,
                                 fused_split_error, shape_error)
 from perfx.tokenizer import Tokenizer
 
@@ -148,6 +148,11 @@ class HFSource(ModelSource):
         self._check_shape(self._final_norm, (c.hidden_size,))
         if not c.tie_embeddings:
             self._check_linear(self._head, self.expected_shape("lm_head"))
+        if c.per_layer_input:
+            self._check_shape(f"{self._prefix}embed_tokens_per_layer.weight", self.expected_shape("per_layer_table"))
+            self._check_linear(f"{self._prefix}per_layer_model_projection", self.expected_shape("per_layer_proj"))
+            self._check_shape(f"{self._prefix}per_layer_projection_norm.weight",
+                              (self.expected_vector("per_layer_norm"),))
         for i in range(c.n_layers):
             self._check_layer(i)
 
@@ -163,11 +168,13 @@ class HFSource(ModelSource):
                 fused.update(HF_FUSED[label][1])
         for name in self.layer_parts(layer):
             if name not in fused:
-                self._check_linear(self._module(name, layer), self.expected_shape(name))
+                name = self.part_read_as(name, layer)
+                self._check_linear(self._module(name, layer), self.expected_shape(name, layer))
         if mixer.taps(c):
             self._check_shape(self._conv_taps_name(layer), (mixer.taps(c), 1, c.conv_length))
         for name in self.vector_names(layer):
-            self._check_shape(f"{self._prefix}layers.{layer}.{self._vectors[name]}", (self.expected_vector(name),))
+            self._check_shape(f"{self._prefix}layers.{layer}.{self._vectors[name]}",
+                              (self.expected_vector(name, layer),))
 
     def _conv_taps_name(self, layer: int) -> str:
         return f"{self._prefix}layers.{layer}.{CONV_TAPS[self.config.layers[layer].kind]}"
@@ -209,7 +216,27 @@ class HFSource(ModelSource):
         return read(*parts, group)
 
     def _linear(self, name: str, layer: int) -> Linear:
-        return self._read_linear(self._module(name, layer), self.expected_shape(name))
+        return self._read_linear(self._module(name, layer), self.expected_shape(name, layer))
+
+    def has_part(self, name: str, layer: int) -> bool:
+        module = self._module(name, layer)
+        return f"{module}.weight" in self._files or f"{module}.qweight" in self._files
+
+    def _per_layer_forms(self) -> dict[str, set[Form]]:
+        # the table as the head's rule keeps the embedding (int8 by default: E2B's is 4.7 GB in fp16)
+        width = self.config.n_layers * self.config.per_layer_input
+        table = Form("q8", Q8_QUANTIZE_GROUP) if self.lm_head_form == "q8" and width % Q8_QUANTIZE_GROUP == 0 else F16_FORM
+        module = f"{self._prefix}per_layer_model_projection"
+        model = Form("q4", self.awq["group"]) if self._is_awq(module) else F16_FORM
+        return {"ple_table": {table}, "ple_model": {self._quantized_form(model, self.config.hidden_size)}}
+
+    def _per_layer_tables(self) -> tuple:
+        table = self._tensor(f"{self._prefix}embed_tokens_per_layer.weight",
+                             self.expected_shape("per_layer_table")).astype(np.float16)
+        norm = self._tensor(f"{self._prefix}per_layer_projection_norm.weight",
+                            (self.expected_vector("per_layer_norm"),)).astype(np.float32)
+        model = self._read_linear(f"{self._prefix}per_layer_model_projection", self.expected_shape("per_layer_proj"))
+        return self._as_head(table), self.quantized(model), norm + self._norm_offset
 
     def _fused(self, label: str, layer: int) -> Linear | None:
         module = self._fused_module(label, layer)
@@ -217,7 +244,7 @@ class HFSource(ModelSource):
 
     def _vector(self, name: str, layer: int | None) -> np.ndarray:
         tensor = self._final_norm if name == "final_norm" else f"{self._prefix}layers.{layer}.{self._vectors[name]}"
-        vector = self._tensor(tensor, (self.expected_vector(name),)).astype(np.float32)
+        vector = self._tensor(tensor, (self.expected_vector(name, layer),)).astype(np.float32)
         if name == "ssm_a":   # A = −exp(A_log), as the converter stores ssm_a
             return -np.exp(vector.astype(np.float64)).astype(np.float32)
         return vector + self._norm_offset if name.endswith("norm") and name != "delta_norm" else vector

@@ -268,3 +268,47 @@ def reference_logits(model: Gemma4Model, tokens) -> np.ndarray:
     logits = x @ w["token_embd.weight"].T
     cap = c["final_logit_softcapping"]
     return cap * np.tanh(logits / cap)
+
+
+# GGUF tensor (after blk.{i}.) -> transformers' name under model.layers.{i}. (gguf-py's tensor map for gemma4)
+HF_LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "self_attn.q_proj.weight",
+                  "attn_k.weight": "self_attn.k_proj.weight", "attn_v.weight": "self_attn.v_proj.weight",
+                  "attn_output.weight": "self_attn.o_proj.weight", "attn_q_norm.weight": "self_attn.q_norm.weight",
+                  "attn_k_norm.weight": "self_attn.k_norm.weight",
+                  "post_attention_norm.weight": "post_attention_layernorm.weight",
+                  "ffn_norm.weight": "pre_feedforward_layernorm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
+                  "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+                  "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+                  "inp_gate.weight": "per_layer_input_gate.weight", "proj.weight": "per_layer_projection.weight",
+                  "post_norm.weight": "post_per_layer_input_norm.weight", "layer_output_scale.weight": "layer_scalar"}
+HF_GLOBAL_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
+                   "per_layer_token_embd.weight": "embed_tokens_per_layer.weight",
+                   "per_layer_model_proj.weight": "per_layer_model_projection.weight",
+                   "per_layer_proj_norm.weight": "per_layer_projection_norm.weight"}
+
+
+def write_gemma4_hf(directory: Path, model: Gemma4Model, multimodal: bool = True) -> Path:
+    """A Hugging Face directory of what ``model``'s GGUF holds (``model.held``, float32): the multimodal
+    checkpoint's form (Gemma4ForConditionalGeneration: config.json's text_config, tensors under
+    model.language_model.), or the text model's (``multimodal`` False: model.)."""
+    from safetensors.numpy import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    prefix = "model.language_model." if multimodal else "model."
+    tensors = {}
+    for name, w in model.held.items():
+        if name == "rope_freqs.weight":
+            continue   # the converter's; config.json's rope_parameters say the same
+        if name.startswith("blk."):
+            _, layer, rest = name.split(".", 2)
+            hf = f"{prefix}layers.{layer}.{HF_LAYER_NAMES[rest]}"
+        else:
+            hf = prefix + HF_GLOBAL_NAMES[name]
+        tensors[hf] = np.ascontiguousarray(w, dtype=np.float32)
+    save_file(tensors, str(directory / "model.safetensors"))
+    text = dict(model.config)
+    config = ({"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"], "text_config": text}
+              if multimodal else {**text, "architectures": ["Gemma4ForCausalLM"]})
+    (directory / "config.json").write_text(__import__("json").dumps(config, indent=1))
+    return directory

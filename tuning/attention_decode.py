@@ -234,18 +234,19 @@ def make_case(device, shape, rng) -> Case:
 
 def heads(st):
     """Query heads, kv heads (the GQA ratio, up to 8) and head_dim (the kernels take multiples of 8 from 32;
-    Gemma's 256 too)."""
+    Gemma's 256 and Gemma 4's 512 too)."""
     @st.composite
     def draw_heads(draw):
         kv = draw(st.integers(1, 3))
         return {"n_heads": kv * draw(st.integers(1, 8)), "n_kv_heads": kv,
-                "head_dim": draw(st.one_of(st.integers(4, 20).map(lambda n: 8 * n), st.just(256)))}
+                "head_dim": draw(st.one_of(st.integers(4, 20).map(lambda n: 8 * n), st.just(256), st.just(512)))}
     return draw_heads()
 
 
 def layer_features(st, head_dim: int):
     """Any of the per-layer features of ``Features``: q/k norm, partial or no RoPE, a scale, a soft-cap, a
-    window; and, where the head is whole blocks of 32, an int8 KV cache and out written as Q8_1 blocks too."""
+    window, Gemma 4's v norm or q alone; and, where the head is whole blocks of 32, an int8 KV cache and out
+    written as Q8_1 blocks too."""
     @st.composite
     def draw_features(draw):
         out = {}
@@ -262,6 +263,9 @@ def layer_features(st, head_dim: int):
             out["softcap"] = draw(st.sampled_from([1.0, 3.0, 50.0]))
         if draw(st.booleans()):
             out["window"] = draw(st.integers(1, 80))
+        gemma4 = draw(st.sampled_from(["none", "v_norm", "q_only"]))   # Gemma 4's v norm, or a sharing layer
+        if gemma4 != "none":
+            out[gemma4] = True
         if head_dim % 32 == 0 and draw(st.booleans()):
             out["kv"] = "q8"
         if head_dim % 32 == 0 and draw(st.booleans()):

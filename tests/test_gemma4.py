@@ -20,6 +20,7 @@ from perfx.model import Model
 from perfx.sources.gguf import GGUFSource
 from perfx.sources.huggingface import HFSource
 from perfx.sources.synthetic import SYNTHETIC_MODELS
+from perfx.tokenizer import Tokenizer
 from perfx.tuning import relative_error
 from perfx.tuning.database import default_database
 
@@ -191,3 +192,32 @@ def test_a_hugging_face_directory_is_the_same_model(tmp_path, multimodal):
     got, _ = model_forward(hf_source, tokens)
     assert np.abs(got - want).max() < TOLERANCE
     assert np.abs(got - reference_logits(model, tokens)).max() < TOLERANCE
+
+
+def test_gemma4s_own_tokenizer_model(tmp_path):
+    """tokenizer.ggml.model "gemma4" (Gemma4Model.set_vocab): BPE over raw UTF-8 with spaces as ▁ and no prefix
+    space, bytes without a piece as <0xXX>, the turn tokens split out first."""
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>"]
+    pieces = ["h", "e", "l", "o", "w", "r", "d", "▁", "he", "ll", "hell", "hello", "▁w", "▁wo", "▁wor", "▁worl",
+              "▁world"]
+    tokens = specials + [f"<0x{i:02X}>" for i in range(256)] + pieces
+    writer = gguf.GGUFWriter(str(tmp_path / "tok.gguf"), "gemma4")
+    writer.add_tokenizer_model("gemma4")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(["h e", "l l", "he ll", "hell o", "▁ w", "▁w o", "▁wo r", "▁wor l", "▁worl d"])
+    writer.add_token_types([gguf.TokenType.CONTROL] * 6 + [gguf.TokenType.BYTE] * 256
+                           + [gguf.TokenType.NORMAL] * len(pieces))
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tokenizer = Tokenizer.from_gguf(tmp_path / "tok.gguf")
+    for text, pieces_wanted in (("hello world", ["hello", "▁world"]),
+                                ("hello  world<turn|>é", ["hello", "▁", "▁world", "<turn|>", "<0xC3>", "<0xA9>"]),
+                                ("<|turn>user\nhello", ["<|turn>", "<0x75>", "<0x73>", "e", "r", "<0x0A>", "hello"])):
+        ids = tokenizer.encode(text)
+        assert [tokenizer.token_text(i) for i in ids] == pieces_wanted
+        assert tokenizer.decode(ids) == text
+    assert tokenizer.encode("hello", add_bos=True)[0] == 2

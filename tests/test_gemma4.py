@@ -221,3 +221,17 @@ def test_gemma4s_own_tokenizer_model(tmp_path):
         assert [tokenizer.token_text(i) for i in ids] == pieces_wanted
         assert tokenizer.decode(ids) == text
     assert tokenizer.encode("hello", add_bos=True)[0] == 2
+
+
+def test_every_positions_logits_for_perplexity(tmp_path, device):
+    """prefill_logits (perplexity): the final norm and the head over every row of a prompt, Gemma 4's residual
+    closed by each layer's scalar first."""
+    rng = np.random.default_rng(31)
+    write_gemma4_gguf(tmp_path / "tiny.gguf", make_gemma4(rng))
+    source = GGUFSource(tmp_path / "tiny.gguf")
+    model = Model.load(source, device, ctx=64, database=default_database(False))
+    tokens = [int(t) for t in rng.integers(0, TINY["vocab_size"], 20)]
+    want, _ = model_forward(source, tokens)
+    got = model.prefill_logits(tokens, 0, first=3)
+    assert got.shape == want[3:].shape
+    assert max(relative_error(g, w) for g, w in zip(got, want[3:])) <= DEVICE_TOLERANCE

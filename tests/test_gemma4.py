@@ -17,6 +17,8 @@ from perfx.errors import PerfxError
 from perfx.families.gemma4 import E2B
 from perfx.forward64 import model_forward
 from perfx.model import Model
+from perfx.ops.q8_weight import Q8DeviceWeight
+from perfx.runtime import Device, Limits
 from perfx.sources.gguf import GGUFSource
 from perfx.sources.huggingface import HFSource
 from perfx.sources.synthetic import SYNTHETIC_MODELS
@@ -235,3 +237,19 @@ def test_every_positions_logits_for_perplexity(tmp_path, device):
     got = model.prefill_logits(tokens, 0, first=3)
     assert got.shape == want[3:].shape
     assert max(relative_error(g, w) for g, w in zip(got, want[3:])) <= DEVICE_TOLERANCE
+
+
+def test_an_int4_table_past_the_largest_allocation_is_held_as_int8(tmp_path, opencl_device):
+    """A phone's largest allocation (PERFX_LIMITS: an Adreno's 1 GiB; here 128 KiB) below an int4 per-layer
+    table's codes: the table is held as int8 of the same values, in row blocks, and the forward is unchanged."""
+    rng = np.random.default_rng(41)
+    write_gemma4_gguf(tmp_path / "tiny.gguf", make_gemma4(rng, vocab_size=4096), table_type="Q4_0")
+    source = GGUFSource(tmp_path / "tiny.gguf")
+    device = Device(opencl_device.entry.index, limits=Limits(name="test", max_alloc=128 << 10))
+    model = Model.load(source, device, ctx=32, database=default_database(False))
+    table = model.weights.ple_table.weight
+    assert isinstance(table, Q8DeviceWeight) and len(table.blocks) > 1
+    tokens = [int(t) for t in rng.integers(0, 4096, 8)]
+    want, _ = model_forward(source, tokens)
+    model.prefill(tokens, 0)
+    assert relative_error(model.logits(), want[-1]) <= DEVICE_TOLERANCE

@@ -225,7 +225,8 @@ class HFSource(ModelSource):
     def _per_layer_forms(self) -> dict[str, set[Form]]:
         # the table as the head's rule keeps the embedding (int8 by default: E2B's is 4.7 GB in fp16)
         width = self.config.n_layers * self.config.per_layer_input
-        table = Form("q8", Q8_QUANTIZE_GROUP) if self.lm_head_form == "q8" and width % Q8_QUANTIZE_GROUP == 0 else F16_FORM
+        int8 = self.lm_head_form == "q8" and width % Q8_QUANTIZE_GROUP == 0
+        table = Form("q8", Q8_QUANTIZE_GROUP) if int8 else F16_FORM
         module = f"{self._prefix}per_layer_model_projection"
         model = Form("q4", self.awq["group"]) if self._is_awq(module) else F16_FORM
         return {"ple_table": {table}, "ple_model": {self._quantized_form(model, self.config.hidden_size)}}

@@ -25,7 +25,7 @@ import numpy as np
 
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
-from perfx.formats import Q4_PAIRS, Q4Matrix, Q8Matrix
+from perfx.formats import Q4_PAIRS, Q4Matrix
 from perfx.linear import Linear, upload_linear
 from perfx.mixers import Mixer, mixer_class
 from perfx.ops import Q8_NATURAL, Q8_TEXEL
@@ -264,12 +264,6 @@ class Model:
             return
         c, w = self.config, self.weights
         table, projection, norm = tables
-        if isinstance(table, Q4Matrix) and table.codes.size // 2 > self.device.caps.max_alloc:
-            # an int4 table is one codes buffer: past the device's largest allocation (a Q4_K E2B table is 1.2 GB,
-            # an Adreno allocation at most 1 GiB) it is held as int8 of the same values (codes 0..15, its scales
-            # and offsets in float32), which the int8 form keeps in row blocks
-            table = Q8Matrix(table.codes.astype(np.int8), table.scales.astype(np.float32),
-                             np.asarray(table.offsets, np.float32), table.group, f32=True)
         w.ple_table = self.upload(table, "per-layer table", "ple_table")
         w.ple_model = self.upload(projection, "per-layer projection", "ple_model")
         w.ple_norm = self.vector(np.asarray(norm, np.float64) / np.sqrt(2.0))

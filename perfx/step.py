@@ -44,7 +44,7 @@ def matrix_dims(config, role: str) -> tuple[int, int, bool]:
 
 def matrix_roles(config) -> tuple[str, ...]:
     """The matrix roles of the model's layers: each layer kind's mixer's (in the order the kinds first come),
-    then gate_up and down."""
+    then gate_up and down, then Gemma 4's per-layer-embedding matrices where it has them."""
     ple = ("ple_gate", "ple_proj", "ple_model") if config.per_layer_input else ()
     return tuple(r for kind in kinds_of(config) for r, *_ in mixer_class(kind).linears(config)) + ("gate_up",
                                                                                                    "down") + ple

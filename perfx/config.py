@@ -77,6 +77,11 @@ class ModelConfig:
     value_norm: bool = False            # v RMS-normed per head without a scale before the cache (Gemma 4)
     layer_scale: bool = False           # each layer's output residual times a learned scalar (Gemma 4)
     kv_shared: bool = False             # (a layer's view, ``at``) the layer reads an earlier layer's cache: q only
+    # Gemma 3n (float64 only): AltUp's streams and active one, LAuReL's rank, each layer's gate sparsity (0: none)
+    altup_inputs: int = 0
+    altup_active: int = 0
+    laurel_rank: int = 0
+    sparsity: tuple = ()
     extra: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
@@ -242,6 +247,9 @@ class ModelConfig:
             parts.append("v norm")
         if self.layer_scale:
             parts.append("layer output scales")
+        if self.altup_inputs:
+            parts.append(f"AltUp ×{self.altup_inputs}, LAuReL rank {self.laurel_rank}, sparse gates on "
+                         f"{sum(1 for s in self.sparsity if s)}/{self.n_layers} layers")
         return ", ".join(parts) or "Llama recipe"
 
     # -- reading a file: the family's (perfx.families) ------------------------------------------------------

@@ -155,6 +155,9 @@ class Model:
 
     def __init__(self, config: ModelConfig, device: Device, max_positions: int, database: Database | None = None,
                  log=None, kv: str = "f16"):
+        if config.altup_inputs:
+            raise PerfxError(f"{config.architecture}: perfx runs this recipe ({config.describe_recipe()}) in float64 "
+                             "only (perfx.forward64.model_forward): the device forward has no AltUp or LAuReL yet")
         self.config, self.device, self.max_positions = config, device, max_positions
         self.kv = check_kv_form(kv, config.head_dim, "--kv")   # the KV cache's form: "f16" or "q8"
         self.database = database if database is not None else default_database()

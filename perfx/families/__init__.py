@@ -159,7 +159,9 @@ def hf_values(config: dict) -> dict:
         n_heads = int(config["num_attention_heads"])
         values = dict(
             vocab_size=int(config["vocab_size"]),
-            intermediate_size=int(config["intermediate_size"]),
+            # Gemma 3n lists one per layer (all alike in its releases): the widest
+            intermediate_size=int(max(config["intermediate_size"]) if isinstance(config["intermediate_size"], list)
+                                  else config["intermediate_size"]),
             n_layers=int(config["num_hidden_layers"]),
         )
     except KeyError as error:

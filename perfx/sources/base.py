@@ -42,6 +42,11 @@ EMBEDDING_CHOICES = ("head", "q4")
 FFN_LINEARS = {"gate_up": ("gate", "up"), "down": ("down",)}
 # Gemma 4's per-layer input matrices, where the recipe has per-layer embeddings
 PLE_LINEARS = {"ple_gate": ("ple_gate",), "ple_proj": ("ple_proj",)}
+# Gemma 3n's per-layer AltUp and LAuReL weights (float64 only): LAuReL's left (r, hidden) and right (hidden, r)
+# matrices and its norm; AltUp's router (A, hidden), its norm, the prediction (A², A) and correction (A, A)
+# coefficients and the corrected output's scale
+ALTUP_LINEARS = ("laurel_l", "laurel_r", "altup_router", "altup_predict", "altup_correct")
+ALTUP_VECTORS = ("laurel_norm", "altup_router_norm", "altup_correct_scale")
 
 
 @dataclass
@@ -61,6 +66,7 @@ class LayerWeights:
     ple_proj: Linear | None = None             # (hidden, per_layer_input)
     ple_norm: np.ndarray | None = None         # (hidden,) float32
     out_scale: np.ndarray | None = None        # (1,) float32: the layer's output residual times this (Gemma 4)
+    altup: dict | None = None                  # Gemma 3n's AltUp and LAuReL weights (ALTUP_LINEARS, ALTUP_VECTORS)
 
     def linears(self) -> dict[str, Linear]:
         """Every matrix of the layer by role: the mixer's, then the FFN's."""
@@ -258,6 +264,9 @@ class ModelSource(ABC):
                          ple_proj=self.read_matrix("ple_proj", ("ple_proj",), i), ple_norm=self._vector("ple_norm", i))
         if c.layer_scale:
             norms["out_scale"] = self._vector("out_scale", i)
+        if c.altup_inputs:
+            norms["altup"] = {**{name: self.read_part(name, i) for name in ALTUP_LINEARS},
+                              **{name: self._vector(name, i) for name in ALTUP_VECTORS}}
         return LayerWeights(attn_norm=self._vector("attn_norm", i), ffn_norm=self._vector("ffn_norm", i),
                             gate_up=self.read_matrix("gate_up", FFN_LINEARS["gate_up"], i),
                             down=self.read_matrix("down", FFN_LINEARS["down"], i),
@@ -269,6 +278,14 @@ class ModelSource(ABC):
         if not self.config.per_layer_input:
             return None
         return self._per_layer_tables()
+
+    def altup_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """Gemma 3n's AltUp projections (A − 1, hidden, hidden) float64: of the embedding into the other streams,
+        and of those streams back at the end."""
+        return self._altup_tables()
+
+    def _altup_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        raise PerfxError(f"{type(self).__name__} does not read Gemma 3n's AltUp projections")
 
     def _per_layer_forms(self) -> dict[str, set[Form]] | None:
         """The forms of Gemma 4's per-layer table ("ple_table") and embedding projection ("ple_model") from the
@@ -349,7 +366,10 @@ class ModelSource(ABC):
         differ in their shapes)."""
         c = self.config if layer is None else self.config.at(layer)
         p = c.per_layer_input
+        a, r = c.altup_inputs, c.laurel_rank
         shapes = {"ple_gate": (p, c.hidden_size), "ple_proj": (c.hidden_size, p),
+                  "laurel_l": (r, c.hidden_size), "laurel_r": (c.hidden_size, r), "altup_router": (a, c.hidden_size),
+                  "altup_predict": (a * a, a), "altup_correct": (a, a),
                   "per_layer_table": (c.vocab_size, c.n_layers * p), "per_layer_proj": (c.n_layers * p, c.hidden_size),
                   "gate": (c.intermediate_size, c.hidden_size), "up": (c.intermediate_size, c.hidden_size),
                   "down": (c.hidden_size, c.intermediate_size), "gate_up": (2 * c.intermediate_size, c.hidden_size),
@@ -370,7 +390,8 @@ class ModelSource(ABC):
         c = self.config
         return (("attn_norm", "ffn_norm") + tuple(self.mixer(layer).host_vectors(c.at(layer)))
                 + (("post_attn_norm", "post_ffn_norm") if c.post_norms else ())
-                + (("ple_norm",) if c.per_layer_input else ()) + (("out_scale",) if c.layer_scale else ()))
+                + (("ple_norm",) if c.per_layer_input else ()) + (("out_scale",) if c.layer_scale else ())
+                + (ALTUP_VECTORS if c.altup_inputs else ()))
 
     def _quantized(self, w: Linear) -> Linear:
         if self.quantize != "q4" or isinstance(w, Q4Matrix):

@@ -24,7 +24,7 @@ from perfx.errors import PerfxError
 from perfx.families import family_of
 from perfx.gguf_file import GGUFFile
 from perfx.reference import unpermute_qk
-from perfx.sources.base import (F16_FORM, Form, Linear, ModelSource, check_finite, fused_split_error,
+from perfx.sources.base import (ALTUP_LINEARS, F16_FORM, Form, Linear, ModelSource, check_finite, fused_split_error,
                                 permute_linear_rows, shape_error)
 from perfx.tokenizer import Tokenizer
 
@@ -32,13 +32,17 @@ GGUF_LINEAR = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
                "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down",
                "conv_in": "shortconv.in_proj", "conv_out": "shortconv.out_proj",
                "delta_qkv": "attn_qkv", "delta_z": "attn_gate", "delta_a": "ssm_alpha", "delta_b": "ssm_beta",
-               "delta_out": "ssm_out", "ple_gate": "inp_gate", "ple_proj": "proj"}
+               "delta_out": "ssm_out", "ple_gate": "inp_gate", "ple_proj": "proj",
+               "laurel_l": "laurel_l", "laurel_r": "laurel_r", "altup_router": "altup_router",
+               "altup_predict": "altup_predict_coef", "altup_correct": "altup_correct_coef"}
 GGUF_VECTOR = {"attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight",
                "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
                "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
                "post_attn_norm": "post_attention_norm.weight", "post_ffn_norm": "post_ffw_norm.weight",
                "dt_bias": "ssm_dt.bias", "ssm_a": "ssm_a", "delta_norm": "ssm_norm.weight",
-               "ple_norm": "post_norm.weight", "out_scale": "layer_output_scale.weight"}
+               "ple_norm": "post_norm.weight", "out_scale": "layer_output_scale.weight",
+               "laurel_norm": "laurel_post_norm.weight", "altup_router_norm": "altup_router_norm.weight",
+               "altup_correct_scale": "altup_correct_scale.weight"}
 # The taps of a layer's short convolution, by layer kind: the tensor, and the keys that size its length and its
 # channels ({arch}: the architecture)
 GGUF_CONV_TAPS = {"conv": ("shortconv.conv.weight", "{arch}.shortconv.l_cache", "hidden"),
@@ -103,6 +107,8 @@ class GGUFSource(ModelSource):
             self._check(f"blk.{layer}.{GGUF_LINEAR[name]}.weight", self.expected_shape(name, layer))
         if mixer.taps(c):
             self._check_conv_taps(layer)
+        for name in ALTUP_LINEARS if c.altup_inputs else ():
+            self._check(f"blk.{layer}.{GGUF_LINEAR[name]}.weight", self.expected_shape(name, layer))
         for name in self.vector_names(layer):
             self._check(self._vector_tensor(name, layer), (self.expected_vector(name, layer),))
 
@@ -234,6 +240,21 @@ class GGUFSource(ModelSource):
 
     def has_part(self, name: str, layer: int) -> bool:
         return f"blk.{layer}.{GGUF_LINEAR[name]}.weight" in self._tensors
+
+    def _altup_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        c, out = self.config, []
+        for name in ("altup_proj.weight", "altup_unembd_proj.weight"):
+            t = self._tensors.get(name)
+            shape = (c.altup_inputs - 1, c.hidden_size, c.hidden_size)
+            if t is None:
+                raise PerfxError(f"{self.path}: tensor {name} is missing; the GGUF is incomplete or not a "
+                                 f"{c.architecture} model")
+            if tuple(int(d) for d in reversed(t.shape)) != shape:
+                raise PerfxError(f"{self.path}: tensor {name} has shape {tuple(reversed(t.shape))} but "
+                                 f"{c.altup_inputs} AltUp streams of {c.hidden_size} need {shape}")
+            values = quants.dequantize(np.asarray(t.data), t.tensor_type)
+            out.append(check_finite(np.asarray(values, np.float64).reshape(shape), self.path, name))
+        return out[0], out[1]
 
     def _per_layer_forms(self) -> dict[str, set[Form]]:
         c = self.config

@@ -363,6 +363,10 @@ SPEC = Spec(
         {"n_heads": 2, "n_kv_heads": 1, "head_dim": 32, "positions": 9, "rotary_dims": 0},
         # The int8 cache: its quantizing append and the dequantizing reads, across two partitions of 32.
         {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "positions": 37, "kv": "q8"},
+        # Gemma 4: v normed (at WGS 128 its 8 heads of 256 on one kv head split over two work-groups, HEADS 4,
+        # the first appending); a layer reading another's cache, row p included
+        {"n_heads": 8, "n_kv_heads": 1, "head_dim": 256, "positions": 9, "qk_norm": True, "v_norm": True},
+        {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "positions": 11, "q_only": True, "kv": "q8"},
     ),
     flops=flops,
     describe=lambda s: (f"H={s['n_heads']} Hkv={s['n_kv_heads']} D={s['head_dim']} T={s['positions']}"

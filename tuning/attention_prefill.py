@@ -177,6 +177,9 @@ SPEC = Spec(
          "softcap": 3.0, "window": 4, "scale": 0.2},
         {"n_heads": 2, "n_kv_heads": 1, "head_dim": 32, "m": 3, "p0": 0, "rotary_dims": 0},
         {"n_heads": 4, "n_kv_heads": 1, "head_dim": 64, "m": 5, "p0": 3, "kv": "q8"},   # the int8 cache
+        # Gemma 4: v normed in the append; a layer reading another's cache (no append)
+        {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "m": 5, "p0": 3, "qk_norm": True, "v_norm": True},
+        {"n_heads": 4, "n_kv_heads": 1, "head_dim": 64, "m": 4, "p0": 2, "q_only": True, "kv": "q8"},
     ),
     flops=flops,
     describe=lambda s: (f"H={s['n_heads']} Hkv={s['n_kv_heads']} D={s['head_dim']} m={s['m']} p0={s['p0']}"

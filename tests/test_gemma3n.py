@@ -8,13 +8,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers.gemma3n_models import TINY, make_gemma3n, reference_logits, write_gemma3n_gguf
+from helpers.gemma3n_models import TINY, make_gemma3n, reference_logits, write_gemma3n_gguf, write_gemma3n_hf
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
 from perfx.families.gemma3n import E2B
 from perfx.forward64 import model_forward
 from perfx.model import Model
 from perfx.sources.gguf import GGUFSource
+from perfx.sources.huggingface import HFSource
 from perfx.sources.synthetic import SYNTHETIC_MODELS
 from perfx.tuning.database import default_database
 
@@ -59,3 +60,20 @@ def test_the_e2b_preset_and_the_devices_refusal(tmp_path, device):
     write_gemma3n_gguf(tmp_path / "tiny.gguf", make_gemma3n(np.random.default_rng(3)))
     with pytest.raises(PerfxError, match="float64 only"):
         Model.load(GGUFSource(tmp_path / "tiny.gguf"), device, ctx=32, database=default_database(False))
+
+
+def test_a_hugging_face_checkpoint_is_the_same_model(tmp_path):
+    """The GGUF's weights (fp16 where quantized types would not be exact in fp16) as the multimodal checkpoint,
+    its per-layer table holding the text vocabulary's rows only, give the same float64 forward."""
+    made = make_gemma3n(np.random.default_rng(6))
+    made.weights["per_layer_token_embd.weight"][90:] = 0   # the vision and audio tokens' rows, padded by the converter
+    fp16 = {name: "F16" for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+                                     "inp_gate", "laurel_l")}
+    model = write_gemma3n_gguf(tmp_path / "tiny.gguf", made, types=fp16, table_type="F16", embedding_type="F16")
+    directory = write_gemma3n_hf(tmp_path / "hf", model, text_rows=90)
+    gguf_source, hf_source = GGUFSource(tmp_path / "tiny.gguf", lm_head="fp16"), HFSource(directory, lm_head="fp16")
+    tokens = np.random.default_rng(7).integers(0, TINY["vocab_size"], 9)
+    want, _ = model_forward(gguf_source, tokens)
+    got, _ = model_forward(hf_source, tokens)
+    assert np.abs(got - want).max() < TOLERANCE
+    assert np.abs(got - reference_logits(model, tokens)).max() < TOLERANCE

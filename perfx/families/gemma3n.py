@@ -23,7 +23,7 @@ from perfx.errors import PerfxError
 from perfx.families.family import (ChatRules, Family, GGUFHeader, HFConfig, LayerRecipe, Preset, Rope, TensorNames,
                                    float32_value, per_layer)
 from perfx.families.gemma2 import GEMMA_CHAT
-from perfx.families.gemma4 import shared_sources
+from perfx.families.gemma4 import GEMMA4_TENSORS, shared_sources
 
 
 def _recipe(hidden: int, sliding: list[bool], sources: list[int], window: int, local: Rope, full: Rope,
@@ -97,7 +97,13 @@ FAMILY = Family(
     gguf_names=("gemma3n",), hf_names=("gemma3n_text", "gemma3n"),
     read_gguf=read_gguf, read_hf=read_hf,
     hf_head_dim=256, hf_tied=True, hf_multimodal={"gemma3n": text_config},
-    tensors=TensorNames(),
+    tensors=TensorNames(
+        hf_vectors={**GEMMA4_TENSORS.hf_vectors, "laurel_norm": "laurel.post_laurel_norm.weight",
+                    "altup_router_norm": "altup.router_norm.weight",
+                    "altup_correct_scale": "altup.correct_output_scale"},
+        hf_linears={**GEMMA4_TENSORS.hf_linears, "laurel_l": "laurel.linear_left", "laurel_r": "laurel.linear_right",
+                    "altup_router": "altup.modality_router", "altup_predict": "altup.prediction_coefs",
+                    "altup_correct": "altup.correction_coefs"}),
     chat=GEMMA_CHAT,
     synthetic={"gemma-3n-e2b": Preset(E2B)},
 )

@@ -149,7 +149,7 @@ class HFSource(ModelSource):
         if not c.tie_embeddings:
             self._check_linear(self._head, self.expected_shape("lm_head"))
         if c.per_layer_input:
-            self._check_shape(f"{self._prefix}embed_tokens_per_layer.weight", self.expected_shape("per_layer_table"))
+            self._per_layer_rows(check=True)
             self._check_linear(f"{self._prefix}per_layer_model_projection", self.expected_shape("per_layer_proj"))
             self._check_shape(f"{self._prefix}per_layer_projection_norm.weight",
                               (self.expected_vector("per_layer_norm"),))
@@ -218,6 +218,20 @@ class HFSource(ModelSource):
     def _linear(self, name: str, layer: int) -> Linear:
         return self._read_linear(self._module(name, layer), self.expected_shape(name, layer))
 
+    def _per_layer_rows(self, check: bool = False) -> np.ndarray | None:
+        """The per-layer table (V, n_layers·P) fp16 (``check``: only its shape checked). Gemma 3n's checkpoints
+        hold rows for the text vocabulary only (vocab_size_per_layer_input), and the converter pads the rest
+        (the vision and audio tokens') with zeros to the full vocabulary: so here too."""
+        name = f"{self._prefix}embed_tokens_per_layer.weight"
+        (rows, width), _ = self._info(name)
+        v, expected = self.config.vocab_size, self.expected_shape("per_layer_table")
+        if rows > v or width != expected[1]:
+            raise shape_error(str(self.directory), name, (rows, width), expected, self.config)
+        if check:
+            return None
+        table = self._tensor(name).astype(np.float16)
+        return table if rows == v else np.concatenate([table, np.zeros((v - rows, width), np.float16)])
+
     def has_part(self, name: str, layer: int) -> bool:
         module = self._module(name, layer)
         return f"{module}.weight" in self._files or f"{module}.qweight" in self._files
@@ -231,9 +245,14 @@ class HFSource(ModelSource):
         model = Form("q4", self.awq["group"]) if self._is_awq(module) else F16_FORM
         return {"ple_table": {table}, "ple_model": {self._quantized_form(model, self.config.hidden_size)}}
 
+    def _altup_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        c = self.config
+        return tuple(np.stack([self._tensor(f"{self._prefix}{name}.{i}.weight", (c.hidden_size, c.hidden_size))
+                               for i in range(c.altup_inputs - 1)]).astype(np.float64)
+                     for name in ("altup_projections", "altup_unembed_projections"))
+
     def _per_layer_tables(self) -> tuple:
-        table = self._tensor(f"{self._prefix}embed_tokens_per_layer.weight",
-                             self.expected_shape("per_layer_table")).astype(np.float16)
+        table = self._per_layer_rows()
         norm = self._tensor(f"{self._prefix}per_layer_projection_norm.weight",
                             (self.expected_vector("per_layer_norm"),)).astype(np.float32)
         model = self._read_linear(f"{self._prefix}per_layer_model_projection", self.expected_shape("per_layer_proj"))

@@ -82,7 +82,8 @@ def make_gemma3n(rng: np.random.Generator, **overrides) -> Gemma3nModel:
     return Gemma3nModel(c, w)
 
 
-def write_gemma3n_gguf(path: Path, model: Gemma3nModel, types: dict | None = None) -> Gemma3nModel:
+def write_gemma3n_gguf(path: Path, model: Gemma3nModel, types: dict | None = None, table_type: str = "Q8_0",
+                       embedding_type: str = "Q8_0") -> Gemma3nModel:
     c, types = model.config, dict(DEFAULT_TYPES, **(types or {}))
     writer = gguf.GGUFWriter(str(path), "gemma3n")
     writer.add_name("perfx tiny gemma3n")
@@ -113,8 +114,10 @@ def write_gemma3n_gguf(path: Path, model: Gemma3nModel, types: dict | None = Non
             kind = "F32"
         elif w.ndim == 3 or name == "per_layer_model_proj.weight":
             kind = "F16"
-        elif name in ("token_embd.weight", "per_layer_token_embd.weight"):
-            kind = "Q8_0"
+        elif name == "token_embd.weight":
+            kind = embedding_type
+        elif name == "per_layer_token_embd.weight":
+            kind = table_type
         else:
             kind = types[module]
         data, raw_dtype, held = encode_tensor(w.reshape(-1, w.shape[-1]), kind)
@@ -223,3 +226,59 @@ def reference_logits(model: Gemma3nModel, tokens) -> np.ndarray:
     logits = _mul_mat(w["token_embd.weight"], x)
     cap = c["final_logit_softcapping"]
     return cap * np.tanh(logits / cap)
+
+
+# GGUF tensor (after blk.{i}.) -> transformers' Gemma 3n name under model.language_model.layers.{i}.
+HF_LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "self_attn.q_proj.weight",
+                  "attn_k.weight": "self_attn.k_proj.weight", "attn_v.weight": "self_attn.v_proj.weight",
+                  "attn_output.weight": "self_attn.o_proj.weight", "attn_q_norm.weight": "self_attn.q_norm.weight",
+                  "attn_k_norm.weight": "self_attn.k_norm.weight",
+                  "post_attention_norm.weight": "post_attention_layernorm.weight",
+                  "ffn_norm.weight": "pre_feedforward_layernorm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
+                  "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+                  "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+                  "inp_gate.weight": "per_layer_input_gate.weight", "proj.weight": "per_layer_projection.weight",
+                  "post_norm.weight": "post_per_layer_input_norm.weight",
+                  "laurel_l.weight": "laurel.linear_left.weight", "laurel_r.weight": "laurel.linear_right.weight",
+                  "laurel_post_norm.weight": "laurel.post_laurel_norm.weight",
+                  "altup_router.weight": "altup.modality_router.weight",
+                  "altup_router_norm.weight": "altup.router_norm.weight",
+                  "altup_predict_coef.weight": "altup.prediction_coefs.weight",
+                  "altup_correct_coef.weight": "altup.correction_coefs.weight",
+                  "altup_correct_scale.weight": "altup.correct_output_scale"}
+HF_GLOBAL_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
+                   "per_layer_token_embd.weight": "embed_tokens_per_layer.weight",
+                   "per_layer_model_proj.weight": "per_layer_model_projection.weight",
+                   "per_layer_proj_norm.weight": "per_layer_projection_norm.weight"}
+
+
+def write_gemma3n_hf(directory: Path, model: Gemma3nModel, text_rows: int | None = None) -> Path:
+    """The multimodal checkpoint (Gemma3nForConditionalGeneration) of what ``model``'s GGUF holds: tensors under
+    model.language_model., the AltUp projections one matrix each, the per-layer table's first ``text_rows`` rows
+    only (vocab_size_per_layer_input: the converter pads the rest with zeros, which they must then be)."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    prefix, tensors = "model.language_model.", {}
+    for name, w in model.held.items():
+        if name.startswith("altup"):
+            hf = "altup_projections" if name == "altup_proj.weight" else "altup_unembed_projections"
+            tensors.update({f"{prefix}{hf}.{i}.weight": np.ascontiguousarray(m, np.float32) for i, m in enumerate(w)})
+            continue
+        if name.startswith("blk."):
+            _, layer, rest = name.split(".", 2)
+            hf = f"{prefix}layers.{layer}.{HF_LAYER_NAMES[rest]}"
+        else:
+            hf = prefix + HF_GLOBAL_NAMES[name]
+        if name == "per_layer_token_embd.weight" and text_rows is not None:
+            assert not np.any(w[text_rows:]), "the converter pads these rows with zeros"
+            w = w[:text_rows]
+        tensors[hf] = np.ascontiguousarray(w, dtype=np.float32)
+    save_file(tensors, str(directory / "model.safetensors"))
+    text = dict(model.config, **({"vocab_size_per_layer_input": text_rows} if text_rows else {}))
+    config = {"model_type": "gemma3n", "architectures": ["Gemma3nForConditionalGeneration"], "text_config": text}
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    return directory

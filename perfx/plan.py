@@ -461,6 +461,8 @@ def build_requests(config: ModelConfig, device: Device, max_positions: int, data
                           q4_form)
         for bucket in buckets:
             plan.prefill(bucket_representative(bucket))
+            for layer in config.layers_of("attention"):   # each shape of layer its own (Gemma 4's)
+                plan.attention_at(layer, bucket_representative(bucket))
             if config.layers_of("delta"):
                 plan.delta_prefill(bucket_representative(bucket))
     return requests

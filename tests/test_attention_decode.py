@@ -281,12 +281,15 @@ def test_a_shape_without_the_head_sizes_is_refused(device):
         AttentionDecode(device, None, {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64})
 
 
-def test_the_combine_is_in_the_launch_and_leaves_its_counters_at_zero(device, rng):
-    """Past one partition the step is still one launch (the last work-group of each kv head combines), and the
-    arrival counters are back at zero after it, so the next launch combines again (five in a row, each
-    against the reference)."""
-    h, hkv, d, positions = 8, 2, 64, 300
+@pytest.mark.parametrize("h, hkv, d", [(8, 2, 64), (8, 1, 512)], ids=["gqa4-d64", "gqa8-d512-split"])
+def test_the_combine_is_in_the_launch_and_leaves_its_counters_at_zero(device, rng, h, hkv, d):
+    """Past one partition the step is still one launch (the last work-group of each kv head and group of query
+    heads combines), and the arrival counters are back at zero after it, so the next launch combines again
+    (five in a row, each against the reference). At head 512 a kv head's 8 query heads are split over
+    work-groups (HEADS < GQA): a counter per group, each group combining its own heads."""
+    positions = 300
     op = AttentionDecode(device, {"PART": 32}, {"n_heads": h, "n_kv_heads": hkv, "head_dim": d, "positions": positions})
+    assert (op.heads < h // hkv) == (d == 512) and op.groups == h // op.heads
     cache = KVCache.allocate(device, 1, hkv, positions, d)
     rope = RopeTable.upload(device, d, positions, THETA)
     keys = rng.standard_normal((1, hkv, positions, d)).astype(np.float16)
@@ -299,7 +302,7 @@ def test_the_combine_is_in_the_launch_and_leaves_its_counters_at_zero(device, rn
         events = op.enqueue(device.upload(x), out, cache, rope, 0, pos)
         assert len(events) == 1 and op.partitions(pos) == pos // 32 + 1
         events[0].wait()
-        counters = np.empty(hkv, np.int32)
+        counters = np.empty(op.groups, np.int32)
         device.read(counters, op.counters)
         assert not counters.any(), (pos, counters)
         q = reference.rope(x[: h * d].reshape(1, h, d), [pos], THETA)

@@ -367,6 +367,9 @@ SPEC = Spec(
         # the first appending); a layer reading another's cache, row p included
         {"n_heads": 8, "n_kv_heads": 1, "head_dim": 256, "positions": 9, "qk_norm": True, "v_norm": True},
         {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "positions": 11, "q_only": True, "kv": "q8"},
+        # heads of 512: a kv head's 8 query heads in two groups (HEADS 4 at the defaults) over two partitions,
+        # each group's last work-group combining its heads through its own counter
+        {"n_heads": 8, "n_kv_heads": 1, "head_dim": 512, "positions": 130, "qk_norm": True, "v_norm": True},
     ),
     flops=flops,
     describe=lambda s: (f"H={s['n_heads']} Hkv={s['n_kv_heads']} D={s['head_dim']} T={s['positions']}"

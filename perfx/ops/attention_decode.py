@@ -4,13 +4,12 @@ Flash-decoding with ``kernels/attention_decode.cl`` in one launch: ``attention_p
 head, group of ``heads`` query heads and partition of PART positions: per-head RMSNorm of q and k where built
 with it, RoPE, the append by the partition that holds the new position, partial softmax and weighted V), the
 online-softmax merge of the partitions done by the last work-group of each (kv head, head group) to finish (a
-counter per grid row, this wrapper's, zeroed once; the kernel leaves it at zero). The RoPE table, the sliding window, the scale, the soft-cap and
-the norm weights are per launch, so one AttentionDecode serves every layer of a model whose layers differ in
-them. The position is
-read on the device, from an int32 buffer (the model's decode step buffer, or the wrapper's own): a launch
-recorded once serves every position with the same number of partitions. The KV cache's form (fp16, or int8
-codes with fp16 scales: ``kv`` "q8") is part of the shape, since the model decides it: it sets the build
-(KV_Q8), and every launch's cache must have it.
+counter per grid row, this wrapper's, zeroed once; the kernel leaves it at zero). The RoPE table, the sliding
+window, the scale, the soft-cap and the norm weights are per launch, so one AttentionDecode serves every layer
+of a model whose layers differ in them. The position is read on the device, from an int32 buffer (the model's
+decode step buffer, or the wrapper's own): a launch recorded once serves every position with the same number of
+partitions. The KV cache's form (fp16, or int8 codes with fp16 scales: ``kv`` "q8") is part of the shape, since
+the model decides it: it sets the build (KV_Q8), and every launch's cache must have it.
 """
 
 from __future__ import annotations

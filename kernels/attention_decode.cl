@@ -6,8 +6,9 @@
 //                       m_j = max_t s_t,  l_j = Σ_t e^(s_t − m_j),  o_j = Σ_t e^(s_t − m_j)·V[t],
 //                       s_t = cap(scale·q'_h·K[t]) over the positions t ≤ p of partition j (scale a launch
 //                       argument, 1/√D for Llama; cap the soft-cap of attention.h, or none)
-//   the combine, by the last work-group of kv head g to finish (a counter per kv head in global memory):
-//                       out[h] = Σ_j e^(m_j − M)·o_j / Σ_j e^(m_j − M)·l_j for the GQA heads h of g,
+//   the combine, by the last work-group of a head group to finish (a counter per kv head and group of HEADS
+//   query heads in global memory):
+//                       out[h] = Σ_j e^(m_j − M)·o_j / Σ_j e^(m_j − M)·l_j for the HEADS heads h of the group,
 //                       M a running max over the partitions (online softmax), j in order (deterministic)
 // When p < PART there is one partition and it writes out[h] = o_0 / l_0 itself.
 // The combine inside the launch saves a launch a layer (and its host enqueue), not device work: every
@@ -15,7 +16,8 @@
 // and the one that takes the counter to n_parts reads them back and resets the counter for the next launch.
 // The partials cross work-groups as atomic stores and loads (SHARED_STORE, SHARED_LOAD): coherent past a GPU's
 // non-coherent first-level caches, and a hand-off a race checker (Oclgrind) sees as synchronised; they are
-// few (H × partitions × (D + 2) floats). counters (Hkv int) start at 0 (the wrapper zeroes them once).
+// few (H × partitions × (D + 2) floats). counters (Hkv·GQA/HEADS int, one per grid row of dimension 1) start
+// at 0 (the wrapper zeroes them once).
 // Q8_OUT 1: the work-group that writes out (the only one with one partition, else the combining one) also
 // writes its heads as Q8_1 blocks of 32 (out_codes, out_step_sum), the int8 activations of the o projection.
 // A sliding window W > 0 (Mistral; 0 = off) bounds the positions attended to t ≥ p − W + 1: earlier ones
@@ -29,6 +31,11 @@
 // already there, or with KV_Q8 int8 codes in that layout and key_scales / value_scales half
 // [layer][kv_head][pos][D/32] (attention.h); cos / sin (max_positions, n_rot/2) float; q_norm / k_norm (D)
 // float (QK_NORM).
+// Gemma 4: V_NORM RMS-normalises v per head (no weight) before the cache; Q_ONLY reads rows of q alone (a layer
+// that shares an earlier layer's cache: nothing appended, row p read from the cache like the rest).
+// HEADS (a divisor of GQA, the wrapper's choice) is the query heads one work-group serves: GQA/HEADS work-groups
+// share a kv head and partition (grid dimension 1 is Hkv·GQA/HEADS), each reading its K/V rows, so that local
+// memory, which grows with HEADS·D, stays within a GPU's 32 KiB at D = 512; the first of them appends.
 // Query head h reads kv head h / GQA, GQA = H/Hkv. D = HEAD_DIM (even, a multiple of VW), GQA and QK_NORM
 // are build defines from the model; partials are [H][max_parts] (m, l) and [H][max_parts][D] (o), float.
 //
@@ -66,6 +73,18 @@
 
 #ifndef HALF
 #define HALF 0  // q·k in half against half key rows (cl_khr_fp16)
+#endif
+
+#ifndef HEADS
+#define HEADS GQA  // query heads per work-group, a divisor of GQA (set by the wrapper: local memory at D = 512)
+#endif
+
+#ifndef V_NORM
+#define V_NORM 0  // v RMS-normed per head without a scale before the cache (Gemma 4; set by the wrapper)
+#endif
+
+#ifndef Q_ONLY
+#define Q_ONLY 0  // qkv rows hold q alone: the layer reads another layer's cache, row p included (Gemma 4)
 #endif
 
 #ifndef Q8_OUT
@@ -131,9 +150,10 @@ typedef float4 floatV;
 #define LANES (HEAD_DIM / VW)     // vectors per K/V row
 #define ROWS (WGS / LANES)        // V rows accumulated side by side (the spec keeps WGS ≥ LANES)
 #define MAXF(a, b) ((a) > (b) ? (a) : (b))
-// One local buffer for the QK_NORM sums of squares ((GQA + 1) × WGS), then the scores (GQA × PART), then the
-// ROWS partial V sums (ROWS × GQA × D).
-#define WORK MAXF(MAXF(GQA * PART, ROWS * GQA * HEAD_DIM), (GQA + 1) * WGS)
+// One local buffer for the norms' sums of squares ((HEADS + 2) × WGS), then the scores (HEADS × PART), then the
+// ROWS partial V sums (ROWS × HEADS × D).
+#define WORK MAXF(MAXF(HEADS * PART, ROWS * HEADS * HEAD_DIM), (HEADS + 2) * WGS)
+#define NORMS (QK_NORM || V_NORM)
 
 inline float hsum4(const float4 x)
 {
@@ -144,14 +164,14 @@ inline float hsum4(const float4 x)
 #define SHARED_STORE(p, i, v) atomic_xchg((volatile __global float*)(p) + (i), (v))
 #define SHARED_LOAD(p, i) as_float(atomic_or((volatile __global int*)(p) + (i), 0))
 
-// out for the GQA query heads of kv head g from their n_parts partials, by the work-group that combines them
+// out for the HEADS query heads from qh0 on from their n_parts partials, by the work-group that combines them
 // (online softmax, partitions in order).
-void combine_partitions(const int g, const int lid, const int n_parts, const int max_parts,
+void combine_partitions(const int qh0, const int lid, const int n_parts, const int max_parts,
                         __global float* part_max, __global float* part_sum, __global float* part_out,
                         __global float* out)
 {
-    for (int e = lid; e < GQA * HEAD_DIM; e += WGS) {
-        const int query_head = g * GQA + e / HEAD_DIM;
+    for (int e = lid; e < HEADS * HEAD_DIM; e += WGS) {
+        const int query_head = qh0 + e / HEAD_DIM;
         float m = -INFINITY, l = 0.0f, acc = 0.0f;
         for (int j = 0; j < n_parts; ++j) {
             const int at = query_head * max_parts + j;
@@ -169,7 +189,8 @@ void combine_partitions(const int g, const int lid, const int n_parts, const int
     }
 }
 
-// global (WGS, Hkv, ceil((p+1)/PART)), local (WGS, 1, 1): work-group (g, j) = kv head g, partition j.
+// global (WGS, Hkv·GQA/HEADS, ceil((p+1)/PART)), local (WGS, 1, 1): work-group (r, j) = query heads
+// r·HEADS.. of kv head r / (GQA/HEADS), partition j.
 __kernel __attribute__((reqd_work_group_size(WGS, 1, 1)))
 void attention_partial(__global const float* restrict qkv, const int qkv_offset,
                        __global const float* restrict cos_table, __global const float* restrict sin_table,
@@ -186,26 +207,28 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
 {
     const int lid = get_local_id(0);
     const int pos = positions[pos_index];  // on the device, so a recorded launch serves every position of its grid
-    const int g = get_group_id(1);
+    const int g = get_group_id(1) / (GQA / HEADS);          // the kv head
+    const int QH0 = g * GQA + get_group_id(1) % (GQA / HEADS) * HEADS;   // this work-group's first query head
     const int part = get_group_id(2);
     const int n_parts = get_num_groups(2);
-    const int n_kv_heads = get_num_groups(1);
+    const int n_kv_heads = get_num_groups(1) / (GQA / HEADS);
+    const bool writes = QH0 == g * GQA;   // the first work-group of a kv head appends k and v
     const int first = part * PART;
     const int count = min(PART, pos + 1 - first);  // ≥ 1: the wrapper launches ceil((p+1)/PART) partitions
     const bool holds_pos = part == n_parts - 1;   // this partition's last position is p
     const int lo = window > 0 ? max(0, pos - window + 1) - first : 0;  // first t of the window, in the partition
 
-    __local float q[GQA * HEAD_DIM];       // normalised, rotated, times scale
-    __local ushort q_bits[HALF ? GQA * HEAD_DIM : 1];  // the same as half (HALF)
+    __local float q[HEADS * HEAD_DIM];       // normalised, rotated, times scale
+    __local ushort q_bits[HALF ? HEADS * HEAD_DIM : 1];  // the same as half (HALF)
     // k' then v as fp16 ("__local half x[]" needs cl_khr_fp16)
     __local ushort fresh_bits[KV_Q8 ? 1 : 2 * HEAD_DIM];
     __local float fresh_f[KV_Q8 ? 2 * HEAD_DIM : 1];      // KV_Q8: k' then v in fp32, to quantize
     __local char fresh_codes[KV_Q8 ? 2 * HEAD_DIM : 1];   // ... their codes
     __local ushort fresh_scale_bits[KV_Q8 ? 2 * HEAD_DIM / KV_BLOCK : 1];  // ... and their scales, fp16
     __local float work[WORK];
-    __local float red[GQA * WGS];
-    __local float stats[2 * GQA];          // the partition's max and sum per head
-    __local int combines;                  // whether this work-group is the last of its kv head to finish
+    __local float red[HEADS * WGS];
+    __local float stats[2 * HEADS];          // the partition's max and sum per head
+    __local int combines;                  // whether this work-group is the last of its head group to finish
 #if KV_Q8
     __local kv_t* fresh = fresh_codes;
 #else
@@ -213,13 +236,15 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
 #endif
     __local half* fresh_scales = (__local half*)fresh_scale_bits;
 
-    const __global float* q_in = qkv + qkv_offset + g * GQA * HEAD_DIM;
+    const __global float* q_in = qkv + qkv_offset + QH0 * HEAD_DIM;
     const __global float* k_in = qkv + qkv_offset + (n_kv_heads * GQA + g) * HEAD_DIM;
-#if QK_NORM
-    // 1/rms of the GQA query heads (rows 0..GQA−1) and of k (row GQA): strided sums of squares, one tree.
-    __local float inv_rms[GQA + 1];
-    for (int r = 0; r <= GQA; ++r) {
-        const __global float* x = r < GQA ? q_in + r * HEAD_DIM : k_in;
+#if NORMS
+    // 1/rms of the HEADS query heads (rows 0..HEADS−1), of k (row HEADS) and of v (row HEADS + 1): strided sums
+    // of squares, one tree (q's rows alone with Q_ONLY).
+    __local float inv_rms[HEADS + 2];
+    const int norm_rows = Q_ONLY ? HEADS : HEADS + 2;
+    for (int r = 0; r < norm_rows; ++r) {
+        const __global float* x = r < HEADS ? q_in + r * HEAD_DIM : k_in + (r - HEADS) * n_kv_heads * HEAD_DIM;
         float sum = 0.0f;
         for (int i = lid; i < HEAD_DIM; i += WGS) {
             sum = fma(x[i], x[i], sum);
@@ -229,26 +254,33 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
     barrier(CLK_LOCAL_MEM_FENCE);
     for (int stride = WGS / 2; stride > 0; stride >>= 1) {
         if (lid < stride) {
-            for (int r = 0; r <= GQA; ++r) {
+            for (int r = 0; r < norm_rows; ++r) {
                 work[r * WGS + lid] += work[r * WGS + lid + stride];
             }
         }
         barrier(CLK_LOCAL_MEM_FENCE);
     }
-    if (lid <= GQA) {
+    if (lid < norm_rows) {
         inv_rms[lid] = rsqrt(work[lid * WGS] / HEAD_DIM + eps);
     }
     barrier(CLK_LOCAL_MEM_FENCE);
+#endif
+#if QK_NORM
 #define INV_RMS(r) inv_rms[r]
 #else
 #define INV_RMS(r) 1.0f
 #endif
+#if V_NORM
+#define V_SCALE inv_rms[HEADS + 1]
+#else
+#define V_SCALE 1.0f
+#endif
 
-    // Norm, RoPE and scale on this kv head's GQA query heads (every partition needs them; GQA·D elements
+    // Norm, RoPE and scale on this kv head's HEADS query heads (every partition needs them; HEADS·D elements
     // is cheap).
     const __global float* cos_p = cos_table + pos * (n_rot / 2);
     const __global float* sin_p = sin_table + pos * (n_rot / 2);
-    for (int e = lid; e < GQA * HALF_D; e += WGS) {
+    for (int e = lid; e < HEADS * HALF_D; e += WGS) {
         const int h = e / HALF_D;
         const int2 dims = pair_dims(e % HALF_D, n_rot);
         const float2 x = rope_pair(q_in + h * HEAD_DIM, dims, INV_RMS(h), q_norm, cos_p, sin_p, n_rot) * scale;
@@ -262,30 +294,55 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
     }
     const size_t head_base = (size_t)layer_offset + (size_t)g * max_positions * HEAD_DIM;
     const size_t pos_row = head_base + (size_t)pos * HEAD_DIM;  // row p of kv head g
+#if Q_ONLY
     if (holds_pos) {
-        // The only writer of row p for kv head g: norm and RoPE on k, append k' and v, keep them in local
-        // memory.
+        // Row p is in the cache already (an earlier layer's launch wrote it): into local memory, as the
+        // append would have kept it.
+#if KV_Q8
+        for (int i = lid; i < 2 * HEAD_DIM; i += WGS) {
+            fresh_codes[i] = (i < HEAD_DIM ? keys : values)[pos_row + i % HEAD_DIM];
+        }
+        for (int b = lid; b < 2 * HEAD_DIM / KV_BLOCK; b += WGS) {
+            const int in_row = b % (HEAD_DIM / KV_BLOCK);
+            fresh_scale_bits[b] = ((const __global ushort*)(b < HEAD_DIM / KV_BLOCK ? key_scales : value_scales))[
+                pos_row / KV_BLOCK + in_row];
+        }
+#else
+        for (int i = lid; i < 2 * HEAD_DIM; i += WGS) {
+            fresh_bits[i] = ((const __global ushort*)(i < HEAD_DIM ? keys : values))[pos_row + i % HEAD_DIM];
+        }
+#endif
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+#else
+    if (holds_pos) {
+        // The only writer of row p for kv head g (its first work-group, where HEADS < GQA): norm and RoPE on
+        // k, append k' and v, keep them in local memory.
         const __global float* v_in = k_in + n_kv_heads * HEAD_DIM;
         for (int i = lid; i < HALF_D; i += WGS) {
             const int2 dims = pair_dims(i, n_rot);
-            const float2 k = rope_pair(k_in, dims, INV_RMS(GQA), k_norm, cos_p, sin_p, n_rot);
+            const float2 k = rope_pair(k_in, dims, INV_RMS(HEADS), k_norm, cos_p, sin_p, n_rot);
 #if KV_Q8
             fresh_f[dims.x] = k.x;
             fresh_f[dims.y] = k.y;
 #else
             vstore_half(k.x, dims.x, fresh);
             vstore_half(k.y, dims.y, fresh);
-            vstore_half(k.x, pos_row + dims.x, keys);
-            vstore_half(k.y, pos_row + dims.y, keys);
+            if (writes) {
+                vstore_half(k.x, pos_row + dims.x, keys);
+                vstore_half(k.y, pos_row + dims.y, keys);
+            }
 #endif
         }
         for (int i = lid; i < HEAD_DIM; i += WGS) {
-            const float v = v_in[i];
+            const float v = v_in[i] * V_SCALE;
 #if KV_Q8
             fresh_f[HEAD_DIM + i] = v;
 #else
             vstore_half(v, HEAD_DIM + i, fresh);
-            vstore_half(v, pos_row + i, values);
+            if (writes) {
+                vstore_half(v, pos_row + i, values);
+            }
 #endif
         }
     }
@@ -305,27 +362,32 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
             __global char* codes = (b < HEAD_DIM / KV_BLOCK ? keys : values) + pos_row + in_row * KV_BLOCK;
             for (int j = 0; j < KV_BLOCK; j++) {
                 const char q = convert_char_sat(round(x[j] * inv));
-                codes[j] = q;
+                if (writes) {
+                    codes[j] = q;
+                }
                 fresh_codes[b * KV_BLOCK + j] = q;
             }
-            vstore_half(d, pos_row / KV_BLOCK + in_row, b < HEAD_DIM / KV_BLOCK ? key_scales : value_scales);
+            if (writes) {
+                vstore_half(d, pos_row / KV_BLOCK + in_row, b < HEAD_DIM / KV_BLOCK ? key_scales : value_scales);
+            }
             vstore_half(d, b, fresh_scales);
         }
     }
     barrier(CLK_LOCAL_MEM_FENCE);
 #endif
+#endif
 
-    // Scores: one position per work-item at a time, all GQA heads from one read of the key row.
+    // Scores: one position per work-item at a time, all HEADS heads from one read of the key row.
     const __global kv_t* k_part = keys + head_base + (size_t)first * HEAD_DIM;
     // The partition's first row of scales (KV_Q8; never read otherwise).
     const size_t scales_part = (head_base + (size_t)first * HEAD_DIM) / KV_BLOCK;
-    float run_max[GQA];
-    for (int h = 0; h < GQA; ++h) {
+    float run_max[HEADS];
+    for (int h = 0; h < HEADS; ++h) {
         run_max[h] = -INFINITY;
     }
     for (int t = lid; t < count; t += WGS) {
         if (t < lo) {   // before the sliding window: weight 0, the key row is not read
-            for (int h = 0; h < GQA; ++h) {
+            for (int h = 0; h < HEADS; ++h) {
                 work[h * PART + t] = -INFINITY;
             }
             continue;
@@ -335,29 +397,29 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
         const bool is_fresh = holds_pos && t == count - 1;
         const __global kv_t* k_row = k_part + (size_t)t * HEAD_DIM;
         const __global half* k_scales = key_scales + scales_part + t * (HEAD_DIM / KV_BLOCK);
-        halfV dot[GQA];
-        for (int h = 0; h < GQA; ++h) {
+        halfV dot[HEADS];
+        for (int h = 0; h < HEADS; ++h) {
             dot[h] = (halfV)0.0h;
         }
         for (int c = 0; c < LANES; ++c) {
             const halfV k = is_fresh ? LOAD_KH(c, fresh, fresh_scales) : LOAD_KH(c, k_row, k_scales);
-            for (int h = 0; h < GQA; ++h) {
+            for (int h = 0; h < HEADS; ++h) {
                 dot[h] = mad(LOADH(c, qh + h * HEAD_DIM), k, dot[h]);
             }
         }
-        floatV acc[GQA];
-        for (int h = 0; h < GQA; ++h) {
+        floatV acc[HEADS];
+        for (int h = 0; h < HEADS; ++h) {
             acc[h] = TO_FLOATV(dot[h]);
         }
 #else
-        floatV acc[GQA];
-        for (int h = 0; h < GQA; ++h) {
+        floatV acc[HEADS];
+        for (int h = 0; h < HEADS; ++h) {
             acc[h] = (floatV)0.0f;
         }
         if (holds_pos && t == count - 1) {
             for (int c = 0; c < LANES; ++c) {
                 const floatV k = LOAD_KV(c, fresh, fresh_scales);
-                for (int h = 0; h < GQA; ++h) {
+                for (int h = 0; h < HEADS; ++h) {
                     acc[h] += LOADV(c, q + h * HEAD_DIM) * k;
                 }
             }
@@ -366,13 +428,13 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
             const __global half* k_scales = key_scales + scales_part + t * (HEAD_DIM / KV_BLOCK);
             for (int c = 0; c < LANES; ++c) {
                 const floatV k = LOAD_KV(c, k_row, k_scales);
-                for (int h = 0; h < GQA; ++h) {
+                for (int h = 0; h < HEADS; ++h) {
                     acc[h] += LOADV(c, q + h * HEAD_DIM) * k;
                 }
             }
         }
 #endif
-        for (int h = 0; h < GQA; ++h) {
+        for (int h = 0; h < HEADS; ++h) {
             const float s = HSUM(acc[h]);
             work[h * PART + t] = s;
             run_max[h] = fmax(run_max[h], s);
@@ -383,65 +445,65 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
         // The soft-cap, on this work-item's scores; it is monotonic, so it maps their maxima too (−inf, no
         // position in the window, stays).
         for (int t = lid; t < count; t += WGS) {
-            for (int h = 0; h < GQA && t >= lo; ++h) {
+            for (int h = 0; h < HEADS && t >= lo; ++h) {
                 work[h * PART + t] = soft_cap(work[h * PART + t], softcap);
             }
         }
-        for (int h = 0; h < GQA; ++h) {
+        for (int h = 0; h < HEADS; ++h) {
             run_max[h] = run_max[h] == -INFINITY ? run_max[h] : soft_cap(run_max[h], softcap);
         }
     }
 
     // The partition's max per head: one tree over WGS for all heads at once.
-    for (int h = 0; h < GQA; ++h) {
+    for (int h = 0; h < HEADS; ++h) {
         red[h * WGS + lid] = run_max[h];
     }
     barrier(CLK_LOCAL_MEM_FENCE);
     for (int stride = WGS / 2; stride > 0; stride >>= 1) {
         if (lid < stride) {
-            for (int h = 0; h < GQA; ++h) {
+            for (int h = 0; h < HEADS; ++h) {
                 red[h * WGS + lid] = fmax(red[h * WGS + lid], red[h * WGS + lid + stride]);
             }
         }
         barrier(CLK_LOCAL_MEM_FENCE);
     }
-    if (lid < GQA) {
+    if (lid < HEADS) {
         stats[lid] = red[lid * WGS];
     }
     barrier(CLK_LOCAL_MEM_FENCE);
 
     // Weights e^(s − m) in place of the scores (each work-item its own positions), and their sum.
-    float run_sum[GQA];
-    for (int h = 0; h < GQA; ++h) {
+    float run_sum[HEADS];
+    for (int h = 0; h < HEADS; ++h) {
         run_sum[h] = 0.0f;
     }
     for (int t = lid; t < count; t += WGS) {
-        for (int h = 0; h < GQA; ++h) {
+        for (int h = 0; h < HEADS; ++h) {
             const float w = t < lo ? 0.0f : exp(work[h * PART + t] - stats[h]);
             work[h * PART + t] = w;
             run_sum[h] += w;
         }
     }
-    for (int h = 0; h < GQA; ++h) {
+    for (int h = 0; h < HEADS; ++h) {
         red[h * WGS + lid] = run_sum[h];
     }
     barrier(CLK_LOCAL_MEM_FENCE);
     for (int stride = WGS / 2; stride > 0; stride >>= 1) {
         if (lid < stride) {
-            for (int h = 0; h < GQA; ++h) {
+            for (int h = 0; h < HEADS; ++h) {
                 red[h * WGS + lid] += red[h * WGS + lid + stride];
             }
         }
         barrier(CLK_LOCAL_MEM_FENCE);
     }
-    if (lid < GQA) {
-        stats[GQA + lid] = red[lid * WGS];
+    if (lid < HEADS) {
+        stats[HEADS + lid] = red[lid * WGS];
     }
 
     // o = Σ_t w_t·V[t]: LANES work-items cover one V row, ROWS rows side by side.
     const int lane = lid % LANES, row = lid / LANES;
-    floatV o[GQA];
-    for (int h = 0; h < GQA; ++h) {
+    floatV o[HEADS];
+    for (int h = 0; h < HEADS; ++h) {
         o[h] = (floatV)0.0f;
     }
     if (row < ROWS) {
@@ -454,57 +516,57 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
                 v = LOAD_KV(lane, v_part + (size_t)t * HEAD_DIM,
                             value_scales + scales_part + t * (HEAD_DIM / KV_BLOCK));
             }
-            for (int h = 0; h < GQA; ++h) {
+            for (int h = 0; h < HEADS; ++h) {
                 o[h] += work[h * PART + t] * v;
             }
         }
     }
     barrier(CLK_LOCAL_MEM_FENCE);  // the weights are read: work now takes the ROWS partial sums
     if (row < ROWS) {
-        for (int h = 0; h < GQA; ++h) {
-            STOREV(o[h], lane, work + (row * GQA + h) * HEAD_DIM);
+        for (int h = 0; h < HEADS; ++h) {
+            STOREV(o[h], lane, work + (row * HEADS + h) * HEAD_DIM);
         }
     }
     barrier(CLK_LOCAL_MEM_FENCE);
 
-    for (int e = lid; e < GQA * HEAD_DIM; e += WGS) {
+    for (int e = lid; e < HEADS * HEAD_DIM; e += WGS) {
         float sum = 0.0f;
         for (int r = 0; r < ROWS; ++r) {
-            sum += work[r * GQA * HEAD_DIM + e];
+            sum += work[r * HEADS * HEAD_DIM + e];
         }
         const int h = e / HEAD_DIM;
-        const int query_head = g * GQA + h;
+        const int query_head = QH0 + h;
         if (n_parts == 1) {
-            out[query_head * HEAD_DIM + e % HEAD_DIM] = sum / stats[GQA + h];
+            out[query_head * HEAD_DIM + e % HEAD_DIM] = sum / stats[HEADS + h];
         } else {
             SHARED_STORE(part_out, ((size_t)query_head * max_parts + part) * HEAD_DIM + e % HEAD_DIM, sum);
         }
     }
-    if (n_parts > 1 && lid < GQA) {
-        const int at = (g * GQA + lid) * max_parts + part;
+    if (n_parts > 1 && lid < HEADS) {
+        const int at = (QH0 + lid) * max_parts + part;
         SHARED_STORE(part_max, at, stats[lid]);
-        SHARED_STORE(part_sum, at, stats[GQA + lid]);
+        SHARED_STORE(part_sum, at, stats[HEADS + lid]);
     }
     // n_parts and combines are the same for the whole work-group, so each barrier below is met by every
     // work-item of the group or by none
     if (n_parts == 1) {
 #if Q8_OUT
-        QUANTIZE_OUT(g * GQA * HEAD_DIM / 32, GQA * HEAD_DIM / 32, lid, WGS)
+        QUANTIZE_OUT(QH0 * HEAD_DIM / 32, HEADS * HEAD_DIM / 32, lid, WGS)
 #endif
     } else {
         mem_fence(CLK_GLOBAL_MEM_FENCE);   // this work-item's partials before the group's arrival is counted
         barrier(CLK_GLOBAL_MEM_FENCE | CLK_LOCAL_MEM_FENCE);
         if (lid == 0) {
-            combines = atomic_inc(counters + g) == n_parts - 1;
+            combines = atomic_inc(counters + get_group_id(1)) == n_parts - 1;
         }
         barrier(CLK_LOCAL_MEM_FENCE);
         if (combines) {
             if (lid == 0) {
-                atomic_xchg(counters + g, 0);   // the last arrival: no other group of this launch touches it again
+                atomic_xchg(counters + get_group_id(1), 0);   // the last arrival: no other group touches it again
             }
-            combine_partitions(g, lid, n_parts, max_parts, part_max, part_sum, part_out, out);
+            combine_partitions(QH0, lid, n_parts, max_parts, part_max, part_sum, part_out, out);
 #if Q8_OUT
-            QUANTIZE_OUT(g * GQA * HEAD_DIM / 32, GQA * HEAD_DIM / 32, lid, WGS)
+            QUANTIZE_OUT(QH0 * HEAD_DIM / 32, HEADS * HEAD_DIM / 32, lid, WGS)
 #endif
         }
     }

@@ -11,6 +11,8 @@
 // value_scales half [layer][kv_head][pos][D/32] (attention.h: kv_append quantizes each block of 32, the
 // attention dequantizes as it loads its tiles); cos / sin (max_positions, n_rot/2) float; q_norm / k_norm (D).
 // Query head h reads kv head h / (H/Hkv). D = HEAD_DIM is a build define, a multiple of 2·VW and of 8.
+// Gemma 4: V_NORM RMS-normalises v per head (no weight) in the append; Q_ONLY: qkv rows hold q alone (M, H·D),
+// the layer reading another layer's cache, positions p0.. included (the wrapper launches no append).
 //
 // The attention reads the keys the append writes, and work-groups of one launch cannot wait for each
 // other: hence two launches. The attention is flash-attention style (Dao et al. 2022, algorithm 1):
@@ -47,6 +49,14 @@
 
 #ifndef HALF
 #define HALF 0  // K/V tiles in local memory as half, q·k in half (cl_khr_fp16)
+#endif
+
+#ifndef V_NORM
+#define V_NORM 0  // v RMS-normed per head without a weight before the cache (set by the wrapper)
+#endif
+
+#ifndef Q_ONLY
+#define Q_ONLY 0  // qkv rows hold q alone (set by the wrapper)
 #endif
 
 #include "attention.h"
@@ -131,6 +141,20 @@ __kernel void kv_append(const int p0, const int n_heads, const int n_kv_heads, c
     }
     f = rsqrt(sum / HEAD_DIM + eps);
 #endif
+#if V_NORM
+    __local float v_squares[HEAD_DIM / 8];
+    const float8 vn = vload8(i, v_row);
+    const float4 vn4 = vn.lo * vn.lo + vn.hi * vn.hi;
+    v_squares[i] = (vn4.s0 + vn4.s1) + (vn4.s2 + vn4.s3);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    float v_sum = 0.0f;
+    for (int j = 0; j < HEAD_DIM / 8; j++) {
+        v_sum += v_squares[j];
+    }
+    const float fv = rsqrt(v_sum / HEAD_DIM + eps);
+#else
+    const float fv = 1.0f;
+#endif
     __global const float* cos_p = cos_table + pos * (n_rot / 2);
     __global const float* sin_p = sin_table + pos * (n_rot / 2);
     float k[8];
@@ -140,7 +164,7 @@ __kernel void kv_append(const int p0, const int n_heads, const int n_kv_heads, c
     const int dst = layer_offset + (kvh * max_positions + pos) * HEAD_DIM;
 #if KV_Q8
     __local float maxima[2][HEAD_DIM / 8];
-    const float8 kx = vload8(0, k), vx = vload8(i, v_row);
+    const float8 kx = vload8(0, k), vx = vload8(i, v_row) * fv;
     const float4 k4 = fmax(fabs(kx.lo), fabs(kx.hi)), v4 = fmax(fabs(vx.lo), fabs(vx.hi));
     maxima[0][i] = fmax(fmax(k4.s0, k4.s1), fmax(k4.s2, k4.s3));
     maxima[1][i] = fmax(fmax(v4.s0, v4.s1), fmax(v4.s2, v4.s3));
@@ -160,7 +184,7 @@ __kernel void kv_append(const int p0, const int n_heads, const int n_kv_heads, c
     }
 #else
     vstore_half8(vload8(0, k), i, keys + dst);
-    vstore_half8(vload8(i, v_row), i, values + dst);
+    vstore_half8(vload8(i, v_row) * fv, i, values + dst);
 #endif
 }
 
@@ -204,7 +228,7 @@ void attention_prefill(const int m, const int p0, const int group, const int n_h
     // This part of q' = rope(norm(q))·scale in registers; the scale folded in once instead of per score.
     // Dimension i pairs with i ± n_rot/2, which another part may hold, and the norm needs the whole row:
     // read from the row in global memory.
-    const int stride = (n_heads + 2 * n_kv_heads) * HEAD_DIM;
+    const int stride = (n_heads + (Q_ONLY ? 0 : 2 * n_kv_heads)) * HEAD_DIM;
     __global const float* q_row = qkv + t * stride + h * HEAD_DIM;
     __global const float* c_row = cos_table + pos * (n_rot / 2);
     __global const float* s_row = sin_table + pos * (n_rot / 2);

@@ -13,8 +13,9 @@ config.
 
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from perfx import families
 from perfx.errors import PerfxError
@@ -82,6 +83,17 @@ class ModelConfig:
     expert_scale: float = 1.0           # the weights times this
     expert_bias: bool = False           # a per-expert selection bias, added to choose only (LFM2-MoE)
     dense_layers: int = 0               # leading layers with the dense FFN (LFM2-MoE's leading_dense_block_count)
+    # Gemma 4: layers of their own shapes (``LayerRecipe`` head_dim, kv_heads, ffn, kv_from; then head_dim,
+    # n_kv_heads and intermediate_size above are the largest of the layers'), per-layer embeddings, V normed
+    per_layer_input: int = 0            # width of each layer's slice of the per-layer token table (0: none)
+    value_norm: bool = False            # v RMS-normed per head without a scale before the cache (Gemma 4)
+    layer_scale: bool = False           # each layer's output residual times a learned scalar (Gemma 4)
+    kv_shared: bool = False             # (a layer's view, ``at``) the layer reads an earlier layer's cache: q only
+    # Gemma 3n (float64 only): AltUp's streams and active one, LAuReL's rank, each layer's gate sparsity (0: none)
+    altup_inputs: int = 0
+    altup_active: int = 0
+    laurel_rank: int = 0
+    sparsity: tuple = ()
     extra: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
@@ -112,6 +124,7 @@ class ModelConfig:
             self._check_delta()
         if self.n_experts:
             self._check_experts()
+        self._check_layer_shapes()
 
     def _check_experts(self):
         e, k = self.n_experts, self.n_experts_used
@@ -127,6 +140,21 @@ class ModelConfig:
         if not 0 <= self.dense_layers <= self.n_layers:
             raise PerfxError(f"{self.dense_layers} leading dense layers (leading_dense_block_count / "
                              f"num_dense_layers) of {self.n_layers} layers")
+
+    def _check_layer_shapes(self):
+        for i, r in enumerate(self.layers):
+            d, kv = r.head_dim or self.head_dim, r.kv_heads or self.n_kv_heads
+            if d % 2 or d > self.head_dim or kv > self.n_kv_heads or self.n_heads % kv:
+                raise PerfxError(f"layer {i}: {self.n_heads} heads of {d} over {kv} KV heads do not fit the model's "
+                                 f"widest ({self.n_kv_heads} KV heads of {self.head_dim}); the file is corrupt")
+            if (r.ffn or self.intermediate_size) > self.intermediate_size:
+                raise PerfxError(f"layer {i}: its MLP's {r.ffn} exceed the model's widest {self.intermediate_size}")
+            if r.kv_from >= 0:
+                source = self.layers[r.kv_from] if r.kv_from < i else None
+                if source is None or source.kv_from >= 0 or (source.head_dim, source.kv_heads, source.window) != (
+                        r.head_dim, r.kv_heads, r.window):
+                    raise PerfxError(f"layer {i} reads layer {r.kv_from}'s KV cache, which is not an earlier layer "
+                                     "of its own kind with a cache of its own")
 
     def is_moe(self, layer: int) -> bool:
         """Whether ``layer``'s FFN is the mixture of experts (perfx.moe) rather than the dense gated MLP."""
@@ -147,6 +175,30 @@ class ModelConfig:
                              "runs positive sizes, v heads a multiple of the q/k heads, head sizes up to 256")
         if self.delta_head_map not in ("tile", "interleave"):
             raise PerfxError(f"delta_head_map {self.delta_head_map!r}: 'tile' or 'interleave'")
+
+    def at(self, i: int) -> ModelConfig:
+        """Layer i's view of the config: head_dim, n_kv_heads, intermediate_size and rotary_dims its own, and
+        ``kv_shared`` where it reads another layer's cache (the model itself where every layer is alike)."""
+        views = self.__dict__.setdefault("_views", {})
+        if i not in views:
+            r = self.layers[i]
+            if not (r.head_dim or r.kv_heads or r.ffn or r.kv_from >= 0):
+                views[i] = self
+            else:
+                # a copy, not a new config: the model's checks hold for the model, not for one layer's shapes
+                d = r.head_dim or self.head_dim
+                view = copy.copy(self)
+                view.__dict__.pop("_views", None)
+                view.head_dim, view.n_kv_heads = d, r.kv_heads or self.n_kv_heads
+                view.intermediate_size = r.ffn or self.intermediate_size
+                view.rotary_dims, view.kv_shared = (r.rope.dims if r.rope is not None else d), r.kv_from >= 0
+                views[i] = view
+        return views[i]
+
+    @property
+    def shaped_layers(self) -> bool:
+        """Whether some layer has shapes of its own or reads another layer's cache (Gemma 4)."""
+        return any(self.at(i) is not self for i in range(self.n_layers))
 
     def layers_of(self, kind: str) -> list[int]:
         """The indices of the layers of one kind ("attention", "conv")."""
@@ -184,7 +236,7 @@ class ModelConfig:
         """Layer i's recipe for a cache of ``ctx`` positions (LongRoPE picks its factors by the context)."""
         recipe = self.layers[i]
         rope = None if recipe.rope is None else recipe.rope.for_context(ctx)
-        return LayerRecipe(rope, recipe.window, recipe.kind)
+        return replace(recipe, rope=rope)
 
     def describe_recipe(self) -> str:
         """One line of what this model's forward does beyond Llama's (for `perfx info` and the load line)."""
@@ -228,6 +280,21 @@ class ModelConfig:
             parts.append(f"soft-caps {self.attn_softcap:g}/{self.final_softcap:g}")
         if self.embedding_scale != 1.0:
             parts.append(f"embedding ×{self.embedding_scale:.4g}")
+        dims = sorted({r.head_dim for r in self.layers if r.head_dim})
+        if len(dims) > 1:
+            parts.append("head sizes " + "/".join(map(str, dims)))
+        shared = sum(1 for r in self.layers if r.kv_from >= 0)
+        if shared:
+            parts.append(f"KV shared on {shared}/{self.n_layers} layers")
+        if self.per_layer_input:
+            parts.append(f"per-layer embeddings of {self.per_layer_input}")
+        if self.value_norm:
+            parts.append("v norm")
+        if self.layer_scale:
+            parts.append("layer output scales")
+        if self.altup_inputs:
+            parts.append(f"AltUp ×{self.altup_inputs}, LAuReL rank {self.laurel_rank}, sparse gates on "
+                         f"{sum(1 for s in self.sparsity if s)}/{self.n_layers} layers")
         return ", ".join(parts) or "Llama recipe"
 
     # -- reading a file: the family's (perfx.families) ------------------------------------------------------

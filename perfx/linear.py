@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import numpy as np
+
 from perfx.errors import PerfxError
 from perfx.formats import Q4Matrix, Q8Matrix
 from perfx.ops import Q8_NATURAL, Q8_TEXEL
@@ -167,11 +169,18 @@ def upload_linear(model, w, what: str, role: str, bias=None) -> Linear:
     """One weight, once, as the Linear of its form: int4 in the layout and read path of the GEMV that reads it
     in decode (``role``: qkv, o, gate_up, down, lm_head, …, or embedding, whose gather reads the codes buffer)."""
     device, plan = model.device, model.plan
+    if role == "ple_table" and isinstance(w, Q4Matrix) and w.codes.size // 2 > device.caps.max_alloc:
+        # an int4 table is one codes buffer: past the device's largest allocation (a Q4_K Gemma 4 E2B per-layer
+        # table is 1.2 GB, an Adreno allocation at most 1 GiB) it is held as int8 of the same values (codes 0..15,
+        # its scales and offsets in float32), which the int8 form keeps in row blocks
+        w = Q8Matrix(w.codes.astype(np.int8), w.scales.astype(np.float32), np.asarray(w.offsets, np.float32),
+                     w.group, f32=True)
     if isinstance(w, Q8Matrix):
         return Q8Linear(model, role, Q8DeviceWeight.upload(device, w, bias, what=what), w.nbytes)
     if isinstance(w, Q4Matrix):
         gemv = plan.gemv.get("lm_head" if role == "embedding" else role)
-        if role == "embedding" and not model.config.tie_embeddings:
+        # a table only gathered from (an untied embedding, Gemma 4's per-layer table): rows, read as a buffer
+        if (role == "embedding" and not model.config.tie_embeddings) or role == "ple_table":
             layout, paths = LAYOUT_ROWS, {"buffer"}
         else:
             layout, paths = gemv.layout, {READ_NAMES[gemv.read]}

@@ -59,6 +59,11 @@ class DeviceLayer:
     post_attn_norm: object = None   # float32 (hidden): the mixer output's own norm (Gemma)
     post_ffn_norm: object = None    # float32 (hidden): the FFN output's own norm (Gemma)
     moe: bool = False          # the FFN is the mixture of experts (``Model.moe`` holds its weights)
+    # Gemma 4: the per-layer input's gate (P, hidden) and projection (hidden, P), its norm, the output scalar
+    ple_gate: Linear = None
+    ple_proj: Linear = None
+    ple_norm: object = None         # float32 (hidden)
+    out_scale: object = None        # float32 (1)
 
     def ffn_readers(self) -> list[Linear]:
         """The Linears that read the norm before the FFN: none where the MoE router reads it (floats)."""
@@ -73,12 +78,22 @@ class DeviceWeights:
     layers: list[DeviceLayer] = field(default_factory=list)
     final_norm: object = None  # float32 (hidden)
     lm_head: Linear = None     # the embedding's weight in the lm_head role where tied
+    # Gemma 4's per-layer embeddings: the token table (V, n_layers·P), the embedding's projection (n_layers·P,
+    # hidden), the projection's norm γ/√2 (P), and vectors of ones (hidden and P) for the norms whose normed
+    # output is not used
+    ple_table: Linear = None
+    ple_model: Linear = None
+    ple_norm: object = None
+    ones: object = None
+    ones_p: object = None
     nbytes: int = 0            # bytes one decode step reads: every weight once (a MoE layer: its router and k experts)
 
     def linears(self) -> list[Linear]:
         found = [self.embedding] + ([self.lm_head] if self.lm_head.weight is not self.embedding.weight else [])
+        found += [w for w in (self.ple_table, self.ple_model) if w is not None]
         for i, layer in enumerate(self.layers):
             found += layer.mixer.linears_of(i) + ([] if layer.moe else [layer.gate_up, layer.down])
+            found += [w for w in (layer.ple_gate, layer.ple_proj) if w is not None]
         return found
 
     def int4_forms(self) -> dict[str, int]:
@@ -109,6 +124,12 @@ class RunState:
     row_act: object
     all_logits: object = None   # (chunk, V) and (chunk, hidden): made by the first prefill_logits only
     head_in: object = None
+    # Gemma 4: each row's per-layer inputs (chunk, n_layers·P), the embedding's projection and a norm's unused
+    # output (the same), one layer's gate (chunk, P)
+    ple_in: object = None
+    ple_proj: object = None
+    ple_tmp: object = None
+    ple_g: object = None
     # One row of xb as Q8_1 blocks (hidden int8 codes, hidden/32 (step, sum) pairs), written by a norm that
     # writes xb where a GEMV reading that xb takes int8 activations (Model._xb_order), in the order xb_order
     # (perfx.ops.Q8_TEXEL or Q8_NATURAL; 0: the last norm wrote none)
@@ -125,7 +146,12 @@ class RunState:
             logits=device.empty(c.vocab_size, f32), ids=device.empty(chunk, np.int32),
             step=device.empty(2, np.int32), best=device.empty(1, np.int32), tokens=device.empty(TOKEN_RING, np.int32),
             row_in=device.empty(widest, f32), row_out=device.empty(widest, f32),
-            row_up=device.empty(c.intermediate_size, f32), row_act=device.empty(c.intermediate_size, f32))
+            row_up=device.empty(c.intermediate_size, f32), row_act=device.empty(c.intermediate_size, f32),
+            **({} if not c.per_layer_input else dict(
+                ple_in=device.empty((chunk, c.n_layers * c.per_layer_input), f32),
+                ple_proj=device.empty((chunk, c.n_layers * c.per_layer_input), f32),
+                ple_tmp=device.empty((chunk, c.n_layers * c.per_layer_input), f32),
+                ple_g=device.empty((chunk, c.per_layer_input), f32))))
 
 
 class Model:
@@ -137,6 +163,9 @@ class Model:
 
     def __init__(self, config: ModelConfig, device: Device, max_positions: int, database: Database | None = None,
                  log=None, kv: str = "f16"):
+        if config.altup_inputs:
+            raise PerfxError(f"{config.architecture}: perfx runs this recipe ({config.describe_recipe()}) in float64 "
+                             "only (perfx.forward64.model_forward): the device forward has no AltUp or LAuReL yet")
         self.config, self.device, self.max_positions = config, device, max_positions
         self.kv = check_kv_form(kv, config.head_dim, "--kv")   # the KV cache's form: "f16" or "q8"
         self.database = database if database is not None else default_database()
@@ -191,6 +220,7 @@ class Model:
         bar.update(note="kernels")
         embedding = source.embedding()
         model.weights.embedding = model.upload(embedding, "token embedding", "embedding")
+        model._upload_per_layer_tables(source)
         bar.update(note="embedding")
         for i in range(c.n_layers):
             w = first if i == 0 else source.layer(i)
@@ -205,9 +235,13 @@ class Model:
                                     gate_up=model.upload(w.gate_up, f"layer {i} gate_up", "gate_up"),
                                     down=model.upload(w.down, f"layer {i} down", "down"))
                 nbytes += w.gate_up.nbytes + w.down.nbytes + 4 * 2 * c.hidden_size
-            for name in ("post_attn_norm", "post_ffn_norm"):
+            for name in ("post_attn_norm", "post_ffn_norm", "ple_norm", "out_scale"):
                 if getattr(w, name) is not None:
                     setattr(layer, name, model.vector(getattr(w, name)))
+                    nbytes += getattr(w, name).nbytes
+            for name in ("ple_gate", "ple_proj"):
+                if getattr(w, name) is not None:
+                    setattr(layer, name, model.upload(getattr(w, name), f"layer {i} {name}", name))
                     nbytes += getattr(w, name).nbytes
             model.weights.layers.append(layer)
             model.weights.nbytes += nbytes
@@ -237,6 +271,21 @@ class Model:
         for mixer in model.mixers:
             model.load_report.update(mixer.state_report())
         return model
+
+    def _upload_per_layer_tables(self, source) -> None:
+        """Gemma 4's per-layer table, kept on the device in the file's form (a token's row of n_layers·P values
+        is what a step reads of it), the embedding's projection and its norm (γ/√2: the per-layer inputs are
+        (rmsnorm(projection)·γ + rows)/√2); vectors of ones for the norms whose normed output is not used."""
+        tables = source.per_layer_tables()
+        if tables is None:
+            return
+        c, w = self.config, self.weights
+        table, projection, norm = tables
+        w.ple_table = self.upload(table, "per-layer table", "ple_table")
+        w.ple_model = self.upload(projection, "per-layer projection", "ple_model")
+        w.ple_norm = self.vector(np.asarray(norm, np.float64) / np.sqrt(2.0))
+        w.ones, w.ones_p = self.vector(np.ones(c.hidden_size)), self.vector(np.ones(c.per_layer_input))
+        w.nbytes += table.nbytes // c.vocab_size + projection.nbytes + norm.nbytes
 
     def vector(self, v: np.ndarray):
         """A float32 vector (a norm's γ, a convolution's taps) on the device."""
@@ -331,7 +380,7 @@ class Model:
                 mark(i)
             # the mixer's rmsnorm; from layer 1 on, the previous layer's FFN output joins the residual here
             readers = w.mixer.xb_readers(i)
-            if i == 0:
+            if i == 0 or self._closes_layers:
                 self.plan.rmsnorm.plain(s.x, w.attn_norm, s.xb, m, c.hidden_size, c.rms_eps,
                                         **self._norm_blocks(readers, m))
             else:
@@ -349,9 +398,39 @@ class Model:
             # gated MLP: gate-up with the activation·up fused, then down
             w.gate_up(s.xb, s.hb, m, decode, self.xb_blocks(m))
             w.down(s.hb, s.proj, m, decode)
+            if self._closes_layers:
+                self._per_layer(i, w, m, decode)
+
+    @property
+    def _closes_layers(self) -> bool:
+        """Whether each layer ends with its residual whole (Gemma 4: the per-layer input and the output scalar
+        come after the MLP's output joins it), so the next norm is a plain one."""
+        return bool(self.config.per_layer_input or self.config.layer_scale)
+
+    def _per_layer(self, i: int, w: DeviceLayer, m: int, decode: bool):
+        """Gemma 4, after layer i's MLP: its output into the residual through its post-norm; the per-layer input
+        x + rmsnorm(W_proj·(GELU(W_gate·x) ⊙ the layer's inputs))·γ; the residual times the layer's scalar (as
+        llama.cpp's gemma4). The norms' normed output (into xb, with γ = 1) is not used."""
+        c, s, plan, weights = self.config, self.state, self.plan, self.weights
+        hidden, eps = c.hidden_size, c.rms_eps
+        plan.rmsnorm.post_residual(s.proj, s.x, w.post_ffn_norm, weights.ones, s.xb, m, hidden, eps)
+        if w.ple_gate is not None:
+            p = c.per_layer_input
+            w.ple_gate(s.x, s.ple_g, m, decode)
+            plan.per_layer_gate(s.ple_g, s.ple_in, s.ple_g, m, p, c.n_layers * p, i * p)
+            w.ple_proj(s.ple_g, s.proj, m, decode)
+            plan.rmsnorm.post_residual(s.proj, s.x, w.ple_norm, weights.ones, s.xb, m, hidden, eps)
+        if w.out_scale is not None:
+            plan.layer_scale(s.x, w.out_scale, m * hidden)
+        s.xb_order = 0
 
     def _final_norm(self, m: int):
         """The last layer's output joins the residual, then the final rmsnorm into xb."""
+        if self._closes_layers:
+            s, c = self.state, self.config
+            self.plan.rmsnorm.plain(s.x, self.weights.final_norm, s.xb, m, c.hidden_size, c.rms_eps,
+                                    **self._norm_blocks([self.weights.lm_head], m))
+            return
         self._residual_norm(self.weights.layers[-1].post_ffn_norm, self.weights.final_norm, m, [self.weights.lm_head])
 
     def _head(self, row: int):
@@ -384,8 +463,17 @@ class Model:
 
     def _embed(self, m: int, ids):
         """The rows of the m token ids in ``ids`` (an int32 device buffer) into the residual stream, times the
-        recipe's embedding scale (Gemma: √hidden)."""
+        recipe's embedding scale (Gemma: √hidden); Gemma 4's per-layer inputs of those tokens."""
         self.weights.embedding.gather(ids, self.state.x, m, self.config.embedding_scale)
+        w, c, s = self.weights, self.config, self.state
+        if w.ple_table is not None:
+            # (rmsnorm(x·W/√hidden)·γ + rows·√P)/√2, each token's n_layers rows of P: the rows times √P/√2, γ/√2,
+            # and 1/√hidden moved into the norm's eps (rmsnorm(y/a) with eps is rmsnorm(y) with a²·eps)
+            p = c.per_layer_input
+            w.ple_table.gather(ids, s.ple_in, m, float(np.sqrt(p / 2.0)))
+            w.ple_model(s.x, s.ple_proj, m, m == 1)
+            self.plan.rmsnorm.post_residual(s.ple_proj, s.ple_in, w.ple_norm, w.ones_p, s.ple_tmp, m * c.n_layers, p,
+                                            c.rms_eps * c.hidden_size)
 
     def prefill(self, tokens: list[int], start_pos: int) -> None:
         """Run the prompt at positions start_pos.. (the cache before start_pos is reused); logits of the last.

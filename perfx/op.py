@@ -109,7 +109,7 @@ def gemv_shape(config, label: str, form: Form, n: int, k: int, epilogue: str = "
     shape = {"n": n, "k": k, "group": form.group, "epilogue": epilogue, "bias": bias}
     if form.kind == "q8":
         shape.update(_q8_form_keys(form))
-    if label == "qkv":
+    if label == "qkv" and not config.kv_shared:   # (a layer reading another's cache projects q alone)
         shape["parts"] = [config.q_dim, config.kv_dim, config.kv_dim]
     return ("gemv_q8" if form.kind == "q8" else "gemv_q4"), shape
 

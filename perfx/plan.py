@@ -33,6 +33,7 @@ from perfx.ops.gemv_q8 import GemvQ8
 from perfx.ops.logit_mask import LogitMask
 from perfx.ops.moe_router import MoeRouter
 from perfx.ops.params import READ_NAMES
+from perfx.ops.per_layer import LayerScale, PerLayerGate
 from perfx.ops.q4_weight import available_paths
 from perfx.ops.q8_weight import Q8DeviceWeight
 from perfx.ops.rmsnorm import RMSNorm
@@ -119,6 +120,7 @@ class KernelPlan:
         self.moe_router = None
         self._moe_gemvs: dict[tuple, GemvMoE] = {}
         self._moe_gemms: dict[tuple, GemmMoE] = {}
+        self.per_layer_gate = self.layer_scale = None
         self._next_step = self._logit_mask = None
         for op in self.step:
             if op.shares is None:
@@ -160,8 +162,14 @@ class KernelPlan:
             self.gate = wrapper = self.choose(family, shape, family, lambda p, w=wrapper: w(d, p))
         elif family == "softcap":
             self.softcap = wrapper = self.choose(family, shape, op.role, lambda p: Softcap(d, p))
-        elif family == "attention_decode":
-            self._attn_decode = wrapper = self.choose(family, shape, "decode", lambda p: AttentionDecode(d, p, shape))
+        elif family == "attention_decode":   # one a shape of layer (Gemma 4's); attn_decode the first
+            wrapper = self.choose(family, shape, f"decode {shape['head_dim']}" if self._attn_decode else "decode",
+                                  lambda p: AttentionDecode(d, p, shape))
+            self._attn_decode = self._attn_decode or wrapper
+        elif family == "per_layer_gate":
+            self.per_layer_gate = wrapper = self.choose(family, shape, op.role, lambda p: PerLayerGate(d, p))
+        elif family == "layer_scale":
+            self.layer_scale = wrapper = self.choose(family, shape, op.role, lambda p: LayerScale(d, p))
         elif family == "short_conv":
             if self.short_conv is None:
                 self.short_conv = self.choose(family, shape, op.role, lambda p: ShortConv(d, p, shape))
@@ -265,6 +273,23 @@ class KernelPlan:
         if self._attn_decode is None:
             self._choose_op(AttentionMixer.kernel_ops(self.config, 1, self.options)[0])
         return self._attn_decode
+
+    def attention_at(self, layer: int, m: int = 1):
+        """The attention wrapper of ``layer``: the decode step's op's on that layer for one row, else m's prefill
+        bucket's (built on first use): each shape of layer its own (Gemma 4's)."""
+        if m == 1:
+            op = next((o for o in self.step if o.family == "attention_decode" and layer in o.layers), None)
+            return self.attn_decode if op is None else self._wrappers[op]
+        bucket = m_bucket(m)
+        first = self.prefill(m)[1]
+        op = next((o for o in self.buckets[bucket] if o.family == "attention_prefill" and layer in o.layers), None)
+        if op is None:
+            return first
+        if op not in self._wrappers:
+            shape = op.shape
+            self._wrappers[op] = self.choose("attention_prefill", shape, f"prefill {shape['head_dim']}, M≈{op.m}",
+                                             lambda p: AttentionPrefill(self.device, p, shape))
+        return self._wrappers[op]
 
     def ops(self, m: int = 1) -> list[Op]:
         """The ops of the step a pass over m rows runs: the decode step for one, else m's prefill bucket's."""
@@ -487,6 +512,8 @@ def build_requests(config: ModelConfig, device: Device, max_positions: int, data
                           q4_form)
         for bucket in buckets:
             plan.prefill(bucket_representative(bucket))
+            for layer in config.layers_of("attention"):   # each shape of layer its own (Gemma 4's)
+                plan.attention_at(layer, bucket_representative(bucket))
             if config.layers_of("delta"):
                 plan.delta_prefill(bucket_representative(bucket))
     return requests

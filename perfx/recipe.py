@@ -40,3 +40,8 @@ class LayerRecipe:
     window: int = 0        # sliding window: a position attends to the last `window` positions (0: all)
     kind: str = "attention"   # what mixes the positions: "attention", "conv" (LFM2's gated short convolution) or
                               # "delta" (Qwen3.5's Gated DeltaNet linear attention)
+    # Gemma 4's layers differ in their shapes: 0 / −1 take the model's (``ModelConfig``)
+    head_dim: int = 0         # D of this layer's heads (Gemma 4: 256 sliding, 512 global)
+    kv_heads: int = 0         # its KV heads
+    ffn: int = 0              # its MLP's inner width (Gemma 4: twice as wide on the KV-sharing layers)
+    kv_from: int = -1         # the earlier layer whose KV cache it reads, computing q only (−1: its own cache)

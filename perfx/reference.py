@@ -75,6 +75,17 @@ def geglu(gate, up) -> np.ndarray:
     return gelu_tanh(gate) * f64(up)
 
 
+def per_layer_gate(gate, inputs, p: int, offset: int) -> np.ndarray:
+    """GELU(gate)·inputs[:, offset:offset + p] (tanh form): Gemma 4's gate of a layer's per-layer input, its slice
+    of each token's per-layer inputs (llama.cpp's gemma4: ggml_gelu of inp_gate·x, times inp_this_layer)."""
+    return gelu_tanh(gate) * f64(inputs)[:, offset:offset + p]
+
+
+def layer_scale(x, scale: float) -> np.ndarray:
+    """x·scale: Gemma 4's residual stream times the layer's learned scalar (layer_output_scale)."""
+    return f64(x) * float(scale)
+
+
 def softcap(x, cap: float) -> np.ndarray:
     """cap·tanh(x / cap): Gemma 2's soft-capping of the final logits (final_logit_softcapping)."""
     return cap * np.tanh(f64(x) / cap)

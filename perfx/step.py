@@ -33,9 +33,11 @@ def kinds_of(config) -> list[str]:
 def matrix_dims(config, role: str) -> tuple[int, int, bool]:
     """(N, K, bias) of a matrix role, fused the way the loader fuses them: the FFN's and the head's, else its
     mixer's (``Mixer.linears``)."""
-    c, h = config, config.hidden_size
+    c, h, p = config, config.hidden_size, config.per_layer_input
     own = {"gate_up": (2 * c.intermediate_size, h, False), "down": (h, c.intermediate_size, False),
-           "lm_head": (c.vocab_size, h, False)}
+           "lm_head": (c.vocab_size, h, False),
+           # Gemma 4's per-layer embeddings: the gate and projection of each layer, the embedding's projection
+           "ple_gate": (p, h, False), "ple_proj": (h, p, False), "ple_model": (c.n_layers * p, h, False)}
     if role in own:
         return own[role]
     return next((n, k, bias) for kind in kinds_of(c) for r, n, k, bias in mixer_class(kind).linears(c) if r == role)
@@ -43,8 +45,10 @@ def matrix_dims(config, role: str) -> tuple[int, int, bool]:
 
 def matrix_roles(config) -> tuple[str, ...]:
     """The matrix roles of the model's layers: each layer kind's mixer's (in the order the kinds first come),
-    then gate_up and down."""
-    return tuple(r for kind in kinds_of(config) for r, *_ in mixer_class(kind).linears(config)) + ("gate_up", "down")
+    then gate_up and down, then Gemma 4's per-layer-embedding matrices where it has them."""
+    ple = ("ple_gate", "ple_proj", "ple_model") if config.per_layer_input else ()
+    return tuple(r for kind in kinds_of(config) for r, *_ in mixer_class(kind).linears(config)) + ("gate_up",
+                                                                                                   "down") + ple
 
 
 def role_ops(config, role: str, m: int, options: StepOptions, gemm: bool = False, layers: tuple[int, ...] = (),
@@ -60,21 +64,67 @@ def embedding_ops(config, m: int, options: StepOptions) -> list[Op]:
     """The gather of m token rows into the residual stream, one op per form of the table."""
     ids = "step" if m == 1 else "ids"
     forms = role_forms(config, "embedding", options, config.hidden_size)
-    return [Op(*embedding_shape(form, config.vocab_size, config.hidden_size, m), "embedding", (), "embedding",
-               form, (ids,), ("x",), m=m) for form in forms]
+    out = [Op(*embedding_shape(form, config.vocab_size, config.hidden_size, m), "embedding", (), "embedding",
+              form, (ids,), ("x",), m=m) for form in forms]
+    return out + per_layer_input_ops(config, m, options, ids)
+
+
+def per_layer_input_ops(config, m: int, options: StepOptions, ids: str) -> list[Op]:
+    """Gemma 4's per-layer inputs of m tokens: the rows of the per-layer table, the projection of the embedding,
+    and (rmsnorm(projection)·γ + rows)/√2 over rows of P (one post-residual norm: ``perfx.model``); none without
+    per-layer embeddings."""
+    c, p = config, config.per_layer_input
+    if not p:
+        return []
+    width = c.n_layers * p
+    out = [Op(*embedding_shape(form, c.vocab_size, width, m), "per-layer table", (), "ple_table", form, (ids,),
+              ("ple_in",), m=m) for form in role_forms(c, "ple_table", options, width)]
+    out += role_ops(c, "ple_model", m, options, m > 1, (), ("x",), ("ple_proj",))
+    return out + [Op("rmsnorm", {"m": m * c.n_layers, "k": p, "residual": True, "post": True}, "per-layer inputs",
+                     reads=("ple_proj", "ple_in"), writes=("ple_in",), m=m)]
 
 
 def ffn_ops(config, m: int, options: StepOptions, prefill: bool = False) -> list[Op]:
     """The gated MLP: gate_up with act(gate)·up fused, then down; the activation unfused where gate_up is
     fp16 (the fp16 GEMV, row by row, has no epilogue)."""
-    c, layers = config, tuple(config.dense_ffn_layers)
-    if not layers:
-        return []
+    c = config
     glu = "geglu" if gate_up_epilogue(c.ffn_activation) == "gelu_mul" else "swiglu"
-    return (role_ops(c, "gate_up", m, options, prefill, layers, ("xb",), ("hb",))
-            + [shared(Op(glu, {"count": c.intermediate_size}, f"{glu} (unfused)", layers, reads=("hb",),
-                         writes=("hb",), m=m), prefill)]
-            + role_ops(c, "down", m, options, prefill, layers, ("hb",), ("proj",)))
+    widths: dict[int, list[int]] = {}   # Gemma 4's layers differ in width: one op a width
+    for i in c.dense_ffn_layers:
+        widths.setdefault(c.at(i).intermediate_size, []).append(i)
+    out = []
+    for width, layers in widths.items():
+        layers = tuple(layers)
+        dims = {"gate_up": (2 * width, c.hidden_size, False), "down": (c.hidden_size, width, False)}
+        if len(widths) == 1:
+            dims = {"gate_up": None, "down": None}
+        out += (role_ops(c, "gate_up", m, options, prefill, layers, ("xb",), ("hb",), dims=dims["gate_up"])
+                + [shared(Op(glu, {"count": width}, f"{glu} (unfused)", layers, reads=("hb",), writes=("hb",), m=m),
+                          prefill)]
+                + role_ops(c, "down", m, options, prefill, layers, ("hb",), ("proj",), dims=dims["down"]))
+    return out
+
+
+def per_layer_ops(config, m: int, options: StepOptions, prefill: bool) -> list[Op]:
+    """Gemma 4, after each layer's MLP: its output into the residual (through its post-norm), the per-layer
+    input (the gate from the residual, GELU times the layer's inputs, the projection, into the residual through
+    its norm), then the residual times the layer's scalar; none for other recipes."""
+    c, layers = config, tuple(range(config.n_layers))
+    if not (c.per_layer_input or c.layer_scale):
+        return []
+    close = Op("rmsnorm", {"m": m, "k": c.hidden_size, "residual": True, "post": True}, "residual", layers,
+               reads=("x", "proj"), writes=("x",), m=m)
+    out = [close]
+    if c.per_layer_input:
+        out += role_ops(c, "ple_gate", m, options, prefill, layers, ("x",), ("ple_g",))
+        # measured at one row; a prefill pass runs the decode step's wrapper
+        out.append(shared(Op("per_layer_gate", {"m": 1, "p": c.per_layer_input, "layers": c.n_layers},
+                             "per-layer gate", layers, reads=("ple_g", "ple_in"), writes=("ple_g",), m=m), prefill))
+        out += role_ops(c, "ple_proj", m, options, prefill, layers, ("ple_g",), ("proj",)) + [close]
+    if c.layer_scale:
+        out.append(shared(Op("layer_scale", {"count": c.hidden_size}, "layer scale", layers, reads=("x",),
+                             writes=("x",), m=m), prefill))
+    return out
 
 
 def layer_ops(config, m: int, options: StepOptions, prefill: bool = False) -> list[Op]:
@@ -87,7 +137,7 @@ def layer_ops(config, m: int, options: StepOptions, prefill: bool = False) -> li
     for kind in kinds_of(config):
         out += mixer_class(kind).ops(config, m, options, prefill)
     return (out + norm_ops(config, m, layers, layers if post else None) + ffn_ops(config, m, options, prefill)
-            + moe.ops(config, m, options, prefill))
+            + moe.ops(config, m, options, prefill) + per_layer_ops(config, m, options, prefill))
 
 
 def head_ops(config, options: StepOptions, argmax: bool = True) -> list[Op]:

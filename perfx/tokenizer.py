@@ -358,7 +358,8 @@ class Tokenizer:
 
         tokenizer.ggml.model "llama" is SentencePiece (rebuilt as a SentencePiece BPE model from the
         tokens, scores and types); "gpt2" is byte-level BPE (rebuilt with `tokenizers`, with
-        llama.cpp's pre-tokenizer for tokenizer.ggml.pre). Both encode as llama.cpp does: special
+        llama.cpp's pre-tokenizer for tokenizer.ggml.pre); "gemma4" is Gemma 4's BPE over raw UTF-8 with
+        spaces as ▁ (``_metaspace_bpe``). Both encode as llama.cpp does: special
         tokens are split out of the text first, and for SentencePiece each stretch of text after a
         special token starts with the prefix space. Whether a prompt gets a BOS follows
         tokenizer.ggml.add_bos_token when present, else llama.cpp's default for the tokenizer kind
@@ -391,9 +392,16 @@ class Tokenizer:
             backend, add_bos_default = _byte_level_bpe(tokens, types, merges, pre, name)
             encode_text = _TokenizersEncoder(backend).text
             byte_level, strip_leading_space = True, False
+        elif model == "gemma4":
+            merges = value("tokenizer.ggml.merges")
+            if merges is None:
+                raise PerfxError(f"{name}: Gemma 4 BPE tokenizer without tokenizer.ggml.merges.")
+            backend = _metaspace_bpe(tokens, types, merges, name)
+            encode_text = _TokenizersEncoder(backend).text
+            byte_level, strip_leading_space, add_bos_default = False, False, True
         else:
             raise PerfxError(f"{name} uses tokenizer model {model!r}, which perfx does not support: it reads "
-                             f"'llama' (SentencePiece) and 'gpt2' (byte-level BPE) tokenizers.")
+                             f"'llama' (SentencePiece), 'gpt2' (byte-level BPE) and 'gemma4' tokenizers.")
 
         encoder = _SpecialTokenEncoder(encode_text, tokens, types,
                                        _rstrip_ids(value("general.name", ""), tokens, types), backend)
@@ -648,6 +656,25 @@ def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre:
     backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
     backend.add_tokens([AddedToken(token, special=False, normalized=False) for token in user_defined])
     return backend, add_bos
+
+
+def _metaspace_bpe(tokens: list[str], types: list[int], merges: list[str], name: str):
+    """Gemma 4's tokenizer (tokenizer.ggml.model "gemma4"): BPE over the raw UTF-8 text with each space as ▁ (no
+    byte-level mapping, no split: Hugging Face's Metaspace with prepend_scheme never), bytes it has no piece for
+    as its <0xXX> pieces; the special tokens added, as ``_byte_level_bpe`` does."""
+    vocab = {token: i for i, token in enumerate(tokens)}
+    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    try:
+        backend = tokenizers.Tokenizer(models.BPE(vocab, pairs, byte_fallback=True))
+    except Exception as error:  # tokenizers raises plain Exception for inconsistent vocab/merges
+        raise PerfxError(f"{name}: its BPE vocabulary and merges do not fit together ({error}).") from error
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never", split=False)
+    backend.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="never", split=False)
+    specials = _special_tokens(tokens, types, (TokenType.CONTROL, TokenType.UNKNOWN))
+    user_defined = _special_tokens(tokens, types, (TokenType.USER_DEFINED,))
+    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
+    backend.add_tokens([AddedToken(token, special=False, normalized=False) for token in user_defined])
+    return backend
 
 
 # -- Hugging Face directories --------------------------------------------------------------------------

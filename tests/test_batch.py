@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from helpers.family_models import family_tokenizer, make_family_model, write_family_gguf
+from helpers.gemma4_models import make_gemma4, write_gemma4_gguf
 from helpers.moe_models import write_moe_gguf
 from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
 from perfx import forward64
@@ -28,8 +29,9 @@ from perfx.tuning.database import default_database
 from perfx.tuning.spec import relative_error
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "llamacpp_families.json").read_text())["families"]
-# llama (a GQA tiny Llama), then gemma3 ... lfm2, qwen35, then the mixtures of experts (their FFN over N rows)
-FAMILIES = ["llama", *RECORDED, "qwen3_moe", "lfm2_moe"]
+# llama (a GQA tiny Llama), then gemma3 ... lfm2, qwen35, then the mixtures of experts (their FFN over N rows), then
+# Gemma 4 (layers of their own head sizes, KV heads and MLP widths, shared KV caches, per-layer inputs)
+FAMILIES = ["llama", *RECORDED, "qwen3_moe", "lfm2_moe", "gemma4"]
 
 # Against the float64 forward: the device forward's own tolerance (fp16 KV cache, int8 activations of the int8
 # matrices), as tests/test_families.py holds every family's decode to.
@@ -52,6 +54,8 @@ def paths(tmp_path_factory):
         out[family] = write_family_gguf(root / f"{family}.gguf", model, **RECORDED[family]["write_family_gguf"]).path
     for model_type in ("qwen3_moe", "lfm2_moe"):
         out[model_type], _ = write_moe_gguf(root / f"{model_type}.gguf", model_type, np.random.default_rng(5))
+    out["gemma4"] = root / "gemma4.gguf"
+    write_gemma4_gguf(out["gemma4"], make_gemma4(np.random.default_rng(6)))
     return out
 
 
@@ -114,7 +118,7 @@ def test_an_int8_kv_cache_per_sequence(paths, device, rng):
     """--kv q8: each sequence's cache in int8 codes and scales, as the load makes the first."""
     model, alone = load(paths["llama"], device, kv="q8"), load(paths["llama"], device, kv="q8")
     batch = Batch(model, 3)
-    assert batch.states[2][model.mixers[0]]["cache"].form == "q8"
+    assert all(cache.form == "q8" for cache in batch.states[2][model.mixers[0]]["caches"])
     for prompt, fed, got in run_schedule(batch, open_model(paths["llama"]).config.vocab_size, rng):
         single = alone_logits(alone, prompt, fed)
         for j, logits in enumerate(got):

@@ -76,7 +76,10 @@ def test_the_decode_step_runs_in_order_over_the_run_state(name):
             assert not any(set(op.layers) & set(c.layers_of(kind)) for op in step)
             continue
         ops = mixer.ops(c, 1, options)
-        assert ops and all(op.layers == tuple(c.layers_of(kind)) for op in ops)
+        # each launch of the kind runs on all its layers, or (layers of their own shapes: Gemma 4) one op a shape
+        for role in {op.role for op in ops}:
+            layers = sorted(layer for op in ops if op.role == role for layer in op.layers)
+            assert layers == c.layers_of(kind), (kind, role)
         assert [op for op in step if op in ops] == ops
     if c.dense_ffn_layers:
         assert [op.weight for op in ffn_ops(c, 1, options) if op.weight][-1] == "down"

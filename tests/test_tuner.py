@@ -202,8 +202,14 @@ def test_problems_of_a_model_fit_the_specs(name):
         ms = {p.shape["m"] for p in problems if p.family == "gemm_q4_skinny"}
         assert len(ms) == len(M_BUCKETS)
     if "gemv_q4" in families:
-        qkv = next(p for p in problems if p.family == "gemv_q4" and p.label == "qkv")
-        assert qkv.shape["n"] == config.qkv_dim and qkv.per_token == len(config.layers_of("attention"))
+        # one qkv problem of all the attention layers; with layers of their own shapes (Gemma 4, Gemma 3n) each
+        # layer's width is measured (a q-only layer's may be o's very shape, and one problem with it)
+        qkv = [p for p in problems if p.family == "gemv_q4" and p.label == "qkv"]
+        layers = config.layers_of("attention")
+        if not config.shaped_layers:
+            assert [(p.shape["n"], p.per_token) for p in qkv] == [(config.qkv_dim, len(layers))]
+        widths = {config.at(i).q_dim + (0 if config.at(i).kv_shared else 2 * config.at(i).kv_dim) for i in layers}
+        assert widths <= {p.shape["n"] for p in problems if p.family == "gemv_q4" and p.shape["k"] == config.hidden_size}
     assert all(isinstance(note, str) for note in notes)
 
 

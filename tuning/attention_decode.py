@@ -23,7 +23,7 @@ from perfx.tuning.spec import Case, Spec, cached_per_params
 THETA = 10000.0
 LAYERS, LAYER = 2, 1
 EPS = 1e-6
-FEATURE_KEYS = ("qk_norm", "rotary_dims", "scale", "softcap", "window")
+FEATURE_KEYS = ("qk_norm", "rotary_dims", "scale", "softcap", "window", "v_norm", "q_only")
 
 
 @dataclass
@@ -54,6 +54,8 @@ class Features:
             # Around 1, as trained norm weights are; never 0, so a dimension that skips its weight shows.
             weights = tuple(rng.uniform(0.5, 1.5, d).astype(np.float32) for _ in range(2))
             launch.update(q_norm=device.upload(weights[0]), k_norm=device.upload(weights[1]), eps=EPS)
+        if shape.get("v_norm"):
+            launch["eps"] = EPS
         return cls(rope, n_rot, weights, launch, attend)
 
     def apply(self, x, positions, which: int) -> np.ndarray:
@@ -105,14 +107,17 @@ def near_q8_ties(x) -> np.ndarray:
     return near.reshape(x.shape)
 
 
-def away_from_q8_ties(rng, qkv: np.ndarray, n_heads: int, n_kv_heads: int, head_dim: int, keys_of) -> None:
+def away_from_q8_ties(rng, qkv: np.ndarray, n_heads: int, n_kv_heads: int, head_dim: int, keys_of,
+                      values_of=None) -> None:
     """Redraw, in place, the k and v elements of ``qkv`` (M, (H + 2·Hkv)·D) float32 whose new key (as
-    ``keys_of(qkv)`` makes it, (M, Hkv, D): normalised and rotated) or value lies near a q8 rounding tie
-    (``near_q8_ties``), until none does."""
+    ``keys_of(qkv)`` makes it, (M, Hkv, D): normalised and rotated) or value (as ``values_of(qkv)`` makes it:
+    normed where the layer norms v; None: as it is) lies near a q8 rounding tie (``near_q8_ties``), until none
+    does."""
     q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
     for _ in range(100):
+        values = qkv[:, q_dim + kv_dim:] if values_of is None else values_of(qkv).reshape(len(qkv), kv_dim)
         near = np.concatenate([near_q8_ties(keys_of(qkv)).reshape(len(qkv), kv_dim),
-                               near_q8_ties(qkv[:, q_dim + kv_dim:])], axis=1)
+                               near_q8_ties(values)], axis=1)
         if not near.any():
             return
         rows, columns = np.nonzero(near)
@@ -147,14 +152,15 @@ def make_case(device, shape, rng) -> Case:
     offset, kv = shape.get("qkv_offset", 0), shape.get("kv", "f16")
     pos = positions - 1
     max_positions = positions + 3  # a few rows past the new one, which must stay untouched
-    qkv = rng.standard_normal(offset + (h + 2 * hkv) * d, dtype=np.float32)
+    q_only = bool(shape.get("q_only"))
+    qkv = rng.standard_normal(offset + (h + (0 if q_only else 2 * hkv)) * d, dtype=np.float32)
     # The whole cache on the host: random values as the cache holds them in the rows before pos (earlier
     # tokens) and in the other layer, NaN from pos on (the row the kernel must write and must not read back,
-    # and unused rows).
+    # and unused rows); q_only: row pos is there already (another layer wrote it), NaN after it.
     host_cache = []
     for _ in range(2):
         block = random_cache(rng, kv, (LAYERS, hkv, max_positions, d))
-        block[LAYER, :, pos:] = np.nan
+        block[LAYER, :, pos + q_only:] = np.nan
         host_cache.append(block)
     cache = KVCache.allocate(device, LAYERS, hkv, max_positions, d, form=kv)
     features = Features.make(device, shape, max_positions, rng)
@@ -162,17 +168,24 @@ def make_case(device, shape, rng) -> Case:
 
     def rotated_keys(row):
         return features.apply(row[:, h * d: (h + hkv) * d].reshape(1, hkv, d), [pos], 1)
-    if kv == "q8":
-        away_from_q8_ties(rng, x.reshape(1, -1), h, hkv, d, rotated_keys)
+    def new_values(row):   # v, normed without a weight where the layer norms it (Gemma 4)
+        v = reference.f64(row[:, (h + hkv) * d:].reshape(1, hkv, d))
+        return reference.rmsnorm(v, 1.0, EPS) if shape.get("v_norm") else v
+    if kv == "q8" and not q_only:
+        away_from_q8_ties(rng, x.reshape(1, -1), h, hkv, d, rotated_keys, new_values)
     qkv_dev = device.upload(qkv)
     out = device.poisoned(h * d, np.float32)
 
     # Expected, float64: norm and RoPE on q and k; k and v as the cache stores them (fp16, or the q8 rule's
     # codes and scales), so the tolerance on out covers fp32 arithmetic and not the storage.
     q = features.apply(x[: h * d].reshape(1, h, d), [pos], 0)
-    k = rotated_keys(x.reshape(1, -1))
-    k16 = as_stored(k, kv)
-    v16 = as_stored(x[(h + hkv) * d:].reshape(1, hkv, d), kv)
+    if q_only:   # row pos as it is in the cache: read, never written
+        k = host_cache[0][LAYER, :, pos][None].astype(np.float64)
+        k16, v16 = k, host_cache[1][LAYER, :, pos][None].astype(np.float64)
+    else:
+        k = rotated_keys(x.reshape(1, -1))
+        k16 = as_stored(k, kv)
+        v16 = as_stored(new_values(x.reshape(1, -1)), kv)
     keys = np.concatenate([host_cache[0][LAYER, :, :pos].transpose(1, 0, 2).astype(np.float64), k16])
     values = np.concatenate([host_cache[1][LAYER, :, :pos].transpose(1, 0, 2).astype(np.float64), v16])
     expected = {
@@ -221,18 +234,19 @@ def make_case(device, shape, rng) -> Case:
 
 def heads(st):
     """Query heads, kv heads (the GQA ratio, up to 8) and head_dim (the kernels take multiples of 8 from 32;
-    Gemma's 256 too)."""
+    Gemma's 256 and Gemma 4's 512 too)."""
     @st.composite
     def draw_heads(draw):
         kv = draw(st.integers(1, 3))
         return {"n_heads": kv * draw(st.integers(1, 8)), "n_kv_heads": kv,
-                "head_dim": draw(st.one_of(st.integers(4, 20).map(lambda n: 8 * n), st.just(256)))}
+                "head_dim": draw(st.one_of(st.integers(4, 20).map(lambda n: 8 * n), st.just(256), st.just(512)))}
     return draw_heads()
 
 
 def layer_features(st, head_dim: int):
     """Any of the per-layer features of ``Features``: q/k norm, partial or no RoPE, a scale, a soft-cap, a
-    window; and, where the head is whole blocks of 32, an int8 KV cache and out written as Q8_1 blocks too."""
+    window, Gemma 4's v norm or q alone; and, where the head is whole blocks of 32, an int8 KV cache and out
+    written as Q8_1 blocks too."""
     @st.composite
     def draw_features(draw):
         out = {}
@@ -249,6 +263,9 @@ def layer_features(st, head_dim: int):
             out["softcap"] = draw(st.sampled_from([1.0, 3.0, 50.0]))
         if draw(st.booleans()):
             out["window"] = draw(st.integers(1, 80))
+        gemma4 = draw(st.sampled_from(["none", "v_norm", "q_only"]))   # Gemma 4's v norm, or a sharing layer
+        if gemma4 != "none":
+            out[gemma4] = True
         if head_dim % 32 == 0 and draw(st.booleans()):
             out["kv"] = "q8"
         if head_dim % 32 == 0 and draw(st.booleans()):
@@ -317,6 +334,21 @@ SPEC = Spec(
         {"n_heads": 4, "n_kv_heads": 4, "head_dim": 64, "positions": 70, "rotary_dims": 32, "qk_norm": True,
          "softcap": 3.0, "window": 40, "scale": 0.2},
         *Q8_TEST_SHAPES,
+        # Gemma 4 (E2B; its scale is 1, its learned q/k norms keeping q·k moderate, which these random norm
+        # weights would not: a scale of 1/16 here): a global layer of 8 heads of 512 on one kv head (fewer
+        # heads a work-group: HEADS), q/k normed, v normed without a weight, past a partition of 128 and of
+        # 256; a sliding one of 256; the KV-sharing layers (q alone, the cache read, row p included), fp16 and
+        # int8 caches
+        {"n_heads": 8, "n_kv_heads": 1, "head_dim": 512, "positions": 257, "qk_norm": True, "v_norm": True,
+         "scale": 0.0625, "rotary_dims": 128},
+        {"n_heads": 8, "n_kv_heads": 1, "head_dim": 256, "positions": 70, "qk_norm": True, "v_norm": True,
+         "scale": 0.0625, "window": 40, "kv": "q8", "q8_out": True},
+        {"n_heads": 8, "n_kv_heads": 1, "head_dim": 512, "positions": 130, "qk_norm": True, "q_only": True,
+         "scale": 0.0625, "qkv_offset": 3},
+        {"n_heads": 4, "n_kv_heads": 2, "head_dim": 512, "positions": 33, "qk_norm": True, "v_norm": True,
+         "kv": "q8", "scale": 0.0625},
+        {"n_heads": 8, "n_kv_heads": 1, "head_dim": 256, "positions": 300, "q_only": True, "kv": "q8",
+         "window": 100, "scale": 0.0625},
     ),
     bytes_moved=bytes_moved,
     reference=reference.attention,
@@ -331,6 +363,13 @@ SPEC = Spec(
         {"n_heads": 2, "n_kv_heads": 1, "head_dim": 32, "positions": 9, "rotary_dims": 0},
         # The int8 cache: its quantizing append and the dequantizing reads, across two partitions of 32.
         {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "positions": 37, "kv": "q8"},
+        # Gemma 4: v normed (at WGS 128 its 8 heads of 256 on one kv head split over two work-groups, HEADS 4,
+        # the first appending); a layer reading another's cache, row p included
+        {"n_heads": 8, "n_kv_heads": 1, "head_dim": 256, "positions": 9, "qk_norm": True, "v_norm": True},
+        {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "positions": 11, "q_only": True, "kv": "q8"},
+        # heads of 512: a kv head's 8 query heads in two groups (HEADS 4 at the defaults) over two partitions,
+        # each group's last work-group combining its heads through its own counter
+        {"n_heads": 8, "n_kv_heads": 1, "head_dim": 512, "positions": 130, "qk_norm": True, "v_norm": True},
     ),
     flops=flops,
     describe=lambda s: (f"H={s['n_heads']} Hkv={s['n_kv_heads']} D={s['head_dim']} T={s['positions']}"

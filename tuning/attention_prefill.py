@@ -13,7 +13,8 @@ import numpy as np
 from perfx import reference
 from perfx.ops.attention_prefill import PARAMS, AttentionPrefill
 from perfx.ops.kv_cache import KVCache
-from perfx.tuning.attention_decode import (LAYER, LAYERS, Features, as_stored, away_from_q8_ties, describe_features,
+from perfx.tuning.attention_decode import (EPS, LAYER, LAYERS, Features, as_stored, away_from_q8_ties,
+                                           describe_features,
                                            heads, kv_value_bytes, layer_features, random_cache)
 from perfx.tuning.spec import Case, Spec, cached_per_params
 
@@ -51,13 +52,15 @@ def make_case(device, shape, rng) -> Case:
     h, hkv, d, m, p0 = (shape[k] for k in ("n_heads", "n_kv_heads", "head_dim", "m", "p0"))
     kv = shape.get("kv", "f16")
     max_positions = p0 + m + 3  # a few rows past the prompt, which must stay untouched
-    qkv = rng.standard_normal((m, (h + 2 * hkv) * d)).astype(np.float32)
+    q_only = bool(shape.get("q_only"))
+    qkv = rng.standard_normal((m, (h + (0 if q_only else 2 * hkv)) * d)).astype(np.float32)
     # The whole cache on the host: random values as the cache holds them in every row before p0 (earlier
-    # turns) and in the other layer, NaN from p0 on (rows the append must write, or that must stay unread).
+    # turns) and in the other layer, NaN from p0 on (rows the append must write, or that must stay unread);
+    # q_only: the prompt's rows are there already (another layer appended them), NaN after them.
     host_cache = []
     for _ in range(2):
         block = random_cache(rng, kv, (LAYERS, hkv, max_positions, d))
-        block[LAYER, :, p0:] = np.nan
+        block[LAYER, :, p0 + (m if q_only else 0):] = np.nan
         host_cache.append(block)
     cache = KVCache.allocate(device, LAYERS, hkv, max_positions, d, form=kv)
     features = Features.make(device, shape, max_positions, rng)
@@ -65,17 +68,22 @@ def make_case(device, shape, rng) -> Case:
 
     def rotated_keys(rows):
         return features.apply(rows[:, h * d: (h + hkv) * d].reshape(m, hkv, d), positions, 1)
-    if kv == "q8":
-        away_from_q8_ties(rng, qkv, h, hkv, d, rotated_keys)
+    def new_values(rows):   # v, normed without a weight where the layer norms it (Gemma 4)
+        v = rows[:, (h + hkv) * d:].reshape(m, hkv, d).astype(np.float64)
+        return reference.rmsnorm(v, 1.0, EPS) if shape.get("v_norm") else v
+    if kv == "q8" and not q_only:
+        away_from_q8_ties(rng, qkv, h, hkv, d, rotated_keys, new_values)
     qkv_dev = device.upload(qkv)
     out = device.poisoned((m, h * d), np.float32)
 
     # Expected, float64: norm and RoPE on q and k; k and v as the cache stores them (fp16, or the q8 rule's
     # codes and scales), so the tolerance covers fp32 arithmetic and not the storage.
     q = features.apply(qkv[:, : h * d].reshape(m, h, d), positions, 0)
-    k = rotated_keys(qkv)
-    k16 = as_stored(k, kv)
-    v16 = as_stored(qkv[:, (h + hkv) * d:].reshape(m, hkv, d), kv)
+    if q_only:   # the prompt's rows as they are in the cache: read, never written
+        k16, v16 = (host_cache[i][LAYER, :, p0:p0 + m].transpose(1, 0, 2).astype(np.float64) for i in range(2))
+    else:
+        k16 = as_stored(rotated_keys(qkv), kv)
+        v16 = as_stored(new_values(qkv), kv)
     keys = np.concatenate([host_cache[0][LAYER, :, :p0].transpose(1, 0, 2).astype(np.float64), k16])
     values = np.concatenate([host_cache[1][LAYER, :, :p0].transpose(1, 0, 2).astype(np.float64), v16])
     expected = {
@@ -147,6 +155,18 @@ SPEC = Spec(
         {"n_heads": 4, "n_kv_heads": 4, "head_dim": 64, "m": 41, "p0": 24, "rotary_dims": 32, "qk_norm": True,
          "softcap": 3.0, "window": 30, "scale": 0.2},
         *Q8_TEST_SHAPES,
+        # Gemma 4 (E2B; its scale is 1, its learned q/k norms keeping q·k moderate, which these random norm
+        # weights would not: a scale of 1/16 here): a global layer of 8 heads of 512 on one kv head (DSPLIT 8,
+        # small tiles), q/k normed, v normed without a weight, a chat continued; a sliding one of 256 with its
+        # window; the KV-sharing layers (q alone over the cache another layer appended), fp16 and int8
+        {"n_heads": 8, "n_kv_heads": 1, "head_dim": 512, "m": 13, "p0": 6, "qk_norm": True, "v_norm": True,
+         "scale": 0.0625, "rotary_dims": 128},
+        {"n_heads": 8, "n_kv_heads": 1, "head_dim": 256, "m": 21, "p0": 3, "qk_norm": True, "v_norm": True,
+         "scale": 0.0625, "window": 9, "kv": "q8"},
+        {"n_heads": 8, "n_kv_heads": 1, "head_dim": 512, "m": 11, "p0": 4, "qk_norm": True, "q_only": True,
+         "scale": 0.0625},
+        {"n_heads": 4, "n_kv_heads": 2, "head_dim": 256, "m": 17, "p0": 0, "q_only": True, "kv": "q8",
+         "window": 6, "scale": 0.0625},
     ),
     bytes_moved=bytes_moved,
     reference=reference.attention,
@@ -157,6 +177,9 @@ SPEC = Spec(
          "softcap": 3.0, "window": 4, "scale": 0.2},
         {"n_heads": 2, "n_kv_heads": 1, "head_dim": 32, "m": 3, "p0": 0, "rotary_dims": 0},
         {"n_heads": 4, "n_kv_heads": 1, "head_dim": 64, "m": 5, "p0": 3, "kv": "q8"},   # the int8 cache
+        # Gemma 4: v normed in the append; a layer reading another's cache (no append)
+        {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "m": 5, "p0": 3, "qk_norm": True, "v_norm": True},
+        {"n_heads": 4, "n_kv_heads": 1, "head_dim": 64, "m": 4, "p0": 2, "q_only": True, "kv": "q8"},
     ),
     flops=flops,
     describe=lambda s: (f"H={s['n_heads']} Hkv={s['n_kv_heads']} D={s['head_dim']} m={s['m']} p0={s['p0']}"

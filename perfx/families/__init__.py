@@ -115,7 +115,8 @@ def gguf_values(reader: GGUFFile) -> dict:
     n_kv_heads = recipe.pop("n_kv_heads", None)   # LFM2's: head_count_kv is per layer there
     common = dict(
         architecture=arch, vocab_size=int(vocab), hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")), n_layers=n_layers,
+        # Gemma 4's feed_forward_length is per layer: its reader gives the widest
+        intermediate_size=int(recipe.pop("intermediate_size", None) or key("feed_forward_length")), n_layers=n_layers,
         n_heads=n_heads, n_kv_heads=int(n_kv_heads or key("attention.head_count_kv", n_heads)),
         head_dim=head_dim,
         max_positions=int(key("context_length", 4096)),
@@ -158,7 +159,9 @@ def hf_values(config: dict) -> dict:
         n_heads = int(config["num_attention_heads"])
         values = dict(
             vocab_size=int(config["vocab_size"]),
-            intermediate_size=int(config["intermediate_size"]),
+            # Gemma 3n lists one per layer (all alike in its releases): the widest
+            intermediate_size=int(max(config["intermediate_size"]) if isinstance(config["intermediate_size"], list)
+                                  else config["intermediate_size"]),
             n_layers=int(config["num_hidden_layers"]),
         )
     except KeyError as error:
@@ -174,12 +177,12 @@ def hf_values(config: dict) -> dict:
                   qkv_bias=bool(config.get("attention_bias", False)))
     recipe.update(family.read_hf(HFConfig(config, architecture, n_layers, hidden, head_dim, theta, scaling,
                                           local_theta, window, Rope(theta, head_dim, scaling))))
-    return dict(
+    # what the family's recipe gives overrides the common reading (Gemma 4: the widest layer's head_dim)
+    return {**dict(
         architecture=architecture, hidden_size=hidden, n_heads=n_heads, n_kv_heads=n_kv_heads,
         head_dim=head_dim, max_positions=int(config.get("max_position_embeddings", 4096)),
         tie_embeddings=bool(config.get("tie_word_embeddings", config.get("tie_embedding", family.hf_tied))),
-        **{**values, **recipe},
-    )
+        **values), **recipe}
 
 
 def _hf_rope(config: dict) -> tuple[float, dict | None, float]:

@@ -73,6 +73,11 @@ class Mixer(ABC):
     # kinds wrongly -> what to say ({arch}: the architecture, {keys}: the header keys that assign them)
     misplaced: dict[tuple[str, str], str] = {}
 
+    @staticmethod
+    def stand_ins(config) -> dict[str, str]:
+        """A projection a file may lack -> the one read in its place (Gemma 4's K as V)."""
+        return {}
+
     @classmethod
     def host_linears(cls, config) -> dict[str, tuple[str, ...]]:
         """Its matrix roles (``linears``) and the source projections each fuses, rows stacked in this order."""
@@ -103,7 +108,7 @@ class Mixer(ABC):
     def read(cls, source, layer: int):
         """Layer ``layer``'s host weights (``Weights``) from ``source`` (a ``perfx.sources.base.ModelSource``):
         each role fused from its projections, the vectors, the taps."""
-        c = source.config
+        c = source.config.at(layer)
         values = {role: source.read_matrix(role, parts, layer) for role, parts in cls.host_linears(c).items()}
         values.update({name: source.read_vector(name, layer) for name in cls.host_vectors(c)})
         if cls.taps(c):

@@ -1,16 +1,15 @@
 """Decode attention: RoPE on q and k, k and v appended to the KV cache, GQA attention for one new token.
 
 Flash-decoding with ``kernels/attention_decode.cl`` in one launch: ``attention_partial`` (one work-group per kv
-head and partition of PART positions: per-head RMSNorm of q and k where built with it, RoPE, the append by the
-partition that holds the new position, partial softmax and weighted V), the online-softmax merge of the
-partitions done by the last work-group of each kv head to finish (a counter per kv head, this wrapper's,
-zeroed once; the kernel leaves it at zero). The RoPE table, the sliding window, the scale, the soft-cap and
-the norm weights are per launch, so one AttentionDecode serves every layer of a model whose layers differ in
-them. The position is
-read on the device, from an int32 buffer (the model's decode step buffer, or the wrapper's own): a launch
-recorded once serves every position with the same number of partitions. The KV cache's form (fp16, or int8
-codes with fp16 scales: ``kv`` "q8") is part of the shape, since the model decides it: it sets the build
-(KV_Q8), and every launch's cache must have it.
+head, group of ``heads`` query heads and partition of PART positions: per-head RMSNorm of q and k where built
+with it, RoPE, the append by the partition that holds the new position, partial softmax and weighted V), the
+online-softmax merge of the partitions done by the last work-group of each (kv head, head group) to finish (a
+counter per grid row, this wrapper's, zeroed once; the kernel leaves it at zero). The RoPE table, the sliding
+window, the scale, the soft-cap and the norm weights are per launch, so one AttentionDecode serves every layer
+of a model whose layers differ in them. The position is read on the device, from an int32 buffer (the model's
+decode step buffer, or the wrapper's own): a launch recorded once serves every position with the same number of
+partitions. The KV cache's form (fp16, or int8 codes with fp16 scales: ``kv`` "q8") is part of the shape, since
+the model decides it: it sets the build (KV_Q8), and every launch's cache must have it.
 """
 
 from __future__ import annotations
@@ -23,8 +22,12 @@ from perfx.ops.kv_cache import KVCache, RopeTable, attention_features, check_kv_
 from perfx.ops.params import FP16_NEED, ParamSpace, Rule
 from perfx.runtime import Device
 
-# head_dim: even and whole vectors of 8 (both VW values); 64 and 128 are the tested Llama sizes.
-SUPPORTED_HEAD_DIMS = tuple(range(32, 257, 8))
+# head_dim: even and whole vectors of 8 (both VW values); 64 and 128 are the tested Llama sizes, 512 Gemma 4's
+# global layers'.
+SUPPORTED_HEAD_DIMS = tuple(range(32, 513, 8))
+# The local memory a work-group may take: Adreno's 32 KiB (other GPUs have 48–64). Where all GQA query heads of a
+# kv head would need more (Gemma 4 E2B: 8 heads of 512 on one kv head), fewer share a work-group (``heads``).
+LOCAL_BUDGET = 32 * 1024
 
 
 def lanes(params, shape) -> int:
@@ -32,16 +35,25 @@ def lanes(params, shape) -> int:
     return shape["head_dim"] // params["VW"]
 
 
-def local_memory(params, shape) -> int:
-    """Mirrors the kernel's __local arrays: q, the fresh k/v (fp16; q8: fp32, codes and scales), sums of squares
-    / scores / partial V sums, reductions, the combine's flag, and with qk_norm the 1/rms of each head."""
-    gqa, d = shape["n_heads"] // shape["n_kv_heads"], shape["head_dim"]
+def local_memory(params, shape, heads: int | None = None) -> int:
+    """Mirrors the kernel's __local arrays for ``heads`` query heads a work-group (default ``heads_per_group``):
+    q, the fresh k/v (fp16; q8: fp32, codes and scales), sums of squares / scores / partial V sums, reductions,
+    the combine's flag, and with a norm the 1/rms of each row."""
+    gqa, d = (heads or heads_per_group(params, shape)), shape["head_dim"]
     rows = params["WGS"] // lanes(params, shape)
-    work = max(gqa * params["PART"], rows * gqa * d, (gqa + 1) * params["WGS"])
+    work = max(gqa * params["PART"], rows * gqa * d, (gqa + 2) * params["WGS"])
     q_half = 2 * gqa * d if params["HALF"] else 2
-    inv_rms = gqa + 1 if shape.get("qk_norm") else 0
+    inv_rms = gqa + 2 if shape.get("qk_norm") or shape.get("v_norm") else 0
     fresh = 2 + 4 * 2 * d + 2 * d + 2 * 2 * d // 32 if shape.get("kv") == "q8" else 2 * 2 * d + 4 + 1 + 2
     return 4 * (gqa * d + work + gqa * params["WGS"] + 2 * gqa + inv_rms + 1) + fresh + q_half
+
+
+def heads_per_group(params, shape) -> int:
+    """The query heads one work-group serves (the kernel's HEADS): all GQA of a kv head, or the most of them, a
+    divisor of GQA, whose local memory fits ``LOCAL_BUDGET`` (1 at least)."""
+    gqa = shape["n_heads"] // shape["n_kv_heads"]
+    fitting = [h for h in range(gqa, 0, -1) if gqa % h == 0 and local_memory(params, shape, h) <= LOCAL_BUDGET]
+    return fitting[0] if fitting else 1
 
 
 PARAMS = ParamSpace(
@@ -58,6 +70,8 @@ PARAMS = ParamSpace(
         Rule("head_dim must be whole vectors of VW", lambda p, s: s["head_dim"] % p["VW"] == 0),
         Rule("WGS must hold at least one whole V row (head_dim / VW work-items)",
              lambda p, s: p["WGS"] >= lanes(p, s)),
+        # q·k in half over 512 products drifts past HALF's 5e-3 (6.3e-3 measured on Intel's runtime at D = 512)
+        Rule("HALF only up to head_dim 256", lambda p, s: not p["HALF"] or s["head_dim"] <= 256),
     ),
     work_group_size=lambda p, s: p["WGS"],
     local_memory=local_memory,
@@ -85,6 +99,7 @@ class AttentionDecode:
             raise PerfxError(f"attention_decode: the shape needs {missing.args[0]!r} (n_heads, n_kv_heads, head_dim, "
                              "positions; optionally window, qk_norm, kv)") from None
         window, qk_norm = int(shape.get("window", 0)), bool(shape.get("qk_norm", False))
+        v_norm, q_only = bool(shape.get("v_norm", False)), bool(shape.get("q_only", False))
         if n_heads <= 0 or n_kv_heads <= 0 or n_heads % n_kv_heads:
             raise PerfxError(f"attention_decode: {n_heads} query heads cannot share {n_kv_heads} kv heads "
                              "(the query heads must be a positive multiple of the kv heads)")
@@ -100,11 +115,15 @@ class AttentionDecode:
         self.max_positions = max_positions
         self.window = int(window)   # sliding window (Mistral): attend to the last `window` positions; 0 = all
         self.qk_norm = bool(qk_norm)
+        self.v_norm, self.q_only = v_norm, q_only   # Gemma 4: v normed; q alone, reading another layer's cache
         spec_shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "positions": max_positions,
-                      **({"qk_norm": True} if self.qk_norm else {}), **kv_shape(self.kv)}
+                      **({"qk_norm": True} if self.qk_norm else {}), **({"v_norm": True} if v_norm else {}),
+                      **({"q_only": True} if q_only else {}), **kv_shape(self.kv)}
         self.params = params = PARAMS.resolve(params, spec_shape, device.caps)
+        self.heads = heads_per_group(params, spec_shape)
         self.defines = {"HEAD_DIM": head_dim, "GQA": n_heads // n_kv_heads, "QK_NORM": int(self.qk_norm),
-                        "KV_Q8": int(self.kv == "q8"), **params}
+                        "KV_Q8": int(self.kv == "q8"), "HEADS": self.heads, "V_NORM": int(v_norm),
+                        "Q_ONLY": int(q_only), **params}
         self._kernels: dict[bool, object] = {}
         self.kernels(False)   # built now: a refusal shows at load
         self.part = int(params["PART"])
@@ -117,10 +136,12 @@ class AttentionDecode:
         self.part_max = device.alloc(4 * stats, zeros[:stats], what="attention_decode partial maxima")
         self.part_sum = device.alloc(4 * stats, zeros[:stats], what="attention_decode partial sums")
         self.part_out = device.alloc(4 * stats * head_dim, zeros, what="attention_decode partial outputs")
-        # the arrivals at each kv head's combine; zero between launches (the last arrival resets its own)
-        self.counters = device.alloc(4 * n_kv_heads, np.zeros(n_kv_heads, np.int32),
+        # the arrivals at each head group's combine (a kv head's GQA/HEADS groups of query heads, one row of the
+        # grid each); zero between launches (the last arrival resets its own)
+        self.groups = n_kv_heads * (n_heads // n_kv_heads // self.heads)
+        self.counters = device.alloc(4 * self.groups, np.zeros(self.groups, np.int32),
                                      what="attention_decode combine counters")
-        self.qkv_size = (n_heads + 2 * n_kv_heads) * head_dim
+        self.qkv_size = (n_heads + (0 if q_only else 2 * n_kv_heads)) * head_dim
         # Bound to the table and weight arguments a launch does not read (no RoPE, no qk_norm).
         self.placeholder = device.alloc(4, what="attention_decode placeholder")
         self.position = DevicePosition(device, "attention_decode")
@@ -164,7 +185,8 @@ class AttentionDecode:
                              f"{rope.head_dim}) does not cover position {pos} at head_dim {d}")
         qkv_b, qkv_bytes = buffer_bytes(qkv, "attention_decode qkv")
         if qkv_offset < 0 or qkv_bytes // 4 < qkv_offset + self.qkv_size:
-            raise PerfxError(f"attention_decode: qkv must hold float32 [q | k | v] of {self.qkv_size} "
+            raise PerfxError(f"attention_decode: qkv must hold float32 [q | k | v] (q alone, q_only) of "
+                             f"{self.qkv_size} "
                              f"elements from offset {qkv_offset}; it holds {qkv_bytes // 4}")
         out_b, out_bytes = buffer_bytes(out, "attention_decode out")
         if out_bytes // 4 < self.n_heads * d:
@@ -202,7 +224,7 @@ class AttentionDecode:
         n_parts = self.partitions(pos)
         cos, sin = (self.placeholder, self.placeholder) if rope is None else (rope.cos, rope.sin)
         launch = self.device.launch(
-            kernel, (self.wgs, self.n_kv_heads, n_parts), (self.wgs, 1, 1),
+            kernel, (self.wgs, self.groups, n_parts), (self.wgs, 1, 1),
             qkv_b, np.int32(qkv_offset), cos, sin, np.int32(0 if rope is None else rope.rotary_dims),
             *norms, np.float32(eps), keys, values, *scales,
             np.int32(offset), np.int32(cache.max_positions), positions,

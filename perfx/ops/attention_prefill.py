@@ -40,22 +40,27 @@ def local_memory(params, shape) -> int:
 
 # HALF first: where the defaults do not fit, the first set that does (``ParamSpace.resolve``) is an fp32 one
 # when one fits. BK 8 is for head_dim 256 within 32 KiB of local memory in fp32 (float K/V tiles of 16
-# positions are 32 KiB alone).
+# positions are 32 KiB alone). Head_dim 512 (Gemma 4's global layers): DSPLIT 8 (64 dimensions of q and of the
+# accumulator a work-item) with fp32 tiles of 4 or 8 positions (16 or 32 KiB; no HALF there, as for decode).
 PARAMS = ParamSpace(
     family="attention_prefill",
     source="attention_prefill.cl",
     space={
         "HALF": (0, 1),        # K/V tiles as half in local memory, q·k in half (cl_khr_fp16)
         "WGS": (32, 16, 64),   # query rows (token, head of the GQA group) per work-group
-        "BK": (16, 32, 64, 8),  # key positions per local-memory K/V tile
+        "BK": (16, 32, 64, 8, 4),  # key positions per local-memory K/V tile (4: fp32 tiles at head_dim 512)
         "VW": (8, 4),          # vector width along head_dim
-        "DSPLIT": (2, 1, 4),   # work-items per query row, each with head_dim / DSPLIT of q and of the output
+        # work-items per query row, each with head_dim / DSPLIT of q and of the output (8: head_dim 512 within
+        # the register budget)
+        "DSPLIT": (2, 1, 4, 8),
     },
     rules=(
         Rule("each half of a head row must be whole vectors of VW",
              lambda p, s: s["head_dim"] % (2 * p["VW"]) == 0),
         Rule("each work-item's share of a head row must be whole vectors of VW",
              lambda p, s: s["head_dim"] % (p["DSPLIT"] * p["VW"]) == 0),
+        # q·k in half over 512 products drifts past HALF's tolerance, as the decode attention's does
+        Rule("HALF only up to head_dim 256", lambda p, s: not p["HALF"] or s["head_dim"] <= 256),
         Rule(f"at most {REGISTER_BUDGET} registers of q, accumulator and scores per work-item "
              "(head_dim/DSPLIT twice, halved for an fp16 q, plus BK)",
              lambda p, s: registers(p, s) <= REGISTER_BUDGET),
@@ -84,6 +89,7 @@ class AttentionPrefill:
             raise PerfxError(f"attention_prefill: the shape needs {missing.args[0]!r} (n_heads, n_kv_heads, "
                              "head_dim; optionally window, qk_norm, kv)") from None
         window, qk_norm = int(shape.get("window", 0)), bool(shape.get("qk_norm", False))
+        self.v_norm, self.q_only = bool(shape.get("v_norm", False)), bool(shape.get("q_only", False))
         if n_heads <= 0 or n_kv_heads <= 0 or n_heads % n_kv_heads:
             raise PerfxError(f"attention_prefill: {n_heads} query heads cannot share {n_kv_heads} kv heads "
                              "(the query heads must be a positive multiple of the kv heads)")
@@ -99,9 +105,11 @@ class AttentionPrefill:
         # The keys the rules read, qk_norm only where set (as tuning/problems.py names it): a set the database
         # checked for this layer's shape is then taken as it is.
         spec_shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim,
-                      **({"qk_norm": True} if self.qk_norm else {}), **kv_shape(self.kv)}
+                      **({"qk_norm": True} if self.qk_norm else {}), **({"v_norm": True} if self.v_norm else {}),
+                      **({"q_only": True} if self.q_only else {}), **kv_shape(self.kv)}
         self.params = params = PARAMS.resolve(params, spec_shape, device.caps)
-        defines = {"HEAD_DIM": head_dim, "QK_NORM": int(self.qk_norm), "KV_Q8": int(self.kv == "q8"), **params}
+        defines = {"HEAD_DIM": head_dim, "QK_NORM": int(self.qk_norm), "KV_Q8": int(self.kv == "q8"),
+                   "V_NORM": int(self.v_norm), "Q_ONLY": int(self.q_only), **params}
         self.append_kernel = device.kernel(PARAMS.source, "kv_append", defines)
         self.attention_kernel = device.kernel(PARAMS.source, "attention_prefill", defines)
         self.wgs = int(params["WGS"])
@@ -131,7 +139,7 @@ class AttentionPrefill:
             raise PerfxError(f"attention_prefill: RoPE table ({rope.max_positions} positions × head_dim "
                              f"{rope.head_dim}) does not cover positions < {p0 + m} at head_dim {d}")
         buffers = []
-        for name, array, width in (("qkv", qkv, (h + 2 * hkv) * d), ("out", out, h * d)):
+        for name, array, width in (("qkv", qkv, (h + (0 if self.q_only else 2 * hkv)) * d), ("out", out, h * d)):
             shape = getattr(array, "shape", None)
             if shape is not None and (len(shape) != 2 or shape[0] < m or shape[1] != width
                                       or array.dtype != np.float32):
@@ -154,7 +162,8 @@ class AttentionPrefill:
         offset = np.int32(offset)
         cos, sin = (self.placeholder, self.placeholder) if rope is None else (rope.cos, rope.sin)
         n_rot = np.int32(0 if rope is None else rope.rotary_dims)
-        append = self.device.launch(
+        # q_only: the layer reads what another layer appended (Gemma 4's KV sharing): nothing to append
+        append = None if self.q_only else self.device.launch(
             self.append_kernel, (d // 8, hkv, m), (d // 8, 1, 1),
             np.int32(p0), np.int32(h), np.int32(hkv), np.int32(cache.max_positions), offset,
             qkv_b, cos, sin, n_rot, k_w, np.float32(eps), keys, values, *scales)
@@ -166,7 +175,7 @@ class AttentionPrefill:
             np.int32(cache.max_positions), offset, np.float32(scale),
             qkv_b, cos, sin, n_rot, q_w, np.float32(eps), keys, values, *scales, out_b, np.int32(window),
             np.float32(softcap))
-        return [append, attention]
+        return [attention] if append is None else [append, attention]
 
     def __call__(self, qkv, out, cache: KVCache, rope: RopeTable | None, layer: int, p0: int, m: int,
                  **features):

@@ -41,6 +41,13 @@ LM_HEAD_CHOICES = ("q8", "fp16")
 EMBEDDING_CHOICES = ("head", "q4")
 # The FFN every layer kind has: its gate-up fused, and down
 FFN_LINEARS = {"gate_up": ("gate", "up"), "down": ("down",)}
+# Gemma 4's per-layer input matrices, where the recipe has per-layer embeddings
+PLE_LINEARS = {"ple_gate": ("ple_gate",), "ple_proj": ("ple_proj",)}
+# Gemma 3n's per-layer AltUp and LAuReL weights (float64 only): LAuReL's left (r, hidden) and right (hidden, r)
+# matrices and its norm; AltUp's router (A, hidden), its norm, the prediction (A², A) and correction (A, A)
+# coefficients and the corrected output's scale
+ALTUP_LINEARS = ("laurel_l", "laurel_r", "altup_router", "altup_predict", "altup_correct")
+ALTUP_VECTORS = ("laurel_norm", "altup_router_norm", "altup_correct_scale")
 
 
 @dataclass
@@ -56,12 +63,19 @@ class LayerWeights:
     post_attn_norm: np.ndarray | None = None   # (hidden,) float32: RMSNorm of the mixer's output (Gemma)
     post_ffn_norm: np.ndarray | None = None    # (hidden,) float32: RMSNorm of the FFN output (Gemma)
     moe: MoEWeights | None = None  # the mixture of experts in place of gate_up and down (perfx.moe)
+    # Gemma 4's per-layer input, after the FFN: x + rmsnorm(ple_proj·(GELU(ple_gate·x) ⊙ its slice))·ple_norm
+    ple_gate: Linear | None = None             # (per_layer_input, hidden)
+    ple_proj: Linear | None = None             # (hidden, per_layer_input)
+    ple_norm: np.ndarray | None = None         # (hidden,) float32
+    out_scale: np.ndarray | None = None        # (1,) float32: the layer's output residual times this (Gemma 4)
+    altup: dict | None = None                  # Gemma 3n's AltUp and LAuReL weights (ALTUP_LINEARS, ALTUP_VECTORS)
 
     def linears(self) -> dict[str, Linear]:
         """Every matrix of the layer by role: the mixer's, then the FFN's."""
         mixing = {role: getattr(self.mixing, role) for role in self.mixing.matrices}
         ffn = {"gate_up": self.gate_up, "down": self.down} if self.moe is None else {}
-        return {**{role: w for role, w in mixing.items() if w is not None}, **ffn}
+        ple = {role: getattr(self, role) for role in PLE_LINEARS if getattr(self, role) is not None}
+        return {**{role: w for role, w in mixing.items() if w is not None}, **ffn, **ple}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,10 +236,10 @@ class ModelSource(ABC):
                 forms.setdefault(label, set())
                 parts = [self._fused_form(label, i)] if len(names) > 1 and label in self.file_fused(i) else [None]
                 if parts[0] is None:
-                    parts = [self._part_form(name, i) for name in names]
+                    parts = [self._part_form(self.part_read_as(name, i), i) for name in names]
                 if any(p is None for p in parts):
                     return None
-                k = self.expected_shape(names[0])[1]
+                k = self.expected_shape(self.part_read_as(names[0], i), i)[1]
                 forms[label].add(self._quantized_form(fused_form(parts), k))
             if c.is_moe(i):
                 for role, names in EXPERT_ROLES.items():
@@ -238,6 +252,11 @@ class ModelSource(ABC):
             return None
         if self._embedding_q4_group() is not None and embedding.kind != "q4":
             embedding = Form("q4", self._embedding_q4_group())
+        if c.per_layer_input:
+            ple = self._per_layer_forms()
+            if ple is None:
+                return None
+            forms.update(ple)
         if c.tie_embeddings:
             forms["embedding"] = forms["lm_head"] = {embedding}
         else:
@@ -262,8 +281,39 @@ class ModelSource(ABC):
         else:
             ffn = dict(gate_up=self.read_matrix("gate_up", FFN_LINEARS["gate_up"], i),
                        down=self.read_matrix("down", FFN_LINEARS["down"], i))
+        if c.per_layer_input:
+            norms.update(ple_gate=self.read_matrix("ple_gate", ("ple_gate",), i),
+                         ple_proj=self.read_matrix("ple_proj", ("ple_proj",), i), ple_norm=self._vector("ple_norm", i))
+        if c.layer_scale:
+            norms["out_scale"] = self._vector("out_scale", i)
+        if c.altup_inputs:
+            norms["altup"] = {**{name: self.read_part(name, i) for name in ALTUP_LINEARS},
+                              **{name: self._vector(name, i) for name in ALTUP_VECTORS}}
         return LayerWeights(attn_norm=self._vector("attn_norm", i), ffn_norm=self._vector("ffn_norm", i),
                             mixing=self.mixer(i).read(self, i), **ffn, **norms)
+
+    def per_layer_tables(self) -> tuple | None:
+        """Gemma 4's per-layer embeddings: the token table (V, n_layers·P), the projection of the embedding
+        (n_layers·P, hidden) and its norm (P,) float32; None where the recipe has none."""
+        if not self.config.per_layer_input:
+            return None
+        return self._per_layer_tables()
+
+    def altup_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """Gemma 3n's AltUp projections (A − 1, hidden, hidden) float64: of the embedding into the other streams,
+        and of those streams back at the end."""
+        return self._altup_tables()
+
+    def _altup_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        raise PerfxError(f"{type(self).__name__} does not read Gemma 3n's AltUp projections")
+
+    def _per_layer_forms(self) -> dict[str, set[Form]] | None:
+        """The forms of Gemma 4's per-layer table ("ple_table") and embedding projection ("ple_model") from the
+        header, None where the source cannot tell."""
+        return None
+
+    def _per_layer_tables(self) -> tuple:
+        raise PerfxError(f"{type(self).__name__} does not read Gemma 4's per-layer embeddings")
 
     def layers(self):
         """Iterate over the layers in order, one loaded at a time."""
@@ -285,14 +335,26 @@ class ModelSource(ABC):
         return self.mixer(layer).file_fused
 
     def read_part(self, name: str, layer: int) -> Linear:
-        """One source projection in Hugging Face row order, as the file holds it."""
-        return self._linear(name, layer)
+        """One source projection in Hugging Face row order, as the file holds it (or its stand-in where the file
+        lacks it and the recipe allows: Gemma 4's K as V)."""
+        return self._linear(self.part_read_as(name, layer), layer)
+
+    def has_part(self, name: str, layer: int) -> bool:
+        """Whether the file holds projection ``name`` of ``layer``."""
+        return True
+
+    def part_read_as(self, name: str, layer: int) -> str:
+        """The projection read for ``name``: itself, or the stand-in its layer's mixer names for it where the
+        file lacks it (``Mixer.stand_ins``: Gemma 4's global layers without attn_v use K as V)."""
+        stand_in = self.mixer(layer).stand_ins(self.config).get(name)
+        return stand_in if stand_in is not None and not self.has_part(name, layer) else name
 
     def read_matrix(self, role: str, parts: tuple[str, ...], layer: int) -> Linear:
         """A role: the file's fused matrix, or its projections stacked (``fuse_rows``); then the quantize rule."""
         w = self.whole(role, layer) if len(parts) > 1 else None
         if w is None:
-            w = self._linear(parts[0], layer) if len(parts) == 1 else fuse_rows([self._linear(p, layer) for p in parts])
+            w = (self.read_part(parts[0], layer) if len(parts) == 1
+                 else fuse_rows([self.read_part(p, layer) for p in parts]))
         return self._quantized(w)
 
     def read_vector(self, name: str, layer: int) -> np.ndarray:
@@ -309,9 +371,10 @@ class ModelSource(ABC):
 
     def layer_linears(self, layer: int) -> dict[str, tuple[str, ...]]:
         """The matrix roles of a layer and the projections each fuses: its mixer's, then the dense FFN's (none on
-        a MoE layer, whose experts are ``_experts``')."""
+        a MoE layer, whose experts are ``_experts``'), then Gemma 4's per-layer input's."""
         ffn = {} if self.config.is_moe(layer) else FFN_LINEARS
-        return {**self.mixer(layer).host_linears(self.config), **ffn}
+        ple = PLE_LINEARS if self.config.per_layer_input else {}
+        return {**self.mixer(layer).host_linears(self.config.at(layer)), **ffn, **ple}
 
     def layer_parts(self, layer: int) -> list[str]:
         """The projections a layer's matrices are read from, each once, in order."""
@@ -320,27 +383,37 @@ class ModelSource(ABC):
     def _kinds(self):
         return [mixer_class(kind) for kind in dict.fromkeys(r.kind for r in self.config.layers)]
 
-    def expected_shape(self, name: str) -> tuple[int, int]:
-        """(N, K) of a projection or role, from the config."""
-        c = self.config
-        shapes = {"gate": (c.intermediate_size, c.hidden_size), "up": (c.intermediate_size, c.hidden_size),
+    def expected_shape(self, name: str, layer: int | None = None) -> tuple[int, int]:
+        """(N, K) of a projection or role, from the config (``layer``'s view of it where given: Gemma 4's layers
+        differ in their shapes)."""
+        c = self.config if layer is None else self.config.at(layer)
+        p = c.per_layer_input
+        a, r = c.altup_inputs, c.laurel_rank
+        shapes = {"ple_gate": (p, c.hidden_size), "ple_proj": (c.hidden_size, p),
+                  "laurel_l": (r, c.hidden_size), "laurel_r": (c.hidden_size, r), "altup_router": (a, c.hidden_size),
+                  "altup_predict": (a * a, a), "altup_correct": (a, a),
+                  "per_layer_table": (c.vocab_size, c.n_layers * p), "per_layer_proj": (c.n_layers * p, c.hidden_size),
+                  "gate": (c.intermediate_size, c.hidden_size), "up": (c.intermediate_size, c.hidden_size),
                   "down": (c.hidden_size, c.intermediate_size), "gate_up": (2 * c.intermediate_size, c.hidden_size),
                   "embedding": (c.vocab_size, c.hidden_size), "lm_head": (c.vocab_size, c.hidden_size)}
         for mixer in self._kinds():
             shapes.update(mixer.host_shapes(c))
         return shapes[name]
 
-    def expected_vector(self, name: str) -> int:
-        sizes = {}
+    def expected_vector(self, name: str, layer: int | None = None) -> int:
+        c = self.config if layer is None else self.config.at(layer)
+        sizes = {"out_scale": 1, "per_layer_norm": c.per_layer_input}
         for mixer in self._kinds():
-            sizes.update(mixer.host_vectors(self.config))
-        return sizes.get(name, self.config.hidden_size)
+            sizes.update(mixer.host_vectors(c))
+        return sizes.get(name, c.hidden_size)
 
     def vector_names(self, layer: int = 0) -> tuple[str, ...]:
         """The per-layer vectors this model's recipe reads on ``layer``."""
         c = self.config
-        return (("attn_norm", "ffn_norm") + tuple(self.mixer(layer).host_vectors(c))
-                + (("post_attn_norm", "post_ffn_norm") if c.post_norms else ()))
+        return (("attn_norm", "ffn_norm") + tuple(self.mixer(layer).host_vectors(c.at(layer)))
+                + (("post_attn_norm", "post_ffn_norm") if c.post_norms else ())
+                + (("ple_norm",) if c.per_layer_input else ()) + (("out_scale",) if c.layer_scale else ())
+                + (ALTUP_VECTORS if c.altup_inputs else ()))
 
     def _quantized(self, w: Linear) -> Linear:
         # fp16 only, as _quantized_form says: a file's int8 matrix (Q8_0, Q6_K) keeps its form

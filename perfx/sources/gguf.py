@@ -25,7 +25,7 @@ from perfx.families import family_of
 from perfx.gguf_file import GGUFFile
 from perfx.moe import MoEWeights, fuse_expert, held_form
 from perfx.reference import unpermute_qk
-from perfx.sources.base import (F16_FORM, Form, Linear, ModelSource, check_finite, fused_split_error,
+from perfx.sources.base import (ALTUP_LINEARS, F16_FORM, Form, Linear, ModelSource, check_finite, fused_split_error,
                                 permute_linear_rows, shape_error)
 from perfx.tokenizer import Tokenizer
 
@@ -33,12 +33,17 @@ GGUF_LINEAR = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
                "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down",
                "conv_in": "shortconv.in_proj", "conv_out": "shortconv.out_proj",
                "delta_qkv": "attn_qkv", "delta_z": "attn_gate", "delta_a": "ssm_alpha", "delta_b": "ssm_beta",
-               "delta_out": "ssm_out"}
+               "delta_out": "ssm_out", "ple_gate": "inp_gate", "ple_proj": "proj",
+               "laurel_l": "laurel_l", "laurel_r": "laurel_r", "altup_router": "altup_router",
+               "altup_predict": "altup_predict_coef", "altup_correct": "altup_correct_coef"}
 GGUF_VECTOR = {"attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight",
                "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
                "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
                "post_attn_norm": "post_attention_norm.weight", "post_ffn_norm": "post_ffw_norm.weight",
-               "dt_bias": "ssm_dt.bias", "ssm_a": "ssm_a", "delta_norm": "ssm_norm.weight"}
+               "dt_bias": "ssm_dt.bias", "ssm_a": "ssm_a", "delta_norm": "ssm_norm.weight",
+               "ple_norm": "post_norm.weight", "out_scale": "layer_output_scale.weight",
+               "laurel_norm": "laurel_post_norm.weight", "altup_router_norm": "altup_router_norm.weight",
+               "altup_correct_scale": "altup_correct_scale.weight"}
 # The taps of a layer's short convolution, by layer kind: the tensor, and the keys that size its length and its
 # channels ({arch}: the architecture)
 GGUF_CONV_TAPS = {"conv": ("shortconv.conv.weight", "{arch}.shortconv.l_cache", "hidden"),
@@ -80,6 +85,10 @@ class GGUFSource(ModelSource):
         self._check(self._final_norm_name(), (c.hidden_size,))
         if not c.tie_embeddings:
             self._check("output.weight", self.expected_shape("lm_head"))
+        if c.per_layer_input:
+            self._check("per_layer_token_embd.weight", self.expected_shape("per_layer_table"))
+            self._check("per_layer_model_proj.weight", self.expected_shape("per_layer_proj"))
+            self._check("per_layer_proj_norm.weight", (self.expected_vector("per_layer_norm"),))
         for i in range(c.n_layers):
             self._check_layer(i)
 
@@ -96,15 +105,17 @@ class GGUFSource(ModelSource):
             if self._is_fused(label, layer):
                 self._check_fused(label, layer)
                 fused.update(GGUF_FUSED[label][1])
-        parts = [name for name in self.layer_parts(layer) if name not in fused]
+        parts = [self.part_read_as(name, layer) for name in self.layer_parts(layer) if name not in fused]
         if "q" in parts:
             self._check_heads(layer)
         for name in parts:
-            self._check(f"blk.{layer}.{GGUF_LINEAR[name]}.weight", self.expected_shape(name))
+            self._check(f"blk.{layer}.{GGUF_LINEAR[name]}.weight", self.expected_shape(name, layer))
         if mixer.taps(c):
             self._check_conv_taps(layer)
+        for name in ALTUP_LINEARS if c.altup_inputs else ():
+            self._check(f"blk.{layer}.{GGUF_LINEAR[name]}.weight", self.expected_shape(name, layer))
         for name in self.vector_names(layer):
-            self._check(self._vector_tensor(name, layer), (self.expected_vector(name),))
+            self._check(self._vector_tensor(name, layer), (self.expected_vector(name, layer),))
         if c.is_moe(layer):
             self._check_experts(layer)
 
@@ -273,14 +284,15 @@ class GGUFSource(ModelSource):
         t = self._tensors.get(name)
         if t is None:
             return
-        rows, want = int(t.shape[-1]), self.expected_shape("q")[0]
+        rows, want = int(t.shape[-1]), self.expected_shape("q", layer)[0]
         if rows != want:
             arch = c.architecture
             gate = " × 2 (q and its gate)" if c.attention_gate else ""
+            d = c.at(layer).head_dim
             raise PerfxError(f"{self.path}: tensor {name} has {rows} rows, but {arch}.attention.head_count "
-                             f"{c.n_heads} × {arch}.attention.key_length {c.head_dim}{gate} = {want}"
+                             f"{c.n_heads} × {arch}.attention.key_length {d}{gate} = {want}"
                              + (f" (key_length does not divide the Q projection's {rows} rows)"
-                                if rows % c.head_dim else "") + "; the header does not describe this file")
+                                if rows % d else "") + "; the header does not describe this file")
 
     def _check(self, name: str, expected):
         t = self._tensors.get(name)
@@ -329,14 +341,44 @@ class GGUFSource(ModelSource):
     def _fused(self, label: str, layer: int) -> Linear | None:
         if not self._is_fused(label, layer):
             return None
-        return self._read(f"blk.{layer}.{GGUF_FUSED[label][0]}.weight", self.expected_shape(label))
+        return self._read(f"blk.{layer}.{GGUF_FUSED[label][0]}.weight", self.expected_shape(label, layer))
 
     def _table_form(self, name: str) -> Form:
         return GGUF_FORMS[self._type("token_embd.weight" if name == "embedding" else "output.weight")]
 
     def _linear(self, name: str, layer: int) -> Linear:
-        w = self._read(f"blk.{layer}.{GGUF_LINEAR[name]}.weight", self.expected_shape(name))
+        w = self._read(f"blk.{layer}.{GGUF_LINEAR[name]}.weight", self.expected_shape(name, layer))
         return self._unpermute(name, w)
+
+    def has_part(self, name: str, layer: int) -> bool:
+        return f"blk.{layer}.{GGUF_LINEAR[name]}.weight" in self._tensors
+
+    def _altup_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        c, out = self.config, []
+        for name in ("altup_proj.weight", "altup_unembd_proj.weight"):
+            t = self._tensors.get(name)
+            shape = (c.altup_inputs - 1, c.hidden_size, c.hidden_size)
+            if t is None:
+                raise PerfxError(f"{self.path}: tensor {name} is missing; the GGUF is incomplete or not a "
+                                 f"{c.architecture} model")
+            if tuple(int(d) for d in reversed(t.shape)) != shape:
+                raise PerfxError(f"{self.path}: tensor {name} has shape {tuple(reversed(t.shape))} but "
+                                 f"{c.altup_inputs} AltUp streams of {c.hidden_size} need {shape}")
+            values = quants.dequantize(np.asarray(t.data), t.tensor_type)
+            out.append(check_finite(np.asarray(values, np.float64).reshape(shape), self.path, name))
+        return out[0], out[1]
+
+    def _per_layer_forms(self) -> dict[str, set[Form]]:
+        c = self.config
+        model = GGUF_FORMS[self._type("per_layer_model_proj.weight")]
+        return {"ple_table": {GGUF_FORMS[self._type("per_layer_token_embd.weight")]},
+                "ple_model": {self._quantized_form(model, c.hidden_size)}}
+
+    def _per_layer_tables(self) -> tuple:
+        norm = self._check("per_layer_proj_norm.weight", (self.expected_vector("per_layer_norm"),))
+        return (self._read("per_layer_token_embd.weight", self.expected_shape("per_layer_table")),
+                self._read("per_layer_model_proj.weight", self.expected_shape("per_layer_proj")),
+                check_finite(np.asarray(norm.data, dtype=np.float32).reshape(-1), self.path, norm.name))
 
     def _unpermute(self, name: str, w):
         """Undo llama.cpp's permutation of Wq/Wk rows (and biases), made for its interleaved RoPE."""
@@ -352,7 +394,7 @@ class GGUFSource(ModelSource):
 
     def _vector(self, name: str, layer: int | None) -> np.ndarray:
         tensor = self._final_norm_name() if name == "final_norm" else self._vector_tensor(name, layer)
-        t = self._check(tensor, (self.expected_vector(name),))
+        t = self._check(tensor, (self.expected_vector(name, layer),))
         if t.tensor_type.name not in ("F32", "F16"):
             raise PerfxError(f"{self.path}: vector {tensor} is {t.tensor_type.name}; expected F32 or F16")
         vector = check_finite(np.asarray(t.data, dtype=np.float32).reshape(-1), self.path, tensor)

@@ -18,7 +18,7 @@ from perfx.errors import PerfxError
 from perfx.families import family_of
 from perfx.moe import MoEWeights, fuse_expert, held_form
 from perfx.resources import read_json
-from perfx.sources.base import (F16_FORM, Form, Linear, ModelSource, check_finite,
+from perfx.sources.base import (F16_FORM, Q8_QUANTIZE_GROUP, Form, Linear, ModelSource, check_finite,
                                 fused_split_error, shape_error)
 from perfx.tokenizer import Tokenizer
 
@@ -149,6 +149,11 @@ class HFSource(ModelSource):
         self._check_shape(self._final_norm, (c.hidden_size,))
         if not c.tie_embeddings:
             self._check_linear(self._head, self.expected_shape("lm_head"))
+        if c.per_layer_input:
+            self._per_layer_rows(check=True)
+            self._check_linear(f"{self._prefix}per_layer_model_projection", self.expected_shape("per_layer_proj"))
+            self._check_shape(f"{self._prefix}per_layer_projection_norm.weight",
+                              (self.expected_vector("per_layer_norm"),))
         for i in range(c.n_layers):
             self._check_layer(i)
 
@@ -164,11 +169,13 @@ class HFSource(ModelSource):
                 fused.update(HF_FUSED[label][1])
         for name in self.layer_parts(layer):
             if name not in fused:
-                self._check_linear(self._module(name, layer), self.expected_shape(name))
+                name = self.part_read_as(name, layer)
+                self._check_linear(self._module(name, layer), self.expected_shape(name, layer))
         if mixer.taps(c):
             self._check_shape(self._conv_taps_name(layer), (mixer.taps(c), 1, c.conv_length))
         for name in self.vector_names(layer):
-            self._check_shape(f"{self._prefix}layers.{layer}.{self._vectors[name]}", (self.expected_vector(name),))
+            self._check_shape(f"{self._prefix}layers.{layer}.{self._vectors[name]}",
+                              (self.expected_vector(name, layer),))
         if c.is_moe(layer):
             self._check_experts(layer)
 
@@ -265,7 +272,47 @@ class HFSource(ModelSource):
         return read(*parts, group)
 
     def _linear(self, name: str, layer: int) -> Linear:
-        return self._read_linear(self._module(name, layer), self.expected_shape(name))
+        return self._read_linear(self._module(name, layer), self.expected_shape(name, layer))
+
+    def _per_layer_rows(self, check: bool = False) -> np.ndarray | None:
+        """The per-layer table (V, n_layers·P) fp16 (``check``: only its shape checked). Gemma 3n's checkpoints
+        hold rows for the text vocabulary only (vocab_size_per_layer_input), and the converter pads the rest
+        (the vision and audio tokens') with zeros to the full vocabulary: so here too."""
+        name = f"{self._prefix}embed_tokens_per_layer.weight"
+        (rows, width), _ = self._info(name)
+        v, expected = self.config.vocab_size, self.expected_shape("per_layer_table")
+        if rows > v or width != expected[1]:
+            raise shape_error(str(self.directory), name, (rows, width), expected, self.config)
+        if check:
+            return None
+        table = self._tensor(name).astype(np.float16)
+        return table if rows == v else np.concatenate([table, np.zeros((v - rows, width), np.float16)])
+
+    def has_part(self, name: str, layer: int) -> bool:
+        module = self._module(name, layer)
+        return f"{module}.weight" in self._files or f"{module}.qweight" in self._files
+
+    def _per_layer_forms(self) -> dict[str, set[Form]]:
+        # the table as the head's rule keeps the embedding (int8 by default: E2B's is 4.7 GB in fp16)
+        width = self.config.n_layers * self.config.per_layer_input
+        int8 = self.lm_head_form == "q8" and width % Q8_QUANTIZE_GROUP == 0
+        table = Form("q8", Q8_QUANTIZE_GROUP) if int8 else F16_FORM
+        module = f"{self._prefix}per_layer_model_projection"
+        model = Form("q4", self.awq["group"]) if self._is_awq(module) else F16_FORM
+        return {"ple_table": {table}, "ple_model": {self._quantized_form(model, self.config.hidden_size)}}
+
+    def _altup_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        c = self.config
+        return tuple(np.stack([self._tensor(f"{self._prefix}{name}.{i}.weight", (c.hidden_size, c.hidden_size))
+                               for i in range(c.altup_inputs - 1)]).astype(np.float64)
+                     for name in ("altup_projections", "altup_unembed_projections"))
+
+    def _per_layer_tables(self) -> tuple:
+        table = self._per_layer_rows()
+        norm = self._tensor(f"{self._prefix}per_layer_projection_norm.weight",
+                            (self.expected_vector("per_layer_norm"),)).astype(np.float32)
+        model = self._read_linear(f"{self._prefix}per_layer_model_projection", self.expected_shape("per_layer_proj"))
+        return self._as_head(table), self.quantized(model), norm + self._norm_offset
 
     def _fused(self, label: str, layer: int) -> Linear | None:
         module = self._fused_module(label, layer)
@@ -273,7 +320,7 @@ class HFSource(ModelSource):
 
     def _vector(self, name: str, layer: int | None) -> np.ndarray:
         tensor = self._final_norm if name == "final_norm" else f"{self._prefix}layers.{layer}.{self._vectors[name]}"
-        vector = self._tensor(tensor, (self.expected_vector(name),)).astype(np.float32)
+        vector = self._tensor(tensor, (self.expected_vector(name, layer),)).astype(np.float32)
         if name == "ssm_a":   # A = −exp(A_log), as the converter stores ssm_a
             return -np.exp(vector.astype(np.float64)).astype(np.float32)
         return vector + self._norm_offset if name.endswith("norm") and name != "delta_norm" else vector

@@ -26,6 +26,8 @@ SYNTHETIC_MODELS = {name: (ModelConfig.from_hf(dict(preset.config)), preset.grou
                     for family in FAMILIES.values() for name, preset in family.synthetic.items()}
 # Above this many weights per layer, one random layer stands in for all of them.
 DISTINCT_LAYER_LIMIT = 8_000_000
+# Gemma 4's per-layer table is made up only up to this many values (E2B's has 2.3 G: gigabytes of random codes)
+PER_LAYER_TABLE_LIMIT = 64_000_000
 SYNTHETIC_PREFIX = "synthetic:"
 
 
@@ -54,7 +56,7 @@ class SyntheticSource(ModelSource):
         per_layer = c.hidden_size * (c.qkv_dim + c.q_dim + 3 * max(c.intermediate_size,
                                                                    c.n_experts * c.expert_intermediate))
         self.distinct_layers = per_layer <= DISTINCT_LAYER_LIMIT
-        self._shared_layers: dict[tuple, LayerWeights] = {}   # one per layer kind, dense or MoE
+        self._shared_layers: dict[tuple, LayerWeights] = {}   # one per kind, shape (Gemma 4's differ), dense or MoE
 
     def _rng(self, *stream: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, *stream])
@@ -70,11 +72,16 @@ class SyntheticSource(ModelSource):
         return Q4Matrix(codes, scales, offsets, self.group)
 
     def _make_layer(self, i: int) -> LayerWeights:
-        c, rng = self.config, self._rng(1, i)
+        c, rng = self.config.at(i), self._rng(1, i)   # the layer's own shapes
         hidden = c.hidden_size
         norms = {}
         if c.post_norms:
             norms.update(post_attn_norm=np.ones(hidden, np.float32), post_ffn_norm=np.ones(hidden, np.float32))
+        if c.per_layer_input:
+            norms.update(ple_gate=self._random_q4(rng, c.per_layer_input, hidden),
+                         ple_proj=self._random_q4(rng, hidden, c.per_layer_input), ple_norm=np.ones(hidden, np.float32))
+        if c.layer_scale:
+            norms["out_scale"] = np.ones(1, np.float32)
         ffn = dict(attn_norm=np.ones(hidden, np.float32), ffn_norm=np.ones(hidden, np.float32))
         if c.is_moe(i):
             ffn.update(gate_up=None, down=None, moe=moe.synthetic(c, self._random_q4, rng))
@@ -91,11 +98,21 @@ class SyntheticSource(ModelSource):
         if self.distinct_layers:
             return self._make_layer(i)
         c = self.config
-        kind = (c.layers[i].kind, c.is_moe(i))
-        if kind not in self._shared_layers:
-            self._shared_layers[kind] = self._make_layer(next(j for j in range(c.n_layers)
-                                                              if (c.layers[j].kind, c.is_moe(j)) == kind))
-        return self._shared_layers[kind]
+        shape_of = {j: (c.layers[j].kind, c.at(j).head_dim, c.at(j).n_kv_heads, c.at(j).kv_shared,
+                        c.at(j).intermediate_size, c.is_moe(j)) for j in range(c.n_layers)}
+        if shape_of[i] not in self._shared_layers:
+            self._shared_layers[shape_of[i]] = self._make_layer(next(j for j in shape_of if shape_of[j] == shape_of[i]))
+        return self._shared_layers[shape_of[i]]
+
+    def _per_layer_tables(self) -> tuple:
+        c, rng = self.config, self._rng(4)
+        width = c.n_layers * c.per_layer_input
+        if c.vocab_size * width > PER_LAYER_TABLE_LIMIT:
+            raise PerfxError(f"synthetic:{self.name}: its per-layer table of {c.vocab_size} × {width} values is not "
+                             "made up (gigabytes of random codes); `perfx tune` measures its shapes without it. "
+                             "Run a Gemma 4 GGUF for its weights")
+        return (self._random_q4(rng, c.vocab_size, width), self._random_q4(rng, width, c.hidden_size),
+                np.ones(c.per_layer_input, np.float32))
 
     def _random_table(self, stream: int) -> np.ndarray:
         c = self.config
@@ -118,6 +135,9 @@ class SyntheticSource(ModelSource):
 
     def _expert_form(self, part: str, layer: int) -> Form:
         return Form("q4", self.group, f32=self.form == Q4_ZEROS)   # zero points' offsets −s·z are float32
+
+    def _per_layer_forms(self) -> dict[str, set[Form]]:
+        return {"ple_table": {Form("q4", self.group)}, "ple_model": {Form("q4", self.group)}}
 
     def _table_form(self, name: str) -> Form:
         return F16_FORM

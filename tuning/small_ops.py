@@ -201,6 +201,7 @@ EMBEDDING_Q4 = Spec(
 ARGMAX = Spec(
     params=small_ops.ARGMAX,
     make_case=make_argmax_case,
+    programs=lambda device, shape, params: Argmax(device, params),
     tolerance=0.0,
     tolerance_why="an index: exactly numpy.argmax's (ties to the lowest index) or wrong",
     test_shapes=({"n": 152064}, {"n": 32001}, {"n": 1003}, {"n": 5}),
@@ -213,6 +214,7 @@ ARGMAX = Spec(
 SWIGLU = Spec(
     params=small_ops.SWIGLU,
     make_case=_gated_case_maker(SwiGLU, reference.swiglu),
+    programs=lambda device, shape, params: SwiGLU(device, params),
     tolerance=1e-5,
     tolerance_why=("fp32 exp (OpenCL allows 3 ulp), one division and one product against float64: a few "
                    "2⁻²⁴ of each element; an element skipped or a wrong activation is far above 1e-5"),
@@ -227,6 +229,7 @@ SWIGLU = Spec(
 GEGLU = Spec(
     params=small_ops.GEGLU,
     make_case=_gated_case_maker(GeGLU, reference.geglu),
+    programs=lambda device, shape, params: GeGLU(device, params),
     tolerance=1e-5,
     tolerance_why=("fp32 tanh (OpenCL allows 5 ulp) and a few products against float64: a few 2⁻²⁴ of each "
                    "element; for gate ≪ 0, where 1 + tanh(·) cancels, tanh's 5 ulp of 1 times 0.5·|gate·up|, "
@@ -243,6 +246,7 @@ GEGLU = Spec(
 SIGMOID_MUL = Spec(
     params=small_ops.SIGMOID_MUL,
     make_case=_gated_case_maker(SigmoidMul, reference.sigmoid_mul),
+    programs=lambda device, shape, params: SigmoidMul(device, params),
     tolerance=1e-5,
     tolerance_why=("fp32 exp (OpenCL allows 3 ulp), one division and one product against float64: a few "
                    "2⁻²⁴ of each element; an element skipped or SiLU in σ's place is far above 1e-5"),
@@ -257,6 +261,7 @@ SIGMOID_MUL = Spec(
 SOFTCAP = Spec(
     params=small_ops.SOFTCAP,
     make_case=make_softcap_case,
+    programs=lambda device, shape, params: Softcap(device, params),
     tolerance=1e-6,
     tolerance_why=("one fp32 division, tanh (OpenCL allows 5 ulp) and product against float64: a few 2⁻²⁴ of "
                    "cap, itself the bound on |x|; a logit left uncapped is off by up to its own size"),

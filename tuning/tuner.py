@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import math
 import random
 import statistics
 import time
@@ -40,7 +41,7 @@ import numpy as np
 from perfx.errors import PerfxError
 from perfx.runtime import BuildError, DriverError, KernelLimitError
 from perfx.timing import bootstrap_ratio, copy_kernel, time_launches
-from perfx.tuning.database import Database, normal, params_key, result_record, shape_distance, source_hash
+from perfx.tuning.database import Database, normal, params_key, result_record, source_hash
 from perfx.tuning.spec import build_requests, time_case
 
 EXHAUSTIVE_LIMIT = 48   # spaces up to this many candidates are searched exhaustively
@@ -212,6 +213,19 @@ def _first_line(error: Exception) -> str:
     return f"{head} {detail}".strip()[:300]
 
 
+def _likeness(want: dict, have: dict | None) -> tuple:
+    """How unlike a record's shape is the one wanted, for ordering candidates (smaller first): the keys that
+    differ, then the summed |log| ratios of the sizes both have. A shape-less record comes last."""
+    if have is None:
+        return (float("inf"), 0.0)
+    want, have = normal(want), normal(have)
+    differing = sum(want.get(key) != have.get(key) for key in set(want) | set(have))
+    sizes = sum(abs(math.log(max(want[key], 1) / max(have[key], 1))) for key in set(want) & set(have)
+                if isinstance(want[key], (int, float)) and isinstance(have[key], (int, float))
+                and not isinstance(want[key], bool) and not isinstance(have[key], bool))
+    return (differing, sizes)
+
+
 def neighbours(space: dict, params: dict) -> list[dict]:
     """Parameter sets one step away: one parameter moved to any other value of its list (adjacent values
     first). Any value, not only the adjacent ones: many parameters are choices, not sizes (READ 0/1/2:
@@ -349,7 +363,9 @@ class Tuner:
     ``budget_s`` is shared among the problems still to do; ``progress`` (a perfx.progress.Progress
     over problems) gets a note after every candidate. ``timer`` times a launch function (the tests give
     a simulated noisy one); ``reference`` returns the time of a fixed reference kernel (default: the copy
-    kernel on this device); ``cool_down_s`` is the pause before a suspect round is taken again.
+    kernel on this device); ``cool_down_s`` is the pause before a suspect round is taken again;
+    ``background_builds``: whether candidates' programs build in a thread beside the runs (``BuildAhead``; None:
+    on a GPU-class device).
     """
 
     def __init__(self, device, database: Database | None = None, budget_s: float = 600.0, seed: int = 0,
@@ -357,7 +373,8 @@ class Tuner:
                  random_samples: int = RANDOM_SAMPLES, sample_share: float = SAMPLE_SHARE,
                  confirm_top: int = CONFIRM_TOP,
                  confirm_rounds: int = CONFIRM_ROUNDS, timer=time_launches, reference=None,
-                 cool_down_s: float = COOL_DOWN_S, drift_threshold: float = DRIFT_THRESHOLD):
+                 cool_down_s: float = COOL_DOWN_S, drift_threshold: float = DRIFT_THRESHOLD,
+                 background_builds: bool | None = None):
         self.device = device
         self.database = database if database is not None else Database()
         self.log = self.database.log(device)
@@ -369,6 +386,7 @@ class Tuner:
         self.drift = DriftWatch(reference or copy_kernel(device), drift_threshold)
         self.started = time.perf_counter()
         self._untuned: dict[tuple, dict] = {}   # (family, shape) -> what runs untuned (``_defaults``)
+        self.background_builds = background_builds   # None: on a GPU-class device (BuildAhead)
         self.split = Split(device.compile_seconds)
         self.background_build_s = 0.0   # builds made beside the runs (``BuildAhead``), not in the split
 
@@ -407,7 +425,7 @@ class Tuner:
     def tune_problem(self, spec, shape: dict, label: str = "", deadline: float | None = None) -> ProblemResult:
         """Search one (family, shape) until done or ``deadline`` (perf_counter seconds) passes, then confirm."""
         before = dict(self.split.seconds)
-        ahead = BuildAhead(self.device, spec, shape)
+        ahead = BuildAhead(self.device, spec, shape, background=self.background_builds)
         try:
             result = self._tune_problem(spec, shape, label, deadline, ahead)
         finally:
@@ -551,8 +569,9 @@ class Tuner:
     def _order(self, spec, shape: dict, candidates: list, defaults: dict, description: str) -> list:
         """The order the search runs ``candidates`` in: the defaults (or what runs untuned), then the likely winners,
         then the rest in a random order. The likely winners are the tuned entries that apply to this device
-        (its own, its architecture's, its vendor's: ``Database.choices``), then every other device's entry for this
-        family, nearest shape first. A good time found early cuts the slow candidates after it short
+        (its own, its architecture's, its vendor's: ``Database.choices``), then every entry of this family, of
+        any device and shape, the most alike shape first (a sweep's earlier problems are among them: the winner
+        for a model's q projection is a likely one for its k projection). A good time found early cuts the slow candidates after it short
         (CUT_FACTOR), and a search the budget stops has timed them."""
         by_key = {params_key(p): p for p in candidates}
         first = [params_key(defaults)] if params_key(defaults) in by_key else []
@@ -563,10 +582,8 @@ class Tuner:
             for record in file.records:
                 if record.get("family") != spec.params.family:
                     continue
-                distance = shape_distance(shape, record.get("shape"))
-                if distance is not None:
-                    params = {**spec.params.defaults(record["params"]), **record["params"]}
-                    others.append((distance, params_key(params)))
+                params = {**spec.params.defaults(record["params"]), **record["params"]}
+                others.append((_likeness(shape, record.get("shape")), params_key(params)))
         first += [key for _, key in sorted(others, key=lambda item: item[0])]
         first = [key for key in dict.fromkeys(first) if key in by_key]
         placed = set(first)

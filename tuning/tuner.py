@@ -6,11 +6,14 @@ within the spec's tolerance is timed, and only a timed one may be chosen. One th
 fails at launch or is wrong is recorded with the reason. Each outcome goes to the device's resume log
 as it comes (atomically), so an interrupted sweep resumes without re-timing anything.
 
-Search (after CLBlast's and kernel_tuner's tuners): the defaults first, then every candidate where the
-space is small, else a random sample (at least RANDOM_SAMPLES, more while half the problem's share of the
-budget lasts) followed by local refinement (each parameter moved to any other value of its list) around
-the best, until nothing improves or the problem's share of the budget is spent. A candidate whose faster of two first runs is clearly slower than the best so far is cut short;
-a cut candidate is never chosen.
+Search (after CLBlast's and kernel_tuner's tuners): the sets this device cannot run, or its driver refused,
+pruned unbuilt; the defaults first, then the likely winners (the tuned entries of this device and of others,
+the most alike shape first), then every candidate where the space is small, else a random sample (at least
+RANDOM_SAMPLES, more while half the problem's share of the budget lasts) followed by local refinement (each
+parameter moved to any other value of its list) around the best, until nothing improves or the problem's share
+of the budget is spent. A candidate whose faster of two first runs is clearly slower than the best so far is cut
+short; a cut candidate is never chosen. The programs of the candidates to come are built ahead, many at once
+(``BuildAhead``), and where the time went is kept per phase (``Split``).
 
 Confirmation: a search ranks candidates by one median each, and on a phone (thermal throttling,
 big.LITTLE, DVFS) or a busy machine a single lucky sample can crown the wrong one. So the top few, the
@@ -571,8 +574,8 @@ class Tuner:
         then the rest in a random order. The likely winners are the tuned entries that apply to this device
         (its own, its architecture's, its vendor's: ``Database.choices``), then every entry of this family, of
         any device and shape, the most alike shape first (a sweep's earlier problems are among them: the winner
-        for a model's q projection is a likely one for its k projection). A good time found early cuts the slow candidates after it short
-        (CUT_FACTOR), and a search the budget stops has timed them."""
+        for a model's q projection is a likely one for its k projection). A good time found early cuts the slow
+        candidates after it short (CUT_FACTOR), and a search the budget stops has timed them."""
         by_key = {params_key(p): p for p in candidates}
         first = [params_key(defaults)] if params_key(defaults) in by_key else []
         for choice in self.database.choices(self.device, spec, shape):

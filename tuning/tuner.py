@@ -134,6 +134,7 @@ class ProblemResult:
     complete: bool = False    # the search finished (not cut by the budget)
     note: str = ""            # why the problem could not be tuned, when it could not
     suspect_candidates: int = 0   # search timings re-taken because the machine drifted
+    suspect_kept: int = 0         # ... and kept as they were: too slow to win even discounting the drift
     evaluated: int = 0        # candidates run in this sweep (not read back from the log)
     pruned: int = 0           # parameter sets never built: this device cannot run them, or its driver refused them
     seconds: dict = field(default_factory=dict)   # where this sweep's time on the problem went (``Split``)
@@ -181,7 +182,8 @@ class ProblemResult:
                 "candidates": len(self.outcomes), "rejected": sum(o.status not in ("ok", "slow")
                                                                   for o in self.outcomes),
                 "resumed": self.resumed, "complete": self.complete, "note": self.note,
-                "suspect_candidates": self.suspect_candidates, "evaluated": self.evaluated, "pruned": self.pruned,
+                "suspect_candidates": self.suspect_candidates, "suspect_kept": self.suspect_kept,
+                "evaluated": self.evaluated, "pruned": self.pruned,
                 "seconds": {name: round(value, 3) for name, value in self.seconds.items()},
                 "outcomes": [o.as_dict() for o in self.outcomes]}
 
@@ -255,6 +257,7 @@ class DriftWatch:
         self.baseline: float | None = None
         self.events = 0
         self.last = -float("inf")
+        self.ratio = 1.0   # the reference's time over the baseline, when it last said the machine drifted
 
     def drifted(self) -> bool:
         if time.perf_counter() - self.last < self.every_s:
@@ -267,6 +270,7 @@ class DriftWatch:
         self.baseline = min(self.baseline, now)  # a quiet moment later in the run is the better baseline
         if now > (1 + self.threshold) * self.baseline:
             self.events += 1
+            self.ratio = now / self.baseline
             return True
         return False
 
@@ -632,10 +636,16 @@ class Tuner:
 
     def _time(self, case, params: dict, result: ProblemResult | None = None, **kwargs):
         """Time one candidate; a timing during which the reference kernel says the machine drifted is
-        taken again after a cool-down (once)."""
+        taken again after a cool-down (once), unless it could not win even taken as that much too slow: drift
+        only slows a timing, so one that, divided by the reference's slow-down, is still slower than the best so
+        far is no winner whatever the machine did (on a busy machine the cool-downs took a quarter of a sweep)."""
         timing = self._timing(case, params, **kwargs)
         with self.split.phase("drift"):
             if self.drift.drifted():
+                best = result.best if result is not None else None
+                if best is not None and best.time_s and timing.median_s / self.drift.ratio > best.time_s:
+                    result.suspect_kept += 1
+                    return timing
                 if result is not None:
                     result.suspect_candidates += 1
                 time.sleep(self.cool_down_s)

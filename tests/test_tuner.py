@@ -517,7 +517,8 @@ def test_candidates_are_built_ahead_together_and_still_each_verified_before_time
     assert result.complete and result.best.params["MODE"] == "good"
     statuses = {o.params["MODE"]: o.status for o in result.outcomes}
     assert statuses["wrong"] == "wrong" and statuses["broken"] == "build"
-    assert sum(batches) == 9 and len(batches) == 1, batches   # the toy's nine sets: one batch
+    # the toy's nine sets, each built once: as many as build at once for the first, then the rest together
+    assert sum(batches) == 9 and batches[0] == 2 and len(batches) == 2, batches
     assert fresh.compile_seconds() == pytest.approx(sum(in_batches)), "a build ran in a candidate's run: not ahead"
     launches = {params_key(dict(k)): count for k, count in toy.launches.items()}
     for outcome in result.outcomes:   # a rejected set launched once, by its verification, and never timed
@@ -528,6 +529,17 @@ def test_candidates_are_built_ahead_together_and_still_each_verified_before_time
     assert report["seconds"]["confirm"] > 0
     assert abs(sum(report["seconds"].values()) + report["other_s"] - report["wall_s"]) < 1e-2
     assert result.seconds["build"] == pytest.approx(report["seconds"]["build"], abs=1e-3)
+
+
+def test_no_more_is_built_ahead_than_the_budget_is_likely_to_run(device, db, monkeypatch):
+    monkeypatch.setenv("PERFX_BUILD_WORKERS", "2")
+    fresh = Device(device.entry.index)
+    batches = []
+    build_many = fresh.build_many
+    monkeypatch.setattr(fresh, "build_many", lambda requests, *a, **k: (batches.append(len(requests)),
+                                                                         build_many(requests, *a, **k))[1])
+    result = quiet_tuner(fresh, db, budget_s=0).tune_problem(Toy(through_device=True).spec(), SHAPE)
+    assert len(result.outcomes) == 1 and batches == [2], batches   # the defaults, and one more at once
 
 
 def test_builds_in_a_thread_beside_the_runs_as_on_a_gpu(device, db, monkeypatch):

@@ -484,6 +484,7 @@ class Tuner:
         sample_until = time.perf_counter() + self.sample_share * max(deadline - time.perf_counter(), 0.0)
 
         case = None
+        started = time.perf_counter()
 
         def untried(params_list) -> list[dict]:
             return [p for p in params_list if params_key(p) not in tried and params_key(p) in valid]
@@ -500,7 +501,12 @@ class Tuner:
             if case is None:
                 with self.split.phase("setup"):
                     case = spec.make_case(self.device, shape, np.random.default_rng(self.seed))
-            ahead.before([params, *untried(upcoming)], self.split)
+            # No more built ahead than are likely to run before the deadline, at this problem's pace so far: a
+            # budget-cut search would otherwise end with a batch built for nothing (a quarter of a short sweep).
+            left = max(deadline - time.perf_counter(), 0.0)
+            pace = (time.perf_counter() - started) / result.evaluated if result.evaluated else None
+            likely = math.ceil(left / pace) if pace else self.device.build_workers()
+            ahead.before([params, *untried(upcoming)][:max(1, likely)], self.split)
             record["running"] = dict(params)   # on disk while it runs: a process that dies there is known on resume
             self.log.save()
             try:

@@ -542,6 +542,23 @@ def test_no_more_is_built_ahead_than_the_budget_is_likely_to_run(device, db, mon
     assert len(result.outcomes) == 1 and batches == [2], batches   # the defaults, and one more at once
 
 
+def test_a_sweeps_programs_are_forgotten_past_the_bound(device, db, monkeypatch):
+    """Memory stays bounded: before a batch is built the device forgets its programs once it keeps PROGRAMS_KEPT,
+    and after a problem; the candidates still verify and time from pyopencl's cache."""
+    from perfx.tuning import tuner as tuner_module
+    monkeypatch.setattr(tuner_module, "PROGRAMS_KEPT", 2)
+    fresh = Device(device.entry.index)
+    kept_at_builds = []
+    build_many = fresh.build_many
+    monkeypatch.setattr(fresh, "build_many", lambda requests, *a, **k: (kept_at_builds.append(fresh.programs_kept),
+                                                                         build_many(requests, *a, **k))[1])
+    space = {"WGS": (16, 32, 64), "MODE": ("good", "wrong"), "PAD": (0, 1, 2)}
+    tuner = quiet_tuner(fresh, db, budget_s=60, repeat=2)
+    result = tuner.tune_problem(Toy(through_device=True).spec(space=space), SHAPE)
+    assert result.complete and result.chosen["MODE"] == "good" and len(result.outcomes) == 18
+    assert len(kept_at_builds) > 1 and max(kept_at_builds) < 2 and fresh.programs_kept == 0, kept_at_builds
+
+
 def test_builds_in_a_thread_beside_the_runs_as_on_a_gpu(device, db, monkeypatch):
     """On a GPU-class device the next batch builds while the one before runs; the sweep is the same, and an
     interrupted one resumes without running a finished candidate again."""

@@ -26,3 +26,8 @@ def test_the_programs_a_spec_names_are_those_a_run_builds(device, family):
             fresh.forget_programs()   # what the run below builds is then in _programs, and nothing else
             case.run(params)
             assert set(named) == set(fresh._programs), (family, spec.describe(shape), params)
+
+
+def test_every_family_names_its_programs():
+    """A family without ``programs`` would build one kernel at a time in the selftest and the tuner."""
+    assert not [family for family, spec in SPECS.items() if spec.programs is None]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from perfx import reference
-from perfx.formats import Q4_PAIRS, Q4Matrix
+from perfx.formats import Q4_PAIRS, Q4Matrix, q4_form_defines
 from perfx.ops import small_ops
 from perfx.ops.gemv_f16 import F16DeviceWeight
 from perfx.ops.q4_weight import Q4DeviceWeight
@@ -165,6 +165,7 @@ def fuzz_embedding_q4(st):
 EMBEDDING_F16 = Spec(
     params=small_ops.EMBEDDING_F16,
     make_case=make_embedding_f16_case,
+    programs=lambda device, shape, params: Embedding(device, params),
     tolerance=1e-7,
     tolerance_why=("a copy, every fp16 value exact in fp32, times the float32 scale: one rounding (≤ 2⁻²⁴ ≈ "
                    "6e-8 of each value; none at scale 1); a wrong row or element is O(1) off"),
@@ -182,6 +183,8 @@ EMBEDDING_F16 = Spec(
 EMBEDDING_Q4 = Spec(
     params=small_ops.EMBEDDING_Q4,
     make_case=make_embedding_q4_case,
+    programs=lambda device, shape, params: Embedding(device, params).q4_kernel_for(
+        params["LAYOUT"], q4_form_defines(shape.get("form", Q4_PAIRS))),
     tolerance=1e-6,
     tolerance_why=("w = s·q + m with s and m fp16 and q < 16: s·q is exact in fp32 and the fma rounds once "
                    "(2⁻²⁴ of |w|), the scale once more; one wrong nibble or group is ≥ s, about 1/15 of the "

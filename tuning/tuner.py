@@ -445,7 +445,6 @@ class Tuner:
 
     def _tune_problem(self, spec, shape: dict, label: str, deadline: float | None, ahead: BuildAhead) -> ProblemResult:
         deadline = time.perf_counter() + max(self.time_left(), 0.0) if deadline is None else deadline
-        caps = self.device.caps
         result = ProblemResult(spec.params.family, dict(shape), label, spec.describe(shape),
                                int(spec.bytes_moved(shape)), int(spec.flops(shape)))
         record = self.log.problem(spec, shape)

@@ -46,7 +46,8 @@ def test_gemv_q4(benchmark, device, copy_gbs, name, params_name):
 
     timing = time_launches(lambda: case.launch(params), warmup=1 if big else 3, repeat=5 if big else 20,
                            rotate=case.rotate)
-    benchmark.pedantic(lambda: device_time(case.launch(params)), rounds=3 if big else 10, warmup_rounds=1)
+    with device.profiling():
+        benchmark.pedantic(lambda: device_time(case.launch(params)), rounds=3 if big else 10, warmup_rounds=1)
     gbs = weight_bytes / timing.median_s / 1e9
     gws = n * k / timing.median_s / 1e9
     benchmark.extra_info.update({

@@ -52,4 +52,5 @@ def test_bench(benchmark, device, label, spec, shape, params):
     print(f"\n{label:28s} {spec.describe(shape):34s} {timing.median_s * 1e6:9.1f} us  {gbs:6.2f} GB/s "
           f"({100 * gbs / copy_gbs:5.1f}% of copy {copy_gbs:.2f})  {gflops:6.2f} GFLOP/s  "
           f"{' '.join(f'{k}={v}' for k, v in params.items())}")
-    benchmark.pedantic(lambda: device_time(case.launch(params)), rounds=3, iterations=1, warmup_rounds=1)
+    with device.profiling():
+        benchmark.pedantic(lambda: device_time(case.launch(params)), rounds=3, iterations=1, warmup_rounds=1)

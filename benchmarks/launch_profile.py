@@ -66,8 +66,9 @@ def main(argv=None):
         launches = model.decode_launches(40)
         model.device.write(model.state.step, np.array([7, 40], np.int32))
         what = "decode step at position 40"
-    result = {"model": args.model, "device": model.device.caps.name, "what": what, **profile(model, launches,
-                                                                                          args.repeat)}
+    with model.device.profiling():   # the events' times: on the device's profiling queue
+        result = {"model": args.model, "device": model.device.caps.name, "what": what,
+                  **profile(model, launches, args.repeat)}
     if args.json:
         print(json.dumps(result, indent=1))
         return

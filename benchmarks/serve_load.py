@@ -45,9 +45,9 @@ def rss_bytes(pid: int) -> int:
 class ServeProcess:
     """`perfx serve` on a free loopback port, its stderr read as it comes (queue waits parsed from it)."""
 
-    def __init__(self, model: str, queue_limit: int, ctx: int | None):
+    def __init__(self, model: str, queue_limit: int, ctx: int | None, parallel: str = "auto"):
         command = [sys.executable, "-m", "perfx", "serve", "--model", model, "--host", "127.0.0.1", "--port", "0",
-                   "--queue", str(queue_limit)] + (["--ctx", str(ctx)] if ctx else [])
+                   "--queue", str(queue_limit), "--parallel", parallel] + (["--ctx", str(ctx)] if ctx else [])
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
         self.lines: queue.Queue = queue.Queue()
@@ -109,9 +109,10 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32, help="per request (default %(default)s)")
     parser.add_argument("--queue", type=int, default=16, help="the server's --queue (default %(default)s)")
     parser.add_argument("--ctx", type=int, help="the server's --ctx")
+    parser.add_argument("--parallel", default="auto", help="the server's --parallel (default %(default)s)")
     args = parser.parse_args()
 
-    server = ServeProcess(args.model, args.queue, args.ctx)
+    server = ServeProcess(args.model, args.queue, args.ctx, args.parallel)
     pid = server.proc.pid
     try:
         client = openai.OpenAI(base_url=server.url, api_key="unused", timeout=600, max_retries=0)

@@ -1,16 +1,23 @@
 // Decode attention for one new token at position p of one layer (Llama family: rotate-half RoPE,
-// grouped-query attention), flash-decoding style, in two launches on the in-order queue:
+// grouped-query attention), flash-decoding style, in one launch:
 //   attention_partial:  q' = rope(norm(q), p), k' = rope(norm(k), p) (attention.h: norm with QK_NORM only,
 //                       partial rotary, NoPE);  keys[layer][g][p] = half(k'), values[layer][g][p] = half(v);
 //                       per (query head h, partition j of PART positions):
 //                       m_j = max_t s_t,  l_j = Σ_t e^(s_t − m_j),  o_j = Σ_t e^(s_t − m_j)·V[t],
 //                       s_t = cap(scale·q'_h·K[t]) over the positions t ≤ p of partition j (scale a launch
 //                       argument, 1/√D for Llama; cap the soft-cap of attention.h, or none)
-//   attention_combine:  out[h] = Σ_j e^(m_j − M)·o_j / Σ_j e^(m_j − M)·l_j,
-//                       M a running max over the partitions (online softmax)
-// When p < PART there is one partition and attention_partial writes out[h] = o_0 / l_0 itself: one launch.
-// Q8_OUT 1: the launch that writes out (attention_partial with one partition, else attention_combine) also
-// writes it as Q8_1 blocks of 32 (out_codes, out_step_sum), the int8 activations of the o projection.
+//   the combine, by the last work-group of kv head g to finish (a counter per kv head in global memory):
+//                       out[h] = Σ_j e^(m_j − M)·o_j / Σ_j e^(m_j − M)·l_j for the GQA heads h of g,
+//                       M a running max over the partitions (online softmax), j in order (deterministic)
+// When p < PART there is one partition and it writes out[h] = o_0 / l_0 itself.
+// The combine inside the launch saves a launch a layer (and its host enqueue), not device work: every
+// work-group writes its partials, makes them visible (a global fence before the counter's atomic increment),
+// and the one that takes the counter to n_parts reads them back and resets the counter for the next launch.
+// The partials cross work-groups as atomic stores and loads (SHARED_STORE, SHARED_LOAD): coherent past a GPU's
+// non-coherent first-level caches, and a hand-off a race checker (Oclgrind) sees as synchronised; they are
+// few (H × partitions × (D + 2) floats). counters (Hkv int) start at 0 (the wrapper zeroes them once).
+// Q8_OUT 1: the work-group that writes out (the only one with one partition, else the combining one) also
+// writes its heads as Q8_1 blocks of 32 (out_codes, out_step_sum), the int8 activations of the o projection.
 // A sliding window W > 0 (Mistral; 0 = off) bounds the positions attended to t ≥ p − W + 1: earlier ones
 // get weight 0 and are not read; a partition left with none reports m = −inf, l = 0 and the combine skips it.
 // W is a launch argument, so one build serves layers of different windows (Gemma 2 and 3).
@@ -133,6 +140,35 @@ inline float hsum4(const float4 x)
     return (x.s0 + x.s1) + (x.s2 + x.s3);
 }
 
+// A float that other work-groups of the launch read (SHARED_STORE), or that they wrote (SHARED_LOAD).
+#define SHARED_STORE(p, i, v) atomic_xchg((volatile __global float*)(p) + (i), (v))
+#define SHARED_LOAD(p, i) as_float(atomic_or((volatile __global int*)(p) + (i), 0))
+
+// out for the GQA query heads of kv head g from their n_parts partials, by the work-group that combines them
+// (online softmax, partitions in order).
+void combine_partitions(const int g, const int lid, const int n_parts, const int max_parts,
+                        __global float* part_max, __global float* part_sum, __global float* part_out,
+                        __global float* out)
+{
+    for (int e = lid; e < GQA * HEAD_DIM; e += WGS) {
+        const int query_head = g * GQA + e / HEAD_DIM;
+        float m = -INFINITY, l = 0.0f, acc = 0.0f;
+        for (int j = 0; j < n_parts; ++j) {
+            const int at = query_head * max_parts + j;
+            const float m_j = SHARED_LOAD(part_max, at);
+            if (m_j == -INFINITY) {
+                continue;   // a partition wholly before the sliding window: nothing to add
+            }
+            const float m_new = fmax(m, m_j);
+            const float keep = exp(m - m_new), take = exp(m_j - m_new);  // exp(−inf) = 0 on the first step
+            l = l * keep + SHARED_LOAD(part_sum, at) * take;
+            acc = acc * keep + SHARED_LOAD(part_out, (size_t)at * HEAD_DIM + e % HEAD_DIM) * take;
+            m = m_new;
+        }
+        out[query_head * HEAD_DIM + e % HEAD_DIM] = acc / l;
+    }
+}
+
 // global (WGS, Hkv, ceil((p+1)/PART)), local (WGS, 1, 1): work-group (g, j) = kv head g, partition j.
 __kernel __attribute__((reqd_work_group_size(WGS, 1, 1)))
 void attention_partial(__global const float* restrict qkv, const int qkv_offset,
@@ -145,7 +181,8 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
                        __global const int* restrict positions, const int pos_index, const int max_parts,
                        __global float* restrict part_max, __global float* restrict part_sum,
                        __global float* restrict part_out, __global float* restrict out, const int window,
-                       const float scale, const float softcap Q8_OUT_ARGS)
+                       const float scale, const float softcap, __global volatile int* restrict counters
+                       Q8_OUT_ARGS)
 {
     const int lid = get_local_id(0);
     const int pos = positions[pos_index];  // on the device, so a recorded launch serves every position of its grid
@@ -168,6 +205,7 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
     __local float work[WORK];
     __local float red[GQA * WGS];
     __local float stats[2 * GQA];          // the partition's max and sum per head
+    __local int combines;                  // whether this work-group is the last of its kv head to finish
 #if KV_Q8
     __local kv_t* fresh = fresh_codes;
 #else
@@ -439,45 +477,35 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
         if (n_parts == 1) {
             out[query_head * HEAD_DIM + e % HEAD_DIM] = sum / stats[GQA + h];
         } else {
-            part_out[((size_t)query_head * max_parts + part) * HEAD_DIM + e % HEAD_DIM] = sum;
+            SHARED_STORE(part_out, ((size_t)query_head * max_parts + part) * HEAD_DIM + e % HEAD_DIM, sum);
         }
     }
     if (n_parts > 1 && lid < GQA) {
         const int at = (g * GQA + lid) * max_parts + part;
-        part_max[at] = stats[lid];
-        part_sum[at] = stats[GQA + lid];
+        SHARED_STORE(part_max, at, stats[lid]);
+        SHARED_STORE(part_sum, at, stats[GQA + lid]);
     }
+    // n_parts and combines are the same for the whole work-group, so each barrier below is met by every
+    // work-item of the group or by none
+    if (n_parts == 1) {
 #if Q8_OUT
-    if (n_parts == 1) {   // the same for the whole launch, so the barrier is met by every work-item or none
         QUANTIZE_OUT(g * GQA * HEAD_DIM / 32, GQA * HEAD_DIM / 32, lid, WGS)
-    }
 #endif
-}
-
-// global (D/VW, H), local (D/VW, 1): one work-group per query head, VW elements of out per work-item.
-__kernel __attribute__((reqd_work_group_size(LANES, 1, 1)))
-void attention_combine(const int n_parts, const int max_parts,
-                       __global const float* restrict part_max, __global const float* restrict part_sum,
-                       __global const float* restrict part_out, __global float* restrict out Q8_OUT_ARGS)
-{
-    const int lane = get_local_id(0);
-    const int h = get_group_id(1);
-    float m = -INFINITY, l = 0.0f;
-    floatV o = (floatV)0.0f;
-    for (int j = 0; j < n_parts; ++j) {
-        const int at = h * max_parts + j;
-        const float m_j = part_max[at];
-        if (m_j == -INFINITY) {
-            continue;   // a partition wholly before the sliding window: nothing to add
+    } else {
+        mem_fence(CLK_GLOBAL_MEM_FENCE);   // this work-item's partials before the group's arrival is counted
+        barrier(CLK_GLOBAL_MEM_FENCE | CLK_LOCAL_MEM_FENCE);
+        if (lid == 0) {
+            combines = atomic_inc(counters + g) == n_parts - 1;
         }
-        const float m_new = fmax(m, m_j);
-        const float keep = exp(m - m_new), take = exp(m_j - m_new);  // exp(−inf) = 0 on the first step
-        l = l * keep + part_sum[at] * take;
-        o = o * keep + LOADV(lane, part_out + (size_t)at * HEAD_DIM) * take;
-        m = m_new;
-    }
-    STOREV(o / l, lane, out + h * HEAD_DIM);
+        barrier(CLK_LOCAL_MEM_FENCE);
+        if (combines) {
+            if (lid == 0) {
+                atomic_xchg(counters + g, 0);   // the last arrival: no other group of this launch touches it again
+            }
+            combine_partitions(g, lid, n_parts, max_parts, part_max, part_sum, part_out, out);
 #if Q8_OUT
-    QUANTIZE_OUT(h * HEAD_DIM / 32, HEAD_DIM / 32, lane, LANES)
+            QUANTIZE_OUT(g * GQA * HEAD_DIM / 32, GQA * HEAD_DIM / 32, lid, WGS)
 #endif
+        }
+    }
 }

@@ -11,6 +11,7 @@
 //          counter_hi, positions[pos_index], 0)) times 2⁻²⁴, in [0, 1), exact in fp32 and float64;
 //   the token: the first kept token in the order whose cumulative kept weight exceeds u · (the kept total).
 //   T = 0: the first token of the order (numpy.argmax of the penalised logits).
+//   Logits of −∞ (tokens a grammar forbids, kernels/logit_mask.cl) have p = 0 and are never kept.
 //
 // Shape contract: logits (V floats), history (h ≤ 256 int32 ids, in any order, duplicates counted once, ids
 // outside [0, V) ignored), 1 ≤ top_k ≤ TOPK, or top_k ≥ V where V ≤ TOPK (no top-k cut). out: 1 int32.
@@ -419,9 +420,9 @@ void sample_final(const int v, __global const ulong* restrict partial_keys,
     int count = 0;
     for (int r = 0; r < k; ++r) {
         const float y = key_value(keys[r]) * inv_t;
-        if (y < floor_y) {
-            break;   // min-p: the order descends, so nothing after it passes either
-        }
+        if (y < floor_y || y == -INFINITY) {
+            break;   // min-p, or a token masked out (kernels/logit_mask.cl): the order descends, so nothing
+        }            // after it passes either
         kept += exp(y - m);
         count = r + 1;
         cumulative += exp(y - m) / s;

@@ -20,6 +20,7 @@ from perfx import families
 from perfx.errors import PerfxError
 from perfx.gguf_file import GGUFFile
 from perfx.recipe import LayerRecipe, Rope
+from perfx.reference import MOE_GATINGS
 
 __all__ = ["FFN_ACTIVATIONS", "LAYER_KINDS", "LayerRecipe", "ModelConfig", "Rope",
            "SUPPORTED_ARCHITECTURES", "SUPPORTED_GGUF_ARCHITECTURES"]
@@ -30,6 +31,8 @@ SUPPORTED_ARCHITECTURES = families.hf_architectures()
 SUPPORTED_GGUF_ARCHITECTURES = families.gguf_architectures()
 FFN_ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_KINDS = ("attention", "conv", "delta")
+MAX_EXPERTS = 512        # the router's top-k holds a row's experts in local memory (kernels/moe_router.cl)
+MAX_EXPERTS_USED = 32
 
 
 @dataclass
@@ -70,6 +73,15 @@ class ModelConfig:
     delta_k_dim: int = 0
     delta_v_dim: int = 0
     delta_head_map: str = "tile"        # v head h reads q/k head h mod Hk (GGUF) or h // (Hv/Hk) (Hugging Face)
+    # -- mixture of experts (perfx.moe): the FFN of the layers from dense_layers on (0 experts: every layer dense)
+    n_experts: int = 0                  # E routed experts a MoE layer holds
+    n_experts_used: int = 0             # k chosen per token by the router
+    expert_intermediate: int = 0        # each expert's FFN width
+    expert_gating: str = "softmax"      # "softmax", "sigmoid" or "softmax_weight" (reference.MOE_GATINGS)
+    expert_norm: bool = False           # the chosen experts' weights renormalised to sum 1
+    expert_scale: float = 1.0           # the weights times this
+    expert_bias: bool = False           # a per-expert selection bias, added to choose only (LFM2-MoE)
+    dense_layers: int = 0               # leading layers with the dense FFN (LFM2-MoE's leading_dense_block_count)
     extra: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
@@ -98,6 +110,35 @@ class ModelConfig:
             raise PerfxError(f"the short convolution's length {self.conv_length} is not supported (2 .. 8)")
         if "delta" in kinds:
             self._check_delta()
+        if self.n_experts:
+            self._check_experts()
+
+    def _check_experts(self):
+        e, k = self.n_experts, self.n_experts_used
+        if not 1 <= k <= e or e > MAX_EXPERTS or k > MAX_EXPERTS_USED:
+            raise PerfxError(f"{k} experts used of {e} (expert_used_count / num_experts_per_tok of expert_count / "
+                             f"num_experts): perfx runs 1 <= used <= experts <= {MAX_EXPERTS}, used <= "
+                             f"{MAX_EXPERTS_USED}")
+        if self.expert_intermediate < 1:
+            raise PerfxError(f"the experts' FFN width {self.expert_intermediate} (expert_feed_forward_length / "
+                             "moe_intermediate_size) must be positive")
+        if self.expert_gating not in MOE_GATINGS:
+            raise PerfxError(f"expert gating {self.expert_gating!r} is not supported ({', '.join(MOE_GATINGS)})")
+        if not 0 <= self.dense_layers <= self.n_layers:
+            raise PerfxError(f"{self.dense_layers} leading dense layers (leading_dense_block_count / "
+                             f"num_dense_layers) of {self.n_layers} layers")
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether ``layer``'s FFN is the mixture of experts (perfx.moe) rather than the dense gated MLP."""
+        return bool(self.n_experts) and layer >= self.dense_layers
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.n_layers) if self.is_moe(i)]
+
+    @property
+    def dense_ffn_layers(self) -> list[int]:
+        return [i for i in range(self.n_layers) if not self.is_moe(i)]
 
     def _check_delta(self):
         hk, hv, dk, dv = self.delta_k_heads, self.delta_v_heads, self.delta_k_dim, self.delta_v_dim
@@ -155,6 +196,10 @@ class ModelConfig:
         if deltas:
             parts.append(f"Gated DeltaNet ({self.delta_k_heads}/{self.delta_v_heads} heads of {self.delta_k_dim}/"
                          f"{self.delta_v_dim}, conv L = {self.conv_length}) on {deltas}/{self.n_layers} layers")
+        if self.n_experts:
+            bias = " + selection bias" if self.expert_bias else ""
+            parts.append(f"{self.n_experts_used} of {self.n_experts} experts ({self.expert_gating}{bias}) on "
+                         f"{len(self.moe_layers)}/{self.n_layers} layers")
         if self.attention_gate:
             parts.append("gated attention output")
         if self.qk_norm:

@@ -576,6 +576,9 @@ Q8_0_BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", 32)])
 Q4_K_BLOCK = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qs", "u1", 128)])
 Q5_K_BLOCK = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qh", "u1", 32), ("qs", "u1", 128)])
 Q6_K_BLOCK = np.dtype([("ql", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16), ("d", "<f2")])
+MXFP4_BLOCK = np.dtype([("e", "u1"), ("qs", "u1", 16)])
+# MXFP4's e2m1 values doubled (ggml's kvalues_mxfp4): integers, so they are int8 codes
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 
 
 def _q4_block_codes(qs: np.ndarray) -> np.ndarray:
@@ -705,10 +708,22 @@ def from_gguf_q6_k(raw, n: int, k: int, name: str = "tensor") -> Q8Matrix:
     return Q8Matrix(codes, s, np.zeros_like(s), 16, f32=True, symmetric=True)
 
 
+def from_gguf_mxfp4(raw, n: int, k: int, name: str = "tensor") -> Q8Matrix:
+    """MXFP4 (gpt-oss's experts; llama-quantize's MXFP4_MOE): w = 2^(e − 128)·v, v a doubled e2m1 value of a
+    nibble (ggml's ggml_e8m0_to_fp32_half): codes v ∈ [−12, 12], s = 2^(e − 128) in float32 (exact: a power of two,
+    subnormal below e = 2), scales alone. Exact, at one byte a weight where the file holds half a byte."""
+    blocks = _blocks(raw, MXFP4_BLOCK, n, k, name)
+    codes = MXFP4_VALUES[_q4_block_codes(blocks["qs"])].reshape(n, k)
+    e = blocks["e"].astype(np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23)).astype(np.uint32)
+    s = bits.view(np.float32)
+    return Q8Matrix(codes, s, np.zeros_like(s), 32, f32=True, symmetric=True)
+
+
 # GGUF tensor types perfx reads exactly into a device form, by reader.
 GGUF_READERS = {"Q4_0": from_gguf_q4_0, "Q4_1": from_gguf_q4_1, "Q4_K": from_gguf_q4_k,
                 "Q5_0": from_gguf_q5_0, "Q5_1": from_gguf_q5_1, "Q5_K": from_gguf_q5_k,
-                "Q6_K": from_gguf_q6_k, "Q8_0": from_gguf_q8_0}
+                "Q6_K": from_gguf_q6_k, "Q8_0": from_gguf_q8_0, "MXFP4": from_gguf_mxfp4}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from perfx import moe
 from perfx.mixers import mixer_class
 from perfx.reference import embed, gelu_tanh, linear, rmsnorm, silu
 
@@ -35,11 +36,15 @@ class ReferenceCache:
 
 
 def _ffn(x, w, c, gate):
-    """ffn rmsnorm, the gated MLP (gate rows first, then up) and the residual (through its post-norm)."""
+    """ffn rmsnorm, the gated MLP (gate rows first, then up) or the mixture of experts, and the residual (through
+    its post-norm)."""
     xb = rmsnorm(x, w.ffn_norm, c.rms_eps)
-    gate_up = linear(xb, w.gate_up)
-    n_inter = c.intermediate_size
-    out = linear(gate(gate_up[:, :n_inter]) * gate_up[:, n_inter:], w.down)
+    if w.moe is not None:   # the mixture of experts in place of the gated MLP
+        out = moe.reference(xb, w.moe, c)
+    else:
+        gate_up = linear(xb, w.gate_up)
+        n_inter = c.intermediate_size
+        out = linear(gate(gate_up[:, :n_inter]) * gate_up[:, n_inter:], w.down)
     return x + (rmsnorm(out, w.post_ffn_norm, c.rms_eps) if c.post_norms else out)
 
 

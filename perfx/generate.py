@@ -14,8 +14,10 @@ from typing import Callable, Protocol
 
 import numpy as np
 
+from perfx.constrain import Constraint
 from perfx.errors import PerfxError
 from perfx.reference import apply_repetition_penalty, sampling_probs  # noqa: F401 (the sampler's maths)
+from perfx.reference import allowed_tokens
 from perfx.reference import sample as sample_token
 
 
@@ -41,6 +43,9 @@ class Model(Protocol):
     # as greedy_tokens, each token drawn from the sampler's distribution after seen with uniform (seed, 0, position)
     def sampled_tokens(self, token: int, pos: int, last: int, config: SamplingConfig, seed: int,
                        seen: list[int]) -> Iterator[int]: ...
+    # the next token among those a bitmask allows (constrained decoding), drawn as sampled_tokens draws at pos
+    def masked_token(self, allowed: np.ndarray, config: SamplingConfig, seed: int, seen: list[int],
+                     pos: int) -> int: ...
 
 
 class PositionalState:
@@ -78,6 +83,18 @@ class PositionalState:
                                  config.min_p, config.repetition_penalty, seed, 0, q)
             seen.append(token)
             yield token
+
+    def masked_token(self, allowed: np.ndarray, config: SamplingConfig, seed: int, seen: list[int],
+                     pos: int) -> int:
+        """The choice of ``perfx.model.Model.masked_token`` on the host: the logits with every token ``allowed``
+        forbids at −∞, then the argmax or the draw at (seed, 0, pos)."""
+        logits = self.logits()
+        ok = np.zeros(len(logits), bool)
+        n = min(len(logits), 32 * len(allowed))
+        ok[:n] = allowed_tokens(allowed, n)
+        masked = np.where(ok, logits, -np.inf)
+        return sample_token(masked, list(seen)[-256:], config.temperature, config.top_k, config.top_p,
+                            config.min_p, config.repetition_penalty, seed, 0, pos)
 
 
 @dataclass
@@ -246,7 +263,8 @@ class StopMatcher:
 def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 256,
              sampling: SamplingConfig | None = None, start_pos: int = 0, stop_strings: list[str] | None = None,
              on_text: Callable[[str], None] | None = None, history: list[int] | None = None,
-             should_stop: Callable[[], bool] | None = None, speculator=None, restore_at=()) -> Result:
+             should_stop: Callable[[], bool] | None = None, speculator=None, restore_at=(),
+             constraint: Constraint | None = None) -> Result:
     """Prefill ``prompt_ids`` at ``start_pos`` (the cache before it is reused), then decode until an EOS id,
     a stop string, ``max_tokens``, the end of the context or ``should_stop()``. ``on_text`` receives each
     piece of text.
@@ -258,12 +276,19 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
     ``restore_at``: positions inside the prompt that later prompts may resume at (the end of a system prompt):
     a model with recurrent state (``restore_points``) prefills up to each and keeps a restore point there, as
     it does at the prompt's end.
+    ``constraint`` (a ``perfx.constrain.Constraint``, fresh for this reply) keeps the reply in its grammar: each
+    token is chosen among those it allows (``Model.masked_token``: the mask applied to the logits on the device),
+    an end-of-generation id only where the grammar accepts the reply, and the reply ends as soon as the grammar
+    is complete (stop reason "grammar complete"). Each step needs the host's mask before its choice, so the
+    steps run one at a time and the speculator is not used.
     ``Result.end_pos`` is the number of cache positions filled: the prompt and every generated id but the
     last (which was sampled and not yet fed), as after any stop. A KeyboardInterrupt (a user's Ctrl-C) stops
     the reply and returns what was made with ``interrupted`` set; ``end_pos`` is consistent then too.
     """
     sampling = sampling or SamplingConfig()
     sampler = Sampler(sampling)
+    if constraint is not None:
+        speculator = None   # each step's choice waits for the host's mask: nothing to verify ahead of it
     if not prompt_ids:
         raise PerfxError("the prompt is empty: nothing to continue from (give some text, or use the chat template)")
     end = start_pos + len(prompt_ids)
@@ -290,6 +315,12 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
     greedy = None            # the model's greedy tokens, chosen and fed on by the model (``Model.greedy_tokens``)
     sampled = None           # ... or its sampled tokens, drawn on the device (``Model.sampled_tokens``)
     on_device = speculator is None and not sampling.greedy and model.samples_on_device(sampling)
+    if constraint is not None:
+        draws = sampling.seed if sampling.seed is not None else int(sampler.rng.integers(2**63))
+
+    def constrained(position: int) -> int:
+        # the next token after the forward of ``position``, among those the grammar allows
+        return model.masked_token(constraint.allowed(), sampling, draws, seen, position)
     if speculator is not None:
         speculator.begin(model, seen, start_pos)
     started = time.perf_counter()
@@ -300,7 +331,7 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
         for a, b in zip([0] + cuts, cuts + [len(prompt_ids)]):
             model.prefill(list(prompt_ids[a:b]), start_pos + a)
         pos = end
-        token = sampler(model, seen)
+        token = sampler(model, seen) if constraint is None else constrained(end - 1)
         stats.prefill_s = stats.ttft_s = time.perf_counter() - started
         decode_started = time.perf_counter()
         host_before = model.host_seconds
@@ -316,6 +347,11 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
                 if stopped:
                     stats.stop_reason = "stop string"
                     break
+            if constraint is not None:
+                constraint.advance(token)
+                if constraint.done:
+                    stats.stop_reason = "grammar complete"
+                    break
             if len(ids) >= max_tokens:
                 stats.stop_reason = "max tokens"
                 break
@@ -325,7 +361,10 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
             if should_stop is not None and should_stop():
                 stats.stop_reason = "cancelled"
                 break
-            if not ahead and speculator is not None:
+            if constraint is not None:
+                model.decode_one(token, pos)
+                ahead = [constrained(pos)]
+            elif not ahead and speculator is not None:
                 room = min(max_tokens - len(ids) - 1, model.max_positions - pos - 1)
                 ahead = speculator.advance(model, sampler, token, pos, seen, room)
             elif not ahead and sampling.greedy:

@@ -28,12 +28,15 @@ from perfx.errors import PerfxError
 from perfx.formats import Q4_PAIRS, Q4Matrix
 from perfx.linear import Linear, upload_linear
 from perfx.mixers import Mixer, mixer_class
+from perfx.moe import DeviceMoE
 from perfx.ops import Q8_NATURAL, Q8_TEXEL
 from perfx.ops.kv_cache import check_kv_form
+from perfx.ops.logit_mask import mask_words
 from perfx.ops.restore_points import RestorePoints
 from perfx.ops.sample import HISTORY_MAX, Sample
 from perfx.plan import KernelPlan, build_requests, load_buckets
 from perfx.progress import Progress
+from perfx.reference import sample as sample_token
 from perfx.runtime import Device
 from perfx.sources import open_named
 from perfx.tuning.database import Database, default_database
@@ -51,10 +54,15 @@ class DeviceLayer:
     mixer: Mixer
     attn_norm: object          # float32 (hidden): the norm before the mixer
     ffn_norm: object           # float32 (hidden)
-    gate_up: Linear            # (2·intermediate, hidden): gate rows, then up rows
-    down: Linear               # (hidden, intermediate)
+    gate_up: Linear | None     # (2·intermediate, hidden): gate rows, then up rows (None: a MoE layer)
+    down: Linear | None        # (hidden, intermediate)
     post_attn_norm: object = None   # float32 (hidden): the mixer output's own norm (Gemma)
     post_ffn_norm: object = None    # float32 (hidden): the FFN output's own norm (Gemma)
+    moe: bool = False          # the FFN is the mixture of experts (``Model.moe`` holds its weights)
+
+    def ffn_readers(self) -> list[Linear]:
+        """The Linears that read the norm before the FFN: none where the MoE router reads it (floats)."""
+        return [] if self.moe else [self.gate_up]
 
 
 @dataclass
@@ -65,12 +73,12 @@ class DeviceWeights:
     layers: list[DeviceLayer] = field(default_factory=list)
     final_norm: object = None  # float32 (hidden)
     lm_head: Linear = None     # the embedding's weight in the lm_head role where tied
-    nbytes: int = 0            # bytes one decode step reads: every weight once
+    nbytes: int = 0            # bytes one decode step reads: every weight once (a MoE layer: its router and k experts)
 
     def linears(self) -> list[Linear]:
         found = [self.embedding] + ([self.lm_head] if self.lm_head.weight is not self.embedding.weight else [])
         for i, layer in enumerate(self.layers):
-            found += layer.mixer.linears_of(i) + [layer.gate_up, layer.down]
+            found += layer.mixer.linears_of(i) + ([] if layer.moe else [layer.gate_up, layer.down])
         return found
 
     def int4_forms(self) -> dict[str, int]:
@@ -138,6 +146,7 @@ class Model:
         kinds = list(dict.fromkeys(r.kind for r in config.layers))
         self.mixers: list[Mixer] = [mixer_class(kind)(self, config.layers_of(kind)) for kind in kinds]
         self.mixer_of = {layer: mixer for mixer in self.mixers for layer in mixer.layers}
+        self.moe = DeviceMoE(self, config.moe_layers) if config.n_experts else None   # the MoE FFNs
         self.host_seconds = 0.0         # time spent enqueueing (host work), summed over calls
         self.load_report: dict = {}
 
@@ -187,10 +196,15 @@ class Model:
             w = first if i == 0 else source.layer(i)
             mixer = model.mixer_of[i]
             nbytes = mixer.upload(w, i)
-            layer = DeviceLayer(mixer, attn_norm=model.vector(w.attn_norm), ffn_norm=model.vector(w.ffn_norm),
-                                gate_up=model.upload(w.gate_up, f"layer {i} gate_up", "gate_up"),
-                                down=model.upload(w.down, f"layer {i} down", "down"))
-            nbytes += w.gate_up.nbytes + w.down.nbytes + 4 * 2 * c.hidden_size
+            if w.moe is not None:
+                layer = DeviceLayer(mixer, attn_norm=model.vector(w.attn_norm), ffn_norm=model.vector(w.ffn_norm),
+                                    gate_up=None, down=None, moe=True)
+                nbytes += model.moe.upload(w.moe, i) + 4 * 2 * c.hidden_size
+            else:
+                layer = DeviceLayer(mixer, attn_norm=model.vector(w.attn_norm), ffn_norm=model.vector(w.ffn_norm),
+                                    gate_up=model.upload(w.gate_up, f"layer {i} gate_up", "gate_up"),
+                                    down=model.upload(w.down, f"layer {i} down", "down"))
+                nbytes += w.gate_up.nbytes + w.down.nbytes + 4 * 2 * c.hidden_size
             for name in ("post_attn_norm", "post_ffn_norm"):
                 if getattr(w, name) is not None:
                     setattr(layer, name, model.vector(getattr(w, name)))
@@ -242,6 +256,8 @@ class Model:
             self.state.xb_q8 = (d.empty(c.hidden_size, np.int8), d.empty((c.hidden_size // 32, 2), np.float32))
         for mixer in self.mixers:
             mixer.allocate()
+        if self.moe is not None:
+            self.moe.allocate()
         parts = [part for mixer in self.mixers for part in mixer.restore_parts()]
         self.restore_points = (RestorePoints(d, parts, verification=not self.can_roll_back) if parts else None)
         self.written = 0    # positions 0..written−1 are in the cache and the recurrent state
@@ -255,6 +271,8 @@ class Model:
         self._sampled_replays: dict = {}            # partitions -> the step drawing its token, for the settings below
         self._sampled_settings: tuple | None = None  # the sampling settings and seed the draws were recorded with
         self._sample, self._sample_history = None, None   # the sample kernel and the penalty's window, on first use
+        self._mask = None   # constrained decoding: the bitmask, the draw's position and its penalty window (first use)
+        self._mask_uploads: list = []   # their last copies' events (each holds its host array)
         self._decode_replay(0)   # recorded now: a kernel the driver refuses shows at load
         self.greedy_launches(0)  # and the hand-over's kernels built now, not in the first token's time
 
@@ -262,7 +280,7 @@ class Model:
         """The readers of each norm that writes xb: a layer's mixer, its MLP, the lm_head."""
         layers = self.weights.layers
         return ([layer.mixer.xb_readers(i) for i, layer in enumerate(layers)]
-                + [[layer.gate_up] for layer in layers] + [[self.weights.lm_head]])
+                + [layer.ffn_readers() for layer in layers] + [[self.weights.lm_head]])
 
     def _xb_order(self, readers: list[Linear]) -> int:
         """The order a norm writes xb's blocks in for these readers, 0 for none: each GEMV reading the blocks shares
@@ -298,14 +316,19 @@ class Model:
         else:
             self.plan.rmsnorm.post_residual(s.proj, s.x, post_norm, gamma, s.xb, m, c.hidden_size, c.rms_eps, **blocks)
 
-    def _layers(self, m: int, pos: int, decode: bool, position=None, split=None):
+    def _layers(self, m: int, pos: int, decode: bool, position=None, split=None, rows=None, mark=None):
         """Every decoder layer over m rows at positions pos..pos+m−1; leaves the last residual add pending.
 
         ``position`` (buffer, index), when given, is where the mixers read ``pos`` on the device; ``split``, when
         given, receives the launches that depend on the position (the decode recording records them apart).
+        ``rows`` (``perfx.mixers.Rows``), when given, makes the m rows those of a batched decode step instead:
+        each its own sequence's token, at its own position (``perfx.batch``). ``mark(i)``, when given, is called
+        before layer i's launches (``step_launches`` counts them a layer).
         """
         c, s = self.config, self.state
         for i, w in enumerate(self.weights.layers):
+            if mark is not None:
+                mark(i)
             # the mixer's rmsnorm; from layer 1 on, the previous layer's FFN output joins the residual here
             readers = w.mixer.xb_readers(i)
             if i == 0:
@@ -314,9 +337,15 @@ class Model:
             else:
                 self._residual_norm(self.weights.layers[i - 1].post_ffn_norm, w.attn_norm, m, readers)
             # attention, short convolution or Gated DeltaNet: the mixer of the layer's kind, into proj
-            w.mixer.forward(i, m, pos, decode, position=position, split=split)
+            if rows is None:
+                w.mixer.forward(i, m, pos, decode, position=position, split=split)
+            else:
+                w.mixer.forward_rows(i, m, rows)
             # ffn rmsnorm, with the mixer's output added into the residual
-            self._residual_norm(w.post_attn_norm, w.ffn_norm, m, [w.gate_up])
+            self._residual_norm(w.post_attn_norm, w.ffn_norm, m, w.ffn_readers())
+            if w.moe:   # the mixture of experts: the router, the chosen experts' gate-up, their weighted down
+                self.moe.forward(i, m)
+                continue
             # gated MLP: gate-up with the activation·up fused, then down
             w.gate_up(s.xb, s.hb, m, decode, self.xb_blocks(m))
             w.down(s.hb, s.proj, m, decode)
@@ -497,6 +526,24 @@ class Model:
         argmax, and the chosen token written where the next step reads it)."""
         return self.decode_launches(pos) + self._greedy_handover()
 
+    def step_launches(self, pos: int) -> dict:
+        """The kernel launches of the greedy decode step at ``pos`` (``greedy_launches``), counted by where they
+        run: ``before`` the layers (the embedding gather), each layer's (``layers``, in order, with its kind in
+        ``kinds``), ``after`` them (the final norm, the head, the argmax and the hand-over). Nothing runs."""
+        step, marks = (self.state.step, 1), []
+        with self.device.record() as launches:
+            self._embed(1, self.state.step)
+            self._layers(1, pos, decode=True, position=step,
+                         split=lambda mixer, layer: mixer.record_varying(layer, pos, step),
+                         mark=lambda i: marks.append(len(launches)))
+            marks.append(len(launches))
+            self._head(0)
+        steps = list(launches) + self._greedy_handover()
+        ends = [sum(1 for op in steps[:at] if hasattr(op, "kernel")) for at in marks]
+        total = sum(1 for op in steps if hasattr(op, "kernel"))
+        return {"before": ends[0], "layers": [b - a for a, b in zip(ends, ends[1:])], "after": total - ends[-1],
+                "kinds": [self.mixer_of[i].kind for i in range(self.config.n_layers)], "total": total}
+
     def _greedy_handover(self) -> list:
         if self._handover is None:
             s = self.state
@@ -595,6 +642,42 @@ class Model:
                      top_p=config.top_p, min_p=config.min_p, penalty=config.repetition_penalty,
                      history=self._sample_history, h=HISTORY_MAX, seed=seed, counter=0, position=(s.step, 1))
         self._sample.append(s.best, s.step, self._sample_history)
+
+    def masked_token(self, allowed: np.ndarray, config, seed: int, seen: list[int], pos: int) -> int:
+        """The next token after the last forward (of position ``pos``) among the tokens ``allowed`` (a bitmask of
+        uint32 words, ``perfx.constrain``; tokens past it are forbidden): the mask is uploaded and applied to the
+        logits on the device (``kernels/logit_mask.cl``), then the argmax or, as ``sampled_tokens`` draws, the
+        draw with ``config`` after ``seen`` at (``seed``, 0, ``pos``). The logits are read back only for settings
+        the device does not draw (``Sample.supports``), for the host sampler."""
+        s, v = self.state, self.config.vocab_size
+        words = mask_words(v)
+        if self._mask is None:
+            self._mask = (self.device.empty(words, np.uint32), self.device.empty(1, np.int32),
+                          self.device.empty(HISTORY_MAX, np.int32))
+        mask, position, history = self._mask
+        padded = np.zeros(words, np.uint32)
+        padded[:min(len(allowed), words)] = allowed[:words]
+        started = time.perf_counter()
+        # Written without waiting (the forward before it may still run): each fresh host array is held by its
+        # copy's event, kept until the next call, when the blocking read below has seen every copy done.
+        self._mask_uploads = [self.device.write(mask, padded, wait=False)]
+        self.plan.logit_mask(s.logits, v, mask)
+        window = np.asarray(list(seen)[-HISTORY_MAX:], np.int32)
+        on_device = not config.greedy and self._sampler().supports(config, v)
+        if on_device:
+            self._mask_uploads.append(self.device.write(position, np.array([pos], np.int32), wait=False))
+            if len(window):
+                self._mask_uploads.append(self.device.write(history, window, wait=False))
+            self._sample(s.logits, v, s.best, temperature=config.temperature, top_k=config.top_k,
+                         top_p=config.top_p, min_p=config.min_p, penalty=config.repetition_penalty, history=history,
+                         h=len(window), seed=seed, counter=0, position=(position, 0))
+        self.host_seconds += time.perf_counter() - started
+        if config.greedy:
+            return self.argmax()
+        if not on_device:
+            return sample_token(self.logits(), window, config.temperature, config.top_k, config.top_p,
+                                config.min_p, config.repetition_penalty, seed, 0, pos)
+        return int(s.best.get()[0])
 
     def logits(self) -> np.ndarray:
         return self.state.logits.get()

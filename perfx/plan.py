@@ -27,7 +27,11 @@ from perfx.ops.gemv_f16 import GemvF16
 from perfx.ops.gemv_q4 import GemvQ4
 from perfx.ops.gemv_q4_split import GemvQ4Split
 from perfx.ops.gated_delta_net import GatedDeltaNetChunked, GatedDeltaNetRecurrent
+from perfx.ops.gemm_moe import GemmMoE
+from perfx.ops.gemv_moe import GemvMoE
 from perfx.ops.gemv_q8 import GemvQ8
+from perfx.ops.logit_mask import LogitMask
+from perfx.ops.moe_router import MoeRouter
 from perfx.ops.params import READ_NAMES
 from perfx.ops.q4_weight import available_paths
 from perfx.ops.q8_weight import Q8DeviceWeight
@@ -38,6 +42,7 @@ from perfx.ops.small_ops import Argmax, Embedding, GeGLU, SigmoidMul, Softcap, S
 from perfx.runtime import BuildError, Device, KernelLimitError
 from perfx.tuning import SPECS
 from perfx.tuning.database import Choice, Database, bucket_representative, m_bucket
+from perfx import moe
 from perfx.mixers.attention import AttentionMixer
 from perfx.op import Op, StepOptions, matrix_epilogue
 from perfx.step import bucket_steps, decode_step, embedding_ops, matrix_roles, role_ops
@@ -111,7 +116,10 @@ class KernelPlan:
         self._gemv_f16 = self._embed = self._attn_decode = None
         self.softcap = self.short_conv = self.attn_gate = self.delta_decode = self.delta_gate = None
         self.rmsnorm = self.argmax_op = self.gate = self.sample = None
-        self._next_step = None
+        self.moe_router = None
+        self._moe_gemvs: dict[tuple, GemvMoE] = {}
+        self._moe_gemms: dict[tuple, GemmMoE] = {}
+        self._next_step = self._logit_mask = None
         for op in self.step:
             if op.shares is None:
                 self._choose_op(op)
@@ -165,6 +173,11 @@ class KernelPlan:
                                                       lambda p: GatedDeltaNetRecurrent(d, p, shape))
         elif op.role == "delta norm gate":   # the DeltaNet norm's SiLU(z)·
             self.delta_gate = wrapper = self.choose(family, shape, op.role, lambda p: SwiGLU(d, p))
+        elif family == "moe_router":
+            self.moe_router = wrapper = self.choose(family, shape, op.role, lambda p: MoeRouter(d, p, shape))
+        elif family == "gemv_moe":   # a routed expert GEMV, per expert role and held form
+            wrapper = self._moe_gemvs[(op.weight, op.form)] = self.choose(family, shape, op.role,
+                                                                          lambda p: GemvMoE(d, p, shape))
         else:
             return   # gemv_q8, embedding_q8: per weight, on first use (``q8``)
         self._wrappers[op] = wrapper
@@ -206,6 +219,14 @@ class KernelPlan:
         form = Form("q4", self.group or 32)
         return self._gemv_q4(role_ops(self.config, role, 1, self.options, forms=[form])[0])
 
+    def moe_gemv(self, role: str, form: Form) -> GemvMoE:
+        """The routed-expert GEMV of an expert role ("experts_gate_up", "experts_down") in a held form: the step's,
+        else (experts the header did not announce in this form) as the step would build it."""
+        if (role, form) not in self._moe_gemvs:
+            op = next(op for op in moe.ops(self.config, 1, StepOptions(forms={role: {form}})) if op.weight == role)
+            self._choose_op(op)
+        return self._moe_gemvs[(role, form)]
+
     @property
     def gemv_f16(self):
         """The fp16 GEMV (every fp16 matrix, row by row): the lm_head's op's, else the first fp16 matrix's,
@@ -227,6 +248,16 @@ class KernelPlan:
         if self._next_step is None:
             self._next_step = NextStep(self.device)
         return self._next_step
+
+    @property
+    def logit_mask(self) -> LogitMask:
+        """Constrained decoding's mask over the logits, chosen on first use: a request without a grammar never
+        builds it, and its one launch a step over V bits is no op of the step `perfx tune` measures."""
+        if self._logit_mask is None:
+            d = self.device
+            self._logit_mask = self.choose("logit_mask", {"n": self.config.vocab_size, "rows": 1, "allowed": 0.5},
+                                           "constrained decoding", lambda p: LogitMask(d, p))
+        return self._logit_mask
 
     @property
     def attn_decode(self):
@@ -348,7 +379,27 @@ class KernelPlan:
                                     lambda p: AttentionPrefill(self.device, p, shape))
             self._wrappers[op] = attention
             self._prefill_ops[bucket] = (gemms, attention)
+            for op in ops:   # the grouped expert products of a MoE model, built with the bucket's other kernels
+                if op.family == "gemm_moe":
+                    self.moe_gemm(op.weight, op.form, rep)
         return self._prefill_ops[bucket]
+
+    def moe_gemm(self, role: str, form: Form, m: int) -> GemmMoE:
+        """The grouped routed-expert products of an expert role in a held form, tuned for m's bucket: the bucket
+        step's op, else (experts the header did not announce in this form) as the step would build it."""
+        bucket = m_bucket(m)
+        key = (role, form, bucket)
+        if key not in self._moe_gemms:
+            rep = bucket_representative(bucket)
+            op = next((op for op in self.buckets[bucket] if op.family == "gemm_moe" and op.weight == role
+                       and op.form == form), None)
+            if op is None:
+                op = next(op for op in moe.ops(self.config, rep, StepOptions(forms={role: {form}}), prefill=True)
+                          if op.family == "gemm_moe")
+            shape = op.shape
+            self._moe_gemms[key] = self._wrappers[op] = self.choose(
+                "gemm_moe", shape, f"{role}, M≈{rep}", lambda p: GemmMoE(self.device, p, shape))
+        return self._moe_gemms[key]
 
     def delta_prefill(self, m: int) -> GatedDeltaNetChunked:
         """The chunked Gated DeltaNet kernel tuned for m's bucket (built once per bucket), for its step's op."""

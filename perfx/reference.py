@@ -181,6 +181,23 @@ def draw_token(probs, u: float) -> int:
     return int(order[min(rank, len(order) - 1)])
 
 
+def allowed_tokens(mask, v: int) -> np.ndarray:
+    """The tokens a bitmask allows (constrained decoding): token i where bit i mod 32 of word i / 32 is set
+    (llguidance's layout), for i < v; a bool array of v."""
+    words = np.asarray(mask).astype(np.uint32)
+    return ((words[np.arange(v) // 32] >> (np.arange(v) % 32).astype(np.uint32)) & 1).astype(bool)
+
+
+def logit_mask(logits, mask) -> np.ndarray:
+    """The logits with every token the bitmask forbids at −∞ (float64): one row (V) and its mask, or rows
+    (rows, V) and a mask a row (rows, ceil(V / 32))."""
+    out = f64(logits).copy()
+    rows = out.reshape(-1, out.shape[-1])   # a view of out
+    for row, words in zip(rows, np.asarray(mask).reshape(len(rows), -1)):
+        row[~allowed_tokens(words, len(row))] = -np.inf
+    return out
+
+
 def sample(logits, history, temperature: float, top_k: int, top_p: float, min_p: float, penalty: float,
            seed: int, counter: int, position: int = 0) -> int:
     """The token a draw at (seed, counter, position) chooses: from ``sampling_probs`` of the penalised logits,
@@ -509,3 +526,62 @@ def embed(embedding, tokens) -> np.ndarray:
     if hasattr(embedding, "dequantize"):
         return np.stack([embedding.rows(t, t + 1).dequantize()[0] for t in tokens])
     return f64(embedding[tokens])
+
+
+# -- mixture of experts ----------------------------------------------------------------------------------------
+
+MOE_GATINGS = ("softmax", "sigmoid", "softmax_weight")
+
+
+def moe_route(logits, used: int, gating: str = "softmax", bias=None, norm: bool = False,
+              scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """The router's choice for each row of logits (M, E): (ids (M, used) int64, weights (M, used) float64).
+
+    llama.cpp's build_moe_ffn (src/llama-graph.cpp): probabilities p = softmax(logits) ("softmax", Qwen3-MoE),
+    σ(logits) ("sigmoid", LFM2-MoE) or the logits themselves ("softmax_weight", gpt-oss); the experts chosen
+    by the largest p + bias (the selection bias is used only to choose), ties to the lower id; their weights
+    p of the chosen, or for "softmax_weight" the softmax over the chosen logits; renormalised to sum 1 with
+    ``norm`` (the sum clamped at 2⁻¹⁴, as llama.cpp clamps it); times ``scale``.
+    """
+    logits = f64(logits)
+    if gating not in MOE_GATINGS:
+        raise ValueError(f"gating {gating!r} is not one of {MOE_GATINGS}")
+    probs = softmax(logits) if gating == "softmax" else sigmoid(logits) if gating == "sigmoid" else logits
+    select = probs + (0.0 if bias is None else f64(bias))
+    # a stable sort of −select: the larger first, equal ones by id
+    ids = np.argsort(-select, axis=-1, kind="stable")[:, :used]
+    weights = np.take_along_axis(probs, ids, axis=-1)
+    if gating == "softmax_weight":
+        weights = softmax(weights)
+    if norm:
+        weights = weights / np.maximum(weights.sum(axis=-1, keepdims=True), 2.0 ** -14)
+    return ids, weights * scale
+
+
+def moe_experts(xb, ids, weights, gate_up, down, act: str = "silu") -> np.ndarray:
+    """Σ_j weights[r, j] · down_e(act(gate_e·x_r) ⊙ up_e·x_r) over each row's chosen experts e = ids[r, j].
+
+    ``gate_up[e]`` is expert e's (2·I, K) matrix, gate rows then up rows; ``down[e]`` its (hidden, I); host
+    matrices in any form ``linear`` reads. Rows are gathered per expert, so each expert is dequantized once.
+    """
+    xb = f64(xb)
+    out = np.zeros((xb.shape[0], down[0].shape[0]))
+    gate = gelu_tanh if act == "gelu_tanh" else silu
+    for e in np.unique(ids):
+        rows, slots = np.nonzero(ids == e)
+        h = linear(xb[rows], gate_up[e])
+        inter = h.shape[1] // 2
+        y = linear(gate(h[:, :inter]) * h[:, inter:], down[e])
+        np.add.at(out, rows, f64(weights)[rows, slots][:, None] * y)
+    return out
+
+
+def moe_experts_down(h, ids, weights, down) -> np.ndarray:
+    """Σ_j weights[r, j] · down_e(h[r, j]) over each row's chosen experts: the down half of ``moe_experts`` from the
+    experts' act(gate)·up rows h (M, used, I)."""
+    h = f64(h)
+    out = np.zeros((h.shape[0], down[0].shape[0]))
+    for r in range(h.shape[0]):
+        for j, e in enumerate(ids[r]):
+            out[r] += f64(weights)[r, j] * linear(h[r, j:j + 1], down[e])[0]
+    return out

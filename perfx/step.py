@@ -17,6 +17,7 @@ per form: alternatives, each on the layers of its role. ``Op`` and the shapes ar
 
 from __future__ import annotations
 
+from perfx import moe
 from perfx.mixers import mixer_class
 from perfx.op import Op, StepOptions, embedding_shape, matrix_ops, norm_ops, role_forms, shared, softcap_shape
 from perfx.ops.epilogue import gate_up_epilogue
@@ -66,7 +67,9 @@ def embedding_ops(config, m: int, options: StepOptions) -> list[Op]:
 def ffn_ops(config, m: int, options: StepOptions, prefill: bool = False) -> list[Op]:
     """The gated MLP: gate_up with act(gate)·up fused, then down; the activation unfused where gate_up is
     fp16 (the fp16 GEMV, row by row, has no epilogue)."""
-    c, layers = config, tuple(range(config.n_layers))
+    c, layers = config, tuple(config.dense_ffn_layers)
+    if not layers:
+        return []
     glu = "geglu" if gate_up_epilogue(c.ffn_activation) == "gelu_mul" else "swiglu"
     return (role_ops(c, "gate_up", m, options, prefill, layers, ("xb",), ("hb",))
             + [shared(Op(glu, {"count": c.intermediate_size}, f"{glu} (unfused)", layers, reads=("hb",),
@@ -76,13 +79,15 @@ def ffn_ops(config, m: int, options: StepOptions, prefill: bool = False) -> list
 
 def layer_ops(config, m: int, options: StepOptions, prefill: bool = False) -> list[Op]:
     """The layer block: the norm before the mixer (adding the previous layer's output from layer 1 on), each
-    layer kind's mixer (in the order the kinds first come), the norm before the FFN, the FFN."""
+    layer kind's mixer (in the order the kinds first come), the norm before the FFN, the FFN: the gated MLP on the
+    dense layers, the mixture of experts on the others (``perfx.moe``)."""
     layers = tuple(range(config.n_layers))
     post = not prefill   # the post-norm variant is measured at one row
     out = norm_ops(config, m, layers, layers[1:] if post else None)
     for kind in kinds_of(config):
         out += mixer_class(kind).ops(config, m, options, prefill)
-    return out + norm_ops(config, m, layers, layers if post else None) + ffn_ops(config, m, options, prefill)
+    return (out + norm_ops(config, m, layers, layers if post else None) + ffn_ops(config, m, options, prefill)
+            + moe.ops(config, m, options, prefill))
 
 
 def head_ops(config, options: StepOptions, argmax: bool = True) -> list[Op]:
@@ -116,14 +121,14 @@ def decode_step(config, options: StepOptions) -> list[Op]:
 def prefill_step(config, m: int, options: StepOptions) -> list[Op]:
     """The ops of a prefill pass over m rows (a bucket's representative M), in order: the gather, the layer
     block over m rows (each matrix's GEMM kinds compared per bucket), the final norm over the rows, the head
-    for the last row (the decode step's ops); past 16 rows also the lm_head's int8 GEMM over every row
-    (`perfx perplexity`, ``Model.prefill_logits``)."""
+    for the last row (the decode step's ops); from 2 rows on also the lm_head's int8 GEMM over every row
+    (`perfx perplexity`, ``Model.prefill_logits``; a batched decode step of m sequences, ``perfx.batch``)."""
     out = embedding_ops(config, m, options) + layer_ops(config, m, options, prefill=True) + norm_ops(config, m, ())
     out += [shared(op, True) for op in head_ops(config, options, argmax=False)]
-    if m > 16:
+    if m > 1:
         forms = [f for f in role_forms(config, "lm_head", options, config.hidden_size) if f.kind == "q8"]
         out += role_ops(config, "lm_head", m, options, True, (), ("head_in",), ("all_logits",), forms=forms,
-                        label="lm_head (perplexity)")
+                        label="lm_head (every row)")
     return out
 
 

@@ -1,8 +1,10 @@
 """One timing module for `perfx bench`, the tuner and the pytest-benchmark suite.
 
 Kernels are timed with profiling events (device time, not Python time): warm-up launches, then
-repeated launches, the median reported with every sample kept. Where a case holds several copies of
-its inputs, they are rotated between launches so that caches do not flatter the figure.
+repeated launches, the median reported with every sample kept. The events come from the device's profiling
+queue (``Device.profiling``), which a timing enters itself; the queue a model decodes on records none. Where a
+case holds several copies of its inputs, they are rotated between launches so that caches do not flatter the
+figure.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Callable
 
 import numpy as np
 
+from perfx.errors import PerfxError
 from perfx.runtime import Device
 
 
@@ -43,27 +46,42 @@ def device_time(events) -> float:
     total = 0.0
     for event in events:
         event.wait()
-        total += (event.profile.end - event.profile.start) * 1e-9
+        total += Device.event_seconds(event)
     return total
 
 
+def _device_of(events) -> Device:
+    """The Device whose queue ``events`` (a launch function's result) were enqueued on."""
+    device = Device.of_events(events)
+    if device is None:
+        raise PerfxError("time_launches: the launch function returned no event of a perfx Device's launch; "
+                         "return the events of the launches to time, or pass device=")
+    return device
+
+
 def time_launches(launch: Callable[[], list], warmup: int = 2, repeat: int = 10,
-                  rotate: Callable[[], None] | None = None, max_seconds: float | None = None) -> Timing:
-    """Median device time of ``launch()`` (which enqueues and returns its events).
+                  rotate: Callable[[], None] | None = None, max_seconds: float | None = None,
+                  device: Device | None = None) -> Timing:
+    """Median device time of ``launch()`` (which enqueues and returns its events), on ``device``'s profiling
+    queue (``Device.profiling``); without ``device``, the device whose queue a first, untimed ``launch()``
+    ran on.
 
     ``max_seconds`` cuts the repeats short once that much wall time has passed (the tuner uses it to
     stop timing a candidate that is clearly slower than the best so far); at least one sample is taken.
     """
-    for _ in range(warmup):
-        device_time(launch())
-    samples = []
-    started = time.perf_counter()
-    for _ in range(repeat):
-        if rotate is not None:
-            rotate()
-        samples.append(device_time(launch()))
-        if max_seconds is not None and time.perf_counter() - started > max_seconds:
-            break
+    if device is None:
+        device = _device_of(launch())
+    with device.profiling():
+        for _ in range(warmup):
+            device_time(launch())
+        samples = []
+        started = time.perf_counter()
+        for _ in range(repeat):
+            if rotate is not None:
+                rotate()
+            samples.append(device_time(launch()))
+            if max_seconds is not None and time.perf_counter() - started > max_seconds:
+                break
     return Timing(statistics.median(samples), samples)
 
 
@@ -92,7 +110,7 @@ def copy_bandwidth(device: Device, nbytes: int = 64 << 20, copies: int = 2, repe
     serve the reads.
     """
     nbytes = min(nbytes, device.caps.max_alloc) // 32 * 32
-    timing = time_launches(_copy_launcher(device, nbytes, copies), warmup=2, repeat=repeat)
+    timing = time_launches(_copy_launcher(device, nbytes, copies), warmup=2, repeat=repeat, device=device)
     return 2 * nbytes / timing.median_s / 1e9, timing
 
 
@@ -115,4 +133,4 @@ def copy_kernel(device: Device, nbytes: int = 8 << 20) -> Callable[[], float]:
     """A reference kernel for drift checks: a function that times one copy of ``nbytes`` (median of 3),
     about a millisecond, over two buffer pairs so a phone GPU's caches do not serve it."""
     launch = _copy_launcher(device, min(nbytes, device.caps.max_alloc) // 32 * 32, 2)
-    return lambda: time_launches(launch, warmup=1, repeat=3).median_s
+    return lambda: time_launches(launch, warmup=1, repeat=3, device=device).median_s

@@ -159,6 +159,13 @@ class Tokenizer:
         self._encoder = encoder
         self._token_bytes = [_token_bytes(token, kind, byte_level) for token, kind in zip(tokens, types)]
         self._tokens = tokens
+        # The ids a grammar names as special tokens rather than spells as text (perfx.constrain), by llama.cpp's
+        # rule for llguidance: control and unknown ids, and user-defined ones that look like tags (Qwen3's
+        # <tool_call>; not Gemma's runs of spaces, which are text)
+        self.special_ids = frozenset(
+            i for i, (token, kind) in enumerate(zip(tokens, types))
+            if kind in (TokenType.CONTROL, TokenType.UNKNOWN)
+            or (kind == TokenType.USER_DEFINED and len(token) > 2 and token[0] == "<" and token[-1] == ">"))
         # SentencePiece puts a space before the first word ("▁Hello"); decoding takes it off again.
         self._strip_leading_space = strip_leading_space
         self.bos_id = bos_id
@@ -176,6 +183,10 @@ class Tokenizer:
         """The vocabulary entry of one id, as stored (byte-level or "▁" forms included)."""
         self._check_ids([token_id])
         return self._tokens[token_id]
+
+    def token_bytes(self) -> list[bytes]:
+        """Every id's bytes, as decoding writes them (a SentencePiece "▁" is a space, a byte piece its byte)."""
+        return list(self._token_bytes)
 
     def encode(self, text: str, add_bos: bool = False, parse_special: bool = True) -> list[int]:
         """Token ids of text.

@@ -274,3 +274,33 @@ def test_layer_feature_errors(device):
 def test_a_shape_without_the_head_sizes_is_refused(device):
     with pytest.raises(PerfxError, match="attention_decode: the shape needs 'positions'"):
         AttentionDecode(device, None, {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64})
+
+
+def test_the_combine_is_in_the_launch_and_leaves_its_counters_at_zero(device, rng):
+    """Past one partition the step is still one launch (the last work-group of each kv head combines), and the
+    arrival counters are back at zero after it, so the next launch combines again (five in a row, each
+    against the reference)."""
+    h, hkv, d, positions = 8, 2, 64, 300
+    op = AttentionDecode(device, {"PART": 32}, {"n_heads": h, "n_kv_heads": hkv, "head_dim": d, "positions": positions})
+    cache = KVCache.allocate(device, 1, hkv, positions, d)
+    rope = RopeTable.upload(device, d, positions, THETA)
+    keys = rng.standard_normal((1, hkv, positions, d)).astype(np.float16)
+    values = rng.standard_normal((1, hkv, positions, d)).astype(np.float16)
+    cache.write(device, keys, values)
+    out = device.poisoned(h * d, np.float32)
+    for pos in (100, 101, 290, 31, 64):
+        x = rng.standard_normal((h + 2 * hkv) * d, dtype=np.float32)
+        out.fill(np.float32(np.nan))
+        events = op.enqueue(device.upload(x), out, cache, rope, 0, pos)
+        assert len(events) == 1 and op.partitions(pos) == pos // 32 + 1
+        events[0].wait()
+        counters = np.empty(hkv, np.int32)
+        device.read(counters, op.counters)
+        assert not counters.any(), (pos, counters)
+        q = reference.rope(x[: h * d].reshape(1, h, d), [pos], THETA)
+        k = reference.rope(x[h * d: (h + hkv) * d].reshape(1, hkv, d), [pos], THETA)[0]
+        keys[0, :, pos] = k.astype(np.float16)
+        values[0, :, pos] = x[(h + hkv) * d:].reshape(hkv, d).astype(np.float16)
+        want = reference.attention(q, keys[0, :, : pos + 1].transpose(1, 0, 2).astype(np.float64),
+                                   values[0, :, : pos + 1].transpose(1, 0, 2).astype(np.float64), [pos])
+        assert relative_error(out.get(), want.reshape(h * d)) <= SPEC.tolerance, pos

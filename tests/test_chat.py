@@ -1,6 +1,7 @@
 """`perfx chat` driven as a user drives it: a pseudo-terminal of our own (typing, Ctrl-C, Ctrl-D) and piped
 stdin, against a tiny random model (gibberish, but every path, quickly) and against the default model."""
 
+import copy
 import fcntl
 import json
 import os
@@ -15,8 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers.scripted_model import ScriptedModel
 from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
 from perfx.commands.chat import Chat
+from perfx.errors import PerfxError
 from perfx.generate import PositionalState
 from perfx.serve.api import APIError, chat_prompt
 from perfx.tokenizer import Tokenizer
@@ -294,6 +297,67 @@ def test_cache_matches_a_fresh_prefill_after_interrupt_overflow_and_reuse(tiny, 
     assert np.abs(model.logits() - fresh).max() > 1e-2 * np.abs(fresh).max()
 
 
+WEATHER_TOOL = {"name": "get_weather", "description": "The weather in a city now",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+def test_chat_shows_a_tool_call_and_takes_its_result(tiny, device, tmp_path, capsys):
+    """--tools: a call the model makes is shown on its own line and kept as the reply's tool_calls; /tool gives
+    its result, which the template renders back, and the model answers."""
+    from perfx.commands.chat import read_tools
+    from perfx.generate import SamplingConfig
+    from perfx.model import load_model
+
+    model, source = load_model(tiny, device, progress=False)
+    tokenizer = copy.copy(source.tokenizer)
+    tokenizer.chat_template = (DATA / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text(encoding="utf-8")
+    scripted = ScriptedModel(model, tokenizer)
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps([WEATHER_TOOL]))     # the functions alone, or OpenAI's {"type", "function"}
+    chat = Chat(scripted, Source(tokenizer), SamplingConfig(temperature=0), 100, None, interactive=False,
+                tools=read_tools(str(path)))
+    scripted.say('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    chat.turn("Weather in Paris?")
+    shown = capsys.readouterr()
+    assert 'Checking.\n[tool call get_weather({"city": "Paris"})]' in shown.out
+    assert "<tool_call>" not in shown.out and "give its result with /tool TEXT" in shown.err
+    [call] = chat.messages[-1]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+    scripted.say("It is 22 degrees.")
+    chat.command("/tool 22 C, sunny")
+    assert "It is 22 degrees." in capsys.readouterr().out
+    assert [m["role"] for m in chat.messages] == ["user", "assistant", "tool", "assistant"]
+    prompt = tokenizer.decode(chat.render(chat.messages[:3]))
+    assert ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+            and "<tool_response>\n22 C, sunny\n</tool_response>" in prompt)
+    chat.command("/tool again")
+    assert "no tool call waits for a result" in capsys.readouterr().err
+
+
+def test_tools_files_are_checked(tiny, tmp_path):
+    from perfx.commands.chat import read_tools
+
+    path = tmp_path / "tools.json"
+    for text, message in [("[", "not JSON"), ('[{"name": "two words"}]', "tools\\[0\\].function.name"),
+                          ('{"f": 1}', "must be a list")]:
+        path.write_text(text)
+        with pytest.raises(PerfxError, match=message):
+            read_tools(str(path))
+    with pytest.raises(PerfxError, match="cannot read it"):
+        read_tools(str(tmp_path / "missing.json"))
+    path.write_text(json.dumps({"tools": [{"type": "function", "function": WEATHER_TOOL}]}))
+    assert read_tools(str(path))[0]["function"]["name"] == "get_weather"
+    run = run_piped(["--model", tiny, "--tools", str(path), "--max-tokens", "4", "--seed", "1"], "hello\n")
+    assert run.returncode == 0 and len(STATS_LINE.findall(run.stderr)) == 1, run.stderr
+    path.write_text("[1]")
+    run = run_piped(["--model", tiny, "--tools", str(path)], "hello\n")
+    assert run.returncode == 2 and "--tools" in run.stderr and "tools[0]" in run.stderr, run.stderr
+    # a grammar for every reply leaves no room for a call: refused, before the model loads
+    run = run_piped(["--model", tiny, "--tools", str(path), "--json-schema", str(path)], "hello\n")
+    assert run.returncode == 2 and "--tools and --json-schema cannot be combined" in run.stderr, run.stderr
+
+
 # -- piped stdin and errors ---------------------------------------------------------------------------
 
 
@@ -467,9 +531,9 @@ def test_help_documents_no_think():
 
 def test_serve_chat_template_kwargs(qwen3):
     body = {"messages": [{"role": "user", "content": "2+2?"}]}
-    ids, _ = chat_prompt(body, qwen3)
+    ids = chat_prompt(body, qwen3)[0]
     assert qwen3.decode(ids).endswith("<|im_start|>assistant\n")
-    ids, _ = chat_prompt({**body, "chat_template_kwargs": {"enable_thinking": False}}, qwen3)
+    ids = chat_prompt({**body, "chat_template_kwargs": {"enable_thinking": False}}, qwen3)[0]
     assert qwen3.decode(ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     for kwargs, message in [("off", "must be an object"), ({"messages": []}, "may not set 'messages'")]:
         with pytest.raises(APIError, match=message) as error:

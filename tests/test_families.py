@@ -586,7 +586,7 @@ def test_serve_requests_sharing_a_system_prompt_resume_at_its_end(files, device)
     jobs = []
     try:
         for user in ("mirek sova lenu", "nevo pira"):
-            ids, messages = chat_prompt({"messages": [system, {"role": "user", "content": user}]}, tokenizer)
+            ids, messages, _, _ = chat_prompt({"messages": [system, {"role": "user", "content": user}]}, tokenizer)
             jobs.append(engine.job(ids, 6, {}, [], messages))
             engine.submit(jobs[-1])
             assert jobs[-1].finished.wait(120)

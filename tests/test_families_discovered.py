@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers.family_models import FAMILIES as TINY_FAMILIES, MODEL_TYPE
+from helpers.moe_models import MOE_MODEL_TYPES
 from helpers.tiny_models import SHAPES as TINY_SHAPES
 from perfx import families, tokenizer
 from perfx.config import LAYER_KINDS, SUPPORTED_ARCHITECTURES, SUPPORTED_GGUF_ARCHITECTURES, ModelConfig
@@ -58,7 +59,8 @@ def test_a_family_carries_every_part(name):
     assert set(family.chat.stop_tokens) <= tokenizer._END_OF_GENERATION_TOKENS
     assert set(family.chat.pre_tokenizers) <= set(tokenizer._BPE_PRE_TOKENIZERS)
     # the tests can write a tiny model of it (helpers.family_models, or helpers.tiny_models for Llama and Qwen2)
-    tiny_types = {MODEL_TYPE[f] for f in TINY_FAMILIES} | {s["architecture"] for s in TINY_SHAPES.values()}
+    tiny_types = ({MODEL_TYPE[f] for f in TINY_FAMILIES} | {s["architecture"] for s in TINY_SHAPES.values()}
+                  | set(MOE_MODEL_TYPES))
     assert tiny_types & set(family.hf_names), f"{name}: no tiny model writer in tests/helpers"
 
 
@@ -85,8 +87,11 @@ def test_no_two_families_claim_one_name():
 
 
 def test_the_families_cover_what_perfx_ran_before():
-    assert SUPPORTED_ARCHITECTURES == HF_BEFORE
-    assert SUPPORTED_GGUF_ARCHITECTURES == GGUF_BEFORE
+    # in the order they came; families added since follow
+    assert SUPPORTED_ARCHITECTURES[:len(HF_BEFORE)] == HF_BEFORE
+    assert SUPPORTED_GGUF_ARCHITECTURES[:len(GGUF_BEFORE)] == GGUF_BEFORE
+    assert {"qwen3_moe", "lfm2_moe"} <= set(SUPPORTED_ARCHITECTURES)
+    assert {"qwen3moe", "lfm2moe"} <= set(SUPPORTED_GGUF_ARCHITECTURES)
     assert set(SYNTHETIC_BEFORE) <= set(SYNTHETIC_MODELS)
     for name in HF_BEFORE + GGUF_BEFORE:
         assert family_of(name).name in FAMILIES

@@ -123,6 +123,27 @@ def test_decode_replays_across_attention_partitions_and_back(tiny_paths, device,
     assert relative_error(model.logits(), rows[part + 1]) <= TOLERANCE
 
 
+def test_the_step_launches_counted_by_layer(tiny_paths, device):
+    """``Model.step_launches`` splits the greedy step's launches (as ``greedy_launches`` enqueues them) into the
+    embedding's, each layer's and the head's; `perfx bench --e2e` sums them by layer kind. Every attention layer
+    of the tiny model launches the same kernels, and past the attention's first partition as before it."""
+    from perfx.commands.bench import launches_per_layer
+
+    model, _ = load(tiny_paths["gguf-gqa3"], device, ctx=160)
+    part = model.plan.attn_decode.part
+    for pos in (0, part + 1):
+        counted = model.step_launches(pos)
+        greedy = [op.kernel.function_name for op in model.greedy_launches(pos) if hasattr(op, "kernel")]
+        assert counted["total"] == len(greedy) == counted["before"] + sum(counted["layers"]) + counted["after"]
+        assert counted["kinds"] == ["attention"] * model.config.n_layers
+        assert len(set(counted["layers"])) == 1 and counted["before"] == 1
+        assert greedy[-1] == "next_step" and counted["after"] >= 4   # the final norm, the head, the argmax's two
+        summary = launches_per_layer(counted)
+        assert summary == {"attention": {"layers": model.config.n_layers, "min": counted["layers"][0],
+                                         "max": counted["layers"][0], "total": sum(counted["layers"])},
+                           "outside": counted["before"] + counted["after"]}
+
+
 def test_a_decode_step_as_one_command_buffer_equals_its_launches(tiny_paths, device, rng, monkeypatch):
     """With PERFX_COMMAND_BUFFER=on, on a driver with cl_khr_command_buffer, each recorded step (one per
     attention partition count) is one command buffer, and its logits are bit for bit those of the same

@@ -398,3 +398,54 @@ def test_recorded_steps_replay_in_order_on_fresh_inputs(device, rng, monkeypatch
         seen = device.read(np.empty(n, np.float32), d)
         assert np.array_equal(seen[:n - 8], x[8:])
 
+
+
+def test_the_devices_queue_records_no_profiling_events_and_timing_profiles_on_its_own(device):
+    """Every launch and copy runs on a queue without profiling events (the decode step's); ``time_launches``
+    times on the device's profiling queue, entered and left by itself, in order with the lean queue's work both
+    ways; events of the lean queue cannot be timed, with a message that says what to do."""
+    from perfx.timing import device_time, time_launches
+
+    lean = device.queue
+    assert not lean.properties & cl.command_queue_properties.PROFILING_ENABLE
+    kernel = device.kernel("copy.cl", "copy_vectors", {"VWC": 4})
+    n = 1 << 12
+    src = device.upload(np.arange(4 * n, dtype=np.float32))
+    dst = device.poisoned(4 * n, np.float32)
+
+    def launch():
+        return [device.launch(kernel, (n,), None, np.int32(n), src.data, dst.data)]
+    with pytest.raises(PerfxError, match="without profiling events"):
+        device_time(launch())
+    src.set(np.full(4 * n, 7.0, np.float32))   # on the lean queue, before the timed launches read it
+    for timing in (time_launches(launch, warmup=1, repeat=3), time_launches(launch, repeat=2, device=device)):
+        assert len(timing.samples) in (2, 3) and all(t > 0 for t in timing.samples)
+    assert device.queue is lean
+    np.testing.assert_array_equal(dst.get(), 7.0)   # the profiling queue's writes, read on the lean queue
+    with device.profiling() as queue:
+        assert device.queue is queue is not lean and queue.properties & cl.command_queue_properties.PROFILING_ENABLE
+        with device.profiling() as inner:
+            assert inner is queue
+        assert device.queue is queue
+        assert device_time(launch()) > 0
+    assert device.queue is lean
+
+
+def test_a_replayed_step_enqueues_each_recorded_launch_and_copy_in_order(device):
+    """``Sequence`` calls pyopencl's enqueue straight on the recorded arguments: a launch, a copy and a launch run
+    in their order, each reading what the one before wrote (a → b by a launch, b → c by a copy, c → e by a
+    launch), every time the step is replayed."""
+    kernel = device.kernel("copy.cl", "copy_vectors", {"VWC": 4})
+    a = device.empty(4, np.float32)
+    b, c, e = (device.poisoned(4, np.float32) for _ in range(3))
+    with device.record() as steps:
+        device.launch(kernel, (1,), (1,), np.int32(1), a.data, b.data)
+        device.copy(c, b, 16)
+        device.launch(kernel, (1,), (1,), np.int32(1), c.data, e.data)
+    assert [type(step).__name__ for step in steps] == ["BoundLaunch", "BoundCopy", "BoundLaunch"]
+    assert np.isnan(e.get()).all()   # recorded, not run
+    replay = Sequence(list(steps))
+    for value in (3.0, -1.5):
+        a.set(np.full(4, value, np.float32))
+        replay.enqueue(device.queue)
+        np.testing.assert_array_equal(e.get(), value)

@@ -12,6 +12,7 @@ import pytest
 
 from helpers.family_models import FAMILIES, family_tokenizer, make_family_model, write_family_gguf
 from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf, write_hf
+from perfx import moe
 from perfx.model import Model, RunState
 from perfx.sources import open_model
 from perfx.sources.synthetic import SYNTHETIC_MODELS, open_synthetic
@@ -25,7 +26,7 @@ from perfx.tuning.problems import DECODE_POSITIONS, model_problems
 # The buffers an op may name: the run state's, and the model's KV cache, conv rings and recurrent state
 # the run state's buffers, each mixer's scratch and its state
 BUFFERS = ({f.name for f in dataclasses.fields(RunState)} | {name for mixer in MIXERS.values() for name in mixer.scratch}
-           | {"cache", "history", "delta_state"})
+           | {"cache", "history", "delta_state"} | set(moe.SCRATCH))
 
 
 def built_steps(config, group, forms, kv) -> list[list]:
@@ -77,7 +78,14 @@ def test_the_decode_step_runs_in_order_over_the_run_state(name):
         ops = mixer.ops(c, 1, options)
         assert ops and all(op.layers == tuple(c.layers_of(kind)) for op in ops)
         assert [op for op in step if op in ops] == ops
-    assert [op.weight for op in ffn_ops(c, 1, options) if op.weight][-1] == "down"
+    if c.dense_ffn_layers:
+        assert [op.weight for op in ffn_ops(c, 1, options) if op.weight][-1] == "down"
+    # a MoE model's experts: the router, gate-up, then down into proj, on its MoE layers, after the dense FFN
+    experts = moe.ops(c, 1, options)
+    assert bool(experts) == bool(c.n_experts)
+    assert [op for op in step if op in experts] == experts and all(op.layers == tuple(c.moe_layers) for op in experts)
+    if experts:
+        assert [op.family for op in experts][:2] == ["moe_router", "gemv_moe"] and experts[-1].writes == ("proj",)
     # a matrix role reads what the norm wrote (xb) or its mixer's output, and the step ends in the logits
     head = [op for op in step if op.weight == "lm_head"]
     assert head and all(op.reads == ("xb",) and op.writes == ("logits",) for op in head)
@@ -95,7 +103,7 @@ def test_every_prefill_bucket_has_its_step_at_its_representative_m():
         families = {op.family for op in step}
         assert ("gated_delta_net_chunked" in families) == (m > 1)
         assert ("attention_prefill" in families) == (m > 1)
-        assert any(op.role == "lm_head (perplexity)" for op in step) == (m > 16)
+        assert any(op.role == "lm_head (every row)" for op in step) == (m > 1)
 
 
 # -- on the device: the plan of a loaded model ------------------------------------------------------------

@@ -24,7 +24,7 @@ from perfx.tuning import SPECS, discover_specs
 ROOT = Path(__file__).resolve().parent.parent
 # Imports inside functions are for optional dependencies only: a package that may be absent, or heavy
 # and needed by one command.
-OPTIONAL = {"matplotlib", "awq", "transformers", "readline"}
+OPTIONAL = {"matplotlib", "awq", "transformers", "readline", "llguidance"}
 
 # The package's layers, bottom to top, as docs/layout.md's table gives them: a module imports only from
 # its own layer and those below. A name stands for that module and, for a package, every module in it.
@@ -32,12 +32,12 @@ LAYERS = (
     ("base", ("perfx.errors", "perfx.resources", "perfx.gguf_file", "perfx.recipe", "perfx.families",
               "perfx.config", "perfx.reference", "perfx.progress", "perfx.kernels")),
     ("device", ("perfx.runtime", "perfx.timing")),
-    ("formats", ("perfx.formats", "perfx.tokenizer")),
+    ("formats", ("perfx.formats", "perfx.tokenizer", "perfx.tools", "perfx.constrain")),
     ("ops", ("perfx.ops",)),
-    ("mixers", ("perfx.op", "perfx.linear", "perfx.mixers", "perfx.forward64")),
+    ("mixers", ("perfx.op", "perfx.linear", "perfx.mixers", "perfx.moe", "perfx.forward64")),
     ("sources", ("perfx.sources",)),
     ("tuning", ("perfx.tuning", "perfx.step")),
-    ("model", ("perfx.plan", "perfx.model", "perfx.generate", "perfx.speculative")),
+    ("model", ("perfx.plan", "perfx.model", "perfx.generate", "perfx.speculative", "perfx.batch")),
     ("commands", ("perfx.commands", "perfx.serve", "perfx.cli", "perfx.plots", "perfx.__main__", "perfx")),
 )
 

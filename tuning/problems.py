@@ -42,7 +42,7 @@ def tuned_steps(config, group: int | None = None, forms: dict | None = None, kv:
 # matrices first (in ``matrix_roles`` order), then the other ops by label.
 _DECODE_ORDER = ("conv", "delta", "lm_head", "attention", "norm", "post-norm", "embedding", "greedy sampling",
                  "swiglu (unfused)", "geglu (unfused)", "final soft-cap", "attention gate", "delta norm gate")
-_PREFILL_ORDER = ("lm_head (perplexity)", "delta", "attention", "norm", "embedding")
+_PREFILL_ORDER = ("lm_head (every row)", "delta", "attention", "norm", "embedding")
 
 
 def _listing_rank(op: Op, roles: tuple[str, ...], prefill: bool) -> tuple[int, int]:

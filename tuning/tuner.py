@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import math
 import random
 import statistics
@@ -368,18 +369,18 @@ class Tuner:
     """Tunes problems on one device into one database.
 
     ``budget_s`` is shared among the problems still to do; ``progress`` (a perfx.progress.Progress
-    over problems) gets a note after every candidate. ``timer`` times a launch function (the tests give
-    a simulated noisy one); ``reference`` returns the time of a fixed reference kernel (default: the copy
-    kernel on this device); ``cool_down_s`` is the pause before a suspect round is taken again;
-    ``background_builds``: whether candidates' programs build in a thread beside the runs (``BuildAhead``; None:
-    on a GPU-class device).
+    over problems) gets a note after every candidate. ``timer`` times a launch function (default: ``time_launches``
+    on this device; the tests give a simulated noisy one); ``reference`` returns the time of a fixed reference
+    kernel (default: the copy kernel on this device); ``cool_down_s`` is the pause before a suspect round is taken
+    again; ``background_builds``: whether candidates' programs build in a thread beside the runs (``BuildAhead``;
+    None: on a GPU-class device).
     """
 
     def __init__(self, device, database: Database | None = None, budget_s: float = 600.0, seed: int = 0,
                  progress=None, warmup: int = 2, repeat: int = 10, exhaustive_limit: int = EXHAUSTIVE_LIMIT,
                  random_samples: int = RANDOM_SAMPLES, sample_share: float = SAMPLE_SHARE,
                  confirm_top: int = CONFIRM_TOP,
-                 confirm_rounds: int = CONFIRM_ROUNDS, timer=time_launches, reference=None,
+                 confirm_rounds: int = CONFIRM_ROUNDS, timer=None, reference=None,
                  cool_down_s: float = COOL_DOWN_S, drift_threshold: float = DRIFT_THRESHOLD,
                  background_builds: bool | None = None):
         self.device = device
@@ -389,7 +390,9 @@ class Tuner:
         self.warmup, self.repeat = warmup, repeat
         self.exhaustive_limit, self.random_samples, self.sample_share = exhaustive_limit, random_samples, sample_share
         self.confirm_top, self.confirm_rounds = confirm_top, confirm_rounds
-        self.timer, self.cool_down_s = timer, cool_down_s
+        # the device named, so a timing does not launch once more to find it (perfx.timing.time_launches)
+        self.timer = timer or functools.partial(time_launches, device=device)
+        self.cool_down_s = cool_down_s
         self.drift = DriftWatch(reference or copy_kernel(device), drift_threshold)
         self.started = time.perf_counter()
         self._untuned: dict[tuple, dict] = {}   # (family, shape) -> what runs untuned (``_defaults``)

@@ -62,7 +62,8 @@ def peak_flops(device, widths=PEAK_WIDTHS, iters: int = 256, min_seconds: float 
         kernel = device.kernel("peak_flops.cl", "peak_mad", {"VW": vw, "ITERS": iters})
         n = 1 << 12
         while True:  # grow the launch until it is long enough to time well
-            timing = time_launches(lambda: [device.launch(kernel, (n,), None, out.data, a, b)], warmup=1, repeat=5)
+            timing = time_launches(lambda: [device.launch(kernel, (n,), None, out.data, a, b)], warmup=1, repeat=5,
+                                   device=device)
             if timing.median_s >= min_seconds or n >= most:
                 break
             n = min(most, n * max(2, int(min_seconds / max(timing.median_s, 1e-7)) // 2 * 2 or 2))
@@ -115,11 +116,12 @@ def bench_problem(device, spec, problem, ceiling: dict, rng, database, vs_defaul
             if params is choice.params:
                 row["private_bytes"] = max((i.private_mem for i in kernels.values()), default=None)
         row["error"], row["verified"] = worst, verified
-        probe = time_case(case, choice.params, warmup=1, repeat=1)
+        probe = time_case(case, choice.params, warmup=1, repeat=1, device=device)
         repeat = 3 if probe.median_s > 0.2 else 10
-        timing = time_case(case, choice.params, warmup=1, repeat=repeat)
+        timing = time_case(case, choice.params, warmup=1, repeat=repeat, device=device)
         if vs_defaults:
-            rounds = interleaved(lambda p: time_case(case, p, warmup=1, repeat=3).median_s, contenders, vs_defaults)
+            rounds = interleaved(lambda p: time_case(case, p, warmup=1, repeat=3, device=device).median_s, contenders,
+                                 vs_defaults)
             columns = list(zip(*rounds))
             gain, low, high = (bootstrap_ratio(columns[1], columns[0], rng) if len(columns) == 2 else (1.0, 1.0, 1.0))
             row.update(tuned_time_s=float(np.median(columns[0])), defaults_time_s=float(np.median(columns[-1])),
@@ -156,6 +158,7 @@ def measure_e2e(model, prompt_tokens: int = 64, decode_tokens: int = 32, seed: i
     launches = sum(1 for op in step if hasattr(op, "kernel"))
     return {"prompt_tokens": s.prompt_tokens, "decode_tokens": s.generated_tokens,
             "launches_per_token": launches, "copies_per_token": len(step) - launches,
+            "launches_per_layer": launches_per_layer(model.step_launches(result.end_pos - 1)),
             "ttft_s": s.ttft_s, "prefill_tok_s": s.prefill_tok_s, "decode_tok_s": s.decode_tok_s,
             "decode_gb_s": s.decode_gb_s, "host_ms_per_token": 1e3 * s.host_s_per_token,
             "weight_bytes": model.weight_bytes, "device_bytes": report["device_bytes"],
@@ -166,6 +169,18 @@ def measure_e2e(model, prompt_tokens: int = 64, decode_tokens: int = 32, seed: i
             "recurrent_state_bytes": report.get("recurrent_state_bytes", 0),
             "restore_points": report.get("restore_points", 0),
             "restore_point_bytes": report.get("restore_point_bytes", 0)}
+
+
+def launches_per_layer(counted: dict) -> dict:
+    """``Model.step_launches`` by layer kind: {kind: {"layers", "min", "max", "total"}}, and the launches outside
+    the layers ("outside": the embedding gather, the final norm, the head, the draw and the hand-over)."""
+    out: dict = {}
+    for kind, n in zip(counted["kinds"], counted["layers"]):
+        entry = out.setdefault(kind, {"layers": 0, "min": n, "max": n, "total": 0})
+        entry["layers"] += 1
+        entry["min"], entry["max"] = min(entry["min"], n), max(entry["max"], n)
+        entry["total"] += n
+    return {**out, "outside": counted["before"] + counted["after"]}
 
 
 def run_e2e(device, model_name: str, prompt_tokens: int = 64, decode_tokens: int = 32, ctx: int | None = None,
@@ -212,7 +227,10 @@ def e2e_lines(e2e: dict, copy_gb_s: float) -> list[str]:
         + ")",
         f"  decode {e2e['decode_tok_s']:.2f} tok/s = {e2e['decode_gb_s']:.2f} GB/s of weights "
         f"({100 * e2e['decode_gb_s'] / copy_gb_s:.0f}% of copy), host {e2e['host_ms_per_token']:.2f} ms/token, "
-        f"{e2e['launches_per_token']} launches a token",
+        f"{e2e['launches_per_token']} launches a token ("
+        + ", ".join(f"{kind} layers {v['min']}" + (f"–{v['max']}" if v["max"] != v["min"] else "") + " each"
+                    for kind, v in e2e["launches_per_layer"].items() if kind != "outside")
+        + f", {e2e['launches_per_layer']['outside']} outside the layers)",
         f"  memory: device {e2e['device_bytes'] / mib:.0f} MiB (peak {e2e['device_peak_bytes'] / mib:.0f} MiB; "
         f"KV cache {e2e['kv']} {e2e['kv_cache_bytes'] / mib:.0f} MiB"
         + (f", conv state {e2e['conv_state_bytes'] / mib:.1f} MiB" if e2e["conv_state_bytes"] else "")

@@ -15,13 +15,14 @@ import sys
 import time
 from pathlib import Path
 
-from perfx.commands.options import (add_model_options, add_sampling_options, add_speculation_options,
-                                    add_system_option, add_thinking_option, load_model_from_args, log,
-                                    no_thinking_switch_note, sampling_config, speculator_from_args, system_prompt,
-                                    thinking_kwargs)
+from perfx.commands.options import (add_constraint_options, add_model_options, add_sampling_options,
+                                    add_speculation_options, add_system_option, add_thinking_option,
+                                    constraint_from_args, load_model_from_args, log, no_thinking_switch_note,
+                                    sampling_config, speculator_from_args, system_prompt, thinking_kwargs)
 from perfx.errors import PerfxError
 from perfx.generate import Conversation, generate, system_prompt_end
 from perfx.model import host_peak_bytes
+from perfx.tools import ToolCallParser, ToolError, check_tools, render_messages, tool_support
 
 HELP = """commands:
   /help           this list
@@ -30,18 +31,26 @@ HELP = """commands:
   /think [on|off] thinking before answering (Qwen3, SmolLM3); /think alone switches it
   /stats          device, model, context used, TTFT, prefill and decode speed, memory
   /save FILE      write the conversation as JSON
+  /tool TEXT      the result of the model's oldest unanswered tool call (with --tools); the model goes on
+                  once every call has its result
   /quit           leave (Ctrl-D or Ctrl-C at the prompt too)
 Ctrl-C during a reply stops it; the partial reply stays in the conversation.
 A line starting with // is sent as text with one / removed."""
 
 
 def add_arguments(parser):
-    """The options of `perfx chat`: model, sampling, speculation, --system, --no-think."""
+    """The options of `perfx chat`: model, sampling, speculation, --system, --no-think, a grammar for every
+    reply."""
     add_model_options(parser)
     add_sampling_options(parser)
     add_speculation_options(parser)
     add_system_option(parser)
     add_thinking_option(parser)
+    parser.add_argument("--tools", metavar="FILE",
+                        help="a JSON file of tools the model may call, as OpenAI's API takes them: a list of "
+                             '{"type": "function", "function": {"name", "description", "parameters"}} (or of the '
+                             "functions alone); a call is shown, and /tool TEXT gives its result")
+    add_constraint_options(parser, "every reply")
 
 
 def main(args) -> int:
@@ -49,22 +58,46 @@ def main(args) -> int:
 
     Raises PerfxError for bad option values or a model that cannot be loaded (the CLI prints it and exits 2).
     """
+    if args.tools and (args.json_object or args.json_schema or args.grammar):
+        given = "--json-object" if args.json_object else "--json-schema" if args.json_schema else "--grammar"
+        raise PerfxError(f"--tools and {given} cannot be combined: {given} holds every reply to its grammar, which "
+                         "leaves no room for a tool call. Give one or the other")
     sampling = sampling_config(args)
     interactive = sys.stdin.isatty()
     model, source = load_model_from_args(args, log=log)
     if source.tokenizer is None:
         raise PerfxError(f"{args.model} has no tokenizer: `perfx chat` needs one (synthetic models are for "
                          "`perfx bench`)")
+    constraint = constraint_from_args(args, source.tokenizer)
     speculator = speculator_from_args(args, model, source.tokenizer, log=log)
     if speculator is not None:
         # the step costs measured now, before the first prompt, as serve's warm-up does: the first reply starts
         # at once, and a Ctrl-C during it stops the reply, not a measurement (the cache holds nothing yet)
         speculator.calibrate(model, 0)
     chat = Chat(model, source, sampling, args.max_tokens, system_prompt(args), interactive,
-                think=not args.no_think, speculator=speculator)
+                think=not args.no_think, speculator=speculator, constraint=constraint,
+                tools=read_tools(args.tools) if args.tools else None)
     if args.no_think and not source.tokenizer.has_thinking_switch:
         chat.note(no_thinking_switch_note(chat.model_name))
     return chat.loop()
+
+
+def read_tools(path: str) -> list[dict]:
+    """The tools of a --tools file: OpenAI's list of function tools, or of the functions alone."""
+    try:
+        tools = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
+    except OSError as error:
+        raise PerfxError(f"--tools {path}: cannot read it ({error.strerror or error})") from None
+    except ValueError as error:
+        raise PerfxError(f"--tools {path}: not JSON ({error})") from None
+    if isinstance(tools, dict) and "tools" in tools:
+        tools = tools["tools"]
+    if isinstance(tools, list):
+        tools = [{"type": "function", "function": t} if isinstance(t, dict) and "type" not in t else t for t in tools]
+    try:
+        return check_tools(tools)
+    except ToolError as error:
+        raise PerfxError(f"--tools {path}: {error}") from None
 
 
 class Chat:
@@ -73,14 +106,20 @@ class Chat:
     think = True  # thinking before answering, where the template has the switch (/think, --no-think)
 
     def __init__(self, model, source, sampling, max_tokens: int, system: str | None, interactive: bool,
-                 think: bool = True, speculator=None):
+                 think: bool = True, speculator=None, constraint=None, tools: list[dict] | None = None):
         self.model, self.source, self.tokenizer = model, source, source.tokenizer
         self.speculator = speculator     # perfx.speculative.Speculator, or None: one token a step
+        self.constraint = constraint     # perfx.constrain.Constraint every reply keeps to (a copy each), or None
         self.sampling, self.max_tokens, self.system = sampling, max_tokens, system
         self.think = think
         self.interactive = interactive
         self.colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
         self.messages: list[dict] = []   # user and assistant turns; the system prompt is kept apart
+        self.tools = tools               # OpenAI's function tools the model may call (--tools), or None
+        self.support = tool_support(self.tokenizer, model.config.architecture) if tools else None
+        self.parser = None               # the reply's tool calls, read as it streams (with tools)
+        self.shown: list = []            # ... and what it gave out so far: ("content", text), ("call", ToolCall)
+        self.unanswered: list = []       # the last reply's calls that have no result yet (/tool)
         self.conversation = Conversation(model.resume_point)   # the ids the KV cache holds
         self.replies = []                # Stats of every reply this session (kept across /reset)
         described = source.describe()
@@ -132,8 +171,11 @@ class Chat:
 
     def render(self, messages: list[dict]) -> list[int]:
         system = [{"role": "system", "content": self.system}] if self.system is not None else []
-        text = self.tokenizer.apply_chat_template(system + messages, add_generation_prompt=True,
-                                                  **thinking_kwargs(self.tokenizer, self.think))
+        conversation, variables = system + messages, thinking_kwargs(self.tokenizer, self.think)
+        if self.support is not None:
+            conversation, tools = render_messages(conversation, self.tools, self.support)
+            variables = {**tools, **variables}
+        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, **variables)
         return self.tokenizer.encode(text, add_bos=self.tokenizer.add_bos_token)
 
     def restore_at(self, ids: list[int]) -> list[int]:
@@ -154,7 +196,7 @@ class Chat:
             # A turn is a user message and the reply after it (a reply may be missing after an error).
             del self.messages[0]
             dropped += 1
-            if len(self.messages) > 1 and self.messages[0]["role"] == "assistant":
+            while len(self.messages) > 1 and self.messages[0]["role"] != "user":   # its reply, calls, results
                 del self.messages[0]
             ids = self.render(self.messages)
         if dropped:
@@ -165,7 +207,14 @@ class Chat:
         return ids
 
     def turn(self, text: str):
-        self.messages.append({"role": "user", "content": text})
+        self.reply({"role": "user", "content": text})
+
+    def reply(self, message: dict):
+        """``message`` (the user's, or a tool's result) added to the conversation, and the model's reply to it."""
+        self.messages.append(message)
+        self.unanswered = []
+        if self.support is not None:
+            self.parser = self.support_parser()
         try:
             ids = self.fit(self.render(self.messages))
             if ids is None:
@@ -177,7 +226,8 @@ class Chat:
             start, todo = self.conversation.resume(ids)
             result = generate(self.model, self.tokenizer, todo, self.max_tokens, self.sampling,
                               start_pos=start, on_text=self.stream, history=ids[:start],
-                              speculator=self.speculator, restore_at=self.restore_at(ids))
+                              speculator=self.speculator, restore_at=self.restore_at(ids),
+                              constraint=self.constraint.copy() if self.constraint is not None else None)
         except KeyboardInterrupt:
             # Outside generate's own handling (template, encoding): the turn did not happen.
             self.messages.pop()
@@ -190,17 +240,61 @@ class Chat:
             self.note(f"perfx: error: {error}")
             return
         self.conversation.record(ids, result)
-        # Stored exactly as generated (a partial reply too): the template closes the turn next time.
-        self.messages.append({"role": "assistant", "content": result.text})
+        if self.parser is not None:
+            # the calls stored as OpenAI's tool_calls, which the template renders back in its own form
+            self.show(self.parser.finish())
+            self.unanswered = [value for kind, value in self.shown if kind == "call"]
+            content = "".join(value for kind, value in self.shown if kind == "content")
+            self.messages.append({"role": "assistant", "content": content,
+                                  **({"tool_calls": [c.as_openai() for c in self.unanswered]} if self.unanswered
+                                     else {})})
+        else:
+            # Stored exactly as generated (a partial reply too): the template closes the turn next time.
+            self.messages.append({"role": "assistant", "content": result.text})
         self.replies.append(result.stats)
         sys.stdout.write("\n" if self.interactive else "\n\n")
         sys.stdout.flush()
         reason = result.stats.stop_reason
-        self.note(result.stats.line() + ("" if reason in ("eos", "") else f", stopped: {reason}"), dim=True)
+        self.note(result.stats.line() + ("" if reason in ("eos", "grammar complete", "") else f", stopped: {reason}"),
+                  dim=True)
+        if self.unanswered:
+            self.note(f"perfx: the model called {', '.join(c.name for c in self.unanswered)}: give "
+                      f"{'each result' if len(self.unanswered) > 1 else 'its result'} with /tool TEXT")
+
+    def support_parser(self):
+        self.shown = []      # the reply's events so far: its content and its calls
+        return ToolCallParser(self.support.format, [t["function"]["name"] for t in self.tools])
 
     def stream(self, piece: str):
+        if self.parser is not None:
+            return self.show(self.parser.feed(piece))
         sys.stdout.write(piece)
         sys.stdout.flush()
+
+    def show(self, events: list):
+        """A reply's content as it comes, and each call the model makes, on a line of its own."""
+        for kind, value in events:
+            after = "\n" if self.shown else ""
+            self.shown.append((kind, value))
+            if kind == "content":
+                sys.stdout.write(value)
+            else:
+                sys.stdout.write(f"{after}[tool call {value.name}({value.arguments})]")
+        sys.stdout.flush()
+
+    def answer_call(self, text: str):
+        """/tool TEXT: the result of the oldest unanswered call; the model replies once all have theirs."""
+        if not self.unanswered:
+            self.note("perfx: error: no tool call waits for a result" + ("" if self.tools else
+                                                                        " (give tools with --tools FILE)"))
+            return
+        call = self.unanswered.pop(0)
+        result = {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": text}
+        if not self.unanswered:
+            return self.reply(result)
+        self.messages.append(result)
+        waiting = len(self.unanswered)
+        print(f"result of {call.name} kept; {waiting} more call{'s' if waiting > 1 else ''} to answer")
 
     # -- commands -----------------------------------------------------------------------------------
 
@@ -213,6 +307,7 @@ class Chat:
             print(HELP)
         elif name == "/reset":
             self.messages.clear()
+            self.unanswered = []
             # The system prompt's ids stay in the cache for the next turn; the rest is forgotten.
             self.conversation.keep_prefix(self.render([]))
             print("new conversation")
@@ -227,6 +322,8 @@ class Chat:
             self.switch_thinking(rest)
         elif name == "/stats":
             print(self.stats_text())
+        elif name == "/tool":
+            self.answer_call(rest)
         elif name == "/save":
             if not rest:
                 self.note("perfx: error: /save needs a file name: /save FILE")

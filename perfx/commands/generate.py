@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import sys
 
-from perfx.commands.options import (add_model_options, add_sampling_options, add_speculation_options,
-                                    add_system_option, add_thinking_option, load_model_from_args, log,
-                                    no_thinking_switch_note, sampling_config, speculator_from_args, system_prompt,
-                                    thinking_kwargs)
+from perfx.commands.options import (add_constraint_options, add_model_options, add_sampling_options,
+                                    add_speculation_options, add_system_option, add_thinking_option,
+                                    constraint_from_args, load_model_from_args, log, no_thinking_switch_note,
+                                    sampling_config, speculator_from_args, system_prompt, thinking_kwargs)
 from perfx.errors import PerfxError
 from perfx.generate import generate
 
@@ -23,6 +23,7 @@ def add_arguments(parser):
     add_thinking_option(parser)
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
                         help="stop when this text appears (repeatable); it is not printed")
+    add_constraint_options(parser)
     parser.add_argument("--json", action="store_true", help="print text, token ids and stats as JSON")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress or stats on stderr")
 
@@ -43,11 +44,12 @@ def main(args) -> int:
             log(no_thinking_switch_note(args.model))
         text = tokenizer.apply_chat_template(messages + [{"role": "user", "content": args.prompt}],
                                              **thinking_kwargs(tokenizer, think=not args.no_think))
+    constraint = constraint_from_args(args, tokenizer)   # before the speculator: a bad schema fails first
     speculator = speculator_from_args(args, model, source.tokenizer, log=log if not args.quiet else None)
     prompt_ids = tokenizer.encode(text, add_bos=tokenizer.add_bos_token)
     stream = None if args.json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
     result = generate(model, tokenizer, prompt_ids, args.max_tokens, sampling, stop_strings=args.stop,
-                      on_text=stream, speculator=speculator)
+                      on_text=stream, speculator=speculator, constraint=constraint)
     if args.json:
         print(json.dumps({"text": result.text, "prompt_ids": prompt_ids, "ids": result.ids,
                           "stats": result.stats.as_dict(), "load": model.load_report}, indent=1))

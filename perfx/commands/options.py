@@ -4,7 +4,9 @@ one-line notes on stderr (stdout carries only the output a script reads)."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
+from perfx.constrain import Constraint
 from perfx.errors import PerfxError
 from perfx.generate import SamplingConfig
 from perfx.model import load_model
@@ -112,6 +114,35 @@ def speculator_from_args(args, model, tokenizer, log=None) -> Speculator | None:
         check_same_vocabulary(tokenizer, draft_source.tokenizer, args.model, args.draft)
         draft = DraftModel(draft_model, args.draft)
     return Speculator(args.speculate, draft, args.draft_max, log=log)
+
+
+def add_constraint_options(parser, what: str = "the reply"):
+    """--json-object, --json-schema FILE, --grammar FILE: constrained decoding (perfx.constrain)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--json-object", action="store_true",
+                       help=f"{what} is a JSON object, always (JSON mode; needs llguidance: pip install "
+                            "'perfx[structured]')")
+    group.add_argument("--json-schema", metavar="FILE",
+                       help=f"{what} is JSON valid against the JSON schema in FILE, always (constrained decoding "
+                            "through llguidance; a schema feature it lacks is named). Speculation is off for it")
+    group.add_argument("--grammar", metavar="FILE",
+                       help=f"{what} follows the Lark grammar in FILE (llguidance's dialect: %%json {{...}} embeds "
+                            "a JSON schema)")
+
+
+def constraint_from_args(args, tokenizer) -> Constraint | None:
+    """The Constraint the options ask for, made afresh (one per reply), or None."""
+    if args.json_object:
+        return Constraint.json_object(tokenizer)
+    for name, make in (("json_schema", Constraint.from_json_schema), ("grammar", Constraint.from_lark)):
+        path = getattr(args, name)
+        if path:
+            try:
+                text = Path(path).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as error:
+                raise PerfxError(f"--{name.replace('_', '-')} {path}: cannot read it ({error})") from None
+            return make(text, tokenizer)
+    return None
 
 
 def add_sampling_options(parser, temperature: float = 0.7):

@@ -9,26 +9,30 @@ from perfx.commands.options import (add_model_options, add_sampling_options, add
                                     sampling_config, speculator_from_args)
 from perfx.errors import PerfxError
 from perfx.runtime import show_build_logs
+from perfx.serve.batching import PARALLEL_DEFAULT, STATE_SHARE, BatchEngine, default_parallel
 from perfx.serve.engine import Engine, load, warm_up
 from perfx.serve.server import Server, ServeOptions
 
 DESCRIPTION = """\
 Serve a model over HTTP with OpenAI's API, so any OpenAI client library or app can use it:
 GET /v1/models, POST /v1/chat/completions and POST /v1/completions (streamed or not), GET /health.
-Requests run one at a time, in arrival order; up to --queue more wait, and beyond that they get
-429. Continuing a conversation prefills only its new tokens (the KV cache keeps the last prompt
-and reply). The sampling options and --max-tokens are the defaults for requests that do not set
+Up to --parallel requests are decoded together, each step reading the weights once for all of
+them; a request joins at the next step and leaves when it is done. Up to --queue more wait, in
+arrival order, and beyond that they get 429. Continuing a conversation prefills only its new
+tokens (each sequence's KV cache keeps its last prompt and reply). The sampling options and --max-tokens are the defaults for requests that do not set
 their own; requests may also set perfx's top_k, min_p and repetition_penalty.
 
 examples:
   perfx serve                                   # the default model on http://127.0.0.1:8080/v1
   perfx serve --model m.gguf --ctx 2048 --port 9000 --api-key s3cret
+  perfx serve --parallel 8                      # 8 requests decoded together (1: one at a time)
   curl http://127.0.0.1:8080/v1/models          # the model id to send
   curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{"model": "SmolLM2-135M-Instruct.Q4_1", "messages": [{"role": "user", "content": "Hi"}]}'
   (add "stream": true for server-sent events, and curl -N to see them as they come)
+  (add "response_format": {"type": "json_object"}, or a json_schema, for replies that are always valid JSON)
 
-Ctrl-C or SIGTERM stops the server: new requests get 503, the running one is stopped."""
+Ctrl-C or SIGTERM stops the server: new requests get 503, the running ones are stopped."""
 
 
 def add_arguments(parser):
@@ -43,7 +47,14 @@ def add_arguments(parser):
     parser.add_argument("--api-key", metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on /v1 requests (/health stays open)")
     parser.add_argument("--queue", type=int, default=16, metavar="N",
-                        help="requests that may wait while one runs; more get 429 (default %(default)s)")
+                        help="requests that may wait while --parallel run; more get 429 (default %(default)s)")
+    parser.add_argument("--parallel", default="auto", metavar="N",
+                        help=f"requests decoded together, one step reading the weights once for all (each has "
+                             f"a KV cache of its own); 1 runs them one at a time, with speculation. Default auto: "
+                             f"{PARALLEL_DEFAULT}, or fewer where {PARALLEL_DEFAULT} KV caches would take more than "
+                             f"1/{STATE_SHARE} of the device's memory; 1 on a CPU device (bound by arithmetic, so "
+                             f"N rows cost about N steps), where --speculate or --draft asks for speculation, which "
+                             f"is off with N > 1, or where a layer kind of the model cannot be batched yet")
 
 
 def main(args) -> int:
@@ -58,12 +69,25 @@ def main(args) -> int:
         raise PerfxError(f"--port must be between 0 and 65535, got {args.port}")
     if args.verbose:
         show_build_logs()
+    parallel = parse_parallel(args.parallel)
+    speculating = args.draft or args.speculate not in ("auto", "off")
+    if speculating and parallel not in (None, 1):
+        raise PerfxError(f"speculation (--speculate {args.speculate}{', --draft' if args.draft else ''}) runs with "
+                         f"--parallel 1 only: a batched step already reads the weights once for every sequence")
+    if speculating:
+        parallel = 1   # auto: the speculation asked for
     model, tokenizer, model_id = load(args.model, args.device, args.ctx, args.quantize, log, not args.no_tuning,
                                       args.lm_head, args.kv, args.embedding)
-    speculator = speculator_from_args(args, model, tokenizer, log=log)
+    parallel = default_parallel(model) if parallel is None else parallel
+    speculator = speculator_from_args(args, model, tokenizer, log=log) if parallel == 1 else None
     log("perfx serve: warming up (the kernels are built once, before the first request)")
     warm_up(model, tokenizer, speculator)
-    engine = Engine(model, tokenizer, args.queue, sampling, speculator)
+    if parallel == 1:
+        engine = Engine(model, tokenizer, args.queue, sampling, speculator)
+    else:
+        engine = BatchEngine(model, tokenizer, args.queue, sampling, parallel)
+        log(f"perfx serve: {parallel} sequences decoded together: their state takes "
+            f"{engine.batch.state_bytes / 2**20:.0f} MiB more of the device's memory (--parallel 1: none)")
     options = ServeOptions(model_id, args.max_tokens, args.api_key, args.verbose, log)
     try:
         server = Server((args.host, args.port), engine, options)
@@ -87,16 +111,29 @@ def main(args) -> int:
     host, port = server.server_address[:2]
     host = f"[{host}]" if ":" in host else host
     log(f"perfx serve: {model_id} on http://{host}:{port}/v1 (context {model.max_positions} positions, "
-        f"queue {args.queue}); Ctrl-C stops")
+        f"{parallel} decoded together, queue {args.queue}); Ctrl-C stops")
     if not args.api_key and not is_loopback(args.host):
         log(f"perfx serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
             "device can use the model")
     stop.wait()
-    log("perfx serve: stopping: new requests get 503, the running one is stopped")
+    log("perfx serve: stopping: new requests get 503, the running ones are stopped")
     server.stop()
     counts = engine.stats()
     log("perfx serve: stopped (" + ", ".join(f"{counts[name]} {name}" for name in engine.counts) + ")")
     return 0
+
+
+def parse_parallel(value: str) -> int | None:
+    """--parallel's value: a count of at least 1, or None for auto."""
+    if value == "auto":
+        return None
+    try:
+        parallel = int(value)
+    except ValueError:
+        parallel = 0
+    if parallel < 1:
+        raise PerfxError(f"--parallel must be a whole number ≥ 1 or auto, got {value!r}")
+    return parallel
 
 
 def is_loopback(host: str) -> bool:

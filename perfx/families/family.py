@@ -19,7 +19,7 @@ from perfx.gguf_file import GGUFFile
 from perfx.recipe import LayerRecipe, Rope
 
 __all__ = ["ChatRules", "Family", "GGUFHeader", "HFConfig", "LayerRecipe", "Preset", "Rope", "TensorNames",
-           "factor_table", "float32_value", "header_key", "per_layer"]
+           "ToolFormat", "factor_table", "float32_value", "header_key", "per_layer"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,33 @@ class TensorNames:
 
 
 @dataclass(frozen=True)
+class ToolFormat:
+    """How a family's models write tool calls, and how its chat templates take the tools (``perfx.tools`` renders
+    and parses with it).
+
+    A call is ``{"name": ..., <arguments>: {...}}`` in JSON (``body`` "json": one object or a list of them
+    between ``opener`` and ``closer``), or ``[f(a=1), g()]`` (``body`` "pythonic", LFM2's; a JSON list is read
+    there too). No ``opener``: the reply itself is the call, a bare JSON object (Llama 3.x).
+    """
+
+    name: str
+    marker: str = ""            # text in a chat template that renders this format ("": taught by instructions only)
+    opener: str = ""            # the text a call (or a list of calls) starts with
+    closer: str = ""            # ... and ends with ("": it runs to the end of the reply)
+    also_openers: tuple[str, ...] = ()  # other texts that open a call (Llama 3.1's <|python_tag|>)
+    separator: str = ""         # between the opener, the call and the closer, as the template writes them
+    body: str = "json"          # "json" or "pythonic" (always a list)
+    listed: bool = False        # several calls are one list between one opener and closer (else one call each)
+    arguments_key: str = "arguments"    # the key a call writes its arguments under ("parameters": Llama 3.x)
+    tools_variable: str = "tools"       # the template variable the tools go in (SmolLM3's: xml_tools)
+    tools_in_system: bool = False       # the tools go in the system message's "tools" field, as JSON (Phi-4-mini)
+    instructions: str = ""      # the system-message text that teaches the format where the template renders no
+                                # tools; {tools} stands for the tools' JSON, one a line
+    results: tuple[str, str] = ("<tool_response>\n", "\n</tool_response>")   # around a tool's result where the
+                                # template renders no tool messages (it is then a user message)
+
+
+@dataclass(frozen=True)
 class ChatRules:
     """What the tokenizer does for this family's models beyond what the files say."""
 
@@ -50,6 +77,9 @@ class ChatRules:
     rstrip_keep: tuple[str, ...] = ()   # after every special token but these (llama-vocab.cpp, load)
     pre_tokenizers: Mapping[str, tuple] = field(default_factory=dict)   # GGUF tokenizer.ggml.pre values only
                                         # this family writes: name -> (regexes, ignore_merges, add_bos default)
+    tool_formats: tuple[ToolFormat, ...] = ()   # the tool-call formats its templates render, found by their marker
+    prompted_tools: ToolFormat | None = None    # the format its models are taught in the system message where the
+                                                # template renders no tools (None: perfx.tools' generic one)
 
 
 @dataclass(frozen=True)
@@ -169,3 +199,28 @@ def float32_value(value) -> float:
     """GGUF stores these as float32: 1e-5 comes back as 9.99999974e-06. Take the shortest decimal that
     rounds to the same float32, which is what config.json said."""
     return float(str(np.float32(value)))
+
+
+# llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE values ({arch}.expert_gating_func) -> perfx.config's gating
+GGUF_GATINGS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
+
+
+def gguf_experts(h: GGUFHeader, gating: str, norm: bool) -> dict:
+    """The mixture-of-experts fields of a GGUF header (``perfx.moe``): expert_count, expert_used_count,
+    expert_feed_forward_length, expert_gating_func (``gating`` where absent), expert_weights_scale,
+    leading_dense_block_count, and whether layers hold a selection bias. ``norm``: whether llama.cpp's graph of the
+    architecture renormalises the chosen weights (build_moe_ffn's norm_w, fixed per architecture there)."""
+    count, used = int(h.key("expert_count")), int(h.key("expert_used_count"))
+    code = h.value("expert_gating_func")
+    if code is not None and int(code) not in GGUF_GATINGS:
+        raise PerfxError(f"GGUF {h.arch}.expert_gating_func = {code}: perfx runs {GGUF_GATINGS} "
+                         "(llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE)")
+    dense = int(h.value("leading_dense_block_count", 0))
+    # llama.cpp's qwen3moe without the key: feed_forward_length / expert_used_count
+    width = h.value("expert_feed_forward_length") or int(h.key("feed_forward_length")) // max(used, 1)
+    bias = any(name.endswith(".exp_probs_b.bias") for name in h.reader.tensors)
+    return dict(n_experts=count, n_experts_used=used, expert_intermediate=int(width),
+                expert_gating=gating if code is None else GGUF_GATINGS[int(code)],
+                expert_norm=norm,
+                expert_scale=float32_value(h.value("expert_weights_scale", 1.0)) or 1.0,
+                expert_bias=bias, dense_layers=dense)

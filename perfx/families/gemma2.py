@@ -8,7 +8,7 @@ import math
 
 from perfx.errors import PerfxError
 from perfx.families.family import (ChatRules, Family, GGUFHeader, HFConfig, LayerRecipe, Preset, Rope, TensorNames,
-                                   float32_value)
+                                   ToolFormat, float32_value)
 
 # What google/gemma-3-*-it's template renders for text messages (the system message opens the first user turn,
 # "assistant" is "model"): a Gemma GGUF without a template (some converters leave it out) answers in its own
@@ -24,8 +24,17 @@ GEMMA_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
+# Gemma's templates have no tools: Google's function-calling guide prompts for Python calls in a tool_code
+# block, and gives the results back in a tool_output block (a user turn: the templates take no other roles).
+GEMMA_TOOLS = ToolFormat(
+    name="gemma", opener="```tool_code\n", closer="\n```", body="pythonic", listed=True,
+    instructions=("You have access to functions. If you decide to invoke any of the function(s), you MUST put it in "
+                  "the format of\n```tool_code\n[func_name1(params_name1=params_value1, "
+                  "params_name2=params_value2...), func_name2(params)]\n```\nYou SHOULD NOT include any other text "
+                  "in the response if you call a function.\n\n{tools}"),
+    results=("```tool_output\n", "\n```"))
 GEMMA_CHAT = ChatRules(stop_tokens=("<end_of_turn>", "<eos>"), fallback_template=GEMMA_TEMPLATE,
-                       template_tokens=("<start_of_turn>", "<end_of_turn>"))
+                       template_tokens=("<start_of_turn>", "<end_of_turn>"), prompted_tools=GEMMA_TOOLS)
 # post_attention_layernorm is the attention output's own norm here, and the FFN's pre-norm is
 # pre_feedforward_layernorm; the checkpoints store w of norms that multiply by 1 + w
 GEMMA_TENSORS = TensorNames(hf_vectors={"ffn_norm": "pre_feedforward_layernorm.weight",

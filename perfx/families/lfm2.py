@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from perfx.errors import PerfxError
 from perfx.families.family import (ChatRules, Family, GGUFHeader, HFConfig, LayerRecipe, Preset, TensorNames,
-                                   per_layer)
+                                   ToolFormat, per_layer)
+
+# LFM2's: its template lists the tools between <|tool_list_start|> and <|tool_list_end|> and wraps a tool's
+# result in <|tool_response_start|> ... <|tool_response_end|>; the model writes Python calls,
+# <|tool_call_start|>[get_weather(city="Paris")]<|tool_call_end|> (llama.cpp's copy of the template writes a
+# JSON list there, which is read too).
+LFM2_TOOLS = ToolFormat(name="lfm2", marker="<|tool_list_start|>", opener="<|tool_call_start|>",
+                        closer="<|tool_call_end|>", body="pythonic", listed=True,
+                        results=("<|tool_response_start|>", "<|tool_response_end|>"))
 
 
 def read_gguf(h: GGUFHeader) -> dict:
@@ -77,6 +85,6 @@ FAMILY = Family(
         hf_vectors={"attn_norm": "operator_norm.weight", "ffn_norm": "ffn_norm.weight",
                     "q_norm": "self_attn.q_layernorm.weight", "k_norm": "self_attn.k_layernorm.weight"},
         hf_final_norm="embedding_norm.weight"),
-    chat=ChatRules(stop_tokens=("<|im_end|>", "<|endoftext|>")),
+    chat=ChatRules(stop_tokens=("<|im_end|>", "<|endoftext|>"), tool_formats=(LFM2_TOOLS,)),
     synthetic={"lfm2-350m": Preset(_config(1024, 6656, 16)), "lfm2-1.2b": Preset(_config(2048, 12288, 32))},
 )

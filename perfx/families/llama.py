@@ -4,7 +4,12 @@ SwiGLU FFN, RoPE on every dimension of every layer."""
 
 from __future__ import annotations
 
-from perfx.families.family import ChatRules, Family, GGUFHeader, HFConfig, Preset, TensorNames
+from perfx.families.family import ChatRules, Family, GGUFHeader, HFConfig, Preset, TensorNames, ToolFormat
+
+# Llama 3.1-3.3's JSON calls: the reply is {"name": ..., "parameters": {...}}, after <|python_tag|> at times;
+# their templates render tool results in "ipython" turns. SmolLM2's and Mistral's templates have no tools.
+LLAMA3_TOOLS = ToolFormat(name="llama3-json", marker="<|start_header_id|>ipython", also_openers=("<|python_tag|>",),
+                          arguments_key="parameters")
 
 
 def read_gguf(h: GGUFHeader) -> dict:
@@ -31,7 +36,8 @@ FAMILY = Family(
     # llama.cpp's converter permutes Wq/Wk for its interleaved RoPE (LLAMA_ROPE_TYPE_NORM)
     tensors=TensorNames(gguf_permuted_qk=True),
     # Llama 3's turn and message ends, Llama 2's and Mistral's </s>, SmolLM2's ChatML end
-    chat=ChatRules(stop_tokens=("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "</s>", "<|im_end|>")),
+    chat=ChatRules(stop_tokens=("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "</s>", "<|im_end|>"),
+                   tool_formats=(LLAMA3_TOOLS,)),
     synthetic={
         # group 128 with 4-bit zero points, as the usual AWQ checkpoints
         "llama-2-7b": Preset(_config(32000, 4096, 11008, 32, 32, 32, 10000.0, 4096, False), 128, zero_points=True),

@@ -8,7 +8,13 @@ import math
 
 from perfx.errors import PerfxError
 from perfx.families.family import (ChatRules, Family, GGUFHeader, HFConfig, LayerRecipe, Preset, Rope, TensorNames,
-                                   factor_table, float32_value)
+                                   ToolFormat, factor_table, float32_value)
+
+# Phi-4-mini's: its template takes the tools as the system message's "tools" field (a JSON string, between
+# <|tool|> tokens), and the model writes its calls as a JSON list between <|tool_call|> and <|/tool_call|>.
+# Phi-3's and Phi-3.5's templates have no tools.
+PHI4_TOOLS = ToolFormat(name="phi4-mini", marker="<|tool|>", opener="<|tool_call|>", closer="<|/tool_call|>",
+                        listed=True, tools_in_system=True)
 
 
 def read_gguf(h: GGUFHeader) -> dict:
@@ -86,7 +92,7 @@ FAMILY = Family(
     tensors=TensorNames(),    # attn_qkv / qkv_proj and ffn_up / gate_up_proj: the common fused names
     # llama.cpp drops the whitespace after Phi-3's special tokens but these, chosen by general.name
     chat=ChatRules(stop_tokens=("<|end|>", "<|endoftext|>"), rstrip_names=("phi-3", "phi3"),
-                   rstrip_keep=("<unk>", "<s>", "<|endoftext|>")),
+                   rstrip_keep=("<unk>", "<s>", "<|endoftext|>"), tool_formats=(PHI4_TOOLS,)),
     synthetic={
         "phi-4-mini": Preset(dict(model_type="phi3", vocab_size=200064, hidden_size=3072, intermediate_size=8192,
                                   num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8,

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from perfx.families.family import ChatRules, Family, GGUFHeader, HFConfig, Preset, TensorNames
+from perfx.families.family import ChatRules, Family, GGUFHeader, HFConfig, Preset, TensorNames, ToolFormat
+
+# Hermes' tool calls, which Qwen2.5's, Qwen3's and Qwen3.5's templates render and their models write: one JSON
+# call between <tool_call> tags (one token each in their vocabularies). The instructions are the templates' own.
+HERMES_TOOLS = ToolFormat(
+    name="hermes", marker="<tool_call>", opener="<tool_call>", closer="</tool_call>", separator="\n",
+    instructions=("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                  "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n"
+                  "</tools>\n\nFor each function call, return a json object with function name and arguments within "
+                  "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+                  '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'))
 
 
 def read_gguf(h: GGUFHeader) -> dict:
@@ -20,7 +30,8 @@ FAMILY = Family(
     gguf_names=("qwen2",), hf_names=("qwen2",),
     read_gguf=read_gguf, read_hf=read_hf,
     tensors=TensorNames(),
-    chat=ChatRules(stop_tokens=("<|im_end|>", "<|endoftext|>")),
+    chat=ChatRules(stop_tokens=("<|im_end|>", "<|endoftext|>"), tool_formats=(HERMES_TOOLS,),
+                   prompted_tools=HERMES_TOOLS),
     synthetic={
         # Qwen/Qwen2.5-0.5B(-Instruct)'s config.json
         "qwen2.5-0.5b": Preset(dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,

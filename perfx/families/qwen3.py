@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from perfx.families.family import ChatRules, Family, GGUFHeader, HFConfig, Preset, TensorNames
+from perfx.families.qwen2 import HERMES_TOOLS
 
 
 def read_gguf(h: GGUFHeader) -> dict:
@@ -19,7 +20,8 @@ FAMILY = Family(
     gguf_names=("qwen3",), hf_names=("qwen3",),
     read_gguf=read_gguf, read_hf=read_hf,
     tensors=TensorNames(),
-    chat=ChatRules(stop_tokens=("<|im_end|>", "<|endoftext|>")),
+    chat=ChatRules(stop_tokens=("<|im_end|>", "<|endoftext|>"), tool_formats=(HERMES_TOOLS,),
+                   prompted_tools=HERMES_TOOLS),
     synthetic={
         "qwen3-1.7b": Preset(dict(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                                   num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,

@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 from perfx.errors import PerfxError
-from perfx.families.family import ChatRules, Family, GGUFHeader, HFConfig, LayerRecipe, Preset, TensorNames
+from perfx.families.family import (ChatRules, Family, GGUFHeader, HFConfig, LayerRecipe, Preset, TensorNames,
+                                   ToolFormat)
 
+# SmolLM3's template takes its tools as xml_tools (python_tools is its code agent's), and teaches Hermes' calls in
+# its own words, used too where a template has no tool sections (llama.cpp's copy of it, Unsloth's edit).
+SMOLLM3_TOOLS = ToolFormat(
+    name="smollm3", marker="xml_tools", opener="<tool_call>", closer="</tool_call>", separator="\n",
+    tools_variable="xml_tools",
+    instructions=("### Tools\n\nYou may call one or more functions to assist with the user query.\n"
+                  "You are provided with function signatures within <tools></tools> XML tags:\n\n<tools>\n{tools}\n"
+                  "</tools>\n\nFor each function call, return a json object with function name and arguments within "
+                  "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+                  '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'))
 NO_ROPE_STEP = 4   # llama.cpp hard-codes it (no GGUF key): layers with (i + 1) % 4 == 0 have no RoPE
 
 
@@ -30,7 +41,8 @@ FAMILY = Family(
     gguf_names=("smollm3",), hf_names=("smollm3",),
     read_gguf=read_gguf, read_hf=read_hf,
     tensors=TensorNames(gguf_permuted_qk=True),
-    chat=ChatRules(stop_tokens=("<|im_end|>", "<|end_of_text|>")),
+    chat=ChatRules(stop_tokens=("<|im_end|>", "<|end_of_text|>"), tool_formats=(SMOLLM3_TOOLS,),
+                   prompted_tools=SMOLLM3_TOOLS),
     synthetic={
         "smollm3-3b": Preset(dict(model_type="smollm3", vocab_size=128256, hidden_size=2048, intermediate_size=11008,
                                   num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4, rope_theta=5e6,

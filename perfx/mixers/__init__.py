@@ -18,11 +18,35 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import numpy as np
 
 from perfx.errors import PerfxError
 from perfx.op import Op, StepOptions, matrix_ops
+
+
+@dataclass
+class Rows:
+    """The rows of a batched decode step (``perfx.batch``): row i is one token of its own sequence, at its own
+    position, with its own state of each mixer (a KV cache, rings, a recurrent state: what ``new_state``
+    makes). The kernels that read a position on the device read row i's at index ``first + i`` of
+    ``buffer`` (int32)."""
+
+    positions: list[int]
+    buffer: object
+    first: int
+    states: list[dict]    # per row: {mixer: its state (``Mixer.state_fields`` -> object)}
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def position(self, i: int) -> tuple:
+        """(buffer, index) where row i's position is read on the device."""
+        return self.buffer, self.first + i
+
+    def state(self, mixer, i: int) -> dict:
+        return self.states[i][mixer]
 
 
 class Mixer(ABC):
@@ -157,6 +181,44 @@ class Mixer(ABC):
         """The float64 mixing of ``layer`` over the normed rows xb at ``positions`` (``perfx.forward64``),
         with the host ``LayerWeights`` ``w`` (its ``mixing``), updating ``cache``: its output before the post-norm
         and the residual."""
+
+    # -- several sequences at once (``perfx.batch``) ------------------------------------------------------
+
+    # the attributes that hold one sequence's state (its KV cache, rings, recurrent state): a batch gives each
+    # sequence its own (``new_state``) and binds a sequence's in place of them to prefill it
+    state_fields: tuple[str, ...] = ()
+
+    def new_state(self) -> dict:
+        """A fresh state for one more sequence, as ``allocate`` makes the first: ``state_fields`` -> object."""
+        return {}
+
+    def own_state(self) -> dict:
+        """The state its attributes hold now (``state_fields`` -> object)."""
+        return {name: getattr(self, name) for name in self.state_fields}
+
+    def bind(self, state: dict) -> None:
+        """Hold ``state`` (``new_state``'s or ``own_state``'s) in its attributes: the forward runs on it."""
+        for name, value in state.items():
+            setattr(self, name, value)
+
+    @classmethod
+    def decodes_rows(cls) -> bool:
+        """Whether its layers run in a batched decode step: it defines its own ``forward_rows``."""
+        return cls.forward_rows is not Mixer.forward_rows
+
+    def forward_rows(self, layer: int, m: int, rows: Rows) -> None:
+        """Enqueue ``layer``'s mixing of the m rows of xb of a batched decode step (``rows``: each its own
+        sequence's token, position and state), output into proj: the matrices over the m rows at once, what
+        mixes positions row by row on each row's own state."""
+        raise PerfxError(f"layer kind {self.kind!r} cannot decode several sequences together yet: serve with "
+                         "--parallel 1")
+
+    def _row_scratch(self, name: str, floats: int):
+        """A one-row scratch buffer of ``floats`` float32 for ``forward_rows``, made on first use."""
+        scratch = self.__dict__.setdefault("_rows_scratch", {})
+        if name not in scratch:
+            scratch[name] = self.model.device.empty(floats, np.float32)
+        return scratch[name]
 
     # -- state rules -----------------------------------------------------------------------------
 

@@ -46,6 +46,7 @@ class AttentionMixer(Mixer):
     kind = "attention"
 
     scratch = ("qkv", "att", "gates")
+    state_fields = ("cache",)
 
     # -- host side ------------------------------------------------------------------------------------
 
@@ -146,7 +147,7 @@ class AttentionMixer(Mixer):
         self.gates = d.empty((s.chunk, c.q_dim), f32) if c.attention_gate else None
         # one row of att as Q8_1 blocks, for the o projections
         self.att_q8 = (d.empty(c.q_dim, np.int8), d.empty((c.q_dim // 32, 2), np.float32)) if self.writes_blocks() else None
-        self.cache = KVCache.allocate(d, len(self.layers), c.n_kv_heads, model.max_positions, c.head_dim, model.kv)
+        self.bind(self.new_state())
         # One cos/sin table per distinct RoPE of the recipe (Gemma 3: local and global bases), made once; a
         # GGUF's rope_freqs (Llama 3.x) and LongRoPE's factors ride in the scaling and are applied in the table.
         tables: dict[str, RopeTable] = {}
@@ -160,6 +161,12 @@ class AttentionMixer(Mixer):
                                                    rotary_dims=r.dims)
             self.rope[i] = None if r is None else tables[r.key()]
             self.window[i] = recipe.window
+
+    def new_state(self) -> dict:
+        model = self.model
+        c = model.config
+        return {"cache": KVCache.allocate(model.device, len(self.layers), c.n_kv_heads, model.max_positions,
+                                          c.head_dim, model.kv)}
 
     def upload(self, w, layer: int) -> int:
         m, h = self.model, w.mixing
@@ -230,6 +237,26 @@ class AttentionMixer(Mixer):
         if w.attn_gate is not None:   # Qwen3.5: the attention output times σ(gate)
             plan.attn_gate(self.gates, self.att, self.att, m * model.config.q_dim)
         w.o(self.att, s.proj, m, decode, (self.att_q8, Q8_TEXEL) if m == 1 and self.att_q8 is not None else None)
+
+    def forward_rows(self, layer: int, m: int, rows) -> None:
+        model, w = self.model, self.weights[layer]
+        c, plan, s = model.config, model.plan, model.state
+        decode = m == 1
+        w.qkv(s.xb, self.qkv, m, decode, model.xb_blocks(m))
+        if w.attn_gate is not None:
+            w.attn_gate(s.xb, self.gates, m, decode, model.xb_blocks(m))
+        # each row attends its own sequence's cache up to its own position, read on the device; row 0 writes att
+        # in place, the others through a row of scratch (the kernel writes its output from the buffer's start)
+        out = self._row_scratch("att", c.q_dim)
+        for i, pos in enumerate(rows.positions):
+            plan.attn_decode(self.qkv, self.att if i == 0 else out, rows.state(self, i)["cache"], self.rope[layer],
+                             self.slot[layer], pos, i * c.qkv_dim, position=rows.position(i),
+                             **self._features(layer))
+            if i:
+                model.device.copy(self.att, out, 4 * c.q_dim, dst_offset=4 * i * c.q_dim)
+        if w.attn_gate is not None:
+            plan.attn_gate(self.gates, self.att, self.att, m * c.q_dim)
+        w.o(self.att, s.proj, m, decode)
 
     def partitions(self, pos: int) -> int:
         # the decode attention's grid grows by one partition every PART positions

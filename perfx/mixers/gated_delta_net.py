@@ -16,6 +16,7 @@ from typing import ClassVar
 import numpy as np
 
 from perfx.mixers import Mixer
+from perfx.mixers.short_conv import convolve_rows
 from perfx.op import Op, StepOptions, shared
 from perfx.ops.gated_delta_net import DeltaState
 from perfx.ops.restore_points import DeltaPart, RingPart
@@ -54,6 +55,7 @@ class GatedDeltaNetMixer(Mixer):
     can_roll_back = False   # S holds the last position only
 
     scratch = ("dqkv", "dconv", "dz", "dab", "dout")
+    state_fields = ("history", "state")
 
     # -- host side: q|k|v, z and the out-projection as the file holds them, a and b fused (both a row per v
     # head), the taps, the gates' vectors and the norm's γ ------------------------------------------------
@@ -139,8 +141,12 @@ class GatedDeltaNetMixer(Mixer):
         self.dz = d.empty((s.chunk, value), f32)
         self.dab = d.empty((s.chunk, 2 * c.delta_v_heads), f32)
         self.dout = d.empty((s.chunk, value), f32)       # the recurrence's output, then normed and gated
-        self.history = ConvHistory(d, len(self.layers), channels)
-        self.state = DeltaState(d, len(self.layers), delta_shape(c, 1))
+        self.bind(self.new_state())
+
+    def new_state(self) -> dict:
+        c, d = self.model.config, self.model.device
+        return {"history": ConvHistory(d, len(self.layers), c.delta_conv_dim),
+                "state": DeltaState(d, len(self.layers), delta_shape(c, 1))}
 
     def forward(self, layer: int, m: int, pos: int, decode: bool, position=None, split=None) -> None:
         model, w = self.model, self.weights[layer]
@@ -155,6 +161,28 @@ class GatedDeltaNetMixer(Mixer):
                    eps=c.rms_eps)
         plan.rmsnorm.plain(self.dout, w.delta_norm, self.dconv, m * c.delta_v_heads, c.delta_v_dim, c.rms_eps)
         plan.delta_gate(self.dz, self.dconv, self.dout, m * c.delta_value_dim)
+        w.delta_out(self.dout, model.state.proj, m, decode)
+
+    def forward_rows(self, layer: int, m: int, rows) -> None:
+        model, w = self.model, self.weights[layer]
+        c, plan, xb, blocks = model.config, model.plan, model.state.xb, model.xb_blocks(m)
+        slot, decode, channels, value = self.slot[layer], m == 1, c.delta_conv_dim, c.delta_value_dim
+        w.delta_qkv(xb, self.dqkv, m, decode, blocks)
+        w.delta_z(xb, self.dz, m, decode, blocks)
+        w.delta_ab(xb, self.dab, m, decode, blocks)
+        convolve_rows(model, rows, self, self.dqkv, channels, self.dconv, channels,
+                      lambda x, y, history, pos, position: plan.short_conv(
+                          x, w.conv_weight, history, slot, y, 1, pos, position=position))
+        # each row's recurrence on its own sequence's S; row 0 writes dout in place, the others through scratch
+        out = self._row_scratch("delta out", value)
+        for i in range(m):
+            plan.delta_decode(self.dconv, self.dab, rows.state(self, i)["state"].buffers[slot],
+                              self.dout if i == 0 else out, 1, qkv_offset=i * channels,
+                              gates_offset=i * 2 * c.delta_v_heads, dt_bias=w.dt_bias, ssm_a=w.ssm_a, eps=c.rms_eps)
+            if i:
+                model.device.copy(self.dout, out, 4 * value, dst_offset=4 * i * value)
+        plan.rmsnorm.plain(self.dout, w.delta_norm, self.dconv, m * c.delta_v_heads, c.delta_v_dim, c.rms_eps)
+        plan.delta_gate(self.dz, self.dconv, self.dout, m * value)
         w.delta_out(self.dout, model.state.proj, m, decode)
 
     @staticmethod

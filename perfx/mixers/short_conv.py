@@ -34,6 +34,7 @@ class ShortConvMixer(Mixer):
     kind = "conv"
 
     scratch = ("bcx", "mixed")
+    state_fields = ("history",)
 
     # -- host side: conv_in and conv_out as the file holds them, the taps -----------------------------------
 
@@ -90,7 +91,10 @@ class ShortConvMixer(Mixer):
         c, d, s = self.model.config, self.model.device, self.model.state
         self.bcx = d.empty((s.chunk, 3 * c.hidden_size), np.float32)   # the in-projection [B | C | x]
         self.mixed = d.empty((s.chunk, c.hidden_size), np.float32)     # the gated convolution's output
-        self.history = ConvHistory(d, len(self.layers), c.hidden_size)
+        self.bind(self.new_state())
+
+    def new_state(self) -> dict:
+        return {"history": ConvHistory(self.model.device, len(self.layers), self.model.config.hidden_size)}
 
     def forward(self, layer: int, m: int, pos: int, decode: bool, position=None, split=None) -> None:
         model, w = self.model, self.weights[layer]
@@ -98,6 +102,15 @@ class ShortConvMixer(Mixer):
         model.plan.short_conv(self.bcx, w.conv_weight, self.history, self.slot[layer], self.mixed, m, pos,
                               position=position)
         w.conv_out(self.mixed, model.state.proj, m, decode)
+
+    def forward_rows(self, layer: int, m: int, rows) -> None:
+        model, w = self.model, self.weights[layer]
+        h = model.config.hidden_size
+        w.conv_in(model.state.xb, self.bcx, m, m == 1, model.xb_blocks(m))
+        convolve_rows(model, rows, self, self.bcx, 3 * h, self.mixed, h,
+                      lambda x, y, history, pos, position: model.plan.short_conv(
+                          x, w.conv_weight, history, self.slot[layer], y, 1, pos, position=position))
+        w.conv_out(self.mixed, model.state.proj, m, m == 1)
 
     @staticmethod
     def reference(xb, w, c, cache, layer: int, positions, recipe) -> np.ndarray:
@@ -126,6 +139,22 @@ class ShortConvMixer(Mixer):
         first = max(0, written - self.history.rows + self.model.config.conv_length - 1)
         return (f"position {pos}: this model's conv layers hold their state for positions {first}..{written} only "
                 f"(positions 0..{written - 1} were run); prefill from an earlier position (0 always works)")
+
+
+def convolve_rows(model, rows, mixer, x, x_width: int, y, y_width: int, convolve) -> None:
+    """The short convolution of each row of a batched step over its own sequence's ring: ``convolve(x, y,
+    history, pos, position)`` for one row; row 0 reads x and writes y in place, the others through rows of
+    scratch (the kernel reads and writes from the buffers' start)."""
+    d = model.device
+    x_row, y_row = mixer._row_scratch("conv x", x_width), mixer._row_scratch("conv y", y_width)
+    for i, pos in enumerate(rows.positions):
+        history = rows.state(mixer, i)["history"]
+        if i == 0:
+            convolve(x, y, history, pos, rows.position(i))
+            continue
+        d.copy(x_row, x, 4 * x_width, src_offset=4 * i * x_width)
+        convolve(x_row, y_row, history, pos, rows.position(i))
+        d.copy(y, y_row, 4 * y_width, dst_offset=4 * i * y_width)
 
 
 MIXER = ShortConvMixer

@@ -1,11 +1,12 @@
 """Decode attention: RoPE on q and k, k and v appended to the KV cache, GQA attention for one new token.
 
-Flash-decoding with ``kernels/attention_decode.cl``: ``attention_partial`` (one work-group per kv head and
-partition of PART positions: per-head RMSNorm of q and k where built with it, RoPE, the append by the
-partition that holds the new position, partial softmax and weighted V) then ``attention_combine``
-(online-softmax merge of the partitions). A context of at most PART positions is one partition and needs
-the first launch only. The RoPE table, the sliding window, the scale, the soft-cap and the norm weights are
-per launch, so one AttentionDecode serves every layer of a model whose layers differ in them. The position is
+Flash-decoding with ``kernels/attention_decode.cl`` in one launch: ``attention_partial`` (one work-group per kv
+head and partition of PART positions: per-head RMSNorm of q and k where built with it, RoPE, the append by the
+partition that holds the new position, partial softmax and weighted V), the online-softmax merge of the
+partitions done by the last work-group of each kv head to finish (a counter per kv head, this wrapper's,
+zeroed once; the kernel leaves it at zero). The RoPE table, the sliding window, the scale, the soft-cap and
+the norm weights are per launch, so one AttentionDecode serves every layer of a model whose layers differ in
+them. The position is
 read on the device, from an int32 buffer (the model's decode step buffer, or the wrapper's own): a launch
 recorded once serves every position with the same number of partitions. The KV cache's form (fp16, or int8
 codes with fp16 scales: ``kv`` "q8") is part of the shape, since the model decides it: it sets the build
@@ -33,14 +34,14 @@ def lanes(params, shape) -> int:
 
 def local_memory(params, shape) -> int:
     """Mirrors the kernel's __local arrays: q, the fresh k/v (fp16; q8: fp32, codes and scales), sums of squares
-    / scores / partial V sums, reductions, and with qk_norm the 1/rms of each head."""
+    / scores / partial V sums, reductions, the combine's flag, and with qk_norm the 1/rms of each head."""
     gqa, d = shape["n_heads"] // shape["n_kv_heads"], shape["head_dim"]
     rows = params["WGS"] // lanes(params, shape)
     work = max(gqa * params["PART"], rows * gqa * d, (gqa + 1) * params["WGS"])
     q_half = 2 * gqa * d if params["HALF"] else 2
     inv_rms = gqa + 1 if shape.get("qk_norm") else 0
     fresh = 2 + 4 * 2 * d + 2 * d + 2 * 2 * d // 32 if shape.get("kv") == "q8" else 2 * 2 * d + 4 + 1 + 2
-    return 4 * (gqa * d + work + gqa * params["WGS"] + 2 * gqa + inv_rms) + fresh + q_half
+    return 4 * (gqa * d + work + gqa * params["WGS"] + 2 * gqa + inv_rms + 1) + fresh + q_half
 
 
 PARAMS = ParamSpace(
@@ -104,33 +105,37 @@ class AttentionDecode:
         self.params = params = PARAMS.resolve(params, spec_shape, device.caps)
         self.defines = {"HEAD_DIM": head_dim, "GQA": n_heads // n_kv_heads, "QK_NORM": int(self.qk_norm),
                         "KV_Q8": int(self.kv == "q8"), **params}
-        self._kernels: dict[bool, tuple] = {}
+        self._kernels: dict[bool, object] = {}
         self.kernels(False)   # built now: a refusal shows at load
         self.part = int(params["PART"])
         self.wgs = int(params["WGS"])
-        self.lanes = head_dim // int(params["VW"])
         self.max_parts = -(-max_positions // self.part)
-        stats = 4 * n_heads * self.max_parts
-        self.part_max = device.alloc(stats, what="attention_decode partial maxima")
-        self.part_sum = device.alloc(stats, what="attention_decode partial sums")
-        self.part_out = device.alloc(stats * head_dim, what="attention_decode partial outputs")
+        stats = n_heads * self.max_parts
+        # Zeroed once: the combine reads them with atomics, whose stores Oclgrind's uninitialised-value check does
+        # not follow; a partial a launch failed to write reads 0 and fails the reference, so this hides nothing.
+        zeros = np.zeros(stats * head_dim, np.float32)
+        self.part_max = device.alloc(4 * stats, zeros[:stats], what="attention_decode partial maxima")
+        self.part_sum = device.alloc(4 * stats, zeros[:stats], what="attention_decode partial sums")
+        self.part_out = device.alloc(4 * stats * head_dim, zeros, what="attention_decode partial outputs")
+        # the arrivals at each kv head's combine; zero between launches (the last arrival resets its own)
+        self.counters = device.alloc(4 * n_kv_heads, np.zeros(n_kv_heads, np.int32),
+                                     what="attention_decode combine counters")
         self.qkv_size = (n_heads + 2 * n_kv_heads) * head_dim
         # Bound to the table and weight arguments a launch does not read (no RoPE, no qk_norm).
         self.placeholder = device.alloc(4, what="attention_decode placeholder")
         self.position = DevicePosition(device, "attention_decode")
         self.last_events: list = []
 
-    def kernels(self, quantizes: bool) -> tuple:
-        """(attention_partial, attention_combine), built to also write out as Q8_1 blocks where ``quantizes``."""
-        kernels = self._kernels.get(quantizes)
-        if kernels is None:
+    def kernels(self, quantizes: bool):
+        """attention_partial, built to also write out as Q8_1 blocks where ``quantizes``."""
+        kernel = self._kernels.get(quantizes)
+        if kernel is None:
             defines = {**self.defines, "Q8_OUT": int(quantizes)}
-            kernels = self._kernels[quantizes] = tuple(
-                self.device.kernel(PARAMS.source, name, defines) for name in ("attention_partial", "attention_combine"))
-        return kernels
+            kernel = self._kernels[quantizes] = self.device.kernel(PARAMS.source, "attention_partial", defines)
+        return kernel
 
     def partitions(self, pos: int) -> int:
-        """Work-groups per kv head for the token at ``pos`` (1 → no combine launch)."""
+        """Work-groups per kv head for the token at ``pos`` (1: no partials to combine)."""
         return pos // self.part + 1
 
     def _check(self, qkv, out, cache: KVCache, rope: RopeTable | None, layer: int, pos: int, qkv_offset: int):
@@ -170,7 +175,7 @@ class AttentionDecode:
     def enqueue(self, qkv, out, cache: KVCache, rope: RopeTable | None, layer: int, pos: int,
                 qkv_offset: int = 0, *, position=None, window: int | None = None, scale: float | None = None,
                 softcap: float = 0.0, q_norm=None, k_norm=None, eps: float = 1e-6, quantized=None) -> list:
-        """Enqueue the launches; returns their events ([partial] or [partial, combine]), for timing.
+        """Enqueue the launch; returns its events ([the launch]), for timing.
 
         ``position``: (int32 buffer, index) that holds ``pos`` when the launches run (the decode plan's step
         buffer: recorded once, the launches serve every position of the same partition count); None: this
@@ -187,7 +192,7 @@ class AttentionDecode:
             size = self.n_heads * self.head_dim
             extra = (device_buffer(quantized[0], size, "attention_decode quantized out"),
                      device_buffer(quantized[1], 8 * (size // 32), "attention_decode quantized out's steps and sums"))
-        partial_kernel, combine_kernel = self.kernels(quantized is not None)
+        kernel = self.kernels(quantized is not None)
         positions, pos_index = self.position(pos, position)
         window, scale, norms = attention_features(
             "attention_decode", self.head_dim, self.qk_norm, self.window if window is None else window,
@@ -196,21 +201,14 @@ class AttentionDecode:
         scales = cache.scales(layer) or (self.placeholder, self.placeholder)
         n_parts = self.partitions(pos)
         cos, sin = (self.placeholder, self.placeholder) if rope is None else (rope.cos, rope.sin)
-        partial = self.device.launch(
-            partial_kernel, (self.wgs, self.n_kv_heads, n_parts), (self.wgs, 1, 1),
+        launch = self.device.launch(
+            kernel, (self.wgs, self.n_kv_heads, n_parts), (self.wgs, 1, 1),
             qkv_b, np.int32(qkv_offset), cos, sin, np.int32(0 if rope is None else rope.rotary_dims),
             *norms, np.float32(eps), keys, values, *scales,
             np.int32(offset), np.int32(cache.max_positions), positions,
             np.int32(pos_index), np.int32(self.max_parts), self.part_max, self.part_sum, self.part_out, out_b, np.int32(window),
-            np.float32(scale), np.float32(softcap), *extra)
-        if n_parts == 1:
-            self.last_events = [partial]
-        else:
-            combine = self.device.launch(
-                combine_kernel, (self.lanes, self.n_heads), (self.lanes, 1),
-                np.int32(n_parts), np.int32(self.max_parts), self.part_max, self.part_sum, self.part_out, out_b,
-                *extra)
-            self.last_events = [partial, combine]
+            np.float32(scale), np.float32(softcap), self.counters, *extra)
+        self.last_events = [launch]
         return self.last_events
 
     def __call__(self, qkv, out, cache: KVCache, rope: RopeTable | None, layer: int, pos: int,

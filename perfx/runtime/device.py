@@ -1,4 +1,5 @@
-"""The device: one OpenCL device with its context and profiling queue, the kernels built on it (with
+"""The device: one OpenCL device with its context and queue (no profiling events, a second queue with them while
+measuring: ``Device.profiling``), the kernels built on it (with
 ``-D`` defines, built programs and ``Kernel`` objects kept), the device memory perfx allocates (counted),
 every copy to, from and within it, and the recording of launches that the decode step replays."""
 
@@ -129,7 +130,13 @@ def _first_line(error: Exception) -> str:
 
 
 class Device:
-    """One OpenCL device with its context, a profiling queue, built kernels, memory accounting and the copies."""
+    """One OpenCL device with its context, its queue, built kernels, memory accounting and the copies.
+
+    ``queue`` records no profiling events: every launch, copy and decode step runs on it, and an event a launch
+    does not need costs the host time a launch (``benchmarks/launch_cost.py``). Inside ``profiling()`` the device
+    runs on a second queue that records them, for the measurements that read them (``perfx.timing``)."""
+
+    _of_queue: weakref.WeakValueDictionary = weakref.WeakValueDictionary()   # queue handle -> its Device
 
     def __init__(self, selector: str | None = None, limits: Limits | None = None):
         self.entry, self.reason = choose_device(selector)
@@ -138,9 +145,12 @@ class Device:
         self.caps = read_capabilities(self.cl_device, self.limits)
         try:
             self.context = cl.Context([self.cl_device])
-            self.queue = cl.CommandQueue(self.context, properties=cl.command_queue_properties.PROFILING_ENABLE)
+            self.queue = self._lean_queue = cl.CommandQueue(self.context)
         except cl.Error as e:
             raise_as_perfx(f"creating a context on {self.caps.name}", e)
+        self._profiling_queue: cl.CommandQueue | None = None   # made at the first profiling()
+        self._profiling_depth = 0
+        Device._of_queue[self.queue.int_ptr] = self
         self.build_options = build_options(self.caps)
         self._programs: dict[tuple, cl.Program] = {}
         self._kernels: dict[tuple, cl.Kernel] = {}
@@ -479,6 +489,51 @@ class Device:
         finally:
             self._recording = None
 
+    @contextlib.contextmanager
+    def profiling(self):
+        """Run the block's launches and copies on a queue that records profiling events (yielded, and
+        ``self.queue`` meanwhile), for timing with them; the work queued before waits done first, the block's
+        done when it ends, so each queue sees the other's results. Inside it, enqueue through the device (its
+        ``launch``, copies and ``queue``), not through a pyopencl Array's own queue, which stays the lean one.
+        Nests."""
+        if self._profiling_depth == 0:
+            if self._profiling_queue is None:
+                try:
+                    self._profiling_queue = cl.CommandQueue(
+                        self.context, properties=cl.command_queue_properties.PROFILING_ENABLE)
+                except cl.Error as e:
+                    raise_as_perfx(f"creating a profiling queue on {self.caps.name}", e)
+                Device._of_queue[self._profiling_queue.int_ptr] = self
+            self._lean_queue.finish()
+            self.queue = self._profiling_queue
+        self._profiling_depth += 1
+        try:
+            yield self.queue
+        finally:
+            self._profiling_depth -= 1
+            if self._profiling_depth == 0:
+                self._profiling_queue.finish()
+                self.queue = self._lean_queue
+
+    @classmethod
+    def of_events(cls, events) -> Device | None:
+        """The Device whose queue (lean or profiling) the first of ``events`` that has one ran on, else None."""
+        for event in events or ():
+            if event is not None:
+                device = cls._of_queue.get(event.get_info(cl.event_info.COMMAND_QUEUE).int_ptr)
+                if device is not None:
+                    return device
+        return None
+
+    @staticmethod
+    def event_seconds(event) -> float:
+        """Seconds from a finished event's start to its end, from its profiling events."""
+        try:
+            return (event.profile.end - event.profile.start) * 1e-9
+        except cl.Error as e:
+            raise PerfxError("these launches ran on a queue without profiling events: time them inside "
+                             "`with device.profiling():` (perfx.timing.time_launches does so itself)") from e
+
     def replay(self, steps: list) -> CommandBuffer | QcomRecording | Sequence:
         """Recorded steps as one step to enqueue again and again: one enqueue a launch, or, where asked for
         (PERFX_REPLAY, perfx.runtime.replay.asked_replay) and the driver has it, one command buffer
@@ -590,7 +645,7 @@ class Device:
         return self.alloc(nbytes)
 
     def empty(self, shape, dtype) -> cla.Array:
-        return cla.empty(self.queue, shape, np.dtype(dtype), allocator=self._allocator)
+        return cla.empty(self._lean_queue, shape, np.dtype(dtype), allocator=self._allocator)
 
     def upload(self, array: np.ndarray) -> cla.Array:
         array = np.ascontiguousarray(array)

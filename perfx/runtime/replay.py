@@ -58,7 +58,14 @@ class BoundLaunch:
         try:
             return cl.enqueue_nd_range_kernel(queue, self.kernel, self.global_size, self.local_size)
         except cl.Error as e:
-            raise_as_perfx(f"launching {self.kernel.function_name} global={self.global_size}", e)
+            raise_as_perfx(self.describe(), e)
+
+    def call(self) -> tuple:
+        """(function, its arguments after the queue): the enqueue with nothing left to look up."""
+        return cl.enqueue_nd_range_kernel, (self.kernel, self.global_size, self.local_size)
+
+    def describe(self) -> str:
+        return f"launching {self.kernel.function_name} global={self.global_size}"
 
 
 class BoundCopy:
@@ -73,6 +80,13 @@ class BoundCopy:
     def enqueue(self, queue: cl.CommandQueue) -> cl.Event:
         return cl.enqueue_copy(queue, self.dst, self.src, byte_count=self.nbytes, src_offset=self.src_offset,
                                dst_offset=self.dst_offset)
+
+    def call(self) -> tuple:
+        """As ``BoundLaunch.call`` (a step has few copies: its own enqueue, through pyopencl's keywords)."""
+        return self.enqueue, ()
+
+    def describe(self) -> str:
+        return f"copying {self.nbytes} bytes"
 
 
 def _make_version(major: int, minor: int, patch: int) -> int:
@@ -177,14 +191,21 @@ def _check(status: int, what: str) -> None:
 
 
 class Sequence:
-    """The step replayed one enqueue a launch."""
+    """The step replayed one enqueue a launch: pyopencl's enqueue called straight on arguments made once (no
+    method of ours between, no argument set, no event kept), the fewest Python operations a launch pyopencl
+    allows; its enqueue still returns an event, which is dropped."""
 
     def __init__(self, steps: list):
         self.steps = steps
+        self._calls = [step.call() for step in steps]
 
     def enqueue(self, queue: cl.CommandQueue) -> None:
-        for step in self.steps:
-            step.enqueue(queue)
+        i = 0
+        try:
+            for i, (function, arguments) in enumerate(self._calls):
+                function(queue, *arguments)
+        except cl.Error as e:
+            raise_as_perfx(self.steps[i].describe(), e)
 
 
 class CommandBuffer:

@@ -9,12 +9,16 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from perfx import constrain
 from perfx.errors import PerfxError
+from perfx.tools import (ToolCall, ToolCallParser, ToolError, ToolSupport, call_grammar, check_tools, render_messages,
+                         tool_support)
 
 MAX_STOP_STRINGS = 4        # OpenAI's limit
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # perfx's stop reasons (generate.Stats.stop_reason) as OpenAI's finish_reason.
-FINISH_REASONS = {"eos": "stop", "stop string": "stop", "max tokens": "length", "context full": "length"}
+FINISH_REASONS = {"eos": "stop", "stop string": "stop", "grammar complete": "stop", "max tokens": "length",
+                  "context full": "length"}
 # Sampling fields a request may set: OpenAI's, then perfx's own under the names llama.cpp's and vLLM's servers
 # give them. The names are SamplingConfig's; each range lies within what SamplingConfig accepts.
 SAMPLING = {  # name: (integer?, allowed, rule)
@@ -160,22 +164,44 @@ def common_parameters(body: dict, model_id: str) -> Request:
                    include_usage=bool(value_of(stream_options, "include_usage", (bool,), "a boolean")))
 
 
-def chat_prompt(body: dict, tokenizer) -> tuple[list[int], list[dict]]:
-    """The prompt ids of a chat request, through the model's chat template, and the messages it rendered."""
-    if body.get("tools") or body.get("functions"):
-        raise unsupported("tools", "no tool or function calling")
+@dataclass
+class Tooling:
+    """A chat request's tools: what the template renders, how the reply is read, what it must match."""
+    tools: list[dict]           # OpenAI's [{"type": "function", "function": {name, description, parameters}}]
+    choice: str = "auto"        # "auto", "required" or "function" (the one named by ``name``)
+    name: str | None = None
+    parallel: bool = True       # parallel_tool_calls: false keeps the first call only
+    support: ToolSupport | None = None  # the template's format and what it renders
+    grammar: str | None = None  # what the whole reply must match, in llguidance's Lark: a forced call (required,
+                                # or a named function), or the generic format's call or answer under "auto"
+
+    def parser(self) -> ToolCallParser:
+        return ToolCallParser(self.support.format, [t["function"]["name"] for t in self.tools])
+
+    def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """A whole reply as (content, calls)."""
+        parser = self.parser()
+        events = parser.feed(text) + parser.finish()
+        content = "".join(value for kind, value in events if kind == "content")
+        calls = [value for kind, value in events if kind == "call"]
+        return (content or None) if calls else content, calls if self.parallel else calls[:1]
+
+
+def chat_prompt(body: dict, tokenizer, architecture: str | None = None
+                ) -> tuple[list[int], list[dict], dict, Tooling | None]:
+    """The prompt ids of a chat request, through the model's chat template; the messages and the template
+    variables it rendered them with; the request's tools (None without)."""
+    if body.get("functions") or body.get("function_call"):
+        raise unsupported("functions", "use 'tools' and 'tool_choice' (the API's current names)")
     if value_of(body, "logprobs", (bool,), "a boolean"):
         raise unsupported("logprobs", "no log probabilities")
     if body.get("top_logprobs") is not None:
         raise unsupported("top_logprobs", "no log probabilities")
-    response_format = value_of(body, "response_format", (dict,), "an object")
-    if response_format and response_format.get("type", "text") != "text":
-        raise unsupported("response_format", "plain text only (no JSON mode or schemas)")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages",
                        code="invalid_value" if isinstance(messages, list) else "invalid_type")
-    rendered = []
+    checked = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -185,14 +211,150 @@ def chat_prompt(body: dict, tokenizer) -> tuple[list[int], list[dict]]:
         if role not in ROLES:
             raise APIError(400, f"'{where}.role' must be one of {', '.join(ROLES)}, got {json.dumps(role)[:40]}",
                            param=f"{where}.role", code="invalid_value")
-        rendered.append({"role": ROLES[role], "content": message_text(message.get("content"), role, where)})
+        entry = {"role": ROLES[role]}
+        calls = tool_calls_of(message, where) if role == "assistant" else []
+        entry["content"] = message_text(message.get("content"), "assistant" if calls else role, where)
+        if calls:
+            entry["tool_calls"] = calls
+        if role == "tool":
+            call_id = value_of(message, "tool_call_id", (str,), "a string")
+            if call_id is None:
+                raise APIError(400, f"'{where}.tool_call_id' is required: the id of the call this message answers",
+                               param=f"{where}.tool_call_id", code="missing_parameter")
+            entry["tool_call_id"] = call_id
+            name = value_of(message, "name", (str,), "a string") or call_name(messages[:i], call_id)
+            if name:
+                entry["name"] = name
+        checked.append(entry)
+    tooling = tools_of(body)
+    if tooling is not None and response_schema(body) is not None:
+        raise APIError(400, "'response_format' (JSON) cannot be combined with 'tools': a reply keeps to one grammar, "
+                            "and the schema's would rule out every call. Send tool_choice \"none\" for a JSON "
+                            "answer, or drop 'response_format' to let the model call the tools",
+                       param="response_format", code="invalid_value")
+    kwargs = template_kwargs(body)
+    support = tool_support(tokenizer, architecture)
+    rendered, variables = render_messages(checked, tooling.tools if tooling else None, support)
+    variables = {**variables, **kwargs}
+    if tooling is not None:
+        tooling.support = support
+        plan(tooling, tokenizer)
     try:
-        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True,
-                                             **template_kwargs(body))
+        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, **variables)
         # As `perfx chat`: the model's own BOS setting (a template that writes the BOS text keeps one BOS).
-        return tokenizer.encode(text, add_bos=tokenizer.add_bos_token), rendered
+        return tokenizer.encode(text, add_bos=tokenizer.add_bos_token), rendered, variables, tooling
     except PerfxError as error:  # a template that refuses the conversation, text that is not UTF-8
         raise APIError(400, str(error), param="messages", code="invalid_value") from None
+
+
+def tool_calls_of(message: dict, where: str) -> list[dict]:
+    """An assistant message's tool_calls, checked: [{"id", "type": "function", "function": {name, arguments}}]."""
+    calls = message.get("tool_calls")
+    if calls is None:
+        return []
+    if not isinstance(calls, list):
+        raise APIError(400, f"'{where}.tool_calls' must be a list of calls", param=f"{where}.tool_calls",
+                       code="invalid_type")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(function, dict) or not isinstance(function.get("name"), str)
+                or not isinstance(function.get("arguments", ""), str)):
+            raise APIError(400, f"'{where}.tool_calls[{j}]' must be {{\"id\", \"type\": \"function\", \"function\": "
+                                "{\"name\": string, \"arguments\": a JSON string}}", param=f"{where}.tool_calls[{j}]",
+                           code="invalid_value")
+    return calls
+
+
+def call_name(messages: list, call_id: str) -> str | None:
+    """The function an earlier assistant message's call ``call_id`` named (templates that write a result's name)."""
+    for message in reversed(messages):
+        for call in (message.get("tool_calls") or []) if isinstance(message, dict) else []:
+            if isinstance(call, dict) and call.get("id") == call_id:
+                return (call.get("function") or {}).get("name")
+    return None
+
+
+def tools_of(body: dict) -> Tooling | None:
+    """`tools` and `tool_choice` checked; None without tools, or with tool_choice "none" (the template then
+    renders no tools and the reply is read as text, as OpenAI's model then makes no call)."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise APIError(400, "'tool_choice' is only allowed when 'tools' are given", param="tool_choice",
+                           code="invalid_value")
+        return None
+    try:
+        tools = check_tools(tools)
+    except ToolError as error:
+        raise APIError(400, str(error), param=error.param, code=error.code) from None
+    names = {t["function"]["name"] for t in tools}
+    parallel = value_of(body, "parallel_tool_calls", (bool,), "a boolean")
+    tooling = Tooling(tools, parallel=parallel is not False)
+    if choice in (None, "auto", "required"):
+        tooling.choice = choice or "auto"
+    elif choice == "none":
+        return None
+    elif (isinstance(choice, dict) and choice.get("type") == "function"
+          and isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str)):
+        if choice["function"]["name"] not in names:
+            raise APIError(400, f"'tool_choice' names {choice['function']['name']!r}, which is not among 'tools'",
+                           param="tool_choice", code="invalid_value")
+        tooling.choice, tooling.name = "function", choice["function"]["name"]
+    else:
+        raise APIError(400, "'tool_choice' must be \"none\", \"auto\", \"required\" or "
+                            "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice",
+                       code="invalid_value")
+    return tooling
+
+
+def plan(tooling: Tooling, tokenizer):
+    """The grammar of a reply under ``tooling``'s tool_choice, which the engine compiles into the reply's
+    constraint. A forced call (required, a named function): the whole reply is a call, the format's opening
+    included, its arguments by their parameters' schema. Under "auto", the generic format's reply is a call or
+    an answer (as llama.cpp's server constrains it; unconstrained without llguidance, which a forced call needs);
+    a family's format is left free (the model may answer in plain text), and its calls are read from what it
+    writes."""
+    fmt = tooling.support.format
+    forced = tooling.choice in ("required", "function")
+    if forced or (fmt.body == "envelope" and constrain.available()):
+        # a marker that is one token of the vocabulary is named by its id: the model writes that token, which a
+        # grammar engine may not take for the marker's text when it is special (Phi-4-mini's, Qwen's tags)
+        single = {marker: ids[0] for marker in (fmt.opener, fmt.closer) if marker
+                  for ids in [tokenizer.encode(marker)] if len(ids) == 1}
+        tooling.grammar = call_grammar(fmt, tooling.tools, tooling.name, answer=not forced, special_ids=single,
+                                       parallel=tooling.parallel)
+
+
+def response_schema(body: dict) -> dict | bool | None:
+    """The JSON schema a request's ``response_format`` asks the reply to follow: OpenAI's ``json_object`` is any
+    JSON object, ``json_schema`` its ``json_schema.schema`` (absent: any JSON value); None for ``text`` or no
+    format. Every schema is enforced, ``strict`` or not."""
+    response_format = value_of(body, "response_format", (dict,), "an object")
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind != "json_schema":
+        raise APIError(400, f"'response_format.type' must be text, json_object or json_schema, got "
+                            f"{json.dumps(kind)[:40]}", param="response_format.type", code="invalid_value")
+    spec = value_of(response_format, "json_schema", (dict,), "an object")
+    if spec is None:
+        raise APIError(400, "'response_format.json_schema' is required with type json_schema: "
+                            "{\"name\": ..., \"schema\": {...}, \"strict\": true}",
+                       param="response_format.json_schema", code="missing_parameter")
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise APIError(400, "'response_format.json_schema.name' must be a non-empty string, as OpenAI requires",
+                       param="response_format.json_schema.name", code="invalid_value")
+    if not isinstance(spec.get("strict", False), bool) and spec.get("strict") is not None:
+        raise APIError(400, "'response_format.json_schema.strict' must be a boolean",
+                       param="response_format.json_schema.strict", code="invalid_type")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, (dict, bool)):
+        raise APIError(400, "'response_format.json_schema.schema' must be a JSON schema (an object)",
+                       param="response_format.json_schema.schema", code="invalid_type")
+    return schema
 
 
 def template_kwargs(body: dict) -> dict:
@@ -278,9 +440,11 @@ class Answer:
         return {"id": ("chatcmpl-" if self.chat else "cmpl-") + self.id, "object": kind, "created": self.created,
                 "model": self.model}
 
-    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if self.chat
-                  else {"index": 0, "text": text})
+    def whole(self, text: str | None, finish_reason: str, usage: dict, calls: list[ToolCall] = ()) -> dict:
+        message = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = [call.as_openai() for call in calls]
+        choice = {"index": 0, "message": message} if self.chat else {"index": 0, "text": text}
         return {**self._envelope(chunk=False),
                 "choices": [{**choice, "logprobs": None, "finish_reason": finish_reason}], "usage": usage}
 

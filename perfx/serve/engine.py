@@ -16,6 +16,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from perfx.constrain import Constraint
 from perfx.errors import PerfxError
 from perfx.generate import Conversation, Result, SamplingConfig, generate, system_prompt_end
 from perfx.model import load_model
@@ -41,14 +42,20 @@ def load(name: str | None, device: str | None, ctx: int | None, quantize: str | 
 def warm_up(model, tokenizer, speculator=None):
     """A short chat turn (prefill and one decode step), so the first client's TTFT does not include building
     the kernels (seconds on a phone), and the speculator's step costs measured. What it leaves in the KV
-    cache is not counted as cached."""
+    cache is not counted as cached. Where llguidance is installed, a JSON-mode step too: its tokenizer (built
+    once per vocabulary) and the mask kernel are made now, not in the first structured request's time."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Hello!"}], add_generation_prompt=True)
     ids = tokenizer.encode(text, add_bos=tokenizer.add_bos_token)
     if speculator is not None:
         speculator.calibrate(model, 0)
     model.prefill(ids, 0)
     model.decode_one(model.argmax(), len(ids))
-    model.argmax()
+    try:
+        constraint = Constraint.json_object(tokenizer)
+    except PerfxError:   # no llguidance: a request with a JSON response_format is a 400 that says how to install it
+        model.argmax()
+        return
+    model.masked_token(constraint.allowed(), SamplingConfig(temperature=0), 0, ids, len(ids))
 
 
 def served_model_id(source) -> str:
@@ -76,6 +83,7 @@ class Job:
     first_text: float | None = None
     cached_tokens: int = 0       # prompt ids already in the KV cache (not prefilled again)
     restore_at: tuple = ()       # prompt positions later requests may resume at (the system prompt's end)
+    constraint: Constraint | None = None   # the grammar the reply keeps to (response_format, a tool call's)
     result: Result | None = None
 
     @property
@@ -103,6 +111,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, queue_limit: int, default_sampling: SamplingConfig, speculator=None):
         self.model, self.tokenizer, self.queue_limit = model, tokenizer, queue_limit
+        self.architecture = model.config.architecture   # the family whose tool format its template may use
         self.speculator = speculator    # perfx.speculative.Speculator, or None: one token a step
         self.default_sampling = default_sampling
         self.changed = threading.Condition()
@@ -115,11 +124,26 @@ class Engine:
         self.worker.start()
 
     def job(self, prompt_ids: list[int], max_tokens: int, sampling: dict, stop: list[str],
-            messages: list[dict] | None = None, template: dict | None = None) -> Job:
+            messages: list[dict] | None = None, template: dict | None = None, schema=None,
+            grammar: str | None = None) -> Job:
         """A job for these ids; ``sampling`` holds the SamplingConfig fields a request sets over the defaults.
         ``messages`` (a chat request's, as rendered with the template variables ``template``) give the system
-        prompt's end, where a model with recurrent state keeps a restore point for the next requests."""
+        prompt's end, where a model with recurrent state keeps a restore point for the next requests.
+        ``schema``: the JSON schema the reply must follow (``api.response_schema``); ``grammar``: the Lark grammar
+        of a reply with tools (``api.plan``). Either is compiled here, in the request's thread, into the reply's
+        own constraint: one llguidance does not support is a 400 naming what it lacks."""
         job = Job(prompt_ids, max_tokens, dataclasses.replace(self.default_sampling, **sampling), stop)
+        if schema is not None:
+            try:
+                job.constraint = Constraint.from_json_schema(schema, self.tokenizer)
+            except PerfxError as error:
+                raise APIError(400, f"'response_format': {error}", param="response_format",
+                               code="unsupported_schema") from None
+        if grammar is not None:
+            try:
+                job.constraint = Constraint.from_lark(grammar, self.tokenizer)
+            except PerfxError as error:
+                raise APIError(400, f"'tools': {error}", param="tools", code="unsupported_schema") from None
         if messages and self.model.keeps_restore_points:
             job.restore_at = (system_prompt_end(self.tokenizer, messages, prompt_ids, **(template or {})),)
         return job
@@ -209,7 +233,7 @@ class Engine:
             result = generate(self.model, self.tokenizer, todo, job.max_tokens, job.sampling, start_pos=start,
                               stop_strings=job.stop, on_text=on_text, history=ids[:start],
                               should_stop=job.cancelled.is_set, speculator=self.speculator,
-                              restore_at=job.restore_at)
+                              restore_at=job.restore_at, constraint=job.constraint)
         except Exception as error:  # noqa: BLE001  (a failed request must not take the server down)
             self.conversation.forget()  # how far the cache was written is unknown
             message = str(error) if isinstance(error, PerfxError) else f"{type(error).__name__}: {error}"

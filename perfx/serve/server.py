@@ -24,8 +24,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
-from perfx.serve.api import (APIError, Answer, chat_prompt, check_fits, common_parameters, parse_json,
-                             template_kwargs, text_prompt)
+from perfx.serve.api import (APIError, Answer, Tooling, chat_prompt, check_fits, common_parameters, parse_json,
+                             response_schema, text_prompt)
 from perfx.serve.engine import SHUTDOWN_GRACE_S, Engine, Job
 
 MAX_BODY_BYTES = 8 << 20
@@ -128,6 +128,7 @@ class Handler(BaseHTTPRequestHandler):
         # One handler serves every request of a keep-alive connection: nothing may leak into the next one.
         self.status, self.note, self.job, self.headers_sent = 0, "", None, False
         self.prompt_text = self.reply_text = ""
+        self.tool_calls = 0
 
     def route(self):
         # Read first, whatever the answer: a body left unread would be taken for the connection's next request.
@@ -168,21 +169,22 @@ class Handler(BaseHTTPRequestHandler):
     def complete(self, body: dict, chat: bool):
         options, engine = self.server.options, self.server.engine
         request = common_parameters(body, options.model_id)
-        messages = None
+        messages = variables = tooling = None
         if chat:
-            ids, messages = chat_prompt(body, engine.tokenizer)
+            ids, messages, variables, tooling = chat_prompt(body, engine.tokenizer, engine.architecture)
             self.prompt_text = json.dumps(messages, ensure_ascii=False)
         else:
             ids = text_prompt(body, engine.tokenizer)
             self.prompt_text = json.dumps(body.get("prompt"), ensure_ascii=False)
         check_fits(ids, engine.model.max_positions, "messages" if chat else "prompt")
         self.job = job = engine.job(ids, request.max_tokens or options.default_max_tokens, request.sampling,
-                                    request.stop, messages, template_kwargs(body) if chat else None)
+                                    request.stop, messages, variables, schema=response_schema(body),
+                                    grammar=tooling.grammar if tooling else None)
         engine.submit(job)
         answer = Answer(chat, options.model_id, created=int(time.time()))
         try:
             if request.stream:
-                self.stream(job, answer, request.include_usage)
+                self.stream(job, answer, request.include_usage, tooling)
             else:
                 pieces = []
                 for kind, value in self.events(job):
@@ -191,7 +193,10 @@ class Handler(BaseHTTPRequestHandler):
                     elif kind == "error":
                         raise value
                 self.reply_text = "".join(pieces)
-                self.send_json(200, answer.whole(self.reply_text, job.finish_reason, job.usage()))
+                content, calls = tooling.read(self.reply_text) if tooling else (self.reply_text, [])
+                self.tool_calls = len(calls)
+                finish = "tool_calls" if calls else job.finish_reason
+                self.send_json(200, answer.whole(content, finish, job.usage(), calls))
         finally:
             if not job.finished.is_set():
                 engine.cancel(job)
@@ -199,8 +204,23 @@ class Handler(BaseHTTPRequestHandler):
                 # has its counts and the next request starts on a settled cache.
                 job.finished.wait(SHUTDOWN_GRACE_S)
 
-    def stream(self, job: Job, answer: Answer, include_usage: bool):
+    def stream(self, job: Job, answer: Answer, include_usage: bool, tooling: Tooling | None = None):
         pieces = []
+        parser = tooling.parser() if tooling else None
+        calls = 0
+
+        def send_parsed(events):
+            # content as it comes; each call whole, as one delta (OpenAI's clients join its pieces either way)
+            nonlocal calls
+            for kind, value in events:
+                if kind == "content":
+                    self.send_event(answer.chunk({"content": value}, include_usage))
+                elif tooling.parallel or not calls:
+                    self.send_event(answer.chunk({"tool_calls": [{"index": calls, **value.as_openai()}]},
+                                                 include_usage))
+                    calls += 1
+                    self.tool_calls = calls
+
         for kind, value in self.events(job):
             if kind == "started":
                 # Headers go out when the job leaves the queue: until then an error (503 at shutdown) can
@@ -215,7 +235,10 @@ class Handler(BaseHTTPRequestHandler):
                     self.send_event(answer.chunk({"role": "assistant", "content": ""}, include_usage))
             elif kind == "text":
                 pieces.append(value)
-                self.send_event(answer.chunk({"content": value} if answer.chat else value, include_usage))
+                if parser is not None:
+                    send_parsed(parser.feed(value))
+                else:
+                    self.send_event(answer.chunk({"content": value} if answer.chat else value, include_usage))
             elif kind == "error":
                 if not self.headers_sent:
                     raise value
@@ -224,7 +247,10 @@ class Handler(BaseHTTPRequestHandler):
                 self.end_chunks()
             elif kind == "done":
                 self.reply_text = "".join(pieces)
-                self.send_event(answer.chunk({} if answer.chat else "", include_usage, job.finish_reason))
+                if parser is not None:
+                    send_parsed(parser.finish())
+                finish = "tool_calls" if calls else job.finish_reason
+                self.send_event(answer.chunk({} if answer.chat else "", include_usage, finish))
                 if include_usage:
                     self.send_event(answer.usage_chunk(job.usage()))
                 self.send_event("[DONE]")
@@ -365,6 +391,8 @@ class Handler(BaseHTTPRequestHandler):
             if job.result is not None:
                 reason = "cancelled" if job.cancelled_run else job.finish_reason
                 parts.append(f"completion {job.result.stats.generated_tokens} ({reason})")
+                if self.tool_calls:
+                    parts.append(f"{self.tool_calls} tool call{'s' if self.tool_calls > 1 else ''}")
                 if job.result.stats.speculation:
                     parts.append(job.result.stats.speculation_line())
             if job.started is not None:

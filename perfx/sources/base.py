@@ -25,6 +25,7 @@ from perfx.errors import PerfxError
 from perfx.formats import (F16_FORM, Q8_QUANTIZE_GROUP, Form, HostMatrix, Q4Matrix, Q8Matrix, form_of, fuse_rows,
                            fused_form, permute_linear_rows, to_fp16)
 from perfx.mixers import mixer_class
+from perfx.moe import EXPERT_ROLES, MoEWeights, fused_held_form
 
 Linear = HostMatrix  # a weight W (N, K): the int4 or int8 device form, or fp16
 QUANTIZE_CHOICES = (None, "q4")
@@ -49,16 +50,18 @@ class LayerWeights:
 
     attn_norm: np.ndarray          # (hidden,) float32: the norm before the mixer (attention, the conv, ...)
     ffn_norm: np.ndarray           # (hidden,) float32
-    gate_up: Linear                # (2·intermediate, hidden): gate rows, then up rows
-    down: Linear                   # (hidden, intermediate)
+    gate_up: Linear | None         # (2·intermediate, hidden): gate rows, then up rows (None: a MoE layer)
+    down: Linear | None            # (hidden, intermediate)
     mixing: object                 # the layer kind's weights: perfx.mixers.attention.AttentionWeights, ...
     post_attn_norm: np.ndarray | None = None   # (hidden,) float32: RMSNorm of the mixer's output (Gemma)
     post_ffn_norm: np.ndarray | None = None    # (hidden,) float32: RMSNorm of the FFN output (Gemma)
+    moe: MoEWeights | None = None  # the mixture of experts in place of gate_up and down (perfx.moe)
 
     def linears(self) -> dict[str, Linear]:
         """Every matrix of the layer by role: the mixer's, then the FFN's."""
         mixing = {role: getattr(self.mixing, role) for role in self.mixing.matrices}
-        return {**{role: w for role, w in mixing.items() if w is not None}, "gate_up": self.gate_up, "down": self.down}
+        ffn = {"gate_up": self.gate_up, "down": self.down} if self.moe is None else {}
+        return {**{role: w for role, w in mixing.items() if w is not None}, **ffn}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,6 +128,15 @@ class ModelSource(ABC):
     def _conv_weight(self, layer: int) -> np.ndarray:
         """A layer's short-convolution taps (channels, L) float32, channels as its mixer says (``Mixer.taps``)."""
         raise NotImplementedError(f"{type(self).__name__} reads no convolutions")
+
+    def _experts(self, layer: int) -> MoEWeights:
+        """A MoE layer's router, selection bias and experts (``perfx.moe``), each expert's gate and up fused."""
+        raise NotImplementedError(f"{type(self).__name__} reads no mixture-of-experts layers")
+
+    def _expert_form(self, part: str, layer: int) -> Form | None:
+        """The held form (``perfx.moe.held_form``) of an expert projection ("gate_exps", "up_exps", "down_exps")
+        from the header alone; None where the source cannot tell."""
+        return None
 
     def _fused_form(self, label: str, layer: int) -> Form | None:
         """The form of ``_fused(label, layer)`` from the header alone; None where the file stores the parts."""
@@ -215,6 +227,12 @@ class ModelSource(ABC):
                     return None
                 k = self.expected_shape(names[0])[1]
                 forms[label].add(self._quantized_form(fused_form(parts), k))
+            if c.is_moe(i):
+                for role, names in EXPERT_ROLES.items():
+                    parts = list(dict.fromkeys(self._expert_form(name, i) for name in names))
+                    if any(p is None for p in parts):
+                        return None
+                    forms.setdefault(role, set()).add(fused_held_form(parts))
         embedding = self._head_form(self._table_form("embedding"))
         if embedding is None:
             return None
@@ -239,10 +257,13 @@ class ModelSource(ABC):
         if c.post_norms:
             norms.update(post_attn_norm=self._vector("post_attn_norm", i),
                          post_ffn_norm=self._vector("post_ffn_norm", i))
+        if c.is_moe(i):
+            ffn = dict(gate_up=None, down=None, moe=self._experts(i))
+        else:
+            ffn = dict(gate_up=self.read_matrix("gate_up", FFN_LINEARS["gate_up"], i),
+                       down=self.read_matrix("down", FFN_LINEARS["down"], i))
         return LayerWeights(attn_norm=self._vector("attn_norm", i), ffn_norm=self._vector("ffn_norm", i),
-                            gate_up=self.read_matrix("gate_up", FFN_LINEARS["gate_up"], i),
-                            down=self.read_matrix("down", FFN_LINEARS["down"], i),
-                            mixing=self.mixer(i).read(self, i), **norms)
+                            mixing=self.mixer(i).read(self, i), **ffn, **norms)
 
     def layers(self):
         """Iterate over the layers in order, one loaded at a time."""
@@ -287,8 +308,10 @@ class ModelSource(ABC):
     # -- what a layer holds, from the config ---------------------------------------------------------
 
     def layer_linears(self, layer: int) -> dict[str, tuple[str, ...]]:
-        """The matrix roles of a layer and the projections each fuses: its mixer's, then the FFN's."""
-        return {**self.mixer(layer).host_linears(self.config), **FFN_LINEARS}
+        """The matrix roles of a layer and the projections each fuses: its mixer's, then the dense FFN's (none on
+        a MoE layer, whose experts are ``_experts``')."""
+        ffn = {} if self.config.is_moe(layer) else FFN_LINEARS
+        return {**self.mixer(layer).host_linears(self.config), **ffn}
 
     def layer_parts(self, layer: int) -> list[str]:
         """The projections a layer's matrices are read from, each once, in order."""
@@ -320,7 +343,8 @@ class ModelSource(ABC):
                 + (("post_attn_norm", "post_ffn_norm") if c.post_norms else ()))
 
     def _quantized(self, w: Linear) -> Linear:
-        if self.quantize != "q4" or isinstance(w, Q4Matrix):
+        # fp16 only, as _quantized_form says: a file's int8 matrix (Q8_0, Q6_K) keeps its form
+        if self.quantize != "q4" or not isinstance(w, np.ndarray):
             return w
         group = quantize_group(w.shape[1])
         return w if group is None else Q4Matrix.quantize(w, group)

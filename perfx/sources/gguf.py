@@ -23,6 +23,7 @@ from perfx.config import ModelConfig
 from perfx.errors import PerfxError
 from perfx.families import family_of
 from perfx.gguf_file import GGUFFile
+from perfx.moe import MoEWeights, fuse_expert, held_form
 from perfx.reference import unpermute_qk
 from perfx.sources.base import (F16_FORM, Form, Linear, ModelSource, check_finite, fused_split_error,
                                 permute_linear_rows, shape_error)
@@ -43,12 +44,16 @@ GGUF_VECTOR = {"attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight",
 GGUF_CONV_TAPS = {"conv": ("shortconv.conv.weight", "{arch}.shortconv.l_cache", "hidden"),
                   "delta": ("ssm_conv1d.weight", "{arch}.ssm.conv_kernel",
                             "2 × {arch}.ssm.group_count × ssm.state_size + ssm.inner_size")}
+# A MoE layer's tensors (perfx.moe): each expert projection stacked over the experts, the router, the selection bias
+GGUF_EXPERTS = {"gate_exps": "ffn_gate_exps", "up_exps": "ffn_up_exps", "down_exps": "ffn_down_exps"}
+GGUF_ROUTER, GGUF_SELECTION_BIAS = "ffn_gate_inp.weight", "exp_probs_b.bias"
+GGUF_FUSED_EXPERTS = "ffn_gate_up_exps"   # gate and up of every expert in one (E, 2·I, hidden) tensor, where written
 # Fused matrices a file may hold (Phi-3), with the parts they replace
 GGUF_FUSED = {"qkv": ("attn_qkv", ("q", "k", "v")), "gate_up": ("ffn_up", ("gate", "up"))}
 # Every tensor type perfx reads, and the device form it reads into.
 GGUF_FORMS = {"Q4_0": Form("q4", 32), "Q4_1": Form("q4", 32), "Q4_K": Form("q4", 32),
               "Q5_0": Form("q8", 32, symmetric=True), "Q5_1": Form("q8", 32), "Q8_0": Form("q8", 32, symmetric=True),
-              "Q5_K": Form("q8", 32, True), "Q6_K": Form("q8", 16, True, True),
+              "Q5_K": Form("q8", 32, True), "Q6_K": Form("q8", 16, True, True), "MXFP4": Form("q8", 32, True, True),
               "F16": F16_FORM, "BF16": F16_FORM, "F32": F16_FORM}
 GGUF_TYPES = tuple(GGUF_FORMS)
 UNSUPPORTED_TYPE_HELP = ("requantize the model with llama.cpp's llama-quantize to Q4_K_M, Q5_K_M, Q8_0 or Q4_0 "
@@ -100,6 +105,113 @@ class GGUFSource(ModelSource):
             self._check_conv_taps(layer)
         for name in self.vector_names(layer):
             self._check(self._vector_tensor(name, layer), (self.expected_vector(name),))
+        if c.is_moe(layer):
+            self._check_experts(layer)
+
+    def _check_experts(self, layer: int):
+        """A MoE layer's router (E, hidden), its selection bias where the header has one, and each expert tensor
+        (E, rows, K): a count or size that differs from the header's keys is named."""
+        c, arch = self.config, self.config.architecture
+        self._check_router(f"blk.{layer}.{GGUF_ROUTER}", (c.n_experts, c.hidden_size))
+        if c.expert_bias:
+            self._check_router(f"blk.{layer}.{GGUF_SELECTION_BIAS}", (c.n_experts,))
+        parts = dict(GGUF_EXPERTS)
+        if self._fused_experts(layer):
+            parts = {"gate_up_exps": GGUF_FUSED_EXPERTS, "down_exps": GGUF_EXPERTS["down_exps"]}
+        for part, tensor in parts.items():
+            name = f"blk.{layer}.{tensor}.weight"
+            t = self._tensors.get(name)
+            if t is None:
+                raise PerfxError(f"{self.path}: tensor {name} is missing; the GGUF is incomplete or not a {arch} model")
+            shape = tuple(int(d) for d in reversed(t.shape))
+            want = (c.n_experts, *self._expert_shape(part))
+            if len(shape) != 3 or shape[0] != c.n_experts:
+                raise PerfxError(f"{self.path}: tensor {name} holds {shape[0] if len(shape) == 3 else shape} experts, "
+                                 f"but {arch}.expert_count = {c.n_experts}; the header does not describe this file")
+            if shape != want:
+                raise PerfxError(f"{self.path}: tensor {name} has shape {shape}, but {arch}.expert_count, "
+                                 f"embedding_length and expert_feed_forward_length need {want}; the header does not "
+                                 "describe this file")
+            if t.tensor_type.name not in GGUF_TYPES:
+                raise PerfxError(f"{self.path}: tensor {name} has type {t.tensor_type.name}, which perfx does not "
+                                 f"read; perfx reads GGUF tensor types {', '.join(GGUF_TYPES)}: "
+                                 f"{UNSUPPORTED_TYPE_HELP}")
+
+    def _check_router(self, name: str, want: tuple):
+        t = self._tensors.get(name)
+        if t is None:
+            raise PerfxError(f"{self.path}: tensor {name} is missing; the GGUF is incomplete or not a "
+                             f"{self.config.architecture} model")
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if shape != want:
+            raise PerfxError(f"{self.path}: tensor {name} has shape {shape}, but {self.config.architecture}"
+                             f".expert_count and embedding_length need {want}; the header does not describe this file")
+        return t
+
+    def _fused_experts(self, layer: int) -> bool:
+        """Whether the layer holds gate and up of its experts in one tensor (ffn_gate_up_exps), as some converters
+        write them."""
+        return (f"blk.{layer}.{GGUF_FUSED_EXPERTS}.weight" in self._tensors
+                and f"blk.{layer}.{GGUF_EXPERTS['gate_exps']}.weight" not in self._tensors)
+
+    def _expert_shape(self, part: str) -> tuple[int, int]:
+        c = self.config
+        if part == "gate_up_exps":
+            return 2 * c.expert_intermediate, c.hidden_size
+        return ((c.hidden_size, c.expert_intermediate) if part == "down_exps"
+                else (c.expert_intermediate, c.hidden_size))
+
+    def _expert_tensor(self, part: str, layer: int) -> str:
+        if part != "down_exps" and self._fused_experts(layer):
+            part = "gate_up_exps"
+        return f"blk.{layer}.{GGUF_FUSED_EXPERTS if part == 'gate_up_exps' else GGUF_EXPERTS[part]}.weight"
+
+    def _expert_form(self, part: str, layer: int) -> Form:
+        kind = self._type(self._expert_tensor(part, layer))
+        k = self._expert_shape(part)[1]
+        return held_form(self._quantized_form(GGUF_FORMS[kind], k), symmetric_q4=kind == "Q4_0")
+
+    def _expert_matrices(self, part: str, layer: int) -> list:
+        """Each expert's matrix of one projection ("gate_up_exps" where the file fuses gate and up), from its slice
+        of the stacked tensor."""
+        c = self.config
+        name = f"blk.{layer}.{GGUF_FUSED_EXPERTS if part == 'gate_up_exps' else GGUF_EXPERTS[part]}.weight"
+        t = self._tensors[name]
+        n, k = self._expert_shape(part)
+        kind = t.tensor_type.name
+        raw = np.asarray(t.data)
+        out = []
+        for e in range(c.n_experts):
+            if kind in formats.GGUF_READERS:
+                w = formats.GGUF_READERS[kind](raw.reshape(c.n_experts, -1)[e], n, k, name)
+            elif kind == "BF16":
+                w = quants.dequantize(raw.reshape(c.n_experts, -1)[e], gguf.GGMLQuantizationType.BF16).reshape(n, k)
+            else:
+                w = raw.reshape(c.n_experts, n, k)[e].astype(np.float32)
+            w = check_finite(w, self.path, f"{name} (expert {e})")
+            out.append(self._quantized(w))   # --quantize q4: float experts in int4
+        return out
+
+    def _experts(self, layer: int) -> MoEWeights:
+        c = self.config
+        router = self._check_router(f"blk.{layer}.{GGUF_ROUTER}", (c.n_experts, c.hidden_size))
+        if router.tensor_type.name in ("F32", "F16"):
+            router = np.asarray(router.data, np.float32).reshape(c.n_experts, c.hidden_size)
+        else:
+            w = self._read(router.name, (c.n_experts, c.hidden_size))
+            router = w.dequantize().astype(np.float32) if hasattr(w, "dequantize") else np.asarray(w, np.float32)
+        bias = None
+        if c.expert_bias:
+            t = self._check_router(f"blk.{layer}.{GGUF_SELECTION_BIAS}", (c.n_experts,))
+            bias = check_finite(np.asarray(t.data, np.float32).reshape(-1), self.path, t.name)
+        if self._fused_experts(layer):
+            gate_up = [fuse_expert([w]) for w in self._expert_matrices("gate_up_exps", layer)]
+        else:
+            gates, ups = self._expert_matrices("gate_exps", layer), self._expert_matrices("up_exps", layer)
+            gate_up = [fuse_expert([g, u]) for g, u in zip(gates, ups)]
+        return MoEWeights(router=check_finite(np.ascontiguousarray(router), self.path, f"blk.{layer}.{GGUF_ROUTER}"),
+                          selection_bias=bias, gate_up=gate_up,
+                          down=[fuse_expert([d]) for d in self._expert_matrices("down_exps", layer)])
 
     def _part_tensor(self, kind: str, part: str, layer: int) -> str:
         """The tensor of a projection ("q", ...) or of a kind's taps ("taps") in ``layer``."""

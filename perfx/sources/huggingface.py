@@ -16,6 +16,7 @@ from perfx import formats
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
 from perfx.families import family_of
+from perfx.moe import MoEWeights, fuse_expert, held_form
 from perfx.resources import read_json
 from perfx.sources.base import (F16_FORM, Form, Linear, ModelSource, check_finite,
                                 fused_split_error, shape_error)
@@ -168,6 +169,61 @@ class HFSource(ModelSource):
             self._check_shape(self._conv_taps_name(layer), (mixer.taps(c), 1, c.conv_length))
         for name in self.vector_names(layer):
             self._check_shape(f"{self._prefix}layers.{layer}.{self._vectors[name]}", (self.expected_vector(name),))
+        if c.is_moe(layer):
+            self._check_experts(layer)
+
+    # -- a MoE layer: the router ({block}.gate), the selection bias ({block}.expert_bias) and the experts, one
+    # module each ({block}.experts.{e}.{gate, up, down} as the dense MLP names them) or stacked as transformers 5
+    # saves them ({block}.experts.gate_up_proj (E, 2·I, hidden), {block}.experts.down_proj (E, hidden, I))
+
+    def _moe_block(self, layer: int) -> str:
+        return f"{self._prefix}layers.{layer}.{self._linears['gate'].rsplit('.', 1)[0]}"
+
+    def _expert_module(self, part: str, layer: int, e: int) -> str:
+        name = {"gate_exps": "gate", "up_exps": "up", "down_exps": "down"}[part]
+        return f"{self._moe_block(layer)}.experts.{e}.{self._linears[name].rsplit('.', 1)[1]}"
+
+    def _stacked_experts(self, layer: int) -> bool:
+        return f"{self._moe_block(layer)}.experts.gate_up_proj" in self._files
+
+    def _check_experts(self, layer: int):
+        c, block = self.config, self._moe_block(layer)
+        e, inter, hidden = c.n_experts, c.expert_intermediate, c.hidden_size
+        self._check_shape(f"{block}.gate.weight", (e, hidden))
+        if c.expert_bias:
+            self._check_shape(f"{block}.expert_bias", (e,))
+        if self._stacked_experts(layer):
+            self._check_shape(f"{block}.experts.gate_up_proj", (e, 2 * inter, hidden))
+            self._check_shape(f"{block}.experts.down_proj", (e, hidden, inter))
+            return
+        for expert in range(e):
+            for part in ("gate_exps", "up_exps", "down_exps"):
+                shape = (hidden, inter) if part == "down_exps" else (inter, hidden)
+                self._check_shape(f"{self._expert_module(part, layer, expert)}.weight", shape)
+        extra = f"{block}.experts.{e}.{self._linears['gate'].rsplit('.', 1)[1]}.weight"
+        if extra in self._files:
+            raise PerfxError(f"{self.directory}: tensor {extra} exists, but config.json's num_experts = {e}; the "
+                             "weights and config.json belong to different models")
+
+    def _experts(self, layer: int) -> MoEWeights:
+        c, block = self.config, self._moe_block(layer)
+        router = self._tensor(f"{block}.gate.weight", (c.n_experts, c.hidden_size)).astype(np.float32)
+        bias = self._tensor(f"{block}.expert_bias", (c.n_experts,)).astype(np.float32) if c.expert_bias else None
+        if self._stacked_experts(layer):
+            gate_up = self._tensor(f"{block}.experts.gate_up_proj")
+            down = self._tensor(f"{block}.experts.down_proj")
+            pairs = [([gate_up[e].astype(np.float16)], down[e].astype(np.float16)) for e in range(c.n_experts)]
+        else:
+            def read(part, e):
+                return self._tensor(f"{self._expert_module(part, layer, e)}.weight").astype(np.float16)
+            pairs = [([read("gate_exps", e), read("up_exps", e)], read("down_exps", e)) for e in range(c.n_experts)]
+        return MoEWeights(router=np.ascontiguousarray(router), selection_bias=bias,
+                          gate_up=[fuse_expert([self._quantized(p) for p in parts]) for parts, _ in pairs],
+                          down=[fuse_expert([self._quantized(d)]) for _, d in pairs])
+
+    def _expert_form(self, part: str, layer: int) -> Form:
+        k = self.config.expert_intermediate if part == "down_exps" else self.config.hidden_size
+        return held_form(self._quantized_form(F16_FORM, k))
 
     def _conv_taps_name(self, layer: int) -> str:
         return f"{self._prefix}layers.{layer}.{CONV_TAPS[self.config.layers[layer].kind]}"

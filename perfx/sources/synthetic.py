@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from perfx import moe
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
 from perfx.families import FAMILIES
@@ -50,9 +51,10 @@ class SyntheticSource(ModelSource):
         self.name, self.group, self.seed, self.form = name, group, seed, form
         self.int4_group = group
         c = config
-        per_layer = c.hidden_size * (c.qkv_dim + c.q_dim + 3 * c.intermediate_size)
+        per_layer = c.hidden_size * (c.qkv_dim + c.q_dim + 3 * max(c.intermediate_size,
+                                                                   c.n_experts * c.expert_intermediate))
         self.distinct_layers = per_layer <= DISTINCT_LAYER_LIMIT
-        self._shared_layers: dict[str, LayerWeights] = {}   # one per layer kind
+        self._shared_layers: dict[tuple, LayerWeights] = {}   # one per layer kind, dense or MoE
 
     def _rng(self, *stream: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, *stream])
@@ -73,9 +75,12 @@ class SyntheticSource(ModelSource):
         norms = {}
         if c.post_norms:
             norms.update(post_attn_norm=np.ones(hidden, np.float32), post_ffn_norm=np.ones(hidden, np.float32))
-        ffn = dict(attn_norm=np.ones(hidden, np.float32), ffn_norm=np.ones(hidden, np.float32),
-                   gate_up=self._random_q4(rng, 2 * c.intermediate_size, hidden),
-                   down=self._random_q4(rng, hidden, c.intermediate_size))
+        ffn = dict(attn_norm=np.ones(hidden, np.float32), ffn_norm=np.ones(hidden, np.float32))
+        if c.is_moe(i):
+            ffn.update(gate_up=None, down=None, moe=moe.synthetic(c, self._random_q4, rng))
+        else:
+            ffn.update(gate_up=self._random_q4(rng, 2 * c.intermediate_size, hidden),
+                       down=self._random_q4(rng, hidden, c.intermediate_size))
         # the kind's own weights, as its mixer makes them random
         mixing = self.mixer(i).synthetic(c, self._random_q4, rng)
         return LayerWeights(**ffn, mixing=mixing, **norms)
@@ -85,9 +90,11 @@ class SyntheticSource(ModelSource):
             raise PerfxError(f"layer {i} does not exist: the model has {self.config.n_layers} layers")
         if self.distinct_layers:
             return self._make_layer(i)
-        kind = self.config.layers[i].kind
+        c = self.config
+        kind = (c.layers[i].kind, c.is_moe(i))
         if kind not in self._shared_layers:
-            self._shared_layers[kind] = self._make_layer(self.config.layers_of(kind)[0])
+            self._shared_layers[kind] = self._make_layer(next(j for j in range(c.n_layers)
+                                                              if (c.layers[j].kind, c.is_moe(j)) == kind))
         return self._shared_layers[kind]
 
     def _random_table(self, stream: int) -> np.ndarray:
@@ -108,6 +115,9 @@ class SyntheticSource(ModelSource):
 
     def _part_form(self, name: str, layer: int) -> Form:
         return Form("q4", self.group)
+
+    def _expert_form(self, part: str, layer: int) -> Form:
+        return Form("q4", self.group, f32=self.form == Q4_ZEROS)   # zero points' offsets −s·z are float32
 
     def _table_form(self, name: str) -> Form:
         return F16_FORM

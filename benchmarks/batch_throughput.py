@@ -1,0 +1,190 @@
+"""Continuous batching's gain: aggregate decode tok/s of N sequences decoded together over one sequence alone.
+
+Two measures, each as interleaved rounds (the contenders in a shuffled order every round, so drift and other
+load on a shared machine do not favour one), reported as the ratio of medians with its 95% bootstrap interval:
+
+- ``step`` (default): N sequences through ``perfx.batch.Batch.step`` (N rows a step, the logits read back and
+  each row's token chosen on the host, as `perfx serve --parallel` does) against one sequence through
+  ``Model.greedy_tokens`` (today's decode loop on the device), both from a short prompt, STEPS steps each.
+- ``--matrices``: where a step's time goes: layer 0's gate_up and down and the lm_head as the GEMM over N rows
+  (what a batched step runs) over their GEMV of one row (what one sequence runs), device time of each launch.
+- ``--serve``: `perfx serve --parallel N` in this process, N official `openai` clients streaming at once against
+  one client alone, greedy, --max-tokens each: completion tokens over wall time; and the time to first token of
+  a request that arrives while N − 1 others stream, over its time alone.
+
+    python benchmarks/batch_throughput.py --model synthetic:smollm2-135m --parallel 2 4 8
+    python benchmarks/batch_throughput.py --matrices --parallel 2 4 8
+    python benchmarks/batch_throughput.py --serve --parallel 4 --rounds 5          # the default model
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import platform
+import random
+import threading
+import time
+
+import numpy as np
+
+from perfx.batch import Batch
+from perfx.generate import SamplingConfig
+from perfx.model import load_model
+from perfx.timing import bootstrap_ratio
+
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def step_rate(batch: Batch, n: int, steps: int) -> float:
+    """Aggregate tok/s of n sequences decoded together for ``steps`` steps (each row's argmax fed next)."""
+    for slot in range(n):
+        batch.prefill(slot, PROMPT[:-1] + [PROMPT[-1] + slot], 0)
+    tokens = [PROMPT[0]] * n
+    started = time.perf_counter()
+    for _ in range(steps):
+        logits = batch.step(list(enumerate(tokens)))
+        tokens = [int(np.argmax(row)) for row in logits]
+    return n * steps / (time.perf_counter() - started)
+
+
+def alone_rate(model, steps: int) -> float:
+    """tok/s of one sequence through the model's own decode loop."""
+    model.prefill(PROMPT, 0)
+    started = time.perf_counter()
+    for _ in model.greedy_tokens(model.argmax(), len(PROMPT), len(PROMPT) + steps - 1):
+        pass
+    return steps / (time.perf_counter() - started)
+
+
+def serve_rates(model, tokenizer, n: int, max_tokens: int):
+    """Contenders for --serve: (aggregate tok/s of n clients, of one client; TTFT joining n − 1 streams, alone)."""
+    import openai   # the benchmark's client; perfx itself does not need it
+
+    from perfx.serve.batching import BatchEngine
+    from perfx.serve.server import Server, ServeOptions
+
+    engine = BatchEngine(model, tokenizer, 64, SamplingConfig(temperature=0), n)
+    server = Server(("127.0.0.1", 0), engine, ServeOptions("bench", max_tokens, log=lambda line: None))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="-", timeout=600)
+
+    def ask(i: int, tokens: int = max_tokens) -> tuple[int, float]:
+        """(completion tokens, seconds to the first text) of one streamed request."""
+        started, first, count = time.perf_counter(), None, 0
+        for chunk in client.completions.create(model="bench", prompt=f"Question {i}: why is the sky blue?",
+                                               max_tokens=tokens, temperature=0, stream=True,
+                                               stream_options={"include_usage": True}):
+            if chunk.choices and chunk.choices[0].text and first is None:
+                first = time.perf_counter() - started
+            if chunk.usage:
+                count = chunk.usage.completion_tokens
+        return count, first or 0.0
+
+    def together(clients: int) -> float:
+        started = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+            done = sum(c for c, _ in pool.map(ask, range(clients)))
+        return done / (time.perf_counter() - started)
+
+    def joining() -> float:
+        """TTFT of a request sent once n − 1 long ones stream."""
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            streams = [pool.submit(ask, i, 4 * max_tokens) for i in range(n - 1)]
+            time.sleep(0.5)
+            ttft = ask(n, 8)[1]
+            for stream in streams:
+                stream.result()
+        return ttft
+
+    contenders = {"n clients tok/s": lambda: together(n), "1 client tok/s": lambda: together(1),
+                  "TTFT joining s": joining, "TTFT alone s": lambda: ask(0, 8)[1]}
+    return contenders, server
+
+
+def matrix_contenders(model, n: int) -> dict:
+    """Seconds of one launch of each matrix: its GEMV (one row) and its GEMM over n rows."""
+    s, q = model.state, model.device.queue
+    layer, head = model.weights.layers[0], model.weights.lm_head
+    rows_logits = model.device.empty((n, model.config.vocab_size), np.float32)
+    runs = {"gate_up": (layer.gate_up, s.xb, s.hb, s.hb), "down": (layer.down, s.hb, s.proj, s.proj),
+            "lm_head": (head, s.xb, s.logits, rows_logits)}
+
+    def timed(run, reps: int = 10) -> float:
+        run()
+        q.finish()
+        started = time.perf_counter()
+        for _ in range(reps):
+            run()
+        q.finish()
+        return (time.perf_counter() - started) / reps
+
+    out = {}
+    for name, (linear, x, y_one, y_rows) in runs.items():
+        out[f"{name} gemv"] = lambda linear=linear, x=x, y=y_one: timed(lambda: linear(x, y, 1, True))
+        if name == "lm_head":
+            out[f"{name} gemm"] = lambda linear=linear, x=x, y=y_rows: timed(lambda: linear.rows(x, y, n))
+        else:
+            out[f"{name} gemm"] = lambda linear=linear, x=x, y=y_rows: timed(lambda: linear(x, y, n, False))
+    return out
+
+
+def interleaved(contenders: dict, rounds: int) -> dict[str, list[float]]:
+    names, shuffle = list(contenders), random.Random(0)
+    figures: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(rounds + 1):   # the first round warms up and is dropped
+        shuffle.shuffle(names)
+        for name in names:
+            figures[name].append(contenders[name]())
+    return {name: values[1:] for name, values in figures.items()}
+
+
+def report(label: str, numerator: list[float], denominator: list[float], rng) -> None:
+    ratio, low, high = bootstrap_ratio(numerator, denominator, rng)
+    print(f"  {label}: {ratio:.2f}x (95% interval {low:.2f}-{high:.2f}; medians {np.median(numerator):.3g} over "
+          f"{np.median(denominator):.3g}; rounds {[f'{a / b:.2f}' for a, b in zip(numerator, denominator)]})",
+          flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a model perfx loads (default: the default model)")
+    parser.add_argument("--device", default=None, help="PERFX_DEVICE's forms: pocl, intel, P:D")
+    parser.add_argument("--parallel", type=int, nargs="+", default=[4], help="sequences decoded together (N)")
+    parser.add_argument("--steps", type=int, default=32, help="decode steps a measure (step mode)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (after one dropped warm-up)")
+    parser.add_argument("--serve", action="store_true", help="through `perfx serve` and the openai client")
+    parser.add_argument("--matrices", action="store_true", help="each matrix's GEMM over N rows over its GEMV")
+    parser.add_argument("--max-tokens", type=int, default=48, help="tokens a request (--serve)")
+    parser.add_argument("--ctx", type=int, default=1024)
+    args = parser.parse_args()
+    model, source = load_model(args.model, args.device, ctx=args.ctx, progress=False)
+    rng = np.random.default_rng(0)
+    print(f"{source.describe().get('path', args.model)} on {model.device.caps.name}, {platform.node()}, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}, rounds {args.rounds}", flush=True)
+    for n in args.parallel:
+        if args.matrices:
+            figures = interleaved(matrix_contenders(model, n), args.rounds)
+            print(f"N = {n}, matrices, GEMM over {n} rows over the GEMV of one (time):")
+            for name in ("gate_up", "down", "lm_head"):
+                report(name, figures[f"{name} gemm"], figures[f"{name} gemv"], rng)
+        elif args.serve:
+            contenders, server = serve_rates(model, source.tokenizer, n, args.max_tokens)
+            figures = interleaved(contenders, args.rounds)
+            server.shutdown()
+            server.engine.close()
+            print(f"N = {n}, serve, {args.max_tokens} tokens a request:")
+            report(f"aggregate tok/s, {n} clients over 1", figures["n clients tok/s"], figures["1 client tok/s"], rng)
+            report(f"TTFT joining {n - 1} streams over alone", figures["TTFT joining s"], figures["TTFT alone s"],
+                   rng)
+        else:
+            alone, _ = load_model(args.model, model.device, ctx=args.ctx, progress=False)
+            batch = Batch(model, n)
+            figures = interleaved({"n": lambda: step_rate(batch, n, args.steps),
+                                   "1": lambda: alone_rate(alone, args.steps)}, args.rounds)
+            print(f"N = {n}, step, {args.steps} steps:")
+            report(f"aggregate decode tok/s, {n} sequences over 1", figures["n"], figures["1"], rng)
+
+
+if __name__ == "__main__":
+    main()

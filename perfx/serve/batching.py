@@ -1,0 +1,205 @@
+"""`perfx serve --parallel N`: up to N requests decoded together (``perfx.batch``), one weight read a step for all.
+
+The engine's contract is ``Engine``'s (jobs, their events, the queue and its 429s, cancelling, shutdown); only the
+worker differs. Each loop it admits waiting jobs into free slots (the slot whose last conversation shares the
+longest prefix with the prompt, so a conversation's next turn prefills only its new ids), stops the cancelled,
+runs one piece of one new prompt (``PREFILL_PIECE`` ids while others stream, so their tokens keep coming; the
+whole prompt when none do), then one decode step over every sequence that is decoding; a sequence leaves the
+moment it is done. Speculation is off while batching: a step already reads the weights once for N tokens.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+
+from perfx.batch import Batch, Sequence
+from perfx.errors import PerfxError
+from perfx.generate import Conversation, common_prefix
+from perfx.serve.api import APIError, shutting_down
+from perfx.serve.engine import Engine, Job
+
+PARALLEL_DEFAULT = 4     # sequences decoded together by default, where their state fits (``default_parallel``)
+STATE_SHARE = 4          # ... their state at most 1/STATE_SHARE of the device's memory
+PREFILL_PIECE = 64       # prompt ids prefilled between two decode steps while other sequences stream
+
+
+def sequence_state_bytes(model) -> int:
+    """Device bytes of one more sequence's state: its KV cache, conv rings and recurrent state."""
+    r = model.load_report
+    return r.get("kv_cache_bytes", 0) + r.get("conv_state_bytes", 0) + r.get("recurrent_state_bytes", 0)
+
+
+def default_parallel(model) -> int:
+    """``PARALLEL_DEFAULT``, or fewer where the state of that many sequences would take more than
+    1/``STATE_SHARE`` of the device's memory (at least 1); 1 where a layer kind of the model cannot be batched
+    (``Mixer.decodes_rows``), and on a CPU device, whose decode is bound by arithmetic rather than by reading
+    the weights: there a step of N rows costs about N steps of one, and one at a time keeps speculation."""
+    if model.device.caps.device_type == "CPU" or not all(mixer.decodes_rows() for mixer in model.mixers):
+        return 1
+    per = max(sequence_state_bytes(model), 1)
+    room = model.device.caps.global_mem // STATE_SHARE
+    return max(1, min(PARALLEL_DEFAULT, room // per))
+
+
+def warm_up_batch(batch: Batch) -> None:
+    """One step of every row count the batch runs, so a request's first batched step does not build kernels: each
+    slot holds a token at position 0 first. What it leaves in the slots is not counted as cached."""
+    for slot in range(batch.slots):
+        batch.prefill(slot, [0], 0)
+    for n in range(2, batch.slots + 1):
+        batch.step([(slot, 0) for slot in range(n)])
+        for slot in range(n):
+            batch.prefill(slot, [0], 0)
+
+
+class BatchEngine(Engine):
+    """``Engine`` with up to ``parallel`` jobs running at once, decoded together."""
+
+    def __init__(self, model, tokenizer, queue_limit: int, default_sampling, parallel: int):
+        self.batch = Batch(model, parallel)
+        warm_up_batch(self.batch)
+        self.conversations = [Conversation(lambda pos, slot=slot: self.batch.resume_point(slot, pos))
+                              for slot in range(parallel)]
+        self.active: dict[int, Job] = {}           # slot -> its job; changed under ``changed``
+        self.sequences: dict[int, Sequence] = {}   # slot -> its generation; the worker's only
+        super().__init__(model, tokenizer, queue_limit, default_sampling)
+
+    @property
+    def parallel(self) -> int:
+        return self.batch.slots
+
+    def submit(self, job: Job):
+        """Queue a job, or raise APIError: 429 when every slot runs and the queue is full, 503 while shutting down."""
+        with self.changed:
+            if self.closing:
+                raise shutting_down()
+            if len(self.waiting) + len(self.active) > self.queue_limit + self.parallel - 1:
+                self.counts["rejected"] += 1
+                raise APIError(429, f"perfx serve is busy: {len(self.active)} requests are running (--parallel "
+                                    f"{self.parallel}) and {len(self.waiting)} wait (the queue holds "
+                                    f"{self.queue_limit}); retry later", code="queue_full", kind="rate_limit_error")
+            self.waiting.append(job)
+            self.changed.notify_all()
+
+    def close(self):
+        """As ``Engine.close``, every running job stopped."""
+        with self.changed:
+            for job in self.active.values():
+                job.cancelled.set()
+        super().close()
+
+    def _stats(self) -> dict:
+        # Called with `changed` held.
+        return {"running": len(self.active), "waiting": len(self.waiting), "queue_limit": self.queue_limit,
+                "parallel": self.parallel, **self.counts}
+
+    # -- the worker ---------------------------------------------------------------------------------------
+
+    def _work(self):
+        while True:
+            with self.changed:
+                self.changed.wait_for(lambda: self.waiting or self.closing or self.active)
+                if self.closing:
+                    for job in self.active.values():
+                        job.cancelled.set()
+                if not self.waiting and not self.active:
+                    return
+                admitted = self._admit()
+            for slot, job in admitted:
+                job.events.put(("started", None))
+                self._begin(slot, job)
+            self._advance()
+            self._retire()
+
+    def _admit(self) -> list[tuple[int, Job]]:
+        """Waiting jobs into free slots, in arrival order, each into the free slot whose cache shares the longest
+        prefix with its prompt. Called with ``changed`` held."""
+        admitted = []
+        while self.waiting and len(self.active) < self.parallel:
+            job = self.waiting.popleft()
+            free = [slot for slot in range(self.parallel) if slot not in self.active]
+            slot = max(free, key=lambda s: common_prefix(self.conversations[s].cached, job.prompt_ids))
+            job.started = time.monotonic()
+            self.active[slot] = job
+            admitted.append((slot, job))
+        if admitted:
+            self.changed.notify_all()
+        return admitted
+
+    def _begin(self, slot: int, job: Job) -> None:
+        ids = job.prompt_ids
+        start, todo = self.conversations[slot].resume(ids)
+        job.cached_tokens = start
+
+        def on_text(piece: str):
+            if job.first_text is None:
+                job.first_text = time.monotonic()
+            job.events.put(("text", piece))
+
+        try:
+            self.sequences[slot] = Sequence(self.batch, slot, self.tokenizer, todo, start, job.max_tokens,
+                                            job.sampling, job.stop, on_text, history=ids[:start],
+                                            constraint=job.constraint)
+        except PerfxError as error:
+            self._fail([slot], error)
+
+    def _advance(self) -> None:
+        """Stop the cancelled, run a piece of the oldest prompt still to prefill, then one decode step."""
+        for slot, seq in self.sequences.items():
+            if self.active[slot].cancelled.is_set():
+                seq.cancel()
+        decoding = [(slot, seq) for slot, seq in self.sequences.items() if seq.decoding]
+        prefilling = [slot for slot, seq in self.sequences.items() if not seq.done and not seq.decoding]
+        if prefilling:
+            slot = prefilling[0]
+            try:
+                self.sequences[slot].prefill_piece(PREFILL_PIECE if decoding else None)
+            except Exception as error:  # noqa: BLE001  (a failed request must not take the server down)
+                self._fail([slot], error)
+        if not decoding:
+            return
+        try:
+            logits = self.batch.step([(slot, seq.token) for slot, seq in decoding])
+        except Exception as error:  # noqa: BLE001
+            self._fail([slot for slot, _ in decoding], error)
+            return
+        for (slot, seq), row in zip(decoding, logits):
+            seq.take(row)
+
+    def _retire(self) -> None:
+        """Every finished sequence leaves its slot now; its job gets its result."""
+        for slot, seq in list(self.sequences.items()):
+            if not seq.done:
+                continue
+            job = self.active[slot]
+            del self.sequences[slot]
+            result = seq.result()
+            self.conversations[slot].record(job.prompt_ids, result)
+            job.result = result
+            if job.cancelled_run:
+                job.events.put(("error", shutting_down()))
+                outcome = "cancelled"
+            else:
+                job.events.put(("done", result))
+                outcome = "completed"
+            with self.changed:
+                del self.active[slot]
+                self._finish(job, outcome)
+
+    def _fail(self, slots: list[int], error: Exception) -> None:
+        """The jobs in ``slots`` failed (500); what their slots hold is forgotten, as how far it was written is
+        unknown."""
+        message = str(error) if isinstance(error, PerfxError) else f"{type(error).__name__}: {error}"
+        if not isinstance(error, PerfxError):
+            print(f"perfx serve: generation failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        for slot in slots:
+            self.sequences.pop(slot, None)
+            self.conversations[slot].forget()
+            job = self.active[slot]
+            job.events.put(("error", APIError(500, f"generation failed: {message}", code="generation_failed",
+                                              kind="server_error")))
+            with self.changed:
+                del self.active[slot]
+                self._finish(job, "failed")

@@ -1,0 +1,241 @@
+"""Continuous batching (``perfx.batch``): sequences decoded together as one step of N rows give each sequence the
+logits it gets decoded alone and the float64 forward's, on every family's tiny model (attention with its
+windows, soft-caps, q/k norms and partial rotary; LFM2's conv rings; Qwen3.5's Gated DeltaNet state), with
+sequences of different lengths joining and leaving between steps and a slot reused by a new sequence; a request
+generated in a batch (``Sequence``) answers what ``generate`` answers alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers.family_models import family_tokenizer, make_family_model, write_family_gguf
+from helpers.moe_models import write_moe_gguf
+from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
+from perfx import forward64
+from perfx.batch import Batch, Sequence
+from perfx.errors import PerfxError
+from perfx.generate import SamplingConfig, generate
+from perfx.mixers import Mixer
+from perfx.model import Model
+from perfx.serve.batching import default_parallel
+from perfx.sources import open_model
+from perfx.tuning.database import default_database
+from perfx.tuning.spec import relative_error
+
+RECORDED = json.loads((Path(__file__).parent / "data" / "llamacpp_families.json").read_text())["families"]
+# llama (a GQA tiny Llama), then gemma3 ... lfm2, qwen35, then the mixtures of experts (their FFN over N rows)
+FAMILIES = ["llama", *RECORDED, "qwen3_moe", "lfm2_moe"]
+
+# Against the float64 forward: the device forward's own tolerance (fp16 KV cache, int8 activations of the int8
+# matrices), as tests/test_families.py holds every family's decode to.
+REFERENCE_TOLERANCE = 2e-3
+# Against the same sequence decoded alone: the same kernels on the same state, but every matrix as the GEMM over
+# N rows instead of the GEMV of one, which sums in another order (fp32 rounding only; a wrong row, position or
+# state is off by O(1)).
+ALONE_TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch")
+    out = {"llama": write_gguf(root / "gqa3.gguf", make_tiny_model("gqa3", tiny_tokenizer(root),
+                                                                    np.random.default_rng(11))).path}
+    for family in RECORDED:
+        settings = dict(RECORDED[family]["make_family_model"])
+        model = make_family_model(settings.pop("family"), family_tokenizer(root, family),
+                                  np.random.default_rng(settings.pop("seed")), **settings)
+        out[family] = write_family_gguf(root / f"{family}.gguf", model, **RECORDED[family]["write_family_gguf"]).path
+    for model_type in ("qwen3_moe", "lfm2_moe"):
+        out[model_type], _ = write_moe_gguf(root / f"{model_type}.gguf", model_type, np.random.default_rng(5))
+    return out
+
+
+def load(path, device, ctx: int = 96, kv: str = "f16") -> Model:
+    return Model.load(open_model(path), device, ctx=ctx, progress=False, database=default_database(False), kv=kv)
+
+
+def alone_logits(model: Model, prompt: list[int], fed: list[int]) -> list[np.ndarray]:
+    """The prompt's last logits, then each fed token's, decoded alone from position 0."""
+    model.prefill(prompt, 0)
+    out = [model.logits()]
+    for i, token in enumerate(fed):
+        model.decode_one(token, len(prompt) + i)
+        out.append(model.logits())
+    return out
+
+
+def run_schedule(batch: Batch, v: int, rng) -> list[tuple[list[int], list[int], list[np.ndarray]]]:
+    """Three sequences of different lengths in three slots: slot 1 joins a step late, slot 0's sequence leaves
+    after two steps and a new one takes its slot from position 0 (its state started afresh), the steps having 1 to
+    3 rows. Returns (prompt, fed tokens, logits after the prompt and after each fed token) of each sequence."""
+    def new(length):
+        return [int(t) for t in rng.integers(3, v, length)], [], []
+
+    seqs = {0: new(5), 2: new(11)}
+    done = []
+    for slot, (prompt, _, logits) in seqs.items():
+        logits.append(batch.prefill(slot, prompt, 0))
+    schedule = [[0, 2], [0, 1, 2], [1, 2], [0, 1, 2], [0, 1, 2], [0]]
+    for k, slots in enumerate(schedule):
+        if k == 1:
+            seqs[1] = new(2)
+            seqs[1][2].append(batch.prefill(1, seqs[1][0], 0))
+        if k == 3:   # slot 0's first sequence has left (it fed two tokens); a new one starts there from 0
+            done.append(seqs.pop(0))
+            seqs[0] = new(7)
+            seqs[0][2].append(batch.prefill(0, seqs[0][0], 0))
+        rows = [(slot, int(rng.integers(3, v))) for slot in slots]
+        for (slot, token), logits in zip(rows, batch.step(rows)):
+            seqs[slot][1].append(token)
+            seqs[slot][2].append(logits)
+    return done + list(seqs.values())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sequences_decoded_together_equal_each_alone_and_the_reference(paths, device, rng, family):
+    model, alone = load(paths[family], device), load(paths[family], device)
+    source = open_model(paths[family])
+    batch = Batch(model, 3)
+    for prompt, fed, got in run_schedule(batch, source.config.vocab_size, rng):
+        want, _ = forward64.model_forward(source, prompt + fed)
+        single = alone_logits(alone, prompt, fed)
+        assert len(got) == len(fed) + 1
+        for j, logits in enumerate(got):
+            assert relative_error(logits, single[j]) <= ALONE_TOLERANCE, (prompt, fed, j)
+            assert relative_error(logits, want[len(prompt) - 1 + j]) <= REFERENCE_TOLERANCE, (prompt, fed, j)
+
+
+def test_an_int8_kv_cache_per_sequence(paths, device, rng):
+    """--kv q8: each sequence's cache in int8 codes and scales, as the load makes the first."""
+    model, alone = load(paths["llama"], device, kv="q8"), load(paths["llama"], device, kv="q8")
+    batch = Batch(model, 3)
+    assert batch.states[2][model.mixers[0]]["cache"].form == "q8"
+    for prompt, fed, got in run_schedule(batch, open_model(paths["llama"]).config.vocab_size, rng):
+        single = alone_logits(alone, prompt, fed)
+        for j, logits in enumerate(got):
+            assert relative_error(logits, single[j]) <= ALONE_TOLERANCE, (prompt, fed, j)
+
+
+def test_rows_at_different_attention_partitions(paths, device, rng):
+    """A sequence crossing the decode attention's first partition (128 positions at its defaults) beside a short
+    one: each row's grid is its own, and the step recorded for one partition count is not replayed for another."""
+    model = load(paths["llama"], device, ctx=200)
+    source = open_model(paths["llama"])
+    v = source.config.vocab_size
+    batch = Batch(model, 2)
+    prompts = [[int(t) for t in rng.integers(3, v, n)] for n in (127, 3)]
+    for slot, prompt in enumerate(prompts):
+        batch.prefill(slot, prompt, 0)
+    fed, got = [[], []], [[], []]
+    for _ in range(3):   # slot 0 at positions 127, 128, 129: one partition, then two
+        rows = [(slot, int(rng.integers(3, v))) for slot in (1, 0)]
+        for (slot, token), logits in zip(rows, batch.step(rows)):
+            fed[slot].append(token)
+            got[slot].append(logits)
+    for slot, prompt in enumerate(prompts):
+        want, _ = forward64.model_forward(source, prompt + fed[slot])
+        for j, logits in enumerate(got[slot]):
+            assert relative_error(logits, want[len(prompt) + j]) <= REFERENCE_TOLERANCE, (slot, j)
+
+
+@pytest.mark.parametrize("family", ["llama", "lfm2", "qwen35"])
+def test_a_slot_resumes_its_last_sequence_s_prefix(paths, device, rng, family):
+    """A new prompt that repeats what a slot holds prefills only its new ids there (``resume_point``): a KV cache
+    anywhere it has run, a recurrent state at its last position only (else from 0)."""
+    model = load(paths[family], device)
+    source = open_model(paths[family])
+    v = source.config.vocab_size
+    batch = Batch(model, 2)
+    first = [int(t) for t in rng.integers(3, v, 6)]
+    batch.prefill(1, first, 0)
+    token = int(rng.integers(3, v))
+    batch.step([(1, token)])
+    more = [int(t) for t in rng.integers(3, v, 3)]
+    start = batch.resume_point(1, len(first) + 1)
+    assert start == len(first) + 1
+    ids = first + [token] + more
+    got = batch.prefill(1, ids[start:], start)
+    want, _ = forward64.model_forward(source, ids)
+    assert relative_error(got, want[-1]) <= REFERENCE_TOLERANCE
+    expected_earlier = 3 if model.can_roll_back else 0
+    assert batch.resume_point(1, 3) == expected_earlier
+
+
+def test_requests_generated_together_answer_what_each_answers_alone(paths, device):
+    """``Sequence`` in a batch, greedy and sampled with a seed, with stop rules and max tokens of their own and one
+    joining late, gives ``generate``'s text, ids, stop reason and end position."""
+    model, alone = load(paths["llama"], device), load(paths["llama"], device)
+    source = open_model(paths["llama"])
+    tokenizer = source.tokenizer
+    requests = [
+        ("Once upon a time", 12, SamplingConfig(temperature=0), []),
+        ("The cat", 9, SamplingConfig(temperature=0.8, seed=5), []),
+        ("A B C", 15, SamplingConfig(temperature=0, repetition_penalty=1.3), []),
+        ("Hello there", 10, SamplingConfig(temperature=1.0, top_k=0, seed=9), []),
+    ]
+    batch = Batch(model, 3)
+    expected = []
+    for text, most, sampling, stop in requests:
+        ids = tokenizer.encode(text, add_bos=tokenizer.add_bos_token)
+        expected.append(generate(alone, tokenizer, ids, most, sampling, stop_strings=stop))
+    waiting = list(enumerate(requests))
+    running: dict[int, tuple[int, Sequence]] = {}
+    results = {}
+    steps = 0
+    while waiting or running:
+        for slot in range(batch.slots):   # a free slot takes the next request; the first three start at once
+            if slot not in running and waiting and (steps > 1 or len(running) < 3):
+                index, (text, most, sampling, stop) = waiting.pop(0)
+                ids = tokenizer.encode(text, add_bos=tokenizer.add_bos_token)
+                seq = Sequence(batch, slot, tokenizer, ids, 0, most, sampling, stop)
+                seq.prefill_piece(2)   # in pieces, as serve does between steps
+                while not seq.decoding and not seq.done:
+                    seq.prefill_piece(2)
+                running[slot] = (index, seq)
+        live = [(slot, seq) for slot, (_, seq) in running.items() if seq.decoding]
+        if live:
+            for (slot, seq), logits in zip(live, batch.step([(slot, seq.token) for slot, seq in live])):
+                seq.take(logits)
+        for slot in [slot for slot, (_, seq) in running.items() if seq.done]:
+            index, seq = running.pop(slot)
+            results[index] = seq.result()
+        steps += 1
+    for index, want in enumerate(expected):
+        got = results[index]
+        assert (got.ids, got.text, got.stats.stop_reason, got.end_pos) == (
+            want.ids, want.text, want.stats.stop_reason, want.end_pos), requests[index]
+
+
+def test_bad_batches_are_clear_errors(paths, device, monkeypatch):
+    model = load(paths["llama"], device, ctx=8)
+    with monkeypatch.context() as patch:   # a layer kind with no forward_rows of its own
+        patch.setattr(type(model.mixers[0]), "forward_rows", Mixer.forward_rows)
+        with pytest.raises(PerfxError, match="attention layers cannot decode several sequences together yet: use "
+                                             "--parallel 1"):
+            Batch(model, 2)
+        assert default_parallel(model) == 1
+    assert default_parallel(model) == (1 if model.device.caps.device_type == "CPU" else 4)
+    with monkeypatch.context() as patch:   # a GPU's decode is bound by reading the weights: 4 together
+        patch.setattr(model.device, "caps", dataclasses.replace(model.device.caps, device_type="GPU"))
+        assert default_parallel(model) == 4
+    with pytest.raises(PerfxError, match="--parallel must be between 1 and 8"):
+        Batch(model, 9)
+    batch = Batch(model, 2)
+    batch.prefill(0, [3, 4, 5, 6, 7, 8, 9], 0)
+    batch.prefill(1, [3], 0)
+    with pytest.raises(PerfxError, match="distinct slots"):
+        batch.step([(1, 3), (1, 4)])
+    with pytest.raises(PerfxError, match="slot 2 is outside"):
+        batch.step([(2, 3)])
+    with pytest.raises(PerfxError, match="outside the vocabulary"):
+        batch.step([(1, 10**6)])
+    batch.step([(0, 3)])
+    with pytest.raises(PerfxError, match=r"context full in slot\(s\) \[0\]"):
+        batch.step([(0, 3), (1, 4)])
+    with pytest.raises(PerfxError, match="position 5 cannot be resumed"):
+        batch.prefill(1, [3], 5)

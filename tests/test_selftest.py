@@ -50,8 +50,12 @@ def count_checks(monkeypatch, interrupt_at: int | None = None) -> list:
 
 @pytest.mark.parametrize("kept", [selftest.PROGRAMS_KEPT, 1])
 def test_each_case_is_released_before_the_next_and_each_familys_programs_after_it(device, kept, monkeypatch):
-    """Programs are forgotten after each family, and after a case once the device keeps PROGRAMS_KEPT."""
+    """Programs are forgotten after each family, and before the next checks' builds would pass PROGRAMS_KEPT."""
     monkeypatch.setattr(selftest, "PROGRAMS_KEPT", kept)
+    before_builds = []
+    build_many = device.build_many
+    monkeypatch.setattr(device, "build_many", lambda requests, *a, **k: (before_builds.append(device.programs_kept),
+                                                                          build_many(requests, *a, **k))[1])
     specs = {name: SPECS[name] for name in SMALL.split(",")}
     baseline = device.allocated_bytes
     seen = []   # (family, the device's counted bytes when a case is made, programs kept)
@@ -72,9 +76,31 @@ def test_each_case_is_released_before_the_next_and_each_familys_programs_after_i
     first_of_family = [programs for i, (family, _, programs) in enumerate(seen) if i == 0 or seen[i - 1][0] != family]
     assert first_of_family[1] == 0 and device.programs_kept == 0, seen
     if kept == 1:
-        assert [programs for _, _, programs in seen][1:] == [0] * 5, seen
+        assert before_builds and set(before_builds) == {0}, before_builds
     else:
         assert seen[1][2] > 0, "within a family, under PROGRAMS_KEPT, a case finds the programs of the one before"
+
+
+def test_a_cases_checks_run_on_programs_built_ahead_together(device, monkeypatch):
+    """Where a spec names its programs, they are built by ``build_many`` before the checks: none in a check."""
+    fresh = selftest.Device(device.entry.index)   # nothing built in this process yet
+    specs = {name: SPECS[name] for name in SMALL.split(",") if SPECS[name].programs is not None}
+    assert specs, "a family of SMALL names its programs"
+    built_in_checks, batches = [], []
+
+    def timed(self, params):
+        compiled = fresh.compile_seconds()
+        errors = ERRORS(self, params)
+        built_in_checks.append(fresh.compile_seconds() - compiled)
+        return errors
+    monkeypatch.setattr(Case, "errors", timed)
+    build_many = fresh.build_many
+    monkeypatch.setattr(fresh, "build_many", lambda requests, *a, **k: (batches.append(len(requests)),
+                                                                         build_many(requests, *a, **k))[1])
+    checks = selftest.run_checks(fresh, specs, show_progress=False)
+    assert checks and not any(c.failed for c in checks)
+    assert len(built_in_checks) == len(checks) and set(built_in_checks) == {0.0}, built_in_checks
+    assert batches and all(batches), batches
 
 
 def test_an_interrupted_selftest_resumes_where_it_stopped(capsys, device, cache, monkeypatch):

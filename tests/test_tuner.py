@@ -14,7 +14,7 @@ from perfx.commands import tune
 from perfx.errors import PerfxError
 from perfx.ops.params import ParamSpace
 from perfx.resources import write_json_atomic
-from perfx.runtime import get_device
+from perfx.runtime import Device, get_device
 from perfx.timing import Timing
 from perfx.sources.synthetic import SYNTHETIC_MODELS
 from perfx.tuning import SPECS, select_specs
@@ -101,7 +101,7 @@ import sys
 from pathlib import Path
 sys.path.insert(0, {tests!r})
 from toy_tuning import Toy, quiet_tuner
-from perfx.runtime import get_device
+from perfx.runtime import Device, get_device
 from perfx.tuning.database import Database
 toy = Toy()
 toy.crash_at = 5
@@ -262,6 +262,11 @@ def test_tune_command_sweeps_exports_and_imports(tmp_path, monkeypatch, capsys):
     report = json.loads(capsys.readouterr().out)
     (problem,) = report["problems"]
     assert problem["family"] == "argmax" and problem["best"]["status"] == "ok"
+    sweep = report["sweep"]   # where the time went, and candidates a minute
+    assert sweep["candidates"] == problem["evaluated"] > 0 and sweep["candidates_per_minute"] > 0
+    assert set(sweep["seconds"]) == {"setup", "build", "verify", "time", "drift", "confirm"}
+    assert sweep["seconds"]["verify"] > 0 and sweep["seconds"]["time"] > 0
+    assert tune.split_line(sweep).startswith(f"sweep: {sweep['candidates']} candidates in ")
     # Import into another cache: nothing is tuned, the entry is in force there.
     monkeypatch.setenv("PERFX_CACHE", str(tmp_path / "other"))
     assert tune.main(_parse(tune, ["--import", str(tmp_path / "out.json")])) == 0
@@ -492,3 +497,125 @@ def test_info_says_which_int8_prompt_gemm_the_model_runs():
                                entry("gemm_q8", 9, 2e-4), entry("gemm_q8_lanes", 9, 1e-4, file="b.json"),
                                entry("gemm_q8", 3, 2e-4), entry("gemm_q8_lanes", 3, 1e-4, note="stale: ...")])
     assert [line for line in lines if "int8" in line][:-1] == ["M ≈   33: int8 lanes fastest for 1 matrix"]
+
+
+# -- sweeps that find more in the same time: builds ahead, pruning, order, where the time goes -------------------
+
+def test_candidates_are_built_ahead_together_and_still_each_verified_before_timed(device, db, monkeypatch):
+    """With the spec naming its programs, no candidate's build waits in its own run: batches of them are built by
+    ``build_many`` (here on 2 threads) ahead; a broken one is still reported as a build failure, a wrong one as
+    wrong, and only verified ones are timed."""
+    monkeypatch.setenv("PERFX_BUILD_WORKERS", "2")
+    fresh = Device(device.entry.index)    # nothing built in this process
+    toy = Toy(through_device=True)
+    batches, in_batches = [], []
+    build_many = fresh.build_many
+
+    def counted(requests, *args, **kwargs):
+        batches.append(len(requests))
+        compiled = fresh.compile_seconds()   # a failed build is built again alone, in this thread
+        report = build_many(requests, *args, **kwargs)
+        in_batches.append(fresh.compile_seconds() - compiled)
+        return report
+    monkeypatch.setattr(fresh, "build_many", counted)
+    tuner = quiet_tuner(fresh, db, budget_s=60, background_builds=False)
+    result = tuner.tune_problem(toy.spec(), SHAPE)
+    assert result.complete and result.best.params["MODE"] == "good"
+    statuses = {o.params["MODE"]: o.status for o in result.outcomes}
+    assert statuses["wrong"] == "wrong" and statuses["broken"] == "build"
+    # the toy's nine sets, each built once: as many as build at once for the first, then the rest together
+    assert sum(batches) == 9 and batches[0] == 2 and len(batches) == 2, batches
+    assert fresh.compile_seconds() == pytest.approx(sum(in_batches)), "a build ran in a candidate's run: not ahead"
+    launches = {params_key(dict(k)): count for k, count in toy.launches.items()}
+    for outcome in result.outcomes:   # a rejected set launched once, by its verification, and never timed
+        assert (launches[params_key(outcome.params)] > 1) == (outcome.status in ("ok", "slow")), outcome
+    report = tuner.report([result])
+    assert report["candidates"] == 9 and report["candidates_per_minute"] > 0
+    assert report["seconds"]["build"] > 0 and report["seconds"]["verify"] > 0 and report["seconds"]["time"] > 0
+    assert report["seconds"]["confirm"] > 0
+    assert abs(sum(report["seconds"].values()) + report["other_s"] - report["wall_s"]) < 1e-2
+    assert result.seconds["build"] == pytest.approx(report["seconds"]["build"], abs=1e-3)
+
+
+def test_no_more_is_built_ahead_than_the_budget_is_likely_to_run(device, db, monkeypatch):
+    monkeypatch.setenv("PERFX_BUILD_WORKERS", "2")
+    fresh = Device(device.entry.index)
+    batches = []
+    build_many = fresh.build_many
+    monkeypatch.setattr(fresh, "build_many", lambda requests, *a, **k: (batches.append(len(requests)),
+                                                                         build_many(requests, *a, **k))[1])
+    result = quiet_tuner(fresh, db, budget_s=0).tune_problem(Toy(through_device=True).spec(), SHAPE)
+    assert len(result.outcomes) == 1 and batches == [2], batches   # the defaults, and one more at once
+
+
+def test_a_sweeps_programs_are_forgotten_past_the_bound(device, db, monkeypatch):
+    """Memory stays bounded: before a batch is built the device forgets its programs once it keeps PROGRAMS_KEPT,
+    and after a problem; the candidates still verify and time from pyopencl's cache."""
+    from perfx.tuning import tuner as tuner_module
+    monkeypatch.setattr(tuner_module, "PROGRAMS_KEPT", 2)
+    fresh = Device(device.entry.index)
+    kept_at_builds = []
+    build_many = fresh.build_many
+    monkeypatch.setattr(fresh, "build_many", lambda requests, *a, **k: (kept_at_builds.append(fresh.programs_kept),
+                                                                         build_many(requests, *a, **k))[1])
+    space = {"WGS": (16, 32, 64), "MODE": ("good", "wrong"), "PAD": (0, 1, 2)}
+    tuner = quiet_tuner(fresh, db, budget_s=60, repeat=2)
+    result = tuner.tune_problem(Toy(through_device=True).spec(space=space), SHAPE)
+    assert result.complete and result.chosen["MODE"] == "good" and len(result.outcomes) == 18
+    assert len(kept_at_builds) > 1 and max(kept_at_builds) < 2 and fresh.programs_kept == 0, kept_at_builds
+
+
+def test_builds_in_a_thread_beside_the_runs_as_on_a_gpu(device, db, monkeypatch):
+    """On a GPU-class device the next batch builds while the one before runs; the sweep is the same, and an
+    interrupted one resumes without running a finished candidate again."""
+    monkeypatch.setenv("PERFX_BUILD_WORKERS", "1")
+    fresh = Device(device.entry.index)
+    toy = Toy(through_device=True)
+    space = {"WGS": (16, 32, 64), "MODE": ("good", "wrong", "broken"), "PAD": tuple(range(8))}
+    spec = toy.spec(space=space)
+    toy.interrupt_at = 30
+    first = quiet_tuner(fresh, db, budget_s=60, background_builds=True, repeat=2)
+    with pytest.raises(KeyboardInterrupt):
+        first.tune_problem(spec, SHAPE)
+    assert first.background_build_s > 0   # the thread's builds, waited for when interrupted
+    done = {params_key(c["params"]) for c in
+            json.loads(db.log_path(fresh.fingerprint).read_text())["problems"][0]["candidates"]}
+    assert len(done) == 29
+    toy.interrupt_at, toy.runs = None, {}
+    tuner = quiet_tuner(fresh, db, budget_s=120, background_builds=True, repeat=2)
+    result = tuner.tune_problem(spec, SHAPE)
+    assert result.complete and result.resumed == 29 and len(result.outcomes) == 72
+    assert not done & {params_key(dict(k)) for k in toy.runs}
+    assert {o.status for o in result.outcomes if o.params["MODE"] == "broken"} == {"build"}
+
+
+def test_sets_the_device_cannot_run_or_its_driver_refused_are_pruned_unbuilt(device, db):
+    toy = Toy()
+    space = {"WGS": (16, 32, 64, 1 << 20), "MODE": ("good", "wrong")}   # no device runs 2^20 work-items a group
+    spec = toy.spec(space=space)
+    db.refuse(device, spec, {"WGS": 32, "MODE": "good"}, "failed to build (a driver's bug)")
+    result = quiet_tuner(device, db, budget_s=60).tune_problem(spec, SHAPE)
+    assert result.pruned == 3 and len(result.outcomes) == 5
+    never = {params_key(p) for p in ({"WGS": 1 << 20, "MODE": "good"}, {"WGS": 1 << 20, "MODE": "wrong"},
+                                      {"WGS": 32, "MODE": "good"})}
+    assert not never & {params_key(dict(k)) for k in toy.runs} and not never & {params_key(dict(k)) for k in toy.built}
+
+
+def test_likely_winners_run_first_the_entries_in_force_then_other_devices(device, db):
+    """After the defaults: this device's entry, then any device's entry for the most alike shape, then the
+    rest at random."""
+    toy = Toy()
+    spec = toy.spec(space={"WGS": (16, 32, 64, 128), "MODE": ("good", "wrong"), "PAD": (0, 1, 2)})
+    mine = {"WGS": 128, "MODE": "good", "PAD": 2}
+    near, far = {"WGS": 64, "MODE": "good", "PAD": 1}, {"WGS": 32, "MODE": "good", "PAD": 0}
+    db.save_result(device, result_record(spec, SHAPE, mine, 1e-5, 2e-5, device.fingerprint))
+    other = {"platform": "Other", "device": "A phone GPU", "opencl_c_version": "OpenCL C 3.0",
+             "driver_version": "1"}
+    records = [result_record(spec, {"n": 4000}, far, 1e-5, 2e-5, other),
+               result_record(spec, {"n": 1100}, near, 1e-5, 2e-5, other)]
+    write_json_atomic(db.shipped_dir / "a-phone.json", {"perfx_tuning": FORMAT, "match": {"device": other},
+                                                        "records": records})
+    db = Database(db.user_dir, db.shipped_dir)
+    quiet_tuner(device, db, budget_s=60, repeat=2).tune_problem(spec, SHAPE)
+    ran = [dict(k) for k in toy.runs]
+    assert ran[:4] == [spec.params.defaults(), mine, near, far], ran[:4]

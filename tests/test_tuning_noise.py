@@ -107,8 +107,30 @@ def test_drift_sets_rounds_aside_and_says_how_often(device, tmp_path):
     tuner.drift.every_s = 0   # the simulated timer takes no time: check at every candidate and round
     result = tuner.tune_problem(bench.spec(), SHAPE)
     assert tuner.drift.events == 3
-    assert result.suspect_candidates + result.confirmation.suspect_rounds == 3
+    assert result.suspect_candidates + result.suspect_kept + result.confirmation.suspect_rounds == 3
     assert len(result.confirmation.rounds) == tuner.confirm_rounds and result.chosen["X"] == FASTEST
+
+
+def test_a_drifted_timing_is_taken_again_only_where_it_could_win(device, tmp_path):
+    """Drift only slows a timing: one that, divided by the reference's slow-down, is still slower than the best
+    so far is kept as it is; one that could be the best is taken again. The reference is 1.3x slow right after
+    X = 3 (1.9x the fastest: 1.46x after the discount, slower than the defaults timed first) and X = 5 (the
+    fastest) are timed."""
+    same = dict(TRUE_TIME)
+    try:
+        TRUE_TIME[3] = 190e-6   # past 1.3x any best so far (100–140 us), within the 2x that cuts a set short
+        bench = NoisyBench(4, outliers=0.0, spread=0.0)
+        db = Database(tmp_path / "user", tmp_path / "none")
+        tuner = Tuner(device, db, seed=4, timer=bench.timer, cool_down_s=0,
+                      reference=lambda: 1.3e-3 if bench.current in (3, 5) else 1e-3)
+        tuner.drift.every_s = 0
+        result = tuner.tune_problem(bench.spec(), SHAPE)
+    finally:
+        TRUE_TIME.update(same)
+    assert (result.suspect_kept, result.suspect_candidates) == (1, 1)
+    slow = next(o for o in result.outcomes if o.params["X"] == 3)
+    assert slow.status == "ok" and slow.time_s == pytest.approx(190e-6)
+    assert result.chosen["X"] == FASTEST
 
 
 def test_a_confirmed_result_resumes_without_timing_anything(device, tmp_path):

@@ -2,7 +2,9 @@
 
 MODE = "wrong" computes a wrong answer and MODE = "broken" does not compile, so the tests can check
 that the tuner never chooses either. The kernel (tests/data/toy.cl) is built through pyopencl on the
-device's context, since Device.build only reads kernels/. ``calls`` counts runs and launches per
+device's context, since Device.build only reads kernels/; with ``through_device`` it is built by the device
+(``Device.kernel`` of its path), and the spec names its programs (``Spec.programs``), so that the tuner builds
+it ahead. ``calls`` counts runs and launches per
 parameter set; ``interrupt_at`` raises KeyboardInterrupt at that run (a user's Ctrl-C mid-sweep), ``crash_at``
 ends the process there at once (a driver that segfaults: nothing unwinds).
 """
@@ -21,12 +23,18 @@ from perfx.runtime import BuildError
 from perfx.tuning.spec import Case, Spec
 from perfx.tuning.tuner import Tuner
 
-SOURCE = (Path(__file__).parent / "data" / "toy.cl").read_text()
+TOY_FILE = str(Path(__file__).parent / "data" / "toy.cl")
+SOURCE = Path(TOY_FILE).read_text()
 MODES = {"good": 0, "wrong": 1, "broken": 2}
 
 
+def _defines(params) -> dict:
+    return {"WGS": params["WGS"], "MODE": MODES[params["MODE"]]}
+
+
 class Toy:
-    def __init__(self):
+    def __init__(self, through_device: bool = False):
+        self.through_device = through_device
         self.runs: dict[tuple, int] = {}
         self.launches: dict[tuple, int] = {}
         self.interrupt_at: int | None = None
@@ -35,8 +43,10 @@ class Toy:
 
     def kernel(self, device, params):
         key = tuple(sorted(params.items()))
+        if self.through_device:
+            return device.kernel(TOY_FILE, "toy_scale", _defines(params))
         if key not in self.built:
-            defines = {"WGS": params["WGS"], "MODE": MODES[params["MODE"]]}
+            defines = _defines(params)
             program = cl.Program(device.context, SOURCE)
             try:
                 program.build(options=[f"-D{k}={v}" for k, v in defines.items()], devices=[device.cl_device])
@@ -88,6 +98,8 @@ class Toy:
             fuzz_shapes=lambda st: st.fixed_dictionaries({"n": st.integers(1, 4000)}),
             oclgrind_shapes=({"n": 37},),
             flops=lambda s: s["n"],
+            programs=(lambda device, shape, params: device.kernel(TOY_FILE, "toy_scale", _defines(params)))
+            if self.through_device else None,
         )
 
 

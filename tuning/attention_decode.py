@@ -296,6 +296,7 @@ Q8_TEST_SHAPES = (
 SPEC = Spec(
     params=PARAMS,
     make_case=make_case,
+    programs=lambda device, shape, params: AttentionDecode(device, params, shape).kernels(bool(shape.get("q8_out"))),
     tolerance=1e-3,
     tolerance_why=(
         "keys: the kernel rotates in fp32 and the reference in float64 before both round to fp16, so an "

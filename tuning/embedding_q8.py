@@ -57,6 +57,8 @@ def fuzz_shapes(st):
 SPEC = Spec(
     params=embedding_q8.PARAMS,
     make_case=make_case,
+    programs=lambda device, shape, params: EmbeddingQ8(device, params).kernel(
+        shape["group"], bool(shape.get("f32")), bool(shape.get("sym"))),
     tolerance=1e-6,
     tolerance_why=("w = s·q + m: s·q is exact in fp32 (≤ 19 significant bits) and the add rounds once (none "
                    "without m), 2⁻²⁴ of |w|, the scale once more; one wrong code or group is ≥ s, about 1/255 of the row's range"),

@@ -80,6 +80,11 @@ def fuzz_shapes(st):
     return shape()
 
 
+def programs(device, shape, params) -> None:
+    """The kernels a run at ``params`` builds: the wrapper's, all made when it is."""
+    GemmMoE(device, params, shape)
+
+
 SPEC = Spec(
     params=PARAMS,
     make_case=make_case,
@@ -114,4 +119,5 @@ SPEC = Spec(
     describe=lambda s: (f"{s['op']} N={s['n']} K={s['k']} {s['used']}/{s['experts']} int{s['bits']} g{s['group']}"
                         + (" sym" if s.get("sym") else "") + (" f32" if s.get("f32") else "") + f" m={s['m']}"
                         + (" +=" if s.get("accumulate") else "")),
+    programs=programs,
 )

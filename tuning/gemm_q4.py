@@ -16,6 +16,7 @@ from perfx.formats import Q4_PAIRS, Q4Matrix, q4_scale_bytes
 from perfx.ops import gemm_q4
 from perfx.ops.epilogue import output_rows
 from perfx.ops.gemm_q4 import GemmQ4
+from perfx.ops.params import READ_BUFFER, READ_IMAGE2D, READ_NAMES
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.tuning.gemv_q4 import read_paths
 from perfx.tuning.spec import Case, Spec, cached_per_params, epilogue_reference, q4_matrix
@@ -65,6 +66,20 @@ def fuzz_shapes(max_m: int):
     return strategy
 
 
+def _programs(kind: str):
+    def programs(device, shape, params) -> None:
+        """The kernel a product at ``params`` runs (with the read path the case's weight holds), and for fp16 the
+        conversion of X."""
+        paths = read_paths(device, shape["n"], shape["k"], params["LAYOUT"])
+        read = (params["READ"] if READ_NAMES[params["READ"]] in paths
+                else READ_BUFFER if "buffer" in paths else READ_IMAGE2D)   # GemmQ4.read_path on that weight
+        wrapper = GemmQ4(device, **{f"{kind}_params": params}, shape=shape, kind=kind)
+        wrapper.kernel(kind, shape.get("epilogue", "none"), read, params["LAYOUT"], shape.get("form", Q4_PAIRS))
+        if kind == "f16":
+            wrapper.convert_kernel()
+    return programs
+
+
 def _case_maker(kind: str):
     def make_case(device, shape, rng) -> Case:
         m, n, k, group = shape["m"], shape["n"], shape["k"], shape["group"]
@@ -99,6 +114,7 @@ def _case_maker(kind: str):
 SKINNY = Spec(
     params=gemm_q4.SKINNY,
     make_case=_case_maker("skinny"),
+    programs=_programs("skinny"),
     tolerance=TOLERANCE,
     tolerance_why=TOLERANCE_WHY,
     # Off every tile grid: M = 33 runs passes of MT and then one of a single row, and the columns
@@ -122,6 +138,7 @@ SKINNY = Spec(
 TILED = Spec(
     params=gemm_q4.TILED,
     make_case=_case_maker("tiled"),
+    programs=_programs("tiled"),
     tolerance=TOLERANCE,
     tolerance_why=TOLERANCE_WHY,
     # M = 70 and 33 off MWG, 100 columns off NWG, K = 608 is 19 texels: the last K-tile is partial for
@@ -146,6 +163,7 @@ TILED = Spec(
 F16 = Spec(
     params=gemm_q4.F16,
     make_case=_case_maker("f16"),
+    programs=_programs("f16"),
     tolerance=TOLERANCE,
     tolerance_why=TOLERANCE_WHY,
     variant_tolerances={"HALF": (8e-3, (
@@ -172,4 +190,4 @@ F16 = Spec(
 
 # The skinny kernel's shapes, checks and tolerance: the same products and edges. M = 33 runs passes of MB and
 # then the remainder's (1, or 8+1, 4+1 ...); the columns (60 and 100) are no multiple of ROWS·WGS.
-LANES = dataclasses.replace(SKINNY, params=gemm_q4.LANES, make_case=_case_maker("lanes"))
+LANES = dataclasses.replace(SKINNY, params=gemm_q4.LANES, make_case=_case_maker("lanes"), programs=_programs("lanes"))

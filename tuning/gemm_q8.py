@@ -56,6 +56,12 @@ def make_case(device, shape, rng, kind: str = "skinny") -> Case:
     return Case(expected={"y": expected}, run=run, launch=launch)
 
 
+def programs(device, shape, params, kind: str = "skinny") -> None:
+    """The kernel a product at ``params`` runs on ``shape``."""
+    GemmQ8(device, params, shape, kind).kernel(shape["group"], bool(shape.get("f32")), bool(shape.get("sym")),
+                                               shape.get("epilogue", "none"))
+
+
 def fuzz_shapes(st):
     """Any M up to 40, N up to 100 (twice that for gate-up), K of 1–12 groups of 16 or 32, any int8 form,
     maybe in row blocks, any epilogue."""
@@ -74,6 +80,7 @@ def fuzz_shapes(st):
 SPEC = Spec(
     params=gemm_q8.PARAMS,
     make_case=make_case,
+    programs=programs,
     tolerance=1e-4,
     tolerance_why=(
         "fp32 accumulation of K ≤ 4160 products of dequantized weights (s·q + m, one rounding) and x against "
@@ -110,4 +117,5 @@ def lanes_case(device, shape, rng) -> Case:
     return make_case(device, shape, rng, "lanes")
 
 
-LANES = dataclasses.replace(SPEC, params=gemm_q8.LANES, make_case=lanes_case)
+LANES = dataclasses.replace(SPEC, params=gemm_q8.LANES, make_case=lanes_case,
+                            programs=lambda device, shape, params: programs(device, shape, params, "lanes"))

@@ -53,6 +53,7 @@ def make_case(device, shape, rng) -> Case:
 SPEC = Spec(
     params=PARAMS,
     make_case=make_case,
+    programs=lambda device, shape, params: GemvF16(device, params),
     tolerance=1e-5,
     tolerance_why=("fp32 accumulation of K products of exact fp16·fp32 values, in LANES·VW partial sums "
                    "then a tree: the error grows like ~sqrt(K)·2⁻²⁴ relative to |y| (measured ≤ 9e-7 at "

@@ -79,6 +79,15 @@ def make_case(device, shape, rng) -> Case:
                          device=device)
 
 
+def programs(device, shape, params) -> None:
+    """The kernels a product at ``params`` runs on ``shape``: the GEMV, and x's quantization with the rows
+    layout's I8."""
+    wrapper = GemvQ4(device, params, shape)
+    wrapper.kernel(shape["group"], shape.get("epilogue", "none"), shape["k"], shape.get("form", Q4_PAIRS))
+    if wrapper.reads_quantized:
+        wrapper.quantize_kernel()
+
+
 def fuzz_shapes(st):
     """Any N up to 120 and K of 1–8 groups of 32, 64 or 128: plain (maybe with bias, maybe a fused QKV of
     three parts) or gate-up with either activation."""
@@ -160,4 +169,5 @@ SPEC = Spec(
     oclgrind_shapes=OCLGRIND_SHAPES,
     flops=flops,
     describe=describe,
+    programs=programs,
 )

@@ -46,6 +46,9 @@ def make_case(device, shape, rng) -> Case:
 SPEC = Spec(
     params=PARAMS,
     make_case=make_case,
+    programs=lambda device, shape, params: GemvQ4Split(device, params, shape).kernels(
+        shape["group"], shape.get("epilogue", "none"), shape["k"], shape.get("form", Q4_PAIRS),
+        bool(shape.get("bias"))),
     tolerance=1e-4,
     tolerance_why=(
         "fp32 accumulation as gemv_q4's, against the float64 reference: each texel's 32 products in 8 lanes, "

@@ -64,6 +64,14 @@ def make_case(device, shape, rng) -> Case:
                          device=device)
 
 
+def programs(device, shape, params) -> None:
+    """The kernels a product at ``params`` runs on ``shape``: the GEMV, and x's quantization with I8."""
+    wrapper = GemvQ8(device, params, shape)
+    wrapper.kernel(shape["group"], bool(shape.get("f32")), bool(shape.get("sym")), shape.get("epilogue", "none"))
+    if wrapper.params["I8"]:
+        wrapper.quantize_kernel(shape["group"])
+
+
 def fuzz_shapes(st):
     """Any N up to 120 (twice that for gate-up), K of 1–12 groups of 16 or 32, any int8 form, maybe in row
     blocks: plain (maybe with bias) or gate-up with either activation."""
@@ -82,6 +90,7 @@ def fuzz_shapes(st):
 SPEC = Spec(
     params=PARAMS,
     make_case=make_case,
+    programs=programs,
     tolerance=1e-4,
     tolerance_why=(
         "fp32 accumulation against a float64 reference on the same codes, scales and offsets: s·q·x per "

@@ -44,6 +44,11 @@ def make_logit_mask_case(device, shape, rng) -> Case:
     return Case(expected=expected, run=run, launch=launch)
 
 
+def programs(device, shape, params) -> None:
+    """The kernel a run at ``params`` builds: the wrapper's, made when it is."""
+    LogitMask(device, params)
+
+
 LOGIT_MASK = Spec(
     params=logit_mask.PARAMS,
     make_case=make_logit_mask_case,
@@ -57,4 +62,5 @@ LOGIT_MASK = Spec(
     fuzz_shapes=lambda st: st.fixed_dictionaries({"n": st.integers(1, 40000), "rows": st.integers(1, 8),
                                                   "allowed": st.sampled_from([0.001, 0.1, 0.5, 0.99])}),
     oclgrind_shapes=({"n": 203, "rows": 2, "allowed": 0.4},),
+    programs=programs,
 )

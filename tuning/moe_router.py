@@ -70,6 +70,11 @@ def fuzz_shapes(st):
     return shape()
 
 
+def programs(device, shape, params) -> None:
+    """The kernels a run at ``params`` builds: the wrapper's, all made when it is."""
+    MoeRouter(device, params, shape)
+
+
 SPEC = Spec(
     params=PARAMS,
     make_case=make_case,
@@ -93,4 +98,5 @@ SPEC = Spec(
     flops=lambda s: 2 * s["m"] * s["e"] * s["k"],
     describe=lambda s: (f"E={s['e']} K={s['k']} top-{s['used']} {s['gating']}" + (" bias" if s.get("bias") else "")
                         + (" norm" if s.get("norm") else "") + f" m={s['m']}"),
+    programs=programs,
 )

@@ -77,6 +77,15 @@ def make_case(device, shape, rng) -> Case:
     return Case(expected=expected, run=run, launch=launch, rotate=rotate)
 
 
+def programs(device, shape, params) -> None:
+    """The kernels of every entry point (the wrapper builds them at once), and the entry point's quantizing form
+    where the shape writes y as Q8_1 blocks."""
+    wrapper = RMSNorm(device, params)
+    if shape.get("q8"):
+        name = "rmsnorm_post_residual" if shape.get("post") else "rmsnorm_residual" if shape["residual"] else "rmsnorm"
+        wrapper.kernel(name, Q8_NATURAL if shape.get("natural") else Q8_TEXEL)
+
+
 def _bytes(shape) -> int:
     m, k = shape["m"], shape["k"]
     # residual: read x and r, write r and y; plain: read x, write y. γ once (post: both γ). q8: K codes and K/32
@@ -101,6 +110,7 @@ def fuzz_shapes(st):
 SPEC = Spec(
     params=PARAMS,
     make_case=make_case,
+    programs=programs,
     tolerance=1e-5,
     tolerance_why=("fp32 against float64: h = x + r is one rounding (2⁻²⁴); the sum of squares runs in "
                    "WGS·VW partial sums then a tree, its error stays near log2(K)·2⁻²⁴; sqrt and the "

@@ -116,6 +116,7 @@ def fuzz_sample(st):
 SAMPLE = Spec(
     params=sample.PARAMS,
     make_case=make_sample_case,
+    programs=lambda device, shape, params: Sample(device, params),
     tolerance=0.0,
     tolerance_why=("a token id: the float64 reference's draw with the same uniform, or wrong; the case keeps "
                    "every filter boundary and the uniform 1e-4 clear of where fp32 could decide otherwise"),

@@ -72,6 +72,7 @@ def fuzz_shapes(st):
 SPEC = Spec(
     params=PARAMS,
     make_case=make_case,
+    programs=lambda device, shape, params: ShortConv(device, params, shape),
     reference=reference.short_conv,
     fuzz_shapes=fuzz_shapes,
     # Oclgrind interprets every work-item: a few channels past one work-group, the ring wrapping

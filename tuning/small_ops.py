@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from perfx import reference
-from perfx.formats import Q4_PAIRS, Q4Matrix
+from perfx.formats import Q4_PAIRS, Q4Matrix, q4_form_defines
 from perfx.ops import small_ops
 from perfx.ops.gemv_f16 import F16DeviceWeight
 from perfx.ops.q4_weight import Q4DeviceWeight
@@ -165,6 +165,7 @@ def fuzz_embedding_q4(st):
 EMBEDDING_F16 = Spec(
     params=small_ops.EMBEDDING_F16,
     make_case=make_embedding_f16_case,
+    programs=lambda device, shape, params: Embedding(device, params),
     tolerance=1e-7,
     tolerance_why=("a copy, every fp16 value exact in fp32, times the float32 scale: one rounding (≤ 2⁻²⁴ ≈ "
                    "6e-8 of each value; none at scale 1); a wrong row or element is O(1) off"),
@@ -182,6 +183,8 @@ EMBEDDING_F16 = Spec(
 EMBEDDING_Q4 = Spec(
     params=small_ops.EMBEDDING_Q4,
     make_case=make_embedding_q4_case,
+    programs=lambda device, shape, params: Embedding(device, params).q4_kernel_for(
+        params["LAYOUT"], q4_form_defines(shape.get("form", Q4_PAIRS))),
     tolerance=1e-6,
     tolerance_why=("w = s·q + m with s and m fp16 and q < 16: s·q is exact in fp32 and the fma rounds once "
                    "(2⁻²⁴ of |w|), the scale once more; one wrong nibble or group is ≥ s, about 1/15 of the "
@@ -201,6 +204,7 @@ EMBEDDING_Q4 = Spec(
 ARGMAX = Spec(
     params=small_ops.ARGMAX,
     make_case=make_argmax_case,
+    programs=lambda device, shape, params: Argmax(device, params),
     tolerance=0.0,
     tolerance_why="an index: exactly numpy.argmax's (ties to the lowest index) or wrong",
     test_shapes=({"n": 152064}, {"n": 32001}, {"n": 1003}, {"n": 5}),
@@ -213,6 +217,7 @@ ARGMAX = Spec(
 SWIGLU = Spec(
     params=small_ops.SWIGLU,
     make_case=_gated_case_maker(SwiGLU, reference.swiglu),
+    programs=lambda device, shape, params: SwiGLU(device, params),
     tolerance=1e-5,
     tolerance_why=("fp32 exp (OpenCL allows 3 ulp), one division and one product against float64: a few "
                    "2⁻²⁴ of each element; an element skipped or a wrong activation is far above 1e-5"),
@@ -227,6 +232,7 @@ SWIGLU = Spec(
 GEGLU = Spec(
     params=small_ops.GEGLU,
     make_case=_gated_case_maker(GeGLU, reference.geglu),
+    programs=lambda device, shape, params: GeGLU(device, params),
     tolerance=1e-5,
     tolerance_why=("fp32 tanh (OpenCL allows 5 ulp) and a few products against float64: a few 2⁻²⁴ of each "
                    "element; for gate ≪ 0, where 1 + tanh(·) cancels, tanh's 5 ulp of 1 times 0.5·|gate·up|, "
@@ -243,6 +249,7 @@ GEGLU = Spec(
 SIGMOID_MUL = Spec(
     params=small_ops.SIGMOID_MUL,
     make_case=_gated_case_maker(SigmoidMul, reference.sigmoid_mul),
+    programs=lambda device, shape, params: SigmoidMul(device, params),
     tolerance=1e-5,
     tolerance_why=("fp32 exp (OpenCL allows 3 ulp), one division and one product against float64: a few "
                    "2⁻²⁴ of each element; an element skipped or SiLU in σ's place is far above 1e-5"),
@@ -257,6 +264,7 @@ SIGMOID_MUL = Spec(
 SOFTCAP = Spec(
     params=small_ops.SOFTCAP,
     make_case=make_softcap_case,
+    programs=lambda device, shape, params: Softcap(device, params),
     tolerance=1e-6,
     tolerance_why=("one fp32 division, tanh (OpenCL allows 5 ulp) and product against float64: a few 2⁻²⁴ of "
                    "cap, itself the bound on |x|; a logit left uncapped is off by up to its own size"),

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from perfx import formats, reference
+from perfx.errors import PerfxError
 from perfx.formats import Q8Matrix
 from perfx.ops.epilogue import is_gated
 from perfx.ops.params import Params, ParamSpace, Shape
@@ -204,12 +205,32 @@ class Spec:
     # Reduced-precision variants carry their own rounding: parameter name -> (tolerance, why), applying where
     # that parameter is non-zero: "HALF" (fp16 arithmetic), "I8" (int8 activations).
     variant_tolerances: dict = field(default_factory=dict)
+    # Where given: ``programs(device, shape, params)`` asks for every kernel a run of ``params`` on ``shape``
+    # builds, by making the family's wrapper and its kernels as a case's run does, without launching. Run inside
+    # ``Device.collecting()`` (``build_requests``), it names the programs, so the selftest and the tuner build the
+    # sets to come many at once (``Device.build_many``) instead of one at a time as each runs.
+    programs: Callable[[Any, Shape, Params], None] | None = None
 
     def tolerance_for(self, params: Params) -> float:
         """The bound on ``relative_error`` for this parameter set: the loosest of ``variant_tolerances`` whose
         parameter it sets (fp16 arithmetic, int8 activations), else ``tolerance``."""
         return max([self.tolerance] + [bound for name, (bound, _) in self.variant_tolerances.items()
                                        if params.get(name)])
+
+
+def build_requests(spec: Spec, device, shape: Shape, params_list) -> list[tuple]:
+    """The programs runs of ``spec`` at each of ``params_list`` on ``shape`` build, as ``Device.build_many`` takes
+    them, found without building any (``Spec.programs`` inside ``Device.collecting``); none where the spec does
+    not say. A set the wrapper refuses here names none: its run reports why."""
+    if spec.programs is None:
+        return []
+    with device.collecting() as requests:
+        for params in params_list:
+            try:
+                spec.programs(device, shape, params)
+            except PerfxError:
+                continue
+    return list(dict.fromkeys(requests))
 
 
 # Building blocks of the specs' fuzz_shapes, shared by families of one weight form. Each takes

@@ -6,11 +6,14 @@ within the spec's tolerance is timed, and only a timed one may be chosen. One th
 fails at launch or is wrong is recorded with the reason. Each outcome goes to the device's resume log
 as it comes (atomically), so an interrupted sweep resumes without re-timing anything.
 
-Search (after CLBlast's and kernel_tuner's tuners): the defaults first, then every candidate where the
-space is small, else a random sample (at least RANDOM_SAMPLES, more while half the problem's share of the
-budget lasts) followed by local refinement (each parameter moved to any other value of its list) around
-the best, until nothing improves or the problem's share of the budget is spent. A candidate whose faster of two first runs is clearly slower than the best so far is cut short;
-a cut candidate is never chosen.
+Search (after CLBlast's and kernel_tuner's tuners): the sets this device cannot run, or its driver refused,
+pruned unbuilt; the defaults first, then the likely winners (the tuned entries of this device and of others,
+the most alike shape first), then every candidate where the space is small, else a random sample (at least
+RANDOM_SAMPLES, more while half the problem's share of the budget lasts) followed by local refinement (each
+parameter moved to any other value of its list) around the best, until nothing improves or the problem's share
+of the budget is spent. A candidate whose faster of two first runs is clearly slower than the best so far is cut
+short; a cut candidate is never chosen. The programs of the candidates to come are built ahead, many at once
+(``BuildAhead``), and where the time went is kept per phase (``Split``).
 
 Confirmation: a search ranks candidates by one median each, and on a phone (thermal throttling,
 big.LITTLE, DVFS) or a busy machine a single lucky sample can crown the wrong one. So the top few, the
@@ -28,7 +31,10 @@ the same interleaved rounds; one at least as fast on the median is pinned to the
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import functools
+import math
 import random
 import statistics
 import time
@@ -39,8 +45,8 @@ import numpy as np
 from perfx.errors import PerfxError
 from perfx.runtime import BuildError, DriverError, KernelLimitError
 from perfx.timing import bootstrap_ratio, copy_kernel, time_launches
-from perfx.tuning.database import Database, normal, params_key, result_record
-from perfx.tuning.spec import time_case
+from perfx.tuning.database import Database, normal, params_key, result_record, source_hash
+from perfx.tuning.spec import build_requests, time_case
 
 EXHAUSTIVE_LIMIT = 48   # spaces up to this many candidates are searched exhaustively
 RANDOM_SAMPLES = 24     # otherwise: this many random candidates before local refinement, at least
@@ -50,6 +56,9 @@ CONFIRM_TOP = 3         # search winners confirmed against the incumbent and the
 CONFIRM_ROUNDS = 7      # interleaved rounds of the confirmation
 DRIFT_THRESHOLD = 0.25  # the reference kernel this much slower than at the start: the round is suspect
 COOL_DOWN_S = 2.0       # wait before re-taking a suspect round
+BUILD_AHEAD = 16       # candidates whose programs are built together, ahead of their runs
+PROGRAMS_KEPT = 128    # programs the device keeps before it forgets them (``Device.forget_programs``) between batches
+PHASES = ("setup", "build", "verify", "time", "drift", "confirm")
 STATUSES = ("ok", "slow", "wrong", "build", "limit", "launch", "error", "crashed")
 
 
@@ -126,6 +135,10 @@ class ProblemResult:
     complete: bool = False    # the search finished (not cut by the budget)
     note: str = ""            # why the problem could not be tuned, when it could not
     suspect_candidates: int = 0   # search timings re-taken because the machine drifted
+    suspect_kept: int = 0         # ... and kept as they were: too slow to win even discounting the drift
+    evaluated: int = 0        # candidates run in this sweep (not read back from the log)
+    pruned: int = 0           # parameter sets never built: this device cannot run them, or its driver refused them
+    seconds: dict = field(default_factory=dict)   # where this sweep's time on the problem went (``Split``)
 
     @property
     def chosen(self) -> dict | None:
@@ -170,7 +183,9 @@ class ProblemResult:
                 "candidates": len(self.outcomes), "rejected": sum(o.status not in ("ok", "slow")
                                                                   for o in self.outcomes),
                 "resumed": self.resumed, "complete": self.complete, "note": self.note,
-                "suspect_candidates": self.suspect_candidates,
+                "suspect_candidates": self.suspect_candidates, "suspect_kept": self.suspect_kept,
+                "evaluated": self.evaluated, "pruned": self.pruned,
+                "seconds": {name: round(value, 3) for name, value in self.seconds.items()},
                 "outcomes": [o.as_dict() for o in self.outcomes]}
 
 
@@ -204,6 +219,19 @@ def _first_line(error: Exception) -> str:
     return f"{head} {detail}".strip()[:300]
 
 
+def _likeness(want: dict, have: dict | None) -> tuple:
+    """How unlike a record's shape is the one wanted, for ordering candidates (smaller first): the keys that
+    differ, then the summed |log| ratios of the sizes both have. A shape-less record comes last."""
+    if have is None:
+        return (float("inf"), 0.0)
+    want, have = normal(want), normal(have)
+    differing = sum(want.get(key) != have.get(key) for key in set(want) | set(have))
+    sizes = sum(abs(math.log(max(want[key], 1) / max(have[key], 1))) for key in set(want) & set(have)
+                if isinstance(want[key], (int, float)) and isinstance(have[key], (int, float))
+                and not isinstance(want[key], bool) and not isinstance(have[key], bool))
+    return (differing, sizes)
+
+
 def neighbours(space: dict, params: dict) -> list[dict]:
     """Parameter sets one step away: one parameter moved to any other value of its list (adjacent values
     first). Any value, not only the adjacent ones: many parameters are choices, not sizes (READ 0/1/2:
@@ -230,6 +258,7 @@ class DriftWatch:
         self.baseline: float | None = None
         self.events = 0
         self.last = -float("inf")
+        self.ratio = 1.0   # the reference's time over the baseline, when it last said the machine drifted
 
     def drifted(self) -> bool:
         if time.perf_counter() - self.last < self.every_s:
@@ -242,8 +271,98 @@ class DriftWatch:
         self.baseline = min(self.baseline, now)  # a quiet moment later in the run is the better baseline
         if now > (1 + self.threshold) * self.baseline:
             self.events += 1
+            self.ratio = now / self.baseline
             return True
         return False
+
+
+class Split:
+    """Where a sweep's time goes: seconds in each of PHASES (setting up a problem's case, building, verifying,
+    timing, re-timing after drift, confirming). A phase inside another counts once, in the inner one; the builds
+    the thread waited for inside any phase (``compile_seconds``: a device's ``Device.compile_seconds``) count as
+    building, wherever they happened."""
+
+    def __init__(self, compile_seconds=lambda: 0.0):
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.compile_seconds = compile_seconds
+        self._inner: list[list[float]] = []   # per open phase: [seconds, compile seconds] of the phases inside it
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        started, compiled = time.perf_counter(), self.compile_seconds()
+        self._inner.append([0.0, 0.0])
+        try:
+            yield
+        finally:
+            inner_s, inner_compiled = self._inner.pop()
+            elapsed, built = time.perf_counter() - started, self.compile_seconds() - compiled
+            own_built = built - inner_compiled
+            self.seconds[name] += elapsed - inner_s - own_built
+            self.seconds["build"] += own_built
+            if self._inner:
+                self._inner[-1][0] += elapsed
+                self._inner[-1][1] += built
+
+    def since(self, before: dict) -> dict:
+        return {name: self.seconds[name] - before.get(name, 0.0) for name in PHASES}
+
+
+class BuildAhead:
+    """Builds the programs of a problem's candidates to come, ``batch`` at a time, many at once
+    (``Device.build_many``), from what the spec names (``Spec.programs``; nothing where it names none). On a
+    GPU-class device the next batch builds in a thread while the candidates before it are verified and timed; on
+    a CPU device the compiler would take the cores a timing measures, so each batch is built before its runs,
+    between timings. A build that fails is kept by the device, and the candidate's verification reports it."""
+
+    def __init__(self, device, spec, shape: dict, batch: int = BUILD_AHEAD, background: bool | None = None):
+        self.device, self.spec, self.shape, self.batch = device, spec, shape, batch
+        self.background = device.caps.device_type != "CPU" if background is None else background
+        self.requested: set[str] = set()
+        self.pending: concurrent.futures.Future | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="perfx-ahead") \
+            if self.background and spec.programs is not None else None
+        self.background_s = 0.0   # seconds of builds made in the thread, beside the runs
+
+    def before(self, upcoming: list[dict], split: Split) -> None:
+        """Called before ``upcoming[0]`` runs, with the candidates that follow it in order."""
+        if self.spec.programs is None or not upcoming:
+            return
+        if params_key(upcoming[0]) not in self.requested:
+            with split.phase("build"):
+                self._wait()
+                if self.device.programs_kept >= PROGRAMS_KEPT:
+                    self.device.forget_programs()
+                self._build(self._next(upcoming))
+        if self._pool is not None and self.pending is None:
+            following = self._next(upcoming)
+            if following:
+                self.pending = self._pool.submit(self._build, following)
+
+    def _next(self, upcoming: list[dict]) -> list[dict]:
+        chosen = []
+        for params in upcoming:
+            key = params_key(params)
+            if key not in self.requested:
+                self.requested.add(key)
+                chosen.append(params)
+                if len(chosen) == self.batch:
+                    break
+        return chosen
+
+    def _build(self, params_list: list[dict]) -> float:
+        report = self.device.build_many(build_requests(self.spec, self.device, self.shape, params_list))
+        return report.seconds
+
+    def _wait(self):
+        if self.pending is not None:
+            self.background_s += self.pending.result()
+            self.pending = None
+
+    def close(self):
+        """Waits for a build under way (the device's programs stay consistent) and ends the thread."""
+        self._wait()
+        if self._pool is not None:
+            self._pool.shutdown()
 
 
 class Tuner:
@@ -251,8 +370,10 @@ class Tuner:
 
     ``budget_s`` is shared among the problems still to do; ``progress`` (a perfx.progress.Progress
     over problems) gets a note after every candidate. ``timer`` times a launch function (default: ``time_launches``
-    on this device; the tests give a simulated noisy one); ``reference`` returns the time of a fixed reference kernel (default: the copy
-    kernel on this device); ``cool_down_s`` is the pause before a suspect round is taken again.
+    on this device; the tests give a simulated noisy one); ``reference`` returns the time of a fixed reference
+    kernel (default: the copy kernel on this device); ``cool_down_s`` is the pause before a suspect round is taken
+    again; ``background_builds``: whether candidates' programs build in a thread beside the runs (``BuildAhead``;
+    None: on a GPU-class device).
     """
 
     def __init__(self, device, database: Database | None = None, budget_s: float = 600.0, seed: int = 0,
@@ -260,7 +381,8 @@ class Tuner:
                  random_samples: int = RANDOM_SAMPLES, sample_share: float = SAMPLE_SHARE,
                  confirm_top: int = CONFIRM_TOP,
                  confirm_rounds: int = CONFIRM_ROUNDS, timer=None, reference=None,
-                 cool_down_s: float = COOL_DOWN_S, drift_threshold: float = DRIFT_THRESHOLD):
+                 cool_down_s: float = COOL_DOWN_S, drift_threshold: float = DRIFT_THRESHOLD,
+                 background_builds: bool | None = None):
         self.device = device
         self.database = database if database is not None else Database()
         self.log = self.database.log(device)
@@ -274,9 +396,24 @@ class Tuner:
         self.drift = DriftWatch(reference or copy_kernel(device), drift_threshold)
         self.started = time.perf_counter()
         self._untuned: dict[tuple, dict] = {}   # (family, shape) -> what runs untuned (``_defaults``)
+        self.background_builds = background_builds   # None: on a GPU-class device (BuildAhead)
+        self.split = Split(device.compile_seconds)
+        self.background_build_s = 0.0   # builds made beside the runs (``BuildAhead``), not in the split
 
     def time_left(self) -> float:
         return self.budget_s - (time.perf_counter() - self.started)
+
+    def report(self, results: list[ProblemResult]) -> dict:
+        """Where the sweep's time went and what it got for it: candidates run (not resumed), a minute of the
+        sweep's wall time, and the seconds of each phase (``Split``)."""
+        wall = time.perf_counter() - self.started
+        evaluated = sum(r.evaluated for r in results)
+        return {"wall_s": round(wall, 3), "candidates": evaluated,
+                "candidates_per_minute": round(60 * evaluated / wall, 2) if wall > 0 else None,
+                "pruned": sum(r.pruned for r in results),
+                "seconds": {name: round(value, 3) for name, value in self.split.seconds.items()},
+                "other_s": round(wall - sum(self.split.seconds.values()), 3),
+                "built_beside_runs_s": round(self.background_build_s, 3)}
 
     def tune(self, jobs) -> list[ProblemResult]:
         """Tune ``jobs``, a list of (spec, shape, label); results in the same order."""
@@ -297,8 +434,20 @@ class Tuner:
 
     def tune_problem(self, spec, shape: dict, label: str = "", deadline: float | None = None) -> ProblemResult:
         """Search one (family, shape) until done or ``deadline`` (perf_counter seconds) passes, then confirm."""
+        before = dict(self.split.seconds)
+        ahead = BuildAhead(self.device, spec, shape, background=self.background_builds)
+        try:
+            result = self._tune_problem(spec, shape, label, deadline, ahead)
+        finally:
+            ahead.close()
+            self.background_build_s += ahead.background_s
+        result.seconds = self.split.since(before)
+        if self.device.programs_kept >= PROGRAMS_KEPT:
+            self.device.forget_programs()
+        return result
+
+    def _tune_problem(self, spec, shape: dict, label: str, deadline: float | None, ahead: BuildAhead) -> ProblemResult:
         deadline = time.perf_counter() + max(self.time_left(), 0.0) if deadline is None else deadline
-        caps = self.device.caps
         result = ProblemResult(spec.params.family, dict(shape), label, spec.describe(shape),
                                int(spec.bytes_moved(shape)), int(spec.flops(shape)))
         record = self.log.problem(spec, shape)
@@ -313,7 +462,7 @@ class Tuner:
         for data in record["candidates"]:
             outcome = Outcome.from_dict(data)
             tried[params_key(outcome.params)] = outcome
-        candidates = spec.params.candidates(shape, caps)
+        candidates, result.pruned = self._runnable(spec, shape)
         valid = {params_key(p) for p in candidates}
         # Outcomes of parameter sets the spec no longer allows (its space changed) are kept on disk but
         # never chosen.
@@ -329,21 +478,22 @@ class Tuner:
             result.confirmation = Confirmation.from_dict(record["confirmation"])
             self._save_result(spec, result)
             return result
-        if defaults in candidates:
-            candidates.remove(defaults)
-            candidates.insert(0, defaults)
         exhaustive = len(candidates) <= self.exhaustive_limit
-        order = candidates[:1] + random.Random(f"{self.seed}{result.description}").sample(
-            candidates[1:], len(candidates) - 1)
+        order = self._order(spec, shape, candidates, defaults, result.description)
         # Past the first random_samples, sampling goes on while sample_share of this problem's time lasts: the
         # GPU-class variants couple several parameters (I8 needs LAYOUT 1 and XS 1), so one-step refinement
         # cannot walk into them from another region, and a budget the user gave is better spent sampling.
         sample_until = time.perf_counter() + self.sample_share * max(deadline - time.perf_counter(), 0.0)
 
         case = None
+        started = time.perf_counter()
 
-        def evaluate(params) -> bool:
-            """Run one candidate unless already known; False when out of time."""
+        def untried(params_list) -> list[dict]:
+            return [p for p in params_list if params_key(p) not in tried and params_key(p) in valid]
+
+        def evaluate(params, upcoming=()) -> bool:
+            """Run one candidate unless already known; False when out of time. ``upcoming``: the candidates
+            after it, whose programs are built ahead."""
             nonlocal case
             key = params_key(params)
             if key in tried or key not in valid:
@@ -351,7 +501,14 @@ class Tuner:
             if time.perf_counter() > deadline and result.default is not None:
                 return False
             if case is None:
-                case = spec.make_case(self.device, shape, np.random.default_rng(self.seed))
+                with self.split.phase("setup"):
+                    case = spec.make_case(self.device, shape, np.random.default_rng(self.seed))
+            # No more built ahead than are likely to run before the deadline, at this problem's pace so far: a
+            # budget-cut search would otherwise end with a batch built for nothing (a quarter of a short sweep).
+            left = max(deadline - time.perf_counter(), 0.0)
+            pace = (time.perf_counter() - started) / result.evaluated if result.evaluated else None
+            likely = math.ceil(left / pace) if pace else self.device.build_workers()
+            ahead.before([params, *untried(upcoming)][:max(1, likely)], self.split)
             record["running"] = dict(params)   # on disk while it runs: a process that dies there is known on resume
             self.log.save()
             try:
@@ -363,6 +520,7 @@ class Tuner:
             del record["running"]
             tried[key] = outcome
             result.outcomes.append(outcome)
+            result.evaluated += 1
             self._update_best(result, spec)
             record["candidates"].append(outcome.as_dict())
             self.log.save()
@@ -371,11 +529,11 @@ class Tuner:
             return True
 
         def sample() -> bool:
-            """The defaults, then candidates in random order; False when out of time."""
+            """The defaults, the likely winners, then candidates in random order; False when out of time."""
             for n, params in enumerate(order):
                 if not exhaustive and n > self.random_samples and time.perf_counter() > sample_until:
                     return True
-                if not evaluate(params):
+                if not evaluate(params, order[n + 1:n + 1 + 4 * BUILD_AHEAD]):
                     return False
             return True
 
@@ -387,7 +545,8 @@ class Tuner:
                     seen_best = result.best
                     if seen_best is None:
                         break
-                    finished = all(evaluate(p) for p in neighbours(spec.params.space, seen_best.params))
+                    around = neighbours(spec.params.space, seen_best.params)
+                    finished = all(evaluate(p, around[i + 1:]) for i, p in enumerate(around))
                     if result.best is seen_best:
                         break
             result.complete = finished and result.best is not None
@@ -396,8 +555,10 @@ class Tuner:
                 self.log.save()
             if result.complete:
                 if case is None:
-                    case = spec.make_case(self.device, shape, np.random.default_rng(self.seed))
-                result.confirmation = self._confirm(spec, shape, case, result)
+                    with self.split.phase("setup"):
+                        case = spec.make_case(self.device, shape, np.random.default_rng(self.seed))
+                with self.split.phase("confirm"):
+                    result.confirmation = self._confirm(spec, shape, case, result)
                 record["confirmation"] = result.confirmation.as_dict()
                 self.log.save()
         except (PerfxError, DriverError) as e:  # make_case failed: the problem does not fit this device
@@ -405,6 +566,44 @@ class Tuner:
             return result
         self._save_result(spec, result)
         return result
+
+    def _runnable(self, spec, shape: dict) -> tuple[list, int]:
+        """(the candidates this device may run, how many sets of the space were pruned before any build): the
+        space's sets less those beyond this device's work-group size, local memory or capabilities (subgroups,
+        fp16, images: ``ParamSpace.candidates``), less those its driver refused before (they failed to build,
+        or broke the kernel's own limits, when a model was loaded: ``Database.refused``)."""
+        candidates = spec.params.candidates(shape, self.device.caps)
+        everywhere = len(spec.params.candidates(shape))
+        refused = self.database.refused(self.device)
+        if refused:
+            current = source_hash(spec)
+            family = spec.params.family
+            candidates = [p for p in candidates if (family, params_key(p), current) not in refused]
+        return candidates, everywhere - len(candidates)
+
+    def _order(self, spec, shape: dict, candidates: list, defaults: dict, description: str) -> list:
+        """The order the search runs ``candidates`` in: the defaults (or what runs untuned), then the likely winners,
+        then the rest in a random order. The likely winners are the tuned entries that apply to this device
+        (its own, its architecture's, its vendor's: ``Database.choices``), then every entry of this family, of
+        any device and shape, the most alike shape first (a sweep's earlier problems are among them: the winner
+        for a model's q projection is a likely one for its k projection). A good time found early cuts the slow
+        candidates after it short (CUT_FACTOR), and a search the budget stops has timed them."""
+        by_key = {params_key(p): p for p in candidates}
+        first = [params_key(defaults)] if params_key(defaults) in by_key else []
+        for choice in self.database.choices(self.device, spec, shape):
+            first.append(params_key(choice.params))
+        others = []
+        for file in self.database.files():
+            for record in file.records:
+                if record.get("family") != spec.params.family:
+                    continue
+                params = {**spec.params.defaults(record["params"]), **record["params"]}
+                others.append((_likeness(shape, record.get("shape")), params_key(params)))
+        first += [key for _, key in sorted(others, key=lambda item: item[0])]
+        first = [key for key in dict.fromkeys(first) if key in by_key]
+        placed = set(first)
+        rest = [p for key, p in by_key.items() if key not in placed]
+        return [by_key[key] for key in first] + random.Random(f"{self.seed}{description}").sample(rest, len(rest))
 
     def _save_result(self, spec, result: ProblemResult):
         """The problem's chosen parameters, in the device's results file (what look-ups read). A search cut
@@ -445,13 +644,20 @@ class Tuner:
 
     def _time(self, case, params: dict, result: ProblemResult | None = None, **kwargs):
         """Time one candidate; a timing during which the reference kernel says the machine drifted is
-        taken again after a cool-down (once)."""
+        taken again after a cool-down (once), unless it could not win even taken as that much too slow: drift
+        only slows a timing, so one that, divided by the reference's slow-down, is still slower than the best so
+        far is no winner whatever the machine did (on a busy machine the cool-downs took a quarter of a sweep)."""
         timing = self._timing(case, params, **kwargs)
-        if self.drift.drifted():
-            if result is not None:
-                result.suspect_candidates += 1
-            time.sleep(self.cool_down_s)
-            timing = self._timing(case, params, **kwargs)
+        with self.split.phase("drift"):
+            if self.drift.drifted():
+                best = result.best if result is not None else None
+                if best is not None and best.time_s and timing.median_s / self.drift.ratio > best.time_s:
+                    result.suspect_kept += 1
+                    return timing
+                if result is not None:
+                    result.suspect_candidates += 1
+                time.sleep(self.cool_down_s)
+                timing = self._timing(case, params, **kwargs)
         return timing
 
     def _verify(self, spec, case, params: dict) -> tuple[Outcome | None, float, dict]:
@@ -480,9 +686,15 @@ class Tuner:
 
     def _evaluate(self, spec, case, params: dict, best: Outcome | None, result: ProblemResult) -> Outcome:
         """Verify, then time, one candidate."""
-        rejected, worst, kernels = self._verify(spec, case, params)
+        with self.split.phase("verify"):
+            rejected, worst, kernels = self._verify(spec, case, params)
         if rejected is not None:
             return rejected
+        with self.split.phase("time"):
+            return self._time_candidate(case, params, best, result, worst, kernels)
+
+    def _time_candidate(self, case, params: dict, best: Outcome | None, result: ProblemResult, worst: float,
+                        kernels: dict) -> Outcome:
         try:
             if best is not None:
                 # The faster of two runs: one slow run (a hiccup) must not cut a good candidate.
@@ -553,9 +765,12 @@ class Tuner:
             times = [0.0] * len(contenders)
             for i in order:
                 times[i] = self._timing(case, contenders[i], warmup=1, repeat=3).median_s
-            if self.drift.drifted() and suspect < self.confirm_rounds:
+            with self.split.phase("drift"):
+                retake = self.drift.drifted() and suspect < self.confirm_rounds
+                if retake:
+                    time.sleep(self.cool_down_s)
+            if retake:
                 suspect += 1
-                time.sleep(self.cool_down_s)
                 continue
             rounds.append(times)
         return rounds, suspect

@@ -116,10 +116,11 @@ def run_section(name: str, device: Device, args, database) -> dict:
                 "platform": platform.platform()}
     if name == "tune":
         problems, notes = problems_for(args.model, SPECS, args.max_m)
-        results = Tuner(device, database, budget_s=args.tune).tune([(SPECS[p.family], p.shape, p.label)
-                                                                    for p in problems])
+        tuner = Tuner(device, database, budget_s=args.tune)
+        results = tuner.tune([(SPECS[p.family], p.shape, p.label) for p in problems])
         return {"model": args.model, "budget_s": args.tune, "problems": len(results),
-                "confirmed": sum(r.confirmation is not None for r in results), "notes": notes}
+                "confirmed": sum(r.confirmation is not None for r in results), "notes": notes,
+                "sweep": tuner.report(results)}   # where a phone's tuning minute goes
     if name == "selftest":
         checks = run_checks(device, SPECS, quick=args.quick, show_progress=False)
         failed = [asdict(c) for c in checks if c.failed]

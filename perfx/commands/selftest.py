@@ -7,9 +7,11 @@ set the tuner may choose on this device, fresh random inputs, outputs poisoned f
 A phone shares its 8–12 GB with Android and builds kernels slowly, so the run is bounded and resumable:
 
 - memory: one case (a family's inputs at one test shape, on the device and on the host) at a time, checked
-  at every parameter set and released before the next; after each family (and after a check once it keeps
-  ``PROGRAMS_KEPT``) the device forgets the programs built (``Device.forget_programs``), which pyopencl's
-  binary cache rebuilds cheaply if a later case needs them again;
+  at every parameter set and released before the next; after each family (and before the builds of the next
+  checks would take it past ``PROGRAMS_KEPT``) the device forgets the programs built (``Device.forget_programs``),
+  which pyopencl's binary cache rebuilds cheaply if a later case needs them again;
+- builds: the programs of the next ``BUILD_AHEAD`` checks of a case are built together on every core
+  (``Device.build_many``), where the family's spec names them (``Spec.programs``);
 - progress: the checks done, with their results, go to a file in the user's cache as they come (atomically,
   pinned to the device and to each family's kernel sources); the same command after an interrupt, a budget
   spent or a crash resumes there, ``--restart`` starts afresh, and a finished run removes the file;
@@ -36,15 +38,19 @@ from perfx.progress import Progress, format_table
 from perfx.resources import cache_dir, read_json, write_json_atomic
 from perfx.runtime import DEVICE_HELP, Device, KernelLimitError
 from perfx.tuning import Spec, select_specs
+from perfx.tuning.spec import build_requests
 from perfx.tuning.database import fingerprint_slug, normal, params_key, source_hash
 
 PROGRESS_FORMAT = 1
 SAVE_EVERY_S = 10.0       # progress is written after each case, and at least this often within one
-# The device forgets the programs it built after a family, or after a check once it keeps this many: a family's
+# The device forgets the programs it built after a family, or before the next checks' builds pass this many: a family's
 # shapes often share builds (the same defines), rebuilt from pyopencl's binary cache if forgotten, but the
 # largest family (gemv_q4) builds hundreds of programs a shape, and each holds its machine code, more just after
 # it is compiled than loaded from the cache (what they cost: benchmarks/NOTES.md, selftest with bounded memory).
 PROGRAMS_KEPT = 128
+# The checks whose programs are built together, ahead of them: enough for every core, few enough that what they
+# hold stays well under PROGRAMS_KEPT.
+BUILD_AHEAD = 32
 EXIT_INCOMPLETE = 3       # --budget spent before every check ran, none failed: run the same command again
 
 EPILOG = """\
@@ -191,6 +197,16 @@ def _failure(spec: Spec, shape: str, params: dict, error: Exception) -> Check:
     return Check(spec.params.family, params, shape, float("inf"), spec.tolerance_for(params), False, first)
 
 
+def build_ahead(device: Device, spec: Spec, shape: dict, params_list: list[dict]) -> None:
+    """The programs the next checks build, built at once on every core (``Device.build_many``) where the spec
+    names them (``Spec.programs``); a failure is kept by the device, and the check that needs it reports it.
+    The device first forgets what it built before where these would take it past PROGRAMS_KEPT."""
+    requests = build_requests(spec, device, shape, params_list)
+    if device.programs_kept + len(requests) > PROGRAMS_KEPT:
+        device.forget_programs()
+    device.build_many(requests)
+
+
 def check_case(device: Device, spec: Spec, shape: dict, params_list: list[dict], rng: np.random.Generator,
                checks: list[Check], after_each=None, deadline: float | None = None) -> None:
     """One case made, checked at each parameter set (appended to ``checks``), then released: its device buffers,
@@ -208,6 +224,8 @@ def check_case(device: Device, spec: Spec, shape: dict, params_list: list[dict],
         for i, params in enumerate(params_list):
             if i and deadline is not None and time.perf_counter() >= deadline:
                 raise BudgetSpent
+            if made_error is None and i % BUILD_AHEAD == 0:
+                build_ahead(device, spec, shape, params_list[i:i + BUILD_AHEAD])
             if made_error is not None:
                 checks.append(_failure(spec, described, params, made_error))
             else:
@@ -236,7 +254,7 @@ def run_checks(device: Device, all_specs: dict[str, Spec], quick: bool = False, 
     ``deadline`` (perf_counter seconds): no check starts after it; BudgetSpent is raised with checks left.
     ``saved(final)``: called after each check (``final`` False: it may skip) and after each case (True), to write
     progress. Memory stays bounded: one case at a time (``check_case``), and the device forgets the programs
-    built once a family is done, or once it keeps PROGRAMS_KEPT (``Device.forget_programs``; a case keeps only
+    built once a family is done, or before building past PROGRAMS_KEPT (``Device.forget_programs``; a case keeps only
     its last few sets' kernels, ``tuning.spec.cached_per_params``)."""
     jobs = plan(all_specs, device, quick)
     if part is not None:
@@ -247,8 +265,6 @@ def run_checks(device: Device, all_specs: dict[str, Spec], quick: bool = False, 
 
     def after_each():
         progress.update(note=checks[-1].kernel)
-        if device.programs_kept >= PROGRAMS_KEPT:   # the case keeps the last few sets' (``cached_per_params``)
-            device.forget_programs()
         if saved is not None:
             saved(False)
 

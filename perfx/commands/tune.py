@@ -194,9 +194,22 @@ def drift_line(results, tuner) -> str:
     """How often the machine drifted (the reference kernel slowed) and timings were taken again."""
     rounds = sum(r.confirmation.suspect_rounds for r in results if r.confirmation)
     candidates = sum(r.suspect_candidates for r in results)
+    kept = sum(r.suspect_kept for r in results)
     return (f"drift: the reference (copy) kernel slowed beyond {100 * tuner.drift.threshold:.0f}% "
             f"{tuner.drift.events} time(s); re-taken after a cool-down: {candidates} search timing(s), "
-            f"{rounds} confirmation round(s)")
+            f"{rounds} confirmation round(s); {kept} search timing(s) kept, too slow to win even so")
+
+
+def split_line(report: dict) -> str:
+    """Candidates a minute, and where the sweep's time went (``Tuner.report``)."""
+    wall = report["wall_s"] or 1.0
+    parts = [f"{name} {100 * seconds / wall:.0f}%" for name, seconds in report["seconds"].items()]
+    parts.append(f"other {100 * report['other_s'] / wall:.0f}%")
+    rate = report["candidates_per_minute"]
+    return (f"sweep: {report['candidates']} candidates in {wall:.0f}s ({rate if rate is not None else 0:.1f} a minute; "
+            f"{report['pruned']} sets pruned unbuilt); time: " + ", ".join(parts)
+            + (f"; {report['built_beside_runs_s']:.0f}s of builds beside the runs" if report["built_beside_runs_s"]
+               else ""))
 
 
 def crossover_lines(results) -> list[str]:
@@ -263,11 +276,13 @@ def main(args) -> int:
         print(json.dumps({"device": device.fingerprint, "architecture": device.caps.architecture,
                           "model": args.model, "budget_s": args.budget, "copy_gb_per_s": copy_gbps,
                           "database": str(database.device_path(device.fingerprint)), "notes": notes,
-                          "drift_events": tuner.drift.events, "problems": [r.as_dict() for r in results]},
+                          "drift_events": tuner.drift.events, "sweep": tuner.report(results),
+                          "problems": [r.as_dict() for r in results]},
                          indent=1))
     else:
         print(format_table(summary_rows(results, copy_gbps)))
         print(drift_line(results, tuner))
+        print(split_line(tuner.report(results)))
         print(f"copy bandwidth {copy_gbps:.1f} GB/s; rate is GB/s for memory-bound kernels, GFLOP/s where "
               "a kernel does more than 8 flops per byte")
         lines = crossover_lines(results)

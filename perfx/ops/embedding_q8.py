@@ -31,14 +31,18 @@ class EmbeddingQ8:
         self.params = PARAMS.resolve(params, shape or {}, device.caps)
         self.wgs = self.params["WGS"]
 
+    def kernel(self, group: int, f32: bool, symmetric: bool):
+        """The gather for a table's group size, pair precision and form."""
+        defines = {**self.params, "GROUP": group, "SM_F32": int(f32), "SYM": int(symmetric)}
+        return self.device.kernel(PARAMS.source, "embedding_q8", defines)
+
     def __call__(self, table: Q8DeviceWeight, ids, out, rows: int, scale: float = 1.0) -> list:
         """Enqueue the gather: one event per row block, in order (the last one finishes last)."""
         if rows < 1:
             raise PerfxError(f"embedding_q8: rows = {rows} must be at least 1")
         ids = device_buffer(ids, 4 * rows, "embedding_q8 ids")
         out = device_buffer(out, 4 * rows * table.k, "embedding_q8 out")
-        defines = {**self.params, "GROUP": table.group, "SM_F32": int(table.f32), "SYM": int(table.symmetric)}
-        kernel = self.device.kernel(PARAMS.source, "embedding_q8", defines)
+        kernel = self.kernel(table.group, table.f32, table.symmetric)
         global_size = (-(-(table.k // 8) // self.wgs) * self.wgs, rows)
         return [self.device.launch(kernel, global_size, (self.wgs, 1), np.int32(table.k), np.int32(table.n),
                                    np.int32(block.start), np.int32(block.stop), np.float32(scale), ids,

@@ -307,11 +307,15 @@ class GemmQ4:
                 xb, yb, codes_a, codes_b, weight.scale_offset, bias)
         return event
 
+    def convert_kernel(self):
+        """The conversion of X to half that the fp16 kernel's calls launch first."""
+        return self.device.kernel(F16.source, "convert_f16", {})
+
     def _to_half(self, xb, count: int):
         """X as half, once per call (the fp16 kernel's input), in a scratch buffer kept for the next call."""
         if self._x_half is None or self._x_half.size < 2 * count:
             self._x_half = self.device.alloc(2 * count, what="gemm_q4_f16 activations (fp16)")
-        kernel = self.device.kernel(F16.source, "convert_f16", {})
+        kernel = self.convert_kernel()
         chunks = -(-count // 8)
         self.device.launch(kernel, (-(-chunks // 64) * 64,), (64,), np.int32(count), xb, self._x_half)
         return self._x_half

@@ -197,9 +197,12 @@ class GemvQ4:
             buffers = self._quantized[k] = (
                 self.device.alloc(k, what="gemv_q4 quantized x"),
                 self.device.alloc(8 * (k // 32), what="gemv_q4 quantized x's steps and sums"))
-        kernel = self.device.kernel(self.space.source, "gemv_q4_quantize_x", {"I8": 1})
-        event = self.device.launch(kernel, (k // 32,), None, np.int32(k), x, *buffers)
+        event = self.device.launch(self.quantize_kernel(), (k // 32,), None, np.int32(k), x, *buffers)
         return [event], buffers
+
+    def quantize_kernel(self) -> cl.Kernel:
+        """The launch ``quantize`` enqueues (the rows layout's I8)."""
+        return self.device.kernel(self.space.source, "gemv_q4_quantize_x", {"I8": 1})
 
     @property
     def reads_quantized(self) -> bool:

@@ -90,9 +90,12 @@ class GemvQ8:
             buffers = self._quantized[(k, group)] = (
                 self.device.alloc(k, what="gemv_q8 quantized x"),
                 self.device.alloc(8 * (k // group), what="gemv_q8 quantized x's steps and sums"))
-        kernel = self.device.kernel(PARAMS.source, "gemv_q8_quantize_x", {"GROUP": group})
-        event = self.device.launch(kernel, (k // group,), None, np.int32(k), x, *buffers)
+        event = self.device.launch(self.quantize_kernel(group), (k // group,), None, np.int32(k), x, *buffers)
         return [event], buffers
+
+    def quantize_kernel(self, group: int) -> cl.Kernel:
+        """The launch ``quantize`` enqueues for groups of ``group``."""
+        return self.device.kernel(PARAMS.source, "gemv_q8_quantize_x", {"GROUP": group})
 
     def reads_blocks(self, weight: Q8DeviceWeight) -> bool:
         """Whether the product of ``weight`` can read x as Q8_1 blocks of 32 in x's own order (``Q8_NATURAL``)

@@ -46,9 +46,10 @@ class RMSNorm:
         self.wgs = self.params["WGS"]
         self._kernels: dict[tuple[str, int], object] = {}
         for name in ("rmsnorm_residual", "rmsnorm", "rmsnorm_post_residual"):   # built now: a refusal shows at load
-            self._kernel(name, 0)
+            self.kernel(name, 0)
 
-    def _kernel(self, name: str, q8x: int):
+    def kernel(self, name: str, q8x: int):
+        """The entry point ``name``'s kernel, writing y also as Q8_1 blocks in the order ``q8x`` (0: not)."""
         kernel = self._kernels.get((name, q8x))
         if kernel is None:
             kernel = self._kernels[name, q8x] = self.device.kernel(PARAMS.source, name, {**self.params, "Q8X": q8x})
@@ -67,7 +68,7 @@ class RMSNorm:
             args += (device_buffer(codes, rows * dim, "rmsnorm quantized y"),
                      device_buffer(steps, 8 * rows * (dim // 32), "rmsnorm quantized y's steps and sums"))
             q8x = order
-        return self.device.launch(self._kernel(name, q8x), (rows * self.wgs,), (self.wgs,),
+        return self.device.launch(self.kernel(name, q8x), (rows * self.wgs,), (self.wgs,),
                                   np.int32(dim), np.float32(eps), *args)
 
     def residual(self, x, r, gamma, y, rows: int, dim: int, eps: float, quantized=None, order: int = Q8_TEXEL):

@@ -86,9 +86,13 @@ class Embedding:
 
     def _q4_kernel(self, table: Q4DeviceWeight):
         """The int4 gather for the table's layout and scales' form (the tuned WGS2; both come from the weight)."""
-        if table.layout == self.params["LAYOUT"] and not table.defines:
+        return self.q4_kernel_for(table.layout, table.defines)
+
+    def q4_kernel_for(self, layout: int, form_defines: dict):
+        """The int4 gather for a table's layout and its scales' form defines (``Q4DeviceWeight.defines``)."""
+        if layout == self.params["LAYOUT"] and not form_defines:
             return self.q4_kernel
-        defines = {"WGS2": self.params["WGS2"], "LAYOUT": table.layout, **table.defines}
+        defines = {"WGS2": self.params["WGS2"], "LAYOUT": layout, **form_defines}
         return self.device.kernel(EMBEDDING_Q4.source, "embedding_q4", defines)
 
     def f16(self, table: F16DeviceWeight, ids, out, rows: int, scale: float = 1.0) -> list:

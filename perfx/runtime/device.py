@@ -161,7 +161,8 @@ class Device:
         self._building: dict[tuple, threading.Event] = {}   # being built by some thread: set when done
         self._build_errors: dict[tuple, BuildError] = {}
         self._serial_reason: str | None = None       # set when the driver failed under concurrent builds
-        self._collecting: list | None = None
+        self._compiling = threading.local()          # seconds each thread spent in the compiler (compile_seconds)
+        self._collect = threading.local()             # the calling thread's list while it collects (collecting)
         self.allocated_bytes = 0
         self.peak_allocated_bytes = 0
         self._recording: list | None = None
@@ -230,11 +231,19 @@ class Device:
         if newest_c and self.caps.opencl_c >= (2, 0):
             options.append("-cl-std=CL{}.{}".format(*self.caps.opencl_c))
         program = cl.Program(self.context, path.read_text())
+        started = time.perf_counter()
         try:
             program.build(options=options, devices=[self.cl_device])
         except cl.Error as e:
             raise BuildError(file, defines, str(e), self.caps.name) from e
+        finally:
+            self._compiling.seconds = self.compile_seconds() + time.perf_counter() - started
         return program
+
+    def compile_seconds(self) -> float:
+        """Seconds the calling thread has spent building programs on this device (from source or pyopencl's
+        binary cache): what a caller timing its own work takes to tell the builds it waited for from the rest."""
+        return getattr(self._compiling, "seconds", 0.0)
 
     def build_many(self, requests, workers: int | None = None, on_done=None) -> BuildReport:
         """Build many programs at once, each ``(file, defines, newest_c)`` (``newest_c`` may be left out), on
@@ -348,13 +357,18 @@ class Device:
         """Record the builds asked for inside the block instead of making them: yields the list of
         ``(file, defines, newest_c)`` keys (``build_many`` takes them). ``build`` returns a stand-in and
         ``kernel`` one that only names itself, so wrappers can be made to learn which kernels they build;
-        nothing made inside the block may be launched. For one thread at a time."""
+        nothing made inside the block may be launched. Only the calling thread's requests are recorded: builds
+        other threads make meanwhile (``build_many``'s, ahead of a sweep) go on."""
         requests: list[tuple] = []
-        outer, self._collecting = self._collecting, requests
+        outer, self._collect.requests = self._collecting, requests
         try:
             yield requests
         finally:
-            self._collecting = outer
+            self._collect.requests = outer
+
+    @property
+    def _collecting(self) -> list | None:
+        return getattr(self._collect, "requests", None)
 
     def kernel(self, file: str, name: str, defines: dict | None = None, newest_c: bool = False) -> cl.Kernel:
         """A ``Kernel`` object, created once per (file, defines, name): each ``program.name`` makes a new one

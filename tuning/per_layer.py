@@ -53,6 +53,16 @@ def make_scale_case(device, shape, rng) -> Case:
     return Case(expected={"x": reference.layer_scale(x, s[0])}, run=run, launch=launch)
 
 
+def gate_programs(device, shape, params) -> None:
+    """The kernel a gate run at ``params`` builds: the wrapper's, made when it is."""
+    PerLayerGate(device, params)
+
+
+def scale_programs(device, shape, params) -> None:
+    """The kernel a scale run at ``params`` builds: the wrapper's, made when it is."""
+    LayerScale(device, params)
+
+
 PER_LAYER_GATE_SPEC = Spec(
     params=PER_LAYER_GATE,
     make_case=make_gate_case,
@@ -66,6 +76,7 @@ PER_LAYER_GATE_SPEC = Spec(
                                                   "layers": st.integers(1, 40)}),
     oclgrind_shapes=({"m": 3, "p": 37, "layers": 2},),
     flops=lambda s: 10 * s["m"] * s["p"],
+    programs=gate_programs,
 )
 
 LAYER_SCALE_SPEC = Spec(
@@ -79,4 +90,5 @@ LAYER_SCALE_SPEC = Spec(
     fuzz_shapes=lambda st: st.fixed_dictionaries({"count": st.integers(1, 20000)}),
     oclgrind_shapes=({"count": 203},),
     flops=lambda s: s["count"],
+    programs=scale_programs,
 )

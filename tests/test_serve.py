@@ -592,6 +592,48 @@ def test_the_queue_limit_answers_429(loaded):
         assert (stats["completed"], stats["rejected"], stats["waiting"]) == (2, 1, 0)
 
 
+def scrape(srv) -> dict[str, float]:
+    """/metrics over plain HTTP, parsed as Prometheus reads its text format: every sample line `name{labels} value`
+    after a `# TYPE` line naming its family."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/metrics", timeout=TIMEOUT) as response:
+        assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = response.read().decode()
+    samples, typed = {}, set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            name, kind = line.split()[2:4]
+            assert kind in ("counter", "gauge")
+            typed.add(name)
+        elif line and not line.startswith("#"):
+            match = re.fullmatch(r'([a-z_]+)(\{[a-z_]+="[a-z]+"\})? (\S+)', line)
+            assert match, line
+            assert match[1] in typed, f"{match[1]} has no # TYPE line"
+            samples[match[1] + (match[2] or "")] = float(match[3])
+    return samples
+
+
+def test_metrics_count_requests_and_tokens(loaded):
+    model, tokenizer = loaded
+    with running_server(model, tokenizer, queue_limit=0) as srv:
+        before = scrape(srv)
+        assert before['perfx_requests_total{outcome="completed"}'] == 0
+        assert before["perfx_sequences_running"] == before["perfx_sequences_waiting"] == 0
+        client = srv.client()
+        reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5)
+        pieces = list(client.completions.create(model=MODEL, prompt="once upon", max_tokens=4, stream=True))
+        assert pieces
+        with pytest.raises(openai.BadRequestError):     # refused before it reaches the model: no outcome
+            client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=0)
+        after = scrape(srv)
+        assert after['perfx_requests_total{outcome="completed"}'] == 2
+        assert after['perfx_requests_total{outcome="failed"}'] == 0
+        assert after['perfx_requests_total{outcome="rejected"}'] == 0
+        assert after["perfx_completion_tokens_total"] == reply.usage.completion_tokens + 4
+        assert after["perfx_prompt_tokens_total"] == reply.usage.prompt_tokens + len(tokenizer.encode("once upon", add_bos=tokenizer.add_bos_token))
+        assert after["perfx_decode_tokens_per_second"] > 0
+        assert after["perfx_sequences_running"] == after["perfx_sequences_waiting"] == 0
+
+
 # -- bad input and access -------------------------------------------------------------------------------
 
 

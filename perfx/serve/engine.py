@@ -121,6 +121,9 @@ class Engine:
         self.running: Job | None = None
         self.closing = False
         self.counts = collections.Counter({"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0})
+        # what finished requests made, for /metrics: prompt and reply ids, and their decode steps' time
+        self.totals = collections.Counter({"prompt_tokens": 0, "completion_tokens": 0, "decode_steps": 0,
+                                           "decode_seconds": 0.0})
         self.conversation = Conversation(model.resume_point)
         self.worker = threading.Thread(target=self._work, name="perfx-serve-model", daemon=True)
         self.worker.start()
@@ -200,9 +203,24 @@ class Engine:
         return {"running": int(self.running is not None), "waiting": len(self.waiting),
                 "queue_limit": self.queue_limit, **self.counts}
 
+    def metrics(self) -> dict:
+        """``stats()`` and the totals of every finished request: prompt and completion tokens, and the decode
+        rate of their steps together (decode steps / their seconds; 0 before any)."""
+        with self.changed:
+            totals = dict(self.totals)
+            rate = totals["decode_steps"] / totals["decode_seconds"] if totals["decode_seconds"] else 0.0
+            return {**self._stats(), **totals, "decode_tok_s": rate}
+
     def _finish(self, job: Job, outcome: str):
         # Called with `changed` held. outcome: completed, cancelled or failed.
         self.counts[outcome] += 1
+        if job.result is not None:
+            stats = job.result.stats
+            self.totals["prompt_tokens"] += len(job.prompt_ids)
+            self.totals["completion_tokens"] += stats.generated_tokens
+            if stats.decode_s and stats.generated_tokens > 1:   # the first token comes from the prefill
+                self.totals["decode_steps"] += stats.generated_tokens - 1
+                self.totals["decode_seconds"] += stats.decode_s
         job.finished.set()
         self.changed.notify_all()
 

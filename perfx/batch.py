@@ -181,7 +181,7 @@ class Sequence:
 
     def __init__(self, batch: Batch, slot: int, tokenizer, prompt_ids: list[int], start: int, max_tokens: int,
                  sampling: SamplingConfig, stop: list[str] | None = None, on_text=None, history=(),
-                 constraint=None):
+                 constraint=None, on_logits=None):
         model = batch.model
         if not prompt_ids:
             raise PerfxError("the prompt is empty: nothing to continue from (give some text, or use the chat "
@@ -206,6 +206,7 @@ class Sequence:
         # a perfx.constrain.Constraint, fresh for this reply: each token chosen among those it allows, on the
         # host, where a batched step's logits are anyway
         self.constraint = constraint
+        self.on_logits = on_logits   # generate's: each chosen token with its step's raw logits
         self.token: int | None = None    # the token to feed next, at pos
         self.done = False
         self.started = time.perf_counter()
@@ -225,13 +226,13 @@ class Sequence:
         if logits is not None:
             self.stats.prefill_s = self.stats.ttft_s = time.perf_counter() - self.started
             self.decode_started = time.perf_counter()
-            self._next(int(self.sampler.pick(self._allowed(logits), self.seen)))
+            self._chosen(int(self.sampler.pick(self._allowed(logits), self.seen)), logits)
 
     def take(self, logits: np.ndarray) -> None:
         """The logits after ``token`` was fed at ``pos`` (one row of a ``Batch.step``): the next token."""
         fed = self.pos
         self.pos += 1
-        s = self.sampling
+        s, raw = self.sampling, logits
         logits = self._allowed(logits)
         if s.greedy:
             token = int(np.argmax(logits))
@@ -242,7 +243,12 @@ class Sequence:
                                  s.repetition_penalty, self.seed, 0, fed)
         else:
             token = self.sampler.pick(logits, self.seen)
-        self._next(int(token))
+        self._chosen(int(token), raw)
+
+    def _chosen(self, token: int, logits: np.ndarray) -> None:
+        if self.on_logits is not None:
+            self.on_logits(token, logits)
+        self._next(token)
 
     def _allowed(self, logits: np.ndarray) -> np.ndarray:
         """The logits with the tokens the constraint forbids at −∞ (as is, without one)."""

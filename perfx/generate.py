@@ -264,7 +264,8 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
              sampling: SamplingConfig | None = None, start_pos: int = 0, stop_strings: list[str] | None = None,
              on_text: Callable[[str], None] | None = None, history: list[int] | None = None,
              should_stop: Callable[[], bool] | None = None, speculator=None, restore_at=(),
-             constraint: Constraint | None = None) -> Result:
+             constraint: Constraint | None = None,
+             on_logits: Callable[[int, np.ndarray], None] | None = None) -> Result:
     """Prefill ``prompt_ids`` at ``start_pos`` (the cache before it is reused), then decode until an EOS id,
     a stop string, ``max_tokens``, the end of the context or ``should_stop()``. ``on_text`` receives each
     piece of text.
@@ -281,14 +282,17 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
     an end-of-generation id only where the grammar accepts the reply, and the reply ends as soon as the grammar
     is complete (stop reason "grammar complete"). Each step needs the host's mask before its choice, so the
     steps run one at a time and the speculator is not used.
+    ``on_logits(token, logits)`` receives every chosen token (an end-of-generation id included) with the raw
+    logits of the step that chose it, before any penalty, mask or temperature (log-probabilities): each step's
+    logits are then read back and the token chosen on the host, one step at a time, without the speculator.
     ``Result.end_pos`` is the number of cache positions filled: the prompt and every generated id but the
     last (which was sampled and not yet fed), as after any stop. A KeyboardInterrupt (a user's Ctrl-C) stops
     the reply and returns what was made with ``interrupted`` set; ``end_pos`` is consistent then too.
     """
     sampling = sampling or SamplingConfig()
     sampler = Sampler(sampling)
-    if constraint is not None:
-        speculator = None   # each step's choice waits for the host's mask: nothing to verify ahead of it
+    if constraint is not None or on_logits is not None:
+        speculator = None   # each step's choice waits for the host: nothing to verify ahead of it
     if not prompt_ids:
         raise PerfxError("the prompt is empty: nothing to continue from (give some text, or use the chat template)")
     end = start_pos + len(prompt_ids)
@@ -314,13 +318,28 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
     ahead: list[int] = []    # next tokens a speculative step verified: each but the last already in the cache
     greedy = None            # the model's greedy tokens, chosen and fed on by the model (``Model.greedy_tokens``)
     sampled = None           # ... or its sampled tokens, drawn on the device (``Model.sampled_tokens``)
-    on_device = speculator is None and not sampling.greedy and model.samples_on_device(sampling)
+    on_device = (speculator is None and on_logits is None and not sampling.greedy
+                 and model.samples_on_device(sampling))
     if constraint is not None:
         draws = sampling.seed if sampling.seed is not None else int(sampler.rng.integers(2**63))
 
     def constrained(position: int) -> int:
         # the next token after the forward of ``position``, among those the grammar allows
-        return model.masked_token(constraint.allowed(), sampling, draws, seen, position)
+        if on_logits is None:
+            return model.masked_token(constraint.allowed(), sampling, draws, seen, position)
+        logits = model.logits()     # read before the mask is applied to them on the device
+        chosen = model.masked_token(constraint.allowed(), sampling, draws, seen, position)
+        on_logits(chosen, logits)
+        return chosen
+
+    def choose() -> int:
+        # the next token after the last forward, by the host's sampler (or the device's argmax)
+        if on_logits is None:
+            return sampler(model, seen)
+        logits = model.logits()
+        chosen = sampler.pick(logits, seen)
+        on_logits(chosen, logits)
+        return chosen
     if speculator is not None:
         speculator.begin(model, seen, start_pos)
     started = time.perf_counter()
@@ -331,7 +350,7 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
         for a, b in zip([0] + cuts, cuts + [len(prompt_ids)]):
             model.prefill(list(prompt_ids[a:b]), start_pos + a)
         pos = end
-        token = sampler(model, seen) if constraint is None else constrained(end - 1)
+        token = choose() if constraint is None else constrained(end - 1)
         stats.prefill_s = stats.ttft_s = time.perf_counter() - started
         decode_started = time.perf_counter()
         host_before = model.host_seconds
@@ -367,7 +386,7 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
             elif not ahead and speculator is not None:
                 room = min(max_tokens - len(ids) - 1, model.max_positions - pos - 1)
                 ahead = speculator.advance(model, sampler, token, pos, seen, room)
-            elif not ahead and sampling.greedy:
+            elif not ahead and sampling.greedy and on_logits is None:
                 # the model chooses each token itself and feeds it on, a step ahead of this loop; the last
                 # position it may feed is the one before max tokens or the end of the context
                 if greedy is None:
@@ -383,7 +402,7 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
                 ahead = [next(sampled)]
             elif not ahead:
                 model.decode_one(token, pos)
-                ahead = [sampler(model, seen)]
+                ahead = [choose()]
             pos += 1
             token = ahead.pop(0)
         stats.decode_s = time.perf_counter() - decode_started

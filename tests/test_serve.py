@@ -27,11 +27,12 @@ import pytest
 from helpers.scripted_model import ScriptedModel
 from helpers.schemas import random_schema
 from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
-from perfx import cli
+from perfx import cli, forward64
 from perfx.generate import SamplingConfig
 from perfx.model import load_model
 from perfx.serve.engine import Engine, served_model_id
 from perfx.serve.server import Server, ServeOptions
+from perfx.sources import open_model
 from perfx.tokenizer import Tokenizer
 from perfx.tools import ToolCall, call_text, tool_support
 
@@ -634,6 +635,62 @@ def test_metrics_count_requests_and_tokens(loaded):
         assert after["perfx_sequences_running"] == after["perfx_sequences_waiting"] == 0
 
 
+# The device's logits are within 2e-3 of the float64 forward's, relative to their largest (the forward's own
+# tolerance, as tests/test_batch.py holds it); a log-softmax moves by at most twice a logit's error (the logit's
+# own and the log-sum-exp's), so log-probabilities are held to twice that, in units of the largest logit.
+LOGPROB_TOLERANCE = 2 * 2e-3
+
+
+def log_softmax64(row: np.ndarray) -> np.ndarray:
+    row = row.astype(np.float64)
+    return row - (row.max() + np.log(np.exp(row - row.max()).sum()))
+
+
+def test_logprobs_match_a_float64_log_softmax_of_the_model_s_logits(tiny, loaded):
+    model, tokenizer = loaded
+    vocabulary = tokenizer.token_bytes()
+    source = open_model(tiny)
+    with running_server(model, tokenizer) as srv:
+        client = srv.client()
+        whole = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, temperature=0,
+                                               logprobs=True, top_logprobs=5)
+        entries = whole.choices[0].logprobs.content
+        assert len(entries) == whole.usage.completion_tokens == 6
+        assert "".join(e.token for e in entries) == whole.choices[0].message.content
+        streamed = [e for chunk in client.chat.completions.create(
+                        model=MODEL, messages=HELLO, max_tokens=6, temperature=0, logprobs=True, top_logprobs=5,
+                        stream=True)
+                    if chunk.choices and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
+        assert [e.token for e in streamed] == [e.token for e in entries]
+        sampled = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, temperature=1, seed=3,
+                                                 logprobs=True)
+        assert len(sampled.choices[0].logprobs.content) == 6
+        assert not sampled.choices[0].logprobs.content[0].top_logprobs     # top_logprobs unset: none
+        text = client.completions.create(model=MODEL, prompt="once upon", max_tokens=4, temperature=0, logprobs=3)
+    # the float64 forward, step by step along the reply: each token is the greedy one of the ids its bytes name (a
+    # byte-fallback id and a piece may spell the same bytes)
+    prompt = chat_ids(tokenizer, HELLO)
+    want, cache = forward64.model_forward(source, prompt)
+    for step, (entry, again) in enumerate(zip(entries, streamed)):
+        logits = want[-1]
+        token = max((i for i, raw in enumerate(vocabulary) if raw == bytes(entry.bytes)), key=lambda i: logits[i])
+        lp, scale = log_softmax64(logits), np.abs(logits).max()
+        assert abs(entry.logprob - lp[token]) <= LOGPROB_TOLERANCE * scale
+        assert abs(again.logprob - entry.logprob) <= LOGPROB_TOLERANCE * scale
+        best = np.sort(lp)[::-1][:5]    # values, not ids: a near-tie may order two ids either way
+        assert len(entry.top_logprobs) == 5
+        assert np.abs(np.array([t.logprob for t in entry.top_logprobs]) - best).max() <= LOGPROB_TOLERANCE * scale
+        assert entry.top_logprobs[0].logprob == max(t.logprob for t in entry.top_logprobs)
+        assert entry.logprob >= entry.top_logprobs[-1].logprob   # greedy: the chosen token is among the top
+        want, cache = forward64.model_forward(source, [token], len(prompt) + step, cache)
+    logprobs = text.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 4
+    assert "".join(logprobs.tokens) == text.choices[0].text
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(4)]
+    assert all(len(top) <= 3 and max(top.values()) >= lp for top, lp in zip(logprobs.top_logprobs,
+                                                                           logprobs.token_logprobs))
+
+
 # -- bad input and access -------------------------------------------------------------------------------
 
 
@@ -678,7 +735,10 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(loaded):
         ({**chat, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
         ({**chat, "stop": 7}, 400, "stop", "invalid_value"),
         ({**chat, "n": 2}, 400, "n", "unsupported_parameter"),
-        ({**chat, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
+        ({**chat, "logprobs": 3}, 400, "logprobs", "invalid_type"),
+        ({**chat, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "invalid_value"),
+        ({**chat, "logprobs": True, "top_logprobs": 2.5}, 400, "top_logprobs", "invalid_type"),
+        ({**chat, "top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),
         ({**chat, "presence_penalty": 0.5}, 400, "presence_penalty", "unsupported_parameter"),
         ({**chat, "tools": {"f": 1}}, 400, "tools", "invalid_type"),
         ({**chat, "tools": [{"type": "retrieval"}]}, 400, "tools[0]", "invalid_value"),
@@ -716,6 +776,8 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(loaded):
         ({**text, "prompt": ["one", "two"]}, 400, "prompt", "invalid_value"),
         ({**text, "prompt": [10 ** 6]}, 400, "prompt", "invalid_value"),
         ({**text, "echo": True}, 400, "echo", "unsupported_parameter"),
+        ({**text, "logprobs": 21}, 400, "logprobs", "invalid_value"),
+        ({**text, "logprobs": True}, 400, "logprobs", "invalid_type"),
     ]
     with running_server(model, tokenizer) as srv:
         connection = srv.connection()               # one keep-alive connection carries every case

@@ -357,3 +357,27 @@ def test_constrained_requests_keep_their_grammars_while_decoded_together(loaded)
             jsonschema.validate(json.loads(call.function.arguments), TOOL["function"]["parameters"])
         else:
             assert choice[1] == "length" and choice[2] == 12
+
+
+def test_logprobs_of_concurrent_requests_equal_those_of_each_alone(loaded):
+    """Log-probabilities come from each row of a batched step's logits: within the batched-vs-alone rounding
+    (tests/test_batch.py's 1e-4, relative to the largest logit: 10 here bounds the tiny model's), the ones the
+    request gets alone, from the one-at-a-time server's host path."""
+    model, tokenizer = loaded
+    settings = [("hello", 0), ("tell me a story", 3), ("question number one", 1)]
+
+    def logprobs(server, prompt, top):
+        answer = client(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                        max_tokens=8, temperature=0, logprobs=True, top_logprobs=top)
+        return [(e.token, e.logprob, [t.logprob for t in e.top_logprobs]) for e in answer.choices[0].logprobs.content]
+
+    with running_server(Engine(model, tokenizer, 16, SamplingConfig(seed=0))) as server:
+        alone = [logprobs(server, *s) for s in settings]
+    with running_server(BatchEngine(model, tokenizer, 16, SamplingConfig(seed=0), parallel=3)) as server:
+        with concurrent.futures.ThreadPoolExecutor(len(settings)) as pool:
+            together = list(pool.map(lambda s: logprobs(server, *s), settings, timeout=4 * TIMEOUT))
+    for (_, top), got, want in zip(settings, together, alone):
+        assert [t for t, _, _ in got] == [t for t, _, _ in want] and len(got) == 8
+        for (_, lp, tops), (_, lp_alone, tops_alone) in zip(got, want):
+            assert len(tops) == top
+            assert abs(lp - lp_alone) <= 10 * 1e-4 and np.allclose(tops, tops_alone, atol=10 * 1e-4)

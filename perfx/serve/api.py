@@ -15,6 +15,7 @@ from perfx.tools import (ToolCall, ToolCallParser, ToolError, ToolSupport, call_
                          tool_support)
 
 MAX_STOP_STRINGS = 4        # OpenAI's limit
+MAX_LOGPROBS = 20           # alternatives per token: OpenAI's limit for chat (perfx allows it for completions too)
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # perfx's stop reasons (generate.Stats.stop_reason) as OpenAI's finish_reason.
 FINISH_REASONS = {"eos": "stop", "stop string": "stop", "grammar complete": "stop", "max tokens": "length",
@@ -164,6 +165,21 @@ def common_parameters(body: dict, model_id: str) -> Request:
                    include_usage=bool(value_of(stream_options, "include_usage", (bool,), "a boolean")))
 
 
+def requested_logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives each reply token's log-probability comes with; None when none are asked for.
+    Chat: ``logprobs: true`` and ``top_logprobs: k``; text completions: ``logprobs: k``."""
+    if chat:
+        top = number(body, "top_logprobs", lambda v: 0 <= v <= MAX_LOGPROBS, f"between 0 and {MAX_LOGPROBS}",
+                     whole=True)
+        if not value_of(body, "logprobs", (bool,), "a boolean"):
+            if top is not None:
+                raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs",
+                               code="invalid_value")
+            return None
+        return top or 0
+    return number(body, "logprobs", lambda v: 0 <= v <= MAX_LOGPROBS, f"between 0 and {MAX_LOGPROBS}", whole=True)
+
+
 @dataclass
 class Tooling:
     """A chat request's tools: what the template renders, how the reply is read, what it must match."""
@@ -193,10 +209,6 @@ def chat_prompt(body: dict, tokenizer, architecture: str | None = None
     variables it rendered them with; the request's tools (None without)."""
     if body.get("functions") or body.get("function_call"):
         raise unsupported("functions", "use 'tools' and 'tool_choice' (the API's current names)")
-    if value_of(body, "logprobs", (bool,), "a boolean"):
-        raise unsupported("logprobs", "no log probabilities")
-    if body.get("top_logprobs") is not None:
-        raise unsupported("top_logprobs", "no log probabilities")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages",
@@ -392,8 +404,6 @@ def text_prompt(body: dict, tokenizer) -> list[int]:
         raise unsupported("suffix", "no fill-in-the-middle")
     if number(body, "best_of", lambda v: v >= 1, "at least 1", whole=True) not in (None, 1):
         raise unsupported("best_of", "one choice per request")
-    if body.get("logprobs") is not None:
-        raise unsupported("logprobs", "no log probabilities")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -434,25 +444,49 @@ class Answer:
     model: str
     created: int
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    offset: int = 0     # a text completion's characters so far, for its logprobs' text_offset
+
+    def logprobs(self, entries: list[dict] | None) -> dict | None:
+        """OpenAI's logprobs of a choice (or a chunk's) from ``Engine.token_logprobs`` entries; None without."""
+        if entries is None:
+            return None
+        if self.chat:
+            return {"content": entries, "refusal": None}
+        offsets = []
+        for entry in entries:
+            offsets.append(self.offset)
+            self.offset += len(entry["token"])
+        tops = []
+        for entry in entries:
+            top = {}
+            for alternative in entry["top_logprobs"]:   # most likely first: two ids that spell alike keep the first
+                top.setdefault(alternative["token"], alternative["logprob"])
+            tops.append(top)
+        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": tops, "text_offset": offsets}
 
     def _envelope(self, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": ("chatcmpl-" if self.chat else "cmpl-") + self.id, "object": kind, "created": self.created,
                 "model": self.model}
 
-    def whole(self, text: str | None, finish_reason: str, usage: dict, calls: list[ToolCall] = ()) -> dict:
+    def whole(self, text: str | None, finish_reason: str, usage: dict, calls: list[ToolCall] = (),
+              logprobs: list[dict] | None = None) -> dict:
         message = {"role": "assistant", "content": text}
         if calls:
             message["tool_calls"] = [call.as_openai() for call in calls]
         choice = {"index": 0, "message": message} if self.chat else {"index": 0, "text": text}
         return {**self._envelope(chunk=False),
-                "choices": [{**choice, "logprobs": None, "finish_reason": finish_reason}], "usage": usage}
+                "choices": [{**choice, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}],
+                "usage": usage}
 
-    def chunk(self, delta, include_usage: bool, finish_reason: str | None = None) -> dict:
-        """A chat chunk's delta (dict) or a text completion's piece (str)."""
+    def chunk(self, delta, include_usage: bool, finish_reason: str | None = None,
+              logprobs: list[dict] | None = None) -> dict:
+        """A chat chunk's delta (dict) or a text completion's piece (str); ``logprobs``: the entries of the
+        tokens it carries."""
         choice = {"index": 0, "delta": delta} if self.chat else {"index": 0, "text": delta}
         document = {**self._envelope(chunk=True),
-                    "choices": [{**choice, "logprobs": None, "finish_reason": finish_reason}]}
+                    "choices": [{**choice, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}]}
         if include_usage:
             document["usage"] = None  # as OpenAI: null on every chunk but the last
         return document

@@ -141,7 +141,7 @@ class BatchEngine(Engine):
         try:
             self.sequences[slot] = Sequence(self.batch, slot, self.tokenizer, todo, start, job.max_tokens,
                                             job.sampling, job.stop, on_text, history=ids[:start],
-                                            constraint=job.constraint)
+                                            constraint=job.constraint, on_logits=self.logits_hook(job))
         except PerfxError as error:
             self._fail([slot], error)
 

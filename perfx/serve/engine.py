@@ -16,6 +16,8 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from perfx.constrain import Constraint
 from perfx.errors import PerfxError
 from perfx.generate import Conversation, Result, SamplingConfig, generate, system_prompt_end
@@ -86,6 +88,7 @@ class Job:
     cached_tokens: int = 0       # prompt ids already in the KV cache (not prefilled again)
     restore_at: tuple = ()       # prompt positions later requests may resume at (the system prompt's end)
     constraint: Constraint | None = None   # the grammar the reply keeps to (response_format, a tool call's)
+    logprobs: int | None = None  # None: none; else each reply token's log-probability and this many alternatives
     result: Result | None = None
 
     @property
@@ -102,6 +105,23 @@ class Job:
         prompt, completion = len(self.prompt_ids), self.result.stats.generated_tokens
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int, vocabulary: list[bytes]) -> dict:
+    """One reply token's entry: {"token", "logprob", "bytes", "top_logprobs": the ``top`` most likely tokens'}.
+    Log-probabilities are the log-softmax of the step's raw logits (temperature 1, no penalty or mask), as
+    OpenAI reports them whatever the sampling, computed in float64."""
+    row = logits.astype(np.float64)
+    peak = row.max()
+    logprobs = row - (peak + np.log(np.exp(row - peak).sum()))
+
+    def entry(i: int) -> dict:
+        raw = vocabulary[i] if i < len(vocabulary) else b""
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": float(logprobs[i]), "bytes": list(raw)}
+
+    best = np.argpartition(-logprobs, top)[:top] if 0 < top < len(row) else np.arange(len(row) if top else 0)
+    best = best[np.argsort(-logprobs[best], kind="stable")]
+    return {**entry(token), "top_logprobs": [entry(int(i)) for i in best]}
 
 
 class Engine:
@@ -125,19 +145,22 @@ class Engine:
         self.totals = collections.Counter({"prompt_tokens": 0, "completion_tokens": 0, "decode_steps": 0,
                                            "decode_seconds": 0.0})
         self.conversation = Conversation(model.resume_point)
+        self.vocabulary = tokenizer.token_bytes()
         self.worker = threading.Thread(target=self._work, name="perfx-serve-model", daemon=True)
         self.worker.start()
 
     def job(self, prompt_ids: list[int], max_tokens: int, sampling: dict, stop: list[str],
             messages: list[dict] | None = None, template: dict | None = None, schema=None,
-            grammar: str | None = None) -> Job:
+            grammar: str | None = None, logprobs: int | None = None) -> Job:
         """A job for these ids; ``sampling`` holds the SamplingConfig fields a request sets over the defaults.
         ``messages`` (a chat request's, as rendered with the template variables ``template``) give the system
         prompt's end, where a model with recurrent state keeps a restore point for the next requests.
         ``schema``: the JSON schema the reply must follow (``api.response_schema``); ``grammar``: the Lark grammar
         of a reply with tools (``api.plan``). Either is compiled here, in the request's thread, into the reply's
-        own constraint: one llguidance does not support is a 400 naming what it lacks."""
-        job = Job(prompt_ids, max_tokens, dataclasses.replace(self.default_sampling, **sampling), stop)
+        own constraint: one llguidance does not support is a 400 naming what it lacks. ``logprobs``: the
+        reply's tokens come with ("logprobs", entry) events (``token_logprobs``), each before its text."""
+        job = Job(prompt_ids, max_tokens, dataclasses.replace(self.default_sampling, **sampling), stop,
+                  logprobs=logprobs)
         if schema is not None:
             try:
                 job.constraint = Constraint.from_json_schema(schema, self.tokenizer)
@@ -198,6 +221,17 @@ class Engine:
         with self.changed:
             return self.changed.wait_for(lambda: predicate(self._stats()), timeout)
 
+    def logits_hook(self, job: Job):
+        """The ``on_logits`` of ``generate`` that sends a job its tokens' log-probabilities; None without."""
+        if job.logprobs is None:
+            return None
+        eos, vocab = set(self.tokenizer.eos_ids), self.model.config.vocab_size
+
+        def on_logits(token: int, logits: np.ndarray):
+            if token not in eos:   # an end-of-generation id is no part of the reply's text
+                job.events.put(("logprobs", token_logprobs(logits[:vocab], token, job.logprobs, self.vocabulary)))
+        return on_logits
+
     def _stats(self) -> dict:
         # Called with `changed` held.
         return {"running": int(self.running is not None), "waiting": len(self.waiting),
@@ -253,7 +287,8 @@ class Engine:
             result = generate(self.model, self.tokenizer, todo, job.max_tokens, job.sampling, start_pos=start,
                               stop_strings=job.stop, on_text=on_text, history=ids[:start],
                               should_stop=job.cancelled.is_set, speculator=self.speculator,
-                              restore_at=job.restore_at, constraint=job.constraint)
+                              restore_at=job.restore_at, constraint=job.constraint,
+                              on_logits=self.logits_hook(job))
         except Exception as error:  # noqa: BLE001  (a failed request must not take the server down)
             self.conversation.forget()  # how far the cache was written is unknown
             message = str(error) if isinstance(error, PerfxError) else f"{type(error).__name__}: {error}"

@@ -25,7 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
 from perfx.serve.api import (APIError, Answer, Tooling, chat_prompt, check_fits, common_parameters, parse_json,
-                             response_schema, text_prompt)
+                             requested_logprobs, response_schema, text_prompt)
 from perfx.serve.engine import SHUTDOWN_GRACE_S, Engine, Job
 
 MAX_BODY_BYTES = 8 << 20
@@ -201,6 +201,7 @@ class Handler(BaseHTTPRequestHandler):
     def complete(self, body: dict, chat: bool):
         options, engine = self.server.options, self.server.engine
         request = common_parameters(body, options.model_id)
+        logprobs = requested_logprobs(body, chat)
         messages = variables = tooling = None
         if chat:
             ids, messages, variables, tooling = chat_prompt(body, engine.tokenizer, engine.architecture)
@@ -211,24 +212,27 @@ class Handler(BaseHTTPRequestHandler):
         check_fits(ids, engine.model.max_positions, "messages" if chat else "prompt")
         self.job = job = engine.job(ids, request.max_tokens or options.default_max_tokens, request.sampling,
                                     request.stop, messages, variables, schema=response_schema(body),
-                                    grammar=tooling.grammar if tooling else None)
+                                    grammar=tooling.grammar if tooling else None, logprobs=logprobs)
         engine.submit(job)
         answer = Answer(chat, options.model_id, created=int(time.time()))
         try:
             if request.stream:
                 self.stream(job, answer, request.include_usage, tooling)
             else:
-                pieces = []
+                pieces, entries = [], []
                 for kind, value in self.events(job):
                     if kind == "text":
                         pieces.append(value)
+                    elif kind == "logprobs":
+                        entries.append(value)
                     elif kind == "error":
                         raise value
                 self.reply_text = "".join(pieces)
                 content, calls = tooling.read(self.reply_text) if tooling else (self.reply_text, [])
                 self.tool_calls = len(calls)
                 finish = "tool_calls" if calls else job.finish_reason
-                self.send_json(200, answer.whole(content, finish, job.usage(), calls))
+                self.send_json(200, answer.whole(content, finish, job.usage(), calls,
+                                                 entries if job.logprobs is not None else None))
         finally:
             if not job.finished.is_set():
                 engine.cancel(job)
@@ -240,16 +244,25 @@ class Handler(BaseHTTPRequestHandler):
         pieces = []
         parser = tooling.parser() if tooling else None
         calls = 0
+        entries = []    # log-probabilities of tokens whose text has not gone out yet
+
+        def logprobs():
+            # the entries for the next chunk: every token since the last (a token's text may be held back)
+            if job.logprobs is None:
+                return None
+            taken = entries[:]
+            entries.clear()
+            return taken
 
         def send_parsed(events):
             # content as it comes; each call whole, as one delta (OpenAI's clients join its pieces either way)
             nonlocal calls
             for kind, value in events:
                 if kind == "content":
-                    self.send_event(answer.chunk({"content": value}, include_usage))
+                    self.send_event(answer.chunk({"content": value}, include_usage, logprobs=logprobs()))
                 elif tooling.parallel or not calls:
                     self.send_event(answer.chunk({"tool_calls": [{"index": calls, **value.as_openai()}]},
-                                                 include_usage))
+                                                 include_usage, logprobs=logprobs()))
                     calls += 1
                     self.tool_calls = calls
 
@@ -265,12 +278,15 @@ class Handler(BaseHTTPRequestHandler):
                 self.headers_sent = True
                 if answer.chat:
                     self.send_event(answer.chunk({"role": "assistant", "content": ""}, include_usage))
+            elif kind == "logprobs":
+                entries.append(value)
             elif kind == "text":
                 pieces.append(value)
                 if parser is not None:
                     send_parsed(parser.feed(value))
                 else:
-                    self.send_event(answer.chunk({"content": value} if answer.chat else value, include_usage))
+                    self.send_event(answer.chunk({"content": value} if answer.chat else value, include_usage,
+                                                 logprobs=logprobs()))
             elif kind == "error":
                 if not self.headers_sent:
                     raise value
@@ -282,7 +298,8 @@ class Handler(BaseHTTPRequestHandler):
                 if parser is not None:
                     send_parsed(parser.finish())
                 finish = "tool_calls" if calls else job.finish_reason
-                self.send_event(answer.chunk({} if answer.chat else "", include_usage, finish))
+                self.send_event(answer.chunk({} if answer.chat else "", include_usage, finish,
+                                             logprobs=logprobs() or None))
                 if include_usage:
                     self.send_event(answer.usage_chunk(job.usage()))
                 self.send_event("[DONE]")

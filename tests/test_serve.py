@@ -630,7 +630,8 @@ def test_metrics_count_requests_and_tokens(loaded):
         assert after['perfx_requests_total{outcome="failed"}'] == 0
         assert after['perfx_requests_total{outcome="rejected"}'] == 0
         assert after["perfx_completion_tokens_total"] == reply.usage.completion_tokens + 4
-        assert after["perfx_prompt_tokens_total"] == reply.usage.prompt_tokens + len(tokenizer.encode("once upon", add_bos=tokenizer.add_bos_token))
+        text_prompt = tokenizer.encode("once upon", add_bos=tokenizer.add_bos_token)
+        assert after["perfx_prompt_tokens_total"] == reply.usage.prompt_tokens + len(text_prompt)
         assert after["perfx_decode_tokens_per_second"] > 0
         assert after["perfx_sequences_running"] == after["perfx_sequences_waiting"] == 0
 

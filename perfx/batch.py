@@ -181,7 +181,7 @@ class Sequence:
 
     def __init__(self, batch: Batch, slot: int, tokenizer, prompt_ids: list[int], start: int, max_tokens: int,
                  sampling: SamplingConfig, stop: list[str] | None = None, on_text=None, history=(),
-                 constraint=None, on_logits=None):
+                 constraint=None, on_logits=None, logit_bias=None):
         model = batch.model
         if not prompt_ids:
             raise PerfxError("the prompt is empty: nothing to continue from (give some text, or use the chat "
@@ -207,6 +207,7 @@ class Sequence:
         # host, where a batched step's logits are anyway
         self.constraint = constraint
         self.on_logits = on_logits   # generate's: each chosen token with its step's raw logits
+        self.logit_bias = dict(logit_bias or {})    # generate's: token id -> added to its logit before a choice
         self.token: int | None = None    # the token to feed next, at pos
         self.done = False
         self.started = time.perf_counter()
@@ -251,7 +252,12 @@ class Sequence:
         self._next(token)
 
     def _allowed(self, logits: np.ndarray) -> np.ndarray:
-        """The logits with the tokens the constraint forbids at −∞ (as is, without one)."""
+        """The logits with ``logit_bias`` added and the tokens the constraint forbids at −∞ (as is, without
+        either)."""
+        if self.logit_bias:
+            logits = logits.copy()
+            for token, bias in self.logit_bias.items():
+                logits[token] += bias
         return logits if self.constraint is None else logit_mask(logits, self.constraint.allowed())
 
     def cancel(self) -> None:

@@ -265,7 +265,8 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
              on_text: Callable[[str], None] | None = None, history: list[int] | None = None,
              should_stop: Callable[[], bool] | None = None, speculator=None, restore_at=(),
              constraint: Constraint | None = None,
-             on_logits: Callable[[int, np.ndarray], None] | None = None) -> Result:
+             on_logits: Callable[[int, np.ndarray], None] | None = None,
+             logit_bias: dict[int, float] | None = None) -> Result:
     """Prefill ``prompt_ids`` at ``start_pos`` (the cache before it is reused), then decode until an EOS id,
     a stop string, ``max_tokens``, the end of the context or ``should_stop()``. ``on_text`` receives each
     piece of text.
@@ -285,13 +286,18 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
     ``on_logits(token, logits)`` receives every chosen token (an end-of-generation id included) with the raw
     logits of the step that chose it, before any penalty, mask or temperature (log-probabilities): each step's
     logits are then read back and the token chosen on the host, one step at a time, without the speculator.
+    ``logit_bias`` (token id → a number added to its logit before each choice, OpenAI's) chooses on the host
+    likewise; it cannot be combined with ``constraint``, whose mask is applied on the device.
     ``Result.end_pos`` is the number of cache positions filled: the prompt and every generated id but the
     last (which was sampled and not yet fed), as after any stop. A KeyboardInterrupt (a user's Ctrl-C) stops
     the reply and returns what was made with ``interrupted`` set; ``end_pos`` is consistent then too.
     """
     sampling = sampling or SamplingConfig()
     sampler = Sampler(sampling)
-    if constraint is not None or on_logits is not None:
+    host = on_logits is not None or bool(logit_bias)    # each step's logits read back, the token chosen here
+    if logit_bias and constraint is not None:
+        raise PerfxError("logit_bias cannot be combined with a constraint (its mask is applied on the device)")
+    if constraint is not None or host:
         speculator = None   # each step's choice waits for the host: nothing to verify ahead of it
     if not prompt_ids:
         raise PerfxError("the prompt is empty: nothing to continue from (give some text, or use the chat template)")
@@ -318,8 +324,7 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
     ahead: list[int] = []    # next tokens a speculative step verified: each but the last already in the cache
     greedy = None            # the model's greedy tokens, chosen and fed on by the model (``Model.greedy_tokens``)
     sampled = None           # ... or its sampled tokens, drawn on the device (``Model.sampled_tokens``)
-    on_device = (speculator is None and on_logits is None and not sampling.greedy
-                 and model.samples_on_device(sampling))
+    on_device = speculator is None and not host and not sampling.greedy and model.samples_on_device(sampling)
     if constraint is not None:
         draws = sampling.seed if sampling.seed is not None else int(sampler.rng.integers(2**63))
 
@@ -332,13 +337,22 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
         on_logits(chosen, logits)
         return chosen
 
+    if logit_bias:
+        bias_ids = np.fromiter(logit_bias.keys(), np.int64)
+        bias_values = np.fromiter(logit_bias.values(), np.float64)
+
     def choose() -> int:
         # the next token after the last forward, by the host's sampler (or the device's argmax)
-        if on_logits is None:
+        if not host:
             return sampler(model, seen)
         logits = model.logits()
-        chosen = sampler.pick(logits, seen)
-        on_logits(chosen, logits)
+        biased = logits
+        if logit_bias:
+            biased = logits.astype(np.float64)
+            biased[bias_ids] += bias_values
+        chosen = sampler.pick(biased, seen)
+        if on_logits is not None:
+            on_logits(chosen, logits)
         return chosen
     if speculator is not None:
         speculator.begin(model, seen, start_pos)
@@ -386,7 +400,7 @@ def generate(model: Model, tokenizer, prompt_ids: list[int], max_tokens: int = 2
             elif not ahead and speculator is not None:
                 room = min(max_tokens - len(ids) - 1, model.max_positions - pos - 1)
                 ahead = speculator.advance(model, sampler, token, pos, seen, room)
-            elif not ahead and sampling.greedy and on_logits is None:
+            elif not ahead and sampling.greedy and not host:
                 # the model chooses each token itself and feeds it on, a step ahead of this loop; the last
                 # position it may feed is the one before max tokens or the end of the context
                 if greedy is None:

@@ -692,6 +692,26 @@ def test_logprobs_match_a_float64_log_softmax_of_the_model_s_logits(tiny, loaded
                                                                            logprobs.token_logprobs))
 
 
+def test_logit_bias_forces_and_forbids_tokens(loaded):
+    model, tokenizer = loaded
+    with running_server(model, tokenizer) as srv:
+        client = srv.client()
+
+        def greedy(**options):
+            reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, temperature=0,
+                                                   logprobs=True, **options)
+            return [bytes(e.bytes) for e in reply.choices[0].logprobs.content]
+        plain = greedy()
+        forced = tokenizer.encode("a")[-1]
+        assert greedy(logit_bias={str(forced): 100}) == [tokenizer.token_bytes()[forced]] * 4
+        banned = {str(i): -100 for i, raw in enumerate(tokenizer.token_bytes()) if raw == plain[0]}
+        assert greedy(logit_bias=banned)[0] != plain[0]
+        # sampled, streamed: the bias holds on the host sampler's path too
+        stream = client.completions.create(model=MODEL, prompt="once upon", max_tokens=4, temperature=1, seed=5,
+                                           logit_bias={str(forced): 100}, stream=True)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == tokenizer.decode([forced] * 4)
+
+
 # -- bad input and access -------------------------------------------------------------------------------
 
 
@@ -740,6 +760,14 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(loaded):
         ({**chat, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "invalid_value"),
         ({**chat, "logprobs": True, "top_logprobs": 2.5}, 400, "top_logprobs", "invalid_type"),
         ({**chat, "top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),
+        ({**chat, "logit_bias": [1]}, 400, "logit_bias", "invalid_type"),
+        ({**chat, "logit_bias": {"x": 1}}, 400, "logit_bias", "invalid_value"),
+        ({**chat, "logit_bias": {"-3": 1}}, 400, "logit_bias", "invalid_value"),
+        ({**chat, "logit_bias": {"5": 101}}, 400, "logit_bias", "invalid_value"),
+        ({**chat, "logit_bias": {"5": "up"}}, 400, "logit_bias", "invalid_value"),
+        ({**chat, "logit_bias": {str(10 ** 9): 1}}, 400, "logit_bias", "invalid_value"),
+        ({**chat, "logit_bias": {"5": 1}, "response_format": {"type": "json_object"}}, 400, "logit_bias",
+         "invalid_value"),
         ({**chat, "presence_penalty": 0.5}, 400, "presence_penalty", "unsupported_parameter"),
         ({**chat, "tools": {"f": 1}}, 400, "tools", "invalid_type"),
         ({**chat, "tools": [{"type": "retrieval"}]}, 400, "tools[0]", "invalid_value"),

@@ -123,6 +123,7 @@ class Request:
     stop: list[str]
     stream: bool
     include_usage: bool
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
 
 def common_parameters(body: dict, model_id: str) -> Request:
@@ -139,8 +140,6 @@ def common_parameters(body: dict, model_id: str) -> Request:
     for name in ("frequency_penalty", "presence_penalty"):
         if number(body, name, lambda v: -2 <= v <= 2, "between -2 and 2"):
             raise unsupported(name, "use 'repetition_penalty' (perfx's multiplicative penalty; 1.0 is off)")
-    if body.get("logit_bias"):
-        raise unsupported("logit_bias", "no per-token biases")
     sampling = {}
     for name, (whole, allowed, rule) in SAMPLING.items():
         value = number(body, name, allowed, rule, whole)
@@ -162,7 +161,24 @@ def common_parameters(body: dict, model_id: str) -> Request:
                        code="invalid_value")
     stream_options = value_of(body, "stream_options", (dict,), "an object") or {}
     return Request(sampling, max_tokens, stop, stream=bool(value_of(body, "stream", (bool,), "a boolean")),
-                   include_usage=bool(value_of(stream_options, "include_usage", (bool,), "a boolean")))
+                   include_usage=bool(value_of(stream_options, "include_usage", (bool,), "a boolean")),
+                   logit_bias=logit_bias_of(body))
+
+
+def logit_bias_of(body: dict) -> dict[int, float]:
+    """OpenAI's logit_bias, {"token id": bias in [-100, 100]}, as {id: bias} (ids are checked against the
+    vocabulary by the engine)."""
+    biases = value_of(body, "logit_bias", (dict,), 'an object of {"token id": bias}') or {}
+    checked = {}
+    for key, bias in biases.items():
+        if not key.isdigit():
+            raise APIError(400, f"'logit_bias' keys must be token ids (non-negative integers), got {key[:40]!r}",
+                           param="logit_bias", code="invalid_value")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise APIError(400, f"'logit_bias' values must be numbers between -100 and 100, got "
+                                f"{json.dumps(bias)[:40]} for token {key}", param="logit_bias", code="invalid_value")
+        checked[int(key)] = float(bias)
+    return checked
 
 
 def requested_logprobs(body: dict, chat: bool) -> int | None:

@@ -141,7 +141,8 @@ class BatchEngine(Engine):
         try:
             self.sequences[slot] = Sequence(self.batch, slot, self.tokenizer, todo, start, job.max_tokens,
                                             job.sampling, job.stop, on_text, history=ids[:start],
-                                            constraint=job.constraint, on_logits=self.logits_hook(job))
+                                            constraint=job.constraint, on_logits=self.logits_hook(job),
+                                            logit_bias=job.logit_bias)
         except PerfxError as error:
             self._fail([slot], error)
 

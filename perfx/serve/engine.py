@@ -89,6 +89,7 @@ class Job:
     restore_at: tuple = ()       # prompt positions later requests may resume at (the system prompt's end)
     constraint: Constraint | None = None   # the grammar the reply keeps to (response_format, a tool call's)
     logprobs: int | None = None  # None: none; else each reply token's log-probability and this many alternatives
+    logit_bias: dict = field(default_factory=dict)   # token id -> added to its logit before each choice
     result: Result | None = None
 
     @property
@@ -151,7 +152,7 @@ class Engine:
 
     def job(self, prompt_ids: list[int], max_tokens: int, sampling: dict, stop: list[str],
             messages: list[dict] | None = None, template: dict | None = None, schema=None,
-            grammar: str | None = None, logprobs: int | None = None) -> Job:
+            grammar: str | None = None, logprobs: int | None = None, logit_bias: dict | None = None) -> Job:
         """A job for these ids; ``sampling`` holds the SamplingConfig fields a request sets over the defaults.
         ``messages`` (a chat request's, as rendered with the template variables ``template``) give the system
         prompt's end, where a model with recurrent state keeps a restore point for the next requests.
@@ -160,7 +161,16 @@ class Engine:
         own constraint: one llguidance does not support is a 400 naming what it lacks. ``logprobs``: the
         reply's tokens come with ("logprobs", entry) events (``token_logprobs``), each before its text."""
         job = Job(prompt_ids, max_tokens, dataclasses.replace(self.default_sampling, **sampling), stop,
-                  logprobs=logprobs)
+                  logprobs=logprobs, logit_bias=dict(logit_bias or {}))
+        vocab = self.model.config.vocab_size
+        for token in job.logit_bias:
+            if token >= vocab:
+                raise APIError(400, f"'logit_bias' names token {token}, but the vocabulary's ids end at {vocab - 1}",
+                               param="logit_bias", code="invalid_value")
+        if job.logit_bias and (schema is not None or grammar is not None):
+            raise APIError(400, "'logit_bias' cannot be combined with 'response_format' (JSON) or 'tools': their "
+                                "grammar's mask is applied on the device, the biases on the host",
+                           param="logit_bias", code="invalid_value")
         if schema is not None:
             try:
                 job.constraint = Constraint.from_json_schema(schema, self.tokenizer)
@@ -288,7 +298,7 @@ class Engine:
                               stop_strings=job.stop, on_text=on_text, history=ids[:start],
                               should_stop=job.cancelled.is_set, speculator=self.speculator,
                               restore_at=job.restore_at, constraint=job.constraint,
-                              on_logits=self.logits_hook(job))
+                              on_logits=self.logits_hook(job), logit_bias=job.logit_bias)
         except Exception as error:  # noqa: BLE001  (a failed request must not take the server down)
             self.conversation.forget()  # how far the cache was written is unknown
             message = str(error) if isinstance(error, PerfxError) else f"{type(error).__name__}: {error}"

@@ -212,7 +212,8 @@ class Handler(BaseHTTPRequestHandler):
         check_fits(ids, engine.model.max_positions, "messages" if chat else "prompt")
         self.job = job = engine.job(ids, request.max_tokens or options.default_max_tokens, request.sampling,
                                     request.stop, messages, variables, schema=response_schema(body),
-                                    grammar=tooling.grammar if tooling else None, logprobs=logprobs)
+                                    grammar=tooling.grammar if tooling else None, logprobs=logprobs,
+                                    logit_bias=request.logit_bias)
         engine.submit(job)
         answer = Answer(chat, options.model_id, created=int(time.time()))
         try:

@@ -712,6 +712,31 @@ def test_logit_bias_forces_and_forbids_tokens(loaded):
         assert "".join(c.choices[0].text for c in stream if c.choices) == tokenizer.decode([forced] * 4)
 
 
+def test_n_choices_each_sample_their_own_seed_stream(loaded):
+    model, tokenizer = loaded
+    with running_server(model, tokenizer) as srv:
+        client = srv.client()
+        settings = {"model": MODEL, "messages": HELLO, "max_tokens": 6, "temperature": 1}
+        whole = client.chat.completions.create(n=3, seed=11, **settings)
+        assert [c.index for c in whole.choices] == [0, 1, 2]
+        texts = [c.message.content for c in whole.choices]
+        assert len(set(texts)) > 1                              # sampled choices differ
+        # choice i is what one request with seed 11 + i gets, streamed or not
+        assert texts == [client.chat.completions.create(seed=11 + i, **settings).choices[0].message.content
+                         for i in range(3)]
+        streamed = {}
+        chunks = list(client.chat.completions.create(n=3, seed=11, stream=True,
+                                                     stream_options={"include_usage": True}, **settings))
+        for chunk in chunks:
+            for choice in chunk.choices:
+                streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+        assert [streamed[i] for i in range(3)] == texts
+        assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 18
+        assert whole.usage.prompt_tokens == chunks[-1].usage.prompt_tokens == len(chat_ids(tokenizer, HELLO))
+        text = client.completions.create(model=MODEL, prompt="once upon", max_tokens=3, temperature=0, n=2)
+        assert len(text.choices) == 2 and text.choices[0].text == text.choices[1].text   # greedy: alike
+
+
 # -- bad input and access -------------------------------------------------------------------------------
 
 
@@ -755,7 +780,9 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(loaded):
         ({**chat, "stream": "yes"}, 400, "stream", "invalid_type"),
         ({**chat, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
         ({**chat, "stop": 7}, 400, "stop", "invalid_value"),
-        ({**chat, "n": 2}, 400, "n", "unsupported_parameter"),
+        ({**chat, "n": 0}, 400, "n", "invalid_value"),
+        ({**chat, "n": 17}, 400, "n", "invalid_value"),
+        ({**chat, "n": 2, "logprobs": True}, 400, "logprobs", "invalid_value"),
         ({**chat, "logprobs": 3}, 400, "logprobs", "invalid_type"),
         ({**chat, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "invalid_value"),
         ({**chat, "logprobs": True, "top_logprobs": 2.5}, 400, "top_logprobs", "invalid_type"),

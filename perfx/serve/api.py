@@ -15,6 +15,7 @@ from perfx.tools import (ToolCall, ToolCallParser, ToolError, ToolSupport, call_
                          tool_support)
 
 MAX_STOP_STRINGS = 4        # OpenAI's limit
+MAX_CHOICES = 16            # n: choices of one request
 MAX_LOGPROBS = 20           # alternatives per token: OpenAI's limit for chat (perfx allows it for completions too)
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # perfx's stop reasons (generate.Stats.stop_reason) as OpenAI's finish_reason.
@@ -124,6 +125,15 @@ class Request:
     stream: bool
     include_usage: bool
     logit_bias: dict[int, float] = field(default_factory=dict)
+    n: int = 1                  # choices of the one prompt, made one after another
+
+    def choice_sampling(self, index: int, default_seed: int | None) -> dict:
+        """The sampling of choice ``index``: its own seed stream (the seed, the request's or the server's, plus
+        the index), so that choices differ where they sample; a fresh random one each where neither sets a seed."""
+        seed = self.sampling.get("seed", default_seed)
+        if index == 0 or seed is None:
+            return self.sampling
+        return {**self.sampling, "seed": (seed + index) % 2 ** 64}
 
 
 def common_parameters(body: dict, model_id: str) -> Request:
@@ -135,8 +145,7 @@ def common_parameters(body: dict, model_id: str) -> Request:
     if model != model_id:
         raise APIError(404, f"The model '{model}' does not exist here: this server runs '{model_id}'",
                        param="model", code="model_not_found")
-    if number(body, "n", lambda v: v >= 1, "at least 1", whole=True) not in (None, 1):
-        raise unsupported("n", "it makes one choice per request (send several requests for more)")
+    n = number(body, "n", lambda v: 1 <= v <= MAX_CHOICES, f"between 1 and {MAX_CHOICES}", whole=True) or 1
     for name in ("frequency_penalty", "presence_penalty"):
         if number(body, name, lambda v: -2 <= v <= 2, "between -2 and 2"):
             raise unsupported(name, "use 'repetition_penalty' (perfx's multiplicative penalty; 1.0 is off)")
@@ -162,7 +171,7 @@ def common_parameters(body: dict, model_id: str) -> Request:
     stream_options = value_of(body, "stream_options", (dict,), "an object") or {}
     return Request(sampling, max_tokens, stop, stream=bool(value_of(body, "stream", (bool,), "a boolean")),
                    include_usage=bool(value_of(stream_options, "include_usage", (bool,), "a boolean")),
-                   logit_bias=logit_bias_of(body))
+                   logit_bias=logit_bias_of(body), n=n)
 
 
 def logit_bias_of(body: dict) -> dict[int, float]:
@@ -461,6 +470,7 @@ class Answer:
     created: int
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     offset: int = 0     # a text completion's characters so far, for its logprobs' text_offset
+    index: int = 0      # the choice being answered (n > 1)
 
     def logprobs(self, entries: list[dict] | None) -> dict | None:
         """OpenAI's logprobs of a choice (or a chunk's) from ``Engine.token_logprobs`` entries; None without."""
@@ -491,7 +501,7 @@ class Answer:
         message = {"role": "assistant", "content": text}
         if calls:
             message["tool_calls"] = [call.as_openai() for call in calls]
-        choice = {"index": 0, "message": message} if self.chat else {"index": 0, "text": text}
+        choice = {"index": self.index, "message": message} if self.chat else {"index": self.index, "text": text}
         return {**self._envelope(chunk=False),
                 "choices": [{**choice, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}],
                 "usage": usage}
@@ -500,7 +510,7 @@ class Answer:
               logprobs: list[dict] | None = None) -> dict:
         """A chat chunk's delta (dict) or a text completion's piece (str); ``logprobs``: the entries of the
         tokens it carries."""
-        choice = {"index": 0, "delta": delta} if self.chat else {"index": 0, "text": delta}
+        choice = {"index": self.index, "delta": delta} if self.chat else {"index": self.index, "text": delta}
         document = {**self._envelope(chunk=True),
                     "choices": [{**choice, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}]}
         if include_usage:

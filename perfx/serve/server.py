@@ -63,6 +63,15 @@ def prometheus_text(metrics: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def combined_usage(jobs: list[Job]) -> dict:
+    """One request's usage over its choices' jobs: the prompt once (as the first job counted it), every
+    choice's completion tokens."""
+    usage = jobs[0].usage()
+    usage["completion_tokens"] = sum(job.result.stats.generated_tokens for job in jobs if job.result is not None)
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    return usage
+
+
 class ClientGone(Exception):
     """The client closed its connection: nothing more can be written to it."""
 
@@ -202,6 +211,9 @@ class Handler(BaseHTTPRequestHandler):
         options, engine = self.server.options, self.server.engine
         request = common_parameters(body, options.model_id)
         logprobs = requested_logprobs(body, chat)
+        if request.n > 1 and logprobs is not None:
+            raise APIError(400, "'logprobs' cannot be combined with 'n' > 1 in perfx serve: ask for one choice, or "
+                                "send one request per choice", param="logprobs", code="invalid_value")
         messages = variables = tooling = None
         if chat:
             ids, messages, variables, tooling = chat_prompt(body, engine.tokenizer, engine.architecture)
@@ -210,16 +222,32 @@ class Handler(BaseHTTPRequestHandler):
             ids = text_prompt(body, engine.tokenizer)
             self.prompt_text = json.dumps(body.get("prompt"), ensure_ascii=False)
         check_fits(ids, engine.model.max_positions, "messages" if chat else "prompt")
-        self.job = job = engine.job(ids, request.max_tokens or options.default_max_tokens, request.sampling,
-                                    request.stop, messages, variables, schema=response_schema(body),
-                                    grammar=tooling.grammar if tooling else None, logprobs=logprobs,
-                                    logit_bias=request.logit_bias)
-        engine.submit(job)
         answer = Answer(chat, options.model_id, created=int(time.time()))
-        try:
-            if request.stream:
-                self.stream(job, answer, request.include_usage, tooling)
-            else:
+        jobs, documents = [], []
+        # n > 1: the choices one after another, each its own job (the prompt is in the cache after the first)
+        for index in range(request.n):
+            answer.index = index
+            self.job = job = engine.job(ids, request.max_tokens or options.default_max_tokens,
+                                        request.choice_sampling(index, engine.default_sampling.seed), request.stop,
+                                        messages, variables, schema=response_schema(body),
+                                        grammar=tooling.grammar if tooling else None, logprobs=logprobs,
+                                        logit_bias=request.logit_bias)
+            try:
+                engine.submit(job)
+            except APIError as error:   # a later choice's 429 or 503: the stream has begun
+                if not self.headers_sent:
+                    raise
+                self.note = error.code or ""
+                self.send_event(error.body())
+                self.end_chunks()
+                return
+            jobs.append(job)
+            try:
+                if request.stream:
+                    if not self.stream(job, answer, request.include_usage, tooling, last=index == request.n - 1,
+                                       usage=lambda: combined_usage(jobs)):
+                        return  # an error event ended the stream
+                    continue
                 pieces, entries = [], []
                 for kind, value in self.events(job):
                     if kind == "text":
@@ -232,16 +260,25 @@ class Handler(BaseHTTPRequestHandler):
                 content, calls = tooling.read(self.reply_text) if tooling else (self.reply_text, [])
                 self.tool_calls = len(calls)
                 finish = "tool_calls" if calls else job.finish_reason
-                self.send_json(200, answer.whole(content, finish, job.usage(), calls,
-                                                 entries if job.logprobs is not None else None))
-        finally:
-            if not job.finished.is_set():
-                engine.cancel(job)
-                # A running job stops at its next piece of text: wait for it (briefly), so the log line
-                # has its counts and the next request starts on a settled cache.
-                job.finished.wait(SHUTDOWN_GRACE_S)
+                documents.append(answer.whole(content, finish, job.usage(), calls,
+                                              entries if job.logprobs is not None else None))
+            finally:
+                if not job.finished.is_set():
+                    engine.cancel(job)
+                    # A running job stops at its next piece of text: wait for it (briefly), so the log line
+                    # has its counts and the next request starts on a settled cache.
+                    job.finished.wait(SHUTDOWN_GRACE_S)
+        if not request.stream:
+            whole = documents[0]
+            whole["choices"] = [document["choices"][0] for document in documents]
+            whole["usage"] = combined_usage(jobs)
+            self.send_json(200, whole)
 
-    def stream(self, job: Job, answer: Answer, include_usage: bool, tooling: Tooling | None = None):
+    def stream(self, job: Job, answer: Answer, include_usage: bool, tooling: Tooling | None = None,
+               last: bool = True, usage: Callable[[], dict] | None = None) -> bool:
+        """Stream one choice: headers first (unless an earlier choice sent them), its chunks, and after the
+        ``last`` choice the usage chunk (``usage()``, the whole request's) and [DONE]. False when an error event
+        ended the stream."""
         pieces = []
         parser = tooling.parser() if tooling else None
         calls = 0
@@ -269,14 +306,15 @@ class Handler(BaseHTTPRequestHandler):
 
         for kind, value in self.events(job):
             if kind == "started":
-                # Headers go out when the job leaves the queue: until then an error (503 at shutdown) can
-                # still be an ordinary HTTP status.
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream; charset=utf-8")
-                self.send_header("Cache-Control", "no-cache")
-                self.send_header("Transfer-Encoding", "chunked")
-                self.end_headers()
-                self.headers_sent = True
+                # Headers go out when the first job leaves the queue: until then an error (503 at shutdown)
+                # can still be an ordinary HTTP status.
+                if not self.headers_sent:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+                    self.send_header("Cache-Control", "no-cache")
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    self.headers_sent = True
                 if answer.chat:
                     self.send_event(answer.chunk({"role": "assistant", "content": ""}, include_usage))
             elif kind == "logprobs":
@@ -294,6 +332,7 @@ class Handler(BaseHTTPRequestHandler):
                 self.note = value.code or ""
                 self.send_event(value.body())  # OpenAI's clients raise this as an APIError
                 self.end_chunks()
+                return False
             elif kind == "done":
                 self.reply_text = "".join(pieces)
                 if parser is not None:
@@ -301,10 +340,13 @@ class Handler(BaseHTTPRequestHandler):
                 finish = "tool_calls" if calls else job.finish_reason
                 self.send_event(answer.chunk({} if answer.chat else "", include_usage, finish,
                                              logprobs=logprobs() or None))
+                if not last:
+                    return True
                 if include_usage:
-                    self.send_event(answer.usage_chunk(job.usage()))
+                    self.send_event(answer.usage_chunk(usage() if usage else job.usage()))
                 self.send_event("[DONE]")
                 self.end_chunks()
+        return True
 
     # -- the connection -----------------------------------------------------------------------------
 

@@ -428,7 +428,7 @@ def text_prompt(body: dict, tokenizer) -> list[int]:
     if body.get("suffix"):
         raise unsupported("suffix", "no fill-in-the-middle")
     if number(body, "best_of", lambda v: v >= 1, "at least 1", whole=True) not in (None, 1):
-        raise unsupported("best_of", "one choice per request")
+        raise unsupported("best_of", "no server-side choice among several (use 'n' and choose on the client)")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one

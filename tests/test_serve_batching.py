@@ -381,3 +381,15 @@ def test_logprobs_of_concurrent_requests_equal_those_of_each_alone(loaded):
         for (_, lp, tops), (_, lp_alone, tops_alone) in zip(got, want):
             assert len(tops) == top
             assert abs(lp - lp_alone) <= 10 * 1e-4 and np.allclose(tops, tops_alone, atol=10 * 1e-4)
+
+
+def test_logit_bias_holds_for_a_request_decoded_with_others(loaded):
+    model, tokenizer = loaded
+    forced = tokenizer.encode("a")[-1]
+    with running_server(BatchEngine(model, tokenizer, 16, SamplingConfig(seed=0), parallel=2)) as server:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            other = pool.submit(ask, server, REQUESTS[0])
+            biased = client(server).completions.create(model=MODEL, prompt="Once upon", max_tokens=6, temperature=1,
+                                                       seed=4, logit_bias={str(forced): 100})
+            assert other.result(TIMEOUT)[1] == "length"
+    assert biased.choices[0].text == tokenizer.decode([forced] * 6)

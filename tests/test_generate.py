@@ -165,3 +165,32 @@ def test_conversation_starts_over_where_the_model_cannot_resume():
     conversation = Conversation(resume_point=lambda pos: pos if pos >= 4 else min(pos, 1))
     conversation.cached = [1, 2, 3, 4, 5]
     assert conversation.resume([1, 2, 9, 9]) == (1, [2, 9, 9]) and conversation.cached == [1]
+
+
+class LogitsModel(Scripted):
+    """The scripted model with logits: its script's next token scores 5, every other a fixed random value below."""
+
+    def __init__(self, script, vocab: int = 8):
+        super().__init__(script)
+        self.vocab, self.rows = vocab, []
+        self.noise = np.random.default_rng(2).uniform(-3, 3, vocab).astype(np.float32)
+
+    def logits(self):
+        row = self.noise.copy()
+        row[next(self.next)] = 5.0
+        self.rows.append(row)
+        return row
+
+
+def test_on_logits_sees_each_chosen_token_with_its_raw_logits_and_logit_bias_steers_the_choice():
+    model = LogitsModel([1, 2, 3, 4])
+    seen = []
+    result = generate(model, Letters(), [0], 4, GREEDY, on_logits=lambda token, row: seen.append((token, row)))
+    assert result.ids == [1, 2, 3, 4] and [t for t, _ in seen] == [1, 2, 3, 4]
+    assert all(row is kept for (_, row), kept in zip(seen, model.rows))     # the raw logits, not a copy changed
+    banned = LogitsModel([1, 2, 3, 4])
+    result = generate(banned, Letters(), [0], 4, GREEDY, logit_bias={2: -100.0, 6: 50.0})
+    assert result.ids == [6, 6, 6, 6]   # +50 outweighs the script's 5; -100 is never chosen
+    assert banned.rows[0][6] == banned.noise[6] and banned.rows[0][2] == banned.noise[2]   # the model's own untouched
+    with pytest.raises(PerfxError, match="logit_bias cannot be combined"):
+        generate(LogitsModel([1]), Letters(), [0], 1, GREEDY, logit_bias={2: 1.0}, constraint=object())

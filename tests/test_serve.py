@@ -668,6 +668,10 @@ def test_logprobs_match_a_float64_log_softmax_of_the_model_s_logits(tiny, loaded
         assert len(sampled.choices[0].logprobs.content) == 6
         assert not sampled.choices[0].logprobs.content[0].top_logprobs     # top_logprobs unset: none
         text = client.completions.create(model=MODEL, prompt="once upon", max_tokens=4, temperature=0, logprobs=3)
+        chunks = [c.choices[0].logprobs for c in client.completions.create(
+            model=MODEL, prompt="once upon", max_tokens=4, temperature=0, logprobs=3, stream=True)
+            if c.choices and c.choices[0].logprobs]
+        streamed_text = [(t, lp, o) for c in chunks for t, lp, o in zip(c.tokens, c.token_logprobs, c.text_offset)]
     # the float64 forward, step by step along the reply: each token is the greedy one of the ids its bytes name (a
     # byte-fallback id and a piece may spell the same bytes)
     prompt = chat_ids(tokenizer, HELLO)
@@ -688,6 +692,8 @@ def test_logprobs_match_a_float64_log_softmax_of_the_model_s_logits(tiny, loaded
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 4
     assert "".join(logprobs.tokens) == text.choices[0].text
     assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(4)]
+    assert [(t, o) for t, _, o in streamed_text] == list(zip(logprobs.tokens, logprobs.text_offset))
+    assert np.allclose([lp for _, lp, _ in streamed_text], logprobs.token_logprobs, atol=1e-5)
     assert all(len(top) <= 3 and max(top.values()) >= lp for top, lp in zip(logprobs.top_logprobs,
                                                                            logprobs.token_logprobs))
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from helpers.scripted_model import ScriptedModel
-from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
+from helpers.tiny_models import write_endless_gguf
 from perfx.commands.chat import Chat
 from perfx.errors import PerfxError
 from perfx.generate import PositionalState
@@ -118,15 +118,7 @@ def tiny(tmp_path_factory) -> str:
     """A tiny random GGUF model with a 4096-position context whose end-of-turn ids have zero rows in the
     lm_head: their logit is 0 while hundreds of others are random, so greedy replies run until
     --max-tokens, long enough to interrupt, whatever the prompt."""
-    directory = tmp_path_factory.mktemp("chat")
-    model = make_tiny_model("gqa3", tiny_tokenizer(directory), np.random.default_rng(6))
-    model.config["max_position_embeddings"] = 4096
-    path = directory / "tiny.gguf"
-    write_gguf(path, model)
-    for eos in Tokenizer.from_gguf(path).eos_ids:
-        model.weights["lm_head.weight"][eos] = 0
-    write_gguf(path, model)
-    return str(path)
+    return write_endless_gguf(tmp_path_factory.mktemp("chat"), "tiny", 4096)
 
 
 def reply(term: Terminal) -> re.Match:

@@ -26,14 +26,13 @@ import pytest
 
 from helpers.scripted_model import ScriptedModel
 from helpers.schemas import random_schema
-from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
+from helpers.tiny_models import write_endless_gguf
 from perfx import cli, forward64
 from perfx.generate import SamplingConfig
 from perfx.model import load_model
 from perfx.serve.engine import Engine, served_model_id
 from perfx.serve.server import Server, ServeOptions
 from perfx.sources import open_model
-from perfx.tokenizer import Tokenizer
 from perfx.tools import ToolCall, call_text, tool_support
 
 pytestmark = pytest.mark.one_implementation  # a server over a model: the default device only
@@ -48,15 +47,7 @@ TIMEOUT = 30  # seconds any one client call may take on a loaded machine
 def tiny(tmp_path_factory) -> str:
     """A tiny random GGUF model (4096 positions) whose end-of-turn ids have zero rows in the lm_head: replies run
     until max_tokens, so a long one is surely still streaming when a test acts on it (as in test_chat.py)."""
-    directory = tmp_path_factory.mktemp("serve")
-    model = make_tiny_model("gqa3", tiny_tokenizer(directory), np.random.default_rng(6))
-    model.config["max_position_embeddings"] = 4096
-    path = directory / f"{MODEL}.gguf"
-    write_gguf(path, model)
-    for eos in Tokenizer.from_gguf(path).eos_ids:
-        model.weights["lm_head.weight"][eos] = 0
-    write_gguf(path, model)
-    return str(path)
+    return write_endless_gguf(tmp_path_factory.mktemp("serve"), MODEL, 4096)
 
 
 @pytest.fixture(scope="module")

@@ -17,14 +17,13 @@ import openai
 import pytest
 
 from helpers.family_models import family_tokenizer, make_family_model, write_family_gguf
-from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
+from helpers.tiny_models import write_endless_gguf
 from perfx import cli
 from perfx.generate import SamplingConfig
 from perfx.model import load_model
 from perfx.serve.batching import PREFILL_PIECE, BatchEngine
 from perfx.serve.engine import Engine
 from perfx.serve.server import Server, ServeOptions
-from perfx.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.one_implementation  # a server over a model: the default device only
 
@@ -48,15 +47,7 @@ REQUESTS = [
 def tiny(tmp_path_factory) -> str:
     """A tiny random GGUF model (1024 positions) whose end-of-turn ids have zero rows in the lm_head: replies run
     until max_tokens or a stop string (as in test_serve.py)."""
-    directory = tmp_path_factory.mktemp("serve_batching")
-    model = make_tiny_model("gqa3", tiny_tokenizer(directory), np.random.default_rng(6))
-    model.config["max_position_embeddings"] = 1024
-    path = directory / f"{MODEL}.gguf"
-    write_gguf(path, model)
-    for eos in Tokenizer.from_gguf(path).eos_ids:
-        model.weights["lm_head.weight"][eos] = 0
-    write_gguf(path, model)
-    return str(path)
+    return write_endless_gguf(tmp_path_factory.mktemp("serve_batching"), MODEL, 1024)
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from helpers.kquants import K_BLOCKS, quantize_k
 from helpers.tiny_tokenizer import train_tiny_spm, write_tokenizer_to_gguf
 from perfx.formats import to_awq_gemm, to_awq_gemv
 from perfx.reference import permute_qk, unpermute_qk
+from perfx.tokenizer import Tokenizer
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -362,3 +363,16 @@ def write_gguf(path: Path, model: TinyModel, layer_types=None, embedding_type: s
     writer.write_tensors_to_file()
     writer.close()
     return written
+
+
+def write_endless_gguf(directory: Path, name: str, positions: int) -> str:
+    """A tiny random GGUF model (``positions`` positions) whose end-of-turn ids have zero rows in the lm_head:
+    replies run until max_tokens or a stop string, so a long one is surely still going when a test acts on it."""
+    model = make_tiny_model("gqa3", tiny_tokenizer(directory), np.random.default_rng(6))
+    model.config["max_position_embeddings"] = positions
+    path = directory / f"{name}.gguf"
+    write_gguf(path, model)
+    for eos in Tokenizer.from_gguf(path).eos_ids:
+        model.weights["lm_head.weight"][eos] = 0
+    write_gguf(path, model)
+    return str(path)

@@ -34,6 +34,19 @@ SHAPES = {
 }
 
 
+def add_plain_vocab(writer: gguf.GGUFWriter, size: int):
+    """Control pieces then plain ones, under the SentencePiece model llama.cpp opens without a merges list."""
+    special = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    tokens = special + [f"w{i}" for i in range(size - len(special))]
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([t.encode() for t in tokens])
+    writer.add_token_scores([0.0] * size)
+    writer.add_token_types([gguf.TokenType.CONTROL] * len(special) + [gguf.TokenType.NORMAL] * (size - len(special)))
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+
+
 def _encode(w: np.ndarray, kind: str):
     """(data for add_tensor, raw_dtype or None, the float64 the file holds) of an array (2-D or stacked 3-D)."""
     if kind in ("F32", "F16"):
@@ -45,10 +58,11 @@ def _encode(w: np.ndarray, kind: str):
 
 
 def write_moe_gguf(path: Path, model_type: str, rng: np.random.Generator, expert_types=EXPERT_TYPES,
-                   fused_gate_up: bool = False, **overrides) -> tuple[Path, dict]:
+                   fused_gate_up: bool = False, vocab: bool = False, **overrides) -> tuple[Path, dict]:
     """A tiny random GGUF of ``model_type`` ("qwen3_moe", "lfm2_moe"); (path, {tensor name: float64 held}).
     ``fused_gate_up``: every expert's gate and up in one ffn_gate_up_exps tensor (gate rows first), as newer
-    converters write some architectures."""
+    converters write some architectures. ``vocab``: a small vocabulary too, which llama.cpp needs to open the
+    file (perfx's forward needs only the size)."""
     c = dict(SHAPES[model_type], **overrides)
     arch = MOE_MODEL_TYPES[model_type]
     lfm2 = arch == "lfm2moe"
@@ -65,6 +79,8 @@ def write_moe_gguf(path: Path, model_type: str, rng: np.random.Generator, expert
     writer.add_rope_freq_base(c["rope_theta"])
     writer.add_layer_norm_rms_eps(c.get("rms_norm_eps", c.get("norm_eps")))
     writer.add_vocab_size(c["vocab_size"])
+    if vocab:
+        add_plain_vocab(writer, c["vocab_size"])
     writer.add_expert_count(e)
     writer.add_expert_used_count(c["num_experts_per_tok"])
     writer.add_expert_feed_forward_length(c["moe_intermediate_size"])

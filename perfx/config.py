@@ -30,7 +30,7 @@ __all__ = ["FFN_ACTIVATIONS", "LAYER_KINDS", "LayerRecipe", "ModelConfig", "Rope
 # read) and GGUF general.architecture values (Mistral GGUFs are written as "llama"): the families' names.
 SUPPORTED_ARCHITECTURES = families.hf_architectures()
 SUPPORTED_GGUF_ARCHITECTURES = families.gguf_architectures()
-FFN_ACTIVATIONS = ("silu", "gelu_tanh")
+FFN_ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")   # swiglu_oai: gpt-oss's experts only
 LAYER_KINDS = ("attention", "conv", "delta")
 MAX_EXPERTS = 512        # the router's top-k holds a row's experts in local memory (kernels/moe_router.cl)
 MAX_EXPERTS_USED = 32
@@ -55,12 +55,15 @@ class ModelConfig:
     max_positions: int = 4096
     tie_embeddings: bool = False        # lm_head is the embedding matrix
     qkv_bias: bool = False              # Qwen2 has biases on the Q, K and V projections
+    o_bias: bool = False                # a bias on the attention output projection (gpt-oss)
+    attention_sinks: bool = False       # a learned logit per query head in each softmax's denominator (gpt-oss)
     sliding_window: int = 0             # the window of the layers that have one (0: none)
     # -- the recipe (defaults: Llama's) --
     rotary_dims: int = 0                # dimensions of each head RoPE rotates (0 given: all; Phi-4-mini 96 of 128)
     qk_norm: bool = False               # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
     post_norms: bool = False            # RMSNorm on the attention and FFN outputs before each residual add (Gemma)
-    ffn_activation: str = "silu"        # the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
+    ffn_activation: str = "silu"        # the gate's activation: "silu" (SwiGLU), "gelu_tanh" (GeGLU, Gemma) or
+                                        # "swiglu_oai" (gpt-oss's clamped SwiGLU, reference.swiglu_oai; experts only)
     attention_scale: float = 0.0        # q·k scale (0: 1/√head_dim; Gemma: query_pre_attn_scalar^−½)
     attn_softcap: float = 0.0           # attention logits s → c·tanh(s/c) (Gemma 2; 0: off)
     final_softcap: float = 0.0          # output logits the same (Gemma 2)
@@ -83,6 +86,7 @@ class ModelConfig:
     expert_scale: float = 1.0           # the weights times this
     expert_bias: bool = False           # a per-expert selection bias, added to choose only (LFM2-MoE)
     dense_layers: int = 0               # leading layers with the dense FFN (LFM2-MoE's leading_dense_block_count)
+    expert_biases: bool = False         # biases on the router's logits and on each expert's gate, up and down (gpt-oss)
     # Gemma 4: layers of their own shapes (``LayerRecipe`` head_dim, kv_heads, ffn, kv_from; then head_dim,
     # n_kv_heads and intermediate_size above are the largest of the layers'), per-layer embeddings, V normed
     per_layer_input: int = 0            # width of each layer's slice of the per-layer token table (0: none)
@@ -124,6 +128,9 @@ class ModelConfig:
             self._check_delta()
         if self.n_experts:
             self._check_experts()
+        if self.ffn_activation == "swiglu_oai" and (not self.n_experts or self.dense_layers):
+            raise PerfxError("the clamped SwiGLU (swiglu_oai) runs in the experts of a mixture of experts only "
+                             "(gpt-oss): this model has dense FFN layers")
         self._check_layer_shapes()
 
     def _check_experts(self):
@@ -254,6 +261,10 @@ class ModelConfig:
                          f"{len(self.moe_layers)}/{self.n_layers} layers")
         if self.attention_gate:
             parts.append("gated attention output")
+        if self.attention_sinks:
+            parts.append("attention sinks")
+        if self.expert_biases:
+            parts.append("expert biases")
         if self.qk_norm:
             parts.append("q/k norm")
         if self.post_norms:
@@ -272,6 +283,8 @@ class ModelConfig:
             parts.append("RoPE bases " + "/".join(f"{b:g}" for b in bases))
         if any(r.rope is not None and (r.rope.scaling or {}).get("rope_type") == "longrope" for r in self.layers):
             parts.append("LongRoPE")
+        if any(r.rope is not None and (r.rope.scaling or {}).get("rope_type") == "yarn" for r in self.layers):
+            parts.append("YaRN")
         if self.rotary_dims != self.head_dim:
             parts.append(f"rotary {self.rotary_dims}/{self.head_dim}")
         if self.attention_scale:

@@ -44,6 +44,11 @@ class MoEWeights:
     gate_up: list                   # E host matrices (2·I, hidden), gate rows then up rows; ExpertWeights on the device
     down: list                      # E host matrices (hidden, I); ExpertWeights on the device
     selection_bias: np.ndarray | None = None   # (E,) float32, added to choose only
+    # gpt-oss (``expert_biases``): the router's logits' bias (E,), each expert's gate-up bias (E, 2·I: gate then
+    # up) and down bias (E, hidden), float32; None where the model has none
+    router_bias: np.ndarray | None = None
+    gate_up_bias: np.ndarray | None = None
+    down_bias: np.ndarray | None = None
 
     @property
     def expert_nbytes(self) -> int:
@@ -88,7 +93,12 @@ def synthetic(config, random_matrix, rng) -> MoEWeights:
     c, e = config, config.n_experts
     router = (rng.standard_normal((e, c.hidden_size)) / np.sqrt(c.hidden_size)).astype(np.float32)
     bias = (rng.standard_normal(e) * 0.1).astype(np.float32) if c.expert_bias else None
-    return MoEWeights(router=router, selection_bias=bias,
+    biases = {}
+    if c.expert_biases:
+        biases = dict(router_bias=(rng.standard_normal(e) * 0.1).astype(np.float32),
+                      gate_up_bias=(rng.standard_normal((e, 2 * c.expert_intermediate)) * 0.1).astype(np.float32),
+                      down_bias=(rng.standard_normal((e, c.hidden_size)) * 0.1).astype(np.float32))
+    return MoEWeights(router=router, selection_bias=bias, **biases,
                       gate_up=[random_matrix(rng, 2 * c.expert_intermediate, c.hidden_size) for _ in range(e)],
                       down=[random_matrix(rng, c.hidden_size, c.expert_intermediate) for _ in range(e)])
 
@@ -98,7 +108,13 @@ def synthetic(config, random_matrix, rng) -> MoEWeights:
 def router_shape(config) -> dict:
     c = config
     return {"e": c.n_experts, "k": c.hidden_size, "used": c.n_experts_used, "gating": c.expert_gating,
-            "bias": c.expert_bias, "norm": c.expert_norm, "m": 1}
+            "bias": c.expert_bias, "norm": c.expert_norm, "m": 1,
+            **({"logit_bias": True} if c.expert_biases else {})}
+
+
+def expert_act(config) -> str:
+    """The experts' gated activation: the model's FFN activation (SiLU, GELU, gpt-oss's clamped SwiGLU)."""
+    return config.ffn_activation
 
 
 def expert_forms(config, role: str, options: StepOptions) -> list[Form]:
@@ -116,7 +132,9 @@ def expert_shape(config, role: str, form: Form) -> dict:
              "k": c.hidden_size if gate_up else c.expert_intermediate, "experts": c.n_experts,
              "used": c.n_experts_used, **form_shape(form), "m": 1}
     if gate_up:
-        shape["act"] = "gelu_tanh" if c.ffn_activation == "gelu_tanh" else "silu"
+        shape["act"] = expert_act(c)
+    if c.expert_biases:
+        shape["bias"] = True
     return shape
 
 
@@ -147,10 +165,9 @@ def ops(config, m: int, options: StepOptions, prefill: bool = False) -> list[Op]
 def reference(xb: np.ndarray, w: MoEWeights, config) -> np.ndarray:
     """The MoE FFN of the normed rows xb (M, hidden) in float64 (``perfx.forward64``)."""
     c = config
-    ids, weights = moe_route(linear(xb, w.router), c.n_experts_used, c.expert_gating, w.selection_bias,
-                             c.expert_norm, c.expert_scale)
-    return moe_experts(xb, ids, weights, w.gate_up, w.down, "gelu_tanh" if c.ffn_activation == "gelu_tanh"
-                       else "silu")
+    ids, weights = moe_route(linear(xb, w.router, w.router_bias), c.n_experts_used, c.expert_gating,
+                             w.selection_bias, c.expert_norm, c.expert_scale)
+    return moe_experts(xb, ids, weights, w.gate_up, w.down, expert_act(c), w.gate_up_bias, w.down_bias)
 
 
 # -- the device side ---------------------------------------------------------------------------------------

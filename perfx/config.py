@@ -30,7 +30,8 @@ __all__ = ["FFN_ACTIVATIONS", "LAYER_KINDS", "LayerRecipe", "ModelConfig", "Rope
 # read) and GGUF general.architecture values (Mistral GGUFs are written as "llama"): the families' names.
 SUPPORTED_ARCHITECTURES = families.hf_architectures()
 SUPPORTED_GGUF_ARCHITECTURES = families.gguf_architectures()
-FFN_ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")   # swiglu_oai: gpt-oss's experts only
+FFN_ACTIVATIONS = ("silu", "gelu_tanh")
+EXPERT_ACTIVATIONS = FFN_ACTIVATIONS + ("swiglu_oai",)   # swiglu_oai: gpt-oss's clamped SwiGLU
 LAYER_KINDS = ("attention", "conv", "delta")
 MAX_EXPERTS = 512        # the router's top-k holds a row's experts in local memory (kernels/moe_router.cl)
 MAX_EXPERTS_USED = 32
@@ -62,8 +63,7 @@ class ModelConfig:
     rotary_dims: int = 0                # dimensions of each head RoPE rotates (0 given: all; Phi-4-mini 96 of 128)
     qk_norm: bool = False               # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
     post_norms: bool = False            # RMSNorm on the attention and FFN outputs before each residual add (Gemma)
-    ffn_activation: str = "silu"        # the gate's activation: "silu" (SwiGLU), "gelu_tanh" (GeGLU, Gemma) or
-                                        # "swiglu_oai" (gpt-oss's clamped SwiGLU, reference.swiglu_oai; experts only)
+    ffn_activation: str = "silu"        # the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
     attention_scale: float = 0.0        # q·k scale (0: 1/√head_dim; Gemma: query_pre_attn_scalar^−½)
     attn_softcap: float = 0.0           # attention logits s → c·tanh(s/c) (Gemma 2; 0: off)
     final_softcap: float = 0.0          # output logits the same (Gemma 2)
@@ -87,6 +87,8 @@ class ModelConfig:
     expert_bias: bool = False           # a per-expert selection bias, added to choose only (LFM2-MoE)
     dense_layers: int = 0               # leading layers with the dense FFN (LFM2-MoE's leading_dense_block_count)
     expert_biases: bool = False         # biases on the router's logits and on each expert's gate, up and down (gpt-oss)
+    expert_activation: str = ""         # the experts' gated activation where it is not ffn_activation's: "swiglu_oai"
+                                        # (gpt-oss's clamped SwiGLU, reference.swiglu_oai)
     # Gemma 4: layers of their own shapes (``LayerRecipe`` head_dim, kv_heads, ffn, kv_from; then head_dim,
     # n_kv_heads and intermediate_size above are the largest of the layers'), per-layer embeddings, V normed
     per_layer_input: int = 0            # width of each layer's slice of the per-layer token table (0: none)
@@ -128,9 +130,9 @@ class ModelConfig:
             self._check_delta()
         if self.n_experts:
             self._check_experts()
-        if self.ffn_activation == "swiglu_oai" and (not self.n_experts or self.dense_layers):
-            raise PerfxError("the clamped SwiGLU (swiglu_oai) runs in the experts of a mixture of experts only "
-                             "(gpt-oss): this model has dense FFN layers")
+        if self.expert_activation and self.expert_activation not in EXPERT_ACTIVATIONS:
+            raise PerfxError(f"expert activation {self.expert_activation!r} is not supported "
+                             f"({', '.join(EXPERT_ACTIVATIONS)})")
         self._check_layer_shapes()
 
     def _check_experts(self):
@@ -271,6 +273,8 @@ class ModelConfig:
             parts.append("post-norms")
         if self.ffn_activation != "silu":
             parts.append(f"FFN {self.ffn_activation}")
+        if self.expert_activation:
+            parts.append(f"experts' {self.expert_activation}")
         windows = sorted({r.window for r in self.layers if r.kind == "attention"})
         if windows not in ([0], []):
             sliding = sum(1 for r in self.layers if r.window)

@@ -113,8 +113,8 @@ def router_shape(config) -> dict:
 
 
 def expert_act(config) -> str:
-    """The experts' gated activation: the model's FFN activation (SiLU, GELU, gpt-oss's clamped SwiGLU)."""
-    return config.ffn_activation
+    """The experts' gated activation: their own (gpt-oss's clamped SwiGLU), else the model's FFN activation."""
+    return config.expert_activation or config.ffn_activation
 
 
 def expert_forms(config, role: str, options: StepOptions) -> list[Form]:
@@ -186,11 +186,14 @@ class DeviceMoE:
         m, c = self.model, self.model.config
         self.weights[layer] = MoEWeights(
             router=m.vector(w.router), selection_bias=None if w.selection_bias is None else m.vector(w.selection_bias),
-            gate_up=ExpertWeights(m.device, [held_expert(e) for e in w.gate_up], f"layer {layer} experts gate_up"),
-            down=ExpertWeights(m.device, [held_expert(e) for e in w.down], f"layer {layer} experts down"))
+            router_bias=None if w.router_bias is None else m.vector(w.router_bias),
+            gate_up=ExpertWeights(m.device, [held_expert(e) for e in w.gate_up], f"layer {layer} experts gate_up",
+                                  bias=w.gate_up_bias),
+            down=ExpertWeights(m.device, [held_expert(e) for e in w.down], f"layer {layer} experts down",
+                               bias=w.down_bias))
         device = self.weights[layer]
         active = c.n_experts_used * (device.gate_up.expert_bytes + device.down.expert_bytes)
-        return active + w.router.nbytes + (0 if w.selection_bias is None else w.selection_bias.nbytes)
+        return active + sum(v.nbytes for v in (w.router, w.selection_bias, w.router_bias) if v is not None)
 
     def allocate(self) -> None:
         c, d, s = self.model.config, self.model.device, self.model.state
@@ -206,7 +209,7 @@ class DeviceMoE:
         model, c, w = self.model, self.model.config, self.weights[layer]
         plan, s, used = model.plan, model.state, c.n_experts_used
         plan.moe_router(s.xb, w.router, w.selection_bias, self.logits, self.ids, self.route_weights, m,
-                        c.hidden_size, c.expert_scale)
+                        c.hidden_size, c.expert_scale, logit_bias=w.router_bias)
         if m == 1:
             plan.moe_gemv("experts_gate_up", w.gate_up.form).gate_up(w.gate_up, s.xb, self.ids, self.h, m, used)
             plan.moe_gemv("experts_down", w.down.form).down(w.down, self.h, self.ids, self.route_weights, s.proj, m,

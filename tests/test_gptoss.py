@@ -35,7 +35,7 @@ def test_the_header_and_config_json_give_one_recipe(tiny, tmp_path):
     path, held = tiny
     c = open_model(path).config
     assert (c.n_experts, c.n_experts_used, c.expert_intermediate) == (6, 2, 64)
-    assert (c.expert_gating, c.expert_norm, c.expert_biases, c.ffn_activation) == (
+    assert (c.expert_gating, c.expert_norm, c.expert_biases, c.expert_activation) == (
         "softmax_weight", False, True, "swiglu_oai")
     assert (c.attention_sinks, c.o_bias, c.qkv_bias, c.moe_layers) == (True, True, True, [0, 1, 2, 3])
     # llama.cpp's set_swa_pattern(2): the even layers slide
@@ -208,3 +208,42 @@ def test_bad_checkpoints_name_the_key_or_tensor(tiny, tmp_path):
     (directory / "config.json").write_text(json.dumps({**config, "rope_scaling": None}))
     with pytest.raises(PerfxError, match="YaRN"):
         open_model(directory)
+
+
+def test_the_device_forward_matches_the_float64_forward(tiny, device):
+    """A prompt past the sliding window (rows grouped by expert: the grouped products with biases and the clamped
+    SwiGLU; the prefill attention with sinks), then decode steps past it (the recorded replay: the router with its
+    bias, the routed GEMVs, the decode attention with sinks), against perfx.forward64; greedy tokens equal."""
+    path, _ = tiny
+    source = open_model(path)
+    tokens = [int(t) for t in np.random.default_rng(3).integers(0, source.config.vocab_size, 27)]
+    want, _ = model_forward(source, tokens)
+    model = Model.load(source, device, ctx=64, progress=False, database=Database(None))
+    model.prefill(tokens[:20], 0)
+    assert relative_error(model.logits(), want[19]) <= DEVICE_TOLERANCE
+    for pos in range(20, len(tokens)):
+        model.decode_one(tokens[pos], pos)
+        logits = model.logits()
+        assert relative_error(logits, want[pos]) <= DEVICE_TOLERANCE, pos
+        top = np.sort(want[pos])[::-1]
+        if top[0] - top[1] > 1e-2 * np.abs(want[pos]).max():   # not a near-tie: the greedy token is the same
+            assert int(np.argmax(logits)) == int(np.argmax(want[pos])), pos
+    # the decode step reads the router and the chosen experts only
+    c = source.config
+    every = sum(source.layer(i).moe.expert_nbytes * c.n_experts for i in c.moe_layers)
+    assert model.weight_bytes < every
+
+
+def test_the_hugging_face_directory_runs_on_the_device(tiny, tmp_path, device):
+    """openai's layout (MXFP4 _blocks and _scales, interleaved gate_up) through the device forward; its float
+    attention with biases runs quantized (--quantize q4), as Qwen2's does."""
+    _, held = tiny
+    source = open_model(write_gptoss_hf(tmp_path / "hf", held), quantize="q4")
+    tokens = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 14]
+    want, _ = model_forward(source, tokens)
+    model = Model.load(source, device, ctx=32, progress=False, database=Database(None))
+    model.prefill(tokens[:8], 0)
+    assert relative_error(model.logits(), want[7]) <= DEVICE_TOLERANCE
+    for pos in range(8, len(tokens)):
+        model.decode_one(tokens[pos], pos)
+        assert relative_error(model.logits(), want[pos]) <= DEVICE_TOLERANCE, pos

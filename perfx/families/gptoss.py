@@ -26,7 +26,7 @@ def _layers(n_layers: int, rope: Rope, window: int, sliding: list[bool]) -> tupl
 def _recipe(rope: Rope, window: int, sliding: list[bool]) -> dict:
     return {"rope_scaling": rope.scaling, "layers": _layers(len(sliding), rope, window, sliding),
             "qkv_bias": True, "o_bias": True, "attention_sinks": True, "expert_biases": True,
-            "ffn_activation": "swiglu_oai", "sliding_window": window}
+            "expert_activation": "swiglu_oai", "sliding_window": window}
 
 
 def read_gguf(h: GGUFHeader) -> dict:

@@ -180,15 +180,17 @@ class AttentionMixer(Mixer):
         out = []
         for layers, v in cls.shape_groups(c):
             # Gemma 4: v normed where the layer appends, q alone where it reads another layer's cache
-            gemma4 = {"q_only": True} if v.kv_shared else ({"v_norm": True} if v.value_norm else {})
+            features = {"q_only": True} if v.kv_shared else ({"v_norm": True} if v.value_norm else {})
+            if v.attention_sinks:   # gpt-oss
+                features["sinks"] = True
             heads = {"n_heads": v.n_heads, "n_kv_heads": v.n_kv_heads, "head_dim": v.head_dim}
             if m > 1:
-                shape = {**heads, "m": m, "p0": 0, **qk_norm(v), **gemma4, **kv_shape(options.kv)}
+                shape = {**heads, "m": m, "p0": 0, **qk_norm(v), **features, **kv_shape(options.kv)}
                 out.append(Op("attention_prefill", shape, "attention", layers, reads=("qkv", "cache"),
                               writes=("att", "cache"), m=m))
                 continue
             positions = min(options.positions, c.max_positions) if c.max_positions else options.positions
-            shape = {**heads, "positions": positions, **qk_norm(v), **gemma4, **kv_shape(options.kv)}
+            shape = {**heads, "positions": positions, **qk_norm(v), **features, **kv_shape(options.kv)}
             out.append(Op("attention_decode", shape, "attention", layers, reads=("qkv", "cache"),
                           writes=("att", "cache")))
         return out

@@ -13,6 +13,7 @@ import pytest
 from helpers.gptoss_models import TINY, write_gptoss_gguf, write_gptoss_hf
 from perfx import moe, reference
 from perfx.errors import PerfxError
+from perfx.formats import Form
 from perfx.forward64 import ReferenceCache, model_forward
 from perfx.mixers import mixer_class
 from perfx.model import Model
@@ -247,3 +248,16 @@ def test_the_hugging_face_directory_runs_on_the_device(tiny, tmp_path, device):
     for pos in range(8, len(tokens)):
         model.decode_one(tokens[pos], pos)
         assert relative_error(model.logits(), want[pos]) <= DEVICE_TOLERANCE, pos
+
+
+def test_the_synthetic_gpt_oss_20b_has_its_shapes_and_mxfp4_experts():
+    """synthetic:gpt-oss-20b (for perfx bench): openai's config.json, its experts in MXFP4's held form."""
+    source = open_model("synthetic:gpt-oss-20b")
+    c = source.config
+    assert (c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim) == (24, 2880, 64, 8, 64)
+    assert (c.n_experts, c.n_experts_used, c.expert_intermediate, c.vocab_size) == (32, 4, 2880, 201088)
+    assert [r.window for r in c.layers[:4]] == [128, 0, 128, 0] and c.attention_sinks and c.expert_biases
+    mxfp4 = Form("q8", 32, f32=True, symmetric=True)
+    forms = source.weight_forms()
+    assert forms["experts_gate_up"] == forms["experts_down"] == {mxfp4}
+    assert "MXFP4" in source.describe()["quantization"]

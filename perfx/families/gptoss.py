@@ -107,6 +107,7 @@ FAMILY = Family(
                                                  "beta_slow": 1.0, "original_max_position_embeddings": 4096,
                                                  "truncate": False},
                                    sliding_window=128, attention_bias=True, rms_norm_eps=1e-5,
-                                   max_position_embeddings=131072, tie_word_embeddings=False)),
+                                   max_position_embeddings=131072, tie_word_embeddings=False),
+                              experts="mxfp4"),
     },
 )

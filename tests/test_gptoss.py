@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 
+import gguf
 import numpy as np
 import pytest
 
@@ -18,6 +19,7 @@ from perfx.forward64 import ReferenceCache, model_forward
 from perfx.mixers import mixer_class
 from perfx.model import Model
 from perfx.sources import open_model
+from perfx.tokenizer import Tokenizer
 from perfx.tuning.database import Database
 from perfx.tuning.spec import relative_error
 
@@ -261,3 +263,29 @@ def test_the_synthetic_gpt_oss_20b_has_its_shapes_and_mxfp4_experts():
     forms = source.weight_forms()
     assert forms["experts_gate_up"] == forms["experts_down"] == {mxfp4}
     assert "MXFP4" in source.describe()["quantization"]
+
+
+def test_the_o200k_tokenizer_and_harmony_s_turn_ends(tmp_path):
+    """A GGUF vocabulary as the converter writes gpt-oss's (gpt2 BPE, tokenizer.ggml.pre "gpt-4o", eos <|return|>):
+    a reply ends at <|return|>, <|call|> or <|endoftext|>, not at <|end|>, which closes the analysis message before
+    the final one; the gpt-4o pre-tokenizer splits as o200k does (a letter run and its leading space, digits by
+    threes)."""
+    byte_chars = [chr(c) for c in range(33, 127)]
+    specials = ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>"]
+    tokens = byte_chars + ["Ġ", "Ġa", "12", "123"] + specials
+    path = tmp_path / "tok.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-4o")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - len(specials)) + [3] * len(specials))
+    writer.add_token_merges(["Ġ a", "1 2", "12 3"])
+    writer.add_eos_token_id(tokens.index("<|return|>"))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tok = Tokenizer.from_gguf(path)
+    assert {tokens[i] for i in tok.eos_ids} == {"<|return|>", "<|call|>", "<|endoftext|>"}
+    ids = tok.encode("a a1234<|end|>", add_bos=False)
+    assert [tokens[i] for i in ids] == ["a", "Ġa", "123", "4", "<|end|>"]

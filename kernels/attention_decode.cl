@@ -11,6 +11,9 @@
 //                       out[h] = Σ_j e^(m_j − M)·o_j / Σ_j e^(m_j − M)·l_j for the HEADS heads h of the group,
 //                       M a running max over the partitions (online softmax), j in order (deterministic)
 // When p < PART there is one partition and it writes out[h] = o_0 / l_0 itself.
+// SINKS 1 (gpt-oss): sinks[h], a learned logit of head h, joins each softmax's denominator with no value:
+// out[h] = Σ_j e^(m_j − M)·o_j / (Σ_j e^(m_j − M)·l_j + e^(sinks[h] − M)), M the max of the m_j and sinks[h] (the
+// online softmax started from the sink: m = sinks[h], l = 1, o = 0).
 // The combine inside the launch saves a launch a layer (and its host enqueue), not device work: every
 // work-group writes its partials, makes them visible (a global fence before the counter's atomic increment),
 // and the one that takes the counter to n_parts reads them back and resets the counter for the next launch.
@@ -85,6 +88,10 @@
 
 #ifndef Q_ONLY
 #define Q_ONLY 0  // qkv rows hold q alone: the layer reads another layer's cache, row p included (Gemma 4)
+#endif
+
+#ifndef SINKS
+#define SINKS 0  // a learned logit per query head in the softmax's denominator (gpt-oss; set by the wrapper)
 #endif
 
 #ifndef Q8_OUT
@@ -168,11 +175,15 @@ inline float hsum4(const float4 x)
 // (online softmax, partitions in order).
 void combine_partitions(const int qh0, const int lid, const int n_parts, const int max_parts,
                         __global float* part_max, __global float* part_sum, __global float* part_out,
-                        __global float* out)
+                        __global float* out, __global const float* sinks)
 {
     for (int e = lid; e < HEADS * HEAD_DIM; e += WGS) {
         const int query_head = qh0 + e / HEAD_DIM;
+#if SINKS
+        float m = sinks[query_head], l = 1.0f, acc = 0.0f;   // the sink: a logit with no value
+#else
         float m = -INFINITY, l = 0.0f, acc = 0.0f;
+#endif
         for (int j = 0; j < n_parts; ++j) {
             const int at = query_head * max_parts + j;
             const float m_j = SHARED_LOAD(part_max, at);
@@ -202,8 +213,8 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
                        __global const int* restrict positions, const int pos_index, const int max_parts,
                        __global float* restrict part_max, __global float* restrict part_sum,
                        __global float* restrict part_out, __global float* restrict out, const int window,
-                       const float scale, const float softcap, __global volatile int* restrict counters
-                       Q8_OUT_ARGS)
+                       const float scale, const float softcap, __global const float* restrict sinks,
+                       __global volatile int* restrict counters Q8_OUT_ARGS)
 {
     const int lid = get_local_id(0);
     const int pos = positions[pos_index];  // on the device, so a recorded launch serves every position of its grid
@@ -537,7 +548,12 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
         const int h = e / HEAD_DIM;
         const int query_head = QH0 + h;
         if (n_parts == 1) {
+#if SINKS
+            const float sink = sinks[query_head], m_all = fmax(stats[h], sink), keep = exp(stats[h] - m_all);
+            out[query_head * HEAD_DIM + e % HEAD_DIM] = sum * keep / (stats[HEADS + h] * keep + exp(sink - m_all));
+#else
             out[query_head * HEAD_DIM + e % HEAD_DIM] = sum / stats[HEADS + h];
+#endif
         } else {
             SHARED_STORE(part_out, ((size_t)query_head * max_parts + part) * HEAD_DIM + e % HEAD_DIM, sum);
         }
@@ -564,7 +580,7 @@ void attention_partial(__global const float* restrict qkv, const int qkv_offset,
             if (lid == 0) {
                 atomic_xchg(counters + get_group_id(1), 0);   // the last arrival: no other group touches it again
             }
-            combine_partitions(QH0, lid, n_parts, max_parts, part_max, part_sum, part_out, out);
+            combine_partitions(QH0, lid, n_parts, max_parts, part_max, part_sum, part_out, out, sinks);
 #if Q8_OUT
             QUANTIZE_OUT(QH0 * HEAD_DIM / 32, HEADS * HEAD_DIM / 32, lid, WGS)
 #endif

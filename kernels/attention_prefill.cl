@@ -3,6 +3,8 @@
 //   kv_append:          k' = rope(norm(k), p);  keys[layer][kvh][p] = half(k'); values[layer][kvh][p] = half(v)
 //   attention_prefill:  q' = rope(norm(q), p);  out[t][h] = Σ_{j ≤ p} softmax_j(cap(scale·q'·K[j])) · V[j]
 //                       (j ≥ p − W + 1 too under a sliding window W > 0, Mistral, Gemma; 0 = off)
+// SINKS 1 (gpt-oss): sinks[h], a learned logit of head h, joins each row's softmax denominator with no value (the
+// online softmax starts from it: running max sinks[h], sum 1).
 // norm (QK_NORM only), rope (partial rotary, NoPE) and cap (the soft-cap) are attention.h's; scale (1/√D for
 // Llama), W, the table and the norm weights are launch arguments, so one build serves every layer.
 // Shapes: qkv (M, (H + 2·Hkv)·D) float, each row [q (H·D) | k (Hkv·D) | v (Hkv·D)] (the fused QKV GEMM);
@@ -57,6 +59,10 @@
 
 #ifndef Q_ONLY
 #define Q_ONLY 0  // qkv rows hold q alone (set by the wrapper)
+#endif
+
+#ifndef SINKS
+#define SINKS 0  // a learned logit per query head in the softmax's denominator (gpt-oss; set by the wrapper)
 #endif
 
 #include "attention.h"
@@ -200,7 +206,8 @@ void attention_prefill(const int m, const int p0, const int group, const int n_h
                        __global const float* restrict q_norm, const float eps,
                        __global const kv_t* restrict keys, __global const kv_t* restrict values,
                        __global const half* restrict key_scales, __global const half* restrict value_scales,
-                       __global float* restrict out, const int window, const float softcap)
+                       __global float* restrict out, const int window, const float softcap,
+                       __global const float* restrict sinks)
 {
     __local tile_t k_tile[BK * HEAD_DIM];
     __local tile_t v_tile[BK * HEAD_DIM];
@@ -256,8 +263,13 @@ void attention_prefill(const int m, const int p0, const int group, const int n_h
         acc[d] = (floatVW)0.0f;
     }
     // Finite start values: no inf − inf anywhere, and the first tile always holds position 0 ≤ pos.
+#if SINKS
+    float m_run = sinks[h];   // the sink: a logit with no value
+    float l_run = 1.0f;
+#else
     float m_run = -FLT_MAX;
     float l_run = 0.0f;
+#endif
 
     const int head_base = layer_offset + kvh * max_positions * HEAD_DIM;
     for (int t0 = group_lo / BK * BK; t0 < kv_len; t0 += BK) {

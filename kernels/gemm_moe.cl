@@ -7,9 +7,10 @@
 //                         order[offsets[e] + i] = the i-th pair of expert e. One work-group: a work-item an
 //                         expert scans the pairs (a histogram, a prefix sum, a scatter; no atomics: the order
 //                         is the same every run).
-//   moe_gate_up_grouped:  h[p][n] = act(G_e[n]·x[p / used]) · (U_e[n]·x[p / used]) for the pairs of expert e,
-//                         TM pairs a work-group: each weight group read once for TM rows
-//   moe_down_grouped:     out[p][n] = weights[p] · D_e[n]·h[p]
+//   moe_gate_up_grouped:  h[p][n] = glu(G_e[n]·x[p / used] + bg, U_e[n]·x[p / used] + bu) for the pairs of expert
+//                         e, TM pairs a work-group: each weight group read once for TM rows (glu as gemv_moe.cl's)
+//   moe_down_grouped:     out[p][n] = weights[p] · (D_e[n]·h[p] + bd)
+// BIAS 1 (gpt-oss): bias (E, rows) float, each expert's bias of each of its rows (bg, bu; bd); else unread.
 //   moe_combine:          y[r][n] (+)= Σ_j out[r·used + j][n], j in order (the same sum every run)
 //
 // Weights as gemv_moe.cl holds them: (E, rows, K) int4 (two codes a byte, the even k low; BITS 4) or int8 codes,
@@ -37,7 +38,15 @@
 #define HALF 1       // 1: fp16 scales (and offsets), 0: float32 (set from the weights, not tuned)
 #endif
 #ifndef ACT
-#define ACT 1        // the gate's activation: 1 SiLU, 2 GELU (tanh) (set from the model, not tuned)
+#define ACT 1        // the gated activation: 1 SiLU, 2 GELU (tanh), 3 clamped SwiGLU (set from the model, not tuned)
+#endif
+#ifndef BIAS
+#define BIAS 0       // 1: each expert's rows have a bias (set from the model, not tuned)
+#endif
+#if BIAS
+#define ROW_BIAS(row) bias[(row)]
+#else
+#define ROW_BIAS(row) 0.0f
 #endif
 #ifndef MAX_E
 #define MAX_E 512    // the most experts moe_group counts in local memory (perfx.config.MAX_EXPERTS)
@@ -140,7 +149,8 @@ __kernel __attribute__((reqd_work_group_size(TN, 1, 1)))
 void moe_gate_up_grouped(const int inter, const int k, const int used, __global const int* restrict counts,
                          __global const int* restrict offsets, __global const int* restrict order,
                          __global const float* restrict x, __global const uchar* restrict codes,
-                         __global const float* restrict scales, __global float* restrict h)
+                         __global const float* restrict scales, __global const float* restrict bias,
+                         __global float* restrict h)
 {
     const int lid = get_local_id(0), n = get_global_id(0), e = get_group_id(1);
     const int first = get_group_id(2) * TM, count = counts[e];
@@ -162,15 +172,19 @@ void moe_gate_up_grouped(const int inter, const int k, const int used, __global 
             group_products(codes, scales, (size_t)e * 2 * inter + inter + n, k, g, xs, xsum, up);
         }
     }
-    if (n < inter)
+    if (n < inter) {
+        const size_t row = (size_t)e * 2 * inter + n;
+        const float bg = ROW_BIAS(row), bu = ROW_BIAS(row + inter);
         for (int t = 0; t < valid; ++t) {
-#if ACT == 2
-            const float act = GELU_TANH(gate[t]);
+#if ACT == 3
+            h[(size_t)pair[t] * inter + n] = SWIGLU_OAI(gate[t] + bg, up[t] + bu);
+#elif ACT == 2
+            h[(size_t)pair[t] * inter + n] = GELU_TANH(gate[t] + bg) * (up[t] + bu);
 #else
-            const float act = SILU(gate[t]);
+            h[(size_t)pair[t] * inter + n] = SILU(gate[t] + bg) * (up[t] + bu);
 #endif
-            h[(size_t)pair[t] * inter + n] = act * up[t];
         }
+    }
 }
 
 __kernel __attribute__((reqd_work_group_size(TN, 1, 1)))
@@ -178,7 +192,7 @@ void moe_down_grouped(const int n_out, const int k, __global const int* restrict
                       __global const int* restrict offsets, __global const int* restrict order,
                       __global const float* restrict weights, __global const float* restrict h,
                       __global const uchar* restrict codes, __global const float* restrict scales,
-                      __global float* restrict out)
+                      __global const float* restrict bias, __global float* restrict out)
 {
     const int lid = get_local_id(0), n = get_global_id(0), e = get_group_id(1);
     const int first = get_group_id(2) * TM, count = counts[e];
@@ -193,8 +207,10 @@ void moe_down_grouped(const int n_out, const int k, __global const int* restrict
         load_rows(xs, xsum, h, k, g, pair, valid, lid);
         if (n < n_out) group_products(codes, scales, (size_t)e * n_out + n, k, g, xs, xsum, acc);
     }
-    if (n < n_out)
-        for (int t = 0; t < valid; ++t) out[(size_t)pair[t] * n_out + n] = weights[pair[t]] * acc[t];
+    if (n < n_out) {
+        const float bd = ROW_BIAS((size_t)e * n_out + n);
+        for (int t = 0; t < valid; ++t) out[(size_t)pair[t] * n_out + n] = weights[pair[t]] * (acc[t] + bd);
+    }
 }
 
 __kernel void moe_combine(const int n_out, const int used, __global const float* restrict out,

@@ -2,10 +2,12 @@
 // moe_router.cl's router_topk) are read, and no other expert's bytes (llama.cpp's build_moe_ffn, the
 // ggml_mul_mat_id products).
 //
-//   moe_gate_up:  h[r][j][n] = act(G_e[n]·x[r]) · (U_e[n]·x[r]),  e = ids[r][j],  n < I
-//                 the expert's (2·I, K) matrix holds gate rows, then up rows; ACT 1 SiLU, 2 GELU (tanh)
-//   moe_down:     y[r][n] (+)= Σ_j weights[r][j] · D_e[n]·h[r][j],  e = ids[r][j],  n < N
+//   moe_gate_up:  h[r][j][n] = glu(G_e[n]·x[r] + bg, U_e[n]·x[r] + bu),  e = ids[r][j],  n < I
+//                 the expert's (2·I, K) matrix holds gate rows, then up rows; glu: ACT 1 SiLU(g)·u, 2 GELU(g)·u
+//                 (tanh), 3 gpt-oss's clamped SwiGLU (epilogue.h SWIGLU_OAI)
+//   moe_down:     y[r][n] (+)= Σ_j weights[r][j] · (D_e[n]·h[r][j] + bd),  e = ids[r][j],  n < N
 //                 the weighted sum of the chosen experts in the same work-group: no combine launch
+// BIAS 1 (gpt-oss): bias (E, rows) float holds each expert's bias of each of its rows (bg, bu; bd); else unread.
 //
 // Weights: every expert's matrix of one role stacked, (E, rows, K), in the int4 (BITS 4: two codes a byte, the
 // even k in the low nibble) or int8 (BITS 8) form, per group of GROUP along K a float32 (scale, offset) pair,
@@ -36,7 +38,15 @@
 #define HALF 1       // 1: fp16 scales (and offsets), 0: float32 (set from the weights, not tuned)
 #endif
 #ifndef ACT
-#define ACT 1        // moe_gate_up's gate activation: 1 SiLU, 2 GELU (tanh) (set from the model, not tuned)
+#define ACT 1        // moe_gate_up's gated activation: 1 SiLU, 2 GELU (tanh), 3 clamped SwiGLU (from the model)
+#endif
+#ifndef BIAS
+#define BIAS 0       // 1: each expert's rows have a bias (set from the model, not tuned)
+#endif
+#if BIAS
+#define ROW_BIAS(row) bias[(row)]
+#else
+#define ROW_BIAS(row) 0.0f
 #endif
 
 #include "epilogue.h"
@@ -113,7 +123,8 @@ inline void tree_sum(__local float* part, const int count, const int lid)
 __kernel __attribute__((reqd_work_group_size(WGS, 1, 1)))
 void moe_gate_up(const int inter, const int k, const int used, const int n_experts, __global const int* restrict ids,
                  __global const float* restrict x, __global const uchar* restrict codes,
-                 __global const float* restrict scales, __global float* restrict h)
+                 __global const float* restrict scales, __global const float* restrict bias,
+                 __global float* restrict h)
 {
     const int lid = get_local_id(0), j = get_global_id(1), r = get_global_id(2);
     const int first = get_group_id(0) * ROWS;
@@ -132,22 +143,27 @@ void moe_gate_up(const int inter, const int k, const int used, const int n_exper
         part[(2 * i + 1) * WGS + lid] = up;
     }
     tree_sum(part, 2 * ROWS, lid);
-    if (lid < ROWS && first + lid < inter) {
-        const float gate = part[(2 * lid) * WGS], up = part[(2 * lid + 1) * WGS];
-#if ACT == 2
-        const float act = GELU_TANH(gate);
+    if (lid < ROWS && first + lid < inter && valid) {
+        const size_t row = (size_t)e * 2 * inter + first + lid;
+        const float gate = part[(2 * lid) * WGS] + ROW_BIAS(row), up = part[(2 * lid + 1) * WGS] + ROW_BIAS(row + inter);
+#if ACT == 3
+        const float out = SWIGLU_OAI(gate, up);
+#elif ACT == 2
+        const float out = GELU_TANH(gate) * up;
 #else
-        const float act = SILU(gate);
+        const float out = SILU(gate) * up;
 #endif
-        h[((size_t)r * used + j) * inter + first + lid] = act * up;
+        h[((size_t)r * used + j) * inter + first + lid] = out;
+    } else if (lid < ROWS && first + lid < inter) {
+        h[((size_t)r * used + j) * inter + first + lid] = 0.0f;   // an id out of range: no expert, nothing added
     }
 }
 
 __kernel __attribute__((reqd_work_group_size(WGS, 1, 1)))
 void moe_down(const int n_out, const int k, const int used, const int n_experts, __global const int* restrict ids,
               __global const float* restrict weights, __global const float* restrict h,
-              __global const uchar* restrict codes, __global const float* restrict scales, __global float* restrict y,
-              const int accumulate)
+              __global const uchar* restrict codes, __global const float* restrict scales,
+              __global const float* restrict bias, __global float* restrict y, const int accumulate)
 {
     const int lid = get_local_id(0), r = get_global_id(2);
     const int first = get_group_id(0) * ROWS;
@@ -160,7 +176,11 @@ void moe_down(const int n_out, const int k, const int used, const int n_experts,
         const float w = weights[(size_t)r * used + j];
         const __global float* hr = h + ((size_t)r * used + j) * k;
         for (int i = 0; i < ROWS; ++i)
-            if (first + i < n_out) acc[i] += w * row_part(codes, scales, hr, (size_t)e * n_out + first + i, k, lid);
+            if (first + i < n_out) {
+                // the bias once a row of the expert: by the first work-item, whose part the tree sum adds in
+                const size_t row = (size_t)e * n_out + first + i;
+                acc[i] += w * (row_part(codes, scales, hr, row, k, lid) + (lid == 0 ? ROW_BIAS(row) : 0.0f));
+            }
     }
     for (int i = 0; i < ROWS; ++i) part[i * WGS + lid] = acc[i];
     tree_sum(part, ROWS, lid);

@@ -2,7 +2,8 @@
 // row's experts, and the experts it chooses with their weights, written to device buffers that the routed
 // expert GEMVs (gemv_moe.cl) read, so the decode step needs no host round trip.
 //
-//   router_logits:  logits[r][e] = Σ_k W[e][k]·x[r][k]          W (E, K) float, x (m, K), logits (m, E)
+//   router_logits:  logits[r][e] = Σ_k W[e][k]·x[r][k] (+ b[e], LOGIT_BIAS 1: gpt-oss's router bias)
+//                   W (E, K) float, x (m, K), logits (m, E), b (E) float
 //                   one work-group per (expert, row): WGS work-items stride over K (coalesced), then a tree sum.
 //   router_topk:    p = softmax(logits[r]) (GATING 0), σ(logits[r]) (1) or the logits (2: softmax over the chosen)
 //                   chosen = the USED experts of largest p + bias (BIAS 1: a selection bias, used only to choose;
@@ -32,10 +33,14 @@
 #ifndef NORM
 #define NORM 0       // 1: the chosen weights renormalised to sum 1
 #endif
+#ifndef LOGIT_BIAS
+#define LOGIT_BIAS 0 // 1: a bias added to each expert's logit (gpt-oss's router), before the gating and the choice
+#endif
 
 __kernel __attribute__((reqd_work_group_size(WGS, 1, 1)))
 void router_logits(const int n_experts, const int k, __global const float* restrict x,
-                   __global const float* restrict w, __global float* restrict logits)
+                   __global const float* restrict w, __global const float* restrict logit_bias,
+                   __global float* restrict logits)
 {
     const int e = get_group_id(0), r = get_global_id(1), lid = get_local_id(0);
     __local float part[WGS];
@@ -49,7 +54,11 @@ void router_logits(const int n_experts, const int k, __global const float* restr
         if (lid < span) part[lid] += part[lid + span];
         barrier(CLK_LOCAL_MEM_FENCE);
     }
+#if LOGIT_BIAS
+    if (lid == 0) logits[(size_t)r * n_experts + e] = part[0] + logit_bias[e];
+#else
     if (lid == 0) logits[(size_t)r * n_experts + e] = part[0];
+#endif
 }
 
 __kernel __attribute__((reqd_work_group_size(WGS, 1, 1)))

@@ -31,6 +31,7 @@ __all__ = ["FFN_ACTIVATIONS", "LAYER_KINDS", "LayerRecipe", "ModelConfig", "Rope
 SUPPORTED_ARCHITECTURES = families.hf_architectures()
 SUPPORTED_GGUF_ARCHITECTURES = families.gguf_architectures()
 FFN_ACTIVATIONS = ("silu", "gelu_tanh")
+EXPERT_ACTIVATIONS = FFN_ACTIVATIONS + ("swiglu_oai",)   # swiglu_oai: gpt-oss's clamped SwiGLU
 LAYER_KINDS = ("attention", "conv", "delta")
 MAX_EXPERTS = 512        # the router's top-k holds a row's experts in local memory (kernels/moe_router.cl)
 MAX_EXPERTS_USED = 32
@@ -55,6 +56,8 @@ class ModelConfig:
     max_positions: int = 4096
     tie_embeddings: bool = False        # lm_head is the embedding matrix
     qkv_bias: bool = False              # Qwen2 has biases on the Q, K and V projections
+    o_bias: bool = False                # a bias on the attention output projection (gpt-oss)
+    attention_sinks: bool = False       # a learned logit per query head in each softmax's denominator (gpt-oss)
     sliding_window: int = 0             # the window of the layers that have one (0: none)
     # -- the recipe (defaults: Llama's) --
     rotary_dims: int = 0                # dimensions of each head RoPE rotates (0 given: all; Phi-4-mini 96 of 128)
@@ -83,6 +86,9 @@ class ModelConfig:
     expert_scale: float = 1.0           # the weights times this
     expert_bias: bool = False           # a per-expert selection bias, added to choose only (LFM2-MoE)
     dense_layers: int = 0               # leading layers with the dense FFN (LFM2-MoE's leading_dense_block_count)
+    expert_biases: bool = False         # biases on the router's logits and on each expert's gate, up and down (gpt-oss)
+    expert_activation: str = ""         # the experts' gated activation where it is not ffn_activation's: "swiglu_oai"
+                                        # (gpt-oss's clamped SwiGLU, reference.swiglu_oai)
     # Gemma 4: layers of their own shapes (``LayerRecipe`` head_dim, kv_heads, ffn, kv_from; then head_dim,
     # n_kv_heads and intermediate_size above are the largest of the layers'), per-layer embeddings, V normed
     per_layer_input: int = 0            # width of each layer's slice of the per-layer token table (0: none)
@@ -124,6 +130,9 @@ class ModelConfig:
             self._check_delta()
         if self.n_experts:
             self._check_experts()
+        if self.expert_activation and self.expert_activation not in EXPERT_ACTIVATIONS:
+            raise PerfxError(f"expert activation {self.expert_activation!r} is not supported "
+                             f"({', '.join(EXPERT_ACTIVATIONS)})")
         self._check_layer_shapes()
 
     def _check_experts(self):
@@ -254,12 +263,18 @@ class ModelConfig:
                          f"{len(self.moe_layers)}/{self.n_layers} layers")
         if self.attention_gate:
             parts.append("gated attention output")
+        if self.attention_sinks:
+            parts.append("attention sinks")
+        if self.expert_biases:
+            parts.append("expert biases")
         if self.qk_norm:
             parts.append("q/k norm")
         if self.post_norms:
             parts.append("post-norms")
         if self.ffn_activation != "silu":
             parts.append(f"FFN {self.ffn_activation}")
+        if self.expert_activation:
+            parts.append(f"experts' {self.expert_activation}")
         windows = sorted({r.window for r in self.layers if r.kind == "attention"})
         if windows not in ([0], []):
             sliding = sum(1 for r in self.layers if r.window)
@@ -272,6 +287,8 @@ class ModelConfig:
             parts.append("RoPE bases " + "/".join(f"{b:g}" for b in bases))
         if any(r.rope is not None and (r.rope.scaling or {}).get("rope_type") == "longrope" for r in self.layers):
             parts.append("LongRoPE")
+        if any(r.rope is not None and (r.rope.scaling or {}).get("rope_type") == "yarn" for r in self.layers):
+            parts.append("YaRN")
         if self.rotary_dims != self.head_dim:
             parts.append(f"rotary {self.rotary_dims}/{self.head_dim}")
         if self.attention_scale:

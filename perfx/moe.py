@@ -44,6 +44,11 @@ class MoEWeights:
     gate_up: list                   # E host matrices (2·I, hidden), gate rows then up rows; ExpertWeights on the device
     down: list                      # E host matrices (hidden, I); ExpertWeights on the device
     selection_bias: np.ndarray | None = None   # (E,) float32, added to choose only
+    # gpt-oss (``expert_biases``): the router's logits' bias (E,), each expert's gate-up bias (E, 2·I: gate then
+    # up) and down bias (E, hidden), float32; None where the model has none
+    router_bias: np.ndarray | None = None
+    gate_up_bias: np.ndarray | None = None
+    down_bias: np.ndarray | None = None
 
     @property
     def expert_nbytes(self) -> int:
@@ -88,7 +93,12 @@ def synthetic(config, random_matrix, rng) -> MoEWeights:
     c, e = config, config.n_experts
     router = (rng.standard_normal((e, c.hidden_size)) / np.sqrt(c.hidden_size)).astype(np.float32)
     bias = (rng.standard_normal(e) * 0.1).astype(np.float32) if c.expert_bias else None
-    return MoEWeights(router=router, selection_bias=bias,
+    biases = {}
+    if c.expert_biases:
+        biases = dict(router_bias=(rng.standard_normal(e) * 0.1).astype(np.float32),
+                      gate_up_bias=(rng.standard_normal((e, 2 * c.expert_intermediate)) * 0.1).astype(np.float32),
+                      down_bias=(rng.standard_normal((e, c.hidden_size)) * 0.1).astype(np.float32))
+    return MoEWeights(router=router, selection_bias=bias, **biases,
                       gate_up=[random_matrix(rng, 2 * c.expert_intermediate, c.hidden_size) for _ in range(e)],
                       down=[random_matrix(rng, c.hidden_size, c.expert_intermediate) for _ in range(e)])
 
@@ -98,7 +108,13 @@ def synthetic(config, random_matrix, rng) -> MoEWeights:
 def router_shape(config) -> dict:
     c = config
     return {"e": c.n_experts, "k": c.hidden_size, "used": c.n_experts_used, "gating": c.expert_gating,
-            "bias": c.expert_bias, "norm": c.expert_norm, "m": 1}
+            "bias": c.expert_bias, "norm": c.expert_norm, "m": 1,
+            **({"logit_bias": True} if c.expert_biases else {})}
+
+
+def expert_act(config) -> str:
+    """The experts' gated activation: their own (gpt-oss's clamped SwiGLU), else the model's FFN activation."""
+    return config.expert_activation or config.ffn_activation
 
 
 def expert_forms(config, role: str, options: StepOptions) -> list[Form]:
@@ -116,7 +132,9 @@ def expert_shape(config, role: str, form: Form) -> dict:
              "k": c.hidden_size if gate_up else c.expert_intermediate, "experts": c.n_experts,
              "used": c.n_experts_used, **form_shape(form), "m": 1}
     if gate_up:
-        shape["act"] = "gelu_tanh" if c.ffn_activation == "gelu_tanh" else "silu"
+        shape["act"] = expert_act(c)
+    if c.expert_biases:
+        shape["bias"] = True
     return shape
 
 
@@ -147,10 +165,9 @@ def ops(config, m: int, options: StepOptions, prefill: bool = False) -> list[Op]
 def reference(xb: np.ndarray, w: MoEWeights, config) -> np.ndarray:
     """The MoE FFN of the normed rows xb (M, hidden) in float64 (``perfx.forward64``)."""
     c = config
-    ids, weights = moe_route(linear(xb, w.router), c.n_experts_used, c.expert_gating, w.selection_bias,
-                             c.expert_norm, c.expert_scale)
-    return moe_experts(xb, ids, weights, w.gate_up, w.down, "gelu_tanh" if c.ffn_activation == "gelu_tanh"
-                       else "silu")
+    ids, weights = moe_route(linear(xb, w.router, w.router_bias), c.n_experts_used, c.expert_gating,
+                             w.selection_bias, c.expert_norm, c.expert_scale)
+    return moe_experts(xb, ids, weights, w.gate_up, w.down, expert_act(c), w.gate_up_bias, w.down_bias)
 
 
 # -- the device side ---------------------------------------------------------------------------------------
@@ -169,11 +186,14 @@ class DeviceMoE:
         m, c = self.model, self.model.config
         self.weights[layer] = MoEWeights(
             router=m.vector(w.router), selection_bias=None if w.selection_bias is None else m.vector(w.selection_bias),
-            gate_up=ExpertWeights(m.device, [held_expert(e) for e in w.gate_up], f"layer {layer} experts gate_up"),
-            down=ExpertWeights(m.device, [held_expert(e) for e in w.down], f"layer {layer} experts down"))
+            router_bias=None if w.router_bias is None else m.vector(w.router_bias),
+            gate_up=ExpertWeights(m.device, [held_expert(e) for e in w.gate_up], f"layer {layer} experts gate_up",
+                                  bias=w.gate_up_bias),
+            down=ExpertWeights(m.device, [held_expert(e) for e in w.down], f"layer {layer} experts down",
+                               bias=w.down_bias))
         device = self.weights[layer]
         active = c.n_experts_used * (device.gate_up.expert_bytes + device.down.expert_bytes)
-        return active + w.router.nbytes + (0 if w.selection_bias is None else w.selection_bias.nbytes)
+        return active + sum(v.nbytes for v in (w.router, w.selection_bias, w.router_bias) if v is not None)
 
     def allocate(self) -> None:
         c, d, s = self.model.config, self.model.device, self.model.state
@@ -189,7 +209,7 @@ class DeviceMoE:
         model, c, w = self.model, self.model.config, self.weights[layer]
         plan, s, used = model.plan, model.state, c.n_experts_used
         plan.moe_router(s.xb, w.router, w.selection_bias, self.logits, self.ids, self.route_weights, m,
-                        c.hidden_size, c.expert_scale)
+                        c.hidden_size, c.expert_scale, logit_bias=w.router_bias)
         if m == 1:
             plan.moe_gemv("experts_gate_up", w.gate_up.form).gate_up(w.gate_up, s.xb, self.ids, self.h, m, used)
             plan.moe_gemv("experts_down", w.down.form).down(w.down, self.h, self.ids, self.route_weights, s.proj, m,

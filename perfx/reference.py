@@ -7,6 +7,8 @@ H query heads, Hkv key/value heads, D head_dim, T positions in the cache.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
@@ -61,6 +63,16 @@ def rmsnorm_gated(x, z, gamma, eps: float = 1e-6) -> np.ndarray:
 def swiglu(gate, up) -> np.ndarray:
     """SiLU(gate)·up, the Llama MLP's activation."""
     return silu(gate) * f64(up)
+
+
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0   # gpt-oss's clamped SwiGLU (llama.cpp's ggml_swiglu_oai)
+
+
+def swiglu_oai(gate, up, alpha: float = SWIGLU_OAI_ALPHA, limit: float = SWIGLU_OAI_LIMIT) -> np.ndarray:
+    """gpt-oss's gated activation: g = min(gate, limit), u = clamp(up, −limit, limit), g·σ(α·g)·(u + 1)
+    (transformers' GptOssExperts, llama.cpp's ggml_swiglu_oai)."""
+    g = np.minimum(f64(gate), limit)
+    return g * sigmoid(alpha * g) * (np.clip(f64(up), -limit, limit) + 1.0)
 
 
 def gelu_tanh(x) -> np.ndarray:
@@ -328,10 +340,10 @@ def gemm(x, w, bias=None) -> np.ndarray:
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> np.ndarray:
     """Inverse frequencies θ^(−2i/D), i < D/2, with ``rope_scaling`` applied.
 
-    Types: "linear" (all divided by ``factor``) and "llama3" (Llama 3.1's scaling, transformers
+    Types: "linear" (all divided by ``factor``), "llama3" (Llama 3.1's scaling, transformers
     ``_compute_llama3_parameters``: wavelengths longer than original_max_position_embeddings /
     low_freq_factor are divided by ``factor``, shorter than … / high_freq_factor kept, and those between
-    interpolated smoothly). ``freq_factors`` (D/2 values, any type; a GGUF's rope_freqs tensor) divide the
+    interpolated smoothly) and "yarn" (``yarn_inv_freq``; its attention factor scales the table). ``freq_factors`` (D/2 values, any type; a GGUF's rope_freqs tensor) divide the
     frequencies pair by pair, as llama.cpp's ggml_rope_ext does with its freq_factors: Llama 3.x GGUFs
     carry their "llama3" scaling that way, as divisors computed by the converter.
     """
@@ -348,6 +360,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> n
         pass
     elif kind == "linear":
         inv = inv / float(scaling["factor"])
+    elif kind == "yarn":
+        inv = yarn_inv_freq(inv, head_dim, theta, scaling)
     elif kind == "longrope":
         pass   # Phi-3: its chosen (short or long) factors come as freq_factors; the attention factor scales the table
     elif kind == "llama3":
@@ -360,14 +374,41 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> n
         between = (wavelen <= original / low) & (wavelen >= original / high)
         inv = np.where(between, (1 - smooth) * inv / factor + smooth * inv, scaled)
     else:
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3, longrope)")
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3, longrope, "
+                         "yarn)")
     return inv if factors is None else inv / factors
+
+
+def yarn_inv_freq(inv, head_dim: int, theta: float, scaling: dict) -> np.ndarray:
+    """YaRN (Peng et al. 2023; transformers' ``_compute_yarn_parameters``, ggml's rope_yarn): each frequency
+    between its extrapolated value (as trained) and its interpolated one (divided by ``factor``), by a linear ramp
+    over the pair index from the dimension that turns ``beta_fast`` times over ``original_max_position_embeddings``
+    positions (extrapolated below) to the one that turns ``beta_slow`` times (interpolated above). ``truncate``
+    (default true; ggml always) rounds those two dimensions out to whole pairs first."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(scaling.get("beta_fast", 32.0)), float(scaling.get("beta_slow", 1.0))
+
+    def dimension(rotations):
+        return head_dim * np.log(original / (rotations * 2 * np.pi)) / (2 * np.log(float(theta)))
+
+    low, high = dimension(beta_fast), dimension(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = np.floor(low), np.ceil(high)
+    low, high = max(low, 0.0), min(high, head_dim - 1.0)
+    ramp = np.clip((np.arange(inv.size) - low) / max(high - low, 1e-3), 0.0, 1.0)   # 0: extrapolate, 1: interpolate
+    return inv / factor * ramp + inv * (1.0 - ramp)
+
+
+def yarn_attention_factor(factor: float) -> float:
+    """YaRN's magnitude correction of cos and sin, 0.1·ln(factor) + 1 (transformers' get_mscale, ggml's mscale)."""
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def rope_tables(positions, head_dim: int, theta: float, scaling: dict | None = None):
     """cos and sin, each (len(positions), D/2): the table the kernels read."""
     angles = np.outer(f64(positions), rope_inv_freq(head_dim, theta, scaling))
-    # LongRoPE's attention factor multiplies cos and sin (transformers' attention_scaling, llama.cpp's attn_factor)
+    # LongRoPE's and YaRN's attention factor multiplies cos and sin (transformers' attention_scaling, llama.cpp's attn_factor)
     factor = float((scaling or {}).get("attention_factor", 1.0))
     return np.cos(angles) * factor, np.sin(angles) * factor
 
@@ -404,14 +445,16 @@ def unpermute_qk(w, n_heads: int) -> np.ndarray:
 
 
 def attention(q, k, v, q_positions, causal: bool = True, window: int = 0, scale: float | None = None,
-              softcap: float = 0.0) -> np.ndarray:
+              softcap: float = 0.0, sinks=None) -> np.ndarray:
     """softmax(q·Kᵀ·scale)·V with GQA; scale defaults to 1/√D.
 
     q (M, H, D) at absolute positions q_positions (M); k, v (T, Hkv, D) for positions 0..T−1.
     Query head h reads key/value head h // (H / Hkv). A ``softcap`` c > 0 (Gemma 2) maps each scaled score
     s to c·tanh(s/c) before the mask. With ``causal``, query at position p sees positions 0..p; a sliding
     ``window`` W > 0 keeps only the last W of them, p − W + 1..p (transformers' sliding-window mask: key j
-    is seen when p − W < j ≤ p). Returns (M, H, D).
+    is seen when p − W < j ≤ p). ``sinks`` (H), gpt-oss's attention sinks: one more logit per head in each
+    softmax's denominator, with no value (transformers' GptOssAttention, llama.cpp's ggml_soft_max_add_sinks).
+    Returns (M, H, D).
     """
     q, k, v = f64(q), f64(k), f64(v)
     m, h, d = q.shape
@@ -428,7 +471,11 @@ def attention(q, k, v, q_positions, causal: bool = True, window: int = 0, scale:
         if window:
             visible &= keys > queries - window
         scores = np.where(visible[None], scores, -np.inf)
-    return np.einsum("hmt,thd->mhd", softmax(scores, axis=-1), vh)
+    if sinks is None:
+        return np.einsum("hmt,thd->mhd", softmax(scores, axis=-1), vh)
+    sink = np.broadcast_to(f64(sinks)[:, None, None], (h, m, 1))
+    weights = softmax(np.concatenate([scores, sink], axis=-1), axis=-1)[..., :t]
+    return np.einsum("hmt,thd->mhd", weights, vh)
 
 
 
@@ -569,30 +616,37 @@ def moe_route(logits, used: int, gating: str = "softmax", bias=None, norm: bool 
     return ids, weights * scale
 
 
-def moe_experts(xb, ids, weights, gate_up, down, act: str = "silu") -> np.ndarray:
-    """Σ_j weights[r, j] · down_e(act(gate_e·x_r) ⊙ up_e·x_r) over each row's chosen experts e = ids[r, j].
+GLU_ACTIVATIONS = {"silu": swiglu, "gelu_tanh": geglu, "swiglu_oai": swiglu_oai}
+
+
+def moe_experts(xb, ids, weights, gate_up, down, act: str = "silu", gate_up_bias=None,
+                down_bias=None) -> np.ndarray:
+    """Σ_j weights[r, j] · (down_e(act(gate_e·x_r, up_e·x_r)) + bd_e) over each row's chosen experts e = ids[r, j].
 
     ``gate_up[e]`` is expert e's (2·I, K) matrix, gate rows then up rows; ``down[e]`` its (hidden, I); host
-    matrices in any form ``linear`` reads. Rows are gathered per expert, so each expert is dequantized once.
+    matrices in any form ``linear`` reads. ``act``: SiLU(g)·u, GELU(g)·u or gpt-oss's clamped ``swiglu_oai``;
+    ``gate_up_bias`` (E, 2·I) and ``down_bias`` (E, hidden): gpt-oss's per-expert biases (None: none). Rows are
+    gathered per expert, so each expert is dequantized once.
     """
     xb = f64(xb)
     out = np.zeros((xb.shape[0], down[0].shape[0]))
-    gate = gelu_tanh if act == "gelu_tanh" else silu
+    glu = GLU_ACTIVATIONS[act]
     for e in np.unique(ids):
         rows, slots = np.nonzero(ids == e)
-        h = linear(xb[rows], gate_up[e])
+        h = linear(xb[rows], gate_up[e], None if gate_up_bias is None else gate_up_bias[e])
         inter = h.shape[1] // 2
-        y = linear(gate(h[:, :inter]) * h[:, inter:], down[e])
+        y = linear(glu(h[:, :inter], h[:, inter:]), down[e], None if down_bias is None else down_bias[e])
         np.add.at(out, rows, f64(weights)[rows, slots][:, None] * y)
     return out
 
 
-def moe_experts_down(h, ids, weights, down) -> np.ndarray:
-    """Σ_j weights[r, j] · down_e(h[r, j]) over each row's chosen experts: the down half of ``moe_experts`` from the
-    experts' act(gate)·up rows h (M, used, I)."""
+def moe_experts_down(h, ids, weights, down, down_bias=None) -> np.ndarray:
+    """Σ_j weights[r, j] · (down_e(h[r, j]) + bd_e) over each row's chosen experts: the down half of ``moe_experts``
+    from the experts' act(gate, up) rows h (M, used, I)."""
     h = f64(h)
     out = np.zeros((h.shape[0], down[0].shape[0]))
     for r in range(h.shape[0]):
         for j, e in enumerate(ids[r]):
-            out[r] += f64(weights)[r, j] * linear(h[r, j:j + 1], down[e])[0]
+            out[r] += f64(weights)[r, j] * linear(h[r, j:j + 1], down[e], None if down_bias is None else
+                                                  down_bias[e])[0]
     return out

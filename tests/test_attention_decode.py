@@ -28,7 +28,8 @@ def _check_case(case, shape, params):
 # q/k norm build, a window that starts inside the first partition of each PART (its early positions weigh 0),
 # a scale, and 129 positions: one past a partition of 128 (a combine of 2) and of 32 (5), one of 256. And on
 # the int8 cache's first shape (its own build: the quantizing append, the dequantizing loads).
-FULL_SWEEP = (SPEC.test_shapes[4], Q8_TEST_SHAPES[0])
+# And on gpt-oss's layer with attention sinks, a window and a combine of several partitions.
+FULL_SWEEP = (SPEC.test_shapes[4], Q8_TEST_SHAPES[0], next(s for s in SPEC.test_shapes if s.get("sinks")))
 
 
 @pytest.mark.parametrize("shape", SPEC.test_shapes, ids=SPEC.describe)

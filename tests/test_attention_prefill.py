@@ -21,7 +21,8 @@ from perfx.tuning.spec import relative_error
 # head_dim 256 every pair of values (DSPLIT and BK against its registers and local memory, HALF with each),
 # so what a shape adds (its head_dim, GQA, q/k norm, window, soft-cap, partial rotary or NoPE) meets every
 # kind of variant; on the int8 cache's shapes too (every set on its first: tests/test_kv_q8.py).
-FULL_SWEEP = (0,)
+# ... and gpt-oss's sliding layer with attention sinks
+FULL_SWEEP = (0, next(i for i, s in enumerate(SPEC.test_shapes) if s.get("sinks")))
 
 
 def check(case, params):

@@ -17,6 +17,7 @@ from helpers.family_models import FAMILIES as TINY_FAMILIES, MODEL_TYPE
 from helpers.moe_models import MOE_MODEL_TYPES
 from helpers.gemma3n_models import TINY as GEMMA3N_TINY
 from helpers.gemma4_models import TINY as GEMMA4_TINY
+from helpers.gptoss_models import TINY as GPTOSS_TINY
 from helpers.tiny_models import SHAPES as TINY_SHAPES
 from perfx import families, tokenizer
 from perfx.config import LAYER_KINDS, SUPPORTED_ARCHITECTURES, SUPPORTED_GGUF_ARCHITECTURES, ModelConfig
@@ -62,7 +63,8 @@ def test_a_family_carries_every_part(name):
     assert set(family.chat.pre_tokenizers) <= set(tokenizer._BPE_PRE_TOKENIZERS)
     # the tests can write a tiny model of it (helpers.family_models, or helpers.tiny_models for Llama and Qwen2)
     tiny_types = ({MODEL_TYPE[f] for f in TINY_FAMILIES} | {s["architecture"] for s in TINY_SHAPES.values()}
-                  | set(MOE_MODEL_TYPES) | {GEMMA4_TINY["model_type"], GEMMA3N_TINY["model_type"]})
+                  | set(MOE_MODEL_TYPES) | {GEMMA4_TINY["model_type"], GEMMA3N_TINY["model_type"],
+                                           GPTOSS_TINY["model_type"]})
     assert tiny_types & set(family.hf_names), f"{name}: no tiny model writer in tests/helpers"
 
 

@@ -120,8 +120,8 @@ def test_llama3_rope_scaling_keeps_high_and_scales_low_frequencies():
     assert scaled[0] == plain[0]                       # short wavelength: kept
     assert scaled[-1] == pytest.approx(plain[-1] / 8)  # long wavelength: divided by factor
     assert np.all(scaled <= plain)
-    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
-        ref.rope_inv_freq(64, 1e4, {"type": "yarn", "factor": 2})
+    with pytest.raises(ValueError, match="rope_scaling type 'dynamic' is not supported"):
+        ref.rope_inv_freq(64, 1e4, {"type": "dynamic", "factor": 2})
 
 
 @pytest.mark.parametrize("h, hkv", [(4, 4), (6, 2), (8, 2)])

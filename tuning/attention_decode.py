@@ -23,7 +23,7 @@ from perfx.tuning.spec import Case, Spec, cached_per_params
 THETA = 10000.0
 LAYERS, LAYER = 2, 1
 EPS = 1e-6
-FEATURE_KEYS = ("qk_norm", "rotary_dims", "scale", "softcap", "window", "v_norm", "q_only")
+FEATURE_KEYS = ("qk_norm", "rotary_dims", "scale", "softcap", "window", "v_norm", "q_only", "sinks")
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Features:
 
     Shape keys (each optional): qk_norm (per-head RMSNorm of q and k before RoPE, random weights),
     rotary_dims (n_rot of the RoPE table; 0: no RoPE, rope=None; absent: head_dim), scale (absent: 1/√D),
-    softcap (absent: 0, off), window (absent: 0, none).
+    softcap (absent: 0, off), window (absent: 0, none), sinks (gpt-oss: a random sink logit per query head).
     """
 
     rope: object               # RopeTable, or None for NoPE
@@ -56,6 +56,10 @@ class Features:
             launch.update(q_norm=device.upload(weights[0]), k_norm=device.upload(weights[1]), eps=EPS)
         if shape.get("v_norm"):
             launch["eps"] = EPS
+        if shape.get("sinks"):
+            # logits about as large as the scores (and some larger), so a sink weighs from little to most
+            sinks = rng.normal(0.5, 1.5, shape["n_heads"]).astype(np.float32)
+            attend["sinks"], launch["sinks"] = sinks, device.upload(sinks)
         return cls(rope, n_rot, weights, launch, attend)
 
     def apply(self, x, positions, which: int) -> np.ndarray:
@@ -266,6 +270,8 @@ def layer_features(st, head_dim: int):
         gemma4 = draw(st.sampled_from(["none", "v_norm", "q_only"]))   # Gemma 4's v norm, or a sharing layer
         if gemma4 != "none":
             out[gemma4] = True
+        if draw(st.booleans()):
+            out["sinks"] = True
         if head_dim % 32 == 0 and draw(st.booleans()):
             out["kv"] = "q8"
         if head_dim % 32 == 0 and draw(st.booleans()):
@@ -350,6 +356,13 @@ SPEC = Spec(
          "kv": "q8", "scale": 0.0625},
         {"n_heads": 8, "n_kv_heads": 1, "head_dim": 256, "positions": 300, "q_only": True, "kv": "q8",
          "window": 100, "scale": 0.0625},
+        # gpt-oss (64 heads of 64 over 8 kv heads: GQA 8): attention sinks on a sliding layer of 128 past several
+        # partitions of each PART (the combine starts from the sink), on a full layer within one partition of
+        # every PART (the one-partition output divides by the sink too), and with the int8 cache and Q8_1 out
+        {"n_heads": 16, "n_kv_heads": 2, "head_dim": 64, "positions": 300, "window": 128, "sinks": True,
+         "qkv_offset": 3},
+        {"n_heads": 8, "n_kv_heads": 1, "head_dim": 64, "positions": 21, "sinks": True},
+        {"n_heads": 8, "n_kv_heads": 1, "head_dim": 64, "positions": 130, "sinks": True, "kv": "q8", "q8_out": True},
     ),
     bytes_moved=bytes_moved,
     reference=reference.attention,

@@ -168,6 +168,10 @@ SPEC = Spec(
          "scale": 0.0625},
         {"n_heads": 4, "n_kv_heads": 2, "head_dim": 256, "m": 17, "p0": 0, "q_only": True, "kv": "q8",
          "window": 6, "scale": 0.0625},
+        # gpt-oss (heads of 64, GQA 8): attention sinks on a sliding layer (a window shorter than the prompt, a
+        # chat continued) and on a full one with the int8 cache
+        {"n_heads": 16, "n_kv_heads": 2, "head_dim": 64, "m": 45, "p0": 7, "window": 24, "sinks": True},
+        {"n_heads": 8, "n_kv_heads": 1, "head_dim": 64, "m": 19, "p0": 0, "sinks": True, "kv": "q8"},
     ),
     bytes_moved=bytes_moved,
     reference=reference.attention,

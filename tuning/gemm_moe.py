@@ -1,6 +1,7 @@
 """Tuning spec of gemm_moe: a prompt's routed-expert products, its rows grouped by expert on the device.
 
-Shape: as gemv_moe's (``op``, ``n``, ``k``, ``experts``, ``used``, ``bits``, ``group``, ``sym``, ``f32``, ``act``),
+Shape: as gemv_moe's (``op``, ``n``, ``k``, ``experts``, ``used``, ``bits``, ``group``, ``sym``, ``f32``, ``act``,
+``bias``),
 ``m`` the prompt's rows, optionally ``accumulate`` (down adds to y).
 """
 
@@ -12,7 +13,7 @@ from perfx import reference
 from perfx.ops.gemm_moe import PARAMS, GemmMoE, GroupedExperts
 from perfx.ops.gemv_moe import ExpertWeights
 from perfx.tuning.gemv_moe import fuzz_shapes as gemv_fuzz_shapes
-from perfx.tuning.gemv_moe import random_experts
+from perfx.tuning.gemv_moe import gate_up_expected, random_bias, random_experts
 from perfx.tuning.spec import Case, Spec, cached_per_params
 
 
@@ -24,16 +25,15 @@ def make_case(device, shape, rng) -> Case:
     ids = ids.astype(np.int32)
     gate_up = shape["op"] == "gate_up"
     experts = random_experts(shape, rng, 2 * n if gate_up else n)
-    weight = ExpertWeights(device, experts, "gemm_moe case")
+    bias = random_bias(shape, rng, 2 * n if gate_up else n)
+    weight = ExpertWeights(device, experts, "gemm_moe case", bias=bias)
     scratch = GroupedExperts(device, e, m, used, n)
     wrapper = cached_per_params(lambda params: GemmMoE(device, params, shape))
     ids_d = device.upload(ids)
     start = None
     if gate_up:
         x = rng.standard_normal((m, k)).astype(np.float32)
-        act = reference.geglu if shape.get("act") == "gelu_tanh" else reference.swiglu
-        want = np.stack([np.stack([act(*np.split(reference.linear(x[r:r + 1], experts[ids[r, j]])[0], 2))
-                                   for j in range(used)]) for r in range(m)])
+        want = gate_up_expected(x, experts, ids, bias, shape.get("act", "silu"))
         x_d, y = device.upload(x), device.empty((m, used, n), np.float32)
 
         def launch(params):
@@ -42,7 +42,7 @@ def make_case(device, shape, rng) -> Case:
         h = rng.standard_normal((m, used, k)).astype(np.float32)
         w = rng.uniform(0.1, 1.0, (m, used)).astype(np.float32)
         start = rng.standard_normal((m, n)).astype(np.float32) if shape.get("accumulate") else None
-        want = reference.moe_experts_down(h, ids, w, experts) + (0.0 if start is None else start)
+        want = reference.moe_experts_down(h, ids, w, experts, bias) + (0.0 if start is None else start)
         h_d, w_d, y = device.upload(h), device.upload(w), device.empty((m, n), np.float32)
 
         def launch(params):
@@ -113,11 +113,18 @@ SPEC = Spec(
          "f32": False, "m": 2, "accumulate": True},
         {"op": "gate_up", "n": 19, "k": 64, "experts": 12, "used": 1, "bits": 8, "group": 32, "sym": True,
          "f32": False, "act": "silu", "m": 1},
+        # gpt-oss: MXFP4 experts (int8 codes, float32 power-of-two scales alone), row biases, the clamped SwiGLU
+        {"op": "gate_up", "n": 29, "k": 96, "experts": 6, "used": 4, "bits": 8, "group": 32, "sym": True,
+         "f32": True, "act": "swiglu_oai", "bias": True, "m": 13},
+        {"op": "down", "n": 41, "k": 64, "experts": 6, "used": 4, "bits": 8, "group": 32, "sym": True, "f32": True,
+         "bias": True, "m": 13},
     ),
     bytes_moved=_bytes_moved,
     flops=lambda s: 2 * s["m"] * s["used"] * s["k"] * s["n"] * (2 if s["op"] == "gate_up" else 1),
     describe=lambda s: (f"{s['op']} N={s['n']} K={s['k']} {s['used']}/{s['experts']} int{s['bits']} g{s['group']}"
-                        + (" sym" if s.get("sym") else "") + (" f32" if s.get("f32") else "") + f" m={s['m']}"
+                        + (" sym" if s.get("sym") else "") + (" f32" if s.get("f32") else "")
+                        + (f" {s['act']}" if s.get("act", "silu") != "silu" else "") + (" bias" if s.get("bias") else "")
+                        + f" m={s['m']}"
                         + (" +=" if s.get("accumulate") else "")),
     programs=programs,
 )

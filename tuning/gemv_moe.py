@@ -3,8 +3,8 @@
 Shape: ``op`` ("gate_up": h = act(gate)·up of each chosen expert; "down": y = the weighted sum of the chosen
 experts' down products), ``n`` the output width (the experts' I for gate_up, the hidden size for down), ``k``,
 ``experts`` E, ``used`` chosen a row, the weights' form (``bits`` 4 or 8, ``group``, ``sym``, ``f32``: float32
-scales), ``act`` (gate_up's
-"silu" or "gelu_tanh"), ``m`` rows, optionally ``accumulate`` (down adds to y).
+scales), ``act`` (gate_up's "silu", "gelu_tanh" or "swiglu_oai", gpt-oss's clamped SwiGLU), ``m`` rows, optionally
+``bias`` (each expert's rows have a bias: gpt-oss) and ``accumulate`` (down adds to y).
 """
 
 from __future__ import annotations
@@ -27,19 +27,37 @@ def random_experts(shape, rng, rows: int) -> list:
     return [Q8Matrix.random(rows, k, group, rng, f32=f32, symmetric=sym) for _ in range(shape["experts"])]
 
 
+def random_bias(shape, rng, rows: int) -> np.ndarray | None:
+    """Each expert's row biases (E, rows) where the shape has them, else None: about the size of the products, so a
+    bias added twice, to the wrong row or not at all shows."""
+    return rng.standard_normal((shape["experts"], rows)).astype(np.float32) if shape.get("bias") else None
+
+
+def gate_up_expected(x, experts, ids, bias, act: str) -> np.ndarray:
+    """h (m, used, I): glu(gate + bg, up + bu) of each row's chosen experts (``reference.GLU_ACTIVATIONS``)."""
+    glu = reference.GLU_ACTIVATIONS[act]
+    out = []
+    for r in range(len(ids)):
+        rows = []
+        for e in ids[r]:
+            gu = reference.linear(x[r:r + 1], experts[e], None if bias is None else bias[e])[0]
+            rows.append(glu(*np.split(gu, 2)))
+        out.append(np.stack(rows))
+    return np.stack(out)
+
+
 def make_case(device, shape, rng) -> Case:
     n, k, e, used, m = shape["n"], shape["k"], shape["experts"], shape["used"], shape["m"]
     ids = np.stack([rng.choice(e, used, replace=False) for _ in range(m)]).astype(np.int32)
     gate_up = shape["op"] == "gate_up"
     experts = random_experts(shape, rng, 2 * n if gate_up else n)
-    weight = ExpertWeights(device, experts, "gemv_moe case")
+    bias = random_bias(shape, rng, 2 * n if gate_up else n)
+    weight = ExpertWeights(device, experts, "gemv_moe case", bias=bias)
     wrapper = cached_per_params(lambda params: GemvMoE(device, params, shape))
     ids_d = device.upload(ids)
     if gate_up:
         x = rng.standard_normal((m, k)).astype(np.float32)
-        act = reference.geglu if shape.get("act") == "gelu_tanh" else reference.swiglu
-        want = np.stack([np.stack([act(*np.split(reference.linear(x[r:r + 1], experts[ids[r, j]])[0], 2))
-                                   for j in range(used)]) for r in range(m)])
+        want = gate_up_expected(x, experts, ids, bias, shape.get("act", "silu"))
         x_d, y = device.upload(x), device.empty((m, used, n), np.float32)
 
         def launch(params):
@@ -50,9 +68,7 @@ def make_case(device, shape, rng) -> Case:
         w = rng.uniform(0.1, 1.0, (m, used)).astype(np.float32)
         start = rng.standard_normal((m, n)).astype(np.float32) if shape.get("accumulate") else None
         want = np.zeros((m, n)) if start is None else start.astype(np.float64)
-        for r in range(m):
-            for j in range(used):
-                want[r] += w[r, j] * reference.linear(h[r, j:j + 1], experts[ids[r, j]])[0]
+        want += reference.moe_experts_down(h, ids, w, experts, bias)
         h_d, w_d, y = device.upload(h), device.upload(w), device.empty((m, n), np.float32)
 
         def launch(params):
@@ -90,8 +106,8 @@ def fuzz_shapes(st):
                 "used": draw(st.integers(1, e)), "bits": bits, "group": group, "sym": sym,
                 # an int4 form with float32 values is the zero points' (offsets −s·z), never a symmetric one
                 "f32": draw(st.booleans()) and not (bits == 4 and sym),
-                "act": draw(st.sampled_from(["silu", "gelu_tanh"])), "m": draw(st.integers(1, 4)),
-                "accumulate": op == "down" and draw(st.booleans())}
+                "act": draw(st.sampled_from(["silu", "gelu_tanh", "swiglu_oai"])), "m": draw(st.integers(1, 4)),
+                "bias": draw(st.booleans()), "accumulate": op == "down" and draw(st.booleans())}
     return shape()
 
 
@@ -131,11 +147,18 @@ SPEC = Spec(
          "f32": False, "act": "silu", "m": 2},
         {"op": "down", "n": 33, "k": 256, "experts": 5, "used": 2, "bits": 4, "group": 128, "sym": False,
          "f32": True, "m": 2, "accumulate": True},
+        # gpt-oss: MXFP4 experts (int8 codes, float32 power-of-two scales alone), row biases, the clamped SwiGLU
+        {"op": "gate_up", "n": 29, "k": 96, "experts": 6, "used": 4, "bits": 8, "group": 32, "sym": True,
+         "f32": True, "act": "swiglu_oai", "bias": True, "m": 2},
+        {"op": "down", "n": 41, "k": 64, "experts": 6, "used": 4, "bits": 8, "group": 32, "sym": True, "f32": True,
+         "bias": True, "m": 1},
     ),
     bytes_moved=_bytes_moved,
     flops=lambda s: 2 * s["m"] * s["used"] * s["k"] * s["n"] * (2 if s["op"] == "gate_up" else 1),
     describe=lambda s: (f"{s['op']} N={s['n']} K={s['k']} {s['used']}/{s['experts']} int{s['bits']} g{s['group']}"
-                        + (" sym" if s.get("sym") else "") + (" f32" if s.get("f32") else "") + f" m={s['m']}"
+                        + (" sym" if s.get("sym") else "") + (" f32" if s.get("f32") else "")
+                        + (f" {s['act']}" if s.get("act", "silu") != "silu" else "") + (" bias" if s.get("bias") else "")
+                        + f" m={s['m']}"
                         + (" +=" if s.get("accumulate") else "")),
     programs=programs,
 )

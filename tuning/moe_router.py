@@ -2,7 +2,7 @@
 
 Shape: ``e`` experts, ``k`` the hidden size, ``used`` experts chosen a row, ``gating`` ("softmax", "sigmoid",
 "softmax_weight"), ``bias`` (a selection bias), ``norm`` (renormalised weights), ``m`` rows, optionally ``scale``
-(the weights' scale, 1 by default).
+(the weights' scale, 1 by default) and ``logit_bias`` (a bias on the logits: gpt-oss's router).
 """
 
 from __future__ import annotations
@@ -24,29 +24,31 @@ def _inputs(shape, rng):
         x = rng.standard_normal((m, k)).astype(np.float32)
         router = (rng.standard_normal((e, k)) / np.sqrt(k)).astype(np.float32)
         bias = (rng.standard_normal(e) * 0.5).astype(np.float32) if shape.get("bias") else None
-        logits = reference.linear(x, router)
+        logit_bias = rng.standard_normal(e).astype(np.float32) if shape.get("logit_bias") else None
+        logits = reference.linear(x, router, logit_bias)
         gating = shape["gating"]
         probs = (reference.softmax(logits) if gating == "softmax" else reference.sigmoid(logits)
                  if gating == "sigmoid" else logits)
         select = np.sort(probs + (0.0 if bias is None else bias), axis=-1)[:, ::-1][:, :shape["used"] + 1]
         gaps = np.abs(np.diff(select, axis=-1)) if select.shape[1] > 1 else np.ones((m, 1))
         if gaps.min() > SEPARATION * np.abs(select).max():
-            return x, router, bias, logits
+            return x, router, bias, logit_bias, logits
 
 
 def make_case(device, shape, rng) -> Case:
     e, k, m, used = shape["e"], shape["k"], shape["m"], shape["used"]
     scale = float(shape.get("scale", 1.0))
-    x, router, bias, logits = _inputs(shape, rng)
+    x, router, bias, logit_bias, logits = _inputs(shape, rng)
     ids, weights = reference.moe_route(logits, used, shape["gating"], bias, bool(shape.get("norm")), scale)
     x_d, w_d = device.upload(x), device.upload(router)
     b_d = device.upload(bias) if bias is not None else None
+    l_d = device.upload(logit_bias) if logit_bias is not None else None
     z_d, i_d, o_d = device.empty((m, e), np.float32), device.empty((m, used), np.int32), device.empty((m, used),
                                                                                                        np.float32)
     wrapper = cached_per_params(lambda params: MoeRouter(device, params, shape))
 
     def launch(params):
-        return list(wrapper(params)(x_d, w_d, b_d, z_d, i_d, o_d, m, k, scale))
+        return list(wrapper(params)(x_d, w_d, b_d, z_d, i_d, o_d, m, k, scale, logit_bias=l_d))
 
     def run(params):
         z_d.fill(np.float32(np.nan))
@@ -66,7 +68,7 @@ def fuzz_shapes(st):
         e = draw(st.integers(1, 300))
         return {"e": e, "k": draw(st.integers(1, 300)), "used": draw(st.integers(1, min(e, 32))),
                 "gating": draw(st.sampled_from(["softmax", "sigmoid", "softmax_weight"])), "bias": draw(st.booleans()),
-                "norm": draw(st.booleans()), "m": draw(st.integers(1, 6))}
+                "norm": draw(st.booleans()), "logit_bias": draw(st.booleans()), "m": draw(st.integers(1, 6))}
     return shape()
 
 
@@ -93,10 +95,13 @@ SPEC = Spec(
         {"e": 130, "k": 45, "used": 8, "gating": "softmax", "bias": False, "norm": False, "m": 3, "scale": 2.5},
         {"e": 7, "k": 33, "used": 7, "gating": "softmax_weight", "bias": False, "norm": False, "m": 2},  # all chosen
         {"e": 300, "k": 20, "used": 2, "gating": "sigmoid", "bias": False, "norm": False, "m": 1},
+        {"e": 32, "k": 90, "used": 4, "gating": "softmax_weight", "bias": False, "norm": False, "logit_bias": True,
+         "m": 3},   # gpt-oss-20b's
     ),
     bytes_moved=lambda s: 4 * (s["e"] * s["k"] + s["m"] * (s["k"] + 2 * s["e"] + 2 * s["used"])),
     flops=lambda s: 2 * s["m"] * s["e"] * s["k"],
     describe=lambda s: (f"E={s['e']} K={s['k']} top-{s['used']} {s['gating']}" + (" bias" if s.get("bias") else "")
-                        + (" norm" if s.get("norm") else "") + f" m={s['m']}"),
+                        + (" norm" if s.get("norm") else "") + (" logit-bias" if s.get("logit_bias") else "")
+                        + f" m={s['m']}"),
     programs=programs,
 )

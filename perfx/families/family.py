@@ -36,6 +36,10 @@ class TensorNames:
     hf_final_norm: str = "norm.weight"
     hf_norm_offset: float = 0.0         # 1.0: the checkpoint stores w of an RMSNorm that multiplies by 1 + w
                                         # (GGUF converters store 1 + w)
+    hf_router: str = "gate"             # a MoE block's router module (gpt-oss: "router", with a bias)
+    hf_experts: str = "rows"            # how a checkpoint holds the experts: "rows", one module each or stacked
+                                        # (E, rows, K); "gpt_oss", stacked (E, K, 2·I) with gate and up interleaved
+                                        # (or MXFP4 _blocks and _scales of (E, rows, K))
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,8 @@ class Preset:
     config: Mapping
     group: int = 32
     zero_points: bool = False           # int4 with zero points (AWQ's form) rather than (scale, offset) pairs
+    experts: str = "q4"                 # the experts' form: int4 as the rest, or "mxfp4" as gpt-oss's files hold them
+                                        # (the int8 form of MXFP4: e2m1 codes doubled, power-of-two scales)
 
 
 @dataclass(frozen=True)

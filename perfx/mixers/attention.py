@@ -36,6 +36,8 @@ class AttentionWeights:
     q_norm: object = None      # float32 (D): per-head q norm (Qwen3, Gemma 3)
     k_norm: object = None      # float32 (D)
     qkv_bias: object = None    # float32 (q_dim + 2·kv_dim), host side (Qwen2); on the device it is inside qkv
+    o_bias: object = None      # float32 (hidden), host side (gpt-oss); on the device it is inside o
+    sinks: object = None       # float32 (H): each query head's sink logit (gpt-oss)
 
 
 def split_gated_q(w, n_heads: int, head_dim: int) -> tuple:
@@ -82,13 +84,15 @@ class AttentionMixer(Mixer):
     @staticmethod
     def host_vectors(c) -> dict[str, int]:
         return {**({"q_bias": c.q_dim, "k_bias": c.kv_dim, "v_bias": c.kv_dim} if c.qkv_bias else {}),
+                **({"o_bias": c.hidden_size} if c.o_bias else {}),
+                **({"sinks": c.n_heads} if c.attention_sinks else {}),
                 **({"q_norm": c.head_dim} if c.qk_norm else {}),
                 **({"k_norm": c.head_dim} if c.qk_norm and not c.kv_shared else {})}
 
     @classmethod
     def read(cls, source, layer: int) -> AttentionWeights:
         """QKV fused (the file's own where it holds one), Qwen3.5's q split into q and the gate first; the q, k, v
-        biases as one; the q/k norms."""
+        biases as one; the q/k norms; o's bias and the sinks (gpt-oss)."""
         c = source.config.at(layer)
         qkv, gate = source.whole("qkv", layer), None
         if qkv is None and c.attention_gate:
@@ -104,8 +108,10 @@ class AttentionMixer(Mixer):
         if c.qk_norm:
             norms.update({name: source.read_vector(name, layer) for name in ("q_norm", "k_norm")
                           if name in cls.host_vectors(c)})
+        extra = {name: source.read_vector(name, layer) for name in ("o_bias", "sinks")
+                 if name in cls.host_vectors(c)}
         return AttentionWeights(qkv=source.quantized(qkv), qkv_bias=bias,
-                                o=source.quantized(source.read_part("o", layer)), attn_gate=gate, **norms)
+                                o=source.quantized(source.read_part("o", layer)), attn_gate=gate, **norms, **extra)
 
     @classmethod
     def synthetic(cls, c, random_matrix, rng) -> AttentionWeights:
@@ -114,13 +120,19 @@ class AttentionMixer(Mixer):
         if c.qk_norm:
             norms.update(q_norm=np.ones(c.head_dim, np.float32), k_norm=np.ones(c.head_dim, np.float32))
         gate = {"attn_gate": random_matrix(rng, c.q_dim, h)} if c.attention_gate else {}
+        if c.qkv_bias:
+            norms["qkv_bias"] = (0.1 * rng.standard_normal(c.qkv_dim)).astype(np.float32)
+        if c.o_bias:
+            norms["o_bias"] = (0.1 * rng.standard_normal(h)).astype(np.float32)
+        if c.attention_sinks:
+            norms["sinks"] = rng.standard_normal(c.n_heads).astype(np.float32)
         return AttentionWeights(qkv=random_matrix(rng, c.qkv_dim, h), o=random_matrix(rng, h, c.q_dim), **norms,
                                 **gate)
 
     @staticmethod
     def linears(c) -> list[tuple[str, int, int, bool]]:
         rows = [("qkv", c.q_dim + (0 if c.kv_shared else 2 * c.kv_dim), c.hidden_size, bool(c.qkv_bias)),
-                ("o", c.hidden_size, c.q_dim, False)]
+                ("o", c.hidden_size, c.q_dim, bool(c.o_bias))]
         if c.attention_gate:
             rows.insert(1, ("attn_gate", c.q_dim, c.hidden_size, False))
         return rows
@@ -168,15 +180,17 @@ class AttentionMixer(Mixer):
         out = []
         for layers, v in cls.shape_groups(c):
             # Gemma 4: v normed where the layer appends, q alone where it reads another layer's cache
-            gemma4 = {"q_only": True} if v.kv_shared else ({"v_norm": True} if v.value_norm else {})
+            features = {"q_only": True} if v.kv_shared else ({"v_norm": True} if v.value_norm else {})
+            if v.attention_sinks:   # gpt-oss
+                features["sinks"] = True
             heads = {"n_heads": v.n_heads, "n_kv_heads": v.n_kv_heads, "head_dim": v.head_dim}
             if m > 1:
-                shape = {**heads, "m": m, "p0": 0, **qk_norm(v), **gemma4, **kv_shape(options.kv)}
+                shape = {**heads, "m": m, "p0": 0, **qk_norm(v), **features, **kv_shape(options.kv)}
                 out.append(Op("attention_prefill", shape, "attention", layers, reads=("qkv", "cache"),
                               writes=("att", "cache"), m=m))
                 continue
             positions = min(options.positions, c.max_positions) if c.max_positions else options.positions
-            shape = {**heads, "positions": positions, **qk_norm(v), **gemma4, **kv_shape(options.kv)}
+            shape = {**heads, "positions": positions, **qk_norm(v), **features, **kv_shape(options.kv)}
             out.append(Op("attention_decode", shape, "attention", layers, reads=("qkv", "cache"),
                           writes=("att", "cache")))
         return out
@@ -241,8 +255,11 @@ class AttentionMixer(Mixer):
     def upload(self, w, layer: int) -> int:
         m, h = self.model, w.mixing
         weights = AttentionWeights(qkv=m.upload(h.qkv, f"layer {layer} qkv", "qkv", bias=h.qkv_bias),
-                                   o=m.upload(h.o, f"layer {layer} o", "o"))
+                                   o=m.upload(h.o, f"layer {layer} o", "o", bias=h.o_bias))
         nbytes = h.qkv.nbytes + h.o.nbytes
+        if h.sinks is not None:
+            weights.sinks = m.vector(h.sinks)
+            nbytes += h.sinks.nbytes
         if h.attn_gate is not None:
             weights.attn_gate = m.upload(h.attn_gate, f"layer {layer} attn_gate", "attn_gate")
             nbytes += h.attn_gate.nbytes
@@ -286,6 +303,8 @@ class AttentionMixer(Mixer):
             features["softcap"] = c.attn_softcap
         if c.qk_norm:
             features.update(q_norm=w.q_norm, k_norm=w.k_norm, eps=c.rms_eps)
+        if w.sinks is not None:
+            features["sinks"] = w.sinks
         return features
 
     def _attend_decode(self, layer: int, pos: int, position=None) -> None:
@@ -375,10 +394,10 @@ class AttentionMixer(Mixer):
             keys, values = cache.append(layer, k, v)
         # causal GQA attention over everything cached
         att = attention(q, keys, values, positions, window=recipe.window, scale=c.scale,
-                        softcap=c.attn_softcap).reshape(m, q_dim)
+                        softcap=c.attn_softcap, sinks=w.sinks).reshape(m, q_dim)
         if c.attention_gate:   # Qwen3.5: the output times σ(gate), the gate projected from the same input
             att = sigmoid_mul(linear64(xb, w.attn_gate), att)
-        return linear64(att, w.o)
+        return linear64(att, w.o, w.o_bias)
 
     # -- state rules: a KV cache keeps every position ---------------------------------------------------
 

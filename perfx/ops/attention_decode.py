@@ -18,7 +18,7 @@ import numpy as np
 
 from perfx.errors import PerfxError
 from perfx.ops import DevicePosition, buffer_bytes, device_buffer
-from perfx.ops.kv_cache import KVCache, RopeTable, attention_features, check_kv_form, kv_shape
+from perfx.ops.kv_cache import KVCache, RopeTable, attention_features, check_kv_form, kv_shape, sink_buffer
 from perfx.ops.params import FP16_NEED, ParamSpace, Rule
 from perfx.runtime import Device
 
@@ -100,6 +100,7 @@ class AttentionDecode:
                              "positions; optionally window, qk_norm, kv)") from None
         window, qk_norm = int(shape.get("window", 0)), bool(shape.get("qk_norm", False))
         v_norm, q_only = bool(shape.get("v_norm", False)), bool(shape.get("q_only", False))
+        self.sinks = bool(shape.get("sinks", False))   # gpt-oss: a sink logit per head (every launch passes them)
         if n_heads <= 0 or n_kv_heads <= 0 or n_heads % n_kv_heads:
             raise PerfxError(f"attention_decode: {n_heads} query heads cannot share {n_kv_heads} kv heads "
                              "(the query heads must be a positive multiple of the kv heads)")
@@ -118,12 +119,13 @@ class AttentionDecode:
         self.v_norm, self.q_only = v_norm, q_only   # Gemma 4: v normed; q alone, reading another layer's cache
         spec_shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "positions": max_positions,
                       **({"qk_norm": True} if self.qk_norm else {}), **({"v_norm": True} if v_norm else {}),
-                      **({"q_only": True} if q_only else {}), **kv_shape(self.kv)}
+                      **({"q_only": True} if q_only else {}), **({"sinks": True} if self.sinks else {}),
+                      **kv_shape(self.kv)}
         self.params = params = PARAMS.resolve(params, spec_shape, device.caps)
         self.heads = heads_per_group(params, spec_shape)
         self.defines = {"HEAD_DIM": head_dim, "GQA": n_heads // n_kv_heads, "QK_NORM": int(self.qk_norm),
                         "KV_Q8": int(self.kv == "q8"), "HEADS": self.heads, "V_NORM": int(v_norm),
-                        "Q_ONLY": int(q_only), **params}
+                        "Q_ONLY": int(q_only), "SINKS": int(self.sinks), **params}
         self._kernels: dict[bool, object] = {}
         self.kernels(False)   # built now: a refusal shows at load
         self.part = int(params["PART"])
@@ -196,7 +198,8 @@ class AttentionDecode:
 
     def enqueue(self, qkv, out, cache: KVCache, rope: RopeTable | None, layer: int, pos: int,
                 qkv_offset: int = 0, *, position=None, window: int | None = None, scale: float | None = None,
-                softcap: float = 0.0, q_norm=None, k_norm=None, eps: float = 1e-6, quantized=None) -> list:
+                softcap: float = 0.0, q_norm=None, k_norm=None, eps: float = 1e-6, quantized=None,
+                sinks=None) -> list:
         """Enqueue the launch; returns its events ([the launch]), for timing.
 
         ``position``: (int32 buffer, index) that holds ``pos`` when the launches run (the decode plan's step
@@ -204,8 +207,10 @@ class AttentionDecode:
         wrapper writes ``pos`` into its own buffer, in queue order. ``quantized``: (codes, steps and sums)
         buffers where out is also written as Q8_1 blocks of 32 (H·D int8, H·D/32 float pairs), the o
         projection's int8 activations (``GemvQ4.events``' ``quantized``); head_dim must be a multiple of 32.
+        ``sinks``: H float32, each query head's sink logit, where built with them (shape ``sinks``).
         """
         qkv_b, out_b = self._check(qkv, out, cache, rope, layer, pos, qkv_offset)
+        sinks_b = sink_buffer("attention_decode", self.sinks, sinks, self.n_heads, self.placeholder)
         extra = ()
         if quantized is not None:
             if self.head_dim % 32:
@@ -229,7 +234,7 @@ class AttentionDecode:
             *norms, np.float32(eps), keys, values, *scales,
             np.int32(offset), np.int32(cache.max_positions), positions,
             np.int32(pos_index), np.int32(self.max_parts), self.part_max, self.part_sum, self.part_out, out_b, np.int32(window),
-            np.float32(scale), np.float32(softcap), self.counters, *extra)
+            np.float32(scale), np.float32(softcap), sinks_b, self.counters, *extra)
         self.last_events = [launch]
         return self.last_events
 

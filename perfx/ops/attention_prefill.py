@@ -14,7 +14,7 @@ import numpy as np
 
 from perfx.errors import PerfxError
 from perfx.ops import device_buffer
-from perfx.ops.kv_cache import KVCache, RopeTable, attention_features, check_kv_form, kv_shape
+from perfx.ops.kv_cache import KVCache, RopeTable, attention_features, check_kv_form, kv_shape, sink_buffer
 from perfx.ops.params import FP16_NEED, ParamSpace, Rule
 from perfx.runtime import Device
 
@@ -90,6 +90,7 @@ class AttentionPrefill:
                              "head_dim; optionally window, qk_norm, kv)") from None
         window, qk_norm = int(shape.get("window", 0)), bool(shape.get("qk_norm", False))
         self.v_norm, self.q_only = bool(shape.get("v_norm", False)), bool(shape.get("q_only", False))
+        self.sinks = bool(shape.get("sinks", False))   # gpt-oss: a sink logit per head (every launch passes them)
         if n_heads <= 0 or n_kv_heads <= 0 or n_heads % n_kv_heads:
             raise PerfxError(f"attention_prefill: {n_heads} query heads cannot share {n_kv_heads} kv heads "
                              "(the query heads must be a positive multiple of the kv heads)")
@@ -106,10 +107,11 @@ class AttentionPrefill:
         # checked for this layer's shape is then taken as it is.
         spec_shape = {"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim,
                       **({"qk_norm": True} if self.qk_norm else {}), **({"v_norm": True} if self.v_norm else {}),
-                      **({"q_only": True} if self.q_only else {}), **kv_shape(self.kv)}
+                      **({"q_only": True} if self.q_only else {}), **({"sinks": True} if self.sinks else {}),
+                      **kv_shape(self.kv)}
         self.params = params = PARAMS.resolve(params, spec_shape, device.caps)
         defines = {"HEAD_DIM": head_dim, "QK_NORM": int(self.qk_norm), "KV_Q8": int(self.kv == "q8"),
-                   "V_NORM": int(self.v_norm), "Q_ONLY": int(self.q_only), **params}
+                   "V_NORM": int(self.v_norm), "Q_ONLY": int(self.q_only), "SINKS": int(self.sinks), **params}
         self.append_kernel = device.kernel(PARAMS.source, "kv_append", defines)
         self.attention_kernel = device.kernel(PARAMS.source, "attention_prefill", defines)
         self.wgs = int(params["WGS"])
@@ -150,9 +152,11 @@ class AttentionPrefill:
 
     def enqueue(self, qkv, out, cache: KVCache, rope: RopeTable | None, layer: int, p0: int, m: int, *,
                 window: int | None = None, scale: float | None = None, softcap: float = 0.0, q_norm=None,
-                k_norm=None, eps: float = 1e-6) -> list:
-        """Enqueue both launches; returns [append event, attention event] (for timing)."""
+                k_norm=None, eps: float = 1e-6, sinks=None) -> list:
+        """Enqueue both launches; returns [append event, attention event] (for timing). ``sinks``: H float32, each
+        query head's sink logit, where built with them (shape ``sinks``)."""
         qkv_b, out_b = self._check(qkv, out, cache, rope, layer, p0, m)
+        sinks_b = sink_buffer("attention_prefill", self.sinks, sinks, self.n_heads, self.placeholder)
         window, scale, (q_w, k_w) = attention_features(
             "attention_prefill", self.head_dim, self.qk_norm, self.window if window is None else window,
             scale, softcap, q_norm, k_norm, eps, self.placeholder)
@@ -174,7 +178,7 @@ class AttentionPrefill:
             np.int32(m), np.int32(p0), np.int32(self.group), np.int32(h), np.int32(hkv),
             np.int32(cache.max_positions), offset, np.float32(scale),
             qkv_b, cos, sin, n_rot, q_w, np.float32(eps), keys, values, *scales, out_b, np.int32(window),
-            np.float32(softcap))
+            np.float32(softcap), sinks_b)
         return [attention] if append is None else [append, attention]
 
     def __call__(self, qkv, out, cache: KVCache, rope: RopeTable | None, layer: int, p0: int, m: int,

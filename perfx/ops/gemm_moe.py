@@ -14,7 +14,7 @@ import numpy as np
 from perfx.errors import PerfxError
 from perfx.formats import Form
 from perfx.ops import device_buffer
-from perfx.ops.gemv_moe import ACTS, OPS
+from perfx.ops.gemv_moe import ACTS, OPS, check_weight
 from perfx.ops.params import ParamSpace, Rule
 from perfx.runtime import Device
 
@@ -54,24 +54,26 @@ class GemmMoE:
         if self.op not in OPS or act not in ACTS:
             raise PerfxError(f"gemm_moe: op {self.op!r} ({OPS}) or activation {act!r} ({tuple(ACTS)}) unknown")
         self.bits, self.group_size = int(shape.get("bits", 4)), int(shape.get("group", 32))
-        self.sym, self.f32 = bool(shape.get("sym")), bool(shape.get("f32"))
+        self.sym, self.f32, self.bias = bool(shape.get("sym")), bool(shape.get("f32")), bool(shape.get("bias"))
         self.device = device
         self.params = PARAMS.resolve(params, shape, device.caps)
         self.tn, self.tm = self.params["TN"], self.params["TM"]
         defines = {**self.params, "BITS": self.bits, "GROUP": self.group_size, "SYM": int(self.sym),
-                   "HALF": int(not self.f32), "ACT": ACTS[act]}
+                   "HALF": int(not self.f32), "ACT": ACTS[act], "BIAS": int(self.bias)}
+        self.no_bias = device.alloc(4, what="gemm_moe no bias") if not self.bias else None
         self.group_kernel = device.kernel(PARAMS.source, "moe_group", defines)
         self.kernel = device.kernel(PARAMS.source, f"moe_{self.op}_grouped", defines)
         self.combine_kernel = device.kernel(PARAMS.source, "moe_combine", defines) if self.op == "down" else None
 
     def _check(self, weight, rows: int, scratch: GroupedExperts, m: int, used: int):
-        want = Form("q4" if self.bits == 4 else "q8", self.group_size, self.f32, self.sym)
-        if weight.form != want or weight.n != rows:
-            raise PerfxError(f"gemm_moe {self.op}: weights in form {weight.form} of {weight.n} rows given to a kernel "
-                             f"built for {want}, {rows} rows")
+        check_weight("gemm_moe", self.op, weight, Form("q4" if self.bits == 4 else "q8", self.group_size, self.f32,
+                                                        self.sym), rows, self.bias)
         if m > scratch.rows or used != scratch.used or weight.experts != scratch.experts:
             raise PerfxError(f"gemm_moe: scratch for {scratch.rows} rows of {scratch.used}/{scratch.experts} experts "
                              f"cannot group {m} rows of {used}/{weight.experts}")
+
+    def _bias(self, weight):
+        return weight.bias if weight.bias is not None else self.no_bias
 
     def group(self, ids, m: int, used: int, scratch: GroupedExperts):
         """Group the m·used (row, expert) pairs of ``ids`` (m, used) by expert into ``scratch``."""
@@ -90,7 +92,7 @@ class GemmMoE:
         return first, self.device.launch(
             self.kernel, grid, (self.tn, 1, 1), np.int32(inter), np.int32(k), np.int32(used), s.counts.base_data,
             s.offsets.base_data, s.order.base_data, device_buffer(x, 4 * m * k, "gemm_moe x"), weight.codes,
-            weight.scales, device_buffer(h, 4 * m * used * inter, "gemm_moe h"))
+            weight.scales, self._bias(weight), device_buffer(h, 4 * m * used * inter, "gemm_moe h"))
 
     def down(self, weight, h, weights, y, m: int, used: int, scratch: GroupedExperts, accumulate: bool = False):
         """y (m, N) (+)= Σ_j weights[r, j]·down_e(h[r, j]), the pairs grouped as the last ``gate_up`` (or ``group``)
@@ -104,7 +106,8 @@ class GemmMoE:
         first = self.device.launch(
             self.kernel, grid, (self.tn, 1, 1), np.int32(n), np.int32(k), s.counts.base_data, s.offsets.base_data,
             s.order.base_data, device_buffer(weights, 4 * m * used, "gemm_moe weights"),
-            device_buffer(h, 4 * m * used * k, "gemm_moe h"), weight.codes, weight.scales, s.out.base_data)
+            device_buffer(h, 4 * m * used * k, "gemm_moe h"), weight.codes, weight.scales, self._bias(weight),
+            s.out.base_data)
         return first, self.device.launch(self.combine_kernel, (-(-n // 64) * 64, m), (64, 1), np.int32(n),
                                          np.int32(used), s.out.base_data, device_buffer(y, 4 * m * n, "gemm_moe y"),
                                          np.int32(int(accumulate)))

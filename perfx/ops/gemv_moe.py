@@ -20,7 +20,7 @@ from perfx.ops import device_buffer
 from perfx.ops.params import ParamSpace, Rule
 from perfx.runtime import Device
 
-ACTS = {"silu": 1, "gelu_tanh": 2}
+ACTS = {"silu": 1, "gelu_tanh": 2, "swiglu_oai": 3}   # kernels/gemv_moe.cl's ACT
 OPS = ("gate_up", "down")
 
 PARAMS = ParamSpace(
@@ -68,9 +68,10 @@ def expert_arrays(w, form: Form) -> tuple[np.ndarray, np.ndarray]:
 
 
 class ExpertWeights:
-    """Every expert's matrix of one role on the device: (E, n, k) codes and their scales, in one form."""
+    """Every expert's matrix of one role on the device: (E, n, k) codes and their scales, in one form, and with
+    ``bias`` (E, n) float32 each expert's bias of each row (gpt-oss)."""
 
-    def __init__(self, device: Device, matrices: list, what: str = "experts"):
+    def __init__(self, device: Device, matrices: list, what: str = "experts", bias=None):
         if not matrices:
             raise PerfxError(f"{what}: no experts")
         forms = {expert_form(w) for w in matrices}
@@ -91,18 +92,38 @@ class ExpertWeights:
                                   what=f"{what} codes")
         self.scales = device.alloc(self.scales_per_expert * self.experts, np.stack([a[1] for a in arrays]),
                                    what=f"{what} scales")
+        self.bias, self.bias_per_expert = None, 0
+        if bias is not None:
+            bias = np.ascontiguousarray(bias, dtype=np.float32)
+            if bias.shape != (self.experts, self.n):
+                raise PerfxError(f"{what}: bias of shape {bias.shape} where the experts need ({self.experts}, {self.n})")
+            self.bias_per_expert = 4 * self.n
+            self.bias = device.alloc(bias.nbytes, bias, what=f"{what} bias")
 
     @property
     def expert_bytes(self) -> int:
         """Bytes a kernel reads of one expert."""
-        return self.codes_per_expert + self.scales_per_expert
+        return self.codes_per_expert + self.scales_per_expert + self.bias_per_expert
+
+
+def check_weight(family: str, op: str, weight: ExpertWeights, form: Form, rows: int, bias: bool) -> None:
+    """Weights a routed kernel built for ``form``, ``rows`` and (with ``bias``) row biases can read."""
+    if weight.form != form:
+        raise PerfxError(f"{family}: weights in form {weight.form} given to a kernel built for {form}")
+    if weight.n != rows:
+        raise PerfxError(f"{family} {op}: experts of {weight.n} rows where {rows} are needed")
+    if (weight.bias is not None) != bias:
+        raise PerfxError(f"{family} {op}: experts " + ("without" if bias else "with") + " biases given to a kernel "
+                         "built " + ("with" if bias else "without") + " them: make it with shape bias="
+                         f"{weight.bias is not None}")
 
 
 class GemvMoE:
     """The routed-expert GEMV of one role (the shape's ``op``: "gate_up" or "down") for weights of one form.
 
     The shape (``tuning/gemv_moe.py``): ``op``, ``n`` the output width (the experts' I for gate_up, the hidden
-    size for down), ``k``, ``experts``, ``used``, the form (``bits``, ``group``, ``sym``), ``act`` (gate_up)."""
+    size for down), ``k``, ``experts``, ``used``, the form (``bits``, ``group``, ``sym``), ``act`` (gate_up),
+    ``bias`` (the experts' rows have biases: gpt-oss)."""
 
     def __init__(self, device: Device, params: dict | None = None, shape: dict | None = None):
         shape = dict(shape or {})
@@ -113,29 +134,31 @@ class GemvMoE:
         if act not in ACTS:
             raise PerfxError(f"gemv_moe: activation {act!r} is not one of {tuple(ACTS)}")
         self.bits, self.group, self.sym = int(shape.get("bits", 4)), int(shape.get("group", 32)), bool(shape.get("sym"))
-        self.f32 = bool(shape.get("f32"))
+        self.f32, self.bias = bool(shape.get("f32")), bool(shape.get("bias"))
         if self.bits not in (4, 8):
             raise PerfxError(f"gemv_moe: {self.bits}-bit weights: 4 or 8")
         self.device = device
         self.params = PARAMS.resolve(params, shape, device.caps)
         self.wgs, self.rows = self.params["WGS"], self.params["ROWS"]
         defines = {**self.params, "BITS": self.bits, "GROUP": self.group, "SYM": int(self.sym),
-                   "HALF": int(not self.f32), "ACT": ACTS[act]}
+                   "HALF": int(not self.f32), "ACT": ACTS[act], "BIAS": int(self.bias)}
         self.kernel = device.kernel(PARAMS.source, f"moe_{self.op}", defines)
+        self.no_bias = device.alloc(4, what="gemv_moe no bias") if not self.bias else None
 
     def _check(self, weight: ExpertWeights, rows: int):
-        want = Form("q4" if self.bits == 4 else "q8", self.group, self.f32, self.sym)
-        if weight.form != want:
-            raise PerfxError(f"gemv_moe: weights in form {weight.form} given to a kernel built for {want}")
-        if weight.n != rows:
-            raise PerfxError(f"gemv_moe {self.op}: experts of {weight.n} rows where {rows} are needed")
+        check_weight("gemv_moe", self.op, weight, Form("q4" if self.bits == 4 else "q8", self.group, self.f32, self.sym),
+                     rows, self.bias)
+
+    def _bias(self, weight):
+        return weight.bias if weight.bias is not None else self.no_bias
 
     def gate_up(self, weight: ExpertWeights, x, ids, h, m: int, used: int):
         """h (m, used, I) = act(gate)·up of each row's chosen experts; x (m, K), ids (m, used) int32."""
         inter, k = weight.n // 2, weight.k
         self._check(weight, 2 * inter)
         args = (device_buffer(ids, 4 * m * used, "gemv_moe ids"), device_buffer(x, 4 * m * k, "gemv_moe x"),
-                weight.codes, weight.scales, device_buffer(h, 4 * m * used * inter, "gemv_moe h"))
+                weight.codes, weight.scales, self._bias(weight),
+                device_buffer(h, 4 * m * used * inter, "gemv_moe h"))
         groups = -(-inter // self.rows)
         return self.device.launch(self.kernel, (groups * self.wgs, used, m), (self.wgs, 1, 1), np.int32(inter),
                                   np.int32(k), np.int32(used), np.int32(weight.experts), *args)
@@ -147,7 +170,7 @@ class GemvMoE:
         args = (device_buffer(ids, 4 * m * used, "gemv_moe ids"),
                 device_buffer(weights, 4 * m * used, "gemv_moe weights"),
                 device_buffer(h, 4 * m * used * k, "gemv_moe h"), weight.codes, weight.scales,
-                device_buffer(y, 4 * m * n, "gemv_moe y"))
+                self._bias(weight), device_buffer(y, 4 * m * n, "gemv_moe y"))
         groups = -(-n // self.rows)
         return self.device.launch(self.kernel, (groups * self.wgs, 1, m), (self.wgs, 1, 1), np.int32(n), np.int32(k),
                                   np.int32(used), np.int32(weight.experts), *args, np.int32(int(accumulate)))

@@ -213,6 +213,16 @@ class RopeTable:
                    device.alloc(sin.size * 4, sin.astype(np.float32), what="RoPE sin table"), n_rot)
 
 
+def sink_buffer(family: str, built: bool, sinks, n_heads: int, placeholder):
+    """The buffer of the sink logits (H float32) a launch binds: ``sinks`` where the kernel was built with them,
+    the placeholder (never read) where not; a clear error where the two disagree."""
+    if built != (sinks is not None):
+        raise PerfxError(f"{family}: " + ("built with attention sinks: pass sinks, one float32 logit per query head"
+                                          if built else "sinks given, but this kernel was built without them: make "
+                                          "it with shape sinks=True"))
+    return device_buffer(sinks, 4 * n_heads, f"{family} sinks") if built else placeholder
+
+
 def attention_features(family: str, head_dim: int, qk_norm: bool, window, scale, softcap, q_norm, k_norm, eps,
                        placeholder) -> tuple[int, float, list]:
     """(window, scale, [q_norm, k_norm] buffers to bind) of one attention launch, once each is checked;

@@ -43,7 +43,8 @@ GGUF_VECTOR = {"attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight",
                "dt_bias": "ssm_dt.bias", "ssm_a": "ssm_a", "delta_norm": "ssm_norm.weight",
                "ple_norm": "post_norm.weight", "out_scale": "layer_output_scale.weight",
                "laurel_norm": "laurel_post_norm.weight", "altup_router_norm": "altup_router_norm.weight",
-               "altup_correct_scale": "altup_correct_scale.weight"}
+               "altup_correct_scale": "altup_correct_scale.weight",
+               "o_bias": "attn_output.bias", "sinks": "attn_sinks.weight"}
 # The taps of a layer's short convolution, by layer kind: the tensor, and the keys that size its length and its
 # channels ({arch}: the architecture)
 GGUF_CONV_TAPS = {"conv": ("shortconv.conv.weight", "{arch}.shortconv.l_cache", "hidden"),
@@ -53,6 +54,7 @@ GGUF_CONV_TAPS = {"conv": ("shortconv.conv.weight", "{arch}.shortconv.l_cache", 
 GGUF_EXPERTS = {"gate_exps": "ffn_gate_exps", "up_exps": "ffn_up_exps", "down_exps": "ffn_down_exps"}
 GGUF_ROUTER, GGUF_SELECTION_BIAS = "ffn_gate_inp.weight", "exp_probs_b.bias"
 GGUF_FUSED_EXPERTS = "ffn_gate_up_exps"   # gate and up of every expert in one (E, 2·I, hidden) tensor, where written
+GGUF_ROUTER_BIAS = "ffn_gate_inp.bias"    # gpt-oss: the router's bias, and each expert tensor's (E, rows) bias
 # Fused matrices a file may hold (Phi-3), with the parts they replace
 GGUF_FUSED = {"qkv": ("attn_qkv", ("q", "k", "v")), "gate_up": ("ffn_up", ("gate", "up"))}
 # Every tensor type perfx reads, and the device form it reads into.
@@ -126,6 +128,10 @@ class GGUFSource(ModelSource):
         self._check_router(f"blk.{layer}.{GGUF_ROUTER}", (c.n_experts, c.hidden_size))
         if c.expert_bias:
             self._check_router(f"blk.{layer}.{GGUF_SELECTION_BIAS}", (c.n_experts,))
+        if c.expert_biases:
+            self._check_router(f"blk.{layer}.{GGUF_ROUTER_BIAS}", (c.n_experts,))
+            for part in self._expert_bias_parts(layer):
+                self._check_router(self._expert_bias_tensor(part, layer), (c.n_experts, self._expert_shape(part)[0]))
         parts = dict(GGUF_EXPERTS)
         if self._fused_experts(layer):
             parts = {"gate_up_exps": GGUF_FUSED_EXPERTS, "down_exps": GGUF_EXPERTS["down_exps"]}
@@ -154,10 +160,31 @@ class GGUFSource(ModelSource):
             raise PerfxError(f"{self.path}: tensor {name} is missing; the GGUF is incomplete or not a "
                              f"{self.config.architecture} model")
         shape = tuple(int(d) for d in reversed(t.shape))
+        if len(want) == 2 and shape != want and t.tensor_type.name in ("F32", "F16", "BF16"):
+            raise PerfxError(f"{self.path}: tensor {name} has shape {shape}, but {self.config.architecture}"
+                             f".expert_count, embedding_length and expert_feed_forward_length need {want} (a bias "
+                             "a row of each expert); the header does not describe this file")
         if shape != want:
             raise PerfxError(f"{self.path}: tensor {name} has shape {shape}, but {self.config.architecture}"
                              f".expert_count and embedding_length need {want}; the header does not describe this file")
         return t
+
+    def _expert_bias_parts(self, layer: int) -> tuple[str, ...]:
+        """The expert projections whose biases a layer holds (gpt-oss): gate and up apart or fused, and down."""
+        fused = f"blk.{layer}.{GGUF_FUSED_EXPERTS}.bias" in self._tensors
+        return ("gate_up_exps", "down_exps") if fused else ("gate_exps", "up_exps", "down_exps")
+
+    def _expert_bias_tensor(self, part: str, layer: int) -> str:
+        return f"blk.{layer}.{GGUF_FUSED_EXPERTS if part == 'gate_up_exps' else GGUF_EXPERTS[part]}.bias"
+
+    def _expert_bias(self, part: str, layer: int) -> np.ndarray:
+        c = self.config
+        name = self._expert_bias_tensor(part, layer)
+        t = self._tensors[name]
+        raw = np.asarray(t.data)
+        values = (quants.dequantize(raw, gguf.GGMLQuantizationType.BF16) if t.tensor_type.name == "BF16"
+                  else raw.astype(np.float32))
+        return check_finite(values.reshape(c.n_experts, -1).astype(np.float32), self.path, name)
 
     def _fused_experts(self, layer: int) -> bool:
         """Whether the layer holds gate and up of its experts in one tensor (ffn_gate_up_exps), as some converters
@@ -220,9 +247,18 @@ class GGUFSource(ModelSource):
         else:
             gates, ups = self._expert_matrices("gate_exps", layer), self._expert_matrices("up_exps", layer)
             gate_up = [fuse_expert([g, u]) for g, u in zip(gates, ups)]
+        biases = {}
+        if c.expert_biases:
+            t = self._check_router(f"blk.{layer}.{GGUF_ROUTER_BIAS}", (c.n_experts,))
+            parts = {part: self._expert_bias(part, layer) for part in self._expert_bias_parts(layer)}
+            gate_up_bias = parts.get("gate_up_exps")
+            if gate_up_bias is None:
+                gate_up_bias = np.concatenate([parts["gate_exps"], parts["up_exps"]], axis=1)
+            biases = dict(router_bias=check_finite(np.asarray(t.data, np.float32).reshape(-1), self.path, t.name),
+                          gate_up_bias=np.ascontiguousarray(gate_up_bias), down_bias=parts["down_exps"])
         return MoEWeights(router=check_finite(np.ascontiguousarray(router), self.path, f"blk.{layer}.{GGUF_ROUTER}"),
                           selection_bias=bias, gate_up=gate_up,
-                          down=[fuse_expert([d]) for d in self._expert_matrices("down_exps", layer)])
+                          down=[fuse_expert([d]) for d in self._expert_matrices("down_exps", layer)], **biases)
 
     def _part_tensor(self, kind: str, part: str, layer: int) -> str:
         """The tensor of a projection ("q", ...) or of a kind's taps ("taps") in ``layer``."""

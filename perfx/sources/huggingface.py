@@ -29,7 +29,7 @@ HF_LINEAR = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v
 HF_VECTOR = {"attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
              "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",
              "v_bias": "self_attn.v_proj.bias", "q_norm": "self_attn.q_norm.weight",
-             "k_norm": "self_attn.k_norm.weight"}
+             "k_norm": "self_attn.k_norm.weight", "o_bias": "self_attn.o_proj.bias", "sinks": "self_attn.sinks"}
 CONV_TAPS = {"conv": "conv.conv.weight", "delta": "linear_attn.conv1d.weight"}
 # Fused projections a checkpoint may hold (Phi-3), with the parts they replace
 HF_FUSED = {"qkv": ("self_attn.qkv_proj", ("q", "k", "v")), "gate_up": ("mlp.gate_up_proj", ("gate", "up"))}
@@ -37,7 +37,7 @@ HF_FUSED = {"qkv": ("self_attn.qkv_proj", ("q", "k", "v")), "gate_up": ("mlp.gat
 # and newer transformers name it differently).
 HF_PREFIXES = (("model.", "lm_head"), ("language_model.model.", "language_model.lm_head"),
                ("model.language_model.", "lm_head"))
-SAFETENSORS_DTYPES = {"F16": np.float16, "F32": np.float32, "BF16": None, "I32": np.int32}
+SAFETENSORS_DTYPES = {"F16": np.float16, "F32": np.float32, "BF16": None, "I32": np.int32, "U8": np.uint8}
 
 
 class HFSource(ModelSource):
@@ -56,7 +56,11 @@ class HFSource(ModelSource):
         super().__init__(ModelConfig.from_hf(hf_config), quantize, lm_head, embedding)
         generation = directory / "generation_config.json"
         self.generation_config = read_json(generation) if generation.is_file() else {}
-        self.awq = _awq_settings(hf_config.get("quantization_config"), config_path)
+        names = family_of(self.config.architecture).tensors
+        quantization = hf_config.get("quantization_config") or {}
+        # gpt-oss's checkpoints hold their experts in MXFP4 (_blocks, _scales), read exactly by _experts
+        self.mxfp4 = quantization.get("quant_method") == "mxfp4" and names.hf_experts == "gpt_oss"
+        self.awq = None if self.mxfp4 else _awq_settings(quantization, config_path)
         self.int4_group = self.awq["group"] if self.awq else None
         self._files = self._open_files()
         self._prefix, self._head = next(((p, h) for p, h in HF_PREFIXES if f"{p}embed_tokens.weight" in self._files),
@@ -64,8 +68,8 @@ class HFSource(ModelSource):
         # the family's names where they differ from the common ones (Gemma's four norms a layer, LFM2's
         # operator_norm and feed_forward, Qwen3.5's linear_attn), and whether its checkpoints store w of norms
         # that multiply by 1 + w (Gemma, Qwen3.5; GGUF converters store 1 + w)
-        names = family_of(self.config.architecture).tensors
         self._vectors = {**HF_VECTOR, **names.hf_vectors}
+        self._router, self._expert_layout = names.hf_router, names.hf_experts
         self._linears = {**HF_LINEAR, **names.hf_linears}
         self._final_norm = f"{self._prefix}{names.hf_final_norm}"
         self._norm_offset = names.hf_norm_offset
@@ -118,7 +122,7 @@ class HFSource(ModelSource):
         path, handle = self._files[name]
         if dtype not in SAFETENSORS_DTYPES:
             raise PerfxError(f"{path.name}: tensor {name} has dtype {dtype}; perfx reads F16, BF16, F32 "
-                             "(and I32 for AWQ)")
+                             "(and I32 for AWQ, U8 for MXFP4 experts)")
         try:
             tensor = _read_bf16(path, name, shape) if dtype == "BF16" else handle.get_tensor(name)
         except PerfxError:
@@ -196,7 +200,11 @@ class HFSource(ModelSource):
     def _check_experts(self, layer: int):
         c, block = self.config, self._moe_block(layer)
         e, inter, hidden = c.n_experts, c.expert_intermediate, c.hidden_size
-        self._check_shape(f"{block}.gate.weight", (e, hidden))
+        self._check_shape(f"{block}.{self._router}.weight", (e, hidden))
+        if c.expert_biases:
+            self._check_shape(f"{block}.{self._router}.bias", (e,))
+        if self._expert_layout == "gpt_oss":
+            return self._check_gpt_oss_experts(block)
         if c.expert_bias:
             self._check_shape(f"{block}.expert_bias", (e,))
         if self._stacked_experts(layer):
@@ -212,9 +220,69 @@ class HFSource(ModelSource):
             raise PerfxError(f"{self.directory}: tensor {extra} exists, but config.json's num_experts = {e}; the "
                              "weights and config.json belong to different models")
 
+    # gpt-oss (``hf_experts`` "gpt_oss"): {block}.experts.gate_up_proj (E, hidden, 2·I), its columns gate and up in
+    # turn (transformers' GptOssExperts: gate_up[..., ::2], gate_up[..., 1::2]), gate_up_proj_bias (E, 2·I) the
+    # same, down_proj (E, I, hidden), down_proj_bias (E, hidden); or, as openai's checkpoints hold them, MXFP4:
+    # {proj}_blocks (E, rows, K/32, 16) uint8, two e2m1 codes a byte (the even element in the low nibble), and
+    # {proj}_scales (E, rows, K/32) uint8 E8M0 exponents, rows the output features (gate and up interleaved)
+
+    def _gpt_oss_parts(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+        c = self.config
+        e, inter, hidden = c.n_experts, c.expert_intermediate, c.hidden_size
+        return {"gate_up_proj": ((e, hidden, 2 * inter), (e, 2 * inter)), "down_proj": ((e, inter, hidden), (e, hidden))}
+
+    def _check_gpt_oss_experts(self, block: str):
+        for proj, (shape, bias) in self._gpt_oss_parts().items():
+            name = f"{block}.experts.{proj}"
+            if f"{name}_blocks" in self._files:
+                e, k, n = shape   # blocks of the (n, k) rows of each expert
+                self._check_shape(f"{name}_blocks", (e, n, k // 32, 16))
+                self._check_shape(f"{name}_scales", (e, n, k // 32))
+            else:
+                self._check_shape(name, shape)
+            self._check_shape(f"{name}_bias", bias)
+
+    def _gpt_oss_matrices(self, block: str, proj: str) -> list:
+        """Each expert's (rows, K) matrix of ``proj`` in output-row order (gate_up: gate and up still interleaved):
+        MXFP4 exactly as int8 codes (the doubled e2m1 values) with power-of-two float32 scales, else fp16."""
+        name = f"{block}.experts.{proj}"
+        if f"{name}_blocks" not in self._files:
+            stacked = self._tensor(name)                          # (E, K, rows)
+            return [np.ascontiguousarray(w.T).astype(np.float16) for w in stacked]
+        blocks, scales = self._tensor(f"{name}_blocks"), self._tensor(f"{name}_scales")
+        e, rows, groups, _ = blocks.shape
+        codes = np.empty((e, rows, groups, 32), np.int8)
+        codes[..., 0::2] = formats.MXFP4_VALUES[blocks & 0x0F]
+        codes[..., 1::2] = formats.MXFP4_VALUES[blocks >> 4]
+        # 2^(x − 127) of the e2m1 value is 2^(x − 128) of its doubled code: ggml's e8m0 half, as the GGUF reader
+        exponent = scales.astype(np.uint32)
+        bits = np.where(exponent < 2, np.uint32(0x00200000) << exponent, (exponent - 1) << np.uint32(23))
+        s = bits.astype(np.uint32).view(np.float32)
+        return [formats.Q8Matrix(codes[i].reshape(rows, groups * 32), s[i], np.zeros_like(s[i]), 32, f32=True,
+                                 symmetric=True) for i in range(e)]
+
+    def _gpt_oss_experts(self, layer: int, router, router_bias) -> MoEWeights:
+        c, block = self.config, self._moe_block(layer)
+        inter = c.expert_intermediate
+        gate_up = self._gpt_oss_matrices(block, "gate_up_proj")
+        down = self._gpt_oss_matrices(block, "down_proj")
+        # gate rows (even) then up rows (odd), as the routed kernels hold an expert (the GGUF converter's split)
+        order = np.concatenate([np.arange(0, 2 * inter, 2), np.arange(1, 2 * inter, 2)])
+        gate_up_bias = self._tensor(f"{block}.experts.gate_up_proj_bias", (c.n_experts, 2 * inter))
+        return MoEWeights(
+            router=np.ascontiguousarray(router), router_bias=router_bias,
+            gate_up=[fuse_expert([self._quantized(formats.permute_linear_rows(w, order))]) for w in gate_up],
+            down=[fuse_expert([self._quantized(w)]) for w in down],
+            gate_up_bias=np.ascontiguousarray(gate_up_bias[:, order], dtype=np.float32),
+            down_bias=self._tensor(f"{block}.experts.down_proj_bias", (c.n_experts, c.hidden_size)).astype(np.float32))
+
     def _experts(self, layer: int) -> MoEWeights:
         c, block = self.config, self._moe_block(layer)
-        router = self._tensor(f"{block}.gate.weight", (c.n_experts, c.hidden_size)).astype(np.float32)
+        router = self._tensor(f"{block}.{self._router}.weight", (c.n_experts, c.hidden_size)).astype(np.float32)
+        if self._expert_layout == "gpt_oss":
+            bias = (self._tensor(f"{block}.{self._router}.bias", (c.n_experts,)).astype(np.float32)
+                    if c.expert_biases else None)
+            return self._gpt_oss_experts(layer, router, bias)
         bias = self._tensor(f"{block}.expert_bias", (c.n_experts,)).astype(np.float32) if c.expert_bias else None
         if self._stacked_experts(layer):
             gate_up = self._tensor(f"{block}.experts.gate_up_proj")
@@ -230,6 +298,9 @@ class HFSource(ModelSource):
 
     def _expert_form(self, part: str, layer: int) -> Form:
         k = self.config.expert_intermediate if part == "down_exps" else self.config.hidden_size
+        proj = "down_proj" if part == "down_exps" else "gate_up_proj"
+        if self._expert_layout == "gpt_oss" and f"{self._moe_block(layer)}.experts.{proj}_blocks" in self._files:
+            return Form("q8", 32, True, True)   # MXFP4, as the GGUF reader holds it
         return held_form(self._quantized_form(F16_FORM, k))
 
     def _conv_taps_name(self, layer: int) -> str:

@@ -17,13 +17,15 @@ from perfx import moe
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
 from perfx.families import FAMILIES
-from perfx.formats import Q4_PAIRS, Q4_ZEROS, Q4Matrix, describe_q4_form
+from perfx.formats import MXFP4_VALUES, Q4_PAIRS, Q4_ZEROS, Q4Matrix, Q8Matrix, describe_q4_form
 from perfx.sources.base import F16_FORM, Form, LayerWeights, ModelSource
 
 # name -> (config, group size, int4 form): every family's presets (perfx.families, Family.synthetic)
 SYNTHETIC_MODELS = {name: (ModelConfig.from_hf(dict(preset.config)), preset.group,
                            Q4_ZEROS if preset.zero_points else Q4_PAIRS)
                     for family in FAMILIES.values() for name, preset in family.synthetic.items()}
+# name -> the form of its experts (Preset.experts): "q4", or "mxfp4" (gpt-oss's)
+SYNTHETIC_EXPERTS = {name: preset.experts for family in FAMILIES.values() for name, preset in family.synthetic.items()}
 # Above this many weights per layer, one random layer stands in for all of them.
 DISTINCT_LAYER_LIMIT = 8_000_000
 # Gemma 4's per-layer table is made up only up to this many values (E2B's has 2.3 G: gigabytes of random codes)
@@ -38,7 +40,7 @@ def open_synthetic(name: str, seed: int = 0, lm_head: str = "q8", embedding: str
         raise PerfxError(f"unknown synthetic model {name!r}; known: "
                          f"{', '.join('synthetic:' + k for k in SYNTHETIC_MODELS)}")
     config, group, form = SYNTHETIC_MODELS[key]
-    return SyntheticSource(key, config, group, seed, lm_head, form, embedding)
+    return SyntheticSource(key, config, group, seed, lm_head, form, embedding, SYNTHETIC_EXPERTS.get(key, "q4"))
 
 
 class SyntheticSource(ModelSource):
@@ -48,9 +50,10 @@ class SyntheticSource(ModelSource):
     format = "synthetic"
 
     def __init__(self, name: str, config: ModelConfig, group: int, seed: int = 0, lm_head: str = "q8",
-                 form: int = Q4_PAIRS, embedding: str = "head"):
+                 form: int = Q4_PAIRS, embedding: str = "head", experts: str = "q4"):
         super().__init__(config, lm_head=lm_head, embedding=embedding)
         self.name, self.group, self.seed, self.form = name, group, seed, form
+        self.experts = experts   # "q4", or "mxfp4": the experts as gpt-oss's files hold them
         self.int4_group = group
         c = config
         per_layer = c.hidden_size * (c.qkv_dim + c.q_dim + 3 * max(c.intermediate_size,
@@ -71,6 +74,13 @@ class SyntheticSource(ModelSource):
         offsets = (-8 * scales.astype(np.float32) * rng.uniform(0.9, 1.1, size=scales.shape)).astype(np.float16)
         return Q4Matrix(codes, scales, offsets, self.group)
 
+    def _random_mxfp4(self, rng: np.random.Generator, n: int, k: int) -> Q8Matrix:
+        """MXFP4 as the GGUF reader holds it (``perfx.formats.from_gguf_mxfp4``): doubled e2m1 codes, a power-of-two
+        float32 scale a group of 32 (weights of about 0.01)."""
+        codes = MXFP4_VALUES[np.frombuffer(rng.bytes(n * k), dtype=np.uint8) & 0x0F].reshape(n, k)
+        scales = np.ldexp(1.0, rng.integers(-10, -7, size=(n, k // 32))).astype(np.float32)
+        return Q8Matrix(codes, scales, np.zeros_like(scales), 32, f32=True, symmetric=True)
+
     def _make_layer(self, i: int) -> LayerWeights:
         c, rng = self.config.at(i), self._rng(1, i)   # the layer's own shapes
         hidden = c.hidden_size
@@ -84,7 +94,8 @@ class SyntheticSource(ModelSource):
             norms["out_scale"] = np.ones(1, np.float32)
         ffn = dict(attn_norm=np.ones(hidden, np.float32), ffn_norm=np.ones(hidden, np.float32))
         if c.is_moe(i):
-            ffn.update(gate_up=None, down=None, moe=moe.synthetic(c, self._random_q4, rng))
+            experts = self._random_mxfp4 if self.experts == "mxfp4" else self._random_q4
+            ffn.update(gate_up=None, down=None, moe=moe.synthetic(c, experts, rng))
         else:
             ffn.update(gate_up=self._random_q4(rng, 2 * c.intermediate_size, hidden),
                        down=self._random_q4(rng, hidden, c.intermediate_size))
@@ -134,6 +145,8 @@ class SyntheticSource(ModelSource):
         return Form("q4", self.group)
 
     def _expert_form(self, part: str, layer: int) -> Form:
+        if self.experts == "mxfp4":
+            return Form("q8", 32, f32=True, symmetric=True)
         return Form("q4", self.group, f32=self.form == Q4_ZEROS)   # zero points' offsets −s·z are float32
 
     def _per_layer_forms(self) -> dict[str, set[Form]]:
@@ -150,6 +163,7 @@ class SyntheticSource(ModelSource):
         if self._embedding_q4_group():
             head += f", embedding {describe_q4_form(Q4_ZEROS, self._embedding_q4_group())}"
         return {"format": "synthetic", "path": f"synthetic:{self.name}", "files": [], "file_size": 0,
-                "quantization": f"random {describe_q4_form(self.form, self.group)}{head}",
+                "quantization": f"random {describe_q4_form(self.form, self.group)}{head}"
+                                + (", experts MXFP4 (int8 codes, power-of-two scales)" if self.experts == "mxfp4" else ""),
                 "architecture": self.config.architecture,
                 "notes": [] if self.distinct_layers else ["one random layer is reused for every layer"]}

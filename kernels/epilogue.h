@@ -27,10 +27,6 @@
 // ±inf and tanh(±inf) = ±1, so every finite v gives a finite result (v, or −0, at the tails).
 #define GELU_TANH(v) (0.5f * (v) * (1.0f + tanh(0.7978845608f * (v) * (1.0f + 0.044715f * (v) * (v)))))
 
-// gpt-oss's clamped SwiGLU of a gate g and an up u: g' = min(g, 7), u' = clamp(u, −7, 7), g'·σ(1.702·g')·(u' + 1)
-// (llama.cpp's ggml_swiglu_oai, transformers' GptOssExperts; perfx.reference.swiglu_oai)
-#define SWIGLU_OAI(g, u) (fmin((g), 7.0f) / (1.0f + exp(-1.702f * fmin((g), 7.0f))) * (clamp((u), -7.0f, 7.0f) + 1.0f))
-
 #ifdef EPILOGUE
 #define EPI_GATED (EPILOGUE == EPI_SILU_MUL || EPILOGUE == EPI_GELU_MUL)
 #if EPILOGUE == EPI_GELU_MUL

@@ -53,6 +53,7 @@
 #endif
 
 #include "epilogue.h"
+#include "swiglu_oai.h"
 
 #if BITS == 4
 #define ROW_BYTES(k) ((size_t)(k) / 2)

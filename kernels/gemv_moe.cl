@@ -4,7 +4,7 @@
 //
 //   moe_gate_up:  h[r][j][n] = glu(G_e[n]·x[r] + bg, U_e[n]·x[r] + bu),  e = ids[r][j],  n < I
 //                 the expert's (2·I, K) matrix holds gate rows, then up rows; glu: ACT 1 SiLU(g)·u, 2 GELU(g)·u
-//                 (tanh), 3 gpt-oss's clamped SwiGLU (epilogue.h SWIGLU_OAI)
+//                 (tanh), 3 gpt-oss's clamped SwiGLU (swiglu_oai.h)
 //   moe_down:     y[r][n] (+)= Σ_j weights[r][j] · (D_e[n]·h[r][j] + bd),  e = ids[r][j],  n < N
 //                 the weighted sum of the chosen experts in the same work-group: no combine launch
 // BIAS 1 (gpt-oss): bias (E, rows) float holds each expert's bias of each of its rows (bg, bu; bd); else unread.
@@ -50,6 +50,7 @@
 #endif
 
 #include "epilogue.h"
+#include "swiglu_oai.h"
 
 #if BITS == 4
 #define ROW_BYTES(k) ((size_t)(k) / 2)

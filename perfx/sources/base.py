@@ -43,6 +43,8 @@ EMBEDDING_CHOICES = ("head", "q4")
 FFN_LINEARS = {"gate_up": ("gate", "up"), "down": ("down",)}
 # Gemma 4's per-layer input matrices, where the recipe has per-layer embeddings
 PLE_LINEARS = {"ple_gate": ("ple_gate",), "ple_proj": ("ple_proj",)}
+# Gemma 3n's LAuReL pair: matrices the device runs as GEMVs and GEMMs, in the forms the file holds them
+LAUREL_LINEARS = {"laurel_l": ("laurel_l",), "laurel_r": ("laurel_r",)}
 # Gemma 3n's per-layer AltUp and LAuReL weights (float64 only): LAuReL's left (r, hidden) and right (hidden, r)
 # matrices and its norm; AltUp's router (A, hidden), its norm, the prediction (A², A) and correction (A, A)
 # coefficients and the corrected output's scale
@@ -287,7 +289,8 @@ class ModelSource(ABC):
         if c.layer_scale:
             norms["out_scale"] = self._vector("out_scale", i)
         if c.altup_inputs:
-            norms["altup"] = {**{name: self.read_part(name, i) for name in ALTUP_LINEARS},
+            norms["altup"] = {**{name: (self.read_matrix(name, (name,), i) if name in LAUREL_LINEARS
+                                        else self.read_part(name, i)) for name in ALTUP_LINEARS},
                               **{name: self._vector(name, i) for name in ALTUP_VECTORS}}
         return LayerWeights(attn_norm=self._vector("attn_norm", i), ffn_norm=self._vector("ffn_norm", i),
                             mixing=self.mixer(i).read(self, i), **ffn, **norms)
@@ -374,7 +377,8 @@ class ModelSource(ABC):
         a MoE layer, whose experts are ``_experts``'), then Gemma 4's per-layer input's."""
         ffn = {} if self.config.is_moe(layer) else FFN_LINEARS
         ple = PLE_LINEARS if self.config.per_layer_input else {}
-        return {**self.mixer(layer).host_linears(self.config.at(layer)), **ffn, **ple}
+        laurel = LAUREL_LINEARS if self.config.altup_inputs else {}
+        return {**self.mixer(layer).host_linears(self.config.at(layer)), **ffn, **ple, **laurel}
 
     def layer_parts(self, layer: int) -> list[str]:
         """The projections a layer's matrices are read from, each once, in order."""

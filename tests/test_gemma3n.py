@@ -16,7 +16,7 @@ from perfx.forward64 import model_forward
 from perfx.model import Model
 from perfx.sources.gguf import GGUFSource
 from perfx.sources.huggingface import HFSource
-from perfx.sources.synthetic import SYNTHETIC_MODELS
+from perfx.sources.synthetic import SYNTHETIC_MODELS, SyntheticSource
 from perfx.tuning import relative_error
 from perfx.tuning.database import default_database
 
@@ -147,3 +147,17 @@ def test_a_hugging_face_checkpoint_on_the_device(tmp_path, device, quantize):
     for pos in (6, 7):
         device_model.decode_one(tokens[pos], pos)
         assert relative_error(device_model.logits(), want[pos]) <= DEVICE_TOLERANCE
+
+
+def test_a_synthetic_model_runs_the_same_maths(device):
+    """A synthetic Gemma 3n (what `synthetic:gemma-3n-e2b` is at E2B's shapes: random int4 matrices, AltUp's
+    tables and coefficients) on the device against its float64 forward."""
+    config = ModelConfig.from_hf(dict(TINY, hidden_size=128, laurel_rank=32, hidden_size_per_layer_input=32))
+    source = SyntheticSource("tiny-gemma3n", config, 32)
+    model = Model.load(source, device, ctx=32, database=default_database(False))
+    tokens = [int(t) for t in np.random.default_rng(11).integers(0, TINY["vocab_size"], 6)]
+    want, _ = model_forward(source, tokens)
+    model.prefill(tokens[:5], 0)
+    assert relative_error(model.logits(), want[4]) <= DEVICE_TOLERANCE
+    model.decode_one(tokens[5], 5)
+    assert relative_error(model.logits(), want[5]) <= DEVICE_TOLERANCE

@@ -114,7 +114,8 @@ class AttentionMixer(Mixer):
         if c.qk_norm:
             norms.update(q_norm=np.ones(c.head_dim, np.float32), k_norm=np.ones(c.head_dim, np.float32))
         gate = {"attn_gate": random_matrix(rng, c.q_dim, h)} if c.attention_gate else {}
-        return AttentionWeights(qkv=random_matrix(rng, c.qkv_dim, h), o=random_matrix(rng, h, c.q_dim), **norms,
+        rows = c.q_dim if c.kv_shared else c.qkv_dim   # a layer reading another's cache projects q alone
+        return AttentionWeights(qkv=random_matrix(rng, rows, h), o=random_matrix(rng, h, c.q_dim), **norms,
                                 **gate)
 
     @staticmethod

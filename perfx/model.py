@@ -489,7 +489,6 @@ class Model:
         op, d = plan.altup, self.device
         a, h, eps, p = c.altup_inputs, c.hidden_size, c.rms_eps, c.per_layer_input
         stride = s.chunk * h
-        s.xb_order = 0   # no norm here writes xb's int8 blocks: each GEMV quantizes its own input
         d.copy(s.streams, s.x, 4 * m * h)
         for j, into in enumerate(weights.altup_in, 1):
             into(s.x, s.proj, m, decode)
@@ -501,13 +500,15 @@ class Model:
             # predict every stream from all of them; the active one's rmsnorm
             op.router(s.streams, u.router_norm, u.router, u.predict, s.coefs, m, h, a, a * a, eps, 0.0)
             op.predict(s.streams, s.coefs, s.pred, m, h, a, stride)
-            plan.rmsnorm.plain(s.pred, w.attn_norm, s.xb, m, h, eps)
+            plan.rmsnorm.plain(s.pred, w.attn_norm, s.xb, m, h, eps,
+                               **self._norm_blocks(w.mixer.xb_readers(i) + [u.laurel_l], m))
             # the mixer into proj, LAuReL's R·L·xb beside it; both with the active stream into x, the FFN's norm
             if rows is None:
                 w.mixer.forward(i, m, pos, decode, position=position, split=split)
             else:
                 w.mixer.forward_rows(i, m, rows)
-            u.laurel_l(s.xb, s.laurel_t, m, decode)
+            u.laurel_l(s.xb, s.laurel_t, m, decode, self.xb_blocks(m))
+            s.xb_order = 0   # the norms below write xb without its int8 blocks
             u.laurel_r(s.laurel_t, s.laurel_out, m, decode)
             op.laurel_combine(s.proj, s.laurel_out, s.pred, w.post_attn_norm, u.laurel_norm, w.ffn_norm, s.x, s.xb,
                               m, h, eps)

@@ -346,20 +346,16 @@ class Model:
             w.nbytes += 2 * 2 * a.size
 
     def _upload_altup(self, u: dict, i: int) -> AltUpLayer:
-        """A layer's AltUp and LAuReL weights: LAuReL's pair as Linears, the router and its coefficients as the
-        float32 the router kernel reads (a few rows each)."""
+        """A layer's AltUp and LAuReL weights: LAuReL's pair as Linears, the router and its coefficients (floats
+        from the source) as the router kernel reads them."""
         c = self.config
-
-        def floats(name):   # a small matrix as float32 values, whatever form the file holds it in
-            w = u[name]
-            return self.vector(w if isinstance(w, np.ndarray) else w.dequantize())
 
         return AltUpLayer(
             laurel_l=self.upload(u["laurel_l"], f"layer {i} laurel_l", "laurel_l"),
             laurel_r=self.upload(u["laurel_r"], f"layer {i} laurel_r", "laurel_r"),
-            laurel_norm=self.vector(u["laurel_norm"]), router=floats("altup_router"),
+            laurel_norm=self.vector(u["laurel_norm"]), router=self.vector(u["altup_router"]),
             router_norm=self.vector(np.asarray(u["altup_router_norm"], np.float64) / c.hidden_size),
-            predict=floats("altup_predict"), correct=floats("altup_correct"),
+            predict=self.vector(u["altup_predict"]), correct=self.vector(u["altup_correct"]),
             correct_scale=self.vector(u["altup_correct_scale"]), sparsity=float(c.sparsity[i]))
 
     def vector(self, v: np.ndarray):

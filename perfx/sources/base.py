@@ -52,6 +52,11 @@ ALTUP_LINEARS = ("laurel_l", "laurel_r", "altup_router", "altup_predict", "altup
 ALTUP_VECTORS = ("laurel_norm", "altup_router_norm", "altup_correct_scale")
 
 
+def _floats(w: Linear) -> np.ndarray:
+    """A matrix as float32 values, whatever form the file holds it in."""
+    return np.asarray(w if isinstance(w, np.ndarray) else w.dequantize(), np.float32)
+
+
 @dataclass
 class LayerWeights:
     """One decoder layer, host side, in the layout the device forward uses: what every layer kind has, and the
@@ -289,8 +294,10 @@ class ModelSource(ABC):
         if c.layer_scale:
             norms["out_scale"] = self._vector("out_scale", i)
         if c.altup_inputs:
+            # LAuReL's pair as any matrix; the router and its coefficients (a few rows) as floats, which the
+            # device's AltUp kernels read themselves
             norms["altup"] = {**{name: (self.read_matrix(name, (name,), i) if name in LAUREL_LINEARS
-                                        else self.read_part(name, i)) for name in ALTUP_LINEARS},
+                                        else _floats(self.read_part(name, i))) for name in ALTUP_LINEARS},
                               **{name: self._vector(name, i) for name in ALTUP_VECTORS}}
         return LayerWeights(attn_norm=self._vector("attn_norm", i), ffn_norm=self._vector("ffn_norm", i),
                             mixing=self.mixer(i).read(self, i), **ffn, **norms)

@@ -6,10 +6,13 @@ against the float64 one, from GGUF and Hugging Face files."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from helpers.gemma3n_models import TINY, make_gemma3n, reference_logits, write_gemma3n_gguf, write_gemma3n_hf
+from perfx import cli
 from perfx.config import ModelConfig
 from perfx.families.gemma3n import E2B
 from perfx.forward64 import model_forward
@@ -161,3 +164,21 @@ def test_a_synthetic_model_runs_the_same_maths(device):
     assert relative_error(model.logits(), want[4]) <= DEVICE_TOLERANCE
     model.decode_one(tokens[5], 5)
     assert relative_error(model.logits(), want[5]) <= DEVICE_TOLERANCE
+
+
+def test_perfx_generate_runs_a_gemma3n_file(tmp_path, capsys):
+    """`perfx generate --model tiny.gguf` as a user runs it (speculation on its own choice): its greedy tokens are
+    float64's."""
+    write_gemma3n_gguf(tmp_path / "tiny.gguf", make_gemma3n(np.random.default_rng(14)))   # no near-tie in 5 tokens
+    code = cli.main(["generate", "--model", str(tmp_path / "tiny.gguf"), "--raw", "--temperature", "0",
+                     "--max-tokens", "5", "--json", "hello"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and len(out["ids"]) == 5
+    tokens = list(out["prompt_ids"])
+    source = GGUFSource(tmp_path / "tiny.gguf")
+    for got in out["ids"]:
+        logits = model_forward(source, tokens)[0][-1]
+        top = np.sort(logits)[-2:]
+        assert top[1] - top[0] > 0.05, "a near-tie: the float64 reference cannot say which token is right"
+        assert got == int(np.argmax(logits))
+        tokens.append(got)

@@ -14,6 +14,7 @@ import pytest
 from helpers.gemma3n_models import TINY, make_gemma3n, reference_logits, write_gemma3n_gguf, write_gemma3n_hf
 from perfx import cli
 from perfx.config import ModelConfig
+from perfx.errors import PerfxError
 from perfx.families.gemma3n import E2B
 from perfx.forward64 import model_forward
 from perfx.model import Model
@@ -182,3 +183,11 @@ def test_perfx_generate_runs_a_gemma3n_file(tmp_path, capsys):
         assert top[1] - top[0] > 0.05, "a near-tie: the float64 reference cannot say which token is right"
         assert got == int(np.argmax(logits))
         tokens.append(got)
+
+
+def test_a_recipe_the_device_does_not_run_is_one_clear_error(tmp_path, device):
+    write_gemma3n_gguf(tmp_path / "tiny.gguf", make_gemma3n(np.random.default_rng(3)))
+    source = GGUFSource(tmp_path / "tiny.gguf")
+    source.config.altup_active = 1
+    with pytest.raises(PerfxError, match="active stream is 1"):
+        Model.load(source, device, ctx=32, database=default_database(False))

@@ -112,11 +112,11 @@ def _bytes(s) -> int:
 ALTUP_SPEC = Spec(
     params=ALTUP,
     make_case=make_case,
-    tolerance=2e-5,
+    tolerance=1e-5,
     tolerance_why=("fp32 sums of k products or squares (a tree of WGS, each item's run sequential) and tanh, sqrt "
-                   "and rsqrt (a few ulp in OpenCL) against float64: about k·2⁻²⁴ of the largest term at k = 2048; "
-                   "the sparse gate's cutoff moves each kept value by that much of the row's spread. A missed row, "
-                   "stream or offset is O(1) off"),
+                   "and rsqrt (a few ulp in OpenCL) against float64, relative to each output's largest value: "
+                   "at most 1.6e-7 seen on both CPU runtimes, 7.3e-7 for the sparse gate of a 45-wide row (its "
+                   "cutoff's rounding moves every kept value); a missed row, stream or offset is O(1) off"),
     test_shapes=({"m": 1, "k": 2048, "streams": 4, "n": 8192}, {"m": 5, "k": 100, "streams": 4, "n": 97},
                  {"m": 3, "k": 37, "streams": 3, "n": 45}),
     bytes_moved=_bytes,

@@ -45,7 +45,7 @@ FFN_LINEARS = {"gate_up": ("gate", "up"), "down": ("down",)}
 PLE_LINEARS = {"ple_gate": ("ple_gate",), "ple_proj": ("ple_proj",)}
 # Gemma 3n's LAuReL pair: matrices the device runs as GEMVs and GEMMs, in the forms the file holds them
 LAUREL_LINEARS = {"laurel_l": ("laurel_l",), "laurel_r": ("laurel_r",)}
-# Gemma 3n's per-layer AltUp and LAuReL weights (float64 only): LAuReL's left (r, hidden) and right (hidden, r)
+# Gemma 3n's per-layer AltUp and LAuReL weights: LAuReL's left (r, hidden) and right (hidden, r)
 # matrices and its norm; AltUp's router (A, hidden), its norm, the prediction (A², A) and correction (A, A)
 # coefficients and the corrected output's scale
 ALTUP_LINEARS = ("laurel_l", "laurel_r", "altup_router", "altup_predict", "altup_correct")
@@ -381,7 +381,8 @@ class ModelSource(ABC):
 
     def layer_linears(self, layer: int) -> dict[str, tuple[str, ...]]:
         """The matrix roles of a layer and the projections each fuses: its mixer's, then the dense FFN's (none on
-        a MoE layer, whose experts are ``_experts``'), then Gemma 4's per-layer input's."""
+        a MoE layer, whose experts are ``_experts``'), then Gemma 4's per-layer input's, then Gemma 3n's LAuReL
+        pair."""
         ffn = {} if self.config.is_moe(layer) else FFN_LINEARS
         ple = PLE_LINEARS if self.config.per_layer_input else {}
         laurel = LAUREL_LINEARS if self.config.altup_inputs else {}

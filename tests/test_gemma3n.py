@@ -191,3 +191,22 @@ def test_a_recipe_the_device_does_not_run_is_one_clear_error(tmp_path, device):
     source.config.altup_active = 1
     with pytest.raises(PerfxError, match="active stream is 1"):
         Model.load(source, device, ctx=32, database=default_database(False))
+
+
+# With an int8 cache, its rounding too (half a code of 127 per value), as tests/test_kv_q8.py's VS_F16_TOLERANCE
+# (measured 1.2e-2 here on Intel's runtime)
+Q8_CACHE_TOLERANCE = 3e-2
+
+
+def test_an_int8_kv_cache(tmp_path, device):
+    rng = np.random.default_rng(10)
+    write_gemma3n_gguf(tmp_path / "tiny.gguf", make_gemma3n(rng))
+    source = GGUFSource(tmp_path / "tiny.gguf")
+    model = Model.load(source, device, ctx=64, database=default_database(False), kv="q8")
+    tokens = [int(t) for t in rng.integers(0, TINY["vocab_size"], 12)]
+    want, _ = model_forward(source, tokens)
+    model.prefill(tokens[:9], 0)
+    assert relative_error(model.logits(), want[8]) <= Q8_CACHE_TOLERANCE
+    for pos in range(9, 12):
+        model.decode_one(tokens[pos], pos)
+        assert relative_error(model.logits(), want[pos]) <= Q8_CACHE_TOLERANCE, pos

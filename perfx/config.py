@@ -95,7 +95,7 @@ class ModelConfig:
     value_norm: bool = False            # v RMS-normed per head without a scale before the cache (Gemma 4)
     layer_scale: bool = False           # each layer's output residual times a learned scalar (Gemma 4)
     kv_shared: bool = False             # (a layer's view, ``at``) the layer reads an earlier layer's cache: q only
-    # Gemma 3n (float64 only): AltUp's streams and active one, LAuReL's rank, each layer's gate sparsity (0: none)
+    # Gemma 3n: AltUp's streams and active one, LAuReL's rank, each layer's gate sparsity (0: none)
     altup_inputs: int = 0
     altup_active: int = 0
     laurel_rank: int = 0

@@ -13,7 +13,7 @@ import numpy as np
 
 from perfx import moe
 from perfx.mixers import mixer_class
-from perfx.reference import embed, gelu_tanh, linear, rmsnorm, silu
+from perfx.reference import embed, gaussian_top_k, gelu_tanh, linear, rmsnorm, silu
 
 
 class ReferenceCache:
@@ -72,12 +72,6 @@ def _router(x, u, c) -> np.ndarray:
     return np.tanh(linear(rmsnorm(x, u["altup_router_norm"], c.rms_eps) / c.hidden_size, u["altup_router"]))
 
 
-def _gaussian_top_k(gate, multiple: float) -> np.ndarray:
-    """Gemma 3n's activation sparsity: ReLU(gate − (mean + multiple·std)) over each row (std with n − 1)."""
-    cutoff = gate.mean(axis=-1, keepdims=True) + multiple * gate.std(axis=-1, ddof=1, keepdims=True)
-    return np.maximum(gate - cutoff, 0.0)
-
-
 def _altup_layers(source, x, inputs, cache, positions, ctx) -> np.ndarray:
     """Gemma 3n's layers over AltUp's A streams (llama.cpp's gemma3n-iswa.cpp): the embedding and its projections
     at its magnitude; per layer the streams predicted from each other, the active one through LAuReL, attention
@@ -104,7 +98,7 @@ def _altup_layers(source, x, inputs, cache, positions, ctx) -> np.ndarray:
         n_inter = w.gate_up.shape[0] // 2
         gate = gate_up[:, :n_inter]
         if c.sparsity[i]:
-            gate = _gaussian_top_k(gate, c.sparsity[i])
+            gate = gaussian_top_k(gate, c.sparsity[i])
         out = linear(gelu_tanh(gate) * gate_up[:, n_inter:], w.down)
         layer_out = rmsnorm(out, w.post_ffn_norm, eps) + attended
         # correct every stream by the innovation of the active one

@@ -39,9 +39,20 @@ class Linear(ABC):
     def n(self) -> int:
         return self.weight.n
 
+    _unfused = False   # set for one call by ``unfused``
+
     @property
     def epilogue(self) -> str:
-        return self.model.plan.gate_epilogue if self.role == "gate_up" else "none"
+        return self.model.plan.gate_epilogue if self.role == "gate_up" and not self._unfused else "none"
+
+    def unfused(self, x, y, m: int, decode: bool):
+        """gate_up's product without its activation·up: y (m, 2·intermediate) = gate rows, then up rows (Gemma 3n's
+        sparse gates need the whole row of gates first)."""
+        self._unfused = True
+        try:
+            return self(x, y, m, decode)
+        finally:
+            self._unfused = False
 
     def blocks_order(self) -> int:
         """The order of the Q8_1 blocks of x that this matrix's decode GEMV reads when its caller has them

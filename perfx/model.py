@@ -64,10 +64,26 @@ class DeviceLayer:
     ple_proj: Linear = None
     ple_norm: object = None         # float32 (hidden)
     out_scale: object = None        # float32 (1)
+    altup: AltUpLayer | None = None  # Gemma 3n: AltUp's and LAuReL's weights
 
     def ffn_readers(self) -> list[Linear]:
         """The Linears that read the norm before the FFN: none where the MoE router reads it (floats)."""
         return [] if self.moe else [self.gate_up]
+
+
+@dataclass
+class AltUpLayer:
+    """Gemma 3n's weights of one layer beside its mixer and MLP (``kernels/altup.cl``)."""
+
+    laurel_l: Linear        # (rank, hidden)
+    laurel_r: Linear        # (hidden, rank)
+    laurel_norm: object     # float32 (hidden)
+    router: object          # float32 (A, hidden): the router's rows, read by the router kernel itself
+    router_norm: object     # float32 (hidden): the router norm's γ / hidden
+    predict: object         # float32 (A·A, A): the prediction's coefficients from the router
+    correct: object         # float32 (A, A): the correction's
+    correct_scale: object   # float32 (hidden): the corrected active stream's scale into the per-layer gate
+    sparsity: float         # the sparse gate's multiple of the standard deviation (0: a dense gate)
 
 
 @dataclass
@@ -86,6 +102,10 @@ class DeviceWeights:
     ple_norm: object = None
     ones: object = None
     ones_p: object = None
+    # Gemma 3n's AltUp projections (A − 1 each, (hidden, hidden) fp16): the embedding into the other streams,
+    # and those streams back at the end
+    altup_in: list = field(default_factory=list)
+    altup_out: list = field(default_factory=list)
     nbytes: int = 0            # bytes one decode step reads: every weight once (a MoE layer: its router and k experts)
 
     def linears(self) -> list[Linear]:
@@ -94,6 +114,8 @@ class DeviceWeights:
         for i, layer in enumerate(self.layers):
             found += layer.mixer.linears_of(i) + ([] if layer.moe else [layer.gate_up, layer.down])
             found += [w for w in (layer.ple_gate, layer.ple_proj) if w is not None]
+            found += [layer.altup.laurel_l, layer.altup.laurel_r] if layer.altup is not None else []
+        found += self.altup_in + self.altup_out
         return found
 
     def int4_forms(self) -> dict[str, int]:
@@ -135,6 +157,16 @@ class RunState:
     # (perfx.ops.Q8_TEXEL or Q8_NATURAL; 0: the last norm wrote none)
     xb_q8: tuple | None = None
     xb_order: int = 0
+    # Gemma 3n: AltUp's A streams and their prediction (A blocks of (chunk, hidden), chunk·hidden apart), the
+    # router's coefficients (chunk, A·A) and the correction's scales (chunk, A), LAuReL's L·x (chunk, rank) and
+    # R·L·x (chunk, hidden), the sparse gate's output (chunk, intermediate)
+    streams: object = None
+    pred: object = None
+    coefs: object = None
+    scales: object = None
+    laurel_t: object = None
+    laurel_out: object = None
+    sparse: object = None
 
     @classmethod
     def allocate(cls, device: Device, c: ModelConfig, chunk: int) -> RunState:
@@ -151,7 +183,13 @@ class RunState:
                 ple_in=device.empty((chunk, c.n_layers * c.per_layer_input), f32),
                 ple_proj=device.empty((chunk, c.n_layers * c.per_layer_input), f32),
                 ple_tmp=device.empty((chunk, c.n_layers * c.per_layer_input), f32),
-                ple_g=device.empty((chunk, c.per_layer_input), f32))))
+                ple_g=device.empty((chunk, c.per_layer_input), f32))),
+            **({} if not c.altup_inputs else dict(
+                streams=device.empty((c.altup_inputs, chunk, c.hidden_size), f32),
+                pred=device.empty((c.altup_inputs, chunk, c.hidden_size), f32),
+                coefs=device.empty((chunk, c.altup_inputs ** 2), f32), scales=device.empty((chunk, c.altup_inputs), f32),
+                laurel_t=device.empty((chunk, c.laurel_rank), f32), laurel_out=device.empty((chunk, c.hidden_size), f32),
+                sparse=device.empty((chunk, c.intermediate_size), f32))))
 
 
 class Model:
@@ -163,9 +201,13 @@ class Model:
 
     def __init__(self, config: ModelConfig, device: Device, max_positions: int, database: Database | None = None,
                  log=None, kv: str = "f16"):
-        if config.altup_inputs:
-            raise PerfxError(f"{config.architecture}: perfx runs this recipe ({config.describe_recipe()}) in float64 "
-                             "only (perfx.forward64.model_forward): the device forward has no AltUp or LAuReL yet")
+        if config.altup_inputs and config.altup_active != 0:
+            raise PerfxError(f"{config.architecture}: AltUp's active stream is {config.altup_active}; the device "
+                             "forward runs stream 0 through the layers (as Gemma 3n's checkpoints do)")
+        if config.altup_inputs and not (config.per_layer_input and all(r.ffn in (0, config.intermediate_size)
+                                                                        for r in config.layers)):
+            raise PerfxError(f"{config.architecture}: the device forward runs AltUp with per-layer inputs and one "
+                             "MLP width, as Gemma 3n has them")
         self.config, self.device, self.max_positions = config, device, max_positions
         self.kv = check_kv_form(kv, config.head_dim, "--kv")   # the KV cache's form: "f16" or "q8"
         self.database = database if database is not None else default_database()
@@ -221,6 +263,7 @@ class Model:
         embedding = source.embedding()
         model.weights.embedding = model.upload(embedding, "token embedding", "embedding")
         model._upload_per_layer_tables(source)
+        model._upload_altup_tables(source)
         bar.update(note="embedding")
         for i in range(c.n_layers):
             w = first if i == 0 else source.layer(i)
@@ -243,6 +286,9 @@ class Model:
                 if getattr(w, name) is not None:
                     setattr(layer, name, model.upload(getattr(w, name), f"layer {i} {name}", name))
                     nbytes += getattr(w, name).nbytes
+            if w.altup is not None:
+                layer.altup = model._upload_altup(w.altup, i)
+                nbytes += sum(v.nbytes for v in w.altup.values())
             model.weights.layers.append(layer)
             model.weights.nbytes += nbytes
             del w
@@ -286,6 +332,31 @@ class Model:
         w.ple_norm = self.vector(np.asarray(norm, np.float64) / np.sqrt(2.0))
         w.ones, w.ones_p = self.vector(np.ones(c.hidden_size)), self.vector(np.ones(c.per_layer_input))
         w.nbytes += table.nbytes // c.vocab_size + projection.nbytes + norm.nbytes
+
+    def _upload_altup_tables(self, source) -> None:
+        """Gemma 3n's AltUp projections, fp16 (as the files hold them): (A − 1) into the streams, (A − 1) back."""
+        if not self.config.altup_inputs:
+            return
+        into, back = source.altup_tables()
+        w = self.weights
+        for j, (a, b) in enumerate(zip(into, back), 1):
+            w.altup_in.append(self.upload(np.asarray(a, np.float32), f"altup_proj {j}", "altup_proj"))
+            w.altup_out.append(self.upload(np.asarray(b, np.float32), f"altup_unembd_proj {j}", "altup_unembd"))
+            # each read once a forward: at the embedding, and before the head
+            w.nbytes += 2 * 2 * a.size
+
+    def _upload_altup(self, u: dict, i: int) -> AltUpLayer:
+        """A layer's AltUp and LAuReL weights: LAuReL's pair as Linears, the router and its coefficients (floats
+        from the source) as the router kernel reads them."""
+        c = self.config
+
+        return AltUpLayer(
+            laurel_l=self.upload(u["laurel_l"], f"layer {i} laurel_l", "laurel_l"),
+            laurel_r=self.upload(u["laurel_r"], f"layer {i} laurel_r", "laurel_r"),
+            laurel_norm=self.vector(u["laurel_norm"]), router=self.vector(u["altup_router"]),
+            router_norm=self.vector(np.asarray(u["altup_router_norm"], np.float64) / c.hidden_size),
+            predict=self.vector(u["altup_predict"]), correct=self.vector(u["altup_correct"]),
+            correct_scale=self.vector(u["altup_correct_scale"]), sparsity=float(c.sparsity[i]))
 
     def vector(self, v: np.ndarray):
         """A float32 vector (a norm's γ, a convolution's taps) on the device."""
@@ -375,6 +446,9 @@ class Model:
         before layer i's launches (``step_launches`` counts them a layer).
         """
         c, s = self.config, self.state
+        if c.altup_inputs:
+            self._altup_layers(m, pos, decode, position, split, rows, mark)
+            return
         for i, w in enumerate(self.weights.layers):
             if mark is not None:
                 mark(i)
@@ -400,6 +474,64 @@ class Model:
             w.down(s.hb, s.proj, m, decode)
             if self._closes_layers:
                 self._per_layer(i, w, m, decode)
+
+    def _altup_layers(self, m: int, pos: int, decode: bool, position=None, split=None, rows=None, mark=None):
+        """Gemma 3n's layers over AltUp's A streams (llama.cpp's gemma3n-iswa.cpp, ``perfx.forward64``), leaving
+        the residual whole in x: the embedding and its projections at its magnitude; per layer the streams
+        predicted from each other (the router on the active one, stream 0), the active one through the mixer and
+        LAuReL, the (sparse) MLP, every stream corrected by the layer's output, the per-layer input into the
+        others; at the end the others projected back at stream 0's magnitude and the A averaged."""
+        c, s, plan, weights = self.config, self.state, self.plan, self.weights
+        op, d = plan.altup, self.device
+        a, h, eps, p = c.altup_inputs, c.hidden_size, c.rms_eps, c.per_layer_input
+        stride = s.chunk * h
+        d.copy(s.streams, s.x, 4 * m * h)
+        for j, into in enumerate(weights.altup_in, 1):
+            into(s.x, s.proj, m, decode)
+            op.rescale(s.x, s.proj, s.streams, m, h, offset=j * stride)
+        for i, w in enumerate(weights.layers):
+            if mark is not None:
+                mark(i)
+            u = w.altup
+            # predict every stream from all of them; the active one's rmsnorm
+            op.router(s.streams, u.router_norm, u.router, u.predict, s.coefs, m, h, a, a * a, eps, 0.0)
+            op.predict(s.streams, s.coefs, s.pred, m, h, a, stride)
+            plan.rmsnorm.plain(s.pred, w.attn_norm, s.xb, m, h, eps,
+                               **self._norm_blocks(w.mixer.xb_readers(i) + [u.laurel_l], m))
+            # the mixer into proj, LAuReL's R·L·xb beside it; both with the active stream into x, the FFN's norm
+            if rows is None:
+                w.mixer.forward(i, m, pos, decode, position=position, split=split)
+            else:
+                w.mixer.forward_rows(i, m, rows)
+            u.laurel_l(s.xb, s.laurel_t, m, decode, self.xb_blocks(m))
+            s.xb_order = 0   # the norms below write xb without its int8 blocks
+            u.laurel_r(s.laurel_t, s.laurel_out, m, decode)
+            op.laurel_combine(s.proj, s.laurel_out, s.pred, w.post_attn_norm, u.laurel_norm, w.ffn_norm, s.x, s.xb,
+                              m, h, eps)
+            # the MLP: on the sparse layers gate-up unfused, the gate's Gaussian top-k, GELU·up; its output
+            # through its post-norm into x (the layer's output)
+            if u.sparsity:
+                w.gate_up.unfused(s.xb, s.hb, m, decode)
+                op.sparse_gate(s.hb, s.sparse, m, c.intermediate_size, u.sparsity)
+                w.down(s.sparse, s.proj, m, decode)
+            else:
+                w.gate_up(s.xb, s.hb, m, decode)
+                w.down(s.hb, s.proj, m, decode)
+            plan.rmsnorm.post_residual(s.proj, s.x, w.post_ffn_norm, weights.ones, s.xb, m, h, eps)
+            # correct every stream by the active one's innovation; the corrected active one, scaled, into xb
+            op.router(s.x, u.router_norm, u.router, u.correct, s.scales, m, h, a, a, eps, 1.0)
+            op.correct(s.pred, s.x, s.scales, u.correct_scale, s.streams, s.xb, m, h, a, stride)
+            # the per-layer input into the other streams
+            w.ple_gate(s.xb, s.ple_g, m, decode)
+            plan.per_layer_gate(s.ple_g, s.ple_in, s.ple_g, m, p, c.n_layers * p, i * p)
+            w.ple_proj(s.ple_g, s.proj, m, decode)
+            op.add_normed(s.proj, w.ple_norm, s.streams, m, h, a, stride, 1, eps)
+        # the others projected back at stream 0's magnitude, the A averaged into x
+        op.rescale(s.streams, s.streams, s.x, m, h, weight=1.0 / a)
+        for j, back in enumerate(weights.altup_out, 1):
+            d.copy(s.xb, s.streams, 4 * m * h, src_offset=4 * j * stride)
+            back(s.xb, s.proj, m, decode)
+            op.rescale(s.streams, s.proj, s.x, m, h, weight=1.0 / a, accumulate=True)
 
     @property
     def _closes_layers(self) -> bool:

@@ -16,6 +16,7 @@ import dataclasses
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
 from perfx.formats import Q4_PAIRS, Form
+from perfx.ops.altup import AltUp
 from perfx.ops.attention_decode import AttentionDecode
 from perfx.ops.attention_prefill import AttentionPrefill
 from perfx.ops.decode_loop import NextStep
@@ -120,7 +121,7 @@ class KernelPlan:
         self.moe_router = None
         self._moe_gemvs: dict[tuple, GemvMoE] = {}
         self._moe_gemms: dict[tuple, GemmMoE] = {}
-        self.per_layer_gate = self.layer_scale = None
+        self.per_layer_gate = self.layer_scale = self.altup = None
         self._next_step = self._logit_mask = None
         for op in self.step:
             if op.shares is None:
@@ -170,6 +171,8 @@ class KernelPlan:
             self.per_layer_gate = wrapper = self.choose(family, shape, op.role, lambda p: PerLayerGate(d, p))
         elif family == "layer_scale":
             self.layer_scale = wrapper = self.choose(family, shape, op.role, lambda p: LayerScale(d, p))
+        elif family == "altup":   # Gemma 3n's AltUp, LAuReL and sparse-gate kernels
+            self.altup = wrapper = self.choose(family, shape, op.role, lambda p: AltUp(d, p))
         elif family == "short_conv":
             if self.short_conv is None:
                 self.short_conv = self.choose(family, shape, op.role, lambda p: ShortConv(d, p, shape))

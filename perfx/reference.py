@@ -98,6 +98,64 @@ def layer_scale(x, scale: float) -> np.ndarray:
     return f64(x) * float(scale)
 
 
+def altup_router(x, gamma, w, mix, eps: float, plus: float) -> np.ndarray:
+    """plus + mix·tanh(W·(rmsnorm(x)·γ)) per row (m, n_out): Gemma 3n's AltUp router (γ the router norm's over
+    the hidden size, as llama.cpp's altup_compute_router_modalities scales it) and its prediction (A·A, A) or
+    correction (A, A, plus 1) coefficients."""
+    return float(plus) + np.tanh(rmsnorm(x, gamma, eps) @ f64(w).T) @ f64(mix).T
+
+
+def altup_predict(streams, coefs) -> np.ndarray:
+    """AltUp's prediction (A, m, k): each stream plus the streams mixed by the row's (A, A) coefficients
+    (coefs (m, A·A), row-major j·A + i)."""
+    s = f64(streams)
+    a = s.shape[0]
+    return s + np.einsum("mji,imk->jmk", f64(coefs).reshape(-1, a, a), s)
+
+
+def altup_correct(pred, y, scale, gamma) -> tuple[np.ndarray, np.ndarray]:
+    """AltUp's correction: every stream plus the active one's innovation y − pred[0] times the row's scale
+    (m, A); and the corrected active stream times γ (the per-layer input's gate reads it)."""
+    p = f64(pred)
+    s = p + (f64(y) - p[0])[None] * f64(scale).T[:, :, None]
+    return s, s[0] * f64(gamma)
+
+
+def altup_add_normed(p, gamma, streams, first: int, eps: float) -> np.ndarray:
+    """The streams from ``first`` on plus rmsnorm(p)·γ (the per-layer input into AltUp's other streams)."""
+    s = f64(streams).copy()
+    s[first:] += rmsnorm(p, gamma, eps)[None]
+    return s
+
+
+def altup_rescale(target, y, weight: float = 1.0) -> np.ndarray:
+    """weight·y·|target|/|y| per row: a projection at its stream's magnitude (llama.cpp's calc_magnitude)."""
+    y, target = f64(y), f64(target)
+    return float(weight) * y * np.sqrt(np.sum(target * target, axis=-1, keepdims=True) / np.sum(y * y, axis=-1,
+                                                                                                  keepdims=True))
+
+
+def laurel_combine(a, l, act, xb, gamma_a, gamma_l, gamma_f, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """Gemma 3n after the attention: h = (rmsnorm(a)·γ_a + act + xb + rmsnorm(l)·γ_l)/√2 (the attention's output
+    through its post-norm, the active stream, and LAuReL's xb + norm(R·L·xb)), and rmsnorm(h)·γ_f."""
+    h = (rmsnorm(a, gamma_a, eps) + f64(act) + f64(xb) + rmsnorm(l, gamma_l, eps)) / np.sqrt(2.0)
+    return h, rmsnorm(h, gamma_f, eps)
+
+
+def gaussian_top_k(gate, multiple: float) -> np.ndarray:
+    """Gemma 3n's activation sparsity: ReLU(gate − (mean + multiple·std)) over each row (std with n − 1)."""
+    gate = f64(gate)
+    cutoff = gate.mean(axis=-1, keepdims=True) + multiple * gate.std(axis=-1, ddof=1, keepdims=True)
+    return np.maximum(gate - cutoff, 0.0)
+
+
+def sparse_gate(gate_up, z: float) -> np.ndarray:
+    """GELU(gaussian_top_k(gate, z))·up over rows of gate, then up (tanh GELU)."""
+    gu = f64(gate_up)
+    n = gu.shape[-1] // 2
+    return gelu_tanh(gaussian_top_k(gu[..., :n], z)) * gu[..., n:]
+
+
 def softcap(x, cap: float) -> np.ndarray:
     """cap·tanh(x / cap): Gemma 2's soft-capping of the final logits (final_logit_softcapping)."""
     return cap * np.tanh(f64(x) / cap)

@@ -37,7 +37,9 @@ def matrix_dims(config, role: str) -> tuple[int, int, bool]:
     own = {"gate_up": (2 * c.intermediate_size, h, False), "down": (h, c.intermediate_size, False),
            "lm_head": (c.vocab_size, h, False),
            # Gemma 4's per-layer embeddings: the gate and projection of each layer, the embedding's projection
-           "ple_gate": (p, h, False), "ple_proj": (h, p, False), "ple_model": (c.n_layers * p, h, False)}
+           "ple_gate": (p, h, False), "ple_proj": (h, p, False), "ple_model": (c.n_layers * p, h, False),
+           # Gemma 3n's LAuReL pair
+           "laurel_l": (c.laurel_rank, h, False), "laurel_r": (h, c.laurel_rank, False)}
     if role in own:
         return own[role]
     return next((n, k, bias) for kind in kinds_of(c) for r, n, k, bias in mixer_class(kind).linears(c) if r == role)
@@ -45,8 +47,10 @@ def matrix_dims(config, role: str) -> tuple[int, int, bool]:
 
 def matrix_roles(config) -> tuple[str, ...]:
     """The matrix roles of the model's layers: each layer kind's mixer's (in the order the kinds first come),
-    then gate_up and down, then Gemma 4's per-layer-embedding matrices where it has them."""
+    then gate_up and down, then Gemma 4's per-layer-embedding matrices where it has them, then Gemma 3n's LAuReL
+    pair."""
     ple = ("ple_gate", "ple_proj", "ple_model") if config.per_layer_input else ()
+    ple += ("laurel_l", "laurel_r") if config.altup_inputs else ()
     return tuple(r for kind in kinds_of(config) for r, *_ in mixer_class(kind).linears(config)) + ("gate_up",
                                                                                                    "down") + ple
 
@@ -127,6 +131,22 @@ def per_layer_ops(config, m: int, options: StepOptions, prefill: bool) -> list[O
     return out
 
 
+def altup_ops(config, m: int, options: StepOptions, prefill: bool) -> list[Op]:
+    """Gemma 3n's around each layer's mixer and FFN: LAuReL's pair (L, then R), and one op for the AltUp kernels
+    (the router, prediction, correction, the per-layer input into the streams, LAuReL's combination, the sparse
+    gate: kernels/altup.cl, measured together at one row); none for other recipes. The streams' projections
+    into and out of AltUp are fp16 matrices run by the fp16 GEMV."""
+    c, layers = config, tuple(range(config.n_layers))
+    if not c.altup_inputs:
+        return []
+    out = role_ops(c, "laurel_l", m, options, prefill, layers, ("xb",), ("laurel_t",))
+    out += role_ops(c, "laurel_r", m, options, prefill, layers, ("laurel_t",), ("laurel_out",))
+    return out + [shared(Op("altup", {"m": 1, "k": c.hidden_size, "streams": c.altup_inputs,
+                                      "n": c.intermediate_size}, "AltUp and LAuReL", layers,
+                            reads=("streams", "pred", "x", "proj", "laurel_out", "hb"),
+                            writes=("streams", "pred", "x", "xb", "sparse"), m=m), prefill)]
+
+
 def layer_ops(config, m: int, options: StepOptions, prefill: bool = False) -> list[Op]:
     """The layer block: the norm before the mixer (adding the previous layer's output from layer 1 on), each
     layer kind's mixer (in the order the kinds first come), the norm before the FFN, the FFN: the gated MLP on the
@@ -137,7 +157,8 @@ def layer_ops(config, m: int, options: StepOptions, prefill: bool = False) -> li
     for kind in kinds_of(config):
         out += mixer_class(kind).ops(config, m, options, prefill)
     return (out + norm_ops(config, m, layers, layers if post else None) + ffn_ops(config, m, options, prefill)
-            + moe.ops(config, m, options, prefill) + per_layer_ops(config, m, options, prefill))
+            + moe.ops(config, m, options, prefill) + per_layer_ops(config, m, options, prefill)
+            + altup_ops(config, m, options, prefill))
 
 
 def head_ops(config, options: StepOptions, argmax: bool = True) -> list[Op]:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from helpers.family_models import family_tokenizer, make_family_model, write_family_gguf
+from helpers.gemma3n_models import make_gemma3n, write_gemma3n_gguf
 from helpers.gemma4_models import make_gemma4, write_gemma4_gguf
 from helpers.gptoss_models import write_gptoss_gguf
 from helpers.moe_models import write_moe_gguf
@@ -32,8 +33,9 @@ from perfx.tuning.spec import relative_error
 RECORDED = json.loads((Path(__file__).parent / "data" / "llamacpp_families.json").read_text())["families"]
 # llama (a GQA tiny Llama), then gemma3 ... lfm2, qwen35, then the mixtures of experts (their FFN over N rows), then
 # Gemma 4 (layers of their own head sizes, KV heads and MLP widths, shared KV caches, per-layer inputs), gpt-oss
-# (attention sinks, windows on alternate layers, the experts' biases)
-FAMILIES = ["llama", *RECORDED, "qwen3_moe", "lfm2_moe", "gemma4", "gpt_oss"]
+# (attention sinks, windows on alternate layers, the experts' biases), Gemma 3n (AltUp's streams, LAuReL and the
+# sparse gates over N rows)
+FAMILIES = ["llama", *RECORDED, "qwen3_moe", "lfm2_moe", "gemma4", "gpt_oss", "gemma3n"]
 
 # Against the float64 forward: the device forward's own tolerance (fp16 KV cache, int8 activations of the int8
 # matrices), as tests/test_families.py holds every family's decode to.
@@ -59,6 +61,8 @@ def paths(tmp_path_factory):
     out["gpt_oss"], _ = write_gptoss_gguf(root / "gpt_oss.gguf", np.random.default_rng(5))
     out["gemma4"] = root / "gemma4.gguf"
     write_gemma4_gguf(out["gemma4"], make_gemma4(np.random.default_rng(6)))
+    out["gemma3n"] = root / "gemma3n.gguf"
+    write_gemma3n_gguf(out["gemma3n"], make_gemma3n(np.random.default_rng(7)))
     return out
 
 

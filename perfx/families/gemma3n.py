@@ -9,7 +9,8 @@ sharing (``perfx.families.gemma4``), q/k/v norms and attention scale 1, with
 - activation sparsity on the first layers: the gate keeps what exceeds its mean plus a multiple of its
   standard deviation (``sparsity``, the file's ``activation_sparsity_scale``: Φ⁻¹(0.95) on the first 10).
 
-perfx runs it in float64 (``perfx.forward64``) only: the device forward refuses it.
+The device forward (``perfx.model``) runs AltUp, LAuReL and the sparse gates through ``kernels/altup.cl``; the
+float64 one is ``perfx.forward64``.
 """
 
 from __future__ import annotations

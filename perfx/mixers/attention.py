@@ -120,13 +120,14 @@ class AttentionMixer(Mixer):
         if c.qk_norm:
             norms.update(q_norm=np.ones(c.head_dim, np.float32), k_norm=np.ones(c.head_dim, np.float32))
         gate = {"attn_gate": random_matrix(rng, c.q_dim, h)} if c.attention_gate else {}
+        rows = c.q_dim if c.kv_shared else c.qkv_dim   # a layer reading another's cache projects q alone
         if c.qkv_bias:
-            norms["qkv_bias"] = (0.1 * rng.standard_normal(c.qkv_dim)).astype(np.float32)
+            norms["qkv_bias"] = (0.1 * rng.standard_normal(rows)).astype(np.float32)
         if c.o_bias:
             norms["o_bias"] = (0.1 * rng.standard_normal(h)).astype(np.float32)
         if c.attention_sinks:
             norms["sinks"] = rng.standard_normal(c.n_heads).astype(np.float32)
-        return AttentionWeights(qkv=random_matrix(rng, c.qkv_dim, h), o=random_matrix(rng, h, c.q_dim), **norms,
+        return AttentionWeights(qkv=random_matrix(rng, rows, h), o=random_matrix(rng, h, c.q_dim), **norms,
                                 **gate)
 
     @staticmethod

@@ -43,11 +43,18 @@ EMBEDDING_CHOICES = ("head", "q4")
 FFN_LINEARS = {"gate_up": ("gate", "up"), "down": ("down",)}
 # Gemma 4's per-layer input matrices, where the recipe has per-layer embeddings
 PLE_LINEARS = {"ple_gate": ("ple_gate",), "ple_proj": ("ple_proj",)}
-# Gemma 3n's per-layer AltUp and LAuReL weights (float64 only): LAuReL's left (r, hidden) and right (hidden, r)
+# Gemma 3n's LAuReL pair: matrices the device runs as GEMVs and GEMMs, in the forms the file holds them
+LAUREL_LINEARS = {"laurel_l": ("laurel_l",), "laurel_r": ("laurel_r",)}
+# Gemma 3n's per-layer AltUp and LAuReL weights: LAuReL's left (r, hidden) and right (hidden, r)
 # matrices and its norm; AltUp's router (A, hidden), its norm, the prediction (A², A) and correction (A, A)
 # coefficients and the corrected output's scale
 ALTUP_LINEARS = ("laurel_l", "laurel_r", "altup_router", "altup_predict", "altup_correct")
 ALTUP_VECTORS = ("laurel_norm", "altup_router_norm", "altup_correct_scale")
+
+
+def _floats(w: Linear) -> np.ndarray:
+    """A matrix as float32 values, whatever form the file holds it in."""
+    return np.asarray(w if isinstance(w, np.ndarray) else w.dequantize(), np.float32)
 
 
 @dataclass
@@ -287,7 +294,10 @@ class ModelSource(ABC):
         if c.layer_scale:
             norms["out_scale"] = self._vector("out_scale", i)
         if c.altup_inputs:
-            norms["altup"] = {**{name: self.read_part(name, i) for name in ALTUP_LINEARS},
+            # LAuReL's pair as any matrix; the router and its coefficients (a few rows) as floats, which the
+            # device's AltUp kernels read themselves
+            norms["altup"] = {**{name: (self.read_matrix(name, (name,), i) if name in LAUREL_LINEARS
+                                        else _floats(self.read_part(name, i))) for name in ALTUP_LINEARS},
                               **{name: self._vector(name, i) for name in ALTUP_VECTORS}}
         return LayerWeights(attn_norm=self._vector("attn_norm", i), ffn_norm=self._vector("ffn_norm", i),
                             mixing=self.mixer(i).read(self, i), **ffn, **norms)
@@ -371,10 +381,12 @@ class ModelSource(ABC):
 
     def layer_linears(self, layer: int) -> dict[str, tuple[str, ...]]:
         """The matrix roles of a layer and the projections each fuses: its mixer's, then the dense FFN's (none on
-        a MoE layer, whose experts are ``_experts``'), then Gemma 4's per-layer input's."""
+        a MoE layer, whose experts are ``_experts``'), then Gemma 4's per-layer input's, then Gemma 3n's LAuReL
+        pair."""
         ffn = {} if self.config.is_moe(layer) else FFN_LINEARS
         ple = PLE_LINEARS if self.config.per_layer_input else {}
-        return {**self.mixer(layer).host_linears(self.config.at(layer)), **ffn, **ple}
+        laurel = LAUREL_LINEARS if self.config.altup_inputs else {}
+        return {**self.mixer(layer).host_linears(self.config.at(layer)), **ffn, **ple, **laurel}
 
     def layer_parts(self, layer: int) -> list[str]:
         """The projections a layer's matrices are read from, each once, in order."""

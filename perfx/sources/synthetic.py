@@ -92,6 +92,17 @@ class SyntheticSource(ModelSource):
                          ple_proj=self._random_q4(rng, hidden, c.per_layer_input), ple_norm=np.ones(hidden, np.float32))
         if c.layer_scale:
             norms["out_scale"] = np.ones(1, np.float32)
+        if c.altup_inputs:   # Gemma 3n: LAuReL's int4 pair, AltUp's small float matrices, unit norms
+            a = c.altup_inputs
+
+            def small(*shape):
+                return (rng.standard_normal(shape) * 0.1).astype(np.float32)
+            norms["altup"] = dict(laurel_l=self._random_q4(rng, c.laurel_rank, hidden),
+                                  laurel_r=self._random_q4(rng, hidden, c.laurel_rank),
+                                  altup_router=small(a, hidden), altup_predict=small(a * a, a),
+                                  altup_correct=small(a, a), laurel_norm=np.ones(hidden, np.float32),
+                                  altup_router_norm=np.ones(hidden, np.float32),
+                                  altup_correct_scale=np.ones(hidden, np.float32))
         ffn = dict(attn_norm=np.ones(hidden, np.float32), ffn_norm=np.ones(hidden, np.float32))
         if c.is_moe(i):
             experts = self._random_mxfp4 if self.experts == "mxfp4" else self._random_q4
@@ -124,6 +135,13 @@ class SyntheticSource(ModelSource):
                              "Run a Gemma 4 GGUF for its weights")
         return (self._random_q4(rng, c.vocab_size, width), self._random_q4(rng, width, c.hidden_size),
                 np.ones(c.per_layer_input, np.float32))
+
+    def _altup_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        c = self.config
+        shape = (c.altup_inputs - 1, c.hidden_size, c.hidden_size)
+        values = (np.arange(-128, 128) * (1.0 / 73.9 / np.sqrt(c.hidden_size))).astype(np.float32)
+        return tuple(values[np.frombuffer(self._rng(stream).bytes(int(np.prod(shape))), np.uint8)].reshape(shape)
+                     for stream in (5, 6))
 
     def _random_table(self, stream: int) -> np.ndarray:
         c = self.config

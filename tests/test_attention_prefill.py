@@ -31,6 +31,7 @@ def check(case, params):
     return errors
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("index", range(len(SPEC.test_shapes)), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
 def test_every_candidate(device, rng, index):
     shape = SPEC.test_shapes[index]

@@ -51,6 +51,7 @@ def test_rule_is_gguf_q8_0():
     assert np.all(np.abs(reference.kv_q8(x) - x) <= 0.5 * d + 127 * d * 2.0**-11)
 
 
+@pytest.mark.sweep
 @pytest.mark.slow
 def test_every_prefill_parameter_set_with_the_q8_cache(device, rng):
     """Every parameter set the tuner may choose for attention_prefill (138 on Intel's runtime, 66 on PoCL), on

@@ -59,7 +59,7 @@ IMPLEMENTATIONS = _implementations()
 
 # What a test counts for in its file's weight (a test with neither counts 1): the ratio of a typical such test's
 # time from cold kernel caches to an ordinary test's, roughly.
-WEIGHTS = {"slow": 30, "sweep": 15}
+WEIGHTS = {"slow": 60, "sweep": 15}
 
 
 def pytest_configure(config):

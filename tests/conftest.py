@@ -4,6 +4,13 @@
 runtime where ``intel-opencl-rt`` is installed), with ids such as ``[pocl]`` and ``[intel]``; a
 ``Device()`` made inside such a test opens the same implementation. Modules marked ``one_implementation``
 (model-level and end-to-end tests) run on the default device only. ``PERFX_DEVICE`` set: that device only.
+
+The order of the files, for ``-n auto --dist loadfile`` (each file on one worker, handed out in order as workers
+free up): the longest first, so that the last files to start are short and both workers finish together. A file's
+weight is its number of tests, a test marked ``slow`` counting ``WEIGHTS["slow"]`` and one marked ``sweep`` (every
+parameter set of a kernel family, or the fuzz's random ones: a build a set) ``WEIGHTS["sweep"]``. Mark a new test
+that takes minutes from cold kernel caches with one of them, or a file of such tests will start last and hold the
+run's tail.
 """
 
 import os
@@ -48,6 +55,27 @@ def _implementations() -> dict[str, str]:
 
 
 IMPLEMENTATIONS = _implementations()
+
+
+# What a test counts for in its file's weight (a test with neither counts 1): the ratio of a typical such test's
+# time from cold kernel caches to an ordinary test's, roughly.
+WEIGHTS = {"slow": 60, "sweep": 15}
+
+
+def pytest_configure(config):
+    # pytest-xdist hands out the files with the most tests first; ours go by weight (pytest_collection_modifyitems)
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files by weight, heaviest first (ties in pytest's order); the tests inside each file keep their order."""
+    weight: dict = {}
+    for item in items:
+        marked = [WEIGHTS[name] for name in WEIGHTS if item.get_closest_marker(name) is not None]
+        weight[item.path] = weight.get(item.path, 0) + max(marked, default=1)
+    rank = {path: i for i, path in enumerate(sorted(weight, key=lambda path: -weight[path]))}
+    items.sort(key=lambda item: rank[item.path])
 
 
 def pytest_report_header(config):

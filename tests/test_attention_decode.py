@@ -32,6 +32,7 @@ def _check_case(case, shape, params):
 FULL_SWEEP = (SPEC.test_shapes[4], Q8_TEST_SHAPES[0], next(s for s in SPEC.test_shapes if s.get("sinks")))
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("shape", SPEC.test_shapes, ids=SPEC.describe)
 def test_every_candidate(device, rng, shape):
     """Every parameter set on the FULL_SWEEP shapes; on the others a covering subset: each is a build of its own

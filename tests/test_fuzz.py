@@ -36,6 +36,7 @@ def check(device, spec, shape, params, seed: int = 0):
                                     f"relative error {error:.3g} > tolerance {tolerance:.3g}")
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("family", sorted(SPECS))
 @FUZZ
 @given(data=st.data())

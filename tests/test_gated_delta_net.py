@@ -116,6 +116,7 @@ def _cases():
             for kind in SPECS for i, shape in enumerate(SPECS[kind].test_shapes)]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("kind, index", _cases())
 def test_every_parameter_set_matches_reference(device, rng, kind, index):
     """Every parameter set on the first shape, the one with the most edges (GQA 3, d_k and d_v off every lane

@@ -43,6 +43,7 @@ def test_defaults_on_every_spec_shape(device, rng, kind):
         assert errors["y"] <= spec.tolerance_for(spec.params.defaults()), (shape, errors)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("kind,index", _cases("skinny") + _cases("tiled") + _cases("f16") + _cases("lanes"))
 def test_every_candidate_on_the_spec_shapes(device, rng, kind, index):
     spec = SPECS[kind]

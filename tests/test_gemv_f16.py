@@ -13,6 +13,7 @@ from perfx.tuning import relative_error
 from perfx.tuning.gemv_f16 import SPEC
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("shape", SPEC.test_shapes, ids=SPEC.describe)
 def test_every_parameter_set_matches_reference(device, rng, shape):
     assert_every_parameter_set(SPEC, device, shape, rng)

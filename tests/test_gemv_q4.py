@@ -17,6 +17,7 @@ from perfx.tuning.spec import relative_error
 READ_CODES = {name: code for code, name in READ_NAMES.items()}
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("index", range(len(SPEC.test_shapes)), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
 def test_every_candidate(device, rng, index):
     """Every candidate on the first shape; on the others, each a different build (group size, epilogue (SwiGLU,

@@ -18,6 +18,7 @@ from perfx.tuning.gemv_q4_split import SPEC
 from perfx.tuning.spec import relative_error
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("index", range(len(SPEC.test_shapes)), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
 def test_every_candidate(device, rng, index):
     """Every candidate on the first shape (K = 4160: 130 texels, which no SPLIT > 1 divides into even slices);

@@ -51,11 +51,12 @@ def test_rule_is_gguf_q8_0():
     assert np.all(np.abs(reference.kv_q8(x) - x) <= 0.5 * d + 127 * d * 2.0**-11)
 
 
+@pytest.mark.sweep
 @pytest.mark.slow
 def test_every_prefill_parameter_set_with_the_q8_cache(device, rng):
-    """Every parameter set the tuner may choose for attention_prefill (138 on Intel's runtime, 66 on PoCL), on
-    the first q8 test shape; the suite's quick tier runs a covering subset of them on each q8 shape,
-    and every attention_decode set on its first (tests/test_attention_prefill.py, test_attention_decode.py)."""
+    """Every parameter set the tuner may choose for attention_prefill (174 on Intel's runtime, 84 on PoCL), on
+    the first q8 test shape; tests/test_attention_prefill.py runs a covering subset on the other q8 shapes,
+    tests/test_attention_decode.py every attention_decode set on its first."""
     assert_every_parameter_set(attention_prefill.SPEC, device, attention_prefill.Q8_TEST_SHAPES[0], rng)
 
 

@@ -12,6 +12,7 @@ from perfx.ops.sample import Sample
 from perfx.tuning.logit_mask import LOGIT_MASK
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("shape", LOGIT_MASK.test_shapes, ids=LOGIT_MASK.describe)
 def test_every_parameter_set_matches_reference(device, rng, shape):
     assert_every_parameter_set(LOGIT_MASK, device, shape, rng)

@@ -16,12 +16,14 @@ from perfx.tuning.gemv_moe import SPEC as GEMV_SPEC
 from perfx.tuning.moe_router import SPEC as ROUTER_SPEC
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("index", range(len(ROUTER_SPEC.test_shapes)),
                          ids=[ROUTER_SPEC.describe(s) for s in ROUTER_SPEC.test_shapes])
 def test_router_every_parameter_set(device, rng, index):
     assert_every_parameter_set(ROUTER_SPEC, device, ROUTER_SPEC.test_shapes[index], rng)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("index", range(len(GEMV_SPEC.test_shapes)),
                          ids=[GEMV_SPEC.describe(s) for s in GEMV_SPEC.test_shapes])
 def test_gemv_moe_every_parameter_set(device, rng, index):
@@ -71,6 +73,7 @@ def test_errors(device, rng):
             device.empty(4, np.float32), 1, 1)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("index", range(len(GEMM_SPEC.test_shapes)),
                          ids=[GEMM_SPEC.describe(s) for s in GEMM_SPEC.test_shapes])
 def test_gemm_moe_every_parameter_set(device, rng, index):

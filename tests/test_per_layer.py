@@ -12,6 +12,7 @@ from perfx.tuning.per_layer import LAYER_SCALE_SPEC, PER_LAYER_GATE_SPEC
 ALL_SHAPES = [(spec, shape) for spec in (PER_LAYER_GATE_SPEC, LAYER_SCALE_SPEC) for shape in spec.test_shapes]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("spec, shape", ALL_SHAPES,
                          ids=[f"{s.params.family}-{s.describe(shape)}" for s, shape in ALL_SHAPES])
 def test_every_parameter_set_matches_reference(device, rng, spec, shape):

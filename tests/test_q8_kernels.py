@@ -21,6 +21,7 @@ FAMILIES = ("gemv_q8", "gemm_q8", "gemm_q8_lanes", "embedding_q8")
 ALL_SHAPES = [(SPECS[f], i) for f in FAMILIES for i in range(len(SPECS[f].test_shapes))]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("spec, index", ALL_SHAPES,
                          ids=[f"{s.params.family}-{s.describe(s.test_shapes[i])}" for s, i in ALL_SHAPES])
 def test_every_parameter_set_matches_reference(device, rng, spec, index):

@@ -20,6 +20,7 @@ from perfx.tuning.rmsnorm import EPS, SPEC
 FULL_SWEEP = (0, 2)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("index", range(len(SPEC.test_shapes)), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
 def test_every_parameter_set_matches_reference(device, rng, index):
     assert_every_parameter_set(SPEC, device, SPEC.test_shapes[index], rng, cover=index not in FULL_SWEEP)

@@ -14,6 +14,7 @@ from perfx.ops.sample import Sample
 from perfx.tuning.sample import MARGIN, SAMPLE
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("shape", SAMPLE.test_shapes, ids=[SAMPLE.describe(s) for s in SAMPLE.test_shapes])
 def test_every_parameter_set_matches_reference(device, rng, shape):
     assert_every_parameter_set(SAMPLE, device, shape, rng)

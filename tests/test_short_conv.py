@@ -12,6 +12,7 @@ from perfx.tuning.short_conv import SPEC
 from perfx.tuning.spec import relative_error
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("index", range(len(SPEC.test_shapes)), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
 def test_every_parameter_set(device, rng, index):
     assert_every_parameter_set(SPEC, device, SPEC.test_shapes[index], rng)

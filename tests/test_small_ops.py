@@ -22,6 +22,7 @@ ALL_SHAPES = [(spec, shape) for spec in (EMBEDDING_F16, EMBEDDING_Q4, ARGMAX, SW
               for shape in spec.test_shapes]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("spec, shape", ALL_SHAPES,
                          ids=[f"{s.params.family}-{s.describe(shape)}" for s, shape in ALL_SHAPES])
 def test_every_parameter_set_matches_reference(device, rng, spec, shape):

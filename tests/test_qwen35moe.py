@@ -25,12 +25,6 @@ from perfx.tuning.database import default_database
 from perfx.tuning.spec import relative_error
 from test_batch import alone_logits, run_schedule
 
-# Every form the routed GEMVs and the shared expert's GEMVs read, by layer: Q4_0 and Q8_0 experts, an F16 one
-# (held as int8), Q4_0 / Q8_0 shared experts
-TYPES = [{"q": "Q8_0", "k": "Q4_0", "v": "Q8_0", "o": "Q4_0", "gate": "Q4_0", "up": "Q8_0", "down": "Q8_0",
-          "gate_exps": "Q4_0", "up_exps": "Q4_0", "down_exps": "Q4_0"},
-         {"q": "Q4_0", "k": "Q8_0", "v": "Q4_0", "o": "Q8_0", "gate": "Q8_0", "up": "Q4_0", "down": "Q4_0",
-          "gate_exps": "Q8_0", "up_exps": "Q8_0", "down_exps": "F16"}]
 # The device forward against the float64 one: fp16 KV cache and int8 activations of the int8 matrices, as
 # tests/test_families.py holds every family to
 DEVICE_TOLERANCE = 2e-3
@@ -40,12 +34,12 @@ ALONE_TOLERANCE = 1e-4   # tests/test_batch.py's: a batched row against the same
 PROMPT = [5, 9, 13, 2, 17, 30, 4]
 
 
-def write(root, seed: int = 5, drop=(), types=TYPES, **overrides):
+def write(root, seed: int = 5, drop=(), **overrides):
     model = make_family_model("qwen35moe", family_tokenizer(root, "qwen35moe"), np.random.default_rng(seed),
                               **overrides)
     for name in drop:
         del model.weights[name]
-    return model, write_family_gguf(root / f"q{seed}-{len(drop)}-{len(overrides)}.gguf", model, types)
+    return model, write_family_gguf(root / f"q{seed}-{len(drop)}-{len(overrides)}.gguf", model)
 
 
 @pytest.fixture(scope="module")

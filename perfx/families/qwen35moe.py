@@ -68,7 +68,7 @@ FAMILY = Family(
     layer_kinds=("attention", "delta"),
     hf_multimodal={"qwen3_5_moe": text_config},
     tensors=qwen35.FAMILY.tensors,
-    chat=ChatRules(stop_tokens=("<|im_end|>", "<|endoftext|>"),
-                   pre_tokenizers=qwen35.FAMILY.chat.pre_tokenizers),
+    # its GGUFs name Qwen3.5's pre-tokenizer, "qwen35", which qwen35.py brings
+    chat=ChatRules(stop_tokens=("<|im_end|>", "<|endoftext|>")),
     synthetic={"qwen3.5-35b-a3b": Preset(_35B_A3B)},
 )

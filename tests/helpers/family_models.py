@@ -158,6 +158,14 @@ DEFAULT_PHI3_TYPES = [
     {"qkv": "Q8_0", "o": "Q4_0", "gate_up": "Q4_0", "down": "Q4_K"},
     {"qkv": "Q4_0", "o": "Q8_0", "gate_up": "Q8_0", "down": "Q6_K"},
 ]
+# Qwen3.5-MoE's: every form the routed GEMVs read (Q4_0 and Q8_0 experts, F16 ones held as int8) and Q4_0 / Q8_0
+# shared experts; no K-quants, whose rows of 256 the tiny experts (K = 32) have not
+QWEN35MOE_TYPES = [
+    {"q": "Q8_0", "k": "Q4_0", "v": "Q8_0", "o": "Q4_0", "gate": "Q4_0", "up": "Q8_0", "down": "Q8_0",
+     "gate_exps": "Q4_0", "up_exps": "Q4_0", "down_exps": "Q4_0"},
+    {"q": "Q4_0", "k": "Q8_0", "v": "Q4_0", "o": "Q8_0", "gate": "Q8_0", "up": "Q4_0", "down": "Q4_0",
+     "gate_exps": "Q8_0", "up_exps": "Q8_0", "down_exps": "F16"},
+]
 F32_TYPES = [{k: "F32" for k in ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up")}]
 K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
@@ -563,7 +571,7 @@ def write_family_gguf(path: Path, model: TinyModel, types: list[dict] | None = N
     """
     family = model.extra["family"]
     c = model.config
-    types = types or (DEFAULT_PHI3_TYPES if family == "phi3" else DEFAULT_TYPES)
+    types = types or {"phi3": DEFAULT_PHI3_TYPES, "qwen35moe": QWEN35MOE_TYPES}.get(family, DEFAULT_TYPES)
     linear_types = [t for layer in types for t in layer.values()]
     file_type = max(set(linear_types), key=linear_types.count)
     writer = gguf.GGUFWriter(str(path), family)

@@ -54,7 +54,8 @@ class DeviceLayer:
     mixer: Mixer
     attn_norm: object          # float32 (hidden): the norm before the mixer
     ffn_norm: object           # float32 (hidden)
-    gate_up: Linear | None     # (2·intermediate, hidden): gate rows, then up rows (None: a MoE layer)
+    gate_up: Linear | None     # (2·intermediate, hidden): gate rows, then up rows (a MoE layer: its shared
+                               # expert's, None without one)
     down: Linear | None        # (hidden, intermediate)
     post_attn_norm: object = None   # float32 (hidden): the mixer output's own norm (Gemma)
     post_ffn_norm: object = None    # float32 (hidden): the FFN output's own norm (Gemma)

@@ -82,7 +82,8 @@ def main():
     for label, samples in rates.items():
         print(f"  decode tok/s {label:20s} {np.median(samples):7.2f} ({', '.join(f'{r:.2f}' for r in samples)})")
     if len(rates) > 1:
-        print(f"  with / without the shared expert: {np.median(rates['with shared expert']) / np.median(rates['without']):.2f}x")
+        ratio = np.median(rates["with shared expert"]) / np.median(rates["without"])
+        print(f"  with / without the shared expert: {ratio:.2f}x")
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 //
 //   moe_shared_gate:  h[r][j] = h[r][j] · σ(Σ_k x[r][k]·w[k]),   r < m, j < n
 //
-// σ(x·w)·(D·h) = D·(σ(x·w)·h): scaling the n values of h costs n multiplies where scaling the down product's output
-// would cost hidden, and needs no second pass over proj, which the routed experts then add into.
+// σ(x·w)·(D·h) = D·(σ(x·w)·h): scaling the n values of h costs n multiplies where scaling the down product's
+// output would cost hidden, and needs no second pass over proj, which the routed experts then add into.
 // Shapes: x (m, K), w (K), h (m, n) float32. Grid: (⌈n / (WGS·PER)⌉·WGS, m); each work-group takes one row r and
 // WGS·PER of its n values: its WGS work-items stride over K (adjacent items read adjacent floats: coalesced), one
 // tree sum in local memory gives the row's dot product (each work-group of a row sums the same K values in the same

@@ -234,3 +234,26 @@ def test_config_checks_the_shared_width():
         ModelConfig(architecture="qwen35moe", vocab_size=16, hidden_size=32, intermediate_size=32, n_layers=1,
                     n_heads=1, n_kv_heads=1, head_dim=32, n_experts=4, n_experts_used=2, expert_intermediate=32,
                     expert_shared=-1)
+
+
+def test_transformers_5_s_stacked_experts_read_as_the_hub_s(files, tmp_path):
+    """transformers 5 saves each layer's experts stacked: mlp.experts.gate_up_proj (E, 2·I, hidden), gate rows
+    first, and mlp.experts.down_proj (E, hidden, I)."""
+    import shutil
+    from safetensors.numpy import load_file, save_file
+
+    directory = tmp_path / "tf5"
+    shutil.copytree(files["hub"], directory)
+    weights = load_file(str(directory / "model.safetensors"))
+    config = json.loads((directory / "config.json").read_text())
+    for i in range(config["num_hidden_layers"]):
+        block = f"model.layers.{i}.mlp.experts."
+        experts = range(config["num_experts"])
+        gate_up = [np.concatenate([weights.pop(f"{block}{e}.gate_proj.weight"),
+                                   weights.pop(f"{block}{e}.up_proj.weight")]) for e in experts]
+        weights[block + "gate_up_proj"] = np.stack(gate_up)
+        weights[block + "down_proj"] = np.stack([weights.pop(f"{block}{e}.down_proj.weight") for e in experts])
+    save_file(weights, str(directory / "model.safetensors"))
+    want, _ = forward64.model_forward(open_model(files["hub"]), PROMPT, ctx=64)
+    got, _ = forward64.model_forward(open_model(directory), PROMPT, ctx=64)
+    np.testing.assert_array_equal(got, want)

@@ -345,7 +345,8 @@ def _make_qwen35(config: dict, tokenizer_model: Path, rng: np.random.Generator, 
         # Qwen3_5MoeSparseMoeBlock as the hub checkpoints save it: the router mlp.gate, each expert's
         # gate/up/down_proj, the shared expert and its gate (a Linear(hidden, 1)); a router of spread 2 so the
         # top experts stand clear of the next
-        e, inter, shared = config["num_experts"], config["moe_intermediate_size"], config["shared_expert_intermediate_size"]
+        e, inter = config["num_experts"], config["moe_intermediate_size"]
+        shared = config["shared_expert_intermediate_size"]
         w[p + "mlp.gate.weight"] = matrix(e, hidden, 2.0)
         for j in range(e):
             w[p + f"mlp.experts.{j}.gate_proj.weight"] = matrix(inter, hidden)

@@ -6,10 +6,13 @@ mlp.gate, mlp.experts.{e}.*, mlp.shared_expert.*, mlp.shared_expert_gate)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from helpers.family_models import family_tokenizer, make_family_model, write_family_gguf, write_family_hf
 from perfx import forward64, moe
@@ -18,9 +21,9 @@ from perfx.config import ModelConfig
 from perfx.errors import PerfxError
 from perfx.model import Model
 from perfx.sources import open_model
-from perfx.sources.synthetic import SYNTHETIC_MODELS
-from perfx.step import decode_step
+from perfx.sources.synthetic import SYNTHETIC_MODELS, SyntheticSource
 from perfx.op import StepOptions
+from perfx.step import decode_step
 from perfx.tuning.database import default_database
 from perfx.tuning.spec import relative_error
 from test_batch import alone_logits, run_schedule
@@ -91,9 +94,6 @@ def test_the_directory_runs_as_the_gguf(files, device):
 def test_the_multimodal_checkpoint_reads_its_text_model(files, tmp_path):
     """Qwen3_5MoeForConditionalGeneration's config.json: the text_config is run, its weights under
     model.language_model."""
-    import shutil
-    from safetensors.numpy import load_file, save_file
-
     directory = tmp_path / "mm"
     shutil.copytree(files["hub"], directory)
     text = json.loads((directory / "config.json").read_text())
@@ -174,9 +174,7 @@ def test_the_synthetic_preset_is_qwen3_5_35b_a3b():
 
 def test_a_reduced_synthetic_model_runs_on_the_device(device):
     """synthetic:qwen3.5-35b-a3b's shapes at 4 layers and 16 experts: the device decode is its float64 forward."""
-    from perfx.sources.synthetic import SyntheticSource
     base = SYNTHETIC_MODELS["qwen3.5-35b-a3b"][0]
-    import dataclasses
     c = dataclasses.replace(base, n_layers=4, layers=base.layers[:4], n_experts=16, vocab_size=512)
     source = SyntheticSource("qwen3.5-35b-a3b (4 layers)", c, group=32)
     model = Model.load(source, device, ctx=16, progress=False, database=default_database(False))
@@ -207,7 +205,6 @@ def test_a_missing_shared_expert_tensor_is_named(files, tensor, gguf_name):
 
 
 def test_a_config_without_the_shared_expert_s_width_is_named(files, tmp_path):
-    import shutil
     directory = tmp_path / "hub"
     shutil.copytree(files["hub"], directory)
     config = json.loads((directory / "config.json").read_text())
@@ -218,8 +215,6 @@ def test_a_config_without_the_shared_expert_s_width_is_named(files, tmp_path):
 
 
 def test_a_checkpoint_missing_its_shared_gate_is_named(files, tmp_path):
-    import shutil
-    from safetensors.numpy import load_file, save_file
     directory = tmp_path / "hub"
     shutil.copytree(files["hub"], directory)
     weights = load_file(str(directory / "model.safetensors"))
@@ -239,9 +234,6 @@ def test_config_checks_the_shared_width():
 def test_transformers_5_s_stacked_experts_read_as_the_hub_s(files, tmp_path):
     """transformers 5 saves each layer's experts stacked: mlp.experts.gate_up_proj (E, 2·I, hidden), gate rows
     first, and mlp.experts.down_proj (E, hidden, I)."""
-    import shutil
-    from safetensors.numpy import load_file, save_file
-
     directory = tmp_path / "tf5"
     shutil.copytree(files["hub"], directory)
     weights = load_file(str(directory / "model.safetensors"))

@@ -89,6 +89,9 @@ class ModelConfig:
     expert_biases: bool = False         # biases on the router's logits and on each expert's gate, up and down (gpt-oss)
     expert_activation: str = ""         # the experts' gated activation where it is not ffn_activation's: "swiglu_oai"
                                         # (gpt-oss's clamped SwiGLU, reference.swiglu_oai)
+    expert_shared: int = 0              # width of a shared expert: a gated MLP every row runs beside the routed
+                                        # experts, its output added to theirs (0: none; Qwen3.5-MoE 512)
+    expert_shared_gate: bool = False    # the shared expert's output times σ(x·w_gate), a 1-row gate (Qwen3.5-MoE)
     # Gemma 4: layers of their own shapes (``LayerRecipe`` head_dim, kv_heads, ffn, kv_from; then head_dim,
     # n_kv_heads and intermediate_size above are the largest of the layers'), per-layer embeddings, V normed
     per_layer_input: int = 0            # width of each layer's slice of the per-layer token table (0: none)
@@ -146,6 +149,9 @@ class ModelConfig:
                              "moe_intermediate_size) must be positive")
         if self.expert_gating not in MOE_GATINGS:
             raise PerfxError(f"expert gating {self.expert_gating!r} is not supported ({', '.join(MOE_GATINGS)})")
+        if self.expert_shared < 0:
+            raise PerfxError(f"the shared expert's width {self.expert_shared} (expert_shared_feed_forward_length / "
+                             "shared_expert_intermediate_size) must not be negative")
         if not 0 <= self.dense_layers <= self.n_layers:
             raise PerfxError(f"{self.dense_layers} leading dense layers (leading_dense_block_count / "
                              f"num_dense_layers) of {self.n_layers} layers")
@@ -176,6 +182,18 @@ class ModelConfig:
     @property
     def dense_ffn_layers(self) -> list[int]:
         return [i for i in range(self.n_layers) if not self.is_moe(i)]
+
+    def ffn_width(self, layer: int) -> int:
+        """The width of layer ``layer``'s gated MLP: the dense one's, or on a MoE layer its shared expert's (0: the
+        layer has none)."""
+        if self.is_moe(layer):
+            return self.expert_shared
+        return self.at(layer).intermediate_size
+
+    @property
+    def gated_mlp_layers(self) -> list[int]:
+        """The layers that run a gated MLP: the dense layers, and the MoE layers with a shared expert."""
+        return [i for i in range(self.n_layers) if self.ffn_width(i)]
 
     def _check_delta(self):
         hk, hv, dk, dv = self.delta_k_heads, self.delta_v_heads, self.delta_k_dim, self.delta_v_dim
@@ -259,7 +277,10 @@ class ModelConfig:
                          f"{self.delta_v_dim}, conv L = {self.conv_length}) on {deltas}/{self.n_layers} layers")
         if self.n_experts:
             bias = " + selection bias" if self.expert_bias else ""
-            parts.append(f"{self.n_experts_used} of {self.n_experts} experts ({self.expert_gating}{bias}) on "
+            shared = ""
+            if self.expert_shared:
+                shared = f" + a{' σ-gated' if self.expert_shared_gate else ''} shared expert of {self.expert_shared}"
+            parts.append(f"{self.n_experts_used} of {self.n_experts} experts ({self.expert_gating}{bias}){shared} on "
                          f"{len(self.moe_layers)}/{self.n_layers} layers")
         if self.attention_gate:
             parts.append("gated attention output")

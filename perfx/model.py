@@ -54,7 +54,8 @@ class DeviceLayer:
     mixer: Mixer
     attn_norm: object          # float32 (hidden): the norm before the mixer
     ffn_norm: object           # float32 (hidden)
-    gate_up: Linear | None     # (2·intermediate, hidden): gate rows, then up rows (None: a MoE layer)
+    gate_up: Linear | None     # (2·intermediate, hidden): gate rows, then up rows (a MoE layer: its shared
+                               # expert's, None without one)
     down: Linear | None        # (hidden, intermediate)
     post_attn_norm: object = None   # float32 (hidden): the mixer output's own norm (Gemma)
     post_ffn_norm: object = None    # float32 (hidden): the FFN output's own norm (Gemma)
@@ -67,8 +68,9 @@ class DeviceLayer:
     altup: AltUpLayer | None = None  # Gemma 3n: AltUp's and LAuReL's weights
 
     def ffn_readers(self) -> list[Linear]:
-        """The Linears that read the norm before the FFN: none where the MoE router reads it (floats)."""
-        return [] if self.moe else [self.gate_up]
+        """The Linears that read the norm before the FFN: the gated MLP's (a MoE layer's shared expert's), none where
+        the MoE router alone reads it (floats)."""
+        return [] if self.gate_up is None else [self.gate_up]
 
 
 @dataclass
@@ -112,7 +114,7 @@ class DeviceWeights:
         found = [self.embedding] + ([self.lm_head] if self.lm_head.weight is not self.embedding.weight else [])
         found += [w for w in (self.ple_table, self.ple_model) if w is not None]
         for i, layer in enumerate(self.layers):
-            found += layer.mixer.linears_of(i) + ([] if layer.moe else [layer.gate_up, layer.down])
+            found += layer.mixer.linears_of(i) + [w for w in (layer.gate_up, layer.down) if w is not None]
             found += [w for w in (layer.ple_gate, layer.ple_proj) if w is not None]
             found += [layer.altup.laurel_l, layer.altup.laurel_r] if layer.altup is not None else []
         found += self.altup_in + self.altup_out
@@ -171,14 +173,15 @@ class RunState:
     @classmethod
     def allocate(cls, device: Device, c: ModelConfig, chunk: int) -> RunState:
         f32 = np.float32
-        widest = max(c.hidden_size, c.q_dim, c.qkv_dim, 2 * c.intermediate_size)
+        inter = max(c.intermediate_size, c.expert_shared)   # the widest gated MLP: dense, or a shared expert
+        widest = max(c.hidden_size, c.q_dim, c.qkv_dim, 2 * inter)
         return cls(
             chunk=chunk, x=device.empty((chunk, c.hidden_size), f32), xb=device.empty((chunk, c.hidden_size), f32),
-            proj=device.empty((chunk, c.hidden_size), f32), hb=device.empty((chunk, 2 * c.intermediate_size), f32),
+            proj=device.empty((chunk, c.hidden_size), f32), hb=device.empty((chunk, 2 * inter), f32),
             logits=device.empty(c.vocab_size, f32), ids=device.empty(chunk, np.int32),
             step=device.empty(2, np.int32), best=device.empty(1, np.int32), tokens=device.empty(TOKEN_RING, np.int32),
             row_in=device.empty(widest, f32), row_out=device.empty(widest, f32),
-            row_up=device.empty(c.intermediate_size, f32), row_act=device.empty(c.intermediate_size, f32),
+            row_up=device.empty(inter, f32), row_act=device.empty(inter, f32),
             **({} if not c.per_layer_input else dict(
                 ple_in=device.empty((chunk, c.n_layers * c.per_layer_input), f32),
                 ple_proj=device.empty((chunk, c.n_layers * c.per_layer_input), f32),
@@ -273,6 +276,7 @@ class Model:
                 layer = DeviceLayer(mixer, attn_norm=model.vector(w.attn_norm), ffn_norm=model.vector(w.ffn_norm),
                                     gate_up=None, down=None, moe=True)
                 nbytes += model.moe.upload(w.moe, i) + 4 * 2 * c.hidden_size
+                layer.gate_up, layer.down = model.moe.shared_linears(i)   # its shared expert's, where it has one
             else:
                 layer = DeviceLayer(mixer, attn_norm=model.vector(w.attn_norm), ffn_norm=model.vector(w.ffn_norm),
                                     gate_up=model.upload(w.gate_up, f"layer {i} gate_up", "gate_up"),
@@ -466,8 +470,8 @@ class Model:
                 w.mixer.forward_rows(i, m, rows)
             # ffn rmsnorm, with the mixer's output added into the residual
             self._residual_norm(w.post_attn_norm, w.ffn_norm, m, w.ffn_readers())
-            if w.moe:   # the mixture of experts: the router, the chosen experts' gate-up, their weighted down
-                self.moe.forward(i, m)
+            if w.moe:   # the mixture of experts: its shared expert, the router, the chosen experts' gate-up and down
+                self.moe.forward(i, m, decode)
                 continue
             # gated MLP: gate-up with the activation·up fused, then down
             w.gate_up(s.xb, s.hb, m, decode, self.xb_blocks(m))

@@ -11,6 +11,13 @@ experts' rows by those ids, and the down GEMV sums the chosen experts' outputs w
 histogram, a prefix sum, a scatter), each expert's weights read once a tile of its rows, and each row's experts
 summed in a fixed order.
 
+A MoE block may hold a **shared expert** (``ModelConfig.expert_shared``: its width): a gated MLP every row runs beside
+the routed experts, its output added to theirs — with ``expert_shared_gate`` times σ(x·w_gate) first, a 1-row gate
+(Qwen3.5-MoE, llama.cpp's ffn_gate_inp_shexp). It is the gated MLP's roles (gate_up with act(gate)·up fused, down)
+run through the dense MLP's GEMVs and GEMMs into proj; the gate scales its act(gate)·up rows in place
+(``kernels/moe_shared_gate.cl``: σ(g·x) scales the down product's input, which is the same by linearity, so no
+launch reads the hidden rows again); the routed down GEMV or GEMM then adds the experts into proj.
+
 Like a mixer (``perfx.mixers``), this module holds both sides: what a source reads for a MoE layer
 (``MoEWeights``, the expert roles' forms), the step's ops, the float64 step (``reference``), and the device
 side (``DeviceMoE``: the weights, scratch and launches).
@@ -26,7 +33,7 @@ from perfx.formats import Form, Q4Matrix, Q8Matrix, fuse_rows, fused_form
 from perfx.op import Op, StepOptions, shared
 from perfx.ops.gemm_moe import GroupedExperts
 from perfx.ops.gemv_moe import ExpertWeights, form_shape
-from perfx.reference import linear, moe_experts, moe_route
+from perfx.reference import gelu_tanh, linear, moe_experts, moe_route, moe_shared_gate, silu
 
 # The expert roles: the fused gate-up of each expert, and its down; their source projections
 EXPERT_ROLES = {"experts_gate_up": ("gate_exps", "up_exps"), "experts_down": ("down_exps",)}
@@ -34,6 +41,8 @@ EXPERT_ROLES = {"experts_gate_up": ("gate_exps", "up_exps"), "experts_down": ("d
 SCRATCH = ("moe_logits", "moe_ids", "moe_weights", "moe_h", "moe_groups")
 # fp16 experts are held as int8 at this group (the routed GEMVs read int4 and int8)
 F16_EXPERT_GROUP = 32
+# The shared expert's matrix roles (the gated MLP's) and the source projections each fuses
+SHARED_LINEARS = {"gate_up": ("gate_shexp", "up_shexp"), "down": ("down_shexp",)}
 
 
 @dataclass
@@ -49,6 +58,10 @@ class MoEWeights:
     router_bias: np.ndarray | None = None
     gate_up_bias: np.ndarray | None = None
     down_bias: np.ndarray | None = None
+    # the shared expert (ModelConfig.expert_shared): host matrices from a source, Linears on the device
+    shared_gate_up: object = None   # (2·S, hidden): gate rows, then up rows
+    shared_down: object = None      # (hidden, S)
+    shared_gate: np.ndarray | None = None      # (hidden,) float32: its output times σ(x·shared_gate)
 
     @property
     def expert_nbytes(self) -> int:
@@ -98,9 +111,15 @@ def synthetic(config, random_matrix, rng) -> MoEWeights:
         biases = dict(router_bias=(rng.standard_normal(e) * 0.1).astype(np.float32),
                       gate_up_bias=(rng.standard_normal((e, 2 * c.expert_intermediate)) * 0.1).astype(np.float32),
                       down_bias=(rng.standard_normal((e, c.hidden_size)) * 0.1).astype(np.float32))
-    return MoEWeights(router=router, selection_bias=bias, **biases,
-                      gate_up=[random_matrix(rng, 2 * c.expert_intermediate, c.hidden_size) for _ in range(e)],
-                      down=[random_matrix(rng, c.hidden_size, c.expert_intermediate) for _ in range(e)])
+    w = MoEWeights(router=router, selection_bias=bias, **biases,
+                   gate_up=[random_matrix(rng, 2 * c.expert_intermediate, c.hidden_size) for _ in range(e)],
+                   down=[random_matrix(rng, c.hidden_size, c.expert_intermediate) for _ in range(e)])
+    if c.expert_shared:
+        w.shared_gate_up = random_matrix(rng, 2 * c.expert_shared, c.hidden_size)
+        w.shared_down = random_matrix(rng, c.hidden_size, c.expert_shared)
+        if c.expert_shared_gate:
+            w.shared_gate = (rng.standard_normal(c.hidden_size) / np.sqrt(c.hidden_size)).astype(np.float32)
+    return w
 
 
 # -- the step's ops ----------------------------------------------------------------------------------------
@@ -147,8 +166,12 @@ def ops(config, m: int, options: StepOptions, prefill: bool = False) -> list[Op]
     layers = tuple(c.moe_layers)
     if not layers:
         return []
-    out = [shared(Op("moe_router", router_shape(c), "router", layers, reads=("xb",),
-                     writes=("moe_logits", "moe_ids", "moe_weights"), m=m), prefill)]
+    out = []
+    if c.expert_shared and c.expert_shared_gate:   # after the shared expert's gate-up (perfx.step's ffn ops)
+        out.append(shared(Op("moe_shared_gate", {"m": 1, "k": c.hidden_size, "n": c.expert_shared},
+                             "shared expert gate", layers, reads=("xb", "hb"), writes=("hb",), m=m), prefill))
+    out.append(shared(Op("moe_router", router_shape(c), "router", layers, reads=("xb",),
+                         writes=("moe_logits", "moe_ids", "moe_weights"), m=m), prefill))
     for role, reads, writes in (("experts_gate_up", ("xb", "moe_ids"), ("moe_h", "moe_groups")),
                                 ("experts_down", ("moe_h", "moe_groups", "moe_weights"), ("proj",))):
         for form in expert_forms(c, role, options):
@@ -167,7 +190,15 @@ def reference(xb: np.ndarray, w: MoEWeights, config) -> np.ndarray:
     c = config
     ids, weights = moe_route(linear(xb, w.router, w.router_bias), c.n_experts_used, c.expert_gating,
                              w.selection_bias, c.expert_norm, c.expert_scale)
-    return moe_experts(xb, ids, weights, w.gate_up, w.down, expert_act(c), w.gate_up_bias, w.down_bias)
+    out = moe_experts(xb, ids, weights, w.gate_up, w.down, expert_act(c), w.gate_up_bias, w.down_bias)
+    if w.shared_gate_up is not None:   # the shared expert, on every row (σ-gated where it has a gate)
+        hidden = linear(xb, w.shared_gate_up)
+        width = hidden.shape[1] // 2
+        hidden = (gelu_tanh if c.ffn_activation == "gelu_tanh" else silu)(hidden[:, :width]) * hidden[:, width:]
+        if w.shared_gate is not None:
+            hidden = moe_shared_gate(xb, w.shared_gate, hidden)
+        out = out + linear(hidden, w.shared_down)
+    return out
 
 
 # -- the device side ---------------------------------------------------------------------------------------
@@ -193,7 +224,19 @@ class DeviceMoE:
                                bias=w.down_bias))
         device = self.weights[layer]
         active = c.n_experts_used * (device.gate_up.expert_bytes + device.down.expert_bytes)
+        if w.shared_gate_up is not None:   # the shared expert: the gated MLP's Linears, read whole every step
+            device.shared_gate_up = m.upload(w.shared_gate_up, f"layer {layer} shared expert gate_up", "gate_up")
+            device.shared_down = m.upload(w.shared_down, f"layer {layer} shared expert down", "down")
+            active += w.shared_gate_up.nbytes + w.shared_down.nbytes
+            if w.shared_gate is not None:
+                device.shared_gate = m.vector(w.shared_gate)
+                active += w.shared_gate.nbytes
         return active + sum(v.nbytes for v in (w.router, w.selection_bias, w.router_bias) if v is not None)
+
+    def shared_linears(self, layer: int) -> tuple:
+        """(gate_up, down) Linears of layer ``layer``'s shared expert, (None, None) where it has none."""
+        w = self.weights[layer]
+        return w.shared_gate_up, w.shared_down
 
     def allocate(self) -> None:
         c, d, s = self.model.config, self.model.device, self.model.state
@@ -204,18 +247,25 @@ class DeviceMoE:
         # a prompt chunk's (row, expert) pairs grouped by expert, and each pair's down product
         self.groups = GroupedExperts(d, c.n_experts, s.chunk, c.n_experts_used, c.hidden_size)
 
-    def forward(self, layer: int, m: int) -> None:
-        """The MoE FFN of m rows of xb into proj: one row by the routed GEMVs, more grouped by expert."""
+    def forward(self, layer: int, m: int, decode: bool | None = None) -> None:
+        """The MoE FFN of m rows of xb into proj: the shared expert (where the layer has one) into proj, then the
+        routed experts (added to it): one row by the routed GEMVs, more grouped by expert."""
         model, c, w = self.model, self.model.config, self.weights[layer]
         plan, s, used = model.plan, model.state, c.n_experts_used
+        shared, decode = w.shared_gate_up is not None, m == 1 if decode is None else decode
+        if shared:
+            w.shared_gate_up(s.xb, s.hb, m, decode, model.xb_blocks(m))
+            if w.shared_gate is not None:
+                plan.moe_shared_gate(s.xb, w.shared_gate, s.hb, m, c.hidden_size, c.expert_shared)
+            w.shared_down(s.hb, s.proj, m, decode)
         plan.moe_router(s.xb, w.router, w.selection_bias, self.logits, self.ids, self.route_weights, m,
                         c.hidden_size, c.expert_scale, logit_bias=w.router_bias)
         if m == 1:
             plan.moe_gemv("experts_gate_up", w.gate_up.form).gate_up(w.gate_up, s.xb, self.ids, self.h, m, used)
             plan.moe_gemv("experts_down", w.down.form).down(w.down, self.h, self.ids, self.route_weights, s.proj, m,
-                                                            used)
+                                                            used, accumulate=shared)
             return
         plan.moe_gemm("experts_gate_up", w.gate_up.form, m).gate_up(w.gate_up, s.xb, self.ids, self.h, m, used,
                                                                     self.groups)
         plan.moe_gemm("experts_down", w.down.form, m).down(w.down, self.h, self.route_weights, s.proj, m, used,
-                                                          self.groups)
+                                                          self.groups, accumulate=shared)

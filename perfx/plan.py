@@ -33,6 +33,7 @@ from perfx.ops.gemv_moe import GemvMoE
 from perfx.ops.gemv_q8 import GemvQ8
 from perfx.ops.logit_mask import LogitMask
 from perfx.ops.moe_router import MoeRouter
+from perfx.ops.moe_shared_gate import MoeSharedGate
 from perfx.ops.params import READ_NAMES
 from perfx.ops.per_layer import LayerScale, PerLayerGate
 from perfx.ops.q4_weight import available_paths
@@ -118,7 +119,7 @@ class KernelPlan:
         self._gemv_f16 = self._embed = self._attn_decode = None
         self.softcap = self.short_conv = self.attn_gate = self.delta_decode = self.delta_gate = None
         self.rmsnorm = self.argmax_op = self.gate = self.sample = None
-        self.moe_router = None
+        self.moe_router = self.moe_shared_gate = None
         self._moe_gemvs: dict[tuple, GemvMoE] = {}
         self._moe_gemms: dict[tuple, GemmMoE] = {}
         self.per_layer_gate = self.layer_scale = self.altup = None
@@ -186,6 +187,8 @@ class KernelPlan:
             self.delta_gate = wrapper = self.choose(family, shape, op.role, lambda p: SwiGLU(d, p))
         elif family == "moe_router":
             self.moe_router = wrapper = self.choose(family, shape, op.role, lambda p: MoeRouter(d, p, shape))
+        elif family == "moe_shared_gate":   # a shared expert's σ gate
+            self.moe_shared_gate = wrapper = self.choose(family, shape, op.role, lambda p: MoeSharedGate(d, p))
         elif family == "gemv_moe":   # a routed expert GEMV, per expert role and held form
             wrapper = self._moe_gemvs[(op.weight, op.form)] = self.choose(family, shape, op.role,
                                                                           lambda p: GemvMoE(d, p, shape))

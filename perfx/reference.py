@@ -698,6 +698,13 @@ def moe_experts(xb, ids, weights, gate_up, down, act: str = "silu", gate_up_bias
     return out
 
 
+def moe_shared_gate(x, gate, h) -> np.ndarray:
+    """h (M, S) times σ(x·gate) a row, x (M, K), gate (K,): a shared expert's σ gate (Qwen3.5-MoE's
+    shared_expert_gate, llama.cpp's ffn_gate_inp_shexp), applied to its act(gate)·up rows (the down product is
+    linear, so this equals scaling its output)."""
+    return f64(h) * sigmoid(f64(x) @ f64(gate))[:, None]
+
+
 def moe_experts_down(h, ids, weights, down, down_bias=None) -> np.ndarray:
     """Σ_j weights[r, j] · (down_e(h[r, j]) + bd_e) over each row's chosen experts: the down half of ``moe_experts``
     from the experts' act(gate, up) rows h (M, used, I)."""

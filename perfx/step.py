@@ -89,18 +89,18 @@ def per_layer_input_ops(config, m: int, options: StepOptions, ids: str) -> list[
 
 
 def ffn_ops(config, m: int, options: StepOptions, prefill: bool = False) -> list[Op]:
-    """The gated MLP: gate_up with act(gate)·up fused, then down; the activation unfused where gate_up is
-    fp16 (the fp16 GEMV, row by row, has no epilogue)."""
+    """The gated MLP (a MoE layer's shared expert's too): gate_up with act(gate)·up fused, then down; the activation
+    unfused where gate_up is fp16 (the fp16 GEMV, row by row, has no epilogue)."""
     c = config
     glu = "geglu" if gate_up_epilogue(c.ffn_activation) == "gelu_mul" else "swiglu"
-    widths: dict[int, list[int]] = {}   # Gemma 4's layers differ in width: one op a width
-    for i in c.dense_ffn_layers:
-        widths.setdefault(c.at(i).intermediate_size, []).append(i)
+    widths: dict[int, list[int]] = {}   # Gemma 4's layers differ in width, and a shared expert: one op a width
+    for i in c.gated_mlp_layers:
+        widths.setdefault(c.ffn_width(i), []).append(i)
     out = []
     for width, layers in widths.items():
         layers = tuple(layers)
         dims = {"gate_up": (2 * width, c.hidden_size, False), "down": (c.hidden_size, width, False)}
-        if len(widths) == 1:
+        if len(widths) == 1 and width == c.intermediate_size:
             dims = {"gate_up": None, "down": None}
         out += (role_ops(c, "gate_up", m, options, prefill, layers, ("xb",), ("hb",), dims=dims["gate_up"])
                 + [shared(Op(glu, {"count": width}, f"{glu} (unfused)", layers, reads=("hb",), writes=("hb",), m=m),

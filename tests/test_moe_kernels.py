@@ -11,9 +11,11 @@ from perfx.formats import Q4Matrix
 from perfx.ops.gemm_moe import GemmMoE, GroupedExperts
 from perfx.ops.gemv_moe import ExpertWeights, GemvMoE
 from perfx.ops.moe_router import MoeRouter
+from perfx.ops.moe_shared_gate import MoeSharedGate
 from perfx.tuning.gemm_moe import SPEC as GEMM_SPEC
 from perfx.tuning.gemv_moe import SPEC as GEMV_SPEC
 from perfx.tuning.moe_router import SPEC as ROUTER_SPEC
+from perfx.tuning.moe_shared_gate import SPEC as SHARED_GATE_SPEC
 
 
 @pytest.mark.sweep
@@ -90,3 +92,16 @@ def test_grouping_orders_pairs_by_expert_then_row(device):
     assert scratch.counts.get().tolist() == [2, 1, 3, 0]
     assert scratch.offsets.get().tolist() == [0, 2, 3, 6]
     assert scratch.order.get().tolist() == [1, 4, 3, 0, 2, 5]
+
+
+@pytest.mark.parametrize("index", range(len(SHARED_GATE_SPEC.test_shapes)),
+                         ids=[SHARED_GATE_SPEC.describe(s) for s in SHARED_GATE_SPEC.test_shapes])
+def test_shared_gate_every_parameter_set(device, rng, index):
+    assert_every_parameter_set(SHARED_GATE_SPEC, device, SHARED_GATE_SPEC.test_shapes[index], rng)
+
+
+def test_shared_gate_refuses_empty_shapes(device):
+    gate = MoeSharedGate(device)
+    x = device.upload(np.ones((1, 8), np.float32))
+    with pytest.raises(PerfxError, match="moe_shared_gate: 1 rows of K = 8 gating 0 values"):
+        gate(x, x, x, 1, 8, 0)

@@ -83,12 +83,16 @@ def test_the_decode_step_runs_in_order_over_the_run_state(name):
         assert [op for op in step if op in ops] == ops
     if c.dense_ffn_layers:
         assert [op.weight for op in ffn_ops(c, 1, options) if op.weight][-1] == "down"
-    # a MoE model's experts: the router, gate-up, then down into proj, on its MoE layers, after the dense FFN
+    # a MoE model's experts: the shared expert's σ gate where it has one, then the router, gate-up, then down into
+    # proj, on its MoE layers, after the gated MLP (a shared expert's too)
     experts = moe.ops(c, 1, options)
     assert bool(experts) == bool(c.n_experts)
     assert [op for op in step if op in experts] == experts and all(op.layers == tuple(c.moe_layers) for op in experts)
     if experts:
-        assert [op.family for op in experts][:2] == ["moe_router", "gemv_moe"] and experts[-1].writes == ("proj",)
+        gated = int(bool(c.expert_shared_gate))
+        assert [op.family for op in experts][:gated] == ["moe_shared_gate"] * gated
+        assert [op.family for op in experts][gated:gated + 2] == ["moe_router", "gemv_moe"]
+        assert experts[-1].writes == ("proj",)
     # a matrix role reads what the norm wrote (xb) or its mixer's output, and the step ends in the logits
     head = [op for op in step if op.weight == "lm_head"]
     assert head and all(op.reads == ("xb",) and op.writes == ("logits",) for op in head)

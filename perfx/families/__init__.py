@@ -157,13 +157,10 @@ def hf_values(config: dict) -> dict:
     try:
         hidden = int(config["hidden_size"])
         n_heads = int(config["num_attention_heads"])
-        values = dict(
-            vocab_size=int(config["vocab_size"]),
-            # Gemma 3n lists one per layer (all alike in its releases): the widest
-            intermediate_size=int(max(config["intermediate_size"]) if isinstance(config["intermediate_size"], list)
-                                  else config["intermediate_size"]),
-            n_layers=int(config["num_hidden_layers"]),
-        )
+        values = dict(vocab_size=int(config["vocab_size"]), n_layers=int(config["num_hidden_layers"]))
+        inter = config.get("intermediate_size")
+        if inter is not None:   # Gemma 3n lists one per layer (all alike in its releases): the widest
+            values["intermediate_size"] = int(max(inter) if isinstance(inter, list) else inter)
     except KeyError as error:
         raise PerfxError(f"config.json lacks {error.args[0]!r}, which every {architecture} config "
                          "has; the file is incomplete") from None
@@ -177,6 +174,10 @@ def hf_values(config: dict) -> dict:
                   qkv_bias=bool(config.get("attention_bias", False)))
     recipe.update(family.read_hf(HFConfig(config, architecture, n_layers, hidden, head_dim, theta, scaling,
                                           local_theta, window, Rope(theta, head_dim, scaling))))
+    if "intermediate_size" not in values and "intermediate_size" not in recipe:
+        # Qwen3.5-MoE's has none: its reader gives the shared expert's width
+        raise PerfxError(f"config.json lacks 'intermediate_size', which every {architecture} config has; the file "
+                         "is incomplete")
     # what the family's recipe gives overrides the common reading (Gemma 4: the widest layer's head_dim)
     return {**dict(
         architecture=architecture, hidden_size=hidden, n_heads=n_heads, n_kv_heads=n_kv_heads,

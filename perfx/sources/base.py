@@ -25,7 +25,7 @@ from perfx.errors import PerfxError
 from perfx.formats import (F16_FORM, Q8_QUANTIZE_GROUP, Form, HostMatrix, Q4Matrix, Q8Matrix, form_of, fuse_rows,
                            fused_form, permute_linear_rows, to_fp16)
 from perfx.mixers import mixer_class
-from perfx.moe import EXPERT_ROLES, MoEWeights, fused_held_form
+from perfx.moe import EXPERT_ROLES, SHARED_LINEARS, MoEWeights, fused_held_form
 
 Linear = HostMatrix  # a weight W (N, K): the int4 or int8 device form, or fp16
 QUANTIZE_CHOICES = (None, "q4")
@@ -285,6 +285,9 @@ class ModelSource(ABC):
                          post_ffn_norm=self._vector("post_ffn_norm", i))
         if c.is_moe(i):
             ffn = dict(gate_up=None, down=None, moe=self._experts(i))
+            if c.expert_shared:   # the shared expert: the gated MLP's roles, from its own projections
+                ffn["moe"].shared_gate_up = self.read_matrix("gate_up", SHARED_LINEARS["gate_up"], i)
+                ffn["moe"].shared_down = self.read_matrix("down", SHARED_LINEARS["down"], i)
         else:
             ffn = dict(gate_up=self.read_matrix("gate_up", FFN_LINEARS["gate_up"], i),
                        down=self.read_matrix("down", FFN_LINEARS["down"], i))
@@ -381,9 +384,10 @@ class ModelSource(ABC):
 
     def layer_linears(self, layer: int) -> dict[str, tuple[str, ...]]:
         """The matrix roles of a layer and the projections each fuses: its mixer's, then the dense FFN's (none on
-        a MoE layer, whose experts are ``_experts``'), then Gemma 4's per-layer input's, then Gemma 3n's LAuReL
-        pair."""
-        ffn = {} if self.config.is_moe(layer) else FFN_LINEARS
+        a MoE layer, whose experts are ``_experts``', but its shared expert's), then Gemma 4's per-layer input's, then
+        Gemma 3n's LAuReL pair."""
+        c = self.config
+        ffn = FFN_LINEARS if not c.is_moe(layer) else SHARED_LINEARS if c.expert_shared else {}
         ple = PLE_LINEARS if self.config.per_layer_input else {}
         laurel = LAUREL_LINEARS if self.config.altup_inputs else {}
         return {**self.mixer(layer).host_linears(self.config.at(layer)), **ffn, **ple, **laurel}
@@ -407,6 +411,8 @@ class ModelSource(ABC):
                   "per_layer_table": (c.vocab_size, c.n_layers * p), "per_layer_proj": (c.n_layers * p, c.hidden_size),
                   "gate": (c.intermediate_size, c.hidden_size), "up": (c.intermediate_size, c.hidden_size),
                   "down": (c.hidden_size, c.intermediate_size), "gate_up": (2 * c.intermediate_size, c.hidden_size),
+                  "gate_shexp": (c.expert_shared, c.hidden_size), "up_shexp": (c.expert_shared, c.hidden_size),
+                  "down_shexp": (c.hidden_size, c.expert_shared),
                   "embedding": (c.vocab_size, c.hidden_size), "lm_head": (c.vocab_size, c.hidden_size)}
         for mixer in self._kinds():
             shapes.update(mixer.host_shapes(c))

@@ -31,6 +31,7 @@ from perfx.tokenizer import Tokenizer
 
 GGUF_LINEAR = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
                "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down",
+               "gate_shexp": "ffn_gate_shexp", "up_shexp": "ffn_up_shexp", "down_shexp": "ffn_down_shexp",
                "conv_in": "shortconv.in_proj", "conv_out": "shortconv.out_proj",
                "delta_qkv": "attn_qkv", "delta_z": "attn_gate", "delta_a": "ssm_alpha", "delta_b": "ssm_beta",
                "delta_out": "ssm_out", "ple_gate": "inp_gate", "ple_proj": "proj",
@@ -53,6 +54,7 @@ GGUF_CONV_TAPS = {"conv": ("shortconv.conv.weight", "{arch}.shortconv.l_cache", 
 # A MoE layer's tensors (perfx.moe): each expert projection stacked over the experts, the router, the selection bias
 GGUF_EXPERTS = {"gate_exps": "ffn_gate_exps", "up_exps": "ffn_up_exps", "down_exps": "ffn_down_exps"}
 GGUF_ROUTER, GGUF_SELECTION_BIAS = "ffn_gate_inp.weight", "exp_probs_b.bias"
+GGUF_SHARED_GATE = "ffn_gate_inp_shexp.weight"   # the shared expert's σ gate, (hidden,)
 GGUF_FUSED_EXPERTS = "ffn_gate_up_exps"   # gate and up of every expert in one (E, 2·I, hidden) tensor, where written
 GGUF_ROUTER_BIAS = "ffn_gate_inp.bias"    # gpt-oss: the router's bias, and each expert tensor's (E, rows) bias
 # Fused matrices a file may hold (Phi-3), with the parts they replace
@@ -132,6 +134,8 @@ class GGUFSource(ModelSource):
             self._check_router(f"blk.{layer}.{GGUF_ROUTER_BIAS}", (c.n_experts,))
             for part in self._expert_bias_parts(layer):
                 self._check_router(self._expert_bias_tensor(part, layer), (c.n_experts, self._expert_shape(part)[0]))
+        if c.expert_shared_gate:
+            self._check_shared_gate(layer)
         parts = dict(GGUF_EXPERTS)
         if self._fused_experts(layer):
             parts = {"gate_up_exps": GGUF_FUSED_EXPERTS, "down_exps": GGUF_EXPERTS["down_exps"]}
@@ -185,6 +189,20 @@ class GGUFSource(ModelSource):
         values = (quants.dequantize(raw, gguf.GGMLQuantizationType.BF16) if t.tensor_type.name == "BF16"
                   else raw.astype(np.float32))
         return check_finite(values.reshape(c.n_experts, -1).astype(np.float32), self.path, name)
+
+    def _check_shared_gate(self, layer: int):
+        """A shared expert's σ gate: one float32 row of hidden values, as llama.cpp's converter writes it."""
+        name, c = f"blk.{layer}.{GGUF_SHARED_GATE}", self.config
+        t = self._tensors.get(name)
+        if t is None:
+            raise PerfxError(f"{self.path}: tensor {name} (the shared expert's gate) is missing; the GGUF is "
+                             f"incomplete or not a {c.architecture} model")
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if shape not in ((c.hidden_size,), (1, c.hidden_size)) or t.tensor_type.name not in ("F32", "F16"):
+            raise PerfxError(f"{self.path}: tensor {name} is {t.tensor_type.name} of shape {shape}, but the shared "
+                             f"expert's gate is one F32 row of {c.architecture}.embedding_length = {c.hidden_size}; "
+                             "the header does not describe this file")
+        return t
 
     def _fused_experts(self, layer: int) -> bool:
         """Whether the layer holds gate and up of its experts in one tensor (ffn_gate_up_exps), as some converters
@@ -242,6 +260,10 @@ class GGUFSource(ModelSource):
         if c.expert_bias:
             t = self._check_router(f"blk.{layer}.{GGUF_SELECTION_BIAS}", (c.n_experts,))
             bias = check_finite(np.asarray(t.data, np.float32).reshape(-1), self.path, t.name)
+        shared_gate = None
+        if c.expert_shared_gate:
+            t = self._check_shared_gate(layer)
+            shared_gate = check_finite(np.asarray(t.data, np.float32).reshape(-1), self.path, t.name)
         if self._fused_experts(layer):
             gate_up = [fuse_expert([w]) for w in self._expert_matrices("gate_up_exps", layer)]
         else:
@@ -257,7 +279,7 @@ class GGUFSource(ModelSource):
             biases = dict(router_bias=check_finite(np.asarray(t.data, np.float32).reshape(-1), self.path, t.name),
                           gate_up_bias=np.ascontiguousarray(gate_up_bias), down_bias=parts["down_exps"])
         return MoEWeights(router=check_finite(np.ascontiguousarray(router), self.path, f"blk.{layer}.{GGUF_ROUTER}"),
-                          selection_bias=bias, gate_up=gate_up,
+                          selection_bias=bias, gate_up=gate_up, shared_gate=shared_gate,
                           down=[fuse_expert([d]) for d in self._expert_matrices("down_exps", layer)], **biases)
 
     def _part_tensor(self, kind: str, part: str, layer: int) -> str:

@@ -25,7 +25,10 @@ from perfx.tokenizer import Tokenizer
 AWQ_VERSIONS = ("gemm", "gemv")
 
 HF_LINEAR = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-             "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+             "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
+             # a MoE block's shared expert (Qwen3.5-MoE's mlp.shared_expert)
+             "gate_shexp": "mlp.shared_expert.gate_proj", "up_shexp": "mlp.shared_expert.up_proj",
+             "down_shexp": "mlp.shared_expert.down_proj"}
 HF_VECTOR = {"attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
              "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",
              "v_bias": "self_attn.v_proj.bias", "q_norm": "self_attn.q_norm.weight",
@@ -207,6 +210,8 @@ class HFSource(ModelSource):
             return self._check_gpt_oss_experts(block)
         if c.expert_bias:
             self._check_shape(f"{block}.expert_bias", (e,))
+        if c.expert_shared_gate:   # transformers' shared_expert_gate: a Linear(hidden, 1)
+            self._check_shape(f"{block}.shared_expert_gate.weight", (1, hidden))
         if self._stacked_experts(layer):
             self._check_shape(f"{block}.experts.gate_up_proj", (e, 2 * inter, hidden))
             self._check_shape(f"{block}.experts.down_proj", (e, hidden, inter))
@@ -284,6 +289,10 @@ class HFSource(ModelSource):
                     if c.expert_biases else None)
             return self._gpt_oss_experts(layer, router, bias)
         bias = self._tensor(f"{block}.expert_bias", (c.n_experts,)).astype(np.float32) if c.expert_bias else None
+        shared_gate = None
+        if c.expert_shared_gate:
+            shared_gate = self._tensor(f"{block}.shared_expert_gate.weight",
+                                       (1, c.hidden_size)).astype(np.float32).reshape(-1)
         if self._stacked_experts(layer):
             gate_up = self._tensor(f"{block}.experts.gate_up_proj")
             down = self._tensor(f"{block}.experts.down_proj")
@@ -292,7 +301,7 @@ class HFSource(ModelSource):
             def read(part, e):
                 return self._tensor(f"{self._expert_module(part, layer, e)}.weight").astype(np.float16)
             pairs = [([read("gate_exps", e), read("up_exps", e)], read("down_exps", e)) for e in range(c.n_experts)]
-        return MoEWeights(router=np.ascontiguousarray(router), selection_bias=bias,
+        return MoEWeights(router=np.ascontiguousarray(router), selection_bias=bias, shared_gate=shared_gate,
                           gate_up=[fuse_expert([self._quantized(p) for p in parts]) for parts, _ in pairs],
                           down=[fuse_expert([self._quantized(d)]) for _, d in pairs])
 

@@ -129,16 +129,25 @@ FAMILIES = {
                    rope_theta=10_000_000.0, partial_rotary_factor=0.25, linear_num_key_heads=2,
                    linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
                    linear_conv_kernel_dim=4, full_attention_interval=4, tie_word_embeddings=True),
+    # Qwen3.5-MoE: Qwen3.5's layers, each FFN 2 of 6 experts of 32 and a σ-gated shared expert of 64 (wider than
+    # an expert, as a separate width must be); no intermediate_size, as its config.json has none
+    "qwen35moe": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10_000_000.0,
+                      partial_rotary_factor=0.25, linear_num_key_heads=2, linear_num_value_heads=4,
+                      linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+                      full_attention_interval=4, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64, tie_word_embeddings=False),
 }
 
 MODEL_TYPE = {"gemma3": "gemma3_text", "gemma2": "gemma2", "qwen3": "qwen3", "phi3": "phi3", "smollm3": "smollm3",
-              "lfm2": "lfm2", "qwen35": "qwen3_5_text"}
+              "lfm2": "lfm2", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}
 ARCHITECTURES = {"gemma3": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "lfm2": "Lfm2ForCausalLM",
-                 "qwen35": "Qwen3_5ForCausalLM"}
+                 "qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM"}
 GEMMAS = ("gemma3", "gemma2")
+QWEN35S = ("qwen35", "qwen35moe")   # Qwen3.5's layers, with a dense MLP or the mixture of experts
 ADD_BOS = {"gemma3": True, "gemma2": True, "qwen3": False, "phi3": False, "smollm3": False, "lfm2": True,
-           "qwen35": False}
+           "qwen35": False, "qwen35moe": False}
 
 # Per-layer tensor types, cycled over the layers: Q4_0 and Q8_0 on rows of 64 / 128, K-quants on ffn_down.
 DEFAULT_TYPES = [
@@ -148,6 +157,14 @@ DEFAULT_TYPES = [
 DEFAULT_PHI3_TYPES = [
     {"qkv": "Q8_0", "o": "Q4_0", "gate_up": "Q4_0", "down": "Q4_K"},
     {"qkv": "Q4_0", "o": "Q8_0", "gate_up": "Q8_0", "down": "Q6_K"},
+]
+# Qwen3.5-MoE's: every form the routed GEMVs read (Q4_0 and Q8_0 experts, F16 ones held as int8) and Q4_0 / Q8_0
+# shared experts; no K-quants, whose rows of 256 the tiny experts (K = 32) have not
+QWEN35MOE_TYPES = [
+    {"q": "Q8_0", "k": "Q4_0", "v": "Q8_0", "o": "Q4_0", "gate": "Q4_0", "up": "Q8_0", "down": "Q8_0",
+     "gate_exps": "Q4_0", "up_exps": "Q4_0", "down_exps": "Q4_0"},
+    {"q": "Q4_0", "k": "Q8_0", "v": "Q4_0", "o": "Q8_0", "gate": "Q8_0", "up": "Q4_0", "down": "Q4_0",
+     "gate_exps": "Q8_0", "up_exps": "Q8_0", "down_exps": "F16"},
 ]
 F32_TYPES = [{k: "F32" for k in ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up")}]
 K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -184,7 +201,7 @@ def make_family_model(family: str, tokenizer_model: Path, rng: np.random.Generat
     config = _hub_config(family, shape, vocab, rng)
     if family == "lfm2":
         return _make_lfm2(config, Path(tokenizer_model), rng, logit_std, embed_rms)
-    if family == "qwen35":
+    if family in QWEN35S:
         return _make_qwen35(config, Path(tokenizer_model), rng, logit_std, embed_rms)
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -281,7 +298,7 @@ def _make_qwen35(config: dict, tokenizer_model: Path, rng: np.random.Generator, 
                                                               "num_key_value_heads", "head_dim"))
     hk, hv = config["linear_num_key_heads"], config["linear_num_value_heads"]
     dk, dv, length = config["linear_key_head_dim"], config["linear_value_head_dim"], config["linear_conv_kernel_dim"]
-    inter = config["intermediate_size"]
+    moe = "num_experts" in config
 
     def matrix(n, k, scale=1.0):
         return (scale * rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
@@ -319,11 +336,31 @@ def _make_qwen35(config: dict, tokenizer_model: Path, rng: np.random.Generator, 
             w[p + "self_attn.o_proj.weight"] = matrix(hidden, heads * head_dim)
             w[p + "self_attn.q_norm.weight"] = centred(head_dim)
             w[p + "self_attn.k_norm.weight"] = centred(head_dim)
-        w[p + "mlp.gate_proj.weight"] = matrix(inter, hidden)
-        w[p + "mlp.up_proj.weight"] = matrix(inter, hidden)
-        w[p + "mlp.down_proj.weight"] = matrix(hidden, inter)
+        if not moe:
+            inter = config["intermediate_size"]
+            w[p + "mlp.gate_proj.weight"] = matrix(inter, hidden)
+            w[p + "mlp.up_proj.weight"] = matrix(inter, hidden)
+            w[p + "mlp.down_proj.weight"] = matrix(hidden, inter)
+            continue
+        # Qwen3_5MoeSparseMoeBlock as the hub checkpoints save it: the router mlp.gate, each expert's
+        # gate/up/down_proj, the shared expert and its gate (a Linear(hidden, 1)); a router of spread 2 so the
+        # top experts stand clear of the next
+        e, inter = config["num_experts"], config["moe_intermediate_size"]
+        shared = config["shared_expert_intermediate_size"]
+        w[p + "mlp.gate.weight"] = matrix(e, hidden, 2.0)
+        for j in range(e):
+            w[p + f"mlp.experts.{j}.gate_proj.weight"] = matrix(inter, hidden)
+            w[p + f"mlp.experts.{j}.up_proj.weight"] = matrix(inter, hidden)
+            w[p + f"mlp.experts.{j}.down_proj.weight"] = matrix(hidden, inter)
+        w[p + "mlp.shared_expert.gate_proj.weight"] = matrix(shared, hidden)
+        w[p + "mlp.shared_expert.up_proj.weight"] = matrix(shared, hidden)
+        w[p + "mlp.shared_expert.down_proj.weight"] = matrix(hidden, shared)
+        w[p + "mlp.shared_expert_gate.weight"] = matrix(1, hidden, 1.5)
     w["model.norm.weight"] = centred(hidden, logit_std / (embed_rms * np.sqrt(hidden)))
-    return TinyModel(config, w, tokenizer_model, extra={"family": "qwen35"})
+    if moe and not config.get("tie_word_embeddings", False):
+        w["lm_head.weight"] = matrix(config["vocab_size"], hidden)
+        w["model.norm.weight"] = centred(hidden, logit_std)
+    return TinyModel(config, w, tokenizer_model, extra={"family": "qwen35moe" if moe else "qwen35"})
 
 
 def qwen35_v_tiled(w: np.ndarray, config: dict, axis: int, head: int, skip: int = 0) -> np.ndarray:
@@ -408,7 +445,7 @@ def _hub_config(family: str, shape: dict, vocab: int, rng: np.random.Generator) 
                  "mlp_bias": False,
                  "rope_scaling": {"long_factor": [round(float(x), 4) for x in long],
                                   "short_factor": [round(float(x), 4) for x in short], "type": "longrope"}}
-    elif family == "qwen35":   # Qwen3.5's text_config keys (transformers 5 wrote them: rope_parameters)
+    elif family in QWEN35S:   # Qwen3.5's text_config keys (transformers 5 wrote them: rope_parameters)
         interval = s.pop("full_attention_interval")
         extra = {"hidden_act": "silu", "attn_output_gate": True, "full_attention_interval": interval,
                  "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
@@ -436,7 +473,7 @@ def transformers5_config(config: dict) -> dict:
     family = next(f for f, t in MODEL_TYPE.items() if t == c["model_type"])
     c["dtype"] = c.pop("torch_dtype")
     c["transformers_version"] = "5.24.0"
-    if family == "qwen35":   # its hub config.json is transformers 5's already
+    if family in QWEN35S:   # its hub config.json is transformers 5's already
         return dict(sorted(c.items()))
     rope = {"rope_theta": c.pop("rope_theta"), "rope_type": "default"}
     scaling = dict(c.pop("rope_scaling", None) or {})
@@ -535,7 +572,7 @@ def write_family_gguf(path: Path, model: TinyModel, types: list[dict] | None = N
     """
     family = model.extra["family"]
     c = model.config
-    types = types or (DEFAULT_PHI3_TYPES if family == "phi3" else DEFAULT_TYPES)
+    types = types or {"phi3": DEFAULT_PHI3_TYPES, "qwen35moe": QWEN35MOE_TYPES}.get(family, DEFAULT_TYPES)
     linear_types = [t for layer in types for t in layer.values()]
     file_type = max(set(linear_types), key=linear_types.count)
     writer = gguf.GGUFWriter(str(path), family)
@@ -554,9 +591,13 @@ def write_family_gguf(path: Path, model: TinyModel, types: list[dict] | None = N
     written = GGUFWritten(Path(path), {}, {})
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[family.upper()], c["num_hidden_layers"])
     heads = {"q_proj": c["num_attention_heads"], "k_proj": c["num_key_value_heads"]}
+    experts: dict[tuple[int, str], list[str]] = {}
     for hf_name, w in model.weights.items():
         if family == "gemma2" and hf_name == "lm_head.weight":
             continue          # Gemma2Model.filter_tensors: llama.cpp's gemma2 always reads token_embd
+        if ".mlp.experts." in hf_name:    # Qwen2MoeModel.modify_tensors stacks each projection over the experts
+            experts.setdefault((int(hf_name.split(".")[2]), hf_name.split(".")[-2]), []).append(hf_name)
+            continue
         if hf_name.endswith(".A_log"):        # tensors without a .weight: ssm_a, ssm_dt.bias (from dt_proj.bias)
             gguf_name = names.get_name(hf_name)
         elif hf_name.endswith(".dt_bias"):
@@ -565,12 +606,14 @@ def write_family_gguf(path: Path, model: TinyModel, types: list[dict] | None = N
             gguf_name = names.get_name(hf_name.removesuffix(".weight")) + ".weight"
         module = hf_name.split(".")[-2]
         hf_shape = w.shape
-        if family == "qwen35":
+        if family in QWEN35S:
             w = qwen35_stored(hf_name, w, c)
         if gguf_name.endswith("shortconv.conv.weight"):   # LFM2Model.modify_tensors squeezes; always F32
             w, kind = w.reshape(w.shape[0], w.shape[-1]), "F32"
         elif gguf_name.endswith("ssm_conv1d.weight"):   # always F32
             kind = "F32"
+        elif gguf_name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")):   # routers: F32, 1-D gate
+            w, kind = (w.reshape(-1) if "shexp" in gguf_name else w), "F32"
         elif w.ndim == 1 or gguf_name.endswith("_norm.weight"):
             kind = "F32"
         elif gguf_name == "token_embd.weight":
@@ -591,10 +634,19 @@ def write_family_gguf(path: Path, model: TinyModel, types: list[dict] | None = N
         writer.add_tensor(gguf_name, data, raw_dtype=raw_dtype)
         if permute:
             held = unpermute_qk(held, permute)
-        if family == "qwen35":
+        if family in QWEN35S:
             held = qwen35_unstored(hf_name, held, c)
         written.weights[hf_name] = (held - 1 if gemma_norm else held).reshape(hf_shape)
         written.types[hf_name] = kind
+    for (layer, module), hf_names in experts.items():
+        stacked = np.stack([model.weights[name] for name in hf_names])
+        gguf_name = f"blk.{layer}.ffn_{SHORT[module]}_exps.weight"
+        layer_types = types[layer % len(types)]
+        kind = layer_types.get(f"{SHORT[module]}_exps", layer_types[SHORT[module]])
+        data, raw_dtype, held = encode_tensor(stacked, kind)
+        writer.add_tensor(gguf_name, data, raw_dtype=raw_dtype)
+        for name, expert in zip(hf_names, held.reshape(stacked.shape)):
+            written.weights[name], written.types[name] = expert, kind
     if family == "phi3":
         for which in ("long", "short"):
             factors = np.asarray(c["rope_scaling"][f"{which}_factor"], dtype=np.float32)
@@ -640,12 +692,18 @@ def _add_hparams(writer: gguf.GGUFWriter, family: str, c: dict):
             writer.add_rope_scaling_attn_factors(
                 math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0)
         return
-    if family == "qwen35":                   # Qwen3_5TextModel: TextModel's keys, Qwen3NextModel's, M-RoPE's
+    if family in QWEN35S:                    # Qwen3_5TextModel: TextModel's keys, Qwen3NextModel's, M-RoPE's
         rope = c["rope_parameters"]
         writer.add_block_count(c["num_hidden_layers"])
         writer.add_context_length(c["max_position_embeddings"])
         writer.add_embedding_length(c["hidden_size"])
-        writer.add_feed_forward_length(c["intermediate_size"])
+        if "intermediate_size" in c:         # TextModel writes it only where config.json has it
+            writer.add_feed_forward_length(c["intermediate_size"])
+        if "num_experts" in c:               # Qwen2MoeModel.set_gguf_parameters: the experts' keys
+            writer.add_expert_count(c["num_experts"])
+            writer.add_expert_used_count(c["num_experts_per_tok"])
+            writer.add_expert_feed_forward_length(c["moe_intermediate_size"])
+            writer.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
         writer.add_head_count(c["num_attention_heads"])
         writer.add_head_count_kv(c["num_key_value_heads"])
         writer.add_rope_freq_base(rope["rope_theta"])
@@ -658,7 +716,7 @@ def _add_hparams(writer: gguf.GGUFWriter, family: str, c: dict):
         writer.add_ssm_time_step_rank(c["linear_num_value_heads"])
         writer.add_ssm_inner_size(c["linear_value_head_dim"] * c["linear_num_value_heads"])
         # add_recurrent_layers (gguf-py 0.18 has none yet): one bool a layer, from layer_types
-        writer.add_array("qwen35.attention.recurrent_layers", [t == "linear_attention" for t in c["layer_types"]])
+        writer.add_array(f"{family}.attention.recurrent_layers", [t == "linear_attention" for t in c["layer_types"]])
         writer.add_full_attention_interval(c["full_attention_interval"])
         writer.add_rope_dimension_count(int(c["head_dim"] * rope["partial_rotary_factor"]))
         writer.add_rope_dimension_sections(rope["mrope_section"] + [0])

@@ -24,6 +24,8 @@ import gguf
 import numpy as np
 from gguf import quants
 
+from helpers.moe_models import add_plain_vocab
+
 # The experts' type per layer, cycled
 EXPERT_TYPES = ("MXFP4", "Q8_0", "F32")
 
@@ -46,10 +48,11 @@ def _encode(w: np.ndarray, kind: str):
 
 
 def write_gptoss_gguf(path: Path, rng: np.random.Generator, expert_types=EXPERT_TYPES, fused_gate_up: bool = False,
-                      drop=(), change=None, keys=None, **overrides) -> tuple[Path, dict]:
+                      drop=(), change=None, keys=None, vocab: bool = False, **overrides) -> tuple[Path, dict]:
     """A tiny random gpt-oss GGUF; (path, {tensor name: float64 held}, and "raw:<name>" the MXFP4 bytes). A bad
     file for the tests: the tensors ``drop`` left out, ``change`` {name: array} written in their place, ``keys``
-    {key: value} written in place of the converter's (None: left out)."""
+    {key: value} written in place of the converter's (None: left out). ``vocab``: a small vocabulary too, which
+    llama.cpp needs to open the file."""
     c = dict(TINY, **overrides)
     hidden, n_layers, e = c["hidden_size"], c["num_hidden_layers"], c["num_local_experts"]
     heads, kv, d, inter = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["intermediate_size"]
@@ -74,6 +77,8 @@ def write_gptoss_gguf(path: Path, rng: np.random.Generator, expert_types=EXPERT_
     writer.add_rope_freq_base(c["rope_theta"])
     writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
     writer.add_vocab_size(c["vocab_size"])
+    if vocab:
+        add_plain_vocab(writer, c["vocab_size"])
     writer.add_expert_count(e)
     writer.add_expert_used_count(c["num_experts_per_tok"])
     # GptOssModel.set_gguf_parameters

@@ -1,4 +1,5 @@
-"""The tiny files of the families whose tests write them with their own writers (the mixtures of experts, Gemma 4),
+"""The tiny files of the families whose tests write them with their own writers (the mixtures of experts, Gemma 4
+and 3n, Qwen3.5-MoE),
 as ``benchmarks/routed_families_llamacpp.py`` records llama.cpp's greedy answers on them and
 ``tests/test_routed_families_llamacpp.py`` checks perfx against those answers: one writer per family, a seed in,
 a GGUF out, the same bytes on every machine.
@@ -8,6 +9,11 @@ reuse takes layer ``n_layer_kv_from_start − 2`` for a sliding layer and ``− 
 last earlier layer of its kind" (perfx's and transformers' rule) only where the last layer holding a cache is
 global and the one before it sliding, as in every published Gemma 4; the tests' other tiny pattern ([s, s, g] × 2)
 is not such a model, and llama.cpp aborts on it.
+
+llama.cpp's gemma3n fixes what every published Gemma 3n has, whatever the file says: the first 20 layers hold
+caches (``n_layer_kv_from_start``), the first 10 have sparse gates (z of 0.95), per-layer inputs of 256 values and
+LAuReL of rank 64. Its tiny file is such a model: 22 narrow layers, sliding and global as [s, s, s, s, g] × 4 then
+[s, g], the last two sharing KV.
 """
 
 from __future__ import annotations
@@ -16,11 +22,15 @@ from pathlib import Path
 
 import numpy as np
 
+from helpers.family_models import family_tokenizer, make_family_model, write_family_gguf
+from helpers.gemma3n_models import make_gemma3n, write_gemma3n_gguf
 from helpers.gemma4_models import make_gemma4, write_gemma4_gguf
+from helpers.gptoss_models import write_gptoss_gguf
 from helpers.moe_models import write_moe_gguf
 
 PROMPT = [2, 10, 20, 30, 40, 50, 60, 70]      # ids: bos, then plain pieces of every tiny vocabulary
 GEMMA4_PATTERN = ["sliding_attention", "full_attention"] * 3
+GEMMA3N_LAYERS = 22
 
 
 def _gemma4(path: Path, seed: int, k_eq_v: bool) -> Path:
@@ -29,9 +39,28 @@ def _gemma4(path: Path, seed: int, k_eq_v: bool) -> Path:
     return path
 
 
+def _gemma3n(path: Path, seed: int) -> Path:
+    n = GEMMA3N_LAYERS
+    model = make_gemma3n(np.random.default_rng(seed), num_hidden_layers=n, intermediate_size=[96] * n,
+                         hidden_size_per_layer_input=256, laurel_rank=64, num_kv_shared_layers=n - 20,
+                         activation_sparsity_pattern=[0.95] * 10 + [0.0] * (n - 10),
+                         layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 4 + ["sliding_attention",
+                                                                                               "full_attention"])
+    write_gemma3n_gguf(path, model)
+    return path
+
+
+def _qwen35moe(path: Path, seed: int) -> Path:
+    model = make_family_model("qwen35moe", family_tokenizer(path.parent, "qwen35moe"), np.random.default_rng(seed))
+    return write_family_gguf(path, model).path
+
+
 WRITERS = {
     "qwen3moe": lambda path, seed: write_moe_gguf(path, "qwen3_moe", np.random.default_rng(seed), vocab=True)[0],
     "lfm2moe": lambda path, seed: write_moe_gguf(path, "lfm2_moe", np.random.default_rng(seed), vocab=True)[0],
     "gemma4": lambda path, seed: _gemma4(path, seed, k_eq_v=False),
     "gemma4-k-eq-v": lambda path, seed: _gemma4(path, seed, k_eq_v=True),
+    "gemma3n": _gemma3n,
+    "gpt-oss": lambda path, seed: write_gptoss_gguf(path, np.random.default_rng(seed), vocab=True)[0],
+    "qwen35moe": _qwen35moe,
 }

@@ -435,8 +435,10 @@ class Model:
         GEMV (``Q4Linear.tail``), run where ``_layers`` enqueues one row of a decode step. A matrix that is not
         int4 after all (a weight the file's header did not announce) leaves the step unfused."""
         c, s, tails, layers = self.config, self.state, self.plan.gemv_tail, self.weights.layers
+        if not tails:
+            return
         linears = [(w.mixer.weights[i].o, w.gate_up, w.down) for i, w in enumerate(layers)]
-        if not tails or not all(isinstance(x, Q4Linear) for trio in linears for x in trio):
+        if not all(isinstance(x, Q4Linear) for trio in linears for x in trio):
             return
 
         def norm_tail(gamma, post, readers):

@@ -38,20 +38,30 @@
 #define Q8X 0         // the Q8_1 blocks' order (kernels/q8_1.h), 0 for none (the caller's, not tuned)
 #endif
 
+// The product's parameters (kernels/gemv_q4_rows.cl's, with its defaults)
 #ifndef LANES
-#define LANES 16
+#define LANES 16     // work-items along K per work-group
 #endif
 #ifndef ROWS
-#define ROWS 4
+#define ROWS 4       // outputs per work-item
+#endif
+#ifndef WGR
+#define WGR 1        // row sets per work-group
 #endif
 #ifndef READ
-#define READ 0
+#define READ 0       // 0: uint4 buffer, 2: image1d_buffer view (not 1: image2d row blocks)
 #endif
 #ifndef SG
-#define SG 0
+#define SG 0         // lanes reduced in local memory (0) or by sub_group_reduce_add (1)
 #endif
 #ifndef HALF
-#define HALF 0
+#define HALF 0       // fp16 dequantize-and-multiply within a group
+#endif
+#ifndef I8
+#define I8 0         // int8 activations: int16 pairs (1) or byte dot products (2)
+#endif
+#ifndef SUBGROUP
+#define SUBGROUP 0   // required subgroup size (0: the driver's)
 #endif
 #ifndef GROUP
 #define GROUP 128
@@ -152,8 +162,9 @@ inline void tail_quantize(const int n, __global float* restrict y, __global char
 // The tail's arguments, after the product's own (the same list for both tails: what a tail does not read, the
 // wrapper binds to a placeholder).
 #define TAIL_ARGS                                                                                            \
-    , __global volatile int* restrict counter, __global float* restrict residual, __global const float* restrict gamma, \
-    __global const float* restrict post_gamma, const float eps, __global float* restrict xn,                \
+    , __global volatile int* restrict counter, __global float* restrict residual,                          \
+    __global const float* restrict gamma, __global const float* restrict post_gamma, const float eps,        \
+    __global float* restrict xn,                                                                             \
     __global char* restrict tail_xq, __global float2* restrict tail_steps
 #define TAIL_NAMES counter, residual, gamma, post_gamma, eps, xn, tail_xq, tail_steps
 

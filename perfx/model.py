@@ -428,8 +428,8 @@ class Model:
         return bool(self.config.per_layer_input or self.config.layer_scale)
 
     def _attach_tails(self):
-        """A fused decode step (the plan's ``gemv_tail``: ``perfx.step.fused_step``): each layer's o projection
-        adds its output into the residual and writes xb normed for the MLP, its down does the same for the next
+        """A fused decode step (the plan's ``gemv_tail``: ``perfx.step.fused_step``): the matrix ending each layer's
+        mixer (attention's o, ...) adds its output into the residual and writes xb normed for the MLP, its down does the same for the next
         layer's mixer (the final norm for the lm_head after the last), through the post-norms where the recipe has
         them, and its gate-up writes hb's Q8_1 blocks where down reads int8 activations. Each is a tail of the
         GEMV (``Q4Linear.tail``), run where ``_layers`` enqueues one row of a decode step. A matrix that is not
@@ -437,7 +437,9 @@ class Model:
         c, s, tails, layers = self.config, self.state, self.plan.gemv_tail, self.weights.layers
         if not tails:
             return
-        linears = [(w.mixer.weights[i].o, w.gate_up, w.down) for i, w in enumerate(layers)]
+        outputs = set(tails) - {"gate_up", "down"}   # the matrix ending each mixer (perfx.step.mixer_outputs)
+        linears = [(next((x for x in w.mixer.linears_of(i) if x.role in outputs), None), w.gate_up, w.down)
+                   for i, w in enumerate(layers)]
         if not all(isinstance(x, Q4Linear) for trio in linears for x in trio):
             return
 

@@ -170,32 +170,46 @@ def decode_step(config, options: StepOptions) -> list[Op]:
     recipe allows (``fuses``), the launches that only move data between two GEMVs as those GEMVs' tails
     (``fused_step``)."""
     step = embedding_ops(config, 1, options) + layer_ops(config, 1, options) + head_ops(config, options)
-    return fused_step(config, step) if options.fuse and fuses(config, options) else step
+    return fused_step(config, step, mixer_outputs(config, options)) if options.fuse and fuses(config, options) else step
+
+
+def mixer_outputs(config, options: StepOptions) -> tuple[str, ...] | None:
+    """The matrix role that ends each layer kind's mixer (its decode ops' last, writing proj: attention's o, the
+    short convolution's and the DeltaNet's out-projections), in the order the kinds first come; None where a
+    mixer ends otherwise."""
+    roles = []
+    for kind in kinds_of(config):
+        ops = mixer_class(kind).ops(config, 1, options)
+        if not ops or ops[-1].weight is None or ops[-1].writes != ("proj",):
+            return None
+        roles.append(ops[-1].weight)
+    return tuple(roles)
 
 
 def fuses(config, options: StepOptions) -> bool:
-    """Whether the decode step fuses its norms into the GEMVs beside them: every layer an attention layer with the
-    gated MLP (no mixture of experts, no per-layer inputs or output scalar after the MLP, one FFN width), and its
-    o, gate-up and down matrices int4 alone (the tails are gemv_q4's rows kernel's: ``kernels/gemv_q4_tail.cl``)."""
-    c = config
-    if kinds_of(c) != ["attention"] or list(c.dense_ffn_layers) != list(range(c.n_layers)):
+    """Whether the decode step fuses its norms into the GEMVs beside them: each layer's mixer ends in a matrix
+    writing proj (``mixer_outputs``), every layer has the gated MLP (no mixture of experts, no per-layer inputs or
+    output scalar after the MLP, one FFN width), and those matrices and gate-up and down are int4 alone (the tails
+    are gemv_q4's rows kernel's: ``kernels/gemv_q4_tail.cl``)."""
+    c, outputs = config, mixer_outputs(config, options)
+    if outputs is None or list(c.dense_ffn_layers) != list(range(c.n_layers)):
         return False
     if c.per_layer_input or c.layer_scale or len({c.at(i).intermediate_size for i in range(c.n_layers)}) != 1:
         return False
     return all([f.kind for f in role_forms(c, role, options, matrix_dims(c, role)[1])] == ["q4"]
-               for role in ("o", "gate_up", "down"))
+               for role in (*outputs, "gate_up", "down"))
 
 
-def fused_step(config, step: list[Op]) -> list[Op]:
-    """The decode step with its norms as tails (``perfx.ops.gemv_q4_tail``): the o projection adds its output into
-    the residual and writes the norm before the MLP (through the post-norm where the recipe has one), down does
+def fused_step(config, step: list[Op], outputs: tuple[str, ...]) -> list[Op]:
+    """The decode step with its norms as tails (``perfx.ops.gemv_q4_tail``): the matrix ending each mixer
+    (``outputs``: attention's o, ...) adds its output into the residual and writes the norm before the MLP (through the post-norm where the recipe has one), down does
     the same with the next layer's norm, or the final norm after the last layer, and gate-up writes its output's
     Q8_1 blocks, down's int8 input (where its output is whole blocks). The norms of the layer block and the
     final norm go; the norm of the embedding's output runs once before the layers. Each tail's shape is its
     GEMV's with ``tail`` (and ``post``), measured by `perfx tune` as the family gemv_q4_tail."""
     post = {"post": True} if config.post_norms else {}
     gated = config.intermediate_size % 32 == 0
-    tails = {"o": {"tail": "norm", **post}, "down": {"tail": "norm", **post}}
+    tails = {role: {"tail": "norm", **post} for role in (*outputs, "down")}
     if gated:
         tails["gate_up"] = {"tail": "q8"}
     out, first_norm = [], None

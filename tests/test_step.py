@@ -19,7 +19,7 @@ from perfx.sources import open_model
 from perfx.sources.synthetic import SYNTHETIC_MODELS, open_synthetic
 from perfx.mixers import MIXERS
 from perfx.op import StepOptions
-from perfx.step import bucket_steps, decode_step, ffn_ops, fuses, prefill_step
+from perfx.step import bucket_steps, decode_step, ffn_ops, fuses, mixer_outputs, prefill_step
 from perfx.tuning import SPECS
 from perfx.tuning.database import M_BUCKETS, bucket_representative, default_database
 from perfx.tuning.problems import DECODE_POSITIONS, model_problems
@@ -114,13 +114,15 @@ def test_a_fused_step_runs_the_norms_as_tails_of_the_gemvs_beside_them(name):
     norms = [i for i, op in enumerate(fused) if op.family == "rmsnorm"]
     first_layer_op = next(i for i, op in enumerate(fused) if op.layers)
     assert norms == [first_layer_op - 1] and fused[norms[0]].shape == {"m": 1, "k": c.hidden_size, "residual": True}
-    tails = {op.weight: op.shape for op in fused if op.family == "gemv_q4_tail"}
+    tails = {op.weight: op for op in fused if op.family == "gemv_q4_tail"}
     post = {"post": True} if c.post_norms else {}
-    assert tails["o"]["tail"] == tails["down"]["tail"] == "norm" and all(
-        {k: v for k, v in tails[r].items() if k == "post"} == post for r in ("o", "down"))
+    outputs = mixer_outputs(c, options)   # attention's o, the convolution's and the DeltaNet's out-projections
+    assert "o" in outputs or not c.layers_of("attention")
+    for role in (*outputs, "down"):
+        assert tails[role].shape["tail"] == "norm" and tails[role].shape.get("post", False) == bool(post)
     assert ("gate_up" in tails) == (c.intermediate_size % 32 == 0)
-    assert all(op.alternatives == () and op.layers == tuple(range(c.n_layers)) for op in fused
-               if op.family == "gemv_q4_tail")
+    assert sorted(layer for role in outputs for layer in tails[role].layers) == list(range(c.n_layers))
+    assert all(op.alternatives == () for op in tails.values())
     untailed = [replace(op, family="gemv_q4", shape={k: v for k, v in op.shape.items() if k not in ("tail", "post")},
                         alternatives=plain[[p.role for p in plain].index(op.role)].alternatives)
                 if op.family == "gemv_q4_tail" else op for op in fused if op.family != "rmsnorm"]

@@ -13,11 +13,12 @@
 //
 // The hand-off is kernels/attention_decode.cl's: every row set stores its outputs with atomic stores, fences, and
 // counts itself on a counter in global memory (atomic_inc); the row set that takes it to the launch's last reads
-// y back with atomic loads, resets the counter for the next launch, and runs the tail alone. rows.cl lets only
-// the first lane of each row set reach its store (the others return after the lanes' reduction), so the tail
-// runs on one work-item: O(N) loads and stores, against a launch's fixed cost it saves; a tail spread over a
-// work-group needs the product's early returns gone from gemv_q4_rows.cl (whose code the tuned records are
-// pinned to).
+// y back with atomic loads, resets the counter for the next launch, and runs the tail. rows.cl lets only the
+// first lane of each row set reach its store where LANES > 1 (the others return after the lanes' reduction), so
+// there the tail runs on one work-item: O(N) loads and stores, against a launch's fixed cost it saves. With one
+// lane a row set every work-item stores, the work-group counts itself once, and the last group's work-items share
+// the quantizing tail (the norm's stays on one). A tail spread over a work-group at every LANES needs the
+// product's early returns gone from gemv_q4_rows.cl (whose code the tuned records are pinned to).
 //
 // Shape contract: rows.cl's, one launch per product (not READ 1's image2d row blocks, which the wrapper splits
 // into several launches); TAIL 1: N = the hidden size, no gate-up epilogue; Q8X: the output's length a multiple
@@ -147,11 +148,12 @@ inline void tail_norm(const int n, __global float* restrict y, __global float* r
 #endif
 
 #if TAIL == 2
-// y's n outputs as Q8_1 blocks, by one work-item: each block read back through atomics into private memory.
+// y's n outputs as Q8_1 blocks, block `first` and every `step`-th after it: each block read back through atomics
+// into private memory.
 inline void tail_quantize(const int n, __global float* restrict y, __global char* restrict xq,
-                          __global float2* restrict x_step_sum)
+                          __global float2* restrict x_step_sum, const int first, const int step)
 {
-    for (int b = 0; b < n / 32; ++b) {
+    for (int b = first; b < n / 32; b += step) {
         float block[32];
         for (int i = 0; i < 32; ++i) block[i] = SHARED_LOAD(y, 32 * b + i);
         TAIL_STORE_BLOCK(block, 0, b, xq, x_step_sum)
@@ -165,8 +167,8 @@ inline void tail_quantize(const int n, __global float* restrict y, __global char
     , __global volatile int* restrict counter, __global float* restrict residual,                          \
     __global const float* restrict gamma, __global const float* restrict post_gamma, const float eps,        \
     __global float* restrict xn,                                                                             \
-    __global char* restrict tail_xq, __global float2* restrict tail_steps
-#define TAIL_NAMES counter, residual, gamma, post_gamma, eps, xn, tail_xq, tail_steps
+    __global char* restrict tail_xq, __global float2* restrict tail_steps, __local int* restrict tail_last
+#define TAIL_NAMES counter, residual, gamma, post_gamma, eps, xn, tail_xq, tail_steps, tail_last
 
 // rows.cl's store (bias, then the epilogue), each output an atomic store; then the arrival counted, and the last
 // arrival's tail.
@@ -186,13 +188,31 @@ inline void tail_store(const float* acc, const int* grow, const int first, const
         SHARED_STORE(y, out_base + o, v);
     }
     mem_fence(CLK_GLOBAL_MEM_FENCE);   // the stores before the arrival is counted
+#if LANES == 1
+    // One lane a row set: no work-item has returned, so the work-group counts its arrival once and the last
+    // group's work-items share the quantizing (a block each in turn). ``last`` is the same for the whole group, so
+    // each barrier is met by every work-item of the group or by none.
+    barrier(CLK_GLOBAL_MEM_FENCE);
+    if (get_local_id(0) == 0) tail_last[0] = atomic_inc(counter) == (int)get_num_groups(0) - 1;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (!tail_last[0]) return;
+#if TAIL == 1
+    if (get_local_id(0) != 0) return;
+    atomic_xchg(counter, 0);   // the last arrival: no other group touches it again in this launch
+    tail_norm(n_out, y, residual, gamma, post_gamma, eps, xn, tail_xq, tail_steps);
+#else
+    if (get_local_id(0) == 0) atomic_xchg(counter, 0);
+    tail_quantize(n_out, y, tail_xq, tail_steps, get_local_id(0), get_local_size(0));
+#endif
+#else
     const int row_sets = get_global_size(0) / LANES;
     if (atomic_inc(counter) != row_sets - 1) return;
     atomic_xchg(counter, 0);   // the last arrival: no other row set touches it again in this launch
 #if TAIL == 1
     tail_norm(n_out, y, residual, gamma, post_gamma, eps, xn, tail_xq, tail_steps);
 #else
-    tail_quantize(n_out, y, tail_xq, tail_steps);
+    tail_quantize(n_out, y, tail_xq, tail_steps, 0, 1);
+#endif
 #endif
 }
 

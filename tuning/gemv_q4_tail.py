@@ -152,9 +152,9 @@ SPEC = Spec(
     reference=reference.gemv,
     fuzz_shapes=fuzz_shapes,
     oclgrind_shapes=(
+        {"n": 2 * 96, "k": 128, "group": 64, "epilogue": "silu_mul", "bias": False, "tail": "q8"},
         {"n": 45, "k": 192, "group": 64, "epilogue": "none", "bias": True, "tail": "norm", "post": True},
         {"n": 64, "k": 128, "group": 32, "epilogue": "none", "bias": False, "tail": "norm", "q8": True},
-        {"n": 2 * 64, "k": 128, "group": 64, "epilogue": "silu_mul", "bias": False, "tail": "q8"},
     ),
     flops=flops,
     describe=lambda s: describe(s) + f" tail={s['tail']}" + (" post" if s.get("post") else "")

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+import pyopencl as cl
 
 from perfx.errors import PerfxError
 from perfx.ops import device_buffer
@@ -64,7 +65,8 @@ class GemvQ4Tail(GemvQ4):
         args = (self._counter, device_buffer(residual, 4 * n, "gemv_q4_tail residual"),
                 device_buffer(gamma, 4 * n, "gemv_q4_tail γ"),
                 self._unused if post_gamma is None else device_buffer(post_gamma, 4 * n, "gemv_q4_tail γ_post"),
-                np.float32(eps), device_buffer(out, 4 * n, "gemv_q4_tail normed output"), codes, steps)
+                np.float32(eps), device_buffer(out, 4 * n, "gemv_q4_tail normed output"), codes, steps,
+                cl.LocalMemory(4))
         defines = (("TAIL", TAILS["norm"]), ("POST", int(post_gamma is not None)), ("Q8X", order))
         return self.events(weight, x, y, "none", quantized, (defines, args))
 
@@ -78,7 +80,7 @@ class GemvQ4Tail(GemvQ4):
                              f"a multiple of 32 (got {m}{' gated' if is_gated(epilogue) else ''})")
         defines = (("TAIL", TAILS["q8"]), ("POST", 0), ("Q8X", order))
         args = (self._counter, self._unused, self._unused, self._unused, np.float32(0.0), self._unused,
-                *self._blocks(blocks, m))
+                *self._blocks(blocks, m), cl.LocalMemory(4))
         return self.events(weight, x, y, epilogue, quantized, (defines, args))
 
     @staticmethod

@@ -949,7 +949,7 @@ def host_peak_bytes() -> int:
 def load_model(name: str | None = None, device: Device | str | None = None, ctx: int | None = None,
                quantize: str | None = None, progress: bool | None = None, log=None,
                default_ctx: int = DEFAULT_CTX, tuning: bool = True, lm_head: str = "q8", kv: str = "f16",
-               embedding: str = "head"):
+               embedding: str = "head", fuse: bool = True):
     """Resolve ``name`` ("default", a path, "synthetic:<name>"), open it and load it on the device.
 
     Returns (model, source). ``log`` receives one-line progress notes (the CLI passes stderr's print).
@@ -957,6 +957,7 @@ def load_model(name: str | None = None, device: Device | str | None = None, ctx:
     ("q8", the default, or "fp16") is the form of the output projection and a tied embedding
     (``perfx.sources.open_model``). ``kv`` ("f16", the default, or "q8") is the KV cache's form (``Model.load``).
     ``embedding`` ("head", the default, or "q4") is the untied token embedding's form (``open_model``).
+    ``fuse`` False keeps each norm of the decode step its own launch (``Model.load``).
     """
     log = log or (lambda text: None)
     device = device if isinstance(device, Device) else Device(device)
@@ -965,7 +966,7 @@ def load_model(name: str | None = None, device: Device | str | None = None, ctx:
     log(f"perfx: model {source.describe().get('path', name)} on {device.caps.name} ({device.caps.platform}, "
         f"limits: {device.caps.limits}); {c.architecture}: {c.describe_recipe()}")
     model = Model.load(source, device, ctx=ctx, progress=progress, default_ctx=default_ctx,
-                       database=default_database(tuning), log=log, kv=kv)
+                       database=default_database(tuning), log=log, kv=kv, fuse=fuse)
     r = model.load_report
     conv = f", conv state {r['conv_state_bytes'] / 2**20:.1f} MiB" if r["conv_state_bytes"] else ""
     if r["recurrent_state_bytes"]:

@@ -88,6 +88,10 @@ class Q4Linear(Linear):
     """An int4 matrix (AWQ or GGUF Q4), in the layout and read path its decode GEMV reads."""
 
     _rows_gemm = None   # the lm_head's GEMM over a prompt's rows, made on first use
+    # A fused decode step's tail after this matrix's GEMV (``perfx.model.Model._attach_tails``): run(wrapper, weight,
+    # x, y, quantized) enqueues the GEMV with its tail (``perfx.ops.gemv_q4_tail``) and returns the events; used
+    # while the model enqueues one row of a decode step (``Model.fusing``)
+    tail = None
 
     def blocks_order(self) -> int:
         return Q8_TEXEL if self.model.plan.gemv[self._gemv_role].reads_quantized else 0
@@ -102,6 +106,8 @@ class Q4Linear(Linear):
     def __call__(self, x, y, m: int, decode: bool, blocks=None):
         plan = self.model.plan
         if decode:
+            if self.tail is not None and self.model.fusing:
+                return self.tail(plan.gemv_tail[self.role], self.weight, x, y, self._blocks(blocks, Q8_TEXEL))[-1]
             return plan.gemv[self._gemv_role](self.weight, x, y, self.epilogue,
                                               quantized=self._blocks(blocks, Q8_TEXEL))
         epilogue = "bias" if self.epilogue == "none" and self.weight.bias is not None else self.epilogue

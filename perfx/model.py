@@ -26,7 +26,7 @@ import numpy as np
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
 from perfx.formats import Q4_PAIRS, Q4Matrix
-from perfx.linear import Linear, upload_linear
+from perfx.linear import Linear, Q4Linear, upload_linear
 from perfx.mixers import Mixer, mixer_class
 from perfx.moe import DeviceMoE
 from perfx.ops import Q8_NATURAL, Q8_TEXEL
@@ -169,6 +169,9 @@ class RunState:
     laurel_t: object = None
     laurel_out: object = None
     sparse: object = None
+    # One row of hb as Q8_1 blocks in the int4 texel order, written by gate-up's tail in a fused decode step where
+    # down reads int8 activations (Model._attach_tails)
+    hb_q8: tuple | None = None
 
     @classmethod
     def allocate(cls, device: Device, c: ModelConfig, chunk: int) -> RunState:
@@ -222,6 +225,9 @@ class Model:
         self.mixer_of = {layer: mixer for mixer in self.mixers for layer in mixer.layers}
         self.moe = DeviceMoE(self, config.moe_layers) if config.n_experts else None   # the MoE FFNs
         self.host_seconds = 0.0         # time spent enqueueing (host work), summed over calls
+        self.fused = False      # whether a decode step of one row runs the norms as GEMV tails (_attach_tails)
+        self.fusing = False     # whether the layers being enqueued now run them so (``_layers``)
+        self._final_norm_done = False   # the last layer's down wrote the final norm (a fused step)
         self.load_report: dict = {}
 
     @property
@@ -238,12 +244,14 @@ class Model:
 
     @classmethod
     def load(cls, source, device: Device, ctx: int | None = None, progress: bool | None = None,
-             default_ctx: int = DEFAULT_CTX, database: Database | None = None, log=None, kv: str = "f16") -> Model:
+             default_ctx: int = DEFAULT_CTX, database: Database | None = None, log=None, kv: str = "f16",
+             fuse: bool = True) -> Model:
         """Upload ``source`` (a ``perfx.sources.ModelSource``) to ``device`` with a KV cache of ``ctx`` positions
         (default: the model's context length, at most ``default_ctx``) in the form ``kv`` ("f16", or "q8": int8
         codes and an fp16 scale per 32, ``perfx.ops.kv_cache``). Kernel parameters come from
         ``database`` (default: the user's and shipped tuning results; ``default_database(False)``: none);
-        ``log`` receives one line for each tuned choice this driver refuses (the next one runs instead)."""
+        ``log`` receives one line for each tuned choice this driver refuses (the next one runs instead); ``fuse``
+        False keeps each norm of the decode step its own launch (``perfx.step.fused_step``)."""
         c = source.config
         limit = c.max_positions or default_ctx
         ctx = min(limit, default_ctx) if ctx is None else int(ctx)
@@ -258,10 +266,11 @@ class Model:
         group, form = _int4_plan(source, first)
         # the decode step's kernels built at once, on every core (a cached one is a look-up); a prompt's are built
         # for its length's bucket when it first comes, and `perfx warm` builds every bucket's ahead
-        device.build_many(build_requests(c, device, ctx, model.database, group, source.weight_forms(), model.kv, form),
+        device.build_many(build_requests(c, device, ctx, model.database, group, source.weight_forms(), model.kv, form,
+                                         fuse=fuse),
                           on_done=lambda key, error: bar.update(0, note=f"building kernels/{key[0]}"))
         model.plan = KernelPlan(c, device, ctx, model.database, model.log, group, source.weight_forms(), model.kv,
-                                form)
+                                form, fuse)
         bar.update(note="kernels")
         embedding = source.embedding()
         model.weights.embedding = model.upload(embedding, "token embedding", "embedding")
@@ -397,6 +406,7 @@ class Model:
         self._sample, self._sample_history = None, None   # the sample kernel and the penalty's window, on first use
         self._mask = None   # constrained decoding: the bitmask, the draw's position and its penalty window (first use)
         self._mask_uploads: list = []   # their last copies' events (each holds its host array)
+        self._attach_tails()
         self._decode_replay(0)   # recorded now: a kernel the driver refuses shows at load
         self.greedy_launches(0)  # and the hand-over's kernels built now, not in the first token's time
 
@@ -450,15 +460,23 @@ class Model:
         before layer i's launches (``step_launches`` counts them a layer).
         """
         c, s = self.config, self.state
+        # a fused step (one row of a decode step): the norms run as tails of the o and down GEMVs (_attach_tails),
+        # the first layer's here, on the embedding's output
+        self.fusing = fusing = self.fused and m == 1 and decode and rows is None
         if c.altup_inputs:
             self._altup_layers(m, pos, decode, position, split, rows, mark)
             return
+        if fusing:
+            self.plan.rmsnorm.plain(s.x, self.weights.layers[0].attn_norm, s.xb, m, c.hidden_size, c.rms_eps,
+                                    **self._norm_blocks(self.weights.layers[0].mixer.xb_readers(0), m))
         for i, w in enumerate(self.weights.layers):
             if mark is not None:
                 mark(i)
             # the mixer's rmsnorm; from layer 1 on, the previous layer's FFN output joins the residual here
             readers = w.mixer.xb_readers(i)
-            if i == 0 or self._closes_layers:
+            if fusing:
+                pass   # the previous layer's down wrote xb (or, at layer 0, the norm above)
+            elif i == 0 or self._closes_layers:
                 self.plan.rmsnorm.plain(s.x, w.attn_norm, s.xb, m, c.hidden_size, c.rms_eps,
                                         **self._norm_blocks(readers, m))
             else:
@@ -468,16 +486,18 @@ class Model:
                 w.mixer.forward(i, m, pos, decode, position=position, split=split)
             else:
                 w.mixer.forward_rows(i, m, rows)
-            # ffn rmsnorm, with the mixer's output added into the residual
-            self._residual_norm(w.post_attn_norm, w.ffn_norm, m, w.ffn_readers())
+            # ffn rmsnorm, with the mixer's output added into the residual (the o projection's tail where fused)
+            if not fusing:
+                self._residual_norm(w.post_attn_norm, w.ffn_norm, m, w.ffn_readers())
             if w.moe:   # the mixture of experts: its shared expert, the router, the chosen experts' gate-up and down
                 self.moe.forward(i, m, decode)
                 continue
             # gated MLP: gate-up with the activation·up fused, then down
             w.gate_up(s.xb, s.hb, m, decode, self.xb_blocks(m))
-            w.down(s.hb, s.proj, m, decode)
+            w.down(s.hb, s.proj, m, decode, (s.hb_q8, Q8_TEXEL) if fusing and w.gate_up.tail is not None else None)
             if self._closes_layers:
                 self._per_layer(i, w, m, decode)
+        self._final_norm_done, self.fusing = fusing, False
 
     def _altup_layers(self, m: int, pos: int, decode: bool, position=None, split=None, rows=None, mark=None):
         """Gemma 3n's layers over AltUp's A streams (llama.cpp's gemma3n-iswa.cpp, ``perfx.forward64``), leaving
@@ -543,6 +563,43 @@ class Model:
         come after the MLP's output joins it), so the next norm is a plain one."""
         return bool(self.config.per_layer_input or self.config.layer_scale)
 
+    def _attach_tails(self):
+        """A fused decode step (the plan's ``gemv_tail``: ``perfx.step.fused_step``): the matrix ending each layer's
+        mixer (attention's o, ...) adds its output into the residual and writes xb normed for the MLP, its down does the same for the next
+        layer's mixer (the final norm for the lm_head after the last), through the post-norms where the recipe has
+        them, and its gate-up writes hb's Q8_1 blocks where down reads int8 activations. Each is a tail of the
+        GEMV (``Q4Linear.tail``), run where ``_layers`` enqueues one row of a decode step. A matrix that is not
+        int4 after all (a weight the file's header did not announce) leaves the step unfused."""
+        c, s, tails, layers = self.config, self.state, self.plan.gemv_tail, self.weights.layers
+        if not tails:
+            return
+        outputs = set(tails) - {"gate_up", "down"}   # the matrix ending each mixer (perfx.step.mixer_outputs)
+        linears = [(next((x for x in w.mixer.linears_of(i) if x.role in outputs), None), w.gate_up, w.down)
+                   for i, w in enumerate(layers)]
+        if not all(isinstance(x, Q4Linear) for trio in linears for x in trio):
+            return
+
+        def norm_tail(gamma, post, readers):
+            def run(wrapper, weight, x, y, quantized):
+                s.xb_order = order = self._xb_order(readers) if s.xb_q8 is not None else 0
+                return wrapper.norm(weight, x, y, s.x, gamma, c.rms_eps, s.xb, post, s.xb_q8, order, quantized)
+            return run
+
+        def quantize_tail(wrapper, weight, x, y, quantized):
+            return wrapper.quantize_output(weight, x, y, s.hb_q8, Q8_TEXEL, self.plan.gate_epilogue, quantized)
+
+        for i, ((o, gate_up, down), w) in enumerate(zip(linears, layers)):
+            o.tail = norm_tail(w.ffn_norm, w.post_attn_norm, w.ffn_readers())
+            after = layers[i + 1] if i + 1 < len(layers) else None
+            down.tail = (norm_tail(after.attn_norm, w.post_ffn_norm, after.mixer.xb_readers(i + 1)) if after
+                         else norm_tail(self.weights.final_norm, w.post_ffn_norm, [self.weights.lm_head]))
+            if "gate_up" in tails and down.blocks_order() == Q8_TEXEL:
+                gate_up.tail = quantize_tail
+                if s.hb_q8 is None:
+                    width = c.intermediate_size
+                    s.hb_q8 = (self.device.empty(width, np.int8), self.device.empty((width // 32, 2), np.float32))
+        self.fused = True
+
     def _per_layer(self, i: int, w: DeviceLayer, m: int, decode: bool):
         """Gemma 4, after layer i's MLP: its output into the residual through its post-norm; the per-layer input
         x + rmsnorm(W_proj·(GELU(W_gate·x) ⊙ the layer's inputs))·γ; the residual times the layer's scalar (as
@@ -561,7 +618,11 @@ class Model:
         s.xb_order = 0
 
     def _final_norm(self, m: int):
-        """The last layer's output joins the residual, then the final rmsnorm into xb."""
+        """The last layer's output joins the residual, then the final rmsnorm into xb (done already by the last
+        down's tail in a fused step)."""
+        if self._final_norm_done:
+            self._final_norm_done = False
+            return
         if self._closes_layers:
             s, c = self.state, self.config
             self.plan.rmsnorm.plain(s.x, self.weights.final_norm, s.xb, m, c.hidden_size, c.rms_eps,
@@ -1024,7 +1085,7 @@ def host_peak_bytes() -> int:
 def load_model(name: str | None = None, device: Device | str | None = None, ctx: int | None = None,
                quantize: str | None = None, progress: bool | None = None, log=None,
                default_ctx: int = DEFAULT_CTX, tuning: bool = True, lm_head: str = "q8", kv: str = "f16",
-               embedding: str = "head"):
+               embedding: str = "head", fuse: bool = True):
     """Resolve ``name`` ("default", a path, "synthetic:<name>"), open it and load it on the device.
 
     Returns (model, source). ``log`` receives one-line progress notes (the CLI passes stderr's print).
@@ -1032,6 +1093,7 @@ def load_model(name: str | None = None, device: Device | str | None = None, ctx:
     ("q8", the default, or "fp16") is the form of the output projection and a tied embedding
     (``perfx.sources.open_model``). ``kv`` ("f16", the default, or "q8") is the KV cache's form (``Model.load``).
     ``embedding`` ("head", the default, or "q4") is the untied token embedding's form (``open_model``).
+    ``fuse`` False keeps each norm of the decode step its own launch (``Model.load``).
     """
     log = log or (lambda text: None)
     device = device if isinstance(device, Device) else Device(device)
@@ -1040,7 +1102,7 @@ def load_model(name: str | None = None, device: Device | str | None = None, ctx:
     log(f"perfx: model {source.describe().get('path', name)} on {device.caps.name} ({device.caps.platform}, "
         f"limits: {device.caps.limits}); {c.architecture}: {c.describe_recipe()}")
     model = Model.load(source, device, ctx=ctx, progress=progress, default_ctx=default_ctx,
-                       database=default_database(tuning), log=log, kv=kv)
+                       database=default_database(tuning), log=log, kv=kv, fuse=fuse)
     r = model.load_report
     conv = f", conv state {r['conv_state_bytes'] / 2**20:.1f} MiB" if r["conv_state_bytes"] else ""
     if r["recurrent_state_bytes"]:

@@ -71,12 +71,15 @@ class Op:
 class StepOptions:
     """What the loader knows beside the recipe: the int4 group (None: chosen per K as quantize-on-load does),
     each role's device forms (``ModelSource.weight_forms``; None: the quantize-on-load rule, the lm_head as
-    int8 or fp16), the KV cache's form and the positions the decode attention is built for."""
+    int8 or fp16), the KV cache's form and the positions the decode attention is built for; ``fuse``: the decode
+    step's norms and down's quantizing as tails of the GEMVs beside them where the recipe allows
+    (``perfx.step.fused_step``; False: each its own launch)."""
 
     group: int | None = None
     forms: dict | None = None
     kv: str = "f16"
     positions: int | None = None
+    fuse: bool = True
 
 
 # -- shapes: the keys each spec's make_case reads -----------------------------------------------------

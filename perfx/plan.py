@@ -27,6 +27,7 @@ from perfx.ops.gemm_q8 import GemmQ8
 from perfx.ops.gemv_f16 import GemvF16
 from perfx.ops.gemv_q4 import GemvQ4
 from perfx.ops.gemv_q4_split import GemvQ4Split
+from perfx.ops.gemv_q4_tail import TAILS, GemvQ4Tail, tail_params
 from perfx.ops.gated_delta_net import GatedDeltaNetChunked, GatedDeltaNetRecurrent
 from perfx.ops.gemm_moe import GemmMoE
 from perfx.ops.gemv_moe import GemvMoE
@@ -88,13 +89,14 @@ class KernelPlan:
     ``wrapper(op)`` gives the one an op runs with. ``tuned`` says where each choice came from."""
 
     def __init__(self, config: ModelConfig, device: Device, max_positions: int, database: Database, log,
-                 group: int | None, forms: dict | None = None, kv: str = "f16", q4_form: int = Q4_PAIRS):
+                 group: int | None, forms: dict | None = None, kv: str = "f16", q4_form: int = Q4_PAIRS,
+                 fuse: bool = True):
         self.config, self.device, self.max_positions = config, device, max_positions
         self.kv = kv   # the KV cache's form: part of the attention kernels' shapes
         self.q4_form = q4_form   # the int4 layers' scales form (kernels/q4.h Q4_SCALES): the kernels built first
         self.database, self.log = database, log
         self.group = group
-        self.options = StepOptions(group, forms, kv, max_positions)
+        self.options = StepOptions(group, forms, kv, max_positions, fuse)
         self.step = decode_step(config, self.options)
         self.buckets = bucket_steps(config, self.options)
         self._choose_decode()
@@ -116,6 +118,7 @@ class KernelPlan:
         self._delta_prefill: dict[int, GatedDeltaNetChunked] = {}
         self.roles = matrix_roles(c)
         self.gemv = _ByRole(self._gemv_fallback, self.roles + ("lm_head",))
+        self.gemv_tail: dict[str, GemvQ4Tail] = {}   # matrix role -> its GEMV with a tail (a fused decode step)
         self._gemv_f16 = self._embed = self._attn_decode = None
         self.softcap = self.short_conv = self.attn_gate = self.delta_decode = self.delta_gate = None
         self.rmsnorm = self.argmax_op = self.gate = self.sample = None
@@ -139,6 +142,8 @@ class KernelPlan:
         d, family, shape = self.device, op.family, op.shape
         if family == "gemv_q4":
             self.gemv[op.weight] = wrapper = self._gemv_q4(op)
+        elif family == "gemv_q4_tail":
+            self.gemv_tail[op.weight] = wrapper = self._gemv_q4_tail(op)
         elif family == "gemv_f16":
             # one fp16 GEMV serves every fp16 matrix (row by row): chosen for the lm_head's op where the step
             # has one, else for the first fp16 matrix's
@@ -219,6 +224,37 @@ class KernelPlan:
                 return made
             return self.choose("gemv_q4_split", shape, name, split)
         return self.choose("gemv_q4", shape, name, gemv)
+
+    def _gemv_q4_tail(self, op: Op) -> GemvQ4Tail:
+        """The GEMV with a tail of a matrix op of a fused step, and (``gemv``) its role's plain GEMV, which the
+        unfused paths of one row run (a batched step of one sequence): both on the rows layout with a buffer or
+        image1d read, so one upload of the weight serves both. The tail's parameters are its own tuned entry's
+        where the database has one, else those of the plain GEMV chosen at the same matrix (the same product)."""
+        d, shape, name = self.device, op.shape, op.weight
+        base = {k: v for k, v in shape.items() if k not in ("tail", "post")}
+
+        def plain(params):
+            made = GemvQ4(d, params, base)
+            made.kernel(base["group"], base["epilogue"], form=self.q4_form)
+            return made
+        self.gemv[name] = chosen = self.choose("gemv_q4", base, name, plain, lambda p: tail_params(p) is not None)
+        order = 1 if shape["tail"] == "q8" or self.config.hidden_size % 32 == 0 else 0
+        defines = (("TAIL", TAILS[shape["tail"]]), ("POST", int(bool(shape.get("post")))), ("Q8X", order))
+
+        def tail(params):
+            made = GemvQ4Tail(d, params, shape)
+            made.kernel(shape["group"], shape["epilogue"], form=self.q4_form, extra=defines)
+            return made
+        own = self.database.choices(d, SPECS["gemv_q4_tail"], shape)[0]
+        same_upload = {"LAYOUT": chosen.layout, "READ": chosen.read}
+        if own.source != "default" and all(own.params[k] == v for k, v in same_upload.items()):
+            return self.choose("gemv_q4_tail", shape, name, tail, lambda p: all(p[k] == v for k, v in
+                                                                             same_upload.items()))
+        made = GemvQ4Tail(d, tail_params(chosen.params), shape)
+        made.kernel(shape["group"], shape["epilogue"], form=self.q4_form, extra=defines)
+        self.tuned[f"gemv_q4_tail ({name})"] = self.tuned[f"gemv_q4 ({name})"]
+        self.tuned_shapes[f"gemv_q4_tail ({name})"] = shape
+        return made
 
     def _faster_alternative(self, shapes: dict, family: str, alternative: str) -> bool:
         """Whether ``alternative``'s first choice was timed faster than ``family``'s in one run (``one_run_times``),
@@ -507,7 +543,8 @@ class KernelPlan:
 
 
 def build_requests(config: ModelConfig, device: Device, max_positions: int, database: Database, group: int | None,
-                   forms: dict | None = None, kv: str = "f16", q4_form: int = Q4_PAIRS, buckets=()) -> list[tuple]:
+                   forms: dict | None = None, kv: str = "f16", q4_form: int = Q4_PAIRS, buckets=(),
+                   fuse: bool = True) -> list[tuple]:
     """The builds a ``KernelPlan`` of these arguments makes (``(file, defines, newest_c)``, for
     ``Device.build_many``): its decode kernels and the prefill kernels of the M ``buckets``
     (``perfx.tuning.database.M_BUCKETS`` indices), collected without building anything (``Device.collecting``),
@@ -515,7 +552,7 @@ def build_requests(config: ModelConfig, device: Device, max_positions: int, data
     The database is only read: a choice refused here is not recorded (the load that builds it records it)."""
     with device.collecting() as requests:
         plan = KernelPlan(config, device, max_positions, _ReadOnly(database), lambda text: None, group, forms, kv,
-                          q4_form)
+                          q4_form, fuse)
         for bucket in buckets:
             plan.prefill(bucket_representative(bucket))
             for layer in config.layers_of("attention"):   # each shape of layer its own (Gemma 4's)

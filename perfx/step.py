@@ -17,6 +17,8 @@ per form: alternatives, each on the layers of its role. ``Op`` and the shapes ar
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from perfx import moe
 from perfx.mixers import mixer_class
 from perfx.op import Op, StepOptions, embedding_shape, matrix_ops, norm_ops, role_forms, shared, softcap_shape
@@ -185,8 +187,63 @@ def sample_shape(config) -> dict:
 # -- the steps ---------------------------------------------------------------------------------------------
 
 def decode_step(config, options: StepOptions) -> list[Op]:
-    """The ops of one decode step (M = 1), in order: the embedding gather, the layer block, the head."""
-    return embedding_ops(config, 1, options) + layer_ops(config, 1, options) + head_ops(config, options)
+    """The ops of one decode step (M = 1), in order: the embedding gather, the layer block, the head; where the
+    recipe allows (``fuses``), the launches that only move data between two GEMVs as those GEMVs' tails
+    (``fused_step``)."""
+    step = embedding_ops(config, 1, options) + layer_ops(config, 1, options) + head_ops(config, options)
+    return fused_step(config, step, mixer_outputs(config, options)) if options.fuse and fuses(config, options) else step
+
+
+def mixer_outputs(config, options: StepOptions) -> tuple[str, ...] | None:
+    """The matrix role that ends each layer kind's mixer (its decode ops' last, writing proj: attention's o, the
+    short convolution's and the DeltaNet's out-projections), in the order the kinds first come; None where a
+    mixer ends otherwise."""
+    roles = []
+    for kind in kinds_of(config):
+        ops = mixer_class(kind).ops(config, 1, options)
+        if not ops or ops[-1].weight is None or ops[-1].writes != ("proj",):
+            return None
+        roles.append(ops[-1].weight)
+    return tuple(roles)
+
+
+def fuses(config, options: StepOptions) -> bool:
+    """Whether the decode step fuses its norms into the GEMVs beside them: each layer's mixer ends in a matrix
+    writing proj (``mixer_outputs``), every layer has the gated MLP (no mixture of experts, no per-layer inputs or
+    output scalar after the MLP, one FFN width), and those matrices and gate-up and down are int4 alone (the tails
+    are gemv_q4's rows kernel's: ``kernels/gemv_q4_tail.cl``)."""
+    c, outputs = config, mixer_outputs(config, options)
+    if outputs is None or list(c.dense_ffn_layers) != list(range(c.n_layers)):
+        return False
+    if c.per_layer_input or c.layer_scale or len({c.at(i).intermediate_size for i in range(c.n_layers)}) != 1:
+        return False
+    return all([f.kind for f in role_forms(c, role, options, matrix_dims(c, role)[1])] == ["q4"]
+               for role in (*outputs, "gate_up", "down"))
+
+
+def fused_step(config, step: list[Op], outputs: tuple[str, ...]) -> list[Op]:
+    """The decode step with its norms as tails (``perfx.ops.gemv_q4_tail``): the matrix ending each mixer
+    (``outputs``: attention's o, ...) adds its output into the residual and writes the norm before the MLP (through the post-norm where the recipe has one), down does
+    the same with the next layer's norm, or the final norm after the last layer, and gate-up writes its output's
+    Q8_1 blocks, down's int8 input (where its output is whole blocks). The norms of the layer block and the
+    final norm go; the norm of the embedding's output runs once before the layers. Each tail's shape is its
+    GEMV's with ``tail`` (and ``post``), measured by `perfx tune` as the family gemv_q4_tail."""
+    post = {"post": True} if config.post_norms else {}
+    gated = config.intermediate_size % 32 == 0
+    tails = {role: {"tail": "norm", **post} for role in (*outputs, "down")}
+    if gated:
+        tails["gate_up"] = {"tail": "q8"}
+    out, first_norm = [], None
+    for op in step:
+        if op.family == "rmsnorm" and op.role in ("norm", "post-norm"):
+            if first_norm is None and op.role == "norm":
+                first_norm = replace(op, layers=())
+            continue
+        if op.family == "gemv_q4" and op.weight in tails:
+            op = replace(op, family="gemv_q4_tail", shape={**op.shape, **tails[op.weight]}, alternatives=())
+        out.append(op)
+    at = next(i for i, op in enumerate(out) if op.layers)   # the norm of the embedding's output, before the layers
+    return out[:at] + [first_norm] + out[at:]
 
 
 def prefill_step(config, m: int, options: StepOptions) -> list[Op]:

@@ -49,6 +49,7 @@ from perfx.serve.api import chat_prompt
 from perfx.serve.engine import Engine
 from perfx.sources import open_model
 from perfx.speculative import MAX_DRAFT, Speculator, StepCosts
+from perfx.step import fuses
 from perfx.tuning.database import default_database
 from perfx.tuning.spec import relative_error
 
@@ -236,10 +237,19 @@ def test_awq_and_quantize_on_load_checkpoints_of_each_family(files, device, tmp_
     assert np.all(np.abs(first.dequantize()[:want.shape[0]] - want) <= 2.0 ** -11 * np.abs(offset) + 1e-12)
     prompt = RECORDED[family]["prompt_ids"]
     for source in (awq, open_model(files[family]["hub"], quantize="q4")):
-        logits, _ = forward64.model_forward(source, prompt, ctx=64)
+        logits, cache = forward64.model_forward(source, prompt, ctx=64)
         loaded = Model.load(source, device, ctx=64, progress=False, database=default_database(False))
         loaded.prefill(prompt, 0)
         assert relative_error(loaded.logits(), logits[-1]) <= DEVICE_TOLERANCE
+        # decode steps with the norms as tails of the GEMVs where every mixer's output, gate-up and down are int4
+        # (perfx.step.fused_step: Gemma's post-norms, LFM2's convolution and Qwen3.5's DeltaNet outputs among them)
+        assert loaded.fused == fuses(source.config, loaded.plan.options)
+        pos = len(prompt)
+        for token in (5, 9):
+            logits, cache = forward64.model_forward(source, [token], pos, cache, ctx=64)
+            loaded.decode_one(token, pos)
+            pos += 1
+            assert relative_error(loaded.logits(), logits[-1]) <= DEVICE_TOLERANCE
 
 
 @pytest.mark.parametrize("family", RECORDED)

@@ -557,3 +557,68 @@ def test_an_fp16_matrix_with_a_bias_is_refused_with_what_to_do(device):
     with pytest.raises(PerfxError, match=r"layer 0 qkv: an fp16 matrix with a bias .* pass --quantize q4"):
         upload_linear(model, np.ones((6, 4), np.float16), "layer 0 qkv", "qkv", bias=np.ones(6, np.float32))
     assert device.allocated_bytes == before
+
+
+def test_a_fused_step_runs_a_dense_layer_in_five_launches_and_equals_the_unfused(tiny_paths, device, rng):
+    """The default load fuses the norms into the GEMVs beside them (perfx.step.fused_step): each dense layer of
+    the greedy step is 5 launches (qkv, attention, o with the residual add and the MLP's norm, gate-up (with down's
+    int8 input where down reads one), down with the next norm), 7 unfused; the final norm rides in the last down. At the kernels'
+    defaults (fp32 activations, no int8 rounding to flip) the fused step's logits are the unfused step's to fp32
+    rounding (the norms' sums in another order: 1e-5), both the float64 forward's within TOLERANCE, and the greedy
+    tokens the same."""
+    source = open_model(tiny_paths["awq-gemm-gqa3"])   # every o, gate-up and down int4 (the GGUF mixes forms)
+    database = default_database(False)
+    fused = Model.load(source, device, ctx=64, progress=False, database=database)
+    plain = Model.load(source, device, ctx=64, progress=False, database=database, fuse=False)
+    assert fused.fused and not plain.fused
+    counted, unfused = fused.step_launches(5), plain.step_launches(5)
+    # unfused at the defaults: norm, qkv, attention, o, norm, gate-up, down (down reads floats: no quantizing)
+    assert set(counted["layers"]) == {5} and set(unfused["layers"]) == {7}
+    assert counted["after"] == unfused["after"] - 1 and counted["before"] == unfused["before"] + 1
+    v = source.config.vocab_size
+    prompt = [int(t) for t in rng.integers(3, v, 7)]
+    want, cache = forward64.model_forward(source, prompt)
+    for model in (fused, plain):
+        model.prefill(prompt, 0)
+    pos = len(prompt)
+    for token in (int(rng.integers(3, v)), int(rng.integers(3, v)), int(rng.integers(3, v))):
+        want, cache = forward64.model_forward(source, [token], start_pos=pos, cache=cache)
+        for model in (fused, plain):
+            model.decode_one(token, pos)
+        assert relative_error(fused.logits(), plain.logits()) <= 1e-5
+        assert relative_error(fused.logits(), want[-1]) <= TOLERANCE
+        pos += 1
+    assert list(fused.greedy_tokens(5, pos, pos + 12)) == list(plain.greedy_tokens(5, pos, pos + 12))
+
+
+def test_a_fused_step_with_int8_activations_quantizes_downs_input_in_gate_ups_tail(tiny_paths, device, tmp_path,
+                                                                                 monkeypatch, rng):
+    """With every int4 GEMV tuned to int8 activations (I8 1, forced in the database), the fused step still runs 5
+    launches a layer: gate-up's tail writes hb's Q8_1 blocks, which down reads (the unfused step: 8, down's own
+    quantizing among them); the tails run the plain GEMV's tuned set; the logits hold to the float64 forward as a
+    tuned model's do."""
+    monkeypatch.setenv("PERFX_CACHE", str(tmp_path))
+    source = open_model(tiny_paths["awq-gemm-gqa3"])
+    spec = SPECS["gemv_q4"]
+    forced = {**spec.params.defaults(), "I8": 1}
+    problems, _ = model_problems(source.config, SPECS, source.int4_group, source.weight_forms())
+    for problem in problems:
+        if problem.family == "gemv_q4":
+            default_database().save_result(device, result_record(spec, problem.shape, forced, 1e-5, None,
+                                                                  device.fingerprint))
+    fused = Model.load(source, device, ctx=64, progress=False)
+    plain = Model.load(source, device, ctx=64, progress=False, fuse=False)
+    assert fused.plan.gemv_tail["down"].params == forced and fused.state.hb_q8 is not None
+    assert set(fused.step_launches(5)["layers"]) == {5} and set(plain.step_launches(5)["layers"]) == {8}
+    v = source.config.vocab_size
+    prompt = [int(t) for t in rng.integers(3, v, 7)]
+    want, cache = forward64.model_forward(source, prompt)
+    for model in (fused, plain):
+        model.prefill(prompt, 0)
+    pos = len(prompt)
+    for token in (int(rng.integers(3, v)), int(rng.integers(3, v))):
+        want, cache = forward64.model_forward(source, [token], start_pos=pos, cache=cache)
+        for model in (fused, plain):
+            model.decode_one(token, pos)
+            assert relative_error(model.logits(), want[-1]) <= TUNED_LOGITS_TOLERANCE
+        pos += 1

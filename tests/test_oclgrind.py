@@ -110,3 +110,17 @@ def test_what_the_report_filter_lets_through():
     assert runner.reports(f"\n{uninit}\n{oob}", image_reads=True) == [oob.strip()]
     assert runner.reads_images({"READ": 1}) and runner.reads_images({"READ": 2}) and runner.reads_images({"I8": 1})
     assert not runner.reads_images({"READ": 0}) and not runner.reads_images({"WGS": 64})
+
+
+@pytest.mark.parametrize("params", [{"LANES": 1, "ROWS": 2, "WGR": 16}, {"LANES": 1, "ROWS": 1, "WGR": 64}],
+                         ids=["wgr16", "wgr64"])
+def test_gemv_q4_tail_shared_by_the_last_work_group_under_oclgrind(params):
+    """gemv_q4_tail with one lane a row set (the CPU runtimes' tuned shape): every work-item of the last
+    work-group to arrive quantizes blocks of gate-up's output, after a barrier and a flag in local memory, on
+    the spec's first Oclgrind shape (96 outputs: 3 blocks over 3 or 2 work-groups); the samples above draw
+    LANES > 1, where one work-item runs the tail."""
+    result, stderr = oclgrind("gemv_q4_tail", json.dumps({"LAYOUT": 0, **params}))
+    assert_no_reports(stderr, f"gemv_q4_tail with {result['params']}")
+    for r in result["results"]:
+        for name, error in r["errors"].items():
+            assert error <= result["tolerance"], f"{r['describe']}: {name} relative error {error:.3g}"

@@ -5,6 +5,7 @@ chose its kernels for those ops only, with a wrapper for every op of its decode 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 import json
 
 import numpy as np
@@ -18,7 +19,7 @@ from perfx.sources import open_model
 from perfx.sources.synthetic import SYNTHETIC_MODELS, open_synthetic
 from perfx.mixers import MIXERS
 from perfx.op import StepOptions
-from perfx.step import bucket_steps, decode_step, ffn_ops, prefill_step
+from perfx.step import bucket_steps, decode_step, ffn_ops, fuses, mixer_outputs, prefill_step
 from perfx.tuning import SPECS
 from perfx.tuning.database import M_BUCKETS, bucket_representative, default_database
 from perfx.tuning.problems import DECODE_POSITIONS, model_problems
@@ -30,8 +31,10 @@ BUFFERS = ({f.name for f in dataclasses.fields(RunState)} | {name for mixer in M
 
 
 def built_steps(config, group, forms, kv) -> list[list]:
-    """The decode step at each context `perfx tune` times attention at, and every prefill bucket's step."""
-    decode = [decode_step(config, StepOptions(group, forms, kv, positions)) for positions in DECODE_POSITIONS]
+    """The decode step at each context `perfx tune` times attention at, fused and unfused (the fused step's tails
+    take the plain GEMVs' parameters where they have none of their own), and every prefill bucket's step."""
+    decode = [decode_step(config, StepOptions(group, forms, kv, positions, fuse)) for positions in DECODE_POSITIONS
+              for fuse in (True, False)]
     return decode + [prefill_step(config, bucket_representative(b), StepOptions(group, forms, kv))
                      for b in range(len(M_BUCKETS))]
 
@@ -62,7 +65,7 @@ def _key(shape: dict) -> str:
 def test_the_decode_step_runs_in_order_over_the_run_state(name):
     source = open_synthetic(name)
     c = source.config
-    options = StepOptions(source.int4_group, source.weight_forms(), "f16", 256)
+    options = StepOptions(source.int4_group, source.weight_forms(), "f16", 256, fuse=False)
     step = decode_step(c, options)
     assert step[0].role == "embedding" and [op.family for op in step[-2:]] == ["argmax", "sample"]
     for op in step:
@@ -96,6 +99,38 @@ def test_the_decode_step_runs_in_order_over_the_run_state(name):
     # a matrix role reads what the norm wrote (xb) or its mixer's output, and the step ends in the logits
     head = [op for op in step if op.weight == "lm_head"]
     assert head and all(op.reads == ("xb",) and op.writes == ("logits",) for op in head)
+
+
+@pytest.mark.parametrize("name", sorted(SYNTHETIC_MODELS))
+def test_a_fused_step_runs_the_norms_as_tails_of_the_gemvs_beside_them(name):
+    """Where the recipe allows (dense attention layers, int4 o, gate-up and down), the fused decode step has no
+    norm in the layer block and none before the head: o and down carry the residual add and the next norm (with
+    the post-norm where the recipe has one), gate-up its output's Q8_1 blocks; one norm of the embedding's output
+    runs before the layers; every other op is the unfused step's, in its order."""
+    source = open_synthetic(name)
+    c = source.config
+    options = StepOptions(source.int4_group, source.weight_forms(), "f16", 256)
+    fused, plain = decode_step(c, options), decode_step(c, replace(options, fuse=False))
+    if not fuses(c, options):
+        assert fused == plain
+        return
+    assert not [op for op in fused if op.family == "rmsnorm" and op.layers]
+    norms = [i for i, op in enumerate(fused) if op.family == "rmsnorm"]
+    first_layer_op = next(i for i, op in enumerate(fused) if op.layers)
+    assert norms == [first_layer_op - 1] and fused[norms[0]].shape == {"m": 1, "k": c.hidden_size, "residual": True}
+    tails = {op.weight: op for op in fused if op.family == "gemv_q4_tail"}
+    post = {"post": True} if c.post_norms else {}
+    outputs = mixer_outputs(c, options)   # attention's o, the convolution's and the DeltaNet's out-projections
+    assert "o" in outputs or not c.layers_of("attention")
+    for role in (*outputs, "down"):
+        assert tails[role].shape["tail"] == "norm" and tails[role].shape.get("post", False) == bool(post)
+    assert ("gate_up" in tails) == (c.intermediate_size % 32 == 0)
+    assert sorted(layer for role in outputs for layer in tails[role].layers) == list(range(c.n_layers))
+    assert all(op.alternatives == () for op in tails.values())
+    untailed = [replace(op, family="gemv_q4", shape={k: v for k, v in op.shape.items() if k not in ("tail", "post")},
+                        alternatives=plain[[p.role for p in plain].index(op.role)].alternatives)
+                if op.family == "gemv_q4_tail" else op for op in fused if op.family != "rmsnorm"]
+    assert untailed == [op for op in plain if op.family != "rmsnorm"]
 
 
 def test_every_prefill_bucket_has_its_step_at_its_representative_m():
@@ -143,7 +178,9 @@ def test_the_plan_chooses_kernels_for_the_ops_of_the_built_step(tiny_model_paths
     model.prefill_logits([3 + i % (v - 4) for i in range(33)], 0)   # the lm_head's GEMM over the rows
     model.decode_one(5, model.written)
     model.argmax()
-    ops = plan.step + [op for step in plan.buckets.values() for op in step]
+    # a fused step's tails take the plain GEMVs' parameters, chosen at the unfused step's shapes
+    ops = (plan.step + decode_step(source.config, replace(plan.options, fuse=False))
+           + [op for step in plan.buckets.values() for op in step])
     keys = {op.key for op in ops}
     for label, shape in plan.tuned_shapes.items():
         assert (label.split(" ")[0], _key(shape)) in keys, f"{label}: {shape} is no op of the built step"

@@ -14,7 +14,7 @@ never guessed.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from perfx.sources import open_named
 from perfx.op import Op, StepOptions
@@ -33,9 +33,18 @@ class Problem:
 
 def tuned_steps(config, group: int | None = None, forms: dict | None = None, kv: str = "f16") -> list[list[Op]]:
     """The steps `perfx tune` measures: the decode step at each of ``DECODE_POSITIONS`` (capped by the
-    model's), then the prefill step of each M bucket (``perfx.tuning.database.M_BUCKETS``)."""
-    steps = [decode_step(config, StepOptions(group, forms, kv, positions)) for positions in DECODE_POSITIONS]
+    model's), then the prefill step of each M bucket (``perfx.tuning.database.M_BUCKETS``). A fused decode step
+    (``perfx.step.fused_step``) brings the unfused step's ops too: the plain GEMVs its tails take their parameters
+    from where the tails have no entry of their own, and the norms a step of one row runs unfused (``fuse``
+    False, a batched step of one sequence)."""
+    steps = [_decode_ops(config, StepOptions(group, forms, kv, positions)) for positions in DECODE_POSITIONS]
     return steps + list(bucket_steps(config, StepOptions(group, forms, kv)).values())
+
+
+def _decode_ops(config, options: StepOptions) -> list[Op]:
+    fused = decode_step(config, options)
+    keys = {(op.key, op.role) for op in fused}
+    return fused + [op for op in decode_step(config, replace(options, fuse=False)) if (op.key, op.role) not in keys]
 
 
 # The order problems are listed in, per step kind (`perfx tune` and `perfx bench` print them so): each role's

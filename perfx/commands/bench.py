@@ -42,6 +42,9 @@ def add_arguments(parser):
                              "that context) and the prompt and decode run at its end, after a cache filled with "
                              "arbitrary values (attention reads as many positions as in a conversation that long); "
                              "synthetic models included, so a model and context can be sized before downloading")
+    parser.add_argument("--no-fuse", dest="fuse", action="store_false",
+                        help="with --e2e: each norm of the decode step its own launch, as before the GEMV tails "
+                             "(docs/kernels.md, launches a decode step takes)")
     parser.add_argument("--vs-defaults", action="store_true",
                         help="does tuning help here? each kernel (and, with --e2e, the model) with its tuned "
                              "parameters and with the built-in defaults, interleaved in shuffled rounds, with the "
@@ -185,14 +188,14 @@ def launches_per_layer(counted: dict) -> dict:
 
 def run_e2e(device, model_name: str, prompt_tokens: int = 64, decode_tokens: int = 32, ctx: int | None = None,
             tuning: bool = True, lm_head: str = "q8", at_end: bool = False, kv: str = "f16",
-            embedding: str = "head") -> dict:
+            embedding: str = "head", fuse: bool = True) -> dict:
     """Load ``model_name`` on ``device`` with a KV cache of form ``kv`` and measure it end to end
     (``measure_e2e``; ``at_end``: at the end of a cache of ``ctx`` positions). A first, shorter run builds the
     kernels, so the figures time no compiler; its TTFT is kept as ``ttft_cold_s`` (a first prompt after
     installing, before the driver's binaries are cached: seconds on a phone)."""
     device.peak_allocated_bytes = device.allocated_bytes  # the model's peak, not earlier benchmarks'
     model, _ = load_model(model_name, device, ctx=ctx, progress=None, default_ctx=1024, tuning=tuning,
-                          lm_head=lm_head, kv=kv, embedding=embedding)
+                          lm_head=lm_head, kv=kv, embedding=embedding, fuse=fuse)
     cold = measure_e2e(model, prompt_tokens, 2, at_end=at_end)
     return {"model": model_name, **measure_e2e(model, prompt_tokens, decode_tokens, at_end=at_end),
             "ttft_cold_s": cold["ttft_s"]}
@@ -271,7 +274,7 @@ def main(args) -> int:
     if args.e2e:
         e2e = (e2e_vs_defaults(device, args.model, args.rounds, kv=args.kv) if args.vs_defaults
                else run_e2e(device, args.model, tuning=database.enabled, lm_head=args.lm_head, ctx=args.ctx,
-                            at_end=args.ctx is not None, kv=args.kv, embedding=args.embedding))
+                            at_end=args.ctx is not None, kv=args.kv, embedding=args.embedding, fuse=args.fuse))
     failed = [r for r in rows if "unsupported" not in r and (r.get("failure") or not r.get("verified", False))]
 
     if args.json:

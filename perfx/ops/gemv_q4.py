@@ -161,31 +161,33 @@ class GemvQ4:
     (``silu_mul``, ``gelu_mul``: perfx.ops.epilogue). The parameters' LAYOUT picks the kernel, and must be
     the weight's."""
 
+    PARAMS = PARAMS   # the family's parameters (a subclass that builds another file has its own)
+
     def __init__(self, device: Device, params: dict | None = None, shape: dict | None = None):
         """``params`` (None: the defaults) must fit ``shape`` (its ``epilogue`` key matters) on this device."""
         self.device = device
-        self.params = PARAMS.resolve(params, shape or {}, device.caps)
+        self.params = self.PARAMS.resolve(params, shape or {}, device.caps)
         self.layout, self.rows, self.read = self.params["LAYOUT"], self.params["ROWS"], self.params["READ"]
-        self.space = PARAMS.variant(self.params)
+        self.space = self.PARAMS.variant(self.params)
         self._defines = {k: v for k, v in self.params.items() if k != "LAYOUT"}
         self._no_bias = device.alloc(4, what="gemv_q4 bias placeholder")
         self._kernels: dict[tuple[int, str, int, int], cl.Kernel] = {}
         self._quantized: dict[int, tuple] = {}   # K -> (codes, (step, sum) pairs) of the quantized x
 
-    def kernel(self, group: int, epilogue: str, k: int = 0, form: int = Q4_PAIRS) -> cl.Kernel:
+    def kernel(self, group: int, epilogue: str, k: int = 0, form: int = Q4_PAIRS, extra: tuple = ()) -> cl.Kernel:
         """The built kernel for a group size, epilogue and the weight's scales' form (built once, then cached
         by the device), once the parameters are checked against that epilogue and K (the staged x's local
-        memory)."""
-        kernel = self._kernels.get((group, epilogue, k, form))
+        memory); ``extra``: (define, value) pairs of a subclass's file."""
+        kernel = self._kernels.get((group, epilogue, k, form, extra))
         if kernel is None:
             # free where the parameters were checked for this epilogue and K already (the plan's shape)
-            PARAMS.check(self.params, {"epilogue": epilogue, "k": k}, self.device.caps,
-                         f"the {epilogue} epilogue at K = {k}")
+            self.PARAMS.check(self.params, {"epilogue": epilogue, "k": k}, self.device.caps,
+                              f"the {epilogue} epilogue at K = {k}")
             defines = {**self._defines, "GROUP": group, "EPILOGUE": code("gemv_q4", epilogue, GEMV_EPILOGUES),
-                       **q4_form_defines(form)}
+                       **q4_form_defines(form), **dict(extra)}
             # the byte dot products' built-ins (I8 2) are declared from OpenCL C 2.0 on
             kernel = self.device.kernel(self.space.source, "gemv_q4", defines, newest_c=self.params["I8"] == 2)
-            self._kernels[group, epilogue, k, form] = kernel
+            self._kernels[group, epilogue, k, form, extra] = kernel
         return kernel
 
     def quantize(self, x, k: int) -> tuple[list[cl.Event], tuple]:
@@ -210,18 +212,19 @@ class GemvQ4:
         (``RMSNorm``'s ``quantized``) passes them, and the product's own quantizing launch is skipped."""
         return self.layout == LAYOUT_ROWS and bool(self.params["I8"])
 
-    def events(self, weight: Q4DeviceWeight, x, y, epilogue: str = "none", quantized=None) -> list[cl.Event]:
+    def events(self, weight: Q4DeviceWeight, x, y, epilogue: str = "none", quantized=None,
+               tail: tuple = ((), ())) -> list[cl.Event]:
         """Enqueue y = W·x and return every launch's event (more than one where rows span several images, and
         the quantization of x first with the rows layout's I8). ``quantized``: x's Q8_1 blocks (codes, steps and
         sums, as ``quantize`` writes them) made by the caller; the rows layout's I8 reads them instead of
-        quantizing x itself, every other variant reads x."""
+        quantizing x itself, every other variant reads x. ``tail``: a subclass's (defines, arguments after y)."""
         n, k = weight.n, weight.k
         check_gate_up("gemv_q4", epilogue, n)
         if weight.layout != self.layout:
             raise PerfxError(f"gemv_q4: parameters for the {LAYOUT_NAMES[self.layout]} layout (LAYOUT="
                              f"{self.layout}) on a weight uploaded {LAYOUT_NAMES[weight.layout]} (layout "
                              f"{weight.layout}); upload it with layout={self.layout}")
-        kernel = self.kernel(weight.group, epilogue, k, weight.form)
+        kernel = self.kernel(weight.group, epilogue, k, weight.form, tail[0])
         m = output_rows(n, epilogue)
         xb = device_buffer(x, 4 * k, "gemv_q4 x")
         yb = device_buffer(y, 4 * m, "gemv_q4 y")
@@ -262,7 +265,7 @@ class GemvQ4:
             events.append(self.device.launch(
                 kernel, global_size, local_size,
                 np.int32(count), np.int32(k), np.int32(out_base), half, np.int32(row_a), np.int32(row_b),
-                np.int32(n), wa, wb, weight.scale_offset, bias, has_bias, xb, yb, *extra))
+                np.int32(n), wa, wb, weight.scale_offset, bias, has_bias, xb, yb, *tail[1], *extra))
         return events
 
     def __call__(self, weight: Q4DeviceWeight, x, y, epilogue: str = "none", quantized=None) -> cl.Event:

@@ -1,0 +1,228 @@
+// The int4 GEMV of kernels/gemv_q4_rows.cl (included whole: the same product, parameters and shape contract)
+// followed by a tail that the last of its row sets to finish runs over the whole output, so a decode step needs no
+// launch between this GEMV and the next one:
+//
+//   TAIL 1 (the residual add and the next RMSNorm, for the o and down projections, N = hidden):
+//       p = W·x (+ bias), the launch's output y;
+//       POST 0:  h = r + p                                      written back into r (the residual stream)
+//       POST 1:  h = r + p / sqrt(mean(p²) + eps) · γ_post      (Gemma's sandwich norms)
+//       n = h / sqrt(mean(h²) + eps) · γ                        into xn, the next GEMV's input
+//       Q8X 1 or 2: n also as Q8_1 blocks (kernels/q8_1.h, in that order) for a next GEMV reading int8 x
+//   TAIL 2 (the quantizing of the down projection's input, for gate-up): y itself as Q8_1 blocks in the order
+//       Q8X (1: the rows GEMV's texel order), so down launches no quantizing of its own.
+//
+// The hand-off is kernels/attention_decode.cl's: every row set stores its outputs with atomic stores, fences, and
+// counts itself on a counter in global memory (atomic_inc); the row set that takes it to the launch's last reads
+// y back with atomic loads, resets the counter for the next launch, and runs the tail. rows.cl lets only the
+// first lane of each row set reach its store where LANES > 1 (the others return after the lanes' reduction), so
+// there the tail runs on one work-item: O(N) loads and stores, against a launch's fixed cost it saves. With one
+// lane a row set every work-item stores, the work-group counts itself once, and the last group's work-items share
+// the quantizing tail (the norm's stays on one). A tail spread over a work-group at every LANES needs the
+// product's early returns gone from gemv_q4_rows.cl (whose code the tuned records are pinned to).
+//
+// Shape contract: rows.cl's, one launch per product (not READ 1's image2d row blocks, which the wrapper splits
+// into several launches); TAIL 1: N = the hidden size, no gate-up epilogue; Q8X: the output's length a multiple
+// of 32. counter: one int, zero before the first launch (zeroed at allocation), left zero by each launch.
+//
+// How the product is reused unchanged: this file includes gemv_q4.h before rows.cl does (the header's guard
+// then skips rows.cl's include), adds the tail's arguments to the kernel's (GEMV_Q4_ARGS) and turns the final
+// store_outputs call into tail_store. The product's parameters have rows.cl's defaults, set here where the
+// header reads them at its inclusion.
+
+#ifndef TAIL
+#define TAIL 1        // 1: residual add and RMSNorm of the output row; 2: the output as Q8_1 blocks (the caller's)
+#endif
+#ifndef POST
+#define POST 0        // TAIL 1: the output through its own RMSNorm before the residual add (the caller's)
+#endif
+#ifndef Q8X
+#define Q8X 0         // the Q8_1 blocks' order (kernels/q8_1.h), 0 for none (the caller's, not tuned)
+#endif
+
+// The product's parameters (kernels/gemv_q4_rows.cl's, with its defaults)
+#ifndef LANES
+#define LANES 16     // work-items along K per work-group
+#endif
+#ifndef ROWS
+#define ROWS 4       // outputs per work-item
+#endif
+#ifndef WGR
+#define WGR 1        // row sets per work-group
+#endif
+#ifndef READ
+#define READ 0       // 0: uint4 buffer, 2: image1d_buffer view (not 1: image2d row blocks)
+#endif
+#ifndef SG
+#define SG 0         // lanes reduced in local memory (0) or by sub_group_reduce_add (1)
+#endif
+#ifndef HALF
+#define HALF 0       // fp16 dequantize-and-multiply within a group
+#endif
+#ifndef I8
+#define I8 0         // int8 activations: int16 pairs (1) or byte dot products (2)
+#endif
+#ifndef SUBGROUP
+#define SUBGROUP 0   // required subgroup size (0: the driver's)
+#endif
+#ifndef GROUP
+#define GROUP 128
+#endif
+#ifndef EPILOGUE
+#define EPILOGUE EPI_NONE
+#endif
+
+#define LAYOUT 0
+#define ROW_STRIDE 1
+#define USES_SUBGROUPS (SG == 1)
+#include "gpu.h"
+#include "gemv_q4.h"
+#include "q8_1.h"
+
+#if TAIL == 1 && EPI_GATED
+#error "the norm tail (TAIL 1) follows a plain product: no gate-up epilogue"
+#endif
+#if READ == 1
+#error "the tail counts the row sets of one launch: not READ 1 (image2d row blocks, split into launches)"
+#endif
+
+#define SHARED_STORE(p, i, v) atomic_xchg((volatile __global float*)(p) + (i), (v))
+#define SHARED_LOAD(p, i) as_float(atomic_or((volatile __global int*)(p) + (i), 0))
+
+// Block `at` of the floats at src (a private copy of block b) into codes and step_sum, in the order
+// Q8X.
+#if Q8X == Q8_1_NATURAL
+#define TAIL_CODES(R, dst) Q8_1_STORE_NATURAL(R, dst)
+#else
+#define TAIL_CODES(R, dst) Q8_1_STORE(R, dst)
+#endif
+#define TAIL_STORE_BLOCK(src, at, b, codes, step_sum)                                                        \
+    {                                                                                                        \
+        Q8_1_BLOCK(src, at, tv_, tstep_, tsum_)                                                              \
+        TAIL_CODES(tv_, (codes) + 32 * (b))                                                                  \
+        (step_sum)[(b)] = (float2)(tstep_, tsum_);                                                           \
+    }
+
+#if TAIL == 1
+// The residual add and the norm of the n outputs of y, by one work-item, after every row set has stored.
+inline void tail_norm(const int n, __global float* restrict y, __global float* restrict r,
+                      __global const float* restrict gamma, __global const float* restrict post_gamma,
+                      const float eps, __global float* restrict xn, __global char* restrict xq,
+                      __global float2* restrict x_step_sum)
+{
+    float total = 0.0f;
+#if POST
+    for (int i = 0; i < n; ++i) {
+        const float p = SHARED_LOAD(y, i);
+        total += p * p;
+    }
+    const float inv_p = 1.0f / sqrt(total / (float)n + eps);
+    total = 0.0f;
+    for (int i = 0; i < n; ++i) {
+        const float h = r[i] + SHARED_LOAD(y, i) * inv_p * post_gamma[i];
+        r[i] = h;
+        total += h * h;
+    }
+#else
+    for (int i = 0; i < n; ++i) {
+        const float h = r[i] + SHARED_LOAD(y, i);
+        r[i] = h;
+        total += h * h;
+    }
+#endif
+    const float inv = 1.0f / sqrt(total / (float)n + eps);
+#if Q8X
+    // each block of xn also kept in private memory and quantized from there (Intel's CPU compiler has crashed
+    // building the quantizing from xn's global copy here)
+    for (int b = 0; b < n / 32; ++b) {
+        float block[32];
+        for (int i = 0; i < 32; ++i) {
+            block[i] = r[32 * b + i] * inv * gamma[32 * b + i];
+            xn[32 * b + i] = block[i];
+        }
+        TAIL_STORE_BLOCK(block, 0, b, xq, x_step_sum)
+    }
+#else
+    for (int i = 0; i < n; ++i) xn[i] = r[i] * inv * gamma[i];
+#endif
+}
+#endif
+
+#if TAIL == 2
+// y's n outputs as Q8_1 blocks, block `first` and every `step`-th after it: each block read back through atomics
+// into private memory.
+inline void tail_quantize(const int n, __global float* restrict y, __global char* restrict xq,
+                          __global float2* restrict x_step_sum, const int first, const int step)
+{
+    for (int b = first; b < n / 32; b += step) {
+        float block[32];
+        for (int i = 0; i < 32; ++i) block[i] = SHARED_LOAD(y, 32 * b + i);
+        TAIL_STORE_BLOCK(block, 0, b, xq, x_step_sum)
+    }
+}
+#endif
+
+// The tail's arguments, after the product's own (the same list for both tails: what a tail does not read, the
+// wrapper binds to a placeholder).
+#define TAIL_ARGS                                                                                            \
+    , __global volatile int* restrict counter, __global float* restrict residual,                          \
+    __global const float* restrict gamma, __global const float* restrict post_gamma, const float eps,        \
+    __global float* restrict xn,                                                                             \
+    __global char* restrict tail_xq, __global float2* restrict tail_steps, __local int* restrict tail_last
+#define TAIL_NAMES counter, residual, gamma, post_gamma, eps, xn, tail_xq, tail_steps, tail_last
+
+// rows.cl's store (bias, then the epilogue), each output an atomic store; then the arrival counted, and the last
+// arrival's tail.
+inline void tail_store(const float* acc, const int* grow, const int first, const int n_out, const int out_base,
+                       __global const float* restrict bias, const int has_bias, __global float* restrict y
+                       TAIL_ARGS)
+{
+    #pragma unroll
+    for (int r_ = 0; r_ < ROWS; ++r_) {
+        const int o = first + r_ * ROW_STRIDE;
+        if (o >= n_out) break;
+        float v = acc[r_] + (has_bias ? bias[grow[r_]] : 0.0f);
+#if EPI_GATED
+        const float up = acc[ROWS + r_] + (has_bias ? bias[grow[ROWS + r_]] : 0.0f);
+        v = GATE_ACT(v) * up;
+#endif
+        SHARED_STORE(y, out_base + o, v);
+    }
+    mem_fence(CLK_GLOBAL_MEM_FENCE);   // the stores before the arrival is counted
+#if LANES == 1
+    // One lane a row set: no work-item has returned, so the work-group counts its arrival once and the last
+    // group's work-items share the quantizing (a block each in turn). ``last`` is the same for the whole group, so
+    // each barrier is met by every work-item of the group or by none.
+    barrier(CLK_GLOBAL_MEM_FENCE);
+    if (get_local_id(0) == 0) tail_last[0] = atomic_inc(counter) == (int)get_num_groups(0) - 1;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (!tail_last[0]) return;
+#if TAIL == 1
+    if (get_local_id(0) != 0) return;
+    atomic_xchg(counter, 0);   // the last arrival: no other group touches it again in this launch
+    tail_norm(n_out, y, residual, gamma, post_gamma, eps, xn, tail_xq, tail_steps);
+#else
+    if (get_local_id(0) == 0) atomic_xchg(counter, 0);
+    tail_quantize(n_out, y, tail_xq, tail_steps, get_local_id(0), get_local_size(0));
+#endif
+#else
+    const int row_sets = get_global_size(0) / LANES;
+    if (atomic_inc(counter) != row_sets - 1) return;
+    atomic_xchg(counter, 0);   // the last arrival: no other row set touches it again in this launch
+#if TAIL == 1
+    tail_norm(n_out, y, residual, gamma, post_gamma, eps, xn, tail_xq, tail_steps);
+#else
+    tail_quantize(n_out, y, tail_xq, tail_steps, 0, 1);
+#endif
+#endif
+}
+
+#undef GEMV_Q4_ARGS
+#define GEMV_Q4_ARGS                                                                                        \
+    const int n_out, const int k, const int out_base, const int half_rows, const int row_a, const int row_b, \
+    const int n_rows, CODES_T wa, CODES_T wb, __global const half* restrict scale_offset,                    \
+    __global const float* restrict bias, const int has_bias, __global const float* restrict x,               \
+    __global float* restrict y TAIL_ARGS
+#define store_outputs(acc, grow, first, n_out, out_base, bias, has_bias, y) \
+    tail_store(acc, grow, first, n_out, out_base, bias, has_bias, y, TAIL_NAMES)
+
+#include "gemv_q4_rows.cl"

@@ -38,6 +38,7 @@ from perfx.plan import KernelPlan, build_requests, load_buckets
 from perfx.progress import Progress
 from perfx.reference import sample as sample_token
 from perfx.runtime import Device
+from perfx.step import fuse_asked
 from perfx.sources import open_named
 from perfx.tuning.database import Database, default_database
 
@@ -245,14 +246,16 @@ class Model:
     @classmethod
     def load(cls, source, device: Device, ctx: int | None = None, progress: bool | None = None,
              default_ctx: int = DEFAULT_CTX, database: Database | None = None, log=None, kv: str = "f16",
-             fuse: bool = True) -> Model:
+             fuse: bool | None = None) -> Model:
         """Upload ``source`` (a ``perfx.sources.ModelSource``) to ``device`` with a KV cache of ``ctx`` positions
         (default: the model's context length, at most ``default_ctx``) in the form ``kv`` ("f16", or "q8": int8
         codes and an fp16 scale per 32, ``perfx.ops.kv_cache``). Kernel parameters come from
         ``database`` (default: the user's and shipped tuning results; ``default_database(False)``: none);
         ``log`` receives one line for each tuned choice this driver refuses (the next one runs instead); ``fuse``
-        False keeps each norm of the decode step its own launch (``perfx.step.fused_step``)."""
+        True runs the decode step's norms as tails of the GEMVs beside them (``perfx.step.fused_step``), False each
+        its own launch, None as ``PERFX_FUSE`` asks (``perfx.step.fuse_asked``: off unless set)."""
         c = source.config
+        fuse = fuse_asked() if fuse is None else fuse
         limit = c.max_positions or default_ctx
         ctx = min(limit, default_ctx) if ctx is None else int(ctx)
         if ctx < 2:
@@ -1085,7 +1088,7 @@ def host_peak_bytes() -> int:
 def load_model(name: str | None = None, device: Device | str | None = None, ctx: int | None = None,
                quantize: str | None = None, progress: bool | None = None, log=None,
                default_ctx: int = DEFAULT_CTX, tuning: bool = True, lm_head: str = "q8", kv: str = "f16",
-               embedding: str = "head", fuse: bool = True):
+               embedding: str = "head", fuse: bool | None = None):
     """Resolve ``name`` ("default", a path, "synthetic:<name>"), open it and load it on the device.
 
     Returns (model, source). ``log`` receives one-line progress notes (the CLI passes stderr's print).
@@ -1093,7 +1096,8 @@ def load_model(name: str | None = None, device: Device | str | None = None, ctx:
     ("q8", the default, or "fp16") is the form of the output projection and a tied embedding
     (``perfx.sources.open_model``). ``kv`` ("f16", the default, or "q8") is the KV cache's form (``Model.load``).
     ``embedding`` ("head", the default, or "q4") is the untied token embedding's form (``open_model``).
-    ``fuse`` False keeps each norm of the decode step its own launch (``Model.load``).
+    ``fuse``: the decode step's norms as GEMV tails (True), each its own launch (False), or as ``PERFX_FUSE`` asks
+    (None; ``Model.load``).
     """
     log = log or (lambda text: None)
     device = device if isinstance(device, Device) else Device(device)

@@ -79,7 +79,7 @@ class StepOptions:
     forms: dict | None = None
     kv: str = "f16"
     positions: int | None = None
-    fuse: bool = True
+    fuse: bool = False
 
 
 # -- shapes: the keys each spec's make_case reads -----------------------------------------------------

@@ -90,7 +90,7 @@ class KernelPlan:
 
     def __init__(self, config: ModelConfig, device: Device, max_positions: int, database: Database, log,
                  group: int | None, forms: dict | None = None, kv: str = "f16", q4_form: int = Q4_PAIRS,
-                 fuse: bool = True):
+                 fuse: bool = False):
         self.config, self.device, self.max_positions = config, device, max_positions
         self.kv = kv   # the KV cache's form: part of the attention kernels' shapes
         self.q4_form = q4_form   # the int4 layers' scales form (kernels/q4.h Q4_SCALES): the kernels built first
@@ -544,7 +544,7 @@ class KernelPlan:
 
 def build_requests(config: ModelConfig, device: Device, max_positions: int, database: Database, group: int | None,
                    forms: dict | None = None, kv: str = "f16", q4_form: int = Q4_PAIRS, buckets=(),
-                   fuse: bool = True) -> list[tuple]:
+                   fuse: bool = False) -> list[tuple]:
     """The builds a ``KernelPlan`` of these arguments makes (``(file, defines, newest_c)``, for
     ``Device.build_many``): its decode kernels and the prefill kernels of the M ``buckets``
     (``perfx.tuning.database.M_BUCKETS`` indices), collected without building anything (``Device.collecting``),

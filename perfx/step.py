@@ -17,9 +17,11 @@ per form: alternatives, each on the layers of its role. ``Op`` and the shapes ar
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 from perfx import moe
+from perfx.errors import PerfxError
 from perfx.mixers import mixer_class
 from perfx.op import Op, StepOptions, embedding_shape, matrix_ops, norm_ops, role_forms, shared, softcap_shape
 from perfx.ops.epilogue import gate_up_epilogue
@@ -205,6 +207,18 @@ def mixer_outputs(config, options: StepOptions) -> tuple[str, ...] | None:
             return None
         roles.append(ops[-1].weight)
     return tuple(roles)
+
+
+def fuse_asked() -> bool:
+    """Whether the decode step runs its norms as GEMV tails by default: only where asked for, with
+    ``PERFX_FUSE=tails`` (``off``, or unset: each norm its own launch). The tails cut a dense layer's launches from
+    8 to 5, but each tail's hand-off (every output stored and read back through atomics, the norm by one
+    work-item) made decode slower on both CPU runtimes (benchmarks/NOTES.md, "a dense layer's decode step in 5
+    launches"); a GPU, where a launch costs more, is to be measured (benchmarks/gpu-check.sh)."""
+    value = os.environ.get("PERFX_FUSE", "").strip().lower()
+    if value not in ("", "off", "tails"):
+        raise PerfxError(f"PERFX_FUSE={value!r}: it takes tails (the norms as GEMV tails) or off")
+    return value == "tails"
 
 
 def fuses(config, options: StepOptions) -> bool:

@@ -238,10 +238,10 @@ def test_awq_and_quantize_on_load_checkpoints_of_each_family(files, device, tmp_
     prompt = RECORDED[family]["prompt_ids"]
     for source in (awq, open_model(files[family]["hub"], quantize="q4")):
         logits, cache = forward64.model_forward(source, prompt, ctx=64)
-        loaded = Model.load(source, device, ctx=64, progress=False, database=default_database(False))
+        loaded = Model.load(source, device, ctx=64, progress=False, database=default_database(False), fuse=True)
         loaded.prefill(prompt, 0)
         assert relative_error(loaded.logits(), logits[-1]) <= DEVICE_TOLERANCE
-        # decode steps with the norms as tails of the GEMVs where every mixer's output, gate-up and down are int4
+        # decode steps (asked to fuse) with the norms as tails of the GEMVs where every mixer's output, gate-up and down are int4
         # (perfx.step.fused_step: Gemma's post-norms, LFM2's convolution and Qwen3.5's DeltaNet outputs among them)
         assert loaded.fused == fuses(source.config, loaded.plan.options)
         pos = len(prompt)

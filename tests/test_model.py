@@ -560,7 +560,8 @@ def test_an_fp16_matrix_with_a_bias_is_refused_with_what_to_do(device):
 
 
 def test_a_fused_step_runs_a_dense_layer_in_five_launches_and_equals_the_unfused(tiny_paths, device, rng):
-    """The default load fuses the norms into the GEMVs beside them (perfx.step.fused_step): each dense layer of
+    """A load with ``fuse`` (or PERFX_FUSE=tails) runs the norms in the GEMVs beside them (perfx.step.fused_step);
+    the default does not (perfx.step.fuse_asked): each dense layer of
     the greedy step is 5 launches (qkv, attention, o with the residual add and the MLP's norm, gate-up (with down's
     int8 input where down reads one), down with the next norm), 7 unfused; the final norm rides in the last down. At the kernels'
     defaults (fp32 activations, no int8 rounding to flip) the fused step's logits are the unfused step's to fp32
@@ -568,8 +569,8 @@ def test_a_fused_step_runs_a_dense_layer_in_five_launches_and_equals_the_unfused
     tokens the same."""
     source = open_model(tiny_paths["awq-gemm-gqa3"])   # every o, gate-up and down int4 (the GGUF mixes forms)
     database = default_database(False)
-    fused = Model.load(source, device, ctx=64, progress=False, database=database)
-    plain = Model.load(source, device, ctx=64, progress=False, database=database, fuse=False)
+    fused = Model.load(source, device, ctx=64, progress=False, database=database, fuse=True)
+    plain = Model.load(source, device, ctx=64, progress=False, database=database)
     assert fused.fused and not plain.fused
     counted, unfused = fused.step_launches(5), plain.step_launches(5)
     # unfused at the defaults: norm, qkv, attention, o, norm, gate-up, down (down reads floats: no quantizing)
@@ -606,7 +607,7 @@ def test_a_fused_step_with_int8_activations_quantizes_downs_input_in_gate_ups_ta
         if problem.family == "gemv_q4":
             default_database().save_result(device, result_record(spec, problem.shape, forced, 1e-5, None,
                                                                   device.fingerprint))
-    fused = Model.load(source, device, ctx=64, progress=False)
+    fused = Model.load(source, device, ctx=64, progress=False, fuse=True)
     plain = Model.load(source, device, ctx=64, progress=False, fuse=False)
     assert fused.plan.gemv_tail["down"].params == forced and fused.state.hb_q8 is not None
     assert set(fused.step_launches(5)["layers"]) == {5} and set(plain.step_launches(5)["layers"]) == {8}
@@ -622,3 +623,19 @@ def test_a_fused_step_with_int8_activations_quantizes_downs_input_in_gate_ups_ta
             model.decode_one(token, pos)
             assert relative_error(model.logits(), want[-1]) <= TUNED_LOGITS_TOLERANCE
         pos += 1
+
+
+def test_the_decode_step_fuses_its_norms_only_where_asked(tiny_paths, device, monkeypatch):
+    """The GEMV tails are opt-in (perfx.step.fuse_asked): unset or off, each norm is its own launch; PERFX_FUSE=tails
+    fuses where the recipe allows; any other value is refused, saying what it takes."""
+    source = open_model(tiny_paths["awq-gemm-gqa3"])
+    database = default_database(False)
+    for value, fused in ((None, False), ("off", False), ("tails", True)):
+        if value is None:
+            monkeypatch.delenv("PERFX_FUSE", raising=False)
+        else:
+            monkeypatch.setenv("PERFX_FUSE", value)
+        assert Model.load(source, device, ctx=32, progress=False, database=database).fused == fused
+    monkeypatch.setenv("PERFX_FUSE", "yes")
+    with pytest.raises(PerfxError, match="PERFX_FUSE='yes': it takes tails"):
+        Model.load(source, device, ctx=32, progress=False, database=database)

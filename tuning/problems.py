@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from perfx.sources import open_named
 from perfx.op import Op, StepOptions
-from perfx.step import bucket_steps, decode_step, matrix_roles
+from perfx.step import bucket_steps, decode_step, fuse_asked, matrix_roles
 
 # Contexts at which decode attention is tuned (capped by the model's max_positions).
 DECODE_POSITIONS = (256, 2048)
@@ -33,16 +33,20 @@ class Problem:
 
 def tuned_steps(config, group: int | None = None, forms: dict | None = None, kv: str = "f16") -> list[list[Op]]:
     """The steps `perfx tune` measures: the decode step at each of ``DECODE_POSITIONS`` (capped by the
-    model's), then the prefill step of each M bucket (``perfx.tuning.database.M_BUCKETS``). A fused decode step
-    (``perfx.step.fused_step``) brings the unfused step's ops too: the plain GEMVs its tails take their parameters
+    model's), then the prefill step of each M bucket (``perfx.tuning.database.M_BUCKETS``). Where a load fuses
+    (``PERFX_FUSE=tails``, ``perfx.step.fuse_asked``), the fused decode step (``perfx.step.fused_step``) brings the
+    unfused step's ops too: the plain GEMVs its tails take their parameters
     from where the tails have no entry of their own, and the norms a step of one row runs unfused (``fuse``
     False, a batched step of one sequence)."""
-    steps = [_decode_ops(config, StepOptions(group, forms, kv, positions)) for positions in DECODE_POSITIONS]
+    fuse = fuse_asked()
+    steps = [_decode_ops(config, StepOptions(group, forms, kv, positions, fuse)) for positions in DECODE_POSITIONS]
     return steps + list(bucket_steps(config, StepOptions(group, forms, kv)).values())
 
 
 def _decode_ops(config, options: StepOptions) -> list[Op]:
     fused = decode_step(config, options)
+    if not options.fuse:
+        return fused
     keys = {(op.key, op.role) for op in fused}
     return fused + [op for op in decode_step(config, replace(options, fuse=False)) if (op.key, op.role) not in keys]
 

@@ -42,9 +42,12 @@ def add_arguments(parser):
                              "that context) and the prompt and decode run at its end, after a cache filled with "
                              "arbitrary values (attention reads as many positions as in a conversation that long); "
                              "synthetic models included, so a model and context can be sized before downloading")
-    parser.add_argument("--no-fuse", dest="fuse", action="store_false",
-                        help="with --e2e: each norm of the decode step its own launch, as before the GEMV tails "
-                             "(docs/kernels.md, launches a decode step takes)")
+    fuse = parser.add_mutually_exclusive_group()
+    fuse.add_argument("--fuse", dest="fuse", action="store_true", default=None,
+                      help="with --e2e: the decode step's norms as tails of the GEMVs beside them (5 launches a dense "
+                           "layer, not 8; docs/kernels.md); default: as PERFX_FUSE says, off unless set to tails")
+    fuse.add_argument("--no-fuse", dest="fuse", action="store_false",
+                      help="with --e2e: each norm of the decode step its own launch (the default)")
     parser.add_argument("--vs-defaults", action="store_true",
                         help="does tuning help here? each kernel (and, with --e2e, the model) with its tuned "
                              "parameters and with the built-in defaults, interleaved in shuffled rounds, with the "
@@ -188,7 +191,7 @@ def launches_per_layer(counted: dict) -> dict:
 
 def run_e2e(device, model_name: str, prompt_tokens: int = 64, decode_tokens: int = 32, ctx: int | None = None,
             tuning: bool = True, lm_head: str = "q8", at_end: bool = False, kv: str = "f16",
-            embedding: str = "head", fuse: bool = True) -> dict:
+            embedding: str = "head", fuse: bool | None = None) -> dict:
     """Load ``model_name`` on ``device`` with a KV cache of form ``kv`` and measure it end to end
     (``measure_e2e``; ``at_end``: at the end of a cache of ``ctx`` positions). A first, shorter run builds the
     kernels, so the figures time no compiler; its TTFT is kept as ``ttft_cold_s`` (a first prompt after

@@ -371,18 +371,19 @@ class KernelPlan:
                         return op
                     return make
                 kinds = {"skinny": found["skinny"], "tiled": found["tiled"]}
-                if "lanes" in found:
-                    kinds["lanes"] = found["lanes"]
+                for extra in ("lanes", "i8"):
+                    if extra in found:
+                        kinds[extra] = found[extra]
                 if self.device.caps.fp16:
                     kinds["f16"] = found.get("f16", found["skinny"])
                 choices = {}
                 for kind, op in kinds.items():
                     self._wrappers[op] = self.choose(f"gemm_q4_{kind}", op.shape, label, gemm(kind, op.shape))
                     choices[kind] = self.tuned[f"gemm_q4_{kind} ({label})"]
-                # The fastest kernel measured on this device for this bucket (the fp16 and lanes ones only where
-                # they were measured too). Only times measured at this very shape, in the skinny entry's file, are
-                # compared (one_run_times): a record of another M (the nearest one a look-up falls back to) times
-                # another problem, and another file another machine or run. Where skinny and
+                # The fastest kernel measured on this device for this bucket (the fp16, lanes and int8 ones only
+                # where they were measured too). Only times measured at this very shape, in the skinny entry's
+                # file, are compared (one_run_times): a record of another M (the nearest one a look-up falls back
+                # to) times another problem, and another file another machine or run. Where skinny and
                 # tiled were not both measured: on a CPU the fastest measured of the others (both CPU
                 # implementations' tuned entries choose skinny or lanes at every bucket up to M = 256, and their
                 # tiled kernel is several times slower at M = 64), else the tall-skinny kernel; elsewhere the default
@@ -395,7 +396,8 @@ class KernelPlan:
                     kind = "skinny"
                 gemms[name] = GemmQ4(self.device, choices["skinny"].params, choices["tiled"].params, None,
                                      shape=skinny, f16_params=choices["f16"].params if "f16" in choices else None,
-                                     kind=kind, lanes_params=choices["lanes"].params if "lanes" in choices else None)
+                                     kind=kind, lanes_params=choices["lanes"].params if "lanes" in choices else None,
+                                     i8_params=choices["i8"].params if "i8" in choices else None)
             op = next((op for op in ops if op.family == "attention_prefill"), None)
             if op is None:   # no attention layer: as one would be
                 op = AttentionMixer.kernel_ops(self.config, rep, self.options)[0]

@@ -126,7 +126,8 @@ def gemm_shapes(form: Form, m: int, n: int, k: int, epilogue: str) -> list[tuple
                 ("gemm_q4_lanes", dict(shape))] + i8
     if form.kind == "q8":
         shape = {"m": m, "n": n, "k": k, "group": form.group, **_q8_form_keys(form), "epilogue": epilogue}
-        return [("gemm_q8", shape), ("gemm_q8_lanes", dict(shape))]
+        i8 = [("gemm_q8_i8", dict(shape))] if m <= I8_MAX_M else []
+        return [("gemm_q8", shape), ("gemm_q8_lanes", dict(shape))] + i8
     return []
 
 

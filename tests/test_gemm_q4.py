@@ -13,9 +13,8 @@ from perfx.ops.params import LOCAL_MEM_RESERVE
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.runtime import Device, Limits
 from perfx.tuning.database import Database, result_record
-from perfx import reference
 from perfx.tuning import SPECS as ALL_SPECS
-from perfx.tuning.gemm_q4 import F16, I8, LANES, SKINNY, TILED, expected_output
+from perfx.tuning.gemm_q4 import F16, I8, LANES, SKINNY, TILED, expected_output, q8_rounded
 from perfx.tuning.spec import relative_error
 
 SPECS = {"skinny": SKINNY, "tiled": TILED, "f16": F16, "lanes": LANES, "i8": I8}
@@ -181,7 +180,7 @@ def test_int8_kernel_is_exact_to_its_own_rounding_of_x(device, rng, group):
         x[:, rng.integers(0, 256)::256] *= 40
         y = device.poisoned((m + 1, n // 2), np.float32)
         out = _run(gemm, "i8", weight, device.upload(x), y, m, "silu_mul")
-        rounded = reference.quantize_activations_q8(x).reshape(m, k)
+        rounded = q8_rounded(x)
         assert relative_error(out, expected_output(rounded, q4, None, "silu_mul")) <= TOL, m
         exact = relative_error(out, expected_output(x, q4, None, "silu_mul"))
         assert TOL < exact <= I8_EXACT_TOL, m

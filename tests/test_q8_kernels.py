@@ -15,6 +15,7 @@ from perfx.ops.gemv_q8 import GemvQ8
 from perfx.ops.q8_weight import Q8DeviceWeight
 from perfx.runtime import Device, Limits
 from perfx.tuning import SPECS
+from perfx.tuning.gemm_q4 import q8_rounded
 from perfx.tuning.spec import relative_error
 
 FAMILIES = ("gemv_q8", "gemm_q8", "gemm_q8_lanes", "gemm_q8_i8", "embedding_q8")
@@ -76,7 +77,7 @@ def test_int8_gemm_is_exact_to_its_own_rounding_of_x(device, rng, group, f32, sy
         gemm(weight, device.upload(x), y, m).wait()
         out = y.get()
         assert np.isnan(out[m:]).all(), f"wrote past row M = {m}"
-        rounded = reference.quantize_activations_q8(x, group).reshape(m, k)
+        rounded = q8_rounded(x, group)
         assert relative_error(out[:m], reference.gemm(rounded, q8.dequantize())) <= SPECS["gemm_q8_i8"].tolerance
         exact = relative_error(out[:m], reference.gemm(x, q8.dequantize()))
         assert SPECS["gemm_q8_i8"].tolerance < exact <= i8_tolerance, m

@@ -18,6 +18,7 @@ from perfx.ops import gemm_q8
 from perfx.ops.epilogue import output_rows
 from perfx.ops.gemm_q8 import GemmQ8
 from perfx.ops.q8_weight import Q8DeviceWeight
+from perfx.tuning.gemm_q4 import q8_rounded
 from perfx.tuning.gemv_q8 import random_weight
 from perfx.tuning.spec import Case, Spec, cached_per_params, epilogue_reference, q8_group_bytes, q8_matrix
 
@@ -43,8 +44,7 @@ def make_case(device, shape, rng, kind: str = "skinny") -> Case:
     x = device.upload(x_host)
     y = device.poisoned((m, output_columns(shape)), np.float32)
     # the int8 kernel computes with X rounded to int8 per group (I8_TOLERANCE_WHY)
-    x_ref = (reference.quantize_activations_q8(x_host, shape["group"]).reshape(m, k) if kind == "i8"
-             else x_host)
+    x_ref = q8_rounded(x_host, shape["group"]) if kind == "i8" else x_host
     expected = epilogue_reference(epilogue, reference.gemm(x_ref, q8.dequantize(), bias))
     wrapper = cached_per_params(lambda params: GemmQ8(device, params, shape, kind))
 
@@ -132,7 +132,7 @@ LANES = dataclasses.replace(SPEC, params=gemm_q8.LANES, make_case=lanes_case,
 I8_TOLERANCE_WHY = (
     "gemm_q8_i8 rounds X to int8 per group of G (llama.cpp's Q8_1, as gemv_q8's I8 does), and then its products "
     "and sums are exact in int until fp32 takes over per group: so it is checked against the float64 product of "
-    "the weights and X so rounded (reference.quantize_activations_q8), at the fp32 kernels' tolerance and for the "
+    "the weights and X so rounded (tuning/gemm_q4.py's q8_rounded), at the fp32 kernels' tolerance and for the "
     "same reasons; a wrong code, group or row shows there as it would in fp32. Against the exact X its error is "
     "the rounding's (gemv_q8's I8 tolerance: tests/test_q8_kernels.py checks that too).")
 

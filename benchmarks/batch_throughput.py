@@ -8,18 +8,24 @@ load on a shared machine do not favour one), reported as the ratio of medians wi
   ``Model.greedy_tokens`` (today's decode loop on the device), both from a short prompt, STEPS steps each.
 - ``--matrices``: where a step's time goes: layer 0's gate_up and down and the lm_head as the GEMM over N rows
   (what a batched step runs) over their GEMV of one row (what one sequence runs), device time of each launch.
+- ``--ops``: where a batched step's device time goes at each N (1 included: the decode step's GEMVs): its
+  recorded launches replayed on a profiling queue, each launch's device time summed by kernel and launch size
+  (one line a matrix: qkv, o, gate-up, down, the lm_head; attention; norms), with the GEMM kind the plan chose
+  for each matrix at that M.
 - ``--serve``: `perfx serve --parallel N` in this process, N official `openai` clients streaming at once against
   one client alone, greedy, --max-tokens each: completion tokens over wall time; and the time to first token of
   a request that arrives while N − 1 others stream, over its time alone.
 
     python benchmarks/batch_throughput.py --model synthetic:smollm2-135m --parallel 2 4 8
     python benchmarks/batch_throughput.py --matrices --parallel 2 4 8
+    python benchmarks/batch_throughput.py --ops --parallel 1 2 4 8
     python benchmarks/batch_throughput.py --serve --parallel 4 --rounds 5          # the default model
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import platform
 import random
@@ -30,7 +36,9 @@ import numpy as np
 
 from perfx.batch import Batch
 from perfx.generate import SamplingConfig
+from perfx.mixers import Rows
 from perfx.model import load_model
+from perfx.ops.q8_weight import Q8DeviceWeight
 from perfx.timing import bootstrap_ratio
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -129,6 +137,46 @@ def matrix_contenders(model, n: int) -> dict:
     return out
 
 
+def step_ops(batch: Batch, n: int, rounds: int) -> tuple[dict, float]:
+    """(kernel, launch size) -> device seconds a step (the median over ``rounds`` replays after one dropped), and
+    the step's whole device time: the batched step of n rows (n = 1: the decode step's launches, as
+    ``Batch.step`` records them), each launch timed by its own profiling event."""
+    device = batch.model.device
+    for slot in range(n):
+        batch.prefill(slot, PROMPT[:-1] + [PROMPT[-1] + slot], 0)
+    # the step reads its tokens and positions on the device (``Batch.step`` uploads them the same way)
+    device.write(batch.ids, np.array([PROMPT[0]] * n + [len(PROMPT)] * n + [0] * 2 * (batch.slots - n), np.int32))
+    with device.record() as launches:
+        batch._launches(Rows([len(PROMPT)] * n, batch.ids, n, [batch.states[slot] for slot in range(n)]))
+    launches = [launch for launch in launches if hasattr(launch, "kernel")]
+    samples = collections.defaultdict(list)
+    with device.profiling() as queue:
+        for round_ in range(rounds + 1):
+            events = [(launch.kernel.function_name, launch.global_size, launch.enqueue(queue)) for launch in launches]
+            queue.finish()
+            if round_ == 0:
+                continue
+            totals = collections.defaultdict(float)
+            for name, size, event in events:
+                totals[name, size] += device.event_seconds(event)
+            for key, seconds in totals.items():
+                samples[key].append(seconds)
+    per_key = {key: float(np.median(values)) for key, values in samples.items()}
+    return per_key, sum(per_key.values())
+
+
+def gemm_kinds(model, n: int) -> str:
+    """Which GEMM kind the plan runs for each matrix at M = n (the decode GEMVs at 1)."""
+    if n == 1:
+        return "decode GEMVs"
+    gemms, _ = model.plan.prefill(n)
+    kinds = [f"{role} {gemm.kind}" for role, gemm in gemms.items()]
+    head = model.weights.lm_head.weight
+    if isinstance(head, Q8DeviceWeight):
+        kinds.append(f"lm_head int8 {model.plan.q8('gemm', 'lm_head', head, n).kind}")
+    return ", ".join(kinds)
+
+
 def interleaved(contenders: dict, rounds: int) -> dict[str, list[float]]:
     names, shuffle = list(contenders), random.Random(0)
     figures: dict[str, list[float]] = {name: [] for name in names}
@@ -155,6 +203,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (after one dropped warm-up)")
     parser.add_argument("--serve", action="store_true", help="through `perfx serve` and the openai client")
     parser.add_argument("--matrices", action="store_true", help="each matrix's GEMM over N rows over its GEMV")
+    parser.add_argument("--ops", action="store_true", help="device time of a batched step by kernel, at each N")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens a request (--serve)")
     parser.add_argument("--ctx", type=int, default=1024)
     args = parser.parse_args()
@@ -162,6 +211,17 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print(f"{source.describe().get('path', args.model)} on {model.device.caps.name}, {platform.node()}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}, rounds {args.rounds}", flush=True)
+    if args.ops:
+        batch = Batch(model, max(args.parallel))
+        one = None
+        for n in args.parallel:
+            per_key, total = step_ops(batch, n, args.rounds)
+            one = one if one is not None or n != 1 else total
+            gain = f", {n} tokens at {n * one / total:.2f}x one's tok/s (device time)" if one else ""
+            print(f"N = {n}: {total * 1e3:.2f} ms a step{gain}; {gemm_kinds(model, n)}")
+            for (name, size), seconds in sorted(per_key.items(), key=lambda kv: -kv[1])[:12]:
+                print(f"  {seconds * 1e3:8.3f} ms  {name} {size}")
+        return
     for n in args.parallel:
         if args.matrices:
             figures = interleaved(matrix_contenders(model, n), args.rounds)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from perfx.formats import Form
 from perfx.ops.epilogue import gate_up_epilogue
+from perfx.ops.gemm_q4 import I8_MAX_M
 
 # The form an fp16 lm_head takes by default (--lm-head q8); a GGUF's Q8_0 head has its scales alone, known
 # from the file's header (``forms``).
@@ -122,11 +123,14 @@ def gemm_shapes(form: Form, m: int, n: int, k: int, epilogue: str) -> list[tuple
     (none for fp16)."""
     if form.kind == "q4":
         shape = {"m": m, "n": n, "k": k, "group": form.group, "epilogue": epilogue}
+        # the int8-activation kernel for the few rows of a batched decode step (and of short prompt pieces)
+        i8 = [("gemm_q4_i8", dict(shape))] if m <= I8_MAX_M else []
         return [("gemm_q4_skinny", shape), ("gemm_q4_tiled", dict(shape)), ("gemm_q4_f16", dict(shape)),
-                ("gemm_q4_lanes", dict(shape))]
+                ("gemm_q4_lanes", dict(shape))] + i8
     if form.kind == "q8":
         shape = {"m": m, "n": n, "k": k, "group": form.group, **_q8_form_keys(form), "epilogue": epilogue}
-        return [("gemm_q8", shape), ("gemm_q8_lanes", dict(shape))]
+        i8 = [("gemm_q8_i8", dict(shape))] if m <= I8_MAX_M else []
+        return [("gemm_q8", shape), ("gemm_q8_lanes", dict(shape))] + i8
     return []
 
 

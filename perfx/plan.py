@@ -23,7 +23,7 @@ from perfx.ops.decode_loop import NextStep
 from perfx.ops.embedding_q8 import EmbeddingQ8
 from perfx.ops.epilogue import gate_up_epilogue
 from perfx.ops.gemm_q4 import FAMILIES as GEMM_FAMILIES, GemmQ4
-from perfx.ops.gemm_q8 import GemmQ8
+from perfx.ops.gemm_q8 import KINDS as Q8_KINDS, GemmQ8
 from perfx.ops.gemv_f16 import GemvF16
 from perfx.ops.gemv_q4 import GemvQ4
 from perfx.ops.gemv_q4_split import GemvQ4Split
@@ -50,6 +50,9 @@ from perfx import moe
 from perfx.mixers.attention import AttentionMixer
 from perfx.op import Op, StepOptions, matrix_epilogue
 from perfx.step import bucket_steps, decode_step, embedding_ops, matrix_roles, role_ops
+
+
+Q8_GEMM_KINDS = {space.family: kind for kind, space in Q8_KINDS.items()}   # gemm_q8_lanes -> "lanes"
 
 
 def one_run_times(choices: dict[str, Choice], anchor: str) -> dict[str, float]:
@@ -413,18 +416,19 @@ class KernelPlan:
                         return op
                     return make
                 kinds = {"skinny": found["skinny"], "tiled": found["tiled"]}
-                if "lanes" in found:
-                    kinds["lanes"] = found["lanes"]
+                for extra in ("lanes", "i8"):
+                    if extra in found:
+                        kinds[extra] = found[extra]
                 if self.device.caps.fp16:
                     kinds["f16"] = found.get("f16", found["skinny"])
                 choices = {}
                 for kind, op in kinds.items():
                     self._wrappers[op] = self.choose(f"gemm_q4_{kind}", op.shape, label, gemm(kind, op.shape))
                     choices[kind] = self.tuned[f"gemm_q4_{kind} ({label})"]
-                # The fastest kernel measured on this device for this bucket (the fp16 and lanes ones only where
-                # they were measured too). Only times measured at this very shape, in the skinny entry's file, are
-                # compared (one_run_times): a record of another M (the nearest one a look-up falls back to) times
-                # another problem, and another file another machine or run. Where skinny and
+                # The fastest kernel measured on this device for this bucket (the fp16, lanes and int8 ones only
+                # where they were measured too). Only times measured at this very shape, in the skinny entry's
+                # file, are compared (one_run_times): a record of another M (the nearest one a look-up falls back
+                # to) times another problem, and another file another machine or run. Where skinny and
                 # tiled were not both measured: on a CPU the fastest measured of the others (both CPU
                 # implementations' tuned entries choose skinny or lanes at every bucket up to M = 256, and their
                 # tiled kernel is several times slower at M = 64), else the tall-skinny kernel; elsewhere the default
@@ -437,7 +441,8 @@ class KernelPlan:
                     kind = "skinny"
                 gemms[name] = GemmQ4(self.device, choices["skinny"].params, choices["tiled"].params, None,
                                      shape=skinny, f16_params=choices["f16"].params if "f16" in choices else None,
-                                     kind=kind, lanes_params=choices["lanes"].params if "lanes" in choices else None)
+                                     kind=kind, lanes_params=choices["lanes"].params if "lanes" in choices else None,
+                                     i8_params=choices["i8"].params if "i8" in choices else None)
             op = next((op for op in ops if op.family == "attention_prefill"), None)
             if op is None:   # no attention layer: as one would be
                 op = AttentionMixer.kernel_ops(self.config, rep, self.options)[0]
@@ -480,10 +485,13 @@ class KernelPlan:
         return self._delta_prefill[bucket]
 
     def _faster_q8_gemm(self, shapes: dict) -> str:
-        """The int8 GEMM family to run at a bucket's shape (``shapes``: family -> shape): gemm_q8_lanes where its
-        first choice and gemm_q8's were timed in one run (``one_run_times``) and lanes was the faster, else
-        gemm_q8 (the register-tiled kernel written for a GPU's wave)."""
-        return "gemm_q8_lanes" if self._faster_alternative(shapes, "gemm_q8", "gemm_q8_lanes") else "gemm_q8"
+        """The int8 GEMM family to run at a bucket's shape (``shapes``: family -> shape): of gemm_q8_lanes and
+        (at the few rows of a batched decode step) gemm_q8_i8, the fastest whose first choice was timed in one
+        run with gemm_q8's (``one_run_times``) and faster than it, else gemm_q8 (the register-tiled kernel
+        written for a GPU's wave)."""
+        first = {f: self.database.choices(self.device, SPECS[f], shape)[0] for f, shape in shapes.items()}
+        timed = one_run_times(first, "gemm_q8")
+        return min(timed, key=timed.get) if "gemm_q8" in timed else "gemm_q8"
 
     def _q8_step_ops(self, kind: str, name: str, weight: Q8DeviceWeight, form: Form, rep: int) -> list[Op]:
         """The ops of the built step for an int8 weight of this form and size (the GEMV, the GEMM kinds of
@@ -496,7 +504,7 @@ class KernelPlan:
             return found or [op for op in embedding_ops(c, 1, StepOptions(forms={"embedding": {form}}))]
         gemm = kind == "gemm"
         ops = self.buckets[m_bucket(rep)] if gemm else self.step
-        families = ("gemm_q8", "gemm_q8_lanes") if gemm else ("gemv_q8",)
+        families = ("gemm_q8", "gemm_q8_lanes", "gemm_q8_i8") if gemm else ("gemv_q8",)
         base = matrix_epilogue(c, name)
         epilogue = "bias" if gemm and weight.has_bias and base == "none" else base
         found = [op for op in ops if op.family in families and op.weight == name and op.form == form
@@ -530,7 +538,7 @@ class KernelPlan:
                 epilogue, shape = op.epilogue, op.shape
 
                 def make(params):
-                    wrapper = GemmQ8(self.device, params, shape, "lanes" if family == "gemm_q8_lanes" else "skinny")
+                    wrapper = GemmQ8(self.device, params, shape, Q8_GEMM_KINDS[family])
                     wrapper.kernel(weight.group, weight.f32, weight.symmetric, epilogue)
                     return wrapper
                 made = self.choose(family, shape, f"{name}, M≈{rep}", make)

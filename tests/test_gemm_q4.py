@@ -1,5 +1,5 @@
-"""gemm_q4: the tall-skinny, lanes, tiled and (with cl_khr_fp16) fp16 int4 GEMM kernels, their epilogues, both
-weight layouts, and the dispatcher."""
+"""gemm_q4: the tall-skinny, lanes, int8-activation, tiled and (with cl_khr_fp16) fp16 int4 GEMM kernels, their
+epilogues, both weight layouts, and the dispatcher."""
 
 import numpy as np
 import pytest
@@ -13,17 +13,21 @@ from perfx.ops.params import LOCAL_MEM_RESERVE
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.runtime import Device, Limits
 from perfx.tuning.database import Database, result_record
-from perfx.tuning.gemm_q4 import F16, LANES, SKINNY, TILED, expected_output
+from perfx.tuning import SPECS as ALL_SPECS
+from perfx.tuning.gemm_q4 import F16, I8, LANES, SKINNY, TILED, expected_output, q8_rounded
 from perfx.tuning.spec import relative_error
 
-SPECS = {"skinny": SKINNY, "tiled": TILED, "f16": F16, "lanes": LANES}
+SPECS = {"skinny": SKINNY, "tiled": TILED, "f16": F16, "lanes": LANES, "i8": I8}
 TOL = SKINNY.tolerance
-TOLERANCES = {"skinny": TOL, "tiled": TOL, "lanes": TOL, "f16": F16.tolerance_for(F16.params.defaults())}
+# Against the exact X the int8 kernel's error is X's rounding to Q8_1 blocks: the rows-I8 GEMV's tolerance
+I8_EXACT_TOL = ALL_SPECS["gemv_q4"].tolerance_for({**ALL_SPECS["gemv_q4"].params.defaults(), "I8": 1})
+TOLERANCES = {"skinny": TOL, "tiled": TOL, "lanes": TOL, "f16": F16.tolerance_for(F16.params.defaults()),
+              "i8": I8_EXACT_TOL}
 
 
 def kinds(device, *names) -> list[str]:
     """The kernels of ``names`` this device runs: the fp16 one only with cl_khr_fp16."""
-    return [kind for kind in names or ("skinny", "tiled", "f16", "lanes") if kind != "f16" or device.caps.fp16]
+    return [kind for kind in names or ("skinny", "tiled", "f16", "lanes", "i8") if kind != "f16" or device.caps.fp16]
 
 
 def _cases(kind):
@@ -33,7 +37,7 @@ def _cases(kind):
             for i, shape in enumerate(SPECS[kind].test_shapes)]
 
 
-@pytest.mark.parametrize("kind", ["skinny", "tiled", "f16", "lanes"])
+@pytest.mark.parametrize("kind", ["skinny", "tiled", "f16", "lanes", "i8"])
 def test_defaults_on_every_spec_shape(device, rng, kind):
     if kind not in kinds(device):
         pytest.skip(f"{device.caps.name} has no cl_khr_fp16")
@@ -44,7 +48,8 @@ def test_defaults_on_every_spec_shape(device, rng, kind):
 
 
 @pytest.mark.sweep
-@pytest.mark.parametrize("kind,index", _cases("skinny") + _cases("tiled") + _cases("f16") + _cases("lanes"))
+@pytest.mark.parametrize("kind,index", _cases("skinny") + _cases("tiled") + _cases("f16") + _cases("lanes")
+                         + _cases("i8"))
 def test_every_candidate_on_the_spec_shapes(device, rng, kind, index):
     spec = SPECS[kind]
     shape = spec.test_shapes[index]
@@ -66,7 +71,7 @@ FORM_PATHS = {"rows": lambda p: p["LAYOUT"] == 0 and p["READ"] != 1, "image2d": 
               "interleaved": lambda p: p["LAYOUT"] == 1}
 
 
-@pytest.mark.parametrize("kind", ["skinny", "tiled", "f16", "lanes"])
+@pytest.mark.parametrize("kind", ["skinny", "tiled", "f16", "lanes", "i8"])
 @pytest.mark.parametrize("form,shape", FORM_CASES, ids=["zeros", "symmetric"])
 def test_zero_point_forms(device, rng, kind, form, shape):
     if kind not in kinds(device):   # the fp16 GEMM needs cl_khr_fp16: PoCL lacks it, Intel's runtime runs these
@@ -99,7 +104,8 @@ def test_dispatcher_over_m_off_the_tile_grid(device, rng, m):
     # N = 1000, K = 4160 (130 texels) with G = 64: no multiple of any tile.
     gemm = GemmQ4(device)
     weight, x, y, want = _problem(device, rng, m, 1000, 4160, 64)
-    for kind in kinds(device, "skinny", "tiled", "f16", "lanes") if m <= 33 else kinds(device, "tiled", "f16", "lanes"):
+    small = kinds(device, "skinny", "tiled", "f16", "lanes", "i8")
+    for kind in small if m <= 33 else kinds(device, "tiled", "f16", "lanes"):
         y.fill(np.float32(np.nan))
         assert relative_error(_run(gemm, kind, weight, x, y, m), want) <= TOLERANCES[kind], kind
     y.fill(np.float32(np.nan))
@@ -138,7 +144,7 @@ def test_image_row_blocks(small_image_device, rng, epilogue):
     weight, x, y, want = _problem(device, rng, m, n, 320, 32, epilogue, read_paths=("image2d",))
     assert len(weight.images) == 3 and (weight.buffer is None) != weight.images_are_views
     gemm = GemmQ4(device, skinny_params={"READ": 1}, tiled_params={"READ": 1}, lanes_params={"READ": 1},
-                  f16_params={"READ": 1} if device.caps.fp16 else None)
+                  i8_params={"READ": 1}, f16_params={"READ": 1} if device.caps.fp16 else None)
     for kind in kinds(device):
         y.fill(np.float32(np.nan))
         assert relative_error(_run(gemm, kind, weight, x, y, m, epilogue), want) <= TOLERANCES[kind], kind
@@ -148,16 +154,37 @@ def test_read_path_falls_back_to_what_the_weight_holds(device, rng):
     m = 6
     buffer_only, x, y, want = _problem(device, rng, m, 90, 256, 64, read_paths=("buffer",))
     gemm = GemmQ4(device, skinny_params={"READ": 1}, tiled_params={"READ": 1}, lanes_params={"READ": 1},
-                  f16_params={"READ": 1} if device.caps.fp16 else None)
+                  i8_params={"READ": 1}, f16_params={"READ": 1} if device.caps.fp16 else None)
     for kind in kinds(device):
         y.fill(np.float32(np.nan))
         assert relative_error(_run(gemm, kind, buffer_only, x, y, m), want) <= TOLERANCES[kind], kind
     image_only, x, y, want = _problem(device, rng, m, 90, 256, 64, read_paths=("image2d",))
     gemm = GemmQ4(device, skinny_params={"READ": 0}, tiled_params={"READ": 0}, lanes_params={"READ": 0},
-                  f16_params={"READ": 2} if device.caps.fp16 else None)
+                  i8_params={"READ": 0}, f16_params={"READ": 2} if device.caps.fp16 else None)
     for kind in kinds(device):
         y.fill(np.float32(np.nan))
         assert relative_error(_run(gemm, kind, image_only, x, y, m), want) <= TOLERANCES[kind], kind
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_int8_kernel_is_exact_to_its_own_rounding_of_x(device, rng, group):
+    """gemm_q4_i8's one approximation is X rounded to Q8_1 blocks: against the float64 product of the same weights
+    and X so rounded it holds the fp32 tolerance, against the exact X it does not (it is the int8 kernel), and
+    its calls at M = 2, 4, 8 (the batched decode step's) and then 3 (a smaller X in the scratch grown for 8)
+    each write their M rows and no more."""
+    n, k = 2 * 203, 640
+    q4 = Q4Matrix.random(n, k, group, rng)
+    weight = Q4DeviceWeight.upload(device, q4, None, ("buffer",))
+    gemm = GemmQ4(device, kind="i8")
+    for m in (2, 4, 8, 3):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        x[:, rng.integers(0, 256)::256] *= 40
+        y = device.poisoned((m + 1, n // 2), np.float32)
+        out = _run(gemm, "i8", weight, device.upload(x), y, m, "silu_mul")
+        rounded = q8_rounded(x)
+        assert relative_error(out, expected_output(rounded, q4, None, "silu_mul")) <= TOL, m
+        exact = relative_error(out, expected_output(x, q4, None, "silu_mul"))
+        assert TOL < exact <= I8_EXACT_TOL, m
 
 
 def test_dispatcher_choice_is_as_documented(device):

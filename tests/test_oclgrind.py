@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(ICD is None, reason=runner.INSTALL_HELP)
 
 def oclgrind(*args: str) -> tuple[dict, str]:
     """Run the runner under Oclgrind; (its JSON result, its stderr). Fails the test if it did not finish."""
-    done = subprocess.run([sys.executable, str(RUNNER), *args], env=runner.oclgrind_env(ICD), cwd=ROOT,
+    done = subprocess.run([sys.executable, str(RUNNER), *args], env=runner.oclgrind_env(ICD, family=args[0]), cwd=ROOT,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
     if done.returncode != 0:
         pytest.fail(f"oclgrind_runner {' '.join(args)} exited with {done.returncode}; "

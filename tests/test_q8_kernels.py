@@ -1,4 +1,4 @@
-"""The int8 kernel families (gemv_q8, gemm_q8 and gemm_q8_lanes, embedding_q8): every test shape at the
+"""The int8 kernel families (gemv_q8, gemm_q8, gemm_q8_lanes and gemm_q8_i8, embedding_q8): every test shape at the
 defaults and at every candidate, row blocks under a phone's allocation limit, bad ids, and the error paths."""
 
 import numpy as np
@@ -15,9 +15,10 @@ from perfx.ops.gemv_q8 import GemvQ8
 from perfx.ops.q8_weight import Q8DeviceWeight
 from perfx.runtime import Device, Limits
 from perfx.tuning import SPECS
+from perfx.tuning.gemm_q4 import q8_rounded
 from perfx.tuning.spec import relative_error
 
-FAMILIES = ("gemv_q8", "gemm_q8", "gemm_q8_lanes", "embedding_q8")
+FAMILIES = ("gemv_q8", "gemm_q8", "gemm_q8_lanes", "gemm_q8_i8", "embedding_q8")
 ALL_SHAPES = [(SPECS[f], i) for f in FAMILIES for i in range(len(SPECS[f].test_shapes))]
 
 
@@ -57,6 +58,30 @@ def test_detects_wrong_answers(device, rng):
     wrong = y.copy()
     wrong[-1] += 0.02 / 128 * 3
     assert relative_error(wrong, case.expected["y"]) > spec.tolerance
+
+
+@pytest.mark.parametrize("group, f32, sym", [(16, True, False), (32, False, True), (32, False, False)])
+def test_int8_gemm_is_exact_to_its_own_rounding_of_x(device, rng, group, f32, sym):
+    """gemm_q8_i8's one approximation is X rounded to int8 per group: against the float64 product of the same
+    weights and X so rounded it holds the fp32 tolerance, against the exact X it does not (it is the int8
+    kernel) but holds gemv_q8's I8 tolerance; its calls at M = 2, 4, 8 (the batched decode step's) and then 3
+    (a smaller X in the scratch grown for 8) each write their M rows and no more, across 64-row blocks."""
+    n, k = 203, 640
+    q8 = Q8Matrix.random(n, k, group, rng, f32=f32, symmetric=sym)
+    weight = Q8DeviceWeight.upload(device, q8, max_block_bytes=64 * k)
+    gemm = GemmQ8(device, kind="i8")
+    i8_tolerance = SPECS["gemv_q8"].tolerance_for({**SPECS["gemv_q8"].params.defaults(), "I8": 1})
+    for m in (2, 4, 8, 3):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        x[:, rng.integers(0, 64)::64] *= 40
+        y = device.poisoned((m + 1, n), np.float32)
+        gemm(weight, device.upload(x), y, m).wait()
+        out = y.get()
+        assert np.isnan(out[m:]).all(), f"wrote past row M = {m}"
+        rounded = q8_rounded(x, group)
+        assert relative_error(out[:m], reference.gemm(rounded, q8.dequantize())) <= SPECS["gemm_q8_i8"].tolerance
+        exact = relative_error(out[:m], reference.gemm(x, q8.dequantize()))
+        assert SPECS["gemm_q8_i8"].tolerance < exact <= i8_tolerance, m
 
 
 @pytest.mark.parametrize("n, k, group, f32, sym, epilogue", [(203, 640, 16, True, False, "none"),
@@ -145,7 +170,7 @@ def test_errors_name_what_is_wrong(device, rng):
         GemmQ8(device)(weight, x, device.empty((1, 7), np.float32), 1, "bias")
     with pytest.raises(PerfxError, match="gemm_q8: Y holds 24 bytes, less than the 28"):
         GemmQ8(device)(weight, x, device.empty(6, np.float32), 1)
-    with pytest.raises(PerfxError, match="gemm_q8: unknown kernel 'tiled'; choose one of skinny, lanes"):
+    with pytest.raises(PerfxError, match="gemm_q8: unknown kernel 'tiled'; choose one of skinny, lanes, i8"):
         GemmQ8(device, kind="tiled")
     with pytest.raises(PerfxError, match=r"bias of shape \(6,\) for a matrix with 7 rows"):
         Q8DeviceWeight.upload(device, q8, np.zeros(6, np.float32))

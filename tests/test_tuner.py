@@ -247,7 +247,8 @@ def _parse(module, argv):
 
 
 def test_kernel_selection_by_name_and_prefix():
-    assert set(select_specs("gemm_q4")) == {"gemm_q4_skinny", "gemm_q4_tiled", "gemm_q4_f16", "gemm_q4_lanes"}
+    assert set(select_specs("gemm_q4")) == {"gemm_q4_skinny", "gemm_q4_tiled", "gemm_q4_f16", "gemm_q4_lanes",
+                                              "gemm_q4_i8"}
     assert set(select_specs("argmax, rmsnorm")) == {"argmax", "rmsnorm"}
     assert select_specs(None) == SPECS
     with pytest.raises(PerfxError, match="unknown kernel family 'nope'"):
@@ -470,7 +471,8 @@ def test_tune_refresh_command_checks_a_stale_entry_on_the_device(tmp_path, monke
 
 def test_the_sweep_summary_says_which_prompt_gemm_is_faster_per_bucket():
     """`perfx tune` ends with the faster kernel per matrix and bucket: int4 (skinny against tiled, or whichever
-    of its kinds won) and int8 (skinny against lanes), apart where one matrix role has layers of both forms."""
+    of its kinds won) and int8 (the fastest of skinny, lanes and, at a batched step's few rows, i8), apart where
+    one matrix role has layers of both forms."""
     from types import SimpleNamespace
 
     from perfx.commands.tune import crossover_lines
@@ -481,8 +483,10 @@ def test_the_sweep_summary_says_which_prompt_gemm_is_faster_per_bucket():
         result("gemm_q4_skinny", "down", 33, 2e-4), result("gemm_q4_tiled", "down", 33, 3e-4),
         result("gemm_q4_lanes", "down", 33, 1e-4), result("gemm_q8", "down", 33, 1e-3),
         result("gemm_q8_lanes", "down", 33, 5e-4), result("gemm_q8", "qkv", 9, 1e-4),
-        result("gemm_q8_lanes", "qkv", 9, 2e-4), result("gemm_q8", "qkv", 33, 1e-4)])
-    assert lines == ["  down: M=33: lanes, M=33: int8 lanes", "  qkv: M=9: int8 skinny"]
+        result("gemm_q8_lanes", "qkv", 9, 2e-4), result("gemm_q8", "qkv", 33, 1e-4),
+        result("gemm_q8", "lm_head", 3, 2e-3), result("gemm_q8_lanes", "lm_head", 3, 3e-3),
+        result("gemm_q8_i8", "lm_head", 3, 1e-3)])
+    assert lines == ["  down: M=33: lanes, M=33: int8 lanes", "  lm_head: M=3: int8 i8", "  qkv: M=9: int8 skinny"]
 
 
 def test_info_says_which_int8_prompt_gemm_the_model_runs():

@@ -1,5 +1,6 @@
-"""Tuning specs of the prefill int4 GEMM: ``gemm_q4_skinny`` (small M), ``gemm_q4_tiled`` (large M) and
-``gemm_q4_f16`` (fp16 register tiles, where the device has cl_khr_fp16).
+"""Tuning specs of the prefill int4 GEMM: ``gemm_q4_skinny`` (small M), ``gemm_q4_tiled`` (large M),
+``gemm_q4_lanes`` (a column a SIMD lane), ``gemm_q4_i8`` (a few rows with int8 activations: the batched decode
+step) and ``gemm_q4_f16`` (fp16 register tiles, where the device has cl_khr_fp16).
 
 A shape is {"m", "n" (weight rows: 2·I for a gate-up epilogue), "k", "group", "epilogue" ("none" | "bias" |
 "silu_mul" | "gelu_mul")}.
@@ -47,6 +48,27 @@ def flops(shape) -> int:
     return 2 * shape["m"] * shape["n"] * shape["k"]
 
 
+I8_TOLERANCE_WHY = (
+    "gemm_q4_i8 rounds X to int8 per block of 32 (llama.cpp's Q8_1, as the rows-I8 GEMV does), and then its "
+    "products and sums are exact in int until fp32 takes over per block: so it is checked against the float64 "
+    "product of the weights and X so rounded (q8_rounded: reference.quantize_activations_q8's rule in the kernel's "
+    "fp32, so a value within a rounding of a half goes the kernel's way), at the fp32 kernels' "
+    "tolerance and for the same reasons; a wrong code, block or row shows there as it would in fp32. "
+    "Against the exact X its error is the rounding's (the gemv_q4 spec's I8 tolerance, 5e-2: "
+    "tests/test_gemm_q4.py checks that too).")
+
+
+def q8_rounded(x, block: int = 32) -> np.ndarray:
+    """X as the int8-activation kernels round it (llama.cpp's Q8_1: ``reference.quantize_activations_q8``), in
+    their fp32 arithmetic: 127/max|x| and x times it in fp32, then rint (ties to even), so a value that lands
+    within an fp32 rounding of a half goes the way the kernel's does; float64 values code·max|x|/127."""
+    blocks = np.asarray(x, np.float32).reshape(-1, block)
+    amax = np.abs(blocks).max(axis=1, keepdims=True)
+    inv = np.divide(np.float32(127.0), amax, out=np.zeros_like(amax), where=amax > 0)
+    codes = np.rint(blocks * inv)
+    return (codes.astype(np.float64) * (amax.astype(np.float64) / 127.0)).reshape(np.shape(x))
+
+
 def expected_output(x, q4: Q4Matrix, bias, epilogue: str) -> np.ndarray:
     """The float64 reference of every epilogue."""
     product = reference.gemm(x, q4.dequantize(), bias if epilogue == "bias" else None)
@@ -77,6 +99,8 @@ def _programs(kind: str):
         wrapper.kernel(kind, shape.get("epilogue", "none"), read, params["LAYOUT"], shape.get("form", Q4_PAIRS))
         if kind == "f16":
             wrapper.convert_kernel()
+        if kind == "i8":
+            wrapper.quantize_kernel()
     return programs
 
 
@@ -106,7 +130,9 @@ def _case_maker(kind: str):
                 event.wait()
             return {"y": y.get()}
 
-        return Case(expected={"y": expected_output(x_host, q4, bias, epilogue)}, run=run, launch=launch)
+        # the int8 kernel computes with X rounded to Q8_1 blocks (I8_TOLERANCE_WHY)
+        x_ref = q8_rounded(x_host) if kind == "i8" else x_host
+        return Case(expected={"y": expected_output(x_ref, q4, bias, epilogue)}, run=run, launch=launch)
 
     return make_case
 
@@ -191,3 +217,9 @@ F16 = Spec(
 # The skinny kernel's shapes, checks and tolerance: the same products and edges. M = 33 runs passes of MB and
 # then the remainder's (1, or 8+1, 4+1 ...); the columns (60 and 100) are no multiple of ROWS·WGS.
 LANES = dataclasses.replace(SKINNY, params=gemm_q4.LANES, make_case=_case_maker("lanes"), programs=_programs("lanes"))
+
+# The skinny kernel's shapes, checks and fp32 tolerance, against X rounded as the kernel rounds it
+# (I8_TOLERANCE_WHY). M = 33 runs passes of MT and then the remainder's; M = 7 and 9 are off every MT; the
+# columns (60, 100, 50) are no multiple of ROWS·WGS; G = 32, 128 and 64 (one texel a group, and several).
+I8 = dataclasses.replace(SKINNY, params=gemm_q4.I8, make_case=_case_maker("i8"), programs=_programs("i8"),
+                         tolerance_why=I8_TOLERANCE_WHY)

@@ -1,5 +1,6 @@
 """Tuning specs of the prefill int8 GEMM (and the lm_head over many positions): ``gemm_q8`` (float8
-accumulators, a work-item's columns in registers) and ``gemm_q8_lanes`` (an output column a SIMD lane).
+accumulators, a work-item's columns in registers), ``gemm_q8_lanes`` (an output column a SIMD lane) and
+``gemm_q8_i8`` (a few rows with int8 activations: the batched decode step).
 
 A shape is {"m", "n" (weight rows: 2·I for a gate-up epilogue), "k", "group", "f32", "epilogue" ("none" |
 "bias" | "silu_mul" | "gelu_mul")}, optionally "sym" (scales alone, as gemv_q8's) and "block_bytes" (the
@@ -17,6 +18,7 @@ from perfx.ops import gemm_q8
 from perfx.ops.epilogue import output_rows
 from perfx.ops.gemm_q8 import GemmQ8
 from perfx.ops.q8_weight import Q8DeviceWeight
+from perfx.tuning.gemm_q4 import q8_rounded
 from perfx.tuning.gemv_q8 import random_weight
 from perfx.tuning.spec import Case, Spec, cached_per_params, epilogue_reference, q8_group_bytes, q8_matrix
 
@@ -41,7 +43,9 @@ def make_case(device, shape, rng, kind: str = "skinny") -> Case:
     x_host = rng.standard_normal((m, k)).astype(np.float32)
     x = device.upload(x_host)
     y = device.poisoned((m, output_columns(shape)), np.float32)
-    expected = epilogue_reference(epilogue, reference.gemm(x_host, q8.dequantize(), bias))
+    # the int8 kernel computes with X rounded to int8 per group (I8_TOLERANCE_WHY)
+    x_ref = q8_rounded(x_host, shape["group"]) if kind == "i8" else x_host
+    expected = epilogue_reference(epilogue, reference.gemm(x_ref, q8.dequantize(), bias))
     wrapper = cached_per_params(lambda params: GemmQ8(device, params, shape, kind))
 
     def launch(params):
@@ -57,9 +61,11 @@ def make_case(device, shape, rng, kind: str = "skinny") -> Case:
 
 
 def programs(device, shape, params, kind: str = "skinny") -> None:
-    """The kernel a product at ``params`` runs on ``shape``."""
-    GemmQ8(device, params, shape, kind).kernel(shape["group"], bool(shape.get("f32")), bool(shape.get("sym")),
-                                               shape.get("epilogue", "none"))
+    """The kernel a product at ``params`` runs on ``shape`` (and the int8 kernel's rounding of X)."""
+    wrapper = GemmQ8(device, params, shape, kind)
+    wrapper.kernel(shape["group"], bool(shape.get("f32")), bool(shape.get("sym")), shape.get("epilogue", "none"))
+    if kind == "i8":
+        wrapper.quantize_kernel(shape["group"])
 
 
 def fuzz_shapes(st):
@@ -119,3 +125,21 @@ def lanes_case(device, shape, rng) -> Case:
 
 LANES = dataclasses.replace(SPEC, params=gemm_q8.LANES, make_case=lanes_case,
                             programs=lambda device, shape, params: programs(device, shape, params, "lanes"))
+
+
+# gemm_q8_i8: the same shapes (M = 33, 7, 5, 9 off every MT, the columns off ROWS·WGS, row blocks, G = 16 and 32,
+# pairs and scales alone), against X rounded as the kernel rounds it.
+I8_TOLERANCE_WHY = (
+    "gemm_q8_i8 rounds X to int8 per group of G (llama.cpp's Q8_1, as gemv_q8's I8 does), and then its products "
+    "and sums are exact in int until fp32 takes over per group: so it is checked against the float64 product of "
+    "the weights and X so rounded (tuning/gemm_q4.py's q8_rounded), at the fp32 kernels' tolerance and for the "
+    "same reasons; a wrong code, group or row shows there as it would in fp32. Against the exact X its error is "
+    "the rounding's (gemv_q8's I8 tolerance: tests/test_q8_kernels.py checks that too).")
+
+
+def i8_case(device, shape, rng) -> Case:
+    return make_case(device, shape, rng, "i8")
+
+
+I8 = dataclasses.replace(SPEC, params=gemm_q8.I8, make_case=i8_case, tolerance_why=I8_TOLERANCE_WHY,
+                         programs=lambda device, shape, params: programs(device, shape, params, "i8"))

@@ -130,12 +130,13 @@ def gemm_choice_lines(entries: list[dict]) -> list[str]:
         if e["family"] in Q8_GEMM_FAMILIES and e.get("time_s") and isinstance(e["shape"], dict) and not e.get("note"):
             pairs.setdefault((e["file"], json.dumps(e["shape"], sort_keys=True)), {})[e["family"]] = e["time_s"]
     for (_, shape), times in pairs.items():
-        if len(times) == len(Q8_GEMM_FAMILIES):
-            kind = "lanes" if times["gemm_q8_lanes"] < times["gemm_q8"] else "skinny"
+        if "gemm_q8" in times and len(times) > 1:
+            best = min(times, key=times.get)
+            kind = "skinny" if best == "gemm_q8" else best.rsplit("_", 1)[1]
             int8.setdefault(json.loads(shape)["m"], Counter())[kind] += 1
     lines += [f"M ≈ {m:4}: int8 " + ", ".join(f"{kind} fastest for {n} matri{'x' if n == 1 else 'ces'}"
                                              for kind, n in counts.most_common())
               for m, counts in sorted(int8.items())]
-    lines.append("int8 elsewhere: gemm_q8 (gemm_q8_lanes runs where one tuning file timed both kinds and it won; "
-                 "`perfx tune --kernels gemm_q8` measures them)")
+    lines.append("int8 elsewhere: gemm_q8 (gemm_q8_lanes, or gemm_q8_i8 at a batched step's few rows, runs where one "
+                 "tuning file timed it with gemm_q8 and it won; `perfx tune --kernels gemm_q8` measures them)")
     return lines

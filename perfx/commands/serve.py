@@ -53,7 +53,7 @@ def add_arguments(parser):
                              f"a KV cache of its own); 1 runs them one at a time, with speculation. Default auto: "
                              f"{PARALLEL_DEFAULT}, or fewer where {PARALLEL_DEFAULT} KV caches would take more than "
                              f"1/{STATE_SHARE} of the device's memory; 1 on a CPU device (bound by arithmetic, so "
-                             f"N rows cost about N steps), where --speculate or --draft asks for speculation, which "
+                             f"N rows cost more than half of N steps), where --speculate or --draft asks for speculation, which "
                              f"is off with N > 1, or where a layer kind of the model cannot be batched yet")
 
 

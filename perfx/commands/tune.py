@@ -35,8 +35,8 @@ def add_arguments(parser):
                         help="model whose shapes to tune: 'default', a .gguf file or model directory, or "
                              "synthetic:llama-2-7b / synthetic:smollm2-135m (default: default)")
     parser.add_argument("--kernels", help="comma-separated kernel families, a prefix names a group "
-                                          "(gemm_q4 = gemm_q4_skinny, _tiled, _f16 and _lanes; gemm_q8 = "
-                                          "gemm_q8 and gemm_q8_lanes; default: all)")
+                                          "(gemm_q4 = gemm_q4_skinny, _tiled, _f16, _lanes and _i8; gemm_q8 = "
+                                          "gemm_q8, _lanes and _i8; default: all)")
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds for the whole sweep, shared among the problems (default: 600)")
     parser.add_argument("--max-m", type=int, default=None,
@@ -226,8 +226,10 @@ def crossover_lines(results) -> list[str]:
             q4 = {family: time for family, time in t.items() if family in GEMM_FAMILIES}
             if "gemm_q4_skinny" in q4 and "gemm_q4_tiled" in q4:
                 cells.append(f"M={m}: {min(q4, key=q4.get).rsplit('_', 1)[1]}")
-            if all(family in t for family in Q8_GEMM_FAMILIES):   # an int8 matrix (a layer's may be either)
-                cells.append(f"M={m}: int8 {'lanes' if t['gemm_q8_lanes'] < t['gemm_q8'] else 'skinny'}")
+            q8 = {family: time for family, time in t.items() if family in Q8_GEMM_FAMILIES}
+            if "gemm_q8" in q8 and len(q8) > 1:   # an int8 matrix (a layer's may be either)
+                best = min(q8, key=q8.get)
+                cells.append(f"M={m}: int8 {'skinny' if best == 'gemm_q8' else best.rsplit('_', 1)[1]}")
         if cells:
             lines.append(f"  {label}: " + ", ".join(cells))
     return lines

@@ -1,10 +1,12 @@
 """The prefill-path int4 GEMM: Y (M, N) = X (M, K) · Wᵀ with a fused epilogue, for M tokens.
 
-Three kernels: ``gemm_q4_skinny`` (small M, memory-bound: each weight read once, all M rows' sums in
-registers), ``gemm_q4_tiled`` (large M, compute-bound: local-memory and register tiles) and, where the
-device has cl_khr_fp16, ``gemm_q4_f16`` (fp16 register tiles, no local memory, no barriers; the activations
-converted to fp16 once per call). ``GemmQ4`` runs a fixed kind, or picks skinny or tiled by M against a
-crossover; ``choose(m)`` says which.
+Five kernels: ``gemm_q4_skinny`` (small M, memory-bound: each weight read once, all M rows' sums in
+registers), ``gemm_q4_tiled`` (large M, compute-bound: local-memory and register tiles), ``gemm_q4_lanes``
+(one column a SIMD lane, for CPU compilers), ``gemm_q4_i8`` (a few rows, the batched decode step's: X
+quantized to int8 per block of 32 once per call, integer products, each weight texel unpacked once for all the
+rows of a pass) and, where the device has cl_khr_fp16, ``gemm_q4_f16`` (fp16 register tiles, no local memory,
+no barriers; the activations converted to fp16 once per call). ``GemmQ4`` runs a fixed kind, or picks skinny
+or tiled by M against a crossover; ``choose(m)`` says which.
 
 Every kernel reads the layout and read path the weight was uploaded with (``kernels/q4.h``): LAYOUT comes
 from the weight, and READ is the tuned one where the weight has it, else the path it has. The space of each
@@ -27,12 +29,16 @@ from perfx.ops.params import FP16_NEED, READ_BUFFER, READ_IMAGE1D, READ_IMAGE2D,
 from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight
 from perfx.runtime import Device
 
-KINDS = ("skinny", "tiled", "f16", "lanes")
+KINDS = ("skinny", "tiled", "f16", "lanes", "i8")
 FAMILIES = tuple(f"gemm_q4_{kind}" for kind in KINDS)   # each kind's tuning family
 # Largest M for the tall-skinny kernel when no tuned crossover is given: at M ≈ 32 its register
 # passes cost about what the tiled kernel's tile overheads do (see benchmarks/bench_gemm_q4.py,
 # which prints the measured crossover for this device).
 DEFAULT_CROSSOVER = 32
+# Largest M the int8-activation kernel is tuned and offered at: the rows of a batched decode step (one a
+# sequence, `perfx serve --parallel N`) and of short prompt pieces; its passes of MT rows re-unpack the weight,
+# which the tiled kernels' local-memory tiles do not, so it is not a kernel for long prompts.
+I8_MAX_M = 16
 
 _GROUP_SHIFT = {32: 0, 64: 1, 128: 2}
 
@@ -134,14 +140,35 @@ LANES = ParamSpace(
     needs={"READ": READ_NEED},
 )
 
-_SPACES = {"skinny": SKINNY, "tiled": TILED, "f16": F16, "lanes": LANES}
+I8 = ParamSpace(
+    family="gemm_q4_i8",
+    source="gemm_q4_i8.cl",
+    space={
+        "WGS": (16, 1, 32, 64),  # work-items per work-group (independent: no local memory, no barriers)
+        "ROWS": (2, 1, 4),       # output columns per work-item: each texel of X applied to ROWS weight rows
+        "MT": (4, 2, 8),         # rows of X per pass
+        "READ": (0, 1),          # codes from a buffer (0) or image2d (1): where the weight has it
+        "LAYOUT": (0, 1),        # the weight's layout (rows along K, interleaved): set from the weight
+    },
+    # ROWS·MT float8 accumulators per weight row a work-item applies (two for the gate-up epilogue), beside its
+    # unpacked texels (two short16 a weight row): 16 accumulators is what a CPU with 32 vector registers holds;
+    # the tuner measures where fewer spill.
+    rules=(Rule("at most 16 float8 accumulators per work-item (ROWS·MT, times 2 for the gate-up epilogue)",
+                lambda p, s: p["ROWS"] * p["MT"] * _weight_rows(s) <= 16),
+           LAYOUT_READ_RULE),
+    work_group_size=lambda p, s: p["WGS"],
+    needs={"READ": READ_NEED},
+)
+
+_SPACES = {"skinny": SKINNY, "tiled": TILED, "f16": F16, "lanes": LANES, "i8": I8}
 
 
 class GemmQ4:
     """Y = X · Wᵀ (+ epilogue) for an int4 ``Q4DeviceWeight``, by the tall-skinny, tiled or fp16 kernel."""
 
     def __init__(self, device: Device, skinny_params=None, tiled_params=None, crossover: int | None = None,
-                 shape: dict | None = None, f16_params=None, kind: str | None = None, lanes_params=None):
+                 shape: dict | None = None, f16_params=None, kind: str | None = None, lanes_params=None,
+                 i8_params=None):
         """Parameters of each kernel (None: the defaults) must fit ``shape`` (its ``epilogue`` matters: the
         gate-up epilogue holds two weight tiles) on this device. ``kind`` fixes the kernel whatever M is
         (the model's per-bucket choice); without it, M ≤ crossover runs skinny and larger M tiled.
@@ -150,7 +177,8 @@ class GemmQ4:
         shape = shape or {}
         self.params = {"skinny": SKINNY.resolve(skinny_params, shape, device.caps),
                        "tiled": TILED.resolve(tiled_params, shape, device.caps),
-                       "lanes": LANES.resolve(lanes_params, shape, device.caps)}
+                       "lanes": LANES.resolve(lanes_params, shape, device.caps),
+                       "i8": I8.resolve(i8_params, shape, device.caps)}
         if f16_params is not None or device.caps.fp16:
             self.params["f16"] = F16.resolve(f16_params, shape, device.caps)
         if kind is not None and kind not in self.params:
@@ -165,6 +193,9 @@ class GemmQ4:
         # Kernels take a bias pointer whatever the epilogue; this one stands in when there is none.
         self._no_bias = device.alloc(4, what="gemm_q4 placeholder bias")
         self._x_half = None   # the fp16 kernel's activations, grown to the largest X seen
+        # the int8 kernel's quantized X (codes, then (step, sum) per block), grown to the largest X seen; the
+        # smaller ones are kept, since a recorded step's launches still name them
+        self._x_q8: list[tuple] = []
 
     def choose(self, m: int) -> str:
         """The fixed kind, else "skinny" for M ≤ crossover and "tiled" above."""
@@ -287,10 +318,11 @@ class GemmQ4:
         bias = weight.bias if weight.bias is not None else self._no_bias
         if kind == "f16":
             xb = self._to_half(xb, m * weight.k)
+        x_args = (xb,) if kind != "i8" else self._to_q8(xb, m * weight.k)
         event = None
         for y_col0, n_cols, row_a0, row_b0, codes_a, codes_b, base_a, base_b in self._segments(
                 weight, cols, is_gated(epilogue), read):
-            if kind in ("skinny", "lanes"):
+            if kind in ("skinny", "lanes", "i8"):
                 local = (params["WGS"],)
                 glob = (-(-n_cols // (params["ROWS"] * params["WGS"])) * params["WGS"],)
             elif kind == "f16":
@@ -304,12 +336,28 @@ class GemmQ4:
                 np.int32(m), np.int32(n_cols), np.int32(weight.k), np.int32(_GROUP_SHIFT[weight.group]),
                 np.int32(cols), np.int32(y_col0), np.int32(row_a0), np.int32(row_b0),
                 np.int32(base_a), np.int32(base_b), np.int32(weight.n),
-                xb, yb, codes_a, codes_b, weight.scale_offset, bias)
+                *x_args, yb, codes_a, codes_b, weight.scale_offset, bias)
         return event
 
     def convert_kernel(self):
         """The conversion of X to half that the fp16 kernel's calls launch first."""
         return self.device.kernel(F16.source, "convert_f16", {})
+
+    def quantize_kernel(self):
+        """The quantization of X to int8 blocks that the int8 kernel's calls launch first."""
+        return self.device.kernel(I8.source, "gemm_q4_i8_quantize_x", {})
+
+    def _to_q8(self, xb, count: int) -> tuple:
+        """X's int8 codes and (step, sum) per block of 32 (the int8 kernel's input), in scratch kept for the
+        next call."""
+        if not self._x_q8 or self._x_q8[-1][0].size < count:
+            self._x_q8.append((self.device.alloc(count, what="gemm_q4_i8 activations (int8)"),
+                               self.device.alloc(count // 4, what="gemm_q4_i8 activation steps")))
+        codes, steps = self._x_q8[-1]
+        blocks = count // 32
+        self.device.launch(self.quantize_kernel(), (-(-blocks // 64) * 64,), (64,), np.int32(count), xb, codes,
+                           steps)
+        return codes, steps
 
     def _to_half(self, xb, count: int):
         """X as half, once per call (the fp16 kernel's input), in a scratch buffer kept for the next call."""

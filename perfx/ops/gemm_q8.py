@@ -4,7 +4,9 @@ Two kernels of one contract, each its own tuning family: ``gemm_q8`` (``kernels/
 structure and parameter names WGS, ROWS, MT: each weight read once per pass of MT rows, every row's sums in
 float8 registers, no local memory) and ``gemm_q8_lanes`` (``kernels/gemm_q8_lanes.cl``, gemm_q4_lanes's: one
 output column a SIMD lane, scalar accumulators, for compilers that vectorize across work-items). The model
-runs whichever was measured faster at a bucket's shape. It also runs the lm_head over many positions
+runs whichever was measured faster at a bucket's shape. A third, ``gemm_q8_i8`` (``kernels/gemm_q8_i8.cl``), is for
+the few rows of a batched decode step (M ≤ 16): X rounded to int8 per group once a call, integer products, each
+weight group widened once for all the rows of a pass. It also runs the lm_head over many positions
 (perplexity). Epilogues (perfx.ops.epilogue): "none"; "bias" (+ the weight's
 bias per output column, e.g. Qwen's QKV); "silu_mul" and "gelu_mul" (gate-up: W has 2·I rows, gate then up,
 Y (M, I) = act(X·Wgᵀ)·(X·Wuᵀ)).
@@ -52,13 +54,28 @@ LANES = ParamSpace(
     work_group_size=lambda p, s: p["WGS"],
 )
 
-KINDS = {"skinny": PARAMS, "lanes": LANES}
+I8 = ParamSpace(
+    family="gemm_q8_i8",
+    source="gemm_q8_i8.cl",
+    space={
+        "WGS": (16, 1, 32, 64),  # work-items per work-group (independent: no local memory, no barriers)
+        "ROWS": (1, 2, 4),       # output columns per work-item: each group of X applied to ROWS weight rows
+        "MT": (4, 2, 8),         # rows of X per pass
+    },
+    # ROWS·MT float8 accumulators per weight row applied (two for the gate-up epilogue), beside the widened codes
+    # of a group of each row: gemm_q4_i8's rule, for the same reason.
+    rules=(Rule("at most 16 float8 accumulators per work-item (ROWS·MT, times 2 for the gate-up epilogue)",
+                lambda p, s: p["ROWS"] * p["MT"] * (2 if is_gated(s.get("epilogue")) else 1) <= 16),),
+    work_group_size=lambda p, s: p["WGS"],
+)
+
+KINDS = {"skinny": PARAMS, "lanes": LANES, "i8": I8}
 FAMILIES = tuple(space.family for space in KINDS.values())   # each kind's tuning family
 
 
 class GemmQ8:
     """Y = X · Wᵀ (+ epilogue) for an int8 ``Q8DeviceWeight``, by the ``kind`` of kernel ("skinny": gemm_q8,
-    or "lanes": gemm_q8_lanes)."""
+    "lanes": gemm_q8_lanes, or "i8": gemm_q8_i8)."""
 
     def __init__(self, device: Device, params: dict | None = None, shape: dict | None = None,
                  kind: str = "skinny"):
@@ -70,6 +87,10 @@ class GemmQ8:
         self.params = self.space.resolve(params, shape or {}, device.caps)
         self._kernels = {}
         self._no_bias = device.alloc(4, what="gemm_q8 placeholder bias")
+        self.kind = kind
+        # the int8 kernel's quantized X (codes, then (step, sum) per group), grown to the largest X seen; the
+        # smaller ones are kept, since a recorded step's launches still name them
+        self._x_q8: list[tuple] = []
 
     def output_columns(self, weight: Q8DeviceWeight, epilogue: str) -> int:
         """Columns of Y: N, or N/2 for the gate-up epilogue."""
@@ -85,6 +106,21 @@ class GemmQ8:
                        "EPILOGUE": code("gemm_q8", epilogue)}
             kernel = self._kernels[key] = self.device.kernel(self.space.source, self.space.family, defines)
         return kernel
+
+    def quantize_kernel(self, group: int):
+        """The rounding of X to int8 groups that the int8 kernel's calls launch first."""
+        return self.device.kernel(I8.source, "gemm_q8_i8_quantize_x", {"GROUP": group})
+
+    def _to_q8(self, xb, count: int, group: int) -> tuple:
+        """X's int8 codes and (step, sum) per group (the int8 kernel's input), in scratch kept for the next call."""
+        if not self._x_q8 or self._x_q8[-1][0].size < count:
+            self._x_q8.append((self.device.alloc(count, what="gemm_q8_i8 activations (int8)"),
+                               self.device.alloc(8 * (count // 16), what="gemm_q8_i8 activation steps")))
+        codes, steps = self._x_q8[-1]
+        groups = count // group
+        self.device.launch(self.quantize_kernel(group), (-(-groups // 64) * 64,), (64,), np.int32(count), xb,
+                           codes, steps)
+        return codes, steps
 
     def _check(self, weight: Q8DeviceWeight, x, y, m: int, epilogue: str, ldy: int | None):
         code("gemm_q8", epilogue)
@@ -116,6 +152,7 @@ class GemmQ8:
         cols, ldy, (xb, yb) = self._check(weight, x, y, m, epilogue, ldy)
         kernel = self.kernel(weight.group, weight.f32, weight.symmetric, epilogue)
         wgs, rows = self.params["WGS"], self.params["ROWS"]
+        x_args = (xb,) if self.kind != "i8" else self._to_q8(xb, m * weight.k, weight.group)
         event = None
         for first, count, a, row_a, b, row_b in weight.segments(cols, cols if is_gated(epilogue) else None):
             block_a, block_b = weight.blocks[a], weight.blocks[b]
@@ -123,6 +160,6 @@ class GemmQ8:
             event = self.device.launch(
                 kernel, (-(-count // (rows * wgs)) * wgs,), (wgs,),
                 np.int32(m), np.int32(count), np.int32(weight.k), np.int32(ldy), np.int32(first),
-                np.int32(row_a), np.int32(row_b), xb, yb, block_a.codes, block_b.codes,
+                np.int32(row_a), np.int32(row_b), *x_args, yb, block_a.codes, block_b.codes,
                 block_a.scales, block_b.scales, bias)
         return event

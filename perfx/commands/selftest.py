@@ -11,7 +11,9 @@ A phone shares its 8–12 GB with Android and builds kernels slowly, so the run 
   checks would take it past ``PROGRAMS_KEPT``) the device forgets the programs built (``Device.forget_programs``),
   which pyopencl's binary cache rebuilds cheaply if a later case needs them again;
 - builds: the programs of the next ``BUILD_AHEAD`` checks of a case are built together on every core
-  (``Device.build_many``), where the family's spec names them (``Spec.programs``);
+  (``Device.build_many``: in worker processes where the driver builds one program at a time within a process, each
+  worker holding one program at a time), where the family's spec names them (``Spec.programs``); ``--json``
+  reports this process's peak resident memory and the largest build worker's;
 - progress: the checks done, with their results, go to a file in the user's cache as they come (atomically,
   pinned to the device and to each family's kernel sources); the same command after an interrupt, a budget
   spent or a crash resumes there, ``--restart`` starts afresh, and a finished run removes the file;
@@ -26,6 +28,7 @@ import gc
 import hashlib
 import json
 import math
+import resource
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -36,7 +39,7 @@ from perfx.errors import PerfxError
 from perfx.model import host_peak_bytes
 from perfx.progress import Progress, format_table
 from perfx.resources import cache_dir, read_json, write_json_atomic
-from perfx.runtime import DEVICE_HELP, Device, KernelLimitError
+from perfx.runtime import DEVICE_HELP, Device, KernelLimitError, shutdown_build_workers
 from perfx.tuning import Spec, select_specs
 from perfx.tuning.spec import build_requests
 from perfx.tuning.database import fingerprint_slug, normal, params_key, source_hash
@@ -349,6 +352,13 @@ class SavedProgress:
         self.path.unlink(missing_ok=True)
 
 
+def workers_peak_bytes() -> int:
+    """Peak resident memory of the largest build worker process (``Device.build_many``) this process started and
+    that has exited; 0 where none did (ru_maxrss of the children: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
 def checks_table(checks: list[Check]) -> str:
     rows = [("kernel", "parameters", "shape", "max rel err", "tolerance", "result")]
     for c in checks:
@@ -402,17 +412,20 @@ def main(args) -> int:
                   f"progress kept in {saved.path}: run the same command again to go on", file=sys.stderr)
     else:
         saved.clear()
+    shutdown_build_workers()   # their peak is known once they have exited
     resumed = sum(1 for c in checks if done.get(c.key) is c)
     passed, failed = sum(c.passed for c in checks), sum(c.failed for c in checks)
     refused = len(checks) - passed - failed
-    peak = host_peak_bytes()
+    peak, workers_peak = host_peak_bytes(), workers_peak_bytes()
     elapsed = time.perf_counter() - started
     if args.json:
         print(json.dumps({"device": device.fingerprint, "limits": device.caps.limits, "quick": args.quick,
                           "shard": f"{part[0]}/{part[1]}" if part else None, "interrupted": stopped == "interrupted",
                           "complete": stopped is None, "stopped": stopped, "planned": planned, "resumed": resumed,
                           "passed": passed, "failed": failed, "refused": refused, "seconds": round(elapsed, 2),
-                          "peak_rss_bytes": peak, "device_peak_bytes": device.peak_allocated_bytes,
+                          "peak_rss_bytes": peak, "build_workers_peak_rss_bytes": workers_peak,
+                          "build_workers": device.build_workers() if device.builds_in_processes() else 0,
+                          "device_peak_bytes": device.peak_allocated_bytes,
                           "checks": [asdict(c) for c in checks]}, indent=1, default=float))
     else:
         shown = checks if args.verbose else [c for c in checks if c.failed]
@@ -423,6 +436,7 @@ def main(args) -> int:
               + (f", {refused} refused by the driver's limits for the kernel (never chosen here)" if refused else "")
               + " "
               f"({elapsed:.1f}s, peak resident memory {peak / 2**20:.0f} MiB"
+              + (f", each build worker at most {workers_peak / 2**20:.0f} MiB" if workers_peak else "")
               + (f", {resumed} resumed" if resumed else "") + ")"
               + (", interrupted" if stopped == "interrupted" else "")
               + (f", incomplete: {planned - len(checks)} of {planned} checks left" if stopped == "budget" else ""))

@@ -263,3 +263,27 @@ def test_perfx_build_processes_setting(device, monkeypatch):
     monkeypatch.setenv(BUILD_PROCESSES_ENV, "yes")
     with pytest.raises(PerfxError, match=BUILD_PROCESSES_ENV):
         fresh.builds_in_processes()
+
+
+@pytest.mark.one_implementation
+def test_a_model_load_builds_a_first_prompts_kernels_with_the_decode_steps(device, monkeypatch):
+    """The load asks in one ``build_many`` for the decode step's kernels and the prefill kernels of prompts up to
+    BUILT_AT_LOAD_M tokens (``kernel_requests``, as `perfx warm` with that many); once a first prompt ran, prompts
+    of other lengths up to it build nothing."""
+    from perfx.model import BUILT_AT_LOAD_M, kernel_requests, load_model
+    from perfx.sources import open_model
+    fresh = Device(device.entry.index)
+    batches = []
+    build_many = fresh.build_many
+    monkeypatch.setattr(fresh, "build_many", lambda requests, *a, **k: (batches.append(list(requests)),
+                                                                         build_many(requests, *a, **k))[1])
+    model, _ = load_model("synthetic:tiny", device=fresh, progress=False)
+    decode_only = kernel_requests(open_model("synthetic:tiny"), fresh, max_m=1)
+    want = kernel_requests(open_model("synthetic:tiny"), fresh, max_m=BUILT_AT_LOAD_M)
+    assert len(batches) == 1 and set(batches[0]) == set(want) and len(want) > len(decode_only)
+    rng = np.random.default_rng(3)
+    model.prefill(rng.integers(0, model.config.vocab_size, 5).tolist(), 0)
+    compiled = fresh.compile_seconds()
+    for length in (2, 12, BUILT_AT_LOAD_M - 1, BUILT_AT_LOAD_M):
+        model.prefill(rng.integers(0, model.config.vocab_size, length).tolist(), 0)
+    assert fresh.compile_seconds() == compiled

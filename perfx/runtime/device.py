@@ -242,7 +242,7 @@ def _workers_for(device: Device, count: int) -> list[_Worker]:
         live = [w for w in _workers.get(key, []) if w.alive]
         while len(live) < count:
             live.append(_Worker(device.entry.index, device.limits, list(device.build_options),
-                                not device.driver_caches_builds))
+                                not device.workers_fill_driver_cache))
         _workers[key] = live
         return live[:count]
 
@@ -471,21 +471,30 @@ class Device:
         return report
 
     @property
-    def driver_caches_builds(self) -> bool:
-        """Whether the driver keeps its own cache of builds from source (PoCL; pyopencl then leaves the builds to
-        it): a build worker fills it, and this process's build from source then finds the program there. A
-        driver without one hands binaries back: PoCL's, asked for, compile every kernel of the file again for
-        any work-group size, which costs more than the build."""
-        return bool(has_src_build_cache(self.cl_device))
+    def workers_fill_driver_cache(self) -> bool:
+        """Whether a build worker leaves its program in the driver's own cache of builds from source, for this
+        process's build from source to find, instead of handing a binary back: on PoCL, whose binaries, asked for,
+        compile every kernel of the file again for any work-group size, costing more than the build (measured,
+        benchmarks/NOTES.md "builds at once")."""
+        return (self.entry.implementation == "pocl" and bool(has_src_build_cache(self.cl_device))
+                and not self._pocl_cache_off)
+
+    @property
+    def _pocl_cache_off(self) -> bool:
+        return self.entry.implementation == "pocl" and os.environ.get("POCL_KERNEL_CACHE", "1") == "0"
 
     def builds_in_processes(self) -> bool:
         """Whether ``build_many`` builds in worker processes: PERFX_BUILD_PROCESSES (1 or 0) where set, else where
-        this implementation builds one program at a time within a process (``SERIAL_IN_PROCESS``)."""
+        this implementation builds one program at a time within a process (``SERIAL_IN_PROCESS``), PoCL only with
+        its cache of builds on (POCL_KERNEL_CACHE)."""
         setting = os.environ.get(BUILD_PROCESSES_ENV, "").strip()
         if setting not in ("", "0", "1"):
             raise PerfxError(f"{BUILD_PROCESSES_ENV}={setting!r}: give 1 (build in worker processes) or 0 (on "
                              "threads of this process)")
-        return setting == "1" if setting else self.entry.implementation in SERIAL_IN_PROCESS
+        if setting:
+            return setting == "1"
+        # PoCL with its cache off would compile each program twice, in the worker and here
+        return self.entry.implementation in SERIAL_IN_PROCESS and not self._pocl_cache_off
 
     def _claim(self, keys: list[tuple]) -> tuple[dict, list]:
         """Of ``keys``, those no thread builds yet, marked as built here (their events), and the others."""

@@ -46,10 +46,11 @@ def _running_threads(me: int) -> int:
 
 
 def one_way(selector: str, family: str, sets: int, way: str, sample: bool) -> dict:
-    """In a fresh process with fresh caches (pyopencl's, PoCL's: PoCL reads its folder once, at start), ``sets``
-    parameter sets built and checked."""
+    """In a fresh process with fresh caches (pyopencl's; PoCL's, which it reads once, at start; NVIDIA's),
+    ``sets`` parameter sets built and checked."""
     folder = tempfile.mkdtemp(prefix="perfx-builds-")
     env = {**os.environ, "XDG_CACHE_HOME": folder, "POCL_CACHE_DIR": os.path.join(folder, "pocl"),
+           "CUDA_CACHE_PATH": os.path.join(folder, "nv"),
            BUILD_PROCESSES_ENV: "1" if way == "2 processes" else "0"}
     command = [sys.executable, __file__, "--device", selector, "--family", family, "--sets", str(sets),
                "--one", way] + (["--sample"] if sample else [])
@@ -92,6 +93,7 @@ def main():
     parser.add_argument("--family", default="gemv_q4")
     parser.add_argument("--sets", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--ways", nargs="+", choices=WAYS, default=WAYS)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--one", choices=WAYS, help=argparse.SUPPRESS)     # one way, in this process
     parser.add_argument("--sample", action="store_true", help=argparse.SUPPRESS)
@@ -102,7 +104,7 @@ def main():
     selector = Device(args.device).entry.index
     rounds = []
     for number in range(args.rounds):
-        ways = WAYS if number % 2 == 0 else WAYS[::-1]
+        ways = list(args.ways) if number % 2 == 0 else list(args.ways)[::-1]
         results = {way: one_way(selector, args.family, args.sets, way, way == "2 threads") for way in ways}
         first = results["one at a time"]["errors"]
         assert all(r["errors"] == first for r in results.values()), "the same checks gave other errors"
@@ -111,8 +113,9 @@ def main():
             base = results["one at a time"]["wall_s"]
             print(f"round {number + 1} ({results['one at a time']['programs']} programs, load "
                   f"{os.getloadavg()[0]:.1f}): " + ", ".join(
-                      f"{w} {results[w]['wall_s']:.1f} s ({base / results[w]['wall_s']:.2f}x)" for w in WAYS)
-                  + f"; 2+ threads running in {results['2 threads']['two_running']:.0%} of samples", flush=True)
+                      f"{w} {results[w]['wall_s']:.1f} s ({base / results[w]['wall_s']:.2f}x)" for w in args.ways)
+                  + (f"; 2+ threads running in {results['2 threads']['two_running']:.0%} of samples"
+                     if "2 threads" in results else ""), flush=True)
     if args.json:
         print(json.dumps({"device": Device(selector).fingerprint, "family": args.family, "rounds": rounds}, indent=1))
 

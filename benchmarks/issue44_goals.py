@@ -44,6 +44,7 @@ def fresh_caches(models: Path | None) -> tuple[Path, dict]:
     """A temporary root for every cache a first run fills, and the environment that points there."""
     root = Path(tempfile.mkdtemp(prefix="perfx-goals-"))
     env = {**os.environ, "XDG_CACHE_HOME": str(root / "xdg"), "POCL_CACHE_DIR": str(root / "pocl"),
+           "CUDA_CACHE_PATH": str(root / "nv"),
            "PERFX_CACHE": str(root / "perfx")}
     (root / "perfx").mkdir()
     if models is not None and models.exists():

@@ -236,12 +236,16 @@ def test_a_build_worker_that_dies_is_reported_and_the_device_builds_alone(device
     shutdown_build_workers()
     fresh = Device(device.entry.index)
     keys = _fresh_keys(fresh, 4)
-    workers = device_module._workers_for(fresh, 2)
-    workers[0].process.kill()
+    dead = device_module._workers_for(fresh, 2)[0]
+    dead.process.kill()
+    dead.process.wait()
+    started = device_module._workers_for   # the dead one among those handed out, as if it died just after
+    monkeypatch.setattr(device_module, "_workers_for", lambda device, count: [dead] + started(device, count)[1:])
     with pytest.warns(BuildConcurrencyWarning, match="build worker process died"):
         report = fresh.build_many(keys, workers=2)
     assert report.errors == {} and all(key in fresh._programs for key in keys)
     assert "died" in fresh.serial_reason
+    monkeypatch.setattr(device_module, "_workers_for", started)
     other = Device(device.entry.index)
     again = other.build_many(_fresh_keys(other, 4), workers=2)
     assert again.processes and again.errors == {} and again.serial_reason is None

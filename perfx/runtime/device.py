@@ -187,7 +187,8 @@ def _worker_main() -> None:
             return
         try:
             program = device.build(key[0], dict(key[1]), key[2])
-            outcome = (program.get_info(cl.program_info.BINARIES)[0] if binaries else b"", _from_binary_cache(program))
+            binary = program.get_info(cl.program_info.BINARIES)[0] if binaries else b""
+            outcome = (binary, _from_binary_cache(program))
         except BuildError as error:
             outcome = error.log
         except Exception as error:   # noqa: BLE001 - handed back as the request's failure, with what raised it
@@ -198,19 +199,21 @@ def _worker_main() -> None:
 
 
 class _Worker:
-    """One build worker process and its pipes."""
+    """One build worker process and its pipes: one build at a time, whichever thread asks."""
 
     def __init__(self, selector: str, limits: Limits, options: list[str], binaries: bool):
         self.process = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE)
+        self.lock = threading.Lock()
         _send(self.process.stdin, (selector, limits, options, binaries))
 
     def build(self, key: tuple) -> tuple | str:
         """(the binary of ``key`` built in this worker, whether from pyopencl's cache), or the build's log; a worker
         that died says so (and is left dead: ``alive``)."""
         try:
-            _send(self.process.stdin, key)
-            answered, outcome = _receive(self.process.stdout)
+            with self.lock:
+                _send(self.process.stdin, key)
+                answered, outcome = _receive(self.process.stdout)
         except (EOFError, OSError, ValueError):   # its pipe closed: the worker died or was stopped
             status = self.process.wait()
             return f"a build worker process died (exit status {status}) building it"
@@ -388,7 +391,8 @@ class Device:
         try:
             program.build(options=self._options(key), devices=[self.cl_device])
         except cl.Error as e:
-            raise BuildError(key[0], dict(key[1]), f"loading the binary a build worker made: {e}", self.caps.name) from e
+            raise BuildError(key[0], dict(key[1]), f"loading the binary a build worker made: {e}",
+                             self.caps.name) from e
         return program
 
     def _cached(self, key: tuple) -> bool:
@@ -516,9 +520,8 @@ class Device:
 
     def _remote_compile(self, keys: list[tuple], workers: int):
         """(key, (binary, from pyopencl's cache), or the build's log or what failed, as text) for each key, as the
-        workers finish,
-        each worker fed by a thread of this process that waits on it. A worker that dies fails the build it was
-        making and takes no more; the others build the rest."""
+        workers finish, each fed by a thread of this process that waits on it. A worker that dies fails the build
+        it was making and takes no more; the others build the rest."""
         todo: queue.Queue = queue.Queue()
         for key in keys:
             todo.put(key)
@@ -527,12 +530,14 @@ class Device:
 
         def feed(worker):
             try:
-                while worker.alive:
+                while True:
                     try:
                         key = todo.get_nowait()
                     except queue.Empty:
                         return
                     done.put((key, worker.build(key)))
+                    if not worker.alive:
+                        return
             finally:
                 done.put(finished)
         feeders = [threading.Thread(target=feed, args=(w,), name="perfx-build-worker", daemon=True)

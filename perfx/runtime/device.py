@@ -81,7 +81,8 @@ BUILD_PROCESSES_ENV = "PERFX_BUILD_PROCESSES"
 # around their compiler; measured, benchmarks/NOTES.md "builds at once"): their builds at once run in worker
 # processes, which hand the binaries back.
 SERIAL_IN_PROCESS = frozenset({"intel", "pocl"})
-# Fewer programs than this wait for no worker process to start (about a second each): built here, one at a time.
+# Fewer programs than this are not worth starting worker processes for (a Python process and a context each):
+# built here, one at a time.
 MIN_FOR_NEW_PROCESSES = 4
 
 

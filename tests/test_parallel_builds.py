@@ -4,6 +4,7 @@ log; a driver that fails under concurrent builds (a fake, or a worker process th
 time, once, and says so; PERFX_BUILD_WORKERS, PERFX_BUILD_PROCESSES; ``collecting``; and `perfx warm`."""
 
 import json
+import sys
 import threading
 import time
 
@@ -51,6 +52,8 @@ def test_concurrent_builds_run_as_serial_ones(device, tmp_path, monkeypatch, pro
     report = parallel.build_many(keys, workers=4)
     assert report.errors == {} and len(report.built) == len(keys) and report.workers >= 2
     assert report.processes == (processes == "1") and report.serial_reason is None
+    if processes == "1" and sys.platform.startswith("linux"):   # each worker's peak, as selftest --json gives it
+        assert 2**20 < device_module.build_workers_peak_bytes() < 4 * 2**30
     compiled = parallel.compile_seconds()
     got = _outputs(parallel, shape, sets)
     assert parallel.compile_seconds() == compiled, "running them built nothing more"

@@ -28,7 +28,6 @@ import gc
 import hashlib
 import json
 import math
-import resource
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -39,7 +38,7 @@ from perfx.errors import PerfxError
 from perfx.model import host_peak_bytes
 from perfx.progress import Progress, format_table
 from perfx.resources import cache_dir, read_json, write_json_atomic
-from perfx.runtime import DEVICE_HELP, Device, KernelLimitError, shutdown_build_workers
+from perfx.runtime import DEVICE_HELP, Device, KernelLimitError, build_workers_peak_bytes, shutdown_build_workers
 from perfx.tuning import Spec, select_specs
 from perfx.tuning.spec import build_requests
 from perfx.tuning.database import fingerprint_slug, normal, params_key, source_hash
@@ -352,13 +351,6 @@ class SavedProgress:
         self.path.unlink(missing_ok=True)
 
 
-def workers_peak_bytes() -> int:
-    """Peak resident memory of the largest build worker process (``Device.build_many``) this process started and
-    that has exited; 0 where none did (ru_maxrss of the children: KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
-
-
 def checks_table(checks: list[Check]) -> str:
     rows = [("kernel", "parameters", "shape", "max rel err", "tolerance", "result")]
     for c in checks:
@@ -412,11 +404,11 @@ def main(args) -> int:
                   f"progress kept in {saved.path}: run the same command again to go on", file=sys.stderr)
     else:
         saved.clear()
-    shutdown_build_workers()   # their peak is known once they have exited
     resumed = sum(1 for c in checks if done.get(c.key) is c)
     passed, failed = sum(c.passed for c in checks), sum(c.failed for c in checks)
     refused = len(checks) - passed - failed
-    peak, workers_peak = host_peak_bytes(), workers_peak_bytes()
+    peak, workers_peak = host_peak_bytes(), build_workers_peak_bytes()
+    shutdown_build_workers()
     elapsed = time.perf_counter() - started
     if args.json:
         print(json.dumps({"device": device.fingerprint, "limits": device.caps.limits, "quick": args.quick,

@@ -20,7 +20,8 @@
 from perfx.runtime.capabilities import (LIMIT_PRESETS, Capabilities, Limits, capabilities_dict, has_subgroups,
                                         identify, parse_adreno_model, parse_limits, read_capabilities)
 from perfx.runtime.device import (BUILD_PROCESSES_ENV, BUILD_WORKERS_ENV, BuildConcurrencyWarning, BuildReport,
-                                  Device, build_key, build_options, get_device, shutdown_build_workers)
+                                  Device, build_key, build_options, build_workers_peak_bytes, get_device,
+                                  shutdown_build_workers)
 from perfx.runtime.errors import (BuildError, DriverError, KernelInfo, KernelLimitError, OpenCLError,
                                   cl_error_name)
 from perfx.runtime.implementations import intel_opencl_library, merged_vendor_entries, prepare, show_build_logs
@@ -28,7 +29,8 @@ from perfx.runtime.replay import BoundCopy, BoundLaunch
 from perfx.runtime.selection import DEVICE_HELP, DeviceEntry, choose_device, list_devices
 
 __all__ = [
-    "BUILD_PROCESSES_ENV", "BUILD_WORKERS_ENV", "BuildConcurrencyWarning", "BuildReport", "build_key", "BoundCopy", "BoundLaunch", "BuildError", "Capabilities", "DEVICE_HELP", "Device", "DeviceEntry",
+    "BUILD_PROCESSES_ENV", "BUILD_WORKERS_ENV", "BuildConcurrencyWarning", "BuildReport", "build_key",
+    "build_workers_peak_bytes", "BoundCopy", "BoundLaunch", "BuildError", "Capabilities", "DEVICE_HELP", "Device", "DeviceEntry",
     "DriverError", "KernelInfo", "KernelLimitError", "LIMIT_PRESETS", "Limits", "OpenCLError", "build_options",
     "capabilities_dict", "choose_device", "cl_error_name", "get_device", "has_subgroups", "identify",
     "intel_opencl_library", "list_devices", "merged_vendor_entries", "parse_adreno_model", "parse_limits",

@@ -225,7 +225,21 @@ class _Worker:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def peak_bytes(self) -> int | None:
+        """This worker's peak resident memory while it runs (Linux's VmHWM, Android's too), else None."""
+        try:
+            with open(f"/proc/{self.process.pid}/status") as status:
+                for line in status:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            return None
+        return None
+
     def stop(self) -> None:
+        peak = self.peak_bytes() if self.alive else None
+        if peak is not None:
+            _stopped_peaks.append(peak)
         with contextlib.suppress(OSError):
             self.process.stdin.close()
         try:
@@ -237,6 +251,16 @@ class _Worker:
 
 _workers: dict[tuple, list[_Worker]] = {}
 _workers_lock = threading.Lock()
+_stopped_peaks: list[int] = []   # the peak resident bytes of each worker stopped, where the system tells
+
+
+def build_workers_peak_bytes() -> int:
+    """The largest peak resident memory of a build worker this process started, running or stopped (0: none, or
+    a system that does not tell). Not the children's ru_maxrss: a driver that forks (PoCL, to link a kernel)
+    shows a child as large as this process there."""
+    with _workers_lock:
+        running = [w.peak_bytes() for group in _workers.values() for w in group if w.alive]
+    return max([p for p in running if p is not None] + _stopped_peaks, default=0)
 
 
 def _workers_for(device: Device, count: int) -> list[_Worker]:

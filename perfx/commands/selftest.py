@@ -38,7 +38,8 @@ from perfx.errors import PerfxError
 from perfx.model import host_peak_bytes
 from perfx.progress import Progress, format_table
 from perfx.resources import cache_dir, read_json, write_json_atomic
-from perfx.runtime import DEVICE_HELP, Device, KernelLimitError, build_workers_peak_bytes, shutdown_build_workers
+from perfx.runtime import (DEVICE_HELP, Device, KernelLimitError, build_workers_peak_bytes, running_build_workers,
+                           shutdown_build_workers)
 from perfx.tuning import Spec, select_specs
 from perfx.tuning.spec import build_requests
 from perfx.tuning.database import fingerprint_slug, normal, params_key, source_hash
@@ -407,7 +408,7 @@ def main(args) -> int:
     resumed = sum(1 for c in checks if done.get(c.key) is c)
     passed, failed = sum(c.passed for c in checks), sum(c.failed for c in checks)
     refused = len(checks) - passed - failed
-    peak, workers_peak = host_peak_bytes(), build_workers_peak_bytes()
+    peak, workers_peak, workers = host_peak_bytes(), build_workers_peak_bytes(), running_build_workers()
     shutdown_build_workers()
     elapsed = time.perf_counter() - started
     if args.json:
@@ -416,7 +417,7 @@ def main(args) -> int:
                           "complete": stopped is None, "stopped": stopped, "planned": planned, "resumed": resumed,
                           "passed": passed, "failed": failed, "refused": refused, "seconds": round(elapsed, 2),
                           "peak_rss_bytes": peak, "build_workers_peak_rss_bytes": workers_peak,
-                          "build_workers": device.build_workers() if device.builds_in_processes() else 0,
+                          "build_workers": workers,
                           "device_peak_bytes": device.peak_allocated_bytes,
                           "checks": [asdict(c) for c in checks]}, indent=1, default=float))
     else:

@@ -81,6 +81,9 @@ BUILD_PROCESSES_ENV = "PERFX_BUILD_PROCESSES"
 # around their compiler; measured, benchmarks/NOTES.md "builds at once"): their builds at once run in worker
 # processes, which hand the binaries back.
 SERIAL_IN_PROCESS = frozenset({"intel", "pocl"})
+# Build worker processes unless PERFX_BUILD_WORKERS asks for more: each holds its own Python and driver compiler
+# (about a third of a selftest's resident memory each, benchmarks/NOTES.md), and the selftest's budget is for all.
+MAX_BUILD_PROCESSES = 2
 # Fewer programs than this are not worth starting worker processes for (a Python process and a context each):
 # built here, one at a time.
 MIN_FOR_NEW_PROCESSES = 4
@@ -252,6 +255,12 @@ class _Worker:
 _workers: dict[tuple, list[_Worker]] = {}
 _workers_lock = threading.Lock()
 _stopped_peaks: list[int] = []   # the peak resident bytes of each worker stopped, where the system tells
+
+
+def running_build_workers() -> int:
+    """How many build worker processes this process has running."""
+    with _workers_lock:
+        return sum(w.alive for group in _workers.values() for w in group)
 
 
 def build_workers_peak_bytes() -> int:
@@ -454,7 +463,10 @@ class Device:
             return BuildReport(len(keys), [], {}, 0, 0.0, 0)
         with self._build_lock:
             todo = [k for k in keys if k not in self._programs and k not in self._build_errors]
+        asked = workers is not None or bool(os.environ.get(BUILD_WORKERS_ENV, "").strip())
         workers = self.build_workers(workers)
+        if self.builds_in_processes() and not asked:   # each worker holds its own Python and compiler
+            workers = min(workers, MAX_BUILD_PROCESSES)
         processes = (workers > 1 and self.builds_in_processes()
                      and (len(todo) >= MIN_FOR_NEW_PROCESSES or len(todo) > 1 and _workers_running(self, workers)))
         report = BuildReport(len(keys), todo, {}, 0, 0.0, min(workers, max(len(todo), 1)), processes=processes)

@@ -28,7 +28,7 @@ SECONDS=0
   # the step launch by launch: device time per kernel and the gaps the host leaves
   [ -f benchmarks/launch_profile.py ] && timeout 50 python3 benchmarks/launch_profile.py --model $M7 --json > "$OUT/launches-7b.json"; echo "launch profile exit $?"
   # does NVIDIA's driver build two programs at once from threads of one process? (against worker processes)
-  [ -f benchmarks/builds_at_once.py ] && timeout 60 python3 benchmarks/builds_at_once.py --sets 8 --rounds 1 --json > "$OUT/builds-at-once.json"; echo "builds at once exit $?"
+  [ -f benchmarks/builds_at_once.py ] && timeout 90 python3 benchmarks/builds_at_once.py --sets 8 --rounds 1 --json > "$OUT/builds-at-once.json"; echo "builds at once exit $?"
   # the full selftest, as one command, in the time left; resumed from a carried progress file where there is one
   progress=$(python3 -c 'from perfx.resources import cache_dir; print(cache_dir() / "selftest")')
   if ls .whl/selftest-progress/*.json >/dev/null 2>&1; then mkdir -p "$progress" && cp .whl/selftest-progress/*.json "$progress/"; fi

@@ -44,6 +44,9 @@ from perfx.tuning.database import Database, default_database
 
 DEFAULT_CTX = 4096
 PREFILL_CHUNK = 256  # prompt tokens per prefill pass: bounds the activation buffers
+# Prompts up to this many tokens (a chat's first turn, speculation's verify steps) find their kernels built at load,
+# together with the decode step's
+BUILT_AT_LOAD_M = 64
 TOKEN_RING = 4       # the device-chosen tokens kept for the host to read (two are in flight at most)
 
 
@@ -267,10 +270,11 @@ class Model:
         bar = Progress(c.n_layers + 3, "loading", enabled=progress)
         first = source.layer(0)
         group, form = _int4_plan(source, first)
-        # the decode step's kernels built at once, on every core (a cached one is a look-up); a prompt's are built
-        # for its length's bucket when it first comes, and `perfx warm` builds every bucket's ahead
+        # the decode step's kernels and a first prompt's (and speculation's steps of a few tokens) built together,
+        # on every core (a cached one is a look-up); a longer prompt's are built for its length's bucket when it
+        # first comes, and `perfx warm` builds every bucket's ahead
         device.build_many(build_requests(c, device, ctx, model.database, group, source.weight_forms(), model.kv, form,
-                                         fuse=fuse),
+                                         load_buckets(min(ctx, BUILT_AT_LOAD_M)), fuse=fuse),
                           on_done=lambda key, error: bar.update(0, note=f"building kernels/{key[0]}"))
         model.plan = KernelPlan(c, device, ctx, model.database, model.log, group, source.weight_forms(), model.kv,
                                 form, fuse)

@@ -1,9 +1,10 @@
-"""Kernels built many at once (``Device.build_many``): the same kernels as one at a time, on each implementation;
-each program once however many threads ask; a build's failure reported with its log; a driver that fails under
-concurrent builds falls back to one at a time, once, and says so; PERFX_BUILD_WORKERS; ``collecting``; and
-`perfx warm`."""
+"""Kernels built many at once (``Device.build_many``), on threads and in worker processes: the same kernels as one
+at a time, on each implementation; each program once however many threads ask; a build's failure reported with its
+log; a driver that fails under concurrent builds (a fake, or a worker process that dies) falls back to one at a
+time, once, and says so; PERFX_BUILD_WORKERS, PERFX_BUILD_PROCESSES; ``collecting``; and `perfx warm`."""
 
 import json
+import sys
 import threading
 import time
 
@@ -14,7 +15,9 @@ from helpers.spec_checks import parameter_sets
 from perfx import cli
 from perfx.errors import PerfxError
 from perfx.ops.rmsnorm import RMSNorm
-from perfx.runtime import BUILD_WORKERS_ENV, BuildConcurrencyWarning, BuildError, Device, build_key
+from perfx.runtime import (BUILD_PROCESSES_ENV, BUILD_WORKERS_ENV, BuildConcurrencyWarning, BuildError, Device,
+                           build_key, shutdown_build_workers)
+from perfx.runtime import device as device_module
 from perfx.tuning.rmsnorm import SPEC
 
 SETS = 6   # parameter sets of one family, each a program of its own
@@ -25,10 +28,19 @@ def _outputs(device, shape, sets, seed=7):
     return [case.run(params) for params in sets]
 
 
-def test_concurrent_builds_run_as_serial_ones(device, tmp_path, monkeypatch):
-    # pyopencl's binary cache emptied, so that Intel's runtime compiles each program here (PoCL keeps its own
-    # cache, which pyopencl leaves the builds to)
+@pytest.fixture
+def threads(monkeypatch):
+    """Builds at once on threads of this process, whatever the implementation."""
+    monkeypatch.setenv(BUILD_PROCESSES_ENV, "0")
+
+
+@pytest.mark.parametrize("processes", ["0", "1"], ids=["threads", "processes"])
+def test_concurrent_builds_run_as_serial_ones(device, tmp_path, monkeypatch, processes):
+    # pyopencl's binary cache and PoCL's emptied, so that each program is compiled here or in the workers
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("POCL_CACHE_DIR", str(tmp_path / "pocl"))
+    monkeypatch.setenv(BUILD_PROCESSES_ENV, processes)
+    shutdown_build_workers()   # workers started now, into these caches
     shape = SPEC.test_shapes[0]
     sets = parameter_sets(SPEC, shape, device.caps)[:SETS]
     serial = Device(device.entry.index)
@@ -39,7 +51,12 @@ def test_concurrent_builds_run_as_serial_ones(device, tmp_path, monkeypatch):
     parallel = Device(device.entry.index)
     report = parallel.build_many(keys, workers=4)
     assert report.errors == {} and len(report.built) == len(keys) and report.workers >= 2
+    assert report.processes == (processes == "1") and report.serial_reason is None
+    if processes == "1" and sys.platform.startswith("linux"):   # each worker's peak, as selftest --json gives it
+        assert 2**20 < device_module.build_workers_peak_bytes() < 4 * 2**30
+    compiled = parallel.compile_seconds()
     got = _outputs(parallel, shape, sets)
+    assert parallel.compile_seconds() == compiled, "running them built nothing more"
     assert set(parallel._programs) == set(keys)   # running them built nothing more
     for a, b in zip(want, got):
         for name in a:
@@ -66,7 +83,7 @@ def test_collecting_builds_nothing(device):
 
 
 @pytest.mark.one_implementation
-def test_each_program_is_built_once_whatever_asks(device, monkeypatch):
+def test_each_program_is_built_once_whatever_asks(device, monkeypatch, threads):
     fresh = Device(device.entry.index)
     keys = _keys(fresh, 2)
     compiled = []
@@ -105,7 +122,7 @@ def test_a_failed_build_is_reported_with_its_log_and_not_retried(device):
 
 
 @pytest.mark.one_implementation
-def test_a_driver_failing_concurrent_builds_falls_back_to_one_at_a_time(device, monkeypatch):
+def test_a_driver_failing_concurrent_builds_falls_back_to_one_at_a_time(device, monkeypatch, threads):
     fresh = Device(device.entry.index)
     keys = _keys(fresh, 4)
     real = fresh._compile
@@ -182,3 +199,98 @@ def test_another_exception_is_reported_but_not_kept(device, monkeypatch):
     assert "RuntimeError" in report.errors[keys[0]].log
     monkeypatch.setattr(fresh, "_compile", real)
     assert fresh.build(keys[0][0], dict(keys[0][1]), keys[0][2]) is fresh._programs[keys[0]]
+
+
+def _fresh_keys(device, count):
+    """``count`` programs of ``device``'s implementation that no cache holds: defines no other test builds."""
+    keys = _keys(device, count)
+    return [build_key(k[0], {**dict(k[1]), "PERFX_TEST_NONCE": str(time.time_ns() + i)}, k[2])
+            for i, k in enumerate(keys)]
+
+
+@pytest.mark.one_implementation
+def test_a_driver_failing_builds_in_worker_processes_falls_back_to_one_at_a_time(device, monkeypatch):
+    """A driver whose builds fail while others run, in the workers (a fake: every worker's answer is a failure), is
+    built alone here, falls back to one at a time, and says so once."""
+    monkeypatch.setenv(BUILD_PROCESSES_ENV, "1")
+    fresh = Device(device.entry.index)
+    keys = _keys(fresh, 5)
+    asked = []
+
+    def refusing(todo, workers):
+        for key in todo:
+            asked.append(key)
+            yield key, "CL_OUT_OF_HOST_MEMORY (two builds at once)"   # a build's log
+    monkeypatch.setattr(fresh, "_remote_compile", refusing)
+    with pytest.warns(BuildConcurrencyWarning, match="one kernel at a time") as caught:
+        report = fresh.build_many(keys, workers=2)
+    assert sorted(asked) == sorted(keys) and report.processes
+    assert report.errors == {} and all(key in fresh._programs for key in keys)
+    assert "CL_OUT_OF_HOST_MEMORY" in report.serial_reason and fresh.serial_reason == report.serial_reason
+    assert len([w for w in caught if w.category is BuildConcurrencyWarning]) == 1
+    assert fresh.build_workers(8) == 1 and not fresh.build_many(_keys(fresh, 6), workers=4).processes
+
+
+@pytest.mark.one_implementation
+def test_a_build_worker_that_dies_is_reported_and_the_device_builds_alone(device, monkeypatch):
+    """A real worker process killed while it builds (as a driver that crashes under concurrent builds): its program
+    is built here alone, the device falls back to one at a time and says so; the next device starts new workers."""
+    monkeypatch.setenv(BUILD_PROCESSES_ENV, "1")
+    shutdown_build_workers()
+    fresh = Device(device.entry.index)
+    keys = _fresh_keys(fresh, 4)
+    dead = device_module._workers_for(fresh, 2)[0]
+    dead.process.kill()
+    dead.process.wait()
+    started = device_module._workers_for   # the dead one among those handed out, as if it died just after
+    monkeypatch.setattr(device_module, "_workers_for", lambda device, count: [dead] + started(device, count)[1:])
+    with pytest.warns(BuildConcurrencyWarning, match="build worker process died"):
+        report = fresh.build_many(keys, workers=2)
+    assert report.errors == {} and all(key in fresh._programs for key in keys)
+    assert "died" in fresh.serial_reason
+    monkeypatch.setattr(device_module, "_workers_for", started)
+    other = Device(device.entry.index)
+    again = other.build_many(_fresh_keys(other, 4), workers=2)
+    assert again.processes and again.errors == {} and again.serial_reason is None
+    assert all(w.alive for w in device_module._workers_for(other, 2))
+    shutdown_build_workers()
+
+
+@pytest.mark.one_implementation
+def test_perfx_build_processes_setting(device, monkeypatch):
+    fresh = Device(device.entry.index)
+    monkeypatch.delenv(BUILD_PROCESSES_ENV, raising=False)
+    assert fresh.builds_in_processes() == (fresh.entry.implementation in device_module.SERIAL_IN_PROCESS)
+    monkeypatch.setenv(BUILD_PROCESSES_ENV, "0")
+    assert not fresh.builds_in_processes()
+    monkeypatch.setenv(BUILD_PROCESSES_ENV, "1")
+    assert fresh.builds_in_processes()
+    few = fresh.build_many(_keys(fresh, device_module.MIN_FOR_NEW_PROCESSES - 1), workers=2)
+    assert not few.processes or device_module._workers_running(fresh, 2), "too few to wait for workers to start"
+    monkeypatch.setenv(BUILD_PROCESSES_ENV, "yes")
+    with pytest.raises(PerfxError, match=BUILD_PROCESSES_ENV):
+        fresh.builds_in_processes()
+
+
+@pytest.mark.one_implementation
+def test_a_model_load_builds_a_first_prompts_kernels_with_the_decode_steps(device, monkeypatch):
+    """The load asks in one ``build_many`` for the decode step's kernels and the prefill kernels of prompts up to
+    BUILT_AT_LOAD_M tokens (``kernel_requests``, as `perfx warm` with that many); once a first prompt ran, prompts
+    of other lengths up to it build nothing."""
+    from perfx.model import BUILT_AT_LOAD_M, kernel_requests, load_model
+    from perfx.sources import open_model
+    fresh = Device(device.entry.index)
+    batches = []
+    build_many = fresh.build_many
+    monkeypatch.setattr(fresh, "build_many", lambda requests, *a, **k: (batches.append(list(requests)),
+                                                                         build_many(requests, *a, **k))[1])
+    model, _ = load_model("synthetic:tiny", device=fresh, progress=False)
+    decode_only = kernel_requests(open_model("synthetic:tiny"), fresh, max_m=1)
+    want = kernel_requests(open_model("synthetic:tiny"), fresh, max_m=BUILT_AT_LOAD_M)
+    assert len(batches) == 1 and set(batches[0]) == set(want) and len(want) > len(decode_only)
+    rng = np.random.default_rng(3)
+    model.prefill(rng.integers(0, model.config.vocab_size, 5).tolist(), 0)
+    compiled = fresh.compile_seconds()
+    for length in (2, 12, BUILT_AT_LOAD_M - 1, BUILT_AT_LOAD_M):
+        model.prefill(rng.integers(0, model.config.vocab_size, length).tolist(), 0)
+    assert fresh.compile_seconds() == compiled

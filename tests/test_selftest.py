@@ -1,9 +1,15 @@
-"""`perfx selftest` over long runs: memory bounded (one case at a time, programs forgotten per family), progress
-saved and resumed, shards that split the checks exactly, a time budget that stops cleanly (exit status 3)."""
+"""`perfx selftest` over long runs: memory bounded (one case at a time, programs forgotten per family; the peak,
+its own and its build workers', reported and under a budget whatever the number of families), progress saved and
+resumed (after Ctrl-C, a spent budget, or a kill), shards that split the checks exactly, a time budget that stops
+cleanly (exit status 3)."""
 
 import dataclasses
 import gc
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -215,3 +221,57 @@ def test_a_case_keeps_the_wrappers_of_its_last_few_parameter_sets():
     get = cached_per_params(lambda params: made.append(params) or len(made), keep=2)
     assert [get({"A": 1}), get({"A": 2}), get({"A": 1}), get({"A": 3})] == [1, 2, 1, 3]
     assert get({"A": 1}) == 1 and get({"A": 2}) == 4, "{A: 2} was used least recently: made again"
+
+
+MEMORY_BUDGET = 1.5 * 2**30   # issue 44: what a phone sharing 8–12 GB with Android can give a whole selftest
+FAMILY_GROWTH = 256 * 2**20   # what running every family instead of one may add: their specs, not their cases
+
+
+def selftest_process(cache, *argv, **popen):
+    """`perfx selftest` in a process of its own (its peak resident memory is its own), progress under ``cache``."""
+    env = {**os.environ, "PERFX_CACHE": str(cache)}
+    return subprocess.Popen([sys.executable, "-m", "perfx", "selftest", *argv], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **popen)
+
+
+@pytest.mark.slow
+@pytest.mark.one_implementation
+def test_peak_memory_is_reported_and_stays_under_the_budget_whatever_the_number_of_families(device, cache):
+    peaks = {}
+    for kernels in ("geglu", None):
+        run = selftest_process(cache, "--quick", "--json", *(["--kernels", kernels] if kernels else []))
+        out, err = run.communicate(timeout=1200)
+        assert run.returncode == 0, err[-2000:]
+        data = json.loads(out)
+        assert data["complete"] and data["failed"] == 0
+        peaks[kernels or "all"] = data["peak_rss_bytes"] + data["build_workers"] * data["build_workers_peak_rss_bytes"]
+        assert 2**20 < data["peak_rss_bytes"] and data["build_workers_peak_rss_bytes"] >= 0
+    families = len(SPECS)
+    assert peaks["all"] <= MEMORY_BUDGET, f"{peaks['all'] / 2**20:.0f} MiB over {families} families"
+    assert peaks["all"] <= peaks["geglu"] + FAMILY_GROWTH, (
+        f"{families} families took {peaks['all'] / 2**20:.0f} MiB, one {peaks['geglu'] / 2**20:.0f} MiB")
+
+
+@pytest.mark.one_implementation
+def test_a_selftest_killed_part_way_resumes_from_its_last_saved_case(device, cache):
+    """SIGKILL (a phone's low-memory killer, a crash): no handler runs, and the progress written after each case
+    is what the next run resumes from; its checks are those of an uninterrupted run."""
+    kernels = "short_conv,moe_router,embedding_q8"
+    whole = selftest_process(cache, "--kernels", kernels, "--json")
+    out, err = whole.communicate(timeout=600)
+    assert whole.returncode == 0, err[-2000:]
+    want = json.loads(out)
+    killed = selftest_process(cache, "--kernels", kernels, "--json")
+    deadline = time.monotonic() + 600
+    while not list(cache.glob("selftest/*.json")):
+        assert killed.poll() is None, "the run ended before its first case was saved"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    killed.send_signal(signal.SIGKILL)
+    killed.communicate()
+    again = selftest_process(cache, "--kernels", kernels, "--json")
+    out, err = again.communicate(timeout=600)
+    data = json.loads(out)
+    assert again.returncode == 0 and "resuming:" in err and 0 < data["resumed"] < data["planned"], err[-2000:]
+    assert outcomes(data) == outcomes(want)
+    assert not list(cache.glob("selftest/*.json"))

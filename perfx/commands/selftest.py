@@ -11,7 +11,9 @@ A phone shares its 8–12 GB with Android and builds kernels slowly, so the run 
   checks would take it past ``PROGRAMS_KEPT``) the device forgets the programs built (``Device.forget_programs``),
   which pyopencl's binary cache rebuilds cheaply if a later case needs them again;
 - builds: the programs of the next ``BUILD_AHEAD`` checks of a case are built together on every core
-  (``Device.build_many``), where the family's spec names them (``Spec.programs``);
+  (``Device.build_many``: in worker processes where the driver builds one program at a time within a process, each
+  worker holding one program at a time), where the family's spec names them (``Spec.programs``); ``--json``
+  reports this process's peak resident memory and the largest build worker's;
 - progress: the checks done, with their results, go to a file in the user's cache as they come (atomically,
   pinned to the device and to each family's kernel sources); the same command after an interrupt, a budget
   spent or a crash resumes there, ``--restart`` starts afresh, and a finished run removes the file;
@@ -36,7 +38,8 @@ from perfx.errors import PerfxError
 from perfx.model import host_peak_bytes
 from perfx.progress import Progress, format_table
 from perfx.resources import cache_dir, read_json, write_json_atomic
-from perfx.runtime import DEVICE_HELP, Device, KernelLimitError
+from perfx.runtime import (DEVICE_HELP, Device, KernelLimitError, build_workers_peak_bytes, running_build_workers,
+                           shutdown_build_workers)
 from perfx.tuning import Spec, select_specs
 from perfx.tuning.spec import build_requests
 from perfx.tuning.database import fingerprint_slug, normal, params_key, source_hash
@@ -405,14 +408,17 @@ def main(args) -> int:
     resumed = sum(1 for c in checks if done.get(c.key) is c)
     passed, failed = sum(c.passed for c in checks), sum(c.failed for c in checks)
     refused = len(checks) - passed - failed
-    peak = host_peak_bytes()
+    peak, workers_peak, workers = host_peak_bytes(), build_workers_peak_bytes(), running_build_workers()
+    shutdown_build_workers()
     elapsed = time.perf_counter() - started
     if args.json:
         print(json.dumps({"device": device.fingerprint, "limits": device.caps.limits, "quick": args.quick,
                           "shard": f"{part[0]}/{part[1]}" if part else None, "interrupted": stopped == "interrupted",
                           "complete": stopped is None, "stopped": stopped, "planned": planned, "resumed": resumed,
                           "passed": passed, "failed": failed, "refused": refused, "seconds": round(elapsed, 2),
-                          "peak_rss_bytes": peak, "device_peak_bytes": device.peak_allocated_bytes,
+                          "peak_rss_bytes": peak, "build_workers_peak_rss_bytes": workers_peak,
+                          "build_workers": workers,
+                          "device_peak_bytes": device.peak_allocated_bytes,
                           "checks": [asdict(c) for c in checks]}, indent=1, default=float))
     else:
         shown = checks if args.verbose else [c for c in checks if c.failed]
@@ -423,6 +429,7 @@ def main(args) -> int:
               + (f", {refused} refused by the driver's limits for the kernel (never chosen here)" if refused else "")
               + " "
               f"({elapsed:.1f}s, peak resident memory {peak / 2**20:.0f} MiB"
+              + (f", each build worker at most {workers_peak / 2**20:.0f} MiB" if workers_peak else "")
               + (f", {resumed} resumed" if resumed else "") + ")"
               + (", interrupted" if stopped == "interrupted" else "")
               + (f", incomplete: {planned - len(checks)} of {planned} checks left" if stopped == "budget" else ""))

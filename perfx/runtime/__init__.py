@@ -8,7 +8,8 @@
 - ``selection``: the devices installed here (``list_devices``) and the one perfx takes (``choose_device``,
   ``PERFX_DEVICE``).
 - ``device``: ``Device``, its builds with ``-D`` defines (programs and ``Kernel`` objects kept; many at once
-  on threads with ``build_many``, PERFX_BUILD_WORKERS; requests collected unbuilt with ``collecting``), launches
+  with ``build_many``, in worker processes where a driver builds one at a time within a process, else on threads,
+  PERFX_BUILD_WORKERS, PERFX_BUILD_PROCESSES; requests collected unbuilt with ``collecting``), launches
   and their recording, counted memory, and every copy (``copy``, ``write``, ``read``, ``fill``).
 - ``replay``: the decode step's recorded launches and copies, replayed each token one by one, or in one
   command buffer (``cl_khr_command_buffer``) or Adreno recording (``cl_qcom_recordable_queues``) where asked
@@ -18,8 +19,9 @@
 
 from perfx.runtime.capabilities import (LIMIT_PRESETS, Capabilities, Limits, capabilities_dict, has_subgroups,
                                         identify, parse_adreno_model, parse_limits, read_capabilities)
-from perfx.runtime.device import (BUILD_WORKERS_ENV, BuildConcurrencyWarning, BuildReport, Device, build_key,
-                                  build_options, get_device)
+from perfx.runtime.device import (BUILD_PROCESSES_ENV, BUILD_WORKERS_ENV, BuildConcurrencyWarning, BuildReport,
+                                  Device, build_key, build_options, build_workers_peak_bytes, get_device,
+                                  running_build_workers, shutdown_build_workers)
 from perfx.runtime.errors import (BuildError, DriverError, KernelInfo, KernelLimitError, OpenCLError,
                                   cl_error_name)
 from perfx.runtime.implementations import intel_opencl_library, merged_vendor_entries, prepare, show_build_logs
@@ -27,9 +29,10 @@ from perfx.runtime.replay import BoundCopy, BoundLaunch
 from perfx.runtime.selection import DEVICE_HELP, DeviceEntry, choose_device, list_devices
 
 __all__ = [
-    "BUILD_WORKERS_ENV", "BuildConcurrencyWarning", "BuildReport", "build_key", "BoundCopy", "BoundLaunch", "BuildError", "Capabilities", "DEVICE_HELP", "Device", "DeviceEntry",
+    "BUILD_PROCESSES_ENV", "BUILD_WORKERS_ENV", "BuildConcurrencyWarning", "BuildReport", "build_key",
+    "build_workers_peak_bytes", "running_build_workers", "BoundCopy", "BoundLaunch", "BuildError", "Capabilities", "DEVICE_HELP", "Device", "DeviceEntry",
     "DriverError", "KernelInfo", "KernelLimitError", "LIMIT_PRESETS", "Limits", "OpenCLError", "build_options",
     "capabilities_dict", "choose_device", "cl_error_name", "get_device", "has_subgroups", "identify",
     "intel_opencl_library", "list_devices", "merged_vendor_entries", "parse_adreno_model", "parse_limits",
-    "prepare", "read_capabilities", "show_build_logs",
+    "prepare", "read_capabilities", "show_build_logs", "shutdown_build_workers",
 ]

@@ -5,9 +5,14 @@ every copy to, from and within it, and the recording of launches that the decode
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import os
+import pickle
+import queue
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -17,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyopencl as cl
 import pyopencl.array as cla
+from pyopencl.characterize import has_src_build_cache
 
 from perfx.errors import PerfxError
 from perfx.resources import kernel_path
@@ -70,6 +76,17 @@ def build_options(caps: Capabilities) -> list[str]:
 
 BUILD_WORKERS_ENV = "PERFX_BUILD_WORKERS"
 MAX_BUILD_WORKERS = 8
+BUILD_PROCESSES_ENV = "PERFX_BUILD_PROCESSES"
+# Implementations whose compiler builds one program at a time within a process, however many threads ask (a lock
+# around their compiler; measured, benchmarks/NOTES.md "builds at once"): their builds at once run in worker
+# processes, which hand the binaries back.
+SERIAL_IN_PROCESS = frozenset({"intel", "pocl"})
+# Build worker processes unless PERFX_BUILD_WORKERS asks for more: each holds its own Python and driver compiler
+# (about a third of a selftest's resident memory each, benchmarks/NOTES.md), and the selftest's budget is for all.
+MAX_BUILD_PROCESSES = 2
+# Fewer programs than this are not worth starting worker processes for (a Python process and a context each):
+# built here, one at a time.
+MIN_FOR_NEW_PROCESSES = 4
 
 
 class BuildConcurrencyWarning(UserWarning):
@@ -87,7 +104,8 @@ class BuildReport:
     """What ``Device.build_many`` did: ``requested`` distinct programs, of which ``built`` were not yet in
     this process (``from_cache`` of those came from pyopencl's binary cache, where it says so: not on PoCL,
     whose own cache pyopencl leaves the builds to), ``errors`` (key -> BuildError), in ``seconds`` on
-    ``workers`` threads; ``serial_reason``: why this device builds one at a time, if it does."""
+    ``workers`` threads, or worker processes where ``processes``; ``serial_reason``: why this device builds one
+    at a time, if it does."""
 
     requested: int
     built: list
@@ -96,11 +114,12 @@ class BuildReport:
     seconds: float = 0.0
     workers: int = 1
     serial_reason: str | None = None
+    processes: bool = False
 
     def as_dict(self) -> dict:
         return {"requested": self.requested, "built": len(self.built), "from_cache": self.from_cache,
                 "failed": len(self.errors), "seconds": round(self.seconds, 3), "workers": self.workers,
-                "serial_reason": self.serial_reason,
+                "processes": self.processes, "serial_reason": self.serial_reason,
                 "errors": [{"file": k[0], "defines": dict(k[1]), "error": e.summary} for k, e in self.errors.items()]}
 
 
@@ -127,6 +146,160 @@ def _from_binary_cache(program: cl.Program) -> bool:
 
 def _first_line(error: Exception) -> str:
     return getattr(error, "summary", None) or (str(error).splitlines() or [""])[0][:200]
+
+
+# -- builds in worker processes --------------------------------------------------------------------------------
+# Each worker is a fresh Python process (not multiprocessing's spawn, which runs the parent's main script again
+# in each worker, and not a fork, which would copy the parent's OpenCL driver threads half way) that opens the same
+# device, builds a program from source as ``Device.build`` does and hands its binary back over a pipe, keeping
+# nothing; the parent makes its program from that binary. The workers of one device, limits and build options
+# serve every Device of the process, and stop when it exits.
+
+_WORKER_MAIN = "import perfx.runtime.device as d; d._worker_main()"
+
+
+def _send(stream, message) -> None:
+    data = pickle.dumps(message)
+    stream.write(len(data).to_bytes(8, "little") + data)
+    stream.flush()
+
+
+def _receive(stream):
+    """The next message, or EOFError where the other side is gone."""
+    head = stream.read(8)
+    if len(head) < 8:
+        raise EOFError
+    data = stream.read(int.from_bytes(head, "little"))
+    if len(data) < int.from_bytes(head, "little"):
+        raise EOFError
+    return pickle.loads(data)
+
+
+def _worker_main() -> None:
+    """A build worker: (selector, limits, options, binaries), then keys, each answered with (key, outcome): the
+    build's log where it failed, else (binary, whether pyopencl took it from its binary cache); without
+    ``binaries``, b"" for the binary: the driver's own cache of builds from source now holds the program."""
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr   # anything printed by the way goes to stderr, not into the answers
+    selector, limits, options, binaries = _receive(stdin)
+    device = Device(selector, limits)
+    device.build_options = list(options)
+    while True:
+        try:
+            key = _receive(stdin)
+        except EOFError:
+            return
+        try:
+            program = device.build(key[0], dict(key[1]), key[2])
+            binary = program.get_info(cl.program_info.BINARIES)[0] if binaries else b""
+            outcome = (binary, _from_binary_cache(program))
+        except BuildError as error:
+            outcome = error.log
+        except Exception as error:   # noqa: BLE001 - handed back as the request's failure, with what raised it
+            outcome = f"{type(error).__name__} in a build worker: {error}"
+        finally:
+            device.forget_programs()
+        _send(stdout, (key, outcome))
+
+
+class _Worker:
+    """One build worker process and its pipes: one build at a time, whichever thread asks."""
+
+    def __init__(self, selector: str, limits: Limits, options: list[str], binaries: bool):
+        self.process = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE)
+        self.lock = threading.Lock()
+        _send(self.process.stdin, (selector, limits, options, binaries))
+
+    def build(self, key: tuple) -> tuple | str:
+        """(the binary of ``key`` built in this worker, whether from pyopencl's cache), or the build's log; a worker
+        that died says so (and is left dead: ``alive``)."""
+        try:
+            with self.lock:
+                _send(self.process.stdin, key)
+                answered, outcome = _receive(self.process.stdout)
+        except (EOFError, OSError, ValueError):   # its pipe closed: the worker died or was stopped
+            status = self.process.wait()
+            return f"a build worker process died (exit status {status}) building it"
+        assert answered == key, (answered, key)
+        return outcome
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def peak_bytes(self) -> int | None:
+        """This worker's peak resident memory while it runs (Linux's VmHWM, Android's too), else None."""
+        try:
+            with open(f"/proc/{self.process.pid}/status") as status:
+                for line in status:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            return None
+        return None
+
+    def stop(self) -> None:
+        peak = self.peak_bytes() if self.alive else None
+        if peak is not None:
+            _stopped_peaks.append(peak)
+        with contextlib.suppress(OSError):
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+_workers: dict[tuple, list[_Worker]] = {}
+_workers_lock = threading.Lock()
+_stopped_peaks: list[int] = []   # the peak resident bytes of each worker stopped, where the system tells
+
+
+def running_build_workers() -> int:
+    """How many build worker processes this process has running."""
+    with _workers_lock:
+        return sum(w.alive for group in _workers.values() for w in group)
+
+
+def build_workers_peak_bytes() -> int:
+    """The largest peak resident memory of a build worker this process started, running or stopped (0: none, or
+    a system that does not tell). Not the children's ru_maxrss: a driver that forks (PoCL, to link a kernel)
+    shows a child as large as this process there."""
+    with _workers_lock:
+        running = [w.peak_bytes() for group in _workers.values() for w in group if w.alive]
+    return max([p for p in running if p is not None] + _stopped_peaks, default=0)
+
+
+def _workers_for(device: Device, count: int) -> list[_Worker]:
+    """``count`` live build workers for ``device`` (its selector, limits and options), started where missing."""
+    key = (device.entry.index, device.limits, tuple(device.build_options))
+    with _workers_lock:
+        live = [w for w in _workers.get(key, []) if w.alive]
+        while len(live) < count:
+            live.append(_Worker(device.entry.index, device.limits, list(device.build_options),
+                                not device.workers_fill_driver_cache))
+        _workers[key] = live
+        return live[:count]
+
+
+def _workers_running(device: Device, count: int) -> bool:
+    with _workers_lock:
+        key = (device.entry.index, device.limits, tuple(device.build_options))
+        return sum(w.alive for w in _workers.get(key, [])) >= count
+
+
+def shutdown_build_workers() -> None:
+    """Stop every build worker process this process started (they stop at its exit anyway)."""
+    with _workers_lock:
+        workers = [w for group in _workers.values() for w in group]
+        _workers.clear()
+    for worker in workers:
+        worker.stop()
+
+
+atexit.register(shutdown_build_workers)
 
 
 class Device:
@@ -161,6 +334,7 @@ class Device:
         self._building: dict[tuple, threading.Event] = {}   # being built by some thread: set when done
         self._build_errors: dict[tuple, BuildError] = {}
         self._serial_reason: str | None = None       # set when the driver failed under concurrent builds
+        self._worker_cached: dict[tuple, bool] = {}  # programs made from a worker's binary: whether from its cache
         self._compiling = threading.local()          # seconds each thread spent in the compiler (compile_seconds)
         self._collect = threading.local()             # the calling thread's list while it collects (collecting)
         self.allocated_bytes = 0
@@ -227,10 +401,8 @@ class Device:
         file, define_items, newest_c = key
         defines = dict(define_items)
         path = kernel_path(file)
-        options = define_flags(defines) + ["-I", str(path.parent), *self.build_options]
-        if newest_c and self.caps.opencl_c >= (2, 0):
-            options.append("-cl-std=CL{}.{}".format(*self.caps.opencl_c))
         program = cl.Program(self.context, path.read_text())
+        options = self._options(key)
         started = time.perf_counter()
         try:
             program.build(options=options, devices=[self.cl_device])
@@ -240,17 +412,44 @@ class Device:
             self._compiling.seconds = self.compile_seconds() + time.perf_counter() - started
         return program
 
+    def _options(self, key: tuple) -> list[str]:
+        file, define_items, newest_c = key
+        options = define_flags(dict(define_items)) + ["-I", str(kernel_path(file).parent), *self.build_options]
+        if newest_c and self.caps.opencl_c >= (2, 0):
+            options.append("-cl-std=CL{}.{}".format(*self.caps.opencl_c))
+        return options
+
+    def _from_binary(self, key: tuple, binary: bytes) -> cl.Program:
+        """The program of ``key`` made from a binary a build worker compiled (``build_many`` in processes)."""
+        program = cl.Program(self.context, [self.cl_device], [binary])
+        try:
+            program.build(options=self._options(key), devices=[self.cl_device])
+        except cl.Error as e:
+            raise BuildError(key[0], dict(key[1]), f"loading the binary a build worker made: {e}",
+                             self.caps.name) from e
+        return program
+
+    def _cached(self, key: tuple) -> bool:
+        """Whether pyopencl took the program of ``key`` from its binary cache, here or in the build worker."""
+        if key in self._worker_cached:
+            return self._worker_cached[key]
+        program = self._programs.get(key)
+        return program is not None and _from_binary_cache(program)
+
     def compile_seconds(self) -> float:
         """Seconds the calling thread has spent building programs on this device (from source or pyopencl's
         binary cache): what a caller timing its own work takes to tell the builds it waited for from the rest."""
         return getattr(self._compiling, "seconds", 0.0)
 
     def build_many(self, requests, workers: int | None = None, on_done=None) -> BuildReport:
-        """Build many programs at once, each ``(file, defines, newest_c)`` (``newest_c`` may be left out), on
-        ``workers`` threads (default: ``build_workers()``: PERFX_BUILD_WORKERS, else the CPU count, at most
+        """Build many programs at once, each ``(file, defines, newest_c)`` (``newest_c`` may be left out), with
+        ``workers`` builds at a time (default: ``build_workers()``: PERFX_BUILD_WORKERS, else the CPU count, at most
         8), into the programs ``build`` keeps: a later ``build`` or ``kernel`` of one of them builds nothing.
 
-        pyopencl lets go of the GIL while the driver compiles, and its binary cache serves as with ``build``.
+        Where the implementation's compiler builds one program at a time within a process (``SERIAL_IN_PROCESS``:
+        PoCL and Intel's CPU runtime; PERFX_BUILD_PROCESSES=1 or 0 asks for or against it elsewhere), the builds run
+        in worker processes that hand back each program's binary (``builds_in_processes``); else on threads, where
+        pyopencl lets go of the GIL while the driver compiles and its binary cache serves as with ``build``.
         Nothing raises: each failure is in the report's ``errors`` as the BuildError ``build`` raises (with the
         log), and ``build`` raises it again. A request that failed while others were building is built again
         alone; where it then builds, the driver is taken not to bear concurrent builds: the rest of this
@@ -264,21 +463,28 @@ class Device:
             return BuildReport(len(keys), [], {}, 0, 0.0, 0)
         with self._build_lock:
             todo = [k for k in keys if k not in self._programs and k not in self._build_errors]
+        asked = workers is not None or bool(os.environ.get(BUILD_WORKERS_ENV, "").strip())
         workers = self.build_workers(workers)
-        report = BuildReport(len(keys), todo, {}, 0, 0.0, min(workers, max(len(todo), 1)))
+        if self.builds_in_processes() and not asked:   # each worker holds its own Python and compiler
+            workers = min(workers, MAX_BUILD_PROCESSES)
+        processes = (workers > 1 and self.builds_in_processes()
+                     and (len(todo) >= MIN_FOR_NEW_PROCESSES or len(todo) > 1 and _workers_running(self, workers)))
+        report = BuildReport(len(keys), todo, {}, 0, 0.0, min(workers, max(len(todo), 1)), processes=processes)
         failed: list[tuple] = []
 
         def finished(key, error):
             if error is not None:
                 report.errors[key] = error
-            elif self._programs.get(key) is not None and _from_binary_cache(self._programs[key]):
+            elif self._cached(key):
                 report.from_cache += 1
             if on_done is not None:
                 on_done(key, error)
 
-        if workers <= 1 or len(todo) <= 1:
+        if workers <= 1 or len(todo) <= 1 or (self.builds_in_processes() and not processes):
             for key in todo:
                 finished(key, self._try_build(key))
+        elif processes:
+            self._build_in_processes(todo, workers, finished, failed)
         else:
             with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="perfx-build") as pool:
                 futures = {pool.submit(self._try_build, key): key for key in todo}
@@ -288,22 +494,138 @@ class Device:
                         finished(key, None)
                     else:
                         failed.append((key, error))
-            # Failures while building concurrently: built again alone. One that builds alone shows a driver that
-            # does not bear concurrent builds.
-            for key, error in failed:
-                with self._build_lock:
-                    self._build_errors.pop(key, None)
-                again = self._try_build(key)
-                if again is None and self._serial_reason is None:
-                    self._serial_reason = (f"kernels/{key[0]} failed to build while other builds ran ("
-                                           f"{_first_line(error)}) and built alone")
-                    warnings.warn(f"perfx: {self.caps.name} ({self.caps.platform}): {self._serial_reason}; this "
-                                  "device builds one kernel at a time from now on (PERFX_BUILD_WORKERS=1 asks for "
-                                  "that from the start)", BuildConcurrencyWarning, stacklevel=2)
-                finished(key, again)
+        # Failures while building concurrently: built again alone. One that builds alone shows a driver that
+        # does not bear concurrent builds.
+        for key, error in failed:
+            with self._build_lock:
+                self._build_errors.pop(key, None)
+            again = self._try_build(key)
+            if again is None and self._serial_reason is None:
+                self._serial_reason = (f"kernels/{key[0]} failed to build while other builds ran ("
+                                       f"{_first_line(error)}) and built alone")
+                warnings.warn(f"perfx: {self.caps.name} ({self.caps.platform}): {self._serial_reason}; this "
+                              "device builds one kernel at a time from now on (PERFX_BUILD_WORKERS=1 asks for "
+                              "that from the start)", BuildConcurrencyWarning, stacklevel=2)
+            finished(key, again)
         report.seconds = time.perf_counter() - started
         report.serial_reason = self._serial_reason
         return report
+
+    @property
+    def workers_fill_driver_cache(self) -> bool:
+        """Whether a build worker leaves its program in the driver's own cache of builds from source, for this
+        process's build from source to find, instead of handing a binary back: on PoCL, whose binaries, asked for,
+        compile every kernel of the file again for any work-group size, costing more than the build (measured,
+        benchmarks/NOTES.md "builds at once")."""
+        return (self.entry.implementation == "pocl" and bool(has_src_build_cache(self.cl_device))
+                and not self._pocl_cache_off)
+
+    @property
+    def _pocl_cache_off(self) -> bool:
+        return self.entry.implementation == "pocl" and os.environ.get("POCL_KERNEL_CACHE", "1") == "0"
+
+    def builds_in_processes(self) -> bool:
+        """Whether ``build_many`` builds in worker processes: PERFX_BUILD_PROCESSES (1 or 0) where set, else where
+        this implementation builds one program at a time within a process (``SERIAL_IN_PROCESS``), PoCL only with
+        its cache of builds on (POCL_KERNEL_CACHE)."""
+        setting = os.environ.get(BUILD_PROCESSES_ENV, "").strip()
+        if setting not in ("", "0", "1"):
+            raise PerfxError(f"{BUILD_PROCESSES_ENV}={setting!r}: give 1 (build in worker processes) or 0 (on "
+                             "threads of this process)")
+        if setting:
+            return setting == "1"
+        # PoCL with its cache off would compile each program twice, in the worker and here
+        return self.entry.implementation in SERIAL_IN_PROCESS and not self._pocl_cache_off
+
+    def _claim(self, keys: list[tuple]) -> tuple[dict, list]:
+        """Of ``keys``, those no thread builds yet, marked as built here (their events), and the others."""
+        claimed, others = {}, []
+        with self._build_lock:
+            for key in keys:
+                if key in self._programs or key in self._build_errors or key in self._building:
+                    others.append(key)
+                else:
+                    claimed[key] = self._building[key] = threading.Event()
+        return claimed, others
+
+    def _settle(self, key: tuple, event: threading.Event, program: cl.Program | None) -> None:
+        with self._build_lock:
+            if program is not None:
+                self._programs[key] = program
+            del self._building[key]
+        event.set()
+
+    def _remote_compile(self, keys: list[tuple], workers: int):
+        """(key, (binary, from pyopencl's cache), or the build's log or what failed, as text) for each key, as the
+        workers finish, each fed by a thread of this process that waits on it. A worker that dies fails the build
+        it was making and takes no more; the others build the rest."""
+        todo: queue.Queue = queue.Queue()
+        for key in keys:
+            todo.put(key)
+        done: queue.Queue = queue.Queue()
+        finished = object()
+
+        def feed(worker):
+            try:
+                while True:
+                    try:
+                        key = todo.get_nowait()
+                    except queue.Empty:
+                        return
+                    done.put((key, worker.build(key)))
+                    if not worker.alive:
+                        return
+            finally:
+                done.put(finished)
+        feeders = [threading.Thread(target=feed, args=(w,), name="perfx-build-worker", daemon=True)
+                   for w in _workers_for(self, min(workers, len(keys)))]
+        for thread in feeders:
+            thread.start()
+        answered, running = 0, len(feeders)
+        while answered < len(keys):
+            if running == 0:   # every worker died: what is left fails here, to be built alone
+                key = todo.get_nowait()
+                answered += 1
+                yield key, "no build worker process is left (each died)"
+                continue
+            item = done.get()
+            if item is finished:
+                running -= 1
+                continue
+            answered += 1
+            yield item
+        for thread in feeders:
+            thread.join()
+
+    def _build_in_processes(self, todo: list[tuple], workers: int, finished, failed: list) -> None:
+        """``build_many``'s builds in worker processes; failures into ``failed``, to be built again alone."""
+        claimed, others = self._claim(todo)
+        started = time.perf_counter()
+        try:
+            for key, outcome in self._remote_compile(list(claimed), workers):
+                program = error = None
+                if isinstance(outcome, tuple):
+                    binary, cached = outcome
+                    try:
+                        program = self._from_binary(key, binary) if binary else self._compile(key)
+                    except BuildError as e:
+                        error = e
+                    else:
+                        if binary:
+                            self._worker_cached[key] = cached
+                else:
+                    error = BuildError(key[0], dict(key[1]), outcome, self.caps.name)
+                self._settle(key, claimed.pop(key), program)
+                if error is None:
+                    finished(key, None)
+                else:
+                    failed.append((key, error))
+        finally:
+            for key, event in claimed.items():   # not handed back (an exception here): left for ``build``
+                self._settle(key, event, None)
+            self._compiling.seconds = self.compile_seconds() + time.perf_counter() - started
+        for key in others:   # built by another thread meanwhile: waited for
+            finished(key, self._try_build(key))
 
     def _try_build(self, key: tuple) -> Exception | None:
         """``build`` of one request; its error returned, not raised. Any exception counts (a driver may fail
@@ -319,8 +641,9 @@ class Device:
         return None
 
     def build_workers(self, workers: int | None = None) -> int:
-        """How many builds ``build_many`` runs at once: ``workers`` where given, else PERFX_BUILD_WORKERS,
-        else the CPU count (at most 8); 1 once this device's driver failed under concurrent builds."""
+        """How many builds ``build_many`` runs at once (threads, or worker processes: ``builds_in_processes``):
+        ``workers`` where given, else PERFX_BUILD_WORKERS, else the CPU count (at most 8); 1 once this device's
+        driver failed under concurrent builds."""
         if self._serial_reason is not None:
             return 1
         if workers is None:
@@ -340,8 +663,9 @@ class Device:
         compiled; on a driver whose own cache pyopencl leaves the builds to (PoCL) it cannot tell, and
         ``compiled`` is None."""
         with self._build_lock:
-            programs = list(self._programs.values())
-        infos = [getattr(p, "_build_duration_info", None) for p in programs]
+            programs = list(self._programs.items())
+        infos = [("a build worker's binary", self._worker_cached[key]) if key in self._worker_cached
+                 else getattr(program, "_build_duration_info", None) for key, program in programs]
         known = [info for info in infos if info is not None and "assuming cached by ICD" not in info[0]]
         cached = sum(1 for info in known if info[1])
         return {"programs": len(programs), "from_cache": cached,
@@ -412,6 +736,7 @@ class Device:
         calls it after each family, and where many are kept); kernels held elsewhere (a model's wrappers,
         recorded steps) stay valid."""
         self._programs.clear()
+        self._worker_cached.clear()
         self._kernels.clear()
         self._infos.clear()
 

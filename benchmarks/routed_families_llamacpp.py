@@ -1,4 +1,4 @@
-"""llama.cpp's greedy answers on the tiny files of the mixtures of experts and Gemma 4 (``tests/helpers/
+"""llama.cpp's greedy answers on the tiny files of the mixtures of experts, Gemma 4 and 3n (``tests/helpers/
 llamacpp_files.py`` writes them), the truth ``tests/test_routed_families_llamacpp.py`` checks perfx against.
 
 For each family: the first seed from 0 whose greedy run under llama.cpp's CPU backend (2 threads, n_ctx 256) is

@@ -22,7 +22,8 @@
 //                     the active stream (act), LAuReL's x + norm(R·L·x) with x the normed input (xb) and l = R·L·x,
 //                     and the FFN's norm. xb is read, then written, by the same work-item. One work-group a row.
 //   sparse_gate:      over a row's gate g (gu[t][0..n)) and up (gu[t][n..2n)): cutoff = mean(g) + z·std(g) (std
-//                     with n − 1), out[t][c] = GELU(max(g[c] − cutoff, 0))·up[c] (tanh GELU, kernels/epilogue.h).
+//                     over n, as transformers' Gemma3nTextMLP; llama.cpp's gemma3n divides by n − 1),
+//                     out[t][c] = GELU(max(g[c] − cutoff, 0))·up[c] (tanh GELU, kernels/epilogue.h).
 //                     One work-group a row; out must not alias gu.
 //
 // A work-group's row sums are a local-memory tree (WGS a power of two); a work-item's second sweep reads back
@@ -234,7 +235,7 @@ void sparse_gate(const int n, const float z, __global const float* restrict gu, 
         sums[0] = fma(d, d, sums[0]);
     }
     group_sums(sums, 1, scratch);
-    const float cutoff = mean + z * sqrt(sums[0] / (n - 1));
+    const float cutoff = mean + z * sqrt(sums[0] / n);
     for (int c = lid; c < n; c += WGS) {
         const float g = fmax(gate[c] - cutoff, 0.0f);
         out[(size_t)t * n + c] = GELU_TANH(g) * gate[n + c];

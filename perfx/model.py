@@ -181,7 +181,9 @@ class RunState:
     def allocate(cls, device: Device, c: ModelConfig, chunk: int) -> RunState:
         f32 = np.float32
         inter = max(c.intermediate_size, c.expert_shared)   # the widest gated MLP: dense, or a shared expert
-        widest = max(c.hidden_size, c.q_dim, c.qkv_dim, 2 * inter)
+        # the fp16 slow path's rows: any fp16 matrix's input or output (Gemma 3n's per-layer model projection
+        # makes n_layers·P of the hidden size)
+        widest = max(c.hidden_size, c.q_dim, c.qkv_dim, 2 * inter, c.n_layers * c.per_layer_input, c.laurel_rank)
         return cls(
             chunk=chunk, x=device.empty((chunk, c.hidden_size), f32), xb=device.empty((chunk, c.hidden_size), f32),
             proj=device.empty((chunk, c.hidden_size), f32), hb=device.empty((chunk, 2 * inter), f32),

@@ -143,9 +143,10 @@ def laurel_combine(a, l, act, xb, gamma_a, gamma_l, gamma_f, eps: float) -> tupl
 
 
 def gaussian_top_k(gate, multiple: float) -> np.ndarray:
-    """Gemma 3n's activation sparsity: ReLU(gate − (mean + multiple·std)) over each row (std with n − 1)."""
+    """Gemma 3n's activation sparsity: ReLU(gate − (mean + multiple·std)) over each row, std over the n values
+    (transformers' Gemma3nTextMLP._gaussian_topk: torch.std(unbiased=False); llama.cpp's gemma3n divides by n − 1)."""
     gate = f64(gate)
-    cutoff = gate.mean(axis=-1, keepdims=True) + multiple * gate.std(axis=-1, ddof=1, keepdims=True)
+    cutoff = gate.mean(axis=-1, keepdims=True) + multiple * gate.std(axis=-1, keepdims=True)
     return np.maximum(gate - cutoff, 0.0)
 
 

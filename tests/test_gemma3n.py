@@ -210,3 +210,19 @@ def test_an_int8_kv_cache(tmp_path, device):
     for pos in range(9, 12):
         model.decode_one(tokens[pos], pos)
         assert relative_error(model.logits(), want[pos]) <= Q8_CACHE_TOLERANCE, pos
+
+
+def test_per_layer_inputs_wider_than_the_mlp_on_the_device(tmp_path, device):
+    """The fp16 per-layer model projection (as the converter stores it) makes n_layers·P values a token, more than
+    the MLP's width here (6·48 = 288 against 2·96): the fp16 GEMV's scratch rows hold it, and the device's logits
+    are the float64 forward's."""
+    made = make_gemma3n(np.random.default_rng(23), hidden_size_per_layer_input=48)
+    write_gemma3n_gguf(tmp_path / "tiny.gguf", made)
+    source = GGUFSource(tmp_path / "tiny.gguf")
+    model = Model.load(source, device, ctx=64, database=default_database(False))
+    tokens = [int(t) for t in np.random.default_rng(24).integers(0, TINY["vocab_size"], 8)]
+    want, _ = model_forward(source, tokens)
+    model.prefill(tokens[:7], 0)
+    assert relative_error(model.logits(), want[6]) <= DEVICE_TOLERANCE
+    model.decode_one(tokens[7], 7)
+    assert relative_error(model.logits(), want[7]) <= DEVICE_TOLERANCE

@@ -1,4 +1,4 @@
-"""The mixtures of experts and Gemma 4 give llama.cpp's greedy answers on their tiny files.
+"""The mixtures of experts, Gemma 4 and Gemma 3n give llama.cpp's greedy answers on their tiny files.
 
 ``tests/data/llamacpp_routed_families.json`` holds what llama.cpp 0.3.36's CPU backend answered on the file each
 family's writer makes at a recorded seed (``benchmarks/routed_families_llamacpp.py`` chose the seed where both

@@ -121,8 +121,8 @@ class AltUp:
 
     def sparse_gate(self, gu, out, m: int, n: int, z: float):
         """out (m, n) = GELU(max(gate − (mean + z·std), 0))·up over rows gu (m, 2n) of gate, then up."""
-        if m < 1 or n < 2:
-            raise PerfxError(f"sparse_gate: {m} rows of {n}: the gate's spread needs at least 2 values a row")
+        if m < 1 or n < 1:
+            raise PerfxError(f"sparse_gate: {m} rows of {n}: the gate needs at least 1 row of at least 1 value")
         return self._rows("sparse_gate", m, np.int32(n), np.float32(z),
                           device_buffer(gu, 8 * m * n, "sparse_gate gu"),
                           device_buffer(out, 4 * m * n, "sparse_gate out"))

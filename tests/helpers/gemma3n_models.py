@@ -1,6 +1,8 @@
 """Tiny Gemma 3n models, written as llama.cpp's converter (convert_hf_to_gguf.py, Gemma3NModel) writes them, and an
 independent float64 re-implementation of llama.cpp's gemma3n graph (src/models/gemma3n-iswa.cpp) over what such a
-file holds, op by op as ggml computes it (its mul_mat and permute index conventions spelled out).
+file holds, op by op as ggml computes it (its mul_mat and permute index conventions spelled out), but for one
+point where llama.cpp departs from transformers' Gemma3nTextModel (the published model's reference): the sparse
+gate's standard deviation is over the n values (torch.std(unbiased=False)), where gemma3n.cpp divides by n − 1.
 
 The GGUF: Gemma3Model's keys, then Gemma3NModel's: ``altup.active_idx``, ``altup.num_inputs``,
 ``embedding_length_per_layer_input``, ``attention.shared_kv_layers``, ``activation_sparsity_scale`` (Φ⁻¹ of each
@@ -203,9 +205,9 @@ def reference_logits(model: Gemma3nModel, tokens) -> np.ndarray:
         attn_laurel = (x + laurel) / math.sqrt(2.0)
         x = _rms(attn_laurel, w[b + "ffn_norm.weight"], eps)
         up, gate = _mul_mat(w[b + "ffn_up.weight"], x), _mul_mat(w[b + "ffn_gate.weight"], x)
-        if sparsity[il]:   # gaussian_topk
+        if sparsity[il]:   # gaussian_topk, std over n as transformers' (llama.cpp's divides by n − 1)
             mean = gate.mean(axis=1, keepdims=True)
-            std = np.sqrt(((gate - mean) ** 2).sum(axis=1, keepdims=True) / (gate.shape[1] - 1))
+            std = np.sqrt(((gate - mean) ** 2).sum(axis=1, keepdims=True) / gate.shape[1])
             gate = np.maximum(gate - (mean + std * sparsity[il]), 0.0)
         x = _mul_mat(w[b + "ffn_down.weight"], _gelu(gate) * up)
         activated = _rms(x, w[b + "post_ffw_norm.weight"], eps) + attn_laurel

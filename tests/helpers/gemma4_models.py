@@ -24,6 +24,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from helpers.moe_models import add_plain_vocab
 from helpers.tiny_models import encode_tensor
 
 # layer_types of the tiny model: two sliding, one global, twice; the last two layers share KV (4 → 3, 5 → 2)
@@ -180,16 +181,8 @@ def write_gemma4_gguf(path: Path, model: Gemma4Model, types: dict | None = None,
 
 
 def _add_vocab(writer: gguf.GGUFWriter, vocab: int):
-    """A small vocabulary of Gemma 4's control pieces and plain ones (the forward needs only its size)."""
-    special = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>"]
-    tokens = special + [f"w{i}" for i in range(vocab - len(special))]
-    writer.add_tokenizer_model("llama")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list([t.encode() for t in tokens])
-    writer.add_token_scores([0.0] * vocab)
-    writer.add_token_types([gguf.TokenType.CONTROL] * len(special) + [gguf.TokenType.NORMAL] * (vocab - len(special)))
-    writer.add_bos_token_id(2)
-    writer.add_eos_token_id(1)
+    """A small vocabulary of Gemma 4's control pieces (its turns') and plain ones."""
+    add_plain_vocab(writer, vocab, ("<|turn>", "<turn|>"))
 
 
 # -- llama.cpp's gemma4 graph, in float64 over what the file holds --------------------------------------------

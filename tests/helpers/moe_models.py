@@ -34,9 +34,10 @@ SHAPES = {
 }
 
 
-def add_plain_vocab(writer: gguf.GGUFWriter, size: int):
-    """Control pieces then plain ones, under the SentencePiece model llama.cpp opens without a merges list."""
-    special = ["<pad>", "<eos>", "<bos>", "<unk>"]
+def add_plain_vocab(writer: gguf.GGUFWriter, size: int, extra_special: tuple[str, ...] = ()):
+    """Control pieces (``extra_special`` after pad, eos, bos, unk) then plain ones, under the SentencePiece model
+    llama.cpp opens without a merges list; a tiny model's forward needs only the size."""
+    special = ["<pad>", "<eos>", "<bos>", "<unk>", *extra_special]
     tokens = special + [f"w{i}" for i in range(size - len(special))]
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")

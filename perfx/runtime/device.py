@@ -206,8 +206,10 @@ class _Worker:
     """One build worker process and its pipes: one build at a time, whichever thread asks."""
 
     def __init__(self, selector: str, limits: Limits, options: list[str], binaries: bool):
+        # a session of its own: a terminal's Ctrl-C (SIGINT to the foreground group) is the parent's to handle
+        # (`perfx chat` stops a reply with it); the worker ends when its pipe closes
         self.process = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE)
+                                        stdout=subprocess.PIPE, start_new_session=True)
         self.lock = threading.Lock()
         _send(self.process.stdin, (selector, limits, options, binaries))
 

@@ -58,7 +58,7 @@ class ToolFormat:
     closer: str = ""            # ... and ends with ("": it runs to the end of the reply)
     also_openers: tuple[str, ...] = ()  # other texts that open a call (Llama 3.1's <|python_tag|>)
     separator: str = ""         # between the opener, the call and the closer, as the template writes them
-    body: str = "json"          # "json" or "pythonic" (always a list)
+    body: str = "json"          # "json", "pythonic" (always a list) or "harmony" (gpt-oss's channels and recipients)
     listed: bool = False        # several calls are one list between one opener and closer (else one call each)
     arguments_key: str = "arguments"    # the key a call writes its arguments under ("parameters": Llama 3.x)
     tools_variable: str = "tools"       # the template variable the tools go in (SmolLM3's: xml_tools)

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 from perfx import constrain
 from perfx.errors import PerfxError
-from perfx.tools import (ToolCall, ToolCallParser, ToolError, ToolSupport, call_grammar, check_tools, render_messages,
-                         tool_support)
+from perfx.tools import (HARMONY_MARKERS, ToolCall, ToolError, ToolSupport, call_grammar, check_tools, render_messages,
+                         reply_parser, tool_support)
 
 MAX_STOP_STRINGS = 4        # OpenAI's limit
 MAX_CHOICES = 16            # n: choices of one request
@@ -216,16 +216,17 @@ class Tooling:
     grammar: str | None = None  # what the whole reply must match, in llguidance's Lark: a forced call (required,
                                 # or a named function), or the generic format's call or answer under "auto"
 
-    def parser(self) -> ToolCallParser:
-        return ToolCallParser(self.support.format, [t["function"]["name"] for t in self.tools])
+    def parser(self):
+        return reply_parser(self.support.format, [t["function"]["name"] for t in self.tools])
 
-    def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """A whole reply as (content, calls)."""
+    def read(self, text: str) -> tuple[str | None, list[ToolCall], str | None]:
+        """A whole reply as (content, calls, reasoning: None but in a format with a reasoning channel)."""
         parser = self.parser()
         events = parser.feed(text) + parser.finish()
         content = "".join(value for kind, value in events if kind == "content")
         calls = [value for kind, value in events if kind == "call"]
-        return (content or None) if calls else content, calls if self.parallel else calls[:1]
+        reasoning = "".join(value for kind, value in events if kind == "reasoning") or None
+        return (content or None) if calls else content, calls if self.parallel else calls[:1], reasoning
 
 
 def chat_prompt(body: dict, tokenizer, architecture: str | None = None
@@ -253,6 +254,9 @@ def chat_prompt(body: dict, tokenizer, architecture: str | None = None
         entry["content"] = message_text(message.get("content"), "assistant" if calls else role, where)
         if calls:
             entry["tool_calls"] = calls
+        reasoning = value_of(message, "reasoning_content", (str,), "a string") if role == "assistant" else None
+        if reasoning:   # a reasoning model's earlier reasoning, as perfx serve returned it (templates may render it)
+            entry["reasoning_content"] = reasoning
         if role == "tool":
             call_id = value_of(message, "tool_call_id", (str,), "a string")
             if call_id is None:
@@ -276,6 +280,9 @@ def chat_prompt(body: dict, tokenizer, architecture: str | None = None
     if tooling is not None:
         tooling.support = support
         plan(tooling, tokenizer)
+    elif support.format.body == "harmony":
+        # gpt-oss's reply is read as harmony's messages with or without tools: its reasoning apart from its answer
+        tooling = Tooling([], choice="none", support=support)
     try:
         text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, **variables)
         # As `perfx chat`: the model's own BOS setting (a template that writes the BOS text keeps one BOS).
@@ -357,7 +364,8 @@ def plan(tooling: Tooling, tokenizer):
     if forced or (fmt.body == "envelope" and constrain.available()):
         # a marker that is one token of the vocabulary is named by its id: the model writes that token, which a
         # grammar engine may not take for the marker's text when it is special (Phi-4-mini's, Qwen's tags)
-        single = {marker: ids[0] for marker in (fmt.opener, fmt.closer) if marker
+        markers = HARMONY_MARKERS if fmt.body == "harmony" else (fmt.opener, fmt.closer)
+        single = {marker: ids[0] for marker in markers if marker
                   for ids in [tokenizer.encode(marker)] if len(ids) == 1}
         tooling.grammar = call_grammar(fmt, tooling.tools, tooling.name, answer=not forced, special_ids=single,
                                        parallel=tooling.parallel)
@@ -497,8 +505,10 @@ class Answer:
                 "model": self.model}
 
     def whole(self, text: str | None, finish_reason: str, usage: dict, calls: list[ToolCall] = (),
-              logprobs: list[dict] | None = None) -> dict:
+              logprobs: list[dict] | None = None, reasoning: str | None = None) -> dict:
         message = {"role": "assistant", "content": text}
+        if reasoning is not None:   # as llama.cpp's and vLLM's servers return a reasoning model's thinking
+            message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = [call.as_openai() for call in calls]
         choice = {"index": self.index, "message": message} if self.chat else {"index": self.index, "text": text}

@@ -254,7 +254,11 @@ def chat_prompt(body: dict, tokenizer, architecture: str | None = None
         entry["content"] = message_text(message.get("content"), "assistant" if calls else role, where)
         if calls:
             entry["tool_calls"] = calls
-        reasoning = value_of(message, "reasoning_content", (str,), "a string") if role == "assistant" else None
+        reasoning = message.get("reasoning_content") if role == "assistant" else None
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise APIError(400, f"'{where}.reasoning_content' must be a string (the reasoning perfx serve returned), "
+                                f"got {json.dumps(reasoning)[:60]}", param=f"{where}.reasoning_content",
+                           code="invalid_type")
         if reasoning:   # a reasoning model's earlier reasoning, as perfx serve returned it (templates may render it)
             entry["reasoning_content"] = reasoning
         if role == "tool":

@@ -1,0 +1,151 @@
+"""gpt-oss's harmony format through `perfx serve` and the official openai client, on a tiny gpt-oss GGUF with a
+byte-level vocabulary, harmony's special tokens and gpt-oss's real chat template (helpers.gptoss_models): the
+analysis channel as reasoning_content and the final one as content (whole and streamed), calls parsed into
+tool_calls, results rendered back through the template for the answer, forced calls kept to their grammar, bad
+conversations refused with a 400. The random model never writes harmony by itself, so the replies read back are
+scripted (helpers.scripted_model); the forced calls are the random model's own, sampled under the grammar."""
+
+import json
+
+import numpy as np
+import openai
+import pytest
+
+from helpers.gptoss_models import write_gptoss_gguf
+from helpers.scripted_model import ScriptedModel
+from perfx.model import load_model
+from test_serve import BOUNDED_TOOLS, MODEL, WEATHER_TOOLS, forced_calls, running_server
+
+pytestmark = pytest.mark.one_implementation  # a server over a model: the default device only
+
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+THINK = "<|channel|>analysis<|message|>The user asks for the weather; call get_weather.<|end|><|start|>assistant"
+CALL = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
+ANSWER = ("<|channel|>analysis<|message|>22 C and sunny: say so.<|end|><|start|>assistant<|channel|>final"
+          "<|message|>It is 22 °C and sunny in Paris.<|return|>")
+
+
+@pytest.fixture(scope="module")
+def harmony(tmp_path_factory, opencl_device):
+    path, _ = write_gptoss_gguf(tmp_path_factory.mktemp("harmony") / f"{MODEL}.gguf", np.random.default_rng(7),
+                                vocab="harmony")
+    model, source = load_model(str(path), opencl_device, progress=False)
+    assert source.tokenizer.chat_template and "<|channel|>" in source.tokenizer.chat_template
+    return model, source.tokenizer
+
+
+def test_a_call_its_result_and_the_answer_round_trip(harmony):
+    """Reasoning then a call: reasoning_content and tool_calls (finish_reason "tool_calls"), whole and streamed as
+    delta.reasoning_content and delta.tool_calls; the call and its result (and the reasoning before the call) are
+    rendered by gpt-oss's template for the next turn, whose final channel is the answer."""
+    model, tokenizer = harmony
+    scripted = ScriptedModel(model, tokenizer)
+    with running_server(scripted, tokenizer) as srv:
+        client = srv.client()
+        scripted.say(THINK + CALL)
+        reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=WEATHER_TOOLS, temperature=0,
+                                               max_tokens=300)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert choice.message.reasoning_content == "The user asks for the weather; call get_weather."
+        [call] = choice.message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+        assert call.id.startswith("call_")
+
+        scripted.say(THINK + CALL)
+        chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=WEATHER_TOOLS, temperature=0,
+                                                     max_tokens=300, stream=True))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == \
+            "The user asks for the weather; call get_weather."
+        assert "".join(d.content or "" for d in deltas) == ""
+        [streamed] = [t for d in deltas for t in d.tool_calls or []]
+        assert streamed.function.name == "get_weather" and json.loads(streamed.function.arguments) == {"city": "Paris"}
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+        # the result sent back: the assistant's turn as the client got it (its reasoning too), then the tool's
+        turn = ASK + [{"role": "assistant", "content": None, "reasoning_content": choice.message.reasoning_content,
+                       "tool_calls": [call.model_dump()]},
+                      {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 22, "sky": "sunny"}'}]
+        scripted.say(ANSWER)
+        answer = client.chat.completions.create(model=MODEL, messages=turn, tools=WEATHER_TOOLS, temperature=0,
+                                                max_tokens=300)
+        assert answer.choices[0].message.content == "It is 22 °C and sunny in Paris."
+        assert answer.choices[0].message.reasoning_content == "22 C and sunny: say so."
+        assert answer.choices[0].finish_reason == "stop" and answer.choices[0].message.tool_calls is None
+        prompt = tokenizer.decode(srv.engine.conversation.cached)
+        assert ("<|start|>assistant<|channel|>analysis<|message|>The user asks for the weather; call get_weather."
+                "<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+                '{"city": "Paris"}<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>'
+                '"{\\"temperature\\": 22, \\"sky\\": \\"sunny\\"}"<|end|><|start|>assistant') in prompt, prompt
+        assert "type get_weather = (_: {\ncity: string,\n}) => any;" in prompt
+    assert srv.engine.stats()["failed"] == 0
+
+
+def test_without_tools_the_reasoning_is_apart_from_the_answer(harmony):
+    """No tools: the reply is still read as harmony's messages, reasoning apart, streamed as it comes; a reply
+    cut inside its analysis (max_tokens) is reasoning only, and its content empty."""
+    model, tokenizer = harmony
+    scripted = ScriptedModel(model, tokenizer)
+    with running_server(scripted, tokenizer) as srv:
+        client = srv.client()
+        scripted.say(ANSWER)
+        reply = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=300)
+        message = reply.choices[0].message
+        assert (message.content, message.reasoning_content) == ("It is 22 °C and sunny in Paris.",
+                                                                "22 C and sunny: say so.")
+        assert reply.choices[0].finish_reason == "stop"
+        scripted.say(ANSWER)
+        chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=300,
+                                                     stream=True))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        reasoning = [d.reasoning_content for d in deltas if getattr(d, "reasoning_content", None)]
+        content = [d.content for d in deltas if d.content]
+        assert len(reasoning) > 1, "reasoning streams token by token"
+        assert ("".join(reasoning), "".join(content)) == ("22 C and sunny: say so.", "It is 22 °C and sunny in Paris.")
+        assert not any(getattr(d, "reasoning_content", None) and d.content for d in deltas)
+        scripted.say(ANSWER)
+        cut = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=12)
+        assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.content == ""
+        assert cut.choices[0].message.reasoning_content and "<|" not in cut.choices[0].message.reasoning_content
+
+
+def test_forced_calls_from_the_random_model_parse_and_validate(harmony):
+    """tool_choice "required" and a named function on the random model at temperature 1: the reply keeps to the
+    harmony call's grammar (its markers the vocabulary's special tokens), so it is always one call whose arguments
+    validate against the tool's parameters."""
+    jsonschema = pytest.importorskip("jsonschema")
+    model, tokenizer = harmony
+    parameters = {t["function"]["name"]: t["function"]["parameters"] for t in BOUNDED_TOOLS}
+    with running_server(model, tokenizer) as srv:
+        client = srv.client()
+        for seed, (stream, choice) in enumerate([(False, "required"), (True, "required"),
+                                                 (False, {"type": "function", "function": {"name": "get_time"}}),
+                                                 (True, {"type": "function", "function": {"name": "get_weather"}})]):
+            calls, finish, content = forced_calls(client, stream, tool_choice=choice, temperature=1.0, seed=seed)
+            assert len(calls) == 1 and finish == "tool_calls" and not content, (choice, calls, finish, content)
+            name, arguments = calls[0]
+            jsonschema.validate(json.loads(arguments), parameters[name])
+            if isinstance(choice, dict):
+                assert name == choice["function"]["name"]
+        assert srv.engine.stats()["failed"] == 0
+
+
+def test_bad_conversations_are_a_400_naming_the_fault(harmony):
+    model, tokenizer = harmony
+    with running_server(model, tokenizer) as srv:
+        client = srv.client()
+        bad = [
+            # harmony's own markers in an assistant's content: the template says where the text belongs
+            (ASK + [{"role": "assistant", "content": "<|channel|>analysis<|message|>hm"}, ASK[0]],
+             "passed a message containing <|channel|> tags"),
+            # a tool's result with no call before it
+            (ASK + [{"role": "tool", "tool_call_id": "call_x", "content": "22"}], "no previous assistant message "
+                                                                                   "with a tool call"),
+            (ASK + [{"role": "assistant", "content": "", "reasoning_content": 5}, ASK[0]],
+             "'messages\\[1\\].reasoning_content' must be a string"),
+        ]
+        for messages, message in bad:
+            with pytest.raises(openai.BadRequestError, match=message):
+                client.chat.completions.create(model=MODEL, messages=messages, tools=WEATHER_TOOLS, max_tokens=4)
+        assert srv.engine.stats()["failed"] == 0

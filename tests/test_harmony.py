@@ -1,4 +1,4 @@
-"""gpt-oss's harmony format through `perfx serve` and the official openai client, on a tiny gpt-oss GGUF with a
+"""gpt-oss's harmony format through `perfx serve` and the official openai client, and `perfx chat`, on a tiny gpt-oss GGUF with a
 byte-level vocabulary, harmony's special tokens and gpt-oss's real chat template (helpers.gptoss_models): the
 analysis channel as reasoning_content and the final one as content (whole and streamed), calls parsed into
 tool_calls, results rendered back through the template for the answer, forced calls kept to their grammar, bad
@@ -6,6 +6,7 @@ conversations refused with a 400. The random model never writes harmony by itsel
 scripted (helpers.scripted_model); the forced calls are the random model's own, sampled under the grammar."""
 
 import json
+import re
 
 import numpy as np
 import openai
@@ -13,6 +14,8 @@ import pytest
 
 from helpers.gptoss_models import write_gptoss_gguf
 from helpers.scripted_model import ScriptedModel
+from perfx.commands.chat import Chat
+from perfx.generate import SamplingConfig
 from perfx.model import load_model
 from test_serve import BOUNDED_TOOLS, MODEL, WEATHER_TOOLS, forced_calls, running_server
 
@@ -149,3 +152,45 @@ def test_bad_conversations_are_a_400_naming_the_fault(harmony):
             with pytest.raises(openai.BadRequestError, match=message):
                 client.chat.completions.create(model=MODEL, messages=messages, tools=WEATHER_TOOLS, max_tokens=4)
         assert srv.engine.stats()["failed"] == 0
+
+
+class Source:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def describe(self):
+        return {"path": "gpt-oss.gguf"}
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["piped", "terminal"])
+def test_chat_shows_the_answer_and_the_reasoning_dim_or_not_at_all(harmony, capsys, terminal):
+    """`perfx chat` on gpt-oss: piped, only the final channel is written; on a terminal the reasoning is shown dim
+    before it. A call is shown and kept with its reasoning; /tool's result goes back through the template."""
+    model, tokenizer = harmony
+    scripted = ScriptedModel(model, tokenizer)
+    chat = Chat(scripted, Source(tokenizer), SamplingConfig(temperature=0), 300, None, interactive=False,
+                tools=[{"type": "function", "function": WEATHER_TOOLS[0]["function"]}])
+    chat.colour = terminal
+    scripted.say(ANSWER)
+    chat.turn("Weather?")
+    out = capsys.readouterr().out
+    if terminal:    # each piece dim on its own, so that a reply stopped by Ctrl-C leaves the terminal as it was
+        dim = re.findall("\x1b\\[2m(.*?)\x1b\\[0m", out)
+        assert "".join(dim) == "22 C and sunny: say so.", out
+        assert re.sub("\x1b\\[\\d+m", "", out).strip() == "22 C and sunny: say so.\nIt is 22 °C and sunny in Paris."
+    else:
+        assert out.strip() == "It is 22 °C and sunny in Paris."
+    assert chat.messages[-1] == {"role": "assistant", "content": "It is 22 °C and sunny in Paris.",
+                                 "reasoning_content": "22 C and sunny: say so."}
+    scripted.say(THINK + CALL)
+    chat.turn("And tomorrow?")
+    out = re.sub("\x1b\\[\\d+m", "", capsys.readouterr().out)
+    assert '[tool call get_weather({"city": "Paris"})]' in out and "<|" not in out
+    assert out.startswith("The user asks for the weather; call get_weather.\n[tool call") == terminal, out
+    scripted.say(ANSWER)
+    chat.command("/tool 23 C")
+    prompt = tokenizer.decode(chat.render(chat.messages[:5]))
+    assert ("<|start|>assistant<|channel|>analysis<|message|>The user asks for the weather; call get_weather.<|end|>"
+            '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
+            '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"23 C"<|end|>') in prompt
+    assert "It is 22 °C and sunny in Paris." in capsys.readouterr().out

@@ -683,6 +683,19 @@ def call_grammar(fmt: ToolFormat, tools: list[dict], name: str | None = None, an
     return f"start: block{' (WS block)*' if several else ''}\nblock: {block}\nWS: /[ \\t\\n]{{0,2}}/\n"
 
 
+def harmony_answer_grammar(schema: dict, special_ids: dict[str, int] | None = None) -> str:
+    """The grammar of a gpt-oss reply that is a JSON answer following ``schema`` (a response_format's): the answer
+    in its final channel, opened as the model opens it (with no analysis before it: a grammar could not bound that
+    free text, and the reply must end). Markers that are one special token are named by ``special_ids``."""
+    special_ids = special_ids or {}
+
+    def text(marker: str) -> str:
+        return f"<[{special_ids[marker]}]>" if marker in special_ids else json.dumps(marker)
+
+    return (f'start: {text(CHANNEL)} "final" {text(MESSAGE)} %json '
+            f"{json.dumps({'x-guidance': JSON_OPTIONS, **schema}, ensure_ascii=False)}\n")
+
+
 def _pythonic_arguments(function: dict, inline) -> str:
     """``name=value`` for each parameter, in the schema's order: the required ones always, each optional one
     or not, separated by ", " (a value is JSON: Python's own literals but for true, false and null, which the

@@ -134,6 +134,38 @@ def test_forced_calls_from_the_random_model_parse_and_validate(harmony):
         assert srv.engine.stats()["failed"] == 0
 
 
+ANSWER_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "degrees"],
+                 "properties": {"city": {"type": "string", "maxLength": 10},
+                                "degrees": {"type": "integer", "minimum": -50, "maximum": 60}}}
+
+
+def test_a_json_answer_is_written_in_the_final_channel_and_validates(harmony):
+    """response_format json_schema on gpt-oss: the reply opens its final channel and writes JSON there, so the
+    random model's content always parses and validates, and it is no reasoning; a schema llguidance cannot take is
+    a 400 naming the response_format."""
+    jsonschema = pytest.importorskip("jsonschema")
+    model, tokenizer = harmony
+    with running_server(model, tokenizer) as srv:
+        client = srv.client()
+        form = {"type": "json_schema", "json_schema": {"name": "weather", "schema": ANSWER_SCHEMA, "strict": True}}
+        for seed, stream in enumerate((False, True, False)):
+            reply = client.chat.completions.create(model=MODEL, messages=ASK, response_format=form, temperature=1.0,
+                                                   seed=seed, max_tokens=200, stream=stream)
+            if stream:
+                deltas = [c.choices[0].delta for c in reply if c.choices]
+                content = "".join(d.content or "" for d in deltas)
+                assert not any(getattr(d, "reasoning_content", None) for d in deltas)
+            else:
+                content = reply.choices[0].message.content
+                assert reply.choices[0].finish_reason == "stop"
+                assert getattr(reply.choices[0].message, "reasoning_content", None) is None
+            jsonschema.validate(json.loads(content), ANSWER_SCHEMA)
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(model=MODEL, messages=ASK, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": {"if": {}, "then": {}}}})
+        assert error.value.body["param"] == "response_format"
+
+
 def test_bad_conversations_are_a_400_naming_the_fault(harmony):
     model, tokenizer = harmony
     with running_server(model, tokenizer) as srv:

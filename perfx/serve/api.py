@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 from perfx import constrain
 from perfx.errors import PerfxError
-from perfx.tools import (HARMONY_MARKERS, ToolCall, ToolError, ToolSupport, call_grammar, check_tools, render_messages,
-                         reply_parser, tool_support)
+from perfx.tools import (HARMONY_MARKERS, ToolCall, ToolError, ToolSupport, call_grammar, check_tools,
+                         harmony_answer_grammar, render_messages, reply_parser, tool_support)
 
 MAX_STOP_STRINGS = 4        # OpenAI's limit
 MAX_CHOICES = 16            # n: choices of one request
@@ -287,6 +287,11 @@ def chat_prompt(body: dict, tokenizer, architecture: str | None = None
     elif support.format.body == "harmony":
         # gpt-oss's reply is read as harmony's messages with or without tools: its reasoning apart from its answer
         tooling = Tooling([], choice="none", support=support)
+        schema = response_schema(body)
+        if isinstance(schema, dict):
+            # the JSON answer in the final channel, where the model writes its answer (the engine still compiles
+            # the schema alone first: what llguidance lacks is named as the response_format's)
+            tooling.grammar = harmony_answer_grammar(schema, single_token_markers(tokenizer, HARMONY_MARKERS))
     try:
         text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, **variables)
         # As `perfx chat`: the model's own BOS setting (a template that writes the BOS text keeps one BOS).
@@ -369,10 +374,14 @@ def plan(tooling: Tooling, tokenizer):
         # a marker that is one token of the vocabulary is named by its id: the model writes that token, which a
         # grammar engine may not take for the marker's text when it is special (Phi-4-mini's, Qwen's tags)
         markers = HARMONY_MARKERS if fmt.body == "harmony" else (fmt.opener, fmt.closer)
-        single = {marker: ids[0] for marker in markers if marker
-                  for ids in [tokenizer.encode(marker)] if len(ids) == 1}
+        single = single_token_markers(tokenizer, markers)
         tooling.grammar = call_grammar(fmt, tooling.tools, tooling.name, answer=not forced, special_ids=single,
                                        parallel=tooling.parallel)
+
+
+def single_token_markers(tokenizer, markers) -> dict[str, int]:
+    """Each of ``markers`` that is one token of the vocabulary, by its id."""
+    return {marker: ids[0] for marker in markers if marker for ids in [tokenizer.encode(marker)] if len(ids) == 1}
 
 
 def response_schema(body: dict) -> dict | bool | None:

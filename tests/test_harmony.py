@@ -82,6 +82,14 @@ def test_a_call_its_result_and_the_answer_round_trip(harmony):
                 '{"city": "Paris"}<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>'
                 '"{\\"temperature\\": 22, \\"sky\\": \\"sunny\\"}"<|end|><|start|>assistant') in prompt, prompt
         assert "type get_weather = (_: {\ncity: string,\n}) => any;" in prompt
+        # <|call|> ends a call's turn and <|return|> the answer's: what a model would write after them is not read
+        after = "<|start|>assistant<|channel|>final<|message|>More."
+        for script, content in ((THINK + CALL + after, None), (ANSWER + after, "It is 22 °C and sunny in Paris.")):
+            scripted.say(script)
+            reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=WEATHER_TOOLS, temperature=0,
+                                                   max_tokens=300)
+            assert reply.choices[0].message.content == content
+            assert reply.choices[0].finish_reason == ("tool_calls" if content is None else "stop")
     assert srv.engine.stats()["failed"] == 0
 
 

@@ -93,6 +93,19 @@ def test_a_call_its_result_and_the_answer_round_trip(harmony):
     assert srv.engine.stats()["failed"] == 0
 
 
+def test_reasoning_effort_reaches_the_template(harmony):
+    """OpenAI's reasoning_effort is the template's: gpt-oss's system message says "Reasoning: low"."""
+    model, tokenizer = harmony
+    scripted = ScriptedModel(model, tokenizer)
+    with running_server(scripted, tokenizer) as srv:
+        for effort in ("low", None):
+            scripted.say(ANSWER)
+            srv.client().chat.completions.create(model=MODEL, messages=ASK, max_tokens=100,
+                                                 **({"reasoning_effort": effort} if effort else {}))
+            prompt = tokenizer.decode(srv.engine.conversation.cached)
+            assert f"Reasoning: {effort or 'medium'}\n" in prompt, prompt
+
+
 def test_without_tools_the_reasoning_is_apart_from_the_answer(harmony):
     """No tools: the reply is still read as harmony's messages, reasoning apart, streamed as it comes; a reply
     cut inside its analysis (max_tokens) is reasoning only, and its content empty."""
@@ -191,6 +204,8 @@ def test_bad_conversations_are_a_400_naming_the_fault(harmony):
         for messages, message in bad:
             with pytest.raises(openai.BadRequestError, match=message):
                 client.chat.completions.create(model=MODEL, messages=messages, tools=WEATHER_TOOLS, max_tokens=4)
+        with pytest.raises(openai.BadRequestError, match="'reasoning_effort' must be one of low, medium, high"):
+            client.chat.completions.create(model=MODEL, messages=ASK, reasoning_effort="extreme", max_tokens=4)
         assert srv.engine.stats()["failed"] == 0
 
 

@@ -17,6 +17,7 @@ from perfx.tools import (HARMONY_MARKERS, ToolCall, ToolError, ToolSupport, call
 MAX_STOP_STRINGS = 4        # OpenAI's limit
 MAX_CHOICES = 16            # n: choices of one request
 MAX_LOGPROBS = 20           # alternatives per token: OpenAI's limit for chat (perfx allows it for completions too)
+REASONING_EFFORTS = ("low", "medium", "high")    # what gpt-oss's template takes
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # perfx's stop reasons (generate.Stats.stop_reason) as OpenAI's finish_reason.
 FINISH_REASONS = {"eos": "stop", "stop string": "stop", "grammar complete": "stop", "max tokens": "length",
@@ -278,6 +279,13 @@ def chat_prompt(body: dict, tokenizer, architecture: str | None = None
                             "answer, or drop 'response_format' to let the model call the tools",
                        param="response_format", code="invalid_value")
     kwargs = template_kwargs(body)
+    effort = value_of(body, "reasoning_effort", (str,), "a string")
+    if effort is not None:
+        # OpenAI's reasoning_effort, as vLLM gives it to gpt-oss's template ("Reasoning: low" in its system message)
+        if effort not in REASONING_EFFORTS:
+            raise APIError(400, f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got "
+                                f"{json.dumps(effort)[:40]}", param="reasoning_effort", code="invalid_value")
+        kwargs = {"reasoning_effort": effort, **kwargs}
     support = tool_support(tokenizer, architecture)
     rendered, variables = render_messages(checked, tooling.tools if tooling else None, support)
     variables = {**variables, **kwargs}

@@ -538,7 +538,7 @@ class HarmonyParser:
         events = self._scan(final=True)
         if self.state == "body" and self.kind == "call":
             events += self._end_call("")
-        elif self.state == "header" and self.pending:
+        elif self.state == "header" and self.pending.strip("\n"):
             events.append(("content", self.pending))
         self.pending, self.state = "", "header"
         return events
@@ -580,10 +580,13 @@ class HarmonyParser:
 
     @staticmethod
     def _may_be_header(text: str) -> bool:
+        # whitespace between messages is no content
+        text = text.lstrip("\n")
         return len(text) <= _HEADER_LIMIT and any(text.startswith(s) or s.startswith(text) for s in _HEADER_STARTS)
 
     def _open(self, header: str) -> list:
         """A message's header read: its channel, and its recipient (a call) if any."""
+        header = header.lstrip("\n")
         self.state, self.header = "body", header + MESSAGE
         recipient = _RECIPIENT.search(header.replace(CHANNEL, " " + CHANNEL).replace(CONSTRAIN, " " + CONSTRAIN))
         channel = _CHANNEL.search(header)

@@ -37,6 +37,31 @@ def harmony(tmp_path_factory, opencl_device):
     return model, source.tokenizer
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
+                         ids=["required", "named"])
+def test_a_forced_call_s_grammar_opens_with_harmony_s_special_tokens(harmony, choice):
+    """The request renders to a prompt ending in the generation prompt; the forced call's grammar, compiled for
+    the model's tokenizer, allows only <|channel|> (the special token) first, then takes the call as the model
+    writes it in its own tokens, ending where <|call|> would come."""
+    from perfx.constrain import Constraint
+    from perfx.serve.api import chat_prompt
+    from perfx.tools import ToolCall, call_text
+
+    _, tokenizer = harmony
+    ids, _, _, tooling = chat_prompt({"messages": ASK, "tools": BOUNDED_TOOLS, "tool_choice": choice}, tokenizer,
+                                     "gpt-oss")
+    assert tokenizer.decode(ids).endswith("<|end|><|start|>assistant")
+    constraint = Constraint.from_lark(tooling.grammar, tokenizer)
+    first = constraint.allowed()
+    assert [i for i in range(tokenizer.vocab_size) if first[i // 32] >> (i % 32) & 1] == \
+        tokenizer.encode("<|channel|>")
+    text = call_text(tooling.support.format, [ToolCall("get_time", '{"zone": "CET"}')]).removesuffix("<|call|>")
+    for token in tokenizer.encode(text):
+        assert not constraint.done
+        constraint.advance(token)
+    assert constraint.accepting
+
+
 def test_a_call_its_result_and_the_answer_round_trip(harmony):
     """Reasoning then a call: reasoning_content and tool_calls (finish_reason "tool_calls"), whole and streamed as
     delta.reasoning_content and delta.tool_calls; the call and its result (and the reasoning before the call) are

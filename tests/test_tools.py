@@ -92,6 +92,8 @@ CASES = [
     (HARMONY_TOOLS, '<|channel|>commentary to=functions.get_time<|message|>[1]<|call|>', '<|channel|>commentary '
      'to=functions.get_time<|message|>[1]<|call|>', []),
     (HARMONY_TOOLS, "Plain words, no channel.", "Plain words, no channel.", []),
+    (HARMONY_TOOLS, '<|channel|>final<|message|>Done.<|end|>\n<|start|>assistant<|channel|>commentary '
+     'to=functions.get_time <|constrain|>json<|message|>{}<|call|>\n', "Done.", [("get_time", {})]),
     (GENERIC_TOOLS, '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}', None,
      [("get_weather", {"city": "Paris"})]),
     (GENERIC_TOOLS, '{"tool_calls": [{"name": "get_time", "arguments": {}}, {"name": "get_time", "arguments": '

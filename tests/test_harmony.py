@@ -1,9 +1,10 @@
-"""gpt-oss's harmony format through `perfx serve` and the official openai client, and `perfx chat`, on a tiny gpt-oss GGUF with a
-byte-level vocabulary, harmony's special tokens and gpt-oss's real chat template (helpers.gptoss_models): the
-analysis channel as reasoning_content and the final one as content (whole and streamed), calls parsed into
-tool_calls, results rendered back through the template for the answer, forced calls kept to their grammar, bad
-conversations refused with a 400. The random model never writes harmony by itself, so the replies read back are
-scripted (helpers.scripted_model); the forced calls are the random model's own, sampled under the grammar."""
+"""gpt-oss's harmony format through `perfx serve` and the official openai client, and `perfx chat`, on a tiny
+gpt-oss GGUF with a byte-level vocabulary, harmony's special tokens and gpt-oss's real chat template
+(helpers.gptoss_models): the analysis channel as reasoning_content and the final one as content (whole and
+streamed), calls parsed into tool_calls, results rendered back through the template for the answer, forced calls
+and JSON answers kept to their grammar, bad conversations refused with a 400. The random model never writes
+harmony by itself, so the replies read back are scripted (helpers.scripted_model); the forced calls and JSON
+answers are the random model's own, sampled under the grammar."""
 
 import json
 import re

@@ -78,7 +78,8 @@ CASES = [
     # harmony: reasoning (analysis) is neither content nor call; a call's recipient in its channel or its role; its
     # <|call|> ends generation, so the text usually ends without it
     (HARMONY_TOOLS, '<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary '
-     'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}', None, [("get_weather", {"city": "Paris"})]),
+     'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}', None,
+     [("get_weather", {"city": "Paris"})]),
     (HARMONY_TOOLS, ' to=functions.get_time<|channel|>commentary json<|message|>{"zone": "UTC"}<|call|>', None,
      [("get_time", {"zone": "UTC"})]),
     (HARMONY_TOOLS, '<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>It is '
@@ -224,7 +225,8 @@ RENDERINGS = [
     # the call with its recipient in the role, the result from functions.NAME, the tool result JSON-quoted
     ("openai-gpt-oss-120b.jinja", "gpt-oss", "harmony", (True, True, True),
      ["<|start|>developer<|message|># Instructions\n\nBe brief.\n\n# Tools\n\n## functions\n\nnamespace functions {\n\n"
-      "// The weather of a city\ntype get_weather = (_: {\ncity: string,\n}) => any;\n\n} // namespace functions<|end|>",
+      "// The weather of a city\ntype get_weather = (_: {\ncity: string,\n}) => any;\n\n"
+      "} // namespace functions<|end|>",
       '<|start|>user<|message|>Weather in Paris?<|end|><|start|>assistant to=functions.get_weather<|channel|>'
       'commentary json<|message|>{"city": "Paris"}<|call|>',
       '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"22 C, sunny"<|end|>'

@@ -281,7 +281,8 @@ class Chat:
         """A reply's content as it comes, and each call the model makes, on a line of its own; reasoning dim on a
         terminal, ended by a line break before the answer, and left out of piped output."""
         for kind, value in events:
-            after = "\n" if self.shown else ""
+            # a call goes on a line of its own after what was written (reasoning is written on a terminal only)
+            after = "\n" if any(k != "reasoning" or self.colour for k, _ in self.shown) else ""
             if kind == "reasoning":
                 if self.colour:
                     sys.stdout.write(f"\x1b[2m{value}\x1b[0m")

@@ -208,7 +208,8 @@ def requested_logprobs(body: dict, chat: bool) -> int | None:
 
 @dataclass
 class Tooling:
-    """A chat request's tools: what the template renders, how the reply is read, what it must match."""
+    """A chat request's tools: what the template renders, how the reply is read, what it must match (for gpt-oss,
+    with no tools too: how its harmony reply is read)."""
     tools: list[dict]           # OpenAI's [{"type": "function", "function": {name, description, parameters}}]
     choice: str = "auto"        # "auto", "required" or "function" (the one named by ``name``)
     name: str | None = None
@@ -233,7 +234,8 @@ class Tooling:
 def chat_prompt(body: dict, tokenizer, architecture: str | None = None
                 ) -> tuple[list[int], list[dict], dict, Tooling | None]:
     """The prompt ids of a chat request, through the model's chat template; the messages and the template
-    variables it rendered them with; the request's tools (None without)."""
+    variables it rendered them with; the request's tools (None without, but for a harmony template, whose replies
+    are always read for their channels: then a Tooling of no tools, with a JSON response_format's grammar)."""
     if body.get("functions") or body.get("function_call"):
         raise unsupported("functions", "use 'tools' and 'tool_choice' (the API's current names)")
     messages = body.get("messages")

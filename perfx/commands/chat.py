@@ -117,9 +117,11 @@ class Chat:
         self.colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
         self.messages: list[dict] = []   # user and assistant turns; the system prompt is kept apart
         self.tools = tools               # OpenAI's function tools the model may call (--tools), or None
-        support = tool_support(self.tokenizer, model.config.architecture)
-        # the replies are read (calls, reasoning) with tools, and always in harmony's channels (gpt-oss's)
-        self.support = support if tools or support.format.body == "harmony" else None
+        if tools:
+            self.support = tool_support(self.tokenizer, model.config.architecture)
+        else:   # the replies are read without tools too where the template is harmony's (gpt-oss's channels)
+            support = tool_support(self.tokenizer)
+            self.support = support if support.format.body == "harmony" else None
         self.parser = None               # the reply's calls and reasoning, read as it streams
         self.shown: list = []            # ... and what it gave out so far: ("content", text), ("call", ToolCall),
                                          # ("reasoning", text)

@@ -49,7 +49,8 @@ class ToolFormat:
 
     A call is ``{"name": ..., <arguments>: {...}}`` in JSON (``body`` "json": one object or a list of them
     between ``opener`` and ``closer``), or ``[f(a=1), g()]`` (``body`` "pythonic", LFM2's; a JSON list is read
-    there too). No ``opener``: the reply itself is the call, a bare JSON object (Llama 3.x).
+    there too). No ``opener``: the reply itself is the call, a bare JSON object (Llama 3.x). ``body`` "harmony":
+    gpt-oss's messages, read by ``perfx.tools.HarmonyParser`` (channels and recipients, not opener and closer).
     """
 
     name: str

@@ -158,6 +158,9 @@ def render_messages(messages: list[dict], tools: list[dict] | None, support: Too
     ``[{"type": "function", "function": {...}}]``, or None) as the template takes them: (messages, the template
     variables to add). What the template does not render is written into the messages in the format's text."""
     fmt = support.format
+    if fmt.body == "harmony":
+        messages = _harmony_messages(messages)
+        tools = [_described(t) for t in tools] if tools else tools
     out: list[dict] = []
     for message in messages:
         message = dict(message)
@@ -192,6 +195,48 @@ def render_messages(messages: list[dict], tools: list[dict] | None, support: Too
     return out, variables
 
 
+def _harmony_messages(messages: list[dict]) -> list[dict]:
+    """Messages as gpt-oss's template takes them: an assistant message's reasoning (``reasoning_content``, as
+    perfx serve returns it) in its ``thinking`` field, and one call a message (the template renders only the
+    first of a message's calls, and names each result after the call before it), each call's result right after
+    it."""
+    out: list[dict] = []
+    results = {m.get("tool_call_id"): m for m in messages if m["role"] == "tool"}
+    placed: set[int] = set()
+    for message in messages:
+        if message["role"] == "tool":
+            if id(message) not in placed:
+                out.append(message)
+            continue
+        message = dict(message)
+        reasoning = message.pop("reasoning_content", None)
+        calls = message.get("tool_calls") or []
+        if message["role"] == "assistant" and (reasoning or calls):
+            # with a call, the template takes the reasoning in content or thinking but not both
+            text = "\n\n".join(t for t in (reasoning, message.get("content")) if t) if calls else reasoning
+            if calls:
+                message["content"] = ""
+            if text:
+                message["thinking"] = text
+        if message["role"] != "assistant" or len(calls) < 2:
+            out.append(message)
+            continue
+        for i, call in enumerate(calls):
+            out.append({**message, "tool_calls": [call]} if i == 0 else
+                       {"role": "assistant", "content": "", "tool_calls": [call]})
+            result = results.get(call.get("id"))
+            if result is not None and id(result) not in placed:
+                placed.add(id(result))
+                out.append(result)
+    return out
+
+
+def _described(tool: dict) -> dict:
+    # gpt-oss's template writes "// " + description, which fails on a tool without one (OpenAI's is optional)
+    function = tool["function"]
+    return {**tool, "function": {**function, "description": function.get("description") or ""}}
+
+
 def _template_call(call: dict) -> dict:
     # Templates write arguments with tojson (Llama's) or as they are when a string (Qwen's): an object serves both.
     arguments = call["function"].get("arguments")
@@ -214,6 +259,9 @@ def _arguments_text(call: dict) -> str:
 
 def call_text(fmt: ToolFormat, calls: list[ToolCall]) -> str:
     """``calls`` written as a model of format ``fmt`` writes them."""
+    if fmt.body == "harmony":
+        return HARMONY_START.join(f"{CHANNEL}commentary to=functions.{c.name} {CONSTRAIN}json{MESSAGE}"
+                                  f"{json.dumps(_json_object(c.arguments), ensure_ascii=False)}{CALL}" for c in calls)
     if fmt.body == "envelope":
         items = [{"name": c.name, "arguments": _json_object(c.arguments)} for c in calls]
         return json.dumps({"tool_call": items[0]} if len(items) == 1 else {"tool_calls": items}, ensure_ascii=False)
@@ -452,6 +500,128 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
+# gpt-oss's harmony format: its markers are single special tokens of its vocabulary
+START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
+END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
+HARMONY_START = START + "assistant"
+HARMONY_MARKERS = (START, CHANNEL, MESSAGE, CONSTRAIN, END, CALL, RETURN)
+_HEADER_STARTS = (START, CHANNEL, " to=")   # how a message's header (after <|start|>assistant) may begin
+_HEADER_LIMIT = 256     # a header longer than this is no header: the text is content
+_RECIPIENT = re.compile(r"(?:^|\s)to=([^\s<]+)")
+_CHANNEL = re.compile(re.escape(CHANNEL) + r"(\w+)")
+
+
+class HarmonyParser:
+    """gpt-oss's reply, as text pieces arrive, read as harmony's messages: ``("reasoning", text)`` for the
+    analysis channel, ``("content", text)`` for the final one (and commentary without a recipient, a preamble
+    to the user), ``("call", ToolCall)`` for a commentary message to ``functions.NAME`` (one of ``names``) whose
+    body is a JSON object. A message's header is held until its <|message|>, a call until it ends (<|call|>, or
+    the end of the reply: <|call|> ends generation, so it is not in the text); reasoning and content stream as
+    they come. A call of an unknown tool, arguments that are not a JSON object, text outside any message: content,
+    exactly as the model wrote it (as llama.cpp's gpt-oss parser keeps what it cannot read)."""
+
+    def __init__(self, names: Iterable[str]):
+        self.names = set(names)
+        self.pending = ""
+        self.state = "header"       # "header" (before a message's <|message|>), "body" or "loose" (no message)
+        self.kind = None            # the body's: "reasoning", "content" or "call"
+        self.header = ""            # the call's header, written back as content if the call is no call
+        self.name = None            # the call's function
+        self.body = ""              # the call's body so far
+        self.calls = 0
+
+    def feed(self, text: str) -> list[tuple[str, Any]]:
+        self.pending += text
+        return self._scan(final=False)
+
+    def finish(self) -> list[tuple[str, Any]]:
+        events = self._scan(final=True)
+        if self.state == "body" and self.kind == "call":
+            events += self._end_call("")
+        elif self.state == "header" and self.pending.strip("\n"):
+            events.append(("content", self.pending))
+        self.pending, self.state = "", "header"
+        return events
+
+    def _scan(self, final: bool) -> list:
+        events = []
+        while self.pending:
+            if self.state == "header":
+                at = self.pending.find(MESSAGE)
+                if at < 0:
+                    if self._may_be_header(self.pending):
+                        return events        # held until its <|message|> or the end of the reply
+                    self.state = "loose"
+                    continue
+                events += self._open(self.pending[:at])
+                self.pending = self.pending[at + len(MESSAGE):]
+            elif self.state == "loose":
+                at = self.pending.find(START, 1)
+                if at < 0:
+                    hold = 0 if final else _partial_suffix(self.pending, START)
+                    events.append(("content", self.pending[:len(self.pending) - hold]))
+                    self.pending = self.pending[len(self.pending) - hold:]
+                    return [e for e in events if e[1]]
+                events.append(("content", self.pending[:at]))
+                self.pending, self.state = self.pending[at:], "header"
+            else:
+                found = [(self.pending.find(m), m) for m in (END, CALL, RETURN) if m in self.pending]
+                if not found:
+                    hold = 0 if final else max(_partial_suffix(self.pending, m) for m in (END, CALL, RETURN))
+                    events += self._body(self.pending[:len(self.pending) - hold])
+                    self.pending = self.pending[len(self.pending) - hold:]
+                    return events
+                at, marker = min(found)
+                events += self._body(self.pending[:at])
+                if self.kind == "call":
+                    events += self._end_call(marker)
+                self.pending, self.state = self.pending[at + len(marker):], "header"
+        return events
+
+    @staticmethod
+    def _may_be_header(text: str) -> bool:
+        # whitespace between messages is no content
+        text = text.lstrip("\n")
+        return len(text) <= _HEADER_LIMIT and any(text.startswith(s) or s.startswith(text) for s in _HEADER_STARTS)
+
+    def _open(self, header: str) -> list:
+        """A message's header read: its channel, and its recipient (a call) if any."""
+        header = header.lstrip("\n")
+        self.state, self.header = "body", header + MESSAGE
+        recipient = _RECIPIENT.search(header.replace(CHANNEL, " " + CHANNEL).replace(CONSTRAIN, " " + CONSTRAIN))
+        channel = _CHANNEL.search(header)
+        if recipient is not None:
+            self.kind, self.name, self.body = "call", recipient.group(1), ""
+            return []
+        if channel is None:     # no channel: no message of harmony's; its text is content
+            self.kind = "content"
+            return [("content", self.header)]
+        self.kind = "reasoning" if channel.group(1) == "analysis" else "content"
+        return []
+
+    def _body(self, text: str) -> list:
+        if not text:
+            return []
+        if self.kind == "call":
+            self.body += text
+            return []
+        return [(self.kind, text)]
+
+    def _end_call(self, marker: str) -> list:
+        name = self.name[len("functions."):] if self.name.startswith("functions.") else None
+        arguments = _json_values(self.body.strip())
+        if (name in self.names and arguments is not None and len(arguments) == 1
+                and isinstance(arguments[0], dict)):
+            self.calls += 1
+            return [("call", ToolCall(name, json.dumps(arguments[0], ensure_ascii=False), new_call_id()))]
+        return [("content", self.header + self.body + marker)]
+
+
+def reply_parser(fmt: ToolFormat, names: Iterable[str]):
+    """The parser of a reply in ``fmt``: harmony's (which also splits reasoning from content), or the others'."""
+    return HarmonyParser(names) if fmt.body == "harmony" else ToolCallParser(fmt, names)
+
+
 # -- the grammar a forced call matches ---------------------------------------------------------------------
 
 
@@ -483,6 +653,14 @@ def call_grammar(fmt: ToolFormat, tools: list[dict], name: str | None = None, an
         # compact JSON, as a response_format's: no run of whitespace a model could fill its whole budget with
         return "%json " + json.dumps({"x-guidance": JSON_OPTIONS, **value}, ensure_ascii=False)
 
+    if fmt.body == "harmony":
+        # one call a turn (<|call|> ends it), made at once: the analysis channel before it is free text that a
+        # grammar could not bound, and a forced call must end
+        lines = ["start: " + " | ".join(f"call_{i}" for i in range(len(chosen)))]
+        lines += [f"call_{i}: {text(CHANNEL)} {json.dumps('commentary to=functions.' + f['name'] + ' ')} "
+                  f"{text(CONSTRAIN)} \"json\" {text(MESSAGE)} {inline(f.get('parameters') or {'type': 'object'})}"
+                  for i, f in enumerate(chosen)]
+        return "\n".join(lines) + "\n"
     one = {"anyOf": [schema(f, "arguments" if fmt.body == "envelope" else fmt.arguments_key) for f in chosen]}
     if fmt.body == "envelope":
         calls = {"type": "object", "properties": {"tool_call": one}, "required": ["tool_call"],
@@ -506,6 +684,19 @@ def call_grammar(fmt: ToolFormat, tools: list[dict], name: str | None = None, an
         return f"start: {inline(one)}\n"
     block = f"{opener} {separator} {inline(one)} {separator} {closer}"
     return f"start: block{' (WS block)*' if several else ''}\nblock: {block}\nWS: /[ \\t\\n]{{0,2}}/\n"
+
+
+def harmony_answer_grammar(schema: dict, special_ids: dict[str, int] | None = None) -> str:
+    """The grammar of a gpt-oss reply that is a JSON answer following ``schema`` (a response_format's): the answer
+    in its final channel, opened as the model opens it (with no analysis before it: a grammar could not bound that
+    free text, and the reply must end). Markers that are one special token are named by ``special_ids``."""
+    special_ids = special_ids or {}
+
+    def text(marker: str) -> str:
+        return f"<[{special_ids[marker]}]>" if marker in special_ids else json.dumps(marker)
+
+    return (f'start: {text(CHANNEL)} "final" {text(MESSAGE)} %json '
+            f"{json.dumps({'x-guidance': JSON_OPTIONS, **schema}, ensure_ascii=False)}\n")
 
 
 def _pythonic_arguments(function: dict, inline) -> str:

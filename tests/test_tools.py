@@ -11,17 +11,19 @@ import pytest
 
 from perfx.families.family import ToolFormat
 from perfx.families.gemma2 import GEMMA_TOOLS
+from perfx.families.gptoss import HARMONY_TOOLS
 from perfx.families.lfm2 import LFM2_TOOLS
 from perfx.families.llama import LLAMA3_TOOLS
 from perfx.families.phi3 import PHI4_TOOLS
 from perfx.families.qwen2 import HERMES_TOOLS
 from perfx.families.smollm3 import SMOLLM3_TOOLS
 from perfx.tokenizer import Tokenizer
-from perfx.tools import (GENERIC_TOOLS, ToolCall, ToolCallParser, call_grammar, call_text,
-                         render_messages, tool_support)
+from perfx.tools import (CALL, GENERIC_TOOLS, HarmonyParser, ToolCall, call_grammar, call_text, render_messages,
+                         reply_parser, tool_support)
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
-FORMATS = [HERMES_TOOLS, SMOLLM3_TOOLS, LLAMA3_TOOLS, PHI4_TOOLS, LFM2_TOOLS, GEMMA_TOOLS, GENERIC_TOOLS]
+FORMATS = [HERMES_TOOLS, SMOLLM3_TOOLS, LLAMA3_TOOLS, PHI4_TOOLS, LFM2_TOOLS, GEMMA_TOOLS, HARMONY_TOOLS,
+           GENERIC_TOOLS]
 NAMES = ("get_weather", "get_time")
 WEATHER = {"city": "Paris", "days": 3, "metric": True, "note": "a \"quoted\" word, ünïcode"}
 
@@ -73,6 +75,26 @@ CASES = [
      "<|tool_call_start|>[get_time(zone=os.environ)]<|tool_call_end|>", []),
     (GEMMA_TOOLS, '```tool_code\n[get_weather(city="Paris")]\n```', None, [("get_weather", {"city": "Paris"})]),
     (GEMMA_TOOLS, "```python\nprint(1)\n```", "```python\nprint(1)\n```", []),
+    # harmony: reasoning (analysis) is neither content nor call; a call's recipient in its channel or its role; its
+    # <|call|> ends generation, so the text usually ends without it
+    (HARMONY_TOOLS, '<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary '
+     'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}', None,
+     [("get_weather", {"city": "Paris"})]),
+    (HARMONY_TOOLS, ' to=functions.get_time<|channel|>commentary json<|message|>{"zone": "UTC"}<|call|>', None,
+     [("get_time", {"zone": "UTC"})]),
+    (HARMONY_TOOLS, '<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>It is '
+     '22 C.<|return|>', "It is 22 C.", []),
+    (HARMONY_TOOLS, '<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary '
+     'to=functions.get_time <|constrain|>json<|message|>{}', "Checking.", [("get_time", {})]),
+    (HARMONY_TOOLS, '<|channel|>commentary to=functions.rm_rf <|constrain|>json<|message|>{}',
+     '<|channel|>commentary to=functions.rm_rf <|constrain|>json<|message|>{}', []),
+    (HARMONY_TOOLS, '<|channel|>commentary to=functions.get_time<|message|>{"zone": "UTC"', '<|channel|>commentary '
+     'to=functions.get_time<|message|>{"zone": "UTC"', []),
+    (HARMONY_TOOLS, '<|channel|>commentary to=functions.get_time<|message|>[1]<|call|>', '<|channel|>commentary '
+     'to=functions.get_time<|message|>[1]<|call|>', []),
+    (HARMONY_TOOLS, "Plain words, no channel.", "Plain words, no channel.", []),
+    (HARMONY_TOOLS, '<|channel|>final<|message|>Done.<|end|>\n<|start|>assistant<|channel|>commentary '
+     'to=functions.get_time <|constrain|>json<|message|>{}<|call|>\n', "Done.", [("get_time", {})]),
     (GENERIC_TOOLS, '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}', None,
      [("get_weather", {"city": "Paris"})]),
     (GENERIC_TOOLS, '{"tool_calls": [{"name": "get_time", "arguments": {}}, {"name": "get_time", "arguments": '
@@ -86,7 +108,7 @@ CASES = [
 
 def parsed(fmt: ToolFormat, pieces) -> tuple[str | None, list, list]:
     """(content, calls as (name, arguments), the events) of the text given to a parser in ``pieces``."""
-    parser = ToolCallParser(fmt, NAMES)
+    parser = reply_parser(fmt, NAMES)
     events = [event for piece in pieces for event in parser.feed(piece)] + parser.finish()
     content = "".join(value for kind, value in events if kind == "content")
     calls = [(value.name, json.loads(value.arguments)) for kind, value in events if kind == "call"]
@@ -118,6 +140,32 @@ def test_calls_written_in_a_format_read_back_as_they_were(fmt):
     for some in (calls[:1], calls):
         text = call_text(fmt, some)
         assert parsed(fmt, [text])[1] == [(c.name, json.loads(c.arguments)) for c in some], text
+
+
+HARMONY_REPLY = ("<|channel|>analysis<|message|>The user wants <b>bold</b> text.<|end|><|start|>assistant"
+                 "<|channel|>final<|message|>Here: **bold** <|ok|>.<|return|>")
+
+
+def test_harmony_s_reasoning_and_answer_are_split_at_every_split():
+    """gpt-oss's analysis channel is reasoning, its final channel the answer, however the text arrives: text that
+    looks like a marker but is none (<b>, <|ok|>) stays in its channel."""
+    rng = random.Random(0)
+    splits = [[HARMONY_REPLY]] + [[HARMONY_REPLY[:i], HARMONY_REPLY[i:]] for i in range(1, len(HARMONY_REPLY))]
+    splits += [list(HARMONY_REPLY)]
+    for _ in range(30):
+        cuts = sorted(rng.sample(range(1, len(HARMONY_REPLY)), rng.randint(2, 8)))
+        splits.append([HARMONY_REPLY[a:b] for a, b in zip([0] + cuts, cuts + [len(HARMONY_REPLY)])])
+    for pieces in splits:
+        parser = HarmonyParser(NAMES)
+        events = [e for piece in pieces for e in parser.feed(piece)] + parser.finish()
+        assert {kind for kind, _ in events} == {"reasoning", "content"}, pieces
+        assert "".join(v for k, v in events if k == "reasoning") == "The user wants <b>bold</b> text.", pieces
+        assert "".join(v for k, v in events if k == "content") == "Here: **bold** <|ok|>.", pieces
+    # reasoning streams as it comes: the analysis text is out before the final message's header arrives
+    parser = HarmonyParser(NAMES)
+    assert parser.feed("<|channel|>analysis<|message|>The user") == [("reasoning", "The user")]
+    # a reply cut inside its analysis (max_tokens) is reasoning only
+    assert parser.finish() == []
 
 
 # -- rendering through the families' templates -------------------------------------------------------------
@@ -173,6 +221,16 @@ RENDERINGS = [
      ["You can call these tools", '"name": "get_weather"',
       '<|assistant|>\n{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}<|end|>',
       '<|user|>\n{"tool_response": 22 C, sunny}<|end|>']),
+    # gpt-oss's (llama.cpp's copy of the checkpoint's): tools as a TypeScript namespace in the developer message,
+    # the call with its recipient in the role, the result from functions.NAME, the tool result JSON-quoted
+    ("openai-gpt-oss-120b.jinja", "gpt-oss", "harmony", (True, True, True),
+     ["<|start|>developer<|message|># Instructions\n\nBe brief.\n\n# Tools\n\n## functions\n\nnamespace functions {\n\n"
+      "// The weather of a city\ntype get_weather = (_: {\ncity: string,\n}) => any;\n\n"
+      "} // namespace functions<|end|>",
+      '<|start|>user<|message|>Weather in Paris?<|end|><|start|>assistant to=functions.get_weather<|channel|>'
+      'commentary json<|message|>{"city": "Paris"}<|call|>',
+      '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"22 C, sunny"<|end|>'
+      "<|start|>assistant"]),
     (None, "llama", "generic", (False, False, True),   # no template: ChatML, which renders any role
      ["<|im_start|>system\nBe brief.\n\nYou can call these tools", "<|im_start|>tool\n22 C, sunny<|im_end|>"]),
 ]
@@ -195,6 +253,37 @@ def test_tools_calls_and_results_render_through_the_families_templates(template,
     messages, variables = render_messages(TURN, None, support)
     bare = tokenizer.apply_chat_template(messages, **variables)
     assert "22 C, sunny" in bare and "get_weather" in bare and "Be brief." in bare
+
+
+def test_harmony_renders_each_of_several_calls_with_its_result_and_the_reasoning_before_a_call():
+    """gpt-oss's template renders one call a message and names a result after the call before it: a message of
+    two calls becomes two, each followed by its own result; the reasoning sent back (reasoning_content, as perfx
+    serve returns it) goes to the template's thinking field, rendered before a call that no answer follows yet."""
+    tokenizer = tokenizer_with((TEMPLATES / "openai-gpt-oss-120b.jinja").read_text(encoding="utf-8"))
+    support = tool_support(tokenizer, "gpt-oss")
+    calls = [{"id": f"call_{c}", "type": "function", "function": {"name": n, "arguments": a}}
+             for c, n, a in (("a", "get_weather", '{"city": "Paris"}'), ("b", "get_time", "{}"))]
+    turn = [{"role": "user", "content": "Weather and time?"},
+            {"role": "assistant", "content": None, "reasoning_content": "Two tools.", "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "call_b", "content": "noon"},
+            {"role": "tool", "tool_call_id": "call_a", "content": "22 C"}]
+    tools = TOOLS + [{"type": "function", "function": {"name": "get_time"}}]    # no description, no parameters
+    messages, variables = render_messages(turn, tools, support)
+    prompt = tokenizer.apply_chat_template(messages, **variables)
+    assert ("<|start|>assistant<|channel|>analysis<|message|>Two tools.<|end|>"
+            '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
+            '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"22 C"<|end|>'
+            "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>"
+            '<|start|>functions.get_time to=assistant<|channel|>commentary<|message|>"noon"<|end|>'
+            "<|start|>assistant") in prompt, prompt
+    assert "type get_time = () => any;" in prompt
+    # once answered, the reasoning of the earlier turn is dropped, as the template does
+    answered = turn + [{"role": "assistant", "content": "22 C at noon.", "reasoning_content": "Done."},
+                       {"role": "user", "content": "Thanks"}]
+    prompt = tokenizer.apply_chat_template(*render_messages(answered, tools, support)[:1],
+                                           **render_messages(answered, tools, support)[1])
+    assert "Two tools." not in prompt and "Done." not in prompt
+    assert "<|start|>assistant<|channel|>final<|message|>22 C at noon.<|end|><|start|>user<|message|>Thanks" in prompt
 
 
 def test_a_template_s_own_format_wins_over_the_family_s_default():
@@ -241,20 +330,26 @@ def matches(grammar: str, text: str) -> bool:
     return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
 
 
+def written(fmt, calls) -> str:
+    # harmony's call ends with <|call|>, which ends generation: the grammar ends before it
+    text = call_text(fmt, calls)
+    return text.removesuffix(CALL) if fmt.body == "harmony" else text
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_a_forced_call_s_grammar_takes_valid_calls_only(fmt):
     good = ToolCall("get_weather", json.dumps(WEATHER, ensure_ascii=False))
     for name in ("get_weather", None):
         grammar = call_grammar(fmt, SCHEMA_TOOLS, name)
         assert llguidance.LLMatcher.validate_grammar(grammar) == ""
-        assert matches(grammar, call_text(fmt, [good]))
-        assert matches(grammar, call_text(fmt, [ToolCall("get_weather", '{"city": "Oslo"}')]))
+        assert matches(grammar, written(fmt, [good]))
+        assert matches(grammar, written(fmt, [ToolCall("get_weather", '{"city": "Oslo"}')]))
         for bad in ('{"town": "Oslo"}', '{"city": 5}', '{"city": "Oslo", "days": 0}', "{}"):
-            assert not matches(grammar, call_text(fmt, [ToolCall("get_weather", bad)])), bad
+            assert not matches(grammar, written(fmt, [ToolCall("get_weather", bad)])), bad
         assert not matches(grammar, "It is sunny.")
     named = call_grammar(fmt, SCHEMA_TOOLS, "get_weather")
-    assert not matches(named, call_text(fmt, [ToolCall("get_time", "{}")]))
-    assert matches(call_grammar(fmt, SCHEMA_TOOLS), call_text(fmt, [ToolCall("get_time", '{"zone": "CET"}')]))
+    assert not matches(named, written(fmt, [ToolCall("get_time", "{}")]))
+    assert matches(call_grammar(fmt, SCHEMA_TOOLS), written(fmt, [ToolCall("get_time", '{"zone": "CET"}')]))
     if fmt.body != "envelope" and (fmt.opener or fmt.listed):
         # "required" takes several calls; a named function one, and so does parallel_tool_calls false
         two = call_text(fmt, [good, ToolCall("get_time", "{}")])

@@ -4,7 +4,8 @@ The conversation continues on the cache: each turn renders the chat template for
 encodes it, and prefills only what the cache does not already hold (the longest common prefix of the new
 ids and the ids in the cache is kept). On a terminal: a prompt with readline editing and history, a dim
 stats line after each reply, Ctrl-C stopping a reply. With piped stdin: one turn per line, replies on
-stdout, nothing else there, so scripts and tests can drive it.
+stdout, nothing else there, so scripts and tests can drive it. A reasoning model's reasoning in its own channel
+(gpt-oss's analysis) is not the answer: on a terminal it is shown dim before it, piped it is left out.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from perfx.commands.options import (add_constraint_options, add_model_options, a
 from perfx.errors import PerfxError
 from perfx.generate import Conversation, generate, system_prompt_end
 from perfx.model import host_peak_bytes
-from perfx.tools import ToolCallParser, ToolError, check_tools, render_messages, tool_support
+from perfx.tools import ToolError, check_tools, render_messages, reply_parser, tool_support
 
 HELP = """commands:
   /help           this list
@@ -116,9 +117,14 @@ class Chat:
         self.colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
         self.messages: list[dict] = []   # user and assistant turns; the system prompt is kept apart
         self.tools = tools               # OpenAI's function tools the model may call (--tools), or None
-        self.support = tool_support(self.tokenizer, model.config.architecture) if tools else None
-        self.parser = None               # the reply's tool calls, read as it streams (with tools)
-        self.shown: list = []            # ... and what it gave out so far: ("content", text), ("call", ToolCall)
+        if tools:
+            self.support = tool_support(self.tokenizer, model.config.architecture)
+        else:   # the replies are read without tools too where the template is harmony's (gpt-oss's channels)
+            support = tool_support(self.tokenizer)
+            self.support = support if support.format.body == "harmony" else None
+        self.parser = None               # the reply's calls and reasoning, read as it streams
+        self.shown: list = []            # ... and what it gave out so far: ("content", text), ("call", ToolCall),
+                                         # ("reasoning", text)
         self.unanswered: list = []       # the last reply's calls that have no result yet (/tool)
         self.conversation = Conversation(model.resume_point)   # the ids the KV cache holds
         self.replies = []                # Stats of every reply this session (kept across /reset)
@@ -245,7 +251,9 @@ class Chat:
             self.show(self.parser.finish())
             self.unanswered = [value for kind, value in self.shown if kind == "call"]
             content = "".join(value for kind, value in self.shown if kind == "content")
+            reasoning = "".join(value for kind, value in self.shown if kind == "reasoning")
             self.messages.append({"role": "assistant", "content": content,
+                                  **({"reasoning_content": reasoning} if reasoning else {}),
                                   **({"tool_calls": [c.as_openai() for c in self.unanswered]} if self.unanswered
                                      else {})})
         else:
@@ -263,7 +271,7 @@ class Chat:
 
     def support_parser(self):
         self.shown = []      # the reply's events so far: its content and its calls
-        return ToolCallParser(self.support.format, [t["function"]["name"] for t in self.tools])
+        return reply_parser(self.support.format, [t["function"]["name"] for t in self.tools or []])
 
     def stream(self, piece: str):
         if self.parser is not None:
@@ -272,13 +280,20 @@ class Chat:
         sys.stdout.flush()
 
     def show(self, events: list):
-        """A reply's content as it comes, and each call the model makes, on a line of its own."""
+        """A reply's content as it comes, and each call the model makes, on a line of its own; reasoning dim on a
+        terminal, ended by a line break before the answer, and left out of piped output."""
         for kind, value in events:
-            after = "\n" if self.shown else ""
+            # a call goes on a line of its own after what was written (reasoning is written on a terminal only)
+            after = "\n" if any(k != "reasoning" or self.colour for k, _ in self.shown) else ""
+            if kind == "reasoning":
+                if self.colour:
+                    sys.stdout.write(f"\x1b[2m{value}\x1b[0m")
+            elif kind == "content" and self.shown and self.shown[-1][0] == "reasoning" and self.colour:
+                sys.stdout.write("\n")
             self.shown.append((kind, value))
             if kind == "content":
                 sys.stdout.write(value)
-            else:
+            elif kind == "call":
                 sys.stdout.write(f"{after}[tool call {value.name}({value.arguments})]")
         sys.stdout.flush()
 

@@ -49,7 +49,8 @@ class ToolFormat:
 
     A call is ``{"name": ..., <arguments>: {...}}`` in JSON (``body`` "json": one object or a list of them
     between ``opener`` and ``closer``), or ``[f(a=1), g()]`` (``body`` "pythonic", LFM2's; a JSON list is read
-    there too). No ``opener``: the reply itself is the call, a bare JSON object (Llama 3.x).
+    there too). No ``opener``: the reply itself is the call, a bare JSON object (Llama 3.x). ``body`` "harmony":
+    gpt-oss's messages, read by ``perfx.tools.HarmonyParser`` (channels and recipients, not opener and closer).
     """
 
     name: str
@@ -58,7 +59,7 @@ class ToolFormat:
     closer: str = ""            # ... and ends with ("": it runs to the end of the reply)
     also_openers: tuple[str, ...] = ()  # other texts that open a call (Llama 3.1's <|python_tag|>)
     separator: str = ""         # between the opener, the call and the closer, as the template writes them
-    body: str = "json"          # "json" or "pythonic" (always a list)
+    body: str = "json"          # "json", "pythonic" (always a list) or "harmony" (gpt-oss's channels and recipients)
     listed: bool = False        # several calls are one list between one opener and closer (else one call each)
     arguments_key: str = "arguments"    # the key a call writes its arguments under ("parameters": Llama 3.x)
     tools_variable: str = "tools"       # the template variable the tools go in (SmolLM3's: xml_tools)

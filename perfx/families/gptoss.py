@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from perfx.errors import PerfxError
 from perfx.families.family import (ChatRules, Family, GGUFHeader, HFConfig, LayerRecipe, Preset, Rope, TensorNames,
-                                   float32_value, gguf_experts)
+                                   ToolFormat, float32_value, gguf_experts)
 from perfx.reference import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, yarn_attention_factor
 
 
@@ -87,6 +87,13 @@ def read_hf(h: HFConfig) -> dict:
 # generation_config.json lists <|return|>, <|endoftext|>, <|call|>.
 STOP_TOKENS = ("<|return|>", "<|call|>", "<|endoftext|>")
 
+# Harmony's messages (perfx.tools.HarmonyParser reads them): the reply is a run of
+# <|start|>assistant<|channel|>{analysis|commentary|final}<|message|>...<|end|>, the first's <|start|>assistant in
+# the prompt; reasoning in analysis, the answer in final, a call as a commentary message to=functions.NAME whose body
+# is its JSON arguments, ended by <|call|>. The template renders the tools (a TypeScript namespace in the developer
+# message), the calls and the results itself.
+HARMONY_TOOLS = ToolFormat(name="harmony", marker="<|channel|>", body="harmony")
+
 FAMILY = Family(
     name="gptoss", order=15,
     gguf_names=("gpt-oss",), hf_names=("gpt_oss",),
@@ -97,7 +104,7 @@ FAMILY = Family(
     # interleaved)
     tensors=TensorNames(gguf_vectors={"ffn_norm": "post_attention_norm.weight"}, hf_router="router",
                         hf_experts="gpt_oss"),
-    chat=ChatRules(stop_tokens=STOP_TOKENS),
+    chat=ChatRules(stop_tokens=STOP_TOKENS, tool_formats=(HARMONY_TOOLS,)),
     synthetic={
         # openai/gpt-oss-20b's config.json
         "gpt-oss-20b": Preset(dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,

@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 
 from perfx import constrain
 from perfx.errors import PerfxError
-from perfx.tools import (ToolCall, ToolCallParser, ToolError, ToolSupport, call_grammar, check_tools, render_messages,
-                         tool_support)
+from perfx.tools import (HARMONY_MARKERS, ToolCall, ToolError, ToolSupport, call_grammar, check_tools,
+                         harmony_answer_grammar, render_messages, reply_parser, tool_support)
 
 MAX_STOP_STRINGS = 4        # OpenAI's limit
 MAX_CHOICES = 16            # n: choices of one request
 MAX_LOGPROBS = 20           # alternatives per token: OpenAI's limit for chat (perfx allows it for completions too)
+REASONING_EFFORTS = ("low", "medium", "high")    # what gpt-oss's template takes
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # perfx's stop reasons (generate.Stats.stop_reason) as OpenAI's finish_reason.
 FINISH_REASONS = {"eos": "stop", "stop string": "stop", "grammar complete": "stop", "max tokens": "length",
@@ -207,7 +208,8 @@ def requested_logprobs(body: dict, chat: bool) -> int | None:
 
 @dataclass
 class Tooling:
-    """A chat request's tools: what the template renders, how the reply is read, what it must match."""
+    """A chat request's tools: what the template renders, how the reply is read, what it must match (for gpt-oss,
+    with no tools too: how its harmony reply is read)."""
     tools: list[dict]           # OpenAI's [{"type": "function", "function": {name, description, parameters}}]
     choice: str = "auto"        # "auto", "required" or "function" (the one named by ``name``)
     name: str | None = None
@@ -216,22 +218,24 @@ class Tooling:
     grammar: str | None = None  # what the whole reply must match, in llguidance's Lark: a forced call (required,
                                 # or a named function), or the generic format's call or answer under "auto"
 
-    def parser(self) -> ToolCallParser:
-        return ToolCallParser(self.support.format, [t["function"]["name"] for t in self.tools])
+    def parser(self):
+        return reply_parser(self.support.format, [t["function"]["name"] for t in self.tools])
 
-    def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """A whole reply as (content, calls)."""
+    def read(self, text: str) -> tuple[str | None, list[ToolCall], str | None]:
+        """A whole reply as (content, calls, reasoning: None but in a format with a reasoning channel)."""
         parser = self.parser()
         events = parser.feed(text) + parser.finish()
         content = "".join(value for kind, value in events if kind == "content")
         calls = [value for kind, value in events if kind == "call"]
-        return (content or None) if calls else content, calls if self.parallel else calls[:1]
+        reasoning = "".join(value for kind, value in events if kind == "reasoning") or None
+        return (content or None) if calls else content, calls if self.parallel else calls[:1], reasoning
 
 
 def chat_prompt(body: dict, tokenizer, architecture: str | None = None
                 ) -> tuple[list[int], list[dict], dict, Tooling | None]:
     """The prompt ids of a chat request, through the model's chat template; the messages and the template
-    variables it rendered them with; the request's tools (None without)."""
+    variables it rendered them with; the request's tools (None without, but for a harmony template, whose replies
+    are always read for their channels: then a Tooling of no tools, with a JSON response_format's grammar)."""
     if body.get("functions") or body.get("function_call"):
         raise unsupported("functions", "use 'tools' and 'tool_choice' (the API's current names)")
     messages = body.get("messages")
@@ -253,6 +257,13 @@ def chat_prompt(body: dict, tokenizer, architecture: str | None = None
         entry["content"] = message_text(message.get("content"), "assistant" if calls else role, where)
         if calls:
             entry["tool_calls"] = calls
+        reasoning = message.get("reasoning_content") if role == "assistant" else None
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise APIError(400, f"'{where}.reasoning_content' must be a string (the reasoning perfx serve returned), "
+                                f"got {json.dumps(reasoning)[:60]}", param=f"{where}.reasoning_content",
+                           code="invalid_type")
+        if reasoning:   # a reasoning model's earlier reasoning, as perfx serve returned it (templates may render it)
+            entry["reasoning_content"] = reasoning
         if role == "tool":
             call_id = value_of(message, "tool_call_id", (str,), "a string")
             if call_id is None:
@@ -270,12 +281,27 @@ def chat_prompt(body: dict, tokenizer, architecture: str | None = None
                             "answer, or drop 'response_format' to let the model call the tools",
                        param="response_format", code="invalid_value")
     kwargs = template_kwargs(body)
+    effort = value_of(body, "reasoning_effort", (str,), "a string")
+    if effort is not None:
+        # OpenAI's reasoning_effort, as vLLM gives it to gpt-oss's template ("Reasoning: low" in its system message)
+        if effort not in REASONING_EFFORTS:
+            raise APIError(400, f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got "
+                                f"{json.dumps(effort)[:40]}", param="reasoning_effort", code="invalid_value")
+        kwargs = {"reasoning_effort": effort, **kwargs}
     support = tool_support(tokenizer, architecture)
     rendered, variables = render_messages(checked, tooling.tools if tooling else None, support)
     variables = {**variables, **kwargs}
     if tooling is not None:
         tooling.support = support
         plan(tooling, tokenizer)
+    elif support.format.body == "harmony":
+        # gpt-oss's reply is read as harmony's messages with or without tools: its reasoning apart from its answer
+        tooling = Tooling([], choice="none", support=support)
+        schema = response_schema(body)
+        if isinstance(schema, dict):
+            # the JSON answer in the final channel, where the model writes its answer (the engine still compiles
+            # the schema alone first: what llguidance lacks is named as the response_format's)
+            tooling.grammar = harmony_answer_grammar(schema, single_token_markers(tokenizer, HARMONY_MARKERS))
     try:
         text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, **variables)
         # As `perfx chat`: the model's own BOS setting (a template that writes the BOS text keeps one BOS).
@@ -357,10 +383,15 @@ def plan(tooling: Tooling, tokenizer):
     if forced or (fmt.body == "envelope" and constrain.available()):
         # a marker that is one token of the vocabulary is named by its id: the model writes that token, which a
         # grammar engine may not take for the marker's text when it is special (Phi-4-mini's, Qwen's tags)
-        single = {marker: ids[0] for marker in (fmt.opener, fmt.closer) if marker
-                  for ids in [tokenizer.encode(marker)] if len(ids) == 1}
+        markers = HARMONY_MARKERS if fmt.body == "harmony" else (fmt.opener, fmt.closer)
+        single = single_token_markers(tokenizer, markers)
         tooling.grammar = call_grammar(fmt, tooling.tools, tooling.name, answer=not forced, special_ids=single,
                                        parallel=tooling.parallel)
+
+
+def single_token_markers(tokenizer, markers) -> dict[str, int]:
+    """Each of ``markers`` that is one token of the vocabulary, by its id."""
+    return {marker: ids[0] for marker in markers if marker for ids in [tokenizer.encode(marker)] if len(ids) == 1}
 
 
 def response_schema(body: dict) -> dict | bool | None:
@@ -497,8 +528,10 @@ class Answer:
                 "model": self.model}
 
     def whole(self, text: str | None, finish_reason: str, usage: dict, calls: list[ToolCall] = (),
-              logprobs: list[dict] | None = None) -> dict:
+              logprobs: list[dict] | None = None, reasoning: str | None = None) -> dict:
         message = {"role": "assistant", "content": text}
+        if reasoning is not None:   # as llama.cpp's and vLLM's servers return a reasoning model's thinking
+            message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = [call.as_openai() for call in calls]
         choice = {"index": self.index, "message": message} if self.chat else {"index": self.index, "text": text}

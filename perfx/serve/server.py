@@ -257,11 +257,11 @@ class Handler(BaseHTTPRequestHandler):
                     elif kind == "error":
                         raise value
                 self.reply_text = "".join(pieces)
-                content, calls = tooling.read(self.reply_text) if tooling else (self.reply_text, [])
+                content, calls, reasoning = tooling.read(self.reply_text) if tooling else (self.reply_text, [], None)
                 self.tool_calls = len(calls)
                 finish = "tool_calls" if calls else job.finish_reason
                 documents.append(answer.whole(content, finish, job.usage(), calls,
-                                              entries if job.logprobs is not None else None))
+                                              entries if job.logprobs is not None else None, reasoning))
             finally:
                 if not job.finished.is_set():
                     engine.cancel(job)
@@ -296,8 +296,9 @@ class Handler(BaseHTTPRequestHandler):
             # content as it comes; each call whole, as one delta (OpenAI's clients join its pieces either way)
             nonlocal calls
             for kind, value in events:
-                if kind == "content":
-                    self.send_event(answer.chunk({"content": value}, include_usage, logprobs=logprobs()))
+                if kind in ("content", "reasoning"):
+                    key = "content" if kind == "content" else "reasoning_content"
+                    self.send_event(answer.chunk({key: value}, include_usage, logprobs=logprobs()))
                 elif tooling.parallel or not calls:
                     self.send_event(answer.chunk({"tool_calls": [{"index": calls, **value.as_openai()}]},
                                                  include_usage, logprobs=logprobs()))

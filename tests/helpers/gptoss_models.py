@@ -11,6 +11,10 @@ openai's), Q8_0 or F32 by layer; 1-D tensors and biases F32, as the converter ke
 (GptOssForCausalLM): mlp.router, mlp.experts.gate_up_proj (E, hidden, 2·I) with gate and up interleaved, or, for
 MXFP4 experts, ``_blocks`` (E, rows, K/32, 16) two codes a byte with the even element low, and ``_scales``.
 
+``vocab="harmony"``: a byte-level vocabulary as gpt-oss's (gpt2 BPE, pre-tokenizer "gpt-4o"), every byte a token and
+harmony's markers as special tokens, with gpt-oss's real chat template (tests/data/templates): a model that a test
+script can make write harmony's channels and calls, through the template a real file carries.
+
 Both return or take the float64 values the file holds (gguf.quants' definition of each type), so a test checks
 perfx against what the file says.
 """
@@ -25,6 +29,40 @@ import numpy as np
 from gguf import quants
 
 from helpers.moe_models import add_plain_vocab
+
+TEMPLATE = Path(__file__).parent.parent / "data" / "templates" / "openai-gpt-oss-120b.jinja"
+# o200k_harmony's special tokens that harmony's messages use, in their order there
+HARMONY_SPECIALS = ("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",
+                    "<|end|>", "<|message|>", "<|call|>")
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's printable stand-in for each byte (its bytes_to_unicode), by byte."""
+    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+HARMONY_MERGES = ("Ġ a", "Ġ t")     # a BPE vocabulary has merges; these few do not matter to the tests
+
+
+def harmony_tokens() -> list[str]:
+    return _byte_chars() + [m.replace(" ", "") for m in HARMONY_MERGES] + list(HARMONY_SPECIALS)
+
+
+def add_harmony_vocab(writer: gguf.GGUFWriter):
+    tokens = harmony_tokens()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-4o")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * (len(tokens) - len(HARMONY_SPECIALS))
+                           + [gguf.TokenType.CONTROL] * len(HARMONY_SPECIALS))
+    writer.add_token_merges(list(HARMONY_MERGES))
+    writer.add_bos_token_id(tokens.index("<|startoftext|>"))
+    writer.add_eos_token_id(tokens.index("<|return|>"))
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(TEMPLATE.read_text(encoding="utf-8"))
+
 
 # The experts' type per layer, cycled
 EXPERT_TYPES = ("MXFP4", "Q8_0", "F32")
@@ -52,8 +90,10 @@ def write_gptoss_gguf(path: Path, rng: np.random.Generator, expert_types=EXPERT_
     """A tiny random gpt-oss GGUF; (path, {tensor name: float64 held}, and "raw:<name>" the MXFP4 bytes). A bad
     file for the tests: the tensors ``drop`` left out, ``change`` {name: array} written in their place, ``keys``
     {key: value} written in place of the converter's (None: left out). ``vocab``: a small vocabulary too, which
-    llama.cpp needs to open the file."""
+    llama.cpp needs to open the file; "harmony": gpt-oss's kind of vocabulary, and its chat template."""
     c = dict(TINY, **overrides)
+    if vocab == "harmony":
+        c["vocab_size"] = len(harmony_tokens())
     hidden, n_layers, e = c["hidden_size"], c["num_hidden_layers"], c["num_local_experts"]
     heads, kv, d, inter = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["intermediate_size"]
     writer = gguf.GGUFWriter(str(path), "gpt-oss")
@@ -77,7 +117,9 @@ def write_gptoss_gguf(path: Path, rng: np.random.Generator, expert_types=EXPERT_
     writer.add_rope_freq_base(c["rope_theta"])
     writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
     writer.add_vocab_size(c["vocab_size"])
-    if vocab:
+    if vocab == "harmony":
+        add_harmony_vocab(writer)
+    elif vocab:
         add_plain_vocab(writer, c["vocab_size"])
     writer.add_expert_count(e)
     writer.add_expert_used_count(c["num_experts_per_tok"])

@@ -144,6 +144,8 @@ SPEC = Spec(
          "f32": False, "act": "silu", "m": 1},
         {"op": "down", "n": 7, "k": 64, "experts": 3, "used": 2, "bits": 8, "group": 16, "sym": False, "f32": True,
          "m": 2},
+        {"op": "gate_up", "n": 3, "k": 64, "experts": 3, "used": 2, "bits": 4, "group": 32, "sym": True,
+         "f32": False, "mxfp4": True, "act": "swiglu_oai", "bias": True, "m": 1},
     ),
     tolerance=1e-5,
     tolerance_why=(

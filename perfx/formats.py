@@ -19,7 +19,8 @@ group fewer to read). Every GGUF type whose values fit 8-bit codes reads into it
 symmetric), Q5_0 (codes q − 16, s = d, symmetric), Q5_1 (s = d, m = min), Q5_K (s = d·sc, m = −dmin·mn,
 float32: d·sc has up to 17 significant bits), Q6_K (codes q − 32, s = d·sc with an int8 sc, G = 16,
 float32, symmetric). fp16 matrices (an lm_head) are quantized into it round-to-nearest
-(``Q8Matrix.quantize``).
+(``Q8Matrix.quantize``). MXFP4 reads into it exactly too (``Q8Matrix.mxfp4`` marks it), and routed experts go to
+the device in MXFP4's own bits again (``mxfp4_arrays``, ``MXFP4_FORM``).
 
 On the device the int4 codes are rows contiguous along K, 32 codes per RGBA/UINT32 texel
 (``pack_texels``), and each group's (s, m) in the matrix's form (``pack_group_scales``); the int8

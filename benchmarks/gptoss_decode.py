@@ -2,9 +2,9 @@
 against the active parameters' bytes counted here from the host weights (every non-expert tensor of a layer, the
 router, and the chosen experts' matrices and biases, 4 of 32; the head), and the device memory at ``--ctx``.
 
-The whole model is 24 layers of 32 experts in MXFP4 as perfx holds it (int8 codes: about 22 GB of experts, where the
-file holds 10; on a CPU runtime device memory is the host's); ``--layers`` keeps the first L layers (the real shapes,
-fewer of them) where the machine has less. Run under phone limits with PERFX_LIMITS (an Adreno's 1 GiB allocations):
+The whole model is 24 layers of 32 experts in MXFP4, held as the file holds them (e2m1 nibbles and an E8M0 byte a
+group of 32: about 10 GB of experts; on a CPU runtime device memory is the host's); ``--layers`` keeps the first L
+layers (the real shapes, fewer of them) where the machine has less. Run under phone limits with PERFX_LIMITS (an Adreno's 1 GiB allocations):
 
     PERFX_LIMITS=adreno740 python benchmarks/gptoss_decode.py --device intel --layers 4 --ctx 4096
 """
@@ -22,6 +22,14 @@ from perfx.sources.synthetic import SYNTHETIC_EXPERTS, SYNTHETIC_MODELS, Synthet
 from perfx.tuning.database import Database
 
 
+def matrix_bytes(w) -> int:
+    """Bytes of a host matrix in its file's form: MXFP4 17 bytes a block of 32 (counted here, apart from the model's
+    device form), else the form's own (``nbytes``)."""
+    if getattr(w, "mxfp4", False):
+        return w.shape[0] * w.shape[1] // 32 * 17
+    return w.nbytes
+
+
 def active_bytes(source) -> int:
     """Bytes of the parameters a token reads, from the host weights: each layer's attention (qkv, o, their biases,
     the sinks), norms, router and its bias, ``n_experts_used`` experts' gate-up and down with their biases; the
@@ -33,7 +41,7 @@ def active_bytes(source) -> int:
         total += sum(x.nbytes for x in (a.qkv, a.o, a.qkv_bias, a.o_bias, a.sinks, w.attn_norm, w.ffn_norm)
                      if x is not None)
         total += m.router.nbytes + (0 if m.router_bias is None else m.router_bias.nbytes)
-        per_expert = m.gate_up[0].nbytes + m.down[0].nbytes
+        per_expert = matrix_bytes(m.gate_up[0]) + matrix_bytes(m.down[0])
         if m.gate_up_bias is not None:
             per_expert += m.gate_up_bias[0].nbytes + m.down_bias[0].nbytes
         total += c.n_experts_used * per_expert

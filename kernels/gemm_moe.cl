@@ -14,7 +14,8 @@
 //   moe_combine:          y[r][n] (+)= Σ_j out[r·used + j][n], j in order (the same sum every run)
 //
 // Weights as gemv_moe.cl holds them: (E, rows, K) int4 (two codes a byte, the even k low; BITS 4) or int8 codes,
-// per GROUP along K (scale, offset) or the scale alone (SYM 1: int4 m = −8·s, int8 m = 0), fp16 (HALF 1) or float.
+// per GROUP along K (scale, offset) or the scale alone (SYM 1: int4 m = −8·s, int8 m = 0), fp16 (HALF 1) or float;
+// or MXFP4 1: e2m1 nibbles (the even k low) and one E8M0 byte a group of 32, w = 2^(e − 128)·v (mxfp4.h).
 // Grid of the grouped products: (⌈N/TN⌉·TN, E, ⌈m/TM⌉); a work-group whose tile lies past its expert's count
 // returns at once (the counts are on the device only). Each work-item one output column n; the TM rows' x of the
 // current group sit in local memory.
@@ -37,6 +38,9 @@
 #ifndef HALF
 #define HALF 1       // 1: fp16 scales (and offsets), 0: float32 (set from the weights, not tuned)
 #endif
+#ifndef MXFP4
+#define MXFP4 0      // 1: MXFP4 weights, BITS 4 GROUP 32 (set from the weights, not tuned)
+#endif
 #ifndef ACT
 #define ACT 1        // the gated activation: 1 SiLU, 2 GELU (tanh), 3 clamped SwiGLU (set from the model, not tuned)
 #endif
@@ -54,6 +58,7 @@
 
 #include "epilogue.h"
 #include "swiglu_oai.h"
+#include "mxfp4.h"
 
 #if BITS == 4
 #define ROW_BYTES(k) ((size_t)(k) / 2)
@@ -97,7 +102,13 @@ inline void group_products(const __global uchar* restrict codes, const __global 
                            __local const float* xsum, float* acc)
 {
     float q[GROUP];
-#if BITS == 4
+#if MXFP4
+    const __global uint* w = (const __global uint*)(codes + row * ROW_BYTES(k) + (size_t)g * (GROUP / 2));
+    for (int i = 0; i < GROUP / 8; ++i) {
+        const uint v = w[i];
+        for (int c = 0; c < 8; ++c) q[8 * i + c] = E2M1(v >> (4 * c));
+    }
+#elif BITS == 4
     const __global uint* w = (const __global uint*)(codes + row * ROW_BYTES(k) + (size_t)g * (GROUP / 2));
     for (int i = 0; i < GROUP / 8; ++i) {
         const uint v = w[i];
@@ -111,7 +122,9 @@ inline void group_products(const __global uchar* restrict codes, const __global 
     }
 #endif
     const size_t at = row * (size_t)(k / GROUP) + g;
-#if SYM
+#if MXFP4
+    const float s = E8M0_HALF(((const __global uchar*)scales)[at]), m = 0.0f;
+#elif SYM
     const float s = SCALE(at);
 #if BITS == 4
     const float m = -8.0f * s;

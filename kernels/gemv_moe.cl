@@ -13,6 +13,11 @@
 // even k in the low nibble) or int8 (BITS 8) form, per group of GROUP along K a float32 (scale, offset) pair,
 // w = s·q + m, or with SYM 1 the scale alone (int4: m = −8·s, GGUF Q4_0; int8: m = 0, GGUF Q8_0); with HALF 1 those
 // are fp16 (the file's own: Q4_0, Q4_1, Q8_0 hold them so), so a chosen expert costs the file's bytes.
+// MXFP4 1 (gpt-oss's experts, as the file holds them: 4.25 bits a weight): codes are e2m1 nibbles two a byte (the
+// even k low), scales one E8M0 byte e a group of 32 (a plain uchar array beside the codes, not the file's 17-byte
+// blocks: adjacent work-items read adjacent groups, so both arrays stream coalesced and the codes stay 4-byte
+// aligned for uint loads); w = 2^(e − 128)·v, v the doubled e2m1 value of the nibble (mxfp4.h: integers, so
+// v·x is one rounding as the file's dequantized weight times x, and the group's sum is scaled once, exactly).
 // Shapes: x (m, K), h (m, used, I), y (m, N) float; ids, weights (m, used); K a multiple of GROUP.
 // Grid: (⌈rows/ROWS⌉·WGS, used (gate_up) or 1 (down), m); each work-group ROWS output rows of one row r (and
 // one chosen expert for gate_up); its WGS work-items take whole groups along K in turn (adjacent work-items
@@ -37,6 +42,9 @@
 #ifndef HALF
 #define HALF 1       // 1: fp16 scales (and offsets), 0: float32 (set from the weights, not tuned)
 #endif
+#ifndef MXFP4
+#define MXFP4 0      // 1: MXFP4 weights, BITS 4 GROUP 32 (set from the weights, not tuned)
+#endif
 #ifndef ACT
 #define ACT 1        // moe_gate_up's gated activation: 1 SiLU, 2 GELU (tanh), 3 clamped SwiGLU (from the model)
 #endif
@@ -51,6 +59,7 @@
 
 #include "epilogue.h"
 #include "swiglu_oai.h"
+#include "mxfp4.h"
 
 #if BITS == 4
 #define ROW_BYTES(k) ((size_t)(k) / 2)
@@ -64,7 +73,16 @@ inline float group_dot(const __global uchar* restrict codes, const __global floa
 {
     const __global float* xg = x + (size_t)g * GROUP;
     float acc = 0.0f, sx = 0.0f;
-#if BITS == 4
+#if MXFP4
+    const __global uint* w = (const __global uint*)(codes + row * ROW_BYTES(k) + (size_t)g * (GROUP / 2));
+    for (int i = 0; i < GROUP / 8; ++i) {
+        const uint v = w[i];
+        const float4 a = vload4(0, xg + 8 * i), b = vload4(1, xg + 8 * i);
+        acc += E2M1(v) * a.s0 + E2M1(v >> 4) * a.s1 + E2M1(v >> 8) * a.s2 + E2M1(v >> 12) * a.s3
+             + E2M1(v >> 16) * b.s0 + E2M1(v >> 20) * b.s1 + E2M1(v >> 24) * b.s2 + E2M1(v >> 28) * b.s3;
+    }
+    return E8M0_HALF(((const __global uchar*)scales)[row * (size_t)(k / GROUP) + g]) * acc;
+#elif BITS == 4
     const __global uint* w = (const __global uint*)(codes + row * ROW_BYTES(k) + (size_t)g * (GROUP / 2));
     for (int i = 0; i < GROUP / 8; ++i) {
         const uint v = w[i];
@@ -83,6 +101,7 @@ inline float group_dot(const __global uchar* restrict codes, const __global floa
         sx += (a.s0 + a.s1) + (a.s2 + a.s3);
     }
 #endif
+#if !MXFP4
     const size_t at = row * (size_t)(k / GROUP) + g;
 #if HALF
 #define SCALE(i) vload_half((i), (const __global half*)scales)
@@ -100,6 +119,7 @@ inline float group_dot(const __global uchar* restrict codes, const __global floa
     return SCALE(2 * at) * acc + SCALE(2 * at + 1) * sx;
 #endif
 #undef SCALE
+#endif
 }
 
 inline float row_part(const __global uchar* restrict codes, const __global float* restrict scales,

@@ -19,7 +19,8 @@ group fewer to read). Every GGUF type whose values fit 8-bit codes reads into it
 symmetric), Q5_0 (codes q − 16, s = d, symmetric), Q5_1 (s = d, m = min), Q5_K (s = d·sc, m = −dmin·mn,
 float32: d·sc has up to 17 significant bits), Q6_K (codes q − 32, s = d·sc with an int8 sc, G = 16,
 float32, symmetric). fp16 matrices (an lm_head) are quantized into it round-to-nearest
-(``Q8Matrix.quantize``).
+(``Q8Matrix.quantize``). MXFP4 reads into it exactly too (``Q8Matrix.mxfp4`` marks it), and routed experts go to
+the device in MXFP4's own bits again (``mxfp4_arrays``, ``MXFP4_FORM``).
 
 On the device the int4 codes are rows contiguous along K, 32 codes per RGBA/UINT32 texel
 (``pack_texels``), and each group's (s, m) in the matrix's form (``pack_group_scales``); the int8
@@ -293,10 +294,17 @@ class Q8Matrix:
     group: int
     f32: bool = False
     symmetric: bool = False
+    # the file's MXFP4 (``from_gguf_mxfp4``): codes the doubled e2m1 values, scales 2^(e − 128), groups of 32; the
+    # routed-expert kernels hold such a matrix in the file's 4.25 bits a weight (``mxfp4_arrays``)
+    mxfp4: bool = False
 
     def __post_init__(self):
         n, k = self.codes.shape
         check_q8_group(k, self.group)
+        self.mxfp4 = bool(self.mxfp4)
+        if self.mxfp4 and (self.group != MXFP4_GROUP or not (self.f32 and self.symmetric)):
+            raise PerfxError(f"an MXFP4 int8 matrix has groups of {MXFP4_GROUP} and float32 scales alone, not group "
+                             f"{self.group}, f32={self.f32}, symmetric={self.symmetric}")
         expected = (n, k // self.group)
         if self.scales.shape != expected or self.offsets.shape != expected:
             raise PerfxError(f"scales {self.scales.shape} / offsets {self.offsets.shape} do not match "
@@ -401,7 +409,7 @@ class Q8Matrix:
     @staticmethod
     def concat(parts: list[Q8Matrix]) -> Q8Matrix:
         """Stack matrices along N (fused QKV, gate-up) at the smallest group; float32 if any part is, symmetric
-        only if every part is."""
+        (MXFP4) only if every part is."""
         ks = {p.shape[1] for p in parts}
         if len(ks) != 1:
             raise PerfxError(f"cannot fuse matrices with different K {sorted(ks)}")
@@ -409,15 +417,15 @@ class Q8Matrix:
         parts = [p.regroup(group) for p in parts]
         return Q8Matrix(np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]),
                         np.concatenate([p.offsets for p in parts]), group, any(p.f32 for p in parts),
-                        all(p.symmetric for p in parts))
+                        all(p.symmetric for p in parts), all(p.mxfp4 for p in parts))
 
     def rows(self, start: int, stop: int) -> Q8Matrix:
         return Q8Matrix(self.codes[start:stop], self.scales[start:stop], self.offsets[start:stop], self.group,
-                        self.f32, self.symmetric)
+                        self.f32, self.symmetric, self.mxfp4)
 
     def take_rows(self, index: np.ndarray) -> Q8Matrix:
         return Q8Matrix(self.codes[index], self.scales[index], self.offsets[index], self.group, self.f32,
-                        self.symmetric)
+                        self.symmetric, self.mxfp4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -579,6 +587,33 @@ Q6_K_BLOCK = np.dtype([("ql", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16)
 MXFP4_BLOCK = np.dtype([("e", "u1"), ("qs", "u1", 16)])
 # MXFP4's e2m1 values doubled (ggml's kvalues_mxfp4): integers, so they are int8 codes
 MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+MXFP4_GROUP = 32
+# code + 128 -> its e2m1 nibble (−0 and 0 alike: nibble 0), 255 where no e2m1 value is that code
+_MXFP4_NIBBLE = np.full(256, 255, np.uint8)
+_MXFP4_NIBBLE[MXFP4_VALUES[:8].astype(np.int16) + 128] = np.arange(8)
+_MXFP4_NIBBLE[MXFP4_VALUES[9:].astype(np.int16) + 128] = np.arange(9, 16)
+
+
+def mxfp4_scales(e: np.ndarray) -> np.ndarray:
+    """2^(e − 128) in float32 of E8M0 bytes e (ggml's ggml_e8m0_to_fp32_half: exact, subnormal below e = 2)."""
+    e = np.asarray(e).astype(np.uint32)
+    return np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23)).astype(np.uint32).view(np.float32)
+
+
+def mxfp4_arrays(w) -> tuple[np.ndarray, np.ndarray]:
+    """An MXFP4 matrix (``Q8Matrix.mxfp4``) in the file's bits: (N, K/2) uint8 e2m1 nibbles, two a byte with the even
+    k low (the int4 forms' order), and (N, K/32) uint8 E8M0 exponents, s = 2^(e − 128) (``mxfp4_scales``)."""
+    if not w.mxfp4:
+        raise PerfxError("mxfp4_arrays: the matrix is not MXFP4 (Q8Matrix.mxfp4)")
+    nibbles = _MXFP4_NIBBLE[w.codes.view(np.uint8) ^ np.uint8(0x80)]
+    if nibbles.max(initial=0) == 255:
+        raise PerfxError("an MXFP4 matrix holds codes that are no doubled e2m1 value (0, ±1, ±2, ±3, ±4, ±6, ±8, ±12)")
+    bits = w.scales.view(np.uint32)
+    low = np.maximum(bits >> np.uint32(21), 1)   # the subnormals 2^-127, 2^-128 of e = 1, 0: bits 1 << (21 + e)
+    e = np.where(bits < 0x00800000, np.log2(low).astype(np.uint32), (bits >> np.uint32(23)) + 1)
+    if np.any(e > 255) or not np.array_equal(mxfp4_scales(np.minimum(e, 255)), w.scales):
+        raise PerfxError("an MXFP4 matrix holds scales that are no E8M0 power of two 2^(e − 128)")
+    return np.ascontiguousarray(nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)), np.ascontiguousarray(e.astype(np.uint8))
 
 
 def _q4_block_codes(qs: np.ndarray) -> np.ndarray:
@@ -711,13 +746,12 @@ def from_gguf_q6_k(raw, n: int, k: int, name: str = "tensor") -> Q8Matrix:
 def from_gguf_mxfp4(raw, n: int, k: int, name: str = "tensor") -> Q8Matrix:
     """MXFP4 (gpt-oss's experts; llama-quantize's MXFP4_MOE): w = 2^(e − 128)·v, v a doubled e2m1 value of a
     nibble (ggml's ggml_e8m0_to_fp32_half): codes v ∈ [−12, 12], s = 2^(e − 128) in float32 (exact: a power of two,
-    subnormal below e = 2), scales alone. Exact, at one byte a weight where the file holds half a byte."""
+    subnormal below e = 2), scales alone. Exact; the routed-expert kernels hold it in the file's bits again
+    (``mxfp4_arrays``), other kernels as int8."""
     blocks = _blocks(raw, MXFP4_BLOCK, n, k, name)
     codes = MXFP4_VALUES[_q4_block_codes(blocks["qs"])].reshape(n, k)
-    e = blocks["e"].astype(np.uint32)
-    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23)).astype(np.uint32)
-    s = bits.view(np.float32)
-    return Q8Matrix(codes, s, np.zeros_like(s), 32, f32=True, symmetric=True)
+    s = mxfp4_scales(blocks["e"])
+    return Q8Matrix(codes, s, np.zeros_like(s), 32, f32=True, symmetric=True, mxfp4=True)
 
 
 # GGUF tensor types perfx reads exactly into a device form, by reader.
@@ -735,7 +769,7 @@ HostMatrix = Union[Q4Matrix, Q8Matrix, np.ndarray]   # a weight W (N, K): the in
 @dataclass(frozen=True, order=True)
 class Form:
     """The device form of a matrix: kind "q4" (group G), "q8" (group G, float32 scales if f32, scales alone if
-    symmetric) or "f16"."""
+    symmetric), "f16", or "mxfp4" (routed experts only: e2m1 nibbles and E8M0 exponents, group 32)."""
 
     kind: str
     group: int = 0
@@ -744,6 +778,7 @@ class Form:
 
 
 F16_FORM = Form("f16")
+MXFP4_FORM = Form("mxfp4", MXFP4_GROUP)
 
 
 def form_of(w: HostMatrix) -> Form:

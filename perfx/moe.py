@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from perfx.formats import Form, Q4Matrix, Q8Matrix, fuse_rows, fused_form
+from perfx.formats import MXFP4_FORM, Form, Q4Matrix, Q8Matrix, fuse_rows, fused_form
 from perfx.op import Op, StepOptions, shared
 from perfx.ops.gemm_moe import GroupedExperts
 from perfx.ops.gemv_moe import ExpertWeights, form_shape
@@ -81,9 +81,12 @@ def fuse_expert(parts: list):
     return held_expert(fuse_rows([held_expert(p) for p in parts]) if len(parts) > 1 else parts[0])
 
 
-def held_form(form: Form, symmetric_q4: bool = False) -> Form:
+def held_form(form: Form, symmetric_q4: bool = False, mxfp4: bool = False) -> Form:
     """The routed GEMVs' form (``perfx.ops.gemv_moe.expert_form``) of a file's expert tensor of device form ``form``
-    (``perfx.formats.Form``): int8's flags kept, int4 symmetric where the file's type is (Q4_0), fp16 as int8."""
+    (``perfx.formats.Form``): int8's flags kept, int4 symmetric where the file's type is (Q4_0), fp16 as int8,
+    MXFP4 (``mxfp4``: the file's type is) as the file holds it."""
+    if mxfp4:
+        return MXFP4_FORM
     if form.kind == "f16":
         return Form("q8", F16_EXPERT_GROUP)
     if form.kind == "q4":
@@ -93,9 +96,11 @@ def held_form(form: Form, symmetric_q4: bool = False) -> Form:
 
 def fused_held_form(parts: list[Form]) -> Form:
     """The form of gate and up of one expert stacked (``fuse_expert``), from their held forms: as they are where
-    equal; int4 pairs where both are int4 of one group; else int8 at the smallest group (``fused_form``)."""
+    equal; int4 pairs where both are int4 of one group; else int8 at the smallest group (``fused_form``), MXFP4
+    beside another form as its int8 form."""
     if len(set(parts)) == 1:
         return parts[0]
+    parts = [Form("q8", p.group, True, True) if p == MXFP4_FORM else p for p in parts]
     if all(p.kind == "q4" for p in parts) and len({p.group for p in parts}) == 1:
         return Form("q4", parts[0].group, f32=any(p.f32 for p in parts))
     return fused_form(parts)

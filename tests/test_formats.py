@@ -13,6 +13,7 @@ from perfx.formats import (GGUF_READERS, Q4_PAIRS, Q4_SYMMETRIC, Q4_ZEROS, Q4Mat
                            describe_q4_form, from_awq_gemm, from_awq_gemv, from_gguf_q4_0, from_gguf_q4_1,
                            from_gguf_q4_k, pack_group_scales, pack_scale_offset, pack_texels, row_splits,
                            to_awq_gemm, to_awq_gemv, unpack_texels)
+from perfx.formats import MXFP4_VALUES, mxfp4_arrays, mxfp4_scales
 
 
 def test_awq_gemm_golden_value():
@@ -346,3 +347,34 @@ def test_q4_in_the_int8_form_and_fusion_at_the_smallest_group(rng):
     np.testing.assert_array_equal(Q8Matrix.from_q4(Q4Matrix.random(2, 256, 128, rng)).group, 32)
     with pytest.raises(PerfxError, match="cannot regroup int8 groups of 16 into groups of 32"):
         b.regroup(32)
+
+
+def test_mxfp4_in_the_file_s_bits_round_trips_every_code_and_exponent(rng):
+    """The MXFP4 device arrays (nibbles, the even k low; E8M0 bytes) give back every weight of gguf-py's MXFP4
+    dequantization, every nibble and all 256 exponents (the subnormal scales of e = 0, 1 too); a matrix whose codes
+    or scales no MXFP4 block holds is refused, naming what is wrong."""
+    n, k = 16, 512
+    blocks = np.zeros((n, k // 32, 17), np.uint8)
+    blocks[..., 0] = np.arange(n * k // 32).reshape(n, k // 32) % 256
+    blocks[..., 1:] = rng.integers(0, 256, size=(n, k // 32, 16), dtype=np.uint8)
+    raw = blocks.reshape(n, -1)
+    w = GGUF_READERS["MXFP4"](raw, n, k)
+    with np.errstate(over="ignore"):   # gguf-py's float32 products overflow to ±inf at the largest exponents
+        want = quants.dequantize(raw, GGMLQuantizationType.MXFP4)
+    nibbles, exponents = mxfp4_arrays(w)
+    assert nibbles.shape == (n, k // 2) and exponents.shape == (n, k // 32)
+    np.testing.assert_array_equal(exponents, blocks[..., 0])
+    codes = np.stack([nibbles & 15, nibbles >> 4], axis=-1).reshape(n, k)
+    got = MXFP4_VALUES[codes].astype(np.float64) * np.repeat(mxfp4_scales(exponents).astype(np.float64), 32, axis=1)
+    with np.errstate(over="ignore"):   # as gguf-py's
+        np.testing.assert_array_equal(got.astype(np.float32), want)
+    bad = Q8Matrix(w.codes.copy(), w.scales, w.offsets, 32, f32=True, symmetric=True, mxfp4=True)
+    bad.codes[0, 5] = 5
+    with pytest.raises(PerfxError, match="no doubled e2m1 value"):
+        mxfp4_arrays(bad)
+    bad = Q8Matrix(w.codes, w.scales * 1.5, w.offsets, 32, f32=True, symmetric=True, mxfp4=True)
+    with pytest.raises(PerfxError, match="no E8M0 power of two"):
+        mxfp4_arrays(bad)
+    with pytest.raises(PerfxError, match="groups of 32"):
+        Q8Matrix(w.codes, np.repeat(w.scales, 2, axis=1), np.repeat(w.offsets, 2, axis=1), 16, f32=True,
+                 symmetric=True, mxfp4=True)

@@ -14,7 +14,7 @@ import pytest
 from helpers.gptoss_models import TINY, write_gptoss_gguf, write_gptoss_hf
 from perfx import moe, reference
 from perfx.errors import PerfxError
-from perfx.formats import Form
+from perfx.formats import MXFP4_FORM
 from perfx.forward64 import ReferenceCache, model_forward
 from perfx.mixers import mixer_class
 from perfx.model import Model
@@ -235,6 +235,10 @@ def test_the_device_forward_matches_the_float64_forward(tiny, device):
     c = source.config
     every = sum(source.layer(i).moe.expert_nbytes * c.n_experts for i in c.moe_layers)
     assert model.weight_bytes < every
+    # the MXFP4 layers' experts on the device in the file's bits, the others as the file's int8 or fp16 as int8
+    forms = [source.layer(i).moe.gate_up[0] for i in c.moe_layers]
+    assert [model.moe.weights[i].gate_up.form == MXFP4_FORM for i in c.moe_layers] == [f.mxfp4 for f in forms]
+    assert any(f.mxfp4 for f in forms)
 
 
 def test_the_hugging_face_directory_runs_on_the_device(tiny, tmp_path, device):
@@ -259,9 +263,8 @@ def test_the_synthetic_gpt_oss_20b_has_its_shapes_and_mxfp4_experts():
     assert (c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim) == (24, 2880, 64, 8, 64)
     assert (c.n_experts, c.n_experts_used, c.expert_intermediate, c.vocab_size) == (32, 4, 2880, 201088)
     assert [r.window for r in c.layers[:4]] == [128, 0, 128, 0] and c.attention_sinks and c.expert_biases
-    mxfp4 = Form("q8", 32, f32=True, symmetric=True)
     forms = source.weight_forms()
-    assert forms["experts_gate_up"] == forms["experts_down"] == {mxfp4}
+    assert forms["experts_gate_up"] == forms["experts_down"] == {MXFP4_FORM}
     assert "MXFP4" in source.describe()["quantization"]
 
 

@@ -12,6 +12,7 @@ import pytest
 from helpers.moe_models import SHAPES, write_moe_gguf, write_moe_hf
 from perfx import moe
 from perfx.errors import PerfxError
+from perfx.formats import MXFP4_FORM, MXFP4_VALUES, mxfp4_arrays, mxfp4_scales
 from perfx.forward64 import model_forward
 from perfx.model import Model
 from perfx.op import StepOptions
@@ -225,15 +226,34 @@ def test_a_checkpoint_whose_experts_disagree_with_its_config_names_the_tensor(tm
         open_model(directory)
 
 
-def test_mxfp4_experts_are_read_exactly(tmp_path, device):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "lfm2_moe"])
+def test_mxfp4_experts_are_read_exactly(tmp_path, device, arch):
     """MXFP4 experts (llama-quantize's MXFP4_MOE, gpt-oss's files): as gguf.quants dequantizes them, bit for bit,
-    held as int8 codes with power-of-two float32 scales; the device forward follows the float64 one."""
-    path, held = write_moe_gguf(tmp_path / "m.gguf", "qwen3_moe", np.random.default_rng(5), expert_types=("MXFP4",))
+    held on the device in the file's bits (e2m1 nibbles, an E8M0 byte a group: 4.25 bits a weight); the header's
+    forms say so; the prefill (grouped products) and decode steps (routed GEMVs) follow the float64 forward."""
+    path, held = write_moe_gguf(tmp_path / "m.gguf", arch, np.random.default_rng(5), expert_types=("MXFP4",))
     source = open_model(path)
+    forms = source.weight_forms()
+    assert forms["experts_gate_up"] == forms["experts_down"] == {MXFP4_FORM}
     for i in source.config.moe_layers:
         w = source.layer(i).moe
-        np.testing.assert_array_equal(w.down[3].dequantize(), held[f"blk.{i}.ffn_down_exps.weight"][3])
+        want = held[f"blk.{i}.ffn_down_exps.weight"][3]
+        np.testing.assert_array_equal(w.down[3].dequantize(), want)
+        # the device's bytes: nibbles (even k low) and exponents give the file's weights again
+        nibbles, exponents = mxfp4_arrays(w.down[3])
+        codes = np.stack([nibbles & 15, nibbles >> 4], axis=-1).reshape(want.shape)
+        scales = np.repeat(mxfp4_scales(exponents).astype(np.float64), 32, axis=1)
+        np.testing.assert_array_equal(MXFP4_VALUES[codes] * scales, want)
     tokens = [3, 17, 42, 5, 60, 8, 1, 33, 70, 2]
+    want, _ = model_forward(source, tokens + [11, 4])
     model = Model.load(source, device, ctx=32, progress=False, database=Database(None))
+    for i in source.config.moe_layers:
+        experts = model.moe.weights[i]
+        assert experts.gate_up.form == experts.down.form == MXFP4_FORM
+        n, k = experts.down.n, experts.down.k
+        assert (experts.down.codes_per_expert, experts.down.scales_per_expert) == (n * k // 2, n * k // 32)
     model.prefill(tokens, 0)
-    assert relative_error(model.logits(), model_forward(source, tokens)[0][-1]) <= DEVICE_TOLERANCE
+    assert relative_error(model.logits(), want[len(tokens) - 1]) <= DEVICE_TOLERANCE
+    for pos in (len(tokens), len(tokens) + 1):
+        model.decode_one((tokens + [11, 4])[pos], pos)
+        assert relative_error(model.logits(), want[pos]) <= DEVICE_TOLERANCE, pos

@@ -1,7 +1,7 @@
 """Tuning spec of gemm_moe: a prompt's routed-expert products, its rows grouped by expert on the device.
 
 Shape: as gemv_moe's (``op``, ``n``, ``k``, ``experts``, ``used``, ``bits``, ``group``, ``sym``, ``f32``, ``act``,
-``bias``),
+``bias``, ``mxfp4``),
 ``m`` the prompt's rows, optionally ``accumulate`` (down adds to y).
 """
 
@@ -13,7 +13,7 @@ from perfx import reference
 from perfx.ops.gemm_moe import PARAMS, GemmMoE, GroupedExperts
 from perfx.ops.gemv_moe import ExpertWeights
 from perfx.tuning.gemv_moe import fuzz_shapes as gemv_fuzz_shapes
-from perfx.tuning.gemv_moe import gate_up_expected, random_bias, random_experts
+from perfx.tuning.gemv_moe import expert_bytes, gate_up_expected, random_bias, random_experts
 from perfx.tuning.spec import Case, Spec, cached_per_params
 
 
@@ -65,9 +65,7 @@ def make_case(device, shape, rng) -> Case:
 
 def _bytes_moved(s) -> int:
     """Each chosen expert's weights once (at most m rows choose it), the activations, the per-pair outputs."""
-    rows = 2 * s["n"] if s["op"] == "gate_up" else s["n"]
-    groups = s["k"] // s["group"]
-    per_expert = rows * (s["k"] * s["bits"] // 8 + (4 if s.get("f32") else 2) * groups * (1 if s.get("sym") else 2))
+    per_expert = expert_bytes(s)
     touched = min(s["experts"], s["m"] * s["used"])
     return touched * per_expert + 4 * s["m"] * s["used"] * (s["k"] + 2 * s["n"])
 
@@ -113,16 +111,17 @@ SPEC = Spec(
          "f32": False, "m": 2, "accumulate": True},
         {"op": "gate_up", "n": 19, "k": 64, "experts": 12, "used": 1, "bits": 8, "group": 32, "sym": True,
          "f32": False, "act": "silu", "m": 1},
-        # gpt-oss: MXFP4 experts (int8 codes, float32 power-of-two scales alone), row biases, the clamped SwiGLU
-        {"op": "gate_up", "n": 29, "k": 96, "experts": 6, "used": 4, "bits": 8, "group": 32, "sym": True,
-         "f32": True, "act": "swiglu_oai", "bias": True, "m": 13},
-        {"op": "down", "n": 41, "k": 64, "experts": 6, "used": 4, "bits": 8, "group": 32, "sym": True, "f32": True,
-         "bias": True, "m": 13},
+        # gpt-oss: MXFP4 experts (e2m1 nibbles, E8M0 bytes), row biases, the clamped SwiGLU
+        {"op": "gate_up", "n": 29, "k": 96, "experts": 6, "used": 4, "bits": 4, "group": 32, "sym": True,
+         "f32": False, "mxfp4": True, "act": "swiglu_oai", "bias": True, "m": 13},
+        {"op": "down", "n": 41, "k": 64, "experts": 6, "used": 4, "bits": 4, "group": 32, "sym": True, "f32": False,
+         "mxfp4": True, "bias": True, "m": 13},
     ),
     bytes_moved=_bytes_moved,
     flops=lambda s: 2 * s["m"] * s["used"] * s["k"] * s["n"] * (2 if s["op"] == "gate_up" else 1),
     describe=lambda s: (f"{s['op']} N={s['n']} K={s['k']} {s['used']}/{s['experts']} int{s['bits']} g{s['group']}"
                         + (" sym" if s.get("sym") else "") + (" f32" if s.get("f32") else "")
+                        + (" mxfp4" if s.get("mxfp4") else "")
                         + (f" {s['act']}" if s.get("act", "silu") != "silu" else "") + (" bias" if s.get("bias") else "")
                         + f" m={s['m']}"
                         + (" +=" if s.get("accumulate") else "")),

@@ -3,7 +3,8 @@
 Shape: ``op`` ("gate_up": h = act(gate)·up of each chosen expert; "down": y = the weighted sum of the chosen
 experts' down products), ``n`` the output width (the experts' I for gate_up, the hidden size for down), ``k``,
 ``experts`` E, ``used`` chosen a row, the weights' form (``bits`` 4 or 8, ``group``, ``sym``, ``f32``: float32
-scales), ``act`` (gate_up's "silu", "gelu_tanh" or "swiglu_oai", gpt-oss's clamped SwiGLU), ``m`` rows, optionally
+scales; ``mxfp4``: gpt-oss's MXFP4 in the file's bits, with bits 4, group 32, sym), ``act`` (gate_up's "silu",
+"gelu_tanh" or "swiglu_oai", gpt-oss's clamped SwiGLU), ``m`` rows, optionally
 ``bias`` (each expert's rows have a bias: gpt-oss) and ``accumulate`` (down adds to y).
 """
 
@@ -12,15 +13,23 @@ from __future__ import annotations
 import numpy as np
 
 from perfx import reference
-from perfx.formats import Q4_PAIRS, Q4_SYMMETRIC, Q4_ZEROS, Q4Matrix, Q8Matrix
+from perfx.formats import MXFP4_VALUES, Q4_PAIRS, Q4_SYMMETRIC, Q4_ZEROS, Q4Matrix, Q8Matrix, mxfp4_scales
 from perfx.ops.gemv_moe import PARAMS, ExpertWeights, GemvMoE
 from perfx.tuning.spec import Case, Spec, cached_per_params
 
 
 def random_experts(shape, rng, rows: int) -> list:
     """E random expert matrices (rows, k) in the shape's form (int4 with f32: zero points, whose offsets −s·z are
-    float32)."""
+    float32; MXFP4: every e2m1 code, fifteen exponents 2^-10 to 2^4 about the other forms' weights, so an exponent
+    read one off doubles or halves a group)."""
     k, group, sym, f32 = shape["k"], shape["group"], bool(shape.get("sym")), bool(shape.get("f32"))
+    if shape.get("mxfp4"):
+        out = []
+        for _ in range(shape["experts"]):
+            codes = MXFP4_VALUES[rng.integers(0, 16, size=(rows, k))]
+            s = mxfp4_scales(rng.integers(118, 133, size=(rows, k // 32)))
+            out.append(Q8Matrix(codes, s, np.zeros_like(s), 32, f32=True, symmetric=True, mxfp4=True))
+        return out
     if shape["bits"] == 4:
         form = Q4_SYMMETRIC if sym else Q4_ZEROS if f32 else Q4_PAIRS
         return [Q4Matrix.random(rows, k, group, rng, form=form) for _ in range(shape["experts"])]
@@ -86,10 +95,17 @@ def make_case(device, shape, rng) -> Case:
     return Case(expected={"y": want}, run=run, launch=launch)
 
 
-def _bytes_moved(s) -> int:
+def expert_bytes(s) -> int:
+    """Bytes of one expert's matrix of the shape's role in its form (``ExpertWeights.expert_bytes`` less biases)."""
     rows = 2 * s["n"] if s["op"] == "gate_up" else s["n"]
     groups = s["k"] // s["group"]
-    per_expert = rows * (s["k"] * s["bits"] // 8 + (4 if s.get("f32") else 2) * groups * (1 if s.get("sym") else 2))
+    if s.get("mxfp4"):
+        return rows * (s["k"] // 2 + groups)
+    return rows * (s["k"] * s["bits"] // 8 + (4 if s.get("f32") else 2) * groups * (1 if s.get("sym") else 2))
+
+
+def _bytes_moved(s) -> int:
+    per_expert = expert_bytes(s)
     return s["m"] * (s["used"] * per_expert + 4 * s["used"] * (s["k"] + s["n"]))
 
 
@@ -102,7 +118,9 @@ def fuzz_shapes(st):
         group = draw(st.sampled_from([16, 32] if bits == 8 else [32, 64, 128]))
         op = draw(st.sampled_from(["gate_up", "down"]))
         sym = draw(st.booleans())
-        return {"op": op, "n": draw(st.integers(1, 80)), "k": group * draw(st.integers(1, 6)), "experts": e,
+        mxfp4 = bits == 4 and group == 32 and sym and draw(st.booleans())
+        return {**({"mxfp4": True} if mxfp4 else {}),
+                "op": op, "n": draw(st.integers(1, 80)), "k": group * draw(st.integers(1, 6)), "experts": e,
                 "used": draw(st.integers(1, e)), "bits": bits, "group": group, "sym": sym,
                 # an int4 form with float32 values is the zero points' (offsets −s·z), never a symmetric one
                 "f32": draw(st.booleans()) and not (bits == 4 and sym),
@@ -126,6 +144,8 @@ SPEC = Spec(
          "f32": False, "act": "silu", "m": 1},
         {"op": "down", "n": 7, "k": 64, "experts": 3, "used": 2, "bits": 8, "group": 16, "sym": False, "f32": True,
          "m": 2},
+        {"op": "gate_up", "n": 3, "k": 64, "experts": 3, "used": 2, "bits": 4, "group": 32, "sym": True,
+         "f32": False, "mxfp4": True, "act": "swiglu_oai", "bias": True, "m": 1},
     ),
     tolerance=1e-5,
     tolerance_why=(
@@ -147,16 +167,17 @@ SPEC = Spec(
          "f32": False, "act": "silu", "m": 2},
         {"op": "down", "n": 33, "k": 256, "experts": 5, "used": 2, "bits": 4, "group": 128, "sym": False,
          "f32": True, "m": 2, "accumulate": True},
-        # gpt-oss: MXFP4 experts (int8 codes, float32 power-of-two scales alone), row biases, the clamped SwiGLU
-        {"op": "gate_up", "n": 29, "k": 96, "experts": 6, "used": 4, "bits": 8, "group": 32, "sym": True,
-         "f32": True, "act": "swiglu_oai", "bias": True, "m": 2},
-        {"op": "down", "n": 41, "k": 64, "experts": 6, "used": 4, "bits": 8, "group": 32, "sym": True, "f32": True,
-         "bias": True, "m": 1},
+        # gpt-oss: MXFP4 experts (e2m1 nibbles, E8M0 bytes), row biases, the clamped SwiGLU
+        {"op": "gate_up", "n": 29, "k": 96, "experts": 6, "used": 4, "bits": 4, "group": 32, "sym": True,
+         "f32": False, "mxfp4": True, "act": "swiglu_oai", "bias": True, "m": 2},
+        {"op": "down", "n": 41, "k": 64, "experts": 6, "used": 4, "bits": 4, "group": 32, "sym": True, "f32": False,
+         "mxfp4": True, "bias": True, "m": 1},
     ),
     bytes_moved=_bytes_moved,
     flops=lambda s: 2 * s["m"] * s["used"] * s["k"] * s["n"] * (2 if s["op"] == "gate_up" else 1),
     describe=lambda s: (f"{s['op']} N={s['n']} K={s['k']} {s['used']}/{s['experts']} int{s['bits']} g{s['group']}"
                         + (" sym" if s.get("sym") else "") + (" f32" if s.get("f32") else "")
+                        + (" mxfp4" if s.get("mxfp4") else "")
                         + (f" {s['act']}" if s.get("act", "silu") != "silu" else "") + (" bias" if s.get("bias") else "")
                         + f" m={s['m']}"
                         + (" +=" if s.get("accumulate") else "")),

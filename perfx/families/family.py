@@ -95,7 +95,7 @@ class Preset:
     group: int = 32
     zero_points: bool = False           # int4 with zero points (AWQ's form) rather than (scale, offset) pairs
     experts: str = "q4"                 # the experts' form: int4 as the rest, or "mxfp4" as gpt-oss's files hold them
-                                        # (the int8 form of MXFP4: e2m1 codes doubled, power-of-two scales)
+                                        # (held as the file holds it: e2m1 nibbles, E8M0 scales)
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from perfx.errors import PerfxError
-from perfx.formats import Form
 from perfx.ops import device_buffer
-from perfx.ops.gemv_moe import ACTS, OPS, check_weight
+from perfx.ops.gemv_moe import ACTS, OPS, check_weight, form_defines, shape_form
 from perfx.ops.params import ParamSpace, Rule
 from perfx.runtime import Device
 
@@ -53,21 +52,18 @@ class GemmMoE:
         act = shape.get("act", "silu")
         if self.op not in OPS or act not in ACTS:
             raise PerfxError(f"gemm_moe: op {self.op!r} ({OPS}) or activation {act!r} ({tuple(ACTS)}) unknown")
-        self.bits, self.group_size = int(shape.get("bits", 4)), int(shape.get("group", 32))
-        self.sym, self.f32, self.bias = bool(shape.get("sym")), bool(shape.get("f32")), bool(shape.get("bias"))
+        self.form, self.bias = shape_form(shape), bool(shape.get("bias"))
         self.device = device
         self.params = PARAMS.resolve(params, shape, device.caps)
         self.tn, self.tm = self.params["TN"], self.params["TM"]
-        defines = {**self.params, "BITS": self.bits, "GROUP": self.group_size, "SYM": int(self.sym),
-                   "HALF": int(not self.f32), "ACT": ACTS[act], "BIAS": int(self.bias)}
+        defines = {**self.params, **form_defines(shape), "ACT": ACTS[act], "BIAS": int(self.bias)}
         self.no_bias = device.alloc(4, what="gemm_moe no bias") if not self.bias else None
         self.group_kernel = device.kernel(PARAMS.source, "moe_group", defines)
         self.kernel = device.kernel(PARAMS.source, f"moe_{self.op}_grouped", defines)
         self.combine_kernel = device.kernel(PARAMS.source, "moe_combine", defines) if self.op == "down" else None
 
     def _check(self, weight, rows: int, scratch: GroupedExperts, m: int, used: int):
-        check_weight("gemm_moe", self.op, weight, Form("q4" if self.bits == 4 else "q8", self.group_size, self.f32,
-                                                        self.sym), rows, self.bias)
+        check_weight("gemm_moe", self.op, weight, self.form, rows, self.bias)
         if m > scratch.rows or used != scratch.used or weight.experts != scratch.experts:
             raise PerfxError(f"gemm_moe: scratch for {scratch.rows} rows of {scratch.used}/{scratch.experts} experts "
                              f"cannot group {m} rows of {used}/{weight.experts}")

@@ -5,8 +5,9 @@ down (with the weighted sum of the chosen experts fused), reading each row's exp
 Wraps ``kernels/gemv_moe.cl``. Every expert's matrix of one role lives in one ``ExpertWeights``: the experts
 stacked, int4 (two codes a byte) or int8 codes, and a (scale, offset) per group, or the scale alone where the
 file's form is symmetric (GGUF Q4_0, Q8_0), in fp16 where the file holds them so (a chosen expert then costs the
-file's bytes) or float32. Any int4 or int8 host form (``perfx.formats``: Q4_0,
-Q4_1, Q4_K, Q5_x, Q6_K, Q8_0) is held exactly. A prompt runs the same kernels over its m rows, each row through
+file's bytes) or float32; or MXFP4 (gpt-oss's experts) in the file's bits: e2m1 nibbles and an E8M0 exponent byte a
+group of 32, 4.25 bits a weight. Any int4 or int8 host form (``perfx.formats``: Q4_0,
+Q4_1, Q4_K, Q5_x, Q6_K, Q8_0, MXFP4) is held exactly. A prompt runs the same kernels over its m rows, each row through
 its own experts.
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from perfx.errors import PerfxError
-from perfx.formats import Q4_SYMMETRIC, Q4_ZEROS, Form, Q4Matrix, Q8Matrix
+from perfx.formats import MXFP4_FORM, Q4_SYMMETRIC, Q4_ZEROS, Form, Q4Matrix, Q8Matrix, mxfp4_arrays
 from perfx.ops import device_buffer
 from perfx.ops.params import ParamSpace, Rule
 from perfx.runtime import Device
@@ -37,7 +38,10 @@ PARAMS = ParamSpace(
 def expert_form(w) -> Form:
     """The device form an expert matrix takes: int4 or int8 at its group, ``symmetric`` where its scales alone are
     read (int4 z = 8, int8 m = 0), ``f32`` where its scales (or offsets) need float32: an int8 matrix made so
-    (Q5_K, Q6_K), int4 zero points (m = −s·z); fp16 otherwise, as the file holds them."""
+    (Q5_K, Q6_K), int4 zero points (m = −s·z); fp16 otherwise, as the file holds them. An MXFP4 matrix
+    (``Q8Matrix.mxfp4``) takes the MXFP4 form, the file's bits."""
+    if isinstance(w, Q8Matrix) and w.mxfp4:
+        return MXFP4_FORM
     if isinstance(w, Q4Matrix):
         return Form("q4", w.group, f32=w.form == Q4_ZEROS, symmetric=w.form == Q4_SYMMETRIC)
     if isinstance(w, Q8Matrix):
@@ -47,14 +51,36 @@ def expert_form(w) -> Form:
 
 
 def form_shape(form: Form) -> dict:
-    """The shape keys of an expert form: bits, group, sym, f32."""
+    """The shape keys of an expert form: bits, group, sym, f32; and mxfp4 (bits 4, group 32, sym) for MXFP4."""
+    if form == MXFP4_FORM:
+        return {"bits": 4, "group": form.group, "sym": True, "f32": False, "mxfp4": True}
     return {"bits": 4 if form.kind == "q4" else 8, "group": form.group, "sym": bool(form.symmetric),
             "f32": bool(form.f32)}
 
 
+def shape_form(shape: dict) -> Form:
+    """The expert form of a routed kernel's shape keys (``form_shape``'s inverse)."""
+    if shape.get("mxfp4"):
+        return MXFP4_FORM
+    return Form("q4" if int(shape.get("bits", 4)) == 4 else "q8", int(shape.get("group", 32)), bool(shape.get("f32")),
+                bool(shape.get("sym")))
+
+
+def form_defines(shape: dict) -> dict:
+    """The kernel defines the weights' form fixes (kernels/gemv_moe.cl, gemm_moe.cl: BITS, GROUP, SYM, HALF, MXFP4)."""
+    form = shape_form(shape)
+    if form == MXFP4_FORM:
+        return {"BITS": 4, "GROUP": form.group, "SYM": 1, "HALF": 0, "MXFP4": 1}
+    return {"BITS": 4 if form.kind == "q4" else 8, "GROUP": form.group, "SYM": int(form.symmetric),
+            "HALF": int(not form.f32), "MXFP4": 0}
+
+
 def expert_arrays(w, form: Form) -> tuple[np.ndarray, np.ndarray]:
     """(codes bytes, scales) of one expert in the device form: int4 codes two a byte (the even k low), or int8
-    codes; per group (s, m) pairs or, symmetric, s alone, in fp16 or (``f32``) float32."""
+    codes; per group (s, m) pairs or, symmetric, s alone, in fp16 or (``f32``) float32; MXFP4: e2m1 nibbles two a
+    byte (the even k low) and one E8M0 byte a group (``perfx.formats.mxfp4_arrays``)."""
+    if form == MXFP4_FORM:
+        return mxfp4_arrays(w)
     codes = w.codes
     if form.kind == "q4":
         codes = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
@@ -122,7 +148,7 @@ class GemvMoE:
     """The routed-expert GEMV of one role (the shape's ``op``: "gate_up" or "down") for weights of one form.
 
     The shape (``tuning/gemv_moe.py``): ``op``, ``n`` the output width (the experts' I for gate_up, the hidden
-    size for down), ``k``, ``experts``, ``used``, the form (``bits``, ``group``, ``sym``), ``act`` (gate_up),
+    size for down), ``k``, ``experts``, ``used``, the form (``bits``, ``group``, ``sym``, ``f32``, ``mxfp4``), ``act`` (gate_up),
     ``bias`` (the experts' rows have biases: gpt-oss)."""
 
     def __init__(self, device: Device, params: dict | None = None, shape: dict | None = None):
@@ -133,21 +159,18 @@ class GemvMoE:
         act = shape.get("act", "silu")
         if act not in ACTS:
             raise PerfxError(f"gemv_moe: activation {act!r} is not one of {tuple(ACTS)}")
-        self.bits, self.group, self.sym = int(shape.get("bits", 4)), int(shape.get("group", 32)), bool(shape.get("sym"))
-        self.f32, self.bias = bool(shape.get("f32")), bool(shape.get("bias"))
-        if self.bits not in (4, 8):
-            raise PerfxError(f"gemv_moe: {self.bits}-bit weights: 4 or 8")
+        if int(shape.get("bits", 4)) not in (4, 8):
+            raise PerfxError(f"gemv_moe: {shape['bits']}-bit weights: 4 or 8")
+        self.form, self.bias = shape_form(shape), bool(shape.get("bias"))
         self.device = device
         self.params = PARAMS.resolve(params, shape, device.caps)
         self.wgs, self.rows = self.params["WGS"], self.params["ROWS"]
-        defines = {**self.params, "BITS": self.bits, "GROUP": self.group, "SYM": int(self.sym),
-                   "HALF": int(not self.f32), "ACT": ACTS[act], "BIAS": int(self.bias)}
+        defines = {**self.params, **form_defines(shape), "ACT": ACTS[act], "BIAS": int(self.bias)}
         self.kernel = device.kernel(PARAMS.source, f"moe_{self.op}", defines)
         self.no_bias = device.alloc(4, what="gemv_moe no bias") if not self.bias else None
 
     def _check(self, weight: ExpertWeights, rows: int):
-        check_weight("gemv_moe", self.op, weight, Form("q4" if self.bits == 4 else "q8", self.group, self.f32, self.sym),
-                     rows, self.bias)
+        check_weight("gemv_moe", self.op, weight, self.form, rows, self.bias)
 
     def _bias(self, weight):
         return weight.bias if weight.bias is not None else self.no_bias

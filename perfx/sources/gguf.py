@@ -225,7 +225,8 @@ class GGUFSource(ModelSource):
     def _expert_form(self, part: str, layer: int) -> Form:
         kind = self._type(self._expert_tensor(part, layer))
         k = self._expert_shape(part)[1]
-        return held_form(self._quantized_form(GGUF_FORMS[kind], k), symmetric_q4=kind == "Q4_0")
+        return held_form(self._quantized_form(GGUF_FORMS[kind], k), symmetric_q4=kind == "Q4_0",
+                         mxfp4=kind == "MXFP4")
 
     def _expert_matrices(self, part: str, layer: int) -> list:
         """Each expert's matrix of one projection ("gate_up_exps" where the file fuses gate and up), from its slice

@@ -249,7 +249,8 @@ class HFSource(ModelSource):
 
     def _gpt_oss_matrices(self, block: str, proj: str) -> list:
         """Each expert's (rows, K) matrix of ``proj`` in output-row order (gate_up: gate and up still interleaved):
-        MXFP4 exactly as int8 codes (the doubled e2m1 values) with power-of-two float32 scales, else fp16."""
+        MXFP4 exactly as int8 codes (the doubled e2m1 values) with power-of-two float32 scales (``Q8Matrix.mxfp4``:
+        the routed kernels hold it in the file's bits), else fp16."""
         name = f"{block}.experts.{proj}"
         if f"{name}_blocks" not in self._files:
             stacked = self._tensor(name)                          # (E, K, rows)
@@ -260,11 +261,9 @@ class HFSource(ModelSource):
         codes[..., 0::2] = formats.MXFP4_VALUES[blocks & 0x0F]
         codes[..., 1::2] = formats.MXFP4_VALUES[blocks >> 4]
         # 2^(x − 127) of the e2m1 value is 2^(x − 128) of its doubled code: ggml's e8m0 half, as the GGUF reader
-        exponent = scales.astype(np.uint32)
-        bits = np.where(exponent < 2, np.uint32(0x00200000) << exponent, (exponent - 1) << np.uint32(23))
-        s = bits.astype(np.uint32).view(np.float32)
+        s = formats.mxfp4_scales(scales)
         return [formats.Q8Matrix(codes[i].reshape(rows, groups * 32), s[i], np.zeros_like(s[i]), 32, f32=True,
-                                 symmetric=True) for i in range(e)]
+                                 symmetric=True, mxfp4=True) for i in range(e)]
 
     def _gpt_oss_experts(self, layer: int, router, router_bias) -> MoEWeights:
         c, block = self.config, self._moe_block(layer)
@@ -309,7 +308,7 @@ class HFSource(ModelSource):
         k = self.config.expert_intermediate if part == "down_exps" else self.config.hidden_size
         proj = "down_proj" if part == "down_exps" else "gate_up_proj"
         if self._expert_layout == "gpt_oss" and f"{self._moe_block(layer)}.experts.{proj}_blocks" in self._files:
-            return Form("q8", 32, True, True)   # MXFP4, as the GGUF reader holds it
+            return formats.MXFP4_FORM   # as the GGUF reader holds it
         return held_form(self._quantized_form(F16_FORM, k))
 
     def _conv_taps_name(self, layer: int) -> str:

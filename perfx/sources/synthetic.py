@@ -17,7 +17,7 @@ from perfx import moe
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
 from perfx.families import FAMILIES
-from perfx.formats import MXFP4_VALUES, Q4_PAIRS, Q4_ZEROS, Q4Matrix, Q8Matrix, describe_q4_form
+from perfx.formats import MXFP4_FORM, MXFP4_VALUES, Q4_PAIRS, Q4_ZEROS, Q4Matrix, Q8Matrix, describe_q4_form
 from perfx.sources.base import F16_FORM, Form, LayerWeights, ModelSource
 
 # name -> (config, group size, int4 form): every family's presets (perfx.families, Family.synthetic)
@@ -79,7 +79,7 @@ class SyntheticSource(ModelSource):
         float32 scale a group of 32 (weights of about 0.01)."""
         codes = MXFP4_VALUES[np.frombuffer(rng.bytes(n * k), dtype=np.uint8) & 0x0F].reshape(n, k)
         scales = np.ldexp(1.0, rng.integers(-10, -7, size=(n, k // 32))).astype(np.float32)
-        return Q8Matrix(codes, scales, np.zeros_like(scales), 32, f32=True, symmetric=True)
+        return Q8Matrix(codes, scales, np.zeros_like(scales), 32, f32=True, symmetric=True, mxfp4=True)
 
     def _make_layer(self, i: int) -> LayerWeights:
         c, rng = self.config.at(i), self._rng(1, i)   # the layer's own shapes
@@ -164,7 +164,7 @@ class SyntheticSource(ModelSource):
 
     def _expert_form(self, part: str, layer: int) -> Form:
         if self.experts == "mxfp4":
-            return Form("q8", 32, f32=True, symmetric=True)
+            return MXFP4_FORM
         return Form("q4", self.group, f32=self.form == Q4_ZEROS)   # zero points' offsets −s·z are float32
 
     def _per_layer_forms(self) -> dict[str, set[Form]]:
@@ -182,6 +182,6 @@ class SyntheticSource(ModelSource):
             head += f", embedding {describe_q4_form(Q4_ZEROS, self._embedding_q4_group())}"
         return {"format": "synthetic", "path": f"synthetic:{self.name}", "files": [], "file_size": 0,
                 "quantization": f"random {describe_q4_form(self.form, self.group)}{head}"
-                                + (", experts MXFP4 (int8 codes, power-of-two scales)" if self.experts == "mxfp4" else ""),
+                                + (", experts MXFP4 (e2m1 nibbles, E8M0 scales)" if self.experts == "mxfp4" else ""),
                 "architecture": self.config.architecture,
                 "notes": [] if self.distinct_layers else ["one random layer is reused for every layer"]}

@@ -3,6 +3,7 @@ gives the answers recorded in tests/data/llamacpp_families.json (``benchmarks/fa
 them; llama-cpp-python is benchmark-only, so that test is skipped without it)."""
 
 import json
+import re
 from pathlib import Path
 
 import gguf
@@ -30,6 +31,9 @@ ARCH_KEYS = {
     "lfm2": ["shortconv.l_cache", "vocab_size", "attention.head_count_kv", "rope.freq_base"],
     "qwen35": ["ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size",
                "attention.recurrent_layers", "full_attention_interval", "rope.dimension_count"],
+    "qwen35moe": ["ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size",
+                  "full_attention_interval", "rope.dimension_count", "expert_count", "expert_used_count",
+                  "expert_feed_forward_length", "expert_shared_feed_forward_length"],
 }
 
 
@@ -53,16 +57,23 @@ def test_the_gguf_holds_the_weights_its_writer_returns(tmp_path, family):
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[family.upper()], model.n_layers)
     heads = {"q_proj": model.config["num_attention_heads"], "k_proj": model.config["num_key_value_heads"]}
     for hf_name, held in written.weights.items():
+        expert = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", hf_name)
+        if expert:   # one expert of a stacked (E, rows, K) tensor, as llama.cpp's converter writes them
+            layer, e, part = expert.groups()
+            t = tensors[f"blk.{layer}.ffn_{part}_exps.weight"]
+            data = quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(-1, *held.shape)[int(e)]
+            np.testing.assert_array_equal(data, held, err_msg=hf_name)
+            continue
         t = tensors[gguf_name_of(names, hf_name)]
         data = quants.dequantize(np.asarray(t.data), t.tensor_type)
-        if family == "qwen35":   # stored as llama.cpp reads it (v heads tiled, −exp A_log, 1 + w): back to HF
+        if family in ("qwen35", "qwen35moe"):   # stored as llama.cpp reads it (v heads tiled, −exp A_log, 1 + w): back to HF
             data = qwen35_unstored(hf_name, data, model.config)
         data = data.reshape(held.shape)
         module = hf_name.split(".")[-2]
         expected = held + 1 if family in GEMMAS and hf_name.endswith("norm.weight") else held
         if family == "smollm3" and module in heads:
             expected = permute_qk(expected, heads[module])
-        if family == "qwen35":   # log(−(−exp A_log)) in float32 may land an ulp away
+        if family in ("qwen35", "qwen35moe"):   # log(−(−exp A_log)) in float32 may land an ulp away
             np.testing.assert_allclose(data, expected.astype(np.float32), rtol=3e-7, atol=0, err_msg=hf_name)
         else:
             np.testing.assert_array_equal(data, expected.astype(np.float32), err_msg=hf_name)
@@ -88,7 +99,7 @@ def test_hf_directory(tmp_path, family, style):
     config = json.loads((directory / "config.json").read_text())
     assert config["model_type"] == model.config["model_type"]
     # Qwen3.5's published config.json is transformers 5's already (rope_parameters) in either style
-    assert ("rope_parameters" in config) == (style == "transformers5" or family == "qwen35")
+    assert ("rope_parameters" in config) == (style == "transformers5" or family in ("qwen35", "qwen35moe"))
     tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
     assert tokenizer_config["add_bos_token"] == (family in GEMMAS + ("lfm2",))   # as their published tokenizers
 

@@ -278,6 +278,20 @@ def _workers_for(device: Device, count: int) -> list[_Worker]:
     """``count`` live build workers for ``device`` (its selector, limits and options), started where missing."""
     key = (device.entry.index, device.limits, tuple(device.build_options))
     with _workers_lock:
+        # one set of settings' workers at a time: a selftest's families ask for many (limits, options), and
+        # workers kept for each would hold ~300 MiB apiece for the whole run; an idle one of other settings stops
+        for other in [k for k in _workers if k != key]:
+            busy = []
+            for worker in _workers.pop(other):
+                if worker.lock.acquire(blocking=False):
+                    try:
+                        worker.stop()
+                    finally:
+                        worker.lock.release()
+                else:
+                    busy.append(worker)
+            if busy:
+                _workers[other] = busy
         live = [w for w in _workers.get(key, []) if w.alive]
         while len(live) < count:
             live.append(_Worker(device.entry.index, device.limits, list(device.build_options),

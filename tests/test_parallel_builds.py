@@ -294,3 +294,29 @@ def test_a_model_load_builds_a_first_prompts_kernels_with_the_decode_steps(devic
     for length in (2, 12, BUILT_AT_LOAD_M - 1, BUILT_AT_LOAD_M):
         model.prefill(rng.integers(0, model.config.vocab_size, length).tolist(), 0)
     assert fresh.compile_seconds() == compiled
+
+
+def test_build_workers_of_one_set_of_settings_run_at_a_time(monkeypatch):
+    """A selftest's families ask for workers under many (limits, build options): an idle worker of other settings
+    stops when new ones start, so the live workers stay those of one set (each holds ~300 MiB)."""
+    import threading
+
+    import perfx.runtime.device as device_module
+
+    class FakeWorker:   # what _workers_for keeps and stops, without a process
+        started = 0
+
+        def __init__(self, *args):
+            FakeWorker.started += 1
+            self.alive, self.lock = True, threading.Lock()
+
+        def stop(self):
+            self.alive = False
+
+    monkeypatch.setattr(device_module, "_Worker", FakeWorker)
+    monkeypatch.setattr(device_module, "_workers", {})
+    device = device_module.Device("pocl")
+    for options in (["-DA=1"], ["-DA=2"], ["-DA=3"]):
+        device.build_options = options
+        device_module._workers_for(device, 2)
+    assert FakeWorker.started == 6 and device_module.running_build_workers() == 2

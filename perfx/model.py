@@ -38,8 +38,8 @@ from perfx.plan import KernelPlan, build_requests, load_buckets
 from perfx.progress import Progress
 from perfx.reference import sample as sample_token
 from perfx.runtime import Device
-from perfx.step import fuse_asked
 from perfx.sources import open_named
+from perfx.step import fuse_asked
 from perfx.tuning.database import Database, default_database
 
 DEFAULT_CTX = 4096

@@ -29,6 +29,7 @@ def test_heaviest_files_first_and_tests_in_their_order():
 def test_xdist_keeps_this_order(pytestconfig):
     """pytest-xdist's own reorder (files with the most tests first) is off, in this run as in any."""
     if not hasattr(pytestconfig.option, "loadscopereorder"):
+        # the dev extra installs xdist (CI has it); a plain `pytest` without it has no reorder to turn off
         pytest.skip("pytest-xdist is not installed")
     assert pytestconfig.option.loadscopereorder is False
 

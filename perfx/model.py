@@ -37,7 +37,7 @@ from perfx.ops.sample import HISTORY_MAX, Sample
 from perfx.plan import KernelPlan, build_requests, load_buckets
 from perfx.progress import Progress
 from perfx.reference import sample as sample_token
-from perfx.runtime import Device
+from perfx.runtime import Device, resident_peak_bytes
 from perfx.sources import open_named
 from perfx.step import fuse_asked
 from perfx.tuning.database import Database, default_database
@@ -1086,7 +1086,11 @@ def kernel_requests(source, device: Device, ctx: int | None = None, database: Da
 
 
 def host_peak_bytes() -> int:
-    """Peak resident memory of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    """Peak resident memory of this process: VmHWM where the system tells (``resident_peak_bytes``), else
+    ru_maxrss (KiB on Linux, bytes on macOS)."""
+    peak = resident_peak_bytes()
+    if peak is not None:
+        return peak
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from perfx import cli
@@ -232,6 +233,16 @@ def selftest_process(cache, *argv, **popen):
     env = {**os.environ, "PERFX_CACHE": str(cache)}
     return subprocess.Popen([sys.executable, "-m", "perfx", "selftest", *argv], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **popen)
+
+
+def test_a_process_started_from_a_large_one_reports_its_own_peak_memory():
+    """Linux carries a parent's peak into ru_maxrss across fork and exec: a selftest started from a test runner or
+    an app holding gigabytes read that as its own peak."""
+    held = np.ones(512 * 2**20, dtype=np.uint8)   # touched: resident in this process
+    child = subprocess.run([sys.executable, "-c", "from perfx.model import host_peak_bytes; print(host_peak_bytes())"],
+                           capture_output=True, text=True, check=True)
+    assert held.sum() == held.size
+    assert 2**20 < int(child.stdout) < 256 * 2**20, f"{int(child.stdout) / 2**20:.0f} MiB"
 
 
 @pytest.mark.slow

@@ -202,6 +202,20 @@ def _worker_main() -> None:
         _send(stdout, (key, outcome))
 
 
+def resident_peak_bytes(pid: int | str = "self") -> int | None:
+    """A process's peak resident memory from Linux's (and Android's) VmHWM, else None. Not ru_maxrss: Linux
+    carries a parent's peak into a child across fork and exec, so a selftest started from a large process (a test
+    runner, an app) would report its parent's memory as its own."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 class _Worker:
     """One build worker process and its pipes: one build at a time, whichever thread asks."""
 
@@ -231,15 +245,8 @@ class _Worker:
         return self.process.poll() is None
 
     def peak_bytes(self) -> int | None:
-        """This worker's peak resident memory while it runs (Linux's VmHWM, Android's too), else None."""
-        try:
-            with open(f"/proc/{self.process.pid}/status") as status:
-                for line in status:
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) * 1024
-        except (OSError, ValueError, IndexError):
-            return None
-        return None
+        """This worker's peak resident memory while it runs, else None."""
+        return resident_peak_bytes(self.process.pid)
 
     def stop(self) -> None:
         peak = self.peak_bytes() if self.alive else None

@@ -16,6 +16,7 @@ phone's limits with PERFX_LIMITS (an Adreno's 1 GiB allocations):
 
     PERFX_LIMITS=adreno740 python benchmarks/synthetic_decode.py synthetic:lfm2-8b-a1b --device intel --ctx 4096
     PERFX_LIMITS=adreno740 python benchmarks/synthetic_decode.py synthetic:gemma-4-e2b --device pocl --layers 7
+    python benchmarks/synthetic_decode.py synthetic:lfm2-8b-a1b --layers 6 --baseline synthetic:lfm2-1.2b
 
 Gemma 4's per-layer table (E2B's is 262 144 × 35 × 256 values) is made up for this run: the synthetic source
 otherwise leaves tables over ``PER_LAYER_TABLE_LIMIT`` values out.
@@ -123,6 +124,33 @@ def record_tables(source) -> dict:
     return recorded
 
 
+def load(parser, model: str, layers: int | None, device: Device, ctx: int):
+    """``model`` (a synthetic preset, its first ``layers``) on ``device``: (Model, active parameters, their bytes,
+    what the load measured)."""
+    name = model.removeprefix(synthetic.SYNTHETIC_PREFIX)
+    if name not in synthetic.SYNTHETIC_MODELS:
+        parser.error(f"unknown synthetic model {model!r}; known: {', '.join(synthetic.SYNTHETIC_MODELS)}")
+    config, group, form = synthetic.SYNTHETIC_MODELS[name]
+    layers = layers or config.n_layers
+    if not 0 < layers <= config.n_layers:
+        parser.error(f"--layers {layers}: {model} has {config.n_layers} layers")
+    whole = config.n_layers
+    config = dataclasses.replace(config, n_layers=layers, layers=config.layers[:layers])
+    source = synthetic.SyntheticSource(name, config, group, form=form, experts=synthetic.SYNTHETIC_EXPERTS[name])
+    recorded = record_tables(source)
+    before = device.allocated_bytes
+    loaded = Model.load(source, device, ctx=ctx, progress=False, database=Database(None))
+    params, want = active(source, recorded)
+    report = loaded.load_report
+    return loaded, params, {
+        "model": model, "device": f"{device.caps.name} ({device.entry.platform})", "limits": device.caps.limits,
+        "layers": layers, "of_layers": whole, "ctx": ctx, "load_s": report["load_s"],
+        "weight_bytes": loaded.weight_bytes, "active_bytes": want, "active_params": params,
+        "weight_over_active": loaded.weight_bytes / want, "device_bytes": device.allocated_bytes - before,
+        "kv_cache_bytes": report["kv_cache_bytes"], "conv_state_bytes": report["conv_state_bytes"],
+        "max_alloc": device.caps.max_alloc}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", help="a synthetic preset, e.g. synthetic:lfm2-8b-a1b")
@@ -132,46 +160,40 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=8)
     parser.add_argument("--decode", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--baseline", help="a synthetic model (whole) timed in the same rounds, interleaved")
     parser.add_argument("--no-time", action="store_true", help="load, report memory and bytes, time nothing")
     args = parser.parse_args()
-    name = args.model.removeprefix(synthetic.SYNTHETIC_PREFIX)
-    if name not in synthetic.SYNTHETIC_MODELS:
-        parser.error(f"unknown synthetic model {args.model!r}; known: {', '.join(synthetic.SYNTHETIC_MODELS)}")
-    config, group, form = synthetic.SYNTHETIC_MODELS[name]
-    layers = args.layers or config.n_layers
-    if not 0 < layers <= config.n_layers:
-        parser.error(f"--layers {layers}: {args.model} has {config.n_layers} layers")
-    config = dataclasses.replace(config, n_layers=layers, layers=config.layers[:layers])
+    if args.baseline == args.model:
+        parser.error("--baseline names the model measured; name another, e.g. a dense model of its family")
     synthetic.PER_LAYER_TABLE_LIMIT = 1 << 40
-    source = synthetic.SyntheticSource(name, config, group, form=form, experts=synthetic.SYNTHETIC_EXPERTS[name])
-    recorded = record_tables(source)
     device = Device(args.device)
-    model = Model.load(source, device, ctx=args.ctx, progress=False, database=Database(None))
-    params, want = active(source, recorded)
-    out = {"model": args.model, "device": f"{device.caps.name} ({device.entry.platform})", "limits": device.caps.limits, "layers": layers,
-           "of_layers": synthetic.SYNTHETIC_MODELS[name][0].n_layers, "ctx": args.ctx,
-           "load_s": model.load_report["load_s"], "weight_bytes": model.weight_bytes, "active_bytes": want,
-           "active_params": params, "weight_over_active": model.weight_bytes / want,
-           "device_bytes_loaded": device.allocated_bytes, "kv_cache_bytes": model.load_report["kv_cache_bytes"],
-           "conv_state_bytes": model.load_report["conv_state_bytes"],
-           "max_alloc": device.caps.max_alloc}
-    print(json.dumps(out), flush=True)
-    model_peak = device.peak_allocated_bytes   # the model's own peak: the copy bandwidth's buffers left out
+    models = {}
+    for name, layers in [(args.model, args.layers)] + ([(args.baseline, None)] if args.baseline else []):
+        model, params, out = load(parser, name, layers, device, args.ctx)
+        models[name] = model, params, out
+        print(json.dumps(out), flush=True)
     if not args.no_time:
-        measure_e2e(model, args.prompt, 2)   # builds every kernel, not timed
-        model_peak = max(model_peak, device.peak_allocated_bytes)
-        for round_ in range(args.rounds):
-            copy_gb_s, _ = copy_bandwidth(device)
+        # each model's peak above what it holds loaded, so a baseline's bytes and the copy's buffers stay out
+        extra = dict.fromkeys(models, 0)
+        for name, (model, _, _) in models.items():
             device.peak_allocated_bytes = device.allocated_bytes
-            r = measure_e2e(model, args.prompt, args.decode)
-            model_peak = max(model_peak, device.peak_allocated_bytes)
-            print(json.dumps({"round": round_, "copy_gb_s": copy_gb_s, "decode_of_copy": r["decode_gb_s"] / copy_gb_s,
-                              "prefill_gflop_s": 2 * params * r["prefill_tok_s"] / 1e9,
-                              **{k: r[k] for k in ("prompt_tokens", "decode_tokens", "prefill_tok_s", "decode_tok_s",
-                                                   "decode_gb_s", "host_ms_per_token", "launches_per_token")}}),
-                  flush=True)
-    print(json.dumps({"device_bytes": device.allocated_bytes, "device_peak_bytes": model_peak,
-                      "host_peak_bytes": host_peak_bytes()}), flush=True)
+            measure_e2e(model, args.prompt, 2)   # builds every kernel, not timed
+            extra[name] = max(extra[name], device.peak_allocated_bytes - device.allocated_bytes)
+        for round_ in range(args.rounds):
+            for name, (model, params, _) in models.items():
+                copy_gb_s, _ = copy_bandwidth(device)
+                device.peak_allocated_bytes = device.allocated_bytes
+                r = measure_e2e(model, args.prompt, args.decode)
+                extra[name] = max(extra[name], device.peak_allocated_bytes - device.allocated_bytes)
+                print(json.dumps({"round": round_, "model": name, "copy_gb_s": copy_gb_s,
+                                  "decode_of_copy": r["decode_gb_s"] / copy_gb_s,
+                                  "prefill_gflop_s": 2 * params * r["prefill_tok_s"] / 1e9,
+                                  **{k: r[k] for k in ("prompt_tokens", "decode_tokens", "prefill_tok_s",
+                                                       "decode_tok_s", "decode_gb_s", "host_ms_per_token",
+                                                       "launches_per_token")}}), flush=True)
+        for name, (_, _, out) in models.items():
+            print(json.dumps({"model": name, "device_peak_bytes": out["device_bytes"] + extra[name]}), flush=True)
+    print(json.dumps({"host_peak_bytes": host_peak_bytes()}), flush=True)
 
 
 if __name__ == "__main__":

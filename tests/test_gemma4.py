@@ -15,7 +15,9 @@ from helpers.gemma4_models import (TINY, layer_shapes, make_gemma4, reference_lo
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
 from perfx.families.gemma4 import E2B
+from perfx.formats import Q4Matrix
 from perfx.forward64 import model_forward
+from perfx.linear import int4_as_int8
 from perfx.model import Model
 from perfx.ops.q8_weight import Q8DeviceWeight
 from perfx.runtime import Device, Limits
@@ -237,6 +239,23 @@ def test_every_positions_logits_for_perplexity(tmp_path, device):
     got = model.prefill_logits(tokens, 0, first=3)
     assert got.shape == want[3:].shape
     assert max(relative_error(g, w) for g, w in zip(got, want[3:])) <= DEVICE_TOLERANCE
+
+
+@pytest.mark.parametrize("form", ["pairs", "zeros", "symmetric"])
+def test_int4_as_int8_keeps_every_value(form):
+    """The int8 form a table past the largest allocation takes holds the int4 values exactly, in each int4 form:
+    codes q (pairs) or q − z (zero points, Q4_0's z = 8) beside the fp16 scales, no float32 anywhere."""
+    rng = np.random.default_rng(43)
+    n, k, group = 24, 96, 32
+    codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    scales = rng.uniform(0.001, 0.01, (n, k // group)).astype(np.float16)
+    offsets = (-8 * scales * rng.uniform(0.9, 1.1, scales.shape)).astype(np.float16)
+    w = {"pairs": lambda: Q4Matrix(codes, scales, offsets, group),
+         "zeros": lambda: Q4Matrix.with_zeros(codes, scales, rng.integers(0, 16, scales.shape), group),
+         "symmetric": lambda: Q4Matrix.symmetric(codes, scales, group)}[form]()
+    held = int4_as_int8(w)
+    assert not held.f32 and held.symmetric == (form != "pairs")
+    np.testing.assert_array_equal(held.dequantize(), w.dequantize())
 
 
 @pytest.mark.parametrize("table_type, symmetric", [("Q4_0", True), ("Q4_1", False)])

@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from perfx.errors import PerfxError
-from perfx.formats import Q4Matrix, Q8Matrix
+from perfx.formats import Q4_PAIRS, Q4Matrix, Q8Matrix
 from perfx.ops import Q8_NATURAL, Q8_TEXEL
 from perfx.ops.gemm_q4 import GemmQ4
 from perfx.ops.gemv_f16 import F16DeviceWeight
@@ -182,16 +182,27 @@ def _scale(scale: float) -> dict:
     return {"scale": scale} if scale != 1.0 else {}
 
 
+def int4_as_int8(w: Q4Matrix) -> Q8Matrix:
+    """The values of an int4 matrix in the int8 form of the fewest bytes that holds them exactly: (s, m) pairs
+    keep their fp16 pair beside codes 0..15 (1.125 bytes a weight at group 32); the zero-point forms become codes
+    q − z beside their fp16 scale alone (symmetric: 1.0625), w = s·(q − z) unchanged."""
+    if w.form == Q4_PAIRS:
+        return Q8Matrix(w.codes.astype(np.int8), w.scales, w.offsets, w.group)
+    codes = w.codes.astype(np.int8)
+    n, k = codes.shape
+    codes.reshape(n, k // w.group, w.group)[...] -= w.zero_points().astype(np.int8)[:, :, None]
+    return Q8Matrix(codes, w.scales, np.zeros(w.scales.shape, np.float32), w.group, symmetric=True)
+
+
 def upload_linear(model, w, what: str, role: str, bias=None) -> Linear:
     """One weight, once, as the Linear of its form: int4 in the layout and read path of the GEMV that reads it
     in decode (``role``: qkv, o, gate_up, down, lm_head, …, or embedding, whose gather reads the codes buffer)."""
     device, plan = model.device, model.plan
     if role == "ple_table" and isinstance(w, Q4Matrix) and w.codes.size // 2 > device.caps.max_alloc:
         # an int4 table is one codes buffer: past the device's largest allocation (a Q4_K Gemma 4 E2B per-layer
-        # table is 1.2 GB, an Adreno allocation at most 1 GiB) it is held as int8 of the same values (codes 0..15,
-        # its scales and offsets in float32), which the int8 form keeps in row blocks
-        w = Q8Matrix(w.codes.astype(np.int8), w.scales.astype(np.float32), np.asarray(w.offsets, np.float32),
-                     w.group, f32=True)
+        # table is 1.2 GB, an Adreno allocation at most 1 GiB) it is held as int8 of the same values, which the
+        # int8 form keeps in row blocks
+        w = int4_as_int8(w)
     if isinstance(w, Q8Matrix):
         return Q8Linear(model, role, Q8DeviceWeight.upload(device, w, bias, what=what), w.nbytes)
     if isinstance(w, Q4Matrix):

@@ -15,7 +15,9 @@ from helpers.gemma4_models import (TINY, layer_shapes, make_gemma4, reference_lo
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
 from perfx.families.gemma4 import E2B
+from perfx.formats import Q4Matrix
 from perfx.forward64 import model_forward
+from perfx.linear import int4_as_int8
 from perfx.model import Model
 from perfx.ops.q8_weight import Q8DeviceWeight
 from perfx.runtime import Device, Limits
@@ -239,16 +241,37 @@ def test_every_positions_logits_for_perplexity(tmp_path, device):
     assert max(relative_error(g, w) for g, w in zip(got, want[3:])) <= DEVICE_TOLERANCE
 
 
-def test_an_int4_table_past_the_largest_allocation_is_held_as_int8(tmp_path, opencl_device):
+@pytest.mark.parametrize("form", ["pairs", "zeros", "symmetric"])
+def test_int4_as_int8_keeps_every_value(form):
+    """The int8 form a table past the largest allocation takes holds the int4 values exactly, in each int4 form:
+    codes q (pairs) or q − z (zero points, Q4_0's z = 8) beside the fp16 scales, no float32 anywhere."""
+    rng = np.random.default_rng(43)
+    n, k, group = 24, 96, 32
+    codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    scales = rng.uniform(0.001, 0.01, (n, k // group)).astype(np.float16)
+    offsets = (-8 * scales * rng.uniform(0.9, 1.1, scales.shape)).astype(np.float16)
+    w = {"pairs": lambda: Q4Matrix(codes, scales, offsets, group),
+         "zeros": lambda: Q4Matrix.with_zeros(codes, scales, rng.integers(0, 16, scales.shape), group),
+         "symmetric": lambda: Q4Matrix.symmetric(codes, scales, group)}[form]()
+    held = int4_as_int8(w)
+    assert not held.f32 and held.symmetric == (form != "pairs")
+    np.testing.assert_array_equal(held.dequantize(), w.dequantize())
+
+
+@pytest.mark.parametrize("table_type, symmetric", [("Q4_0", True), ("Q4_1", False)])
+def test_an_int4_table_past_the_largest_allocation_is_held_as_int8(tmp_path, opencl_device, table_type, symmetric):
     """A phone's largest allocation (PERFX_LIMITS: an Adreno's 1 GiB; here 128 KiB) below an int4 per-layer
-    table's codes: the table is held as int8 of the same values, in row blocks, and the forward is unchanged."""
+    table's codes: the table is held as int8 of the same values, in row blocks, and the forward is unchanged. The
+    int8 form is the smallest that holds them: Q4_0's w = d·(q − 8) as codes q − 8 with the fp16 scale alone (2
+    bytes a group), Q4_1's (d, min) as its fp16 pair (4 bytes), never float32 pairs (8)."""
     rng = np.random.default_rng(41)
-    write_gemma4_gguf(tmp_path / "tiny.gguf", make_gemma4(rng, vocab_size=4096), table_type="Q4_0")
+    write_gemma4_gguf(tmp_path / "tiny.gguf", make_gemma4(rng, vocab_size=4096), table_type=table_type)
     source = GGUFSource(tmp_path / "tiny.gguf")
     device = Device(opencl_device.entry.index, limits=Limits(name="test", max_alloc=128 << 10))
     model = Model.load(source, device, ctx=32, database=default_database(False))
     table = model.weights.ple_table.weight
     assert isinstance(table, Q8DeviceWeight) and len(table.blocks) > 1
+    assert (table.f32, table.symmetric, table.group_bytes) == (False, symmetric, 2 if symmetric else 4)
     tokens = [int(t) for t in rng.integers(0, 4096, 8)]
     want, _ = model_forward(source, tokens)
     model.prefill(tokens, 0)

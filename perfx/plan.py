@@ -35,7 +35,8 @@ from perfx.ops.gemv_q8 import GemvQ8
 from perfx.ops.logit_mask import LogitMask
 from perfx.ops.moe_router import MoeRouter
 from perfx.ops.moe_shared_gate import MoeSharedGate
-from perfx.ops.params import READ_BUFFER, READ_NAMES
+from perfx.ops import Q8_NATURAL, Q8_TEXEL
+from perfx.ops.params import READ_NAMES
 from perfx.ops.per_layer import LayerScale, PerLayerGate
 from perfx.ops.q4_weight import LAYOUT_ROWS, available_paths, held_paths
 from perfx.ops.q8_weight import Q8DeviceWeight
@@ -537,6 +538,24 @@ class KernelPlan:
             elif op.family in Q8_GEMM_KINDS and op.weight is not None:
                 self.q8("gemm", op.weight, _Q8Shape.of(op, op.epilogue == "bias"), op.m)
 
+    def build_block_writers(self) -> None:
+        """The norms' and the decode attention's variants that also write their output as Q8_1 blocks, in each order
+        some decode GEMV of the plan reads them (int8 activations: ``perfx.model.Model._xb_order``,
+        ``AttentionMixer.writes_blocks``): those the decode step takes where its GEMVs read int8 activations."""
+        c = self.config
+        texel = any(getattr(g, "reads_quantized", False) for g in self.gemv.values())
+        natural = any(key[0] == "gemv" and key[2].group == 32 and made.params["I8"]
+                      for key, made in self._q8_ops.items())
+        if c.hidden_size % 32 == 0:
+            for order, wanted in ((Q8_TEXEL, texel), (Q8_NATURAL, natural)):
+                if wanted:
+                    self.rmsnorm.kernels(order)
+        o = dict.get(self.gemv, "o")   # the o projection's int4 GEMV where the step has one (no fallback made)
+        if c.head_dim % 32 == 0 and not c.attention_gate and getattr(o, "reads_quantized", False):
+            for op in self.step:
+                if op.family == "attention_decode":
+                    self._wrappers[op].kernels(True)
+
     def moe_gemm(self, role: str, form: Form, m: int) -> GemmMoE:
         """The grouped routed-expert products of an expert role in a held form, tuned for m's bucket: the bucket
         step's op, else (experts the header did not announce in this form) as the step would build it."""
@@ -610,6 +629,8 @@ class KernelPlan:
                 def make(params):
                     wrapper = GemvQ8(self.device, params, shape)
                     wrapper.kernel(weight.group, weight.f32, weight.symmetric, epilogue)   # built now: a refusal is seen here
+                    if wrapper.params["I8"]:   # x quantized by its own launch where no norm's blocks serve
+                        wrapper.quantize_kernel(weight.group)
                     return wrapper
                 made = self.choose(op.family, shape, name, make)
             elif kind == "gemm":
@@ -621,6 +642,8 @@ class KernelPlan:
                 def make(params):
                     wrapper = GemmQ8(self.device, params, shape, Q8_GEMM_KINDS[family])
                     wrapper.kernel(weight.group, weight.f32, weight.symmetric, epilogue)
+                    if wrapper.kind == "i8":   # the rounding of X each call launches first
+                        wrapper.quantize_kernel(weight.group)
                     return wrapper
                 made = self.choose(family, shape, f"{name}, M≈{rep}", make)
             else:
@@ -649,6 +672,7 @@ def build_requests(config: ModelConfig, device: Device, max_positions: int, data
         plan = KernelPlan(config, device, max_positions, _ReadOnly(database), lambda text: None, group, forms, kv,
                           q4_form, fuse, q4_scales)
         plan.build_q8(plan.step)
+        plan.build_block_writers()
         plan.next_step   # made at its first use: the hand-over of a chosen token to the next step
         plan.logit_mask   # and constrained decoding's mask
         for bucket in buckets:

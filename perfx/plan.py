@@ -16,6 +16,7 @@ import dataclasses
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
 from perfx.formats import Q4_PAIRS, Form, q4_form_defines
+from perfx.ops import Q8_NATURAL, Q8_TEXEL
 from perfx.ops.altup import AltUp
 from perfx.ops.attention_decode import AttentionDecode
 from perfx.ops.attention_prefill import AttentionPrefill
@@ -35,7 +36,6 @@ from perfx.ops.gemv_q8 import GemvQ8
 from perfx.ops.logit_mask import LogitMask
 from perfx.ops.moe_router import MoeRouter
 from perfx.ops.moe_shared_gate import MoeSharedGate
-from perfx.ops import Q8_NATURAL, Q8_TEXEL
 from perfx.ops.params import READ_NAMES
 from perfx.ops.per_layer import LayerScale, PerLayerGate
 from perfx.ops.q4_weight import LAYOUT_ROWS, available_paths, held_paths
@@ -216,7 +216,6 @@ class KernelPlan:
     def _gemv_q4(self, op: Op):
         """The int4 GEMV of a matrix op; the lm_head's of a tied int4 embedding reads the gather's buffer."""
         d, c, shape, name = self.device, self.config, op.shape, op.weight
-
         forms = self.q4_forms("embedding" if name == "lm_head" and c.tie_embeddings else name)
 
         def gemv(params):
@@ -250,7 +249,6 @@ class KernelPlan:
         where the database has one, else those of the plain GEMV chosen at the same matrix (the same product)."""
         d, shape, name = self.device, op.shape, op.weight
         base = {k: v for k, v in shape.items() if k not in ("tail", "post")}
-
         forms = self.q4_forms(name)
 
         def plain(params):
@@ -261,11 +259,16 @@ class KernelPlan:
         self.gemv[name] = chosen = self.choose("gemv_q4", base, name, plain, lambda p: tail_params(p) is not None)
         order = 1 if shape["tail"] == "q8" or self.config.hidden_size % 32 == 0 else 0
         defines = (("TAIL", TAILS[shape["tail"]]), ("POST", int(bool(shape.get("post")))), ("Q8X", order))
+        # a norm's tail writes int8 blocks in the order the matrices after it read them, none where none does
+        # (``Model._xb_order``): each built
+        variants = ([defines[:2] + (("Q8X", q8x),) for q8x in (0, Q8_TEXEL, Q8_NATURAL)]
+                    if shape["tail"] == "norm" and order else [defines])
 
         def tail(params):
             made = GemvQ4Tail(d, params, shape)
             for form in forms:
-                made.kernel(shape["group"], shape["epilogue"], form=form, extra=defines)
+                for extra in variants:
+                    made.kernel(shape["group"], shape["epilogue"], form=form, extra=extra)
             return made
         own = self.database.choices(d, SPECS["gemv_q4_tail"], shape)[0]
         same_upload = {"LAYOUT": chosen.layout, "READ": chosen.read}
@@ -274,7 +277,8 @@ class KernelPlan:
                                                                              same_upload.items()))
         made = GemvQ4Tail(d, tail_params(chosen.params), shape)
         for form in forms:
-            made.kernel(shape["group"], shape["epilogue"], form=form, extra=defines)
+            for extra in variants:
+                made.kernel(shape["group"], shape["epilogue"], form=form, extra=extra)
         self.tuned[f"gemv_q4_tail ({name})"] = self.tuned[f"gemv_q4 ({name})"]
         self.tuned_shapes[f"gemv_q4_tail ({name})"] = shape
         return made
@@ -553,8 +557,8 @@ class KernelPlan:
         o = dict.get(self.gemv, "o")   # the o projection's int4 GEMV where the step has one (no fallback made)
         if c.head_dim % 32 == 0 and not c.attention_gate and getattr(o, "reads_quantized", False):
             for op in self.step:
-                if op.family == "attention_decode":
-                    self._wrappers[op].kernels(True)
+                if op.family == "attention_decode" and self.wrapper(op) is not None:
+                    self.wrapper(op).kernels(True)
 
     def moe_gemm(self, role: str, form: Form, m: int) -> GemmMoE:
         """The grouped routed-expert products of an expert role in a held form, tuned for m's bucket: the bucket

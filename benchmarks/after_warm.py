@@ -8,6 +8,7 @@ export of an older commit) in the same rounds, interleaved:
     PYTHONPATH=. python benchmarks/after_warm.py --rounds 2
     git archive COMMIT perfx tuning | tar -x -C /tmp/old
     PYTHONPATH=. python benchmarks/after_warm.py --rounds 2 --tree /tmp/old
+    PYTHONPATH=. python benchmarks/after_warm.py --rounds 2 --tree /tmp/old --no-warm   # a first session, no warm
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ print(json.dumps(out))
 """
 
 
-def one_run(tree: str | None, model: str, ctx: int) -> dict:
+def one_run(tree: str | None, model: str, ctx: int, warm: bool = True) -> dict:
     with tempfile.TemporaryDirectory(prefix="perfx-after-warm-") as cache:
         models = Path(cache) / "perfx" / "models"
         models.mkdir(parents=True)
@@ -69,15 +70,19 @@ def one_run(tree: str | None, model: str, ctx: int) -> dict:
         here = str(Path(__file__).resolve().parent.parent)
         env = {**os.environ, "XDG_CACHE_HOME": cache, "PYTHONPATH": tree or here}
         began = time.perf_counter()
-        warm = subprocess.run([sys.executable, "-m", "perfx", "warm", "--model", model, "--ctx", str(ctx), "--json"],
-                              env=env, cwd=cache, capture_output=True, text=True, check=True)
+        if warm:
+            done = subprocess.run([sys.executable, "-m", "perfx", "warm", "--model", model, "--ctx", str(ctx),
+                                   "--json"], env=env, cwd=cache, capture_output=True, text=True, check=True)
         warm_s = time.perf_counter() - began
         # run from the cache folder: the checkout's folder first on sys.path would shadow --tree
         session = subprocess.run([sys.executable, "-c", SESSION.format(model=model, ctx=ctx)], env=env, cwd=cache,
                                  capture_output=True, text=True, check=True)
-    w = json.loads(warm.stdout)
-    return {"tree": tree or "this checkout", "warm_s": round(warm_s, 1), "warm kernels": w["kernels"],
-            "at once": w["plan"]["requested"], "missed": w.get("missed"), **json.loads(session.stdout)}
+    out = {"tree": tree or "this checkout"}
+    if warm:
+        w = json.loads(done.stdout)
+        out.update({"warm_s": round(warm_s, 1), "warm kernels": w["kernels"], "at once": w["plan"]["requested"],
+                    "missed": w.get("missed")})
+    return {**out, **json.loads(session.stdout)}
 
 
 def main() -> None:
@@ -86,10 +91,12 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--tree", help="another checkout's perfx, run in the same rounds (PYTHONPATH)")
+    parser.add_argument("--no-warm", action="store_true", help="the session alone, from empty caches: what a first "
+                                                                   "session without `perfx warm` builds")
     args = parser.parse_args()
     for _ in range(args.rounds):
         for tree in ([args.tree] if args.tree else []) + [None]:
-            print(json.dumps(one_run(tree, args.model, args.ctx)), flush=True)
+            print(json.dumps(one_run(tree, args.model, args.ctx, not args.no_warm)), flush=True)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ prompts of every size, greedy and sampled generation, speculation, perplexity, a
 sequences (``perfx.batch``) and constrained decoding without building one more program. Checked on a dense model
 shaped as the default one (Q4_1, its int4 embedding tied to the lm_head), a hybrid (LFM2: convolutions, attention,
 a mix of Q4_0, Q4_K, Q8_0 and Q6_K), a mixture of experts and Gemma 4 (layers of their own shapes, per-layer
-inputs); and `perfx warm --json` says what it built."""
+inputs), at the built-in defaults and, for the first two, with GEMVs reading int8 activations (as tuned entries
+may choose: more variants); and `perfx warm --json` says what it built."""
 
 from __future__ import annotations
 

@@ -35,10 +35,13 @@ COMMANDS = (
      "written as they come, so an interrupted sweep resumes, and one ended by a driver crash resumes past the "
      "parameter set that crashed it (recorded as such). perfx uses the results from then on (see `perfx info`)."),
     ("warm", warm, "build every kernel a model runs, on every core: the first generate then waits for none",
-     "Build every kernel a model will run (the decode step's and every prefill size's), many at once "
-     "(PERFX_BUILD_WORKERS, else every core), into the kernel cache, with a progress bar; then load the model "
-     "and run each prompt size once. Run it once after installing or upgrading perfx or a driver: the first "
-     "`perfx generate` then starts without compiling. Example: perfx warm --model synthetic:tiny"),
+     "Build every kernel a model will run (the decode step's, every prompt size's, the int8 ones of each weight "
+     "form, the lm_head over many rows that perplexity, speculation and `serve --parallel` run, constrained "
+     "decoding's mask), many at once (PERFX_BUILD_WORKERS, else every core), into the kernel cache, with a "
+     "progress bar; then load the model and run each kind of step once, which reports any kernel the plan "
+     "missed. Give the --ctx, --kv and --lm-head you will run with. Run it once after installing or upgrading "
+     "perfx or a driver: the first `perfx generate` then starts without compiling. "
+     "Example: perfx warm --model synthetic:tiny"),
     ("bench", bench, "the device's ceilings and each kernel at a model's shapes, with tuned parameters",
      "Measure copy bandwidth and peak FLOP/s, then each kernel family at the model's shapes with the "
      "parameters perfx would use, as time, GB/s or GFLOP/s and percent of the ceiling."),

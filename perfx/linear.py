@@ -18,10 +18,8 @@ import numpy as np
 from perfx.errors import PerfxError
 from perfx.formats import Q4_PAIRS, Q4Matrix, Q8Matrix
 from perfx.ops import Q8_NATURAL, Q8_TEXEL
-from perfx.ops.gemm_q4 import GemmQ4
 from perfx.ops.gemv_f16 import F16DeviceWeight
-from perfx.ops.params import READ_NAMES
-from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight
+from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.ops.q8_weight import Q8DeviceWeight
 
 
@@ -87,7 +85,6 @@ class Linear(ABC):
 class Q4Linear(Linear):
     """An int4 matrix (AWQ or GGUF Q4), in the layout and read path its decode GEMV reads."""
 
-    _rows_gemm = None   # the lm_head's GEMM over a prompt's rows, made on first use
     # A fused decode step's tail after this matrix's GEMV (``perfx.model.Model._attach_tails``): run(wrapper, weight,
     # x, y, quantized) enqueues the GEMV with its tail (``perfx.ops.gemv_q4_tail``) and returns the events; used
     # while the model enqueues one row of a decode step (``Model.fusing``)
@@ -114,11 +111,7 @@ class Q4Linear(Linear):
         return plan.prefill(m)[0][self.role](self.weight, x, y, m, epilogue)
 
     def rows(self, x, y, count: int):
-        # The lm_head has no prompt GEMM of its own in the plan (only perplexity runs it over rows): the
-        # tall-skinny kernel at its defaults.
-        if self._rows_gemm is None:
-            self._rows_gemm = GemmQ4(self.model.device, shape={"epilogue": "none"})
-        return self._rows_gemm(self.weight, x, y, count)
+        return self.model.plan.head_rows(self.weight, x, y, count)
 
     def gather(self, ids, x, m: int, scale: float):
         return self.model.plan.embed.q4(self.weight, ids, x, m, **_scale(scale))
@@ -206,14 +199,7 @@ def upload_linear(model, w, what: str, role: str, bias=None) -> Linear:
     if isinstance(w, Q8Matrix):
         return Q8Linear(model, role, Q8DeviceWeight.upload(device, w, bias, what=what), w.nbytes)
     if isinstance(w, Q4Matrix):
-        gemv = plan.gemv.get("lm_head" if role == "embedding" else role)
-        # a table only gathered from (an untied embedding, Gemma 4's per-layer table): rows, read as a buffer
-        if (role == "embedding" and not model.config.tie_embeddings) or role == "ple_table":
-            layout, paths = LAYOUT_ROWS, {"buffer"}
-        else:
-            layout, paths = gemv.layout, {READ_NAMES[gemv.read]}
-            if role == "embedding":
-                paths.add("buffer")
+        layout, paths = plan.q4_upload(role)
         weight = Q4DeviceWeight.upload(device, w, bias, read_paths=tuple(sorted(paths)), what=what, layout=layout)
         return Q4Linear(model, role, weight, w.nbytes)
     if bias is not None:

@@ -275,11 +275,12 @@ class Model:
         # the decode step's kernels and a first prompt's (and speculation's steps of a few tokens) built together,
         # on every core (a cached one is a look-up); a longer prompt's are built for its length's bucket when it
         # first comes, and `perfx warm` builds every bucket's ahead
+        scales = source.int4_scales()
         device.build_many(build_requests(c, device, ctx, model.database, group, source.weight_forms(), model.kv, form,
-                                         load_buckets(min(ctx, BUILT_AT_LOAD_M)), fuse=fuse),
+                                         load_buckets(min(ctx, BUILT_AT_LOAD_M)), fuse, scales),
                           on_done=lambda key, error: bar.update(0, note=f"building kernels/{key[0]}"))
         model.plan = KernelPlan(c, device, ctx, model.database, model.log, group, source.weight_forms(), model.kv,
-                                form, fuse)
+                                form, fuse, scales)
         bar.update(note="kernels")
         embedding = source.embedding()
         model.weights.embedding = model.upload(embedding, "token embedding", "embedding")
@@ -1082,7 +1083,8 @@ def kernel_requests(source, device: Device, ctx: int | None = None, database: Da
     ctx = min(limit, default_ctx) if ctx is None else int(ctx)
     group, form = _int4_plan(source, source.layer(0))
     return build_requests(c, device, ctx, database if database is not None else default_database(), group,
-                          source.weight_forms(), kv, form, load_buckets(min(ctx, max_m)))
+                          source.weight_forms(), kv, form, load_buckets(min(ctx, max_m)), fuse_asked(),
+                          source.int4_scales())
 
 
 def host_peak_bytes() -> int:

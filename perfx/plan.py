@@ -15,7 +15,8 @@ import dataclasses
 
 from perfx.config import ModelConfig
 from perfx.errors import PerfxError
-from perfx.formats import Q4_PAIRS, Form
+from perfx.formats import Q4_PAIRS, Form, q4_form_defines
+from perfx.ops import Q8_NATURAL, Q8_TEXEL
 from perfx.ops.altup import AltUp
 from perfx.ops.attention_decode import AttentionDecode
 from perfx.ops.attention_prefill import AttentionPrefill
@@ -37,7 +38,7 @@ from perfx.ops.moe_router import MoeRouter
 from perfx.ops.moe_shared_gate import MoeSharedGate
 from perfx.ops.params import READ_NAMES
 from perfx.ops.per_layer import LayerScale, PerLayerGate
-from perfx.ops.q4_weight import available_paths
+from perfx.ops.q4_weight import LAYOUT_ROWS, available_paths, held_paths
 from perfx.ops.q8_weight import Q8DeviceWeight
 from perfx.ops.rmsnorm import RMSNorm
 from perfx.ops.sample import Sample
@@ -48,8 +49,8 @@ from perfx.tuning import SPECS
 from perfx.tuning.database import Choice, Database, bucket_representative, m_bucket
 from perfx import moe
 from perfx.mixers.attention import AttentionMixer
-from perfx.op import Op, StepOptions, matrix_epilogue
-from perfx.step import bucket_steps, decode_step, embedding_ops, matrix_roles, role_ops
+from perfx.op import Op, StepOptions, matrix_epilogue, role_forms
+from perfx.step import bucket_steps, decode_step, embedding_ops, matrix_dims, matrix_roles, role_ops
 
 
 Q8_GEMM_KINDS = {space.family: kind for kind, space in Q8_KINDS.items()}   # gemm_q8_lanes -> "lanes"
@@ -93,10 +94,13 @@ class KernelPlan:
 
     def __init__(self, config: ModelConfig, device: Device, max_positions: int, database: Database, log,
                  group: int | None, forms: dict | None = None, kv: str = "f16", q4_form: int = Q4_PAIRS,
-                 fuse: bool = False):
+                 fuse: bool = False, q4_scales: dict | None = None):
         self.config, self.device, self.max_positions = config, device, max_positions
         self.kv = kv   # the KV cache's form: part of the attention kernels' shapes
         self.q4_form = q4_form   # the int4 layers' scales form (kernels/q4.h Q4_SCALES): the kernels built first
+        # matrix role -> the scales' forms of its int4 weights, where the file's header tells (``q4_forms``)
+        self.q4_scales = q4_scales or {}
+        self._head_rows = None
         self.database, self.log = database, log
         self.group = group
         self.options = StepOptions(group, forms, kv, max_positions, fuse)
@@ -133,6 +137,11 @@ class KernelPlan:
         for op in self.step:
             if op.shares is None:
                 self._choose_op(op)
+        for op in self.step:   # an int4 table's gather, for the layout and scales' forms the table is held in
+            if op.family == "embedding_q4":
+                role = "ple_table" if op.weight == "ple_table" else "embedding"
+                for form in self.q4_forms(role):
+                    self.embed.q4_kernel_for(self.q4_upload(role)[0], q4_form_defines(form))
 
     @property
     def read_paths(self) -> tuple[str, ...]:
@@ -207,11 +216,15 @@ class KernelPlan:
     def _gemv_q4(self, op: Op):
         """The int4 GEMV of a matrix op; the lm_head's of a tied int4 embedding reads the gather's buffer."""
         d, c, shape, name = self.device, self.config, op.shape, op.weight
+        forms = self.q4_forms("embedding" if name == "lm_head" and c.tie_embeddings else name)
 
         def gemv(params):
             made = GemvQ4(d, params, shape)
-            # built now: a driver that refuses it is seen here
-            made.kernel(shape["group"], shape["epilogue"], form=self.q4_form)
+            # built now: a driver that refuses it is seen here (with the quantizing of x the product launches first)
+            for form in forms:
+                made.kernel(shape["group"], shape["epilogue"], form=form)
+            if made.reads_quantized:
+                made.quantize_kernel()
             return made
         if name == "lm_head" and c.tie_embeddings:
             # A tied int4 embedding is one weight: the gather reads its codes buffer, so the lm_head GEMV
@@ -223,7 +236,8 @@ class KernelPlan:
                 {"gemv_q4": shape, "gemv_q4_split": shape}, "gemv_q4", "gemv_q4_split"):
             def split(params):
                 made = GemvQ4Split(d, params, shape)
-                made.kernels(shape["group"], shape["epilogue"], shape["k"], self.q4_form, shape["bias"])
+                for form in forms:
+                    made.kernels(shape["group"], shape["epilogue"], shape["k"], form, shape["bias"])
                 return made
             return self.choose("gemv_q4_split", shape, name, split)
         return self.choose("gemv_q4", shape, name, gemv)
@@ -235,18 +249,26 @@ class KernelPlan:
         where the database has one, else those of the plain GEMV chosen at the same matrix (the same product)."""
         d, shape, name = self.device, op.shape, op.weight
         base = {k: v for k, v in shape.items() if k not in ("tail", "post")}
+        forms = self.q4_forms(name)
 
         def plain(params):
             made = GemvQ4(d, params, base)
-            made.kernel(base["group"], base["epilogue"], form=self.q4_form)
+            for form in forms:
+                made.kernel(base["group"], base["epilogue"], form=form)
             return made
         self.gemv[name] = chosen = self.choose("gemv_q4", base, name, plain, lambda p: tail_params(p) is not None)
         order = 1 if shape["tail"] == "q8" or self.config.hidden_size % 32 == 0 else 0
         defines = (("TAIL", TAILS[shape["tail"]]), ("POST", int(bool(shape.get("post")))), ("Q8X", order))
+        # a norm's tail writes int8 blocks in the order the matrices after it read them, none where none does
+        # (``Model._xb_order``): each built
+        variants = ([defines[:2] + (("Q8X", q8x),) for q8x in (0, Q8_TEXEL, Q8_NATURAL)]
+                    if shape["tail"] == "norm" and order else [defines])
 
         def tail(params):
             made = GemvQ4Tail(d, params, shape)
-            made.kernel(shape["group"], shape["epilogue"], form=self.q4_form, extra=defines)
+            for form in forms:
+                for extra in variants:
+                    made.kernel(shape["group"], shape["epilogue"], form=form, extra=extra)
             return made
         own = self.database.choices(d, SPECS["gemv_q4_tail"], shape)[0]
         same_upload = {"LAYOUT": chosen.layout, "READ": chosen.read}
@@ -254,7 +276,9 @@ class KernelPlan:
             return self.choose("gemv_q4_tail", shape, name, tail, lambda p: all(p[k] == v for k, v in
                                                                              same_upload.items()))
         made = GemvQ4Tail(d, tail_params(chosen.params), shape)
-        made.kernel(shape["group"], shape["epilogue"], form=self.q4_form, extra=defines)
+        for form in forms:
+            for extra in variants:
+                made.kernel(shape["group"], shape["epilogue"], form=form, extra=extra)
         self.tuned[f"gemv_q4_tail ({name})"] = self.tuned[f"gemv_q4 ({name})"]
         self.tuned_shapes[f"gemv_q4_tail ({name})"] = shape
         return made
@@ -304,8 +328,9 @@ class KernelPlan:
 
     @property
     def logit_mask(self) -> LogitMask:
-        """Constrained decoding's mask over the logits, chosen on first use: a request without a grammar never
-        builds it, and its one launch a step over V bits is no op of the step `perfx tune` measures."""
+        """Constrained decoding's mask over the logits, chosen on first use (built ahead with the load's other
+        kernels: ``build_requests``); its one launch a step over V bits is no op of the step `perfx tune`
+        measures."""
         if self._logit_mask is None:
             d = self.device
             self._logit_mask = self.choose("logit_mask", {"n": self.config.vocab_size, "rows": 1, "allowed": 0.5},
@@ -408,11 +433,15 @@ class KernelPlan:
                 epilogue = skinny["epilogue"]
                 label = f"{name}, M≈{rep}"
 
-                def gemm(kind, shape):
+                layout, held = self._q4_reads(name)
+
+                def gemm(kind, shape, layout=layout, held=held):
                     def make(params):
                         op = GemmQ4(self.device, **{f"{kind}_params": params}, shape=shape, kind=kind)
-                        for read in {params["READ"]} & {0, 1}:
-                            op.kernel(kind, epilogue, read, form=self.q4_form)
+                        # as the prompt runs it: on the path and layout the weight is uploaded in, each form
+                        read = GemmQ4.read_of(params["READ"], held)
+                        for form in self.q4_forms(name):
+                            op.kernel(kind, epilogue, read, layout, form)
                         return op
                     return make
                 kinds = {"skinny": found["skinny"], "tiled": found["tiled"]}
@@ -443,6 +472,10 @@ class KernelPlan:
                                      shape=skinny, f16_params=choices["f16"].params if "f16" in choices else None,
                                      kind=kind, lanes_params=choices["lanes"].params if "lanes" in choices else None,
                                      i8_params=choices["i8"].params if "i8" in choices else None)
+                if kind == "i8":   # the launch each call makes first, built with the rest
+                    gemms[name].quantize_kernel()
+                elif kind == "f16":
+                    gemms[name].convert_kernel()
             op = next((op for op in ops if op.family == "attention_prefill"), None)
             if op is None:   # no attention layer: as one would be
                 op = AttentionMixer.kernel_ops(self.config, rep, self.options)[0]
@@ -455,6 +488,77 @@ class KernelPlan:
                 if op.family == "gemm_moe":
                     self.moe_gemm(op.weight, op.form, rep)
         return self._prefill_ops[bucket]
+
+    def q4_upload(self, role: str) -> tuple[int, set[str]]:
+        """(layout, read paths) an int4 weight of ``role`` is uploaded for (``perfx.linear.upload_linear``): its
+        decode GEMV's, a tied embedding's also the codes buffer the gather reads; a table only gathered from (an
+        untied embedding, Gemma 4's per-layer table) as rows in a buffer."""
+        if role == "ple_table" or (role == "embedding" and not self.config.tie_embeddings):
+            return LAYOUT_ROWS, {"buffer"}
+        gemv = self.gemv["lm_head" if role == "embedding" else role]
+        return gemv.layout, {READ_NAMES[gemv.read]} | ({"buffer"} if role == "embedding" else set())
+
+    def _q4_reads(self, role: str) -> tuple[int, set[int]]:
+        """(layout, the READ codes held) of an int4 weight of ``role`` once uploaded (``q4_upload``)."""
+        layout, paths = self.q4_upload(role)
+        k = self.config.hidden_size if role in ("embedding", "lm_head") else matrix_dims(self.config, role)[1]
+        held = held_paths(self.device.caps, k, paths)
+        return layout, {code for code, name in READ_NAMES.items() if name in held}
+
+    def q4_forms(self, role: str) -> tuple[int, ...]:
+        """The scales' forms (``perfx.formats`` Q4_PAIRS ...) of the int4 weights of ``role``: the file's, where
+        its header tells (``q4_scales``), else the form the int4 kernels are built for first."""
+        return tuple(sorted(self.q4_scales.get(role, ()))) or (self.q4_form,)
+
+    @property
+    def head_rows(self) -> GemmQ4:
+        """The int4 lm_head's GEMM over many rows (perplexity, speculation's verification, a batched decode
+        step): the tall-skinny kernel at its defaults, no op of a step being tuned for it."""
+        if self._head_rows is None:
+            self._head_rows = GemmQ4(self.device, shape={"epilogue": "none"})
+        return self._head_rows
+
+    def build_head_rows(self) -> None:
+        """The kernels ``head_rows`` runs on this model's int4 lm_head (a tied one is the embedding's weight)."""
+        forms = role_forms(self.config, "lm_head", self.options, self.config.hidden_size)
+        if not any(form.kind == "q4" for form in forms):
+            return
+        role = "embedding" if self.config.tie_embeddings else "lm_head"
+        layout, held = self._q4_reads(role)
+        gemm = self.head_rows
+        for form in self.q4_forms(role):
+            gemm.kernel("skinny", "none", GemmQ4.read_of(gemm.params["skinny"]["READ"], held), layout, form)
+
+    def build_q8(self, ops) -> None:
+        """The int8 kernels of ``ops`` (the decode step's or a bucket's), chosen as ``q8`` chooses them when a weight
+        of that form first runs: built ahead (``build_requests``)."""
+        for op in ops:
+            if op.family in ("gemv_q8", "embedding_q8") and op.m == 1:
+                weight = _Q8Shape.of(op, op.shape.get("bias", False))
+                if op.family == "gemv_q8":
+                    self.q8("gemv", op.weight, weight)
+                else:   # every table's gather is the embedding's wrapper (``Q8Linear.gather``)
+                    self.q8("embedding", "embedding", weight)
+            elif op.family in Q8_GEMM_KINDS and op.weight is not None:
+                self.q8("gemm", op.weight, _Q8Shape.of(op, op.epilogue == "bias"), op.m)
+
+    def build_block_writers(self) -> None:
+        """The norms' and the decode attention's variants that also write their output as Q8_1 blocks, in each order
+        some decode GEMV of the plan reads them (int8 activations: ``perfx.model.Model._xb_order``,
+        ``AttentionMixer.writes_blocks``): those the decode step takes where its GEMVs read int8 activations."""
+        c = self.config
+        texel = any(getattr(g, "reads_quantized", False) for g in self.gemv.values())
+        natural = any(key[0] == "gemv" and key[2].group == 32 and made.params["I8"]
+                      for key, made in self._q8_ops.items())
+        if c.hidden_size % 32 == 0:
+            for order, wanted in ((Q8_TEXEL, texel), (Q8_NATURAL, natural)):
+                if wanted:
+                    self.rmsnorm.kernels(order)
+        o = dict.get(self.gemv, "o")   # the o projection's int4 GEMV where the step has one (no fallback made)
+        if c.head_dim % 32 == 0 and not c.attention_gate and getattr(o, "reads_quantized", False):
+            for op in self.step:
+                if op.family == "attention_decode" and self.wrapper(op) is not None:
+                    self.wrapper(op).kernels(True)
 
     def moe_gemm(self, role: str, form: Form, m: int) -> GemmMoE:
         """The grouped routed-expert products of an expert role in a held form, tuned for m's bucket: the bucket
@@ -529,6 +633,8 @@ class KernelPlan:
                 def make(params):
                     wrapper = GemvQ8(self.device, params, shape)
                     wrapper.kernel(weight.group, weight.f32, weight.symmetric, epilogue)   # built now: a refusal is seen here
+                    if wrapper.params["I8"]:   # x quantized by its own launch where no norm's blocks serve
+                        wrapper.quantize_kernel(weight.group)
                     return wrapper
                 made = self.choose(op.family, shape, name, make)
             elif kind == "gemm":
@@ -540,11 +646,17 @@ class KernelPlan:
                 def make(params):
                     wrapper = GemmQ8(self.device, params, shape, Q8_GEMM_KINDS[family])
                     wrapper.kernel(weight.group, weight.f32, weight.symmetric, epilogue)
+                    if wrapper.kind == "i8":   # the rounding of X each call launches first
+                        wrapper.quantize_kernel(weight.group)
                     return wrapper
                 made = self.choose(family, shape, f"{name}, M≈{rep}", make)
             else:
                 op = ops[0]
-                made = self.choose(op.family, op.shape, "embedding", lambda params: EmbeddingQ8(self.device, params))
+                def make(params):
+                    wrapper = EmbeddingQ8(self.device, params)
+                    wrapper.kernel(weight.group, weight.f32, weight.symmetric)
+                    return wrapper
+                made = self.choose(op.family, op.shape, "embedding", make)
             self._wrappers[op] = made
             self._q8_ops[key] = made
         return made
@@ -552,27 +664,52 @@ class KernelPlan:
 
 def build_requests(config: ModelConfig, device: Device, max_positions: int, database: Database, group: int | None,
                    forms: dict | None = None, kv: str = "f16", q4_form: int = Q4_PAIRS, buckets=(),
-                   fuse: bool = False) -> list[tuple]:
+                   fuse: bool = False, q4_scales: dict | None = None) -> list[tuple]:
     """The builds a ``KernelPlan`` of these arguments makes (``(file, defines, newest_c)``, for
-    ``Device.build_many``): its decode kernels and the prefill kernels of the M ``buckets``
-    (``perfx.tuning.database.M_BUCKETS`` indices), collected without building anything (``Device.collecting``),
-    each choice's first parameters. The decode step's int8 kernels, chosen per weight form, are not among them.
-    The database is only read: a choice refused here is not recorded (the load that builds it records it)."""
+    ``Device.build_many``), collected without building anything (``Device.collecting``), each choice's first
+    parameters: the decode step's kernels (its int8 ones for each weight form, the hand-over of a chosen token), and
+    for each of the M ``buckets`` (``perfx.tuning.database.M_BUCKETS`` indices) the prefill kernels and the
+    lm_head's over every row (perplexity, speculation's verification, a batched decode step of that many rows);
+    constrained decoding's mask. The database is only read: a choice refused here is not recorded (the load that
+    builds it records it)."""
     with device.collecting() as requests:
         plan = KernelPlan(config, device, max_positions, _ReadOnly(database), lambda text: None, group, forms, kv,
-                          q4_form, fuse)
+                          q4_form, fuse, q4_scales)
+        plan.build_q8(plan.step)
+        plan.build_block_writers()
+        plan.next_step   # made at its first use: the hand-over of a chosen token to the next step
+        plan.logit_mask   # and constrained decoding's mask
         for bucket in buckets:
             plan.prefill(bucket_representative(bucket))
             for layer in config.layers_of("attention"):   # each shape of layer its own (Gemma 4's)
                 plan.attention_at(layer, bucket_representative(bucket))
             if config.layers_of("delta"):
                 plan.delta_prefill(bucket_representative(bucket))
+            plan.build_q8(plan.buckets[bucket])
+        if buckets:
+            plan.build_head_rows()
     return requests
 
 
 def load_buckets(m: int) -> tuple[int, ...]:
     """The prefill M buckets (``M_BUCKETS`` indices) of prompts of 2 to ``m`` tokens (one token decodes)."""
     return tuple(range(1, m_bucket(max(2, m)) + 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Q8Shape:
+    """What ``KernelPlan.q8`` reads of an int8 weight, for one not uploaded yet: the form and size of an op's."""
+
+    n: int
+    k: int
+    group: int
+    f32: bool
+    symmetric: bool
+    has_bias: bool
+
+    @classmethod
+    def of(cls, op: Op, bias: bool) -> _Q8Shape:
+        return cls(op.shape["n"], op.shape["k"], op.form.group, op.form.f32, op.form.symmetric, bool(bias))
 
 
 class _ReadOnly:

@@ -250,9 +250,14 @@ class GemmQ4:
         """READ where the weight holds that path, else the path it holds (buffer first): the same maths."""
         have = {READ_BUFFER: weight.buffer is not None, READ_IMAGE2D: bool(weight.images),
                 READ_IMAGE1D: weight.image1d is not None}
-        if have[read]:
+        return GemmQ4.read_of(read, {code for code, held in have.items() if held})
+
+    @staticmethod
+    def read_of(read: int, held: set[int]) -> int:
+        """``read_path`` for a weight holding the READ codes ``held`` (one not uploaded yet: a build ahead)."""
+        if read in held:
             return read
-        return READ_BUFFER if have[READ_BUFFER] else READ_IMAGE2D
+        return READ_BUFFER if READ_BUFFER in held else READ_IMAGE2D
 
     def _check(self, weight: Q4DeviceWeight, x, y, m: int, epilogue: str) -> tuple[int, list]:
         """Y's column count and the buffers behind X and Y, once every argument is checked."""

@@ -60,6 +60,16 @@ def available_paths(caps, n: int, k: int, layout: int = LAYOUT_ROWS) -> tuple[st
     return tuple(paths)
 
 
+def held_paths(caps, k: int, read_paths) -> set[str]:
+    """The read paths a K-wide weight uploaded for ``read_paths`` holds (``Q4DeviceWeight.upload``): its codes
+    buffer also where image2d row blocks are views of it."""
+    asked = set(read_paths)
+    held = asked & {"image2d", "image1d_buffer"}
+    if asked & {"buffer", "image1d_buffer"} or ("image2d" in asked and image2d_is_view(caps, k)):
+        held.add("buffer")
+    return held
+
+
 @dataclass
 class Q4DeviceWeight:
     n: int

@@ -45,8 +45,11 @@ class RMSNorm:
         self.params = PARAMS.resolve(params, shape or {}, device.caps)
         self.wgs = self.params["WGS"]
         self._kernels: dict[tuple[str, int], object] = {}
-        for name in ("rmsnorm_residual", "rmsnorm", "rmsnorm_post_residual"):   # built now: a refusal shows at load
-            self.kernel(name, 0)
+        self.kernels(0)   # built now: a refusal shows at load
+
+    def kernels(self, q8x: int) -> list:
+        """The kernel of each entry point, writing y also as Q8_1 blocks in the order ``q8x`` (0: not)."""
+        return [self.kernel(name, q8x) for name in ("rmsnorm_residual", "rmsnorm", "rmsnorm_post_residual")]
 
     def kernel(self, name: str, q8x: int):
         """The entry point ``name``'s kernel, writing y also as Q8_1 blocks in the order ``q8x`` (0: not)."""

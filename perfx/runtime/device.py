@@ -752,6 +752,13 @@ class Device:
         """How many built programs this device keeps (``build``), each holding its machine code."""
         return len(self._programs)
 
+    @property
+    def program_keys(self) -> frozenset:
+        """The ``(file, defines, newest_c)`` keys of the programs this device keeps (``build_many`` takes them):
+        what a caller compares with the builds it asked for, to see which were made one at a time."""
+        with self._build_lock:
+            return frozenset(self._programs)
+
     def forget_programs(self) -> None:
         """Drop the built programs and ``Kernel`` objects this device keeps (``build``, ``kernel``): their memory
         goes once nothing else holds them, and a later build of the same kernel comes from pyopencl's binary

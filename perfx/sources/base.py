@@ -233,6 +233,12 @@ class ModelSource(ABC):
         group = quantize_group(k)
         return form if group is None else Form("q4", group)
 
+    def int4_scales(self) -> dict[str, set[int]]:
+        """Matrix role -> the scales' forms (``perfx.formats`` Q4_PAIRS, Q4_ZEROS, Q4_SYMMETRIC) of its int4 weights
+        over the layers, read from the header alone, so that the kernels of each are built ahead; empty where the
+        source does not tell (its int4 weights then share the first layer's form)."""
+        return {}
+
     def weight_forms(self) -> dict[str, set[Form]] | None:
         """The device forms each matrix role takes over the layers ("qkv", "o", "gate_up", "down",
         "embedding", "lm_head"), read from the header alone; None where the source cannot tell."""

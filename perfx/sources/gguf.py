@@ -65,6 +65,8 @@ GGUF_FORMS = {"Q4_0": Form("q4", 32), "Q4_1": Form("q4", 32), "Q4_K": Form("q4",
               "Q5_K": Form("q8", 32, True), "Q6_K": Form("q8", 16, True, True), "MXFP4": Form("q8", 32, True, True),
               "F16": F16_FORM, "BF16": F16_FORM, "F32": F16_FORM}
 GGUF_TYPES = tuple(GGUF_FORMS)
+# The int4 types' scales' forms (perfx.formats): Q4_0's d·(q − 8), Q4_1's and Q4_K's (d, min) pairs
+GGUF_Q4_SCALES = {"Q4_0": formats.Q4_SYMMETRIC, "Q4_1": formats.Q4_PAIRS, "Q4_K": formats.Q4_PAIRS}
 UNSUPPORTED_TYPE_HELP = ("requantize the model with llama.cpp's llama-quantize to Q4_K_M, Q5_K_M, Q8_0 or Q4_0 "
                          "(from its F16 or Q8_0 GGUF), or download one of those files")
 
@@ -388,6 +390,29 @@ class GGUFSource(ModelSource):
 
     def _type(self, name: str) -> str:
         return self._tensors[name].tensor_type.name
+
+    def int4_scales(self) -> dict[str, set[int]]:
+        c = self.config
+        out: dict[str, set[int]] = {}
+
+        def add(role: str, types: list[str]):
+            if all(t in GGUF_Q4_SCALES for t in types):   # int4 parts joined as Q4Matrix.concat joins them
+                forms = {GGUF_Q4_SCALES[t] for t in types}
+                out.setdefault(role, set()).add(formats.Q4_PAIRS if formats.Q4_PAIRS in forms else
+                                                 forms.pop() if len(forms) == 1 else formats.Q4_ZEROS)
+            elif self.quantize == "q4" and all(GGUF_FORMS[t].kind in ("q4", "f16") for t in types):
+                out.setdefault(role, set()).add(formats.Q4_PAIRS)   # fp16 rounded to 4 bits on load
+        for i in range(c.n_layers):
+            for label, names in self.layer_linears(i).items():
+                if len(names) > 1 and self._is_fused(label, i):
+                    add(label, [self._type(f"blk.{i}.{GGUF_FUSED[label][0]}.weight")])
+                else:
+                    add(label, [self._type(f"blk.{i}.{GGUF_LINEAR[self.part_read_as(name, i)]}.weight")
+                                for name in names])
+        add("embedding", [self._type("token_embd.weight")])
+        if not c.tie_embeddings:
+            add("lm_head", [self._type("output.weight")])
+        return out
 
     def _part_form(self, name: str, layer: int) -> Form:
         return GGUF_FORMS[self._type(f"blk.{layer}.{GGUF_LINEAR[name]}.weight")]

@@ -4,7 +4,7 @@ epilogues, both weight layouts, and the dispatcher."""
 import numpy as np
 import pytest
 
-from helpers.spec_checks import assert_every_parameter_set, assert_first_sets
+from helpers.spec_checks import assert_every_parameter_set, assert_first_sets, same_inputs_for_every_form
 from perfx.errors import PerfxError
 from perfx.formats import Q4_SYMMETRIC, Q4_ZEROS, Q4Matrix
 from perfx.ops.epilogue import output_rows
@@ -168,19 +168,20 @@ def test_read_path_falls_back_to_what_the_weight_holds(device, rng):
 
 # The int8 kernel's forms of its products (kernels/gemm_q4_i8.cl): int16 pairs, two rows of X a conversion, byte
 # dot products (where the device lists cl_khr_integer_dot_product).
-I8_FORMS = [pytest.param({}, id="int16-pairs"), pytest.param({"PAIR": 1}, id="paired-rows"),
-            pytest.param({"DOT": 1}, id="byte-dots")]
+I8_FORMS = [pytest.param({}, id="pairs"), pytest.param({"PAIR": 1}, id="paired"),
+            pytest.param({"DOT": 1}, id="bytedots")]
 
 
 @pytest.mark.parametrize("form", I8_FORMS)
 @pytest.mark.parametrize("group", [32, 128])
-def test_int8_kernel_is_exact_to_its_own_rounding_of_x(device, rng, group, form):
+def test_int8_kernel_is_exact_to_its_own_rounding_of_x(device, request, group, form):
     """gemm_q4_i8's one approximation is X rounded to Q8_1 blocks: against the float64 product of the same weights
     and X so rounded it holds the fp32 tolerance in each form of its products, against the exact X it does not
     (it is the int8 kernel), and its calls at M = 2, 4, 8 (the batched decode step's) and then 3 (a smaller X in
     the scratch grown for 8; paired, a pass of two rows and one of a single row) each write their M rows and no
     more."""
     n, k = 2 * 203, 640
+    rng = same_inputs_for_every_form(request)
     if form.get("DOT") and not device.caps.integer_dot_product:
         with pytest.raises(PerfxError, match="need cl_khr_integer_dot_product"):
             GemmQ4(device, kind="i8", i8_params=form)

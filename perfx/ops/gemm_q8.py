@@ -6,7 +6,8 @@ float8 registers, no local memory) and ``gemm_q8_lanes`` (``kernels/gemm_q8_lane
 output column a SIMD lane, scalar accumulators, for compilers that vectorize across work-items). The model
 runs whichever was measured faster at a bucket's shape. A third, ``gemm_q8_i8`` (``kernels/gemm_q8_i8.cl``), is for
 the few rows of a batched decode step (M ≤ 16): X rounded to int8 per group once a call, integer products, each
-weight group widened once for all the rows of a pass. It also runs the lm_head over many positions
+weight group widened once for all the rows of a pass, its products in gemm_q4_i8's forms (int16 pairs, PAIR,
+DOT). It also runs the lm_head over many positions
 (perplexity). Epilogues (perfx.ops.epilogue): "none"; "bias" (+ the weight's
 bias per output column, e.g. Qwen's QKV); "silu_mul" and "gelu_mul" (gate-up: W has 2·I rows, gate then up,
 Y (M, I) = act(X·Wgᵀ)·(X·Wuᵀ)).

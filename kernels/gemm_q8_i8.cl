@@ -39,7 +39,7 @@
 #define MT 4  // rows of X per pass: ROWS·MT float8 accumulators (twice for gate-up), a power of two
 #endif
 #ifndef DOT
-#define DOT 0  // 1: byte dot products of cl_khr_integer_dot_product (a GPU's dp4a), built as OpenCL C 2.0 or newer
+#define DOT 0  // 1: cl_khr_integer_dot_product byte dot products (a GPU's dp4a), built as OpenCL C 2.0+
 #endif
 #ifndef PAIR
 #define PAIR 0  // 1 (DOT 0): two rows of X a 16-lane conversion and multiply-add

@@ -6,8 +6,8 @@ registers), ``gemm_q4_tiled`` (large M, compute-bound: local-memory and register
 quantized to int8 per block of 32 once per call, integer products, each weight texel unpacked once for all the
 rows of a pass; its products as int16 pairs, two rows of X a conversion (PAIR) or, where the device has
 cl_khr_integer_dot_product, byte dot products (DOT)) and, where the device has cl_khr_fp16, ``gemm_q4_f16``
-(fp16 register tiles, no local memory, no barriers; the activations converted to fp16 once per call). ``GemmQ4`` runs a fixed kind, or picks skinny
-or tiled by M against a crossover; ``choose(m)`` says which.
+(fp16 register tiles, no local memory, no barriers; the activations converted to fp16 once per call).
+``GemmQ4`` runs a fixed kind, or picks skinny or tiled by M against a crossover; ``choose(m)`` says which.
 
 Every kernel reads the layout and read path the weight was uploaded with (``kernels/q4.h``): LAYOUT comes
 from the weight, and READ is the tuned one where the weight has it, else the path it has. The space of each

@@ -18,6 +18,11 @@
 // weight rows once and applies them to the MT rows of X of its pass in integer products. The structure is
 // gemm_q8's (a work-item owns ROWS whole weight rows: no local memory, no barriers).
 //
+// Two forms of the products (tuned), as gemm_q4_i8.cl's: DOT 1, 4 codes against 4 of X's in one
+// cl_khr_integer_dot_product dot_4x8packed_ss_int (signed × signed; a GPU's dp4a), G/4 a group and row of X,
+// one scalar accumulator a row of X and weight row (only where the device lists the extension); PAIR 1 (with
+// DOT 0), two rows of X converted and scaled in one float16.
+//
 // Shape contract (as gemm_q8): K a multiple of G; any M ≥ 1 (passes of MT rows, the remainder in passes of 8,
 // 4, 2, 1: kernels/m_passes.h) and any number of columns (edges guarded). One launch covers the columns
 // y_col0 .. y_col0 + n_cols − 1 of Y (row stride ldy); column j's gate (or only) row is row row_a0 + j of block
@@ -33,8 +38,18 @@
 #ifndef MT
 #define MT 4  // rows of X per pass: ROWS·MT float8 accumulators (twice for gate-up), a power of two
 #endif
+#ifndef DOT
+#define DOT 0  // 1: cl_khr_integer_dot_product byte dot products (a GPU's dp4a), built as OpenCL C 2.0+
+#endif
+#ifndef PAIR
+#define PAIR 0  // 1 (DOT 0): two rows of X a 16-lane conversion and multiply-add
+#endif
 #ifndef EPILOGUE
 #define EPILOGUE EPI_NONE  // none, + bias[column], or SiLU / GELU (gate)·up (kernels/epilogue.h)
+#endif
+
+#if DOT && PAIR
+#error "PAIR pairs the int lanes of the 16-bit products (DOT 0); byte dot products sum each group to one int"
 #endif
 
 #include "epilogue.h"
@@ -82,13 +97,11 @@ __kernel void gemm_q8_i8_quantize_x(const int count, __global const float* restr
 }
 
 #if EPILOGUE == EPI_BIAS
-#define EPILOGUE_STORE const float out = ya + bias_a[row_a0 + col0 + r];
+#define EPILOGUE_STORE const float out = tot[r][mm] + bias_a[row_a0 + col0 + r];
 #elif EPI_GATED
-#define EPILOGUE_STORE                                            \
-    const float yb = SUM8(acc[ROWS + r][mm]) + off[ROWS + r][mm]; \
-    const float out = GATE_ACT(ya) * yb;
+#define EPILOGUE_STORE const float out = GATE_ACT(tot[r][mm]) * tot[ROWS + r][mm];
 #else
-#define EPILOGUE_STORE const float out = ya;
+#define EPILOGUE_STORE const float out = tot[r][mm];
 #endif
 
 #if SYM
@@ -97,55 +110,152 @@ __kernel void gemm_q8_i8_quantize_x(const int count, __global const float* restr
 #define ADD_OFFSET(r, mm, sm, xd) off[r][mm] = (sm).y * (xd).y + off[r][mm];
 #endif
 
+#if DOT
+// A group of a weight row as words of 4 codes, against the row of X's words: G/4 byte dot products (signed ×
+// signed, summed in int: |Σ| ≤ 32·128·127 cannot overflow, so the plain form, not dot_acc_sat).
+#define CODES_T16 uint4
+#define LOAD_CODES(p, c) as_uint4(CHARS16(p, c))
+#define X_T uint4
+#define LOAD_X(p, c) as_uint4(CHARS16(p, c))
+inline int group_dot(const uint4* w, const uint4* x)
+{
+    int sum = 0;
+    #pragma unroll
+    for (int i = 0; i < GROUP / 16; i++)
+        sum += (dot_4x8packed_ss_int(w[i].s0, x[i].s0) + dot_4x8packed_ss_int(w[i].s1, x[i].s1))
+               + (dot_4x8packed_ss_int(w[i].s2, x[i].s2) + dot_4x8packed_ss_int(w[i].s3, x[i].s3));
+    return sum;
+}
+#define ACC_T float   // one int sum a group, row of X and weight row: a scalar accumulator
+#define ACC_TOTAL(a) (a)
+#define CONVERT_ACC(v) ((float)(v))
+#else
+// A group of a weight row widened to short, each product widened to int, neighbours summed in pairs (the
+// pattern x86 compilers turn into vpmaddwd), in 8 int lanes.
+#define CODES_T16 short16
+#define LOAD_CODES(p, c) convert_short16(CHARS16(p, c))
+#define X_T int16
+#define LOAD_X(p, c) convert_int16(CHARS16(p, c))
+inline int8 group_dot(const short16* w, const int16* x)
+{
+    int8 sum = (int8)(0);
+    #pragma unroll
+    for (int i = 0; i < GROUP / 16; i++) {
+        const int16 p = convert_int16(w[i]) * x[i];
+        sum += EVEN16(p) + ODD16(p);
+    }
+    return sum;
+}
+#define ACC_T float8
+#define ACC_TOTAL(a) SUM8(a)
+#define CONVERT_ACC(v) convert_float8(v)
+#endif
+
+// The R rows of X from m0 of a pass: each row's sums and offsets in tot, through the epilogue into Y.
+#define STORE(R)                                                                      \
+    _Pragma("unroll") for (int mm = 0; mm < R; mm++) {                                \
+        _Pragma("unroll") for (int r = 0; r < ROWS; r++) {                            \
+            if (col0 + r < n_cols) {                                                  \
+                EPILOGUE_STORE                                                        \
+                y[(size_t)(m0 + mm) * ldy + y_col0 + col0 + r] = out;                 \
+            }                                                                         \
+        }                                                                             \
+    }                                                                                 \
+    m0 += R;
+
+// The loop over K's groups of a pass, around the products (the arguments): a group of each weight row read
+// (and widened) once for every row of X.
+#define OVER_K(...)                                                                                       \
+    const __global char* xqp = xq + (size_t)m0 * k;                                                       \
+    const __global float2* xdp = x_step_sum + (size_t)m0 * groups;                                        \
+    for (int g = 0; g < groups; g++) {                                                                    \
+        float2 sm[WROWS];                                                                                 \
+        CODES_T16 w[WROWS][GROUP / 16];                                                                   \
+        _Pragma("unroll") for (int r = 0; r < WROWS; r++) {                                               \
+            sm[r] = LOAD_SM(prow[r], g);                                                                  \
+            _Pragma("unroll") for (int i = 0; i < GROUP / 16; i++)                                        \
+                w[r][i] = LOAD_CODES(wrow[r], g * (GROUP / 16) + i);                                      \
+        }                                                                                                 \
+        __VA_ARGS__                                                                                       \
+    }
+
 // One pass over K for the R rows of X from m0 (R a compile-time constant), then the epilogue and the stores.
-// Per group, weight row and row of X: G integer products summed in 8 int lanes, then fp32 times s·d; the
-// offset m·Σ d·q_x in a scalar.
-#define PASS(R)                                                                                           \
+// Per group, weight row and row of X: G integer products (ACC_T's lanes), then fp32 times s·d; the offset
+// m·Σ d·q_x in a scalar.
+#define PASS_SINGLE(R)                                                                                    \
     {                                                                                                     \
-        float8 acc[WROWS][R];                                                                             \
-        float off[WROWS][R];                                                                              \
+        ACC_T acc[WROWS][R];                                                                              \
+        float off[WROWS][R], tot[WROWS][R];                                                               \
         _Pragma("unroll") for (int r = 0; r < WROWS; r++)                                                 \
             _Pragma("unroll") for (int mm = 0; mm < R; mm++) {                                            \
-                acc[r][mm] = (float8)0.0f;                                                                \
+                acc[r][mm] = (ACC_T)0.0f;                                                                 \
                 off[r][mm] = 0.0f;                                                                        \
             }                                                                                             \
-        const __global char* xqp = xq + (size_t)m0 * k;                                                   \
-        const __global float2* xdp = x_step_sum + (size_t)m0 * groups;                                    \
-        for (int g = 0; g < groups; g++) {                                                                \
-            float2 sm[WROWS];                                                                             \
-            short16 w[WROWS][GROUP / 16];                                                                 \
-            _Pragma("unroll") for (int r = 0; r < WROWS; r++) {                                           \
-                sm[r] = LOAD_SM(prow[r], g);                                                              \
-                _Pragma("unroll") for (int i = 0; i < GROUP / 16; i++)                                    \
-                    w[r][i] = convert_short16(CHARS16(wrow[r], g * (GROUP / 16) + i));                    \
-            }                                                                                             \
+        OVER_K(                                                                                           \
             _Pragma("unroll") for (int mm = 0; mm < R; mm++) {                                            \
                 const float2 xd = xdp[(size_t)mm * groups + g];                                           \
-                int16 xv[GROUP / 16];                                                                     \
+                X_T xv[GROUP / 16];                                                                       \
                 _Pragma("unroll") for (int i = 0; i < GROUP / 16; i++)                                    \
-                    xv[i] = convert_int16(CHARS16(xqp + (size_t)mm * k, g * (GROUP / 16) + i));           \
+                    xv[i] = LOAD_X(xqp + (size_t)mm * k, g * (GROUP / 16) + i);                           \
                 _Pragma("unroll") for (int r = 0; r < WROWS; r++) {                                       \
-                    int8 dot = (int8)(0);                                                                 \
-                    _Pragma("unroll") for (int i = 0; i < GROUP / 16; i++) {                              \
-                        const int16 p = convert_int16(w[r][i]) * xv[i];                                   \
-                        dot += EVEN16(p) + ODD16(p);                                                      \
-                    }                                                                                     \
-                    acc[r][mm] = convert_float8(dot) * (sm[r].x * xd.x) + acc[r][mm];                     \
+                    acc[r][mm] = CONVERT_ACC(group_dot(w[r], xv)) * (sm[r].x * xd.x) + acc[r][mm];        \
                     ADD_OFFSET(r, mm, sm[r], xd)                                                          \
                 }                                                                                         \
-            }                                                                                             \
-        }                                                                                                 \
-        _Pragma("unroll") for (int mm = 0; mm < R; mm++) {                                                \
-            _Pragma("unroll") for (int r = 0; r < ROWS; r++) {                                            \
-                if (col0 + r < n_cols) {                                                                  \
-                    const float ya = SUM8(acc[r][mm]) + off[r][mm];                                       \
-                    EPILOGUE_STORE                                                                        \
-                    y[(size_t)(m0 + mm) * ldy + y_col0 + col0 + r] = out;                                 \
-                }                                                                                         \
-            }                                                                                             \
-        }                                                                                                 \
-        m0 += R;                                                                                          \
+            })                                                                                            \
+        _Pragma("unroll") for (int r = 0; r < WROWS; r++)                                                 \
+            _Pragma("unroll") for (int mm = 0; mm < R; mm++) tot[r][mm] = ACC_TOTAL(acc[r][mm]) + off[r][mm]; \
+        STORE(R)                                                                                          \
     }
+
+#if PAIR
+// PAIR 1 (with DOT 0): rows of X in pairs, the 8 int lanes of each row's products of a group converted into the
+// halves of one float16, so one multiply-add (by s·d of each row of X in its half) serves two rows
+// (kernels/gemm_q4_i8.cl's PAIR).
+#define PASS_PAIRED(R)                                                                                    \
+    {                                                                                                     \
+        float16 acc[WROWS][R / 2];                                                                        \
+        float off[WROWS][R], tot[WROWS][R];                                                               \
+        _Pragma("unroll") for (int r = 0; r < WROWS; r++) {                                               \
+            _Pragma("unroll") for (int p = 0; p < R / 2; p++) acc[r][p] = (float16)0.0f;                  \
+            _Pragma("unroll") for (int mm = 0; mm < R; mm++) off[r][mm] = 0.0f;                           \
+        }                                                                                                 \
+        OVER_K(                                                                                           \
+            _Pragma("unroll") for (int p = 0; p < R / 2; p++) {                                           \
+                const float2 xda = xdp[(size_t)(2 * p) * groups + g];                                     \
+                const float2 xdb = xdp[(size_t)(2 * p + 1) * groups + g];                                 \
+                const float16 d = (float16)((float8)xda.x, (float8)xdb.x);                                \
+                X_T xa[GROUP / 16], xb[GROUP / 16];                                                       \
+                _Pragma("unroll") for (int i = 0; i < GROUP / 16; i++) {                                  \
+                    xa[i] = LOAD_X(xqp + (size_t)(2 * p) * k, g * (GROUP / 16) + i);                      \
+                    xb[i] = LOAD_X(xqp + (size_t)(2 * p + 1) * k, g * (GROUP / 16) + i);                  \
+                }                                                                                         \
+                _Pragma("unroll") for (int r = 0; r < WROWS; r++) {                                       \
+                    const float16 dot = (float16)(convert_float8(group_dot(w[r], xa)),                    \
+                                                  convert_float8(group_dot(w[r], xb)));                   \
+                    acc[r][p] = dot * (d * sm[r].x) + acc[r][p];                                          \
+                    ADD_OFFSET(r, 2 * p, sm[r], xda)                                                      \
+                    ADD_OFFSET(r, 2 * p + 1, sm[r], xdb)                                                  \
+                }                                                                                         \
+            })                                                                                            \
+        _Pragma("unroll") for (int r = 0; r < WROWS; r++)                                                 \
+            _Pragma("unroll") for (int p = 0; p < R / 2; p++) {                                           \
+                tot[r][2 * p] = SUM8(acc[r][p].lo) + off[r][2 * p];                                       \
+                tot[r][2 * p + 1] = SUM8(acc[r][p].hi) + off[r][2 * p + 1];                               \
+            }                                                                                             \
+        STORE(R)                                                                                          \
+    }
+// Passes of 2, 4, 8 or 16 rows go in pairs; one of a single row (the remainder of an odd M) has no pair. R is
+// a number (MT is passed as one), so PASS(R) names its pass.
+#define PASS(R) PASS_ROWS(R)
+#define PASS_ROWS(R) PASS_##R
+#define PASS_1 PASS_SINGLE(1)
+#define PASS_2 PASS_PAIRED(2)
+#define PASS_4 PASS_PAIRED(4)
+#define PASS_8 PASS_PAIRED(8)
+#define PASS_16 PASS_PAIRED(16)
+#else
+#define PASS(R) PASS_SINGLE(R)
+#endif
 
 __kernel __attribute__((reqd_work_group_size(WGS, 1, 1)))
 void gemm_q8_i8(const int m_rows, const int n_cols, const int k, const int ldy, const int y_col0,

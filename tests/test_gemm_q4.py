@@ -4,7 +4,7 @@ epilogues, both weight layouts, and the dispatcher."""
 import numpy as np
 import pytest
 
-from helpers.spec_checks import assert_every_parameter_set, assert_first_sets
+from helpers.spec_checks import assert_every_parameter_set, assert_first_sets, same_inputs_for_every_form
 from perfx.errors import PerfxError
 from perfx.formats import Q4_SYMMETRIC, Q4_ZEROS, Q4Matrix
 from perfx.ops.epilogue import output_rows
@@ -166,16 +166,29 @@ def test_read_path_falls_back_to_what_the_weight_holds(device, rng):
         assert relative_error(_run(gemm, kind, image_only, x, y, m), want) <= TOLERANCES[kind], kind
 
 
+# The int8 kernel's forms of its products (kernels/gemm_q4_i8.cl): int16 pairs, two rows of X a conversion, byte
+# dot products (where the device lists cl_khr_integer_dot_product).
+I8_FORMS = [pytest.param({}, id="pairs"), pytest.param({"PAIR": 1}, id="paired"),
+            pytest.param({"DOT": 1}, id="bytedots")]
+
+
+@pytest.mark.parametrize("form", I8_FORMS)
 @pytest.mark.parametrize("group", [32, 128])
-def test_int8_kernel_is_exact_to_its_own_rounding_of_x(device, rng, group):
+def test_int8_kernel_is_exact_to_its_own_rounding_of_x(device, request, group, form):
     """gemm_q4_i8's one approximation is X rounded to Q8_1 blocks: against the float64 product of the same weights
-    and X so rounded it holds the fp32 tolerance, against the exact X it does not (it is the int8 kernel), and
-    its calls at M = 2, 4, 8 (the batched decode step's) and then 3 (a smaller X in the scratch grown for 8)
-    each write their M rows and no more."""
+    and X so rounded it holds the fp32 tolerance in each form of its products, against the exact X it does not
+    (it is the int8 kernel), and its calls at M = 2, 4, 8 (the batched decode step's) and then 3 (a smaller X in
+    the scratch grown for 8; paired, a pass of two rows and one of a single row) each write their M rows and no
+    more."""
     n, k = 2 * 203, 640
+    rng = same_inputs_for_every_form(request)
+    if form.get("DOT") and not device.caps.integer_dot_product:
+        with pytest.raises(PerfxError, match="need cl_khr_integer_dot_product"):
+            GemmQ4(device, kind="i8", i8_params=form)
+        pytest.skip(f"{device.caps.name} has no cl_khr_integer_dot_product")
     q4 = Q4Matrix.random(n, k, group, rng)
     weight = Q4DeviceWeight.upload(device, q4, None, ("buffer",))
-    gemm = GemmQ4(device, kind="i8")
+    gemm = GemmQ4(device, kind="i8", i8_params=form)
     for m in (2, 4, 8, 3):
         x = rng.standard_normal((m, k)).astype(np.float32)
         x[:, rng.integers(0, 256)::256] *= 40
@@ -185,6 +198,20 @@ def test_int8_kernel_is_exact_to_its_own_rounding_of_x(device, rng, group):
         assert relative_error(out, expected_output(rounded, q4, None, "silu_mul")) <= TOL, m
         exact = relative_error(out, expected_output(x, q4, None, "silu_mul"))
         assert TOL < exact <= I8_EXACT_TOL, m
+
+
+def test_int8_kernel_forms_are_offered_where_they_build(device):
+    """The tuner may choose paired rows anywhere, byte dot products exactly where the device lists
+    cl_khr_integer_dot_product, and never both: the pairs are int lanes the byte dot products do not have."""
+    shape = I8.test_shapes[0]
+    candidates = I8.params.candidates(shape, device.caps)
+    assert any(p["PAIR"] for p in candidates)
+    assert any(p["DOT"] for p in candidates) == device.caps.integer_dot_product
+    assert not any(p["DOT"] and p["PAIR"] for p in candidates)
+    both = {**I8.params.defaults(), "MT": 2, "DOT": 1, "PAIR": 1}
+    assert "DOT 0" in I8.params.why_invalid(both, shape, device.caps)
+    with pytest.raises(PerfxError, match="rows of X are paired"):
+        GemmQ4(device, kind="i8", i8_params=both)
 
 
 def test_dispatcher_choice_is_as_documented(device):

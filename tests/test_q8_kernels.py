@@ -5,7 +5,7 @@ import numpy as np
 import pyopencl as cl
 import pytest
 
-from helpers.spec_checks import assert_every_parameter_set
+from helpers.spec_checks import assert_every_parameter_set, same_inputs_for_every_form
 from perfx import reference
 from perfx.errors import PerfxError
 from perfx.formats import Q8Matrix
@@ -60,16 +60,29 @@ def test_detects_wrong_answers(device, rng):
     assert relative_error(wrong, case.expected["y"]) > spec.tolerance
 
 
+@pytest.mark.parametrize("form", [pytest.param({}, id="pairs"), pytest.param({"PAIR": 1}, id="paired"),
+                                  pytest.param({"DOT": 1}, id="bytedots")])
 @pytest.mark.parametrize("group, f32, sym", [(16, True, False), (32, False, True), (32, False, False)])
-def test_int8_gemm_is_exact_to_its_own_rounding_of_x(device, rng, group, f32, sym):
+def test_int8_gemm_is_exact_to_its_own_rounding_of_x(device, request, group, f32, sym, form):
     """gemm_q8_i8's one approximation is X rounded to int8 per group: against the float64 product of the same
-    weights and X so rounded it holds the fp32 tolerance, against the exact X it does not (it is the int8
-    kernel) but holds gemv_q8's I8 tolerance; its calls at M = 2, 4, 8 (the batched decode step's) and then 3
-    (a smaller X in the scratch grown for 8) each write their M rows and no more, across 64-row blocks."""
+    weights and X so rounded it holds the fp32 tolerance in each form of its products (int16 pairs, two rows of X
+    a conversion, and where the device lists cl_khr_integer_dot_product byte dot products), against the exact X
+    it does not (it is the int8 kernel) but holds gemv_q8's I8 tolerance; its calls at M = 2, 4, 8 (the batched
+    decode step's) and then 3 (a smaller X in the scratch grown for 8) each write their M rows and no more,
+    across 64-row blocks."""
     n, k = 203, 640
+    rng = same_inputs_for_every_form(request)
+    spec = SPECS["gemm_q8_i8"]
+    candidates = spec.params.candidates(spec.test_shapes[0], device.caps)
+    assert any(p["DOT"] for p in candidates) == device.caps.integer_dot_product
+    assert any(p["PAIR"] for p in candidates) and not any(p["DOT"] and p["PAIR"] for p in candidates)
+    if form.get("DOT") and not device.caps.integer_dot_product:
+        with pytest.raises(PerfxError, match="need cl_khr_integer_dot_product"):
+            GemmQ8(device, form, kind="i8")
+        pytest.skip(f"{device.caps.name} has no cl_khr_integer_dot_product")
     q8 = Q8Matrix.random(n, k, group, rng, f32=f32, symmetric=sym)
     weight = Q8DeviceWeight.upload(device, q8, max_block_bytes=64 * k)
-    gemm = GemmQ8(device, kind="i8")
+    gemm = GemmQ8(device, form, kind="i8")
     i8_tolerance = SPECS["gemv_q8"].tolerance_for({**SPECS["gemv_q8"].params.defaults(), "I8": 1})
     for m in (2, 4, 8, 3):
         x = rng.standard_normal((m, k)).astype(np.float32)

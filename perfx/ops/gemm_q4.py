@@ -4,9 +4,10 @@ Five kernels: ``gemm_q4_skinny`` (small M, memory-bound: each weight read once, 
 registers), ``gemm_q4_tiled`` (large M, compute-bound: local-memory and register tiles), ``gemm_q4_lanes``
 (one column a SIMD lane, for CPU compilers), ``gemm_q4_i8`` (a few rows, the batched decode step's: X
 quantized to int8 per block of 32 once per call, integer products, each weight texel unpacked once for all the
-rows of a pass) and, where the device has cl_khr_fp16, ``gemm_q4_f16`` (fp16 register tiles, no local memory,
-no barriers; the activations converted to fp16 once per call). ``GemmQ4`` runs a fixed kind, or picks skinny
-or tiled by M against a crossover; ``choose(m)`` says which.
+rows of a pass; its products as int16 pairs, two rows of X a conversion (PAIR) or, where the device has
+cl_khr_integer_dot_product, byte dot products (DOT)) and, where the device has cl_khr_fp16, ``gemm_q4_f16``
+(fp16 register tiles, no local memory, no barriers; the activations converted to fp16 once per call).
+``GemmQ4`` runs a fixed kind, or picks skinny or tiled by M against a crossover; ``choose(m)`` says which.
 
 Every kernel reads the layout and read path the weight was uploaded with (``kernels/q4.h``): LAYOUT comes
 from the weight, and READ is the tuned one where the weight has it, else the path it has. The space of each
@@ -25,7 +26,7 @@ from perfx.errors import PerfxError
 from perfx.formats import Q4_PAIRS, q4_form_defines
 from perfx.ops import buffer_bytes
 from perfx.ops.epilogue import check_gate_up, code, is_gated, output_rows
-from perfx.ops.params import FP16_NEED, READ_BUFFER, READ_IMAGE1D, READ_IMAGE2D, READ_NEED, ParamSpace, Rule
+from perfx.ops.params import BYTE_DOT_NEED, FP16_NEED, READ_BUFFER, READ_IMAGE1D, READ_IMAGE2D, READ_NEED, ParamSpace, Rule
 from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight
 from perfx.runtime import Device
 
@@ -47,6 +48,10 @@ def _weight_rows(shape) -> int:
     """Weight rows a column of Y needs: two (gate and up) for the gate-up epilogue."""
     return 2 if is_gated(shape.get("epilogue")) else 1
 
+
+# Byte dot products sum a texel (a group, for gemm_q8_i8) of a row of X into one int: no int lanes to pair.
+PAIR_RULE = Rule("rows of X are paired (PAIR 1) in the int lanes of the 16-bit products: DOT 0",
+                 lambda p, s: not (p["PAIR"] and p["DOT"]))
 
 LAYOUT_READ_RULE = Rule("the interleaved layout has no image2d row blocks: READ 0 or 2",
                         lambda p, s: p["LAYOUT"] == LAYOUT_ROWS or p["READ"] != READ_IMAGE2D)
@@ -149,15 +154,18 @@ I8 = ParamSpace(
         "MT": (4, 2, 8),         # rows of X per pass
         "READ": (0, 1),          # codes from a buffer (0) or image2d (1): where the weight has it
         "LAYOUT": (0, 1),        # the weight's layout (rows along K, interleaved): set from the weight
+        "DOT": (0, 1),           # products as int16 pairs (0) or byte dot products (1, cl_khr_integer_dot_product)
+        "PAIR": (0, 1),          # 1: two rows of X share a 16-lane conversion and multiply-add (DOT 0)
     },
     # ROWS·MT float8 accumulators per weight row a work-item applies (two for the gate-up epilogue), beside its
     # unpacked texels (two short16 a weight row): 16 accumulators is what a CPU with 32 vector registers holds;
-    # the tuner measures where fewer spill.
+    # the tuner measures where fewer spill. Paired, as many float16 for half the rows of X: the same lanes.
     rules=(Rule("at most 16 float8 accumulators per work-item (ROWS·MT, times 2 for the gate-up epilogue)",
                 lambda p, s: p["ROWS"] * p["MT"] * _weight_rows(s) <= 16),
+           PAIR_RULE,
            LAYOUT_READ_RULE),
     work_group_size=lambda p, s: p["WGS"],
-    needs={"READ": READ_NEED},
+    needs={"READ": READ_NEED, "DOT": BYTE_DOT_NEED},
 )
 
 _SPACES = {"skinny": SKINNY, "tiled": TILED, "f16": F16, "lanes": LANES, "i8": I8}
@@ -241,7 +249,9 @@ class GemmQ4:
             params = _SPACES[kind].check(params, {"epilogue": epilogue}, self.device.caps,
                                          f"the {epilogue} epilogue")
             defines = {**params, "EPILOGUE": code("gemm_q4", epilogue), **q4_form_defines(form)}
-            kernel = self.device.kernel(_SPACES[kind].source, f"gemm_q4_{kind}", defines)
+            # cl_khr_integer_dot_product's built-ins are declared only for OpenCL C 2.0 and newer on some compilers
+            kernel = self.device.kernel(_SPACES[kind].source, f"gemm_q4_{kind}", defines,
+                                        newest_c=bool(params.get("DOT")))
             self._kernels[key] = kernel
         return kernel
 

@@ -6,7 +6,8 @@ float8 registers, no local memory) and ``gemm_q8_lanes`` (``kernels/gemm_q8_lane
 output column a SIMD lane, scalar accumulators, for compilers that vectorize across work-items). The model
 runs whichever was measured faster at a bucket's shape. A third, ``gemm_q8_i8`` (``kernels/gemm_q8_i8.cl``), is for
 the few rows of a batched decode step (M ≤ 16): X rounded to int8 per group once a call, integer products, each
-weight group widened once for all the rows of a pass. It also runs the lm_head over many positions
+weight group widened once for all the rows of a pass, its products in gemm_q4_i8's forms (int16 pairs, PAIR,
+DOT). It also runs the lm_head over many positions
 (perplexity). Epilogues (perfx.ops.epilogue): "none"; "bias" (+ the weight's
 bias per output column, e.g. Qwen's QKV); "silu_mul" and "gelu_mul" (gate-up: W has 2·I rows, gate then up,
 Y (M, I) = act(X·Wgᵀ)·(X·Wuᵀ)).
@@ -19,7 +20,7 @@ import numpy as np
 from perfx.errors import PerfxError
 from perfx.ops import buffer_bytes
 from perfx.ops.epilogue import check_gate_up, code, is_gated, output_rows
-from perfx.ops.params import ParamSpace, Rule
+from perfx.ops.params import BYTE_DOT_NEED, ParamSpace, Rule
 from perfx.ops.q8_weight import Q8DeviceWeight
 from perfx.runtime import Device
 
@@ -61,12 +62,17 @@ I8 = ParamSpace(
         "WGS": (16, 1, 32, 64),  # work-items per work-group (independent: no local memory, no barriers)
         "ROWS": (1, 2, 4),       # output columns per work-item: each group of X applied to ROWS weight rows
         "MT": (4, 2, 8),         # rows of X per pass
+        "DOT": (0, 1),           # products as int16 pairs (0) or byte dot products (1, cl_khr_integer_dot_product)
+        "PAIR": (0, 1),          # 1: two rows of X share a 16-lane conversion and multiply-add (DOT 0)
     },
     # ROWS·MT float8 accumulators per weight row applied (two for the gate-up epilogue), beside the widened codes
-    # of a group of each row: gemm_q4_i8's rule, for the same reason.
+    # of a group of each row: gemm_q4_i8's rules, for the same reasons.
     rules=(Rule("at most 16 float8 accumulators per work-item (ROWS·MT, times 2 for the gate-up epilogue)",
-                lambda p, s: p["ROWS"] * p["MT"] * (2 if is_gated(s.get("epilogue")) else 1) <= 16),),
+                lambda p, s: p["ROWS"] * p["MT"] * (2 if is_gated(s.get("epilogue")) else 1) <= 16),
+           Rule("rows of X are paired (PAIR 1) in the int lanes of the 16-bit products: DOT 0",
+                lambda p, s: not (p["PAIR"] and p["DOT"]))),
     work_group_size=lambda p, s: p["WGS"],
+    needs={"DOT": BYTE_DOT_NEED},
 )
 
 KINDS = {"skinny": PARAMS, "lanes": LANES, "i8": I8}
@@ -104,7 +110,9 @@ class GemmQ8:
             self.space.check(self.params, {"epilogue": epilogue}, self.device.caps, f"the {epilogue} epilogue")
             defines = {**self.params, "GROUP": group, "SM_F32": int(f32), "SYM": int(symmetric),
                        "EPILOGUE": code("gemm_q8", epilogue)}
-            kernel = self._kernels[key] = self.device.kernel(self.space.source, self.space.family, defines)
+            # cl_khr_integer_dot_product's built-ins are declared only for OpenCL C 2.0 and newer on some compilers
+            kernel = self._kernels[key] = self.device.kernel(self.space.source, self.space.family, defines,
+                                                             newest_c=bool(self.params.get("DOT")))
         return kernel
 
     def quantize_kernel(self, group: int):

@@ -66,6 +66,9 @@ FP16_NEED = Need("fp16 arithmetic needs cl_khr_fp16", lambda caps, value: not va
 # I8 2: int8 activations through the 4×8-bit dot products of cl_khr_integer_dot_product (I8 1 needs nothing)
 INTEGER_DOT_NEED = Need("byte dot products (I8 2) need cl_khr_integer_dot_product",
                         lambda caps, value: value != 2 or caps.integer_dot_product)
+# DOT 1: the int8-activation GEMMs' products through the same byte dot products
+BYTE_DOT_NEED = Need("byte dot products (DOT 1) need cl_khr_integer_dot_product",
+                     lambda caps, value: not value or caps.integer_dot_product)
 SUBGROUPS_NEED = Need("subgroup operations need cl_khr_subgroups (or cl_intel_subgroups)",
                       lambda caps, value: not value or caps.subgroups)
 # cl_qcom_reqd_sub_group_size: "half" and "full" waves, 64 and 128 work-items on Adreno 6xx–8xx.

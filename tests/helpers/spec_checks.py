@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import zlib
+
+import numpy as np
+
 
 def parameter_sets(spec, shape, caps) -> list[dict]:
     """Every parameter set the tuner may choose for ``shape`` here, the defaults first where they fit it."""
@@ -72,3 +76,9 @@ def assert_first_sets(spec, device, shape, rng, predicates: dict) -> dict[str, d
                 if not error <= spec.tolerance_for(params)]
     assert not failures, f"{spec.params.family} on {spec.describe(shape)}:\n" + "\n".join(failures)
     return chosen
+
+
+def same_inputs_for_every_form(request) -> np.random.Generator:
+    """The generator of this test's id without its last part (the int8 GEMMs' form of the products, the last
+    parametrize): every form on the same inputs, so a form is judged on the data the others passed."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.rsplit("-", 1)[0].encode()))

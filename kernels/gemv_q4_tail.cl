@@ -11,14 +11,21 @@
 //   TAIL 2 (the quantizing of the down projection's input, for gate-up): y itself as Q8_1 blocks in the order
 //       Q8X (1: the rows GEMV's texel order), so down launches no quantizing of its own.
 //
-// The hand-off is kernels/attention_decode.cl's: every row set stores its outputs with atomic stores, fences, and
-// counts itself on a counter in global memory (atomic_inc); the row set that takes it to the launch's last reads
-// y back with atomic loads, resets the counter for the next launch, and runs the tail. rows.cl lets only the
-// first lane of each row set reach its store where LANES > 1 (the others return after the lanes' reduction), so
-// there the tail runs on one work-item: O(N) loads and stores, against a launch's fixed cost it saves. With one
-// lane a row set every work-item stores, the work-group counts itself once, and the last group's work-items share
-// the quantizing tail (the norm's stays on one). A tail spread over a work-group at every LANES needs the
-// product's early returns gone from gemv_q4_rows.cl (whose code the tuned records are pinned to).
+// The hand-off: every row set stores its outputs and counts itself on a counter in global memory; the row set that
+// takes it to the launch's last resets the counter for the next launch, reads y back and runs the tail. HANDOFF
+// says how the outputs cross work-groups: 0, OpenCL C 1.2's way (kernels/attention_decode.cl's), each output an
+// atomic store and an atomic load (1.2 has no ordering but the atomics'); 1, plain stores and loads ordered by
+// the counter's acquire-release increment at device scope (OpenCL C 2.0, or 3.0 with the features
+// __opencl_c_atomic_order_acq_rel and __opencl_c_atomic_scope_device): the loads are ordinary, vector, parallel
+// ones. The caller asks for 1 where the device's compiler takes OpenCL C 2.0 or later (and builds with that
+// -cl-std); a compiler that lacks the features builds 0 instead.
+// rows.cl lets only the first lane of each row set reach its store where LANES > 1 (the others return after the
+// lanes' reduction), so there the tail runs on one work-item: O(N) loads and stores, against a launch's fixed
+// cost it saves. With one lane a row set (the CPU runtimes' tuned sets) every work-item stores, the work-group
+// counts itself once, and the last group's work-items share the whole tail: the norm's sums of squares as a
+// work-group reduction (tail_sums, one float a work-item), its writes and the quantizing spread over them. A tail
+// spread over a work-group at every LANES needs the product's early returns gone from gemv_q4_rows.cl (whose code
+// the tuned records are pinned to).
 //
 // Shape contract: rows.cl's, one launch per product (not READ 1's image2d row blocks, which the wrapper splits
 // into several launches); TAIL 1: N = the hidden size, no gate-up epilogue; Q8X: the output's length a multiple
@@ -37,6 +44,9 @@
 #endif
 #ifndef Q8X
 #define Q8X 0         // the Q8_1 blocks' order (kernels/q8_1.h), 0 for none (the caller's, not tuned)
+#endif
+#ifndef HANDOFF
+#define HANDOFF 0     // outputs across work-groups: 0 atomics, 1 ordered by the counter (the caller's, not tuned)
 #endif
 
 // The product's parameters (kernels/gemv_q4_rows.cl's, with its defaults)
@@ -85,8 +95,31 @@
 #error "the tail counts the row sets of one launch: not READ 1 (image2d row blocks, split into launches)"
 #endif
 
+// HANDOFF 1 where this compiler has the acquire-release order and the device scope, else 0.
+#if HANDOFF == 1 && !(defined(__OPENCL_C_VERSION__) && __OPENCL_C_VERSION__ >= 200 &&                        \
+                      (__OPENCL_C_VERSION__ < 300 || (defined(__opencl_c_atomic_order_acq_rel) &&            \
+                                                      defined(__opencl_c_atomic_scope_device))))
+#undef HANDOFF
+#define HANDOFF 0
+#endif
+
+#if HANDOFF == 1
+#define SHARED_STORE(p, i, v) ((p)[i] = (v))
+#define SHARED_LOAD(p, i) ((p)[i])
+// The arrival: a release of this work-item's stores (and, after a device-scope barrier, its group's) that the
+// last arrival's increment acquires, the counter's increments forming one release sequence.
+#define ARRIVE(counter) atomic_fetch_add_explicit((volatile __global atomic_int*)(counter), 1,              \
+                                                  memory_order_acq_rel, memory_scope_device)
+#define RESET(counter) atomic_store_explicit((volatile __global atomic_int*)(counter), 0, memory_order_relaxed, \
+                                             memory_scope_device)
+#define GROUP_SYNC() work_group_barrier(CLK_GLOBAL_MEM_FENCE | CLK_LOCAL_MEM_FENCE, memory_scope_device)
+#else
 #define SHARED_STORE(p, i, v) atomic_xchg((volatile __global float*)(p) + (i), (v))
 #define SHARED_LOAD(p, i) as_float(atomic_or((volatile __global int*)(p) + (i), 0))
+#define ARRIVE(counter) atomic_inc(counter)
+#define RESET(counter) atomic_xchg(counter, 0)
+#define GROUP_SYNC() barrier(CLK_GLOBAL_MEM_FENCE | CLK_LOCAL_MEM_FENCE)
+#endif
 
 // Block `at` of the floats at src (a private copy of block b) into codes and step_sum, in the order
 // Q8X.
@@ -145,11 +178,65 @@ inline void tail_norm(const int n, __global float* restrict y, __global float* r
     for (int i = 0; i < n; ++i) xn[i] = r[i] * inv * gamma[i];
 #endif
 }
+
+#if LANES == 1
+// The sum of every work-item's value, returned to all of them: a local-memory tree over the work-group (a power
+// of two, WGR). Ends with a barrier, so the scratch can be used again at once.
+inline float tail_total(const float value, __local float* restrict scratch)
+{
+    const int lid = get_local_id(0);
+    scratch[lid] = value;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int stride = WGR / 2; stride > 0; stride >>= 1) {
+        if (lid < stride) scratch[lid] += scratch[lid + stride];
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    const float total = scratch[0];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    return total;
+}
+
+// tail_norm by the whole last work-group: work-item i takes outputs i, i + WGR, ... (neighbouring work-items,
+// neighbouring floats), so it reads back only the r it wrote itself; xn's blocks are quantized after a barrier,
+// one work-item a block.
+inline void tail_norm_group(const int n, __global float* restrict y, __global float* restrict r,
+                            __global const float* restrict gamma, __global const float* restrict post_gamma,
+                            const float eps, __global float* restrict xn, __global char* restrict xq,
+                            __global float2* restrict x_step_sum, __local float* restrict scratch)
+{
+    const int lid = get_local_id(0);
+    float squares = 0.0f;
+#if POST
+    for (int i = lid; i < n; i += WGR) {
+        const float p = SHARED_LOAD(y, i);
+        squares += p * p;
+    }
+    const float inv_p = 1.0f / sqrt(tail_total(squares, scratch) / (float)n + eps);
+    squares = 0.0f;
+    for (int i = lid; i < n; i += WGR) {
+        const float h = r[i] + SHARED_LOAD(y, i) * inv_p * post_gamma[i];
+        r[i] = h;
+        squares += h * h;
+    }
+#else
+    for (int i = lid; i < n; i += WGR) {
+        const float h = r[i] + SHARED_LOAD(y, i);
+        r[i] = h;
+        squares += h * h;
+    }
+#endif
+    const float inv = 1.0f / sqrt(tail_total(squares, scratch) / (float)n + eps);
+    for (int i = lid; i < n; i += WGR) xn[i] = r[i] * inv * gamma[i];
+#if Q8X
+    Q8_1_QUANTIZE(xn, 0, n / 32, lid, WGR, xq, x_step_sum, Q8X)
+#endif
+}
+#endif
 #endif
 
 #if TAIL == 2
-// y's n outputs as Q8_1 blocks, block `first` and every `step`-th after it: each block read back through atomics
-// into private memory.
+// y's n outputs as Q8_1 blocks, block `first` and every `step`-th after it: each block read back into private
+// memory (Intel's CPU compiler has crashed building the quantizing from y's global copy on one work-item).
 inline void tail_quantize(const int n, __global float* restrict y, __global char* restrict xq,
                           __global float2* restrict x_step_sum, const int first, const int step)
 {
@@ -162,15 +249,16 @@ inline void tail_quantize(const int n, __global float* restrict y, __global char
 #endif
 
 // The tail's arguments, after the product's own (the same list for both tails: what a tail does not read, the
-// wrapper binds to a placeholder).
+// wrapper binds to a placeholder). tail_sums: a float a work-item where LANES is 1 (the norm's reduction).
 #define TAIL_ARGS                                                                                            \
     , __global volatile int* restrict counter, __global float* restrict residual,                          \
     __global const float* restrict gamma, __global const float* restrict post_gamma, const float eps,        \
     __global float* restrict xn,                                                                             \
-    __global char* restrict tail_xq, __global float2* restrict tail_steps, __local int* restrict tail_last
-#define TAIL_NAMES counter, residual, gamma, post_gamma, eps, xn, tail_xq, tail_steps, tail_last
+    __global char* restrict tail_xq, __global float2* restrict tail_steps, __local int* restrict tail_last,  \
+    __local float* restrict tail_sums
+#define TAIL_NAMES counter, residual, gamma, post_gamma, eps, xn, tail_xq, tail_steps, tail_last, tail_sums
 
-// rows.cl's store (bias, then the epilogue), each output an atomic store; then the arrival counted, and the last
+// rows.cl's store (bias, then the epilogue), each output a shared store; then the arrival counted, and the last
 // arrival's tail.
 inline void tail_store(const float* acc, const int* grow, const int first, const int n_out, const int out_base,
                        __global const float* restrict bias, const int has_bias, __global float* restrict y
@@ -187,27 +275,27 @@ inline void tail_store(const float* acc, const int* grow, const int first, const
 #endif
         SHARED_STORE(y, out_base + o, v);
     }
+#if HANDOFF == 0
     mem_fence(CLK_GLOBAL_MEM_FENCE);   // the stores before the arrival is counted
+#endif
 #if LANES == 1
-    // One lane a row set: no work-item has returned, so the work-group counts its arrival once and the last
-    // group's work-items share the quantizing (a block each in turn). ``last`` is the same for the whole group, so
-    // each barrier is met by every work-item of the group or by none.
-    barrier(CLK_GLOBAL_MEM_FENCE);
-    if (get_local_id(0) == 0) tail_last[0] = atomic_inc(counter) == (int)get_num_groups(0) - 1;
-    barrier(CLK_LOCAL_MEM_FENCE);
+    // One lane a row set: no work-item has returned, so the work-group counts its arrival once (after a barrier
+    // that orders its work-items' stores before the count) and the last group's work-items share the tail.
+    // ``last`` is the same for the whole group, so each barrier is met by every work-item of the group or by none.
+    GROUP_SYNC();
+    if (get_local_id(0) == 0) tail_last[0] = ARRIVE(counter) == (int)get_num_groups(0) - 1;
+    GROUP_SYNC();   // HANDOFF 1: the last increment's acquire, passed on to the group
     if (!tail_last[0]) return;
+    if (get_local_id(0) == 0) RESET(counter);   // no other group touches it again in this launch
 #if TAIL == 1
-    if (get_local_id(0) != 0) return;
-    atomic_xchg(counter, 0);   // the last arrival: no other group touches it again in this launch
-    tail_norm(n_out, y, residual, gamma, post_gamma, eps, xn, tail_xq, tail_steps);
+    tail_norm_group(n_out, y, residual, gamma, post_gamma, eps, xn, tail_xq, tail_steps, tail_sums);
 #else
-    if (get_local_id(0) == 0) atomic_xchg(counter, 0);
     tail_quantize(n_out, y, tail_xq, tail_steps, get_local_id(0), get_local_size(0));
 #endif
 #else
     const int row_sets = get_global_size(0) / LANES;
-    if (atomic_inc(counter) != row_sets - 1) return;
-    atomic_xchg(counter, 0);   // the last arrival: no other row set touches it again in this launch
+    if (ARRIVE(counter) != row_sets - 1) return;
+    RESET(counter);   // the last arrival: no other row set touches it again in this launch
 #if TAIL == 1
     tail_norm(n_out, y, residual, gamma, post_gamma, eps, xn, tail_xq, tail_steps);
 #else

@@ -1,6 +1,9 @@
 """gemv_q4_tail: every parameter set the tuner may choose on every test shape (both tails, the post-norm form, each
-order of the Q8_1 blocks), launches back to back (the counter left at zero for the next), its code apart from
-gemv_q4's (no shipped gemv_q4 record goes stale), and bad input."""
+order of the Q8_1 blocks), with either hand-off of the outputs between work-groups (ordered plain loads, which both
+CPU runtimes' OpenCL C 3.0 takes, and OpenCL 1.2's atomics), launches back to back (the counter left at zero for the
+next), its code apart from gemv_q4's (no shipped gemv_q4 record goes stale), and bad input."""
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -9,7 +12,7 @@ from helpers.spec_checks import assert_every_parameter_set
 from perfx.errors import PerfxError
 from perfx.formats import Q4Matrix
 from perfx.ops.gemv_q4 import PARAMS as GEMV_Q4_PARAMS
-from perfx.ops.gemv_q4_tail import GemvQ4Tail, tail_params
+from perfx.ops.gemv_q4_tail import HANDOFFS, GemvQ4Tail, handoff_for, tail_params
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.tuning import SPECS
 from perfx.tuning.database import source_hash
@@ -28,6 +31,17 @@ def test_every_candidate(device, rng, index):
     assert_every_parameter_set(SPEC, device, shape, rng, cover=index > 0)
 
 
+@pytest.mark.parametrize("index", range(len(SPEC.test_shapes)), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
+def test_every_candidate_with_atomics_as_on_opencl_1_2(device, rng, monkeypatch, index):
+    """The same on a device whose compiler takes OpenCL C 1.2 only: the wrapper then builds the hand-off as every
+    output's atomic store and load (HANDOFF 0), where the test above runs the ordered plain loads (HANDOFF 1) on
+    these runtimes. Every candidate on the first shape, a covering subset on the others."""
+    assert handoff_for(device.caps) == HANDOFFS["ordered"], "both CPU runtimes take OpenCL C 2.0 or later"
+    monkeypatch.setattr(device, "caps", replace(device.caps, opencl_c=(1, 2)))
+    assert GemvQ4Tail(device).handoff == HANDOFFS["atomics"]
+    assert_every_parameter_set(SPEC, device, SPEC.test_shapes[index], rng, cover=index > 0)
+
+
 def test_launches_back_to_back_each_run_their_tail(device, rng):
     """Three products in a row without a wait: each launch's last arrival resets the counter, so the next launch's
     tail runs too (h accumulates every p)."""
@@ -39,14 +53,19 @@ def test_launches_back_to_back_each_run_their_tail(device, rng):
     gamma = np.ones(n, np.float32)
     xd, rd, gd = (device.upload(a) for a in (x, r, gamma))
     y, xn = device.poisoned(n, np.float32), device.poisoned(n, np.float32)
-    wrapper = GemvQ4Tail(device, None, {"n": n, "k": k, "tail": "norm"})
-    for _ in range(3):
-        wrapper.norm(weight, xd, y, rd, gd, 1e-5, xn)
-    device.queue.finish()
     p = q4.dequantize().astype(np.float64) @ x
     h = r + 3 * p
-    assert np.allclose(rd.get(), h, rtol=1e-4, atol=1e-4 * np.abs(h).max())
-    assert np.allclose(xn.get(), h / np.sqrt(np.mean(h * h) + 1e-5), atol=1e-4)
+    group = {**GEMV_Q4_PARAMS.defaults(), "LANES": 1, "ROWS": 2, "WGR": 16}   # the tail by a work-group
+    for handoff in HANDOFFS.values():
+        for params in (None, group):
+            rd.set(r)
+            xn.fill(np.float32(np.nan))
+            wrapper = GemvQ4Tail(device, params, {"n": n, "k": k, "tail": "norm"}, handoff)
+            for _ in range(3):
+                wrapper.norm(weight, xd, y, rd, gd, 1e-5, xn)
+            device.queue.finish()
+            assert np.allclose(rd.get(), h, rtol=1e-4, atol=1e-4 * np.abs(h).max()), (handoff, params)
+            assert np.allclose(xn.get(), h / np.sqrt(np.mean(h * h) + 1e-5), atol=1e-4), (handoff, params)
 
 
 def test_the_plain_gemv_q4_records_stay_pinned():
@@ -68,3 +87,5 @@ def test_bad_blocks_are_refused(device, rng):
         wrapper.norm(weight, device.poisoned(64, np.float32), buf, buf, buf, 1e-5, buf, None, None, 1)
     with pytest.raises(PerfxError, match="order 1 or 2"):
         wrapper.quantize_output(weight, device.poisoned(64, np.float32), buf, None, 0)
+    with pytest.raises(PerfxError, match="handoff 2 is none of"):
+        GemvQ4Tail(device, None, None, 2)

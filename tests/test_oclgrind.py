@@ -116,11 +116,14 @@ def test_what_the_report_filter_lets_through():
                          ids=["wgr16", "wgr64"])
 def test_gemv_q4_tail_shared_by_the_last_work_group_under_oclgrind(params):
     """gemv_q4_tail with one lane a row set (the CPU runtimes' tuned shape): every work-item of the last
-    work-group to arrive quantizes blocks of gate-up's output, after a barrier and a flag in local memory, on
-    the spec's first Oclgrind shape (96 outputs: 3 blocks over 3 or 2 work-groups); the samples above draw
-    LANES > 1, where one work-item runs the tail."""
+    work-group to arrive shares the tail, after a barrier and a flag in local memory, on each of the spec's
+    Oclgrind shapes: gate-up's output quantized (96 outputs: 3 blocks, over 3 or 2 work-groups), the norm with its
+    post-norm (45 outputs, 2 or 1 work-groups: two reductions over the group) and with its blocks (64 outputs);
+    the samples above draw LANES > 1, where one work-item runs the tail. Oclgrind takes OpenCL C 1.2: the hand-off
+    is the atomics (the ordered loads run on both CPU runtimes, tests/test_gemv_q4_tail.py)."""
     result, stderr = oclgrind("gemv_q4_tail", json.dumps({"LAYOUT": 0, **params}))
     assert_no_reports(stderr, f"gemv_q4_tail with {result['params']}")
+    assert len(result["results"]) == 3 and all("errors" in r for r in result["results"]), result["results"]
     for r in result["results"]:
         for name, error in r["errors"].items():
             assert error <= result["tolerance"], f"{r['describe']}: {name} relative error {error:.3g}"

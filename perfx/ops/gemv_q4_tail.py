@@ -5,6 +5,10 @@ of its row sets to finish, the work that would otherwise be a launch of its own 
   post-norms) and the next RMSNorm, with its Q8_1 blocks where the next GEMV reads int8 activations;
 - ``q8`` (gate-up): its output as Q8_1 blocks, the down projection's input, so down quantizes nothing itself.
 
+How the outputs cross work-groups (HANDOFF) follows the device: plain stores and loads ordered by the counter's
+acquire-release increment where its compiler takes OpenCL C 2.0 or later (built with that ``-cl-std``), OpenCL 1.2's
+atomic store and load of every output elsewhere (``handoff_for``).
+
 Its parameters are gemv_q4's rows layout's (``perfx.ops.gemv_q4.ROWS_LAYOUT``) but READ 1 (image2d row blocks, which
 the product splits into several launches where the tail counts the row sets of one): a set tuned for the plain
 product at the same matrix runs here unchanged.
@@ -18,6 +22,7 @@ import numpy as np
 import pyopencl as cl
 
 from perfx.errors import PerfxError
+from perfx.formats import Q4_PAIRS
 from perfx.ops import device_buffer
 from perfx.ops.epilogue import is_gated, output_rows
 from perfx.ops.gemv_q4 import ROWS_LAYOUT, GemvQ4
@@ -29,8 +34,19 @@ TAILS = {"norm": 1, "q8": 2}   # the TAIL define of each tail
 ORDERS = (0, 1, 2)             # the Q8_1 blocks' order: none, kernels/q8_1.h's Q8_1_TEXEL, Q8_1_NATURAL
 
 TAIL_ROWS = replace(ROWS_LAYOUT, family="gemv_q4_tail", source="gemv_q4_tail.cl",
-                    space={**ROWS_LAYOUT.space, "READ": (0, 2)})
+                    space={**ROWS_LAYOUT.space, "READ": (0, 2)},
+                    # the product's, the last arrival's flag and the norm's float a work-item (LANES 1)
+                    local_memory=lambda p, s: ROWS_LAYOUT.local_memory(p, s) + 4 + 4 * p["WGR"])
 PARAMS = Variants(family="gemv_q4_tail", key="LAYOUT", variants={LAYOUT_ROWS: TAIL_ROWS})
+
+
+HANDOFFS = {"atomics": 0, "ordered": 1}   # the HANDOFF define of each hand-off
+
+
+def handoff_for(caps) -> int:
+    """The hand-off a device's compiler allows: ordered plain loads from OpenCL C 2.0 on (where a 3.0 compiler lacks
+    the acquire-release order or the device scope, the kernel builds the atomics itself), else atomics."""
+    return HANDOFFS["ordered"] if caps.opencl_c >= (2, 0) else HANDOFFS["atomics"]
 
 
 def tail_params(params: dict) -> dict | None:
@@ -46,11 +62,28 @@ class GemvQ4Tail(GemvQ4):
 
     PARAMS = PARAMS
 
-    def __init__(self, device: Device, params: dict | None = None, shape: dict | None = None):
+    def __init__(self, device: Device, params: dict | None = None, shape: dict | None = None,
+                 handoff: int | None = None):
+        """``handoff``: a ``HANDOFFS`` value (None: ``handoff_for`` the device)."""
         super().__init__(device, params, shape)
+        if handoff not in (None, *HANDOFFS.values()):
+            raise PerfxError(f"gemv_q4_tail: handoff {handoff!r} is none of {HANDOFFS} (None: the device's)")
+        self.handoff = handoff_for(device.caps) if handoff is None else handoff
         # the row sets' arrival count: zero at allocation, left zero by every launch's last arrival
         self._counter = device.alloc(4, np.zeros(1, np.int32), what="gemv_q4_tail counter")
         self._unused = device.alloc(64, np.zeros(16, np.float32), what="gemv_q4_tail placeholder")
+
+    def kernel(self, group: int, epilogue: str, k: int = 0, form: int = Q4_PAIRS, extra: tuple = ()) -> cl.Kernel:
+        """gemv_q4's kernel with the tail's ``extra`` defines and this wrapper's hand-off."""
+        return super().kernel(group, epilogue, k, form, (*extra, ("HANDOFF", self.handoff)))
+
+    def newest_c(self, defines: dict) -> bool:
+        return super().newest_c(defines) or defines["HANDOFF"] == HANDOFFS["ordered"]
+
+    def _tail_local(self) -> tuple:
+        """The __local arguments: the last arrival's flag, and the norm's float a work-item where LANES is 1."""
+        sums = self.params["WGR"] if self.params["LANES"] == 1 else 1
+        return cl.LocalMemory(4), cl.LocalMemory(4 * sums)
 
     def norm(self, weight: Q4DeviceWeight, x, y, residual, gamma, eps: float, out, post_gamma=None, blocks=None,
              order: int = 0, quantized=None) -> list:
@@ -66,7 +99,7 @@ class GemvQ4Tail(GemvQ4):
                 device_buffer(gamma, 4 * n, "gemv_q4_tail γ"),
                 self._unused if post_gamma is None else device_buffer(post_gamma, 4 * n, "gemv_q4_tail γ_post"),
                 np.float32(eps), device_buffer(out, 4 * n, "gemv_q4_tail normed output"), codes, steps,
-                cl.LocalMemory(4))
+                *self._tail_local())
         defines = (("TAIL", TAILS["norm"]), ("POST", int(post_gamma is not None)), ("Q8X", order))
         return self.events(weight, x, y, "none", quantized, (defines, args))
 
@@ -80,7 +113,7 @@ class GemvQ4Tail(GemvQ4):
                              f"a multiple of 32 (got {m}{' gated' if is_gated(epilogue) else ''})")
         defines = (("TAIL", TAILS["q8"]), ("POST", 0), ("Q8X", order))
         args = (self._counter, self._unused, self._unused, self._unused, np.float32(0.0), self._unused,
-                *self._blocks(blocks, m), cl.LocalMemory(4))
+                *self._blocks(blocks, m), *self._tail_local())
         return self.events(weight, x, y, epilogue, quantized, (defines, args))
 
     @staticmethod

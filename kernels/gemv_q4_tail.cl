@@ -12,20 +12,21 @@
 //       Q8X (1: the rows GEMV's texel order), so down launches no quantizing of its own.
 //
 // The hand-off: every row set stores its outputs and counts itself on a counter in global memory; the row set that
-// takes it to the launch's last resets the counter for the next launch, reads y back and runs the tail. HANDOFF
-// says how the outputs cross work-groups: 0, OpenCL C 1.2's way (kernels/attention_decode.cl's), each output an
-// atomic store and an atomic load (1.2 has no ordering but the atomics'); 1, plain stores and loads ordered by
-// the counter's acquire-release increment at device scope (OpenCL C 2.0, or 3.0 with the features
-// __opencl_c_atomic_order_acq_rel and __opencl_c_atomic_scope_device): the loads are ordinary, vector, parallel
-// ones. The caller asks for 1 where the device's compiler takes OpenCL C 2.0 or later (and builds with that
-// -cl-std); a compiler that lacks the features builds 0 instead.
-// rows.cl lets only the first lane of each row set reach its store where LANES > 1 (the others return after the
-// lanes' reduction), so there the tail runs on one work-item: O(N) loads and stores, against a launch's fixed
-// cost it saves. With one lane a row set (the CPU runtimes' tuned sets) every work-item stores, the work-group
-// counts itself once, and the last group's work-items share the whole tail: the norm's sums of squares as a
-// work-group reduction (tail_sums, one float a work-item), its writes and the quantizing spread over them. A tail
-// spread over a work-group at every LANES needs the product's early returns gone from gemv_q4_rows.cl (whose code
-// the tuned records are pinned to).
+// takes it to the launch's last resets the counter for the next launch, reads y back and runs the tail on one
+// work-item (rows.cl lets only the first lane of a row set reach its store where LANES > 1; with one lane, a norm
+// shared over the work-group costs its reductions' barriers, more than the 2N plain loads it would spread, on
+// both CPU runtimes: benchmarks/NOTES.md).
+// HANDOFF says how the outputs cross work-groups: 0, OpenCL C 1.2's way (kernels/attention_decode.cl's), each
+// output an atomic store and an atomic load (1.2 orders nothing but the atomics); 1, plain stores and loads
+// ordered by the counter's acquire-release increment at device scope (OpenCL C 2.0, or 3.0 with the features
+// __opencl_c_atomic_order_acq_rel and __opencl_c_atomic_scope_device). The caller asks for 1 where the device's
+// compiler takes OpenCL C 2.0 or later (and builds with that -cl-std); a compiler that lacks the features builds 0.
+// ARRIVAL (tuned) says who counts: 0, every row set (LANES > 1: the lane that stores; LANES 1: every work-item,
+// no barrier); 1, with one lane a row set, each work-group once, after a barrier (one atomic a group, for a runtime
+// whose barrier is cheap, such as Intel's CPU runtime running a work-group as one SIMD thread; where barriers cost
+// more than atomics, 0). With ARRIVAL 1 the last group's work-items share TAIL 2's quantizing.
+// TAIL 2 needs no hand-off where a work-group's outputs are whole blocks (LANES 1, ROWS·WGR a multiple of 32):
+// each group quantizes its own after a barrier, and the counter is left alone.
 //
 // Shape contract: rows.cl's, one launch per product (not READ 1's image2d row blocks, which the wrapper splits
 // into several launches); TAIL 1: N = the hidden size, no gate-up epilogue; Q8X: the output's length a multiple
@@ -47,6 +48,9 @@
 #endif
 #ifndef HANDOFF
 #define HANDOFF 0     // outputs across work-groups: 0 atomics, 1 ordered by the counter (the caller's, not tuned)
+#endif
+#ifndef ARRIVAL
+#define ARRIVAL 0     // who counts on the counter: 0 every row set, 1 (LANES 1) every work-group once
 #endif
 
 // The product's parameters (kernels/gemv_q4_rows.cl's, with its defaults)
@@ -94,6 +98,11 @@
 #if READ == 1
 #error "the tail counts the row sets of one launch: not READ 1 (image2d row blocks, split into launches)"
 #endif
+#if ARRIVAL == 1 && LANES > 1
+#error "a work-group's one arrival (ARRIVAL 1) needs all its work-items alive: one lane a row set (LANES 1)"
+#endif
+// Where each work-group's outputs are whole Q8_1 blocks, TAIL 2 quantizes them in the group: no hand-off.
+#define OWN_BLOCKS (TAIL == 2 && LANES == 1 && (ROWS * WGR) % 32 == 0)
 
 // HANDOFF 1 where this compiler has the acquire-release order and the device scope, else 0.
 #if HANDOFF == 1 && !(defined(__OPENCL_C_VERSION__) && __OPENCL_C_VERSION__ >= 200 &&                        \
@@ -105,7 +114,9 @@
 
 #if HANDOFF == 1
 #define SHARED_STORE(p, i, v) ((p)[i] = (v))
-#define SHARED_LOAD(p, i) ((p)[i])
+// plain loads, through a volatile pointer: Intel's CPU compiler has crashed vectorizing the one work-item's loop
+// over y's ordinary loads (LANES 16, ROWS 1)
+#define SHARED_LOAD(p, i) (((volatile __global float*)(p))[i])
 // The arrival: a release of this work-item's stores (and, after a device-scope barrier, its group's) that the
 // last arrival's increment acquires, the counter's increments forming one release sequence.
 #define ARRIVE(counter) atomic_fetch_add_explicit((volatile __global atomic_int*)(counter), 1,              \
@@ -178,60 +189,6 @@ inline void tail_norm(const int n, __global float* restrict y, __global float* r
     for (int i = 0; i < n; ++i) xn[i] = r[i] * inv * gamma[i];
 #endif
 }
-
-#if LANES == 1
-// The sum of every work-item's value, returned to all of them: a local-memory tree over the work-group (a power
-// of two, WGR). Ends with a barrier, so the scratch can be used again at once.
-inline float tail_total(const float value, __local float* restrict scratch)
-{
-    const int lid = get_local_id(0);
-    scratch[lid] = value;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (int stride = WGR / 2; stride > 0; stride >>= 1) {
-        if (lid < stride) scratch[lid] += scratch[lid + stride];
-        barrier(CLK_LOCAL_MEM_FENCE);
-    }
-    const float total = scratch[0];
-    barrier(CLK_LOCAL_MEM_FENCE);
-    return total;
-}
-
-// tail_norm by the whole last work-group: work-item i takes outputs i, i + WGR, ... (neighbouring work-items,
-// neighbouring floats), so it reads back only the r it wrote itself; xn's blocks are quantized after a barrier,
-// one work-item a block.
-inline void tail_norm_group(const int n, __global float* restrict y, __global float* restrict r,
-                            __global const float* restrict gamma, __global const float* restrict post_gamma,
-                            const float eps, __global float* restrict xn, __global char* restrict xq,
-                            __global float2* restrict x_step_sum, __local float* restrict scratch)
-{
-    const int lid = get_local_id(0);
-    float squares = 0.0f;
-#if POST
-    for (int i = lid; i < n; i += WGR) {
-        const float p = SHARED_LOAD(y, i);
-        squares += p * p;
-    }
-    const float inv_p = 1.0f / sqrt(tail_total(squares, scratch) / (float)n + eps);
-    squares = 0.0f;
-    for (int i = lid; i < n; i += WGR) {
-        const float h = r[i] + SHARED_LOAD(y, i) * inv_p * post_gamma[i];
-        r[i] = h;
-        squares += h * h;
-    }
-#else
-    for (int i = lid; i < n; i += WGR) {
-        const float h = r[i] + SHARED_LOAD(y, i);
-        r[i] = h;
-        squares += h * h;
-    }
-#endif
-    const float inv = 1.0f / sqrt(tail_total(squares, scratch) / (float)n + eps);
-    for (int i = lid; i < n; i += WGR) xn[i] = r[i] * inv * gamma[i];
-#if Q8X
-    Q8_1_QUANTIZE(xn, 0, n / 32, lid, WGR, xq, x_step_sum, Q8X)
-#endif
-}
-#endif
 #endif
 
 #if TAIL == 2
@@ -249,17 +206,16 @@ inline void tail_quantize(const int n, __global float* restrict y, __global char
 #endif
 
 // The tail's arguments, after the product's own (the same list for both tails: what a tail does not read, the
-// wrapper binds to a placeholder). tail_sums: a float a work-item where LANES is 1 (the norm's reduction).
+// wrapper binds to a placeholder).
 #define TAIL_ARGS                                                                                            \
     , __global volatile int* restrict counter, __global float* restrict residual,                          \
     __global const float* restrict gamma, __global const float* restrict post_gamma, const float eps,        \
     __global float* restrict xn,                                                                             \
-    __global char* restrict tail_xq, __global float2* restrict tail_steps, __local int* restrict tail_last,  \
-    __local float* restrict tail_sums
-#define TAIL_NAMES counter, residual, gamma, post_gamma, eps, xn, tail_xq, tail_steps, tail_last, tail_sums
+    __global char* restrict tail_xq, __global float2* restrict tail_steps, __local int* restrict tail_last
+#define TAIL_NAMES counter, residual, gamma, post_gamma, eps, xn, tail_xq, tail_steps, tail_last
 
-// rows.cl's store (bias, then the epilogue), each output a shared store; then the arrival counted, and the last
-// arrival's tail.
+// rows.cl's store (bias, then the epilogue), each output a store the tail can read; then the arrival counted, and
+// the last arrival's tail (or, OWN_BLOCKS, each work-group's own blocks).
 inline void tail_store(const float* acc, const int* grow, const int first, const int n_out, const int out_base,
                        __global const float* restrict bias, const int has_bias, __global float* restrict y
                        TAIL_ARGS)
@@ -273,23 +229,35 @@ inline void tail_store(const float* acc, const int* grow, const int first, const
         const float up = acc[ROWS + r_] + (has_bias ? bias[grow[ROWS + r_]] : 0.0f);
         v = GATE_ACT(v) * up;
 #endif
+#if OWN_BLOCKS
+        y[out_base + o] = v;   // read back by this work-group alone
+#else
         SHARED_STORE(y, out_base + o, v);
+#endif
     }
+#if OWN_BLOCKS
+    // The group's ROWS·WGR outputs (whole blocks; the last group's may stop at n_out, a multiple of 32), each block
+    // by one of its work-items after Q8_1_QUANTIZE's barrier.
+    const int start = get_group_id(0) * (ROWS * WGR);
+    Q8_1_QUANTIZE(y, (out_base + start) / 32, min(ROWS * WGR, n_out - start) / 32, get_local_id(0), WGR, tail_xq,
+                  tail_steps, Q8X)
+#else
 #if HANDOFF == 0
     mem_fence(CLK_GLOBAL_MEM_FENCE);   // the stores before the arrival is counted
 #endif
-#if LANES == 1
-    // One lane a row set: no work-item has returned, so the work-group counts its arrival once (after a barrier
-    // that orders its work-items' stores before the count) and the last group's work-items share the tail.
+#if ARRIVAL == 1
+    // The work-group counts its arrival once, after a barrier that orders its work-items' stores before the count.
     // ``last`` is the same for the whole group, so each barrier is met by every work-item of the group or by none.
     GROUP_SYNC();
     if (get_local_id(0) == 0) tail_last[0] = ARRIVE(counter) == (int)get_num_groups(0) - 1;
     GROUP_SYNC();   // HANDOFF 1: the last increment's acquire, passed on to the group
     if (!tail_last[0]) return;
-    if (get_local_id(0) == 0) RESET(counter);   // no other group touches it again in this launch
 #if TAIL == 1
-    tail_norm_group(n_out, y, residual, gamma, post_gamma, eps, xn, tail_xq, tail_steps, tail_sums);
+    if (get_local_id(0) != 0) return;
+    RESET(counter);   // no other group touches it again in this launch
+    tail_norm(n_out, y, residual, gamma, post_gamma, eps, xn, tail_xq, tail_steps);
 #else
+    if (get_local_id(0) == 0) RESET(counter);
     tail_quantize(n_out, y, tail_xq, tail_steps, get_local_id(0), get_local_size(0));
 #endif
 #else
@@ -300,6 +268,7 @@ inline void tail_store(const float* acc, const int* grow, const int first, const
     tail_norm(n_out, y, residual, gamma, post_gamma, eps, xn, tail_xq, tail_steps);
 #else
     tail_quantize(n_out, y, tail_xq, tail_steps, 0, 1);
+#endif
 #endif
 #endif
 }

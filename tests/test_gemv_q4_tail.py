@@ -33,18 +33,21 @@ def test_every_candidate(device, rng, index):
 
 @pytest.mark.parametrize("index", range(len(SPEC.test_shapes)), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
 def test_every_candidate_with_atomics_as_on_opencl_1_2(device, rng, monkeypatch, index):
-    """The same on a device whose compiler takes OpenCL C 1.2 only: the wrapper then builds the hand-off as every
-    output's atomic store and load (HANDOFF 0), where the test above runs the ordered plain loads (HANDOFF 1) on
-    these runtimes. Every candidate on the first shape, a covering subset on the others."""
+    """The same with the hand-off a device whose compiler takes OpenCL C 1.2 only gets: every output's atomic store
+    and load (HANDOFF 0), where the test above runs the ordered plain loads (HANDOFF 1) on these runtimes. Every
+    candidate on the first shape, a covering subset on the others."""
     assert handoff_for(device.caps) == HANDOFFS["ordered"], "both CPU runtimes take OpenCL C 2.0 or later"
-    monkeypatch.setattr(device, "caps", replace(device.caps, opencl_c=(1, 2)))
+    assert handoff_for(replace(device.caps, opencl_c=(1, 2))) == HANDOFFS["atomics"]
+    # the wrappers the spec's case makes take the hand-off an OpenCL 1.2 compiler gets (the caps themselves stay:
+    # I8 2's built-ins need this compiler's newest OpenCL C)
+    monkeypatch.setattr("perfx.ops.gemv_q4_tail.handoff_for", lambda caps: HANDOFFS["atomics"])
     assert GemvQ4Tail(device).handoff == HANDOFFS["atomics"]
     assert_every_parameter_set(SPEC, device, SPEC.test_shapes[index], rng, cover=index > 0)
 
 
 def test_launches_back_to_back_each_run_their_tail(device, rng):
     """Three products in a row without a wait: each launch's last arrival resets the counter, so the next launch's
-    tail runs too (h accumulates every p)."""
+    tail runs too (h accumulates every p); with each hand-off and each way of arriving."""
     n, k = 64, 256
     q4 = Q4Matrix.random(n, k, 64, rng)
     weight = Q4DeviceWeight.upload(device, q4, None, ("buffer",))
@@ -55,9 +58,10 @@ def test_launches_back_to_back_each_run_their_tail(device, rng):
     y, xn = device.poisoned(n, np.float32), device.poisoned(n, np.float32)
     p = q4.dequantize().astype(np.float64) @ x
     h = r + 3 * p
-    group = {**GEMV_Q4_PARAMS.defaults(), "LANES": 1, "ROWS": 2, "WGR": 16}   # the tail by a work-group
+    one_lane = {**GEMV_Q4_PARAMS.defaults(), "LANES": 1, "ROWS": 2, "WGR": 16}
     for handoff in HANDOFFS.values():
-        for params in (None, group):
+        # each row set arriving (LANES 16, and LANES 1 without a barrier), each work-group once
+        for params in (None, {**one_lane, "ARRIVAL": 0}, {**one_lane, "ARRIVAL": 1}):
             rd.set(r)
             xn.fill(np.float32(np.nan))
             wrapper = GemvQ4Tail(device, params, {"n": n, "k": k, "tail": "norm"}, handoff)
@@ -74,7 +78,9 @@ def test_the_plain_gemv_q4_records_stay_pinned():
     assert "gemv_q4_tail.cl" not in SPECS["gemv_q4"].params.sources
     assert source_hash(SPECS["gemv_q4"]) != source_hash(SPECS["gemv_q4_tail"])
     rows = GEMV_Q4_PARAMS.defaults()
-    assert tail_params(rows) == rows
+    assert tail_params(rows) == {**rows, "ARRIVAL": 0}   # several lanes a row set: each row set arrives
+    one_lane = {**rows, "LANES": 1, "WGR": 16}
+    assert tail_params(one_lane) == {**one_lane, "ARRIVAL": 1}   # one lane: the work-group arrives once
     assert tail_params({**rows, "READ": 1}) is None and tail_params({"LAYOUT": 1}) is None
 
 

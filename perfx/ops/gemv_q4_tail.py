@@ -10,8 +10,9 @@ acquire-release increment where its compiler takes OpenCL C 2.0 or later (built 
 atomic store and load of every output elsewhere (``handoff_for``).
 
 Its parameters are gemv_q4's rows layout's (``perfx.ops.gemv_q4.ROWS_LAYOUT``) but READ 1 (image2d row blocks, which
-the product splits into several launches where the tail counts the row sets of one): a set tuned for the plain
-product at the same matrix runs here unchanged.
+the product splits into several launches where the tail counts the row sets of one), and ARRIVAL: who counts on
+the counter, every row set (0) or, with one lane a row set, each work-group once after a barrier (1). A set tuned for
+the plain product at the same matrix runs here as ``tail_params`` makes it.
 """
 
 from __future__ import annotations
@@ -26,17 +27,21 @@ from perfx.formats import Q4_PAIRS
 from perfx.ops import device_buffer
 from perfx.ops.epilogue import is_gated, output_rows
 from perfx.ops.gemv_q4 import ROWS_LAYOUT, GemvQ4
-from perfx.ops.params import Variants
+from perfx.ops.params import Rule, Variants
 from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight
 from perfx.runtime import Device
 
 TAILS = {"norm": 1, "q8": 2}   # the TAIL define of each tail
 ORDERS = (0, 1, 2)             # the Q8_1 blocks' order: none, kernels/q8_1.h's Q8_1_TEXEL, Q8_1_NATURAL
 
-TAIL_ROWS = replace(ROWS_LAYOUT, family="gemv_q4_tail", source="gemv_q4_tail.cl",
-                    space={**ROWS_LAYOUT.space, "READ": (0, 2)},
-                    # the product's, the last arrival's flag and the norm's float a work-item (LANES 1)
-                    local_memory=lambda p, s: ROWS_LAYOUT.local_memory(p, s) + 4 + 4 * p["WGR"])
+TAIL_ROWS = replace(
+    ROWS_LAYOUT, family="gemv_q4_tail", source="gemv_q4_tail.cl",
+    # ARRIVAL: who counts on the counter, every row set (0) or, with one lane a row set, each work-group once (1)
+    space={**ROWS_LAYOUT.space, "READ": (0, 2), "ARRIVAL": (0, 1)},
+    rules=(*ROWS_LAYOUT.rules,
+           Rule("a work-group's one arrival (ARRIVAL 1) waits at a barrier for all its work-items: one lane a "
+                "row set (LANES 1), where none has returned", lambda p, s: p["ARRIVAL"] == 0 or p["LANES"] == 1)),
+    local_memory=lambda p, s: ROWS_LAYOUT.local_memory(p, s) + 4)   # and the last arrival's flag
 PARAMS = Variants(family="gemv_q4_tail", key="LAYOUT", variants={LAYOUT_ROWS: TAIL_ROWS})
 
 
@@ -50,11 +55,11 @@ def handoff_for(caps) -> int:
 
 
 def tail_params(params: dict) -> dict | None:
-    """A gemv_q4 parameter set as this family's (the same product), or None where it cannot carry a tail (the
-    interleaved layout, image2d row blocks)."""
+    """A gemv_q4 parameter set as this family's (the same product; a work-group's one arrival where it has one lane a
+    row set), or None where it cannot carry a tail (the interleaved layout, image2d row blocks)."""
     if params.get("LAYOUT") != LAYOUT_ROWS or params.get("READ") not in TAIL_ROWS.space["READ"]:
         return None
-    return dict(params)
+    return {**params, "ARRIVAL": int(params["LANES"] == 1)}
 
 
 class GemvQ4Tail(GemvQ4):
@@ -80,11 +85,6 @@ class GemvQ4Tail(GemvQ4):
     def newest_c(self, defines: dict) -> bool:
         return super().newest_c(defines) or defines["HANDOFF"] == HANDOFFS["ordered"]
 
-    def _tail_local(self) -> tuple:
-        """The __local arguments: the last arrival's flag, and the norm's float a work-item where LANES is 1."""
-        sums = self.params["WGR"] if self.params["LANES"] == 1 else 1
-        return cl.LocalMemory(4), cl.LocalMemory(4 * sums)
-
     def norm(self, weight: Q4DeviceWeight, x, y, residual, gamma, eps: float, out, post_gamma=None, blocks=None,
              order: int = 0, quantized=None) -> list:
         """Enqueue p = W·x into y, then residual += p (or += rmsnorm(p)·post_gamma) and out = rmsnorm(residual)·γ,
@@ -99,7 +99,7 @@ class GemvQ4Tail(GemvQ4):
                 device_buffer(gamma, 4 * n, "gemv_q4_tail γ"),
                 self._unused if post_gamma is None else device_buffer(post_gamma, 4 * n, "gemv_q4_tail γ_post"),
                 np.float32(eps), device_buffer(out, 4 * n, "gemv_q4_tail normed output"), codes, steps,
-                *self._tail_local())
+                cl.LocalMemory(4))
         defines = (("TAIL", TAILS["norm"]), ("POST", int(post_gamma is not None)), ("Q8X", order))
         return self.events(weight, x, y, "none", quantized, (defines, args))
 
@@ -113,7 +113,7 @@ class GemvQ4Tail(GemvQ4):
                              f"a multiple of 32 (got {m}{' gated' if is_gated(epilogue) else ''})")
         defines = (("TAIL", TAILS["q8"]), ("POST", 0), ("Q8X", order))
         args = (self._counter, self._unused, self._unused, self._unused, np.float32(0.0), self._unused,
-                *self._blocks(blocks, m), *self._tail_local())
+                *self._blocks(blocks, m), cl.LocalMemory(4))
         return self.events(weight, x, y, epilogue, quantized, (defines, args))
 
     @staticmethod

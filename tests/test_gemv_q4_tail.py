@@ -38,6 +38,8 @@ def test_every_candidate_with_atomics_as_on_opencl_1_2(device, rng, monkeypatch,
     candidate on the first shape, a covering subset on the others."""
     assert handoff_for(device.caps) == HANDOFFS["ordered"], "both CPU runtimes take OpenCL C 2.0 or later"
     assert handoff_for(replace(device.caps, opencl_c=(1, 2))) == HANDOFFS["atomics"]
+    assert handoff_for(replace(device.caps, c_features=())) == HANDOFFS["atomics"]   # Oclgrind's 3.0: no features
+    assert handoff_for(replace(device.caps, opencl_c=(2, 0), c_features=())) == HANDOFFS["ordered"]
     # the wrappers the spec's case makes take the hand-off an OpenCL 1.2 compiler gets (the caps themselves stay:
     # I8 2's built-ins need this compiler's newest OpenCL C)
     monkeypatch.setattr("perfx.ops.gemv_q4_tail.handoff_for", lambda caps: HANDOFFS["atomics"])

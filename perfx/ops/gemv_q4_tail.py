@@ -48,10 +48,17 @@ PARAMS = Variants(family="gemv_q4_tail", key="LAYOUT", variants={LAYOUT_ROWS: TA
 HANDOFFS = {"atomics": 0, "ordered": 1}   # the HANDOFF define of each hand-off
 
 
+ORDERED_FEATURES = {"__opencl_c_atomic_order_acq_rel", "__opencl_c_atomic_scope_device"}
+
+
 def handoff_for(caps) -> int:
-    """The hand-off a device's compiler allows: ordered plain loads from OpenCL C 2.0 on (where a 3.0 compiler lacks
-    the acquire-release order or the device scope, the kernel builds the atomics itself), else atomics."""
-    return HANDOFFS["ordered"] if caps.opencl_c >= (2, 0) else HANDOFFS["atomics"]
+    """The hand-off a device's compiler allows: ordered plain loads in OpenCL C 2.x, or 3.0 with the acquire-release
+    order and the device scope among its features (Oclgrind lists 3.0 with none), else atomics."""
+    if caps.opencl_c >= (3, 0):
+        ordered = ORDERED_FEATURES <= set(caps.c_features)
+    else:
+        ordered = caps.opencl_c >= (2, 0)
+    return HANDOFFS["ordered"] if ordered else HANDOFFS["atomics"]
 
 
 def tail_params(params: dict) -> dict | None:

@@ -113,9 +113,10 @@
 #endif
 
 #if HANDOFF == 1
-#define SHARED_STORE(p, i, v) ((p)[i] = (v))
-// plain loads, through a volatile pointer: Intel's CPU compiler has crashed vectorizing the one work-item's loop
-// over y's ordinary loads (LANES 16, ROWS 1)
+// plain stores and loads, each through a volatile pointer: Intel's CPU compiler has computed a wrong y with
+// ordinary stores (LANES 16, 4-bit zeros, K = 192), and crashed vectorizing the one work-item's loop over
+// ordinary loads (LANES 16, ROWS 1)
+#define SHARED_STORE(p, i, v) (((volatile __global float*)(p))[i] = (v))
 #define SHARED_LOAD(p, i) (((volatile __global float*)(p))[i])
 // The arrival: a release of this work-item's stores (and, after a device-scope barrier, its group's) that the
 // last arrival's increment acquires, the counter's increments forming one release sequence.

@@ -10,7 +10,7 @@ import pytest
 
 from helpers.spec_checks import assert_every_parameter_set
 from perfx.errors import PerfxError
-from perfx.formats import Q4Matrix
+from perfx.formats import Q4_ZEROS, Q4Matrix
 from perfx.ops.gemv_q4 import PARAMS as GEMV_Q4_PARAMS
 from perfx.ops.gemv_q4_tail import HANDOFFS, GemvQ4Tail, handoff_for, tail_params
 from perfx.ops.q4_weight import Q4DeviceWeight
@@ -45,6 +45,18 @@ def test_every_candidate_with_atomics_as_on_opencl_1_2(device, rng, monkeypatch,
     monkeypatch.setattr("perfx.ops.gemv_q4_tail.handoff_for", lambda caps: HANDOFFS["atomics"])
     assert GemvQ4Tail(device).handoff == HANDOFFS["atomics"]
     assert_every_parameter_set(SPEC, device, SPEC.test_shapes[index], rng, cover=index > 0)
+
+
+@pytest.mark.parametrize("handoff", HANDOFFS.values(), ids=list(HANDOFFS))
+def test_four_bit_zeros_at_the_defaults(device, rng, monkeypatch, handoff):
+    """A weight with 4-bit zeros (AWQ's form) over 3 groups at the defaults, as a fused tiny model runs it: Intel's CPU
+    compiler computed a wrong y there with the ordered hand-off's ordinary stores (its stores now go through a
+    volatile pointer). Each output against the float64 reference, poisoned first."""
+    monkeypatch.setattr("perfx.ops.gemv_q4_tail.handoff_for", lambda caps: handoff)
+    shape = {"n": 64, "k": 192, "group": 64, "epilogue": "none", "bias": False, "tail": "norm", "form": Q4_ZEROS}
+    case = SPEC.make_case(device, shape, rng)
+    errors = case.errors(SPEC.params.defaults())
+    assert all(error <= SPEC.tolerance for error in errors.values()), errors
 
 
 def test_launches_back_to_back_each_run_their_tail(device, rng):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from perfx import reference
-from perfx.formats import Q4_PAIRS, Q4_ZEROS, Q4Matrix
+from perfx.formats import Q4_PAIRS, Q4Matrix
 from perfx.ops import Q8_NATURAL, Q8_TEXEL
 from perfx.ops.gemv_q4_tail import PARAMS, GemvQ4Tail
 from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight
@@ -147,9 +147,6 @@ SPEC = Spec(
          "q8": True, "natural": True},
         {"n": 2 * 224, "k": 576, "group": 32, "epilogue": "silu_mul", "bias": False, "tail": "q8"},
         {"n": 2 * 96, "k": 640, "group": 128, "epilogue": "gelu_mul", "bias": False, "tail": "q8", "natural": True},
-        # 4-bit zeros (an AWQ or GGUF Q4_1 weight's form) over 3 groups: Intel's CPU compiler has computed a wrong y
-        # there with the ordered hand-off's ordinary stores
-        {"n": 64, "k": 192, "group": 64, "epilogue": "none", "bias": False, "tail": "norm", "form": Q4_ZEROS},
     ),
     bytes_moved=_bytes_moved,
     reference=reference.gemv,

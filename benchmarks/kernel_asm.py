@@ -80,17 +80,21 @@ def disassemble(obj: bytes) -> list[tuple[int, str, str]]:
     return out
 
 
-def hot_loop(code_lines):
-    """The body of the innermost backward jump that loads scale pairs (the loop over groups, not the one that
-    stages or quantizes x) with the most vector instructions."""
+def innermost_loops(code_lines):
+    """(first, last) line indices of each loop (a backward jump) with no other loop inside it."""
     index = {addr: i for i, (addr, _, _) in enumerate(code_lines)}
     loops = []
     for i, (addr, op, args) in enumerate(code_lines):
         target = re.match(r"([0-9a-f]+) <", args)
         if op.startswith("j") and target and int(target.group(1), 16) <= addr and int(target.group(1), 16) in index:
             loops.append((index[int(target.group(1), 16)], i))
-    innermost = [(a, b) for a, b in loops if not any(a < c and d < b for c, d in loops if (c, d) != (a, b))
-                 and scale_loads(code_lines[a:b + 1])]
+    return [(a, b) for a, b in loops if not any(a < c and d < b for c, d in loops if (c, d) != (a, b))]
+
+
+def hot_loop(code_lines):
+    """The body of the innermost backward jump that loads scale pairs (the loop over groups, not the one that
+    stages or quantizes x) with the most vector instructions."""
+    innermost = [(a, b) for a, b in innermost_loops(code_lines) if scale_loads(code_lines[a:b + 1])]
     if not innermost:
         return []
     a, b = max(innermost, key=lambda ab: sum(1 for _, op, _ in code_lines[ab[0]:ab[1] + 1] if SIMD.match(op)))
@@ -125,13 +129,7 @@ def count(device, family: str, shape: dict, params: dict):
 
 def widest_loop(code_lines):
     """The innermost loop (backward jump) with the most vector instructions."""
-    index = {addr: i for i, (addr, _, _) in enumerate(code_lines)}
-    loops = []
-    for i, (addr, op, args) in enumerate(code_lines):
-        target = re.match(r"([0-9a-f]+) <", args)
-        if op.startswith("j") and target and int(target.group(1), 16) <= addr and int(target.group(1), 16) in index:
-            loops.append((index[int(target.group(1), 16)], i))
-    innermost = [(a, b) for a, b in loops if not any(a < c and d < b for c, d in loops if (c, d) != (a, b))]
+    innermost = innermost_loops(code_lines)
     a, b = max(innermost, key=lambda ab: sum(1 for _, op, _ in code_lines[ab[0]:ab[1] + 1] if SIMD.match(op)))
     return code_lines[a:b + 1]
 

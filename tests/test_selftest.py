@@ -1,7 +1,7 @@
-"""`perfx selftest` over long runs: memory bounded (one case at a time, programs forgotten per family; the peak,
-its own and its build workers', reported and under a budget whatever the number of families), progress saved and
-resumed (after Ctrl-C, a spent budget, or a kill), shards that split the checks exactly, a time budget that stops
-cleanly (exit status 3)."""
+"""`perfx selftest`: what it plans (every set once; the defaults and the tuned sets at every shape) and, over long
+runs, memory bounded (one case at a time, programs forgotten per family; the peak, its own and its build workers',
+reported and under a budget whatever the number of families), progress saved and resumed (after Ctrl-C, a spent
+budget, or a kill), shards that split the checks exactly, a time budget that stops cleanly (exit status 3)."""
 
 import dataclasses
 import gc
@@ -18,10 +18,11 @@ import pytest
 from perfx import cli
 from perfx.commands import selftest
 from perfx.tuning import SPECS, Case
+from perfx.tuning.database import default_database, params_key, result_record
 from perfx.tuning.spec import cached_per_params
 
-SMALL = "geglu,embedding_q8"       # 30 checks over 6 cases, two families
-RESUMED = "softcap,geglu"          # 36 checks over 4 cases
+SMALL = "geglu,embedding_q8"       # --exhaustive: 30 checks over 6 cases, two families
+RESUMED = "softcap,geglu"          # --exhaustive: 36 checks over 4 cases
 ERRORS = Case.errors               # as the module found it: each test's wrapper replaces, never wraps, another
 
 
@@ -77,8 +78,8 @@ def test_each_case_is_released_before_the_next_and_each_familys_programs_after_i
             return make(dev, shape, rng)
         return make_case
     specs = {name: dataclasses.replace(spec, make_case=watched(spec)) for name, spec in specs.items()}
-    checks = selftest.run_checks(device, specs, show_progress=False)
-    assert len(checks) == len(selftest.plan(specs, device, False)) and not any(c.failed for c in checks)
+    checks = selftest.run_checks(device, specs, "exhaustive", show_progress=False)
+    assert len(checks) == len(selftest.plan(specs, device, "exhaustive")) and not any(c.failed for c in checks)
     assert [family for family, _, _ in seen] == ["geglu"] * 2 + ["embedding_q8"] * 4
     assert all(allocated == baseline for _, allocated, _ in seen), seen
     assert device.allocated_bytes == baseline
@@ -113,13 +114,13 @@ def test_a_cases_checks_run_on_programs_built_ahead_together(device, monkeypatch
 
 
 def test_an_interrupted_selftest_resumes_where_it_stopped(capsys, device, cache, monkeypatch):
-    code, out, _ = run_cli(capsys, "selftest", "--kernels", RESUMED, "--json")
+    code, out, _ = run_cli(capsys, "selftest", "--exhaustive", "--kernels", RESUMED, "--json")
     whole = json.loads(out)
     assert code == 0 and whole["complete"] and whole["planned"] == len(whole["checks"]) == 36
     assert whole["peak_rss_bytes"] > 2**20 and not list(cache.glob("selftest/*.json")), "a finished run clears it"
 
     calls = count_checks(monkeypatch, interrupt_at=21)
-    code, out, err = run_cli(capsys, "selftest", "--kernels", RESUMED, "--json")
+    code, out, err = run_cli(capsys, "selftest", "--exhaustive", "--kernels", RESUMED, "--json")
     first = json.loads(out)
     assert code == 130 and first["interrupted"] and len(first["checks"]) == 20 and "interrupted after 20" in err
     assert len(list(cache.glob("selftest/*.json"))) == 1
@@ -128,7 +129,7 @@ def test_an_interrupted_selftest_resumes_where_it_stopped(capsys, device, cache,
     monkeypatch.setenv("PERFX_CACHE", str(cache))
     monkeypatch.setenv("PERFX_DEVICE", device.entry.index)
     calls = count_checks(monkeypatch)
-    code, out, err = run_cli(capsys, "selftest", "--kernels", RESUMED, "--json")
+    code, out, err = run_cli(capsys, "selftest", "--exhaustive", "--kernels", RESUMED, "--json")
     second = json.loads(out)
     assert code == 0 and "resuming: 20 checks done before" in err
     assert len(calls) == 16 and second["resumed"] == 20 and second["complete"]
@@ -138,25 +139,90 @@ def test_an_interrupted_selftest_resumes_where_it_stopped(capsys, device, cache,
 
 def test_restart_and_changed_kernels_run_the_checks_again(capsys, device, cache, monkeypatch):
     calls = count_checks(monkeypatch, interrupt_at=30)
-    assert run_cli(capsys, "selftest", "--kernels", RESUMED)[0] == 130
+    assert run_cli(capsys, "selftest", "--exhaustive", "--kernels", RESUMED)[0] == 130
     calls.clear()
     # softcap's kernel source changed since: its 18 checks run again, geglu's 11 done are kept
     hashes = {"softcap": "changed"}
     source_hash = selftest.source_hash
     monkeypatch.setattr(selftest, "source_hash", lambda spec: hashes.get(spec.params.family) or source_hash(spec))
-    code, out, err = run_cli(capsys, "selftest", "--kernels", RESUMED, "--json")
+    code, out, err = run_cli(capsys, "selftest", "--exhaustive", "--kernels", RESUMED, "--json")
     assert code == 0 and "the kernels of softcap changed since" in err and len(calls) == 36 - 11
     assert json.loads(out)["resumed"] == 11
 
     count_checks(monkeypatch, interrupt_at=5)
-    assert run_cli(capsys, "selftest", "--kernels", RESUMED)[0] == 130
+    assert run_cli(capsys, "selftest", "--exhaustive", "--kernels", RESUMED)[0] == 130
     count_checks(monkeypatch)
-    code, out, err = run_cli(capsys, "selftest", "--kernels", RESUMED, "--restart", "--json")
+    code, out, err = run_cli(capsys, "selftest", "--exhaustive", "--kernels", RESUMED, "--restart", "--json")
     assert code == 0 and "resuming" not in err and json.loads(out)["resumed"] == 0
 
 
+def plan_keys(jobs) -> list[tuple[str, str, str]]:
+    return [(spec.params.family, spec.describe(shape), params_key(params)) for spec, shape, params in jobs]
+
+
+def test_the_default_plan_checks_every_set_once_and_at_every_shape_the_defaults_and_what_the_device_runs(device):
+    """``covering``: every parameter set the tuner may choose is checked at a test shape where it can run; each
+    shape at the defaults and at the sets the tuning entries in force choose; nothing twice. ``exhaustive`` is every
+    set at every shape, ``quick`` the defaults at one shape. The sets "in force" here are each family's last
+    candidate at its first shape, as a tuning entry would name one."""
+    ruling = {name: (spec.params.candidates(spec.test_shapes[0], device.caps) or [spec.params.defaults()])[-1]
+              for name, spec in SPECS.items()}     # (a family this device cannot run has no candidates)
+    covering = plan_keys(selftest.plan(SPECS, device, "covering", in_force=lambda spec: [ruling[spec.params.family]]))
+    exhaustive = plan_keys(selftest.plan(SPECS, device, "exhaustive"))
+    assert len(set(covering)) == len(covering) and set(covering) < set(exhaustive)
+    assert len(covering) < len(exhaustive) / 2, "the default builds a fraction of the exhaustive programs"
+    for name, spec in SPECS.items():
+        every = {key for family, _, key in exhaustive if family == name}
+        checked = [key for family, _, key in covering if family == name]
+        assert set(checked) == every, f"{name}: a set the tuner may choose is never checked"
+        defaults, chosen = params_key(spec.params.defaults()), params_key(ruling[name])
+        at_every_shape = {chosen}
+        for shape in spec.test_shapes:
+            described = spec.describe(shape)
+            here = [params_key(p) for p in spec.params.candidates(shape, device.caps)]
+            at = {key for family, shape_, key in covering if family == name and shape_ == described}
+            if not here:
+                assert not at
+                continue
+            first = defaults if defaults in here else here[0]   # where a capability rules the defaults out
+            at_every_shape.add(first)
+            assert first in at, f"{name} {described}: not at its defaults"
+            assert chosen not in here or chosen in at, f"{name} {described}: the set in force is not checked"
+        once = [key for key in checked if key not in at_every_shape]
+        assert len(once) == len(set(once)), f"{name}: a set checked at two shapes"
+    assert covering == plan_keys(selftest.plan(SPECS, device, "covering", in_force=lambda spec: [ruling[spec.params.family]]))
+    quick = plan_keys(selftest.plan(SPECS, device, "quick"))
+    runnable = [name for name, spec in SPECS.items() if spec.params.candidates(spec.test_shapes[0], device.caps)]
+    assert sorted(family for family, _, _ in quick) == sorted(runnable)
+    with pytest.raises(ValueError, match="unknown selftest scope"):
+        selftest.plan(SPECS, device, "most")
+
+
+def test_the_sets_a_devices_tuning_entries_choose_are_checked_at_every_shape_and_stale_ones_not(capsys, device, cache):
+    spec = SPECS["softcap"]
+    defaults = spec.params.defaults()
+    tuned, stale = [p for p in spec.params.candidates(spec.test_shapes[0], device.caps) if p != defaults][:2]
+    database = default_database()
+    database.save_result(device, result_record(spec, spec.test_shapes[0], tuned, 1e-5, 2e-5, device.fingerprint))
+    old = result_record(spec, spec.test_shapes[1], stale, 1e-5, 2e-5, device.fingerprint)
+    database.save_result(device, {**old, "source_hash": "measured-with-other-code"})
+    assert database.sets_in_force(device, spec) == [tuned]
+    code, out, _ = run_cli(capsys, "selftest", "--kernels", "softcap", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["scope"] == "covering" and data["planned"] == len(data["checks"])
+    where = {}
+    for check in data["checks"]:
+        where.setdefault(params_key(check["params"]), []).append(check["shape"])
+    shapes = [spec.describe(shape) for shape in spec.test_shapes]
+    assert sorted(where[params_key(tuned)]) == sorted(where[params_key(defaults)]) == sorted(shapes)
+    assert len(where[params_key(stale)]) == 1, "a stale entry's set is checked once, as any other"
+    with pytest.raises(SystemExit):
+        cli.main(["selftest", "--quick", "--exhaustive"])
+    capsys.readouterr()
+
+
 def test_shards_split_every_check_exactly_once_by_family_and_parameter_set(device):
-    jobs = selftest.plan(SPECS, device, quick=False)
+    jobs = selftest.plan(SPECS, device, "exhaustive")
     key = selftest.check_key
     whole = [key(spec.params.family, spec.describe(shape), params) for spec, shape, params in jobs]
     assert len(set(whole)) == len(whole)
@@ -190,7 +256,7 @@ def test_shards_run_from_the_command_line_cover_the_whole(capsys, device, cache)
 
 
 def test_a_spent_budget_stops_cleanly_with_status_3_and_the_next_run_goes_on(capsys, device, cache, monkeypatch):
-    code, out, err = run_cli(capsys, "selftest", "--kernels", SMALL, "--budget", "0", "--json")
+    code, out, err = run_cli(capsys, "selftest", "--exhaustive", "--kernels", SMALL, "--budget", "0", "--json")
     data = json.loads(out)
     assert code == selftest.EXIT_INCOMPLETE == 3 and data["stopped"] == "budget" and not data["complete"]
     assert data["checks"] == [] and data["planned"] == 30 and "run the same command again" in err
@@ -199,21 +265,21 @@ def test_a_spent_budget_stops_cleanly_with_status_3_and_the_next_run_goes_on(cap
         time.sleep(0.1)
         return ERRORS(self, params)
     monkeypatch.setattr(Case, "errors", slow)
-    code, out, err = run_cli(capsys, "selftest", "--kernels", SMALL, "--budget", "0.45", "--json")
+    code, out, err = run_cli(capsys, "selftest", "--exhaustive", "--kernels", SMALL, "--budget", "0.45", "--json")
     data = json.loads(out)
     done = len(data["checks"])
     assert code == 3 and 1 <= done < 30 and data["peak_rss_bytes"] > 0
     monkeypatch.setattr(Case, "errors", ERRORS)
-    code, out, err = run_cli(capsys, "selftest", "--kernels", SMALL)
+    code, out, err = run_cli(capsys, "selftest", "--exhaustive", "--kernels", SMALL)
     assert code == 0 and f"resuming: {done} checks done before" in err and "30 passed" in out
     assert f"{done} resumed" in out
 
 
 def test_an_unreadable_progress_file_starts_afresh(capsys, device, cache):
-    count = run_cli(capsys, "selftest", "--kernels", "softcap", "--budget", "0")[0]
+    count = run_cli(capsys, "selftest", "--exhaustive", "--kernels", "softcap", "--budget", "0")[0]
     [path] = cache.glob("selftest/*.json")
     path.write_text('{"perfx_selftest_progress": 1, "identity"')
-    code, out, err = run_cli(capsys, "selftest", "--kernels", "softcap")
+    code, out, err = run_cli(capsys, "selftest", "--exhaustive", "--kernels", "softcap")
     assert count == 3 and code == 0 and "unreadable" in err and "18 passed" in out
 
 

@@ -515,6 +515,20 @@ class Database:
             result.append(Choice(defaults, "default", detail, None, tuple(skipped)))
         return result
 
+    def sets_in_force(self, device, spec) -> list[dict]:
+        """The distinct parameter sets this family's records that apply to ``device`` choose (stale ones left
+        out), most specific level first: what the device runs once tuned, whatever the shape."""
+        current, found = source_hash(spec), {}
+        for level, file, record in sorted(self._applicable(device), key=lambda item: LEVELS.index(item[0])):
+            if record["family"] != spec.params.family:
+                continue
+            pinned = _pin(record, spec)
+            if pinned is not None and pinned != current:
+                continue
+            params = {**spec.params.defaults(record["params"]), **record["params"]}
+            found.setdefault(params_key(params), params)
+        return list(found.values())
+
     def entries_in_force(self, device, all_specs: dict) -> list[dict]:
         """Every record that applies to this device, the level it applies at, and whether it is stale."""
         rows = []

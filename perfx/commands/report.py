@@ -122,7 +122,7 @@ def run_section(name: str, device: Device, args, database) -> dict:
                 "confirmed": sum(r.confirmation is not None for r in results), "notes": notes,
                 "sweep": tuner.report(results)}   # where a phone's tuning minute goes
     if name == "selftest":
-        checks = run_checks(device, SPECS, quick=args.quick, show_progress=False)
+        checks = run_checks(device, SPECS, "quick" if args.quick else "covering", show_progress=False)
         failed = [asdict(c) for c in checks if c.failed]
         families = {}
         for c in checks:

@@ -1,8 +1,9 @@
 """`perfx selftest`: every kernel family checked on the user's own device against the float64 references.
 
 This is how a user with a Snapdragon phone learns that perfx's kernels compute the right thing on
-*their* driver: each spec's test shapes, at the defaults and (without ``--quick``) at every parameter
-set the tuner may choose on this device, fresh random inputs, outputs poisoned first.
+*their* driver: each spec's test shapes at the defaults and at the sets the device's tuning entries choose, and
+(without ``--quick``) every parameter set the tuner may choose on this device at one of them (``--exhaustive``: at
+each of them; ``plan`` says why one is enough), fresh random inputs, outputs poisoned first.
 
 A phone shares its 8–12 GB with Android and builds kernels slowly, so the run is bounded and resumable:
 
@@ -42,7 +43,7 @@ from perfx.runtime import (DEVICE_HELP, Device, KernelLimitError, build_workers_
                            shutdown_build_workers)
 from perfx.tuning import Spec, select_specs
 from perfx.tuning.spec import build_requests
-from perfx.tuning.database import fingerprint_slug, normal, params_key, source_hash
+from perfx.tuning.database import default_database, fingerprint_slug, normal, params_key, source_hash
 
 PROGRESS_FORMAT = 1
 SAVE_EVERY_S = 10.0       # progress is written after each case, and at least this often within one
@@ -57,6 +58,11 @@ BUILD_AHEAD = 32
 EXIT_INCOMPLETE = 3       # --budget spent before every check ran, none failed: run the same command again
 
 EPILOG = """\
+What it checks:
+  Every kernel family at its test shapes (small, off the tiles), against float64 references: at each shape the
+  defaults and the parameter sets this device's tuning entries choose, and every other set the tuner may choose
+  at one of the shapes (each set compiled and checked once; --exhaustive: at every shape, several times longer).
+
 Long runs:
   A full selftest builds thousands of kernels: minutes on a desktop CPU, much longer on a phone.
   Its progress is written to perfx's cache as it goes: after Ctrl-C, a crash or a spent --budget, the same
@@ -74,7 +80,12 @@ Exit status: 0 every check passed (or was refused by the driver's limits); 1 a c
 
 def add_arguments(parser):
     parser.add_argument("--device", help=DEVICE_HELP)
-    parser.add_argument("--quick", action="store_true", help="defaults only, one shape per family (about a minute)")
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("--quick", action="store_true", help="defaults only, one shape per family (about a minute)")
+    scope.add_argument("--exhaustive", action="store_true",
+                       help="every parameter set at every test shape (several times the default's builds); by "
+                            "default each set is checked at one test shape, and the defaults and the sets this "
+                            "device's tuning entries choose at every one")
     parser.add_argument("--kernels", help="comma-separated kernel families; a prefix names a group (default: all)")
     parser.add_argument("--shard", metavar="I/N", type=parse_shard,
                         help="run only part I of N (1 ≤ I ≤ N): the checks split by family and parameter set, "
@@ -97,6 +108,11 @@ class _RawEpilog(argparse.HelpFormatter):
         if "\n" not in text:   # the description: one paragraph, wrapped
             return super()._fill_text(text, width, indent)
         return "".join(indent + line for line in text.splitlines(keepends=True))
+
+
+def scope_of(args) -> str:
+    """The plan's scope (``plan``) the command-line options ask for."""
+    return "quick" if args.quick else "exhaustive" if getattr(args, "exhaustive", False) else "covering"
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -148,17 +164,60 @@ def check_key(family: str, shape: str, params: dict) -> str:
     return f"{family}|{shape}|{params_key(params)}"
 
 
-def plan(all_specs: dict[str, Spec], device: Device, quick: bool) -> list[tuple[Spec, dict, dict]]:
-    """Every check, (spec, shape, params), family by family and shape by shape: one case serves a run of them."""
+SCOPES = ("quick", "covering", "exhaustive")
+
+
+def plan(all_specs: dict[str, Spec], device: Device, scope: str = "covering",
+         in_force=None) -> list[tuple[Spec, dict, dict]]:
+    """The checks of a selftest, (spec, shape, params), family by family and shape by shape (one case serves a
+    run of them), by ``scope``:
+
+    - ``quick``: the defaults (or, where a capability rules them out, the first set that can run) at each family's
+      first test shape;
+    - ``covering`` (the default): at every test shape the defaults and every set the device's tuning entries
+      choose (``in_force(spec)``; default: the tuning database's ``sets_in_force``), and every other parameter
+      set the tuner may choose at one test shape where it can run, picked by a hash of the family and the set:
+      each set is compiled and checked once, each shape at many sets, and what the device runs at every shape;
+    - ``exhaustive``: every parameter set at every test shape (the families' pytest sweeps do this on the CPU
+      runtimes; a device builds each (shape, set) program, the shapes' sizes being build defines).
+
+    Covering is enough for what a selftest is for, a driver that miscompiles a kernel: a set is compiled with the
+    same code paths at any shape that is off the tiles, and the tuner checks each candidate at the model's own
+    shapes before it times it, so no set runs untested where ``covering`` left a (shape, set) out."""
+    if scope not in SCOPES:
+        raise ValueError(f"unknown selftest scope {scope!r}: one of {', '.join(SCOPES)}")
+    if in_force is None:
+        database = default_database()
+        in_force = lambda spec: database.sets_in_force(device, spec)  # noqa: E731
     jobs = []
     for spec in all_specs.values():
-        shapes = spec.test_shapes[:1] if quick else spec.test_shapes
-        for shape in shapes:
-            candidates = spec.params.candidates(shape, device.caps)
-            defaults = spec.params.defaults()
-            if quick:  # the defaults, or where they cannot run here (a capability) the first set that can
-                candidates = [c for c in candidates if c == defaults] or candidates[:1]
-            jobs.extend((spec, shape, params) for params in candidates)
+        shapes = spec.test_shapes[:1] if scope == "quick" else spec.test_shapes
+        per_shape = [spec.params.candidates(shape, device.caps) for shape in shapes]
+        defaults = params_key(spec.params.defaults())
+        if scope == "exhaustive":
+            keep = None
+        else:
+            keep, placed = set(), set()
+            ruling = {params_key(p) for p in in_force(spec)} if scope == "covering" else set()
+            for index, candidates in enumerate(per_shape):
+                keys = [params_key(p) for p in candidates]
+                # the defaults, or where a capability rules them out here the first set that can run
+                first = [defaults] if defaults in keys else keys[:1]
+                for key in first + [k for k in keys if k in ruling]:
+                    keep.add((index, key))
+                    placed.add(key)
+            if scope == "covering":
+                where: dict[str, list[int]] = {}
+                for index, candidates in enumerate(per_shape):
+                    for p in candidates:
+                        where.setdefault(params_key(p), []).append(index)
+                for key, indices in where.items():
+                    if key not in placed:
+                        pick = hashlib.sha256(f"{spec.params.family}|{key}".encode()).digest()
+                        keep.add((indices[int.from_bytes(pick[:4], "little") % len(indices)], key))
+        for index, (shape, candidates) in enumerate(zip(shapes, per_shape)):
+            jobs.extend((spec, shape, params) for params in candidates
+                        if keep is None or (index, params_key(params)) in keep)
     return jobs
 
 
@@ -246,7 +305,7 @@ def check_case(device: Device, spec: Spec, shape: dict, params_list: list[dict],
         gc.collect()   # the case's closures may sit in reference cycles: its buffers go now, not at some later pass
 
 
-def run_checks(device: Device, all_specs: dict[str, Spec], quick: bool = False, seed: int = 0,
+def run_checks(device: Device, all_specs: dict[str, Spec], scope: str = "covering", seed: int = 0,
                show_progress: bool | None = None, checks: list[Check] | None = None, *,
                done: dict[str, Check] | None = None, part: tuple[int, int] | None = None,
                deadline: float | None = None, saved=None) -> list[Check]:
@@ -259,7 +318,7 @@ def run_checks(device: Device, all_specs: dict[str, Spec], quick: bool = False, 
     progress. Memory stays bounded: one case at a time (``check_case``), and the device forgets the programs
     built once a family is done, or before building past PROGRAMS_KEPT (``Device.forget_programs``; a case keeps only
     its last few sets' kernels, ``tuning.spec.cached_per_params``)."""
-    jobs = plan(all_specs, device, quick)
+    jobs = plan(all_specs, device, scope)
     if part is not None:
         jobs = shard(jobs, *part)
     done = done or {}
@@ -299,13 +358,13 @@ def run_checks(device: Device, all_specs: dict[str, Spec], quick: bool = False, 
 
 
 class SavedProgress:
-    """The progress file of one selftest command (device, limits, build options, --quick, --kernels, --shard)
+    """The progress file of one selftest command (device, limits, build options, scope, --kernels, --shard)
     in ``<cache>/selftest/``: the checks done, pinned to the device and each family's kernel sources."""
 
-    def __init__(self, device: Device, all_specs: dict[str, Spec], quick: bool, part: tuple[int, int] | None,
+    def __init__(self, device: Device, all_specs: dict[str, Spec], scope: str, part: tuple[int, int] | None,
                  seed: int = 0):
         self.identity = normal({"device": device.fingerprint, "limits": device.caps.limits,
-                         "build_options": device.build_options, "quick": bool(quick), "seed": seed,
+                         "build_options": device.build_options, "scope": scope, "seed": seed,
                          "families": sorted(all_specs), "shard": f"{part[0]}/{part[1]}" if part else None})
         self.sources = {family: source_hash(spec) for family, spec in all_specs.items()}
         digest = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:12]
@@ -380,17 +439,19 @@ def main(args) -> int:
     started = time.perf_counter()
     print(f"perfx selftest on {device.caps.platform} / {device.caps.name} (limits: {device.caps.limits})"
           + (f", part {part[0]} of {part[1]}" if part else ""), file=sys.stderr)
-    saved = SavedProgress(device, all_specs, args.quick, part)
+    scope = scope_of(args)
+    saved = SavedProgress(device, all_specs, scope, part)
     if getattr(args, "restart", False):
         saved.clear()
     done, note = saved.load()
     if note:
         print(f"perfx selftest: {note}", file=sys.stderr)
-    planned = len(shard(plan(all_specs, device, args.quick), *part) if part else plan(all_specs, device, args.quick))
+    jobs = plan(all_specs, device, scope)
+    planned = len(shard(jobs, *part) if part else jobs)
     checks: list[Check] = []
     stopped = None
     try:
-        run_checks(device, all_specs, quick=args.quick, show_progress=False if args.json else None, checks=checks,
+        run_checks(device, all_specs, scope, show_progress=False if args.json else None, checks=checks,
                    done=done, part=part, deadline=None if budget is None else started + budget,
                    saved=saved.saver(checks))
     except KeyboardInterrupt:
@@ -412,7 +473,8 @@ def main(args) -> int:
     shutdown_build_workers()
     elapsed = time.perf_counter() - started
     if args.json:
-        print(json.dumps({"device": device.fingerprint, "limits": device.caps.limits, "quick": args.quick,
+        print(json.dumps({"device": device.fingerprint, "limits": device.caps.limits, "scope": scope,
+                          "quick": scope == "quick",
                           "shard": f"{part[0]}/{part[1]}" if part else None, "interrupted": stopped == "interrupted",
                           "complete": stopped is None, "stopped": stopped, "planned": planned, "resumed": resumed,
                           "passed": passed, "failed": failed, "refused": refused, "seconds": round(elapsed, 2),

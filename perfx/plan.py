@@ -450,10 +450,6 @@ class KernelPlan:
                         kinds[extra] = found[extra]
                 if self.device.caps.fp16:
                     kinds["f16"] = found.get("f16", found["skinny"])
-                choices = {}
-                for kind, op in kinds.items():
-                    self._wrappers[op] = self.choose(f"gemm_q4_{kind}", op.shape, label, gemm(kind, op.shape))
-                    choices[kind] = self.tuned[f"gemm_q4_{kind} ({label})"]
                 # The fastest kernel measured on this device for this bucket (the fp16, lanes and int8 ones only
                 # where they were measured too). Only times measured at this very shape, in the skinny entry's
                 # file, are compared (one_run_times): a record of another M (the nearest one a look-up falls back
@@ -461,13 +457,28 @@ class KernelPlan:
                 # tiled were not both measured: on a CPU the fastest measured of the others (both CPU
                 # implementations' tuned entries choose skinny or lanes at every bucket up to M = 256, and their
                 # tiled kernel is several times slower at M = 64), else the tall-skinny kernel; elsewhere the default
-                # crossover.
-                timed = one_run_times(choices, "skinny")
+                # crossover. Only the kinds that run are built (a fixed kind, or skinny and tiled either side of the
+                # crossover): a kind built only to be compared would cost the load its compile (most of a cold
+                # load's builds) and never run. The comparison reads each kind's first choice; where a kind that
+                # runs is refused by this driver, its next choice takes its place and the comparison is made again.
+                choices = {kind: self.database.choices(self.device, SPECS[f"gemm_q4_{kind}"], op.shape)[0]
+                           for kind, op in kinds.items()}
                 cpu = self.device.caps.device_type == "CPU"
-                kind = (min(timed, key=timed.get) if "skinny" in timed and ("tiled" in timed or cpu)
-                        else None)
-                if kind is None and cpu:
-                    kind = "skinny"
+                while True:
+                    timed = one_run_times(choices, "skinny")
+                    kind = (min(timed, key=timed.get) if "skinny" in timed and ("tiled" in timed or cpu)
+                            else None)
+                    if kind is None and cpu:
+                        kind = "skinny"
+                    changed = False
+                    for run in ((kind,) if kind is not None else ("skinny", "tiled")):
+                        op = kinds[run]
+                        self._wrappers[op] = self.choose(f"gemm_q4_{run}", op.shape, label, gemm(run, op.shape))
+                        built = self.tuned[f"gemm_q4_{run} ({label})"]
+                        changed = changed or built.params != choices[run].params
+                        choices[run] = built
+                    if not changed:
+                        break
                 gemms[name] = GemmQ4(self.device, choices["skinny"].params, choices["tiled"].params, None,
                                      shape=skinny, f16_params=choices["f16"].params if "f16" in choices else None,
                                      kind=kind, lanes_params=choices["lanes"].params if "lanes" in choices else None,

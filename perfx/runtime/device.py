@@ -155,7 +155,14 @@ def _first_line(error: Exception) -> str:
 # nothing; the parent makes its program from that binary. The workers of one device, limits and build options
 # serve every Device of the process, and stop when it exits.
 
-_WORKER_MAIN = "import perfx.runtime.device as d; d._worker_main()"
+# A worker needs only this layer: it enters the package as a bare one, without the package's __init__ (the public
+# API, which imports every layer: about half a second of each worker's start, paid before the first build of a
+# cold load).
+_WORKER_MAIN = ("import importlib.util, sys, types\n"
+                "spec = importlib.util.find_spec('perfx')\n"
+                "package = sys.modules['perfx'] = types.ModuleType('perfx')\n"
+                "package.__path__, package.__spec__ = list(spec.submodule_search_locations), spec\n"
+                "import perfx.runtime.device as d; d._worker_main()")
 
 
 def _send(stream, message) -> None:

@@ -46,7 +46,7 @@ from perfx.ops.short_conv import ShortConv
 from perfx.ops.small_ops import Argmax, Embedding, GeGLU, SigmoidMul, Softcap, SwiGLU
 from perfx.runtime import BuildError, Device, KernelLimitError
 from perfx.tuning import SPECS
-from perfx.tuning.database import Choice, Database, bucket_representative, m_bucket
+from perfx.tuning.database import M_BUCKETS, Choice, Database, bucket_representative, m_bucket
 from perfx import moe
 from perfx.mixers.attention import AttentionMixer
 from perfx.op import Op, StepOptions, matrix_epilogue, role_forms
@@ -529,16 +529,18 @@ class KernelPlan:
             self._head_rows = GemmQ4(self.device, shape={"epilogue": "none"})
         return self._head_rows
 
-    def build_head_rows(self) -> None:
-        """The kernels ``head_rows`` runs on this model's int4 lm_head (a tied one is the embedding's weight)."""
+    def build_head_rows(self, most: int) -> None:
+        """The kernels ``head_rows`` runs on this model's int4 lm_head (a tied one is the embedding's weight) over up
+        to ``most`` rows: the tall-skinny one, and the tiled one past its crossover."""
         forms = role_forms(self.config, "lm_head", self.options, self.config.hidden_size)
         if not any(form.kind == "q4" for form in forms):
             return
         role = "embedding" if self.config.tie_embeddings else "lm_head"
         layout, held = self._q4_reads(role)
         gemm = self.head_rows
-        for form in self.q4_forms(role):
-            gemm.kernel("skinny", "none", GemmQ4.read_of(gemm.params["skinny"]["READ"], held), layout, form)
+        for kind in dict.fromkeys((gemm.choose(1), gemm.choose(most))):
+            for form in self.q4_forms(role):
+                gemm.kernel(kind, "none", GemmQ4.read_of(gemm.params[kind]["READ"], held), layout, form)
 
     def build_q8(self, ops) -> None:
         """The int8 kernels of ``ops`` (the decode step's or a bucket's), chosen as ``q8`` chooses them when a weight
@@ -697,8 +699,9 @@ def build_requests(config: ModelConfig, device: Device, max_positions: int, data
             if config.layers_of("delta"):
                 plan.delta_prefill(bucket_representative(bucket))
             plan.build_q8(plan.buckets[bucket])
-        if buckets:
-            plan.build_head_rows()
+        if buckets:   # over the rows of a prompt of the largest bucket
+            low, high = M_BUCKETS[max(buckets)]
+            plan.build_head_rows(min(high or low, max_positions))
     return requests
 
 

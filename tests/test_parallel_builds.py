@@ -296,6 +296,39 @@ def test_a_model_load_builds_a_first_prompts_kernels_with_the_decode_steps(devic
     assert fresh.compile_seconds() == compiled
 
 
+@pytest.mark.one_implementation
+def test_a_model_load_uploads_its_weights_while_its_kernels_build(device, monkeypatch, threads):
+    """The load's builds run on a thread of their own (``Device.build_in_background``) while the weights upload: the
+    plan waits only for the kernels it makes (the decode step's), the prompts' GEMMs (made slow here) build on
+    meanwhile, and the load returns once every program it asked for is built: a first prompt builds nothing."""
+    from perfx.model import BUILT_AT_LOAD_M, Model, kernel_requests, load_model
+    from perfx.sources import open_model
+    fresh = Device(device.entry.index)
+    events = []
+    real_compile, real_upload = fresh._compile, Model.upload
+
+    def slow_gemms(key):
+        if key[0].startswith("gemm_"):
+            time.sleep(0.3)
+        program = real_compile(key)
+        events.append(("built", time.perf_counter()))
+        return program
+
+    def upload(self, *args, **kwargs):
+        events.append(("upload", time.perf_counter()))
+        return real_upload(self, *args, **kwargs)
+    monkeypatch.setattr(fresh, "_compile", slow_gemms)
+    monkeypatch.setattr(Model, "upload", upload)
+    model, _ = load_model("synthetic:tiny", device=fresh, progress=False)
+    first_upload = min(t for what, t in events if what == "upload")
+    assert first_upload < max(t for what, t in events if what == "built"), "the upload waited for every build"
+    want = set(kernel_requests(open_model("synthetic:tiny"), fresh, max_m=BUILT_AT_LOAD_M))
+    assert want <= fresh.program_keys
+    held = fresh.program_keys
+    model.prefill(np.random.default_rng(3).integers(0, model.config.vocab_size, 9).tolist(), 0)
+    assert fresh.program_keys == held and np.isfinite(model.logits()).all()
+
+
 def test_build_workers_of_one_set_of_settings_run_at_a_time(monkeypatch):
     """A selftest's families ask for workers under many (limits, build options): an idle worker of other settings
     stops when new ones start, so the live workers stay those of one set (each holds ~300 MiB)."""

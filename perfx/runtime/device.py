@@ -123,6 +123,30 @@ class BuildReport:
                 "errors": [{"file": k[0], "defines": dict(k[1]), "error": e.summary} for k, e in self.errors.items()]}
 
 
+class BackgroundBuilds:
+    """``build_many`` running on a thread of its own (``Device.build_in_background``): ``wait()`` returns its
+    BuildReport once every request is settled, and raises what the thread raised, if anything."""
+
+    def __init__(self, device: Device, requests, workers: int | None, on_done):
+        self._report: BuildReport | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(device, list(requests), workers, on_done),
+                                        name="perfx-build-background", daemon=True)
+        self._thread.start()
+
+    def _run(self, device, requests, workers, on_done):
+        try:
+            self._report = device.build_many(requests, workers, on_done)
+        except BaseException as error:   # noqa: BLE001 - handed to the waiting thread, raised there
+            self._error = error
+
+    def wait(self) -> BuildReport:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._report
+
+
 class _PendingProgram:
     """What ``build`` returns while collecting: the request, unbuilt."""
 
@@ -156,8 +180,8 @@ def _first_line(error: Exception) -> str:
 # serve every Device of the process, and stop when it exits.
 
 # A worker needs only this layer: it enters the package as a bare one, without the package's __init__ (the public
-# API, which imports every layer: about half a second of each worker's start, paid before the first build of a
-# cold load).
+# API, which imports every layer: most of a worker's start, which each load that starts workers waits for before
+# its first build).
 _WORKER_MAIN = ("import importlib.util, sys, types\n"
                 "spec = importlib.util.find_spec('perfx')\n"
                 "package = sys.modules['perfx'] = types.ModuleType('perfx')\n"
@@ -540,6 +564,17 @@ class Device:
         report.seconds = time.perf_counter() - started
         report.serial_reason = self._serial_reason
         return report
+
+    def build_in_background(self, requests, workers: int | None = None, on_done=None) -> BackgroundBuilds:
+        """``build_many(requests, workers, on_done)`` on a thread of its own, returned at once (``on_done`` is called
+        on that thread): the caller goes on with other work (a model's weights uploaded) and a ``build`` or
+        ``kernel`` of a request waits only for that program, where the thread builds it, or builds it at once, where
+        the thread has not come to it. ``wait()`` on what this returns gives the BuildReport. Inside
+        ``collecting()`` the requests are recorded here, as ``build_many`` records them."""
+        if self._collecting is not None:
+            self._collecting.extend(build_key(*request) for request in requests)
+            requests = []
+        return BackgroundBuilds(self, requests, workers, on_done)
 
     @property
     def workers_fill_driver_cache(self) -> bool:

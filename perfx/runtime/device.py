@@ -275,16 +275,22 @@ class _Worker:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def peak_bytes(self) -> int | None:
-        """This worker's peak resident memory while it runs, else None."""
-        return resident_peak_bytes(self.process.pid)
-
-    def stop(self) -> None:
+    def ask_to_stop(self) -> None:
+        """Its peak memory noted, its pipe closed: it ends after the build it is making (``stop`` waits for that)."""
+        if self.process.stdin.closed:
+            return
         peak = self.peak_bytes() if self.alive else None
         if peak is not None:
             _stopped_peaks.append(peak)
         with contextlib.suppress(OSError):
             self.process.stdin.close()
+
+    def peak_bytes(self) -> int | None:
+        """This worker's peak resident memory while it runs, else None."""
+        return resident_peak_bytes(self.process.pid)
+
+    def stop(self) -> None:
+        self.ask_to_stop()
         try:
             self.process.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -349,6 +355,8 @@ def shutdown_build_workers() -> None:
     with _workers_lock:
         workers = [w for group in _workers.values() for w in group]
         _workers.clear()
+    for worker in workers:   # all asked first: they end at once, not one after another
+        worker.ask_to_stop()
     for worker in workers:
         worker.stop()
 

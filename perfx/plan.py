@@ -483,7 +483,10 @@ class KernelPlan:
                                      shape=skinny, f16_params=choices["f16"].params if "f16" in choices else None,
                                      kind=kind, lanes_params=choices["lanes"].params if "lanes" in choices else None,
                                      i8_params=choices["i8"].params if "i8" in choices else None)
-                if kind == "i8":   # the launch each call makes first, built with the rest
+                if kind == "i8":   # the launch each call makes first, from the product's program (built above)
+                    read = GemmQ4.read_of(gemms[name].params["i8"]["READ"], held)
+                    for form in self.q4_forms(name):
+                        gemms[name].kernel("i8", epilogue, read, layout, form)
                     gemms[name].quantize_kernel()
                 elif kind == "f16":
                     gemms[name].convert_kernel()

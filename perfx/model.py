@@ -329,8 +329,10 @@ class Model:
             del embedding, head
             model._allocate_state()
             bar.update(note="run state")
-        finally:
-            builds.wait()
+        except BaseException:   # a load that fails or is interrupted waits only for the builds under way
+            builds.cancel()
+            raise
+        builds.wait()
         bar.close()
         device.queue.finish()
         points = model.restore_points

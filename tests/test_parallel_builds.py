@@ -217,7 +217,7 @@ def test_a_driver_failing_builds_in_worker_processes_falls_back_to_one_at_a_time
     keys = _keys(fresh, 5)
     asked = []
 
-    def refusing(todo, workers):
+    def refusing(todo, workers, stop=None):
         for key in todo:
             asked.append(key)
             yield key, "CL_OUT_OF_HOST_MEMORY (two builds at once)"   # a build's log
@@ -327,6 +327,43 @@ def test_a_model_load_uploads_its_weights_while_its_kernels_build(device, monkey
     held = fresh.program_keys
     model.prefill(np.random.default_rng(3).integers(0, model.config.vocab_size, 9).tolist(), 0)
     assert fresh.program_keys == held and np.isfinite(model.logits()).all()
+
+
+@pytest.mark.one_implementation
+@pytest.mark.parametrize("processes", ["0", "1"], ids=["threads", "processes"])
+def test_a_load_that_fails_waits_only_for_the_builds_under_way(device, monkeypatch, processes):
+    """An error (or Ctrl-C) while the weights upload stops the load's builds in the background: the load raises
+    once the builds under way are done, the others are left unbuilt, and a later load builds them."""
+    from perfx.model import BUILT_AT_LOAD_M, Model, kernel_requests, load_model
+    from perfx.sources import open_model
+    monkeypatch.setenv(BUILD_PROCESSES_ENV, processes)
+    fresh = Device(device.entry.index)
+    want = set(kernel_requests(open_model("synthetic:tiny"), fresh, max_m=BUILT_AT_LOAD_M))
+    prompt_only = ("gemm_", "attention_prefill")   # kernels of prompts alone: the plan waits for none of them
+    prompts = [key for key in want if key[0].startswith(prompt_only)]
+    assert len(prompts) >= 3
+    # those programs as none a cache holds, so each is a build of some length; the decode step's come first
+    nonce = str(time.time_ns())
+    real_build_many = fresh.build_many
+
+    def uncached(requests, *args, **kwargs):
+        keys = [build_key(*r) for r in requests]
+        keys = [build_key(k[0], {**dict(k[1]), "PERFX_TEST_NONCE": nonce}, k[2]) if k[0].startswith(prompt_only)
+                else k for k in keys]
+        return real_build_many(keys, *args, **kwargs)
+    monkeypatch.setattr(fresh, "build_many", uncached)
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Model, "upload", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        load_model("synthetic:tiny", device=fresh, progress=False)
+    left = [key for key in fresh.program_keys if dict(key[1]).get("PERFX_TEST_NONCE") == nonce]
+    assert len(left) < len(prompts), "the failed load built every prompt's kernels first"
+    monkeypatch.undo()
+    model, _ = load_model("synthetic:tiny", device=fresh, progress=False)
+    model.prefill([1, 2, 3], 0)
+    assert np.isfinite(model.logits()).all()
 
 
 def test_build_workers_of_one_set_of_settings_run_at_a_time(monkeypatch):

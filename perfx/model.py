@@ -273,59 +273,66 @@ class Model:
         first = source.layer(0)
         group, form = _int4_plan(source, first)
         # the decode step's kernels and a first prompt's (and speculation's steps of a few tokens) built together,
-        # on every core (a cached one is a look-up); a longer prompt's are built for its length's bucket when it
-        # first comes, and `perfx warm` builds every bucket's ahead
+        # on every core (a cached one is a look-up), while the weights upload: the plan waits only for the kernels
+        # it makes (the decode step's, built first), and the load for the rest at its end; a longer prompt's are
+        # built for its length's bucket when it first comes, and `perfx warm` builds every bucket's ahead
         scales = source.int4_scales()
-        device.build_many(build_requests(c, device, ctx, model.database, group, source.weight_forms(), model.kv, form,
-                                         load_buckets(min(ctx, BUILT_AT_LOAD_M)), fuse, scales),
-                          on_done=lambda key, error: bar.update(0, note=f"building kernels/{key[0]}"))
-        model.plan = KernelPlan(c, device, ctx, model.database, model.log, group, source.weight_forms(), model.kv,
-                                form, fuse, scales)
-        bar.update(note="kernels")
-        embedding = source.embedding()
-        model.weights.embedding = model.upload(embedding, "token embedding", "embedding")
-        model._upload_per_layer_tables(source)
-        model._upload_altup_tables(source)
-        bar.update(note="embedding")
-        for i in range(c.n_layers):
-            w = first if i == 0 else source.layer(i)
-            mixer = model.mixer_of[i]
-            nbytes = mixer.upload(w, i)
-            if w.moe is not None:
-                layer = DeviceLayer(mixer, attn_norm=model.vector(w.attn_norm), ffn_norm=model.vector(w.ffn_norm),
-                                    gate_up=None, down=None, moe=True)
-                nbytes += model.moe.upload(w.moe, i) + 4 * 2 * c.hidden_size
-                layer.gate_up, layer.down = model.moe.shared_linears(i)   # its shared expert's, where it has one
-            else:
-                layer = DeviceLayer(mixer, attn_norm=model.vector(w.attn_norm), ffn_norm=model.vector(w.ffn_norm),
-                                    gate_up=model.upload(w.gate_up, f"layer {i} gate_up", "gate_up"),
-                                    down=model.upload(w.down, f"layer {i} down", "down"))
-                nbytes += w.gate_up.nbytes + w.down.nbytes + 4 * 2 * c.hidden_size
-            for name in ("post_attn_norm", "post_ffn_norm", "ple_norm", "out_scale"):
-                if getattr(w, name) is not None:
-                    setattr(layer, name, model.vector(getattr(w, name)))
-                    nbytes += getattr(w, name).nbytes
-            for name in ("ple_gate", "ple_proj"):
-                if getattr(w, name) is not None:
-                    setattr(layer, name, model.upload(getattr(w, name), f"layer {i} {name}", name))
-                    nbytes += getattr(w, name).nbytes
-            if w.altup is not None:
-                layer.altup = model._upload_altup(w.altup, i)
-                nbytes += sum(v.nbytes for v in w.altup.values())
-            model.weights.layers.append(layer)
-            model.weights.nbytes += nbytes
-            del w
-            bar.update(note=f"layer {i}")
-        first = None
-        model.weights.final_norm = model.vector(source.final_norm())
-        head = source.lm_head()
-        weights = model.weights
-        weights.lm_head = (weights.embedding.for_role("lm_head") if head is None
-                           else model.upload(head, "lm_head", "lm_head"))
-        model.weights.nbytes += (embedding if head is None else head).nbytes + 4 * c.hidden_size
-        del embedding, head
-        model._allocate_state()
-        bar.update(note="run state")
+        builds = device.build_in_background(
+            build_requests(c, device, ctx, model.database, group, source.weight_forms(), model.kv, form,
+                           load_buckets(min(ctx, BUILT_AT_LOAD_M)), fuse, scales),
+            on_done=lambda key, error: bar.update(0, note=f"building kernels/{key[0]}"))
+        try:
+            model.plan = KernelPlan(c, device, ctx, model.database, model.log, group, source.weight_forms(), model.kv,
+                                    form, fuse, scales)
+            bar.update(note="kernels")
+            embedding = source.embedding()
+            model.weights.embedding = model.upload(embedding, "token embedding", "embedding")
+            model._upload_per_layer_tables(source)
+            model._upload_altup_tables(source)
+            bar.update(note="embedding")
+            for i in range(c.n_layers):
+                w = first if i == 0 else source.layer(i)
+                mixer = model.mixer_of[i]
+                nbytes = mixer.upload(w, i)
+                if w.moe is not None:
+                    layer = DeviceLayer(mixer, attn_norm=model.vector(w.attn_norm), ffn_norm=model.vector(w.ffn_norm),
+                                        gate_up=None, down=None, moe=True)
+                    nbytes += model.moe.upload(w.moe, i) + 4 * 2 * c.hidden_size
+                    layer.gate_up, layer.down = model.moe.shared_linears(i)   # its shared expert's, where it has one
+                else:
+                    layer = DeviceLayer(mixer, attn_norm=model.vector(w.attn_norm), ffn_norm=model.vector(w.ffn_norm),
+                                        gate_up=model.upload(w.gate_up, f"layer {i} gate_up", "gate_up"),
+                                        down=model.upload(w.down, f"layer {i} down", "down"))
+                    nbytes += w.gate_up.nbytes + w.down.nbytes + 4 * 2 * c.hidden_size
+                for name in ("post_attn_norm", "post_ffn_norm", "ple_norm", "out_scale"):
+                    if getattr(w, name) is not None:
+                        setattr(layer, name, model.vector(getattr(w, name)))
+                        nbytes += getattr(w, name).nbytes
+                for name in ("ple_gate", "ple_proj"):
+                    if getattr(w, name) is not None:
+                        setattr(layer, name, model.upload(getattr(w, name), f"layer {i} {name}", name))
+                        nbytes += getattr(w, name).nbytes
+                if w.altup is not None:
+                    layer.altup = model._upload_altup(w.altup, i)
+                    nbytes += sum(v.nbytes for v in w.altup.values())
+                model.weights.layers.append(layer)
+                model.weights.nbytes += nbytes
+                del w
+                bar.update(note=f"layer {i}")
+            first = None
+            model.weights.final_norm = model.vector(source.final_norm())
+            head = source.lm_head()
+            weights = model.weights
+            weights.lm_head = (weights.embedding.for_role("lm_head") if head is None
+                               else model.upload(head, "lm_head", "lm_head"))
+            model.weights.nbytes += (embedding if head is None else head).nbytes + 4 * c.hidden_size
+            del embedding, head
+            model._allocate_state()
+            bar.update(note="run state")
+        except BaseException:   # a load that fails or is interrupted waits only for the builds under way
+            builds.cancel()
+            raise
+        builds.wait()
         bar.close()
         device.queue.finish()
         points = model.restore_points

@@ -46,7 +46,7 @@ from perfx.ops.short_conv import ShortConv
 from perfx.ops.small_ops import Argmax, Embedding, GeGLU, SigmoidMul, Softcap, SwiGLU
 from perfx.runtime import BuildError, Device, KernelLimitError
 from perfx.tuning import SPECS
-from perfx.tuning.database import Choice, Database, bucket_representative, m_bucket
+from perfx.tuning.database import M_BUCKETS, Choice, Database, bucket_representative, m_bucket
 from perfx import moe
 from perfx.mixers.attention import AttentionMixer
 from perfx.op import Op, StepOptions, matrix_epilogue, role_forms
@@ -450,10 +450,6 @@ class KernelPlan:
                         kinds[extra] = found[extra]
                 if self.device.caps.fp16:
                     kinds["f16"] = found.get("f16", found["skinny"])
-                choices = {}
-                for kind, op in kinds.items():
-                    self._wrappers[op] = self.choose(f"gemm_q4_{kind}", op.shape, label, gemm(kind, op.shape))
-                    choices[kind] = self.tuned[f"gemm_q4_{kind} ({label})"]
                 # The fastest kernel measured on this device for this bucket (the fp16, lanes and int8 ones only
                 # where they were measured too). Only times measured at this very shape, in the skinny entry's
                 # file, are compared (one_run_times): a record of another M (the nearest one a look-up falls back
@@ -461,18 +457,36 @@ class KernelPlan:
                 # tiled were not both measured: on a CPU the fastest measured of the others (both CPU
                 # implementations' tuned entries choose skinny or lanes at every bucket up to M = 256, and their
                 # tiled kernel is several times slower at M = 64), else the tall-skinny kernel; elsewhere the default
-                # crossover.
-                timed = one_run_times(choices, "skinny")
+                # crossover. Only the kinds that run are built (a fixed kind, or skinny and tiled either side of the
+                # crossover): a kind built only to be compared would cost the load its compile (most of a cold
+                # load's builds) and never run. The comparison reads each kind's first choice; where a kind that
+                # runs is refused by this driver, its next choice takes its place and the comparison is made again.
+                choices = {kind: self.database.choices(self.device, SPECS[f"gemm_q4_{kind}"], op.shape)[0]
+                           for kind, op in kinds.items()}
                 cpu = self.device.caps.device_type == "CPU"
-                kind = (min(timed, key=timed.get) if "skinny" in timed and ("tiled" in timed or cpu)
-                        else None)
-                if kind is None and cpu:
-                    kind = "skinny"
+                while True:
+                    timed = one_run_times(choices, "skinny")
+                    kind = (min(timed, key=timed.get) if "skinny" in timed and ("tiled" in timed or cpu)
+                            else None)
+                    if kind is None and cpu:
+                        kind = "skinny"
+                    changed = False
+                    for run in ((kind,) if kind is not None else ("skinny", "tiled")):
+                        op = kinds[run]
+                        self._wrappers[op] = self.choose(f"gemm_q4_{run}", op.shape, label, gemm(run, op.shape))
+                        built = self.tuned[f"gemm_q4_{run} ({label})"]
+                        changed = changed or built.params != choices[run].params
+                        choices[run] = built
+                    if not changed:
+                        break
                 gemms[name] = GemmQ4(self.device, choices["skinny"].params, choices["tiled"].params, None,
                                      shape=skinny, f16_params=choices["f16"].params if "f16" in choices else None,
                                      kind=kind, lanes_params=choices["lanes"].params if "lanes" in choices else None,
                                      i8_params=choices["i8"].params if "i8" in choices else None)
-                if kind == "i8":   # the launch each call makes first, built with the rest
+                if kind == "i8":   # the launch each call makes first, from the product's program (built above)
+                    read = GemmQ4.read_of(gemms[name].params["i8"]["READ"], held)
+                    for form in self.q4_forms(name):
+                        gemms[name].kernel("i8", epilogue, read, layout, form)
                     gemms[name].quantize_kernel()
                 elif kind == "f16":
                     gemms[name].convert_kernel()
@@ -518,16 +532,18 @@ class KernelPlan:
             self._head_rows = GemmQ4(self.device, shape={"epilogue": "none"})
         return self._head_rows
 
-    def build_head_rows(self) -> None:
-        """The kernels ``head_rows`` runs on this model's int4 lm_head (a tied one is the embedding's weight)."""
+    def build_head_rows(self, most: int) -> None:
+        """The kernels ``head_rows`` runs on this model's int4 lm_head (a tied one is the embedding's weight) over up
+        to ``most`` rows: the tall-skinny one, and the tiled one past its crossover."""
         forms = role_forms(self.config, "lm_head", self.options, self.config.hidden_size)
         if not any(form.kind == "q4" for form in forms):
             return
         role = "embedding" if self.config.tie_embeddings else "lm_head"
         layout, held = self._q4_reads(role)
         gemm = self.head_rows
-        for form in self.q4_forms(role):
-            gemm.kernel("skinny", "none", GemmQ4.read_of(gemm.params["skinny"]["READ"], held), layout, form)
+        for kind in dict.fromkeys((gemm.choose(1), gemm.choose(most))):
+            for form in self.q4_forms(role):
+                gemm.kernel(kind, "none", GemmQ4.read_of(gemm.params[kind]["READ"], held), layout, form)
 
     def build_q8(self, ops) -> None:
         """The int8 kernels of ``ops`` (the decode step's or a bucket's), chosen as ``q8`` chooses them when a weight
@@ -686,8 +702,9 @@ def build_requests(config: ModelConfig, device: Device, max_positions: int, data
             if config.layers_of("delta"):
                 plan.delta_prefill(bucket_representative(bucket))
             plan.build_q8(plan.buckets[bucket])
-        if buckets:
-            plan.build_head_rows()
+        if buckets:   # over the rows of a prompt of the largest bucket
+            low, high = M_BUCKETS[max(buckets)]
+            plan.build_head_rows(min(high or low, max_positions))
     return requests
 
 

@@ -4,6 +4,7 @@ unless asked, so scripts and `--json` output stay clean."""
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 
@@ -13,8 +14,13 @@ class Progress:
         self.stream = stream or sys.stderr
         self.enabled = self.stream.isatty() if enabled is None else enabled
         self.width, self.started, self.note = width, time.perf_counter(), ""
+        self._lock = threading.Lock()   # a load's builds note their progress from a thread of their own
 
     def update(self, step: int = 1, note: str = ""):
+        with self._lock:
+            self._update(step, note)
+
+    def _update(self, step: int, note: str):
         self.done = min(self.done + step, self.total)
         self.note = note or self.note
         if self.enabled:
@@ -27,9 +33,10 @@ class Progress:
             self.stream.flush()
 
     def close(self):
-        if self.enabled:
-            self.stream.write("\n")
-            self.stream.flush()
+        with self._lock:
+            if self.enabled:
+                self.stream.write("\n")
+                self.stream.flush()
 
     def __enter__(self):
         return self

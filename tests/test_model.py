@@ -493,7 +493,8 @@ def test_the_norms_quantize_once_for_the_int8_gemvs(spm, device, tmp_path, monke
 @pytest.mark.parametrize("lanes_file", ["same", "another"])
 def test_the_int4_gemm_kind_compares_times_of_one_file(tiny_paths, device, rng, tmp_path, lanes_file):
     """A bucket's int4 GEMM is the fastest kind timed at its shape in the skinny entry's own file: a faster lanes
-    time there wins, one from another file (another machine's run) does not. The logits match either way."""
+    time there wins, one from another file (another machine's run) does not. The logits match either way. Only
+    the kinds that run are built: no tiled, fp16 or int8 GEMM program (none runs on this CPU device here)."""
     import json
 
     from perfx.tuning.database import FORMAT, Database
@@ -517,13 +518,20 @@ def test_the_int4_gemm_kind_compares_times_of_one_file(tiny_paths, device, rng, 
     (tmp_path / "shipped").mkdir()
     (tmp_path / "shipped" / "vendor.json").write_text(json.dumps(
         {"perfx_tuning": FORMAT, "match": {"vendor": device.caps.vendor_key}, "records": other}))
-    model = Model.load(source, device, ctx=64, progress=False, database=database)
+    fresh = Device(device.entry.index)   # its programs are this load's alone
+    model = Model.load(source, fresh, ctx=64, progress=False, database=database)
     prompt = [int(t) for t in rng.integers(3, source.config.vocab_size, 19)]   # the bucket of M = 17..64
     want, _ = forward64.model_forward(source, prompt)
     model.prefill(prompt, 0)
     assert relative_error(model.logits(), want[-1]) <= TOLERANCE
     gemms, _ = model.plan.prefill(19)
-    assert {gemm.kind for gemm in gemms.values()} == {"lanes" if lanes_file == "same" else "skinny"}
+    kind = "lanes" if lanes_file == "same" else "skinny"
+    assert {gemm.kind for gemm in gemms.values()} == {kind}
+    built = {key[0] for key in fresh.program_keys if key[0].startswith("gemm_q4_")}
+    # skinny: the buckets without times (and the lm_head over rows); lanes where it won
+    assert built == {"gemm_q4_skinny.cl", f"gemm_q4_{kind}.cl"}
+    chosen = {label.split(" ")[0] for label in model.plan.tuned if label.startswith("gemm_q4_") and "M≈33" in label}
+    assert chosen == {f"gemm_q4_{kind}"}
 
 
 def test_a_role_runs_the_gpu_shaped_gemv_where_this_device_timed_it_faster(tiny_paths, device, tmp_path, monkeypatch):

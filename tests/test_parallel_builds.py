@@ -217,7 +217,7 @@ def test_a_driver_failing_builds_in_worker_processes_falls_back_to_one_at_a_time
     keys = _keys(fresh, 5)
     asked = []
 
-    def refusing(todo, workers):
+    def refusing(todo, workers, stop=None):
         for key in todo:
             asked.append(key)
             yield key, "CL_OUT_OF_HOST_MEMORY (two builds at once)"   # a build's log
@@ -294,6 +294,76 @@ def test_a_model_load_builds_a_first_prompts_kernels_with_the_decode_steps(devic
     for length in (2, 12, BUILT_AT_LOAD_M - 1, BUILT_AT_LOAD_M):
         model.prefill(rng.integers(0, model.config.vocab_size, length).tolist(), 0)
     assert fresh.compile_seconds() == compiled
+
+
+@pytest.mark.one_implementation
+def test_a_model_load_uploads_its_weights_while_its_kernels_build(device, monkeypatch, threads):
+    """The load's builds run on a thread of their own (``Device.build_in_background``) while the weights upload: the
+    plan waits only for the kernels it makes (the decode step's), the prompts' GEMMs (made slow here) build on
+    meanwhile, and the load returns once every program it asked for is built: a first prompt builds nothing."""
+    from perfx.model import BUILT_AT_LOAD_M, Model, kernel_requests, load_model
+    from perfx.sources import open_model
+    fresh = Device(device.entry.index)
+    events = []
+    real_compile, real_upload = fresh._compile, Model.upload
+
+    def slow_gemms(key):
+        if key[0].startswith("gemm_"):
+            time.sleep(0.3)
+        program = real_compile(key)
+        events.append(("built", time.perf_counter()))
+        return program
+
+    def upload(self, *args, **kwargs):
+        events.append(("upload", time.perf_counter()))
+        return real_upload(self, *args, **kwargs)
+    monkeypatch.setattr(fresh, "_compile", slow_gemms)
+    monkeypatch.setattr(Model, "upload", upload)
+    model, _ = load_model("synthetic:tiny", device=fresh, progress=False)
+    first_upload = min(t for what, t in events if what == "upload")
+    assert first_upload < max(t for what, t in events if what == "built"), "the upload waited for every build"
+    want = set(kernel_requests(open_model("synthetic:tiny"), fresh, max_m=BUILT_AT_LOAD_M))
+    assert want <= fresh.program_keys
+    held = fresh.program_keys
+    model.prefill(np.random.default_rng(3).integers(0, model.config.vocab_size, 9).tolist(), 0)
+    assert fresh.program_keys == held and np.isfinite(model.logits()).all()
+
+
+@pytest.mark.one_implementation
+@pytest.mark.parametrize("processes", ["0", "1"], ids=["threads", "processes"])
+def test_a_load_that_fails_waits_only_for_the_builds_under_way(device, monkeypatch, processes):
+    """An error (or Ctrl-C) while the weights upload stops the load's builds in the background: the load raises
+    once the builds under way are done, the others are left unbuilt, and a later load builds them."""
+    from perfx.model import BUILT_AT_LOAD_M, Model, kernel_requests, load_model
+    from perfx.sources import open_model
+    monkeypatch.setenv(BUILD_PROCESSES_ENV, processes)
+    fresh = Device(device.entry.index)
+    want = set(kernel_requests(open_model("synthetic:tiny"), fresh, max_m=BUILT_AT_LOAD_M))
+    prompt_only = ("gemm_", "attention_prefill")   # kernels of prompts alone: the plan waits for none of them
+    prompts = [key for key in want if key[0].startswith(prompt_only)]
+    assert len(prompts) >= 3
+    # those programs as none a cache holds, so each is a build of some length; the decode step's come first
+    nonce = str(time.time_ns())
+    real_build_many = fresh.build_many
+
+    def uncached(requests, *args, **kwargs):
+        keys = [build_key(*r) for r in requests]
+        keys = [build_key(k[0], {**dict(k[1]), "PERFX_TEST_NONCE": nonce}, k[2]) if k[0].startswith(prompt_only)
+                else k for k in keys]
+        return real_build_many(keys, *args, **kwargs)
+    monkeypatch.setattr(fresh, "build_many", uncached)
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Model, "upload", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        load_model("synthetic:tiny", device=fresh, progress=False)
+    left = [key for key in fresh.program_keys if dict(key[1]).get("PERFX_TEST_NONCE") == nonce]
+    assert len(left) < len(prompts), "the failed load built every prompt's kernels first"
+    monkeypatch.undo()
+    model, _ = load_model("synthetic:tiny", device=fresh, progress=False)
+    model.prefill([1, 2, 3], 0)
+    assert np.isfinite(model.logits()).all()
 
 
 def test_build_workers_of_one_set_of_settings_run_at_a_time(monkeypatch):

@@ -24,6 +24,10 @@ from perfx.commands.perplexity import perplexity
 from perfx.commands.warm import warm
 from perfx.generate import SamplingConfig, generate
 from perfx.model import Model, kernel_requests
+from perfx.ops.gemm_q4 import GemmQ4
+from perfx.ops.gemm_q8 import GemmQ8
+from perfx.ops.gemv_q4 import GemvQ4
+from perfx.ops.gemv_q8 import GemvQ8
 from perfx.ops.logit_mask import mask_words
 from perfx.runtime import Device
 from perfx.sources import open_model
@@ -119,6 +123,41 @@ def test_nothing_is_built_after_warm(device, paths, family):
     assert not missed, f"{len(missed)} kernels built one at a time, after warm's builds at once: {missed}"
     assert result["missed"] == [] and result["plan"]["failed"] == 0
     assert result["kernels"] == len(planned) == result["plan"]["requested"]
+
+
+def test_the_quantizing_of_x_is_taken_from_the_products_own_program(device):
+    """A product that reads int8 activations takes the launch that quantizes its x from its own program (the
+    quantizing reads none of the product's parameters): the int4 and int8 GEMVs and GEMMs build no program for it
+    once their product is built."""
+    fresh = Device(device.entry.index)
+    caps = fresh.caps
+
+    def int8(family, **fixed):
+        shape = SPECS[family].test_shapes[0]
+        params = next(p for p in SPECS[family].params.candidates(shape, caps)
+                      if all(p[k] == v for k, v in fixed.items()))
+        return shape, params
+    shape, params = int8("gemv_q4", I8=1, LAYOUT=0)
+    gemv_q4 = GemvQ4(fresh, params, shape)
+    gemv_q4.kernel(shape["group"], shape["epilogue"], shape["k"])
+    shape, params = int8("gemv_q8", I8=1)
+    gemv_q8 = GemvQ8(fresh, params, shape)
+    gemv_q8.kernel(shape["group"], shape["f32"], True, shape["epilogue"])
+    shape, params = int8("gemm_q4_i8", DOT=0)
+    gemm_q4 = GemmQ4(fresh, i8_params=params, shape=shape, kind="i8")
+    gemm_q4.kernel("i8", shape["epilogue"], params["READ"], params["LAYOUT"])
+    shape, params = int8("gemm_q8_i8", DOT=0)
+    gemm_q8 = GemmQ8(fresh, params, shape, "i8")
+    gemm_q8.kernel(shape["group"], shape["f32"], True, shape["epilogue"])
+    products = fresh.program_keys
+    assert len(products) == 4
+    for kernel in (gemv_q4.quantize_kernel(), gemv_q8.quantize_kernel(SPECS["gemv_q8"].test_shapes[0]["group"]),
+                   gemm_q4.quantize_kernel(), gemm_q8.quantize_kernel(SPECS["gemm_q8_i8"].test_shapes[0]["group"])):
+        assert kernel.function_name.endswith("_quantize_x")
+    assert fresh.program_keys == products
+    # a group no product was built for: a program of its own
+    gemv_q8.quantize_kernel(128)
+    assert len(fresh.program_keys) == 5
 
 
 def test_perfx_warm_json_says_what_it_built(device, capsys):

@@ -198,6 +198,7 @@ class GemmQ4:
             raise PerfxError(f"gemm_q4 crossover must be ≥ 0 (the largest M for the tall-skinny kernel), "
                              f"got {crossover}")
         self._kernels = {}
+        self._quantize_from: tuple | None = None   # (defines, newest_c) of a built int8 program
         # Kernels take a bias pointer whatever the epilogue; this one stands in when there is none.
         self._no_bias = device.alloc(4, what="gemm_q4 placeholder bias")
         self._x_half = None   # the fp16 kernel's activations, grown to the largest X seen
@@ -253,6 +254,8 @@ class GemmQ4:
             kernel = self.device.kernel(_SPACES[kind].source, f"gemm_q4_{kind}", defines,
                                         newest_c=bool(params.get("DOT")))
             self._kernels[key] = kernel
+            if kind == "i8" and self._quantize_from is None:
+                self._quantize_from = (defines, bool(params.get("DOT")))
         return kernel
 
     @staticmethod
@@ -359,8 +362,11 @@ class GemmQ4:
         return self.device.kernel(F16.source, "convert_f16", {})
 
     def quantize_kernel(self):
-        """The quantization of X to int8 blocks that the int8 kernel's calls launch first."""
-        return self.device.kernel(I8.source, "gemm_q4_i8_quantize_x", {})
+        """The quantization of X to int8 blocks that the int8 kernel's calls launch first: from the program of an
+        int8 product this wrapper built already, where there is one (the quantizing reads none of its parameters,
+        and a program less is a compile less at a cold load), else from a program of its own."""
+        defines, newest_c = self._quantize_from or ({}, False)
+        return self.device.kernel(I8.source, "gemm_q4_i8_quantize_x", defines, newest_c)
 
     def _to_q8(self, xb, count: int) -> tuple:
         """X's int8 codes and (step, sum) per block of 32 (the int8 kernel's input), in scratch kept for the

@@ -92,6 +92,7 @@ class GemmQ8:
         self.space = KINDS[kind]
         self.params = self.space.resolve(params, shape or {}, device.caps)
         self._kernels = {}
+        self._quantize_from: dict[int, tuple] = {}   # G -> (defines, newest_c) of a built int8 program of that group
         self._no_bias = device.alloc(4, what="gemm_q8 placeholder bias")
         self.kind = kind
         # the int8 kernel's quantized X (codes, then (step, sum) per group), grown to the largest X seen; the
@@ -113,11 +114,16 @@ class GemmQ8:
             # cl_khr_integer_dot_product's built-ins are declared only for OpenCL C 2.0 and newer on some compilers
             kernel = self._kernels[key] = self.device.kernel(self.space.source, self.space.family, defines,
                                                              newest_c=bool(self.params.get("DOT")))
+            if self.space.source == I8.source:
+                self._quantize_from.setdefault(group, (defines, bool(self.params.get("DOT"))))
         return kernel
 
     def quantize_kernel(self, group: int):
-        """The rounding of X to int8 groups that the int8 kernel's calls launch first."""
-        return self.device.kernel(I8.source, "gemm_q8_i8_quantize_x", {"GROUP": group})
+        """The rounding of X to int8 groups that the int8 kernel's calls launch first: from the program of an int8
+        product of that group this wrapper built already, where there is one (the rounding reads no other
+        parameter, and a program less is a compile less at a cold load), else from a program of its own."""
+        defines, newest_c = self._quantize_from.get(group, ({"GROUP": group}, False))
+        return self.device.kernel(I8.source, "gemm_q8_i8_quantize_x", defines, newest_c)
 
     def _to_q8(self, xb, count: int, group: int) -> tuple:
         """X's int8 codes and (step, sum) per group (the int8 kernel's input), in scratch kept for the next call."""

@@ -173,6 +173,7 @@ class GemvQ4:
         self._no_bias = device.alloc(4, what="gemv_q4 bias placeholder")
         self._kernels: dict[tuple[int, str, int, int], cl.Kernel] = {}
         self._quantized: dict[int, tuple] = {}   # K -> (codes, (step, sum) pairs) of the quantized x
+        self._quantize_from: tuple | None = None   # (defines, newest_c) of a built program holding the quantizing
 
     def kernel(self, group: int, epilogue: str, k: int = 0, form: int = Q4_PAIRS, extra: tuple = ()) -> cl.Kernel:
         """The built kernel for a group size, epilogue and the weight's scales' form (built once, then cached
@@ -188,6 +189,8 @@ class GemvQ4:
             # the byte dot products' built-ins (I8 2) are declared from OpenCL C 2.0 on
             kernel = self.device.kernel(self.space.source, "gemv_q4", defines, newest_c=self.params["I8"] == 2)
             self._kernels[group, epilogue, k, form, extra] = kernel
+            if self.params["I8"] and not extra and self._quantize_from is None:
+                self._quantize_from = (defines, self.params["I8"] == 2)
         return kernel
 
     def quantize(self, x, k: int) -> tuple[list[cl.Event], tuple]:
@@ -203,7 +206,12 @@ class GemvQ4:
         return [event], buffers
 
     def quantize_kernel(self) -> cl.Kernel:
-        """The launch ``quantize`` enqueues (the rows layout's I8)."""
+        """The launch ``quantize`` enqueues (the rows layout's I8): from the program of a product this wrapper built
+        already, where there is one (the quantizing reads none of its parameters, and a program less is a
+        compile less at a cold load), else from a program of its own."""
+        if self._quantize_from is not None:
+            defines, newest_c = self._quantize_from
+            return self.device.kernel(self.space.source, "gemv_q4_quantize_x", defines, newest_c)
         return self.device.kernel(self.space.source, "gemv_q4_quantize_x", {"I8": 1})
 
     @property

@@ -68,6 +68,7 @@ class GemvQ8:
         self._no_bias = device.alloc(4, what="gemv_q8 bias placeholder")
         self._kernels: dict[tuple, cl.Kernel] = {}
         self._quantized: dict[tuple, tuple] = {}   # (K, G) -> (codes, (step, sum) pairs) of the quantized x
+        self._quantize_from: dict[int, tuple] = {}   # G -> (defines, newest_c) of a built program of that group
 
     def kernel(self, group: int, f32: bool, symmetric: bool, epilogue: str) -> cl.Kernel:
         """The built kernel for a group size, pair precision and epilogue (built once, then cached); the
@@ -80,6 +81,7 @@ class GemvQ8:
                        "EPILOGUE": code("gemv_q8", epilogue, GEMV_EPILOGUES)}
             kernel = self._kernels[key] = self.device.kernel(PARAMS.source, "gemv_q8", defines,
                                                              newest_c=self.params["I8"] == 2)
+            self._quantize_from.setdefault(group, (defines, self.params["I8"] == 2))
         return kernel
 
     def quantize(self, x, k: int, group: int) -> tuple[list[cl.Event], tuple]:
@@ -94,8 +96,11 @@ class GemvQ8:
         return [event], buffers
 
     def quantize_kernel(self, group: int) -> cl.Kernel:
-        """The launch ``quantize`` enqueues for groups of ``group``."""
-        return self.device.kernel(PARAMS.source, "gemv_q8_quantize_x", {"GROUP": group})
+        """The launch ``quantize`` enqueues for groups of ``group``: from the program of a product of that group this
+        wrapper built already, where there is one (the quantizing reads no other parameter, and a program less is
+        a compile less at a cold load), else from a program of its own."""
+        defines, newest_c = self._quantize_from.get(group, ({"GROUP": group}, False))
+        return self.device.kernel(PARAMS.source, "gemv_q8_quantize_x", defines, newest_c)
 
     def reads_blocks(self, weight: Q8DeviceWeight) -> bool:
         """Whether the product of ``weight`` can read x as Q8_1 blocks of 32 in x's own order (``Q8_NATURAL``)

@@ -8,7 +8,8 @@
 - ``selection``: the devices installed here (``list_devices``) and the one perfx takes (``choose_device``,
   ``PERFX_DEVICE``).
 - ``device``: ``Device``, its builds with ``-D`` defines (programs and ``Kernel`` objects kept; many at once
-  with ``build_many``, in worker processes where a driver builds one at a time within a process, else on threads,
+  with ``build_many``, or on a thread of their own while the caller goes on with ``build_in_background``, in
+  worker processes where a driver builds one at a time within a process, else on threads,
   PERFX_BUILD_WORKERS, PERFX_BUILD_PROCESSES; requests collected unbuilt with ``collecting``), launches
   and their recording, counted memory, and every copy (``copy``, ``write``, ``read``, ``fill``).
 - ``replay``: the decode step's recorded launches and copies, replayed each token one by one, or in one

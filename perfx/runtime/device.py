@@ -123,6 +123,39 @@ class BuildReport:
                 "errors": [{"file": k[0], "defines": dict(k[1]), "error": e.summary} for k, e in self.errors.items()]}
 
 
+_NOT_BEGUN = object()   # a build_many request left unbuilt, once asked to stop
+
+
+class BackgroundBuilds:
+    """``build_many`` running on a thread of its own (``Device.build_in_background``): ``wait()`` returns its
+    BuildReport once every request is settled, and raises what the thread raised, if anything."""
+
+    def __init__(self, device: Device, requests, workers: int | None, on_done):
+        self._report: BuildReport | None = None
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(device, list(requests), workers, on_done),
+                                        name="perfx-build-background", daemon=True)
+        self._thread.start()
+
+    def _run(self, device, requests, workers, on_done):
+        try:
+            self._report = device.build_many(requests, workers, on_done, self._stop)
+        except BaseException as error:   # noqa: BLE001 - handed to the waiting thread, raised there
+            self._error = error
+
+    def wait(self) -> BuildReport:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._report
+
+    def cancel(self) -> None:
+        """No more builds start; returns once those under way are done (the others are left for a later build)."""
+        self._stop.set()
+        self._thread.join()
+
+
 class _PendingProgram:
     """What ``build`` returns while collecting: the request, unbuilt."""
 
@@ -155,7 +188,14 @@ def _first_line(error: Exception) -> str:
 # nothing; the parent makes its program from that binary. The workers of one device, limits and build options
 # serve every Device of the process, and stop when it exits.
 
-_WORKER_MAIN = "import perfx.runtime.device as d; d._worker_main()"
+# A worker needs only this layer: it enters the package as a bare one, without the package's __init__ (the public
+# API, which imports every layer: most of a worker's start, which each load that starts workers waits for before
+# its first build).
+_WORKER_MAIN = ("import importlib.util, sys, types\n"
+                "spec = importlib.util.find_spec('perfx')\n"
+                "package = sys.modules['perfx'] = types.ModuleType('perfx')\n"
+                "package.__path__, package.__spec__ = list(spec.submodule_search_locations), spec\n"
+                "import perfx.runtime.device as d; d._worker_main()")
 
 
 def _send(stream, message) -> None:
@@ -244,16 +284,22 @@ class _Worker:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def peak_bytes(self) -> int | None:
-        """This worker's peak resident memory while it runs, else None."""
-        return resident_peak_bytes(self.process.pid)
-
-    def stop(self) -> None:
+    def ask_to_stop(self) -> None:
+        """Its peak memory noted, its pipe closed: it ends after the build it is making (``stop`` waits for that)."""
+        if self.process.stdin.closed:
+            return
         peak = self.peak_bytes() if self.alive else None
         if peak is not None:
             _stopped_peaks.append(peak)
         with contextlib.suppress(OSError):
             self.process.stdin.close()
+
+    def peak_bytes(self) -> int | None:
+        """This worker's peak resident memory while it runs, else None."""
+        return resident_peak_bytes(self.process.pid)
+
+    def stop(self) -> None:
+        self.ask_to_stop()
         try:
             self.process.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -318,6 +364,8 @@ def shutdown_build_workers() -> None:
     with _workers_lock:
         workers = [w for group in _workers.values() for w in group]
         _workers.clear()
+    for worker in workers:   # all asked first: they end at once, not one after another
+        worker.ask_to_stop()
     for worker in workers:
         worker.stop()
 
@@ -464,7 +512,7 @@ class Device:
         binary cache): what a caller timing its own work takes to tell the builds it waited for from the rest."""
         return getattr(self._compiling, "seconds", 0.0)
 
-    def build_many(self, requests, workers: int | None = None, on_done=None) -> BuildReport:
+    def build_many(self, requests, workers: int | None = None, on_done=None, stop=None) -> BuildReport:
         """Build many programs at once, each ``(file, defines, newest_c)`` (``newest_c`` may be left out), with
         ``workers`` builds at a time (default: ``build_workers()``: PERFX_BUILD_WORKERS, else the CPU count, at most
         8), into the programs ``build`` keeps: a later ``build`` or ``kernel`` of one of them builds nothing.
@@ -477,7 +525,8 @@ class Device:
         log), and ``build`` raises it again. A request that failed while others were building is built again
         alone; where it then builds, the driver is taken not to bear concurrent builds: the rest of this
         device's builds run one at a time, and a warning says so once (``serial_reason``).
-        ``on_done(key, error)`` is called in this thread as each finishes (a progress bar).
+        ``on_done(key, error)`` is called in this thread as each finishes (a progress bar). Once ``stop`` (a
+        ``threading.Event``) is set, no more builds start: those not begun are left unbuilt, for a later ``build``.
         Inside ``collecting()`` the requests are recorded instead."""
         started = time.perf_counter()
         keys = list(dict.fromkeys(build_key(*request) for request in requests))
@@ -495,6 +544,12 @@ class Device:
         report = BuildReport(len(keys), todo, {}, 0, 0.0, min(workers, max(len(todo), 1)), processes=processes)
         failed: list[tuple] = []
 
+        def stopped() -> bool:
+            return stop is not None and stop.is_set()
+
+        def attempt(key):
+            return _NOT_BEGUN if stopped() else self._try_build(key)
+
         def finished(key, error):
             if error is not None:
                 report.errors[key] = error
@@ -505,14 +560,18 @@ class Device:
 
         if workers <= 1 or len(todo) <= 1 or (self.builds_in_processes() and not processes):
             for key in todo:
+                if stopped():
+                    break
                 finished(key, self._try_build(key))
         elif processes:
-            self._build_in_processes(todo, workers, finished, failed)
+            self._build_in_processes(todo, workers, finished, failed, stop)
         else:
             with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="perfx-build") as pool:
-                futures = {pool.submit(self._try_build, key): key for key in todo}
+                futures = {pool.submit(attempt, key): key for key in todo}
                 for future in concurrent.futures.as_completed(futures):
                     key, error = futures[future], future.result()
+                    if error is _NOT_BEGUN:
+                        continue
                     if error is None:
                         finished(key, None)
                     else:
@@ -520,6 +579,8 @@ class Device:
         # Failures while building concurrently: built again alone. One that builds alone shows a driver that
         # does not bear concurrent builds.
         for key, error in failed:
+            if stopped():
+                break
             with self._build_lock:
                 self._build_errors.pop(key, None)
             again = self._try_build(key)
@@ -533,6 +594,17 @@ class Device:
         report.seconds = time.perf_counter() - started
         report.serial_reason = self._serial_reason
         return report
+
+    def build_in_background(self, requests, workers: int | None = None, on_done=None) -> BackgroundBuilds:
+        """``build_many(requests, workers, on_done)`` on a thread of its own, returned at once (``on_done`` is called
+        on that thread): the caller goes on with other work (a model's weights uploaded) and a ``build`` or
+        ``kernel`` of a request waits only for that program, where the thread builds it, or builds it at once, where
+        the thread has not come to it. ``wait()`` on what this returns gives the BuildReport. Inside
+        ``collecting()`` the requests are recorded here, as ``build_many`` records them."""
+        if self._collecting is not None:
+            self._collecting.extend(build_key(*request) for request in requests)
+            requests = []
+        return BackgroundBuilds(self, requests, workers, on_done)
 
     @property
     def workers_fill_driver_cache(self) -> bool:
@@ -578,7 +650,7 @@ class Device:
             del self._building[key]
         event.set()
 
-    def _remote_compile(self, keys: list[tuple], workers: int):
+    def _remote_compile(self, keys: list[tuple], workers: int, stop=None):
         """(key, (binary, from pyopencl's cache), or the build's log or what failed, as text) for each key, as the
         workers finish, each fed by a thread of this process that waits on it. A worker that dies fails the build
         it was making and takes no more; the others build the rest."""
@@ -590,7 +662,7 @@ class Device:
 
         def feed(worker):
             try:
-                while True:
+                while stop is None or not stop.is_set():
                     try:
                         key = todo.get_nowait()
                     except queue.Empty:
@@ -606,6 +678,8 @@ class Device:
             thread.start()
         answered, running = 0, len(feeders)
         while answered < len(keys):
+            if running == 0 and stop is not None and stop.is_set():   # what is left stays unbuilt
+                break
             if running == 0:   # every worker died: what is left fails here, to be built alone
                 key = todo.get_nowait()
                 answered += 1
@@ -620,12 +694,12 @@ class Device:
         for thread in feeders:
             thread.join()
 
-    def _build_in_processes(self, todo: list[tuple], workers: int, finished, failed: list) -> None:
+    def _build_in_processes(self, todo: list[tuple], workers: int, finished, failed: list, stop=None) -> None:
         """``build_many``'s builds in worker processes; failures into ``failed``, to be built again alone."""
         claimed, others = self._claim(todo)
         started = time.perf_counter()
         try:
-            for key, outcome in self._remote_compile(list(claimed), workers):
+            for key, outcome in self._remote_compile(list(claimed), workers, stop=stop):
                 program = error = None
                 if isinstance(outcome, tuple):
                     binary, cached = outcome
@@ -648,6 +722,8 @@ class Device:
                 self._settle(key, event, None)
             self._compiling.seconds = self.compile_seconds() + time.perf_counter() - started
         for key in others:   # built by another thread meanwhile: waited for
+            if stop is not None and stop.is_set():
+                break
             finished(key, self._try_build(key))
 
     def _try_build(self, key: tuple) -> Exception | None:

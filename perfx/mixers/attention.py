@@ -248,6 +248,10 @@ class AttentionMixer(Mixer):
                 place[i] = place[c.layers[i].kv_from]
         return {"caches": caches, "place": place}
 
+    def copy_state(self, src: dict, dst: dict, positions: int) -> None:
+        for source, target in zip(src["caches"], dst["caches"]):
+            source.copy_prefix(self.model.device, target, positions)
+
     @property
     def cache(self) -> KVCache:
         """The first of its caches (the only one where every layer has the model's shapes)."""

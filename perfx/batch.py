@@ -186,6 +186,8 @@ class Batch:
 
 
 def _nbytes(obj) -> int:
+    if isinstance(obj, list):   # attention's caches, one per shape of its layers
+        return sum(_nbytes(item) for item in obj)
     return int(getattr(obj, "nbytes", 0))
 
 

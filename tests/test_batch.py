@@ -25,7 +25,7 @@ from perfx.errors import PerfxError
 from perfx.generate import SamplingConfig, generate
 from perfx.mixers import Mixer
 from perfx.model import Model
-from perfx.serve.batching import default_parallel
+from perfx.serve.batching import default_parallel, sequence_state_bytes
 from perfx.sources import open_model
 from perfx.tuning.database import default_database
 from perfx.tuning.spec import relative_error
@@ -190,6 +190,7 @@ def test_a_prompt_run_once_is_shared_into_other_slots(paths, device, rng, family
     source = open_model(paths[family])
     v = source.config.vocab_size
     batch = Batch(model, 3)
+    assert batch.state_bytes == 2 * sequence_state_bytes(model) > 0
     batch.prefill(0, [int(t) for t in rng.integers(3, v, 13)], 0)      # slot 0 holds something else first
     prompt = [int(t) for t in rng.integers(3, v, 9)]
     first = batch.prefill(1, prompt, 0)

@@ -188,6 +188,7 @@ class Handler(BaseHTTPRequestHandler):
     def reset_request_state(self):
         # One handler serves every request of a keep-alive connection: nothing may leak into the next one.
         self.status, self.note, self.job, self.headers_sent = 0, "", None, False
+        self.jobs: list[Job] = []     # every choice's job (n > 1); ``job`` is the first
         self.prompt_text = self.reply_text = ""
         self.tool_calls = 0
 
@@ -256,7 +257,7 @@ class Handler(BaseHTTPRequestHandler):
             choices.append(Choice(dataclasses.replace(answer, index=index), job,
                                   tooling.parser() if tooling and request.stream else None))
         jobs = [choice.job for choice in choices]
-        self.job = jobs[0]
+        self.job, self.jobs = jobs[0], jobs
         engine.submit(*jobs)
         try:
             if request.stream:
@@ -499,7 +500,9 @@ class Handler(BaseHTTPRequestHandler):
             parts.append(f"prompt {len(job.prompt_ids)} ({job.cached_tokens} cached)")
             if job.result is not None:
                 reason = "cancelled" if job.cancelled_run else job.finish_reason
-                parts.append(f"completion {job.result.stats.generated_tokens} ({reason})")
+                made = sum(choice.result.stats.generated_tokens for choice in self.jobs if choice.result is not None)
+                choices = f", {len(self.jobs)} choices" if len(self.jobs) > 1 else ""
+                parts.append(f"completion {made} ({reason}{choices})")
                 if self.tool_calls:
                     parts.append(f"{self.tool_calls} tool call{'s' if self.tool_calls > 1 else ''}")
                 if job.result.stats.speculation:

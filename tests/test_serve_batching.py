@@ -518,3 +518,68 @@ def drain(job) -> list[tuple]:
     while not job.events.empty():
         events.append(job.events.get())
     return events
+
+
+def test_a_shared_system_prompt_is_copied_from_the_slot_that_ran_it(loaded):
+    """A request whose prompt starts as a running request's does (one system prompt) takes that prefix from the
+    other slot's KV cache, copied on the device, and prefills only the rest; usage counts the copied ids as
+    cached, and the reply is the request's reply alone."""
+    model, tokenizer = loaded
+    system = {"role": "system", "content": "you are a tiny model that answers every question with many words " * 3}
+    questions = [[system, {"role": "user", "content": text}] for text in ("first question", "second one")]
+    ids = [tokenizer.encode(tokenizer.apply_chat_template(q), add_bos=tokenizer.add_bos_token) for q in questions]
+    shared = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
+    assert shared > 30
+    with running_server(Engine(model, tokenizer, 16, SamplingConfig(seed=0))) as server:
+        alone = client(server).chat.completions.create(model=MODEL, messages=questions[1], max_tokens=6,
+                                                      temperature=0).choices[0].message.content
+    engine = BatchEngine(model, tokenizer, 16, SamplingConfig(seed=0), parallel=2)
+    prefilled = spy_prefills(engine)
+    with running_server(engine) as server:
+        api = client(server)
+        running = api.chat.completions.create(model=MODEL, messages=questions[0], max_tokens=600, stream=True)
+        chunks = iter(running)
+        next(chunks)
+        next(chunks)                                            # its prompt has run
+        prefilled.clear()
+        reply = api.chat.completions.create(model=MODEL, messages=questions[1], max_tokens=6, temperature=0)
+        running.close()
+    assert prefilled == [len(ids[1]) - shared]
+    assert reply.usage.prompt_tokens_details.cached_tokens == shared
+    assert reply.choices[0].message.content == alone
+
+
+def test_a_prefix_is_taken_only_from_positions_a_slot_has_run_for_its_new_prompt(loaded):
+    """Two requests admitted together: the first into the slot that holds a longer conversation (so it prefills
+    from the end of their shared start), the second into a fresh slot, sharing more with the first's prompt. The
+    first's slot holds the old conversation's rows past that start until it runs there, so the second takes only
+    the shared start from it and prefills the rest: its reply is its reply alone."""
+    model, tokenizer = loaded
+    start = tokenizer.encode("a shared start, then")
+    old, first, second = (start + tokenizer.encode(text, add_bos=False)
+                          for text in (" something else entirely", " one more thing: A", " one more thing: B"))
+    engine = BatchEngine(model, tokenizer, 16, SamplingConfig(seed=0), parallel=2)
+    prefilled = spy_prefills(engine)
+    try:
+        before = engine.job(old, 4, {"temperature": 0}, [])
+        engine.submit(before)
+        assert before.finished.wait(TIMEOUT)
+        prefilled.clear()
+        jobs = [engine.job(ids, 6, {"temperature": 0}, []) for ids in (first, second)]
+        with engine.changed:     # queued at once: admitted in one loop, neither prompt run yet
+            engine.waiting.extend(jobs)
+            engine.changed.notify_all()
+        assert all(job.finished.wait(TIMEOUT) for job in jobs)
+    finally:
+        engine.close()
+    shared = len(start) + next(i for i, (a, b) in enumerate(zip(old[len(start):], first[len(start):])) if a != b)
+    assert prefilled == [len(first) - shared, len(second) - shared], prefilled
+    assert [job.cached_tokens for job in jobs] == [shared, shared]
+    alone = Engine(model, tokenizer, 16, SamplingConfig(seed=0))
+    try:
+        single = alone.job(second, 6, {"temperature": 0}, [])
+        alone.submit(single)
+        assert single.finished.wait(TIMEOUT)
+    finally:
+        alone.close()
+    assert jobs[1].result.ids == single.result.ids

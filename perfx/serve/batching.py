@@ -5,8 +5,9 @@ worker differs. Each loop it admits waiting jobs into free slots (the slot whose
 longest prefix with the prompt, so a conversation's next turn prefills only its new ids), stops the cancelled,
 runs one piece of one new prompt (``PREFILL_PIECE`` ids while others stream, so their tokens keep coming; the
 whole prompt when none do), then one decode step over every sequence that is decoding; a sequence leaves the
-moment it is done. The choices of one request (n > 1) run its prompt once: the others take it from that slot,
-copied on the device (``Sequence.share_prompt``), and decode beside it. Speculation is off while batching: a step
+moment it is done. A prompt starts after the longest prefix of it any slot holds (a shared system prompt),
+copied from that slot on the device where it is not its own (``Batch.share``); the choices of one request
+(n > 1) run its prompt once: the others take it from that slot (``Sequence.share_prompt``) and decode beside it. Speculation is off while batching: a step
 already reads the weights once for N tokens.
 """
 
@@ -131,7 +132,7 @@ class BatchEngine(Engine):
     def _begin(self, slot: int, job: Job) -> None:
         ids = job.prompt_ids
         start, todo = self.conversations[slot].resume(ids)
-        job.cached_tokens = start
+        sibling = self._sibling(slot, job)
 
         def on_text(piece: str):
             if job.first_text is None:
@@ -139,30 +140,63 @@ class BatchEngine(Engine):
             job.events.put(("text", piece))
 
         try:
+            if sibling is None:
+                start = self._borrow(slot, ids, start)
+                todo = ids[start:]
+            job.cached_tokens = start
             seq = self.sequences[slot] = Sequence(self.batch, slot, self.tokenizer, todo, start, job.max_tokens,
                                                   job.sampling, job.stop, on_text, history=ids[:start],
                                                   constraint=job.constraint, on_logits=self.logits_hook(job),
                                                   logit_bias=job.logit_bias)
-        except PerfxError as error:
+        except Exception as error:  # noqa: BLE001  (a failed request must not take the server down)
             self._fail([slot], error)
             return
-        self._share_or_wait(slot, seq, job)
+        if sibling is not None:
+            other, ready = sibling
+            if not ready:
+                self.sharing[slot] = other
+                return
+            job.cached_tokens = seq.prompt_end
+            self._try(slot, lambda: seq.share_prompt(self.sequences[other]))
 
-    def _share_or_wait(self, slot: int, seq: Sequence, job: Job) -> None:
-        """Another choice of the same request (n > 1) that has run the prompt gives it to this one, copied on the
-        device; while one is still running it, this one waits for it; else this one runs the prompt itself."""
+    def _sibling(self, slot: int, job: Job) -> tuple[int, bool] | None:
+        """Another choice of the same request (n > 1) to take the prompt from, copied on the device: (its slot,
+        True) where it has run the prompt and its slot still holds the state there; (the slot whose run to wait
+        for, False) while one is still running it; None: this one runs the prompt itself."""
         if job.group is None:
-            return
+            return None
         siblings = [(other, self.sequences[other]) for other, running in self.active.items()
                     if other != slot and running.group is job.group and other in self.sequences]
+        end = len(job.prompt_ids)
         for other, sibling in siblings:
-            if sibling.prompt_logits is not None and self.batch.can_share(other, seq.prompt_end):
-                job.cached_tokens = seq.prompt_end
-                return self._try(slot, lambda: seq.share_prompt(sibling))
+            if sibling.prompt_logits is not None and self.batch.can_share(other, end):
+                return other, True
         for other, sibling in siblings:
             if not sibling.done and not sibling.decoding:
-                self.sharing[slot] = self.sharing.get(other, other)
-                return
+                return self.sharing.get(other, other), False
+        return None
+
+    def _borrow(self, slot: int, ids: list[int], start: int) -> int:
+        """Where the prompt ``ids`` starts in ``slot``: after what its own cache holds of it (``start``), or after
+        a longer prefix that another slot holds (a shared system prompt; a conversation another slot ran), copied
+        from there on the device (``Batch.share``) instead of prefilled. One id is always left to run, for the
+        first token's logits."""
+        donor, length = None, start
+        for other in range(self.parallel):
+            if other == slot:
+                continue
+            # a running sequence's own ids before the next position it runs (its slot holds older ones past
+            # them until it gets there), else what the slot's last conversation left
+            seq = self.sequences.get(other)
+            held = seq.seen[:seq.pos] if seq is not None else self.conversations[other].cached
+            shared = common_prefix(held, ids[:-1])
+            if shared > length and self.batch.can_share(other, shared):
+                donor, length = other, shared
+        if donor is None:
+            return start
+        self.batch.share(donor, slot, length)
+        self.conversations[slot].cached = list(ids[:length])
+        return length
 
     def _release(self, gone: set[int]) -> None:
         """The choices waiting for a prompt that will not run in the ``gone`` slots (failed, cancelled before it

@@ -46,7 +46,8 @@
 // allocation of its own, laid out alike, so one layer_offset serves all). Grid dimension 2 is n_rows × the most
 // partitions of a row: row r's work-groups past its own ⌈(p+1)/PART⌉ return at once. Row r's partials are the
 // r-th block of H·max_parts (m, l) and (o) rows, its counters the r-th block of Hkv·GQA/HEADS. Q8_OUT is one
-// row's (the decode step's) only.
+// row's (the decode step's) only. Its 57 arguments take about 400 bytes: within the 1024 of
+// CL_DEVICE_MAX_PARAMETER_SIZE that OpenCL's full profile guarantees (an embedded profile's 256 would refuse it).
 // Query head h reads kv head h / GQA, GQA = H/Hkv. D = HEAD_DIM (even, a multiple of VW), GQA and QK_NORM
 // are build defines from the model; partials are [H][max_parts] (m, l) and [H][max_parts][D] (o), float.
 //

@@ -3,14 +3,13 @@
 import numpy as np
 import pytest
 
-from helpers.spec_checks import assert_every_parameter_set, covering_sets, parameter_sets
+from helpers.spec_checks import assert_every_parameter_set
 from perfx import reference
 from perfx.errors import PerfxError
 from perfx.ops.attention_decode import PARAMS, AttentionDecode
 from perfx.ops.kv_cache import KVCache, RopeTable
 from perfx.runtime import LIMIT_PRESETS, Device, Limits
-from perfx.tuning.attention_decode import (LAYER, Q8_TEST_SHAPES, SPEC, THETA, Features, as_stored,
-                                           away_from_q8_ties, random_cache)
+from perfx.tuning.attention_decode import LAYER, Q8_TEST_SHAPES, SPEC, THETA
 from perfx.tuning.spec import relative_error
 
 # out against attention over the very rows the kernel stored: only fp32 arithmetic is left (measured
@@ -29,8 +28,10 @@ def _check_case(case, shape, params):
 # q/k norm build, a window that starts inside the first partition of each PART (its early positions weigh 0),
 # a scale, and 129 positions: one past a partition of 128 (a combine of 2) and of 32 (5), one of 256. And on
 # the int8 cache's first shape (its own build: the quantizing append, the dequantizing loads).
-# And on gpt-oss's layer with attention sinks, a window and a combine of several partitions.
-FULL_SWEEP = (SPEC.test_shapes[4], Q8_TEST_SHAPES[0], next(s for s in SPEC.test_shapes if s.get("sinks")))
+# And on gpt-oss's layer with attention sinks, a window and a combine of several partitions; and on Gemma 3's
+# layer as a batched step's five rows in one launch (``AttentionDecode.rows``).
+FULL_SWEEP = (SPEC.test_shapes[4], Q8_TEST_SHAPES[0], next(s for s in SPEC.test_shapes if s.get("sinks")),
+              next(s for s in SPEC.test_shapes if s.get("rows") and s.get("qk_norm")))
 
 
 @pytest.mark.sweep
@@ -46,7 +47,8 @@ def test_every_candidate(device, rng, shape):
                                strength=2 if shape["head_dim"] >= 256 else 1)
 
 
-@pytest.mark.parametrize("shape", [s for s in SPEC.test_shapes if "kv" not in s], ids=SPEC.describe)
+@pytest.mark.parametrize("shape", [s for s in SPEC.test_shapes if "kv" not in s and "rows" not in s],
+                         ids=SPEC.describe)
 def test_stored_rows_and_fp32_accuracy(device, rng, shape):
     """Row pos holds the normalised, rotated k and v in fp16; no other row or layer changes; out is accurate to
     fp32. (The int8 cache's rows: tests/test_kv_q8.py.)"""
@@ -316,74 +318,3 @@ def test_the_combine_is_in_the_launch_and_leaves_its_counters_at_zero(device, rn
                                    values[0, :, : pos + 1].transpose(1, 0, 2).astype(np.float64), [pos])
         assert relative_error(out.get(), want.reshape(h * d)) <= SPEC.tolerance, pos
 
-
-# The batched launch (``AttentionDecode.rows``: rows of a batched decode step, each its own sequence's cache and
-# position, read on the device): every parameter set on Gemma 3's layer (head_dim 256, GQA 4, the q/k norm, a
-# window, a scale); a covering subset on a head of 72 (9 vectors of VW 8, 18 of VW 4: a V row that does not fill
-# a work-group) with partial rotary and a soft-cap, and on the int8 cache with sinks. Five rows at positions that
-# are no multiple of any PART, across 1 to 9 partitions (the shorter rows' work-groups past their own
-# partitions leave at once), launched as rows 2..6 of a buffer of 8, so the rows before and after stay
-# untouched.
-ROW_POSITIONS = (3, 130, 40, 257, 0)
-ROWS_SHAPES = tuple({**shape, "positions": max(ROW_POSITIONS) + 4} for shape in (
-    {"n_heads": 8, "n_kv_heads": 2, "head_dim": 256, "qk_norm": True, "window": 100, "scale": 0.1},
-    {"n_heads": 6, "n_kv_heads": 2, "head_dim": 72, "rotary_dims": 48, "softcap": 30.0},
-    {"n_heads": 4, "n_kv_heads": 4, "head_dim": 64, "kv": "q8", "sinks": True},
-))
-
-
-@pytest.mark.sweep
-@pytest.mark.parametrize("shape", ROWS_SHAPES, ids=SPEC.describe)
-def test_rows_of_a_batched_step_in_one_launch(device, rng, shape):
-    h, hkv, d, kv = shape["n_heads"], shape["n_kv_heads"], shape["head_dim"], shape.get("kv", "f16")
-    n, first, total = len(ROW_POSITIONS), 2, 8
-    max_positions = shape["positions"]
-    features = Features.make(device, shape, max_positions, rng)
-    width = (h + 2 * hkv) * d + 5          # qkv rows 5 floats apart past their [q | k | v]
-    qkv = rng.standard_normal((total, width), dtype=np.float32)
-    mine = qkv[first:first + n]
-
-    def rotated_keys(x):
-        return features.apply(x[:, h * d:(h + hkv) * d].reshape(n, hkv, d), list(ROW_POSITIONS), 1)
-    if kv == "q8":   # so that the kernel's fp32 and the reference's float64 pick the same codes
-        away_from_q8_ties(rng, mine[:, :(h + 2 * hkv) * d], h, hkv, d, rotated_keys)
-    q = features.apply(mine[:, :h * d].reshape(n, h, d), list(ROW_POSITIONS), 0)
-    k_new, v_new = as_stored(rotated_keys(mine), kv), as_stored(mine[:, (h + hkv) * d:(h + 2 * hkv) * d]
-                                                              .reshape(n, hkv, d), kv)
-    # each row's cache: random earlier rows (and the other layer), NaN from its position on
-    hosts = []
-    for pos in ROW_POSITIONS:
-        blocks = [random_cache(rng, kv, (LAYER + 1, hkv, max_positions, d)) for _ in range(2)]
-        for block in blocks:
-            block[LAYER, :, pos:] = np.nan
-        hosts.append(blocks)
-    want = []
-    for i, pos in enumerate(ROW_POSITIONS):
-        keys = np.concatenate([hosts[i][0][LAYER, :, :pos].transpose(1, 0, 2).astype(np.float64), k_new[i][None]])
-        values = np.concatenate([hosts[i][1][LAYER, :, :pos].transpose(1, 0, 2).astype(np.float64),
-                                 v_new[i][None]])
-        want.append(reference.attention(q[i][None], keys, values, [pos], **features.attend).reshape(h * d))
-    positions = device.upload(np.array([7] * first + list(ROW_POSITIONS) + [7], np.int32))
-    qkv_dev = device.upload(qkv)
-    out = device.poisoned(total * h * d, np.float32)
-    caches = [KVCache.allocate(device, LAYER + 1, hkv, max_positions, d, form=kv) for _ in ROW_POSITIONS]
-    sets = (parameter_sets(SPEC, shape, device.caps) if shape is ROWS_SHAPES[0]
-            else covering_sets(SPEC, shape, device.caps))
-    for params in sets:
-        for cache, host in zip(caches, hosts):
-            cache.write(device, *host)
-        out.fill(np.float32(np.nan))
-        op = AttentionDecode(device, params, shape)
-        op.rows(qkv_dev, out, caches, features.rope, LAYER, list(ROW_POSITIONS), width, first,
-                position=(positions, 0), **features.launch)[-1].wait()
-        got = out.get().reshape(total, h * d)
-        tolerance = SPEC.tolerance_for(params)
-        for i, pos in enumerate(ROW_POSITIONS):
-            assert relative_error(got[first + i], want[i]) <= tolerance, (params, i)
-            stored_k, stored_v = caches[i].read(device, LAYER, pos + 1)   # the row appended, in its own cache
-            assert relative_error(stored_k[pos], k_new[i]) <= tolerance, (params, i)
-            assert relative_error(stored_v[pos], v_new[i]) <= tolerance, (params, i)
-        assert np.isnan(got[:first]).all() and np.isnan(got[first + n:]).all()
-        # the combine leaves every row's counters at zero for the next launch
-        counters = op._rows_state()[4]
-        assert not device.read(np.empty(counters.size // 4, np.int32), counters).any()

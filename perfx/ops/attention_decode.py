@@ -204,6 +204,15 @@ class AttentionDecode:
         self.last_events = [launch]
         return self.last_events
 
+    def rows_kernel(self):
+        """The batched build (``rows``), made now."""
+        return self._rows_state()[0]
+
+    def rows_counters(self) -> np.ndarray:
+        """The batched launch's combine counters, read back (each is zero between launches)."""
+        counters = self._rows_state()[4]
+        return self.device.read(np.empty(BATCH_ROWS * self.groups, np.int32), counters)
+
     def _rows_state(self) -> tuple:
         """The batched kernel (BATCH rows a launch) and its partials and counters, one block a row: made on first
         use, as a model that never batches needs neither."""

@@ -39,6 +39,15 @@
 // HEADS (a divisor of GQA, the wrapper's choice) is the query heads one work-group serves: GQA/HEADS work-groups
 // share a kv head and partition (grid dimension 1 is Hkv·GQA/HEADS), each reading its K/V rows, so that local
 // memory, which grows with HEADS·D, stays within a GPU's 32 KiB at D = 512; the first of them appends.
+// BATCH 8 (the rows of a batched decode step, perfx/batch.py; 1: one row, as above) serves up to 8 rows in one
+// launch, each its own sequence: row r (of n_rows, a launch argument) is qkv row row0 + r (qkv_stride floats
+// apart), its position positions[pos_index + row0 + r], its out row row0 + r (H·D floats apart), its KV cache
+// the r-th of keys, keys1 .. keys7 (values, key_scales, value_scales alike; each sequence's cache is an
+// allocation of its own, laid out alike, so one layer_offset serves all). Grid dimension 2 is n_rows × the most
+// partitions of a row: row r's work-groups past its own ⌈(p+1)/PART⌉ return at once. Row r's partials are the
+// r-th block of H·max_parts (m, l) and (o) rows, its counters the r-th block of Hkv·GQA/HEADS. Q8_OUT is one
+// row's (the decode step's) only. Its 57 arguments take about 400 bytes: within the 1024 of
+// CL_DEVICE_MAX_PARAMETER_SIZE that OpenCL's full profile guarantees (an embedded profile's 256 would refuse it).
 // Query head h reads kv head h / GQA, GQA = H/Hkv. D = HEAD_DIM (even, a multiple of VW), GQA and QK_NORM
 // are build defines from the model; partials are [H][max_parts] (m, l) and [H][max_parts][D] (o), float.
 //
@@ -96,6 +105,37 @@
 
 #ifndef Q8_OUT
 #define Q8_OUT 0  // also write out as Q8_1 blocks of 32, for the o projection's int8 activations (set by the caller)
+#endif
+
+#ifndef BATCH
+#define BATCH 1  // rows a launch may serve: 1, or 8 (a batched decode step's; set by the wrapper, not tuned)
+#endif
+
+#if BATCH != 1 && BATCH != 8
+#error "BATCH is 1 or 8"
+#endif
+#if BATCH > 1 && Q8_OUT
+#error "Q8_OUT is one row's"
+#endif
+
+#if BATCH > 1
+// row 0's cache arguments are reassigned to the row's own: not restrict (one restrict pointer may not take
+// another's value in C's rules)
+#define KV_RESTRICT
+#define ROW_KV(i) , __global kv_t* keys##i, __global kv_t* values##i, __global half* key_scales##i,             \
+                  __global half* value_scales##i
+#define BATCH_ARGS , const int n_rows, const int row0, const int qkv_stride                                    \
+                   ROW_KV(1) ROW_KV(2) ROW_KV(3) ROW_KV(4) ROW_KV(5) ROW_KV(6) ROW_KV(7)
+#define ROW_CASE(i)                                                                                            \
+    case i:                                                                                                    \
+        keys = keys##i;                                                                                        \
+        values = values##i;                                                                                    \
+        key_scales = key_scales##i;                                                                            \
+        value_scales = value_scales##i;                                                                        \
+        break;
+#else
+#define KV_RESTRICT restrict
+#define BATCH_ARGS
 #endif
 
 #include "attention.h"
@@ -203,25 +243,46 @@ void combine_partitions(const int qh0, const int lid, const int n_parts, const i
 // global (WGS, Hkv·GQA/HEADS, ceil((p+1)/PART)), local (WGS, 1, 1): work-group (r, j) = query heads
 // r·HEADS.. of kv head r / (GQA/HEADS), partition j.
 __kernel __attribute__((reqd_work_group_size(WGS, 1, 1)))
-void attention_partial(__global const float* restrict qkv, const int qkv_offset,
+void attention_partial(__global const float* restrict qkv, int qkv_offset,
                        __global const float* restrict cos_table, __global const float* restrict sin_table,
                        const int n_rot, __global const float* restrict q_norm,
                        __global const float* restrict k_norm, const float eps,
-                       __global kv_t* restrict keys, __global kv_t* restrict values,
-                       __global half* restrict key_scales, __global half* restrict value_scales,
+                       __global kv_t* KV_RESTRICT keys, __global kv_t* KV_RESTRICT values,
+                       __global half* KV_RESTRICT key_scales, __global half* KV_RESTRICT value_scales,
                        const int layer_offset, const int max_positions,
                        __global const int* restrict positions, const int pos_index, const int max_parts,
                        __global float* restrict part_max, __global float* restrict part_sum,
                        __global float* restrict part_out, __global float* restrict out, const int window,
                        const float scale, const float softcap, __global const float* restrict sinks,
-                       __global volatile int* restrict counters Q8_OUT_ARGS)
+                       __global volatile int* restrict counters Q8_OUT_ARGS BATCH_ARGS)
 {
     const int lid = get_local_id(0);
+#if BATCH > 1
+    // This work-group's row: its own sequence's position, cache, qkv and out rows, partials and counters.
+    const int grid_parts = get_num_groups(2) / n_rows;
+    const int batch_row = get_group_id(2) / grid_parts;
+    const int pos = positions[pos_index + row0 + batch_row];
+    const int part = get_group_id(2) % grid_parts;
+    const int n_parts = pos / PART + 1;
+    if (part >= n_parts) {
+        return;   // a partition only a longer row has (the whole work-group leaves, before any barrier)
+    }
+    switch (batch_row) {
+        ROW_CASE(1) ROW_CASE(2) ROW_CASE(3) ROW_CASE(4) ROW_CASE(5) ROW_CASE(6) ROW_CASE(7)
+    }
+    qkv_offset += (row0 + batch_row) * qkv_stride;
+    out += (size_t)(row0 + batch_row) * get_num_groups(1) * HEADS * HEAD_DIM;
+    part_max += (size_t)batch_row * get_num_groups(1) * HEADS * max_parts;
+    part_sum += (size_t)batch_row * get_num_groups(1) * HEADS * max_parts;
+    part_out += (size_t)batch_row * get_num_groups(1) * HEADS * max_parts * HEAD_DIM;
+    counters += batch_row * get_num_groups(1);
+#else
     const int pos = positions[pos_index];  // on the device, so a recorded launch serves every position of its grid
-    const int g = get_group_id(1) / (GQA / HEADS);          // the kv head
-    const int QH0 = g * GQA + get_group_id(1) % (GQA / HEADS) * HEADS;   // this work-group's first query head
     const int part = get_group_id(2);
     const int n_parts = get_num_groups(2);
+#endif
+    const int g = get_group_id(1) / (GQA / HEADS);          // the kv head
+    const int QH0 = g * GQA + get_group_id(1) % (GQA / HEADS) * HEADS;   // this work-group's first query head
     const int n_kv_heads = get_num_groups(1) / (GQA / HEADS);
     const bool writes = QH0 == g * GQA;   // the first work-group of a kv head appends k and v
     const int first = part * PART;

@@ -84,6 +84,27 @@ class Batch:
         with self.bound(slot):
             return pos if self.model.can_resume(pos) else 0
 
+    def can_share(self, slot: int, positions: int) -> bool:
+        """Whether ``slot``'s state at ``positions`` may be copied into another slot (``share``): a KV cache holds
+        every position it has run; a conv ring its last ones; a recurrent state only the last position run."""
+        with self.bound(slot):
+            return positions >= 1 and self.model.can_resume(positions)
+
+    def share(self, src: int, dst: int, positions: int) -> None:
+        """Give slot ``dst`` slot ``src``'s positions 0..positions−1 without running them: each layer's state there
+        copied on the device (``Mixer.copy_state``), so a sequence that starts with the same ids (another choice
+        of one prompt) continues at ``positions`` in ``dst``. What ``dst`` held is replaced."""
+        self._check_slot(src)
+        self._check_slot(dst)
+        if src == dst:
+            raise PerfxError(f"slot {src} cannot share its state with itself")
+        if not self.can_share(src, positions):
+            raise PerfxError(f"slot {src} does not hold its state at position {positions} (positions "
+                             f"0..{self.written[src] - 1} were run): run the prompt in slot {dst} instead")
+        for mixer in self.model.mixers:
+            mixer.copy_state(self.states[src][mixer], self.states[dst][mixer], positions)
+        self.written[dst] = positions
+
     def prefill(self, slot: int, tokens: list[int], start: int, logits: bool = True) -> np.ndarray | None:
         """Run ``tokens`` at positions start.. of ``slot`` (its state before ``start`` is reused, from 0 it starts
         afresh); the last position's logits (V) where ``logits``, else None (a piece of a longer prompt)."""
@@ -165,6 +186,8 @@ class Batch:
 
 
 def _nbytes(obj) -> int:
+    if isinstance(obj, list):   # attention's caches, one per shape of its layers
+        return sum(_nbytes(item) for item in obj)
     return int(getattr(obj, "nbytes", 0))
 
 
@@ -192,6 +215,8 @@ class Sequence:
                              f"{model.max_positions}: shorten it or raise --ctx")
         self.batch, self.slot, self.model = batch, slot, model
         self.todo, self.pos, self.max_tokens = list(prompt_ids), start, max_tokens
+        self.prompt_end = end
+        self.prompt_logits: np.ndarray | None = None   # the prompt's last logits, once run: for ``share_prompt``
         self.sampling, self.sampler = sampling, Sampler(sampling)
         self.device_draw = not sampling.greedy and model.samples_on_device(sampling)
         self.seed = None
@@ -225,9 +250,27 @@ class Sequence:
         logits = self.batch.prefill(self.slot, piece, self.pos, logits=not self.todo)
         self.pos += len(piece)
         if logits is not None:
-            self.stats.prefill_s = self.stats.ttft_s = time.perf_counter() - self.started
-            self.decode_started = time.perf_counter()
-            self._chosen(int(self.sampler.pick(self._allowed(logits), self.seen)), logits)
+            self.prompt_logits = logits
+            self._first(logits)
+
+    def share_prompt(self, source: Sequence) -> None:
+        """Take the prompt from ``source``, a sequence of the same ids in another slot whose prompt has run
+        (another choice of one request): that slot's state at the prompt's end is copied into this one's on the
+        device (``Batch.share``), nothing is prefilled, and the first token is chosen from the prompt's logits
+        by this sequence's own sampler, as ``prefill_piece`` would have chosen it."""
+        end = self.prompt_end
+        if source.prompt_logits is None or source.prompt_end != end or source.seen[:end] != self.seen[:end]:
+            raise PerfxError("share_prompt: the other sequence has not run this prompt")
+        self.batch.share(source.slot, self.slot, end)
+        self.todo, self.pos = [], end
+        self.prompt_logits = source.prompt_logits
+        self._first(source.prompt_logits)
+
+    def _first(self, logits: np.ndarray) -> None:
+        """The first token, from the prompt's last logits."""
+        self.stats.prefill_s = self.stats.ttft_s = time.perf_counter() - self.started
+        self.decode_started = time.perf_counter()
+        self._chosen(int(self.sampler.pick(self._allowed(logits), self.seen)), logits)
 
     def take(self, logits: np.ndarray) -> None:
         """The logits after ``token`` was fed at ``pos`` (one row of a ``Batch.step``): the next token."""

@@ -28,8 +28,10 @@ def _check_case(case, shape, params):
 # q/k norm build, a window that starts inside the first partition of each PART (its early positions weigh 0),
 # a scale, and 129 positions: one past a partition of 128 (a combine of 2) and of 32 (5), one of 256. And on
 # the int8 cache's first shape (its own build: the quantizing append, the dequantizing loads).
-# And on gpt-oss's layer with attention sinks, a window and a combine of several partitions.
-FULL_SWEEP = (SPEC.test_shapes[4], Q8_TEST_SHAPES[0], next(s for s in SPEC.test_shapes if s.get("sinks")))
+# And on gpt-oss's layer with attention sinks, a window and a combine of several partitions; and on Gemma 3's
+# layer as a batched step's five rows in one launch (``AttentionDecode.rows``).
+FULL_SWEEP = (SPEC.test_shapes[4], Q8_TEST_SHAPES[0], next(s for s in SPEC.test_shapes if s.get("sinks")),
+              next(s for s in SPEC.test_shapes if s.get("rows") and s.get("qk_norm")))
 
 
 @pytest.mark.sweep
@@ -45,7 +47,8 @@ def test_every_candidate(device, rng, shape):
                                strength=2 if shape["head_dim"] >= 256 else 1)
 
 
-@pytest.mark.parametrize("shape", [s for s in SPEC.test_shapes if "kv" not in s], ids=SPEC.describe)
+@pytest.mark.parametrize("shape", [s for s in SPEC.test_shapes if "kv" not in s and "rows" not in s],
+                         ids=SPEC.describe)
 def test_stored_rows_and_fp32_accuracy(device, rng, shape):
     """Row pos holds the normalised, rotated k and v in fp16; no other row or layer changes; out is accurate to
     fp32. (The int8 cache's rows: tests/test_kv_q8.py.)"""
@@ -314,3 +317,4 @@ def test_the_combine_is_in_the_launch_and_leaves_its_counters_at_zero(device, rn
         want = reference.attention(q, keys[0, :, : pos + 1].transpose(1, 0, 2).astype(np.float64),
                                    values[0, :, : pos + 1].transpose(1, 0, 2).astype(np.float64), [pos])
         assert relative_error(out.get(), want.reshape(h * d)) <= SPEC.tolerance, pos
+

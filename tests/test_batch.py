@@ -25,7 +25,7 @@ from perfx.errors import PerfxError
 from perfx.generate import SamplingConfig, generate
 from perfx.mixers import Mixer
 from perfx.model import Model
-from perfx.serve.batching import default_parallel
+from perfx.serve.batching import default_parallel, sequence_state_bytes
 from perfx.sources import open_model
 from perfx.tuning.database import default_database
 from perfx.tuning.spec import relative_error
@@ -175,6 +175,84 @@ def test_a_slot_resumes_its_last_sequence_s_prefix(paths, device, rng, family):
     assert relative_error(got, want[-1]) <= REFERENCE_TOLERANCE
     expected_earlier = 3 if model.can_roll_back else 0
     assert batch.resume_point(1, 3) == expected_earlier
+
+
+@pytest.mark.parametrize("family", ["llama", "lfm2", "qwen35", "gemma4", "llama-q8"])
+def test_a_prompt_run_once_is_shared_into_other_slots(paths, device, rng, family):
+    """``Batch.share``: a prompt run in one slot is copied on the device into two others (one of them holding
+    another sequence first, whose state is replaced), at the prompt's end: the KV cache's rows (fp16, or q8's
+    codes and scales; Gemma 4's caches of each shape), LFM2's conv rings, Qwen3.5's rings and recurrent S. Each
+    slot then decodes its own tokens as if it had run the prompt itself: its logits are those of the sequence
+    decoded alone, and the float64 forward's (fp16 caches: an int8 cache's rounding is its own, held to the
+    sequence alone as ``test_an_int8_kv_cache_per_sequence`` holds it)."""
+    family, kv = (family[:-3], "q8") if family.endswith("-q8") else (family, "f16")
+    model, alone = load(paths[family], device, kv=kv), load(paths[family], device, kv=kv)
+    source = open_model(paths[family])
+    v = source.config.vocab_size
+    batch = Batch(model, 3)
+    assert batch.state_bytes == 2 * sequence_state_bytes(model) > 0
+    batch.prefill(0, [int(t) for t in rng.integers(3, v, 13)], 0)      # slot 0 holds something else first
+    prompt = [int(t) for t in rng.integers(3, v, 9)]
+    first = batch.prefill(1, prompt, 0)
+    for slot in (0, 2):
+        assert batch.can_share(1, len(prompt))
+        batch.share(1, slot, len(prompt))
+    fed = {slot: [int(t) for t in rng.integers(3, v, 3)] for slot in range(3)}
+    got = {slot: [first] for slot in range(3)}
+    for k in range(3):
+        rows = [(slot, fed[slot][k]) for slot in (2, 0, 1)]
+        for (slot, _), logits in zip(rows, batch.step(rows)):
+            got[slot].append(logits)
+    for slot in range(3):
+        want, _ = forward64.model_forward(source, prompt + fed[slot])
+        single = alone_logits(alone, prompt, fed[slot])
+        for j, logits in enumerate(got[slot]):
+            assert relative_error(logits, single[j]) <= ALONE_TOLERANCE, (slot, j)
+            assert kv == "q8" or relative_error(logits, want[len(prompt) - 1 + j]) <= REFERENCE_TOLERANCE, (slot, j)
+    # Past the prompt's end: a KV cache still holds the prompt's positions, a conv ring its last 64; a recurrent
+    # state has moved on, and sharing there is refused (the other slot runs the prompt itself)
+    if model.can_roll_back:
+        batch.share(1, 2, len(prompt))
+        logits = batch.step([(2, fed[1][0])])[0]
+        assert relative_error(logits, got[1][1]) <= ALONE_TOLERANCE
+    else:
+        assert not batch.can_share(1, len(prompt))
+        with pytest.raises(PerfxError, match="does not hold its state at position 9"):
+            batch.share(1, 2, len(prompt))
+    with pytest.raises(PerfxError, match="cannot share its state with itself"):
+        batch.share(1, 1, 3)
+
+
+def test_choices_of_one_prompt_share_its_run(paths, device):
+    """``Sequence.share_prompt``: choices of one prompt, greedy and sampled each with its own seed, in three slots,
+    the prompt run in one of them only: each answers what ``generate`` answers for it alone."""
+    model, alone = load(paths["llama"], device), load(paths["llama"], device)
+    tokenizer = open_model(paths["llama"]).tokenizer
+    ids = tokenizer.encode("Once upon a time", add_bos=tokenizer.add_bos_token)
+    settings = [SamplingConfig(temperature=0), SamplingConfig(temperature=0.9, seed=4),
+                SamplingConfig(temperature=0.9, seed=5)]
+    expected = [generate(alone, tokenizer, ids, 10, sampling) for sampling in settings]
+    batch = Batch(model, 3)
+    prefilled = []
+    real = batch.prefill
+    batch.prefill = lambda slot, tokens, start, logits=True: prefilled.append(len(tokens)) or real(
+        slot, tokens, start, logits)
+    seqs = [Sequence(batch, slot, tokenizer, ids, 0, 10, sampling) for slot, sampling in enumerate(settings)]
+    seqs[1].prefill_piece()
+    seqs[0].share_prompt(seqs[1])
+    seqs[2].share_prompt(seqs[1])
+    assert prefilled == [len(ids)]
+    while not all(seq.done for seq in seqs):
+        live = [seq for seq in seqs if seq.decoding]
+        for seq, logits in zip(live, batch.step([(seq.slot, seq.token) for seq in live])):
+            seq.take(logits)
+    for seq, want in zip(seqs, expected):
+        got = seq.result()
+        assert (got.ids, got.text, got.stats.stop_reason, got.end_pos) == (
+            want.ids, want.text, want.stats.stop_reason, want.end_pos)
+    assert expected[1].ids != expected[2].ids
+    with pytest.raises(PerfxError, match="has not run this prompt"):
+        Sequence(batch, 0, tokenizer, ids[:-1], 0, 3, settings[0]).share_prompt(seqs[1])
 
 
 def test_requests_generated_together_answer_what_each_answers_alone(paths, device):

@@ -709,10 +709,24 @@ def test_logit_bias_forces_and_forbids_tokens(loaded):
         assert "".join(c.choices[0].text for c in stream if c.choices) == tokenizer.decode([forced] * 4)
 
 
-def test_n_choices_each_sample_their_own_seed_stream(loaded):
+def test_n_choices_each_sample_their_own_seed_stream(loaded, monkeypatch):
+    """One at a time (the default engine): choice i samples with the seed plus i; the prompt is prefilled once
+    and the later choices resume on it from the cache (one id each, for the first token's logits)."""
     model, tokenizer = loaded
-    with running_server(model, tokenizer) as srv:
+    prefilled = []
+    prefill = model.prefill
+    monkeypatch.setattr(model, "prefill", lambda tokens, start, *a, **k: prefilled.append(len(tokens)) or prefill(
+        tokens, start, *a, **k))
+    with running_server(model, tokenizer, queue_limit=3) as srv:
         client = srv.client()
+        question = [{"role": "user", "content": "three choices, one prompt"}]
+        greedy = client.chat.completions.create(model=MODEL, messages=question, max_tokens=5, temperature=0, n=3)
+        assert prefilled == [len(chat_ids(tokenizer, question)), 1, 1]
+        assert len({c.message.content for c in greedy.choices}) == 1
+        assert greedy.usage.prompt_tokens_details.cached_tokens == 0
+        with pytest.raises(openai.BadRequestError, match="'n' asks for 5 choices, but this server runs 1 and "
+                                                         "queues 3 at most"):
+            client.chat.completions.create(model=MODEL, messages=question, max_tokens=5, n=5)
         settings = {"model": MODEL, "messages": HELLO, "max_tokens": 6, "temperature": 1}
         whole = client.chat.completions.create(n=3, seed=11, **settings)
         assert [c.index for c in whole.choices] == [0, 1, 2]
@@ -732,6 +746,11 @@ def test_n_choices_each_sample_their_own_seed_stream(loaded):
         assert whole.usage.prompt_tokens == chunks[-1].usage.prompt_tokens == len(chat_ids(tokenizer, HELLO))
         text = client.completions.create(model=MODEL, prompt="once upon", max_tokens=3, temperature=0, n=2)
         assert len(text.choices) == 2 and text.choices[0].text == text.choices[1].text   # greedy: alike
+        # log-probabilities come with each choice
+        scored = client.completions.create(model=MODEL, prompt="once upon", max_tokens=3, temperature=0, n=2,
+                                           logprobs=2)
+        assert [c.logprobs.tokens for c in scored.choices] == [scored.choices[0].logprobs.tokens] * 2
+        assert all(len(c.logprobs.token_logprobs) == 3 for c in scored.choices)
 
 
 # -- bad input and access -------------------------------------------------------------------------------
@@ -779,7 +798,6 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(loaded):
         ({**chat, "stop": 7}, 400, "stop", "invalid_value"),
         ({**chat, "n": 0}, 400, "n", "invalid_value"),
         ({**chat, "n": 17}, 400, "n", "invalid_value"),
-        ({**chat, "n": 2, "logprobs": True}, 400, "logprobs", "invalid_value"),
         ({**chat, "logprobs": 3}, 400, "logprobs", "invalid_type"),
         ({**chat, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "invalid_value"),
         ({**chat, "logprobs": True, "top_logprobs": 2.5}, 400, "top_logprobs", "invalid_type"),

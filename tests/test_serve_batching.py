@@ -384,3 +384,202 @@ def test_logit_bias_holds_for_a_request_decoded_with_others(loaded):
                                                        seed=4, logit_bias={str(forced): 100})
             assert other.result(TIMEOUT)[1] == "length"
     assert biased.choices[0].text == tokenizer.decode([forced] * 6)
+
+
+def spy_prefills(engine) -> list[int]:
+    """The number of ids of each prefill the engine's batch runs, from now on."""
+    prefilled = []
+    prefill = engine.batch.prefill
+
+    def spy(slot, tokens, start, logits=True):
+        prefilled.append(len(tokens))
+        return prefill(slot, tokens, start, logits)
+    engine.batch.prefill = spy
+    return prefilled
+
+
+def test_n_choices_decode_together_from_one_prefill(loaded):
+    """n > 1 through three slots: the prompt is prefilled once, the other choices get its state copied on the device,
+    and the choices decode together (steps of 3 rows, their streamed chunks interleaved, each naming its index).
+    Greedy, every choice is the reply of the request alone; sampled, choice i is what a request with the seed plus
+    i gets alone, and the same request twice gives the same choices. Log-probabilities come with each choice."""
+    model, tokenizer = loaded
+    engine = BatchEngine(model, tokenizer, 16, SamplingConfig(seed=0), parallel=3)
+    prefilled, gated = spy_prefills(engine), GatedBatch(engine)
+    gated.gate.set()
+
+    def question(text):
+        return {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 10}
+
+    with running_server(engine) as server:
+        api = client(server)
+        greedy = api.chat.completions.create(temperature=0, n=3, **question("one prompt, three choices"))
+        assert prefilled == [len(tokenizer.encode(tokenizer.apply_chat_template(
+            [{"role": "user", "content": "one prompt, three choices"}]), add_bos=tokenizer.add_bos_token))]
+        assert gated.rows.count(3) == 9 and set(gated.rows) == {3}     # the first token comes from the prompt
+        assert [c.index for c in greedy.choices] == [0, 1, 2]
+        assert greedy.usage.completion_tokens == 30 and greedy.usage.prompt_tokens == prefilled[0]
+        alone = api.chat.completions.create(temperature=0, **question("one prompt, three choices"))
+        assert [c.message.content for c in greedy.choices] == [alone.choices[0].message.content] * 3
+
+        prefilled.clear()
+        sampled = question("sampled choices")
+        first = api.chat.completions.create(temperature=1, seed=11, n=3, **sampled)
+        texts = [c.message.content for c in first.choices]
+        assert len(prefilled) == 1 and len(set(texts)) > 1
+        again = api.chat.completions.create(temperature=1, seed=11, n=3, **sampled)
+        assert [c.message.content for c in again.choices] == texts
+        assert texts == [api.chat.completions.create(temperature=1, seed=11 + i, **sampled).choices[0].message.content
+                         for i in range(3)]
+
+        chunks = list(api.chat.completions.create(temperature=1, seed=11, n=3, stream=True,
+                                                  stream_options={"include_usage": True}, **sampled))
+        streamed, order = {}, []
+        for chunk in chunks:
+            for choice in chunk.choices:
+                streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+                if choice.delta.content:
+                    order.append(choice.index)
+        assert [streamed[i] for i in range(3)] == texts
+        assert order != sorted(order)                                   # interleaved: decoded together
+        assert chunks[-1].usage.completion_tokens == 30
+
+        scored = api.completions.create(model=MODEL, prompt="scored choices", max_tokens=4, temperature=0, n=2,
+                                        logprobs=3)
+        tokens = [c.logprobs.tokens for c in scored.choices]
+        assert tokens[0] == tokens[1] and len(tokens[0]) == 4
+        assert np.allclose(scored.choices[0].logprobs.token_logprobs, scored.choices[1].logprobs.token_logprobs)
+    assert engine.stats()["completed"] == 3 + 1 + 3 + 3 + 3 + 3 + 2
+
+
+@pytest.mark.parametrize("family", ["lfm2", "qwen35"])
+def test_n_choices_of_hybrid_models_share_their_recurrent_state(tmp_path, opencl_device, family):
+    """LFM2's conv rings and Qwen3.5's Gated DeltaNet state at the prompt's end copied into the other choices'
+    slots; a choice that waits for a slot (n = 3 through 2) runs the prompt itself, as a recurrent state has moved on
+    by then (LFM2's ring still holds the prompt's last ids: one is prefilled); one at a time (the default engine),
+    a restore point at the prompt's end serves the later choices. Greedy, every choice is the reply alone."""
+    settings = dict(RECORDED[family]["make_family_model"])
+    made = make_family_model(settings.pop("family"), family_tokenizer(tmp_path, family),
+                             np.random.default_rng(settings.pop("seed")), **settings)
+    path = write_family_gguf(tmp_path / f"{family}.gguf", made, **RECORDED[family]["write_family_gguf"]).path
+    model, source = load_model(str(path), opencl_device, ctx=256, progress=False)
+    prompt = source.tokenizer.encode("one two three four", add_bos=source.tokenizer.add_bos_token)
+    request = {"model": MODEL, "prompt": "one two three four", "max_tokens": 8, "temperature": 0}
+    prefilled = []
+    prefill = model.prefill
+    model.prefill = lambda tokens, start: prefilled.append(len(tokens)) or prefill(tokens, start)
+    with running_server(Engine(model, source.tokenizer, 16, SamplingConfig(seed=0))) as server:
+        alone = client(server).completions.create(**request).choices[0].text
+    prefilled.clear()
+    with running_server(Engine(model, source.tokenizer, 16, SamplingConfig(seed=0))) as server:
+        one_at_a_time = client(server).completions.create(n=3, **request)
+    del model.prefill
+    assert [c.text for c in one_at_a_time.choices] == [alone] * 3
+    assert prefilled == [len(prompt) - 1, 1, 1, 1]     # the first choice's prompt split at its restore point
+    engine = BatchEngine(model, source.tokenizer, 16, SamplingConfig(seed=0), parallel=2)
+    prefilled = spy_prefills(engine)
+    with running_server(engine) as server:
+        together = client(server).completions.create(n=3, **request)
+    assert [c.text for c in together.choices] == [alone] * 3
+    assert prefilled[0] == len(prompt) and prefilled[1:] == ([1] if family == "lfm2" else [len(prompt)])
+
+
+def test_choices_waiting_for_a_failed_prompt_run_it_once_themselves(loaded):
+    """The choice running the prompt fails: the choices that waited for it are not left waiting; the first of them
+    runs the prompt, the other takes it from there, and both answer as the request alone does."""
+    model, tokenizer = loaded
+    engine = BatchEngine(model, tokenizer, 16, SamplingConfig(seed=0), parallel=3)
+    prefill, calls = engine.batch.prefill, []
+
+    def failing_once(slot, tokens, start, logits=True):
+        calls.append(len(tokens))
+        if len(calls) == 1:
+            raise RuntimeError("a planted failure")
+        return prefill(slot, tokens, start, logits)
+    engine.batch.prefill = failing_once
+    ids = tokenizer.encode("three choices")
+    try:
+        jobs = [engine.job(ids, 6, {"temperature": 0}, [], choices=3) for _ in range(3)]
+        engine.submit(*jobs)
+        assert all(job.finished.wait(TIMEOUT) for job in jobs)
+        alone = engine.job(ids, 6, {"temperature": 0}, [])
+        engine.submit(alone)
+        assert alone.finished.wait(TIMEOUT)
+    finally:
+        engine.close()
+    assert calls[:2] == [len(ids), len(ids)] and len(calls) == 3    # the failure, its one rerun, then alone's
+    assert jobs[0].result is None and "a planted failure" in str(drain(jobs[0])[-1][1])
+    assert [job.result.ids for job in jobs[1:]] == [alone.result.ids] * 2 and len(alone.result.ids) == 6
+    assert engine.stats()["failed"] == 1 and engine.stats()["completed"] == 3
+
+
+def drain(job) -> list[tuple]:
+    events = []
+    while not job.events.empty():
+        events.append(job.events.get())
+    return events
+
+
+def test_a_shared_system_prompt_is_copied_from_the_slot_that_ran_it(loaded):
+    """A request whose prompt starts as a running request's does (one system prompt) takes that prefix from the
+    other slot's KV cache, copied on the device, and prefills only the rest; usage counts the copied ids as
+    cached, and the reply is the request's reply alone."""
+    model, tokenizer = loaded
+    system = {"role": "system", "content": "you are a tiny model that answers every question with many words " * 3}
+    questions = [[system, {"role": "user", "content": text}] for text in ("first question", "second one")]
+    ids = [tokenizer.encode(tokenizer.apply_chat_template(q), add_bos=tokenizer.add_bos_token) for q in questions]
+    shared = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
+    assert shared > 30
+    with running_server(Engine(model, tokenizer, 16, SamplingConfig(seed=0))) as server:
+        alone = client(server).chat.completions.create(model=MODEL, messages=questions[1], max_tokens=6,
+                                                      temperature=0).choices[0].message.content
+    engine = BatchEngine(model, tokenizer, 16, SamplingConfig(seed=0), parallel=2)
+    prefilled = spy_prefills(engine)
+    with running_server(engine) as server:
+        api = client(server)
+        running = api.chat.completions.create(model=MODEL, messages=questions[0], max_tokens=600, stream=True)
+        chunks = iter(running)
+        next(chunks)
+        next(chunks)                                            # its prompt has run
+        prefilled.clear()
+        reply = api.chat.completions.create(model=MODEL, messages=questions[1], max_tokens=6, temperature=0)
+        running.close()
+    assert prefilled == [len(ids[1]) - shared]
+    assert reply.usage.prompt_tokens_details.cached_tokens == shared
+    assert reply.choices[0].message.content == alone
+
+
+def test_a_prefix_is_taken_only_from_positions_a_slot_has_run_for_its_new_prompt(loaded):
+    """Two requests admitted together: the first into the slot that holds a longer conversation (so it prefills
+    from the end of their shared start), the second into a fresh slot, sharing more with the first's prompt. The
+    first's slot holds the old conversation's rows past that start until it runs there, so the second takes only
+    the shared start from it and prefills the rest: its reply is its reply alone."""
+    model, tokenizer = loaded
+    start = tokenizer.encode("a shared start, then")
+    old, first, second = (start + tokenizer.encode(text, add_bos=False)
+                          for text in (" something else entirely", " one more thing: A", " one more thing: B"))
+    engine = BatchEngine(model, tokenizer, 16, SamplingConfig(seed=0), parallel=2)
+    prefilled = spy_prefills(engine)
+    try:
+        before = engine.job(old, 4, {"temperature": 0}, [])
+        engine.submit(before)
+        assert before.finished.wait(TIMEOUT)
+        prefilled.clear()
+        jobs = [engine.job(ids, 6, {"temperature": 0}, []) for ids in (first, second)]
+        with engine.changed:     # queued at once: admitted in one loop, neither prompt run yet
+            engine.waiting.extend(jobs)
+            engine.changed.notify_all()
+        assert all(job.finished.wait(TIMEOUT) for job in jobs)
+    finally:
+        engine.close()
+    shared = len(start) + next(i for i, (a, b) in enumerate(zip(old[len(start):], first[len(start):])) if a != b)
+    assert prefilled == [len(first) - shared, len(second) - shared], prefilled
+    assert [job.cached_tokens for job in jobs] == [shared, shared]
+    alone = Engine(model, tokenizer, 16, SamplingConfig(seed=0))
+    try:
+        single = alone.job(second, 6, {"temperature": 0}, [])
+        alone.submit(single)
+        assert single.finished.wait(TIMEOUT)
+    finally:
+        alone.close()
+    assert jobs[1].result.ids == single.result.ids

@@ -23,7 +23,7 @@ from perfx.tuning.spec import Case, Spec, cached_per_params
 THETA = 10000.0
 LAYERS, LAYER = 2, 1
 EPS = 1e-6
-FEATURE_KEYS = ("qk_norm", "rotary_dims", "scale", "softcap", "window", "v_norm", "q_only", "sinks")
+FEATURE_KEYS = ("qk_norm", "rotary_dims", "scale", "softcap", "window", "v_norm", "q_only", "sinks", "rows")
 
 
 @dataclass
@@ -139,6 +139,16 @@ def kv_bytes(shape) -> int:
     return int(2 * kv_value_bytes(shape) * shape["positions"] * shape["n_kv_heads"] * shape["head_dim"])
 
 
+def per_row(metric):
+    """A metric of one token's launch, summed over a batched launch's rows (shape key ``rows``)."""
+    def summed(shape) -> int:
+        if shape.get("rows"):
+            return sum(metric({**shape, "rows": None, "positions": pos + 1}) for pos in shape["rows"])
+        return metric(shape)
+    return summed
+
+
+@per_row
 def bytes_moved(shape) -> int:
     # The partials ((D + 2) floats per head and partition, written once and read once) are left out:
     # under 1/PART·(H/Hkv)·4 of the K/V bytes.
@@ -146,12 +156,15 @@ def bytes_moved(shape) -> int:
     return int(4 * (h + 2 * hkv) * d + 2 * kv_value_bytes(shape) * hkv * d + kv_bytes(shape) + 4 * h * d)
 
 
+@per_row
 def flops(shape) -> int:
     # q·k and w·v: 2·D each per (query head, position); RoPE and softmax are lower order.
     return 4 * shape["n_heads"] * shape["positions"] * shape["head_dim"]
 
 
 def make_case(device, shape, rng) -> Case:
+    if shape.get("rows"):
+        return make_rows_case(device, shape, rng)
     h, hkv, d, positions = (shape[k] for k in ("n_heads", "n_kv_heads", "head_dim", "positions"))
     offset, kv = shape.get("qkv_offset", 0), shape.get("kv", "f16")
     pos = positions - 1
@@ -236,6 +249,78 @@ def make_case(device, shape, rng) -> Case:
     return case
 
 
+ROWS_FIRST, ROWS_BUFFER = 2, 8   # a rows case's rows are rows 2.. of a qkv, out and position buffer of 8
+
+
+def make_rows_case(device, shape, rng) -> Case:
+    """The batched launch (``AttentionDecode.rows``, shape key ``rows``: each row's position, the longest at
+    ``positions`` − 1): every row its own KV cache (random earlier rows, NaN from its position on) and token,
+    one layer's features for all, the rows placed from ROWS_FIRST in buffers of ROWS_BUFFER rows (qkv rows 5
+    floats apart past their [q | k | v]), so a row read or written at the wrong place shows. Outputs: every
+    row's out, its appended k and v, the elements written outside its rows (0 expected), and the combine
+    counters left non-zero (0 expected)."""
+    h, hkv, d, kv = shape["n_heads"], shape["n_kv_heads"], shape["head_dim"], shape.get("kv", "f16")
+    rows = list(shape["rows"])
+    n, first = len(rows), ROWS_FIRST
+    max_positions = shape["positions"] + 3
+    features = Features.make(device, shape, max_positions, rng)
+    width = (h + 2 * hkv) * d + 5
+    qkv = rng.standard_normal((ROWS_BUFFER, width), dtype=np.float32)
+    mine = qkv[first:first + n]
+
+    def rotated_keys(x):
+        return features.apply(x[:, h * d:(h + hkv) * d].reshape(n, hkv, d), rows, 1)
+    if kv == "q8":
+        away_from_q8_ties(rng, mine[:, :(h + 2 * hkv) * d], h, hkv, d, rotated_keys)
+    q = features.apply(mine[:, :h * d].reshape(n, h, d), rows, 0)
+    k_new = as_stored(rotated_keys(mine), kv)
+    v_new = as_stored(mine[:, (h + hkv) * d:(h + 2 * hkv) * d].reshape(n, hkv, d), kv)
+    hosts = []
+    for pos in rows:
+        blocks = [random_cache(rng, kv, (LAYERS, hkv, max_positions, d)) for _ in range(2)]
+        for block in blocks:
+            block[LAYER, :, pos:] = np.nan
+        hosts.append(blocks)
+    want = []
+    for i, pos in enumerate(rows):
+        keys, values = (np.concatenate([hosts[i][j][LAYER, :, :pos].transpose(1, 0, 2).astype(np.float64),
+                                        new[i][None]]) for j, new in ((0, k_new), (1, v_new)))
+        want.append(reference.attention(q[i][None], keys, values, [pos], **features.attend).reshape(h * d))
+    expected = {"out": np.concatenate(want), "keys": k_new, "values": v_new, "written outside": np.zeros(1),
+                "counters left": np.zeros(1)}
+    positions = device.upload(np.array([7] * first + rows + [7] * (ROWS_BUFFER - first - n), np.int32))
+    qkv_dev = device.upload(qkv)
+    out = device.poisoned(ROWS_BUFFER * h * d, np.float32)
+    caches = [KVCache.allocate(device, LAYERS, hkv, max_positions, d, form=kv) for _ in rows]
+    op = cached_per_params(lambda params: AttentionDecode(device, params, shape))
+    state = {"layer": LAYER}
+
+    def launch(params):
+        return op(params).rows(qkv_dev, out, caches, features.rope, state["layer"], rows, width, first,
+                               position=(positions, 0), **features.launch)
+
+    def run(params):
+        state["layer"] = LAYER
+        for cache, host in zip(caches, hosts):
+            cache.write(device, *host)
+        out.fill(np.float32(np.nan))
+        for event in launch(params):
+            event.wait()
+        got = out.get().reshape(ROWS_BUFFER, h * d)
+        stored = [cache.read(device, LAYER, pos + 1) for cache, pos in zip(caches, rows)]
+        counters = op(params).rows_counters()
+        return {"out": got[first:first + n].reshape(-1),
+                "keys": np.stack([k[pos] for (k, _), pos in zip(stored, rows)]),
+                "values": np.stack([v[pos] for (_, v), pos in zip(stored, rows)]),
+                "written outside": np.array([np.count_nonzero(~np.isnan(np.delete(got, range(first, first + n), 0)))]),
+                "counters left": np.array([np.count_nonzero(counters)])}
+
+    def rotate():
+        state["layer"] = 1 - state["layer"]
+
+    return Case(expected=expected, run=run, launch=launch, rotate=rotate)
+
+
 def heads(st):
     """Query heads, kv heads (the GQA ratio, up to 8) and head_dim (the kernels take multiples of 8 from 32;
     Gemma's 256 and Gemma 4's 512 too)."""
@@ -302,7 +387,8 @@ Q8_TEST_SHAPES = (
 SPEC = Spec(
     params=PARAMS,
     make_case=make_case,
-    programs=lambda device, shape, params: AttentionDecode(device, params, shape).kernels(bool(shape.get("q8_out"))),
+    programs=lambda device, shape, params: (AttentionDecode(device, params, shape).rows_kernel() if shape.get("rows")
+                                            else AttentionDecode(device, params, shape).kernels(bool(shape.get("q8_out")))),
     tolerance=1e-3,
     tolerance_why=(
         "keys: the kernel rotates in fp32 and the reference in float64 before both round to fp16, so an "
@@ -363,6 +449,16 @@ SPEC = Spec(
          "qkv_offset": 3},
         {"n_heads": 8, "n_kv_heads": 1, "head_dim": 64, "positions": 21, "sinks": True},
         {"n_heads": 8, "n_kv_heads": 1, "head_dim": 64, "positions": 130, "sinks": True, "kv": "q8", "q8_out": True},
+        # A batched decode step's rows in one launch (rows: each row's position): five sequences across 1 to 9
+        # partitions, at a head of 72 (9 vectors of VW 8: a V row that does not fill a work-group), partial
+        # rotary and a soft-cap; the int8 cache with sinks; Gemma 3's layer (tests/test_attention_decode.py runs
+        # every parameter set there)
+        {"n_heads": 6, "n_kv_heads": 2, "head_dim": 72, "positions": 258, "rows": (3, 130, 40, 257, 0),
+         "rotary_dims": 48, "softcap": 30.0},
+        {"n_heads": 4, "n_kv_heads": 4, "head_dim": 64, "positions": 258, "rows": (3, 130, 40, 257, 0), "kv": "q8",
+         "sinks": True},
+        {"n_heads": 8, "n_kv_heads": 2, "head_dim": 256, "positions": 258, "rows": (3, 130, 40, 257, 0),
+         "qk_norm": True, "window": 100, "scale": 0.1},
     ),
     bytes_moved=bytes_moved,
     reference=reference.attention,
@@ -384,6 +480,8 @@ SPEC = Spec(
         # heads of 512: a kv head's 8 query heads in two groups (HEADS 4 at the defaults) over two partitions,
         # each group's last work-group combining its heads through its own counter
         {"n_heads": 8, "n_kv_heads": 1, "head_dim": 512, "positions": 130, "qk_norm": True, "v_norm": True},
+        # a batched step's three rows in one launch, one across two partitions of 32, one past the others' grid
+        {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "positions": 37, "rows": (5, 36, 0)},
     ),
     flops=flops,
     describe=lambda s: (f"H={s['n_heads']} Hkv={s['n_kv_heads']} D={s['head_dim']} T={s['positions']}"

@@ -206,6 +206,13 @@ class Mixer(ABC):
         for name, value in state.items():
             setattr(self, name, value)
 
+    def copy_state(self, src: dict, dst: dict, positions: int) -> None:
+        """Make the state ``dst`` hold what ``src`` holds for positions 0..positions−1, copied on the device, so a
+        sequence that starts with the same ids continues from there without running them. ``src`` serves a
+        forward at ``positions`` as it is (``live_at``); ``dst`` then does too, its positions 0..positions−1 run."""
+        if self.state_fields:
+            raise PerfxError(f"layer kind {self.kind!r} cannot copy one sequence's state into another's")
+
     @classmethod
     def decodes_rows(cls) -> bool:
         """Whether its layers run in a batched decode step: it defines its own ``forward_rows``."""

@@ -19,6 +19,7 @@ from perfx.formats import fuse_rows, permute_linear_rows
 from perfx.mixers import Mixer
 from perfx.ops import Q8_TEXEL
 from perfx.op import Op, StepOptions, matrix_ops, qk_norm, shared
+from perfx.ops.attention_decode import BATCH_ROWS
 from perfx.ops.kv_cache import KVCache, RopeTable, kv_shape
 from perfx.reference import attention, rmsnorm, rope, sigmoid_mul
 from perfx.reference import linear as linear64
@@ -248,6 +249,10 @@ class AttentionMixer(Mixer):
                 place[i] = place[c.layers[i].kv_from]
         return {"caches": caches, "place": place}
 
+    def copy_state(self, src: dict, dst: dict, positions: int) -> None:
+        for source, target in zip(src["caches"], dst["caches"]):
+            source.copy_prefix(self.model.device, target, positions)
+
     @property
     def cache(self) -> KVCache:
         """The first of its caches (the only one where every layer has the model's shapes)."""
@@ -340,19 +345,18 @@ class AttentionMixer(Mixer):
         decode = m == 1
         # the rows packed at the layer's own widths (Gemma 4's layers differ)
         qkv, att = self.rows[layer]
-        q_dim, qkv_width = att.shape[1], qkv.shape[1]
+        qkv_width = qkv.shape[1]
         w.qkv(s.xb, qkv, m, decode, model.xb_blocks(m))
         if w.attn_gate is not None:
             w.attn_gate(s.xb, self.gates, m, decode, model.xb_blocks(m))
-        # each row attends its own sequence's cache up to its own position, read on the device; row 0 writes att
-        # in place, the others through a row of scratch (the kernel writes its output from the buffer's start)
-        out = self._row_scratch("att", c.q_dim)
-        for i, pos in enumerate(rows.positions):
-            cache, slot = rows.state(self, i)["place"][layer]
-            plan.attention_at(layer)(qkv, att if i == 0 else out, cache, self.rope[layer], slot, pos,
-                                     i * qkv_width, position=rows.position(i), **self._features(layer))
-            if i:
-                model.device.copy(self.att, out, 4 * q_dim, dst_offset=4 * i * q_dim)
+        # each row attends its own sequence's cache up to its own position, read on the device: up to
+        # BATCH_ROWS rows a launch, each over its own cache, into its own row of att
+        places = [rows.state(self, i)["place"][layer] for i in range(m)]
+        for first in range(0, m, BATCH_ROWS):
+            chunk = places[first:first + BATCH_ROWS]
+            plan.attention_at(layer).rows(qkv, att, [cache for cache, _ in chunk], self.rope[layer], chunk[0][1],
+                                          rows.positions[first:first + len(chunk)], qkv_width, first,
+                                          position=rows.position(0), **self._features(layer))
         if w.attn_gate is not None:
             plan.attn_gate(self.gates, self.att, self.att, m * c.q_dim)
         w.o(att, s.proj, m, decode)

@@ -16,7 +16,7 @@ from typing import ClassVar
 import numpy as np
 
 from perfx.mixers import Mixer
-from perfx.mixers.short_conv import convolve_rows
+from perfx.mixers.short_conv import convolve_rows, copy_history
 from perfx.op import Op, StepOptions, shared
 from perfx.ops.gated_delta_net import DeltaState
 from perfx.ops.restore_points import DeltaPart, RingPart
@@ -147,6 +147,13 @@ class GatedDeltaNetMixer(Mixer):
         c, d = self.model.config, self.model.device
         return {"history": ConvHistory(d, len(self.layers), c.delta_conv_dim),
                 "state": DeltaState(d, len(self.layers), delta_shape(c, 1))}
+
+    def copy_state(self, src: dict, dst: dict, positions: int) -> None:
+        device = self.model.device
+        copy_history(device, src["history"], dst["history"])
+        per_layer = src["state"].nbytes // len(src["state"].buffers)
+        for source, target in zip(src["state"].buffers, dst["state"].buffers):
+            device.copy(target, source, per_layer)
 
     def forward(self, layer: int, m: int, pos: int, decode: bool, position=None, split=None) -> None:
         model, w = self.model, self.weights[layer]

@@ -96,6 +96,9 @@ class ShortConvMixer(Mixer):
     def new_state(self) -> dict:
         return {"history": ConvHistory(self.model.device, len(self.layers), self.model.config.hidden_size)}
 
+    def copy_state(self, src: dict, dst: dict, positions: int) -> None:
+        copy_history(self.model.device, src["history"], dst["history"])
+
     def forward(self, layer: int, m: int, pos: int, decode: bool, position=None, split=None) -> None:
         model, w = self.model, self.weights[layer]
         w.conv_in(model.state.xb, self.bcx, m, decode, model.xb_blocks(m))
@@ -139,6 +142,13 @@ class ShortConvMixer(Mixer):
         first = max(0, written - self.history.rows + self.model.config.conv_length - 1)
         return (f"position {pos}: this model's conv layers hold their state for positions {first}..{written} only "
                 f"(positions 0..{written - 1} were run); prefill from an earlier position (0 always works)")
+
+
+def copy_history(device, src, dst) -> None:
+    """A ``ConvHistory``'s rings copied into another's of the same shape, on the device: the whole ring, since
+    the positions it holds wrap around it."""
+    device.copy(dst.buffer, src.buffer, src.nbytes)
+    dst.first = src.first
 
 
 def convolve_rows(model, rows, mixer, x, x_width: int, y, y_width: int, convolve) -> None:

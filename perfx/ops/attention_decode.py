@@ -25,6 +25,8 @@ from perfx.runtime import Device
 # head_dim: even and whole vectors of 8 (both VW values); 64 and 128 are the tested Llama sizes, 512 Gemma 4's
 # global layers'.
 SUPPORTED_HEAD_DIMS = tuple(range(32, 513, 8))
+# Rows of a batched decode step one launch serves (the kernel's BATCH): each row's cache is an argument of its own.
+BATCH_ROWS = 8
 # The local memory a work-group may take: Adreno's 32 KiB (other GPUs have 48–64). Where all GQA query heads of a
 # kv head would need more (Gemma 4 E2B: 8 heads of 512 on one kv head), fewer share a work-group (``heads``).
 LOCAL_BUDGET = 32 * 1024
@@ -148,6 +150,7 @@ class AttentionDecode:
         self.placeholder = device.alloc(4, what="attention_decode placeholder")
         self.position = DevicePosition(device, "attention_decode")
         self.last_events: list = []
+        self._rows = None   # the batched kernel, its partials and counters (``_rows_state``)
 
     def kernels(self, quantizes: bool):
         """attention_partial, built to also write out as Q8_1 blocks where ``quantizes``."""
@@ -156,6 +159,77 @@ class AttentionDecode:
             defines = {**self.defines, "Q8_OUT": int(quantizes)}
             kernel = self._kernels[quantizes] = self.device.kernel(PARAMS.source, "attention_partial", defines)
         return kernel
+
+    def rows(self, qkv, out, caches: list[KVCache], rope: RopeTable | None, layer: int, positions: list[int],
+             qkv_stride: int, first: int = 0, *, position, window: int | None = None, scale: float | None = None,
+             softcap: float = 0.0, q_norm=None, k_norm=None, eps: float = 1e-6, sinks=None) -> list:
+        """Rows first .. first + n − 1 of a batched decode step in one launch (n = len(caches), 1 to BATCH_ROWS):
+        row i (from first) is qkv's [q | k | v] at element i·``qkv_stride``, its token at ``positions``[i − first]
+        over ``caches``[i − first] (each sequence's own KV cache, all of one shape and form), its out at element
+        i·H·D. ``position``: (int32 buffer, index) where row 0's position is read on the device, row i's at
+        index + i. The features are ``enqueue``'s, one layer's for every row. Returns the events ([the launch])."""
+        n = len(caches)
+        if not 1 <= n <= BATCH_ROWS or len(positions) != n:
+            raise PerfxError(f"attention_decode: one launch serves 1 to {BATCH_ROWS} rows, each with its cache and "
+                             f"position; got {n} caches and {len(positions)} positions")
+        for i, (cache, pos) in enumerate(zip(caches, positions)):
+            qkv_b, _ = self._check(qkv, out, cache, rope, layer, pos, (first + i) * qkv_stride)
+            if (cache.max_positions, cache.n_layers) != (caches[0].max_positions, caches[0].n_layers):
+                raise PerfxError("attention_decode: a batched launch's caches must all have one shape")
+        out_b, out_bytes = buffer_bytes(out, "attention_decode out")
+        if out_bytes // 4 < (first + n) * self.n_heads * self.head_dim:
+            raise PerfxError(f"attention_decode: out must hold {first + n} rows of {self.n_heads * self.head_dim} "
+                             f"float32 elements, it holds {out_bytes // 4}")
+        sinks_b = sink_buffer("attention_decode", self.sinks, sinks, self.n_heads, self.placeholder)
+        window, scale, norms = attention_features(
+            "attention_decode", self.head_dim, self.qk_norm, self.window if window is None else window,
+            scale, softcap, q_norm, k_norm, eps, self.placeholder)
+        kernel, part_max, part_sum, part_out, counters = self._rows_state()
+        buffers = []
+        for cache in list(caches) + [caches[0]] * (BATCH_ROWS - n):   # rows past n: never read
+            keys, values, _ = cache.layer(layer)
+            buffers.append((keys, values, *(cache.scales(layer) or (self.placeholder, self.placeholder))))
+        offset = caches[0].layer(layer)[2]
+        grid_parts = max(self.partitions(pos) for pos in positions)
+        cos, sin = (self.placeholder, self.placeholder) if rope is None else (rope.cos, rope.sin)
+        buffer, index = position
+        launch = self.device.launch(
+            kernel, (self.wgs, self.groups, n * grid_parts), (self.wgs, 1, 1),
+            qkv_b, np.int32(0), cos, sin, np.int32(0 if rope is None else rope.rotary_dims),
+            *norms, np.float32(eps), *buffers[0], np.int32(offset), np.int32(caches[0].max_positions),
+            device_buffer(buffer, 4 * (index + first + n), "attention_decode positions"), np.int32(index),
+            np.int32(self.max_parts), part_max, part_sum, part_out, out_b, np.int32(window), np.float32(scale),
+            np.float32(softcap), sinks_b, counters, np.int32(n), np.int32(first), np.int32(qkv_stride),
+            *(b for row in buffers[1:] for b in row))
+        self.last_events = [launch]
+        return self.last_events
+
+    def rows_kernel(self):
+        """The batched build (``rows``), made now."""
+        return self._rows_state()[0]
+
+    def rows_counters(self) -> np.ndarray:
+        """The batched launch's combine counters, read back (each is zero between launches)."""
+        counters = self._rows_state()[4]
+        return self.device.read(np.empty(BATCH_ROWS * self.groups, np.int32), counters)
+
+    def _rows_state(self) -> tuple:
+        """The batched kernel (BATCH rows a launch) and its partials and counters, one block a row: made on first
+        use, as a model that never batches needs neither."""
+        if self._rows is None:
+            kernel = self.device.kernel(PARAMS.source, "attention_partial", {**self.defines, "Q8_OUT": 0,
+                                                                             "BATCH": BATCH_ROWS})
+            stats = BATCH_ROWS * self.n_heads * self.max_parts
+            zeros = np.zeros(stats * self.head_dim, np.float32)
+            self._rows = (kernel,
+                          self.device.alloc(4 * stats, zeros[:stats], what="attention_decode rows' partial maxima"),
+                          self.device.alloc(4 * stats, zeros[:stats], what="attention_decode rows' partial sums"),
+                          self.device.alloc(4 * stats * self.head_dim, zeros,
+                                            what="attention_decode rows' partial outputs"),
+                          self.device.alloc(4 * BATCH_ROWS * self.groups,
+                                            np.zeros(BATCH_ROWS * self.groups, np.int32),
+                                            what="attention_decode rows' combine counters"))
+        return self._rows
 
     def partitions(self, pos: int) -> int:
         """Work-groups per kv head for the token at ``pos`` (1: no partials to combine)."""

@@ -130,6 +130,25 @@ class KVCache:
         """Zero every position (the model never reads a position it has not written; tests may)."""
         self.fill(device, 0.0)
 
+    def copy_prefix(self, device: Device, dst: KVCache, positions: int) -> None:
+        """Positions 0..positions−1 of every layer and head copied into ``dst`` (a cache of the same shape and
+        form) on the device: one copy per (layer, kv head) run of keys and of values (and of q8 scales), each
+        run contiguous in the [layer][kv_head][pos][...] layout. What ``dst`` holds past them is left as is."""
+        if (dst.n_layers, dst.n_kv_heads, dst.max_positions, dst.head_dim, dst.form) != (
+                self.n_layers, self.n_kv_heads, self.max_positions, self.head_dim, self.form):
+            raise PerfxError("KVCache.copy_prefix: the two caches differ in shape or form")
+        if not 0 <= positions <= self.max_positions:
+            raise PerfxError(f"KVCache.copy_prefix: {positions} positions, the cache holds {self.max_positions}")
+        runs = [(self.pieces, dst.pieces, (2 if self.form == "f16" else 1) * self.head_dim)]
+        if self.form == "q8":
+            runs.append((self.scale_pieces, dst.scale_pieces, 2 * self.head_dim // reference.KV_BLOCK))
+        for sources, targets, row_bytes in runs:
+            for i, (source, target) in enumerate(zip(sources, targets)):
+                for block in range(self._piece_layers(i) * self.n_kv_heads):
+                    offset = block * self.max_positions * row_bytes
+                    for which in (0, 1):
+                        device.copy(target[which], source[which], positions * row_bytes, offset, offset)
+
     def write(self, device: Device, keys: np.ndarray, values: np.ndarray) -> None:
         """Fill the whole cache from host arrays (layers, kv_heads, max_positions, head_dim): converted to fp16,
         or quantized by ``reference.quantize_kv_q8`` (NaN blocks get NaN scales)."""

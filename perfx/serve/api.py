@@ -126,7 +126,7 @@ class Request:
     stream: bool
     include_usage: bool
     logit_bias: dict[int, float] = field(default_factory=dict)
-    n: int = 1                  # choices of the one prompt, made one after another
+    n: int = 1                  # choices of the one prompt, decoded together where the engine batches
 
     def choice_sampling(self, index: int, default_seed: int | None) -> dict:
         """The sampling of choice ``index``: its own seed stream (the seed, the request's or the server's, plus

@@ -5,7 +5,10 @@ worker differs. Each loop it admits waiting jobs into free slots (the slot whose
 longest prefix with the prompt, so a conversation's next turn prefills only its new ids), stops the cancelled,
 runs one piece of one new prompt (``PREFILL_PIECE`` ids while others stream, so their tokens keep coming; the
 whole prompt when none do), then one decode step over every sequence that is decoding; a sequence leaves the
-moment it is done. Speculation is off while batching: a step already reads the weights once for N tokens.
+moment it is done. A prompt starts after the longest prefix of it any slot holds (a shared system prompt),
+copied from that slot on the device where it is not its own (``Batch.share``); the choices of one request
+(n > 1) run its prompt once: the others take it from that slot (``Sequence.share_prompt``) and decode beside it. Speculation is off while batching: a step
+already reads the weights once for N tokens.
 """
 
 from __future__ import annotations
@@ -65,24 +68,21 @@ class BatchEngine(Engine):
                               for slot in range(parallel)]
         self.active: dict[int, Job] = {}           # slot -> its job; changed under ``changed``
         self.sequences: dict[int, Sequence] = {}   # slot -> its generation; the worker's only
+        self.sharing: dict[int, int] = {}          # slot -> the slot of another choice whose prompt run it waits for
         super().__init__(model, tokenizer, queue_limit, default_sampling)
 
     @property
     def parallel(self) -> int:
         return self.batch.slots
 
-    def submit(self, job: Job):
-        """Queue a job, or raise APIError: 429 when every slot runs and the queue is full, 503 while shutting down."""
-        with self.changed:
-            if self.closing:
-                raise shutting_down()
-            if len(self.waiting) + len(self.active) > self.queue_limit + self.parallel - 1:
-                self.counts["rejected"] += 1
-                raise APIError(429, f"perfx serve is busy: {len(self.active)} requests are running (--parallel "
-                                    f"{self.parallel}) and {len(self.waiting)} wait (the queue holds "
-                                    f"{self.queue_limit}); retry later", code="queue_full", kind="rate_limit_error")
-            self.waiting.append(job)
-            self.changed.notify_all()
+    def running_count(self) -> int:
+        # Called with `changed` held.
+        return len(self.active)
+
+    def busy(self) -> str:
+        # Called with `changed` held.
+        return (f"perfx serve is busy: {len(self.active)} requests are running (--parallel {self.parallel}) and "
+                f"{len(self.waiting)} wait (the queue holds {self.queue_limit}); retry later")
 
     def close(self):
         """As ``Engine.close``, every running job stopped."""
@@ -132,7 +132,7 @@ class BatchEngine(Engine):
     def _begin(self, slot: int, job: Job) -> None:
         ids = job.prompt_ids
         start, todo = self.conversations[slot].resume(ids)
-        job.cached_tokens = start
+        sibling = self._sibling(slot, job)
 
         def on_text(piece: str):
             if job.first_text is None:
@@ -140,26 +140,103 @@ class BatchEngine(Engine):
             job.events.put(("text", piece))
 
         try:
-            self.sequences[slot] = Sequence(self.batch, slot, self.tokenizer, todo, start, job.max_tokens,
-                                            job.sampling, job.stop, on_text, history=ids[:start],
-                                            constraint=job.constraint, on_logits=self.logits_hook(job),
-                                            logit_bias=job.logit_bias)
-        except PerfxError as error:
+            if sibling is None:
+                start = self._borrow(slot, ids, start)
+                todo = ids[start:]
+            job.cached_tokens = start
+            seq = self.sequences[slot] = Sequence(self.batch, slot, self.tokenizer, todo, start, job.max_tokens,
+                                                  job.sampling, job.stop, on_text, history=ids[:start],
+                                                  constraint=job.constraint, on_logits=self.logits_hook(job),
+                                                  logit_bias=job.logit_bias)
+        except Exception as error:  # noqa: BLE001  (a failed request must not take the server down)
             self._fail([slot], error)
+            return
+        if sibling is not None:
+            other, ready = sibling
+            if not ready:
+                self.sharing[slot] = other
+                return
+            job.cached_tokens = seq.prompt_end
+            self._try(slot, lambda: seq.share_prompt(self.sequences[other]))
+
+    def _sibling(self, slot: int, job: Job) -> tuple[int, bool] | None:
+        """Another choice of the same request (n > 1) to take the prompt from, copied on the device: (its slot,
+        True) where it has run the prompt and its slot still holds the state there; (the slot whose run to wait
+        for, False) while one is still running it; None: this one runs the prompt itself."""
+        if job.group is None:
+            return None
+        siblings = [(other, self.sequences[other]) for other, running in self.active.items()
+                    if other != slot and running.group is job.group and other in self.sequences]
+        end = len(job.prompt_ids)
+        for other, sibling in siblings:
+            if sibling.prompt_logits is not None and self.batch.can_share(other, end):
+                return other, True
+        for other, sibling in siblings:
+            if not sibling.done and not sibling.decoding:
+                return self.sharing.get(other, other), False
+        return None
+
+    def _borrow(self, slot: int, ids: list[int], start: int) -> int:
+        """Where the prompt ``ids`` starts in ``slot``: after what its own cache holds of it (``start``), or after
+        a longer prefix that another slot holds (a shared system prompt; a conversation another slot ran), copied
+        from there on the device (``Batch.share``) instead of prefilled. One id is always left to run, for the
+        first token's logits."""
+        donor, length = None, start
+        for other in range(self.parallel):
+            if other == slot:
+                continue
+            # a running sequence's own ids before the next position it runs (its slot holds older ones past
+            # them until it gets there), else what the slot's last conversation left
+            seq = self.sequences.get(other)
+            held = seq.seen[:seq.pos] if seq is not None else self.conversations[other].cached
+            shared = common_prefix(held, ids[:-1])
+            if shared > length and self.batch.can_share(other, shared):
+                donor, length = other, shared
+        if donor is None:
+            return start
+        self.batch.share(donor, slot, length)
+        self.conversations[slot].cached = list(ids[:length])
+        return length
+
+    def _release(self, gone: set[int]) -> None:
+        """The choices waiting for a prompt that will not run in the ``gone`` slots (failed, cancelled before it
+        ran): the first runs it itself, the others wait for that one."""
+        orphans = [slot for slot, source in self.sharing.items() if source in gone and slot not in gone]
+        for slot in gone | set(orphans):
+            self.sharing.pop(slot, None)
+        for slot in orphans[1:]:
+            self.sharing[slot] = orphans[0]
+
+    def _try(self, slot: int, action) -> bool:
+        try:
+            action()
+            return True
+        except Exception as error:  # noqa: BLE001  (a failed request must not take the server down)
+            self._fail([slot], error)
+            return False
 
     def _advance(self) -> None:
-        """Stop the cancelled, run a piece of the oldest prompt still to prefill, then one decode step."""
+        """Stop the cancelled, run a piece of the oldest prompt still to prefill (then give it to the choices
+        waiting for it), then one decode step."""
         for slot, seq in self.sequences.items():
             if self.active[slot].cancelled.is_set():
                 seq.cancel()
+        self._release({source for source in self.sharing.values()
+                       if source not in self.sequences or self.sequences[source].done})
         decoding = [(slot, seq) for slot, seq in self.sequences.items() if seq.decoding]
-        prefilling = [slot for slot, seq in self.sequences.items() if not seq.done and not seq.decoding]
+        prefilling = [slot for slot, seq in self.sequences.items()
+                      if not seq.done and not seq.decoding and slot not in self.sharing]
         if prefilling:
             slot = prefilling[0]
-            try:
-                self.sequences[slot].prefill_piece(PREFILL_PIECE if decoding else None)
-            except Exception as error:  # noqa: BLE001  (a failed request must not take the server down)
-                self._fail([slot], error)
+            seq = self.sequences[slot]
+            if self._try(slot, lambda: seq.prefill_piece(PREFILL_PIECE if decoding else None)) \
+                    and seq.prompt_logits is not None:
+                for waiting in [other for other, source in self.sharing.items() if source == slot]:
+                    del self.sharing[waiting]
+                    if self.sequences[waiting].done:   # cancelled while it waited
+                        continue
+                    self.active[waiting].cached_tokens = seq.prompt_end
+                    self._try(waiting, lambda waiting=waiting: self.sequences[waiting].share_prompt(seq))
         if not decoding:
             return
         try:
@@ -177,6 +254,7 @@ class BatchEngine(Engine):
                 continue
             job = self.active[slot]
             del self.sequences[slot]
+            self.sharing.pop(slot, None)
             result = seq.result()
             self.conversations[slot].record(job.prompt_ids, result)
             job.result = result
@@ -196,6 +274,7 @@ class BatchEngine(Engine):
         message = str(error) if isinstance(error, PerfxError) else f"{type(error).__name__}: {error}"
         if not isinstance(error, PerfxError):
             print(f"perfx serve: generation failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        self._release(set(slots))
         for slot in slots:
             self.sequences.pop(slot, None)
             self.conversations[slot].forget()

@@ -90,6 +90,7 @@ class Job:
     constraint: Constraint | None = None   # the grammar the reply keeps to (response_format, a tool call's)
     logprobs: int | None = None  # None: none; else each reply token's log-probability and this many alternatives
     logit_bias: dict = field(default_factory=dict)   # token id -> added to its logit before each choice
+    group: list | None = None    # n > 1: the jobs of the request's choices, this one among them (``submit``)
     result: Result | None = None
 
     @property
@@ -152,14 +153,17 @@ class Engine:
 
     def job(self, prompt_ids: list[int], max_tokens: int, sampling: dict, stop: list[str],
             messages: list[dict] | None = None, template: dict | None = None, schema=None,
-            grammar: str | None = None, logprobs: int | None = None, logit_bias: dict | None = None) -> Job:
+            grammar: str | None = None, logprobs: int | None = None, logit_bias: dict | None = None,
+            choices: int = 1) -> Job:
         """A job for these ids; ``sampling`` holds the SamplingConfig fields a request sets over the defaults.
         ``messages`` (a chat request's, as rendered with the template variables ``template``) give the system
         prompt's end, where a model with recurrent state keeps a restore point for the next requests.
         ``schema``: the JSON schema the reply must follow (``api.response_schema``); ``grammar``: the Lark grammar
         of a reply with tools (``api.plan``). Either is compiled here, in the request's thread, into the reply's
         own constraint: one llguidance does not support is a 400 naming what it lacks. ``logprobs``: the
-        reply's tokens come with ("logprobs", entry) events (``token_logprobs``), each before its text."""
+        reply's tokens come with ("logprobs", entry) events (``token_logprobs``), each before its text.
+        ``choices``: how many jobs of these ids the request makes (n); run one after another, each after the
+        first resumes one id before the prompt's end (a model with recurrent state keeps a restore point there)."""
         job = Job(prompt_ids, max_tokens, dataclasses.replace(self.default_sampling, **sampling), stop,
                   logprobs=logprobs, logit_bias=dict(logit_bias or {}))
         vocab = self.model.config.vocab_size
@@ -184,20 +188,44 @@ class Engine:
                 raise APIError(400, f"'tools': {error}", param="tools", code="unsupported_schema") from None
         if messages and self.model.keeps_restore_points:
             job.restore_at = (system_prompt_end(self.tokenizer, messages, prompt_ids, **(template or {})),)
+        if choices > 1 and self.model.keeps_restore_points:
+            job.restore_at += (len(prompt_ids) - 1,)
         return job
 
-    def submit(self, job: Job):
-        """Queue a job, or raise APIError: 429 when the queue is full, 503 while shutting down."""
+    @property
+    def parallel(self) -> int:
+        """Jobs run at once."""
+        return 1
+
+    def submit(self, *jobs: Job):
+        """Queue jobs (one request's choices, in order, together), or raise APIError: 429 when the queue has no
+        room for all of them, 503 while shutting down; 400 when they could never fit."""
+        if len(jobs) > 1:
+            group = list(jobs)
+            for job in jobs:
+                job.group = group
+        room = self.queue_limit + self.parallel
+        if len(jobs) > room:
+            raise APIError(400, f"'n' asks for {len(jobs)} choices, but this server runs {self.parallel} and queues "
+                                f"{self.queue_limit} at most (--parallel, --queue): ask for at most {room}",
+                           param="n", code="invalid_value")
         with self.changed:
             if self.closing:
                 raise shutting_down()
-            if len(self.waiting) + (self.running is not None) > self.queue_limit:
+            if len(self.waiting) + self.running_count() + len(jobs) > room:
                 self.counts["rejected"] += 1
-                raise APIError(429, f"perfx serve is busy: one request is running and {len(self.waiting)} "
-                                    f"wait (the queue holds {self.queue_limit}); retry later",
-                               code="queue_full", kind="rate_limit_error")
-            self.waiting.append(job)
+                raise APIError(429, self.busy(), code="queue_full", kind="rate_limit_error")
+            self.waiting.extend(jobs)
             self.changed.notify_all()
+
+    def running_count(self) -> int:
+        # Called with `changed` held.
+        return int(self.running is not None)
+
+    def busy(self) -> str:
+        # Called with `changed` held.
+        return (f"perfx serve is busy: one request is running and {len(self.waiting)} wait (the queue holds "
+                f"{self.queue_limit}); retry later")
 
     def cancel(self, job: Job):
         """Withdraw a job: a waiting one leaves the queue now, a running one stops before its next token."""

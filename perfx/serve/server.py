@@ -9,6 +9,7 @@ before each write and while waiting (a closed socket reads as end-of-file), and 
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import itertools
 import json
@@ -19,7 +20,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
@@ -70,6 +71,28 @@ def combined_usage(jobs: list[Job]) -> dict:
     usage["completion_tokens"] = sum(job.result.stats.generated_tokens for job in jobs if job.result is not None)
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
     return usage
+
+
+class ChoiceEvents:
+    """A job's events into its request's one queue, tagged with its choice's index: the connection's thread
+    waits on one queue for every choice of its request (n > 1), in the order they come."""
+
+    def __init__(self, shared: queue.SimpleQueue, index: int):
+        self.shared, self.index = shared, index
+
+    def put(self, event: tuple) -> None:
+        self.shared.put((self.index, *event))
+
+
+@dataclass
+class Choice:
+    """One choice of a request as it is answered: its job, its answer's shapes, what came so far."""
+    answer: Answer
+    job: Job
+    parser: object = None                  # a streamed reply's tool-call parser (``Tooling.parser``)
+    pieces: list = field(default_factory=list)    # its text
+    entries: list = field(default_factory=list)   # log-probabilities not sent yet (streamed) or all (whole)
+    calls: int = 0                         # tool calls sent (streamed)
 
 
 class ClientGone(Exception):
@@ -165,6 +188,7 @@ class Handler(BaseHTTPRequestHandler):
     def reset_request_state(self):
         # One handler serves every request of a keep-alive connection: nothing may leak into the next one.
         self.status, self.note, self.job, self.headers_sent = 0, "", None, False
+        self.jobs: list[Job] = []     # every choice's job (n > 1); ``job`` is the first
         self.prompt_text = self.reply_text = ""
         self.tool_calls = 0
 
@@ -211,9 +235,6 @@ class Handler(BaseHTTPRequestHandler):
         options, engine = self.server.options, self.server.engine
         request = common_parameters(body, options.model_id)
         logprobs = requested_logprobs(body, chat)
-        if request.n > 1 and logprobs is not None:
-            raise APIError(400, "'logprobs' cannot be combined with 'n' > 1 in perfx serve: ask for one choice, or "
-                                "send one request per choice", param="logprobs", code="invalid_value")
         messages = variables = tooling = None
         if chat:
             ids, messages, variables, tooling = chat_prompt(body, engine.tokenizer, engine.architecture)
@@ -223,89 +244,85 @@ class Handler(BaseHTTPRequestHandler):
             self.prompt_text = json.dumps(body.get("prompt"), ensure_ascii=False)
         check_fits(ids, engine.model.max_positions, "messages" if chat else "prompt")
         answer = Answer(chat, options.model_id, created=int(time.time()))
-        jobs, documents = [], []
-        # n > 1: the choices one after another, each its own job (the prompt is in the cache after the first)
+        # n > 1: a job a choice, queued together, their events tagged with the choice's index into one queue;
+        # the engine runs the prompt once for all of them where it can (docs/serve.md)
+        events = queue.SimpleQueue()
+        choices = []
         for index in range(request.n):
-            answer.index = index
-            self.job = job = engine.job(ids, request.max_tokens or options.default_max_tokens,
-                                        request.choice_sampling(index, engine.default_sampling.seed), request.stop,
-                                        messages, variables, schema=response_schema(body),
-                                        grammar=tooling.grammar if tooling else None, logprobs=logprobs,
-                                        logit_bias=request.logit_bias)
-            try:
-                engine.submit(job)
-            except APIError as error:   # a later choice's 429 or 503: the stream has begun
-                if not self.headers_sent:
-                    raise
-                self.note = error.code or ""
-                self.send_event(error.body())
-                self.end_chunks()
+            job = engine.job(ids, request.max_tokens or options.default_max_tokens,
+                             request.choice_sampling(index, engine.default_sampling.seed), request.stop, messages,
+                             variables, schema=response_schema(body), grammar=tooling.grammar if tooling else None,
+                             logprobs=logprobs, logit_bias=request.logit_bias, choices=request.n)
+            job.events = ChoiceEvents(events, index)
+            choices.append(Choice(dataclasses.replace(answer, index=index), job,
+                                  tooling.parser() if tooling and request.stream else None))
+        jobs = [choice.job for choice in choices]
+        self.job, self.jobs = jobs[0], jobs
+        engine.submit(*jobs)
+        try:
+            if request.stream:
+                self.stream(choices, events, request.include_usage, tooling)
                 return
-            jobs.append(job)
-            try:
-                if request.stream:
-                    if not self.stream(job, answer, request.include_usage, tooling, last=index == request.n - 1,
-                                       usage=lambda: combined_usage(jobs)):
-                        return  # an error event ended the stream
-                    continue
-                pieces, entries = [], []
-                for kind, value in self.events(job):
-                    if kind == "text":
-                        pieces.append(value)
-                    elif kind == "logprobs":
-                        entries.append(value)
-                    elif kind == "error":
-                        raise value
-                self.reply_text = "".join(pieces)
-                content, calls, reasoning = tooling.read(self.reply_text) if tooling else (self.reply_text, [], None)
-                self.tool_calls = len(calls)
-                finish = "tool_calls" if calls else job.finish_reason
-                documents.append(answer.whole(content, finish, job.usage(), calls,
-                                              entries if job.logprobs is not None else None, reasoning))
-            finally:
-                if not job.finished.is_set():
-                    engine.cancel(job)
-                    # A running job stops at its next piece of text: wait for it (briefly), so the log line
-                    # has its counts and the next request starts on a settled cache.
-                    job.finished.wait(SHUTDOWN_GRACE_S)
-        if not request.stream:
+            for index, kind, value in self.events(events, len(choices)):
+                if kind == "text":
+                    choices[index].pieces.append(value)
+                elif kind == "logprobs":
+                    choices[index].entries.append(value)
+                elif kind == "error":
+                    raise value
+            documents = []
+            for choice in choices:
+                text = "".join(choice.pieces)
+                content, calls, reasoning = tooling.read(text) if tooling else (text, [], None)
+                self.tool_calls += len(calls)
+                finish = "tool_calls" if calls else choice.job.finish_reason
+                documents.append(choice.answer.whole(content, finish, choice.job.usage(), calls,
+                                                     choice.entries if logprobs is not None else None, reasoning))
+            self.reply_text = "".join(choices[0].pieces)
             whole = documents[0]
             whole["choices"] = [document["choices"][0] for document in documents]
             whole["usage"] = combined_usage(jobs)
             self.send_json(200, whole)
+        finally:
+            for job in jobs:
+                if not job.finished.is_set():
+                    engine.cancel(job)
+            # A running job stops at its next piece of text: wait for it (briefly), so the log line has its
+            # counts and the next request starts on a settled cache.
+            deadline = time.monotonic() + SHUTDOWN_GRACE_S
+            for job in jobs:
+                job.finished.wait(max(0.0, deadline - time.monotonic()))
 
-    def stream(self, job: Job, answer: Answer, include_usage: bool, tooling: Tooling | None = None,
-               last: bool = True, usage: Callable[[], dict] | None = None) -> bool:
-        """Stream one choice: headers first (unless an earlier choice sent them), its chunks, and after the
-        ``last`` choice the usage chunk (``usage()``, the whole request's) and [DONE]. False when an error event
-        ended the stream."""
-        pieces = []
-        parser = tooling.parser() if tooling else None
-        calls = 0
-        entries = []    # log-probabilities of tokens whose text has not gone out yet
+    def stream(self, choices: list[Choice], events: queue.SimpleQueue, include_usage: bool,
+               tooling: Tooling | None = None) -> None:
+        """Stream every choice as its events come (each chunk names its choice's ``index``): headers when the first
+        job leaves the queue, each choice's chunks, then the usage chunk (the whole request's) and [DONE]. An error
+        event ends the stream."""
 
-        def logprobs():
-            # the entries for the next chunk: every token since the last (a token's text may be held back)
-            if job.logprobs is None:
+        def logprobs(choice: Choice):
+            # the entries for the choice's next chunk: every token since its last (a token's text may be held back)
+            if choice.job.logprobs is None:
                 return None
-            taken = entries[:]
-            entries.clear()
+            taken = choice.entries[:]
+            choice.entries.clear()
             return taken
 
-        def send_parsed(events):
+        def send_parsed(choice: Choice, parsed):
             # content as it comes; each call whole, as one delta (OpenAI's clients join its pieces either way)
-            nonlocal calls
-            for kind, value in events:
+            for kind, value in parsed:
                 if kind in ("content", "reasoning"):
                     key = "content" if kind == "content" else "reasoning_content"
-                    self.send_event(answer.chunk({key: value}, include_usage, logprobs=logprobs()))
-                elif tooling.parallel or not calls:
-                    self.send_event(answer.chunk({"tool_calls": [{"index": calls, **value.as_openai()}]},
-                                                 include_usage, logprobs=logprobs()))
-                    calls += 1
-                    self.tool_calls = calls
+                    self.send_event(choice.answer.chunk({key: value}, include_usage, logprobs=logprobs(choice)))
+                elif tooling.parallel or not choice.calls:
+                    call = {"index": choice.calls, **value.as_openai()}
+                    self.send_event(choice.answer.chunk({"tool_calls": [call]}, include_usage,
+                                                        logprobs=logprobs(choice)))
+                    choice.calls += 1
+                    self.tool_calls += 1
 
-        for kind, value in self.events(job):
+        for index, kind, value in self.events(events, len(choices)):
+            choice = choices[index]
+            answer = choice.answer
             if kind == "started":
                 # Headers go out when the first job leaves the queue: until then an error (503 at shutdown)
                 # can still be an ordinary HTTP status.
@@ -319,46 +336,44 @@ class Handler(BaseHTTPRequestHandler):
                 if answer.chat:
                     self.send_event(answer.chunk({"role": "assistant", "content": ""}, include_usage))
             elif kind == "logprobs":
-                entries.append(value)
+                choice.entries.append(value)
             elif kind == "text":
-                pieces.append(value)
-                if parser is not None:
-                    send_parsed(parser.feed(value))
+                choice.pieces.append(value)
+                if choice.parser is not None:
+                    send_parsed(choice, choice.parser.feed(value))
                 else:
                     self.send_event(answer.chunk({"content": value} if answer.chat else value, include_usage,
-                                                 logprobs=logprobs()))
+                                                 logprobs=logprobs(choice)))
             elif kind == "error":
                 if not self.headers_sent:
                     raise value
                 self.note = value.code or ""
                 self.send_event(value.body())  # OpenAI's clients raise this as an APIError
                 self.end_chunks()
-                return False
+                return
             elif kind == "done":
-                self.reply_text = "".join(pieces)
-                if parser is not None:
-                    send_parsed(parser.finish())
-                finish = "tool_calls" if calls else job.finish_reason
+                if index == 0:
+                    self.reply_text = "".join(choice.pieces)
+                if choice.parser is not None:
+                    send_parsed(choice, choice.parser.finish())
+                finish = "tool_calls" if choice.calls else choice.job.finish_reason
                 self.send_event(answer.chunk({} if answer.chat else "", include_usage, finish,
-                                             logprobs=logprobs() or None))
-                if not last:
-                    return True
-                if include_usage:
-                    self.send_event(answer.usage_chunk(usage() if usage else job.usage()))
-                self.send_event("[DONE]")
-                self.end_chunks()
-        return True
+                                             logprobs=logprobs(choice) or None))
+        if include_usage:
+            self.send_event(choices[0].answer.usage_chunk(combined_usage([choice.job for choice in choices])))
+        self.send_event("[DONE]")
+        self.end_chunks()
 
     # -- the connection -----------------------------------------------------------------------------
 
-    def events(self, job: Job):
-        """The job's events as they come, until done or error; raises ClientGone once the client has gone
-        (checked every CLIENT_CHECK_S, whether events come or not: a non-streamed answer writes nothing
-        until the end)."""
+    def events(self, events: queue.SimpleQueue, count: int):
+        """(choice index, kind, value) of the request's ``count`` choices' events as they come, until each has
+        ended (done or error); raises ClientGone once the client has gone (checked every CLIENT_CHECK_S, whether
+        events come or not: a non-streamed answer writes nothing until the end)."""
         next_check = time.monotonic() + CLIENT_CHECK_S
-        while True:
+        while count:
             try:
-                kind, value = job.events.get(timeout=CLIENT_CHECK_S)
+                index, kind, value = events.get(timeout=CLIENT_CHECK_S)
             except queue.Empty:
                 kind = None
             if time.monotonic() >= next_check:
@@ -367,9 +382,9 @@ class Handler(BaseHTTPRequestHandler):
                 next_check = time.monotonic() + CLIENT_CHECK_S
             if kind is None:
                 continue
-            yield kind, value
+            yield index, kind, value
             if kind in ("done", "error"):
-                return
+                count -= 1
 
     def client_gone(self) -> bool:
         """True when the client has closed its end: the socket reads as end-of-file (peeked, nothing consumed).
@@ -485,7 +500,9 @@ class Handler(BaseHTTPRequestHandler):
             parts.append(f"prompt {len(job.prompt_ids)} ({job.cached_tokens} cached)")
             if job.result is not None:
                 reason = "cancelled" if job.cancelled_run else job.finish_reason
-                parts.append(f"completion {job.result.stats.generated_tokens} ({reason})")
+                made = sum(choice.result.stats.generated_tokens for choice in self.jobs if choice.result is not None)
+                choices = f", {len(self.jobs)} choices" if len(self.jobs) > 1 else ""
+                parts.append(f"completion {made} ({reason}{choices})")
                 if self.tool_calls:
                     parts.append(f"{self.tool_calls} tool call{'s' if self.tool_calls > 1 else ''}")
                 if job.result.stats.speculation:

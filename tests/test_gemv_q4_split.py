@@ -66,6 +66,21 @@ def test_detects_wrong_answers(device, rng):
     assert relative_error(wrong, case.expected["y"]) > SPEC.tolerance
 
 
+def test_sets_of_one_split_share_their_reduction(device):
+    """The reduction reads SPLIT and K (its slice count), the epilogue and the bias, not the product's tiles: the
+    sets of one SPLIT share its program (one build a SPLIT in a sweep, not one a set), and every other SPLIT, K or
+    bias has its own. test_every_candidate checks each set's output through the shared one."""
+    shape = SPEC.test_shapes[0]
+    sets = [p for p in SPEC.params.candidates(shape, device.caps) if p["SPLIT"] == 4]
+    first, other = sets[0], next(p for p in sets if p["LANES"] != sets[0]["LANES"] or p["ROWS"] != sets[0]["ROWS"])
+    args = (shape["group"], "none", shape["k"])
+    reduction = GemvQ4Split(device, first, shape).kernels(*args)[1]
+    assert GemvQ4Split(device, other, shape).kernels(*args)[1] is reduction
+    split_8 = next(p for p in SPEC.params.candidates(shape, device.caps) if p["SPLIT"] == 8)
+    assert GemvQ4Split(device, split_8, shape).kernels(*args)[1] is not reduction
+    assert GemvQ4Split(device, first, shape).kernels(*args, bias=True)[1] is not reduction
+
+
 def test_runs_are_deterministic_and_the_scratch_serves_several_matrices(device, rng):
     """The slices' partial sums meet in a fixed order: two runs give the same bits. One wrapper serves matrices
     of different N and K one after the other (its scratch per N, its builds per K)."""

@@ -89,10 +89,14 @@ class GemvQ4Split:
         kernels = self._kernels.get(key)
         if kernels is None:
             PARAMS.check(self.params, {"k": k, "epilogue": epilogue}, self.device.caps, f"at K = {k}")
-            defines = {**self.params, "KTEXELS": k // 32, "GROUP": group,
-                       "EPILOGUE": code("gemv_q4_split", epilogue, GEMV_EPILOGUES), **q4_form_defines(form)}
+            epilogue_code = code("gemv_q4_split", epilogue, GEMV_EPILOGUES)
+            defines = {**self.params, "KTEXELS": k // 32, "GROUP": group, "EPILOGUE": epilogue_code,
+                       **q4_form_defines(form)}
+            # The reduction reads only the slice count (SPLIT and K), the epilogue and the bias: its program is
+            # built with those alone, so every set of one SPLIT shares it instead of building the file again.
+            reduce_defines = {"SPLIT": self.split, "KTEXELS": k // 32, "EPILOGUE": epilogue_code, "BIAS": int(bias)}
             kernels = (self.device.kernel(PARAMS.source, "gemv_q4_split", defines),
-                       self.device.kernel(PARAMS.source, "gemv_q4_split_reduce", {**defines, "BIAS": int(bias)}))
+                       self.device.kernel(PARAMS.source, "gemv_q4_split_reduce", reduce_defines))
             self._kernels[key] = kernels
         return kernels
 

@@ -51,7 +51,9 @@ SAVE_EVERY_S = 10.0       # progress is written after each case, and at least th
 # shapes often share builds (the same defines), rebuilt from pyopencl's binary cache if forgotten, but the
 # largest family (gemv_q4) builds hundreds of programs a shape, and each holds its machine code, more just after
 # it is compiled than loaded from the cache (what they cost: benchmarks/NOTES.md, selftest with bounded memory).
-PROGRAMS_KEPT = 128
+# Since a case checks only the sets planned at its shape, few programs are reused within a family: keeping 64
+# instead of 128 rebuilt nothing more and lowered the peak (NOTES, the covering selftest).
+PROGRAMS_KEPT = 64
 # The checks whose programs are built together, ahead of them: enough for every core, few enough that what they
 # hold stays well under PROGRAMS_KEPT.
 BUILD_AHEAD = 32

@@ -314,19 +314,22 @@ def test_a_process_started_from_a_large_one_reports_its_own_peak_memory():
 @pytest.mark.slow
 @pytest.mark.one_implementation
 def test_peak_memory_is_reported_and_stays_under_the_budget_whatever_the_number_of_families(device, cache):
-    peaks = {}
+    peaks, own = {}, {}
     for kernels in ("geglu", None):
         run = selftest_process(cache, "--quick", "--json", *(["--kernels", kernels] if kernels else []))
         out, err = run.communicate(timeout=1200)
         assert run.returncode == 0, err[-2000:]
         data = json.loads(out)
         assert data["complete"] and data["failed"] == 0
+        own[kernels or "all"] = data["peak_rss_bytes"]
         peaks[kernels or "all"] = data["peak_rss_bytes"] + data["build_workers"] * data["build_workers_peak_rss_bytes"]
         assert 2**20 < data["peak_rss_bytes"] and data["build_workers_peak_rss_bytes"] >= 0
     families = len(SPECS)
     assert peaks["all"] <= MEMORY_BUDGET, f"{peaks['all'] / 2**20:.0f} MiB over {families} families"
-    assert peaks["all"] <= peaks["geglu"] + FAMILY_GROWTH, (
-        f"{families} families took {peaks['all'] / 2**20:.0f} MiB, one {peaks['geglu'] / 2**20:.0f} MiB")
+    # the selftest's own memory, not its build workers': whether workers start (each holding one program at a time)
+    # depends on what the kernel cache lacks, not on the number of families
+    assert own["all"] <= own["geglu"] + FAMILY_GROWTH, (
+        f"{families} families took {own['all'] / 2**20:.0f} MiB, one {own['geglu'] / 2**20:.0f} MiB")
 
 
 @pytest.mark.one_implementation

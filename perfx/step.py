@@ -212,9 +212,9 @@ def mixer_outputs(config, options: StepOptions) -> tuple[str, ...] | None:
 def fuse_asked() -> bool:
     """Whether the decode step runs its norms as GEMV tails by default: only where asked for, with
     ``PERFX_FUSE=tails`` (``off``, or unset: each norm its own launch). The tails cut a dense layer's launches from
-    8 to 5, but each tail's hand-off (every output stored and read back through atomics, the norm by one
-    work-item) made decode slower on both CPU runtimes (benchmarks/NOTES.md, "a dense layer's decode step in 5
-    launches"); a GPU, where a launch costs more, is to be measured (benchmarks/gpu-check.sh)."""
+    8 to 5, and cost the device what the launches they replace do, but decode end to end has not been measured
+    faster on both CPU runtimes (benchmarks/NOTES.md, "the GEMV tails' hand-off without locked loads"); a GPU, where
+    a launch costs more, is to be measured (benchmarks/gpu-check.sh)."""
     value = os.environ.get("PERFX_FUSE", "").strip().lower()
     if value not in ("", "off", "tails"):
         raise PerfxError(f"PERFX_FUSE={value!r}: it takes tails (the norms as GEMV tails) or off")

@@ -17,8 +17,8 @@
 // shared over the work-group costs its reductions' barriers, more than the 2N plain loads it would spread, on
 // both CPU runtimes: benchmarks/NOTES.md).
 // HANDOFF says how the outputs cross work-groups: 0, OpenCL C 1.2's way (kernels/attention_decode.cl's), each
-// output an atomic store and an atomic load (1.2 orders nothing but the atomics); 1, plain stores and loads
-// ordered by the counter's acquire-release increment at device scope (OpenCL C 2.0, or 3.0 with the features
+// output an atomic store and an atomic load (1.2 orders nothing but the atomics, all locked); 1, relaxed atomic
+// stores and loads (no lock) ordered by the counter's acquire-release increment at device scope (OpenCL C 2.0, or 3.0 with the features
 // __opencl_c_atomic_order_acq_rel and __opencl_c_atomic_scope_device). The caller asks for 1 where the device's
 // compiler takes OpenCL C 2.0 or later (and builds with that -cl-std); a compiler that lacks the features builds 0.
 // ARRIVAL (tuned) says who counts: 0, every row set (LANES > 1: the lane that stores; LANES 1: every work-item,
@@ -113,11 +113,16 @@
 #endif
 
 #if HANDOFF == 1
-// plain stores and loads, each through a volatile pointer: Intel's CPU compiler has computed a wrong y with
-// ordinary stores (LANES 16, 4-bit zeros, K = 192), and crashed vectorizing the one work-item's loop over
-// ordinary loads (LANES 16, ROWS 1)
-#define SHARED_STORE(p, i, v) (((volatile __global float*)(p))[i] = (v))
-#define SHARED_LOAD(p, i) (((volatile __global float*)(p))[i])
+// Each output a relaxed atomic store and load (plain moves on a CPU), ordered by the counter's increment: C11's
+// message passing. Not plain or volatile accesses: Intel's CPU compiler miscompiles the one work-item's loop over
+// those loads inside its 16-wide kernel with 4-bit zeros (a wrong y with plain ones; with volatile ones a store
+// through a corrupted address, a segmentation fault, at Gemma 3's tiny o projection: N = 64, K = 128, G = 32, the
+// defaults), where Oclgrind finds every access in bounds; with relaxed atomics each set whose plain product it
+// computes right runs right (benchmarks/NOTES.md).
+#define SHARED_STORE(p, i, v) atomic_store_explicit((volatile __global atomic_float*)(p) + (i), (v),             \
+                                                    memory_order_relaxed, memory_scope_device)
+#define SHARED_LOAD(p, i) atomic_load_explicit((volatile __global atomic_float*)(p) + (i), memory_order_relaxed, \
+                                               memory_scope_device)
 // The arrival: a release of this work-item's stores (and, after a device-scope barrier, its group's) that the
 // last arrival's increment acquires, the counter's increments forming one release sequence.
 #define ARRIVE(counter) atomic_fetch_add_explicit((volatile __global atomic_int*)(counter), 1,              \

@@ -5,7 +5,8 @@ of its row sets to finish, the work that would otherwise be a launch of its own 
   post-norms) and the next RMSNorm, with its Q8_1 blocks where the next GEMV reads int8 activations;
 - ``q8`` (gate-up): its output as Q8_1 blocks, the down projection's input, so down quantizes nothing itself.
 
-How the outputs cross work-groups (HANDOFF) follows the device: plain stores and loads ordered by the counter's
+How the outputs cross work-groups (HANDOFF) follows the device: relaxed atomic stores and loads (plain moves on a
+CPU) ordered by the counter's
 acquire-release increment where its compiler takes OpenCL C 2.0 or later (built with that ``-cl-std``), OpenCL 1.2's
 atomic store and load of every output elsewhere (``handoff_for``).
 
@@ -52,7 +53,7 @@ ORDERED_FEATURES = {"__opencl_c_atomic_order_acq_rel", "__opencl_c_atomic_scope_
 
 
 def handoff_for(caps) -> int:
-    """The hand-off a device's compiler allows: ordered plain loads in OpenCL C 2.x, or 3.0 with the acquire-release
+    """The hand-off a device's compiler allows: ordered relaxed loads in OpenCL C 2.x, or 3.0 with the acquire-release
     order and the device scope among its features (Oclgrind lists 3.0 with none), else atomics."""
     if caps.opencl_c >= (3, 0):
         ordered = ORDERED_FEATURES <= set(caps.c_features)

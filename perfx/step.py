@@ -215,7 +215,7 @@ def fuse_asked(caps=None) -> bool:
     device's compiler orders the tails' hand-off (``perfx.ops.gemv_q4_tail.handoff_for``: OpenCL C 2.0+, relaxed
     atomics ordered by the counter), which both CPU runtimes' do. There the tails cut a dense layer's launches from
     8 to 5 for the device time of the launches they replace and less host time (benchmarks/NOTES.md, "the GEMV
-    tails' ordered hand-off back"); an OpenCL 1.2 compiler's hand-off locks every output (25% more device time),
+    tails' ordered hand-off back"); an OpenCL 1.2 compiler's hand-off locks every output (14–25% more device time),
     so its devices keep each norm its own launch. ``caps`` None (no device): as ``PERFX_FUSE`` alone says."""
     value = os.environ.get("PERFX_FUSE", "").strip().lower()
     if value not in ("", "off", "tails"):

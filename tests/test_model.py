@@ -631,13 +631,16 @@ def test_the_decode_step_fuses_its_norms_where_the_device_orders_the_hand_off(ti
     """Unset, PERFX_FUSE leaves it to the device (perfx.step.fuse_asked): the norms run as GEMV tails where the
     compiler orders the tails' hand-off (both CPU runtimes' OpenCL C 3.0), each its own launch where it would lock
     every output (an OpenCL 1.2 compiler); tails or off say so on any device; any other value is refused, saying
-    what it takes."""
+    what it takes. `perfx tune` and `perfx bench` list the tails' shapes where the device they run on fuses."""
     source = open_model(tiny_paths["awq-gemm-gqa3"])
     database = default_database(False)
     monkeypatch.delenv("PERFX_FUSE", raising=False)
     assert handoff_for(device.caps) == HANDOFFS["ordered"]
     assert fuse_asked(device.caps) and not fuse_asked(replace(device.caps, opencl_c=(1, 2))) and not fuse_asked()
     assert Model.load(source, device, ctx=32, progress=False, database=database).fused
+    for caps, fused in ((device.caps, True), (replace(device.caps, opencl_c=(1, 2)), False)):
+        problems, _ = model_problems(source.config, SPECS, source.int4_group, source.weight_forms(), caps=caps)
+        assert any(p.family == "gemv_q4_tail" for p in problems) == fused
     for value, fused in (("off", False), ("tails", True)):
         monkeypatch.setenv("PERFX_FUSE", value)
         assert fuse_asked(replace(device.caps, opencl_c=(1, 2))) == fuse_asked() == fused

@@ -35,9 +35,9 @@ def tuned_steps(config, group: int | None = None, forms: dict | None = None, kv:
                 caps=None) -> list[list[Op]]:
     """The steps `perfx tune` measures: the decode step at each of ``DECODE_POSITIONS`` (capped by the
     model's), then the prefill step of each M bucket (``perfx.tuning.database.M_BUCKETS``). Where a load on the
-    device of ``caps`` fuses (``perfx.step.fuse_asked``: ``PERFX_FUSE``, else the device's compiler), the fused decode step (``perfx.step.fused_step``) brings the
-    unfused step's ops too: the plain GEMVs its tails take their parameters
-    from where the tails have no entry of their own, and the norms a step of one row runs unfused (``fuse``
+    device of ``caps`` fuses (``perfx.step.fuse_asked``: ``PERFX_FUSE``, else the device's compiler), the fused
+    decode step (``perfx.step.fused_step``) brings the unfused step's ops too: the plain GEMVs its tails take their
+    parameters from where the tails have no entry of their own, and the norms a step of one row runs unfused (``fuse``
     False, a batched step of one sequence)."""
     fuse = fuse_asked(caps)
     steps = [_decode_ops(config, StepOptions(group, forms, kv, positions, fuse)) for positions in DECODE_POSITIONS]

@@ -11,6 +11,11 @@ and ``perfx.tuning`` from the working tree it was made from, so A would run B's 
 
     git worktree add /tmp/before <commit>
     python benchmarks/ab_trees.py /tmp/before . --model default --rounds 5
+
+One checkout under two settings (``--env-a`` / ``--env-b NAME=VALUE``, each repeatable, set in that side's
+processes only), e.g. the decode step with its norms as GEMV tails against each norm its own launch:
+
+    python benchmarks/ab_trees.py . . --env-a PERFX_FUSE=off --env-b PERFX_FUSE=tails --rounds 5
 """
 
 from __future__ import annotations
@@ -47,8 +52,9 @@ def install_apart(tree: Path, into: Path) -> Path:
     return into
 
 
-def run_once(site: Path, model: str, prompt: int, steps: int, cache: str | None) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(site))
+def run_once(site: Path, model: str, prompt: int, steps: int, cache: str | None, settings: dict | None = None
+             ) -> dict:
+    env = dict(os.environ, **(settings or {}), PYTHONPATH=str(site))
     if cache is not None:
         env["PERFX_CACHE"] = cache
     out = subprocess.run([sys.executable, "-c", PROBE, model, str(prompt), str(steps)], env=env,
@@ -69,8 +75,13 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-tokens", type=int, default=48)
     parser.add_argument("--user-db", action="store_true",
                         help="let both checkouts read the user's tuning database too (default: shipped only)")
+    parser.add_argument("--env-a", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment variable set for A's processes only (repeatable)")
+    parser.add_argument("--env-b", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment variable set for B's processes only (repeatable)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    settings = {label: _settings(parser, given) for label, given in (("A", args.env_a), ("B", args.env_b))}
 
     cache = None
     if not args.user_db:  # an empty cache that still holds the default model: shipped tuning entries only
@@ -83,7 +94,8 @@ def main(argv=None) -> int:
     runs = {"A": [], "B": []}
     for i in range(args.rounds):
         for label in ("AB" if i % 2 == 0 else "BA"):
-            runs[label].append(run_once(sites[label], args.model, args.prompt_tokens, args.decode_tokens, cache))
+            runs[label].append(run_once(sites[label], args.model, args.prompt_tokens, args.decode_tokens, cache,
+                                        settings[label]))
             print(f"round {i + 1} {label}: decode {runs[label][-1]['decode_tok_s']:.1f} tok/s, prefill "
                   f"{runs[label][-1]['prefill_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
     summary = {}
@@ -95,11 +107,21 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps({"model": args.model, "rounds": args.rounds, "figures": summary, "runs": runs}, indent=1))
         return 0
-    print(f"{args.model}, {args.rounds} rounds interleaved; A = {args.a}, B = {args.b}")
+    sides = {label: f"{tree}" + "".join(f" {name}={value}" for name, value in settings[label].items())
+             for label, tree in (("A", args.a), ("B", args.b))}
+    print(f"{args.model}, {args.rounds} rounds interleaved; A = {sides['A']}, B = {sides['B']}")
     for name, s in summary.items():
         print(f"  {name:18} A {s['A']:8.2f} ({s['A_range'][0]:.2f}–{s['A_range'][1]:.2f})   "
               f"B {s['B']:8.2f} ({s['B_range'][0]:.2f}–{s['B_range'][1]:.2f})   B/A {s['B_over_A']:.3f}")
     return 0
+
+
+def _settings(parser, given: list[str]) -> dict:
+    """NAME=VALUE strings as a dict; a string without "=" is an error naming it."""
+    bad = [item for item in given if "=" not in item or not item.split("=", 1)[0]]
+    if bad:
+        parser.error(f"--env-a/--env-b take NAME=VALUE, got {bad}")
+    return dict(item.split("=", 1) for item in given)
 
 
 if __name__ == "__main__":

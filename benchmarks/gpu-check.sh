@@ -23,8 +23,9 @@ SECONDS=0
   # the decode GEMVs at 7B shapes, each against copy (and a read-only stream where bench has one)
   timeout 100 python3 -m perfx bench --model $M7 --kernels gemv_q4,gemv_q8,rmsnorm,attention_decode --max-m 1 --json > "$OUT/bench-7b-decode.json"; echo "bench decode exit $?"
   # end to end: decode tok/s, host ms a token, launches a token; a 64-token prompt
-  timeout 100 python3 -m perfx bench --model $M7 --e2e --max-m 64 --json > "$OUT/bench-7b-e2e.json"; echo "bench e2e 7B exit $?"
-  # the same with the norms as GEMV tails (5 launches a dense layer, PERFX_FUSE=tails): opt-in until a GPU shows them faster
+  timeout 100 python3 -m perfx bench --model $M7 --e2e --no-fuse --max-m 64 --json > "$OUT/bench-7b-e2e.json"; echo "bench e2e 7B exit $?"
+  # the same with the norms as GEMV tails (5 launches a dense layer against 8); the default follows the compiler
+  # (tails where it orders their hand-off: perfx.step.fuse_asked), so both runs name theirs
   timeout 100 python3 -m perfx bench --model $M7 --e2e --fuse --max-m 64 --json > "$OUT/bench-7b-e2e-fused.json"; echo "bench e2e 7B fused exit $?"
   timeout 50 python3 -m perfx bench --model synthetic:gemma-3-270m --e2e --json > "$OUT/bench-gemma-e2e.json"; echo "bench e2e gemma exit $?"
   # the step launch by launch: device time per kernel and the gaps the host leaves

@@ -11,14 +11,22 @@
 //   TAIL 2 (the quantizing of the down projection's input, for gate-up): y itself as Q8_1 blocks in the order
 //       Q8X (1: the rows GEMV's texel order), so down launches no quantizing of its own.
 //
-// The hand-off is kernels/attention_decode.cl's: every row set stores its outputs with atomic stores, fences, and
-// counts itself on a counter in global memory (atomic_inc); the row set that takes it to the launch's last reads
-// y back with atomic loads, resets the counter for the next launch, and runs the tail. rows.cl lets only the
-// first lane of each row set reach its store where LANES > 1 (the others return after the lanes' reduction), so
-// there the tail runs on one work-item: O(N) loads and stores, against a launch's fixed cost it saves. With one
-// lane a row set every work-item stores, the work-group counts itself once, and the last group's work-items share
-// the quantizing tail (the norm's stays on one). A tail spread over a work-group at every LANES needs the
-// product's early returns gone from gemv_q4_rows.cl (whose code the tuned records are pinned to).
+// The hand-off: every row set stores its outputs and counts itself on a counter in global memory; the row set that
+// takes it to the launch's last resets the counter for the next launch, reads y back and runs the tail on one
+// work-item (rows.cl lets only the first lane of a row set reach its store where LANES > 1; with one lane, a norm
+// shared over the work-group costs its reductions' barriers, more than the 2N plain loads it would spread, on
+// both CPU runtimes: benchmarks/NOTES.md).
+// HANDOFF says how the outputs cross work-groups: 0, OpenCL C 1.2's way (kernels/attention_decode.cl's), each
+// output an atomic store and an atomic load (1.2 orders nothing but the atomics, all locked); 1, relaxed atomic
+// stores and loads (no lock) ordered by the counter's acquire-release increment at device scope (OpenCL C 2.0, or 3.0 with the features
+// __opencl_c_atomic_order_acq_rel and __opencl_c_atomic_scope_device). The caller asks for 1 where the device's
+// compiler takes OpenCL C 2.0 or later (and builds with that -cl-std); a compiler that lacks the features builds 0.
+// ARRIVAL (tuned) says who counts: 0, every row set (LANES > 1: the lane that stores; LANES 1: every work-item,
+// no barrier); 1, with one lane a row set, each work-group once, after a barrier (one atomic a group, for a runtime
+// whose barrier is cheap, such as Intel's CPU runtime running a work-group as one SIMD thread; where barriers cost
+// more than atomics, 0). With ARRIVAL 1 the last group's work-items share TAIL 2's quantizing.
+// TAIL 2 needs no hand-off where a work-group's outputs are whole blocks (LANES 1, ROWS·WGR a multiple of 32):
+// each group quantizes its own after a barrier, and the counter is left alone.
 //
 // Shape contract: rows.cl's, one launch per product (not READ 1's image2d row blocks, which the wrapper splits
 // into several launches); TAIL 1: N = the hidden size, no gate-up epilogue; Q8X: the output's length a multiple
@@ -37,6 +45,12 @@
 #endif
 #ifndef Q8X
 #define Q8X 0         // the Q8_1 blocks' order (kernels/q8_1.h), 0 for none (the caller's, not tuned)
+#endif
+#ifndef HANDOFF
+#define HANDOFF 0     // outputs across work-groups: 0 atomics, 1 ordered by the counter (the caller's, not tuned)
+#endif
+#ifndef ARRIVAL
+#define ARRIVAL 0     // who counts on the counter: 0 every row set, 1 (LANES 1) every work-group once
 #endif
 
 // The product's parameters (kernels/gemv_q4_rows.cl's, with its defaults)
@@ -84,9 +98,45 @@
 #if READ == 1
 #error "the tail counts the row sets of one launch: not READ 1 (image2d row blocks, split into launches)"
 #endif
+#if ARRIVAL == 1 && LANES > 1
+#error "a work-group's one arrival (ARRIVAL 1) needs all its work-items alive: one lane a row set (LANES 1)"
+#endif
+// Where each work-group's outputs are whole Q8_1 blocks, TAIL 2 quantizes them in the group: no hand-off.
+#define OWN_BLOCKS (TAIL == 2 && LANES == 1 && (ROWS * WGR) % 32 == 0)
 
+// HANDOFF 1 where this compiler has the acquire-release order and the device scope, else 0.
+#if HANDOFF == 1 && !(defined(__OPENCL_C_VERSION__) && __OPENCL_C_VERSION__ >= 200 &&                        \
+                      (__OPENCL_C_VERSION__ < 300 || (defined(__opencl_c_atomic_order_acq_rel) &&            \
+                                                      defined(__opencl_c_atomic_scope_device))))
+#undef HANDOFF
+#define HANDOFF 0
+#endif
+
+#if HANDOFF == 1
+// Each output a relaxed atomic store and load (plain moves on a CPU), ordered by the counter's increment: C11's
+// message passing. Not plain or volatile accesses: Intel's CPU compiler miscompiles the one work-item's loop over
+// those loads inside its 16-wide kernel with 4-bit zeros (a wrong y with plain ones; with volatile ones a store
+// through a corrupted address, a segmentation fault, at Gemma 3's tiny o projection: N = 64, K = 128, G = 32, the
+// defaults), where Oclgrind finds every access in bounds; with relaxed atomics each set whose plain product it
+// computes right runs right (benchmarks/NOTES.md).
+#define SHARED_STORE(p, i, v) atomic_store_explicit((volatile __global atomic_float*)(p) + (i), (v),             \
+                                                    memory_order_relaxed, memory_scope_device)
+#define SHARED_LOAD(p, i) atomic_load_explicit((volatile __global atomic_float*)(p) + (i), memory_order_relaxed, \
+                                               memory_scope_device)
+// The arrival: a release of this work-item's stores (and, after a device-scope barrier, its group's) that the
+// last arrival's increment acquires, the counter's increments forming one release sequence.
+#define ARRIVE(counter) atomic_fetch_add_explicit((volatile __global atomic_int*)(counter), 1,              \
+                                                  memory_order_acq_rel, memory_scope_device)
+#define RESET(counter) atomic_store_explicit((volatile __global atomic_int*)(counter), 0, memory_order_relaxed, \
+                                             memory_scope_device)
+#define GROUP_SYNC() work_group_barrier(CLK_GLOBAL_MEM_FENCE | CLK_LOCAL_MEM_FENCE, memory_scope_device)
+#else
 #define SHARED_STORE(p, i, v) atomic_xchg((volatile __global float*)(p) + (i), (v))
 #define SHARED_LOAD(p, i) as_float(atomic_or((volatile __global int*)(p) + (i), 0))
+#define ARRIVE(counter) atomic_inc(counter)
+#define RESET(counter) atomic_xchg(counter, 0)
+#define GROUP_SYNC() barrier(CLK_GLOBAL_MEM_FENCE | CLK_LOCAL_MEM_FENCE)
+#endif
 
 // Block `at` of the floats at src (a private copy of block b) into codes and step_sum, in the order
 // Q8X.
@@ -148,8 +198,8 @@ inline void tail_norm(const int n, __global float* restrict y, __global float* r
 #endif
 
 #if TAIL == 2
-// y's n outputs as Q8_1 blocks, block `first` and every `step`-th after it: each block read back through atomics
-// into private memory.
+// y's n outputs as Q8_1 blocks, block `first` and every `step`-th after it: each block read back into private
+// memory (Intel's CPU compiler has crashed building the quantizing from y's global copy on one work-item).
 inline void tail_quantize(const int n, __global float* restrict y, __global char* restrict xq,
                           __global float2* restrict x_step_sum, const int first, const int step)
 {
@@ -170,8 +220,8 @@ inline void tail_quantize(const int n, __global float* restrict y, __global char
     __global char* restrict tail_xq, __global float2* restrict tail_steps, __local int* restrict tail_last
 #define TAIL_NAMES counter, residual, gamma, post_gamma, eps, xn, tail_xq, tail_steps, tail_last
 
-// rows.cl's store (bias, then the epilogue), each output an atomic store; then the arrival counted, and the last
-// arrival's tail.
+// rows.cl's store (bias, then the epilogue), each output a store the tail can read; then the arrival counted, and
+// the last arrival's tail (or, OWN_BLOCKS, each work-group's own blocks).
 inline void tail_store(const float* acc, const int* grow, const int first, const int n_out, const int out_base,
                        __global const float* restrict bias, const int has_bias, __global float* restrict y
                        TAIL_ARGS)
@@ -185,33 +235,46 @@ inline void tail_store(const float* acc, const int* grow, const int first, const
         const float up = acc[ROWS + r_] + (has_bias ? bias[grow[ROWS + r_]] : 0.0f);
         v = GATE_ACT(v) * up;
 #endif
+#if OWN_BLOCKS
+        y[out_base + o] = v;   // read back by this work-group alone
+#else
         SHARED_STORE(y, out_base + o, v);
+#endif
     }
+#if OWN_BLOCKS
+    // The group's ROWS·WGR outputs (whole blocks; the last group's may stop at n_out, a multiple of 32), each block
+    // by one of its work-items after Q8_1_QUANTIZE's barrier.
+    const int start = get_group_id(0) * (ROWS * WGR);
+    Q8_1_QUANTIZE(y, (out_base + start) / 32, min(ROWS * WGR, n_out - start) / 32, get_local_id(0), WGR, tail_xq,
+                  tail_steps, Q8X)
+#else
+#if HANDOFF == 0
     mem_fence(CLK_GLOBAL_MEM_FENCE);   // the stores before the arrival is counted
-#if LANES == 1
-    // One lane a row set: no work-item has returned, so the work-group counts its arrival once and the last
-    // group's work-items share the quantizing (a block each in turn). ``last`` is the same for the whole group, so
-    // each barrier is met by every work-item of the group or by none.
-    barrier(CLK_GLOBAL_MEM_FENCE);
-    if (get_local_id(0) == 0) tail_last[0] = atomic_inc(counter) == (int)get_num_groups(0) - 1;
-    barrier(CLK_LOCAL_MEM_FENCE);
+#endif
+#if ARRIVAL == 1
+    // The work-group counts its arrival once, after a barrier that orders its work-items' stores before the count.
+    // ``last`` is the same for the whole group, so each barrier is met by every work-item of the group or by none.
+    GROUP_SYNC();
+    if (get_local_id(0) == 0) tail_last[0] = ARRIVE(counter) == (int)get_num_groups(0) - 1;
+    GROUP_SYNC();   // HANDOFF 1: the last increment's acquire, passed on to the group
     if (!tail_last[0]) return;
 #if TAIL == 1
     if (get_local_id(0) != 0) return;
-    atomic_xchg(counter, 0);   // the last arrival: no other group touches it again in this launch
+    RESET(counter);   // no other group touches it again in this launch
     tail_norm(n_out, y, residual, gamma, post_gamma, eps, xn, tail_xq, tail_steps);
 #else
-    if (get_local_id(0) == 0) atomic_xchg(counter, 0);
+    if (get_local_id(0) == 0) RESET(counter);
     tail_quantize(n_out, y, tail_xq, tail_steps, get_local_id(0), get_local_size(0));
 #endif
 #else
     const int row_sets = get_global_size(0) / LANES;
-    if (atomic_inc(counter) != row_sets - 1) return;
-    atomic_xchg(counter, 0);   // the last arrival: no other row set touches it again in this launch
+    if (ARRIVE(counter) != row_sets - 1) return;
+    RESET(counter);   // the last arrival: no other row set touches it again in this launch
 #if TAIL == 1
     tail_norm(n_out, y, residual, gamma, post_gamma, eps, xn, tail_xq, tail_steps);
 #else
     tail_quantize(n_out, y, tail_xq, tail_steps, 0, 1);
+#endif
 #endif
 #endif
 }

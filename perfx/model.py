@@ -258,9 +258,9 @@ class Model:
         ``database`` (default: the user's and shipped tuning results; ``default_database(False)``: none);
         ``log`` receives one line for each tuned choice this driver refuses (the next one runs instead); ``fuse``
         True runs the decode step's norms as tails of the GEMVs beside them (``perfx.step.fused_step``), False each
-        its own launch, None as ``PERFX_FUSE`` asks (``perfx.step.fuse_asked``: off unless set)."""
+        its own launch, None as ``PERFX_FUSE`` asks, else as the device's compiler allows (``perfx.step.fuse_asked``)."""
         c = source.config
-        fuse = fuse_asked() if fuse is None else fuse
+        fuse = fuse_asked(device.caps) if fuse is None else fuse
         limit = c.max_positions or default_ctx
         ctx = min(limit, default_ctx) if ctx is None else int(ctx)
         if ctx < 2:
@@ -1090,7 +1090,7 @@ def kernel_requests(source, device: Device, ctx: int | None = None, database: Da
     ctx = min(limit, default_ctx) if ctx is None else int(ctx)
     group, form = _int4_plan(source, source.layer(0))
     return build_requests(c, device, ctx, database if database is not None else default_database(), group,
-                          source.weight_forms(), kv, form, load_buckets(min(ctx, max_m)), fuse_asked(),
+                          source.weight_forms(), kv, form, load_buckets(min(ctx, max_m)), fuse_asked(device.caps),
                           source.int4_scales())
 
 
@@ -1115,8 +1115,8 @@ def load_model(name: str | None = None, device: Device | str | None = None, ctx:
     ("q8", the default, or "fp16") is the form of the output projection and a tied embedding
     (``perfx.sources.open_model``). ``kv`` ("f16", the default, or "q8") is the KV cache's form (``Model.load``).
     ``embedding`` ("head", the default, or "q4") is the untied token embedding's form (``open_model``).
-    ``fuse``: the decode step's norms as GEMV tails (True), each its own launch (False), or as ``PERFX_FUSE`` asks
-    (None; ``Model.load``).
+    ``fuse``: the decode step's norms as GEMV tails (True), each its own launch (False), or as ``PERFX_FUSE`` asks,
+    else as the device allows (None; ``Model.load``).
     """
     log = log or (lambda text: None)
     device = device if isinstance(device, Device) else Device(device)

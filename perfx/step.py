@@ -25,6 +25,7 @@ from perfx.errors import PerfxError
 from perfx.mixers import mixer_class
 from perfx.op import Op, StepOptions, embedding_shape, matrix_ops, norm_ops, role_forms, shared, softcap_shape
 from perfx.ops.epilogue import gate_up_epilogue
+from perfx.ops.gemv_q4_tail import HANDOFFS, handoff_for
 from perfx.ops.sample import HISTORY_MAX
 from perfx.tuning.database import M_BUCKETS, bucket_representative
 
@@ -209,16 +210,19 @@ def mixer_outputs(config, options: StepOptions) -> tuple[str, ...] | None:
     return tuple(roles)
 
 
-def fuse_asked() -> bool:
-    """Whether the decode step runs its norms as GEMV tails by default: only where asked for, with
-    ``PERFX_FUSE=tails`` (``off``, or unset: each norm its own launch). The tails cut a dense layer's launches from
-    8 to 5, but each tail's hand-off (every output stored and read back through atomics, the norm by one
-    work-item) made decode slower on both CPU runtimes (benchmarks/NOTES.md, "a dense layer's decode step in 5
-    launches"); a GPU, where a launch costs more, is to be measured (benchmarks/gpu-check.sh)."""
+def fuse_asked(caps=None) -> bool:
+    """Whether the decode step runs its norms as GEMV tails: ``PERFX_FUSE=tails`` or ``off`` says; unset, where the
+    device's compiler orders the tails' hand-off (``perfx.ops.gemv_q4_tail.handoff_for``: OpenCL C 2.0+, relaxed
+    atomics ordered by the counter), which both CPU runtimes' do. There the tails cut a dense layer's launches from
+    8 to 5 for the device time of the launches they replace and less host time (benchmarks/NOTES.md, "the GEMV
+    tails' ordered hand-off back"); an OpenCL 1.2 compiler's hand-off locks every output (14–25% more device time),
+    so its devices keep each norm its own launch. ``caps`` None (no device): as ``PERFX_FUSE`` alone says."""
     value = os.environ.get("PERFX_FUSE", "").strip().lower()
     if value not in ("", "off", "tails"):
         raise PerfxError(f"PERFX_FUSE={value!r}: it takes tails (the norms as GEMV tails) or off")
-    return value == "tails"
+    if value:
+        return value == "tails"
+    return caps is not None and handoff_for(caps) == HANDOFFS["ordered"]
 
 
 def fuses(config, options: StepOptions) -> bool:

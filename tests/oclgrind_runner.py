@@ -174,8 +174,8 @@ def _open_device():
 
 
 def run_family(family: str, which: str = "default") -> dict:
-    """One family at one parameter set ("default", a sample number or a JSON object), on its spec's
-    oclgrind_shapes."""
+    """One family at one parameter set ("default", a sample number or a JSON object): the defaults and a JSON
+    object's set on every one of its spec's oclgrind_shapes, a sample on the first."""
     import numpy as np
 
     from perfx.tuning import SPECS, relative_error
@@ -187,7 +187,7 @@ def run_family(family: str, which: str = "default") -> dict:
         params = spec.params.defaults()
     elif which.lstrip().startswith("{"):
         requested = json.loads(which)
-        params, shapes = {**spec.params.defaults(requested), **requested}, shapes[:1]
+        params = {**spec.params.defaults(requested), **requested}
     else:
         drawn, sample = samples(spec, device.caps), int(which)
         if not 1 <= sample <= len(drawn):

@@ -6,6 +6,7 @@ per element) and accumulates in fp32; through two layers of attention and MLP th
 the logit range, while a wrong weight, position or head mapping moves logits by O(1) of their range.
 """
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -20,11 +21,13 @@ from perfx.linear import Q4Linear, upload_linear
 from perfx.mixers.attention import AttentionMixer
 from perfx.ops.gemv_q4 import GemvQ4
 from perfx.ops.gemv_q4_split import GemvQ4Split
+from perfx.ops.gemv_q4_tail import HANDOFFS, handoff_for, tail_params
 from perfx.model import Model, load_model
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.runtime import Device
 from perfx.runtime.replay import CommandBuffer, QcomRecording, Sequence, unavailable
 from perfx.sources import open_model
+from perfx.step import fuse_asked
 from perfx.tuning import SPECS
 from perfx.tuning.database import default_database, result_record
 from perfx.tuning.problems import model_problems
@@ -568,9 +571,8 @@ def test_an_fp16_matrix_with_a_bias_is_refused_with_what_to_do(device):
 
 
 def test_a_fused_step_runs_a_dense_layer_in_five_launches_and_equals_the_unfused(tiny_paths, device, rng):
-    """A load with ``fuse`` (or PERFX_FUSE=tails) runs the norms in the GEMVs beside them (perfx.step.fused_step);
-    the default does not (perfx.step.fuse_asked): each dense layer of
-    the greedy step is 5 launches (qkv, attention, o with the residual add and the MLP's norm, gate-up (with down's
+    """A load with ``fuse`` runs the norms in the GEMVs beside them (perfx.step.fused_step), one with ``fuse`` False
+    does not: each dense layer of the greedy step is 5 launches (qkv, attention, o with the residual add and the MLP's norm, gate-up (with down's
     int8 input where down reads one), down with the next norm), 7 unfused; the final norm rides in the last down. At the kernels'
     defaults (fp32 activations, no int8 rounding to flip) the fused step's logits are the unfused step's to fp32
     rounding (the norms' sums in another order: 1e-5), both the float64 forward's within TOLERANCE, and the greedy
@@ -578,7 +580,7 @@ def test_a_fused_step_runs_a_dense_layer_in_five_launches_and_equals_the_unfused
     source = open_model(tiny_paths["awq-gemm-gqa3"])   # every o, gate-up and down int4 (the GGUF mixes forms)
     database = default_database(False)
     fused = Model.load(source, device, ctx=64, progress=False, database=database, fuse=True)
-    plain = Model.load(source, device, ctx=64, progress=False, database=database)
+    plain = Model.load(source, device, ctx=64, progress=False, database=database, fuse=False)
     assert fused.fused and not plain.fused
     counted, unfused = fused.step_launches(5), plain.step_launches(5)
     # unfused at the defaults: norm, qkv, attention, o, norm, gate-up, down (down reads floats: no quantizing)
@@ -617,7 +619,7 @@ def test_a_fused_step_with_int8_activations_quantizes_downs_input_in_gate_ups_ta
                                                                   device.fingerprint))
     fused = Model.load(source, device, ctx=64, progress=False, fuse=True)
     plain = Model.load(source, device, ctx=64, progress=False, fuse=False)
-    assert fused.plan.gemv_tail["down"].params == forced and fused.state.hb_q8 is not None
+    assert fused.plan.gemv_tail["down"].params == tail_params(forced) and fused.state.hb_q8 is not None
     assert set(fused.step_launches(5)["layers"]) == {5} and set(plain.step_launches(5)["layers"]) == {8}
     v = source.config.vocab_size
     prompt = [int(t) for t in rng.integers(3, v, 7)]
@@ -633,16 +635,23 @@ def test_a_fused_step_with_int8_activations_quantizes_downs_input_in_gate_ups_ta
         pos += 1
 
 
-def test_the_decode_step_fuses_its_norms_only_where_asked(tiny_paths, device, monkeypatch):
-    """The GEMV tails are opt-in (perfx.step.fuse_asked): unset or off, each norm is its own launch; PERFX_FUSE=tails
-    fuses where the recipe allows; any other value is refused, saying what it takes."""
+def test_the_decode_step_fuses_its_norms_where_the_device_orders_the_hand_off(tiny_paths, device, monkeypatch):
+    """Unset, PERFX_FUSE leaves it to the device (perfx.step.fuse_asked): the norms run as GEMV tails where the
+    compiler orders the tails' hand-off (both CPU runtimes' OpenCL C 3.0), each its own launch where it would lock
+    every output (an OpenCL 1.2 compiler); tails or off say so on any device; any other value is refused, saying
+    what it takes. `perfx tune` and `perfx bench` list the tails' shapes where the device they run on fuses."""
     source = open_model(tiny_paths["awq-gemm-gqa3"])
     database = default_database(False)
-    for value, fused in ((None, False), ("off", False), ("tails", True)):
-        if value is None:
-            monkeypatch.delenv("PERFX_FUSE", raising=False)
-        else:
-            monkeypatch.setenv("PERFX_FUSE", value)
+    monkeypatch.delenv("PERFX_FUSE", raising=False)
+    assert handoff_for(device.caps) == HANDOFFS["ordered"]
+    assert fuse_asked(device.caps) and not fuse_asked(replace(device.caps, opencl_c=(1, 2))) and not fuse_asked()
+    assert Model.load(source, device, ctx=32, progress=False, database=database).fused
+    for caps, fused in ((device.caps, True), (replace(device.caps, opencl_c=(1, 2)), False)):
+        problems, _ = model_problems(source.config, SPECS, source.int4_group, source.weight_forms(), caps=caps)
+        assert any(p.family == "gemv_q4_tail" for p in problems) == fused
+    for value, fused in (("off", False), ("tails", True)):
+        monkeypatch.setenv("PERFX_FUSE", value)
+        assert fuse_asked(replace(device.caps, opencl_c=(1, 2))) == fuse_asked() == fused
         assert Model.load(source, device, ctx=32, progress=False, database=database).fused == fused
     monkeypatch.setenv("PERFX_FUSE", "yes")
     with pytest.raises(PerfxError, match="PERFX_FUSE='yes': it takes tails"):

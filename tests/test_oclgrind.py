@@ -112,15 +112,22 @@ def test_what_the_report_filter_lets_through():
     assert not runner.reads_images({"READ": 0}) and not runner.reads_images({"WGS": 64})
 
 
-@pytest.mark.parametrize("params", [{"LANES": 1, "ROWS": 2, "WGR": 16}, {"LANES": 1, "ROWS": 1, "WGR": 64}],
-                         ids=["wgr16", "wgr64"])
+@pytest.mark.parametrize("params", [{"LANES": 1, "ROWS": 1, "WGR": 16, "ARRIVAL": 1},
+                                    {"LANES": 1, "ROWS": 2, "WGR": 16, "ARRIVAL": 1},
+                                    {"LANES": 1, "ROWS": 1, "WGR": 64, "ARRIVAL": 0}],
+                         ids=["group-arrives", "group-owns-its-blocks", "each-work-item-arrives"])
 def test_gemv_q4_tail_shared_by_the_last_work_group_under_oclgrind(params):
-    """gemv_q4_tail with one lane a row set (the CPU runtimes' tuned shape): every work-item of the last
-    work-group to arrive quantizes blocks of gate-up's output, after a barrier and a flag in local memory, on
-    the spec's first Oclgrind shape (96 outputs: 3 blocks over 3 or 2 work-groups); the samples above draw
-    LANES > 1, where one work-item runs the tail."""
+    """gemv_q4_tail with one lane a row set (the CPU runtimes' tuned shape), on each of the spec's Oclgrind shapes:
+    gate-up's output quantized (96 outputs), the norm with its post-norm (45 outputs) and with its blocks (64).
+    Each work-group counting itself once after a barrier (ARRIVAL 1), the last group's work-items sharing gate-up's
+    blocks after a flag in local memory (16 outputs a group) or, with 32 a group, each group quantizing its own
+    block (no hand-off); and every work-item counting itself, no barrier (ARRIVAL 0). The samples above draw
+    LANES > 1, where each row set's first lane counts. Oclgrind takes OpenCL C 1.2 (its 3.0 lists no atomics
+    features, and it cannot run C11 atomics): the hand-off is the atomics; the ordered loads run on both CPU
+    runtimes (tests/test_gemv_q4_tail.py)."""
     result, stderr = oclgrind("gemv_q4_tail", json.dumps({"LAYOUT": 0, **params}))
     assert_no_reports(stderr, f"gemv_q4_tail with {result['params']}")
+    assert len(result["results"]) == 3 and all("errors" in r for r in result["results"]), result["results"]
     for r in result["results"]:
         for name, error in r["errors"].items():
             assert error <= result["tolerance"], f"{r['describe']}: {name} relative error {error:.3g}"

@@ -31,14 +31,15 @@ class Problem:
     per_token: int = 1  # launches per forward pass (layers): how much it matters
 
 
-def tuned_steps(config, group: int | None = None, forms: dict | None = None, kv: str = "f16") -> list[list[Op]]:
+def tuned_steps(config, group: int | None = None, forms: dict | None = None, kv: str = "f16",
+                caps=None) -> list[list[Op]]:
     """The steps `perfx tune` measures: the decode step at each of ``DECODE_POSITIONS`` (capped by the
-    model's), then the prefill step of each M bucket (``perfx.tuning.database.M_BUCKETS``). Where a load fuses
-    (``PERFX_FUSE=tails``, ``perfx.step.fuse_asked``), the fused decode step (``perfx.step.fused_step``) brings the
-    unfused step's ops too: the plain GEMVs its tails take their parameters
-    from where the tails have no entry of their own, and the norms a step of one row runs unfused (``fuse``
+    model's), then the prefill step of each M bucket (``perfx.tuning.database.M_BUCKETS``). Where a load on the
+    device of ``caps`` fuses (``perfx.step.fuse_asked``: ``PERFX_FUSE``, else the device's compiler), the fused
+    decode step (``perfx.step.fused_step``) brings the unfused step's ops too: the plain GEMVs its tails take their
+    parameters from where the tails have no entry of their own, and the norms a step of one row runs unfused (``fuse``
     False, a batched step of one sequence)."""
-    fuse = fuse_asked()
+    fuse = fuse_asked(caps)
     steps = [_decode_ops(config, StepOptions(group, forms, kv, positions, fuse)) for positions in DECODE_POSITIONS]
     return steps + list(bucket_steps(config, StepOptions(group, forms, kv)).values())
 
@@ -100,18 +101,19 @@ def _fits(spec, shape: dict) -> str | None:
 
 
 def model_problems(config, families: dict, group: int | None = None, forms: dict | None = None,
-                   kv: str = "f16") -> tuple[list[Problem], list[str]]:
+                   kv: str = "f16", caps=None) -> tuple[list[Problem], list[str]]:
     """Every (family, shape) the model runs for the given specs, and notes on what was left out.
 
     ``families`` maps family name to spec (``perfx.tuning.SPECS`` or a selection of it). Duplicate
     shapes (the same matrix used twice) are merged, their labels joined. ``forms`` (``ModelSource.weight_forms``)
     gives each matrix role's device forms; without it, ``group`` fixes the int4 group size (None: chosen
     per K as quantize-on-load does), the lm_head is taken as int8 (the default) or fp16. ``kv``: the KV
-    cache's form ("f16" or "q8"), part of the attention kernels' shapes.
+    cache's form ("f16" or "q8"), part of the attention kernels' shapes. ``caps``: the device's, whose decode step
+    may fuse its norms into GEMV tails (``tuned_steps``).
     """
     merged: dict[tuple, Problem] = {}
     notes, skipped = [], set()
-    for problem in _step_problems(config, tuned_steps(config, group, forms, kv)):
+    for problem in _step_problems(config, tuned_steps(config, group, forms, kv, caps)):
         spec = families.get(problem.family)
         if spec is None:
             continue
@@ -136,12 +138,14 @@ def model_problems(config, families: dict, group: int | None = None, forms: dict
 
 
 def problems_for(model: str | None, families: dict, max_m: int | None = None,
-                 lm_head: str = "q8", kv: str = "f16", embedding: str = "head") -> tuple[list[Problem], list[str]]:
+                 lm_head: str = "q8", kv: str = "f16", embedding: str = "head",
+                 caps=None) -> tuple[list[Problem], list[str]]:
     """The problems of a ``--model`` value for the chosen families, the prefill path only up to ``max_m``,
     with the lm_head in the form ``lm_head`` gives it (``perfx.sources.open_model``) and a KV cache of form
-    ``kv``, the untied embedding in the form ``embedding`` gives it."""
+    ``kv``, the untied embedding in the form ``embedding`` gives it, on the device of ``caps`` (``model_problems``)."""
     source = open_named(model, lm_head=lm_head, embedding=embedding)
-    problems, notes = model_problems(source.config, families, source.int4_group, source.weight_forms(), kv)
+    problems, notes = model_problems(source.config, families, source.int4_group, source.weight_forms(), kv,
+                                    caps)
     if max_m is not None:
         problems = [p for p in problems if p.shape.get("m", 1) <= max_m]
     return problems, notes

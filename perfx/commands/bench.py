@@ -45,9 +45,10 @@ def add_arguments(parser):
     fuse = parser.add_mutually_exclusive_group()
     fuse.add_argument("--fuse", dest="fuse", action="store_true", default=None,
                       help="with --e2e: the decode step's norms as tails of the GEMVs beside them (5 launches a dense "
-                           "layer, not 8; docs/kernels.md); default: as PERFX_FUSE says, off unless set to tails")
+                           "layer, not 8; docs/kernels.md); default: as PERFX_FUSE says, else where the device's "
+                           "compiler orders the tails' hand-off (OpenCL C 2.0 or later)")
     fuse.add_argument("--no-fuse", dest="fuse", action="store_false",
-                      help="with --e2e: each norm of the decode step its own launch (the default)")
+                      help="with --e2e: each norm of the decode step its own launch")
     parser.add_argument("--vs-defaults", action="store_true",
                         help="does tuning help here? each kernel (and, with --e2e, the model) with its tuned "
                              "parameters and with the built-in defaults, interleaved in shuffled rounds, with the "
@@ -259,7 +260,8 @@ def main(args) -> int:
     device = Device(args.device)
     database = default_database(not args.no_tuning)
     families = select_specs(args.kernels)
-    problems, notes = problems_for(args.model, families, args.max_m, args.lm_head, args.kv, args.embedding)
+    problems, notes = problems_for(args.model, families, args.max_m, args.lm_head, args.kv, args.embedding,
+                                  device.caps)
     print(f"perfx bench on {device.caps.platform} / {device.caps.name} (limits: {device.caps.limits}), "
           f"{len(problems)} kernel shapes of {args.model}" + ("" if database.enabled else ", tuning off"),
           file=sys.stderr)

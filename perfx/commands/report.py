@@ -115,7 +115,7 @@ def run_section(name: str, device: Device, args, database) -> dict:
                 "devices": [e.label for e in list_devices()], "python": sys.version.split()[0],
                 "platform": platform.platform()}
     if name == "tune":
-        problems, notes = problems_for(args.model, SPECS, args.max_m)
+        problems, notes = problems_for(args.model, SPECS, args.max_m, caps=device.caps)
         tuner = Tuner(device, database, budget_s=args.tune)
         results = tuner.tune([(SPECS[p.family], p.shape, p.label) for p in problems])
         return {"model": args.model, "budget_s": args.tune, "problems": len(results),
@@ -136,7 +136,7 @@ def run_section(name: str, device: Device, args, database) -> dict:
                 "refused": sum(bool(c.refused) for c in checks), "families": families, "failures": failed}
     if name in ("bench", "bench_7b"):
         model = args.model if name == "bench" else SEVEN_B
-        problems, notes = problems_for(model, SPECS, max_m=args.max_m if name == "bench" else 1)
+        problems, notes = problems_for(model, SPECS, max_m=args.max_m if name == "bench" else 1, caps=device.caps)
         ceiling = ceilings(device)
         rng = np.random.default_rng(0)
         rows = [bench_problem(device, SPECS[p.family], p, ceiling, rng, database) for p in problems]

@@ -256,7 +256,8 @@ def main(args) -> int:
     args.model = args.model or "default"
     args.budget = DEFAULT_BUDGET if args.budget is None else args.budget
     families = select_specs(args.kernels)
-    problems, notes = problems_for(args.model, families, args.max_m, args.lm_head, args.kv, args.embedding)
+    problems, notes = problems_for(args.model, families, args.max_m, args.lm_head, args.kv, args.embedding,
+                                  device.caps)
     if not problems:
         raise PerfxError("nothing to tune: " + ("; ".join(notes) or "the model has no shapes for these families"))
     print(f"perfx tune on {device.caps.platform} / {device.caps.name}: {len(problems)} problems of "

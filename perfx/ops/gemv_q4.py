@@ -186,12 +186,15 @@ class GemvQ4:
                               f"the {epilogue} epilogue at K = {k}")
             defines = {**self._defines, "GROUP": group, "EPILOGUE": code("gemv_q4", epilogue, GEMV_EPILOGUES),
                        **q4_form_defines(form), **dict(extra)}
-            # the byte dot products' built-ins (I8 2) are declared from OpenCL C 2.0 on
-            kernel = self.device.kernel(self.space.source, "gemv_q4", defines, newest_c=self.params["I8"] == 2)
+            kernel = self.device.kernel(self.space.source, "gemv_q4", defines, newest_c=self.newest_c(defines))
             self._kernels[group, epilogue, k, form, extra] = kernel
             if self.params["I8"] and not extra and self._quantize_from is None:
                 self._quantize_from = (defines, self.params["I8"] == 2)
         return kernel
+
+    def newest_c(self, defines: dict) -> bool:
+        """Whether the build of ``defines`` takes the newest OpenCL C the compiler has (``Device.build``)."""
+        return defines["I8"] == 2   # the byte dot products' built-ins are declared from OpenCL C 2.0 on
 
     def quantize(self, x, k: int) -> tuple[list[cl.Event], tuple]:
         """With the rows layout's I8: enqueue x (K floats) quantized per block of 32 into this wrapper's buffers

@@ -100,6 +100,7 @@ class Capabilities:
     max_work_group: int
     extensions: tuple[str, ...]
     limits: str                # which Limits capped the values above
+    c_features: tuple[str, ...] = ()  # the OpenCL C 3.0 optional features the compiler declares (__opencl_c_...)
 
     def has(self, extension: str) -> bool:
         return extension in self.extensions
@@ -294,7 +295,7 @@ def read_capabilities(device: cl.Device, limits: Limits = Limits()) -> Capabilit
         local_mem=capped(device.local_mem_size, limits.local_mem),
         max_alloc=capped(device.max_mem_alloc_size, limits.max_alloc),
         max_work_group=capped(device.max_work_group_size, limits.max_work_group),
-        extensions=extensions, limits=limits.name,
+        extensions=extensions, limits=limits.name, c_features=_opencl_c_features(device),
     )
 
 

@@ -685,7 +685,8 @@ def build_requests(config: ModelConfig, device: Device, max_positions: int, data
     ``Device.build_many``), collected without building anything (``Device.collecting``), each choice's first
     parameters: the decode step's kernels (its int8 ones for each weight form, the hand-over of a chosen token), and
     for each of the M ``buckets`` (``perfx.tuning.database.M_BUCKETS`` indices) the prefill kernels and the
-    lm_head's over every row (perplexity, speculation's verification, a batched decode step of that many rows);
+    lm_head's over every row (perplexity, speculation's verification, a batched decode step of that many rows) and
+    a batched decode step's attention;
     constrained decoding's mask. The database is only read: a choice refused here is not recorded (the load that
     builds it records it)."""
     with device.collecting() as requests:
@@ -705,6 +706,8 @@ def build_requests(config: ModelConfig, device: Device, max_positions: int, data
         if buckets:   # over the rows of a prompt of the largest bucket
             low, high = M_BUCKETS[max(buckets)]
             plan.build_head_rows(min(high or low, max_positions))
+            for layer in config.layers_of("attention"):   # a batched decode step's attention, its rows in one launch
+                plan.attention_at(layer).rows_kernel()
     return requests
 
 

@@ -205,8 +205,9 @@ class AttentionDecode:
         return self.last_events
 
     def rows_kernel(self):
-        """The batched build (``rows``), made now."""
-        return self._rows_state()[0]
+        """The batched build (``rows``), made now (while the device collects builds, only asked for: its buffers
+        are made by ``rows`` at its first launch)."""
+        return self.device.kernel(PARAMS.source, "attention_partial", {**self.defines, "Q8_OUT": 0, "BATCH": BATCH_ROWS})
 
     def rows_counters(self) -> np.ndarray:
         """The batched launch's combine counters, read back (each is zero between launches)."""
@@ -217,8 +218,7 @@ class AttentionDecode:
         """The batched kernel (BATCH rows a launch) and its partials and counters, one block a row: made on first
         use, as a model that never batches needs neither."""
         if self._rows is None:
-            kernel = self.device.kernel(PARAMS.source, "attention_partial", {**self.defines, "Q8_OUT": 0,
-                                                                             "BATCH": BATCH_ROWS})
+            kernel = self.rows_kernel()
             stats = BATCH_ROWS * self.n_heads * self.max_parts
             zeros = np.zeros(stats * self.head_dim, np.float32)
             self._rows = (kernel,

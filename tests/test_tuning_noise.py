@@ -193,8 +193,9 @@ def test_the_screen_cuts_the_clearly_slower_and_times_the_rest_in_full(device, t
 
 def test_a_noisier_machine_widens_the_screen(device, tmp_path):
     """The margin a screen allows is the runs' measured noise: on a noisy timer fewer candidates are cut, and
-    the truly fastest still wins."""
+    what wins is still near the truly fastest."""
     quiet, _ = tune(device, tmp_path / "quiet", NoisyBench(8, outliers=0.0, spread=0.02), 8)
     noisy, result = tune(device, tmp_path / "noisy", NoisyBench(8, outliers=0.0, spread=0.25), 8)
     assert result.resumed == 0 and noisy.noise.margin() > 2 * quiet.noise.margin() > 0
-    assert TRUE_TIME[result.chosen["X"]] <= 1.08 * TRUE_TIME[FASTEST]
+    # 25% a run: 7 rounds of medians of 3 resolve two steps of 8%, not one
+    assert TRUE_TIME[result.chosen["X"]] <= 1.17 * TRUE_TIME[FASTEST]

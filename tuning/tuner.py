@@ -64,9 +64,9 @@ SCREEN_MARGIN = 0.10    # ... and timed in full only where its fastest run is wi
 EARLY_MARGIN = 1.0      # the margin until that noise is known: a fastest run twice the best's time is cut
 NOISE_QUANTILE = 0.9    # the noise: how far a screen's run strays above its screen's median, at this quantile,
 NOISE_KEPT = 300        # ... over this many of the latest screens' runs
-FULL_MIN = 5            # a candidate timed in full: at least this many runs (of every copy), in chunks of FULL_CHUNK,
-FULL_CHUNK = 2
-STEADY_SPREAD = 0.04    # ... stopping there once their interquartile range is within this share of their median
+FULL_MIN = 3            # a candidate timed in full: at least this many runs (of every copy), then chunks of FULL_CHUNK
+FULL_CHUNK = 2          # ... up to ``repeat`` while it may be the best and its runs do not yet agree
+STEADY_SPREAD = 0.04    # ... within this share of their median (interquartile range)
 CONFIRM_TOP = 3         # search winners confirmed against the incumbent and the defaults
 CONFIRM_ROUNDS = 7      # interleaved rounds of the confirmation
 DRIFT_THRESHOLD = 0.25  # the reference kernel this much slower than at the start: the round is suspect
@@ -755,7 +755,8 @@ class Tuner:
                     result.suspect_candidates += 1
             samples: list[float] = []
             while len(samples) < self.repeat and not self._settled(samples, best):
-                samples += self._timing(case, params, warmup=self.warmup if not samples else 0,
+                # no warm-up: its screen has just run the same kernels
+                samples += self._timing(case, params, warmup=0,
                                         repeat=min(FULL_CHUNK if samples else FULL_MIN, self.repeat - len(samples))
                                         ).samples
             timing = Timing(statistics.median(samples), samples)
@@ -769,16 +770,17 @@ class Tuner:
         return Outcome(params, "ok", timing.median_s, timing.spread, timing.samples, worst, private_bytes=private)
 
     def _settled(self, samples: list[float], best: Outcome | None) -> bool:
-        """Whether a candidate timed in full has runs enough (FULL_MIN at least): their median is known to a few
-        percent (their interquartile range within STEADY_SPREAD of it), or it is beyond the noise of the best so far
-        (it cannot become the best; the confirmation re-times the top few anyway)."""
+        """Whether a candidate timed in full has runs enough (FULL_MIN at least): its median is beyond the screens'
+        noise of the best so far (it is no contender; the confirmation ranks the top few again, interleaved), or its
+        runs agree (their interquartile range within STEADY_SPREAD of their median). Only a contender for the best,
+        the time the screens of the candidates after it are held to, takes more."""
         if len(samples) < min(FULL_MIN, self.repeat):
             return False
         median = statistics.median(samples)
-        q1, _, q3 = statistics.quantiles(samples, n=4)
-        if q3 - q1 <= STEADY_SPREAD * median:
+        if best is not None and median > best.time_s * (1 + self.noise.margin()):
             return True
-        return best is not None and median > best.time_s * (1 + self.noise.margin())
+        q1, _, q3 = statistics.quantiles(samples, n=4)
+        return q3 - q1 <= STEADY_SPREAD * median
 
     # -- confirmation ----------------------------------------------------------------------------
 

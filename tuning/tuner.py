@@ -149,7 +149,7 @@ class ProblemResult:
     resumed: int = 0          # outcomes read back from the log, not re-run
     complete: bool = False    # the search finished (not cut by the budget)
     note: str = ""            # why the problem could not be tuned, when it could not
-    suspect_candidates: int = 0   # search timings re-taken because the machine drifted
+    suspect_candidates: int = 0   # search timings re-taken, or screens timed in full, as the machine drifted
     suspect_kept: int = 0         # ... and kept as they were: too slow to win even discounting the drift
     evaluated: int = 0        # candidates run in this sweep (not read back from the log)
     pruned: int = 0           # parameter sets never built: this device cannot run them, or its driver refused them

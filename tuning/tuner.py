@@ -71,6 +71,7 @@ CONFIRM_TOP = 3         # search winners confirmed against the incumbent and the
 CONFIRM_ROUNDS = 7      # interleaved rounds of the confirmation
 DRIFT_THRESHOLD = 0.25  # the reference kernel this much slower than at the start: the round is suspect
 COOL_DOWN_S = 2.0       # wait before re-taking a suspect round
+DRIFT_REACH = 2.0       # a screen this many times past its limit is cut without asking whether the machine drifted
 BUILD_AHEAD = 16       # candidates whose programs are built together, ahead of their runs
 PROGRAMS_KEPT = 128    # programs the device keeps before it forgets them (``Device.forget_programs``) between batches
 PHASES = ("setup", "build", "verify", "time", "drift", "confirm")
@@ -743,9 +744,13 @@ class Tuner:
                 fastest = min(screen.samples)
                 if fastest > limit:
                     # Cut, unless the machine drifted while it ran and, discounted by the drift, it is within reach:
-                    # then it is timed in full, which costs less than a cool-down and a second screen.
-                    with self.split.phase("drift"):
-                        drifted = self.drift.drifted()
+                    # then it is timed in full, which costs less than a cool-down and a second screen. The reference
+                    # is asked only within DRIFT_REACH of the limit: each check it makes also lowers its baseline
+                    # (the quietest time seen), and a lower baseline sets more rounds aside on a busy machine.
+                    drifted = False
+                    if fastest <= DRIFT_REACH * limit:
+                        with self.split.phase("drift"):
+                            drifted = self.drift.drifted()
                     if not drifted or fastest / self.drift.ratio > limit:
                         result.suspect_kept += drifted
                         return Outcome(params, "slow", fastest, screen.spread, screen.samples, worst,

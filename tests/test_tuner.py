@@ -22,7 +22,7 @@ from perfx.model import load_model
 from perfx.tuning.database import (FORMAT, M_BUCKETS, Database, bucket_representative, default_database, m_bucket,
                                    params_key, result_record, source_hash)
 from perfx.tuning.problems import _fits, model_problems
-from perfx.tuning.spec import Case, Spec
+from perfx.tuning.spec import Case, Spec, time_case
 from perfx.tuning.tuner import Tuner, neighbours
 from toy_tuning import Toy, quiet_tuner
 
@@ -389,6 +389,51 @@ def test_gemv_timings_rotate_copies_past_the_cache_and_verification_uploads_one(
         for event in case.launch(params):
             event.wait()
     assert len(uploads) == 6, "each step of the rotation reaches a copy of its own"
+
+
+def test_short_replays_go_on_round_the_copies_so_every_read_is_from_memory():
+    """A screen replays a share of a case's copies: each replay, short or whole, starts where the last stopped,
+    so no copy is read again before all the others were (the rotation a whole replay makes), and the time is
+    per product, with every launch of a product (x's quantization first) kept together."""
+    import contextlib
+
+    from perfx.tuning.spec import rotating_case
+
+    class Recorder:   # a device that records launches as the decode step's replay does
+        queue = None
+
+        @contextlib.contextmanager
+        def record(self):
+            self.recording = []
+            yield self.recording
+
+    class Step:
+        def __init__(self, copy, kind):
+            self.copy, self.kind = copy, kind
+
+        def enqueue(self, queue):
+            return (self.copy, self.kind)
+
+    recorder, copies = Recorder(), 8
+
+    def launch_copy(i, params):
+        recorder.recording += [Step(i, "quantize"), Step(i, "gemv")]
+
+    case = rotating_case(np.zeros(1), None, copies, launch_copy, device=recorder)
+    read = []
+    for products in (2, 2, 8, 3, 1, 8):
+        events = case.steady({"X": 0}, products)
+        assert [kind for _, kind in events] == ["quantize", "gemv"] * products
+        read += [copy for copy, kind in events if kind == "gemv"]
+    assert read == [i % copies for i in range(len(read))]
+
+    timed = []
+
+    def timer(launch, **kwargs):
+        timed.append(len(launch()) // 2)
+        return Timing(8e-6, [8e-6])
+    assert time_case(case, {"X": 0}, timer, share=0.25).median_s == pytest.approx(4e-6) and timed == [2]
+    assert time_case(case, {"X": 0}, timer).median_s == pytest.approx(1e-6) and timed == [2, 8]
 
 
 class Timed:

@@ -347,8 +347,10 @@ class TuningLog:
         return entry
 
     def save(self):
+        """Compact: the whole log is written twice a candidate (before it runs, and with its outcome), so its cost
+        grows with the square of a sweep's candidates, and an indented dump takes Python's pure-Python encoder."""
         self.data["updated"] = _now()
-        write_json_atomic(self.path, self.data)
+        write_atomic(self.path, json.dumps(self.data, ensure_ascii=False, allow_nan=False) + "\n")
 
 
 class Database:

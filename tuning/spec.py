@@ -91,10 +91,12 @@ class Case:
     run: Callable[[Params], dict[str, np.ndarray]]
     launch: Callable[[Params], list]
     rotate: Callable[[], None] = lambda: None
-    # Where set: ``steady(params)`` enqueues the products of ``steady_count`` copies back to back, replayed as a
-    # decode step replays its launches (recorded once, no Python between them), and returns their events; the
-    # tuner times a candidate by it, per product.
-    steady: Callable[[Params], list] | None = None
+    # Where set: ``steady(params, products)`` enqueues that many products (of ``steady_count`` copies; all by
+    # default) back to back, replayed as a decode step replays its launches (recorded once, no Python between
+    # them), and returns their events; the tuner times a candidate by it, per product. Each replay goes on round
+    # the copies from where the last one stopped, so a copy is read again only after all the others, however
+    # many products a replay takes.
+    steady: Callable[..., list] | None = None
     steady_count: int = 1
 
     def errors(self, params: Params) -> dict[str, float]:
@@ -102,13 +104,15 @@ class Case:
         return {name: relative_error(outputs[name], want) for name, want in self.expected.items()}
 
 
-def time_case(case: Case, params: Params, timer: Callable = time_launches, **kwargs) -> Timing:
+def time_case(case: Case, params: Params, timer: Callable = time_launches, share: float = 1.0,
+              **kwargs) -> Timing:
     """A parameter set's time per product (``timer``'s keywords pass through): replayed back to back where the
-    case can (``Case.steady``, the decode GEMVs), else one launch at a time, rotating the case's copies."""
+    case can (``Case.steady``, the decode GEMVs), each run over ``share`` of its copies (at least one), else one
+    launch at a time, rotating the case's copies."""
     if case.steady is None:
         return timer(lambda: case.launch(params), rotate=case.rotate, **kwargs)
-    timing = timer(lambda: case.steady(params), **kwargs)
-    count = case.steady_count
+    count = max(1, min(case.steady_count, round(share * case.steady_count)))
+    timing = timer(lambda: case.steady(params, count), **kwargs)
     return Timing(timing.median_s / count, [t / count for t in timing.samples])
 
 
@@ -160,9 +164,9 @@ def rotating_case(expected: np.ndarray, y, copies: int, launch_copy: Callable[[i
 
     if device is None:
         return Case(expected={"y": expected}, run=run, launch=launch, rotate=rotate)
-    # Every copy once a replay: a replay of fewer copies than fill the cache twice comes round to weights still in
-    # it (8 copies of Gemma 3's 1 MB qkv fit a CPU's L3, and the tuner then chose four rows a work-item, slower
-    # from memory in the decode step than the one row it measured slower from cache).
+    # Every copy read before any is read again: a replay of fewer copies than fill the cache twice comes round to
+    # weights still in it (8 copies of Gemma 3's 1 MB qkv fit a CPU's L3, and the tuner then chose four rows a
+    # work-item, slower from memory in the decode step than the one row it measured slower from cache).
     count = copies
 
     def record(params):
@@ -172,8 +176,15 @@ def rotating_case(expected: np.ndarray, y, copies: int, launch_copy: Callable[[i
         return list(launches)
     recorded = cached_per_params(record)
 
-    def steady(params):
-        return [step.enqueue(device.queue) for step in recorded(params)]
+    position = {"next": 0}   # the copy after the last one a replay read
+
+    def steady(params, products: int = count):
+        steps = recorded(params)
+        per = len(steps) // count   # launches a product (x's quantization first, where there is one)
+        start = position["next"]
+        position["next"] = (start + products) % count
+        order = steps[start * per:] + steps[:start * per]
+        return [step.enqueue(device.queue) for step in order[:products * per]]
 
     return Case(expected={"y": expected}, run=run, launch=launch, rotate=rotate, steady=steady,
                 steady_count=count)

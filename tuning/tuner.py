@@ -11,9 +11,14 @@ pruned unbuilt; the defaults first, then the likely winners (the tuned entries o
 the most alike shape first), then every candidate where the space is small, else a random sample (at least
 RANDOM_SAMPLES, more while half the problem's share of the budget lasts) followed by local refinement (each
 parameter moved to any other value of its list) around the best, until nothing improves or the problem's share
-of the budget is spent. A candidate whose faster of two first runs is clearly slower than the best so far is cut
-short; a cut candidate is never chosen. The programs of the candidates to come are built ahead, many at once
-(``BuildAhead``), and where the time went is kept per phase (``Split``).
+of the budget is spent. The programs of the candidates to come are built ahead, many at once (``BuildAhead``), and
+where the time went is kept per phase (``Split``).
+
+Timing is successive halving, candidate by candidate: each verified candidate is first screened in a few short
+runs (a quarter of its case's copies each, the rotation going on so they still read from memory); one whose
+fastest run is slower than the best so far by more than the screens' own noise (``RunNoise``) is cut short there
+and never chosen, and only the rest are timed in full, in runs that stop once their median is known to a few
+percent or is beyond the best's reach. The likely winners come first, so most candidates meet a good best.
 
 Confirmation: a search ranks candidates by one median each, and on a phone (thermal throttling,
 big.LITTLE, DVFS) or a busy machine a single lucky sample can crown the wrong one. So the top few, the
@@ -31,6 +36,7 @@ the same interleaved rounds; one at least as fast on the median is pinned to the
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import functools
@@ -44,18 +50,28 @@ import numpy as np
 
 from perfx.errors import PerfxError
 from perfx.runtime import BuildError, DriverError, KernelLimitError
-from perfx.timing import bootstrap_ratio, copy_kernel, time_launches
+from perfx.timing import Timing, bootstrap_ratio, copy_kernel, time_launches
 from perfx.tuning.database import Database, normal, params_key, result_record, source_hash
 from perfx.tuning.spec import build_requests, time_case
 
 EXHAUSTIVE_LIMIT = 48   # spaces up to this many candidates are searched exhaustively
 RANDOM_SAMPLES = 24     # otherwise: this many random candidates before local refinement, at least
 SAMPLE_SHARE = 0.5      # ... and more while this share of the problem's budget lasts
-CUT_FACTOR = 2.0        # a first run this many times slower than the best so far is cut short
+SCREEN_REPEAT = 3       # successive halving's first rung: every verified candidate is timed in this many runs,
+SCREEN_SHARE = 0.25     # ... each over this share of its case's copies (the rotation goes on: still from memory),
+SCREEN_MARGIN = 0.10    # ... and timed in full only where its fastest run is within the screens' noise of the best
+                        # so far (``RunNoise``), never less than this
+EARLY_MARGIN = 1.0      # the margin until that noise is known: a fastest run twice the best's time is cut
+NOISE_QUANTILE = 0.9    # the noise: how far a screen's run strays above its screen's median, at this quantile,
+NOISE_KEPT = 300        # ... over this many of the latest screens' runs
+FULL_MIN = 3            # a candidate timed in full: at least this many runs (of every copy), then chunks of FULL_CHUNK
+FULL_CHUNK = 2          # ... up to ``repeat`` while it may be the best and its runs do not yet agree
+STEADY_SPREAD = 0.04    # ... within this share of their median (interquartile range)
 CONFIRM_TOP = 3         # search winners confirmed against the incumbent and the defaults
 CONFIRM_ROUNDS = 7      # interleaved rounds of the confirmation
 DRIFT_THRESHOLD = 0.25  # the reference kernel this much slower than at the start: the round is suspect
 COOL_DOWN_S = 2.0       # wait before re-taking a suspect round
+DRIFT_REACH = 2.0       # a screen this many times past its limit is cut without asking whether the machine drifted
 BUILD_AHEAD = 16       # candidates whose programs are built together, ahead of their runs
 PROGRAMS_KEPT = 128    # programs the device keeps before it forgets them (``Device.forget_programs``) between batches
 PHASES = ("setup", "build", "verify", "time", "drift", "confirm")
@@ -134,7 +150,7 @@ class ProblemResult:
     resumed: int = 0          # outcomes read back from the log, not re-run
     complete: bool = False    # the search finished (not cut by the budget)
     note: str = ""            # why the problem could not be tuned, when it could not
-    suspect_candidates: int = 0   # search timings re-taken because the machine drifted
+    suspect_candidates: int = 0   # search timings re-taken, or screens timed in full, as the machine drifted
     suspect_kept: int = 0         # ... and kept as they were: too slow to win even discounting the drift
     evaluated: int = 0        # candidates run in this sweep (not read back from the log)
     pruned: int = 0           # parameter sets never built: this device cannot run them, or its driver refused them
@@ -276,6 +292,27 @@ class DriftWatch:
         return False
 
 
+class RunNoise:
+    """How far one run of a screen strays above its candidate's median, lately: the NOISE_QUANTILE
+    of the runs' ratios to their own screen's median, over the last NOISE_KEPT of them. A screened candidate whose
+    fastest run is slower than the best's median by more than this is cut: were it truly as fast as the best, each
+    of its runs would have strayed that far (odds of 1 in 10 each, 1 in 1000 for three)."""
+
+    def __init__(self, floor: float = SCREEN_MARGIN, quantile: float = NOISE_QUANTILE, kept: int = NOISE_KEPT):
+        self.floor, self.quantile = floor, quantile
+        self.ratios: collections.deque[float] = collections.deque(maxlen=kept)
+
+    def add(self, samples: list[float]) -> None:
+        median = statistics.median(samples) if samples else 0.0
+        if median > 0:
+            self.ratios.extend(s / median for s in samples)
+
+    def margin(self) -> float:
+        if len(self.ratios) < 3 * SCREEN_REPEAT:
+            return EARLY_MARGIN
+        return max(self.floor, float(np.quantile(list(self.ratios), self.quantile)) - 1)
+
+
 class Split:
     """Where a sweep's time goes: seconds in each of PHASES (setting up a problem's case, building, verifying,
     timing, re-timing after drift, confirming). A phase inside another counts once, in the inner one; the builds
@@ -377,7 +414,8 @@ class Tuner:
     """
 
     def __init__(self, device, database: Database | None = None, budget_s: float = 600.0, seed: int = 0,
-                 progress=None, warmup: int = 2, repeat: int = 10, exhaustive_limit: int = EXHAUSTIVE_LIMIT,
+                 progress=None, warmup: int = 1, repeat: int = 10, screen_repeat: int = SCREEN_REPEAT,
+                 exhaustive_limit: int = EXHAUSTIVE_LIMIT,
                  random_samples: int = RANDOM_SAMPLES, sample_share: float = SAMPLE_SHARE,
                  confirm_top: int = CONFIRM_TOP,
                  confirm_rounds: int = CONFIRM_ROUNDS, timer=None, reference=None,
@@ -387,13 +425,14 @@ class Tuner:
         self.database = database if database is not None else Database()
         self.log = self.database.log(device)
         self.budget_s, self.seed, self.progress = budget_s, seed, progress
-        self.warmup, self.repeat = warmup, repeat
+        self.warmup, self.repeat, self.screen_repeat = warmup, repeat, min(screen_repeat, repeat)
         self.exhaustive_limit, self.random_samples, self.sample_share = exhaustive_limit, random_samples, sample_share
         self.confirm_top, self.confirm_rounds = confirm_top, confirm_rounds
         # the device named, so a timing does not launch once more to find it (perfx.timing.time_launches)
         self.timer = timer or functools.partial(time_launches, device=device)
         self.cool_down_s = cool_down_s
         self.drift = DriftWatch(reference or copy_kernel(device), drift_threshold)
+        self.noise = RunNoise()
         self.started = time.perf_counter()
         self._untuned: dict[tuple, dict] = {}   # (family, shape) -> what runs untuned (``_defaults``)
         self.background_builds = background_builds   # None: on a GPU-class device (BuildAhead)
@@ -587,7 +626,7 @@ class Tuner:
         (its own, its architecture's, its vendor's: ``Database.choices``), then every entry of this family, of
         any device and shape, the most alike shape first (a sweep's earlier problems are among them: the winner
         for a model's q projection is a likely one for its k projection). A good time found early cuts the slow
-        candidates after it short (CUT_FACTOR), and a search the budget stops has timed them."""
+        candidates after it short at their screens, and a search the budget stops has timed them."""
         by_key = {params_key(p): p for p in candidates}
         first = [params_key(defaults)] if params_key(defaults) in by_key else []
         for choice in self.database.choices(self.device, spec, shape):
@@ -642,20 +681,17 @@ class Tuner:
     def _timing(self, case, params: dict, **kwargs):
         return time_case(case, params, self.timer, **kwargs)
 
-    def _time(self, case, params: dict, result: ProblemResult | None = None, **kwargs):
-        """Time one candidate; a timing during which the reference kernel says the machine drifted is
-        taken again after a cool-down (once), unless it could not win even taken as that much too slow: drift
-        only slows a timing, so one that, divided by the reference's slow-down, is still slower than the best so
-        far is no winner whatever the machine did (on a busy machine the cool-downs took a quarter of a sweep)."""
-        timing = self._timing(case, params, **kwargs)
+    def _retaken(self, case, params: dict, timing, result: ProblemResult, could_win, **kwargs):
+        """``timing``, or where the reference kernel says the machine drifted while it ran, the same timing taken
+        again after a cool-down (once), unless ``could_win(timing, ratio)`` says it could not change the outcome even
+        taken as ``ratio`` too slow: drift only slows a timing, so one that, divided by the reference's slow-down,
+        still loses is kept as it is (on a busy machine the cool-downs took a quarter of a sweep)."""
         with self.split.phase("drift"):
             if self.drift.drifted():
-                best = result.best if result is not None else None
-                if best is not None and best.time_s and timing.median_s / self.drift.ratio > best.time_s:
+                if not could_win(timing, self.drift.ratio):
                     result.suspect_kept += 1
                     return timing
-                if result is not None:
-                    result.suspect_candidates += 1
+                result.suspect_candidates += 1
                 time.sleep(self.cool_down_s)
                 timing = self._timing(case, params, **kwargs)
         return timing
@@ -695,20 +731,61 @@ class Tuner:
 
     def _time_candidate(self, case, params: dict, best: Outcome | None, result: ProblemResult, worst: float,
                         kernels: dict) -> Outcome:
+        """Successive halving, candidate by candidate (the likely winners come first, so the best so far is a good
+        one early): a screen of ``screen_repeat`` short runs; one whose fastest run is slower than the best so far
+        by more than the screens' noise (``RunNoise``) is cut short there, and only the rest are timed in full, in
+        chunks that stop once more runs could not change the ranking (``_settled``)."""
         try:
+            screen = self._timing(case, params, share=SCREEN_SHARE, warmup=0, repeat=self.screen_repeat)
+            self.noise.add(screen.samples)
             if best is not None:
-                # The faster of two runs: one slow run (a hiccup) must not cut a good candidate.
-                probe = self._timing(case, params, warmup=1, repeat=2)
-                fastest = min(probe.samples) if probe.samples else probe.median_s
-                if fastest > CUT_FACTOR * best.time_s:
-                    return Outcome(params, "slow", fastest, 0.0, probe.samples, worst,
-                                   f"cut short: its faster of two runs {fastest / best.time_s:.1f}x the best so far")
-            cap = CUT_FACTOR * best.time_s * self.repeat + 0.05 if best is not None else None
-            timing = self._time(case, params, result, warmup=self.warmup, repeat=self.repeat, max_seconds=cap)
+                margin = self.noise.margin()
+                limit = best.time_s * (1 + margin)
+                fastest = min(screen.samples)
+                if fastest > limit:
+                    # Cut, unless the machine drifted while it ran and, discounted by the drift, it is within reach:
+                    # then it is timed in full, which costs less than a cool-down and a second screen. The reference
+                    # is asked only within DRIFT_REACH of the limit: each check it makes also lowers its baseline
+                    # (the quietest time seen), and a lower baseline sets more rounds aside on a busy machine.
+                    drifted = False
+                    if fastest <= DRIFT_REACH * limit:
+                        with self.split.phase("drift"):
+                            drifted = self.drift.drifted()
+                    if not drifted or fastest / self.drift.ratio > limit:
+                        result.suspect_kept += drifted
+                        return Outcome(params, "slow", fastest, screen.spread, screen.samples, worst,
+                                       f"cut short: its fastest of {len(screen.samples)} short runs "
+                                       f"{fastest / best.time_s:.2f}x the best so far, beyond the runs' noise "
+                                       f"({margin:.0%})")
+                    result.suspect_candidates += 1
+            samples: list[float] = []
+            while len(samples) < self.repeat and not self._settled(samples, best):
+                # no warm-up: its screen has just run the same kernels
+                samples += self._timing(case, params, warmup=0,
+                                        repeat=min(FULL_CHUNK if samples else FULL_MIN, self.repeat - len(samples))
+                                        ).samples
+            timing = Timing(statistics.median(samples), samples)
+            if best is not None:
+                timing = self._retaken(case, params, timing, result,
+                                       lambda timing, ratio: timing.median_s / ratio <= best.time_s,
+                                       warmup=self.warmup, repeat=self.repeat)
         except (PerfxError, DriverError) as e:
             return Outcome(params, "launch", error=worst, reason=f"launch failed while timing: {_first_line(e)}")
         private = max((info.private_mem for info in kernels.values()), default=None)
         return Outcome(params, "ok", timing.median_s, timing.spread, timing.samples, worst, private_bytes=private)
+
+    def _settled(self, samples: list[float], best: Outcome | None) -> bool:
+        """Whether a candidate timed in full has runs enough (FULL_MIN at least): its median is beyond the screens'
+        noise of the best so far (it is no contender; the confirmation ranks the top few again, interleaved), or its
+        runs agree (their interquartile range within STEADY_SPREAD of their median). Only a contender for the best,
+        the time the screens of the candidates after it are held to, takes more."""
+        if len(samples) < min(FULL_MIN, self.repeat):
+            return False
+        median = statistics.median(samples)
+        if best is not None and median > best.time_s * (1 + self.noise.margin()):
+            return True
+        q1, _, q3 = statistics.quantiles(samples, n=4)
+        return q3 - q1 <= STEADY_SPREAD * median
 
     # -- confirmation ----------------------------------------------------------------------------
 

@@ -196,8 +196,8 @@ def drift_line(results, tuner) -> str:
     candidates = sum(r.suspect_candidates for r in results)
     kept = sum(r.suspect_kept for r in results)
     return (f"drift: the reference (copy) kernel slowed beyond {100 * tuner.drift.threshold:.0f}% "
-            f"{tuner.drift.events} time(s); re-taken after a cool-down: {candidates} search timing(s), "
-            f"{rounds} confirmation round(s); {kept} search timing(s) kept, too slow to win even so")
+            f"{tuner.drift.events} time(s); re-taken after a cool-down, or a screen timed in full: {candidates} search "
+            f"timing(s), {rounds} confirmation round(s); {kept} search timing(s) kept, too slow to win even so")
 
 
 def split_line(report: dict) -> str:

@@ -180,8 +180,8 @@ def plan(all_specs: dict[str, Spec], device: Device, scope: str = "covering",
       choose (``in_force(spec)``; default: the tuning database's ``sets_in_force``), and every other parameter
       set the tuner may choose at one test shape where it can run, picked by a hash of the family and the set:
       each set is compiled and checked once, each shape at many sets, and what the device runs at every shape;
-    - ``exhaustive``: every parameter set at every test shape (the families' pytest sweeps do this on the CPU
-      runtimes; a device builds each (shape, set) program, the shapes' sizes being build defines).
+    - ``exhaustive``: every parameter set at every test shape (a program each, the shapes' sizes being build
+      defines).
 
     Covering is enough for what a selftest is for, a driver that miscompiles a kernel: a set is compiled with the
     same code paths at any shape that is off the tiles, and the tuner checks each candidate at the model's own

@@ -20,9 +20,9 @@ def covering_sets(spec, shape, caps, strength: int = 1) -> list[dict]:
     For a family's other test shapes, each a build of its own (a group size, an epilogue, a head size): there
     every kind of variant and every value of every parameter meets what the shape adds. Every pair of values,
     indeed every set, runs on the shape with the most edges (each family's tests name it); random sets meet
-    random shapes in tests/test_fuzz.py; `perfx selftest` runs every set on every test shape. Pairwise where a
-    shape's build makes two parameters meet (a head size of 256 against the tiles that fill local memory and
-    registers).
+    random shapes in tests/test_fuzz.py; `perfx selftest --exhaustive` runs every set on every test shape.
+    Pairwise where a shape's build makes two parameters meet (a head size of 256 against the tiles that fill local
+    memory and registers).
     """
     sets = parameter_sets(spec, shape, caps)
 

@@ -65,6 +65,24 @@ def run_once(site: Path, model: str, prompt: int, steps: int, cache: str | None,
     return json.loads(line[len("RESULT "):])
 
 
+def alternating(rounds: int):
+    """(round, side) in the order the sides run: A then B, then B then A, so neither always goes first."""
+    for i in range(rounds):
+        for label in ("AB" if i % 2 == 0 else "BA"):
+            yield i, label
+
+
+def summarise(runs: dict, figures) -> dict:
+    """Each figure's median and range on each side, and B's median over A's."""
+    summary = {}
+    for name in figures:
+        a = [r[name] for r in runs["A"]]
+        b = [r[name] for r in runs["B"]]
+        summary[name] = {"A": statistics.median(a), "A_range": [min(a), max(a)], "B": statistics.median(b),
+                         "B_range": [min(b), max(b)], "B_over_A": statistics.median(b) / statistics.median(a)}
+    return summary
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("a", type=Path, help="checkout A (before)")
@@ -92,18 +110,12 @@ def main(argv=None) -> int:
     installed = Path(tempfile.mkdtemp(prefix="perfx-ab-trees-"))
     sites = {label: install_apart(tree, installed / label) for label, tree in (("A", args.a), ("B", args.b))}
     runs = {"A": [], "B": []}
-    for i in range(args.rounds):
-        for label in ("AB" if i % 2 == 0 else "BA"):
-            runs[label].append(run_once(sites[label], args.model, args.prompt_tokens, args.decode_tokens, cache,
-                                        settings[label]))
-            print(f"round {i + 1} {label}: decode {runs[label][-1]['decode_tok_s']:.1f} tok/s, prefill "
-                  f"{runs[label][-1]['prefill_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
-    summary = {}
-    for name in FIGURES:
-        a = [r[name] for r in runs["A"]]
-        b = [r[name] for r in runs["B"]]
-        summary[name] = {"A": statistics.median(a), "A_range": [min(a), max(a)], "B": statistics.median(b),
-                         "B_range": [min(b), max(b)], "B_over_A": statistics.median(b) / statistics.median(a)}
+    for i, label in alternating(args.rounds):
+        runs[label].append(run_once(sites[label], args.model, args.prompt_tokens, args.decode_tokens, cache,
+                                    settings[label]))
+        print(f"round {i + 1} {label}: decode {runs[label][-1]['decode_tok_s']:.1f} tok/s, prefill "
+              f"{runs[label][-1]['prefill_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    summary = summarise(runs, FIGURES)
     if args.json:
         print(json.dumps({"model": args.model, "rounds": args.rounds, "figures": summary, "runs": runs}, indent=1))
         return 0

@@ -18,13 +18,12 @@ import argparse
 import json
 import os
 import re
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ab_trees import install_apart   # noqa: E402 - the benchmarks folder is no package
+from ab_trees import alternating, install_apart, summarise   # noqa: E402 - the benchmarks folder is no package
 from issue44_goals import generate   # noqa: E402
 
 from perfx.resources import cache_dir   # noqa: E402
@@ -62,19 +61,13 @@ def main(argv=None) -> int:
     sites = {label: install_apart(tree, installed / label) for label, tree in (("A", args.a), ("B", args.b))}
     os.chdir(tempfile.gettempdir())   # `python -m perfx` puts the working folder first on the path
     runs = {"A": [], "B": []}
-    for i in range(args.rounds):
-        for label in ("AB" if i % 2 == 0 else "BA"):
-            result = one_round(sites[label], args.device, models, args.timeout)
-            runs[label].append(result)
-            print(f"round {i + 1} {label}: first {result['first_wall_s']:.1f} s (loaded in "
-                  f"{result['first_load_s']} s), warm {result['warm_wall_s']:.1f} s (loaded in "
-                  f"{result['warm_load_s']} s), load average {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
-    summary = {}
-    for name in FIGURES:
-        a = [r[name] for r in runs["A"]]
-        b = [r[name] for r in runs["B"]]
-        summary[name] = {"A": statistics.median(a), "A_range": [min(a), max(a)], "B": statistics.median(b),
-                         "B_range": [min(b), max(b)], "B_over_A": statistics.median(b) / statistics.median(a)}
+    for i, label in alternating(args.rounds):
+        result = one_round(sites[label], args.device, models, args.timeout)
+        runs[label].append(result)
+        print(f"round {i + 1} {label}: first {result['first_wall_s']:.1f} s (loaded in "
+              f"{result['first_load_s']} s), warm {result['warm_wall_s']:.1f} s (loaded in "
+              f"{result['warm_load_s']} s), load average {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+    summary = summarise(runs, FIGURES)
     if args.json:
         print(json.dumps({"rounds": args.rounds, "figures": summary, "runs": runs}, indent=1))
         return 0

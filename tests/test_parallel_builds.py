@@ -333,10 +333,13 @@ def test_a_model_load_uploads_its_weights_while_its_kernels_build(device, monkey
 @pytest.mark.parametrize("processes", ["0", "1"], ids=["threads", "processes"])
 def test_a_load_that_fails_waits_only_for_the_builds_under_way(device, monkeypatch, processes):
     """An error (or Ctrl-C) while the weights upload stops the load's builds in the background: the load raises
-    once the builds under way are done, the others are left unbuilt, and a later load builds them."""
+    once the builds under way are done, the others are left unbuilt, and a later load builds them. The prompts'
+    builds wait until the upload has failed, so what is under way then is at most one a worker (2), whatever the
+    machine's speed: fewer than the prompts' programs."""
     from perfx.model import BUILT_AT_LOAD_M, Model, kernel_requests, load_model
     from perfx.sources import open_model
     monkeypatch.setenv(BUILD_PROCESSES_ENV, processes)
+    monkeypatch.setenv(BUILD_WORKERS_ENV, "2")
     fresh = Device(device.entry.index)
     want = set(kernel_requests(open_model("synthetic:tiny"), fresh, max_m=BUILT_AT_LOAD_M))
     prompt_only = ("gemm_", "attention_prefill")   # kernels of prompts alone: the plan waits for none of them
@@ -352,14 +355,27 @@ def test_a_load_that_fails_waits_only_for_the_builds_under_way(device, monkeypat
                 else k for k in keys]
         return real_build_many(keys, *args, **kwargs)
     monkeypatch.setattr(fresh, "build_many", uncached)
+    upload_failed, held_builds = threading.Event(), []
+
+    def held(build):
+        def build_after_the_upload(self, key, *args, **kwargs):
+            if dict(key[1]).get("PERFX_TEST_NONCE") == nonce:
+                held_builds.append(key)
+                upload_failed.wait(timeout=60)   # (the load waits for no prompt kernel: never for this long)
+            return build(self, key, *args, **kwargs)
+        return build_after_the_upload
+    monkeypatch.setattr(device_module._Worker, "build", held(device_module._Worker.build))
+    monkeypatch.setattr(Device, "_try_build", held(Device._try_build))
 
     def interrupted(self, *args, **kwargs):
+        upload_failed.set()
         raise KeyboardInterrupt
     monkeypatch.setattr(Model, "upload", interrupted)
     with pytest.raises(KeyboardInterrupt):
         load_model("synthetic:tiny", device=fresh, progress=False)
     left = [key for key in fresh.program_keys if dict(key[1]).get("PERFX_TEST_NONCE") == nonce]
     assert len(left) < len(prompts), "the failed load built every prompt's kernels first"
+    assert 0 < len(held_builds) <= 2, held_builds   # under way when the upload failed: one a worker at most
     monkeypatch.undo()
     model, _ = load_model("synthetic:tiny", device=fresh, progress=False)
     model.prefill([1, 2, 3], 0)

@@ -189,7 +189,7 @@ class GemvQ4:
             kernel = self.device.kernel(self.space.source, "gemv_q4", defines, newest_c=self.newest_c(defines))
             self._kernels[group, epilogue, k, form, extra] = kernel
             if self.params["I8"] and not extra and self._quantize_from is None:
-                self._quantize_from = (defines, self.params["I8"] == 2)
+                self._quantize_from = (defines, self.newest_c(defines))
         return kernel
 
     def newest_c(self, defines: dict) -> bool:

@@ -52,9 +52,10 @@ class Linear(ABC):
         finally:
             self._unfused = False
 
-    def blocks_order(self) -> int:
-        """The order of the Q8_1 blocks of x that this matrix's decode GEMV reads when its caller has them
-        (``perfx.ops.Q8_TEXEL`` or ``Q8_NATURAL``), 0 where it reads floats or quantizes x itself."""
+    def blocks_order(self, m: int = 1) -> int:
+        """The order of the Q8_1 blocks of x that this matrix's product over m rows (the decode GEMV for one)
+        reads when its caller has them (``perfx.ops.Q8_TEXEL`` or ``Q8_NATURAL``), 0 where it reads floats or
+        quantizes x itself."""
         return 0
 
     def describe_form(self) -> str | None:
@@ -90,8 +91,14 @@ class Q4Linear(Linear):
     # while the model enqueues one row of a decode step (``Model.fusing``)
     tail = None
 
-    def blocks_order(self) -> int:
-        return Q8_TEXEL if self.model.plan.gemv[self._gemv_role].reads_quantized else 0
+    def blocks_order(self, m: int = 1) -> int:
+        plan = self.model.plan
+        if m == 1:
+            return Q8_TEXEL if plan.gemv[self._gemv_role].reads_quantized else 0
+        # over several rows (a batched decode step, a short prompt): the int8-activation GEMM reads X as the
+        # norm's Q8_1 blocks in texel order, the ones its own quantizing launch would write
+        gemm = plan.prefill(m)[0].get(self.role)
+        return Q8_TEXEL if gemm is not None and gemm.choose(m) == "i8" else 0
 
     def describe_form(self) -> str:
         return self.weight.describe_form()
@@ -108,7 +115,8 @@ class Q4Linear(Linear):
             return plan.gemv[self._gemv_role](self.weight, x, y, self.epilogue,
                                               quantized=self._blocks(blocks, Q8_TEXEL))
         epilogue = "bias" if self.epilogue == "none" and self.weight.bias is not None else self.epilogue
-        return plan.prefill(m)[0][self.role](self.weight, x, y, m, epilogue)
+        return plan.prefill(m)[0][self.role](self.weight, x, y, m, epilogue,
+                                             quantized=self._blocks(blocks, Q8_TEXEL))
 
     def rows(self, x, y, count: int):
         return self.model.plan.head_rows(self.weight, x, y, count)
@@ -123,8 +131,8 @@ class Q8Linear(Linear):
     def _gemv(self):
         return self.model.plan.q8("gemv", self.role, self.weight)
 
-    def blocks_order(self) -> int:
-        return Q8_NATURAL if self._gemv().reads_blocks(self.weight) else 0
+    def blocks_order(self, m: int = 1) -> int:
+        return Q8_NATURAL if m == 1 and self._gemv().reads_blocks(self.weight) else 0
 
     def __call__(self, x, y, m: int, decode: bool, blocks=None):
         plan = self.model.plan

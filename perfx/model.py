@@ -163,6 +163,9 @@ class RunState:
     # (perfx.ops.Q8_TEXEL or Q8_NATURAL; 0: the last norm wrote none)
     xb_q8: tuple | None = None
     xb_order: int = 0
+    # The same for up to chunk rows (chunk·hidden codes, chunk·hidden/32 pairs, row by row), written where the
+    # int8-activation GEMMs over several rows read xb (a batched decode step, a short prompt); made on first use
+    xb_rows_q8: tuple | None = None
     # Gemma 3n: AltUp's A streams and their prediction (A blocks of (chunk, hidden), chunk·hidden apart), the
     # router's coefficients (chunk, A·A) and the correction's scales (chunk, A), LAuReL's L·x (chunk, rank) and
     # R·L·x (chunk, hidden), the sparse gate's output (chunk, intermediate)
@@ -437,24 +440,41 @@ class Model:
         """The order a norm writes xb's blocks in for these readers, 0 for none: each GEMV reading the blocks shares
         the norm's quantization and launches none of its own; the int4 GEMVs' order where readers want both (an
         int8 reader then quantizes x itself)."""
+        return self._rows_order(readers, 1)
+
+    def _rows_order(self, readers: list[Linear], m: int) -> int:
+        """``_xb_order`` for a norm over m rows, whose readers are the products over m rows."""
         if self.config.hidden_size % 32:
             return 0
-        orders = {r.blocks_order() for r in readers}
+        orders = {r.blocks_order(m) for r in readers}
         return Q8_TEXEL if Q8_TEXEL in orders else Q8_NATURAL if Q8_NATURAL in orders else 0
 
     # -- the forward ------------------------------------------------------------------------------
 
     def xb_blocks(self, m: int):
-        """(codes and scales, order) of xb's Q8_1 blocks where the last norm wrote them for one row, else None."""
+        """(codes and scales, order) of xb's Q8_1 blocks where the last norm wrote them for its m rows, else None."""
         s = self.state
-        return (s.xb_q8, s.xb_order) if m == 1 and s.xb_order else None
+        if not s.xb_order:
+            return None
+        return (s.xb_q8, s.xb_order) if m == 1 else (s.xb_rows_q8, s.xb_order)
 
     def _norm_blocks(self, readers: list[Linear], m: int) -> dict:
-        """The keyword arguments of a norm writing xb for ``readers``: its Q8_1 blocks and their order where one row
-        is written and some reader takes them; ``state.xb_order`` says which the readers find."""
+        """The keyword arguments of a norm writing xb for ``readers``: its Q8_1 blocks and their order where some
+        reader takes them (one row: the decode GEMVs; several: the int8-activation GEMMs of a batched step or a
+        short prompt, so none of them launches its own quantizing); ``state.xb_order`` says which the readers
+        find."""
         s = self.state
-        s.xb_order = self._xb_order(readers) if m == 1 and s.xb_q8 is not None else 0
-        return {"quantized": s.xb_q8, "order": s.xb_order} if s.xb_order else {}
+        if m == 1:
+            s.xb_order = self._xb_order(readers) if s.xb_q8 is not None else 0
+            return {"quantized": s.xb_q8, "order": s.xb_order} if s.xb_order else {}
+        s.xb_order = self._rows_order(readers, m) if m <= s.chunk else 0
+        if not s.xb_order:
+            return {}
+        if s.xb_rows_q8 is None:   # made on first use: a model that never runs these GEMMs holds none
+            h = self.config.hidden_size
+            s.xb_rows_q8 = (self.device.empty(s.chunk * h, np.int8),
+                            self.device.empty((s.chunk * h // 32, 2), np.float32))
+        return {"quantized": s.xb_rows_q8, "order": s.xb_order}
 
     def _residual_norm(self, post_norm, gamma, m: int, readers: list[Linear]):
         """The pending output in proj joins the residual x (through its own norm ``post_norm`` where the recipe

@@ -20,13 +20,16 @@ from helpers.gptoss_models import write_gptoss_gguf
 from helpers.moe_models import write_moe_gguf
 from helpers.tiny_models import make_tiny_model, tiny_tokenizer, write_gguf
 from perfx import forward64
+from perfx import plan as plan_module
 from perfx.batch import Batch, Sequence
 from perfx.errors import PerfxError
 from perfx.generate import SamplingConfig, generate
+from perfx.linear import Q4Linear
 from perfx.mixers import Mixer
 from perfx.model import Model
 from perfx.serve.batching import default_parallel, sequence_state_bytes
 from perfx.sources import open_model
+from perfx.tuning import SPECS
 from perfx.tuning.database import default_database
 from perfx.tuning.spec import relative_error
 
@@ -298,6 +301,56 @@ def test_requests_generated_together_answer_what_each_answers_alone(paths, devic
         got = results[index]
         assert (got.ids, got.text, got.stats.stop_reason, got.end_pos) == (
             want.ids, want.text, want.stats.stop_reason, want.end_pos), requests[index]
+
+
+def test_the_norms_quantize_once_for_a_batched_step_s_int8_activation_gemms(paths, device, monkeypatch):
+    """Where a batched step's int4 GEMMs take int8 activations (gemm_q4_i8, as the shipped tuning runs them on
+    Intel's CPU runtime), the norms before qkv and gate-up write xb's Q8_1 blocks for every row and those GEMMs
+    launch no quantizing of their own: a step of a dense model quantizes only o's and down's inputs. The blocks
+    are the bytes the GEMM's own launch writes (one macro, kernels/q8_1.h), so the logits equal those of the
+    step with every GEMM quantizing, to the bit, and the float64 forward's within int8 activations' tolerance."""
+    # the int8-activation kind timed fastest at every bucket, as a tuned device's entries would have it
+    monkeypatch.setattr(plan_module, "one_run_times", lambda choices, anchor: {"skinny": 2.0, "i8": 1.0}
+                        if anchor == "skinny" and "i8" in choices else {})
+    source = open_model(paths["llama"])
+    prompts = [[3, 9, 4, 12], [5, 7], [8, 6, 11]]
+    rows = [[(0, 13), (1, 14), (2, 15)], [(0, 16), (2, 17)]]
+
+    def steps(model):
+        batch = Batch(model, 3)
+        for slot, prompt in enumerate(prompts):
+            batch.prefill(slot, prompt, 0)
+        out = [batch.step(step) for step in rows]
+        names = [launch.kernel.function_name for replay in batch._replays.values() for launch in replay.steps
+                 if getattr(launch, "kernel", None) is not None]
+        return out, names
+
+    model = load(paths["llama"], device)
+    gemms = model.plan.prefill(3)[0]
+    assert {gemms[role].kind for role in ("qkv", "o", "gate_up", "down")} == {"i8"}
+    got, names = steps(model)
+    mixing = [model.mixers[0].weights[i] for i in model.mixers[0].layers]
+
+    def int4(*linears):   # the tiny model holds some matrices in other forms, run by other kernels
+        return len(rows) * sum(isinstance(linear, Q4Linear) for linear in linears)
+    outputs = int4(*[w.o for w in mixing], *[w.down for w in model.weights.layers])
+    inputs = int4(*[w.qkv for w in mixing], *[w.gate_up for w in model.weights.layers])
+    assert inputs and names.count("gemm_q4_i8_quantize_x") == outputs, "only o's and down's inputs"
+    # against the exact float64 forward, the int8 activations' rounding: the int4 GEMV's I8 bound (its spec says
+    # why), which holds a whole model's logits as it holds one product's
+    tolerance = SPECS["gemv_q4"].tolerance_for({"I8": 1})
+    for step, logits in zip(rows, got):
+        for (slot, token), row in zip(step, logits):
+            fed = [t for earlier in rows[:rows.index(step)] for s, t in earlier if s == slot] + [token]
+            want, _ = forward64.model_forward(source, prompts[slot] + fed)
+            assert relative_error(row, want[-1]) <= tolerance, (slot, fed)
+
+    monkeypatch.setattr(Model, "_rows_order", lambda self, readers, m: 0)
+    apart = load(paths["llama"], device)
+    want, apart_names = steps(apart)
+    assert apart_names.count("gemm_q4_i8_quantize_x") == outputs + inputs
+    for a, b in zip(got, want):
+        assert np.array_equal(a, b)
 
 
 def test_bad_batches_are_clear_errors(paths, device, monkeypatch):

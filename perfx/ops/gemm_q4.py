@@ -24,7 +24,7 @@ import numpy as np
 
 from perfx.errors import PerfxError
 from perfx.formats import Q4_PAIRS, q4_form_defines
-from perfx.ops import buffer_bytes
+from perfx.ops import buffer_bytes, device_buffer
 from perfx.ops.epilogue import check_gate_up, code, is_gated, output_rows
 from perfx.ops.params import BYTE_DOT_NEED, FP16_NEED, READ_BUFFER, READ_IMAGE1D, READ_IMAGE2D, READ_NEED, ParamSpace, Rule
 from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight
@@ -212,13 +212,15 @@ class GemmQ4:
             return self.kind
         return "skinny" if m <= self.crossover else "tiled"
 
-    def __call__(self, weight: Q4DeviceWeight, x, y, m: int, epilogue: str = "none"):
+    def __call__(self, weight: Q4DeviceWeight, x, y, m: int, epilogue: str = "none", quantized=None):
         """Y (m, N, or N/2 for a gate-up epilogue) = X (m, K) · Wᵀ with the epilogue; returns the last event.
 
         ``x`` and ``y`` are float32 cl.Buffers (or pyopencl Arrays), row-major. Where the weight's
-        image path holds several row blocks, one launch per block is enqueued (in order).
+        image path holds several row blocks, one launch per block is enqueued (in order). ``quantized``: X's
+        Q8_1 blocks in texel order (codes, (step, sum) pairs; ``kernels/q8_1.h``), as the norm that wrote X
+        made them, which the int8-activation kernel reads instead of quantizing X itself; other kinds read x.
         """
-        return self.run(self.choose(m), weight, x, y, m, epilogue)
+        return self.run(self.choose(m), weight, x, y, m, epilogue, quantized)
 
     def skinny(self, weight: Q4DeviceWeight, x, y, m: int, epilogue: str = "none"):
         """The tall-skinny kernel whatever M is (the tuner and the benchmark use it)."""
@@ -322,7 +324,7 @@ class GemmQ4:
             pieces.append((a, b - a, a, a + up, image_a, image_b, base_a, base_b))
         return pieces
 
-    def run(self, kind: str, weight: Q4DeviceWeight, x, y, m: int, epilogue: str = "none"):
+    def run(self, kind: str, weight: Q4DeviceWeight, x, y, m: int, epilogue: str = "none", quantized=None):
         """Y by the named kernel ("skinny", "tiled" or "f16"); ``__call__`` is ``run(choose(m), ...)``."""
         if kind not in KINDS:
             raise PerfxError(f"gemm_q4: unknown kernel {kind!r}; choose one of {', '.join(KINDS)}")
@@ -336,7 +338,14 @@ class GemmQ4:
         bias = weight.bias if weight.bias is not None else self._no_bias
         if kind == "f16":
             xb = self._to_half(xb, m * weight.k)
-        x_args = (xb,) if kind != "i8" else self._to_q8(xb, m * weight.k)
+        if kind != "i8":
+            x_args = (xb,)
+        elif quantized is not None:
+            codes, steps = quantized
+            x_args = (device_buffer(codes, m * weight.k, "gemm_q4_i8 X's int8 codes"),
+                      device_buffer(steps, 8 * m * (weight.k // 32), "gemm_q4_i8 X's steps and sums"))
+        else:
+            x_args = self._to_q8(xb, m * weight.k)
         event = None
         for y_col0, n_cols, row_a0, row_b0, codes_a, codes_b, base_a, base_b in self._segments(
                 weight, cols, is_gated(epilogue), read):

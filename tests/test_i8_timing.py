@@ -1,0 +1,76 @@
+"""An int8-activation (I8) set of the int4 decode GEMVs is timed as the decode step runs it: the GEMV alone, on x's
+Q8_1 blocks written once before by the set's own quantizing kernel (``perfx.tuning.gemv_q4.step_blocks``), where
+the step's norm, attention or gate-up tail has written them; and the check still covers that quantizing."""
+
+import numpy as np
+import pytest
+
+from perfx.ops.gemv_q4 import GemvQ4
+from perfx.ops.q4_weight import LAYOUT_ROWS
+from perfx.tuning.gemv_q4 import SPEC as GEMV_Q4
+from perfx.tuning.gemv_q4_tail import SPEC as GEMV_Q4_TAIL
+from perfx.tuning.spec import time_case
+
+# Off the tiles: 75 outputs (gate-up) and 37 rows, multiples of no ROWS × WGR but 1; K of 9 and 18 groups.
+CASES = {
+    "gemv_q4": (GEMV_Q4, {"n": 2 * 75, "k": 576, "group": 64, "epilogue": "silu_mul", "bias": False}),
+    "gemv_q4_tail": (GEMV_Q4_TAIL, {"n": 37, "k": 576, "group": 32, "epilogue": "none", "bias": False,
+                                    "tail": "norm"}),
+}
+
+
+def i8_sets(spec, shape, caps) -> list[dict]:
+    """Two I8 sets of the rows layout that differ in their product's shape (one lane a row, lanes meeting in
+    local memory), and the byte dot products' where the device has them."""
+    found = [dict(p) for p in spec.params.candidates(shape, caps) if p["LAYOUT"] == LAYOUT_ROWS and p["I8"]
+             and p["READ"] == 0]
+    picked = [next(p for p in found if p["LANES"] == 1), next(p for p in found if p["LANES"] == 16)]
+    picked += [p for p in found if p["I8"] == 2][:1]
+    return picked
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_an_i8_set_is_timed_without_the_quantizing_launch(device, rng, family):
+    spec, shape = CASES[family]
+    case = spec.make_case(device, shape, rng)
+    for params in i8_sets(spec, shape, device.caps):
+        errors = case.errors(params)
+        assert max(errors.values()) <= spec.tolerance_for(params), (params, errors)
+        with device.watch_kernels() as launched:
+            if case.steady is not None:
+                events = case.steady(params, case.steady_count)
+                products = case.steady_count
+            else:
+                events, products = case.launch(params), 1
+            for event in events:
+                event.wait()
+            time_case(case, params, warmup=1, repeat=2, device=device)
+        assert set(launched) == {"gemv_q4"}, (params, sorted(launched))
+        assert len(events) == products, params   # one launch a product: no quantizing launch before it
+
+
+@pytest.mark.parametrize("family", list(CASES))
+@pytest.mark.parametrize("fault", ["wrong steps", "nothing written"])
+def test_blocks_the_quantizing_gets_wrong_fail_the_check(device, rng, monkeypatch, family, fault):
+    """The blocks are made by the set's own quantizing kernel and the GEMV's result is checked through them against
+    the float64 product of the float x: a quantizing that writes wrong steps, or writes nothing (the blocks stay
+    poisoned), fails the check."""
+    spec, shape = CASES[family]
+    quantize = GemvQ4.quantize
+
+    def faulty(self, x, k, into=None):
+        if fault == "nothing written":
+            return [], into
+        events, buffers = quantize(self, x, k, into)
+        for event in events:
+            event.wait()
+        steps = into[1].get()
+        into[1].set(steps * np.float32(2))   # every block's step and sum doubled: y twice what it should be
+        return [], buffers
+
+    case = spec.make_case(device, shape, rng)
+    params = i8_sets(spec, shape, device.caps)[0]
+    assert max(case.errors(params).values()) <= spec.tolerance_for(params)
+    monkeypatch.setattr(GemvQ4, "quantize", faulty)
+    errors = case.errors(params)
+    assert errors["y"] > 10 * spec.tolerance_for(params), (fault, errors)

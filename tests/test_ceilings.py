@@ -4,8 +4,10 @@
 import json
 
 import numpy as np
+import pytest
 
 from perfx import cli
+from perfx.commands import report
 from perfx.timing import STREAM_WGS, read_bandwidth, stream_read, stream_read_groups, stream_read_width
 
 
@@ -67,8 +69,31 @@ def test_bench_reports_the_read_ceiling_beside_copy(device, capsys):
     rows = [r for r in data["kernels"] if "time_s" in r]
     assert rows
     for r in rows:
-        assert r["percent_of_read"] == 100 * r["gb_per_s"] / ceilings["read_gb_per_s"]
-        assert r["bound"] == "compute" or r["percent_of_ceiling"] == 100 * r["gb_per_s"] / ceilings["copy_gb_per_s"]
+        assert r["percent_of_read"] == pytest.approx(100 * r["gb_per_s"] / ceilings["read_gb_per_s"])
+        assert r["bound"] == "compute" or r["percent_of_ceiling"] == pytest.approx(100 * r["gb_per_s"]
+                                                                                   / ceilings["copy_gb_per_s"])
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "GB/s (read alone)" in out and "% read" in out
+
+
+def test_report_summary_prints_the_read_ceiling_where_the_bench_measured_one():
+    """`perfx report`'s summary: the read-only stream beside copy, each kernel's percent of both; a report written
+    before the read ceiling existed still renders, with its percent of copy."""
+    kernel = {"family": "gemv_q4", "label": "qkv", "description": "960x576 G=32", "time_s": 20e-6, "gb_per_s": 9.0,
+              "source": "device"}
+    caps = {"name": "a GPU", "platform": "a platform", "opencl_c_version": "OpenCL C 3.0", "driver_version": "1",
+            "architecture": "gpu"}
+
+    def summary(ceilings):
+        sections = {"device": {"capabilities": caps, "limits": "device"},
+                    "selftest": {"passed": 1, "failed": 0, "quick": True, "failures": []},
+                    "bench": {"model": "default", "ceilings": ceilings, "kernels": [kernel]},
+                    "tuning": {"results": {"records": []}}}
+        return report.markdown({"perfx": "0", "sections": sections}, None)
+
+    text = summary({"copy_gb_per_s": 12.0, "read_gb_per_s": 15.0, "peak_gflop_per_s": 100.0})
+    assert "read-only stream 15.0 GB/s" in text
+    assert " 75% " in text and " 60% " in text   # 9 GB/s of copy's 12 and of the read stream's 15
+    old = summary({"copy_gb_per_s": 12.0, "peak_gflop_per_s": 100.0})
+    assert "read-only stream" not in old and " 75% " in old

@@ -5,8 +5,11 @@ the step's norm, attention or gate-up tail has written them; and the check still
 import numpy as np
 import pytest
 
+from perfx.op import StepOptions
 from perfx.ops.gemv_q4 import GemvQ4
 from perfx.ops.q4_weight import LAYOUT_ROWS
+from perfx.sources.synthetic import open_synthetic
+from perfx.step import decode_step
 from perfx.tuning.gemv_q4 import SPEC as GEMV_Q4
 from perfx.tuning.gemv_q4_tail import SPEC as GEMV_Q4_TAIL
 from perfx.tuning.spec import time_case
@@ -74,3 +77,36 @@ def test_blocks_the_quantizing_gets_wrong_fail_the_check(device, rng, monkeypatc
     monkeypatch.setattr(GemvQ4, "quantize", faulty)
     errors = case.errors(params)
     assert errors["y"] > 10 * spec.tolerance_for(params), (fault, errors)
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_where_the_step_hands_no_blocks_the_quantizing_launch_is_timed(device, rng, family):
+    """A shape marked ``quantizes_x`` (the step's GEMV quantizes its x itself: ``perfx.op.quantizes_x``): each
+    product of an I8 set is its quantizing launch and the GEMV, timed and checked together."""
+    spec, shape = CASES[family]
+    shape = {**shape, "quantizes_x": True}
+    case = spec.make_case(device, shape, rng)
+    params = i8_sets(spec, shape, device.caps)[0]
+    assert max(case.errors(params).values()) <= spec.tolerance_for(params)
+    with device.watch_kernels() as launched:
+        if case.steady is not None:
+            events, products = case.steady(params, case.steady_count), case.steady_count
+        else:
+            events, products = case.launch(params), 1
+        for event in events:
+            event.wait()
+    assert set(launched) == {"gemv_q4", "gemv_q4_quantize_x"} and len(events) == 2 * products
+
+
+def test_the_step_marks_the_gemvs_it_hands_no_blocks():
+    """``quantizes_x`` on the int4 GEMVs whose x no launch before them writes as blocks (an LFM2's conv out-projection,
+    Qwen3.5's DeltaNet out-projection and its gated attention's o), in the plain and the fused step; not on those
+    the norm, the attention or gate-up's tail hands blocks (qkv, the default model's o, gate-up, down)."""
+    def marked(name, fuse):
+        ops = decode_step(open_synthetic(name).config, StepOptions(fuse=fuse))
+        return {op.weight for op in ops if op.family.startswith("gemv_q4") and op.shape.get("quantizes_x")}
+
+    for fuse in (False, True):
+        assert marked("lfm2-350m", fuse) == {"conv_out"}
+        assert marked("qwen3.5-0.8b", fuse) == {"delta_out", "o"}
+        assert marked("llama-2-7b", fuse) == set()

@@ -8,8 +8,8 @@ RMSNorm or a quantizing launch after them (``perfx.step``).
 
 A set reading x as Q8_1 blocks (I8) is timed on blocks written once before, as gemv_q4's (``step_blocks``): in the
 fused step the launch before each of these GEMVs writes them (the decode attention for o, the norm in o's tail for
-gate-up, gate-up's tail for down), except for the short convolution's and the DeltaNet's out-projections and a gated
-attention's o, which quantize x themselves.
+gate-up, gate-up's tail for down), except where the shape carries ``quantizes_x`` (the short convolution's and the
+DeltaNet's out-projections, o after a gated attention: ``perfx.op.quantizes_x``), timed with the quantizing launch.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def make_case(device, shape, rng) -> Case:
     uploaded = lazy_copies(lambda: Q4DeviceWeight.upload(device, q4, bias, read_paths(device, n, k, LAYOUT_ROWS),
                                                             layout=LAYOUT_ROWS))
     copies = copies_past_cache(device, _weight_bytes(shape))
-    x_blocks = step_blocks(device, x, k, wrapper)
+    x_blocks = (lambda params, fresh=False: None) if shape.get("quantizes_x") else step_blocks(device, x, k, wrapper)
     state = {"i": 0}
 
     def launch(params):
@@ -146,10 +146,11 @@ SPEC = Spec(
         "a wrong γ, eps or row scale shows far above it. The Q8_1 blocks have no tolerance of their own: q8_excess, "
         "their distance from a correct rounding of the kernel's own output, must be 0"),
     variant_tolerances=GEMV_Q4.variant_tolerances,   # the product's fp16 and int8-activation forms, as gemv_q4's
-    # An off-grid norm (N = 37: no whole blocks, not a multiple of any ROWS·WGR), one with bias and its blocks
+    # An off-grid norm (N = 37: no whole blocks, not a multiple of any ROWS·WGR; x not handed as blocks, so I8 sets
+    # quantize it themselves), one with bias and its blocks
     # (N = 96), the post-norm form in y's own order, and gate-up with each activation and its output's blocks.
     test_shapes=(
-        {"n": 37, "k": 576, "group": 32, "epilogue": "none", "bias": False, "tail": "norm"},
+        {"n": 37, "k": 576, "group": 32, "epilogue": "none", "bias": False, "tail": "norm", "quantizes_x": True},
         {"n": 96, "k": 640, "group": 128, "epilogue": "none", "bias": True, "tail": "norm", "q8": True},
         {"n": 160, "k": 1344, "group": 64, "epilogue": "none", "bias": False, "tail": "norm", "post": True,
          "q8": True, "natural": True},

@@ -1,6 +1,7 @@
 """An int8-activation (I8) set of the int4 decode GEMVs is timed as the decode step runs it: the GEMV alone, on x's
 Q8_1 blocks written once before by the set's own quantizing kernel (``perfx.tuning.gemv_q4.step_blocks``), where
-the step's norm, attention or gate-up tail has written them; and the check still covers that quantizing."""
+the step's norm, attention or gate-up tail has written them; and the check still covers that quantizing. Where the
+step hands the GEMV no blocks (a shape marked ``quantizes_x``), its quantizing launch is timed with it."""
 
 import numpy as np
 import pytest

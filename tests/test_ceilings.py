@@ -97,3 +97,13 @@ def test_report_summary_prints_the_read_ceiling_where_the_bench_measured_one():
     assert " 75% " in text and " 60% " in text   # 9 GB/s of copy's 12 and of the read stream's 15
     old = summary({"copy_gb_per_s": 12.0, "peak_gflop_per_s": 100.0})
     assert "read-only stream" not in old and " 75% " in old
+
+
+def test_tune_reports_the_read_ceiling_beside_copy(device, tmp_path, monkeypatch, capsys):
+    """`perfx tune --json` measures both memory ceilings (`--plot`'s ceilings.png draws both)."""
+    monkeypatch.setenv("PERFX_CACHE", str(tmp_path / "cache"))
+    argv = ["tune", "--device", device.entry.index, "--model", "synthetic:tiny", "--kernels", "argmax",
+            "--budget", "3", "--json"]
+    assert cli.main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["read_gb_per_s"] > 0 and data["copy_gb_per_s"] > 0

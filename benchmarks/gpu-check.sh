@@ -20,8 +20,19 @@ SECONDS=0
   python3 -m perfx info --json > "$OUT/info.json" && python3 -m perfx info | head -30
   # correctness first: every family at its defaults
   timeout 60 python3 -m perfx selftest --quick --json > "$OUT/selftest-quick.json"; echo "selftest --quick exit $?"
-  # the decode GEMVs at 7B shapes, each against copy (and a read-only stream where bench has one)
+  # the decode GEMVs at 7B shapes, each against copy and the read-only stream
   timeout 100 python3 -m perfx bench --model $M7 --kernels gemv_q4,gemv_q8,rmsnorm,attention_decode --max-m 1 --json > "$OUT/bench-7b-decode.json"; echo "bench decode exit $?"
+  python3 - "$OUT/bench-7b-decode.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+c = d["ceilings"]
+print(f"ceilings: copy {c['copy_gb_per_s']:.1f} GB/s, read {c['read_gb_per_s']:.1f} GB/s, "
+      f"peak {c['peak_gflop_per_s']:.0f} GFLOP/s")
+for r in d["kernels"]:
+    if "time_s" in r:
+        print(f"  {r['family']} {r['label']} {r['description']}: {r['time_s'] * 1e6:.1f} us, "
+              f"{r['percent_of_ceiling']:.0f}% copy, {r['percent_of_read']:.0f}% read")
+PY
   # end to end: decode tok/s, host ms a token, launches a token; a 64-token prompt
   timeout 100 python3 -m perfx bench --model $M7 --e2e --no-fuse --max-m 64 --json > "$OUT/bench-7b-e2e.json"; echo "bench e2e 7B exit $?"
   # the same with the norms as GEMV tails (5 launches a dense layer against 8); the default follows the compiler

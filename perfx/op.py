@@ -105,6 +105,21 @@ def _q8_form_keys(form: Form) -> dict:
     return {"f32": form.f32, **({"sym": True} if form.symmetric else {})}
 
 
+# Int4 matrices whose x no launch before them writes as Q8_1 blocks in the decode step: the GEMV quantizes x itself.
+OWN_BLOCKS_ROLES = ("conv_out", "delta_out", "ple_gate", "ple_proj", "ple_model", "laurel_r")
+
+
+def quantizes_x(config, role: str) -> bool:
+    """Whether the decode step hands the int4 GEMV of ``role`` no Q8_1 blocks of its x, so that an int8-activation
+    set quantizes x by a launch of its own there (``tuning/gemv_q4.py`` times it so): the roles of
+    ``OWN_BLOCKS_ROLES``, and o where the attention writes none (an output gate after it, heads not whole blocks of
+    32: ``AttentionMixer.writes_blocks``). down in the unfused step is not marked: its shape keys the entries the
+    fused step's down reads too, which gate-up's tail hands blocks."""
+    if role == "o":
+        return bool(config.attention_gate) or config.head_dim % 32 != 0
+    return role in OWN_BLOCKS_ROLES
+
+
 def gemv_shape(config, label: str, form: Form, n: int, k: int, epilogue: str = "none",
                bias: bool = False) -> tuple[str, dict]:
     """(family, shape) of the decode GEMV of a matrix in ``form``."""
@@ -115,6 +130,8 @@ def gemv_shape(config, label: str, form: Form, n: int, k: int, epilogue: str = "
         shape.update(_q8_form_keys(form))
     if label == "qkv" and not config.kv_shared:   # (a layer reading another's cache projects q alone)
         shape["parts"] = [config.q_dim, config.kv_dim, config.kv_dim]
+    if form.kind == "q4" and quantizes_x(config, label):
+        shape["quantizes_x"] = True
     return ("gemv_q8" if form.kind == "q8" else "gemv_q4"), shape
 
 

@@ -59,13 +59,17 @@ def plot_parameters(result, path: Path, plt) -> None:
     plt.close(figure)
 
 
-def plot_ceilings(results, path: Path, copy_gbps: float, peak_gflops: float | None, plt) -> None:
-    """Achieved bandwidth of each problem's best against copy bandwidth, and a roofline where flops count."""
+def plot_ceilings(results, path: Path, copy_gbps: float, peak_gflops: float | None, plt,
+                  read_gbps: float | None = None) -> None:
+    """Achieved bandwidth of each problem's best against copy bandwidth (and the read-only stream where measured),
+    and a roofline where flops count."""
     done = [r for r in results if r.time_s]
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, max(3.0, 0.28 * len(done) + 1.5)))
     labels = [f"{r.family} {r.description}" for r in done]
     left.barh(range(len(done)), [r.rate()[0] for r in done], color="tab:blue")
     left.axvline(copy_gbps, color="tab:red", linestyle="--", label=f"copy {copy_gbps:.1f} GB/s")
+    if read_gbps:
+        left.axvline(read_gbps, color="tab:orange", linestyle=":", label=f"read-only stream {read_gbps:.1f} GB/s")
     left.set_yticks(range(len(done)), labels, fontsize=6)
     left.invert_yaxis()
     left.set_xlabel("achieved GB/s (parameters in force)")
@@ -89,7 +93,8 @@ def plot_ceilings(results, path: Path, copy_gbps: float, peak_gflops: float | No
     plt.close(figure)
 
 
-def write_tuning_plots(results, directory, copy_gbps: float, peak_gflops: float | None = None) -> list[Path]:
+def write_tuning_plots(results, directory, copy_gbps: float, peak_gflops: float | None = None,
+                       read_gbps: float | None = None) -> list[Path]:
     """One PNG per problem (time against each parameter) and ceilings.png; returns the paths written."""
     plt = _pyplot()
     directory = Path(directory)
@@ -100,6 +105,6 @@ def write_tuning_plots(results, directory, copy_gbps: float, peak_gflops: float 
         plot_parameters(result, path, plt)
         written.append(path)
     path = directory / "ceilings.png"
-    plot_ceilings(results, path, copy_gbps, peak_gflops, plt)
+    plot_ceilings(results, path, copy_gbps, peak_gflops, plt, read_gbps)
     written.append(path)
     return written

@@ -1,7 +1,8 @@
 """One timing module for `perfx bench`, the tuner and the pytest-benchmark suite.
 
 Kernels are timed with profiling events (device time, not Python time): warm-up launches, then
-repeated launches, the median reported with every sample kept. The events come from the device's profiling
+repeated launches, the median reported with every sample kept. The device's memory ceilings are measured here
+too: copy bandwidth (read and write) and the read-only stream. The events come from the device's profiling
 queue (``Device.profiling``), which a timing enters itself; the queue a model decodes on records none. Where a
 case holds several copies of its inputs, they are rotated between launches so that caches do not flatter the
 figure.
@@ -112,6 +113,55 @@ def copy_bandwidth(device: Device, nbytes: int = 64 << 20, copies: int = 2, repe
     nbytes = min(nbytes, device.caps.max_alloc) // 32 * 32
     timing = time_launches(_copy_launcher(device, nbytes, copies), warmup=2, repeat=repeat, device=device)
     return 2 * nbytes / timing.median_s / 1e9, timing
+
+
+STREAM_WGS = 64   # kernels/stream_read.cl's work-group
+
+
+def stream_read_width(device: Device) -> int:
+    """Floats a work-item of ``stream_read`` loads at once (VWR): PoCL gets its bandwidth from wide types only."""
+    return 8 if device.caps.vendor_key == "pocl" else 4
+
+
+def stream_read_groups(device: Device, count: int) -> int:
+    """Work-groups ``stream_read`` launches over ``count`` floats: as many work-items as the copy kernel's, at
+    most one a vector, whole work-groups of ``STREAM_WGS``."""
+    vectors = count // stream_read_width(device)
+    return max(1, min(vectors, device.caps.compute_units * 2048) // STREAM_WGS)
+
+
+def stream_read(device: Device, src, sums, count: int):
+    """Enqueue kernels/stream_read.cl over ``count`` floats of the float32 device array ``src``: sums[g] = the sum of
+    the floats work-group g reads (which ones: the file's shape contract), for the ``stream_read_groups`` work-groups;
+    returns the event."""
+    kernel = device.kernel("stream_read.cl", "stream_read", {"VWR": stream_read_width(device), "WGS": STREAM_WGS})
+    groups = stream_read_groups(device, count)
+    return device.launch(kernel, (groups * STREAM_WGS,), (STREAM_WGS,), np.int32(count), src.data, sums.data)
+
+
+def read_bandwidth(device: Device, nbytes: int = 64 << 20, copies: int = 2, repeat: int = 10) -> tuple[float, Timing]:
+    """The device's read-only stream bandwidth in GB/s (bytes read, and the few written), measured with
+    kernels/stream_read.cl: a decode GEMV reads its weight and writes a vector, so this is the ceiling it could
+    reach, where copy's (``copy_bandwidth``) also writes what it reads.
+
+    The sources rotate as copy's pairs do, at least ``copies`` of them and enough that together they exceed
+    twice the device's largest cache, so no read is served from it.
+    """
+    nbytes = min(nbytes, device.caps.max_alloc) // 32 * 32
+    count = nbytes // 4
+    past_cache = -(-2 * device.caps.cache_bytes // nbytes)
+    copies = max(copies, min(past_cache, device.caps.global_mem // 4 // nbytes))
+    rng = np.random.default_rng(0)
+    sources = [device.upload(rng.standard_normal(count, dtype=np.float32)) for _ in range(copies)]
+    sums = device.empty(stream_read_groups(device, count), np.float32)
+    state = {"i": 0}
+
+    def launch():
+        src = sources[state["i"] % copies]
+        state["i"] += 1
+        return [stream_read(device, src, sums, count)]
+    timing = time_launches(launch, warmup=2, repeat=repeat, device=device)
+    return (nbytes + sums.nbytes) / timing.median_s / 1e9, timing
 
 
 def bootstrap_ratio(numerator, denominator, rng: np.random.Generator, resamples: int = 2000,

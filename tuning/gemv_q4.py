@@ -4,11 +4,29 @@ GELU·mul).
 A shape is a dict: ``n`` rows of W (gate-up: 2·I, gate rows then up rows), ``k``, ``group``,
 ``epilogue`` ("none" | "silu_mul" | "gelu_mul"), ``bias`` (bool), optionally ``parts`` (row counts of matrices
 fused along N, e.g. QKV), optionally ``form`` (the int4 scales' form, ``perfx.formats.Q4_PAIRS`` when absent,
-as every tuned shape: tests run the others). Timings rotate through copies of the weight past the device's cache
+as every tuned shape: tests run the others), optionally ``quantizes_x`` (True: the decode step hands this GEMV no
+Q8_1 blocks of x, ``perfx.op.quantizes_x``). Timings rotate through copies of the weight past the device's cache
 (``copies_past_cache``), as a decode step reads it: from memory.
+
+A set reading x as Q8_1 blocks (the rows layout's I8) is timed as the decode step runs it: the GEMV alone, on
+blocks its own quantizing kernel wrote once before (``step_blocks``), and checked through them, so the check
+still covers the quantizing. In the decode step the launch before an int4 GEMV writes its x's blocks
+(``perfx.model``, ``perfx.mixers.attention``): the norm (or the tail of the GEMV before it) for qkv, gate-up,
+the in-projections of the other mixers and the int4 lm_head; the decode attention for o (heads of whole blocks
+of 32, no output gate); gate-up's tail for down in the fused step (``perfx.step.fused_step``, the default
+where the device's compiler orders the tails' hand-off). The int4 GEMVs that quantize x by a launch of their
+own in the step are the short convolution's and the DeltaNet's out-projections, o after a gated attention or
+with heads not whole blocks of 32, Gemma 4's per-layer matrices and Gemma 3n's per-layer gate and LAuReL R: their
+shapes carry ``quantizes_x``, and an I8 set is timed there with its quantizing launch before each product. So is
+down in the unfused step (``PERFX_FUSE=off``, a compiler without the ordered hand-off), but its shape is not
+marked: it keys the shipped entries that both steps' down reads (the fused step's tail takes the plain GEMV's set
+where it has none of its own, and is handed blocks), and a key changed would orphan them; there the tuner leaves
+out a launch the step runs (its cost at the default model's down: ``benchmarks/NOTES.md``).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 
@@ -16,6 +34,7 @@ from perfx import reference
 from perfx.formats import Q4_PAIRS, Q4Matrix, q4_scale_bytes
 from perfx.ops.epilogue import output_rows
 from perfx.ops.gemv_q4 import PARAMS, GemvQ4
+from perfx.ops.params import Params
 from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight, available_paths, image2d_fits
 from perfx.tuning.spec import (Case, Spec, cached_per_params, copies_past_cache, epilogue_reference, lazy_copies,
                                rotating_case)
@@ -52,6 +71,31 @@ def read_paths(device, n: int, k: int, layout: int) -> tuple[str, ...]:
     return paths
 
 
+def step_blocks(device, x, k: int, wrapper) -> Callable[[Params, bool], tuple | None]:
+    """``blocks(params, fresh)``: x's Q8_1 blocks (K int8 codes, K/32 (step, sum) pairs) for a parameter set whose
+    product reads them (``wrapper(params).reads_quantized``; None for the others), written by that set's own
+    quantizing kernel into buffers of its own and waited for: once, or again, poisoned first, where ``fresh`` (a
+    check's run, so a block the quantizing leaves unwritten or gets wrong shows in the product)."""
+    def allocate(params):
+        return device.empty(k, np.int8), device.empty((k // 32, 2), np.float32), {"written": False}
+    held = cached_per_params(allocate)
+
+    def blocks(params: Params, fresh: bool = False):
+        made = wrapper(params)
+        if not made.reads_quantized:
+            return None
+        codes, steps, state = held(params)
+        if fresh or not state["written"]:
+            if fresh:
+                device.fill(codes, np.int8(127)).wait()
+                device.fill(steps, np.float32(np.nan)).wait()
+            for event in made.quantize(x, k, (codes, steps))[0]:
+                event.wait()
+            state["written"] = True
+        return codes, steps
+    return blocks
+
+
 def make_case(device, shape, rng) -> Case:
     n, k, group = shape["n"], shape["k"], shape["group"]
     epilogue = shape.get("epilogue", "none")
@@ -73,10 +117,11 @@ def make_case(device, shape, rng) -> Case:
     # The weight's copies in each layout, uploaded when a candidate of that layout first reaches them.
     uploaded = cached_per_params(lambda key: lazy_copies(lambda: Q4DeviceWeight.upload(
         device, q4, bias, read_paths(device, n, k, key["LAYOUT"]), layout=key["LAYOUT"])))
+    blocks = None if shape.get("quantizes_x") else step_blocks(device, x, k, wrapper)
     return rotating_case(expected, y, copies_past_cache(device, _weight_bytes(shape)),
                          lambda i, params: wrapper(params).events(uploaded({"LAYOUT": params["LAYOUT"]})(i), x, y,
-                                                                  epilogue),
-                         device=device)
+                                                                  epilogue, quantized=blocks(params) if blocks else None),
+                         device=device, prepare=blocks)
 
 
 def programs(device, shape, params) -> None:
@@ -122,7 +167,8 @@ def flops(shape) -> int:
 
 def describe(s) -> str:
     return (f"{s['n']}x{s['k']} G={s['group']}" + (" +bias" if s.get("bias") else "")
-            + (f" {s['epilogue']}" if s.get("epilogue", "none") != "none" else ""))
+            + (f" {s['epilogue']}" if s.get("epilogue", "none") != "none" else "")
+            + (" quantizes x" if s.get("quantizes_x") else ""))
 
 
 SPEC = Spec(
@@ -155,11 +201,12 @@ SPEC = Spec(
             "the fp32 tolerance")),
     },
     # Build variants (G and epilogue are defines): N = 1000, K = 4160 (65 groups of 64); a fused QKV with
-    # bias; an off-grid matrix; an off-grid gate-up with each activation (SwiGLU, GeGLU).
+    # bias; an off-grid matrix, one the decode step hands no blocks of x (``quantizes_x``: I8 sets quantize x
+    # themselves); an off-grid gate-up with each activation (SwiGLU, GeGLU).
     test_shapes=(
         {"n": 1000, "k": 4160, "group": 64, "epilogue": "none", "bias": False},
         {"n": 960, "k": 576, "group": 32, "epilogue": "none", "bias": True, "parts": (576, 192, 192)},
-        {"n": 37, "k": 576, "group": 32, "epilogue": "none", "bias": False},
+        {"n": 37, "k": 576, "group": 32, "epilogue": "none", "bias": False, "quantizes_x": True},
         {"n": 2 * 203, "k": 640, "group": 128, "epilogue": "silu_mul", "bias": False},
         {"n": 2 * 75, "k": 576, "group": 64, "epilogue": "gelu_mul", "bias": False},
     ),

@@ -57,11 +57,12 @@ SPEC = Spec(
         "~10–30× max|y|, so 1e-4 of max|y| leaves >3× margin while one wrong code (|Δw| = s ≈ 0.0025 times |x| "
         "~ 3), a missing texel, group or slice still shows"),
     # N = 1000, K = 4160 (130 texels: slices of 66, 34, 18, 10 that do not divide it; 65 groups of 64); a fused
-    # QKV with bias; an off-grid matrix; an off-grid gate-up with each activation (SwiGLU, GeGLU).
+    # QKV with bias; an off-grid matrix (marked as gemv_q4's whose x the step hands no blocks: the split reads x
+    # as floats either way); an off-grid gate-up with each activation (SwiGLU, GeGLU).
     test_shapes=(
         {"n": 1000, "k": 4160, "group": 64, "epilogue": "none", "bias": False},
         {"n": 960, "k": 576, "group": 32, "epilogue": "none", "bias": True, "parts": (576, 192, 192)},
-        {"n": 37, "k": 576, "group": 32, "epilogue": "none", "bias": False},
+        {"n": 37, "k": 576, "group": 32, "epilogue": "none", "bias": False, "quantizes_x": True},
         {"n": 2 * 203, "k": 640, "group": 128, "epilogue": "silu_mul", "bias": False},
         {"n": 2 * 75, "k": 1344, "group": 64, "epilogue": "gelu_mul", "bias": True},
     ),

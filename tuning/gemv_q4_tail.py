@@ -5,6 +5,11 @@ Its shapes are gemv_q4's (``n``, ``k``, ``group``, ``epilogue``, ``bias``, optio
 xn's Q8_1 blocks, in y's own order where ``natural``) or "q8" (y's own Q8_1 blocks, in the texel order, or natural).
 The decode step runs it for the o and down projections (norm) and gate-up (q8), where the plain step ran an
 RMSNorm or a quantizing launch after them (``perfx.step``).
+
+A set reading x as Q8_1 blocks (I8) is timed on blocks written once before, as gemv_q4's (``step_blocks``): in the
+fused step the launch before each of these GEMVs writes them (the decode attention for o, the norm in o's tail for
+gate-up, gate-up's tail for down), except where the shape carries ``quantizes_x`` (the short convolution's and the
+DeltaNet's out-projections, o after a gated attention: ``perfx.op.quantizes_x``), timed with the quantizing launch.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from perfx.formats import Q4_PAIRS, Q4Matrix
 from perfx.ops import Q8_NATURAL, Q8_TEXEL
 from perfx.ops.gemv_q4_tail import PARAMS, GemvQ4Tail
 from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight
-from perfx.tuning.gemv_q4 import SPEC as GEMV_Q4, _outputs, _weight_bytes, activations, describe, flops, read_paths
+from perfx.tuning.gemv_q4 import (SPEC as GEMV_Q4, _outputs, _weight_bytes, activations, describe, flops, read_paths,
+                                  step_blocks)
 from perfx.tuning.spec import Case, Spec, cached_per_params, copies_past_cache, epilogue_reference, lazy_copies
 
 EPS = 1e-5
@@ -53,13 +59,14 @@ def make_case(device, shape, rng) -> Case:
     uploaded = lazy_copies(lambda: Q4DeviceWeight.upload(device, q4, bias, read_paths(device, n, k, LAYOUT_ROWS),
                                                             layout=LAYOUT_ROWS))
     copies = copies_past_cache(device, _weight_bytes(shape))
+    x_blocks = (lambda params, fresh=False: None) if shape.get("quantizes_x") else step_blocks(device, x, k, wrapper)
     state = {"i": 0}
 
     def launch(params):
-        weight = uploaded(state["i"])
+        weight, quantized = uploaded(state["i"]), x_blocks(params)
         if tail == "q8":
-            return wrapper(params).quantize_output(weight, x, y, blocks, order, epilogue)
-        return wrapper(params).norm(weight, x, y, residual, gamma, EPS, xn, post_gamma, blocks, order)
+            return wrapper(params).quantize_output(weight, x, y, blocks, order, epilogue, quantized)
+        return wrapper(params).norm(weight, x, y, residual, gamma, EPS, xn, post_gamma, blocks, order, quantized)
 
     def run(params):
         state["i"] = 0
@@ -69,6 +76,7 @@ def make_case(device, shape, rng) -> Case:
         if order:
             blocks[0].set(np.full(m, 127, np.int8))
             blocks[1].set(np.full((m // 32, 2), np.nan, np.float32))
+        x_blocks(params, True)
         for event in launch(params):
             event.wait()
         out = {"y": y.get()}
@@ -138,10 +146,11 @@ SPEC = Spec(
         "a wrong γ, eps or row scale shows far above it. The Q8_1 blocks have no tolerance of their own: q8_excess, "
         "their distance from a correct rounding of the kernel's own output, must be 0"),
     variant_tolerances=GEMV_Q4.variant_tolerances,   # the product's fp16 and int8-activation forms, as gemv_q4's
-    # An off-grid norm (N = 37: no whole blocks, not a multiple of any ROWS·WGR), one with bias and its blocks
+    # An off-grid norm (N = 37: no whole blocks, not a multiple of any ROWS·WGR; x not handed as blocks, so I8 sets
+    # quantize it themselves), one with bias and its blocks
     # (N = 96), the post-norm form in y's own order, and gate-up with each activation and its output's blocks.
     test_shapes=(
-        {"n": 37, "k": 576, "group": 32, "epilogue": "none", "bias": False, "tail": "norm"},
+        {"n": 37, "k": 576, "group": 32, "epilogue": "none", "bias": False, "tail": "norm", "quantizes_x": True},
         {"n": 96, "k": 640, "group": 128, "epilogue": "none", "bias": True, "tail": "norm", "q8": True},
         {"n": 160, "k": 1344, "group": 64, "epilogue": "none", "bias": False, "tail": "norm", "post": True,
          "q8": True, "natural": True},

@@ -141,21 +141,29 @@ def lazy_copies(upload: Callable[[], Any]) -> Callable[[int], Any]:
 
 
 def rotating_case(expected: np.ndarray, y, copies: int, launch_copy: Callable[[int, Params], list],
-                  device=None) -> Case:
+                  device=None, prepare: Callable[[Params, bool], None] | None = None) -> Case:
     """A one-output case over ``copies`` copies of its inputs: ``launch_copy(i, params)`` enqueues on copy i
     into the device array ``y``; run poisons y and uses copy 0, rotate steps to the next copy. With ``device``
     the case also times steadily (``Case.steady``): a decode step's kernels run back to back, and one product
     timed alone after the host's wait carries the runtime's wake-up and, on a CPU, its second thread's late
-    start (the default model's decode GEMVs ranked differently alone than in the step: ``benchmarks/NOTES.md``)."""
+    start (the default model's decode GEMVs ranked differently alone than in the step: ``benchmarks/NOTES.md``).
+
+    ``prepare(params, fresh)``: makes (and waits for) an input of the parameter set that the decode step's earlier
+    launches have written before its product runs (x's Q8_1 blocks), so that no timing includes the launch making
+    it: before every run with ``fresh`` True (the check covers what it writes), else only where the set has none
+    yet, and always outside a recording."""
     state = {"i": 0}
+    ready = prepare or (lambda params, fresh: None)
 
     def launch(params):
+        ready(params, False)
         return launch_copy(state["i"], params)
 
     def run(params):
         state["i"] = 0
         y.fill(np.float32(np.nan))
-        for event in launch(params):
+        ready(params, True)
+        for event in launch_copy(state["i"], params):
             event.wait()
         return {"y": y.get()}
 
@@ -170,6 +178,7 @@ def rotating_case(expected: np.ndarray, y, copies: int, launch_copy: Callable[[i
     count = copies
 
     def record(params):
+        ready(params, False)
         with device.record() as launches:
             for i in range(count):
                 launch_copy((state["i"] + i) % copies, params)
@@ -180,7 +189,7 @@ def rotating_case(expected: np.ndarray, y, copies: int, launch_copy: Callable[[i
 
     def steady(params, products: int = count):
         steps = recorded(params)
-        per = len(steps) // count   # launches a product (x's quantization first, where there is one)
+        per = len(steps) // count   # launches a product (x's quantization first, where the product makes it)
         start = position["next"]
         position["next"] = (start + products) % count
         order = steps[start * per:] + steps[:start * per]

@@ -206,14 +206,16 @@ def markdown(report: dict, device: Device) -> str:
         if name not in s:
             continue
         bench = s[name]
-        copy = bench["ceilings"]["copy_gb_per_s"]
-        lines += ["", f"**{bench['model']}**: copy bandwidth {copy:.1f} GB/s, peak "
-                      f"{bench['ceilings']['peak_gflop_per_s']:.0f} GFLOP/s", ""]
-        rows = [("kernel", "use", "shape", "time", "GB/s", "% copy", "from")]
+        copy, read = bench["ceilings"]["copy_gb_per_s"], bench["ceilings"].get("read_gb_per_s")
+        lines += ["", f"**{bench['model']}**: copy bandwidth {copy:.1f} GB/s"
+                      + (f", read-only stream {read:.1f} GB/s" if read else "")
+                      + f", peak {bench['ceilings']['peak_gflop_per_s']:.0f} GFLOP/s", ""]
+        rows = [("kernel", "use", "shape", "time", "GB/s", "% copy", "% read", "from")]
         for r in bench["kernels"]:
             if "time_s" in r:
                 rows.append((r["family"], r["label"], r["description"], f"{r['time_s'] * 1e6:.1f} us",
-                             f"{r['gb_per_s']:.2f}", f"{100 * r['gb_per_s'] / copy:.0f}%", r["source"]))
+                             f"{r['gb_per_s']:.2f}", f"{100 * r['gb_per_s'] / copy:.0f}%",
+                             f"{100 * r['gb_per_s'] / read:.0f}%" if read else "-", r["source"]))
         lines += ["```", format_table(rows), "```"]
     if "replay" in s:
         replays = s["replay"]["replays"]

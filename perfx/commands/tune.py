@@ -21,7 +21,7 @@ from perfx.ops.gemm_q8 import FAMILIES as Q8_GEMM_FAMILIES
 from perfx.progress import Progress, format_table
 from perfx.resources import read_json, write_atomic
 from perfx.runtime import DEVICE_HELP, Device
-from perfx.timing import copy_bandwidth
+from perfx.timing import copy_bandwidth, read_bandwidth
 from perfx.tuning import select_specs
 from perfx.tuning.database import Database, merge, results_json
 from perfx.tuning.problems import problems_for
@@ -266,6 +266,7 @@ def main(args) -> int:
     for note in notes:
         print(f"  note: {note}", file=sys.stderr)
     copy_gbps, _ = copy_bandwidth(device)
+    read_gbps, _ = read_bandwidth(device)
     progress = Progress(len(problems), "tune", enabled=None if not args.json else False)
     tuner = Tuner(device, database, budget_s=args.budget, progress=progress)
     results = _until_interrupted(progress, lambda: tuner.tune([(families[p.family], p.shape, p.label)
@@ -278,6 +279,7 @@ def main(args) -> int:
     if args.json:
         print(json.dumps({"device": device.fingerprint, "architecture": device.caps.architecture,
                           "model": args.model, "budget_s": args.budget, "copy_gb_per_s": copy_gbps,
+                          "read_gb_per_s": read_gbps,
                           "database": str(database.device_path(device.fingerprint)), "notes": notes,
                           "drift_events": tuner.drift.events, "sweep": tuner.report(results),
                           "problems": [r.as_dict() for r in results]},
@@ -286,13 +288,13 @@ def main(args) -> int:
         print(format_table(summary_rows(results, copy_gbps)))
         print(drift_line(results, tuner))
         print(split_line(tuner.report(results)))
-        print(f"copy bandwidth {copy_gbps:.1f} GB/s; rate is GB/s for memory-bound kernels, GFLOP/s where "
-              "a kernel does more than 8 flops per byte")
+        print(f"copy bandwidth {copy_gbps:.1f} GB/s, read-only stream {read_gbps:.1f} GB/s; rate is GB/s for "
+              "memory-bound kernels (% of copy), GFLOP/s where a kernel does more than 8 flops per byte")
         lines = crossover_lines(results)
         if lines:
             print("prefill GEMM, faster kernel per matrix and M bucket:\n" + "\n".join(lines))
     if args.plot:
-        written = plots.write_tuning_plots(results, args.plot, copy_gbps)
+        written = plots.write_tuning_plots(results, args.plot, copy_gbps, read_gbps=read_gbps)
         say(f"wrote {len(written)} plots to {args.plot}")
     if args.export:
         count = database.export(device, args.export)

@@ -196,16 +196,21 @@ class GemvQ4:
         """Whether the build of ``defines`` takes the newest OpenCL C the compiler has (``Device.build``)."""
         return defines["I8"] == 2   # the byte dot products' built-ins are declared from OpenCL C 2.0 on
 
-    def quantize(self, x, k: int) -> tuple[list[cl.Event], tuple]:
+    def quantize(self, x, k: int, into: tuple | None = None) -> tuple[list[cl.Event], tuple]:
         """With the rows layout's I8: enqueue x (K floats) quantized per block of 32 into this wrapper's buffers
-        for K; returns the launch's events and the buffers (int8 codes in a texel's order, float2 step and sum
-        per block)."""
-        buffers = self._quantized.get(k)
+        for K, or into the caller's (``into``: K int8 codes, K/32 float pairs); returns the launch's events and the
+        buffers (int8 codes in a texel's order, float2 step and sum per block)."""
+        if into is not None:
+            buffers = (device_buffer(into[0], k, "gemv_q4 quantized x"),
+                       device_buffer(into[1], 8 * (k // 32), "gemv_q4 quantized x's steps and sums"))
+        else:
+            buffers = self._quantized.get(k)
         if buffers is None:
             buffers = self._quantized[k] = (
                 self.device.alloc(k, what="gemv_q4 quantized x"),
                 self.device.alloc(8 * (k // 32), what="gemv_q4 quantized x's steps and sums"))
-        event = self.device.launch(self.quantize_kernel(), (k // 32,), None, np.int32(k), x, *buffers)
+        event = self.device.launch(self.quantize_kernel(), (k // 32,), None, np.int32(k),
+                                   device_buffer(x, 4 * k, "gemv_q4 x"), *buffers)
         return [event], buffers
 
     def quantize_kernel(self) -> cl.Kernel:

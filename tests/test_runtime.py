@@ -449,3 +449,34 @@ def test_a_replayed_step_enqueues_each_recorded_launch_and_copy_in_order(device)
         a.set(np.full(4, value, np.float32))
         replay.enqueue(device.queue)
         np.testing.assert_array_equal(e.get(), value)
+
+
+def test_recorded_launches_look_up_pyopencl_s_invoker_once_a_signature_and_each_keeps_its_arguments(device,
+                                                                                                     monkeypatch):
+    """A recording makes a Kernel a launch: pyopencl's argument-setting code for it comes from memory after the
+    first of its signature (not from pyopencl's on-disk cache each time), and each launch keeps the arguments it
+    was recorded with although they come from one kernel (clones where the driver has clCloneKernel)."""
+    from pyopencl import invoker
+
+    from perfx.runtime import implementations
+    original = invoker.generate_enqueue_and_set_args.__wrapped__
+    looked_up = []
+
+    def counting(*args, **kwargs):
+        looked_up.append(args[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(invoker, "generate_enqueue_and_set_args", counting)
+    implementations._memoize_kernel_invokers()
+    kernel = device.kernel("copy.cl", "copy_vectors", {"VWC": 4})
+    n = 64
+    sources = [device.upload(np.full(n, i, np.float32)) for i in range(6)]
+    outputs = [device.poisoned(n, np.float32) for _ in range(6)]
+    with device.record() as steps:
+        for src, out in zip(sources, outputs):
+            device.launch(kernel, (n // 4,), None, np.int32(n // 4), src.data, out.data)
+    assert looked_up.count("copy_vectors") <= 1, looked_up
+    for step in reversed(steps):   # in reverse: each launch's arguments are its own, not the last one set
+        step.enqueue(device.queue)
+    for i, out in enumerate(outputs):
+        assert np.array_equal(out.get(), np.full(n, i, np.float32))

@@ -1,6 +1,6 @@
 """Preparing the process for OpenCL, once, when perfx first needs a device (never at import): the
-OpenCL implementations installed from PyPI made visible to the ICD loader, and pyopencl's warnings and
-build-log settings.
+OpenCL implementations installed from PyPI made visible to the ICD loader, pyopencl's warnings and
+build-log settings, and one look-up of pyopencl's argument-setting code per kernel signature.
 
 pyopencl's wheel bundles ocl-icd, which loads the libraries named by the .icd files of one folder
 (OCL_ICD_VENDORS if it is a folder, else OPENCL_VENDOR_PATH, else /etc/OpenCL/vendors), plus the PoCL
@@ -48,6 +48,7 @@ def prepare() -> None:
       without a default when a build fails for another reason than the source (CL_INVALID_BUILD_OPTIONS,
       say), a KeyError instead of the OpenCL error. Set, the build is retried uncached and the real error
       surfaces, after a UserWarning with pyopencl's traceback that is silenced: BuildError carries the log.
+    - Keeps pyopencl's argument-setting code in memory per kernel signature (``_memoize_kernel_invokers``).
 
     Code that queries pyopencl's platforms itself, before any Device, calls this first.
     """
@@ -60,7 +61,41 @@ def prepare() -> None:
         os.environ.setdefault("PYOPENCL_CACHE_FAILURE_FATAL", "")
         warnings.filterwarnings("ignore", message="PyOpenCL compiler caching failed", category=UserWarning)
         _register_pypi_implementations()
+        _memoize_kernel_invokers()
         _prepared = True
+
+
+def _memoize_kernel_invokers() -> None:
+    """Every pyopencl Kernel made looks up its argument-setting and enqueue code (Python generated per kernel
+    name and argument signature, ``pyopencl.invoker``) in pyopencl's on-disk cache, which keeps no copy in
+    memory: a SQLite read, an unpickle and a compile of the code for each Kernel. A recorded step makes a Kernel
+    a launch (``BoundLaunch``), a tuning sweep's timing recordings hundreds of thousands, so the look-up cost
+    more than the launches. The code is a pure function of that signature and takes the kernel as an argument,
+    so one look-up a signature serves every kernel of the process. The device list only feeds a warning about
+    argument sizes, given at the first look-up. A pyopencl without this function is left as it is."""
+    try:
+        from pyopencl import invoker
+    except ImportError:
+        return
+    generate = getattr(invoker, "generate_enqueue_and_set_args", None)
+    if generate is None or getattr(generate, "perfx_memoized", False):
+        return
+    memo: dict = {}
+
+    def memoized(*args, **kwargs):
+        try:
+            key = (args, tuple(sorted((k, v) for k, v in kwargs.items() if k != "devs")))
+            hash(key)
+        except TypeError:   # an argument type pyopencl may add that does not hash: no memo
+            return generate(*args, **kwargs)
+        found = memo.get(key)
+        if found is None:
+            found = memo.setdefault(key, generate(*args, **kwargs))
+        return found
+
+    memoized.perfx_memoized = True
+    memoized.__wrapped__ = generate
+    invoker.generate_enqueue_and_set_args = memoized
 
 
 def show_build_logs() -> None:

@@ -42,13 +42,26 @@ _SUPPORTED_QUEUE_PROPERTIES = 0x129A  # CL_DEVICE_COMMAND_BUFFER_SUPPORTED_QUEUE
 _SIMULTANEOUS_USE = 1 << 2            # CL_COMMAND_BUFFER_CAPABILITY_SIMULTANEOUS_USE_KHR
 
 
+def _own_kernel(kernel: cl.Kernel) -> cl.Kernel:
+    """A Kernel object of its own for ``kernel``'s function: a clone (clCloneKernel, OpenCL 2.1+: a few µs)
+    where the driver has one, else made again from the program (clCreateKernel: tens of µs on the CPU
+    runtimes, and a sweep's recordings make hundreds of thousands)."""
+    try:
+        return kernel.clone()
+    except (AttributeError, cl.Error):
+        return cl.Kernel(kernel.program, kernel.function_name)
+
+
 class BoundLaunch:
     """A launch with its own Kernel object and its arguments bound once (see ``Device.record``)."""
 
     __slots__ = ("kernel", "global_size", "local_size")
 
     def __init__(self, kernel: cl.Kernel, global_size, local_size, args):
-        self.kernel = cl.Kernel(kernel.program, kernel.function_name)
+        # a clone carries the arguments its source was last launched with: only one whose every argument is set
+        # here may be one (a launch given none keeps a fresh kernel, which the driver refuses, as it should)
+        self.kernel = _own_kernel(kernel) if args and len(args) == kernel.num_args else \
+            cl.Kernel(kernel.program, kernel.function_name)
         if args:
             self.kernel.set_args(*args)
         self.global_size = tuple(global_size)

@@ -568,6 +568,10 @@ class Tuner:
 
         case = None
         started = time.perf_counter()
+        # The log is written whole at each save, so its cost grows with the sweep: a candidate's outcome is saved
+        # with the next candidate's mark (or at the search's end), one save a candidate rather than two. A process
+        # killed between two candidates loses only the last outcome, run again on resume.
+        unsaved = False
 
         def untried(params_list) -> list[dict]:
             return [p for p in params_list if params_key(p) not in tried and params_key(p) in valid]
@@ -575,7 +579,7 @@ class Tuner:
         def evaluate(params, upcoming=()) -> bool:
             """Run one candidate unless already known; False when out of time. ``upcoming``: the candidates
             after it, whose programs are built ahead."""
-            nonlocal case
+            nonlocal case, unsaved
             key = params_key(params)
             if key in tried or key not in valid:
                 return True
@@ -592,6 +596,7 @@ class Tuner:
             ahead.before([params, *untried(upcoming)][:max(1, likely)], self.split)
             record["running"] = dict(params)   # on disk while it runs: a process that dies there is known on resume
             self.log.save()
+            unsaved = False
             try:
                 outcome = self._evaluate(spec, case, params, result.best, result)
             except BaseException:   # interrupted (Ctrl-C), not crashed: the candidate runs again on resume
@@ -604,7 +609,7 @@ class Tuner:
             result.evaluated += 1
             self._update_best(result, spec)
             record["candidates"].append(outcome.as_dict())
-            self.log.save()
+            unsaved = True
             if self.progress is not None:
                 self.progress.update(0, self._note(result))
             return True
@@ -619,21 +624,25 @@ class Tuner:
             return True
 
         try:
-            finished = record.get("complete", False) or sample()
-            if finished and not record.get("complete") and any(params_key(p) not in tried for p in order):
-                # Local refinement: walk to the best neighbour until none is better.
-                while finished:
-                    seen_best = result.best
-                    if seen_best is None:
-                        break
-                    around = neighbours(spec.params.space, seen_best.params)
-                    finished = all(evaluate(p, around[i + 1:]) for i, p in enumerate(around))
-                    if result.best is seen_best:
-                        break
-            result.complete = finished and result.best is not None
-            if record.get("complete") != result.complete:
-                record["complete"] = result.complete
-                self.log.save()
+            try:
+                finished = record.get("complete", False) or sample()
+                if finished and not record.get("complete") and any(params_key(p) not in tried for p in order):
+                    # Local refinement: walk to the best neighbour until none is better.
+                    while finished:
+                        seen_best = result.best
+                        if seen_best is None:
+                            break
+                        around = neighbours(spec.params.space, seen_best.params)
+                        finished = all(evaluate(p, around[i + 1:]) for i, p in enumerate(around))
+                        if result.best is seen_best:
+                            break
+                result.complete = finished and result.best is not None
+                if record.get("complete") != result.complete:
+                    record["complete"] = result.complete
+                    unsaved = True
+            finally:
+                if unsaved:
+                    self.log.save()
             if result.complete:
                 if case is None:
                     with self.split.phase("setup"):
@@ -723,11 +732,12 @@ class Tuner:
     def _timing(self, case, params: dict, **kwargs):
         return time_case(case, params, self.timer, **kwargs)
 
-    def _retaken(self, case, params: dict, timing, result: ProblemResult, could_win, **kwargs):
+    def _retaken(self, result: ProblemResult, timing, could_win, retime):
         """``timing``, or where the reference kernel says the machine drifted while it ran, the same timing taken
-        again after a cool-down (once), unless ``could_win(timing, ratio)`` says it could not change the outcome even
-        taken as ``ratio`` too slow: drift only slows a timing, so one that, divided by the reference's slow-down,
-        still loses is kept as it is (on a busy machine the cool-downs took a quarter of a sweep)."""
+        again (``retime()``) after a cool-down (once), unless ``could_win(timing, ratio)`` says it could not change
+        the outcome even taken as ``ratio`` too slow: drift only slows a timing, so one that, divided by the
+        reference's slow-down, still loses is kept as it is (on a busy machine the cool-downs took a quarter of a
+        sweep). Taken again as it was taken (``_full``: runs until settled), not in ``repeat`` runs whatever."""
         with self.split.phase("drift"):
             if self.drift.drifted():
                 if not could_win(timing, self.drift.ratio):
@@ -735,7 +745,7 @@ class Tuner:
                     return timing
                 result.suspect_candidates += 1
                 self.drift.cool_down(self.cool_down_s)
-                timing = self._timing(case, params, **kwargs)
+                timing = retime()
         return timing
 
     def _verify(self, spec, case, params: dict) -> tuple[Outcome | None, float, dict]:
@@ -800,21 +810,25 @@ class Tuner:
                                        f"{fastest / best.time_s:.2f}x the best so far, beyond the runs' noise "
                                        f"({margin:.0%})")
                     result.suspect_candidates += 1
-            samples: list[float] = []
-            while len(samples) < self.repeat and not self._settled(samples, best):
-                # no warm-up: its screen has just run the same kernels
-                samples += self._timing(case, params, warmup=0,
-                                        repeat=min(FULL_CHUNK if samples else FULL_MIN, self.repeat - len(samples))
-                                        ).samples
-            timing = Timing(statistics.median(samples), samples)
+            # no warm-up: its screen has just run the same kernels
+            timing = self._full(case, params, best, warmup=0)
             if best is not None:
-                timing = self._retaken(case, params, timing, result,
-                                       lambda timing, ratio: timing.median_s / ratio <= best.time_s,
-                                       warmup=self.warmup, repeat=self.repeat)
+                timing = self._retaken(result, timing, lambda timing, ratio: timing.median_s / ratio <= best.time_s,
+                                       lambda: self._full(case, params, best, warmup=self.warmup))
         except (PerfxError, DriverError) as e:
             return Outcome(params, "launch", error=worst, reason=f"launch failed while timing: {_first_line(e)}")
         private = max((info.private_mem for info in kernels.values()), default=None)
         return Outcome(params, "ok", timing.median_s, timing.spread, timing.samples, worst, private_bytes=private)
+
+    def _full(self, case, params: dict, best: Outcome | None, warmup: int) -> Timing:
+        """A candidate timed in full: FULL_MIN runs of every copy, then FULL_CHUNK more at a time up to ``repeat``
+        until ``_settled``."""
+        samples: list[float] = []
+        while len(samples) < self.repeat and not self._settled(samples, best):
+            samples += self._timing(case, params, warmup=0 if samples else warmup,
+                                    repeat=min(FULL_CHUNK if samples else FULL_MIN, self.repeat - len(samples))
+                                    ).samples
+        return Timing(statistics.median(samples), samples)
 
     def _settled(self, samples: list[float], best: Outcome | None) -> bool:
         """Whether a candidate timed in full has runs enough (FULL_MIN at least): its median is beyond the screens'

@@ -133,6 +133,21 @@ def test_a_candidate_that_kills_the_process_is_skipped_on_resume(device, db, tmp
     assert result.best.params != crashed
 
 
+def test_the_log_is_written_once_a_candidate_and_holds_every_outcome(device, db):
+    """The resume log is written whole, so a save costs more as a sweep goes on: each outcome goes to disk with the
+    next candidate's mark, not in a save of its own, and the last one when the search ends."""
+    toy = Toy()
+    tuner = quiet_tuner(device, db, budget_s=60)
+    saves = []
+    save = tuner.log.save
+    tuner.log.save = lambda: (saves.append(1), save())
+    result = tuner.tune_problem(toy.spec(), SHAPE)
+    assert result.complete and result.evaluated == 9
+    assert len(saves) <= result.evaluated + 2, len(saves)   # a mark each, the search's end, the confirmation
+    logged = json.loads(db.log_path(device.fingerprint).read_text())["problems"][0]
+    assert len(logged["candidates"]) == 9 and "running" not in logged and logged["complete"]
+
+
 def test_a_shape_no_parameter_set_fits_is_a_note_not_an_error(device, db):
     """Where no set may run a shape here (the defaults included), the problem ends with that note: what runs
     untuned is asked for only once a set fits."""

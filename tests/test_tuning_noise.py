@@ -199,3 +199,119 @@ def test_a_noisier_machine_widens_the_screen(device, tmp_path):
     assert result.resumed == 0 and noisy.noise.margin() > 2 * quiet.noise.margin() > 0
     # 25% a run: 7 rounds of medians of 3 resolve two steps of 8%, not one
     assert TRUE_TIME[result.chosen["X"]] <= 1.17 * TRUE_TIME[FASTEST]
+
+
+class Machine:
+    """A simulated clock and reference kernel: ``level(t)`` is the reference's time at simulated second t, but
+    for the readings numbered in ``spikes`` (from 1), 3x that; each reference timing takes that long four times
+    over (a warm-up and three copies), and a sleep moves the clock on."""
+
+    def __init__(self, level, spikes=()):
+        self.now, self.level, self.readings, self.spikes = 0.0, level, 0, set(spikes)
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+    def reference(self) -> float:
+        self.readings += 1
+        t = self.level(self.now) * (3 if self.readings in self.spikes else 1)
+        self.now += 4 * t
+        return t
+
+    def watch(self, **kwargs):
+        from perfx.tuning.tuner import DriftWatch
+        return DriftWatch(self.reference, every_s=0.5, clock=self.clock, sleep=self.sleep, **kwargs)
+
+    def checks(self, watch, count: int, gap_s: float = 0.6) -> list[bool]:
+        """``count`` checks, one every ``gap_s`` seconds (the timings between them)."""
+        said = []
+        for _ in range(count):
+            said.append(watch.drifted())
+            self.now += gap_s
+        return said
+
+
+def test_the_baseline_follows_a_step_in_the_machines_level():
+    """Another program starts and stays: the reference is 1.4x slower from then on. The first checks after the
+    step say drift (a timing then is suspect), but once the new level fills most of the window it is the baseline,
+    and checks at that level stop setting rounds aside. The quietest time ever seen would say drift for ever."""
+    from perfx.tuning.tuner import DRIFT_QUANTILE, DRIFT_WINDOW
+    machine = Machine(lambda t: 1e-3 if t < 20 else 1.4e-3)
+    watch = machine.watch()
+    while machine.now < 20:
+        assert not machine.checks(watch, 1)[0]
+    assert watch.baseline == pytest.approx(1e-3)
+    after = machine.checks(watch, 2 * DRIFT_WINDOW)
+    assert after[0], "the step itself is drift"
+    flagged = sum(after)
+    assert flagged <= DRIFT_WINDOW * (1 - DRIFT_QUANTILE) + 1, after
+    assert not any(after[flagged:]) and watch.baseline == pytest.approx(1.4e-3)
+
+
+def test_a_spike_is_drift_but_does_not_move_the_baseline():
+    """One slow check among steady ones (a burst of another program) says drift, and the baseline stays."""
+    machine = Machine(lambda t: 1e-3, spikes={20})
+    watch = machine.watch()
+    said = machine.checks(watch, 40)
+    assert sum(said) == 1 and watch.events == 1 and watch.ratio == pytest.approx(3.0)
+    assert watch.baseline == pytest.approx(1e-3)
+
+
+def test_a_cool_down_ends_as_soon_as_the_reference_is_back():
+    """After a spike the reference is timed at once: back within the threshold, the wait ends there, not after
+    COOL_DOWN_S; the re-taken timing is checked again, whenever it is asked."""
+    from perfx.tuning.tuner import COOL_DOWN_S
+    machine = Machine(lambda t: 1e-3, spikes={20})
+    watch = machine.watch()
+    while not watch.drifted():
+        machine.now += 0.6
+    readings = machine.readings
+    assert readings == 20
+    waited = watch.cool_down(COOL_DOWN_S)
+    assert machine.readings == readings + 1 and waited < 0.01
+    assert not watch.drifted() and machine.readings == readings + 2   # checked although within every_s
+
+
+def test_heat_is_waited_out_until_the_reference_is_back_and_no_longer():
+    """A throttling spell: the reference is 2x slow for 1.2 s. The cool-down waits it out, polling, and ends
+    within a poll of its end; a spell longer than COOL_DOWN_S is waited COOL_DOWN_S, then the round is re-taken."""
+    from perfx.tuning.tuner import COOL_DOWN_POLL_S, COOL_DOWN_S
+    machine = Machine(lambda t: 2e-3 if 10 <= t < 11.2 else 1e-3)
+    watch = machine.watch()
+    machine.checks(watch, 16)
+    machine.now = 10.0
+    assert watch.drifted()
+    waited = watch.cool_down(COOL_DOWN_S)
+    assert 11.2 <= machine.now <= 11.2 + COOL_DOWN_POLL_S + 0.02 and 1.1 < waited < COOL_DOWN_S
+
+    hot = Machine(lambda t: 2e-3 if t >= 10 else 1e-3)
+    watch = hot.watch()
+    hot.checks(watch, 16)
+    hot.now = 10.0
+    assert watch.drifted()
+    waited = watch.cool_down(COOL_DOWN_S)
+    assert COOL_DOWN_S <= waited <= COOL_DOWN_S + 0.01 and watch.drifted(), "still hot: the re-taken round is suspect"
+
+
+def test_transient_loads_do_not_cost_a_cool_down_each(device, tmp_path):
+    """A sweep on a machine whose reference spikes now and then (another program's bursts) with the real
+    COOL_DOWN_S: every spike sets its timing or round aside, and none waits for more than the one reference
+    timing that finds it over. A fixed pause cost COOL_DOWN_S each."""
+    from perfx.tuning.tuner import COOL_DOWN_S
+    calls = {"n": 0}
+
+    def reference():
+        calls["n"] += 1
+        return 3e-3 if calls["n"] % 4 == 0 else 1e-3
+    bench = NoisyBench(3)
+    db = Database(tmp_path / "user", tmp_path / "none")
+    tuner = Tuner(device, db, seed=3, timer=bench.timer, reference=reference, cool_down_s=COOL_DOWN_S)
+    tuner.drift.every_s = 0
+    result = tuner.tune_problem(bench.spec(), SHAPE)
+    assert tuner.drift.events >= 3
+    assert result.confirmation.suspect_rounds + result.suspect_candidates >= 1
+    assert tuner.drift.waited_s < 0.05 * tuner.drift.events
+    assert tuner.report([result])["cooled_down_s"] == pytest.approx(tuner.drift.waited_s, abs=1e-3)

@@ -69,8 +69,11 @@ FULL_CHUNK = 2          # ... up to ``repeat`` while it may be the best and its 
 STEADY_SPREAD = 0.04    # ... within this share of their median (interquartile range)
 CONFIRM_TOP = 3         # search winners confirmed against the incumbent and the defaults
 CONFIRM_ROUNDS = 7      # interleaved rounds of the confirmation
-DRIFT_THRESHOLD = 0.25  # the reference kernel this much slower than at the start: the round is suspect
-COOL_DOWN_S = 2.0       # wait before re-taking a suspect round
+DRIFT_THRESHOLD = 0.25  # the reference kernel this much slower than its baseline: the round is suspect
+DRIFT_WINDOW = 16       # the baseline: a low quantile of the reference's latest this many checks (``DriftWatch``),
+DRIFT_QUANTILE = 0.25   # ... so a level the machine keeps becomes the baseline, and a lone quiet moment does not
+COOL_DOWN_S = 2.0       # the longest wait before re-taking a suspect round: the reference is timed every
+COOL_DOWN_POLL_S = 0.1  # ... this many seconds meanwhile, and the wait ends once it is back within the threshold
 DRIFT_REACH = 2.0       # a screen this many times past its limit is cut without asking whether the machine drifted
 BUILD_AHEAD = 16       # candidates whose programs are built together, ahead of their runs
 PROGRAMS_KEPT = 128    # programs the device keeps before it forgets them (``Device.forget_programs``) between batches
@@ -265,31 +268,69 @@ def neighbours(space: dict, params: dict) -> list[dict]:
 
 
 class DriftWatch:
-    """Times a fixed reference kernel (the copy kernel) now and then; says when the machine has drifted
-    from where it was at the start (thermal throttling, another load), so a timing taken then is re-taken.
-    Drift is slow (heat builds over seconds): the reference is timed at most every ``every_s`` seconds."""
+    """Times a fixed reference kernel (the copy kernel) now and then; says when the machine has drifted from its
+    level (thermal throttling, another load), so a timing taken then is re-taken, and waits until the reference is
+    back (``cool_down``). Drift is slow (heat builds over seconds): the reference is timed at most every
+    ``every_s`` seconds.
 
-    def __init__(self, reference, threshold: float = DRIFT_THRESHOLD, every_s: float = 0.5):
+    The baseline is the ``quantile`` of the reference's latest ``window`` checks, not the quietest time ever seen:
+    where the reference wanders from one check to the next (a CPU's), the quietest of hundreds is an outlier that
+    most later checks exceed by the threshold, each setting a round aside on an idle machine. A low quantile of a
+    window follows a level the machine keeps (a throttled phone, another program that stays) once it fills most of
+    the window, is not raised by a few slow checks, and leaves a departure from that level, a spike or heat
+    building, as drift."""
+
+    def __init__(self, reference, threshold: float = DRIFT_THRESHOLD, every_s: float = 0.5,
+                 window: int = DRIFT_WINDOW, quantile: float = DRIFT_QUANTILE, poll_s: float = COOL_DOWN_POLL_S,
+                 clock=time.perf_counter, sleep=time.sleep):
         self.reference, self.threshold, self.every_s = reference, threshold, every_s
+        self.quantile, self.poll_s, self.clock, self.sleep = quantile, poll_s, clock, sleep
+        self.recent: collections.deque[float] = collections.deque(maxlen=window)
         self.baseline: float | None = None
         self.events = 0
         self.last = -float("inf")
         self.ratio = 1.0   # the reference's time over the baseline, when it last said the machine drifted
+        self.waited_s = 0.0   # seconds spent in cool-downs
 
     def drifted(self) -> bool:
-        if time.perf_counter() - self.last < self.every_s:
+        if self.clock() - self.last < self.every_s:
             return False
-        self.last = time.perf_counter()
+        self.last = self.clock()
         now = self.reference()
         if self.baseline is None:
-            self.baseline = min(now, self.reference(), self.reference())
+            self._add(now, self.reference(), self.reference())
             return False
-        self.baseline = min(self.baseline, now)  # a quiet moment later in the run is the better baseline
-        if now > (1 + self.threshold) * self.baseline:
+        # judged against the level before this check; then the check joins the window, so a slow-down that lasts
+        # moves the baseline, and a spike, one check of many above the quantile, does not
+        drifted = now > (1 + self.threshold) * self.baseline
+        if drifted:
             self.events += 1
             self.ratio = now / self.baseline
-            return True
-        return False
+        self._add(now)
+        return drifted
+
+    def _add(self, *times: float) -> None:
+        self.recent.extend(times)
+        self.baseline = float(np.quantile(list(self.recent), self.quantile))
+
+    def cool_down(self, limit_s: float) -> float:
+        """After a check said the machine drifted: waits until the reference is back within the threshold of the
+        baseline, timing it at once and then every ``poll_s`` seconds, at most ``limit_s``; the seconds waited. A
+        transient load (another program's burst) ends the wait at the first poll, where a fixed pause cost the
+        whole of it each time; heat, slow for seconds, is waited out up to the limit. The next check is made
+        whenever it is asked for, so the timing re-taken after the wait is checked too. The polls do not join the
+        window: they would fill it with one slow spell."""
+        started = self.clock()
+        while self.clock() - started < limit_s:
+            if self.reference() <= (1 + self.threshold) * self.baseline:
+                break
+            left = limit_s - (self.clock() - started)
+            if left > 0:
+                self.sleep(min(self.poll_s, left))
+        self.last = -float("inf")
+        waited = self.clock() - started
+        self.waited_s += waited
+        return waited
 
 
 class RunNoise:
@@ -408,9 +449,9 @@ class Tuner:
     ``budget_s`` is shared among the problems still to do; ``progress`` (a perfx.progress.Progress
     over problems) gets a note after every candidate. ``timer`` times a launch function (default: ``time_launches``
     on this device; the tests give a simulated noisy one); ``reference`` returns the time of a fixed reference
-    kernel (default: the copy kernel on this device); ``cool_down_s`` is the pause before a suspect round is taken
-    again; ``background_builds``: whether candidates' programs build in a thread beside the runs (``BuildAhead``;
-    None: on a GPU-class device).
+    kernel (default: the copy kernel on this device); ``cool_down_s`` is the longest pause before a suspect round is
+    taken again (``DriftWatch.cool_down``); ``background_builds``: whether candidates' programs build in a thread
+    beside the runs (``BuildAhead``; None: on a GPU-class device).
     """
 
     def __init__(self, device, database: Database | None = None, budget_s: float = 600.0, seed: int = 0,
@@ -452,6 +493,7 @@ class Tuner:
                 "pruned": sum(r.pruned for r in results),
                 "seconds": {name: round(value, 3) for name, value in self.split.seconds.items()},
                 "other_s": round(wall - sum(self.split.seconds.values()), 3),
+                "cooled_down_s": round(self.drift.waited_s, 3),
                 "built_beside_runs_s": round(self.background_build_s, 3)}
 
     def tune(self, jobs) -> list[ProblemResult]:
@@ -526,6 +568,10 @@ class Tuner:
 
         case = None
         started = time.perf_counter()
+        # The log is written whole at each save, so its cost grows with the sweep: a candidate's outcome is saved
+        # with the next candidate's mark (or at the search's end), one save a candidate rather than two. A process
+        # killed between two candidates loses only the last outcome, run again on resume.
+        unsaved = False
 
         def untried(params_list) -> list[dict]:
             return [p for p in params_list if params_key(p) not in tried and params_key(p) in valid]
@@ -533,7 +579,7 @@ class Tuner:
         def evaluate(params, upcoming=()) -> bool:
             """Run one candidate unless already known; False when out of time. ``upcoming``: the candidates
             after it, whose programs are built ahead."""
-            nonlocal case
+            nonlocal case, unsaved
             key = params_key(params)
             if key in tried or key not in valid:
                 return True
@@ -550,6 +596,7 @@ class Tuner:
             ahead.before([params, *untried(upcoming)][:max(1, likely)], self.split)
             record["running"] = dict(params)   # on disk while it runs: a process that dies there is known on resume
             self.log.save()
+            unsaved = False
             try:
                 outcome = self._evaluate(spec, case, params, result.best, result)
             except BaseException:   # interrupted (Ctrl-C), not crashed: the candidate runs again on resume
@@ -562,7 +609,7 @@ class Tuner:
             result.evaluated += 1
             self._update_best(result, spec)
             record["candidates"].append(outcome.as_dict())
-            self.log.save()
+            unsaved = True
             if self.progress is not None:
                 self.progress.update(0, self._note(result))
             return True
@@ -577,21 +624,25 @@ class Tuner:
             return True
 
         try:
-            finished = record.get("complete", False) or sample()
-            if finished and not record.get("complete") and any(params_key(p) not in tried for p in order):
-                # Local refinement: walk to the best neighbour until none is better.
-                while finished:
-                    seen_best = result.best
-                    if seen_best is None:
-                        break
-                    around = neighbours(spec.params.space, seen_best.params)
-                    finished = all(evaluate(p, around[i + 1:]) for i, p in enumerate(around))
-                    if result.best is seen_best:
-                        break
-            result.complete = finished and result.best is not None
-            if record.get("complete") != result.complete:
-                record["complete"] = result.complete
-                self.log.save()
+            try:
+                finished = record.get("complete", False) or sample()
+                if finished and not record.get("complete") and any(params_key(p) not in tried for p in order):
+                    # Local refinement: walk to the best neighbour until none is better.
+                    while finished:
+                        seen_best = result.best
+                        if seen_best is None:
+                            break
+                        around = neighbours(spec.params.space, seen_best.params)
+                        finished = all(evaluate(p, around[i + 1:]) for i, p in enumerate(around))
+                        if result.best is seen_best:
+                            break
+                result.complete = finished and result.best is not None
+                if record.get("complete") != result.complete:
+                    record["complete"] = result.complete
+                    unsaved = True
+            finally:
+                if unsaved:
+                    self.log.save()
             if result.complete:
                 if case is None:
                     with self.split.phase("setup"):
@@ -681,19 +732,20 @@ class Tuner:
     def _timing(self, case, params: dict, **kwargs):
         return time_case(case, params, self.timer, **kwargs)
 
-    def _retaken(self, case, params: dict, timing, result: ProblemResult, could_win, **kwargs):
+    def _retaken(self, result: ProblemResult, timing, could_win, retime):
         """``timing``, or where the reference kernel says the machine drifted while it ran, the same timing taken
-        again after a cool-down (once), unless ``could_win(timing, ratio)`` says it could not change the outcome even
-        taken as ``ratio`` too slow: drift only slows a timing, so one that, divided by the reference's slow-down,
-        still loses is kept as it is (on a busy machine the cool-downs took a quarter of a sweep)."""
+        again (``retime()``) after a cool-down (once), unless ``could_win(timing, ratio)`` says it could not change
+        the outcome even taken as ``ratio`` too slow: drift only slows a timing, so one that, divided by the
+        reference's slow-down, still loses is kept as it is (on a busy machine the cool-downs took a quarter of a
+        sweep). Taken again as it was taken (``_full``: runs until settled), not in ``repeat`` runs whatever."""
         with self.split.phase("drift"):
             if self.drift.drifted():
                 if not could_win(timing, self.drift.ratio):
                     result.suspect_kept += 1
                     return timing
                 result.suspect_candidates += 1
-                time.sleep(self.cool_down_s)
-                timing = self._timing(case, params, **kwargs)
+                self.drift.cool_down(self.cool_down_s)
+                timing = retime()
         return timing
 
     def _verify(self, spec, case, params: dict) -> tuple[Outcome | None, float, dict]:
@@ -745,8 +797,8 @@ class Tuner:
                 if fastest > limit:
                     # Cut, unless the machine drifted while it ran and, discounted by the drift, it is within reach:
                     # then it is timed in full, which costs less than a cool-down and a second screen. The reference
-                    # is asked only within DRIFT_REACH of the limit: each check it makes also lowers its baseline
-                    # (the quietest time seen), and a lower baseline sets more rounds aside on a busy machine.
+                    # is asked only within DRIFT_REACH of the limit: past it, the machine would have had to slow by
+                    # more than that while the screen ran, and each check costs a reference timing.
                     drifted = False
                     if fastest <= DRIFT_REACH * limit:
                         with self.split.phase("drift"):
@@ -758,21 +810,25 @@ class Tuner:
                                        f"{fastest / best.time_s:.2f}x the best so far, beyond the runs' noise "
                                        f"({margin:.0%})")
                     result.suspect_candidates += 1
-            samples: list[float] = []
-            while len(samples) < self.repeat and not self._settled(samples, best):
-                # no warm-up: its screen has just run the same kernels
-                samples += self._timing(case, params, warmup=0,
-                                        repeat=min(FULL_CHUNK if samples else FULL_MIN, self.repeat - len(samples))
-                                        ).samples
-            timing = Timing(statistics.median(samples), samples)
+            # no warm-up: its screen has just run the same kernels
+            timing = self._full(case, params, best, warmup=0)
             if best is not None:
-                timing = self._retaken(case, params, timing, result,
-                                       lambda timing, ratio: timing.median_s / ratio <= best.time_s,
-                                       warmup=self.warmup, repeat=self.repeat)
+                timing = self._retaken(result, timing, lambda timing, ratio: timing.median_s / ratio <= best.time_s,
+                                       lambda: self._full(case, params, best, warmup=self.warmup))
         except (PerfxError, DriverError) as e:
             return Outcome(params, "launch", error=worst, reason=f"launch failed while timing: {_first_line(e)}")
         private = max((info.private_mem for info in kernels.values()), default=None)
         return Outcome(params, "ok", timing.median_s, timing.spread, timing.samples, worst, private_bytes=private)
+
+    def _full(self, case, params: dict, best: Outcome | None, warmup: int) -> Timing:
+        """A candidate timed in full: FULL_MIN runs of every copy, then FULL_CHUNK more at a time up to ``repeat``
+        until ``_settled``."""
+        samples: list[float] = []
+        while len(samples) < self.repeat and not self._settled(samples, best):
+            samples += self._timing(case, params, warmup=0 if samples else warmup,
+                                    repeat=min(FULL_CHUNK if samples else FULL_MIN, self.repeat - len(samples))
+                                    ).samples
+        return Timing(statistics.median(samples), samples)
 
     def _settled(self, samples: list[float], best: Outcome | None) -> bool:
         """Whether a candidate timed in full has runs enough (FULL_MIN at least): its median is beyond the screens'
@@ -845,7 +901,7 @@ class Tuner:
             with self.split.phase("drift"):
                 retake = self.drift.drifted() and suspect < self.confirm_rounds
                 if retake:
-                    time.sleep(self.cool_down_s)
+                    self.drift.cool_down(self.cool_down_s)
             if retake:
                 suspect += 1
                 continue

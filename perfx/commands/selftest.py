@@ -619,7 +619,7 @@ def _check_in_processes(device: Device, jobs: list, processes: int, seed: int, p
         for thread in threads:
             thread.join()
         checks.sort(key=lambda c: order[c.key])
-        report["processes"] = len(checkers)
+        report["processes"] = len(threads)   # at once (a process that died was replaced)
         report["processes_peak_rss_bytes"] = max((c.peak for c in checkers), default=0)
     if budget_spent and len(checks) < len(jobs):
         raise BudgetSpent

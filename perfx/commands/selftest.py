@@ -19,7 +19,9 @@ A phone shares its 8–12 GB with Android and builds kernels slowly, so the run 
   pinned to the device and to each family's kernel sources); the same command after an interrupt, a budget
   spent or a crash resumes there, ``--restart`` starts afresh, and a finished run removes the file;
 - splitting: ``--shard I/N`` runs one of N disjoint parts (by family and parameter set, so each kernel is
-  built in one part only); ``--budget SECONDS`` stops cleanly when the time is spent (exit status 3).
+  built in one part only); ``--budget SECONDS`` stops cleanly when the time is spent (exit status 3);
+- processes: on a CPU device the cases are checked in a worker process per core (``--processes N``), each
+  building its own kernels and holding one case at a time; this process keeps the progress and the plan's order.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ Long runs:
 
   perfx selftest --budget 300      # stop cleanly after about 5 minutes; run it again until it exits 0 or 1
   perfx selftest --shard 2/4       # the second of 4 disjoint parts (run 1/4 .. 4/4, here or in parallel)
+  perfx selftest --processes 1     # check in this process (the default on a CPU device: a process per core)
 
 Exit status: 0 every check passed (or was refused by the driver's limits); 1 a check failed (complete or not);
 2 an error; 3 incomplete, the budget spent and no check failed so far: run the same command to go on;

@@ -135,6 +135,7 @@ def test_an_interrupted_selftest_resumes_where_it_stopped(capsys, device, cache,
     monkeypatch.undo()
     monkeypatch.setenv("PERFX_CACHE", str(cache))
     monkeypatch.setenv("PERFX_DEVICE", device.entry.index)
+    monkeypatch.setenv(selftest.PROCESSES_ENV, "1")
     calls = count_checks(monkeypatch)
     code, out, err = run_cli(capsys, "selftest", "--exhaustive", "--kernels", RESUMED, "--json")
     second = json.loads(out)

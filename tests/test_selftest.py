@@ -403,6 +403,20 @@ def test_checks_in_worker_processes_are_those_of_one_process_in_its_order(capsys
     assert code == 3 and data["stopped"] == "budget" and data["checks"] == []
 
 
+def test_a_worker_process_grown_past_its_memory_bound_is_replaced_by_a_fresh_one(capsys, device, cache,
+                                                                                monkeypatch):
+    code, out, _ = run_cli(capsys, "selftest", "--exhaustive", "--kernels", SMALL, "--json")
+    alone = json.loads(out)
+    started = []
+    init = selftest._Checker.__init__
+    monkeypatch.setattr(selftest._Checker, "__init__", lambda self, *a: (started.append(1), init(self, *a))[1])
+    monkeypatch.setattr(selftest, "RECYCLE_BYTES", 0)   # every process past it after its first case
+    code, out, _ = run_cli(capsys, "selftest", "--exhaustive", "--kernels", SMALL, "--json", "--processes", "2")
+    data = json.loads(out)
+    assert code == 0 and outcomes(data) == outcomes(alone)
+    assert len(started) == 6 and data["check_processes"] == 2, "a fresh process for each of the 6 cases"
+
+
 def test_a_check_failing_in_a_worker_process_is_reported_with_its_family_shape_and_set(capsys, device, cache,
                                                                                       monkeypatch):
     """A kernel built wrong in the worker processes (a define of the build options overriding the set's: a

@@ -402,6 +402,10 @@ def run_checks(device: Device, all_specs: dict[str, Spec], scope: str = "coverin
 
 PROCESSES_ENV = "PERFX_SELFTEST_PROCESSES"
 MAX_PROCESSES = 8
+# A worker whose resident memory has passed this after a case is replaced by a fresh one (about a second to
+# start): a process's memory grows with the programs it has compiled, beyond those it keeps (one PoCL process
+# checking every family peaked at 939 MB, checking one family at most 420 MB: benchmarks/NOTES.md).
+RECYCLE_BYTES = 512 * 2**20
 _CHECKER_MAIN = "from perfx.commands import selftest; selftest._checker_main()"
 
 
@@ -492,6 +496,17 @@ class _Checker:
         except (EOFError, OSError, ValueError, pickle.UnpicklingError):
             return "died" if self.ready else "broken"
 
+    def resident_bytes(self) -> int:
+        """Its resident memory now (Linux's and Android's VmRSS; 0 where the system does not tell)."""
+        try:
+            with open(f"/proc/{self.process.pid}/status") as status:
+                for line in status:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        return 0
+
     def stop(self) -> None:
         """Its peak resident memory noted, its pipe closed, and the process ended."""
         self.peak = max(self.peak, resident_peak_bytes(self.process.pid) or 0)
@@ -579,6 +594,9 @@ def _check_in_processes(device: Device, jobs: list, processes: int, seed: int, p
                 results.put((outcome, None))
                 if outcome == "budget":
                     return
+                if checker.resident_bytes() > RECYCLE_BYTES:
+                    checker.stop()
+                    checker = None
         except Exception as error:   # noqa: BLE001 - raised again in the calling thread
             results.put(("error", error))
         finally:
@@ -622,7 +640,7 @@ def _check_in_processes(device: Device, jobs: list, processes: int, seed: int, p
         for thread in threads:
             thread.join()
         checks.sort(key=lambda c: order[c.key])
-        report["processes"] = len(threads)   # at once (a process that died was replaced)
+        report["processes"] = len(threads)   # at once (one that died or grew past RECYCLE_BYTES was replaced)
         report["processes_peak_rss_bytes"] = max((c.peak for c in checkers), default=0)
     if budget_spent and len(checks) < len(jobs):
         raise BudgetSpent

@@ -524,8 +524,8 @@ class _Checker:
 def _check_in_processes(device: Device, jobs: list, processes: int, seed: int, progress: Progress,
                         checks: list[Check], done: dict[str, Check], deadline: float | None, saved,
                         report: dict) -> None:
-    """``run_checks`` in ``processes`` worker processes: the cases not done, longest first, each handed to the
-    next process free; results appended to ``checks`` as they come, and in the plan's order when this returns
+    """``run_checks`` in ``processes`` worker processes: the cases not done (in parts of at most BUILD_AHEAD
+    checks), longest first, each handed to the next process free; results appended to ``checks`` as they come, and in the plan's order when this returns
     or raises. A process that dies (a driver's crash) fails the check it was making, and a new one takes the
     rest of the case."""
     order = {check_key(spec.params.family, spec.describe(shape), params): i for i, (spec, shape, params)
@@ -541,8 +541,9 @@ def _check_in_processes(device: Device, jobs: list, processes: int, seed: int, p
             else:
                 checks.append(previous)
                 progress.update(note=spec.params.family)
-        if todo:
-            cases.append((spec, shape, todo))
+        # a long case in parts (its inputs made again for each, from the same seed: the same checks), so that no
+        # process is left with a long one while the others have finished
+        cases.extend((spec, shape, todo[i:i + BUILD_AHEAD]) for i in range(0, len(todo), BUILD_AHEAD))
     # the longest first, so the last to finish is a short one
     for case in sorted(cases, key=lambda case: -len(case[2])):
         pending.put(case)

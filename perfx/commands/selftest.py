@@ -525,9 +525,9 @@ def _check_in_processes(device: Device, jobs: list, processes: int, seed: int, p
                         checks: list[Check], done: dict[str, Check], deadline: float | None, saved,
                         report: dict) -> None:
     """``run_checks`` in ``processes`` worker processes: the cases not done (in parts of at most BUILD_AHEAD
-    checks), longest first, each handed to the next process free; results appended to ``checks`` as they come, and in the plan's order when this returns
-    or raises. A process that dies (a driver's crash) fails the check it was making, and a new one takes the
-    rest of the case."""
+    checks), longest first, each handed to the next process free; results appended to ``checks`` as they come,
+    and in the plan's order when this returns or raises. A process that dies (a driver's crash) fails the check
+    it was making, and a new one takes the rest of the case."""
     order = {check_key(spec.params.family, spec.describe(shape), params): i for i, (spec, shape, params)
              in enumerate(jobs)}
     pending: queue.Queue = queue.Queue()
@@ -580,22 +580,23 @@ def _check_in_processes(device: Device, jobs: list, processes: int, seed: int, p
                     status = checker.process.wait()
                     results.put(("broken", status))
                     return
-                if outcome in ("died", "broken") and not stop.is_set() and len(made) < len(todo):
+                if outcome == "died" and not stop.is_set():
                     status = checker.process.wait()
-                    params = todo[len(made)]
-                    results.put(("check", Check(spec.params.family, params, spec.describe(shape), float("inf"),
-                                                spec.tolerance_for(params), False,
-                                                f"the selftest's worker process died (exit status {status}) "
-                                                "making this check")))
+                    if len(made) < len(todo):   # else it died after its last check
+                        params = todo[len(made)]
+                        results.put(("check", Check(spec.params.family, params, spec.describe(shape),
+                                                    float("inf"), spec.tolerance_for(params), False,
+                                                    f"the selftest's worker process died (exit status {status}) "
+                                                    "making this check")))
                     if todo[len(made) + 1:]:
                         pending.put((spec, shape, todo[len(made) + 1:]))
                     checker.stop()
                     checker = None
-                    continue
+                    outcome = "done"
                 results.put((outcome, None))
                 if outcome == "budget":
                     return
-                if checker.resident_bytes() > RECYCLE_BYTES:
+                if checker is not None and checker.resident_bytes() > RECYCLE_BYTES:
                     checker.stop()
                     checker = None
         except Exception as error:   # noqa: BLE001 - raised again in the calling thread

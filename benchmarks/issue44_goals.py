@@ -89,11 +89,14 @@ def selftest(device: str, extra: list[str], models, timeout: float) -> dict:
     except json.JSONDecodeError:
         return result
     result.update({key: data[key] for key in ("planned", "passed", "failed", "refused", "complete", "seconds",
-                                              "build_workers", "build_workers_peak_rss_bytes") if key in data})
+                                              "build_workers", "build_workers_peak_rss_bytes", "check_processes",
+                                              "check_processes_peak_rss_bytes") if key in data})
     result["own_peak_rss_bytes"] = data.get("peak_rss_bytes")
-    # the whole tree at its worst: this process's peak and every worker at the largest one's
-    result["peak_rss_bytes"] = data["peak_rss_bytes"] + data.get("build_workers", 0) * data.get(
-        "build_workers_peak_rss_bytes", 0)
+    # the whole tree at its worst: this process's peak and every worker (build workers, check processes) at the
+    # largest one's
+    result["peak_rss_bytes"] = (data["peak_rss_bytes"]
+                                + data.get("build_workers", 0) * data.get("build_workers_peak_rss_bytes", 0)
+                                + data.get("check_processes", 0) * data.get("check_processes_peak_rss_bytes", 0))
     return result
 
 

@@ -84,6 +84,7 @@ def test_selftest_exits_1_when_a_kernel_is_broken(capsys, monkeypatch, own_cache
 
         return dataclasses.replace(case, run=wrong)
 
+    monkeypatch.setenv(selftest.PROCESSES_ENV, "1")   # the patched specs are this process's
     monkeypatch.setattr(selftest, "select_specs",
                         lambda names: {"rmsnorm": dataclasses.replace(good, make_case=broken_case)})
     code, out, _ = run_cli(capsys, "selftest", "--quick")
@@ -102,6 +103,7 @@ def test_selftest_reports_sets_the_driver_refuses_apart_from_failures(capsys, mo
                                    "driver runs it in groups of at most 256 (registers or local memory it needs)")
         return dataclasses.replace(good.make_case(device, shape, rng), run=refuse)
 
+    monkeypatch.setenv(selftest.PROCESSES_ENV, "1")   # the patched specs are this process's
     monkeypatch.setattr(selftest, "select_specs",
                         lambda names: {"rmsnorm": dataclasses.replace(good, make_case=refusing_case)})
     code, out, _ = run_cli(capsys, "selftest", "--quick", "--json")
@@ -122,6 +124,7 @@ def test_an_interrupted_selftest_reports_the_checks_done(capsys, monkeypatch, ow
         return dataclasses.replace(good.make_case(device, shape, rng), run=interrupt)
 
     specs = {"swiglu": SPECS["swiglu"], "rmsnorm": dataclasses.replace(good, make_case=interrupting_case)}
+    monkeypatch.setenv(selftest.PROCESSES_ENV, "1")   # the patched specs are this process's
     monkeypatch.setattr(selftest, "select_specs", lambda names: specs)
     code, out, err = run_cli(capsys, "selftest", "--quick", "--json")
     data = json.loads(out)

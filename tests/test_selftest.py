@@ -26,6 +26,13 @@ RESUMED = "softcap,geglu"          # --exhaustive: 36 checks over 4 cases
 ERRORS = Case.errors               # as the module found it: each test's wrapper replaces, never wraps, another
 
 
+@pytest.fixture(autouse=True)
+def in_this_process(monkeypatch):
+    """The checks in the test's own process, where its patches reach them; the tests of checks in worker processes
+    ask for them (``--processes``)."""
+    monkeypatch.setenv(selftest.PROCESSES_ENV, "1")
+
+
 def run_cli(capsys, *argv):
     code = cli.main(list(argv))
     out, err = capsys.readouterr()
@@ -128,6 +135,7 @@ def test_an_interrupted_selftest_resumes_where_it_stopped(capsys, device, cache,
     monkeypatch.undo()
     monkeypatch.setenv("PERFX_CACHE", str(cache))
     monkeypatch.setenv("PERFX_DEVICE", device.entry.index)
+    monkeypatch.setenv(selftest.PROCESSES_ENV, "1")
     calls = count_checks(monkeypatch)
     code, out, err = run_cli(capsys, "selftest", "--exhaustive", "--kernels", RESUMED, "--json")
     second = json.loads(out)
@@ -356,3 +364,134 @@ def test_a_selftest_killed_part_way_resumes_from_its_last_saved_case(device, cac
     assert again.returncode == 0 and "resuming:" in err and 0 < data["resumed"] < data["planned"], err[-2000:]
     assert outcomes(data) == outcomes(want)
     assert not list(cache.glob("selftest/*.json"))
+
+
+# -- checks in worker processes (the default on a CPU device) ----------------------------------------------------
+
+def test_on_a_cpu_device_the_checks_run_in_a_process_per_core_and_elsewhere_in_this_one(device, monkeypatch):
+    monkeypatch.delenv(selftest.PROCESSES_ENV)
+    cores = min(os.cpu_count() or 1, selftest.MAX_PROCESSES)
+    assert device.caps.device_type == "CPU" and selftest.default_processes(device) == cores
+    monkeypatch.setattr(device, "caps", dataclasses.replace(device.caps, device_type="GPU"))
+    assert selftest.default_processes(device) == 1
+    monkeypatch.setenv(selftest.PROCESSES_ENV, "3")
+    assert selftest.default_processes(device) == 3
+    monkeypatch.setenv(selftest.PROCESSES_ENV, "many")
+    with pytest.raises(selftest.PerfxError, match="PERFX_SELFTEST_PROCESSES='many'"):
+        selftest.default_processes(device)
+    for bad in ("0", "x"):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["selftest", "--processes", bad])
+        assert exit_.value.code == 2
+
+
+def test_checks_in_worker_processes_are_those_of_one_process_in_its_order(capsys, device, cache, monkeypatch):
+    """The same checks, the same errors bit for bit (each case's inputs depend on the seed, family and shape
+    alone, so a case checked in parts, each in whichever process is free, checks the same), in the plan's order;
+    the processes' peak memory reported."""
+    code, out, _ = run_cli(capsys, "selftest", "--exhaustive", "--kernels", RESUMED, "--json")
+    alone = json.loads(out)
+    monkeypatch.setattr(selftest, "BUILD_AHEAD", 4)   # the cases of 9 checks in parts of 4, 4 and 1
+    code2, out, err = run_cli(capsys, "selftest", "--exhaustive", "--kernels", RESUMED, "--json", "--processes", "2")
+    data = json.loads(out)
+    assert code == code2 == 0 and data["complete"] and data["planned"] == len(data["checks"]) == 36
+    assert outcomes(data) == outcomes(alone)
+    assert data["check_processes"] == 2 and alone["check_processes"] == 0
+    assert 2**20 < data["check_processes_peak_rss_bytes"] < MEMORY_BUDGET / 2
+    assert not list(cache.glob("selftest/*.json")), "a finished run clears its progress"
+    code, out, err = run_cli(capsys, "selftest", "--exhaustive", "--kernels", RESUMED, "--budget", "0", "--json",
+                             "--processes", "2")
+    data = json.loads(out)
+    assert code == 3 and data["stopped"] == "budget" and data["checks"] == []
+
+
+def test_a_worker_process_grown_past_its_memory_bound_is_replaced_by_a_fresh_one(capsys, device, cache,
+                                                                                monkeypatch):
+    code, out, _ = run_cli(capsys, "selftest", "--exhaustive", "--kernels", SMALL, "--json")
+    alone = json.loads(out)
+    started = []
+    init = selftest._Checker.__init__
+    monkeypatch.setattr(selftest._Checker, "__init__", lambda self, *a: (started.append(1), init(self, *a))[1])
+    monkeypatch.setattr(selftest, "RECYCLE_BYTES", 0)   # every process past it after its first case
+    code, out, _ = run_cli(capsys, "selftest", "--exhaustive", "--kernels", SMALL, "--json", "--processes", "2")
+    data = json.loads(out)
+    assert code == 0 and outcomes(data) == outcomes(alone)
+    assert len(started) == 6 and data["check_processes"] == 2, "a fresh process for each of the 6 cases"
+
+
+def test_a_check_failing_in_a_worker_process_is_reported_with_its_family_shape_and_set(capsys, device, cache,
+                                                                                      monkeypatch):
+    """A kernel built wrong in the worker processes (a define of the build options overriding the set's: a
+    quarter of the floats a work-item should write) fails there as it does in one process."""
+    monkeypatch.setenv("PERFX_BUILD_OPTIONS", "-DVW4=1")
+    failed = {}
+    for processes in ("1", "2"):
+        code, out, _ = run_cli(capsys, "selftest", "--kernels", "softcap", "--json", "--processes", processes)
+        data = json.loads(out)
+        assert code == 1 and data["complete"]
+        failed[processes] = [(c["kernel"], c["shape"], c["params"]) for c in data["checks"] if not c["passed"]]
+        assert all(c["params"]["VW4"] != 1 for c in data["checks"] if not c["passed"])
+    assert failed["1"] == failed["2"] and len(failed["2"]) >= 2
+    code, out, _ = run_cli(capsys, "selftest", "--kernels", "softcap", "--processes", "2")
+    kernel, shape, params = failed["2"][0]
+    line = next(line for line in out.splitlines() if line.startswith("softcap ") and "FAIL" in line)
+    assert code == 1 and shape in line and " ".join(f"{k}={v}" for k, v in params.items()) in line
+
+
+def test_a_worker_process_that_dies_fails_the_check_it_was_making_and_another_checks_the_rest(capsys, device,
+                                                                                              cache, monkeypatch):
+    """A driver that crashes the process (Intel's CPU compiler has, on a gemv_q4 set): that check fails saying
+    so, a new process takes the rest of its case, and every other check is made as in one process."""
+    code, out, _ = run_cli(capsys, "selftest", "--exhaustive", "--kernels", RESUMED, "--json")
+    alone = json.loads(out)
+    check = selftest._Checker.check
+    chosen, killed = [], []
+
+    def crashing(self, spec, shape, params_list, seconds, on_check):
+        if chosen or len(params_list) <= 2:
+            return check(self, spec, shape, params_list, seconds, on_check)
+        chosen.append(spec)   # the first long case: its process dies after its second check
+        made = []
+
+        def on_two(one):
+            on_check(one)
+            made.append(one)
+            if len(made) == 2:
+                killed.append(self.process.pid)
+                self.process.kill()
+        return check(self, spec, shape, params_list, seconds, on_two)
+    monkeypatch.setattr(selftest._Checker, "check", crashing)
+    code, out, _ = run_cli(capsys, "selftest", "--exhaustive", "--kernels", RESUMED, "--json", "--processes", "2")
+    data = json.loads(out)
+    assert killed and code == 1 and data["complete"] and data["failed"] == 1
+    [dead] = [c for c in data["checks"] if not c["passed"]]
+    assert "worker process died" in dead["failure"] and dead["error"] == float("inf")
+    same = [o for o in outcomes(data) if o[:3] != (dead["kernel"], dead["shape"], json.dumps(dead["params"],
+                                                                                              sort_keys=True))]
+    assert len(same) == 35 and set(same) <= set(outcomes(alone))
+
+
+def test_an_interrupted_run_in_worker_processes_resumes_where_it_stopped(device, cache):
+    """Ctrl-C: the worker processes end at once, the checks they sent are kept, and the next run (in processes or
+    not) makes only the rest."""
+    kernels = "short_conv,moe_router,embedding_q8"
+    whole = selftest_process(cache, "--kernels", kernels, "--json")
+    out, err = whole.communicate(timeout=600)
+    assert whole.returncode == 0, err[-2000:]
+    want = json.loads(out)
+    stopped = selftest_process(cache, "--kernels", kernels, "--json", "--processes", "2")
+    deadline = time.monotonic() + 600
+    while not list(cache.glob("selftest/*.json")):
+        assert stopped.poll() is None, "the run ended before its first case was saved"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    stopped.send_signal(signal.SIGINT)
+    out, err = stopped.communicate(timeout=60)
+    assert stopped.returncode == 130, err[-2000:]
+    kept = json.loads(out)
+    assert kept["interrupted"] and 0 < len(kept["checks"]) < kept["planned"]
+    again = selftest_process(cache, "--kernels", kernels, "--json", "--processes", "2")
+    out, err = again.communicate(timeout=600)
+    data = json.loads(out)
+    assert again.returncode == 0 and "resuming:" in err and data["resumed"] >= len(kept["checks"]), err[-2000:]
+    assert outcomes(data) == outcomes(want)

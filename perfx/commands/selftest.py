@@ -19,17 +19,25 @@ A phone shares its 8–12 GB with Android and builds kernels slowly, so the run 
   pinned to the device and to each family's kernel sources); the same command after an interrupt, a budget
   spent or a crash resumes there, ``--restart`` starts afresh, and a finished run removes the file;
 - splitting: ``--shard I/N`` runs one of N disjoint parts (by family and parameter set, so each kernel is
-  built in one part only); ``--budget SECONDS`` stops cleanly when the time is spent (exit status 3).
+  built in one part only); ``--budget SECONDS`` stops cleanly when the time is spent (exit status 3);
+- processes: on a CPU device the cases are checked in a worker process per core (``--processes N``), each
+  building its own kernels and holding one case at a time; this process keeps the progress and the plan's order.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import hashlib
 import json
 import math
+import os
+import pickle
+import queue
+import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -39,9 +47,9 @@ from perfx.errors import PerfxError
 from perfx.model import host_peak_bytes
 from perfx.progress import Progress, format_table
 from perfx.resources import cache_dir, read_json, write_json_atomic
-from perfx.runtime import (DEVICE_HELP, Device, KernelLimitError, build_workers_peak_bytes, running_build_workers,
-                           shutdown_build_workers)
-from perfx.tuning import Spec, select_specs
+from perfx.runtime import (BUILD_WORKERS_ENV, DEVICE_HELP, Device, KernelLimitError, build_workers_peak_bytes,
+                           resident_peak_bytes, running_build_workers, shutdown_build_workers)
+from perfx.tuning import SPECS, Spec, select_specs
 from perfx.tuning.spec import build_requests
 from perfx.tuning.database import default_database, fingerprint_slug, normal, params_key, source_hash
 
@@ -73,6 +81,7 @@ Long runs:
 
   perfx selftest --budget 300      # stop cleanly after about 5 minutes; run it again until it exits 0 or 1
   perfx selftest --shard 2/4       # the second of 4 disjoint parts (run 1/4 .. 4/4, here or in parallel)
+  perfx selftest --processes 1     # check in this process (the default on a CPU device: a process per core)
 
 Exit status: 0 every check passed (or was refused by the driver's limits); 1 a check failed (complete or not);
 2 an error; 3 incomplete, the budget spent and no check failed so far: run the same command to go on;
@@ -95,6 +104,9 @@ def add_arguments(parser):
     parser.add_argument("--budget", metavar="SECONDS", type=float,
                         help="stop cleanly once SECONDS have passed (the check under way finishes), progress kept: "
                              f"exit status {EXIT_INCOMPLETE} if checks remain; the same command resumes")
+    parser.add_argument("--processes", metavar="N", type=parse_processes,
+                        help="check in N worker processes at once (default: on a CPU device, one per core, at most "
+                             f"{MAX_PROCESSES}, or {PROCESSES_ENV}; elsewhere 1, this process)")
     parser.add_argument("--restart", action="store_true",
                         help="forget the progress of an earlier, unfinished run of the same command and start afresh")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
@@ -126,6 +138,17 @@ def parse_shard(text: str) -> tuple[int, int]:
     if not 1 <= index <= count:
         raise argparse.ArgumentTypeError(f"{text!r}: I runs from 1 to N")
     return index, count
+
+
+def parse_processes(text: str) -> int:
+    """``--processes``: a whole number, at least 1."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of processes, e.g. 2") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least 1 (1: check in this process)")
+    return count
 
 
 @dataclass
@@ -310,7 +333,8 @@ def check_case(device: Device, spec: Spec, shape: dict, params_list: list[dict],
 def run_checks(device: Device, all_specs: dict[str, Spec], scope: str = "covering", seed: int = 0,
                show_progress: bool | None = None, checks: list[Check] | None = None, *,
                done: dict[str, Check] | None = None, part: tuple[int, int] | None = None,
-               deadline: float | None = None, saved=None) -> list[Check]:
+               deadline: float | None = None, saved=None, processes: int = 1,
+               report: dict | None = None) -> list[Check]:
     """Every planned check (``part``: one shard of them), in order. ``checks``: a list each result is appended to
     as it comes, so a caller interrupted part way (Ctrl-C on a phone's long selftest) still has those done.
 
@@ -319,7 +343,11 @@ def run_checks(device: Device, all_specs: dict[str, Spec], scope: str = "coverin
     ``saved(final)``: called after each check (``final`` False: it may skip) and after each case (True), to write
     progress. Memory stays bounded: one case at a time (``check_case``), and the device forgets the programs
     built once a family is done, or before building past PROGRAMS_KEPT (``Device.forget_programs``; a case keeps only
-    its last few sets' kernels, ``tuning.spec.cached_per_params``)."""
+    its last few sets' kernels, ``tuning.spec.cached_per_params``).
+
+    ``processes`` above 1: the cases are checked in that many worker processes at once (``_check_in_processes``),
+    the results in plan order all the same; ``report`` (a dict), where given, gets how many ran and the largest
+    one's peak resident memory."""
     jobs = plan(all_specs, device, scope)
     if part is not None:
         jobs = shard(jobs, *part)
@@ -333,6 +361,10 @@ def run_checks(device: Device, all_specs: dict[str, Spec], scope: str = "coverin
             saved(False)
 
     try:
+        if processes > 1:
+            _check_in_processes(device, jobs, processes, seed, progress, checks, done, deadline, saved,
+                                {} if report is None else report)
+            return checks
         runs = cases_of(jobs)
         for number, (spec, shape, params_list) in enumerate(runs):
             family, described = spec.params.family, spec.describe(shape)
@@ -357,6 +389,263 @@ def run_checks(device: Device, all_specs: dict[str, Spec], scope: str = "coverin
     finally:
         progress.close()
     return checks
+
+
+
+# -- checks in worker processes --------------------------------------------------------------------------------
+# On a CPU device everything a check costs runs on the host: the build, the work-group functions PoCL generates at
+# a kernel's first launch, the float64 reference, the launch itself. In one process most of that is serial (the
+# drivers compile one program at a time within a process, and the first launch compiles in the launching
+# process), so a selftest there runs its cases in worker processes, one per core, each taking the next case as it
+# finishes one: each holds one case and builds its own programs (no build workers of its own), and sends each
+# check back as it is made, so this process keeps the progress, the order of the plan and the resume.
+
+PROCESSES_ENV = "PERFX_SELFTEST_PROCESSES"
+MAX_PROCESSES = 8
+# A worker whose resident memory has passed this after a case is replaced by a fresh one (about a second to
+# start): a process's memory grows with the programs it has compiled, beyond those it keeps (one PoCL process
+# checking every family peaked at 939 MB, checking one family at most 420 MB: benchmarks/NOTES.md).
+RECYCLE_BYTES = 512 * 2**20
+_CHECKER_MAIN = "from perfx.commands import selftest; selftest._checker_main()"
+
+
+def default_processes(device: Device) -> int:
+    """How many processes check at once: PERFX_SELFTEST_PROCESSES where set, else the CPU count (at most
+    MAX_PROCESSES) on a CPU device, and 1 on any other (its checks run on the device, its builds in
+    ``Device.build_many``'s workers)."""
+    setting = os.environ.get(PROCESSES_ENV, "").strip()
+    if setting:
+        try:
+            return max(1, int(setting))
+        except ValueError:
+            raise PerfxError(f"{PROCESSES_ENV}={setting!r}: give a whole number of processes (1: check in this "
+                             "one)") from None
+    if device.caps.device_type != "CPU":
+        return 1
+    return max(1, min(os.cpu_count() or 1, MAX_PROCESSES))
+
+
+def _send(stream, message) -> None:
+    pickle.dump(message, stream)
+    stream.flush()
+
+
+def _checker_main() -> None:
+    """A check worker: (selector, limits, seed), answered ("ready", None) once the device is open; then cases,
+    each (family, shape's index, parameter sets, seconds left or None), answered with ("check", Check) for each
+    check and ("done", None), or ("budget", None) where the seconds ran out with sets left."""
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr   # anything printed by the way goes to stderr, not into the answers
+    selector, limits, seed = pickle.load(stdin)
+    device = Device(selector, limits)
+    _send(stdout, ("ready", None))
+    last_family = None
+    while True:
+        try:
+            family, index, params_list, seconds = pickle.load(stdin)
+        except EOFError:
+            return
+        spec = SPECS[family]
+        if family != last_family or device.programs_kept >= PROGRAMS_KEPT:
+            device.forget_programs()
+        last_family = family
+        shape, checks = spec.test_shapes[index], []
+        # the sets as the plan made them here (checked for the shape and device), from their items
+        checked = {params_key(p): p for p in spec.params.candidates(shape, device.caps)}
+        params_list = [checked.get(params_key(params), params) for params in params_list]
+        deadline = None if seconds is None else time.perf_counter() + seconds
+
+        def answer():
+            check = checks[-1]
+            _send(stdout, ("check", dataclasses.replace(check, params=dict(check.params))))
+        try:
+            check_case(device, spec, shape, params_list, case_rng(seed, family, spec.describe(shape)), checks,
+                       answer, deadline)
+        except BudgetSpent:
+            _send(stdout, ("budget", None))
+        else:
+            _send(stdout, ("done", None))
+
+
+class _Checker:
+    """One check worker process: one case at a time."""
+
+    def __init__(self, device: Device, seed: int):
+        # its builds in the process itself: the processes already keep every core busy, and a build worker each
+        # would hold another Python and compiler; a session of its own, so Ctrl-C is this process's to handle
+        env = {**os.environ, BUILD_WORKERS_ENV: "1"}
+        self.process = subprocess.Popen([sys.executable, "-c", _CHECKER_MAIN], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, env=env, start_new_session=True)
+        _send(self.process.stdin, (device.entry.index, device.limits, seed))
+        self.peak, self.ready = 0, False
+
+    def check(self, spec: Spec, shape: dict, params_list: list[dict], seconds: float | None, on_check) -> str:
+        """The case's checks, each passed to ``on_check`` as it comes: "done", "budget", "died" where the process
+        ended part way, or "broken" where it ended before it had opened the device."""
+        try:
+            if not self.ready:
+                pickle.load(self.process.stdout)
+                self.ready = True
+            _send(self.process.stdin, (spec.params.family, spec.test_shapes.index(shape),
+                                       [dict(params) for params in params_list], seconds))
+            while True:
+                kind, check = pickle.load(self.process.stdout)
+                if kind != "check":
+                    return kind
+                on_check(check)
+        except (EOFError, OSError, ValueError, pickle.UnpicklingError):
+            return "died" if self.ready else "broken"
+
+    def resident_bytes(self) -> int:
+        """Its resident memory now (Linux's and Android's VmRSS; 0 where the system does not tell)."""
+        try:
+            with open(f"/proc/{self.process.pid}/status") as status:
+                for line in status:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        return 0
+
+    def stop(self) -> None:
+        """Its peak resident memory noted, its pipe closed, and the process ended."""
+        self.peak = max(self.peak, resident_peak_bytes(self.process.pid) or 0)
+        try:
+            self.process.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def _check_in_processes(device: Device, jobs: list, processes: int, seed: int, progress: Progress,
+                        checks: list[Check], done: dict[str, Check], deadline: float | None, saved,
+                        report: dict) -> None:
+    """``run_checks`` in ``processes`` worker processes: the cases not done (in parts of at most BUILD_AHEAD
+    checks), longest first, each handed to the next process free; results appended to ``checks`` as they come,
+    and in the plan's order when this returns or raises. A process that dies (a driver's crash) fails the check
+    it was making, and a new one takes the rest of the case."""
+    order = {check_key(spec.params.family, spec.describe(shape), params): i for i, (spec, shape, params)
+             in enumerate(jobs)}
+    pending: queue.Queue = queue.Queue()
+    cases = []
+    for spec, shape, params_list in cases_of(jobs):
+        todo = []
+        for params in params_list:
+            previous = done.get(check_key(spec.params.family, spec.describe(shape), params))
+            if previous is None:
+                todo.append(params)
+            else:
+                checks.append(previous)
+                progress.update(note=spec.params.family)
+        # a long case in parts (its inputs made again for each, from the same seed: the same checks), so that no
+        # process is left with a long one while the others have finished
+        cases.extend((spec, shape, todo[i:i + BUILD_AHEAD]) for i in range(0, len(todo), BUILD_AHEAD))
+    # the longest first, so the last to finish is a short one
+    for case in sorted(cases, key=lambda case: -len(case[2])):
+        pending.put(case)
+    results: queue.Queue = queue.Queue()
+    stop, finished = threading.Event(), object()
+    checkers: list[_Checker] = []
+    lock = threading.Lock()
+
+    def feed():
+        checker = None
+        try:
+            while not stop.is_set():
+                try:
+                    spec, shape, todo = pending.get_nowait()
+                except queue.Empty:
+                    return
+                seconds = None if deadline is None else deadline - time.perf_counter()
+                if seconds is not None and seconds <= 0:
+                    results.put(("budget", None))
+                    return
+                if checker is None:
+                    with lock:
+                        if stop.is_set():
+                            return
+                        checker = _Checker(device, seed)
+                        checkers.append(checker)
+                made: list[Check] = []
+
+                def on_check(check, made=made):
+                    made.append(check)
+                    results.put(("check", check))
+                outcome = checker.check(spec, shape, todo, seconds, on_check)
+                if outcome == "broken" and not stop.is_set():   # not one case checked: every case would fail so
+                    status = checker.process.wait()
+                    results.put(("broken", status))
+                    return
+                if outcome == "died" and not stop.is_set():
+                    status = checker.process.wait()
+                    if len(made) < len(todo):   # else it died after its last check
+                        params = todo[len(made)]
+                        results.put(("check", Check(spec.params.family, params, spec.describe(shape),
+                                                    float("inf"), spec.tolerance_for(params), False,
+                                                    f"the selftest's worker process died (exit status {status}) "
+                                                    "making this check")))
+                    if todo[len(made) + 1:]:
+                        pending.put((spec, shape, todo[len(made) + 1:]))
+                    checker.stop()
+                    checker = None
+                    outcome = "done"
+                results.put((outcome, None))
+                if outcome == "budget":
+                    return
+                if checker is not None and checker.resident_bytes() > RECYCLE_BYTES:
+                    checker.stop()
+                    checker = None
+        except Exception as error:   # noqa: BLE001 - raised again in the calling thread
+            results.put(("error", error))
+        finally:
+            if checker is not None:
+                checker.stop()
+            results.put((finished, None))
+
+    threads = [threading.Thread(target=feed, name="perfx-selftest-feed", daemon=True)
+               for _ in range(min(processes, len(cases)))]
+    budget_spent = False
+    try:
+        for thread in threads:
+            thread.start()
+        running = len(threads)
+        while running:
+            kind, check = results.get()
+            if kind is finished:
+                running -= 1
+            elif kind == "check":
+                checks.append(check)
+                progress.update(note=check.kernel)
+                if saved is not None:
+                    saved(False)
+            elif kind == "done":
+                if saved is not None:
+                    saved(True)
+            elif kind == "budget":
+                budget_spent = True
+            elif kind == "error":
+                raise check
+            elif kind == "broken":
+                raise PerfxError(f"a selftest worker process ended (exit status {check}) before it could check "
+                                 f"anything: {PROCESSES_ENV}=1 checks in this process, where the error shows")
+    finally:
+        stop.set()
+        with lock:
+            for checker in checkers:   # on an interrupt: each ended now, not after the case it is checking
+                if checker.process.poll() is None:
+                    checker.peak = max(checker.peak, resident_peak_bytes(checker.process.pid) or 0)
+                    checker.process.kill()
+        for thread in threads:
+            thread.join()
+        checks.sort(key=lambda c: order[c.key])
+        report["processes"] = len(threads)   # at once (one that died or grew past RECYCLE_BYTES was replaced)
+        report["processes_peak_rss_bytes"] = max((c.peak for c in checkers), default=0)
+    if budget_spent and len(checks) < len(jobs):
+        raise BudgetSpent
 
 
 class SavedProgress:
@@ -451,11 +740,13 @@ def main(args) -> int:
     jobs = plan(all_specs, device, scope)
     planned = len(shard(jobs, *part) if part else jobs)
     checks: list[Check] = []
+    processes = getattr(args, "processes", None) or default_processes(device)
+    in_processes: dict = {}
     stopped = None
     try:
         run_checks(device, all_specs, scope, show_progress=False if args.json else None, checks=checks,
                    done=done, part=part, deadline=None if budget is None else started + budget,
-                   saved=saved.saver(checks))
+                   saved=saved.saver(checks), processes=processes, report=in_processes)
     except KeyboardInterrupt:
         stopped = "interrupted"
         print(f"perfx selftest: interrupted after {len(checks)} checks; those follow", file=sys.stderr)
@@ -482,6 +773,8 @@ def main(args) -> int:
                           "passed": passed, "failed": failed, "refused": refused, "seconds": round(elapsed, 2),
                           "peak_rss_bytes": peak, "build_workers_peak_rss_bytes": workers_peak,
                           "build_workers": workers,
+                          "check_processes": in_processes.get("processes", 0),
+                          "check_processes_peak_rss_bytes": in_processes.get("processes_peak_rss_bytes", 0),
                           "device_peak_bytes": device.peak_allocated_bytes,
                           "checks": [asdict(c) for c in checks]}, indent=1, default=float))
     else:
@@ -494,6 +787,9 @@ def main(args) -> int:
               + " "
               f"({elapsed:.1f}s, peak resident memory {peak / 2**20:.0f} MiB"
               + (f", each build worker at most {workers_peak / 2**20:.0f} MiB" if workers_peak else "")
+              + (f", checked in {in_processes['processes']} processes, each at most "
+                 f"{in_processes['processes_peak_rss_bytes'] / 2**20:.0f} MiB" if in_processes.get("processes")
+                 else "")
               + (f", {resumed} resumed" if resumed else "") + ")"
               + (", interrupted" if stopped == "interrupted" else "")
               + (f", incomplete: {planned - len(checks)} of {planned} checks left" if stopped == "budget" else ""))

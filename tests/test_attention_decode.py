@@ -3,13 +3,13 @@
 import numpy as np
 import pytest
 
-from helpers.spec_checks import assert_every_parameter_set
+from helpers.spec_checks import assert_planned_sets, swept
 from perfx import reference
 from perfx.errors import PerfxError
 from perfx.ops.attention_decode import PARAMS, AttentionDecode
 from perfx.ops.kv_cache import KVCache, RopeTable
 from perfx.runtime import LIMIT_PRESETS, Device, Limits
-from perfx.tuning.attention_decode import LAYER, Q8_TEST_SHAPES, SPEC, THETA
+from perfx.tuning.attention_decode import LAYER, SPEC, THETA
 from perfx.tuning.spec import relative_error
 
 # out against attention over the very rows the kernel stored: only fp32 arithmetic is left (measured
@@ -23,28 +23,27 @@ def _check_case(case, shape, params):
     assert all(e <= SPEC.tolerance_for(params) for e in errors.values()), (SPEC.describe(shape), params, errors)
 
 
-# Every parameter set on the fp16 shape with the most edges, Gemma 3's layer: head_dim 256 (VW 4 and WGS 64
-# leave one V row a work-group, ROWS 1; the largest local arrays), GQA 4 (the per-head register arrays), the
-# q/k norm build, a window that starts inside the first partition of each PART (its early positions weigh 0),
-# a scale, and 129 positions: one past a partition of 128 (a combine of 2) and of 32 (5), one of 256. And on
-# the int8 cache's first shape (its own build: the quantizing append, the dequantizing loads).
-# And on gpt-oss's layer with attention sinks, a window and a combine of several partitions; and on Gemma 3's
-# layer as a batched step's five rows in one launch (``AttentionDecode.rows``).
-FULL_SWEEP = (SPEC.test_shapes[4], Q8_TEST_SHAPES[0], next(s for s in SPEC.test_shapes if s.get("sinks")),
-              next(s for s in SPEC.test_shapes if s.get("rows") and s.get("qk_norm")))
+def strength(shape) -> int:
+    """Every pair of values at head_dim 256 (VW and WGS together span the head), every value elsewhere."""
+    return 2 if shape["head_dim"] >= 256 else 1
 
 
 @pytest.mark.sweep
-@pytest.mark.parametrize("shape", SPEC.test_shapes, ids=SPEC.describe)
-def test_every_candidate(device, rng, shape):
-    """Every parameter set on the FULL_SWEEP shapes; on the others a covering subset: each is a build of its own
-    (head_dim, GQA, qk_norm and the cache's form are build defines), and every value of each parameter runs
-    there (every PART against each shape's positions and window, VW and WGS against its head_dim, HALF with
-    each), at head_dim 256 every pair of values (VW and WGS together span the head), so what a shape adds (its
-    GQA, head_dim, soft-cap, partial rotary or NoPE, offset, a single position) meets every kind of variant."""
+@pytest.mark.parametrize("index", swept(SPEC), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
+def test_every_candidate(device, rng, index):
+    """Each parameter set at one of the shapes (helpers.spec_checks.plan), and at each a covering subset: each
+    shape is a build of its own (head_dim, GQA, qk_norm and the cache's form are build defines), and every value of
+    each parameter runs there (every PART against each shape's positions and window, VW and WGS against its
+    head_dim, HALF with each), at head_dim 256 every pair of values, so what a shape adds (its GQA, head_dim,
+    soft-cap, partial rotary or NoPE, offset, a single position, attention sinks, the int8 cache's quantizing
+    append and dequantizing loads, a batched step's rows) meets every kind of variant. The shapes with the most
+    edges: Gemma 3's layer, head_dim 256 (VW 4 and WGS 64 leave one V row a work-group, ROWS 1; the largest local
+    arrays), GQA 4, the q/k norm build, a window that starts inside the first partition of each PART (its early
+    positions weigh 0), a scale, and 129 positions: one past a partition of 128 (a combine of 2) and of 32 (5),
+    one of 256; gpt-oss's layer with sinks, a window and a combine of several partitions."""
+    shape = SPEC.test_shapes[index]
     assert SPEC.params.defaults() in SPEC.params.candidates(shape, device.caps)
-    assert_every_parameter_set(SPEC, device, shape, rng, cover=shape not in FULL_SWEEP,
-                               strength=2 if shape["head_dim"] >= 256 else 1)
+    assert_planned_sets(SPEC, device, index, rng, strength)
 
 
 @pytest.mark.parametrize("shape", [s for s in SPEC.test_shapes if "kv" not in s and "rows" not in s],

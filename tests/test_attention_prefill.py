@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from helpers.spec_checks import assert_every_parameter_set
+from helpers.spec_checks import assert_planned_sets, swept
 from perfx import reference
 from perfx.errors import PerfxError
 from perfx.ops.attention_decode import AttentionDecode
@@ -11,21 +11,14 @@ from perfx.ops.attention_prefill import PARAMS, REGISTER_BUDGET, AttentionPrefil
 from perfx.ops.kv_cache import KVCache, RopeTable
 from perfx.runtime import LIMIT_PRESETS, Device, Limits
 from perfx.tuning.attention_decode import THETA
-from perfx.tuning.attention_prefill import LAYER, Q8_TEST_SHAPES, SPEC
+from perfx.tuning.attention_prefill import LAYER, SPEC
 from perfx.tuning.spec import relative_error
 
-# Every candidate on the first test shape: head_dim 64, where every set the tuner may choose at any head_dim
-# runs (the register budget and local memory only remove sets as head_dim grows), GQA 3 (24 query rows: no
-# multiple of any WGS), 8 tokens after 5 cached (each work-group's last position, 11 or 13, no multiple of any
-# BK tile). A covering subset on the others: each (head_dim, qk_norm) is a build of its own, and there every
-# value of each parameter runs, at head_dim 256 every pair of values (DSPLIT and BK against its registers and
-# local memory, HALF with each), so what a shape adds (its head_dim, GQA, q/k norm, window, soft-cap, partial
-# rotary or NoPE) meets every kind of variant; on the int8 cache's shapes too, but its first: tests/test_kv_q8.py
-# runs every set there, a superset of the covering one, so it is not built and run twice; and every set on
-# gpt-oss's sliding layer with attention sinks.
-FULL_SWEEP = (0, next(i for i, s in enumerate(SPEC.test_shapes) if s.get("sinks")))
-SWEPT_IN_TEST_KV_Q8 = SPEC.test_shapes.index(Q8_TEST_SHAPES[0])
-SHAPE_INDICES = [i for i in range(len(SPEC.test_shapes)) if i != SWEPT_IN_TEST_KV_Q8]
+
+def strength(shape) -> int:
+    """Every pair of values at head_dim 256 (DSPLIT and BK against its registers and local memory, HALF with
+    each), every value elsewhere."""
+    return 2 if shape["head_dim"] >= 256 else 1
 
 
 def check(case, params):
@@ -36,13 +29,19 @@ def check(case, params):
 
 
 @pytest.mark.sweep
-@pytest.mark.parametrize("index", SHAPE_INDICES, ids=[SPEC.describe(SPEC.test_shapes[i]) for i in SHAPE_INDICES])
+@pytest.mark.parametrize("index", swept(SPEC), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
 def test_every_candidate(device, rng, index):
+    """Each candidate at one of the shapes where it runs (helpers.spec_checks.plan; the first, head_dim 64, runs
+    every set the tuner may choose at any head_dim: the register budget and local memory only remove sets as
+    head_dim grows; GQA 3, 24 query rows, no multiple of any WGS; 8 tokens after 5 cached, each work-group's last
+    position, 11 or 13, no multiple of any BK tile). At each shape a covering subset: each (head_dim, qk_norm,
+    the cache's form) is a build of its own, and there every value of each parameter runs, so what a shape adds
+    (its head_dim, GQA, q/k norm, window, soft-cap, partial rotary or NoPE, attention sinks, the int8 cache) meets
+    every kind of variant."""
     shape = SPEC.test_shapes[index]
     if shape["head_dim"] <= 128:
         assert SPEC.params.defaults() in SPEC.params.candidates(shape, device.caps)
-    assert_every_parameter_set(SPEC, device, shape, rng, cover=index not in FULL_SWEEP,
-                               strength=2 if shape["head_dim"] >= 256 else 1)
+    assert_planned_sets(SPEC, device, index, rng, strength)
 
 
 def test_head_dim_256_has_fp32_sets_that_fit_a_phone(rng):

@@ -1,11 +1,11 @@
 """Gated DeltaNet: the float64 reference against two independent formulations (the explicit matrix form of the
-delta rule and transformers' chunked algorithm), both kernels at every parameter set on every test shape,
+delta rule and transformers' chunked algorithm), both kernels at every parameter set (each at one test shape),
 chunked prefill followed by token-by-token decode from its state, and the error paths."""
 
 import numpy as np
 import pytest
 
-from helpers.spec_checks import assert_every_parameter_set
+from helpers.spec_checks import assert_planned_sets, swept
 from perfx import reference
 from perfx.errors import PerfxError
 from perfx.ops.gated_delta_net import GatedDeltaNetChunked, GatedDeltaNetRecurrent
@@ -112,22 +112,23 @@ def test_head_maps_and_gates(rng):
 
 
 def _cases():
-    return [pytest.param(kind, i, id=f"{kind}-{SPECS[kind].describe(shape)}")
-            for kind in SPECS for i, shape in enumerate(SPECS[kind].test_shapes)]
+    return [pytest.param(kind, i, id=f"{kind}-{SPECS[kind].describe(SPECS[kind].test_shapes[i])}")
+            for kind in SPECS for i in swept(SPECS[kind])]
+
+
+STRENGTH = {"recurrent": lambda shape: 1,
+            "chunked": lambda shape: 2 if max(shape["d_k"], shape["d_v"]) >= 128 else 1}
 
 
 @pytest.mark.sweep
 @pytest.mark.parametrize("kind, index", _cases())
 def test_every_parameter_set_matches_reference(device, rng, kind, index):
-    """Every parameter set on the first shape, the one with the most edges (GQA 3, d_k and d_v off every lane
-    and row multiple, a tail after every chunk size, a qkv offset); on the others (each shape's d_k, d_v,
-    head map and gate form make builds of their own) a covering subset, every value of every parameter, and
-    for the chunked kernel at heads of 128 every pair (its tiles against the largest state rows), so each
-    shape's decode step, head map, raw gates and head sizes meet every kind of variant."""
-    spec = SPECS[kind]
-    shape = spec.test_shapes[index]
-    assert_every_parameter_set(spec, device, shape, rng, cover=index > 0,
-                               strength=2 if kind == "chunked" and max(shape["d_k"], shape["d_v"]) >= 128 else 1)
+    """Each parameter set at one of the shapes (helpers.spec_checks.plan; the first has the most edges: GQA 3,
+    d_k and d_v off every lane and row multiple, a tail after every chunk size, a qkv offset), and at each (each
+    shape's d_k, d_v, head map and gate form make builds of their own) a covering subset, every value of every
+    parameter, and for the chunked kernel at heads of 128 every pair (its tiles against the largest state rows),
+    so each shape's decode step, head map, raw gates and head sizes meet every kind of variant."""
+    assert_planned_sets(SPECS[kind], device, index, rng, STRENGTH[kind])
 
 
 def as_float32(seq):

@@ -4,7 +4,7 @@ epilogues, both weight layouts, and the dispatcher."""
 import numpy as np
 import pytest
 
-from helpers.spec_checks import assert_every_parameter_set, assert_first_sets, same_inputs_for_every_form
+from helpers.spec_checks import assert_first_sets, assert_planned_sets, same_inputs_for_every_form, swept
 from perfx.errors import PerfxError
 from perfx.formats import Q4_SYMMETRIC, Q4_ZEROS, Q4Matrix
 from perfx.ops.epilogue import output_rows
@@ -31,10 +31,11 @@ def kinds(device, *names) -> list[str]:
 
 
 def _cases(kind):
-    # Every candidate on the first spec shape (the gate-up epilogue: both weight halves, M passes and
-    # edges); on the others, each a build of its own, a subset holding every value of every parameter.
-    return [pytest.param(kind, i, id=f"{kind}-{shape['epilogue']}")
-            for i, shape in enumerate(SPECS[kind].test_shapes)]
+    # Each candidate at one of the spec shapes (the gate-up epilogue: both weight halves, M passes and edges; the
+    # others), and at each, a build of its own, the defaults and a subset holding every value of every parameter
+    # (helpers.spec_checks.plan).
+    spec = SPECS[kind]
+    return [pytest.param(kind, i, id=f"{kind}-{spec.test_shapes[i]['epilogue']}") for i in swept(spec)]
 
 
 @pytest.mark.parametrize("kind", ["skinny", "tiled", "f16", "lanes", "i8"])
@@ -59,7 +60,7 @@ def test_every_candidate_on_the_spec_shapes(device, rng, kind, index):
         pytest.skip(f"{device.caps.name} has no cl_khr_fp16")
     assert spec.params.defaults() in candidates and len(candidates) >= 12
     assert {p["LAYOUT"] for p in candidates} == {0, 1}
-    assert_every_parameter_set(spec, device, shape, rng, cover=index > 0)
+    assert_planned_sets(spec, device, index, rng)
 
 
 # The zero-point forms (kernels/q4.h Q4_SCALES 1 and 2) in each layout and through image2d row blocks (where the

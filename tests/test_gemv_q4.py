@@ -1,9 +1,9 @@
-"""gemv_q4: every test shape at the defaults and at every candidate, image splits, fused QKV, gate-up, errors."""
+"""gemv_q4: every test shape at the defaults, every candidate at one, image splits, fused QKV, gate-up, errors."""
 
 import numpy as np
 import pytest
 
-from helpers.spec_checks import assert_every_parameter_set, assert_first_sets
+from helpers.spec_checks import assert_first_sets, assert_planned_sets, swept
 from perfx import reference
 from perfx.errors import PerfxError
 from perfx.formats import Q4_PAIRS, Q4_SYMMETRIC, Q4_ZEROS, Q4Matrix
@@ -18,13 +18,13 @@ READ_CODES = {name: code for code, name in READ_NAMES.items()}
 
 
 @pytest.mark.sweep
-@pytest.mark.parametrize("index", range(len(SPEC.test_shapes)), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
+@pytest.mark.parametrize("index", swept(SPEC), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
 def test_every_candidate(device, rng, index):
-    """Every candidate on the first shape; on the others, each a different build (group size, epilogue (SwiGLU,
-    GeGLU), bias), a subset holding every value of every parameter."""
+    """Each candidate at one of the shapes, and at each, a different build (group size, epilogue (SwiGLU, GeGLU),
+    bias), the defaults and a subset holding every value of every parameter (helpers.spec_checks.plan)."""
     shape = SPEC.test_shapes[index]
     assert len(SPEC.params.candidates(shape, device.caps)) >= 8
-    assert_every_parameter_set(SPEC, device, shape, rng, cover=index > 0)
+    assert_planned_sets(SPEC, device, index, rng)
 
 
 def test_gpu_class_variants_are_candidates_where_the_device_has_them(device):

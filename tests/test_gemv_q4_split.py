@@ -1,4 +1,4 @@
-"""gemv_q4_split: every test shape at the defaults and at every candidate, the scales' forms, determinism, errors;
+"""gemv_q4_split: every test shape at the defaults, every candidate at one, the scales' forms, determinism, errors;
 and the index model at a GPU's limits (tuning/gemv_index.py): every set the tuner may choose there reads whole
 32-byte sectors, and some set launches at least 4 work-groups a compute unit, at every int4 decode GEMV of the
 default model, Llama-2-7B and Qwen3-1.7B, on the H200 and the Adreno presets."""
@@ -6,7 +6,7 @@ default model, Llama-2-7B and Qwen3-1.7B, on the H200 and the Adreno presets."""
 import numpy as np
 import pytest
 
-from helpers.spec_checks import assert_every_parameter_set, assert_first_sets
+from helpers.spec_checks import assert_first_sets, assert_planned_sets, swept
 from perfx import reference
 from perfx.errors import PerfxError
 from perfx.formats import Q4_SYMMETRIC, Q4_ZEROS, Q4Matrix
@@ -19,14 +19,15 @@ from perfx.tuning.spec import relative_error
 
 
 @pytest.mark.sweep
-@pytest.mark.parametrize("index", range(len(SPEC.test_shapes)), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
+@pytest.mark.parametrize("index", swept(SPEC), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
 def test_every_candidate(device, rng, index):
-    """Every candidate on the first shape (K = 4160: 130 texels, which no SPLIT > 1 divides into even slices);
-    on the others, each a different build (group size, epilogue (SwiGLU, GeGLU), bias), a subset holding every
-    value of every parameter."""
+    """Each candidate at one of the shapes where it runs (the sets of SPLIT 8 only at the first, K = 4160: 130
+    texels, which no SPLIT > 1 divides into even slices), and at each, a different build (group size, epilogue
+    (SwiGLU, GeGLU), bias), the defaults and a subset holding every value of every parameter
+    (helpers.spec_checks.plan)."""
     shape = SPEC.test_shapes[index]
     assert len(SPEC.params.candidates(shape, device.caps)) >= 8
-    assert_every_parameter_set(SPEC, device, shape, rng, cover=index > 0)
+    assert_planned_sets(SPEC, device, index, rng)
 
 
 def test_shapes_are_off_every_tile():

@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from helpers.spec_checks import assert_every_parameter_set
+from helpers.spec_checks import assert_planned_sets, swept
 from perfx.errors import PerfxError
 from perfx.formats import Q4_ZEROS, Q4Matrix
 from perfx.ops.gemv_q4 import PARAMS as GEMV_Q4_PARAMS
@@ -20,23 +20,23 @@ from perfx.tuning.database import source_hash
 from perfx.tuning.gemv_q4_tail import SPEC
 
 
-@pytest.mark.parametrize("index", range(len(SPEC.test_shapes)), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
+@pytest.mark.parametrize("index", swept(SPEC), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
 def test_every_candidate(device, rng, index):
-    """Every candidate on the first shape, and on the others (each tail's other builds: bias, blocks in either
-    order, the post-norm, gate-up with each activation) a subset holding every value of every parameter, as
-    gemv_q4's test does: N = 37, 96 and 160 are no multiple of the larger row sets, so the last row set of a launch
-    owns rows past the end and still counts itself; every output (y, the residual h, the normed xn, the blocks'
-    rounding) against the float64 reference, poisoned first."""
+    """Each candidate at one of the shapes, and at each (each tail's builds: bias, blocks in either order, the
+    post-norm, gate-up with each activation) the defaults and a subset holding every value of every parameter, as
+    gemv_q4's test does (helpers.spec_checks.plan): N = 37, 96 and 160 are no multiple of the larger row sets, so
+    the last row set of a launch owns rows past the end and still counts itself; every output (y, the residual h,
+    the normed xn, the blocks' rounding) against the float64 reference, poisoned first."""
     shape = SPEC.test_shapes[index]
     assert len(SPEC.params.candidates(shape, device.caps)) >= 8
-    assert_every_parameter_set(SPEC, device, shape, rng, cover=index > 0)
+    assert_planned_sets(SPEC, device, index, rng)
 
 
-@pytest.mark.parametrize("index", range(len(SPEC.test_shapes)), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
+@pytest.mark.parametrize("index", swept(SPEC), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
 def test_every_candidate_with_atomics_as_on_opencl_1_2(device, rng, monkeypatch, index):
     """The same with the hand-off a device whose compiler takes OpenCL C 1.2 only gets: every output's atomic store
-    and load (HANDOFF 0), where the test above runs the ordered relaxed loads (HANDOFF 1) on these runtimes. Every
-    candidate on the first shape, a covering subset on the others."""
+    and load (HANDOFF 0), where the test above runs the ordered relaxed loads (HANDOFF 1) on these runtimes: the
+    same sets at the same shapes."""
     assert handoff_for(device.caps) == HANDOFFS["ordered"], "both CPU runtimes take OpenCL C 2.0 or later"
     assert handoff_for(replace(device.caps, opencl_c=(1, 2))) == HANDOFFS["atomics"]
     assert handoff_for(replace(device.caps, c_features=())) == HANDOFFS["atomics"]   # Oclgrind's 3.0: no features
@@ -45,7 +45,7 @@ def test_every_candidate_with_atomics_as_on_opencl_1_2(device, rng, monkeypatch,
     # I8 2's built-ins need this compiler's newest OpenCL C)
     monkeypatch.setattr("perfx.ops.gemv_q4_tail.handoff_for", lambda caps: HANDOFFS["atomics"])
     assert GemvQ4Tail(device).handoff == HANDOFFS["atomics"]
-    assert_every_parameter_set(SPEC, device, SPEC.test_shapes[index], rng, cover=index > 0)
+    assert_planned_sets(SPEC, device, index, rng)
 
 
 # Weights with 4-bit zeros (AWQ's form) as a fused tiny model runs them: 3 groups of 64, and a tiny Gemma 3's o and

@@ -2,8 +2,9 @@
 the rule on freely drawn inputs, KVCache's helpers in both forms, attention over a q8 cache token after token
 against the float64 reference and against the fp16 cache, the errors, and the default model with --kv q8.
 
-The spec cases (tests/test_attention_decode.py, test_attention_prefill.py: every parameter set on the q8 test
-shapes, both implementations) draw their new keys and values away from the rule's rounding ties, so they
+The spec cases (tests/test_attention_decode.py, test_attention_prefill.py: the q8 test shapes among their
+families' others, each at the defaults, a covering subset and its share of every parameter set, both
+implementations) draw their new keys and values away from the rule's rounding ties, so they
 compare codes exactly; here inputs are drawn freely and a code may differ by one where the fp32 kernel and the
 float64 rule fall on either side of a tie.
 """
@@ -12,14 +13,12 @@ import gguf.quants
 import numpy as np
 import pytest
 
-from helpers.spec_checks import assert_every_parameter_set
 from perfx import reference
 from perfx.errors import PerfxError
 from perfx.ops.attention_decode import AttentionDecode
 from perfx.ops.attention_prefill import AttentionPrefill
 from perfx.ops.kv_cache import KVCache, RopeTable
 from perfx.runtime import Device, Limits
-from perfx.tuning import attention_prefill
 from perfx.tuning.attention_decode import SPEC, THETA, as_stored, away_from_q8_ties, near_q8_ties
 from perfx.tuning.spec import relative_error
 
@@ -49,15 +48,6 @@ def test_rule_is_gguf_q8_0():
     # Dequantized: within half a code plus the fp16 rounding of d of each value.
     d = np.repeat(scales.astype(np.float64), 32, axis=1)
     assert np.all(np.abs(reference.kv_q8(x) - x) <= 0.5 * d + 127 * d * 2.0**-11)
-
-
-@pytest.mark.sweep
-@pytest.mark.slow
-def test_every_prefill_parameter_set_with_the_q8_cache(device, rng):
-    """Every parameter set the tuner may choose for attention_prefill (174 on Intel's runtime, 84 on PoCL), on
-    the first q8 test shape; tests/test_attention_prefill.py runs a covering subset on the other q8 shapes,
-    tests/test_attention_decode.py every attention_decode set on its first."""
-    assert_every_parameter_set(attention_prefill.SPEC, device, attention_prefill.Q8_TEST_SHAPES[0], rng)
 
 
 def _check_rows(stored_codes, stored_scales, x):

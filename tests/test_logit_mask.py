@@ -1,10 +1,10 @@
-"""Constrained decoding's mask (kernels/logit_mask.cl): every test shape at the defaults and every candidate
+"""Constrained decoding's mask (kernels/logit_mask.cl): every test shape at the defaults, every candidate at one,
 against the float64 reference, and what the draw after it makes of −∞ logits."""
 
 import numpy as np
 import pytest
 
-from helpers.spec_checks import assert_every_parameter_set
+from helpers.spec_checks import assert_planned_sets, swept
 from perfx import reference
 from perfx.errors import PerfxError
 from perfx.ops.logit_mask import LogitMask, mask_words
@@ -13,9 +13,9 @@ from perfx.tuning.logit_mask import LOGIT_MASK
 
 
 @pytest.mark.sweep
-@pytest.mark.parametrize("shape", LOGIT_MASK.test_shapes, ids=LOGIT_MASK.describe)
-def test_every_parameter_set_matches_reference(device, rng, shape):
-    assert_every_parameter_set(LOGIT_MASK, device, shape, rng)
+@pytest.mark.parametrize("index", swept(LOGIT_MASK), ids=[LOGIT_MASK.describe(s) for s in LOGIT_MASK.test_shapes])
+def test_every_parameter_set_matches_reference(device, rng, index):
+    assert_planned_sets(LOGIT_MASK, device, index, rng)
 
 
 def test_a_mask_too_short_is_refused(device):

@@ -1,10 +1,10 @@
-"""moe_router, gemv_moe and gemm_moe: every test shape at every parameter set against the float64 reference, the routed
-GEMVs reading only the chosen experts, and bad input."""
+"""moe_router, gemv_moe and gemm_moe: every parameter set at one test shape and the defaults at each, against the
+float64 reference, the routed GEMVs reading only the chosen experts, and bad input."""
 
 import numpy as np
 import pytest
 
-from helpers.spec_checks import assert_every_parameter_set
+from helpers.spec_checks import assert_planned_sets, swept
 from perfx import reference
 from perfx.errors import PerfxError
 from perfx.formats import Q4Matrix
@@ -19,17 +19,17 @@ from perfx.tuning.moe_shared_gate import SPEC as SHARED_GATE_SPEC
 
 
 @pytest.mark.sweep
-@pytest.mark.parametrize("index", range(len(ROUTER_SPEC.test_shapes)),
+@pytest.mark.parametrize("index", swept(ROUTER_SPEC),
                          ids=[ROUTER_SPEC.describe(s) for s in ROUTER_SPEC.test_shapes])
 def test_router_every_parameter_set(device, rng, index):
-    assert_every_parameter_set(ROUTER_SPEC, device, ROUTER_SPEC.test_shapes[index], rng)
+    assert_planned_sets(ROUTER_SPEC, device, index, rng)
 
 
 @pytest.mark.sweep
-@pytest.mark.parametrize("index", range(len(GEMV_SPEC.test_shapes)),
+@pytest.mark.parametrize("index", swept(GEMV_SPEC),
                          ids=[GEMV_SPEC.describe(s) for s in GEMV_SPEC.test_shapes])
 def test_gemv_moe_every_parameter_set(device, rng, index):
-    assert_every_parameter_set(GEMV_SPEC, device, GEMV_SPEC.test_shapes[index], rng)
+    assert_planned_sets(GEMV_SPEC, device, index, rng)
 
 
 def test_route_reference_rules():
@@ -76,12 +76,12 @@ def test_errors(device, rng):
 
 
 @pytest.mark.sweep
-@pytest.mark.parametrize("index", range(len(GEMM_SPEC.test_shapes)),
+@pytest.mark.parametrize("index", swept(GEMM_SPEC),
                          ids=[GEMM_SPEC.describe(s) for s in GEMM_SPEC.test_shapes])
 def test_gemm_moe_every_parameter_set(device, rng, index):
-    # every set on the first shape (the most edges: rows past TM, empty and crowded experts); the others each meet
-    # every value of every parameter (helpers.spec_checks.covering_sets)
-    assert_every_parameter_set(GEMM_SPEC, device, GEMM_SPEC.test_shapes[index], rng, cover=index > 0)
+    # each set at one of the shapes (the first has the most edges: rows past TM, empty and crowded experts), and
+    # at each the defaults and every value of every parameter (helpers.spec_checks.plan)
+    assert_planned_sets(GEMM_SPEC, device, index, rng)
 
 
 def test_grouping_orders_pairs_by_expert_then_row(device):
@@ -94,10 +94,10 @@ def test_grouping_orders_pairs_by_expert_then_row(device):
     assert scratch.order.get().tolist() == [1, 4, 3, 0, 2, 5]
 
 
-@pytest.mark.parametrize("index", range(len(SHARED_GATE_SPEC.test_shapes)),
+@pytest.mark.parametrize("index", swept(SHARED_GATE_SPEC),
                          ids=[SHARED_GATE_SPEC.describe(s) for s in SHARED_GATE_SPEC.test_shapes])
 def test_shared_gate_every_parameter_set(device, rng, index):
-    assert_every_parameter_set(SHARED_GATE_SPEC, device, SHARED_GATE_SPEC.test_shapes[index], rng)
+    assert_planned_sets(SHARED_GATE_SPEC, device, index, rng)
 
 
 def test_shared_gate_refuses_empty_shapes(device):

@@ -1,11 +1,12 @@
-"""The int8 kernel families (gemv_q8, gemm_q8, gemm_q8_lanes and gemm_q8_i8, embedding_q8): every test shape at the
-defaults and at every candidate, row blocks under a phone's allocation limit, bad ids, and the error paths."""
+"""The int8 kernel families (gemv_q8, gemm_q8, gemm_q8_lanes and gemm_q8_i8, embedding_q8): every candidate at one
+test shape and every shape at the defaults, row blocks under a phone's allocation limit, bad ids, and the error
+paths."""
 
 import numpy as np
 import pyopencl as cl
 import pytest
 
-from helpers.spec_checks import assert_every_parameter_set, same_inputs_for_every_form
+from helpers.spec_checks import assert_planned_sets, same_inputs_for_every_form, swept
 from perfx import reference
 from perfx.errors import PerfxError
 from perfx.formats import Q8Matrix
@@ -19,20 +20,17 @@ from perfx.tuning.gemm_q4 import q8_rounded
 from perfx.tuning.spec import relative_error
 
 FAMILIES = ("gemv_q8", "gemm_q8", "gemm_q8_lanes", "gemm_q8_i8", "embedding_q8")
-ALL_SHAPES = [(SPECS[f], i) for f in FAMILIES for i in range(len(SPECS[f].test_shapes))]
+ALL_SHAPES = [(SPECS[f], i) for f in FAMILIES for i in swept(SPECS[f])]
 
 
 @pytest.mark.sweep
 @pytest.mark.parametrize("spec, index", ALL_SHAPES,
                          ids=[f"{s.params.family}-{s.describe(s.test_shapes[i])}" for s, i in ALL_SHAPES])
 def test_every_parameter_set_matches_reference(device, rng, spec, index):
-    """Every parameter set on a family's first shape (gemv_q8: K = 4160, 130 groups, rows past every ROWS·WGR
-    tile); on the others, each a different build (group size, fp32 pairs, epilogue, bias, row blocks), a
-    covering subset: every value of every parameter."""
-    shape = spec.test_shapes[index]
-    results = assert_every_parameter_set(spec, device, shape, rng, cover=index > 0)
-    if index == 0:
-        assert len(results) == len(spec.params.candidates(shape, device.caps))
+    """Each parameter set at one of a family's shapes (gemv_q8's first: K = 4160, 130 groups, rows past every
+    ROWS·WGR tile), and at each, a different build (group size, fp32 pairs, epilogue, bias, row blocks), the
+    defaults and a covering subset: every value of every parameter (helpers.spec_checks.plan)."""
+    assert_planned_sets(spec, device, index, rng)
 
 
 def test_shapes_cover_the_contract():

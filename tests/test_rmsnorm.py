@@ -1,10 +1,10 @@
 """rmsnorm (fused residual + RMSNorm, plain, and Gemma's post-norm + residual + RMSNorm): every test shape at
-the defaults and every candidate, and the error paths."""
+the defaults, every candidate at one of them, and the error paths."""
 
 import numpy as np
 import pytest
 
-from helpers.spec_checks import assert_every_parameter_set
+from helpers.spec_checks import assert_planned_sets, swept
 from perfx import reference
 from perfx.errors import PerfxError
 from perfx.ops import Q8_NATURAL
@@ -14,16 +14,13 @@ from perfx.tuning import relative_error
 from perfx.tuning.rmsnorm import EPS, SPEC
 
 
-# Every set on the decode step's two forms, the plain norm and the one writing int4-order Q8_1 blocks (the tuned
-# set runs them all: one rmsnorm entry serves every norm of a model); on the others, each a build or entry of its
-# own, every value of every parameter.
-FULL_SWEEP = (0, 2)
-
-
 @pytest.mark.sweep
-@pytest.mark.parametrize("index", range(len(SPEC.test_shapes)), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
+@pytest.mark.parametrize("index", swept(SPEC), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
 def test_every_parameter_set_matches_reference(device, rng, index):
-    assert_every_parameter_set(SPEC, device, SPEC.test_shapes[index], rng, cover=index not in FULL_SWEEP)
+    """Each set at one of the shapes (helpers.spec_checks.plan), and at each (the decode step's two forms, the
+    plain norm and the one writing int4-order Q8_1 blocks, and the others, each a build or entry of its own) the
+    defaults and every value of every parameter."""
+    assert_planned_sets(SPEC, device, index, rng)
 
 
 def test_eps_and_residual_matter(device, rng):

@@ -1,12 +1,12 @@
-"""Sampling on the device (kernels/sample.cl): every test shape at every parameter set, the token equal to the
-float64 reference's draw with the same Philox uniform, the draws' distribution against the host sampler's
-``sampling_probs`` by a chi-square test, the counter-based generator against Random123's known answers, and
-the settings the device refuses."""
+"""Sampling on the device (kernels/sample.cl): every test shape at the defaults, every parameter set at one, the
+token equal to the float64 reference's draw with the same Philox uniform, the draws' distribution against the
+host sampler's ``sampling_probs`` by a chi-square test, the counter-based generator against Random123's known
+answers, and the settings the device refuses."""
 
 import numpy as np
 import pytest
 
-from helpers.spec_checks import assert_every_parameter_set
+from helpers.spec_checks import assert_planned_sets, swept
 from perfx import reference
 from perfx.errors import PerfxError
 from perfx.generate import SamplingConfig, apply_repetition_penalty, sampling_probs
@@ -15,9 +15,9 @@ from perfx.tuning.sample import MARGIN, SAMPLE
 
 
 @pytest.mark.sweep
-@pytest.mark.parametrize("shape", SAMPLE.test_shapes, ids=[SAMPLE.describe(s) for s in SAMPLE.test_shapes])
-def test_every_parameter_set_matches_reference(device, rng, shape):
-    assert_every_parameter_set(SAMPLE, device, shape, rng)
+@pytest.mark.parametrize("index", swept(SAMPLE), ids=[SAMPLE.describe(s) for s in SAMPLE.test_shapes])
+def test_every_parameter_set_matches_reference(device, rng, index):
+    assert_planned_sets(SAMPLE, device, index, rng)
 
 
 def test_philox_matches_random123_known_answers():

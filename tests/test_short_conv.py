@@ -1,10 +1,11 @@
-"""short_conv: every test shape at every parameter set against the float64 reference, the reference against
-PyTorch's definition written out, prefill = token by token, resuming from the ring, and bad input."""
+"""short_conv: every parameter set at a test shape, each shape at the defaults, against the float64 reference,
+the reference against PyTorch's definition written out, prefill = token by token, resuming from the ring, and
+bad input."""
 
 import numpy as np
 import pytest
 
-from helpers.spec_checks import assert_every_parameter_set
+from helpers.spec_checks import assert_planned_sets, swept
 from perfx import reference
 from perfx.errors import PerfxError
 from perfx.ops.short_conv import ConvHistory, ShortConv
@@ -13,9 +14,9 @@ from perfx.tuning.spec import relative_error
 
 
 @pytest.mark.sweep
-@pytest.mark.parametrize("index", range(len(SPEC.test_shapes)), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
+@pytest.mark.parametrize("index", swept(SPEC), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
 def test_every_parameter_set(device, rng, index):
-    assert_every_parameter_set(SPEC, device, SPEC.test_shapes[index], rng)
+    assert_planned_sets(SPEC, device, index, rng)
 
 
 def test_reference_is_a_padded_conv1d(rng):

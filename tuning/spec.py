@@ -13,6 +13,7 @@ that tests/test_fuzz.py and tests/oclgrind_runner.py hold nothing per family.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -251,6 +252,26 @@ def build_requests(spec: Spec, device, shape: Shape, params_list) -> list[tuple]
             except PerfxError:
                 continue
     return list(dict.fromkeys(requests))
+
+
+def covering_plan(family: str, per_shape: list[list[str]], placed: set[tuple[int, str]]) -> set[tuple[int, str]]:
+    """Where each parameter set of a family is checked, as (test shape's index, set's key) pairs, given the keys
+    of the sets the tuner may choose at each test shape (``per_shape``): those ``placed`` by the caller (at every
+    shape the defaults, and whatever else it checks there), and every other set at one shape where it can run,
+    picked by a hash of the family and the set, so the plan is the same on every run and machine. `perfx selftest`
+    and the kernel tests plan by it: a set builds with the same code paths at any test shape, all off the tiles,
+    so one shape checks it, and the shapes share the sets about evenly."""
+    keep = set(placed)
+    checked = {key for _, key in placed}
+    where: dict[str, list[int]] = {}
+    for index, keys in enumerate(per_shape):
+        for key in keys:
+            where.setdefault(key, []).append(index)
+    for key, indices in where.items():
+        if key not in checked:
+            pick = hashlib.sha256(f"{family}|{key}".encode()).digest()
+            keep.add((indices[int.from_bytes(pick[:4], "little") % len(indices)], key))
+    return keep
 
 
 # Building blocks of the specs' fuzz_shapes, shared by families of one weight form. Each takes

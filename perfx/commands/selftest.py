@@ -50,7 +50,7 @@ from perfx.resources import cache_dir, read_json, write_json_atomic
 from perfx.runtime import (BUILD_WORKERS_ENV, DEVICE_HELP, Device, KernelLimitError, build_workers_peak_bytes,
                            resident_peak_bytes, running_build_workers, shutdown_build_workers)
 from perfx.tuning import SPECS, Spec, select_specs
-from perfx.tuning.spec import build_requests
+from perfx.tuning.spec import build_requests, covering_plan
 from perfx.tuning.database import default_database, fingerprint_slug, normal, params_key, source_hash
 
 PROGRESS_FORMAT = 1
@@ -222,7 +222,7 @@ def plan(all_specs: dict[str, Spec], device: Device, scope: str = "covering",
         if scope == "exhaustive":
             keep = None
         else:
-            keep, placed = set(), set()
+            keep = set()
             ruling = {params_key(p) for p in in_force(spec)} if scope == "covering" else set()
             for index, candidates in enumerate(per_shape):
                 keys = [params_key(p) for p in candidates]
@@ -230,16 +230,8 @@ def plan(all_specs: dict[str, Spec], device: Device, scope: str = "covering",
                 first = [defaults] if defaults in keys else keys[:1]
                 for key in first + [k for k in keys if k in ruling]:
                     keep.add((index, key))
-                    placed.add(key)
             if scope == "covering":
-                where: dict[str, list[int]] = {}
-                for index, candidates in enumerate(per_shape):
-                    for p in candidates:
-                        where.setdefault(params_key(p), []).append(index)
-                for key, indices in where.items():
-                    if key not in placed:
-                        pick = hashlib.sha256(f"{spec.params.family}|{key}".encode()).digest()
-                        keep.add((indices[int.from_bytes(pick[:4], "little") % len(indices)], key))
+                keep = covering_plan(spec.params.family, [[params_key(p) for p in c] for c in per_shape], keep)
         for index, (shape, candidates) in enumerate(zip(shapes, per_shape)):
             jobs.extend((spec, shape, params) for params in candidates
                         if keep is None or (index, params_key(params)) in keep)

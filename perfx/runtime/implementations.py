@@ -26,6 +26,7 @@ import warnings
 from pathlib import Path
 
 import pyopencl as cl
+from pyopencl import invoker as pyopencl_invoker
 
 from perfx.resources import cache_dir
 
@@ -73,11 +74,7 @@ def _memoize_kernel_invokers() -> None:
     more than the launches. The code is a pure function of that signature and takes the kernel as an argument,
     so one look-up a signature serves every kernel of the process. The device list only feeds a warning about
     argument sizes, given at the first look-up. A pyopencl without this function is left as it is."""
-    try:
-        from pyopencl import invoker
-    except ImportError:
-        return
-    generate = getattr(invoker, "generate_enqueue_and_set_args", None)
+    generate = getattr(pyopencl_invoker, "generate_enqueue_and_set_args", None)
     if generate is None or getattr(generate, "perfx_memoized", False):
         return
     memo: dict = {}
@@ -95,7 +92,7 @@ def _memoize_kernel_invokers() -> None:
 
     memoized.perfx_memoized = True
     memoized.__wrapped__ = generate
-    invoker.generate_enqueue_and_set_args = memoized
+    pyopencl_invoker.generate_enqueue_and_set_args = memoized
 
 
 def show_build_logs() -> None:

@@ -1,10 +1,24 @@
-"""The check every kernel family's tests share: a spec's case at the defaults and at every candidate."""
+"""The check every kernel family's tests share: a spec's case at the defaults and at every candidate.
+
+The sweeps plan as `perfx selftest` does (``perfx.tuning.spec.covering_plan``): each parameter set the tuner may
+choose at one of its family's test shapes, and at every shape the defaults and a covering subset
+(``planned_sets``). ``PERFX_TEST_EXHAUSTIVE=1`` checks every set at every shape instead (docs/setup.md).
+"""
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import numpy as np
+
+from perfx.tuning.database import params_key
+from perfx.tuning.spec import covering_plan
+
+EXHAUSTIVE = os.environ.get("PERFX_TEST_EXHAUSTIVE", "") not in ("", "0")
+# The families whose sweep tests take their shapes from ``swept``: tests/test_sweep_plan.py checks that every
+# family's is one of them, so that each set the plan places is checked.
+SWEPT: set[str] = set()
 
 
 def parameter_sets(spec, shape, caps) -> list[dict]:
@@ -17,12 +31,12 @@ def covering_sets(spec, shape, caps, strength: int = 1) -> list[dict]:
     """A few of ``parameter_sets`` that together hold every value of every parameter any of them holds
     (``strength`` 1), or every pair of values (2, pairwise coverage), chosen greedily, the defaults first.
 
-    For a family's other test shapes, each a build of its own (a group size, an epilogue, a head size): there
-    every kind of variant and every value of every parameter meets what the shape adds. Every pair of values,
-    indeed every set, runs on the shape with the most edges (each family's tests name it); random sets meet
-    random shapes in tests/test_fuzz.py; `perfx selftest --exhaustive` runs every set on every test shape.
-    Pairwise where a shape's build makes two parameters meet (a head size of 256 against the tiles that fill local
-    memory and registers).
+    At each of a family's test shapes, each a build of its own (a group size, an epilogue, a head size), so that
+    every kind of variant and every value of every parameter meets what the shape adds; every other set runs at
+    one of the shapes (``plan``), random sets meet random shapes in tests/test_fuzz.py, and
+    ``PERFX_TEST_EXHAUSTIVE=1`` or `perfx selftest --exhaustive` runs every set on every test shape. Pairwise where
+    a shape's build makes two parameters meet (a head size of 256 against the tiles that fill local memory and
+    registers).
     """
     sets = parameter_sets(spec, shape, caps)
 
@@ -44,23 +58,63 @@ def covering_sets(spec, shape, caps, strength: int = 1) -> list[dict]:
     return chosen
 
 
-def assert_every_parameter_set(spec, device, shape, rng, cover: bool = False,
-                               strength: int = 1) -> list[tuple[dict, dict[str, float]]]:
-    """Make the case for ``shape`` and check every output of every parameter set (``parameter_sets``; with
-    ``cover``, the ``covering_sets`` of that ``strength``) against the float64 reference within the spec's
-    tolerance for that set; the failure lists each set over it.
+def swept(spec) -> list[int]:
+    """The indices of ``spec``'s test shapes, for the parametrize of its sweep test (each index checked with
+    ``assert_planned_sets``): every shape, so every set the plan places runs."""
+    SWEPT.add(spec.params.family)
+    return list(range(len(spec.test_shapes)))
 
-    Returns [(params, {output: relative error})], defaults first.
+
+def _no_strength(shape) -> int:
+    return 1
+
+
+_PLANS: dict = {}
+
+
+def plan(spec, caps, strength=_no_strength) -> set[tuple[int, str]]:
+    """(test shape's index, parameter set's key) of each check of ``spec``'s sweep on a device of ``caps``: at
+    every shape its ``covering_sets`` of ``strength(shape)`` (the defaults first), and every other set at one
+    test shape where it can run (``covering_plan``)."""
+    key = (id(spec), caps, tuple(strength(shape) for shape in spec.test_shapes))
+    if key not in _PLANS:
+        placed = {(index, params_key(p)) for index, shape in enumerate(spec.test_shapes)
+                  for p in covering_sets(spec, shape, caps, strength(shape))}
+        per_shape = [[params_key(p) for p in parameter_sets(spec, shape, caps)] for shape in spec.test_shapes]
+        _PLANS[key] = covering_plan(spec.params.family, per_shape, placed)
+    return _PLANS[key]
+
+
+def planned_sets(spec, index, caps, strength=_no_strength) -> list[dict]:
+    """The parameter sets checked at ``spec.test_shapes[index]`` (``plan``), the defaults first; every set the
+    tuner may choose there with ``PERFX_TEST_EXHAUSTIVE=1``."""
+    sets = parameter_sets(spec, spec.test_shapes[index], caps)
+    if EXHAUSTIVE:
+        return sets
+    keep = plan(spec, caps, strength)
+    return [p for p in sets if (index, params_key(p)) in keep]
+
+
+def assert_sets(spec, device, shape, rng, sets) -> list[tuple[dict, dict[str, float]]]:
+    """Make the case for ``shape`` and check every output of each of ``sets`` against the float64 reference within
+    the spec's tolerance for that set; the failure lists each set over it.
+
+    Returns [(params, {output: relative error})], in the order of ``sets``.
     """
-    case = spec.make_case(device, shape, rng)
-    sets = covering_sets(spec, shape, device.caps, strength) if cover else parameter_sets(spec, shape, device.caps)
     assert sets, f"{spec.params.family}: no parameter set may run {spec.describe(shape)} on {device.caps.name}"
+    case = spec.make_case(device, shape, rng)
     results = [(params, case.errors(params)) for params in sets]
     failures = [f"  {params} {name}: {error:.3g} > {spec.tolerance_for(params):.0e}" for params, errors in results
                 for name, error in errors.items() if not error <= spec.tolerance_for(params)]  # NaN fails too
     assert not failures, (f"{spec.params.family} on {spec.describe(shape)}: {len(failures)} output(s) over the "
                           "tolerance:\n" + "\n".join(failures))
     return results
+
+
+def assert_planned_sets(spec, device, index, rng, strength=_no_strength) -> list[tuple[dict, dict[str, float]]]:
+    """``assert_sets`` at ``spec.test_shapes[index]`` of the ``planned_sets`` there, the defaults first."""
+    return assert_sets(spec, device, spec.test_shapes[index], rng,
+                       planned_sets(spec, index, device.caps, strength))
 
 
 def assert_first_sets(spec, device, shape, rng, predicates: dict) -> dict[str, dict]:

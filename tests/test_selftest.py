@@ -303,6 +303,15 @@ MEMORY_BUDGET = 1.5 * 2**30   # issue 44: what a phone sharing 8–12 GB with An
 FAMILY_GROWTH = 256 * 2**20   # what running every family instead of one may add: their specs, not their cases
 
 
+def wait_for_a_saved_case(process, cache) -> None:
+    """Until the running selftest has saved its first case's progress (failing if it ends before)."""
+    deadline = time.monotonic() + 600
+    while not list(cache.glob("selftest/*.json")):
+        assert process.poll() is None, "the run ended before its first case was saved"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
 def selftest_process(cache, *argv, **popen):
     """`perfx selftest` in a process of its own (its peak resident memory is its own), progress under ``cache``."""
     env = {**os.environ, "PERFX_CACHE": str(cache)}
@@ -351,11 +360,7 @@ def test_a_selftest_killed_part_way_resumes_from_its_last_saved_case(device, cac
     assert whole.returncode == 0, err[-2000:]
     want = json.loads(out)
     killed = selftest_process(cache, "--kernels", kernels, "--json")
-    deadline = time.monotonic() + 600
-    while not list(cache.glob("selftest/*.json")):
-        assert killed.poll() is None, "the run ended before its first case was saved"
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for_a_saved_case(killed, cache)
     killed.send_signal(signal.SIGKILL)
     killed.communicate()
     again = selftest_process(cache, "--kernels", kernels, "--json")
@@ -480,11 +485,7 @@ def test_an_interrupted_run_in_worker_processes_resumes_where_it_stopped(device,
     assert whole.returncode == 0, err[-2000:]
     want = json.loads(out)
     stopped = selftest_process(cache, "--kernels", kernels, "--json", "--processes", "2")
-    deadline = time.monotonic() + 600
-    while not list(cache.glob("selftest/*.json")):
-        assert stopped.poll() is None, "the run ended before its first case was saved"
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for_a_saved_case(stopped, cache)
     stopped.send_signal(signal.SIGINT)
     out, err = stopped.communicate(timeout=60)
     assert stopped.returncode == 130, err[-2000:]

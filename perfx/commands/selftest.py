@@ -48,7 +48,7 @@ from perfx.model import host_peak_bytes
 from perfx.progress import Progress, format_table
 from perfx.resources import cache_dir, read_json, write_json_atomic
 from perfx.runtime import (BUILD_WORKERS_ENV, DEVICE_HELP, Device, KernelLimitError, build_workers_peak_bytes,
-                           resident_peak_bytes, running_build_workers, shutdown_build_workers)
+                           resident_bytes, resident_peak_bytes, running_build_workers, shutdown_build_workers)
 from perfx.tuning import SPECS, Spec, select_specs
 from perfx.tuning.spec import build_requests, covering_plan
 from perfx.tuning.database import default_database, fingerprint_slug, normal, params_key, source_hash
@@ -489,15 +489,8 @@ class _Checker:
             return "died" if self.ready else "broken"
 
     def resident_bytes(self) -> int:
-        """Its resident memory now (Linux's and Android's VmRSS; 0 where the system does not tell)."""
-        try:
-            with open(f"/proc/{self.process.pid}/status") as status:
-                for line in status:
-                    if line.startswith("VmRSS:"):
-                        return int(line.split()[1]) * 1024
-        except (OSError, ValueError, IndexError):
-            pass
-        return 0
+        """Its resident memory now (0 where the system does not tell)."""
+        return resident_bytes(self.process.pid) or 0
 
     def stop(self) -> None:
         """Its peak resident memory noted, its pipe closed, and the process ended."""

@@ -22,7 +22,7 @@ from perfx.runtime.capabilities import (LIMIT_PRESETS, Capabilities, Limits, cap
                                         identify, parse_adreno_model, parse_limits, read_capabilities)
 from perfx.runtime.device import (BUILD_PROCESSES_ENV, BUILD_WORKERS_ENV, BuildConcurrencyWarning, BuildReport,
                                   Device, build_key, build_options, build_workers_peak_bytes, get_device,
-                                  resident_peak_bytes, running_build_workers, shutdown_build_workers)
+                                  resident_bytes, resident_peak_bytes, running_build_workers, shutdown_build_workers)
 from perfx.runtime.errors import (BuildError, DriverError, KernelInfo, KernelLimitError, OpenCLError,
                                   cl_error_name)
 from perfx.runtime.implementations import intel_opencl_library, merged_vendor_entries, prepare, show_build_logs
@@ -31,7 +31,7 @@ from perfx.runtime.selection import DEVICE_HELP, DeviceEntry, choose_device, lis
 
 __all__ = [
     "BUILD_PROCESSES_ENV", "BUILD_WORKERS_ENV", "BuildConcurrencyWarning", "BuildReport", "build_key",
-    "build_workers_peak_bytes", "resident_peak_bytes", "running_build_workers", "BoundCopy", "BoundLaunch", "BuildError", "Capabilities", "DEVICE_HELP", "Device", "DeviceEntry",
+    "build_workers_peak_bytes", "resident_bytes", "resident_peak_bytes", "running_build_workers", "BoundCopy", "BoundLaunch", "BuildError", "Capabilities", "DEVICE_HELP", "Device", "DeviceEntry",
     "DriverError", "KernelInfo", "KernelLimitError", "LIMIT_PRESETS", "Limits", "OpenCLError", "build_options",
     "capabilities_dict", "choose_device", "cl_error_name", "get_device", "has_subgroups", "identify",
     "intel_opencl_library", "list_devices", "merged_vendor_entries", "parse_adreno_model", "parse_limits",

@@ -246,13 +246,23 @@ def resident_peak_bytes(pid: int | str = "self") -> int | None:
     """A process's peak resident memory from Linux's (and Android's) VmHWM, else None. Not ru_maxrss: Linux
     carries a parent's peak into a child across fork and exec, so a selftest started from a large process (a test
     runner, an app) would report its parent's memory as its own."""
+    return _status_bytes(pid, "VmHWM")
+
+
+def resident_bytes(pid: int | str = "self") -> int | None:
+    """A process's resident memory now (Linux's and Android's VmRSS), else None."""
+    return _status_bytes(pid, "VmRSS")
+
+
+def _status_bytes(pid: int | str, field: str) -> int | None:
     try:
         with open(f"/proc/{pid}/status") as status:
             for line in status:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
+    return None
     return None
 
 

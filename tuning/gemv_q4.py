@@ -71,11 +71,13 @@ def read_paths(device, n: int, k: int, layout: int) -> tuple[str, ...]:
     return paths
 
 
-def step_blocks(device, x, k: int, wrapper) -> Callable[[Params, bool], tuple | None]:
+def step_blocks(device, x, k: int, wrapper, build_product) -> Callable[[Params, bool], tuple | None]:
     """``blocks(params, fresh)``: x's Q8_1 blocks (K int8 codes, K/32 (step, sum) pairs) for a parameter set whose
     product reads them (``wrapper(params).reads_quantized``; None for the others), written by that set's own
     quantizing kernel into buffers of its own and waited for: once, or again, poisoned first, where ``fresh`` (a
-    check's run, so a block the quantizing leaves unwritten or gets wrong shows in the product)."""
+    check's run, so a block the quantizing leaves unwritten or gets wrong shows in the product).
+    ``build_product(made)`` builds the set's product on its wrapper first, so that the quantizing comes from the
+    product's program as in a model (``GemvQ4.quantize_kernel``), not from a program of its own."""
     def allocate(params):
         return device.empty(k, np.int8), device.empty((k // 32, 2), np.float32), {"written": False}
     held = cached_per_params(allocate)
@@ -86,6 +88,7 @@ def step_blocks(device, x, k: int, wrapper) -> Callable[[Params, bool], tuple | 
             return None
         codes, steps, state = held(params)
         if fresh or not state["written"]:
+            build_product(made)
             if fresh:
                 device.fill(codes, np.int8(127)).wait()
                 device.fill(steps, np.float32(np.nan)).wait()
@@ -117,7 +120,8 @@ def make_case(device, shape, rng) -> Case:
     # The weight's copies in each layout, uploaded when a candidate of that layout first reaches them.
     uploaded = cached_per_params(lambda key: lazy_copies(lambda: Q4DeviceWeight.upload(
         device, q4, bias, read_paths(device, n, k, key["LAYOUT"]), layout=key["LAYOUT"])))
-    blocks = None if shape.get("quantizes_x") else step_blocks(device, x, k, wrapper)
+    blocks = None if shape.get("quantizes_x") else step_blocks(
+        device, x, k, wrapper, lambda made: made.kernel(group, epilogue, k, shape.get("form", Q4_PAIRS)))
     return rotating_case(expected, y, copies_past_cache(device, _weight_bytes(shape)),
                          lambda i, params: wrapper(params).events(uploaded({"LAYOUT": params["LAYOUT"]})(i), x, y,
                                                                   epilogue, quantized=blocks(params) if blocks else None),

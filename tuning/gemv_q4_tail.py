@@ -59,7 +59,9 @@ def make_case(device, shape, rng) -> Case:
     uploaded = lazy_copies(lambda: Q4DeviceWeight.upload(device, q4, bias, read_paths(device, n, k, LAYOUT_ROWS),
                                                             layout=LAYOUT_ROWS))
     copies = copies_past_cache(device, _weight_bytes(shape))
-    x_blocks = (lambda params, fresh=False: None) if shape.get("quantizes_x") else step_blocks(device, x, k, wrapper)
+    x_blocks = (lambda params, fresh=False: None) if shape.get("quantizes_x") else step_blocks(
+        device, x, k, wrapper, lambda made: made.kernel(group, epilogue, k, shape.get("form", Q4_PAIRS),
+                                                        _tail_defines(shape)))
     state = {"i": 0}
 
     def launch(params):
@@ -97,12 +99,17 @@ def make_case(device, shape, rng) -> Case:
 def programs(device, shape, params) -> None:
     """The kernel a run of ``params`` builds: the product with the shape's tail (x's own quantizing with I8)."""
     wrapper = GemvQ4Tail(device, params, shape)
-    tail, order = shape["tail"], Q8_NATURAL if shape.get("natural") else Q8_TEXEL
-    order = order if shape.get("q8") or tail == "q8" else 0
-    defines = (("TAIL", 1 if tail == "norm" else 2), ("POST", int(bool(shape.get("post")))), ("Q8X", order))
-    wrapper.kernel(shape["group"], shape.get("epilogue", "none"), shape["k"], shape.get("form", Q4_PAIRS), defines)
+    wrapper.kernel(shape["group"], shape.get("epilogue", "none"), shape["k"], shape.get("form", Q4_PAIRS),
+                   _tail_defines(shape))
     if wrapper.reads_quantized:
         wrapper.quantize_kernel()
+
+
+def _tail_defines(shape) -> tuple:
+    """The tail's build defines at ``shape``, as a run of the case builds them."""
+    tail, order = shape["tail"], Q8_NATURAL if shape.get("natural") else Q8_TEXEL
+    order = order if shape.get("q8") or tail == "q8" else 0
+    return ("TAIL", 1 if tail == "norm" else 2), ("POST", int(bool(shape.get("post")))), ("Q8X", order)
 
 
 def _bytes_moved(shape) -> int:

@@ -396,7 +396,7 @@ def test_checks_in_worker_processes_are_those_of_one_process_in_its_order(capsys
     the processes' peak memory reported."""
     code, out, _ = run_cli(capsys, "selftest", "--exhaustive", "--kernels", RESUMED, "--json")
     alone = json.loads(out)
-    monkeypatch.setattr(selftest, "BUILD_AHEAD", 4)   # the cases of 9 checks in parts of 4, 4 and 1
+    monkeypatch.setattr(selftest, "CHECKER_PART", 4)   # the cases of 9 checks in parts of 4, 4 and 1
     code2, out, err = run_cli(capsys, "selftest", "--exhaustive", "--kernels", RESUMED, "--json", "--processes", "2")
     data = json.loads(out)
     assert code == code2 == 0 and data["complete"] and data["planned"] == len(data["checks"]) == 36

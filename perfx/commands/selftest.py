@@ -397,7 +397,13 @@ MAX_PROCESSES = 8
 # A worker whose resident memory has passed this after a case is replaced by a fresh one (about a second to
 # start): a process's memory grows with the programs it has compiled, beyond those it keeps (one PoCL process
 # checking every family peaked at 939 MB, checking one family at most 420 MB: benchmarks/NOTES.md).
-RECYCLE_BYTES = 512 * 2**20
+RECYCLE_BYTES = 384 * 2**20
+# A case goes to the workers in parts of CHECKER_PART checks, and a worker keeps the programs of about two parts
+# (a family's shared kernels, as the quantizers, serve a case's next part): it builds in itself, one at a time,
+# so keeping more buys nothing, and the smaller parts and bound took a PoCL worker's peak from 739 to 661 MiB
+# (benchmarks/NOTES.md, the merged tree on a quiet machine, sixth session).
+CHECKER_PROGRAMS_KEPT = 2 * 16
+CHECKER_PART = 16
 _CHECKER_MAIN = "from perfx.commands import selftest; selftest._checker_main()"
 
 
@@ -438,7 +444,7 @@ def _checker_main() -> None:
         except EOFError:
             return
         spec = SPECS[family]
-        if family != last_family or device.programs_kept >= PROGRAMS_KEPT:
+        if family != last_family or device.programs_kept + len(params_list) > CHECKER_PROGRAMS_KEPT:
             device.forget_programs()
         last_family = family
         shape, checks = spec.test_shapes[index], []
@@ -509,7 +515,7 @@ class _Checker:
 def _check_in_processes(device: Device, jobs: list, processes: int, seed: int, progress: Progress,
                         checks: list[Check], done: dict[str, Check], deadline: float | None, saved,
                         report: dict) -> None:
-    """``run_checks`` in ``processes`` worker processes: the cases not done (in parts of at most BUILD_AHEAD
+    """``run_checks`` in ``processes`` worker processes: the cases not done (in parts of at most CHECKER_PART
     checks), longest first, each handed to the next process free; results appended to ``checks`` as they come,
     and in the plan's order when this returns or raises. A process that dies (a driver's crash) fails the check
     it was making, and a new one takes the rest of the case."""
@@ -528,7 +534,7 @@ def _check_in_processes(device: Device, jobs: list, processes: int, seed: int, p
                 progress.update(note=spec.params.family)
         # a long case in parts (its inputs made again for each, from the same seed: the same checks), so that no
         # process is left with a long one while the others have finished
-        cases.extend((spec, shape, todo[i:i + BUILD_AHEAD]) for i in range(0, len(todo), BUILD_AHEAD))
+        cases.extend((spec, shape, todo[i:i + CHECKER_PART]) for i in range(0, len(todo), CHECKER_PART))
     # the longest first, so the last to finish is a short one
     for case in sorted(cases, key=lambda case: -len(case[2])):
         pending.put(case)

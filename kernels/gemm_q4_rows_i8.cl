@@ -20,7 +20,7 @@
 // products summed in neighbours (the pattern x86 compilers turn into vpmaddwd) give RL rows' partial sums at
 // once. A texel's RL int sums are then converted and scaled by the RL rows' scales in one vector multiply-add
 // per row of X. The weight's nibbles are unpacked once a texel for the R rows of X of a pass; each row of X's
-// texel is paired (x_2p | x_2p+1 << 16) once, into private memory, from which each pair is broadcast.
+// texel is paired (x_2p | x_2p+1 << 16) once, in one int16, from which each pair is broadcast.
 //
 // On a GPU each lane is a scalar of the work-item (no cross-lane sums at all); neighbouring work-items own
 // neighbouring row blocks, so the interleaved layout's texels (RL·16 bytes together at one t) coalesce. On
@@ -93,14 +93,11 @@
 #error "RL (weight rows a work-item, one an int lane) is 4 or 8"
 #endif
 
-// Component w (a constant after unrolling) of a uint4: a form every OpenCL C compiler folds.
-#define COMP(v, w) ((w) == 0 ? (v).s0 : (w) == 1 ? (v).s1 : (w) == 2 ? (v).s2 : (v).s3)
-// Component w of the RL texels tex[0..RL−1]: the rows' words side by side, one a lane.
+// Component S (s0 .. s3) of the RL texels tex[0..RL−1]: the rows' words side by side, one a lane.
 #if RL == 8
-#define WORDS(tex, w) ((uint8)(COMP(tex[0], w), COMP(tex[1], w), COMP(tex[2], w), COMP(tex[3], w), \
-                               COMP(tex[4], w), COMP(tex[5], w), COMP(tex[6], w), COMP(tex[7], w)))
+#define WORDS(tex, S) ((uint8)(tex[0].S, tex[1].S, tex[2].S, tex[3].S, tex[4].S, tex[5].S, tex[6].S, tex[7].S))
 #else
-#define WORDS(tex, w) ((uint4)(COMP(tex[0], w), COMP(tex[1], w), COMP(tex[2], w), COMP(tex[3], w)))
+#define WORDS(tex, S) ((uint4)(tex[0].S, tex[1].S, tex[2].S, tex[3].S))
 #endif
 
 // The (s, m) of group g of the RL rows wrow_g[0..RL−1] (global rows) as two lane vectors.
@@ -119,10 +116,37 @@
 #if EPILOGUE == EPI_BIAS
 #define EPILOGUE_OUT(mm) (acc[0][mm] + bias_rl)
 #elif EPI_GATED
-#define EPILOGUE_OUT(mm) (GATE_ACT(acc[0][mm]) * acc[1][mm])
+// the activation lane by lane, as gemm_q4_i8's scalars take it: PoCL's LLVM fails to select exp of a float8
+inline FLOAT_RL gated_lanes(const FLOAT_RL gate, const FLOAT_RL up)
+{
+    float g[RL], u[RL];
+    VSTORE_RL(gate, 0, g);
+    VSTORE_RL(up, 0, u);
+    _Pragma("unroll") for (int j = 0; j < RL; j++) g[j] = GATE_ACT(g[j]) * u[j];
+    return VLOAD_RL(0, g);
+}
+#define EPILOGUE_OUT(mm) gated_lanes(acc[0][mm], acc[1][mm])
 #else
 #define EPILOGUE_OUT(mm) (acc[0][mm])
 #endif
+
+// The products of byte I of the RL texels' word (the codes q_2p, q_2p+1 of pair p, an int16 pair a lane) with
+// X's pair p (component P of each row's pairs) broadcast, for the R rows of X.
+#define BYTE_PRODUCTS(R, I, P)                                                                                \
+    {                                                                                                         \
+        const UINT_RL b = words >> (8 * (I));                                                                 \
+        const INT_P wq = CONVERT_INT_P(AS_SHORT_P((b & 0xFu) | ((b & 0xF0u) << 12)));                         \
+        _Pragma("unroll") for (int mm = 0; mm < R; mm++) {                                                    \
+            const INT_P xq2 = CONVERT_INT_P(AS_SHORT_P((INT_RL)xpair[mm].P));                                 \
+            dot[mm] += PAIR_SUM(wq * xq2);                                                                    \
+        }                                                                                                     \
+    }
+// Word S of the RL texels: its bytes are the pairs P0 .. P3.
+#define WORD_PRODUCTS(R, S, P0, P1, P2, P3)                                                                   \
+    {                                                                                                         \
+        const UINT_RL words = WORDS(tex, S);                                                                  \
+        BYTE_PRODUCTS(R, 0, P0) BYTE_PRODUCTS(R, 1, P1) BYTE_PRODUCTS(R, 2, P2) BYTE_PRODUCTS(R, 3, P3)       \
+    }
 
 // One pass over K for the R rows of X from m0 (R a compile-time constant), then the epilogue and the stores.
 // Per texel, set and row of X: 32 products |q·q_x| ≤ 15·127 in int lanes (a texel's sum ≤ 60960), then fp32
@@ -140,12 +164,12 @@
             float xsum[R];                                                                                    \
             _Pragma("unroll") for (int mm = 0; mm < R; mm++) xsum[mm] = 0.0f;                                 \
             for (int t = g << group_shift; t < (g + 1) << group_shift; t++) {                                 \
-                int xpair[R][16];                                                                             \
+                int16 xpair[R];                                                                               \
                 float xd[R];                                                                                  \
                 _Pragma("unroll") for (int mm = 0; mm < R; mm++) {                                            \
                     const int16 xe = convert_int16(xqp[(size_t)mm * 2 * texels + 2 * t]);                    \
                     const int16 xo = convert_int16(xqp[(size_t)mm * 2 * texels + 2 * t + 1]);                \
-                    vstore16((xe & 0xFFFF) | (xo << 16), 0, xpair[mm]);                                       \
+                    xpair[mm] = (xe & 0xFFFF) | (xo << 16);                                                    \
                     const float2 ds = xdp[(size_t)mm * texels + t];                                           \
                     xd[mm] = ds.x;                                                                            \
                     xsum[mm] += ds.y;                                                                         \
@@ -156,17 +180,8 @@
                         tex[j] = e == 0 ? TEXEL(codes_a, wrow[0][j], t) : TEXEL(codes_b, wrow[SETS - 1][j], t); \
                     INT_RL dot[R];                                                                            \
                     _Pragma("unroll") for (int mm = 0; mm < R; mm++) dot[mm] = (INT_RL)0;                     \
-                    _Pragma("unroll") for (int w = 0; w < 4; w++) {                                           \
-                        const UINT_RL words = WORDS(tex, w);                                                  \
-                        _Pragma("unroll") for (int i = 0; i < 4; i++) {                                       \
-                            const UINT_RL b = words >> (8 * i);                                               \
-                            const INT_P wq = CONVERT_INT_P(AS_SHORT_P((b & 0xFu) | ((b & 0xF0u) << 12)));     \
-                            _Pragma("unroll") for (int mm = 0; mm < R; mm++) {                                \
-                                const INT_P xq2 = CONVERT_INT_P(AS_SHORT_P((INT_RL)xpair[mm][4 * w + i]));    \
-                                dot[mm] += PAIR_SUM(wq * xq2);                                                \
-                            }                                                                                 \
-                        }                                                                                     \
-                    }                                                                                         \
+                    WORD_PRODUCTS(R, s0, s0, s1, s2, s3) WORD_PRODUCTS(R, s1, s4, s5, s6, s7)                 \
+                    WORD_PRODUCTS(R, s2, s8, s9, sa, sb) WORD_PRODUCTS(R, s3, sc, sd, se, sf)                 \
                     _Pragma("unroll") for (int mm = 0; mm < R; mm++)                                          \
                         acc[e][mm] = CONVERT_FLOAT_RL(dot[mm]) * (s[e] * xd[mm]) + acc[e][mm];                \
                 }                                                                                             \

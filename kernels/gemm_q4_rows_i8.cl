@@ -100,18 +100,24 @@
 #define WORDS(tex, S) ((uint4)(tex[0].S, tex[1].S, tex[2].S, tex[3].S))
 #endif
 
-// The (s, m) of group g of the RL rows wrow_g[0..RL−1] (global rows) as two lane vectors.
-#define GROUP_SM_RL(s, m, rows, g)                                         \
-    {                                                                     \
-        float s_[RL], m_[RL];                                             \
-        _Pragma("unroll") for (int j = 0; j < RL; j++) {                  \
-            const float2 v_ = GROUP_SM(scale_offset, rows[j], g);         \
-            s_[j] = v_.x;                                                 \
-            m_[j] = v_.y;                                                 \
-        }                                                                 \
-        s = VLOAD_RL(0, s_);                                              \
-        m = VLOAD_RL(0, m_);                                              \
+// The (s, m) of group g of the RL rows `rows` (global rows) as two lane vectors.
+#define SM_OF(rows, g, j) const float2 sm##j = GROUP_SM(scale_offset, rows[j], g);
+#if RL == 8
+#define GROUP_SM_RL(s, m, rows, g)                                                                          \
+    {                                                                                                       \
+        SM_OF(rows, g, 0) SM_OF(rows, g, 1) SM_OF(rows, g, 2) SM_OF(rows, g, 3)                             \
+        SM_OF(rows, g, 4) SM_OF(rows, g, 5) SM_OF(rows, g, 6) SM_OF(rows, g, 7)                             \
+        s = (float8)(sm0.x, sm1.x, sm2.x, sm3.x, sm4.x, sm5.x, sm6.x, sm7.x);                               \
+        m = (float8)(sm0.y, sm1.y, sm2.y, sm3.y, sm4.y, sm5.y, sm6.y, sm7.y);                               \
     }
+#else
+#define GROUP_SM_RL(s, m, rows, g)                                                                          \
+    {                                                                                                       \
+        SM_OF(rows, g, 0) SM_OF(rows, g, 1) SM_OF(rows, g, 2) SM_OF(rows, g, 3)                             \
+        s = (float4)(sm0.x, sm1.x, sm2.x, sm3.x);                                                           \
+        m = (float4)(sm0.y, sm1.y, sm2.y, sm3.y);                                                           \
+    }
+#endif
 
 #if EPILOGUE == EPI_BIAS
 #define EPILOGUE_OUT(mm) (acc[0][mm] + bias_rl)
@@ -130,6 +136,13 @@ inline FLOAT_RL gated_lanes(const FLOAT_RL gate, const FLOAT_RL up)
 #define EPILOGUE_OUT(mm) (acc[0][mm])
 #endif
 
+// A row of X's 16 pairs of a texel, made as one vector and read one int at a time: each pair is broadcast from
+// memory (one instruction on a CPU, where a lane of a register takes a shuffle first).
+union pairs16 {
+    int16 v;
+    int s[16];
+};
+
 // The products of byte I of the RL texels' word (the codes q_2p, q_2p+1 of pair p, an int16 pair a lane) with
 // X's pair p (component P of each row's pairs) broadcast, for the R rows of X.
 #define BYTE_PRODUCTS(R, I, P)                                                                                \
@@ -137,7 +150,7 @@ inline FLOAT_RL gated_lanes(const FLOAT_RL gate, const FLOAT_RL up)
         const UINT_RL b = words >> (8 * (I));                                                                 \
         const INT_P wq = CONVERT_INT_P(AS_SHORT_P((b & 0xFu) | ((b & 0xF0u) << 12)));                         \
         _Pragma("unroll") for (int mm = 0; mm < R; mm++) {                                                    \
-            const INT_P xq2 = CONVERT_INT_P(AS_SHORT_P((INT_RL)xpair[mm].P));                                 \
+            const INT_P xq2 = CONVERT_INT_P(AS_SHORT_P((INT_RL)xpair[mm].s[P]));                              \
             dot[mm] += PAIR_SUM(wq * xq2);                                                                    \
         }                                                                                                     \
     }
@@ -164,12 +177,12 @@ inline FLOAT_RL gated_lanes(const FLOAT_RL gate, const FLOAT_RL up)
             float xsum[R];                                                                                    \
             _Pragma("unroll") for (int mm = 0; mm < R; mm++) xsum[mm] = 0.0f;                                 \
             for (int t = g << group_shift; t < (g + 1) << group_shift; t++) {                                 \
-                int16 xpair[R];                                                                               \
+                union pairs16 xpair[R];                                                                       \
                 float xd[R];                                                                                  \
                 _Pragma("unroll") for (int mm = 0; mm < R; mm++) {                                            \
                     const int16 xe = convert_int16(xqp[(size_t)mm * 2 * texels + 2 * t]);                    \
                     const int16 xo = convert_int16(xqp[(size_t)mm * 2 * texels + 2 * t + 1]);                \
-                    xpair[mm] = (xe & 0xFFFF) | (xo << 16);                                                    \
+                    xpair[mm].v = (xe & 0xFFFF) | (xo << 16);                                                  \
                     const float2 ds = xdp[(size_t)mm * texels + t];                                           \
                     xd[mm] = ds.x;                                                                            \
                     xsum[mm] += ds.y;                                                                         \
@@ -180,8 +193,8 @@ inline FLOAT_RL gated_lanes(const FLOAT_RL gate, const FLOAT_RL up)
                         tex[j] = e == 0 ? TEXEL(codes_a, wrow[0][j], t) : TEXEL(codes_b, wrow[SETS - 1][j], t); \
                     INT_RL dot[R];                                                                            \
                     _Pragma("unroll") for (int mm = 0; mm < R; mm++) dot[mm] = (INT_RL)0;                     \
-                    WORD_PRODUCTS(R, s0, s0, s1, s2, s3) WORD_PRODUCTS(R, s1, s4, s5, s6, s7)                 \
-                    WORD_PRODUCTS(R, s2, s8, s9, sa, sb) WORD_PRODUCTS(R, s3, sc, sd, se, sf)                 \
+                    WORD_PRODUCTS(R, s0, 0, 1, 2, 3) WORD_PRODUCTS(R, s1, 4, 5, 6, 7)                         \
+                    WORD_PRODUCTS(R, s2, 8, 9, 10, 11) WORD_PRODUCTS(R, s3, 12, 13, 14, 15)                   \
                     _Pragma("unroll") for (int mm = 0; mm < R; mm++)                                          \
                         acc[e][mm] = CONVERT_FLOAT_RL(dot[mm]) * (s[e] * xd[mm]) + acc[e][mm];                \
                 }                                                                                             \

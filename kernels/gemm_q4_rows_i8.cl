@@ -20,7 +20,10 @@
 // products summed in neighbours (the pattern x86 compilers turn into vpmaddwd) give RL rows' partial sums at
 // once. A texel's RL int sums are then converted and scaled by the RL rows' scales in one vector multiply-add
 // per row of X. The weight's nibbles are unpacked once a texel for the R rows of X of a pass; each row of X's
-// texel is paired (x_2p | x_2p+1 << 16) once, in one int16, from which each pair is broadcast.
+// texel is paired (x_2p | x_2p+1 << 16) once, in one int16, from which each pair is broadcast: from registers
+// (XL 0: a GPU's work-item holds it), or from the work-item's own slice of local memory (XL 1: a CPU broadcasts
+// from memory inside the multiply-add, vpdpwssd's {1to8}, where a register's lane takes a shuffle first; no
+// other work-item reads the slice, so no barrier).
 //
 // On a GPU each lane is a scalar of the work-item (no cross-lane sums at all); neighbouring work-items own
 // neighbouring row blocks, so the interleaved layout's texels (RL·16 bytes together at one t) coalesce. On
@@ -43,6 +46,9 @@
 #endif
 #ifndef MT
 #define MT 4  // rows of X per pass: RL·MT int sums and float totals (twice for gate-up), a power of two
+#endif
+#ifndef XL
+#define XL 1  // X's pairs of a texel broadcast from registers (0) or from the work-item's slice of local memory (1)
 #endif
 #ifndef READ
 #define READ 0  // 0: codes from a uint4 buffer; 1: image2d_t row blocks; 2: an image1d_buffer_t view of the buffer
@@ -136,12 +142,21 @@ inline FLOAT_RL gated_lanes(const FLOAT_RL gate, const FLOAT_RL up)
 #define EPILOGUE_OUT(mm) (acc[0][mm])
 #endif
 
-// A row of X's 16 pairs of a texel, made as one vector and read one int at a time: each pair is broadcast from
-// memory (one instruction on a CPU, where a lane of a register takes a shuffle first).
+// A row of X's 16 pairs of a texel, made as one vector and read one int at a time (XL 0).
 union pairs16 {
     int16 v;
     int s[16];
 };
+#if XL
+// (a vector store, not vstore16: PoCL's LLVM fails to select vstore16 to local or private memory)
+#define PAIRS_DECLARE(R) __local int16* xpair = x_local[get_local_id(0)];
+#define PAIRS_STORE(mm, pairs) xpair[mm] = (pairs);
+#define PAIR_OF(mm, P) (((__local const int*)(xpair + (mm)))[P])
+#else
+#define PAIRS_DECLARE(R) union pairs16 xpair[R];
+#define PAIRS_STORE(mm, pairs) xpair[mm].v = (pairs);
+#define PAIR_OF(mm, P) xpair[mm].s[P]
+#endif
 
 // The products of byte I of the RL texels' word (the codes q_2p, q_2p+1 of pair p, an int16 pair a lane) with
 // X's pair p (component P of each row's pairs) broadcast, for the R rows of X.
@@ -150,7 +165,7 @@ union pairs16 {
         const UINT_RL b = words >> (8 * (I));                                                                 \
         const INT_P wq = CONVERT_INT_P(AS_SHORT_P((b & 0xFu) | ((b & 0xF0u) << 12)));                         \
         _Pragma("unroll") for (int mm = 0; mm < R; mm++) {                                                    \
-            const INT_P xq2 = CONVERT_INT_P(AS_SHORT_P((INT_RL)xpair[mm].s[P]));                              \
+            const INT_P xq2 = CONVERT_INT_P(AS_SHORT_P((INT_RL)PAIR_OF(mm, P)));                              \
             dot[mm] += PAIR_SUM(wq * xq2);                                                                    \
         }                                                                                                     \
     }
@@ -177,12 +192,12 @@ union pairs16 {
             float xsum[R];                                                                                    \
             _Pragma("unroll") for (int mm = 0; mm < R; mm++) xsum[mm] = 0.0f;                                 \
             for (int t = g << group_shift; t < (g + 1) << group_shift; t++) {                                 \
-                union pairs16 xpair[R];                                                                       \
+                PAIRS_DECLARE(R)                                                                              \
                 float xd[R];                                                                                  \
                 _Pragma("unroll") for (int mm = 0; mm < R; mm++) {                                            \
                     const int16 xe = convert_int16(xqp[(size_t)mm * 2 * texels + 2 * t]);                    \
                     const int16 xo = convert_int16(xqp[(size_t)mm * 2 * texels + 2 * t + 1]);                \
-                    xpair[mm].v = (xe & 0xFFFF) | (xo << 16);                                                  \
+                    PAIRS_STORE(mm, (xe & 0xFFFF) | (xo << 16))                                                \
                     const float2 ds = xdp[(size_t)mm * texels + t];                                           \
                     xd[mm] = ds.x;                                                                            \
                     xsum[mm] += ds.y;                                                                         \
@@ -225,6 +240,9 @@ void gemm_q4_rows_i8(const int m_rows, const int n_cols, const int k, const int 
                      __global float* restrict y, CODES_T codes_a, CODES_T codes_b,
                      __global const half* restrict scale_offset, __global const float* restrict bias)
 {
+#if XL
+    __local int16 x_local[WGS][MT];           // each work-item's own pairs of the rows of X of a pass
+#endif
     const int col0 = get_global_id(0) * RL;  // first output column of this work-item, in the launch
     if (col0 >= n_cols) return;               // no barriers: a work-item past the columns has nothing to do
     const bool full = col0 + RL <= n_cols;

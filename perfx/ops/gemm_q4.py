@@ -182,6 +182,7 @@ ROWS_I8 = ParamSpace(
         "WGS": (8, 1, 64),
         "RL": (8, 4),            # weight rows (output columns) per work-item, one an int lane
         "MT": (4, 2, 8),         # rows of X per pass
+        "XL": (1, 0),            # X's pairs broadcast from the work-item's slice of local memory (1) or registers
         "READ": (0, 1),          # codes from a buffer (0) or image2d (1): where the weight has it
         "LAYOUT": (0, 1),        # the weight's layout (rows along K, interleaved): set from the weight
     },
@@ -191,6 +192,7 @@ ROWS_I8 = ParamSpace(
                 lambda p, s: p["RL"] * p["MT"] * _weight_rows(s) <= 64),
            LAYOUT_READ_RULE),
     work_group_size=lambda p, s: p["WGS"],
+    local_memory=lambda p, s: 64 * p["WGS"] * p["MT"] * p["XL"],   # 16 ints a row of X of a pass, per work-item
     needs={"READ": READ_NEED},
 )
 

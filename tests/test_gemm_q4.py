@@ -222,7 +222,7 @@ def test_int8_kernel_forms_are_offered_where_they_build(device):
 
 # The weight-rows-in-lanes kernel's tunables (kernels/gemm_q4_rows_i8.cl): 8 or 4 rows a work-item, each M tile.
 ROWS_I8_SETS = [pytest.param({}, id="defaults"), pytest.param({"RL": 4, "MT": 8, "WGS": 1}, id="rl4-mt8"),
-                pytest.param({"MT": 2, "LAYOUT": 1}, id="mt2-interleaved")]
+                pytest.param({"MT": 2, "LAYOUT": 1, "XL": 0}, id="mt2-interleaved-xl0")]
 
 
 @pytest.mark.parametrize("params", ROWS_I8_SETS)

@@ -162,6 +162,12 @@ class Check:
     failure: str = ""   # build or launch failure, when it did not run
     refused: str = ""   # the driver's limits for the built kernel (work-group, local memory) exclude these
     #                     parameters here: not run, and not a failure (the tuner never chooses such a set)
+    # What making it took in the process that made it, from the end of the case's check before (or the case's
+    # start: its inputs and float64 references) to its result, the builds made ahead for it included: wall seconds,
+    # and the CPU seconds of that process (which on a CPU device count the driver's compiler and kernel threads,
+    # but not build workers'). What a user on a slow device splits off by (``family_seconds``).
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
 
     @property
     def failed(self) -> bool:
@@ -293,6 +299,13 @@ def check_case(device: Device, spec: Spec, shape: dict, params_list: list[dict],
     (perf_counter seconds) no further check starts (BudgetSpent)."""
     family, described = spec.params.family, spec.describe(shape)
     case = None
+    mark = [time.perf_counter(), time.process_time()]
+
+    def timed(check: Check) -> None:
+        now = [time.perf_counter(), time.process_time()]
+        check.seconds, check.cpu_seconds = now[0] - mark[0], now[1] - mark[1]
+        mark[:] = now
+        checks.append(check)
     try:
         try:
             case = spec.make_case(device, shape, rng)
@@ -306,15 +319,15 @@ def check_case(device: Device, spec: Spec, shape: dict, params_list: list[dict],
             if made_error is None and i % BUILD_AHEAD == 0:
                 build_ahead(device, spec, shape, params_list[i:i + BUILD_AHEAD])
             if made_error is not None:
-                checks.append(_failure(spec, described, params, made_error))
+                timed(_failure(spec, described, params, made_error))
             else:
                 try:
                     errors = case.errors(params)
                     error = max(errors.values()) if errors else 0.0
                     tolerance = spec.tolerance_for(params)
-                    checks.append(Check(family, params, described, error, tolerance, bool(error <= tolerance)))
+                    timed(Check(family, params, described, error, tolerance, bool(error <= tolerance)))
                 except PerfxError as e:  # a build or launch failure, or a driver limit: report it, go on
-                    checks.append(_failure(spec, described, params, e))
+                    timed(_failure(spec, described, params, e))
             if after_each is not None:
                 after_each()
     finally:
@@ -703,13 +716,27 @@ def checks_table(checks: list[Check]) -> str:
     return format_table(rows)
 
 
+def family_seconds(checks: list[Check]) -> dict[str, dict]:
+    """Per family, in the checks' order: how many checks, and the wall and CPU seconds they took in the processes
+    that made them (``Check.seconds``; summed over processes, so with N at once about N times its share of the
+    run's wall time): the families a slow device's run is best split by (``--kernels``, ``--shard``)."""
+    totals: dict[str, dict] = {}
+    for c in checks:
+        total = totals.setdefault(c.kernel, {"checks": 0, "seconds": 0.0, "cpu_seconds": 0.0})
+        total["checks"] += 1
+        total["seconds"] += c.seconds
+        total["cpu_seconds"] += c.cpu_seconds
+    return {family: {**total, "seconds": round(total["seconds"], 2), "cpu_seconds": round(total["cpu_seconds"], 2)}
+            for family, total in totals.items()}
+
+
 def summary_table(checks: list[Check], all_specs: dict[str, Spec]) -> str:
-    rows = [("kernel", "checks", "failed", "refused", "worst passing err", "tolerance")]
+    rows = [("kernel", "checks", "failed", "refused", "worst passing err", "tolerance", "seconds")]
     for family, spec in all_specs.items():
         mine = [c for c in checks if c.kernel == family]
         worst = max((c.error for c in mine if c.passed), default=0.0)
         rows.append((family, len(mine), sum(c.failed for c in mine), sum(bool(c.refused) for c in mine),
-                     f"{worst:.2e}", f"{spec.tolerance:.0e}"))
+                     f"{worst:.2e}", f"{spec.tolerance:.0e}", f"{sum(c.seconds for c in mine):.1f}"))
     return format_table(rows)
 
 
@@ -767,6 +794,7 @@ def main(args) -> int:
                           "check_processes": in_processes.get("processes", 0),
                           "check_processes_peak_rss_bytes": in_processes.get("processes_peak_rss_bytes", 0),
                           "device_peak_bytes": device.peak_allocated_bytes,
+                          "families": family_seconds(checks),
                           "checks": [asdict(c) for c in checks]}, indent=1, default=float))
     else:
         shown = checks if args.verbose else [c for c in checks if c.failed]

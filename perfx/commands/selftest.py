@@ -407,9 +407,12 @@ def run_checks(device: Device, all_specs: dict[str, Spec], scope: str = "coverin
 
 PROCESSES_ENV = "PERFX_SELFTEST_PROCESSES"
 MAX_PROCESSES = 8
-# A worker whose resident memory has passed this after a case is replaced by a fresh one (about a second to
-# start): a process's memory grows with the programs it has compiled, beyond those it keeps (one PoCL process
-# checking every family peaked at 939 MB, checking one family at most 420 MB: benchmarks/NOTES.md).
+# A worker whose resident memory has passed this after a check is replaced by a fresh one (about a second to
+# start), the sets of its part it has not checked going to the next process free: a process's memory grows with
+# the programs it has compiled, beyond those it keeps (one PoCL process checking every family peaked at 939 MB,
+# checking one family at most 420 MB), and one check can add 130 MiB at once (a large case's inputs and
+# references, a long kernel's compile). Looked at after each part only, a worker just under the bound took a
+# part of heavy checks 280 MiB past it (benchmarks/NOTES.md, the PoCL selftest's memory after each check).
 RECYCLE_BYTES = 384 * 2**20
 # A case goes to the workers in parts of CHECKER_PART checks, and a worker keeps the programs of about two parts
 # (a family's shared kernels, as the quantizers, serve a case's next part): it builds in itself, one at a time,
@@ -441,13 +444,19 @@ def _send(stream, message) -> None:
     stream.flush()
 
 
+class _Grown(Exception):
+    """A check worker's resident memory passed its bound with sets of the part left: it hands them back."""
+
+
 def _checker_main() -> None:
-    """A check worker: (selector, limits, seed), answered ("ready", None) once the device is open; then cases,
-    each (family, shape's index, parameter sets, seconds left or None), answered with ("check", Check) for each
-    check and ("done", None), or ("budget", None) where the seconds ran out with sets left."""
+    """A check worker: (selector, limits, seed, memory bound), answered ("ready", None) once the device is open;
+    then cases, each (family, shape's index, parameter sets, seconds left or None), answered with ("check", Check)
+    for each check and ("done", None), ("budget", None) where the seconds ran out with sets left, or ("grown",
+    None) where after a check its resident memory passed the bound with sets left (the command checks those in a
+    fresh process)."""
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr   # anything printed by the way goes to stderr, not into the answers
-    selector, limits, seed = pickle.load(stdin)
+    selector, limits, seed, bound = pickle.load(stdin)
     device = Device(selector, limits)
     _send(stdout, ("ready", None))
     last_family = None
@@ -469,11 +478,16 @@ def _checker_main() -> None:
         def answer():
             check = checks[-1]
             _send(stdout, ("check", dataclasses.replace(check, params=dict(check.params))))
+            if len(checks) < len(params_list) and (resident_bytes() or 0) > bound:
+                raise _Grown
         try:
             check_case(device, spec, shape, params_list, case_rng(seed, family, spec.describe(shape)), checks,
                        answer, deadline)
         except BudgetSpent:
             _send(stdout, ("budget", None))
+        except _Grown:
+            _send(stdout, ("grown", None))
+            return
         else:
             _send(stdout, ("done", None))
 
@@ -487,12 +501,13 @@ class _Checker:
         env = {**os.environ, BUILD_WORKERS_ENV: "1"}
         self.process = subprocess.Popen([sys.executable, "-c", _CHECKER_MAIN], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, env=env, start_new_session=True)
-        _send(self.process.stdin, (device.entry.index, device.limits, seed))
+        _send(self.process.stdin, (device.entry.index, device.limits, seed, RECYCLE_BYTES))
         self.peak, self.ready = 0, False
 
     def check(self, spec: Spec, shape: dict, params_list: list[dict], seconds: float | None, on_check) -> str:
-        """The case's checks, each passed to ``on_check`` as it comes: "done", "budget", "died" where the process
-        ended part way, or "broken" where it ended before it had opened the device."""
+        """The case's checks, each passed to ``on_check`` as it comes: "done", "budget", "grown" where the process
+        passed RECYCLE_BYTES with checks left (it then ends), "died" where it ended part way, or "broken" where it
+        ended before it had opened the device."""
         try:
             if not self.ready:
                 pickle.load(self.process.stdout)
@@ -580,6 +595,11 @@ def _check_in_processes(device: Device, jobs: list, processes: int, seed: int, p
                     made.append(check)
                     results.put(("check", check))
                 outcome = checker.check(spec, shape, todo, seconds, on_check)
+                if outcome == "grown":   # the sets it did not check to the next process free, this one replaced
+                    pending.put((spec, shape, todo[len(made):]))
+                    checker.stop()
+                    checker = None
+                    outcome = "done"
                 if outcome == "broken" and not stop.is_set():   # not one case checked: every case would fail so
                     status = checker.process.wait()
                     results.put(("broken", status))

@@ -410,9 +410,10 @@ MAX_PROCESSES = 8
 # A worker whose resident memory has passed this after a check is replaced by a fresh one (about a second to
 # start), the sets of its part it has not checked going to the next process free: a process's memory grows with
 # the programs it has compiled, beyond those it keeps (one PoCL process checking every family peaked at 939 MB,
-# checking one family at most 420 MB), and one check can add 130 MiB at once (a large case's inputs and
-# references, a long kernel's compile). Looked at after each part only, a worker just under the bound took a
-# part of heavy checks 280 MiB past it (benchmarks/NOTES.md, the PoCL selftest's memory after each check).
+# checking one family at most 420 MB), and one check can add much at once (a large case's inputs and
+# references: 126 MiB; a long kernel's compile). Looked at after each part only, a worker just under the bound
+# took a part of heavy checks 280 MiB past it (benchmarks/NOTES.md, the check processes' memory bounded after
+# each check).
 RECYCLE_BYTES = 384 * 2**20
 # A case goes to the workers in parts of CHECKER_PART checks, and a worker keeps the programs of about two parts
 # (a family's shared kernels, as the quantizers, serve a case's next part): it builds in itself, one at a time,

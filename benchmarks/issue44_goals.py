@@ -2,7 +2,7 @@
 temporary folder per measurement; the default model file is linked in, not fetched again):
 
 - the full `perfx selftest` on Intel's CPU runtime and on PoCL: wall, peak resident memory (its own and its
-  largest build worker's, from its --json), checks;
+  largest build worker's, from its --json), checks, and each family's checks and seconds (--json);
 - a complete `perfx tune --kernels gemv_q4` sweep of the default model: wall, peak resident memory, candidates a
   minute (from its --json);
 - the first `perfx generate` after install (every cache empty), then a warm one (the same caches again).
@@ -30,10 +30,10 @@ from pathlib import Path
 
 from perfx.resources import cache_dir
 
-GOALS = {   # issue 44, on a 2-core machine
-    "selftest intel": {"wall_s": 8 * 60, "peak_rss_bytes": 1.5 * 2**30},
-    "selftest pocl": {"wall_s": 4 * 60, "peak_rss_bytes": 1.5 * 2**30},
-    "tune gemv_q4": {"wall_s": 150, "peak_rss_bytes": 1.5 * 2**30},
+GOALS = {   # issue 44, on a 2-core machine; its memory goal is 1.5 GB: 1.5e9 bytes, not 1.5 GiB
+    "selftest intel": {"wall_s": 8 * 60, "peak_rss_bytes": 1.5e9},
+    "selftest pocl": {"wall_s": 4 * 60, "peak_rss_bytes": 1.5e9},
+    "tune gemv_q4": {"wall_s": 150, "peak_rss_bytes": 1.5e9},
     "generate, first": {"wall_s": 8},
     "generate, warm": {},
 }
@@ -90,7 +90,7 @@ def selftest(device: str, extra: list[str], models, timeout: float) -> dict:
         return result
     result.update({key: data[key] for key in ("planned", "passed", "failed", "refused", "complete", "seconds",
                                               "build_workers", "build_workers_peak_rss_bytes", "check_processes",
-                                              "check_processes_peak_rss_bytes") if key in data})
+                                              "check_processes_peak_rss_bytes", "families") if key in data})
     result["own_peak_rss_bytes"] = data.get("peak_rss_bytes")
     # the whole tree at its worst: this process's peak and every worker (build workers, check processes) at the
     # largest one's

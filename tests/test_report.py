@@ -46,6 +46,8 @@ def test_report_resumes_then_merges_into_an_entry_in_force(tmp_path, monkeypatch
     data = json.loads(out.read_text())
     assert data["sections"]["selftest"]["failed"] == 0, data["sections"]["selftest"]["failures"]
     assert data["sections"]["selftest"]["passed"] >= 11
+    # each family's seconds: what a slow device splits off
+    assert all(family["seconds"] > 0 for family in data["sections"]["selftest"]["families"].values())
     assert data["sections"]["tune"]["sweep"]["candidates"] > 0   # where the phone's tuning time went
     assert data["sections"]["bench"]["kernels"] and data["sections"]["tuning"]["results"]["records"]
     # Each replay of the decode step this driver has, against launches one by one (tests/test_replay_qcom.py

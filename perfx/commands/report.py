@@ -126,8 +126,10 @@ def run_section(name: str, device: Device, args, database) -> dict:
         failed = [asdict(c) for c in checks if c.failed]
         families = {}
         for c in checks:
-            entry = families.setdefault(c.kernel, {"checks": 0, "failed": 0, "refused": 0, "worst_passing_error": 0.0})
+            entry = families.setdefault(c.kernel, {"checks": 0, "failed": 0, "refused": 0, "worst_passing_error": 0.0,
+                                                   "seconds": 0.0})
             entry["checks"] += 1
+            entry["seconds"] = round(entry["seconds"] + c.seconds, 2)   # which families a slow device splits off
             entry["failed"] += c.failed
             entry["refused"] += bool(c.refused)
             if c.passed:

@@ -162,6 +162,12 @@ class Check:
     failure: str = ""   # build or launch failure, when it did not run
     refused: str = ""   # the driver's limits for the built kernel (work-group, local memory) exclude these
     #                     parameters here: not run, and not a failure (the tuner never chooses such a set)
+    # What making it took in the process that made it, from the end of the case's check before (or the case's
+    # start: its inputs and float64 references) to its result, the builds made ahead for it included: wall seconds,
+    # and the CPU seconds of that process (which on a CPU device count the driver's compiler and kernel threads,
+    # but not build workers'). What a user on a slow device splits off by (``family_seconds``).
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
 
     @property
     def failed(self) -> bool:
@@ -293,6 +299,13 @@ def check_case(device: Device, spec: Spec, shape: dict, params_list: list[dict],
     (perf_counter seconds) no further check starts (BudgetSpent)."""
     family, described = spec.params.family, spec.describe(shape)
     case = None
+    mark = [time.perf_counter(), time.process_time()]
+
+    def timed(check: Check) -> None:
+        now = [time.perf_counter(), time.process_time()]
+        check.seconds, check.cpu_seconds = now[0] - mark[0], now[1] - mark[1]
+        mark[:] = now
+        checks.append(check)
     try:
         try:
             case = spec.make_case(device, shape, rng)
@@ -306,15 +319,15 @@ def check_case(device: Device, spec: Spec, shape: dict, params_list: list[dict],
             if made_error is None and i % BUILD_AHEAD == 0:
                 build_ahead(device, spec, shape, params_list[i:i + BUILD_AHEAD])
             if made_error is not None:
-                checks.append(_failure(spec, described, params, made_error))
+                timed(_failure(spec, described, params, made_error))
             else:
                 try:
                     errors = case.errors(params)
                     error = max(errors.values()) if errors else 0.0
                     tolerance = spec.tolerance_for(params)
-                    checks.append(Check(family, params, described, error, tolerance, bool(error <= tolerance)))
+                    timed(Check(family, params, described, error, tolerance, bool(error <= tolerance)))
                 except PerfxError as e:  # a build or launch failure, or a driver limit: report it, go on
-                    checks.append(_failure(spec, described, params, e))
+                    timed(_failure(spec, described, params, e))
             if after_each is not None:
                 after_each()
     finally:
@@ -394,9 +407,13 @@ def run_checks(device: Device, all_specs: dict[str, Spec], scope: str = "coverin
 
 PROCESSES_ENV = "PERFX_SELFTEST_PROCESSES"
 MAX_PROCESSES = 8
-# A worker whose resident memory has passed this after a case is replaced by a fresh one (about a second to
-# start): a process's memory grows with the programs it has compiled, beyond those it keeps (one PoCL process
-# checking every family peaked at 939 MB, checking one family at most 420 MB: benchmarks/NOTES.md).
+# A worker whose resident memory has passed this after a check is replaced by a fresh one (about a second to
+# start), the sets of its part it has not checked going to the next process free: a process's memory grows with
+# the programs it has compiled, beyond those it keeps (one PoCL process checking every family peaked at 939 MB,
+# checking one family at most 420 MB), and one check can add much at once (a large case's inputs and
+# references: 126 MiB; a long kernel's compile). Looked at after each part only, a worker just under the bound
+# took a part of heavy checks 280 MiB past it (benchmarks/NOTES.md, the check processes' memory bounded after
+# each check).
 RECYCLE_BYTES = 384 * 2**20
 # A case goes to the workers in parts of CHECKER_PART checks, and a worker keeps the programs of about two parts
 # (a family's shared kernels, as the quantizers, serve a case's next part): it builds in itself, one at a time,
@@ -428,13 +445,19 @@ def _send(stream, message) -> None:
     stream.flush()
 
 
+class _Grown(Exception):
+    """A check worker's resident memory passed its bound with sets of the part left: it hands them back."""
+
+
 def _checker_main() -> None:
-    """A check worker: (selector, limits, seed), answered ("ready", None) once the device is open; then cases,
-    each (family, shape's index, parameter sets, seconds left or None), answered with ("check", Check) for each
-    check and ("done", None), or ("budget", None) where the seconds ran out with sets left."""
+    """A check worker: (selector, limits, seed, memory bound), answered ("ready", None) once the device is open;
+    then cases, each (family, shape's index, parameter sets, seconds left or None), answered with ("check", Check)
+    for each check and ("done", None), ("budget", None) where the seconds ran out with sets left, or ("grown",
+    None) where after a check its resident memory passed the bound with sets left (the command checks those in a
+    fresh process)."""
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr   # anything printed by the way goes to stderr, not into the answers
-    selector, limits, seed = pickle.load(stdin)
+    selector, limits, seed, bound = pickle.load(stdin)
     device = Device(selector, limits)
     _send(stdout, ("ready", None))
     last_family = None
@@ -456,11 +479,16 @@ def _checker_main() -> None:
         def answer():
             check = checks[-1]
             _send(stdout, ("check", dataclasses.replace(check, params=dict(check.params))))
+            if len(checks) < len(params_list) and (resident_bytes() or 0) > bound:
+                raise _Grown
         try:
             check_case(device, spec, shape, params_list, case_rng(seed, family, spec.describe(shape)), checks,
                        answer, deadline)
         except BudgetSpent:
             _send(stdout, ("budget", None))
+        except _Grown:
+            _send(stdout, ("grown", None))
+            return
         else:
             _send(stdout, ("done", None))
 
@@ -474,12 +502,13 @@ class _Checker:
         env = {**os.environ, BUILD_WORKERS_ENV: "1"}
         self.process = subprocess.Popen([sys.executable, "-c", _CHECKER_MAIN], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, env=env, start_new_session=True)
-        _send(self.process.stdin, (device.entry.index, device.limits, seed))
+        _send(self.process.stdin, (device.entry.index, device.limits, seed, RECYCLE_BYTES))
         self.peak, self.ready = 0, False
 
     def check(self, spec: Spec, shape: dict, params_list: list[dict], seconds: float | None, on_check) -> str:
-        """The case's checks, each passed to ``on_check`` as it comes: "done", "budget", "died" where the process
-        ended part way, or "broken" where it ended before it had opened the device."""
+        """The case's checks, each passed to ``on_check`` as it comes: "done", "budget", "grown" where the process
+        passed RECYCLE_BYTES with checks left (it then ends), "died" where it ended part way, or "broken" where it
+        ended before it had opened the device."""
         try:
             if not self.ready:
                 pickle.load(self.process.stdout)
@@ -567,6 +596,11 @@ def _check_in_processes(device: Device, jobs: list, processes: int, seed: int, p
                     made.append(check)
                     results.put(("check", check))
                 outcome = checker.check(spec, shape, todo, seconds, on_check)
+                if outcome == "grown":   # the sets it did not check to the next process free, this one replaced
+                    pending.put((spec, shape, todo[len(made):]))
+                    checker.stop()
+                    checker = None
+                    outcome = "done"
                 if outcome == "broken" and not stop.is_set():   # not one case checked: every case would fail so
                     status = checker.process.wait()
                     results.put(("broken", status))
@@ -703,13 +737,27 @@ def checks_table(checks: list[Check]) -> str:
     return format_table(rows)
 
 
+def family_seconds(checks: list[Check]) -> dict[str, dict]:
+    """Per family, in the checks' order: how many checks, and the wall and CPU seconds they took in the processes
+    that made them (``Check.seconds``; summed over processes, so with N at once about N times its share of the
+    run's wall time): the families a slow device's run is best split by (``--kernels``, ``--shard``)."""
+    totals: dict[str, dict] = {}
+    for c in checks:
+        total = totals.setdefault(c.kernel, {"checks": 0, "seconds": 0.0, "cpu_seconds": 0.0})
+        total["checks"] += 1
+        total["seconds"] += c.seconds
+        total["cpu_seconds"] += c.cpu_seconds
+    return {family: {**total, "seconds": round(total["seconds"], 2), "cpu_seconds": round(total["cpu_seconds"], 2)}
+            for family, total in totals.items()}
+
+
 def summary_table(checks: list[Check], all_specs: dict[str, Spec]) -> str:
-    rows = [("kernel", "checks", "failed", "refused", "worst passing err", "tolerance")]
+    rows = [("kernel", "checks", "failed", "refused", "worst passing err", "tolerance", "seconds")]
     for family, spec in all_specs.items():
         mine = [c for c in checks if c.kernel == family]
         worst = max((c.error for c in mine if c.passed), default=0.0)
         rows.append((family, len(mine), sum(c.failed for c in mine), sum(bool(c.refused) for c in mine),
-                     f"{worst:.2e}", f"{spec.tolerance:.0e}"))
+                     f"{worst:.2e}", f"{spec.tolerance:.0e}", f"{sum(c.seconds for c in mine):.1f}"))
     return format_table(rows)
 
 
@@ -767,6 +815,7 @@ def main(args) -> int:
                           "check_processes": in_processes.get("processes", 0),
                           "check_processes_peak_rss_bytes": in_processes.get("processes_peak_rss_bytes", 0),
                           "device_peak_bytes": device.peak_allocated_bytes,
+                          "families": family_seconds(checks),
                           "checks": [asdict(c) for c in checks]}, indent=1, default=float))
     else:
         shown = checks if args.verbose else [c for c in checks if c.failed]

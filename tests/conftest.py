@@ -19,27 +19,30 @@ import zlib
 import numpy as np
 import pytest
 
+from helpers import spec_checks
 from perfx.runtime import BuildError, Device, choose_device, list_devices
 
 UNUSABLE: dict[str, str] = {}   # implementation -> why no test runs on it (reported in pytest's header)
 
 
-def _compiler_knows_this_cpu(entry) -> bool:
-    """False where the implementation's compiler cannot target this machine at all (PoCL 3.0's LLVM 14 on a CPU
-    newer than it): every kernel would fail to build, whatever the test, so the implementation is left out
-    and the header says why. Any other build failure is a test's to report."""
+def _compiler_knows_this_cpu(entry):
+    """The implementation's capabilities, or None where its compiler cannot target this machine at all (PoCL 3.0's
+    LLVM 14 on a CPU newer than it): every kernel would fail to build, whatever the test, so the implementation is
+    left out and the header says why. Any other build failure is a test's to report."""
+    device = Device(entry.index)
     try:
-        Device(entry.index).build("copy.cl")
+        device.build("copy.cl")
     except BuildError as e:
         if not e.compiler_lacks_cpu:
             raise
         UNUSABLE[entry.implementation] = e.summary
-        return False
-    return True
+        return None
+    return device.caps
 
 
 def _implementations() -> dict[str, str]:
-    """Test id -> device selector: the first device of each real platform, the default device first."""
+    """Test id -> device selector: the first device of each real platform, the default device first. Their
+    capabilities go to ``spec_checks.RUNTIMES``: the kernel sweeps share their parameter sets out among them."""
     chosen, _ = choose_device()
     entries = [chosen] + [e for e in list_devices() if not e.simulator and e.platform_index != chosen.platform_index
                           and e.device_index == 0]
@@ -47,10 +50,13 @@ def _implementations() -> dict[str, str]:
         entries = [chosen]
     found = {}
     for entry in entries:
-        if not _compiler_knows_this_cpu(entry):
+        caps = _compiler_knows_this_cpu(entry)
+        if caps is None:
             continue
         name = entry.implementation
-        found[name if name not in found else f"{name}{entry.platform_index}"] = entry.index
+        name = name if name not in found else f"{name}{entry.platform_index}"
+        found[name] = entry.index
+        spec_checks.RUNTIMES[name] = caps
     return found
 
 

@@ -5,12 +5,13 @@ runtime where ``intel-opencl-rt`` is installed), with ids such as ``[pocl]`` and
 ``Device()`` made inside such a test opens the same implementation. Modules marked ``one_implementation``
 (model-level and end-to-end tests) run on the default device only. ``PERFX_DEVICE`` set: that device only.
 
-The order of the files, for ``-n auto --dist loadfile`` (each file on one worker, handed out in order as workers
-free up): the longest first, so that the last files to start are short and both workers finish together. A file's
-weight is its number of tests, a test marked ``slow`` counting ``WEIGHTS["slow"]`` and one marked ``sweep`` (every
-parameter set of a kernel family, or the fuzz's random ones: a build a set) ``WEIGHTS["sweep"]``. Mark a new test
-that takes minutes from cold kernel caches with one of them, or a file of such tests will start last and hold the
-run's tail.
+The work units, for ``-n auto --dist loadgroup`` (each unit on one worker, handed out in order as workers free up):
+a file's tests make one unit (its module fixtures made once, its tests in their order), except those marked
+``sweep`` (every parameter set of a kernel family at a shape, or the fuzz's random ones: a build a set), one unit
+each, so that a file of many sweeps does not hold one worker while the other idles. The units go out heaviest
+first, so that the last to start are short and both workers finish together. A unit's weight is its number of
+tests, a test marked ``slow`` counting ``WEIGHTS["slow"]`` and one marked ``sweep`` ``WEIGHTS["sweep"]``. Mark a new
+test that takes minutes from cold kernel caches with one of them, or it will start last and hold the run's tail.
 """
 
 import os
@@ -63,25 +64,43 @@ def _implementations() -> dict[str, str]:
 IMPLEMENTATIONS = _implementations()
 
 
-# What a test counts for in its file's weight (a test with neither counts 1): the ratio of a typical such test's
+# What a test counts for in its unit's weight (a test with neither counts 1): the ratio of a typical such test's
 # time from cold kernel caches to an ordinary test's, roughly.
 WEIGHTS = {"slow": 60, "sweep": 15}
 
 
 def pytest_configure(config):
-    # pytest-xdist hands out the files with the most tests first; ours go by weight (pytest_collection_modifyitems)
+    # pytest-xdist hands out the units with the most tests first; ours go by weight (pytest_collection_modifyitems)
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
 
 
+def work_unit(item, sweeps_before: int) -> str:
+    """The ``xdist_group`` of a test: its file's name, or for the file's ``sweeps_before``-th sweep (from 0) a name
+    of its own (neither '@' nor ']', which pytest-xdist's loadgroup reads the group's name by)."""
+    if item.get_closest_marker("sweep") is not None:
+        return f"{item.path.stem}.sweep{sweeps_before}"
+    return item.path.stem
+
+
+@pytest.hookimpl(tryfirst=True)   # before pytest-xdist's worker reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    """The files by weight, heaviest first (ties in pytest's order); the tests inside each file keep their order."""
-    weight: dict = {}
+    """Each test's work unit (``work_unit``, an ``xdist_group`` mark where pytest-xdist runs), and the units by
+    weight, heaviest first (ties in pytest's order); the tests of a unit keep their order."""
+    grouping = config is not None and config.pluginmanager.hasplugin("xdist")
+    units, weight, sweeps = [], {}, {}
     for item in items:
+        unit = work_unit(item, sweeps.get(item.path, 0))
+        if item.get_closest_marker("sweep") is not None:
+            sweeps[item.path] = sweeps.get(item.path, 0) + 1
+        if grouping:
+            item.add_marker(pytest.mark.xdist_group(unit))
         marked = [WEIGHTS[name] for name in WEIGHTS if item.get_closest_marker(name) is not None]
-        weight[item.path] = weight.get(item.path, 0) + max(marked, default=1)
-    rank = {path: i for i, path in enumerate(sorted(weight, key=lambda path: -weight[path]))}
-    items.sort(key=lambda item: rank[item.path])
+        weight[unit] = weight.get(unit, 0) + max(marked, default=1)
+        units.append(unit)
+    rank = {unit: i for i, unit in enumerate(sorted(weight, key=lambda unit: -weight[unit]))}
+    order = sorted(range(len(items)), key=lambda i: rank[units[i]])
+    items[:] = [items[i] for i in order]
 
 
 def pytest_report_header(config):
@@ -113,4 +132,4 @@ def device(opencl_device, monkeypatch) -> Device:
 @pytest.fixture
 def rng(request) -> np.random.Generator:
     # A different seed per test, stable across runs, so failures reproduce.
-    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+    return np.random.default_rng(zlib.crc32(spec_checks.stable_id(request.node).encode()))

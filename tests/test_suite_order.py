@@ -1,10 +1,12 @@
-"""The suite's file order (tests/conftest.py): under `-n auto --dist loadfile` the heaviest files start first."""
+"""The suite's work units (tests/conftest.py): under `-n auto --dist loadgroup` a file's tests go to one worker
+together, each sweep alone, and the heaviest units start first."""
 
 from pathlib import Path
 
 import pytest
 
-from conftest import WEIGHTS, pytest_collection_modifyitems, pytest_configure
+from conftest import WEIGHTS, pytest_collection_modifyitems, pytest_configure, work_unit
+from helpers.spec_checks import stable_id
 
 
 class Item:
@@ -17,13 +19,33 @@ class Item:
         return name if name == self.marker else None
 
 
-def test_heaviest_files_first_and_tests_in_their_order():
+def test_heaviest_units_first_and_tests_in_their_order():
     items = [Item("a.py", f"a{i}") for i in range(3)] + [Item("b.py", "b0", "slow"), Item("b.py", "b1")]
-    items += [Item("c.py", "c0", "sweep"), Item("c.py", "c1", "sweep"), Item("d.py", "d0"), Item("e.py", "e0")]
+    items += [Item("c.py", "c0", "sweep"), Item("c.py", "c1"), Item("c.py", "c2", "sweep"), Item("d.py", "d0"),
+              Item("e.py", "e0")]
     pytest_collection_modifyitems(None, items)
-    # b: slow + 1, c: two sweeps, a: 3, then d and e (1 each) in the order they were collected
-    assert WEIGHTS["slow"] + 1 > 2 * WEIGHTS["sweep"] > 3
-    assert [item.name for item in items] == ["b0", "b1", "c0", "c1", "a0", "a1", "a2", "d0", "e0"]
+    # b: slow + 1, then c's two sweeps (a unit each), a: 3, then c's other test, d and e (1 each) in pytest's order
+    assert WEIGHTS["slow"] + 1 > WEIGHTS["sweep"] > 3
+    assert [item.name for item in items] == ["b0", "b1", "c0", "c2", "a0", "a1", "a2", "c1", "d0", "e0"]
+
+
+def test_a_file_is_one_unit_and_each_sweep_one_of_its_own():
+    items = [Item("t/x.py", "x0"), Item("t/x.py", "x1", "sweep"), Item("t/x.py", "x2", "slow"),
+             Item("t/x.py", "x3", "sweep")]
+    units = [work_unit(item, before) for item, before in zip(items, [0, 0, 1, 1])]
+    assert units == ["x", "x.sweep0", "x", "x.sweep1"]
+    assert not any("@" in unit or "]" in unit for unit in units), "pytest-xdist reads the group after the last '@'"
+
+
+def test_a_seed_is_the_same_with_and_without_the_group_suffix():
+    class Node:
+        def __init__(self, nodeid):
+            self.nodeid = nodeid
+
+    plain = "tests/test_x.py::test_y[pocl-a@b]"
+    assert stable_id(Node(plain)) == plain
+    assert stable_id(Node(plain + "@test_x.sweep3")) == plain
+    assert stable_id(Node("tests/test_x.py::test_z@test_x")) == "tests/test_x.py::test_z"
 
 
 def test_xdist_keeps_this_order(pytestconfig):

@@ -1,6 +1,7 @@
 """The suite's work units (tests/conftest.py): under `-n auto --dist loadgroup` a file's tests go to one worker
 together, each sweep alone, and the heaviest units start first."""
 
+import ast
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,19 @@ def test_xdist_keeps_this_order(pytestconfig):
     config = Config()
     pytest_configure(config)
     assert config.option.loadscopereorder is False
+
+
+def test_every_kernel_sweep_is_marked_sweep():
+    """A test that checks a family's planned parameter sets (``assert_planned_sets``: a build a set) is marked
+    ``sweep``, so that it is a work unit of its own and starts early; unmarked, it would hold its file's worker."""
+    unmarked = []
+    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if not isinstance(node, ast.FunctionDef) or not node.name.startswith("test"):
+                continue
+            called = {call.func.id for call in ast.walk(node) if isinstance(call, ast.Call)
+                      and isinstance(call.func, ast.Name)}
+            marked = any(ast.unparse(decorator) == "pytest.mark.sweep" for decorator in node.decorator_list)
+            if "assert_planned_sets" in called and not marked:
+                unmarked.append(f"{path.name}::{node.name}")
+    assert not unmarked, f"sweeps not marked @pytest.mark.sweep: {unmarked}"

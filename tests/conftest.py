@@ -7,10 +7,10 @@ runtime where ``intel-opencl-rt`` is installed), with ids such as ``[pocl]`` and
 
 The work units, for ``-n auto --dist loadgroup`` (each unit on one worker, handed out in order as workers free up):
 a file's tests make one unit (its module fixtures made once, its tests in their order), except those marked
-``sweep`` (every parameter set of a kernel family at a shape, or the fuzz's random ones: a build a set), one unit
-each, so that a file of many sweeps does not hold one worker while the other idles. The units go out heaviest
-first, so that the last to start are short and both workers finish together. A unit's weight is its number of
-tests, a test marked ``slow`` counting ``WEIGHTS["slow"]`` and one marked ``sweep`` ``WEIGHTS["sweep"]``. Mark a new
+``sweep`` (every parameter set of a kernel family at a shape, or the fuzz's random ones: a build a set), a unit for
+each sweep (its runs on each implementation), so that a file of many sweeps does not hold one worker while the
+other idles. The units go out heaviest first, so that the last to start are short and both workers finish
+together. A unit's weight is its number of tests, a test marked ``slow`` counting ``WEIGHTS["slow"]`` and one marked ``sweep`` ``WEIGHTS["sweep"]``. Mark a new
 test that takes minutes from cold kernel caches with one of them, or it will start last and hold the run's tail.
 """
 
@@ -75,12 +75,20 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
-def work_unit(item, sweeps_before: int) -> str:
-    """The ``xdist_group`` of a test: its file's name, or for the file's ``sweeps_before``-th sweep (from 0) a name
-    of its own (neither '@' nor ']', which pytest-xdist's loadgroup reads the group's name by)."""
-    if item.get_closest_marker("sweep") is not None:
-        return f"{item.path.stem}.sweep{sweeps_before}"
-    return item.path.stem
+def work_unit(item) -> str:
+    """The ``xdist_group`` of a test: its file's name, or for a sweep, its own: the file, the test and its parameters
+    but the implementation, so that a sweep's runs on PoCL and on Intel's runtime are one unit, which starts where
+    the first of them stands in pytest's order (pytest runs each implementation's tests together, and a unit of
+    PoCL's tests alone would start after all of Intel's). Neither '@' nor ']' in it: pytest-xdist's loadgroup
+    reads the group's name after the last '@'."""
+    if item.get_closest_marker("sweep") is None:
+        return item.path.stem
+    callspec = getattr(item, "callspec", None)
+    parts = callspec.id.split("-") if callspec is not None else []
+    if callspec is not None and "opencl_device" in callspec.params:
+        parts.remove({index: name for name, index in IMPLEMENTATIONS.items()}[callspec.params["opencl_device"]])
+    name = ".".join([item.path.stem, item.originalname] + ["-".join(parts)] * bool(parts))
+    return name.replace("@", "_").replace("]", "_")
 
 
 @pytest.hookimpl(tryfirst=True)   # before pytest-xdist's worker reads the xdist_group marks
@@ -88,11 +96,9 @@ def pytest_collection_modifyitems(config, items):
     """Each test's work unit (``work_unit``, an ``xdist_group`` mark where pytest-xdist runs), and the units by
     weight, heaviest first (ties in pytest's order); the tests of a unit keep their order."""
     grouping = config is not None and config.pluginmanager.hasplugin("xdist")
-    units, weight, sweeps = [], {}, {}
+    units, weight = [], {}
     for item in items:
-        unit = work_unit(item, sweeps.get(item.path, 0))
-        if item.get_closest_marker("sweep") is not None:
-            sweeps[item.path] = sweeps.get(item.path, 0) + 1
+        unit = work_unit(item)
         if grouping:
             item.add_marker(pytest.mark.xdist_group(unit))
         marked = [WEIGHTS[name] for name in WEIGHTS if item.get_closest_marker(name) is not None]

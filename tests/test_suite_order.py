@@ -6,15 +6,21 @@ from pathlib import Path
 
 import pytest
 
-from conftest import WEIGHTS, pytest_collection_modifyitems, pytest_configure, work_unit
+from conftest import IMPLEMENTATIONS, WEIGHTS, pytest_collection_modifyitems, pytest_configure, work_unit
 from helpers.spec_checks import stable_id
 
 
-class Item:
-    """What the ordering reads of a collected test: its file and its markers."""
+IMPLEMENTATION_IDS = {index: name for name, index in IMPLEMENTATIONS.items()}
 
-    def __init__(self, file: str, name: str, marker: str | None = None):
-        self.path, self.name, self.marker = Path(file), name, marker
+
+class Item:
+    """What the ordering reads of a collected test: its file, name, markers and parameters."""
+
+    def __init__(self, file: str, name: str, marker: str | None = None, **params):
+        self.path, self.name, self.originalname, self.marker = Path(file), name, name.rstrip("0123456789"), marker
+        if params:   # as pytest names a parametrized test: each value's id, joined by '-'
+            ids = [IMPLEMENTATION_IDS[value] if key == "opencl_device" else str(value) for key, value in params.items()]
+            self.callspec = type("CallSpec", (), {"params": params, "id": "-".join(ids)})()
 
     def get_closest_marker(self, name):
         return name if name == self.marker else None
@@ -22,19 +28,22 @@ class Item:
 
 def test_heaviest_units_first_and_tests_in_their_order():
     items = [Item("a.py", f"a{i}") for i in range(3)] + [Item("b.py", "b0", "slow"), Item("b.py", "b1")]
-    items += [Item("c.py", "c0", "sweep"), Item("c.py", "c1"), Item("c.py", "c2", "sweep"), Item("d.py", "d0"),
-              Item("e.py", "e0")]
+    items += [Item("c.py", "c0", "sweep", index=0), Item("c.py", "c1"), Item("c.py", "c2", "sweep", index=1),
+              Item("d.py", "d0"), Item("e.py", "e0")]
     pytest_collection_modifyitems(None, items)
     # b: slow + 1, then c's two sweeps (a unit each), a: 3, then c's other test, d and e (1 each) in pytest's order
     assert WEIGHTS["slow"] + 1 > WEIGHTS["sweep"] > 3
     assert [item.name for item in items] == ["b0", "b1", "c0", "c2", "a0", "a1", "a2", "c1", "d0", "e0"]
 
 
-def test_a_file_is_one_unit_and_each_sweep_one_of_its_own():
-    items = [Item("t/x.py", "x0"), Item("t/x.py", "x1", "sweep"), Item("t/x.py", "x2", "slow"),
-             Item("t/x.py", "x3", "sweep")]
-    units = [work_unit(item, before) for item, before in zip(items, [0, 0, 1, 1])]
-    assert units == ["x", "x.sweep0", "x", "x.sweep1"]
+def test_a_file_is_one_unit_and_each_sweep_one_of_its_own_on_every_implementation():
+    first, *others = IMPLEMENTATIONS.values()
+    second = others[0] if others else first
+    items = [Item("t/x.py", "x0", opencl_device=first), Item("t/x.py", "sweep", "sweep", opencl_device=first, k="a@1"),
+             Item("t/x.py", "sweep", "sweep", k="a@1", opencl_device=second), Item("t/x.py", "x2", "slow"),
+             Item("t/x.py", "sweep", "sweep", opencl_device=first, k="b]-2"), Item("t/x.py", "fuzz", "sweep")]
+    units = [work_unit(item) for item in items]
+    assert units == ["x", "x.sweep.a_1", "x.sweep.a_1", "x", "x.sweep.b_-2", "x.fuzz"]
     assert not any("@" in unit or "]" in unit for unit in units), "pytest-xdist reads the group after the last '@'"
 
 

@@ -12,6 +12,7 @@ from perfx.ops.altup import AltUp
 from perfx.tuning.altup import ALTUP_SPEC
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("index", swept(ALTUP_SPEC), ids=[ALTUP_SPEC.describe(s) for s in ALTUP_SPEC.test_shapes])
 def test_every_parameter_set_matches_reference(device, rng, index):
     assert_planned_sets(ALTUP_SPEC, device, index, rng)

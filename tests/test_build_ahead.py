@@ -12,6 +12,7 @@ from perfx.tuning.spec import build_requests
 NAMED = [family for family, spec in SPECS.items() if spec.programs is not None]
 
 
+@pytest.mark.sweep   # every kind of variant of the family built: a unit of work of its own (tests/conftest.py)
 @pytest.mark.parametrize("family", NAMED)
 def test_the_programs_a_spec_names_are_those_a_run_builds(device, family):
     spec = SPECS[family]

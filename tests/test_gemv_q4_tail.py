@@ -20,6 +20,7 @@ from perfx.tuning.database import source_hash
 from perfx.tuning.gemv_q4_tail import SPEC
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("index", swept(SPEC), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
 def test_every_candidate(device, rng, index):
     """Each candidate at one of the shapes, and at each (each tail's builds: bias, blocks in either order, the
@@ -32,6 +33,7 @@ def test_every_candidate(device, rng, index):
     assert_planned_sets(SPEC, device, index, rng)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("index", swept(SPEC), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
 def test_every_candidate_with_atomics_as_on_opencl_1_2(device, rng, monkeypatch, index):
     """The same with the hand-off a device whose compiler takes OpenCL C 1.2 only gets: every output's atomic store

@@ -94,6 +94,7 @@ def test_grouping_orders_pairs_by_expert_then_row(device):
     assert scratch.order.get().tolist() == [1, 4, 3, 0, 2, 5]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("index", swept(SHARED_GATE_SPEC),
                          ids=[SHARED_GATE_SPEC.describe(s) for s in SHARED_GATE_SPEC.test_shapes])
 def test_shared_gate_every_parameter_set(device, rng, index):

@@ -129,14 +129,25 @@ def test_llama_2_7b_loads_and_decodes_under_adreno740_limits():
 
 @pytest.mark.slow
 def test_llama_2_7b_runs_a_4096_position_context_under_256_mib_allocations():
-    """adreno-qcs allows 256 MiB per allocation: the 7B's 1 GiB of keys (and of values) at 4096 positions is
-    held in pieces of whole layers, and decode reads the right piece at every layer up to the last position."""
+    """adreno-qcs allows 256 MiB per allocation: the 7B's keys (and values) at 4096 positions, 32 MiB a layer, are
+    held in pieces of 8 whole layers (each exactly the limit), and decode reads the right piece at every layer up to
+    the last position. Nine of the 7B's layers: what is tested does not depend on the other 23. Every layer has the
+    same shapes, so the largest allocation is the same with 9 as with 32 (a layer's weights, or a piece of the cache,
+    whose size comes from the limit, not the layer count), the positions are the same, and 9 layers make a full
+    piece and a last one of a single layer, so a layer is read from a piece other than the first and from a piece
+    that is not full (with 32, four full pieces)."""
     gc.collect()
     device = Device(limits=LIMIT_PRESETS["adreno-qcs"])
     seen = Recorder(device)
-    model, _ = load_model("synthetic:llama-2-7b", device, ctx=4096, progress=False)
+    source = open_model("synthetic:llama-2-7b")
+    layers = 9
+    assert source.config.n_layers == 32
+    source.config = dataclasses.replace(source.config, n_layers=layers, layers=source.config.layers[:layers])
+    model = Model.load(source, device, ctx=4096, progress=False)
     cache = model.cache
-    assert cache.nbytes == 2 << 30 and len(cache.pieces) == 32 * (1 << 25) // (256 << 20)   # 8 layers a piece
+    assert cache.nbytes == layers << 26 and cache.layers_per_piece == (256 << 20) // (1 << 25) == 8
+    assert len(cache.pieces) == 2 and all(b.size <= 256 << 20 for piece in cache.pieces for b in piece)
+    assert cache.pieces[0][0].size == 256 << 20
     assert 0 < seen.largest <= 256 << 20
     cache.clear(device)              # positions 4..4094 are read below without having been written
     model.prefill([1, 2, 3], 0)

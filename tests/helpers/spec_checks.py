@@ -1,8 +1,10 @@
 """The check every kernel family's tests share: a spec's case at the defaults and at every candidate.
 
-The sweeps plan as `perfx selftest` does (``perfx.tuning.spec.covering_plan``): each parameter set the tuner may
-choose at one of its family's test shapes, and at every shape the defaults and a covering subset
-(``planned_sets``). ``PERFX_TEST_EXHAUSTIVE=1`` checks every set at every shape instead (docs/setup.md).
+The sweeps plan by `perfx selftest`'s rule (``perfx.tuning.spec.covering_plan``) over every OpenCL implementation
+the suite runs on (``RUNTIMES``): on each implementation, at every test shape, the defaults and a covering subset
+(``planned_sets``), and each other parameter set the tuner may choose once, at one (implementation, shape) where it
+can run. ``PERFX_TEST_EXHAUSTIVE=1`` checks every set at every shape on every implementation instead
+(docs/setup.md).
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ EXHAUSTIVE = os.environ.get("PERFX_TEST_EXHAUSTIVE", "") not in ("", "0")
 # The families whose sweep tests take their shapes from ``swept``: tests/test_sweep_plan.py checks that every
 # family's is one of them, so that each set the plan places is checked.
 SWEPT: set[str] = set()
+# The implementations the kernel tests run on, test id -> their capabilities (tests/conftest.py fills it): the plan
+# places each set that is neither a default nor in a covering subset on one of them. Empty (a process that opened
+# no implementation through conftest): each device plans as the only one.
+RUNTIMES: dict[str, object] = {}
 
 
 def parameter_sets(spec, shape, caps) -> list[dict]:
@@ -33,7 +39,7 @@ def covering_sets(spec, shape, caps, strength: int = 1) -> list[dict]:
 
     At each of a family's test shapes, each a build of its own (a group size, an epilogue, a head size), so that
     every kind of variant and every value of every parameter meets what the shape adds; every other set runs at
-    one of the shapes (``plan``), random sets meet random shapes in tests/test_fuzz.py, and
+    one of the shapes on one implementation (``full_plan``), random sets meet random shapes in tests/test_fuzz.py, and
     ``PERFX_TEST_EXHAUSTIVE=1`` or `perfx selftest --exhaustive` runs every set on every test shape. Pairwise where
     a shape's build makes two parameters meet (a head size of 256 against the tiles that fill local memory and
     registers).
@@ -72,22 +78,44 @@ def _no_strength(shape) -> int:
 _PLANS: dict = {}
 
 
-def plan(spec, caps, strength=_no_strength) -> set[tuple[int, str]]:
-    """(test shape's index, parameter set's key) of each check of ``spec``'s sweep on a device of ``caps``: at
-    every shape its ``covering_sets`` of ``strength(shape)`` (the defaults first), and every other set at one
-    test shape where it can run (``covering_plan``)."""
-    key = (id(spec), caps, tuple(strength(shape) for shape in spec.test_shapes))
+def runtimes_for(caps) -> list:
+    """The capabilities of the implementations a device of ``caps`` shares the plan with: every one in
+    ``RUNTIMES``, by test id, where ``caps`` is one of them; else ``caps`` alone."""
+    ordered = [RUNTIMES[name] for name in sorted(RUNTIMES)]
+    return ordered if caps in ordered else [caps]
+
+
+def full_plan(spec, runtimes, strength=_no_strength) -> set[tuple[int, int, str]]:
+    """(implementation's index in ``runtimes``, test shape's index, parameter set's key) of each check of ``spec``'s
+    sweep: on every implementation at every shape its ``covering_sets`` of ``strength(shape)`` (the defaults
+    first), and every other set once, at one (implementation, shape) where it can run, picked by
+    ``covering_plan``'s hash of the family and the set (the sets a capability brings, fp16 or subgroups, on an
+    implementation that has it). A set builds from the same source on either CPU implementation, so one checks it;
+    the defaults and the covering subsets, every value of every parameter, run on both."""
+    runtimes = list(runtimes)
+    key = (id(spec), tuple(runtimes), tuple(strength(shape) for shape in spec.test_shapes))
     if key not in _PLANS:
-        placed = {(index, params_key(p)) for index, shape in enumerate(spec.test_shapes)
-                  for p in covering_sets(spec, shape, caps, strength(shape))}
-        per_shape = [[params_key(p) for p in parameter_sets(spec, shape, caps)] for shape in spec.test_shapes]
-        _PLANS[key] = covering_plan(spec.params.family, per_shape, placed)
+        shapes = len(spec.test_shapes)
+        places = [(r, i) for r in range(len(runtimes)) for i in range(shapes)]
+        placed = {(place, params_key(p)) for place, (r, i) in enumerate(places)
+                  for p in covering_sets(spec, spec.test_shapes[i], runtimes[r], strength(spec.test_shapes[i]))}
+        per_place = [[params_key(p) for p in parameter_sets(spec, spec.test_shapes[i], runtimes[r])]
+                     for r, i in places]
+        _PLANS[key] = {(*places[place], k) for place, k in covering_plan(spec.params.family, per_place, placed)}
     return _PLANS[key]
 
 
+def plan(spec, caps, strength=_no_strength) -> set[tuple[int, str]]:
+    """(test shape's index, parameter set's key) of each check of ``spec``'s sweep on a device of ``caps``: its share
+    of ``full_plan`` over the implementations it shares the plan with (``runtimes_for``)."""
+    runtimes = runtimes_for(caps)
+    here = runtimes.index(caps)
+    return {(i, k) for r, i, k in full_plan(spec, runtimes, strength) if r == here}
+
+
 def planned_sets(spec, index, caps, strength=_no_strength) -> list[dict]:
-    """The parameter sets checked at ``spec.test_shapes[index]`` (``plan``), the defaults first; every set the
-    tuner may choose there with ``PERFX_TEST_EXHAUSTIVE=1``."""
+    """The parameter sets checked at ``spec.test_shapes[index]`` on a device of ``caps`` (``plan``), the defaults
+    first; every set the tuner may choose there with ``PERFX_TEST_EXHAUSTIVE=1``."""
     sets = parameter_sets(spec, spec.test_shapes[index], caps)
     if EXHAUSTIVE:
         return sets
@@ -132,7 +160,16 @@ def assert_first_sets(spec, device, shape, rng, predicates: dict) -> dict[str, d
     return chosen
 
 
+def stable_id(node) -> str:
+    """A test's id as pytest names it, without the ``@group`` that pytest-xdist's loadgroup appends on its workers:
+    what a test's seed is made from (tests/conftest.py's ``rng``), so that a failure reproduces in a run of that test
+    alone."""
+    nodeid = node.nodeid
+    at = nodeid.rfind("@")
+    return nodeid[:at] if at > nodeid.rfind("]") else nodeid
+
+
 def same_inputs_for_every_form(request) -> np.random.Generator:
     """The generator of this test's id without its last part (the int8 GEMMs' form of the products, the last
     parametrize): every form on the same inputs, so a form is judged on the data the others passed."""
-    return np.random.default_rng(zlib.crc32(request.node.nodeid.rsplit("-", 1)[0].encode()))
+    return np.random.default_rng(zlib.crc32(stable_id(request.node).rsplit("-", 1)[0].encode()))

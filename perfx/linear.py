@@ -18,7 +18,6 @@ import numpy as np
 from perfx.errors import PerfxError
 from perfx.formats import Q4_PAIRS, Q4Matrix, Q8Matrix
 from perfx.ops import Q8_NATURAL, Q8_TEXEL
-from perfx.ops.gemm_q4 import Q8_KINDS
 from perfx.ops.gemv_f16 import F16DeviceWeight
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.ops.q8_weight import Q8DeviceWeight
@@ -99,7 +98,7 @@ class Q4Linear(Linear):
         # over several rows (a batched decode step, a short prompt): the int8-activation GEMM reads X as the
         # norm's Q8_1 blocks in texel order, the ones its own quantizing launch would write
         gemm = plan.prefill(m)[0].get(self.role)
-        return Q8_TEXEL if gemm is not None and gemm.choose(m) in Q8_KINDS else 0
+        return Q8_TEXEL if gemm is not None and gemm.choose(m) == "i8" else 0
 
     def describe_form(self) -> str:
         return self.weight.describe_form()

@@ -140,8 +140,8 @@ def gemm_shapes(form: Form, m: int, n: int, k: int, epilogue: str) -> list[tuple
     (none for fp16)."""
     if form.kind == "q4":
         shape = {"m": m, "n": n, "k": k, "group": form.group, "epilogue": epilogue}
-        # the int8-activation kernels for the few rows of a batched decode step (and of short prompt pieces)
-        i8 = [("gemm_q4_i8", dict(shape)), ("gemm_q4_rows_i8", dict(shape))] if m <= I8_MAX_M else []
+        # the int8-activation kernel for the few rows of a batched decode step (and of short prompt pieces)
+        i8 = [("gemm_q4_i8", dict(shape))] if m <= I8_MAX_M else []
         return [("gemm_q4_skinny", shape), ("gemm_q4_tiled", dict(shape)), ("gemm_q4_f16", dict(shape)),
                 ("gemm_q4_lanes", dict(shape))] + i8
     if form.kind == "q8":

@@ -23,7 +23,7 @@ from perfx.ops.attention_prefill import AttentionPrefill
 from perfx.ops.decode_loop import NextStep
 from perfx.ops.embedding_q8 import EmbeddingQ8
 from perfx.ops.epilogue import gate_up_epilogue
-from perfx.ops.gemm_q4 import FAMILIES as GEMM_FAMILIES, Q8_KINDS as Q8_GEMM_Q4_KINDS, GemmQ4
+from perfx.ops.gemm_q4 import FAMILIES as GEMM_FAMILIES, GemmQ4
 from perfx.ops.gemm_q8 import KINDS as Q8_KINDS, GemmQ8
 from perfx.ops.gemv_f16 import GemvF16
 from perfx.ops.gemv_q4 import GemvQ4
@@ -445,7 +445,7 @@ class KernelPlan:
                         return op
                     return make
                 kinds = {"skinny": found["skinny"], "tiled": found["tiled"]}
-                for extra in ("lanes", "i8", "rows_i8"):
+                for extra in ("lanes", "i8"):
                     if extra in found:
                         kinds[extra] = found[extra]
                 if self.device.caps.fp16:
@@ -482,12 +482,11 @@ class KernelPlan:
                 gemms[name] = GemmQ4(self.device, choices["skinny"].params, choices["tiled"].params, None,
                                      shape=skinny, f16_params=choices["f16"].params if "f16" in choices else None,
                                      kind=kind, lanes_params=choices["lanes"].params if "lanes" in choices else None,
-                                     i8_params=choices["i8"].params if "i8" in choices else None,
-                                     rows_i8_params=choices["rows_i8"].params if "rows_i8" in choices else None)
-                if kind in Q8_GEMM_Q4_KINDS:   # the launch each call makes first (i8: from the product's program)
-                    read = GemmQ4.read_of(gemms[name].params[kind]["READ"], held)
+                                     i8_params=choices["i8"].params if "i8" in choices else None)
+                if kind == "i8":   # the launch each call makes first, from the product's program (built above)
+                    read = GemmQ4.read_of(gemms[name].params["i8"]["READ"], held)
                     for form in self.q4_forms(name):
-                        gemms[name].kernel(kind, epilogue, read, layout, form)
+                        gemms[name].kernel("i8", epilogue, read, layout, form)
                     gemms[name].quantize_kernel()
                 elif kind == "f16":
                     gemms[name].convert_kernel()

@@ -14,21 +14,20 @@ from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.runtime import Device, Limits
 from perfx.tuning.database import Database, result_record
 from perfx.tuning import SPECS as ALL_SPECS
-from perfx.tuning.gemm_q4 import F16, I8, LANES, ROWS_I8, SKINNY, TILED, expected_output, q8_rounded
+from perfx.tuning.gemm_q4 import F16, I8, LANES, SKINNY, TILED, expected_output, q8_rounded
 from perfx.tuning.spec import relative_error
 
-SPECS = {"skinny": SKINNY, "tiled": TILED, "f16": F16, "lanes": LANES, "i8": I8, "rows_i8": ROWS_I8}
-ALL_KINDS = tuple(SPECS)
+SPECS = {"skinny": SKINNY, "tiled": TILED, "f16": F16, "lanes": LANES, "i8": I8}
 TOL = SKINNY.tolerance
 # Against the exact X the int8 kernel's error is X's rounding to Q8_1 blocks: the rows-I8 GEMV's tolerance
 I8_EXACT_TOL = ALL_SPECS["gemv_q4"].tolerance_for({**ALL_SPECS["gemv_q4"].params.defaults(), "I8": 1})
 TOLERANCES = {"skinny": TOL, "tiled": TOL, "lanes": TOL, "f16": F16.tolerance_for(F16.params.defaults()),
-              "i8": I8_EXACT_TOL, "rows_i8": I8_EXACT_TOL}
+              "i8": I8_EXACT_TOL}
 
 
 def kinds(device, *names) -> list[str]:
     """The kernels of ``names`` this device runs: the fp16 one only with cl_khr_fp16."""
-    return [kind for kind in names or ALL_KINDS if kind != "f16" or device.caps.fp16]
+    return [kind for kind in names or ("skinny", "tiled", "f16", "lanes", "i8") if kind != "f16" or device.caps.fp16]
 
 
 def _cases(kind):
@@ -39,7 +38,7 @@ def _cases(kind):
     return [pytest.param(kind, i, id=f"{kind}-{spec.test_shapes[i]['epilogue']}") for i in swept(spec)]
 
 
-@pytest.mark.parametrize("kind", ALL_KINDS)
+@pytest.mark.parametrize("kind", ["skinny", "tiled", "f16", "lanes", "i8"])
 def test_defaults_on_every_spec_shape(device, rng, kind):
     if kind not in kinds(device):
         pytest.skip(f"{device.caps.name} has no cl_khr_fp16")
@@ -51,7 +50,7 @@ def test_defaults_on_every_spec_shape(device, rng, kind):
 
 @pytest.mark.sweep
 @pytest.mark.parametrize("kind,index", _cases("skinny") + _cases("tiled") + _cases("f16") + _cases("lanes")
-                         + _cases("i8") + _cases("rows_i8"))
+                         + _cases("i8"))
 def test_every_candidate_on_the_spec_shapes(device, rng, kind, index):
     spec = SPECS[kind]
     shape = spec.test_shapes[index]
@@ -73,7 +72,7 @@ FORM_PATHS = {"rows": lambda p: p["LAYOUT"] == 0 and p["READ"] != 1, "image2d": 
               "interleaved": lambda p: p["LAYOUT"] == 1}
 
 
-@pytest.mark.parametrize("kind", ALL_KINDS)
+@pytest.mark.parametrize("kind", ["skinny", "tiled", "f16", "lanes", "i8"])
 @pytest.mark.parametrize("form,shape", FORM_CASES, ids=["zeros", "symmetric"])
 def test_zero_point_forms(device, rng, kind, form, shape):
     if kind not in kinds(device):   # the fp16 GEMM needs cl_khr_fp16: PoCL lacks it, Intel's runtime runs these
@@ -106,7 +105,7 @@ def test_dispatcher_over_m_off_the_tile_grid(device, rng, m):
     # N = 1000, K = 4160 (130 texels) with G = 64: no multiple of any tile.
     gemm = GemmQ4(device)
     weight, x, y, want = _problem(device, rng, m, 1000, 4160, 64)
-    small = kinds(device, "skinny", "tiled", "f16", "lanes", "i8", "rows_i8")
+    small = kinds(device, "skinny", "tiled", "f16", "lanes", "i8")
     for kind in small if m <= 33 else kinds(device, "tiled", "f16", "lanes"):
         y.fill(np.float32(np.nan))
         assert relative_error(_run(gemm, kind, weight, x, y, m), want) <= TOLERANCES[kind], kind
@@ -146,8 +145,7 @@ def test_image_row_blocks(small_image_device, rng, epilogue):
     weight, x, y, want = _problem(device, rng, m, n, 320, 32, epilogue, read_paths=("image2d",))
     assert len(weight.images) == 3 and (weight.buffer is None) != weight.images_are_views
     gemm = GemmQ4(device, skinny_params={"READ": 1}, tiled_params={"READ": 1}, lanes_params={"READ": 1},
-                  i8_params={"READ": 1}, rows_i8_params={"READ": 1},
-                  f16_params={"READ": 1} if device.caps.fp16 else None)
+                  i8_params={"READ": 1}, f16_params={"READ": 1} if device.caps.fp16 else None)
     for kind in kinds(device):
         y.fill(np.float32(np.nan))
         assert relative_error(_run(gemm, kind, weight, x, y, m, epilogue), want) <= TOLERANCES[kind], kind
@@ -157,15 +155,13 @@ def test_read_path_falls_back_to_what_the_weight_holds(device, rng):
     m = 6
     buffer_only, x, y, want = _problem(device, rng, m, 90, 256, 64, read_paths=("buffer",))
     gemm = GemmQ4(device, skinny_params={"READ": 1}, tiled_params={"READ": 1}, lanes_params={"READ": 1},
-                  i8_params={"READ": 1}, rows_i8_params={"READ": 1},
-                  f16_params={"READ": 1} if device.caps.fp16 else None)
+                  i8_params={"READ": 1}, f16_params={"READ": 1} if device.caps.fp16 else None)
     for kind in kinds(device):
         y.fill(np.float32(np.nan))
         assert relative_error(_run(gemm, kind, buffer_only, x, y, m), want) <= TOLERANCES[kind], kind
     image_only, x, y, want = _problem(device, rng, m, 90, 256, 64, read_paths=("image2d",))
     gemm = GemmQ4(device, skinny_params={"READ": 0}, tiled_params={"READ": 0}, lanes_params={"READ": 0},
-                  i8_params={"READ": 0}, rows_i8_params={"READ": 0},
-                  f16_params={"READ": 2} if device.caps.fp16 else None)
+                  i8_params={"READ": 0}, f16_params={"READ": 2} if device.caps.fp16 else None)
     for kind in kinds(device):
         y.fill(np.float32(np.nan))
         assert relative_error(_run(gemm, kind, image_only, x, y, m), want) <= TOLERANCES[kind], kind
@@ -218,49 +214,6 @@ def test_int8_kernel_forms_are_offered_where_they_build(device):
     assert "DOT 0" in I8.params.why_invalid(both, shape, device.caps)
     with pytest.raises(PerfxError, match="rows of X are paired"):
         GemmQ4(device, kind="i8", i8_params=both)
-
-
-# The weight-rows-in-lanes kernel's tunables (kernels/gemm_q4_rows_i8.cl): 8 or 4 rows a work-item, each M tile.
-ROWS_I8_SETS = [pytest.param({}, id="defaults"), pytest.param({"RL": 4, "MT": 8, "WGS": 1}, id="rl4-mt8"),
-                pytest.param({"MT": 2, "LAYOUT": 1, "XL": 0}, id="mt2-interleaved-xl0")]
-
-
-@pytest.mark.parametrize("params", ROWS_I8_SETS)
-@pytest.mark.parametrize("group", [32, 64, 128])
-def test_rows_in_lanes_kernel_reads_the_norms_blocks_as_its_own(device, rng, group, params):
-    """gemm_q4_rows_i8 holds the fp32 tolerance against the float64 product of X rounded to Q8_1 blocks (and not
-    against the exact X: it is an int8 kernel), at M = 2, 4, 8 (the batched step's), 3 and 11 (passes of MT and
-    the remainder's) with 2·203 weight rows (203 columns: no multiple of RL), writing its M rows and no more; and
-    fed X's blocks as a norm hands them (``quantized=``, here made by the quantizing kernel into buffers of their
-    own), it writes the very floats it writes from X itself."""
-    n, k = 2 * 203, 640
-    q4 = Q4Matrix.random(n, k, group, rng)
-    weight = Q4DeviceWeight.upload(device, q4, None, ("buffer",), layout=params.get("LAYOUT", 0))
-    gemm = GemmQ4(device, kind="rows_i8", rows_i8_params=params)
-    for m in (2, 4, 8, 3, 11):
-        x = rng.standard_normal((m, k)).astype(np.float32)
-        x[:, rng.integers(0, 256)::256] *= 40
-        xb = device.upload(x)
-        y = device.poisoned((m + 1, n // 2), np.float32)
-        out = _run(gemm, "rows_i8", weight, xb, y, m, "silu_mul")
-        assert relative_error(out, expected_output(q8_rounded(x), q4, None, "silu_mul")) <= TOL, m
-        assert TOL < relative_error(out, expected_output(x, q4, None, "silu_mul")) <= I8_EXACT_TOL, m
-        codes, steps = device.alloc(m * k, what="test X codes"), device.alloc(m * k // 4, what="test X steps")
-        device.launch(gemm.quantize_kernel(), (-(-m * k // 32 // 64) * 64,), (64,), np.int32(m * k), xb.data, codes,
-                      steps)
-        y.fill(np.float32(np.nan))
-        gemm.run("rows_i8", weight, xb, y, m, "silu_mul", quantized=(codes, steps)).wait()
-        assert np.array_equal(y.get()[:m], out) and np.isnan(y.get()[m:]).all(), m
-
-
-def test_rows_in_lanes_kernel_refuses_what_it_has_no_build_for(device):
-    with pytest.raises(PerfxError, match=r"gemm_q4_rows_i8: parameters .* RL=16 is not one of"):
-        GemmQ4(device, kind="rows_i8", rows_i8_params={"RL": 16})
-    gate_up = {"m": 8, "n": 2 * 64, "k": 256, "group": 32, "epilogue": "silu_mul"}
-    with pytest.raises(PerfxError, match="at most 64 lanes of sums per work-item"):
-        GemmQ4(device, kind="rows_i8", rows_i8_params={"RL": 8, "MT": 8}, shape=gate_up)
-    with pytest.raises(PerfxError, match="no image2d row blocks"):
-        GemmQ4(device, kind="rows_i8", rows_i8_params={"READ": 1, "LAYOUT": 1})
 
 
 def test_dispatcher_choice_is_as_documented(device):

@@ -263,7 +263,7 @@ def _parse(module, argv):
 
 def test_kernel_selection_by_name_and_prefix():
     assert set(select_specs("gemm_q4")) == {"gemm_q4_skinny", "gemm_q4_tiled", "gemm_q4_f16", "gemm_q4_lanes",
-                                              "gemm_q4_i8", "gemm_q4_rows_i8"}
+                                              "gemm_q4_i8"}
     assert set(select_specs("argmax, rmsnorm")) == {"argmax", "rmsnorm"}
     assert select_specs(None) == SPECS
     with pytest.raises(PerfxError, match="unknown kernel family 'nope'"):

@@ -1,6 +1,6 @@
 """Tuning specs of the prefill int4 GEMM: ``gemm_q4_skinny`` (small M), ``gemm_q4_tiled`` (large M),
 ``gemm_q4_lanes`` (a column a SIMD lane), ``gemm_q4_i8`` (a few rows with int8 activations: the batched decode
-step), ``gemm_q4_rows_i8`` (the same with weight rows in the vector lanes) and ``gemm_q4_f16`` (fp16 register tiles, where the device has cl_khr_fp16).
+step) and ``gemm_q4_f16`` (fp16 register tiles, where the device has cl_khr_fp16).
 
 A shape is {"m", "n" (weight rows: 2·I for a gate-up epilogue), "k", "group", "epilogue" ("none" | "bias" |
 "silu_mul" | "gelu_mul")}.
@@ -49,7 +49,7 @@ def flops(shape) -> int:
 
 
 I8_TOLERANCE_WHY = (
-    "gemm_q4_i8 (and gemm_q4_rows_i8) rounds X to int8 per block of 32 (llama.cpp's Q8_1, as the rows-I8 GEMV does), and then its "
+    "gemm_q4_i8 rounds X to int8 per block of 32 (llama.cpp's Q8_1, as the rows-I8 GEMV does), and then its "
     "products and sums are exact in int until fp32 takes over per block: so it is checked against the float64 "
     "product of the weights and X so rounded (q8_rounded: reference.quantize_activations_q8's rule in the kernel's "
     "fp32, so a value within a rounding of a half goes the kernel's way), at the fp32 kernels' "
@@ -99,7 +99,7 @@ def _programs(kind: str):
         wrapper.kernel(kind, shape.get("epilogue", "none"), read, params["LAYOUT"], shape.get("form", Q4_PAIRS))
         if kind == "f16":
             wrapper.convert_kernel()
-        if kind in gemm_q4.Q8_KINDS:
+        if kind == "i8":
             wrapper.quantize_kernel()
     return programs
 
@@ -131,7 +131,7 @@ def _case_maker(kind: str):
             return {"y": y.get()}
 
         # the int8 kernel computes with X rounded to Q8_1 blocks (I8_TOLERANCE_WHY)
-        x_ref = q8_rounded(x_host) if kind in gemm_q4.Q8_KINDS else x_host
+        x_ref = q8_rounded(x_host) if kind == "i8" else x_host
         return Case(expected={"y": expected_output(x_ref, q4, bias, epilogue)}, run=run, launch=launch)
 
     return make_case
@@ -223,9 +223,3 @@ LANES = dataclasses.replace(SKINNY, params=gemm_q4.LANES, make_case=_case_maker(
 # columns (60, 100, 50) are no multiple of ROWS·WGS; G = 32, 128 and 64 (one texel a group, and several).
 I8 = dataclasses.replace(SKINNY, params=gemm_q4.I8, make_case=_case_maker("i8"), programs=_programs("i8"),
                          tolerance_why=I8_TOLERANCE_WHY)
-
-# gemm_q4_i8's shapes and tolerance, for the same reasons (I8_TOLERANCE_WHY: X rounded to Q8_1 blocks, the
-# products exact in int until fp32 scales a texel's sums): the columns (60, 100, 50) are no multiple of RL·WGS,
-# so the last work-item's lanes run past them; M = 33, 7 and 9 are off every MT; G = 32, 128 and 64.
-ROWS_I8 = dataclasses.replace(I8, params=gemm_q4.ROWS_I8, make_case=_case_maker("rows_i8"),
-                              programs=_programs("rows_i8"))

@@ -196,7 +196,7 @@ def add_kernel_options(parser, what: str = "tune"):
                         help=f"model whose shapes to {what}: 'default', a .gguf file or model directory, or "
                              "synthetic:llama-2-7b / synthetic:smollm2-135m (default: default)")
     parser.add_argument("--kernels", help="comma-separated kernel families; a prefix names a group "
-                                          "(gemm_q4 = gemm_q4_skinny, _tiled, _f16, _lanes, _i8 and _rows_i8; gemm_q8 = "
+                                          "(gemm_q4 = gemm_q4_skinny, _tiled, _f16, _lanes and _i8; gemm_q8 = "
                                           "gemm_q8, _lanes and _i8; default: all)")
     parser.add_argument("--max-m", type=int, default=None,
                         help=f"{what} the prefill (GEMM, attention) path only up to this prompt length")

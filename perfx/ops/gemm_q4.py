@@ -5,10 +5,7 @@ registers), ``gemm_q4_tiled`` (large M, compute-bound: local-memory and register
 (one column a SIMD lane, for CPU compilers), ``gemm_q4_i8`` (a few rows, the batched decode step's: X
 quantized to int8 per block of 32 once per call, integer products, each weight texel unpacked once for all the
 rows of a pass; its products as int16 pairs, two rows of X a conversion (PAIR) or, where the device has
-cl_khr_integer_dot_product, byte dot products (DOT)), ``gemm_q4_rows_i8`` (the same inputs and maths with weight
-rows in the vector lanes: a texel's sums of RL weight rows converted and scaled at once, which Intel's CPU
-compiler runs at about half gemm_q4_i8's cost a row of X and PoCL's does not: the tuner chooses per device) and,
-where the device has cl_khr_fp16, ``gemm_q4_f16``
+cl_khr_integer_dot_product, byte dot products (DOT)) and, where the device has cl_khr_fp16, ``gemm_q4_f16``
 (fp16 register tiles, no local memory, no barriers; the activations converted to fp16 once per call).
 ``GemmQ4`` runs a fixed kind, or picks skinny or tiled by M against a crossover; ``choose(m)`` says which.
 
@@ -33,9 +30,7 @@ from perfx.ops.params import BYTE_DOT_NEED, FP16_NEED, READ_BUFFER, READ_IMAGE1D
 from perfx.ops.q4_weight import LAYOUT_ROWS, Q4DeviceWeight
 from perfx.runtime import Device
 
-KINDS = ("skinny", "tiled", "f16", "lanes", "i8", "rows_i8")
-# The kinds that read X as Q8_1 blocks (a norm's ``quantized=``, or their own quantizing launch)
-Q8_KINDS = ("i8", "rows_i8")
+KINDS = ("skinny", "tiled", "f16", "lanes", "i8")
 FAMILIES = tuple(f"gemm_q4_{kind}" for kind in KINDS)   # each kind's tuning family
 # Largest M for the tall-skinny kernel when no tuned crossover is given: at M ≈ 32 its register
 # passes cost about what the tiled kernel's tile overheads do (see benchmarks/bench_gemm_q4.py,
@@ -173,30 +168,7 @@ I8 = ParamSpace(
     needs={"READ": READ_NEED, "DOT": BYTE_DOT_NEED},
 )
 
-ROWS_I8 = ParamSpace(
-    family="gemm_q4_rows_i8",
-    source="gemm_q4_rows_i8.cl",
-    space={
-        # work-items per work-group (independent): 8 or 1 keep a CPU compiler's vectors in the work-item (Intel's
-        # vectorizes across 16 or more and spills: benchmarks/NOTES.md); 64 for a GPU's waves
-        "WGS": (8, 1, 64),
-        "RL": (8, 4),            # weight rows (output columns) per work-item, one an int lane
-        "MT": (4, 2, 8),         # rows of X per pass
-        "XL": (1, 0),            # X's pairs broadcast from the work-item's slice of local memory (1) or registers
-        "READ": (0, 1),          # codes from a buffer (0) or image2d (1): where the weight has it
-        "LAYOUT": (0, 1),        # the weight's layout (rows along K, interleaved): set from the weight
-    },
-    # Per set of weight rows (two for the gate-up epilogue) and row of X, RL int sums and RL float totals: 64 lanes
-    # of each are what a CPU with 32 vector registers holds beside the unpacked codes and the scales.
-    rules=(Rule("at most 64 lanes of sums per work-item (RL·MT, times 2 for the gate-up epilogue)",
-                lambda p, s: p["RL"] * p["MT"] * _weight_rows(s) <= 64),
-           LAYOUT_READ_RULE),
-    work_group_size=lambda p, s: p["WGS"],
-    local_memory=lambda p, s: 64 * p["WGS"] * p["MT"] * p["XL"],   # 16 ints a row of X of a pass, per work-item
-    needs={"READ": READ_NEED},
-)
-
-_SPACES = {"skinny": SKINNY, "tiled": TILED, "f16": F16, "lanes": LANES, "i8": I8, "rows_i8": ROWS_I8}
+_SPACES = {"skinny": SKINNY, "tiled": TILED, "f16": F16, "lanes": LANES, "i8": I8}
 
 
 class GemmQ4:
@@ -204,7 +176,7 @@ class GemmQ4:
 
     def __init__(self, device: Device, skinny_params=None, tiled_params=None, crossover: int | None = None,
                  shape: dict | None = None, f16_params=None, kind: str | None = None, lanes_params=None,
-                 i8_params=None, rows_i8_params=None):
+                 i8_params=None):
         """Parameters of each kernel (None: the defaults) must fit ``shape`` (its ``epilogue`` matters: the
         gate-up epilogue holds two weight tiles) on this device. ``kind`` fixes the kernel whatever M is
         (the model's per-bucket choice); without it, M ≤ crossover runs skinny and larger M tiled.
@@ -214,8 +186,7 @@ class GemmQ4:
         self.params = {"skinny": SKINNY.resolve(skinny_params, shape, device.caps),
                        "tiled": TILED.resolve(tiled_params, shape, device.caps),
                        "lanes": LANES.resolve(lanes_params, shape, device.caps),
-                       "i8": I8.resolve(i8_params, shape, device.caps),
-                       "rows_i8": ROWS_I8.resolve(rows_i8_params, shape, device.caps)}
+                       "i8": I8.resolve(i8_params, shape, device.caps)}
         if f16_params is not None or device.caps.fp16:
             self.params["f16"] = F16.resolve(f16_params, shape, device.caps)
         if kind is not None and kind not in self.params:
@@ -367,21 +338,20 @@ class GemmQ4:
         bias = weight.bias if weight.bias is not None else self._no_bias
         if kind == "f16":
             xb = self._to_half(xb, m * weight.k)
-        if kind not in Q8_KINDS:
+        if kind != "i8":
             x_args = (xb,)
         elif quantized is not None:
             codes, steps = quantized
-            x_args = (device_buffer(codes, m * weight.k, f"gemm_q4_{kind} X's int8 codes"),
-                      device_buffer(steps, 8 * m * (weight.k // 32), f"gemm_q4_{kind} X's steps and sums"))
+            x_args = (device_buffer(codes, m * weight.k, "gemm_q4_i8 X's int8 codes"),
+                      device_buffer(steps, 8 * m * (weight.k // 32), "gemm_q4_i8 X's steps and sums"))
         else:
             x_args = self._to_q8(xb, m * weight.k)
         event = None
         for y_col0, n_cols, row_a0, row_b0, codes_a, codes_b, base_a, base_b in self._segments(
                 weight, cols, is_gated(epilogue), read):
-            if kind in ("skinny", "lanes", "i8", "rows_i8"):
+            if kind in ("skinny", "lanes", "i8"):
                 local = (params["WGS"],)
-                columns = params["RL"] if kind == "rows_i8" else params["ROWS"]
-                glob = (-(-n_cols // (columns * params["WGS"])) * params["WGS"],)
+                glob = (-(-n_cols // (params["ROWS"] * params["WGS"])) * params["WGS"],)
             elif kind == "f16":
                 local = (params["WGS"], 1)
                 glob = (-(-n_cols // (params["TN"] * params["WGS"])) * params["WGS"], -(-m // params["TM"]))

@@ -368,6 +368,11 @@ def test_a_load_that_fails_waits_only_for_the_builds_under_way(device, monkeypat
     monkeypatch.setattr(Device, "_try_build", held(Device._try_build))
 
     def interrupted(self, *args, **kwargs):
+        # a prompt's build under way as the upload fails, which is the case here (a worker may not yet have taken
+        # one up when the upload starts: then the load would stop before any, and nothing would test the wait)
+        deadline = time.perf_counter() + 30
+        while not held_builds and time.perf_counter() < deadline:
+            time.sleep(0.01)
         upload_failed.set()
         raise KeyboardInterrupt
     monkeypatch.setattr(Model, "upload", interrupted)

@@ -332,7 +332,7 @@ def test_a_process_started_from_a_large_one_reports_its_own_peak_memory():
 @pytest.mark.slow
 @pytest.mark.one_implementation
 def test_peak_memory_is_reported_and_stays_under_the_budget_whatever_the_number_of_families(device, cache):
-    peaks, own = {}, {}
+    peaks, own, how = {}, {}, {}
     for kernels in ("geglu", None):
         run = selftest_process(cache, "--quick", "--json", *(["--kernels", kernels] if kernels else []))
         out, err = run.communicate(timeout=1200)
@@ -340,6 +340,8 @@ def test_peak_memory_is_reported_and_stays_under_the_budget_whatever_the_number_
         data = json.loads(out)
         assert data["complete"] and data["failed"] == 0
         own[kernels or "all"] = data["peak_rss_bytes"]
+        how[kernels or "all"] = {key: data[key] for key in ("build_workers", "build_workers_peak_rss_bytes",
+                                                           "check_processes", "check_processes_peak_rss_bytes")}
         peaks[kernels or "all"] = data["peak_rss_bytes"] + data["build_workers"] * data["build_workers_peak_rss_bytes"]
         assert 2**20 < data["peak_rss_bytes"] and data["build_workers_peak_rss_bytes"] >= 0
     families = len(SPECS)
@@ -347,7 +349,7 @@ def test_peak_memory_is_reported_and_stays_under_the_budget_whatever_the_number_
     # the selftest's own memory, not its build workers': whether workers start (each holding one program at a time)
     # depends on what the kernel cache lacks, not on the number of families
     assert own["all"] <= own["geglu"] + FAMILY_GROWTH, (
-        f"{families} families took {own['all'] / 2**20:.0f} MiB, one {own['geglu'] / 2**20:.0f} MiB")
+        f"{families} families took {own['all'] / 2**20:.0f} MiB, one {own['geglu'] / 2**20:.0f} MiB", how)
 
 
 @pytest.mark.one_implementation
@@ -431,7 +433,9 @@ def test_each_familys_checks_and_seconds_are_reported(capsys, device, cache, pro
                            "--restart")
     header, _, *rows = out.splitlines()[:4]   # the header, its rule, a row per family
     assert code == 0 and header.split()[-1] == "seconds"
-    assert all(float(row.split()[-1]) > 0 for row in rows), out
+    # a family of a few fast checks may round to 0.0 from warm caches: each is a number, not all of them zero
+    seconds = [float(row.split()[-1]) for row in rows]
+    assert len(seconds) == 2 and min(seconds) >= 0 and sum(seconds) > 0, out
 
 
 def test_a_worker_process_grown_past_its_memory_bound_is_replaced_by_a_fresh_one(capsys, device, cache,

@@ -263,7 +263,6 @@ def _status_bytes(pid: int | str, field: str) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
-    return None
 
 
 class _Worker:

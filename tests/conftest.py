@@ -10,8 +10,9 @@ a file's tests make one unit (its module fixtures made once, its tests in their 
 ``sweep`` (every parameter set of a kernel family at a shape, or the fuzz's random ones: a build a set), a unit for
 each sweep (its runs on each implementation), so that a file of many sweeps does not hold one worker while the
 other idles. The units go out heaviest first, so that the last to start are short and both workers finish
-together. A unit's weight is its number of tests, a test marked ``slow`` counting ``WEIGHTS["slow"]`` and one marked ``sweep`` ``WEIGHTS["sweep"]``. Mark a new
-test that takes minutes from cold kernel caches with one of them, or it will start last and hold the run's tail.
+together. A unit's weight is its number of tests, a test marked ``slow`` counting ``WEIGHTS["slow"]`` and one
+marked ``sweep`` ``WEIGHTS["sweep"]``. Mark a new test that takes minutes from cold kernel caches with one of them,
+or it will start last and hold the run's tail.
 """
 
 import os
@@ -62,6 +63,7 @@ def _implementations() -> dict[str, str]:
 
 
 IMPLEMENTATIONS = _implementations()
+IMPLEMENTATION_IDS = {index: name for name, index in IMPLEMENTATIONS.items()}   # device selector -> test id
 
 
 # What a test counts for in its unit's weight (a test with neither counts 1): the ratio of a typical such test's
@@ -86,7 +88,7 @@ def work_unit(item) -> str:
     callspec = getattr(item, "callspec", None)
     parts = callspec.id.split("-") if callspec is not None else []
     if callspec is not None and "opencl_device" in callspec.params:
-        parts.remove({index: name for name, index in IMPLEMENTATIONS.items()}[callspec.params["opencl_device"]])
+        parts.remove(IMPLEMENTATION_IDS[callspec.params["opencl_device"]])
     name = ".".join([item.path.stem, item.originalname] + ["-".join(parts)] * bool(parts))
     return name.replace("@", "_").replace("]", "_")
 

@@ -6,11 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import IMPLEMENTATIONS, WEIGHTS, pytest_collection_modifyitems, pytest_configure, work_unit
+from conftest import (IMPLEMENTATION_IDS, IMPLEMENTATIONS, WEIGHTS, pytest_collection_modifyitems, pytest_configure,
+                      work_unit)
 from helpers.spec_checks import stable_id
-
-
-IMPLEMENTATION_IDS = {index: name for name, index in IMPLEMENTATIONS.items()}
 
 
 class Item:

@@ -22,7 +22,7 @@ import numpy as np
 from perfx import __version__
 from perfx.commands.bench import bench_problem, ceilings
 from perfx.commands.options import add_no_tuning_option
-from perfx.commands.selftest import run_checks
+from perfx.commands.selftest import family_seconds, run_checks
 from perfx.generate import SamplingConfig, generate
 from perfx.model import load_model
 from perfx.progress import Progress, format_table
@@ -126,14 +126,14 @@ def run_section(name: str, device: Device, args, database) -> dict:
         failed = [asdict(c) for c in checks if c.failed]
         families = {}
         for c in checks:
-            entry = families.setdefault(c.kernel, {"checks": 0, "failed": 0, "refused": 0, "worst_passing_error": 0.0,
-                                                   "seconds": 0.0})
+            entry = families.setdefault(c.kernel, {"checks": 0, "failed": 0, "refused": 0, "worst_passing_error": 0.0})
             entry["checks"] += 1
-            entry["seconds"] = round(entry["seconds"] + c.seconds, 2)   # which families a slow device splits off
             entry["failed"] += c.failed
             entry["refused"] += bool(c.refused)
             if c.passed:
                 entry["worst_passing_error"] = max(entry["worst_passing_error"], c.error)
+        for family, spent in family_seconds(checks).items():   # which families a slow device splits off
+            families[family]["seconds"] = spent["seconds"]
         return {"quick": args.quick, "passed": sum(c.passed for c in checks), "failed": len(failed),
                 "refused": sum(bool(c.refused) for c in checks), "families": families, "failures": failed}
     if name in ("bench", "bench_7b"):

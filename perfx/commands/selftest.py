@@ -419,8 +419,8 @@ RECYCLE_BYTES = 384 * 2**20
 # (a family's shared kernels, as the quantizers, serve a case's next part): it builds in itself, one at a time,
 # so keeping more buys nothing, and the smaller parts and bound took a PoCL worker's peak from 739 to 661 MiB
 # (benchmarks/NOTES.md, the merged tree on a quiet machine, sixth session).
-CHECKER_PROGRAMS_KEPT = 2 * 16
 CHECKER_PART = 16
+CHECKER_PROGRAMS_KEPT = 2 * CHECKER_PART
 _CHECKER_MAIN = "from perfx.commands import selftest; selftest._checker_main()"
 
 
@@ -747,7 +747,8 @@ def family_seconds(checks: list[Check]) -> dict[str, dict]:
         total["checks"] += 1
         total["seconds"] += c.seconds
         total["cpu_seconds"] += c.cpu_seconds
-    return {family: {**total, "seconds": round(total["seconds"], 2), "cpu_seconds": round(total["cpu_seconds"], 2)}
+    # four decimals: a family of a few fast checks from warm caches must not read as zero
+    return {family: {**total, "seconds": round(total["seconds"], 4), "cpu_seconds": round(total["cpu_seconds"], 4)}
             for family, total in totals.items()}
 
 

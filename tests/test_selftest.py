@@ -332,20 +332,26 @@ def test_a_process_started_from_a_large_one_reports_its_own_peak_memory():
 @pytest.mark.slow
 @pytest.mark.one_implementation
 def test_peak_memory_is_reported_and_stays_under_the_budget_whatever_the_number_of_families(device, cache):
+    """The first run may build every family's programs in its own process (a case's few programs are not worth
+    starting build workers for), and a driver's compiler keeps some of what it allocated for each (benchmarks/NOTES.md):
+    that run is held to the budget. The selftest's own memory is then compared with the kernels built, so what is compared is ours: every
+    family's specs against one family's."""
     peaks, own, how = {}, {}, {}
-    for kernels in ("geglu", None):
+    for kernels in (None, "geglu", None):
+        name = "cold" if not peaks else kernels or "all"
         run = selftest_process(cache, "--quick", "--json", *(["--kernels", kernels] if kernels else []))
         out, err = run.communicate(timeout=1200)
         assert run.returncode == 0, err[-2000:]
         data = json.loads(out)
         assert data["complete"] and data["failed"] == 0
-        own[kernels or "all"] = data["peak_rss_bytes"]
-        how[kernels or "all"] = {key: data[key] for key in ("build_workers", "build_workers_peak_rss_bytes",
-                                                           "check_processes", "check_processes_peak_rss_bytes")}
-        peaks[kernels or "all"] = data["peak_rss_bytes"] + data["build_workers"] * data["build_workers_peak_rss_bytes"]
+        own[name] = data["peak_rss_bytes"]
+        how[name] = {key: data[key] for key in ("build_workers", "build_workers_peak_rss_bytes",
+                                                "check_processes", "check_processes_peak_rss_bytes")}
+        peaks[name] = data["peak_rss_bytes"] + data["build_workers"] * data["build_workers_peak_rss_bytes"]
         assert 2**20 < data["peak_rss_bytes"] and data["build_workers_peak_rss_bytes"] >= 0
     families = len(SPECS)
-    assert peaks["all"] <= MEMORY_BUDGET, f"{peaks['all'] / 2**20:.0f} MiB over {families} families"
+    for name in ("cold", "all"):
+        assert peaks[name] <= MEMORY_BUDGET, f"{peaks[name] / 2**20:.0f} MiB over {families} families ({name})"
     # the selftest's own memory, not its build workers': whether workers start (each holding one program at a time)
     # depends on what the kernel cache lacks, not on the number of families
     assert own["all"] <= own["geglu"] + FAMILY_GROWTH, (

@@ -10,11 +10,12 @@ round by round: the CPU seconds (``getrusage`` of the process, the driver's thre
 build, then of sample_partial's first launch (PoCL compiles a kernel's work-group function there), then
 sample_final's. GROUPS at the spec's default.
 
-``time``: both sources built in one process; each round times sample_partial then sample_final (their profiling
-events summed, a median of ``--repeat`` launches after warm-up) for every source in turn, the rounds
-interleaved; the medians over rounds and the (min, max) of the new over the old per round. Logits: normal ×
-3 with a 256-id history and a penalty of 1.3 (the common path: two sorts a group), and "ties": every logit
-equal (the third scan's tiles).
+``time``: both sources built in one process; each round times sample_partial and sample_final (profiling events,
+the median of ``--repeat`` launches after warm-up) for every source in turn, the rounds
+interleaved; the medians over rounds and the (min, max) of the last source over the first per round. Logits:
+normal × 3 with a 256-id history and a penalty of 1.3 (the common path: two sorts a group), and "lanes": a quarter
+of each group's work-items holding all the large logits (tests/test_sample.py), so that the third scan's tiles
+run.
 """
 
 from __future__ import annotations
@@ -140,13 +141,17 @@ def time_main(args):
         programs = [Program(cl, context, s, args.topk[0], args.groups) for s in args.sources]
         rng = np.random.default_rng(1)
         for v in args.v:
-            for inputs in ("normal", "ties"):
-                logits = (rng.standard_normal(v) * 3).astype(np.float32) if inputs == "normal" else \
-                    np.full(v, 0.5, np.float32)
+            for inputs in ("normal", "lanes"):
+                logits = (rng.standard_normal(v) * 3).astype(np.float32)
+                if inputs == "lanes":
+                    topk, chunk = args.topk[0], -(-v // args.groups)
+                    lane = (np.arange(v) % chunk) % topk
+                    share = lane < topk // 4
+                    logits[share] += 20 + 2 * lane[share]
                 history = rng.integers(0, v, 256).astype(np.int32)
                 h, penalty = (256, 1.3) if inputs == "normal" else (0, 1.0)
                 bufs = _buffers(cl, context, queue, logits, history, args.topk[0], args.groups)
-                tokens, per_round = [], [[] for _ in programs]
+                tokens, per_round = [], [{"partial": [], "final": []} for _ in programs]
                 for _ in range(args.rounds):
                     for p, program in enumerate(programs):
                         for _ in range(3):
@@ -155,19 +160,23 @@ def time_main(args):
                         for _ in range(args.repeat):
                             events = program.launch(cl, queue, bufs, v, h, penalty)
                             events[-1].wait()
-                            samples.append(sum(e.profile.end - e.profile.start for e in events) * 1e-9)
-                        per_round[p].append(statistics.median(samples))
+                            samples.append([(e.profile.end - e.profile.start) * 1e-9 for e in events])
+                        for k, kernel in enumerate(("partial", "final")):
+                            per_round[p][kernel].append(statistics.median(t[k] for t in samples))
                         out = np.empty(1, np.int32)
                         cl.enqueue_copy(queue, out, bufs["out"])
                         keys = np.empty(args.topk[0] * args.groups, np.uint64)
                         cl.enqueue_copy(queue, keys, bufs["keys"])
-                        tokens.append((p, int(out[0]), keys.tobytes()))
-                same = len({(t[1], t[2]) for t in tokens}) == 1
-                ratios = [n / o for o, n in zip(per_round[0], per_round[-1])]
-                print(f"{device:6s} v={v:6d} {inputs:6s} " + "  ".join(
-                    f"{s}: {1e6 * statistics.median(r):8.1f} µs" for s, r in zip(args.sources, per_round))
-                    + f"  new/old {statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f})"
-                    + f"  outputs identical: {same}  load {open('/proc/loadavg').read().split()[0]}", flush=True)
+                        tokens.append((int(out[0]), keys.tobytes()))
+                same = len(set(tokens)) == 1
+                for kernel in ("partial", "final"):
+                    first, last = per_round[0][kernel], per_round[-1][kernel]
+                    ratios = [b / a for a, b in zip(first, last)]
+                    print(f"{device:7s} v={v:6d} {inputs:6s} sample_{kernel:7s} " + "  ".join(
+                        f"{os.path.basename(s)}: {1e6 * statistics.median(r[kernel]):7.1f} µs"
+                        for s, r in zip(args.sources, per_round))
+                        + f"  last/first {statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f})"
+                        + f"  outputs identical: {same}  load {open('/proc/loadavg').read().split()[0]}", flush=True)
 
 
 def main():

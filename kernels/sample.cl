@@ -149,19 +149,17 @@ inline float penalised_logit(__global const float* restrict logits, __local cons
     return x;
 }
 
-// Sort keys[0 .. n) descending, n a power of two from 2 up to 4·TOPK: a bitonic network, TOPK work-items each
-// doing up to two compare-exchanges a stage. Each kernel calls it at one place, after a barrier every work-item
-// reaches, and nothing but its own barriers lies between: PoCL cuts a kernel into regions at its barriers and
-// copies the code after a barrier wherever paths from elsewhere join it, so a sort inlined at several places, or
-// reached by paths through other barriers, is compiled again for each (benchmarks/NOTES.md). Its loops run at
-// least once, so that its last barrier follows a stage's on every path.
+// Sort keys[0 .. n) descending, n a power of two up to 4·TOPK (1: nothing to sort, only the closing barrier): a
+// bitonic network, TOPK work-items each doing up to two compare-exchanges a stage. Each kernel calls it at one
+// place, after a barrier every work-item reaches, and nothing but its own barriers lies between: PoCL cuts a
+// kernel into regions at its barriers and copies the code after a barrier wherever paths from elsewhere join it,
+// so a sort inlined at several places, or reached by paths through other barriers, is compiled again for each
+// (benchmarks/NOTES.md).
 inline void sort_first(__local ulong* keys, const uint n)
 {
     const uint lid = get_local_id(0);
-    uint size = 2;
-    do {
-        uint stride = size >> 1;
-        do {
+    for (uint size = 2; size <= n; size <<= 1) {
+        for (uint stride = size >> 1; stride > 0; stride >>= 1) {
             barrier(CLK_LOCAL_MEM_FENCE);
             for (uint pair = lid; pair < n / 2; pair += TOPK) {
                 const uint lo = 2 * pair - (pair & (stride - 1));
@@ -172,20 +170,18 @@ inline void sort_first(__local ulong* keys, const uint n)
                     keys[hi] = a;
                 }
             }
-            stride >>= 1;
-        } while (stride > 0);
-        size <<= 1;
-    } while (size <= n);
+        }
+    }
     barrier(CLK_LOCAL_MEM_FENCE);
 }
 
 // Offers. keys[0 .. TOPK): the kept keys, sorted descending; keys[TOPK ..): the keys offered since the last
 // sort, at TOPK + (*fill, the count of offers, − its value at that sort). A key at or below the kept TOPK-th can
-// never be among the best, and is not offered; the others wait, sorted in (a sort of all 4·TOPK) once TOPK or more
-// wait (an offer adds at most TOPK, so they stay within keys[TOPK .. 3·TOPK)): tiles of keys that beat the kept
-// ones cost a sort every TOPK such keys. The slots are not emptied after a sort: what a sort leaves past the kept
-// TOPK lies below them, and as every later sort keeps TOPK keys at or above those, never comes back. A sort of 2
-// when none waits leaves the keys as they are (the kept are in order).
+// never be among the best, and is not offered; the others wait, sorted in (a sort of all 4·TOPK) once TOPK or
+// more wait. A pass offers up to two tiles (or groups) of TOPK before it reads the count: fewer than TOPK waited
+// before it, so they stay within keys[TOPK .. 4·TOPK). The slots are not emptied after a sort: what a sort leaves
+// past the kept TOPK lies below them, and as every later sort keeps TOPK keys at or above those, never comes
+// back. A pass after which fewer than TOPK wait sorts 1 key: nothing.
 inline void offer(__local ulong* keys, volatile __local int* fill, const int at_sort, const ulong key)
 {
     if (key > keys[TOPK - 1]) {
@@ -195,7 +191,7 @@ inline void offer(__local ulong* keys, volatile __local int* fill, const int at_
 
 inline uint offers_sort_width(const int waiting, const bool last)
 {
-    return waiting >= TOPK || (last && waiting > 0) ? 4 * TOPK : 2;
+    return waiting >= TOPK || (last && waiting > 0) ? 4 * TOPK : 1;
 }
 
 inline void softmax_add(float* m, float* s, const float y)
@@ -281,7 +277,7 @@ void sample_partial(const int v, __global const float* restrict logits, __global
             }
             keys[lid + j * TOPK] = key;
         }
-        width = 2;
+        width = 1;
         while (width < (uint)(end - start)) {
             width <<= 1;
         }
@@ -319,12 +315,11 @@ void sample_partial(const int v, __global const float* restrict logits, __global
             scan = SCAN_GATHER;
         } else if (scan == SCAN_GATHER && fill > 4 * TOPK) {
             // 3. More than 4·TOPK reached tau (a few work-items' shares holding most of the best): tiles of TOPK
-            //    keys offered to the TOPK kept (``offer``), exact whatever the logits. (That pass sorted 2 empty
-            //    keys.)
+            //    keys offered to the TOPK kept (``offer``), exact whatever the logits. (That pass sorted nothing.)
             scan = SCAN_TILES;
             at_sort = fill;
         } else if (scan == SCAN_TILES && tile < end) {
-            at_sort = width > 2 ? fill : at_sort;
+            at_sort = width > 1 ? fill : at_sort;
         } else {
             break;
         }
@@ -342,13 +337,15 @@ void sample_partial(const int v, __global const float* restrict logits, __global
                 }
             }
         } else {
-            const int i = tile + lid;
-            const ulong key = i < end ? make_key(penalised_logit(logits, set, penalised, penalty, i), i)
-                                      : EMPTY_KEY;
-            if (key >= tau) {
-                offer(keys, &fill, at_sort, key);
+            for (int k = 0; k < 2 && tile < end; ++k) {
+                const int i = tile + lid;
+                const ulong key = i < end ? make_key(penalised_logit(logits, set, penalised, penalty, i), i)
+                                          : EMPTY_KEY;
+                if (key >= tau) {
+                    offer(keys, &fill, at_sort, key);
+                }
+                tile += TOPK;
             }
-            tile += TOPK;
         }
         barrier(CLK_LOCAL_MEM_FENCE);
         const int count = fill;
@@ -358,7 +355,7 @@ void sample_partial(const int v, __global const float* restrict logits, __global
                     keys[lid + j * TOPK] = EMPTY_KEY;
                 }
             }
-            width = count > 4 * TOPK ? 2 : 4 * TOPK;
+            width = count > 4 * TOPK ? 1 : 4 * TOPK;
         } else {
             width = offers_sort_width(count - at_sort, tile >= end);
         }
@@ -405,17 +402,19 @@ void sample_final(const int v, __global const ulong* restrict partial_keys,
         fill = 0;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
-    // Each pass offers the next group whose best beats the kept TOPK-th (a group that does not, or that kept none,
-    // offers nothing: the same test for every work-item, as the kept keys change only in the sort), then sorts
-    // where TOPK keys wait, or where any wait once no group is left.
+    // Each pass offers the next two groups whose best beats the kept TOPK-th (a group that does not, or that kept
+    // none, offers nothing: the same test for every work-item, as the kept keys change only in the sort), then
+    // sorts where TOPK keys wait, or where any wait once no group is left.
     int group = 0, at_sort = 0;
     for (;;) {
-        while (group < GROUPS && partial_keys[(size_t)group * TOPK] <= keys[TOPK - 1]) {
-            ++group;
-        }
-        if (group < GROUPS) {
-            offer(keys, &fill, at_sort, partial_keys[(size_t)group * TOPK + lid]);
-            ++group;
+        for (int k = 0; k < 2; ++k) {
+            while (group < GROUPS && partial_keys[(size_t)group * TOPK] <= keys[TOPK - 1]) {
+                ++group;
+            }
+            if (group < GROUPS) {
+                offer(keys, &fill, at_sort, partial_keys[(size_t)group * TOPK + lid]);
+                ++group;
+            }
         }
         barrier(CLK_LOCAL_MEM_FENCE);
         const int count = fill;
@@ -424,7 +423,7 @@ void sample_final(const int v, __global const ulong* restrict partial_keys,
         if (group == GROUPS) {
             break;
         }
-        at_sort = width > 2 ? count : at_sort;
+        at_sort = width > 1 ? count : at_sort;
     }
     float m = -INFINITY, s = 0.0f;
     for (int g = lid; g < GROUPS; g += TOPK) {

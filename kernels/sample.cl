@@ -23,9 +23,10 @@
 //   bits made monotonic above, the index inverted below, so the lower index wins a tie). A first scan keeps
 //   each work-item's 4 best keys, whose TOPK-th best (tau) bounds the group's TOPK-th best from below; a
 //   second gathers the keys ≥ tau into local memory and one bitonic sort of 4·TOPK ranks them. Where more
-//   than 4·TOPK keys reach tau (many equal logits), a third scan offers tiles of TOPK keys to the TOPK kept
-//   (``offer``: a sort each TOPK keys that beat the kept ones), exact whatever the logits. A chunk of at most
-//   4·TOPK logits (a small V) is sorted whole; a group past the end of V keeps none.
+//   than 4·TOPK keys reach tau (a few work-items' shares holding most of the best), a third scan offers tiles of
+//   TOPK keys to the TOPK kept (``offer``: a sort each TOPK keys that beat the kept ones), exact whatever the
+//   logits. A chunk of at most 4·TOPK logits (a small V) is sorted whole; a group past the end of V keeps none.
+//   The scans share one sort, called in a loop (``sort_first`` says why).
 //   Each work-item also keeps an online softmax (max, Σ exp) of its y, reduced over the group.
 //   Writes the group's TOPK keys (sorted) and its (max, sum).
 // sample_final: one work-group of TOPK work-items merges the groups' keys, offering each group's sorted TOPK
@@ -45,6 +46,12 @@
 #define FILTER_BITS 8192  // a bit per hash of 13 bits ahead of the set: a logit not in the history (all but
                           // at most 256) is told by one bit, wrongly sent on to the set at most 1/32 of the time
 #define EMPTY_KEY 0UL     // below every real key (an index of 2³² − 1 never occurs)
+
+// sample_partial's scans, each ending in the sort
+#define SCAN_WHOLE 0      // a chunk of at most 4·TOPK logits: all of them
+#define SCAN_BOUND 1      // each work-item's four best: tau
+#define SCAN_GATHER 2     // every key at or above tau
+#define SCAN_TILES 3      // tiles offered to the kept TOPK, a sort each TOPK keys that beat them
 
 inline uint monotonic(float v)
 {
@@ -83,11 +90,13 @@ inline uint filter_bit(int id)
 }
 
 // The history's distinct ids in [0, V) into a local hash set (open addressing, linear probing), and a bit
-// filter (set[HASH_SLOTS ..], FILTER_BITS / 32 words) ahead of it.
+// filter (set[HASH_SLOTS ..], FILTER_BITS / 32 words) ahead of it. With h = 0 only its two barriers: every
+// work-group reaches them, penalised or not (a barrier under a condition makes PoCL compile the rest of the
+// kernel once for each side).
 inline void build_history(__local int* set, __global const int* restrict history, const int h, const int v)
 {
     const int lid = get_local_id(0);
-    for (int s = lid; s < HASH_SLOTS + FILTER_BITS / 32; s += TOPK) {
+    for (int s = lid; h > 0 && s < HASH_SLOTS + FILTER_BITS / 32; s += TOPK) {
         set[s] = s < HASH_SLOTS ? -1 : 0;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
@@ -140,8 +149,12 @@ inline float penalised_logit(__global const float* restrict logits, __local cons
     return x;
 }
 
-// Sort keys[0 .. n) descending, n a power of two up to 4·TOPK: a bitonic network, TOPK work-items each doing
-// up to two compare-exchanges a stage.
+// Sort keys[0 .. n) descending, n a power of two up to 4·TOPK (1: nothing to sort, only the closing barrier): a
+// bitonic network, TOPK work-items each doing up to two compare-exchanges a stage. Each kernel calls it at one
+// place, after a barrier every work-item reaches, and nothing but its own barriers lies between: PoCL cuts a
+// kernel into regions at its barriers and copies the code after a barrier wherever paths from elsewhere join it,
+// so a sort inlined at several places, or reached by paths through other barriers, is compiled again for each
+// (benchmarks/NOTES.md).
 inline void sort_first(__local ulong* keys, const uint n)
 {
     const uint lid = get_local_id(0);
@@ -162,42 +175,23 @@ inline void sort_first(__local ulong* keys, const uint n)
     barrier(CLK_LOCAL_MEM_FENCE);
 }
 
-inline void sort_descending(__local ulong* keys)
+// Offers. keys[0 .. TOPK): the kept keys, sorted descending; keys[TOPK ..): the keys offered since the last
+// sort, at TOPK + (*fill, the count of offers, − its value at that sort). A key at or below the kept TOPK-th can
+// never be among the best, and is not offered; the others wait, sorted in (a sort of all 4·TOPK) once TOPK or
+// more wait. A pass offers up to two tiles (or groups) of TOPK before it reads the count: fewer than TOPK waited
+// before it, so they stay within keys[TOPK .. 4·TOPK). The slots are not emptied after a sort: what a sort leaves
+// past the kept TOPK lies below them, and as every later sort keeps TOPK keys at or above those, never comes
+// back. A pass after which fewer than TOPK wait sorts 1 key: nothing.
+inline void offer(__local ulong* keys, volatile __local int* fill, const int at_sort, const ulong key)
 {
-    sort_first(keys, 4 * TOPK);
-}
-
-// Offer each work-item's key (EMPTY_KEY for none). keys[0 .. TOPK): the kept keys, sorted descending;
-// keys[TOPK .. 3·TOPK): the keys offered since the last sort, *fill of them; keys[3·TOPK .. 4·TOPK): empty, the
-// sort's padding. A key at or below the kept TOPK-th can never be among the best, and is dropped; the others
-// wait, sorted in once TOPK or more wait (an offer adds at most TOPK, so the 2·TOPK slots never overflow):
-// tiles of keys that beat the kept ones cost a sort every TOPK such keys. Every work-item calls it.
-inline void offer(__local ulong* keys, volatile __local int* fill, const ulong key)
-{
-    const int lid = get_local_id(0);
     if (key > keys[TOPK - 1]) {
-        keys[TOPK + atomic_inc(fill)] = key;
-    }
-    barrier(CLK_LOCAL_MEM_FENCE);
-    const int full = *fill >= TOPK;
-    barrier(CLK_LOCAL_MEM_FENCE);   // every work-item has read it before the next offer counts on
-    if (full) {                     // the same for every work-item: the sort's barriers are reached by all
-        sort_descending(keys);
-        keys[TOPK + lid] = keys[2 * TOPK + lid] = EMPTY_KEY;
-        if (lid == 0) {
-            *fill = 0;
-        }
-        barrier(CLK_LOCAL_MEM_FENCE);
+        keys[TOPK + atomic_inc(fill) - at_sort] = key;
     }
 }
 
-// After the last offer: the waiting keys sorted in, keys[0 .. TOPK) the best.
-inline void flush(__local ulong* keys, volatile __local int* fill)
+inline uint offers_sort_width(const int waiting, const bool last)
 {
-    barrier(CLK_LOCAL_MEM_FENCE);
-    if (*fill > 0) {
-        sort_descending(keys);
-    }
+    return waiting >= TOPK || (last && waiting > 0) ? 4 * TOPK : 1;
 }
 
 inline void softmax_add(float* m, float* s, const float y)
@@ -259,96 +253,112 @@ void sample_partial(const int v, __global const float* restrict logits, __global
     __local float ms[TOPK], ss[TOPK];
     const int lid = get_local_id(0), g = get_group_id(0);
     const bool penalised = h > 0 && penalty != 1.0f;
-    if (penalised) {
-        build_history(set, history, min(h, HISTORY_MAX), v);
-    }
+    build_history(set, history, penalised ? min(h, HISTORY_MAX) : 0, v);
     const int chunk = (v + GROUPS - 1) / GROUPS;
     const int start = min(g * chunk, v), end = min(start + chunk, v);
-    if (start == end) {   // past the vocabulary's end (a small V): nothing to keep
-        partial_keys[(size_t)g * TOPK + lid] = EMPTY_KEY;
-        if (lid == 0) {
-            partial_max[g] = -INFINITY;
-            partial_sum[g] = 0.0f;
-        }
-        return;
-    }
+    // Each scan below fills keys[] for the group's one sort, called in one loop: a pass sorts, picks the next scan
+    // (the same for every work-item, so each reaches every barrier) and fills for the next sort.
+    // The first scan also keeps each work-item's online softmax (max, Σ exp) of its y.
     float m = -INFINITY, s = 0.0f;
-    if (end - start <= 4 * TOPK) {   // a chunk that fits local memory: every key in, one sort
-        keys[lid] = keys[TOPK + lid] = keys[2 * TOPK + lid] = keys[3 * TOPK + lid] = EMPTY_KEY;
-        barrier(CLK_LOCAL_MEM_FENCE);
+    int scan;
+    uint width = 4 * TOPK;
+    if (end - start <= 4 * TOPK) {
+        // A chunk that fits local memory: every key in (keys[end − start ..] empty), one sort. A group past the
+        // vocabulary's end (a small V) keeps none, and its (max, sum) is (−∞, 0): it goes this way too, not
+        // returning early (PoCL 3.0 then lost the other groups' (max, sum) stores).
+        scan = SCAN_WHOLE;
+        for (int j = 0; j < 4; ++j) {
+            const int i = start + lid + j * TOPK;
+            ulong key = EMPTY_KEY;
+            if (i < end) {
+                const float x = penalised_logit(logits, set, penalised, penalty, i);
+                key = make_key(x, i);
+                softmax_add(&m, &s, x * inv_t);
+            }
+            keys[lid + j * TOPK] = key;
+        }
+        width = 1;
+        while (width < (uint)(end - start)) {
+            width <<= 1;
+        }
+    } else {
+        // 1. Each work-item's four best keys (and its online softmax) over its share, strided by TOPK; the TOPK-th
+        //    best of those 4·TOPK keys, tau, is at or below the group's TOPK-th best: TOPK keys reach it.
+        scan = SCAN_BOUND;
+        ulong k0 = EMPTY_KEY, k1 = EMPTY_KEY, k2 = EMPTY_KEY, k3 = EMPTY_KEY;
         for (int i = start + lid; i < end; i += TOPK) {
             const float x = penalised_logit(logits, set, penalised, penalty, i);
-            keys[i - start] = make_key(x, i);
+            const ulong key = make_key(x, i);
             softmax_add(&m, &s, x * inv_t);
+            if (key > k3) {
+                k3 = key;
+                if (k3 > k2) { const ulong t = k2; k2 = k3; k3 = t; }
+                if (k2 > k1) { const ulong t = k1; k1 = k2; k2 = t; }
+                if (k1 > k0) { const ulong t = k0; k0 = k1; k1 = t; }
+            }
         }
-        uint n = 1;
-        while (n < (uint)(end - start)) {
-            n <<= 1;
-        }
-        sort_first(keys, n);   // keys[n ..] stay empty
-        partial_keys[(size_t)g * TOPK + lid] = keys[lid];
-        softmax_reduce(ms, ss, &m, &s);
-        if (lid == 0) {
-            partial_max[g] = m;
-            partial_sum[g] = s;
-        }
-        return;
+        keys[4 * lid] = k0;
+        keys[4 * lid + 1] = k1;
+        keys[4 * lid + 2] = k2;
+        keys[4 * lid + 3] = k3;
     }
-    // 1. Each work-item's four best keys (and its online softmax) over its share, strided by TOPK; the TOPK-th
-    //    best of those 4·TOPK keys, tau, is at or below the group's TOPK-th best: TOPK keys reach it.
-    ulong k0 = EMPTY_KEY, k1 = EMPTY_KEY, k2 = EMPTY_KEY, k3 = EMPTY_KEY;
-    for (int i = start + lid; i < end; i += TOPK) {
-        const float x = penalised_logit(logits, set, penalised, penalty, i);
-        const ulong key = make_key(x, i);
-        softmax_add(&m, &s, x * inv_t);
-        if (key > k3) {
-            k3 = key;
-            if (k3 > k2) { const ulong t = k2; k2 = k3; k3 = t; }
-            if (k2 > k1) { const ulong t = k1; k1 = k2; k2 = t; }
-            if (k1 > k0) { const ulong t = k0; k0 = k1; k1 = t; }
-        }
-    }
-    keys[4 * lid] = k0;
-    keys[4 * lid + 1] = k1;
-    keys[4 * lid + 2] = k2;
-    keys[4 * lid + 3] = k3;
-    sort_descending(keys);
-    const ulong tau = keys[TOPK - 1];
-    barrier(CLK_LOCAL_MEM_FENCE);
-    keys[lid] = keys[TOPK + lid] = keys[2 * TOPK + lid] = keys[3 * TOPK + lid] = EMPTY_KEY;
     if (lid == 0) {
         fill = 0;
     }
-    barrier(CLK_LOCAL_MEM_FENCE);
-    // 2. Every key at or above tau into local memory (about TOPK of them unless many logits tie), one sort.
-    for (int i = start + lid; i < end; i += TOPK) {
-        const ulong key = make_key(penalised_logit(logits, set, penalised, penalty, i), i);
-        if (key >= tau) {
-            const int slot = atomic_inc(&fill);
-            if (slot < 4 * TOPK) {
-                keys[slot] = key;
+    ulong tau = EMPTY_KEY;
+    int tile = start;    // the third scan's next tile
+    int at_sort = 0;     // the count of offers at the last sort
+    for (;;) {
+        sort_first(keys, width);
+        if (scan == SCAN_BOUND) {
+            tau = keys[TOPK - 1];
+            scan = SCAN_GATHER;
+        } else if (scan == SCAN_GATHER && fill > 4 * TOPK) {
+            // 3. More than 4·TOPK reached tau (a few work-items' shares holding most of the best): tiles of TOPK
+            //    keys offered to the TOPK kept (``offer``), exact whatever the logits. (That pass sorted nothing.)
+            scan = SCAN_TILES;
+            at_sort = fill;
+        } else if (scan == SCAN_TILES && tile < end) {
+            at_sort = width > 1 ? fill : at_sort;
+        } else {
+            break;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);   // every work-item has read tau and fill
+        if (scan == SCAN_GATHER) {
+            // 2. Every key at or above tau into local memory (about TOPK of them, more where a few work-items'
+            //    shares hold most of the best).
+            for (int i = start + lid; i < end; i += TOPK) {
+                const ulong key = make_key(penalised_logit(logits, set, penalised, penalty, i), i);
+                if (key >= tau) {
+                    const int slot = atomic_inc(&fill);
+                    if (slot < 4 * TOPK) {
+                        keys[slot] = key;
+                    }
+                }
+            }
+        } else {
+            for (int k = 0; k < 2 && tile < end; ++k) {
+                const int i = tile + lid;
+                const ulong key = i < end ? make_key(penalised_logit(logits, set, penalised, penalty, i), i)
+                                          : EMPTY_KEY;
+                if (key >= tau) {
+                    offer(keys, &fill, at_sort, key);
+                }
+                tile += TOPK;
             }
         }
-    }
-    barrier(CLK_LOCAL_MEM_FENCE);
-    const int many = fill > 4 * TOPK;
-    sort_descending(keys);
-    // 3. More than 4·TOPK reach tau (ties, or a share holding most of the best): tiles of TOPK keys offered to
-    //    the TOPK kept (``offer``), exact whatever the logits.
-    if (many) {
-        keys[TOPK + lid] = keys[2 * TOPK + lid] = keys[3 * TOPK + lid] = EMPTY_KEY;
-        keys[lid] = EMPTY_KEY;
-        if (lid == 0) {
-            fill = 0;
-        }
         barrier(CLK_LOCAL_MEM_FENCE);
-        for (int base = start; base < end; base += TOPK) {   // the same trip count for the whole group
-            const int i = base + lid;
-            const ulong key = i < end ? make_key(penalised_logit(logits, set, penalised, penalty, i), i)
-                                      : EMPTY_KEY;
-            offer(keys, &fill, key >= tau ? key : EMPTY_KEY);
+        const int count = fill;
+        if (scan == SCAN_GATHER) {
+            for (int j = 0; j < 4; ++j) {   // the rest empty; all of them where the tiles follow
+                if (lid + j * TOPK >= count || count > 4 * TOPK) {
+                    keys[lid + j * TOPK] = EMPTY_KEY;
+                }
+            }
+            width = count > 4 * TOPK ? 1 : 4 * TOPK;
+        } else {
+            width = offers_sort_width(count - at_sort, tile >= end);
         }
-        flush(keys, &fill);
     }
     partial_keys[(size_t)g * TOPK + lid] = keys[lid];
     softmax_reduce(ms, ss, &m, &s);
@@ -392,14 +402,29 @@ void sample_final(const int v, __global const ulong* restrict partial_keys,
         fill = 0;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
-    for (int g = 0; g < GROUPS; ++g) {
-        // A group whose best does not beat the kept TOPK-th (or that kept none) offers nothing: the same test for
-        // every work-item, as the kept keys change only inside offer's barriers.
-        if (partial_keys[(size_t)g * TOPK] > keys[TOPK - 1]) {
-            offer(keys, &fill, partial_keys[(size_t)g * TOPK + lid]);
+    // Each pass offers the next two groups whose best beats the kept TOPK-th (a group that does not, or that kept
+    // none, offers nothing: the same test for every work-item, as the kept keys change only in the sort), then
+    // sorts where TOPK keys wait, or where any wait once no group is left.
+    int group = 0, at_sort = 0;
+    for (;;) {
+        for (int k = 0; k < 2; ++k) {
+            while (group < GROUPS && partial_keys[(size_t)group * TOPK] <= keys[TOPK - 1]) {
+                ++group;
+            }
+            if (group < GROUPS) {
+                offer(keys, &fill, at_sort, partial_keys[(size_t)group * TOPK + lid]);
+                ++group;
+            }
         }
+        barrier(CLK_LOCAL_MEM_FENCE);
+        const int count = fill;
+        const uint width = offers_sort_width(count - at_sort, group == GROUPS);
+        sort_first(keys, width);
+        if (group == GROUPS) {
+            break;
+        }
+        at_sort = width > 1 ? count : at_sort;
     }
-    flush(keys, &fill);
     float m = -INFINITY, s = 0.0f;
     for (int g = lid; g < GROUPS; g += TOPK) {
         softmax_merge(&m, &s, partial_max[g], partial_sum[g]);

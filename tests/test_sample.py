@@ -150,3 +150,92 @@ def test_work_items_holding_most_of_the_best(device, rng, params):
     counters = [c for c in range(40) if np.min(np.abs(reference.sampling_uniform(seed, c) - cumulative)) > MARGIN]
     got = _draws(device, Sample(device, params), logits, [], config, seed, counters)
     assert list(got) == [reference.draw_token(probs, reference.sampling_uniform(seed, c)) for c in counters]
+
+
+def _keys(x: np.ndarray, first: int) -> np.ndarray:
+    """kernels/sample.cl's make_key of fp32 values x at ids first, first + 1, …: the value's bits made monotonic
+    above, the id inverted below (so the lower id of a tie is the larger key)."""
+    bits = x.astype(np.float32).view(np.uint32)
+    monotonic = np.where(bits & 0x80000000, ~bits, bits | 0x80000000).astype(np.uint64)
+    ids = np.arange(first, first + len(x), dtype=np.uint64)
+    return (monotonic << np.uint64(32)) | (~ids & np.uint64(0xFFFFFFFF))
+
+
+def _logits_of(kind: str, v: int, params: dict, rng) -> np.ndarray:
+    """V logits of a kind: "normal"; "ties" (all equal but 300: most groups keep ties, to the lower id); "masked"
+    (−∞ but 100, as a grammar's mask leaves them); "lanes": the work-items of a group reading ids ≡ 0 .. TOPK/4 − 1
+    (mod TOPK) in its chunk hold all the large logits, higher by work-item, so more than 4·TOPK keys reach the first
+    scan's bound (the lowest of those work-items' fourth best) and the tiles run; "lane ties": the same without
+    noise, four work-items to a value, so the tiles keep ties to the lower id."""
+    logits = (rng.standard_normal(v) * 3).astype(np.float32)
+    if kind == "ties":
+        logits = np.full(v, 0.5, np.float32)
+        logits[rng.integers(0, v, 300)] = 1.5
+    elif kind == "masked":
+        logits = np.full(v, -np.inf, np.float32)
+        logits[rng.integers(0, v, 100)] = rng.standard_normal(100).astype(np.float32)
+    elif kind in ("lanes", "lane ties"):
+        topk, chunk = params["TOPK"], -(-v // params["GROUPS"])
+        lane = (np.arange(v) % chunk) % topk
+        share = lane < topk // 4
+        step = lane[share] if kind == "lanes" else lane[share] // 4
+        logits[share] = (0 if kind == "lane ties" else logits[share]) + 20 + 2 * step
+    return logits
+
+
+# (params, V, logits): each path of sample_partial. GROUPS 64 at V = 48: chunks of one logit and groups past the end;
+# V = 16 379: chunks of 4·TOPK and fewer (the whole chunk sorted), and 1003: of 16; V = 16 448: chunks of 4·TOPK + 1
+# (the bound, then the keys reaching it); "lanes" and "lane ties": the tiles, in chunks of 4096.
+PARTIAL_CASES = [
+    ({"TOPK": 64, "GROUPS": 64}, 48, "normal"),
+    ({"TOPK": 64, "GROUPS": 64}, 16379, "normal"),
+    ({"TOPK": 64, "GROUPS": 64}, 1003, "ties"),
+    ({"TOPK": 64, "GROUPS": 64}, 16448, "normal"),
+    ({"TOPK": 128, "GROUPS": 64}, 49157, "ties"),
+    ({"TOPK": 64, "GROUPS": 64}, 49157, "masked"),
+    ({"TOPK": 64, "GROUPS": 16}, 16 * 4096 - 3, "lanes"),
+    ({"TOPK": 128, "GROUPS": 16}, 16 * 4096 - 3, "lanes"),
+    ({"TOPK": 64, "GROUPS": 16}, 16 * 4096 - 3, "lane ties"),
+    ({"TOPK": 128, "GROUPS": 16}, 16 * 4096 - 3, "lane ties"),
+]
+
+
+@pytest.mark.parametrize("params, v, kind", PARTIAL_CASES,
+                         ids=[f"topk{p['TOPK']}-groups{p['GROUPS']}-v{v}-{k.replace(' ', '-')}"
+                              for p, v, k in PARTIAL_CASES])
+def test_each_group_keeps_its_best_keys_in_order(device, rng, params, v, kind):
+    """sample_partial's output itself, exactly: each group's TOPK best keys of its chunk in descending order
+    (ties to the lower id; empty keys past what it holds), its maximum y exactly, its Σ exp(y − max) within 1e-5
+    (fp32 exp within a few ulp, summed over at most 64 terms a work-item and a tree of log2 TOPK: ~5e-6 at most).
+    A history of 40 ids with a penalty of 2, exact in fp32, so the penalised path is checked too. Then draws at
+    top_k = TOPK equal the reference's, which checks sample_final's merge of those keys."""
+    topk, groups = params["TOPK"], params["GROUPS"]
+    logits = _logits_of(kind, v, params, rng)
+    history = rng.integers(0, v, 40).astype(np.int32)
+    penalised = apply_repetition_penalty(logits, history, 2.0).astype(np.float32)
+    sampler = Sample(device, params)
+    for buffer, value in ((sampler.partial_keys, np.uint64(0x5A5A5A5A5A5A5A5A)), (sampler.partial_max, np.float32(7)),
+                          (sampler.partial_sum, np.float32(-7))):
+        device.fill(buffer, value)
+    config = SamplingConfig(temperature=1.0, top_k=topk, top_p=1.0, min_p=0.0, repetition_penalty=2.0)
+    _draws(device, sampler, logits, history, config, 5, [0])
+    got_keys = device.read(np.empty(groups * topk, np.uint64), sampler.partial_keys).reshape(groups, topk)
+    got_max = device.read(np.empty(groups, np.float32), sampler.partial_max)
+    got_sum = device.read(np.empty(groups, np.float32), sampler.partial_sum)
+    chunk = -(-v // groups)
+    for g in range(groups):
+        start, end = min(g * chunk, v), min((g + 1) * chunk, v)
+        keys = np.sort(_keys(penalised[start:end], start))[::-1][:topk]
+        want = np.zeros(topk, np.uint64)
+        want[:len(keys)] = keys
+        assert np.array_equal(got_keys[g], want), (g, np.nonzero(got_keys[g] != want)[0][:8])
+        y = penalised[start:end].astype(np.float64)
+        top = y.max() if end > start else -np.inf
+        assert got_max[g] == top, (g, got_max[g], top)
+        total = np.exp(y - top).sum() if np.isfinite(top) else 0.0
+        assert abs(got_sum[g] - total) <= 1e-5 * total, (g, got_sum[g], total)
+    probs = sampling_probs(penalised, 1.0, topk, 1.0, 0.0)
+    cumulative = np.cumsum(np.sort(probs)[::-1][:np.count_nonzero(probs)])
+    counters = [c for c in range(30) if np.min(np.abs(reference.sampling_uniform(5, c) - cumulative)) > MARGIN]
+    got = _draws(device, sampler, logits, history, config, 5, counters)
+    assert list(got) == [reference.draw_token(probs, reference.sampling_uniform(5, c)) for c in counters]

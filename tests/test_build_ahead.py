@@ -1,34 +1,39 @@
 """Builds ahead of the runs that need them: each spec names the programs a parameter set builds (``Spec.programs``),
-exactly those a run of it builds, so `perfx selftest` and `perfx tune` build the sets to come many at once."""
+exactly those a run of it builds, so `perfx selftest` and `perfx tune` build the sets to come many at once.
 
-import numpy as np
+Every kernel sweep checks it for each set it runs (``helpers.spec_checks.errors_of_the_named_programs``: the programs
+the run asks the device for, built then or kept from an earlier set, against those named): every set the tuner may
+choose, at the shapes where the plan checks it, the defaults and a covering subset at every shape on each
+implementation. Here: that every family names its programs, and that the check fails a spec naming others."""
+
+import dataclasses
+
 import pytest
 
-from helpers.spec_checks import covering_sets
-from perfx.runtime import Device
+from helpers.spec_checks import assert_sets
 from perfx.tuning import SPECS
-from perfx.tuning.spec import build_requests
-
-NAMED = [family for family, spec in SPECS.items() if spec.programs is not None]
-
-
-@pytest.mark.sweep   # every kind of variant of the family built: a unit of work of its own (tests/conftest.py)
-@pytest.mark.parametrize("family", NAMED)
-def test_the_programs_a_spec_names_are_those_a_run_builds(device, family):
-    spec = SPECS[family]
-    fresh = Device(device.entry.index)
-    for number, shape in enumerate(spec.test_shapes):
-        case = spec.make_case(fresh, shape, np.random.default_rng(number))
-        # every kind of variant on the first shape; on the others, each a build of its own (an epilogue, a bias,
-        # a quantized output), the first two sets
-        for params in covering_sets(spec, shape, fresh.caps)[:None if number == 0 else 2]:
-            named = build_requests(spec, fresh, shape, [params])
-            assert named, f"{family} {params}: names no program"
-            fresh.forget_programs()   # what the run below builds is then in _programs, and nothing else
-            case.run(params)
-            assert set(named) == set(fresh._programs), (family, spec.describe(shape), params)
 
 
 def test_every_family_names_its_programs():
     """A family without ``programs`` would build one kernel at a time in the selftest and the tuner."""
     assert not [family for family, spec in SPECS.items() if spec.programs is None]
+
+
+def test_a_spec_naming_other_programs_than_a_run_builds_fails_the_sweeps_check(device, rng):
+    spec = SPECS["gemv_q4_split"]   # two programs a set: the split product and its reduction
+    shape = spec.test_shapes[0]
+    params = spec.params.defaults()
+    assert_sets(spec, device, shape, rng, [params])   # as named, it passes
+
+    def one_more(device, shape, params):   # and a program the run never asks for
+        spec.programs(device, shape, params)
+        device.build("copy.cl")
+
+    def part(device, shape, params):   # the product's program alone, not the reduction's
+        with device.collecting() as requests:
+            spec.programs(device, shape, params)
+        device.build(*requests[0])
+
+    for wrong, message in ((one_more, r"and not for \[\('copy.cl'"), (part, r"asked for \[\('gemv_q4_split.cl'")):
+        with pytest.raises(AssertionError, match=message):
+            assert_sets(dataclasses.replace(spec, programs=wrong), device, shape, rng, [params])

@@ -1,15 +1,16 @@
 """gemv_q4_tail: every parameter set the tuner may choose on every test shape (both tails, the post-norm form, each
-order of the Q8_1 blocks), with either hand-off of the outputs between work-groups (relaxed atomics ordered by the
-counter, which both CPU runtimes' OpenCL C 3.0 takes, and OpenCL 1.2's locked atomics), 4-bit zeros at a tiny Gemma
-3's shapes, launches back to back (the counter left at zero for the next), its code apart from gemv_q4's (no shipped
-gemv_q4 record goes stale), and bad input."""
+order of the Q8_1 blocks) with the hand-off of the outputs between work-groups that both CPU runtimes' OpenCL C 3.0
+takes (relaxed atomics ordered by the counter), and with OpenCL 1.2's locked atomics every value of every parameter
+at every shape, 4-bit zeros at a tiny Gemma 3's shapes with each hand-off, launches back to back (the counter left
+at zero for the next), its code apart from gemv_q4's (no shipped gemv_q4 record goes stale), and bad input."""
 
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from helpers.spec_checks import assert_planned_sets, swept
+from helpers.spec_checks import (EXHAUSTIVE, assert_planned_sets, assert_sets, covering_sets, parameter_sets,
+                                 swept)
 from perfx.errors import PerfxError
 from perfx.formats import Q4_ZEROS, Q4Matrix
 from perfx.ops.gemv_q4 import PARAMS as GEMV_Q4_PARAMS
@@ -37,8 +38,12 @@ def test_every_candidate(device, rng, index):
 @pytest.mark.parametrize("index", swept(SPEC), ids=[SPEC.describe(s) for s in SPEC.test_shapes])
 def test_every_candidate_with_atomics_as_on_opencl_1_2(device, rng, monkeypatch, index):
     """The same with the hand-off a device whose compiler takes OpenCL C 1.2 only gets: every output's atomic store
-    and load (HANDOFF 0), where the test above runs the ordered relaxed loads (HANDOFF 1) on these runtimes: the
-    same sets at the same shapes."""
+    and load (HANDOFF 0), where the test above runs the ordered relaxed loads (HANDOFF 1) on these runtimes. At each
+    shape (each tail's build) on each implementation, the defaults and a subset holding every value of every
+    parameter (``covering_sets``: the part of the plan above that every shape gets on every implementation), so the
+    hand-off meets every row set size, lane count, work-group size and way of arriving; the products of the other
+    sets are the same code as above, which checks each of them once. Every set at every shape with
+    ``PERFX_TEST_EXHAUSTIVE=1``."""
     assert handoff_for(device.caps) == HANDOFFS["ordered"], "both CPU runtimes take OpenCL C 2.0 or later"
     assert handoff_for(replace(device.caps, opencl_c=(1, 2))) == HANDOFFS["atomics"]
     assert handoff_for(replace(device.caps, c_features=())) == HANDOFFS["atomics"]   # Oclgrind's 3.0: no features
@@ -47,7 +52,9 @@ def test_every_candidate_with_atomics_as_on_opencl_1_2(device, rng, monkeypatch,
     # I8 2's built-ins need this compiler's newest OpenCL C)
     monkeypatch.setattr("perfx.ops.gemv_q4_tail.handoff_for", lambda caps: HANDOFFS["atomics"])
     assert GemvQ4Tail(device).handoff == HANDOFFS["atomics"]
-    assert_planned_sets(SPEC, device, index, rng)
+    shape = SPEC.test_shapes[index]
+    sets = parameter_sets(SPEC, shape, device.caps) if EXHAUSTIVE else covering_sets(SPEC, shape, device.caps)
+    assert_sets(SPEC, device, shape, rng, sets)
 
 
 # Weights with 4-bit zeros (AWQ's form) as a fused tiny model runs them: 3 groups of 64, and a tiny Gemma 3's o and

@@ -5,6 +5,7 @@ single allocation or image breaks a limit, and its device memory, with the token
 with the int8 cache; it also runs 8192 positions. A few minutes on two CPU cores: slow.
 """
 
+import copy
 import dataclasses
 import gc
 import time
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from perfx.formats import Q4_ZEROS
-from perfx.model import Model, load_model
+from perfx.model import Model
 from perfx.ops.gemv_q4 import GemvQ4
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.runtime import LIMIT_PRESETS, Device
@@ -45,8 +46,27 @@ class Recorder:
         device._check_alloc, device.image_rgba_u32 = recorded_check, recorded_image
 
 
+@pytest.fixture(scope="module")
+def llama_7b():
+    """synthetic:llama-2-7b with its token embedding in AWQ's int4 form (``--embedding q4``): its random embedding
+    and lm_head (131M values each) quantized once for the module's loads, and its one random layer made once (the
+    source reuses it for every layer). Each test loads it on a device of its own: every layer, both tables and the
+    cache uploaded and counted as `perfx generate --model synthetic:llama-2-7b --embedding q4` would."""
+    source = open_model("synthetic:llama-2-7b", embedding="q4")
+    embedding, head = source.embedding(), source.lm_head()
+    source.embedding, source.lm_head = (lambda: embedding), (lambda: head)
+    return source
+
+
+def with_config(source, **changes):
+    """The source with its config changed, sharing the tables and the layer made once."""
+    changed = copy.copy(source)
+    changed.config = dataclasses.replace(source.config, **changes)
+    return changed
+
+
 @pytest.mark.slow
-def test_llama_2_7b_loads_and_decodes_under_adreno740_limits():
+def test_llama_2_7b_loads_and_decodes_under_adreno740_limits(llama_7b):
     gc.collect()
     device = Device(limits=LIMIT_PRESETS["adreno740"])
     caps = device.caps
@@ -54,7 +74,8 @@ def test_llama_2_7b_loads_and_decodes_under_adreno740_limits():
     assert (caps.max_alloc, caps.limits) == (1 << 30, "adreno740") and caps.image2d_max_height <= 16384
     seen = Recorder(device)
     started = time.perf_counter()
-    model, source = load_model("synthetic:llama-2-7b", device, ctx=CTX, progress=False, embedding="q4")
+    source = llama_7b
+    model = Model.load(source, device, ctx=CTX, progress=False)
     load_s = time.perf_counter() - started
     c = source.config
     assert (c.hidden_size, c.n_layers, c.vocab_size) == (4096, 32, 32000)
@@ -128,7 +149,7 @@ def test_llama_2_7b_loads_and_decodes_under_adreno740_limits():
 
 
 @pytest.mark.slow
-def test_llama_2_7b_runs_a_4096_position_context_under_256_mib_allocations():
+def test_llama_2_7b_runs_a_4096_position_context_under_256_mib_allocations(llama_7b):
     """adreno-qcs allows 256 MiB per allocation: the 7B's keys (and values) at 4096 positions, 32 MiB a layer, are
     held in pieces of 8 whole layers (each exactly the limit), and decode reads the right piece at every layer up to
     the last position. Nine of the 7B's layers: what is tested does not depend on the other 23. Every layer has the
@@ -139,10 +160,9 @@ def test_llama_2_7b_runs_a_4096_position_context_under_256_mib_allocations():
     gc.collect()
     device = Device(limits=LIMIT_PRESETS["adreno-qcs"])
     seen = Recorder(device)
-    source = open_model("synthetic:llama-2-7b")
     layers = 9
-    assert source.config.n_layers == 32
-    source.config = dataclasses.replace(source.config, n_layers=layers, layers=source.config.layers[:layers])
+    assert llama_7b.config.n_layers == 32
+    source = with_config(llama_7b, n_layers=layers, layers=llama_7b.config.layers[:layers])
     model = Model.load(source, device, ctx=4096, progress=False)
     cache = model.cache
     assert cache.nbytes == layers << 26 and cache.layers_per_piece == (256 << 20) // (1 << 25) == 8
@@ -174,12 +194,12 @@ def _decode_near_the_end(model, ctx: int) -> np.ndarray:
 
 
 @pytest.mark.slow
-def test_llama_2_7b_at_4096_positions_with_the_int8_cache_under_adreno740_limits():
+def test_llama_2_7b_at_4096_positions_with_the_int8_cache_under_adreno740_limits(llama_7b):
     """`PERFX_LIMITS=adreno740 python -m perfx bench --model synthetic:llama-2-7b --e2e --ctx 4096 --kv q8
     --embedding q4`: at most 4.8 GB on the device, decoding at the context's last position."""
     gc.collect()
     device = Device(limits=LIMIT_PRESETS["adreno740"])
-    model, _ = load_model("synthetic:llama-2-7b", device, ctx=4096, progress=False, kv="q8", embedding="q4")
+    model = Model.load(llama_7b, device, ctx=4096, progress=False, kv="q8")
     _decode_near_the_end(model, 4096)
     used = device.allocated_bytes
     print(f"\nsynthetic:llama-2-7b, ctx 4096, kv q8, embedding q4: {used} bytes ({used / 1e9:.3f} GB) on the "
@@ -190,15 +210,13 @@ def test_llama_2_7b_at_4096_positions_with_the_int8_cache_under_adreno740_limits
 
 
 @pytest.mark.slow
-def test_llama_2_7b_shapes_run_8192_positions_under_adreno740_limits():
+def test_llama_2_7b_shapes_run_8192_positions_under_adreno740_limits(llama_7b):
     """The 7B's shapes with an 8192-position context (Llama-2-7B itself has 4096: its config here is raised as a
     long-context fine-tune's would be) and the int8 cache of 2.3 GB in pieces of at most 1 GiB: a short prefill,
     then decode at positions 8190 and 8191."""
     gc.collect()
     device = Device(limits=LIMIT_PRESETS["adreno740"])
-    source = open_model("synthetic:llama-2-7b", embedding="q4")
-    source.config = dataclasses.replace(source.config, max_positions=8192)
-    model = Model.load(source, device, ctx=8192, progress=False, kv="q8")
+    model = Model.load(with_config(llama_7b, max_positions=8192), device, ctx=8192, progress=False, kv="q8")
     assert model.cache.nbytes > 2 << 30 and all(b.size <= device.caps.max_alloc for piece in model.cache.pieces for b in piece)
     _decode_near_the_end(model, 8192)
     print(f"\nsynthetic:llama-2-7b shapes, ctx 8192, kv q8, embedding q4: {device.allocated_bytes / 1e9:.3f} GB")

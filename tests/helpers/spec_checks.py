@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import os
 import zlib
+from contextlib import contextmanager
 
 import numpy as np
 
+from perfx.runtime.device import build_key
 from perfx.tuning.database import params_key
-from perfx.tuning.spec import covering_plan
+from perfx.tuning.spec import build_requests, covering_plan
 
 EXHAUSTIVE = os.environ.get("PERFX_TEST_EXHAUSTIVE", "") not in ("", "0")
 # The families whose sweep tests take their shapes from ``swept``: tests/test_sweep_plan.py checks that every
@@ -125,18 +127,53 @@ def planned_sets(spec, index, caps, strength=_no_strength) -> list[dict]:
 
 def assert_sets(spec, device, shape, rng, sets) -> list[tuple[dict, dict[str, float]]]:
     """Make the case for ``shape`` and check every output of each of ``sets`` against the float64 reference within
-    the spec's tolerance for that set; the failure lists each set over it.
+    the spec's tolerance for that set, each run asking for exactly the programs the spec names for its set
+    (``errors_of_the_named_programs``); the failure lists each set over the tolerance.
 
     Returns [(params, {output: relative error})], in the order of ``sets``.
     """
     assert sets, f"{spec.params.family}: no parameter set may run {spec.describe(shape)} on {device.caps.name}"
     case = spec.make_case(device, shape, rng)
-    results = [(params, case.errors(params)) for params in sets]
+    results = [(params, errors_of_the_named_programs(spec, device, shape, case, params)) for params in sets]
     failures = [f"  {params} {name}: {error:.3g} > {spec.tolerance_for(params):.0e}" for params, errors in results
                 for name, error in errors.items() if not error <= spec.tolerance_for(params)]  # NaN fails too
     assert not failures, (f"{spec.params.family} on {spec.describe(shape)}: {len(failures)} output(s) over the "
                           "tolerance:\n" + "\n".join(failures))
     return results
+
+
+@contextmanager
+def programs_asked(device):
+    """The ``(file, defines, newest_c)`` keys of the programs asked of ``device`` inside the block (``build`` and
+    ``kernel``), whether built then or kept from before: what a run on a device that has built nothing builds."""
+    asked: set[tuple] = set()
+    build, kernel = device.build, device.kernel
+
+    def asked_build(file, defines=None, newest_c=False):
+        asked.add(build_key(file, defines, newest_c))
+        return build(file, defines, newest_c)
+
+    def asked_kernel(file, name, defines=None, newest_c=False):
+        asked.add(build_key(file, defines, newest_c))
+        return kernel(file, name, defines, newest_c)
+    device.build, device.kernel = asked_build, asked_kernel
+    try:
+        yield asked
+    finally:
+        del device.build, device.kernel   # the class's own again
+
+
+def errors_of_the_named_programs(spec, device, shape, case, params) -> dict[str, float]:
+    """``case.errors(params)``, whose run asks for exactly the programs the spec names for ``params`` at ``shape``
+    (``Spec.programs``, through ``build_requests``): what `perfx selftest` and `perfx tune` build ahead, many at
+    once, for the sets to come, so that none is built one at a time in a check (or one built for nothing)."""
+    named = set(build_requests(spec, device, shape, [params]))
+    assert named, f"{spec.params.family} {params}: names no program"
+    with programs_asked(device) as asked:
+        errors = case.errors(params)
+    assert asked == named, (f"{spec.params.family} on {spec.describe(shape)} with {params}: the run asked for "
+                            f"{sorted(asked - named)} beyond the named, and not for {sorted(named - asked)}")
+    return errors
 
 
 def assert_planned_sets(spec, device, index, rng, strength=_no_strength) -> list[tuple[dict, dict[str, float]]]:

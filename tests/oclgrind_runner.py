@@ -194,6 +194,13 @@ def run_family(family: str, which: str = "default") -> dict:
             raise SystemExit(f"{family} has {len(drawn)} sample(s) on this device, not a sample {which}")
         params, shapes = drawn[sample - 1], shapes[:1]
     results = []
+    # Every case is kept until the end: Oclgrind 21.10's uninitialised-value plugin keeps a shadow per buffer index
+    # and never drops it when the buffer is released, and Oclgrind gives a released buffer's index to the next
+    # allocation. A case's buffer that took an earlier case's index inherited that buffer's shadow: reads past its
+    # size read as uninitialised whatever the kernels wrote (sample at V = 16 384 after V = 203), and a stale clean
+    # shadow could hide a read of what nothing wrote. Alive, each buffer has a fresh index, its shadow poisoned whole
+    # until written.
+    cases = []
     for index, shape in enumerate(shapes):
         reason = spec.params.why_invalid(params, shape, device.caps)
         if reason:
@@ -201,6 +208,7 @@ def run_family(family: str, which: str = "default") -> dict:
             continue
         rng = np.random.default_rng(zlib.crc32(f"{family} {index}".encode()))
         case = spec.make_case(device, shape, rng)
+        cases.append(case)
         outputs = case.run(params)
         errors = {name: relative_error(outputs[name], want) for name, want in case.expected.items()}
         results.append({"shape": shape, "describe": spec.describe(shape), "errors": errors})

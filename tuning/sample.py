@@ -130,6 +130,10 @@ SAMPLE = Spec(
     bytes_moved=lambda s: 4 * s["v"] + 4 * s["history"] + 4,
     reference=reference.sample,
     fuzz_shapes=fuzz_sample,
-    oclgrind_shapes=(_shape(203, 7, 0.9, 0.9, 0.05, 1.3, 20),),
+    oclgrind_shapes=(
+        _shape(203, 7, 0.9, 0.9, 0.05, 1.3, 20),        # chunks of up to 4 logits, groups past V
+        _shape(16384, 7, 0.9, 0.9, 0.05, 1.3, 20),      # whole chunks of 256 (4·TOPK at TOPK 64) to merge
+        _shape(16450, 7, 0.9, 0.9, 0.05, 1.0, 0),       # chunks of 258: the bound, then the gather
+    ),
     flops=lambda s: 4 * s["v"],
 )

@@ -265,7 +265,7 @@ void sample_partial(const int v, __global const float* restrict logits, __global
     if (end - start <= 4 * TOPK) {
         // A chunk that fits local memory: every key in (keys[end − start ..] empty), one sort. A group past the
         // vocabulary's end (a small V) keeps none, and its (max, sum) is (−∞, 0): it goes this way too, not
-        // returning early (PoCL 3.0 then lost the other groups' (max, sum) stores).
+        // returning early (a compiler lost the other groups' (max, sum) stores then: benchmarks/NOTES.md).
         scan = SCAN_WHOLE;
         for (int j = 0; j < 4; ++j) {
             const int i = start + lid + j * TOPK;

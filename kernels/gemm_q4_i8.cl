@@ -31,13 +31,13 @@
 //   PAIR 1 (with the int16 pairs, DOT 0): rows of X in pairs, the 8 int lanes of each of the two rows
 //     converted into one float16 and scaled by one 16-lane multiply-add (d·s of each row in its half), so a
 //     512-bit CPU converts and multiplies once for two rows of X, and its compiler pairs the integer products
-//     into 512-bit vpmaddwd / vpdpwssd too; every pass is paired (an odd M's last row with itself).
+//     into 512-bit vpmaddwd / vpdpwssd too; a pass of one row (the remainder of an odd M) is not paired.
 //
 // On a GPU a work-item owns ROWS whole weight rows, as gemm_q4_skinny's do (each texel read once, no local
 // memory, no barriers); the rows of a work-group are neighbours, so an interleaved weight's reads coalesce.
 //
 // Shape contract (as gemm_q4_skinny): K a multiple of 32 and of G ∈ {32, 64, 128} (group_shift = log2(G / 32));
-// any M ≥ 1 (passes of MT rows, the remainder in masked passes of 4 and 2: m_passes.h) and any number of
+// any M ≥ 1 (passes of MT rows, the remainder in passes of 8, 4, 2, 1: kernels/m_passes.h) and any number of
 // columns (edges guarded). One launch covers the columns y_col0 .. y_col0 + n_cols − 1 of Y (row stride ldy);
 // their weight rows start at row_a0 (gate or only) and row_b0 (up), which lie in codes_a / codes_b at
 // row − base_a / row − base_b (images hold row blocks; with a buffer both bases are 0). Scales and bias are
@@ -118,9 +118,9 @@ __kernel void gemm_q4_i8_quantize_x(const int count, __global const float* restr
     lo = (tex) & 0x0F0F0F0Fu;                 \
     hi = ((tex) >> 4) & 0x0F0F0F0Fu;
 #define TEXEL_DOT(lo, hi, xe, xo)                                                                \
-    (((dot_4x8packed_us_int((lo).s0, (xe).s0) + dot_4x8packed_us_int((lo).s1, (xe).s1))          \
-      + (dot_4x8packed_us_int((lo).s2, (xe).s2) + dot_4x8packed_us_int((lo).s3, (xe).s3)))       \
-     + ((dot_4x8packed_us_int((hi).s0, (xo).s0) + dot_4x8packed_us_int((hi).s1, (xo).s1))        \
+    (((dot_4x8packed_us_int((lo).s0, (xe).s0) + dot_4x8packed_us_int((lo).s1, (xe).s1))         \
+      + (dot_4x8packed_us_int((lo).s2, (xe).s2) + dot_4x8packed_us_int((lo).s3, (xe).s3)))      \
+     + ((dot_4x8packed_us_int((hi).s0, (xo).s0) + dot_4x8packed_us_int((hi).s1, (xo).s1))       \
         + (dot_4x8packed_us_int((hi).s2, (xo).s2) + dot_4x8packed_us_int((hi).s3, (xo).s3))))
 #define ACC_T float   // one int sum a texel, row of X and weight row: a scalar accumulator
 #define ACC_TOTAL(a) (a)
@@ -161,7 +161,7 @@ inline int8 texel_dot8(const short16 lo, const short16 hi, const int16 xe, const
         _Pragma("unroll") for (int r = 0; r < ROWS; r++) {                            \
             if (col0 + r < n_cols) {                                                  \
                 EPILOGUE_STORE                                                        \
-                y[(size_t)(m0 + xrow[mm]) * ldy + y_col0 + col0 + r] = out;           \
+                y[(size_t)(m0 + mm) * ldy + y_col0 + col0 + r] = out;                 \
             }                                                                         \
         }                                                                             \
     }                                                                                 \
@@ -184,8 +184,7 @@ inline int8 texel_dot8(const short16 lo, const short16 hi, const int16 xe, const
                 const uint4 tex = TEXEL_OF(r, t);                                                         \
                 UNPACK(tex, lo[r], hi[r])                                                                 \
             }                                                                                             \
-            _Pragma("unroll") for (int mm = 0; mm < R; mm++)                                              \
-                xsum[mm] += xdp[(size_t)xrow[mm] * texels + t].y;                                         \
+            _Pragma("unroll") for (int mm = 0; mm < R; mm++) xsum[mm] += xdp[(size_t)mm * texels + t].y;  \
             __VA_ARGS__                                                                                   \
         }                                                                                                 \
         _Pragma("unroll") for (int r = 0; r < WROWS; r++)                                                 \
@@ -195,9 +194,8 @@ inline int8 texel_dot8(const short16 lo, const short16 hi, const int16 xe, const
 // One pass over K for the R rows of X from m0 (R a compile-time constant), then the epilogue and the stores.
 // Per texel and row of X: 32 products |q·q_x| ≤ 15·127 (a pair's sum fits int16, the texel's int32), in int
 // (ACC_T's lanes), then fp32 times d·s.
-#define PASS_SINGLE(R, LEFT)                                                                              \
+#define PASS_SINGLE(R)                                                                                    \
     {                                                                                                     \
-        PASS_ROWS(R, LEFT)                                                                                \
         ACC_T acc[WROWS][R];                                                                              \
         float off[WROWS][R], tot[WROWS][R];                                                               \
         _Pragma("unroll") for (int r = 0; r < WROWS; r++)                                                 \
@@ -207,15 +205,15 @@ inline int8 texel_dot8(const short16 lo, const short16 hi, const int16 xe, const
             }                                                                                             \
         OVER_K(R,                                                                                         \
             _Pragma("unroll") for (int mm = 0; mm < R; mm++) {                                            \
-                const float xd = xdp[(size_t)xrow[mm] * texels + t].x;                                    \
-                const X_T xe = LOAD_XQ((size_t)xrow[mm] * 2 * texels + 2 * t);                            \
-                const X_T xo = LOAD_XQ((size_t)xrow[mm] * 2 * texels + 2 * t + 1);                        \
+                const float xd = xdp[(size_t)mm * texels + t].x;                                          \
+                const X_T xe = LOAD_XQ((size_t)mm * 2 * texels + 2 * t);                                  \
+                const X_T xo = LOAD_XQ((size_t)mm * 2 * texels + 2 * t + 1);                              \
                 _Pragma("unroll") for (int r = 0; r < WROWS; r++)                                         \
                     acc[r][mm] = CONVERT_ACC(TEXEL_DOT(lo[r], hi[r], xe, xo)) * (xd * sm[r].x) + acc[r][mm]; \
-            })                                                                                               \
-        _Pragma("unroll") for (int r = 0; r < WROWS; r++)                                                    \
+            })                                                                                            \
+        _Pragma("unroll") for (int r = 0; r < WROWS; r++)                                                 \
             _Pragma("unroll") for (int mm = 0; mm < R; mm++) tot[r][mm] = ACC_TOTAL(acc[r][mm]) + off[r][mm]; \
-        STORE(R)                                                                                              \
+        STORE(R)                                                                                          \
     }
 
 #if PAIR
@@ -223,9 +221,8 @@ inline int8 texel_dot8(const short16 lo, const short16 hi, const int16 xe, const
 // the halves of one float16, so one multiply-add (by d·s of each row of X in its half) serves two rows; a
 // 512-bit CPU's compiler makes the two conversions one as well. (Converting an int16 built of the two halves
 // instead made PoCL's LLVM fail to select an instruction.)
-#define PASS_PAIRED(R, LEFT)                                                                              \
+#define PASS_PAIRED(R)                                                                                    \
     {                                                                                                     \
-        PASS_ROWS(R, LEFT)                                                                                \
         float16 acc[WROWS][R / 2];                                                                        \
         float off[WROWS][R], tot[WROWS][R];                                                               \
         _Pragma("unroll") for (int r = 0; r < WROWS; r++) {                                               \
@@ -234,8 +231,7 @@ inline int8 texel_dot8(const short16 lo, const short16 hi, const int16 xe, const
         }                                                                                                 \
         OVER_K(R,                                                                                         \
             _Pragma("unroll") for (int p = 0; p < R / 2; p++) {                                           \
-                const size_t a = (size_t)xrow[2 * p] * texels + t;                                        \
-                const size_t b = (size_t)xrow[2 * p + 1] * texels + t;                                    \
+                const size_t a = (size_t)(2 * p) * texels + t, b = a + texels;                            \
                 const float16 d = (float16)((float8)xdp[a].x, (float8)xdp[b].x);                          \
                 const int16 xea = convert_int16(xqp[2 * a]), xoa = convert_int16(xqp[2 * a + 1]);         \
                 const int16 xeb = convert_int16(xqp[2 * b]), xob = convert_int16(xqp[2 * b + 1]);         \
@@ -252,10 +248,17 @@ inline int8 texel_dot8(const short16 lo, const short16 hi, const int16 xe, const
             }                                                                                             \
         STORE(R)                                                                                          \
     }
-// Every pass has an even count of rows (MT, and the remainder's 4 and 2: kernels/m_passes.h): all go in pairs.
-#define PASS(R, LEFT) PASS_PAIRED(R, LEFT)
+// Passes of 2, 4, 8 or 16 rows go in pairs; one of a single row (the remainder of an odd M) has no pair. R is
+// a number (MT is passed as one), so PASS(R) names its pass.
+#define PASS(R) PASS_ROWS(R)
+#define PASS_ROWS(R) PASS_##R
+#define PASS_1 PASS_SINGLE(1)
+#define PASS_2 PASS_PAIRED(2)
+#define PASS_4 PASS_PAIRED(4)
+#define PASS_8 PASS_PAIRED(8)
+#define PASS_16 PASS_PAIRED(16)
 #else
-#define PASS(R, LEFT) PASS_SINGLE(R, LEFT)
+#define PASS(R) PASS_SINGLE(R)
 #endif
 
 __kernel __attribute__((reqd_work_group_size(WGS, 1, 1)))
@@ -286,7 +289,5 @@ void gemm_q4_i8(const int m_rows, const int n_cols, const int k, const int group
     }
 
     int m0 = 0;
-#define M_PASS MT
-#define M_TAIL 2
 #include "m_passes.h"
 }

@@ -15,8 +15,8 @@
 // the whole of K, with no local memory and no barriers (the structure of gemv_q4, which is what PoCL
 // runs well). Per texel component it dequantizes 8 weights of each row once, w = s·q + m, and
 // multiplies them into MT rows of X held as float8 accumulators; the x chunk is loaded once and applied
-// to every row. M rows go in passes of MT, the last M mod MT rows in passes of 4 and 2 masked to the rows
-// that exist (kernels/m_passes.h); each pass re-reads the work-item's weight rows from cache, not DRAM.
+// to every row. M rows go in passes of MT, the last M mod MT rows in passes of MT/2, MT/4, ..., 1 (so
+// M = 1 costs one row, not MT); each pass re-reads the work-item's weight rows from cache, not DRAM.
 // Codes become floats through the bits: 0x4B000000 | q is the float 2²³ + q, one OR and one subtraction
 // (8 wide: some CPU compilers fail to select 16-wide integer/convert code and mad(float16)).
 //
@@ -67,10 +67,9 @@
 #define TEXEL_OF(r, t) ((r) < ROWS ? TEXEL(codes_a, wrow[r], t) : TEXEL(codes_b, wrow[r], t))
 
 // One pass over K for the R rows of X from m0 (R a compile-time constant), then the epilogue and
-// the stores (LEFT of its rows exist, kernels/m_passes.h).
-#define PASS(R, LEFT)                                                                            \
+// the stores.
+#define PASS(R)                                                                                  \
     {                                                                                            \
-        PASS_ROWS(R, LEFT)                                                                       \
         float8 acc[WROWS][R];                                                                    \
         _Pragma("unroll") for (int r = 0; r < WROWS; r++)                                        \
             _Pragma("unroll") for (int mm = 0; mm < R; mm++) acc[r][mm] = (float8)0.0f;          \
@@ -78,7 +77,7 @@
         for (int g = 0; g < groups; g++) {                                                       \
             float2 sm[WROWS];                                                                    \
             _Pragma("unroll") for (int r = 0; r < WROWS; r++)                                    \
-                sm[r] = GROUP_SM(scale_offset, grow[r], g);                                      \
+                sm[r] = GROUP_SM(scale_offset, grow[r], g);                                \
             for (int t = g << group_shift; t < (g + 1) << group_shift; t++) {                    \
                 uint4 tex[WROWS];                                                                \
                 _Pragma("unroll") for (int r = 0; r < WROWS; r++) tex[r] = TEXEL_OF(r, t);       \
@@ -88,7 +87,7 @@
                         w[r] = DEQUANT8(c == 0 ? tex[r].x : c == 1 ? tex[r].y                    \
                                         : c == 2 ? tex[r].z : tex[r].w, sm[r]);                  \
                     _Pragma("unroll") for (int mm = 0; mm < R; mm++) {                           \
-                        const float8 xv = LOAD_X8(xp + (size_t)xrow[mm] * k, 4 * t + c);         \
+                        const float8 xv = LOAD_X8(xp + (size_t)mm * k, 4 * t + c);               \
                         _Pragma("unroll") for (int r = 0; r < WROWS; r++)                        \
                             acc[r][mm] += w[r] * xv;                                             \
                     }                                                                            \
@@ -100,7 +99,7 @@
                 if (col0 + r < n_cols) {                                                         \
                     const float ya = SUM8(acc[r][mm]);                                           \
                     EPILOGUE_STORE                                                               \
-                    y[(size_t)(m0 + xrow[mm]) * ldy + y_col0 + col0 + r] = out;                  \
+                    y[(size_t)(m0 + mm) * ldy + y_col0 + col0 + r] = out;                        \
                 }                                                                                \
             }                                                                                    \
         }                                                                                        \
@@ -145,7 +144,5 @@ void gemm_q4_skinny(const int m_rows, const int n_cols, const int k, const int g
     }
 
     int m0 = 0;
-#define M_PASS MT
-#define M_TAIL 2
 #include "m_passes.h"
 }

@@ -14,8 +14,7 @@
 // columns (ROWS weight rows, twice that for the gate-up epilogue) and the whole of K, with no local
 // memory and no barriers. Per 8 codes it dequantizes each row's weights once, w = s·q + m, and multiplies
 // them into MT rows of X held as float8 accumulators. M rows go in passes of MT, the last M mod MT rows
-// in passes of 4 and 2 masked to the rows that exist (kernels/m_passes.h); each pass re-reads the work-item's
-// weight rows from cache.
+// in passes of MT/2, MT/4, ..., 1; each pass re-reads the work-item's weight rows from cache.
 //
 // Shape contract: K a multiple of G; any M ≥ 1 and any number of columns (edges guarded). One launch
 // covers the columns y_col0 .. y_col0 + n_cols − 1 of Y (row stride ldy); column j's gate (or only) row
@@ -52,38 +51,36 @@
 // X rows start at multiples of K floats, K a multiple of 16: every 8-float chunk is float8-aligned.
 #define LOAD_X8(p, i) (((const __global float8*)(p))[i])
 
-// One pass over K for the R rows of X from m0 (R a compile-time constant), then the epilogue and the stores
-// (LEFT of its rows exist, kernels/m_passes.h).
-#define PASS(R, LEFT)                                                                            \
+// One pass over K for the R rows of X from m0 (R a compile-time constant), then the epilogue and stores.
+#define PASS(R)                                                                                  \
     {                                                                                            \
-        PASS_ROWS(R, LEFT)                                                                       \
         float8 acc[WROWS][R];                                                                    \
         _Pragma("unroll") for (int r = 0; r < WROWS; r++)                                        \
             _Pragma("unroll") for (int mm = 0; mm < R; mm++) acc[r][mm] = (float8)0.0f;          \
         const __global float* xp = x + (size_t)m0 * k;                                           \
         for (int g = 0; g < groups; g++) {                                                       \
             float2 sm[WROWS];                                                                    \
-            _Pragma("unroll") for (int r = 0; r < WROWS; r++) sm[r] = LOAD_SM(prow[r], g);       \
+            _Pragma("unroll") for (int r = 0; r < WROWS; r++) sm[r] = LOAD_SM(prow[r], g);     \
             _Pragma("unroll") for (int i = 0; i < CHUNKS_PER_GROUP; i++) {                       \
                 const int c = g * CHUNKS_PER_GROUP + i;                                          \
                 float8 w[WROWS];                                                                 \
                 _Pragma("unroll") for (int r = 0; r < WROWS; r++) w[r] = DEQUANT8(wrow[r], c, sm[r]); \
-                _Pragma("unroll") for (int mm = 0; mm < R; mm++) {                                    \
-                    const float8 xv = LOAD_X8(xp + (size_t)xrow[mm] * k, c);                          \
-                    _Pragma("unroll") for (int r = 0; r < WROWS; r++) acc[r][mm] += w[r] * xv;        \
-                }                                                                                     \
-            }                                                                                         \
-        }                                                                                             \
-        _Pragma("unroll") for (int mm = 0; mm < R; mm++) {                                            \
-            _Pragma("unroll") for (int r = 0; r < ROWS; r++) {                                        \
-                if (col0 + r < n_cols) {                                                              \
-                    const float ya = SUM8(acc[r][mm]);                                                \
-                    EPILOGUE_STORE                                                                    \
-                    y[(size_t)(m0 + xrow[mm]) * ldy + y_col0 + col0 + r] = out;                       \
-                }                                                                                     \
-            }                                                                                         \
-        }                                                                                             \
-        m0 += R;                                                                                      \
+                _Pragma("unroll") for (int mm = 0; mm < R; mm++) {                               \
+                    const float8 xv = LOAD_X8(xp + (size_t)mm * k, c);                           \
+                    _Pragma("unroll") for (int r = 0; r < WROWS; r++) acc[r][mm] += w[r] * xv;   \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        _Pragma("unroll") for (int mm = 0; mm < R; mm++) {                                       \
+            _Pragma("unroll") for (int r = 0; r < ROWS; r++) {                                   \
+                if (col0 + r < n_cols) {                                                         \
+                    const float ya = SUM8(acc[r][mm]);                                           \
+                    EPILOGUE_STORE                                                               \
+                    y[(size_t)(m0 + mm) * ldy + y_col0 + col0 + r] = out;                        \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        m0 += R;                                                                                 \
     }
 
 #if EPILOGUE == EPI_BIAS
@@ -121,7 +118,5 @@ void gemm_q8(const int m_rows, const int n_cols, const int k, const int ldy, con
     }
 
     int m0 = 0;
-#define M_PASS MT
-#define M_TAIL 2
 #include "m_passes.h"
 }

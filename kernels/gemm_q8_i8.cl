@@ -23,11 +23,11 @@
 // one scalar accumulator a row of X and weight row (only where the device lists the extension); PAIR 1 (with
 // DOT 0), two rows of X converted and scaled in one float16.
 //
-// Shape contract (as gemm_q8): K a multiple of G; any M ≥ 1 (passes of MT rows, the remainder in masked
-// passes of 4 and 2: kernels/m_passes.h) and any number of columns (edges guarded). One launch covers the
-// columns y_col0 .. y_col0 + n_cols − 1 of Y (row stride ldy); column j's gate (or only) row is row row_a0 + j
-// of block a (codes_a, sm_a, bias_a), its up row is row row_b0 + j of block b (the wrapper cuts launches where
-// either crosses a block boundary). Work-group (WGS); global ⌈n_cols / ROWS / WGS⌉·WGS.
+// Shape contract (as gemm_q8): K a multiple of G; any M ≥ 1 (passes of MT rows, the remainder in passes of 8,
+// 4, 2, 1: kernels/m_passes.h) and any number of columns (edges guarded). One launch covers the columns
+// y_col0 .. y_col0 + n_cols − 1 of Y (row stride ldy); column j's gate (or only) row is row row_a0 + j of block
+// a (codes_a, sm_a, bias_a), its up row is row row_b0 + j of block b (the wrapper cuts launches where either
+// crosses a block boundary). Work-group (WGS); global ⌈n_cols / ROWS / WGS⌉·WGS.
 
 #ifndef WGS
 #define WGS 16  // work-items per work-group, each independent (ROWS columns apiece)
@@ -157,7 +157,7 @@ inline int8 group_dot(const short16* w, const int16* x)
         _Pragma("unroll") for (int r = 0; r < ROWS; r++) {                            \
             if (col0 + r < n_cols) {                                                  \
                 EPILOGUE_STORE                                                        \
-                y[(size_t)(m0 + xrow[mm]) * ldy + y_col0 + col0 + r] = out;           \
+                y[(size_t)(m0 + mm) * ldy + y_col0 + col0 + r] = out;                 \
             }                                                                         \
         }                                                                             \
     }                                                                                 \
@@ -182,9 +182,8 @@ inline int8 group_dot(const short16* w, const int16* x)
 // One pass over K for the R rows of X from m0 (R a compile-time constant), then the epilogue and the stores.
 // Per group, weight row and row of X: G integer products (ACC_T's lanes), then fp32 times s·d; the offset
 // m·Σ d·q_x in a scalar.
-#define PASS_SINGLE(R, LEFT)                                                                              \
+#define PASS_SINGLE(R)                                                                                    \
     {                                                                                                     \
-        PASS_ROWS(R, LEFT)                                                                                \
         ACC_T acc[WROWS][R];                                                                              \
         float off[WROWS][R], tot[WROWS][R];                                                               \
         _Pragma("unroll") for (int r = 0; r < WROWS; r++)                                                 \
@@ -194,10 +193,10 @@ inline int8 group_dot(const short16* w, const int16* x)
             }                                                                                             \
         OVER_K(                                                                                           \
             _Pragma("unroll") for (int mm = 0; mm < R; mm++) {                                            \
-                const float2 xd = xdp[(size_t)xrow[mm] * groups + g];                                     \
+                const float2 xd = xdp[(size_t)mm * groups + g];                                           \
                 X_T xv[GROUP / 16];                                                                       \
                 _Pragma("unroll") for (int i = 0; i < GROUP / 16; i++)                                    \
-                    xv[i] = LOAD_X(xqp + (size_t)xrow[mm] * k, g * (GROUP / 16) + i);                     \
+                    xv[i] = LOAD_X(xqp + (size_t)mm * k, g * (GROUP / 16) + i);                           \
                 _Pragma("unroll") for (int r = 0; r < WROWS; r++) {                                       \
                     acc[r][mm] = CONVERT_ACC(group_dot(w[r], xv)) * (sm[r].x * xd.x) + acc[r][mm];        \
                     ADD_OFFSET(r, mm, sm[r], xd)                                                          \
@@ -205,16 +204,15 @@ inline int8 group_dot(const short16* w, const int16* x)
             })                                                                                            \
         _Pragma("unroll") for (int r = 0; r < WROWS; r++)                                                 \
             _Pragma("unroll") for (int mm = 0; mm < R; mm++) tot[r][mm] = ACC_TOTAL(acc[r][mm]) + off[r][mm]; \
-        STORE(R)                                                                                              \
+        STORE(R)                                                                                          \
     }
 
 #if PAIR
 // PAIR 1 (with DOT 0): rows of X in pairs, the 8 int lanes of each row's products of a group converted into the
 // halves of one float16, so one multiply-add (by s·d of each row of X in its half) serves two rows
 // (kernels/gemm_q4_i8.cl's PAIR).
-#define PASS_PAIRED(R, LEFT)                                                                              \
+#define PASS_PAIRED(R)                                                                                    \
     {                                                                                                     \
-        PASS_ROWS(R, LEFT)                                                                                \
         float16 acc[WROWS][R / 2];                                                                        \
         float off[WROWS][R], tot[WROWS][R];                                                               \
         _Pragma("unroll") for (int r = 0; r < WROWS; r++) {                                               \
@@ -223,13 +221,13 @@ inline int8 group_dot(const short16* w, const int16* x)
         }                                                                                                 \
         OVER_K(                                                                                           \
             _Pragma("unroll") for (int p = 0; p < R / 2; p++) {                                           \
-                const float2 xda = xdp[(size_t)xrow[2 * p] * groups + g];                                 \
-                const float2 xdb = xdp[(size_t)xrow[2 * p + 1] * groups + g];                             \
+                const float2 xda = xdp[(size_t)(2 * p) * groups + g];                                     \
+                const float2 xdb = xdp[(size_t)(2 * p + 1) * groups + g];                                 \
                 const float16 d = (float16)((float8)xda.x, (float8)xdb.x);                                \
                 X_T xa[GROUP / 16], xb[GROUP / 16];                                                       \
                 _Pragma("unroll") for (int i = 0; i < GROUP / 16; i++) {                                  \
-                    xa[i] = LOAD_X(xqp + (size_t)xrow[2 * p] * k, g * (GROUP / 16) + i);                  \
-                    xb[i] = LOAD_X(xqp + (size_t)xrow[2 * p + 1] * k, g * (GROUP / 16) + i);              \
+                    xa[i] = LOAD_X(xqp + (size_t)(2 * p) * k, g * (GROUP / 16) + i);                      \
+                    xb[i] = LOAD_X(xqp + (size_t)(2 * p + 1) * k, g * (GROUP / 16) + i);                  \
                 }                                                                                         \
                 _Pragma("unroll") for (int r = 0; r < WROWS; r++) {                                       \
                     const float16 dot = (float16)(convert_float8(group_dot(w[r], xa)),                    \
@@ -246,10 +244,17 @@ inline int8 group_dot(const short16* w, const int16* x)
             }                                                                                             \
         STORE(R)                                                                                          \
     }
-// Every pass has an even count of rows (MT, and the remainder's 4 and 2: kernels/m_passes.h): all go in pairs.
-#define PASS(R, LEFT) PASS_PAIRED(R, LEFT)
+// Passes of 2, 4, 8 or 16 rows go in pairs; one of a single row (the remainder of an odd M) has no pair. R is
+// a number (MT is passed as one), so PASS(R) names its pass.
+#define PASS(R) PASS_ROWS(R)
+#define PASS_ROWS(R) PASS_##R
+#define PASS_1 PASS_SINGLE(1)
+#define PASS_2 PASS_PAIRED(2)
+#define PASS_4 PASS_PAIRED(4)
+#define PASS_8 PASS_PAIRED(8)
+#define PASS_16 PASS_PAIRED(16)
 #else
-#define PASS(R, LEFT) PASS_SINGLE(R, LEFT)
+#define PASS(R) PASS_SINGLE(R)
 #endif
 
 __kernel __attribute__((reqd_work_group_size(WGS, 1, 1)))
@@ -278,7 +283,5 @@ void gemm_q8_i8(const int m_rows, const int n_cols, const int k, const int ldy, 
     }
 
     int m0 = 0;
-#define M_PASS MT
-#define M_TAIL 2
 #include "m_passes.h"
 }

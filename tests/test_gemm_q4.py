@@ -202,8 +202,8 @@ def test_int8_kernel_is_exact_to_its_own_rounding_of_x(device, request, group, f
         assert TOL < exact <= I8_EXACT_TOL, m
 
 
-# kernels/m_passes.h: full passes of M_PASS rows (MT, or the lanes kernels' MB), then the remainder in passes
-# of 4 and 2 masked to the rows that exist. Each value of M_PASS, with the int8 kernel's paired rows too.
+# The skinny GEMMs go over M in full passes of MT rows (or the lanes kernels' MB), then over the remainder:
+# each value of the space, with the int8 kernels' paired rows too.
 M_PASSES = {"skinny": [{"MT": v} for v in SKINNY.params.space["MT"]],
             "lanes": [{"MB": v} for v in LANES.params.space["MB"]],
             "i8": [{"MT": v, "PAIR": pair} for v in I8.params.space["MT"] for pair in (0, 1)]}
@@ -211,10 +211,10 @@ M_PASSES = {"skinny": [{"MT": v} for v in SKINNY.params.space["MT"]],
 
 @pytest.mark.parametrize("kind", list(M_PASSES))
 def test_every_remainder_of_the_m_passes(device, rng, kind):
-    """At each rows-a-pass value, M = 1 .. 2·M_PASS + 1: fewer rows than one pass (M = 1 among them), one full
-    pass and each remainder 0 .. M_PASS − 1, two full passes and one row; each call's M rows match the
-    float64 reference (of X rounded as the int8 kernel rounds it, for that kernel) and nothing is written
-    past row M."""
+    """At each rows-a-pass value M_PASS (MT or MB), M = 1 .. 2·M_PASS + 1: fewer rows than one pass (M = 1
+    among them), one full pass and each remainder 0 .. M_PASS − 1, two full passes and one row; each call's M
+    rows match the float64 reference (of X rounded as the int8 kernel rounds it, for that kernel) and nothing is
+    written past row M."""
     n, k, group = 101, 192, 64   # columns off every ROWS·WGS; 3 groups of 2 texels
     q4 = Q4Matrix.random(n, k, group, rng)
     bias = (0.1 * rng.standard_normal(n)).astype(np.float32)

@@ -133,8 +133,8 @@ def test_int8_activations_are_exact_to_their_own_quantization(device, rng, n, k,
     assert relative_error(y.get(), exact) > spec.tolerance   # x really was quantized
 
 
-# kernels/m_passes.h: full passes of M_PASS rows (MT, or gemm_q8_lanes's MB), then the remainder in passes
-# of 4 and 2 masked to the rows that exist. Each value of M_PASS, with gemm_q8_i8's paired rows too.
+# The skinny GEMMs go over M in full passes of MT rows (or gemm_q8_lanes's MB), then over the remainder: each
+# value of the space, with the int8 kernels' paired rows too.
 M_PASSES = {"skinny": [{"MT": v} for v in SPECS["gemm_q8"].params.space["MT"]],
             "lanes": [{"MB": v} for v in SPECS["gemm_q8_lanes"].params.space["MB"]],
             "i8": [{"MT": v, "PAIR": pair} for v in SPECS["gemm_q8_i8"].params.space["MT"] for pair in (0, 1)]}
@@ -142,10 +142,10 @@ M_PASSES = {"skinny": [{"MT": v} for v in SPECS["gemm_q8"].params.space["MT"]],
 
 @pytest.mark.parametrize("kind", list(M_PASSES))
 def test_every_remainder_of_the_m_passes(device, rng, kind):
-    """At each rows-a-pass value, M = 1 .. 2·M_PASS + 1: fewer rows than one pass (M = 1 among them), one full
-    pass and each remainder 0 .. M_PASS − 1, two full passes and one row; each call's M rows match the
-    float64 reference (of X rounded as gemm_q8_i8 rounds it, for that kernel) and nothing is written
-    past row M."""
+    """At each rows-a-pass value M_PASS (MT or MB), M = 1 .. 2·M_PASS + 1: fewer rows than one pass (M = 1
+    among them), one full pass and each remainder 0 .. M_PASS − 1, two full passes and one row; each call's M
+    rows match the float64 reference (of X rounded as gemm_q8_i8 rounds it, for that kernel) and nothing is
+    written past row M."""
     n, k, group = 101, 160, 32   # columns off every ROWS·WGS; 5 groups
     shape = {"n": n, "k": k, "group": group, "f32": False, "sym": False, "epilogue": "bias"}
     q8 = Q8Matrix.random(n, k, group, rng, f32=False, symmetric=False)

@@ -143,9 +143,8 @@ SKINNY = Spec(
     programs=_programs("skinny"),
     tolerance=TOLERANCE,
     tolerance_why=TOLERANCE_WHY,
-    # Off every tile grid: M = 33 runs passes of MT and then a masked pass for its last row (every remainder
-    # of every MT: tests/test_gemm_q4.py), and the columns (60 and 100) are no multiple of ROWS·WGS. The first
-    # shape exercises the most code: tests sweep it.
+    # Off every tile grid: M = 33 runs passes of MT and then one of a single row, and the columns
+    # (60 and 100) are no multiple of ROWS·WGS. The first shape exercises the most code: tests sweep it.
     test_shapes=(
         {"m": 33, "n": 2 * 60, "k": 352, "group": 32, "epilogue": "silu_mul"},
         {"m": 7, "n": 100, "k": 384, "group": 128, "epilogue": "bias"},
@@ -216,8 +215,7 @@ F16 = Spec(
 
 
 # The skinny kernel's shapes, checks and tolerance: the same products and edges. M = 33 runs passes of MB and
-# then the remainder's masked passes of 4 and 2 (kernels/m_passes.h); the columns (60 and 100) are no multiple of
-# ROWS·WGS.
+# then the remainder's (1, or 8+1, 4+1 ...); the columns (60 and 100) are no multiple of ROWS·WGS.
 LANES = dataclasses.replace(SKINNY, params=gemm_q4.LANES, make_case=_case_maker("lanes"), programs=_programs("lanes"))
 
 # The skinny kernel's shapes, checks and fp32 tolerance, against X rounded as the kernel rounds it

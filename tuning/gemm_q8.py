@@ -93,10 +93,10 @@ SPEC = Spec(
         "float64 on the same codes and pairs: rounding grows like sqrt(K)·2⁻²⁴ of Σ|x·w|, and max|Y| of random "
         "inputs is about sqrt(K) times smaller than Σ|x·w|, so the relative error is a few 1e-6; 1e-4 leaves "
         "margin and still catches one wrong weight group (≥ 1e-3) or a dropped block (≥ 1e-1)"),
-    # Off every tile grid: M = 33 runs passes of MT then a masked pass for its last row; 60, 100 and 37
-    # columns are no multiple of ROWS·WGS. The first shape (gate-up, G = 16, float32 pairs, gate and up rows
-    # crossing block boundaries at different columns) exercises the most code: tests sweep it. The third and
-    # fourth have scales alone (fp16: Q8_0's and Q5_0's).
+    # Off every tile grid: M = 33 runs passes of MT then a single row; 60, 100 and 37 columns are no
+    # multiple of ROWS·WGS. The first shape (gate-up, G = 16, float32 pairs, gate and up rows crossing
+    # block boundaries at different columns) exercises the most code: tests sweep it. The third and fourth
+    # have scales alone (fp16: Q8_0's and Q5_0's).
     test_shapes=(
         {"m": 33, "n": 2 * 60, "k": 352, "group": 16, "f32": True, "epilogue": "silu_mul", "block_bytes": 50 * 352},
         {"m": 7, "n": 100, "k": 384, "group": 32, "f32": False, "epilogue": "bias"},
@@ -118,8 +118,7 @@ SPEC = Spec(
 
 
 # The same shapes, checks and tolerance: the same products and edges. M = 33 runs passes of MB and then the
-# remainder's masked passes of 4 and 2 (kernels/m_passes.h); 60, 100, 37 and 50 columns are no multiple of
-# ROWS·WGS.
+# remainder's (1, or 8+1, 4+1 ...); 60, 100, 37 and 50 columns are no multiple of ROWS·WGS.
 def lanes_case(device, shape, rng) -> Case:
     return make_case(device, shape, rng, "lanes")
 

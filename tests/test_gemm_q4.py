@@ -202,6 +202,37 @@ def test_int8_kernel_is_exact_to_its_own_rounding_of_x(device, request, group, f
         assert TOL < exact <= I8_EXACT_TOL, m
 
 
+# The skinny GEMMs go over M in full passes of MT rows (or the lanes kernels' MB), then over the remainder:
+# each value of the space, with the int8 kernels' paired rows too.
+M_PASSES = {"skinny": [{"MT": v} for v in SKINNY.params.space["MT"]],
+            "lanes": [{"MB": v} for v in LANES.params.space["MB"]],
+            "i8": [{"MT": v, "PAIR": pair} for v in I8.params.space["MT"] for pair in (0, 1)]}
+
+
+@pytest.mark.parametrize("kind", list(M_PASSES))
+def test_every_remainder_of_the_m_passes(device, rng, kind):
+    """At each rows-a-pass value M_PASS (MT or MB), M = 1 .. 2·M_PASS + 1: fewer rows than one pass (M = 1
+    among them), one full pass and each remainder 0 .. M_PASS − 1, two full passes and one row; each call's M
+    rows match the float64 reference (of X rounded as the int8 kernel rounds it, for that kernel) and nothing is
+    written past row M."""
+    n, k, group = 101, 192, 64   # columns off every ROWS·WGS; 3 groups of 2 texels
+    q4 = Q4Matrix.random(n, k, group, rng)
+    bias = (0.1 * rng.standard_normal(n)).astype(np.float32)
+    weight = Q4DeviceWeight.upload(device, q4, bias, ("buffer",))
+    top = 2 * max(max(p.values()) for p in M_PASSES[kind]) + 1
+    x = rng.standard_normal((top, k)).astype(np.float32)
+    x[:, rng.integers(0, 64)::64] *= 40
+    want = expected_output(q8_rounded(x) if kind == "i8" else x, q4, bias, "bias")
+    for params in M_PASSES[kind]:
+        gemm = GemmQ4(device, shape={"n": n, "k": k, "group": group, "epilogue": "bias"}, kind=kind,
+                      **{f"{kind}_params": params})
+        rows = params.get("MT", params.get("MB"))
+        for m in range(1, 2 * rows + 2):
+            y = device.poisoned((m + 1, n), np.float32)
+            out = _run(gemm, kind, weight, device.upload(x[:m]), y, m, "bias")
+            assert relative_error(out, want[:m]) <= TOL, (params, m)
+
+
 def test_int8_kernel_forms_are_offered_where_they_build(device):
     """The tuner may choose paired rows anywhere, byte dot products exactly where the device lists
     cl_khr_integer_dot_product, and never both: the pairs are int lanes the byte dot products do not have."""

@@ -133,6 +133,40 @@ def test_int8_activations_are_exact_to_their_own_quantization(device, rng, n, k,
     assert relative_error(y.get(), exact) > spec.tolerance   # x really was quantized
 
 
+# The skinny GEMMs go over M in full passes of MT rows (or gemm_q8_lanes's MB), then over the remainder: each
+# value of the space, with the int8 kernels' paired rows too.
+M_PASSES = {"skinny": [{"MT": v} for v in SPECS["gemm_q8"].params.space["MT"]],
+            "lanes": [{"MB": v} for v in SPECS["gemm_q8_lanes"].params.space["MB"]],
+            "i8": [{"MT": v, "PAIR": pair} for v in SPECS["gemm_q8_i8"].params.space["MT"] for pair in (0, 1)]}
+
+
+@pytest.mark.parametrize("kind", list(M_PASSES))
+def test_every_remainder_of_the_m_passes(device, rng, kind):
+    """At each rows-a-pass value M_PASS (MT or MB), M = 1 .. 2·M_PASS + 1: fewer rows than one pass (M = 1
+    among them), one full pass and each remainder 0 .. M_PASS − 1, two full passes and one row; each call's M
+    rows match the float64 reference (of X rounded as gemm_q8_i8 rounds it, for that kernel) and nothing is
+    written past row M."""
+    n, k, group = 101, 160, 32   # columns off every ROWS·WGS; 5 groups
+    shape = {"n": n, "k": k, "group": group, "f32": False, "sym": False, "epilogue": "bias"}
+    q8 = Q8Matrix.random(n, k, group, rng, f32=False, symmetric=False)
+    bias = (0.1 * rng.standard_normal(n)).astype(np.float32)
+    weight = Q8DeviceWeight.upload(device, q8, bias)
+    top = 2 * max(max(p.values()) for p in M_PASSES[kind]) + 1
+    x = rng.standard_normal((top, k)).astype(np.float32)
+    x[:, rng.integers(0, 64)::64] *= 40
+    want = reference.gemm(q8_rounded(x, group) if kind == "i8" else x, q8.dequantize(), bias)
+    spec = SPECS["gemm_q8" if kind == "skinny" else f"gemm_q8_{kind}"]
+    for params in M_PASSES[kind]:
+        gemm = GemmQ8(device, params, shape, kind)
+        rows = params.get("MT", params.get("MB"))
+        for m in range(1, 2 * rows + 2):
+            y = device.poisoned((m + 1, n), np.float32)
+            gemm(weight, device.upload(x[:m]), y, m, "bias").wait()
+            out = y.get()
+            assert np.isnan(out[m:]).all(), f"{params} wrote past row M = {m}"
+            assert relative_error(out[:m], want[:m]) <= spec.tolerance, (params, m)
+
+
 def test_blocks_split_under_the_allocation_limit(rng):
     """A 64 KiB allocation limit splits a 300 × 576 int8 table into 3 blocks; the lm_head GEMV, the
     multi-position GEMM and the gather all cross them."""

@@ -76,10 +76,10 @@ def client(server, **kwargs) -> openai.OpenAI:
                          timeout=TIMEOUT, **kwargs)
 
 
-def ask(server, request, stream: bool = True) -> tuple[str, str, int]:
+def ask(server, request, stream: bool = True, **client_options) -> tuple[str, str, int]:
     """(text, finish reason, completion tokens) of one request, streamed or not."""
     chat, prompt, settings = request
-    api = client(server)
+    api = client(server, **client_options)
     extra = {"stream_options": {"include_usage": True}} if stream else {}
     if chat:
         answer = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
@@ -164,21 +164,26 @@ def test_the_queue_limit_counts_every_slot_and_shutdown_stops_them_all(loaded):
         gated.gate.set()
         streams = [api.completions.create(model=MODEL, prompt=f"story {i}", max_tokens=900, stream=True)
                    for i in range(2)]
-        iterators = [iter(stream) for stream in streams]
+        for stream in streams:
+            next(iter(stream))                                 # both streaming
         assert engine.wait_for(lambda s: s["running"] == 2, TIMEOUT)
         gated.gate.clear()                                     # both held at their next step
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            waiting = pool.submit(ask, server, REQUESTS[6], False)
+            # the answer itself, not the client's retry of a 503
+            waiting = pool.submit(ask, server, REQUESTS[6], False, max_retries=0)
             assert engine.wait_for(lambda s: s["waiting"] == 1, TIMEOUT)
             with pytest.raises(openai.RateLimitError) as refused:
                 api.completions.create(model=MODEL, prompt="one too many", max_tokens=3)
             assert "2 requests are running (--parallel 2) and 1 wait" in refused.value.response.json()["error"]["message"]
-            gated.gate.set()
-            for iterator in iterators:
-                next(iterator)
-            server.stop()                                      # every running request stopped, the waiting one 503
+            # The stop begins with the steps held: a free-running tiny model finishes 900 tokens before a stop's
+            # first half second (its wait for the accepting loop), and the waiting request would then run.
+            stopping = threading.Thread(target=server.stop)
+            stopping.start()                                   # every running request stopped, the waiting one 503
             with pytest.raises((openai.APIStatusError, openai.APIConnectionError)):
                 waiting.result(TIMEOUT)
+            gated.gate.set()                                   # the held step returns; the worker sees the stop
+            stopping.join(TIMEOUT)
+            assert not stopping.is_alive()
     stats = engine.stats()
     assert stats["rejected"] == 1 and stats["running"] == 0 and stats["cancelled"] == 3
 

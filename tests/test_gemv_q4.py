@@ -205,6 +205,7 @@ def test_errors(device, rng):
 def test_each_weight_is_on_the_device_once(device, rng):
     """Codes and scales are allocated once whatever the read paths: image1d_buffer (and, where the device has
     cl_khr_image2d_from_buffer, image2d) are views of the codes buffer."""
+    device = Device(device.entry.index)   # a count of its own: the shared one's moves as other tests' buffers go
     n, k, group = 300, 2048, 64   # 64 texels a row: a multiple of Intel's image pitch alignment
     q4 = Q4Matrix.random(n, k, group, rng)
     kept = []   # each weight stays alive, so the next upload's count is its own
@@ -233,6 +234,7 @@ def test_each_weight_is_on_the_device_once(device, rng):
 
 def test_image2d_alone_is_the_only_copy(device, rng):
     """Where image2d cannot view a buffer, asking for it alone makes no codes buffer."""
+    device = Device(device.entry.index)   # a count of its own: the shared one's moves as other tests' buffers go
     q4 = Q4Matrix.random(40, 576, 32, rng)
     before = device.allocated_bytes
     weight = Q4DeviceWeight.upload(device, q4, read_paths=("image2d",))
@@ -246,6 +248,7 @@ def test_image2d_alone_is_the_only_copy(device, rng):
 @pytest.mark.parametrize("form", [Q4_ZEROS, Q4_SYMMETRIC])
 def test_zero_point_forms_allocate_their_bytes(device, rng, form):
     """The scales buffer holds the form's bytes (2.5 or 2 a group), and nbytes counts exactly those."""
+    device = Device(device.entry.index)   # a count of its own: the shared one's moves as other tests' buffers go
     q4 = Q4Matrix.random(123, 352, 32, rng, form=form)
     before = device.allocated_bytes
     weight = Q4DeviceWeight.upload(device, q4, read_paths=("buffer",), layout=1)

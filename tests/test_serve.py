@@ -4,6 +4,7 @@ the signal tests start `perfx serve` as a user does."""
 
 import concurrent.futures
 import copy
+import gc
 import http.client
 import json
 import os
@@ -30,6 +31,7 @@ from helpers.tiny_models import write_endless_gguf
 from perfx import cli, forward64
 from perfx.generate import SamplingConfig
 from perfx.model import load_model
+from perfx.runtime import Device
 from perfx.serve.engine import Engine, served_model_id
 from perfx.serve.server import Server, ServeOptions
 from perfx.sources import open_model
@@ -558,6 +560,24 @@ def test_a_client_that_leaves_before_a_non_streamed_answer_frees_its_turn(loaded
         assert srv.client().completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
     cancelled = [line for line in srv.logs if "(cancelled)" in line]
     assert len(cancelled) == 1 and int(re.search(r"completion (\d+)", cancelled[0])[1]) < 4000, srv.logs
+
+
+def test_stopping_ends_idle_keep_alive_connections_so_the_model_can_go(tiny, opencl_device):
+    """A keep-alive connection's thread waits for the client's next request, holding the server, its engine and
+    the model: stop() ends it and waits for it. Left running, it let the model's device memory go whenever the
+    client closed (a client left to the collector: at some later test's gc.collect()), in the middle of whatever
+    counted the device's bytes then."""
+    device = Device(opencl_device.entry.index)   # a count of this test's own
+    model, source = load_model(tiny, device, progress=False)
+    with running_server(model, source.tokenizer) as srv:
+        connection = srv.connection()
+        connection.request("GET", "/health")
+        assert connection.getresponse().read()   # answered: the connection stays open for a next request
+    del model, source, srv
+    gc.collect()
+    assert device.allocated_bytes == 0
+    assert connection.sock.recv(1) == b""       # the server closed its end
+    connection.close()
 
 
 def test_the_queue_limit_answers_429(loaded):

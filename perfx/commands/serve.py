@@ -107,7 +107,8 @@ def main(args) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     # serve_forever runs in a thread: shutdown() called from a signal handler in the thread that runs it
     # would wait for itself.
-    threading.Thread(target=server.serve_forever, name="perfx-serve-accept", daemon=True).start()
+    accepting = threading.Thread(target=server.serve_forever, name="perfx-serve-accept", daemon=True)
+    accepting.start()
     host, port = server.server_address[:2]
     host = f"[{host}]" if ":" in host else host
     log(f"perfx serve: {model_id} on http://{host}:{port}/v1 (context {model.max_positions} positions, "
@@ -118,6 +119,7 @@ def main(args) -> int:
     stop.wait()
     log("perfx serve: stopping: new requests get 503, the running ones are stopped")
     server.stop()
+    accepting.join()   # serve_forever has returned: no thread of the server is left holding the model
     counts = engine.stats()
     log("perfx serve: stopped (" + ", ".join(f"{counts[name]} {name}" for name in engine.counts) + ")")
     return 0

@@ -111,7 +111,7 @@ class ServeOptions:
 class Server(ThreadingHTTPServer):
     """The listening socket and what every connection thread shares."""
 
-    daemon_threads = True   # an idle keep-alive connection must not keep a stopping server alive
+    daemon_threads = True   # a connection's thread never keeps the process alive (stop ends them, bounded)
 
     def __init__(self, address: tuple[str, int], engine: Engine, options: ServeOptions):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
@@ -122,6 +122,7 @@ class Server(ThreadingHTTPServer):
         self.in_flight = 0                       # requests between parsing and their last byte
         self.stopping = False
         self.idle = threading.Condition()
+        self.connections: dict[threading.Thread, socket.socket] = {}   # each open connection's thread, under idle
 
     def handle_error(self, request, client_address):
         """An exception that escaped a connection's thread: one line, never a traceback on the console (a
@@ -134,9 +135,28 @@ class Server(ThreadingHTTPServer):
         if self.options.verbose:
             self.options.log(traceback.format_exc().rstrip())
 
-    def stop(self):
-        """Stop accepting, answer or stop every request, and wait (bounded) until their answers are written.
+    def process_request(self, request, client_address):
+        """The connection on a thread of its own, kept in ``connections`` until it ends (``stop`` ends them all)."""
+        thread = threading.Thread(target=self._connection, args=(request, client_address),
+                                  name="perfx-serve-connection", daemon=self.daemon_threads)
+        with self.idle:
+            self.connections[thread] = request
+        thread.start()
 
+    def _connection(self, request, client_address):
+        try:
+            self.process_request_thread(request, client_address)
+        finally:
+            with self.idle:
+                del self.connections[threading.current_thread()]
+
+    def stop(self):
+        """Stop accepting, answer or stop every request, wait (bounded) until their answers are written, then end
+        every connection and wait (bounded) for its thread.
+
+        A keep-alive connection's thread waits for the client's next request (up to ``IDLE_CONNECTION_S``, or until
+        the client closes it) and holds the server, and through it the engine and the model's device memory: left
+        running, it would let that memory go whenever the client closed, in whatever the process did by then.
         serve_forever must be running in another thread.
         """
         self.stopping = True
@@ -144,6 +164,15 @@ class Server(ThreadingHTTPServer):
         self.engine.close()
         with self.idle:
             self.idle.wait_for(lambda: self.in_flight == 0, SHUTDOWN_GRACE_S)
+            connections = list(self.connections.items())
+        for _, request in connections:
+            try:
+                request.shutdown(socket.SHUT_RDWR)   # a read waiting for the next request returns end-of-file
+            except OSError:
+                pass                                 # the connection's thread is closing it already
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        for thread, _ in connections:
+            thread.join(max(0.0, deadline - time.monotonic()))
         self.server_close()
 
 

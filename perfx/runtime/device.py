@@ -1049,6 +1049,10 @@ class Device:
     # -- memory --------------------------------------------------------------------------------
 
     def _account(self, obj, nbytes: int):
+        """Count ``nbytes`` for ``obj`` until it is freed: ``allocated_bytes`` falls in the thread that drops the
+        last reference to it, or, for an object in a reference cycle (a Model and its layers are one), in the
+        collection that frees it, whichever thread starts that. So a count is exact once ``gc.collect()`` has run
+        and no other thread holds what was dropped: an owner's stop joins its threads (``Server.stop``)."""
         with self._lock:
             self.allocated_bytes += nbytes
             self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)

@@ -6,7 +6,8 @@ import numpy as np
 import pyopencl as cl
 import pytest
 
-from helpers.spec_checks import assert_planned_sets, same_inputs_for_every_form, swept
+from helpers.spec_checks import (EXHAUSTIVE, RUNTIMES, assert_planned_sets, runtimes_for,
+                                 same_inputs_for_every_form, shared_out, swept)
 from perfx import reference
 from perfx.errors import PerfxError
 from perfx.formats import Q8Matrix
@@ -96,18 +97,47 @@ def test_int8_gemm_is_exact_to_its_own_rounding_of_x(device, request, group, f32
         assert SPECS["gemm_q8_i8"].tolerance < exact <= i8_tolerance, m
 
 
-@pytest.mark.parametrize("n, k, group, f32, sym, epilogue", [(203, 640, 16, True, False, "none"),
-                                                             (2 * 75, 576, 32, False, False, "silu_mul"),
-                                                             (203, 640, 16, True, True, "none"),
-                                                             (2 * 75, 576, 32, False, True, "silu_mul")])
-def test_int8_activations_are_exact_to_their_own_quantization(device, rng, n, k, group, f32, sym, epilogue):
+I8_SHAPES = [{"n": 203, "k": 640, "group": 16, "f32": True, "sym": False, "epilogue": "none"},
+             {"n": 2 * 75, "k": 576, "group": 32, "f32": False, "sym": False, "epilogue": "silu_mul"},
+             {"n": 203, "k": 640, "group": 16, "f32": True, "sym": True, "epilogue": "none"},
+             {"n": 2 * 75, "k": 576, "group": 32, "f32": False, "sym": True, "epilogue": "silu_mul"}]
+
+
+def i8_sets(caps) -> list[list[dict]]:
+    """The I8 sets checked at each of I8_SHAPES on a device of ``caps``: the plan's rule over the implementations
+    (``shared_out``): at each shape on each, a subset holding every value of every parameter, and every other I8
+    set once."""
+    spec, runtimes = SPECS["gemv_q8"], runtimes_for(caps)
+    places = [[p for p in spec.params.candidates({**shape, "bias": False}, r) if p["I8"]]
+              for r in runtimes for shape in I8_SHAPES]
+    here = runtimes.index(caps) * len(I8_SHAPES)
+    return shared_out("gemv_q8 I8 exact", places)[here:here + len(I8_SHAPES)]
+
+
+def test_every_i8_set_is_checked_for_its_exactness():
+    """``i8_sets`` over the implementations here: every I8 set the tuner may choose at each shape on each is
+    checked at one of them (``PERFX_TEST_EXHAUSTIVE=1``: at every one)."""
+    spec = SPECS["gemv_q8"]
+    places = [[p for p in spec.params.candidates({**shape, "bias": False}, caps) if p["I8"]]
+              for caps in RUNTIMES.values() for shape in I8_SHAPES]
+    checked = [sets for caps in RUNTIMES.values() for sets in i8_sets(caps)]
+    assert all(p in sets for sets, chosen in zip(places, checked) for p in chosen)
+    assert {str(p) for sets in checked for p in sets} == {str(p) for sets in places for p in sets}
+    made, every = sum(map(len, checked)), sum(map(len, places))
+    assert made == every if EXHAUSTIVE else made < every
+
+
+@pytest.mark.parametrize("index", range(len(I8_SHAPES)), ids=["-".join(map(str, s.values())) for s in I8_SHAPES])
+def test_int8_activations_are_exact_to_their_own_quantization(device, rng, index):
     """I8's only approximation is x rounded to int8 per group (the offset term on the rounded group's sum):
     the quantized x the launch leaves is perfx.reference.quantize_activations_q8's, and against the float64
     product of the same weights and that x every I8 parameter set is as exact as the fp32 kernels: the int16
     pairs (I8 1) and, where the driver has cl_khr_integer_dot_product (and only there), the byte dot products
-    (I8 2)."""
+    (I8 2). Each I8 set is checked so at one shape on one implementation (``i8_sets``), and at each shape on each
+    a subset holding every value of every parameter."""
     spec = SPECS["gemv_q8"]
-    shape = {"n": n, "k": k, "group": group, "f32": f32, "sym": sym, "epilogue": epilogue, "bias": False}
+    shape = {**I8_SHAPES[index], "bias": False}
+    n, k, group, f32, sym, epilogue = (shape[name] for name in ("n", "k", "group", "f32", "sym", "epilogue"))
     q8 = Q8Matrix.random(n, k, group, rng, f32=f32, symmetric=sym)
     weight = Q8DeviceWeight.upload(device, q8, max_block_bytes=64 * k)   # launches cut at 64-row blocks
     x = rng.standard_normal(k).astype(np.float32)
@@ -118,7 +148,9 @@ def test_int8_activations_are_exact_to_their_own_quantization(device, rng, n, k,
     candidates = [p for p in spec.params.candidates(shape, device.caps) if p["I8"]]
     assert candidates
     assert any(p["I8"] == 2 for p in candidates) == device.caps.integer_dot_product
-    for params in candidates:
+    checked = i8_sets(device.caps)[index]
+    assert {value for p in checked for value in p.items()} == {value for p in candidates for value in p.items()}
+    for params in checked:
         gemv = GemvQ8(device, params, shape)
         y = device.poisoned(len(want), np.float32)
         gemv.events(weight, device.upload(x), y, epilogue)[-1].wait()

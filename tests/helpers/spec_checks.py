@@ -46,8 +46,11 @@ def covering_sets(spec, shape, caps, strength: int = 1) -> list[dict]:
     a shape's build makes two parameters meet (a head size of 256 against the tiles that fill local memory and
     registers).
     """
-    sets = parameter_sets(spec, shape, caps)
+    return covering_of(parameter_sets(spec, shape, caps), strength)
 
+
+def covering_of(sets: list[dict], strength: int = 1) -> list[dict]:
+    """``covering_sets`` of a list of sets (the first taken first)."""
     def covered(params):
         items = sorted(params.items())
         if strength == 1:
@@ -105,6 +108,18 @@ def full_plan(spec, runtimes, strength=_no_strength) -> set[tuple[int, int, str]
                      for r, i in places]
         _PLANS[key] = {(*places[place], k) for place, k in covering_plan(spec.params.family, per_place, placed)}
     return _PLANS[key]
+
+
+def shared_out(family: str, sets_per_place: list[list[dict]]) -> list[list[dict]]:
+    """For each place (an implementation and a shape of a test of its own), the sets it checks there by the plan's
+    rule (``full_plan``): a ``covering_of`` the sets that may run there, and every other set once, at one place
+    where it can run (``covering_plan``'s hash of ``family`` and the set); every set everywhere with
+    ``PERFX_TEST_EXHAUSTIVE=1``."""
+    if EXHAUSTIVE:
+        return sets_per_place
+    placed = {(place, params_key(p)) for place, sets in enumerate(sets_per_place) for p in covering_of(sets)}
+    keep = covering_plan(family, [[params_key(p) for p in sets] for sets in sets_per_place], placed)
+    return [[p for p in sets if (place, params_key(p)) in keep] for place, sets in enumerate(sets_per_place)]
 
 
 def plan(spec, caps, strength=_no_strength) -> set[tuple[int, str]]:

@@ -5,14 +5,13 @@ runtime where ``intel-opencl-rt`` is installed), with ids such as ``[pocl]`` and
 ``Device()`` made inside such a test opens the same implementation. Modules marked ``one_implementation``
 (model-level and end-to-end tests) run on the default device only. ``PERFX_DEVICE`` set: that device only.
 
-The work units, for ``-n auto --dist loadgroup`` (each unit on one worker, handed out in order as workers free up):
-a file's tests make one unit (its module fixtures made once, its tests in their order), except those marked
-``sweep`` (every parameter set of a kernel family at a shape, or the fuzz's random ones: a build a set), a unit for
-each sweep (its runs on each implementation), so that a file of many sweeps does not hold one worker while the
-other idles. The units go out heaviest first, so that the last to start are short and both workers finish
-together. A unit's weight is its number of tests, a test marked ``slow`` counting ``WEIGHTS["slow"]`` and one
-marked ``sweep`` ``WEIGHTS["sweep"]``. Mark a new test that takes minutes from cold kernel caches with one of them,
-or it will start last and hold the run's tail.
+The order, for ``-n auto`` (pytest-xdist hands the tests out in this order as workers free up): tests go in units,
+heaviest first, so that the last to start are short and both workers finish together. A file's tests make one unit
+(in their order), except those marked ``sweep`` (every parameter set of a kernel family at a shape, or the fuzz's
+random ones: a build a set): each sweep is a unit of its own with its runs on every implementation, so that a file
+of many sweeps starts early rather than at its file's place. A unit's weight is its number of tests, a test marked
+``slow`` counting ``WEIGHTS["slow"]`` and one marked ``sweep`` ``WEIGHTS["sweep"]``. Mark a new test that takes
+minutes from cold kernel caches with one of them, or it will start last and hold the run's tail.
 """
 
 import os
@@ -71,38 +70,26 @@ IMPLEMENTATION_IDS = {index: name for name, index in IMPLEMENTATIONS.items()}   
 WEIGHTS = {"slow": 60, "sweep": 15}
 
 
-def pytest_configure(config):
-    # pytest-xdist hands out the units with the most tests first; ours go by weight (pytest_collection_modifyitems)
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False
-
-
 def work_unit(item) -> str:
-    """The ``xdist_group`` of a test: its file's name, or for a sweep, its own: the file, the test and its parameters
-    but the implementation, so that a sweep's runs on PoCL and on Intel's runtime are one unit, which starts where
-    the first of them stands in pytest's order (pytest runs each implementation's tests together, and a unit of
-    PoCL's tests alone would start after all of Intel's). Neither '@' nor ']' in it: pytest-xdist's loadgroup
-    reads the group's name after the last '@'."""
+    """The unit a test is ordered with: its file's name, or for a sweep, its own: the file, the test and its
+    parameters but the implementation, so that a sweep's runs on PoCL and on Intel's runtime are one unit, which
+    starts where the first of them stands in pytest's order (pytest runs each implementation's tests together, and
+    PoCL's runs alone would start after all of Intel's)."""
     if item.get_closest_marker("sweep") is None:
         return item.path.stem
     callspec = getattr(item, "callspec", None)
     parts = callspec.id.split("-") if callspec is not None else []
     if callspec is not None and "opencl_device" in callspec.params:
         parts.remove(IMPLEMENTATION_IDS[callspec.params["opencl_device"]])
-    name = ".".join([item.path.stem, item.originalname] + ["-".join(parts)] * bool(parts))
-    return name.replace("@", "_").replace("]", "_")
+    return ".".join([item.path.stem, item.originalname] + ["-".join(parts)] * bool(parts))
 
 
-@pytest.hookimpl(tryfirst=True)   # before pytest-xdist's worker reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    """Each test's work unit (``work_unit``, an ``xdist_group`` mark where pytest-xdist runs), and the units by
-    weight, heaviest first (ties in pytest's order); the tests of a unit keep their order."""
-    grouping = config is not None and config.pluginmanager.hasplugin("xdist")
+    """The tests by unit (``work_unit``), the units by weight, heaviest first (ties in pytest's order); the tests of
+    a unit keep their order."""
     units, weight = [], {}
     for item in items:
         unit = work_unit(item)
-        if grouping:
-            item.add_marker(pytest.mark.xdist_group(unit))
         marked = [WEIGHTS[name] for name in WEIGHTS if item.get_closest_marker(name) is not None]
         weight[unit] = weight.get(unit, 0) + max(marked, default=1)
         units.append(unit)
@@ -140,4 +127,4 @@ def device(opencl_device, monkeypatch) -> Device:
 @pytest.fixture
 def rng(request) -> np.random.Generator:
     # A different seed per test, stable across runs, so failures reproduce.
-    return np.random.default_rng(zlib.crc32(spec_checks.stable_id(request.node).encode()))
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, seed, settings, strategies as st
 
-from helpers.spec_checks import EXHAUSTIVE, stable_id
+from helpers.spec_checks import EXHAUSTIVE
 from perfx.tuning import SPECS, relative_error
 
 EXAMPLES = int(os.environ.get("PERFX_FUZZ_EXAMPLES", "50" if EXHAUSTIVE else "5"))
@@ -44,7 +44,7 @@ def test_fuzz(device, family, request):
     spec = SPECS[family]
 
     @FUZZ
-    @seed(zlib.crc32(stable_id(request.node).encode()))
+    @seed(zlib.crc32(request.node.nodeid.encode()))
     @given(data=st.data())
     def fuzz(data):
         shape = data.draw(spec.fuzz_shapes(st), label="shape")

@@ -1,14 +1,12 @@
-"""The suite's work units (tests/conftest.py): under `-n auto --dist loadgroup` a file's tests go to one worker
-together, each sweep alone, and the heaviest units start first."""
+"""The suite's order (tests/conftest.py): a file's tests together, each sweep's runs on every implementation together,
+the heaviest units first, so that under `-n auto` both workers finish together."""
 
 import ast
 from pathlib import Path
 
 import pytest
 
-from conftest import (IMPLEMENTATION_IDS, IMPLEMENTATIONS, WEIGHTS, pytest_collection_modifyitems, pytest_configure,
-                      work_unit)
-from helpers.spec_checks import stable_id
+from conftest import IMPLEMENTATION_IDS, IMPLEMENTATIONS, WEIGHTS, pytest_collection_modifyitems, work_unit
 
 
 class Item:
@@ -41,37 +39,7 @@ def test_a_file_is_one_unit_and_each_sweep_one_of_its_own_on_every_implementatio
              Item("t/x.py", "sweep", "sweep", k="a@1", opencl_device=second), Item("t/x.py", "x2", "slow"),
              Item("t/x.py", "sweep", "sweep", opencl_device=first, k="b]-2"), Item("t/x.py", "fuzz", "sweep")]
     units = [work_unit(item) for item in items]
-    assert units == ["x", "x.sweep.a_1", "x.sweep.a_1", "x", "x.sweep.b_-2", "x.fuzz"]
-    assert not any("@" in unit or "]" in unit for unit in units), "pytest-xdist reads the group after the last '@'"
-
-
-def test_a_seed_is_the_same_with_and_without_the_group_suffix():
-    class Node:
-        def __init__(self, nodeid):
-            self.nodeid = nodeid
-
-    plain = "tests/test_x.py::test_y[pocl-a@b]"
-    assert stable_id(Node(plain)) == plain
-    assert stable_id(Node(plain + "@test_x.sweep3")) == plain
-    assert stable_id(Node("tests/test_x.py::test_z@test_x")) == "tests/test_x.py::test_z"
-
-
-def test_xdist_keeps_this_order(pytestconfig):
-    """pytest-xdist's own reorder (files with the most tests first) is off, in this run as in any."""
-    if not hasattr(pytestconfig.option, "loadscopereorder"):
-        # the dev extra installs xdist (CI has it); a plain `pytest` without it has no reorder to turn off
-        pytest.skip("pytest-xdist is not installed")
-    assert pytestconfig.option.loadscopereorder is False
-
-    class Options:
-        loadscopereorder = True
-
-    class Config:
-        option = Options()
-
-    config = Config()
-    pytest_configure(config)
-    assert config.option.loadscopereorder is False
+    assert units == ["x", "x.sweep.a@1", "x.sweep.a@1", "x", "x.sweep.b]-2", "x.fuzz"]
 
 
 def test_every_kernel_sweep_is_marked_sweep():

@@ -212,16 +212,7 @@ def assert_first_sets(spec, device, shape, rng, predicates: dict) -> dict[str, d
     return chosen
 
 
-def stable_id(node) -> str:
-    """A test's id as pytest names it, without the ``@group`` that pytest-xdist's loadgroup appends on its workers:
-    what a test's seed is made from (tests/conftest.py's ``rng``), so that a failure reproduces in a run of that test
-    alone."""
-    nodeid = node.nodeid
-    at = nodeid.rfind("@")
-    return nodeid[:at] if at > nodeid.rfind("]") else nodeid
-
-
 def same_inputs_for_every_form(request) -> np.random.Generator:
     """The generator of this test's id without its last part (the int8 GEMMs' form of the products, the last
     parametrize): every form on the same inputs, so a form is judged on the data the others passed."""
-    return np.random.default_rng(zlib.crc32(stable_id(request.node).rsplit("-", 1)[0].encode()))
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.rsplit("-", 1)[0].encode()))

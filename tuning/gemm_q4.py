@@ -159,6 +159,7 @@ SKINNY = Spec(
         {"m": 3, "n": 2 * 3, "k": 64, "group": 64, "epilogue": "gelu_mul"},
     ),
     flops=flops,
+    compared_kind=True,
 )
 
 TILED = Spec(
@@ -183,6 +184,7 @@ TILED = Spec(
         {"m": 2, "n": 2 * 3, "k": 64, "group": 32, "epilogue": "gelu_mul"},
     ),
     flops=flops,
+    compared_kind=True,
 )
 
 
@@ -211,6 +213,7 @@ F16 = Spec(
     # Its smallest test shape, already off the tile grid.
     oclgrind_shapes=({"m": 9, "n": 2 * 50, "k": 320, "group": 64, "epilogue": "gelu_mul"},),
     flops=flops,
+    compared_kind=True,
 )
 
 

@@ -114,6 +114,7 @@ SPEC = Spec(
         {"m": 2, "n": 2 * 3, "k": 32, "group": 32, "f32": True, "sym": True, "epilogue": "gelu_mul"},
     ),
     flops=lambda shape: 2 * shape["m"] * shape["n"] * shape["k"],
+    compared_kind=True,
 )
 
 

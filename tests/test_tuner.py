@@ -755,5 +755,7 @@ def test_refresh_times_a_gemm_kinds_entry_at_each_m_its_bucket_serves(device, db
         assert 0.9 * m * 70e-6 < time_s < 1.1 * m * 70e-6
     saved = db.device_file(device).find("timed", {"m": 3, "n": 1})
     assert {int(m) for m in saved["served_times_s"]} == {2, 3, 4}
+    # a current entry keeps its parameters and time as its sweep measured them
+    assert saved["params"] == {"X": 1} and saved["time_s"] == 1e-4 and saved["source_hash"] == current
     assert db.choices(device, spec, {"m": 3, "n": 1})[0].served == {m: t for m, t in result.served.items()}
     assert db.stale_records(device, {"timed": spec}) == []

@@ -107,6 +107,11 @@ def served_times(record: dict) -> dict[int, float]:
     return {int(m): float(t) for m, t in (record.get("served_times_s") or {}).items()}
 
 
+def measured_on_current_source(spec, record: dict) -> bool:
+    """Whether a measured record is pinned to the family's current kernel code (``_pin``)."""
+    return _pin(record, spec) == source_hash(spec)
+
+
 def unserved(spec, record: dict) -> bool:
     """Whether a record of a family compared by kind (``Spec.compared_kind``) lacks its times at the Ms its
     bucket serves (``served_ms``): measured before they were taken, or by a search cut short."""

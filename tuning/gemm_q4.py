@@ -218,7 +218,8 @@ F16 = Spec(
 
 
 # The skinny kernel's shapes, checks and tolerance: the same products and edges. M = 33 runs passes of MB and
-# then the remainder's (1, or 8+1, 4+1 ...); the columns (60 and 100) are no multiple of ROWS·WGS.
+# then the remainder's masked passes of 4 (kernels/m_masked_passes.h; every remainder of every MB:
+# tests/test_gemm_q4.py); the columns (60 and 100) are no multiple of ROWS·WGS.
 LANES = dataclasses.replace(SKINNY, params=gemm_q4.LANES, make_case=_case_maker("lanes"), programs=_programs("lanes"))
 
 # The skinny kernel's shapes, checks and fp32 tolerance, against X rounded as the kernel rounds it

@@ -51,7 +51,8 @@ import numpy as np
 from perfx.errors import PerfxError
 from perfx.runtime import BuildError, DriverError, KernelLimitError
 from perfx.timing import Timing, bootstrap_ratio, copy_kernel, time_launches
-from perfx.tuning.database import Database, normal, params_key, result_record, served_ms, source_hash
+from perfx.tuning.database import (Database, measured_on_current_source, normal, params_key, result_record,
+                                   served_ms, source_hash)
 from perfx.tuning.spec import build_requests, time_case
 
 EXHAUSTIVE_LIMIT = 48   # spaces up to this many candidates are searched exhaustively
@@ -919,7 +920,8 @@ class Tuner:
         """M -> the median time of ``params`` at each M of ``served_ms`` (``case`` is the shape's own, at its M),
         interleaved over ``confirm_rounds`` rounds so the times are of one run: what the plan compares the kinds of
         a product by (``perfx.plan``). Empty for a family not compared by kind, or a bucket timed at one M. The set
-        is verified at each other M first: it was checked at the shape's M alone."""
+        is verified at each M first (the shape's own M among them: a refreshed entry may not have been verified
+        here)."""
         ms = served_ms(shape["m"]) if spec.compared_kind and "m" in shape else ()
         if len(ms) < 2:
             return {}
@@ -965,6 +967,13 @@ class Tuner:
             case = spec.make_case(self.device, shape, np.random.default_rng(self.seed))
         except (PerfxError, DriverError) as e:
             result.reason = f"could not set up the problem: {_first_line(e)}"
+            return result
+        if measured_on_current_source(spec, record):
+            # Due only for its times at the Ms its bucket serves (``Database.stale_records``): its parameters and
+            # time stand as measured (a sweep confirmed them), and those times are added, of one run.
+            saved = {**record, "comment": "its times at each M its bucket serves added by a refresh"}
+            result.kept, result.reason, result.time_s = True, "timed at each M its bucket serves", record.get("time_s")
+            self._save_refreshed(spec, shape, case, params, saved, result)
             return result
         contenders = [params] if same else [params, defaults]
         for which, candidate in zip(("the entry", "the defaults"), contenders):

@@ -554,13 +554,17 @@ def test_info_says_which_int8_prompt_gemm_the_model_runs():
     model decides (a lanes time of another file, or a stale one, does not count)."""
     from perfx.commands.info import gemm_choice_lines
 
-    def entry(family, m, time_s, file="a.json", note=""):
-        return {"family": family, "shape": {"m": m, "n": 64, "k": 64, "group": 32, "f32": False, "epilogue": "none"},
-                "time_s": time_s, "file": file, "note": note}
+    def entry(family, m, time_s, file="a.json", note="", served=None, n=64):
+        return {"family": family, "shape": {"m": m, "n": n, "k": 64, "group": 32, "f32": False, "epilogue": "none"},
+                "time_s": time_s, "file": file, "note": note, "served": served or {}}
     lines = gemm_choice_lines([entry("gemm_q8", 33, 2e-4), entry("gemm_q8_lanes", 33, 1e-4),
                                entry("gemm_q8", 9, 2e-4), entry("gemm_q8_lanes", 9, 1e-4, file="b.json"),
                                entry("gemm_q8", 3, 2e-4), entry("gemm_q8_lanes", 3, 1e-4, note="stale: ...")])
     assert [line for line in lines if "int8" in line][:-1] == ["M ≈   33: int8 lanes fastest for 1 matrix"]
+    # lanes faster at M = 3 but twice as slow at M = 2: gemm_q8 runs, as the model decides (perfx.plan.one_run_costs)
+    lines = gemm_choice_lines([entry("gemm_q8", 3, 2e-4, served={2: 1e-4, 3: 2e-4, 4: 2e-4}),
+                               entry("gemm_q8_lanes", 3, 1e-4, served={2: 2e-4, 3: 1e-4, 4: 1.5e-4})])
+    assert [line for line in lines if "int8" in line][:-1] == ["M ≈    3: int8 skinny fastest for 1 matrix"]
 
 
 # -- sweeps that find more in the same time: builds ahead, pruning, order, where the time goes -------------------

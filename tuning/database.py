@@ -591,7 +591,7 @@ class Database:
             rows.append({"family": family, "shape": shape,
                          "shape_text": "*" if shape is None or spec is None else spec.describe(shape),
                          "params": record.get("params"), "level": level, "file": str(file.path),
-                         "time_s": record.get("time_s"), "note": note})
+                         "time_s": record.get("time_s"), "served": served_times(record), "note": note})
         rows.sort(key=lambda r: (r["family"], LEVELS.index(r["level"]), r["shape_text"]))
         return rows
 

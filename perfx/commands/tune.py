@@ -95,8 +95,8 @@ def refresh(args, device, database, say) -> int:
     families = select_specs(args.kernels)
     entries = database.stale_records(device, families)
     print(f"perfx tune --refresh on {device.caps.platform} / {device.caps.name}: {len(entries)} entries "
-          f"measured on an older kernel source; results in {database.device_path(device.fingerprint)}",
-          file=sys.stderr)
+          f"measured on an older kernel source, or lacking their times at their bucket's Ms; results in "
+          f"{database.device_path(device.fingerprint)}", file=sys.stderr)
     progress = Progress(len(entries), "refresh", enabled=None if not args.json else False)
     results = _until_interrupted(progress, lambda: Tuner(device, database, progress=progress).refresh(entries),
                                  "perfx tune --refresh: interrupted; every entry checked so far is saved, run it "

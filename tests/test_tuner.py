@@ -763,3 +763,18 @@ def test_refresh_times_a_gemm_kinds_entry_at_each_m_its_bucket_serves(device, db
     assert saved["params"] == {"X": 1} and saved["time_s"] == 1e-4 and saved["source_hash"] == current
     assert db.choices(device, spec, {"m": 3, "n": 1})[0].served == {m: t for m, t in result.served.items()}
     assert db.stale_records(device, {"timed": spec}) == []
+
+
+def test_a_sweep_of_a_gemm_kind_records_its_times_at_each_m_its_bucket_serves(device, db):
+    """A sweep's confirmation times the chosen set of a family compared by kind at each M of its bucket (M = 2, 3, 4
+    for M ≤ 4), verified there first; a bucket above 16 rows keeps the representative's time alone."""
+    bench = Served()
+    spec = dataclasses.replace(bench.spec(), make_case=bench.make_case)
+    tuner = Tuner(device, db, timer=bench.timer, reference=lambda: 1e-3, cool_down_s=0)
+    result = tuner.tune_problem(spec, {"m": 3, "n": 1})
+    assert result.chosen == {"X": 1} and sorted(result.confirmation.served) == [2, 3, 4]
+    saved = db.device_file(device).find("timed", {"m": 3, "n": 1})
+    assert {int(m): t for m, t in saved["served_times_s"].items()} == result.confirmation.served
+    assert saved["served_times_s"]["2"] < saved["served_times_s"]["4"]   # each M's own case
+    tuner.tune_problem(spec, {"m": 33, "n": 1})
+    assert "served_times_s" not in db.device_file(device).find("timed", {"m": 33, "n": 1})

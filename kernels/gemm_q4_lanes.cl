@@ -15,7 +15,8 @@
 //
 // Per weight: its code (shift, mask, int→float) and w = s·q + m once, then MB fused multiply-adds, one per
 // row of X in the pass; a pass re-reads the work-item's weight rows from cache, not DRAM. M rows go in
-// passes of MB, the last M mod MB rows in passes of 8, 4, 2 and 1 (each at most once).
+// passes of MB, the last M mod MB rows in passes of 4 masked to the rows that exist
+// (kernels/m_masked_passes.h).
 //
 // Shape contract (as gemm_q4_skinny): K a multiple of 32 and of G ∈ {32, 64, 128} (group_shift =
 // log2(G / 32)); any M ≥ 1 and any number of columns (edges guarded). One launch covers the columns
@@ -80,9 +81,11 @@
 #define EPILOGUE_STORE const float out = ya;
 #endif
 
-// One pass over K for the R rows of X from m0 (R a compile-time constant), then the epilogue and the stores.
-#define PASS(R)                                                                                          \
+// One pass over K for the R rows of X from m0 (R a compile-time constant), then the epilogue and the stores
+// (LEFT of its rows exist, kernels/m_masked_passes.h).
+#define PASS(R, LEFT)                                                                                    \
     {                                                                                                    \
+        PASS_ROWS(R, LEFT)                                                                               \
         float acc[WROWS][R];                                                                             \
         _Pragma("unroll") for (int r = 0; r < WROWS; r++)                                                \
             _Pragma("unroll") for (int mm = 0; mm < R; mm++) acc[r][mm] = 0.0f;                          \
@@ -90,35 +93,35 @@
         for (int g = 0; g < groups; g++) {                                                               \
             float2 sm[WROWS];                                                                            \
             _Pragma("unroll") for (int r = 0; r < WROWS; r++) sm[r] = GROUP_SM(scale_offset, grow[r], g); \
-            for (int t = g << group_shift; t < (g + 1) << group_shift; t++) {                            \
-                TEXEL_LOAD(t)                                                                            \
-                const __global float* xt = xp + 32 * t;                                                  \
-                _Pragma("unroll") for (int c = 0; c < 4; c++) {                                          \
-                    uint bits[WROWS];                                                                    \
-                    _Pragma("unroll") for (int r = 0; r < WROWS; r++) bits[r] = COMPONENT(r, t, c);      \
-                    _Pragma("unroll") for (int j = 0; j < 8; j++) {                                      \
-                        float w[WROWS];                                                                  \
-                        _Pragma("unroll") for (int r = 0; r < WROWS; r++)                                \
-                            w[r] = (float)(int)((bits[r] >> (4 * j)) & 0xFu) * sm[r].x + sm[r].y;        \
-                        _Pragma("unroll") for (int mm = 0; mm < R; mm++) {                               \
-                            const float xv = xt[(size_t)mm * k + 8 * c + j];                             \
-                            _Pragma("unroll") for (int r = 0; r < WROWS; r++)                            \
-                                acc[r][mm] = fma(w[r], xv, acc[r][mm]);                                  \
-                        }                                                                                \
-                    }                                                                                    \
-                }                                                                                        \
-            }                                                                                            \
-        }                                                                                                \
-        _Pragma("unroll") for (int mm = 0; mm < R; mm++) {                                               \
-            _Pragma("unroll") for (int r = 0; r < ROWS; r++) {                                           \
-                if (col[r] < n_cols) {                                                                   \
-                    const float ya = acc[r][mm];                                                         \
-                    EPILOGUE_STORE                                                                       \
-                    y[(size_t)(m0 + mm) * ldy + y_col0 + col[r]] = out;                                  \
-                }                                                                                        \
-            }                                                                                            \
-        }                                                                                                \
-        m0 += R;                                                                                         \
+            for (int t = g << group_shift; t < (g + 1) << group_shift; t++) {                             \
+                TEXEL_LOAD(t)                                                                             \
+                const __global float* xt = xp + 32 * t;                                                   \
+                _Pragma("unroll") for (int c = 0; c < 4; c++) {                                           \
+                    uint bits[WROWS];                                                                     \
+                    _Pragma("unroll") for (int r = 0; r < WROWS; r++) bits[r] = COMPONENT(r, t, c);       \
+                    _Pragma("unroll") for (int j = 0; j < 8; j++) {                                       \
+                        float w[WROWS];                                                                   \
+                        _Pragma("unroll") for (int r = 0; r < WROWS; r++)                                 \
+                            w[r] = (float)(int)((bits[r] >> (4 * j)) & 0xFu) * sm[r].x + sm[r].y;         \
+                        _Pragma("unroll") for (int mm = 0; mm < R; mm++) {                                \
+                            const float xv = xt[(size_t)xrow[mm] * k + 8 * c + j];                        \
+                            _Pragma("unroll") for (int r = 0; r < WROWS; r++)                             \
+                                acc[r][mm] = fma(w[r], xv, acc[r][mm]);                                   \
+                        }                                                                                 \
+                    }                                                                                     \
+                }                                                                                         \
+            }                                                                                             \
+        }                                                                                                 \
+        _Pragma("unroll") for (int mm = 0; mm < R; mm++) {                                                \
+            _Pragma("unroll") for (int r = 0; r < ROWS; r++) {                                            \
+                if (col[r] < n_cols) {                                                                    \
+                    const float ya = acc[r][mm];                                                          \
+                    EPILOGUE_STORE                                                                        \
+                    y[(size_t)(m0 + xrow[mm]) * ldy + y_col0 + col[r]] = out;                             \
+                }                                                                                         \
+            }                                                                                             \
+        }                                                                                                 \
+        m0 += R;                                                                                          \
     }
 
 __kernel __attribute__((reqd_work_group_size(WGS, 1, 1)))
@@ -150,17 +153,6 @@ void gemm_q4_lanes(const int m_rows, const int n_cols, const int k, const int gr
     }
 
     int m0 = 0;
-    while (m_rows - m0 >= MB) PASS(MB)
-#if MB > 8
-    if (m_rows - m0 >= 8) PASS(8)
-#endif
-#if MB > 4
-    if (m_rows - m0 >= 4) PASS(4)
-#endif
-#if MB > 2
-    if (m_rows - m0 >= 2) PASS(2)
-#endif
-#if MB > 1
-    if (m_rows - m0 >= 1) PASS(1)
-#endif
+#define M_PASS MB
+#include "m_masked_passes.h"
 }

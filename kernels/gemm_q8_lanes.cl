@@ -15,7 +15,7 @@
 // Per weight: its code (a shift pair, int→float) and w = s·q + m once, then MB fused multiply-adds, one per
 // row of X in the pass. Codes come 4 at a time, one uint a row, so each lane holds one register a weight row.
 // A pass re-reads the work-item's weight rows from cache, not DRAM. M rows go in passes of MB, the last
-// M mod MB rows in passes of 8, 4, 2 and 1 (each at most once).
+// M mod MB rows in passes of 4 masked to the rows that exist (kernels/m_masked_passes.h).
 //
 // Shape contract (as gemm_q8): K a multiple of G ∈ {16, 32} and of 16; any M ≥ 1 and any number of columns
 // (edges guarded). One launch covers the columns y_col0 .. y_col0 + n_cols − 1 of Y (row stride ldy); column
@@ -70,7 +70,7 @@
 #define SWEEP(R, R0)                                                                                     \
     for (int g = 0; g < groups; g++) {                                                                   \
         float2 sm[ROWS];                                                                                 \
-        _Pragma("unroll") for (int r = 0; r < ROWS; r++) sm[r] = LOAD_SM(prow[R0 + r], g);              \
+        _Pragma("unroll") for (int r = 0; r < ROWS; r++) sm[r] = LOAD_SM(prow[R0 + r], g);               \
         _Pragma("unroll") for (int i = 0; i < GROUP / 4; i++) {                                          \
             const int c = g * (GROUP / 4) + i;                                                           \
             uint bits[ROWS];                                                                             \
@@ -80,7 +80,7 @@
                 _Pragma("unroll") for (int r = 0; r < ROWS; r++)                                         \
                     w[r] = DEQUANT(CODE_OF(bits[r], j), sm[r]);                                          \
                 _Pragma("unroll") for (int mm = 0; mm < R; mm++) {                                       \
-                    const float xv = xp[(size_t)mm * k + 4 * c + j];                                     \
+                    const float xv = xp[(size_t)xrow[mm] * k + 4 * c + j];                               \
                     _Pragma("unroll") for (int r = 0; r < ROWS; r++)                                     \
                         acc[R0 + r][mm] = fma(w[r], xv, acc[R0 + r][mm]);                                \
                 }                                                                                        \
@@ -94,9 +94,11 @@
 #define SWEEPS(R) SWEEP(R, 0)
 #endif
 
-// One pass over K for the R rows of X from m0 (R a compile-time constant), then the epilogue and the stores.
-#define PASS(R)                                                                                          \
+// One pass over K for the R rows of X from m0 (R a compile-time constant), then the epilogue and the stores
+// (LEFT of its rows exist, kernels/m_masked_passes.h).
+#define PASS(R, LEFT)                                                                                    \
     {                                                                                                    \
+        PASS_ROWS(R, LEFT)                                                                               \
         float acc[WROWS][R];                                                                             \
         _Pragma("unroll") for (int r = 0; r < WROWS; r++)                                                \
             _Pragma("unroll") for (int mm = 0; mm < R; mm++) acc[r][mm] = 0.0f;                          \
@@ -107,7 +109,7 @@
                 if (col[r] < n_cols) {                                                                   \
                     const float ya = acc[r][mm];                                                         \
                     EPILOGUE_STORE                                                                       \
-                    y[(size_t)(m0 + mm) * ldy + y_col0 + col[r]] = out;                                  \
+                    y[(size_t)(m0 + xrow[mm]) * ldy + y_col0 + col[r]] = out;                            \
                 }                                                                                        \
             }                                                                                            \
         }                                                                                                \
@@ -142,17 +144,6 @@ void gemm_q8_lanes(const int m_rows, const int n_cols, const int k, const int ld
     }
 
     int m0 = 0;
-    while (m_rows - m0 >= MB) PASS(MB)
-#if MB > 8
-    if (m_rows - m0 >= 8) PASS(8)
-#endif
-#if MB > 4
-    if (m_rows - m0 >= 4) PASS(4)
-#endif
-#if MB > 2
-    if (m_rows - m0 >= 2) PASS(2)
-#endif
-#if MB > 1
-    if (m_rows - m0 >= 1) PASS(1)
-#endif
+#define M_PASS MB
+#include "m_masked_passes.h"
 }

@@ -56,15 +56,25 @@ from perfx.step import bucket_steps, decode_step, embedding_ops, matrix_dims, ma
 Q8_GEMM_KINDS = {space.family: kind for kind, space in Q8_KINDS.items()}   # gemm_q8_lanes -> "lanes"
 
 
-def one_run_times(choices: dict[str, Choice], anchor: str) -> dict[str, float]:
-    """kind -> tuned time of the choices measured at the very shape looked up and in the anchor's results file
-    (one device's run): times of two machines, or of two runs of one, differ by a third, so comparing kernels
-    across files would choose by the machine rather than the kernel. Empty where the anchor has no such time."""
+def one_run_costs(choices: dict[str, Choice], anchor: str) -> dict[str, float]:
+    """kind -> how much slower than the fastest its first choice is, at the M where that is worst: compared by the
+    times measured at the very shape looked up and in the anchor's results file (one device's run; times of two
+    machines, or of two runs of one, differ by a third, so comparing kernels across files would choose by the
+    machine rather than the kernel), at each M of the bucket they all have times for (``served_ms``: a record
+    without them has its bucket representative's). The kind of least cost runs: in a bucket of a batched decode
+    step, each N is a rate the server holds for many steps, and a kind faster at N = 3 than another does not make
+    up there for being slower at N = 2 (a short prompt runs once: any kind within that worst ratio of the fastest
+    serves it). Empty where the anchor has no such time."""
     first = choices[anchor]
     if not (first.exact and first.time_s):
         return {}
-    return {kind: choice.time_s for kind, choice in choices.items()
-            if choice.exact and choice.time_s and choice.file == first.file}
+    timed = {kind: choice.served or {None: choice.time_s} for kind, choice in choices.items()
+             if choice.exact and choice.time_s and choice.file == first.file}
+    ms = set.intersection(*(set(times) for times in timed.values()))
+    if not ms:   # one record without times at the bucket's Ms: each compared at its representative
+        timed, ms = {kind: {None: choices[kind].time_s} for kind in timed}, {None}
+    fastest = {m: min(times[m] for times in timed.values()) for m in ms}
+    return {kind: max(times[m] / fastest[m] for m in ms) for kind, times in timed.items()}
 
 
 class _ByRole(dict):
@@ -284,12 +294,12 @@ class KernelPlan:
         return made
 
     def _faster_alternative(self, shapes: dict, family: str, alternative: str) -> bool:
-        """Whether ``alternative``'s first choice was timed faster than ``family``'s in one run (``one_run_times``),
+        """Whether ``alternative``'s first choice was timed faster than ``family``'s in one run (``one_run_costs``),
         each at its shape in ``shapes`` (family -> shape): an alternative runs only where this device measured it
         faster (the GPU-shaped GEMV, the int8 GEMM a column a lane)."""
         first = {f: self.database.choices(self.device, SPECS[f], shapes[f])[0] for f in (family, alternative)}
-        timed = one_run_times(first, family)
-        return timed.get(alternative, float("inf")) < timed.get(family, 0.0)
+        costs = one_run_costs(first, family)
+        return costs.get(alternative, float("inf")) < costs.get(family, 0.0)
 
     def _gemv_fallback(self, role: str):
         """The int4 GEMV of a role the step has no int4 op for, as its op would be at the loader's group."""
@@ -451,11 +461,11 @@ class KernelPlan:
                 if self.device.caps.fp16:
                     kinds["f16"] = found.get("f16", found["skinny"])
                 # The fastest kernel measured on this device for this bucket (the fp16, lanes and int8 ones only
-                # where they were measured too). Only times measured at this very shape, in the skinny entry's
-                # file, are compared (one_run_times): a record of another M (the nearest one a look-up falls back
-                # to) times another problem, and another file another machine or run. Where skinny and
-                # tiled were not both measured: on a CPU the fastest measured of the others (both CPU
-                # implementations' tuned entries choose skinny or lanes at every bucket up to M = 256, and their
+                # where they were measured too), over the Ms the bucket serves (one_run_costs). Only times measured
+                # at this very shape, in the skinny entry's file, are compared: a record of another M (the nearest
+                # one a look-up falls back to) times another problem, and another file another machine or run.
+                # Where skinny and tiled were not both measured: on a CPU the fastest measured of the others (both
+                # CPU implementations' tuned entries choose skinny or lanes at every bucket up to M = 256, and their
                 # tiled kernel is several times slower at M = 64), else the tall-skinny kernel; elsewhere the default
                 # crossover. Only the kinds that run are built (a fixed kind, or skinny and tiled either side of the
                 # crossover): a kind built only to be compared would cost the load its compile (most of a cold
@@ -465,8 +475,8 @@ class KernelPlan:
                            for kind, op in kinds.items()}
                 cpu = self.device.caps.device_type == "CPU"
                 while True:
-                    timed = one_run_times(choices, "skinny")
-                    kind = (min(timed, key=timed.get) if "skinny" in timed and ("tiled" in timed or cpu)
+                    costs = one_run_costs(choices, "skinny")
+                    kind = (min(costs, key=costs.get) if "skinny" in costs and ("tiled" in costs or cpu)
                             else None)
                     if kind is None and cpu:
                         kind = "skinny"
@@ -607,11 +617,11 @@ class KernelPlan:
     def _faster_q8_gemm(self, shapes: dict) -> str:
         """The int8 GEMM family to run at a bucket's shape (``shapes``: family -> shape): of gemm_q8_lanes and
         (at the few rows of a batched decode step) gemm_q8_i8, the fastest whose first choice was timed in one
-        run with gemm_q8's (``one_run_times``) and faster than it, else gemm_q8 (the register-tiled kernel
-        written for a GPU's wave)."""
+        run with gemm_q8's and faster than it over the Ms the bucket serves (``one_run_costs``), else gemm_q8 (the
+        register-tiled kernel written for a GPU's wave)."""
         first = {f: self.database.choices(self.device, SPECS[f], shape)[0] for f, shape in shapes.items()}
-        timed = one_run_times(first, "gemm_q8")
-        return min(timed, key=timed.get) if "gemm_q8" in timed else "gemm_q8"
+        costs = one_run_costs(first, "gemm_q8")
+        return min(costs, key=costs.get) if "gemm_q8" in costs else "gemm_q8"
 
     def _q8_step_ops(self, kind: str, name: str, weight: Q8DeviceWeight, form: Form, rep: int) -> list[Op]:
         """The ops of the built step for an int8 weight of this form and size (the GEMV, the GEMM kinds of

@@ -311,7 +311,7 @@ def test_the_norms_quantize_once_for_a_batched_step_s_int8_activation_gemms(path
     step with every GEMM quantizing, to the bit, and the float64 forward's and each sequence decoded alone within
     int8 activations' tolerance."""
     # the int8-activation kind timed fastest at every bucket, as a tuned device's entries would have it
-    monkeypatch.setattr(plan_module, "one_run_times", lambda choices, anchor: {"skinny": 2.0, "i8": 1.0}
+    monkeypatch.setattr(plan_module, "one_run_costs", lambda choices, anchor: {"skinny": 2.0, "i8": 1.0}
                         if anchor == "skinny" and "i8" in choices else {})
     source = open_model(paths["llama"])
     prompts = [[3, 9, 4, 12], [5, 7], [8, 6, 11]]

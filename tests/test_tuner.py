@@ -554,13 +554,17 @@ def test_info_says_which_int8_prompt_gemm_the_model_runs():
     model decides (a lanes time of another file, or a stale one, does not count)."""
     from perfx.commands.info import gemm_choice_lines
 
-    def entry(family, m, time_s, file="a.json", note=""):
-        return {"family": family, "shape": {"m": m, "n": 64, "k": 64, "group": 32, "f32": False, "epilogue": "none"},
-                "time_s": time_s, "file": file, "note": note}
+    def entry(family, m, time_s, file="a.json", note="", served=None, n=64):
+        return {"family": family, "shape": {"m": m, "n": n, "k": 64, "group": 32, "f32": False, "epilogue": "none"},
+                "time_s": time_s, "file": file, "note": note, "served": served or {}}
     lines = gemm_choice_lines([entry("gemm_q8", 33, 2e-4), entry("gemm_q8_lanes", 33, 1e-4),
                                entry("gemm_q8", 9, 2e-4), entry("gemm_q8_lanes", 9, 1e-4, file="b.json"),
                                entry("gemm_q8", 3, 2e-4), entry("gemm_q8_lanes", 3, 1e-4, note="stale: ...")])
     assert [line for line in lines if "int8" in line][:-1] == ["M ≈   33: int8 lanes fastest for 1 matrix"]
+    # lanes faster at M = 3 but twice as slow at M = 2: gemm_q8 runs, as the model decides (perfx.plan.one_run_costs)
+    lines = gemm_choice_lines([entry("gemm_q8", 3, 2e-4, served={2: 1e-4, 3: 2e-4, 4: 2e-4}),
+                               entry("gemm_q8_lanes", 3, 1e-4, served={2: 2e-4, 3: 1e-4, 4: 1.5e-4})])
+    assert [line for line in lines if "int8" in line][:-1] == ["M ≈    3: int8 skinny fastest for 1 matrix"]
 
 
 # -- sweeps that find more in the same time: builds ahead, pruning, order, where the time goes -------------------
@@ -683,3 +687,94 @@ def test_likely_winners_run_first_the_entries_in_force_then_other_devices(device
     quiet_tuner(device, db, budget_s=60, repeat=2).tune_problem(spec, SHAPE)
     ran = [dict(k) for k in toy.runs]
     assert ran[:4] == [spec.params.defaults(), mine, near, far], ran[:4]
+
+
+def test_a_buckets_gemm_kind_is_chosen_by_its_worst_m_not_the_representative_alone():
+    """The plan compares a bucket's GEMM kinds at each M the bucket serves (M = 2, 3, 4 for M ≤ 4, the batched decode
+    steps of 2 to 4 sequences), by each kind's worst ratio to the fastest: a kind faster at the representative
+    M = 3 but slower at M = 2 (the masked passes' lanes GEMM against the int8 one) loses, where the representative's
+    time alone chose it. A record without those times has all compared at the representative, as before; so are
+    times of another file or another M."""
+    from perfx.plan import one_run_costs
+    from perfx.tuning.database import Choice, served_ms
+
+    assert served_ms(3) == (2, 3, 4) and served_ms(9) == (5, 9, 16) and served_ms(1) == (1,) and served_ms(33) == (33,)
+
+    def choice(time_s, served=None, file="a.json", exact=True):
+        return Choice({}, "device", "", time_s, exact=exact, file=file, served=served or {})
+    lanes = choice(0.8e-3, {2: 1.6e-3, 3: 0.8e-3, 4: 1.1e-3})
+    i8 = choice(1.0e-3, {2: 0.9e-3, 3: 1.0e-3, 4: 1.2e-3})
+    skinny = choice(1.5e-3, {2: 1.2e-3, 3: 1.5e-3, 4: 2.0e-3})
+    costs = one_run_costs({"skinny": skinny, "lanes": lanes, "i8": i8}, "skinny")
+    assert min(costs, key=costs.get) == "i8"
+    assert costs["i8"] == pytest.approx(1.25) and costs["lanes"] == pytest.approx(1.6 / 0.9)
+    # the representative alone (a record without its bucket's times among them): lanes, as the old rule chose
+    old = one_run_costs({"skinny": skinny, "lanes": lanes, "i8": choice(1.0e-3)}, "skinny")
+    assert min(old, key=old.get) == "lanes" and old["lanes"] == 1.0
+    # times of another file, or of the nearest M rather than this one, are not compared
+    assert set(one_run_costs({"skinny": skinny, "lanes": choice(1e-4, file="b.json"),
+                              "i8": choice(1e-4, exact=False)}, "skinny")) == {"skinny"}
+    assert one_run_costs({"skinny": choice(1e-3, exact=False), "i8": i8}, "skinny") == {}
+
+
+class Served(Timed):
+    """``Timed`` with a shape of rows: a launch takes its set's time once a row, so each M has its own."""
+
+    def spec(self) -> Spec:
+        return dataclasses.replace(super().spec(), compared_kind=True)
+
+    def make_case(self, device, shape, rng) -> Case:
+        def launch(params):
+            self.current = (params["X"], shape["m"])
+            return []
+        return Case(expected={"y": np.ones(1)}, run=lambda params: {"y": np.ones(1) + (params["X"] == 3)},
+                    launch=launch)
+
+    def timer(self, launch, warmup=2, repeat=10, rotate=None, max_seconds=None) -> Timing:
+        launch()
+        x, m = self.current
+        samples = m * self.TIMES[x] * np.exp(0.03 * self.rng.standard_normal(repeat))
+        return Timing(float(np.median(samples)), [float(v) for v in samples])
+
+
+def test_refresh_times_a_gemm_kinds_entry_at_each_m_its_bucket_serves(device, db):
+    """A family compared by kind (``Spec.compared_kind``) is refreshed with its times at each M its bucket serves,
+    each of one run: a current entry of the bucket M ≤ 4 timed at its representative alone is due for a refresh
+    (the plan could not compare it at M = 2 and 4), one of a bucket timed at one M is not; once refreshed, nothing
+    is due."""
+    bench = Served()
+    spec = bench.spec()
+    current = source_hash(spec)
+    records = [{"family": "timed", "shape": {"m": m, "n": 1}, "params": {"X": 1}, "source_hash": current,
+                "time_s": 1e-4} for m in (3, 33)]
+    db.shipped_dir.mkdir(parents=True)
+    write_json_atomic(db.shipped_dir / "this.json", {"perfx_tuning": FORMAT, "match": {"device": device.fingerprint},
+                                                     "records": records})
+    entries = db.stale_records(device, {"timed": spec})
+    assert [r["shape"]["m"] for _, r in entries] == [3]
+    tuner = Tuner(device, db, timer=bench.timer, reference=lambda: 1e-3, cool_down_s=0)
+    (result,) = tuner.refresh(entries)
+    assert result.kept and sorted(result.served) == [2, 3, 4]
+    for m, time_s in result.served.items():
+        assert 0.9 * m * 70e-6 < time_s < 1.1 * m * 70e-6
+    saved = db.device_file(device).find("timed", {"m": 3, "n": 1})
+    assert {int(m) for m in saved["served_times_s"]} == {2, 3, 4}
+    # a current entry keeps its parameters and time as its sweep measured them
+    assert saved["params"] == {"X": 1} and saved["time_s"] == 1e-4 and saved["source_hash"] == current
+    assert db.choices(device, spec, {"m": 3, "n": 1})[0].served == {m: t for m, t in result.served.items()}
+    assert db.stale_records(device, {"timed": spec}) == []
+
+
+def test_a_sweep_of_a_gemm_kind_records_its_times_at_each_m_its_bucket_serves(device, db):
+    """A sweep's confirmation times the chosen set of a family compared by kind at each M of its bucket (M = 2, 3, 4
+    for M ≤ 4), verified there first; a bucket above 16 rows keeps the representative's time alone."""
+    bench = Served()
+    spec = dataclasses.replace(bench.spec(), make_case=bench.make_case)
+    tuner = Tuner(device, db, timer=bench.timer, reference=lambda: 1e-3, cool_down_s=0)
+    result = tuner.tune_problem(spec, {"m": 3, "n": 1})
+    assert result.chosen == {"X": 1} and sorted(result.confirmation.served) == [2, 3, 4]
+    saved = db.device_file(device).find("timed", {"m": 3, "n": 1})
+    assert {int(m): t for m, t in saved["served_times_s"].items()} == result.confirmation.served
+    assert saved["served_times_s"]["2"] < saved["served_times_s"]["4"]   # each M's own case
+    tuner.tune_problem(spec, {"m": 33, "n": 1})
+    assert "served_times_s" not in db.device_file(device).find("timed", {"m": 33, "n": 1})

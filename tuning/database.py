@@ -49,10 +49,14 @@ LEVELS = ("device", "architecture", "vendor")
 
 # Prompt lengths (M) of the GEMM path are tuned per bucket; ``None`` is open-ended.
 M_BUCKETS = ((1, 1), (2, 4), (5, 16), (17, 64), (65, 256), (257, None))
+# Buckets of up to this many rows: a family the plan compares with others of its product (``Spec.kinds``) is timed
+# at each M of ``served_ms``, not at the representative alone (the remainder of M over a kernel's rows a pass is
+# most of its work there, so which kind is fastest changes with M inside the bucket); above it, full passes are.
+SERVED_UP_TO = 16
 # Shape keys matched by nearest rather than exactly.
 SIZE_KEYS = ("m", "positions")
 # The fields of a results record, in the order they are written.
-RECORD_FIELDS = ("family", "shape", "params", "time_s", "default_time_s", "gain", "gain_interval", "rounds",
+RECORD_FIELDS = ("family", "shape", "params", "time_s", "served_times_s", "default_time_s", "gain", "gain_interval", "rounds",
                  "gb_per_s", "gflop_per_s", "source_hash", "device", "devices", "comment")
 
 
@@ -69,6 +73,7 @@ class Choice:
     skipped: tuple[str, ...] = ()  # records that matched but did not fit, each with the reason
     exact: bool = False  # the record was measured at the very shape looked up (time_s is that shape's)
     file: str = ""       # the results file the record came from ("" for the defaults)
+    served: dict = field(default_factory=dict)   # M -> the record's time there, at each M of ``served_ms`` it has
 
 
 def m_bucket(m: int) -> int:
@@ -83,6 +88,36 @@ def bucket_representative(index: int) -> int:
     """The M tuned for a bucket: the geometric middle, 512 for the open bucket."""
     low, high = M_BUCKETS[index]
     return 512 if high is None else max(low, round(math.sqrt(low * high)))
+
+
+def served_ms(m: int) -> tuple[int, ...]:
+    """The Ms of m's bucket a family compared by kind is timed at (``SERVED_UP_TO``): the bucket's least, its
+    representative and its most where it holds few rows (2, 3, 4: the batched decode steps of 2 to 4 sequences and
+    the shortest prompts), else the representative alone."""
+    index = m_bucket(m)
+    low, high = M_BUCKETS[index]
+    representative = bucket_representative(index)
+    if high is None or high > SERVED_UP_TO:
+        return (representative,)
+    return tuple(sorted({low, representative, high}))
+
+
+def served_times(record: dict) -> dict[int, float]:
+    """M -> time of a record's ``served_times_s``, where it has them (read from JSON, whose keys are text)."""
+    return {int(m): float(t) for m, t in (record.get("served_times_s") or {}).items()}
+
+
+def measured_on_current_source(spec, record: dict) -> bool:
+    """Whether a measured record is pinned to the family's current kernel code (``_pin``)."""
+    return _pin(record, spec) == source_hash(spec)
+
+
+def unserved(spec, record: dict) -> bool:
+    """Whether a record of a family compared by kind (``Spec.compared_kind``) lacks its times at the Ms its
+    bucket serves (``served_ms``): measured before they were taken, or by a search cut short."""
+    shape = record.get("shape") or {}
+    return (spec.compared_kind and "m" in shape and len(served_ms(shape["m"])) > 1
+            and set(served_times(record)) != set(served_ms(shape["m"])))
 
 
 def source_hash(spec) -> str:
@@ -507,7 +542,7 @@ class Database:
             what = "shape *" if record.get("shape") is None else spec.describe(record["shape"])
             result.append(Choice(params, level, f"{file.path.name}: {spec.params.family} {what}",
                                  record.get("time_s"), tuple(skipped), exact=distance == (0, 0.0),
-                                 file=str(file.path)))
+                                 file=str(file.path), served=served_times(record)))
         defaults, why = checked(spec.params.defaults())
         if why is not None:
             skipped.append(f"the defaults: {why}")
@@ -556,25 +591,29 @@ class Database:
             rows.append({"family": family, "shape": shape,
                          "shape_text": "*" if shape is None or spec is None else spec.describe(shape),
                          "params": record.get("params"), "level": level, "file": str(file.path),
-                         "time_s": record.get("time_s"), "note": note})
+                         "time_s": record.get("time_s"), "served": served_times(record), "note": note})
         rows.sort(key=lambda r: (r["family"], LEVELS.index(r["level"]), r["shape_text"]))
         return rows
 
     def stale_records(self, device, all_specs: dict) -> list[tuple]:
         """(spec, record) of every measured record that applies to this device but was measured on another
-        kernel source, most specific level first, one per (family, shape): what `perfx tune --refresh`
-        checks again. A shape this device's own file already holds a current record for is left out, so an
-        interrupted refresh resumes where it stopped."""
+        kernel source, or of a family compared by kind timed at its bucket's representative alone (``unserved``),
+        most specific level first, one per (family, shape): what `perfx tune --refresh` checks again. A shape
+        this device's own file already holds a current record for is left out, so an interrupted refresh resumes
+        where it stopped."""
         current = {name: source_hash(spec) for name, spec in all_specs.items()}
+
+        def due(record) -> bool:
+            spec = all_specs[record["family"]]
+            return _pin(record, spec) != current[record["family"]] or unserved(spec, record)
         own = self.device_file(device)
         fresh = {(r["family"], shape_key(r.get("shape"))) for r in own.records
-                 if r["family"] in all_specs and _pin(r, all_specs[r["family"]]) == current[r["family"]]}
+                 if r["family"] in all_specs and r.get("shape") is not None and not due(r)}
         found = []
         for level, file, record in self._applicable(device):
             family = record["family"]
             pinned = _pin(record, all_specs[family]) if family in all_specs else None
-            if family not in all_specs or pinned is None or pinned == current[family] or \
-                    record.get("shape") is None:
+            if family not in all_specs or pinned is None or record.get("shape") is None or not due(record):
                 continue
             found.append((LEVELS.index(level), all_specs[family], record))
         found.sort(key=lambda item: item[0])

@@ -159,6 +159,7 @@ SKINNY = Spec(
         {"m": 3, "n": 2 * 3, "k": 64, "group": 64, "epilogue": "gelu_mul"},
     ),
     flops=flops,
+    compared_kind=True,
 )
 
 TILED = Spec(
@@ -183,6 +184,7 @@ TILED = Spec(
         {"m": 2, "n": 2 * 3, "k": 64, "group": 32, "epilogue": "gelu_mul"},
     ),
     flops=flops,
+    compared_kind=True,
 )
 
 
@@ -211,11 +213,13 @@ F16 = Spec(
     # Its smallest test shape, already off the tile grid.
     oclgrind_shapes=({"m": 9, "n": 2 * 50, "k": 320, "group": 64, "epilogue": "gelu_mul"},),
     flops=flops,
+    compared_kind=True,
 )
 
 
 # The skinny kernel's shapes, checks and tolerance: the same products and edges. M = 33 runs passes of MB and
-# then the remainder's (1, or 8+1, 4+1 ...); the columns (60 and 100) are no multiple of ROWS·WGS.
+# then the remainder's masked passes of 4 (kernels/m_masked_passes.h; every remainder of every MB:
+# tests/test_gemm_q4.py); the columns (60 and 100) are no multiple of ROWS·WGS.
 LANES = dataclasses.replace(SKINNY, params=gemm_q4.LANES, make_case=_case_maker("lanes"), programs=_programs("lanes"))
 
 # The skinny kernel's shapes, checks and fp32 tolerance, against X rounded as the kernel rounds it

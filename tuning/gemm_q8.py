@@ -114,11 +114,13 @@ SPEC = Spec(
         {"m": 2, "n": 2 * 3, "k": 32, "group": 32, "f32": True, "sym": True, "epilogue": "gelu_mul"},
     ),
     flops=lambda shape: 2 * shape["m"] * shape["n"] * shape["k"],
+    compared_kind=True,
 )
 
 
 # The same shapes, checks and tolerance: the same products and edges. M = 33 runs passes of MB and then the
-# remainder's (1, or 8+1, 4+1 ...); 60, 100, 37 and 50 columns are no multiple of ROWS·WGS.
+# remainder's masked passes of 4 (kernels/m_masked_passes.h; every remainder of every MB:
+# tests/test_q8_kernels.py); 60, 100, 37 and 50 columns are no multiple of ROWS·WGS.
 def lanes_case(device, shape, rng) -> Case:
     return make_case(device, shape, rng, "lanes")
 

@@ -231,6 +231,10 @@ class Spec:
     # ``Device.collecting()`` (``build_requests``), it names the programs, so the selftest and the tuner build the
     # sets to come many at once (``Device.build_many``) instead of one at a time as each runs.
     programs: Callable[[Any, Shape, Params], None] | None = None
+    # One kind of a product the plan runs whichever kind was timed fastest over the Ms a bucket serves (the int4 and
+    # int8 GEMMs, ``perfx.plan``): its records carry their times at each of ``served_ms`` (the tuner's confirmation
+    # and refresh take them), not at the bucket's representative alone.
+    compared_kind: bool = False
 
     def tolerance_for(self, params: Params) -> float:
         """The bound on ``relative_error`` for this parameter set: the loosest of ``variant_tolerances`` whose

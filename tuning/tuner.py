@@ -51,7 +51,8 @@ import numpy as np
 from perfx.errors import PerfxError
 from perfx.runtime import BuildError, DriverError, KernelLimitError
 from perfx.timing import Timing, bootstrap_ratio, copy_kernel, time_launches
-from perfx.tuning.database import Database, normal, params_key, result_record, source_hash
+from perfx.tuning.database import (Database, measured_on_current_source, normal, params_key, result_record,
+                                   served_ms, source_hash)
 from perfx.tuning.spec import build_requests, time_case
 
 EXHAUSTIVE_LIMIT = 48   # spaces up to this many candidates are searched exhaustively
@@ -120,6 +121,7 @@ class Confirmation:
     gain: float                      # defaults / chosen, median ratio
     gain_interval: tuple[float, float]
     suspect_rounds: int = 0          # rounds set aside for drift and taken again
+    served: dict = field(default_factory=dict)   # M -> the chosen set's time at each M of ``served_ms`` (``_served``)
 
     def median(self, params: dict) -> float:
         i = self.contenders.index(params)
@@ -129,13 +131,13 @@ class Confirmation:
         return {"contenders": [normal(c) for c in self.contenders], "rounds": self.rounds,
                 "chosen": normal(self.chosen), "verdict": self.verdict, "ratio": self.ratio,
                 "interval": list(self.interval), "gain": self.gain, "gain_interval": list(self.gain_interval),
-                "suspect_rounds": self.suspect_rounds}
+                "suspect_rounds": self.suspect_rounds, "served": {str(m): t for m, t in self.served.items()}}
 
     @classmethod
     def from_dict(cls, data: dict) -> Confirmation:
         return cls(data["contenders"], data["rounds"], data["chosen"], data["verdict"], data["ratio"],
                    tuple(data["interval"]), data["gain"], tuple(data["gain_interval"]),
-                   data.get("suspect_rounds", 0))
+                   data.get("suspect_rounds", 0), {int(m): t for m, t in (data.get("served") or {}).items()})
 
 
 @dataclass
@@ -224,10 +226,12 @@ class Refreshed:
     gain: float | None = None        # defaults / entry, median ratio
     gain_interval: tuple[float, float] | None = None
     rounds: int = 0
+    served: dict = field(default_factory=dict)   # M -> the saved set's time at each M of ``served_ms``
 
     def as_dict(self) -> dict:
         data = asdict(self)
         data["shape"], data["params"] = normal(self.shape), normal(self.params)
+        data["served"] = {str(m): t for m, t in self.served.items()}
         return data
 
 
@@ -707,6 +711,8 @@ class Tuner:
         if c is not None:
             record.update(gain=round(c.gain, 4), gain_interval=[round(v, 4) for v in c.gain_interval],
                           rounds=len(c.rounds))
+            if c.served:
+                record["served_times_s"] = {str(m): t for m, t in c.served.items()}
         else:
             record["comment"] = "unconfirmed: the search was cut by the budget"
         self.database.save_result(self.device, record)
@@ -868,7 +874,7 @@ class Tuner:
                     raise PerfxError(f"{spec.params.family}: the parameters in force {params} are wrong on this "
                                      f"device ({max(errors.values()):.2e} > {spec.tolerance_for(params):.0e}); "
                                      "run `perfx selftest`")
-        rounds, suspect = self._interleaved(case, contenders, f"confirm{result.description}")
+        rounds, suspect = self._interleaved([(case, p) for p in contenders], f"confirm{result.description}")
         columns = list(zip(*rounds))
         medians = [statistics.median(col) for col in columns]
         best = min(range(len(contenders)), key=lambda i: medians[i])
@@ -885,19 +891,21 @@ class Tuner:
         gain, gain_low, gain_high = bootstrap_ratio(columns[contenders.index(defaults)],
                                                     columns[contenders.index(chosen)], rng)
         return Confirmation(contenders, [list(r) for r in rounds], chosen, verdict, ratio, interval, gain,
-                            (gain_low, gain_high), suspect)
+                            (gain_low, gain_high), suspect, self._served(spec, shape, case, chosen))
 
-    def _interleaved(self, case, contenders: list[dict], seed_text: str) -> tuple[list[list[float]], int]:
-        """``confirm_rounds`` rounds, each timing every contender once in a shuffled order; a round during
-        which the machine drifted is set aside after a cool-down and taken again. (rounds, rounds set aside)."""
+    def _interleaved(self, runs: list[tuple], seed_text: str) -> tuple[list[list[float]], int]:
+        """``confirm_rounds`` rounds, each timing every run, a (case, parameters) pair, once in a shuffled order; a
+        round during which the machine drifted is set aside after a cool-down and taken again. (rounds, rounds set
+        aside)."""
         shuffle = random.Random(f"{self.seed}{seed_text}")
         rounds, suspect = [], 0
         while len(rounds) < self.confirm_rounds:
-            order = list(range(len(contenders)))
+            order = list(range(len(runs)))
             shuffle.shuffle(order)
-            times = [0.0] * len(contenders)
+            times = [0.0] * len(runs)
             for i in order:
-                times[i] = self._timing(case, contenders[i], warmup=1, repeat=3).median_s
+                case, params = runs[i]
+                times[i] = self._timing(case, params, warmup=1, repeat=3).median_s
             with self.split.phase("drift"):
                 retake = self.drift.drifted() and suspect < self.confirm_rounds
                 if retake:
@@ -907,6 +915,26 @@ class Tuner:
                 continue
             rounds.append(times)
         return rounds, suspect
+
+    def _served(self, spec, shape: dict, case, params: dict) -> dict[int, float]:
+        """M -> the median time of ``params`` at each M of ``served_ms`` (``case`` is the shape's own, at its M),
+        interleaved over ``confirm_rounds`` rounds so the times are of one run: what the plan compares the kinds of
+        a product by (``perfx.plan``). Empty for a family not compared by kind, or a bucket timed at one M. The set
+        is verified at each M first (the shape's own M among them: a refreshed entry may not have been verified
+        here)."""
+        ms = served_ms(shape["m"]) if spec.compared_kind and "m" in shape else ()
+        if len(ms) < 2:
+            return {}
+        cases = {m: case if m == shape["m"] else spec.make_case(self.device, {**shape, "m": m},
+                                                                  np.random.default_rng(self.seed)) for m in ms}
+        for m, at in cases.items():
+            errors = at.errors(params)
+            if not all(e <= spec.tolerance_for(params) for e in errors.values()):
+                raise PerfxError(f"{spec.params.family}: {params} is wrong at M = {m} on this device "
+                                 f"({max(errors.values()):.2e} > {spec.tolerance_for(params):.0e}); run "
+                                 "`perfx selftest`")
+        rounds, _ = self._interleaved([(cases[m], params) for m in ms], f"served{spec.describe(shape)}")
+        return {m: statistics.median(column) for m, column in zip(ms, zip(*rounds))}
 
     # -- refreshing entries of an older kernel source ----------------------------------------------
 
@@ -940,6 +968,13 @@ class Tuner:
         except (PerfxError, DriverError) as e:
             result.reason = f"could not set up the problem: {_first_line(e)}"
             return result
+        if measured_on_current_source(spec, record):
+            # Due only for its times at the Ms its bucket serves (``Database.stale_records``): its parameters and
+            # time stand as measured (a sweep confirmed them), and those times are added, of one run.
+            saved = {**record, "comment": "its times at each M its bucket serves added by a refresh"}
+            result.kept, result.reason, result.time_s = True, "timed at each M its bucket serves", record.get("time_s")
+            self._save_refreshed(spec, shape, case, params, saved, result)
+            return result
         contenders = [params] if same else [params, defaults]
         for which, candidate in zip(("the entry", "the defaults"), contenders):
             rejected, _, _ = self._verify(spec, case, candidate)
@@ -948,7 +983,7 @@ class Tuner:
                 return result
         # An entry of the defaults is timed too: its time is what the plan weighs one kernel against another
         # by (the prefill GEMMs of a bucket).
-        rounds, _ = self._interleaved(case, contenders, f"refresh{result.description}")
+        rounds, _ = self._interleaved([(case, p) for p in contenders], f"refresh{result.description}")
         columns = [list(column) for column in zip(*rounds)]
         entry, default = columns[0], columns[-1]   # the same column when the entry is the defaults
         gain, low, high = (1.0, 1.0, 1.0) if same else bootstrap_ratio(default, entry, np.random.default_rng(self.seed))
@@ -964,11 +999,23 @@ class Tuner:
                                   self.device.fingerprint)
             saved.update(gain=1.0, rounds=len(rounds), comment="refreshed: the defaults, faster than an entry of "
                                                                "an older kernel source, timed on this one")
-            self.database.save_result(self.device, saved)
+            self._save_refreshed(spec, shape, case, defaults, saved, result)
             return result
         result.kept, result.reason = True, text
         saved = result_record(spec, shape, params, result.time_s, result.default_time_s, self.device.fingerprint)
         saved.update(gain=round(gain, 4), gain_interval=[round(low, 4), round(high, 4)], rounds=len(rounds),
                      comment="refreshed: an entry of an older kernel source, verified and timed again on this one")
-        self.database.save_result(self.device, saved)
+        self._save_refreshed(spec, shape, case, params, saved, result)
         return result
+
+    def _save_refreshed(self, spec, shape: dict, case, params: dict, saved: dict, result: Refreshed):
+        """Save a refreshed record, with its times at each M its bucket serves where its family is compared by
+        kind (``_served``)."""
+        try:
+            result.served = self._served(spec, shape, case, params)
+        except PerfxError as error:
+            result.kept, result.reason = False, str(error)
+            return
+        if result.served:
+            saved["served_times_s"] = {str(m): t for m, t in result.served.items()}
+        self.database.save_result(self.device, saved)

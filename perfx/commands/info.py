@@ -10,10 +10,11 @@ from collections import Counter
 from perfx.formats import Q4Matrix, Q8Matrix
 from perfx.ops.gemm_q4 import DEFAULT_CROSSOVER, FAMILIES as GEMM_FAMILIES
 from perfx.ops.gemm_q8 import FAMILIES as Q8_GEMM_FAMILIES
+from perfx.plan import one_run_costs
 from perfx.runtime import DEVICE_HELP, Device, capabilities_dict, list_devices
 from perfx.sources import open_named
 from perfx.tuning import SPECS
-from perfx.tuning.database import default_database
+from perfx.tuning.database import Choice, default_database
 
 
 def add_arguments(parser):
@@ -123,15 +124,18 @@ def gemm_choice_lines(entries: list[dict]) -> list[str]:
              for m, counts in sorted(wins.items())]
     lines.append(f"elsewhere: tall-skinny up to M = {DEFAULT_CROSSOVER}, tiled above (built-in crossover; "
                  "`perfx tune --kernels gemm_q4` measures it on this device)")
-    # int8 matrices: lanes where one file timed both kinds at a shape and lanes won (perfx.plan, _faster_q8_gemm)
+    # int8 matrices: another kind where one file timed it with gemm_q8 at a shape and it won, over the Ms the
+    # bucket serves (perfx.plan, _faster_q8_gemm)
     int8: dict[int, Counter] = {}
     pairs: dict[tuple, dict] = {}
     for e in entries:
         if e["family"] in Q8_GEMM_FAMILIES and e.get("time_s") and isinstance(e["shape"], dict) and not e.get("note"):
-            pairs.setdefault((e["file"], json.dumps(e["shape"], sort_keys=True)), {})[e["family"]] = e["time_s"]
-    for (_, shape), times in pairs.items():
-        if "gemm_q8" in times and len(times) > 1:
-            best = min(times, key=times.get)
+            pairs.setdefault((e["file"], json.dumps(e["shape"], sort_keys=True)), {})[e["family"]] = Choice(
+                {}, "", "", e["time_s"], exact=True, file=e["file"], served=e.get("served") or {})
+    for (_, shape), choices in pairs.items():
+        if "gemm_q8" in choices and len(choices) > 1:
+            costs = one_run_costs(choices, "gemm_q8")
+            best = min(costs, key=costs.get)
             kind = "skinny" if best == "gemm_q8" else best.rsplit("_", 1)[1]
             int8.setdefault(json.loads(shape)["m"], Counter())[kind] += 1
     lines += [f"M ≈ {m:4}: int8 " + ", ".join(f"{kind} fastest for {n} matri{'x' if n == 1 else 'ces'}"

@@ -47,7 +47,9 @@ def add_arguments(parser):
                              "that apply to it; --kernels narrows them): each entry's parameters verified "
                              "against the float64 reference and timed against the defaults in interleaved "
                              "rounds; those at least as fast as the defaults are kept for the new source, "
-                             "the rest are left for a sweep. A few seconds an entry; resumes if interrupted")
+                             "the rest are left for a sweep; a GEMM kind's entry timed at its bucket's middle M "
+                             "alone is timed at the bucket's other Ms too. A few seconds an entry; resumes if "
+                             "interrupted")
     parser.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     parser.add_argument("--plot", metavar="DIR", help="write PNG plots there (needs matplotlib: perfx[plot])")
     parser.add_argument("--export", metavar="FILE", help="write this device's tuning results to FILE")
@@ -93,8 +95,8 @@ def refresh(args, device, database, say) -> int:
     families = select_specs(args.kernels)
     entries = database.stale_records(device, families)
     print(f"perfx tune --refresh on {device.caps.platform} / {device.caps.name}: {len(entries)} entries "
-          f"measured on an older kernel source; results in {database.device_path(device.fingerprint)}",
-          file=sys.stderr)
+          f"measured on an older kernel source, or lacking their times at their bucket's Ms; results in "
+          f"{database.device_path(device.fingerprint)}", file=sys.stderr)
     progress = Progress(len(entries), "refresh", enabled=None if not args.json else False)
     results = _until_interrupted(progress, lambda: Tuner(device, database, progress=progress).refresh(entries),
                                  "perfx tune --refresh: interrupted; every entry checked so far is saved, run it "

@@ -452,10 +452,10 @@ class _Grown(Exception):
 
 def _checker_main() -> None:
     """A check worker: (selector, limits, seed, memory bound), answered ("ready", the device's fingerprint) once it
-    is open; then cases, each (family, shape's index, parameter sets, seconds left or None), answered with ("check", Check)
-    for each check and ("done", None), ("budget", None) where the seconds ran out with sets left, or ("grown",
-    None) where after a check its resident memory passed the bound with sets left (the command checks those in a
-    fresh process)."""
+    is open; then cases, each (family, shape's index, parameter sets, seconds left or None), answered with
+    ("check", Check) for each check and ("done", None), ("budget", None) where the seconds ran out with sets left,
+    or ("grown", its peak resident bytes) where after a check its resident memory passed the bound with sets left
+    (the command checks those in a fresh process)."""
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr   # anything printed by the way goes to stderr, not into the answers
     selector, limits, seed, bound = pickle.load(stdin)
@@ -487,8 +487,8 @@ def _checker_main() -> None:
                        answer, deadline)
         except BudgetSpent:
             _send(stdout, ("budget", None))
-        except _Grown:
-            _send(stdout, ("grown", None))
+        except _Grown:   # its peak sent with it: the process ends before the command could read it
+            _send(stdout, ("grown", resident_peak_bytes()))
             return
         else:
             _send(stdout, ("done", None))
@@ -546,6 +546,8 @@ class _Checker:
                                        [dict(params) for params in params_list], seconds))
             while True:
                 kind, check = pickle.load(self.process.stdout)
+                if kind == "grown":
+                    self.peak = max(self.peak, check or 0)
                 if kind != "check":
                     return kind
                 on_check(check)

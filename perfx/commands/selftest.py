@@ -501,7 +501,7 @@ class _Checker:
     # the other implementations' libraries, loaded for nothing, held a third of a PoCL worker's memory after its
     # first build (Intel's CPU runtime: 115 of 379 MiB), so a worker passed RECYCLE_BYTES after its first check
     # of a heavy family and a fresh process (about a CPU second) was started for each such check
-    # (benchmarks/NOTES.md, the PoCL selftest's check processes). Off for the rest of the run once a worker so
+    # (benchmarks/NOTES.md, the PoCL selftest's waste). Off for the rest of the run once a worker so
     # started fails to open the same device.
     one_library = True
 

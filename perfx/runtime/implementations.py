@@ -149,7 +149,7 @@ def one_library_environ(implementation: str, environ=None) -> dict[str, str] | N
     folder this process reads (after ``prepare``). None where it cannot tell which file (none or several name the
     implementation) or the choice is made already (OCL_ICD_VENDORS names one file; OCL_ICD_FILENAMES). A worker
     checking on one device then does not load the others' libraries: Intel's CPU runtime holds about 115 MiB
-    of a PoCL worker's memory (benchmarks/NOTES.md, the PoCL selftest's check processes). The platform's index
+    of a PoCL worker's memory (benchmarks/NOTES.md, the PoCL selftest's waste). The platform's index
     changes: the worker opens device ``0:D`` and checks that it is the same one."""
     environ = os.environ if environ is None else environ
     chosen = environ.get("OCL_ICD_VENDORS") or None

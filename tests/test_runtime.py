@@ -16,7 +16,7 @@ import pytest
 from perfx.errors import PerfxError
 from perfx.runtime import (LIMIT_PRESETS, BuildError, Device, Limits, OpenCLError, choose_device, cl_error_name,
                            has_subgroups, intel_opencl_library, list_devices, merged_vendor_entries,
-                           parse_adreno_model, parse_limits, read_capabilities)
+                           one_library_environ, parse_adreno_model, parse_limits, read_capabilities)
 from perfx.runtime.replay import BoundLaunch, CommandBuffer, Sequence, unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -480,3 +480,32 @@ def test_recorded_launches_look_up_pyopencl_s_invoker_once_a_signature_and_each_
         step.enqueue(device.queue)
     for i, out in enumerate(outputs):
         assert np.array_equal(out.get(), np.full(n, i, np.float32))
+
+
+def test_a_kernel_reading_only_some_defines_is_one_for_the_programs_that_agree_on_them(device):
+    """``reads``: copy_vectors reads VWC, not the other define: programs that differ only there share one Kernel
+    (one compiled copy), those that differ in VWC do not, and none is shared once the programs are forgotten."""
+    own = Device(device.entry.index)   # kernels kept by this test alone
+    shared = own.kernel("copy.cl", "copy_vectors", {"VWC": 4, "UNREAD": 1}, reads=("VWC",))
+    assert own.kernel("copy.cl", "copy_vectors", {"VWC": 4, "UNREAD": 2}, reads=("VWC",)) is shared
+    assert own.programs_kept == 1   # the second program was never built
+    assert own.kernel("copy.cl", "copy_vectors", {"VWC": 8, "UNREAD": 1}, reads=("VWC",)) is not shared
+    assert own.kernel("copy.cl", "copy_vectors", {"VWC": 4, "UNREAD": 2}) is not shared   # asked for its own
+    own.forget_programs()
+    assert own.kernel("copy.cl", "copy_vectors", {"VWC": 4, "UNREAD": 1}, reads=("VWC",)) is not shared
+
+
+def test_a_process_can_be_told_to_load_one_implementations_library_alone(tmp_path):
+    folder = tmp_path / "vendors"
+    folder.mkdir()
+    (folder / "pocl.icd").write_text("libpocl.so.2\n")
+    (folder / "perfx-intel-opencl-rt.icd").write_text("/site/lib/libintelocl.so\n")
+    environ = {"OCL_ICD_VENDORS": str(folder)}
+    assert one_library_environ("pocl", environ) == {"OCL_ICD_VENDORS": str(folder / "pocl.icd")}
+    assert one_library_environ("intel", environ) == {"OCL_ICD_VENDORS": str(folder / "perfx-intel-opencl-rt.icd")}
+    assert one_library_environ("nvidia", environ) is None   # no file names it
+    (folder / "pocl-patched.icd").write_text("/opt/pocl/libpocl.so\n")
+    assert one_library_environ("pocl", environ) is None     # two do: which is the device's is not known
+    # the choice made already: one file, or the loader's list of libraries
+    assert one_library_environ("intel", {"OCL_ICD_VENDORS": str(folder / "pocl.icd")}) is None
+    assert one_library_environ("intel", {**environ, "OCL_ICD_FILENAMES": "/x/libintelocl.so"}) is None

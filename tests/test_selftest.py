@@ -531,3 +531,37 @@ def test_an_interrupted_run_in_worker_processes_resumes_where_it_stopped(device,
     data = json.loads(out)
     assert again.returncode == 0 and "resuming:" in err and data["resumed"] >= len(kept["checks"]), err[-2000:]
     assert outcomes(data) == outcomes(want)
+
+
+def test_worker_processes_load_only_the_devices_own_opencl_library_or_else_all_as_before(capsys, device, cache,
+                                                                                         monkeypatch, tmp_path):
+    """Each worker maps one of the loader's libraries, the device's; where the one chosen does not give the same
+    device (here a library that is none), the run goes on with workers that load them all, and checks the same."""
+    from perfx.runtime.implementations import DEFAULT_VENDORS_FOLDER, read_vendor_folder
+    monkeypatch.setattr(selftest._Checker, "one_library", True)
+    code, out, _ = run_cli(capsys, "selftest", "--kernels", "geglu", "--json")
+    alone = json.loads(out)
+    folder = os.environ.get("OCL_ICD_VENDORS") or DEFAULT_VENDORS_FOLDER
+    if not os.path.isdir(folder):
+        pytest.skip("the loader's choice is made already (OCL_ICD_VENDORS names one library)")
+    libraries = {os.path.basename(os.path.realpath(lib)) for lib in read_vendor_folder(folder).values()}
+    mapped = []
+    check = selftest._Checker.check
+
+    def looking(self, *args):
+        with open(f"/proc/{self.process.pid}/maps") as maps:
+            names = {os.path.basename(line.split()[-1]) for line in maps if "/" in line}
+        mapped.append(names & libraries)
+        return check(self, *args)
+    monkeypatch.setattr(selftest._Checker, "check", looking)
+    code, out, _ = run_cli(capsys, "selftest", "--kernels", "geglu", "--json", "--processes", "2")
+    assert code == 0 and outcomes(json.loads(out)) == outcomes(alone)
+    if selftest.one_library_environ(device.entry.implementation) is not None:
+        assert mapped and all(len(names) == 1 for names in mapped), mapped
+        assert selftest._Checker.one_library
+    nothing = tmp_path / "nothing.icd"
+    nothing.write_text(str(tmp_path / "libnothing.so") + "\n")
+    monkeypatch.setattr(selftest, "one_library_environ", lambda implementation: {"OCL_ICD_VENDORS": str(nothing)})
+    code, out, _ = run_cli(capsys, "selftest", "--kernels", "geglu", "--json", "--processes", "2")
+    assert code == 0 and outcomes(json.loads(out)) == outcomes(alone)
+    assert not selftest._Checker.one_library

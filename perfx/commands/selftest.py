@@ -48,7 +48,8 @@ from perfx.model import host_peak_bytes
 from perfx.progress import Progress, format_table
 from perfx.resources import cache_dir, read_json, write_json_atomic
 from perfx.runtime import (BUILD_WORKERS_ENV, DEVICE_HELP, Device, KernelLimitError, build_workers_peak_bytes,
-                           resident_bytes, resident_peak_bytes, running_build_workers, shutdown_build_workers)
+                           one_library_environ, resident_bytes, resident_peak_bytes, running_build_workers,
+                           shutdown_build_workers)
 from perfx.tuning import SPECS, Spec, select_specs
 from perfx.tuning.spec import build_requests, covering_plan
 from perfx.tuning.database import default_database, fingerprint_slug, normal, params_key, source_hash
@@ -450,16 +451,16 @@ class _Grown(Exception):
 
 
 def _checker_main() -> None:
-    """A check worker: (selector, limits, seed, memory bound), answered ("ready", None) once the device is open;
-    then cases, each (family, shape's index, parameter sets, seconds left or None), answered with ("check", Check)
-    for each check and ("done", None), ("budget", None) where the seconds ran out with sets left, or ("grown",
-    None) where after a check its resident memory passed the bound with sets left (the command checks those in a
-    fresh process)."""
+    """A check worker: (selector, limits, seed, memory bound), answered ("ready", the device's fingerprint) once it
+    is open; then cases, each (family, shape's index, parameter sets, seconds left or None), answered with
+    ("check", Check) for each check and ("done", None), ("budget", None) where the seconds ran out with sets left,
+    or ("grown", its peak resident bytes) where after a check its resident memory passed the bound with sets left
+    (the command checks those in a fresh process)."""
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr   # anything printed by the way goes to stderr, not into the answers
     selector, limits, seed, bound = pickle.load(stdin)
     device = Device(selector, limits)
-    _send(stdout, ("ready", None))
+    _send(stdout, ("ready", device.fingerprint))
     last_family = None
     while True:
         try:
@@ -486,8 +487,8 @@ def _checker_main() -> None:
                        answer, deadline)
         except BudgetSpent:
             _send(stdout, ("budget", None))
-        except _Grown:
-            _send(stdout, ("grown", None))
+        except _Grown:   # its peak sent with it: the process ends before the command could read it
+            _send(stdout, ("grown", resident_peak_bytes()))
             return
         else:
             _send(stdout, ("done", None))
@@ -496,14 +497,42 @@ def _checker_main() -> None:
 class _Checker:
     """One check worker process: one case at a time."""
 
+    # Whether workers start with the ICD loader reading only the device's own library (``one_library_environ``):
+    # the other implementations' libraries, loaded for nothing, held a third of a PoCL worker's memory after its
+    # first build (Intel's CPU runtime: 115 of 379 MiB), so a worker passed RECYCLE_BYTES after its first check
+    # of a heavy family and a fresh process (about a CPU second) was started for each such check
+    # (benchmarks/NOTES.md, the PoCL selftest's waste). Off for the rest of the run once a worker so
+    # started fails to open the same device.
+    one_library = True
+
     def __init__(self, device: Device, seed: int):
         # its builds in the process itself: the processes already keep every core busy, and a build worker each
         # would hold another Python and compiler; a session of its own, so Ctrl-C is this process's to handle
+        self.peak, self.ready = 0, False
         env = {**os.environ, BUILD_WORKERS_ENV: "1"}
+        alone = one_library_environ(device.entry.implementation) if _Checker.one_library else None
+        if alone is not None:
+            # the only platform the loader then lists: the device's index within it
+            self._start({**env, **alone}, f"0:{device.entry.device_index}", device, seed)
+            if self._opened(device):
+                return
+            _Checker.one_library = False
+            self.stop()
+        self._start(env, device.entry.index, device, seed)
+
+    def _start(self, env: dict, selector: str, device: Device, seed: int) -> None:
         self.process = subprocess.Popen([sys.executable, "-c", _CHECKER_MAIN], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, env=env, start_new_session=True)
-        _send(self.process.stdin, (device.entry.index, device.limits, seed, RECYCLE_BYTES))
-        self.peak, self.ready = 0, False
+        _send(self.process.stdin, (selector, device.limits, seed, RECYCLE_BYTES))
+
+    def _opened(self, device: Device) -> bool:
+        """Whether the worker opened ``device`` itself (the same fingerprint), its first answer read."""
+        try:
+            kind, fingerprint = pickle.load(self.process.stdout)
+        except (EOFError, OSError, ValueError, pickle.UnpicklingError):
+            return False
+        self.ready = True
+        return kind == "ready" and fingerprint == device.fingerprint
 
     def check(self, spec: Spec, shape: dict, params_list: list[dict], seconds: float | None, on_check) -> str:
         """The case's checks, each passed to ``on_check`` as it comes: "done", "budget", "grown" where the process
@@ -517,6 +546,8 @@ class _Checker:
                                        [dict(params) for params in params_list], seconds))
             while True:
                 kind, check = pickle.load(self.process.stdout)
+                if kind == "grown":
+                    self.peak = max(self.peak, check or 0)
                 if kind != "check":
                     return kind
                 on_check(check)

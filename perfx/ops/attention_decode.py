@@ -89,7 +89,10 @@ class AttentionDecode:
     contexts of up to that many are allocated here, once), and ``window``, the sliding window of launches that
     do not name one (0: none), ``qk_norm``: build the per-head RMSNorm of q and k before RoPE (Qwen3,
     Gemma 3); every launch then passes its ``q_norm`` and ``k_norm`` weights; and ``kv``, the form of the KV
-    caches it reads and appends to ("f16", the default, or "q8").
+    caches it reads and appends to ("f16", the default, or "q8"). The build made here (where a refusal of the
+    driver's limits shows) is the one the shape says its launches take: with ``rows`` the batched one (``rows``),
+    with ``q8_out`` the one writing out as Q8_1 blocks too (``enqueue``'s ``quantized``), else the plain one; any
+    other is built at its first launch.
     """
 
     def __init__(self, device: Device, params: dict | None = None, shape: dict | None = None):
@@ -129,7 +132,13 @@ class AttentionDecode:
                         "KV_Q8": int(self.kv == "q8"), "HEADS": self.heads, "V_NORM": int(v_norm),
                         "Q_ONLY": int(q_only), "SINKS": int(self.sinks), **params}
         self._kernels: dict[bool, object] = {}
-        self.kernels(False)   # built now: a refusal shows at load
+        # Built now, so that a refusal shows at load: the build the shape says its launches take (``rows``: the
+        # batched one; ``q8_out``: the one writing Q8_1 blocks too), else the plain one. Only that: a check or
+        # a tuning candidate builds no program it never launches.
+        if shape.get("rows"):
+            self.rows_kernel()
+        else:
+            self.kernels(bool(shape.get("q8_out")))
         self.part = int(params["PART"])
         self.wgs = int(params["WGS"])
         self.max_parts = -(-max_positions // self.part)

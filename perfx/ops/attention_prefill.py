@@ -112,7 +112,9 @@ class AttentionPrefill:
         self.params = params = PARAMS.resolve(params, spec_shape, device.caps)
         defines = {"HEAD_DIM": head_dim, "QK_NORM": int(self.qk_norm), "KV_Q8": int(self.kv == "q8"),
                    "V_NORM": int(self.v_norm), "Q_ONLY": int(self.q_only), "SINKS": int(self.sinks), **params}
-        self.append_kernel = device.kernel(PARAMS.source, "kv_append", defines)
+        # the append reads none of the tuned parameters: one compiled copy serves every set (``Device.kernel``)
+        self.append_kernel = device.kernel(PARAMS.source, "kv_append", defines,
+                                           reads=("HEAD_DIM", "QK_NORM", "KV_Q8", "V_NORM"))
         self.attention_kernel = device.kernel(PARAMS.source, "attention_prefill", defines)
         self.wgs = int(params["WGS"])
         # Bound to the table and weight arguments a launch does not read (no RoPE, no qk_norm).

@@ -373,9 +373,10 @@ class GemmQ4:
     def quantize_kernel(self):
         """The quantization of X to int8 blocks that the int8 kernel's calls launch first: from the program of an
         int8 product this wrapper built already, where there is one (the quantizing reads none of its parameters,
-        and a program less is a compile less at a cold load), else from a program of its own."""
+        and a program less is a compile less at a cold load), else from a program of its own; or the one the device
+        made already for another wrapper or set (the same code: ``Device.kernel``'s ``reads``)."""
         defines, newest_c = self._quantize_from or ({}, False)
-        return self.device.kernel(I8.source, "gemm_q4_i8_quantize_x", defines, newest_c)
+        return self.device.kernel(I8.source, "gemm_q4_i8_quantize_x", defines, newest_c, reads=())
 
     def _to_q8(self, xb, count: int) -> tuple:
         """X's int8 codes and (step, sum) per block of 32 (the int8 kernel's input), in scratch kept for the

@@ -121,9 +121,10 @@ class GemmQ8:
     def quantize_kernel(self, group: int):
         """The rounding of X to int8 groups that the int8 kernel's calls launch first: from the program of an int8
         product of that group this wrapper built already, where there is one (the rounding reads no other
-        parameter, and a program less is a compile less at a cold load), else from a program of its own."""
+        parameter, and a program less is a compile less at a cold load), else from a program of its own; or the one
+        the device made already for another wrapper or set (the same code: ``Device.kernel``'s ``reads``)."""
         defines, newest_c = self._quantize_from.get(group, ({"GROUP": group}, False))
-        return self.device.kernel(I8.source, "gemm_q8_i8_quantize_x", defines, newest_c)
+        return self.device.kernel(I8.source, "gemm_q8_i8_quantize_x", defines, newest_c, reads=("GROUP",))
 
     def _to_q8(self, xb, count: int, group: int) -> tuple:
         """X's int8 codes and (step, sum) per group (the int8 kernel's input), in scratch kept for the next call."""

@@ -216,11 +216,12 @@ class GemvQ4:
     def quantize_kernel(self) -> cl.Kernel:
         """The launch ``quantize`` enqueues (the rows layout's I8): from the program of a product this wrapper built
         already, where there is one (the quantizing reads none of its parameters, and a program less is a
-        compile less at a cold load), else from a program of its own."""
+        compile less at a cold load), else from a program of its own; or the one the device made already for
+        another wrapper or set (the same code: ``Device.kernel``'s ``reads``)."""
         if self._quantize_from is not None:
             defines, newest_c = self._quantize_from
-            return self.device.kernel(self.space.source, "gemv_q4_quantize_x", defines, newest_c)
-        return self.device.kernel(self.space.source, "gemv_q4_quantize_x", {"I8": 1})
+            return self.device.kernel(self.space.source, "gemv_q4_quantize_x", defines, newest_c, reads=("I8",))
+        return self.device.kernel(self.space.source, "gemv_q4_quantize_x", {"I8": 1}, reads=("I8",))
 
     @property
     def reads_quantized(self) -> bool:

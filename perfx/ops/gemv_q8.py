@@ -98,9 +98,10 @@ class GemvQ8:
     def quantize_kernel(self, group: int) -> cl.Kernel:
         """The launch ``quantize`` enqueues for groups of ``group``: from the program of a product of that group this
         wrapper built already, where there is one (the quantizing reads no other parameter, and a program less is
-        a compile less at a cold load), else from a program of its own."""
+        a compile less at a cold load), else from a program of its own; or the one the device made already for
+        another wrapper or set (the same code: ``Device.kernel``'s ``reads``)."""
         defines, newest_c = self._quantize_from.get(group, ({"GROUP": group}, False))
-        return self.device.kernel(PARAMS.source, "gemv_q8_quantize_x", defines, newest_c)
+        return self.device.kernel(PARAMS.source, "gemv_q8_quantize_x", defines, newest_c, reads=("GROUP",))
 
     def reads_blocks(self, weight: Q8DeviceWeight) -> bool:
         """Whether the product of ``weight`` can read x as Q8_1 blocks of 32 in x's own order (``Q8_NATURAL``)

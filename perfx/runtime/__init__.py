@@ -25,7 +25,8 @@ from perfx.runtime.device import (BUILD_PROCESSES_ENV, BUILD_WORKERS_ENV, BuildC
                                   resident_bytes, resident_peak_bytes, running_build_workers, shutdown_build_workers)
 from perfx.runtime.errors import (BuildError, DriverError, KernelInfo, KernelLimitError, OpenCLError,
                                   cl_error_name)
-from perfx.runtime.implementations import intel_opencl_library, merged_vendor_entries, prepare, show_build_logs
+from perfx.runtime.implementations import (intel_opencl_library, merged_vendor_entries, one_library_environ, prepare,
+                                          show_build_logs)
 from perfx.runtime.replay import BoundCopy, BoundLaunch
 from perfx.runtime.selection import DEVICE_HELP, DeviceEntry, choose_device, list_devices
 

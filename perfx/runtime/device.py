@@ -407,6 +407,7 @@ class Device:
         self.build_options = build_options(self.caps)
         self._programs: dict[tuple, cl.Program] = {}
         self._kernels: dict[tuple, cl.Kernel] = {}
+        self._shared_kernels: dict[tuple, cl.Kernel] = {}   # ``kernel``'s ``reads``: one of each kind
         self._infos: dict[int, KernelInfo] = {}     # by int_ptr, for the kernels kept in _kernels
         self._watching: list[set] = []
         self._lock = threading.Lock()
@@ -802,15 +803,28 @@ class Device:
     def _collecting(self) -> list | None:
         return getattr(self._collect, "requests", None)
 
-    def kernel(self, file: str, name: str, defines: dict | None = None, newest_c: bool = False) -> cl.Kernel:
+    def kernel(self, file: str, name: str, defines: dict | None = None, newest_c: bool = False,
+               reads: tuple[str, ...] | None = None) -> cl.Kernel:
         """A ``Kernel`` object, created once per (file, defines, name): each ``program.name`` makes a new one
         (``newest_c``: see ``build``).
+
+        ``reads``: where the kernel's code reads only these of the program's defines (a helper built beside the
+        program's main kernel, as the quantizing of X beside an int8 product), a kernel of that name this device
+        made already from a program of ``file`` whose defines agree on those (and ``newest_c``) is returned
+        instead: its code is the same in every such program, and a driver compiles a kernel's machine code per
+        program (PoCL at its first launch), so the wrappers, checks and candidates that share it compile it once.
 
         A kernel whose required work-group (``reqd_work_group_size``) or local memory exceeds what the driver
         reports it can run raises KernelLimitError here: those parameters cannot run on this driver.
         """
         if self._collecting is not None:
             return _PendingKernel(self.build(file, defines, newest_c), name)
+        shared = None
+        if reads is not None:
+            shared = (file, name, newest_c, tuple((read, (defines or {}).get(read)) for read in sorted(reads)))
+            kernel = self._shared_kernels.get(shared)
+            if kernel is not None:
+                return kernel
         key = (file, tuple(sorted((defines or {}).items())), name, newest_c)
         kernel = self._kernels.get(key)
         if kernel is None:
@@ -830,6 +844,8 @@ class Device:
                                        f"memory, more than the {self.caps.local_mem} in force")
             self._kernels[key] = kernel
             self._infos[kernel.int_ptr] = info
+        if shared is not None:
+            self._shared_kernels[shared] = kernel
         return kernel
 
     @property
@@ -853,6 +869,7 @@ class Device:
         self._programs.clear()
         self._worker_cached.clear()
         self._kernels.clear()
+        self._shared_kernels.clear()
         self._infos.clear()
 
     def kernel_info(self, kernel: cl.Kernel) -> KernelInfo:

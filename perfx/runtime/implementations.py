@@ -143,6 +143,27 @@ def merged_vendor_entries(environ, libraries: dict[str, Path]) -> dict[str, str]
     return {**entries, **missing} if missing else None
 
 
+def one_library_environ(implementation: str, environ=None) -> dict[str, str] | None:
+    """The environment under which the ICD loader of a new process loads only the library of ``implementation``
+    ("pocl", "intel": ``DeviceEntry.implementation``): OCL_ICD_VENDORS naming its one ``.icd`` file, from the
+    folder this process reads (after ``prepare``). None where it cannot tell which file (none or several name the
+    implementation) or the choice is made already (OCL_ICD_VENDORS names one file; OCL_ICD_FILENAMES). A worker
+    checking on one device then does not load the others' libraries: Intel's CPU runtime holds about 115 MiB
+    of a PoCL worker's memory (benchmarks/NOTES.md, the PoCL selftest's waste). The platform's index
+    changes: the worker opens device ``0:D`` and checks that it is the same one."""
+    environ = os.environ if environ is None else environ
+    chosen = environ.get("OCL_ICD_VENDORS") or None
+    if environ.get("OCL_ICD_FILENAMES") or (chosen is not None and not os.path.isdir(chosen)):
+        return None
+    folder = chosen or environ.get("OPENCL_VENDOR_PATH") or DEFAULT_VENDORS_FOLDER
+    key = implementation.lower()
+    named = [name for name, library in read_vendor_folder(folder).items()
+             if key and (key in name.lower() or key in Path(library).name.lower())]
+    if len(named) != 1:
+        return None
+    return {"OCL_ICD_VENDORS": str(Path(folder) / named[0])}
+
+
 def _write_vendor_folder(entries: dict[str, str]) -> Path:
     """A folder holding ``entries`` as .icd files: in perfx's cache, named by its content (processes
     and their children share it), else a new temporary folder."""

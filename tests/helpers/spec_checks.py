@@ -168,9 +168,9 @@ def programs_asked(device):
         asked.add(build_key(file, defines, newest_c))
         return build(file, defines, newest_c)
 
-    def asked_kernel(file, name, defines=None, newest_c=False):
+    def asked_kernel(file, name, defines=None, newest_c=False, reads=None):
         asked.add(build_key(file, defines, newest_c))
-        return kernel(file, name, defines, newest_c)
+        return kernel(file, name, defines, newest_c, reads=reads)
     device.build, device.kernel = asked_build, asked_kernel
     try:
         yield asked

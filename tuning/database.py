@@ -56,8 +56,8 @@ SERVED_UP_TO = 16
 # Shape keys matched by nearest rather than exactly.
 SIZE_KEYS = ("m", "positions")
 # The fields of a results record, in the order they are written.
-RECORD_FIELDS = ("family", "shape", "params", "time_s", "served_times_s", "default_time_s", "gain", "gain_interval", "rounds",
-                 "gb_per_s", "gflop_per_s", "source_hash", "device", "devices", "comment")
+RECORD_FIELDS = ("family", "shape", "params", "time_s", "served_times_s", "default_time_s", "gain", "gain_interval",
+                 "rounds", "gb_per_s", "gflop_per_s", "source_hash", "device", "devices", "comment")
 
 
 class TuningDatabaseWarning(UserWarning):

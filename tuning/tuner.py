@@ -447,6 +447,16 @@ class BuildAhead:
             self._pool.shutdown()
 
 
+def _require_right(spec, case, params: dict, wrong: str) -> None:
+    """Raise, saying ``wrong``, unless ``params`` is within the spec's tolerance of the float64 reference on ``case``:
+    for a set the tuner times without having verified it in this search (the parameters in force, a set at the other
+    Ms of its bucket)."""
+    errors = case.errors(params)
+    if not all(e <= spec.tolerance_for(params) for e in errors.values()):
+        raise PerfxError(f"{spec.params.family}: {wrong} ({max(errors.values()):.2e} > "
+                         f"{spec.tolerance_for(params):.0e}); run `perfx selftest`")
+
+
 class Tuner:
     """Tunes problems on one device into one database.
 
@@ -869,11 +879,7 @@ class Tuner:
         verified = {params_key(o.params) for o in result.outcomes if o.status in ("ok", "slow")}
         for params in contenders[:2]:  # the incumbent and the defaults may not have been verified here
             if params_key(params) not in verified:
-                errors = case.errors(params)
-                if not all(e <= spec.tolerance_for(params) for e in errors.values()):
-                    raise PerfxError(f"{spec.params.family}: the parameters in force {params} are wrong on this "
-                                     f"device ({max(errors.values()):.2e} > {spec.tolerance_for(params):.0e}); "
-                                     "run `perfx selftest`")
+                _require_right(spec, case, params, f"the parameters in force {params} are wrong on this device")
         rounds, suspect = self._interleaved([(case, p) for p in contenders], f"confirm{result.description}")
         columns = list(zip(*rounds))
         medians = [statistics.median(col) for col in columns]
@@ -928,11 +934,7 @@ class Tuner:
         cases = {m: case if m == shape["m"] else spec.make_case(self.device, {**shape, "m": m},
                                                                   np.random.default_rng(self.seed)) for m in ms}
         for m, at in cases.items():
-            errors = at.errors(params)
-            if not all(e <= spec.tolerance_for(params) for e in errors.values()):
-                raise PerfxError(f"{spec.params.family}: {params} is wrong at M = {m} on this device "
-                                 f"({max(errors.values()):.2e} > {spec.tolerance_for(params):.0e}); run "
-                                 "`perfx selftest`")
+            _require_right(spec, at, params, f"{params} is wrong at M = {m} on this device")
         rounds, _ = self._interleaved([(cases[m], params) for m in ms], f"served{spec.describe(shape)}")
         return {m: statistics.median(column) for m, column in zip(ms, zip(*rounds))}
 

@@ -529,16 +529,18 @@ def test_tune_refresh_command_checks_a_stale_entry_on_the_device(tmp_path, monke
         tune.main(_parse(tune, ["--refresh", "--model", "default"]))
 
 
-def test_the_sweep_summary_says_which_prompt_gemm_is_faster_per_bucket():
-    """`perfx tune` ends with the faster kernel per matrix and bucket: int4 (skinny against tiled, or whichever
-    of its kinds won) and int8 (the fastest of skinny, lanes and, at a batched step's few rows, i8), apart where
-    one matrix role has layers of both forms."""
+def test_the_sweep_summary_says_which_prompt_gemm_the_model_runs_per_bucket():
+    """`perfx tune` ends with the GEMM kind the model runs per matrix and bucket by the sweep's times: int4 (the
+    fastest of the kinds timed beside skinny) and int8 (the fastest of skinny, lanes and, at a batched step's few
+    rows, i8), apart where one matrix role has layers of both forms; at a batched step's bucket, by the worst ratio
+    over the Ms it serves, as the model chooses (``perfx.plan.one_run_costs``), not by the middle M alone."""
     from types import SimpleNamespace
 
     from perfx.commands.tune import crossover_lines
 
-    def result(family, label, m, time_s):
-        return SimpleNamespace(family=family, label=label, shape={"m": m}, time_s=time_s)
+    def result(family, label, m, time_s, served=None):
+        return SimpleNamespace(family=family, label=label, shape={"m": m}, time_s=time_s,
+                               confirmation=SimpleNamespace(served=served) if served else None)
     lines = crossover_lines([
         result("gemm_q4_skinny", "down", 33, 2e-4), result("gemm_q4_tiled", "down", 33, 3e-4),
         result("gemm_q4_lanes", "down", 33, 1e-4), result("gemm_q8", "down", 33, 1e-3),
@@ -547,6 +549,12 @@ def test_the_sweep_summary_says_which_prompt_gemm_is_faster_per_bucket():
         result("gemm_q8", "lm_head", 3, 2e-3), result("gemm_q8_lanes", "lm_head", 3, 3e-3),
         result("gemm_q8_i8", "lm_head", 3, 1e-3)])
     assert lines == ["  down: M=33: lanes, M=33: int8 lanes", "  lm_head: M=3: int8 i8", "  qkv: M=9: int8 skinny"]
+    # i8 twice as fast at M = 3 but 2.5 times as slow at M = 2: skinny runs (worst 2x against 2.5x), tiled untimed
+    lines = crossover_lines([
+        result("gemm_q4_skinny", "o", 3, 2e-4, served={2: 1e-4, 3: 2e-4, 4: 2e-4}),
+        result("gemm_q4_i8", "o", 3, 1e-4, served={2: 2.5e-4, 3: 1e-4, 4: 1.5e-4}),
+        result("gemm_q4_skinny", "o", 9, 4e-4, served={9: 4e-4}), result("gemm_q4_i8", "o", 9, 3e-4, served={9: 3e-4})])
+    assert lines == ["  o: M=3: skinny, M=9: i8"]
 
 
 def test_info_says_which_int8_prompt_gemm_the_model_runs():

@@ -20,7 +20,9 @@ from perfx.ops.gemm_q8 import GemmQ8
 from perfx.ops.q8_weight import Q8DeviceWeight
 from perfx.tuning.gemm_q4 import q8_rounded
 from perfx.tuning.gemv_q8 import random_weight
-from perfx.tuning.spec import Case, Spec, cached_per_params, epilogue_reference, q8_group_bytes, q8_matrix
+from perfx.tuning.database import SERVED_UP_TO
+from perfx.tuning.spec import (Case, Spec, cached_per_params, copies_past_cache, epilogue_reference, lazy_copies,
+                                q8_group_bytes, q8_matrix, rotating_case)
 
 
 def output_columns(shape) -> int:
@@ -29,9 +31,15 @@ def output_columns(shape) -> int:
 
 def bytes_moved(shape) -> int:
     """Weights once (codes, scales and offsets, bias), X once and Y once."""
-    m, n, k, group = shape["m"], shape["n"], shape["k"], shape["group"]
+    m, k = shape["m"], shape["k"]
+    return weight_bytes(shape) + 4 * m * k + 4 * m * output_columns(shape)
+
+
+def weight_bytes(shape) -> int:
+    """The weight's bytes: codes, scales (and offsets) and bias."""
+    n, k, group = shape["n"], shape["k"], shape["group"]
     bias = 4 * n if shape.get("epilogue") == "bias" else 0
-    return n * k + q8_group_bytes(shape) * n * (k // group) + bias + 4 * m * k + 4 * m * output_columns(shape)
+    return n * k + q8_group_bytes(shape) * n * (k // group) + bias
 
 
 def make_case(device, shape, rng, kind: str = "skinny") -> Case:
@@ -39,7 +47,11 @@ def make_case(device, shape, rng, kind: str = "skinny") -> Case:
     epilogue = shape.get("epilogue", "none")
     q8 = random_weight(shape, rng)
     bias = (0.1 * rng.standard_normal(n)).astype(np.float32) if epilogue == "bias" else None
-    weight = Q8DeviceWeight.upload(device, q8, bias, shape.get("block_bytes"), what=f"gemm_q8 test {n}x{k}")
+    # At a batched decode step's few rows, copies of the weight that a timing rotates through past the device's
+    # cache, as the step reads it from memory (tuning/gemm_q4.py); a prompt's many rows, one copy.
+    copies = copies_past_cache(device, weight_bytes(shape)) if m <= SERVED_UP_TO else 1
+    weights = lazy_copies(lambda: Q8DeviceWeight.upload(device, q8, bias, shape.get("block_bytes"),
+                                                        what=f"gemm_q8 test {n}x{k}"))
     x_host = rng.standard_normal((m, k)).astype(np.float32)
     x = device.upload(x_host)
     y = device.poisoned((m, output_columns(shape)), np.float32)
@@ -48,16 +60,10 @@ def make_case(device, shape, rng, kind: str = "skinny") -> Case:
     expected = epilogue_reference(epilogue, reference.gemm(x_ref, q8.dequantize(), bias))
     wrapper = cached_per_params(lambda params: GemmQ8(device, params, shape, kind))
 
-    def launch(params):
-        return [wrapper(params)(weight, x, y, m, epilogue)]
+    def launch_copy(i, params):
+        return [wrapper(params)(weights(i), x, y, m, epilogue)]
 
-    def run(params):
-        y.fill(np.float32(np.nan))
-        for event in launch(params):
-            event.wait()
-        return {"y": y.get()}
-
-    return Case(expected={"y": expected}, run=run, launch=launch)
+    return rotating_case(expected, y, copies, launch_copy, device=device if copies > 1 else None)
 
 
 def programs(device, shape, params, kind: str = "skinny") -> None:

@@ -23,7 +23,8 @@ from perfx.resources import read_json, write_atomic
 from perfx.runtime import DEVICE_HELP, Device
 from perfx.timing import copy_bandwidth, read_bandwidth
 from perfx.tuning import select_specs
-from perfx.tuning.database import Database, merge, results_json
+from perfx.plan import one_run_costs
+from perfx.tuning.database import Choice, Database, merge, results_json
 from perfx.tuning.problems import problems_for
 from perfx.tuning.tuner import Tuner
 
@@ -215,23 +216,27 @@ def split_line(report: dict) -> str:
 
 
 def crossover_lines(results) -> list[str]:
-    """Per prefill matrix, which GEMM kernel is faster at each M bucket."""
-    times: dict[tuple, dict] = {}
+    """Per prefill matrix and M bucket of the sweep, the GEMM kind the model runs by these times: of the int4 kinds
+    timed there, and of the int8 ones, the kind whose time is the least multiple of the fastest at the M of the
+    bucket where it is worst (``perfx.plan.one_run_costs``: a batched decode step's bucket is judged at each M it
+    serves, as the model chooses, not at its middle M alone)."""
+    timed: dict[tuple, dict] = {}
     for r in results:
         if r.family in (*GEMM_FAMILIES, *Q8_GEMM_FAMILIES) and r.time_s:
-            times.setdefault((r.label, r.shape["m"]), {})[r.family] = r.time_s
+            confirmation = getattr(r, "confirmation", None)
+            timed.setdefault((r.label, r.shape["m"]), {})[r.family] = Choice(
+                {}, "", "", r.time_s, exact=True, file="this sweep", served=confirmation.served if confirmation else {})
     lines = []
-    for label in sorted({label for label, _ in times}):
+    for label in sorted({label for label, _ in timed}):
         cells = []
-        for m in sorted(m for lab, m in times if lab == label):
-            t = times[label, m]
-            q4 = {family: time for family, time in t.items() if family in GEMM_FAMILIES}
-            if "gemm_q4_skinny" in q4 and "gemm_q4_tiled" in q4:
-                cells.append(f"M={m}: {min(q4, key=q4.get).rsplit('_', 1)[1]}")
-            q8 = {family: time for family, time in t.items() if family in Q8_GEMM_FAMILIES}
-            if "gemm_q8" in q8 and len(q8) > 1:   # an int8 matrix (a layer's may be either)
-                best = min(q8, key=q8.get)
-                cells.append(f"M={m}: int8 {'skinny' if best == 'gemm_q8' else best.rsplit('_', 1)[1]}")
+        for m in sorted(m for lab, m in timed if lab == label):
+            for families, anchor, prefix in ((GEMM_FAMILIES, "gemm_q4_skinny", ""), (Q8_GEMM_FAMILIES, "gemm_q8",
+                                                                                      "int8 ")):
+                choices = {family: c for family, c in timed[label, m].items() if family in families}
+                if anchor in choices and len(choices) > 1:   # an int8 matrix times gemm_q8's kinds (a layer's either)
+                    costs = one_run_costs(choices, anchor)
+                    best = min(costs, key=costs.get)
+                    cells.append(f"M={m}: {prefix}{'skinny' if best == 'gemm_q8' else best.rsplit('_', 1)[1]}")
         if cells:
             lines.append(f"  {label}: " + ", ".join(cells))
     return lines
@@ -294,7 +299,7 @@ def main(args) -> int:
               "memory-bound kernels (% of copy), GFLOP/s where a kernel does more than 8 flops per byte")
         lines = crossover_lines(results)
         if lines:
-            print("prefill GEMM, faster kernel per matrix and M bucket:\n" + "\n".join(lines))
+            print("prefill GEMM, the kind the model runs per matrix and M bucket:\n" + "\n".join(lines))
     if args.plot:
         written = plots.write_tuning_plots(results, args.plot, copy_gbps, read_gbps=read_gbps)
         say(f"wrote {len(written)} plots to {args.plot}")

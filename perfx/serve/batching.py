@@ -38,7 +38,7 @@ def default_parallel(model) -> int:
     """``PARALLEL_DEFAULT``, or fewer where the state of that many sequences would take more than
     1/``STATE_SHARE`` of the device's memory (at least 1); 1 where a layer kind of the model cannot be batched
     (``Mixer.decodes_rows``), and on a CPU device, whose decode is bound by arithmetic rather than by reading
-    the weights: there a step of N rows, int8-activation GEMMs included, costs more than half of N steps of one
+    the weights: there a step of 4 rows, int8-activation GEMMs included, costs about half of 4 steps of one
     (benchmarks/NOTES.md), and one at a time keeps speculation."""
     if model.device.caps.device_type == "CPU" or not all(mixer.decodes_rows() for mixer in model.mixers):
         return 1

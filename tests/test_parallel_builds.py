@@ -4,6 +4,7 @@ log; a driver that fails under concurrent builds (a fake, or a worker process th
 time, once, and says so; PERFX_BUILD_WORKERS, PERFX_BUILD_PROCESSES; ``collecting``; and `perfx warm`."""
 
 import json
+import os
 import sys
 import threading
 import time
@@ -253,6 +254,37 @@ def test_a_build_worker_that_dies_is_reported_and_the_device_builds_alone(device
     again = other.build_many(_fresh_keys(other, 4), workers=2)
     assert again.processes and again.errors == {} and again.serial_reason is None
     assert all(w.alive for w in device_module._workers_for(other, 2))
+    shutdown_build_workers()
+
+
+def test_build_workers_load_only_the_devices_own_opencl_library_or_else_all(device, monkeypatch, tmp_path):
+    """Each build worker maps one of the loader's libraries, the device's (``one_library_environ``); where the one
+    chosen does not give the same device (here a library that is none), a worker that loads them all replaces it,
+    and the builds are the same."""
+    from perfx.runtime.implementations import DEFAULT_VENDORS_FOLDER, read_vendor_folder
+    monkeypatch.setenv(BUILD_PROCESSES_ENV, "1")
+    monkeypatch.setattr(device_module._Worker, "one_library", True)
+    shutdown_build_workers()
+    fresh = Device(device.entry.index)
+    report = fresh.build_many(_fresh_keys(fresh, 4), workers=2)
+    assert report.processes and report.errors == {} and report.serial_reason is None
+    folder = os.environ.get("OCL_ICD_VENDORS") or DEFAULT_VENDORS_FOLDER
+    if os.path.isdir(folder) and device_module.one_library_environ(device.entry.implementation) is not None:
+        libraries = {os.path.basename(os.path.realpath(lib)) for lib in read_vendor_folder(folder).values()}
+        for worker in device_module._workers_for(fresh, 2):
+            with open(f"/proc/{worker.process.pid}/maps") as maps:
+                names = {os.path.basename(line.split()[-1]) for line in maps if "/" in line}
+            assert len(names & libraries) == 1, names & libraries
+        assert device_module._Worker.one_library
+    shutdown_build_workers()
+    nothing = tmp_path / "nothing.icd"
+    nothing.write_text(str(tmp_path / "libnothing.so") + "\n")
+    monkeypatch.setattr(device_module, "one_library_environ", lambda implementation: {"OCL_ICD_VENDORS": str(nothing)})
+    other = Device(device.entry.index)
+    keys = _fresh_keys(other, 4)
+    again = other.build_many(keys, workers=2)
+    assert again.processes and again.errors == {} and again.serial_reason is None
+    assert all(key in other._programs for key in keys) and not device_module._Worker.one_library
     shutdown_build_workers()
 
 

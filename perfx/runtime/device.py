@@ -28,6 +28,7 @@ from perfx.errors import PerfxError
 from perfx.resources import kernel_path
 from perfx.runtime.capabilities import Capabilities, Limits, parse_limits, read_capabilities
 from perfx.runtime.errors import BuildError, KernelInfo, KernelLimitError, define_flags, raise_as_perfx
+from perfx.runtime.implementations import one_library_environ
 from perfx.runtime.replay import (BoundCopy, BoundLaunch, CommandBuffer, QcomRecording, ReplayChoice, Sequence,
                                   asked_replay)
 from perfx.runtime.selection import choose_device
@@ -216,14 +217,16 @@ def _receive(stream):
 
 
 def _worker_main() -> None:
-    """A build worker: (selector, limits, options, binaries), then keys, each answered with (key, outcome): the
-    build's log where it failed, else (binary, whether pyopencl took it from its binary cache); without
-    ``binaries``, b"" for the binary: the driver's own cache of builds from source now holds the program."""
+    """A build worker: (selector, limits, options, binaries), answered with the fingerprint of the device it opened;
+    then keys, each answered with (key, outcome): the build's log where it failed, else (binary, whether pyopencl
+    took it from its binary cache); without ``binaries``, b"" for the binary: the driver's own cache of builds from
+    source now holds the program."""
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr   # anything printed by the way goes to stderr, not into the answers
     selector, limits, options, binaries = _receive(stdin)
     device = Device(selector, limits)
     device.build_options = list(options)
+    _send(stdout, device.fingerprint)
     while True:
         try:
             key = _receive(stdin)
@@ -268,19 +271,57 @@ def _status_bytes(pid: int | str, field: str) -> int | None:
 class _Worker:
     """One build worker process and its pipes: one build at a time, whichever thread asks."""
 
-    def __init__(self, selector: str, limits: Limits, options: list[str], binaries: bool):
+    # Whether workers start with the ICD loader reading only the device's own library (``one_library_environ``, as
+    # the selftest's check workers do): the other implementations' libraries, loaded for nothing, are much of a
+    # worker's memory (Intel's CPU runtime: about 115 MiB in a PoCL process; benchmarks/NOTES.md). Off for the
+    # rest of the process once a worker so started opens another device.
+    one_library = True
+
+    def __init__(self, device: Device, options: list[str], binaries: bool):
+        self.lock = threading.Lock()
+        self._fingerprint, self._selector, self._settings = device.fingerprint, device.entry.index, (
+            device.limits, options, binaries)
+        alone = one_library_environ(device.entry.implementation) if _Worker.one_library else None
+        self._alone, self._confirmed = alone is not None, False
+        if alone is not None:
+            # the only platform the loader then lists: the device's index within it
+            self._start({**os.environ, **alone}, f"0:{device.entry.device_index}")
+        else:
+            self._start(None, self._selector)
+
+    def _start(self, env: dict | None, selector: str) -> None:
         # a session of its own: a terminal's Ctrl-C (SIGINT to the foreground group) is the parent's to handle
         # (`perfx chat` stops a reply with it); the worker ends when its pipe closes
         self.process = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, start_new_session=True)
-        self.lock = threading.Lock()
-        _send(self.process.stdin, (selector, limits, options, binaries))
+                                        stdout=subprocess.PIPE, start_new_session=True, env=env)
+        _send(self.process.stdin, (selector, *self._settings))
+
+    def _confirm(self) -> None:
+        """Before the first build (with ``lock`` held; the workers start at once, and each opens its device while
+        the others do): a worker of one library that opened another device, or found none and ended, is replaced
+        by one that sees them all. One killed (a signal: a driver's crash) is left dead: its first build says so."""
+        if self._confirmed:
+            return
+        self._confirmed = True
+        try:
+            opened = _receive(self.process.stdout)
+        except (EOFError, OSError, ValueError, pickle.UnpicklingError):
+            opened = None
+            if self.process.wait() < 0:
+                return
+        if self._alone and opened != self._fingerprint:
+            _Worker.one_library = False
+            self.stop()
+            self._start(None, self._selector)
+            with contextlib.suppress(EOFError, OSError, ValueError, pickle.UnpicklingError):
+                _receive(self.process.stdout)
 
     def build(self, key: tuple) -> tuple | str:
         """(the binary of ``key`` built in this worker, whether from pyopencl's cache), or the build's log; a worker
         that died says so (and is left dead: ``alive``)."""
         try:
             with self.lock:
+                self._confirm()
                 _send(self.process.stdin, key)
                 answered, outcome = _receive(self.process.stdout)
         except (EOFError, OSError, ValueError):   # its pipe closed: the worker died or was stopped
@@ -356,8 +397,7 @@ def _workers_for(device: Device, count: int) -> list[_Worker]:
                 _workers[other] = busy
         live = [w for w in _workers.get(key, []) if w.alive]
         while len(live) < count:
-            live.append(_Worker(device.entry.index, device.limits, list(device.build_options),
-                                not device.workers_fill_driver_cache))
+            live.append(_Worker(device, list(device.build_options), not device.workers_fill_driver_cache))
         _workers[key] = live
         return live[:count]
 

@@ -240,6 +240,37 @@ def test_a_long_prompt_is_prefilled_in_pieces_between_the_steps_of_running_strea
     assert between.count("step") >= len(pieces) - 1, calls   # the running stream got a step after each piece
 
 
+def test_short_prompts_waiting_together_join_the_next_step_together(loaded):
+    """Prompts that wait together are prefilled, PREFILL_PIECE ids in all, before the next step, which then runs every
+    one of them: not a step of one row, then two, then three, as when one prompt ran between two steps."""
+    model, tokenizer = loaded
+    engine = BatchEngine(model, tokenizer, 16, SamplingConfig(seed=0), parallel=4)
+    calls = []
+    prefill, step = engine.batch.prefill, engine.batch.step
+
+    def spy_prefill(slot, tokens, start, logits=True):
+        calls.append(("prefill", len(tokens)))
+        return prefill(slot, tokens, start, logits)
+
+    def spy_step(rows):
+        calls.append(("step", len(rows)))
+        return step(rows)
+    engine.batch.prefill, engine.batch.step = spy_prefill, spy_step
+    prompts = [tokenizer.encode(text) for text in ("alpha one", "bravo two two", "charlie", "delta four four four")]
+    assert sum(map(len, prompts)) <= PREFILL_PIECE
+    try:
+        with engine.changed:   # (a reentrant lock) all four are waiting when the worker next looks
+            jobs = [engine.job(ids, 5, {"temperature": 0}, []) for ids in prompts]
+            for job in jobs:
+                engine.submit(job)
+        assert all(job.finished.wait(TIMEOUT) for job in jobs)
+    finally:
+        engine.close()
+    first = calls.index(next(call for call in calls if call[0] == "step"))
+    assert calls[:first + 1] == [("prefill", len(ids)) for ids in prompts] + [("step", 4)], calls
+    assert [len(job.result.ids) for job in jobs] == [5] * 4
+
+
 @pytest.mark.parametrize("family", ["lfm2", "qwen35"])
 def test_hybrid_models_keep_each_request_s_recurrent_state(tmp_path, opencl_device, family):
     """LFM2's conv rings and Qwen3.5's Gated DeltaNet state per slot, through the server: three concurrent

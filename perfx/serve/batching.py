@@ -3,8 +3,9 @@
 The engine's contract is ``Engine``'s (jobs, their events, the queue and its 429s, cancelling, shutdown); only the
 worker differs. Each loop it admits waiting jobs into free slots (the slot whose last conversation shares the
 longest prefix with the prompt, so a conversation's next turn prefills only its new ids), stops the cancelled,
-runs one piece of one new prompt (``PREFILL_PIECE`` ids while others stream, so their tokens keep coming; the
-whole prompt when none do), then one decode step over every sequence that is decoding; a sequence leaves the
+prefills new prompts in arrival order, ``PREFILL_PIECE`` ids in all while others stream (so their tokens keep
+coming, and short prompts join the next step together), the oldest whole when none do, then one decode step over
+every sequence that is decoding (those whose prompts just ran included); a sequence leaves the
 moment it is done. A prompt starts after the longest prefix of it any slot holds (a shared system prompt),
 copied from that slot on the device where it is not its own (``Batch.share``); the choices of one request
 (n > 1) run its prompt once: the others take it from that slot (``Sequence.share_prompt``) and decode beside it. Speculation is off while batching: a step
@@ -216,8 +217,8 @@ class BatchEngine(Engine):
             return False
 
     def _advance(self) -> None:
-        """Stop the cancelled, run a piece of the oldest prompt still to prefill (then give it to the choices
-        waiting for it), then one decode step."""
+        """Stop the cancelled, run pieces of the prompts still to prefill (each then given to the choices waiting
+        for it), then one decode step over every sequence decoding, those whose prompts just ran included."""
         for slot, seq in self.sequences.items():
             if self.active[slot].cancelled.is_set():
                 seq.cancel()
@@ -226,17 +227,23 @@ class BatchEngine(Engine):
         decoding = [(slot, seq) for slot, seq in self.sequences.items() if seq.decoding]
         prefilling = [slot for slot, seq in self.sequences.items()
                       if not seq.done and not seq.decoding and slot not in self.sharing]
-        if prefilling:
-            slot = prefilling[0]
+        # PREFILL_PIECE prompt ids between two steps, shared by the new prompts in arrival order (several short ones
+        # join the next step together, rather than one a step); with no stream running, the oldest prompt whole.
+        budget = PREFILL_PIECE if decoding else None
+        for slot in prefilling:
+            if budget is not None and budget <= 0:
+                break
             seq = self.sequences[slot]
-            if self._try(slot, lambda: seq.prefill_piece(PREFILL_PIECE if decoding else None)) \
-                    and seq.prompt_logits is not None:
+            ran = len(seq.todo) if budget is None else min(budget, len(seq.todo))
+            if self._try(slot, lambda: seq.prefill_piece(budget)) and seq.prompt_logits is not None:
                 for waiting in [other for other, source in self.sharing.items() if source == slot]:
                     del self.sharing[waiting]
                     if self.sequences[waiting].done:   # cancelled while it waited
                         continue
                     self.active[waiting].cached_tokens = seq.prompt_end
                     self._try(waiting, lambda waiting=waiting: self.sequences[waiting].share_prompt(seq))
+            budget = (PREFILL_PIECE if budget is None else budget) - ran
+        decoding = [(slot, seq) for slot, seq in self.sequences.items() if seq.decoding]
         if not decoding:
             return
         try:

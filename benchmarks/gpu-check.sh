@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One prepared run of perfx's GPU checks on the GPU machine (about 9 minutes), the full selftest among them.
+# One prepared run of perfx's GPU checks on the GPU machine (about 9 minutes), the full selftest among them, and
+# issue 43's batched decode.
 # Adapted from ../shared/device/gpu-check.sh: the full selftest runs as one command in the time left (--budget),
 # its builds in 12 worker processes; an unfinished one leaves its progress in $OUT/selftest-progress, which the
 # next run resumes from when copied into .whl/selftest-progress first. A short measure of the driver's builds at
@@ -39,6 +40,10 @@ PY
   # (tails where it orders their hand-off: perfx.step.fuse_asked), so both runs name theirs
   timeout 100 python3 -m perfx bench --model $M7 --e2e --fuse --max-m 64 --json > "$OUT/bench-7b-e2e-fused.json"; echo "bench e2e 7B fused exit $?"
   timeout 50 python3 -m perfx bench --model synthetic:gemma-3-270m --e2e --json > "$OUT/bench-gemma-e2e.json"; echo "bench e2e gemma exit $?"
+  # issue 43's batched decode: N sequences' aggregate decode rate over one's, where a step reads the weights once
+  # (bound by memory on a GPU, so N rows should cost about one row's step), then each matrix's GEMM over N rows
+  [ -f benchmarks/batch_throughput.py ] && timeout 100 python3 benchmarks/batch_throughput.py --model $M7 --parallel 2 4 8 --rounds 2 --steps 16 > "$OUT/batch-7b.txt" 2>&1; echo "batched decode 7B exit $?"; tail -6 "$OUT/batch-7b.txt"
+  [ -f benchmarks/batch_throughput.py ] && timeout 80 python3 benchmarks/batch_throughput.py --model $M7 --ops --parallel 1 4 --rounds 1 > "$OUT/batch-7b-ops.txt" 2>&1; echo "batched decode 7B ops exit $?"; grep "^N =" "$OUT/batch-7b-ops.txt"
   # the step launch by launch: device time per kernel and the gaps the host leaves
   [ -f benchmarks/launch_profile.py ] && timeout 50 python3 benchmarks/launch_profile.py --model $M7 --json > "$OUT/launches-7b.json"; echo "launch profile exit $?"
   # does NVIDIA's driver build two programs at once from threads of one process? (against worker processes)

@@ -210,9 +210,8 @@ def test_warm_up_and_engine_errors(loaded):
     assert time.monotonic() - started < TIMEOUT and not engine.worker.is_alive()
 
 
-def test_a_long_prompt_is_prefilled_in_pieces_between_the_steps_of_running_streams(loaded):
-    model, tokenizer = loaded
-    engine = BatchEngine(model, tokenizer, 16, SamplingConfig(seed=0), parallel=2)
+def spied(engine) -> list[tuple[str, int]]:
+    """The engine's prefills and steps, as they come: ("prefill", ids) and ("step", rows)."""
     calls = []
     prefill, step = engine.batch.prefill, engine.batch.step
 
@@ -224,6 +223,13 @@ def test_a_long_prompt_is_prefilled_in_pieces_between_the_steps_of_running_strea
         calls.append(("step", len(rows)))
         return step(rows)
     engine.batch.prefill, engine.batch.step = spy_prefill, spy_step
+    return calls
+
+
+def test_a_long_prompt_is_prefilled_in_pieces_between_the_steps_of_running_streams(loaded):
+    model, tokenizer = loaded
+    engine = BatchEngine(model, tokenizer, 16, SamplingConfig(seed=0), parallel=2)
+    calls = spied(engine)
     with running_server(engine) as server:
         api = client(server)
         streaming = api.completions.create(model=MODEL, prompt="go", max_tokens=600, stream=True)
@@ -245,17 +251,7 @@ def test_short_prompts_waiting_together_join_the_next_step_together(loaded):
     one of them: not a step of one row, then two, then three, as when one prompt ran between two steps."""
     model, tokenizer = loaded
     engine = BatchEngine(model, tokenizer, 16, SamplingConfig(seed=0), parallel=4)
-    calls = []
-    prefill, step = engine.batch.prefill, engine.batch.step
-
-    def spy_prefill(slot, tokens, start, logits=True):
-        calls.append(("prefill", len(tokens)))
-        return prefill(slot, tokens, start, logits)
-
-    def spy_step(rows):
-        calls.append(("step", len(rows)))
-        return step(rows)
-    engine.batch.prefill, engine.batch.step = spy_prefill, spy_step
+    calls = spied(engine)
     prompts = [tokenizer.encode(text) for text in ("alpha one", "bravo two two", "charlie", "delta four four four")]
     assert sum(map(len, prompts)) <= PREFILL_PIECE
     try:

@@ -18,12 +18,12 @@ from perfx.commands.options import add_kv_option, add_lm_head_option
 from perfx.errors import PerfxError
 from perfx.ops.gemm_q4 import FAMILIES as GEMM_FAMILIES
 from perfx.ops.gemm_q8 import FAMILIES as Q8_GEMM_FAMILIES
+from perfx.plan import one_run_costs
 from perfx.progress import Progress, format_table
 from perfx.resources import read_json, write_atomic
 from perfx.runtime import DEVICE_HELP, Device
 from perfx.timing import copy_bandwidth, read_bandwidth
 from perfx.tuning import select_specs
-from perfx.plan import one_run_costs
 from perfx.tuning.database import Choice, Database, merge, results_json
 from perfx.tuning.problems import problems_for
 from perfx.tuning.tuner import Tuner

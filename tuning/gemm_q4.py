@@ -20,9 +20,8 @@ from perfx.ops.gemm_q4 import GemmQ4
 from perfx.ops.params import READ_BUFFER, READ_IMAGE2D, READ_NAMES
 from perfx.ops.q4_weight import Q4DeviceWeight
 from perfx.tuning.gemv_q4 import read_paths
-from perfx.tuning.database import SERVED_UP_TO
-from perfx.tuning.spec import (Case, Spec, cached_per_params, copies_past_cache, epilogue_reference, lazy_copies,
-                                q4_matrix, rotating_case)
+from perfx.tuning.spec import (Case, Spec, cached_per_params, epilogue_reference, gemm_copies, lazy_copies, q4_matrix,
+                                rotating_case)
 
 TOLERANCE = 1e-4
 TOLERANCE_WHY = (
@@ -117,12 +116,9 @@ def _case_maker(kind: str):
         epilogue = shape.get("epilogue", "none")
         q4 = Q4Matrix.random(n, k, group, rng, form=shape.get("form", Q4_PAIRS))   # tests set "form"
         bias = (0.1 * rng.standard_normal(n)).astype(np.float32) if epilogue == "bias" else None
-        # The weight in each layout, uploaded when a candidate of that layout first runs: at a batched decode
-        # step's few rows, in as many copies as a timing rotates through past the device's cache, since the step
-        # reads every weight from memory (a kernel timed on one copy, served from cache, ranked the kinds
-        # otherwise than the step runs them: benchmarks/NOTES.md); a prompt's many rows are bound by their
-        # arithmetic, and one copy serves.
-        copies = copies_past_cache(device, weight_bytes(shape)) if m <= SERVED_UP_TO else 1
+        # The weight in each layout, uploaded when a candidate of that layout first runs, in as many copies as a
+        # timing rotates through
+        copies = gemm_copies(device, m, weight_bytes(shape))
         weights = cached_per_params(lambda key: lazy_copies(lambda: Q4DeviceWeight.upload(
             device, q4, bias, read_paths(device, n, k, key["LAYOUT"]), what=f"gemm_q4 test {n}x{k}",
             layout=key["LAYOUT"])))

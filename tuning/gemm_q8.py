@@ -20,8 +20,7 @@ from perfx.ops.gemm_q8 import GemmQ8
 from perfx.ops.q8_weight import Q8DeviceWeight
 from perfx.tuning.gemm_q4 import q8_rounded
 from perfx.tuning.gemv_q8 import random_weight
-from perfx.tuning.database import SERVED_UP_TO
-from perfx.tuning.spec import (Case, Spec, cached_per_params, copies_past_cache, epilogue_reference, lazy_copies,
+from perfx.tuning.spec import (Case, Spec, cached_per_params, epilogue_reference, gemm_copies, lazy_copies,
                                 q8_group_bytes, q8_matrix, rotating_case)
 
 
@@ -47,9 +46,7 @@ def make_case(device, shape, rng, kind: str = "skinny") -> Case:
     epilogue = shape.get("epilogue", "none")
     q8 = random_weight(shape, rng)
     bias = (0.1 * rng.standard_normal(n)).astype(np.float32) if epilogue == "bias" else None
-    # At a batched decode step's few rows, copies of the weight that a timing rotates through past the device's
-    # cache, as the step reads it from memory (tuning/gemm_q4.py); a prompt's many rows, one copy.
-    copies = copies_past_cache(device, weight_bytes(shape)) if m <= SERVED_UP_TO else 1
+    copies = gemm_copies(device, m, weight_bytes(shape))   # the copies a timing rotates through
     weights = lazy_copies(lambda: Q8DeviceWeight.upload(device, q8, bias, shape.get("block_bytes"),
                                                         what=f"gemm_q8 test {n}x{k}"))
     x_host = rng.standard_normal((m, k)).astype(np.float32)

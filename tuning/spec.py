@@ -25,6 +25,7 @@ from perfx.formats import Q8Matrix
 from perfx.ops.epilogue import is_gated
 from perfx.ops.params import Params, ParamSpace, Shape
 from perfx.timing import Timing, time_launches
+from perfx.tuning.database import SERVED_UP_TO
 
 
 def relative_error(actual, expected) -> float:
@@ -125,6 +126,14 @@ def copies_past_cache(device, nbytes: int) -> int:
     caps = device.caps
     wanted = -(-2 * caps.cache_bytes // max(1, nbytes))
     return int(max(1, min(wanted, 256, caps.global_mem // 8 // max(1, nbytes))))
+
+
+def gemm_copies(device, m: int, nbytes: int) -> int:
+    """Copies of a GEMM's weight of ``nbytes`` that a timing at M rows rotates through: at a batched decode step's
+    few rows (``SERVED_UP_TO``), past the device's cache (``copies_past_cache``), since the step reads every weight
+    from memory (a kernel timed on one copy, served from the cache, ranked the kinds otherwise than the step runs
+    them: benchmarks/NOTES.md); a prompt's many rows are bound by their arithmetic, and one copy serves them."""
+    return copies_past_cache(device, nbytes) if m <= SERVED_UP_TO else 1
 
 
 def lazy_copies(upload: Callable[[], Any]) -> Callable[[int], Any]:

@@ -12,11 +12,17 @@ load on a shared machine do not favour one), reported as the ratio of medians wi
   recorded launches replayed on a profiling queue, each launch's device time summed by kernel and launch size
   (one line a matrix: qkv, o, gate-up, down, the lm_head; attention; norms), with the GEMM kind the plan chose
   for each matrix at that M.
+- ``--peer`` (with step): llama.cpp's CPU backend on the same GGUF in the same rounds (llama-cpp-python, a
+  benchmark tool, never a perfx dependency): N sequences a ``llama_decode`` (each its own sequence id, one token
+  a sequence a call, every row's logits read and its argmax taken on the host, as the step's are) against one
+  sequence the same way, both from the same short prompts and 2 threads; so the gain of batching on this CPU is
+  measured for the peer too, and perfx's aggregate tok/s is given over llama.cpp's at N and at one.
 - ``--serve``: `perfx serve --parallel N` in this process, N official `openai` clients streaming at once against
   one client alone, greedy, --max-tokens each: completion tokens over wall time; and the time to first token of
   a request that arrives while N − 1 others stream, over its time alone.
 
     python benchmarks/batch_throughput.py --model synthetic:smollm2-135m --parallel 2 4 8
+    python benchmarks/batch_throughput.py --device intel --parallel 4 8 --peer      # llama.cpp's batching beside
     python benchmarks/batch_throughput.py --matrices --parallel 2 4 8
     python benchmarks/batch_throughput.py --ops --parallel 1 2 4 8
     python benchmarks/batch_throughput.py --serve --parallel 4 --rounds 5          # the default model
@@ -29,8 +35,10 @@ import collections
 import concurrent.futures
 import platform
 import random
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -63,6 +71,55 @@ def alone_rate(model, steps: int) -> float:
     for _ in model.greedy_tokens(model.argmax(), len(PROMPT), len(PROMPT) + steps - 1):
         pass
     return steps / (time.perf_counter() - started)
+
+
+class LlamaBatch:
+    """llama.cpp's CPU backend holding ``n`` sequences in one context (``--peer``): ``rate(steps)`` decodes them
+    together, one ``llama_decode`` of n tokens a step, as ``step_rate`` does perfx's."""
+
+    def __init__(self, path, n: int, ctx: int, threads: int = 2):
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from helpers.llamacpp import import_llama_cpp
+
+        llama_cpp = import_llama_cpp()
+        llama_cpp._logger.set_verbose(False)   # errors only, as Llama(verbose=False) has it
+        self.api = api = llama_cpp.llama_cpp
+        params = api.llama_model_default_params()
+        params.n_gpu_layers = 0
+        self.model = api.llama_model_load_from_file(str(path).encode(), params)
+        context = api.llama_context_default_params()
+        context.n_ctx, context.n_batch, context.n_ubatch, context.n_seq_max = ctx, ctx, ctx, n
+        context.n_threads = context.n_threads_batch = threads
+        self.ctx = api.llama_init_from_model(self.model, context)
+        self.vocab = api.llama_vocab_n_tokens(api.llama_model_get_vocab(self.model))
+        self.n = n
+        self.batch = api.llama_batch_init(max(n * len(PROMPT), n), 0, n)
+
+    def _decode(self, rows: list[tuple[int, int, int, bool]]) -> None:
+        """One llama_decode of (sequence, position, token, wants logits) rows."""
+        b = self.batch
+        b.n_tokens = len(rows)
+        for i, (seq, pos, token, logits) in enumerate(rows):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, logits
+            b.seq_id[i][0] = seq
+        if self.api.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def _argmax(self, i: int) -> int:
+        return int(np.argmax(np.ctypeslib.as_array(self.api.llama_get_logits_ith(self.ctx, i), shape=(self.vocab,))))
+
+    def rate(self, steps: int) -> float:
+        """Aggregate tok/s of the n sequences decoded together for ``steps`` steps, from the prompts step_rate
+        gives perfx's slots (each row's argmax fed next)."""
+        self.api.llama_memory_clear(self.api.llama_get_memory(self.ctx), True)
+        self._decode([(seq, pos, token, False) for seq in range(self.n)
+                      for pos, token in enumerate(PROMPT[:-1] + [PROMPT[-1] + seq])])
+        tokens = [PROMPT[0]] * self.n
+        started = time.perf_counter()
+        for step in range(steps):
+            self._decode([(seq, len(PROMPT) + step, token, True) for seq, token in enumerate(tokens)])
+            tokens = [self._argmax(i) for i in range(self.n)]
+        return self.n * steps / (time.perf_counter() - started)
 
 
 def serve_rates(model, tokenizer, n: int, max_tokens: int):
@@ -205,6 +262,8 @@ def main() -> None:
     parser.add_argument("--matrices", action="store_true", help="each matrix's GEMM over N rows over its GEMV")
     parser.add_argument("--ops", action="store_true", help="device time of a batched step by kernel, at each N")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens a request (--serve)")
+    parser.add_argument("--peer", action="store_true",
+                        help="llama.cpp's batched decode beside perfx's, same GGUF (step mode; llama-cpp-python)")
     parser.add_argument("--ctx", type=int, default=1024)
     args = parser.parse_args()
     model, source = load_model(args.model, args.device, ctx=args.ctx, progress=False)
@@ -240,10 +299,20 @@ def main() -> None:
         else:
             alone, _ = load_model(args.model, model.device, ctx=args.ctx, progress=False)
             batch = Batch(model, n)
-            figures = interleaved({"n": lambda: step_rate(batch, n, args.steps),
-                                   "1": lambda: alone_rate(alone, args.steps)}, args.rounds)
+            contenders = {"n": lambda: step_rate(batch, n, args.steps), "1": lambda: alone_rate(alone, args.steps)}
+            if args.peer:
+                path = source.describe()["path"]
+                peers = {count: LlamaBatch(path, count, args.ctx) for count in (n, 1)}
+                contenders["llama n"] = lambda: peers[n].rate(args.steps)
+                contenders["llama 1"] = lambda: peers[1].rate(args.steps)
+            figures = interleaved(contenders, args.rounds)
             print(f"N = {n}, step, {args.steps} steps:")
             report(f"aggregate decode tok/s, {n} sequences over 1", figures["n"], figures["1"], rng)
+            if args.peer:
+                report(f"llama.cpp: aggregate decode tok/s, {n} sequences over 1", figures["llama n"],
+                       figures["llama 1"], rng)
+                report(f"perfx over llama.cpp, {n} sequences", figures["n"], figures["llama n"], rng)
+                report("perfx over llama.cpp, 1 sequence", figures["1"], figures["llama 1"], rng)
 
 
 if __name__ == "__main__":

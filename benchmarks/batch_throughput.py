@@ -17,9 +17,11 @@ load on a shared machine do not favour one), reported as the ratio of medians wi
   a sequence a call, every row's logits read and its argmax taken on the host, as the step's are) against one
   sequence the same way, both from the same short prompts and 2 threads; so the gain of batching on this CPU is
   measured for the peer too, and perfx's aggregate tok/s is given over llama.cpp's at N and at one.
-- ``--serve``: `perfx serve --parallel N` in this process, N official `openai` clients streaming at once against
-  one client alone, greedy, --max-tokens each: completion tokens over wall time; and the time to first token of
-  a request that arrives while N − 1 others stream, over its time alone.
+- ``--serve``: `perfx serve --parallel N` as users run it, in its own process, and N official `openai` clients
+  (threads of this process) streaming at once against one client alone, greedy, --max-tokens each: completion
+  tokens over wall time; and the time to first token of a request that arrives while N − 1 others stream, over
+  its time alone. ``--in-process`` runs the server in this process instead, where its threads share one
+  interpreter with the clients' (what the figures before 2026-12-06 08:00 UTC in benchmarks/NOTES.md measured).
 
     python benchmarks/batch_throughput.py --model synthetic:smollm2-135m --parallel 2 4 8
     python benchmarks/batch_throughput.py --device intel --parallel 4 8 --peer      # llama.cpp's batching beside
@@ -35,9 +37,13 @@ import collections
 import concurrent.futures
 import platform
 import random
+import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -122,22 +128,66 @@ class LlamaBatch:
         return self.n * steps / (time.perf_counter() - started)
 
 
-def serve_rates(model, tokenizer, n: int, max_tokens: int):
-    """Contenders for --serve: (aggregate tok/s of n clients, of one client; TTFT joining n − 1 streams, alone)."""
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_server(model, tokenizer, n: int, max_tokens: int, command: list[str] | None):
+    """A server of ``n`` slots: `perfx serve --parallel n` as users run it, in a process of its own (``command``:
+    the model and device options), or with ``command`` None in this process beside the clients, sharing their
+    interpreter. Returns (its base URL, how to stop it)."""
+    if command is None:
+        from perfx.serve.batching import BatchEngine
+        from perfx.serve.server import Server, ServeOptions
+
+        engine = BatchEngine(model, tokenizer, 64, SamplingConfig(temperature=0), n)
+        server = Server(("127.0.0.1", 0), engine, ServeOptions("bench", max_tokens, log=lambda line: None))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+
+        def stop():
+            server.shutdown()
+            server.engine.close()
+        return f"http://127.0.0.1:{server.server_address[1]}", stop
+    port = free_port()
+    log = tempfile.TemporaryFile()
+    process = subprocess.Popen([sys.executable, "-m", "perfx", "serve", *command, "--parallel", str(n),
+                                "--port", str(port), "--queue", "64", "--temperature", "0",
+                                "--max-tokens", str(max_tokens)], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as reply:
+                if reply.status == 200:
+                    break
+        except OSError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            log.seek(0)
+            raise SystemExit(f"perfx serve did not start:\n{log.read().decode(errors='replace')[-4000:]}")
+        time.sleep(0.2)
+
+    def stop():
+        process.terminate()
+        process.wait(60)
+    return url, stop
+
+
+def serve_rates(url: str, n: int, max_tokens: int) -> dict:
+    """Contenders for --serve: (aggregate tok/s of n clients, of one client; TTFT joining n − 1 streams, alone),
+    the official openai client streaming from the server at ``url``."""
     import openai   # the benchmark's client; perfx itself does not need it
 
-    from perfx.serve.batching import BatchEngine
-    from perfx.serve.server import Server, ServeOptions
-
-    engine = BatchEngine(model, tokenizer, 64, SamplingConfig(temperature=0), n)
-    server = Server(("127.0.0.1", 0), engine, ServeOptions("bench", max_tokens, log=lambda line: None))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="-", timeout=600)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", timeout=600)
+    served = client.models.list().data[0].id
 
     def ask(i: int, tokens: int = max_tokens) -> tuple[int, float]:
         """(completion tokens, seconds to the first text) of one streamed request."""
         started, first, count = time.perf_counter(), None, 0
-        for chunk in client.completions.create(model="bench", prompt=f"Question {i}: why is the sky blue?",
+        for chunk in client.completions.create(model=served, prompt=f"Question {i}: why is the sky blue?",
                                                max_tokens=tokens, temperature=0, stream=True,
                                                stream_options={"include_usage": True}):
             if chunk.choices and chunk.choices[0].text and first is None:
@@ -162,9 +212,8 @@ def serve_rates(model, tokenizer, n: int, max_tokens: int):
                 stream.result()
         return ttft
 
-    contenders = {"n clients tok/s": lambda: together(n), "1 client tok/s": lambda: together(1),
-                  "TTFT joining s": joining, "TTFT alone s": lambda: ask(0, 8)[1]}
-    return contenders, server
+    return {"n clients tok/s": lambda: together(n), "1 client tok/s": lambda: together(1),
+            "TTFT joining s": joining, "TTFT alone s": lambda: ask(0, 8)[1]}
 
 
 def matrix_contenders(model, n: int) -> dict:
@@ -262,6 +311,9 @@ def main() -> None:
     parser.add_argument("--matrices", action="store_true", help="each matrix's GEMM over N rows over its GEMV")
     parser.add_argument("--ops", action="store_true", help="device time of a batched step by kernel, at each N")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens a request (--serve)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="--serve: the server in this process, beside its clients (sharing their interpreter), "
+                             "not `perfx serve` in its own")
     parser.add_argument("--peer", action="store_true",
                         help="llama.cpp's batched decode beside perfx's, same GGUF (step mode; llama-cpp-python)")
     parser.add_argument("--ctx", type=int, default=1024)
@@ -288,11 +340,16 @@ def main() -> None:
             for name in ("gate_up", "down", "lm_head"):
                 report(name, figures[f"{name} gemm"], figures[f"{name} gemv"], rng)
         elif args.serve:
-            contenders, server = serve_rates(model, source.tokenizer, n, args.max_tokens)
-            figures = interleaved(contenders, args.rounds)
-            server.shutdown()
-            server.engine.close()
-            print(f"N = {n}, serve, {args.max_tokens} tokens a request:")
+            command = None if args.in_process else (
+                ["--model", str(source.describe().get("path", args.model or "default")), "--ctx", str(args.ctx)]
+                + (["--device", args.device] if args.device else []))
+            url, stop = start_server(model, source.tokenizer, n, args.max_tokens, command)
+            try:
+                figures = interleaved(serve_rates(url, n, args.max_tokens), args.rounds)
+            finally:
+                stop()
+            where = "in this process" if args.in_process else "its own process"
+            print(f"N = {n}, serve ({where}), {args.max_tokens} tokens a request:")
             report(f"aggregate tok/s, {n} clients over 1", figures["n clients tok/s"], figures["1 client tok/s"], rng)
             report(f"TTFT joining {n - 1} streams over alone", figures["TTFT joining s"], figures["TTFT alone s"],
                    rng)

@@ -8,6 +8,11 @@ with the built-in defaults interleaved in shuffled rounds:
 - kept: the entry was faster on the median of the rounds (gain ≥ 1; an interval that holds 1.0 is kept,
   as the tuner's own confirmation already demanded a significant win over the incumbent);
 - dropped: slower than the defaults on the median, or slower beyond the noise (the whole interval below 1);
+  but a record of a kind the plan compares with the other kinds of its product (``Spec.compared_kind``: the
+  int4 and int8 GEMMs) is kept when it is slower on the median within the noise: without a record at its shape
+  the plan never runs that kind there, however much faster than the others its defaults are (a lost gemm_q4_i8
+  record made the batched step run gemm_q4_skinny at twice its time: benchmarks/NOTES.md), and one slower
+  beyond the noise is dropped with a warning that the kind leaves the comparison at that shape;
 - a record no bench run measured is judged by its own measurement against the defaults where it carries
   one on the current kernel source (the tuner's confirmation, or `perfx tune --refresh`, interleaved rounds
   as the bench's), by the same rule;
@@ -59,8 +64,11 @@ def verdict(record: dict, row: dict | None) -> tuple[bool, str]:
     gain, (low, high) = row["gain"], row["gain_interval"]
     text = f"{gain:.2f}x [{low:.2f}, {high:.2f}]{own}"
     if high < 1:
-        return False, f"slower than the defaults beyond the noise: {text}"
+        lost = " (the plan no longer compares this kind at this shape: sweep it again)" if spec.compared_kind else ""
+        return False, f"slower than the defaults beyond the noise: {text}{lost}"
     if gain < 1:
+        if spec.compared_kind:
+            return True, f"within the noise of the defaults, kept for the plan's comparison of kinds: {text}"
         return False, f"slower than the defaults on the median: {text}"
     return True, text
 

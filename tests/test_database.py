@@ -381,6 +381,19 @@ def test_hold_or_drop_keeps_only_entries_that_beat_the_defaults(tmp_path, capsys
     assert "not measured" in printed and "beyond the noise" in printed and "on the median" in printed
     assert "stale" in printed and "(its own measurement)" in printed
 
+    # A GEMM kind the plan compares with the others of its product keeps a record within the noise of its
+    # defaults (without one the plan never runs the kind at that shape); one slower beyond the noise goes, said so.
+    i8 = {**SPECS["gemm_q4_i8"].params.defaults(), "MT": 2}
+    gemm = lambda m: {"m": m, "n": 576, "k": 576, "group": 32, "epilogue": "none"}  # noqa: E731
+    (tmp_path / "gemm.json").write_text(json.dumps(dict(header, records=[
+        {"family": "gemm_q4_i8", "shape": gemm(3), "params": i8, "gain": 0.97, "gain_interval": [0.9, 1.05]},
+        {"family": "gemm_q4_i8", "shape": gemm(9), "params": i8, "gain": 0.8, "gain_interval": [0.7, 0.9]}])))
+    assert hold_or_drop.main([str(tmp_path / "gemm.json"), "--out", str(out)]) == 0
+    assert [r["shape"]["m"] for r in json.loads(out.read_text())["records"]] == [3]
+    printed = capsys.readouterr().out
+    assert "kept for the plan's comparison of kinds" in printed
+    assert "no longer compares this kind at this shape" in printed
+
 
 def test_a_set_is_checked_once_from_the_database_to_a_launch(device, db, monkeypatch):
     """The look-up hands out Checked sets; the wrapper made with one, and its kernel built for the shape's

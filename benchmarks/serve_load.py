@@ -260,8 +260,8 @@ def chaos(args, server: "ServeProcess") -> int:
         if count:
             print(f"  {count:6d}  {outcome}")
     if differing:
-        print(f"  whole replies not as alone (a near-tie decided otherwise in a batched step than in a step of "
-              f"one row), the first character that differs: {differing}")
+        print(f"  whole replies not as alone (a batched step and a step of one row may round a near-tie apart: "
+              f"benchmarks/NOTES.md), the first character that differs: {differing}")
     print(f"server RSS: {rss[0][1] / mib:.1f} MiB at the start, {rss[-1][1] / mib:.1f} at the end, max "
           f"{max(b for _, b in rss) / mib:.1f}; over the second half {min(half) / mib:.1f}-{max(half) / mib:.1f} MiB "
           f"({len(rss)} samples a second apart)")

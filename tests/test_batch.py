@@ -365,10 +365,13 @@ def test_bad_batches_are_clear_errors(paths, device, monkeypatch):
                                              "--parallel 1"):
             Batch(model, 2)
         assert default_parallel(model) == 1
-    assert default_parallel(model) == (1 if model.device.caps.device_type == "CPU" else 4)
-    with monkeypatch.context() as patch:   # a GPU's decode is bound by reading the weights: 4 together
-        patch.setattr(model.device, "caps", dataclasses.replace(model.device.caps, device_type="GPU"))
-        assert default_parallel(model) == 4
+    assert default_parallel(model) == 4   # a CPU device batches too
+    with monkeypatch.context() as patch:   # where 4 sequences' state would take over a quarter of the memory: fewer
+        per = sequence_state_bytes(model)
+        patch.setattr(model.device, "caps", dataclasses.replace(model.device.caps, global_mem=4 * (2 * per + 1)))
+        assert default_parallel(model) == 2
+        patch.setattr(model.device, "caps", dataclasses.replace(model.device.caps, global_mem=per))
+        assert default_parallel(model) == 1
     with pytest.raises(PerfxError, match="--parallel must be between 1 and 8"):
         Batch(model, 9)
     batch = Batch(model, 2)

@@ -52,9 +52,11 @@ def add_arguments(parser):
                         help=f"requests decoded together, one step reading the weights once for all (each has "
                              f"a KV cache of its own); 1 runs them one at a time, with speculation. Default auto: "
                              f"{PARALLEL_DEFAULT}, or fewer where {PARALLEL_DEFAULT} KV caches would take more than "
-                             f"1/{STATE_SHARE} of the device's memory; 1 on a CPU device (bound by arithmetic: 4 rows "
-                             f"cost about half of 4 steps), where --speculate or --draft asks for speculation, which "
-                             f"is off with N > 1, or where a layer kind of the model cannot be batched yet")
+                             f"1/{STATE_SHARE} of the device's memory; 1 where --speculate or --draft asks for "
+                             f"speculation, which is off with N > 1, or where a layer kind of the model cannot be "
+                             f"batched yet. On a CPU a step of 4 rows costs about half of 4 steps (bound by "
+                             f"arithmetic, not memory): 4 clients get about 2x one's rate, one client alone a little "
+                             f"less than with --parallel 1")
 
 
 def main(args) -> int:

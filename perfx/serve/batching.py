@@ -38,10 +38,11 @@ def sequence_state_bytes(model) -> int:
 def default_parallel(model) -> int:
     """``PARALLEL_DEFAULT``, or fewer where the state of that many sequences would take more than
     1/``STATE_SHARE`` of the device's memory (at least 1); 1 where a layer kind of the model cannot be batched
-    (``Mixer.decodes_rows``), and on a CPU device, whose decode is bound by arithmetic rather than by reading
-    the weights: there a step of 4 rows, int8-activation GEMMs included, costs about half of 4 steps of one
-    (benchmarks/NOTES.md), and one at a time keeps speculation."""
-    if model.device.caps.device_type == "CPU" or not all(mixer.decodes_rows() for mixer in model.mixers):
+    (``Mixer.decodes_rows``). A CPU device batches too: its decode is bound by arithmetic rather than by reading
+    the weights, so a step of 4 rows costs about half of 4 steps of one there, not one step, yet 4 clients still
+    get about twice one client's rate, where one at a time they would wait for each other's whole replies; one
+    client alone loses the speculation of ``--parallel 1`` (about 8% on the default model: benchmarks/NOTES.md)."""
+    if not all(mixer.decodes_rows() for mixer in model.mixers):
         return 1
     per = max(sequence_state_bytes(model), 1)
     room = model.device.caps.global_mem // STATE_SHARE

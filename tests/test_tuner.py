@@ -265,6 +265,9 @@ def test_kernel_selection_by_name_and_prefix():
     assert set(select_specs("gemm_q4")) == {"gemm_q4_skinny", "gemm_q4_tiled", "gemm_q4_f16", "gemm_q4_lanes",
                                               "gemm_q4_i8"}
     assert set(select_specs("argmax, rmsnorm")) == {"argmax", "rmsnorm"}
+    # gemm_q8 is a family and the anchor of the kinds the plan compares with it, so it names them all
+    assert set(select_specs("gemm_q8")) == {"gemm_q8", "gemm_q8_lanes", "gemm_q8_i8"}
+    assert set(select_specs("gemv_q4")) == {"gemv_q4"}   # not gemv_q4_split or _tail, which are no kinds of it
     assert select_specs(None) == SPECS
     with pytest.raises(PerfxError, match="unknown kernel family 'nope'"):
         select_specs("nope")

@@ -36,14 +36,21 @@ SPECS: dict[str, Spec] = discover_specs()
 
 def select_specs(names: str | None) -> dict[str, Spec]:
     """The specs named in a comma-separated list (`--kernels`): exact family names, or a prefix naming a
-    group (gemm_q4 = gemm_q4_skinny, gemm_q4_tiled and gemm_q4_f16); None or empty: all."""
+    group (gemm_q4 = gemm_q4_skinny, _tiled, _f16, _lanes and _i8); a family the plan compares by kind with those
+    its name begins names them too (gemm_q8 = gemm_q8, _lanes and _i8); None or empty: all."""
     if not names:
         return dict(SPECS)
     chosen = {}
     for name in (n.strip() for n in names.split(",") if n.strip()):
-        # a family's exact name is that family alone (gemv_q4, not gemv_q4_split too); else a prefix's group
-        matched = ([name] if name in SPECS else
-                   [family for family in SPECS if family.startswith(name + "_")])
+        # a family's exact name is that family alone (gemv_q4, not gemv_q4_split too), unless the plan compares it
+        # with the kinds its name begins (gemm_q8 with gemm_q8_lanes and gemm_q8_i8: timed apart, in two runs, they
+        # would be compared by the machine's state rather than by the kernels); else a prefix's group
+        group = [family for family in SPECS if family.startswith(name + "_")]
+        if name in SPECS:
+            matched = [name] + ([family for family in group if SPECS[family].compared_kind]
+                                if SPECS[name].compared_kind else [])
+        else:
+            matched = group
         if not matched:
             raise PerfxError(f"unknown kernel family {name!r}; known: {', '.join(SPECS)}")
         chosen.update({family: SPECS[family] for family in matched})

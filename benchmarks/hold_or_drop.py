@@ -12,7 +12,9 @@ with the built-in defaults interleaved in shuffled rounds:
   int4 and int8 GEMMs) is kept when it is slower on the median within the noise: without a record at its shape
   the plan never runs that kind there, however much faster than the others its defaults are (a lost gemm_q4_i8
   record made the batched step run gemm_q4_skinny at twice its time: benchmarks/NOTES.md), and one slower
-  beyond the noise is dropped with a warning that the kind leaves the comparison at that shape;
+  beyond the noise is dropped with a warning that the kind leaves the comparison at that shape; and the shapes
+  of a batched step's few rows where the kept records compare fewer kinds than the file holds elsewhere are
+  listed at the end;
 - a record no bench run measured is judged by its own measurement against the defaults where it carries
   one on the current kernel source (the tuner's confirmation, or `perfx tune --refresh`, interleaved rounds
   as the bench's), by the same rule;
@@ -36,7 +38,7 @@ from pathlib import Path
 
 from perfx.resources import write_atomic
 from perfx.tuning import SPECS
-from perfx.tuning.database import params_key, results_json, shape_key, source_hash
+from perfx.tuning.database import SERVED_UP_TO, params_key, results_json, shape_key, source_hash
 
 
 def record_key(record: dict) -> tuple:
@@ -71,6 +73,24 @@ def verdict(record: dict, row: dict | None) -> tuple[bool, str]:
             return True, f"within the noise of the defaults, kept for the plan's comparison of kinds: {text}"
         return False, f"slower than the defaults on the median: {text}"
     return True, text
+
+
+def kind_gaps(records: list[dict]) -> list[str]:
+    """The shapes of a batched step's few rows (2 ≤ M ≤ SERVED_UP_TO) where the plan compares fewer GEMM kinds than
+    the file holds for that product elsewhere: a kind with no record at a shape is never run there, however fast
+    (how the o projection's gemm_q4_i8 went missing: benchmarks/NOTES.md). One line a shape, the kinds it lacks."""
+    def product(family: str) -> str:   # gemm_q4_i8 -> q4, gemm_q8 -> q8
+        return family.split("_")[1]
+
+    compared = [r for r in records if SPECS.get(r["family"]) is not None and SPECS[r["family"]].compared_kind
+                and 2 <= (r.get("shape") or {}).get("m", 0) <= SERVED_UP_TO]
+    kinds: dict[str, set] = {}
+    at: dict[tuple, set] = {}
+    for r in compared:
+        kinds.setdefault(product(r["family"]), set()).add(r["family"])
+        at.setdefault((product(r["family"]), shape_key(r["shape"])), set()).add(r["family"])
+    return [f"{shape}: no {', '.join(sorted(kinds[name] - present))} (the file has them elsewhere)"
+            for (name, shape), present in sorted(at.items()) if kinds[name] - present]
 
 
 def main(argv=None) -> int:
@@ -110,6 +130,8 @@ def main(argv=None) -> int:
         data["comment"] = args.comment
     write_atomic(args.out, results_json(data))
     print(f"{len(kept)} of {len(records)} records kept -> {args.out}", file=sys.stderr)
+    for gap in kind_gaps(kept):
+        print(f"note: the plan compares fewer kinds at {gap}: sweep them there if the device runs them")
     return 0
 
 

@@ -393,6 +393,16 @@ def test_hold_or_drop_keeps_only_entries_that_beat_the_defaults(tmp_path, capsys
     printed = capsys.readouterr().out
     assert "kept for the plan's comparison of kinds" in printed
     assert "no longer compares this kind at this shape" in printed
+    # ... and where the kept records compare fewer kinds at a shape than the file holds elsewhere, it says so
+    assert [line for line in printed.splitlines() if line.startswith("note:")] == []
+    skinny = SPECS["gemm_q4_skinny"].params.defaults()
+    (tmp_path / "gemm.json").write_text(json.dumps(dict(header, records=[
+        {"family": "gemm_q4_i8", "shape": gemm(3), "params": i8, "gain": 1.1, "gain_interval": [1.0, 1.2]},
+        {"family": "gemm_q4_skinny", "shape": gemm(3), "params": skinny},
+        {"family": "gemm_q4_skinny", "shape": gemm(9), "params": skinny}])))
+    assert hold_or_drop.main([str(tmp_path / "gemm.json"), "--out", str(out)]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and '"m": 9' in notes[0] and "no gemm_q4_i8 " in notes[0]
 
 
 def test_a_set_is_checked_once_from_the_database_to_a_launch(device, db, monkeypatch):

@@ -37,13 +37,9 @@ import collections
 import concurrent.futures
 import platform
 import random
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -128,16 +124,10 @@ class LlamaBatch:
         return self.n * steps / (time.perf_counter() - started)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def start_server(model, tokenizer, n: int, max_tokens: int, command: list[str] | None):
+def start_server(model, tokenizer, n: int, max_tokens: int, command: list | None):
     """A server of ``n`` slots: `perfx serve --parallel n` as users run it, in a process of its own (``command``:
-    the model and device options), or with ``command`` None in this process beside the clients, sharing their
-    interpreter. Returns (its base URL, how to stop it)."""
+    [the model, the context, its other options]), or with ``command`` None in this process beside the clients,
+    sharing their interpreter. Returns (its base URL, how to stop it)."""
     if command is None:
         from perfx.serve.batching import BatchEngine
         from perfx.serve.server import Server, ServeOptions
@@ -150,30 +140,11 @@ def start_server(model, tokenizer, n: int, max_tokens: int, command: list[str] |
             server.shutdown()
             server.engine.close()
         return f"http://127.0.0.1:{server.server_address[1]}", stop
-    port = free_port()
-    log = tempfile.TemporaryFile()
-    process = subprocess.Popen([sys.executable, "-m", "perfx", "serve", *command, "--parallel", str(n),
-                                "--port", str(port), "--queue", "64", "--temperature", "0",
-                                "--max-tokens", str(max_tokens)], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as reply:
-                if reply.status == 200:
-                    break
-        except OSError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            log.seek(0)
-            raise SystemExit(f"perfx serve did not start:\n{log.read().decode(errors='replace')[-4000:]}")
-        time.sleep(0.2)
+    from serve_load import ServeProcess   # the load test's way of starting `perfx serve` (needs openai)
 
-    def stop():
-        process.terminate()
-        process.wait(60)
-    return url, stop
+    model_path, ctx, *options = command
+    server = ServeProcess(model_path, 64, ctx, str(n), *options, "--temperature", "0", "--max-tokens", str(max_tokens))
+    return server.url.removesuffix("/v1"), server.stop
 
 
 def serve_rates(url: str, n: int, max_tokens: int) -> dict:
@@ -341,7 +312,7 @@ def main() -> None:
                 report(name, figures[f"{name} gemm"], figures[f"{name} gemv"], rng)
         elif args.serve:
             command = None if args.in_process else (
-                ["--model", str(source.describe().get("path", args.model or "default")), "--ctx", str(args.ctx)]
+                [str(source.describe().get("path", args.model or "default")), args.ctx]
                 + (["--device", args.device] if args.device else []))
             url, stop = start_server(model, source.tokenizer, n, args.max_tokens, command)
             try:

@@ -58,9 +58,9 @@ def rss_bytes(pid: int) -> int:
 class ServeProcess:
     """`perfx serve` on a free loopback port, its stderr read as it comes (queue waits parsed from it)."""
 
-    def __init__(self, model: str, queue_limit: int, ctx: int | None, parallel: str = "auto"):
+    def __init__(self, model: str, queue_limit: int, ctx: int | None, parallel: str = "auto", *options: str):
         command = [sys.executable, "-m", "perfx", "serve", "--model", model, "--host", "127.0.0.1", "--port", "0",
-                   "--queue", str(queue_limit), "--parallel", parallel] + (["--ctx", str(ctx)] if ctx else [])
+                   "--queue", str(queue_limit), "--parallel", parallel, *options] + (["--ctx", str(ctx)] if ctx else [])
         self.port = None
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))

@@ -61,7 +61,6 @@ class ServeProcess:
     def __init__(self, model: str, queue_limit: int, ctx: int | None, parallel: str = "auto", *options: str):
         command = [sys.executable, "-m", "perfx", "serve", "--model", model, "--host", "127.0.0.1", "--port", "0",
                    "--queue", str(queue_limit), "--parallel", parallel, *options] + (["--ctx", str(ctx)] if ctx else [])
-        self.port = None
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
         self.lines: queue.Queue = queue.Queue()
@@ -71,9 +70,8 @@ class ServeProcess:
         deadline = time.monotonic() + 900    # the first run may fetch the default model
         while True:
             line = self.lines.get(timeout=max(1.0, deadline - time.monotonic()))
-            if match := re.search(r"perfx serve: (\S+) on (http://127\.0\.0\.1:\d+/v1)", line):
-                self.model_id, self.url = match[1], match[2]
-                self.port = int(self.url.rsplit(":", 1)[1].split("/")[0])
+            if match := re.search(r"perfx serve: (\S+) on (http://127\.0\.0\.1:(\d+)/v1)", line):
+                self.model_id, self.url, self.port = match[1], match[2], int(match[3])
                 return
             if self.proc.poll() is not None:
                 raise SystemExit(f"perfx serve exited:\n{''.join(self.log)}")
@@ -90,12 +88,17 @@ class ServeProcess:
         return self.proc.wait(60)
 
 
+def chat(question: str) -> list[dict]:
+    """The messages of a load-test request: the shared system prompt, then the question."""
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
 def one_request(client: openai.OpenAI, model: str, question: str, max_tokens: int, seed: int) -> dict:
     started = time.monotonic()
     first = None
     usage = None
     stream = client.chat.completions.create(
-        model=model, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        model=model, messages=chat(question),
         max_tokens=max_tokens, seed=seed, stream=True, stream_options={"include_usage": True})
     for chunk in stream:
         if first is None and chunk.choices and chunk.choices[0].delta.content:
@@ -149,7 +152,7 @@ def bad_request(port: int, model: str, rng: random.Random) -> str | None:
 def checked_reply(client: openai.OpenAI, model: str, question: str, max_tokens: int, stream: bool) -> str:
     """A greedy reply, streamed or not, checked whole: a finish reason, usage, and a length stop at exactly
     max_tokens. Raises AssertionError where it is not."""
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    messages = chat(question)
     if stream:
         text, finish, usage = [], None, None
         for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
@@ -188,8 +191,7 @@ def chaos_client(server: "ServeProcess", index: int, deadline: float, max_tokens
                     problems.append(problem)
             elif kind == "dropped":
                 stream = client.chat.completions.create(
-                    model=server.model_id, max_tokens=max_tokens, temperature=0, stream=True,
-                    messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
+                    model=server.model_id, max_tokens=max_tokens, temperature=0, stream=True, messages=chat(question))
                 for _, _chunk in zip(range(rng.randint(1, 3)), stream):
                     pass
                 stream.close()
@@ -244,8 +246,12 @@ def chaos(args, server: "ServeProcess") -> int:
     elapsed = time.monotonic() - started
     stop.set()
     sampler.join()
-    time.sleep(1.0)   # the last dropped streams' cancellations land
     gauges = metrics_gauges(server.port)
+    settle = time.monotonic() + 10   # the last dropped streams' cancellations land within a step or two
+    busy = ("perfx_sequences_running", "perfx_sequences_waiting")
+    while any(gauges.get(name) for name in busy) and time.monotonic() < settle:
+        time.sleep(0.1)
+        gauges = metrics_gauges(server.port)
     counts = sum((c for c, _, _ in outcomes), collections.Counter())
     problems = [p for _, ps, _ in outcomes for p in ps]
     differing = sorted(at for _, _, ats in outcomes for at in ats)
